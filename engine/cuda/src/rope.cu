@@ -1,0 +1,83 @@
+#include "kdn/engine/cuda/rope.cuh"
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "element.cuh"
+#include "kdn/engine/cuda/cuda_check.h"
+
+namespace kdn::engine::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxHeadDim = 8192;  // cos + sin of a row: 32 KiB of shared memory
+
+// One block per row. threadIdx.x walks the frequencies i < head_dim/2 and
+// threadIdx.y the heads, so each thread reuses its cos/sin across heads.
+template <typename T>
+__global__ void RopeKernel(T* __restrict__ x, int heads, int head_dim,
+                           const int32_t* __restrict__ positions,
+                           const float* __restrict__ inv_freq) {
+  extern __shared__ float cos_sin[];  // [half] cosines, then [half] sines
+  const int half = head_dim / 2;
+  float* cs = cos_sin;
+  float* sn = cos_sin + half;
+  const int64_t row = blockIdx.x;
+
+  // The angle is the same correctly rounded double product the CPU reference
+  // forms (exact for positions below 2^29), and double sincos (2 ulp) rounded
+  // to float agrees with its std::cos/std::sin to within one float ulp.
+  const double pos = static_cast<double>(positions[row]);
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int i = tid; i < half; i += blockDim.x * blockDim.y) {
+    double s, c;
+    sincos(pos * static_cast<double>(inv_freq[i]), &s, &c);
+    cs[i] = static_cast<float>(c);
+    sn[i] = static_cast<float>(s);
+  }
+  __syncthreads();
+
+  T* xr = x + row * heads * static_cast<int64_t>(head_dim);
+  for (int h = threadIdx.y; h < heads; h += blockDim.y) {
+    T* v = xr + static_cast<int64_t>(h) * head_dim;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+      const float a = ToFloat(v[i]);
+      const float b = ToFloat(v[i + half]);
+      v[i] = FromFloat<T>(a * cs[i] - b * sn[i]);
+      v[i + half] = FromFloat<T>(b * cs[i] + a * sn[i]);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
+                     const float* inv_freq, cudaStream_t stream) {
+  if (rows < 0 || rows > kMaxGridX || heads <= 0 || head_dim <= 0 || head_dim % 2 != 0 ||
+      head_dim > kMaxHeadDim || static_cast<int64_t>(heads) * head_dim > INT_MAX) {
+    return InvalidArgument("ApplyRopeCuda: bad shape rows=" + std::to_string(rows) +
+                           " heads=" + std::to_string(heads) +
+                           " head_dim=" + std::to_string(head_dim));
+  }
+  if (rows == 0) return Status::Ok();
+  if (x == nullptr || positions == nullptr || inv_freq == nullptr) {
+    return InvalidArgument("ApplyRopeCuda: null device pointer");
+  }
+  const int half = head_dim / 2;
+  const int tx = std::min(kThreads, RoundUpToWarp(half));
+  const int ty = std::max(1, std::min(heads, kThreads / tx));
+  const size_t shared_bytes = sizeof(float) * head_dim;
+  RopeKernel<T><<<static_cast<unsigned>(rows), dim3(tx, ty), shared_bytes, stream>>>(
+      x, heads, head_dim, positions, inv_freq);
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*, const float*,
+                                     cudaStream_t);
+template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int,
+                                             const int32_t*, const float*, cudaStream_t);
+
+}  // namespace kdn::engine::cuda

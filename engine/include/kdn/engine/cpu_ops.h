@@ -1,0 +1,34 @@
+#pragma once
+// The CPU reference kernels of the engine: fp32, row-major. The CPU backend
+// runs them, and every CUDA kernel is tested against them.
+
+#include <cstdint>
+#include <vector>
+
+#include "kdn/engine/config.h"
+
+namespace kdn::engine {
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for `rows` rows of `dim`.
+// out may alias x.
+void RmsNorm(const float* x, const float* weight, float eps, int64_t rows, int dim, float* out);
+
+// The head_dim/2 inverse frequencies of RoPE for `config`, with its
+// rope_theta and, if set, llama3 frequency scaling (as Hugging Face computes
+// them, in double precision).
+std::vector<float> RopeInvFreq(const ModelConfig& config);
+
+// Rotates, in place, `rows` rows of `heads` heads of `head_dim` floats; row r
+// sits at position positions[r]. Hugging Face's "rotate half" pairing:
+// element i pairs with element i + head_dim/2, and uses inv_freq[i].
+void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
+               const float* inv_freq);
+
+// out[r][i] = silu(gate_up[r][i]) * gate_up[r][inter + i]; gate_up is
+// [rows][2*inter] (gate then up, as the fused projection writes them).
+void SiluMul(const float* gate_up, int64_t rows, int inter, float* out);
+
+// In-place softmax of `n` floats; returns nothing, max-subtracted for range.
+void Softmax(float* x, int64_t n);
+
+}  // namespace kdn::engine

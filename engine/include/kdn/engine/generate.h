@@ -1,0 +1,36 @@
+#pragma once
+// One sequence, start to end, on one Model: prefill the prompt, then decode
+// until max_tokens, a stop id, or the context is full. What kdn-generate and
+// the tests run; workers split the same steps across processes.
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/model.h"
+#include "kdn/engine/sampler.h"
+
+namespace kdn::engine {
+
+struct GenerateOptions {
+  int max_tokens = 64;
+  SamplingParams sampling;
+  std::vector<int32_t> stop_ids;  // generation ends after emitting one (it is kept)
+  // Called with each new token; returning false stops generation.
+  std::function<bool(int32_t)> on_token;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;  // generated, not the prompt
+  std::string finish_reason;    // "length", "stop" or "context"
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;  // all steps after the first token
+};
+
+Result<GenerateResult> Generate(Model& model, std::span<const int32_t> prompt,
+                                const GenerateOptions& options);
+
+}  // namespace kdn::engine

@@ -1,0 +1,34 @@
+#pragma once
+// The tensors of a Llama-family model, named as Hugging Face names them, and
+// the loader that fills them from a model folder's safetensors files.
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/config.h"
+#include "kdn/engine/tensor.h"
+
+namespace kdn::engine {
+
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Every tensor a model with `config` must have, in a stable order.
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
+
+// Name -> fp32 tensor. The engine's backends take their own layouts from it.
+using ModelWeights = std::map<std::string, HostTensor>;
+
+// Loads every expected tensor from DIR/model.safetensors, or from the shards
+// DIR/model.safetensors.index.json lists, converting bf16/fp16/fp32 to fp32.
+// Errors name the file and the tensor (missing, wrong shape, unsupported
+// dtype, truncated data). Tensors the model does not use are ignored.
+Result<ModelWeights> LoadWeights(const std::filesystem::path& dir,
+                                 const ModelConfig& config);
+
+}  // namespace kdn::engine

@@ -1,0 +1,344 @@
+#include "kdn/engine/model.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kdn/engine/cpu_ops.h"
+
+namespace kdn::engine {
+
+struct Model::Layer {
+  std::vector<float> attn_norm, ffn_norm;
+  std::vector<float> wq, wk, wv;  // [out][hidden]
+  std::vector<float> bq, bk, bv;  // empty without QKV bias
+  std::vector<float> wo, bo;      // [hidden][q_dim]; bo empty without o bias
+  std::vector<float> w_gate_up;   // [2*inter][hidden]: gate rows, then up rows
+  std::vector<float> w_down;      // [hidden][inter]
+};
+
+struct Model::Segment {
+  KvSequence* seq;
+  const int32_t* tokens;
+  int64_t n;      // new tokens
+  int64_t start;  // position of the first new token (= KV already held)
+  int64_t row0;   // first row of this segment in the pass's activations
+};
+
+namespace {
+
+// C[m][n] = alpha * A[m][k] * B[n][k]^T + beta * C, row-major with leading dims.
+void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
+              ldc);
+}
+
+void AddBias(float* x, int64_t rows, int64_t cols, const std::vector<float>& bias) {
+  if (bias.empty()) return;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * cols;
+    for (int64_t i = 0; i < cols; ++i) xr[i] += bias[i];
+  }
+}
+
+std::vector<float> Take(ModelWeights& w, const std::string& name) {
+  auto it = w.find(name);
+  if (it == w.end()) return {};
+  std::vector<float> v = std::move(it->second.data);
+  w.erase(it);
+  return v;
+}
+
+// Query rows at least this long go through the blocked matrix-product path.
+constexpr int64_t kGemmAttentionMinRows = 16;
+constexpr int64_t kQueryTile = 128;
+
+}  // namespace
+
+Model::Model(const ModelConfig& config, const EngineOptions& options)
+    : config_(config), options_(options) {}
+
+Model::~Model() = default;
+
+Result<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, ModelWeights weights,
+                                             const EngineOptions& options) {
+  for (const TensorSpec& spec : ExpectedTensors(config)) {
+    auto it = weights.find(spec.name);
+    if (it == weights.end()) return NotFound("weights: tensor \"" + spec.name + "\" is missing");
+    if (it->second.shape != spec.shape) {
+      return InvalidArgument("weights: tensor \"" + spec.name + "\" has shape " +
+                             ShapeToString(it->second.shape) + ", expected " +
+                             ShapeToString(spec.shape));
+    }
+  }
+  std::unique_ptr<Model> m(new Model(config, options));
+  if (options.threads > 0) {
+    omp_set_num_threads(options.threads);
+    openblas_set_num_threads(options.threads);
+  }
+  m->embed_ = Take(weights, "model.embed_tokens.weight");
+  if (!config.tie_word_embeddings) m->lm_head_ = Take(weights, "lm_head.weight");
+  m->final_norm_ = Take(weights, "model.norm.weight");
+  m->layers_.resize(config.num_layers);
+  for (int l = 0; l < config.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    Layer& L = m->layers_[l];
+    L.attn_norm = Take(weights, p + "input_layernorm.weight");
+    L.ffn_norm = Take(weights, p + "post_attention_layernorm.weight");
+    L.wq = Take(weights, p + "self_attn.q_proj.weight");
+    L.wk = Take(weights, p + "self_attn.k_proj.weight");
+    L.wv = Take(weights, p + "self_attn.v_proj.weight");
+    L.bq = Take(weights, p + "self_attn.q_proj.bias");
+    L.bk = Take(weights, p + "self_attn.k_proj.bias");
+    L.bv = Take(weights, p + "self_attn.v_proj.bias");
+    L.wo = Take(weights, p + "self_attn.o_proj.weight");
+    L.bo = Take(weights, p + "self_attn.o_proj.bias");
+    L.w_gate_up = Take(weights, p + "mlp.gate_proj.weight");
+    std::vector<float> up = Take(weights, p + "mlp.up_proj.weight");
+    L.w_gate_up.insert(L.w_gate_up.end(), up.begin(), up.end());
+    L.w_down = Take(weights, p + "mlp.down_proj.weight");
+  }
+  m->inv_freq_ = RopeInvFreq(config);
+  int blocks = options.kv_blocks;
+  if (blocks <= 0) {
+    blocks = static_cast<int>((options.kv_tokens + kKvBlockTokens - 1) / kKvBlockTokens);
+  }
+  m->kv_ = std::make_unique<PagedKvCache>(config.num_layers, config.num_kv_heads, config.head_dim,
+                                          blocks);
+  return m;
+}
+
+Result<std::unique_ptr<Model>> Model::Load(const std::filesystem::path& dir,
+                                           const EngineOptions& options) {
+  KDN_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  KDN_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(dir, config));
+  return Create(config, std::move(weights), options);
+}
+
+Status Model::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
+                      const PrefillOptions& options, std::vector<float>* logits) {
+  if (tokens.empty()) return InvalidArgument("prefill: no tokens");
+  Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
+  return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer, logits);
+}
+
+Status Model::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                         std::vector<float>* logits) {
+  if (seqs.size() != tokens.size()) {
+    return InvalidArgument("decode: " + std::to_string(seqs.size()) + " sequences but " +
+                           std::to_string(tokens.size()) + " tokens");
+  }
+  if (seqs.empty()) return InvalidArgument("decode: empty batch");
+  std::vector<Segment> segs;
+  segs.reserve(seqs.size());
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    for (size_t c = 0; c < b; ++c) {
+      if (seqs[c] == seqs[b]) return InvalidArgument("decode: a sequence appears twice in a batch");
+    }
+    segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
+  }
+  return Forward(segs, /*all_logits=*/false, LayerHook(), logits);
+}
+
+Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
+                      std::vector<float>* logits) {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
+
+  // Validate and reserve KV room first, so that failure leaves sequences as
+  // they were (Truncate gives back the blocks taken here).
+  int64_t rows = 0;
+  for (Segment& s : segs) {
+    if (s.start + s.n > c.max_context) {
+      return InvalidArgument("sequence of " + std::to_string(s.start + s.n) +
+                             " tokens exceeds the model's context of " +
+                             std::to_string(c.max_context));
+    }
+    for (int64_t i = 0; i < s.n; ++i) {
+      if (s.tokens[i] < 0 || s.tokens[i] >= c.vocab_size) {
+        return InvalidArgument("token id " + std::to_string(s.tokens[i]) +
+                               " is outside the vocabulary [0, " + std::to_string(c.vocab_size) +
+                               ")");
+      }
+    }
+    s.row0 = rows;
+    rows += s.n;
+  }
+  auto rollback = [&]() {
+    for (Segment& s : segs) s.seq->Truncate(s.start);
+  };
+  for (Segment& s : segs) {
+    Status st = kv_->Reserve(*s.seq, s.start + s.n);
+    if (!st.ok()) {
+      rollback();
+      return st;
+    }
+  }
+
+  std::vector<int32_t> pos(rows);
+  for (const Segment& s : segs) {
+    for (int64_t i = 0; i < s.n; ++i) pos[s.row0 + i] = static_cast<int32_t>(s.start + i);
+  }
+  std::vector<float> x(rows * d), h(rows * d), q(rows * qd), k(rows * kvd), v(rows * kvd),
+      attn(rows * qd), gu(rows * 2 * ff), act(rows * ff);
+  for (const Segment& s : segs) {
+    for (int64_t i = 0; i < s.n; ++i) {
+      std::memcpy(&x[(s.row0 + i) * d], &embed_[static_cast<int64_t>(s.tokens[i]) * d],
+                  d * sizeof(float));
+    }
+  }
+
+  for (int l = 0; l < c.num_layers; ++l) {
+    const Layer& L = layers_[l];
+    RmsNorm(x.data(), L.attn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
+    GemmNT(rows, qd, d, 1.0f, h.data(), d, L.wq.data(), d, 0.0f, q.data(), qd);
+    GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wk.data(), d, 0.0f, k.data(), kvd);
+    GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wv.data(), d, 0.0f, v.data(), kvd);
+    AddBias(q.data(), rows, qd, L.bq);
+    AddBias(k.data(), rows, kvd, L.bk);
+    AddBias(v.data(), rows, kvd, L.bv);
+    ApplyRope(q.data(), rows, c.num_heads, c.head_dim, pos.data(), inv_freq_.data());
+    ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, pos.data(), inv_freq_.data());
+    for (const Segment& s : segs) {
+      for (int64_t i = 0; i < s.n; ++i) {
+        std::memcpy(kv_->KeyAt(*s.seq, l, s.start + i), &k[(s.row0 + i) * kvd], kvd * sizeof(float));
+        std::memcpy(kv_->ValueAt(*s.seq, l, s.start + i), &v[(s.row0 + i) * kvd], kvd * sizeof(float));
+      }
+    }
+    AttendAll(l, segs, q.data(), attn.data());
+    GemmNT(rows, d, qd, 1.0f, attn.data(), qd, L.wo.data(), qd, 1.0f, x.data(), d);
+    AddBias(x.data(), rows, d, L.bo);
+
+    RmsNorm(x.data(), L.ffn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
+    GemmNT(rows, 2 * ff, d, 1.0f, h.data(), d, L.w_gate_up.data(), d, 0.0f, gu.data(), 2 * ff);
+    SiluMul(gu.data(), rows, static_cast<int>(ff), act.data());
+    GemmNT(rows, d, ff, 1.0f, act.data(), ff, L.w_down.data(), ff, 1.0f, x.data(), d);
+
+    if (hook) {
+      // The hook sees this layer's KV for the new tokens: publish the lengths.
+      for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
+      Status st = hook(l);
+      if (!st.ok()) {
+        rollback();
+        return st;
+      }
+    }
+  }
+
+  // Logits: every row, or the last row of each segment.
+  std::vector<int64_t> out_rows;
+  for (const Segment& s : segs) {
+    if (all_logits) {
+      for (int64_t i = 0; i < s.n; ++i) out_rows.push_back(s.row0 + i);
+    } else {
+      out_rows.push_back(s.row0 + s.n - 1);
+    }
+  }
+  const int64_t nout = static_cast<int64_t>(out_rows.size());
+  std::vector<float> hf(nout * d);
+  for (int64_t i = 0; i < nout; ++i) {
+    RmsNorm(&x[out_rows[i] * d], final_norm_.data(), static_cast<float>(c.rms_norm_eps), 1, d,
+            &hf[i * d]);
+  }
+  const float* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
+  logits->resize(nout * c.vocab_size);
+  GemmNT(nout, c.vocab_size, d, 1.0f, hf.data(), d, head, d, 0.0f, logits->data(), c.vocab_size);
+  for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
+  return Status::Ok();
+}
+
+void Model::AttendAll(int layer, std::span<const Segment> segs, const float* q, float* out) {
+  // Long segments (prefill) go through blocked matrix products; single or
+  // short rows (decode) are computed row by row, in parallel.
+  std::vector<std::pair<const Segment*, int64_t>> short_rows;
+  for (const Segment& s : segs) {
+    if (s.n >= kGemmAttentionMinRows) {
+      AttendPrefill(layer, s, q, out);
+    } else {
+      for (int64_t i = 0; i < s.n; ++i) short_rows.emplace_back(&s, i);
+    }
+  }
+  if (short_rows.empty()) return;
+  const ModelConfig& c = config_;
+  const int group = c.num_heads / c.num_kv_heads;
+  const int hd = c.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t qd = c.q_dim(), kvs = kv_->token_stride();
+  const int64_t work = static_cast<int64_t>(short_rows.size()) * c.num_heads;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < work; ++w) {
+      const auto [s, i] = short_rows[w / c.num_heads];
+      const int head = static_cast<int>(w % c.num_heads);
+      const int g = head / group;
+      const int64_t row = s->row0 + i;
+      const int64_t ctx = s->start + i + 1;  // causal: positions 0..start+i
+      const float* qr = q + row * qd + head * hd;
+      const std::vector<int32_t>& blocks = s->seq->blocks();
+      scores.resize(ctx);
+      for (int64_t p = 0; p < ctx; ++p) {
+        const float* kp = kv_->Key(layer, blocks[p / kKvBlockTokens]) +
+                          (p % kKvBlockTokens) * kvs + g * hd;
+        float dot = 0.0f;
+        for (int e = 0; e < hd; ++e) dot += qr[e] * kp[e];
+        scores[p] = dot * scale;
+      }
+      Softmax(scores.data(), ctx);
+      float* o = out + row * qd + head * hd;
+      std::fill(o, o + hd, 0.0f);
+      for (int64_t p = 0; p < ctx; ++p) {
+        const float* vp = kv_->Value(layer, blocks[p / kKvBlockTokens]) +
+                          (p % kKvBlockTokens) * kvs + g * hd;
+        const float w8 = scores[p];
+        for (int e = 0; e < hd; ++e) o[e] += w8 * vp[e];
+      }
+    }
+  }
+}
+
+void Model::AttendPrefill(int layer, const Segment& s, const float* q, float* out) {
+  const ModelConfig& c = config_;
+  const int group = c.num_heads / c.num_kv_heads;
+  const int hd = c.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t qd = c.q_dim(), kvs = kv_->token_stride();
+  const int64_t ctx = s.start + s.n;
+  const std::vector<int32_t>& blocks = s.seq->blocks();
+  std::vector<float> kc(ctx * hd), vc(ctx * hd);
+  std::vector<float> sc(std::min(kQueryTile, s.n) * ctx);
+  for (int g = 0; g < c.num_kv_heads; ++g) {
+    // Gather this KV head's keys and values from the pages.
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < ctx; ++p) {
+      const int64_t off = (p % kKvBlockTokens) * kvs + g * hd;
+      std::memcpy(&kc[p * hd], kv_->Key(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
+      std::memcpy(&vc[p * hd], kv_->Value(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
+    }
+    for (int head = g * group; head < (g + 1) * group; ++head) {
+      for (int64_t i0 = 0; i0 < s.n; i0 += kQueryTile) {
+        const int64_t i1 = std::min(s.n, i0 + kQueryTile);
+        const int64_t tr = i1 - i0;
+        const int64_t keys = s.start + i1;  // the tile's last row sees this many
+        const float* qt = q + (s.row0 + i0) * qd + head * hd;
+        GemmNT(tr, keys, hd, scale, qt, qd, kc.data(), hd, 0.0f, sc.data(), keys);
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < tr; ++r) {
+          float* row = &sc[r * keys];
+          const int64_t visible = s.start + i0 + r + 1;
+          Softmax(row, visible);
+          std::fill(row + visible, row + keys, 0.0f);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, tr, hd, keys, 1.0f, sc.data(), keys,
+                    vc.data(), hd, 0.0f, out + (s.row0 + i0) * qd + head * hd, qd);
+      }
+    }
+  }
+}
+
+}  // namespace kdn::engine

@@ -1,0 +1,119 @@
+#include "kdn/engine/weights.h"
+
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "kdn/engine/safetensors.h"
+
+namespace kdn::engine {
+
+std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
+  const int64_t d = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), ff = c.intermediate_size;
+  std::vector<TensorSpec> specs;
+  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, d}});
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    specs.push_back({p + "input_layernorm.weight", {d}});
+    specs.push_back({p + "self_attn.q_proj.weight", {q, d}});
+    specs.push_back({p + "self_attn.k_proj.weight", {kv, d}});
+    specs.push_back({p + "self_attn.v_proj.weight", {kv, d}});
+    if (c.qkv_bias) {
+      specs.push_back({p + "self_attn.q_proj.bias", {q}});
+      specs.push_back({p + "self_attn.k_proj.bias", {kv}});
+      specs.push_back({p + "self_attn.v_proj.bias", {kv}});
+    }
+    specs.push_back({p + "self_attn.o_proj.weight", {d, q}});
+    if (c.o_bias) specs.push_back({p + "self_attn.o_proj.bias", {d}});
+    specs.push_back({p + "post_attention_layernorm.weight", {d}});
+    specs.push_back({p + "mlp.gate_proj.weight", {ff, d}});
+    specs.push_back({p + "mlp.up_proj.weight", {ff, d}});
+    specs.push_back({p + "mlp.down_proj.weight", {d, ff}});
+  }
+  specs.push_back({"model.norm.weight", {d}});
+  if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, d}});
+  return specs;
+}
+
+namespace {
+
+// Which file holds each tensor: one model.safetensors, or the shards an index
+// lists.
+Result<std::map<std::string, std::string>> WeightMap(const std::filesystem::path& dir) {
+  const auto single = dir / "model.safetensors";
+  const auto index = dir / "model.safetensors.index.json";
+  std::map<std::string, std::string> map;
+  if (std::filesystem::exists(index)) {
+    std::ifstream in(index);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") ||
+        !j["weight_map"].is_object()) {
+      return Corruption(index.string() + ": not a safetensors index (no \"weight_map\" object)");
+    }
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) {
+        return Corruption(index.string() + ": weight_map entry \"" + it.key() + "\" is not a file name");
+      }
+      const std::string file = it.value().get<std::string>();
+      if (file.find('/') != std::string::npos || file == "..") {
+        return Corruption(index.string() + ": shard name \"" + file + "\" is not a plain file name");
+      }
+      map[it.key()] = file;
+    }
+    return map;
+  }
+  if (!std::filesystem::exists(single)) {
+    return NotFound(dir.string() + ": neither model.safetensors nor model.safetensors.index.json");
+  }
+  return map;  // empty: everything is in model.safetensors
+}
+
+}  // namespace
+
+Result<ModelWeights> LoadWeights(const std::filesystem::path& dir, const ModelConfig& config) {
+  KDN_ASSIGN_OR_RETURN(auto weight_map, WeightMap(dir));
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
+  auto open = [&](const std::string& name) -> Result<SafetensorsFile*> {
+    auto it = files.find(name);
+    if (it != files.end()) return it->second.get();
+    KDN_ASSIGN_OR_RETURN(auto f, SafetensorsFile::Open(dir / name));
+    SafetensorsFile* raw = f.get();
+    files[name] = std::move(f);
+    return raw;
+  };
+
+  ModelWeights weights;
+  for (const TensorSpec& spec : ExpectedTensors(config)) {
+    std::string file = "model.safetensors";
+    if (!weight_map.empty()) {
+      auto it = weight_map.find(spec.name);
+      if (it == weight_map.end()) {
+        return NotFound((dir / "model.safetensors.index.json").string() + ": tensor \"" +
+                        spec.name + "\" is not in weight_map");
+      }
+      file = it->second;
+    }
+    KDN_ASSIGN_OR_RETURN(SafetensorsFile * f, open(file));
+    const SafetensorsEntry* e = f->Find(spec.name);
+    if (e == nullptr) {
+      return NotFound(f->path().string() + ": tensor \"" + spec.name + "\" is missing");
+    }
+    if (e->shape != spec.shape) {
+      return InvalidArgument(f->path().string() + ": tensor \"" + spec.name + "\" has shape " +
+                             ShapeToString(e->shape) + ", config.json implies " +
+                             ShapeToString(spec.shape));
+    }
+    HostTensor t;
+    t.shape = spec.shape;
+    t.data.resize(t.numel());
+    ToFloat(e->dtype, e->data, t.data.size(), t.data.data());
+    weights.emplace(spec.name, std::move(t));
+  }
+  return weights;
+}
+
+}  // namespace kdn::engine

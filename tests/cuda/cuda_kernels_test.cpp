@@ -1,0 +1,445 @@
+// The CUDA kernels of kdn_engine_cuda against their CPU references
+// (kdn/engine/cpu_ops.h), on seeded random inputs of the shapes the engine
+// runs, plus a timing of each on a prefill-sized batch.
+//
+// Every test that needs a device skips (GTEST_SKIP) when there is none, so
+// the binary passes on a machine without a GPU or a driver; the tests of
+// argument checking and of cuda_check.h touch no device and always run.
+//
+// Tolerances: fp32 outputs within 1e-5 relative (+1e-6 absolute, for values
+// that cancel to near zero). The kernels differ from the reference only by
+// fp32 summation order (RMSNorm), fused multiply-adds and at most one float
+// ulp of cos/sin (RoPE: both sides take them in double, see rope.cuh), each
+// ~1e-7. bf16 outputs within 2^-7 relative, one bf16 ulp: the reference sees
+// the same bf16-rounded inputs, and the kernel rounds its fp32 result to bf16
+// once (at most half an ulp), so a kernel that computed in bf16 or got the
+// formula wrong would fail by far more.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/config.h"
+#include "kdn/engine/cpu_ops.h"
+#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/engine/cuda/rmsnorm.cuh"
+#include "kdn/engine/cuda/rope.cuh"
+
+namespace kdn::engine::cuda {
+namespace {
+
+#define KDN_SKIP_WITHOUT_CUDA_DEVICE()                                           \
+  do {                                                                           \
+    if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device on this machine"; \
+  } while (0)
+
+#define KDN_ASSERT_OK(expr)                                     \
+  do {                                                          \
+    const ::kdn::Status kdn_assert_status_ = (expr);            \
+    ASSERT_TRUE(kdn_assert_status_.ok())                        \
+        << #expr << " -> " << kdn_assert_status_.ToString();    \
+  } while (0)
+
+using bf16 = __nv_bfloat16;
+
+struct CudaFree {
+  void operator()(void* p) const { (void)cudaFree(p); }
+};
+template <typename T>
+using DevicePtr = std::unique_ptr<T[], CudaFree>;
+
+struct CudaEventDestroy {
+  void operator()(cudaEvent_t e) const { (void)cudaEventDestroy(e); }
+};
+using CudaEvent = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, CudaEventDestroy>;
+
+template <typename T>
+Result<DevicePtr<T>> ToDevice(const std::vector<T>& host) {
+  void* p = nullptr;
+  KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(1, host.size()) * sizeof(T)));
+  DevicePtr<T> device(static_cast<T*>(p));
+  KDN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return device;
+}
+
+// Waits for the work queued so far (surfacing its errors) and copies n
+// elements back.
+template <typename T>
+Status ToHost(const T* device, size_t n, std::vector<T>* host) {
+  KDN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  host->resize(n);
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(host->data(), device, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return Status::Ok();
+}
+
+template <typename T>
+std::vector<T> FromFloats(const std::vector<float>& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    std::vector<T> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = __float2bfloat16_rn(v[i]);
+    return out;
+  }
+}
+
+template <typename T>
+std::vector<float> ToFloats(const std::vector<T>& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    std::vector<float> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = __bfloat162float(v[i]);
+    return out;
+  }
+}
+
+struct Tolerance {
+  double rtol;
+  double atol;
+};
+
+template <typename T>
+Tolerance ToleranceFor() {
+  if constexpr (std::is_same_v<T, float>) {
+    return {1e-5, 1e-6};
+  } else {
+    return {1.0 / 128, 1e-6};
+  }
+}
+
+// Passes when |got[i] - want[i]| <= atol + rtol * |want[i]| for every i; else
+// says how many elements failed, the first and the worst.
+::testing::AssertionResult AllClose(const std::vector<float>& got, const std::vector<float>& want,
+                                    Tolerance tol) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure()
+           << "size " << got.size() << " != expected " << want.size();
+  }
+  size_t bad = 0, first = 0, worst = 0;
+  double worst_excess = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    const double allowed = tol.atol + tol.rtol * std::fabs(static_cast<double>(want[i]));
+    if (!(err <= allowed)) {  // also catches NaN
+      if (bad++ == 0) first = i;
+      const double excess = std::isnan(err) ? INFINITY : err / allowed;
+      if (excess > worst_excess) worst_excess = excess, worst = i;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << bad << " of " << got.size() << " elements off (rtol " << tol.rtol << ", atol "
+         << tol.atol << "); first [" << first << "] got " << got[first] << " want "
+         << want[first] << "; worst [" << worst << "] got " << got[worst] << " want "
+         << want[worst];
+}
+
+// The mean time of one `launch()` over `iters` back-to-back launches after a
+// warm-up, in microseconds.
+template <typename Launch>
+Result<double> MeanLaunchMicros(Launch&& launch, int iters) {
+  cudaEvent_t raw_start = nullptr, raw_stop = nullptr;
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&raw_start));
+  CudaEvent start(raw_start);
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&raw_stop));
+  CudaEvent stop(raw_stop);
+  KDN_RETURN_IF_ERROR(launch());
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start.get(), nullptr));
+  for (int i = 0; i < iters; ++i) KDN_RETURN_IF_ERROR(launch());
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop.get(), nullptr));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop.get()));
+  float ms = 0.0f;
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+  return 1000.0 * ms / iters;
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+struct RmsNormCase {
+  int64_t rows;
+  int dim;
+  float eps;
+};
+
+// Rows of uniform values scaled by 10^[-2, 2], so that eps matters for some;
+// weights in [0.5, 1.5]. Rounded to T first: the reference sees exactly the
+// inputs the kernel sees.
+template <typename T>
+void ExpectRmsNormMatchesCpu(const RmsNormCase& c, uint32_t seed) {
+  SCOPED_TRACE("rows=" + std::to_string(c.rows) + " dim=" + std::to_string(c.dim));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f), weight(0.5f, 1.5f), exponent(-2, 2);
+  std::vector<float> x(c.rows * c.dim), w(c.dim);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const float scale = std::pow(10.0f, exponent(rng));
+    for (int i = 0; i < c.dim; ++i) x[r * c.dim + i] = scale * unit(rng);
+  }
+  for (float& v : w) v = weight(rng);
+  const std::vector<T> x_t = FromFloats<T>(x), w_t = FromFloats<T>(w);
+  x = ToFloats(x_t);
+  w = ToFloats(w_t);
+  std::vector<float> want(x.size());
+  RmsNorm(x.data(), w.data(), c.eps, c.rows, c.dim, want.data());
+
+  auto d_x = ToDevice(x_t);
+  KDN_ASSERT_OK(d_x.status());
+  auto d_w = ToDevice(w_t);
+  KDN_ASSERT_OK(d_w.status());
+  auto d_out = ToDevice(std::vector<T>(x.size()));
+  KDN_ASSERT_OK(d_out.status());
+  KDN_ASSERT_OK(RmsNormCuda(d_x->get(), d_w->get(), c.eps, c.rows, c.dim, d_out->get(), nullptr));
+  std::vector<T> got;
+  KDN_ASSERT_OK(ToHost(d_out->get(), x.size(), &got));
+  EXPECT_TRUE(AllClose(ToFloats(got), want, ToleranceFor<T>()));
+}
+
+// 100 and 1001 are not multiples of a 16-byte pack (1001 of any), so they
+// take the one-element path; the others the vectorized one.
+const RmsNormCase kRmsNormCases[] = {
+    {1, 64, 1e-5f}, {3, 100, 1e-6f}, {17, 1001, 1e-5f}, {128, 2048, 1e-5f}, {513, 4096, 1e-6f},
+};
+
+TEST(RmsNormCuda, MatchesCpuReferenceInFp32) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  uint32_t seed = 1;
+  for (const RmsNormCase& c : kRmsNormCases) ExpectRmsNormMatchesCpu<float>(c, seed++);
+}
+
+TEST(RmsNormCuda, MatchesCpuReferenceInBf16) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  uint32_t seed = 101;
+  for (const RmsNormCase& c : kRmsNormCases) ExpectRmsNormMatchesCpu<bf16>(c, seed++);
+}
+
+// In place (out == x), and from pointers one element off 16-byte alignment,
+// which must fall back to one-element accesses rather than fault.
+TEST(RmsNormCuda, WorksInPlaceAndOnUnalignedPointers) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t rows = 9;
+  const int dim = 4096;
+  const float eps = 1e-5f;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<float> x(1 + rows * dim), w(1 + dim);
+  for (float& v : x) v = unit(rng);
+  for (float& v : w) v = 1.0f + 0.5f * unit(rng);
+  std::vector<float> want(rows * dim);
+  RmsNorm(x.data() + 1, w.data() + 1, eps, rows, dim, want.data());
+
+  auto d_x = ToDevice(x);
+  KDN_ASSERT_OK(d_x.status());
+  auto d_w = ToDevice(w);
+  KDN_ASSERT_OK(d_w.status());
+  float* x1 = d_x->get() + 1;
+  KDN_ASSERT_OK(RmsNormCuda<float>(x1, d_w->get() + 1, eps, rows, dim, x1, nullptr));
+  std::vector<float> got;
+  KDN_ASSERT_OK(ToHost<float>(x1, want.size(), &got));
+  EXPECT_TRUE(AllClose(got, want, ToleranceFor<float>()));
+}
+
+// Argument checks come before any CUDA call: these run without a device.
+TEST(RmsNormCuda, RejectsBadShapesAndNullPointersBeforeTouchingTheDevice) {
+  float dummy[4] = {};
+  EXPECT_EQ(RmsNormCuda<float>(dummy, dummy, 1e-5f, 1, 0, dummy, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(RmsNormCuda<float>(dummy, dummy, 1e-5f, -1, 4, dummy, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(RmsNormCuda<float>(dummy, dummy, 1e-5f, int64_t{1} << 31, 4, dummy, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(RmsNormCuda<float>(nullptr, dummy, 1e-5f, 1, 4, dummy, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(RmsNormCuda<bf16>(nullptr, nullptr, 1e-5f, 0, 4, nullptr, nullptr).ok());
+}
+
+TEST(RmsNormCuda, ReportsItsBandwidthOnAPrefillBatch) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t rows = 4096;
+  const int dim = 4096;
+  auto d_x = ToDevice(std::vector<bf16>(rows * dim, __float2bfloat16_rn(0.5f)));
+  KDN_ASSERT_OK(d_x.status());
+  auto d_w = ToDevice(std::vector<bf16>(dim, __float2bfloat16_rn(1.0f)));
+  KDN_ASSERT_OK(d_w.status());
+  auto d_out = ToDevice(std::vector<bf16>(rows * dim));
+  KDN_ASSERT_OK(d_out.status());
+  const Result<double> us = MeanLaunchMicros(
+      [&] { return RmsNormCuda(d_x->get(), d_w->get(), 1e-5f, rows, dim, d_out->get(), nullptr); },
+      50);
+  KDN_ASSERT_OK(us.status());
+  const double bytes = 2.0 * rows * dim * sizeof(bf16);  // x read once from DRAM, out written
+  std::printf("[ timing   ] RmsNormCuda bf16 [%lld x %d]: %.1f us, %.0f GB/s\n",
+              static_cast<long long>(rows), dim, *us, bytes / (*us * 1e3));
+  RecordProperty("microseconds", std::to_string(*us));
+}
+
+// ---------------------------------------------------------------- RoPE
+
+struct RopeCase {
+  int64_t rows;
+  int heads;
+  int head_dim;
+  double theta;
+  bool llama3;  // Llama 3.1 frequency scaling
+};
+
+ModelConfig RopeConfig(const RopeCase& c) {
+  ModelConfig config;
+  config.head_dim = c.head_dim;
+  config.rope_theta = c.theta;
+  if (c.llama3) {
+    config.rope_scaling.llama3 = true;
+    config.rope_scaling.factor = 8.0;
+    config.rope_scaling.low_freq_factor = 1.0;
+    config.rope_scaling.high_freq_factor = 4.0;
+    config.rope_scaling.original_max_position_embeddings = 8192;
+  }
+  return config;
+}
+
+// Uniform values in [-1, 1] at positions drawn from [0, 32768], with 0 and
+// 32768 themselves among them.
+template <typename T>
+void ExpectRopeMatchesCpu(const RopeCase& c, uint32_t seed) {
+  SCOPED_TRACE("rows=" + std::to_string(c.rows) + " heads=" + std::to_string(c.heads) +
+               " head_dim=" + std::to_string(c.head_dim) + " theta=" + std::to_string(c.theta) +
+               (c.llama3 ? " llama3" : ""));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::uniform_int_distribution<int32_t> position(0, 32768);
+  std::vector<float> x(c.rows * c.heads * c.head_dim);
+  for (float& v : x) v = unit(rng);
+  std::vector<int32_t> positions(c.rows);
+  for (int32_t& p : positions) p = position(rng);
+  positions[0] = 32768;
+  if (c.rows > 1) positions[1] = 0;
+  const std::vector<float> inv_freq = RopeInvFreq(RopeConfig(c));
+
+  const std::vector<T> x_t = FromFloats<T>(x);
+  std::vector<float> want = ToFloats(x_t);
+  ApplyRope(want.data(), c.rows, c.heads, c.head_dim, positions.data(), inv_freq.data());
+
+  auto d_x = ToDevice(x_t);
+  KDN_ASSERT_OK(d_x.status());
+  auto d_positions = ToDevice(positions);
+  KDN_ASSERT_OK(d_positions.status());
+  auto d_inv_freq = ToDevice(inv_freq);
+  KDN_ASSERT_OK(d_inv_freq.status());
+  KDN_ASSERT_OK(ApplyRopeCuda(d_x->get(), c.rows, c.heads, c.head_dim, d_positions->get(),
+                              d_inv_freq->get(), nullptr));
+  std::vector<T> got;
+  KDN_ASSERT_OK(ToHost(d_x->get(), x.size(), &got));
+  EXPECT_TRUE(AllClose(ToFloats(got), want, ToleranceFor<T>()));
+}
+
+// head_dim 80 (half 40) exercises a frequency count that is no warp multiple;
+// 513 rows of 8 heads more rows than one wave of blocks.
+const RopeCase kRopeCases[] = {
+    {1, 1, 64, 10000.0, false},     {7, 32, 128, 500000.0, true}, {33, 8, 64, 10000.0, false},
+    {513, 8, 128, 1000000.0, false}, {64, 40, 128, 500000.0, true}, {5, 3, 80, 10000.0, false},
+};
+
+TEST(ApplyRopeCuda, MatchesCpuReferenceInFp32) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  uint32_t seed = 201;
+  for (const RopeCase& c : kRopeCases) ExpectRopeMatchesCpu<float>(c, seed++);
+}
+
+TEST(ApplyRopeCuda, MatchesCpuReferenceInBf16) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  uint32_t seed = 301;
+  for (const RopeCase& c : kRopeCases) ExpectRopeMatchesCpu<bf16>(c, seed++);
+}
+
+TEST(ApplyRopeCuda, RejectsBadShapesAndNullPointersBeforeTouchingTheDevice) {
+  float x[8] = {};
+  int32_t pos[1] = {};
+  float inv[4] = {};
+  EXPECT_EQ(ApplyRopeCuda<float>(x, 1, 1, 7, pos, inv, nullptr).code(),
+            StatusCode::kInvalidArgument);  // odd head_dim
+  EXPECT_EQ(ApplyRopeCuda<float>(x, 1, 0, 8, pos, inv, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ApplyRopeCuda<float>(x, 1, 1, 16384, pos, inv, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ApplyRopeCuda<float>(x, -1, 1, 8, pos, inv, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ApplyRopeCuda<float>(x, 1, 1, 8, nullptr, inv, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ApplyRopeCuda<bf16>(nullptr, 0, 1, 8, nullptr, nullptr, nullptr).ok());
+}
+
+TEST(ApplyRopeCuda, ReportsItsBandwidthOnAPrefillBatch) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t rows = 4096;
+  const int heads = 32;
+  const int head_dim = 128;
+  std::vector<int32_t> positions(rows);
+  for (int64_t r = 0; r < rows; ++r) positions[r] = static_cast<int32_t>(r);
+  auto d_x = ToDevice(std::vector<bf16>(rows * heads * head_dim, __float2bfloat16_rn(0.5f)));
+  KDN_ASSERT_OK(d_x.status());
+  auto d_positions = ToDevice(positions);
+  KDN_ASSERT_OK(d_positions.status());
+  auto d_inv_freq = ToDevice(RopeInvFreq(RopeConfig({rows, heads, head_dim, 500000.0, true})));
+  KDN_ASSERT_OK(d_inv_freq.status());
+  const Result<double> us = MeanLaunchMicros(
+      [&] {
+        return ApplyRopeCuda(d_x->get(), rows, heads, head_dim, d_positions->get(),
+                             d_inv_freq->get(), nullptr);
+      },
+      50);
+  KDN_ASSERT_OK(us.status());
+  const double bytes = 2.0 * rows * heads * head_dim * sizeof(bf16);  // read and written once
+  std::printf("[ timing   ] ApplyRopeCuda bf16 [%lld x %d x %d]: %.1f us, %.0f GB/s\n",
+              static_cast<long long>(rows), heads, head_dim, *us, bytes / (*us * 1e3));
+  RecordProperty("microseconds", std::to_string(*us));
+}
+
+// ---------------------------------------------------------------- cuda_check.h
+
+cudaError_t Fail(cudaError_t err) { return err; }
+
+Status CallThatRunsOutOfMemory() {
+  KDN_CUDA_RETURN_IF_ERROR(Fail(cudaErrorMemoryAllocation));
+  return Status::Ok();
+}
+
+Status CallThatSucceeds() {
+  KDN_CUDA_RETURN_IF_ERROR(Fail(cudaSuccess));
+  return Status::Ok();
+}
+
+TEST(CudaCheck, TurnsAnErrorIntoAStatusThatNamesTheCallAndWhere) {
+  const Status st = CallThatRunsOutOfMemory();
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("Fail(cudaErrorMemoryAllocation)"), std::string::npos)
+      << st.ToString();
+  EXPECT_NE(st.message().find("cuda_kernels_test.cpp:"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find(cudaGetErrorString(cudaErrorMemoryAllocation)), std::string::npos)
+      << st.ToString();
+  EXPECT_TRUE(CallThatSucceeds().ok());
+}
+
+TEST(CudaCheck, DeviceProbeAnswersWithoutADriver) {
+  const Result<int> count = CudaDeviceCount();
+  if (count.ok()) {
+    EXPECT_GE(*count, 0);
+    EXPECT_EQ(CudaDeviceAvailable(), *count > 0);
+  } else {
+    EXPECT_EQ(count.status().code(), StatusCode::kUnavailable) << count.status().ToString();
+    EXPECT_FALSE(CudaDeviceAvailable());
+  }
+}
+
+}  // namespace
+}  // namespace kdn::engine::cuda

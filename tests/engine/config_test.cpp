@@ -1,0 +1,109 @@
+#include "kdn/engine/config.h"
+
+#include <gtest/gtest.h>
+
+#include "kdn/engine/cpu_ops.h"
+#include "kdn/engine/presets.h"
+
+namespace kdn::engine {
+namespace {
+
+const char* kLlama3 = R"({
+  "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+  "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+  "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+  "max_position_embeddings": 131072, "bos_token_id": 128000,
+  "eos_token_id": [128001, 128008, 128009], "tie_word_embeddings": false,
+  "hidden_act": "silu", "torch_dtype": "bfloat16"})";
+
+TEST(ModelConfig, ParsesALlama31Config) {
+  auto c = ParseModelConfig(kLlama3, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, Architecture::kLlama);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->num_kv_heads, 8);
+  EXPECT_TRUE(c->rope_scaling.llama3);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(c->eos_token_id, 128001);
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_EQ(c->max_context, 131072);
+  EXPECT_NEAR(c->ParameterCount() / 1e9, 8.03, 0.01);
+}
+
+TEST(ModelConfig, Llama3ScalingKeepsHighFrequenciesAndSlowsLowOnes) {
+  auto c = ParseModelConfig(kLlama3, "config.json").value();
+  ModelConfig plain = c;
+  plain.rope_scaling = {};
+  const auto scaled = RopeInvFreq(c), base = RopeInvFreq(plain);
+  EXPECT_FLOAT_EQ(scaled.front(), base.front());       // wavelength 2*pi: kept
+  EXPECT_FLOAT_EQ(scaled.back(), base.back() / 8.0f);  // longest: divided by factor
+}
+
+TEST(ModelConfig, Qwen2ImpliesQkvBias) {
+  std::string j = kLlama3;
+  j.replace(j.find("LlamaForCausalLM"), 16, "Qwen2ForCausalLM");
+  auto c = ParseModelConfig(j, "config.json");
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias);
+}
+
+TEST(ModelConfig, MistralSlidingWindowBoundsTheContext) {
+  const char* j = R"({"architectures": ["MistralForCausalLM"], "vocab_size": 32000,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+    "sliding_window": 4096})";
+  auto c = ParseModelConfig(j, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->max_context, 4096);
+}
+
+TEST(ModelConfig, RefusesWhatItCannotRunSayingWhy) {
+  struct Case {
+    std::string from, to, expect;
+    StatusCode code;
+  };
+  const std::vector<Case> cases = {
+      {"LlamaForCausalLM", "GPTNeoXForCausalLM", "GPTNeoXForCausalLM", StatusCode::kUnimplemented},
+      {"\"silu\"", "\"gelu\"", "gelu", StatusCode::kUnimplemented},
+      {"\"llama3\"", "\"yarn\"", "yarn", StatusCode::kUnimplemented},
+      {"\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5", "multiple", StatusCode::kInvalidArgument},
+      {"\"hidden_size\": 4096", "\"hidden_size\": \"big\"", "hidden_size", StatusCode::kInvalidArgument},
+      {"\"vocab_size\": 128256,", "", "vocab_size", StatusCode::kInvalidArgument},
+      {"{", "[", "not valid JSON", StatusCode::kInvalidArgument},
+      {"\"max_position_embeddings\": 131072", "\"max_position_embeddings\": [1]",
+       "max_position_embeddings", StatusCode::kInvalidArgument},
+  };
+  for (const Case& k : cases) {
+    std::string j = kLlama3;
+    j.replace(j.find(k.from), k.from.size(), k.to);
+    auto c = ParseModelConfig(j, "cfg.json");
+    EXPECT_EQ(c.status().code(), k.code) << k.to << ": " << c.status().ToString();
+    EXPECT_NE(c.status().message().find(k.expect), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("cfg.json"), std::string::npos);
+  }
+}
+
+TEST(ModelConfig, RoundTripsThroughJsonForEveryPreset) {
+  for (const Preset& p : Presets()) {
+    auto c = ParseModelConfig(ModelConfigToJson(p.config), p.name);
+    ASSERT_TRUE(c.ok()) << p.name << ": " << c.status().ToString();
+    EXPECT_EQ(c->ParameterCount(), p.config.ParameterCount()) << p.name;
+    EXPECT_EQ(c->qkv_bias, p.config.qkv_bias) << p.name;
+    EXPECT_EQ(c->rope_scaling.llama3, p.config.rope_scaling.llama3) << p.name;
+    EXPECT_EQ(c->max_context, p.config.max_context) << p.name;
+  }
+}
+
+TEST(Presets, SmallHasAtLeastSixteenLayersAndTensOfMillionsOfParameters) {
+  const ModelConfig c = FindPreset("small").value().config;
+  EXPECT_GE(c.num_layers, 16);
+  EXPECT_GT(c.ParameterCount(), 20'000'000);
+  EXPECT_LT(c.ParameterCount(), 100'000'000);
+  EXPECT_EQ(FindPreset("nope").status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kdn::engine

@@ -1,0 +1,48 @@
+#include "kdn/engine/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "kdn/engine/presets.h"
+#include "test_util.h"
+
+namespace kdn::engine {
+namespace {
+
+TEST(ByteTokenizer, LoadsFromAGeneratedFolderAndRoundTripsUtf8) {
+  testing::TempDir dir;
+  ASSERT_TRUE(WriteModelFolder(dir.path(), FindPreset("tiny").value().config, 1, DType::kBF16).ok());
+  auto tok = Tokenizer::Load(dir.path());
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->bos_id(), 256);
+  EXPECT_EQ((*tok)->eos_id(), 257);
+  EXPECT_EQ((*tok)->vocab_size(), 258);
+  const std::string text = "Grüße, 世界! \n\t\x01";
+  const auto ids = (*tok)->Encode(text, true);
+  ASSERT_EQ(ids.size(), text.size() + 1);
+  EXPECT_EQ(ids[0], 256);
+  EXPECT_EQ(ids[1], 'G');
+  EXPECT_EQ((*tok)->Decode(ids), text);  // the BOS is left out
+}
+
+TEST(ByteTokenizer, ByteToUnicodeIsTheGpt2Table) {
+  EXPECT_EQ(ByteToUnicode('A'), U'A');
+  EXPECT_EQ(ByteToUnicode(' '), U'\u0120');  // "Ġ"
+  EXPECT_EQ(ByteToUnicode('\n'), U'\u010a');  // "Ċ"
+  EXPECT_EQ(ByteToUnicode(0), U'\u0100');
+  EXPECT_EQ(ByteToUnicode(0xAD), U'\u0143');
+}
+
+TEST(ByteTokenizer, RefusesTokenizersWithMerges) {
+  testing::TempDir dir;
+  std::string json = ByteTokenizerJson();
+  json.replace(json.find("\"merges\": []"), 12, "\"merges\": [\"a b\"]");
+  std::ofstream(dir.path() / "tokenizer.json") << json;
+  auto tok = Tokenizer::Load(dir.path());
+  EXPECT_EQ(tok.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(tok.status().message().find("tokenizer.json"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kdn::engine
