@@ -7,11 +7,13 @@
 #include <CLI/CLI.hpp>
 
 #include "kdn/engine/generate.h"
+#include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/model.h"
 #include "kdn/engine/tokenizer.h"
 
 int main(int argc, char** argv) {
   using namespace kdn::engine;
+  kdn::engine::PrepareCpuRuntime(argv);
   CLI::App app{"Run a prompt through the kdn engine (CPU backend) in one process."};
   std::string model_dir, prompt, prompt_ids;
   GenerateOptions gen;

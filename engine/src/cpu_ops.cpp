@@ -1,21 +1,56 @@
 #include "kdn/engine/cpu_ops.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <numbers>
 
 namespace kdn::engine {
 
+// The hot loops are compiled for AVX-512, AVX2 and baseline x86-64 and the
+// best one is picked at load time, so one binary runs everywhere and fast.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KDN_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KDN_CPU_CLONES
+#endif
+
+namespace {
+
+// e^x to ~2e-7 relative error over the float range, in straight-line code the
+// compiler vectorises (libm's expf is a call per element). Cody-Waite range
+// reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 Taylor polynomial.
+inline float FastExp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+}  // namespace
+
+KDN_CPU_CLONES
+void RmsNormRow(const float* xr, const float* weight, float eps, int dim, float* o) {
+  double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+  for (int i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+#pragma omp simd
+  for (int i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
+}
+
 void RmsNorm(const float* x, const float* weight, float eps, int64_t rows, int dim, float* out) {
 #pragma omp parallel for schedule(static) if (rows >= 16)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    float* o = out + r * dim;
-    double ss = 0.0;
-    for (int i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
-    for (int i = 0; i < dim; ++i) o[i] = weight[i] * (xr[i] * inv);
-  }
+  for (int64_t r = 0; r < rows; ++r) RmsNormRow(x + r * dim, weight, eps, dim, out + r * dim);
 }
 
 std::vector<float> RopeInvFreq(const ModelConfig& config) {
@@ -69,26 +104,50 @@ void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* p
   }
 }
 
+namespace {
+KDN_CPU_CLONES
+void SiluMulRow(const float* g, const float* u, int inter, float* o) {
+#pragma omp simd
+  for (int i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + FastExp(-g[i])) * u[i];
+}
+}  // namespace
+
 void SiluMul(const float* gate_up, int64_t rows, int inter, float* out) {
 #pragma omp parallel for schedule(static) if (rows >= 4)
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * 2 * static_cast<int64_t>(inter);
-    const float* u = g + inter;
-    float* o = out + r * inter;
-    for (int i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    SiluMulRow(g, g + inter, inter, out + r * inter);
   }
 }
 
+KDN_CPU_CLONES
 void Softmax(float* x, int64_t n) {
   float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
-  double sum = 0.0;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - mx);
+    x[i] = FastExp(x[i] - mx);
     sum += x[i];
   }
-  const float inv = static_cast<float>(1.0 / sum);
+  const float inv = 1.0f / sum;
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+KDN_CPU_CLONES
+float Dot(const float* a, const float* b, int n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+KDN_CPU_CLONES
+void Axpy(float alpha, const float* x, int n, float* y) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
 }  // namespace kdn::engine

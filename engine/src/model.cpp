@@ -30,11 +30,28 @@ struct Model::Segment {
 
 namespace {
 
+// Up to this many rows, products against a weight matrix stream the weight
+// once and take dot products: for decode batches that is memory-bound anyway,
+// and sgemm would first repack the whole weight on every call.
+constexpr int64_t kStreamingMaxRows = 8;
+
 // C[m][n] = alpha * A[m][k] * B[n][k]^T + beta * C, row-major with leading dims.
+// beta is 0 or 1.
 void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
             const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
-              ldc);
+  if (m > kStreamingMaxRows) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                ldc);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < n; ++j) {
+    const float* bj = b + j * ldb;
+    for (int64_t i = 0; i < m; ++i) {
+      const float v = alpha * Dot(a + i * lda, bj, static_cast<int>(k));
+      c[i * ldc + j] = beta == 0.0f ? v : c[i * ldc + j] + v;
+    }
+  }
 }
 
 void AddBias(float* x, int64_t rows, int64_t cols, const std::vector<float>& bias) {
@@ -285,9 +302,7 @@ void Model::AttendAll(int layer, std::span<const Segment> segs, const float* q, 
       for (int64_t p = 0; p < ctx; ++p) {
         const float* kp = kv_->Key(layer, blocks[p / kKvBlockTokens]) +
                           (p % kKvBlockTokens) * kvs + g * hd;
-        float dot = 0.0f;
-        for (int e = 0; e < hd; ++e) dot += qr[e] * kp[e];
-        scores[p] = dot * scale;
+        scores[p] = Dot(qr, kp, hd) * scale;
       }
       Softmax(scores.data(), ctx);
       float* o = out + row * qd + head * hd;
@@ -295,8 +310,7 @@ void Model::AttendAll(int layer, std::span<const Segment> segs, const float* q, 
       for (int64_t p = 0; p < ctx; ++p) {
         const float* vp = kv_->Value(layer, blocks[p / kKvBlockTokens]) +
                           (p % kKvBlockTokens) * kvs + g * hd;
-        const float w8 = scores[p];
-        for (int e = 0; e < hd; ++e) o[e] += w8 * vp[e];
+        Axpy(scores[p], vp, hd, o);
       }
     }
   }

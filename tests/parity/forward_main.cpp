@@ -1,17 +1,33 @@
 // Test-only: kdn_forward MODEL_DIR IDS_CSV LOGITS_OUT GREEDY_N
+//            kdn_forward --tokenize MODEL_DIR TEXT
 // Prefills IDS (comma-separated token ids), writes the logits of every prompt
 // position to LOGITS_OUT (float32, row-major [tokens][vocab]), then prints
 // GREEDY_N greedy token ids (no stop token) comma-separated on stdout.
+// --tokenize prints the ids of TEXT (no BOS) and the text decoded back.
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
 
 #include "kdn/engine/generate.h"
+#include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/model.h"
+#include "kdn/engine/tokenizer.h"
 
 int main(int argc, char** argv) {
   using namespace kdn::engine;
+  kdn::engine::PrepareCpuRuntime(argv);
+  if (argc == 4 && std::string(argv[1]) == "--tokenize") {
+    auto tok = Tokenizer::Load(argv[2]);
+    if (!tok.ok()) {
+      std::fprintf(stderr, "kdn_forward: %s\n", tok.status().ToString().c_str());
+      return 1;
+    }
+    const auto ids = (*tok)->Encode(argv[3], false);
+    for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? "," : "", ids[i]);
+    std::printf("\n%s", (*tok)->Decode(ids).c_str());
+    return 0;
+  }
   if (argc != 5) {
     std::fprintf(stderr, "usage: kdn_forward MODEL_DIR IDS_CSV LOGITS_OUT GREEDY_N\n");
     return 2;

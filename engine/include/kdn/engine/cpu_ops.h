@@ -28,7 +28,14 @@ void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* p
 // [rows][2*inter] (gate then up, as the fused projection writes them).
 void SiluMul(const float* gate_up, int64_t rows, int inter, float* out);
 
-// In-place softmax of `n` floats; returns nothing, max-subtracted for range.
+// In-place softmax of `n` floats (max-subtracted; exp to ~2e-7 relative).
 void Softmax(float* x, int64_t n);
+
+// One row of RmsNorm (what RmsNorm runs for each row).
+void RmsNormRow(const float* x, const float* weight, float eps, int dim, float* out);
+
+// sum a[i] * b[i], and y += alpha * x, over n floats.
+float Dot(const float* a, const float* b, int n);
+void Axpy(float alpha, const float* x, int n, float* y);
 
 }  // namespace kdn::engine
