@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Installs what kdn needs to build and run, from Debian's packages.
+#   scripts/install-deps.sh          build dependencies only
+#   scripts/install-deps.sh --ref    also the test references: Debian's CPU
+#                                    PyTorch and, in .venv-ref/, the pinned
+#                                    PyPI packages of tests/parity/requirements.txt
+# Nothing else is downloaded. CUDA (nvcc, cuBLAS, NCCL) is expected under
+# /usr/local/cuda where present; without it the build is CPU-only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_ref=0
+[ "${1:-}" = "--ref" ] && want_ref=1
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+pkgs=(build-essential cmake ninja-build ccache pkg-config
+      libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev)
+if [ $want_ref = 1 ]; then
+  pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy)
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ $want_ref = 1 ]; then
+  # Debian's python3 (its torch is built for it), with the pinned references
+  # in a venv that sees the system site-packages.
+  if [ ! -x .venv-ref/bin/python ]; then
+    /usr/bin/python3 -m venv --system-site-packages .venv-ref
+  fi
+  if ! .venv-ref/bin/python -c "import transformers, tokenizers, pytest" 2>/dev/null ||
+     ! cmp -s tests/parity/requirements.txt .venv-ref/requirements.installed; then
+    echo "install-deps: pip install -r tests/parity/requirements.txt (into .venv-ref)"
+    .venv-ref/bin/pip install -q --disable-pip-version-check -r tests/parity/requirements.txt
+    cp tests/parity/requirements.txt .venv-ref/requirements.installed
+  fi
+fi
