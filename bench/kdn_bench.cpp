@@ -5,9 +5,10 @@
 // Workloads (more arrive with the subsystems they measure):
 //   prefill   one long prompt, no cache: tokens/s, and achieved GFLOP/s
 //             against the sgemm peak of this machine measured in the same run.
-//   decode    a batch of sequences generating: tokens/s, and the bytes a step
-//             must read (weights + KV) per second against memcpy bandwidth
-//             measured in the same run.
+//   decode    a batch of sequences generating: tokens/s; achieved GFLOP/s
+//             against the same sgemm peak; and the bytes a step must read
+//             (weights + KV) per second against memcpy bandwidth, the limit
+//             that matters at small batches, measured in the same run.
 #include <cblas.h>
 #include <omp.h>
 
@@ -97,7 +98,8 @@ json Machine(const Common& c) {
   return {{"backend", "cpu"},
           {"threads", c.threads > 0 ? c.threads : omp_get_max_threads()},
           {"hardware_threads", std::thread::hardware_concurrency()},
-          {"blas", openblas_get_config()}};
+          {"blas", openblas_get_config()},
+          {"blas_core", BlasCoreName()}};
 }
 
 void Emit(const Common& c, const json& j) {
@@ -127,9 +129,9 @@ int RunPrefill(const Common& c, const std::vector<int>& lengths) {
     return 1;
   }
   const ModelConfig& cfg = (*model)->config();
-  const double peak = SgemmPeakGflops(2048, c.reps);
-  std::printf("prefill on %s, %d threads; sgemm peak %.1f GFLOP/s\n", what.c_str(),
-              omp_get_max_threads(), peak);
+  const double peak = SgemmPeakGflops(2048, std::max(c.reps, 8));
+  std::printf("prefill on %s, %d threads, OpenBLAS %s; sgemm peak %.1f GFLOP/s\n", what.c_str(),
+              omp_get_max_threads(), BlasCoreName().c_str(), peak);
   std::printf("%8s %10s %12s %10s %8s\n", "tokens", "seconds", "tokens/s", "GFLOP/s", "of peak");
   json rows = json::array();
   for (int n : lengths) {
@@ -168,12 +170,16 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
     return 1;
   }
   const ModelConfig& cfg = (*model)->config();
-  const double bw = MemcpyGBps(size_t{512} << 20, c.reps);
+  const double bw = MemcpyGBps(size_t{512} << 20, std::max(c.reps, 4));
+  const double peak = SgemmPeakGflops(2048, std::max(c.reps, 8));
   // Bytes one step must read whatever the batch: every weight once (fp32).
   const double weight_bytes = 4.0 * cfg.ParameterCount();
-  std::printf("decode on %s, %d threads, context %d, %d steps; memcpy %.1f GB/s\n", what.c_str(),
-              omp_get_max_threads(), context, steps, bw);
-  std::printf("%6s %12s %10s %10s %8s\n", "batch", "tokens/s", "ms/step", "GB/s", "of memcpy");
+  std::printf(
+      "decode on %s, %d threads, OpenBLAS %s, context %d, %d steps; memcpy %.1f GB/s, sgemm peak "
+      "%.1f GFLOP/s\n",
+      what.c_str(), omp_get_max_threads(), BlasCoreName().c_str(), context, steps, bw, peak);
+  std::printf("%6s %12s %10s %10s %8s %10s %8s\n", "batch", "tokens/s", "ms/step", "GB/s",
+              "of memcpy", "GFLOP/s", "of peak");
   json rows = json::array();
   for (int b : batches) {
     std::vector<KvSequence> seqs;
@@ -191,10 +197,13 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
     std::vector<KvSequence*> ptrs;
     for (auto& s : seqs) ptrs.push_back(&s);
     std::vector<int32_t> next(b, 65);
-    double kv_bytes = 0.0;
+    double kv_bytes = 0.0, flops = 0.0;
     auto t0 = Clock::now();
     for (int s = 0; s < steps; ++s) {
-      for (auto* p : ptrs) kv_bytes += 2.0 * 4.0 * cfg.num_layers * cfg.kv_dim() * (p->length() + 1);
+      for (auto* p : ptrs) {
+        kv_bytes += 2.0 * 4.0 * cfg.num_layers * cfg.kv_dim() * (p->length() + 1);
+        flops += ForwardFlops(cfg, 1, p->length(), 1);
+      }
       kdn::Status st = (*model)->DecodeStep(ptrs, next, &logits);
       if (!st.ok()) {
         std::fprintf(stderr, "kdn-bench: %s\n", st.ToString().c_str());
@@ -203,13 +212,16 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
     }
     const double secs = Seconds(t0, Clock::now());
     const double gbps = (steps * weight_bytes + kv_bytes) / secs / 1e9;
-    std::printf("%6d %12.1f %10.2f %10.1f %7.1f%%\n", b, b * steps / secs, 1e3 * secs / steps, gbps,
-                100.0 * gbps / bw);
-    rows.push_back({{"batch", b}, {"tokens_per_s", b * steps / secs}, {"ms_per_step", 1e3 * secs / steps},
-                    {"gbytes_per_s", gbps}, {"fraction_of_memcpy", gbps / bw}});
+    const double gflops = flops / secs / 1e9;
+    std::printf("%6d %12.1f %10.2f %10.1f %7.1f%% %10.1f %7.1f%%\n", b, b * steps / secs,
+                1e3 * secs / steps, gbps, 100.0 * gbps / bw, gflops, 100.0 * gflops / peak);
+    rows.push_back({{"batch", b}, {"tokens_per_s", b * steps / secs},
+                    {"ms_per_step", 1e3 * secs / steps}, {"gbytes_per_s", gbps},
+                    {"fraction_of_memcpy", gbps / bw}, {"gflops", gflops},
+                    {"fraction_of_sgemm_peak", gflops / peak}});
   }
   Emit(c, {{"workload", "decode"}, {"model", what}, {"machine", Machine(c)}, {"context", context},
-           {"steps", steps}, {"memcpy_gbytes_per_s", bw}, {"results", rows}});
+           {"steps", steps}, {"memcpy_gbytes_per_s", bw}, {"sgemm_peak_gflops", peak}, {"results", rows}});
   return 0;
 }
 
