@@ -1,0 +1,84 @@
+#pragma once
+// The KV chunk object (spec: docs/kvbus.md): a fixed little-endian header and
+// a layer-major payload [layer][K|V][token][kv_head][head_dim], with an XXH3-64
+// checksum of the payload in the header. Whatever reads a chunk from anywhere
+// but its own memory verifies it (Chunk::Parse); a bad chunk is a miss, never
+// served. Chunks are immutable once built and shared by pointer between
+// tiers and transports. Thread-safe (immutable).
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/kv_cache.h"
+#include "kdn/kvbus/key.h"
+
+namespace kdn::kvbus {
+
+inline constexpr uint32_t kChunkFormatVersion = 1;
+
+enum class KvDType : uint32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+int KvDTypeSize(KvDType t);
+const char* KvDTypeName(KvDType t);
+
+struct ChunkInfo {
+  ChunkKey key;
+  ChunkKey model_fingerprint;
+  uint32_t layers = 0;
+  uint32_t kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t tokens = 0;
+  KvDType dtype = KvDType::kF32;
+  // The position of the chunk's first token that its K was rotated (RoPE) for.
+  int64_t position = 0;
+
+  uint64_t payload_bytes() const {
+    return uint64_t{layers} * 2 * tokens * kv_heads * head_dim * KvDTypeSize(dtype);
+  }
+};
+
+class Chunk {
+ public:
+  static constexpr size_t kHeaderBytes = 128;
+
+  // Builds a chunk from `info` and a payload of exactly info.payload_bytes().
+  static Result<std::shared_ptr<const Chunk>> Make(const ChunkInfo& info,
+                                                   std::vector<uint8_t> payload);
+  // Parses and verifies serialized bytes (header fields, sizes, checksum).
+  // CORRUPTION naming what is wrong otherwise.
+  static Result<std::shared_ptr<const Chunk>> Parse(std::vector<uint8_t> bytes);
+
+  const ChunkInfo& info() const { return info_; }
+  const ChunkKey& key() const { return info_.key; }
+  // Header followed by payload: what is stored and sent.
+  std::span<const uint8_t> bytes() const { return bytes_; }
+  std::span<const uint8_t> payload() const {
+    return std::span<const uint8_t>(bytes_).subspan(kHeaderBytes);
+  }
+  size_t size() const { return bytes_.size(); }
+
+ private:
+  Chunk() = default;
+  ChunkInfo info_;
+  std::vector<uint8_t> bytes_;
+};
+
+// Copies the KV of tokens [first, first + count) of `seq` (fp32 in the cache)
+// into a new chunk of `dtype`, rounding to nearest even. The tokens must be
+// within seq.length().
+Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache& cache,
+                                                      const engine::KvSequence& seq, int64_t first,
+                                                      int64_t count, const ChunkKey& key,
+                                                      const ChunkKey& model_fingerprint,
+                                                      KvDType dtype);
+
+// Writes a chunk's KV into positions [first, first + tokens) of `seq`, which
+// must have reserved room for them (PagedKvCache::Reserve); does not change
+// seq's length. INVALID_ARGUMENT if the chunk's layers, heads or head_dim do
+// not match the cache.
+Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
+                      int64_t first);
+
+}  // namespace kdn::kvbus

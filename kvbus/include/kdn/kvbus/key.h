@@ -1,0 +1,71 @@
+#pragma once
+// Chunk keys: the content addresses of KV chunks (spec: docs/kvbus.md).
+//
+// A prompt is cut into chunks of `chunk_tokens` tokens. The key of chunk i is
+// a 128-bit XXH3 hash chained over the previous chunk's key, the model
+// fingerprint, the tenant namespace and the chunk's tokens, so equal keys
+// mean equal prefixes (prefix keys); a segment key hashes one run of tokens
+// alone, wherever it sits (position-independent, for blend). Keys are the
+// same in every process and on every machine: no per-process randomness.
+// Thread-safe: pure functions over values.
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/config.h"
+
+namespace kdn::kvbus {
+
+// The key format version; it is the XXH3 seed, so a new version never
+// collides with keys of an old one.
+inline constexpr uint64_t kChunkKeyVersion = 1;
+inline constexpr int kDefaultChunkTokens = 256;
+
+struct ChunkKey {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+
+  friend bool operator==(const ChunkKey&, const ChunkKey&) = default;
+  friend auto operator<=>(const ChunkKey&, const ChunkKey&) = default;
+  bool is_zero() const { return hi == 0 && lo == 0; }
+  // 32 lowercase hex digits, hi first (XXH128's canonical big-endian order).
+  std::string ToHex() const;
+  static Result<ChunkKey> FromHex(std::string_view hex);
+  // The 16 canonical bytes (big-endian hi, then lo), as hashed and stored.
+  void ToBytes(uint8_t out[16]) const;
+  static ChunkKey FromBytes(const uint8_t in[16]);
+};
+
+struct ChunkKeyHash {
+  size_t operator()(const ChunkKey& k) const { return static_cast<size_t>(k.lo ^ (k.hi * 0x9e3779b97f4a7c15ull)); }
+};
+
+// What, besides the tokens, keys depend on.
+struct KeyContext {
+  ChunkKey model_fingerprint;
+  std::string ns;  // the tenant's cache salt; empty by default
+  int chunk_tokens = kDefaultChunkTokens;
+};
+
+// Covers the model config (architecture and every shape and RoPE field),
+// every weight tensor's name and shape, the weights' dtype and the KV dtype,
+// so two models that could produce different KV never share a chunk.
+ChunkKey ModelFingerprint(const engine::ModelConfig& config, std::string_view weight_dtype,
+                          std::string_view kv_dtype);
+
+// The prefix keys of the full chunks of `tokens`; a partial last chunk has no
+// key. keys[i] covers tokens [0, (i+1) * chunk_tokens).
+std::vector<ChunkKey> PrefixKeys(const KeyContext& ctx, std::span<const int32_t> tokens);
+
+// The position-independent key of one segment (a document) of any length.
+ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens);
+
+}  // namespace kdn::kvbus
+
+template <>
+struct std::hash<kdn::kvbus::ChunkKey> : kdn::kvbus::ChunkKeyHash {};
