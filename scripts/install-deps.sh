@@ -16,7 +16,8 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 pkgs=(build-essential cmake ninja-build ccache pkg-config
-      libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev)
+      libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libxxhash-dev
+      libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler)
 if [ $want_ref = 1 ]; then
   pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy)
 fi

@@ -10,6 +10,7 @@
 // Thread-safe: pure functions over values.
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <span>
 #include <string>
@@ -53,10 +54,16 @@ struct KeyContext {
 };
 
 // Covers the model config (architecture and every shape and RoPE field),
-// every weight tensor's name and shape, the weights' dtype and the KV dtype,
-// so two models that could produce different KV never share a chunk.
+// every weight tensor's name and shape, the weights' dtype, the KV dtype and
+// a digest of the weights' contents (WeightsDigest), so two models that could
+// produce different KV never share a chunk: not even two fine-tunes of one
+// architecture, which shapes and dtypes alone would confuse.
 ChunkKey ModelFingerprint(const engine::ModelConfig& config, std::string_view weight_dtype,
-                          std::string_view kv_dtype);
+                          std::string_view kv_dtype, uint64_t weights_digest);
+
+// XXH3-64 over the bytes of the model folder's safetensors files, in the
+// order of their names (streamed; ~10 GB/s, so ~2 s for 16 GB).
+Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir);
 
 // The prefix keys of the full chunks of `tokens`; a partial last chunk has no
 // key. keys[i] covers tokens [0, (i+1) * chunk_tokens).

@@ -1,0 +1,44 @@
+#pragma once
+// ChunkStore: one place KV chunks are kept (a tier: host memory, disk, a
+// remote kdn-store), and the counters every tier reports.
+//
+// Implementations are thread-safe: workers' threads and a kdn-store's server
+// loop call into one store concurrently.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kdn/common/status.h"
+#include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/key.h"
+
+namespace kdn::kvbus {
+
+struct TierStats {
+  uint64_t chunks = 0;          // held now
+  uint64_t bytes = 0;           // held now (serialized size)
+  uint64_t capacity_bytes = 0;  // 0: unbounded
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t puts = 0;
+  uint64_t evictions = 0;
+  uint64_t corrupt = 0;  // chunks found damaged, dropped and never served
+};
+
+class ChunkStore {
+ public:
+  virtual ~ChunkStore() = default;
+  virtual std::string name() const = 0;  // "host", "disk", "remote tcp://..."
+  // The chunk, or NOT_FOUND on a miss (a damaged chunk is a miss too).
+  // UNAVAILABLE when a remote store cannot be reached.
+  virtual Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) = 0;
+  // Whether the store holds `key`, without reading it or counting a hit.
+  virtual bool Contains(const ChunkKey& key) = 0;
+  // Stores a chunk (a key already held is kept as it is: chunks are immutable
+  // and content-addressed). RESOURCE_EXHAUSTED when it cannot be made to fit.
+  virtual Status Put(std::shared_ptr<const Chunk> chunk) = 0;
+  virtual TierStats Stats() = 0;
+};
+
+}  // namespace kdn::kvbus

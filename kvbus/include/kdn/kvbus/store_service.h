@@ -1,0 +1,80 @@
+#pragma once
+// kdn-store's service: a ChunkStore served over ZeroMQ, and the client that
+// makes a remote kdn-store look like one more ChunkStore (a tier).
+//
+// Wire: proto/kvbus_store.proto. Requests carry ids; the server answers each
+// one, in order, from one thread that owns its socket.
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "kdn/common/status.h"
+#include "kdn/kvbus/chunk_store.h"
+
+namespace kdn::kvbus {
+
+// Serves `store` on `endpoint` ("tcp://127.0.0.1:5555"; port 0 picks one) from
+// a background thread until destroyed. The store must outlive the server.
+// Thread-safe: endpoint() and Stop() may be called from any thread.
+class StoreServer {
+ public:
+  // `stats` (may be empty) supplies per-tier figures for stats requests.
+  using TierStatsFn = std::function<std::vector<std::pair<std::string, TierStats>>()>;
+  static Result<std::unique_ptr<StoreServer>> Start(ChunkStore& store, const std::string& endpoint,
+                                                    TierStatsFn tier_stats = {});
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  // The bound endpoint, with the real port.
+  const std::string& endpoint() const { return endpoint_; }
+  void Stop();
+
+ private:
+  struct Impl;
+  explicit StoreServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  std::string endpoint_;
+};
+
+struct RemoteStoreOptions {
+  // A request unanswered for this long is UNAVAILABLE (the server is down or
+  // stuck); the connection is then rebuilt for the next request.
+  std::chrono::milliseconds timeout{2000};
+};
+
+// A remote kdn-store as a ChunkStore. Thread-safe: requests from several
+// threads are serialised over one connection. Chunks received are verified
+// (Chunk::Parse); a damaged one is a miss, counted in Stats().corrupt.
+class RemoteStore final : public ChunkStore {
+ public:
+  static Result<std::unique_ptr<RemoteStore>> Connect(const std::string& endpoint,
+                                                      RemoteStoreOptions options = {});
+  ~RemoteStore() override;
+
+  std::string name() const override { return "remote " + endpoint_; }
+  Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override;
+  // False also when the store cannot be reached.
+  bool Contains(const ChunkKey& key) override;
+  Status Put(std::shared_ptr<const Chunk> chunk) override;
+  // The server's whole-store figures, plus this client's corrupt count;
+  // zeros if it cannot be reached.
+  TierStats Stats() override;
+
+  // Presence of each key, in one round trip.
+  Result<std::vector<bool>> Lookup(std::span<const ChunkKey> keys);
+  // The server's figures: the whole store first, then each tier.
+  Result<std::vector<std::pair<std::string, TierStats>>> RemoteStats();
+
+ private:
+  struct Impl;
+  RemoteStore(std::string endpoint, std::unique_ptr<Impl> impl);
+  std::string endpoint_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kdn::kvbus

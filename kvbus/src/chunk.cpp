@@ -1,0 +1,199 @@
+#include "kdn/kvbus/chunk.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+
+#include "kdn/engine/tensor.h"
+
+namespace kdn::kvbus {
+
+namespace {
+
+constexpr char kMagic[8] = {'K', 'D', 'N', 'C', 'H', 'U', 'N', 'K'};
+// Header offsets (docs/kvbus.md, "KV chunk object").
+constexpr size_t kOffVersion = 8, kOffDType = 12, kOffKey = 16, kOffModel = 32, kOffLayers = 48,
+                 kOffKvHeads = 52, kOffHeadDim = 56, kOffTokens = 60, kOffPosition = 64,
+                 kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffHeaderSum = 88;
+
+void Put32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+void Put64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint32_t Get32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+uint64_t Get64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+engine::DType ToEngine(KvDType t) {
+  switch (t) {
+    case KvDType::kF32: return engine::DType::kF32;
+    case KvDType::kF16: return engine::DType::kF16;
+    case KvDType::kBF16: return engine::DType::kBF16;
+  }
+  return engine::DType::kF32;
+}
+
+}  // namespace
+
+int KvDTypeSize(KvDType t) { return t == KvDType::kF32 ? 4 : 2; }
+
+const char* KvDTypeName(KvDType t) {
+  switch (t) {
+    case KvDType::kF32: return "f32";
+    case KvDType::kF16: return "f16";
+    case KvDType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
+                                                 std::vector<uint8_t> payload) {
+  if (payload.size() != info.payload_bytes()) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": payload of " +
+                           std::to_string(payload.size()) + " bytes, expected " +
+                           std::to_string(info.payload_bytes()));
+  }
+  std::shared_ptr<Chunk> c(new Chunk());
+  c->info_ = info;
+  c->bytes_.resize(kHeaderBytes + payload.size());
+  uint8_t* h = c->bytes_.data();
+  std::memcpy(h, kMagic, 8);
+  Put32(h + kOffVersion, kChunkFormatVersion);
+  Put32(h + kOffDType, static_cast<uint32_t>(info.dtype));
+  info.key.ToBytes(h + kOffKey);
+  info.model_fingerprint.ToBytes(h + kOffModel);
+  Put32(h + kOffLayers, info.layers);
+  Put32(h + kOffKvHeads, info.kv_heads);
+  Put32(h + kOffHeadDim, info.head_dim);
+  Put32(h + kOffTokens, info.tokens);
+  Put64(h + kOffPosition, static_cast<uint64_t>(info.position));
+  Put64(h + kOffPayloadBytes, payload.size());
+  Put64(h + kOffPayloadSum, XXH3_64bits(payload.data(), payload.size()));
+  Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
+  std::memcpy(h + kHeaderBytes, payload.data(), payload.size());
+  return std::shared_ptr<const Chunk>(std::move(c));
+}
+
+Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
+  if (bytes.size() < kHeaderBytes) {
+    return Corruption("chunk: " + std::to_string(bytes.size()) + " bytes, shorter than its header");
+  }
+  const uint8_t* h = bytes.data();
+  if (std::memcmp(h, kMagic, 8) != 0) return Corruption("chunk: bad magic");
+  if (Get64(h + kOffHeaderSum) != XXH3_64bits(h, kOffHeaderSum)) {
+    return Corruption("chunk: header checksum mismatch");
+  }
+  const uint32_t version = Get32(h + kOffVersion);
+  if (version != kChunkFormatVersion) {
+    return Corruption("chunk: format version " + std::to_string(version) + ", expected " +
+                      std::to_string(kChunkFormatVersion));
+  }
+  const uint32_t dtype = Get32(h + kOffDType);
+  if (dtype > static_cast<uint32_t>(KvDType::kBF16)) {
+    return Corruption("chunk: unknown dtype " + std::to_string(dtype));
+  }
+  ChunkInfo info;
+  info.key = ChunkKey::FromBytes(h + kOffKey);
+  info.model_fingerprint = ChunkKey::FromBytes(h + kOffModel);
+  info.dtype = static_cast<KvDType>(dtype);
+  info.layers = Get32(h + kOffLayers);
+  info.kv_heads = Get32(h + kOffKvHeads);
+  info.head_dim = Get32(h + kOffHeadDim);
+  info.tokens = Get32(h + kOffTokens);
+  info.position = static_cast<int64_t>(Get64(h + kOffPosition));
+  const std::string what = "chunk " + info.key.ToHex();
+  const uint64_t payload = Get64(h + kOffPayloadBytes);
+  if (payload != info.payload_bytes() || payload != bytes.size() - kHeaderBytes) {
+    return Corruption(what + ": header says " + std::to_string(payload) + " payload bytes, shape implies " +
+                      std::to_string(info.payload_bytes()) + ", " +
+                      std::to_string(bytes.size() - kHeaderBytes) + " present");
+  }
+  if (Get64(h + kOffPayloadSum) != XXH3_64bits(h + kHeaderBytes, payload)) {
+    return Corruption(what + ": payload checksum mismatch");
+  }
+  std::shared_ptr<Chunk> c(new Chunk());
+  c->info_ = info;
+  c->bytes_ = std::move(bytes);
+  return std::shared_ptr<const Chunk>(std::move(c));
+}
+
+Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache& cache,
+                                                      const engine::KvSequence& seq, int64_t first,
+                                                      int64_t count, const ChunkKey& key,
+                                                      const ChunkKey& model_fingerprint,
+                                                      KvDType dtype) {
+  if (first < 0 || count <= 0 || first + count > seq.length()) {
+    return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + ") are not all in a sequence of " +
+                           std::to_string(seq.length()));
+  }
+  ChunkInfo info{key, model_fingerprint, static_cast<uint32_t>(cache.num_layers()),
+                 static_cast<uint32_t>(cache.num_kv_heads()),
+                 static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(count), dtype,
+                 first};
+  const int64_t stride = cache.token_stride();
+  const size_t esize = KvDTypeSize(dtype);
+  std::vector<uint8_t> payload(info.payload_bytes());
+  uint8_t* out = payload.data();
+  const auto& blocks = seq.blocks();
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int64_t t = first; t < first + count; ++t) {
+        const int32_t b = blocks[t / engine::kKvBlockTokens];
+        const float* src = (kv == 0 ? cache.Key(l, b) : cache.Value(l, b)) +
+                           (t % engine::kKvBlockTokens) * stride;
+        engine::FromFloat(ToEngine(dtype), src, stride, out);
+        out += stride * esize;
+      }
+    }
+  }
+  return Chunk::Make(info, std::move(payload));
+}
+
+Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
+                      int64_t first) {
+  const ChunkInfo& info = chunk.info();
+  if (static_cast<int>(info.layers) != cache.num_layers() ||
+      static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
+      static_cast<int>(info.head_dim) != cache.head_dim()) {
+    return InvalidArgument("chunk " + info.key.ToHex() + " has " + std::to_string(info.layers) +
+                           " layers x " + std::to_string(info.kv_heads) + " KV heads x " +
+                           std::to_string(info.head_dim) + ", the cache " +
+                           std::to_string(cache.num_layers()) + " x " +
+                           std::to_string(cache.num_kv_heads()) + " x " +
+                           std::to_string(cache.head_dim()));
+  }
+  const int64_t end = first + info.tokens;
+  if (first < 0 ||
+      end > static_cast<int64_t>(seq.blocks().size()) * engine::kKvBlockTokens) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": positions [" + std::to_string(first) +
+                           ", " + std::to_string(end) + ") are not reserved in the sequence");
+  }
+  const int64_t stride = cache.token_stride();
+  const size_t esize = KvDTypeSize(info.dtype);
+  const uint8_t* in = chunk.payload().data();
+  const auto& blocks = seq.blocks();
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int64_t t = first; t < end; ++t) {
+        const int32_t b = blocks[t / engine::kKvBlockTokens];
+        float* dst = (kv == 0 ? cache.Key(l, b) : cache.Value(l, b)) +
+                     (t % engine::kKvBlockTokens) * stride;
+        engine::ToFloat(ToEngine(info.dtype), in, stride, dst);
+        in += stride * esize;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kdn::kvbus

@@ -1,0 +1,185 @@
+#include "kdn/kvbus/key.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+
+#include "kdn/engine/weights.h"
+
+namespace kdn::kvbus {
+
+namespace {
+
+ChunkKey FromXxh(XXH128_hash_t h) { return ChunkKey{h.high64, h.low64}; }
+
+void PutU32(XXH3_state_t* st, uint32_t v) {
+  uint8_t b[4];
+  for (int i = 0; i < 4; ++i) b[i] = static_cast<uint8_t>(v >> (8 * i));
+  XXH3_128bits_update(st, b, 4);
+}
+
+void PutKey(XXH3_state_t* st, const ChunkKey& k) {
+  uint8_t b[16];
+  k.ToBytes(b);
+  XXH3_128bits_update(st, b, 16);
+}
+
+// The namespace, length-prefixed so that ("ab", tokens) and ("a", "b"...)
+// can never produce the same byte stream.
+void PutNamespace(XXH3_state_t* st, const std::string& ns) {
+  PutU32(st, static_cast<uint32_t>(ns.size()));
+  XXH3_128bits_update(st, ns.data(), ns.size());
+}
+
+void PutTokens(XXH3_state_t* st, std::span<const int32_t> tokens) {
+  // Little-endian u32 regardless of the host, in pieces to bound the buffer.
+  uint8_t buf[1024];
+  size_t n = 0;
+  for (int32_t t : tokens) {
+    const auto u = static_cast<uint32_t>(t);
+    for (int i = 0; i < 4; ++i) buf[n++] = static_cast<uint8_t>(u >> (8 * i));
+    if (n == sizeof(buf)) {
+      XXH3_128bits_update(st, buf, n);
+      n = 0;
+    }
+  }
+  XXH3_128bits_update(st, buf, n);
+}
+
+struct StateDeleter {
+  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+};
+using State = std::unique_ptr<XXH3_state_t, StateDeleter>;
+
+State NewState() {
+  State st(XXH3_createState());
+  XXH3_128bits_reset_withSeed(st.get(), kChunkKeyVersion);
+  return st;
+}
+
+}  // namespace
+
+std::string ChunkKey::ToHex() const {
+  char buf[33];
+  std::snprintf(buf, sizeof(buf), "%016llx%016llx", static_cast<unsigned long long>(hi),
+                static_cast<unsigned long long>(lo));
+  return buf;
+}
+
+Result<ChunkKey> ChunkKey::FromHex(std::string_view hex) {
+  if (hex.size() != 32) return InvalidArgument("chunk key must be 32 hex digits, got \"" + std::string(hex) + "\"");
+  ChunkKey k;
+  for (size_t i = 0; i < 32; ++i) {
+    const char c = hex[i];
+    int v;
+    if (c >= '0' && c <= '9') v = c - '0';
+    else if (c >= 'a' && c <= 'f') v = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F') v = c - 'A' + 10;
+    else return InvalidArgument("chunk key \"" + std::string(hex) + "\" is not hex");
+    uint64_t& half = i < 16 ? k.hi : k.lo;
+    half = (half << 4) | static_cast<uint64_t>(v);
+  }
+  return k;
+}
+
+void ChunkKey::ToBytes(uint8_t out[16]) const {
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<uint8_t>(hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<uint8_t>(lo >> (56 - 8 * i));
+  }
+}
+
+ChunkKey ChunkKey::FromBytes(const uint8_t in[16]) {
+  ChunkKey k;
+  for (int i = 0; i < 8; ++i) {
+    k.hi = (k.hi << 8) | in[i];
+    k.lo = (k.lo << 8) | in[8 + i];
+  }
+  return k;
+}
+
+ChunkKey ModelFingerprint(const engine::ModelConfig& c, std::string_view weight_dtype,
+                          std::string_view kv_dtype, uint64_t weights_digest) {
+  // A canonical text: one "name=value" line per field, then every tensor.
+  std::string s = "kdn-model-fingerprint\n";
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "architecture=%s\nvocab=%d\nhidden=%d\nintermediate=%d\nlayers=%d\nheads=%d\n"
+                "kv_heads=%d\nhead_dim=%d\nrms_norm_eps=%.17g\nrope_theta=%.17g\n"
+                "rope_llama3=%d\nrope_factor=%.17g\nrope_low=%.17g\nrope_high=%.17g\n"
+                "rope_original_max=%lld\nqkv_bias=%d\no_bias=%d\ntied=%d\n",
+                engine::ArchitectureName(c.architecture), c.vocab_size, c.hidden_size,
+                c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                c.rms_norm_eps, c.rope_theta, c.rope_scaling.llama3 ? 1 : 0, c.rope_scaling.factor,
+                c.rope_scaling.low_freq_factor, c.rope_scaling.high_freq_factor,
+                static_cast<long long>(c.rope_scaling.original_max_position_embeddings),
+                c.qkv_bias ? 1 : 0, c.o_bias ? 1 : 0, c.tie_word_embeddings ? 1 : 0);
+  s += buf;
+  for (const engine::TensorSpec& t : engine::ExpectedTensors(c)) {
+    s += "tensor=" + t.name + engine::ShapeToString(t.shape) + "\n";
+  }
+  s += "weight_dtype=" + std::string(weight_dtype) + "\nkv_dtype=" + std::string(kv_dtype) + "\n";
+  std::snprintf(buf, sizeof(buf), "weights_digest=%016llx\n",
+                static_cast<unsigned long long>(weights_digest));
+  s += buf;
+  return FromXxh(XXH3_128bits_withSeed(s.data(), s.size(), kChunkKeyVersion));
+}
+
+Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir) {
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(model_dir, ec)) {
+    if (e.is_regular_file() && e.path().extension() == ".safetensors") files.push_back(e.path());
+  }
+  if (ec) return NotFound(model_dir.string() + ": " + ec.message());
+  if (files.empty()) return NotFound(model_dir.string() + ": no .safetensors files");
+  std::sort(files.begin(), files.end());
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  std::vector<char> buf(size_t{4} << 20);
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    if (!in) {
+      XXH3_freeState(st);
+      return IoError(f.string() + ": cannot open");
+    }
+    while (in) {
+      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+      XXH3_64bits_update(st, buf.data(), static_cast<size_t>(in.gcount()));
+    }
+  }
+  const uint64_t d = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return d;
+}
+
+std::vector<ChunkKey> PrefixKeys(const KeyContext& ctx, std::span<const int32_t> tokens) {
+  std::vector<ChunkKey> keys;
+  if (ctx.chunk_tokens <= 0) return keys;
+  const size_t n = tokens.size() / static_cast<size_t>(ctx.chunk_tokens);
+  keys.reserve(n);
+  ChunkKey parent;  // all zeros for the first chunk
+  for (size_t i = 0; i < n; ++i) {
+    State st = NewState();
+    PutKey(st.get(), parent);
+    PutKey(st.get(), ctx.model_fingerprint);
+    PutNamespace(st.get(), ctx.ns);
+    PutTokens(st.get(), tokens.subspan(i * ctx.chunk_tokens, ctx.chunk_tokens));
+    parent = FromXxh(XXH3_128bits_digest(st.get()));
+    keys.push_back(parent);
+  }
+  return keys;
+}
+
+ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens) {
+  State st = NewState();
+  XXH3_128bits_update(st.get(), "seg", 3);
+  PutKey(st.get(), ctx.model_fingerprint);
+  PutNamespace(st.get(), ctx.ns);
+  PutTokens(st.get(), tokens);
+  return FromXxh(XXH3_128bits_digest(st.get()));
+}
+
+}  // namespace kdn::kvbus

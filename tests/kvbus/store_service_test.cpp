@@ -1,0 +1,132 @@
+// kdn-store's service and client, in one process over loopback.
+#include "kdn/kvbus/store_service.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+#include <thread>
+
+namespace kdn::kvbus {
+namespace {
+
+// The simplest ChunkStore: a map.
+class MapStore : public ChunkStore {
+ public:
+  std::string name() const override { return "map"; }
+  Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override {
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = m_.find(key);
+    if (it == m_.end()) return NotFound("no " + key.ToHex());
+    return it->second;
+  }
+  bool Contains(const ChunkKey& key) override {
+    std::lock_guard<std::mutex> l(mu_);
+    return m_.count(key) > 0;
+  }
+  Status Put(std::shared_ptr<const Chunk> c) override {
+    std::lock_guard<std::mutex> l(mu_);
+    m_.emplace(c->key(), c);
+    ++puts_;
+    return Status::Ok();
+  }
+  TierStats Stats() override {
+    std::lock_guard<std::mutex> l(mu_);
+    TierStats s;
+    s.chunks = m_.size();
+    s.puts = puts_;
+    return s;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<ChunkKey, std::shared_ptr<const Chunk>> m_;
+  uint64_t puts_ = 0;
+};
+
+std::shared_ptr<const Chunk> MakeChunk(uint64_t id, uint32_t tokens = 16) {
+  ChunkInfo info{ChunkKey{id, ~id}, ChunkKey{1, 2}, 2, 2, 8, tokens, KvDType::kBF16, 0};
+  std::vector<uint8_t> payload(info.payload_bytes());
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 7 + id);
+  return Chunk::Make(info, std::move(payload)).value();
+}
+
+TEST(StoreService, PutThenGetReturnsTheSameBytes) {
+  MapStore store;
+  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0");
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  auto client = RemoteStore::Connect((*server)->endpoint());
+  ASSERT_TRUE(client.ok());
+  auto chunk = MakeChunk(5, 300);
+  ASSERT_TRUE((*client)->Put(chunk).ok());
+  auto got = (*client)->Get(chunk->key());
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_TRUE(std::equal((*got)->bytes().begin(), (*got)->bytes().end(), chunk->bytes().begin(),
+                         chunk->bytes().end()));
+  EXPECT_EQ((*client)->Get(ChunkKey{99, 99}).status().code(), StatusCode::kNotFound);
+}
+
+TEST(StoreService, LookupAnswersEveryKeyInOrder) {
+  MapStore store;
+  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0").value();
+  auto client = RemoteStore::Connect(server->endpoint()).value();
+  ASSERT_TRUE(client->Put(MakeChunk(1)).ok());
+  ASSERT_TRUE(client->Put(MakeChunk(3)).ok());
+  const std::vector<ChunkKey> keys = {MakeChunk(1)->key(), MakeChunk(2)->key(), MakeChunk(3)->key()};
+  auto present = client->Lookup(keys);
+  ASSERT_TRUE(present.ok());
+  EXPECT_EQ(*present, (std::vector<bool>{true, false, true}));
+  EXPECT_TRUE(client->Contains(keys[0]));
+  EXPECT_FALSE(client->Contains(keys[1]));
+}
+
+TEST(StoreService, StatsReportTheServedStore) {
+  MapStore store;
+  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0", [] {
+    return std::vector<std::pair<std::string, TierStats>>{{"host", TierStats{.chunks = 7}}};
+  }).value();
+  auto client = RemoteStore::Connect(server->endpoint()).value();
+  ASSERT_TRUE(client->Put(MakeChunk(1)).ok());
+  auto stats = client->RemoteStats();
+  ASSERT_TRUE(stats.ok());
+  ASSERT_EQ(stats->size(), 2u);
+  EXPECT_EQ((*stats)[0].first, "store");
+  EXPECT_EQ((*stats)[0].second.chunks, 1u);
+  EXPECT_EQ((*stats)[1].first, "host");
+  EXPECT_EQ((*stats)[1].second.chunks, 7u);
+}
+
+TEST(StoreService, ClientReportsUnavailableWhenNoServerAnswersAndRecovers) {
+  MapStore store;
+  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0").value();
+  const std::string endpoint = server->endpoint();
+  auto client = RemoteStore::Connect(endpoint, {.timeout = std::chrono::milliseconds(300)}).value();
+  server.reset();
+  EXPECT_EQ(client->Put(MakeChunk(1)).code(), StatusCode::kUnavailable);
+  EXPECT_FALSE(client->Contains(MakeChunk(1)->key()));
+  // A server back on the same endpoint is used by the next request.
+  auto again = StoreServer::Start(store, endpoint).value();
+  EXPECT_TRUE(client->Put(MakeChunk(2)).ok());
+  EXPECT_TRUE(client->Contains(MakeChunk(2)->key()));
+}
+
+TEST(StoreService, ServesSeveralClientThreadsAtOnce) {
+  MapStore store;
+  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0").value();
+  auto client = RemoteStore::Connect(server->endpoint()).value();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 25; ++i) {
+        auto c = MakeChunk(t * 100 + i);
+        EXPECT_TRUE(client->Put(c).ok());
+        EXPECT_TRUE(client->Get(c->key()).ok());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(store.Stats().chunks, 100u);
+}
+
+}  // namespace
+}  // namespace kdn::kvbus
