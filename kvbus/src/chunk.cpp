@@ -14,7 +14,7 @@ constexpr char kMagic[8] = {'K', 'D', 'N', 'C', 'H', 'U', 'N', 'K'};
 // Header offsets (docs/kvbus.md, "KV chunk object").
 constexpr size_t kOffVersion = 8, kOffDType = 12, kOffKey = 16, kOffModel = 32, kOffLayers = 48,
                  kOffKvHeads = 52, kOffHeadDim = 56, kOffTokens = 60, kOffPosition = 64,
-                 kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffHeaderSum = 88;
+                 kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffHeaderSum = 120;
 
 void Put32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -55,6 +55,35 @@ const char* KvDTypeName(KvDType t) {
   return "?";
 }
 
+void Chunk::SealHeader() {
+  uint8_t* h = bytes_.data();
+  const size_t payload = bytes_.size() - kHeaderBytes;
+  std::memset(h, 0, kHeaderBytes);
+  std::memcpy(h, kMagic, 8);
+  Put32(h + kOffVersion, kChunkFormatVersion);
+  Put32(h + kOffDType, static_cast<uint32_t>(info_.dtype));
+  info_.key.ToBytes(h + kOffKey);
+  info_.model_fingerprint.ToBytes(h + kOffModel);
+  Put32(h + kOffLayers, info_.layers);
+  Put32(h + kOffKvHeads, info_.kv_heads);
+  Put32(h + kOffHeadDim, info_.head_dim);
+  Put32(h + kOffTokens, info_.tokens);
+  Put64(h + kOffPosition, static_cast<uint64_t>(info_.position));
+  Put64(h + kOffPayloadBytes, payload);
+  Put64(h + kOffPayloadSum, XXH3_64bits(h + kHeaderBytes, payload));
+  Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
+}
+
+Result<std::shared_ptr<const Chunk>> Chunk::Build(const ChunkInfo& info,
+                                                  const std::function<void(uint8_t*)>& fill) {
+  std::shared_ptr<Chunk> c(new Chunk());
+  c->info_ = info;
+  c->bytes_.resize(kHeaderBytes + info.payload_bytes());
+  fill(c->bytes_.data() + kHeaderBytes);
+  c->SealHeader();
+  return std::shared_ptr<const Chunk>(std::move(c));
+}
+
 Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
                                                  std::vector<uint8_t> payload) {
   if (payload.size() != info.payload_bytes()) {
@@ -62,25 +91,7 @@ Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
                            std::to_string(payload.size()) + " bytes, expected " +
                            std::to_string(info.payload_bytes()));
   }
-  std::shared_ptr<Chunk> c(new Chunk());
-  c->info_ = info;
-  c->bytes_.resize(kHeaderBytes + payload.size());
-  uint8_t* h = c->bytes_.data();
-  std::memcpy(h, kMagic, 8);
-  Put32(h + kOffVersion, kChunkFormatVersion);
-  Put32(h + kOffDType, static_cast<uint32_t>(info.dtype));
-  info.key.ToBytes(h + kOffKey);
-  info.model_fingerprint.ToBytes(h + kOffModel);
-  Put32(h + kOffLayers, info.layers);
-  Put32(h + kOffKvHeads, info.kv_heads);
-  Put32(h + kOffHeadDim, info.head_dim);
-  Put32(h + kOffTokens, info.tokens);
-  Put64(h + kOffPosition, static_cast<uint64_t>(info.position));
-  Put64(h + kOffPayloadBytes, payload.size());
-  Put64(h + kOffPayloadSum, XXH3_64bits(payload.data(), payload.size()));
-  Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
-  std::memcpy(h + kHeaderBytes, payload.data(), payload.size());
-  return std::shared_ptr<const Chunk>(std::move(c));
+  return Build(info, [&](uint8_t* out) { std::memcpy(out, payload.data(), payload.size()); });
 }
 
 Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
@@ -111,6 +122,13 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
   info.tokens = Get32(h + kOffTokens);
   info.position = static_cast<int64_t>(Get64(h + kOffPosition));
   const std::string what = "chunk " + info.key.ToHex();
+  // Shapes whose byte count would not fit in 64 bits are forged or damaged;
+  // each field is a u32, so bounding the product by 2^62 in doubles is exact
+  // enough to reject them before payload_bytes() could wrap.
+  if (static_cast<double>(info.layers) * 2 * info.tokens * info.kv_heads * info.head_dim * 4 >
+      0x1p62) {
+    return Corruption(what + ": impossible shape");
+  }
   const uint64_t payload = Get64(h + kOffPayloadBytes);
   if (payload != info.payload_bytes() || payload != bytes.size() - kHeaderBytes) {
     return Corruption(what + ": header says " + std::to_string(payload) + " payload bytes, shape implies " +
@@ -142,21 +160,20 @@ Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache
                  first};
   const int64_t stride = cache.token_stride();
   const size_t esize = KvDTypeSize(dtype);
-  std::vector<uint8_t> payload(info.payload_bytes());
-  uint8_t* out = payload.data();
   const auto& blocks = seq.blocks();
-  for (int l = 0; l < cache.num_layers(); ++l) {
-    for (int kv = 0; kv < 2; ++kv) {
-      for (int64_t t = first; t < first + count; ++t) {
-        const int32_t b = blocks[t / engine::kKvBlockTokens];
-        const float* src = (kv == 0 ? cache.Key(l, b) : cache.Value(l, b)) +
-                           (t % engine::kKvBlockTokens) * stride;
-        engine::FromFloat(ToEngine(dtype), src, stride, out);
-        out += stride * esize;
+  return Chunk::Build(info, [&](uint8_t* out) {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int64_t t = first; t < first + count; ++t) {
+          const int32_t b = blocks[t / engine::kKvBlockTokens];
+          const float* src = (kv == 0 ? cache.Key(l, b) : cache.Value(l, b)) +
+                             (t % engine::kKvBlockTokens) * stride;
+          engine::FromFloat(ToEngine(dtype), src, stride, out);
+          out += stride * esize;
+        }
       }
     }
-  }
-  return Chunk::Make(info, std::move(payload));
+  });
 }
 
 Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,

@@ -149,6 +149,10 @@ Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir) {
       in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
       XXH3_64bits_update(st, buf.data(), static_cast<size_t>(in.gcount()));
     }
+    if (in.bad()) {  // a read error, not the end of the file
+      XXH3_freeState(st);
+      return IoError(f.string() + ": read failed");
+    }
   }
   const uint64_t d = XXH3_64bits_digest(st);
   XXH3_freeState(st);

@@ -2,7 +2,12 @@
 #include "kdn/kvbus/store_service.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -126,6 +131,77 @@ TEST(StoreService, ServesSeveralClientThreadsAtOnce) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(store.Stats().chunks, 100u);
+}
+
+// A kdn-store process: started with a disk tier, stopped with SIGTERM.
+class StoreProcess {
+ public:
+  explicit StoreProcess(const std::filesystem::path& disk_dir) {
+    int out[2];
+    EXPECT_EQ(pipe(out), 0);
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      const std::string dir = disk_dir.string();
+      execl(KDN_STORE_BIN, KDN_STORE_BIN, "--listen", "tcp://127.0.0.1:0", "--host-mib", "1",
+            "--disk-dir", dir.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(out[1]);
+    FILE* f = fdopen(out[0], "r");
+    char line[256] = {};
+    if (fgets(line, sizeof(line), f) != nullptr) endpoint_ = std::string(line, strcspn(line, "\n"));
+    fclose(f);
+  }
+  ~StoreProcess() { Stop(); }
+  // Exit code after `sig`; -1 if the process was killed by it.
+  int Stop(int sig = SIGTERM) {
+    if (pid_ <= 0) return -1;
+    kill(pid_, sig);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  const std::string& endpoint() const { return endpoint_; }
+
+ private:
+  pid_t pid_ = -1;
+  std::string endpoint_;
+};
+
+TEST(StoreProcess, SurvivesARestartOrACrashWithItsDiskTierIntact) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kdn_store_restart_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  // ~1.2 MiB of chunks through 1 MiB of host memory: some are evicted from
+  // memory, all are written through to disk.
+  std::vector<std::shared_ptr<const Chunk>> chunks;
+  for (int i = 0; i < 40; ++i) chunks.push_back(MakeChunk(1000 + i, 256));
+  for (int sig : {SIGTERM, SIGKILL}) {
+    SCOPED_TRACE(sig == SIGTERM ? "clean stop" : "crash");
+    {
+      StoreProcess p(dir);
+      ASSERT_FALSE(p.endpoint().empty());
+      auto client = RemoteStore::Connect(p.endpoint()).value();
+      for (const auto& c : chunks) ASSERT_TRUE(client->Put(c).ok());
+      const int code = p.Stop(sig);
+      if (sig == SIGTERM) {
+        EXPECT_EQ(code, 0);
+      }
+    }
+    StoreProcess again(dir);
+    auto client = RemoteStore::Connect(again.endpoint()).value();
+    for (const auto& c : chunks) {
+      auto got = client->Get(c->key());
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_TRUE(std::equal((*got)->bytes().begin(), (*got)->bytes().end(), c->bytes().begin(),
+                             c->bytes().end()));
+    }
+    EXPECT_EQ(again.Stop(), 0);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

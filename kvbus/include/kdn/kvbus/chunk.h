@@ -7,6 +7,7 @@
 // tiers and transports. Thread-safe (immutable).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -46,6 +47,10 @@ class Chunk {
   // Builds a chunk from `info` and a payload of exactly info.payload_bytes().
   static Result<std::shared_ptr<const Chunk>> Make(const ChunkInfo& info,
                                                    std::vector<uint8_t> payload);
+  // Builds a chunk whose payload `fill` writes in place (exactly
+  // info.payload_bytes() bytes at the pointer it gets): one allocation, no copy.
+  static Result<std::shared_ptr<const Chunk>> Build(const ChunkInfo& info,
+                                                    const std::function<void(uint8_t*)>& fill);
   // Parses and verifies serialized bytes (header fields, sizes, checksum).
   // CORRUPTION naming what is wrong otherwise.
   static Result<std::shared_ptr<const Chunk>> Parse(std::vector<uint8_t> bytes);
@@ -61,6 +66,8 @@ class Chunk {
 
  private:
   Chunk() = default;
+  // Writes the header for info_ over bytes_[0, kHeaderBytes), checksums included.
+  void SealHeader();
   ChunkInfo info_;
   std::vector<uint8_t> bytes_;
 };

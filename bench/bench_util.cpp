@@ -1,0 +1,95 @@
+#include "bench_util.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "kdn/engine/cpu_runtime.h"
+#include "kdn/engine/presets.h"
+
+namespace kdn::bench {
+
+using namespace kdn::engine;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double SgemmPeakGflops(int n, int reps) {
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size());
+  double best = 0.0;
+  for (int r = 0; r < reps + 1; ++r) {
+    auto t0 = Clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
+    const double s = Seconds(t0, Clock::now());
+    if (r > 0) best = std::max(best, 2.0 * n * n * n / s / 1e9);  // first run warms up
+  }
+  return best;
+}
+
+double MemcpyGBps(size_t bytes, int reps) {
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  double best = 0.0;
+  for (int r = 0; r < reps + 1; ++r) {
+    auto t0 = Clock::now();
+#pragma omp parallel
+    {
+      const size_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const size_t per = bytes / nt, lo = t * per, hi = t + 1 == nt ? bytes : lo + per;
+      std::memcpy(dst.data() + lo, src.data() + lo, hi - lo);
+    }
+    const double s = Seconds(t0, Clock::now());
+    if (r > 0) best = std::max(best, 2.0 * bytes / s / 1e9);
+  }
+  return best;
+}
+
+Result<std::unique_ptr<engine::Model>> MakeModel(const Common& c, int64_t kv_tokens, std::string* what) {
+  EngineOptions opts;
+  opts.threads = c.threads;
+  opts.kv_tokens = kv_tokens;
+  if (!c.model_dir.empty()) {
+    *what = c.model_dir;
+    return Model::Load(c.model_dir, opts);
+  }
+  KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));
+  *what = "preset " + p.name + " (seed " + std::to_string(c.seed) + ")";
+  return Model::Create(p.config, GenerateWeights(p.config, c.seed, p.dtype), opts);
+}
+
+json Machine(const Common& c) {
+  return {{"backend", "cpu"},
+          {"threads", c.threads > 0 ? c.threads : omp_get_max_threads()},
+          {"hardware_threads", std::thread::hardware_concurrency()},
+          {"blas", openblas_get_config()},
+          {"blas_core", BlasCoreName()}};
+}
+
+void Emit(const Common& c, const json& j) {
+  if (c.json_path.empty()) return;
+  std::ofstream out(c.json_path);
+  out << j.dump(2) << "\n";
+  std::printf("wrote %s\n", c.json_path.c_str());
+}
+
+// FLOPs of a forward pass over n new tokens after `past` cached ones, with
+
+double MemcpyOneThreadGBps(size_t bytes, int reps) {
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  double best = 0.0;
+  for (int r = 0; r < reps + 1; ++r) {
+    auto t0 = Clock::now();
+    std::memcpy(dst.data(), src.data(), bytes);
+    const double s = Seconds(t0, Clock::now());
+    if (r > 0) best = std::max(best, bytes / s / 1e9);
+  }
+  return best;
+}
+
+}  // namespace kdn::bench

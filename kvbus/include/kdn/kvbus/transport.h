@@ -1,0 +1,183 @@
+#pragma once
+// kvbus transports: move KV chunks from one process's memory into another's
+// ChunkStore (docs/design.md, "kvbus transports"). One small interface that
+// every implementation provides: `tcp` (ZeroMQ, here), later `cuda_ipc` and
+// `nccl`; all pass tests/kvbus/transport_conformance.h.
+//
+// Asynchronous and batched: Sender::Submit hands over a batch and returns its
+// id at once; Poll or Wait report, per chunk, whether it was sent, skipped
+// (the receiver already held it) or failed, with a Status. Under the hood an
+// offer/accept handshake: the sender offers the batch's keys and sizes, the
+// receiver answers with the keys it holds (never sent) and grants slots for
+// the rest under a lease, as far as its slot capacity allows; the rest is
+// granted as acks free space. The receiver verifies every chunk
+// (Chunk::Parse, and that the key is the one announced) before it Puts it in
+// its sink. Idempotent by key: offering or sending a chunk twice is harmless.
+//
+// Failure: a receiver that goes silent fails the unfinished chunks of every
+// batch with UNAVAILABLE within SenderOptions::peer_timeout; a sender that
+// vanishes leaks nothing on the receiver, whose leases expire after
+// ReceiverOptions::lease. A batch failed for a silent receiver is cancelled
+// there (its slots freed, should the receiver only have been slow); chunks
+// already stored stay (they are verified and content-addressed).
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/chunk_store.h"
+#include "kdn/kvbus/key.h"
+
+namespace kdn::kvbus {
+
+enum class ChunkOutcome : uint8_t {
+  kPending = 0,  // not decided yet
+  kSent,         // the receiver verified and stored it (or found it held on arrival)
+  kSkipped,      // the receiver already held the key: nothing was sent
+  kFailed,       // see ChunkResult::status
+};
+const char* ChunkOutcomeName(ChunkOutcome outcome);
+
+struct ChunkResult {
+  ChunkKey key;
+  ChunkOutcome outcome = ChunkOutcome::kPending;
+  Status status;  // not OK exactly when outcome is kFailed
+};
+
+// A snapshot of one batch.
+struct BatchStatus {
+  uint64_t batch = 0;
+  bool done = false;                 // every chunk has a final outcome
+  std::vector<ChunkResult> chunks;   // in submission order
+
+  size_t Count(ChunkOutcome outcome) const;
+  // OK when done and nothing failed; the first failed chunk's Status (naming
+  // its key) when one failed; DEADLINE_EXCEEDED when not done yet.
+  Status ToStatus() const;
+};
+
+// Fault injection for tests (leveldb's fault_injection_test style): left
+// empty in production. Called on the sender's I/O thread; must be thread-safe.
+struct SenderFaults {
+  // A granted chunk for which this returns true is never sent, as if the
+  // sender died between the grant and the data. Its outcome stays kPending
+  // until the receiver goes silent.
+  std::function<bool(const ChunkKey&)> withhold_data;
+  // A chunk for which this returns true is sent with one payload byte
+  // flipped (the receiver must reject it: kFailed, CORRUPTION).
+  std::function<bool(const ChunkKey&)> corrupt_data;
+};
+
+struct SenderOptions {
+  // A sender with unfinished batches that hears nothing from its receiver for
+  // this long fails their unfinished chunks with UNAVAILABLE. Must exceed the
+  // time one chunk takes on the wire plus the receiver's slowest sink Put.
+  std::chrono::milliseconds peer_timeout{10000};
+  // While busy, the sender pings at this interval (the receiver answers), and
+  // ZeroMQ heartbeats the connection at it. Must be below peer_timeout, and
+  // should be well below the receivers' lease (a receiver drops the queued
+  // offers of a sender silent for a lease; the sender offers them again on
+  // its next ping, which costs a round trip).
+  std::chrono::milliseconds heartbeat_interval{1000};
+  // SO_SNDBUF of the connection; 0 leaves it to the OS (autotuning). On
+  // loopback about 1 MiB roughly doubles throughput over the default; over a
+  // long fat link a fixed size can cap it below the bandwidth-delay product.
+  int socket_buffer_bytes = 0;
+  SenderFaults faults;
+};
+
+struct ReceiverOptions {
+  // Bytes of granted but not yet arrived chunks the receiver allows at once
+  // (the memory it commits to transfers in flight). A chunk larger than this
+  // is refused with RESOURCE_EXHAUSTED. Must be > 0.
+  uint64_t slot_capacity_bytes = uint64_t{1} << 30;
+  // A granted slot whose chunk has not arrived this long after the grant is
+  // freed (a late chunk is still accepted). Offers waiting for slots are
+  // dropped once their sender has been silent this long (a live sender offers
+  // them again). Keep it well above the senders' heartbeat_interval.
+  std::chrono::milliseconds lease{30000};
+  // ZeroMQ heartbeat interval on the receiver's connections.
+  std::chrono::milliseconds heartbeat_interval{1000};
+  // SO_RCVBUF of its connections; 0 leaves it to the OS (see SenderOptions).
+  int socket_buffer_bytes = 0;
+};
+
+struct ReceiverStats {
+  uint64_t offers = 0;            // offer messages handled
+  uint64_t chunks_offered = 0;
+  uint64_t chunks_held = 0;       // offered keys the sink already held (skipped)
+  uint64_t chunks_granted = 0;
+  uint64_t chunks_received = 0;   // chunk frames that arrived, valid or not
+  uint64_t bytes_received = 0;    // their bytes
+  uint64_t chunks_stored = 0;     // verified and Put into the sink
+  uint64_t duplicates = 0;        // verified but already held on arrival
+  uint64_t chunks_rejected = 0;   // failed verification: never stored
+  uint64_t put_failures = 0;      // the sink refused a verified chunk
+  uint64_t bad_messages = 0;      // undecodable frames, dropped
+  uint64_t leases_expired = 0;
+  uint64_t leases_cancelled = 0;
+  uint64_t leased_bytes = 0;      // granted and not yet arrived, now
+  uint64_t peak_leased_bytes = 0;
+  uint64_t waiting_chunks = 0;    // offered, waiting for a slot, now
+};
+
+// The sending end of one connection to one receiver. Thread-safe: Submit,
+// Poll and Wait may be called from any threads. One background I/O thread
+// per Sender; the destructor stops it (unfinished chunks are abandoned, and
+// the receiver's leases for them expire). Must not be destroyed while
+// another thread is inside one of its calls.
+class Sender {
+ public:
+  virtual ~Sender() = default;
+
+  // Queues `chunks` (non-null; a key may repeat: later copies share the first
+  // one's outcome) for delivery and returns the batch's id at once. The
+  // sender keeps the chunks alive until they are sent or the batch ends.
+  // INVALID_ARGUMENT for a null chunk; the I/O thread's fatal error if it died.
+  virtual Result<uint64_t> Submit(std::vector<std::shared_ptr<const Chunk>> chunks) = 0;
+
+  // A snapshot of `batch`. Once a Poll or Wait has reported the batch done,
+  // the sender forgets it and later calls give NOT_FOUND.
+  virtual Result<BatchStatus> Poll(uint64_t batch) = 0;
+
+  // Blocks until `batch` is done or `timeout` passes, then returns as Poll
+  // does (done is false on a timeout). Never blocks longer than `timeout`.
+  virtual Result<BatchStatus> Wait(uint64_t batch, std::chrono::milliseconds timeout) = 0;
+
+  // The receiver's endpoint this sender delivers to.
+  virtual std::string endpoint() const = 0;
+};
+
+// The receiving end: accepts connections from any number of senders and
+// delivers verified chunks into the sink given at creation, which must
+// outlive the Receiver. Thread-safe: endpoint() and Stats() from any thread.
+// One background I/O thread; the destructor stops it and closes the socket
+// (senders then see the receiver as gone).
+class Receiver {
+ public:
+  virtual ~Receiver() = default;
+  // The endpoint senders connect to, with the port the OS chose if port 0
+  // was asked for (e.g. "tcp://127.0.0.1:40123").
+  virtual std::string endpoint() const = 0;
+  virtual ReceiverStats Stats() const = 0;
+};
+
+// Connects to a receiver at `endpoint` ("tcp://host:port"). Connecting is
+// asynchronous: a receiver that is not up yet gets the data once it is, and
+// one that never comes fails batches after peer_timeout. INVALID_ARGUMENT for
+// a malformed endpoint or options.
+Result<std::unique_ptr<Sender>> ConnectTcp(const std::string& endpoint,
+                                           const SenderOptions& options = {});
+
+// Binds `endpoint` ("tcp://host:port"; port 0 or * picks a free one, see
+// Receiver::endpoint) and delivers into `sink`. UNAVAILABLE if the address
+// cannot be bound (in use), INVALID_ARGUMENT if malformed.
+Result<std::unique_ptr<Receiver>> ListenTcp(const std::string& endpoint, ChunkStore& sink,
+                                            const ReceiverOptions& options = {});
+
+}  // namespace kdn::kvbus

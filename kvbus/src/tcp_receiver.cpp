@@ -1,0 +1,371 @@
+// The tcp transport's receiving end: a ROUTER that any number of senders'
+// DEALERs connect to, driven by one I/O thread. Offers queue up in arrival
+// order and are granted while slot capacity lasts; chunks are verified and
+// Put into the sink; decisions and acks go out in one message per peer and
+// batch at the end of each round.
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <optional>
+
+#include "tcp_transport_internal.h"
+#include "zmq_check.h"
+
+namespace kdn::kvbus {
+
+namespace {
+
+// A round handles this many messages (or bytes) before acks and grants go out.
+constexpr int kMaxMessagesPerRound = 256;
+constexpr uint64_t kMaxBytesPerRound = uint64_t{64} << 20;
+// Room for control frames (offers are split at 16384 entries) beyond a chunk.
+constexpr int64_t kControlFrameAllowance = int64_t{4} << 20;
+
+}  // namespace
+
+TcpReceiver::TcpReceiver(ChunkStore& sink, const ReceiverOptions& options)
+    : options_(options), sink_(sink), context_(1) {}
+
+Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint,
+                                                     ChunkStore& sink,
+                                                     const ReceiverOptions& options) {
+  if (options.slot_capacity_bytes == 0 || options.lease.count() <= 0 ||
+      options.heartbeat_interval.count() <= 0 || options.socket_buffer_bytes < 0) {
+    return InvalidArgument(
+        "kvbus tcp receiver: slot_capacity_bytes, lease and heartbeat_interval must be > 0, "
+        "socket_buffer_bytes >= 0");
+  }
+  KDN_ASSIGN_OR_RETURN(const std::string zmq_endpoint, NormalizeTcpEndpoint(endpoint, true));
+  KDN_ASSIGN_OR_RETURN(std::unique_ptr<WakeFd> wake, WakeFd::Make());
+  std::unique_ptr<TcpReceiver> r;
+  KDN_ZMQ_RETURN_IF_ERROR(r.reset(new TcpReceiver(sink, options)));
+  r->wake_ = std::move(wake);
+  KDN_ZMQ_RETURN_IF_ERROR(r->socket_ = zmq::socket_t(r->context_, zmq::socket_type::router));
+  KDN_RETURN_IF_ERROR(SetCommonSocketOptions(r->socket_, options.heartbeat_interval,
+                                             5 * options.heartbeat_interval));
+  // A sender that reconnects with its routing id takes its old place.
+  KDN_ZMQ_RETURN_IF_ERROR(r->socket_.set(zmq::sockopt::router_handover, true));
+  KDN_ZMQ_RETURN_IF_ERROR(r->socket_.set(zmq::sockopt::sndhwm, 100000));
+  if (options.socket_buffer_bytes > 0) {
+    KDN_ZMQ_RETURN_IF_ERROR(r->socket_.set(zmq::sockopt::rcvbuf, options.socket_buffer_bytes));
+  }
+  // No legitimate frame exceeds the largest chunk the receiver accepts.
+  const uint64_t max_frame = options.slot_capacity_bytes + kControlFrameAllowance;
+  if (max_frame < uint64_t{INT64_MAX}) {
+    KDN_ZMQ_RETURN_IF_ERROR(
+        r->socket_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(max_frame)));
+  }
+  KDN_ZMQ_RETURN_IF_ERROR(r->socket_.bind(zmq_endpoint));
+  KDN_ZMQ_RETURN_IF_ERROR(r->endpoint_ = r->socket_.get(zmq::sockopt::last_endpoint));
+  r->next_peer_check_ = TransportClock::now();
+  r->thread_ = std::thread(&TcpReceiver::Run, r.get());
+  return std::unique_ptr<Receiver>(std::move(r));
+}
+
+TcpReceiver::~TcpReceiver() {
+  stop_ = true;
+  if (wake_) wake_->Signal();
+  if (thread_.joinable()) thread_.join();
+  socket_.close();  // linger 0
+  context_.close();
+}
+
+ReceiverStats TcpReceiver::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return published_;
+}
+
+void TcpReceiver::Publish() {
+  stats_.waiting_chunks = waiting_.size();
+  std::lock_guard<std::mutex> lock(mu_);
+  published_ = stats_;
+}
+
+void TcpReceiver::Run() {
+  pthread_setname_np(pthread_self(), "kvbus-tcp-recv");
+  while (!stop_) {
+    const Status st = RunOnce();
+    if (!st.ok()) {
+      // No caller to hand this to: senders see the receiver go silent.
+      std::fprintf(stderr, "kvbus tcp receiver at %s stopped: %s\n", endpoint_.c_str(),
+                   st.ToString().c_str());
+      return;
+    }
+  }
+}
+
+Status TcpReceiver::RunOnce() {
+  auto now = TransportClock::now();
+  std::optional<TransportClock::time_point> next;
+  if (!lease_deadlines_.empty()) next = lease_deadlines_.begin()->first;
+  if (!last_seen_.empty()) next = next ? std::min(*next, next_peer_check_) : next_peer_check_;
+  int timeout_ms = -1;
+  if (next) {
+    timeout_ms = *next <= now ? 0
+                              : static_cast<int>(std::min<int64_t>(
+                                    std::chrono::ceil<std::chrono::milliseconds>(*next - now).count(),
+                                    60'000));
+  }
+  zmq_pollitem_t items[2] = {{socket_.handle(), 0, ZMQ_POLLIN, 0},
+                             {nullptr, wake_->fd(), ZMQ_POLLIN, 0}};
+  if (zmq_poll(items, 2, timeout_ms) < 0) {
+    if (zmq_errno() == EINTR) return Status::Ok();
+    return ZmqErrorStatus(zmq_errno(), "zmq_poll");
+  }
+  if (items[1].revents & ZMQ_POLLIN) wake_->Drain();
+  if (items[0].revents & ZMQ_POLLIN) {
+    const uint64_t bytes_before = stats_.bytes_received;
+    for (int n = 0; n < kMaxMessagesPerRound; ++n) {
+      bool got = false;
+      KDN_RETURN_IF_ERROR(ReceiveOne(got));
+      if (!got || stats_.bytes_received - bytes_before >= kMaxBytesPerRound) break;
+    }
+  }
+  now = TransportClock::now();
+  ExpireLeases(now);
+  if (now >= next_peer_check_) ForgetSilentPeers(now);
+  GrantWaiting(now);
+  // Before the acks go out, so that a sender that saw its batch done reads
+  // stats that count it.
+  Publish();
+  return Flush();
+}
+
+Status TcpReceiver::ReceiveOne(bool& got) {
+  zmq::message_t peer;
+  KDN_ASSIGN_OR_RETURN(got, TryRecv(socket_, peer));
+  if (!got) return Status::Ok();
+  // [peer routing id][frame][chunk bytes, for a chunk header only]
+  zmq::message_t parts[2];
+  size_t count = 0;
+  bool more = peer.more();
+  while (more) {
+    zmq::message_t part;
+    KDN_ZMQ_RETURN_IF_ERROR(socket_.recv(part, zmq::recv_flags::none));
+    more = part.more();
+    if (count < 2) parts[count] = std::move(part);
+    ++count;
+  }
+  if (count == 0 || count > 2) {
+    ++stats_.bad_messages;
+    return Status::Ok();
+  }
+  Handle(std::string(peer.data<char>(), peer.size()), parts[0], count == 2 ? &parts[1] : nullptr);
+  return Status::Ok();
+}
+
+void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
+                         const zmq::message_t* data) {
+  last_seen_[peer] = TransportClock::now();
+  Result<WireMessage> message = DecodeWire(head.data(), head.size());
+  if (!message.ok()) {
+    ++stats_.bad_messages;
+    return;
+  }
+  if (const auto* h = std::get_if<WireChunkHeader>(&*message)) {
+    if (!data) {
+      ++stats_.bad_messages;
+      return;
+    }
+    HandleChunk(peer, *h, data);
+    return;
+  }
+  if (data) {  // only a chunk header is followed by bytes
+    ++stats_.bad_messages;
+    return;
+  }
+  if (const auto* offer = std::get_if<WireOffer>(&*message)) {
+    HandleOffer(peer, *offer);
+  } else if (const auto* cancel = std::get_if<WireCancel>(&*message)) {
+    HandleCancel(peer, *cancel);
+  } else if (const auto* ping = std::get_if<WirePing>(&*message)) {
+    Outbox& box = outbox_[peer];
+    box.pong = true;
+    box.pong_seq = ping->seq;
+  } else {
+    ++stats_.bad_messages;  // decisions, acks, pongs: a receiver never gets these
+  }
+}
+
+void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
+  ++stats_.offers;
+  std::vector<WireDecision>& out = outbox_[peer].decisions[m.batch];
+  for (const WireOfferEntry& e : m.entries) {
+    ++stats_.chunks_offered;
+    if (e.bytes > options_.slot_capacity_bytes) {
+      out.push_back(WireDecision{
+          e.key, WireDecisionKind::kRejected,
+          ResourceExhausted("chunk " + e.key.ToHex() + " of " + std::to_string(e.bytes) +
+                            " bytes exceeds the receiver's slot capacity of " +
+                            std::to_string(options_.slot_capacity_bytes) + " bytes")});
+      continue;
+    }
+    if (sink_.Contains(e.key)) {
+      ++stats_.chunks_held;
+      out.push_back(WireDecision{e.key, WireDecisionKind::kHeld, Status::Ok()});
+      continue;
+    }
+    LeaseKey id{peer, m.batch, e.key};
+    if (leases_.count(id) != 0) continue;  // offered again: its grant stands
+    waiting_.push_back(WaitingOffer{std::move(id), e.bytes});
+  }
+}
+
+void TcpReceiver::GrantWaiting(TransportClock::time_point now) {
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const LeaseKey& id = it->id;
+    if (sink_.Contains(id.key)) {  // delivered meanwhile, maybe by another offer
+      ++stats_.chunks_held;
+      outbox_[id.peer].decisions[id.batch].push_back(
+          WireDecision{id.key, WireDecisionKind::kHeld, Status::Ok()});
+      it = waiting_.erase(it);
+      continue;
+    }
+    // On its way under another lease: wait for it rather than move it twice.
+    if (leased_keys_.count(id.key) != 0) {
+      ++it;
+      continue;
+    }
+    // First come, first served: a large offer is not overtaken forever.
+    if (stats_.leased_bytes + it->bytes > options_.slot_capacity_bytes) break;
+    const TransportClock::time_point deadline = now + options_.lease;
+    leases_.emplace(id, Lease{it->bytes, deadline});
+    lease_deadlines_.emplace(deadline, id);
+    ++leased_keys_[id.key];
+    stats_.leased_bytes += it->bytes;
+    stats_.peak_leased_bytes = std::max(stats_.peak_leased_bytes, stats_.leased_bytes);
+    ++stats_.chunks_granted;
+    outbox_[id.peer].decisions[id.batch].push_back(
+        WireDecision{id.key, WireDecisionKind::kGranted, Status::Ok()});
+    it = waiting_.erase(it);
+  }
+}
+
+bool TcpReceiver::ReleaseLease(const LeaseKey& id) {
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return false;
+  stats_.leased_bytes -= it->second.bytes;
+  auto k = leased_keys_.find(id.key);
+  if (k != leased_keys_.end() && --k->second <= 0) leased_keys_.erase(k);
+  // Last: `id` may be the very entry erased here.
+  auto deadline = std::make_pair(it->second.deadline, it->first);
+  leases_.erase(it);
+  lease_deadlines_.erase(deadline);
+  return true;
+}
+
+void TcpReceiver::ExpireLeases(TransportClock::time_point now) {
+  while (!lease_deadlines_.empty() && lease_deadlines_.begin()->first <= now) {
+    ReleaseLease(lease_deadlines_.begin()->second);  // erases the deadline too
+    ++stats_.leases_expired;
+  }
+}
+
+void TcpReceiver::ForgetSilentPeers(TransportClock::time_point now) {
+  next_peer_check_ = now + std::clamp(options_.lease / 4, std::chrono::milliseconds(10),
+                                      std::chrono::milliseconds(1000));
+  const auto silent = [&](const std::string& peer) {
+    auto it = last_seen_.find(peer);
+    return it == last_seen_.end() || now - it->second > options_.lease;
+  };
+  waiting_.remove_if([&](const WaitingOffer& w) { return silent(w.id.peer); });
+  std::erase_if(last_seen_, [&](const auto& p) { return now - p.second > options_.lease; });
+}
+
+void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
+  std::vector<LeaseKey> ids;
+  if (m.keys.empty()) {
+    for (auto it = leases_.lower_bound(LeaseKey{peer, m.batch, ChunkKey{}});
+         it != leases_.end() && it->first.peer == peer && it->first.batch == m.batch; ++it) {
+      ids.push_back(it->first);
+    }
+  } else {
+    for (const ChunkKey& k : m.keys) ids.push_back(LeaseKey{peer, m.batch, k});
+  }
+  for (const LeaseKey& id : ids) {
+    if (ReleaseLease(id)) ++stats_.leases_cancelled;
+  }
+  waiting_.remove_if([&](const WaitingOffer& w) {
+    return w.id.peer == peer && w.id.batch == m.batch &&
+           (m.keys.empty() || std::find(m.keys.begin(), m.keys.end(), w.id.key) != m.keys.end());
+  });
+}
+
+void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
+                              const zmq::message_t* data) {
+  ++stats_.chunks_received;
+  stats_.bytes_received += data->size();
+  ReleaseLease(LeaseKey{peer, h.batch, h.key});
+  WireAck ack{h.batch, h.key, Status::Ok(), false};
+  const auto reject = [&](Status why) {
+    ++stats_.chunks_rejected;
+    ack.status = std::move(why);
+  };
+  // Bytes without a lease (it expired, or was never asked for) are still
+  // taken: they are here already, and verified like any others.
+  if (data->size() != h.bytes) {
+    reject(Corruption("chunk " + h.key.ToHex() + ": " + std::to_string(data->size()) +
+                      " bytes arrived, " + std::to_string(h.bytes) + " announced"));
+  } else if (sink_.Contains(h.key)) {
+    ++stats_.duplicates;
+    ack.duplicate = true;
+  } else {
+    const uint8_t* p = data->data<uint8_t>();
+    // The one copy on this side: Chunk owns its bytes as a vector.
+    Result<std::shared_ptr<const Chunk>> chunk =
+        Chunk::Parse(std::vector<uint8_t>(p, p + data->size()));
+    if (!chunk.ok()) {
+      reject(chunk.status());
+    } else if ((*chunk)->key() != h.key) {
+      reject(Corruption("chunk announced as " + h.key.ToHex() + " carries key " +
+                        (*chunk)->key().ToHex()));
+    } else {
+      Status put = sink_.Put(std::move(chunk).value());
+      if (put.ok()) {
+        ++stats_.chunks_stored;
+      } else {
+        ++stats_.put_failures;
+        ack.status = put.WithContext("sink " + sink_.name());
+      }
+    }
+  }
+  outbox_[peer].acks.push_back(std::move(ack));
+}
+
+Status TcpReceiver::Flush() {
+  const auto send_to = [this](const std::string& peer, const WireMessage& m) -> Status {
+    KDN_ASSIGN_OR_RETURN(zmq::message_t frame, EncodeWire(m));
+    zmq::message_t id(peer.data(), peer.size());
+    // A peer that is gone, or whose queue is full, loses the frame: its own
+    // timeouts take over from there.
+    KDN_ASSIGN_OR_RETURN(const bool queued, TrySend(socket_, id, /*more=*/true));
+    if (queued) KDN_RETURN_IF_ERROR(TrySend(socket_, frame, /*more=*/false).status());
+    return Status::Ok();
+  };
+  for (auto& [peer, box] : outbox_) {
+    for (auto& [batch, decisions] : box.decisions) {
+      if (!decisions.empty()) {
+        KDN_RETURN_IF_ERROR(send_to(peer, WireDecisions{batch, std::move(decisions)}));
+      }
+    }
+    if (!box.acks.empty()) KDN_RETURN_IF_ERROR(send_to(peer, WireAcks{std::move(box.acks)}));
+    if (box.pong) {
+      WirePong pong{box.pong_seq, {}};
+      for (const WaitingOffer& w : waiting_) {
+        if (w.id.peer == peer) pong.waiting_batches.push_back(w.id.batch);
+      }
+      std::sort(pong.waiting_batches.begin(), pong.waiting_batches.end());
+      pong.waiting_batches.erase(
+          std::unique(pong.waiting_batches.begin(), pong.waiting_batches.end()),
+          pong.waiting_batches.end());
+      KDN_RETURN_IF_ERROR(send_to(peer, pong));
+    }
+  }
+  outbox_.clear();
+  return Status::Ok();
+}
+
+}  // namespace kdn::kvbus

@@ -1,0 +1,468 @@
+// The tcp transport's sending end: a DEALER connected to one receiver's
+// ROUTER, driven by one I/O thread. Submit queues a batch and wakes the
+// thread; the thread offers the batch's keys, sends what the receiver grants
+// (zero-copy: ZeroMQ holds a reference to the chunk until its bytes are on
+// the wire), and records decisions and acks for Poll and Wait.
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <random>
+
+#include "tcp_transport_internal.h"
+#include "zmq_check.h"
+
+namespace kdn::kvbus {
+
+namespace {
+
+// Offers are split so that no control frame grows without bound.
+constexpr size_t kMaxOfferEntries = 16384;
+// Messages handled per round before queued sends get their turn.
+constexpr int kMaxReceivesPerRound = 1024;
+
+void ReleaseChunk(void* /*data*/, void* hint) {
+  delete static_cast<std::shared_ptr<const Chunk>*>(hint);
+}
+
+// A routing id that stays the same across reconnects, so the receiver's
+// leases still match after a dropped connection comes back.
+std::string MakeRoutingId() {
+  std::random_device rd;
+  std::string id(16, '\0');
+  for (char& c : id) c = static_cast<char>(rd() & 0xff);
+  id[0] = static_cast<char>(0x80 | (id[0] & 0x7f));  // a leading 0 is reserved by ZeroMQ
+  return id;
+}
+
+int PollTimeoutMs(TransportClock::time_point now, TransportClock::time_point next) {
+  if (next <= now) return 0;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now).count();
+  return static_cast<int>(std::min<int64_t>(ms, 60'000));
+}
+
+}  // namespace
+
+TcpSender::TcpSender(std::string endpoint, const SenderOptions& options)
+    : endpoint_(std::move(endpoint)), options_(options), context_(1) {}
+
+Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
+                                                 const SenderOptions& options) {
+  if (options.heartbeat_interval.count() <= 0 ||
+      options.peer_timeout <= options.heartbeat_interval || options.socket_buffer_bytes < 0) {
+    return InvalidArgument(
+        "kvbus tcp sender: needs 0 < heartbeat_interval < peer_timeout and "
+        "socket_buffer_bytes >= 0");
+  }
+  KDN_ASSIGN_OR_RETURN(const std::string zmq_endpoint, NormalizeTcpEndpoint(endpoint, false));
+  KDN_ASSIGN_OR_RETURN(std::unique_ptr<WakeFd> wake, WakeFd::Make());
+  std::unique_ptr<TcpSender> s;
+  KDN_ZMQ_RETURN_IF_ERROR(s.reset(new TcpSender(endpoint, options)));
+  s->wake_ = std::move(wake);
+  KDN_ZMQ_RETURN_IF_ERROR(s->socket_ = zmq::socket_t(s->context_, zmq::socket_type::dealer));
+  KDN_RETURN_IF_ERROR(
+      SetCommonSocketOptions(s->socket_, options.heartbeat_interval, options.peer_timeout));
+  KDN_ZMQ_RETURN_IF_ERROR(s->socket_.set(zmq::sockopt::routing_id, MakeRoutingId()));
+  // Queued chunk frames reference the chunks (no copies), so a deep queue
+  // costs little memory; the receiver's grants bound it anyway.
+  KDN_ZMQ_RETURN_IF_ERROR(s->socket_.set(zmq::sockopt::sndhwm, 100000));
+  if (options.socket_buffer_bytes > 0) {
+    KDN_ZMQ_RETURN_IF_ERROR(s->socket_.set(zmq::sockopt::sndbuf, options.socket_buffer_bytes));
+  }
+  KDN_ZMQ_RETURN_IF_ERROR(s->socket_.connect(zmq_endpoint));
+  s->thread_ = std::thread(&TcpSender::Run, s.get());
+  return std::unique_ptr<Sender>(std::move(s));
+}
+
+TcpSender::~TcpSender() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  if (wake_) wake_->Signal();
+  if (thread_.joinable()) thread_.join();
+  control_.clear();
+  data_.clear();
+  socket_.close();  // linger 0: unsent frames are dropped (and their chunks released)
+  context_.close();
+  std::lock_guard<std::mutex> lock(mu_);
+  FailAllLocked(Unavailable("kvbus tcp sender to " + endpoint_ + " closed"));
+  done_cv_.notify_all();
+}
+
+Result<uint64_t> TcpSender::Submit(std::vector<std::shared_ptr<const Chunk>> chunks) {
+  Batch batch;
+  batch.slots.resize(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (!chunks[i]) return InvalidArgument("kvbus Submit: chunk " + std::to_string(i) + " is null");
+    Slot& slot = batch.slots[i];
+    slot.result.key = chunks[i]->key();
+    slot.chunk = std::move(chunks[i]);
+    auto [first, inserted] = batch.index.emplace(slot.result.key, static_cast<uint32_t>(i));
+    if (!inserted) {
+      slot.duplicate = true;
+      batch.slots[first->second].copies.push_back(static_cast<uint32_t>(i));
+    }
+  }
+  batch.unfinished = batch.slots.size();
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!fatal_.ok()) return fatal_;
+    if (stop_) return Unavailable("kvbus tcp sender to " + endpoint_ + " is closing");
+    id = next_batch_++;
+    unfinished_ += batch.unfinished;
+    const bool empty = batch.slots.empty();
+    batches_.emplace(id, std::move(batch));
+    if (empty) return id;
+    to_offer_.push_back(id);
+  }
+  wake_->Signal();
+  return id;
+}
+
+Result<BatchStatus> TcpSender::Poll(uint64_t batch) {
+  return Wait(batch, std::chrono::milliseconds(0));
+}
+
+Result<BatchStatus> TcpSender::Wait(uint64_t batch, std::chrono::milliseconds timeout) {
+  // A year is forever here, and keeps the deadline from overflowing.
+  timeout = std::clamp(timeout, std::chrono::milliseconds(0),
+                       std::chrono::milliseconds(365LL * 24 * 3600 * 1000));
+  const auto deadline = TransportClock::now() + timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait_until(lock, deadline, [&] {
+    auto it = batches_.find(batch);
+    return it == batches_.end() || it->second.unfinished == 0;
+  });
+  auto it = batches_.find(batch);
+  if (it == batches_.end()) {
+    return NotFound("kvbus tcp sender: no batch " + std::to_string(batch) +
+                    " (never submitted, or already reported done)");
+  }
+  BatchStatus status = SnapshotLocked(batch, it->second);
+  if (status.done) batches_.erase(it);
+  return status;
+}
+
+BatchStatus TcpSender::SnapshotLocked(uint64_t id, const Batch& batch) const {
+  BatchStatus s;
+  s.batch = id;
+  s.done = batch.unfinished == 0;
+  s.chunks.reserve(batch.slots.size());
+  for (const Slot& slot : batch.slots) s.chunks.push_back(slot.result);
+  return s;
+}
+
+void TcpSender::Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status) {
+  Slot& first = batch.slots[slot];
+  if (first.phase == Phase::kDone) return;
+  const auto apply = [&](Slot& s) {
+    s.phase = Phase::kDone;
+    s.result.outcome = outcome;
+    s.result.status = status;
+    s.chunk.reset();  // the batch no longer needs the bytes
+    --batch.unfinished;
+    --unfinished_;
+  };
+  apply(first);
+  for (uint32_t c : first.copies) apply(batch.slots[c]);
+}
+
+void TcpSender::FailAllLocked(const Status& status) {
+  for (auto& [id, batch] : batches_) {
+    for (uint32_t i = 0; i < batch.slots.size() && batch.unfinished > 0; ++i) {
+      if (!batch.slots[i].duplicate) Finish(batch, i, ChunkOutcome::kFailed, status);
+    }
+  }
+  to_offer_.clear();
+}
+
+void TcpSender::Run() {
+  pthread_setname_np(pthread_self(), "kvbus-tcp-send");
+  last_heard_ = last_ping_ = TransportClock::now();
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+    }
+    const Status st = RunOnce();
+    if (!st.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      fatal_ = st.WithContext("kvbus tcp sender to " + endpoint_);
+      FailAllLocked(fatal_);
+      done_cv_.notify_all();
+      return;
+    }
+  }
+}
+
+Status TcpSender::RunOnce() {
+  auto now = TransportClock::now();
+  bool busy = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy = unfinished_ > 0;
+  }
+  // The receiver's silence is measured from when there was work to hear about.
+  if (busy && !busy_) last_heard_ = last_ping_ = now;
+  busy_ = busy;
+  int timeout_ms = -1;
+  if (busy) {
+    timeout_ms = PollTimeoutMs(
+        now, std::min(last_ping_ + options_.heartbeat_interval, last_heard_ + options_.peer_timeout));
+  }
+  const bool want_out = !control_.empty() || !data_.empty();
+  zmq_pollitem_t items[2] = {
+      {socket_.handle(), 0, static_cast<short>(ZMQ_POLLIN | (want_out ? ZMQ_POLLOUT : 0)), 0},
+      {nullptr, wake_->fd(), ZMQ_POLLIN, 0}};
+  if (zmq_poll(items, 2, timeout_ms) < 0) {
+    if (zmq_errno() == EINTR) return Status::Ok();
+    return ZmqErrorStatus(zmq_errno(), "zmq_poll");
+  }
+  if (items[1].revents & ZMQ_POLLIN) wake_->Drain();
+  KDN_RETURN_IF_ERROR(OfferNewBatches());
+  if (items[0].revents & ZMQ_POLLIN) KDN_RETURN_IF_ERROR(ReceiveAll());
+  KDN_RETURN_IF_ERROR(FlushControl());
+  KDN_RETURN_IF_ERROR(FlushData());
+  CheckPeer(TransportClock::now());
+  return FlushControl();
+}
+
+Status TcpSender::OfferNewBatches() {
+  std::vector<WireOffer> offers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint64_t id : to_offer_) {
+      auto it = batches_.find(id);
+      if (it == batches_.end()) continue;
+      for (uint32_t i = 0; i < it->second.slots.size(); ++i) {
+        Slot& slot = it->second.slots[i];
+        if (slot.duplicate || slot.phase != Phase::kOffered) continue;
+        // Pings wait for an empty control queue, so the next one follows this offer.
+        slot.offered_before_ping = ping_seq_ + 1;
+        if (offers.empty() || offers.back().batch != id ||
+            offers.back().entries.size() >= kMaxOfferEntries) {
+          offers.push_back(WireOffer{id, {}});
+        }
+        offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk->size()});
+      }
+    }
+    to_offer_.clear();
+  }
+  for (const WireOffer& offer : offers) {
+    KDN_ASSIGN_OR_RETURN(zmq::message_t frame, EncodeWire(offer));
+    control_.push_back(std::move(frame));
+  }
+  return Status::Ok();
+}
+
+Status TcpSender::ReceiveAll() {
+  for (int n = 0; n < kMaxReceivesPerRound; ++n) {
+    zmq::message_t frame;
+    KDN_ASSIGN_OR_RETURN(const bool got, TryRecv(socket_, frame));
+    if (!got) break;
+    last_heard_ = TransportClock::now();
+    // A receiver sends single frames; anything after one is dropped.
+    bool more = frame.more();
+    while (more) {
+      zmq::message_t extra;
+      KDN_ZMQ_RETURN_IF_ERROR(socket_.recv(extra, zmq::recv_flags::none));
+      more = extra.more();
+    }
+    Result<WireMessage> message = DecodeWire(frame.data(), frame.size());
+    if (!message.ok()) continue;  // not from a kvbus receiver of this version
+    if (const auto* d = std::get_if<WireDecisions>(&*message)) {
+      HandleDecisions(*d);
+    } else if (const auto* a = std::get_if<WireAcks>(&*message)) {
+      HandleAcks(*a);
+    } else if (const auto* p = std::get_if<WirePong>(&*message)) {
+      HandlePong(*p);
+    }
+  }
+  return Status::Ok();
+}
+
+void TcpSender::HandleDecisions(const WireDecisions& m) {
+  WireCancel orphans{m.batch, {}};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = batches_.find(m.batch);
+    for (const WireDecision& d : m.decisions) {
+      Batch* batch = it == batches_.end() ? nullptr : &it->second;
+      auto slot = batch ? batch->index.find(d.key) : decltype(batch->index)::iterator();
+      if (!batch || slot == batch->index.end()) {
+        // A grant for a batch this sender gave up on: hand the slot back.
+        if (d.kind == WireDecisionKind::kGranted) orphans.keys.push_back(d.key);
+        continue;
+      }
+      Slot& s = batch->slots[slot->second];
+      if (s.phase != Phase::kOffered) continue;  // decided already: a repeat is harmless
+      switch (d.kind) {
+        case WireDecisionKind::kHeld:
+          Finish(*batch, slot->second, ChunkOutcome::kSkipped, Status::Ok());
+          break;
+        case WireDecisionKind::kGranted:
+          s.phase = Phase::kGranted;
+          data_.push_back(Outgoing{m.batch, slot->second, s.chunk});
+          break;
+        case WireDecisionKind::kRejected:
+          Finish(*batch, slot->second, ChunkOutcome::kFailed, d.status);
+          break;
+      }
+    }
+  }
+  done_cv_.notify_all();
+  if (!orphans.keys.empty()) {
+    Result<zmq::message_t> frame = EncodeWire(orphans);
+    if (frame.ok()) control_.push_back(std::move(frame).value());
+  }
+}
+
+void TcpSender::HandleAcks(const WireAcks& m) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const WireAck& a : m.acks) {
+      auto it = batches_.find(a.batch);
+      if (it == batches_.end()) continue;
+      auto slot = it->second.index.find(a.key);
+      if (slot == it->second.index.end()) continue;
+      Slot& s = it->second.slots[slot->second];
+      if (s.phase != Phase::kGranted && s.phase != Phase::kInFlight) continue;
+      Finish(it->second, slot->second, a.status.ok() ? ChunkOutcome::kSent : ChunkOutcome::kFailed,
+             a.status);
+    }
+  }
+  done_cv_.notify_all();
+}
+
+void TcpSender::HandlePong(const WirePong& m) {
+  // The receiver answered this Ping after every offer sent before it, and
+  // after the decisions on them: an offer that is still undecided and whose
+  // batch it does not list was dropped (this sender had gone silent for a
+  // lease). Offering again is harmless: offers are idempotent by key.
+  std::vector<WireOffer> offers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, batch] : batches_) {
+      if (batch.unfinished == 0 ||
+          std::binary_search(m.waiting_batches.begin(), m.waiting_batches.end(), id)) {
+        continue;
+      }
+      for (Slot& slot : batch.slots) {
+        if (slot.duplicate || slot.phase != Phase::kOffered || slot.offered_before_ping > m.seq) {
+          continue;
+        }
+        if (offers.empty() || offers.back().batch != id ||
+            offers.back().entries.size() >= kMaxOfferEntries) {
+          offers.push_back(WireOffer{id, {}});
+        }
+        offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk->size()});
+        slot.offered_before_ping = ping_seq_ + 1;
+      }
+    }
+  }
+  for (const WireOffer& offer : offers) {
+    Result<zmq::message_t> frame = EncodeWire(offer);
+    if (frame.ok()) control_.push_back(std::move(frame).value());
+  }
+}
+
+Status TcpSender::FlushControl() {
+  while (!control_.empty()) {
+    KDN_ASSIGN_OR_RETURN(const bool sent, TrySend(socket_, control_.front(), false));
+    if (!sent) break;
+    control_.pop_front();
+  }
+  return Status::Ok();
+}
+
+Status TcpSender::FlushData() {
+  while (!data_.empty()) {
+    Outgoing& out = data_.front();
+    if (!out.claimed) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = batches_.find(out.batch);
+      if (it == batches_.end() || it->second.slots[out.slot].phase != Phase::kGranted) {
+        data_.pop_front();  // decided meanwhile (failed, or acked by a repeat)
+        continue;
+      }
+      it->second.slots[out.slot].phase = Phase::kInFlight;
+      out.claimed = true;
+    }
+    if (!out.header_sent && options_.faults.withhold_data &&
+        options_.faults.withhold_data(out.chunk->key())) {
+      data_.pop_front();
+      continue;
+    }
+    bool sent = false;
+    KDN_RETURN_IF_ERROR(SendChunk(out, sent));
+    if (!sent) break;
+    data_.pop_front();
+  }
+  return Status::Ok();
+}
+
+Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
+  sent = false;
+  const Chunk& chunk = *out.chunk;
+  if (!out.header_sent) {
+    KDN_ASSIGN_OR_RETURN(zmq::message_t header,
+                         EncodeWire(WireChunkHeader{out.batch, chunk.key(), chunk.size()}));
+    KDN_ASSIGN_OR_RETURN(const bool ok, TrySend(socket_, header, /*more=*/true));
+    if (!ok) return Status::Ok();
+    out.header_sent = true;
+  }
+  zmq::message_t body;
+  if (options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key())) {
+    KDN_ZMQ_RETURN_IF_ERROR(body.rebuild(chunk.bytes().data(), chunk.size()));
+    const size_t at = chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2;
+    static_cast<uint8_t*>(body.data())[at] ^= 0x5a;
+  } else {
+    // No copy: ZeroMQ reads the chunk's own bytes and drops the reference
+    // (ReleaseChunk) once they are on the wire or the frame is discarded.
+    auto hold = std::make_unique<std::shared_ptr<const Chunk>>(out.chunk);
+    KDN_ZMQ_RETURN_IF_ERROR(body.rebuild(const_cast<uint8_t*>(chunk.bytes().data()), chunk.size(),
+                                         &ReleaseChunk, hold.get()));
+    hold.release();
+  }
+  // The header went out with "more": ZeroMQ admits the rest of a message it
+  // has started, so this does not report a full queue in practice; if it
+  // ever did, the body is retried on the next round.
+  KDN_ASSIGN_OR_RETURN(sent, TrySend(socket_, body, /*more=*/false));
+  return Status::Ok();
+}
+
+void TcpSender::CheckPeer(TransportClock::time_point now) {
+  if (!busy_) return;
+  if (now - last_heard_ > options_.peer_timeout) {
+    std::vector<uint64_t> failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, batch] : batches_) {
+        if (batch.unfinished > 0) failed.push_back(id);
+      }
+      FailAllLocked(Unavailable("kvbus tcp: no word from receiver " + endpoint_ + " for " +
+                                std::to_string(options_.peer_timeout.count()) + " ms"));
+    }
+    done_cv_.notify_all();
+    busy_ = false;
+    // What was queued belongs to batches that just failed; the cancels let a
+    // receiver that was only slow free their slots now.
+    control_.clear();
+    data_.clear();
+    for (uint64_t id : failed) {
+      Result<zmq::message_t> frame = EncodeWire(WireCancel{id, {}});
+      if (frame.ok()) control_.push_back(std::move(frame).value());
+    }
+    return;
+  }
+  if (now - last_ping_ >= options_.heartbeat_interval && control_.empty()) {
+    Result<zmq::message_t> frame = EncodeWire(WirePing{++ping_seq_});
+    if (frame.ok()) control_.push_back(std::move(frame).value());
+    last_ping_ = now;
+  }
+}
+
+}  // namespace kdn::kvbus

@@ -1,0 +1,218 @@
+#pragma once
+// Private to the tcp transport: the Sender and Receiver implementations and
+// the small socket helpers they share. See kdn/kvbus/transport.h for the
+// contracts and proto/kvbus_transport.proto for the wire.
+//
+// Threading: each TcpSender / TcpReceiver owns one ZeroMQ context, one socket
+// and one I/O thread; after Start() the socket is touched by that thread only
+// (ZeroMQ sockets are not thread-safe). Callers reach the thread through state
+// guarded by mu_ and an eventfd that wakes its zmq_poll.
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+#include <zmq.hpp>
+
+#include "kdn/kvbus/transport.h"
+#include "tcp_wire.h"
+
+namespace kdn::kvbus {
+
+using TransportClock = std::chrono::steady_clock;
+
+// An eventfd that wakes a zmq_poll (RAII: closed on destruction). Signal()
+// is thread-safe; Drain() belongs to the polling thread.
+class WakeFd {
+ public:
+  static Result<std::unique_ptr<WakeFd>> Make();
+  ~WakeFd();
+  WakeFd(const WakeFd&) = delete;
+  WakeFd& operator=(const WakeFd&) = delete;
+
+  int fd() const { return fd_; }
+  void Signal();
+  void Drain();
+
+ private:
+  explicit WakeFd(int fd) : fd_(fd) {}
+  int fd_;
+};
+
+// INVALID_ARGUMENT unless `endpoint` is "tcp://host:port"; port 0 or "*" only
+// when `for_bind`. Returns the endpoint to hand to ZeroMQ (":0" becomes ":*").
+Result<std::string> NormalizeTcpEndpoint(const std::string& endpoint, bool for_bind);
+
+// Sends one frame without blocking: false when the socket would block (high
+// water mark reached, or no peer yet), an error Status for anything else.
+Result<bool> TrySend(zmq::socket_t& socket, zmq::message_t& frame, bool more);
+// Receives one frame without blocking: false when none is waiting.
+Result<bool> TryRecv(zmq::socket_t& socket, zmq::message_t& frame);
+// Options both ends set: no linger on close, ZMTP heartbeats.
+Status SetCommonSocketOptions(zmq::socket_t& socket, std::chrono::milliseconds heartbeat_interval,
+                              std::chrono::milliseconds heartbeat_timeout);
+
+class TcpSender final : public Sender {
+ public:
+  static Result<std::unique_ptr<Sender>> Start(const std::string& endpoint,
+                                               const SenderOptions& options);
+  ~TcpSender() override;
+
+  Result<uint64_t> Submit(std::vector<std::shared_ptr<const Chunk>> chunks) override;
+  Result<BatchStatus> Poll(uint64_t batch) override;
+  Result<BatchStatus> Wait(uint64_t batch, std::chrono::milliseconds timeout) override;
+  std::string endpoint() const override { return endpoint_; }
+
+ private:
+  // Where a chunk stands on the sender.
+  enum class Phase : uint8_t { kOffered, kGranted, kInFlight, kDone };
+  struct Slot {
+    std::shared_ptr<const Chunk> chunk;
+    ChunkResult result;
+    Phase phase = Phase::kOffered;
+    bool duplicate = false;       // a later copy of a key in its batch: not offered
+    uint64_t offered_before_ping = 0;  // the first Ping sent after its latest offer
+    std::vector<uint32_t> copies;  // the indices of its duplicates
+  };
+  struct Batch {
+    std::vector<Slot> slots;
+    std::unordered_map<ChunkKey, uint32_t, ChunkKeyHash> index;  // first copy of each key
+    size_t unfinished = 0;
+  };
+  // A granted chunk waiting for the socket.
+  struct Outgoing {
+    uint64_t batch = 0;
+    uint32_t slot = 0;
+    std::shared_ptr<const Chunk> chunk;
+    bool claimed = false;      // phase set to kInFlight
+    bool header_sent = false;  // its header frame is out: its bytes must follow
+  };
+
+  TcpSender(std::string endpoint, const SenderOptions& options);
+
+  void Run();  // the I/O thread
+  Status RunOnce();
+  Status OfferNewBatches();
+  Status ReceiveAll();
+  void HandleDecisions(const WireDecisions& m);
+  void HandleAcks(const WireAcks& m);
+  void HandlePong(const WirePong& m);
+  Status FlushControl();
+  Status FlushData();
+  Status SendChunk(Outgoing& out, bool& sent);
+  void CheckPeer(TransportClock::time_point now);
+
+  // Callers hold mu_.
+  void Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status);
+  void FailAllLocked(const Status& status);
+  BatchStatus SnapshotLocked(uint64_t id, const Batch& batch) const;
+
+  // Constant after construction.
+  const std::string endpoint_;
+  const SenderOptions options_;
+  zmq::context_t context_;
+  zmq::socket_t socket_;  // the I/O thread's after Start()
+  std::unique_ptr<WakeFd> wake_;
+  std::thread thread_;
+
+  mutable std::mutex mu_;
+  std::condition_variable done_cv_;
+  // Guarded by mu_.
+  std::map<uint64_t, Batch> batches_;
+  std::vector<uint64_t> to_offer_;
+  uint64_t next_batch_ = 1;
+  size_t unfinished_ = 0;
+  Status fatal_;
+  bool stop_ = false;
+
+  // The I/O thread's only.
+  std::deque<zmq::message_t> control_;
+  std::deque<Outgoing> data_;
+  bool busy_ = false;
+  TransportClock::time_point last_heard_;
+  TransportClock::time_point last_ping_;
+  uint64_t ping_seq_ = 0;
+};
+
+class TcpReceiver final : public Receiver {
+ public:
+  static Result<std::unique_ptr<Receiver>> Start(const std::string& endpoint, ChunkStore& sink,
+                                                 const ReceiverOptions& options);
+  ~TcpReceiver() override;
+
+  std::string endpoint() const override { return endpoint_; }
+  ReceiverStats Stats() const override;
+
+ private:
+  struct LeaseKey {
+    std::string peer;
+    uint64_t batch = 0;
+    ChunkKey key;
+    friend auto operator<=>(const LeaseKey&, const LeaseKey&) = default;
+  };
+  struct Lease {
+    uint64_t bytes = 0;
+    TransportClock::time_point deadline;
+  };
+  struct WaitingOffer {
+    LeaseKey id;
+    uint64_t bytes = 0;
+  };
+  struct Outbox {
+    std::map<uint64_t, std::vector<WireDecision>> decisions;  // by batch
+    std::vector<WireAck> acks;
+    bool pong = false;
+    uint64_t pong_seq = 0;
+  };
+
+  TcpReceiver(ChunkStore& sink, const ReceiverOptions& options);
+
+  void Run();  // the I/O thread
+  Status RunOnce();
+  Status ReceiveOne(bool& got);
+  void Handle(const std::string& peer, const zmq::message_t& head, const zmq::message_t* data);
+  void HandleOffer(const std::string& peer, const WireOffer& m);
+  void HandleChunk(const std::string& peer, const WireChunkHeader& h, const zmq::message_t* data);
+  void HandleCancel(const std::string& peer, const WireCancel& m);
+  void GrantWaiting(TransportClock::time_point now);
+  void ExpireLeases(TransportClock::time_point now);
+  void ForgetSilentPeers(TransportClock::time_point now);
+  bool ReleaseLease(const LeaseKey& id);
+  Status Flush();
+  void Publish();
+
+  // Constant after construction.
+  std::string endpoint_;  // set in Start(), before the thread
+  const ReceiverOptions options_;
+  ChunkStore& sink_;
+  zmq::context_t context_;
+  zmq::socket_t socket_;  // the I/O thread's after Start()
+  std::unique_ptr<WakeFd> wake_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+
+  mutable std::mutex mu_;
+  ReceiverStats published_;  // guarded by mu_: a copy of stats_ after each round
+
+  // The I/O thread's only.
+  ReceiverStats stats_;
+  std::map<LeaseKey, Lease> leases_;
+  std::set<std::pair<TransportClock::time_point, LeaseKey>> lease_deadlines_;  // of leases_
+  std::unordered_map<ChunkKey, int, ChunkKeyHash> leased_keys_;  // keys with a lease, counted
+  std::list<WaitingOffer> waiting_;
+  std::unordered_map<std::string, TransportClock::time_point> last_seen_;
+  TransportClock::time_point next_peer_check_;
+  std::map<std::string, Outbox> outbox_;
+};
+
+}  // namespace kdn::kvbus

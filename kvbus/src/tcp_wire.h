@@ -1,0 +1,81 @@
+#pragma once
+// The tcp transport's messages as kdn's own types, and their conversion
+// to and from proto/kvbus_transport.proto (the only place the generated
+// types are seen). One WireMessage is one ZeroMQ frame; a WireChunkHeader
+// frame is followed by the chunk's bytes in a frame of their own.
+// Thread-safe (pure functions over values).
+
+#include <cstdint>
+#include <variant>
+#include <vector>
+#include <zmq.hpp>
+
+#include "kdn/common/status.h"
+#include "kdn/kvbus/key.h"
+
+namespace kdn::kvbus {
+
+inline constexpr uint32_t kTransportWireVersion = 1;
+
+struct WireOfferEntry {
+  ChunkKey key;
+  uint64_t bytes = 0;
+};
+struct WireOffer {
+  uint64_t batch = 0;
+  std::vector<WireOfferEntry> entries;
+};
+
+enum class WireDecisionKind : uint8_t { kHeld, kGranted, kRejected };
+struct WireDecision {
+  ChunkKey key;
+  WireDecisionKind kind = WireDecisionKind::kRejected;
+  Status status;  // kRejected: why
+};
+struct WireDecisions {
+  uint64_t batch = 0;
+  std::vector<WireDecision> decisions;
+};
+
+struct WireChunkHeader {
+  uint64_t batch = 0;
+  ChunkKey key;
+  uint64_t bytes = 0;
+};
+
+struct WireAck {
+  uint64_t batch = 0;
+  ChunkKey key;
+  Status status;
+  bool duplicate = false;
+};
+struct WireAcks {
+  std::vector<WireAck> acks;
+};
+
+struct WirePing {
+  uint64_t seq = 0;
+};
+struct WirePong {
+  uint64_t seq = 0;
+  std::vector<uint64_t> waiting_batches;  // sorted
+};
+
+// Empty keys: the whole batch.
+struct WireCancel {
+  uint64_t batch = 0;
+  std::vector<ChunkKey> keys;
+};
+
+using WireMessage = std::variant<WireOffer, WireDecisions, WireChunkHeader, WireAcks, WirePing,
+                                 WirePong, WireCancel>;
+
+// One frame holding `message`. INTERNAL if it cannot be serialized.
+Result<zmq::message_t> EncodeWire(const WireMessage& message);
+
+// CORRUPTION for bytes that are not a TransportFrame of this version with a
+// body; INVALID_ARGUMENT for a frame that is well-formed but unusable (a
+// DECISION_UNSPECIFIED, an OK code on a rejection).
+Result<WireMessage> DecodeWire(const void* data, size_t size);
+
+}  // namespace kdn::kvbus
