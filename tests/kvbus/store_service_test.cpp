@@ -1,6 +1,8 @@
 // kdn-store's service and client, in one process over loopback.
 #include "kdn/kvbus/store_service.h"
 
+#include "recording_store.h"
+
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -15,39 +17,7 @@
 namespace kdn::kvbus {
 namespace {
 
-// The simplest ChunkStore: a map.
-class MapStore : public ChunkStore {
- public:
-  std::string name() const override { return "map"; }
-  Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = m_.find(key);
-    if (it == m_.end()) return NotFound("no " + key.ToHex());
-    return it->second;
-  }
-  bool Contains(const ChunkKey& key) override {
-    std::lock_guard<std::mutex> l(mu_);
-    return m_.count(key) > 0;
-  }
-  Status Put(std::shared_ptr<const Chunk> c) override {
-    std::lock_guard<std::mutex> l(mu_);
-    m_.emplace(c->key(), c);
-    ++puts_;
-    return Status::Ok();
-  }
-  TierStats Stats() override {
-    std::lock_guard<std::mutex> l(mu_);
-    TierStats s;
-    s.chunks = m_.size();
-    s.puts = puts_;
-    return s;
-  }
-
- private:
-  std::mutex mu_;
-  std::map<ChunkKey, std::shared_ptr<const Chunk>> m_;
-  uint64_t puts_ = 0;
-};
+using testing::RecordingStore;
 
 std::shared_ptr<const Chunk> MakeChunk(uint64_t id, uint32_t tokens = 16) {
   ChunkInfo info{ChunkKey{id, ~id}, ChunkKey{1, 2}, 2, 2, 8, tokens, KvDType::kBF16, 0};
@@ -57,7 +27,7 @@ std::shared_ptr<const Chunk> MakeChunk(uint64_t id, uint32_t tokens = 16) {
 }
 
 TEST(StoreService, PutThenGetReturnsTheSameBytes) {
-  MapStore store;
+  RecordingStore store;
   auto server = StoreServer::Start(store, "tcp://127.0.0.1:0");
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   auto client = RemoteStore::Connect((*server)->endpoint());
@@ -72,7 +42,7 @@ TEST(StoreService, PutThenGetReturnsTheSameBytes) {
 }
 
 TEST(StoreService, LookupAnswersEveryKeyInOrder) {
-  MapStore store;
+  RecordingStore store;
   auto server = StoreServer::Start(store, "tcp://127.0.0.1:0").value();
   auto client = RemoteStore::Connect(server->endpoint()).value();
   ASSERT_TRUE(client->Put(MakeChunk(1)).ok());
@@ -86,7 +56,7 @@ TEST(StoreService, LookupAnswersEveryKeyInOrder) {
 }
 
 TEST(StoreService, StatsReportTheServedStore) {
-  MapStore store;
+  RecordingStore store;
   auto server = StoreServer::Start(store, "tcp://127.0.0.1:0", [] {
     return std::vector<std::pair<std::string, TierStats>>{{"host", TierStats{.chunks = 7}}};
   }).value();
@@ -102,7 +72,7 @@ TEST(StoreService, StatsReportTheServedStore) {
 }
 
 TEST(StoreService, ClientReportsUnavailableWhenNoServerAnswersAndRecovers) {
-  MapStore store;
+  RecordingStore store;
   auto server = StoreServer::Start(store, "tcp://127.0.0.1:0").value();
   const std::string endpoint = server->endpoint();
   auto client = RemoteStore::Connect(endpoint, {.timeout = std::chrono::milliseconds(300)}).value();
@@ -116,7 +86,7 @@ TEST(StoreService, ClientReportsUnavailableWhenNoServerAnswersAndRecovers) {
 }
 
 TEST(StoreService, ServesSeveralClientThreadsAtOnce) {
-  MapStore store;
+  RecordingStore store;
   auto server = StoreServer::Start(store, "tcp://127.0.0.1:0").value();
   auto client = RemoteStore::Connect(server->endpoint()).value();
   std::vector<std::thread> threads;

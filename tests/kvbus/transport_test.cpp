@@ -22,6 +22,7 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/transport_bench.h"
+#include "recording_store.h"
 #include "transport_conformance.h"
 
 namespace kdn::kvbus {
@@ -45,48 +46,7 @@ using Clock = std::chrono::steady_clock;
 // Anything that must finish finishes well within this; it bounds hangs only.
 constexpr auto kNoHang = 20s;
 
-// A thread-safe in-memory sink that records the order of its Puts.
-class RecordingStore final : public ChunkStore {
- public:
-  std::string name() const override { return "recording"; }
-  Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = chunks_.find(key);
-    if (it == chunks_.end()) return NotFound(key.ToHex());
-    return it->second;
-  }
-  bool Contains(const ChunkKey& key) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return chunks_.count(key) != 0;
-  }
-  Status Put(std::shared_ptr<const Chunk> chunk) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++puts_;
-    if (chunks_.emplace(chunk->key(), chunk).second) order_.push_back(chunk->key());
-    return Status::Ok();
-  }
-  TierStats Stats() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    TierStats s;
-    s.chunks = chunks_.size();
-    s.puts = puts_;
-    return s;
-  }
-  std::vector<ChunkKey> PutOrder() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return order_;
-  }
-  size_t size() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return chunks_.size();
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::unordered_map<ChunkKey, std::shared_ptr<const Chunk>, ChunkKeyHash> chunks_;
-  std::vector<ChunkKey> order_;
-  uint64_t puts_ = 0;
-};
+using testing::RecordingStore;
 
 using ChunkPtr = std::shared_ptr<const Chunk>;
 
