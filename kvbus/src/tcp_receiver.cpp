@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <optional>
+#include <unordered_set>
 
 #include "tcp_transport_internal.h"
 #include "zmq_check.h"
@@ -192,9 +193,21 @@ void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
 
 void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
   ++stats_.offers;
+  // A kvbus sender splits its offers; a larger one would make decisions
+  // frames the receiver cannot encode (and stall its round).
+  if (m.entries.size() > kMaxOfferEntries) {
+    ++stats_.bad_messages;
+    return;
+  }
   std::vector<WireDecision>& out = outbox_[peer].decisions[m.batch];
   for (const WireOfferEntry& e : m.entries) {
     ++stats_.chunks_offered;
+    if (e.bytes < Chunk::kHeaderBytes) {  // no chunk is this small: a 0-byte lease costs nothing
+      out.push_back(WireDecision{e.key, WireDecisionKind::kRejected,
+                                 InvalidArgument("chunk " + e.key.ToHex() + " offered with " +
+                                                 std::to_string(e.bytes) + " bytes")});
+      continue;
+    }
     if (e.bytes > options_.slot_capacity_bytes) {
       out.push_back(WireDecision{
           e.key, WireDecisionKind::kRejected,
@@ -209,7 +222,10 @@ void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
       continue;
     }
     LeaseKey id{peer, m.batch, e.key};
-    if (leases_.count(id) != 0) continue;  // offered again: its grant stands
+    if (leases_.count(id) != 0) {  // offered again: its grant stands, but was lost on the way
+      out.push_back(WireDecision{e.key, WireDecisionKind::kGranted, Status::Ok()});
+      continue;
+    }
     waiting_.push_back(WaitingOffer{std::move(id), e.bytes});
   }
 }
@@ -259,8 +275,11 @@ bool TcpReceiver::ReleaseLease(const LeaseKey& id) {
 
 void TcpReceiver::ExpireLeases(TransportClock::time_point now) {
   while (!lease_deadlines_.empty() && lease_deadlines_.begin()->first <= now) {
-    ReleaseLease(lease_deadlines_.begin()->second);  // erases the deadline too
-    ++stats_.leases_expired;
+    if (ReleaseLease(lease_deadlines_.begin()->second)) {  // erases the deadline too
+      ++stats_.leases_expired;
+    } else {
+      lease_deadlines_.erase(lease_deadlines_.begin());  // an orphan: never loop on it
+    }
   }
 }
 
@@ -288,9 +307,9 @@ void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
   for (const LeaseKey& id : ids) {
     if (ReleaseLease(id)) ++stats_.leases_cancelled;
   }
+  const std::unordered_set<ChunkKey, ChunkKeyHash> keys(m.keys.begin(), m.keys.end());
   waiting_.remove_if([&](const WaitingOffer& w) {
-    return w.id.peer == peer && w.id.batch == m.batch &&
-           (m.keys.empty() || std::find(m.keys.begin(), m.keys.end(), w.id.key) != m.keys.end());
+    return w.id.peer == peer && w.id.batch == m.batch && (keys.empty() || keys.count(w.id.key) != 0);
   });
 }
 
@@ -337,7 +356,10 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
 
 Status TcpReceiver::Flush() {
   const auto send_to = [this](const std::string& peer, const WireMessage& m) -> Status {
-    KDN_ASSIGN_OR_RETURN(zmq::message_t frame, EncodeWire(m));
+    Result<zmq::message_t> encoded = EncodeWire(m);
+    // Too large to encode: dropped like a lost frame, not fatal to every peer.
+    if (!encoded.ok()) return Status::Ok();
+    zmq::message_t frame = std::move(encoded).value();
     zmq::message_t id(peer.data(), peer.size());
     // A peer that is gone, or whose queue is full, loses the frame: its own
     // timeouts take over from there.

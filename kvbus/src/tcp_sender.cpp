@@ -17,8 +17,6 @@ namespace kdn::kvbus {
 
 namespace {
 
-// Offers are split so that no control frame grows without bound.
-constexpr size_t kMaxOfferEntries = 16384;
 // Messages handled per round before queued sends get their turn.
 constexpr int kMaxReceivesPerRound = 1024;
 
@@ -341,18 +339,26 @@ void TcpSender::HandlePong(const WirePong& m) {
   // The receiver answered this Ping after every offer sent before it, and
   // after the decisions on them: an offer that is still undecided and whose
   // batch it does not list was dropped (this sender had gone silent for a
-  // lease). Offering again is harmless: offers are idempotent by key.
+  // lease). Likewise a chunk sent before this Ping and still not acked: the
+  // bytes or the ack were lost (a dropped connection), so it is offered again
+  // too. Offering again is harmless: offers are idempotent by key.
   std::vector<WireOffer> offers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, batch] : batches_) {
-      if (batch.unfinished == 0 ||
-          std::binary_search(m.waiting_batches.begin(), m.waiting_batches.end(), id)) {
-        continue;
-      }
+      if (batch.unfinished == 0) continue;
+      const bool waiting =
+          std::binary_search(m.waiting_batches.begin(), m.waiting_batches.end(), id);
       for (Slot& slot : batch.slots) {
-        if (slot.duplicate || slot.phase != Phase::kOffered || slot.offered_before_ping > m.seq) {
-          continue;
+        if (slot.duplicate) continue;
+        const bool lost = slot.phase == Phase::kInFlight && slot.sent_before_ping != 0 &&
+                          slot.sent_before_ping <= m.seq;
+        const bool dropped =
+            !waiting && slot.phase == Phase::kOffered && slot.offered_before_ping <= m.seq;
+        if (!lost && !dropped) continue;
+        if (lost) {
+          slot.phase = Phase::kOffered;
+          slot.sent_before_ping = 0;
         }
         if (offers.empty() || offers.back().batch != id ||
             offers.back().entries.size() >= kMaxOfferEntries) {
@@ -399,6 +405,12 @@ Status TcpSender::FlushData() {
     bool sent = false;
     KDN_RETURN_IF_ERROR(SendChunk(out, sent));
     if (!sent) break;
+    {
+      // Pings wait for an empty control queue, so the next one follows these bytes.
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = batches_.find(out.batch);
+      if (it != batches_.end()) it->second.slots[out.slot].sent_before_ping = ping_seq_ + 1;
+    }
     data_.pop_front();
   }
   return Status::Ok();
@@ -458,9 +470,14 @@ void TcpSender::CheckPeer(TransportClock::time_point now) {
     }
     return;
   }
-  if (now - last_ping_ >= options_.heartbeat_interval && control_.empty()) {
-    Result<zmq::message_t> frame = EncodeWire(WirePing{++ping_seq_});
-    if (frame.ok()) control_.push_back(std::move(frame).value());
+  if (now - last_ping_ >= options_.heartbeat_interval) {
+    // Pings wait for an empty control queue (they must follow what is queued);
+    // the interval restarts either way, so a queue that cannot drain does not
+    // turn the poll timeout to zero and spin this thread.
+    if (control_.empty()) {
+      Result<zmq::message_t> frame = EncodeWire(WirePing{++ping_seq_});
+      if (frame.ok()) control_.push_back(std::move(frame).value());
+    }
     last_ping_ = now;
   }
 }

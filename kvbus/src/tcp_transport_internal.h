@@ -82,6 +82,7 @@ class TcpSender final : public Sender {
     Phase phase = Phase::kOffered;
     bool duplicate = false;       // a later copy of a key in its batch: not offered
     uint64_t offered_before_ping = 0;  // the first Ping sent after its latest offer
+    uint64_t sent_before_ping = 0;     // the first Ping sent after its bytes (0: not sent)
     std::vector<uint32_t> copies;  // the indices of its duplicates
   };
   struct Batch {

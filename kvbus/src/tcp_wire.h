@@ -5,6 +5,7 @@
 // frame is followed by the chunk's bytes in a frame of their own.
 // Thread-safe (pure functions over values).
 
+#include <cstddef>
 #include <cstdint>
 #include <variant>
 #include <vector>
@@ -16,6 +17,8 @@
 namespace kdn::kvbus {
 
 inline constexpr uint32_t kTransportWireVersion = 1;
+// A sender splits its offers at this many entries; a receiver drops larger ones.
+inline constexpr size_t kMaxOfferEntries = 16384;
 
 struct WireOfferEntry {
   ChunkKey key;

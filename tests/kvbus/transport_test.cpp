@@ -640,7 +640,7 @@ TEST(TcpTransport, DropsGarbageFramesAndKeepsServingSenders) {
     auto header = EncodeWire(WireChunkHeader{1, ChunkKey{1, 1}, 3});
     ASSERT_TRUE(header.ok());
     peer.SendRaw({header->to_string()});  // a chunk header without its bytes
-    ASSERT_TRUE(Eventually([&] { return receiver->Stats().bad_messages >= 4; }));
+    ASSERT_TRUE(Eventually([&] { return receiver->Stats().bad_messages >= 5; }));
   }
   KDN_ASSERT_OK_AND_ASSIGN(auto sender, ConnectTcp(receiver->endpoint(), TestSenderOptions()));
   const auto chunks = MakeChunks(1, 5);
@@ -662,6 +662,67 @@ TEST(TransportBench, MovesEveryChunkOfALoopbackRun) {
   EXPECT_GT(r.bytes, 12u * (512u << 10));
   EXPECT_GT(r.GBps(), 0.0);
   EXPECT_GT(MeasureMemcpyGBps(1 << 20, 2), 0.0);
+}
+
+// A peer offering empty chunks must not obtain unbounded leases.
+TEST(TcpTransport, RefusesOffersOfChunksSmallerThanAHeader) {
+  RecordingStore sink;
+  ReceiverOptions ro = TestReceiverOptions();
+  ro.lease = 10s;
+  ro.slot_capacity_bytes = 1000;
+  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, ListenTcp("tcp://127.0.0.1:0", sink, ro));
+  RawPeer peer(receiver->endpoint());
+  WireOffer o{1, {}};
+  for (uint64_t i = 0; i < 16000; ++i) o.entries.push_back({ChunkKey{9, i}, 0});
+  auto f = EncodeWire(o);
+  peer.SendRaw({f->to_string()});
+  ASSERT_TRUE(Eventually([&] { return receiver->Stats().chunks_offered >= 16000; }));
+  std::this_thread::sleep_for(100ms);
+  EXPECT_LT(receiver->Stats().chunks_granted, 100u) << "granted with 1000-byte capacity";
+}
+// A receiver stand-in that takes the chunk's bytes and never acks them: the
+// sender must offer the chunk again after the next pong, not wait forever.
+TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
+  zmq::context_t ctx;
+  zmq::socket_t router(ctx, zmq::socket_type::router);
+  router.set(zmq::sockopt::linger, 0);
+  router.set(zmq::sockopt::rcvtimeo, 5000);
+  router.bind("tcp://127.0.0.1:*");
+  const std::string ep = router.get(zmq::sockopt::last_endpoint);
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, ConnectTcp(ep, TestSenderOptions()));
+  const ChunkPtr c = MakeChunk(1);
+  KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({c}));
+  int offers = 0;
+  bool got_chunk = false;
+  for (int i = 0; i < 200 && offers < 2; ++i) {
+    zmq::message_t id, f;
+    ASSERT_TRUE(router.recv(id));
+    ASSERT_TRUE(router.recv(f));
+    auto m = DecodeWire(f.data(), f.size());
+    ASSERT_TRUE(m.ok());
+    auto reply = [&](const WireMessage& w) {
+      auto e = EncodeWire(w);
+      router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
+      router.send(*e, zmq::send_flags::none);
+    };
+    if (auto* o = std::get_if<WireOffer>(&*m)) {
+      ++offers;
+      reply(WireDecisions{o->batch, {WireDecision{c->key(),
+                                                  offers == 1 ? WireDecisionKind::kGranted
+                                                              : WireDecisionKind::kHeld,
+                                                  Status::Ok()}}});
+    } else if (std::holds_alternative<WireChunkHeader>(*m)) {
+      zmq::message_t body;
+      ASSERT_TRUE(router.recv(body));
+      got_chunk = true;  // and the ack is "lost"
+    } else if (auto* p = std::get_if<WirePing>(&*m)) {
+      reply(WirePong{p->seq, {}});
+    }
+  }
+  EXPECT_TRUE(got_chunk);
+  EXPECT_EQ(offers, 2);
+  KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, sender->Wait(batch, 2s));
+  EXPECT_TRUE(st.done);
 }
 
 }  // namespace
