@@ -74,6 +74,11 @@ TcpReceiver::~TcpReceiver() {
   context_.close();
 }
 
+Status TcpReceiver::Health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return health_;
+}
+
 ReceiverStats TcpReceiver::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return published_;
@@ -90,9 +95,11 @@ void TcpReceiver::Run() {
   while (!stop_) {
     const Status st = RunOnce();
     if (!st.ok()) {
-      // No caller to hand this to: senders see the receiver go silent.
+      // Senders see the receiver go silent; the owner reads it from Health().
       std::fprintf(stderr, "kvbus tcp receiver at %s stopped: %s\n", endpoint_.c_str(),
                    st.ToString().c_str());
+      std::lock_guard<std::mutex> lock(mu_);
+      health_ = st;
       return;
     }
   }
@@ -118,11 +125,13 @@ Status TcpReceiver::RunOnce() {
   }
   if (items[1].revents & ZMQ_POLLIN) wake_->Drain();
   if (items[0].revents & ZMQ_POLLIN) {
-    const uint64_t bytes_before = stats_.bytes_received;
+    // Control frames count against the round's budget as chunk bytes do, so
+    // a flood of large offers cannot starve the other senders' pongs.
+    round_bytes_ = 0;
     for (int n = 0; n < kMaxMessagesPerRound; ++n) {
       bool got = false;
       KDN_RETURN_IF_ERROR(ReceiveOne(got));
-      if (!got || stats_.bytes_received - bytes_before >= kMaxBytesPerRound) break;
+      if (!got || round_bytes_ >= kMaxBytesPerRound) break;
     }
   }
   now = TransportClock::now();
@@ -139,6 +148,7 @@ Status TcpReceiver::ReceiveOne(bool& got) {
   zmq::message_t peer;
   KDN_ASSIGN_OR_RETURN(got, TryRecv(socket_, peer));
   if (!got) return Status::Ok();
+  round_bytes_ += peer.size();
   // [peer routing id][frame][chunk bytes, for a chunk header only]
   zmq::message_t parts[2];
   size_t count = 0;
@@ -147,6 +157,7 @@ Status TcpReceiver::ReceiveOne(bool& got) {
     zmq::message_t part;
     KDN_ZMQ_RETURN_IF_ERROR(socket_.recv(part, zmq::recv_flags::none));
     more = part.more();
+    round_bytes_ += part.size();
     if (count < 2) parts[count] = std::move(part);
     ++count;
   }

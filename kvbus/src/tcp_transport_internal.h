@@ -153,6 +153,7 @@ class TcpReceiver final : public Receiver {
 
   std::string endpoint() const override { return endpoint_; }
   ReceiverStats Stats() const override;
+  Status Health() const override;
 
  private:
   struct LeaseKey {
@@ -204,6 +205,8 @@ class TcpReceiver final : public Receiver {
 
   mutable std::mutex mu_;
   ReceiverStats published_;  // guarded by mu_: a copy of stats_ after each round
+  Status health_;            // guarded by mu_: what stopped the I/O thread, if anything
+  uint64_t round_bytes_ = 0;  // I/O thread only: bytes received this round
 
   // The I/O thread's only.
   ReceiverStats stats_;

@@ -648,6 +648,7 @@ TEST(TcpTransport, DropsGarbageFramesAndKeepsServingSenders) {
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
   KDN_ASSERT_OK(status.ToStatus());
   ExpectStored(sink, chunks);
+  EXPECT_TRUE(receiver->Health().ok()) << receiver->Health().ToString();
 }
 
 TEST(TransportBench, MovesEveryChunkOfALoopbackRun) {

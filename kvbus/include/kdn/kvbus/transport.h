@@ -165,6 +165,10 @@ class Receiver {
   // was asked for (e.g. "tcp://127.0.0.1:40123").
   virtual std::string endpoint() const = 0;
   virtual ReceiverStats Stats() const = 0;
+  // OK while the I/O thread serves; the error that stopped it otherwise (the
+  // socket stays open, so senders only notice by their peer timeout: owners
+  // should check this, e.g. in a health endpoint).
+  virtual Status Health() const = 0;
 };
 
 // Connects to a receiver at `endpoint` ("tcp://host:port"). Connecting is
