@@ -10,5 +10,6 @@ model=models/generated/small
 if [ ! -f "$model/model.safetensors" ]; then
   build/bin/kdn-mkmodel --preset small --seed 0 --out "$model"
 fi
+echo "demo: generated weights are random, so the continuation below is noise; the timings are real"
 build/bin/kdn-generate --model "$model" --max-tokens 48 \
   --prompt "${1:-The key-value cache of a document is computed once and reused by every prompt that contains it.}"

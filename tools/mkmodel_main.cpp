@@ -48,7 +48,9 @@ int main(int argc, char** argv) {
   const bool tty = isatty(fileno(stderr));
   int last_pct = -1;
   auto progress = [&](int64_t done, int64_t total) {
-    const int pct = static_cast<int>(100 * done / std::max<int64_t>(total, 1));
+    // Every percent on a terminal (one line, redrawn), every 10% in a log.
+    const int step = tty ? 1 : 10;
+    const int pct = static_cast<int>(100 * done / std::max<int64_t>(total, 1)) / step * step;
     if (pct != last_pct && total > (64 << 20)) {
       last_pct = pct;
       std::fprintf(stderr, tty ? "\rkdn-mkmodel: %3d%% of %.1f GB" : "kdn-mkmodel: %3d%% of %.1f GB\n",
