@@ -50,6 +50,10 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
   // A sender that reconnects with its routing id takes its old place.
   KDN_ZMQ_RETURN_IF_ERROR(r->socket_.set(zmq::sockopt::router_handover, true));
   KDN_ZMQ_RETURN_IF_ERROR(r->socket_.set(zmq::sockopt::sndhwm, 100000));
+  // Frames queued per peer before TCP pushes back: bounds the memory a fast
+  // or hostile sender can park here to ~32 chunks (a chunk is two frames),
+  // rather than ZeroMQ's default of 1000 frames.
+  KDN_ZMQ_RETURN_IF_ERROR(r->socket_.set(zmq::sockopt::rcvhwm, 64));
   if (options.socket_buffer_bytes > 0) {
     KDN_ZMQ_RETURN_IF_ERROR(r->socket_.set(zmq::sockopt::rcvbuf, options.socket_buffer_bytes));
   }
