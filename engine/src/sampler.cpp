@@ -47,6 +47,12 @@ double Sampler::NextUniform() {
   return static_cast<double>(result >> 11) * 0x1.0p-53;
 }
 
+void Sampler::Advance(int samples) {
+  // Sample draws one number exactly when it does not reduce to argmax.
+  if (params_.temperature <= 0.0f || params_.top_k == 1) return;
+  for (int i = 0; i < samples; ++i) (void)NextUniform();
+}
+
 int32_t Sampler::Sample(std::span<const float> logits) {
   if (params_.temperature <= 0.0f || params_.top_k == 1) return Argmax(logits);
   const int n = static_cast<int>(logits.size());

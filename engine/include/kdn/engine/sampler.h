@@ -29,6 +29,10 @@ class Sampler {
   explicit Sampler(const SamplingParams& params);
   int32_t Sample(std::span<const float> logits);
   const SamplingParams& params() const { return params_; }
+  // Moves the random stream on as `samples` calls of Sample would have, so
+  // that a sequence sampled partly in one process (the first token, by a
+  // prefill worker) continues in another exactly as in one.
+  void Advance(int samples);
 
  private:
   double NextUniform();  // [0, 1)

@@ -1,0 +1,88 @@
+#pragma once
+// Batcher: the decode worker's continuous batching. Requests join with their
+// prompt's KV already in a sequence and their first token already sampled (by
+// a prefill worker), leave when they finish, and every Step advances all of
+// them by one token in one batched model call.
+//
+// Per request it honours max_tokens, stop token ids, stop strings (the text a
+// client sees never contains a stop string, nor a prefix of one that may
+// still complete it, nor a partial UTF-8 character), and seeded sampling that
+// continues the prefill worker's random stream, so that a request's tokens do
+// not depend on which other requests share its batches.
+//
+// Not thread-safe: the decode worker's loop owns it (and the Model).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/model.h"
+#include "kdn/engine/sampler.h"
+#include "kdn/engine/tokenizer.h"
+
+namespace kdn::decode_worker {
+
+struct RequestSpec {
+  uint64_t id = 0;
+  engine::SamplingParams sampling;
+  int max_tokens = 16;  // tokens generated in all, the first one included
+  std::vector<int32_t> stop_ids;
+  std::vector<std::string> stop_strings;
+};
+
+// What one Step (or Admit) produced for one request.
+struct TokenEvent {
+  uint64_t id = 0;
+  int32_t token = -1;  // -1 when the event only finishes the request
+  std::string text;    // new text safe to show (may be empty)
+  bool finished = false;
+  std::string finish_reason;  // "length", "stop", "context", "cancelled"
+};
+
+class Batcher {
+ public:
+  // `tokenizer` turns tokens into text for stop strings and events; the
+  // model and tokenizer must outlive the Batcher.
+  Batcher(engine::Model& model, const engine::Tokenizer& tokenizer, int max_batch);
+  ~Batcher();
+
+  // Adds a request whose prompt KV is in `seq` and whose first token
+  // `first_token` was sampled from the prompt's last logits (it is emitted as
+  // an event now). INVALID_ARGUMENT for bad sampling parameters, a duplicate
+  // id or an empty sequence; RESOURCE_EXHAUSTED when max_batch requests run.
+  Status Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t first_token,
+               std::vector<TokenEvent>* events);
+
+  // One decode step for every running request; finished requests leave and
+  // give their KV blocks back. A model error fails the step and leaves every
+  // request as it was.
+  Status Step(std::vector<TokenEvent>* events);
+
+  // Finishes a request now ("cancelled"); NOT_FOUND if it is not running.
+  Status Cancel(uint64_t id, std::vector<TokenEvent>* events);
+
+  size_t running() const { return requests_.size(); }
+
+  // Tokens generated so far by a running request (nullptr if not running).
+  const std::vector<int32_t>* Generated(uint64_t id) const;
+
+ private:
+  struct Request;
+  // Records `token` for `r`, emits its event; true when `r` is finished.
+  bool Accept(Request& r, int32_t token, std::vector<TokenEvent>* events);
+
+  engine::Model& model_;
+  const engine::Tokenizer& tokenizer_;
+  const int max_batch_;
+  std::map<uint64_t, std::unique_ptr<Request>> requests_;  // by id: a stable batch order
+};
+
+// Of `text`, the length that can be shown now: everything but a trailing
+// partial UTF-8 character and a trailing piece that is a proper prefix of a
+// stop string. Exposed for tests.
+size_t ShowableLength(const std::string& text, const std::vector<std::string>& stop_strings);
+
+}  // namespace kdn::decode_worker
