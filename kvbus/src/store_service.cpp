@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kvbus_store.pb.h"
+#include "zmq_chunk.h"
 
 namespace kdn::kvbus {
 
@@ -19,16 +20,6 @@ std::string KeyBytes(const ChunkKey& k) {
 Result<ChunkKey> ParseKey(const std::string& s) {
   if (s.size() != 16) return InvalidArgument("key of " + std::to_string(s.size()) + " bytes, expected 16");
   return ChunkKey::FromBytes(reinterpret_cast<const uint8_t*>(s.data()));
-}
-
-// A message that sends a chunk's bytes without copying them: it holds a
-// reference to the chunk until ZeroMQ has sent it.
-zmq::message_t ChunkMessage(std::shared_ptr<const Chunk> chunk) {
-  auto* hold = new std::shared_ptr<const Chunk>(std::move(chunk));
-  auto bytes = (*hold)->bytes();
-  return zmq::message_t(const_cast<uint8_t*>(bytes.data()), bytes.size(),
-                        [](void*, void* hint) { delete static_cast<std::shared_ptr<const Chunk>*>(hint); },
-                        hold);
 }
 
 void FillStats(proto::StoreTierStats* out, const std::string& name, const TierStats& s) {

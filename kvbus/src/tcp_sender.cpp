@@ -12,6 +12,7 @@
 
 #include "tcp_transport_internal.h"
 #include "zmq_check.h"
+#include "zmq_chunk.h"
 
 namespace kdn::kvbus {
 
@@ -19,10 +20,6 @@ namespace {
 
 // Messages handled per round before queued sends get their turn.
 constexpr int kMaxReceivesPerRound = 1024;
-
-void ReleaseChunk(void* /*data*/, void* hint) {
-  delete static_cast<std::shared_ptr<const Chunk>*>(hint);
-}
 
 // A routing id that stays the same across reconnects, so the receiver's
 // leases still match after a dropped connection comes back.
@@ -433,11 +430,8 @@ Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
     static_cast<uint8_t*>(body.data())[at] ^= 0x5a;
   } else {
     // No copy: ZeroMQ reads the chunk's own bytes and drops the reference
-    // (ReleaseChunk) once they are on the wire or the frame is discarded.
-    auto hold = std::make_unique<std::shared_ptr<const Chunk>>(out.chunk);
-    KDN_ZMQ_RETURN_IF_ERROR(body.rebuild(const_cast<uint8_t*>(chunk.bytes().data()), chunk.size(),
-                                         &ReleaseChunk, hold.get()));
-    hold.release();
+    // once they are on the wire or the frame is discarded.
+    KDN_ZMQ_RETURN_IF_ERROR(body = ChunkMessage(out.chunk));
   }
   // The header went out with "more": ZeroMQ admits the rest of a message it
   // has started, so this does not report a full queue in practice; if it
