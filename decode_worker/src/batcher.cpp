@@ -103,7 +103,11 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   }
   auto r = std::make_unique<Request>(spec, std::move(seq));
   r->sampler.Advance(1);  // the prefill worker drew the first token from this stream
-  if (!Accept(*r, first_token, events)) requests_.emplace(spec.id, std::move(r));
+  if (!Accept(*r, first_token, events)) {
+    requests_.emplace(spec.id, std::move(r));
+  } else if (on_finish_) {
+    on_finish_(spec.id, r->seq, r->tokens);
+  }
   return Status::Ok();
 }
 
@@ -123,6 +127,7 @@ Status Batcher::Step(std::vector<TokenEvent>* events) {
     Request& r = *it->second;
     const int32_t next = r.sampler.Sample(std::span<const float>(&logits[row * vocab], vocab));
     if (Accept(r, next, events)) {
+      if (on_finish_) on_finish_(it->first, r.seq, r.tokens);
       it = requests_.erase(it);  // its KV blocks go back with the sequence
     } else {
       ++it;
@@ -135,6 +140,7 @@ Status Batcher::Cancel(uint64_t id, std::vector<TokenEvent>* events) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return NotFound("request " + std::to_string(id) + " is not running");
   events->push_back(TokenEvent{id, -1, {}, true, "cancelled"});
+  if (on_finish_) on_finish_(id, it->second->seq, it->second->tokens);
   requests_.erase(it);
   return Status::Ok();
 }

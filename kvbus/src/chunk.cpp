@@ -144,17 +144,25 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
   return std::shared_ptr<const Chunk>(std::move(c));
 }
 
-Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache& cache,
-                                                      const engine::KvSequence& seq, int64_t first,
-                                                      int64_t count, const ChunkKey& key,
-                                                      const ChunkKey& model_fingerprint,
-                                                      KvDType dtype) {
+namespace {
+
+// Layers [layer0, layer0 + layers) of tokens [first, first + count) of `seq`.
+Result<std::shared_ptr<const Chunk>> FromPaged(const engine::PagedKvCache& cache,
+                                               const engine::KvSequence& seq, int64_t first,
+                                               int64_t count, int layer0, int layers,
+                                               const ChunkKey& key,
+                                               const ChunkKey& model_fingerprint, KvDType dtype) {
   if (first < 0 || count <= 0 || first + count > seq.length()) {
     return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
                            std::to_string(first + count) + ") are not all in a sequence of " +
                            std::to_string(seq.length()));
   }
-  ChunkInfo info{key, model_fingerprint, static_cast<uint32_t>(cache.num_layers()),
+  if (layer0 < 0 || layers <= 0 || layer0 + layers > cache.num_layers()) {
+    return InvalidArgument("chunk: layers [" + std::to_string(layer0) + ", " +
+                           std::to_string(layer0 + layers) + ") are not all in a cache of " +
+                           std::to_string(cache.num_layers()));
+  }
+  ChunkInfo info{key, model_fingerprint, static_cast<uint32_t>(layers),
                  static_cast<uint32_t>(cache.num_kv_heads()),
                  static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(count), dtype,
                  first};
@@ -162,7 +170,7 @@ Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache
   const size_t esize = KvDTypeSize(dtype);
   const auto& blocks = seq.blocks();
   return Chunk::Build(info, [&](uint8_t* out) {
-    for (int l = 0; l < cache.num_layers(); ++l) {
+    for (int l = layer0; l < layer0 + layers; ++l) {
       for (int kv = 0; kv < 2; ++kv) {
         for (int64_t t = first; t < first + count; ++t) {
           const int32_t b = blocks[t / engine::kKvBlockTokens];
@@ -176,16 +184,18 @@ Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache
   });
 }
 
-Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
-                      int64_t first) {
+// Writes the chunk's layers into layers [layer0, layer0 + chunk layers).
+Status ToPaged(const Chunk& chunk, int layer0, engine::PagedKvCache& cache,
+               engine::KvSequence& seq, int64_t first) {
   const ChunkInfo& info = chunk.info();
-  if (static_cast<int>(info.layers) != cache.num_layers() ||
+  if (layer0 < 0 || layer0 + static_cast<int64_t>(info.layers) > cache.num_layers() ||
       static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
       static_cast<int>(info.head_dim) != cache.head_dim()) {
     return InvalidArgument("chunk " + info.key.ToHex() + " has " + std::to_string(info.layers) +
                            " layers x " + std::to_string(info.kv_heads) + " KV heads x " +
-                           std::to_string(info.head_dim) + ", the cache " +
-                           std::to_string(cache.num_layers()) + " x " +
+                           std::to_string(info.head_dim) + "; the cache from layer " +
+                           std::to_string(layer0) + " has " +
+                           std::to_string(cache.num_layers() - layer0) + " x " +
                            std::to_string(cache.num_kv_heads()) + " x " +
                            std::to_string(cache.head_dim()));
   }
@@ -199,7 +209,7 @@ Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::K
   const size_t esize = KvDTypeSize(info.dtype);
   const uint8_t* in = chunk.payload().data();
   const auto& blocks = seq.blocks();
-  for (int l = 0; l < cache.num_layers(); ++l) {
+  for (int l = layer0; l < layer0 + static_cast<int>(info.layers); ++l) {
     for (int kv = 0; kv < 2; ++kv) {
       for (int64_t t = first; t < end; ++t) {
         const int32_t b = blocks[t / engine::kKvBlockTokens];
@@ -211,6 +221,44 @@ Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::K
     }
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache& cache,
+                                                      const engine::KvSequence& seq, int64_t first,
+                                                      int64_t count, const ChunkKey& key,
+                                                      const ChunkKey& model_fingerprint,
+                                                      KvDType dtype) {
+  return FromPaged(cache, seq, first, count, 0, cache.num_layers(), key, model_fingerprint, dtype);
+}
+
+Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
+                      int64_t first) {
+  if (static_cast<int>(chunk.info().layers) != cache.num_layers()) {
+    return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
+                           std::to_string(chunk.info().layers) + " layers, the cache " +
+                           std::to_string(cache.num_layers()));
+  }
+  return ToPaged(chunk, 0, cache, seq, first);
+}
+
+Result<std::shared_ptr<const Chunk>> LayerSliceFromPagedKv(const engine::PagedKvCache& cache,
+                                                           const engine::KvSequence& seq,
+                                                           int64_t first, int64_t count, int layer,
+                                                           const ChunkKey& key,
+                                                           const ChunkKey& model_fingerprint,
+                                                           KvDType dtype) {
+  return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype);
+}
+
+Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::PagedKvCache& cache,
+                           engine::KvSequence& seq, int64_t first) {
+  if (slice.info().layers != 1) {
+    return InvalidArgument("chunk " + slice.key().ToHex() + " has " +
+                           std::to_string(slice.info().layers) + " layers; a layer slice has 1");
+  }
+  return ToPaged(slice, layer, cache, seq, first);
 }
 
 }  // namespace kdn::kvbus

@@ -122,6 +122,17 @@ void HostTier::Demote(const EvictionHandler& handler,
   }
 }
 
+bool HostTier::Erase(const ChunkKey& key) {
+  std::lock_guard lock(mu_);
+  ExpireLocked(Now());
+  auto it = index_.find(key);
+  if (it == index_.end() || it->second.pins > 0) return false;
+  bytes_ -= it->second.chunk->size();
+  lru_.erase(it->second.lru);
+  index_.erase(it);
+  return true;
+}
+
 TierStats HostTier::Stats() {
   std::lock_guard lock(mu_);
   ExpireLocked(Now());

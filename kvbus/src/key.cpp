@@ -187,3 +187,23 @@ ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens) {
 }
 
 }  // namespace kdn::kvbus
+
+namespace kdn::kvbus {
+
+ChunkKey TransferKey(std::span<const uint8_t> transfer_id) {
+  State st = NewState();
+  XXH3_128bits_update(st.get(), "xfer", 4);
+  PutU32(st.get(), static_cast<uint32_t>(transfer_id.size()));
+  XXH3_128bits_update(st.get(), transfer_id.data(), transfer_id.size());
+  return FromXxh(XXH3_128bits_digest(st.get()));
+}
+
+ChunkKey LayerSliceKey(const ChunkKey& parent, int layer) {
+  State st = NewState();
+  XXH3_128bits_update(st.get(), "slice", 5);
+  PutKey(st.get(), parent);
+  PutU32(st.get(), static_cast<uint32_t>(layer));
+  return FromXxh(XXH3_128bits_digest(st.get()));
+}
+
+}  // namespace kdn::kvbus

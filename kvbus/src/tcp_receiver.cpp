@@ -13,7 +13,7 @@
 #include <unordered_set>
 
 #include "tcp_transport_internal.h"
-#include "zmq_check.h"
+#include "kdn/kvbus/zmq_check.h"
 
 namespace kdn::kvbus {
 

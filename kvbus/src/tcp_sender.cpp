@@ -11,7 +11,7 @@
 #include <random>
 
 #include "tcp_transport_internal.h"
-#include "zmq_check.h"
+#include "kdn/kvbus/zmq_check.h"
 #include "zmq_chunk.h"
 
 namespace kdn::kvbus {

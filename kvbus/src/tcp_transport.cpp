@@ -9,7 +9,7 @@
 #include <cstring>
 
 #include "tcp_transport_internal.h"
-#include "zmq_check.h"
+#include "kdn/kvbus/zmq_check.h"
 
 namespace kdn::kvbus {
 

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "kvbus_transport.pb.h"
-#include "zmq_check.h"
+#include "kdn/kvbus/zmq_check.h"
 
 namespace kdn::kvbus {
 

@@ -13,6 +13,7 @@
 // Not thread-safe: the decode worker's loop owns it (and the Model).
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,6 +45,13 @@ struct TokenEvent {
 
 class Batcher {
  public:
+  // Called for a request that finishes (or is cancelled), before its KV
+  // blocks are given back: `seq` holds the KV of the prompt and of every
+  // generated token but the last, `generated` all generated tokens. The
+  // decode worker stores the conversation's chunks from here.
+  using FinishHook = std::function<void(uint64_t id, const engine::KvSequence& seq,
+                                        const std::vector<int32_t>& generated)>;
+
   // `tokenizer` turns tokens into text for stop strings and events; the
   // model and tokenizer must outlive the Batcher.
   Batcher(engine::Model& model, const engine::Tokenizer& tokenizer, int max_batch);
@@ -66,6 +74,8 @@ class Batcher {
 
   size_t running() const { return requests_.size(); }
 
+  void SetFinishHook(FinishHook hook) { on_finish_ = std::move(hook); }
+
   // Tokens generated so far by a running request (nullptr if not running).
   const std::vector<int32_t>* Generated(uint64_t id) const;
 
@@ -78,6 +88,7 @@ class Batcher {
   const engine::Tokenizer& tokenizer_;
   const int max_batch_;
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // by id: a stable batch order
+  FinishHook on_finish_;
 };
 
 // Of `text`, the length that can be shown now: everything but a trailing

@@ -88,4 +88,17 @@ Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache
 Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
                       int64_t first);
 
+// Layer slices: chunks of one layer (info.layers == 1), the unit in which a
+// prefill worker pushes KV to a decode worker as each layer finishes
+// (LayerSliceKey names them). Same contracts as the whole-chunk functions;
+// `layer` is the cache layer read or written.
+Result<std::shared_ptr<const Chunk>> LayerSliceFromPagedKv(const engine::PagedKvCache& cache,
+                                                           const engine::KvSequence& seq,
+                                                           int64_t first, int64_t count, int layer,
+                                                           const ChunkKey& key,
+                                                           const ChunkKey& model_fingerprint,
+                                                           KvDType dtype);
+Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::PagedKvCache& cache,
+                           engine::KvSequence& seq, int64_t first);
+
 }  // namespace kdn::kvbus

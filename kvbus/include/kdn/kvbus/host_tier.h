@@ -84,6 +84,11 @@ class HostTier : public ChunkStore {
   // Live pins now (after expiring lapsed ones).
   size_t PinCount();
 
+  // Drops the chunk under `key` now, without handing it to the eviction
+  // handler (its holder knows it is needed no more, e.g. a request's staged
+  // KV once assembled). False if it is not held or is pinned (it stays).
+  bool Erase(const ChunkKey& key);
+
   // Replaces the eviction handler (nullptr: evicted chunks are just
   // dropped). Takes effect for evictions that start after it returns.
   void SetEvictionHandler(EvictionHandler handler);

@@ -72,6 +72,14 @@ std::vector<ChunkKey> PrefixKeys(const KeyContext& ctx, std::span<const int32_t>
 // The position-independent key of one segment (a document) of any length.
 ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens);
 
+// Keys of the KV that moves between a prefill and a decode worker one layer
+// at a time (docs/kvbus.md, "Layer slices"). A transfer key names the part of
+// one request's KV that has no content key (the tokens past its last full
+// chunk), from an id unique to the request; a layer slice key names one
+// layer of the KV that `parent` (a prefix key or a transfer key) names.
+ChunkKey TransferKey(std::span<const uint8_t> transfer_id);
+ChunkKey LayerSliceKey(const ChunkKey& parent, int layer);
+
 }  // namespace kdn::kvbus
 
 template <>

@@ -1,0 +1,35 @@
+#pragma once
+// What kdn-prefill and kdn-decode set up alike: the model with its tokenizer
+// and fingerprint, the KDN tiers a worker reads and fills, and the
+// WorkerInfo it reports. Thread-safe (functions over values).
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/model.h"
+#include "kdn/engine/tokenizer.h"
+#include "kdn/kvbus/key.h"
+#include "kdn/kvbus/tiered_store.h"
+
+namespace kdn::control {
+
+struct WorkerModel {
+  std::unique_ptr<engine::Model> model;
+  std::unique_ptr<engine::Tokenizer> tokenizer;
+  kvbus::ChunkKey fingerprint;  // of the model with f32 KV (the CPU backend's)
+};
+
+// Loads the model folder (config, weights, tokenizer) and fingerprints it
+// (docs/kvbus.md: config, weight dtype, KV dtype, digest of the weights).
+Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
+                                    const engine::EngineOptions& options);
+
+// The worker's KDN view: its own host tier of `host_bytes`, over the shared
+// kdn-store at `store_endpoint` if one is given (written through, so other
+// workers find what this one stores).
+Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
+                                                            const std::string& store_endpoint);
+
+}  // namespace kdn::control

@@ -1,0 +1,53 @@
+#pragma once
+// DecodeService: the kdn-decode process without its flags (docs/serving.md).
+// Loads the model, opens its KDN tiers, receives prompt KV on a kvbus
+// endpoint, serves the control socket and runs the continuous batch on a
+// compute thread:
+//   Prepare  reserve KV for a prompt and load the chunks its tiers hold;
+//   Start    assemble the layer slices a prefill worker pushed, admit the
+//            request with its first token and stream tokens back;
+//   finish   store the conversation's full chunks (prompt and output) in the
+//            KDN, so that the next turn finds them.
+// Prepared requests that never start are dropped after a minute.
+//
+// Thread-safe: endpoint accessors from any thread. The destructor stops it.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kdn/common/status.h"
+
+namespace kdn::decode_worker {
+
+struct DecodeServiceOptions {
+  std::string model_dir;
+  std::string listen = "tcp://127.0.0.1:0";
+  std::string kvbus_listen = "tcp://127.0.0.1:0";
+  std::string store_endpoint;  // a kdn-store to share chunks through; empty: none
+  std::string name = "decode-0";
+  uint64_t host_bytes = uint64_t{2} << 30;     // own KDN tier
+  uint64_t staging_bytes = uint64_t{2} << 30;  // KV slices received, not yet assembled
+  int chunk_tokens = 256;
+  int64_t kv_tokens = 65536;
+  int max_batch = 32;
+  int threads = 0;
+};
+
+class DecodeService {
+ public:
+  static Result<std::unique_ptr<DecodeService>> Start(const DecodeServiceOptions& options);
+  ~DecodeService();
+  DecodeService(const DecodeService&) = delete;
+  DecodeService& operator=(const DecodeService&) = delete;
+
+  const std::string& endpoint() const;        // control
+  const std::string& kvbus_endpoint() const;  // where prefill workers push KV
+
+ private:
+  struct Impl;
+  explicit DecodeService(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kdn::decode_worker

@@ -1,0 +1,43 @@
+#pragma once
+// PrefillService: the kdn-prefill process without its flags. Loads the model,
+// opens the KDN tiers, serves the control socket (docs/serving.md) and runs
+// prefill jobs one at a time, in arrival order, on a compute thread.
+//
+// Thread-safe: endpoint() from any thread. The destructor stops serving
+// (queued jobs are dropped; their router times them out).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kdn/common/status.h"
+
+namespace kdn::prefill_worker {
+
+struct PrefillServiceOptions {
+  std::string model_dir;
+  std::string listen = "tcp://127.0.0.1:0";
+  std::string store_endpoint;  // a kdn-store to share chunks through; empty: none
+  std::string name = "prefill-0";
+  uint64_t host_bytes = uint64_t{2} << 30;
+  int chunk_tokens = 256;
+  int64_t kv_tokens = 32768;
+  int threads = 0;
+};
+
+class PrefillService {
+ public:
+  static Result<std::unique_ptr<PrefillService>> Start(const PrefillServiceOptions& options);
+  ~PrefillService();
+  PrefillService(const PrefillService&) = delete;
+  PrefillService& operator=(const PrefillService&) = delete;
+
+  const std::string& endpoint() const;
+
+ private:
+  struct Impl;
+  explicit PrefillService(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kdn::prefill_worker

@@ -1,0 +1,57 @@
+// kdn-prefill: a prefill worker (docs/serving.md). Holds the model; for each
+// request loads the prompt's cached chunks from the KDN, computes the rest,
+// pushes the KV to the chosen decode worker layer by layer and answers with
+// the first token. Prints its control endpoint on stdout once it serves.
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+
+#include "kdn/engine/cpu_runtime.h"
+#include "kdn/prefill_worker/prefill_service.h"
+
+namespace {
+volatile std::sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  kdn::engine::PrepareCpuRuntime(argv);
+  kdn::prefill_worker::PrefillServiceOptions o;
+  double host_mib = 2048;
+  CLI::App app{"kdn-prefill: a prefill worker. Prints its control endpoint on stdout once it serves."};
+  app.add_option("--model", o.model_dir, "Model folder (config.json, *.safetensors, tokenizer.json)")
+      ->required();
+  app.add_option("--listen", o.listen, "Control endpoint to bind (port 0 picks a free one)")
+      ->capture_default_str();
+  app.add_option("--store", o.store_endpoint, "A kdn-store endpoint to share chunks through");
+  app.add_option("--host-mib", host_mib, "Own host-memory KDN tier in MiB")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--chunk-tokens", o.chunk_tokens, "Tokens per KV chunk (the same in every process)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--kv-tokens", o.kv_tokens, "Tokens of KV the engine's paged cache holds")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
+
+  auto service = kdn::prefill_worker::PrefillService::Start(o);
+  if (!service.ok()) {
+    std::fprintf(stderr, "kdn-prefill: %s\n", service.status().ToString().c_str());
+    return 1;
+  }
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  std::fprintf(stderr, "kdn-prefill: %s serving on %s\n", o.name.c_str(),
+               (*service)->endpoint().c_str());
+  std::printf("%s\n", (*service)->endpoint().c_str());
+  std::fflush(stdout);
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  service->reset();
+  std::fprintf(stderr, "kdn-prefill: %s stopped\n", o.name.c_str());
+  return 0;
+}

@@ -1,0 +1,207 @@
+#include "kdn/prefill_worker/prefill_service.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "kdn/control/control_server.h"
+#include "kdn/control/convert.h"
+#include "kdn/control/worker_setup.h"
+#include "kdn/prefill_worker/prefiller.h"
+
+namespace kdn::prefill_worker {
+
+namespace {
+
+struct QueuedJob {
+  std::string peer;
+  uint64_t request_id = 0;
+  PrefillJob job;
+};
+
+}  // namespace
+
+struct PrefillService::Impl {
+  // Constant after Start.
+  PrefillServiceOptions options;
+  control::WorkerModel wm;
+  std::unique_ptr<kvbus::TieredStore> store;
+  std::unique_ptr<Prefiller> prefiller;  // the compute thread's alone
+  std::unique_ptr<control::ControlServer> server;
+  int total_blocks = 0;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<QueuedJob> queue;  // guarded by mu
+  bool stop = false;            // guarded by mu
+  std::atomic<int> depth{0};    // queued + running
+  std::atomic<int64_t> queued_tokens{0};
+  std::atomic<int> free_blocks{0};
+  std::thread compute;
+
+  void FillInfo(proto::WorkerInfo* info) {
+    info->set_name(options.name);
+    info->set_role("prefill");
+    info->set_model_fingerprint(control::KeyToBytes(wm.fingerprint));
+    info->set_chunk_tokens(options.chunk_tokens);
+    info->set_max_context(wm.model->config().max_context);
+    info->set_queue_depth(depth.load());
+    info->set_queue_tokens(queued_tokens.load());
+    info->set_free_kv_blocks(free_blocks.load());
+    info->set_total_kv_blocks(total_blocks);
+  }
+
+  void OnMessage(control::ControlServer& srv, const std::string& peer,
+                 proto::WorkerMessage msg) {
+    proto::WorkerMessage reply;
+    reply.set_request_id(msg.request_id());
+    switch (msg.body_case()) {
+      case proto::WorkerMessage::kInfoRequest:
+        FillInfo(reply.mutable_info());
+        srv.Send(peer, reply);
+        return;
+      case proto::WorkerMessage::kLookup: {
+        std::vector<kvbus::ChunkKey> keys;
+        for (const std::string& b : msg.lookup().keys()) {
+          auto k = control::KeyFromBytes(b);
+          if (!k.ok()) break;
+          keys.push_back(*k);
+        }
+        auto* lr = reply.mutable_lookup_reply();
+        lr->set_prefix_chunks(static_cast<int32_t>(store->LongestPrefix(keys)));
+        FillInfo(lr->mutable_info());
+        srv.Send(peer, reply);
+        return;
+      }
+      case proto::WorkerMessage::kPrefill: {
+        QueuedJob q;
+        q.peer = peer;
+        q.request_id = msg.request_id();
+        const proto::PrefillRequest& r = msg.prefill();
+        q.job.tokens.assign(r.tokens().begin(), r.tokens().end());
+        q.job.ns = r.ns();
+        q.job.sampling = control::SamplingFromProto(r.sampling());
+        q.job.decode_endpoint = r.decode_endpoint();
+        q.job.decode_held_chunks = r.decode_held_chunks();
+        q.job.transfer_id = r.transfer_id();
+        queued_tokens += static_cast<int64_t>(q.job.tokens.size());
+        ++depth;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          queue.push_back(std::move(q));
+        }
+        cv.notify_one();
+        return;
+      }
+      case proto::WorkerMessage::kCancel: {
+        std::lock_guard<std::mutex> lock(mu);
+        for (auto it = queue.begin(); it != queue.end(); ++it) {
+          if (it->peer == peer && it->request_id == msg.request_id()) {
+            queued_tokens -= static_cast<int64_t>(it->job.tokens.size());
+            --depth;
+            queue.erase(it);
+            break;
+          }
+        }
+        return;  // a running prefill finishes; its router ignores the reply
+      }
+      default:
+        std::fprintf(stderr, "%s: ignoring a message it does not serve (%d)\n",
+                     options.name.c_str(), static_cast<int>(msg.body_case()));
+    }
+  }
+
+  void Loop() {
+    free_blocks = wm.model->kv_cache().free_blocks();
+    for (;;) {
+      QueuedJob q;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stop || !queue.empty(); });
+        if (stop) return;
+        q = std::move(queue.front());
+        queue.pop_front();
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      auto out = prefiller->Run(q.job);
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      proto::WorkerMessage reply;
+      reply.set_request_id(q.request_id);
+      auto* pr = reply.mutable_prefill_reply();
+      if (out.ok()) {
+        pr->set_first_token(out->first_token);
+        pr->set_cached_tokens(out->cached_tokens);
+        pr->set_computed_tokens(out->computed_tokens);
+        pr->set_kv_bytes_sent(out->kv_bytes_sent);
+        pr->set_slices_skipped(out->slices_skipped);
+        std::fprintf(stderr,
+                     "%s: request %llu: %zu prompt tokens, %d cached, %d computed, %.3f s; "
+                     "%.1f MiB of KV pushed, %u slices skipped\n",
+                     options.name.c_str(), static_cast<unsigned long long>(q.request_id),
+                     q.job.tokens.size(), out->cached_tokens, out->computed_tokens, secs,
+                     out->kv_bytes_sent / 1048576.0, out->slices_skipped);
+      } else {
+        control::StatusToProto(out.status(), pr->mutable_error());
+        std::fprintf(stderr, "%s: request %llu failed: %s\n", options.name.c_str(),
+                     static_cast<unsigned long long>(q.request_id),
+                     out.status().ToString().c_str());
+      }
+      server->Send(q.peer, reply);
+      // After the reply, so that storing costs the request no time.
+      if (Status st = prefiller->StoreNewChunks(); !st.ok()) {
+        std::fprintf(stderr, "%s: storing chunks: %s\n", options.name.c_str(),
+                     st.ToString().c_str());
+      }
+      queued_tokens -= static_cast<int64_t>(q.job.tokens.size());
+      --depth;
+      free_blocks = wm.model->kv_cache().free_blocks();
+    }
+  }
+};
+
+PrefillService::PrefillService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServiceOptions& options) {
+  if (options.chunk_tokens <= 0) return InvalidArgument("--chunk-tokens must be positive");
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  engine::EngineOptions eo;
+  eo.kv_tokens = options.kv_tokens;
+  eo.threads = options.threads;
+  KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
+  KDN_ASSIGN_OR_RETURN(impl->store,
+                       control::MakeWorkerStore(options.host_bytes, options.store_endpoint));
+  PrefillerOptions po;
+  po.chunk_tokens = options.chunk_tokens;
+  impl->prefiller = std::make_unique<Prefiller>(*impl->wm.model, *impl->store,
+                                                impl->wm.fingerprint, po);
+  impl->total_blocks = impl->wm.model->kv_cache().num_blocks();
+  impl->free_blocks = impl->wm.model->kv_cache().free_blocks();
+  Impl* raw = impl.get();
+  KDN_ASSIGN_OR_RETURN(impl->server,
+                       control::ControlServer::Start(
+                           options.listen, [raw](control::ControlServer& srv, const std::string& peer,
+                                 proto::WorkerMessage m) { raw->OnMessage(srv, peer, std::move(m));
+                           }));
+  impl->compute = std::thread([raw] { raw->Loop(); });
+  return std::unique_ptr<PrefillService>(new PrefillService(std::move(impl)));
+}
+
+PrefillService::~PrefillService() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stop = true;
+  }
+  impl_->cv.notify_all();
+  if (impl_->compute.joinable()) impl_->compute.join();
+  impl_->server.reset();  // before the state its handler reads
+}
+
+const std::string& PrefillService::endpoint() const { return impl_->server->endpoint(); }
+
+}  // namespace kdn::prefill_worker
