@@ -1,0 +1,96 @@
+#pragma once
+// Backend: the router's side of the control plane (docs/serving.md). Holds
+// one connection per worker, pings them, and drives each request through
+//   lookup   ask every live worker how much of the prompt's prefix it reaches;
+//   prepare  the chosen decode worker reserves KV and loads what it holds;
+//   prefill  the chosen prefill worker computes the rest and pushes the KV;
+//   decode   the decode worker streams tokens until the request finishes.
+// A worker silent for `worker_timeout` is down: its requests fail with
+// UNAVAILABLE, and new requests go elsewhere until it answers again.
+//
+// Thread-safe: Submit, Cancel and Workers from any thread. One background
+// thread owns the sockets and calls the job callbacks.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/sampler.h"
+#include "kdn/router/metrics.h"
+#include "kdn/router/openai.h"
+
+namespace kdn::router {
+
+struct Job {
+  std::vector<int32_t> tokens;
+  std::string ns;
+  engine::SamplingParams sampling;
+  int max_tokens = 16;
+  std::vector<int32_t> stop_ids;
+  std::vector<std::string> stop_strings;
+};
+
+// What a job reports, in order: any number of kTokens, then exactly one kDone
+// or kError.
+struct JobEvent {
+  enum class Kind { kTokens, kDone, kError };
+  Kind kind = Kind::kTokens;
+  std::string text;  // kTokens and kDone: new text (may be empty)
+  int tokens = 0;    // kTokens and kDone: tokens this event adds
+  std::string finish_reason;  // kDone
+  Usage usage;                // kDone
+  Status error;               // kError
+};
+// Called on the backend thread; must return quickly (post work elsewhere).
+using JobCallback = std::function<void(JobEvent)>;
+
+struct BackendOptions {
+  std::vector<std::string> prefill_endpoints;
+  std::vector<std::string> decode_endpoints;
+  std::chrono::milliseconds ping_interval{250};
+  std::chrono::milliseconds worker_timeout{3000};
+  std::chrono::milliseconds lookup_timeout{1000};
+  std::chrono::milliseconds prepare_timeout{10000};
+};
+
+struct WorkerView {
+  std::string name;  // as the worker reports it; its endpoint until it has
+  std::string role;
+  std::string endpoint;
+  bool up = false;
+  bool compatible = true;  // false: another model than the other workers'
+  int queue_depth = 0;
+  int64_t queue_tokens = 0;
+  int free_kv_blocks = 0;
+  int total_kv_blocks = 0;
+  int64_t max_context = 0;
+  std::string health;  // a failure the worker reports; empty when none
+};
+
+class Backend {
+ public:
+  // `metrics` (borrowed, may be null) receives per-request figures.
+  static Result<std::unique_ptr<Backend>> Start(const BackendOptions& options, Metrics* metrics);
+  ~Backend();
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  // Starts a job and returns its id; `callback` gets its events.
+  uint64_t Submit(Job job, JobCallback callback);
+  // Abandons a job (its client went away): no further events, and its
+  // workers are told to stop.
+  void Cancel(uint64_t id);
+  // The workers as last heard from.
+  std::vector<WorkerView> Workers() const;
+
+ private:
+  struct Impl;
+  explicit Backend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kdn::router

@@ -1,0 +1,60 @@
+#pragma once
+// The router's Prometheus metrics (docs/serving.md, "Metrics"): counters,
+// gauges and histograms, rendered in the text exposition format.
+// Thread-safe: every method locks one mutex (updates are a few per token).
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace kdn::router {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void Observe(double v);
+  // Appends NAME_bucket{le=...}, NAME_sum and NAME_count lines.
+  void Render(const std::string& name, std::string* out) const;
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<uint64_t> counts_;  // per bucket, not cumulative
+  double sum_ = 0;
+  uint64_t count_ = 0;
+};
+
+// Per-worker figures, taken from the backend when /metrics is read.
+struct WorkerGauge {
+  std::string name;
+  std::string role;
+  bool up = false;
+  int queue_depth = 0;
+  int free_kv_blocks = 0;
+};
+
+class Metrics {
+ public:
+  Metrics();
+  void RequestFinished(const std::string& route, int code);
+  void InFlight(int delta);
+  void Ttft(double seconds);
+  void InterToken(double seconds);
+  void PromptTokens(int cached, int computed);
+  void GeneratedTokens(int n);
+  void KvMoved(uint64_t bytes, uint64_t slices_skipped);
+
+  std::string Render(const std::vector<WorkerGauge>& workers) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, uint64_t> requests_;
+  int64_t in_flight_ = 0;
+  Histogram ttft_;
+  Histogram inter_token_;
+  uint64_t cached_tokens_ = 0, computed_tokens_ = 0, generated_ = 0;
+  uint64_t kv_bytes_ = 0, slices_skipped_ = 0;
+};
+
+}  // namespace kdn::router

@@ -1,0 +1,85 @@
+#pragma once
+// The OpenAI-compatible surface of kdn-router (docs/serving.md): request
+// validation into the project's own types, the chat templates, and the
+// response and error bodies. No I/O. Thread-safe (functions over values).
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kdn/engine/config.h"
+#include "kdn/engine/sampler.h"
+#include "kdn/engine/tokenizer.h"
+
+namespace kdn::router {
+
+using nlohmann::json;
+
+enum class ApiKind { kCompletion, kChat };
+
+// What a client sees of a refused request: an HTTP status and OpenAI's error
+// object.
+struct ApiError {
+  int http_status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // the offending field; empty: none
+  std::string code;   // empty: null
+};
+json ErrorBody(const ApiError& e);
+
+struct ApiRequest {
+  ApiKind kind = ApiKind::kCompletion;
+  std::vector<int32_t> prompt;  // token ids, template applied
+  int max_tokens = 16;
+  engine::SamplingParams sampling;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_ids;  // the end-of-sequence token unless ignore_eos
+  bool stream = false;
+  bool include_usage = false;
+  std::string cache_salt;  // the tenant's namespace
+};
+
+// What the router serves, for validation.
+struct ServedModel {
+  std::string name;
+  const engine::ModelConfig* config = nullptr;
+  const engine::Tokenizer* tokenizer = nullptr;
+};
+
+// Parses and validates a body of /v1/completions or /v1/chat/completions.
+// Returns the request, or the 4xx to answer with.
+std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body,
+                                     const ServedModel& model, ApiRequest* out);
+
+// The chat template of the model family (docs/serving.md, "Chat"):
+// ChatML for Qwen2, [INST] for Mistral, Llama 3's header format for Llama.
+// `messages` is validated already. Returns the prompt text (BOS excluded)
+// and the family's end-of-turn stop string.
+struct ChatPrompt {
+  std::string text;
+  std::string end_of_turn;
+};
+ChatPrompt RenderChat(engine::Architecture arch,
+                      const std::vector<std::pair<std::string, std::string>>& messages);
+
+struct Usage {
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  int cached_tokens = 0;
+};
+json UsageJson(const Usage& u);
+
+// A whole response, and the pieces of a stream (one SSE `data:` each).
+json CompletionResponse(ApiKind kind, const std::string& id, int64_t created,
+                        const std::string& model, const std::string& text,
+                        const std::string& finish_reason, const Usage& usage);
+json StreamChunk(ApiKind kind, const std::string& id, int64_t created, const std::string& model,
+                 const std::string& text, const std::string* finish_reason, bool first);
+json StreamUsageChunk(ApiKind kind, const std::string& id, int64_t created,
+                      const std::string& model, const Usage& usage);
+
+}  // namespace kdn::router

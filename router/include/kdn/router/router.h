@@ -1,0 +1,43 @@
+#pragma once
+// Router: the kdn-router process without its flags (docs/serving.md). An
+// HTTP/1.1 server (Boost.Beast) with the OpenAI-compatible endpoints, health
+// and metrics, in front of a Backend that drives the workers.
+//
+// Thread-safe: url() from any thread. One I/O thread serves HTTP; the
+// backend's thread talks to workers. The destructor stops both (open
+// streams are cut).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kdn/common/status.h"
+#include "kdn/router/backend.h"
+
+namespace kdn::router {
+
+struct RouterOptions {
+  std::string model_dir;          // config.json and tokenizer.json are read
+  std::string served_model_name;  // empty: the model folder's name
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;  // 0 picks a free port
+  BackendOptions backend;
+};
+
+class Router {
+ public:
+  static Result<std::unique_ptr<Router>> Start(const RouterOptions& options);
+  ~Router();
+  Router(const Router&) = delete;
+  Router& operator=(const Router&) = delete;
+
+  // "http://HOST:PORT" with the real port.
+  const std::string& url() const;
+
+ private:
+  struct Impl;
+  explicit Router(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kdn::router

@@ -1,0 +1,54 @@
+// kdn-router: the OpenAI-compatible HTTP front of a kdn deployment
+// (docs/serving.md). Tokenizes, computes chunk keys, picks a prefill and a
+// decode worker per request and relays the token stream. Prints its URL on
+// stdout once it serves.
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+
+#include "kdn/router/router.h"
+
+namespace {
+volatile std::sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  kdn::router::RouterOptions o;
+  CLI::App app{"kdn-router: OpenAI-compatible HTTP endpoint in front of kdn-prefill and kdn-decode "
+               "workers. Prints its URL on stdout once it serves."};
+  app.add_option("--model", o.model_dir, "Model folder (its config.json and tokenizer.json are read)")
+      ->required();
+  app.add_option("--prefill", o.backend.prefill_endpoints,
+                 "Prefill workers' control endpoints (comma-separated or repeated)")
+      ->required()->delimiter(',');
+  app.add_option("--decode", o.backend.decode_endpoints,
+                 "Decode workers' control endpoints (comma-separated or repeated)")
+      ->required()->delimiter(',');
+  app.add_option("--host", o.host, "Address to listen on")->capture_default_str();
+  app.add_option("--port", o.port, "Port to listen on (0 picks a free one)")->capture_default_str();
+  app.add_option("--served-model-name", o.served_model_name,
+                 "Model name in the API (default: the model folder's name)");
+  CLI11_PARSE(app, argc, argv);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  auto router = kdn::router::Router::Start(o);
+  if (!router.ok()) {
+    std::fprintf(stderr, "kdn-router: %s\n", router.status().ToString().c_str());
+    return 1;
+  }
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  std::fprintf(stderr, "kdn-router: serving on %s (%zu prefill, %zu decode workers)\n",
+               (*router)->url().c_str(), o.backend.prefill_endpoints.size(),
+               o.backend.decode_endpoints.size());
+  std::printf("%s\n", (*router)->url().c_str());
+  std::fflush(stdout);
+  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  router->reset();
+  std::fprintf(stderr, "kdn-router: stopped\n");
+  return 0;
+}

@@ -1,0 +1,561 @@
+#include "kdn/router/backend.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <zmq.hpp>
+
+#include "kdn/control/convert.h"
+#include "kdn/kvbus/key.h"
+#include "kdn/kvbus/zmq_check.h"
+#include "serving.pb.h"
+
+namespace kdn::router {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum class Phase { kLookup, kPrepare, kPrefill, kDecode };
+
+struct Worker {
+  WorkerView view;
+  std::unique_ptr<zmq::socket_t> sock;
+  Clock::time_point last_heard{};
+  Clock::time_point last_ping{};
+  bool heard = false;
+  kvbus::ChunkKey fingerprint;
+  int chunk_tokens = 0;
+  std::string kvbus_endpoint;
+};
+
+struct Request {
+  uint64_t id = 0;
+  Job job;
+  JobCallback cb;
+  Phase phase = Phase::kLookup;
+  std::vector<kvbus::ChunkKey> keys;
+  std::map<size_t, int> prefix;  // worker -> prefix chunks it reaches (-1: no answer)
+  int lookups_pending = 0;
+  Clock::time_point arrival, deadline, last_token;
+  size_t p = 0, d = 0;
+  bool prefill_sent = false;
+  bool first_token_seen = false;
+  std::string transfer_id;
+  Usage usage;
+};
+
+struct Command {
+  enum class Kind { kSubmit, kCancel } kind;
+  uint64_t id = 0;
+  Job job;
+  JobCallback cb;
+  Clock::time_point arrival;
+};
+
+}  // namespace
+
+struct Backend::Impl {
+  BackendOptions options;
+  Metrics* metrics = nullptr;
+  zmq::context_t ctx{1};
+  uint64_t nonce = 0;
+
+  std::mutex mu;  // guards commands, wake, next_id, snapshot
+  std::deque<Command> commands;
+  zmq::socket_t wake{ctx, zmq::socket_type::push};
+  uint64_t next_id = 1;
+  std::vector<WorkerView> snapshot;
+
+  std::atomic<bool> stop{false};
+  std::thread thread;
+
+  // The backend thread's alone.
+  zmq::socket_t inbox{ctx, zmq::socket_type::pull};
+  std::vector<Worker> workers;
+  std::map<uint64_t, Request> requests;
+  bool have_identity = false;
+  kvbus::ChunkKey fingerprint;
+  int chunk_tokens = 0;
+
+  void Send(size_t w, uint64_t request_id, proto::WorkerMessage& m) {
+    m.set_request_id(request_id);
+    std::string body = m.SerializeAsString();
+    try {
+      // Never block the loop: a worker that stopped reading is found out by
+      // its silence.
+      (void)workers[w].sock->send(zmq::buffer(body), zmq::send_flags::dontwait);
+    } catch (const zmq::error_t& e) {
+      std::fprintf(stderr, "kdn-router: sending to %s: %s\n", workers[w].view.name.c_str(), e.what());
+    }
+  }
+
+  bool Usable(size_t w, const char* role) const {
+    const Worker& wk = workers[w];
+    return wk.view.role == role && wk.view.up && wk.view.compatible;
+  }
+
+  void Finish(Request& r, JobEvent ev) {
+    r.cb(std::move(ev));
+  }
+
+  void Fail(uint64_t id, const Status& st) {
+    auto it = requests.find(id);
+    if (it == requests.end()) return;
+    Request& r = it->second;
+    // Tell the workers involved to let go.
+    proto::WorkerMessage cancel;
+    cancel.mutable_cancel();
+    if (r.phase != Phase::kLookup) Send(r.d, r.id, cancel);
+    if (r.prefill_sent && r.phase == Phase::kPrefill) Send(r.p, r.id, cancel);
+    JobEvent ev;
+    ev.kind = JobEvent::Kind::kError;
+    ev.error = st;
+    JobCallback cb = std::move(r.cb);
+    requests.erase(it);
+    cb(std::move(ev));
+  }
+
+  void UpdateSnapshot() {
+    std::vector<WorkerView> v;
+    for (const Worker& w : workers) v.push_back(w.view);
+    std::lock_guard<std::mutex> lock(mu);
+    snapshot = std::move(v);
+  }
+
+  void TakeInfo(size_t w, const proto::WorkerInfo& info) {
+    Worker& wk = workers[w];
+    if (!info.name().empty()) wk.view.name = info.name();
+    wk.view.queue_depth = info.queue_depth();
+    wk.view.queue_tokens = info.queue_tokens();
+    wk.view.free_kv_blocks = info.free_kv_blocks();
+    wk.view.total_kv_blocks = info.total_kv_blocks();
+    wk.view.max_context = info.max_context();
+    wk.view.health = info.health().code() != 0 ? info.health().message() : "";
+    if (info.role() != wk.view.role) {
+      if (wk.view.compatible) {
+        std::fprintf(stderr, "kdn-router: %s is a %s worker, not %s; not using it\n",
+                     wk.view.endpoint.c_str(), info.role().c_str(), wk.view.role.c_str());
+      }
+      wk.view.compatible = false;
+      return;
+    }
+    if (!info.kvbus_endpoint().empty()) wk.kvbus_endpoint = info.kvbus_endpoint();
+    auto fp = control::KeyFromBytes(info.model_fingerprint());
+    if (!fp.ok()) return;
+    if (!have_identity) {
+      have_identity = true;
+      fingerprint = *fp;
+      chunk_tokens = info.chunk_tokens();
+      std::fprintf(stderr, "kdn-router: model %s, chunks of %d tokens (from %s)\n",
+                   fingerprint.ToHex().c_str(), chunk_tokens, wk.view.name.c_str());
+    }
+    const bool ok = *fp == fingerprint && info.chunk_tokens() == chunk_tokens;
+    if (!ok && wk.view.compatible) {
+      std::fprintf(stderr,
+                   "kdn-router: %s serves another model or chunk size (%s, %d) than the "
+                   "others (%s, %d); not using it\n",
+                   wk.view.name.c_str(), fp->ToHex().c_str(), info.chunk_tokens(),
+                   fingerprint.ToHex().c_str(), chunk_tokens);
+    }
+    wk.view.compatible = ok;
+  }
+
+  void OnSubmit(Command& c) {
+    Request r;
+    r.id = c.id;
+    r.job = std::move(c.job);
+    r.cb = std::move(c.cb);
+    r.arrival = c.arrival;
+    requests.emplace(r.id, std::move(r));
+    Request& req = requests[c.id];
+    if (!have_identity) {
+      Fail(req.id, Unavailable("no worker has answered yet"));
+      return;
+    }
+    bool any_p = false, any_d = false;
+    for (size_t w = 0; w < workers.size(); ++w) {
+      any_p |= Usable(w, "prefill");
+      any_d |= Usable(w, "decode");
+    }
+    if (!any_p || !any_d) {
+      Fail(req.id, Unavailable(std::string("no ") + (any_p ? "decode" : "prefill") +
+                               " worker is up"));
+      return;
+    }
+    req.keys = kvbus::PrefixKeys({fingerprint, req.job.ns, chunk_tokens}, req.job.tokens);
+    uint8_t tid[16];
+    for (int i = 0; i < 8; ++i) {
+      tid[i] = static_cast<uint8_t>(nonce >> (8 * i));
+      tid[8 + i] = static_cast<uint8_t>(req.id >> (8 * i));
+    }
+    req.transfer_id.assign(reinterpret_cast<const char*>(tid), 16);
+    proto::WorkerMessage m;
+    auto* lk = m.mutable_lookup();
+    lk->set_ns(req.job.ns);
+    for (const kvbus::ChunkKey& k : req.keys) lk->add_keys(control::KeyToBytes(k));
+    for (size_t w = 0; w < workers.size(); ++w) {
+      if (!Usable(w, "prefill") && !Usable(w, "decode")) continue;
+      req.prefix[w] = -1;
+      ++req.lookups_pending;
+      Send(w, req.id, m);
+    }
+    req.phase = Phase::kLookup;
+    req.deadline = Clock::now() + options.lookup_timeout;
+  }
+
+  void Choose(Request& r) {
+    const auto n = static_cast<int64_t>(r.job.tokens.size());
+    const int64_t usable_chunks = (n - 1) / chunk_tokens;
+    int64_t best_cost = INT64_MAX;
+    bool have_p = false, have_d = false;
+    for (const auto& [w, chunks] : r.prefix) {
+      if (chunks < 0 || !Usable(w, "prefill")) continue;
+      const int64_t cached = std::min<int64_t>(chunks, usable_chunks) * chunk_tokens;
+      const int64_t cost = (n - cached) + workers[w].view.queue_tokens;
+      if (cost < best_cost) {
+        best_cost = cost;
+        r.p = w;
+        have_p = true;
+      }
+    }
+    // Decode: the worker holding most of the conversation, then the least
+    // busy; only workers with room for the whole request.
+    const int64_t need_blocks = (n + r.job.max_tokens + 15) / 16;
+    int best_prefix = -1, best_depth = INT32_MAX;
+    for (const auto& [w, chunks] : r.prefix) {
+      if (chunks < 0 || !Usable(w, "decode")) continue;
+      const WorkerView& v = workers[w].view;
+      if (v.free_kv_blocks < need_blocks) continue;
+      if (chunks > best_prefix || (chunks == best_prefix && v.queue_depth < best_depth)) {
+        best_prefix = chunks;
+        best_depth = v.queue_depth;
+        r.d = w;
+        have_d = true;
+      }
+    }
+    if (!have_p) {
+      Fail(r.id, Unavailable("no prefill worker answered"));
+      return;
+    }
+    if (!have_d) {
+      Fail(r.id, ResourceExhausted("no decode worker has room for " + std::to_string(n) +
+                                   " + " + std::to_string(r.job.max_tokens) + " tokens"));
+      return;
+    }
+    proto::WorkerMessage m;
+    auto* pr = m.mutable_prepare();
+    for (int32_t t : r.job.tokens) pr->add_tokens(t);
+    pr->set_ns(r.job.ns);
+    control::SamplingToProto(r.job.sampling, pr->mutable_sampling());
+    pr->set_max_tokens(r.job.max_tokens);
+    for (int32_t s : r.job.stop_ids) pr->add_stop_ids(s);
+    for (const std::string& s : r.job.stop_strings) pr->add_stop_strings(s);
+    pr->set_transfer_id(r.transfer_id);
+    Send(r.d, r.id, m);
+    // Count the request against the worker until it next reports.
+    ++workers[r.d].view.queue_depth;
+    workers[r.p].view.queue_tokens += n;
+    r.phase = Phase::kPrepare;
+    r.deadline = Clock::now() + options.prepare_timeout;
+  }
+
+  void OnMessage(size_t w, const proto::WorkerMessage& m) {
+    if (m.body_case() == proto::WorkerMessage::kInfo) {
+      TakeInfo(w, m.info());
+      return;
+    }
+    auto it = requests.find(m.request_id());
+    if (it == requests.end()) return;  // finished or cancelled meanwhile
+    Request& r = it->second;
+    switch (m.body_case()) {
+      case proto::WorkerMessage::kLookupReply: {
+        TakeInfo(w, m.lookup_reply().info());
+        auto pit = r.prefix.find(w);
+        if (r.phase != Phase::kLookup || pit == r.prefix.end() || pit->second >= 0) return;
+        pit->second = m.lookup_reply().prefix_chunks();
+        if (--r.lookups_pending == 0) Choose(r);
+        return;
+      }
+      case proto::WorkerMessage::kPrepareReply: {
+        if (r.phase != Phase::kPrepare || w != r.d) return;
+        Status st = control::StatusFromProto(m.prepare_reply().error());
+        if (!st.ok()) {
+          Fail(r.id, st.WithContext(workers[w].view.name));
+          return;
+        }
+        if (workers[r.d].kvbus_endpoint.empty()) {
+          Fail(r.id, Unavailable(workers[r.d].view.name + " has not said where it takes KV"));
+          return;
+        }
+        proto::WorkerMessage pm;
+        auto* pf = pm.mutable_prefill();
+        for (int32_t t : r.job.tokens) pf->add_tokens(t);
+        pf->set_ns(r.job.ns);
+        control::SamplingToProto(r.job.sampling, pf->mutable_sampling());
+        pf->set_decode_endpoint(workers[r.d].kvbus_endpoint);
+        pf->set_decode_held_chunks(m.prepare_reply().held_chunks());
+        pf->set_transfer_id(r.transfer_id);
+        Send(r.p, r.id, pm);
+        r.prefill_sent = true;
+        r.phase = Phase::kPrefill;
+        return;
+      }
+      case proto::WorkerMessage::kPrefillReply: {
+        if (r.phase != Phase::kPrefill || w != r.p) return;
+        const proto::PrefillReply& pr = m.prefill_reply();
+        Status st = control::StatusFromProto(pr.error());
+        if (!st.ok()) {
+          Fail(r.id, st.WithContext(workers[w].view.name));
+          return;
+        }
+        r.usage.prompt_tokens = static_cast<int>(r.job.tokens.size());
+        r.usage.cached_tokens = pr.cached_tokens();
+        if (metrics) {
+          metrics->PromptTokens(pr.cached_tokens(), pr.computed_tokens());
+          metrics->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
+        }
+        proto::WorkerMessage sm;
+        sm.mutable_start()->set_first_token(pr.first_token());
+        Send(r.d, r.id, sm);
+        r.phase = Phase::kDecode;
+        return;
+      }
+      case proto::WorkerMessage::kTokens: {
+        if (w != r.d || (r.phase != Phase::kDecode && r.phase != Phase::kPrepare)) return;
+        JobEvent ev;
+        bool finished = false;
+        for (const proto::TokenEvent& e : m.tokens().events()) {
+          Status st = control::StatusFromProto(e.error());
+          if (!st.ok()) {
+            Fail(r.id, st.WithContext(workers[w].view.name));
+            return;
+          }
+          if (e.token() >= 0) {
+            const auto now = Clock::now();
+            if (metrics) {
+              if (!r.first_token_seen) {
+                metrics->Ttft(std::chrono::duration<double>(now - r.arrival).count());
+              } else {
+                metrics->InterToken(std::chrono::duration<double>(now - r.last_token).count());
+              }
+            }
+            r.first_token_seen = true;
+            r.last_token = now;
+            ++ev.tokens;
+          }
+          ev.text += e.text();
+          if (e.finished()) {
+            finished = true;
+            ev.finish_reason = e.finish_reason();
+          }
+        }
+        r.usage.completion_tokens += ev.tokens;
+        if (metrics) metrics->GeneratedTokens(ev.tokens);
+        if (finished) {
+          ev.kind = JobEvent::Kind::kDone;
+          ev.usage = r.usage;
+          JobCallback cb = std::move(r.cb);
+          requests.erase(it);
+          cb(std::move(ev));
+        } else if (ev.tokens > 0 || !ev.text.empty()) {
+          r.cb(std::move(ev));
+        }
+        return;
+      }
+      default:
+        return;
+    }
+  }
+
+  void Tick() {
+    const auto now = Clock::now();
+    bool changed = false;
+    for (size_t w = 0; w < workers.size(); ++w) {
+      Worker& wk = workers[w];
+      if (now - wk.last_ping >= options.ping_interval) {
+        proto::WorkerMessage m;
+        m.mutable_info_request();
+        Send(w, 0, m);
+        wk.last_ping = now;
+      }
+      const bool silent = !wk.heard || now - wk.last_heard > options.worker_timeout;
+      if (wk.view.up && silent) {
+        wk.view.up = false;
+        changed = true;
+        std::fprintf(stderr, "kdn-router: %s (%s) stopped answering\n", wk.view.name.c_str(),
+                     wk.view.endpoint.c_str());
+        std::vector<uint64_t> doomed, to_choose;
+        for (auto& [id, r] : requests) {
+          const bool uses_d = r.phase != Phase::kLookup && r.d == w;
+          const bool uses_p = r.phase == Phase::kPrefill && r.p == w;
+          if (uses_d || uses_p) doomed.push_back(id);
+          auto pit = r.prefix.find(w);
+          if (r.phase == Phase::kLookup && pit != r.prefix.end() && pit->second < 0) {
+            r.prefix.erase(pit);
+            if (--r.lookups_pending == 0) to_choose.push_back(id);
+          }
+        }
+        for (uint64_t id : doomed) {
+          Fail(id, Unavailable(wk.view.role + " worker " + wk.view.name + " stopped answering"));
+        }
+        for (uint64_t id : to_choose) {
+          auto it = requests.find(id);
+          if (it != requests.end()) Choose(it->second);
+        }
+      }
+    }
+    // Deadlines: lookups go ahead with the answers they have.
+    std::vector<uint64_t> late_lookup, late_prepare;
+    for (auto& [id, r] : requests) {
+      if (now < r.deadline) continue;
+      if (r.phase == Phase::kLookup) late_lookup.push_back(id);
+      if (r.phase == Phase::kPrepare) late_prepare.push_back(id);
+    }
+    for (uint64_t id : late_lookup) {
+      auto it = requests.find(id);
+      if (it != requests.end()) {
+        it->second.lookups_pending = 0;
+        Choose(it->second);
+      }
+    }
+    for (uint64_t id : late_prepare) {
+      Fail(id, Unavailable("the decode worker did not answer in time"));
+    }
+    if (changed) UpdateSnapshot();
+  }
+
+  void Loop() {
+    std::vector<zmq::pollitem_t> items;
+    items.push_back({inbox.handle(), 0, ZMQ_POLLIN, 0});
+    for (Worker& w : workers) items.push_back({w.sock->handle(), 0, ZMQ_POLLIN, 0});
+    auto last_snapshot = Clock::now();
+    while (!stop.load(std::memory_order_relaxed)) {
+      try {
+        zmq::poll(items.data(), items.size(), std::chrono::milliseconds(50));
+        if (items[0].revents & ZMQ_POLLIN) {
+          zmq::message_t m;
+          while (inbox.recv(m, zmq::recv_flags::dontwait)) {
+          }
+          std::deque<Command> todo;
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            todo.swap(commands);
+          }
+          for (Command& c : todo) {
+            if (c.kind == Command::Kind::kSubmit) {
+              OnSubmit(c);
+            } else {
+              auto it = requests.find(c.id);
+              if (it != requests.end()) {
+                proto::WorkerMessage cancel;
+                cancel.mutable_cancel();
+                const Request& r = it->second;
+                if (r.phase != Phase::kLookup) Send(r.d, r.id, cancel);
+                if (r.phase == Phase::kPrefill) Send(r.p, r.id, cancel);
+                requests.erase(it);
+              }
+            }
+          }
+        }
+        for (size_t w = 0; w < workers.size(); ++w) {
+          if (!(items[w + 1].revents & ZMQ_POLLIN)) continue;
+          for (int k = 0; k < 256; ++k) {
+            zmq::message_t msg;
+            if (!workers[w].sock->recv(msg, zmq::recv_flags::dontwait)) break;
+            Worker& wk = workers[w];
+            wk.last_heard = Clock::now();
+            wk.heard = true;
+            if (!wk.view.up) {
+              wk.view.up = true;
+              std::fprintf(stderr, "kdn-router: %s (%s) is up\n", wk.view.endpoint.c_str(),
+                           wk.view.role.c_str());
+            }
+            proto::WorkerMessage wm;
+            if (!wm.ParseFromArray(msg.data(), static_cast<int>(msg.size()))) continue;
+            OnMessage(w, wm);
+          }
+        }
+        Tick();
+        if (Clock::now() - last_snapshot > std::chrono::milliseconds(100)) {
+          UpdateSnapshot();
+          last_snapshot = Clock::now();
+        }
+      } catch (const zmq::error_t& e) {
+        if (e.num() == ETERM) return;
+        std::fprintf(stderr, "kdn-router: backend: %s\n", e.what());
+      }
+    }
+  }
+};
+
+Backend::Backend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options, Metrics* metrics) {
+  if (options.prefill_endpoints.empty()) return InvalidArgument("no prefill worker given");
+  if (options.decode_endpoints.empty()) return InvalidArgument("no decode worker given");
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->metrics = metrics;
+  std::random_device rd;
+  impl->nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  try {
+    char name[64];
+    std::snprintf(name, sizeof(name), "inproc://router-backend-%p", static_cast<void*>(impl.get()));
+    impl->inbox.bind(name);
+    impl->wake.set(zmq::sockopt::linger, 0);
+    impl->wake.connect(name);
+    auto add = [&](const std::string& ep, const char* role) {
+      Worker w;
+      w.view.name = ep;
+      w.view.role = role;
+      w.view.endpoint = ep;
+      w.sock = std::make_unique<zmq::socket_t>(impl->ctx, zmq::socket_type::dealer);
+      w.sock->set(zmq::sockopt::linger, 0);
+      w.sock->set(zmq::sockopt::sndhwm, 100000);
+      w.sock->connect(ep);
+      impl->workers.push_back(std::move(w));
+    };
+    for (const std::string& ep : options.prefill_endpoints) add(ep, "prefill");
+    for (const std::string& ep : options.decode_endpoints) add(ep, "decode");
+  } catch (const zmq::error_t& e) {
+    return kvbus::ZmqErrorStatus(e.num(), "connecting to the workers");
+  }
+  impl->UpdateSnapshot();
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->Loop(); });
+  return std::unique_ptr<Backend>(new Backend(std::move(impl)));
+}
+
+Backend::~Backend() {
+  impl_->stop = true;
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+uint64_t Backend::Submit(Job job, JobCallback callback) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const uint64_t id = impl_->next_id++;
+  impl_->commands.push_back(
+      {Command::Kind::kSubmit, id, std::move(job), std::move(callback), Clock::now()});
+  (void)impl_->wake.send(zmq::str_buffer("s"), zmq::send_flags::dontwait);
+  return id;
+}
+
+void Backend::Cancel(uint64_t id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->commands.push_back({Command::Kind::kCancel, id, {}, {}, Clock::now()});
+  (void)impl_->wake.send(zmq::str_buffer("c"), zmq::send_flags::dontwait);
+}
+
+std::vector<WorkerView> Backend::Workers() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->snapshot;
+}
+
+}  // namespace kdn::router

@@ -1,0 +1,140 @@
+#include "kdn/router/metrics.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace kdn::router {
+
+namespace {
+
+std::string Num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g", v);
+  return buf;
+}
+
+// Label values escape backslash, quote and newline.
+std::string Label(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+void Head(std::string* out, const char* name, const char* type, const char* help) {
+  *out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+}
+
+}  // namespace
+
+Histogram::Histogram(std::vector<double> bounds)
+    : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::Observe(double v) {
+  const size_t i = std::lower_bound(bounds_.begin(), bounds_.end(), v) - bounds_.begin();
+  ++counts_[i];
+  sum_ += v;
+  ++count_;
+}
+
+void Histogram::Render(const std::string& name, std::string* out) const {
+  uint64_t cum = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cum += counts_[i];
+    *out += name + "_bucket{le=\"" + Num(bounds_[i]) + "\"} " + std::to_string(cum) + "\n";
+  }
+  *out += name + "_bucket{le=\"+Inf\"} " + std::to_string(count_) + "\n";
+  *out += name + "_sum " + Num(sum_) + "\n";
+  *out += name + "_count " + std::to_string(count_) + "\n";
+}
+
+Metrics::Metrics()
+    : ttft_({0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
+      inter_token_({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}) {}
+
+void Metrics::RequestFinished(const std::string& route, int code) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++requests_[{route, code}];
+}
+
+void Metrics::InFlight(int delta) {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_ += delta;
+}
+
+void Metrics::Ttft(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ttft_.Observe(seconds);
+}
+
+void Metrics::InterToken(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  inter_token_.Observe(seconds);
+}
+
+void Metrics::PromptTokens(int cached, int computed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cached_tokens_ += static_cast<uint64_t>(cached);
+  computed_tokens_ += static_cast<uint64_t>(computed);
+}
+
+void Metrics::GeneratedTokens(int n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  generated_ += static_cast<uint64_t>(n);
+}
+
+void Metrics::KvMoved(uint64_t bytes, uint64_t slices_skipped) {
+  std::lock_guard<std::mutex> lock(mu_);
+  kv_bytes_ += bytes;
+  slices_skipped_ += slices_skipped;
+}
+
+std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  Head(&out, "kdn_requests_total", "counter", "Finished HTTP requests by route and status code.");
+  for (const auto& [k, v] : requests_) {
+    out += "kdn_requests_total{route=\"" + Label(k.first) + "\",code=\"" +
+           std::to_string(k.second) + "\"} " + std::to_string(v) + "\n";
+  }
+  Head(&out, "kdn_requests_in_flight", "gauge", "Requests being served.");
+  out += "kdn_requests_in_flight " + std::to_string(in_flight_) + "\n";
+  Head(&out, "kdn_ttft_seconds", "histogram", "Time to first token from the request's arrival.");
+  ttft_.Render("kdn_ttft_seconds", &out);
+  Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");
+  inter_token_.Render("kdn_inter_token_seconds", &out);
+  Head(&out, "kdn_prompt_tokens_total", "counter",
+       "Prompt tokens whose KV was loaded from the KDN (cached) or computed.");
+  out += "kdn_prompt_tokens_total{source=\"cached\"} " + std::to_string(cached_tokens_) + "\n";
+  out += "kdn_prompt_tokens_total{source=\"computed\"} " + std::to_string(computed_tokens_) + "\n";
+  Head(&out, "kdn_generated_tokens_total", "counter", "Tokens generated.");
+  out += "kdn_generated_tokens_total " + std::to_string(generated_) + "\n";
+  Head(&out, "kdn_kv_bytes_moved_total", "counter",
+       "KV bytes sent from prefill to decode workers.");
+  out += "kdn_kv_bytes_moved_total " + std::to_string(kv_bytes_) + "\n";
+  Head(&out, "kdn_kv_chunks_skipped_total", "counter",
+       "KV layer slices not sent because the decode worker held them.");
+  out += "kdn_kv_chunks_skipped_total " + std::to_string(slices_skipped_) + "\n";
+  Head(&out, "kdn_worker_up", "gauge", "1 while a worker answers.");
+  auto labels = [](const WorkerGauge& w) {
+    return "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) + "\"} ";
+  };
+  for (const WorkerGauge& w : workers) out += "kdn_worker_up" + labels(w) + (w.up ? "1" : "0") + "\n";
+  Head(&out, "kdn_worker_queue_depth", "gauge", "Requests queued or running at a worker.");
+  for (const WorkerGauge& w : workers) {
+    out += "kdn_worker_queue_depth" + labels(w) + std::to_string(w.queue_depth) + "\n";
+  }
+  Head(&out, "kdn_worker_free_kv_blocks", "gauge", "Free blocks of a worker's paged KV cache.");
+  for (const WorkerGauge& w : workers) {
+    out += "kdn_worker_free_kv_blocks" + labels(w) + std::to_string(w.free_kv_blocks) + "\n";
+  }
+  return out;
+}
+
+}  // namespace kdn::router

@@ -1,0 +1,392 @@
+#include "kdn/router/openai.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace kdn::router {
+
+namespace {
+
+ApiError Bad(std::string message, std::string param = {}) {
+  ApiError e;
+  e.message = std::move(message);
+  e.param = std::move(param);
+  return e;
+}
+
+const char* TypeName(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "a boolean";
+    case json::value_t::string: return "a string";
+    case json::value_t::array: return "an array";
+    case json::value_t::object: return "an object";
+    case json::value_t::number_float: return "a number";
+    default: return "an integer";
+  }
+}
+
+// Reads an optional field; null counts as absent.
+std::optional<ApiError> GetInt(const json& body, const char* name, int64_t* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (it->is_number_integer() || it->is_number_unsigned()) {
+    *out = it->get<int64_t>();
+    return std::nullopt;
+  }
+  if (it->is_number_float() && std::floor(it->get<double>()) == it->get<double>() &&
+      std::fabs(it->get<double>()) < 9e15) {
+    *out = static_cast<int64_t>(it->get<double>());
+    return std::nullopt;
+  }
+  return Bad(std::string("'") + name + "' must be an integer, not " + TypeName(*it), name);
+}
+
+std::optional<ApiError> GetNumber(const json& body, const char* name, double* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) {
+    return Bad(std::string("'") + name + "' must be a number, not " + TypeName(*it), name);
+  }
+  *out = it->get<double>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetBool(const json& body, const char* name, bool* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean()) {
+    return Bad(std::string("'") + name + "' must be a boolean, not " + TypeName(*it), name);
+  }
+  *out = it->get<bool>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetString(const json& body, const char* name, std::string* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  if (!it->is_string()) {
+    return Bad(std::string("'") + name + "' must be a string, not " + TypeName(*it), name);
+  }
+  *out = it->get<std::string>();
+  return std::nullopt;
+}
+
+#define KDN_API_CHECK(expr)        \
+  do {                             \
+    if (auto _e = (expr)) return _e; \
+  } while (0)
+
+// Fields of OpenAI's API that kdn does not implement: refused, not ignored,
+// when set to anything but their neutral value.
+std::optional<ApiError> RefuseUnsupported(const json& body) {
+  auto set = [&](const char* name) {
+    auto it = body.find(name);
+    return it != body.end() && !it->is_null();
+  };
+  if (set("logprobs") && !(body["logprobs"].is_boolean() && !body["logprobs"].get<bool>())) {
+    return Bad("'logprobs' is not supported by kdn", "logprobs");
+  }
+  if (set("top_logprobs")) return Bad("'top_logprobs' is not supported by kdn", "top_logprobs");
+  if (set("echo") && !(body["echo"].is_boolean() && !body["echo"].get<bool>())) {
+    return Bad("'echo' is not supported by kdn", "echo");
+  }
+  if (set("suffix")) return Bad("'suffix' is not supported by kdn", "suffix");
+  if (set("logit_bias") && !(body["logit_bias"].is_object() && body["logit_bias"].empty())) {
+    return Bad("'logit_bias' is not supported by kdn", "logit_bias");
+  }
+  if (set("tools") && !(body["tools"].is_array() && body["tools"].empty())) {
+    return Bad("'tools' is not supported by kdn", "tools");
+  }
+  for (const char* name : {"presence_penalty", "frequency_penalty"}) {
+    double v = 0;
+    KDN_API_CHECK(GetNumber(body, name, &v));
+    if (v != 0) return Bad(std::string("'") + name + "' other than 0 is not supported by kdn", name);
+  }
+  for (const char* name : {"n", "best_of"}) {
+    int64_t v = 1;
+    KDN_API_CHECK(GetInt(body, name, &v));
+    if (v != 1) return Bad(std::string("'") + name + "' must be 1: kdn returns one choice", name);
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
+                                    std::vector<int32_t>* out) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) return Bad("'prompt' is required", "prompt");
+  const json* p = &*it;
+  if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) p = &(*p)[0];
+  if (p->is_string()) {
+    *out = model.tokenizer->Encode(p->get<std::string>(), /*add_bos=*/true);
+  } else if (p->is_array()) {
+    if (p->empty()) return Bad("'prompt' is an empty list", "prompt");
+    for (const json& t : *p) {
+      if (t.is_string() || t.is_array()) {
+        return Bad("'prompt' as a list of several prompts is not supported; send one per request",
+                   "prompt");
+      }
+      if (!t.is_number_integer() && !t.is_number_unsigned()) {
+        return Bad("'prompt' must be a string or a list of token ids", "prompt");
+      }
+      const int64_t id = t.get<int64_t>();
+      if (id < 0 || id >= model.config->vocab_size) {
+        return Bad("token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                       std::to_string(model.config->vocab_size) + ")",
+                   "prompt");
+      }
+      out->push_back(static_cast<int32_t>(id));
+    }
+  } else {
+    return Bad(std::string("'prompt' must be a string or a list of token ids, not ") + TypeName(*p),
+               "prompt");
+  }
+  if (out->empty()) return Bad("'prompt' is empty", "prompt");
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model,
+                                      std::vector<int32_t>* out, std::string* end_of_turn) {
+  auto it = body.find("messages");
+  if (it == body.end() || it->is_null()) return Bad("'messages' is required", "messages");
+  if (!it->is_array()) {
+    return Bad(std::string("'messages' must be a list, not ") + TypeName(*it), "messages");
+  }
+  if (it->empty()) return Bad("'messages' is empty", "messages");
+  std::vector<std::pair<std::string, std::string>> msgs;
+  for (size_t i = 0; i < it->size(); ++i) {
+    const json& m = (*it)[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) return Bad(where + " must be an object", "messages");
+    auto role = m.find("role");
+    if (role == m.end() || !role->is_string()) return Bad(where + ".role must be a string", "messages");
+    const std::string r = role->get<std::string>();
+    if (r != "system" && r != "user" && r != "assistant" && r != "developer") {
+      return Bad(where + ".role '" + r + "' is not one of system, developer, user, assistant",
+                 "messages");
+    }
+    std::string text;
+    auto content = m.find("content");
+    if (content == m.end() || content->is_null()) {
+      return Bad(where + ".content is required", "messages");
+    } else if (content->is_string()) {
+      text = content->get<std::string>();
+    } else if (content->is_array()) {
+      for (const json& part : *content) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string()) {
+          return Bad(where + ".content: only text parts are supported", "messages");
+        }
+        text += part["text"].get<std::string>();
+      }
+    } else {
+      return Bad(where + ".content must be a string or a list of text parts", "messages");
+    }
+    msgs.emplace_back(r == "developer" ? "system" : r, std::move(text));
+  }
+  ChatPrompt chat = RenderChat(model.config->architecture, msgs);
+  *out = model.tokenizer->Encode(chat.text, /*add_bos=*/true);
+  *end_of_turn = chat.end_of_turn;
+  return std::nullopt;
+}
+
+}  // namespace
+
+json ErrorBody(const ApiError& e) {
+  return {{"error",
+           {{"message", e.message},
+            {"type", e.type},
+            {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+            {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
+}
+
+ChatPrompt RenderChat(engine::Architecture arch,
+                      const std::vector<std::pair<std::string, std::string>>& messages) {
+  ChatPrompt p;
+  switch (arch) {
+    case engine::Architecture::kQwen2:
+      for (const auto& [role, text] : messages) {
+        p.text += "<|im_start|>" + role + "\n" + text + "<|im_end|>\n";
+      }
+      p.text += "<|im_start|>assistant\n";
+      p.end_of_turn = "<|im_end|>";
+      break;
+    case engine::Architecture::kMistral: {
+      // Mistral has no system role: a system message leads the next user turn.
+      std::string pending_system;
+      for (const auto& [role, text] : messages) {
+        if (role == "system") {
+          pending_system += text + "\n\n";
+        } else if (role == "user") {
+          p.text += "[INST] " + pending_system + text + " [/INST]";
+          pending_system.clear();
+        } else {
+          p.text += text + "</s>";
+        }
+      }
+      p.end_of_turn = "</s>";
+      break;
+    }
+    case engine::Architecture::kLlama:
+      for (const auto& [role, text] : messages) {
+        p.text += "<|start_header_id|>" + role + "<|end_header_id|>\n\n" + text + "<|eot_id|>";
+      }
+      p.text += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      p.end_of_turn = "<|eot_id|>";
+      break;
+  }
+  return p;
+}
+
+std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
+                                     const ServedModel& model, ApiRequest* out) {
+  json body = json::parse(body_text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded()) return Bad("the request body is not valid JSON");
+  if (!body.is_object()) return Bad("the request body must be a JSON object");
+  out->kind = kind;
+
+  std::string name;
+  KDN_API_CHECK(GetString(body, "model", &name));
+  if (!name.empty() && name != model.name) {
+    ApiError e = Bad("the model '" + name + "' does not exist; this server serves '" +
+                         model.name + "'",
+                     "model");
+    e.http_status = 404;
+    e.code = "model_not_found";
+    return e;
+  }
+  KDN_API_CHECK(RefuseUnsupported(body));
+
+  std::string end_of_turn;
+  if (kind == ApiKind::kCompletion) {
+    KDN_API_CHECK(ParsePrompt(body, model, &out->prompt));
+  } else {
+    KDN_API_CHECK(ParseMessages(body, model, &out->prompt, &end_of_turn));
+  }
+
+  int64_t max_tokens = 16;
+  KDN_API_CHECK(GetInt(body, "max_tokens", &max_tokens));
+  if (kind == ApiKind::kChat) KDN_API_CHECK(GetInt(body, "max_completion_tokens", &max_tokens));
+  if (max_tokens < 1) {
+    return Bad("'max_tokens' must be at least 1, got " + std::to_string(max_tokens), "max_tokens");
+  }
+  const int64_t ctx = model.config->max_context;
+  const int64_t n = static_cast<int64_t>(out->prompt.size());
+  if (n + max_tokens > ctx) {
+    ApiError e = Bad("this model's maximum context length is " + std::to_string(ctx) +
+                         " tokens; the request asks for " + std::to_string(n + max_tokens) +
+                         " (" + std::to_string(n) + " in the prompt, " +
+                         std::to_string(max_tokens) + " for the completion)",
+                     n >= ctx ? (kind == ApiKind::kChat ? "messages" : "prompt") : "max_tokens");
+    e.code = "context_length_exceeded";
+    return e;
+  }
+  out->max_tokens = static_cast<int>(max_tokens);
+
+  double temperature = 1.0, top_p = 1.0;
+  int64_t top_k = 0, seed = 0;
+  KDN_API_CHECK(GetNumber(body, "temperature", &temperature));
+  KDN_API_CHECK(GetNumber(body, "top_p", &top_p));
+  KDN_API_CHECK(GetInt(body, "top_k", &top_k));
+  KDN_API_CHECK(GetInt(body, "seed", &seed));
+  if (!(temperature >= 0 && temperature <= 2)) {
+    return Bad("'temperature' must be between 0 and 2", "temperature");
+  }
+  if (!(top_p > 0 && top_p <= 1)) return Bad("'top_p' must be in (0, 1]", "top_p");
+  if (top_k == -1) top_k = 0;  // vLLM's spelling of "off"
+  if (top_k < 0 || top_k > model.config->vocab_size) {
+    return Bad("'top_k' must be 0 (off) or a positive number of tokens", "top_k");
+  }
+  out->sampling.temperature = static_cast<float>(temperature);
+  out->sampling.top_p = static_cast<float>(top_p);
+  out->sampling.top_k = static_cast<int>(top_k);
+  out->sampling.seed = static_cast<uint64_t>(seed);
+
+  auto stop = body.find("stop");
+  if (stop != body.end() && !stop->is_null()) {
+    if (stop->is_string()) {
+      out->stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array() && stop->size() <= 4 &&
+               std::all_of(stop->begin(), stop->end(), [](const json& s) { return s.is_string(); })) {
+      for (const json& s : *stop) out->stop.push_back(s.get<std::string>());
+    } else {
+      return Bad("'stop' must be a string or a list of at most 4 strings", "stop");
+    }
+    for (const std::string& s : out->stop) {
+      if (s.empty()) return Bad("'stop' strings must not be empty", "stop");
+    }
+  }
+  if (!end_of_turn.empty()) out->stop.push_back(end_of_turn);
+
+  KDN_API_CHECK(GetBool(body, "stream", &out->stream));
+  auto so = body.find("stream_options");
+  if (so != body.end() && !so->is_null()) {
+    if (!so->is_object()) return Bad("'stream_options' must be an object", "stream_options");
+    KDN_API_CHECK(GetBool(*so, "include_usage", &out->include_usage));
+  }
+  bool ignore_eos = false;
+  KDN_API_CHECK(GetBool(body, "ignore_eos", &ignore_eos));
+  const int32_t eos = model.tokenizer->eos_id() >= 0 ? model.tokenizer->eos_id()
+                                                       : model.config->eos_token_id;
+  if (!ignore_eos && eos >= 0) out->stop_ids.push_back(eos);
+  KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
+  std::string user;
+  KDN_API_CHECK(GetString(body, "user", &user));
+  return std::nullopt;
+}
+
+json UsageJson(const Usage& u) {
+  return {{"prompt_tokens", u.prompt_tokens},
+          {"completion_tokens", u.completion_tokens},
+          {"total_tokens", u.prompt_tokens + u.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+}
+
+json CompletionResponse(ApiKind kind, const std::string& id, int64_t created,
+                        const std::string& model, const std::string& text,
+                        const std::string& finish_reason, const Usage& usage) {
+  json choice = {{"index", 0}, {"finish_reason", finish_reason}, {"logprobs", nullptr}};
+  if (kind == ApiKind::kChat) {
+    choice["message"] = {{"role", "assistant"}, {"content", text}};
+  } else {
+    choice["text"] = text;
+  }
+  return {{"id", id},
+          {"object", kind == ApiKind::kChat ? "chat.completion" : "text_completion"},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array({choice})},
+          {"usage", UsageJson(usage)}};
+}
+
+json StreamChunk(ApiKind kind, const std::string& id, int64_t created, const std::string& model,
+                 const std::string& text, const std::string* finish_reason, bool first) {
+  json choice = {{"index", 0},
+                 {"finish_reason", finish_reason ? json(*finish_reason) : json(nullptr)},
+                 {"logprobs", nullptr}};
+  if (kind == ApiKind::kChat) {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || finish_reason == nullptr) delta["content"] = text;
+    choice["delta"] = delta;
+  } else {
+    choice["text"] = text;
+  }
+  return {{"id", id},
+          {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array({choice})}};
+}
+
+json StreamUsageChunk(ApiKind kind, const std::string& id, int64_t created,
+                      const std::string& model, const Usage& usage) {
+  return {{"id", id},
+          {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array()},
+          {"usage", UsageJson(usage)}};
+}
+
+}  // namespace kdn::router

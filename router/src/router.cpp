@@ -1,0 +1,442 @@
+#include "kdn/router/router.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <optional>
+#include <thread>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include "kdn/engine/config.h"
+#include "kdn/engine/tokenizer.h"
+#include "kdn/router/metrics.h"
+#include "kdn/router/openai.h"
+
+namespace kdn::router {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+constexpr uint64_t kBodyLimit = 16u << 20;
+
+int64_t UnixNow() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// The HTTP status a failed job maps to.
+ApiError JobError(const Status& st) {
+  ApiError e;
+  e.message = st.message();
+  switch (st.code()) {
+    case StatusCode::kInvalidArgument:
+      e.http_status = 400;
+      break;
+    case StatusCode::kResourceExhausted:
+    case StatusCode::kUnavailable:
+      e.http_status = 503;
+      e.type = "service_unavailable";
+      break;
+    default:
+      e.http_status = 502;
+      e.type = "server_error";
+  }
+  return e;
+}
+
+std::string SseEvent(const std::string& data) { return "data: " + data + "\n\n"; }
+
+std::string Chunked(const std::string& piece) {
+  char head[32];
+  std::snprintf(head, sizeof(head), "%zx\r\n", piece.size());
+  return head + piece + "\r\n";
+}
+
+// Everything a session reads: the model's view, metrics, the backend.
+struct ServerState {
+  RouterOptions options;
+  engine::ModelConfig config;
+  std::unique_ptr<engine::Tokenizer> tokenizer;
+  ServedModel served;
+  Metrics metrics;
+  std::unique_ptr<Backend> backend;
+  int64_t started = UnixNow();
+  std::atomic<uint64_t> next_response{1};
+
+  asio::io_context io{1};
+  std::optional<tcp::acceptor> acceptor;
+  std::string url;
+  std::thread thread;
+};
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, ServerState& router)
+      : stream_(std::move(socket)), router_(router) {}
+
+  void Start() { Read(); }
+
+ private:
+  void Read() {
+    parser_.emplace();
+    parser_->body_limit(kBodyLimit);
+    stream_.expires_after(std::chrono::minutes(5));
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+  }
+
+  void OnRead(beast::error_code ec) {
+    if (ec == http::error::body_limit) {
+      ApiError e;
+      e.http_status = 413;
+      e.message = "the request body is over " + std::to_string(kBodyLimit >> 20) + " MiB";
+      keep_alive_ = false;
+      route_ = "other";
+      ReplyError(e);
+      return;
+    }
+    if (ec) return Close();
+    request_ = parser_->release();
+    keep_alive_ = request_.keep_alive();
+    Handle();
+  }
+
+  void Handle() {
+    std::string path(request_.target());
+    if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
+    const auto method = request_.method();
+    auto only = [&](http::verb v) {
+      if (method == v) return true;
+      ApiError e;
+      e.http_status = 405;
+      e.message = std::string("method ") + std::string(request_.method_string()) +
+                  " is not allowed on " + path;
+      ReplyError(e);
+      return false;
+    };
+    route_ = path;
+    if (path == "/health") {
+      if (only(http::verb::get)) Health();
+    } else if (path == "/metrics") {
+      if (only(http::verb::get)) {
+        std::vector<WorkerGauge> gauges;
+        for (const WorkerView& w : router_.backend->Workers()) {
+          gauges.push_back({w.name, w.role, w.up && w.compatible, w.queue_depth, w.free_kv_blocks});
+        }
+        Reply(http::status::ok, router_.metrics.Render(gauges), "text/plain; version=0.0.4");
+      }
+    } else if (path == "/v1/models") {
+      if (only(http::verb::get)) {
+        json m = {{"object", "list"},
+                  {"data", json::array({{{"id", router_.served.name},
+                                         {"object", "model"},
+                                         {"created", router_.started},
+                                         {"owned_by", "kdn"},
+                                         {"max_model_len", router_.config.max_context}}})}};
+        Reply(http::status::ok, m.dump(), "application/json");
+      }
+    } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
+      if (only(http::verb::post)) {
+        Generate(path == "/v1/completions" ? ApiKind::kCompletion : ApiKind::kChat);
+      }
+    } else {
+      route_ = "other";
+      ApiError e;
+      e.http_status = 404;
+      e.message = "no route " + path + " (see docs/serving.md)";
+      ReplyError(e);
+    }
+  }
+
+  void Health() {
+    json workers = json::array();
+    int live_p = 0, live_d = 0;
+    for (const WorkerView& w : router_.backend->Workers()) {
+      const bool live = w.up && w.compatible;
+      if (live) (w.role == "prefill" ? live_p : live_d)++;
+      workers.push_back({{"name", w.name},
+                         {"role", w.role},
+                         {"endpoint", w.endpoint},
+                         {"up", w.up},
+                         {"compatible", w.compatible},
+                         {"queue_depth", w.queue_depth},
+                         {"free_kv_blocks", w.free_kv_blocks},
+                         {"health", w.health}});
+    }
+    const bool ok = live_p > 0 && live_d > 0;
+    json body = {{"status", ok ? "ok" : "unavailable"},
+                 {"model", router_.served.name},
+                 {"workers", workers}};
+    if (!ok) {
+      body["reason"] = live_p == 0 && live_d == 0 ? "no prefill and no decode worker answers"
+                       : live_p == 0              ? "no prefill worker answers"
+                                                  : "no decode worker answers";
+    }
+    Reply(ok ? http::status::ok : http::status::service_unavailable, body.dump(),
+          "application/json");
+  }
+
+  void Generate(ApiKind kind) {
+    ApiRequest req;
+    if (auto err = ParseRequest(kind, request_.body(), router_.served, &req)) {
+      ReplyError(*err);
+      return;
+    }
+    kind_ = kind;
+    stream_mode_ = req.stream;
+    include_usage_ = req.include_usage;
+    created_ = UnixNow();
+    char id[40];
+    std::snprintf(id, sizeof(id), "%s-%016llx", kind == ApiKind::kChat ? "chatcmpl" : "cmpl",
+                  static_cast<unsigned long long>(router_.next_response++));
+    response_id_ = id;
+    Job job;
+    job.tokens = std::move(req.prompt);
+    job.ns = req.cache_salt;
+    job.sampling = req.sampling;
+    job.max_tokens = req.max_tokens;
+    job.stop_ids = req.stop_ids;
+    job.stop_strings = req.stop;
+    router_.metrics.InFlight(1);
+    in_flight_ = true;
+    if (stream_mode_) {
+      std::string head =
+          "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+          "Transfer-Encoding: chunked\r\n";
+      head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+      stream_.expires_never();
+      Enqueue(std::move(head));
+    }
+    auto self = shared_from_this();
+    job_ = router_.backend->Submit(std::move(job), [self](JobEvent ev) {
+      asio::post(self->router_.io, [self, ev = std::move(ev)]() mutable {
+        self->OnJobEvent(std::move(ev));
+      });
+    });
+    job_live_ = true;
+  }
+
+  void OnJobEvent(JobEvent ev) {
+    if (!job_live_) return;
+    const std::string& model = router_.served.name;
+    if (ev.kind == JobEvent::Kind::kError) {
+      job_live_ = false;
+      EndInFlight();
+      ApiError e = JobError(ev.error);
+      if (!stream_mode_) {
+        ReplyError(e);
+        return;
+      }
+      Enqueue(Chunked(SseEvent(ErrorBody(e).dump())));
+      FinishStream();
+      return;
+    }
+    text_ += ev.text;
+    if (ev.kind == JobEvent::Kind::kTokens) {
+      if (stream_mode_ && !ev.text.empty()) {
+        Enqueue(Chunked(SseEvent(
+            StreamChunk(kind_, response_id_, created_, model, ev.text, nullptr, first_chunk_).dump())));
+        first_chunk_ = false;
+      }
+      return;
+    }
+    // kDone
+    job_live_ = false;
+    EndInFlight();
+    if (!stream_mode_) {
+      Reply(http::status::ok,
+            CompletionResponse(kind_, response_id_, created_, model, text_, ev.finish_reason,
+                               ev.usage)
+                .dump(),
+            "application/json");
+      return;
+    }
+    std::string out = SseEvent(StreamChunk(kind_, response_id_, created_, model, ev.text,
+                                           &ev.finish_reason, first_chunk_)
+                                   .dump());
+    if (include_usage_) {
+      out += SseEvent(StreamUsageChunk(kind_, response_id_, created_, model, ev.usage).dump());
+    }
+    out += SseEvent("[DONE]");
+    Enqueue(Chunked(out));
+    FinishStream();
+  }
+
+  void EndInFlight() {
+    if (in_flight_) router_.metrics.InFlight(-1);
+    in_flight_ = false;
+  }
+
+  void FinishStream() {
+    Enqueue("0\r\n\r\n");
+    stream_done_ = true;
+    router_.metrics.RequestFinished(route_, 200);
+  }
+
+  void ReplyError(const ApiError& e) {
+    Reply(static_cast<http::status>(e.http_status), ErrorBody(e).dump(), "application/json");
+  }
+
+  void Reply(http::status status, std::string body, const char* content_type) {
+    router_.metrics.RequestFinished(route_, static_cast<int>(status));
+    auto res = std::make_shared<http::response<http::string_body>>(status, 11);
+    res->set(http::field::server, "kdn-router");
+    res->set(http::field::content_type, content_type);
+    res->keep_alive(keep_alive_);
+    res->body() = std::move(body);
+    res->prepare_payload();
+    http::async_write(stream_, *res,
+                      [self = shared_from_this(), res](beast::error_code ec, size_t) {
+                        if (ec || !self->keep_alive_) return self->Close();
+                        self->ResetRequestState();
+                        self->Read();
+                      });
+  }
+
+  void ResetRequestState() {
+    text_.clear();
+    first_chunk_ = true;
+    stream_done_ = false;
+    stream_mode_ = false;
+    job_live_ = false;
+  }
+
+  void Enqueue(std::string piece) {
+    queue_.push_back(std::move(piece));
+    if (!writing_) DoWrite();
+  }
+
+  void DoWrite() {
+    writing_ = true;
+    asio::async_write(stream_.socket(), asio::buffer(queue_.front()),
+                      [self = shared_from_this()](beast::error_code ec, size_t) {
+                        self->OnWrite(ec);
+                      });
+  }
+
+  void OnWrite(beast::error_code ec) {
+    writing_ = false;
+    if (ec) {
+      // The client went away mid-stream: stop the job.
+      if (job_live_) {
+        router_.backend->Cancel(job_);
+        job_live_ = false;
+        EndInFlight();
+        router_.metrics.RequestFinished(route_, 499);
+      }
+      queue_.clear();
+      return Close();
+    }
+    queue_.pop_front();
+    if (!queue_.empty()) return DoWrite();
+    if (stream_done_) {
+      if (!keep_alive_) return Close();
+      ResetRequestState();
+      Read();
+    }
+  }
+
+  void Close() {
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    stream_.socket().close(ignored);
+  }
+
+  beast::tcp_stream stream_;
+  ServerState& router_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  http::request<http::string_body> request_;
+  bool keep_alive_ = true;
+  std::string route_ = "other";
+
+  // The generation being served.
+  ApiKind kind_ = ApiKind::kCompletion;
+  bool stream_mode_ = false;
+  bool include_usage_ = false;
+  bool first_chunk_ = true;
+  bool job_live_ = false;
+  bool in_flight_ = false;
+  bool stream_done_ = false;
+  uint64_t job_ = 0;
+  int64_t created_ = 0;
+  std::string response_id_;
+  std::string text_;
+  std::deque<std::string> queue_;
+  bool writing_ = false;
+};
+
+}  // namespace
+
+struct Router::Impl : ServerState {
+  void Accept();
+};
+
+void Router::Impl::Accept() {
+  acceptor->async_accept([this](beast::error_code ec, tcp::socket socket) {
+    if (ec) {
+      if (ec == asio::error::operation_aborted) return;
+      std::fprintf(stderr, "kdn-router: accept: %s\n", ec.message().c_str());
+    } else {
+      socket.set_option(tcp::no_delay(true), ec);
+      std::make_shared<Session>(std::move(socket), *this)->Start();
+    }
+    Accept();
+  });
+}
+
+Router::Router(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  KDN_ASSIGN_OR_RETURN(impl->config, engine::LoadModelConfig(options.model_dir));
+  KDN_ASSIGN_OR_RETURN(impl->tokenizer, engine::Tokenizer::Load(options.model_dir));
+  std::string name = options.served_model_name;
+  if (name.empty()) {
+    name = std::filesystem::path(options.model_dir).lexically_normal().filename().string();
+    if (name.empty()) {
+      name = std::filesystem::path(options.model_dir).lexically_normal().parent_path().filename();
+    }
+  }
+  impl->served = {name, &impl->config, impl->tokenizer.get()};
+  KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, &impl->metrics));
+  try {
+    const auto address = asio::ip::make_address(options.host);
+    impl->acceptor.emplace(impl->io);
+    tcp::endpoint ep(address, options.port);
+    impl->acceptor->open(ep.protocol());
+    impl->acceptor->set_option(asio::socket_base::reuse_address(true));
+    impl->acceptor->bind(ep);
+    impl->acceptor->listen();
+    const auto bound = impl->acceptor->local_endpoint();
+    impl->url = "http://" + options.host + ":" + std::to_string(bound.port());
+  } catch (const boost::system::system_error& e) {
+    return Unavailable("cannot listen on " + options.host + ":" + std::to_string(options.port) +
+                       ": " + e.code().message());
+  }
+  impl->Accept();
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->io.run(); });
+  return std::unique_ptr<Router>(new Router(std::move(impl)));
+}
+
+Router::~Router() {
+  impl_->io.stop();
+  if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->backend.reset();
+}
+
+const std::string& Router::url() const { return impl_->url; }
+
+}  // namespace kdn::router
