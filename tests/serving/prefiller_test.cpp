@@ -1,0 +1,233 @@
+#include "kdn/prefill_worker/prefiller.h"
+
+#include <gtest/gtest.h>
+
+#include "../engine/test_util.h"
+#include "kdn/control/transfer_plan.h"
+#include "kdn/kvbus/host_tier.h"
+
+namespace kdn::prefill_worker {
+namespace {
+
+using engine::testing::MakeModel;
+using engine::testing::RandomTokens;
+
+constexpr int kChunk = 16;
+
+std::unique_ptr<kvbus::TieredStore> HostStore() {
+  std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
+  tiers.push_back(std::make_unique<kvbus::HostTier>(64u << 20));
+  return std::make_unique<kvbus::TieredStore>(std::move(tiers));
+}
+
+PrefillerOptions Options() {
+  PrefillerOptions o;
+  o.chunk_tokens = kChunk;
+  o.sender.peer_timeout = std::chrono::milliseconds(500);
+  o.sender.heartbeat_interval = std::chrono::milliseconds(100);
+  o.push_timeout = std::chrono::milliseconds(5000);
+  return o;
+}
+
+int32_t GreedyFirstToken(engine::Model& model, const std::vector<int32_t>& prompt) {
+  engine::KvSequence seq = model.kv_cache().NewSequence();
+  std::vector<float> logits;
+  EXPECT_TRUE(model.Prefill(seq, prompt, {}, &logits).ok());
+  return engine::Argmax(logits);
+}
+
+TEST(Prefiller, SecondRunLoadsTheCachedPrefixAndComputesOnlyTheRest) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  PrefillJob job;
+  job.tokens = RandomTokens(100, 258, 3);
+  job.sampling.temperature = 0;
+
+  auto first = p.Run(job);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(first->cached_tokens, 0);
+  EXPECT_EQ(first->computed_tokens, 100);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  EXPECT_EQ(store->Stats().chunks, 6u);  // 100 / 16 full chunks
+
+  // A longer prompt sharing the first 100 tokens: 6 chunks come from the store.
+  PrefillJob longer = job;
+  const auto more = RandomTokens(20, 258, 4);
+  longer.tokens.insert(longer.tokens.end(), more.begin(), more.end());
+  auto second = p.Run(longer);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(second->cached_tokens, 96);
+  EXPECT_EQ(second->computed_tokens, 24);
+  EXPECT_EQ(second->first_token, GreedyFirstToken(*model, longer.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, APromptOfWholeChunksStillComputesItsLastChunk) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  PrefillJob job;
+  job.tokens = RandomTokens(64, 258, 5);
+  job.sampling.temperature = 0;
+  ASSERT_TRUE(p.Run(job).ok());
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  auto again = p.Run(job);
+  ASSERT_TRUE(again.ok());
+  // The last token's logits are needed, so its chunk is recomputed.
+  EXPECT_EQ(again->cached_tokens, 48);
+  EXPECT_EQ(again->computed_tokens, 16);
+  EXPECT_EQ(again->first_token, GreedyFirstToken(*model, job.tokens));
+}
+
+TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  kvbus::HostTier sink(64u << 20);
+  auto receiver = kvbus::ListenTcp("tcp://127.0.0.1:0", sink);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+
+  PrefillJob job;
+  job.tokens = RandomTokens(75, 258, 6);  // 4 full chunks and a tail of 11
+  job.sampling.temperature = 0;
+  job.decode_endpoint = (*receiver)->endpoint();
+  job.decode_held_chunks = 1;  // the receiver needs no KV for tokens [0, 16)
+  job.transfer_id = "request-1";
+  auto out = p.Run(job);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  const int layers = model->config().num_layers;
+  const uint64_t token_bytes = model->kv_cache().token_stride() * 2 * sizeof(float);
+  EXPECT_EQ(out->kv_bytes_sent, (75u - 16u) * token_bytes * layers);
+  EXPECT_EQ(out->slices_skipped, 0u);
+
+  // The reference KV: the same prompt prefilled in one go on the same weights.
+  auto ref_model = MakeModel("tiny");
+  engine::KvSequence ref = ref_model->kv_cache().NewSequence();
+  std::vector<float> logits;
+  ASSERT_TRUE(ref_model->Prefill(ref, job.tokens, {}, &logits).ok());
+
+  const auto keys = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
+  const auto regions = control::TransferRegions(keys, 75, kChunk, 1, job.transfer_id);
+  ASSERT_EQ(regions.size(), 4u);  // chunks 1..3 and the tail
+  engine::PagedKvCache& cache = model->kv_cache();
+  engine::KvSequence rebuilt = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(rebuilt, 75).ok());
+  for (int l = 0; l < layers; ++l) {
+    EXPECT_FALSE(sink.Contains(kvbus::LayerSliceKey(keys[0], l)));  // held: never sent
+    for (const control::KvRegion& r : regions) {
+      auto slice = sink.Get(kvbus::LayerSliceKey(r.parent, l));
+      ASSERT_TRUE(slice.ok()) << "layer " << l << " of region at " << r.first;
+      ASSERT_TRUE(kvbus::LayerSliceToPagedKv(**slice, l, cache, rebuilt, r.first).ok());
+    }
+  }
+  const int64_t stride = cache.token_stride();
+  for (int l = 0; l < layers; ++l) {
+    for (int64_t t = 16; t < 75; ++t) {
+      EXPECT_LT(engine::testing::RelError(cache.KeyAt(rebuilt, l, t),
+                                          ref_model->kv_cache().KeyAt(ref, l, t), stride),
+                1e-5);
+      EXPECT_LT(engine::testing::RelError(cache.ValueAt(rebuilt, l, t),
+                                          ref_model->kv_cache().ValueAt(ref, l, t), stride),
+                1e-5);
+    }
+  }
+
+  // The same prompt again: every slice is already there, so none is sent.
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  auto again = p.Run(job);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->kv_bytes_sent, 0u);
+  EXPECT_EQ(again->slices_skipped, 4u * layers);
+}
+
+TEST(Prefiller, ADecodeWorkerThatNeverAnswersIsUnavailable) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  PrefillJob job;
+  job.tokens = RandomTokens(40, 258, 7);
+  job.decode_endpoint = "tcp://127.0.0.1:1";  // nobody listens there
+  job.transfer_id = "r";
+  auto out = p.Run(job);
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kUnavailable) << out.status().ToString();
+  // Nothing is stored for a failed request, and the worker goes on.
+  EXPECT_TRUE(p.StoreNewChunks().ok());
+  job.decode_endpoint.clear();
+  EXPECT_TRUE(p.Run(job).ok());
+}
+
+TEST(Prefiller, RefusesAnEmptyPromptAndOneBeyondTheContext) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  PrefillJob job;
+  EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
+  job.tokens = RandomTokens(static_cast<int>(model->config().max_context) + 1, 258, 8);
+  EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(TransferRegions, FullChunksPastTheHeldOnesThenTheTail) {
+  const std::vector<kvbus::ChunkKey> keys = {{0, 1}, {0, 2}, {0, 3}};
+  auto r = control::TransferRegions(keys, 50, 16, 1, "t");
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r[0].parent, keys[1]);
+  EXPECT_EQ(r[0].first, 16);
+  EXPECT_EQ(r[1].parent, keys[2]);
+  EXPECT_TRUE(r[2].tail);
+  EXPECT_EQ(r[2].first, 48);
+  EXPECT_EQ(r[2].count, 2);
+  // Whole chunks: no tail. More held than there are chunks: nothing.
+  EXPECT_EQ(control::TransferRegions(keys, 48, 16, 0, "t").size(), 3u);
+  EXPECT_TRUE(control::TransferRegions(keys, 48, 16, 7, "t").empty());
+  // Tails of different requests have different names.
+  EXPECT_NE(control::TransferRegions(keys, 50, 16, 3, "a")[0].parent,
+            control::TransferRegions(keys, 50, 16, 3, "b")[0].parent);
+}
+
+TEST(LayerSlice, KeysDifferPerLayerAndParent) {
+  const kvbus::ChunkKey a{1, 2}, b{1, 3};
+  EXPECT_NE(kvbus::LayerSliceKey(a, 0), kvbus::LayerSliceKey(a, 1));
+  EXPECT_NE(kvbus::LayerSliceKey(a, 0), kvbus::LayerSliceKey(b, 0));
+  EXPECT_NE(kvbus::LayerSliceKey(a, 0), a);
+}
+
+TEST(LayerSlice, AWholeChunkIsNotASlice) {
+  auto model = MakeModel("tiny");
+  engine::PagedKvCache& cache = model->kv_cache();
+  engine::KvSequence seq = cache.NewSequence();
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Prefill(seq, RandomTokens(16, 258, 9), {}, &logits).ok());
+  auto chunk = kvbus::ChunkFromPagedKv(cache, seq, 0, 16, {0, 1}, {0, 2}, kvbus::KvDType::kF32);
+  ASSERT_TRUE(chunk.ok());
+  EXPECT_EQ(kvbus::LayerSliceToPagedKv(**chunk, 0, cache, seq, 0).code(),
+            StatusCode::kInvalidArgument);
+  auto slice = kvbus::LayerSliceFromPagedKv(cache, seq, 0, 16, 1, {0, 3}, {0, 2},
+                                            kvbus::KvDType::kF32);
+  ASSERT_TRUE(slice.ok());
+  EXPECT_EQ((*slice)->info().layers, 1u);
+  EXPECT_EQ(kvbus::LayerSliceToPagedKv(**slice, 2, cache, seq, 0).code(),
+            StatusCode::kInvalidArgument);  // tiny has 2 layers
+}
+
+TEST(HostTier, EraseDropsAnUnpinnedChunkAndKeepsAPinnedOne) {
+  kvbus::HostTier tier(1u << 20);
+  auto make = [](uint64_t lo) {
+    kvbus::ChunkInfo info{{0, lo}, {0, 9}, 1, 1, 4, 2, kvbus::KvDType::kF32, 0};
+    return kvbus::Chunk::Make(info, std::vector<uint8_t>(info.payload_bytes(), 1)).value();
+  };
+  ASSERT_TRUE(tier.Put(make(1)).ok());
+  ASSERT_TRUE(tier.Put(make(2)).ok());
+  ASSERT_TRUE(tier.Pin({0, 2}, std::chrono::seconds(10)).ok());
+  EXPECT_TRUE(tier.Erase({0, 1}));
+  EXPECT_FALSE(tier.Contains({0, 1}));
+  EXPECT_FALSE(tier.Erase({0, 2}));
+  EXPECT_TRUE(tier.Contains({0, 2}));
+  EXPECT_FALSE(tier.Erase({0, 3}));
+  EXPECT_EQ(tier.Stats().bytes, make(2)->size());
+}
+
+}  // namespace
+}  // namespace kdn::prefill_worker
