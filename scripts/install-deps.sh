@@ -17,9 +17,10 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 pkgs=(build-essential cmake ninja-build ccache pkg-config
       libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libxxhash-dev
-      libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler)
+      libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler libboost-dev)
 if [ $want_ref = 1 ]; then
-  pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy)
+  # promtool (package prometheus) checks /metrics; curl speaks SSE to the router.
+  pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy prometheus curl)
 fi
 
 missing=()
