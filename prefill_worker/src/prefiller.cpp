@@ -114,6 +114,11 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
       }
     }
   }
+  if (!job.decode_endpoint.empty()) {
+    // Chunks the decode worker said it holds were never offered: skipped too.
+    const int64_t held = std::clamp<int64_t>(job.decode_held_chunks, 0, full);
+    out.slices_skipped += static_cast<uint32_t>(held * cfg.num_layers);
+  }
   engine::Sampler sampler(job.sampling);
   out.first_token = sampler.Sample(logits);
   out.cached_tokens = static_cast<int>(hit * C);

@@ -477,7 +477,11 @@ struct Backend::Impl {
                            wk.view.role.c_str());
             }
             proto::WorkerMessage wm;
-            if (!wm.ParseFromArray(msg.data(), static_cast<int>(msg.size()))) continue;
+            if (!wm.ParseFromArray(msg.data(), static_cast<int>(msg.size()))) {
+              std::fprintf(stderr, "kdn-router: dropping an undecodable message from %s\n",
+                           wk.view.name.c_str());
+              continue;
+            }
             OnMessage(w, wm);
           }
         }

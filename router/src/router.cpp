@@ -54,6 +54,10 @@ ApiError JobError(const Status& st) {
   return e;
 }
 
+// Model output may hold bytes that are not UTF-8 (a byte-level model can emit
+// anything); they become U+FFFD, as OpenAI's server does, instead of failing.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string SseEvent(const std::string& data) { return "data: " + data + "\n\n"; }
 
 std::string Chunked(const std::string& piece) {
@@ -143,7 +147,7 @@ class Session : public std::enable_shared_from_this<Session> {
                                          {"created", router_.started},
                                          {"owned_by", "kdn"},
                                          {"max_model_len", router_.config.max_context}}})}};
-        Reply(http::status::ok, m.dump(), "application/json");
+        Reply(http::status::ok, Dump(m), "application/json");
       }
     } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
       if (only(http::verb::post)) {
@@ -182,7 +186,7 @@ class Session : public std::enable_shared_from_this<Session> {
                        : live_p == 0              ? "no prefill worker answers"
                                                   : "no decode worker answers";
     }
-    Reply(ok ? http::status::ok : http::status::service_unavailable, body.dump(),
+    Reply(ok ? http::status::ok : http::status::service_unavailable, Dump(body),
           "application/json");
   }
 
@@ -237,15 +241,15 @@ class Session : public std::enable_shared_from_this<Session> {
         ReplyError(e);
         return;
       }
-      Enqueue(Chunked(SseEvent(ErrorBody(e).dump())));
+      Enqueue(Chunked(SseEvent(Dump(ErrorBody(e)))));
       FinishStream();
       return;
     }
     text_ += ev.text;
     if (ev.kind == JobEvent::Kind::kTokens) {
       if (stream_mode_ && !ev.text.empty()) {
-        Enqueue(Chunked(SseEvent(
-            StreamChunk(kind_, response_id_, created_, model, ev.text, nullptr, first_chunk_).dump())));
+        Enqueue(Chunked(SseEvent(Dump(
+            StreamChunk(kind_, response_id_, created_, model, ev.text, nullptr, first_chunk_)))));
         first_chunk_ = false;
       }
       return;
@@ -255,17 +259,15 @@ class Session : public std::enable_shared_from_this<Session> {
     EndInFlight();
     if (!stream_mode_) {
       Reply(http::status::ok,
-            CompletionResponse(kind_, response_id_, created_, model, text_, ev.finish_reason,
-                               ev.usage)
-                .dump(),
+            Dump(CompletionResponse(kind_, response_id_, created_, model, text_, ev.finish_reason,
+                                    ev.usage)),
             "application/json");
       return;
     }
-    std::string out = SseEvent(StreamChunk(kind_, response_id_, created_, model, ev.text,
-                                           &ev.finish_reason, first_chunk_)
-                                   .dump());
+    std::string out = SseEvent(Dump(StreamChunk(kind_, response_id_, created_, model, ev.text,
+                                                &ev.finish_reason, first_chunk_)));
     if (include_usage_) {
-      out += SseEvent(StreamUsageChunk(kind_, response_id_, created_, model, ev.usage).dump());
+      out += SseEvent(Dump(StreamUsageChunk(kind_, response_id_, created_, model, ev.usage)));
     }
     out += SseEvent("[DONE]");
     Enqueue(Chunked(out));
@@ -284,7 +286,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void ReplyError(const ApiError& e) {
-    Reply(static_cast<http::status>(e.http_status), ErrorBody(e).dump(), "application/json");
+    Reply(static_cast<http::status>(e.http_status), Dump(ErrorBody(e)), "application/json");
   }
 
   void Reply(http::status status, std::string body, const char* content_type) {

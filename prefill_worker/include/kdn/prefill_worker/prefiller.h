@@ -49,7 +49,9 @@ struct PrefillOutcome {
   int cached_tokens = 0;    // loaded from the KDN
   int computed_tokens = 0;  // run through the model
   uint64_t kv_bytes_sent = 0;
-  uint32_t slices_skipped = 0;  // the receiver already held them
+  // Layer slices not sent because the decode worker held them: the chunks it
+  // said it holds, and slices its receiver answered HELD for.
+  uint32_t slices_skipped = 0;
 };
 
 struct PrefillerOptions {
