@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,5 +54,22 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
              const std::string& disk_dir);
 int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
                   int socket_buffer_kib);
+
+// multiturn: conversations against a running deployment (docs/serving.md).
+// Of Common only json_path applies.
+struct MultiturnOptions {
+  std::string url;  // the router's, http://HOST:PORT
+  int context_tokens = 4096;  // shared context, fresh and random per conversation
+  int turns = 4;
+  int turn_tokens = 64;  // each new user message
+  int max_tokens = 16;   // each answer
+  int conversations = 2;
+  std::optional<uint64_t> seed;  // of the text; none: a new one each run, printed
+};
+int RunMultiturn(const Common& c, const MultiturnOptions& o);
+
+// quality: exact match of a QA model on its eval set (bench/quality_workload.cpp).
+std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question);
+int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens);
 
 }  // namespace kdn::bench

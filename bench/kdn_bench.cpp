@@ -15,6 +15,13 @@
 //             measured in the same run.
 //   pd-transfer  one request's KV from a prefill process to a decode process
 //             over the tcp transport (loopback), against memcpy in the same run.
+//   multiturn  conversations against a running deployment (--url, the
+//             router's): a fresh random context per conversation, then turns
+//             that each add a user message and the answer; time to first
+//             token of the later turns, whose prefix the KDN holds, against
+//             the first turn's cold prefill.
+//   quality   exact-match accuracy of a question-answering model (models/kdn-qa)
+//             on its held-out eval set through kdn's engine, by hops.
 #include <cblas.h>
 #include <omp.h>
 
@@ -73,12 +80,45 @@ int main(int argc, char** argv) {
   pd->add_option("--socket-buffer-kib", socket_buffer_kib,
                  "SO_SNDBUF/SO_RCVBUF of the connection (0: the OS's autotuning)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  MultiturnOptions mt;
+  uint64_t mt_seed = 0;
+  auto* multiturn = app.add_subcommand(
+      "multiturn", "Against a running deployment: TTFT of later turns vs the first turn");
+  multiturn->add_option("--url", mt.url, "The router's URL, http://HOST:PORT")->required();
+  multiturn->add_option("--context-tokens", mt.context_tokens, "Tokens of shared context")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  multiturn->add_option("--turns", mt.turns, "Turns per conversation")->capture_default_str()
+      ->check(CLI::Range(2, 1000));
+  multiturn->add_option("--turn-tokens", mt.turn_tokens, "Tokens of each new user message")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  multiturn->add_option("--max-tokens", mt.max_tokens, "Tokens of each answer")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  multiturn->add_option("--conversations", mt.conversations,
+                        "Independent conversations (per-turn median and mean over them)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  multiturn->add_option("--seed", mt_seed, "Seed of the text (default: a new one each run)");
+  multiturn->add_option("--json", c.json_path, "Also write the results as one JSON object");
+  std::string eval_path;
+  int quality_limit = 0, quality_max_tokens = 32;
+  auto* quality = app.add_subcommand(
+      "quality", "Exact-match accuracy of a QA model on its eval set, through kdn's engine");
+  common(quality);
+  quality->add_option("--eval", eval_path, "Eval set (default: MODEL/eval.jsonl)");
+  quality->add_option("--limit", quality_limit, "Only the first N examples (0: all)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  quality->add_option("--max-tokens", quality_max_tokens, "Answer tokens at most")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   if (c.threads > 0) {
     omp_set_num_threads(c.threads);
     openblas_set_num_threads(c.threads);
   }
+  if (multiturn->parsed()) {
+    if (multiturn->count("--seed") > 0) mt.seed = mt_seed;
+    return RunMultiturn(c, mt);
+  }
+  if (quality->parsed()) return RunQuality(c, eval_path, quality_limit, quality_max_tokens);
   if (prefill->parsed()) return RunPrefill(c, lengths);
   if (pd->parsed()) return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib);
   if (store->parsed()) return RunStore(c, store_tokens, chunk_tokens, store_dtype, disk_dir);
