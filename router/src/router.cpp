@@ -213,14 +213,7 @@ class Session : public std::enable_shared_from_this<Session> {
     job.stop_strings = req.stop;
     router_.metrics.InFlight(1);
     in_flight_ = true;
-    if (stream_mode_) {
-      std::string head =
-          "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-          "Transfer-Encoding: chunked\r\n";
-      head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-      stream_.expires_never();
-      Enqueue(std::move(head));
-    }
+    if (stream_mode_) stream_.expires_never();
     auto self = shared_from_this();
     job_ = router_.backend->Submit(std::move(job), [self](JobEvent ev) {
       asio::post(self->router_.io, [self, ev = std::move(ev)]() mutable {
@@ -237,7 +230,8 @@ class Session : public std::enable_shared_from_this<Session> {
       job_live_ = false;
       EndInFlight();
       ApiError e = JobError(ev.error);
-      if (!stream_mode_) {
+      if (!stream_mode_ || !header_sent_) {
+        // Nothing streamed yet: the failure gets its own status code.
         ReplyError(e);
         return;
       }
@@ -246,6 +240,16 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     text_ += ev.text;
+    if (stream_mode_ && !header_sent_) {
+      // The header waits for the first event, so that a request refused
+      // before it produced anything still gets a 4xx/5xx status.
+      std::string head =
+          "HTTP/1.1 200 OK\r\nServer: kdn-router\r\nContent-Type: text/event-stream\r\n"
+          "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n";
+      head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+      Enqueue(std::move(head));
+      header_sent_ = true;
+    }
     if (ev.kind == JobEvent::Kind::kTokens) {
       if (stream_mode_ && !ev.text.empty()) {
         Enqueue(Chunked(SseEvent(Dump(
@@ -310,6 +314,7 @@ class Session : public std::enable_shared_from_this<Session> {
     first_chunk_ = true;
     stream_done_ = false;
     stream_mode_ = false;
+    header_sent_ = false;
     job_live_ = false;
   }
 
@@ -370,6 +375,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool job_live_ = false;
   bool in_flight_ = false;
   bool stream_done_ = false;
+  bool header_sent_ = false;
   uint64_t job_ = 0;
   int64_t created_ = 0;
   std::string response_id_;
