@@ -164,7 +164,7 @@ Status Model::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int3
 Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
                       std::vector<float>* logits) {
   const ModelConfig& c = config_;
-  const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
+  const int64_t d = c.hidden_size;
 
   // Validate and reserve KV room first, so that failure leaves sequences as
   // they were (Truncate gives back the blocks taken here).
@@ -200,8 +200,7 @@ Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook&
   for (const Segment& s : segs) {
     for (int64_t i = 0; i < s.n; ++i) pos[s.row0 + i] = static_cast<int32_t>(s.start + i);
   }
-  std::vector<float> x(rows * d), h(rows * d), q(rows * qd), k(rows * kvd), v(rows * kvd),
-      attn(rows * qd), gu(rows * 2 * ff), act(rows * ff);
+  std::vector<float> x(rows * d);
   for (const Segment& s : segs) {
     for (int64_t i = 0; i < s.n; ++i) {
       std::memcpy(&x[(s.row0 + i) * d], &embed_[static_cast<int64_t>(s.tokens[i]) * d],
@@ -210,31 +209,7 @@ Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook&
   }
 
   for (int l = 0; l < c.num_layers; ++l) {
-    const Layer& L = layers_[l];
-    RmsNorm(x.data(), L.attn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
-    GemmNT(rows, qd, d, 1.0f, h.data(), d, L.wq.data(), d, 0.0f, q.data(), qd);
-    GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wk.data(), d, 0.0f, k.data(), kvd);
-    GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wv.data(), d, 0.0f, v.data(), kvd);
-    AddBias(q.data(), rows, qd, L.bq);
-    AddBias(k.data(), rows, kvd, L.bk);
-    AddBias(v.data(), rows, kvd, L.bv);
-    ApplyRope(q.data(), rows, c.num_heads, c.head_dim, pos.data(), inv_freq_.data());
-    ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, pos.data(), inv_freq_.data());
-    for (const Segment& s : segs) {
-      for (int64_t i = 0; i < s.n; ++i) {
-        std::memcpy(kv_->KeyAt(*s.seq, l, s.start + i), &k[(s.row0 + i) * kvd], kvd * sizeof(float));
-        std::memcpy(kv_->ValueAt(*s.seq, l, s.start + i), &v[(s.row0 + i) * kvd], kvd * sizeof(float));
-      }
-    }
-    AttendAll(l, segs, q.data(), attn.data());
-    GemmNT(rows, d, qd, 1.0f, attn.data(), qd, L.wo.data(), qd, 1.0f, x.data(), d);
-    AddBias(x.data(), rows, d, L.bo);
-
-    RmsNorm(x.data(), L.ffn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
-    GemmNT(rows, 2 * ff, d, 1.0f, h.data(), d, L.w_gate_up.data(), d, 0.0f, gu.data(), 2 * ff);
-    SiluMul(gu.data(), rows, static_cast<int>(ff), act.data());
-    GemmNT(rows, d, ff, 1.0f, act.data(), ff, L.w_down.data(), ff, 1.0f, x.data(), d);
-
+    RunLayer(l, segs, pos.data(), rows, x.data(), nullptr);
     if (hook) {
       // The hook sees this layer's KV for the new tokens: publish the lengths.
       for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
@@ -268,23 +243,69 @@ Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook&
   return Status::Ok();
 }
 
-void Model::AttendAll(int layer, std::span<const Segment> segs, const float* q, float* out) {
+void Model::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
+                     std::vector<float>* deviation) {
+  const ModelConfig& c = config_;
+  const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
+  const Layer& L = layers_[l];
+  std::vector<float> h(rows * d), q(rows * qd), k(rows * kvd), v(rows * kvd), attn(rows * qd),
+      gu(rows * 2 * ff), act(rows * ff);
+  RmsNorm(x, L.attn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
+  GemmNT(rows, qd, d, 1.0f, h.data(), d, L.wq.data(), d, 0.0f, q.data(), qd);
+  GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wk.data(), d, 0.0f, k.data(), kvd);
+  GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wv.data(), d, 0.0f, v.data(), kvd);
+  AddBias(q.data(), rows, qd, L.bq);
+  AddBias(k.data(), rows, kvd, L.bk);
+  AddBias(v.data(), rows, kvd, L.bv);
+  ApplyRope(q.data(), rows, c.num_heads, c.head_dim, pos, inv_freq_.data());
+  ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, pos, inv_freq_.data());
+  if (deviation != nullptr) deviation->assign(rows, 0.0f);
+  for (const Segment& s : segs) {
+    for (int64_t i = 0; i < s.n; ++i) {
+      const int64_t r = s.row0 + i;
+      float* kc = kv_->KeyAt(*s.seq, l, pos[r]);
+      float* vc = kv_->ValueAt(*s.seq, l, pos[r]);
+      if (deviation != nullptr) {
+        double dev = 0.0;
+        for (int64_t j = 0; j < kvd; ++j) {
+          const double dk = k[r * kvd + j] - kc[j], dv = v[r * kvd + j] - vc[j];
+          dev += dk * dk + dv * dv;
+        }
+        (*deviation)[r] = static_cast<float>(dev);
+      }
+      std::memcpy(kc, &k[r * kvd], kvd * sizeof(float));
+      std::memcpy(vc, &v[r * kvd], kvd * sizeof(float));
+    }
+  }
+  AttendAll(l, segs, pos, q.data(), attn.data());
+  GemmNT(rows, d, qd, 1.0f, attn.data(), qd, L.wo.data(), qd, 1.0f, x, d);
+  AddBias(x, rows, d, L.bo);
+
+  RmsNorm(x, L.ffn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
+  GemmNT(rows, 2 * ff, d, 1.0f, h.data(), d, L.w_gate_up.data(), d, 0.0f, gu.data(), 2 * ff);
+  SiluMul(gu.data(), rows, static_cast<int>(ff), act.data());
+  GemmNT(rows, d, ff, 1.0f, act.data(), ff, L.w_down.data(), ff, 1.0f, x, d);
+}
+
+void Model::AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos,
+                      const float* q, float* out) {
   // Long segments (prefill) go through blocked matrix products; single or
   // short rows (decode) are computed row by row, in parallel.
+  const ModelConfig& c = config_;
+  const int64_t qd = c.q_dim();
   std::vector<std::pair<const Segment*, int64_t>> short_rows;
   for (const Segment& s : segs) {
     if (s.n >= kGemmAttentionMinRows) {
-      AttendPrefill(layer, s, q, out);
+      AttendRows(layer, *s.seq, pos + s.row0, s.n, q + s.row0 * qd, out + s.row0 * qd);
     } else {
       for (int64_t i = 0; i < s.n; ++i) short_rows.emplace_back(&s, i);
     }
   }
   if (short_rows.empty()) return;
-  const ModelConfig& c = config_;
   const int group = c.num_heads / c.num_kv_heads;
   const int hd = c.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t qd = c.q_dim(), kvs = kv_->token_stride();
+  const int64_t kvs = kv_->token_stride();
   const int64_t work = static_cast<int64_t>(short_rows.size()) * c.num_heads;
 #pragma omp parallel
   {
@@ -295,7 +316,7 @@ void Model::AttendAll(int layer, std::span<const Segment> segs, const float* q, 
       const int head = static_cast<int>(w % c.num_heads);
       const int g = head / group;
       const int64_t row = s->row0 + i;
-      const int64_t ctx = s->start + i + 1;  // causal: positions 0..start+i
+      const int64_t ctx = pos[row] + 1;  // causal: positions 0..pos
       const float* qr = q + row * qd + head * hd;
       const std::vector<int32_t>& blocks = s->seq->blocks();
       scores.resize(ctx);
@@ -316,16 +337,17 @@ void Model::AttendAll(int layer, std::span<const Segment> segs, const float* q, 
   }
 }
 
-void Model::AttendPrefill(int layer, const Segment& s, const float* q, float* out) {
+void Model::AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n,
+                       const float* q, float* out) {
   const ModelConfig& c = config_;
   const int group = c.num_heads / c.num_kv_heads;
   const int hd = c.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t qd = c.q_dim(), kvs = kv_->token_stride();
-  const int64_t ctx = s.start + s.n;
-  const std::vector<int32_t>& blocks = s.seq->blocks();
+  const int64_t ctx = static_cast<int64_t>(pos[n - 1]) + 1;
+  const std::vector<int32_t>& blocks = seq.blocks();
   std::vector<float> kc(ctx * hd), vc(ctx * hd);
-  std::vector<float> sc(std::min(kQueryTile, s.n) * ctx);
+  std::vector<float> sc(std::min(kQueryTile, n) * ctx);
   for (int g = 0; g < c.num_kv_heads; ++g) {
     // Gather this KV head's keys and values from the pages.
 #pragma omp parallel for schedule(static)
@@ -335,24 +357,118 @@ void Model::AttendPrefill(int layer, const Segment& s, const float* q, float* ou
       std::memcpy(&vc[p * hd], kv_->Value(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
     }
     for (int head = g * group; head < (g + 1) * group; ++head) {
-      for (int64_t i0 = 0; i0 < s.n; i0 += kQueryTile) {
-        const int64_t i1 = std::min(s.n, i0 + kQueryTile);
+      for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
+        const int64_t i1 = std::min(n, i0 + kQueryTile);
         const int64_t tr = i1 - i0;
-        const int64_t keys = s.start + i1;  // the tile's last row sees this many
-        const float* qt = q + (s.row0 + i0) * qd + head * hd;
+        const int64_t keys = static_cast<int64_t>(pos[i1 - 1]) + 1;  // the tile's last row sees these
+        const float* qt = q + i0 * qd + head * hd;
         GemmNT(tr, keys, hd, scale, qt, qd, kc.data(), hd, 0.0f, sc.data(), keys);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < tr; ++r) {
           float* row = &sc[r * keys];
-          const int64_t visible = s.start + i0 + r + 1;
+          const int64_t visible = static_cast<int64_t>(pos[i0 + r]) + 1;
           Softmax(row, visible);
           std::fill(row + visible, row + keys, 0.0f);
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, tr, hd, keys, 1.0f, sc.data(), keys,
-                    vc.data(), hd, 0.0f, out + (s.row0 + i0) * qd + head * hd, qd);
+                    vc.data(), hd, 0.0f, out + i0 * qd + head * hd, qd);
       }
     }
   }
+}
+
+Result<std::unique_ptr<Model::RowPass>> Model::BeginRowPass(KvSequence& seq,
+                                                            std::span<const int32_t> tokens,
+                                                            std::span<const int64_t> positions) {
+  if (static_cast<int64_t>(tokens.size()) != seq.length()) {
+    return InvalidArgument("row pass: " + std::to_string(tokens.size()) +
+                           " tokens for a sequence of " + std::to_string(seq.length()));
+  }
+  if (positions.empty()) return InvalidArgument("row pass: no positions");
+  for (size_t i = 0; i < positions.size(); ++i) {
+    if (positions[i] < 0 || positions[i] >= seq.length() ||
+        (i > 0 && positions[i] <= positions[i - 1])) {
+      return InvalidArgument("row pass: positions must be ascending, distinct and below " +
+                             std::to_string(seq.length()));
+    }
+  }
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= config_.vocab_size) {
+      return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+  }
+  std::unique_ptr<RowPass> pass(new RowPass(*this, seq));
+  pass->positions_.assign(positions.begin(), positions.end());
+  const int64_t d = config_.hidden_size;
+  pass->x_.resize(positions.size() * d);
+  for (size_t i = 0; i < positions.size(); ++i) {
+    std::memcpy(&pass->x_[i * d], &embed_[static_cast<int64_t>(tokens[positions[i]]) * d],
+                d * sizeof(float));
+  }
+  return pass;
+}
+
+Status Model::RowPass::RunLayer(std::vector<float>* deviation) {
+  if (next_layer_ >= model_.config_.num_layers) {
+    return FailedPrecondition("row pass: every layer has run");
+  }
+  const auto rows = static_cast<int64_t>(positions_.size());
+  std::vector<int32_t> pos(positions_.begin(), positions_.end());
+  Segment seg{&seq_, nullptr, rows, 0, 0};
+  model_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), pos.data(), rows, x_.data(), deviation);
+  ++next_layer_;
+  return Status::Ok();
+}
+
+Status Model::RowPass::Keep(std::span<const int64_t> rows) {
+  const int64_t d = model_.config_.hidden_size;
+  std::vector<int64_t> pos;
+  std::vector<float> x;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= static_cast<int64_t>(positions_.size()) ||
+        (i > 0 && rows[i] <= rows[i - 1])) {
+      return InvalidArgument("row pass: rows to keep must be ascending indices of current rows");
+    }
+    pos.push_back(positions_[rows[i]]);
+    x.insert(x.end(), x_.begin() + rows[i] * d, x_.begin() + (rows[i] + 1) * d);
+  }
+  if (pos.empty()) return InvalidArgument("row pass: keeps no row");
+  positions_ = std::move(pos);
+  x_ = std::move(x);
+  return Status::Ok();
+}
+
+Status Model::RowPass::Logits(std::vector<float>* logits) {
+  const ModelConfig& c = model_.config_;
+  if (next_layer_ != c.num_layers) return FailedPrecondition("row pass: layers left to run");
+  const int64_t d = c.hidden_size;
+  std::vector<float> hf(d);
+  RmsNorm(&x_[(positions_.size() - 1) * d], model_.final_norm_.data(),
+          static_cast<float>(c.rms_norm_eps), 1, d, hf.data());
+  const float* head = model_.lm_head_.empty() ? model_.embed_.data() : model_.lm_head_.data();
+  logits->resize(c.vocab_size);
+  GemmNT(1, c.vocab_size, d, 1.0f, hf.data(), d, head, d, 0.0f, logits->data(), c.vocab_size);
+  return Status::Ok();
+}
+
+Status Model::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta) {
+  if (first < 0 || count < 0 || first + count > seq.length()) {
+    return InvalidArgument("rotate: positions [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + ") are not all in a sequence of " +
+                           std::to_string(seq.length()));
+  }
+  if (delta == 0 || count == 0) return Status::Ok();
+  // Tokens of one block are contiguous: rotate them in runs.
+  const std::vector<int32_t> pos(kKvBlockTokens, static_cast<int32_t>(delta));
+  for (int l = 0; l < config_.num_layers; ++l) {
+    for (int64_t t = first; t < first + count;) {
+      const int64_t run = std::min<int64_t>(kKvBlockTokens - t % kKvBlockTokens, first + count - t);
+      ApplyRope(kv_->KeyAt(seq, l, t), run, config_.num_kv_heads, config_.head_dim, pos.data(),
+                inv_freq_.data());
+      t += run;
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace kdn::engine

@@ -69,6 +69,27 @@ class Model {
   Status DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                     std::vector<float>* logits);
 
+  // The per-layer calls blend needs (docs/design.md, "Blend"). A RowPass
+  // recomputes chosen positions of a sequence whose cache already holds KV
+  // for every position below seq.length() (for blend: KV fused from cached
+  // segments). Each RunLayer computes the rows' K and V at one layer,
+  // overwrites them in the cache, attends causally over the whole cache at
+  // that layer and moves the rows' hidden states on; Keep narrows the rows
+  // for the layers that follow. Recomputing every position at every layer
+  // is a full prefill. The pass borrows the model and the sequence; one
+  // pass at a time, on the model's thread.
+  class RowPass;
+  // `tokens` has one token per position of `seq` (seq.length() of them);
+  // `positions` (ascending, distinct, each < seq.length()) are the rows.
+  Result<std::unique_ptr<RowPass>> BeginRowPass(KvSequence& seq, std::span<const int32_t> tokens,
+                                                std::span<const int64_t> positions);
+
+  // Rotates the cached K of positions [first, first + count) of `seq`, at
+  // every layer, as if RoPE had been applied at position + delta instead of
+  // position: RoPE is a rotation, so a delta rotation moves a segment's
+  // cached K to where it now sits in a prompt.
+  Status RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta);
+
  private:
   struct Layer;
   struct Segment;  // one sequence's run of new tokens inside a forward pass
@@ -76,8 +97,18 @@ class Model {
   Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
                  std::vector<float>* logits);
   // Attention of every new row over its sequence's KV (already written).
-  void AttendAll(int layer, std::span<const Segment> segs, const float* q, float* out);
-  void AttendPrefill(int layer, const Segment& seg, const float* q, float* out);
+  // Runs layer l over `rows` rows whose hidden states are in `x`, at the
+  // positions `pos`; segs name the sequences the rows belong to. When
+  // `deviation` is given (one sequence only), it receives per row the squared
+  // distance of its new K and V from those the cache held before.
+  void RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
+                std::vector<float>* deviation);
+  // Attention of every new row over its sequence's KV (already written).
+  void AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos, const float* q,
+                 float* out);
+  // One sequence's rows at ascending positions `pos` (n of them), causal.
+  void AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n, const float* q,
+                  float* out);
 
   ModelConfig config_;
   EngineOptions options_;
@@ -87,6 +118,29 @@ class Model {
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;
   std::unique_ptr<PagedKvCache> kv_;
+};
+
+class Model::RowPass {
+ public:
+  // Runs the next layer (layers run in order, from 0). With `deviation`,
+  // fills one value per current row: the squared L2 distance between its
+  // recomputed K and V and the K and V the cache held for it before.
+  Status RunLayer(std::vector<float>* deviation = nullptr);
+  // Keeps the current rows at these indices (ascending) for later layers.
+  Status Keep(std::span<const int64_t> rows);
+  const std::vector<int64_t>& positions() const { return positions_; }
+  int next_layer() const { return next_layer_; }
+  // After the last layer: the logits of the last current row.
+  Status Logits(std::vector<float>* logits);
+
+ private:
+  friend class Model;
+  RowPass(Model& model, KvSequence& seq) : model_(model), seq_(seq) {}
+  Model& model_;
+  KvSequence& seq_;
+  std::vector<int64_t> positions_;
+  std::vector<float> x_;  // [row][hidden]
+  int next_layer_ = 0;
 };
 
 }  // namespace kdn::engine
