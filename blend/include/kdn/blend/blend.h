@@ -1,0 +1,62 @@
+#pragma once
+// CacheBlend's fusion step (arXiv 2405.16444; docs/design.md, "Blend"): a
+// prompt made of segments, each with the KV it had when computed on its own
+// (positions 0..n-1) or with none, then a suffix. The fused prefill
+//   1. places each cached segment's KV at its position in the prompt and
+//      rotates its K there (RoPE is a rotation: a delta rotation suffices);
+//   2. recomputes every token at layers 0..check_layer and, at the check
+//      layer, scores each cached token by how far its recomputed KV is from
+//      the cached KV;
+//   3. keeps the top recompute_ratio of cached tokens by that deviation, plus
+//      every uncached token and the suffix;
+//   4. recomputes only those at the later layers, over the fused cache.
+// recompute_ratio 1 is a full prefill; recompute_ratio 0 is full reuse (no
+// cached token is recomputed at any layer).
+//
+// Not thread-safe: runs on the model's thread.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/model.h"
+#include "kdn/kvbus/chunk.h"
+
+namespace kdn::blend {
+
+struct Segment {
+  std::vector<int32_t> tokens;
+  // Its KV computed alone (all layers, from position chunk->info().position),
+  // or null: computed in full like the suffix.
+  std::shared_ptr<const kvbus::Chunk> kv;
+};
+
+enum class Selection {
+  kDeviation,  // CacheBlend: the cached tokens whose KV deviates most
+  kRandom,     // the same number chosen at random (the baseline it must beat)
+};
+
+struct BlendOptions {
+  double recompute_ratio = 0.15;
+  int check_layer = 1;
+  Selection selection = Selection::kDeviation;
+  uint64_t seed = 0;  // for kRandom
+};
+
+struct BlendResult {
+  std::vector<float> logits;  // of the prompt's last token
+  int cached_tokens = 0;      // tokens whose KV came from a segment's cache
+  int recomputed_tokens = 0;  // of those, recomputed past the check layer
+  int computed_tokens = 0;    // uncached segments and the suffix
+};
+
+// Fuses `segments` then `suffix` (non-empty) into `seq` (empty on entry; it
+// holds the fused prompt's KV on return). INVALID_ARGUMENT for a chunk that
+// does not fit the model or its segment, a bad ratio or check layer.
+Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
+                                 std::span<const Segment> segments,
+                                 std::span<const int32_t> suffix, const BlendOptions& options);
+
+}  // namespace kdn::blend

@@ -1,0 +1,164 @@
+#include "kdn/blend/blend.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "../engine/test_util.h"
+
+namespace kdn::blend {
+namespace {
+
+using engine::testing::MakeModel;
+using engine::testing::RandomTokens;
+using engine::testing::RelError;
+
+// A segment's KV as a blend finds it in the KDN: computed alone, from 0.
+std::shared_ptr<const kvbus::Chunk> KvAlone(engine::Model& model,
+                                            const std::vector<int32_t>& tokens) {
+  engine::KvSequence seq = model.kv_cache().NewSequence();
+  std::vector<float> logits;
+  EXPECT_TRUE(model.Prefill(seq, tokens, {}, &logits).ok());
+  auto chunk = kvbus::ChunkFromPagedKv(model.kv_cache(), seq, 0,
+                                       static_cast<int64_t>(tokens.size()), {0, 1}, {0, 2},
+                                       kvbus::KvDType::kF32);
+  EXPECT_TRUE(chunk.ok());
+  return chunk.ok() ? *chunk : nullptr;
+}
+
+struct Prompt {
+  std::vector<Segment> segments;
+  std::vector<int32_t> suffix;
+  std::vector<int32_t> all;  // segments then suffix
+};
+
+// BOS (uncached), then `docs` documents of `len` tokens with their KV, then a question.
+Prompt MakePrompt(engine::Model& model, int docs, int len, uint32_t seed) {
+  Prompt p;
+  const int V = model.config().vocab_size;
+  p.segments.push_back({{256}, nullptr});
+  for (int i = 0; i < docs; ++i) {
+    Segment s{RandomTokens(len, 256, seed * 100 + i), nullptr};
+    s.kv = KvAlone(model, s.tokens);
+    p.segments.push_back(std::move(s));
+  }
+  p.suffix = RandomTokens(12, std::min(V, 256), seed * 100 + 99);
+  for (const Segment& s : p.segments) p.all.insert(p.all.end(), s.tokens.begin(), s.tokens.end());
+  p.all.insert(p.all.end(), p.suffix.begin(), p.suffix.end());
+  return p;
+}
+
+std::vector<float> FullPrefill(engine::Model& model, const std::vector<int32_t>& tokens) {
+  engine::KvSequence seq = model.kv_cache().NewSequence();
+  std::vector<float> logits;
+  EXPECT_TRUE(model.Prefill(seq, tokens, {}, &logits).ok());
+  return logits;
+}
+
+double KlDivergence(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
+  auto log_softmax = [](const std::vector<float>& l) {
+    const double m = *std::max_element(l.begin(), l.end());
+    double z = 0;
+    for (float v : l) z += std::exp(v - m);
+    std::vector<double> out(l.size());
+    for (size_t i = 0; i < l.size(); ++i) out[i] = l[i] - m - std::log(z);
+    return out;
+  };
+  const auto lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0;
+  for (size_t i = 0; i < lp.size(); ++i) kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  return kl;
+}
+
+TEST(Blend, RatioOneIsAFullPrefill) {
+  auto model = MakeModel("tiny");
+  const Prompt p = MakePrompt(*model, 3, 40, 1);
+  engine::KvSequence seq = model->kv_cache().NewSequence();
+  auto r = BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.0, .check_layer = 0});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->cached_tokens, 120);
+  EXPECT_EQ(r->recomputed_tokens, 120);
+  EXPECT_EQ(r->computed_tokens, 13);
+  const auto want = FullPrefill(*model, p.all);
+  EXPECT_LT(RelError(r->logits.data(), want.data(), want.size()), 1e-5);
+}
+
+TEST(Blend, RatioZeroIsFullReuse) {
+  auto model = MakeModel("tiny-qwen2");
+  const Prompt p = MakePrompt(*model, 3, 40, 2);
+  engine::KvSequence seq = model->kv_cache().NewSequence();
+  auto r = BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 0.0});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->recomputed_tokens, 0);
+
+  // Full reuse by hand: BOS computed, each document's KV placed and rotated,
+  // then the question prefilled on top.
+  engine::PagedKvCache& cache = model->kv_cache();
+  engine::KvSequence ref = cache.NewSequence();
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Prefill(ref, p.segments[0].tokens, {}, &logits).ok());
+  for (size_t i = 1; i < p.segments.size(); ++i) {
+    const int64_t at = ref.length();
+    const int64_t len = static_cast<int64_t>(p.segments[i].tokens.size());
+    ASSERT_TRUE(cache.Reserve(ref, at + len).ok());
+    ASSERT_TRUE(kvbus::ChunkToPagedKv(*p.segments[i].kv, cache, ref, at).ok());
+    cache.SetLength(ref, at + len);
+    ASSERT_TRUE(model->RotateCachedKeys(ref, at, len, at).ok());
+  }
+  ASSERT_TRUE(model->Prefill(ref, p.suffix, {}, &logits).ok());
+  EXPECT_LT(RelError(r->logits.data(), logits.data(), logits.size()), 1e-5);
+  // And reuse is not free: it differs from the full prefill.
+  const auto full = FullPrefill(*model, p.all);
+  EXPECT_GT(RelError(r->logits.data(), full.data(), full.size()), 1e-3);
+}
+
+// The point of CacheBlend: recomputing the tokens whose KV deviates most
+// brings the next-token distribution closer to the full prefill's than
+// recomputing as many tokens chosen at random.
+TEST(Blend, DeviationChosenTokensBeatRandomOnesAtFifteenPercent) {
+  double kl_dev_sum = 0, kl_rand_sum = 0;
+  int wins = 0, runs = 0;
+  for (uint64_t model_seed : {1, 2, 3}) {
+    auto model = MakeModel("small", model_seed, {.kv_tokens = 4096, .threads = 1});
+    for (uint32_t prompt_seed : {1, 2}) {
+      const Prompt p = MakePrompt(*model, 4, 64, prompt_seed);
+      const auto full = FullPrefill(*model, p.all);
+      engine::KvSequence a = model->kv_cache().NewSequence();
+      auto dev = BlendPrefill(*model, a, p.segments, p.suffix, {.recompute_ratio = 0.15});
+      engine::KvSequence b = model->kv_cache().NewSequence();
+      auto rnd = BlendPrefill(*model, b, p.segments, p.suffix,
+                              {.recompute_ratio = 0.15, .selection = Selection::kRandom,
+                               .seed = prompt_seed});
+      ASSERT_TRUE(dev.ok() && rnd.ok());
+      ASSERT_EQ(dev->recomputed_tokens, rnd->recomputed_tokens);
+      const double kd = KlDivergence(full, dev->logits), kr = KlDivergence(full, rnd->logits);
+      kl_dev_sum += kd;
+      kl_rand_sum += kr;
+      wins += kd < kr;
+      ++runs;
+      std::printf("model seed %llu, prompt seed %u: KL deviation %.3g, random %.3g\n",
+                  static_cast<unsigned long long>(model_seed), prompt_seed, kd, kr);
+    }
+  }
+  EXPECT_LT(kl_dev_sum, kl_rand_sum);
+  EXPECT_GT(wins, runs / 2);
+}
+
+TEST(Blend, RefusesBadSettingsAndMismatchedKv) {
+  auto model = MakeModel("tiny");
+  Prompt p = MakePrompt(*model, 1, 20, 3);
+  engine::KvSequence seq = model->kv_cache().NewSequence();
+  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.5}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.check_layer = 2}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, {}, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  p.segments[1].tokens.push_back(5);  // the KV no longer fits its segment
+  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(seq.length(), 0);
+}
+
+}  // namespace
+}  // namespace kdn::blend
