@@ -20,6 +20,10 @@
 //             that each add a user message and the answer; time to first
 //             token of the later turns, whose prefix the KDN holds, against
 //             the first turn's cold prefill.
+//   rag-blend k documents in a new order + a question, the documents' KV
+//             cached alone: TTFT of CacheBlend (several ratios) vs full
+//             prefill vs prefix caching alone, with KL and greedy agreement
+//             against full prefill.
 //   quality   exact-match accuracy of a question-answering model (models/kdn-qa)
 //             on its held-out eval set through kdn's engine, by hops.
 #include <cblas.h>
@@ -108,6 +112,20 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   quality->add_option("--max-tokens", quality_max_tokens, "Answer tokens at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  int rb_docs = 6, rb_doc_tokens = 512, rb_question = 32, rb_check = 1;
+  std::vector<double> rb_ratios = {0.0, 0.05, 0.15, 0.3, 1.0};
+  auto* rag = app.add_subcommand("rag-blend", "CacheBlend TTFT and quality vs full prefill and prefix caching");
+  common(rag);
+  rag->add_option("--docs", rb_docs, "Documents per prompt")->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  rag->add_option("--doc-tokens", rb_doc_tokens, "Tokens per document")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  rag->add_option("--question-tokens", rb_question, "Tokens of the question")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  rag->add_option("--ratios", rb_ratios, "Recompute ratios to run")->delimiter(',')
+      ->capture_default_str();
+  rag->add_option("--check-layer", rb_check, "Layer whose KV deviation picks the tokens")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
 
   if (c.threads > 0) {
@@ -118,6 +136,7 @@ int main(int argc, char** argv) {
     if (multiturn->count("--seed") > 0) mt.seed = mt_seed;
     return RunMultiturn(c, mt);
   }
+  if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);
   if (quality->parsed()) return RunQuality(c, eval_path, quality_limit, quality_max_tokens);
   if (prefill->parsed()) return RunPrefill(c, lengths);
   if (pd->parsed()) return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib);
