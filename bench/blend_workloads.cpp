@@ -24,20 +24,6 @@ namespace {
 
 constexpr int kChunkTokens = 256;
 
-double Kl(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
-  auto log_softmax = [](const std::vector<float>& l) {
-    const double m = *std::max_element(l.begin(), l.end());
-    double z = 0;
-    for (float v : l) z += std::exp(v - m);
-    std::vector<double> out(l.size());
-    for (size_t i = 0; i < l.size(); ++i) out[i] = l[i] - m - std::log(z);
-    return out;
-  };
-  const auto lp = log_softmax(p_logits), lq = log_softmax(q_logits);
-  double kl = 0;
-  for (size_t i = 0; i < lp.size(); ++i) kl += std::exp(lp[i]) * (lp[i] - lq[i]);
-  return kl;
-}
 
 // Greedy tokens continuing `seq`, whose prompt gave `logits`.
 std::vector<int32_t> Greedy(engine::Model& model, engine::KvSequence& seq,
@@ -192,7 +178,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     for (size_t i = 0; i < greedy.size() && i < full_greedy.size(); ++i) {
       agree += greedy[i] == full_greedy[i];
     }
-    const double kl = Kl(full_logits, res.logits);
+    const double kl = blend::KlDivergence(full_logits, res.logits);
     char name[40];
     std::snprintf(name, sizeof(name), "blend %.2f", ratio);
     std::printf("%-22s %10.1f %8.2fx %12d %10.3g %9d/32\n", name, best * 1e3, full_s / best,

@@ -116,4 +116,20 @@ Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
   return out;
 }
 
+double KlDivergence(std::span<const float> p_logits, std::span<const float> q_logits) {
+  auto log_softmax = [](std::span<const float> l) {
+    const double m = *std::max_element(l.begin(), l.end());
+    double z = 0;
+    for (float v : l) z += std::exp(v - m);
+    const double log_z = std::log(z);
+    std::vector<double> out(l.size());
+    for (size_t i = 0; i < l.size(); ++i) out[i] = l[i] - m - log_z;
+    return out;
+  };
+  const auto lp = log_softmax(p_logits), lq = log_softmax(q_logits);
+  double kl = 0;
+  for (size_t i = 0; i < lp.size() && i < lq.size(); ++i) kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  return kl;
+}
+
 }  // namespace kdn::blend

@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "kdn/control/convert.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/store_service.h"
@@ -31,6 +32,30 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
     options.write_through = true;
   }
   return std::make_unique<kvbus::TieredStore>(std::move(tiers), options);
+}
+
+bool AnswerQuery(ControlServer& server, const std::string& peer,
+                 const proto::WorkerMessage& message, kvbus::TieredStore& store,
+                 const std::function<void(proto::WorkerInfo*)>& fill_info) {
+  proto::WorkerMessage reply;
+  reply.set_request_id(message.request_id());
+  if (message.body_case() == proto::WorkerMessage::kInfoRequest) {
+    fill_info(reply.mutable_info());
+  } else if (message.body_case() == proto::WorkerMessage::kLookup) {
+    std::vector<kvbus::ChunkKey> keys;
+    for (const std::string& b : message.lookup().keys()) {
+      auto k = KeyFromBytes(b);
+      if (!k.ok()) break;
+      keys.push_back(*k);
+    }
+    auto* lr = reply.mutable_lookup_reply();
+    lr->set_prefix_chunks(static_cast<int32_t>(store.LongestPrefix(keys)));
+    fill_info(lr->mutable_info());
+  } else {
+    return false;
+  }
+  server.Send(peer, reply);
+  return true;
 }
 
 }  // namespace kdn::control

@@ -103,26 +103,11 @@ struct DecodeService::Impl {
 
   // I/O thread: answers what needs no model, queues the rest.
   void OnMessage(control::ControlServer& srv, const std::string& peer, proto::WorkerMessage msg) {
-    proto::WorkerMessage reply;
-    reply.set_request_id(msg.request_id());
+    if (control::AnswerQuery(srv, peer, msg, *store,
+                             [this](proto::WorkerInfo* info) { FillInfo(info); })) {
+      return;
+    }
     switch (msg.body_case()) {
-      case proto::WorkerMessage::kInfoRequest:
-        FillInfo(reply.mutable_info());
-        srv.Send(peer, reply);
-        return;
-      case proto::WorkerMessage::kLookup: {
-        std::vector<kvbus::ChunkKey> keys;
-        for (const std::string& b : msg.lookup().keys()) {
-          auto k = control::KeyFromBytes(b);
-          if (!k.ok()) break;
-          keys.push_back(*k);
-        }
-        auto* lr = reply.mutable_lookup_reply();
-        lr->set_prefix_chunks(static_cast<int32_t>(store->LongestPrefix(keys)));
-        FillInfo(lr->mutable_info());
-        srv.Send(peer, reply);
-        return;
-      }
       case proto::WorkerMessage::kPrepare:
       case proto::WorkerMessage::kStart:
       case proto::WorkerMessage::kCancel: {

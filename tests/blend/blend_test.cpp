@@ -55,20 +55,6 @@ std::vector<float> FullPrefill(engine::Model& model, const std::vector<int32_t>&
   return logits;
 }
 
-double KlDivergence(const std::vector<float>& p_logits, const std::vector<float>& q_logits) {
-  auto log_softmax = [](const std::vector<float>& l) {
-    const double m = *std::max_element(l.begin(), l.end());
-    double z = 0;
-    for (float v : l) z += std::exp(v - m);
-    std::vector<double> out(l.size());
-    for (size_t i = 0; i < l.size(); ++i) out[i] = l[i] - m - std::log(z);
-    return out;
-  };
-  const auto lp = log_softmax(p_logits), lq = log_softmax(q_logits);
-  double kl = 0;
-  for (size_t i = 0; i < lp.size(); ++i) kl += std::exp(lp[i]) * (lp[i] - lq[i]);
-  return kl;
-}
 
 TEST(Blend, RatioOneIsAFullPrefill) {
   auto model = MakeModel("tiny");

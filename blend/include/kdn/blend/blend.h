@@ -59,4 +59,8 @@ Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
                                  std::span<const int32_t> suffix, const BlendOptions& options);
 
+// KL(p || q) of the next-token distributions softmax(p_logits) and
+// softmax(q_logits): how far a blend's prediction is from full prefill's.
+double KlDivergence(std::span<const float> p_logits, std::span<const float> q_logits);
+
 }  // namespace kdn::blend

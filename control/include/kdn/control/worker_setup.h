@@ -4,9 +4,11 @@
 // WorkerInfo it reports. Thread-safe (functions over values).
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "kdn/control/control_server.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/model.h"
 #include "kdn/engine/tokenizer.h"
@@ -31,5 +33,13 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
 // workers find what this one stores).
 Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
                                                             const std::string& store_endpoint);
+
+// Answers, on the control I/O thread, the queries both kinds of worker answer
+// alike: an info request (the router's liveness ping) and a lookup (how many
+// leading keys its tiers hold), each with the worker's figures from
+// `fill_info`. False, with nothing sent, for any other message.
+bool AnswerQuery(ControlServer& server, const std::string& peer,
+                 const proto::WorkerMessage& message, kvbus::TieredStore& store,
+                 const std::function<void(proto::WorkerInfo*)>& fill_info);
 
 }  // namespace kdn::control

@@ -1,0 +1,86 @@
+"""Picks demo examples the model answers, and checks them on kdn's engine.
+
+  python3 demo.py --model models/kdn-qa --out models/kdn-qa/demo.json
+  python3 demo.py --model models/kdn-qa --check-kdn build/bin/kdn-generate
+
+The first form draws held-out examples (corpus seed 7: two single-hop, one
+two-hop, 3 to 4 documents) and keeps the first ones the PyTorch model answers
+by greedy decoding. The second runs each demo.json prompt (and the first eval
+prompts of each hop count) through kdn-generate --temperature 0 and checks the
+printed continuation.
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
+import evaluate  # noqa: E402
+import export  # noqa: E402
+
+
+def Pick(model, want=((1, 2), (2, 1)), tries=200):
+    rng = random.Random(7)
+    out = []
+    for hops, count in want:
+        got = 0
+        for _ in range(tries):
+            ex = corpus.MakeExample(rng, held_out=True, hops=hops, n_docs=rng.randint(3, 4))
+            prompt = [corpus.BOS] + list(corpus.Prompt(ex["documents"], ex["question"]).encode())
+            if evaluate.Greedy(model, prompt, 24).strip() == ex["answer"]:
+                out.append({"documents": ex["documents"], "question": ex["question"],
+                            "answer": ex["answer"]})
+                got += 1
+                if got == count:
+                    break
+    return out
+
+
+def CheckKdn(binary, model_dir, examples):
+    ok = 0
+    for ex in examples:
+        prompt = corpus.Prompt(ex["documents"], ex["question"])
+        r = subprocess.run([binary, "--model", model_dir, "--prompt", prompt,
+                            "--max-tokens", "16", "--temperature", "0"],
+                           capture_output=True, text=True, check=True)
+        got = r.stdout.split("\n")[0].strip()
+        ok += got == ex["answer"]
+        print("kdn-generate: {!r} -> {!r} (want {!r}) {}".format(
+            ex["question"], got, ex["answer"], "ok" if got == ex["answer"] else "MISS"))
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--check-kdn", default=None, help="path of kdn-generate")
+    ap.add_argument("--eval-count", type=int, default=4)
+    args = ap.parse_args()
+    if args.out:
+        import torch
+        torch.set_num_threads(2)
+        model = export.LoadExported(args.model).eval()
+        demos = Pick(model)
+        with open(args.out, "w") as f:
+            json.dump(demos, f, indent=1)
+            f.write("\n")
+        print("wrote {} demo examples to {}".format(len(demos), args.out))
+    if args.check_kdn:
+        with open(os.path.join(args.model, "demo.json")) as f:
+            examples = json.load(f)
+        with open(os.path.join(args.model, "eval.jsonl")) as f:
+            ev = [json.loads(line) for line in f]
+        examples += [e for e in ev if e["hops"] == 1][:args.eval_count // 2]
+        examples += [e for e in ev if e["hops"] == 2][:args.eval_count // 2]
+        ok = CheckKdn(args.check_kdn, args.model, examples)
+        print("kdn-generate answered {}/{}".format(ok, len(examples)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Trains the kdn-qa model on the corpus of corpus.py (PyTorch, CPU or CUDA).
+
+  python3 train.py --out /tmp/kdn-qa-run --steps 1500 --seed 0 --threads 2
+  python3 train.py --out /tmp/kdn-qa-run --steps 1500 --seed 0 --threads 2 --resume
+
+The batch of step s is drawn from random.Random("seed-s"), so a run is
+deterministic given --seed and --threads (on one kind of machine) and a resumed
+run sees the same data as an uninterrupted one. A checkpoint (model, optimizer,
+step) is written to OUT/ckpt.pt every --ckpt-every steps and at the end; the
+final model is exported to OUT/model (or --export DIR) by export.py.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
+import export  # noqa: E402
+from model import Config, LlamaForCausalLM  # noqa: E402
+
+
+def Encode(text):
+    return [corpus.BOS] + list(text.encode())
+
+
+def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs):
+    """Microbatches (ids, targets, weights) for one step, grouped by length."""
+    rng = random.Random("{}-{}".format(seed, step))
+    seqs = []
+    for _ in range(n_examples):
+        text, spans = corpus.MakeTrainText(rng, max_questions, max_docs)
+        ids = Encode(text) + [corpus.EOS]
+        w = [1.0] * (len(ids) - 1)  # weight of predicting ids[i + 1]
+        for a, b in spans:
+            for j in range(a, b):  # byte j is token j + 1, predicted at j
+                w[j] = ANSWER_WEIGHT
+        seqs.append((ids, w))
+    seqs.sort(key=lambda s: len(s[0]))
+    per = math.ceil(n_examples / n_micro)
+    out = []
+    for i in range(0, n_examples, per):
+        group = seqs[i:i + per]
+        t = max(len(ids) for ids, _ in group) - 1
+        x = torch.zeros(len(group), t, dtype=torch.long)
+        y = torch.zeros(len(group), t, dtype=torch.long)
+        wt = torch.zeros(len(group), t)
+        for r, (ids, w) in enumerate(group):
+            n = len(ids) - 1
+            x[r, :n] = torch.tensor(ids[:-1])
+            y[r, :n] = torch.tensor(ids[1:])
+            wt[r, :n] = torch.tensor(w)
+        out.append((x, y, wt))
+    return out
+
+
+ANSWER_WEIGHT = 5.0
+
+
+def ProbeSet(n):
+    """Held-out examples for the in-training probe (not eval.jsonl's seed)."""
+    rng = random.Random(987654321)
+    return [corpus.MakeExample(rng, held_out=True, hops=1 + i % 2) for i in range(n)]
+
+
+@torch.no_grad()
+def TeacherForcedExact(model, examples, device):
+    """Fraction per hop count whose " answer\\n" is argmax at every byte.
+
+    This equals greedy-decoding exact match on the answer and its newline.
+    """
+    model.eval()
+    hits = {1: [0, 0], 2: [0, 0]}
+    for ex in examples:
+        prompt = Encode(corpus.Prompt(ex["documents"], ex["question"]))
+        cont = list((" " + ex["answer"] + "\n").encode())
+        ids = torch.tensor([prompt + cont], device=device)
+        logits = model(ids[:, :-1])[0, len(prompt) - 1:]
+        ok = bool((logits.argmax(-1).cpu() == torch.tensor(cont)).all())
+        hits[ex["hops"]][0] += ok
+        hits[ex["hops"]][1] += 1
+    model.train()
+    return {h: a / max(b, 1) for h, (a, b) in hits.items()}
+
+
+def LrAt(step, args):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    p = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def main():
+    global ANSWER_WEIGHT
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--export", default=None, help="export folder (default OUT/model)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--examples", type=int, default=16, help="examples per step")
+    ap.add_argument("--micro", type=int, default=4, help="length-grouped microbatches per step")
+    ap.add_argument("--max-questions", type=int, default=6)
+    ap.add_argument("--short-frac", type=float, default=0.0,
+                    help="fraction of steps (from the start) using 2..4 documents")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--answer-weight", type=float, default=5.0)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--ffn", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--probe-every", type=int, default=250)
+    ap.add_argument("--probe-size", type=int, default=64)
+    ap.add_argument("--log-seconds", type=float, default=30)
+    ap.add_argument("--max-minutes", type=float, default=0,
+                    help="stop (checkpoint and export) after this much training time; "
+                         "0: no limit. A run cut short is not the deterministic one.")
+    args = ap.parse_args()
+    ANSWER_WEIGHT = args.answer_weight
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    cfg = Config(hidden_size=args.hidden, intermediate_size=args.ffn,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                 num_key_value_heads=args.kv_heads)
+    model = LlamaForCausalLM(cfg).to(args.device)
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    ckpt_path = os.path.join(args.out, "ckpt.pt")
+    step, elapsed, tokens = 0, 0.0, 0
+    history = []
+    if args.resume and os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, map_location=args.device)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, elapsed, tokens = ck["step"], ck["elapsed"], ck["tokens"]
+        history = ck.get("history", [])
+        print("resumed at step {} ({:.0f} s, {} tokens)".format(step, elapsed, tokens), flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print("model: {} layers, hidden {}, ffn {}, heads {}/{}, {:.2f}M parameters; "
+          "device {}, threads {}".format(args.layers, args.hidden, args.ffn, args.heads,
+                                          args.kv_heads, n_params / 1e6, args.device,
+                                          args.threads), flush=True)
+    probe = ProbeSet(args.probe_size)
+
+    def Save():
+        tmp = ckpt_path + ".tmp"
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "elapsed": elapsed, "tokens": tokens, "history": history,
+                    "config": cfg.ToHf("float32"), "args": vars(args)}, tmp)
+        os.replace(tmp, ckpt_path)
+
+    model.train()
+    t_last = time.time()
+    win_loss, win_aloss, win_n, win_tok, win_t0 = 0.0, 0.0, 0, 0, time.time()
+    while step < args.steps:
+        t0 = time.time()
+        max_docs = 4 if step < args.short_frac * args.steps else 8
+        micro = TrainBatch(args.seed, step, args.examples, args.micro,
+                           args.max_questions, max_docs)
+        total_w = sum(float(w.sum()) for _, _, w in micro)
+        for g in opt.param_groups:
+            g["lr"] = LrAt(step, args)
+        opt.zero_grad(set_to_none=True)
+        step_loss, a_loss, a_n = 0.0, 0.0, 0.0
+        for x, y, w in micro:
+            x, y, w = x.to(args.device), y.to(args.device), w.to(args.device)
+            logits = model(x)
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                  reduction="none").view_as(w)
+            loss = (nll * w).sum() / total_w
+            loss.backward()
+            step_loss += float(loss)
+            am = (w > 1.0).float()
+            a_loss += float((nll.detach() * am).sum())
+            a_n += float(am.sum())
+            tokens += int((w > 0).sum())
+            win_tok += int((w > 0).sum())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        elapsed += time.time() - t0
+        win_loss += step_loss
+        win_aloss += a_loss / max(a_n, 1)
+        win_n += 1
+        now = time.time()
+        if now - t_last >= args.log_seconds or step == args.steps:
+            rate = win_tok / (now - win_t0)
+            eta = (args.steps - step) * elapsed / max(step, 1)
+            print("step {}/{} loss {:.4f} answer-loss {:.4f} lr {:.2e} tok/s {:.0f} "
+                  "elapsed {:.0f}s eta {:.0f}s".format(
+                      step, args.steps, win_loss / win_n, win_aloss / win_n,
+                      LrAt(step - 1, args), rate, elapsed, eta), flush=True)
+            history.append({"step": step, "loss": win_loss / win_n,
+                            "answer_loss": win_aloss / win_n, "elapsed": elapsed,
+                            "tokens": tokens})
+            win_loss, win_aloss, win_n, win_tok, win_t0 = 0.0, 0.0, 0, 0, now
+            t_last = now
+        if step % args.probe_every == 0 or step == args.steps:
+            t0 = time.time()
+            acc = TeacherForcedExact(model, probe, args.device)
+            print("probe step {}: single-hop {:.3f} two-hop {:.3f} ({:.0f}s)".format(
+                step, acc[1], acc[2], time.time() - t0), flush=True)
+            history.append({"step": step, "probe": acc})
+        cut = args.max_minutes and elapsed > 60 * args.max_minutes
+        if step % args.ckpt_every == 0 or step == args.steps or cut:
+            Save()
+        if cut:
+            print("time limit reached at step {}".format(step), flush=True)
+            break
+    out = args.export or os.path.join(args.out, "model")
+    export.Export(model, out)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"steps": step, "tokens": tokens, "train_seconds": elapsed,
+                   "final_loss": next((h["loss"] for h in reversed(history) if "loss" in h),
+                                      None),
+                   "history": history, "args": vars(args)}, f, indent=1)
+    print("exported {}; {} steps, {} tokens, {:.0f} s".format(out, step, tokens, elapsed),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
