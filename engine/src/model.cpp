@@ -28,6 +28,21 @@ struct Model::Segment {
   int64_t row0;   // first row of this segment in the pass's activations
 };
 
+struct Model::Scratch {
+  std::vector<float> h, q, k, v, attn, gu, act;
+  // Sizes every buffer for `rows` rows; capacity is kept across layers.
+  void Fit(const ModelConfig& c, int64_t rows) {
+    const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
+    h.resize(rows * d);
+    q.resize(rows * qd);
+    k.resize(rows * kvd);
+    v.resize(rows * kvd);
+    attn.resize(rows * qd);
+    gu.resize(rows * 2 * ff);
+    act.resize(rows * ff);
+  }
+};
+
 namespace {
 
 // Up to this many rows, products against a weight matrix stream the weight
@@ -208,8 +223,9 @@ Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook&
     }
   }
 
+  Scratch scratch;
   for (int l = 0; l < c.num_layers; ++l) {
-    RunLayer(l, segs, pos.data(), rows, x.data(), nullptr);
+    RunLayer(l, segs, pos.data(), rows, x.data(), scratch, nullptr);
     if (hook) {
       // The hook sees this layer's KV for the new tokens: publish the lengths.
       for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
@@ -244,12 +260,13 @@ Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook&
 }
 
 void Model::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
-                     std::vector<float>* deviation) {
+                     Scratch& scratch, std::vector<float>* deviation) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
   const Layer& L = layers_[l];
-  std::vector<float> h(rows * d), q(rows * qd), k(rows * kvd), v(rows * kvd), attn(rows * qd),
-      gu(rows * 2 * ff), act(rows * ff);
+  scratch.Fit(c, rows);
+  std::vector<float>&h = scratch.h, &q = scratch.q, &k = scratch.k, &v = scratch.v,
+                    &attn = scratch.attn, &gu = scratch.gu, &act = scratch.act;
   RmsNorm(x, L.attn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
   GemmNT(rows, qd, d, 1.0f, h.data(), d, L.wq.data(), d, 0.0f, q.data(), qd);
   GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wk.data(), d, 0.0f, k.data(), kvd);
@@ -408,6 +425,11 @@ Result<std::unique_ptr<Model::RowPass>> Model::BeginRowPass(KvSequence& seq,
   return pass;
 }
 
+Model::RowPass::RowPass(Model& model, KvSequence& seq)
+    : model_(model), seq_(seq), scratch_(std::make_unique<Scratch>()) {}
+
+Model::RowPass::~RowPass() = default;
+
 Status Model::RowPass::RunLayer(std::vector<float>* deviation) {
   if (next_layer_ >= model_.config_.num_layers) {
     return FailedPrecondition("row pass: every layer has run");
@@ -415,7 +437,8 @@ Status Model::RowPass::RunLayer(std::vector<float>* deviation) {
   const auto rows = static_cast<int64_t>(positions_.size());
   std::vector<int32_t> pos(positions_.begin(), positions_.end());
   Segment seg{&seq_, nullptr, rows, 0, 0};
-  model_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), pos.data(), rows, x_.data(), deviation);
+  model_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), pos.data(), rows, x_.data(), *scratch_,
+                  deviation);
   ++next_layer_;
   return Status::Ok();
 }

@@ -93,6 +93,7 @@ class Model {
  private:
   struct Layer;
   struct Segment;  // one sequence's run of new tokens inside a forward pass
+  struct Scratch;  // a pass's activations, allocated once for all its layers
   Model(const ModelConfig& config, const EngineOptions& options);
   Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
                  std::vector<float>* logits);
@@ -102,7 +103,7 @@ class Model {
   // `deviation` is given (one sequence only), it receives per row the squared
   // distance of its new K and V from those the cache held before.
   void RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
-                std::vector<float>* deviation);
+                Scratch& scratch, std::vector<float>* deviation);
   // Attention of every new row over its sequence's KV (already written).
   void AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos, const float* q,
                  float* out);
@@ -122,6 +123,7 @@ class Model {
 
 class Model::RowPass {
  public:
+  ~RowPass();
   // Runs the next layer (layers run in order, from 0). With `deviation`,
   // fills one value per current row: the squared L2 distance between its
   // recomputed K and V and the K and V the cache held for it before.
@@ -135,11 +137,12 @@ class Model::RowPass {
 
  private:
   friend class Model;
-  RowPass(Model& model, KvSequence& seq) : model_(model), seq_(seq) {}
+  RowPass(Model& model, KvSequence& seq);
   Model& model_;
   KvSequence& seq_;
   std::vector<int64_t> positions_;
   std::vector<float> x_;  // [row][hidden]
+  std::unique_ptr<Scratch> scratch_;
   int next_layer_ = 0;
 };
 
