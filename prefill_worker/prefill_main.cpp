@@ -2,20 +2,14 @@
 // request loads the prompt's cached chunks from the KDN, computes the rest,
 // pushes the KV to the chosen decode worker layer by layer and answers with
 // the first token. Prints its control endpoint on stdout once it serves.
-#include <csignal>
 #include <cstdio>
 #include <string>
-#include <thread>
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/control/stop_signal.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/prefill_worker/prefill_service.h"
-
-namespace {
-volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) { g_stop = 1; }
-}  // namespace
 
 int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
@@ -44,13 +38,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-prefill: %s\n", service.status().ToString().c_str());
     return 1;
   }
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
+  kdn::control::CatchStopSignals();
   std::fprintf(stderr, "kdn-prefill: %s serving on %s\n", o.name.c_str(),
                (*service)->endpoint().c_str());
   std::printf("%s\n", (*service)->endpoint().c_str());
   std::fflush(stdout);
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  kdn::control::WaitForStopSignal();
   service->reset();
   std::fprintf(stderr, "kdn-prefill: %s stopped\n", o.name.c_str());
   return 0;

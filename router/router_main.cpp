@@ -5,16 +5,11 @@
 #include <csignal>
 #include <cstdio>
 #include <string>
-#include <thread>
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/control/stop_signal.h"
 #include "kdn/router/router.h"
-
-namespace {
-volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) { g_stop = 1; }
-}  // namespace
 
 int main(int argc, char** argv) {
   kdn::router::RouterOptions o;
@@ -40,14 +35,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-router: %s\n", router.status().ToString().c_str());
     return 1;
   }
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
+  kdn::control::CatchStopSignals();
   std::fprintf(stderr, "kdn-router: serving on %s (%zu prefill, %zu decode workers)\n",
                (*router)->url().c_str(), o.backend.prefill_endpoints.size(),
                o.backend.decode_endpoints.size());
   std::printf("%s\n", (*router)->url().c_str());
   std::fflush(stdout);
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  kdn::control::WaitForStopSignal();
   router->reset();
   std::fprintf(stderr, "kdn-router: stopped\n");
   return 0;

@@ -43,6 +43,7 @@ struct Prepared {
   std::vector<int32_t> tokens;
   std::string ns;
   std::string transfer_id;
+  std::vector<kvbus::ChunkKey> keys;  // the prompt's prefix keys
   engine::KvSequence seq;
   int held_chunks = 0;
   SteadyClock::time_point created;
@@ -179,9 +180,8 @@ struct DecodeService::Impl {
     if (st.ok()) {
       // The chunks this worker's tiers hold need not travel.
       engine::PagedKvCache& cache = wm.model->kv_cache();
-      const kvbus::KeyContext ctx{wm.fingerprint, p.ns, options.chunk_tokens};
-      const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, p.tokens);
-      for (const kvbus::ChunkKey& key : keys) {
+      p.keys = kvbus::PrefixKeys({wm.fingerprint, p.ns, options.chunk_tokens}, p.tokens);
+      for (const kvbus::ChunkKey& key : p.keys) {
         auto chunk = store->Get(key);
         if (!chunk.ok() || (*chunk)->info().tokens != static_cast<uint32_t>(options.chunk_tokens) ||
             (*chunk)->info().dtype != kvbus::KvDType::kF32 ||
@@ -207,10 +207,8 @@ struct DecodeService::Impl {
   // Writes the pushed slices into the prepared sequence.
   Status Assemble(Prepared& p) {
     engine::PagedKvCache& cache = wm.model->kv_cache();
-    const kvbus::KeyContext ctx{wm.fingerprint, p.ns, options.chunk_tokens};
-    const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, p.tokens);
     const auto regions =
-        control::TransferRegions(keys, static_cast<int64_t>(p.tokens.size()),
+        control::TransferRegions(p.keys, static_cast<int64_t>(p.tokens.size()),
                                  options.chunk_tokens, p.held_chunks, p.transfer_id);
     for (const control::KvRegion& r : regions) {
       for (int l = 0; l < cache.num_layers(); ++l) {

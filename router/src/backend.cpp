@@ -100,10 +100,6 @@ struct Backend::Impl {
     return wk.view.role == role && wk.view.up && wk.view.compatible;
   }
 
-  void Finish(Request& r, JobEvent ev) {
-    r.cb(std::move(ev));
-  }
-
   void Fail(uint64_t id, const Status& st) {
     auto it = requests.find(id);
     if (it == requests.end()) return;
