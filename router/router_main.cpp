@@ -25,6 +25,20 @@ int main(int argc, char** argv) {
       ->required()->delimiter(',');
   app.add_option("--host", o.host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o.port, "Port to listen on (0 picks a free one)")->capture_default_str();
+  app.add_option("--separator", o.separator,
+                 "A string that marks document boundaries in a prompt (blend: the pieces before "
+                 "its last occurrence are documents); a request's 'separator' overrides it. "
+                 "Empty: prompts are not split");
+  app.add_option("--recompute-ratio", o.recompute_ratio,
+                 "Blend: the share of a prompt's cached document tokens recomputed (0: full "
+                 "reuse, 1: full prefill); a request's 'recompute_ratio' overrides it")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--check-layer", o.check_layer,
+                 "Blend: the layer at which tokens are chosen by KV deviation (every token is "
+                 "recomputed up to it); a request's 'check_layer' overrides it")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--served-model-name", o.served_model_name,
                  "Model name in the API (default: the model folder's name)");
   CLI11_PARSE(app, argc, argv);

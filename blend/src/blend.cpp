@@ -1,11 +1,85 @@
 #include "kdn/blend/blend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
 #include <numeric>
 #include <random>
+#include <thread>
 
 namespace kdn::blend {
+
+namespace {
+
+// Places the cached segments' KV into a sequence layer by layer, in layer
+// order, on its own thread or inline. WaitFor(l) returns once layers 0..l
+// that need placing are in the cache.
+class Placer {
+ public:
+  struct Item {
+    const kvbus::Chunk* kv;
+    int64_t at;     // where the segment starts in the prompt
+    int64_t len;
+    int64_t delta;  // at - the position its K was rotated for
+  };
+
+  Placer(engine::Model& model, engine::KvSequence& seq, std::vector<Item> items, int first_layer,
+         bool threaded)
+      : model_(model), seq_(seq), items_(std::move(items)), first_layer_(first_layer) {
+    placed_ = first_layer_;  // layers below first_layer_ need nothing
+    if (threaded && !items_.empty()) {
+      thread_ = std::thread([this] { Run(); });
+    } else {
+      Run();
+    }
+  }
+  ~Placer() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+  Status WaitFor(int layer) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return placed_ > layer || !error_.ok(); });
+    return placed_ > layer ? Status::Ok() : error_;
+  }
+
+ private:
+  void Run() {
+    const int layers = model_.config().num_layers;
+    for (int l = first_layer_; l < layers && !stop_; ++l) {
+      Status st;
+      for (const Item& it : items_) {
+        st = kvbus::ChunkLayerToPagedKv(*it.kv, l, model_.kv_cache(), seq_, it.at);
+        if (st.ok()) st = model_.RotateCachedKeys(seq_, it.at, it.len, it.delta, l);
+        if (!st.ok()) break;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!st.ok()) {
+        error_ = st;
+        cv_.notify_all();
+        return;
+      }
+      placed_ = l + 1;
+      cv_.notify_all();
+    }
+  }
+
+  engine::Model& model_;
+  engine::KvSequence& seq_;
+  const std::vector<Item> items_;
+  const int first_layer_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int placed_ = 0;
+  Status error_;
+  std::thread thread_;
+};
+
+}  // namespace
 
 Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
@@ -20,10 +94,29 @@ Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
 
-  // The prompt, and which of its positions come from a cache.
+  // The prompt, which of its positions come from a cache, and where each
+  // cached segment goes.
+  engine::PagedKvCache& cache = model.kv_cache();
   std::vector<int32_t> tokens;
   std::vector<bool> cached;
+  std::vector<Placer::Item> items;
   for (const Segment& s : segments) {
+    const auto at = static_cast<int64_t>(tokens.size());
+    const auto len = static_cast<int64_t>(s.tokens.size());
+    if (s.kv != nullptr) {
+      const kvbus::ChunkInfo& info = s.kv->info();
+      if (info.tokens != static_cast<uint32_t>(len)) {
+        return InvalidArgument("blend: a segment of " + std::to_string(len) +
+                               " tokens came with KV of " + std::to_string(info.tokens));
+      }
+      if (static_cast<int>(info.layers) != cache.num_layers() ||
+          static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
+          static_cast<int>(info.head_dim) != cache.head_dim()) {
+        return InvalidArgument("blend: segment KV " + info.key.ToHex() +
+                               " does not fit the model's cache");
+      }
+      if (len > 0) items.push_back({s.kv.get(), at, len, at - info.position});
+    }
     tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
     cached.insert(cached.end(), s.tokens.size(), s.kv != nullptr);
   }
@@ -35,29 +128,8 @@ Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
                            " tokens exceeds the model's context of " +
                            std::to_string(cfg.max_context));
   }
-
-  // 1. Place and rotate the cached KV.
-  engine::PagedKvCache& cache = model.kv_cache();
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, n));
   cache.SetLength(seq, n);
-  int64_t at = 0;
-  for (const Segment& s : segments) {
-    const auto len = static_cast<int64_t>(s.tokens.size());
-    if (s.kv != nullptr) {
-      if (s.kv->info().tokens != static_cast<uint32_t>(len)) {
-        seq.Reset();
-        return InvalidArgument("blend: a segment of " + std::to_string(len) +
-                               " tokens came with KV of " + std::to_string(s.kv->info().tokens));
-      }
-      Status st = kvbus::ChunkToPagedKv(*s.kv, cache, seq, at);
-      if (st.ok()) st = model.RotateCachedKeys(seq, at, len, at - s.kv->info().position);
-      if (!st.ok()) {
-        seq.Reset();
-        return st;
-      }
-    }
-    at += len;
-  }
 
   BlendResult out;
   std::vector<int64_t> cached_rows, fresh_rows;
@@ -67,52 +139,56 @@ Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
   const auto keep_cached = static_cast<int64_t>(
       std::ceil(options.recompute_ratio * static_cast<double>(cached_rows.size()) - 1e-9));
 
-  // 2. Full reuse recomputes only the fresh rows; otherwise every row up to
-  // the check layer.
-  std::vector<int64_t> rows;
-  if (keep_cached == 0) {
-    rows = fresh_rows;
-  } else {
-    rows.resize(n);
-    std::iota(rows.begin(), rows.end(), 0);
-  }
-  auto pass = model.BeginRowPass(seq, tokens, rows);
-  if (!pass.ok()) {
-    seq.Reset();
-    return pass.status();
-  }
-  engine::Model::RowPass& rp = **pass;
-  auto fail = [&](const Status& st) {
+  // 1. Place and rotate the cached KV, from the first layer that reads it:
+  // with a check, every token is recomputed below the check layer.
+  const int first_placed = keep_cached == 0 ? 0 : options.check_layer;
+  auto run = [&]() -> Status {
+    std::vector<int64_t> rows;
+    if (keep_cached == 0) {
+      rows = fresh_rows;  // full reuse recomputes only the fresh rows
+    } else {
+      rows.resize(n);  // 2. every row up to the check layer
+      std::iota(rows.begin(), rows.end(), 0);
+    }
+    KDN_ASSIGN_OR_RETURN(auto pass, model.BeginRowPass(seq, tokens, rows));
+    engine::Model::RowPass& rp = *pass;
+    // Declared after the pass, so stopped (joined) before it goes.
+    Placer placer(model, seq, std::move(items), first_placed, options.overlap_load);
+    auto run_layer = [&](std::vector<float>* deviation) -> Status {
+      const int l = rp.next_layer();
+      KDN_RETURN_IF_ERROR(placer.WaitFor(l));
+      KDN_RETURN_IF_ERROR(rp.RunLayer(deviation));
+      return options.on_layer ? options.on_layer(l) : Status::Ok();
+    };
+    if (keep_cached > 0) {
+      for (int l = 0; l < options.check_layer; ++l) KDN_RETURN_IF_ERROR(run_layer(nullptr));
+      std::vector<float> deviation;
+      KDN_RETURN_IF_ERROR(run_layer(&deviation));
+      // 3. The cached rows to go on with.
+      std::vector<int64_t> order = cached_rows;  // positions = row indices here
+      if (options.selection == Selection::kDeviation) {
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t a, int64_t b) { return deviation[a] > deviation[b]; });
+      } else {
+        std::mt19937_64 rng(options.seed);
+        std::shuffle(order.begin(), order.end(), rng);
+      }
+      order.resize(static_cast<size_t>(keep_cached));
+      std::vector<int64_t> keep = fresh_rows;
+      keep.insert(keep.end(), order.begin(), order.end());
+      std::sort(keep.begin(), keep.end());
+      KDN_RETURN_IF_ERROR(rp.Keep(keep));
+      out.recomputed_tokens = static_cast<int>(keep_cached);
+    }
+    // 4. The remaining layers over the fused cache.
+    while (rp.next_layer() < cfg.num_layers) KDN_RETURN_IF_ERROR(run_layer(nullptr));
+    return rp.Logits(&out.logits);
+  };
+  // The placer has stopped by now, so the blocks can go.
+  if (Status st = run(); !st.ok()) {
     seq.Reset();
     return st;
-  };
-  if (keep_cached > 0) {
-    for (int l = 0; l < options.check_layer; ++l) {
-      if (Status st = rp.RunLayer(); !st.ok()) return fail(st);
-    }
-    std::vector<float> deviation;
-    if (Status st = rp.RunLayer(&deviation); !st.ok()) return fail(st);
-    // 3. The cached rows to go on with.
-    std::vector<int64_t> order = cached_rows;  // positions = row indices here
-    if (options.selection == Selection::kDeviation) {
-      std::stable_sort(order.begin(), order.end(),
-                       [&](int64_t a, int64_t b) { return deviation[a] > deviation[b]; });
-    } else {
-      std::mt19937_64 rng(options.seed);
-      std::shuffle(order.begin(), order.end(), rng);
-    }
-    order.resize(static_cast<size_t>(keep_cached));
-    std::vector<int64_t> keep = fresh_rows;
-    keep.insert(keep.end(), order.begin(), order.end());
-    std::sort(keep.begin(), keep.end());
-    if (Status st = rp.Keep(keep); !st.ok()) return fail(st);
-    out.recomputed_tokens = static_cast<int>(keep_cached);
   }
-  // 4. The remaining layers over the fused cache.
-  while (rp.next_layer() < cfg.num_layers) {
-    if (Status st = rp.RunLayer(); !st.ok()) return fail(st);
-  }
-  if (Status st = rp.Logits(&out.logits); !st.ok()) return fail(st);
   return out;
 }
 

@@ -50,6 +50,14 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
     }
     auto* lr = reply.mutable_lookup_reply();
     lr->set_prefix_chunks(static_cast<int32_t>(store.LongestPrefix(keys)));
+    std::vector<kvbus::ChunkKey> segments;
+    for (const std::string& b : message.lookup().segment_keys()) {
+      auto k = KeyFromBytes(b);
+      segments.push_back(k.ok() ? *k : kvbus::ChunkKey{});
+    }
+    if (!segments.empty()) {
+      for (bool held : store.ContainsEach(segments)) lr->add_segments_held(held);
+    }
     fill_info(lr->mutable_info());
   } else {
     return false;

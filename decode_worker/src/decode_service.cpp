@@ -43,7 +43,8 @@ struct Prepared {
   std::vector<int32_t> tokens;
   std::string ns;
   std::string transfer_id;
-  std::vector<kvbus::ChunkKey> keys;  // the prompt's prefix keys
+  std::vector<kvbus::ChunkKey> keys;  // the prompt's prefix keys; none when blended
+  bool blended = false;               // KV fused by blend: not exact, never stored
   engine::KvSequence seq;
   int held_chunks = 0;
   SteadyClock::time_point created;
@@ -53,6 +54,7 @@ struct Running {
   Origin origin;
   std::vector<int32_t> tokens;  // the prompt
   std::string ns;
+  bool blended = false;
 };
 
 }  // namespace
@@ -168,6 +170,7 @@ struct DecodeService::Impl {
       p.tokens.assign(r.tokens().begin(), r.tokens().end());
       p.ns = r.ns();
       p.transfer_id = r.transfer_id();
+      p.blended = r.blended();
       p.spec.sampling = control::SamplingFromProto(r.sampling());
       p.spec.max_tokens = r.max_tokens();
       p.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());
@@ -178,9 +181,12 @@ struct DecodeService::Impl {
       st = cache.Reserve(p.seq, static_cast<int64_t>(p.tokens.size()));
     }
     if (st.ok()) {
-      // The chunks this worker's tiers hold need not travel.
+      // The chunks this worker's tiers hold need not travel; a blended
+      // prompt's KV all comes from its prefill.
       engine::PagedKvCache& cache = wm.model->kv_cache();
-      p.keys = kvbus::PrefixKeys({wm.fingerprint, p.ns, options.chunk_tokens}, p.tokens);
+      if (!p.blended) {
+        p.keys = kvbus::PrefixKeys({wm.fingerprint, p.ns, options.chunk_tokens}, p.tokens);
+      }
       for (const kvbus::ChunkKey& key : p.keys) {
         auto chunk = store->Get(key);
         if (!chunk.ok() || (*chunk)->info().tokens != static_cast<uint32_t>(options.chunk_tokens) ||
@@ -246,7 +252,7 @@ struct DecodeService::Impl {
     Status st = Assemble(p);
     std::vector<TokenEvent> events;
     if (st.ok()) {
-      running[p.spec.id] = Running{p.origin, p.tokens, p.ns};
+      running[p.spec.id] = Running{p.origin, p.tokens, p.ns, p.blended};
       st = batcher->Admit(p.spec, std::move(p.seq), msg.start().first_token(), &events);
       if (!st.ok()) running.erase(p.spec.id);
     }
@@ -305,7 +311,8 @@ struct DecodeService::Impl {
   void StoreConversation(uint64_t id, const engine::KvSequence& seq,
                          const std::vector<int32_t>& generated) {
     auto it = running.find(id);
-    if (it == running.end()) return;
+    // Blended KV differs from what a full prefill gives: never under prefix keys.
+    if (it == running.end() || it->second.blended) return;
     std::vector<int32_t> tokens = it->second.tokens;
     tokens.insert(tokens.end(), generated.begin(), generated.end());
     tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(seq.length())));

@@ -474,16 +474,22 @@ Status Model::RowPass::Logits(std::vector<float>* logits) {
   return Status::Ok();
 }
 
-Status Model::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta) {
+Status Model::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
+                               int layer) {
   if (first < 0 || count < 0 || first + count > seq.length()) {
     return InvalidArgument("rotate: positions [" + std::to_string(first) + ", " +
                            std::to_string(first + count) + ") are not all in a sequence of " +
                            std::to_string(seq.length()));
   }
+  if (layer < -1 || layer >= config_.num_layers) {
+    return InvalidArgument("rotate: no layer " + std::to_string(layer));
+  }
   if (delta == 0 || count == 0) return Status::Ok();
   // Tokens of one block are contiguous: rotate them in runs.
   const std::vector<int32_t> pos(kKvBlockTokens, static_cast<int32_t>(delta));
-  for (int l = 0; l < config_.num_layers; ++l) {
+  const int l0 = layer < 0 ? 0 : layer;
+  const int l1 = layer < 0 ? config_.num_layers : layer + 1;
+  for (int l = l0; l < l1; ++l) {
     for (int64_t t = first; t < first + count;) {
       const int64_t run = std::min<int64_t>(kKvBlockTokens - t % kKvBlockTokens, first + count - t);
       ApplyRope(kv_->KeyAt(seq, l, t), run, config_.num_kv_heads, config_.head_dim, pos.data(),

@@ -185,10 +185,12 @@ Result<std::shared_ptr<const Chunk>> FromPaged(const engine::PagedKvCache& cache
 }
 
 // Writes the chunk's layers into layers [layer0, layer0 + chunk layers).
-Status ToPaged(const Chunk& chunk, int layer0, engine::PagedKvCache& cache,
-               engine::KvSequence& seq, int64_t first) {
+// Writes the chunk's layers [src_layer, src_layer + n_layers) into the
+// cache's layers from layer0 on.
+Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
+               engine::PagedKvCache& cache, engine::KvSequence& seq, int64_t first) {
   const ChunkInfo& info = chunk.info();
-  if (layer0 < 0 || layer0 + static_cast<int64_t>(info.layers) > cache.num_layers() ||
+  if (layer0 < 0 || layer0 + static_cast<int64_t>(n_layers) > cache.num_layers() ||
       static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
       static_cast<int>(info.head_dim) != cache.head_dim()) {
     return InvalidArgument("chunk " + info.key.ToHex() + " has " + std::to_string(info.layers) +
@@ -207,9 +209,10 @@ Status ToPaged(const Chunk& chunk, int layer0, engine::PagedKvCache& cache,
   }
   const int64_t stride = cache.token_stride();
   const size_t esize = KvDTypeSize(info.dtype);
-  const uint8_t* in = chunk.payload().data();
+  const uint8_t* in = chunk.payload().data() +
+                     static_cast<size_t>(src_layer) * 2 * info.tokens * stride * esize;
   const auto& blocks = seq.blocks();
-  for (int l = layer0; l < layer0 + static_cast<int>(info.layers); ++l) {
+  for (int l = layer0; l < layer0 + n_layers; ++l) {
     for (int kv = 0; kv < 2; ++kv) {
       for (int64_t t = first; t < end; ++t) {
         const int32_t b = blocks[t / engine::kKvBlockTokens];
@@ -240,7 +243,19 @@ Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::K
                            std::to_string(chunk.info().layers) + " layers, the cache " +
                            std::to_string(cache.num_layers()));
   }
-  return ToPaged(chunk, 0, cache, seq, first);
+  return ToPaged(chunk, 0, cache.num_layers(), 0, cache, seq, first);
+}
+
+Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::PagedKvCache& cache,
+                           engine::KvSequence& seq, int64_t first) {
+  if (static_cast<int>(chunk.info().layers) != cache.num_layers() || layer < 0 ||
+      layer >= cache.num_layers()) {
+    return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
+                           std::to_string(chunk.info().layers) + " layers, the cache " +
+                           std::to_string(cache.num_layers()) + "; layer " +
+                           std::to_string(layer) + " asked for");
+  }
+  return ToPaged(chunk, layer, 1, layer, cache, seq, first);
 }
 
 Result<std::shared_ptr<const Chunk>> LayerSliceFromPagedKv(const engine::PagedKvCache& cache,
@@ -258,7 +273,7 @@ Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::PagedKvCache& 
     return InvalidArgument("chunk " + slice.key().ToHex() + " has " +
                            std::to_string(slice.info().layers) + " layers; a layer slice has 1");
   }
-  return ToPaged(slice, layer, cache, seq, first);
+  return ToPaged(slice, 0, 1, layer, cache, seq, first);
 }
 
 }  // namespace kdn::kvbus

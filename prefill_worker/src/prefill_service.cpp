@@ -20,6 +20,7 @@ namespace {
 struct QueuedJob {
   std::string peer;
   uint64_t request_id = 0;
+  bool inject = false;  // job.tokens is a document to store, not a prompt
   PrefillJob job;
 };
 
@@ -55,6 +56,31 @@ struct PrefillService::Impl {
     info->set_total_kv_blocks(total_blocks);
   }
 
+  void Enqueue(QueuedJob q) {
+    queued_tokens += static_cast<int64_t>(q.job.tokens.size());
+    ++depth;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      queue.push_back(std::move(q));
+    }
+    cv.notify_one();
+  }
+
+  void RunInject(const QueuedJob& q) {
+    auto held = prefiller->Inject(q.job.tokens, q.job.ns);
+    proto::WorkerMessage reply;
+    reply.set_request_id(q.request_id);
+    auto* ir = reply.mutable_inject_reply();
+    if (held.ok()) {
+      ir->set_already_held(*held);
+    } else {
+      control::StatusToProto(held.status(), ir->mutable_error());
+      std::fprintf(stderr, "%s: injecting a document of %zu tokens failed: %s\n",
+                   options.name.c_str(), q.job.tokens.size(), held.status().ToString().c_str());
+    }
+    server->Send(q.peer, reply);
+  }
+
   void OnMessage(control::ControlServer& srv, const std::string& peer,
                  proto::WorkerMessage msg) {
     if (control::AnswerQuery(srv, peer, msg, *store,
@@ -73,13 +99,26 @@ struct PrefillService::Impl {
         q.job.decode_endpoint = r.decode_endpoint();
         q.job.decode_held_chunks = r.decode_held_chunks();
         q.job.transfer_id = r.transfer_id();
-        queued_tokens += static_cast<int64_t>(q.job.tokens.size());
-        ++depth;
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          queue.push_back(std::move(q));
+        if (r.has_blend()) {
+          BlendJob b;
+          b.head_tokens = r.blend().head_tokens();
+          b.segment_tokens.assign(r.blend().segment_tokens().begin(),
+                                  r.blend().segment_tokens().end());
+          b.recompute_ratio = r.blend().recompute_ratio();
+          b.check_layer = r.blend().check_layer();
+          q.job.blend = std::move(b);
         }
-        cv.notify_one();
+        Enqueue(std::move(q));
+        return;
+      }
+      case proto::WorkerMessage::kInject: {
+        QueuedJob q;
+        q.peer = peer;
+        q.request_id = msg.request_id();
+        q.inject = true;
+        q.job.tokens.assign(msg.inject().tokens().begin(), msg.inject().tokens().end());
+        q.job.ns = msg.inject().ns();
+        Enqueue(std::move(q));
         return;
       }
       case proto::WorkerMessage::kCancel: {
@@ -111,6 +150,13 @@ struct PrefillService::Impl {
         q = std::move(queue.front());
         queue.pop_front();
       }
+      if (q.inject) {
+        RunInject(q);
+        queued_tokens -= static_cast<int64_t>(q.job.tokens.size());
+        --depth;
+        free_blocks = wm.model->kv_cache().free_blocks();
+        continue;
+      }
       const auto t0 = std::chrono::steady_clock::now();
       auto out = prefiller->Run(q.job);
       const double secs =
@@ -124,11 +170,15 @@ struct PrefillService::Impl {
         pr->set_computed_tokens(out->computed_tokens);
         pr->set_kv_bytes_sent(out->kv_bytes_sent);
         pr->set_slices_skipped(out->slices_skipped);
+        pr->set_blended_tokens(out->blended_tokens);
+        pr->set_recomputed_tokens(out->recomputed_tokens);
         std::fprintf(stderr,
-                     "%s: request %llu: %zu prompt tokens, %d cached, %d computed, %.3f s; "
-                     "%.1f MiB of KV pushed, %u slices skipped\n",
+                     "%s: request %llu: %zu prompt tokens, %d cached (%d blended, %d of them "
+                     "recomputed), %d computed, %.3f s; %.1f MiB of KV pushed, %u slices "
+                     "skipped\n",
                      options.name.c_str(), static_cast<unsigned long long>(q.request_id),
-                     q.job.tokens.size(), out->cached_tokens, out->computed_tokens, secs,
+                     q.job.tokens.size(), out->cached_tokens, out->blended_tokens,
+                     out->recomputed_tokens, out->computed_tokens, secs,
                      out->kv_bytes_sent / 1048576.0, out->slices_skipped);
       } else {
         control::StatusToProto(out.status(), pr->mutable_error());

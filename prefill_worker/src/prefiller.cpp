@@ -22,9 +22,73 @@ Result<kvbus::Sender*> Prefiller::SenderFor(const std::string& endpoint) {
   return raw;
 }
 
+// The layer-slice push of one job to its decode worker.
+struct Prefiller::Push {
+  Prefiller& self;
+  const PrefillJob& job;
+  const engine::KvSequence& seq;
+  std::vector<control::KvRegion> regions;
+  kvbus::Sender* sender = nullptr;
+  std::vector<uint64_t> batches;
+
+  // Layer `layer` of every region, once it is final in `seq`.
+  Status Layer(int layer) {
+    if (sender == nullptr) return Status::Ok();
+    std::vector<std::shared_ptr<const kvbus::Chunk>> slices;
+    slices.reserve(regions.size());
+    for (const control::KvRegion& r : regions) {
+      KDN_ASSIGN_OR_RETURN(auto slice,
+                           kvbus::LayerSliceFromPagedKv(
+                               self.model_.kv_cache(), seq, r.first, r.count, layer,
+                               kvbus::LayerSliceKey(r.parent, layer), self.fingerprint_,
+                               kvbus::KvDType::kF32));
+      slices.push_back(std::move(slice));
+    }
+    KDN_ASSIGN_OR_RETURN(uint64_t batch, sender->Submit(std::move(slices)));
+    batches.push_back(batch);
+    return Status::Ok();
+  }
+
+  // Waits until the decode worker has every slice.
+  Status Finish(PrefillOutcome* out) {
+    const auto deadline = std::chrono::steady_clock::now() + self.options_.push_timeout;
+    for (uint64_t batch : batches) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      KDN_ASSIGN_OR_RETURN(kvbus::BatchStatus bs,
+                           sender->Wait(batch, std::max(left, std::chrono::milliseconds(0))));
+      Status st = bs.ToStatus();
+      if (!st.ok()) {
+        return Status(st.code() == StatusCode::kDeadlineExceeded ? StatusCode::kUnavailable
+                                                                 : st.code(),
+                      "pushing KV to the decode worker at " + job.decode_endpoint + ": " +
+                          st.message());
+      }
+      // bs.chunks are in submission order: one per region.
+      for (size_t j = 0; j < bs.chunks.size() && j < regions.size(); ++j) {
+        if (bs.chunks[j].outcome == kvbus::ChunkOutcome::kSkipped) {
+          ++out->slices_skipped;
+        } else {
+          out->kv_bytes_sent += static_cast<uint64_t>(regions[j].count) *
+                                self.model_.kv_cache().token_stride() * 2 * sizeof(float);
+        }
+      }
+    }
+    return Status::Ok();
+  }
+};
+
+bool Prefiller::Usable(const kvbus::Chunk& chunk, int64_t tokens) const {
+  // Another chunking, model or precision: recompute rather than guess.
+  const kvbus::ChunkInfo& info = chunk.info();
+  return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint_ &&
+         info.dtype == kvbus::KvDType::kF32;
+}
+
 Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   seq_.Reset();
   keys_.clear();
+  missing_segments_.clear();
   first_new_chunk_ = 0;
   const auto n = static_cast<int64_t>(job.tokens.size());
   const engine::ModelConfig& cfg = model_.config();
@@ -35,6 +99,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
                            std::to_string(cfg.max_context));
   }
   KDN_RETURN_IF_ERROR(engine::ValidateSamplingParams(job.sampling));
+  if (job.blend) return RunBlend(job);
   const int C = options_.chunk_tokens;
   const kvbus::KeyContext ctx{fingerprint_, job.ns, C};
   keys_ = kvbus::PrefixKeys(ctx, job.tokens);
@@ -49,71 +114,27 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   int64_t hit = 0;
   for (; hit < usable; ++hit) {
     auto chunk = store_.Get(keys_[hit]);
-    if (!chunk.ok()) break;
-    const kvbus::ChunkInfo& info = (*chunk)->info();
-    if (info.tokens != static_cast<uint32_t>(C) || info.model_fingerprint != fingerprint_ ||
-        info.dtype != kvbus::KvDType::kF32) {
-      break;  // another chunking or precision: recompute rather than guess
-    }
+    if (!chunk.ok() || !Usable(**chunk, C)) break;
     if (!kvbus::ChunkToPagedKv(**chunk, cache, seq_, hit * C).ok()) break;
   }
   cache.SetLength(seq_, hit * C);
   first_new_chunk_ = static_cast<int>(hit);
 
-  // 2. What the decode worker lacks, by region.
-  const std::vector<control::KvRegion> regions = control::TransferRegions(
-      keys_, n, C, job.decode_held_chunks, job.transfer_id);
-  kvbus::Sender* sender = nullptr;
-  if (!job.decode_endpoint.empty() && !regions.empty()) {
-    KDN_ASSIGN_OR_RETURN(sender, SenderFor(job.decode_endpoint));
+  // 2. What the decode worker lacks, by region, pushed layer by layer.
+  Push push{*this, job, seq_,
+            control::TransferRegions(keys_, n, C, job.decode_held_chunks, job.transfer_id)};
+  if (!job.decode_endpoint.empty() && !push.regions.empty()) {
+    KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
-  std::vector<uint64_t> batches;
   engine::PrefillOptions popts;
-  if (sender != nullptr) {
-    popts.on_layer = [&](int layer) -> Status {
-      std::vector<std::shared_ptr<const kvbus::Chunk>> slices;
-      slices.reserve(regions.size());
-      for (const control::KvRegion& r : regions) {
-        KDN_ASSIGN_OR_RETURN(auto slice, kvbus::LayerSliceFromPagedKv(
-                                             cache, seq_, r.first, r.count, layer,
-                                             kvbus::LayerSliceKey(r.parent, layer), fingerprint_,
-                                             kvbus::KvDType::kF32));
-        slices.push_back(std::move(slice));
-      }
-      KDN_ASSIGN_OR_RETURN(uint64_t batch, sender->Submit(std::move(slices)));
-      batches.push_back(batch);
-      return Status::Ok();
-    };
-  }
+  popts.on_layer = [&](int layer) { return push.Layer(layer); };
   std::vector<float> logits;
   const std::span<const int32_t> rest(job.tokens.data() + hit * C, n - hit * C);
   KDN_RETURN_IF_ERROR(model_.Prefill(seq_, rest, popts, &logits));
 
   // 3. Every slice delivered, then the first token.
   PrefillOutcome out;
-  const auto deadline = std::chrono::steady_clock::now() + options_.push_timeout;
-  for (uint64_t batch : batches) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    KDN_ASSIGN_OR_RETURN(kvbus::BatchStatus bs,
-                         sender->Wait(batch, std::max(left, std::chrono::milliseconds(0))));
-    Status st = bs.ToStatus();
-    if (!st.ok()) {
-      return Status(st.code() == StatusCode::kDeadlineExceeded ? StatusCode::kUnavailable
-                                                               : st.code(),
-                    "pushing KV to the decode worker at " + job.decode_endpoint + ": " +
-                        st.message());
-    }
-    // bs.chunks are in submission order: one per region.
-    for (size_t j = 0; j < bs.chunks.size() && j < regions.size(); ++j) {
-      if (bs.chunks[j].outcome == kvbus::ChunkOutcome::kSkipped) {
-        ++out.slices_skipped;
-      } else {
-        out.kv_bytes_sent += static_cast<uint64_t>(regions[j].count) * cache.token_stride() * 2 *
-                             sizeof(float);
-      }
-    }
-  }
+  KDN_RETURN_IF_ERROR(push.Finish(&out));
   if (!job.decode_endpoint.empty()) {
     // Chunks the decode worker said it holds were never offered: skipped too.
     const int64_t held = std::clamp<int64_t>(job.decode_held_chunks, 0, full);
@@ -124,6 +145,91 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   out.cached_tokens = static_cast<int>(hit * C);
   out.computed_tokens = static_cast<int>(n - hit * C);
   return out;
+}
+
+Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
+  const BlendJob& b = *job.blend;
+  const auto n = static_cast<int64_t>(job.tokens.size());
+  int64_t at = b.head_tokens;
+  if (b.head_tokens < 0) return InvalidArgument("blend: negative head_tokens");
+  for (int len : b.segment_tokens) {
+    if (len <= 0) return InvalidArgument("blend: a document has no tokens");
+    at += len;
+  }
+  if (at >= n) {
+    return InvalidArgument("blend: the documents take the whole prompt; a question must follow");
+  }
+  const kvbus::KeyContext ctx{fingerprint_, job.ns, options_.chunk_tokens};
+  std::vector<blend::Segment> segments;
+  const int32_t* p = job.tokens.data();
+  if (b.head_tokens > 0) {
+    segments.push_back({{p, p + b.head_tokens}, nullptr});
+    p += b.head_tokens;
+  }
+  for (int len : b.segment_tokens) {
+    blend::Segment s{{p, p + len}, nullptr};
+    p += len;
+    const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, s.tokens);
+    auto chunk = store_.Get(key);
+    if (chunk.ok() && Usable(**chunk, len)) {
+      s.kv = *std::move(chunk);
+    } else if (std::none_of(missing_segments_.begin(), missing_segments_.end(),
+                            [&](const auto& m) { return m.first == key; })) {
+      missing_segments_.emplace_back(key, s.tokens);
+    }
+    segments.push_back(std::move(s));
+  }
+  const std::span<const int32_t> suffix(p, job.tokens.data() + n);
+
+  // The fused KV is this request's alone: one region under the transfer key.
+  engine::PagedKvCache& cache = model_.kv_cache();
+  seq_ = cache.NewSequence();
+  Push push{*this, job, seq_, control::TransferRegions({}, n, options_.chunk_tokens, 0,
+                                                       job.transfer_id)};
+  if (!job.decode_endpoint.empty()) {
+    KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
+  }
+  blend::BlendOptions bo;
+  bo.recompute_ratio = b.recompute_ratio;
+  bo.check_layer = b.check_layer;
+  bo.on_layer = [&](int layer) { return push.Layer(layer); };
+  KDN_ASSIGN_OR_RETURN(blend::BlendResult r,
+                       blend::BlendPrefill(model_, seq_, segments, suffix, bo));
+  PrefillOutcome out;
+  KDN_RETURN_IF_ERROR(push.Finish(&out));
+  engine::Sampler sampler(job.sampling);
+  out.first_token = sampler.Sample(r.logits);
+  out.cached_tokens = r.cached_tokens;
+  out.blended_tokens = r.cached_tokens;
+  out.recomputed_tokens = r.recomputed_tokens;
+  out.computed_tokens = r.computed_tokens;
+  return out;
+}
+
+Status Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens) {
+  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvSequence seq = cache.NewSequence();
+  KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
+  std::vector<float> logits;
+  KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
+  KDN_ASSIGN_OR_RETURN(auto chunk, kvbus::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
+                                                           fingerprint_, kvbus::KvDType::kF32));
+  return store_.Put(std::move(chunk));
+}
+
+Result<bool> Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns) {
+  if (tokens.empty()) return InvalidArgument("inject: an empty document");
+  const auto n = static_cast<int64_t>(tokens.size());
+  if (n > model_.config().max_context) {
+    return InvalidArgument("inject: a document of " + std::to_string(n) +
+                           " tokens exceeds the model's context of " +
+                           std::to_string(model_.config().max_context));
+  }
+  const kvbus::ChunkKey key =
+      kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, tokens);
+  if (store_.Contains(key)) return true;
+  KDN_RETURN_IF_ERROR(StoreSegment(key, tokens));
+  return false;
 }
 
 Status Prefiller::StoreNewChunks() {
@@ -140,6 +246,12 @@ Status Prefiller::StoreNewChunks() {
   }
   seq_.Reset();
   keys_.clear();
+  for (const auto& [key, tokens] : missing_segments_) {
+    if (store_.Contains(key)) continue;
+    Status st = StoreSegment(key, tokens);
+    if (!st.ok() && first_error.ok()) first_error = st;
+  }
+  missing_segments_.clear();
   return first_error;
 }
 

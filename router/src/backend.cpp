@@ -41,6 +41,8 @@ struct Request {
   Phase phase = Phase::kLookup;
   std::vector<kvbus::ChunkKey> keys;
   std::map<size_t, int> prefix;  // worker -> prefix chunks it reaches (-1: no answer)
+  std::vector<kvbus::ChunkKey> segment_keys;  // a blend request's documents
+  std::map<size_t, int64_t> segment_tokens_held;  // worker -> document tokens it holds
   int lookups_pending = 0;
   Clock::time_point arrival, deadline, last_token;
   size_t p = 0, d = 0;
@@ -51,12 +53,33 @@ struct Request {
 };
 
 struct Command {
-  enum class Kind { kSubmit, kCancel } kind;
+  enum class Kind { kSubmit, kInject, kCancel } kind;
   uint64_t id = 0;
   Job job;
+  InjectJob inject;
   JobCallback cb;
   Clock::time_point arrival;
 };
+
+struct Injection {
+  InjectJob job;
+  JobCallback cb;
+  std::deque<size_t> todo;  // documents not yet sent (or to send again)
+  int in_flight = 0;
+  InjectProgress progress;
+};
+
+// One document of an injection at one prefill worker.
+struct InjectPart {
+  uint64_t injection = 0;
+  size_t document = 0;
+  size_t worker = 0;
+};
+
+// Documents in flight per prefill worker: enough to keep it busy, few enough
+// that progress means something and other requests are not queued behind a
+// whole batch.
+constexpr int kInjectPerWorker = 2;
 
 }  // namespace
 
@@ -79,6 +102,9 @@ struct Backend::Impl {
   zmq::socket_t inbox{ctx, zmq::socket_type::pull};
   std::vector<Worker> workers;
   std::map<uint64_t, Request> requests;
+  std::map<uint64_t, Injection> injections;
+  std::map<uint64_t, InjectPart> inject_parts;  // by message id
+  uint64_t next_part_id = uint64_t{1} << 62;    // apart from the jobs' ids
   bool have_identity = false;
   kvbus::ChunkKey fingerprint;
   int chunk_tokens = 0;
@@ -184,7 +210,15 @@ struct Backend::Impl {
                                " worker is up"));
       return;
     }
-    req.keys = kvbus::PrefixKeys({fingerprint, req.job.ns, chunk_tokens}, req.job.tokens);
+    const kvbus::KeyContext kctx{fingerprint, req.job.ns, chunk_tokens};
+    req.keys = kvbus::PrefixKeys(kctx, req.job.tokens);
+    if (req.job.blend) {
+      const int32_t* t = req.job.tokens.data() + req.job.blend->head_tokens;
+      for (int len : req.job.blend->segment_tokens) {
+        req.segment_keys.push_back(kvbus::SegmentKey(kctx, {t, static_cast<size_t>(len)}));
+        t += len;
+      }
+    }
     uint8_t tid[16];
     for (int i = 0; i < 8; ++i) {
       tid[i] = static_cast<uint8_t>(nonce >> (8 * i));
@@ -195,6 +229,9 @@ struct Backend::Impl {
     auto* lk = m.mutable_lookup();
     lk->set_ns(req.job.ns);
     for (const kvbus::ChunkKey& k : req.keys) lk->add_keys(control::KeyToBytes(k));
+    for (const kvbus::ChunkKey& k : req.segment_keys) {
+      lk->add_segment_keys(control::KeyToBytes(k));
+    }
     for (size_t w = 0; w < workers.size(); ++w) {
       if (!Usable(w, "prefill") && !Usable(w, "decode")) continue;
       req.prefix[w] = -1;
@@ -212,8 +249,15 @@ struct Backend::Impl {
     bool have_p = false, have_d = false;
     for (const auto& [w, chunks] : r.prefix) {
       if (chunks < 0 || !Usable(w, "prefill")) continue;
-      const int64_t cached = std::min<int64_t>(chunks, usable_chunks) * chunk_tokens;
-      const int64_t cost = (n - cached) + workers[w].view.queue_tokens;
+      int64_t cost = 0;
+      if (r.job.blend) {
+        // Held documents cost their recomputed share; the rest is computed.
+        const double held = static_cast<double>(r.segment_tokens_held[w]);
+        cost = n - static_cast<int64_t>(held * (1.0 - r.job.blend->recompute_ratio));
+      } else {
+        cost = n - std::min<int64_t>(chunks, usable_chunks) * chunk_tokens;
+      }
+      cost += workers[w].view.queue_tokens;
       if (cost < best_cost) {
         best_cost = cost;
         r.p = w;
@@ -224,10 +268,11 @@ struct Backend::Impl {
     // busy; only workers with room for the whole request.
     const int64_t need_blocks = (n + r.job.max_tokens + 15) / 16;
     int best_prefix = -1, best_depth = INT32_MAX;
-    for (const auto& [w, chunks] : r.prefix) {
+    for (auto [w, chunks] : r.prefix) {
       if (chunks < 0 || !Usable(w, "decode")) continue;
       const WorkerView& v = workers[w].view;
       if (v.free_kv_blocks < need_blocks) continue;
+      if (r.job.blend) chunks = 0;  // a blended prompt reuses nothing it holds
       if (chunks > best_prefix || (chunks == best_prefix && v.queue_depth < best_depth)) {
         best_prefix = chunks;
         best_depth = v.queue_depth;
@@ -253,6 +298,7 @@ struct Backend::Impl {
     for (int32_t s : r.job.stop_ids) pr->add_stop_ids(s);
     for (const std::string& s : r.job.stop_strings) pr->add_stop_strings(s);
     pr->set_transfer_id(r.transfer_id);
+    pr->set_blended(r.job.blend.has_value());
     Send(r.d, r.id, m);
     // Count the request against the worker until it next reports.
     ++workers[r.d].view.queue_depth;
@@ -266,6 +312,10 @@ struct Backend::Impl {
       TakeInfo(w, m.info());
       return;
     }
+    if (m.body_case() == proto::WorkerMessage::kInjectReply) {
+      OnInjectReply(w, m);
+      return;
+    }
     auto it = requests.find(m.request_id());
     if (it == requests.end()) return;  // finished or cancelled meanwhile
     Request& r = it->second;
@@ -275,6 +325,14 @@ struct Backend::Impl {
         auto pit = r.prefix.find(w);
         if (r.phase != Phase::kLookup || pit == r.prefix.end() || pit->second >= 0) return;
         pit->second = m.lookup_reply().prefix_chunks();
+        if (r.job.blend) {
+          int64_t held = 0;
+          const auto& flags = m.lookup_reply().segments_held();
+          for (int i = 0; i < flags.size() && i < static_cast<int>(r.segment_keys.size()); ++i) {
+            if (flags[i]) held += r.job.blend->segment_tokens[i];
+          }
+          r.segment_tokens_held[w] = held;
+        }
         if (--r.lookups_pending == 0) Choose(r);
         return;
       }
@@ -297,6 +355,13 @@ struct Backend::Impl {
         pf->set_decode_endpoint(workers[r.d].kvbus_endpoint);
         pf->set_decode_held_chunks(m.prepare_reply().held_chunks());
         pf->set_transfer_id(r.transfer_id);
+        if (r.job.blend) {
+          auto* b = pf->mutable_blend();
+          b->set_head_tokens(r.job.blend->head_tokens);
+          for (int len : r.job.blend->segment_tokens) b->add_segment_tokens(len);
+          b->set_recompute_ratio(static_cast<float>(r.job.blend->recompute_ratio));
+          b->set_check_layer(r.job.blend->check_layer);
+        }
         Send(r.p, r.id, pm);
         r.prefill_sent = true;
         r.phase = Phase::kPrefill;
@@ -312,8 +377,13 @@ struct Backend::Impl {
         }
         r.usage.prompt_tokens = static_cast<int>(r.job.tokens.size());
         r.usage.cached_tokens = pr.cached_tokens();
+        r.usage.blended = r.job.blend.has_value();
+        r.usage.blended_tokens = pr.blended_tokens();
+        r.usage.recomputed_tokens = pr.recomputed_tokens();
         if (metrics) {
-          metrics->PromptTokens(pr.cached_tokens(), pr.computed_tokens());
+          metrics->PromptTokens(pr.cached_tokens() - pr.blended_tokens(),
+                                pr.blended_tokens() - pr.recomputed_tokens(),
+                                pr.recomputed_tokens(), pr.computed_tokens());
           metrics->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
         }
         proto::WorkerMessage sm;
@@ -369,6 +439,135 @@ struct Backend::Impl {
     }
   }
 
+  void OnInject(Command& c) {
+    Injection inj;
+    inj.job = std::move(c.inject);
+    inj.cb = std::move(c.cb);
+    inj.progress.total = static_cast<int>(inj.job.documents.size());
+    for (size_t i = 0; i < inj.job.documents.size(); ++i) inj.todo.push_back(i);
+    injections.emplace(c.id, std::move(inj));
+    PumpInjection(c.id);
+  }
+
+  // Sends documents to prefill workers with room; ends the injection when
+  // every document is done, or fails the rest when no prefill worker is up.
+  void PumpInjection(uint64_t id) {
+    auto it = injections.find(id);
+    if (it == injections.end()) return;
+    Injection& inj = it->second;
+    std::map<size_t, int> busy;
+    for (const auto& [pid, part] : inject_parts) ++busy[part.worker];
+    bool any_up = false;
+    while (!inj.todo.empty()) {
+      size_t best = workers.size();
+      for (size_t w = 0; w < workers.size(); ++w) {
+        if (!Usable(w, "prefill")) continue;
+        any_up = true;
+        if (busy[w] >= kInjectPerWorker) continue;
+        if (best == workers.size() || busy[w] < busy[best] ||
+            (busy[w] == busy[best] &&
+             workers[w].view.queue_tokens < workers[best].view.queue_tokens)) {
+          best = w;
+        }
+      }
+      if (best == workers.size()) break;
+      const size_t doc = inj.todo.front();
+      inj.todo.pop_front();
+      proto::WorkerMessage m;
+      auto* ir = m.mutable_inject();
+      for (int32_t t : inj.job.documents[doc]) ir->add_tokens(t);
+      ir->set_ns(inj.job.ns);
+      const uint64_t part_id = next_part_id++;
+      inject_parts[part_id] = {id, doc, best};
+      ++busy[best];
+      ++inj.in_flight;
+      Send(best, part_id, m);
+    }
+    if (!inj.todo.empty() && !any_up && inj.in_flight == 0) {
+      if (inj.progress.done == 0) {
+        JobEvent ev;
+        ev.kind = JobEvent::Kind::kError;
+        ev.error = Unavailable("no prefill worker is up");
+        JobCallback cb = std::move(inj.cb);
+        injections.erase(it);
+        cb(std::move(ev));
+        return;
+      }
+      while (!inj.todo.empty()) {
+        DocumentDone(inj, inj.todo.front(), "no prefill worker is up");
+        inj.todo.pop_front();
+      }
+    }
+    if (inj.todo.empty() && inj.in_flight == 0) {
+      JobEvent ev;
+      ev.kind = JobEvent::Kind::kDone;
+      ev.progress = inj.progress;
+      JobCallback cb = std::move(inj.cb);
+      injections.erase(it);
+      cb(std::move(ev));
+    }
+  }
+
+  // Counts one document; `error` empty: it is in the KDN.
+  void DocumentDone(Injection& inj, size_t doc, const std::string& error, bool held = false) {
+    ++inj.progress.done;
+    inj.progress.tokens += static_cast<int64_t>(inj.job.documents[doc].size());
+    if (!error.empty()) {
+      ++inj.progress.failed;
+      inj.progress.errors.emplace_back(static_cast<int>(doc), error);
+    } else if (held) {
+      ++inj.progress.already_held;
+    } else {
+      ++inj.progress.stored;
+    }
+    if (metrics) {
+      metrics->Injected(error.empty() ? (held ? "already_held" : "stored") : "failed",
+                        inj.job.documents[doc].size());
+    }
+  }
+
+  void OnInjectReply(size_t w, const proto::WorkerMessage& m) {
+    auto pit = inject_parts.find(m.request_id());
+    if (pit == inject_parts.end() || pit->second.worker != w) return;
+    const InjectPart part = pit->second;
+    inject_parts.erase(pit);
+    auto it = injections.find(part.injection);
+    if (it == injections.end()) return;  // its client went away
+    Injection& inj = it->second;
+    --inj.in_flight;
+    Status st = control::StatusFromProto(m.inject_reply().error());
+    DocumentDone(inj, part.document,
+                 st.ok() ? "" : st.WithContext(workers[w].view.name).ToString(),
+                 m.inject_reply().already_held());
+    if (inj.cb) {
+      JobEvent ev;
+      ev.kind = JobEvent::Kind::kProgress;
+      ev.progress = inj.progress;
+      ev.progress.errors.clear();  // only the final event lists them
+      inj.cb(std::move(ev));
+    }
+    PumpInjection(part.injection);
+  }
+
+  // A prefill worker went down: its documents go to another.
+  void RequeueInjections(size_t w) {
+    std::vector<uint64_t> touched;
+    for (auto it = inject_parts.begin(); it != inject_parts.end();) {
+      if (it->second.worker != w) {
+        ++it;
+        continue;
+      }
+      auto inj = injections.find(it->second.injection);
+      if (inj != injections.end()) {
+        --inj->second.in_flight;
+        inj->second.todo.push_front(it->second.document);
+        touched.push_back(it->second.injection);
+      }
+      it = inject_parts.erase(it);
+    }
+    for (uint64_t id : touched) PumpInjection(id);
+  }
+
   void Tick() {
     const auto now = Clock::now();
     bool changed = false;
@@ -400,6 +599,7 @@ struct Backend::Impl {
         for (uint64_t id : doomed) {
           Fail(id, Unavailable(wk.view.role + " worker " + wk.view.name + " stopped answering"));
         }
+        if (wk.view.role == "prefill") RequeueInjections(w);
         for (uint64_t id : to_choose) {
           auto it = requests.find(id);
           if (it != requests.end()) Choose(it->second);
@@ -446,6 +646,10 @@ struct Backend::Impl {
           for (Command& c : todo) {
             if (c.kind == Command::Kind::kSubmit) {
               OnSubmit(c);
+            } else if (c.kind == Command::Kind::kInject) {
+              OnInject(c);
+            } else if (injections.erase(c.id) != 0) {
+              // Its documents in flight finish; their replies are dropped.
             } else {
               auto it = requests.find(c.id);
               if (it != requests.end()) {
@@ -542,14 +746,23 @@ uint64_t Backend::Submit(Job job, JobCallback callback) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const uint64_t id = impl_->next_id++;
   impl_->commands.push_back(
-      {Command::Kind::kSubmit, id, std::move(job), std::move(callback), Clock::now()});
+      {Command::Kind::kSubmit, id, std::move(job), {}, std::move(callback), Clock::now()});
   (void)impl_->wake.send(zmq::str_buffer("s"), zmq::send_flags::dontwait);
+  return id;
+}
+
+uint64_t Backend::Inject(InjectJob job, JobCallback callback) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const uint64_t id = impl_->next_id++;
+  Command c{Command::Kind::kInject, id, {}, std::move(job), std::move(callback), Clock::now()};
+  impl_->commands.push_back(std::move(c));
+  (void)impl_->wake.send(zmq::str_buffer("i"), zmq::send_flags::dontwait);
   return id;
 }
 
 void Backend::Cancel(uint64_t id) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->commands.push_back({Command::Kind::kCancel, id, {}, {}, Clock::now()});
+  impl_->commands.push_back({Command::Kind::kCancel, id, {}, {}, {}, Clock::now()});
   (void)impl_->wake.send(zmq::str_buffer("c"), zmq::send_flags::dontwait);
 }
 

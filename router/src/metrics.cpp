@@ -78,10 +78,18 @@ void Metrics::InterToken(double seconds) {
   inter_token_.Observe(seconds);
 }
 
-void Metrics::PromptTokens(int cached, int computed) {
+void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed) {
   std::lock_guard<std::mutex> lock(mu_);
   cached_tokens_ += static_cast<uint64_t>(cached);
+  blended_tokens_ += static_cast<uint64_t>(blended);
+  recomputed_tokens_ += static_cast<uint64_t>(recomputed);
   computed_tokens_ += static_cast<uint64_t>(computed);
+}
+
+void Metrics::Injected(const std::string& result, size_t tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++injected_[result];
+  injected_tokens_ += tokens;
 }
 
 void Metrics::GeneratedTokens(int n) {
@@ -110,9 +118,23 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");
   inter_token_.Render("kdn_inter_token_seconds", &out);
   Head(&out, "kdn_prompt_tokens_total", "counter",
-       "Prompt tokens whose KV was loaded from the KDN (cached) or computed.");
+       "Prompt tokens by the source of their KV: prefix chunks loaded from the KDN (cached), "
+       "documents' KV fused in unchanged (blended), documents' tokens recomputed by blend "
+       "(recomputed), or computed in full.");
   out += "kdn_prompt_tokens_total{source=\"cached\"} " + std::to_string(cached_tokens_) + "\n";
+  out += "kdn_prompt_tokens_total{source=\"blended\"} " + std::to_string(blended_tokens_) + "\n";
+  out += "kdn_prompt_tokens_total{source=\"recomputed\"} " + std::to_string(recomputed_tokens_) +
+         "\n";
   out += "kdn_prompt_tokens_total{source=\"computed\"} " + std::to_string(computed_tokens_) + "\n";
+  Head(&out, "kdn_injected_documents_total", "counter",
+       "Documents sent to /v1/kdn/inject, by result.");
+  for (const char* result : {"stored", "already_held", "failed"}) {
+    auto it = injected_.find(result);
+    out += std::string("kdn_injected_documents_total{result=\"") + result + "\"} " +
+           std::to_string(it == injected_.end() ? 0 : it->second) + "\n";
+  }
+  Head(&out, "kdn_injected_tokens_total", "counter", "Tokens of the documents injected.");
+  out += "kdn_injected_tokens_total " + std::to_string(injected_tokens_) + "\n";
   Head(&out, "kdn_generated_tokens_total", "counter", "Tokens generated.");
   out += "kdn_generated_tokens_total " + std::to_string(generated_) + "\n";
   Head(&out, "kdn_kv_bytes_moved_total", "counter",

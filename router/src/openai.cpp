@@ -111,14 +111,19 @@ std::optional<ApiError> RefuseUnsupported(const json& body) {
   return std::nullopt;
 }
 
+// The marker that stands for the documents in a rendered chat prompt.
+constexpr std::string_view kDocumentsMarker = "\x1e\x1fkdn-documents\x1f\x1e";
+
+// The prompt's text when it is one string (`text` set), else its token ids.
 std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
-                                    std::vector<int32_t>* out) {
+                                    std::vector<int32_t>* out, std::optional<std::string>* text) {
   auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) return Bad("'prompt' is required", "prompt");
   const json* p = &*it;
   if (p->is_array() && p->size() == 1 && (*p)[0].is_string()) p = &(*p)[0];
   if (p->is_string()) {
-    *out = model.tokenizer->Encode(p->get<std::string>(), /*add_bos=*/true);
+    *text = p->get<std::string>();
+    *out = model.tokenizer->Encode(**text, /*add_bos=*/true);
   } else if (p->is_array()) {
     if (p->empty()) return Bad("'prompt' is an empty list", "prompt");
     for (const json& t : *p) {
@@ -145,8 +150,70 @@ std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
   return std::nullopt;
 }
 
+// The documents of a request: the `documents` field, or the pieces of `text`
+// before the last separator. Returns whether the request has documents;
+// `text` keeps what follows them.
+std::optional<ApiError> TakeDocuments(const json& body, const std::string& separator,
+                                      std::string* text, std::vector<std::string>* docs,
+                                      bool* has_documents) {
+  *has_documents = false;
+  auto it = body.find("documents");
+  if (it != body.end() && !it->is_null()) {
+    if (!it->is_array()) {
+      return Bad(std::string("'documents' must be a list of strings, not ") + TypeName(*it),
+                 "documents");
+    }
+    if (it->empty()) return Bad("'documents' is an empty list", "documents");
+    for (size_t i = 0; i < it->size(); ++i) {
+      const json& d = (*it)[i];
+      if (!d.is_string() || d.get<std::string>().empty()) {
+        return Bad("documents[" + std::to_string(i) + "] must be a non-empty string",
+                   "documents");
+      }
+      docs->push_back(d.get<std::string>());
+    }
+    *has_documents = true;
+    return std::nullopt;
+  }
+  if (separator.empty() || text->find(separator) == std::string::npos) return std::nullopt;
+  size_t from = 0;
+  for (size_t at; (at = text->find(separator, from)) != std::string::npos;
+       from = at + separator.size()) {
+    if (at > from) docs->push_back(text->substr(from, at - from));
+  }
+  *text = text->substr(from);
+  *has_documents = !docs->empty();
+  return std::nullopt;
+}
+
+// Tokenizes head, documents and the rest as one prompt with a blend plan.
+std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string& head,
+                                    const std::vector<std::string>& docs,
+                                    const std::string& rest, const char* param,
+                                    ApiRequest* out) {
+  BlendRequest b;
+  out->prompt = model.tokenizer->Encode(head, /*add_bos=*/true);
+  b.head_tokens = static_cast<int>(out->prompt.size());
+  for (size_t i = 0; i < docs.size(); ++i) {
+    std::vector<int32_t> t = model.tokenizer->Encode(docs[i], /*add_bos=*/false);
+    if (t.empty()) {
+      return Bad("document " + std::to_string(i) + " has no tokens", "documents");
+    }
+    b.segment_tokens.push_back(static_cast<int>(t.size()));
+    out->prompt.insert(out->prompt.end(), t.begin(), t.end());
+  }
+  std::vector<int32_t> t = model.tokenizer->Encode(rest, /*add_bos=*/false);
+  if (t.empty()) {
+    return Bad(std::string("the text after the documents (the question) is empty"), param);
+  }
+  out->prompt.insert(out->prompt.end(), t.begin(), t.end());
+  out->blend = std::move(b);
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model,
-                                      std::vector<int32_t>* out, std::string* end_of_turn) {
+                                      const std::string& separator, ApiRequest* out,
+                                      std::string* end_of_turn) {
   auto it = body.find("messages");
   if (it == body.end() || it->is_null()) return Bad("'messages' is required", "messages");
   if (!it->is_array()) {
@@ -182,12 +249,31 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
     } else {
       return Bad(where + ".content must be a string or a list of text parts", "messages");
     }
+    if (text.find(kDocumentsMarker) != std::string::npos) {
+      return Bad(where + ".content holds a reserved control sequence", "messages");
+    }
     msgs.emplace_back(r == "developer" ? "system" : r, std::move(text));
   }
+  // Documents go at the start of the last user message.
+  std::vector<std::string> docs;
+  bool has_documents = false;
+  auto last_user = std::find_if(msgs.rbegin(), msgs.rend(),
+                                [](const auto& m) { return m.first == "user"; });
+  if (last_user != msgs.rend()) {
+    KDN_API_CHECK(TakeDocuments(body, separator, &last_user->second, &docs, &has_documents));
+    if (has_documents) last_user->second.insert(0, kDocumentsMarker);
+  } else if (body.contains("documents") && !body["documents"].is_null()) {
+    return Bad("'documents' go with the last user message, and there is none", "documents");
+  }
   ChatPrompt chat = RenderChat(model.config->architecture, msgs);
-  *out = model.tokenizer->Encode(chat.text, /*add_bos=*/true);
   *end_of_turn = chat.end_of_turn;
-  return std::nullopt;
+  if (!has_documents) {
+    out->prompt = model.tokenizer->Encode(chat.text, /*add_bos=*/true);
+    return std::nullopt;
+  }
+  const size_t at = chat.text.find(kDocumentsMarker);
+  return BlendPrompt(model, chat.text.substr(0, at), docs,
+                     chat.text.substr(at + kDocumentsMarker.size()), "messages", out);
 }
 
 }  // namespace
@@ -257,11 +343,40 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
   }
   KDN_API_CHECK(RefuseUnsupported(body));
 
+  std::string separator = model.separator;
+  KDN_API_CHECK(GetString(body, "separator", &separator));
   std::string end_of_turn;
   if (kind == ApiKind::kCompletion) {
-    KDN_API_CHECK(ParsePrompt(body, model, &out->prompt));
+    std::optional<std::string> text;
+    KDN_API_CHECK(ParsePrompt(body, model, &out->prompt, &text));
+    const bool given = body.contains("documents") && !body["documents"].is_null();
+    if (given && !text) {
+      return Bad("'documents' need 'prompt' as a string (the question after them)", "prompt");
+    }
+    if (text) {
+      std::vector<std::string> docs;
+      bool has_documents = false;
+      KDN_API_CHECK(TakeDocuments(body, separator, &*text, &docs, &has_documents));
+      if (has_documents) KDN_API_CHECK(BlendPrompt(model, "", docs, *text, "prompt", out));
+    }
   } else {
-    KDN_API_CHECK(ParseMessages(body, model, &out->prompt, &end_of_turn));
+    KDN_API_CHECK(ParseMessages(body, model, separator, out, &end_of_turn));
+  }
+  double ratio = model.recompute_ratio;
+  int64_t check_layer = model.check_layer;
+  KDN_API_CHECK(GetNumber(body, "recompute_ratio", &ratio));
+  KDN_API_CHECK(GetInt(body, "check_layer", &check_layer));
+  if (!(ratio >= 0 && ratio <= 1)) {
+    return Bad("'recompute_ratio' must be between 0 and 1", "recompute_ratio");
+  }
+  if (check_layer < 0 || check_layer >= model.config->num_layers) {
+    return Bad("'check_layer' must be in [0, " + std::to_string(model.config->num_layers) +
+                   ") for this model",
+               "check_layer");
+  }
+  if (out->blend) {
+    out->blend->recompute_ratio = ratio;
+    out->blend->check_layer = static_cast<int>(check_layer);
   }
 
   int64_t max_tokens = 16;
@@ -335,11 +450,56 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
   return std::nullopt;
 }
 
+std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
+                                           const ServedModel& model, InjectApiRequest* out) {
+  json body = json::parse(body_text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded()) return Bad("the request body is not valid JSON");
+  if (!body.is_object()) return Bad("the request body must be a JSON object");
+  std::string name;
+  KDN_API_CHECK(GetString(body, "model", &name));
+  if (!name.empty() && name != model.name) {
+    ApiError e = Bad("the model '" + name + "' does not exist; this server serves '" +
+                         model.name + "'",
+                     "model");
+    e.http_status = 404;
+    e.code = "model_not_found";
+    return e;
+  }
+  if (!body.contains("documents") || body["documents"].is_null()) {
+    return Bad("'documents' is required", "documents");
+  }
+  std::string none;
+  std::vector<std::string> docs;
+  bool has_documents = false;
+  KDN_API_CHECK(TakeDocuments(body, "", &none, &docs, &has_documents));
+  for (size_t i = 0; i < docs.size(); ++i) {
+    std::vector<int32_t> t = model.tokenizer->Encode(docs[i], /*add_bos=*/false);
+    if (t.empty()) return Bad("document " + std::to_string(i) + " has no tokens", "documents");
+    if (static_cast<int64_t>(t.size()) >= model.config->max_context) {
+      ApiError e = Bad("document " + std::to_string(i) + " has " + std::to_string(t.size()) +
+                           " tokens; this model's context is " +
+                           std::to_string(model.config->max_context),
+                       "documents");
+      e.code = "context_length_exceeded";
+      return e;
+    }
+    out->documents.push_back(std::move(t));
+  }
+  KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
+  KDN_API_CHECK(GetBool(body, "stream", &out->stream));
+  return std::nullopt;
+}
+
 json UsageJson(const Usage& u) {
+  json details = {{"cached_tokens", u.cached_tokens}};
+  if (u.blended) {
+    details["blended_tokens"] = u.blended_tokens;
+    details["recomputed_tokens"] = u.recomputed_tokens;
+  }
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.completion_tokens},
           {"total_tokens", u.prompt_tokens + u.completion_tokens},
-          {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+          {"prompt_tokens_details", details}};
 }
 
 json CompletionResponse(ApiKind kind, const std::string& id, int64_t created,

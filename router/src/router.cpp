@@ -149,6 +149,8 @@ class Session : public std::enable_shared_from_this<Session> {
                                          {"max_model_len", router_.config.max_context}}})}};
         Reply(http::status::ok, Dump(m), "application/json");
       }
+    } else if (path == "/v1/kdn/inject") {
+      if (only(http::verb::post)) Inject();
     } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
       if (only(http::verb::post)) {
         Generate(path == "/v1/completions" ? ApiKind::kCompletion : ApiKind::kChat);
@@ -211,6 +213,7 @@ class Session : public std::enable_shared_from_this<Session> {
     job.max_tokens = req.max_tokens;
     job.stop_ids = req.stop_ids;
     job.stop_strings = req.stop;
+    job.blend = std::move(req.blend);
     router_.metrics.InFlight(1);
     in_flight_ = true;
     if (stream_mode_) stream_.expires_never();
@@ -223,8 +226,99 @@ class Session : public std::enable_shared_from_this<Session> {
     job_live_ = true;
   }
 
+  // POST /v1/kdn/inject: stores documents' KV in the KDN. With "stream",
+  // one SSE event per document done, then the summary.
+  void Inject() {
+    InjectApiRequest req;
+    if (auto err = ParseInjectRequest(request_.body(), router_.served, &req)) {
+      ReplyError(*err);
+      return;
+    }
+    inject_ = true;
+    stream_mode_ = req.stream;
+    created_ = UnixNow();
+    InjectJob job;
+    job.documents = std::move(req.documents);
+    job.ns = std::move(req.cache_salt);
+    router_.metrics.InFlight(1);
+    in_flight_ = true;
+    stream_.expires_never();
+    auto self = shared_from_this();
+    job_ = router_.backend->Inject(std::move(job), [self](JobEvent ev) {
+      asio::post(self->router_.io, [self, ev = std::move(ev)]() mutable {
+        self->OnJobEvent(std::move(ev));
+      });
+    });
+    job_live_ = true;
+  }
+
+  static json ProgressJson(const InjectProgress& p, bool final) {
+    json j = {{"object", final ? "kdn.inject" : "kdn.inject.progress"},
+              {"total", p.total},
+              {"done", p.done},
+              {"stored", p.stored},
+              {"already_held", p.already_held},
+              {"failed", p.failed},
+              {"tokens", p.tokens}};
+    if (final) {
+      json errors = json::array();
+      for (const auto& [doc, message] : p.errors) {
+        errors.push_back({{"document", doc}, {"message", message}});
+      }
+      j["errors"] = errors;
+    }
+    return j;
+  }
+
+  void SendStreamHeader() {
+    // The header waits for the first event, so that a request refused
+    // before it produced anything still gets a 4xx/5xx status.
+    std::string head =
+        "HTTP/1.1 200 OK\r\nServer: kdn-router\r\nContent-Type: text/event-stream\r\n"
+        "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n";
+    head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    Enqueue(std::move(head));
+    header_sent_ = true;
+  }
+
+  void OnInjectEvent(JobEvent ev) {
+    if (ev.kind == JobEvent::Kind::kProgress) {
+      if (!stream_mode_) return;
+      if (!header_sent_) SendStreamHeader();
+      Enqueue(Chunked(SseEvent(Dump(ProgressJson(ev.progress, false)))));
+      return;
+    }
+    job_live_ = false;
+    EndInFlight();
+    const InjectProgress& p = ev.progress;
+    if (ev.kind == JobEvent::Kind::kDone && p.failed == p.total && p.total > 0 &&
+        !header_sent_) {
+      // Nothing stored: the first failure is the answer.
+      ApiError e;
+      e.http_status = 502;
+      e.type = "server_error";
+      e.message = "no document was stored: " + p.errors.front().second;
+      ReplyError(e);
+      return;
+    }
+    if (!stream_mode_ || !header_sent_) {
+      if (ev.kind == JobEvent::Kind::kError) {
+        ReplyError(JobError(ev.error));
+      } else {
+        Reply(http::status::ok, Dump(ProgressJson(p, true)), "application/json");
+      }
+      return;
+    }
+    std::string out = ev.kind == JobEvent::Kind::kError ? SseEvent(Dump(ErrorBody(JobError(ev.error))))
+                                                         : SseEvent(Dump(ProgressJson(p, true)));
+    out += SseEvent("[DONE]");
+    Enqueue(Chunked(out));
+    FinishStream();
+  }
+
   void OnJobEvent(JobEvent ev) {
     if (!job_live_) return;
+    if (inject_) return OnInjectEvent(std::move(ev));
     const std::string& model = router_.served.name;
     if (ev.kind == JobEvent::Kind::kError) {
       job_live_ = false;
@@ -240,16 +334,7 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     text_ += ev.text;
-    if (stream_mode_ && !header_sent_) {
-      // The header waits for the first event, so that a request refused
-      // before it produced anything still gets a 4xx/5xx status.
-      std::string head =
-          "HTTP/1.1 200 OK\r\nServer: kdn-router\r\nContent-Type: text/event-stream\r\n"
-          "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n";
-      head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
-      Enqueue(std::move(head));
-      header_sent_ = true;
-    }
+    if (stream_mode_ && !header_sent_) SendStreamHeader();
     if (ev.kind == JobEvent::Kind::kTokens) {
       if (stream_mode_ && !ev.text.empty()) {
         Enqueue(Chunked(SseEvent(Dump(
@@ -316,6 +401,7 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_mode_ = false;
     header_sent_ = false;
     job_live_ = false;
+    inject_ = false;
   }
 
   void Enqueue(std::string piece) {
@@ -376,6 +462,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool in_flight_ = false;
   bool stream_done_ = false;
   bool header_sent_ = false;
+  bool inject_ = false;  // the job is an injection
   uint64_t job_ = 0;
   int64_t created_ = 0;
   std::string response_id_;
@@ -417,7 +504,17 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
       name = std::filesystem::path(options.model_dir).lexically_normal().parent_path().filename();
     }
   }
-  impl->served = {name, &impl->config, impl->tokenizer.get()};
+  if (options.check_layer >= impl->config.num_layers) {
+    return InvalidArgument("--check-layer " + std::to_string(options.check_layer) +
+                           ": the model has " + std::to_string(impl->config.num_layers) +
+                           " layers");
+  }
+  impl->served = {name,
+                  &impl->config,
+                  impl->tokenizer.get(),
+                  options.separator,
+                  options.recompute_ratio,
+                  options.check_layer};
   KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, &impl->metrics));
   try {
     const auto address = asio::ip::make_address(options.host);

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <numeric>
 
 #include "../engine/test_util.h"
 
@@ -96,6 +98,61 @@ TEST(Blend, RatioZeroIsFullReuse) {
   // And reuse is not free: it differs from the full prefill.
   const auto full = FullPrefill(*model, p.all);
   EXPECT_GT(RelError(r->logits.data(), full.data(), full.size()), 1e-3);
+}
+
+// Placing layer l+1 on the loader thread while layer l computes changes
+// nothing in the result, and the fused KV of layer l is final when on_layer(l)
+// runs.
+TEST(Blend, OverlappedLoadingGivesTheSameResultAndLayersInOrder) {
+  auto model = MakeModel("tiny");
+  const Prompt p = MakePrompt(*model, 4, 40, 3);
+  for (double ratio : {0.0, 0.3}) {
+    std::vector<std::vector<float>> logits;
+    std::vector<std::vector<float>> last_key;  // the last token's K at each layer, as pushed
+    for (bool overlap : {false, true}) {
+      engine::KvSequence seq = model->kv_cache().NewSequence();
+      std::vector<int> layers;
+      std::vector<float> keys;
+      BlendOptions o{.recompute_ratio = ratio, .check_layer = 1, .overlap_load = overlap};
+      o.on_layer = [&](int l) -> Status {
+        layers.push_back(l);
+        const float* k = model->kv_cache().KeyAt(seq, l, 41);  // inside document 2
+        keys.insert(keys.end(), k, k + model->kv_cache().token_stride());
+        return Status::Ok();
+      };
+      auto r = BlendPrefill(*model, seq, p.segments, p.suffix, o);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      std::vector<int> want(model->config().num_layers);
+      std::iota(want.begin(), want.end(), 0);
+      EXPECT_EQ(layers, want);
+      // What on_layer saw is what the cache holds at the end.
+      const int64_t stride = model->kv_cache().token_stride();
+      for (int l = 0; l < model->config().num_layers; ++l) {
+        EXPECT_EQ(std::memcmp(keys.data() + l * stride, model->kv_cache().KeyAt(seq, l, 41),
+                              stride * sizeof(float)),
+                  0)
+            << "layer " << l;
+      }
+      logits.push_back(r->logits);
+      last_key.push_back(keys);
+    }
+    EXPECT_EQ(logits[0], logits[1]) << "ratio " << ratio;
+    EXPECT_EQ(last_key[0], last_key[1]) << "ratio " << ratio;
+  }
+}
+
+TEST(Blend, AnOnLayerErrorStopsTheBlendAndFreesTheSequence) {
+  auto model = MakeModel("tiny");
+  const Prompt p = MakePrompt(*model, 2, 40, 4);
+  const int free_before = model->kv_cache().free_blocks();
+  engine::KvSequence seq = model->kv_cache().NewSequence();
+  BlendOptions o;
+  o.on_layer = [](int l) { return l == 1 ? Unavailable("decode worker gone") : Status::Ok(); };
+  auto r = BlendPrefill(*model, seq, p.segments, p.suffix, o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(seq.length(), 0);
+  EXPECT_EQ(model->kv_cache().free_blocks(), free_before);
 }
 
 // The point of CacheBlend: recomputing the tokens whose KV deviates most

@@ -138,6 +138,106 @@ TEST_F(OpenAiTest, ResponsesHaveOpenAisShapeAndCachedTokens) {
   EXPECT_TRUE(StreamUsageChunk(ApiKind::kChat, "c", 5, "tiny", u)["choices"].empty());
 }
 
+TEST_F(OpenAiTest, DocumentsBecomeSegmentsBetweenBosAndTheQuestion) {
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":["doc one\n","d2\n"],
+                         "recompute_ratio":0.3,"check_layer":0})",
+                     &r));
+  EXPECT_EQ(tokenizer_.Decode(r.prompt), "doc one\nd2\nQ?");
+  EXPECT_EQ(r.prompt.front(), 256);
+  ASSERT_TRUE(r.blend.has_value());
+  EXPECT_EQ(r.blend->head_tokens, 1);
+  EXPECT_EQ(r.blend->segment_tokens, (std::vector<int>{8, 3}));
+  EXPECT_DOUBLE_EQ(r.blend->recompute_ratio, 0.3);
+  EXPECT_EQ(r.blend->check_layer, 0);
+
+  // Without documents nothing is blended, and the defaults come from the server.
+  ApiRequest plain;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"a # # b"})", &plain));
+  EXPECT_FALSE(plain.blend.has_value());
+}
+
+TEST_F(OpenAiTest, ASeparatorSplitsThePromptIntoDocumentsAndTheQuestion) {
+  model_.separator = " # # ";
+  model_.recompute_ratio = 0.05;
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"A # # BB # #  # # Q"})", &r));
+  ASSERT_TRUE(r.blend.has_value());
+  EXPECT_EQ(tokenizer_.Decode(r.prompt), "ABBQ");  // separators dropped, empty pieces too
+  EXPECT_EQ(r.blend->segment_tokens, (std::vector<int>{1, 2}));
+  EXPECT_DOUBLE_EQ(r.blend->recompute_ratio, 0.05);
+  // A request's own separator wins; one that does not occur leaves the prompt whole.
+  ApiRequest own;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"x|y # # z","separator":"|"})", &own));
+  EXPECT_EQ(own.blend->segment_tokens, (std::vector<int>{1}));
+  ApiRequest none;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"xyz"})", &none));
+  EXPECT_FALSE(none.blend.has_value());
+  EXPECT_EQ(Refused(R"({"prompt":"A # # "})").message,
+            "the text after the documents (the question) is empty");
+}
+
+TEST_F(OpenAiTest, ChatDocumentsOpenTheLastUserMessage) {
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kChat,
+                     R"({"messages":[{"role":"user","content":"old"},
+                                     {"role":"assistant","content":"A"},
+                                     {"role":"user","content":"Q?"}],
+                         "documents":["D1 ","D2 "]})",
+                     &r));
+  ASSERT_TRUE(r.blend.has_value());
+  const std::string head =
+      "<|start_header_id|>user<|end_header_id|>\n\nold<|eot_id|>"
+      "<|start_header_id|>assistant<|end_header_id|>\n\nA<|eot_id|>"
+      "<|start_header_id|>user<|end_header_id|>\n\n";
+  EXPECT_EQ(tokenizer_.Decode(r.prompt),
+            head + "D1 D2 Q?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
+  EXPECT_EQ(r.blend->head_tokens, 1 + static_cast<int>(head.size()));
+  EXPECT_EQ(r.blend->segment_tokens, (std::vector<int>{3, 3}));
+  EXPECT_EQ(Refused(R"({"messages":[{"role":"system","content":"S"}],"documents":["d"]})",
+                    ApiKind::kChat)
+                .param,
+            "documents");
+}
+
+TEST_F(OpenAiTest, BadDocumentsAndBlendSettingsAreRefused) {
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":"d"})").param, "documents");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":[]})").param, "documents");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a",""]})").message,
+            "documents[1] must be a non-empty string");
+  EXPECT_EQ(Refused(R"({"prompt":[1,2],"documents":["a"]})").param, "prompt");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"recompute_ratio":1.5})").param,
+            "recompute_ratio");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"check_layer":2})").message,
+            "'check_layer' must be in [0, 2) for this model");
+  EXPECT_EQ(Refused(R"({"prompt":"q","separator":7})").param, "separator");
+}
+
+TEST_F(OpenAiTest, InjectTakesDocumentsAndRefusesOversizedOnes) {
+  InjectApiRequest r;
+  ASSERT_FALSE(ParseInjectRequest(R"({"documents":["ab","c"],"cache_salt":"t","stream":true})",
+                                  model_, &r));
+  EXPECT_EQ(r.documents, (std::vector<std::vector<int32_t>>{{'a', 'b'}, {'c'}}));
+  EXPECT_EQ(r.cache_salt, "t");
+  EXPECT_TRUE(r.stream);
+  InjectApiRequest bad;
+  EXPECT_EQ(ParseInjectRequest("{}", model_, &bad)->param, "documents");
+  auto e = ParseInjectRequest(R"({"documents":[")" + std::string(3000, 'x') + R"("]})", model_, &bad);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->code, "context_length_exceeded");
+}
+
+TEST_F(OpenAiTest, UsageTellsBlendedAndRecomputedTokensOfABlendRequest) {
+  Usage plain{10, 3, 8};
+  EXPECT_FALSE(UsageJson(plain)["prompt_tokens_details"].contains("blended_tokens"));
+  Usage u{100, 3, 90, true, 90, 14};
+  json j = UsageJson(u)["prompt_tokens_details"];
+  EXPECT_EQ(j["cached_tokens"], 90);
+  EXPECT_EQ(j["blended_tokens"], 90);
+  EXPECT_EQ(j["recomputed_tokens"], 14);
+}
+
 TEST(Metrics, HistogramBucketsAreCumulativeAndEndInTheCount) {
   Histogram h({0.1, 1});
   h.Observe(0.05);
@@ -155,16 +255,25 @@ TEST(Metrics, HistogramBucketsAreCumulativeAndEndInTheCount) {
 TEST(Metrics, RendersEveryDocumentedFamilyAndEscapesLabels) {
   Metrics m;
   m.RequestFinished("/v1/completions", 200);
-  m.PromptTokens(768, 233);
+  m.PromptTokens(768, 0, 0, 233);
+  m.PromptTokens(0, 500, 90, 40);
+  m.Injected("stored", 120);
+  m.Injected("already_held", 30);
   const std::string out = m.Render({{"we\"ird", "decode", true, 2, 10}});
   for (const char* name :
        {"kdn_requests_total", "kdn_requests_in_flight", "kdn_ttft_seconds", "kdn_inter_token_seconds",
         "kdn_prompt_tokens_total", "kdn_generated_tokens_total", "kdn_kv_bytes_moved_total",
         "kdn_kv_chunks_skipped_total", "kdn_worker_up", "kdn_worker_queue_depth",
-        "kdn_worker_free_kv_blocks"}) {
+        "kdn_worker_free_kv_blocks", "kdn_injected_documents_total", "kdn_injected_tokens_total"}) {
     EXPECT_NE(out.find(std::string("# TYPE ") + name + " "), std::string::npos) << name;
   }
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"cached\"} 768\n"), std::string::npos);
+  EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"blended\"} 500\n"), std::string::npos);
+  EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"recomputed\"} 90\n"), std::string::npos);
+  EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"computed\"} 273\n"), std::string::npos);
+  EXPECT_NE(out.find("kdn_injected_documents_total{result=\"stored\"} 1\n"), std::string::npos);
+  EXPECT_NE(out.find("kdn_injected_documents_total{result=\"failed\"} 0\n"), std::string::npos);
+  EXPECT_NE(out.find("kdn_injected_tokens_total 150\n"), std::string::npos);
   EXPECT_NE(out.find("worker=\"we\\\"ird\""), std::string::npos) << out;
 }
 

@@ -142,6 +142,128 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   EXPECT_EQ(again->slices_skipped, 5u * layers);
 }
 
+// BOS, three documents and a question, as a blend job.
+PrefillJob BlendJobOf(const std::vector<std::vector<int32_t>>& docs,
+                      const std::vector<int32_t>& question, double ratio) {
+  PrefillJob job;
+  job.tokens = {256};
+  BlendJob b;
+  b.head_tokens = 1;
+  for (const auto& d : docs) {
+    job.tokens.insert(job.tokens.end(), d.begin(), d.end());
+    b.segment_tokens.push_back(static_cast<int>(d.size()));
+  }
+  job.tokens.insert(job.tokens.end(), question.begin(), question.end());
+  b.recompute_ratio = ratio;
+  job.blend = b;
+  job.sampling.temperature = 0;
+  return job;
+}
+
+TEST(Prefiller, BlendStoresDocumentsAloneUnderSegmentKeysThenReusesThemInAnyOrder) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  const std::vector<std::vector<int32_t>> docs = {
+      RandomTokens(40, 256, 11), RandomTokens(33, 256, 12), RandomTokens(50, 256, 13)};
+  const auto question = RandomTokens(9, 256, 14);
+
+  // First sight: no document is held, so everything is computed in full.
+  auto first = p.Run(BlendJobOf(docs, question, 0.15));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(first->cached_tokens, 0);
+  EXPECT_EQ(first->blended_tokens, 0);
+  EXPECT_EQ(first->computed_tokens, 1 + 123 + 9);
+  PrefillJob plain;
+  plain.tokens = BlendJobOf(docs, question, 0).tokens;
+  EXPECT_EQ(first->first_token, GreedyFirstToken(*model, plain.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  // Each document is stored on its own; nothing under prefix keys.
+  const kvbus::KeyContext ctx{fp, "", kChunk};
+  for (const auto& d : docs) {
+    auto chunk = store->Get(kvbus::SegmentKey(ctx, d));
+    ASSERT_TRUE(chunk.ok());
+    EXPECT_EQ((*chunk)->info().tokens, d.size());
+    EXPECT_EQ((*chunk)->info().position, 0);
+  }
+  EXPECT_EQ(store->Stats().chunks, 3u);
+
+  // The documents in another order: all blended, 15% of them recomputed.
+  const std::vector<std::vector<int32_t>> shuffled = {docs[2], docs[0], docs[1]};
+  auto second = p.Run(BlendJobOf(shuffled, question, 0.15));
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(second->cached_tokens, 123);
+  EXPECT_EQ(second->blended_tokens, 123);
+  EXPECT_EQ(second->recomputed_tokens, 19);  // ceil(0.15 * 123)
+  EXPECT_EQ(second->computed_tokens, 10);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  EXPECT_EQ(store->Stats().chunks, 3u);  // the blended prompt is not stored
+
+  // Ratio 1 recomputes everything: the first token of a full prefill.
+  auto full = p.Run(BlendJobOf(shuffled, question, 1.0));
+  ASSERT_TRUE(full.ok());
+  PrefillJob shuffled_plain;
+  shuffled_plain.tokens = BlendJobOf(shuffled, question, 0).tokens;
+  EXPECT_EQ(full->recomputed_tokens, 123);
+  EXPECT_EQ(full->first_token, GreedyFirstToken(*model, shuffled_plain.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, BlendPushesTheFusedKvUnderTheTransferKeyOnly) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  kvbus::HostTier sink(64u << 20);
+  auto receiver = kvbus::ListenTcp("tcp://127.0.0.1:0", sink);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 21),
+                                                  RandomTokens(30, 256, 22)};
+  for (const auto& d : docs) ASSERT_FALSE(*p.Inject(d, ""));
+  PrefillJob job = BlendJobOf(docs, RandomTokens(7, 256, 23), 0.15);
+  job.decode_endpoint = (*receiver)->endpoint();
+  job.transfer_id = "blend-1";
+  auto out = p.Run(job);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->blended_tokens, 70);
+  const int layers = model->config().num_layers;
+  const uint64_t token_bytes = model->kv_cache().token_stride() * 2 * sizeof(float);
+  EXPECT_EQ(out->kv_bytes_sent, 78u * token_bytes * layers);
+  const kvbus::ChunkKey xfer = kvbus::TransferKey(
+      {reinterpret_cast<const uint8_t*>(job.transfer_id.data()), job.transfer_id.size()});
+  const auto prefix = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
+  for (int l = 0; l < layers; ++l) {
+    auto slice = sink.Get(kvbus::LayerSliceKey(xfer, l));
+    ASSERT_TRUE(slice.ok()) << "layer " << l;
+    EXPECT_EQ((*slice)->info().tokens, 78u);
+    for (const auto& k : prefix) EXPECT_FALSE(sink.Contains(kvbus::LayerSliceKey(k, l)));
+  }
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, InjectStoresADocumentOnceAndRefusesBadOnes) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  const auto doc = RandomTokens(60, 256, 31);
+  auto first = p.Inject(doc, "tenant");
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_FALSE(*first);
+  auto again = p.Inject(doc, "tenant");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(*again);
+  EXPECT_TRUE(store->Contains(kvbus::SegmentKey({fp, "tenant", kChunk}, doc)));
+  EXPECT_FALSE(store->Contains(kvbus::SegmentKey({fp, "", kChunk}, doc)));
+  EXPECT_EQ(p.Inject(std::vector<int32_t>{}, "").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.Inject(std::vector<int32_t>{1, 2, 999}, "").status().code(),
+            StatusCode::kInvalidArgument);
+  // A blend job whose documents leave no question is refused.
+  PrefillJob job = BlendJobOf({doc}, {}, 0.15);
+  EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(Prefiller, ADecodeWorkerThatNeverAnswersIsUnavailable) {
   auto model = MakeModel("tiny");
   auto store = HostStore();

@@ -11,11 +11,15 @@
 //      every uncached token and the suffix;
 //   4. recomputes only those at the later layers, over the fused cache.
 // recompute_ratio 1 is a full prefill; recompute_ratio 0 is full reuse (no
-// cached token is recomputed at any layer).
+// cached token is recomputed at any layer). With overlap_load, a loader
+// thread places (copies and rotates) layer l+1 of the cached KV while layer l
+// computes; layers below the check layer are recomputed for every token when
+// recompute_ratio > 0, so their cached KV is never placed.
 //
 // Not thread-safe: runs on the model's thread.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -43,6 +47,10 @@ struct BlendOptions {
   int check_layer = 1;
   Selection selection = Selection::kDeviation;
   uint64_t seed = 0;  // for kRandom
+  bool overlap_load = true;
+  // Called on the caller's thread once layer l of the fused KV is final in
+  // `seq` (for pushing it to a decode worker); an error stops the blend.
+  std::function<Status(int layer)> on_layer;
 };
 
 struct BlendResult {

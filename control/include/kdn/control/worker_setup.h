@@ -36,7 +36,7 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
 
 // Answers, on the control I/O thread, the queries both kinds of worker answer
 // alike: an info request (the router's liveness ping) and a lookup (how many
-// leading keys its tiers hold), each with the worker's figures from
+// leading keys its tiers hold, and which segment keys), each with the worker's figures from
 // `fill_info`. False, with nothing sent, for any other message.
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,

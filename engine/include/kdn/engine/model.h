@@ -85,10 +85,13 @@ class Model {
                                                 std::span<const int64_t> positions);
 
   // Rotates the cached K of positions [first, first + count) of `seq`, at
-  // every layer, as if RoPE had been applied at position + delta instead of
-  // position: RoPE is a rotation, so a delta rotation moves a segment's
-  // cached K to where it now sits in a prompt.
-  Status RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta);
+  // `layer` (-1: every layer), as if RoPE had been applied at position +
+  // delta instead of position: RoPE is a rotation, so a delta rotation moves
+  // a segment's cached K to where it now sits in a prompt. Touches only that
+  // KV, so it may run on another thread beside a RowPass working on other
+  // layers of the same sequence.
+  Status RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
+                          int layer = -1);
 
  private:
   struct Layer;

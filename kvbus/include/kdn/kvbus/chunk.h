@@ -88,6 +88,11 @@ Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache
 Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
                       int64_t first);
 
+// The same for layer `layer` of a whole chunk alone (for loading a chunk one
+// layer at a time while earlier layers compute).
+Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::PagedKvCache& cache,
+                           engine::KvSequence& seq, int64_t first);
+
 // Layer slices: chunks of one layer (info.layers == 1), the unit in which a
 // prefill worker pushes KV to a decode worker as each layer finishes
 // (LayerSliceKey names them). Same contracts as the whole-chunk functions;

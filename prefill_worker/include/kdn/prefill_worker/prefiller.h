@@ -12,15 +12,26 @@
 //  4. After the reply (StoreNewChunks), store the prompt's new full chunks in
 //     the KDN so the next request with this prefix loads them.
 //
+// A blend job (CacheBlend; docs/serving.md, "Documents") instead looks each
+// document up under its segment key, fuses the KV of those it finds
+// (blend::BlendPrefill) and computes the rest in full. Its KV is not exact,
+// so it travels under the request's transfer key only and is never stored
+// under prefix keys; documents the KDN lacked are computed on their own and
+// stored under their segment keys after the reply. Inject stores a document
+// that way ahead of any question.
+//
 // Not thread-safe: the worker's compute loop owns it, with the Model. The
 // store is shared (thread-safe).
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "kdn/blend/blend.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/model.h"
 #include "kdn/engine/sampler.h"
@@ -31,6 +42,13 @@
 
 namespace kdn::prefill_worker {
 
+struct BlendJob {
+  int head_tokens = 0;              // leading prompt tokens computed in full
+  std::vector<int> segment_tokens;  // then the documents' lengths, in order
+  double recompute_ratio = 0.15;
+  int check_layer = 1;
+};
+
 struct PrefillJob {
   std::vector<int32_t> tokens;
   std::string ns;  // the tenant's cache namespace
@@ -40,14 +58,18 @@ struct PrefillJob {
   std::string decode_endpoint;
   // Leading full chunks the decode worker already has: never sent.
   int decode_held_chunks = 0;
-  // Unique per request; names the slices of the partial tail.
+  // Unique per request; names the slices of the partial tail (of the whole
+  // prompt for a blend job).
   std::string transfer_id;
+  std::optional<BlendJob> blend;
 };
 
 struct PrefillOutcome {
   int32_t first_token = -1;
   int cached_tokens = 0;    // loaded from the KDN
-  int computed_tokens = 0;  // run through the model
+  int computed_tokens = 0;  // run through the model in full
+  int blended_tokens = 0;   // of cached_tokens: fused from documents' KV
+  int recomputed_tokens = 0;  // of blended_tokens: recomputed past the check layer
   uint64_t kv_bytes_sent = 0;
   // Layer slices not sent because the decode worker held them: the chunks it
   // said it holds, and slices its receiver answered HELD for.
@@ -76,12 +98,26 @@ class Prefiller {
   // StoreNewChunks or the next Run.
   Result<PrefillOutcome> Run(const PrefillJob& job);
 
-  // Stores the last job's computed full chunks that the store lacks, then
+  // Stores the last job's computed full chunks that the store lacks (for a
+  // blend job: the documents the KDN lacked, each computed on its own), then
   // frees its KV. A store failure is returned but loses nothing but reuse.
   Status StoreNewChunks();
 
+  // Knowledge injection: computes `tokens` (one document) on its own and
+  // stores its KV under its segment key. Returns true when the store already
+  // held it (nothing computed). INVALID_ARGUMENT for an empty document, ids
+  // outside the vocabulary or one beyond the context.
+  Result<bool> Inject(std::span<const int32_t> tokens, const std::string& ns);
+
  private:
   Result<kvbus::Sender*> SenderFor(const std::string& endpoint);
+  Result<PrefillOutcome> RunBlend(const PrefillJob& job);
+  // The layer-slice push of one job: Push(layer) submits that layer of every
+  // region, Finish waits for them all and fills the outcome's figures.
+  struct Push;
+  // Computes a document alone and stores it (seq_ must be free).
+  Status StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens);
+  bool Usable(const kvbus::Chunk& chunk, int64_t tokens) const;
 
   engine::Model& model_;
   kvbus::TieredStore& store_;
@@ -93,6 +129,8 @@ class Prefiller {
   engine::KvSequence seq_;
   std::vector<kvbus::ChunkKey> keys_;
   int first_new_chunk_ = 0;
+  // A blend job's documents that the KDN lacked: key and tokens.
+  std::vector<std::pair<kvbus::ChunkKey, std::vector<int32_t>>> missing_segments_;
 };
 
 }  // namespace kdn::prefill_worker

@@ -5,6 +5,10 @@
 //   prepare  the chosen decode worker reserves KV and loads what it holds;
 //   prefill  the chosen prefill worker computes the rest and pushes the KV;
 //   decode   the decode worker streams tokens until the request finishes.
+// A request with documents (Job::blend) also asks, at lookup, which workers
+// hold the documents' KV; its KV is blended, so it travels under the
+// request's transfer key and the decode worker never stores it. Inject sends
+// documents one by one to the prefill workers to store in the KDN.
 // A worker silent for `worker_timeout` is down: its requests fail with
 // UNAVAILABLE, and new requests go elsewhere until it answers again.
 //
@@ -15,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,18 +37,36 @@ struct Job {
   int max_tokens = 16;
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
+  std::optional<BlendRequest> blend;
+};
+
+struct InjectJob {
+  std::vector<std::vector<int32_t>> documents;
+  std::string ns;
+};
+
+// How far an injection has come.
+struct InjectProgress {
+  int total = 0;
+  int done = 0;          // stored + held + failed
+  int stored = 0;        // computed and stored
+  int already_held = 0;  // the KDN had them
+  int failed = 0;
+  int64_t tokens = 0;    // of the documents done
+  std::vector<std::pair<int, std::string>> errors;  // (document index, message)
 };
 
 // What a job reports, in order: any number of kTokens, then exactly one kDone
 // or kError.
 struct JobEvent {
-  enum class Kind { kTokens, kDone, kError };
+  enum class Kind { kTokens, kProgress, kDone, kError };
   Kind kind = Kind::kTokens;
   std::string text;  // kTokens and kDone: new text (may be empty)
   int tokens = 0;    // kTokens and kDone: tokens this event adds
   std::string finish_reason;  // kDone
   Usage usage;                // kDone
   Status error;               // kError
+  InjectProgress progress;    // an injection's kProgress and kDone
 };
 // Called on the backend thread; must return quickly (post work elsewhere).
 using JobCallback = std::function<void(JobEvent)>;
@@ -81,7 +104,11 @@ class Backend {
 
   // Starts a job and returns its id; `callback` gets its events.
   uint64_t Submit(Job job, JobCallback callback);
-  // Abandons a job (its client went away): no further events, and its
+  // Starts an injection and returns its id; `callback` gets a kProgress per
+  // document, then kDone (or kError when no prefill worker is up). A
+  // document whose worker stops answering is sent to another one.
+  uint64_t Inject(InjectJob job, JobCallback callback);
+  // Abandons a job or an injection (its client went away): no further events, and its
   // workers are told to stop.
   void Cancel(uint64_t id);
   // The workers as last heard from.

@@ -41,7 +41,12 @@ class Metrics {
   void InFlight(int delta);
   void Ttft(double seconds);
   void InterToken(double seconds);
-  void PromptTokens(int cached, int computed);
+  // A request's prompt tokens by where their KV came from: prefix chunks
+  // loaded, documents' KV fused in unchanged, documents' tokens recomputed by
+  // blend, and computed in full. They add up to the prompt.
+  void PromptTokens(int cached, int blended, int recomputed, int computed);
+  // One injected document: result "stored", "already_held" or "failed".
+  void Injected(const std::string& result, size_t tokens);
   void GeneratedTokens(int n);
   void KvMoved(uint64_t bytes, uint64_t slices_skipped);
 
@@ -53,7 +58,10 @@ class Metrics {
   int64_t in_flight_ = 0;
   Histogram ttft_;
   Histogram inter_token_;
-  uint64_t cached_tokens_ = 0, computed_tokens_ = 0, generated_ = 0;
+  uint64_t cached_tokens_ = 0, blended_tokens_ = 0, recomputed_tokens_ = 0;
+  uint64_t computed_tokens_ = 0, generated_ = 0;
+  std::map<std::string, uint64_t> injected_;  // by result
+  uint64_t injected_tokens_ = 0;
   uint64_t kv_bytes_ = 0, slices_skipped_ = 0;
 };
 

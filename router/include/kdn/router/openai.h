@@ -31,9 +31,21 @@ struct ApiError {
 };
 json ErrorBody(const ApiError& e);
 
+// A prompt made of documents (CacheBlend; docs/serving.md, "Documents"): the
+// prompt's first head_tokens tokens are computed in full, then come the
+// documents (segment_tokens each), whose KV is reused from the KDN when held,
+// then the rest of the prompt.
+struct BlendRequest {
+  int head_tokens = 0;
+  std::vector<int> segment_tokens;
+  double recompute_ratio = 0.15;
+  int check_layer = 1;
+};
+
 struct ApiRequest {
   ApiKind kind = ApiKind::kCompletion;
-  std::vector<int32_t> prompt;  // token ids, template applied
+  std::vector<int32_t> prompt;  // token ids, template applied, documents in place
+  std::optional<BlendRequest> blend;  // set when the prompt has documents
   int max_tokens = 16;
   engine::SamplingParams sampling;
   std::vector<std::string> stop;
@@ -48,12 +60,26 @@ struct ServedModel {
   std::string name;
   const engine::ModelConfig* config = nullptr;
   const engine::Tokenizer* tokenizer = nullptr;
+  // Blend defaults, which a request may override.
+  std::string separator;  // empty: prompts are not split
+  double recompute_ratio = 0.15;
+  int check_layer = 1;
 };
 
 // Parses and validates a body of /v1/completions or /v1/chat/completions.
 // Returns the request, or the 4xx to answer with.
 std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body,
                                      const ServedModel& model, ApiRequest* out);
+
+// A body of /v1/kdn/inject: documents to store in the KDN ahead of any
+// question, each tokenized as a request's document is.
+struct InjectApiRequest {
+  std::vector<std::vector<int32_t>> documents;
+  std::string cache_salt;
+  bool stream = false;
+};
+std::optional<ApiError> ParseInjectRequest(const std::string& body, const ServedModel& model,
+                                           InjectApiRequest* out);
 
 // The chat template of the model family (docs/serving.md, "Chat"):
 // ChatML for Qwen2, [INST] for Mistral, Llama 3's header format for Llama.
@@ -69,7 +95,10 @@ ChatPrompt RenderChat(engine::Architecture arch,
 struct Usage {
   int prompt_tokens = 0;
   int completion_tokens = 0;
-  int cached_tokens = 0;
+  int cached_tokens = 0;  // prompt tokens whose KV came from the KDN
+  bool blended = false;   // a blend request: the two below are reported
+  int blended_tokens = 0;     // of cached_tokens, fused from documents' KV
+  int recomputed_tokens = 0;  // of blended_tokens, recomputed by blend
 };
 json UsageJson(const Usage& u);
 

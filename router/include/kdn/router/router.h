@@ -21,6 +21,10 @@ struct RouterOptions {
   std::string served_model_name;  // empty: the model folder's name
   std::string host = "127.0.0.1";
   uint16_t port = 0;  // 0 picks a free port
+  // Blend defaults (docs/serving.md, "Documents").
+  std::string separator;
+  double recompute_ratio = 0.15;
+  int check_layer = 1;
   BackendOptions backend;
 };
 
