@@ -359,7 +359,7 @@ struct Backend::Impl {
           auto* b = pf->mutable_blend();
           b->set_head_tokens(r.job.blend->head_tokens);
           for (int len : r.job.blend->segment_tokens) b->add_segment_tokens(len);
-          b->set_recompute_ratio(static_cast<float>(r.job.blend->recompute_ratio));
+          b->set_recompute_ratio(r.job.blend->recompute_ratio);
           b->set_check_layer(r.job.blend->check_layer);
         }
         Send(r.p, r.id, pm);

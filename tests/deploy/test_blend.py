@@ -1,0 +1,152 @@
+"""Documents and CacheBlend through a 1 prefill + 1 decode deployment of the
+tiny model (docs/serving.md, "Documents"): the `documents` field and the
+separator, knowledge injection with progress, usage and /metrics figures,
+and the rule that blended KV is never stored under prefix keys.
+"""
+
+import json
+import math
+import random
+import uuid
+
+import openai
+import pytest
+
+from deploy_util import CHUNK_TOKENS, metric, parse_metrics, sse_events, wait_until
+from test_api import engine_text, words_text
+
+
+def fresh_docs(n, chars):
+    """n documents no earlier request used, each ending in a newline."""
+    rng = random.Random(uuid.uuid4().int)
+    return [words_text(rng, chars + 16)[:chars - 1] + "\n" for _ in range(n)]
+
+
+def details(usage):
+    return usage.get("prompt_tokens_details") or {}
+
+
+def inject(deployment, docs, stream=False, **fields):
+    body = dict(documents=docs, stream=stream, **fields)
+    if not stream:
+        r = deployment.http.post("/v1/kdn/inject", json=body, timeout=120.0)
+        assert r.status_code == 200, r.text[:500]
+        return r.json(), []
+    with deployment.http.stream("POST", "/v1/kdn/inject", json=body, timeout=120.0) as s:
+        assert s.status_code == 200, s.read()[:500]
+        assert s.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(s.iter_lines())
+    assert events[-1] == "[DONE]", events[-3:]
+    parsed = [json.loads(e) for e in events[:-1]]
+    return parsed[-1], parsed[:-1]
+
+
+def test_inject_shows_progress_then_blend_reuses_the_documents(deployment):
+    docs = fresh_docs(5, 120)
+    final, progress = inject(deployment, docs, stream=True)
+    # One progress event per document, in order, then the summary.
+    assert [p["object"] for p in progress] == ["kdn.inject.progress"] * 5
+    assert [p["done"] for p in progress] == [1, 2, 3, 4, 5]
+    assert all(p["total"] == 5 for p in progress)
+    assert final["object"] == "kdn.inject"
+    assert (final["stored"], final["already_held"], final["failed"]) == (5, 0, 0), final
+    assert final["tokens"] == 5 * 120 and final["errors"] == []
+    again, _ = inject(deployment, docs)
+    assert (again["stored"], again["already_held"]) == (0, 5), again
+
+    before = parse_metrics(deployment.metrics())
+    order = [3, 0, 4, 1, 2]
+    question = "Question: which word comes first?\nAnswer:"
+    r = deployment.completion(question, documents=[docs[i] for i in order], max_tokens=4,
+                              temperature=0)
+    d = details(r["usage"])
+    assert r["usage"]["prompt_tokens"] == 1 + 5 * 120 + len(question)
+    assert d["cached_tokens"] == d["blended_tokens"] == 600, r["usage"]
+    assert d["recomputed_tokens"] == math.ceil(0.15 * 600), r["usage"]
+
+    def grew(source):
+        return (metric(parse_metrics(deployment.metrics()), "kdn_prompt_tokens_total",
+                       source=source) - metric(before, "kdn_prompt_tokens_total", source=source))
+
+    assert wait_until(lambda: grew("blended") == 600 - 90, 3), grew("blended")
+    assert grew("recomputed") == 90
+    assert grew("computed") == 1 + len(question)
+    s = parse_metrics(deployment.metrics())
+    assert metric(s, "kdn_injected_documents_total", result="stored") >= 5
+    assert metric(s, "kdn_injected_documents_total", result="already_held") >= 5
+
+
+def test_ratio_one_equals_the_full_prompt_before_and_after_caching(deployment):
+    docs = fresh_docs(3, 200)
+    question = "Z"
+    want = engine_text(deployment.model, "".join(docs) + question, 16)
+    for attempt in ("documents unseen", "documents held"):
+        r = deployment.completion(question, documents=docs, max_tokens=16, temperature=0,
+                                  recompute_ratio=1.0)
+        assert r["choices"][0]["text"] == want, attempt
+        d = details(r["usage"])
+        if attempt == "documents unseen":
+            assert d["blended_tokens"] == 0, r["usage"]
+        else:
+            assert d["blended_tokens"] == d["recomputed_tokens"] == 600, r["usage"]
+
+
+def test_blended_kv_is_never_stored_under_prefix_keys(deployment):
+    docs = fresh_docs(3, 300)
+    question = "Question: what now?\nAnswer:"
+    inject(deployment, docs)
+    r = deployment.completion(question, documents=docs, max_tokens=4, temperature=0,
+                              recompute_ratio=0.0)
+    assert details(r["usage"])["blended_tokens"] == 900
+    assert details(r["usage"])["recomputed_tokens"] == 0
+    # The same tokens as a plain prompt: no prefix chunk may come from the
+    # blend (neither the prefill nor the decode worker stored one).
+    plain = deployment.completion("".join(docs) + question, max_tokens=4, temperature=0)
+    assert details(plain["usage"])["cached_tokens"] == 0, plain["usage"]
+    assert "blended_tokens" not in details(plain["usage"])
+    # That plain request stored its own exact chunks.
+    again = deployment.completion("".join(docs) + question, max_tokens=4, temperature=0)
+    assert details(again["usage"])["cached_tokens"] == CHUNK_TOKENS * 3
+
+
+def test_separator_and_chat_documents_through_the_openai_client(deployment):
+    client = openai.OpenAI(base_url=deployment.url + "/v1", api_key="x", max_retries=0,
+                           timeout=60.0)
+    try:
+        docs = fresh_docs(2, 100)
+        inject(deployment, docs)
+        prompt = " # # ".join(docs + ["Question: and then?"])
+        c = client.completions.create(model=deployment.model_name, prompt=prompt, max_tokens=4,
+                                      temperature=0, extra_body={"separator": " # # "})
+        pd = c.usage.prompt_tokens_details
+        assert c.usage.prompt_tokens == 1 + 200 + len("Question: and then?")
+        assert pd.cached_tokens == 200
+        assert pd.model_extra["blended_tokens"] == 200
+        assert pd.model_extra["recomputed_tokens"] == 30
+
+        chat = client.chat.completions.create(
+            model=deployment.model_name, max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": "Question: and then?"}],
+            extra_body={"documents": docs, "recompute_ratio": 0.05})
+        pd = chat.usage.prompt_tokens_details
+        assert pd.cached_tokens == 200
+        assert pd.model_extra["recomputed_tokens"] == 10
+        assert chat.choices[0].message.role == "assistant"
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "q", "documents": "not a list"}, "documents"),
+    ("/v1/completions", {"prompt": "q", "documents": ["a"], "recompute_ratio": 2}, "recompute_ratio"),
+    ("/v1/completions", {"prompt": "q", "documents": ["a"], "check_layer": 5}, "check_layer"),
+    ("/v1/completions", {"prompt": [1, 2], "documents": ["a"]}, "prompt"),
+    ("/v1/kdn/inject", {"documents": []}, "documents"),
+    ("/v1/kdn/inject", {"documents": ["x" * 5000]}, "documents"),
+])
+def test_bad_blend_requests_get_a_400_naming_the_field(deployment, path, body, param):
+    r = deployment.http.post(path, json=body)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["type"] == "invalid_request_error"
