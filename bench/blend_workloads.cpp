@@ -151,7 +151,20 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
   rows.push_back({{"mode", "prefix"}, {"ttft_s", prefix_s}, {"speedup", full_s / prefix_s},
                   {"cached_tokens", prefix_hit}});
   double speedup_015 = 0;
+  // Each ratio with the cached KV placed on the loader thread, overlapping
+  // the layers' compute (the serving path); 0.15 also placed serially first.
+  struct Mode {
+    double ratio;
+    bool overlap;
+  };
+  std::vector<Mode> modes;
   for (double ratio : ratios) {
+    if (std::abs(ratio - 0.15) < 1e-9) modes.push_back({ratio, false});
+    modes.push_back({ratio, true});
+  }
+  double serial_015 = 0;
+  for (const Mode& mode : modes) {
+    const double ratio = mode.ratio;
     double best = 1e30;
     blend::BlendResult res;
     std::vector<int32_t> greedy;
@@ -165,7 +178,9 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
         segments.push_back({documents[i], chunk.ok() ? *chunk : nullptr});
       }
       auto out = blend::BlendPrefill(model, seq, segments, question,
-                                     {.recompute_ratio = ratio, .check_layer = check_layer});
+                                     {.recompute_ratio = ratio,
+                                      .check_layer = check_layer,
+                                      .overlap_load = mode.overlap});
       if (!out.ok()) {
         std::fprintf(stderr, "kdn-bench: %s\n", out.status().ToString().c_str());
         return 1;
@@ -180,16 +195,19 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     }
     const double kl = blend::KlDivergence(full_logits, res.logits);
     char name[40];
-    std::snprintf(name, sizeof(name), "blend %.2f", ratio);
+    std::snprintf(name, sizeof(name), "blend %.2f%s", ratio, mode.overlap ? "" : " serial load");
     std::printf("%-22s %10.1f %8.2fx %12d %10.3g %9d/32\n", name, best * 1e3, full_s / best,
                 res.recomputed_tokens + res.computed_tokens, kl, agree);
-    if (std::abs(ratio - 0.15) < 1e-9) speedup_015 = full_s / best;
-    rows.push_back({{"mode", "blend"}, {"ratio", ratio}, {"ttft_s", best},
+    if (std::abs(ratio - 0.15) < 1e-9) (mode.overlap ? speedup_015 : serial_015) = full_s / best;
+    rows.push_back({{"mode", mode.overlap ? "blend" : "blend-serial-load"}, {"ratio", ratio},
+                    {"ttft_s", best},
                     {"speedup", full_s / best}, {"recomputed_tokens", res.recomputed_tokens},
                     {"kl", kl}, {"greedy_agreement", agree / 32.0}});
   }
   if (speedup_015 > 0) {
-    std::printf("blend at 0.15 vs full prefill: %.2fx lower TTFT (aim: at least 3x)\n", speedup_015);
+    std::printf("blend at 0.15 vs full prefill: %.2fx lower TTFT (aim: at least 3x); "
+                "%.2fx with the KV placed before the compute instead of beside it\n",
+                speedup_015, serial_015);
   }
   Emit(c, {{"workload", "rag-blend"}, {"model", what}, {"documents", docs},
            {"doc_tokens", doc_tokens}, {"question_tokens", question_tokens},
