@@ -77,6 +77,24 @@ std::optional<ApiError> GetString(const json& body, const char* name, std::strin
     if (auto _e = (expr)) return _e; \
   } while (0)
 
+// The body as a JSON object whose optional `model` names the served model.
+std::optional<ApiError> ParseBody(const std::string& text, const ServedModel& model, json* body) {
+  *body = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (body->is_discarded()) return Bad("the request body is not valid JSON");
+  if (!body->is_object()) return Bad("the request body must be a JSON object");
+  std::string name;
+  KDN_API_CHECK(GetString(*body, "model", &name));
+  if (!name.empty() && name != model.name) {
+    ApiError e = Bad("the model '" + name + "' does not exist; this server serves '" +
+                         model.name + "'",
+                     "model");
+    e.http_status = 404;
+    e.code = "model_not_found";
+    return e;
+  }
+  return std::nullopt;
+}
+
 // Fields of OpenAI's API that kdn does not implement: refused, not ignored,
 // when set to anything but their neutral value.
 std::optional<ApiError> RefuseUnsupported(const json& body) {
@@ -326,21 +344,9 @@ ChatPrompt RenderChat(engine::Architecture arch,
 
 std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
                                      const ServedModel& model, ApiRequest* out) {
-  json body = json::parse(body_text, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded()) return Bad("the request body is not valid JSON");
-  if (!body.is_object()) return Bad("the request body must be a JSON object");
+  json body;
+  KDN_API_CHECK(ParseBody(body_text, model, &body));
   out->kind = kind;
-
-  std::string name;
-  KDN_API_CHECK(GetString(body, "model", &name));
-  if (!name.empty() && name != model.name) {
-    ApiError e = Bad("the model '" + name + "' does not exist; this server serves '" +
-                         model.name + "'",
-                     "model");
-    e.http_status = 404;
-    e.code = "model_not_found";
-    return e;
-  }
   KDN_API_CHECK(RefuseUnsupported(body));
 
   std::string separator = model.separator;
@@ -452,19 +458,8 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
 
 std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
                                            const ServedModel& model, InjectApiRequest* out) {
-  json body = json::parse(body_text, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded()) return Bad("the request body is not valid JSON");
-  if (!body.is_object()) return Bad("the request body must be a JSON object");
-  std::string name;
-  KDN_API_CHECK(GetString(body, "model", &name));
-  if (!name.empty() && name != model.name) {
-    ApiError e = Bad("the model '" + name + "' does not exist; this server serves '" +
-                         model.name + "'",
-                     "model");
-    e.http_status = 404;
-    e.code = "model_not_found";
-    return e;
-  }
+  json body;
+  KDN_API_CHECK(ParseBody(body_text, model, &body));
   if (!body.contains("documents") || body["documents"].is_null()) {
     return Bad("'documents' is required", "documents");
   }
