@@ -169,7 +169,7 @@ def MakeExample(rng, held_out, hops, n_docs=None, names=None):
         return {"documents": docs, "question": q, "answer": a, "hops": hops}
 
 
-def MakeTrainText(rng, max_questions=6, max_docs=8):
+def MakeTrainText(rng, max_questions=6, max_docs=8, two_hop_share=0.5):
     """One training sequence: documents then several question/answer pairs.
 
     Returns (text, answer_spans): spans are (start, end) byte offsets in text
@@ -182,7 +182,7 @@ def MakeTrainText(rng, max_questions=6, max_docs=8):
     qas = []
     k = rng.randint(1, max_questions)
     for _ in range(k):
-        if links and rng.random() < 0.5:
+        if links and rng.random() < two_hop_share:
             t, p, tf = rng.choice(links)
             q, a = _TwoHop(rng, t, p, tf)
             # The bridge entity must not be given away by an earlier answer.

@@ -31,12 +31,12 @@ def Encode(text):
     return [corpus.BOS] + list(text.encode())
 
 
-def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs):
+def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop_share=0.5):
     """Microbatches (ids, targets, weights) for one step, grouped by length."""
     rng = random.Random("{}-{}".format(seed, step))
     seqs = []
     for _ in range(n_examples):
-        text, spans = corpus.MakeTrainText(rng, max_questions, max_docs)
+        text, spans = corpus.MakeTrainText(rng, max_questions, max_docs, two_hop_share)
         ids = Encode(text) + [corpus.EOS]
         w = [1.0] * (len(ids) - 1)  # weight of predicting ids[i + 1]
         for a, b in spans:
@@ -112,7 +112,11 @@ def main():
     ap.add_argument("--micro", type=int, default=4, help="length-grouped microbatches per step")
     ap.add_argument("--max-questions", type=int, default=6)
     ap.add_argument("--short-frac", type=float, default=0.0,
-                    help="fraction of steps (from the start) using 2..4 documents")
+                    help="fraction of steps (from the start) using 2..--short-docs documents")
+    ap.add_argument("--short-docs", type=int, default=4,
+                    help="most documents per example during the --short-frac steps")
+    ap.add_argument("--single-frac", type=float, default=0.0,
+                    help="fraction of steps (from the start) with single-hop questions only")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
@@ -175,9 +179,10 @@ def main():
     win_loss, win_aloss, win_n, win_tok, win_t0 = 0.0, 0.0, 0, 0, time.time()
     while step < args.steps:
         t0 = time.time()
-        max_docs = 4 if step < args.short_frac * args.steps else 8
+        max_docs = args.short_docs if step < args.short_frac * args.steps else 8
+        two_hop = 0.0 if step < args.single_frac * args.steps else 0.5
         micro = TrainBatch(args.seed, step, args.examples, args.micro,
-                           args.max_questions, max_docs)
+                           args.max_questions, max_docs, two_hop)
         total_w = sum(float(w.sum()) for _, _, w in micro)
         for g in opt.param_groups:
             g["lr"] = LrAt(step, args)

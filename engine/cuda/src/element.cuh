@@ -25,6 +25,13 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
 
 inline int RoundUpToWarp(int n) { return (n + 31) / 32 * 32; }
 
+// Threads per block and blocks of a grid-stride loop over n elements.
+inline constexpr int kGridStrideThreads = 256;
+inline unsigned GridStrideBlocks(int64_t n) {
+  const int64_t blocks = (n + kGridStrideThreads - 1) / kGridStrideThreads;
+  return static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8);
+}
+
 inline bool IsAligned(const void* p, uintptr_t alignment) {
   return reinterpret_cast<uintptr_t>(p) % alignment == 0;
 }

@@ -1,0 +1,45 @@
+#include "kdn/engine/cuda/activation.cuh"
+
+#include <algorithm>
+#include <string>
+
+#include "element.cuh"
+#include "kdn/engine/cuda/cuda_check.h"
+
+namespace kdn::engine::cuda {
+namespace {
+
+template <typename T>
+__global__ void SiluMulKernel(const T* __restrict__ gate_up, int64_t rows, int inter,
+                              T* __restrict__ out) {
+  const int64_t total = rows * inter;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / inter;
+    const int64_t c = i - r * inter;
+    const float g = ToFloat(gate_up[r * 2 * inter + c]);
+    const float u = ToFloat(gate_up[r * 2 * inter + inter + c]);
+    out[i] = FromFloat<T>(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+Status SiluMulCuda(const T* gate_up, int64_t rows, int inter, T* out, cudaStream_t stream) {
+  if (rows < 0 || inter <= 0) {
+    return InvalidArgument("SiluMulCuda: bad shape rows=" + std::to_string(rows) +
+                           " inter=" + std::to_string(inter));
+  }
+  if (rows == 0) return Status::Ok();
+  if (gate_up == nullptr || out == nullptr) return InvalidArgument("SiluMulCuda: null pointer");
+  SiluMulKernel<T><<<GridStrideBlocks(rows * inter), kGridStrideThreads, 0, stream>>>(gate_up, rows, inter, out);
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+template Status SiluMulCuda<float>(const float*, int64_t, int, float*, cudaStream_t);
+template Status SiluMulCuda<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int, __nv_bfloat16*,
+                                           cudaStream_t);
+
+}  // namespace kdn::engine::cuda

@@ -1,0 +1,65 @@
+#include "kdn/engine/cuda/sampling.cuh"
+
+#include <algorithm>
+#include <string>
+
+#include "element.cuh"
+#include "kdn/engine/cuda/cuda_check.h"
+
+namespace kdn::engine::cuda {
+namespace {
+
+// (value, index) pairs: the larger value wins, the smaller index on ties; NaN
+// loses to anything.
+struct Best {
+  float v;
+  int64_t i;
+};
+
+__device__ __forceinline__ Best Better(Best a, Best b) {
+  if (isnan(a.v)) return isnan(b.v) ? (a.i < b.i ? a : b) : b;
+  if (isnan(b.v)) return a;
+  if (a.v != b.v) return a.v > b.v ? a : b;
+  return a.i < b.i ? a : b;
+}
+
+__global__ void ArgmaxKernel(const float* __restrict__ logits, int64_t vocab,
+                             int32_t* __restrict__ out) {
+  const float* row = logits + blockIdx.x * vocab;
+  Best best{NAN, INT64_MAX};
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) best = Better(best, {row[i], i});
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Best other{__shfl_xor_sync(0xffffffffu, best.v, offset),
+               __shfl_xor_sync(0xffffffffu, best.i, offset)};
+    best = Better(best, other);
+  }
+  __shared__ Best warp_best[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Best b = warp_best[0];
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) b = Better(b, warp_best[w]);
+    out[blockIdx.x] = static_cast<int32_t>(b.i == INT64_MAX ? 0 : b.i);
+  }
+}
+
+}  // namespace
+
+Status ArgmaxCuda(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
+                  cudaStream_t stream) {
+  if (rows < 0 || rows > kMaxGridX || vocab <= 0 || vocab > INT32_MAX) {
+    return InvalidArgument("ArgmaxCuda: bad shape rows=" + std::to_string(rows) +
+                           " vocab=" + std::to_string(vocab));
+  }
+  if (rows == 0) return Status::Ok();
+  if (logits == nullptr || out == nullptr) return InvalidArgument("ArgmaxCuda: null pointer");
+  ArgmaxKernel<<<static_cast<unsigned>(rows), 1024, 0, stream>>>(logits, vocab, out);
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+
+
+}  // namespace kdn::engine::cuda
