@@ -23,7 +23,27 @@ __global__ void SiluMulKernel(const T* __restrict__ gate_up, int64_t rows, int i
   }
 }
 
+template <typename T>
+__global__ void AddBiasKernel(T* __restrict__ x, const T* __restrict__ bias, int64_t total,
+                              int dim) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = FromFloat<T>(ToFloat(x[i]) + ToFloat(bias[i % dim]));
+  }
+}
+
 }  // namespace
+
+template <typename T>
+Status AddBiasCuda(T* x, const T* bias, int64_t rows, int dim, cudaStream_t stream) {
+  if (rows < 0 || dim <= 0) return InvalidArgument("AddBiasCuda: bad shape");
+  if (rows == 0) return Status::Ok();
+  if (x == nullptr || bias == nullptr) return InvalidArgument("AddBiasCuda: null pointer");
+  AddBiasKernel<T><<<GridStrideBlocks(rows * dim), kGridStrideThreads, 0, stream>>>(
+      x, bias, rows * dim, dim);
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
 
 template <typename T>
 Status SiluMulCuda(const T* gate_up, int64_t rows, int inter, T* out, cudaStream_t stream) {
@@ -38,6 +58,9 @@ Status SiluMulCuda(const T* gate_up, int64_t rows, int inter, T* out, cudaStream
   return Status::Ok();
 }
 
+template Status AddBiasCuda<float>(float*, const float*, int64_t, int, cudaStream_t);
+template Status AddBiasCuda<__nv_bfloat16>(__nv_bfloat16*, const __nv_bfloat16*, int64_t, int,
+                                           cudaStream_t);
 template Status SiluMulCuda<float>(const float*, int64_t, int, float*, cudaStream_t);
 template Status SiluMulCuda<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int, __nv_bfloat16*,
                                            cudaStream_t);

@@ -33,6 +33,17 @@ __global__ void MoveRowsKernel(const T* k_src, const T* v_src, int64_t src_strid
 }
 
 template <typename T>
+__global__ void WriteSlotsKernel(const T* k_src, const T* v_src, int64_t src_stride, T* k_dst,
+                                 T* v_dst, const int64_t* slots, int row) {
+  const int64_t r = blockIdx.x;
+  const int64_t dst = slots[r] * row;
+  for (int i = threadIdx.x; i < row; i += blockDim.x) {
+    k_dst[dst + i] = k_src[r * src_stride + i];
+    v_dst[dst + i] = v_src[r * src_stride + i];
+  }
+}
+
+template <typename T>
 __global__ void CopyBlocksKernel(T* k, T* v, const int32_t* pairs, int64_t block_elems) {
   const int64_t p = blockIdx.y;
   const int64_t src = static_cast<int64_t>(pairs[2 * p]) * block_elems;
@@ -77,6 +88,22 @@ Status WriteKvCuda(const T* k_src, const T* v_src, int64_t src_stride, int64_t c
   }
   MoveRowsKernel<T, true><<<static_cast<unsigned>(count), ThreadsFor(layer), 0, stream>>>(
       k_src, v_src, src_stride, layer.k, layer.v, 0, table, first, row);
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+template <typename T>
+Status WriteKvSlotsCuda(const T* k_src, const T* v_src, int64_t src_stride, int64_t count,
+                        const int64_t* slots, PagedKvLayer<T> layer, cudaStream_t stream) {
+  KDN_RETURN_IF_ERROR(CheckLayer("WriteKvSlotsCuda", layer, count));
+  const int row = layer.kv_heads * layer.head_dim;
+  if (src_stride < row) return InvalidArgument("WriteKvSlotsCuda: bad stride");
+  if (count == 0) return Status::Ok();
+  if (k_src == nullptr || v_src == nullptr || slots == nullptr) {
+    return InvalidArgument("WriteKvSlotsCuda: null pointer");
+  }
+  WriteSlotsKernel<T><<<static_cast<unsigned>(count), ThreadsFor(layer), 0, stream>>>(
+      k_src, v_src, src_stride, layer.k, layer.v, slots, row);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
@@ -131,6 +158,8 @@ Status CopyKvBlocksCuda(PagedKvLayer<T> layer, const int32_t* pairs, int64_t n_p
 #define KDN_PAGED_KV_INSTANTIATE(T)                                                           \
   template Status WriteKvCuda<T>(const T*, const T*, int64_t, int64_t, const int32_t*,        \
                                  int64_t, PagedKvLayer<T>, cudaStream_t);                     \
+  template Status WriteKvSlotsCuda<T>(const T*, const T*, int64_t, int64_t, const int64_t*,   \
+                                      PagedKvLayer<T>, cudaStream_t);                         \
   template Status GatherKvCuda<T>(PagedKvLayer<T>, const int32_t*, int64_t, int64_t, T*,      \
                                   cudaStream_t);                                              \
   template Status ScatterKvCuda<T>(const T*, int64_t, const int32_t*, int64_t,                \

@@ -1,5 +1,6 @@
 #pragma once
-// SwiGLU's gate on the GPU: the CUDA twin of SiluMul (cpu_ops.h).
+// SwiGLU's gate on the GPU (the CUDA twin of SiluMul, cpu_ops.h) and the
+// projections' bias add.
 //
 // Host-only header: the launcher enqueues one kernel on `stream` and returns
 // without waiting. T is float or __nv_bfloat16 (the only instantiations).
@@ -22,5 +23,9 @@ namespace kdn::engine::cuda {
 // [rows][inter]. Computed in fp32, rounded to T once.
 template <typename T>
 Status SiluMulCuda(const T* gate_up, int64_t rows, int inter, T* out, cudaStream_t stream);
+
+// x[r][i] += bias[i] for `rows` rows of `dim` elements (projection biases).
+template <typename T>
+Status AddBiasCuda(T* x, const T* bias, int64_t rows, int dim, cudaStream_t stream);
 
 }  // namespace kdn::engine::cuda

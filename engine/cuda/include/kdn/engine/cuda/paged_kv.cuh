@@ -42,6 +42,13 @@ Status WriteKvCuda(const T* k_src, const T* v_src, int64_t src_stride, int64_t c
                    const int32_t* table, int64_t first, PagedKvLayer<T> layer,
                    cudaStream_t stream);
 
+// The same for rows of different sequences (a decode step's batch): row r
+// goes to cache slot slots[r] (block id * kKvBlockTokensCuda + row in block,
+// device memory).
+template <typename T>
+Status WriteKvSlotsCuda(const T* k_src, const T* v_src, int64_t src_stride, int64_t count,
+                        const int64_t* slots, PagedKvLayer<T> layer, cudaStream_t stream);
+
 // Gathers positions [first, first + count) of one layer into `out`: count
 // rows of K, then count rows of V, each kv_heads * head_dim elements (one
 // layer of a chunk's payload).

@@ -1,0 +1,87 @@
+#pragma once
+// CudaModel: the engine on one GPU, in bf16. The same entry points as the CPU
+// backend's Model (docs/engine.md): Prefill appends a range of a sequence's
+// tokens on top of the KV it holds and calls a hook after each layer;
+// DecodeStep appends one token to each sequence of a batch. Weights and the
+// paged KV cache (blocks of 16 tokens, the CPU layout) live in device memory
+// as bf16; matrix products go through cuBLAS (bf16 in, fp32 accumulation);
+// norms, RoPE, the SwiGLU gate and attention are kdn's kernels; logits come
+// back in fp32.
+//
+// The per-layer hook runs on the calling thread once the layer's KV is in the
+// cache (the stream is synchronized first), so a caller may read it.
+//
+// Thread-compatible: one thread at a time calls into a CudaModel.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/config.h"
+#include "kdn/engine/model.h"
+#include "kdn/engine/weights.h"
+
+namespace kdn::engine::cuda {
+
+struct CudaEngineOptions {
+  int device = 0;
+  int64_t kv_tokens = 65536;          // size of the KV pool
+  int64_t max_prefill_tokens = 32768;  // the longest Prefill call (activation buffers)
+  int max_batch = 256;                 // the largest DecodeStep batch
+};
+
+// A sequence's KV: its blocks in the model's pool, host-side. Free it with
+// CudaModel::Free.
+struct CudaKvSequence {
+  std::vector<int32_t> blocks;
+  int64_t length = 0;
+};
+
+class CudaModel {
+ public:
+  // Uploads fp32 host weights (Hugging Face names, as Model::Create takes
+  // them), rounding them to bf16.
+  static Result<std::unique_ptr<CudaModel>> Create(const ModelConfig& config,
+                                                   const ModelWeights& weights,
+                                                   const CudaEngineOptions& options = {});
+  // Builds the model's weights directly in device memory from `seed` (values
+  // uniform in +-0.02, norms 1): for benchmarking real shapes without a
+  // weights file. Not kdn-mkmodel's values.
+  static Result<std::unique_ptr<CudaModel>> Materialize(const ModelConfig& config, uint64_t seed,
+                                                        const CudaEngineOptions& options = {});
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const ModelConfig& config() const;
+  int free_blocks() const;
+  // Bytes of device memory the weights take.
+  int64_t weight_bytes() const;
+
+  // Room for `tokens` tokens in `seq` (blocks taken from the pool);
+  // RESOURCE_EXHAUSTED when the pool is short.
+  Status Reserve(CudaKvSequence& seq, int64_t tokens);
+  void Free(CudaKvSequence& seq);
+
+  // As Model::Prefill. `logits` gets the last token's fp32 logits (or every
+  // new token's with options.all_logits).
+  Status Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
+                 const PrefillOptions& options, std::vector<float>* logits);
+  // As Model::DecodeStep: batch x vocab logits.
+  Status DecodeStep(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
+                    std::vector<float>* logits);
+
+  // Copies one layer's KV of positions [first, first + count) to the host as
+  // floats: count rows of K then count rows of V (a chunk's layer layout).
+  Status ReadKv(const CudaKvSequence& seq, int layer, int64_t first, int64_t count,
+                std::vector<float>* out);
+
+ private:
+  struct Impl;
+  explicit CudaModel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kdn::engine::cuda

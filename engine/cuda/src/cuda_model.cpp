@@ -1,0 +1,530 @@
+#include "kdn/engine/cuda/cuda_model.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "kdn/engine/cpu_ops.h"
+#include "kdn/engine/cuda/activation.cuh"
+#include "kdn/engine/cuda/attention.cuh"
+#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/engine/cuda/embedding.cuh"
+#include "kdn/engine/cuda/init.cuh"
+#include "kdn/engine/cuda/paged_kv.cuh"
+#include "kdn/engine/cuda/rmsnorm.cuh"
+#include "kdn/engine/cuda/rope.cuh"
+
+namespace kdn::engine::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kMaxDecodeSplits = 64;
+constexpr int64_t kLogitRows = 1024;  // all_logits is computed this many rows at a time
+
+#define KDN_CUBLAS_RETURN_IF_ERROR(expr)                                                   \
+  do {                                                                                     \
+    const cublasStatus_t _kdn_cublas_st = (expr);                                          \
+    if (_kdn_cublas_st != CUBLAS_STATUS_SUCCESS) {                                         \
+      return Internal(std::string(#expr) + " failed: " +                                   \
+                      cublasGetStatusString(_kdn_cublas_st) + " at " + __FILE__ + ":" +    \
+                      std::to_string(__LINE__));                                           \
+    }                                                                                      \
+  } while (0)
+
+// A device allocation of n elements of T.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  ~DeviceArray() {
+    if (p_ != nullptr) (void)cudaFree(p_);
+  }
+  Status Allocate(int64_t n) {
+    void* p = nullptr;
+    KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<int64_t>(1, n) * sizeof(T)));
+    if (p_ != nullptr) (void)cudaFree(p_);
+    p_ = static_cast<T*>(p);
+    n_ = n;
+    return Status::Ok();
+  }
+  T* get() const { return p_; }
+  int64_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  int64_t n_ = 0;
+};
+
+struct LayerWeights {
+  DeviceArray<bf16> input_norm, post_norm;
+  DeviceArray<bf16> q, k, v, o;       // [out][in]
+  DeviceArray<bf16> q_bias, k_bias, v_bias, o_bias;  // empty when absent
+  DeviceArray<bf16> gate_up;          // [2 * ffn][hidden]: gate rows, then up rows
+  DeviceArray<bf16> down;             // [hidden][ffn]
+};
+
+}  // namespace
+
+struct CudaModel::Impl {
+  ModelConfig config;
+  CudaEngineOptions options;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  int64_t weight_bytes = 0;
+
+  DeviceArray<bf16> embed, lm_head, final_norm;  // lm_head empty when tied
+  std::vector<LayerWeights> layers;
+  DeviceArray<float> inv_freq;
+
+  // The KV pool: per layer, K and V of num_blocks blocks.
+  int num_blocks = 0;
+  std::vector<DeviceArray<bf16>> k_cache, v_cache;
+  std::vector<int32_t> free_list;
+
+  // Activations, sized for max(max_prefill_tokens, max_batch) rows.
+  int64_t max_rows = 0;
+  DeviceArray<bf16> x, h, q, k, v, attn, gate_up, act;
+  DeviceArray<float> logits;
+  DeviceArray<int32_t> ids, positions, tables, lengths, bad_id;
+  DeviceArray<int64_t> slots;
+  DeviceArray<float> workspace;
+
+  ~Impl() {
+    if (blas != nullptr) (void)cublasDestroy(blas);
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+
+  PagedKvLayer<bf16> Layer(int l) {
+    return {k_cache[l].get(), v_cache[l].get(), config.num_kv_heads, config.head_dim};
+  }
+  PagedKvLayer<const bf16> ConstLayer(int l) {
+    return {k_cache[l].get(), v_cache[l].get(), config.num_kv_heads, config.head_dim};
+  }
+
+  // out[rows][out_dim] (= or +=) in[rows][in_dim] . w[out_dim][in_dim]^T.
+  Status Gemm(const bf16* in, int64_t rows, int in_dim, const bf16* w, int out_dim, void* out,
+              cudaDataType_t out_type, bool accumulate) {
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    KDN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+        blas, CUBLAS_OP_T, CUBLAS_OP_N, out_dim, static_cast<int>(rows), in_dim, &alpha, w,
+        CUDA_R_16BF, in_dim, in, CUDA_R_16BF, in_dim, &beta, out, out_type, out_dim,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return Status::Ok();
+  }
+
+  Status Setup() {
+    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    KDN_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas));
+    KDN_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas, stream));
+    const ModelConfig& c = config;
+    const std::vector<float> freq = RopeInvFreq(c);
+    KDN_RETURN_IF_ERROR(inv_freq.Allocate(static_cast<int64_t>(freq.size())));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq.get(), freq.data(), freq.size() * sizeof(float),
+                                        cudaMemcpyHostToDevice));
+    num_blocks = static_cast<int>((options.kv_tokens + 15) / 16);
+    const int64_t block_elems = int64_t{16} * c.kv_dim();
+    k_cache.resize(c.num_layers);
+    v_cache.resize(c.num_layers);
+    for (int l = 0; l < c.num_layers; ++l) {
+      KDN_RETURN_IF_ERROR(k_cache[l].Allocate(num_blocks * block_elems));
+      KDN_RETURN_IF_ERROR(v_cache[l].Allocate(num_blocks * block_elems));
+    }
+    free_list.resize(num_blocks);
+    for (int b = 0; b < num_blocks; ++b) free_list[b] = num_blocks - 1 - b;
+    max_rows = std::max<int64_t>(options.max_prefill_tokens, options.max_batch);
+    const int64_t R = max_rows;
+    KDN_RETURN_IF_ERROR(x.Allocate(R * c.hidden_size));
+    KDN_RETURN_IF_ERROR(h.Allocate(R * c.hidden_size));
+    KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
+    KDN_RETURN_IF_ERROR(k.Allocate(R * c.kv_dim()));
+    KDN_RETURN_IF_ERROR(v.Allocate(R * c.kv_dim()));
+    KDN_RETURN_IF_ERROR(attn.Allocate(R * c.q_dim()));
+    KDN_RETURN_IF_ERROR(gate_up.Allocate(R * 2 * int64_t{c.intermediate_size}));
+    KDN_RETURN_IF_ERROR(act.Allocate(R * c.intermediate_size));
+    KDN_RETURN_IF_ERROR(logits.Allocate(std::max<int64_t>(kLogitRows, options.max_batch) *
+                                        c.vocab_size));
+    KDN_RETURN_IF_ERROR(ids.Allocate(R));
+    KDN_RETURN_IF_ERROR(positions.Allocate(R));
+    KDN_RETURN_IF_ERROR(lengths.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(slots.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(bad_id.Allocate(1));
+    const int64_t max_table = (c.max_context + 15) / 16;
+    KDN_RETURN_IF_ERROR(tables.Allocate(std::max<int64_t>(max_table, 1) * options.max_batch));
+    const AttentionShape shape = Shape();
+    KDN_RETURN_IF_ERROR(workspace.Allocate(static_cast<int64_t>(
+        DecodeAttentionWorkspaceBytes(options.max_batch, shape, kMaxDecodeSplits) /
+        sizeof(float))));
+    return Status::Ok();
+  }
+
+  AttentionShape Shape() const {
+    return {config.num_heads, config.num_kv_heads, config.head_dim,
+            1.0f / std::sqrt(static_cast<float>(config.head_dim))};
+  }
+
+  // Uploads `n` floats as bf16 into `dst` (allocated here).
+  Status Upload(const float* src, int64_t n, DeviceArray<bf16>* dst) {
+    std::vector<bf16> host(n);
+    for (int64_t i = 0; i < n; ++i) host[i] = __float2bfloat16_rn(src[i]);
+    KDN_RETURN_IF_ERROR(dst->Allocate(n));
+    KDN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(dst->get(), host.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+    weight_bytes += n * static_cast<int64_t>(sizeof(bf16));
+    return Status::Ok();
+  }
+
+  Status UploadTensor(const ModelWeights& w, const std::string& name, DeviceArray<bf16>* dst) {
+    auto it = w.find(name);
+    if (it == w.end()) return InvalidArgument("CudaModel: tensor " + name + " is missing");
+    return Upload(it->second.data.data(), it->second.numel(), dst);
+  }
+
+  Status UploadWeights(const ModelWeights& w) {
+    KDN_RETURN_IF_ERROR(UploadTensor(w, "model.embed_tokens.weight", &embed));
+    KDN_RETURN_IF_ERROR(UploadTensor(w, "model.norm.weight", &final_norm));
+    if (!config.tie_word_embeddings) KDN_RETURN_IF_ERROR(UploadTensor(w, "lm_head.weight", &lm_head));
+    layers.resize(config.num_layers);
+    for (int l = 0; l < config.num_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      LayerWeights& L = layers[l];
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "input_layernorm.weight", &L.input_norm));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "post_attention_layernorm.weight", &L.post_norm));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.q_proj.weight", &L.q));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.k_proj.weight", &L.k));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.v_proj.weight", &L.v));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.weight", &L.o));
+      if (config.qkv_bias) {
+        KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.q_proj.bias", &L.q_bias));
+        KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.k_proj.bias", &L.k_bias));
+        KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.v_proj.bias", &L.v_bias));
+      }
+      if (config.o_bias) KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.bias", &L.o_bias));
+      auto gate = w.find(p + "mlp.gate_proj.weight");
+      auto up = w.find(p + "mlp.up_proj.weight");
+      if (gate == w.end() || up == w.end()) {
+        return InvalidArgument("CudaModel: the MLP of layer " + std::to_string(l) + " is missing");
+      }
+      std::vector<float> fused(gate->second.data);
+      fused.insert(fused.end(), up->second.data.begin(), up->second.data.end());
+      KDN_RETURN_IF_ERROR(Upload(fused.data(), static_cast<int64_t>(fused.size()), &L.gate_up));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "mlp.down_proj.weight", &L.down));
+    }
+    return Status::Ok();
+  }
+
+  // Device-side random weights: each tensor its own hash stream.
+  Status MaterializeWeights(uint64_t seed) {
+    uint64_t stream_id = 0;
+    auto fill = [&](int64_t n, DeviceArray<bf16>* dst) -> Status {
+      KDN_RETURN_IF_ERROR(dst->Allocate(n));
+      weight_bytes += n * static_cast<int64_t>(sizeof(bf16));
+      return FillUniformCuda<bf16>(dst->get(), n, seed, stream_id++, 0.02f, stream);
+    };
+    std::vector<float> ones(config.hidden_size, 1.0f);
+    const ModelConfig& c = config;
+    const int64_t d = c.hidden_size, ff = c.intermediate_size;
+    KDN_RETURN_IF_ERROR(fill(int64_t{c.vocab_size} * d, &embed));
+    KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &final_norm));
+    if (!c.tie_word_embeddings) KDN_RETURN_IF_ERROR(fill(int64_t{c.vocab_size} * d, &lm_head));
+    layers.resize(c.num_layers);
+    for (LayerWeights& L : layers) {
+      KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &L.input_norm));
+      KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &L.post_norm));
+      KDN_RETURN_IF_ERROR(fill(c.q_dim() * d, &L.q));
+      KDN_RETURN_IF_ERROR(fill(c.kv_dim() * d, &L.k));
+      KDN_RETURN_IF_ERROR(fill(c.kv_dim() * d, &L.v));
+      KDN_RETURN_IF_ERROR(fill(d * c.q_dim(), &L.o));
+      if (c.qkv_bias) {
+        KDN_RETURN_IF_ERROR(fill(c.q_dim(), &L.q_bias));
+        KDN_RETURN_IF_ERROR(fill(c.kv_dim(), &L.k_bias));
+        KDN_RETURN_IF_ERROR(fill(c.kv_dim(), &L.v_bias));
+      }
+      if (c.o_bias) KDN_RETURN_IF_ERROR(fill(d, &L.o_bias));
+      KDN_RETURN_IF_ERROR(fill(2 * ff * d, &L.gate_up));
+      KDN_RETURN_IF_ERROR(fill(d * ff, &L.down));
+    }
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return Status::Ok();
+  }
+
+  // The layer's work up to (not including) attention, for `rows` rows of h
+  // (already normed): q, k, v projected, biased and rotated.
+  Status Project(int l, int64_t rows) {
+    const ModelConfig& c = config;
+    LayerWeights& L = layers[l];
+    KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.q.get(), c.q_dim(), q.get(),
+                             CUDA_R_16BF, false));
+    KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.k.get(), c.kv_dim(), k.get(),
+                             CUDA_R_16BF, false));
+    KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.v.get(), c.kv_dim(), v.get(),
+                             CUDA_R_16BF, false));
+    if (c.qkv_bias) {
+      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(q.get(), L.q_bias.get(), rows, c.q_dim(), stream));
+      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(k.get(), L.k_bias.get(), rows, c.kv_dim(), stream));
+      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(v.get(), L.v_bias.get(), rows, c.kv_dim(), stream));
+    }
+    KDN_RETURN_IF_ERROR(ApplyRopeCuda<bf16>(q.get(), rows, c.num_heads, c.head_dim,
+                                            positions.get(), inv_freq.get(), stream));
+    KDN_RETURN_IF_ERROR(ApplyRopeCuda<bf16>(k.get(), rows, c.num_kv_heads, c.head_dim,
+                                            positions.get(), inv_freq.get(), stream));
+    return Status::Ok();
+  }
+
+  // After attention (in attn): output projection into the residual, then the MLP.
+  Status Finish(int l, int64_t rows) {
+    const ModelConfig& c = config;
+    LayerWeights& L = layers[l];
+    KDN_RETURN_IF_ERROR(Gemm(attn.get(), rows, c.q_dim(), L.o.get(), c.hidden_size, x.get(),
+                             CUDA_R_16BF, true));
+    if (c.o_bias) {
+      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(x.get(), L.o_bias.get(), rows, c.hidden_size, stream));
+    }
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x.get(), L.post_norm.get(),
+                                          static_cast<float>(c.rms_norm_eps), rows, c.hidden_size,
+                                          h.get(), stream));
+    KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.gate_up.get(),
+                             2 * c.intermediate_size, gate_up.get(), CUDA_R_16BF, false));
+    KDN_RETURN_IF_ERROR(SiluMulCuda<bf16>(gate_up.get(), rows, c.intermediate_size, act.get(),
+                                          stream));
+    KDN_RETURN_IF_ERROR(Gemm(act.get(), rows, c.intermediate_size, L.down.get(), c.hidden_size,
+                             x.get(), CUDA_R_16BF, true));
+    return Status::Ok();
+  }
+
+  // Final norm and LM head for rows [first, first + rows) of x, appended to
+  // *out as fp32.
+  Status Logits(int64_t first, int64_t rows, std::vector<float>* out) {
+    const ModelConfig& c = config;
+    const bf16* head = c.tie_word_embeddings ? embed.get() : lm_head.get();
+    for (int64_t r0 = 0; r0 < rows; r0 += kLogitRows) {
+      const int64_t n = std::min(kLogitRows, rows - r0);
+      KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x.get() + (first + r0) * c.hidden_size,
+                                            final_norm.get(), static_cast<float>(c.rms_norm_eps),
+                                            n, c.hidden_size, h.get(), stream));
+      KDN_RETURN_IF_ERROR(Gemm(h.get(), n, c.hidden_size, head, c.vocab_size, logits.get(),
+                               CUDA_R_32F, false));
+      const size_t at = out->size();
+      out->resize(at + n * c.vocab_size);
+      KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out->data() + at, logits.get(),
+                                               n * c.vocab_size * sizeof(float),
+                                               cudaMemcpyDeviceToHost, stream));
+      KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    }
+    return Status::Ok();
+  }
+
+  Status Embed(std::span<const int32_t> tokens) {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.get(), tokens.data(), n * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice, stream));
+    return EmbedCuda<bf16>(embed.get(), config.vocab_size, config.hidden_size, ids.get(), n,
+                           x.get(), bad_id.get(), stream);
+  }
+
+  Status CheckTokens(std::span<const int32_t> tokens) const {
+    for (int32_t t : tokens) {
+      if (t < 0 || t >= config.vocab_size) {
+        return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary");
+      }
+    }
+    return Status::Ok();
+  }
+};
+
+CudaModel::CudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaModel::~CudaModel() = default;
+
+Result<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
+                                                     const ModelWeights& weights,
+                                                     const CudaEngineOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->options = options;
+  KDN_RETURN_IF_ERROR(impl->Setup());
+  KDN_RETURN_IF_ERROR(impl->UploadWeights(weights));
+  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+}
+
+Result<std::unique_ptr<CudaModel>> CudaModel::Materialize(const ModelConfig& config, uint64_t seed,
+                                                          const CudaEngineOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->options = options;
+  KDN_RETURN_IF_ERROR(impl->Setup());
+  KDN_RETURN_IF_ERROR(impl->MaterializeWeights(seed));
+  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+}
+
+const ModelConfig& CudaModel::config() const { return impl_->config; }
+int CudaModel::free_blocks() const { return static_cast<int>(impl_->free_list.size()); }
+int64_t CudaModel::weight_bytes() const { return impl_->weight_bytes; }
+
+Status CudaModel::Reserve(CudaKvSequence& seq, int64_t tokens) {
+  const int64_t need = (tokens + 15) / 16 - static_cast<int64_t>(seq.blocks.size());
+  if (need <= 0) return Status::Ok();
+  if (need > static_cast<int64_t>(impl_->free_list.size())) {
+    return ResourceExhausted("KV pool: " + std::to_string(need) + " blocks needed, " +
+                             std::to_string(impl_->free_list.size()) + " free");
+  }
+  for (int64_t i = 0; i < need; ++i) {
+    seq.blocks.push_back(impl_->free_list.back());
+    impl_->free_list.pop_back();
+  }
+  return Status::Ok();
+}
+
+void CudaModel::Free(CudaKvSequence& seq) {
+  impl_->free_list.insert(impl_->free_list.end(), seq.blocks.begin(), seq.blocks.end());
+  seq.blocks.clear();
+  seq.length = 0;
+}
+
+Status CudaModel::Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
+                          const PrefillOptions& options, std::vector<float>* logits) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.config;
+  const auto n = static_cast<int64_t>(tokens.size());
+  if (n == 0) return InvalidArgument("prefill: no tokens");
+  if (n > m.max_rows) {
+    return InvalidArgument("prefill: " + std::to_string(n) + " tokens in one call; at most " +
+                           std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
+  }
+  const int64_t start = seq.length;
+  if (start + n > c.max_context) {
+    return InvalidArgument("prefill: " + std::to_string(start + n) +
+                           " tokens exceed the model's context of " +
+                           std::to_string(c.max_context));
+  }
+  KDN_RETURN_IF_ERROR(m.CheckTokens(tokens));
+  KDN_RETURN_IF_ERROR(Reserve(seq, start + n));
+  std::vector<int32_t> pos(n);
+  for (int64_t i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(start + i);
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.positions.get(), pos.data(), n * sizeof(int32_t),
+                                           cudaMemcpyHostToDevice, m.stream));
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.tables.get(), seq.blocks.data(),
+                                           seq.blocks.size() * sizeof(int32_t),
+                                           cudaMemcpyHostToDevice, m.stream));
+  KDN_RETURN_IF_ERROR(m.Embed(tokens));
+  const AttentionShape shape = m.Shape();
+  for (int l = 0; l < c.num_layers; ++l) {
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(m.x.get(), m.layers[l].input_norm.get(),
+                                          static_cast<float>(c.rms_norm_eps), n, c.hidden_size,
+                                          m.h.get(), m.stream));
+    KDN_RETURN_IF_ERROR(m.Project(l, n));
+    KDN_RETURN_IF_ERROR(WriteKvCuda<bf16>(m.k.get(), m.v.get(), c.kv_dim(), n, m.tables.get(),
+                                          start, m.Layer(l), m.stream));
+    KDN_RETURN_IF_ERROR(PrefillAttentionCuda<bf16>(m.q.get(), n, start, m.ConstLayer(l),
+                                                   m.tables.get(), shape, m.attn.get(), m.stream));
+    KDN_RETURN_IF_ERROR(m.Finish(l, n));
+    if (options.on_layer) {
+      KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream));
+      seq.length = start + n;  // the hook may read the layer's KV
+      Status st = options.on_layer(l);
+      seq.length = start;
+      if (!st.ok()) return st;
+    }
+  }
+  logits->clear();
+  KDN_RETURN_IF_ERROR(options.all_logits ? m.Logits(0, n, logits) : m.Logits(n - 1, 1, logits));
+  seq.length = start + n;
+  return Status::Ok();
+}
+
+Status CudaModel::DecodeStep(std::span<CudaKvSequence* const> seqs,
+                             std::span<const int32_t> tokens, std::vector<float>* logits) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.config;
+  const auto batch = static_cast<int64_t>(seqs.size());
+  if (batch == 0 || static_cast<int64_t>(tokens.size()) != batch) {
+    return InvalidArgument("decode: one token per sequence, at least one sequence");
+  }
+  if (batch > m.options.max_batch) {
+    return InvalidArgument("decode: batch of " + std::to_string(batch) + " beyond max_batch " +
+                           std::to_string(m.options.max_batch));
+  }
+  KDN_RETURN_IF_ERROR(m.CheckTokens(tokens));
+  int64_t max_len = 0, stride = 0;
+  for (CudaKvSequence* s : seqs) {
+    if (s->length + 1 > c.max_context) return InvalidArgument("decode: the context is full");
+    KDN_RETURN_IF_ERROR(Reserve(*s, s->length + 1));
+    max_len = std::max(max_len, s->length + 1);
+    stride = std::max(stride, static_cast<int64_t>(s->blocks.size()));
+  }
+  std::vector<int32_t> pos(batch), lens(batch), tables(batch * stride, 0);
+  std::vector<int64_t> slots(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const CudaKvSequence& s = *seqs[b];
+    pos[b] = static_cast<int32_t>(s.length);
+    lens[b] = static_cast<int32_t>(s.length + 1);
+    std::copy(s.blocks.begin(), s.blocks.end(), tables.begin() + b * stride);
+    slots[b] = static_cast<int64_t>(s.blocks[s.length / 16]) * 16 + s.length % 16;
+  }
+  auto up = [&](void* dst, const void* src, size_t bytes) {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, m.stream);
+  };
+  KDN_CUDA_RETURN_IF_ERROR(up(m.positions.get(), pos.data(), batch * sizeof(int32_t)));
+  KDN_CUDA_RETURN_IF_ERROR(up(m.lengths.get(), lens.data(), batch * sizeof(int32_t)));
+  KDN_CUDA_RETURN_IF_ERROR(up(m.tables.get(), tables.data(), tables.size() * sizeof(int32_t)));
+  KDN_CUDA_RETURN_IF_ERROR(up(m.slots.get(), slots.data(), batch * sizeof(int64_t)));
+  KDN_RETURN_IF_ERROR(m.Embed(tokens));
+  const AttentionShape shape = m.Shape();
+  for (int l = 0; l < c.num_layers; ++l) {
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(m.x.get(), m.layers[l].input_norm.get(),
+                                          static_cast<float>(c.rms_norm_eps), batch,
+                                          c.hidden_size, m.h.get(), m.stream));
+    KDN_RETURN_IF_ERROR(m.Project(l, batch));
+    KDN_RETURN_IF_ERROR(WriteKvSlotsCuda<bf16>(m.k.get(), m.v.get(), c.kv_dim(), batch,
+                                               m.slots.get(), m.Layer(l), m.stream));
+    KDN_RETURN_IF_ERROR(DecodeAttentionCuda<bf16>(
+        m.q.get(), m.ConstLayer(l), m.tables.get(), stride, m.lengths.get(), batch, max_len,
+        shape, kMaxDecodeSplits, m.workspace.get(), m.attn.get(), m.stream));
+    KDN_RETURN_IF_ERROR(m.Finish(l, batch));
+  }
+  logits->clear();
+  KDN_RETURN_IF_ERROR(m.Logits(0, batch, logits));
+  for (CudaKvSequence* s : seqs) ++s->length;
+  return Status::Ok();
+}
+
+Status CudaModel::ReadKv(const CudaKvSequence& seq, int layer, int64_t first, int64_t count,
+                         std::vector<float>* out) {
+  Impl& m = *impl_;
+  if (layer < 0 || layer >= m.config.num_layers || first < 0 || count < 0 ||
+      first + count > seq.length) {
+    return InvalidArgument("ReadKv: layer or positions outside the sequence");
+  }
+  const int64_t row = m.config.kv_dim();
+  DeviceArray<bf16> buf;
+  DeviceArray<int32_t> table;
+  KDN_RETURN_IF_ERROR(buf.Allocate(2 * count * row));
+  KDN_RETURN_IF_ERROR(table.Allocate(static_cast<int64_t>(seq.blocks.size())));
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(table.get(), seq.blocks.data(),
+                                           seq.blocks.size() * sizeof(int32_t),
+                                           cudaMemcpyHostToDevice, m.stream));
+  KDN_RETURN_IF_ERROR(GatherKvCuda<bf16>(m.Layer(layer), table.get(), first, count, buf.get(),
+                                         m.stream));
+  std::vector<bf16> host(2 * count * row);
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), buf.get(), host.size() * sizeof(bf16),
+                                           cudaMemcpyDeviceToHost, m.stream));
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream));
+  out->resize(host.size());
+  for (size_t i = 0; i < host.size(); ++i) (*out)[i] = __bfloat162float(host[i]);
+  return Status::Ok();
+}
+
+}  // namespace kdn::engine::cuda
