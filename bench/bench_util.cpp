@@ -78,8 +78,6 @@ void Emit(const Common& c, const json& j) {
   std::printf("wrote %s\n", c.json_path.c_str());
 }
 
-// FLOPs of a forward pass over n new tokens after `past` cached ones, with
-
 double MemcpyOneThreadGBps(size_t bytes, int reps) {
   std::vector<char> src(bytes, 1), dst(bytes, 0);
   double best = 0.0;

@@ -48,8 +48,18 @@ json Machine(const Common& c);
 // Writes `j` to --json's file, if one was given.
 void Emit(const Common& c, const json& j);
 
+// FLOPs of a forward pass over n new tokens after `past` cached ones, with
+// `logit_rows` rows of logits (2 per multiply-add; causal attention counted
+// for the pairs it computes).
+double ForwardFlops(const engine::ModelConfig& m, int64_t n, int64_t past, int64_t logit_rows);
+
 int RunPrefill(const Common& c, const std::vector<int>& lengths);
 int RunDecode(const Common& c, const std::vector<int>& batches, int context, int steps);
+// The same on the GPU (CudaModel, bf16), against the bf16 GEMM peak and the
+// device-to-device copy bandwidth measured in the same run. Presets are
+// materialised in device memory (no weights file needed).
+int RunCudaPrefill(const Common& c, const std::vector<int>& lengths);
+int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context, int steps);
 int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
              const std::string& disk_dir);
 int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,

@@ -11,8 +11,6 @@ namespace kdn::bench {
 
 using namespace kdn::engine;
 
-namespace {
-
 double ForwardFlops(const ModelConfig& m, int64_t n, int64_t past, int64_t logit_rows) {
   const double d = m.hidden_size, q = m.q_dim(), kv = m.kv_dim(), ff = m.intermediate_size;
   const double per_token = 2.0 * (d * (q + 2 * kv) + q * d + 3 * d * ff);
@@ -21,8 +19,6 @@ double ForwardFlops(const ModelConfig& m, int64_t n, int64_t past, int64_t logit
   const double attn = 4.0 * q * pairs;
   return m.num_layers * (n * per_token + attn) + 2.0 * logit_rows * d * m.vocab_size;
 }
-
-}  // namespace
 
 int RunPrefill(const Common& c, const std::vector<int>& lengths) {
   std::string what;

@@ -29,6 +29,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <cstdio>
 #include <filesystem>
 
 #include <CLI/CLI.hpp>
@@ -52,14 +53,24 @@ int main(int argc, char** argv) {
     sub->add_option("--json", c.json_path, "Also write the results as one JSON object");
   };
   std::vector<int> lengths = {512, 2048};
-  auto* prefill = app.add_subcommand("prefill", "One long prompt, no cache: tokens/s and GFLOP/s vs sgemm peak");
+  std::string device = "cpu";
+  auto device_option = [&](CLI::App* sub) {
+    sub->add_option("--device", device,
+                    "cpu (fp32, vs sgemm peak and memcpy) or cuda (bf16 on GPU 0, vs the bf16 "
+                    "GEMM peak and a device copy; presets are made in device memory)")
+        ->check(CLI::IsMember({"cpu", "cuda"}))
+        ->capture_default_str();
+  };
+  auto* prefill = app.add_subcommand("prefill", "One long prompt, no cache: tokens/s and FLOP/s vs the matrix-product peak");
   common(prefill);
+  device_option(prefill);
   prefill->add_option("--tokens", lengths, "Prompt lengths")->capture_default_str()->delimiter(',');
 
   std::vector<int> batches = {1, 8, 32};
   int context = 512, steps = 16;
-  auto* decode = app.add_subcommand("decode", "A batch generating: tokens/s and GB/s vs memcpy");
+  auto* decode = app.add_subcommand("decode", "A batch generating: tokens/s and GB/s vs a memory copy");
   common(decode);
+  device_option(decode);
   decode->add_option("--batch", batches, "Batch sizes")->capture_default_str()->delimiter(',');
   decode->add_option("--context", context, "Tokens of KV each sequence holds")->capture_default_str();
   decode->add_option("--steps", steps, "Decode steps timed per batch size")->capture_default_str();
@@ -138,6 +149,16 @@ int main(int argc, char** argv) {
   }
   if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);
   if (quality->parsed()) return RunQuality(c, eval_path, quality_limit, quality_max_tokens);
+  if (device == "cuda") {
+#if KDN_BENCH_CUDA
+    if (prefill->parsed()) return RunCudaPrefill(c, lengths);
+    if (decode->parsed()) return RunCudaDecode(c, batches, context, steps);
+#else
+    std::fprintf(stderr, "kdn-bench: --device cuda: this build has no CUDA (configure with "
+                         "KDN_CUDA=ON where nvcc is)\n");
+    return 1;
+#endif
+  }
   if (prefill->parsed()) return RunPrefill(c, lengths);
   if (pd->parsed()) return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib);
   if (store->parsed()) return RunStore(c, store_tokens, chunk_tokens, store_dtype, disk_dir);

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -15,8 +17,10 @@ int main(int argc, char** argv) {
   CLI::App app{"Write a deterministic generated model folder in the Hugging Face layout."};
   std::string preset_name, out, dtype_name;
   uint64_t seed = 0;
-  bool list = false;
+  bool list = false, config_only = false;
   app.add_flag("--list", list, "List the presets and exit");
+  app.add_flag("--config-only", config_only,
+               "Write only config.json (the shape, for a peer such as bench/hf_peer.py)");
   app.add_option("--preset", preset_name, "Preset name (see --list)");
   app.add_option("--seed", seed, "Seed of the weights")->capture_default_str();
   app.add_option("--out", out, "Folder to write (created if missing)");
@@ -45,6 +49,18 @@ int main(int argc, char** argv) {
   if (dtype_name == "fp16") dtype = DType::kF16;
   if (dtype_name == "fp32") dtype = DType::kF32;
 
+  if (config_only) {
+    std::error_code ec;
+    std::filesystem::create_directories(out, ec);
+    std::ofstream f(std::filesystem::path(out) / "config.json");
+    f << ModelConfigToJson(preset->config);
+    if (ec || !f.good()) {
+      std::fprintf(stderr, "kdn-mkmodel: cannot write %s/config.json\n", out.c_str());
+      return 1;
+    }
+    std::printf("wrote %s/config.json: preset %s\n", out.c_str(), preset_name.c_str());
+    return 0;
+  }
   const bool tty = isatty(fileno(stderr));
   int last_pct = -1;
   auto progress = [&](int64_t done, int64_t total) {

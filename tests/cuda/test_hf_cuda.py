@@ -1,0 +1,51 @@
+"""CudaModel against Hugging Face transformers on the same GPU, both in bf16
+(sdpa attention), on generated models: logits within bf16 noise of each other
+(3% of the largest logit) and the same greedy tokens until the first step
+where transformers' own top two are within that noise. Skipped without a GPU.
+"""
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+BIN = Path(os.environ.get("KDN_BIN_DIR", "build/bin"))
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def run(*args):
+    return subprocess.run([str(a) for a in args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "small"])
+def test_cuda_logits_and_greedy_tokens_match_transformers(preset, tmp_path):
+    model_dir = tmp_path / preset
+    run(BIN / "kdn-mkmodel", "--preset", preset, "--seed", "11", "--out", model_dir,
+        "--dtype", "bf16")
+    ids = [256] + [(i * 37 + 11) % 256 for i in range(299)]
+    out = tmp_path / "logits.f32"
+    greedy = run(BIN / "kdn_forward_cuda", model_dir, ",".join(map(str, ids)), out, 16)
+    kdn_tokens = [int(t) for t in greedy.strip().split(",")]
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").cuda().eval()
+    vocab = model.config.vocab_size
+    kdn_logits = np.fromfile(out, dtype=np.float32).reshape(len(ids), vocab)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+        scale = np.abs(ref).max()
+        err = np.abs(kdn_logits - ref).max() / scale
+        print(f"\n{preset}: max |kdn - hf| / max |hf| = {err:.2e}")
+        assert err < 3e-2
+        seq = list(ids)
+        for step in range(16):
+            logits = model(torch.tensor([seq], device="cuda")).logits[0, -1].float()
+            top2 = torch.topk(logits, 2)
+            if (top2.values[0] - top2.values[1]).item() < 0.01 * scale:
+                break  # a near tie: bf16 noise may pick either
+            assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
+            seq.append(int(top2.indices[0]))
