@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# What a GPU machine runs for the CUDA backend (docs/engine.md, "CUDA
+# backend"): the gpu-labelled tests, the comparison with Hugging Face on the
+# GPU, and the prefill/decode benchmarks on the llama3-8b shape with the
+# transformers peer. Results go to $OUT (default ./gpu-results).
+#
+#   bash scripts/gpu-check.sh BIN_DIR        # BIN_DIR holds kdn_cuda_tests,
+#                                            # kdn_forward_cuda, kdn-mkmodel, kdn-bench
+# Needs a CUDA device; the Hugging Face parts need python3 with torch (CUDA)
+# and transformers. Each step's failure is reported and the next one runs.
+set -uo pipefail
+BIN=${1:?usage: gpu-check.sh BIN_DIR}
+OUT=${OUT:-./gpu-results}
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+status=0
+step() {
+  local name=$1; shift
+  echo "== $name: $*"
+  if "$@" > "$OUT/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?)"; status=1; fi
+  tail -n 25 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+step cuda_tests "$BIN/kdn_cuda_tests" --gtest_brief=1
+step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
+step prefill "$BIN/kdn-bench" prefill --device cuda --preset llama3-8b --tokens 2048,8192,32768 \
+  --reps 3 --json "$OUT/prefill.json"
+step decode "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 1,32,128 \
+  --context 512 --steps 32 --json "$OUT/decode.json"
+"$BIN/kdn-mkmodel" --preset llama3-8b --out "$OUT/llama3-8b-config" --config-only > /dev/null
+step hf_peer python3 "$HERE/bench/hf_peer.py" --config "$OUT/llama3-8b-config/config.json" \
+  --prefill 2048,8192,32768 --decode 1,32,128 --context 512 --steps 32 --json "$OUT/hf_peer.json"
+exit $status
