@@ -485,15 +485,32 @@ Status Model::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, in
     return InvalidArgument("rotate: no layer " + std::to_string(layer));
   }
   if (delta == 0 || count == 0) return Status::Ok();
-  // Tokens of one block are contiguous: rotate them in runs.
-  const std::vector<int32_t> pos(kKvBlockTokens, static_cast<int32_t>(delta));
+  // Every token turns by the same angle: the cosines and sines once, then a
+  // plain loop (no OpenMP: this runs beside the compute threads on blend's
+  // loader thread, and is light memory work).
+  const int half = config_.head_dim / 2;
+  std::vector<float> cs(half), sn(half);
+  for (int i = 0; i < half; ++i) {
+    const double a = static_cast<double>(delta) * inv_freq_[i];  // as ApplyRope, in double
+    cs[i] = static_cast<float>(std::cos(a));
+    sn[i] = static_cast<float>(std::sin(a));
+  }
   const int l0 = layer < 0 ? 0 : layer;
   const int l1 = layer < 0 ? config_.num_layers : layer + 1;
+  const int64_t heads_in_run = config_.num_kv_heads;
   for (int l = l0; l < l1; ++l) {
+    // Tokens of one block are contiguous: rotate them in runs.
     for (int64_t t = first; t < first + count;) {
       const int64_t run = std::min<int64_t>(kKvBlockTokens - t % kKvBlockTokens, first + count - t);
-      ApplyRope(kv_->KeyAt(seq, l, t), run, config_.num_kv_heads, config_.head_dim, pos.data(),
-                inv_freq_.data());
+      float* k = kv_->KeyAt(seq, l, t);
+      for (int64_t v = 0; v < run * heads_in_run; ++v) {
+        float* x = k + v * config_.head_dim;
+        for (int i = 0; i < half; ++i) {
+          const float a = x[i], b = x[i + half];
+          x[i] = a * cs[i] - b * sn[i];
+          x[i + half] = b * cs[i] + a * sn[i];
+        }
+      }
       t += run;
     }
   }
