@@ -109,15 +109,20 @@ TEST(CudaModel, MatchesTheCpuBackendOnSmall) {
   CheckGreedy("small");
 }
 
+// The tiny preset on the GPU with a pool and buffers of these sizes.
+Result<std::unique_ptr<CudaModel>> TinyCudaModel(int64_t kv_tokens, int64_t max_prefill,
+                                                 int max_batch) {
+  KDN_ASSIGN_OR_RETURN(Preset p, FindPreset("tiny"));
+  CudaEngineOptions o;
+  o.kv_tokens = kv_tokens;
+  o.max_prefill_tokens = max_prefill;
+  o.max_batch = max_batch;
+  return CudaModel::Create(p.config, GenerateWeights(p.config, 4, DType::kBF16), o);
+}
+
 TEST(CudaModel, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  auto p = FindPreset("tiny");
-  ASSERT_TRUE(p.ok());
-  CudaEngineOptions go;
-  go.kv_tokens = 4096;
-  go.max_prefill_tokens = 512;
-  go.max_batch = 4;
-  auto m = CudaModel::Create(p->config, GenerateWeights(p->config, 4, DType::kBF16), go);
+  auto m = TinyCudaModel(4096, 512, 4);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   CudaModel& g = **m;
   const auto prompt = Tokens(150, 6);
@@ -146,7 +151,7 @@ TEST(CudaModel, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
   const std::vector<int32_t> next = {7, 8, 9};
   std::vector<float> batched;
   KDN_ASSERT_OK(g.DecodeStep(ptrs, next, &batched));
-  const int V = p->config.vocab_size;
+  const int V = g.config().vocab_size;
   for (int i = 0; i < 3; ++i) {
     CudaKvSequence* s = &alone[i];
     std::vector<float> one;
@@ -158,13 +163,7 @@ TEST(CudaModel, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
 
 TEST(CudaModel, RefusesBadTokensAndOverlongPrompts) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  auto p = FindPreset("tiny");
-  ASSERT_TRUE(p.ok());
-  CudaEngineOptions go;
-  go.kv_tokens = 1024;
-  go.max_prefill_tokens = 64;
-  go.max_batch = 2;
-  auto m = CudaModel::Create(p->config, GenerateWeights(p->config, 4, DType::kBF16), go);
+  auto m = TinyCudaModel(1024, 64, 2);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   CudaKvSequence s;
   std::vector<float> l;
