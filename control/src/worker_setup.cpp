@@ -34,6 +34,12 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
   return std::make_unique<kvbus::TieredStore>(std::move(tiers), options);
 }
 
+bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens) {
+  const kvbus::ChunkInfo& info = chunk.info();
+  return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
+         info.dtype == kvbus::KvDType::kF32;
+}
+
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const std::function<void(proto::WorkerInfo*)>& fill_info) {

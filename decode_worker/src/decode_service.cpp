@@ -189,8 +189,7 @@ struct DecodeService::Impl {
       }
       for (const kvbus::ChunkKey& key : p.keys) {
         auto chunk = store->Get(key);
-        if (!chunk.ok() || (*chunk)->info().tokens != static_cast<uint32_t>(options.chunk_tokens) ||
-            (*chunk)->info().dtype != kvbus::KvDType::kF32 ||
+        if (!chunk.ok() || !control::ChunkFits(**chunk, wm.fingerprint, options.chunk_tokens) ||
             !kvbus::ChunkToPagedKv(**chunk, cache, p.seq,
                                    static_cast<int64_t>(p.held_chunks) * options.chunk_tokens)
                  .ok()) {

@@ -92,14 +92,19 @@ void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* p
         cs[i] = static_cast<float>(std::cos(a));
         sn[i] = static_cast<float>(std::sin(a));
       }
-      for (int h = 0; h < heads; ++h) {
-        float* v = x + (r * heads + h) * head_dim;
-        for (int i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * cs[i] - b * sn[i];
-          v[i + half] = b * cs[i] + a * sn[i];
-        }
-      }
+      RotateByAngles(x + r * heads * head_dim, heads, head_dim, cs.data(), sn.data());
+    }
+  }
+}
+
+void RotateByAngles(float* x, int64_t vectors, int head_dim, const float* cs, const float* sn) {
+  const int half = head_dim / 2;
+  for (int64_t h = 0; h < vectors; ++h) {
+    float* v = x + h * head_dim;
+    for (int i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cs[i] - b * sn[i];
+      v[i + half] = b * cs[i] + a * sn[i];
     }
   }
 }

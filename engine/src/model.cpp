@@ -497,20 +497,12 @@ Status Model::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, in
   }
   const int l0 = layer < 0 ? 0 : layer;
   const int l1 = layer < 0 ? config_.num_layers : layer + 1;
-  const int64_t heads_in_run = config_.num_kv_heads;
   for (int l = l0; l < l1; ++l) {
     // Tokens of one block are contiguous: rotate them in runs.
     for (int64_t t = first; t < first + count;) {
       const int64_t run = std::min<int64_t>(kKvBlockTokens - t % kKvBlockTokens, first + count - t);
-      float* k = kv_->KeyAt(seq, l, t);
-      for (int64_t v = 0; v < run * heads_in_run; ++v) {
-        float* x = k + v * config_.head_dim;
-        for (int i = 0; i < half; ++i) {
-          const float a = x[i], b = x[i + half];
-          x[i] = a * cs[i] - b * sn[i];
-          x[i + half] = b * cs[i] + a * sn[i];
-        }
-      }
+      RotateByAngles(kv_->KeyAt(seq, l, t), run * config_.num_kv_heads, config_.head_dim,
+                     cs.data(), sn.data());
       t += run;
     }
   }

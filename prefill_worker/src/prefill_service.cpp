@@ -81,6 +81,45 @@ struct PrefillService::Impl {
     server->Send(q.peer, reply);
   }
 
+  // One prompt: prefill, reply, then store its new chunks.
+  void RunPrefill(const QueuedJob& q) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = prefiller->Run(q.job);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    proto::WorkerMessage reply;
+    reply.set_request_id(q.request_id);
+    auto* pr = reply.mutable_prefill_reply();
+    if (out.ok()) {
+      pr->set_first_token(out->first_token);
+      pr->set_cached_tokens(out->cached_tokens);
+      pr->set_computed_tokens(out->computed_tokens);
+      pr->set_kv_bytes_sent(out->kv_bytes_sent);
+      pr->set_slices_skipped(out->slices_skipped);
+      pr->set_blended_tokens(out->blended_tokens);
+      pr->set_recomputed_tokens(out->recomputed_tokens);
+      std::fprintf(stderr,
+                   "%s: request %llu: %zu prompt tokens, %d cached (%d blended, %d of them "
+                   "recomputed), %d computed, %.3f s; %.1f MiB of KV pushed, %u slices "
+                   "skipped\n",
+                   options.name.c_str(), static_cast<unsigned long long>(q.request_id),
+                   q.job.tokens.size(), out->cached_tokens, out->blended_tokens,
+                   out->recomputed_tokens, out->computed_tokens, secs,
+                   out->kv_bytes_sent / 1048576.0, out->slices_skipped);
+    } else {
+      control::StatusToProto(out.status(), pr->mutable_error());
+      std::fprintf(stderr, "%s: request %llu failed: %s\n", options.name.c_str(),
+                   static_cast<unsigned long long>(q.request_id),
+                   out.status().ToString().c_str());
+    }
+    server->Send(q.peer, reply);
+    // After the reply, so that storing costs the request no time.
+    if (Status st = prefiller->StoreNewChunks(); !st.ok()) {
+      std::fprintf(stderr, "%s: storing chunks: %s\n", options.name.c_str(),
+                   st.ToString().c_str());
+    }
+  }
+
   void OnMessage(control::ControlServer& srv, const std::string& peer,
                  proto::WorkerMessage msg) {
     if (control::AnswerQuery(srv, peer, msg, *store,
@@ -152,45 +191,8 @@ struct PrefillService::Impl {
       }
       if (q.inject) {
         RunInject(q);
-        queued_tokens -= static_cast<int64_t>(q.job.tokens.size());
-        --depth;
-        free_blocks = wm.model->kv_cache().free_blocks();
-        continue;
-      }
-      const auto t0 = std::chrono::steady_clock::now();
-      auto out = prefiller->Run(q.job);
-      const double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      proto::WorkerMessage reply;
-      reply.set_request_id(q.request_id);
-      auto* pr = reply.mutable_prefill_reply();
-      if (out.ok()) {
-        pr->set_first_token(out->first_token);
-        pr->set_cached_tokens(out->cached_tokens);
-        pr->set_computed_tokens(out->computed_tokens);
-        pr->set_kv_bytes_sent(out->kv_bytes_sent);
-        pr->set_slices_skipped(out->slices_skipped);
-        pr->set_blended_tokens(out->blended_tokens);
-        pr->set_recomputed_tokens(out->recomputed_tokens);
-        std::fprintf(stderr,
-                     "%s: request %llu: %zu prompt tokens, %d cached (%d blended, %d of them "
-                     "recomputed), %d computed, %.3f s; %.1f MiB of KV pushed, %u slices "
-                     "skipped\n",
-                     options.name.c_str(), static_cast<unsigned long long>(q.request_id),
-                     q.job.tokens.size(), out->cached_tokens, out->blended_tokens,
-                     out->recomputed_tokens, out->computed_tokens, secs,
-                     out->kv_bytes_sent / 1048576.0, out->slices_skipped);
       } else {
-        control::StatusToProto(out.status(), pr->mutable_error());
-        std::fprintf(stderr, "%s: request %llu failed: %s\n", options.name.c_str(),
-                     static_cast<unsigned long long>(q.request_id),
-                     out.status().ToString().c_str());
-      }
-      server->Send(q.peer, reply);
-      // After the reply, so that storing costs the request no time.
-      if (Status st = prefiller->StoreNewChunks(); !st.ok()) {
-        std::fprintf(stderr, "%s: storing chunks: %s\n", options.name.c_str(),
-                     st.ToString().c_str());
+        RunPrefill(q);
       }
       queued_tokens -= static_cast<int64_t>(q.job.tokens.size());
       --depth;

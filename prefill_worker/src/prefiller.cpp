@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kdn/control/transfer_plan.h"
+#include "kdn/control/worker_setup.h"
 
 namespace kdn::prefill_worker {
 
@@ -78,13 +79,6 @@ struct Prefiller::Push {
   }
 };
 
-bool Prefiller::Usable(const kvbus::Chunk& chunk, int64_t tokens) const {
-  // Another chunking, model or precision: recompute rather than guess.
-  const kvbus::ChunkInfo& info = chunk.info();
-  return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint_ &&
-         info.dtype == kvbus::KvDType::kF32;
-}
-
 Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   seq_.Reset();
   keys_.clear();
@@ -114,7 +108,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   int64_t hit = 0;
   for (; hit < usable; ++hit) {
     auto chunk = store_.Get(keys_[hit]);
-    if (!chunk.ok() || !Usable(**chunk, C)) break;
+    if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, C)) break;
     if (!kvbus::ChunkToPagedKv(**chunk, cache, seq_, hit * C).ok()) break;
   }
   cache.SetLength(seq_, hit * C);
@@ -171,7 +165,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
     p += len;
     const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, s.tokens);
     auto chunk = store_.Get(key);
-    if (chunk.ok() && Usable(**chunk, len)) {
+    if (chunk.ok() && control::ChunkFits(**chunk, fingerprint_, len)) {
       s.kv = *std::move(chunk);
     } else if (std::none_of(missing_segments_.begin(), missing_segments_.end(),
                             [&](const auto& m) { return m.first == key; })) {

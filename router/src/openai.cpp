@@ -95,13 +95,17 @@ std::optional<ApiError> ParseBody(const std::string& text, const ServedModel& mo
   return std::nullopt;
 }
 
+// Whether `name` is in the body with a value other than null (null counts
+// as absent, as for every optional field).
+bool IsSet(const json& body, const char* name) {
+  auto it = body.find(name);
+  return it != body.end() && !it->is_null();
+}
+
 // Fields of OpenAI's API that kdn does not implement: refused, not ignored,
 // when set to anything but their neutral value.
 std::optional<ApiError> RefuseUnsupported(const json& body) {
-  auto set = [&](const char* name) {
-    auto it = body.find(name);
-    return it != body.end() && !it->is_null();
-  };
+  auto set = [&](const char* name) { return IsSet(body, name); };
   if (set("logprobs") && !(body["logprobs"].is_boolean() && !body["logprobs"].get<bool>())) {
     return Bad("'logprobs' is not supported by kdn", "logprobs");
   }
@@ -168,6 +172,23 @@ std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
   return std::nullopt;
 }
 
+// The `documents` field (set): a non-empty list of non-empty strings.
+std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<std::string>* docs) {
+  const json& d = body["documents"];
+  if (!d.is_array()) {
+    return Bad(std::string("'documents' must be a list of strings, not ") + TypeName(d),
+               "documents");
+  }
+  if (d.empty()) return Bad("'documents' is an empty list", "documents");
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (!d[i].is_string() || d[i].get<std::string>().empty()) {
+      return Bad("documents[" + std::to_string(i) + "] must be a non-empty string", "documents");
+    }
+    docs->push_back(d[i].get<std::string>());
+  }
+  return std::nullopt;
+}
+
 // The documents of a request: the `documents` field, or the pieces of `text`
 // before the last separator. Returns whether the request has documents;
 // `text` keeps what follows them.
@@ -175,21 +196,8 @@ std::optional<ApiError> TakeDocuments(const json& body, const std::string& separ
                                       std::string* text, std::vector<std::string>* docs,
                                       bool* has_documents) {
   *has_documents = false;
-  auto it = body.find("documents");
-  if (it != body.end() && !it->is_null()) {
-    if (!it->is_array()) {
-      return Bad(std::string("'documents' must be a list of strings, not ") + TypeName(*it),
-                 "documents");
-    }
-    if (it->empty()) return Bad("'documents' is an empty list", "documents");
-    for (size_t i = 0; i < it->size(); ++i) {
-      const json& d = (*it)[i];
-      if (!d.is_string() || d.get<std::string>().empty()) {
-        return Bad("documents[" + std::to_string(i) + "] must be a non-empty string",
-                   "documents");
-      }
-      docs->push_back(d.get<std::string>());
-    }
+  if (IsSet(body, "documents")) {
+    KDN_API_CHECK(ParseDocumentsField(body, docs));
     *has_documents = true;
     return std::nullopt;
   }
@@ -280,7 +288,7 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
   if (last_user != msgs.rend()) {
     KDN_API_CHECK(TakeDocuments(body, separator, &last_user->second, &docs, &has_documents));
     if (has_documents) last_user->second.insert(0, kDocumentsMarker);
-  } else if (body.contains("documents") && !body["documents"].is_null()) {
+  } else if (IsSet(body, "documents")) {
     return Bad("'documents' go with the last user message, and there is none", "documents");
   }
   ChatPrompt chat = RenderChat(model.config->architecture, msgs);
@@ -355,8 +363,7 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
   if (kind == ApiKind::kCompletion) {
     std::optional<std::string> text;
     KDN_API_CHECK(ParsePrompt(body, model, &out->prompt, &text));
-    const bool given = body.contains("documents") && !body["documents"].is_null();
-    if (given && !text) {
+    if (IsSet(body, "documents") && !text) {
       return Bad("'documents' need 'prompt' as a string (the question after them)", "prompt");
     }
     if (text) {
@@ -460,13 +467,9 @@ std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
                                            const ServedModel& model, InjectApiRequest* out) {
   json body;
   KDN_API_CHECK(ParseBody(body_text, model, &body));
-  if (!body.contains("documents") || body["documents"].is_null()) {
-    return Bad("'documents' is required", "documents");
-  }
-  std::string none;
+  if (!IsSet(body, "documents")) return Bad("'documents' is required", "documents");
   std::vector<std::string> docs;
-  bool has_documents = false;
-  KDN_API_CHECK(TakeDocuments(body, "", &none, &docs, &has_documents));
+  KDN_API_CHECK(ParseDocumentsField(body, &docs));
   for (size_t i = 0; i < docs.size(); ++i) {
     std::vector<int32_t> t = model.tokenizer->Encode(docs[i], /*add_bos=*/false);
     if (t.empty()) return Bad("document " + std::to_string(i) + " has no tokens", "documents");

@@ -214,16 +214,26 @@ class Session : public std::enable_shared_from_this<Session> {
     job.stop_ids = req.stop_ids;
     job.stop_strings = req.stop;
     job.blend = std::move(req.blend);
+    if (stream_mode_) stream_.expires_never();
+    BeginJob();
+    job_ = router_.backend->Submit(std::move(job), JobEvents());
+  }
+
+  // The job about to start counts as in flight and live.
+  void BeginJob() {
     router_.metrics.InFlight(1);
     in_flight_ = true;
-    if (stream_mode_) stream_.expires_never();
-    auto self = shared_from_this();
-    job_ = router_.backend->Submit(std::move(job), [self](JobEvent ev) {
+    job_live_ = true;
+  }
+
+  // The callback that brings a job's events (on the backend thread) to this
+  // session's I/O thread.
+  JobCallback JobEvents() {
+    return [self = shared_from_this()](JobEvent ev) {
       asio::post(self->router_.io, [self, ev = std::move(ev)]() mutable {
         self->OnJobEvent(std::move(ev));
       });
-    });
-    job_live_ = true;
+    };
   }
 
   // POST /v1/kdn/inject: stores documents' KV in the KDN. With "stream",
@@ -240,16 +250,9 @@ class Session : public std::enable_shared_from_this<Session> {
     InjectJob job;
     job.documents = std::move(req.documents);
     job.ns = std::move(req.cache_salt);
-    router_.metrics.InFlight(1);
-    in_flight_ = true;
     stream_.expires_never();
-    auto self = shared_from_this();
-    job_ = router_.backend->Inject(std::move(job), [self](JobEvent ev) {
-      asio::post(self->router_.io, [self, ev = std::move(ev)]() mutable {
-        self->OnJobEvent(std::move(ev));
-      });
-    });
-    job_live_ = true;
+    BeginJob();
+    job_ = router_.backend->Inject(std::move(job), JobEvents());
   }
 
   static json ProgressJson(const InjectProgress& p, bool final) {

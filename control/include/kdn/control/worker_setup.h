@@ -12,6 +12,7 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/model.h"
 #include "kdn/engine/tokenizer.h"
+#include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/tiered_store.h"
 
@@ -33,6 +34,12 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
 // workers find what this one stores).
 Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
                                                             const std::string& store_endpoint);
+
+// Whether a chunk from the KDN can be written into this worker's paged KV as
+// `tokens` tokens: that many, computed by this model (`fingerprint`), in the
+// engine's f32. Another chunking, model or precision is recomputed rather
+// than guessed at.
+bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens);
 
 // Answers, on the control I/O thread, the queries both kinds of worker answer
 // alike: an info request (the router's liveness ping) and a lookup (how many

@@ -24,6 +24,11 @@ std::vector<float> RopeInvFreq(const ModelConfig& config);
 void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
                const float* inv_freq);
 
+// The rotation itself: turns `vectors` consecutive vectors of head_dim floats
+// by the angles whose cosines and sines are cs and sn (head_dim / 2 each),
+// with the same pairing. Serial (no OpenMP).
+void RotateByAngles(float* x, int64_t vectors, int head_dim, const float* cs, const float* sn);
+
 // out[r][i] = silu(gate_up[r][i]) * gate_up[r][inter + i]; gate_up is
 // [rows][2*inter] (gate then up, as the fused projection writes them).
 void SiluMul(const float* gate_up, int64_t rows, int inter, float* out);

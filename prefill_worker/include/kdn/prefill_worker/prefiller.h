@@ -117,7 +117,6 @@ class Prefiller {
   struct Push;
   // Computes a document alone and stores it (seq_ must be free).
   Status StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens);
-  bool Usable(const kvbus::Chunk& chunk, int64_t tokens) const;
 
   engine::Model& model_;
   kvbus::TieredStore& store_;
