@@ -84,6 +84,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
 
 // quality: exact match of a QA model on its eval set (bench/quality_workload.cpp).
 std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question);
-int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens);
+int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
+               const std::vector<double>& ratios, int check_layer);
 
 }  // namespace kdn::bench

@@ -114,7 +114,8 @@ int main(int argc, char** argv) {
   multiturn->add_option("--seed", mt_seed, "Seed of the text (default: a new one each run)");
   multiturn->add_option("--json", c.json_path, "Also write the results as one JSON object");
   std::string eval_path;
-  int quality_limit = 0, quality_max_tokens = 32;
+  int quality_limit = 0, quality_max_tokens = 96, quality_check = 1;
+  std::vector<double> quality_ratios = {0.05, 0.15, 0.3};
   auto* quality = app.add_subcommand(
       "quality", "Exact-match accuracy of a QA model on its eval set, through kdn's engine");
   common(quality);
@@ -123,6 +124,14 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   quality->add_option("--max-tokens", quality_max_tokens, "Answer tokens at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  quality->add_option("--ratios", quality_ratios,
+                      "CacheBlend recompute ratios, each in (0, 1]; with any, full reuse "
+                      "(ratio 0) runs too; 'none' for full prefill alone")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->transform([](std::string s) { return s == "none" ? std::string() : s; });
+  quality->add_option("--check-layer", quality_check, "Layer whose KV deviation picks the tokens")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   int rb_docs = 6, rb_doc_tokens = 512, rb_question = 32, rb_check = 1;
   std::vector<double> rb_ratios = {0.0, 0.05, 0.15, 0.3, 1.0};
   auto* rag = app.add_subcommand("rag-blend", "CacheBlend TTFT and quality vs full prefill and prefix caching");
@@ -148,7 +157,8 @@ int main(int argc, char** argv) {
     return RunMultiturn(c, mt);
   }
   if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);
-  if (quality->parsed()) return RunQuality(c, eval_path, quality_limit, quality_max_tokens);
+  if (quality->parsed()) return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
+                                           quality_check);
   if (device == "cuda") {
 #if KDN_BENCH_CUDA
     if (prefill->parsed()) return RunCudaPrefill(c, lengths);

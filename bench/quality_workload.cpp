@@ -5,16 +5,25 @@
 // Each example is {"documents": [...], "question", "answer", "hops"}; the
 // prompt is BOS + each document and "\n" + "Question: " + question +
 // "\nAnswer:", decoded greedily until "\n"; the text, stripped, must equal
-// the answer. Modes: full prefill (the reference). Blend modes join when
-// CacheBlend exists.
+// the answer.
+//
+// Modes: full prefill (the reference); full reuse (every document's KV as
+// computed alone, placed and rotated, nothing recomputed: cross-document
+// attention is lost); and CacheBlend at each --ratios value. In the reuse
+// modes each document ("doc\n") is tokenized and computed on its own once,
+// as the serving path stores it under its segment key; BOS is computed and
+// the question is the suffix.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <memory>
 
 #include "bench_util.h"
-#include "kdn/engine/generate.h"
+#include "kdn/blend/blend.h"
+#include "kdn/engine/sampler.h"
 #include "kdn/engine/tokenizer.h"
+#include "kdn/kvbus/key.h"
 
 namespace kdn::bench {
 
@@ -59,6 +68,29 @@ std::string Strip(std::string s) {
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
 }
 
+// Greedy decoding from `seq` (whose prompt gave `logits`) until a newline,
+// EOS or max_tokens; the text before the newline.
+Result<std::string> DecodeLine(engine::Model& model, engine::KvSequence& seq,
+                               const engine::Tokenizer& tok, std::vector<float> logits,
+                               int max_tokens) {
+  std::string text;
+  for (int i = 0; i < max_tokens; ++i) {
+    int32_t t = engine::Argmax(logits);
+    if (t == tok.eos_id()) break;
+    text += tok.Decode(std::span<const int32_t>(&t, 1));
+    if (text.find('\n') != std::string::npos) break;
+    engine::KvSequence* s = &seq;
+    KDN_RETURN_IF_ERROR(model.DecodeStep(std::span<engine::KvSequence* const>(&s, 1), {&t, 1},
+                                         &logits));
+  }
+  return text.substr(0, text.find('\n'));
+}
+
+struct Mode {
+  std::string name;
+  double ratio = -1;  // < 0: full prefill; 0: full reuse; else CacheBlend
+};
+
 }  // namespace
 
 std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question) {
@@ -67,7 +99,8 @@ std::string QaPrompt(const std::vector<std::string>& documents, const std::strin
   return p + "Question: " + question + "\nAnswer:";
 }
 
-int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens) {
+int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
+               const std::vector<double>& ratios, int check_layer) {
   if (c.model_dir.empty()) {
     std::fprintf(stderr, "kdn-bench quality: give --model (e.g. models/kdn-qa)\n");
     return 2;
@@ -81,60 +114,134 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   }
   if (limit > 0 && static_cast<size_t>(limit) < examples->size()) examples->resize(limit);
   std::string what;
-  auto model = MakeModel(c, 4096, &what);
-  auto tok = engine::Tokenizer::Load(c.model_dir);
-  if (!model.ok() || !tok.ok()) {
+  auto model_r = MakeModel(c, 4096, &what);
+  auto tok_r = engine::Tokenizer::Load(c.model_dir);
+  if (!model_r.ok() || !tok_r.ok()) {
     std::fprintf(stderr, "kdn-bench: %s\n",
-                 (!model.ok() ? model.status() : tok.status()).ToString().c_str());
+                 (!model_r.ok() ? model_r.status() : tok_r.status()).ToString().c_str());
     return 1;
   }
-  std::printf("quality of %s on %s (%zu examples), full prefill, greedy\n", what.c_str(),
-              path.c_str(), examples->size());
+  engine::Model& model = **model_r;
+  const engine::Tokenizer& tok = **tok_r;
+  engine::PagedKvCache& cache = model.kv_cache();
+  std::vector<Mode> modes{{"full prefill", -1}};
+  if (!ratios.empty()) modes.push_back({"full reuse", 0});
+  for (double r : ratios) {
+    if (r <= 0 || r > 1) {
+      std::fprintf(stderr, "kdn-bench quality: --ratios values must be in (0, 1], got %g\n", r);
+      return 2;
+    }
+    char name[32];
+    std::snprintf(name, sizeof(name), "blend %.2f", r);
+    modes.push_back({name, r});
+  }
+  std::printf("quality of %s on %s (%zu examples), greedy, check layer %d\n", what.c_str(),
+              path.c_str(), examples->size(), check_layer);
+
+  // Each document's KV computed alone (positions 0..n-1), once.
+  const kvbus::KeyContext ctx{{0, 42}, "", 256};
+  std::map<std::string, std::shared_ptr<const kvbus::Chunk>> doc_kv;
+  auto kv_of = [&](const std::string& doc, const std::vector<int32_t>& tokens)
+      -> Result<std::shared_ptr<const kvbus::Chunk>> {
+    if (auto it = doc_kv.find(doc); it != doc_kv.end()) return it->second;
+    engine::KvSequence seq = cache.NewSequence();
+    std::vector<float> logits;
+    KDN_RETURN_IF_ERROR(model.Prefill(seq, tokens, {}, &logits));
+    KDN_ASSIGN_OR_RETURN(auto chunk,
+                         kvbus::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
+                                                 kvbus::SegmentKey(ctx, tokens),
+                                                 ctx.model_fingerprint, kvbus::KvDType::kF32));
+    auto shared = std::shared_ptr<const kvbus::Chunk>(std::move(chunk));
+    doc_kv.emplace(doc, shared);
+    return shared;
+  };
+  auto answer = [&](const Example& e, const Mode& mode,
+                    int64_t* recomputed) -> Result<std::string> {
+    engine::KvSequence seq = cache.NewSequence();
+    std::vector<float> logits;
+    if (mode.ratio < 0) {
+      const std::vector<int32_t> prompt = tok.Encode(QaPrompt(e.documents, e.question), true);
+      KDN_RETURN_IF_ERROR(model.Prefill(seq, prompt, {}, &logits));
+    } else {
+      std::vector<blend::Segment> segments;
+      segments.push_back({{tok.bos_id() >= 0 ? tok.bos_id() : 0}, nullptr});
+      for (const std::string& d : e.documents) {
+        std::vector<int32_t> tokens = tok.Encode(d + "\n", false);
+        KDN_ASSIGN_OR_RETURN(auto kv, kv_of(d, tokens));
+        segments.push_back({std::move(tokens), std::move(kv)});
+      }
+      const std::vector<int32_t> suffix = tok.Encode(QaPrompt({}, e.question), false);
+      KDN_ASSIGN_OR_RETURN(
+          blend::BlendResult res,
+          blend::BlendPrefill(model, seq, segments, suffix,
+                              {.recompute_ratio = mode.ratio, .check_layer = check_layer}));
+      *recomputed += res.recomputed_tokens;
+      logits = std::move(res.logits);
+    }
+    return DecodeLine(model, seq, tok, std::move(logits), max_tokens);
+  };
+
   struct Tally {
     int n = 0, right = 0;
-    int64_t prompt_tokens = 0;
+    int64_t prompt_tokens = 0, cached = 0, recomputed = 0;
   };
-  std::map<int, Tally> by_hops;
+  std::vector<std::map<int, Tally>> tallies(modes.size());
   const auto t0 = Clock::now();
   for (size_t i = 0; i < examples->size(); ++i) {
     const Example& e = (*examples)[i];
-    const std::vector<int32_t> prompt = (*tok)->Encode(QaPrompt(e.documents, e.question), true);
-    engine::GenerateOptions g;
-    g.max_tokens = max_tokens;
-    g.sampling.temperature = 0;
-    if ((*tok)->eos_id() >= 0) g.stop_ids.push_back((*tok)->eos_id());
-    std::string text;
-    g.on_token = [&](int32_t t) {
-      text += (*tok)->Decode(std::span<const int32_t>(&t, 1));
-      return text.find('\n') == std::string::npos;
-    };
-    auto res = engine::Generate(**model, prompt, g);
-    if (!res.ok()) {
-      std::fprintf(stderr, "kdn-bench: example %zu: %s\n", i, res.status().ToString().c_str());
-      return 1;
+    const int64_t prompt_tokens =
+        static_cast<int64_t>(tok.Encode(QaPrompt(e.documents, e.question), true).size());
+    int64_t doc_tokens = 0;
+    for (const std::string& d : e.documents) {
+      doc_tokens += static_cast<int64_t>(tok.Encode(d + "\n", false).size());
     }
-    const std::string got = Strip(text.substr(0, text.find('\n')));
-    Tally& t = by_hops[e.hops];
-    ++t.n;
-    t.right += got == e.answer;
-    t.prompt_tokens += static_cast<int64_t>(prompt.size());
-    if ((i + 1) % 50 == 0) {
-      std::fprintf(stderr, "quality: %zu/%zu examples\n", i + 1, examples->size());
+    for (size_t m = 0; m < modes.size(); ++m) {
+      int64_t recomputed = 0;
+      auto got = answer(e, modes[m], &recomputed);
+      if (!got.ok()) {
+        std::fprintf(stderr, "kdn-bench: example %zu, %s: %s\n", i, modes[m].name.c_str(),
+                     got.status().ToString().c_str());
+        return 1;
+      }
+      Tally& t = tallies[m][e.hops];
+      ++t.n;
+      t.right += Strip(*got) == e.answer;
+      t.prompt_tokens += prompt_tokens;
+      if (modes[m].ratio >= 0) t.cached += doc_tokens;
+      t.recomputed += recomputed;
+    }
+    if ((i + 1) % 25 == 0 || i + 1 == examples->size()) {
+      std::fprintf(stderr, "quality: %zu/%zu examples, %zu modes\n", i + 1, examples->size(),
+                   modes.size());
     }
   }
   const double secs = Seconds(t0, Clock::now());
-  std::printf("%6s %8s %10s %14s\n", "hops", "examples", "exact", "prompt tokens");
+  std::printf("%-14s %5s %9s %8s %14s %18s\n", "mode", "hops", "examples", "exact",
+              "prompt tokens", "cached recomputed");
   json rows = json::array();
-  for (const auto& [hops, t] : by_hops) {
-    const double acc = static_cast<double>(t.right) / t.n;
-    std::printf("%6d %8d %9.1f%% %14.0f\n", hops, t.n, 100.0 * acc,
-                static_cast<double>(t.prompt_tokens) / t.n);
-    rows.push_back({{"mode", "full_prefill"}, {"hops", hops}, {"examples", t.n},
-                    {"exact_match", acc}, {"mean_prompt_tokens", static_cast<double>(t.prompt_tokens) / t.n}});
+  for (size_t m = 0; m < modes.size(); ++m) {
+    for (const auto& [hops, t] : tallies[m]) {
+      const double acc = static_cast<double>(t.right) / t.n;
+      const double share = t.cached > 0 ? static_cast<double>(t.recomputed) / t.cached : 0;
+      std::printf("%-14s %5d %9d %7.1f%% %14.0f %17.1f%%\n", modes[m].name.c_str(), hops, t.n,
+                  100.0 * acc, static_cast<double>(t.prompt_tokens) / t.n, 100.0 * share);
+      json row = {{"mode", modes[m].ratio < 0    ? "full_prefill"
+                           : modes[m].ratio == 0 ? "full_reuse"
+                                                 : "blend"},
+                  {"hops", hops},
+                  {"examples", t.n},
+                  {"exact_match", acc},
+                  {"mean_prompt_tokens", static_cast<double>(t.prompt_tokens) / t.n}};
+      if (modes[m].ratio >= 0) {
+        row["recompute_ratio"] = modes[m].ratio;
+        row["recomputed_share"] = share;
+      }
+      rows.push_back(std::move(row));
+    }
   }
   std::printf("(%.1f s)\n", secs);
-  Emit(c, {{"workload", "quality"}, {"model", what}, {"eval", path}, {"rows", rows},
-           {"seconds", secs}, {"machine", Machine(c)}});
+  Emit(c, {{"workload", "quality"}, {"model", what}, {"eval", path}, {"check_layer", check_layer},
+           {"rows", rows}, {"seconds", secs}, {"machine", Machine(c)}});
   return 0;
 }
 

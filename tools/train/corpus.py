@@ -5,7 +5,7 @@ and questions whose answers need one document (single-hop) or two documents
 read together (two-hop: the mayor of a town is described in another document).
 
 Names are random syllable strings. A name belongs to the held-out (evaluation)
-half of the name space when HeldOut(name) is true; training examples never use
+eighth of the name space when HeldOut(name) is true; training examples never use
 such a name and evaluation examples use only such names, so no entity is shared
 between training and evaluation and every answer can only come from the
 documents in the prompt.
@@ -66,45 +66,68 @@ class _Names:
             return name
 
 
+def _Mayor(t):
+    return "The mayor of {} is {}.".format(t["name"], t["mayor"])
+
+
+def _Pop(t):
+    return "{} has {} people.".format(t["name"], t["pop"])
+
+
+def _Born(p):
+    return "{} was born in {}.".format(p["name"], p["born"])
+
+
+def _Job(p):
+    return "{} works as a {}.".format(p["name"], p["job"])
+
+
+def _Age(p):
+    return "{} is {} years old.".format(p["name"], p["age"])
+
+
 def _TownDoc(rng, t):
-    return "{n} is a town. The mayor of {n} is {m}. {n} has {p} people.".format(
-        n=t["name"], m=t["mayor"], p=t["pop"])
+    return " ".join(("{} is a town.".format(t["name"]), _Mayor(t), _Pop(t)))
 
 
 def _PersonDoc(rng, p):
-    return "{n} was born in {b}. {n} works as a {j}. {n} is {a} years old.".format(
-        n=p["name"], b=p["born"], j=p["job"], a=p["age"])
+    return " ".join((_Born(p), _Job(p), _Age(p)))
 
 
 def _SingleHop(rng, ent):
+    """(question, answer): the answer is the document's own sentence."""
     n = ent["name"]
     if ent["kind"] == "town":
         return rng.choice([
-            ("Who is the mayor of {}?".format(n), ent["mayor"]),
-            ("How many people live in {}?".format(n), str(ent["pop"])),
+            ("Who is the mayor of {}?".format(n), _Mayor(ent)),
+            ("How many people live in {}?".format(n), _Pop(ent)),
         ])
     return rng.choice([
-        ("Where was {} born?".format(n), ent["born"]),
-        ("What is the job of {}?".format(n), ent["job"]),
-        ("How old is {}?".format(n), str(ent["age"])),
+        ("Where was {} born?".format(n), _Born(ent)),
+        ("What is the job of {}?".format(n), _Job(ent)),
+        ("How old is {}?".format(n), _Age(ent)),
     ])
 
 
 def _TwoHop(rng, town, person, town_first):
-    """town first: town -> mayor person -> attribute; else person -> birth town."""
+    """town first: town -> mayor person -> attribute; else person -> birth town.
+
+    The answer states both facts in the documents' words, the bridge first.
+    """
     if town_first:
         n = town["name"]
-        return rng.choice([
-            ("Where was the mayor of {} born?".format(n), person["born"]),
-            ("What is the job of the mayor of {}?".format(n), person["job"]),
-            ("How old is the mayor of {}?".format(n), str(person["age"])),
+        q, a = rng.choice([
+            ("Where was the mayor of {} born?", _Born(person)),
+            ("What is the job of the mayor of {}?", _Job(person)),
+            ("How old is the mayor of {}?", _Age(person)),
         ])
+        return q.format(n), _Mayor(town) + " " + a
     n = person["name"]
-    return rng.choice([
-        ("Who is the mayor of the town where {} was born?".format(n), town["mayor"]),
-        ("How many people live in the town where {} was born?".format(n),
-         str(town["pop"])),
+    q, a = rng.choice([
+        ("Who is the mayor of the town where {} was born?", _Mayor(town)),
+        ("How many people live in the town where {} was born?", _Pop(town)),
     ])
+    return q.format(n), _Born(person) + " " + a
 
 
 def MakeWorld(rng, names, n_docs):
@@ -179,37 +202,37 @@ def MakeTrainText(rng, max_questions=6, max_docs=8, two_hop_share=0.5):
     names = _Names(rng, held_out=False)
     n = rng.randint(2, max_docs)
     docs, ents, links = MakeWorld(rng, names, n)
-    qas = []
-    k = rng.randint(1, max_questions)
-    for _ in range(k):
+    qas = {}
+    for _ in range(rng.randint(1, max_questions)):
         if links and rng.random() < two_hop_share:
-            t, p, tf = rng.choice(links)
-            q, a = _TwoHop(rng, t, p, tf)
-            # The bridge entity must not be given away by an earlier answer.
-            bridge = p["name"] if tf else t["name"]
-            qas.append((q, a, 2, bridge))
+            q, a = _TwoHop(rng, *rng.choice(links))
         else:
             q, a = _SingleHop(rng, rng.choice(ents))
-            qas.append((q, a, 1, None))
-    # Dedupe questions; put two-hop ones before any answer that names their bridge.
-    seen = set()
-    qas = [x for x in qas if not (x[0] in seen or seen.add(x[0]))]
-    rng.shuffle(qas)
-    ordered = []
-    for x in qas:
-        if x[2] == 2:
-            ordered.insert(next((i for i, y in enumerate(ordered) if y[1] == x[3]),
-                                len(ordered)), x)
-        else:
-            ordered.append(x)
+        qas[q] = a
     text = "".join(d + "\n" for d in docs)
     spans = []
-    for q, a, _, _ in ordered:
+    for q, a in qas.items():
         text += "Question: " + q + "\nAnswer:"
         start = len(text)
         text += " " + a + "\n"
         spans.append((start, len(text)))
     return text, spans
+
+
+def MakeCopyText(rng, max_docs=8):
+    """A warm-up sequence: documents, then the same documents again.
+
+    Every byte of the repeat is predictable by finding the same context
+    earlier and copying what follows, the mechanism (an induction head) that
+    answering needs; such sequences grow it in far fewer steps than questions
+    alone. Returns (text, spans) like MakeTrainText, the span being the repeat.
+    """
+    names = _Names(rng, held_out=False)
+    docs, _, _ = MakeWorld(rng, names, rng.randint(2, max_docs))
+    text = "".join(d + "\n" for d in docs)
+    start = len(text)
+    text += text
+    return text, [(start, len(text))]
 
 
 def EvalSet(seed, count):

@@ -31,7 +31,7 @@ def Pick(model, want=((1, 2), (2, 1)), tries=200):
         for _ in range(tries):
             ex = corpus.MakeExample(rng, held_out=True, hops=hops, n_docs=rng.randint(3, 4))
             prompt = [corpus.BOS] + list(corpus.Prompt(ex["documents"], ex["question"]).encode())
-            if evaluate.Greedy(model, prompt, 24).strip() == ex["answer"]:
+            if evaluate.Greedy(model, prompt, 96).strip() == ex["answer"]:
                 out.append({"documents": ex["documents"], "question": ex["question"],
                             "answer": ex["answer"]})
                 got += 1
@@ -45,7 +45,7 @@ def CheckKdn(binary, model_dir, examples):
     for ex in examples:
         prompt = corpus.Prompt(ex["documents"], ex["question"])
         r = subprocess.run([binary, "--model", model_dir, "--prompt", prompt,
-                            "--max-tokens", "16", "--temperature", "0"],
+                            "--max-tokens", "96", "--temperature", "0"],
                            capture_output=True, text=True, check=True)
         got = r.stdout.split("\n")[0].strip()
         ok += got == ex["answer"]

@@ -35,7 +35,7 @@ def Greedy(model, prompt_ids, max_tokens):
     return bytes(t for t in out if t < 256).decode("utf-8", errors="replace")
 
 
-def Evaluate(model, examples, max_tokens=24, verbose=False):
+def Evaluate(model, examples, max_tokens=96, verbose=False):
     """Returns {"single_hop": acc, "two_hop": acc, "n": {...}, "answers": [...]}."""
     model.eval()
     hits = {1: 0, 2: 0}
@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--model", required=True, help="exported folder, or a ckpt.pt")
     ap.add_argument("--eval", default=None, help="default MODEL/eval.jsonl")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--json", default=None, help="write the scores here")

@@ -36,7 +36,7 @@ def Export(model, out, dtype="bfloat16"):
 
 
 def LoadCheckpoint(path):
-    ck = torch.load(path, map_location="cpu")
+    ck = torch.load(path, map_location="cpu", weights_only=False)
     model = LlamaForCausalLM(Config.FromDict(ck["config"]))
     model.load_state_dict(ck["model"])
     return model

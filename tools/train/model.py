@@ -110,6 +110,13 @@ class Attention(nn.Module):
                 v = torch.cat((cache[1], v), dim=2)
             cache[:] = [k, v]
         rep = self.h // self.kvh
+        if cache is None and hasattr(F, "scaled_dot_product_attention"):
+            # Training (torch >= 2): fused causal attention, no t x t tensors.
+            # Query head i reads KV head i // rep (HF repeat_kv).
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, self.h * self.hd))
         # Query head i reads KV head i // rep (HF repeat_kv); grouped so that no
         # copy of K and V is made.
         q = q.reshape(b, self.kvh, rep * t, self.hd)
@@ -165,12 +172,18 @@ class LlamaForCausalLM(nn.Module):
         self._Init()
 
     def _Init(self):
+        # Weights ~ N(0, 1/fan_in): at 0.02 (GPT-2's width-768 value) a model
+        # this narrow starts with near-uniform attention and takes thousands
+        # of steps to leave that saddle. Output projections are scaled down
+        # by sqrt(2 * layers) so that the residual stream does not grow.
         c = self.config
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                std = 0.02
-                if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
-                    std = 0.02 / math.sqrt(2 * c.num_hidden_layers)
+                std = p.shape[1] ** -0.5
+                if name.endswith("embed_tokens.weight"):
+                    std = c.hidden_size ** -0.5
+                elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                    std /= math.sqrt(2 * c.num_hidden_layers)
                 nn.init.normal_(p, std=std)
 
     def Rope(self, start, t, device):

@@ -31,12 +31,16 @@ def Encode(text):
     return [corpus.BOS] + list(text.encode())
 
 
-def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop_share=0.5):
+def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop_share=0.5,
+               copy_share=0.0):
     """Microbatches (ids, targets, weights) for one step, grouped by length."""
     rng = random.Random("{}-{}".format(seed, step))
     seqs = []
     for _ in range(n_examples):
-        text, spans = corpus.MakeTrainText(rng, max_questions, max_docs, two_hop_share)
+        if rng.random() < copy_share:
+            text, spans = corpus.MakeCopyText(rng, max_docs)
+        else:
+            text, spans = corpus.MakeTrainText(rng, max_questions, max_docs, two_hop_share)
         ids = Encode(text) + [corpus.EOS]
         w = [1.0] * (len(ids) - 1)  # weight of predicting ids[i + 1]
         for a, b in spans:
@@ -117,6 +121,11 @@ def main():
                     help="most documents per example during the --short-frac steps")
     ap.add_argument("--single-frac", type=float, default=0.0,
                     help="fraction of steps (from the start) with single-hop questions only")
+    ap.add_argument("--copy-frac", type=float, default=0.0,
+                    help="fraction of steps (from the start) in which examples may be "
+                         "copy sequences (corpus.MakeCopyText), their share falling "
+                         "linearly from --copy-share to 0")
+    ap.add_argument("--copy-share", type=float, default=0.5)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
@@ -154,7 +163,7 @@ def main():
     step, elapsed, tokens = 0, 0.0, 0
     history = []
     if args.resume and os.path.exists(ckpt_path):
-        ck = torch.load(ckpt_path, map_location=args.device)
+        ck = torch.load(ckpt_path, map_location=args.device, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         step, elapsed, tokens = ck["step"], ck["elapsed"], ck["tokens"]
@@ -181,8 +190,11 @@ def main():
         t0 = time.time()
         max_docs = args.short_docs if step < args.short_frac * args.steps else 8
         two_hop = 0.0 if step < args.single_frac * args.steps else 0.5
+        copy = 0.0
+        if step < args.copy_frac * args.steps:
+            copy = args.copy_share * (1 - step / (args.copy_frac * args.steps))
         micro = TrainBatch(args.seed, step, args.examples, args.micro,
-                           args.max_questions, max_docs, two_hop)
+                           args.max_questions, max_docs, two_hop, copy)
         total_w = sum(float(w.sum()) for _, _, w in micro)
         for g in opt.param_groups:
             g["lr"] = LrAt(step, args)
