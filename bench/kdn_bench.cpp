@@ -25,7 +25,8 @@
 //             prefill vs prefix caching alone, with KL and greedy agreement
 //             against full prefill.
 //   quality   exact-match accuracy of a question-answering model (models/kdn-qa)
-//             on its held-out eval set through kdn's engine, by hops.
+//             on its held-out eval set through kdn's engine, by hops: full
+//             prefill, full reuse of each document's KV, CacheBlend ratios.
 #include <cblas.h>
 #include <omp.h>
 
@@ -124,12 +125,14 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   quality->add_option("--max-tokens", quality_max_tokens, "Answer tokens at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  bool quality_full_only = false;
   quality->add_option("--ratios", quality_ratios,
-                      "CacheBlend recompute ratios, each in (0, 1]; with any, full reuse "
-                      "(ratio 0) runs too; 'none' for full prefill alone")
+                      "CacheBlend recompute ratios, each in (0, 1]; full reuse (ratio 0) "
+                      "runs beside them")
       ->delimiter(',')
-      ->capture_default_str()
-      ->transform([](std::string s) { return s == "none" ? std::string() : s; });
+      ->capture_default_str();
+  quality->add_flag("--full-prefill-only", quality_full_only,
+                    "Only full prefill: no full reuse, no CacheBlend");
   quality->add_option("--check-layer", quality_check, "Layer whose KV deviation picks the tokens")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   int rb_docs = 6, rb_doc_tokens = 512, rb_question = 32, rb_check = 1;
@@ -157,8 +160,11 @@ int main(int argc, char** argv) {
     return RunMultiturn(c, mt);
   }
   if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);
-  if (quality->parsed()) return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
-                                           quality_check);
+  if (quality->parsed()) {
+    if (quality_full_only) quality_ratios.clear();
+    return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
+                      quality_check);
+  }
   if (device == "cuda") {
 #if KDN_BENCH_CUDA
     if (prefill->parsed()) return RunCudaPrefill(c, lengths);

@@ -138,7 +138,8 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   std::printf("quality of %s on %s (%zu examples), greedy, check layer %d\n", what.c_str(),
               path.c_str(), examples->size(), check_layer);
 
-  // Each document's KV computed alone (positions 0..n-1), once.
+  // Each document's KV computed alone (positions 0..n-1), once per example
+  // (kept across that example's modes only: memory stays bounded).
   const kvbus::KeyContext ctx{{0, 42}, "", 256};
   std::map<std::string, std::shared_ptr<const kvbus::Chunk>> doc_kv;
   auto kv_of = [&](const std::string& doc, const std::vector<int32_t>& tokens)
@@ -189,6 +190,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   const auto t0 = Clock::now();
   for (size_t i = 0; i < examples->size(); ++i) {
     const Example& e = (*examples)[i];
+    doc_kv.clear();
     const int64_t prompt_tokens =
         static_cast<int64_t>(tok.Encode(QaPrompt(e.documents, e.question), true).size());
     int64_t doc_tokens = 0;
