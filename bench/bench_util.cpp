@@ -11,6 +11,7 @@
 
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/presets.h"
+#include "kdn/engine/sampler.h"
 
 namespace kdn::bench {
 
@@ -48,6 +49,20 @@ double MemcpyGBps(size_t bytes, int reps) {
     if (r > 0) best = std::max(best, 2.0 * bytes / s / 1e9);
   }
   return best;
+}
+
+Result<std::vector<int32_t>> GreedyTokens(engine::Model& model, engine::KvSequence& seq,
+                                          std::vector<float> logits, int max_tokens,
+                                          const std::function<bool(int32_t)>& stop) {
+  std::vector<int32_t> out;
+  engine::KvSequence* s = &seq;
+  while (static_cast<int>(out.size()) < max_tokens) {
+    out.push_back(engine::Argmax(logits));
+    if ((stop && stop(out.back())) || static_cast<int>(out.size()) == max_tokens) break;
+    KDN_RETURN_IF_ERROR(model.DecodeStep(std::span<engine::KvSequence* const>(&s, 1),
+                                         {&out.back(), 1}, &logits));
+  }
+  return out;
 }
 
 Result<std::unique_ptr<engine::Model>> MakeModel(const Common& c, int64_t kv_tokens, std::string* what) {

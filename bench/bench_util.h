@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,6 +41,12 @@ struct Common {
   int reps = 3;
   std::string json_path;
 };
+
+// Greedy tokens continuing `seq`, whose prompt gave `logits`: at most
+// max_tokens, ending with the first one for which stop (if given) is true.
+Result<std::vector<int32_t>> GreedyTokens(engine::Model& model, engine::KvSequence& seq,
+                                          std::vector<float> logits, int max_tokens,
+                                          const std::function<bool(int32_t)>& stop = nullptr);
 
 Result<std::unique_ptr<engine::Model>> MakeModel(const Common& c, int64_t kv_tokens,
                                                  std::string* what);

@@ -13,7 +13,6 @@
 
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
-#include "kdn/engine/sampler.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/tiered_store.h"
@@ -24,21 +23,6 @@ namespace {
 
 constexpr int kChunkTokens = 256;
 
-
-// Greedy tokens continuing `seq`, whose prompt gave `logits`.
-std::vector<int32_t> Greedy(engine::Model& model, engine::KvSequence& seq,
-                            std::vector<float> logits, int n) {
-  std::vector<int32_t> out;
-  for (int i = 0; i < n; ++i) {
-    out.push_back(engine::Argmax(logits));
-    engine::KvSequence* s = &seq;
-    if (!model.DecodeStep(std::span<engine::KvSequence* const>(&s, 1), {&out.back(), 1}, &logits)
-             .ok()) {
-      break;
-    }
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -118,7 +102,14 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     const auto t0 = Clock::now();
     if (!model.Prefill(seq, prompt, {}, &full_logits).ok()) return 1;
     full_s = std::min(full_s, Seconds(t0, Clock::now()));
-    if (r == 0) full_greedy = Greedy(model, seq, full_logits, 32);
+    if (r == 0) {
+      auto tokens = GreedyTokens(model, seq, full_logits, 32);
+      if (!tokens.ok()) {
+        std::fprintf(stderr, "kdn-bench: %s\n", tokens.status().ToString().c_str());
+        return 1;
+      }
+      full_greedy = *std::move(tokens);
+    }
   }
   // Prefix caching alone.
   double prefix_s = 1e30;
@@ -187,7 +178,14 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
       }
       best = std::min(best, Seconds(t0, Clock::now()));
       res = *std::move(out);
-      if (r == 0) greedy = Greedy(model, seq, res.logits, 32);
+      if (r == 0) {
+        auto tokens = GreedyTokens(model, seq, res.logits, 32);
+        if (!tokens.ok()) {
+          std::fprintf(stderr, "kdn-bench: %s\n", tokens.status().ToString().c_str());
+          return 1;
+        }
+        greedy = *std::move(tokens);
+      }
     }
     int agree = 0;
     for (size_t i = 0; i < greedy.size() && i < full_greedy.size(); ++i) {

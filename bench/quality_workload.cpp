@@ -21,7 +21,6 @@
 
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
-#include "kdn/engine/sampler.h"
 #include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/key.h"
 
@@ -73,15 +72,14 @@ std::string Strip(std::string s) {
 Result<std::string> DecodeLine(engine::Model& model, engine::KvSequence& seq,
                                const engine::Tokenizer& tok, std::vector<float> logits,
                                int max_tokens) {
+  auto piece = [&](int32_t t) { return tok.Decode(std::span<const int32_t>(&t, 1)); };
+  KDN_ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
+                       GreedyTokens(model, seq, std::move(logits), max_tokens, [&](int32_t t) {
+                         return t == tok.eos_id() || piece(t).find('\n') != std::string::npos;
+                       }));
   std::string text;
-  for (int i = 0; i < max_tokens; ++i) {
-    int32_t t = engine::Argmax(logits);
-    if (t == tok.eos_id()) break;
-    text += tok.Decode(std::span<const int32_t>(&t, 1));
-    if (text.find('\n') != std::string::npos) break;
-    engine::KvSequence* s = &seq;
-    KDN_RETURN_IF_ERROR(model.DecodeStep(std::span<engine::KvSequence* const>(&s, 1), {&t, 1},
-                                         &logits));
+  for (int32_t t : tokens) {
+    if (t != tok.eos_id()) text += piece(t);
   }
   return text.substr(0, text.find('\n'));
 }
