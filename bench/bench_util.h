@@ -40,6 +40,7 @@ struct Common {
   int threads = 0;
   int reps = 3;
   std::string json_path;
+  std::string peer_path;  // bench/hf_peer.py's JSON, for kdn-vs-peer ratios (cuda)
 };
 
 // Greedy tokens continuing `seq`, whose prompt gave `logits`: at most

@@ -1,13 +1,15 @@
 // kdn-bench prefill and decode with --device cuda: CudaModel in bf16 on one
 // GPU, against two ceilings measured in the same run: the bf16 matrix
 // product (cuBLAS, 8192^3, the kind of product the model runs) and a
-// device-to-device copy (bytes read plus written).
+// device-to-device copy (bytes read plus written); and, with --peer, against
+// transformers on the same GPU (bench/hf_peer.py's JSON).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 
 #include "bench_util.h"
 #include "kdn/engine/cuda/cuda_check.h"
@@ -117,6 +119,27 @@ std::string DeviceName() {
   return prop.name;
 }
 
+// The peer's figure for `key` == `value` in section `section` (hf_peer.py's
+// JSON), or nothing.
+std::optional<double> PeerTokensPerS(const Common& c, const char* section, const char* key,
+                                     int value) {
+  if (c.peer_path.empty()) return std::nullopt;
+  std::ifstream in(c.peer_path);
+  const json peer = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (peer.is_discarded() || !peer.contains(section)) return std::nullopt;
+  for (const json& row : peer[section]) {
+    if (row.value(key, -1) == value && row.contains("tokens_per_s")) {
+      return row["tokens_per_s"].get<double>();
+    }
+  }
+  return std::nullopt;
+}
+
+std::string Paths(const CudaModel& m) {
+  return std::string(m.uses_flash_attention() ? "FlashInfer attention" : "reference attention") +
+         (m.uses_cuda_graphs() ? ", decode graphs" : ", eager decode");
+}
+
 int Fail(const Status& st) {
   std::fprintf(stderr, "kdn-bench: %s\n", st.ToString().c_str());
   return 1;
@@ -136,9 +159,10 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
   const ModelConfig& cfg = (*model)->config();
   auto peak = Bf16GemmPeakTflops(8192, std::max(c.reps, 3));
   if (!peak.ok()) return Fail(peak.status());
-  std::printf("prefill on %s, %s, bf16; cuBLAS bf16 GEMM peak %.1f TFLOP/s\n", what.c_str(),
-              DeviceName().c_str(), *peak);
-  std::printf("%8s %10s %12s %10s %8s\n", "tokens", "seconds", "tokens/s", "TFLOP/s", "of peak");
+  std::printf("prefill on %s, %s, bf16 (%s); cuBLAS bf16 GEMM peak %.1f TFLOP/s\n",
+              what.c_str(), DeviceName().c_str(), Paths(**model).c_str(), *peak);
+  std::printf("%8s %10s %12s %10s %8s %9s\n", "tokens", "seconds", "tokens/s", "TFLOP/s",
+              "of peak", "vs peer");
   json rows = json::array();
   for (int n : lengths) {
     std::vector<int32_t> tokens(n);
@@ -155,13 +179,21 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
       if (r > 0 || c.reps == 0) best = std::min(best, s);
     }
     const double tflops = ForwardFlops(cfg, n, 0, 1) / best / 1e12;
-    std::printf("%8d %10.4f %12.0f %10.1f %7.1f%%\n", n, best, n / best, tflops,
-                100.0 * tflops / *peak);
-    rows.push_back({{"tokens", n}, {"seconds", best}, {"tokens_per_s", n / best},
-                    {"tflops", tflops}, {"fraction_of_bf16_gemm_peak", tflops / *peak}});
+    const auto peer = PeerTokensPerS(c, "prefill", "tokens", n);
+    json row = {{"tokens", n}, {"seconds", best}, {"tokens_per_s", n / best},
+                {"tflops", tflops}, {"fraction_of_bf16_gemm_peak", tflops / *peak}};
+    std::string vs = "-";
+    if (peer) {
+      row["peer_tokens_per_s"] = *peer;
+      row["vs_peer"] = n / best / *peer;
+      vs = std::to_string(n / best / *peer).substr(0, 5) + "x";
+    }
+    std::printf("%8d %10.4f %12.0f %10.1f %7.1f%% %9s\n", n, best, n / best, tflops,
+                100.0 * tflops / *peak, vs.c_str());
+    rows.push_back(row);
   }
   Emit(c, {{"workload", "prefill"}, {"device", DeviceName()}, {"model", what},
-           {"bf16_gemm_peak_tflops", *peak}, {"results", rows}});
+           {"paths", Paths(**model)}, {"bf16_gemm_peak_tflops", *peak}, {"results", rows}});
   return 0;
 }
 
@@ -177,10 +209,16 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
   const ModelConfig& cfg = (*model)->config();
   auto bw = DeviceCopyGBps(size_t{2} << 30, std::max(c.reps, 5));
   if (!bw.ok()) return Fail(bw.status());
-  const double weight_bytes = static_cast<double>((*model)->weight_bytes());
-  std::printf("decode on %s, %s, bf16, context %d, %d steps; device copy %.0f GB/s\n",
-              what.c_str(), DeviceName().c_str(), context, steps, *bw);
-  std::printf("%6s %12s %10s %10s %9s\n", "batch", "tokens/s", "ms/step", "GB/s", "of copy");
+  // Bytes a step must read: every weight but the input embeddings, of which
+  // it reads one row per sequence (unless tied, where they are the LM head).
+  const double embed_bytes =
+      cfg.tie_word_embeddings ? 0.0 : 2.0 * double(cfg.vocab_size) * cfg.hidden_size;
+  const double weight_bytes = static_cast<double>((*model)->weight_bytes()) - embed_bytes;
+  std::printf("decode on %s, %s, bf16 (%s), greedy on the device, context %d, %d steps; "
+              "device copy %.0f GB/s\n",
+              what.c_str(), DeviceName().c_str(), Paths(**model).c_str(), context, steps, *bw);
+  std::printf("%6s %12s %10s %10s %9s %9s\n", "batch", "tokens/s", "ms/step", "GB/s", "of copy",
+              "vs peer");
   json rows = json::array();
   for (int b : batches) {
     std::vector<CudaKvSequence> seqs(b);
@@ -194,26 +232,35 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
     std::vector<CudaKvSequence*> ptrs;
     for (auto& s : seqs) ptrs.push_back(&s);
     std::vector<int32_t> next(b, 65);
-    // One untimed step, then the timed ones.
-    if (Status st = (*model)->DecodeStep(ptrs, next, &logits); !st.ok()) return Fail(st);
+    // One untimed step (it captures the batch's graph), then the timed ones,
+    // each feeding its greedy choices to the next as a server would.
+    if (Status st = (*model)->DecodeGreedy(ptrs, next, &next); !st.ok()) return Fail(st);
     double kv_bytes = 0.0;
     const auto t0 = Clock::now();
     for (int s = 0; s < steps; ++s) {
       for (auto* p : ptrs) kv_bytes += 2.0 * 2.0 * cfg.num_layers * cfg.kv_dim() * (p->length + 1);
-      if (Status st = (*model)->DecodeStep(ptrs, next, &logits); !st.ok()) return Fail(st);
+      if (Status st = (*model)->DecodeGreedy(ptrs, next, &next); !st.ok()) return Fail(st);
     }
     const double secs = Seconds(t0, Clock::now());
     const double gbps = (steps * weight_bytes + kv_bytes) / secs / 1e9;
-    std::printf("%6d %12.1f %10.2f %10.0f %8.1f%%\n", b, b * steps / secs, 1e3 * secs / steps,
-                gbps, 100.0 * gbps / *bw);
-    rows.push_back({{"batch", b}, {"tokens_per_s", b * steps / secs},
-                    {"ms_per_step", 1e3 * secs / steps}, {"gbytes_per_s", gbps},
-                    {"fraction_of_device_copy", gbps / *bw}});
+    const auto peer = PeerTokensPerS(c, "decode", "batch", b);
+    json row = {{"batch", b}, {"tokens_per_s", b * steps / secs},
+                {"ms_per_step", 1e3 * secs / steps}, {"gbytes_per_s", gbps},
+                {"fraction_of_device_copy", gbps / *bw}};
+    std::string vs = "-";
+    if (peer) {
+      row["peer_tokens_per_s"] = *peer;
+      row["vs_peer"] = b * steps / secs / *peer;
+      vs = std::to_string(b * steps / secs / *peer).substr(0, 5) + "x";
+    }
+    std::printf("%6d %12.1f %10.2f %10.0f %8.1f%% %9s\n", b, b * steps / secs,
+                1e3 * secs / steps, gbps, 100.0 * gbps / *bw, vs.c_str());
+    rows.push_back(row);
     for (auto& s : seqs) (*model)->Free(s);
   }
   Emit(c, {{"workload", "decode"}, {"device", DeviceName()}, {"model", what},
-           {"context", context}, {"steps", steps}, {"device_copy_gbytes_per_s", *bw},
-           {"results", rows}});
+           {"paths", Paths(**model)}, {"context", context}, {"steps", steps},
+           {"device_copy_gbytes_per_s", *bw}, {"results", rows}});
   return 0;
 }
 

@@ -61,6 +61,10 @@ int main(int argc, char** argv) {
                     "GEMM peak and a device copy; presets are made in device memory)")
         ->check(CLI::IsMember({"cpu", "cuda"}))
         ->capture_default_str();
+    sub->add_option("--peer", c.peer_path,
+                    "With --device cuda: bench/hf_peer.py's JSON from the same GPU; adds kdn vs "
+                    "transformers ratios for the lengths and batches it measured")
+        ->check(CLI::ExistingFile);
   };
   auto* prefill = app.add_subcommand("prefill", "One long prompt, no cache: tokens/s and FLOP/s vs the matrix-product peak");
   common(prefill);

@@ -23,12 +23,18 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 step cuda_tests "$BIN/kdn_cuda_tests" --gtest_brief=1
-step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
-step prefill "$BIN/kdn-bench" prefill --device cuda --preset llama3-8b --tokens 2048,8192,32768 \
-  --reps 3 --json "$OUT/prefill.json"
-step decode "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 1,32,128 \
-  --context 512 --steps 32 --json "$OUT/decode.json"
 "$BIN/kdn-mkmodel" --preset llama3-8b --out "$OUT/llama3-8b-config" --config-only > /dev/null
+# The peer first, so that kdn-bench puts kdn-vs-transformers ratios into its
+# JSON (--peer) beside the ratios to the hardware.
 step hf_peer python3 "$HERE/bench/hf_peer.py" --config "$OUT/llama3-8b-config/config.json" \
   --prefill 2048,8192,32768 --decode 1,32,128 --context 512 --steps 32 --json "$OUT/hf_peer.json"
+peer=()
+[ -s "$OUT/hf_peer.json" ] && peer=(--peer "$OUT/hf_peer.json")
+step prefill "$BIN/kdn-bench" prefill --device cuda --preset llama3-8b --tokens 512,2048,8192,32768 \
+  --reps 3 "${peer[@]}" --json "$OUT/prefill.json"
+step decode "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 1,32,128 \
+  --context 512 --steps 32 "${peer[@]}" --json "$OUT/decode.json"
+step decode_long "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 32 \
+  --context 4096 --steps 32 --json "$OUT/decode_long.json"
+step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
 exit $status

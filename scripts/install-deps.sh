@@ -4,8 +4,10 @@
 #   scripts/install-deps.sh --ref    also the test references: Debian's CPU
 #                                    PyTorch and, in .venv-ref/, the pinned
 #                                    PyPI packages of tests/parity/requirements.txt
-# Nothing else is downloaded. CUDA (nvcc, cuBLAS, NCCL) is expected under
-# /usr/local/cuda where present; without it the build is CPU-only.
+# Where nvcc is present it also fetches the FlashInfer attention headers: one
+# pinned wheel from PyPI, unpacked to ~/.cache/kdn (KDN_FLASHINFER_DIR in
+# CMake). Nothing else is downloaded. CUDA (nvcc, cuBLAS, NCCL) is expected
+# under /usr/local/cuda where present; without it the build is CPU-only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,4 +47,24 @@ if [ $want_ref = 1 ]; then
     .venv-ref/bin/pip install -q --disable-pip-version-check -r tests/parity/requirements.txt
     cp tests/parity/requirements.txt .venv-ref/requirements.installed
   fi
+fi
+
+# FlashInfer's headers (with the CUTLASS and CCCL headers they need), for the
+# CUDA engine's attention: the pinned wheel is only unpacked, never installed.
+FLASHINFER_VERSION=0.7.2.post1
+FLASHINFER_DIR="${HOME}/.cache/kdn/flashinfer-${FLASHINFER_VERSION}"
+if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -f "$FLASHINFER_DIR/include/flashinfer/attention/prefill.cuh" ]; then
+  echo "install-deps: FlashInfer ${FLASHINFER_VERSION} headers into $FLASHINFER_DIR"
+  command -v unzip >/dev/null || { $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq unzip; }
+  python3 -m pip --version >/dev/null 2>&1 || { $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-pip; }
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --disable-pip-version-check --no-deps \
+    "flashinfer-python==${FLASHINFER_VERSION}" -d "$tmp"
+  unzip -q "$tmp"/flashinfer_python-*.whl 'flashinfer/data/include/*' 'flashinfer/data/cutlass/include/*' \
+    'flashinfer/data/cccl/libcudacxx/include/*' 'flashinfer/data/cccl/cub/cub/*' \
+    'flashinfer/data/cccl/thrust/thrust/*' -d "$tmp/x"
+  mkdir -p "$(dirname "$FLASHINFER_DIR")"
+  rm -rf "$FLASHINFER_DIR"
+  mv "$tmp/x/flashinfer/data" "$FLASHINFER_DIR"
+  rm -rf "$tmp"
 fi

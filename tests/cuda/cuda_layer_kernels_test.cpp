@@ -74,6 +74,7 @@ TEST(SiluMulCuda, MatchesTheReferenceInFp32AndBf16) {
   CheckSiluMul<float>(37, 344);
   CheckSiluMul<bf16>(37, 344);
   CheckSiluMul<bf16>(1, 14336);
+  CheckSiluMul<bf16>(5, 100);  // not a multiple of 8: the scalar kernel
 }
 
 // -------------------------------------------------------------- embedding

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <string>
 
 #include "kdn/engine/cpu_ops.h"
@@ -13,10 +14,13 @@
 #include "kdn/engine/cuda/attention.cuh"
 #include "kdn/engine/cuda/cuda_check.h"
 #include "kdn/engine/cuda/embedding.cuh"
+#include "kdn/engine/cuda/flash_attention.h"
+#include "kdn/engine/cuda/gemv.cuh"
 #include "kdn/engine/cuda/init.cuh"
 #include "kdn/engine/cuda/paged_kv.cuh"
 #include "kdn/engine/cuda/rmsnorm.cuh"
 #include "kdn/engine/cuda/rope.cuh"
+#include "kdn/engine/cuda/sampling.cuh"
 
 namespace kdn::engine::cuda {
 
@@ -26,6 +30,18 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kMaxDecodeSplits = 64;
 constexpr int64_t kLogitRows = 1024;  // all_logits is computed this many rows at a time
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+// The batch sizes decode graphs are captured for: a batch runs in the
+// smallest bucket that holds it, padded with rows that touch only a scratch
+// block.
+int DecodeBucket(int batch, int max_batch) {
+  int b = 1;
+  while (b < batch && b < 8) b *= 2;
+  if (b < batch) b = (batch + 7) / 8 * 8;
+  if (b > 64) b = (batch + 31) / 32 * 32;
+  return std::min(b, max_batch);
+}
 
 #define KDN_CUBLAS_RETURN_IF_ERROR(expr)                                                   \
   do {                                                                                     \
@@ -71,10 +87,32 @@ class DeviceArray {
 
 struct LayerWeights {
   DeviceArray<bf16> input_norm, post_norm;
-  DeviceArray<bf16> q, k, v, o;       // [out][in]
-  DeviceArray<bf16> q_bias, k_bias, v_bias, o_bias;  // empty when absent
+  DeviceArray<bf16> qkv;              // [q_dim + 2 * kv_dim][hidden]: q rows, k rows, v rows
+  DeviceArray<bf16> o;                // [hidden][q_dim]
+  DeviceArray<bf16> qkv_bias, o_bias; // empty when absent
   DeviceArray<bf16> gate_up;          // [2 * ffn][hidden]: gate rows, then up rows
   DeviceArray<bf16> down;             // [hidden][ffn]
+};
+
+// A pinned host buffer of n elements of T.
+template <typename T>
+class PinnedArray {
+ public:
+  PinnedArray() = default;
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  ~PinnedArray() {
+    if (p_ != nullptr) (void)cudaFreeHost(p_);
+  }
+  Status Allocate(int64_t n) {
+    KDN_CUDA_RETURN_IF_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&p_), std::max<int64_t>(1, n) * sizeof(T)));
+    return Status::Ok();
+  }
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
 };
 
 }  // namespace
@@ -95,18 +133,33 @@ struct CudaModel::Impl {
   std::vector<DeviceArray<bf16>> k_cache, v_cache;
   std::vector<int32_t> free_list;
 
+  int32_t scratch_block = -1;  // where decode graphs' padding rows write
+
   // Activations, sized for max(max_prefill_tokens, max_batch) rows.
   int64_t max_rows = 0;
-  DeviceArray<bf16> x, h, q, k, v, attn, gate_up, act;
+  DeviceArray<bf16> x, h, qkv, q, attn, gate_up, act;  // q: reference attention only
   DeviceArray<float> logits;
-  DeviceArray<int32_t> ids, positions, tables, lengths, bad_id;
+  DeviceArray<int32_t> ids, positions, tables, lengths, bad_id, sampled;
   DeviceArray<int64_t> slots;
   DeviceArray<float> workspace;
+  DeviceArray<char> blas_workspace;
+
+  // Decode inputs staged in pinned memory; each step waits for its own end,
+  // so one set serves every step.
+  PinnedArray<int32_t> ids_host, positions_host, sampled_host;
+  PinnedArray<int64_t> slots_host;
+
+  std::unique_ptr<FlashAttention> flash;       // null: reference attention
+  std::map<int, cudaGraphExec_t> decode_graphs;  // by bucket
 
   ~Impl() {
+    for (auto& [bucket, exec] : decode_graphs) (void)cudaGraphExecDestroy(exec);
     if (blas != nullptr) (void)cublasDestroy(blas);
     if (stream != nullptr) (void)cudaStreamDestroy(stream);
   }
+
+  int64_t qkv_dim() const { return config.q_dim() + 2 * config.kv_dim(); }
+  bool graphs() const { return flash != nullptr && options.cuda_graphs; }
 
   PagedKvLayer<bf16> Layer(int l) {
     return {k_cache[l].get(), v_cache[l].get(), config.num_kv_heads, config.head_dim};
@@ -116,8 +169,18 @@ struct CudaModel::Impl {
   }
 
   // out[rows][out_dim] (= or +=) in[rows][in_dim] . w[out_dim][in_dim]^T.
+  // A few rows (a small decode batch) stream the weights through GemvCuda;
+  // everything else is cuBLAS.
   Status Gemm(const bf16* in, int64_t rows, int in_dim, const bf16* w, int out_dim, void* out,
               cudaDataType_t out_type, bool accumulate) {
+    if (rows <= kGemvMaxRows && GemvFits(in, static_cast<int>(rows), in_dim, w)) {
+      const int r = static_cast<int>(rows);
+      return out_type == CUDA_R_32F
+                 ? GemvCuda<float>(in, r, in_dim, w, out_dim, static_cast<float*>(out),
+                                   accumulate, stream)
+                 : GemvCuda<bf16>(in, r, in_dim, w, out_dim, static_cast<bf16*>(out), accumulate,
+                                  stream);
+    }
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     KDN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
         blas, CUBLAS_OP_T, CUBLAS_OP_N, out_dim, static_cast<int>(rows), in_dim, &alpha, w,
@@ -131,12 +194,18 @@ struct CudaModel::Impl {
     KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     KDN_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas));
     KDN_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas, stream));
+    // A workspace of our own, so that cuBLAS allocates nothing while a decode
+    // graph is captured.
+    KDN_RETURN_IF_ERROR(blas_workspace.Allocate(kCublasWorkspaceBytes));
+    KDN_CUBLAS_RETURN_IF_ERROR(
+        cublasSetWorkspace(blas, blas_workspace.get(), kCublasWorkspaceBytes));
     const ModelConfig& c = config;
     const std::vector<float> freq = RopeInvFreq(c);
     KDN_RETURN_IF_ERROR(inv_freq.Allocate(static_cast<int64_t>(freq.size())));
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq.get(), freq.data(), freq.size() * sizeof(float),
                                         cudaMemcpyHostToDevice));
-    num_blocks = static_cast<int>((options.kv_tokens + 15) / 16);
+    // One block more than asked for: the scratch block of graph padding.
+    num_blocks = static_cast<int>((options.kv_tokens + 15) / 16) + 1;
     const int64_t block_elems = int64_t{16} * c.kv_dim();
     k_cache.resize(c.num_layers);
     v_cache.resize(c.num_layers);
@@ -146,13 +215,19 @@ struct CudaModel::Impl {
     }
     free_list.resize(num_blocks);
     for (int b = 0; b < num_blocks; ++b) free_list[b] = num_blocks - 1 - b;
+    scratch_block = free_list.back();
+    free_list.pop_back();
     max_rows = std::max<int64_t>(options.max_prefill_tokens, options.max_batch);
     const int64_t R = max_rows;
+    const AttentionShape shape = Shape();
+    if (options.flash_attention && FlashAttention::Supports(shape)) {
+      KDN_ASSIGN_OR_RETURN(flash, FlashAttention::Create(shape, options.max_batch, R, num_blocks));
+    } else {
+      KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
+    }
     KDN_RETURN_IF_ERROR(x.Allocate(R * c.hidden_size));
     KDN_RETURN_IF_ERROR(h.Allocate(R * c.hidden_size));
-    KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
-    KDN_RETURN_IF_ERROR(k.Allocate(R * c.kv_dim()));
-    KDN_RETURN_IF_ERROR(v.Allocate(R * c.kv_dim()));
+    KDN_RETURN_IF_ERROR(qkv.Allocate(R * qkv_dim()));
     KDN_RETURN_IF_ERROR(attn.Allocate(R * c.q_dim()));
     KDN_RETURN_IF_ERROR(gate_up.Allocate(R * 2 * int64_t{c.intermediate_size}));
     KDN_RETURN_IF_ERROR(act.Allocate(R * c.intermediate_size));
@@ -161,14 +236,20 @@ struct CudaModel::Impl {
     KDN_RETURN_IF_ERROR(ids.Allocate(R));
     KDN_RETURN_IF_ERROR(positions.Allocate(R));
     KDN_RETURN_IF_ERROR(lengths.Allocate(options.max_batch));
-    KDN_RETURN_IF_ERROR(slots.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(slots.Allocate(R));
     KDN_RETURN_IF_ERROR(bad_id.Allocate(1));
+    KDN_RETURN_IF_ERROR(sampled.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(ids_host.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(positions_host.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(slots_host.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(sampled_host.Allocate(options.max_batch));
     const int64_t max_table = (c.max_context + 15) / 16;
     KDN_RETURN_IF_ERROR(tables.Allocate(std::max<int64_t>(max_table, 1) * options.max_batch));
-    const AttentionShape shape = Shape();
-    KDN_RETURN_IF_ERROR(workspace.Allocate(static_cast<int64_t>(
-        DecodeAttentionWorkspaceBytes(options.max_batch, shape, kMaxDecodeSplits) /
-        sizeof(float))));
+    if (flash == nullptr) {
+      KDN_RETURN_IF_ERROR(workspace.Allocate(static_cast<int64_t>(
+          DecodeAttentionWorkspaceBytes(options.max_batch, shape, kMaxDecodeSplits) /
+          sizeof(float))));
+    }
     return Status::Ok();
   }
 
@@ -194,6 +275,18 @@ struct CudaModel::Impl {
     return Upload(it->second.data.data(), it->second.numel(), dst);
   }
 
+  // Tensors stacked row-wise into one (a fused projection's weight or bias).
+  Status UploadConcat(const ModelWeights& w, std::initializer_list<std::string> names,
+                      DeviceArray<bf16>* dst) {
+    std::vector<float> fused;
+    for (const std::string& name : names) {
+      auto it = w.find(name);
+      if (it == w.end()) return InvalidArgument("CudaModel: tensor " + name + " is missing");
+      fused.insert(fused.end(), it->second.data.begin(), it->second.data.end());
+    }
+    return Upload(fused.data(), static_cast<int64_t>(fused.size()), dst);
+  }
+
   Status UploadWeights(const ModelWeights& w) {
     KDN_RETURN_IF_ERROR(UploadTensor(w, "model.embed_tokens.weight", &embed));
     KDN_RETURN_IF_ERROR(UploadTensor(w, "model.norm.weight", &final_norm));
@@ -204,24 +297,16 @@ struct CudaModel::Impl {
       LayerWeights& L = layers[l];
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "input_layernorm.weight", &L.input_norm));
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "post_attention_layernorm.weight", &L.post_norm));
-      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.q_proj.weight", &L.q));
-      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.k_proj.weight", &L.k));
-      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.v_proj.weight", &L.v));
+      KDN_RETURN_IF_ERROR(UploadConcat(w, {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                           p + "self_attn.v_proj.weight"}, &L.qkv));
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.weight", &L.o));
       if (config.qkv_bias) {
-        KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.q_proj.bias", &L.q_bias));
-        KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.k_proj.bias", &L.k_bias));
-        KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.v_proj.bias", &L.v_bias));
+        KDN_RETURN_IF_ERROR(UploadConcat(w, {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
+                                             p + "self_attn.v_proj.bias"}, &L.qkv_bias));
       }
       if (config.o_bias) KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.bias", &L.o_bias));
-      auto gate = w.find(p + "mlp.gate_proj.weight");
-      auto up = w.find(p + "mlp.up_proj.weight");
-      if (gate == w.end() || up == w.end()) {
-        return InvalidArgument("CudaModel: the MLP of layer " + std::to_string(l) + " is missing");
-      }
-      std::vector<float> fused(gate->second.data);
-      fused.insert(fused.end(), up->second.data.begin(), up->second.data.end());
-      KDN_RETURN_IF_ERROR(Upload(fused.data(), static_cast<int64_t>(fused.size()), &L.gate_up));
+      KDN_RETURN_IF_ERROR(
+          UploadConcat(w, {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, &L.gate_up));
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "mlp.down_proj.weight", &L.down));
     }
     return Status::Ok();
@@ -245,15 +330,9 @@ struct CudaModel::Impl {
     for (LayerWeights& L : layers) {
       KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &L.input_norm));
       KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &L.post_norm));
-      KDN_RETURN_IF_ERROR(fill(c.q_dim() * d, &L.q));
-      KDN_RETURN_IF_ERROR(fill(c.kv_dim() * d, &L.k));
-      KDN_RETURN_IF_ERROR(fill(c.kv_dim() * d, &L.v));
+      KDN_RETURN_IF_ERROR(fill(qkv_dim() * d, &L.qkv));
       KDN_RETURN_IF_ERROR(fill(d * c.q_dim(), &L.o));
-      if (c.qkv_bias) {
-        KDN_RETURN_IF_ERROR(fill(c.q_dim(), &L.q_bias));
-        KDN_RETURN_IF_ERROR(fill(c.kv_dim(), &L.k_bias));
-        KDN_RETURN_IF_ERROR(fill(c.kv_dim(), &L.v_bias));
-      }
+      if (c.qkv_bias) KDN_RETURN_IF_ERROR(fill(qkv_dim(), &L.qkv_bias));
       if (c.o_bias) KDN_RETURN_IF_ERROR(fill(d, &L.o_bias));
       KDN_RETURN_IF_ERROR(fill(2 * ff * d, &L.gate_up));
       KDN_RETURN_IF_ERROR(fill(d * ff, &L.down));
@@ -262,27 +341,42 @@ struct CudaModel::Impl {
     return Status::Ok();
   }
 
-  // The layer's work up to (not including) attention, for `rows` rows of h
-  // (already normed): q, k, v projected, biased and rotated.
-  Status Project(int l, int64_t rows) {
+  // The layer's attention for `rows` rows of x: norm, the fused QKV product,
+  // RoPE with the new K and V written to their slots (on the device), then
+  // attention over the cache into attn. `decode`: one row per sequence of a
+  // decode batch (lengths/tables on the device for the reference kernel);
+  // otherwise the rows are one sequence's, from position `start`.
+  Status Attend(int l, int64_t rows, bool decode, int64_t start, int64_t table_stride,
+                int64_t max_len) {
     const ModelConfig& c = config;
     LayerWeights& L = layers[l];
-    KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.q.get(), c.q_dim(), q.get(),
-                             CUDA_R_16BF, false));
-    KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.k.get(), c.kv_dim(), k.get(),
-                             CUDA_R_16BF, false));
-    KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.v.get(), c.kv_dim(), v.get(),
-                             CUDA_R_16BF, false));
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x.get(), L.input_norm.get(),
+                                          static_cast<float>(c.rms_norm_eps), rows, c.hidden_size,
+                                          h.get(), stream));
+    const int qkv_out = static_cast<int>(qkv_dim());
+    KDN_RETURN_IF_ERROR(
+        Gemm(h.get(), rows, c.hidden_size, L.qkv.get(), qkv_out, qkv.get(), CUDA_R_16BF, false));
     if (c.qkv_bias) {
-      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(q.get(), L.q_bias.get(), rows, c.q_dim(), stream));
-      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(k.get(), L.k_bias.get(), rows, c.kv_dim(), stream));
-      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(v.get(), L.v_bias.get(), rows, c.kv_dim(), stream));
+      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(qkv.get(), L.qkv_bias.get(), rows, qkv_out, stream));
     }
-    KDN_RETURN_IF_ERROR(ApplyRopeCuda<bf16>(q.get(), rows, c.num_heads, c.head_dim,
-                                            positions.get(), inv_freq.get(), stream));
-    KDN_RETURN_IF_ERROR(ApplyRopeCuda<bf16>(k.get(), rows, c.num_kv_heads, c.head_dim,
-                                            positions.get(), inv_freq.get(), stream));
-    return Status::Ok();
+    KDN_RETURN_IF_ERROR(RopeQkvToCacheCuda<bf16>(qkv.get(), rows, c.num_heads, c.num_kv_heads,
+                                                 c.head_dim, positions.get(), inv_freq.get(),
+                                                 slots.get(), Layer(l), stream));
+    if (flash != nullptr) {
+      return flash->Run(qkv.get(), qkv_out, ConstLayer(l), attn.get(), stream);
+    }
+    // The reference kernels take contiguous queries.
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+        q.get(), c.q_dim() * sizeof(bf16), qkv.get(), qkv_out * sizeof(bf16),
+        c.q_dim() * sizeof(bf16), rows, cudaMemcpyDeviceToDevice, stream));
+    const AttentionShape shape = Shape();
+    if (decode) {
+      return DecodeAttentionCuda<bf16>(q.get(), ConstLayer(l), tables.get(), table_stride,
+                                       lengths.get(), rows, max_len, shape, kMaxDecodeSplits,
+                                       workspace.get(), attn.get(), stream);
+    }
+    return PrefillAttentionCuda<bf16>(q.get(), rows, start, ConstLayer(l), tables.get(), shape,
+                                      attn.get(), stream);
   }
 
   // After attention (in attn): output projection into the residual, then the MLP.
@@ -328,13 +422,55 @@ struct CudaModel::Impl {
     return Status::Ok();
   }
 
-  Status Embed(std::span<const int32_t> tokens) {
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.get(), tokens.data(), n * sizeof(int32_t),
-                                             cudaMemcpyHostToDevice, stream));
+  // The embeddings of the n ids already in `ids` (device).
+  Status Embed(int64_t n) {
     return EmbedCuda<bf16>(embed.get(), config.vocab_size, config.hidden_size, ids.get(), n,
                            x.get(), bad_id.get(), stream);
   }
+
+  // A decode step's device work for `rows` rows whose ids, positions and
+  // slots are on the device (and, for the reference attention, lengths and
+  // tables): every layer, then the logits of every row and their argmax. No
+  // host synchronization, so a graph can capture it.
+  Status DecodeBody(int64_t rows, int64_t table_stride, int64_t max_len) {
+    const ModelConfig& c = config;
+    KDN_RETURN_IF_ERROR(Embed(rows));
+    for (int l = 0; l < c.num_layers; ++l) {
+      KDN_RETURN_IF_ERROR(Attend(l, rows, /*decode=*/true, 0, table_stride, max_len));
+      KDN_RETURN_IF_ERROR(Finish(l, rows));
+    }
+    const bf16* head = c.tie_word_embeddings ? embed.get() : lm_head.get();
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x.get(), final_norm.get(),
+                                          static_cast<float>(c.rms_norm_eps), rows, c.hidden_size,
+                                          h.get(), stream));
+    KDN_RETURN_IF_ERROR(
+        Gemm(h.get(), rows, c.hidden_size, head, c.vocab_size, logits.get(), CUDA_R_32F, false));
+    return ArgmaxCuda(logits.get(), rows, c.vocab_size, sampled.get(), stream);
+  }
+
+  // The captured graph of DecodeBody for `bucket` rows, captured on first use.
+  Result<cudaGraphExec_t> DecodeGraph(int bucket) {
+    auto it = decode_graphs.find(bucket);
+    if (it != decode_graphs.end()) return it->second;
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    Status body = DecodeBody(bucket, 0, 0);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    if (!body.ok()) {
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+      return body;
+    }
+    KDN_CUDA_RETURN_IF_ERROR(ended);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    KDN_CUDA_RETURN_IF_ERROR(made);
+    decode_graphs.emplace(bucket, exec);
+    return exec;
+  }
+
+  Status Decode(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
+                std::vector<float>* logits_out, std::vector<int32_t>* next_out);
 
   Status CheckTokens(std::span<const int32_t> tokens) const {
     for (int32_t t : tokens) {
@@ -413,23 +549,29 @@ Status CudaModel::Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
   KDN_RETURN_IF_ERROR(m.CheckTokens(tokens));
   KDN_RETURN_IF_ERROR(Reserve(seq, start + n));
   std::vector<int32_t> pos(n);
-  for (int64_t i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(start + i);
-  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.positions.get(), pos.data(), n * sizeof(int32_t),
-                                           cudaMemcpyHostToDevice, m.stream));
-  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m.tables.get(), seq.blocks.data(),
-                                           seq.blocks.size() * sizeof(int32_t),
-                                           cudaMemcpyHostToDevice, m.stream));
-  KDN_RETURN_IF_ERROR(m.Embed(tokens));
-  const AttentionShape shape = m.Shape();
+  std::vector<int64_t> slot(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = start + i;
+    pos[i] = static_cast<int32_t>(p);
+    slot[i] = int64_t{seq.blocks[p / 16]} * 16 + p % 16;
+  }
+  auto up = [&](void* dst, const void* src, size_t bytes) {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, m.stream);
+  };
+  KDN_CUDA_RETURN_IF_ERROR(up(m.ids.get(), tokens.data(), n * sizeof(int32_t)));
+  KDN_CUDA_RETURN_IF_ERROR(up(m.positions.get(), pos.data(), n * sizeof(int32_t)));
+  KDN_CUDA_RETURN_IF_ERROR(up(m.slots.get(), slot.data(), n * sizeof(int64_t)));
+  if (m.flash != nullptr) {
+    const AttentionSequence one{static_cast<int32_t>(n), start + n, seq.blocks.data(),
+                                static_cast<int64_t>(seq.blocks.size())};
+    KDN_RETURN_IF_ERROR(m.flash->Plan(&one, 1, /*graph=*/false, m.stream));
+  } else {
+    KDN_CUDA_RETURN_IF_ERROR(
+        up(m.tables.get(), seq.blocks.data(), seq.blocks.size() * sizeof(int32_t)));
+  }
+  KDN_RETURN_IF_ERROR(m.Embed(n));
   for (int l = 0; l < c.num_layers; ++l) {
-    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(m.x.get(), m.layers[l].input_norm.get(),
-                                          static_cast<float>(c.rms_norm_eps), n, c.hidden_size,
-                                          m.h.get(), m.stream));
-    KDN_RETURN_IF_ERROR(m.Project(l, n));
-    KDN_RETURN_IF_ERROR(WriteKvCuda<bf16>(m.k.get(), m.v.get(), c.kv_dim(), n, m.tables.get(),
-                                          start, m.Layer(l), m.stream));
-    KDN_RETURN_IF_ERROR(PrefillAttentionCuda<bf16>(m.q.get(), n, start, m.ConstLayer(l),
-                                                   m.tables.get(), shape, m.attn.get(), m.stream));
+    KDN_RETURN_IF_ERROR(m.Attend(l, n, /*decode=*/false, start, 0, 0));
     KDN_RETURN_IF_ERROR(m.Finish(l, n));
     if (options.on_layer) {
       KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream));
@@ -447,56 +589,126 @@ Status CudaModel::Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
 
 Status CudaModel::DecodeStep(std::span<CudaKvSequence* const> seqs,
                              std::span<const int32_t> tokens, std::vector<float>* logits) {
-  Impl& m = *impl_;
-  const ModelConfig& c = m.config;
+  return impl_->Decode(seqs, tokens, logits, nullptr);
+}
+
+Status CudaModel::DecodeGreedy(std::span<CudaKvSequence* const> seqs,
+                               std::span<const int32_t> tokens, std::vector<int32_t>* next) {
+  return impl_->Decode(seqs, tokens, nullptr, next);
+}
+
+bool CudaModel::uses_flash_attention() const { return impl_->flash != nullptr; }
+bool CudaModel::uses_cuda_graphs() const { return impl_->graphs(); }
+
+Status CudaModel::Impl::Decode(std::span<CudaKvSequence* const> seqs,
+                               std::span<const int32_t> tokens, std::vector<float>* logits_out,
+                               std::vector<int32_t>* next_out) {
+  const ModelConfig& c = config;
   const auto batch = static_cast<int64_t>(seqs.size());
   if (batch == 0 || static_cast<int64_t>(tokens.size()) != batch) {
     return InvalidArgument("decode: one token per sequence, at least one sequence");
   }
-  if (batch > m.options.max_batch) {
+  if (batch > options.max_batch) {
     return InvalidArgument("decode: batch of " + std::to_string(batch) + " beyond max_batch " +
-                           std::to_string(m.options.max_batch));
+                           std::to_string(options.max_batch));
   }
-  KDN_RETURN_IF_ERROR(m.CheckTokens(tokens));
-  int64_t max_len = 0, stride = 0;
+  KDN_RETURN_IF_ERROR(CheckTokens(tokens));
   for (CudaKvSequence* s : seqs) {
     if (s->length + 1 > c.max_context) return InvalidArgument("decode: the context is full");
-    KDN_RETURN_IF_ERROR(Reserve(*s, s->length + 1));
-    max_len = std::max(max_len, s->length + 1);
-    stride = std::max(stride, static_cast<int64_t>(s->blocks.size()));
   }
-  std::vector<int32_t> pos(batch), lens(batch), tables(batch * stride, 0);
-  std::vector<int64_t> slots(batch);
+  // Blocks for the new tokens; on failure, give back what this step took.
+  std::vector<size_t> had(batch);
+  for (int64_t b = 0; b < batch; ++b) had[b] = seqs[b]->blocks.size();
   for (int64_t b = 0; b < batch; ++b) {
-    const CudaKvSequence& s = *seqs[b];
-    pos[b] = static_cast<int32_t>(s.length);
-    lens[b] = static_cast<int32_t>(s.length + 1);
-    std::copy(s.blocks.begin(), s.blocks.end(), tables.begin() + b * stride);
-    slots[b] = static_cast<int64_t>(s.blocks[s.length / 16]) * 16 + s.length % 16;
+    CudaKvSequence& s = *seqs[b];
+    const int64_t need = (s.length + 1 + 15) / 16 - static_cast<int64_t>(s.blocks.size());
+    if (need > static_cast<int64_t>(free_list.size())) {
+      for (int64_t u = 0; u < b; ++u) {
+        CudaKvSequence& t = *seqs[u];
+        free_list.insert(free_list.end(), t.blocks.begin() + had[u], t.blocks.end());
+        t.blocks.resize(had[u]);
+      }
+      return ResourceExhausted("KV pool: " + std::to_string(need) + " blocks needed, " +
+                               std::to_string(free_list.size()) + " free");
+    }
+    for (int64_t i = 0; i < need; ++i) {
+      s.blocks.push_back(free_list.back());
+      free_list.pop_back();
+    }
+  }
+  const bool use_graph = graphs();
+  const int64_t rows = use_graph ? DecodeBucket(static_cast<int>(batch), options.max_batch) : batch;
+  int64_t max_len = 0, stride = 0;
+  std::vector<AttentionSequence> attn_seqs(rows);
+  for (int64_t b = 0; b < rows; ++b) {
+    if (b < batch) {
+      const CudaKvSequence& s = *seqs[b];
+      ids_host.get()[b] = tokens[b];
+      positions_host.get()[b] = static_cast<int32_t>(s.length);
+      slots_host.get()[b] = int64_t{s.blocks[s.length / 16]} * 16 + s.length % 16;
+      attn_seqs[b] = {1, s.length + 1, s.blocks.data(), static_cast<int64_t>(s.blocks.size())};
+      max_len = std::max(max_len, s.length + 1);
+      stride = std::max(stride, static_cast<int64_t>(s.blocks.size()));
+    } else {  // padding: token 0 at position 0 of the scratch block
+      ids_host.get()[b] = 0;
+      positions_host.get()[b] = 0;
+      slots_host.get()[b] = int64_t{scratch_block} * 16;
+      attn_seqs[b] = {1, 1, &scratch_block, 1};
+    }
   }
   auto up = [&](void* dst, const void* src, size_t bytes) {
-    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, m.stream);
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
   };
-  KDN_CUDA_RETURN_IF_ERROR(up(m.positions.get(), pos.data(), batch * sizeof(int32_t)));
-  KDN_CUDA_RETURN_IF_ERROR(up(m.lengths.get(), lens.data(), batch * sizeof(int32_t)));
-  KDN_CUDA_RETURN_IF_ERROR(up(m.tables.get(), tables.data(), tables.size() * sizeof(int32_t)));
-  KDN_CUDA_RETURN_IF_ERROR(up(m.slots.get(), slots.data(), batch * sizeof(int64_t)));
-  KDN_RETURN_IF_ERROR(m.Embed(tokens));
-  const AttentionShape shape = m.Shape();
-  for (int l = 0; l < c.num_layers; ++l) {
-    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(m.x.get(), m.layers[l].input_norm.get(),
-                                          static_cast<float>(c.rms_norm_eps), batch,
-                                          c.hidden_size, m.h.get(), m.stream));
-    KDN_RETURN_IF_ERROR(m.Project(l, batch));
-    KDN_RETURN_IF_ERROR(WriteKvSlotsCuda<bf16>(m.k.get(), m.v.get(), c.kv_dim(), batch,
-                                               m.slots.get(), m.Layer(l), m.stream));
-    KDN_RETURN_IF_ERROR(DecodeAttentionCuda<bf16>(
-        m.q.get(), m.ConstLayer(l), m.tables.get(), stride, m.lengths.get(), batch, max_len,
-        shape, kMaxDecodeSplits, m.workspace.get(), m.attn.get(), m.stream));
-    KDN_RETURN_IF_ERROR(m.Finish(l, batch));
+  KDN_CUDA_RETURN_IF_ERROR(up(ids.get(), ids_host.get(), rows * sizeof(int32_t)));
+  KDN_CUDA_RETURN_IF_ERROR(up(positions.get(), positions_host.get(), rows * sizeof(int32_t)));
+  KDN_CUDA_RETURN_IF_ERROR(up(slots.get(), slots_host.get(), rows * sizeof(int64_t)));
+  Status st;
+  if (flash != nullptr) {
+    st = flash->Plan(attn_seqs.data(), static_cast<int>(rows), use_graph, stream);
+  } else {
+    std::vector<int32_t> lens(batch), table(batch * stride, 0);
+    for (int64_t b = 0; b < batch; ++b) {
+      lens[b] = static_cast<int32_t>(seqs[b]->length + 1);
+      std::copy(seqs[b]->blocks.begin(), seqs[b]->blocks.end(), table.begin() + b * stride);
+    }
+    KDN_CUDA_RETURN_IF_ERROR(up(lengths.get(), lens.data(), batch * sizeof(int32_t)));
+    // From pageable memory: the copies have read the vectors when they return.
+    KDN_CUDA_RETURN_IF_ERROR(up(tables.get(), table.data(), table.size() * sizeof(int32_t)));
   }
-  logits->clear();
-  KDN_RETURN_IF_ERROR(m.Logits(0, batch, logits));
+  if (st.ok() && use_graph) {
+    auto exec = DecodeGraph(static_cast<int>(rows));
+    st = exec.ok() ? Status::Ok() : exec.status();
+    if (st.ok()) {
+      const cudaError_t launched = cudaGraphLaunch(*exec, stream);
+      if (launched != cudaSuccess) st = Internal(std::string("cudaGraphLaunch: ") +
+                                                 cudaGetErrorString(launched));
+    }
+  } else if (st.ok()) {
+    st = DecodeBody(rows, stride, max_len);
+  }
+  if (st.ok() && logits_out != nullptr) {
+    logits_out->resize(batch * c.vocab_size);
+    const cudaError_t e = cudaMemcpyAsync(logits_out->data(), logits.get(),
+                                          batch * c.vocab_size * sizeof(float),
+                                          cudaMemcpyDeviceToHost, stream);
+    if (e != cudaSuccess) st = Internal(std::string("logits copy: ") + cudaGetErrorString(e));
+  }
+  if (st.ok() && next_out != nullptr) {
+    const cudaError_t e = cudaMemcpyAsync(sampled_host.get(), sampled.get(),
+                                          batch * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
+    if (e != cudaSuccess) st = Internal(std::string("token copy: ") + cudaGetErrorString(e));
+  }
+  const cudaError_t synced = cudaStreamSynchronize(stream);
+  if (st.ok() && synced != cudaSuccess) st = Internal(cudaGetErrorString(synced));
+  if (!st.ok()) {
+    for (int64_t b = 0; b < batch; ++b) {
+      CudaKvSequence& t = *seqs[b];
+      free_list.insert(free_list.end(), t.blocks.begin() + had[b], t.blocks.end());
+      t.blocks.resize(had[b]);
+    }
+    return st;
+  }
+  if (next_out != nullptr) next_out->assign(sampled_host.get(), sampled_host.get() + batch);
   for (CudaKvSequence* s : seqs) ++s->length;
   return Status::Ok();
 }

@@ -50,7 +50,81 @@ __global__ void RopeKernel(T* __restrict__ x, int heads, int head_dim,
   }
 }
 
+// One block per row, as RopeKernel: the cosines and sines of the row once in
+// shared memory, then threadIdx.y walks the heads (query, key, value) and
+// threadIdx.x the frequencies.
+template <typename T>
+__global__ void RopeQkvKernel(T* __restrict__ qkv, int heads, int kv_heads, int head_dim,
+                              const int32_t* __restrict__ positions,
+                              const float* __restrict__ inv_freq,
+                              const int64_t* __restrict__ slots, T* __restrict__ k_cache,
+                              T* __restrict__ v_cache) {
+  extern __shared__ float cos_sin[];
+  const int half = head_dim / 2;
+  float* cs = cos_sin;
+  float* sn = cos_sin + half;
+  const int64_t row = blockIdx.x;
+  const double pos = static_cast<double>(positions[row]);
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int i = tid; i < half; i += blockDim.x * blockDim.y) {
+    double s, c;
+    sincos(pos * static_cast<double>(inv_freq[i]), &s, &c);
+    cs[i] = static_cast<float>(c);
+    sn[i] = static_cast<float>(s);
+  }
+  __syncthreads();
+
+  const int64_t kv_row = static_cast<int64_t>(kv_heads) * head_dim;
+  T* xr = qkv + row * (heads + 2 * static_cast<int64_t>(kv_heads)) * head_dim;
+  const int64_t slot = slots[row];
+  T* kc = k_cache + slot * kv_row;
+  T* vc = v_cache + slot * kv_row;
+  for (int h = threadIdx.y; h < heads + 2 * kv_heads; h += blockDim.y) {
+    T* v = xr + static_cast<int64_t>(h) * head_dim;
+    if (h < heads + kv_heads) {
+      // A query head rotates in place; a key head goes rotated to the cache.
+      T* dst = h < heads ? v : kc + static_cast<int64_t>(h - heads) * head_dim;
+      for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float a = ToFloat(v[i]);
+        const float b = ToFloat(v[i + half]);
+        dst[i] = FromFloat<T>(a * cs[i] - b * sn[i]);
+        dst[i + half] = FromFloat<T>(b * cs[i] + a * sn[i]);
+      }
+    } else {
+      T* dst = vc + static_cast<int64_t>(h - heads - kv_heads) * head_dim;
+      for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = v[i];
+    }
+  }
+}
+
 }  // namespace
+
+template <typename T>
+Status RopeQkvToCacheCuda(T* qkv, int64_t rows, int heads, int kv_heads, int head_dim,
+                          const int32_t* positions, const float* inv_freq, const int64_t* slots,
+                          PagedKvLayer<T> layer, cudaStream_t stream) {
+  const int64_t all_heads = static_cast<int64_t>(heads) + 2 * static_cast<int64_t>(kv_heads);
+  if (rows < 0 || rows > kMaxGridX || heads <= 0 || kv_heads <= 0 || head_dim <= 0 ||
+      head_dim % 2 != 0 || head_dim > kMaxHeadDim || all_heads * head_dim > INT_MAX ||
+      layer.kv_heads != kv_heads || layer.head_dim != head_dim) {
+    return InvalidArgument("RopeQkvToCacheCuda: bad shape rows=" + std::to_string(rows) +
+                           " heads=" + std::to_string(heads) + " kv_heads=" +
+                           std::to_string(kv_heads) + " head_dim=" + std::to_string(head_dim));
+  }
+  if (rows == 0) return Status::Ok();
+  if (qkv == nullptr || positions == nullptr || inv_freq == nullptr || slots == nullptr ||
+      layer.k == nullptr || layer.v == nullptr) {
+    return InvalidArgument("RopeQkvToCacheCuda: null device pointer");
+  }
+  const int half = head_dim / 2;
+  const int tx = std::min(kThreads, RoundUpToWarp(half));
+  const int ty = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(all_heads, kThreads / tx)));
+  const size_t shared_bytes = sizeof(float) * head_dim;
+  RopeQkvKernel<T><<<static_cast<unsigned>(rows), dim3(tx, ty), shared_bytes, stream>>>(
+      qkv, heads, kv_heads, head_dim, positions, inv_freq, slots, layer.k, layer.v);
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
 
 template <typename T>
 Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
@@ -79,5 +153,12 @@ template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*, 
                                      cudaStream_t);
 template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int,
                                              const int32_t*, const float*, cudaStream_t);
+
+template Status RopeQkvToCacheCuda<float>(float*, int64_t, int, int, int, const int32_t*,
+                                          const float*, const int64_t*, PagedKvLayer<float>,
+                                          cudaStream_t);
+template Status RopeQkvToCacheCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int, int,
+                                                  const int32_t*, const float*, const int64_t*,
+                                                  PagedKvLayer<__nv_bfloat16>, cudaStream_t);
 
 }  // namespace kdn::engine::cuda

@@ -4,9 +4,13 @@
 // tokens on top of the KV it holds and calls a hook after each layer;
 // DecodeStep appends one token to each sequence of a batch. Weights and the
 // paged KV cache (blocks of 16 tokens, the CPU layout) live in device memory
-// as bf16; matrix products go through cuBLAS (bf16 in, fp32 accumulation);
-// norms, RoPE, the SwiGLU gate and attention are kdn's kernels; logits come
-// back in fp32.
+// as bf16; matrix products go through cuBLAS (bf16 in, fp32 accumulation),
+// one product for q, k and v and one for gate and up; RoPE and the KV write
+// are one kernel; attention is FlashInfer's tensor-core kernels where the
+// build has them for the shape (flash_attention.h), kdn's reference kernels
+// otherwise; logits come back in fp32. Decode steps are replayed from CUDA
+// graphs captured per batch-size bucket (the batch padded to the bucket), and
+// DecodeGreedy picks the next tokens on the device.
 //
 // The per-layer hook runs on the calling thread once the layer's KV is in the
 // cache (the stream is synchronized first), so a caller may read it.
@@ -30,6 +34,8 @@ struct CudaEngineOptions {
   int64_t kv_tokens = 65536;          // size of the KV pool
   int64_t max_prefill_tokens = 32768;  // the longest Prefill call (activation buffers)
   int max_batch = 256;                 // the largest DecodeStep batch
+  bool flash_attention = true;         // FlashInfer kernels where built for the shape
+  bool cuda_graphs = true;             // decode from captured graphs (needs flash_attention)
 };
 
 // A sequence's KV: its blocks in the model's pool, host-side. Free it with
@@ -72,6 +78,15 @@ class CudaModel {
   // As Model::DecodeStep: batch x vocab logits.
   Status DecodeStep(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
                     std::vector<float>* logits);
+  // The same step, but the greedy choice (engine::Argmax: the first largest
+  // logit) is made on the device and only the chosen ids come back: next[i]
+  // for seqs[i].
+  Status DecodeGreedy(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
+                      std::vector<int32_t>* next);
+
+  // Which attention and decode paths this model runs (for logs and benches).
+  bool uses_flash_attention() const;
+  bool uses_cuda_graphs() const;
 
   // Copies one layer's KV of positions [first, first + count) to the host as
   // floats: count rows of K then count rows of V (a chunk's layer layout).

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kdn/common/status.h"
+#include "kdn/engine/cuda/paged_kv.cuh"
 
 namespace kdn::engine::cuda {
 
@@ -44,10 +45,34 @@ template <typename T>
 Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
                      const float* inv_freq, cudaStream_t stream);
 
+// The step after a fused QKV product, in one pass: qkv is [rows][heads +
+// 2 * kv_heads][head_dim] (the query heads, then the key heads, then the
+// value heads of each row, row-contiguous). Rotates the query heads in place
+// and writes the rotated keys and the values of row r to cache slot slots[r]
+// (block id * kKvBlockTokensCuda + row in block) of `layer`; the keys in qkv
+// are left unrotated. The same rotation as ApplyRopeCuda and the same writes
+// as WriteKvSlotsCuda, which stay as its reference.
+//
+// T is float or __nv_bfloat16. Returns INVALID_ARGUMENT as ApplyRopeCuda
+// does, or when the layer's shape disagrees with kv_heads and head_dim.
+template <typename T>
+Status RopeQkvToCacheCuda(T* qkv, int64_t rows, int heads, int kv_heads, int head_dim,
+                          const int32_t* positions, const float* inv_freq, const int64_t* slots,
+                          PagedKvLayer<T> layer, cudaStream_t stream);
+
 extern template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*,
                                             const float*, cudaStream_t);
 extern template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int,
                                                     const int32_t*, const float*,
                                                     cudaStream_t);
+
+extern template Status RopeQkvToCacheCuda<float>(float*, int64_t, int, int, int, const int32_t*,
+                                                 const float*, const int64_t*,
+                                                 PagedKvLayer<float>, cudaStream_t);
+extern template Status RopeQkvToCacheCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int, int,
+                                                         const int32_t*, const float*,
+                                                         const int64_t*,
+                                                         PagedKvLayer<__nv_bfloat16>,
+                                                         cudaStream_t);
 
 }  // namespace kdn::engine::cuda
