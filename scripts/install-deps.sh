@@ -53,7 +53,7 @@ fi
 # CUDA engine's attention: the pinned wheel is only unpacked, never installed.
 FLASHINFER_VERSION=0.7.2.post1
 FLASHINFER_DIR="${HOME}/.cache/kdn/flashinfer-${FLASHINFER_VERSION}"
-if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -f "$FLASHINFER_DIR/include/flashinfer/attention/prefill.cuh" ]; then
+if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -f "$FLASHINFER_DIR/.complete" ]; then
   echo "install-deps: FlashInfer ${FLASHINFER_VERSION} headers into $FLASHINFER_DIR"
   command -v unzip >/dev/null || { $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq unzip; }
   python3 -m pip --version >/dev/null 2>&1 || { $SUDO apt-get update -qq; DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-pip; }
@@ -61,10 +61,12 @@ if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -f "$FLASHINFER_DIR/include/flashinfer
   python3 -m pip download -q --disable-pip-version-check --no-deps \
     "flashinfer-python==${FLASHINFER_VERSION}" -d "$tmp"
   unzip -q "$tmp"/flashinfer_python-*.whl 'flashinfer/data/include/*' 'flashinfer/data/cutlass/include/*' \
+    'flashinfer/data/cutlass/tools/util/include/*' \
     'flashinfer/data/cccl/libcudacxx/include/*' 'flashinfer/data/cccl/cub/cub/*' \
     'flashinfer/data/cccl/thrust/thrust/*' -d "$tmp/x"
   mkdir -p "$(dirname "$FLASHINFER_DIR")"
   rm -rf "$FLASHINFER_DIR"
   mv "$tmp/x/flashinfer/data" "$FLASHINFER_DIR"
+  touch "$FLASHINFER_DIR/.complete"
   rm -rf "$tmp"
 fi

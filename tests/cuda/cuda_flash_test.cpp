@@ -76,9 +76,9 @@ AttentionShape ShapeOf(int heads, int kv_heads, int dim) {
 // n queries on top of `start` cached tokens: FlashAttention (queries read
 // with a row stride wider than the heads, as from a fused QKV row) against
 // PrefillAttentionCuda.
-void CheckFlashPrefill(int heads, int kv_heads, int dim, int64_t start, int64_t n) {
+void CheckFlashPrefill(int heads, int kv_heads, int dim, int64_t start, int64_t n, bool hopper) {
   SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
-                                    << " start " << start << " n " << n);
+                                    << " start " << start << " n " << n << " hopper " << hopper);
   const AttentionShape shape = ShapeOf(heads, kv_heads, dim);
   ASSERT_TRUE(FlashAttention::Supports(shape));
   Pool pool(kv_heads, dim, {start + n}, 11);
@@ -96,11 +96,13 @@ void CheckFlashPrefill(int heads, int kv_heads, int dim, int64_t start, int64_t 
   ASSERT_TRUE(d_wide.ok() && d_q.ok() && d_table.ok() && d_ref.ok() && d_out.ok());
   KDN_ASSERT_OK(PrefillAttentionCuda<bf16>(d_q->get(), n, start, pool.layer(), d_table->get(),
                                            shape, d_ref->get(), nullptr));
-  auto flash = FlashAttention::Create(shape, 4, n, pool.blocks);
+  auto flash = FlashAttention::Create(shape, 4, n, pool.blocks, hopper);
   ASSERT_TRUE(flash.ok()) << flash.status().ToString();
   const AttentionSequence seq{static_cast<int32_t>(n), start + n, pool.tables[0].data(),
                               static_cast<int64_t>(pool.tables[0].size())};
   KDN_ASSERT_OK((*flash)->Plan(&seq, 1, false, nullptr));
+  if (!hopper) EXPECT_FALSE((*flash)->planned_hopper());
+  if (n == 1) EXPECT_FALSE((*flash)->planned_hopper());  // one row is a decode plan
   KDN_ASSERT_OK((*flash)->Run(d_wide->get(), stride, pool.layer(), d_out->get(), nullptr));
   std::vector<bf16> got, want;
   KDN_ASSERT_OK(ToHost(d_out->get(), q.size(), &got));
@@ -113,11 +115,14 @@ void CheckFlashPrefill(int heads, int kv_heads, int dim, int64_t start, int64_t 
 TEST(FlashAttention, PrefillMatchesTheReferenceKernel) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   if (!FlashAttention::Supports(ShapeOf(32, 8, 128))) GTEST_SKIP() << "built without FlashInfer";
-  CheckFlashPrefill(32, 8, 128, 0, 300);    // Llama-3-8B's heads
-  CheckFlashPrefill(32, 8, 128, 777, 65);   // after a cached prefix, unaligned
-  CheckFlashPrefill(28, 4, 128, 16, 1000);  // Qwen2.5-7B's heads
-  CheckFlashPrefill(8, 4, 64, 5, 129);      // the small preset's heads
-  CheckFlashPrefill(8, 8, 64, 0, 1);        // one token, no grouping
+  // The Hopper kernels where the device has them, and the FA2 ones.
+  for (bool hopper : {true, false}) {
+    CheckFlashPrefill(32, 8, 128, 0, 300, hopper);    // Llama-3-8B's heads
+    CheckFlashPrefill(32, 8, 128, 777, 65, hopper);   // after a cached prefix, unaligned
+    CheckFlashPrefill(28, 4, 128, 16, 1000, hopper);  // Qwen2.5-7B's heads
+    CheckFlashPrefill(8, 4, 64, 5, 129, hopper);      // the small preset's heads
+    CheckFlashPrefill(8, 8, 64, 0, 1, hopper);        // one token, no grouping
+  }
 }
 
 // A decode batch of sequences of different lengths, planned eagerly and for a

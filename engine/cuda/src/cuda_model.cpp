@@ -150,7 +150,7 @@ struct CudaModel::Impl {
   PinnedArray<int64_t> slots_host;
 
   std::unique_ptr<FlashAttention> flash;       // null: reference attention
-  std::map<int, cudaGraphExec_t> decode_graphs;  // by bucket
+  std::map<int, cudaGraphExec_t> decode_graphs;  // by GraphKey
 
   ~Impl() {
     for (auto& [bucket, exec] : decode_graphs) (void)cudaGraphExecDestroy(exec);
@@ -448,9 +448,11 @@ struct CudaModel::Impl {
     return ArgmaxCuda(logits.get(), rows, c.vocab_size, sampled.get(), stream);
   }
 
-  // The captured graph of DecodeBody for `bucket` rows, captured on first use.
+  // The captured graph of DecodeBody for `bucket` rows under the current
+  // attention plan's split choice, captured on first use.
   Result<cudaGraphExec_t> DecodeGraph(int bucket) {
-    auto it = decode_graphs.find(bucket);
+    const int key = 2 * bucket + (flash->planned_split() ? 1 : 0);
+    auto it = decode_graphs.find(key);
     if (it != decode_graphs.end()) return it->second;
     KDN_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status body = DecodeBody(bucket, 0, 0);
@@ -465,7 +467,7 @@ struct CudaModel::Impl {
     const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
     (void)cudaGraphDestroy(graph);
     KDN_CUDA_RETURN_IF_ERROR(made);
-    decode_graphs.emplace(bucket, exec);
+    decode_graphs.emplace(key, exec);
     return exec;
   }
 

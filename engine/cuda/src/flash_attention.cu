@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "flash_attention_sm90.h"
 #include "kdn/engine/cuda/cuda_check.h"
 
 #ifdef KDN_FLASHINFER
@@ -105,6 +106,11 @@ cudaError_t LaunchTile(int64_t tile_q, const PagedParams& p, bf16* tmp_v, float*
   }
 }
 
+// A graph plan (decode) splits the keys across CTAs only when some sequence
+// is longer than this: below it the split's merge pass costs more than the
+// parallelism gains (measured on an H100, docs/engine.md).
+constexpr int64_t kGraphSplitAboveKeys = 2048;
+
 constexpr size_t kFloatWorkspaceBytes = size_t{256} << 20;
 constexpr size_t kIntWorkspaceBytes = size_t{16} << 20;
 
@@ -125,9 +131,14 @@ struct FlashAttention::Impl {
   int32_t* indices_host = nullptr;
   int32_t* meta_host = nullptr;
   cudaEvent_t staged = nullptr;
+  std::vector<int32_t> kv_lens;  // host, for the Hopper plan
 
+  bool hopper = false;  // prefill plans may use the Hopper kernels
   fi::PrefillPlanInfo plan;
+  std::vector<int64_t> hopper_plan;  // the plan when planned_hopper
+  bool planned_hopper = false;
   uint32_t batch = 0;
+  int64_t rows = 0;
 
   ~Impl() {
     for (void* p : {float_ws, int_ws, static_cast<void*>(indices), static_cast<void*>(meta)}) {
@@ -151,7 +162,7 @@ bool FlashAttention::Supports(const AttentionShape& shape) {
 
 Result<std::unique_ptr<FlashAttention>> FlashAttention::Create(const AttentionShape& shape,
                                                                int max_batch, int64_t max_rows,
-                                                               int64_t max_blocks) {
+                                                               int64_t max_blocks, bool hopper) {
   if (!Supports(shape)) {
     return Unimplemented("FlashAttention: no kernels for head_dim " +
                          std::to_string(shape.head_dim));
@@ -164,6 +175,10 @@ Result<std::unique_ptr<FlashAttention>> FlashAttention::Create(const AttentionSh
   impl->max_batch = max_batch;
   impl->max_rows = max_rows;
   impl->max_blocks = max_blocks;
+  impl->kv_lens.resize(max_batch);
+  int device = 0;
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  impl->hopper = hopper && sm90::Available(shape, device);
   const size_t meta = sizeof(int32_t) * (3 * static_cast<size_t>(max_batch) + 2);
   KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->float_ws, kFloatWorkspaceBytes));
   KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->int_ws, kIntWorkspaceBytes));
@@ -199,6 +214,7 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
   qi[0] = 0;
   pi[0] = 0;
   bool uniform_one = true;
+  int64_t max_kv = 0;
   for (size_t i = 0; i < b; ++i) {
     const AttentionSequence& s = seqs[i];
     const int64_t kv = s.kv_len;
@@ -215,6 +231,8 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
     std::copy_n(s.table, pages, m.indices_host + pi[i]);
     pi[i + 1] = static_cast<int32_t>(pi[i] + pages);
     last[i] = static_cast<int32_t>(kv - (pages - 1) * kKvBlockTokensCuda);
+    m.kv_lens[i] = static_cast<int32_t>(kv);
+    max_kv = std::max(max_kv, kv);
   }
   if (graph && !uniform_one) {
     return InvalidArgument("FlashAttention::Plan: a graph plan is for decode (every q length 1)");
@@ -224,6 +242,17 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
                                            cudaMemcpyHostToDevice, stream));
   KDN_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(m.meta, m.meta_host, meta_bytes, cudaMemcpyHostToDevice, stream));
+  m.batch = 0;
+  m.rows = qi[b];
+  m.planned_hopper = m.hopper && !graph && !uniform_one;
+  if (m.planned_hopper) {
+    KDN_RETURN_IF_ERROR(sm90::Plan(m.float_ws, kFloatWorkspaceBytes, m.int_ws, m.int_ws_host,
+                                   kIntWorkspaceBytes, qi, pi, m.kv_lens.data(),
+                                   static_cast<int>(b), m.shape, stream, &m.hopper_plan));
+    KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.staged, stream));
+    m.batch = static_cast<uint32_t>(b);
+    return Status::Ok();
+  }
   try {
     const cudaError_t st = fi::PrefillPlan<int32_t>(
         m.float_ws, kFloatWorkspaceBytes, m.int_ws, m.int_ws_host, kIntWorkspaceBytes, m.plan, qi,
@@ -231,7 +260,8 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
         static_cast<uint32_t>(m.shape.heads), static_cast<uint32_t>(m.shape.kv_heads),
         static_cast<uint32_t>(m.shape.head_dim), static_cast<uint32_t>(m.shape.head_dim),
         kKvBlockTokensCuda, graph, /*sizeof_dtype_o=*/2, /*window_left=*/-1,
-        /*fixed_split_size=*/-1, /*disable_split_kv=*/false, /*num_colocated_ctas=*/0,
+        /*fixed_split_size=*/-1, /*disable_split_kv=*/graph && max_kv <= kGraphSplitAboveKeys,
+        /*num_colocated_ctas=*/0,
         /*uniform_q_len=*/graph ? 1 : 0, stream);
     KDN_CUDA_RETURN_IF_ERROR(st);
   } catch (const std::exception& e) {
@@ -250,6 +280,10 @@ Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<con
       cache.kv_heads != m.shape.kv_heads || cache.head_dim != m.shape.head_dim ||
       q_row_stride < int64_t{m.shape.heads} * m.shape.head_dim || q_row_stride > INT32_MAX) {
     return InvalidArgument("FlashAttention::Run: null pointers or a cache of another shape");
+  }
+  if (m.planned_hopper) {
+    return sm90::Run(m.hopper_plan, m.int_ws, q, q_row_stride, m.rows, cache, m.indices, out,
+                     m.shape, stream);
   }
   PagedParams p;
   p.q = const_cast<bf16*>(q);
@@ -296,14 +330,22 @@ Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<con
   return Status::Ok();
 }
 
+bool FlashAttention::planned_hopper() const { return impl_->planned_hopper; }
+bool FlashAttention::planned_split() const {
+  return !impl_->planned_hopper && impl_->plan.split_kv;
+}
+
 #else  // !KDN_FLASHINFER
 
 struct FlashAttention::Impl {};
 
+bool FlashAttention::planned_hopper() const { return false; }
+bool FlashAttention::planned_split() const { return false; }
+
 bool FlashAttention::Supports(const AttentionShape&) { return false; }
 
 Result<std::unique_ptr<FlashAttention>> FlashAttention::Create(const AttentionShape&, int, int64_t,
-                                                               int64_t) {
+                                                               int64_t, bool) {
   return Unimplemented(
       "FlashAttention: this build has no FlashInfer headers (scripts/install-deps.sh fetches "
       "them)");

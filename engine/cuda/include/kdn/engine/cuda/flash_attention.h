@@ -1,10 +1,12 @@
 #pragma once
 // Tensor-core attention over the paged KV cache, built on FlashInfer's
-// FA2-style batch prefill kernels (docs/engine.md, "Attention"). One kernel
-// family serves prefill (many queries of one sequence, on top of its cached
-// KV) and decode (one query per sequence of a batch): grouped-query heads are
+// batch prefill kernels (docs/engine.md, "Attention"). The FA2-style kernels
+// serve decode (one query per sequence of a batch: grouped-query heads are
 // packed into the query tile, so a decode step of a GQA model runs on tensor
-// cores too, and long contexts are split across CTAs and merged.
+// cores too, and long contexts are split across CTAs and merged) and, off
+// Hopper, prefill (many queries of one sequence, on top of its cached KV). On
+// a compute-capability 9.0 device prefill plans run FlashInfer's Hopper
+// (FA3-style, wgmma) kernels instead.
 //
 // Compiled for bf16, head_dim 64 and 128, blocks of kKvBlockTokensCuda (16)
 // tokens, causal masking aligned at the end of the keys (query i of n sees
@@ -49,15 +51,20 @@ class FlashAttention {
 
   // Workspace for batches of up to `max_batch` sequences, `max_rows` query
   // rows in all and `max_blocks` blocks in all the block tables of one plan.
+  // `hopper`: run prefill plans on the Hopper kernels where the device has
+  // them (tests turn it off to check the FA2 prefill path on such a device).
   static Result<std::unique_ptr<FlashAttention>> Create(const AttentionShape& shape, int max_batch,
-                                                        int64_t max_rows, int64_t max_blocks);
+                                                        int64_t max_rows, int64_t max_blocks,
+                                                        bool hopper = true);
   ~FlashAttention();
   FlashAttention(const FlashAttention&) = delete;
   FlashAttention& operator=(const FlashAttention&) = delete;
 
   // Plans a batch of `count` sequences; enqueues the uploads on `stream`.
   // `graph`: plan for replay inside a CUDA graph captured after a plan of
-  // the same batch size with every q_len 1 (decode).
+  // the same batch size with every q_len 1 (decode) and the same
+  // planned_split(): graph plans split long keys across CTAs, short ones not,
+  // and each choice launches its own kernels.
   Status Plan(const AttentionSequence* seqs, int count, bool graph, cudaStream_t stream);
 
   // Attention of the planned batch for one layer: row r of q (heads x
@@ -66,6 +73,11 @@ class FlashAttention {
   // V must be in `cache`. Enqueues on `stream`.
   Status Run(const __nv_bfloat16* q, int64_t q_row_stride, PagedKvLayer<const __nv_bfloat16> cache,
              __nv_bfloat16* out, cudaStream_t stream);
+
+  // Whether the last plan runs on the Hopper kernels, and whether it splits
+  // keys across CTAs (then a merge pass follows the attention kernel).
+  bool planned_hopper() const;
+  bool planned_split() const;
 
  private:
   struct Impl;
