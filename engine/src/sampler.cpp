@@ -53,6 +53,11 @@ void Sampler::Advance(int samples) {
   for (int i = 0; i < samples; ++i) (void)NextUniform();
 }
 
+double Sampler::NextDraw() {
+  if (params_.temperature <= 0.0f || params_.top_k == 1) return -1.0;
+  return NextUniform();
+}
+
 int32_t Sampler::Sample(std::span<const float> logits) {
   if (params_.temperature <= 0.0f || params_.top_k == 1) return Argmax(logits);
   const int n = static_cast<int>(logits.size());

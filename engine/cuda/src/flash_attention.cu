@@ -106,11 +106,6 @@ cudaError_t LaunchTile(int64_t tile_q, const PagedParams& p, bf16* tmp_v, float*
   }
 }
 
-// A graph plan (decode) splits the keys across CTAs only when some sequence
-// is longer than this: below it the split's merge pass costs more than the
-// parallelism gains (measured on an H100, docs/engine.md).
-constexpr int64_t kGraphSplitAboveKeys = 2048;
-
 constexpr size_t kFloatWorkspaceBytes = size_t{256} << 20;
 constexpr size_t kIntWorkspaceBytes = size_t{16} << 20;
 
@@ -214,7 +209,6 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
   qi[0] = 0;
   pi[0] = 0;
   bool uniform_one = true;
-  int64_t max_kv = 0;
   for (size_t i = 0; i < b; ++i) {
     const AttentionSequence& s = seqs[i];
     const int64_t kv = s.kv_len;
@@ -232,7 +226,6 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
     pi[i + 1] = static_cast<int32_t>(pi[i] + pages);
     last[i] = static_cast<int32_t>(kv - (pages - 1) * kKvBlockTokensCuda);
     m.kv_lens[i] = static_cast<int32_t>(kv);
-    max_kv = std::max(max_kv, kv);
   }
   if (graph && !uniform_one) {
     return InvalidArgument("FlashAttention::Plan: a graph plan is for decode (every q length 1)");
@@ -260,8 +253,7 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
         static_cast<uint32_t>(m.shape.heads), static_cast<uint32_t>(m.shape.kv_heads),
         static_cast<uint32_t>(m.shape.head_dim), static_cast<uint32_t>(m.shape.head_dim),
         kKvBlockTokensCuda, graph, /*sizeof_dtype_o=*/2, /*window_left=*/-1,
-        /*fixed_split_size=*/-1, /*disable_split_kv=*/graph && max_kv <= kGraphSplitAboveKeys,
-        /*num_colocated_ctas=*/0,
+        /*fixed_split_size=*/-1, /*disable_split_kv=*/false, /*num_colocated_ctas=*/0,
         /*uniform_q_len=*/graph ? 1 : 0, stream);
     KDN_CUDA_RETURN_IF_ERROR(st);
   } catch (const std::exception& e) {
@@ -331,16 +323,13 @@ Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<con
 }
 
 bool FlashAttention::planned_hopper() const { return impl_->planned_hopper; }
-bool FlashAttention::planned_split() const {
-  return !impl_->planned_hopper && impl_->plan.split_kv;
-}
 
 #else  // !KDN_FLASHINFER
 
 struct FlashAttention::Impl {};
 
 bool FlashAttention::planned_hopper() const { return false; }
-bool FlashAttention::planned_split() const { return false; }
+
 
 bool FlashAttention::Supports(const AttentionShape&) { return false; }
 

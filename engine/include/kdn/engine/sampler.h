@@ -33,6 +33,11 @@ class Sampler {
   // that a sequence sampled partly in one process (the first token, by a
   // prefill worker) continues in another exactly as in one.
   void Advance(int samples);
+  // The uniform draw Sample would make for its next token, moving the stream
+  // on as Sample does, or a negative value (the stream unmoved) where Sample
+  // is an argmax: for sampling on a device with the request's own stream
+  // (cuda::DeviceSampler).
+  double NextDraw();
 
  private:
   double NextUniform();  // [0, 1)

@@ -25,6 +25,7 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/config.h"
 #include "kdn/engine/model.h"
+#include "kdn/engine/sampler.h"
 #include "kdn/engine/weights.h"
 
 namespace kdn::engine::cuda {
@@ -83,6 +84,12 @@ class CudaModel {
   // for seqs[i].
   Status DecodeGreedy(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
                       std::vector<int32_t>* next);
+  // The same step with each sequence's own sampling parameters and random
+  // stream: samplers[i] for seqs[i], drawn on the device as Sampler::Sample
+  // draws on the host (device_sampler.h); only the chosen ids come back. On
+  // failure the samplers' streams are as they were.
+  Status DecodeSample(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
+                      std::span<Sampler* const> samplers, std::vector<int32_t>* next);
 
   // Which attention and decode paths this model runs (for logs and benches).
   bool uses_flash_attention() const;

@@ -62,9 +62,9 @@ class FlashAttention {
 
   // Plans a batch of `count` sequences; enqueues the uploads on `stream`.
   // `graph`: plan for replay inside a CUDA graph captured after a plan of
-  // the same batch size with every q_len 1 (decode) and the same
-  // planned_split(): graph plans split long keys across CTAs, short ones not,
-  // and each choice launches its own kernels.
+  // the same batch size with every q_len 1 (decode). Graph plans always
+  // split keys across CTAs (FlashInfer's choice: the launch shape must not
+  // depend on the lengths); an unsplit plan measured slower at 512 keys.
   Status Plan(const AttentionSequence* seqs, int count, bool graph, cudaStream_t stream);
 
   // Attention of the planned batch for one layer: row r of q (heads x
@@ -74,10 +74,8 @@ class FlashAttention {
   Status Run(const __nv_bfloat16* q, int64_t q_row_stride, PagedKvLayer<const __nv_bfloat16> cache,
              __nv_bfloat16* out, cudaStream_t stream);
 
-  // Whether the last plan runs on the Hopper kernels, and whether it splits
-  // keys across CTAs (then a merge pass follows the attention kernel).
+  // Whether the last plan runs on the Hopper kernels.
   bool planned_hopper() const;
-  bool planned_split() const;
 
  private:
   struct Impl;
