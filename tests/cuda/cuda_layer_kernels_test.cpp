@@ -127,6 +127,19 @@ TEST(ArgmaxCuda, EqualsTheEngineIncludingTiesAndNaN) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(got[r], engine::Argmax(std::span<const float>(logits.data() + r * vocab, vocab)));
   }
+  // The same rows split across blocks (with a workspace), and a vocabulary
+  // narrower than the split.
+  auto d_ws = ToDevice(std::vector<char>(ArgmaxWorkspaceBytes(4)));
+  ASSERT_TRUE(d_ws.ok());
+  KDN_ASSERT_OK(ArgmaxCuda(d_logits->get(), 4, vocab, d_out->get(), nullptr, d_ws->get()));
+  KDN_ASSERT_OK(ToHost(d_out->get(), 4, &got));
+  EXPECT_EQ(got, (std::vector<int32_t>{77777, 9, 128255, 0}));
+  const std::vector<float> narrow = {1.0f, NAN, 3.0f, 3.0f, -2.0f};
+  auto d_narrow = ToDevice(narrow);
+  ASSERT_TRUE(d_narrow.ok());
+  KDN_ASSERT_OK(ArgmaxCuda(d_narrow->get(), 1, 5, d_out->get(), nullptr, d_ws->get()));
+  KDN_ASSERT_OK(ToHost(d_out->get(), 1, &got));
+  EXPECT_EQ(got[0], 2);
 }
 
 // ------------------------------------------------------------------- init

@@ -143,7 +143,7 @@ struct CudaModel::Impl {
   DeviceArray<int32_t> ids, positions, tables, lengths, bad_id, sampled;
   DeviceArray<int64_t> slots;
   DeviceArray<float> workspace;
-  DeviceArray<char> blas_workspace;
+  DeviceArray<char> blas_workspace, argmax_workspace;
 
   // Decode inputs staged in pinned memory; each step waits for its own end,
   // so one set serves every step.
@@ -257,6 +257,8 @@ struct CudaModel::Impl {
     KDN_RETURN_IF_ERROR(slots.Allocate(R));
     KDN_RETURN_IF_ERROR(bad_id.Allocate(1));
     KDN_RETURN_IF_ERROR(sampled.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(argmax_workspace.Allocate(
+        static_cast<int64_t>(ArgmaxWorkspaceBytes(options.max_batch))));
     KDN_RETURN_IF_ERROR(ids_host.Allocate(options.max_batch));
     KDN_RETURN_IF_ERROR(positions_host.Allocate(options.max_batch));
     KDN_RETURN_IF_ERROR(slots_host.Allocate(options.max_batch));
@@ -451,7 +453,8 @@ struct CudaModel::Impl {
     const bf16* head = c.tie_word_embeddings ? embed.get() : lm_head.get();
     KDN_RETURN_IF_ERROR(NormGemm(x.get(), rows, final_norm.get(), head, c.vocab_size,
                                  logits.get(), CUDA_R_32F));
-    return ArgmaxCuda(logits.get(), rows, c.vocab_size, sampled.get(), stream);
+    return ArgmaxCuda(logits.get(), rows, c.vocab_size, sampled.get(), stream,
+                      argmax_workspace.get());
   }
 
   // The captured graph of DecodeBody for `bucket` rows, captured on first use.
@@ -680,13 +683,12 @@ Status CudaModel::Impl::Decode(std::span<CudaKvSequence* const> seqs,
   auto up = [&](void* dst, const void* src, size_t bytes) {
     return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
   };
-  KDN_CUDA_RETURN_IF_ERROR(up(ids.get(), ids_host.get(), rows * sizeof(int32_t)));
-  KDN_CUDA_RETURN_IF_ERROR(up(positions.get(), positions_host.get(), rows * sizeof(int32_t)));
-  KDN_CUDA_RETURN_IF_ERROR(up(slots.get(), slots_host.get(), rows * sizeof(int64_t)));
-  Status st;
-  if (flash != nullptr) {
-    st = flash->Plan(attn_seqs.data(), static_cast<int>(rows), use_graph, stream);
-  } else {
+  // From here on a failure gives back this step's blocks (below).
+  auto inputs = [&]() -> Status {
+    KDN_CUDA_RETURN_IF_ERROR(up(ids.get(), ids_host.get(), rows * sizeof(int32_t)));
+    KDN_CUDA_RETURN_IF_ERROR(up(positions.get(), positions_host.get(), rows * sizeof(int32_t)));
+    KDN_CUDA_RETURN_IF_ERROR(up(slots.get(), slots_host.get(), rows * sizeof(int64_t)));
+    if (flash != nullptr) return flash->Plan(attn_seqs.data(), static_cast<int>(rows), use_graph, stream);
     std::vector<int32_t> lens(batch), table(batch * stride, 0);
     for (int64_t b = 0; b < batch; ++b) {
       lens[b] = static_cast<int32_t>(seqs[b]->length + 1);
@@ -695,7 +697,9 @@ Status CudaModel::Impl::Decode(std::span<CudaKvSequence* const> seqs,
     KDN_CUDA_RETURN_IF_ERROR(up(lengths.get(), lens.data(), batch * sizeof(int32_t)));
     // From pageable memory: the copies have read the vectors when they return.
     KDN_CUDA_RETURN_IF_ERROR(up(tables.get(), table.data(), table.size() * sizeof(int32_t)));
-  }
+    return Status::Ok();
+  };
+  Status st = inputs();
   if (st.ok() && use_graph) {
     auto exec = DecodeGraph(static_cast<int>(rows));
     st = exec.ok() ? Status::Ok() : exec.status();

@@ -13,6 +13,24 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxHeadDim = 8192;  // cos + sin of a row: 32 KiB of shared memory
 
+// The block's row's cosines (cs) and sines (sn) of its `half` angles, into
+// shared memory; every thread of the block calls it. The angle is the same
+// correctly rounded double product the CPU reference forms (exact for
+// positions below 2^29), and double sincos (2 ulp) rounded to float agrees
+// with its std::cos/std::sin to within one float ulp.
+__device__ __forceinline__ void RowCosSin(int32_t position, const float* __restrict__ inv_freq,
+                                          int half, float* cs, float* sn) {
+  const double pos = static_cast<double>(position);
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int i = tid; i < half; i += blockDim.x * blockDim.y) {
+    double s, c;
+    sincos(pos * static_cast<double>(inv_freq[i]), &s, &c);
+    cs[i] = static_cast<float>(c);
+    sn[i] = static_cast<float>(s);
+  }
+  __syncthreads();
+}
+
 // One block per row. threadIdx.x walks the frequencies i < head_dim/2 and
 // threadIdx.y the heads, so each thread reuses its cos/sin across heads.
 template <typename T>
@@ -24,19 +42,7 @@ __global__ void RopeKernel(T* __restrict__ x, int heads, int head_dim,
   float* cs = cos_sin;
   float* sn = cos_sin + half;
   const int64_t row = blockIdx.x;
-
-  // The angle is the same correctly rounded double product the CPU reference
-  // forms (exact for positions below 2^29), and double sincos (2 ulp) rounded
-  // to float agrees with its std::cos/std::sin to within one float ulp.
-  const double pos = static_cast<double>(positions[row]);
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  for (int i = tid; i < half; i += blockDim.x * blockDim.y) {
-    double s, c;
-    sincos(pos * static_cast<double>(inv_freq[i]), &s, &c);
-    cs[i] = static_cast<float>(c);
-    sn[i] = static_cast<float>(s);
-  }
-  __syncthreads();
+  RowCosSin(positions[row], inv_freq, half, cs, sn);
 
   T* xr = x + row * heads * static_cast<int64_t>(head_dim);
   for (int h = threadIdx.y; h < heads; h += blockDim.y) {
@@ -64,15 +70,7 @@ __global__ void RopeQkvKernel(T* __restrict__ qkv, int heads, int kv_heads, int 
   float* cs = cos_sin;
   float* sn = cos_sin + half;
   const int64_t row = blockIdx.x;
-  const double pos = static_cast<double>(positions[row]);
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  for (int i = tid; i < half; i += blockDim.x * blockDim.y) {
-    double s, c;
-    sincos(pos * static_cast<double>(inv_freq[i]), &s, &c);
-    cs[i] = static_cast<float>(c);
-    sn[i] = static_cast<float>(s);
-  }
-  __syncthreads();
+  RowCosSin(positions[row], inv_freq, half, cs, sn);
 
   const int64_t kv_row = static_cast<int64_t>(kv_heads) * head_dim;
   T* xr = qkv + row * (heads + 2 * static_cast<int64_t>(kv_heads)) * head_dim;

@@ -20,7 +20,15 @@ namespace kdn::engine::cuda {
 // out[r] = the index of the largest of logits[r][0..vocab), the first one on
 // ties (as engine::Argmax), for `rows` rows of fp32 logits. NaNs are never
 // chosen unless the whole row is NaN (then 0).
+//
+// With `workspace` (device, ArgmaxWorkspaceBytes(rows)), each row is split
+// across kArgmaxSplits blocks and a second kernel combines their winners: a
+// wide vocabulary no longer rests on one SM (a decode step's argmax).
+// Without it, one block per row.
 Status ArgmaxCuda(const float* logits, int64_t rows, int64_t vocab, int32_t* out,
-                  cudaStream_t stream);
+                  cudaStream_t stream, void* workspace = nullptr);
+
+inline constexpr int kArgmaxSplits = 32;
+size_t ArgmaxWorkspaceBytes(int64_t rows);
 
 }  // namespace kdn::engine::cuda
