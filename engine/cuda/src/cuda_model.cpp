@@ -239,7 +239,9 @@ struct CudaModel::Impl {
     const int64_t R = max_rows;
     const AttentionShape shape = Shape();
     if (options.flash_attention && FlashAttention::Supports(shape)) {
-      KDN_ASSIGN_OR_RETURN(flash, FlashAttention::Create(shape, options.max_batch, R, num_blocks));
+      // Every block once, and the scratch block once more per padding row.
+      KDN_ASSIGN_OR_RETURN(flash, FlashAttention::Create(shape, options.max_batch, R,
+                                                         num_blocks + options.max_batch));
     } else {
       KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
     }

@@ -203,6 +203,7 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
   }
   // The staging buffers may still feed the previous plan's copies.
   KDN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(m.staged));
+  m.batch = 0;  // no plan until this one is complete
   int32_t* qi = m.q_indptr(m.meta_host);
   int32_t* pi = m.page_indptr(m.meta_host);
   int32_t* last = m.last_len(m.meta_host);
@@ -235,7 +236,6 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
                                            cudaMemcpyHostToDevice, stream));
   KDN_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(m.meta, m.meta_host, meta_bytes, cudaMemcpyHostToDevice, stream));
-  m.batch = 0;
   m.rows = qi[b];
   m.planned_hopper = m.hopper && !graph && !uniform_one;
   if (m.planned_hopper) {
