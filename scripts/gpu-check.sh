@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# What a GPU machine runs for the CUDA backend (docs/engine.md, "CUDA
-# backend"): the gpu-labelled tests, the comparison with Hugging Face on the
-# GPU, and the prefill/decode benchmarks on the llama3-8b shape with the
-# transformers peer. Results go to $OUT (default ./gpu-results).
+# What a GPU machine runs for the CUDA backend (docs/engine.md, "The CUDA
+# backend"): the gpu-labelled tests, the transformers peer, the
+# prefill/decode benchmarks on the llama3-8b shape with their ratios to the
+# hardware and to the peer (decode also at batch 32 with 4,096 tokens of
+# context), and the comparison with Hugging Face on the GPU. Results go to
+# $OUT (default ./gpu-results).
 #
 #   bash scripts/gpu-check.sh BIN_DIR        # BIN_DIR holds kdn_cuda_tests,
 #                                            # kdn_forward_cuda, kdn-mkmodel, kdn-bench
