@@ -23,6 +23,7 @@
 #include "kdn/engine/cuda/cuda_model.h"
 #include "kdn/engine/cuda/device_sampler.h"
 #include "kdn/engine/cuda/flash_attention.h"
+#include "kdn/engine/cuda/activation.cuh"
 #include "kdn/engine/cuda/gemv.cuh"
 #include "kdn/engine/cuda/paged_kv.cuh"
 #include "kdn/engine/cuda/rope.cuh"
@@ -313,6 +314,24 @@ TEST(GemvCuda, MatchesCublasForEveryRowCount) {
     CheckGemv<float>(rows, 512, 20000, true);  // many rows, accumulated
   }
   CheckGemv<bf16>(1, 8 * 37, 13, true);        // widths off every unrolled step
+  // The fused gate/up product and SwiGLU gate: bit for bit the unfused pair.
+  for (int rows = 1; rows <= kGemvMaxRows; ++rows) {
+    const int in_dim = 4096, inter = 1000;
+    auto d_x = ToDevice(RandomBf16(size_t(rows) * in_dim, 50 + rows, 1.0f));
+    auto d_w = ToDevice(RandomBf16(size_t(2) * inter * in_dim, 51, 0.05f));
+    auto d_gu = ToDevice(std::vector<bf16>(size_t(rows) * 2 * inter));
+    auto d_ref = ToDevice(std::vector<bf16>(size_t(rows) * inter));
+    auto d_out = ToDevice(std::vector<bf16>(size_t(rows) * inter, __float2bfloat16_rn(NAN)));
+    ASSERT_TRUE(d_x.ok() && d_w.ok() && d_gu.ok() && d_ref.ok() && d_out.ok());
+    KDN_ASSERT_OK(GemvCuda<bf16>(d_x->get(), rows, in_dim, d_w->get(), 2 * inter, d_gu->get(),
+                                 false, nullptr));
+    KDN_ASSERT_OK(SiluMulCuda<bf16>(d_gu->get(), rows, inter, d_ref->get(), nullptr));
+    KDN_ASSERT_OK(GemvSwiGluCuda(d_x->get(), rows, in_dim, d_w->get(), inter, d_out->get(), nullptr));
+    std::vector<bf16> got, want;
+    KDN_ASSERT_OK(ToHost(d_out->get(), size_t(rows) * inter, &got));
+    KDN_ASSERT_OK(ToHost(d_ref->get(), size_t(rows) * inter, &want));
+    EXPECT_TRUE(AllClose(ToFloats(got), ToFloats(want), {0, 0})) << "rows " << rows;
+  }
   EXPECT_EQ(GemvCuda<float>(nullptr, 5, 64, nullptr, 8, nullptr, false, nullptr).code(),
             StatusCode::kInvalidArgument);
 }

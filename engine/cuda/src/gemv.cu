@@ -24,19 +24,16 @@ __device__ __forceinline__ void Fma8(const uint4& w, const uint4& x, float& acc)
   }
 }
 
-// One warp per output row o: lanes walk the row 8 elements at a time,
-// kUnroll loads ahead, then the warp sums its lanes.
-template <int kRows, typename OutT>
-__global__ void __launch_bounds__(kWarps * 32)
-    GemvKernel(const __nv_bfloat16* __restrict__ in, int in_dim,
-               const __nv_bfloat16* __restrict__ w, int out_dim, OutT* __restrict__ out,
-               bool accumulate) {
-  const int lane = threadIdx.x & 31;
-  const int o = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (o >= out_dim) return;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(o) * in_dim);
+// acc[r] = the dot product of weight row wr with input row r, summed over
+// the warp (every lane gets it): lanes walk the row 8 elements at a time,
+// kUnroll loads ahead.
+template <int kRows>
+__device__ __forceinline__ void RowDot(const uint4* __restrict__ wr,
+                                       const __nv_bfloat16* __restrict__ in, int in_dim, int lane,
+                                       float (&acc)[kRows]) {
   const int vecs = in_dim / 8;
-  float acc[kRows] = {};
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
   int v = lane;
   for (; v + 32 * (kUnroll - 1) < vecs; v += 32 * kUnroll) {
     uint4 wv[kUnroll];
@@ -63,12 +60,51 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
   }
+}
+
+// One warp per output row o.
+template <int kRows, typename OutT>
+__global__ void __launch_bounds__(kWarps * 32)
+    GemvKernel(const __nv_bfloat16* __restrict__ in, int in_dim,
+               const __nv_bfloat16* __restrict__ w, int out_dim, OutT* __restrict__ out,
+               bool accumulate) {
+  const int lane = threadIdx.x & 31;
+  const int o = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (o >= out_dim) return;
+  float acc[kRows];
+  RowDot<kRows>(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(o) * in_dim), in, in_dim,
+                lane, acc);
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       OutT* dst = out + static_cast<int64_t>(r) * out_dim + o;
       const float prev = accumulate ? ToFloat(*dst) : 0.0f;
       *dst = FromFloat<OutT>(prev + acc[r]);
+    }
+  }
+}
+
+// One warp per gate/up pair o: both products, each rounded to bf16 as the
+// unfused product writes them, then SiluMulCuda's arithmetic.
+template <int kRows>
+__global__ void __launch_bounds__(kWarps * 32)
+    GemvSwiGluKernel(const __nv_bfloat16* __restrict__ in, int in_dim,
+                     const __nv_bfloat16* __restrict__ w, int inter,
+                     __nv_bfloat16* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int o = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (o >= inter) return;
+  float gate[kRows], up[kRows];
+  RowDot<kRows>(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(o) * in_dim), in, in_dim,
+                lane, gate);
+  RowDot<kRows>(reinterpret_cast<const uint4*>(w + (static_cast<int64_t>(inter) + o) * in_dim),
+                in, in_dim, lane, up);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float g = __bfloat162float(__float2bfloat16_rn(gate[r]));
+      const float u = __bfloat162float(__float2bfloat16_rn(up[r]));
+      out[static_cast<int64_t>(r) * inter + o] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
     }
   }
 }
@@ -96,6 +132,24 @@ Status GemvCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat
     case 2: GemvKernel<2, OutT><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate); break;
     case 3: GemvKernel<3, OutT><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate); break;
     default: GemvKernel<4, OutT><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate); break;
+  }
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status GemvSwiGluCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat16* w,
+                      int inter, __nv_bfloat16* out, cudaStream_t stream) {
+  if (inter <= 0 || out == nullptr || in == nullptr || w == nullptr ||
+      !GemvFits(in, rows, in_dim, w)) {
+    return InvalidArgument("GemvSwiGluCuda: rows=" + std::to_string(rows) + " in_dim=" +
+                           std::to_string(in_dim) + " inter=" + std::to_string(inter));
+  }
+  const unsigned blocks = static_cast<unsigned>((inter + kWarps - 1) / kWarps);
+  switch (rows) {
+    case 1: GemvSwiGluKernel<1><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
+    case 2: GemvSwiGluKernel<2><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
+    case 3: GemvSwiGluKernel<3><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
+    default: GemvSwiGluKernel<4><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
   }
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();

@@ -28,7 +28,15 @@ template <typename OutT>
 Status GemvCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat16* w,
                 int out_dim, OutT* out, bool accumulate, cudaStream_t stream);
 
-// Whether GemvCuda takes these operands.
+// The gate/up product and SwiGLU's gate in one pass: w is the stacked
+// [2 * inter][in_dim] gate and up weight, out [rows][inter] =
+// silu(gate) * up, each product rounded to bf16 first, exactly as GemvCuda
+// into [rows][2 * inter] followed by SiluMulCuda computes it. Operands as
+// GemvCuda's.
+Status GemvSwiGluCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat16* w,
+                      int inter, __nv_bfloat16* out, cudaStream_t stream);
+
+// Whether GemvCuda and GemvSwiGluCuda take these operands.
 bool GemvFits(const void* in, int rows, int in_dim, const void* w);
 
 }  // namespace kdn::engine::cuda
