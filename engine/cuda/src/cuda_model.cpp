@@ -407,17 +407,17 @@ struct CudaModel::Impl {
     if (c.o_bias) {
       KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(x.get(), L.o_bias.get(), rows, c.hidden_size, stream));
     }
-    if (rows <= kGemvMaxRows && GemvFits(h.get(), static_cast<int>(rows), c.hidden_size,
-                                         L.gate_up.get())) {
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x.get(), L.post_norm.get(),
+                                          static_cast<float>(c.rms_norm_eps), rows, c.hidden_size,
+                                          h.get(), stream));
+    if (rows <= kGemvMaxRows &&
+        GemvFits(h.get(), static_cast<int>(rows), c.hidden_size, L.gate_up.get())) {
       // A small batch: the gate/up product and the SwiGLU gate in one pass.
-      KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x.get(), L.post_norm.get(),
-                                            static_cast<float>(c.rms_norm_eps), rows,
-                                            c.hidden_size, h.get(), stream));
       KDN_RETURN_IF_ERROR(GemvSwiGluCuda(h.get(), static_cast<int>(rows), c.hidden_size,
                                          L.gate_up.get(), c.intermediate_size, act.get(), stream));
     } else {
-      KDN_RETURN_IF_ERROR(NormGemm(x.get(), rows, L.post_norm.get(), L.gate_up.get(),
-                                   2 * c.intermediate_size, gate_up.get(), CUDA_R_16BF));
+      KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.gate_up.get(),
+                               2 * c.intermediate_size, gate_up.get(), CUDA_R_16BF, false));
       KDN_RETURN_IF_ERROR(SiluMulCuda<bf16>(gate_up.get(), rows, c.intermediate_size, act.get(),
                                             stream));
     }
