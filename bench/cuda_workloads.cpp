@@ -119,20 +119,32 @@ std::string DeviceName() {
   return prop.name;
 }
 
-// The peer's figure for `key` == `value` in section `section` (hf_peer.py's
-// JSON), or nothing.
-std::optional<double> PeerTokensPerS(const Common& c, const char* section, const char* key,
-                                     int value) {
-  if (c.peer_path.empty()) return std::nullopt;
+// hf_peer.py's JSON (--peer), read once; null without --peer.
+Result<json> LoadPeer(const Common& c) {
+  if (c.peer_path.empty()) return json();
   std::ifstream in(c.peer_path);
-  const json peer = json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (peer.is_discarded() || !peer.contains(section)) return std::nullopt;
-  for (const json& row : peer[section]) {
-    if (row.value(key, -1) == value && row.contains("tokens_per_s")) {
-      return row["tokens_per_s"].get<double>();
+  json peer = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (peer.is_discarded() || !peer.is_object()) {
+    return InvalidArgument("--peer " + c.peer_path + ": not bench/hf_peer.py's JSON");
+  }
+  return peer;
+}
+
+// Adds the peer's tokens/s for the row whose `key` is `value` in `section`,
+// and kdn's ratio to it, to `row`; returns the ratio for the table ("-"
+// where the peer has no such row).
+std::string AddPeerRatio(const json& peer, const char* section, const char* key, int value,
+                         double tokens_per_s, json* row) {
+  if (!peer.contains(section)) return "-";
+  for (const json& p : peer[section]) {
+    if (p.value(key, -1) == value && p.contains("tokens_per_s")) {
+      const double theirs = p["tokens_per_s"].get<double>();
+      (*row)["peer_tokens_per_s"] = theirs;
+      (*row)["vs_peer"] = tokens_per_s / theirs;
+      return std::to_string(tokens_per_s / theirs).substr(0, 5) + "x";
     }
   }
-  return std::nullopt;
+  return "-";
 }
 
 std::string Paths(const CudaModel& m) {
@@ -154,6 +166,8 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
   o.max_prefill_tokens = max_len;
   o.max_batch = 1;
   std::string what;
+  auto peer = LoadPeer(c);
+  if (!peer.ok()) return Fail(peer.status());
   auto model = MakeCudaModel(c, o, &what);
   if (!model.ok()) return Fail(model.status());
   const ModelConfig& cfg = (*model)->config();
@@ -179,15 +193,9 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
       if (r > 0 || c.reps == 0) best = std::min(best, s);
     }
     const double tflops = ForwardFlops(cfg, n, 0, 1) / best / 1e12;
-    const auto peer = PeerTokensPerS(c, "prefill", "tokens", n);
     json row = {{"tokens", n}, {"seconds", best}, {"tokens_per_s", n / best},
                 {"tflops", tflops}, {"fraction_of_bf16_gemm_peak", tflops / *peak}};
-    std::string vs = "-";
-    if (peer) {
-      row["peer_tokens_per_s"] = *peer;
-      row["vs_peer"] = n / best / *peer;
-      vs = std::to_string(n / best / *peer).substr(0, 5) + "x";
-    }
+    const std::string vs = AddPeerRatio(*peer, "prefill", "tokens", n, n / best, &row);
     std::printf("%8d %10.4f %12.0f %10.1f %7.1f%% %9s\n", n, best, n / best, tflops,
                 100.0 * tflops / *peak, vs.c_str());
     rows.push_back(row);
@@ -204,6 +212,8 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
   o.max_prefill_tokens = context;
   o.max_batch = max_b;
   std::string what;
+  auto peer = LoadPeer(c);
+  if (!peer.ok()) return Fail(peer.status());
   auto model = MakeCudaModel(c, o, &what);
   if (!model.ok()) return Fail(model.status());
   const ModelConfig& cfg = (*model)->config();
@@ -243,16 +253,10 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
     }
     const double secs = Seconds(t0, Clock::now());
     const double gbps = (steps * weight_bytes + kv_bytes) / secs / 1e9;
-    const auto peer = PeerTokensPerS(c, "decode", "batch", b);
     json row = {{"batch", b}, {"tokens_per_s", b * steps / secs},
                 {"ms_per_step", 1e3 * secs / steps}, {"gbytes_per_s", gbps},
                 {"fraction_of_device_copy", gbps / *bw}};
-    std::string vs = "-";
-    if (peer) {
-      row["peer_tokens_per_s"] = *peer;
-      row["vs_peer"] = b * steps / secs / *peer;
-      vs = std::to_string(b * steps / secs / *peer).substr(0, 5) + "x";
-    }
+    const std::string vs = AddPeerRatio(*peer, "decode", "batch", b, b * steps / secs, &row);
     std::printf("%6d %12.1f %10.2f %10.0f %8.1f%% %9s\n", b, b * steps / secs,
                 1e3 * secs / steps, gbps, 100.0 * gbps / *bw, vs.c_str());
     rows.push_back(row);
