@@ -41,6 +41,9 @@ struct TokenEvent {
   std::string text;    // new text safe to show (may be empty)
   bool finished = false;
   std::string finish_reason;  // "length", "stop", "context", "cancelled"
+  // Not OK when the request failed (finished is then set, finish_reason
+  // empty). The Batcher never fails a request itself; its owner does.
+  Status error;
 };
 
 class Batcher {

@@ -1,0 +1,233 @@
+#pragma once
+// Decoder: the decode worker's request logic (docs/serving.md, "One request,
+// on the wire", steps 2 and 4), driven by DecodeService as Prefiller is by
+// PrefillService. A request's life:
+//
+//  1. Prepare: the request is checked, KV blocks are reserved for its whole
+//     prompt, and a load of the prompt's leading chunks the KDN holds is
+//     queued on the store I/O thread. When the load is in, Advance copies
+//     the chunks into the reserved blocks and reports a PrepareDone with how
+//     many it placed; the prefill worker sends none of those.
+//  2. Start: the prefill worker has pushed the rest of the prompt's KV as
+//     layer slices into the staging tier and sampled the first token. The
+//     slices are copied into the reserved blocks and the request joins the
+//     continuous batch (Batcher). A Start that comes while the load is still
+//     out waits for it.
+//  3. Advance: one decode step for every running request; token events out.
+//  4. Finish (length, stop, context, Cancel, or a failed step): the full
+//     chunks of prompt + output that the load did not bring are copied out
+//     of the cache and handed to the store I/O thread, which stores those
+//     the KDN lacks; the request's blocks go back at once. (Chunks another
+//     worker stored meanwhile are copied out too, and skipped there: asking
+//     the store first would hold the blocks across a round trip.) A blended
+//     request's KV is not what a full prefill computes: it is neither loaded
+//     nor stored by prefix key.
+//
+// Events: every id that Prepare returns ends with exactly one TokenEvent
+// whose `finished` is set ("cancelled" after Cancel; `error` set when it
+// failed: the slices never arrived, the batch was full, a decode step
+// failed, or it was prepared and never started within prepare_timeout).
+// After that event the id is unknown to the Decoder.
+//
+// KDN store I/O: every Get, Contains and Put on `store` runs on the store
+// I/O thread (`store_io`, a JobThread shared with the worker's lookups), never
+// on the caller's thread: the compute loop never waits on the network. Jobs
+// hold the store and a mailbox shared with the Decoder, never the Decoder or
+// the KV cache, so the Decoder may be destroyed with jobs still queued. A
+// failed load leaves the rest of the prompt to the prefill worker; a failed
+// Put is logged and counted (DecoderStats) and costs only reuse; when more
+// than max_pending_store_bytes wait to be stored, a finished conversation is
+// not stored (counted too) rather than let memory grow without bound.
+//
+// Threads: not thread-safe. One thread (the worker's compute thread) makes
+// every call, and is the only one to use the Model while the Decoder lives.
+// `model`, `tokenizer`, `staging` and `store_io` must outlive the Decoder;
+// `store`, and whatever `on_load_done` touches, must outlive every job on
+// `store_io` (stop the JobThread before destroying them).
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kdn/common/job_thread.h"
+#include "kdn/common/status.h"
+#include "kdn/decode_worker/batcher.h"
+#include "kdn/engine/model.h"
+#include "kdn/engine/tokenizer.h"
+#include "kdn/kvbus/chunk_store.h"
+#include "kdn/kvbus/host_tier.h"
+#include "kdn/kvbus/key.h"
+
+namespace kdn::decode_worker {
+
+// Lanes of the store I/O thread (JobThread lanes, most urgent first):
+// lookups a router waits on (about a second), then loads a Prepare reply
+// waits on, then stores nobody waits on.
+inline constexpr int kLookupLane = 0;
+inline constexpr int kLoadLane = 1;
+inline constexpr int kStoreLane = 2;
+inline constexpr int kStoreLanes = 3;
+
+// A request as the decode worker takes it (from a router's prepare).
+struct DecodeRequest {
+  std::vector<int32_t> tokens;  // the prompt
+  std::string ns;               // the tenant's cache namespace
+  // Unique per request; names the slices of the prompt's partial tail (of
+  // the whole prompt when blended).
+  std::string transfer_id;
+  // The prompt's KV was fused by blend: nothing loaded or stored by prefix key.
+  bool blended = false;
+  RequestSpec spec;  // sampling, max_tokens, stops; spec.id is set by Prepare
+};
+
+// A Prepare's load is in: the leading `held_chunks` full chunks of the
+// prompt are in the request's blocks and need not travel.
+struct PrepareDone {
+  uint64_t id = 0;
+  int held_chunks = 0;
+};
+
+// What Decoder calls produce, appended in order.
+struct DecoderOutput {
+  std::vector<PrepareDone> prepared;
+  std::vector<TokenEvent> events;
+  bool empty() const { return prepared.empty() && events.empty(); }
+};
+
+struct DecoderOptions {
+  int chunk_tokens = kvbus::kDefaultChunkTokens;
+  int max_batch = 32;
+  // A prepared request not started this long after Prepare is dropped.
+  std::chrono::milliseconds prepare_timeout{60000};
+  // Bytes of finished conversations' chunks waiting for the store I/O
+  // thread above which a finished conversation is not stored.
+  uint64_t max_pending_store_bytes = uint64_t{1} << 30;
+  std::string name = "decode";  // in log lines
+  // Called on the store I/O thread when a load is in, so that the compute
+  // loop calls Advance. Must be quick and must not call the Decoder.
+  std::function<void()> on_load_done;
+  // Time for prepare_timeout; steady_clock::now when empty (tests inject one).
+  std::function<std::chrono::steady_clock::time_point()> clock;
+};
+
+struct DecoderStats {
+  int prepared = 0;  // prepared and not started (loads out included)
+  int running = 0;   // in the batch
+  int free_kv_blocks = 0;
+  int total_kv_blocks = 0;
+  uint64_t chunks_loaded = 0;  // placed from the KDN at Prepare
+  // Of finished conversations' chunks handed to the store I/O thread:
+  uint64_t chunks_stored = 0;        // Put
+  uint64_t chunks_already_held = 0;  // not Put: the store had them
+  uint64_t chunks_store_failed = 0;  // a Put failed: that chunk and the rest of its conversation
+  uint64_t chunks_store_dropped = 0;  // never handed over: too many bytes waiting
+  uint64_t store_bytes_pending = 0;   // handed over, not yet stored
+};
+
+class Decoder {
+ public:
+  // `fingerprint` is the model's (chunks of another model are never
+  // placed); `store` is the worker's KDN view; `staging` is where the kvbus
+  // receiver puts pushed layer slices. All borrowed (see above).
+  Decoder(engine::Model& model, const engine::Tokenizer& tokenizer,
+          kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
+          JobThread& store_io, DecoderOptions options);
+  ~Decoder();
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+
+  // Step 1. Returns the request's id. INVALID_ARGUMENT for an empty prompt,
+  // one that leaves no room in the model's context, ids outside the
+  // vocabulary, max_tokens < 1 or bad sampling parameters;
+  // RESOURCE_EXHAUSTED when too few KV blocks are free for the prompt. On
+  // error nothing is held. A prompt with nothing to load (shorter than a
+  // chunk, or blended) gets its PrepareDone in `out` at once.
+  Result<uint64_t> Prepare(DecodeRequest request, DecoderOutput* out);
+
+  // Step 2. NOT_FOUND, with nothing changed, when `id` is not a prepared
+  // request (unknown, started, finished or dropped); INVALID_ARGUMENT when a
+  // Start for it is already waiting. Otherwise OK, and the request either
+  // runs (its first event in `out`), fails (its finished event with `error`
+  // in `out`), or waits for its load (a later Advance does the rest).
+  Status Start(uint64_t id, int32_t first_token, DecoderOutput* out);
+
+  // Ends a prepared or running request: its "cancelled" event in `out`, its
+  // blocks free when this returns (a running request's conversation is
+  // stored as for any finish). NOT_FOUND when `id` is not here.
+  Status Cancel(uint64_t id, DecoderOutput* out);
+
+  // Takes in the loads that are in (PrepareDone, then any Start waiting for
+  // them), drops prepared requests past prepare_timeout, and runs one decode
+  // step for the batch. A failed step fails every running request.
+  void Advance(DecoderOutput* out);
+
+  // Whether Advance has work now (running requests or loads that are in),
+  // so that a driver knows when it may sleep.
+  bool Busy() const;
+
+  DecoderStats Stats() const;
+
+ private:
+  using TimePoint = std::chrono::steady_clock::time_point;
+  // From Prepare to Start.
+  struct Prepared {
+    DecodeRequest request;
+    std::vector<kvbus::ChunkKey> keys;  // the prompt's prefix keys; none when blended
+    engine::KvSequence seq;             // blocks for the whole prompt
+    int held_chunks = -1;               // -1 while the load is out
+    std::optional<int32_t> start;       // a Start waiting for the load: its first token
+    TimePoint created;
+  };
+  // From Start to the finish: what storing the conversation needs.
+  struct Running {
+    std::vector<int32_t> prompt;
+    std::string ns;
+    bool blended = false;
+    int held_chunks = 0;  // leading chunks the KDN gave: not stored again
+  };
+  struct Mailbox;  // shared with the store I/O thread's jobs
+
+  // Engine and chunk-bridge calls all live in the few helpers below (and in
+  // the Batcher's decode step), so that a backend interface replaces them in
+  // one place.
+  Status ValidateRequest(const DecodeRequest& r) const;
+  Status ReserveKv(Prepared& p);
+  int PlaceLoadedChunks(Prepared& p, const std::vector<std::shared_ptr<const kvbus::Chunk>>& chunks);
+  Status PlacePushedSlices(Prepared& p);
+  std::vector<std::shared_ptr<const kvbus::Chunk>> CopyOutChunks(
+      const engine::KvSequence& seq, const std::vector<kvbus::ChunkKey>& keys, size_t first);
+  uint64_t ChunkBytes() const;  // one full chunk, serialized
+
+  void PostLoad(uint64_t id, std::vector<kvbus::ChunkKey> keys);
+  void PostStore(std::vector<std::shared_ptr<const kvbus::Chunk>> chunks);
+  // Assembles and admits a prepared request whose load is in.
+  void Begin(uint64_t id, int32_t first_token, DecoderOutput* out);
+  // The Batcher's finish hook: hands the conversation's chunks to the store.
+  void StoreConversation(uint64_t id, const engine::KvSequence& seq,
+                         const std::vector<int32_t>& generated);
+  static TokenEvent Failure(uint64_t id, Status st);
+
+  // Constant after construction.
+  engine::Model& model_;
+  const kvbus::ChunkKey fingerprint_;
+  kvbus::ChunkStore& store_;
+  kvbus::HostTier& staging_;
+  JobThread& store_io_;
+  const DecoderOptions options_;
+  std::shared_ptr<Mailbox> mailbox_;
+
+  // The calling thread's alone.
+  std::unique_ptr<Batcher> batcher_;
+  std::map<uint64_t, Prepared> prepared_;
+  std::map<uint64_t, Running> running_;
+  uint64_t next_id_ = 1;
+  uint64_t chunks_loaded_ = 0;
+  uint64_t chunks_store_dropped_ = 0;
+};
+
+}  // namespace kdn::decode_worker

@@ -1,0 +1,387 @@
+#include "kdn/decode_worker/decoder.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <mutex>
+
+#include "kdn/control/transfer_plan.h"
+#include "kdn/control/worker_setup.h"
+#include "kdn/kvbus/chunk.h"
+
+namespace kdn::decode_worker {
+
+// What the Decoder and its store jobs share. Jobs hold it by shared_ptr, so
+// it outlives a Decoder destroyed with jobs still queued.
+struct Decoder::Mailbox {
+  struct Load {
+    uint64_t id = 0;
+    std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;  // leading, in order
+  };
+
+  // Constant after construction.
+  std::string name;
+  std::function<void()> on_load_done;
+
+  std::mutex mu;
+  std::vector<Load> loads;  // guarded by mu: in, not yet taken by Advance
+
+  std::atomic<uint64_t> stored{0};
+  std::atomic<uint64_t> already_held{0};
+  std::atomic<uint64_t> failed{0};
+  std::atomic<uint64_t> bytes_pending{0};
+};
+
+Decoder::Decoder(engine::Model& model, const engine::Tokenizer& tokenizer,
+                 kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
+                 JobThread& store_io, DecoderOptions options)
+    : model_(model),
+      fingerprint_(fingerprint),
+      store_(store),
+      staging_(staging),
+      store_io_(store_io),
+      options_(std::move(options)),
+      mailbox_(std::make_shared<Mailbox>()),
+      batcher_(std::make_unique<Batcher>(model, tokenizer, options_.max_batch)) {
+  mailbox_->name = options_.name;
+  mailbox_->on_load_done = options_.on_load_done;
+  batcher_->SetFinishHook([this](uint64_t id, const engine::KvSequence& seq,
+                                 const std::vector<int32_t>& generated) {
+    StoreConversation(id, seq, generated);
+  });
+}
+
+Decoder::~Decoder() = default;
+
+// ---------------------------------------------------------------------------
+// Engine and chunk-bridge calls: the Decoder's only uses of engine:: types
+// besides the sequences it moves around (the Batcher runs the decode steps).
+
+Status Decoder::ValidateRequest(const DecodeRequest& r) const {
+  const engine::ModelConfig& c = model_.config();
+  if (r.tokens.empty()) return InvalidArgument("empty prompt");
+  if (static_cast<int64_t>(r.tokens.size()) >= c.max_context) {
+    return InvalidArgument("a prompt of " + std::to_string(r.tokens.size()) +
+                           " tokens leaves no room in the model's context of " +
+                           std::to_string(c.max_context));
+  }
+  for (int32_t t : r.tokens) {
+    if (t < 0 || t >= c.vocab_size) {
+      return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+  }
+  if (r.spec.max_tokens < 1) return InvalidArgument("max_tokens must be at least 1");
+  return engine::ValidateSamplingParams(r.spec.sampling);
+}
+
+Status Decoder::ReserveKv(Prepared& p) {
+  engine::PagedKvCache& cache = model_.kv_cache();
+  p.seq = cache.NewSequence();
+  return cache.Reserve(p.seq, static_cast<int64_t>(p.request.tokens.size()));
+}
+
+int Decoder::PlaceLoadedChunks(Prepared& p,
+                               const std::vector<std::shared_ptr<const kvbus::Chunk>>& chunks) {
+  engine::PagedKvCache& cache = model_.kv_cache();
+  int placed = 0;
+  for (const auto& chunk : chunks) {
+    const int64_t first = static_cast<int64_t>(placed) * options_.chunk_tokens;
+    if (!kvbus::ChunkToPagedKv(*chunk, cache, p.seq, first).ok()) break;
+    ++placed;
+  }
+  return placed;
+}
+
+Status Decoder::PlacePushedSlices(Prepared& p) {
+  engine::PagedKvCache& cache = model_.kv_cache();
+  const auto n = static_cast<int64_t>(p.request.tokens.size());
+  const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_chunks,
+                                                p.request.transfer_id);
+  for (const control::KvRegion& r : regions) {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      const kvbus::ChunkKey key = kvbus::LayerSliceKey(r.parent, l);
+      auto slice = staging_.Get(key);
+      if (!slice.ok()) {
+        return Unavailable("layer " + std::to_string(l) + " of the KV of tokens [" +
+                           std::to_string(r.first) + ", " + std::to_string(r.first + r.count) +
+                           ") never arrived");
+      }
+      if ((*slice)->info().tokens != static_cast<uint32_t>(r.count)) {
+        return Corruption("KV slice " + key.ToHex() + " has " +
+                          std::to_string((*slice)->info().tokens) + " tokens, expected " +
+                          std::to_string(r.count));
+      }
+      KDN_RETURN_IF_ERROR(kvbus::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
+      if (r.tail) staging_.Erase(key);  // named for this request alone
+    }
+  }
+  cache.SetLength(p.seq, n);
+  return Status::Ok();
+}
+
+std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
+    const engine::KvSequence& seq, const std::vector<kvbus::ChunkKey>& keys, size_t first) {
+  std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;
+  for (size_t i = first; i < keys.size(); ++i) {
+    auto chunk = kvbus::ChunkFromPagedKv(model_.kv_cache(), seq,
+                                         static_cast<int64_t>(i) * options_.chunk_tokens,
+                                         options_.chunk_tokens, keys[i], fingerprint_,
+                                         kvbus::KvDType::kF32);
+    if (!chunk.ok()) {
+      std::fprintf(stderr, "%s: copying a chunk out of the KV cache: %s\n", options_.name.c_str(),
+                   chunk.status().ToString().c_str());
+      break;  // prefix keys: the chunks past a missing one are never reached
+    }
+    chunks.push_back(*std::move(chunk));
+  }
+  return chunks;
+}
+
+uint64_t Decoder::ChunkBytes() const {
+  const engine::PagedKvCache& cache = model_.kv_cache();
+  return kvbus::Chunk::kHeaderBytes + static_cast<uint64_t>(options_.chunk_tokens) *
+                                          cache.token_stride() * 2 * cache.num_layers() *
+                                          sizeof(float);
+}
+
+DecoderStats Decoder::Stats() const {
+  DecoderStats s;
+  s.prepared = static_cast<int>(prepared_.size());
+  s.running = static_cast<int>(batcher_->running());
+  s.free_kv_blocks = model_.kv_cache().free_blocks();
+  s.total_kv_blocks = model_.kv_cache().num_blocks();
+  s.chunks_loaded = chunks_loaded_;
+  s.chunks_stored = mailbox_->stored.load();
+  s.chunks_already_held = mailbox_->already_held.load();
+  s.chunks_store_failed = mailbox_->failed.load();
+  s.chunks_store_dropped = chunks_store_dropped_;
+  s.store_bytes_pending = mailbox_->bytes_pending.load();
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Store I/O: jobs for the store I/O thread. They touch the store and the
+// mailbox only.
+
+void Decoder::PostLoad(uint64_t id, std::vector<kvbus::ChunkKey> keys) {
+  store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = std::move(keys),
+                             fingerprint = fingerprint_, tokens = options_.chunk_tokens] {
+    Mailbox::Load load{id, {}};
+    for (const kvbus::ChunkKey& key : keys) {
+      auto chunk = store.Get(key);
+      // A miss, an unreachable store or a chunk of another making: the
+      // prefill worker sends the rest.
+      if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint, tokens)) break;
+      load.chunks.push_back(*std::move(chunk));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mb->mu);
+      mb->loads.push_back(std::move(load));
+    }
+    if (mb->on_load_done) mb->on_load_done();
+  });
+}
+
+void Decoder::PostStore(std::vector<std::shared_ptr<const kvbus::Chunk>> chunks) {
+  uint64_t bytes = 0;
+  for (const auto& c : chunks) bytes += c->size();
+  mailbox_->bytes_pending += bytes;
+  store_io_.Post(kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes] {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (store.Contains(chunks[i]->key())) {
+        ++mb->already_held;
+        continue;
+      }
+      Status st = store.Put(chunks[i]);
+      if (!st.ok()) {
+        // Prefix keys: the chunks after this one are never reached without it.
+        const uint64_t lost = chunks.size() - i;
+        const uint64_t total = (mb->failed += lost);
+        std::fprintf(stderr,
+                     "%s: storing a conversation's chunk failed, %llu of its chunks not stored "
+                     "(%llu so far): %s\n",
+                     mb->name.c_str(), static_cast<unsigned long long>(lost),
+                     static_cast<unsigned long long>(total), st.ToString().c_str());
+        break;
+      }
+      ++mb->stored;
+    }
+    mb->bytes_pending -= bytes;
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Requests.
+
+TokenEvent Decoder::Failure(uint64_t id, Status st) {
+  TokenEvent e;
+  e.id = id;
+  e.finished = true;
+  e.error = std::move(st);
+  return e;
+}
+
+Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
+  KDN_RETURN_IF_ERROR(ValidateRequest(request));
+  Prepared p;
+  p.request = std::move(request);
+  p.created = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+  KDN_RETURN_IF_ERROR(ReserveKv(p));
+  if (!p.request.blended) {
+    p.keys = kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens},
+                               p.request.tokens);
+  }
+  const uint64_t id = next_id_++;
+  p.request.spec.id = id;
+  std::vector<kvbus::ChunkKey> load = p.keys;
+  if (load.empty()) {
+    p.held_chunks = 0;
+    out->prepared.push_back({id, 0});
+  }
+  prepared_.emplace(id, std::move(p));
+  if (!load.empty()) PostLoad(id, std::move(load));
+  return id;
+}
+
+Status Decoder::Start(uint64_t id, int32_t first_token, DecoderOutput* out) {
+  auto it = prepared_.find(id);
+  if (it == prepared_.end()) {
+    return NotFound("request " + std::to_string(id) + " was not prepared here (or expired)");
+  }
+  Prepared& p = it->second;
+  if (p.start) return InvalidArgument("request " + std::to_string(id) + " was started already");
+  if (p.held_chunks < 0) {
+    p.start = first_token;  // Advance begins it once its load is in
+    return Status::Ok();
+  }
+  Begin(id, first_token, out);
+  return Status::Ok();
+}
+
+void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
+  auto it = prepared_.find(id);
+  Prepared p = std::move(it->second);
+  prepared_.erase(it);
+  Status st = PlacePushedSlices(p);
+  if (st.ok()) {
+    // Before Admit: a request that finishes at its first token is stored
+    // from inside Admit.
+    running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
+                           p.held_chunks};
+    std::vector<TokenEvent> events;
+    st = batcher_->Admit(p.request.spec, std::move(p.seq), first_token, &events);
+    if (st.ok()) {
+      out->events.insert(out->events.end(), events.begin(), events.end());
+    } else {
+      running_.erase(id);
+    }
+  }
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: request %llu cannot start: %s\n", options_.name.c_str(),
+                 static_cast<unsigned long long>(id), st.ToString().c_str());
+    out->events.push_back(Failure(id, std::move(st)));
+  }
+}
+
+Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
+  if (prepared_.erase(id) != 0) {
+    TokenEvent e;
+    e.id = id;
+    e.finished = true;
+    e.finish_reason = "cancelled";
+    out->events.push_back(std::move(e));
+    return Status::Ok();
+  }
+  return batcher_->Cancel(id, &out->events);
+}
+
+void Decoder::Advance(DecoderOutput* out) {
+  std::vector<Mailbox::Load> loads;
+  {
+    std::lock_guard<std::mutex> lock(mailbox_->mu);
+    loads.swap(mailbox_->loads);
+  }
+  for (Mailbox::Load& load : loads) {
+    auto it = prepared_.find(load.id);
+    if (it == prepared_.end()) continue;  // cancelled or dropped while loading
+    Prepared& p = it->second;
+    p.held_chunks = PlaceLoadedChunks(p, load.chunks);
+    chunks_loaded_ += static_cast<uint64_t>(p.held_chunks);
+    out->prepared.push_back({load.id, p.held_chunks});
+    if (p.start) Begin(load.id, *p.start, out);
+  }
+
+  const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+  for (auto it = prepared_.begin(); it != prepared_.end();) {
+    if (now - it->second.created <= options_.prepare_timeout) {
+      ++it;
+      continue;
+    }
+    std::fprintf(stderr, "%s: request %llu was prepared but never started; dropped\n",
+                 options_.name.c_str(), static_cast<unsigned long long>(it->first));
+    out->events.push_back(Failure(
+        it->first, Status(StatusCode::kDeadlineExceeded,
+                          "prepared but not started within " +
+                              std::to_string(options_.prepare_timeout.count()) + " ms")));
+    it = prepared_.erase(it);
+  }
+
+  if (batcher_->running() == 0) return;
+  std::vector<TokenEvent> events;
+  Status st = batcher_->Step(&events);
+  if (st.ok()) {
+    out->events.insert(out->events.end(), events.begin(), events.end());
+    return;
+  }
+  // The model refused the whole step (e.g. no free KV block for a new
+  // token): fail every running request rather than spin. Their KV is as it
+  // was before the step, so their conversations are still stored.
+  std::fprintf(stderr, "%s: decode step failed: %s\n", options_.name.c_str(),
+               st.ToString().c_str());
+  std::vector<uint64_t> ids;
+  for (const auto& [id, r] : running_) ids.push_back(id);
+  for (uint64_t id : ids) {
+    std::vector<TokenEvent> cancelled;
+    (void)batcher_->Cancel(id, &cancelled);
+    out->events.push_back(Failure(id, st));
+  }
+}
+
+bool Decoder::Busy() const {
+  if (batcher_->running() > 0) return true;
+  std::lock_guard<std::mutex> lock(mailbox_->mu);
+  return !mailbox_->loads.empty();
+}
+
+void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
+                                const std::vector<int32_t>& generated) {
+  auto it = running_.find(id);
+  if (it == running_.end()) return;
+  Running r = std::move(it->second);
+  running_.erase(it);
+  // Blended KV differs from what a full prefill gives: never under prefix keys.
+  if (r.blended) return;
+  // All tokens but the last generated one, whose KV was never computed.
+  std::vector<int32_t> tokens = std::move(r.prompt);
+  tokens.insert(tokens.end(), generated.begin(), generated.end());
+  tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(seq.length())));
+  const std::vector<kvbus::ChunkKey> keys =
+      kvbus::PrefixKeys({fingerprint_, r.ns, options_.chunk_tokens}, tokens);
+  // The chunks the load brought are in the KDN already.
+  const auto first = static_cast<size_t>(std::max(r.held_chunks, 0));
+  if (keys.size() <= first) return;
+  const uint64_t count = keys.size() - first;
+  if (mailbox_->bytes_pending.load() + count * ChunkBytes() > options_.max_pending_store_bytes) {
+    chunks_store_dropped_ += count;
+    std::fprintf(stderr,
+                 "%s: request %llu's %llu chunks not stored: %llu bytes already wait for the "
+                 "store\n",
+                 options_.name.c_str(), static_cast<unsigned long long>(id),
+                 static_cast<unsigned long long>(count),
+                 static_cast<unsigned long long>(mailbox_->bytes_pending.load()));
+    return;
+  }
+  auto chunks = CopyOutChunks(seq, keys, first);
+  if (!chunks.empty()) PostStore(std::move(chunks));
+}
+
+}  // namespace kdn::decode_worker

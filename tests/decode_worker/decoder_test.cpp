@@ -1,0 +1,584 @@
+#include "kdn/decode_worker/decoder.h"
+
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <random>
+
+#include "../engine/test_util.h"
+#include "../kvbus/recording_store.h"
+#include "kdn/control/transfer_plan.h"
+#include "kdn/engine/generate.h"
+#include "kdn/kvbus/chunk.h"
+
+namespace kdn::decode_worker {
+namespace {
+
+using engine::testing::MakeModel;
+using engine::testing::RandomTokens;
+
+constexpr int kChunk = 16;
+const kvbus::ChunkKey kFingerprint{1, 2};
+const engine::SamplingParams kGreedy{.temperature = 0.0f};
+
+engine::ByteTokenizer Bytes() {
+  std::vector<int32_t> ids(256);
+  std::iota(ids.begin(), ids.end(), 0);
+  return engine::ByteTokenizer(ids, 258, 256, 257);
+}
+
+// A store whose Gets or Puts wait while their gate is closed, so that a test
+// can hold the store I/O thread inside a round trip for as long as it likes.
+class GatedStore final : public kvbus::ChunkStore {
+ public:
+  std::string name() const override { return "gated"; }
+  Result<std::shared_ptr<const kvbus::Chunk>> Get(const kvbus::ChunkKey& key) override {
+    Wait(gets_closed_);
+    return inner_.Get(key);
+  }
+  bool Contains(const kvbus::ChunkKey& key) override { return inner_.Contains(key); }
+  Status Put(std::shared_ptr<const kvbus::Chunk> chunk) override {
+    Wait(puts_closed_);
+    return inner_.Put(std::move(chunk));
+  }
+  kvbus::TierStats Stats() override { return inner_.Stats(); }
+
+  void CloseGets() { Set(gets_closed_, true); }
+  void ClosePuts() { Set(puts_closed_, true); }
+  void OpenAll() {
+    Set(gets_closed_, false);
+    Set(puts_closed_, false);
+  }
+  kvbus::testing::RecordingStore& inner() { return inner_; }
+
+ private:
+  void Wait(const bool& closed) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !closed; });
+  }
+  void Set(bool& flag, bool value) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      flag = value;
+    }
+    cv_.notify_all();
+  }
+  kvbus::testing::RecordingStore inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool gets_closed_ = false;  // guarded by mu_
+  bool puts_closed_ = false;  // guarded by mu_
+};
+
+// A store that cannot be reached: every Get and Put fails.
+class DownStore final : public kvbus::ChunkStore {
+ public:
+  std::string name() const override { return "down"; }
+  Result<std::shared_ptr<const kvbus::Chunk>> Get(const kvbus::ChunkKey&) override {
+    return Unavailable("store down");
+  }
+  bool Contains(const kvbus::ChunkKey&) override { return false; }
+  Status Put(std::shared_ptr<const kvbus::Chunk>) override { return Unavailable("store down"); }
+  kvbus::TierStats Stats() override { return {}; }
+};
+
+// A Decoder with everything it borrows, destroyed in a safe order (the
+// Decoder, then the store I/O thread, then what its jobs use).
+struct Rig {
+  explicit Rig(std::unique_ptr<kvbus::ChunkStore> s = std::make_unique<GatedStore>(),
+               engine::EngineOptions eo = {}, DecoderOptions o = {})
+      : model(MakeModel("tiny-qwen2", 7, eo)), store(std::move(s)) {
+    o.chunk_tokens = kChunk;
+    decoder = std::make_unique<Decoder>(*model, tok, kFingerprint, *store, staging, io, o);
+  }
+  GatedStore& gated() { return dynamic_cast<GatedStore&>(*store); }
+  int free_blocks() const { return model->kv_cache().free_blocks(); }
+  int num_blocks() const { return model->kv_cache().num_blocks(); }
+
+  std::unique_ptr<engine::Model> model;
+  engine::ByteTokenizer tok = Bytes();
+  std::unique_ptr<kvbus::ChunkStore> store;
+  kvbus::HostTier staging{64u << 20};
+  JobThread io{kStoreLanes};
+  std::unique_ptr<Decoder> decoder;
+};
+
+DecodeRequest Request(std::vector<int32_t> prompt, int max_tokens,
+                      engine::SamplingParams sampling = kGreedy) {
+  DecodeRequest r;
+  static int transfer = 0;
+  r.transfer_id = "transfer-" + std::to_string(++transfer);
+  r.tokens = std::move(prompt);
+  r.spec.sampling = sampling;
+  r.spec.max_tokens = max_tokens;
+  return r;
+}
+
+// Acts as the prefill worker: computes the whole prompt on a sequence of its
+// own, puts the layer slices of what the decode worker lacks (every chunk
+// past `held_chunks`, and the tail) into staging, and returns the first token.
+int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int held_chunks) {
+  engine::PagedKvCache& cache = rig.model->kv_cache();
+  engine::KvSequence seq = cache.NewSequence();
+  std::vector<float> logits;
+  EXPECT_TRUE(rig.model->Prefill(seq, r.tokens, {}, &logits).ok());
+  std::vector<kvbus::ChunkKey> keys;
+  if (!r.blended) keys = kvbus::PrefixKeys({kFingerprint, r.ns, kChunk}, r.tokens);
+  const auto n = static_cast<int64_t>(r.tokens.size());
+  for (const control::KvRegion& region :
+       control::TransferRegions(keys, n, kChunk, held_chunks, r.transfer_id)) {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      auto slice = kvbus::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
+                                                kvbus::LayerSliceKey(region.parent, l),
+                                                kFingerprint, kvbus::KvDType::kF32);
+      EXPECT_TRUE(slice.ok());
+      EXPECT_TRUE(rig.staging.Put(*std::move(slice)).ok());
+    }
+  }
+  engine::Sampler sampler(r.spec.sampling);
+  return sampler.Sample(logits);
+}
+
+// Collects what the Decoder said, per request.
+struct Transcript {
+  std::map<uint64_t, int> held;  // from PrepareDone
+  std::map<uint64_t, std::vector<int32_t>> tokens;
+  std::map<uint64_t, std::string> finish;
+  std::map<uint64_t, Status> error;
+  std::map<uint64_t, int> finished_events;
+  void Add(const DecoderOutput& out) {
+    for (const PrepareDone& d : out.prepared) {
+      EXPECT_EQ(held.count(d.id), 0u) << "two PrepareDone for " << d.id;
+      held[d.id] = d.held_chunks;
+    }
+    for (const TokenEvent& e : out.events) {
+      EXPECT_EQ(finished_events[e.id], 0) << "an event after the finish of " << e.id;
+      if (e.token >= 0) tokens[e.id].push_back(e.token);
+      if (e.finished) {
+        ++finished_events[e.id];
+        finish[e.id] = e.finish_reason;
+        error[e.id] = e.error;
+      }
+    }
+  }
+};
+
+// Fills every free block of the cache with noise. Freed blocks keep their
+// KV, and a request often gets back the very blocks that held the same
+// tokens a moment before: without this, KV the Decoder failed to place could
+// go unnoticed.
+void ScrubFreeBlocks(Rig& rig) {
+  engine::PagedKvCache& cache = rig.model->kv_cache();
+  engine::KvSequence seq = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(seq, int64_t{cache.free_blocks()} * engine::kKvBlockTokens).ok());
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> noise(-4.0f, 4.0f);
+  for (int32_t block : seq.blocks()) {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      for (float* p : {cache.Key(l, block), cache.Value(l, block)}) {
+        for (int64_t i = 0; i < cache.block_stride(); ++i) p[i] = noise(rng);
+      }
+    }
+  }
+}
+
+// Prepare, then (if it has something to load) wait for the store I/O thread
+// and take its load in.
+uint64_t PrepareAndLoad(Rig& rig, DecodeRequest r, Transcript& t) {
+  ScrubFreeBlocks(rig);
+  DecoderOutput out;
+  auto id = rig.decoder->Prepare(std::move(r), &out);
+  EXPECT_TRUE(id.ok()) << id.status().ToString();
+  t.Add(out);
+  if (t.held.count(*id) != 0) return *id;
+  rig.io.Drain();
+  out = {};
+  rig.decoder->Advance(&out);
+  t.Add(out);
+  EXPECT_EQ(t.held.count(*id), 1u) << "no PrepareDone for " << *id;
+  return *id;
+}
+
+void Start(Rig& rig, uint64_t id, int32_t first, Transcript& t) {
+  DecoderOutput out;
+  EXPECT_TRUE(rig.decoder->Start(id, first, &out).ok());
+  t.Add(out);
+}
+
+void RunToEnd(Rig& rig, Transcript& t) {
+  for (int i = 0; i < 2000 && rig.decoder->Busy(); ++i) {
+    DecoderOutput out;
+    rig.decoder->Advance(&out);
+    t.Add(out);
+  }
+  EXPECT_FALSE(rig.decoder->Busy());
+}
+
+std::vector<int32_t> Alone(engine::Model& model, const DecodeRequest& r) {
+  auto g = engine::Generate(model, r.tokens,
+                            {.max_tokens = r.spec.max_tokens, .sampling = r.spec.sampling});
+  EXPECT_TRUE(g.ok()) << g.status().ToString();
+  return g.ok() ? g->tokens : std::vector<int32_t>{};
+}
+
+TEST(Decoder, DecodesTheTokensTheEngineGeneratesAloneWhateverJoinsTheBatch) {
+  Rig rig;
+  std::vector<DecodeRequest> reqs = {
+      Request(RandomTokens(5, 256, 1), 12),
+      Request(RandomTokens(40, 256, 2), 20),
+      Request(RandomTokens(70, 256, 3), 9,
+              {.temperature = 0.8f, .top_k = 40, .top_p = 0.9f, .seed = 11}),
+  };
+  Transcript t;
+  std::vector<uint64_t> ids;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    // Each joins a batch that is already running.
+    const uint64_t id = PrepareAndLoad(rig, reqs[i], t);
+    ids.push_back(id);
+    EXPECT_EQ(t.held[id], 0);  // the store is empty
+    Start(rig, id, PushPrompt(rig, reqs[i], t.held[id]), t);
+    DecoderOutput out;
+    rig.decoder->Advance(&out);
+    t.Add(out);
+  }
+  RunToEnd(rig, t);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(t.tokens[ids[i]], Alone(*rig.model, reqs[i])) << "request " << i;
+    EXPECT_EQ(t.finish[ids[i]], "length");
+    EXPECT_TRUE(t.error[ids[i]].ok());
+  }
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+  EXPECT_EQ(rig.staging.Stats().chunks, 2u * 2 + 4u * 2) << "full chunks' slices stay staged";
+}
+
+TEST(Decoder, PrepareReservesThePromptsBlocksAndRefusesBadRequests) {
+  Rig rig;
+  const int all = rig.num_blocks();
+  DecoderOutput out;
+  auto id = rig.decoder->Prepare(Request(RandomTokens(40, 256, 1), 8), &out);
+  ASSERT_TRUE(id.ok());
+  EXPECT_EQ(rig.free_blocks(), all - 3);  // 40 tokens in blocks of 16
+  EXPECT_EQ(rig.decoder->Stats().prepared, 1);
+
+  const auto refused = [&](DecodeRequest r) {
+    DecoderOutput o;
+    auto got = rig.decoder->Prepare(std::move(r), &o);
+    EXPECT_TRUE(o.empty());
+    return got.ok() ? StatusCode::kOk : got.status().code();
+  };
+  EXPECT_EQ(refused(Request({}, 8)), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused(Request(RandomTokens(2048, 256, 2), 8)), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused(Request({1, 2, 258}, 8)), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused(Request({1, 2, -1}, 8)), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused(Request({1, 2, 3}, 0)), StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused(Request({1, 2, 3}, 8, {.top_p = 0.0f})), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.free_blocks(), all - 3);
+  EXPECT_EQ(rig.decoder->Stats().prepared, 1);
+}
+
+TEST(Decoder, PrepareRefusesAPromptTheFreeBlocksCannotHoldUntilBlocksAreFree) {
+  Rig rig(std::make_unique<GatedStore>(), {.kv_blocks = 6});
+  Transcript t;
+  const uint64_t a = PrepareAndLoad(rig, Request(RandomTokens(64, 256, 1), 8), t);
+  EXPECT_EQ(rig.free_blocks(), 2);
+  DecoderOutput out;
+  auto b = rig.decoder->Prepare(Request(RandomTokens(40, 256, 2), 8), &out);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(rig.free_blocks(), 2);
+  ASSERT_TRUE(rig.decoder->Cancel(a, &out).ok());
+  EXPECT_EQ(rig.free_blocks(), 6);
+  EXPECT_TRUE(rig.decoder->Prepare(Request(RandomTokens(40, 256, 2), 8), &out).ok());
+}
+
+TEST(Decoder, RunningOutOfBlocksMidDecodeFailsTheBatchAndFreesItsBlocks) {
+  // Two 32-token prompts fill a 4-block cache; the step after the first
+  // token needs a fifth block.
+  Rig rig(std::make_unique<GatedStore>(), {.kv_blocks = 4});
+  std::vector<DecodeRequest> reqs = {Request(RandomTokens(32, 256, 1), 20),
+                                     Request(RandomTokens(32, 256, 2), 20)};
+  // The stand-in prefill needs blocks of its own: it pushes first (the
+  // store is empty, so the decode worker will hold nothing).
+  std::vector<int32_t> first;
+  for (const DecodeRequest& r : reqs) first.push_back(PushPrompt(rig, r, 0));
+  Transcript t;
+  std::vector<uint64_t> ids;
+  for (const DecodeRequest& r : reqs) ids.push_back(PrepareAndLoad(rig, r, t));
+  EXPECT_EQ(rig.free_blocks(), 0);
+  for (size_t i = 0; i < ids.size(); ++i) Start(rig, ids[i], first[i], t);
+  RunToEnd(rig, t);
+  for (uint64_t id : ids) {
+    EXPECT_EQ(t.tokens[id].size(), 1u);
+    EXPECT_EQ(t.finished_events[id], 1);
+    EXPECT_EQ(t.error[id].code(), StatusCode::kResourceExhausted) << t.error[id].ToString();
+  }
+  EXPECT_EQ(rig.free_blocks(), 4);
+  EXPECT_EQ(rig.decoder->Stats().running, 0);
+}
+
+TEST(Decoder, CancelEndsPreparedLoadingAndRunningRequestsAndFreesTheirBlocks) {
+  Rig rig;
+  const int all = rig.num_blocks();
+  Transcript t;
+  const uint64_t prepared = PrepareAndLoad(rig, Request(RandomTokens(20, 256, 1), 8), t);
+  const DecodeRequest rr = Request(RandomTokens(20, 256, 2), 50);
+  const uint64_t running = PrepareAndLoad(rig, rr, t);
+  Start(rig, running, PushPrompt(rig, rr, 0), t);
+  // A third whose load is held inside the store.
+  rig.gated().CloseGets();
+  DecoderOutput out;
+  auto loading = rig.decoder->Prepare(Request(RandomTokens(40, 256, 3), 8), &out);
+  ASSERT_TRUE(loading.ok());
+  EXPECT_TRUE(out.prepared.empty());
+  EXPECT_LT(rig.free_blocks(), all);
+
+  for (uint64_t id : {prepared, running, *loading}) {
+    out = {};
+    ASSERT_TRUE(rig.decoder->Cancel(id, &out).ok());
+    t.Add(out);
+    EXPECT_EQ(t.finish[id], "cancelled");
+    EXPECT_EQ(rig.decoder->Cancel(id, &out).code(), StatusCode::kNotFound);
+    EXPECT_EQ(rig.decoder->Start(id, 1, &out).code(), StatusCode::kNotFound);
+  }
+  EXPECT_EQ(rig.free_blocks(), all);  // the load is still out
+  rig.gated().OpenAll();
+  rig.io.Drain();
+  out = {};
+  rig.decoder->Advance(&out);
+  EXPECT_TRUE(out.empty()) << "a cancelled request's load is dropped";
+  EXPECT_EQ(rig.free_blocks(), all);
+  EXPECT_EQ(rig.decoder->Stats().prepared + rig.decoder->Stats().running, 0);
+}
+
+TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
+  Rig rig;
+  auto& store = rig.gated().inner();
+  // Turn 1: 40 prompt tokens and 30 generated: KV for 69 tokens, 4 full chunks.
+  const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
+  Transcript t;
+  const uint64_t a = PrepareAndLoad(rig, turn1, t);
+  Start(rig, a, PushPrompt(rig, turn1, 0), t);
+  RunToEnd(rig, t);
+  ASSERT_EQ(t.tokens[a].size(), 30u);
+  rig.io.Drain();
+  std::vector<int32_t> conversation = turn1.tokens;
+  conversation.insert(conversation.end(), t.tokens[a].begin(), t.tokens[a].end());
+  const auto keys = kvbus::PrefixKeys({kFingerprint, "", kChunk}, conversation);
+  ASSERT_EQ(keys.size(), 4u);  // 70 tokens; the 4 chunks cover 64 of the 69 with KV
+  EXPECT_EQ(store.PutOrder(), keys);
+  EXPECT_EQ(rig.decoder->Stats().chunks_stored, 4u);
+  EXPECT_EQ(rig.decoder->Stats().store_bytes_pending, 0u);
+
+  // The stored KV is what a prefill of those tokens computes.
+  {
+    engine::KvSequence seq = rig.model->kv_cache().NewSequence();
+    std::vector<float> logits;
+    ASSERT_TRUE(rig.model->Prefill(seq, {conversation.data(), 64}, {}, &logits).ok());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto stored = store.Get(keys[i]);
+      ASSERT_TRUE(stored.ok());
+      auto expect = kvbus::ChunkFromPagedKv(rig.model->kv_cache(), seq,
+                                            static_cast<int64_t>(i) * kChunk, kChunk, keys[i],
+                                            kFingerprint, kvbus::KvDType::kF32);
+      ASSERT_TRUE(expect.ok());
+      const auto got = (*stored)->payload();
+      const auto want = (*expect)->payload();
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_LT(engine::testing::RelError(reinterpret_cast<const float*>(got.data()),
+                                          reinterpret_cast<const float*>(want.data()),
+                                          got.size() / sizeof(float)),
+                1e-4)
+          << "chunk " << i;
+    }
+  }
+
+  // Turn 2 continues the conversation: its first 4 chunks come from the store.
+  std::vector<int32_t> prompt2 = conversation;
+  const auto more = RandomTokens(10, 256, 9);
+  prompt2.insert(prompt2.end(), more.begin(), more.end());
+  const DecodeRequest turn2 = Request(prompt2, 12);
+  const uint64_t b = PrepareAndLoad(rig, turn2, t);
+  EXPECT_EQ(t.held[b], 4);
+  EXPECT_EQ(rig.decoder->Stats().chunks_loaded, 4u);
+  Start(rig, b, PushPrompt(rig, turn2, t.held[b]), t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[b], Alone(*rig.model, turn2));
+  rig.io.Drain();
+  // 80 + 11 tokens with KV: 5 full chunks, of which only the last is new;
+  // the 4 loaded were not handed over again.
+  EXPECT_EQ(store.PutOrder().size(), 5u);
+  EXPECT_EQ(rig.decoder->Stats().chunks_stored, 5u);
+  EXPECT_EQ(rig.decoder->Stats().chunks_already_held, 0u);
+}
+
+TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {
+  Rig rig;
+  const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 8);
+  Transcript t;
+  {
+    // Fill the store through a first request whose prompt is this one.
+    const uint64_t id = PrepareAndLoad(rig, turn1, t);
+    Start(rig, id, PushPrompt(rig, turn1, 0), t);
+    RunToEnd(rig, t);
+    rig.io.Drain();
+  }
+  const DecodeRequest again = Request(turn1.tokens, 10);
+  const int32_t first = PushPrompt(rig, again, 2);
+  rig.gated().CloseGets();
+  ScrubFreeBlocks(rig);
+  DecoderOutput out;
+  auto id = rig.decoder->Prepare(again, &out);
+  ASSERT_TRUE(id.ok());
+  EXPECT_TRUE(out.empty());
+  ASSERT_TRUE(rig.decoder->Start(*id, first, &out).ok());
+  EXPECT_EQ(rig.decoder->Start(*id, first, &out).code(), StatusCode::kInvalidArgument);
+  rig.decoder->Advance(&out);
+  EXPECT_TRUE(out.empty()) << "nothing happens until the load is in";
+  rig.gated().OpenAll();
+  rig.io.Drain();
+  rig.decoder->Advance(&out);
+  t.Add(out);
+  EXPECT_EQ(t.held[*id], 2);
+  ASSERT_FALSE(t.tokens[*id].empty());
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[*id], Alone(*rig.model, again));
+}
+
+TEST(Decoder, DecodingGoesOnWhileTheStoreIsStuck) {
+  Rig rig;
+  rig.gated().ClosePuts();
+  Transcript t;
+  const DecodeRequest a = Request(RandomTokens(40, 256, 1), 6);
+  const uint64_t ia = PrepareAndLoad(rig, a, t);
+  Start(rig, ia, PushPrompt(rig, a, 0), t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.finish[ia], "length");
+  // A's chunks wait inside the store I/O thread; B, with nothing to load,
+  // runs from start to finish meanwhile.
+  EXPECT_GT(rig.decoder->Stats().store_bytes_pending, 0u);
+  const DecodeRequest b = Request(RandomTokens(10, 256, 2), 5);  // no full chunk
+  const uint64_t ib = PrepareAndLoad(rig, b, t);
+  Start(rig, ib, PushPrompt(rig, b, 0), t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[ib], Alone(*rig.model, b));
+  EXPECT_EQ(rig.gated().inner().size(), 0u);
+  rig.gated().OpenAll();
+  rig.io.Drain();
+  EXPECT_EQ(rig.gated().inner().size(), 2u);  // A: 45 tokens with KV
+  EXPECT_EQ(rig.decoder->Stats().store_bytes_pending, 0u);
+}
+
+TEST(Decoder, RunningRequestsDecodeWhileALoadIsOut) {
+  Rig rig;
+  Transcript t;
+  const DecodeRequest a = Request(RandomTokens(20, 256, 1), 12);
+  const uint64_t ia = PrepareAndLoad(rig, a, t);
+  Start(rig, ia, PushPrompt(rig, a, 0), t);
+  rig.gated().CloseGets();
+  DecoderOutput out;
+  auto loading = rig.decoder->Prepare(Request(RandomTokens(40, 256, 2), 8), &out);
+  ASSERT_TRUE(loading.ok());
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[ia], Alone(*rig.model, a));
+  EXPECT_EQ(t.held.count(*loading), 0u);
+  rig.gated().OpenAll();
+  rig.io.Drain();
+  ASSERT_TRUE(rig.decoder->Busy());
+  rig.decoder->Advance(&out);
+  t.Add(out);
+  EXPECT_EQ(t.held[*loading], 0);
+}
+
+TEST(Decoder, AStoreThatIsDownCostsOnlyReuse) {
+  Rig rig(std::make_unique<DownStore>());
+  Transcript t;
+  const DecodeRequest r = Request(RandomTokens(50, 256, 1), 10);
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  EXPECT_EQ(t.held[id], 0);
+  Start(rig, id, PushPrompt(rig, r, 0), t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[id], Alone(*rig.model, r));
+  rig.io.Drain();
+  const DecoderStats s = rig.decoder->Stats();
+  EXPECT_EQ(s.chunks_stored, 0u);
+  EXPECT_EQ(s.chunks_store_failed, 3u);  // 59 tokens with KV
+  EXPECT_EQ(s.store_bytes_pending, 0u);
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+}
+
+TEST(Decoder, AConversationIsNotStoredWhileTooMuchWaitsForTheStore) {
+  Rig rig(std::make_unique<GatedStore>(), {}, {.max_pending_store_bytes = 0});
+  Transcript t;
+  const DecodeRequest r = Request(RandomTokens(40, 256, 1), 4);
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  Start(rig, id, PushPrompt(rig, r, 0), t);
+  RunToEnd(rig, t);
+  rig.io.Drain();
+  EXPECT_EQ(rig.decoder->Stats().chunks_store_dropped, 2u);
+  EXPECT_EQ(rig.gated().inner().size(), 0u);
+  EXPECT_EQ(t.finish[id], "length");
+}
+
+TEST(Decoder, ABlendedRequestLoadsAndStoresNothingByPrefixKey) {
+  Rig rig;
+  Transcript t;
+  const DecodeRequest plain = Request(RandomTokens(40, 256, 1), 4);
+  const uint64_t first = PrepareAndLoad(rig, plain, t);
+  Start(rig, first, PushPrompt(rig, plain, 0), t);
+  RunToEnd(rig, t);
+  rig.io.Drain();
+  const size_t held = rig.gated().inner().size();
+  ASSERT_EQ(held, 2u);
+
+  DecodeRequest blended = Request(plain.tokens, 20);
+  blended.blended = true;
+  DecoderOutput out;
+  auto id = rig.decoder->Prepare(blended, &out);
+  ASSERT_TRUE(id.ok());
+  t.Add(out);
+  EXPECT_EQ(t.held[*id], 0) << "answered at once: nothing to load";
+  Start(rig, *id, PushPrompt(rig, blended, 0), t);
+  RunToEnd(rig, t);
+  rig.io.Drain();
+  EXPECT_EQ(t.tokens[*id], Alone(*rig.model, blended));
+  EXPECT_EQ(rig.gated().inner().size(), held);
+  EXPECT_EQ(rig.decoder->Stats().chunks_loaded, 0u);
+  EXPECT_EQ(rig.staging.Stats().chunks, 2u * 2) << "the blended KV's slices are erased";
+}
+
+TEST(Decoder, StartFailsCleanlyWhenTheSlicesNeverArrived) {
+  Rig rig;
+  Transcript t;
+  const uint64_t id = PrepareAndLoad(rig, Request(RandomTokens(20, 256, 1), 4), t);
+  Start(rig, id, 65, t);
+  EXPECT_EQ(t.finished_events[id], 1);
+  EXPECT_EQ(t.error[id].code(), StatusCode::kUnavailable) << t.error[id].ToString();
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+  EXPECT_FALSE(rig.decoder->Busy());
+}
+
+TEST(Decoder, APreparedRequestNeverStartedIsDroppedAfterTheTimeout) {
+  auto now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  DecoderOptions o;
+  o.prepare_timeout = std::chrono::seconds(60);
+  o.clock = [&] { return now; };
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  Transcript t;
+  const uint64_t id = PrepareAndLoad(rig, Request(RandomTokens(20, 256, 1), 4), t);
+  now += std::chrono::seconds(60);
+  DecoderOutput out;
+  rig.decoder->Advance(&out);
+  EXPECT_TRUE(out.empty()) << "not yet past the timeout";
+  now += std::chrono::milliseconds(1);
+  rig.decoder->Advance(&out);
+  t.Add(out);
+  EXPECT_EQ(t.error[id].code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+  EXPECT_EQ(rig.decoder->Start(id, 65, &out).code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kdn::decode_worker
