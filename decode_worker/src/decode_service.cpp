@@ -9,21 +9,17 @@
 #include <mutex>
 #include <thread>
 
+#include "kdn/common/job_thread.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
-#include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
-#include "kdn/decode_worker/batcher.h"
-#include "kdn/kvbus/chunk.h"
+#include "kdn/decode_worker/decoder.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/transport.h"
 
 namespace kdn::decode_worker {
 
 namespace {
-
-using SteadyClock = std::chrono::steady_clock;
-constexpr auto kPrepareTimeout = std::chrono::seconds(60);
 
 // A control message for the compute thread.
 struct Command {
@@ -37,34 +33,34 @@ struct Origin {
   uint64_t request_id = 0;
 };
 
-struct Prepared {
-  Origin origin;
-  RequestSpec spec;
-  std::vector<int32_t> tokens;
-  std::string ns;
-  std::string transfer_id;
-  std::vector<kvbus::ChunkKey> keys;  // the prompt's prefix keys; none when blended
-  bool blended = false;               // KV fused by blend: not exact, never stored
-  engine::KvSequence seq;
-  int held_chunks = 0;
-  SteadyClock::time_point created;
-};
+std::string OriginKey(const std::string& peer, uint64_t request_id) {
+  return peer + "/" + std::to_string(request_id);
+}
 
-struct Running {
-  Origin origin;
-  std::vector<int32_t> tokens;  // the prompt
-  std::string ns;
-  bool blended = false;
-};
+DecodeRequest RequestFromProto(const proto::PrepareRequest& r) {
+  DecodeRequest d;
+  d.tokens.assign(r.tokens().begin(), r.tokens().end());
+  d.ns = r.ns();
+  d.transfer_id = r.transfer_id();
+  d.blended = r.blended();
+  d.spec.sampling = control::SamplingFromProto(r.sampling());
+  d.spec.max_tokens = r.max_tokens();
+  d.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());
+  d.spec.stop_strings.assign(r.stop_strings().begin(), r.stop_strings().end());
+  return d;
+}
 
 }  // namespace
 
 struct DecodeService::Impl {
-  // Constant after Start.
+  // Constant after Start (declared so that what borrows is destroyed first).
   DecodeServiceOptions options;
   control::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<kvbus::HostTier> staging;
+  // Every kdn-store round trip: lookups, the Decoder's loads and stores.
+  std::unique_ptr<JobThread> store_io;
+  std::unique_ptr<Decoder> decoder;  // the compute thread's alone
   std::unique_ptr<kvbus::Receiver> receiver;
   std::unique_ptr<control::ControlServer> server;
   std::string kvbus_endpoint;
@@ -73,21 +69,15 @@ struct DecodeService::Impl {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Command> commands;  // guarded by mu
+  bool loads_in = false;         // guarded by mu: the Decoder has loads to take in
   bool stop = false;             // guarded by mu
   std::atomic<int> depth{0};     // prepared + running
   std::atomic<int> free_blocks{0};
   std::thread compute;
 
   // The compute thread's alone.
-  std::unique_ptr<Batcher> batcher;
-  std::map<std::string, uint64_t> ids;  // "peer/request id" -> internal id
-  std::map<uint64_t, Prepared> prepared;
-  std::map<uint64_t, Running> running;
-  uint64_t next_id = 1;
-
-  static std::string OriginKey(const std::string& peer, uint64_t request_id) {
-    return peer + "/" + std::to_string(request_id);
-  }
+  std::map<std::string, uint64_t> ids;  // origin key -> Decoder id
+  std::map<uint64_t, Origin> origins;   // Decoder id -> who asked
 
   void FillInfo(proto::WorkerInfo* info) {
     info->set_name(options.name);
@@ -104,13 +94,16 @@ struct DecodeService::Impl {
     }
   }
 
-  // I/O thread: answers what needs no model, queues the rest.
+  // Control I/O thread: answers info requests, hands lookups (store round
+  // trips) to the store I/O thread and the rest to the compute thread.
   void OnMessage(control::ControlServer& srv, const std::string& peer, proto::WorkerMessage msg) {
-    if (control::AnswerQuery(srv, peer, msg, *store,
-                             [this](proto::WorkerInfo* info) { FillInfo(info); })) {
-      return;
-    }
+    const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
     switch (msg.body_case()) {
+      case proto::WorkerMessage::kLookup:
+        store_io->Post(kLookupLane, [this, &srv, peer, msg = std::move(msg), fill] {
+          (void)control::AnswerQuery(srv, peer, msg, *store, fill);
+        });
+        return;
       case proto::WorkerMessage::kPrepare:
       case proto::WorkerMessage::kStart:
       case proto::WorkerMessage::kCancel: {
@@ -122,6 +115,7 @@ struct DecodeService::Impl {
         return;
       }
       default:
+        if (control::AnswerQuery(srv, peer, msg, *store, fill)) return;
         std::fprintf(stderr, "%s: ignoring a message it does not serve (%d)\n",
                      options.name.c_str(), static_cast<int>(msg.body_case()));
     }
@@ -137,271 +131,106 @@ struct DecodeService::Impl {
     server->Send(o.peer, m);
   }
 
-  Status ValidatePrepare(const proto::PrepareRequest& r) {
-    const engine::ModelConfig& c = wm.model->config();
-    if (r.tokens().empty()) return InvalidArgument("empty prompt");
-    if (static_cast<int64_t>(r.tokens().size()) >= c.max_context) {
-      return InvalidArgument("a prompt of " + std::to_string(r.tokens().size()) +
-                             " tokens leaves no room in the model's context of " +
-                             std::to_string(c.max_context));
-    }
-    for (int32_t t : r.tokens()) {
-      if (t < 0 || t >= c.vocab_size) {
-        return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary");
-      }
-    }
-    if (r.max_tokens() < 1) return InvalidArgument("max_tokens must be at least 1");
-    return engine::ValidateSamplingParams(control::SamplingFromProto(r.sampling()));
-  }
-
-  void DoPrepare(const std::string& peer, const proto::WorkerMessage& msg) {
-    const proto::PrepareRequest& r = msg.prepare();
-    proto::WorkerMessage reply;
-    reply.set_request_id(msg.request_id());
-    auto* pr = reply.mutable_prepare_reply();
+  void DoPrepare(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const std::string okey = OriginKey(peer, msg.request_id());
-    Status st = ValidatePrepare(r);
-    if (st.ok() && ids.count(okey) != 0) {
-      st = InvalidArgument("request " + std::to_string(msg.request_id()) + " is already here");
+    Result<uint64_t> id =
+        ids.count(okey) != 0
+            ? Result<uint64_t>(InvalidArgument("request " + std::to_string(msg.request_id()) +
+                                               " is already here"))
+            : decoder->Prepare(RequestFromProto(msg.prepare()), out);
+    if (!id.ok()) {
+      proto::WorkerMessage reply;
+      reply.set_request_id(msg.request_id());
+      control::StatusToProto(id.status(), reply.mutable_prepare_reply()->mutable_error());
+      server->Send(peer, reply);
+      return;
     }
-    Prepared p;
-    if (st.ok()) {
-      p.origin = {peer, msg.request_id()};
-      p.tokens.assign(r.tokens().begin(), r.tokens().end());
-      p.ns = r.ns();
-      p.transfer_id = r.transfer_id();
-      p.blended = r.blended();
-      p.spec.sampling = control::SamplingFromProto(r.sampling());
-      p.spec.max_tokens = r.max_tokens();
-      p.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());
-      p.spec.stop_strings.assign(r.stop_strings().begin(), r.stop_strings().end());
-      p.created = SteadyClock::now();
-      engine::PagedKvCache& cache = wm.model->kv_cache();
-      p.seq = cache.NewSequence();
-      st = cache.Reserve(p.seq, static_cast<int64_t>(p.tokens.size()));
-    }
-    if (st.ok()) {
-      // The chunks this worker's tiers hold need not travel; a blended
-      // prompt's KV all comes from its prefill.
-      engine::PagedKvCache& cache = wm.model->kv_cache();
-      if (!p.blended) {
-        p.keys = kvbus::PrefixKeys({wm.fingerprint, p.ns, options.chunk_tokens}, p.tokens);
-      }
-      for (const kvbus::ChunkKey& key : p.keys) {
-        auto chunk = store->Get(key);
-        if (!chunk.ok() || !control::ChunkFits(**chunk, wm.fingerprint, options.chunk_tokens) ||
-            !kvbus::ChunkToPagedKv(**chunk, cache, p.seq,
-                                   static_cast<int64_t>(p.held_chunks) * options.chunk_tokens)
-                 .ok()) {
-          break;
-        }
-        ++p.held_chunks;
-      }
-      pr->set_held_chunks(p.held_chunks);
-      const uint64_t id = next_id++;
-      p.spec.id = id;
-      ids[okey] = id;
-      prepared.emplace(id, std::move(p));
-      ++depth;
-    } else {
-      control::StatusToProto(st, pr->mutable_error());
-    }
-    server->Send(peer, reply);
+    // The reply goes out with the Decoder's PrepareDone, once the load is in.
+    ids[okey] = *id;
+    origins[*id] = {peer, msg.request_id()};
   }
 
-  // Writes the pushed slices into the prepared sequence.
-  Status Assemble(Prepared& p) {
-    engine::PagedKvCache& cache = wm.model->kv_cache();
-    const auto regions =
-        control::TransferRegions(p.keys, static_cast<int64_t>(p.tokens.size()),
-                                 options.chunk_tokens, p.held_chunks, p.transfer_id);
-    for (const control::KvRegion& r : regions) {
-      for (int l = 0; l < cache.num_layers(); ++l) {
-        const kvbus::ChunkKey key = kvbus::LayerSliceKey(r.parent, l);
-        auto slice = staging->Get(key);
-        if (!slice.ok()) {
-          return Unavailable("layer " + std::to_string(l) + " of the KV of tokens [" +
-                             std::to_string(r.first) + ", " + std::to_string(r.first + r.count) +
-                             ") never arrived");
-        }
-        if ((*slice)->info().tokens != static_cast<uint32_t>(r.count)) {
-          return Corruption("KV slice " + key.ToHex() + " has " +
-                            std::to_string((*slice)->info().tokens) + " tokens, expected " +
-                            std::to_string(r.count));
-        }
-        KDN_RETURN_IF_ERROR(kvbus::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
-        if (r.tail) staging->Erase(key);  // named for this request alone
-      }
-    }
-    cache.SetLength(p.seq, static_cast<int64_t>(p.tokens.size()));
-    return Status::Ok();
-  }
-
-  void DoStart(const std::string& peer, const proto::WorkerMessage& msg) {
+  void DoStart(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const Origin origin{peer, msg.request_id()};
-    auto idit = ids.find(OriginKey(peer, msg.request_id()));
-    auto pit = idit == ids.end() ? prepared.end() : prepared.find(idit->second);
-    if (pit == prepared.end()) {
-      SendError(origin, NotFound("request " + std::to_string(msg.request_id()) +
-                                 " was not prepared here (or expired)"));
-      return;
-    }
-    Prepared p = std::move(pit->second);
-    prepared.erase(pit);
-    Status st = Assemble(p);
-    std::vector<TokenEvent> events;
-    if (st.ok()) {
-      running[p.spec.id] = Running{p.origin, p.tokens, p.ns, p.blended};
-      st = batcher->Admit(p.spec, std::move(p.seq), msg.start().first_token(), &events);
-      if (!st.ok()) running.erase(p.spec.id);
-    }
-    if (!st.ok()) {
-      std::fprintf(stderr, "%s: request %llu cannot start: %s\n", options.name.c_str(),
-                   static_cast<unsigned long long>(msg.request_id()), st.ToString().c_str());
-      ids.erase(idit);
-      --depth;
-      SendError(origin, st);
-      return;
-    }
-    Deliver(events);
+    auto it = ids.find(OriginKey(peer, msg.request_id()));
+    Status st = it == ids.end()
+                    ? NotFound("request " + std::to_string(msg.request_id()) +
+                               " was not prepared here (or expired)")
+                    : decoder->Start(it->second, msg.start().first_token(), out);
+    if (!st.ok()) SendError(origin, st);
   }
 
-  void DoCancel(const std::string& peer, const proto::WorkerMessage& msg) {
-    auto idit = ids.find(OriginKey(peer, msg.request_id()));
-    if (idit == ids.end()) return;
-    const uint64_t id = idit->second;
-    if (prepared.erase(id) != 0) {
-      ids.erase(idit);
-      --depth;
-      return;
-    }
-    std::vector<TokenEvent> events;
-    if (batcher->Cancel(id, &events).ok()) Deliver(events);
+  void DoCancel(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
+    auto it = ids.find(OriginKey(peer, msg.request_id()));
+    if (it != ids.end()) (void)decoder->Cancel(it->second, out);
   }
 
-  // Sends events to their routers, one message per request; finished
-  // requests leave.
-  void Deliver(const std::vector<TokenEvent>& events) {
+  // Sends what the Decoder produced to the routers that asked: Prepare
+  // replies, then one message of token events per request. Finished
+  // requests are forgotten.
+  void Deliver(const DecoderOutput& out) {
+    for (const PrepareDone& d : out.prepared) {
+      auto it = origins.find(d.id);
+      if (it == origins.end()) continue;
+      proto::WorkerMessage reply;
+      reply.set_request_id(it->second.request_id);
+      reply.mutable_prepare_reply()->set_held_chunks(d.held_chunks);
+      server->Send(it->second.peer, reply);
+    }
     std::map<uint64_t, std::vector<const TokenEvent*>> by_id;
-    for (const TokenEvent& e : events) by_id[e.id].push_back(&e);
+    for (const TokenEvent& e : out.events) by_id[e.id].push_back(&e);
     for (const auto& [id, evs] : by_id) {
-      auto it = running.find(id);
-      if (it == running.end()) continue;
+      auto it = origins.find(id);
+      if (it == origins.end()) continue;
       proto::WorkerMessage m;
-      m.set_request_id(it->second.origin.request_id);
+      m.set_request_id(it->second.request_id);
       for (const TokenEvent* ev : evs) {
         auto* e = m.mutable_tokens()->add_events();
         e->set_token(ev->token);
         e->set_text(ev->text);
         e->set_finished(ev->finished);
         e->set_finish_reason(ev->finish_reason);
+        if (!ev->error.ok()) control::StatusToProto(ev->error, e->mutable_error());
       }
-      server->Send(it->second.origin.peer, m);
+      server->Send(it->second.peer, m);
       if (evs.back()->finished) {
-        ids.erase(OriginKey(it->second.origin.peer, it->second.origin.request_id));
-        running.erase(it);
-        --depth;
+        ids.erase(OriginKey(it->second.peer, it->second.request_id));
+        origins.erase(it);
       }
     }
   }
 
-  // Stores the full chunks of prompt + output (all but the last token, whose
-  // KV was never computed) that the tiers lack.
-  void StoreConversation(uint64_t id, const engine::KvSequence& seq,
-                         const std::vector<int32_t>& generated) {
-    auto it = running.find(id);
-    // Blended KV differs from what a full prefill gives: never under prefix keys.
-    if (it == running.end() || it->second.blended) return;
-    std::vector<int32_t> tokens = it->second.tokens;
-    tokens.insert(tokens.end(), generated.begin(), generated.end());
-    tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(seq.length())));
-    const kvbus::KeyContext ctx{wm.fingerprint, it->second.ns, options.chunk_tokens};
-    const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (store->Contains(keys[i])) continue;
-      auto chunk = kvbus::ChunkFromPagedKv(wm.model->kv_cache(), seq,
-                                           static_cast<int64_t>(i) * options.chunk_tokens,
-                                           options.chunk_tokens, keys[i], wm.fingerprint,
-                                           kvbus::KvDType::kF32);
-      Status st = chunk.ok() ? store->Put(*std::move(chunk)) : chunk.status();
-      if (!st.ok()) {
-        std::fprintf(stderr, "%s: storing a chunk: %s\n", options.name.c_str(),
-                     st.ToString().c_str());
-        break;
+  void Loop() {
+    for (;;) {
+      std::deque<Command> todo;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        // Awake at least once a second, so that unstarted requests expire.
+        if (!decoder->Busy()) {
+          cv.wait_for(lock, std::chrono::seconds(1),
+                      [&] { return stop || loads_in || !commands.empty(); });
+        }
+        if (stop) return;
+        loads_in = false;
+        todo.swap(commands);
       }
+      DecoderOutput out;
+      for (const Command& c : todo) {
+        switch (c.msg.body_case()) {
+          case proto::WorkerMessage::kPrepare: DoPrepare(c.peer, c.msg, &out); break;
+          case proto::WorkerMessage::kStart: DoStart(c.peer, c.msg, &out); break;
+          case proto::WorkerMessage::kCancel: DoCancel(c.peer, c.msg, &out); break;
+          default: break;
+        }
+      }
+      decoder->Advance(&out);
+      Deliver(out);
+      const DecoderStats s = decoder->Stats();
+      depth = s.prepared + s.running;
+      free_blocks = s.free_kv_blocks;
     }
   }
-
-  void Loop();
 };
-
-void DecodeService::Impl::Loop() {
-  batcher = std::make_unique<Batcher>(*wm.model, *wm.tokenizer, options.max_batch);
-  batcher->SetFinishHook([this](uint64_t id, const engine::KvSequence& seq,
-                                const std::vector<int32_t>& generated) {
-    StoreConversation(id, seq, generated);
-  });
-  auto last_sweep = SteadyClock::now();
-  for (;;) {
-    std::deque<Command> todo;
-    {
-      std::unique_lock<std::mutex> lock(mu);
-      if (batcher->running() == 0) {
-        cv.wait_for(lock, std::chrono::seconds(1), [&] { return stop || !commands.empty(); });
-      }
-      if (stop) return;
-      todo.swap(commands);
-    }
-    for (Command& c : todo) {
-      switch (c.msg.body_case()) {
-        case proto::WorkerMessage::kPrepare: DoPrepare(c.peer, c.msg); break;
-        case proto::WorkerMessage::kStart: DoStart(c.peer, c.msg); break;
-        case proto::WorkerMessage::kCancel: DoCancel(c.peer, c.msg); break;
-        default: break;
-      }
-    }
-    if (batcher->running() > 0) {
-      std::vector<TokenEvent> events;
-      Status st = batcher->Step(&events);
-      if (!st.ok()) {
-        // The model refused the whole step (e.g. no free KV block): fail
-        // every running request rather than spin.
-        std::fprintf(stderr, "%s: decode step failed: %s\n", options.name.c_str(),
-                     st.ToString().c_str());
-        std::vector<uint64_t> all;
-        for (const auto& [id, r] : running) all.push_back(id);
-        for (uint64_t id : all) {
-          const Origin o = running[id].origin;
-          std::vector<TokenEvent> ignored;
-          (void)batcher->Cancel(id, &ignored);
-          SendError(o, st);
-          ids.erase(OriginKey(o.peer, o.request_id));
-          running.erase(id);
-          --depth;
-        }
-      } else {
-        Deliver(events);
-      }
-    }
-    const auto now = SteadyClock::now();
-    if (now - last_sweep > std::chrono::seconds(1)) {
-      last_sweep = now;
-      for (auto it = prepared.begin(); it != prepared.end();) {
-        if (now - it->second.created > kPrepareTimeout) {
-          std::fprintf(stderr, "%s: request %llu was prepared but never started; dropped\n",
-                       options.name.c_str(),
-                       static_cast<unsigned long long>(it->second.origin.request_id));
-          ids.erase(OriginKey(it->second.origin.peer, it->second.origin.request_id));
-          it = prepared.erase(it);
-          --depth;
-        } else {
-          ++it;
-        }
-      }
-    }
-    free_blocks = wm.model->kv_cache().free_blocks();
-  }
-}
 
 DecodeService::DecodeService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -417,11 +246,27 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint));
   impl->staging = std::make_unique<kvbus::HostTier>(options.staging_bytes);
+  impl->store_io = std::make_unique<JobThread>(kStoreLanes);
+  Impl* raw = impl.get();
+  DecoderOptions dopt;
+  dopt.chunk_tokens = options.chunk_tokens;
+  dopt.max_batch = options.max_batch;
+  dopt.name = options.name;
+  dopt.on_load_done = [raw] {
+    {
+      std::lock_guard<std::mutex> lock(raw->mu);
+      raw->loads_in = true;
+    }
+    raw->cv.notify_one();
+  };
+  impl->decoder = std::make_unique<Decoder>(*impl->wm.model, *impl->wm.tokenizer,
+                                            impl->wm.fingerprint, *impl->store, *impl->staging,
+                                            *impl->store_io, dopt);
   KDN_ASSIGN_OR_RETURN(impl->receiver, kvbus::ListenTcp(options.kvbus_listen, *impl->staging));
   impl->kvbus_endpoint = impl->receiver->endpoint();
-  impl->total_blocks = impl->wm.model->kv_cache().num_blocks();
-  impl->free_blocks = impl->wm.model->kv_cache().free_blocks();
-  Impl* raw = impl.get();
+  const DecoderStats s = impl->decoder->Stats();
+  impl->total_blocks = s.total_kv_blocks;
+  impl->free_blocks = s.free_kv_blocks;
   KDN_ASSIGN_OR_RETURN(impl->server,
                        control::ControlServer::Start(
                            options.listen, [raw](control::ControlServer& srv,
@@ -439,6 +284,12 @@ DecodeService::~DecodeService() {
   }
   impl_->cv.notify_all();
   if (impl_->compute.joinable()) impl_->compute.join();
+  // Before the server its lookups answer through; lookups posted after this
+  // are dropped (their router times them out).
+  if (const size_t dropped = impl_->store_io->Stop(); dropped > 0) {
+    std::fprintf(stderr, "%s: stopping with %zu store jobs not run\n", impl_->options.name.c_str(),
+                 dropped);
+  }
   impl_->server.reset();
   impl_->receiver.reset();
 }

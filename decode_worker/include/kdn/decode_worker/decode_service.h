@@ -1,8 +1,8 @@
 #pragma once
 // DecodeService: the kdn-decode process without its flags (docs/serving.md).
 // Loads the model, opens its KDN tiers, receives prompt KV on a kvbus
-// endpoint, serves the control socket and runs the continuous batch on a
-// compute thread:
+// endpoint, serves the control socket, and drives a Decoder (decoder.h: the
+// request logic) with the protocol's messages converted to its structs:
 //   Prepare  reserve KV for a prompt and load the chunks its tiers hold;
 //   Start    assemble the layer slices a prefill worker pushed, admit the
 //            request with its first token and stream tokens back;
@@ -10,7 +10,15 @@
 //            KDN, so that the next turn finds them.
 // Prepared requests that never start are dropped after a minute.
 //
-// Thread-safe: endpoint accessors from any thread. The destructor stops it.
+// Threads: the control socket's I/O thread answers info requests and queues
+// the rest; the compute thread runs the Decoder (prepare, start, cancel,
+// decode steps); the store I/O thread makes every kdn-store round trip
+// (lookups first, then the Decoder's loads, then its stores), so that neither
+// of the others waits on the network.
+//
+// Thread-safe: endpoint accessors from any thread. The destructor stops it
+// (store jobs still queued are dropped: a conversation not stored costs only
+// reuse).
 
 #include <cstdint>
 #include <memory>
