@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kdn/common/job_thread.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
 #include "kdn/control/worker_setup.h"
@@ -32,6 +33,8 @@ struct PrefillService::Impl {
   control::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<Prefiller> prefiller;  // the compute thread's alone
+  // Lookups: kdn-store round trips, kept off the control I/O thread.
+  std::unique_ptr<JobThread> lookups;
   std::unique_ptr<control::ControlServer> server;
   int total_blocks = 0;
 
@@ -122,10 +125,14 @@ struct PrefillService::Impl {
 
   void OnMessage(control::ControlServer& srv, const std::string& peer,
                  proto::WorkerMessage msg) {
-    if (control::AnswerQuery(srv, peer, msg, *store,
-                             [this](proto::WorkerInfo* info) { FillInfo(info); })) {
+    const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
+    if (msg.body_case() == proto::WorkerMessage::kLookup) {
+      lookups->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
+        (void)control::AnswerQuery(srv, peer, msg, *store, fill);
+      });
       return;
     }
+    if (control::AnswerQuery(srv, peer, msg, *store, fill)) return;
     switch (msg.body_case()) {
       case proto::WorkerMessage::kPrefill: {
         QueuedJob q;
@@ -217,6 +224,7 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
   po.chunk_tokens = options.chunk_tokens;
   impl->prefiller = std::make_unique<Prefiller>(*impl->wm.model, *impl->store,
                                                 impl->wm.fingerprint, po);
+  impl->lookups = std::make_unique<JobThread>();
   impl->total_blocks = impl->wm.model->kv_cache().num_blocks();
   impl->free_blocks = impl->wm.model->kv_cache().free_blocks();
   Impl* raw = impl.get();
@@ -236,6 +244,7 @@ PrefillService::~PrefillService() {
   }
   impl_->cv.notify_all();
   if (impl_->compute.joinable()) impl_->compute.join();
+  (void)impl_->lookups->Stop();  // before the server it answers through
   impl_->server.reset();  // before the state its handler reads
 }
 

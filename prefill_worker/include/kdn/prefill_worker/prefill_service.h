@@ -1,7 +1,9 @@
 #pragma once
 // PrefillService: the kdn-prefill process without its flags. Loads the model,
 // opens the KDN tiers, serves the control socket (docs/serving.md) and runs
-// prefill jobs one at a time, in arrival order, on a compute thread.
+// prefill jobs one at a time, in arrival order, on a compute thread. Lookups
+// (kdn-store round trips) are answered on a thread of their own, so that the
+// control socket's I/O thread answers the router's pings at once.
 //
 // Thread-safe: endpoint() from any thread. The destructor stops serving
 // (queued jobs are dropped; their router times them out).
