@@ -1,4 +1,4 @@
-// kdn-bench prefill and decode with --device cuda: CudaModel in bf16 on one
+// kdn-bench prefill and decode with --device cuda: CudaEngine in bf16 on one
 // GPU, against two ceilings measured in the same run: the bf16 matrix
 // product (cuBLAS, 8192^3, the kind of product the model runs) and a
 // device-to-device copy (bytes read plus written); and, with --peer, against
@@ -13,7 +13,7 @@
 
 #include "bench_util.h"
 #include "kdn/engine/cuda/cuda_check.h"
-#include "kdn/engine/cuda/cuda_model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/init.cuh"
 #include "kdn/engine/presets.h"
 
@@ -97,17 +97,17 @@ Result<double> DeviceCopyGBps(size_t bytes, int reps) {
   return 2.0 * bytes / (best / 1e3) / 1e9;
 }
 
-Result<std::unique_ptr<CudaModel>> MakeCudaModel(const Common& c, const CudaEngineOptions& o,
+Result<std::unique_ptr<CudaEngine>> MakeCudaModel(const Common& c, const CudaEngineOptions& o,
                                                  std::string* what) {
   if (!c.model_dir.empty()) {
     *what = c.model_dir;
     KDN_ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(c.model_dir));
     KDN_ASSIGN_OR_RETURN(ModelWeights w, LoadWeights(c.model_dir, cfg));
-    return CudaModel::Create(cfg, w, o);
+    return CudaEngine::Create(cfg, w, o);
   }
   KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));
   *what = "preset " + p.name + " materialised on the device (seed " + std::to_string(c.seed) + ")";
-  return CudaModel::Materialize(p.config, c.seed, o);
+  return CudaEngine::Materialize(p.config, c.seed, o);
 }
 
 std::string DeviceName() {
@@ -147,7 +147,7 @@ std::string AddPeerRatio(const json& peer, const char* section, const char* key,
   return "-";
 }
 
-std::string Paths(const CudaModel& m) {
+std::string Paths(const CudaEngine& m) {
   return std::string(m.uses_flash_attention() ? "FlashInfer attention" : "reference attention") +
          (m.uses_cuda_graphs() ? ", decode graphs" : ", eager decode");
 }

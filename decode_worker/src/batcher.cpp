@@ -42,7 +42,7 @@ size_t ShowableLength(const std::string& text, const std::vector<std::string>& s
   return n - hold;
 }
 
-Batcher::Batcher(engine::Model& model, const engine::Tokenizer& tokenizer, int max_batch)
+Batcher::Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch)
     : model_(model), tokenizer_(tokenizer), max_batch_(max_batch) {}
 
 Batcher::~Batcher() = default;

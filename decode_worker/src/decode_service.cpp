@@ -17,6 +17,7 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/transport.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::decode_worker {
 
@@ -176,21 +177,21 @@ struct DecodeService::Impl {
       p.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());
       p.spec.stop_strings.assign(r.stop_strings().begin(), r.stop_strings().end());
       p.created = SteadyClock::now();
-      engine::PagedKvCache& cache = wm.model->kv_cache();
+      engine::KvCache& cache = wm.model->kv_cache();
       p.seq = cache.NewSequence();
       st = cache.Reserve(p.seq, static_cast<int64_t>(p.tokens.size()));
     }
     if (st.ok()) {
       // The chunks this worker's tiers hold need not travel; a blended
       // prompt's KV all comes from its prefill.
-      engine::PagedKvCache& cache = wm.model->kv_cache();
+      engine::KvCache& cache = wm.model->kv_cache();
       if (!p.blended) {
         p.keys = kvbus::PrefixKeys({wm.fingerprint, p.ns, options.chunk_tokens}, p.tokens);
       }
       for (const kvbus::ChunkKey& key : p.keys) {
         auto chunk = store->Get(key);
         if (!chunk.ok() || !control::ChunkFits(**chunk, wm.fingerprint, options.chunk_tokens) ||
-            !kvbus::ChunkToPagedKv(**chunk, cache, p.seq,
+            !kvbridge::ChunkToPagedKv(**chunk, cache, p.seq,
                                    static_cast<int64_t>(p.held_chunks) * options.chunk_tokens)
                  .ok()) {
           break;
@@ -211,7 +212,7 @@ struct DecodeService::Impl {
 
   // Writes the pushed slices into the prepared sequence.
   Status Assemble(Prepared& p) {
-    engine::PagedKvCache& cache = wm.model->kv_cache();
+    engine::KvCache& cache = wm.model->kv_cache();
     const auto regions =
         control::TransferRegions(p.keys, static_cast<int64_t>(p.tokens.size()),
                                  options.chunk_tokens, p.held_chunks, p.transfer_id);
@@ -229,7 +230,7 @@ struct DecodeService::Impl {
                             std::to_string((*slice)->info().tokens) + " tokens, expected " +
                             std::to_string(r.count));
         }
-        KDN_RETURN_IF_ERROR(kvbus::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
+        KDN_RETURN_IF_ERROR(kvbridge::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
         if (r.tail) staging->Erase(key);  // named for this request alone
       }
     }
@@ -319,7 +320,7 @@ struct DecodeService::Impl {
     const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
     for (size_t i = 0; i < keys.size(); ++i) {
       if (store->Contains(keys[i])) continue;
-      auto chunk = kvbus::ChunkFromPagedKv(wm.model->kv_cache(), seq,
+      auto chunk = kvbridge::ChunkFromPagedKv(wm.model->kv_cache(), seq,
                                            static_cast<int64_t>(i) * options.chunk_tokens,
                                            options.chunk_tokens, keys[i], wm.fingerprint,
                                            kvbus::KvDType::kF32);

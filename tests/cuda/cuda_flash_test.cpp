@@ -20,7 +20,7 @@
 
 #include "cuda_test_util.h"
 #include "kdn/engine/cuda/attention.cuh"
-#include "kdn/engine/cuda/cuda_model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/device_sampler.h"
 #include "kdn/engine/cuda/flash_attention.h"
 #include "kdn/engine/cuda/activation.cuh"
@@ -387,7 +387,7 @@ std::vector<int32_t> Tokens(int n, uint32_t seed) {
   return t;
 }
 
-std::unique_ptr<CudaModel> SmallModel(bool flash, bool graphs) {
+std::unique_ptr<CudaEngine> SmallModel(bool flash, bool graphs) {
   auto p = FindPreset("small");
   EXPECT_TRUE(p.ok());
   ModelWeights w = GenerateWeights(p->config, 3, DType::kBF16);
@@ -397,7 +397,7 @@ std::unique_ptr<CudaModel> SmallModel(bool flash, bool graphs) {
   o.max_batch = 16;
   o.flash_attention = flash;
   o.cuda_graphs = graphs;
-  auto m = CudaModel::Create(p->config, w, o);
+  auto m = CudaEngine::Create(p->config, w, o);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return m.ok() ? std::move(m).value() : nullptr;
 }
@@ -419,7 +419,7 @@ double MaxAbs(const std::vector<float>& v) {
 
 // Three sequences (one after a prefix split) through prefill and 12 batched
 // decode steps on two models with the same weights.
-void RunThree(CudaModel& m, std::vector<std::vector<float>>* prefill_logits,
+void RunThree(CudaEngine& m, std::vector<std::vector<float>>* prefill_logits,
               std::vector<std::vector<float>>* step_logits) {
   std::vector<CudaKvSequence> seqs(3);
   const std::vector<std::vector<int32_t>> prompts = {Tokens(300, 1), Tokens(17, 2), Tokens(600, 3)};

@@ -1,5 +1,5 @@
-// The whole model on the GPU (CudaModel, bf16) against the CPU backend
-// (Model, fp32) on the same bf16-rounded generated weights: logits close in
+// The whole model on the GPU (CudaEngine, bf16) against the CPU backend
+// (CpuEngine, fp32) on the same bf16-rounded generated weights: logits close in
 // bf16 terms and the same greedy tokens; and the engine contract's
 // equivalences on the GPU itself (a prefill split in two equals one, a
 // batched decode step equals each sequence alone). Skipped without a GPU.
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "cuda_test_util.h"
-#include "kdn/engine/cuda/cuda_model.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/presets.h"
 #include "kdn/engine/sampler.h"
 
@@ -30,8 +30,8 @@ std::vector<int32_t> Tokens(int n, uint32_t seed) {
 }
 
 struct Pair {
-  std::unique_ptr<Model> cpu;
-  std::unique_ptr<CudaModel> gpu;
+  std::unique_ptr<CpuEngine> cpu;
+  std::unique_ptr<CudaEngine> gpu;
 };
 
 Pair MakePair(const std::string& preset) {
@@ -43,12 +43,12 @@ Pair MakePair(const std::string& preset) {
   go.kv_tokens = 8192;
   go.max_prefill_tokens = 2048;
   go.max_batch = 8;
-  auto gpu = CudaModel::Create(p->config, w, go);
+  auto gpu = CudaEngine::Create(p->config, w, go);
   EXPECT_TRUE(gpu.ok()) << gpu.status().ToString();
   if (gpu.ok()) out.gpu = std::move(gpu).value();
   EngineOptions co;
   co.threads = 2;
-  auto cpu = Model::Create(p->config, std::move(w), co);
+  auto cpu = CpuEngine::Create(p->config, std::move(w), co);
   EXPECT_TRUE(cpu.ok()) << cpu.status().ToString();
   if (cpu.ok()) out.cpu = std::move(cpu).value();
   return out;
@@ -97,34 +97,34 @@ void CheckGreedy(const std::string& preset) {
   m.gpu->Free(gs);
 }
 
-TEST(CudaModel, MatchesTheCpuBackendOnTinyPresets) {
+TEST(CudaEngine, MatchesTheCpuBackendOnTinyPresets) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   CheckGreedy("tiny");
   CheckGreedy("tiny-qwen2");
   CheckGreedy("tiny-mistral");
 }
 
-TEST(CudaModel, MatchesTheCpuBackendOnSmall) {
+TEST(CudaEngine, MatchesTheCpuBackendOnSmall) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   CheckGreedy("small");
 }
 
 // The tiny preset on the GPU with a pool and buffers of these sizes.
-Result<std::unique_ptr<CudaModel>> TinyCudaModel(int64_t kv_tokens, int64_t max_prefill,
+Result<std::unique_ptr<CudaEngine>> TinyCudaModel(int64_t kv_tokens, int64_t max_prefill,
                                                  int max_batch) {
   KDN_ASSIGN_OR_RETURN(Preset p, FindPreset("tiny"));
   CudaEngineOptions o;
   o.kv_tokens = kv_tokens;
   o.max_prefill_tokens = max_prefill;
   o.max_batch = max_batch;
-  return CudaModel::Create(p.config, GenerateWeights(p.config, 4, DType::kBF16), o);
+  return CudaEngine::Create(p.config, GenerateWeights(p.config, 4, DType::kBF16), o);
 }
 
-TEST(CudaModel, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
+TEST(CudaEngine, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   auto m = TinyCudaModel(4096, 512, 4);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  CudaModel& g = **m;
+  CudaEngine& g = **m;
   const auto prompt = Tokens(150, 6);
   CudaKvSequence whole, split;
   std::vector<float> a, b;
@@ -161,7 +161,7 @@ TEST(CudaModel, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
   }
 }
 
-TEST(CudaModel, RefusesBadTokensAndOverlongPrompts) {
+TEST(CudaEngine, RefusesBadTokensAndOverlongPrompts) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   auto m = TinyCudaModel(1024, 64, 2);
   ASSERT_TRUE(m.ok()) << m.status().ToString();

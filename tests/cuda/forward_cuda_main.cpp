@@ -1,5 +1,5 @@
 // Test-only: kdn_forward_cuda MODEL_DIR IDS_CSV LOGITS_OUT GREEDY_N
-// The GPU twin of tests/parity/forward_main.cpp: prefills IDS on CudaModel
+// The GPU twin of tests/parity/forward_main.cpp: prefills IDS on CudaEngine
 // (bf16), writes the logits of every prompt position (float32, [tokens][vocab])
 // to LOGITS_OUT, then prints GREEDY_N greedy token ids comma-separated.
 #include <cstdio>
@@ -7,7 +7,7 @@
 #include <sstream>
 #include <string>
 
-#include "kdn/engine/cuda/cuda_model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/sampler.h"
 
 int main(int argc, char** argv) {
@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   o.kv_tokens = static_cast<int64_t>(ids.size()) + 256;
   o.max_prefill_tokens = static_cast<int64_t>(ids.size());
   o.max_batch = 1;
-  auto model = cuda::CudaModel::Create(*cfg, *weights, o);
+  auto model = cuda::CudaEngine::Create(*cfg, *weights, o);
   if (!model.ok()) return fail(model.status());
   cuda::CudaKvSequence seq;
   std::vector<float> logits;

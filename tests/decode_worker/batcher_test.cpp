@@ -25,7 +25,7 @@ struct Prefilled {
   int32_t first;
 };
 
-Prefilled Prefill(engine::Model& model, const std::vector<int32_t>& prompt,
+Prefilled Prefill(engine::CpuEngine& model, const std::vector<int32_t>& prompt,
                   const engine::SamplingParams& sampling) {
   Prefilled p{model.kv_cache().NewSequence(), -1};
   std::vector<float> logits;

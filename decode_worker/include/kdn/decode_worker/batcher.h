@@ -10,7 +10,7 @@
 // continues the prefill worker's random stream, so that a request's tokens do
 // not depend on which other requests share its batches.
 //
-// Not thread-safe: the decode worker's loop owns it (and the Model).
+// Not thread-safe: the decode worker's loop owns it (and the CpuEngine).
 
 #include <cstdint>
 #include <functional>
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/engine/tokenizer.h"
 
@@ -54,7 +54,7 @@ class Batcher {
 
   // `tokenizer` turns tokens into text for stop strings and events; the
   // model and tokenizer must outlive the Batcher.
-  Batcher(engine::Model& model, const engine::Tokenizer& tokenizer, int max_batch);
+  Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch);
   ~Batcher();
 
   // Adds a request whose prompt KV is in `seq` and whose first token
@@ -84,7 +84,7 @@ class Batcher {
   // Records `token` for `r`, emits its event; true when `r` is finished.
   bool Accept(Request& r, int32_t token, std::vector<TokenEvent>* events);
 
-  engine::Model& model_;
+  engine::CpuEngine& model_;
   const engine::Tokenizer& tokenizer_;
   const int max_batch_;
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // by id: a stable batch order

@@ -1,6 +1,6 @@
 #pragma once
-// CudaModel: the engine on one GPU, in bf16. The same entry points as the CPU
-// backend's Model (docs/engine.md): Prefill appends a range of a sequence's
+// CudaEngine: the engine on one GPU, in bf16. The same entry points as the CPU
+// backend's CpuEngine (docs/engine.md): Prefill appends a range of a sequence's
 // tokens on top of the KV it holds and calls a hook after each layer;
 // DecodeStep appends one token to each sequence of a batch. Weights and the
 // paged KV cache (blocks of 16 tokens, the CPU layout) live in device memory
@@ -15,7 +15,7 @@
 // The per-layer hook runs on the calling thread once the layer's KV is in the
 // cache (the stream is synchronized first), so a caller may read it.
 //
-// Thread-compatible: one thread at a time calls into a CudaModel.
+// Thread-compatible: one thread at a time calls into a CudaEngine.
 
 #include <cstdint>
 #include <memory>
@@ -24,7 +24,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/config.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/engine/weights.h"
 
@@ -40,27 +40,27 @@ struct CudaEngineOptions {
 };
 
 // A sequence's KV: its blocks in the model's pool, host-side. Free it with
-// CudaModel::Free.
+// CudaEngine::Free.
 struct CudaKvSequence {
   std::vector<int32_t> blocks;
   int64_t length = 0;
 };
 
-class CudaModel {
+class CudaEngine {
  public:
-  // Uploads fp32 host weights (Hugging Face names, as Model::Create takes
+  // Uploads fp32 host weights (Hugging Face names, as CpuEngine::Create takes
   // them), rounding them to bf16.
-  static Result<std::unique_ptr<CudaModel>> Create(const ModelConfig& config,
+  static Result<std::unique_ptr<CudaEngine>> Create(const ModelConfig& config,
                                                    const ModelWeights& weights,
                                                    const CudaEngineOptions& options = {});
   // Builds the model's weights directly in device memory from `seed` (values
   // uniform in +-0.02, norms 1): for benchmarking real shapes without a
   // weights file. Not kdn-mkmodel's values.
-  static Result<std::unique_ptr<CudaModel>> Materialize(const ModelConfig& config, uint64_t seed,
+  static Result<std::unique_ptr<CudaEngine>> Materialize(const ModelConfig& config, uint64_t seed,
                                                         const CudaEngineOptions& options = {});
-  ~CudaModel();
-  CudaModel(const CudaModel&) = delete;
-  CudaModel& operator=(const CudaModel&) = delete;
+  ~CudaEngine();
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
 
   const ModelConfig& config() const;
   int free_blocks() const;
@@ -72,11 +72,11 @@ class CudaModel {
   Status Reserve(CudaKvSequence& seq, int64_t tokens);
   void Free(CudaKvSequence& seq);
 
-  // As Model::Prefill. `logits` gets the last token's fp32 logits (or every
+  // As CpuEngine::Prefill. `logits` gets the last token's fp32 logits (or every
   // new token's with options.all_logits).
   Status Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
                  const PrefillOptions& options, std::vector<float>* logits);
-  // As Model::DecodeStep: batch x vocab logits.
+  // As CpuEngine::DecodeStep: batch x vocab logits.
   Status DecodeStep(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
                     std::vector<float>* logits);
   // The same step, but the greedy choice (engine::Argmax: the first largest
@@ -102,7 +102,7 @@ class CudaModel {
 
  private:
   struct Impl;
-  explicit CudaModel(std::unique_ptr<Impl> impl);
+  explicit CudaEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,4 +1,4 @@
-#include "kdn/engine/cuda/cuda_model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -118,7 +118,7 @@ class PinnedArray {
 
 }  // namespace
 
-struct CudaModel::Impl {
+struct CudaEngine::Impl {
   ModelConfig config;
   CudaEngineOptions options;
   cudaStream_t stream = nullptr;
@@ -293,7 +293,7 @@ struct CudaModel::Impl {
 
   Status UploadTensor(const ModelWeights& w, const std::string& name, DeviceArray<bf16>* dst) {
     auto it = w.find(name);
-    if (it == w.end()) return InvalidArgument("CudaModel: tensor " + name + " is missing");
+    if (it == w.end()) return InvalidArgument("CudaEngine: tensor " + name + " is missing");
     return Upload(it->second.data.data(), it->second.numel(), dst);
   }
 
@@ -303,7 +303,7 @@ struct CudaModel::Impl {
     std::vector<float> fused;
     for (const std::string& name : names) {
       auto it = w.find(name);
-      if (it == w.end()) return InvalidArgument("CudaModel: tensor " + name + " is missing");
+      if (it == w.end()) return InvalidArgument("CudaEngine: tensor " + name + " is missing");
       fused.insert(fused.end(), it->second.data.begin(), it->second.data.end());
     }
     return Upload(fused.data(), static_cast<int64_t>(fused.size()), dst);
@@ -504,10 +504,10 @@ struct CudaModel::Impl {
   }
 };
 
-CudaModel::CudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-CudaModel::~CudaModel() = default;
+CudaEngine::CudaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaEngine::~CudaEngine() = default;
 
-Result<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
+Result<std::unique_ptr<CudaEngine>> CudaEngine::Create(const ModelConfig& config,
                                                      const ModelWeights& weights,
                                                      const CudaEngineOptions& options) {
   auto impl = std::make_unique<Impl>();
@@ -515,24 +515,24 @@ Result<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
   impl->options = options;
   KDN_RETURN_IF_ERROR(impl->Setup());
   KDN_RETURN_IF_ERROR(impl->UploadWeights(weights));
-  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+  return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
 }
 
-Result<std::unique_ptr<CudaModel>> CudaModel::Materialize(const ModelConfig& config, uint64_t seed,
+Result<std::unique_ptr<CudaEngine>> CudaEngine::Materialize(const ModelConfig& config, uint64_t seed,
                                                           const CudaEngineOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->options = options;
   KDN_RETURN_IF_ERROR(impl->Setup());
   KDN_RETURN_IF_ERROR(impl->MaterializeWeights(seed));
-  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
+  return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
 }
 
-const ModelConfig& CudaModel::config() const { return impl_->config; }
-int CudaModel::free_blocks() const { return static_cast<int>(impl_->free_list.size()); }
-int64_t CudaModel::weight_bytes() const { return impl_->weight_bytes; }
+const ModelConfig& CudaEngine::config() const { return impl_->config; }
+int CudaEngine::free_blocks() const { return static_cast<int>(impl_->free_list.size()); }
+int64_t CudaEngine::weight_bytes() const { return impl_->weight_bytes; }
 
-Status CudaModel::Reserve(CudaKvSequence& seq, int64_t tokens) {
+Status CudaEngine::Reserve(CudaKvSequence& seq, int64_t tokens) {
   const int64_t need = (tokens + 15) / 16 - static_cast<int64_t>(seq.blocks.size());
   if (need <= 0) return Status::Ok();
   if (need > static_cast<int64_t>(impl_->free_list.size())) {
@@ -546,13 +546,13 @@ Status CudaModel::Reserve(CudaKvSequence& seq, int64_t tokens) {
   return Status::Ok();
 }
 
-void CudaModel::Free(CudaKvSequence& seq) {
+void CudaEngine::Free(CudaKvSequence& seq) {
   impl_->free_list.insert(impl_->free_list.end(), seq.blocks.begin(), seq.blocks.end());
   seq.blocks.clear();
   seq.length = 0;
 }
 
-Status CudaModel::Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
+Status CudaEngine::Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
                           const PrefillOptions& options, std::vector<float>* logits) {
   Impl& m = *impl_;
   const ModelConfig& c = m.config;
@@ -609,17 +609,17 @@ Status CudaModel::Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
   return Status::Ok();
 }
 
-Status CudaModel::DecodeStep(std::span<CudaKvSequence* const> seqs,
+Status CudaEngine::DecodeStep(std::span<CudaKvSequence* const> seqs,
                              std::span<const int32_t> tokens, std::vector<float>* logits) {
   return impl_->Decode(seqs, tokens, logits, nullptr);
 }
 
-Status CudaModel::DecodeGreedy(std::span<CudaKvSequence* const> seqs,
+Status CudaEngine::DecodeGreedy(std::span<CudaKvSequence* const> seqs,
                                std::span<const int32_t> tokens, std::vector<int32_t>* next) {
   return impl_->Decode(seqs, tokens, nullptr, next);
 }
 
-Status CudaModel::DecodeSample(std::span<CudaKvSequence* const> seqs,
+Status CudaEngine::DecodeSample(std::span<CudaKvSequence* const> seqs,
                                std::span<const int32_t> tokens,
                                std::span<Sampler* const> samplers, std::vector<int32_t>* next) {
   if (samplers.size() != seqs.size()) {
@@ -632,10 +632,10 @@ Status CudaModel::DecodeSample(std::span<CudaKvSequence* const> seqs,
   return impl_->Decode(seqs, tokens, nullptr, next, samplers);
 }
 
-bool CudaModel::uses_flash_attention() const { return impl_->flash != nullptr; }
-bool CudaModel::uses_cuda_graphs() const { return impl_->graphs(); }
+bool CudaEngine::uses_flash_attention() const { return impl_->flash != nullptr; }
+bool CudaEngine::uses_cuda_graphs() const { return impl_->graphs(); }
 
-Status CudaModel::Impl::Decode(std::span<CudaKvSequence* const> seqs,
+Status CudaEngine::Impl::Decode(std::span<CudaKvSequence* const> seqs,
                                std::span<const int32_t> tokens, std::vector<float>* logits_out,
                                std::vector<int32_t>* next_out,
                                std::span<Sampler* const> samplers) {
@@ -774,7 +774,7 @@ Status CudaModel::Impl::Decode(std::span<CudaKvSequence* const> seqs,
   return Status::Ok();
 }
 
-Status CudaModel::ReadKv(const CudaKvSequence& seq, int layer, int64_t first, int64_t count,
+Status CudaEngine::ReadKv(const CudaKvSequence& seq, int layer, int64_t first, int64_t count,
                          std::vector<float>* out) {
   Impl& m = *impl_;
   if (layer < 0 || layer >= m.config.num_layers || first < 0 || count < 0 ||
