@@ -183,12 +183,12 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
     for (int i = 0; i < n; ++i) tokens[i] = (i * 131 + 7) % std::min(cfg.vocab_size, 32000);
     double best = 1e30;
     for (int r = 0; r < c.reps + 1; ++r) {
-      CudaKvSequence seq;
+      KvSequence seq = (*model)->kv_cache().NewSequence();
       std::vector<float> logits;
       const auto t0 = Clock::now();
       Status st = (*model)->Prefill(seq, tokens, {}, &logits);  // returns with the logits on the host
       const double s = Seconds(t0, Clock::now());
-      (*model)->Free(seq);
+      seq.Reset();
       if (!st.ok()) return Fail(st);
       if (r > 0 || c.reps == 0) best = std::min(best, s);
     }
@@ -231,7 +231,8 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
               "vs peer");
   json rows = json::array();
   for (int b : batches) {
-    std::vector<CudaKvSequence> seqs(b);
+    std::vector<KvSequence> seqs;
+    for (int i = 0; i < b; ++i) seqs.push_back((*model)->kv_cache().NewSequence());
     std::vector<float> logits;
     for (int i = 0; i < b; ++i) {
       std::vector<int32_t> prompt(context);
@@ -239,7 +240,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
       Status st = (*model)->Prefill(seqs[i], prompt, {}, &logits);
       if (!st.ok()) return Fail(st);
     }
-    std::vector<CudaKvSequence*> ptrs;
+    std::vector<KvSequence*> ptrs;
     for (auto& s : seqs) ptrs.push_back(&s);
     std::vector<int32_t> next(b, 65);
     // One untimed step (it captures the batch's graph), then the timed ones,
@@ -248,7 +249,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
     double kv_bytes = 0.0;
     const auto t0 = Clock::now();
     for (int s = 0; s < steps; ++s) {
-      for (auto* p : ptrs) kv_bytes += 2.0 * 2.0 * cfg.num_layers * cfg.kv_dim() * (p->length + 1);
+      for (auto* p : ptrs) kv_bytes += 2.0 * 2.0 * cfg.num_layers * cfg.kv_dim() * (p->length() + 1);
       if (Status st = (*model)->DecodeGreedy(ptrs, next, &next); !st.ok()) return Fail(st);
     }
     const double secs = Seconds(t0, Clock::now());
@@ -260,7 +261,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
     std::printf("%6d %12.1f %10.2f %10.0f %8.1f%% %9s\n", b, b * steps / secs,
                 1e3 * secs / steps, gbps, 100.0 * gbps / *bw, vs.c_str());
     rows.push_back(row);
-    for (auto& s : seqs) (*model)->Free(s);
+    for (auto& s : seqs) s.Reset();
   }
   Emit(c, {{"workload", "decode"}, {"device", DeviceName()}, {"model", what},
            {"paths", Paths(**model)}, {"context", context}, {"steps", steps},

@@ -74,7 +74,7 @@ void CheckGreedy(const std::string& preset) {
   ASSERT_TRUE(m.cpu && m.gpu);
   const auto prompt = Tokens(200, 5);
   KvSequence cs = m.cpu->kv_cache().NewSequence();
-  CudaKvSequence gs;
+  KvSequence gs = m.gpu->kv_cache().NewSequence();
   std::vector<float> cl, gl;
   ASSERT_TRUE(m.cpu->Prefill(cs, prompt, {}, &cl).ok());
   KDN_ASSERT_OK(m.gpu->Prefill(gs, prompt, {}, &gl));
@@ -89,12 +89,12 @@ void CheckGreedy(const std::string& preset) {
       break;
     }
     KvSequence* cp = &cs;
-    CudaKvSequence* gp = &gs;
+    KvSequence* gp = &gs;
     ASSERT_TRUE(m.cpu->DecodeStep({&cp, 1}, {&ct, 1}, &cl).ok());
     KDN_ASSERT_OK(m.gpu->DecodeStep({&gp, 1}, {&ct, 1}, &gl));
     EXPECT_TRUE(LogitsClose(gl, cl)) << "step " << step;
   }
-  m.gpu->Free(gs);
+  gs.Reset();
 }
 
 TEST(CudaEngine, MatchesTheCpuBackendOnTinyPresets) {
@@ -126,7 +126,7 @@ TEST(CudaEngine, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   CudaEngine& g = **m;
   const auto prompt = Tokens(150, 6);
-  CudaKvSequence whole, split;
+  KvSequence whole = g.kv_cache().NewSequence(), split = g.kv_cache().NewSequence();
   std::vector<float> a, b;
   KDN_ASSERT_OK(g.Prefill(whole, prompt, {}, &a));
   KDN_ASSERT_OK(g.Prefill(split, std::span(prompt).first(97), {}, &b));
@@ -135,25 +135,25 @@ TEST(CudaEngine, PrefillInTwoCallsAndBatchedDecodeEqualTheirSingleForms) {
   EXPECT_EQ(Argmax(a), Argmax(b));
   // The KV written by both paths agrees.
   std::vector<float> ka, kb;
-  KDN_ASSERT_OK(g.ReadKv(whole, 1, 0, 150, &ka));
-  KDN_ASSERT_OK(g.ReadKv(split, 1, 0, 150, &kb));
+  KDN_ASSERT_OK(ReadKv(g, whole, 1, 0, 150, &ka));
+  KDN_ASSERT_OK(ReadKv(g, split, 1, 0, 150, &kb));
   EXPECT_TRUE(AllClose(kb, ka, {1.0 / 64, 1e-2}));
 
   // Three sequences of different lengths, stepped together and alone.
-  std::vector<CudaKvSequence> together(3), alone(3);
+  std::vector<KvSequence> together = NewSequences(g, 3), alone = NewSequences(g, 3);
   std::vector<std::vector<float>> first(3);
   for (int i = 0; i < 3; ++i) {
     const auto t = Tokens(20 + 40 * i, 10 + i);
     KDN_ASSERT_OK(g.Prefill(together[i], t, {}, &first[i]));
     KDN_ASSERT_OK(g.Prefill(alone[i], t, {}, &first[i]));
   }
-  std::vector<CudaKvSequence*> ptrs = {&together[0], &together[1], &together[2]};
+  std::vector<KvSequence*> ptrs = {&together[0], &together[1], &together[2]};
   const std::vector<int32_t> next = {7, 8, 9};
   std::vector<float> batched;
   KDN_ASSERT_OK(g.DecodeStep(ptrs, next, &batched));
   const int V = g.config().vocab_size;
   for (int i = 0; i < 3; ++i) {
-    CudaKvSequence* s = &alone[i];
+    KvSequence* s = &alone[i];
     std::vector<float> one;
     KDN_ASSERT_OK(g.DecodeStep({&s, 1}, {&next[i], 1}, &one));
     const std::vector<float> row(batched.begin() + i * V, batched.begin() + (i + 1) * V);
@@ -165,12 +165,12 @@ TEST(CudaEngine, RefusesBadTokensAndOverlongPrompts) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   auto m = TinyCudaModel(1024, 64, 2);
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  CudaKvSequence s;
+  KvSequence s = (*m)->kv_cache().NewSequence();
   std::vector<float> l;
   EXPECT_EQ((*m)->Prefill(s, std::vector<int32_t>{1, 9999}, {}, &l).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ((*m)->Prefill(s, Tokens(65, 1), {}, &l).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.length, 0);
+  EXPECT_EQ(s.length(), 0);
 }
 
 }  // namespace

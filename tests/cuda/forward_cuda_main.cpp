@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   o.max_batch = 1;
   auto model = cuda::CudaEngine::Create(*cfg, *weights, o);
   if (!model.ok()) return fail(model.status());
-  cuda::CudaKvSequence seq;
+  KvSequence seq = (*model)->kv_cache().NewSequence();
   std::vector<float> logits;
   if (auto st = (*model)->Prefill(seq, ids, {.all_logits = true}, &logits); !st.ok()) return fail(st);
   std::ofstream(argv[3], std::ios::binary)
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < n; ++i) {
     int32_t t = Argmax(last);
     std::printf("%s%d", i ? "," : "", t);
-    cuda::CudaKvSequence* s = &seq;
+    KvSequence* s = &seq;
     if (auto st = (*model)->DecodeStep({&s, 1}, {&t, 1}, &last); !st.ok()) return fail(st);
   }
   std::printf("\n");

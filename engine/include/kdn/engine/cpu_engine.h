@@ -42,6 +42,7 @@ class CpuEngine final : public Engine {
 
   const ModelConfig& config() const override { return config_; }
   std::string device() const override { return "cpu"; }
+  DType kv_dtype() const override { return DType::kF32; }
   CpuKvCache& kv_cache() override { return *kv_; }
 
   Status Prefill(KvSequence& seq, std::span<const int32_t> tokens, const PrefillOptions& options,

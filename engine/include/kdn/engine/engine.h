@@ -54,6 +54,10 @@ class Engine {
   virtual const ModelConfig& config() const = 0;
   // Where it runs, for logs and /metrics: "cpu", "cuda:0".
   virtual std::string device() const = 0;
+  // The element type its KV cache holds: what its chunks carry (so another
+  // backend's KV is never mistaken for its own) and what the model
+  // fingerprint covers.
+  virtual DType kv_dtype() const = 0;
   virtual KvCache& kv_cache() = 0;
 
   // Computes `tokens` at positions seq.length() .. seq.length()+n-1 and

@@ -1,0 +1,556 @@
+#pragma once
+// CudaEngine's private parts, shared by cuda_engine.cpp (load, prefill,
+// decode) and cuda_row_pass.cpp (the per-layer calls of blend, the KV cache).
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kdn/engine/cpu_ops.h"
+#include "kdn/engine/cuda/activation.cuh"
+#include "kdn/engine/cuda/attention.cuh"
+#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/engine/cuda/cuda_engine.h"
+#include "kdn/engine/cuda/device_sampler.h"
+#include "kdn/engine/cuda/embedding.cuh"
+#include "kdn/engine/cuda/flash_attention.h"
+#include "kdn/engine/cuda/gemv.cuh"
+#include "kdn/engine/cuda/init.cuh"
+#include "kdn/engine/cuda/paged_kv.cuh"
+#include "kdn/engine/cuda/rmsnorm.cuh"
+#include "kdn/engine/cuda/rope.cuh"
+#include "kdn/engine/cuda/sampling.cuh"
+
+namespace kdn::engine::cuda {
+
+namespace internal {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kMaxDecodeSplits = 64;
+constexpr int64_t kLogitRows = 1024;  // all_logits is computed this many rows at a time
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+// The batch sizes decode graphs are captured for: a batch runs in the
+// smallest bucket that holds it, padded with rows that touch only a scratch
+// block.
+inline int DecodeBucket(int batch, int max_batch) {
+  int b = 1;
+  while (b < batch && b < 8) b *= 2;
+  if (b < batch) b = (batch + 7) / 8 * 8;
+  if (b > 64) b = (batch + 31) / 32 * 32;
+  return std::min(b, max_batch);
+}
+
+#define KDN_CUBLAS_RETURN_IF_ERROR(expr)                                                   \
+  do {                                                                                     \
+    const cublasStatus_t _kdn_cublas_st = (expr);                                          \
+    if (_kdn_cublas_st != CUBLAS_STATUS_SUCCESS) {                                         \
+      return Internal(std::string(#expr) + " failed: " +                                   \
+                      cublasGetStatusString(_kdn_cublas_st) + " at " + __FILE__ + ":" +    \
+                      std::to_string(__LINE__));                                           \
+    }                                                                                      \
+  } while (0)
+
+// A device allocation of n elements of T.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  ~DeviceArray() {
+    if (p_ != nullptr) (void)cudaFree(p_);
+  }
+  Status Allocate(int64_t n) {
+    void* p = nullptr;
+    KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<int64_t>(1, n) * sizeof(T)));
+    if (p_ != nullptr) (void)cudaFree(p_);
+    p_ = static_cast<T*>(p);
+    n_ = n;
+    return Status::Ok();
+  }
+  T* get() const { return p_; }
+  int64_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  int64_t n_ = 0;
+};
+
+struct LayerWeights {
+  DeviceArray<bf16> input_norm, post_norm;
+  DeviceArray<bf16> qkv;              // [q_dim + 2 * kv_dim][hidden]: q rows, k rows, v rows
+  DeviceArray<bf16> o;                // [hidden][q_dim]
+  DeviceArray<bf16> qkv_bias, o_bias; // empty when absent
+  DeviceArray<bf16> gate_up;          // [2 * ffn][hidden]: gate rows, then up rows
+  DeviceArray<bf16> down;             // [hidden][ffn]
+};
+
+// A pinned host buffer of n elements of T.
+template <typename T>
+class PinnedArray {
+ public:
+  PinnedArray() = default;
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  ~PinnedArray() {
+    if (p_ != nullptr) (void)cudaFreeHost(p_);
+  }
+  Status Allocate(int64_t n) {
+    KDN_CUDA_RETURN_IF_ERROR(
+        cudaMallocHost(reinterpret_cast<void**>(&p_), std::max<int64_t>(1, n) * sizeof(T)));
+    return Status::Ok();
+  }
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+};
+
+// The KV cache in device memory (bf16): the engine's pools, and reads and
+// writes by layer on a stream of its own (KvCache's contract), guarded by
+// mu_ so that the loader thread of a blend and the engine's thread may both
+// use it.
+class DeviceKvCache final : public KvCache {
+ public:
+  DeviceKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
+      : KvCache(num_layers, num_kv_heads, head_dim, num_blocks) {}
+  ~DeviceKvCache() override;
+  // The pools and the stream.
+  Status Allocate();
+  PagedKvLayer<__nv_bfloat16> Layer(int l) {
+    return {k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+  }
+  PagedKvLayer<const __nv_bfloat16> ConstLayer(int l) {
+    return {k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+  }
+  // Rotates the K of positions [first, first + count) at `layer` by `delta`
+  // positions (RotateCachedKeys), on this cache's stream; waits for it.
+  Status RotateKeys(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                    int64_t delta, const float* inv_freq);
+
+ protected:
+  Status ReadRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                  DType dtype, uint8_t* out) const override;
+  Status WriteRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                   DType dtype, const uint8_t* in) override;
+
+ private:
+  // Gathers (or scatters) one layer's rows between the pool and rows_; the
+  // block table from the first position's block on goes up first.
+  Status Stage(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+               bool gather) const;
+
+  std::vector<DeviceArray<__nv_bfloat16>> k_, v_;  // [layer] -> pool; constant after Allocate
+  cudaStream_t stream_ = nullptr;
+  mutable std::mutex mu_;
+  // Guarded by mu_: staging on the device and the host.
+  mutable DeviceArray<__nv_bfloat16> rows_;
+  mutable DeviceArray<int32_t> table_, positions_;
+  mutable std::vector<uint16_t> host_;
+};
+
+// FAILED_PRECONDITION, saying what the machine has, when options.device
+// does not exist or has too little free memory for the engine.
+Status CheckDevice(const ModelConfig& config, const CudaEngineOptions& options);
+
+}  // namespace internal
+
+using namespace internal;  // NOLINT: the engine's own private names
+
+struct CudaEngine::Impl {
+  ModelConfig config;
+  CudaEngineOptions options;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  int64_t weight_bytes = 0;
+
+  DeviceArray<bf16> embed, lm_head, final_norm;  // lm_head empty when tied
+  std::vector<LayerWeights> layers;
+  DeviceArray<float> inv_freq;
+
+  // The KV pool, and the one block that decode graphs' padding rows write
+  // (held by `scratch` for the engine's life). Declared before anything
+  // that holds its blocks.
+  std::unique_ptr<DeviceKvCache> kv;
+  KvSequence scratch;
+  int32_t scratch_block = -1;
+
+  // Activations, sized for max(max_prefill_tokens, max_batch) rows.
+  int64_t max_rows = 0;
+  DeviceArray<bf16> x, h, qkv, q, attn, gate_up, act;  // q: reference attention only
+  DeviceArray<float> logits;
+  DeviceArray<int32_t> ids, positions, tables, lengths, bad_id, sampled;
+  DeviceArray<int64_t> slots;
+  DeviceArray<float> workspace;
+  DeviceArray<char> blas_workspace, argmax_workspace;
+
+  // Decode inputs staged in pinned memory; each step waits for its own end,
+  // so one set serves every step.
+  PinnedArray<int32_t> ids_host, positions_host, sampled_host;
+  PinnedArray<int64_t> slots_host;
+
+  std::unique_ptr<FlashAttention> flash;       // null: reference attention
+  std::unique_ptr<DeviceSampler> sampler;      // made at the first DecodeSample
+  std::map<int, cudaGraphExec_t> decode_graphs;  // by bucket
+
+  ~Impl() {
+    for (auto& [bucket, exec] : decode_graphs) (void)cudaGraphExecDestroy(exec);
+    if (blas != nullptr) (void)cublasDestroy(blas);
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+
+  int64_t qkv_dim() const { return config.q_dim() + 2 * config.kv_dim(); }
+  bool graphs() const { return flash != nullptr && options.cuda_graphs; }
+
+  PagedKvLayer<bf16> Layer(int l) {
+    return kv->Layer(l);
+  }
+  PagedKvLayer<const bf16> ConstLayer(int l) { return kv->ConstLayer(l); }
+
+  // out[rows][out_dim] (= or +=) in[rows][in_dim] . w[out_dim][in_dim]^T.
+  // A few rows (a small decode batch) stream the weights through GemvCuda;
+  // everything else is cuBLAS.
+  Status Gemm(const bf16* in, int64_t rows, int in_dim, const bf16* w, int out_dim, void* out,
+              cudaDataType_t out_type, bool accumulate) {
+    if (rows <= kGemvMaxRows && GemvFits(in, static_cast<int>(rows), in_dim, w)) {
+      const int r = static_cast<int>(rows);
+      return out_type == CUDA_R_32F
+                 ? GemvCuda<float>(in, r, in_dim, w, out_dim, static_cast<float*>(out),
+                                   accumulate, stream)
+                 : GemvCuda<bf16>(in, r, in_dim, w, out_dim, static_cast<bf16*>(out), accumulate,
+                                  stream);
+    }
+    return CublasGemm(in, rows, in_dim, w, out_dim, out, out_type, accumulate);
+  }
+
+  // out = RMSNorm(x; norm) . w^T, the norm into h first. (Fusing the norm
+  // into GemvCuda, each block recomputing its rows' RMS, measured slower at
+  // batch 1 on an H100: 6.12 against 6.03 ms a step.)
+  Status NormGemm(const bf16* x, int64_t rows, const bf16* norm, const bf16* w, int out_dim,
+                  void* out, cudaDataType_t out_type) {
+    const int dim = config.hidden_size;
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x, norm, static_cast<float>(config.rms_norm_eps), rows,
+                                          dim, h.get(), stream));
+    return Gemm(h.get(), rows, dim, w, out_dim, out, out_type, false);
+  }
+
+  Status CublasGemm(const bf16* in, int64_t rows, int in_dim, const bf16* w, int out_dim,
+                    void* out, cudaDataType_t out_type, bool accumulate) {
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    KDN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+        blas, CUBLAS_OP_T, CUBLAS_OP_N, out_dim, static_cast<int>(rows), in_dim, &alpha, w,
+        CUDA_R_16BF, in_dim, in, CUDA_R_16BF, in_dim, &beta, out, out_type, out_dim,
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return Status::Ok();
+  }
+
+  Status Setup() {
+    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    KDN_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas));
+    KDN_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas, stream));
+    // A workspace of our own, so that cuBLAS allocates nothing while a decode
+    // graph is captured.
+    KDN_RETURN_IF_ERROR(blas_workspace.Allocate(kCublasWorkspaceBytes));
+    KDN_CUBLAS_RETURN_IF_ERROR(
+        cublasSetWorkspace(blas, blas_workspace.get(), kCublasWorkspaceBytes));
+    const ModelConfig& c = config;
+    const std::vector<float> freq = RopeInvFreq(c);
+    KDN_RETURN_IF_ERROR(inv_freq.Allocate(static_cast<int64_t>(freq.size())));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq.get(), freq.data(), freq.size() * sizeof(float),
+                                        cudaMemcpyHostToDevice));
+    // One block more than asked for: the scratch block of graph padding.
+    const int num_blocks = static_cast<int>((options.kv_tokens + 15) / 16) + 1;
+    kv = std::make_unique<DeviceKvCache>(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks);
+    KDN_RETURN_IF_ERROR(kv->Allocate());
+    scratch = kv->NewSequence();
+    KDN_RETURN_IF_ERROR(kv->Reserve(scratch, 1));
+    scratch_block = scratch.blocks()[0];
+    max_rows = std::max<int64_t>(options.max_prefill_tokens, options.max_batch);
+    const int64_t R = max_rows;
+    const AttentionShape shape = Shape();
+    if (options.flash_attention && FlashAttention::Supports(shape)) {
+      // Every block once, and the scratch block once more per padding row.
+      KDN_ASSIGN_OR_RETURN(flash, FlashAttention::Create(shape, options.max_batch, R,
+                                                         num_blocks + options.max_batch));
+    } else {
+      KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
+    }
+    KDN_RETURN_IF_ERROR(x.Allocate(R * c.hidden_size));
+    KDN_RETURN_IF_ERROR(h.Allocate(R * c.hidden_size));
+    KDN_RETURN_IF_ERROR(qkv.Allocate(R * qkv_dim()));
+    KDN_RETURN_IF_ERROR(attn.Allocate(R * c.q_dim()));
+    KDN_RETURN_IF_ERROR(gate_up.Allocate(R * 2 * int64_t{c.intermediate_size}));
+    KDN_RETURN_IF_ERROR(act.Allocate(R * c.intermediate_size));
+    KDN_RETURN_IF_ERROR(logits.Allocate(std::max<int64_t>(kLogitRows, options.max_batch) *
+                                        c.vocab_size));
+    KDN_RETURN_IF_ERROR(ids.Allocate(R));
+    KDN_RETURN_IF_ERROR(positions.Allocate(R));
+    KDN_RETURN_IF_ERROR(lengths.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(slots.Allocate(R));
+    KDN_RETURN_IF_ERROR(bad_id.Allocate(1));
+    KDN_RETURN_IF_ERROR(sampled.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(argmax_workspace.Allocate(
+        static_cast<int64_t>(ArgmaxWorkspaceBytes(options.max_batch))));
+    KDN_RETURN_IF_ERROR(ids_host.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(positions_host.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(slots_host.Allocate(options.max_batch));
+    KDN_RETURN_IF_ERROR(sampled_host.Allocate(options.max_batch));
+    const int64_t max_table = (c.max_context + 15) / 16;
+    KDN_RETURN_IF_ERROR(tables.Allocate(std::max<int64_t>(max_table, 1) * options.max_batch));
+    if (flash == nullptr) {
+      KDN_RETURN_IF_ERROR(workspace.Allocate(static_cast<int64_t>(
+          DecodeAttentionWorkspaceBytes(options.max_batch, shape, kMaxDecodeSplits) /
+          sizeof(float))));
+    }
+    return Status::Ok();
+  }
+
+  AttentionShape Shape() const {
+    return {config.num_heads, config.num_kv_heads, config.head_dim,
+            1.0f / std::sqrt(static_cast<float>(config.head_dim))};
+  }
+
+  // Uploads `n` floats as bf16 into `dst` (allocated here).
+  Status Upload(const float* src, int64_t n, DeviceArray<bf16>* dst) {
+    std::vector<bf16> host(n);
+    for (int64_t i = 0; i < n; ++i) host[i] = __float2bfloat16_rn(src[i]);
+    KDN_RETURN_IF_ERROR(dst->Allocate(n));
+    KDN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(dst->get(), host.data(), n * sizeof(bf16), cudaMemcpyHostToDevice));
+    weight_bytes += n * static_cast<int64_t>(sizeof(bf16));
+    return Status::Ok();
+  }
+
+  Status UploadTensor(const ModelWeights& w, const std::string& name, DeviceArray<bf16>* dst) {
+    auto it = w.find(name);
+    if (it == w.end()) return InvalidArgument("CudaEngine: tensor " + name + " is missing");
+    return Upload(it->second.data.data(), it->second.numel(), dst);
+  }
+
+  // Tensors stacked row-wise into one (a fused projection's weight or bias).
+  Status UploadConcat(const ModelWeights& w, std::initializer_list<std::string> names,
+                      DeviceArray<bf16>* dst) {
+    std::vector<float> fused;
+    for (const std::string& name : names) {
+      auto it = w.find(name);
+      if (it == w.end()) return InvalidArgument("CudaEngine: tensor " + name + " is missing");
+      fused.insert(fused.end(), it->second.data.begin(), it->second.data.end());
+    }
+    return Upload(fused.data(), static_cast<int64_t>(fused.size()), dst);
+  }
+
+  Status UploadWeights(const ModelWeights& w) {
+    KDN_RETURN_IF_ERROR(UploadTensor(w, "model.embed_tokens.weight", &embed));
+    KDN_RETURN_IF_ERROR(UploadTensor(w, "model.norm.weight", &final_norm));
+    if (!config.tie_word_embeddings) KDN_RETURN_IF_ERROR(UploadTensor(w, "lm_head.weight", &lm_head));
+    layers.resize(config.num_layers);
+    for (int l = 0; l < config.num_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      LayerWeights& L = layers[l];
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "input_layernorm.weight", &L.input_norm));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "post_attention_layernorm.weight", &L.post_norm));
+      KDN_RETURN_IF_ERROR(UploadConcat(w, {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                           p + "self_attn.v_proj.weight"}, &L.qkv));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.weight", &L.o));
+      if (config.qkv_bias) {
+        KDN_RETURN_IF_ERROR(UploadConcat(w, {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
+                                             p + "self_attn.v_proj.bias"}, &L.qkv_bias));
+      }
+      if (config.o_bias) KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.bias", &L.o_bias));
+      KDN_RETURN_IF_ERROR(
+          UploadConcat(w, {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, &L.gate_up));
+      KDN_RETURN_IF_ERROR(UploadTensor(w, p + "mlp.down_proj.weight", &L.down));
+    }
+    return Status::Ok();
+  }
+
+  // Device-side random weights: each tensor its own hash stream.
+  Status MaterializeWeights(uint64_t seed) {
+    uint64_t stream_id = 0;
+    auto fill = [&](int64_t n, DeviceArray<bf16>* dst) -> Status {
+      KDN_RETURN_IF_ERROR(dst->Allocate(n));
+      weight_bytes += n * static_cast<int64_t>(sizeof(bf16));
+      return FillUniformCuda<bf16>(dst->get(), n, seed, stream_id++, 0.02f, stream);
+    };
+    std::vector<float> ones(config.hidden_size, 1.0f);
+    const ModelConfig& c = config;
+    const int64_t d = c.hidden_size, ff = c.intermediate_size;
+    KDN_RETURN_IF_ERROR(fill(int64_t{c.vocab_size} * d, &embed));
+    KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &final_norm));
+    if (!c.tie_word_embeddings) KDN_RETURN_IF_ERROR(fill(int64_t{c.vocab_size} * d, &lm_head));
+    layers.resize(c.num_layers);
+    for (LayerWeights& L : layers) {
+      KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &L.input_norm));
+      KDN_RETURN_IF_ERROR(Upload(ones.data(), d, &L.post_norm));
+      KDN_RETURN_IF_ERROR(fill(qkv_dim() * d, &L.qkv));
+      KDN_RETURN_IF_ERROR(fill(d * c.q_dim(), &L.o));
+      if (c.qkv_bias) KDN_RETURN_IF_ERROR(fill(qkv_dim(), &L.qkv_bias));
+      if (c.o_bias) KDN_RETURN_IF_ERROR(fill(d, &L.o_bias));
+      KDN_RETURN_IF_ERROR(fill(2 * ff * d, &L.gate_up));
+      KDN_RETURN_IF_ERROR(fill(d * ff, &L.down));
+    }
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return Status::Ok();
+  }
+
+  // The layer's attention for `rows` rows of x: norm, the fused QKV product,
+  // RoPE with the new K and V written to their slots (on the device), then
+  // attention over the cache into attn. `decode`: one row per sequence of a
+  // decode batch (lengths/tables on the device for the reference kernel);
+  // otherwise the rows are one sequence's, from position `start`.
+  Status Attend(int l, int64_t rows, bool decode, int64_t start, int64_t table_stride,
+                int64_t max_len) {
+    const ModelConfig& c = config;
+    LayerWeights& L = layers[l];
+    const int qkv_out = static_cast<int>(qkv_dim());
+    KDN_RETURN_IF_ERROR(NormGemm(x.get(), rows, L.input_norm.get(), L.qkv.get(), qkv_out,
+                                 qkv.get(), CUDA_R_16BF));
+    if (c.qkv_bias) {
+      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(qkv.get(), L.qkv_bias.get(), rows, qkv_out, stream));
+    }
+    KDN_RETURN_IF_ERROR(RopeQkvToCacheCuda<bf16>(qkv.get(), rows, c.num_heads, c.num_kv_heads,
+                                                 c.head_dim, positions.get(), inv_freq.get(),
+                                                 slots.get(), Layer(l), stream));
+    if (flash != nullptr) {
+      return flash->Run(qkv.get(), qkv_out, ConstLayer(l), attn.get(), stream);
+    }
+    // The reference kernels take contiguous queries.
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+        q.get(), c.q_dim() * sizeof(bf16), qkv.get(), qkv_out * sizeof(bf16),
+        c.q_dim() * sizeof(bf16), rows, cudaMemcpyDeviceToDevice, stream));
+    const AttentionShape shape = Shape();
+    if (decode) {
+      return DecodeAttentionCuda<bf16>(q.get(), ConstLayer(l), tables.get(), table_stride,
+                                       lengths.get(), rows, max_len, shape, kMaxDecodeSplits,
+                                       workspace.get(), attn.get(), stream);
+    }
+    return PrefillAttentionCuda<bf16>(q.get(), rows, start, ConstLayer(l), tables.get(), shape,
+                                      attn.get(), stream);
+  }
+
+  // After attention (in attn): output projection into the residual, then the MLP.
+  Status Finish(int l, int64_t rows) {
+    const ModelConfig& c = config;
+    LayerWeights& L = layers[l];
+    KDN_RETURN_IF_ERROR(Gemm(attn.get(), rows, c.q_dim(), L.o.get(), c.hidden_size, x.get(),
+                             CUDA_R_16BF, true));
+    if (c.o_bias) {
+      KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(x.get(), L.o_bias.get(), rows, c.hidden_size, stream));
+    }
+    KDN_RETURN_IF_ERROR(RmsNormCuda<bf16>(x.get(), L.post_norm.get(),
+                                          static_cast<float>(c.rms_norm_eps), rows, c.hidden_size,
+                                          h.get(), stream));
+    if (rows <= kGemvMaxRows &&
+        GemvFits(h.get(), static_cast<int>(rows), c.hidden_size, L.gate_up.get())) {
+      // A small batch: the gate/up product and the SwiGLU gate in one pass.
+      KDN_RETURN_IF_ERROR(GemvSwiGluCuda(h.get(), static_cast<int>(rows), c.hidden_size,
+                                         L.gate_up.get(), c.intermediate_size, act.get(), stream));
+    } else {
+      KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.gate_up.get(),
+                               2 * c.intermediate_size, gate_up.get(), CUDA_R_16BF, false));
+      KDN_RETURN_IF_ERROR(SiluMulCuda<bf16>(gate_up.get(), rows, c.intermediate_size, act.get(),
+                                            stream));
+    }
+    KDN_RETURN_IF_ERROR(Gemm(act.get(), rows, c.intermediate_size, L.down.get(), c.hidden_size,
+                             x.get(), CUDA_R_16BF, true));
+    return Status::Ok();
+  }
+
+  // Final norm and LM head for rows [first, first + rows) of x, appended to
+  // *out as fp32.
+  Status Logits(int64_t first, int64_t rows, std::vector<float>* out) {
+    const ModelConfig& c = config;
+    const bf16* head = c.tie_word_embeddings ? embed.get() : lm_head.get();
+    for (int64_t r0 = 0; r0 < rows; r0 += kLogitRows) {
+      const int64_t n = std::min(kLogitRows, rows - r0);
+      KDN_RETURN_IF_ERROR(NormGemm(x.get() + (first + r0) * c.hidden_size, n, final_norm.get(),
+                                   head, c.vocab_size, logits.get(), CUDA_R_32F));
+      const size_t at = out->size();
+      out->resize(at + n * c.vocab_size);
+      KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out->data() + at, logits.get(),
+                                               n * c.vocab_size * sizeof(float),
+                                               cudaMemcpyDeviceToHost, stream));
+      KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    }
+    return Status::Ok();
+  }
+
+  // The embeddings of the n ids already in `ids` (device).
+  Status Embed(int64_t n) {
+    return EmbedCuda<bf16>(embed.get(), config.vocab_size, config.hidden_size, ids.get(), n,
+                           x.get(), bad_id.get(), stream);
+  }
+
+  // A decode step's device work for `rows` rows whose ids, positions and
+  // slots are on the device (and, for the reference attention, lengths and
+  // tables): every layer, then the logits of every row and their argmax. No
+  // host synchronization, so a graph can capture it.
+  Status DecodeBody(int64_t rows, int64_t table_stride, int64_t max_len) {
+    const ModelConfig& c = config;
+    KDN_RETURN_IF_ERROR(Embed(rows));
+    for (int l = 0; l < c.num_layers; ++l) {
+      KDN_RETURN_IF_ERROR(Attend(l, rows, /*decode=*/true, 0, table_stride, max_len));
+      KDN_RETURN_IF_ERROR(Finish(l, rows));
+    }
+    const bf16* head = c.tie_word_embeddings ? embed.get() : lm_head.get();
+    KDN_RETURN_IF_ERROR(NormGemm(x.get(), rows, final_norm.get(), head, c.vocab_size,
+                                 logits.get(), CUDA_R_32F));
+    return ArgmaxCuda(logits.get(), rows, c.vocab_size, sampled.get(), stream,
+                      argmax_workspace.get());
+  }
+
+  // The captured graph of DecodeBody for `bucket` rows, captured on first use.
+  Result<cudaGraphExec_t> DecodeGraph(int bucket) {
+    auto it = decode_graphs.find(bucket);
+    if (it != decode_graphs.end()) return it->second;
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    Status body = DecodeBody(bucket, 0, 0);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    if (!body.ok()) {
+      if (graph != nullptr) (void)cudaGraphDestroy(graph);
+      return body;
+    }
+    KDN_CUDA_RETURN_IF_ERROR(ended);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    KDN_CUDA_RETURN_IF_ERROR(made);
+    decode_graphs.emplace(bucket, exec);
+    return exec;
+  }
+
+  Status PrefillBody(KvSequence& seq, std::span<const int32_t> tokens, int64_t start,
+                     const PrefillOptions& options, std::vector<float>* logits);
+  Status Decode(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                std::vector<float>* logits_out, std::vector<int32_t>* next_out,
+                std::span<Sampler* const> samplers = {});
+
+  Status CheckTokens(std::span<const int32_t> tokens) const {
+    for (int32_t t : tokens) {
+      if (t < 0 || t >= config.vocab_size) {
+        return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary");
+      }
+    }
+    return Status::Ok();
+  }
+};
+
+}  // namespace kdn::engine::cuda
