@@ -249,6 +249,7 @@ struct DecodeService::Impl {
     }
     Prepared p = std::move(pit->second);
     prepared.erase(pit);
+    p.spec.first_token_sent = msg.start().first_token_sent();
     Status st = Assemble(p);
     std::vector<TokenEvent> events;
     if (st.ok()) {
@@ -267,11 +268,30 @@ struct DecodeService::Impl {
     Deliver(events);
   }
 
+  // Erases from staging the slices named for this request alone (the
+  // partial tail; a blended prompt's whole KV), which only Assemble would
+  // otherwise have taken.
+  void DropOwnSlices(const Prepared& p) {
+    const auto regions =
+        control::TransferRegions(p.keys, static_cast<int64_t>(p.tokens.size()),
+                                 options.chunk_tokens, p.held_chunks, p.transfer_id);
+    for (const control::KvRegion& r : regions) {
+      if (!r.tail) continue;
+      for (int l = 0; l < wm.model->kv_cache().num_layers(); ++l) {
+        staging->Erase(kvbus::LayerSliceKey(r.parent, l));
+      }
+    }
+  }
+
   void DoCancel(const std::string& peer, const proto::WorkerMessage& msg) {
     auto idit = ids.find(OriginKey(peer, msg.request_id()));
     if (idit == ids.end()) return;
     const uint64_t id = idit->second;
-    if (prepared.erase(id) != 0) {
+    if (auto pit = prepared.find(id); pit != prepared.end()) {
+      // Never started (the first token ended it, or its client went away):
+      // its reserved KV goes back with the sequence.
+      DropOwnSlices(pit->second);
+      prepared.erase(pit);
       ids.erase(idit);
       --depth;
       return;
@@ -393,6 +413,7 @@ void DecodeService::Impl::Loop() {
                        options.name.c_str(),
                        static_cast<unsigned long long>(it->second.origin.request_id));
           ids.erase(OriginKey(it->second.origin.peer, it->second.origin.request_id));
+          DropOwnSlices(it->second);
           it = prepared.erase(it);
           --depth;
         } else {
