@@ -7,6 +7,7 @@
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/store_service.h"
 #include "kdn/kvbridge/fingerprint.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::control {
 
@@ -18,7 +19,8 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
   KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbridge::WeightsDigest(dir));
   const engine::ModelConfig& c = w.model->config();
   w.fingerprint = kvbridge::ModelFingerprint(c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
-                                          kvbus::KvDTypeName(kvbus::KvDType::kF32), digest);
+                                          kvbus::KvDTypeName(kvbridge::ChunkDType(w.model->kv_dtype())),
+                                             digest);
   return w;
 }
 

@@ -134,4 +134,13 @@ Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::KvCache& cache
   return ToPaged(slice, 0, 1, layer, cache, seq, first);
 }
 
+kvbus::KvDType ChunkDType(engine::DType t) {
+  switch (t) {
+    case engine::DType::kF32: return KvDType::kF32;
+    case engine::DType::kF16: return KvDType::kF16;
+    case engine::DType::kBF16: return KvDType::kBF16;
+  }
+  return KvDType::kF32;
+}
+
 }  // namespace kdn::kvbridge
