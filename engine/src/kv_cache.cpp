@@ -126,38 +126,43 @@ CpuKvCache::CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_b
   }
 }
 
-// Runs of consecutive positions inside one block are contiguous in a pool,
-// so each is one conversion.
-Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
-                            int64_t count, DType dtype, uint8_t* out) const {
-  const int64_t stride = token_stride();
-  const size_t row_bytes = static_cast<size_t>(stride) * DTypeSize(dtype);
+namespace {
+
+// Runs of consecutive positions inside one block are contiguous in a pool:
+// f(layer K, layer V, offset in the rows buffer, elements) once per run.
+template <typename Pool, typename F>
+void ForEachRun(Pool& k, Pool& v, std::span<const int32_t> blocks, int64_t first, int64_t count,
+                int64_t stride, size_t row_bytes, F f) {
   for (int64_t t = first; t < first + count;) {
     const int64_t slot = t % kKvBlockTokens;
     const int64_t run = std::min<int64_t>(kKvBlockTokens - slot, first + count - t);
-    const int32_t b = blocks[t / kKvBlockTokens];
-    const size_t at = static_cast<size_t>(t - first) * row_bytes;
-    FromFloat(dtype, Key(layer, b) + slot * stride, run * stride, out + at);
-    FromFloat(dtype, Value(layer, b) + slot * stride, run * stride,
-              out + count * row_bytes + at);
+    const int64_t at = blocks[t / kKvBlockTokens] * stride * kKvBlockTokens + slot * stride;
+    f(k.data() + at, v.data() + at, static_cast<size_t>(t - first) * row_bytes, run * stride);
     t += run;
   }
+}
+
+}  // namespace
+
+Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
+                            int64_t count, DType dtype, uint8_t* out) const {
+  const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
+  ForEachRun(k_[layer], v_[layer], blocks, first, count, token_stride(), row_bytes,
+             [&](const float* k, const float* v, size_t at, int64_t n) {
+               FromFloat(dtype, k, n, out + at);
+               FromFloat(dtype, v, n, out + count * row_bytes + at);
+             });
   return Status::Ok();
 }
 
 Status CpuKvCache::WriteRows(std::span<const int32_t> blocks, int layer, int64_t first,
                              int64_t count, DType dtype, const uint8_t* in) {
-  const int64_t stride = token_stride();
-  const size_t row_bytes = static_cast<size_t>(stride) * DTypeSize(dtype);
-  for (int64_t t = first; t < first + count;) {
-    const int64_t slot = t % kKvBlockTokens;
-    const int64_t run = std::min<int64_t>(kKvBlockTokens - slot, first + count - t);
-    const int32_t b = blocks[t / kKvBlockTokens];
-    const size_t at = static_cast<size_t>(t - first) * row_bytes;
-    ToFloat(dtype, in + at, run * stride, Key(layer, b) + slot * stride);
-    ToFloat(dtype, in + count * row_bytes + at, run * stride, Value(layer, b) + slot * stride);
-    t += run;
-  }
+  const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
+  ForEachRun(k_[layer], v_[layer], blocks, first, count, token_stride(), row_bytes,
+             [&](float* k, float* v, size_t at, int64_t n) {
+               ToFloat(dtype, in + at, n, k);
+               ToFloat(dtype, in + count * row_bytes + at, n, v);
+             });
   return Status::Ok();
 }
 

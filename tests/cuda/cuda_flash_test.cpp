@@ -380,13 +380,6 @@ TEST(DeviceSampler, DrawsWhatTheHostSamplerDraws) {
 
 // ---------------------------------------------------------------- models
 
-std::vector<int32_t> Tokens(int n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = static_cast<int32_t>(rng() % 256);
-  return t;
-}
-
 std::unique_ptr<CudaEngine> SmallModel(bool flash, bool graphs) {
   auto p = FindPreset("small");
   EXPECT_TRUE(p.ok());

@@ -22,13 +22,6 @@ namespace {
 
 using namespace ::kdn::engine::cuda::cudatest;  // NOLINT: the tests' own helpers
 
-std::vector<int32_t> Tokens(int n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = static_cast<int32_t>(rng() % 256);
-  return t;
-}
-
 struct Pair {
   std::unique_ptr<CpuEngine> cpu;
   std::unique_ptr<CudaEngine> gpu;

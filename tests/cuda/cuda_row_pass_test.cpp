@@ -20,13 +20,6 @@ namespace {
 
 using namespace ::kdn::engine::cuda::cudatest;  // NOLINT: the tests' own helpers
 
-std::vector<int32_t> Tokens(int n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = static_cast<int32_t>(rng() % 256);
-  return t;
-}
-
 std::unique_ptr<CudaEngine> Tiny() {
   auto p = FindPreset("tiny");
   EXPECT_TRUE(p.ok());

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <type_traits>
 #include <vector>
 
@@ -153,6 +154,14 @@ Result<double> MeanLaunchMicros(Launch&& launch, int iters) {
   float ms = 0.0f;
   KDN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
   return 1000.0 * ms / iters;
+}
+
+// n token ids below 256 (every preset's vocabulary), from `seed`.
+inline std::vector<int32_t> Tokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % 256);
+  return t;
 }
 
 // n new, empty sequences of `engine`'s cache.

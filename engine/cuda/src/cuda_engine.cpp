@@ -3,28 +3,36 @@
 namespace kdn::engine::cuda {
 
 
+namespace {
+
+// What Create and Materialize share: the device checked, then every buffer
+// but the weights.
+Result<std::unique_ptr<CudaEngine::Impl>> SetUp(const ModelConfig& config,
+                                                const CudaEngineOptions& options) {
+  KDN_RETURN_IF_ERROR(CheckDevice(config, options));
+  auto impl = std::make_unique<CudaEngine::Impl>();
+  impl->config = config;
+  impl->options = options;
+  KDN_RETURN_IF_ERROR(impl->Setup());
+  return impl;
+}
+
+}  // namespace
+
 CudaEngine::CudaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaEngine::~CudaEngine() = default;
 
 Result<std::unique_ptr<CudaEngine>> CudaEngine::Create(const ModelConfig& config,
                                                      const ModelWeights& weights,
                                                      const CudaEngineOptions& options) {
-  KDN_RETURN_IF_ERROR(CheckDevice(config, options));
-  auto impl = std::make_unique<Impl>();
-  impl->config = config;
-  impl->options = options;
-  KDN_RETURN_IF_ERROR(impl->Setup());
+  KDN_ASSIGN_OR_RETURN(auto impl, SetUp(config, options));
   KDN_RETURN_IF_ERROR(impl->UploadWeights(weights));
   return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
 }
 
 Result<std::unique_ptr<CudaEngine>> CudaEngine::Materialize(const ModelConfig& config, uint64_t seed,
                                                           const CudaEngineOptions& options) {
-  KDN_RETURN_IF_ERROR(CheckDevice(config, options));
-  auto impl = std::make_unique<Impl>();
-  impl->config = config;
-  impl->options = options;
-  KDN_RETURN_IF_ERROR(impl->Setup());
+  KDN_ASSIGN_OR_RETURN(auto impl, SetUp(config, options));
   KDN_RETURN_IF_ERROR(impl->MaterializeWeights(seed));
   return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
 }
