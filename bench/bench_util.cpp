@@ -51,7 +51,7 @@ double MemcpyGBps(size_t bytes, int reps) {
   return best;
 }
 
-Result<std::vector<int32_t>> GreedyTokens(engine::Model& model, engine::KvSequence& seq,
+Result<std::vector<int32_t>> GreedyTokens(engine::CpuEngine& model, engine::KvSequence& seq,
                                           std::vector<float> logits, int max_tokens,
                                           const std::function<bool(int32_t)>& stop) {
   std::vector<int32_t> out;
@@ -65,17 +65,17 @@ Result<std::vector<int32_t>> GreedyTokens(engine::Model& model, engine::KvSequen
   return out;
 }
 
-Result<std::unique_ptr<engine::Model>> MakeModel(const Common& c, int64_t kv_tokens, std::string* what) {
+Result<std::unique_ptr<engine::CpuEngine>> MakeModel(const Common& c, int64_t kv_tokens, std::string* what) {
   EngineOptions opts;
   opts.threads = c.threads;
   opts.kv_tokens = kv_tokens;
   if (!c.model_dir.empty()) {
     *what = c.model_dir;
-    return Model::Load(c.model_dir, opts);
+    return CpuEngine::Load(c.model_dir, opts);
   }
   KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));
   *what = "preset " + p.name + " (seed " + std::to_string(c.seed) + ")";
-  return Model::Create(p.config, GenerateWeights(p.config, c.seed, p.dtype), opts);
+  return CpuEngine::Create(p.config, GenerateWeights(p.config, c.seed, p.dtype), opts);
 }
 
 json Machine(const Common& c) {

@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 
 namespace kdn::bench {
 
@@ -45,11 +45,11 @@ struct Common {
 
 // Greedy tokens continuing `seq`, whose prompt gave `logits`: at most
 // max_tokens, ending with the first one for which stop (if given) is true.
-Result<std::vector<int32_t>> GreedyTokens(engine::Model& model, engine::KvSequence& seq,
+Result<std::vector<int32_t>> GreedyTokens(engine::CpuEngine& model, engine::KvSequence& seq,
                                           std::vector<float> logits, int max_tokens,
                                           const std::function<bool(int32_t)>& stop = nullptr);
 
-Result<std::unique_ptr<engine::Model>> MakeModel(const Common& c, int64_t kv_tokens,
+Result<std::unique_ptr<engine::CpuEngine>> MakeModel(const Common& c, int64_t kv_tokens,
                                                  std::string* what);
 // Backend, threads, BLAS build and core: what a run ran on.
 json Machine(const Common& c);
@@ -63,7 +63,7 @@ double ForwardFlops(const engine::ModelConfig& m, int64_t n, int64_t past, int64
 
 int RunPrefill(const Common& c, const std::vector<int>& lengths);
 int RunDecode(const Common& c, const std::vector<int>& batches, int context, int steps);
-// The same on the GPU (CudaModel, bf16), against the bf16 GEMM peak and the
+// The same on the GPU (CudaEngine, bf16), against the bf16 GEMM peak and the
 // device-to-device copy bandwidth measured in the same run. Presets are
 // materialised in device memory (no weights file needed).
 int RunCudaPrefill(const Common& c, const std::vector<int>& lengths);

@@ -16,6 +16,7 @@
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/tiered_store.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::bench {
 
@@ -35,7 +36,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     std::fprintf(stderr, "kdn-bench: %s\n", model_r.status().ToString().c_str());
     return 1;
   }
-  engine::Model& model = **model_r;
+  engine::CpuEngine& model = **model_r;
   const engine::ModelConfig& cfg = model.config();
   std::mt19937 rng(static_cast<uint32_t>(c.seed) + 17);
   auto random_tokens = [&](int n) {
@@ -66,13 +67,13 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
   tiers.push_back(std::make_unique<kvbus::HostTier>(uint64_t{8} << 30));
   kvbus::TieredStore store(std::move(tiers));
   const kvbus::KeyContext ctx{{0, 42}, "", kChunkTokens};
-  engine::PagedKvCache& cache = model.kv_cache();
+  engine::KvCache& cache = model.kv_cache();
   for (const auto& d : documents) {
     engine::KvSequence seq = cache.NewSequence();
     std::vector<float> logits;
     auto key = kvbus::SegmentKey(ctx, d);
     if (!model.Prefill(seq, d, {}, &logits).ok()) return 1;
-    auto chunk = kvbus::ChunkFromPagedKv(cache, seq, 0, doc_tokens, key, ctx.model_fingerprint,
+    auto chunk = kvbridge::ChunkFromPagedKv(cache, seq, 0, doc_tokens, key, ctx.model_fingerprint,
                                          kvbus::KvDType::kF32);
     if (!chunk.ok() || !store.Put(*chunk).ok()) return 1;
   }
@@ -83,7 +84,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     if (!model.Prefill(seq, earlier, {}, &logits).ok()) return 1;
     const auto keys = kvbus::PrefixKeys(ctx, earlier);
     for (size_t i = 0; i < keys.size(); ++i) {
-      auto chunk = kvbus::ChunkFromPagedKv(cache, seq, i * kChunkTokens, kChunkTokens, keys[i],
+      auto chunk = kvbridge::ChunkFromPagedKv(cache, seq, i * kChunkTokens, kChunkTokens, keys[i],
                                            ctx.model_fingerprint, kvbus::KvDType::kF32);
       if (!chunk.ok() || !store.Put(*chunk).ok()) return 1;
     }
@@ -123,7 +124,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     if (!cache.Reserve(seq, static_cast<int64_t>(prompt.size())).ok()) return 1;
     for (size_t i = 0; i < hits; ++i) {
       auto chunk = store.Get(keys[i]);
-      if (!chunk.ok() || !kvbus::ChunkToPagedKv(**chunk, cache, seq, i * kChunkTokens).ok()) return 1;
+      if (!chunk.ok() || !kvbridge::ChunkToPagedKv(**chunk, cache, seq, i * kChunkTokens).ok()) return 1;
     }
     cache.SetLength(seq, static_cast<int64_t>(hits) * kChunkTokens);
     if (!model.Prefill(seq, std::span(prompt).subspan(hits * kChunkTokens), {}, &logits).ok()) return 1;

@@ -1,4 +1,4 @@
-// kdn-bench prefill and decode with --device cuda: CudaModel in bf16 on one
+// kdn-bench prefill and decode with --device cuda: CudaEngine in bf16 on one
 // GPU, against two ceilings measured in the same run: the bf16 matrix
 // product (cuBLAS, 8192^3, the kind of product the model runs) and a
 // device-to-device copy (bytes read plus written); and, with --peer, against
@@ -13,7 +13,7 @@
 
 #include "bench_util.h"
 #include "kdn/engine/cuda/cuda_check.h"
-#include "kdn/engine/cuda/cuda_model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/init.cuh"
 #include "kdn/engine/presets.h"
 
@@ -97,17 +97,17 @@ Result<double> DeviceCopyGBps(size_t bytes, int reps) {
   return 2.0 * bytes / (best / 1e3) / 1e9;
 }
 
-Result<std::unique_ptr<CudaModel>> MakeCudaModel(const Common& c, const CudaEngineOptions& o,
+Result<std::unique_ptr<CudaEngine>> MakeCudaModel(const Common& c, const CudaEngineOptions& o,
                                                  std::string* what) {
   if (!c.model_dir.empty()) {
     *what = c.model_dir;
     KDN_ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(c.model_dir));
     KDN_ASSIGN_OR_RETURN(ModelWeights w, LoadWeights(c.model_dir, cfg));
-    return CudaModel::Create(cfg, w, o);
+    return CudaEngine::Create(cfg, w, o);
   }
   KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));
   *what = "preset " + p.name + " materialised on the device (seed " + std::to_string(c.seed) + ")";
-  return CudaModel::Materialize(p.config, c.seed, o);
+  return CudaEngine::Materialize(p.config, c.seed, o);
 }
 
 std::string DeviceName() {
@@ -147,7 +147,7 @@ std::string AddPeerRatio(const json& peer, const char* section, const char* key,
   return "-";
 }
 
-std::string Paths(const CudaModel& m) {
+std::string Paths(const CudaEngine& m) {
   return std::string(m.uses_flash_attention() ? "FlashInfer attention" : "reference attention") +
          (m.uses_cuda_graphs() ? ", decode graphs" : ", eager decode");
 }
@@ -183,12 +183,12 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
     for (int i = 0; i < n; ++i) tokens[i] = (i * 131 + 7) % std::min(cfg.vocab_size, 32000);
     double best = 1e30;
     for (int r = 0; r < c.reps + 1; ++r) {
-      CudaKvSequence seq;
+      KvSequence seq = (*model)->kv_cache().NewSequence();
       std::vector<float> logits;
       const auto t0 = Clock::now();
       Status st = (*model)->Prefill(seq, tokens, {}, &logits);  // returns with the logits on the host
       const double s = Seconds(t0, Clock::now());
-      (*model)->Free(seq);
+      seq.Reset();
       if (!st.ok()) return Fail(st);
       if (r > 0 || c.reps == 0) best = std::min(best, s);
     }
@@ -231,7 +231,8 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
               "vs peer");
   json rows = json::array();
   for (int b : batches) {
-    std::vector<CudaKvSequence> seqs(b);
+    std::vector<KvSequence> seqs;
+    for (int i = 0; i < b; ++i) seqs.push_back((*model)->kv_cache().NewSequence());
     std::vector<float> logits;
     for (int i = 0; i < b; ++i) {
       std::vector<int32_t> prompt(context);
@@ -239,7 +240,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
       Status st = (*model)->Prefill(seqs[i], prompt, {}, &logits);
       if (!st.ok()) return Fail(st);
     }
-    std::vector<CudaKvSequence*> ptrs;
+    std::vector<KvSequence*> ptrs;
     for (auto& s : seqs) ptrs.push_back(&s);
     std::vector<int32_t> next(b, 65);
     // One untimed step (it captures the batch's graph), then the timed ones,
@@ -248,7 +249,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
     double kv_bytes = 0.0;
     const auto t0 = Clock::now();
     for (int s = 0; s < steps; ++s) {
-      for (auto* p : ptrs) kv_bytes += 2.0 * 2.0 * cfg.num_layers * cfg.kv_dim() * (p->length + 1);
+      for (auto* p : ptrs) kv_bytes += 2.0 * 2.0 * cfg.num_layers * cfg.kv_dim() * (p->length() + 1);
       if (Status st = (*model)->DecodeGreedy(ptrs, next, &next); !st.ok()) return Fail(st);
     }
     const double secs = Seconds(t0, Clock::now());
@@ -260,7 +261,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
     std::printf("%6d %12.1f %10.2f %10.0f %8.1f%% %9s\n", b, b * steps / secs,
                 1e3 * secs / steps, gbps, 100.0 * gbps / *bw, vs.c_str());
     rows.push_back(row);
-    for (auto& s : seqs) (*model)->Free(s);
+    for (auto& s : seqs) s.Reset();
   }
   Emit(c, {{"workload", "decode"}, {"device", DeviceName()}, {"model", what},
            {"paths", Paths(**model)}, {"context", context}, {"steps", steps},

@@ -16,6 +16,7 @@
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/transport_bench.h"
 #include "kdn/engine/presets.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::bench {
 
@@ -26,7 +27,7 @@ namespace {
 // One request's KV in a paged cache of the model's shape, filled with values
 // (the store does not care which), without running the model.
 struct RequestKv {
-  engine::PagedKvCache cache;
+  engine::CpuKvCache cache;
   engine::KvSequence seq;
   std::vector<ChunkKey> keys;
 
@@ -120,7 +121,7 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
     // put: paged KV -> chunk (copy, convert, checksum) -> host tier
     auto t0 = Clock::now();
     for (size_t i = 0; i < kv.keys.size(); ++i) {
-      auto chunk = ChunkFromPagedKv(kv.cache, kv.seq, i * chunk_tokens, chunk_tokens, kv.keys[i],
+      auto chunk = kvbridge::ChunkFromPagedKv(kv.cache, kv.seq, i * chunk_tokens, chunk_tokens, kv.keys[i],
                                     fingerprint, dtype);
       if (!chunk.ok() || !host.Put(*chunk).ok()) {
         std::fprintf(stderr, "kdn-bench: store put failed\n");
@@ -133,7 +134,7 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
     t0 = Clock::now();
     for (size_t i = 0; i < kv.keys.size(); ++i) {
       auto chunk = host.Get(kv.keys[i]);
-      if (!chunk.ok() || !ChunkToPagedKv(**chunk, back.cache, back.seq, i * chunk_tokens).ok()) {
+      if (!chunk.ok() || !kvbridge::ChunkToPagedKv(**chunk, back.cache, back.seq, i * chunk_tokens).ok()) {
         std::fprintf(stderr, "kdn-bench: store get failed\n");
         return 1;
       }

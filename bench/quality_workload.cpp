@@ -23,6 +23,7 @@
 #include "kdn/blend/blend.h"
 #include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::bench {
 
@@ -69,7 +70,7 @@ std::string Strip(std::string s) {
 
 // Greedy decoding from `seq` (whose prompt gave `logits`) until a newline,
 // EOS or max_tokens; the text before the newline.
-Result<std::string> DecodeLine(engine::Model& model, engine::KvSequence& seq,
+Result<std::string> DecodeLine(engine::CpuEngine& model, engine::KvSequence& seq,
                                const engine::Tokenizer& tok, std::vector<float> logits,
                                int max_tokens) {
   auto piece = [&](int32_t t) { return tok.Decode(std::span<const int32_t>(&t, 1)); };
@@ -119,9 +120,9 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
                  (!model_r.ok() ? model_r.status() : tok_r.status()).ToString().c_str());
     return 1;
   }
-  engine::Model& model = **model_r;
+  engine::CpuEngine& model = **model_r;
   const engine::Tokenizer& tok = **tok_r;
-  engine::PagedKvCache& cache = model.kv_cache();
+  engine::KvCache& cache = model.kv_cache();
   std::vector<Mode> modes{{"full prefill", -1}};
   if (!ratios.empty()) modes.push_back({"full reuse", 0});
   for (double r : ratios) {
@@ -147,7 +148,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
     std::vector<float> logits;
     KDN_RETURN_IF_ERROR(model.Prefill(seq, tokens, {}, &logits));
     KDN_ASSIGN_OR_RETURN(auto chunk,
-                         kvbus::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
+                         kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
                                                  kvbus::SegmentKey(ctx, tokens),
                                                  ctx.model_fingerprint, kvbus::KvDType::kF32));
     auto shared = std::shared_ptr<const kvbus::Chunk>(std::move(chunk));

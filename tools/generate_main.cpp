@@ -8,7 +8,7 @@
 
 #include "kdn/engine/generate.h"
 #include "kdn/engine/cpu_runtime.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/tokenizer.h"
 
 int main(int argc, char** argv) {
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   }
   EngineOptions opts;
   opts.threads = threads;
-  auto model = Model::Load(model_dir, opts);
+  auto model = CpuEngine::Load(model_dir, opts);
   if (!model.ok()) {
     std::fprintf(stderr, "kdn-generate: %s\n", model.status().ToString().c_str());
     return 1;

@@ -25,7 +25,7 @@ class Placer {
     int64_t delta;  // at - the position its K was rotated for
   };
 
-  Placer(engine::Model& model, engine::KvSequence& seq, std::vector<Item> items, int first_layer,
+  Placer(engine::CpuEngine& model, engine::KvSequence& seq, std::vector<Item> items, int first_layer,
          bool threaded)
       : model_(model), seq_(seq), items_(std::move(items)), first_layer_(first_layer) {
     placed_ = first_layer_;  // layers below first_layer_ need nothing
@@ -52,7 +52,7 @@ class Placer {
     for (int l = first_layer_; l < layers && !stop_; ++l) {
       Status st;
       for (const Item& it : items_) {
-        st = kvbus::ChunkLayerToPagedKv(*it.kv, l, model_.kv_cache(), seq_, it.at);
+        st = kvbridge::ChunkLayerToPagedKv(*it.kv, l, model_.kv_cache(), seq_, it.at);
         if (st.ok()) st = model_.RotateCachedKeys(seq_, it.at, it.len, it.delta, l);
         if (!st.ok()) break;
       }
@@ -67,7 +67,7 @@ class Placer {
     }
   }
 
-  engine::Model& model_;
+  engine::CpuEngine& model_;
   engine::KvSequence& seq_;
   const std::vector<Item> items_;
   const int first_layer_;
@@ -81,7 +81,7 @@ class Placer {
 
 }  // namespace
 
-Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
+Result<BlendResult> BlendPrefill(engine::CpuEngine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
                                  std::span<const int32_t> suffix, const BlendOptions& options) {
   const engine::ModelConfig& cfg = model.config();
@@ -96,7 +96,7 @@ Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
 
   // The prompt, which of its positions come from a cache, and where each
   // cached segment goes.
-  engine::PagedKvCache& cache = model.kv_cache();
+  engine::KvCache& cache = model.kv_cache();
   std::vector<int32_t> tokens;
   std::vector<bool> cached;
   std::vector<Placer::Item> items;
@@ -151,7 +151,7 @@ Result<BlendResult> BlendPrefill(engine::Model& model, engine::KvSequence& seq,
       std::iota(rows.begin(), rows.end(), 0);
     }
     KDN_ASSIGN_OR_RETURN(auto pass, model.BeginRowPass(seq, tokens, rows));
-    engine::Model::RowPass& rp = *pass;
+    engine::RowPass& rp = *pass;
     // Declared after the pass, so stopped (joined) before it goes.
     Placer placer(model, seq, std::move(items), first_placed, options.overlap_load);
     auto run_layer = [&](std::vector<float>* deviation) -> Status {

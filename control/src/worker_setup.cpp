@@ -6,18 +6,21 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/store_service.h"
+#include "kdn/kvbridge/fingerprint.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::control {
 
 Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
                                     const engine::EngineOptions& options) {
   WorkerModel w;
-  KDN_ASSIGN_OR_RETURN(w.model, engine::Model::Load(dir, options));
+  KDN_ASSIGN_OR_RETURN(w.model, engine::CpuEngine::Load(dir, options));
   KDN_ASSIGN_OR_RETURN(w.tokenizer, engine::Tokenizer::Load(dir));
-  KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbus::WeightsDigest(dir));
+  KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbridge::WeightsDigest(dir));
   const engine::ModelConfig& c = w.model->config();
-  w.fingerprint = kvbus::ModelFingerprint(c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
-                                          kvbus::KvDTypeName(kvbus::KvDType::kF32), digest);
+  w.fingerprint = kvbridge::ModelFingerprint(c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
+                                          kvbus::KvDTypeName(kvbridge::ChunkDType(w.model->kv_dtype())),
+                                             digest);
   return w;
 }
 

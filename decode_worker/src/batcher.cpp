@@ -42,7 +42,7 @@ size_t ShowableLength(const std::string& text, const std::vector<std::string>& s
   return n - hold;
 }
 
-Batcher::Batcher(engine::Model& model, const engine::Tokenizer& tokenizer, int max_batch)
+Batcher::Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch)
     : model_(model), tokenizer_(tokenizer), max_batch_(max_batch) {}
 
 Batcher::~Batcher() = default;
@@ -53,8 +53,13 @@ const std::vector<int32_t>* Batcher::Generated(uint64_t id) const {
 }
 
 bool Batcher::Accept(Request& r, int32_t token, std::vector<TokenEvent>* events) {
+  return Accept(tokenizer_, model_.config().max_context, r.seq.length(), r, token, events);
+}
+
+bool Batcher::Accept(const engine::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
+                     Request& r, int32_t token, std::vector<TokenEvent>* events) {
   r.tokens.push_back(token);
-  r.text += tokenizer_.Decode(std::span<const int32_t>(&token, 1));
+  r.text += tokenizer.Decode(std::span<const int32_t>(&token, 1));
   TokenEvent ev{r.spec.id, token, {}, false, {}};
   // A stop string ends the text where it begins; the client never sees it.
   size_t cut = std::string::npos;
@@ -76,7 +81,7 @@ bool Batcher::Accept(Request& r, int32_t token, std::vector<TokenEvent>* events)
   } else if (static_cast<int>(r.tokens.size()) >= r.spec.max_tokens) {
     ev.finished = true;
     ev.finish_reason = "length";
-  } else if (r.seq.length() + 1 > model_.config().max_context) {
+  } else if (kv_tokens + 1 > max_context) {
     ev.finished = true;
     ev.finish_reason = "context";
   }
@@ -103,12 +108,29 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   }
   auto r = std::make_unique<Request>(spec, std::move(seq));
   r->sampler.Advance(1);  // the prefill worker drew the first token from this stream
-  if (!Accept(*r, first_token, events)) {
+  std::vector<TokenEvent> first;
+  const bool finished = Accept(*r, first_token, &first);
+  if (spec.first_token_sent) {
+    // The client has it: what Accept recorded stays, for the text that follows.
+    if (finished) events->push_back(TokenEvent{spec.id, -1, {}, true, first[0].finish_reason});
+  } else {
+    events->push_back(std::move(first[0]));
+  }
+  if (!finished) {
     requests_.emplace(spec.id, std::move(r));
   } else if (on_finish_) {
     on_finish_(spec.id, r->seq, r->tokens);
   }
   return Status::Ok();
+}
+
+TokenEvent Batcher::FirstTokenEvent(const engine::Tokenizer& tokenizer, const RequestSpec& spec,
+                                    int64_t prompt_tokens, int64_t max_context,
+                                    int32_t first_token) {
+  Request r(spec, engine::KvSequence());
+  std::vector<TokenEvent> events;
+  Accept(tokenizer, max_context, prompt_tokens, r, first_token, &events);
+  return std::move(events[0]);
 }
 
 Status Batcher::Step(std::vector<TokenEvent>* events) {

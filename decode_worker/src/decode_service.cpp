@@ -156,7 +156,8 @@ struct DecodeService::Impl {
     Status st = it == ids.end()
                     ? NotFound("request " + std::to_string(msg.request_id()) +
                                " was not prepared here (or expired)")
-                    : decoder->Start(it->second, msg.start().first_token(), out);
+                    : decoder->Start(it->second, msg.start().first_token(),
+                                     msg.start().first_token_sent(), out);
     if (!st.ok()) SendError(origin, st);
   }
 

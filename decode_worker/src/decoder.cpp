@@ -6,6 +6,7 @@
 
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
+#include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbus/chunk.h"
 
 namespace kdn::decode_worker {
@@ -31,7 +32,7 @@ struct Decoder::Mailbox {
   std::atomic<uint64_t> bytes_pending{0};
 };
 
-Decoder::Decoder(engine::Model& model, const engine::Tokenizer& tokenizer,
+Decoder::Decoder(engine::CpuEngine& model, const engine::Tokenizer& tokenizer,
                  kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
                  JobThread& store_io, DecoderOptions options)
     : model_(model),
@@ -74,25 +75,25 @@ Status Decoder::ValidateRequest(const DecodeRequest& r) const {
 }
 
 Status Decoder::ReserveKv(Prepared& p) {
-  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvCache& cache = model_.kv_cache();
   p.seq = cache.NewSequence();
   return cache.Reserve(p.seq, static_cast<int64_t>(p.request.tokens.size()));
 }
 
 int Decoder::PlaceLoadedChunks(Prepared& p,
                                const std::vector<std::shared_ptr<const kvbus::Chunk>>& chunks) {
-  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvCache& cache = model_.kv_cache();
   int placed = 0;
   for (const auto& chunk : chunks) {
     const int64_t first = static_cast<int64_t>(placed) * options_.chunk_tokens;
-    if (!kvbus::ChunkToPagedKv(*chunk, cache, p.seq, first).ok()) break;
+    if (!kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, first).ok()) break;
     ++placed;
   }
   return placed;
 }
 
 Status Decoder::PlacePushedSlices(Prepared& p) {
-  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvCache& cache = model_.kv_cache();
   const auto n = static_cast<int64_t>(p.request.tokens.size());
   const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_chunks,
                                                 p.request.transfer_id);
@@ -110,7 +111,7 @@ Status Decoder::PlacePushedSlices(Prepared& p) {
                           std::to_string((*slice)->info().tokens) + " tokens, expected " +
                           std::to_string(r.count));
       }
-      KDN_RETURN_IF_ERROR(kvbus::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
+      KDN_RETURN_IF_ERROR(kvbridge::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
       if (r.tail) staging_.Erase(key);  // named for this request alone
     }
   }
@@ -122,10 +123,10 @@ std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
     const engine::KvSequence& seq, const std::vector<kvbus::ChunkKey>& keys, size_t first) {
   std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;
   for (size_t i = first; i < keys.size(); ++i) {
-    auto chunk = kvbus::ChunkFromPagedKv(model_.kv_cache(), seq,
-                                         static_cast<int64_t>(i) * options_.chunk_tokens,
-                                         options_.chunk_tokens, keys[i], fingerprint_,
-                                         kvbus::KvDType::kF32);
+    auto chunk = kvbridge::ChunkFromPagedKv(model_.kv_cache(), seq,
+                                            static_cast<int64_t>(i) * options_.chunk_tokens,
+                                            options_.chunk_tokens, keys[i], fingerprint_,
+                                            kvbridge::ChunkDType(model_.kv_dtype()));
     if (!chunk.ok()) {
       std::fprintf(stderr, "%s: copying a chunk out of the KV cache: %s\n", options_.name.c_str(),
                    chunk.status().ToString().c_str());
@@ -137,10 +138,10 @@ std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
 }
 
 uint64_t Decoder::ChunkBytes() const {
-  const engine::PagedKvCache& cache = model_.kv_cache();
+  const engine::KvCache& cache = model_.kv_cache();
   return kvbus::Chunk::kHeaderBytes + static_cast<uint64_t>(options_.chunk_tokens) *
                                           cache.token_stride() * 2 * cache.num_layers() *
-                                          sizeof(float);
+                                          kvbus::KvDTypeSize(kvbridge::ChunkDType(model_.kv_dtype()));
 }
 
 DecoderStats Decoder::Stats() const {
@@ -242,13 +243,15 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   return id;
 }
 
-Status Decoder::Start(uint64_t id, int32_t first_token, DecoderOutput* out) {
+Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent,
+                      DecoderOutput* out) {
   auto it = prepared_.find(id);
   if (it == prepared_.end()) {
     return NotFound("request " + std::to_string(id) + " was not prepared here (or expired)");
   }
   Prepared& p = it->second;
   if (p.start) return InvalidArgument("request " + std::to_string(id) + " was started already");
+  p.request.spec.first_token_sent = first_token_sent;
   if (p.held_chunks < 0) {
     p.start = first_token;  // Advance begins it once its load is in
     return Status::Ok();
@@ -282,8 +285,25 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   }
 }
 
+void Decoder::DropOwnSlices(const Prepared& p) {
+  const auto regions =
+      control::TransferRegions(p.keys, static_cast<int64_t>(p.request.tokens.size()),
+                               options_.chunk_tokens, std::max(p.held_chunks, 0),
+                               p.request.transfer_id);
+  for (const control::KvRegion& r : regions) {
+    if (!r.tail) continue;
+    for (int l = 0; l < model_.kv_cache().num_layers(); ++l) {
+      staging_.Erase(kvbus::LayerSliceKey(r.parent, l));
+    }
+  }
+}
+
 Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
-  if (prepared_.erase(id) != 0) {
+  if (auto it = prepared_.find(id); it != prepared_.end()) {
+    // Never started (the first token ended it, or its client went away):
+    // its reserved blocks go back with the sequence.
+    DropOwnSlices(it->second);
+    prepared_.erase(it);
     TokenEvent e;
     e.id = id;
     e.finished = true;
@@ -322,6 +342,7 @@ void Decoder::Advance(DecoderOutput* out) {
         it->first, Status(StatusCode::kDeadlineExceeded,
                           "prepared but not started within " +
                               std::to_string(options_.prepare_timeout.count()) + " ms")));
+    DropOwnSlices(it->second);
     it = prepared_.erase(it);
   }
 

@@ -5,7 +5,7 @@
 
 namespace kdn::engine {
 
-Result<GenerateResult> Generate(Model& model, std::span<const int32_t> prompt,
+Result<GenerateResult> Generate(Engine& model, std::span<const int32_t> prompt,
                                 const GenerateOptions& options) {
   KDN_RETURN_IF_ERROR(ValidateSamplingParams(options.sampling));
   if (options.max_tokens < 0) return InvalidArgument("max_tokens must be >= 0");
@@ -22,7 +22,7 @@ Result<GenerateResult> Generate(Model& model, std::span<const int32_t> prompt,
   using Clock = std::chrono::steady_clock;
   KvSequence seq = model.kv_cache().NewSequence();
   Sampler sampler(options.sampling);
-  std::vector<float> logits;
+  std::vector<float> logits;  // of the prompt's last token
   auto t0 = Clock::now();
   KDN_RETURN_IF_ERROR(model.Prefill(seq, prompt, PrefillOptions{}, &logits));
   auto t1 = Clock::now();
@@ -45,8 +45,11 @@ Result<GenerateResult> Generate(Model& model, std::span<const int32_t> prompt,
       break;
     }
     KvSequence* batch[1] = {&seq};
-    KDN_RETURN_IF_ERROR(model.DecodeStep(batch, std::span<const int32_t>(&token, 1), &logits));
-    token = sampler.Sample(logits);
+    Sampler* samplers[1] = {&sampler};
+    std::vector<int32_t> next;
+    KDN_RETURN_IF_ERROR(
+        model.DecodeSample(batch, std::span<const int32_t>(&token, 1), samplers, &next));
+    token = next[0];
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   return result;

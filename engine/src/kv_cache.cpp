@@ -1,6 +1,8 @@
 #include "kdn/engine/kv_cache.h"
 
+#include <algorithm>
 #include <cassert>
+#include <string>
 
 namespace kdn::engine {
 
@@ -39,24 +41,20 @@ void KvSequence::Truncate(int64_t new_length) {
   if (cache_ != nullptr) cache_->Release(blocks_, keep);
 }
 
-PagedKvCache::PagedKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
+KvCache::KvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
     : num_layers_(num_layers), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-      num_blocks_(num_blocks), k_(num_layers), v_(num_layers) {
-  for (int l = 0; l < num_layers; ++l) {
-    k_[l].assign(static_cast<size_t>(num_blocks) * block_stride(), 0.0f);
-    v_[l].assign(static_cast<size_t>(num_blocks) * block_stride(), 0.0f);
-  }
+      num_blocks_(num_blocks) {
   free_.reserve(num_blocks);
   for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
 }
 
-KvSequence PagedKvCache::NewSequence() {
+KvSequence KvCache::NewSequence() {
   KvSequence s;
   s.cache_ = this;
   return s;
 }
 
-Status PagedKvCache::Reserve(KvSequence& seq, int64_t new_length) {
+Status KvCache::Reserve(KvSequence& seq, int64_t new_length) {
   assert(seq.cache_ == this);
   const size_t need = static_cast<size_t>((new_length + kKvBlockTokens - 1) / kKvBlockTokens);
   if (need <= seq.blocks_.size()) return Status::Ok();
@@ -74,16 +72,98 @@ Status PagedKvCache::Reserve(KvSequence& seq, int64_t new_length) {
   return Status::Ok();
 }
 
-void PagedKvCache::SetLength(KvSequence& seq, int64_t length) {
+void KvCache::SetLength(KvSequence& seq, int64_t length) {
   assert(length <= static_cast<int64_t>(seq.blocks_.size()) * kKvBlockTokens);
   seq.length_ = length;
 }
 
-void PagedKvCache::Release(std::vector<int32_t>& blocks, size_t keep) {
+void KvCache::Release(std::vector<int32_t>& blocks, size_t keep) {
   while (blocks.size() > keep) {
     free_.push_back(blocks.back());
     blocks.pop_back();
   }
+}
+
+Status KvCache::CheckRows(const KvSequence& seq, int layer, int64_t first, int64_t count,
+                          DType dtype, size_t bytes) const {
+  if (seq.cache_ != this) return InvalidArgument("KV cache: the sequence belongs to another cache");
+  if (layer < 0 || layer >= num_layers_) {
+    return InvalidArgument("KV cache: layer " + std::to_string(layer) + " outside [0, " +
+                           std::to_string(num_layers_) + ")");
+  }
+  if (first < 0 || count < 0 || first + count > seq.reserved()) {
+    return InvalidArgument("KV cache: positions [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + ") outside the " +
+                           std::to_string(seq.reserved()) + " the sequence reserved");
+  }
+  if (bytes != LayerBytes(count, dtype)) {
+    return InvalidArgument("KV cache: a buffer of " + std::to_string(bytes) + " bytes for " +
+                           std::to_string(count) + " tokens of one layer, expected " +
+                           std::to_string(LayerBytes(count, dtype)));
+  }
+  return Status::Ok();
+}
+
+Status KvCache::Read(const KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
+                     std::span<uint8_t> out) const {
+  KDN_RETURN_IF_ERROR(CheckRows(seq, layer, first, count, dtype, out.size()));
+  if (count == 0) return Status::Ok();
+  return ReadRows(seq.blocks_, layer, first, count, dtype, out.data());
+}
+
+Status KvCache::Write(KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
+                      std::span<const uint8_t> in) {
+  KDN_RETURN_IF_ERROR(CheckRows(seq, layer, first, count, dtype, in.size()));
+  if (count == 0) return Status::Ok();
+  return WriteRows(seq.blocks_, layer, first, count, dtype, in.data());
+}
+
+CpuKvCache::CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
+    : KvCache(num_layers, num_kv_heads, head_dim, num_blocks), k_(num_layers), v_(num_layers) {
+  for (int l = 0; l < num_layers; ++l) {
+    k_[l].assign(static_cast<size_t>(num_blocks) * block_stride(), 0.0f);
+    v_[l].assign(static_cast<size_t>(num_blocks) * block_stride(), 0.0f);
+  }
+}
+
+namespace {
+
+// Runs of consecutive positions inside one block are contiguous in a pool:
+// f(layer K, layer V, offset in the rows buffer, elements) once per run.
+template <typename Pool, typename F>
+void ForEachRun(Pool& k, Pool& v, std::span<const int32_t> blocks, int64_t first, int64_t count,
+                int64_t stride, size_t row_bytes, F f) {
+  for (int64_t t = first; t < first + count;) {
+    const int64_t slot = t % kKvBlockTokens;
+    const int64_t run = std::min<int64_t>(kKvBlockTokens - slot, first + count - t);
+    const int64_t at = blocks[t / kKvBlockTokens] * stride * kKvBlockTokens + slot * stride;
+    f(k.data() + at, v.data() + at, static_cast<size_t>(t - first) * row_bytes, run * stride);
+    t += run;
+  }
+}
+
+}  // namespace
+
+Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
+                            int64_t count, DType dtype, uint8_t* out) const {
+  const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
+  ForEachRun(k_[layer], v_[layer], blocks, first, count, token_stride(), row_bytes,
+             [&](const float* k, const float* v, size_t at, int64_t n) {
+               FromFloat(dtype, k, n, out + at);
+               FromFloat(dtype, v, n, out + count * row_bytes + at);
+             });
+  return Status::Ok();
+}
+
+Status CpuKvCache::WriteRows(std::span<const int32_t> blocks, int layer, int64_t first,
+                             int64_t count, DType dtype, const uint8_t* in) {
+  const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
+  ForEachRun(k_[layer], v_[layer], blocks, first, count, token_stride(), row_bytes,
+             [&](float* k, float* v, size_t at, int64_t n) {
+               ToFloat(dtype, in + at, n, k);
+               ToFloat(dtype, in + count * row_bytes + at, n, v);
+             });
+  return Status::Ok();
 }
 
 }  // namespace kdn::engine

@@ -4,7 +4,6 @@
 
 #include <cstring>
 
-#include "kdn/engine/tensor.h"
 
 namespace kdn::kvbus {
 
@@ -31,15 +30,6 @@ uint64_t Get64(const uint8_t* p) {
   uint64_t v = 0;
   for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
   return v;
-}
-
-engine::DType ToEngine(KvDType t) {
-  switch (t) {
-    case KvDType::kF32: return engine::DType::kF32;
-    case KvDType::kF16: return engine::DType::kF16;
-    case KvDType::kBF16: return engine::DType::kBF16;
-  }
-  return engine::DType::kF32;
 }
 
 }  // namespace
@@ -142,138 +132,6 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
   c->info_ = info;
   c->bytes_ = std::move(bytes);
   return std::shared_ptr<const Chunk>(std::move(c));
-}
-
-namespace {
-
-// Layers [layer0, layer0 + layers) of tokens [first, first + count) of `seq`.
-Result<std::shared_ptr<const Chunk>> FromPaged(const engine::PagedKvCache& cache,
-                                               const engine::KvSequence& seq, int64_t first,
-                                               int64_t count, int layer0, int layers,
-                                               const ChunkKey& key,
-                                               const ChunkKey& model_fingerprint, KvDType dtype) {
-  if (first < 0 || count <= 0 || first + count > seq.length()) {
-    return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
-                           std::to_string(first + count) + ") are not all in a sequence of " +
-                           std::to_string(seq.length()));
-  }
-  if (layer0 < 0 || layers <= 0 || layer0 + layers > cache.num_layers()) {
-    return InvalidArgument("chunk: layers [" + std::to_string(layer0) + ", " +
-                           std::to_string(layer0 + layers) + ") are not all in a cache of " +
-                           std::to_string(cache.num_layers()));
-  }
-  ChunkInfo info{key, model_fingerprint, static_cast<uint32_t>(layers),
-                 static_cast<uint32_t>(cache.num_kv_heads()),
-                 static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(count), dtype,
-                 first};
-  const int64_t stride = cache.token_stride();
-  const size_t esize = KvDTypeSize(dtype);
-  const auto& blocks = seq.blocks();
-  return Chunk::Build(info, [&](uint8_t* out) {
-    for (int l = layer0; l < layer0 + layers; ++l) {
-      for (int kv = 0; kv < 2; ++kv) {
-        for (int64_t t = first; t < first + count; ++t) {
-          const int32_t b = blocks[t / engine::kKvBlockTokens];
-          const float* src = (kv == 0 ? cache.Key(l, b) : cache.Value(l, b)) +
-                             (t % engine::kKvBlockTokens) * stride;
-          engine::FromFloat(ToEngine(dtype), src, stride, out);
-          out += stride * esize;
-        }
-      }
-    }
-  });
-}
-
-// Writes the chunk's layers into layers [layer0, layer0 + chunk layers).
-// Writes the chunk's layers [src_layer, src_layer + n_layers) into the
-// cache's layers from layer0 on.
-Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
-               engine::PagedKvCache& cache, engine::KvSequence& seq, int64_t first) {
-  const ChunkInfo& info = chunk.info();
-  if (layer0 < 0 || layer0 + static_cast<int64_t>(n_layers) > cache.num_layers() ||
-      static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
-      static_cast<int>(info.head_dim) != cache.head_dim()) {
-    return InvalidArgument("chunk " + info.key.ToHex() + " has " + std::to_string(info.layers) +
-                           " layers x " + std::to_string(info.kv_heads) + " KV heads x " +
-                           std::to_string(info.head_dim) + "; the cache from layer " +
-                           std::to_string(layer0) + " has " +
-                           std::to_string(cache.num_layers() - layer0) + " x " +
-                           std::to_string(cache.num_kv_heads()) + " x " +
-                           std::to_string(cache.head_dim()));
-  }
-  const int64_t end = first + info.tokens;
-  if (first < 0 ||
-      end > static_cast<int64_t>(seq.blocks().size()) * engine::kKvBlockTokens) {
-    return InvalidArgument("chunk " + info.key.ToHex() + ": positions [" + std::to_string(first) +
-                           ", " + std::to_string(end) + ") are not reserved in the sequence");
-  }
-  const int64_t stride = cache.token_stride();
-  const size_t esize = KvDTypeSize(info.dtype);
-  const uint8_t* in = chunk.payload().data() +
-                     static_cast<size_t>(src_layer) * 2 * info.tokens * stride * esize;
-  const auto& blocks = seq.blocks();
-  for (int l = layer0; l < layer0 + n_layers; ++l) {
-    for (int kv = 0; kv < 2; ++kv) {
-      for (int64_t t = first; t < end; ++t) {
-        const int32_t b = blocks[t / engine::kKvBlockTokens];
-        float* dst = (kv == 0 ? cache.Key(l, b) : cache.Value(l, b)) +
-                     (t % engine::kKvBlockTokens) * stride;
-        engine::ToFloat(ToEngine(info.dtype), in, stride, dst);
-        in += stride * esize;
-      }
-    }
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
-Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache& cache,
-                                                      const engine::KvSequence& seq, int64_t first,
-                                                      int64_t count, const ChunkKey& key,
-                                                      const ChunkKey& model_fingerprint,
-                                                      KvDType dtype) {
-  return FromPaged(cache, seq, first, count, 0, cache.num_layers(), key, model_fingerprint, dtype);
-}
-
-Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
-                      int64_t first) {
-  if (static_cast<int>(chunk.info().layers) != cache.num_layers()) {
-    return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
-                           std::to_string(chunk.info().layers) + " layers, the cache " +
-                           std::to_string(cache.num_layers()));
-  }
-  return ToPaged(chunk, 0, cache.num_layers(), 0, cache, seq, first);
-}
-
-Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::PagedKvCache& cache,
-                           engine::KvSequence& seq, int64_t first) {
-  if (static_cast<int>(chunk.info().layers) != cache.num_layers() || layer < 0 ||
-      layer >= cache.num_layers()) {
-    return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
-                           std::to_string(chunk.info().layers) + " layers, the cache " +
-                           std::to_string(cache.num_layers()) + "; layer " +
-                           std::to_string(layer) + " asked for");
-  }
-  return ToPaged(chunk, layer, 1, layer, cache, seq, first);
-}
-
-Result<std::shared_ptr<const Chunk>> LayerSliceFromPagedKv(const engine::PagedKvCache& cache,
-                                                           const engine::KvSequence& seq,
-                                                           int64_t first, int64_t count, int layer,
-                                                           const ChunkKey& key,
-                                                           const ChunkKey& model_fingerprint,
-                                                           KvDType dtype) {
-  return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype);
-}
-
-Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::PagedKvCache& cache,
-                           engine::KvSequence& seq, int64_t first) {
-  if (slice.info().layers != 1) {
-    return InvalidArgument("chunk " + slice.key().ToHex() + " has " +
-                           std::to_string(slice.info().layers) + " layers; a layer slice has 1");
-  }
-  return ToPaged(slice, 0, 1, layer, cache, seq, first);
 }
 
 }  // namespace kdn::kvbus

@@ -4,11 +4,12 @@
 
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::prefill_worker {
 
 
-Prefiller::Prefiller(engine::Model& model, kvbus::TieredStore& store,
+Prefiller::Prefiller(engine::CpuEngine& model, kvbus::TieredStore& store,
                      kvbus::ChunkKey model_fingerprint, PrefillerOptions options)
     : model_(model), store_(store), fingerprint_(model_fingerprint), options_(options) {}
 
@@ -39,7 +40,7 @@ struct Prefiller::Push {
     slices.reserve(regions.size());
     for (const control::KvRegion& r : regions) {
       KDN_ASSIGN_OR_RETURN(auto slice,
-                           kvbus::LayerSliceFromPagedKv(
+                           kvbridge::LayerSliceFromPagedKv(
                                self.model_.kv_cache(), seq, r.first, r.count, layer,
                                kvbus::LayerSliceKey(r.parent, layer), self.fingerprint_,
                                kvbus::KvDType::kF32));
@@ -99,7 +100,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   keys_ = kvbus::PrefixKeys(ctx, job.tokens);
   const auto full = static_cast<int64_t>(keys_.size());
 
-  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
   KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
 
@@ -109,7 +110,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   for (; hit < usable; ++hit) {
     auto chunk = store_.Get(keys_[hit]);
     if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, C)) break;
-    if (!kvbus::ChunkToPagedKv(**chunk, cache, seq_, hit * C).ok()) break;
+    if (!kvbridge::ChunkToPagedKv(**chunk, cache, seq_, hit * C).ok()) break;
   }
   cache.SetLength(seq_, hit * C);
   first_new_chunk_ = static_cast<int>(hit);
@@ -176,7 +177,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   const std::span<const int32_t> suffix(p, job.tokens.data() + n);
 
   // The fused KV is this request's alone: one region under the transfer key.
-  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
   Push push{*this, job, seq_, control::TransferRegions({}, n, options_.chunk_tokens, 0,
                                                        job.transfer_id)};
@@ -201,12 +202,12 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
 }
 
 Status Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens) {
-  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvCache& cache = model_.kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
   std::vector<float> logits;
   KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
-  KDN_ASSIGN_OR_RETURN(auto chunk, kvbus::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
+  KDN_ASSIGN_OR_RETURN(auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
                                                            fingerprint_, kvbus::KvDType::kF32));
   return store_.Put(std::move(chunk));
 }
@@ -228,12 +229,12 @@ Result<bool> Prefiller::Inject(std::span<const int32_t> tokens, const std::strin
 
 Status Prefiller::StoreNewChunks() {
   Status first_error;
-  engine::PagedKvCache& cache = model_.kv_cache();
+  engine::KvCache& cache = model_.kv_cache();
   const int C = options_.chunk_tokens;
   for (size_t i = static_cast<size_t>(first_new_chunk_); i < keys_.size(); ++i) {
     if (seq_.length() < static_cast<int64_t>(i + 1) * C) break;
     if (store_.Contains(keys_[i])) continue;
-    auto chunk = kvbus::ChunkFromPagedKv(cache, seq_, static_cast<int64_t>(i) * C, C, keys_[i],
+    auto chunk = kvbridge::ChunkFromPagedKv(cache, seq_, static_cast<int64_t>(i) * C, C, keys_[i],
                                          fingerprint_, kvbus::KvDType::kF32);
     Status st = chunk.ok() ? store_.Put(*std::move(chunk)) : chunk.status();
     if (!st.ok() && first_error.ok()) first_error = st;

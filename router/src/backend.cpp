@@ -11,6 +11,7 @@
 #include <zmq.hpp>
 
 #include "kdn/control/convert.h"
+#include "kdn/decode_worker/batcher.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/zmq_check.h"
 #include "serving.pb.h"
@@ -85,6 +86,7 @@ constexpr int kInjectPerWorker = 2;
 
 struct Backend::Impl {
   BackendOptions options;
+  const engine::Tokenizer* tokenizer = nullptr;
   Metrics* metrics = nullptr;
   zmq::context_t ctx{1};
   uint64_t nonce = 0;
@@ -126,21 +128,50 @@ struct Backend::Impl {
     return wk.view.role == role && wk.view.up && wk.view.compatible;
   }
 
+  // Tells worker `w` to let request `id` go.
+  void SendCancel(size_t w, uint64_t id) {
+    proto::WorkerMessage cancel;
+    cancel.mutable_cancel();
+    Send(w, id, cancel);
+  }
+
   void Fail(uint64_t id, const Status& st) {
     auto it = requests.find(id);
     if (it == requests.end()) return;
     Request& r = it->second;
     // Tell the workers involved to let go.
-    proto::WorkerMessage cancel;
-    cancel.mutable_cancel();
-    if (r.phase != Phase::kLookup) Send(r.d, r.id, cancel);
-    if (r.prefill_sent && r.phase == Phase::kPrefill) Send(r.p, r.id, cancel);
+    if (r.phase != Phase::kLookup) SendCancel(r.d, r.id);
+    if (r.prefill_sent && r.phase == Phase::kPrefill) SendCancel(r.p, r.id);
     JobEvent ev;
     ev.kind = JobEvent::Kind::kError;
     ev.error = st;
     JobCallback cb = std::move(r.cb);
     requests.erase(it);
     cb(std::move(ev));
+  }
+
+  // Ends request `it` with `ev` (its last text and tokens, finish_reason).
+  void Finish(std::map<uint64_t, Request>::iterator it, JobEvent ev) {
+    ev.kind = JobEvent::Kind::kDone;
+    ev.usage = it->second.usage;
+    JobCallback cb = std::move(it->second.cb);
+    requests.erase(it);
+    cb(std::move(ev));
+  }
+
+  // One token of `r` goes to its client now: the time to the first token,
+  // or since the one before.
+  void TokenOut(Request& r) {
+    const auto now = Clock::now();
+    if (metrics) {
+      if (!r.first_token_seen) {
+        metrics->Ttft(std::chrono::duration<double>(now - r.arrival).count());
+      } else {
+        metrics->InterToken(std::chrono::duration<double>(now - r.last_token).count());
+      }
+    }
+    r.first_token_seen = true;
+    r.last_token = now;
   }
 
   void UpdateSnapshot() {
@@ -386,8 +417,35 @@ struct Backend::Impl {
                                 pr.recomputed_tokens(), pr.computed_tokens());
           metrics->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
         }
+        // Step 5: the first token goes to the client now, shown by the
+        // decode worker's own rules (stop strings, partial characters), so
+        // that its text and the decode worker's from the second token on
+        // join up.
+        decode_worker::RequestSpec spec;
+        spec.sampling = r.job.sampling;
+        spec.max_tokens = r.job.max_tokens;
+        spec.stop_ids = r.job.stop_ids;
+        spec.stop_strings = r.job.stop_strings;
+        decode_worker::TokenEvent first = decode_worker::Batcher::FirstTokenEvent(
+            *tokenizer, spec, static_cast<int64_t>(r.job.tokens.size()),
+            workers[r.d].view.max_context, pr.first_token());
+        TokenOut(r);
+        r.usage.completion_tokens = 1;
+        if (metrics) metrics->GeneratedTokens(1);
+        JobEvent ev;
+        ev.tokens = 1;
+        ev.text = std::move(first.text);
+        if (first.finished) {
+          // Nothing left to decode: the decode worker frees what it holds.
+          SendCancel(r.d, r.id);
+          ev.finish_reason = first.finish_reason;
+          Finish(it, std::move(ev));
+          return;
+        }
+        r.cb(std::move(ev));
         proto::WorkerMessage sm;
         sm.mutable_start()->set_first_token(pr.first_token());
+        sm.mutable_start()->set_first_token_sent(true);
         Send(r.d, r.id, sm);
         r.phase = Phase::kDecode;
         return;
@@ -403,16 +461,7 @@ struct Backend::Impl {
             return;
           }
           if (e.token() >= 0) {
-            const auto now = Clock::now();
-            if (metrics) {
-              if (!r.first_token_seen) {
-                metrics->Ttft(std::chrono::duration<double>(now - r.arrival).count());
-              } else {
-                metrics->InterToken(std::chrono::duration<double>(now - r.last_token).count());
-              }
-            }
-            r.first_token_seen = true;
-            r.last_token = now;
+            TokenOut(r);
             ++ev.tokens;
           }
           ev.text += e.text();
@@ -424,11 +473,7 @@ struct Backend::Impl {
         r.usage.completion_tokens += ev.tokens;
         if (metrics) metrics->GeneratedTokens(ev.tokens);
         if (finished) {
-          ev.kind = JobEvent::Kind::kDone;
-          ev.usage = r.usage;
-          JobCallback cb = std::move(r.cb);
-          requests.erase(it);
-          cb(std::move(ev));
+          Finish(it, std::move(ev));
         } else if (ev.tokens > 0 || !ev.text.empty()) {
           r.cb(std::move(ev));
         }
@@ -653,11 +698,9 @@ struct Backend::Impl {
             } else {
               auto it = requests.find(c.id);
               if (it != requests.end()) {
-                proto::WorkerMessage cancel;
-                cancel.mutable_cancel();
                 const Request& r = it->second;
-                if (r.phase != Phase::kLookup) Send(r.d, r.id, cancel);
-                if (r.phase == Phase::kPrefill) Send(r.p, r.id, cancel);
+                if (r.phase != Phase::kLookup) SendCancel(r.d, r.id);
+                if (r.phase == Phase::kPrefill) SendCancel(r.p, r.id);
                 requests.erase(it);
               }
             }
@@ -700,11 +743,14 @@ struct Backend::Impl {
 
 Backend::Backend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options, Metrics* metrics) {
+Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
+                                                const engine::Tokenizer& tokenizer,
+                                                Metrics* metrics) {
   if (options.prefill_endpoints.empty()) return InvalidArgument("no prefill worker given");
   if (options.decode_endpoints.empty()) return InvalidArgument("no decode worker given");
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->tokenizer = &tokenizer;
   impl->metrics = metrics;
   std::random_device rd;
   impl->nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^

@@ -518,7 +518,7 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                   options.separator,
                   options.recompute_ratio,
                   options.check_layer};
-  KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, &impl->metrics));
+  KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));
   try {
     const auto address = asio::ip::make_address(options.host);
     impl->acceptor.emplace(impl->io);

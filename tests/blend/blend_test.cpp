@@ -1,4 +1,5 @@
 #include "kdn/blend/blend.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 #include <gtest/gtest.h>
 
@@ -16,12 +17,12 @@ using engine::testing::RandomTokens;
 using engine::testing::RelError;
 
 // A segment's KV as a blend finds it in the KDN: computed alone, from 0.
-std::shared_ptr<const kvbus::Chunk> KvAlone(engine::Model& model,
+std::shared_ptr<const kvbus::Chunk> KvAlone(engine::CpuEngine& model,
                                             const std::vector<int32_t>& tokens) {
   engine::KvSequence seq = model.kv_cache().NewSequence();
   std::vector<float> logits;
   EXPECT_TRUE(model.Prefill(seq, tokens, {}, &logits).ok());
-  auto chunk = kvbus::ChunkFromPagedKv(model.kv_cache(), seq, 0,
+  auto chunk = kvbridge::ChunkFromPagedKv(model.kv_cache(), seq, 0,
                                        static_cast<int64_t>(tokens.size()), {0, 1}, {0, 2},
                                        kvbus::KvDType::kF32);
   EXPECT_TRUE(chunk.ok());
@@ -35,7 +36,7 @@ struct Prompt {
 };
 
 // BOS (uncached), then `docs` documents of `len` tokens with their KV, then a question.
-Prompt MakePrompt(engine::Model& model, int docs, int len, uint32_t seed) {
+Prompt MakePrompt(engine::CpuEngine& model, int docs, int len, uint32_t seed) {
   Prompt p;
   const int V = model.config().vocab_size;
   p.segments.push_back({{256}, nullptr});
@@ -50,7 +51,7 @@ Prompt MakePrompt(engine::Model& model, int docs, int len, uint32_t seed) {
   return p;
 }
 
-std::vector<float> FullPrefill(engine::Model& model, const std::vector<int32_t>& tokens) {
+std::vector<float> FullPrefill(engine::CpuEngine& model, const std::vector<int32_t>& tokens) {
   engine::KvSequence seq = model.kv_cache().NewSequence();
   std::vector<float> logits;
   EXPECT_TRUE(model.Prefill(seq, tokens, {}, &logits).ok());
@@ -81,7 +82,7 @@ TEST(Blend, RatioZeroIsFullReuse) {
 
   // Full reuse by hand: BOS computed, each document's KV placed and rotated,
   // then the question prefilled on top.
-  engine::PagedKvCache& cache = model->kv_cache();
+  engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence ref = cache.NewSequence();
   std::vector<float> logits;
   ASSERT_TRUE(model->Prefill(ref, p.segments[0].tokens, {}, &logits).ok());
@@ -89,7 +90,7 @@ TEST(Blend, RatioZeroIsFullReuse) {
     const int64_t at = ref.length();
     const int64_t len = static_cast<int64_t>(p.segments[i].tokens.size());
     ASSERT_TRUE(cache.Reserve(ref, at + len).ok());
-    ASSERT_TRUE(kvbus::ChunkToPagedKv(*p.segments[i].kv, cache, ref, at).ok());
+    ASSERT_TRUE(kvbridge::ChunkToPagedKv(*p.segments[i].kv, cache, ref, at).ok());
     cache.SetLength(ref, at + len);
     ASSERT_TRUE(model->RotateCachedKeys(ref, at, len, at).ok());
   }

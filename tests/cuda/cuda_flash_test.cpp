@@ -20,7 +20,7 @@
 
 #include "cuda_test_util.h"
 #include "kdn/engine/cuda/attention.cuh"
-#include "kdn/engine/cuda/cuda_model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/device_sampler.h"
 #include "kdn/engine/cuda/flash_attention.h"
 #include "kdn/engine/cuda/activation.cuh"
@@ -380,14 +380,7 @@ TEST(DeviceSampler, DrawsWhatTheHostSamplerDraws) {
 
 // ---------------------------------------------------------------- models
 
-std::vector<int32_t> Tokens(int n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = static_cast<int32_t>(rng() % 256);
-  return t;
-}
-
-std::unique_ptr<CudaModel> SmallModel(bool flash, bool graphs) {
+std::unique_ptr<CudaEngine> SmallModel(bool flash, bool graphs) {
   auto p = FindPreset("small");
   EXPECT_TRUE(p.ok());
   ModelWeights w = GenerateWeights(p->config, 3, DType::kBF16);
@@ -397,7 +390,7 @@ std::unique_ptr<CudaModel> SmallModel(bool flash, bool graphs) {
   o.max_batch = 16;
   o.flash_attention = flash;
   o.cuda_graphs = graphs;
-  auto m = CudaModel::Create(p->config, w, o);
+  auto m = CudaEngine::Create(p->config, w, o);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return m.ok() ? std::move(m).value() : nullptr;
 }
@@ -419,9 +412,9 @@ double MaxAbs(const std::vector<float>& v) {
 
 // Three sequences (one after a prefix split) through prefill and 12 batched
 // decode steps on two models with the same weights.
-void RunThree(CudaModel& m, std::vector<std::vector<float>>* prefill_logits,
+void RunThree(CudaEngine& m, std::vector<std::vector<float>>* prefill_logits,
               std::vector<std::vector<float>>* step_logits) {
-  std::vector<CudaKvSequence> seqs(3);
+  std::vector<KvSequence> seqs = NewSequences(m, 3);
   const std::vector<std::vector<int32_t>> prompts = {Tokens(300, 1), Tokens(17, 2), Tokens(600, 3)};
   for (int i = 0; i < 3; ++i) {
     std::vector<float> l;
@@ -434,7 +427,7 @@ void RunThree(CudaModel& m, std::vector<std::vector<float>>* prefill_logits,
     }
     prefill_logits->push_back(l);
   }
-  std::vector<CudaKvSequence*> ptrs = {&seqs[0], &seqs[1], &seqs[2]};
+  std::vector<KvSequence*> ptrs = {&seqs[0], &seqs[1], &seqs[2]};
   std::vector<int32_t> next = {65, 66, 67};
   for (int s = 0; s < 12; ++s) {
     std::vector<float> l;
@@ -442,7 +435,7 @@ void RunThree(CudaModel& m, std::vector<std::vector<float>>* prefill_logits,
     step_logits->push_back(l);
     for (int b = 0; b < 3; ++b) next[b] = (next[b] * 31 + s) % 256;
   }
-  for (auto& s : seqs) m.Free(s);
+  for (auto& s : seqs) s.Reset();
 }
 
 TEST(CudaModelFastPaths, FlashAttentionAgreesWithTheReferenceKernels) {
@@ -482,8 +475,8 @@ TEST(CudaModelFastPaths, GraphStepsEqualEagerStepsAndDeviceSamplingEqualsTheHost
 
   // Greedy on the device: each sequence's choice is the argmax of its logits.
   const int batch = 5;  // padded to a bucket of 8
-  std::vector<CudaKvSequence> seqs(batch);
-  std::vector<CudaKvSequence*> ptrs;
+  std::vector<KvSequence> seqs = NewSequences(*graphs, batch);
+  std::vector<KvSequence*> ptrs;
   std::vector<int32_t> next(batch);
   for (int i = 0; i < batch; ++i) {
     std::vector<float> l;
@@ -497,9 +490,9 @@ TEST(CudaModelFastPaths, GraphStepsEqualEagerStepsAndDeviceSamplingEqualsTheHost
     // The logits of this step from a copy of the state: step, look, undo by
     // truncating the sequence (the KV row is rewritten by the greedy step).
     std::vector<int64_t> lengths;
-    for (auto* p : ptrs) lengths.push_back(p->length);
+    for (auto* p : ptrs) lengths.push_back(p->length());
     ASSERT_TRUE(graphs->DecodeStep(ptrs, next, &l).ok());
-    for (int i = 0; i < batch; ++i) ptrs[i]->length = lengths[i];
+    for (int i = 0; i < batch; ++i) ptrs[i]->Truncate(lengths[i]);
     ASSERT_TRUE(graphs->DecodeGreedy(ptrs, next, &chosen).ok());
     ASSERT_EQ(chosen.size(), size_t(batch));
     const int vocab = graphs->config().vocab_size;
@@ -523,9 +516,9 @@ TEST(CudaModelFastPaths, GraphStepsEqualEagerStepsAndDeviceSamplingEqualsTheHost
     std::vector<float> l;
     std::vector<int32_t> chosen;
     std::vector<int64_t> lengths;
-    for (auto* p : ptrs) lengths.push_back(p->length);
+    for (auto* p : ptrs) lengths.push_back(p->length());
     ASSERT_TRUE(graphs->DecodeStep(ptrs, next, &l).ok());
-    for (int i = 0; i < batch; ++i) ptrs[i]->length = lengths[i];
+    for (int i = 0; i < batch; ++i) ptrs[i]->Truncate(lengths[i]);
     ASSERT_TRUE(graphs->DecodeSample(ptrs, next, sampler_ptrs, &chosen).ok());
     const int vocab = graphs->config().vocab_size;
     for (int i = 0; i < batch; ++i) {
@@ -534,7 +527,7 @@ TEST(CudaModelFastPaths, GraphStepsEqualEagerStepsAndDeviceSamplingEqualsTheHost
     }
     next = chosen;
   }
-  for (auto& s : seqs) graphs->Free(s);
+  for (auto& s : seqs) s.Reset();
 }
 
 }  // namespace

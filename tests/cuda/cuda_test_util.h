@@ -12,11 +12,13 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <type_traits>
 #include <vector>
 
 #include "kdn/common/status.h"
 #include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/engine/engine.h"
 
 namespace kdn::engine::cuda::cudatest {
 
@@ -152,6 +154,30 @@ Result<double> MeanLaunchMicros(Launch&& launch, int iters) {
   float ms = 0.0f;
   KDN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.get(), stop.get()));
   return 1000.0 * ms / iters;
+}
+
+// n token ids below 256 (every preset's vocabulary), from `seed`.
+inline std::vector<int32_t> Tokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % 256);
+  return t;
+}
+
+// n new, empty sequences of `engine`'s cache.
+inline std::vector<KvSequence> NewSequences(Engine& engine, int n) {
+  std::vector<KvSequence> seqs;
+  for (int i = 0; i < n; ++i) seqs.push_back(engine.kv_cache().NewSequence());
+  return seqs;
+}
+
+// One layer's KV of positions [first, first + count), as floats: count rows
+// of K, then count rows of V.
+inline Status ReadKv(Engine& engine, const KvSequence& seq, int layer, int64_t first,
+                     int64_t count, std::vector<float>* out) {
+  out->resize(engine.kv_cache().LayerBytes(count, DType::kF32) / sizeof(float));
+  return engine.kv_cache().Read(seq, layer, first, count, DType::kF32,
+                                {reinterpret_cast<uint8_t*>(out->data()), out->size() * 4});
 }
 
 }  // namespace kdn::engine::cuda::cudatest

@@ -1,5 +1,5 @@
 // Test-only: kdn_forward_cuda MODEL_DIR IDS_CSV LOGITS_OUT GREEDY_N
-// The GPU twin of tests/parity/forward_main.cpp: prefills IDS on CudaModel
+// The GPU twin of tests/parity/forward_main.cpp: prefills IDS on CudaEngine
 // (bf16), writes the logits of every prompt position (float32, [tokens][vocab])
 // to LOGITS_OUT, then prints GREEDY_N greedy token ids comma-separated.
 #include <cstdio>
@@ -7,7 +7,7 @@
 #include <sstream>
 #include <string>
 
-#include "kdn/engine/cuda/cuda_model.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/sampler.h"
 
 int main(int argc, char** argv) {
@@ -31,9 +31,9 @@ int main(int argc, char** argv) {
   o.kv_tokens = static_cast<int64_t>(ids.size()) + 256;
   o.max_prefill_tokens = static_cast<int64_t>(ids.size());
   o.max_batch = 1;
-  auto model = cuda::CudaModel::Create(*cfg, *weights, o);
+  auto model = cuda::CudaEngine::Create(*cfg, *weights, o);
   if (!model.ok()) return fail(model.status());
-  cuda::CudaKvSequence seq;
+  KvSequence seq = (*model)->kv_cache().NewSequence();
   std::vector<float> logits;
   if (auto st = (*model)->Prefill(seq, ids, {.all_logits = true}, &logits); !st.ok()) return fail(st);
   std::ofstream(argv[3], std::ios::binary)
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < n; ++i) {
     int32_t t = Argmax(last);
     std::printf("%s%d", i ? "," : "", t);
-    cuda::CudaKvSequence* s = &seq;
+    KvSequence* s = &seq;
     if (auto st = (*model)->DecodeStep({&s, 1}, {&t, 1}, &last); !st.ok()) return fail(st);
   }
   std::printf("\n");

@@ -25,7 +25,7 @@ struct Prefilled {
   int32_t first;
 };
 
-Prefilled Prefill(engine::Model& model, const std::vector<int32_t>& prompt,
+Prefilled Prefill(engine::CpuEngine& model, const std::vector<int32_t>& prompt,
                   const engine::SamplingParams& sampling) {
   Prefilled p{model.kv_cache().NewSequence(), -1};
   std::vector<float> logits;
@@ -158,6 +158,105 @@ TEST(Batcher, RefusesBadRequestsAndAFullBatchAndCancelsCleanly) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].finish_reason, "cancelled");
   EXPECT_EQ(batcher.Cancel(1, &events).code(), StatusCode::kNotFound);
+  EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
+}
+
+TEST(Batcher, FirstTokenEventIsTheEventAdmitEmits) {
+  auto model = MakeModel("tiny");
+  const auto tok = Bytes();
+  const auto prompt = RandomTokens(9, 256, 5);
+  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const int32_t a = 'a', lead = 0xC3;  // 0xC3: a UTF-8 lead byte, held back alone
+  struct Case {
+    RequestSpec spec;
+    int32_t first;
+  };
+  const std::vector<Case> cases = {
+      {{.sampling = greedy, .max_tokens = 4}, a},
+      {{.sampling = greedy, .max_tokens = 1}, a},                             // length
+      {{.sampling = greedy, .max_tokens = 4, .stop_ids = {a}}, a},            // stop token
+      {{.sampling = greedy, .max_tokens = 4, .stop_strings = {"a"}}, a},      // stop string
+      {{.sampling = greedy, .max_tokens = 4, .stop_strings = {"ab"}}, a},     // may become one
+      {{.sampling = greedy, .max_tokens = 4}, lead},
+      {{.sampling = greedy, .max_tokens = 1}, lead},
+  };
+  const int64_t context = model->config().max_context;
+  uint64_t id = 1;
+  for (const Case& c : cases) {
+    RequestSpec spec = c.spec;
+    spec.id = id++;
+    Batcher batcher(*model, tok, 4);
+    Prefilled p = Prefill(*model, prompt, greedy);
+    std::vector<TokenEvent> events;
+    ASSERT_TRUE(batcher.Admit(spec, std::move(p.seq), c.first, &events).ok());
+    ASSERT_EQ(events.size(), 1u);
+    const TokenEvent want = events[0];
+    const TokenEvent got = Batcher::FirstTokenEvent(
+        tok, spec, static_cast<int64_t>(prompt.size()), context, c.first);
+    EXPECT_EQ(got.token, want.token) << "case " << spec.id;
+    EXPECT_EQ(got.text, want.text) << "case " << spec.id;
+    EXPECT_EQ(got.finished, want.finished) << "case " << spec.id;
+    EXPECT_EQ(got.finish_reason, want.finish_reason) << "case " << spec.id;
+  }
+  // A prompt that fills the context ends at its first token.
+  const TokenEvent full = Batcher::FirstTokenEvent(tok, {.max_tokens = 4}, context, context, a);
+  EXPECT_TRUE(full.finished);
+  EXPECT_EQ(full.finish_reason, "context");
+}
+
+TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
+  auto model = MakeModel("tiny");
+  const auto tok = Bytes();
+  const auto prompt = RandomTokens(12, 256, 6);
+  const engine::SamplingParams greedy{.temperature = 0.0f};
+  auto free_run = engine::Generate(*model, prompt, {.max_tokens = 10, .sampling = greedy});
+  ASSERT_TRUE(free_run.ok());
+  const std::string full = tok.Decode(free_run->tokens);
+  // A stop string that starts with the first token's text but never occurs:
+  // the first token is held back, so the text the decode worker emits next
+  // must take it in.
+  ASSERT_LT(free_run->tokens[0], 256) << "precondition: the first token is a byte";
+  std::string stop = full.substr(0, 1);
+  for (char c : std::string("~#@%^|")) {
+    if (full.find(c) == std::string::npos) {
+      stop += c;
+      break;
+    }
+  }
+  ASSERT_EQ(stop.size(), 2u) << "precondition: a character the text lacks";
+  Transcript t;
+  for (const bool sent : {false, true}) {
+    Batcher batcher(*model, tok, 4);
+    RequestSpec spec{.id = sent ? 2u : 1u, .sampling = greedy, .max_tokens = 10,
+                     .stop_strings = {stop}, .first_token_sent = sent};
+    Prefilled p = Prefill(*model, prompt, greedy);
+    std::vector<TokenEvent> events;
+    ASSERT_TRUE(batcher.Admit(spec, std::move(p.seq), p.first, &events).ok());
+    EXPECT_EQ(events.size(), sent ? 0u : 1u);
+    while (batcher.running() > 0) ASSERT_TRUE(batcher.Step(&events).ok());
+    t.Add(events);
+  }
+  ASSERT_EQ(t.tokens[1], free_run->tokens);
+  EXPECT_EQ(t.tokens[2], std::vector<int32_t>(free_run->tokens.begin() + 1, free_run->tokens.end()));
+  const TokenEvent first = Batcher::FirstTokenEvent(
+      tok, {.sampling = greedy, .max_tokens = 10, .stop_strings = {stop}},
+      static_cast<int64_t>(prompt.size()), model->config().max_context, free_run->tokens[0]);
+  EXPECT_EQ(first.text, "");  // held back: it may begin the stop string
+  EXPECT_EQ(first.text + t.text[2], t.text[1]);
+  EXPECT_EQ(t.text[1], full);
+  EXPECT_EQ(t.finish[2], "length");
+
+  // Should the first token end it after all, only the end is emitted.
+  Batcher batcher(*model, tok, 4);
+  Prefilled p = Prefill(*model, prompt, greedy);
+  std::vector<TokenEvent> events;
+  ASSERT_TRUE(batcher.Admit({.id = 3, .sampling = greedy, .max_tokens = 1, .first_token_sent = true},
+                            std::move(p.seq), p.first, &events).ok());
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].token, -1);
+  EXPECT_TRUE(events[0].finished);
+  EXPECT_EQ(events[0].finish_reason, "length");
+  EXPECT_EQ(batcher.running(), 0u);
   EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
 }
 

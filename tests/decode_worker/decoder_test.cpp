@@ -12,6 +12,7 @@
 #include "../kvbus/recording_store.h"
 #include "kdn/control/transfer_plan.h"
 #include "kdn/engine/generate.h"
+#include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbus/chunk.h"
 
 namespace kdn::decode_worker {
@@ -98,7 +99,7 @@ struct Rig {
   int free_blocks() const { return model->kv_cache().free_blocks(); }
   int num_blocks() const { return model->kv_cache().num_blocks(); }
 
-  std::unique_ptr<engine::Model> model;
+  std::unique_ptr<engine::CpuEngine> model;
   engine::ByteTokenizer tok = Bytes();
   std::unique_ptr<kvbus::ChunkStore> store;
   kvbus::HostTier staging{64u << 20};
@@ -121,7 +122,7 @@ DecodeRequest Request(std::vector<int32_t> prompt, int max_tokens,
 // own, puts the layer slices of what the decode worker lacks (every chunk
 // past `held_chunks`, and the tail) into staging, and returns the first token.
 int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int held_chunks) {
-  engine::PagedKvCache& cache = rig.model->kv_cache();
+  engine::KvCache& cache = rig.model->kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   std::vector<float> logits;
   EXPECT_TRUE(rig.model->Prefill(seq, r.tokens, {}, &logits).ok());
@@ -131,7 +132,7 @@ int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int held_chunks) {
   for (const control::KvRegion& region :
        control::TransferRegions(keys, n, kChunk, held_chunks, r.transfer_id)) {
     for (int l = 0; l < cache.num_layers(); ++l) {
-      auto slice = kvbus::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
+      auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
                                                 kvbus::LayerSliceKey(region.parent, l),
                                                 kFingerprint, kvbus::KvDType::kF32);
       EXPECT_TRUE(slice.ok());
@@ -171,7 +172,7 @@ struct Transcript {
 // tokens a moment before: without this, KV the Decoder failed to place could
 // go unnoticed.
 void ScrubFreeBlocks(Rig& rig) {
-  engine::PagedKvCache& cache = rig.model->kv_cache();
+  engine::CpuKvCache& cache = rig.model->kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(seq, int64_t{cache.free_blocks()} * engine::kKvBlockTokens).ok());
   std::mt19937 rng(5);
@@ -204,7 +205,7 @@ uint64_t PrepareAndLoad(Rig& rig, DecodeRequest r, Transcript& t) {
 
 void Start(Rig& rig, uint64_t id, int32_t first, Transcript& t) {
   DecoderOutput out;
-  EXPECT_TRUE(rig.decoder->Start(id, first, &out).ok());
+  EXPECT_TRUE(rig.decoder->Start(id, first, false, &out).ok());
   t.Add(out);
 }
 
@@ -217,7 +218,7 @@ void RunToEnd(Rig& rig, Transcript& t) {
   EXPECT_FALSE(rig.decoder->Busy());
 }
 
-std::vector<int32_t> Alone(engine::Model& model, const DecodeRequest& r) {
+std::vector<int32_t> Alone(engine::CpuEngine& model, const DecodeRequest& r) {
   auto g = engine::Generate(model, r.tokens,
                             {.max_tokens = r.spec.max_tokens, .sampling = r.spec.sampling});
   EXPECT_TRUE(g.ok()) << g.status().ToString();
@@ -341,7 +342,7 @@ TEST(Decoder, CancelEndsPreparedLoadingAndRunningRequestsAndFreesTheirBlocks) {
     t.Add(out);
     EXPECT_EQ(t.finish[id], "cancelled");
     EXPECT_EQ(rig.decoder->Cancel(id, &out).code(), StatusCode::kNotFound);
-    EXPECT_EQ(rig.decoder->Start(id, 1, &out).code(), StatusCode::kNotFound);
+    EXPECT_EQ(rig.decoder->Start(id, 1, false, &out).code(), StatusCode::kNotFound);
   }
   EXPECT_EQ(rig.free_blocks(), all);  // the load is still out
   rig.gated().OpenAll();
@@ -380,7 +381,7 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
     for (size_t i = 0; i < keys.size(); ++i) {
       auto stored = store.Get(keys[i]);
       ASSERT_TRUE(stored.ok());
-      auto expect = kvbus::ChunkFromPagedKv(rig.model->kv_cache(), seq,
+      auto expect = kvbridge::ChunkFromPagedKv(rig.model->kv_cache(), seq,
                                             static_cast<int64_t>(i) * kChunk, kChunk, keys[i],
                                             kFingerprint, kvbus::KvDType::kF32);
       ASSERT_TRUE(expect.ok());
@@ -433,8 +434,8 @@ TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {
   auto id = rig.decoder->Prepare(again, &out);
   ASSERT_TRUE(id.ok());
   EXPECT_TRUE(out.empty());
-  ASSERT_TRUE(rig.decoder->Start(*id, first, &out).ok());
-  EXPECT_EQ(rig.decoder->Start(*id, first, &out).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(rig.decoder->Start(*id, first, false, &out).ok());
+  EXPECT_EQ(rig.decoder->Start(*id, first, false, &out).code(), StatusCode::kInvalidArgument);
   rig.decoder->Advance(&out);
   EXPECT_TRUE(out.empty()) << "nothing happens until the load is in";
   rig.gated().OpenAll();
@@ -560,6 +561,41 @@ TEST(Decoder, StartFailsCleanlyWhenTheSlicesNeverArrived) {
   EXPECT_FALSE(rig.decoder->Busy());
 }
 
+TEST(Decoder, AFirstTokenTheRouterSentIsNotSentAgain) {
+  Rig rig;
+  Transcript t;
+  const DecodeRequest r = Request(RandomTokens(20, 256, 3), 5);
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  const int32_t first = PushPrompt(rig, r, 0);
+  DecoderOutput out;
+  ASSERT_TRUE(rig.decoder->Start(id, first, /*first_token_sent=*/true, &out).ok());
+  t.Add(out);
+  RunToEnd(rig, t);
+  std::vector<int32_t> expect = Alone(*rig.model, r);
+  ASSERT_FALSE(expect.empty());
+  expect.erase(expect.begin());
+  EXPECT_EQ(t.tokens[id], expect) << "the second token on, and only those";
+  EXPECT_EQ(t.finish[id], "length");
+}
+
+TEST(Decoder, CancelBeforeStartErasesTheRequestsOwnSlices) {
+  Rig rig;
+  Transcript t;
+  // One full chunk (its slices are named by content: another request may
+  // want them) and a tail of 4 tokens (named for this request alone).
+  const DecodeRequest r = Request(RandomTokens(kChunk + 4, 256, 4), 4);
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  (void)PushPrompt(rig, r, 0);
+  const int layers = rig.model->kv_cache().num_layers();
+  ASSERT_EQ(rig.staging.Stats().chunks, 2u * layers);
+  DecoderOutput out;
+  ASSERT_TRUE(rig.decoder->Cancel(id, &out).ok());
+  t.Add(out);
+  EXPECT_EQ(t.finish[id], "cancelled");
+  EXPECT_EQ(rig.staging.Stats().chunks, 1u * layers) << "only the tail's slices are erased";
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+}
+
 TEST(Decoder, APreparedRequestNeverStartedIsDroppedAfterTheTimeout) {
   auto now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
   DecoderOptions o;
@@ -577,7 +613,7 @@ TEST(Decoder, APreparedRequestNeverStartedIsDroppedAfterTheTimeout) {
   t.Add(out);
   EXPECT_EQ(t.error[id].code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
-  EXPECT_EQ(rig.decoder->Start(id, 65, &out).code(), StatusCode::kNotFound);
+  EXPECT_EQ(rig.decoder->Start(id, 65, false, &out).code(), StatusCode::kNotFound);
 }
 
 }  // namespace

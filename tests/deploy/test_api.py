@@ -114,6 +114,74 @@ def test_output_that_is_not_utf8_still_completes(deployment):
     assert events and events[-1] == "[DONE]", events[-3:]
 
 
+# ---------------------------------------------------------- the first token
+# The router sends the prefill worker's first token to the client at once
+# (docs/design.md, step 5); the decode worker goes on from the second.
+
+
+def decode_worker_idle(deployment):
+    """The decode worker's (queue depth, free KV blocks) once it runs nothing."""
+    def idle():
+        s = parse_metrics(deployment.metrics())
+        depth = metric(s, "kdn_worker_queue_depth", worker="decode-0", role="decode")
+        return (depth, metric(s, "kdn_worker_free_kv_blocks", worker="decode-0",
+                              role="decode")) if depth == 0 else None
+    got = wait_until(idle, 10)
+    assert got, "the decode worker still runs a request:\n%s" % deployment.log_tails()
+    return got
+
+
+def test_a_first_token_that_ends_the_request_needs_no_decode_step(deployment):
+    """max_tokens=1 ends at the prefill worker's token: the engine's token,
+    counted once, streamed or not, and the decode worker gives back the KV it
+    reserved for the request."""
+    idle_before = decode_worker_idle(deployment)
+    before = parse_metrics(deployment.metrics())
+    want = engine_text(deployment.model, "Hello world", 1)
+    r = deployment.completion("Hello world", max_tokens=1, temperature=0)
+    assert r["choices"][0]["text"] == want
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["completion_tokens"] == 1, r["usage"]
+    body = {"prompt": "Hello world", "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with deployment.http.stream("POST", "/v1/completions", json=body, timeout=30.0) as s:
+        assert s.status_code == 200
+        events = sse_events(s.iter_lines())
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == want
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]
+            if ch.get("finish_reason")] == ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    after = parse_metrics(deployment.metrics())
+    for name in ("kdn_ttft_seconds_count", "kdn_generated_tokens_total"):
+        assert metric(after, name) - metric(before, name) == 2, name
+    assert decode_worker_idle(deployment) == idle_before
+
+
+def test_each_token_is_counted_once(deployment):
+    """The first token comes from the router, the rest from the decode
+    worker: usage and the token metrics count each token once."""
+    decode_worker_idle(deployment)
+    before = parse_metrics(deployment.metrics())
+    want = engine_text(deployment.model, "Z", 16)
+    body = {"prompt": "Z", "max_tokens": 16, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with deployment.http.stream("POST", "/v1/completions", json=body, timeout=30.0) as s:
+        assert s.status_code == 200
+        events = sse_events(s.iter_lines())
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == want
+    n = chunks[-1]["usage"]["completion_tokens"]
+    assert n >= 2, "precondition: the decode worker generates tokens (got %d)" % n
+    after = parse_metrics(deployment.metrics())
+    grew = {name: metric(after, name) - metric(before, name)
+            for name in ("kdn_ttft_seconds_count", "kdn_inter_token_seconds_count",
+                         "kdn_generated_tokens_total")}
+    assert grew == {"kdn_ttft_seconds_count": 1, "kdn_inter_token_seconds_count": n - 1,
+                    "kdn_generated_tokens_total": n}, grew
+
+
 # ----------------------------------------------------------- prefix caching
 
 

@@ -4,7 +4,7 @@
 
 #include <fstream>
 
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/safetensors.h"
 #include "kdn/engine/weights.h"
 #include "test_util.h"
@@ -93,12 +93,12 @@ TEST(Loader, LoadsShardedSafetensorsThroughTheIndex) {
   }
   ASSERT_TRUE(s1.Finish().ok());
   ASSERT_TRUE(s2.Finish().ok());
-  auto model = Model::Load(dir.path());
+  auto model = CpuEngine::Load(dir.path());
   ASSERT_TRUE(model.ok()) << model.status().ToString();
 }
 
 TEST(Loader, MissingFolderNamesConfigJson) {
-  auto m = Model::Load("/nonexistent/kdn-model");
+  auto m = CpuEngine::Load("/nonexistent/kdn-model");
   EXPECT_EQ(m.status().code(), StatusCode::kNotFound);
   ExpectMentions(m.status(), {"/nonexistent/kdn-model/config.json"});
 }
@@ -107,7 +107,7 @@ TEST(Loader, MissingWeightsFileNamesTheFolder) {
   TempDir dir;
   ASSERT_TRUE(WriteModelFolder(dir.path(), TinyConfig(), 1, DType::kBF16).ok());
   std::filesystem::remove(dir.path() / "model.safetensors");
-  auto m = Model::Load(dir.path());
+  auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kNotFound);
   ExpectMentions(m.status(), {dir.path().string(), "model.safetensors"});
 }
@@ -127,7 +127,7 @@ TEST(Loader, MissingTensorNamesFileAndTensor) {
     ASSERT_TRUE(w.Append(zeros.data(), zeros.size()).ok());
   }
   ASSERT_TRUE(w.Finish().ok());
-  auto m = Model::Load(dir.path());
+  auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kNotFound);
   ExpectMentions(m.status(), {"model.safetensors", "model.layers.1.mlp.up_proj.weight"});
 }
@@ -139,7 +139,7 @@ TEST(Loader, WrongShapeNamesTensorAndBothShapes) {
   // config.json now claims a wider MLP than the weights have.
   c.intermediate_size = 200;
   WriteFile(dir.path() / "config.json", ModelConfigToJson(c));
-  auto m = Model::Load(dir.path());
+  auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
   ExpectMentions(m.status(), {"model.safetensors", "model.layers.0.mlp.gate_proj.weight",
                               "[176, 64]", "[200, 64]"});
@@ -150,7 +150,7 @@ TEST(Loader, TruncatedSafetensorsIsCorruptionNamingFileAndTensor) {
   ASSERT_TRUE(WriteModelFolder(dir.path(), TinyConfig(), 1, DType::kBF16).ok());
   const auto path = dir.path() / "model.safetensors";
   std::filesystem::resize_file(path, std::filesystem::file_size(path) - 1000);
-  auto m = Model::Load(dir.path());
+  auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kCorruption);
   ExpectMentions(m.status(), {path.string(), "truncated", "tensor \""});
 }
@@ -160,11 +160,11 @@ TEST(Loader, FileCutInsideItsHeaderIsCorruption) {
   ASSERT_TRUE(WriteModelFolder(dir.path(), TinyConfig(), 1, DType::kBF16).ok());
   const auto path = dir.path() / "model.safetensors";
   std::filesystem::resize_file(path, 100);
-  auto m = Model::Load(dir.path());
+  auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kCorruption);
   ExpectMentions(m.status(), {path.string(), "header"});
   std::filesystem::resize_file(path, 3);
-  EXPECT_EQ(Model::Load(dir.path()).status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(CpuEngine::Load(dir.path()).status().code(), StatusCode::kCorruption);
 }
 
 TEST(Loader, GarbageHeaderIsCorruption) {
@@ -172,7 +172,7 @@ TEST(Loader, GarbageHeaderIsCorruption) {
   ASSERT_TRUE(WriteModelFolder(dir.path(), TinyConfig(), 1, DType::kBF16).ok());
   std::string bytes("\x10\0\0\0\0\0\0\0{not json at all", 24);
   WriteFile(dir.path() / "model.safetensors", bytes);
-  auto m = Model::Load(dir.path());
+  auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kCorruption);
   ExpectMentions(m.status(), {"model.safetensors", "JSON"});
 }
@@ -183,7 +183,7 @@ TEST(Loader, UnknownArchitectureIsRefusedNamingIt) {
   std::string cfg = ReadFile(dir.path() / "config.json");
   cfg.replace(cfg.find("LlamaForCausalLM"), 16, "GPT2LMHeadModel");
   WriteFile(dir.path() / "config.json", cfg);
-  auto m = Model::Load(dir.path());
+  auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented);
   ExpectMentions(m.status(), {"config.json", "GPT2LMHeadModel", "not supported"});
 }

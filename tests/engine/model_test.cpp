@@ -1,4 +1,4 @@
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 
 #include <gtest/gtest.h>
 
@@ -94,7 +94,7 @@ INSTANTIATE_TEST_SUITE_P(Presets, ModelTest,
                            return s;
                          });
 
-TEST(Model, LayerHookRunsOnceForEveryLayerInOrder) {
+TEST(CpuEngine, LayerHookRunsOnceForEveryLayerInOrder) {
   auto model = MakeModel("tiny");
   std::vector<int> seen;
   KvSequence seq = model->kv_cache().NewSequence();
@@ -109,7 +109,7 @@ TEST(Model, LayerHookRunsOnceForEveryLayerInOrder) {
   EXPECT_EQ(seen, (std::vector<int>{0, 1}));
 }
 
-TEST(Model, FailingLayerHookAbortsPrefillAndLeavesSequenceAsItWas) {
+TEST(CpuEngine, FailingLayerHookAbortsPrefillAndLeavesSequenceAsItWas) {
   auto model = MakeModel("tiny");
   KvSequence seq = model->kv_cache().NewSequence();
   std::vector<float> logits;
@@ -123,7 +123,7 @@ TEST(Model, FailingLayerHookAbortsPrefillAndLeavesSequenceAsItWas) {
   EXPECT_EQ(model->kv_cache().free_blocks(), free_before);
 }
 
-TEST(Model, PrefillBeyondFreeKvBlocksIsResourceExhaustedAndChangesNothing) {
+TEST(CpuEngine, PrefillBeyondFreeKvBlocksIsResourceExhaustedAndChangesNothing) {
   auto model = MakeModel("tiny", 7, {.kv_blocks = 4});
   KvSequence seq = model->kv_cache().NewSequence();
   std::vector<float> logits;
@@ -134,7 +134,7 @@ TEST(Model, PrefillBeyondFreeKvBlocksIsResourceExhaustedAndChangesNothing) {
   EXPECT_EQ(model->kv_cache().free_blocks(), 1);
 }
 
-TEST(Model, RejectsTokenIdsOutsideTheVocabulary) {
+TEST(CpuEngine, RejectsTokenIdsOutsideTheVocabulary) {
   auto model = MakeModel("tiny");
   KvSequence seq = model->kv_cache().NewSequence();
   std::vector<float> logits;
@@ -145,7 +145,7 @@ TEST(Model, RejectsTokenIdsOutsideTheVocabulary) {
   EXPECT_EQ(seq.length(), 0);
 }
 
-TEST(Model, RejectsSequencesLongerThanTheContext) {
+TEST(CpuEngine, RejectsSequencesLongerThanTheContext) {
   auto model = MakeModel("tiny", 7, {.kv_tokens = 4096});
   KvSequence seq = model->kv_cache().NewSequence();
   std::vector<float> logits;
@@ -154,7 +154,7 @@ TEST(Model, RejectsSequencesLongerThanTheContext) {
   EXPECT_NE(st.message().find("2048"), std::string::npos) << st.message();
 }
 
-TEST(Model, DecodeRejectsTheSameSequenceTwiceInOneBatch) {
+TEST(CpuEngine, DecodeRejectsTheSameSequenceTwiceInOneBatch) {
   auto model = MakeModel("tiny");
   KvSequence seq = model->kv_cache().NewSequence();
   std::vector<float> logits;

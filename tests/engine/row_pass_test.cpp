@@ -1,10 +1,10 @@
-// The engine's per-layer calls for blend: Model::RowPass and RotateCachedKeys.
+// The engine's per-layer calls for blend: RowPass and RotateCachedKeys.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <numeric>
 
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "test_util.h"
 
 namespace kdn::engine {
@@ -20,7 +20,7 @@ class RowPassTest : public ::testing::TestWithParam<std::string> {};
 // prefill: each layer overwrites the rows' KV before attending.
 TEST_P(RowPassTest, EveryPositionAtEveryLayerIsAFullPrefill) {
   auto model = MakeModel(GetParam());
-  PagedKvCache& cache = model->kv_cache();
+  CpuKvCache& cache = model->kv_cache();
   const auto tokens = RandomTokens(70, model->config().vocab_size, 11);
   std::vector<float> want;
   KvSequence seq = cache.NewSequence();
@@ -50,7 +50,7 @@ TEST_P(RowPassTest, EveryPositionAtEveryLayerIsAFullPrefill) {
 // prefill of the suffix on the prefix; on true KV the deviation is ~0.
 TEST_P(RowPassTest, ChosenRowsOverTrueKvGiveTheSameLogitsAndNoDeviation) {
   auto model = MakeModel(GetParam());
-  PagedKvCache& cache = model->kv_cache();
+  CpuKvCache& cache = model->kv_cache();
   const auto tokens = RandomTokens(90, model->config().vocab_size, 13);
   KvSequence seq = cache.NewSequence();
   std::vector<float> want;
@@ -78,7 +78,7 @@ TEST_P(RowPassTest, ChosenRowsOverTrueKvGiveTheSameLogitsAndNoDeviation) {
 // computed at position p and rotated by d equals the K computed at p + d.
 TEST_P(RowPassTest, CachedKeyRotatedToANewPositionEqualsTheKeyComputedThere) {
   auto model = MakeModel(GetParam());
-  PagedKvCache& cache = model->kv_cache();
+  CpuKvCache& cache = model->kv_cache();
   const int V = model->config().vocab_size;
   const auto doc = RandomTokens(40, V, 14);
   const int64_t shift = 123;  // not a multiple of the block size

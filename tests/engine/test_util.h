@@ -12,18 +12,18 @@
 #include <string>
 #include <vector>
 
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/presets.h"
 
 namespace kdn::engine::testing {
 
 // A model built in memory from a preset (no files).
-inline std::unique_ptr<Model> MakeModel(const std::string& preset, uint64_t seed = 7,
+inline std::unique_ptr<CpuEngine> MakeModel(const std::string& preset, uint64_t seed = 7,
                                         EngineOptions options = {}) {
   auto p = FindPreset(preset);
   EXPECT_TRUE(p.ok()) << p.status().ToString();
   if (options.threads == 0) options.threads = 1;  // tests run side by side
-  auto m = Model::Create(p->config, GenerateWeights(p->config, seed, p->dtype), options);
+  auto m = CpuEngine::Create(p->config, GenerateWeights(p->config, seed, p->dtype), options);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return m.ok() ? std::move(m).value() : nullptr;
 }

@@ -11,7 +11,7 @@
 
 #include "kdn/engine/generate.h"
 #include "kdn/engine/cpu_runtime.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/tokenizer.h"
 
 int main(int argc, char** argv) {
@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: kdn_forward MODEL_DIR IDS_CSV LOGITS_OUT GREEDY_N\n");
     return 2;
   }
-  auto model = Model::Load(argv[1]);
+  auto model = CpuEngine::Load(argv[1]);
   if (!model.ok()) {
     std::fprintf(stderr, "kdn_forward: %s\n", model.status().ToString().c_str());
     return 1;

@@ -5,6 +5,7 @@
 #include "../engine/test_util.h"
 #include "kdn/control/transfer_plan.h"
 #include "kdn/kvbus/host_tier.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::prefill_worker {
 namespace {
@@ -29,7 +30,7 @@ PrefillerOptions Options() {
   return o;
 }
 
-int32_t GreedyFirstToken(engine::Model& model, const std::vector<int32_t>& prompt) {
+int32_t GreedyFirstToken(engine::CpuEngine& model, const std::vector<int32_t>& prompt) {
   engine::KvSequence seq = model.kv_cache().NewSequence();
   std::vector<float> logits;
   EXPECT_TRUE(model.Prefill(seq, prompt, {}, &logits).ok());
@@ -111,7 +112,7 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   const auto keys = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
   const auto regions = control::TransferRegions(keys, 75, kChunk, 1, job.transfer_id);
   ASSERT_EQ(regions.size(), 4u);  // chunks 1..3 and the tail
-  engine::PagedKvCache& cache = model->kv_cache();
+  engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence rebuilt = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(rebuilt, 75).ok());
   for (int l = 0; l < layers; ++l) {
@@ -119,7 +120,7 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
     for (const control::KvRegion& r : regions) {
       auto slice = sink.Get(kvbus::LayerSliceKey(r.parent, l));
       ASSERT_TRUE(slice.ok()) << "layer " << l << " of region at " << r.first;
-      ASSERT_TRUE(kvbus::LayerSliceToPagedKv(**slice, l, cache, rebuilt, r.first).ok());
+      ASSERT_TRUE(kvbridge::LayerSliceToPagedKv(**slice, l, cache, rebuilt, r.first).ok());
     }
   }
   const int64_t stride = cache.token_stride();
@@ -318,19 +319,19 @@ TEST(LayerSlice, KeysDifferPerLayerAndParent) {
 
 TEST(LayerSlice, AWholeChunkIsNotASlice) {
   auto model = MakeModel("tiny");
-  engine::PagedKvCache& cache = model->kv_cache();
+  engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   std::vector<float> logits;
   ASSERT_TRUE(model->Prefill(seq, RandomTokens(16, 258, 9), {}, &logits).ok());
-  auto chunk = kvbus::ChunkFromPagedKv(cache, seq, 0, 16, {0, 1}, {0, 2}, kvbus::KvDType::kF32);
+  auto chunk = kvbridge::ChunkFromPagedKv(cache, seq, 0, 16, {0, 1}, {0, 2}, kvbus::KvDType::kF32);
   ASSERT_TRUE(chunk.ok());
-  EXPECT_EQ(kvbus::LayerSliceToPagedKv(**chunk, 0, cache, seq, 0).code(),
+  EXPECT_EQ(kvbridge::LayerSliceToPagedKv(**chunk, 0, cache, seq, 0).code(),
             StatusCode::kInvalidArgument);
-  auto slice = kvbus::LayerSliceFromPagedKv(cache, seq, 0, 16, 1, {0, 3}, {0, 2},
+  auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, 0, 16, 1, {0, 3}, {0, 2},
                                             kvbus::KvDType::kF32);
   ASSERT_TRUE(slice.ok());
   EXPECT_EQ((*slice)->info().layers, 1u);
-  EXPECT_EQ(kvbus::LayerSliceToPagedKv(**slice, 2, cache, seq, 0).code(),
+  EXPECT_EQ(kvbridge::LayerSliceToPagedKv(**slice, 2, cache, seq, 0).code(),
             StatusCode::kInvalidArgument);  // tiny has 2 layers
 }
 

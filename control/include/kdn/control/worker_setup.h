@@ -10,7 +10,7 @@
 
 #include "kdn/control/control_server.h"
 #include "kdn/common/status.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
@@ -19,7 +19,7 @@
 namespace kdn::control {
 
 struct WorkerModel {
-  std::unique_ptr<engine::Model> model;
+  std::unique_ptr<engine::CpuEngine> model;
   std::unique_ptr<engine::Tokenizer> tokenizer;
   kvbus::ChunkKey fingerprint;  // of the model with f32 KV (the CPU backend's)
 };

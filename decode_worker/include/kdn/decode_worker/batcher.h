@@ -10,7 +10,7 @@
 // continues the prefill worker's random stream, so that a request's tokens do
 // not depend on which other requests share its batches.
 //
-// Not thread-safe: the decode worker's loop owns it (and the Model).
+// Not thread-safe: the decode worker's loop owns it (and the CpuEngine).
 
 #include <cstdint>
 #include <functional>
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/engine/tokenizer.h"
 
@@ -32,6 +32,10 @@ struct RequestSpec {
   int max_tokens = 16;  // tokens generated in all, the first one included
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
+  // The router has already sent the first token to the client (it does as
+  // soon as the prefill worker has it, with FirstTokenEvent): Admit emits no
+  // event for it.
+  bool first_token_sent = false;
 };
 
 // What one Step (or Admit) produced for one request.
@@ -57,15 +61,26 @@ class Batcher {
 
   // `tokenizer` turns tokens into text for stop strings and events; the
   // model and tokenizer must outlive the Batcher.
-  Batcher(engine::Model& model, const engine::Tokenizer& tokenizer, int max_batch);
+  Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch);
   ~Batcher();
 
   // Adds a request whose prompt KV is in `seq` and whose first token
   // `first_token` was sampled from the prompt's last logits (it is emitted as
-  // an event now). INVALID_ARGUMENT for bad sampling parameters, a duplicate
+  // an event now, unless spec.first_token_sent; should it then end the
+  // request, which FirstTokenEvent would have said, only the end is emitted,
+  // as token -1). INVALID_ARGUMENT for bad sampling parameters, a duplicate
   // id or an empty sequence; RESOURCE_EXHAUSTED when max_batch requests run.
   Status Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t first_token,
                std::vector<TokenEvent>* events);
+
+  // The event Admit would emit for `first_token` of a request with
+  // `prompt_tokens` prompt tokens on a model of `max_context` tokens: the
+  // text a client may be shown now, and whether the request ends there. The
+  // router sends it to the client itself, by these very rules, so that what
+  // it shows and what the decode worker shows next join up.
+  static TokenEvent FirstTokenEvent(const engine::Tokenizer& tokenizer, const RequestSpec& spec,
+                                    int64_t prompt_tokens, int64_t max_context,
+                                    int32_t first_token);
 
   // One decode step for every running request; finished requests leave and
   // give their KV blocks back. A model error fails the step and leaves every
@@ -84,10 +99,13 @@ class Batcher {
 
  private:
   struct Request;
-  // Records `token` for `r`, emits its event; true when `r` is finished.
+  // Records `token` for `r`, whose sequence then holds `kv_tokens` tokens of
+  // KV, and emits its event; true when `r` is finished.
+  static bool Accept(const engine::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
+                     Request& r, int32_t token, std::vector<TokenEvent>* events);
   bool Accept(Request& r, int32_t token, std::vector<TokenEvent>* events);
 
-  engine::Model& model_;
+  engine::CpuEngine& model_;
   const engine::Tokenizer& tokenizer_;
   const int max_batch_;
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // by id: a stable batch order

@@ -5,7 +5,10 @@
 // request logic) with the protocol's messages converted to its structs:
 //   Prepare  reserve KV for a prompt and load the chunks its tiers hold;
 //   Start    assemble the layer slices a prefill worker pushed, admit the
-//            request with its first token and stream tokens back;
+//            request with its first token and stream tokens back (from the
+//            second on when the router says it sent the first itself);
+//   Cancel   drop a prepared request (its KV and its own slices) or finish a
+//            running one;
 //   finish   store the conversation's full chunks (prompt and output) in the
 //            KDN, so that the next turn finds them.
 // Prepared requests that never start are dropped after a minute.

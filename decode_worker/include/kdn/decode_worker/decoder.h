@@ -57,7 +57,7 @@
 #include "kdn/common/job_thread.h"
 #include "kdn/common/status.h"
 #include "kdn/decode_worker/batcher.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/host_tier.h"
@@ -134,7 +134,7 @@ class Decoder {
   // `fingerprint` is the model's (chunks of another model are never
   // placed); `store` is the worker's KDN view; `staging` is where the kvbus
   // receiver puts pushed layer slices. All borrowed (see above).
-  Decoder(engine::Model& model, const engine::Tokenizer& tokenizer,
+  Decoder(engine::CpuEngine& model, const engine::Tokenizer& tokenizer,
           kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
           JobThread& store_io, DecoderOptions options);
   ~Decoder();
@@ -154,7 +154,9 @@ class Decoder {
   // Start for it is already waiting. Otherwise OK, and the request either
   // runs (its first event in `out`), fails (its finished event with `error`
   // in `out`), or waits for its load (a later Advance does the rest).
-  Status Start(uint64_t id, int32_t first_token, DecoderOutput* out);
+  // `first_token_sent`: the router has sent the first token to the client
+  // itself, so the request's events begin at the second (RequestSpec).
+  Status Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out);
 
   // Ends a prepared or running request: its "cancelled" event in `out`, its
   // blocks free when this returns (a running request's conversation is
@@ -199,6 +201,10 @@ class Decoder {
   Status ReserveKv(Prepared& p);
   int PlaceLoadedChunks(Prepared& p, const std::vector<std::shared_ptr<const kvbus::Chunk>>& chunks);
   Status PlacePushedSlices(Prepared& p);
+  // Erases from staging the slices named for this request alone (its
+  // partial tail; a blended prompt's whole KV), which only
+  // PlacePushedSlices would otherwise have taken.
+  void DropOwnSlices(const Prepared& p);
   std::vector<std::shared_ptr<const kvbus::Chunk>> CopyOutChunks(
       const engine::KvSequence& seq, const std::vector<kvbus::ChunkKey>& keys, size_t first);
   uint64_t ChunkBytes() const;  // one full chunk, serialized
@@ -213,7 +219,7 @@ class Decoder {
   static TokenEvent Failure(uint64_t id, Status st);
 
   // Constant after construction.
-  engine::Model& model_;
+  engine::CpuEngine& model_;
   const kvbus::ChunkKey fingerprint_;
   kvbus::ChunkStore& store_;
   kvbus::HostTier& staging_;

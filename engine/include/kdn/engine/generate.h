@@ -1,5 +1,5 @@
 #pragma once
-// One sequence, start to end, on one Model: prefill the prompt, then decode
+// One sequence, start to end, on one Engine: prefill the prompt, then decode
 // until max_tokens, a stop id, or the context is full. What kdn-generate and
 // the tests run; workers split the same steps across processes.
 
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/engine.h"
 #include "kdn/engine/sampler.h"
 
 namespace kdn::engine {
@@ -30,7 +30,7 @@ struct GenerateResult {
   double decode_seconds = 0.0;  // all steps after the first token
 };
 
-Result<GenerateResult> Generate(Model& model, std::span<const int32_t> prompt,
+Result<GenerateResult> Generate(Engine& model, std::span<const int32_t> prompt,
                                 const GenerateOptions& options);
 
 }  // namespace kdn::engine

@@ -2,24 +2,32 @@
 // Paged KV cache: a pool of fixed-size blocks (16 tokens) per layer, and the
 // sequences that own lists of them.
 //
-// Layout of one layer's pool, K and V apart:
-//   [block][slot in block][kv_head][head_dim]   (fp32 on the CPU backend)
+// KvCache is the part every backend shares: the block allocator, the
+// sequences' block tables, and access to KV by layer in a host element type
+// (Read/Write), whichever memory the blocks live in. A backend subclasses it
+// with its storage: CpuKvCache (fp32 host memory) here, the CUDA backend's
+// bf16 device pools in engine/cuda. The layout of one layer's pool is, K and
+// V apart,
+//   [block][slot in block][kv_head][head_dim]
 // so one block of one layer is the token-major slice a KV chunk stores
-// ([token][kv_head][head_dim]), and a chunk converts to blocks by copies.
+// ([token][kv_head][head_dim]).
 //
-// Not thread-safe: the engine that owns a cache serialises access to it.
+// Not thread-safe: the engine that owns a cache serialises access to it,
+// except where a method says otherwise.
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kdn/common/status.h"
+#include "kdn/engine/tensor.h"
 
 namespace kdn::engine {
 
 inline constexpr int kKvBlockTokens = 16;
 
-class PagedKvCache;
+class KvCache;
 
 // A sequence's view of the cache: its block table and how many tokens of KV
 // it holds. Move-only; gives its blocks back when destroyed or Reset.
@@ -34,6 +42,8 @@ class KvSequence {
 
   int64_t length() const { return length_; }
   const std::vector<int32_t>& blocks() const { return blocks_; }
+  // Tokens of room its blocks give.
+  int64_t reserved() const { return static_cast<int64_t>(blocks_.size()) * kKvBlockTokens; }
   // Frees every block; length becomes 0.
   void Reset();
   // Drops the KV of positions >= new_length (keeps whole blocks that remain
@@ -41,22 +51,24 @@ class KvSequence {
   void Truncate(int64_t new_length);
 
  private:
-  friend class PagedKvCache;
-  PagedKvCache* cache_ = nullptr;
+  friend class KvCache;
+  KvCache* cache_ = nullptr;
   std::vector<int32_t> blocks_;
   int64_t length_ = 0;
 };
 
-class PagedKvCache {
+class KvCache {
  public:
-  PagedKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks);
+  virtual ~KvCache() = default;
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
 
   int num_layers() const { return num_layers_; }
   int num_kv_heads() const { return num_kv_heads_; }
   int head_dim() const { return head_dim_; }
   int num_blocks() const { return num_blocks_; }
   int free_blocks() const { return static_cast<int>(free_.size()); }
-  // Floats in one token's K (or V) of one layer.
+  // Elements in one token's K (or V) of one layer.
   int64_t token_stride() const { return static_cast<int64_t>(num_kv_heads_) * head_dim_; }
   int64_t block_stride() const { return token_stride() * kKvBlockTokens; }
 
@@ -68,25 +80,78 @@ class PagedKvCache {
   // Marks the first `length` tokens of `seq` as holding KV. length <= reserved.
   void SetLength(KvSequence& seq, int64_t length);
 
+  // One layer's KV of positions [first, first + count) of `seq`, as host
+  // elements of `dtype`: count rows of K, then count rows of V, each row
+  // token_stride() elements ([token][kv_head][head_dim]), which is a chunk's
+  // layout for one layer. Read fills `out` (2 * count * token_stride() *
+  // DTypeSize(dtype) bytes); Write stores `in` into the sequence's blocks
+  // (rounding to the cache's element type, nearest even). The positions must
+  // lie inside the blocks `seq` reserved; neither call changes its length.
+  // INVALID_ARGUMENT for positions, a layer or a buffer size out of range.
+  // Calls on different layers may run on different threads at once (blend
+  // loads layer l+1 while layer l computes).
+  Status Read(const KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
+              std::span<uint8_t> out) const;
+  Status Write(KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
+               std::span<const uint8_t> in);
+  // Bytes Read fills and Write takes for `count` tokens of one layer.
+  size_t LayerBytes(int64_t count, DType dtype) const {
+    return static_cast<size_t>(2 * count * token_stride()) * DTypeSize(dtype);
+  }
+
+ protected:
+  KvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks);
+  // The storage side of Read/Write, arguments checked: `blocks` is the
+  // sequence's block table.
+  virtual Status ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
+                          int64_t count, DType dtype, uint8_t* out) const = 0;
+  virtual Status WriteRows(std::span<const int32_t> blocks, int layer, int64_t first,
+                           int64_t count, DType dtype, const uint8_t* in) = 0;
+
+ private:
+  friend class KvSequence;
+  Status CheckRows(const KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
+                   size_t bytes) const;
+  void Release(std::vector<int32_t>& blocks, size_t keep);
+
+  const int num_layers_, num_kv_heads_, head_dim_, num_blocks_;
+  std::vector<int32_t> free_;  // stack of free block ids
+};
+
+// The CPU backend's cache: fp32 pools in host memory, which the CPU engine
+// reads and writes in place through the accessors below.
+class CpuKvCache final : public KvCache {
+ public:
+  CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks);
+
   float* Key(int layer, int32_t block) { return &k_[layer][block * block_stride()]; }
   float* Value(int layer, int32_t block) { return &v_[layer][block * block_stride()]; }
   const float* Key(int layer, int32_t block) const { return &k_[layer][block * block_stride()]; }
   const float* Value(int layer, int32_t block) const { return &v_[layer][block * block_stride()]; }
   // Pointers to the K/V of one token of a sequence at a position it reserved.
   float* KeyAt(const KvSequence& seq, int layer, int64_t pos) {
-    return Key(layer, seq.blocks_[pos / kKvBlockTokens]) + (pos % kKvBlockTokens) * token_stride();
+    return Key(layer, seq.blocks()[pos / kKvBlockTokens]) + (pos % kKvBlockTokens) * token_stride();
   }
   float* ValueAt(const KvSequence& seq, int layer, int64_t pos) {
-    return Value(layer, seq.blocks_[pos / kKvBlockTokens]) + (pos % kKvBlockTokens) * token_stride();
+    return Value(layer, seq.blocks()[pos / kKvBlockTokens]) +
+           (pos % kKvBlockTokens) * token_stride();
+  }
+  const float* KeyAt(const KvSequence& seq, int layer, int64_t pos) const {
+    return Key(layer, seq.blocks()[pos / kKvBlockTokens]) + (pos % kKvBlockTokens) * token_stride();
+  }
+  const float* ValueAt(const KvSequence& seq, int layer, int64_t pos) const {
+    return Value(layer, seq.blocks()[pos / kKvBlockTokens]) +
+           (pos % kKvBlockTokens) * token_stride();
   }
 
- private:
-  friend class KvSequence;
-  void Release(std::vector<int32_t>& blocks, size_t keep);
+ protected:
+  Status ReadRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                  DType dtype, uint8_t* out) const override;
+  Status WriteRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                   DType dtype, const uint8_t* in) override;
 
-  const int num_layers_, num_kv_heads_, head_dim_, num_blocks_;
+ private:
   std::vector<std::vector<float>> k_, v_;  // [layer] -> pool
-  std::vector<int32_t> free_;              // stack of free block ids
 };
 
 }  // namespace kdn::engine

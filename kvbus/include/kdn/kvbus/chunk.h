@@ -4,7 +4,8 @@
 // checksum of the payload in the header. Whatever reads a chunk from anywhere
 // but its own memory verifies it (Chunk::Parse); a bad chunk is a miss, never
 // served. Chunks are immutable once built and shared by pointer between
-// tiers and transports. Thread-safe (immutable).
+// tiers and transports. Thread-safe (immutable). Moving KV between chunks
+// and an engine's paged cache is kvbridge's (kdn/kvbridge/paged_chunks.h).
 
 #include <cstdint>
 #include <functional>
@@ -13,7 +14,6 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/kv_cache.h"
 #include "kdn/kvbus/key.h"
 
 namespace kdn::kvbus {
@@ -71,39 +71,5 @@ class Chunk {
   ChunkInfo info_;
   std::vector<uint8_t> bytes_;
 };
-
-// Copies the KV of tokens [first, first + count) of `seq` (fp32 in the cache)
-// into a new chunk of `dtype`, rounding to nearest even. The tokens must be
-// within seq.length().
-Result<std::shared_ptr<const Chunk>> ChunkFromPagedKv(const engine::PagedKvCache& cache,
-                                                      const engine::KvSequence& seq, int64_t first,
-                                                      int64_t count, const ChunkKey& key,
-                                                      const ChunkKey& model_fingerprint,
-                                                      KvDType dtype);
-
-// Writes a chunk's KV into positions [first, first + tokens) of `seq`, which
-// must have reserved room for them (PagedKvCache::Reserve); does not change
-// seq's length. INVALID_ARGUMENT if the chunk's layers, heads or head_dim do
-// not match the cache.
-Status ChunkToPagedKv(const Chunk& chunk, engine::PagedKvCache& cache, engine::KvSequence& seq,
-                      int64_t first);
-
-// The same for layer `layer` of a whole chunk alone (for loading a chunk one
-// layer at a time while earlier layers compute).
-Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::PagedKvCache& cache,
-                           engine::KvSequence& seq, int64_t first);
-
-// Layer slices: chunks of one layer (info.layers == 1), the unit in which a
-// prefill worker pushes KV to a decode worker as each layer finishes
-// (LayerSliceKey names them). Same contracts as the whole-chunk functions;
-// `layer` is the cache layer read or written.
-Result<std::shared_ptr<const Chunk>> LayerSliceFromPagedKv(const engine::PagedKvCache& cache,
-                                                           const engine::KvSequence& seq,
-                                                           int64_t first, int64_t count, int layer,
-                                                           const ChunkKey& key,
-                                                           const ChunkKey& model_fingerprint,
-                                                           KvDType dtype);
-Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::PagedKvCache& cache,
-                           engine::KvSequence& seq, int64_t first);
 
 }  // namespace kdn::kvbus

@@ -10,7 +10,6 @@
 // Thread-safe: pure functions over values.
 
 #include <cstdint>
-#include <filesystem>
 #include <functional>
 #include <span>
 #include <string>
@@ -18,7 +17,6 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
 
 namespace kdn::kvbus {
 
@@ -46,24 +44,13 @@ struct ChunkKeyHash {
   size_t operator()(const ChunkKey& k) const { return static_cast<size_t>(k.lo ^ (k.hi * 0x9e3779b97f4a7c15ull)); }
 };
 
-// What, besides the tokens, keys depend on.
+// What, besides the tokens, keys depend on. The model fingerprint comes from
+// kvbridge::ModelFingerprint (kdn/kvbridge/fingerprint.h).
 struct KeyContext {
   ChunkKey model_fingerprint;
   std::string ns;  // the tenant's cache salt; empty by default
   int chunk_tokens = kDefaultChunkTokens;
 };
-
-// Covers the model config (architecture and every shape and RoPE field),
-// every weight tensor's name and shape, the weights' dtype, the KV dtype and
-// a digest of the weights' contents (WeightsDigest), so two models that could
-// produce different KV never share a chunk: not even two fine-tunes of one
-// architecture, which shapes and dtypes alone would confuse.
-ChunkKey ModelFingerprint(const engine::ModelConfig& config, std::string_view weight_dtype,
-                          std::string_view kv_dtype, uint64_t weights_digest);
-
-// XXH3-64 over the bytes of the model folder's safetensors files, in the
-// order of their names (streamed; ~10 GB/s, so ~2 s for 16 GB).
-Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir);
 
 // The prefix keys of the full chunks of `tokens`; a partial last chunk has no
 // key. keys[i] covers tokens [0, (i+1) * chunk_tokens).

@@ -20,7 +20,7 @@
 // stored under their segment keys after the reply. Inject stores a document
 // that way ahead of any question.
 //
-// Not thread-safe: the worker's compute loop owns it, with the Model. The
+// Not thread-safe: the worker's compute loop owns it, with the CpuEngine. The
 // store is shared (thread-safe).
 
 #include <cstdint>
@@ -33,7 +33,7 @@
 
 #include "kdn/blend/blend.h"
 #include "kdn/common/status.h"
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
@@ -87,7 +87,7 @@ struct PrefillerOptions {
 class Prefiller {
  public:
   // Borrows `model` and `store`, which must outlive it.
-  Prefiller(engine::Model& model, kvbus::TieredStore& store, kvbus::ChunkKey model_fingerprint,
+  Prefiller(engine::CpuEngine& model, kvbus::TieredStore& store, kvbus::ChunkKey model_fingerprint,
             PrefillerOptions options);
   ~Prefiller();
 
@@ -118,7 +118,7 @@ class Prefiller {
   // Computes a document alone and stores it (seq_ must be free).
   Status StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens);
 
-  engine::Model& model_;
+  engine::CpuEngine& model_;
   kvbus::TieredStore& store_;
   const kvbus::ChunkKey fingerprint_;
   const PrefillerOptions options_;

@@ -3,8 +3,13 @@
 // one connection per worker, pings them, and drives each request through
 //   lookup   ask every live worker how much of the prompt's prefix it reaches;
 //   prepare  the chosen decode worker reserves KV and loads what it holds;
-//   prefill  the chosen prefill worker computes the rest and pushes the KV;
-//   decode   the decode worker streams tokens until the request finishes.
+//   prefill  the chosen prefill worker computes the rest, pushes the KV and
+//            answers with the first token, which goes to the client at once
+//            (shown by the decode worker's rules, decode_worker::Batcher);
+//   decode   the decode worker streams tokens from the second on until the
+//            request finishes. A first token that ends the request (max_tokens
+//            1, a stop token or string) ends it there, and the decode worker
+//            is told to let go of what it reserved.
 // A request with documents (Job::blend) also asks, at lookup, which workers
 // hold the documents' KV; its KV is blended, so it travels under the
 // request's transfer key and the decode worker never stores it. Inject sends
@@ -25,6 +30,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/sampler.h"
+#include "kdn/engine/tokenizer.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
 
@@ -96,8 +102,12 @@ struct WorkerView {
 
 class Backend {
  public:
-  // `metrics` (borrowed, may be null) receives per-request figures.
-  static Result<std::unique_ptr<Backend>> Start(const BackendOptions& options, Metrics* metrics);
+  // `tokenizer` (borrowed, must outlive the Backend) is the model's: it gives
+  // the text of each request's first token. `metrics` (borrowed, may be
+  // null) receives per-request figures.
+  static Result<std::unique_ptr<Backend>> Start(const BackendOptions& options,
+                                                const engine::Tokenizer& tokenizer,
+                                                Metrics* metrics);
   ~Backend();
   Backend(const Backend&) = delete;
   Backend& operator=(const Backend&) = delete;

@@ -1,4 +1,4 @@
-#include "kdn/engine/model.h"
+#include "kdn/engine/cpu_engine.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -11,7 +11,7 @@
 
 namespace kdn::engine {
 
-struct Model::Layer {
+struct CpuEngine::Layer {
   std::vector<float> attn_norm, ffn_norm;
   std::vector<float> wq, wk, wv;  // [out][hidden]
   std::vector<float> bq, bk, bv;  // empty without QKV bias
@@ -20,7 +20,7 @@ struct Model::Layer {
   std::vector<float> w_down;      // [hidden][inter]
 };
 
-struct Model::Segment {
+struct CpuEngine::Segment {
   KvSequence* seq;
   const int32_t* tokens;
   int64_t n;      // new tokens
@@ -28,7 +28,7 @@ struct Model::Segment {
   int64_t row0;   // first row of this segment in the pass's activations
 };
 
-struct Model::Scratch {
+struct CpuEngine::Scratch {
   std::vector<float> h, q, k, v, attn, gu, act;
   // Sizes every buffer for `rows` rows; capacity is kept across layers.
   void Fit(const ModelConfig& c, int64_t rows) {
@@ -91,12 +91,12 @@ constexpr int64_t kQueryTile = 128;
 
 }  // namespace
 
-Model::Model(const ModelConfig& config, const EngineOptions& options)
+CpuEngine::CpuEngine(const ModelConfig& config, const EngineOptions& options)
     : config_(config), options_(options) {}
 
-Model::~Model() = default;
+CpuEngine::~CpuEngine() = default;
 
-Result<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, ModelWeights weights,
+Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config, ModelWeights weights,
                                              const EngineOptions& options) {
   for (const TensorSpec& spec : ExpectedTensors(config)) {
     auto it = weights.find(spec.name);
@@ -107,7 +107,7 @@ Result<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, ModelWei
                              ShapeToString(spec.shape));
     }
   }
-  std::unique_ptr<Model> m(new Model(config, options));
+  std::unique_ptr<CpuEngine> m(new CpuEngine(config, options));
   if (options.threads > 0) {
     omp_set_num_threads(options.threads);
     openblas_set_num_threads(options.threads);
@@ -139,44 +139,50 @@ Result<std::unique_ptr<Model>> Model::Create(const ModelConfig& config, ModelWei
   if (blocks <= 0) {
     blocks = static_cast<int>((options.kv_tokens + kKvBlockTokens - 1) / kKvBlockTokens);
   }
-  m->kv_ = std::make_unique<PagedKvCache>(config.num_layers, config.num_kv_heads, config.head_dim,
+  m->kv_ = std::make_unique<CpuKvCache>(config.num_layers, config.num_kv_heads, config.head_dim,
                                           blocks);
   return m;
 }
 
-Result<std::unique_ptr<Model>> Model::Load(const std::filesystem::path& dir,
+Result<std::unique_ptr<CpuEngine>> CpuEngine::Load(const std::filesystem::path& dir,
                                            const EngineOptions& options) {
   KDN_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
   KDN_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(dir, config));
   return Create(config, std::move(weights), options);
 }
 
-Status Model::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
+Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                       const PrefillOptions& options, std::vector<float>* logits) {
   if (tokens.empty()) return InvalidArgument("prefill: no tokens");
   Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
   return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer, logits);
 }
 
-Status Model::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                          std::vector<float>* logits) {
-  if (seqs.size() != tokens.size()) {
-    return InvalidArgument("decode: " + std::to_string(seqs.size()) + " sequences but " +
-                           std::to_string(tokens.size()) + " tokens");
-  }
-  if (seqs.empty()) return InvalidArgument("decode: empty batch");
+  KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
   std::vector<Segment> segs;
   segs.reserve(seqs.size());
   for (size_t b = 0; b < seqs.size(); ++b) {
-    for (size_t c = 0; c < b; ++c) {
-      if (seqs[c] == seqs[b]) return InvalidArgument("decode: a sequence appears twice in a batch");
-    }
     segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
   }
   return Forward(segs, /*all_logits=*/false, LayerHook(), logits);
 }
 
-Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
+Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                               std::span<Sampler* const> samplers, std::vector<int32_t>* next) {
+  KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
+  std::vector<float> logits;
+  KDN_RETURN_IF_ERROR(DecodeStep(seqs, tokens, &logits));
+  const size_t vocab = static_cast<size_t>(config_.vocab_size);
+  next->resize(seqs.size());
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    (*next)[b] = samplers[b]->Sample(std::span<const float>(logits).subspan(b * vocab, vocab));
+  }
+  return Status::Ok();
+}
+
+Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
                       std::vector<float>* logits) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
@@ -259,7 +265,7 @@ Status Model::Forward(std::span<Segment> segs, bool all_logits, const LayerHook&
   return Status::Ok();
 }
 
-void Model::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
+void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
                      Scratch& scratch, std::vector<float>* deviation) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
@@ -304,7 +310,7 @@ void Model::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t
   GemmNT(rows, d, ff, 1.0f, act.data(), ff, L.w_down.data(), ff, 1.0f, x, d);
 }
 
-void Model::AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos,
+void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos,
                       const float* q, float* out) {
   // Long segments (prefill) go through blocked matrix products; single or
   // short rows (decode) are computed row by row, in parallel.
@@ -354,7 +360,7 @@ void Model::AttendAll(int layer, std::span<const Segment> segs, const int32_t* p
   }
 }
 
-void Model::AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n,
+void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n,
                        const float* q, float* out) {
   const ModelConfig& c = config_;
   const int group = c.num_heads / c.num_kv_heads;
@@ -394,96 +400,83 @@ void Model::AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int
   }
 }
 
-Result<std::unique_ptr<Model::RowPass>> Model::BeginRowPass(KvSequence& seq,
-                                                            std::span<const int32_t> tokens,
-                                                            std::span<const int64_t> positions) {
-  if (static_cast<int64_t>(tokens.size()) != seq.length()) {
-    return InvalidArgument("row pass: " + std::to_string(tokens.size()) +
-                           " tokens for a sequence of " + std::to_string(seq.length()));
-  }
-  if (positions.empty()) return InvalidArgument("row pass: no positions");
-  for (size_t i = 0; i < positions.size(); ++i) {
-    if (positions[i] < 0 || positions[i] >= seq.length() ||
-        (i > 0 && positions[i] <= positions[i - 1])) {
-      return InvalidArgument("row pass: positions must be ascending, distinct and below " +
-                             std::to_string(seq.length()));
+class CpuEngine::CpuRowPass final : public RowPass {
+ public:
+  CpuRowPass(CpuEngine& engine, KvSequence& seq, std::span<const int32_t> tokens,
+             std::span<const int64_t> positions)
+      : engine_(engine), seq_(seq), positions_(positions.begin(), positions.end()),
+        scratch_(std::make_unique<Scratch>()) {
+    const int64_t d = engine_.config_.hidden_size;
+    x_.resize(positions.size() * d);
+    for (size_t i = 0; i < positions.size(); ++i) {
+      std::memcpy(&x_[i * d], &engine_.embed_[static_cast<int64_t>(tokens[positions[i]]) * d],
+                  d * sizeof(float));
     }
   }
-  for (int32_t t : tokens) {
-    if (t < 0 || t >= config_.vocab_size) {
-      return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary");
+
+  Status RunLayer(std::vector<float>* deviation) override {
+    if (next_layer_ >= engine_.config_.num_layers) {
+      return FailedPrecondition("row pass: every layer has run");
     }
+    const auto rows = static_cast<int64_t>(positions_.size());
+    std::vector<int32_t> pos(positions_.begin(), positions_.end());
+    Segment seg{&seq_, nullptr, rows, 0, 0};
+    engine_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), pos.data(), rows, x_.data(),
+                     *scratch_, deviation);
+    ++next_layer_;
+    return Status::Ok();
   }
-  std::unique_ptr<RowPass> pass(new RowPass(*this, seq));
-  pass->positions_.assign(positions.begin(), positions.end());
-  const int64_t d = config_.hidden_size;
-  pass->x_.resize(positions.size() * d);
-  for (size_t i = 0; i < positions.size(); ++i) {
-    std::memcpy(&pass->x_[i * d], &embed_[static_cast<int64_t>(tokens[positions[i]]) * d],
-                d * sizeof(float));
-  }
-  return pass;
-}
 
-Model::RowPass::RowPass(Model& model, KvSequence& seq)
-    : model_(model), seq_(seq), scratch_(std::make_unique<Scratch>()) {}
-
-Model::RowPass::~RowPass() = default;
-
-Status Model::RowPass::RunLayer(std::vector<float>* deviation) {
-  if (next_layer_ >= model_.config_.num_layers) {
-    return FailedPrecondition("row pass: every layer has run");
-  }
-  const auto rows = static_cast<int64_t>(positions_.size());
-  std::vector<int32_t> pos(positions_.begin(), positions_.end());
-  Segment seg{&seq_, nullptr, rows, 0, 0};
-  model_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), pos.data(), rows, x_.data(), *scratch_,
-                  deviation);
-  ++next_layer_;
-  return Status::Ok();
-}
-
-Status Model::RowPass::Keep(std::span<const int64_t> rows) {
-  const int64_t d = model_.config_.hidden_size;
-  std::vector<int64_t> pos;
-  std::vector<float> x;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i] < 0 || rows[i] >= static_cast<int64_t>(positions_.size()) ||
-        (i > 0 && rows[i] <= rows[i - 1])) {
-      return InvalidArgument("row pass: rows to keep must be ascending indices of current rows");
+  Status Keep(std::span<const int64_t> rows) override {
+    KDN_RETURN_IF_ERROR(CheckKeep(rows, positions_.size()));
+    const int64_t d = engine_.config_.hidden_size;
+    std::vector<int64_t> pos;
+    std::vector<float> x;
+    for (int64_t r : rows) {
+      pos.push_back(positions_[r]);
+      x.insert(x.end(), x_.begin() + r * d, x_.begin() + (r + 1) * d);
     }
-    pos.push_back(positions_[rows[i]]);
-    x.insert(x.end(), x_.begin() + rows[i] * d, x_.begin() + (rows[i] + 1) * d);
+    positions_ = std::move(pos);
+    x_ = std::move(x);
+    return Status::Ok();
   }
-  if (pos.empty()) return InvalidArgument("row pass: keeps no row");
-  positions_ = std::move(pos);
-  x_ = std::move(x);
-  return Status::Ok();
+
+  const std::vector<int64_t>& positions() const override { return positions_; }
+  int next_layer() const override { return next_layer_; }
+
+  Status Logits(std::vector<float>* logits) override {
+    const ModelConfig& c = engine_.config_;
+    if (next_layer_ != c.num_layers) return FailedPrecondition("row pass: layers left to run");
+    const int64_t d = c.hidden_size;
+    std::vector<float> hf(d);
+    RmsNorm(&x_[(positions_.size() - 1) * d], engine_.final_norm_.data(),
+            static_cast<float>(c.rms_norm_eps), 1, d, hf.data());
+    const float* head =
+        engine_.lm_head_.empty() ? engine_.embed_.data() : engine_.lm_head_.data();
+    logits->resize(c.vocab_size);
+    GemmNT(1, c.vocab_size, d, 1.0f, hf.data(), d, head, d, 0.0f, logits->data(), c.vocab_size);
+    return Status::Ok();
+  }
+
+ private:
+  CpuEngine& engine_;
+  KvSequence& seq_;
+  std::vector<int64_t> positions_;
+  std::vector<float> x_;  // [row][hidden]
+  std::unique_ptr<Scratch> scratch_;
+  int next_layer_ = 0;
+};
+
+Result<std::unique_ptr<RowPass>> CpuEngine::BeginRowPass(KvSequence& seq,
+                                                         std::span<const int32_t> tokens,
+                                                         std::span<const int64_t> positions) {
+  KDN_RETURN_IF_ERROR(CheckRowPass(config_, seq, tokens, positions));
+  return std::unique_ptr<RowPass>(new CpuRowPass(*this, seq, tokens, positions));
 }
 
-Status Model::RowPass::Logits(std::vector<float>* logits) {
-  const ModelConfig& c = model_.config_;
-  if (next_layer_ != c.num_layers) return FailedPrecondition("row pass: layers left to run");
-  const int64_t d = c.hidden_size;
-  std::vector<float> hf(d);
-  RmsNorm(&x_[(positions_.size() - 1) * d], model_.final_norm_.data(),
-          static_cast<float>(c.rms_norm_eps), 1, d, hf.data());
-  const float* head = model_.lm_head_.empty() ? model_.embed_.data() : model_.lm_head_.data();
-  logits->resize(c.vocab_size);
-  GemmNT(1, c.vocab_size, d, 1.0f, hf.data(), d, head, d, 0.0f, logits->data(), c.vocab_size);
-  return Status::Ok();
-}
-
-Status Model::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
+Status CpuEngine::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
                                int layer) {
-  if (first < 0 || count < 0 || first + count > seq.length()) {
-    return InvalidArgument("rotate: positions [" + std::to_string(first) + ", " +
-                           std::to_string(first + count) + ") are not all in a sequence of " +
-                           std::to_string(seq.length()));
-  }
-  if (layer < -1 || layer >= config_.num_layers) {
-    return InvalidArgument("rotate: no layer " + std::to_string(layer));
-  }
+  KDN_RETURN_IF_ERROR(CheckRotation(config_, seq, first, count, layer));
   if (delta == 0 || count == 0) return Status::Ok();
   // Every token turns by the same angle: the cosines and sines once, then a
   // plain loop (no OpenMP: this runs beside the compute threads on blend's

@@ -1,4 +1,6 @@
-#include "kdn/engine/cuda/cuda_model.h"
+#pragma once
+// CudaEngine's private parts, shared by cuda_engine.cpp (load, prefill,
+// decode) and cuda_row_pass.cpp (the per-layer calls of blend, the KV cache).
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -7,12 +9,16 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <mutex>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "kdn/engine/cpu_ops.h"
 #include "kdn/engine/cuda/activation.cuh"
 #include "kdn/engine/cuda/attention.cuh"
 #include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/device_sampler.h"
 #include "kdn/engine/cuda/embedding.cuh"
 #include "kdn/engine/cuda/flash_attention.h"
@@ -25,7 +31,7 @@
 
 namespace kdn::engine::cuda {
 
-namespace {
+namespace internal {
 
 using bf16 = __nv_bfloat16;
 
@@ -36,7 +42,7 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 // The batch sizes decode graphs are captured for: a batch runs in the
 // smallest bucket that holds it, padded with rows that touch only a scratch
 // block.
-int DecodeBucket(int batch, int max_batch) {
+inline int DecodeBucket(int batch, int max_batch) {
   int b = 1;
   while (b < batch && b < 8) b *= 2;
   if (b < batch) b = (batch + 7) / 8 * 8;
@@ -116,9 +122,58 @@ class PinnedArray {
   T* p_ = nullptr;
 };
 
-}  // namespace
+// The KV cache in device memory (bf16): the engine's pools, and reads and
+// writes by layer on a stream of its own (KvCache's contract), guarded by
+// mu_ so that the loader thread of a blend and the engine's thread may both
+// use it.
+class DeviceKvCache final : public KvCache {
+ public:
+  DeviceKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
+      : KvCache(num_layers, num_kv_heads, head_dim, num_blocks) {}
+  ~DeviceKvCache() override;
+  // The pools and the stream.
+  Status Allocate();
+  PagedKvLayer<__nv_bfloat16> Layer(int l) {
+    return {k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+  }
+  PagedKvLayer<const __nv_bfloat16> ConstLayer(int l) {
+    return {k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+  }
+  // Rotates the K of positions [first, first + count) at `layer` by `delta`
+  // positions (RotateCachedKeys), on this cache's stream; waits for it.
+  Status RotateKeys(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                    int64_t delta, const float* inv_freq);
 
-struct CudaModel::Impl {
+ protected:
+  Status ReadRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                  DType dtype, uint8_t* out) const override;
+  Status WriteRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+                   DType dtype, const uint8_t* in) override;
+
+ private:
+  // Gathers (or scatters) one layer's rows between the pool and rows_; the
+  // block table from the first position's block on goes up first.
+  Status Stage(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
+               bool gather) const;
+
+  std::vector<DeviceArray<__nv_bfloat16>> k_, v_;  // [layer] -> pool; constant after Allocate
+  cudaStream_t stream_ = nullptr;
+  mutable std::mutex mu_;
+  // Guarded by mu_: staging on the device and the host.
+  mutable DeviceArray<__nv_bfloat16> rows_;
+  mutable DeviceArray<int32_t> table_, positions_;
+  mutable std::vector<uint16_t> host_;
+};
+
+// FAILED_PRECONDITION, saying what the machine has, when options.device
+// does not exist or has too little free memory for the engine.
+Status CheckDevice(const ModelConfig& config, const CudaEngineOptions& options);
+
+}  // namespace internal
+
+using namespace internal;  // NOLINT: the engine's own private names
+
+struct CudaEngine::Impl {
   ModelConfig config;
   CudaEngineOptions options;
   cudaStream_t stream = nullptr;
@@ -129,12 +184,12 @@ struct CudaModel::Impl {
   std::vector<LayerWeights> layers;
   DeviceArray<float> inv_freq;
 
-  // The KV pool: per layer, K and V of num_blocks blocks.
-  int num_blocks = 0;
-  std::vector<DeviceArray<bf16>> k_cache, v_cache;
-  std::vector<int32_t> free_list;
-
-  int32_t scratch_block = -1;  // where decode graphs' padding rows write
+  // The KV pool, and the one block that decode graphs' padding rows write
+  // (held by `scratch` for the engine's life). Declared before anything
+  // that holds its blocks.
+  std::unique_ptr<DeviceKvCache> kv;
+  KvSequence scratch;
+  int32_t scratch_block = -1;
 
   // Activations, sized for max(max_prefill_tokens, max_batch) rows.
   int64_t max_rows = 0;
@@ -164,11 +219,9 @@ struct CudaModel::Impl {
   bool graphs() const { return flash != nullptr && options.cuda_graphs; }
 
   PagedKvLayer<bf16> Layer(int l) {
-    return {k_cache[l].get(), v_cache[l].get(), config.num_kv_heads, config.head_dim};
+    return kv->Layer(l);
   }
-  PagedKvLayer<const bf16> ConstLayer(int l) {
-    return {k_cache[l].get(), v_cache[l].get(), config.num_kv_heads, config.head_dim};
-  }
+  PagedKvLayer<const bf16> ConstLayer(int l) { return kv->ConstLayer(l); }
 
   // out[rows][out_dim] (= or +=) in[rows][in_dim] . w[out_dim][in_dim]^T.
   // A few rows (a small decode batch) stream the weights through GemvCuda;
@@ -223,18 +276,12 @@ struct CudaModel::Impl {
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq.get(), freq.data(), freq.size() * sizeof(float),
                                         cudaMemcpyHostToDevice));
     // One block more than asked for: the scratch block of graph padding.
-    num_blocks = static_cast<int>((options.kv_tokens + 15) / 16) + 1;
-    const int64_t block_elems = int64_t{16} * c.kv_dim();
-    k_cache.resize(c.num_layers);
-    v_cache.resize(c.num_layers);
-    for (int l = 0; l < c.num_layers; ++l) {
-      KDN_RETURN_IF_ERROR(k_cache[l].Allocate(num_blocks * block_elems));
-      KDN_RETURN_IF_ERROR(v_cache[l].Allocate(num_blocks * block_elems));
-    }
-    free_list.resize(num_blocks);
-    for (int b = 0; b < num_blocks; ++b) free_list[b] = num_blocks - 1 - b;
-    scratch_block = free_list.back();
-    free_list.pop_back();
+    const int num_blocks = static_cast<int>((options.kv_tokens + 15) / 16) + 1;
+    kv = std::make_unique<DeviceKvCache>(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks);
+    KDN_RETURN_IF_ERROR(kv->Allocate());
+    scratch = kv->NewSequence();
+    KDN_RETURN_IF_ERROR(kv->Reserve(scratch, 1));
+    scratch_block = scratch.blocks()[0];
     max_rows = std::max<int64_t>(options.max_prefill_tokens, options.max_batch);
     const int64_t R = max_rows;
     const AttentionShape shape = Shape();
@@ -293,7 +340,7 @@ struct CudaModel::Impl {
 
   Status UploadTensor(const ModelWeights& w, const std::string& name, DeviceArray<bf16>* dst) {
     auto it = w.find(name);
-    if (it == w.end()) return InvalidArgument("CudaModel: tensor " + name + " is missing");
+    if (it == w.end()) return InvalidArgument("CudaEngine: tensor " + name + " is missing");
     return Upload(it->second.data.data(), it->second.numel(), dst);
   }
 
@@ -303,7 +350,7 @@ struct CudaModel::Impl {
     std::vector<float> fused;
     for (const std::string& name : names) {
       auto it = w.find(name);
-      if (it == w.end()) return InvalidArgument("CudaModel: tensor " + name + " is missing");
+      if (it == w.end()) return InvalidArgument("CudaEngine: tensor " + name + " is missing");
       fused.insert(fused.end(), it->second.data.begin(), it->second.data.end());
     }
     return Upload(fused.data(), static_cast<int64_t>(fused.size()), dst);
@@ -490,7 +537,9 @@ struct CudaModel::Impl {
     return exec;
   }
 
-  Status Decode(std::span<CudaKvSequence* const> seqs, std::span<const int32_t> tokens,
+  Status PrefillBody(KvSequence& seq, std::span<const int32_t> tokens, int64_t start,
+                     const PrefillOptions& options, std::vector<float>* logits);
+  Status Decode(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                 std::vector<float>* logits_out, std::vector<int32_t>* next_out,
                 std::span<Sampler* const> samplers = {});
 
@@ -503,301 +552,5 @@ struct CudaModel::Impl {
     return Status::Ok();
   }
 };
-
-CudaModel::CudaModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-CudaModel::~CudaModel() = default;
-
-Result<std::unique_ptr<CudaModel>> CudaModel::Create(const ModelConfig& config,
-                                                     const ModelWeights& weights,
-                                                     const CudaEngineOptions& options) {
-  auto impl = std::make_unique<Impl>();
-  impl->config = config;
-  impl->options = options;
-  KDN_RETURN_IF_ERROR(impl->Setup());
-  KDN_RETURN_IF_ERROR(impl->UploadWeights(weights));
-  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
-}
-
-Result<std::unique_ptr<CudaModel>> CudaModel::Materialize(const ModelConfig& config, uint64_t seed,
-                                                          const CudaEngineOptions& options) {
-  auto impl = std::make_unique<Impl>();
-  impl->config = config;
-  impl->options = options;
-  KDN_RETURN_IF_ERROR(impl->Setup());
-  KDN_RETURN_IF_ERROR(impl->MaterializeWeights(seed));
-  return std::unique_ptr<CudaModel>(new CudaModel(std::move(impl)));
-}
-
-const ModelConfig& CudaModel::config() const { return impl_->config; }
-int CudaModel::free_blocks() const { return static_cast<int>(impl_->free_list.size()); }
-int64_t CudaModel::weight_bytes() const { return impl_->weight_bytes; }
-
-Status CudaModel::Reserve(CudaKvSequence& seq, int64_t tokens) {
-  const int64_t need = (tokens + 15) / 16 - static_cast<int64_t>(seq.blocks.size());
-  if (need <= 0) return Status::Ok();
-  if (need > static_cast<int64_t>(impl_->free_list.size())) {
-    return ResourceExhausted("KV pool: " + std::to_string(need) + " blocks needed, " +
-                             std::to_string(impl_->free_list.size()) + " free");
-  }
-  for (int64_t i = 0; i < need; ++i) {
-    seq.blocks.push_back(impl_->free_list.back());
-    impl_->free_list.pop_back();
-  }
-  return Status::Ok();
-}
-
-void CudaModel::Free(CudaKvSequence& seq) {
-  impl_->free_list.insert(impl_->free_list.end(), seq.blocks.begin(), seq.blocks.end());
-  seq.blocks.clear();
-  seq.length = 0;
-}
-
-Status CudaModel::Prefill(CudaKvSequence& seq, std::span<const int32_t> tokens,
-                          const PrefillOptions& options, std::vector<float>* logits) {
-  Impl& m = *impl_;
-  const ModelConfig& c = m.config;
-  const auto n = static_cast<int64_t>(tokens.size());
-  if (n == 0) return InvalidArgument("prefill: no tokens");
-  if (n > m.max_rows) {
-    return InvalidArgument("prefill: " + std::to_string(n) + " tokens in one call; at most " +
-                           std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
-  }
-  const int64_t start = seq.length;
-  if (start + n > c.max_context) {
-    return InvalidArgument("prefill: " + std::to_string(start + n) +
-                           " tokens exceed the model's context of " +
-                           std::to_string(c.max_context));
-  }
-  KDN_RETURN_IF_ERROR(m.CheckTokens(tokens));
-  KDN_RETURN_IF_ERROR(Reserve(seq, start + n));
-  std::vector<int32_t> pos(n);
-  std::vector<int64_t> slot(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = start + i;
-    pos[i] = static_cast<int32_t>(p);
-    slot[i] = int64_t{seq.blocks[p / 16]} * 16 + p % 16;
-  }
-  auto up = [&](void* dst, const void* src, size_t bytes) {
-    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, m.stream);
-  };
-  KDN_CUDA_RETURN_IF_ERROR(up(m.ids.get(), tokens.data(), n * sizeof(int32_t)));
-  KDN_CUDA_RETURN_IF_ERROR(up(m.positions.get(), pos.data(), n * sizeof(int32_t)));
-  KDN_CUDA_RETURN_IF_ERROR(up(m.slots.get(), slot.data(), n * sizeof(int64_t)));
-  if (m.flash != nullptr) {
-    const AttentionSequence one{static_cast<int32_t>(n), start + n, seq.blocks.data(),
-                                static_cast<int64_t>(seq.blocks.size())};
-    KDN_RETURN_IF_ERROR(m.flash->Plan(&one, 1, /*graph=*/false, m.stream));
-  } else {
-    KDN_CUDA_RETURN_IF_ERROR(
-        up(m.tables.get(), seq.blocks.data(), seq.blocks.size() * sizeof(int32_t)));
-  }
-  KDN_RETURN_IF_ERROR(m.Embed(n));
-  for (int l = 0; l < c.num_layers; ++l) {
-    KDN_RETURN_IF_ERROR(m.Attend(l, n, /*decode=*/false, start, 0, 0));
-    KDN_RETURN_IF_ERROR(m.Finish(l, n));
-    if (options.on_layer) {
-      KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream));
-      seq.length = start + n;  // the hook may read the layer's KV
-      Status st = options.on_layer(l);
-      seq.length = start;
-      if (!st.ok()) return st;
-    }
-  }
-  logits->clear();
-  KDN_RETURN_IF_ERROR(options.all_logits ? m.Logits(0, n, logits) : m.Logits(n - 1, 1, logits));
-  seq.length = start + n;
-  return Status::Ok();
-}
-
-Status CudaModel::DecodeStep(std::span<CudaKvSequence* const> seqs,
-                             std::span<const int32_t> tokens, std::vector<float>* logits) {
-  return impl_->Decode(seqs, tokens, logits, nullptr);
-}
-
-Status CudaModel::DecodeGreedy(std::span<CudaKvSequence* const> seqs,
-                               std::span<const int32_t> tokens, std::vector<int32_t>* next) {
-  return impl_->Decode(seqs, tokens, nullptr, next);
-}
-
-Status CudaModel::DecodeSample(std::span<CudaKvSequence* const> seqs,
-                               std::span<const int32_t> tokens,
-                               std::span<Sampler* const> samplers, std::vector<int32_t>* next) {
-  if (samplers.size() != seqs.size()) {
-    return InvalidArgument("decode: one sampler per sequence");
-  }
-  for (Sampler* s : samplers) {
-    if (s == nullptr) return InvalidArgument("decode: a null sampler");
-    KDN_RETURN_IF_ERROR(ValidateSamplingParams(s->params()));
-  }
-  return impl_->Decode(seqs, tokens, nullptr, next, samplers);
-}
-
-bool CudaModel::uses_flash_attention() const { return impl_->flash != nullptr; }
-bool CudaModel::uses_cuda_graphs() const { return impl_->graphs(); }
-
-Status CudaModel::Impl::Decode(std::span<CudaKvSequence* const> seqs,
-                               std::span<const int32_t> tokens, std::vector<float>* logits_out,
-                               std::vector<int32_t>* next_out,
-                               std::span<Sampler* const> samplers) {
-  const ModelConfig& c = config;
-  const auto batch = static_cast<int64_t>(seqs.size());
-  if (batch == 0 || static_cast<int64_t>(tokens.size()) != batch) {
-    return InvalidArgument("decode: one token per sequence, at least one sequence");
-  }
-  if (batch > options.max_batch) {
-    return InvalidArgument("decode: batch of " + std::to_string(batch) + " beyond max_batch " +
-                           std::to_string(options.max_batch));
-  }
-  KDN_RETURN_IF_ERROR(CheckTokens(tokens));
-  for (CudaKvSequence* s : seqs) {
-    if (s->length + 1 > c.max_context) return InvalidArgument("decode: the context is full");
-  }
-  // Blocks for the new tokens; on failure, give back what this step took.
-  std::vector<size_t> had(batch);
-  for (int64_t b = 0; b < batch; ++b) had[b] = seqs[b]->blocks.size();
-  for (int64_t b = 0; b < batch; ++b) {
-    CudaKvSequence& s = *seqs[b];
-    const int64_t need = (s.length + 1 + 15) / 16 - static_cast<int64_t>(s.blocks.size());
-    if (need > static_cast<int64_t>(free_list.size())) {
-      for (int64_t u = 0; u < b; ++u) {
-        CudaKvSequence& t = *seqs[u];
-        free_list.insert(free_list.end(), t.blocks.begin() + had[u], t.blocks.end());
-        t.blocks.resize(had[u]);
-      }
-      return ResourceExhausted("KV pool: " + std::to_string(need) + " blocks needed, " +
-                               std::to_string(free_list.size()) + " free");
-    }
-    for (int64_t i = 0; i < need; ++i) {
-      s.blocks.push_back(free_list.back());
-      free_list.pop_back();
-    }
-  }
-  const bool use_graph = graphs();
-  const int64_t rows = use_graph ? DecodeBucket(static_cast<int>(batch), options.max_batch) : batch;
-  int64_t max_len = 0, stride = 0;
-  std::vector<AttentionSequence> attn_seqs(rows);
-  for (int64_t b = 0; b < rows; ++b) {
-    if (b < batch) {
-      const CudaKvSequence& s = *seqs[b];
-      ids_host.get()[b] = tokens[b];
-      positions_host.get()[b] = static_cast<int32_t>(s.length);
-      slots_host.get()[b] = int64_t{s.blocks[s.length / 16]} * 16 + s.length % 16;
-      attn_seqs[b] = {1, s.length + 1, s.blocks.data(), static_cast<int64_t>(s.blocks.size())};
-      max_len = std::max(max_len, s.length + 1);
-      stride = std::max(stride, static_cast<int64_t>(s.blocks.size()));
-    } else {  // padding: token 0 at position 0 of the scratch block
-      ids_host.get()[b] = 0;
-      positions_host.get()[b] = 0;
-      slots_host.get()[b] = int64_t{scratch_block} * 16;
-      attn_seqs[b] = {1, 1, &scratch_block, 1};
-    }
-  }
-  auto up = [&](void* dst, const void* src, size_t bytes) {
-    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
-  };
-  // From here on a failure gives back this step's blocks (below).
-  auto inputs = [&]() -> Status {
-    KDN_CUDA_RETURN_IF_ERROR(up(ids.get(), ids_host.get(), rows * sizeof(int32_t)));
-    KDN_CUDA_RETURN_IF_ERROR(up(positions.get(), positions_host.get(), rows * sizeof(int32_t)));
-    KDN_CUDA_RETURN_IF_ERROR(up(slots.get(), slots_host.get(), rows * sizeof(int64_t)));
-    if (flash != nullptr) return flash->Plan(attn_seqs.data(), static_cast<int>(rows), use_graph, stream);
-    std::vector<int32_t> lens(batch), table(batch * stride, 0);
-    for (int64_t b = 0; b < batch; ++b) {
-      lens[b] = static_cast<int32_t>(seqs[b]->length + 1);
-      std::copy(seqs[b]->blocks.begin(), seqs[b]->blocks.end(), table.begin() + b * stride);
-    }
-    KDN_CUDA_RETURN_IF_ERROR(up(lengths.get(), lens.data(), batch * sizeof(int32_t)));
-    // From pageable memory: the copies have read the vectors when they return.
-    KDN_CUDA_RETURN_IF_ERROR(up(tables.get(), table.data(), table.size() * sizeof(int32_t)));
-    return Status::Ok();
-  };
-  Status st = inputs();
-  if (st.ok() && use_graph) {
-    auto exec = DecodeGraph(static_cast<int>(rows));
-    st = exec.ok() ? Status::Ok() : exec.status();
-    if (st.ok()) {
-      const cudaError_t launched = cudaGraphLaunch(*exec, stream);
-      if (launched != cudaSuccess) st = Internal(std::string("cudaGraphLaunch: ") +
-                                                 cudaGetErrorString(launched));
-    }
-  } else if (st.ok()) {
-    st = DecodeBody(rows, stride, max_len);
-  }
-  // Sampled rows: their draws from their own streams (kept to restore on
-  // failure), then the device sampler over the step's logits.
-  std::vector<Sampler> saved;
-  if (st.ok() && !samplers.empty()) {
-    std::vector<DeviceSamplingRow> rows_params(batch);
-    bool any = false;
-    for (int64_t b = 0; b < batch; ++b) {
-      saved.push_back(*samplers[b]);
-      const SamplingParams& p = samplers[b]->params();
-      const double u = samplers[b]->NextDraw();
-      rows_params[b] = {u < 0.0 ? 0.0f : p.temperature, p.top_k, p.top_p, u < 0.0 ? 0.0 : u};
-      any = any || u >= 0.0;
-    }
-    if (any && sampler == nullptr) {
-      auto made = DeviceSampler::Create(options.max_batch, c.vocab_size);
-      if (made.ok()) sampler = std::move(made).value();
-      else st = made.status();
-    }
-    if (st.ok() && any) {
-      st = sampler->Sample(logits.get(), rows_params.data(), static_cast<int>(batch), sampled.get(),
-                           stream);
-    }
-  }
-  if (st.ok() && logits_out != nullptr) {
-    logits_out->resize(batch * c.vocab_size);
-    const cudaError_t e = cudaMemcpyAsync(logits_out->data(), logits.get(),
-                                          batch * c.vocab_size * sizeof(float),
-                                          cudaMemcpyDeviceToHost, stream);
-    if (e != cudaSuccess) st = Internal(std::string("logits copy: ") + cudaGetErrorString(e));
-  }
-  if (st.ok() && next_out != nullptr) {
-    const cudaError_t e = cudaMemcpyAsync(sampled_host.get(), sampled.get(),
-                                          batch * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
-    if (e != cudaSuccess) st = Internal(std::string("token copy: ") + cudaGetErrorString(e));
-  }
-  const cudaError_t synced = cudaStreamSynchronize(stream);
-  if (st.ok() && synced != cudaSuccess) st = Internal(cudaGetErrorString(synced));
-  if (!st.ok()) {
-    for (int64_t b = 0; b < batch; ++b) {
-      CudaKvSequence& t = *seqs[b];
-      free_list.insert(free_list.end(), t.blocks.begin() + had[b], t.blocks.end());
-      t.blocks.resize(had[b]);
-    }
-    for (size_t b = 0; b < saved.size(); ++b) *samplers[b] = saved[b];
-    return st;
-  }
-  if (next_out != nullptr) next_out->assign(sampled_host.get(), sampled_host.get() + batch);
-  for (CudaKvSequence* s : seqs) ++s->length;
-  return Status::Ok();
-}
-
-Status CudaModel::ReadKv(const CudaKvSequence& seq, int layer, int64_t first, int64_t count,
-                         std::vector<float>* out) {
-  Impl& m = *impl_;
-  if (layer < 0 || layer >= m.config.num_layers || first < 0 || count < 0 ||
-      first + count > seq.length) {
-    return InvalidArgument("ReadKv: layer or positions outside the sequence");
-  }
-  const int64_t row = m.config.kv_dim();
-  DeviceArray<bf16> buf;
-  DeviceArray<int32_t> table;
-  KDN_RETURN_IF_ERROR(buf.Allocate(2 * count * row));
-  KDN_RETURN_IF_ERROR(table.Allocate(static_cast<int64_t>(seq.blocks.size())));
-  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(table.get(), seq.blocks.data(),
-                                           seq.blocks.size() * sizeof(int32_t),
-                                           cudaMemcpyHostToDevice, m.stream));
-  KDN_RETURN_IF_ERROR(GatherKvCuda<bf16>(m.Layer(layer), table.get(), first, count, buf.get(),
-                                         m.stream));
-  std::vector<bf16> host(2 * count * row);
-  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), buf.get(), host.size() * sizeof(bf16),
-                                           cudaMemcpyDeviceToHost, m.stream));
-  KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.stream));
-  out->resize(host.size());
-  for (size_t i = 0; i < host.size(); ++i) (*out)[i] = __bfloat162float(host[i]);
-  return Status::Ok();
-}
 
 }  // namespace kdn::engine::cuda

@@ -1,0 +1,165 @@
+// The device KV cache's reads, writes and rotations, and what a CudaEngine
+// needs of its device (cuda_engine.h: DeviceCount, EstimateDeviceBytes).
+#include <cstring>
+
+#include "cuda_engine_impl.h"
+
+namespace kdn::engine::cuda {
+
+
+namespace {
+
+// Workspaces not sized by the options: FlashInfer's plans and split-KV
+// buffers, the device sampler, cuBLAS's own. Generous, so that a start that
+// passes the check does not fail at its first long prompt.
+constexpr int64_t kFixedWorkspaceBytes = int64_t{768} << 20;
+
+}  // namespace
+
+int DeviceCount() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+int64_t KvBytesPerToken(const ModelConfig& c) {
+  return int64_t{c.num_layers} * 2 * c.kv_dim() * static_cast<int64_t>(sizeof(bf16));
+}
+
+int64_t EstimateDeviceBytes(const ModelConfig& c, const CudaEngineOptions& o) {
+  const int64_t e = sizeof(bf16);
+  const int64_t weights = c.ParameterCount() * e;
+  const int64_t kv = ((o.kv_tokens + 15) / 16 + 1) * 16 * KvBytesPerToken(c);
+  const int64_t rows = std::max<int64_t>(o.max_prefill_tokens, o.max_batch);
+  const int64_t per_row = (2 * int64_t{c.hidden_size} + c.q_dim() + 2 * c.kv_dim() + c.q_dim() +
+                           3 * int64_t{c.intermediate_size} + c.q_dim()) *
+                              e +
+                          16;
+  const int64_t logits = std::max<int64_t>(1024, o.max_batch) * c.vocab_size * 4;
+  return weights + kv + rows * per_row + logits + kFixedWorkspaceBytes;
+}
+
+Status internal::CheckDevice(const ModelConfig& config, const CudaEngineOptions& options) {
+  const int count = DeviceCount();
+  if (count == 0) {
+    return FailedPrecondition("cuda: no CUDA device is visible (driver missing, or "
+                              "CUDA_VISIBLE_DEVICES empty); use --device cpu");
+  }
+  if (options.device < 0 || options.device >= count) {
+    return FailedPrecondition("cuda: no device " + std::to_string(options.device) +
+                              "; this machine has " + std::to_string(count) + " (0.." +
+                              std::to_string(count - 1) + ")");
+  }
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  size_t free_bytes = 0, total_bytes = 0;
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const int64_t need = EstimateDeviceBytes(config, options);
+  if (need > static_cast<int64_t>(free_bytes)) {
+    auto gib = [](int64_t b) { return std::to_string(b / (int64_t{1} << 20)) + " MiB"; };
+    return FailedPrecondition(
+        "cuda:" + std::to_string(options.device) + ": the model needs about " + gib(need) +
+        " (weights " + gib(config.ParameterCount() * 2) + ", KV for " +
+        std::to_string(options.kv_tokens) + " tokens " +
+        gib(options.kv_tokens * KvBytesPerToken(config)) + ") but only " +
+        gib(static_cast<int64_t>(free_bytes)) + " of " + gib(static_cast<int64_t>(total_bytes)) +
+        " are free; give it fewer KV tokens, a smaller --gpu-mem-fraction share or a GPU "
+        "of its own");
+  }
+  return Status::Ok();
+}
+
+DeviceKvCache::~DeviceKvCache() {
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+}
+
+Status DeviceKvCache::Allocate() {
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  k_.resize(num_layers());
+  v_.resize(num_layers());
+  for (int l = 0; l < num_layers(); ++l) {
+    KDN_RETURN_IF_ERROR(k_[l].Allocate(num_blocks() * block_stride()));
+    KDN_RETURN_IF_ERROR(v_[l].Allocate(num_blocks() * block_stride()));
+  }
+  return Status::Ok();
+}
+
+Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer, int64_t first,
+                            int64_t count, bool gather) const {
+  // The table from the first position's block on, so positions shift to it.
+  const int64_t b0 = first / kKvBlockTokens, b1 = (first + count - 1) / kKvBlockTokens + 1;
+  if (table_.size() < b1 - b0) KDN_RETURN_IF_ERROR(table_.Allocate(b1 - b0));
+  if (rows_.size() < 2 * count * token_stride()) {
+    KDN_RETURN_IF_ERROR(rows_.Allocate(2 * count * token_stride()));
+  }
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(table_.get(), blocks.data() + b0,
+                                           (b1 - b0) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                           stream_));
+  const PagedKvLayer<bf16> pool{k_[layer].get(), v_[layer].get(), num_kv_heads(), head_dim()};
+  const int64_t at = first - b0 * kKvBlockTokens;
+  return gather ? GatherKvCuda<bf16>(pool, table_.get(), at, count, rows_.get(), stream_)
+                : ScatterKvCuda<bf16>(rows_.get(), count, table_.get(), at, pool, stream_);
+}
+
+Status DeviceKvCache::ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
+                               int64_t count, DType dtype, uint8_t* out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/true));
+  const size_t n = static_cast<size_t>(2 * count * token_stride());
+  // bf16 goes straight to the caller's buffer; other types through host_.
+  void* dst = out;
+  if (dtype != DType::kBF16) {
+    host_.resize(n);
+    dst = host_.data();
+  }
+  KDN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, rows_.get(), n * sizeof(bf16), cudaMemcpyDeviceToHost, stream_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (dtype != DType::kBF16) {
+    std::vector<float> f(n);
+    ToFloat(DType::kBF16, host_.data(), n, f.data());
+    FromFloat(dtype, f.data(), n, out);
+  }
+  return Status::Ok();
+}
+
+Status DeviceKvCache::WriteRows(std::span<const int32_t> blocks, int layer, int64_t first,
+                                int64_t count, DType dtype, const uint8_t* in) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t n = static_cast<size_t>(2 * count * token_stride());
+  const void* src = in;
+  if (dtype != DType::kBF16) {
+    std::vector<float> f(n);
+    ToFloat(dtype, in, n, f.data());
+    host_.resize(n);
+    FromFloat(DType::kBF16, f.data(), n, host_.data());
+    src = host_.data();
+  }
+  if (rows_.size() < static_cast<int64_t>(n)) {
+    KDN_RETURN_IF_ERROR(rows_.Allocate(static_cast<int64_t>(n)));
+  }
+  KDN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(rows_.get(), src, n * sizeof(bf16), cudaMemcpyHostToDevice, stream_));
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/false));
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return Status::Ok();
+}
+
+Status DeviceKvCache::RotateKeys(std::span<const int32_t> blocks, int layer, int64_t first,
+                                 int64_t count, int64_t delta, const float* inv_freq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Gather, turn the K rows by delta positions (RoPE of position delta is
+  // the rotation by delta), scatter back; V goes back as it came.
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/true));
+  if (positions_.size() < count) KDN_RETURN_IF_ERROR(positions_.Allocate(count));
+  const std::vector<int32_t> deltas(count, static_cast<int32_t>(delta));
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(positions_.get(), deltas.data(),
+                                           count * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                           stream_));
+  KDN_RETURN_IF_ERROR(ApplyRopeCuda<bf16>(rows_.get(), count, num_kv_heads(), head_dim(),
+                                          positions_.get(), inv_freq, stream_));
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/false));
+  // The host vector of deltas must outlive its copy.
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return Status::Ok();
+}
+
+}  // namespace kdn::engine::cuda

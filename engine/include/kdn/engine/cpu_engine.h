@@ -1,0 +1,90 @@
+#pragma once
+// CpuEngine: the Engine (engine.h) on the CPU: fp32, OpenBLAS for the matrix
+// products, OpenMP across cores, over a CpuKvCache in host memory.
+//
+// Thread-compatible, as Engine says: one thread at a time calls into it (a
+// worker owns one), but RotateCachedKeys and kv_cache().Write on one layer
+// may run beside a RowPass on another.
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/config.h"
+#include "kdn/engine/engine.h"
+#include "kdn/engine/kv_cache.h"
+#include "kdn/engine/weights.h"
+
+namespace kdn::engine {
+
+struct EngineOptions {
+  // KV pool size in blocks of 16 tokens; 0 picks enough for kv_tokens.
+  int kv_blocks = 0;
+  int64_t kv_tokens = 16384;
+  // OpenMP/OpenBLAS threads; 0 = all cores.
+  int threads = 0;
+};
+
+class CpuEngine final : public Engine {
+ public:
+  // Takes the weights (fp32, Hugging Face names) and builds the backend's
+  // layouts; the map is consumed.
+  static Result<std::unique_ptr<CpuEngine>> Create(const ModelConfig& config,
+                                                   ModelWeights weights,
+                                                   const EngineOptions& options = {});
+  // Loads config.json and the safetensors weights of a model folder.
+  static Result<std::unique_ptr<CpuEngine>> Load(const std::filesystem::path& dir,
+                                                 const EngineOptions& options = {});
+  ~CpuEngine();
+
+  const ModelConfig& config() const override { return config_; }
+  std::string device() const override { return "cpu"; }
+  DType kv_dtype() const override { return DType::kF32; }
+  CpuKvCache& kv_cache() override { return *kv_; }
+
+  Status Prefill(KvSequence& seq, std::span<const int32_t> tokens, const PrefillOptions& options,
+                 std::vector<float>* logits) override;
+  Status DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                    std::vector<float>* logits) override;
+  Status DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                      std::span<Sampler* const> samplers, std::vector<int32_t>* next) override;
+  Result<std::unique_ptr<RowPass>> BeginRowPass(KvSequence& seq, std::span<const int32_t> tokens,
+                                                std::span<const int64_t> positions) override;
+  Status RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
+                          int layer = -1) override;
+
+ private:
+  struct Layer;
+  struct Segment;  // one sequence's run of new tokens inside a forward pass
+  struct Scratch;  // a pass's activations, allocated once for all its layers
+  class CpuRowPass;
+  CpuEngine(const ModelConfig& config, const EngineOptions& options);
+  Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
+                 std::vector<float>* logits);
+  // Runs layer l over `rows` rows whose hidden states are in `x`, at the
+  // positions `pos`; segs name the sequences the rows belong to. When
+  // `deviation` is given (one sequence only), it receives per row the squared
+  // distance of its new K and V from those the cache held before.
+  void RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
+                Scratch& scratch, std::vector<float>* deviation);
+  // Attention of every new row over its sequence's KV (already written).
+  void AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos, const float* q,
+                 float* out);
+  // One sequence's rows at ascending positions `pos` (n of them), causal.
+  void AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n, const float* q,
+                  float* out);
+
+  ModelConfig config_;
+  EngineOptions options_;
+  std::vector<float> embed_;    // [vocab][hidden]
+  std::vector<float> lm_head_;  // [vocab][hidden]; empty when tied to embed_
+  std::vector<float> final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;
+  std::unique_ptr<CpuKvCache> kv_;
+};
+
+}  // namespace kdn::engine

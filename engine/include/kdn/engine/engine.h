@@ -1,0 +1,135 @@
+#pragma once
+// Engine: the one interface every backend implements (docs/engine.md, "The
+// engine interface"): a Llama-family transformer over a paged KV cache, on
+// the CPU (CpuEngine) or on a GPU (cuda::CudaEngine). Workers, blend, bench
+// and tools use only this interface; OpenEngine (open_engine.h) picks the
+// backend from a device name.
+//
+// Entry points:
+//   Prefill       appends a range of tokens to a sequence on top of the KV it
+//                 already holds, calling a hook after each layer;
+//   DecodeStep    one token for each sequence of a batch, logits back;
+//   DecodeSample  the same step, each sequence's next token drawn where the
+//                 logits live (on the device for a GPU);
+//   BeginRowPass, RotateCachedKeys
+//                 the per-layer calls blend needs;
+//   kv_cache()    the blocks, and their KV by layer in a host element type.
+// Every call that writes KV writes it into the sequence's blocks; failure
+// leaves sequences as they were unless a call says otherwise.
+//
+// Thread-compatible: one thread at a time calls into an Engine (a worker owns
+// one), except where a method says otherwise. The per-layer hook runs on the
+// calling thread once the layer's KV is in the cache, so it may read it.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/config.h"
+#include "kdn/engine/kv_cache.h"
+#include "kdn/engine/sampler.h"
+
+namespace kdn::engine {
+
+// Called after layer `layer` has written the KV of the tokens being
+// prefilled; a non-OK Status aborts the prefill with that Status (the tokens'
+// KV is then dropped from the sequence).
+using LayerHook = std::function<Status(int layer)>;
+
+struct PrefillOptions {
+  bool all_logits = false;  // logits of every new token, not only the last
+  LayerHook on_layer;
+};
+
+class RowPass;
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  // Where it runs, for logs and /metrics: "cpu", "cuda:0".
+  virtual std::string device() const = 0;
+  // The element type its KV cache holds: what its chunks carry (so another
+  // backend's KV is never mistaken for its own) and what the model
+  // fingerprint covers.
+  virtual DType kv_dtype() const = 0;
+  virtual KvCache& kv_cache() = 0;
+
+  // Computes `tokens` at positions seq.length() .. seq.length()+n-1 and
+  // appends their KV to `seq`. `logits` receives n x vocab floats if
+  // all_logits, else the last token's vocab floats (fp32 on the host: the
+  // first token of a request is drawn from one row, so it is drawn there).
+  virtual Status Prefill(KvSequence& seq, std::span<const int32_t> tokens,
+                         const PrefillOptions& options, std::vector<float>* logits) = 0;
+
+  // One step for a batch: token tokens[b] is appended to *seqs[b] at
+  // position seqs[b]->length(). `logits` receives batch x vocab floats.
+  // Sequences must be distinct. On error no sequence changes length.
+  virtual Status DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                            std::vector<float>* logits) = 0;
+  // The same step, drawing next[b] with samplers[b] (its parameters and its
+  // random stream) exactly as samplers[b]->Sample would from the step's
+  // logits; only the ids leave the backend. On failure the samplers' streams
+  // are as they were.
+  virtual Status DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                              std::span<Sampler* const> samplers, std::vector<int32_t>* next) = 0;
+
+  // The per-layer calls blend needs (docs/design.md, "Blend"). A RowPass
+  // recomputes chosen positions of a sequence whose cache already holds KV
+  // for every position below seq.length() (for blend: KV fused from cached
+  // segments). Each RunLayer computes the rows' K and V at one layer,
+  // overwrites them in the cache, attends causally over the whole cache at
+  // that layer and moves the rows' hidden states on; Keep narrows the rows
+  // for the layers that follow. Recomputing every position at every layer
+  // is a full prefill. The pass borrows the engine and the sequence; one
+  // pass at a time, on the engine's thread.
+  // `tokens` has one token per position of `seq` (seq.length() of them);
+  // `positions` (ascending, distinct, each < seq.length()) are the rows.
+  virtual Result<std::unique_ptr<RowPass>> BeginRowPass(KvSequence& seq,
+                                                        std::span<const int32_t> tokens,
+                                                        std::span<const int64_t> positions) = 0;
+
+  // Rotates the cached K of positions [first, first + count) of `seq`, at
+  // `layer` (-1: every layer), as if RoPE had been applied at position +
+  // delta instead of position: RoPE is a rotation, so a delta rotation moves
+  // a segment's cached K to where it now sits in a prompt. Touches only that
+  // KV, so it may run on another thread beside a RowPass working on other
+  // layers of the same sequence (as may kv_cache().Write).
+  virtual Status RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
+                                  int layer = -1) = 0;
+};
+
+class RowPass {
+ public:
+  virtual ~RowPass() = default;
+  // Runs the next layer (layers run in order, from 0). With `deviation`,
+  // fills one value per current row: the squared L2 distance between its
+  // recomputed K and V and the K and V the cache held for it before.
+  virtual Status RunLayer(std::vector<float>* deviation = nullptr) = 0;
+  // Keeps the current rows at these indices (ascending) for later layers.
+  virtual Status Keep(std::span<const int64_t> rows) = 0;
+  // The positions of the current rows.
+  virtual const std::vector<int64_t>& positions() const = 0;
+  virtual int next_layer() const = 0;
+  // After the last layer: the logits of the last current row.
+  virtual Status Logits(std::vector<float>* logits) = 0;
+};
+
+// Checks a row pass's arguments against `seq` (shared by the backends).
+Status CheckRowPass(const ModelConfig& config, const KvSequence& seq,
+                    std::span<const int32_t> tokens, std::span<const int64_t> positions);
+// Checks RowPass::Keep's rows against a pass of `current` rows.
+Status CheckKeep(std::span<const int64_t> rows, size_t current);
+// Checks RotateCachedKeys' arguments against `seq`.
+Status CheckRotation(const ModelConfig& config, const KvSequence& seq, int64_t first,
+                     int64_t count, int layer);
+// Checks a decode batch: as many tokens as sequences, none twice, not empty.
+Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                        size_t samplers);
+
+}  // namespace kdn::engine

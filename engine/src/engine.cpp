@@ -1,0 +1,69 @@
+#include "kdn/engine/engine.h"
+
+#include <string>
+
+namespace kdn::engine {
+
+Status CheckRowPass(const ModelConfig& config, const KvSequence& seq,
+                    std::span<const int32_t> tokens, std::span<const int64_t> positions) {
+  if (static_cast<int64_t>(tokens.size()) != seq.length()) {
+    return InvalidArgument("row pass: " + std::to_string(tokens.size()) +
+                           " tokens for a sequence of " + std::to_string(seq.length()));
+  }
+  if (positions.empty()) return InvalidArgument("row pass: no positions");
+  for (size_t i = 0; i < positions.size(); ++i) {
+    if (positions[i] < 0 || positions[i] >= seq.length() ||
+        (i > 0 && positions[i] <= positions[i - 1])) {
+      return InvalidArgument("row pass: positions must be ascending, distinct and below " +
+                             std::to_string(seq.length()));
+    }
+  }
+  for (int32_t t : tokens) {
+    if (t < 0 || t >= config.vocab_size) {
+      return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckKeep(std::span<const int64_t> rows, size_t current) {
+  if (rows.empty()) return InvalidArgument("row pass: keeps no row");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= static_cast<int64_t>(current) ||
+        (i > 0 && rows[i] <= rows[i - 1])) {
+      return InvalidArgument("row pass: rows to keep must be ascending indices of current rows");
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckRotation(const ModelConfig& config, const KvSequence& seq, int64_t first,
+                     int64_t count, int layer) {
+  if (first < 0 || count < 0 || first + count > seq.length()) {
+    return InvalidArgument("rotate: positions [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + ") are not all in a sequence of " +
+                           std::to_string(seq.length()));
+  }
+  if (layer < -1 || layer >= config.num_layers) {
+    return InvalidArgument("rotate: no layer " + std::to_string(layer));
+  }
+  return Status::Ok();
+}
+
+Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                        size_t samplers) {
+  if (seqs.size() != tokens.size() || seqs.size() != samplers) {
+    return InvalidArgument("decode: " + std::to_string(seqs.size()) + " sequences but " +
+                           std::to_string(tokens.size()) + " tokens and " +
+                           std::to_string(samplers) + " samplers");
+  }
+  if (seqs.empty()) return InvalidArgument("decode: empty batch");
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    for (size_t c = 0; c < b; ++c) {
+      if (seqs[c] == seqs[b]) return InvalidArgument("decode: a sequence appears twice in a batch");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kdn::engine

@@ -1,0 +1,28 @@
+#pragma once
+// The model fingerprint that every chunk key covers (docs/kvbus.md, "Model
+// fingerprint"): it needs the engine's config and tensor list, so it lives
+// here, above kvbus and the engine. Thread-safe: pure functions.
+
+#include <cstdint>
+#include <filesystem>
+#include <string_view>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/config.h"
+#include "kdn/kvbus/key.h"
+
+namespace kdn::kvbridge {
+
+// Covers the model config (architecture and every shape and RoPE field),
+// every weight tensor's name and shape, the weights' dtype, the KV dtype and
+// a digest of the weights' contents (WeightsDigest), so two models that could
+// produce different KV never share a chunk: not even two fine-tunes of one
+// architecture, which shapes and dtypes alone would confuse.
+kvbus::ChunkKey ModelFingerprint(const engine::ModelConfig& config, std::string_view weight_dtype,
+                          std::string_view kv_dtype, uint64_t weights_digest);
+
+// XXH3-64 over the bytes of the model folder's safetensors files, in the
+// order of their names (streamed; ~10 GB/s, so ~2 s for 16 GB).
+Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir);
+
+}  // namespace kdn::kvbridge

@@ -1,0 +1,56 @@
+#pragma once
+// The bridge between KV chunks (kvbus) and an engine's paged KV cache: the
+// copies that turn a sequence's KV into chunks and layer slices and back,
+// through engine::KvCache's Read and Write, so they work on whichever memory
+// the blocks live in (host or device). It sits above both libraries, so that
+// kvbus (and kdn-store) need no engine.
+// Thread-safe as the cache is: calls on one cache are serialised by its
+// engine's thread, except Write on distinct layers (see KvCache).
+
+#include <cstdint>
+#include <memory>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/kv_cache.h"
+#include "kdn/kvbus/chunk.h"
+
+namespace kdn::kvbridge {
+
+// The chunk dtype of an engine element type (Engine::kv_dtype()).
+kvbus::KvDType ChunkDType(engine::DType t);
+
+// Copies the KV of tokens [first, first + count) of `seq` (fp32 in the cache)
+// into a new chunk of `dtype`, rounding to nearest even. The tokens must be
+// within seq.length().
+Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(const engine::KvCache& cache,
+                                                      const engine::KvSequence& seq, int64_t first,
+                                                      int64_t count, const kvbus::ChunkKey& key,
+                                                      const kvbus::ChunkKey& model_fingerprint,
+                                                      kvbus::KvDType dtype);
+
+// Writes a chunk's KV into positions [first, first + tokens) of `seq`, which
+// must have reserved room for them (KvCache::Reserve); does not change
+// seq's length. INVALID_ARGUMENT if the chunk's layers, heads or head_dim do
+// not match the cache.
+Status ChunkToPagedKv(const kvbus::Chunk& chunk, engine::KvCache& cache, engine::KvSequence& seq,
+                      int64_t first);
+
+// The same for layer `layer` of a whole chunk alone (for loading a chunk one
+// layer at a time while earlier layers compute).
+Status ChunkLayerToPagedKv(const kvbus::Chunk& chunk, int layer, engine::KvCache& cache,
+                           engine::KvSequence& seq, int64_t first);
+
+// Layer slices: chunks of one layer (info.layers == 1), the unit in which a
+// prefill worker pushes KV to a decode worker as each layer finishes
+// (LayerSliceKey names them). Same contracts as the whole-chunk functions;
+// `layer` is the cache layer read or written.
+Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(const engine::KvCache& cache,
+                                                           const engine::KvSequence& seq,
+                                                           int64_t first, int64_t count, int layer,
+                                                           const kvbus::ChunkKey& key,
+                                                           const kvbus::ChunkKey& model_fingerprint,
+                                                           kvbus::KvDType dtype);
+Status LayerSliceToPagedKv(const kvbus::Chunk& slice, int layer, engine::KvCache& cache,
+                           engine::KvSequence& seq, int64_t first);
+
+}  // namespace kdn::kvbridge

@@ -1,0 +1,146 @@
+#include "kdn/kvbridge/paged_chunks.h"
+
+#include <span>
+#include <string>
+
+namespace kdn::kvbridge {
+
+namespace {
+
+using kvbus::Chunk;
+using kvbus::ChunkInfo;
+using kvbus::ChunkKey;
+using kvbus::KvDType;
+
+engine::DType ToEngine(KvDType t) {
+  switch (t) {
+    case KvDType::kF32: return engine::DType::kF32;
+    case KvDType::kF16: return engine::DType::kF16;
+    case KvDType::kBF16: return engine::DType::kBF16;
+  }
+  return engine::DType::kF32;
+}
+
+// Layers [layer0, layer0 + layers) of tokens [first, first + count) of `seq`.
+Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cache,
+                                               const engine::KvSequence& seq, int64_t first,
+                                               int64_t count, int layer0, int layers,
+                                               const ChunkKey& key,
+                                               const ChunkKey& model_fingerprint, KvDType dtype) {
+  if (first < 0 || count <= 0 || first + count > seq.length()) {
+    return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + ") are not all in a sequence of " +
+                           std::to_string(seq.length()));
+  }
+  if (layer0 < 0 || layers <= 0 || layer0 + layers > cache.num_layers()) {
+    return InvalidArgument("chunk: layers [" + std::to_string(layer0) + ", " +
+                           std::to_string(layer0 + layers) + ") are not all in a cache of " +
+                           std::to_string(cache.num_layers()));
+  }
+  ChunkInfo info{key, model_fingerprint, static_cast<uint32_t>(layers),
+                 static_cast<uint32_t>(cache.num_kv_heads()),
+                 static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(count), dtype,
+                 first};
+  // Each layer of the payload is one KvCache::Read: K rows, then V rows.
+  const size_t layer_bytes = cache.LayerBytes(count, ToEngine(dtype));
+  Status read;
+  auto chunk = Chunk::Build(info, [&](uint8_t* out) {
+    for (int l = layer0; l < layer0 + layers && read.ok(); ++l) {
+      read = cache.Read(seq, l, first, count, ToEngine(dtype),
+                        std::span<uint8_t>(out + (l - layer0) * layer_bytes, layer_bytes));
+    }
+  });
+  KDN_RETURN_IF_ERROR(read);
+  return chunk;
+}
+
+// Writes the chunk's layers [src_layer, src_layer + n_layers) into the
+// cache's layers from layer0 on.
+Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
+               engine::KvCache& cache, engine::KvSequence& seq, int64_t first) {
+  const ChunkInfo& info = chunk.info();
+  if (layer0 < 0 || layer0 + static_cast<int64_t>(n_layers) > cache.num_layers() ||
+      static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
+      static_cast<int>(info.head_dim) != cache.head_dim()) {
+    return InvalidArgument("chunk " + info.key.ToHex() + " has " + std::to_string(info.layers) +
+                           " layers x " + std::to_string(info.kv_heads) + " KV heads x " +
+                           std::to_string(info.head_dim) + "; the cache from layer " +
+                           std::to_string(layer0) + " has " +
+                           std::to_string(cache.num_layers() - layer0) + " x " +
+                           std::to_string(cache.num_kv_heads()) + " x " +
+                           std::to_string(cache.head_dim()));
+  }
+  const int64_t end = first + info.tokens;
+  if (first < 0 || end > seq.reserved()) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": positions [" + std::to_string(first) +
+                           ", " + std::to_string(end) + ") are not reserved in the sequence");
+  }
+  const size_t layer_bytes = cache.LayerBytes(info.tokens, ToEngine(info.dtype));
+  const uint8_t* in = chunk.payload().data() + static_cast<size_t>(src_layer) * layer_bytes;
+  for (int l = layer0; l < layer0 + n_layers; ++l, in += layer_bytes) {
+    KDN_RETURN_IF_ERROR(cache.Write(seq, l, first, info.tokens, ToEngine(info.dtype),
+                                    std::span<const uint8_t>(in, layer_bytes)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(const engine::KvCache& cache,
+                                                      const engine::KvSequence& seq, int64_t first,
+                                                      int64_t count, const ChunkKey& key,
+                                                      const ChunkKey& model_fingerprint,
+                                                      KvDType dtype) {
+  return FromPaged(cache, seq, first, count, 0, cache.num_layers(), key, model_fingerprint, dtype);
+}
+
+Status ChunkToPagedKv(const Chunk& chunk, engine::KvCache& cache, engine::KvSequence& seq,
+                      int64_t first) {
+  if (static_cast<int>(chunk.info().layers) != cache.num_layers()) {
+    return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
+                           std::to_string(chunk.info().layers) + " layers, the cache " +
+                           std::to_string(cache.num_layers()));
+  }
+  return ToPaged(chunk, 0, cache.num_layers(), 0, cache, seq, first);
+}
+
+Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::KvCache& cache,
+                           engine::KvSequence& seq, int64_t first) {
+  if (static_cast<int>(chunk.info().layers) != cache.num_layers() || layer < 0 ||
+      layer >= cache.num_layers()) {
+    return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
+                           std::to_string(chunk.info().layers) + " layers, the cache " +
+                           std::to_string(cache.num_layers()) + "; layer " +
+                           std::to_string(layer) + " asked for");
+  }
+  return ToPaged(chunk, layer, 1, layer, cache, seq, first);
+}
+
+Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(const engine::KvCache& cache,
+                                                           const engine::KvSequence& seq,
+                                                           int64_t first, int64_t count, int layer,
+                                                           const ChunkKey& key,
+                                                           const ChunkKey& model_fingerprint,
+                                                           KvDType dtype) {
+  return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype);
+}
+
+Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::KvCache& cache,
+                           engine::KvSequence& seq, int64_t first) {
+  if (slice.info().layers != 1) {
+    return InvalidArgument("chunk " + slice.key().ToHex() + " has " +
+                           std::to_string(slice.info().layers) + " layers; a layer slice has 1");
+  }
+  return ToPaged(slice, 0, 1, layer, cache, seq, first);
+}
+
+kvbus::KvDType ChunkDType(engine::DType t) {
+  switch (t) {
+    case engine::DType::kF32: return KvDType::kF32;
+    case engine::DType::kF16: return KvDType::kF16;
+    case engine::DType::kBF16: return KvDType::kBF16;
+  }
+  return KvDType::kF32;
+}
+
+}  // namespace kdn::kvbridge

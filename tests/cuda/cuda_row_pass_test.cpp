@@ -1,0 +1,148 @@
+// CudaEngine's side of the Engine interface that blend and the workers use:
+// RowPass (with KV deviation), RotateCachedKeys, the device KV cache's
+// Read/Write by layer, and its refusal of a device that cannot hold it.
+// Checked on the GPU against the GPU's own Prefill and against the CPU
+// engine on the same weights. Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/cuda/cuda_engine.h"
+#include "kdn/engine/presets.h"
+
+namespace kdn::engine::cuda {
+namespace {
+
+using namespace ::kdn::engine::cuda::cudatest;  // NOLINT: the tests' own helpers
+
+std::unique_ptr<CudaEngine> Tiny() {
+  auto p = FindPreset("tiny");
+  EXPECT_TRUE(p.ok());
+  CudaEngineOptions o;
+  o.kv_tokens = 4096;
+  o.max_prefill_tokens = 512;
+  o.max_batch = 4;
+  auto m = CudaEngine::Create(p->config, GenerateWeights(p->config, 4, DType::kBF16), o);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+TEST(CudaRowPass, EveryPositionAtEveryLayerIsAFullPrefill) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto g = Tiny();
+  ASSERT_TRUE(g);
+  const auto tokens = Tokens(70, 11);
+  // Over a cache holding another prompt's KV: each layer overwrites it.
+  KvSequence seq = g->kv_cache().NewSequence();
+  std::vector<float> want, got;
+  KDN_ASSERT_OK(g->Prefill(seq, Tokens(70, 12), {}, &want));
+  std::vector<int64_t> all(70);
+  std::iota(all.begin(), all.end(), 0);
+  auto pass = g->BeginRowPass(seq, tokens, all);
+  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+  for (int l = 0; l < g->config().num_layers; ++l) KDN_ASSERT_OK((*pass)->RunLayer());
+  KDN_ASSERT_OK((*pass)->Logits(&got));
+  KvSequence ref = g->kv_cache().NewSequence();
+  KDN_ASSERT_OK(g->Prefill(ref, tokens, {}, &want));
+  EXPECT_TRUE(AllClose(got, want, {2e-2, 2e-2}));
+  for (int l = 0; l < g->config().num_layers; ++l) {
+    std::vector<float> a, b;
+    KDN_ASSERT_OK(ReadKv(*g, seq, l, 0, 70, &a));
+    KDN_ASSERT_OK(ReadKv(*g, ref, l, 0, 70, &b));
+    EXPECT_TRUE(AllClose(a, b, {1.0 / 64, 1e-2})) << "layer " << l;
+  }
+}
+
+TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto p = FindPreset("tiny");
+  ASSERT_TRUE(p.ok());
+  ModelWeights w = GenerateWeights(p->config, 5, DType::kBF16);
+  CudaEngineOptions go;
+  go.kv_tokens = 4096;
+  go.max_prefill_tokens = 512;
+  go.max_batch = 4;
+  auto gpu = CudaEngine::Create(p->config, w, go);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+  EngineOptions co;
+  co.threads = 2;
+  auto cpu = CpuEngine::Create(p->config, std::move(w), co);
+  ASSERT_TRUE(cpu.ok());
+  // Both caches hold one prompt's KV; the pass recomputes the rows of
+  // another at the check layer, keeps a scattered subset, and finishes.
+  const auto held = Tokens(120, 21), tokens = Tokens(120, 22);
+  std::vector<int64_t> all(120);
+  std::iota(all.begin(), all.end(), 0);
+  const std::vector<int64_t> keep = {0, 1, 2, 40, 41, 77, 100, 101, 102, 103, 119};
+  std::vector<std::vector<float>> deviation(2), logits(2);
+  Engine* engines[2] = {cpu->get(), gpu->get()};
+  std::vector<KvSequence> seqs;
+  for (int e = 0; e < 2; ++e) {
+    seqs.push_back(engines[e]->kv_cache().NewSequence());
+    std::vector<float> l;
+    KDN_ASSERT_OK(engines[e]->Prefill(seqs[e], held, {}, &l));
+    auto pass = engines[e]->BeginRowPass(seqs[e], tokens, all);
+    ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+    KDN_ASSERT_OK((*pass)->RunLayer(&deviation[e]));
+    KDN_ASSERT_OK((*pass)->Keep(keep));
+    EXPECT_EQ((*pass)->positions(), keep);
+    while ((*pass)->next_layer() < engines[e]->config().num_layers) {
+      KDN_ASSERT_OK((*pass)->RunLayer());
+    }
+    KDN_ASSERT_OK((*pass)->Logits(&logits[e]));
+  }
+  ASSERT_EQ(deviation[1].size(), 120u);
+  EXPECT_TRUE(AllClose(deviation[1], deviation[0], {5e-2, 5e-2}));
+  EXPECT_TRUE(AllClose(logits[1], logits[0], {3e-2, 3e-2}));
+}
+
+TEST(CudaKvCache, RotationThereAndBackAndWriteReadRoundTrip) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto g = Tiny();
+  ASSERT_TRUE(g);
+  KvSequence seq = g->kv_cache().NewSequence();
+  std::vector<float> l, before, after;
+  KDN_ASSERT_OK(g->Prefill(seq, Tokens(50, 3), {}, &l));
+  KDN_ASSERT_OK(ReadKv(*g, seq, 1, 0, 50, &before));
+  KDN_ASSERT_OK(g->RotateCachedKeys(seq, 5, 40, 300));
+  KDN_ASSERT_OK(ReadKv(*g, seq, 1, 0, 50, &after));
+  EXPECT_FALSE(AllClose(after, before, {1e-3, 1e-3}));
+  KDN_ASSERT_OK(g->RotateCachedKeys(seq, 5, 40, -300));
+  KDN_ASSERT_OK(ReadKv(*g, seq, 1, 0, 50, &after));
+  EXPECT_TRUE(AllClose(after, before, {2e-2, 2e-2}));
+  // bf16 in, bf16 out, bit for bit, at positions straddling blocks.
+  KvCache& kv = g->kv_cache();
+  std::vector<uint16_t> rows(kv.LayerBytes(21, DType::kBF16) / 2);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<uint16_t>(0x3c00 + i % 977);
+  const std::span<const uint8_t> in(reinterpret_cast<const uint8_t*>(rows.data()), rows.size() * 2);
+  KDN_ASSERT_OK(kv.Write(seq, 2, 11, 21, DType::kBF16, in));
+  std::vector<uint16_t> back(rows.size());
+  KDN_ASSERT_OK(kv.Read(seq, 2, 11, 21, DType::kBF16,
+                        {reinterpret_cast<uint8_t*>(back.data()), back.size() * 2}));
+  EXPECT_EQ(back, rows);
+}
+
+TEST(CudaEngine, RefusesADeviceItCannotFitWithAClearError) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto p = FindPreset("tiny");
+  ASSERT_TRUE(p.ok());
+  CudaEngineOptions o;
+  o.kv_tokens = int64_t{1} << 40;  // far beyond any GPU
+  auto m = CudaEngine::Materialize(p->config, 1, o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(m.status().message().find("free"), std::string::npos) << m.status().ToString();
+  o.kv_tokens = 1024;
+  o.device = DeviceCount();  // one past the last
+  m = CudaEngine::Materialize(p->config, 1, o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("no device"), std::string::npos) << m.status().ToString();
+}
+
+}  // namespace
+}  // namespace kdn::engine::cuda
