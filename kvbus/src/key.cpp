@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdio>
 #include <memory>
 
@@ -114,6 +115,93 @@ std::vector<ChunkKey> PrefixKeys(const KeyContext& ctx, std::span<const int32_t>
     keys.push_back(parent);
   }
   return keys;
+}
+
+ChunkKey TailKey(const KeyContext& ctx, const ChunkKey& parent, std::span<const int32_t> tokens) {
+  State st = NewState();
+  XXH3_128bits_update(st.get(), "tail", 4);
+  PutKey(st.get(), parent);
+  PutKey(st.get(), ctx.model_fingerprint);
+  PutNamespace(st.get(), ctx.ns);
+  PutU32(st.get(), static_cast<uint32_t>(tokens.size()));
+  PutTokens(st.get(), tokens);
+  return FromXxh(XXH3_128bits_digest(st.get()));
+}
+
+namespace {
+
+// The largest piece a tail may have after its anchor: the highest power of
+// two below chunk_tokens - 1 (a tail has at most chunk_tokens - 1 tokens).
+int64_t LargestPiece(int chunk_tokens) {
+  const auto rest = static_cast<uint64_t>(std::max(chunk_tokens - 2, 1));
+  return static_cast<int64_t>(std::bit_floor(rest));
+}
+
+}  // namespace
+
+std::vector<KeyedSpan> TailSpans(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                 std::span<const ChunkKey> prefix_keys) {
+  std::vector<KeyedSpan> spans;
+  if (ctx.chunk_tokens <= 1) return spans;
+  const auto full = static_cast<int64_t>(tokens.size()) / ctx.chunk_tokens;
+  int64_t pos = full * ctx.chunk_tokens;
+  const auto end = static_cast<int64_t>(tokens.size());
+  if (pos == end) return spans;
+  ChunkKey parent = full > 0 ? prefix_keys[full - 1] : ChunkKey{};
+  int64_t size = 1;  // the anchor, then the binary digits of the rest
+  while (pos < end) {
+    parent = TailKey(ctx, parent, tokens.subspan(pos, size));
+    spans.push_back({parent, pos, size});
+    pos += size;
+    if (pos < end) size = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(end - pos)));
+  }
+  return spans;
+}
+
+std::vector<KeyedSpan> MatchTail(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                 std::span<const ChunkKey> prefix_keys, int64_t full_chunks,
+                                 int64_t limit, const std::function<bool(const KeyedSpan&)>& held) {
+  std::vector<KeyedSpan> spans;
+  const int64_t first = full_chunks * ctx.chunk_tokens;
+  limit = std::min<int64_t>({limit, ctx.chunk_tokens - 1,
+                             static_cast<int64_t>(tokens.size()) - first});
+  if (ctx.chunk_tokens <= 1 || full_chunks < 0 ||
+      full_chunks > static_cast<int64_t>(prefix_keys.size()) || limit < 1) {
+    return spans;
+  }
+  ChunkKey parent = full_chunks > 0 ? prefix_keys[full_chunks - 1] : ChunkKey{};
+  int64_t pos = first;
+  const auto probe = [&](int64_t size) {
+    KeyedSpan s{TailKey(ctx, parent, tokens.subspan(pos, size)), pos, size};
+    if (!held(s)) return false;
+    spans.push_back(s);
+    parent = s.key;
+    pos += size;
+    return true;
+  };
+  if (!probe(1)) return spans;  // no tail stored here: one probe
+  for (int64_t size = LargestPiece(ctx.chunk_tokens); size >= 1; size >>= 1) {
+    if (pos + size - first <= limit) (void)probe(size);
+  }
+  return spans;
+}
+
+std::vector<KeyedSpan> MatchPrefix(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                   std::span<const ChunkKey> prefix_keys, int64_t limit,
+                                   const std::function<bool(const KeyedSpan&)>& held) {
+  std::vector<KeyedSpan> spans;
+  const int64_t C = ctx.chunk_tokens;
+  if (C <= 0) return spans;
+  int64_t full = 0;
+  for (; full < static_cast<int64_t>(prefix_keys.size()) && (full + 1) * C <= limit; ++full) {
+    const KeyedSpan s{prefix_keys[full], full * C, C};
+    if (!held(s)) break;
+    spans.push_back(s);
+  }
+  for (KeyedSpan& s : MatchTail(ctx, tokens, prefix_keys, full, limit - full * C, held)) {
+    spans.push_back(s);
+  }
+  return spans;
 }
 
 ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens) {

@@ -56,6 +56,54 @@ struct KeyContext {
 // key. keys[i] covers tokens [0, (i+1) * chunk_tokens).
 std::vector<ChunkKey> PrefixKeys(const KeyContext& ctx, std::span<const int32_t> tokens);
 
+// The tail of a prompt or conversation: the tokens past its last full chunk
+// (docs/kvbus.md, "Tail keys"). A tail of L tokens (0 < L < chunk_tokens) is
+// keyed as pieces: one token first (the anchor), then the other L - 1 tokens
+// in pieces whose sizes are the binary digits of L - 1, largest first. Each
+// piece's key chains over the key before it (the last full chunk's prefix
+// key for the anchor; the zero key when there is no full chunk), so a
+// piece's key names its whole prefix. A lookup probes the anchor, and only
+// when it is held the piece sizes from the largest down: at most
+// 1 + bit_width(chunk_tokens - 2) probes, one for a prompt whose tail was
+// never stored.
+struct KeyedSpan {
+  ChunkKey key;
+  int64_t first = 0;  // first token position
+  int64_t count = 0;
+  friend bool operator==(const KeyedSpan&, const KeyedSpan&) = default;
+};
+
+// The key of one tail piece `tokens`, after `parent`.
+ChunkKey TailKey(const KeyContext& ctx, const ChunkKey& parent, std::span<const int32_t> tokens);
+
+// The pieces of the tail of `tokens` (the tokens past its last full chunk),
+// as they are stored; none when the tail is empty. `prefix_keys` are
+// PrefixKeys(ctx, tokens).
+std::vector<KeyedSpan> TailSpans(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                 std::span<const ChunkKey> prefix_keys);
+
+// The longest chain of stored tail pieces that `tokens` continues after its
+// first `full_chunks` full chunks (whose prefix keys are `prefix_keys`),
+// covering at most `limit` tokens: the last step of a prefix match. `held`
+// says whether a piece is held (a lookup's Contains, or a load's Get that
+// keeps what it finds and refuses what it cannot use); it is called at most
+// 1 + bit_width(chunk_tokens - 2) times, in position order.
+std::vector<KeyedSpan> MatchTail(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                 std::span<const ChunkKey> prefix_keys, int64_t full_chunks,
+                                 int64_t limit, const std::function<bool(const KeyedSpan&)>& held);
+
+// The longest prefix of `tokens` whose KV `held` finds, at most `limit`
+// tokens: its full chunks by prefix key (`prefix_keys`, stopping at the
+// first that is not held), then MatchTail. Spans in position order.
+std::vector<KeyedSpan> MatchPrefix(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                   std::span<const ChunkKey> prefix_keys, int64_t limit,
+                                   const std::function<bool(const KeyedSpan&)>& held);
+
+// The tokens a run of spans from position 0 covers (0 for none).
+inline int64_t SpannedTokens(std::span<const KeyedSpan> spans) {
+  return spans.empty() ? 0 : spans.back().first + spans.back().count;
+}
+
 // The position-independent key of one segment (a document) of any length.
 ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens);
 
