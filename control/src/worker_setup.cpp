@@ -45,20 +45,31 @@ bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, in
 
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
+                 const kvbus::KeyContext& keys,
                  const std::function<void(proto::WorkerInfo*)>& fill_info) {
   proto::WorkerMessage reply;
   reply.set_request_id(message.request_id());
   if (message.body_case() == proto::WorkerMessage::kInfoRequest) {
     fill_info(reply.mutable_info());
   } else if (message.body_case() == proto::WorkerMessage::kLookup) {
-    std::vector<kvbus::ChunkKey> keys;
-    for (const std::string& b : message.lookup().keys()) {
+    const proto::LookupRequest& lookup = message.lookup();
+    std::vector<kvbus::ChunkKey> prefix;
+    for (const std::string& b : lookup.keys()) {
       auto k = KeyFromBytes(b);
       if (!k.ok()) break;
-      keys.push_back(*k);
+      prefix.push_back(*k);
     }
+    const std::vector<int32_t> tokens(lookup.tokens().begin(), lookup.tokens().end());
+    kvbus::KeyContext ctx = keys;
+    ctx.ns = lookup.ns();
+    // A lookup without the prompt: full chunks only.
+    const int64_t limit = tokens.empty() ? static_cast<int64_t>(prefix.size()) * ctx.chunk_tokens
+                                         : static_cast<int64_t>(tokens.size());
+    const auto held = kvbus::MatchPrefix(ctx, tokens, prefix, limit, [&](const kvbus::KeyedSpan& s) {
+      return store.Contains(s.key);
+    });
     auto* lr = reply.mutable_lookup_reply();
-    lr->set_prefix_chunks(static_cast<int32_t>(store.LongestPrefix(keys)));
+    lr->set_prefix_tokens(static_cast<int32_t>(kvbus::SpannedTokens(held)));
     std::vector<kvbus::ChunkKey> segments;
     for (const std::string& b : message.lookup().segment_keys()) {
       auto k = KeyFromBytes(b);

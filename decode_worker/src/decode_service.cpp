@@ -66,6 +66,9 @@ struct DecodeService::Impl {
   std::string kvbus_endpoint;
   int total_blocks = 0;
 
+  // What this worker's chunk keys depend on, less the request's namespace.
+  kvbus::KeyContext KeyContext() const { return {wm.fingerprint, "", options.chunk_tokens}; }
+
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Command> commands;  // guarded by mu
@@ -101,7 +104,7 @@ struct DecodeService::Impl {
     switch (msg.body_case()) {
       case proto::WorkerMessage::kLookup:
         store_io->Post(kLookupLane, [this, &srv, peer, msg = std::move(msg), fill] {
-          (void)control::AnswerQuery(srv, peer, msg, *store, fill);
+          (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill);
         });
         return;
       case proto::WorkerMessage::kPrepare:
@@ -115,7 +118,7 @@ struct DecodeService::Impl {
         return;
       }
       default:
-        if (control::AnswerQuery(srv, peer, msg, *store, fill)) return;
+        if (control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
         std::fprintf(stderr, "%s: ignoring a message it does not serve (%d)\n",
                      options.name.c_str(), static_cast<int>(msg.body_case()));
     }
@@ -175,7 +178,7 @@ struct DecodeService::Impl {
       if (it == origins.end()) continue;
       proto::WorkerMessage reply;
       reply.set_request_id(it->second.request_id);
-      reply.mutable_prepare_reply()->set_held_chunks(d.held_chunks);
+      reply.mutable_prepare_reply()->set_held_tokens(static_cast<int32_t>(d.held_tokens));
       server->Send(it->second.peer, reply);
     }
     std::map<uint64_t, std::vector<const TokenEvent*>> by_id;

@@ -16,7 +16,7 @@ namespace kdn::decode_worker {
 struct Decoder::Mailbox {
   struct Load {
     uint64_t id = 0;
-    std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;  // leading, in order
+    std::vector<LoadedSpan> chunks;  // leading, in order
   };
 
   // Constant after construction.
@@ -80,14 +80,15 @@ Status Decoder::ReserveKv(Prepared& p) {
   return cache.Reserve(p.seq, static_cast<int64_t>(p.request.tokens.size()));
 }
 
-int Decoder::PlaceLoadedChunks(Prepared& p,
-                               const std::vector<std::shared_ptr<const kvbus::Chunk>>& chunks) {
+int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded) {
   engine::KvCache& cache = model_.kv_cache();
-  int placed = 0;
-  for (const auto& chunk : chunks) {
-    const int64_t first = static_cast<int64_t>(placed) * options_.chunk_tokens;
-    if (!kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, first).ok()) break;
-    ++placed;
+  int64_t placed = 0;
+  for (const auto& [span, chunk] : loaded) {
+    if (span.first != placed || !kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, placed).ok()) {
+      break;
+    }
+    placed += span.count;
+    ++chunks_loaded_;
   }
   return placed;
 }
@@ -95,7 +96,7 @@ int Decoder::PlaceLoadedChunks(Prepared& p,
 Status Decoder::PlacePushedSlices(Prepared& p) {
   engine::KvCache& cache = model_.kv_cache();
   const auto n = static_cast<int64_t>(p.request.tokens.size());
-  const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_chunks,
+  const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
                                                 p.request.transfer_id);
   for (const control::KvRegion& r : regions) {
     for (int l = 0; l < cache.num_layers(); ++l) {
@@ -120,13 +121,11 @@ Status Decoder::PlacePushedSlices(Prepared& p) {
 }
 
 std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
-    const engine::KvSequence& seq, const std::vector<kvbus::ChunkKey>& keys, size_t first) {
+    const engine::KvSequence& seq, const std::vector<kvbus::KeyedSpan>& spans) {
   std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;
-  for (size_t i = first; i < keys.size(); ++i) {
-    auto chunk = kvbridge::ChunkFromPagedKv(model_.kv_cache(), seq,
-                                            static_cast<int64_t>(i) * options_.chunk_tokens,
-                                            options_.chunk_tokens, keys[i], fingerprint_,
-                                            kvbridge::ChunkDType(model_.kv_dtype()));
+  for (const kvbus::KeyedSpan& s : spans) {
+    auto chunk = kvbridge::ChunkFromPagedKv(model_.kv_cache(), seq, s.first, s.count, s.key,
+                                            fingerprint_, kvbridge::ChunkDType(model_.kv_dtype()));
     if (!chunk.ok()) {
       std::fprintf(stderr, "%s: copying a chunk out of the KV cache: %s\n", options_.name.c_str(),
                    chunk.status().ToString().c_str());
@@ -137,9 +136,9 @@ std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
   return chunks;
 }
 
-uint64_t Decoder::ChunkBytes() const {
+uint64_t Decoder::ChunkBytes(int64_t tokens) const {
   const engine::KvCache& cache = model_.kv_cache();
-  return kvbus::Chunk::kHeaderBytes + static_cast<uint64_t>(options_.chunk_tokens) *
+  return kvbus::Chunk::kHeaderBytes + static_cast<uint64_t>(tokens) *
                                           cache.token_stride() * 2 * cache.num_layers() *
                                           kvbus::KvDTypeSize(kvbridge::ChunkDType(model_.kv_dtype()));
 }
@@ -163,17 +162,24 @@ DecoderStats Decoder::Stats() const {
 // Store I/O: jobs for the store I/O thread. They touch the store and the
 // mailbox only.
 
-void Decoder::PostLoad(uint64_t id, std::vector<kvbus::ChunkKey> keys) {
-  store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = std::move(keys),
-                             fingerprint = fingerprint_, tokens = options_.chunk_tokens] {
+void Decoder::PostLoad(uint64_t id, const Prepared& p) {
+  store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys,
+                             tokens = p.request.tokens,
+                             ctx = kvbus::KeyContext{fingerprint_, p.request.ns,
+                                                     options_.chunk_tokens}] {
     Mailbox::Load load{id, {}};
-    for (const kvbus::ChunkKey& key : keys) {
-      auto chunk = store.Get(key);
-      // A miss, an unreachable store or a chunk of another making: the
-      // prefill worker sends the rest.
-      if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint, tokens)) break;
-      load.chunks.push_back(*std::move(chunk));
-    }
+    // Full chunks, then the tail pieces past them. A miss, an unreachable
+    // store or a chunk of another making ends it: the prefill worker sends
+    // the rest.
+    (void)kvbus::MatchPrefix(
+        ctx, tokens, keys, static_cast<int64_t>(tokens.size()), [&](const kvbus::KeyedSpan& s) {
+          auto chunk = store.Get(s.key);
+          if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count)) {
+            return false;
+          }
+          load.chunks.emplace_back(s, *std::move(chunk));
+          return true;
+        });
     {
       std::lock_guard<std::mutex> lock(mb->mu);
       mb->loads.push_back(std::move(load));
@@ -233,13 +239,13 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   }
   const uint64_t id = next_id_++;
   p.request.spec.id = id;
-  std::vector<kvbus::ChunkKey> load = p.keys;
-  if (load.empty()) {
-    p.held_chunks = 0;
+  if (p.request.blended) {
+    p.held_tokens = 0;
     out->prepared.push_back({id, 0});
+  } else {
+    PostLoad(id, p);
   }
   prepared_.emplace(id, std::move(p));
-  if (!load.empty()) PostLoad(id, std::move(load));
   return id;
 }
 
@@ -252,7 +258,7 @@ Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent,
   Prepared& p = it->second;
   if (p.start) return InvalidArgument("request " + std::to_string(id) + " was started already");
   p.request.spec.first_token_sent = first_token_sent;
-  if (p.held_chunks < 0) {
+  if (p.held_tokens < 0) {
     p.start = first_token;  // Advance begins it once its load is in
     return Status::Ok();
   }
@@ -269,7 +275,7 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
     // Before Admit: a request that finishes at its first token is stored
     // from inside Admit.
     running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
-                           p.held_chunks};
+                           p.held_tokens};
     std::vector<TokenEvent> events;
     st = batcher_->Admit(p.request.spec, std::move(p.seq), first_token, &events);
     if (st.ok()) {
@@ -288,7 +294,7 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
 void Decoder::DropOwnSlices(const Prepared& p) {
   const auto regions =
       control::TransferRegions(p.keys, static_cast<int64_t>(p.request.tokens.size()),
-                               options_.chunk_tokens, std::max(p.held_chunks, 0),
+                               options_.chunk_tokens, std::max<int64_t>(p.held_tokens, 0),
                                p.request.transfer_id);
   for (const control::KvRegion& r : regions) {
     if (!r.tail) continue;
@@ -324,9 +330,8 @@ void Decoder::Advance(DecoderOutput* out) {
     auto it = prepared_.find(load.id);
     if (it == prepared_.end()) continue;  // cancelled or dropped while loading
     Prepared& p = it->second;
-    p.held_chunks = PlaceLoadedChunks(p, load.chunks);
-    chunks_loaded_ += static_cast<uint64_t>(p.held_chunks);
-    out->prepared.push_back({load.id, p.held_chunks});
+    p.held_tokens = PlaceLoaded(p, load.chunks);
+    out->prepared.push_back({load.id, p.held_tokens});
     if (p.start) Begin(load.id, *p.start, out);
   }
 
@@ -385,23 +390,30 @@ void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
   std::vector<int32_t> tokens = std::move(r.prompt);
   tokens.insert(tokens.end(), generated.begin(), generated.end());
   tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(seq.length())));
-  const std::vector<kvbus::ChunkKey> keys =
-      kvbus::PrefixKeys({fingerprint_, r.ns, options_.chunk_tokens}, tokens);
-  // The chunks the load brought are in the KDN already.
-  const auto first = static_cast<size_t>(std::max(r.held_chunks, 0));
-  if (keys.size() <= first) return;
-  const uint64_t count = keys.size() - first;
-  if (mailbox_->bytes_pending.load() + count * ChunkBytes() > options_.max_pending_store_bytes) {
-    chunks_store_dropped_ += count;
+  const kvbus::KeyContext ctx{fingerprint_, r.ns, options_.chunk_tokens};
+  const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
+  // The full chunks the load brought are in the KDN already; those past
+  // them, then the tail pieces past the last full chunk, are stored.
+  std::vector<kvbus::KeyedSpan> spans;
+  uint64_t bytes = 0;
+  for (auto i = static_cast<size_t>(std::max<int64_t>(r.held_tokens, 0) / options_.chunk_tokens);
+       i < keys.size(); ++i) {
+    spans.push_back({keys[i], static_cast<int64_t>(i) * options_.chunk_tokens,
+                     options_.chunk_tokens});
+  }
+  for (const kvbus::KeyedSpan& s : kvbus::TailSpans(ctx, tokens, keys)) spans.push_back(s);
+  if (spans.empty()) return;
+  for (const kvbus::KeyedSpan& s : spans) bytes += ChunkBytes(s.count);
+  if (mailbox_->bytes_pending.load() + bytes > options_.max_pending_store_bytes) {
+    chunks_store_dropped_ += spans.size();
     std::fprintf(stderr,
-                 "%s: request %llu's %llu chunks not stored: %llu bytes already wait for the "
+                 "%s: request %llu's %zu chunks not stored: %llu bytes already wait for the "
                  "store\n",
-                 options_.name.c_str(), static_cast<unsigned long long>(id),
-                 static_cast<unsigned long long>(count),
+                 options_.name.c_str(), static_cast<unsigned long long>(id), spans.size(),
                  static_cast<unsigned long long>(mailbox_->bytes_pending.load()));
     return;
   }
-  auto chunks = CopyOutChunks(seq, keys, first);
+  auto chunks = CopyOutChunks(seq, spans);
   if (!chunks.empty()) PostStore(std::move(chunks));
 }
 

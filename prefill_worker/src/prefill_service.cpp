@@ -38,6 +38,9 @@ struct PrefillService::Impl {
   std::unique_ptr<control::ControlServer> server;
   int total_blocks = 0;
 
+  // What this worker's chunk keys depend on, less the request's namespace.
+  kvbus::KeyContext KeyContext() const { return {wm.fingerprint, "", options.chunk_tokens}; }
+
   std::mutex mu;
   std::condition_variable cv;
   std::deque<QueuedJob> queue;  // guarded by mu
@@ -128,11 +131,11 @@ struct PrefillService::Impl {
     const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
     if (msg.body_case() == proto::WorkerMessage::kLookup) {
       lookups->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
-        (void)control::AnswerQuery(srv, peer, msg, *store, fill);
+        (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill);
       });
       return;
     }
-    if (control::AnswerQuery(srv, peer, msg, *store, fill)) return;
+    if (control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
     switch (msg.body_case()) {
       case proto::WorkerMessage::kPrefill: {
         QueuedJob q;
@@ -143,7 +146,7 @@ struct PrefillService::Impl {
         q.job.ns = r.ns();
         q.job.sampling = control::SamplingFromProto(r.sampling());
         q.job.decode_endpoint = r.decode_endpoint();
-        q.job.decode_held_chunks = r.decode_held_chunks();
+        q.job.decode_held_tokens = r.decode_held_tokens();
         q.job.transfer_id = r.transfer_id();
         if (r.has_blend()) {
           BlendJob b;

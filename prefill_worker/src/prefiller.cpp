@@ -83,6 +83,7 @@ struct Prefiller::Push {
 Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   seq_.Reset();
   keys_.clear();
+  tail_.clear();
   missing_segments_.clear();
   first_new_chunk_ = 0;
   const auto n = static_cast<int64_t>(job.tokens.size());
@@ -104,27 +105,29 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   seq_ = cache.NewSequence();
   KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
 
-  // 1. The cached prefix; the last token is always computed for its logits.
-  const int64_t usable = std::min(full, (n - 1) / C);
-  int64_t hit = 0;
-  for (; hit < usable; ++hit) {
-    auto chunk = store_.Get(keys_[hit]);
-    if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, C)) break;
-    if (!kvbridge::ChunkToPagedKv(**chunk, cache, seq_, hit * C).ok()) break;
-  }
-  cache.SetLength(seq_, hit * C);
-  first_new_chunk_ = static_cast<int>(hit);
+  // 1. The cached prefix, full chunks then tail pieces; the last token is
+  // always computed for its logits.
+  const std::vector<kvbus::KeyedSpan> held =
+      kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, [&](const kvbus::KeyedSpan& s) {
+        auto chunk = store_.Get(s.key);
+        return chunk.ok() && control::ChunkFits(**chunk, fingerprint_, s.count) &&
+               kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first).ok();
+      });
+  const int64_t hit = kvbus::SpannedTokens(held);
+  cache.SetLength(seq_, hit);
+  first_new_chunk_ = static_cast<int>(hit / C);
+  tail_ = kvbus::TailSpans(ctx, job.tokens, keys_);
 
   // 2. What the decode worker lacks, by region, pushed layer by layer.
   Push push{*this, job, seq_,
-            control::TransferRegions(keys_, n, C, job.decode_held_chunks, job.transfer_id)};
+            control::TransferRegions(keys_, n, C, job.decode_held_tokens, job.transfer_id)};
   if (!job.decode_endpoint.empty() && !push.regions.empty()) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
   engine::PrefillOptions popts;
   popts.on_layer = [&](int layer) { return push.Layer(layer); };
   std::vector<float> logits;
-  const std::span<const int32_t> rest(job.tokens.data() + hit * C, n - hit * C);
+  const std::span<const int32_t> rest(job.tokens.data() + hit, n - hit);
   KDN_RETURN_IF_ERROR(model_.Prefill(seq_, rest, popts, &logits));
 
   // 3. Every slice delivered, then the first token.
@@ -132,13 +135,13 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   KDN_RETURN_IF_ERROR(push.Finish(&out));
   if (!job.decode_endpoint.empty()) {
     // Chunks the decode worker said it holds were never offered: skipped too.
-    const int64_t held = std::clamp<int64_t>(job.decode_held_chunks, 0, full);
-    out.slices_skipped += static_cast<uint32_t>(held * cfg.num_layers);
+    const int64_t held_chunks = std::clamp<int64_t>(job.decode_held_tokens / C, 0, full);
+    out.slices_skipped += static_cast<uint32_t>(held_chunks * cfg.num_layers);
   }
   engine::Sampler sampler(job.sampling);
   out.first_token = sampler.Sample(logits);
-  out.cached_tokens = static_cast<int>(hit * C);
-  out.computed_tokens = static_cast<int>(n - hit * C);
+  out.cached_tokens = static_cast<int>(hit);
+  out.computed_tokens = static_cast<int>(n - hit);
   return out;
 }
 
@@ -239,8 +242,19 @@ Status Prefiller::StoreNewChunks() {
     Status st = chunk.ok() ? store_.Put(*std::move(chunk)) : chunk.status();
     if (!st.ok() && first_error.ok()) first_error = st;
   }
+  // The prompt's tail pieces, so that a prompt extending this one (the next
+  // turn of a chat) computes only its new tokens.
+  for (const kvbus::KeyedSpan& s : tail_) {
+    if (seq_.length() < s.first + s.count) break;
+    if (store_.Contains(s.key)) continue;
+    auto chunk = kvbridge::ChunkFromPagedKv(cache, seq_, s.first, s.count, s.key, fingerprint_,
+                                            kvbus::KvDType::kF32);
+    Status st = chunk.ok() ? store_.Put(*std::move(chunk)) : chunk.status();
+    if (!st.ok() && first_error.ok()) first_error = st;
+  }
   seq_.Reset();
   keys_.clear();
+  tail_.clear();
   for (const auto& [key, tokens] : missing_segments_) {
     if (store_.Contains(key)) continue;
     Status st = StoreSegment(key, tokens);

@@ -41,7 +41,8 @@ struct Request {
   JobCallback cb;
   Phase phase = Phase::kLookup;
   std::vector<kvbus::ChunkKey> keys;
-  std::map<size_t, int> prefix;  // worker -> prefix chunks it reaches (-1: no answer)
+  // worker -> leading prompt tokens whose KV it reaches (-1: no answer)
+  std::map<size_t, int64_t> prefix;
   std::vector<kvbus::ChunkKey> segment_keys;  // a blend request's documents
   std::map<size_t, int64_t> segment_tokens_held;  // worker -> document tokens it holds
   int lookups_pending = 0;
@@ -260,6 +261,10 @@ struct Backend::Impl {
     auto* lk = m.mutable_lookup();
     lk->set_ns(req.job.ns);
     for (const kvbus::ChunkKey& k : req.keys) lk->add_keys(control::KeyToBytes(k));
+    if (!req.job.blend) {
+      // For the tail step of the prefix match (docs/kvbus.md, "Tail keys").
+      lk->mutable_tokens()->Add(req.job.tokens.begin(), req.job.tokens.end());
+    }
     for (const kvbus::ChunkKey& k : req.segment_keys) {
       lk->add_segment_keys(control::KeyToBytes(k));
     }
@@ -275,18 +280,17 @@ struct Backend::Impl {
 
   void Choose(Request& r) {
     const auto n = static_cast<int64_t>(r.job.tokens.size());
-    const int64_t usable_chunks = (n - 1) / chunk_tokens;
     int64_t best_cost = INT64_MAX;
     bool have_p = false, have_d = false;
-    for (const auto& [w, chunks] : r.prefix) {
-      if (chunks < 0 || !Usable(w, "prefill")) continue;
+    for (const auto& [w, held_tokens] : r.prefix) {
+      if (held_tokens < 0 || !Usable(w, "prefill")) continue;
       int64_t cost = 0;
       if (r.job.blend) {
         // Held documents cost their recomputed share; the rest is computed.
         const double held = static_cast<double>(r.segment_tokens_held[w]);
         cost = n - static_cast<int64_t>(held * (1.0 - r.job.blend->recompute_ratio));
       } else {
-        cost = n - std::min<int64_t>(chunks, usable_chunks) * chunk_tokens;
+        cost = n - std::min<int64_t>(held_tokens, n - 1);  // the last token is computed
       }
       cost += workers[w].view.queue_tokens;
       if (cost < best_cost) {
@@ -298,14 +302,16 @@ struct Backend::Impl {
     // Decode: the worker holding most of the conversation, then the least
     // busy; only workers with room for the whole request.
     const int64_t need_blocks = (n + r.job.max_tokens + 15) / 16;
-    int best_prefix = -1, best_depth = INT32_MAX;
-    for (auto [w, chunks] : r.prefix) {
-      if (chunks < 0 || !Usable(w, "decode")) continue;
+    int64_t best_prefix = -1;
+    int best_depth = INT32_MAX;
+    for (auto [w, held_tokens] : r.prefix) {
+      if (held_tokens < 0 || !Usable(w, "decode")) continue;
       const WorkerView& v = workers[w].view;
       if (v.free_kv_blocks < need_blocks) continue;
-      if (r.job.blend) chunks = 0;  // a blended prompt reuses nothing it holds
-      if (chunks > best_prefix || (chunks == best_prefix && v.queue_depth < best_depth)) {
-        best_prefix = chunks;
+      if (r.job.blend) held_tokens = 0;  // a blended prompt reuses nothing it holds
+      if (held_tokens > best_prefix ||
+          (held_tokens == best_prefix && v.queue_depth < best_depth)) {
+        best_prefix = held_tokens;
         best_depth = v.queue_depth;
         r.d = w;
         have_d = true;
@@ -355,7 +361,7 @@ struct Backend::Impl {
         TakeInfo(w, m.lookup_reply().info());
         auto pit = r.prefix.find(w);
         if (r.phase != Phase::kLookup || pit == r.prefix.end() || pit->second >= 0) return;
-        pit->second = m.lookup_reply().prefix_chunks();
+        pit->second = std::max(0, m.lookup_reply().prefix_tokens());
         if (r.job.blend) {
           int64_t held = 0;
           const auto& flags = m.lookup_reply().segments_held();
@@ -384,7 +390,7 @@ struct Backend::Impl {
         pf->set_ns(r.job.ns);
         control::SamplingToProto(r.job.sampling, pf->mutable_sampling());
         pf->set_decode_endpoint(workers[r.d].kvbus_endpoint);
-        pf->set_decode_held_chunks(m.prepare_reply().held_chunks());
+        pf->set_decode_held_tokens(m.prepare_reply().held_tokens());
         pf->set_transfer_id(r.transfer_id);
         if (r.job.blend) {
           auto* b = pf->mutable_blend();

@@ -120,8 +120,8 @@ DecodeRequest Request(std::vector<int32_t> prompt, int max_tokens,
 
 // Acts as the prefill worker: computes the whole prompt on a sequence of its
 // own, puts the layer slices of what the decode worker lacks (every chunk
-// past `held_chunks`, and the tail) into staging, and returns the first token.
-int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int held_chunks) {
+// past `held_tokens`, and the tail) into staging, and returns the first token.
+int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int64_t held_tokens) {
   engine::KvCache& cache = rig.model->kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   std::vector<float> logits;
@@ -130,7 +130,7 @@ int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int held_chunks) {
   if (!r.blended) keys = kvbus::PrefixKeys({kFingerprint, r.ns, kChunk}, r.tokens);
   const auto n = static_cast<int64_t>(r.tokens.size());
   for (const control::KvRegion& region :
-       control::TransferRegions(keys, n, kChunk, held_chunks, r.transfer_id)) {
+       control::TransferRegions(keys, n, kChunk, held_tokens, r.transfer_id)) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
                                                 kvbus::LayerSliceKey(region.parent, l),
@@ -145,7 +145,7 @@ int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int held_chunks) {
 
 // Collects what the Decoder said, per request.
 struct Transcript {
-  std::map<uint64_t, int> held;  // from PrepareDone
+  std::map<uint64_t, int64_t> held;  // tokens, from PrepareDone
   std::map<uint64_t, std::vector<int32_t>> tokens;
   std::map<uint64_t, std::string> finish;
   std::map<uint64_t, Status> error;
@@ -153,7 +153,7 @@ struct Transcript {
   void Add(const DecoderOutput& out) {
     for (const PrepareDone& d : out.prepared) {
       EXPECT_EQ(held.count(d.id), 0u) << "two PrepareDone for " << d.id;
-      held[d.id] = d.held_chunks;
+      held[d.id] = d.held_tokens;
     }
     for (const TokenEvent& e : out.events) {
       EXPECT_EQ(finished_events[e.id], 0) << "an event after the finish of " << e.id;
@@ -357,7 +357,8 @@ TEST(Decoder, CancelEndsPreparedLoadingAndRunningRequestsAndFreesTheirBlocks) {
 TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
   Rig rig;
   auto& store = rig.gated().inner();
-  // Turn 1: 40 prompt tokens and 30 generated: KV for 69 tokens, 4 full chunks.
+  // Turn 1: 40 prompt tokens and 30 generated: KV for 69 tokens, 4 full
+  // chunks and a tail of 5 (pieces of 1 and 4 tokens).
   const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
   Transcript t;
   const uint64_t a = PrepareAndLoad(rig, turn1, t);
@@ -367,23 +368,34 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
   rig.io.Drain();
   std::vector<int32_t> conversation = turn1.tokens;
   conversation.insert(conversation.end(), t.tokens[a].begin(), t.tokens[a].end());
-  const auto keys = kvbus::PrefixKeys({kFingerprint, "", kChunk}, conversation);
-  ASSERT_EQ(keys.size(), 4u);  // 70 tokens; the 4 chunks cover 64 of the 69 with KV
-  EXPECT_EQ(store.PutOrder(), keys);
-  EXPECT_EQ(rig.decoder->Stats().chunks_stored, 4u);
+  const kvbus::KeyContext ctx{kFingerprint, "", kChunk};
+  const std::vector<int32_t> with_kv(conversation.begin(), conversation.begin() + 69);
+  const auto keys = kvbus::PrefixKeys(ctx, with_kv);
+  ASSERT_EQ(keys.size(), 4u);  // the 4 chunks cover 64 of the 69 with KV
+  const auto tail = kvbus::TailSpans(ctx, with_kv, keys);
+  ASSERT_EQ(tail.size(), 2u);
+  std::vector<kvbus::ChunkKey> stored_keys = keys;
+  for (const kvbus::KeyedSpan& s : tail) stored_keys.push_back(s.key);
+  EXPECT_EQ(store.PutOrder(), stored_keys);
+  EXPECT_EQ(rig.decoder->Stats().chunks_stored, 6u);
   EXPECT_EQ(rig.decoder->Stats().store_bytes_pending, 0u);
 
   // The stored KV is what a prefill of those tokens computes.
   {
     engine::KvSequence seq = rig.model->kv_cache().NewSequence();
     std::vector<float> logits;
-    ASSERT_TRUE(rig.model->Prefill(seq, {conversation.data(), 64}, {}, &logits).ok());
+    ASSERT_TRUE(rig.model->Prefill(seq, with_kv, {}, &logits).ok());
+    std::vector<kvbus::KeyedSpan> spans;
     for (size_t i = 0; i < keys.size(); ++i) {
-      auto stored = store.Get(keys[i]);
+      spans.push_back({keys[i], static_cast<int64_t>(i) * kChunk, kChunk});
+    }
+    spans.insert(spans.end(), tail.begin(), tail.end());
+    for (size_t i = 0; i < spans.size(); ++i) {
+      auto stored = store.Get(spans[i].key);
       ASSERT_TRUE(stored.ok());
-      auto expect = kvbridge::ChunkFromPagedKv(rig.model->kv_cache(), seq,
-                                            static_cast<int64_t>(i) * kChunk, kChunk, keys[i],
-                                            kFingerprint, kvbus::KvDType::kF32);
+      auto expect = kvbridge::ChunkFromPagedKv(rig.model->kv_cache(), seq, spans[i].first,
+                                               spans[i].count, spans[i].key, kFingerprint,
+                                               kvbus::KvDType::kF32);
       ASSERT_TRUE(expect.ok());
       const auto got = (*stored)->payload();
       const auto want = (*expect)->payload();
@@ -396,22 +408,24 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
     }
   }
 
-  // Turn 2 continues the conversation: its first 4 chunks come from the store.
+  // Turn 2 continues the conversation: its first 69 tokens come from the
+  // store (4 chunks and the 2 tail pieces), down to the last token with KV.
   std::vector<int32_t> prompt2 = conversation;
   const auto more = RandomTokens(10, 256, 9);
   prompt2.insert(prompt2.end(), more.begin(), more.end());
   const DecodeRequest turn2 = Request(prompt2, 12);
   const uint64_t b = PrepareAndLoad(rig, turn2, t);
-  EXPECT_EQ(t.held[b], 4);
-  EXPECT_EQ(rig.decoder->Stats().chunks_loaded, 4u);
+  EXPECT_EQ(t.held[b], 69);
+  EXPECT_EQ(rig.decoder->Stats().chunks_loaded, 6u);
   Start(rig, b, PushPrompt(rig, turn2, t.held[b]), t);
   RunToEnd(rig, t);
   EXPECT_EQ(t.tokens[b], Alone(*rig.model, turn2));
   rig.io.Drain();
-  // 80 + 11 tokens with KV: 5 full chunks, of which only the last is new;
-  // the 4 loaded were not handed over again.
-  EXPECT_EQ(store.PutOrder().size(), 5u);
-  EXPECT_EQ(rig.decoder->Stats().chunks_stored, 5u);
+  // 80 + 11 tokens with KV: 5 full chunks, of which only the last is new
+  // (the 4 loaded were not handed over again), and a tail of 11 (pieces of
+  // 1, 8 and 2 tokens).
+  EXPECT_EQ(store.PutOrder().size(), 6u + 4u);
+  EXPECT_EQ(rig.decoder->Stats().chunks_stored, 10u);
   EXPECT_EQ(rig.decoder->Stats().chunks_already_held, 0u);
 }
 
@@ -427,7 +441,10 @@ TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {
     rig.io.Drain();
   }
   const DecodeRequest again = Request(turn1.tokens, 10);
-  const int32_t first = PushPrompt(rig, again, 2);
+  // The first request stored 47 tokens: 2 chunks and a tail of 15 (pieces
+  // of 1, 8, 4 and 2). Of that tail, this 40-token prompt reaches the
+  // anchor only: the next piece (8 tokens) runs past its end.
+  const int32_t first = PushPrompt(rig, again, 33);
   rig.gated().CloseGets();
   ScrubFreeBlocks(rig);
   DecoderOutput out;
@@ -442,7 +459,7 @@ TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {
   rig.io.Drain();
   rig.decoder->Advance(&out);
   t.Add(out);
-  EXPECT_EQ(t.held[*id], 2);
+  EXPECT_EQ(t.held[*id], 33);
   ASSERT_FALSE(t.tokens[*id].empty());
   RunToEnd(rig, t);
   EXPECT_EQ(t.tokens[*id], Alone(*rig.model, again));
@@ -457,10 +474,11 @@ TEST(Decoder, DecodingGoesOnWhileTheStoreIsStuck) {
   Start(rig, ia, PushPrompt(rig, a, 0), t);
   RunToEnd(rig, t);
   EXPECT_EQ(t.finish[ia], "length");
-  // A's chunks wait inside the store I/O thread; B, with nothing to load,
-  // runs from start to finish meanwhile.
+  // A's chunks wait inside the store I/O thread; B, with nothing to load
+  // (blended), runs from start to finish meanwhile.
   EXPECT_GT(rig.decoder->Stats().store_bytes_pending, 0u);
-  const DecodeRequest b = Request(RandomTokens(10, 256, 2), 5);  // no full chunk
+  DecodeRequest b = Request(RandomTokens(10, 256, 2), 5);
+  b.blended = true;
   const uint64_t ib = PrepareAndLoad(rig, b, t);
   Start(rig, ib, PushPrompt(rig, b, 0), t);
   RunToEnd(rig, t);
@@ -468,7 +486,7 @@ TEST(Decoder, DecodingGoesOnWhileTheStoreIsStuck) {
   EXPECT_EQ(rig.gated().inner().size(), 0u);
   rig.gated().OpenAll();
   rig.io.Drain();
-  EXPECT_EQ(rig.gated().inner().size(), 2u);  // A: 45 tokens with KV
+  EXPECT_EQ(rig.gated().inner().size(), 5u);  // A: 45 tokens with KV, 2 chunks and 3 pieces
   EXPECT_EQ(rig.decoder->Stats().store_bytes_pending, 0u);
 }
 
@@ -505,7 +523,7 @@ TEST(Decoder, AStoreThatIsDownCostsOnlyReuse) {
   rig.io.Drain();
   const DecoderStats s = rig.decoder->Stats();
   EXPECT_EQ(s.chunks_stored, 0u);
-  EXPECT_EQ(s.chunks_store_failed, 3u);  // 59 tokens with KV
+  EXPECT_EQ(s.chunks_store_failed, 6u);  // 59 tokens with KV: 3 chunks and 3 tail pieces
   EXPECT_EQ(s.store_bytes_pending, 0u);
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
 }
@@ -518,7 +536,7 @@ TEST(Decoder, AConversationIsNotStoredWhileTooMuchWaitsForTheStore) {
   Start(rig, id, PushPrompt(rig, r, 0), t);
   RunToEnd(rig, t);
   rig.io.Drain();
-  EXPECT_EQ(rig.decoder->Stats().chunks_store_dropped, 2u);
+  EXPECT_EQ(rig.decoder->Stats().chunks_store_dropped, 5u);  // 43 tokens: 2 chunks, 3 pieces
   EXPECT_EQ(rig.gated().inner().size(), 0u);
   EXPECT_EQ(t.finish[id], "length");
 }
@@ -532,7 +550,7 @@ TEST(Decoder, ABlendedRequestLoadsAndStoresNothingByPrefixKey) {
   RunToEnd(rig, t);
   rig.io.Drain();
   const size_t held = rig.gated().inner().size();
-  ASSERT_EQ(held, 2u);
+  ASSERT_EQ(held, 5u);  // 43 tokens with KV: 2 chunks and 3 tail pieces
 
   DecodeRequest blended = Request(plain.tokens, 20);
   blended.blended = true;

@@ -103,13 +103,13 @@ class HeldDecodeWorker {
       i->set_free_kv_blocks(1000);
       i->set_total_kv_blocks(1000);
     };
-    if (control::AnswerQuery(srv, peer, m, *store_, info)) return;
+    if (control::AnswerQuery(srv, peer, m, *store_, {wm_.fingerprint, "", kChunk}, info)) return;
     std::lock_guard<std::mutex> lock(mu_);
     peer_ = peer;
     if (m.has_prepare()) {
       proto::WorkerMessage reply;
       reply.set_request_id(m.request_id());
-      reply.mutable_prepare_reply()->set_held_chunks(0);
+      reply.mutable_prepare_reply()->set_held_tokens(0);
       srv.Send(peer, reply);
       return;
     }

@@ -50,16 +50,18 @@ TEST(Prefiller, SecondRunLoadsTheCachedPrefixAndComputesOnlyTheRest) {
   EXPECT_EQ(first->cached_tokens, 0);
   EXPECT_EQ(first->computed_tokens, 100);
   ASSERT_TRUE(p.StoreNewChunks().ok());
-  EXPECT_EQ(store->Stats().chunks, 6u);  // 100 / 16 full chunks
+  // 100 / 16 full chunks, and the tail of 4 as pieces of 1, 2 and 1 tokens.
+  EXPECT_EQ(store->Stats().chunks, 6u + 3u);
 
-  // A longer prompt sharing the first 100 tokens: 6 chunks come from the store.
+  // A longer prompt sharing the first 100 tokens: the 6 chunks and the tail
+  // pieces come from the store; only the 20 new tokens are computed.
   PrefillJob longer = job;
   const auto more = RandomTokens(20, 258, 4);
   longer.tokens.insert(longer.tokens.end(), more.begin(), more.end());
   auto second = p.Run(longer);
   ASSERT_TRUE(second.ok()) << second.status().ToString();
-  EXPECT_EQ(second->cached_tokens, 96);
-  EXPECT_EQ(second->computed_tokens, 24);
+  EXPECT_EQ(second->cached_tokens, 100);
+  EXPECT_EQ(second->computed_tokens, 20);
   EXPECT_EQ(second->first_token, GreedyFirstToken(*model, longer.tokens));
   ASSERT_TRUE(p.StoreNewChunks().ok());
 }
@@ -94,7 +96,7 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   job.tokens = RandomTokens(75, 258, 6);  // 4 full chunks and a tail of 11
   job.sampling.temperature = 0;
   job.decode_endpoint = (*receiver)->endpoint();
-  job.decode_held_chunks = 1;  // the receiver needs no KV for tokens [0, 16)
+  job.decode_held_tokens = 16;  // the receiver needs no KV for tokens [0, 16)
   job.transfer_id = "request-1";
   auto out = p.Run(job);
   ASSERT_TRUE(out.ok()) << out.status().ToString();
@@ -110,7 +112,7 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   ASSERT_TRUE(ref_model->Prefill(ref, job.tokens, {}, &logits).ok());
 
   const auto keys = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
-  const auto regions = control::TransferRegions(keys, 75, kChunk, 1, job.transfer_id);
+  const auto regions = control::TransferRegions(keys, 75, kChunk, 16, job.transfer_id);
   ASSERT_EQ(regions.size(), 4u);  // chunks 1..3 and the tail
   engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence rebuilt = cache.NewSequence();
@@ -294,7 +296,7 @@ TEST(Prefiller, RefusesAnEmptyPromptAndOneBeyondTheContext) {
 
 TEST(TransferRegions, FullChunksPastTheHeldOnesThenTheTail) {
   const std::vector<kvbus::ChunkKey> keys = {{0, 1}, {0, 2}, {0, 3}};
-  auto r = control::TransferRegions(keys, 50, 16, 1, "t");
+  auto r = control::TransferRegions(keys, 50, 16, 16, "t");
   ASSERT_EQ(r.size(), 3u);
   EXPECT_EQ(r[0].parent, keys[1]);
   EXPECT_EQ(r[0].first, 16);
@@ -302,12 +304,45 @@ TEST(TransferRegions, FullChunksPastTheHeldOnesThenTheTail) {
   EXPECT_TRUE(r[2].tail);
   EXPECT_EQ(r[2].first, 48);
   EXPECT_EQ(r[2].count, 2);
-  // Whole chunks: no tail. More held than there are chunks: nothing.
+  EXPECT_EQ(r[2].parent, kvbus::TransferKey({reinterpret_cast<const uint8_t*>("t"), 1}));
+  // Whole chunks: no tail. All held, or more: nothing.
   EXPECT_EQ(control::TransferRegions(keys, 48, 16, 0, "t").size(), 3u);
-  EXPECT_TRUE(control::TransferRegions(keys, 48, 16, 7, "t").empty());
+  EXPECT_TRUE(control::TransferRegions(keys, 48, 16, 48, "t").empty());
+  EXPECT_TRUE(control::TransferRegions(keys, 48, 16, 700, "t").empty());
   // Tails of different requests have different names.
-  EXPECT_NE(control::TransferRegions(keys, 50, 16, 3, "a")[0].parent,
-            control::TransferRegions(keys, 50, 16, 3, "b")[0].parent);
+  EXPECT_NE(control::TransferRegions(keys, 50, 16, 48, "a")[0].parent,
+            control::TransferRegions(keys, 50, 16, 48, "b")[0].parent);
+}
+
+TEST(TransferRegions, HeldTailPiecesLeaveAGapToTheNextChunkBoundary) {
+  const std::vector<kvbus::ChunkKey> keys = {{0, 1}, {0, 2}, {0, 3}};
+  // Held up to 21 (a chunk and 5 tokens of tail pieces): the gap [21, 32)
+  // under a name of this request's, then chunk 2, then the tail.
+  auto r = control::TransferRegions(keys, 50, 16, 21, "t");
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_TRUE(r[0].tail);
+  EXPECT_EQ(r[0].first, 21);
+  EXPECT_EQ(r[0].count, 11);
+  std::string gap = "t";
+  for (int i = 0; i < 8; ++i) gap += static_cast<char>(i == 0 ? 21 : 0);
+  EXPECT_EQ(r[0].parent,
+            kvbus::TransferKey({reinterpret_cast<const uint8_t*>(gap.data()), gap.size()}));
+  EXPECT_EQ(r[1].parent, keys[2]);
+  EXPECT_EQ(r[1].first, 32);
+  EXPECT_TRUE(r[2].tail);
+  EXPECT_EQ(r[2].first, 48);
+  EXPECT_NE(r[0].parent, r[2].parent);
+  // Held inside the prompt's own tail: the rest of it, under the tail's name.
+  r = control::TransferRegions(keys, 50, 16, 49, "t");
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].first, 49);
+  EXPECT_EQ(r[0].count, 1);
+  EXPECT_EQ(r[0].parent, kvbus::TransferKey({reinterpret_cast<const uint8_t*>("t"), 1}));
+  // A gap in the last full chunk of a prompt with no tail.
+  r = control::TransferRegions(keys, 48, 16, 40, "t");
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].first, 40);
+  EXPECT_EQ(r[0].count, 8);
 }
 
 TEST(LayerSlice, KeysDifferPerLayerAndParent) {

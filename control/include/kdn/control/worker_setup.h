@@ -43,10 +43,14 @@ bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, in
 
 // Answers, on the control I/O thread, the queries both kinds of worker answer
 // alike: an info request (the router's liveness ping) and a lookup (how many
-// leading keys its tiers hold, and which segment keys), each with the worker's figures from
-// `fill_info`. False, with nothing sent, for any other message.
+// leading prompt tokens its tiers hold, full chunks then tail pieces, and
+// which segment keys), each with the worker's figures from `fill_info`.
+// `keys` gives the fingerprint and chunk size the tail keys are computed
+// with (its ns is the lookup's). False, with nothing sent, for any other
+// message.
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
+                 const kvbus::KeyContext& keys,
                  const std::function<void(proto::WorkerInfo*)>& fill_info);
 
 }  // namespace kdn::control

@@ -4,10 +4,11 @@
 // PrefillService. A request's life:
 //
 //  1. Prepare: the request is checked, KV blocks are reserved for its whole
-//     prompt, and a load of the prompt's leading chunks the KDN holds is
-//     queued on the store I/O thread. When the load is in, Advance copies
-//     the chunks into the reserved blocks and reports a PrepareDone with how
-//     many it placed; the prefill worker sends none of those.
+//     prompt, and a load of the prompt's leading chunks the KDN holds, then
+//     of the tail pieces past them (docs/kvbus.md, "Tail keys"), is queued
+//     on the store I/O thread. When the load is in, Advance copies them into
+//     the reserved blocks and reports a PrepareDone with how many leading
+//     tokens it placed; the prefill worker sends none of those.
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
 //     layer slices into the staging tier and sampled the first token. The
 //     slices are copied into the reserved blocks and the request joins the
@@ -15,9 +16,11 @@
 //     out waits for it.
 //  3. Advance: one decode step for every running request; token events out.
 //  4. Finish (length, stop, context, Cancel, or a failed step): the full
-//     chunks of prompt + output that the load did not bring are copied out
-//     of the cache and handed to the store I/O thread, which stores those
-//     the KDN lacks; the request's blocks go back at once. (Chunks another
+//     chunks of prompt + output that the load did not bring, and the tail
+//     pieces past the last of them, are copied out of the cache and handed
+//     to the store I/O thread, which stores those the KDN lacks; the
+//     request's blocks go back at once. The next turn of the chat then
+//     loads the conversation down to its last token. (Chunks another
 //     worker stored meanwhile are copied out too, and skipped there: asking
 //     the store first would hold the blocks across a round trip.) A blended
 //     request's KV is not what a full prefill computes: it is neither loaded
@@ -85,11 +88,12 @@ struct DecodeRequest {
   RequestSpec spec;  // sampling, max_tokens, stops; spec.id is set by Prepare
 };
 
-// A Prepare's load is in: the leading `held_chunks` full chunks of the
-// prompt are in the request's blocks and need not travel.
+// A Prepare's load is in: the leading `held_tokens` tokens of the prompt
+// (full chunks, then tail pieces) are in the request's blocks and need not
+// travel.
 struct PrepareDone {
   uint64_t id = 0;
-  int held_chunks = 0;
+  int64_t held_tokens = 0;
 };
 
 // What Decoder calls produce, appended in order.
@@ -120,7 +124,7 @@ struct DecoderStats {
   int running = 0;   // in the batch
   int free_kv_blocks = 0;
   int total_kv_blocks = 0;
-  uint64_t chunks_loaded = 0;  // placed from the KDN at Prepare
+  uint64_t chunks_loaded = 0;  // chunks and tail pieces placed from the KDN at Prepare
   // Of finished conversations' chunks handed to the store I/O thread:
   uint64_t chunks_stored = 0;        // Put
   uint64_t chunks_already_held = 0;  // not Put: the store had them
@@ -145,8 +149,8 @@ class Decoder {
   // one that leaves no room in the model's context, ids outside the
   // vocabulary, max_tokens < 1 or bad sampling parameters;
   // RESOURCE_EXHAUSTED when too few KV blocks are free for the prompt. On
-  // error nothing is held. A prompt with nothing to load (shorter than a
-  // chunk, or blended) gets its PrepareDone in `out` at once.
+  // error nothing is held. A blended prompt (nothing to load) gets its
+  // PrepareDone in `out` at once.
   Result<uint64_t> Prepare(DecodeRequest request, DecoderOutput* out);
 
   // Step 2. NOT_FOUND, with nothing changed, when `id` is not a prepared
@@ -181,7 +185,7 @@ class Decoder {
     DecodeRequest request;
     std::vector<kvbus::ChunkKey> keys;  // the prompt's prefix keys; none when blended
     engine::KvSequence seq;             // blocks for the whole prompt
-    int held_chunks = -1;               // -1 while the load is out
+    int64_t held_tokens = -1;           // -1 while the load is out
     std::optional<int32_t> start;       // a Start waiting for the load: its first token
     TimePoint created;
   };
@@ -190,26 +194,29 @@ class Decoder {
     std::vector<int32_t> prompt;
     std::string ns;
     bool blended = false;
-    int held_chunks = 0;  // leading chunks the KDN gave: not stored again
+    int64_t held_tokens = 0;  // leading tokens the KDN gave: their full chunks not stored again
   };
   struct Mailbox;  // shared with the store I/O thread's jobs
+  using LoadedSpan = std::pair<kvbus::KeyedSpan, std::shared_ptr<const kvbus::Chunk>>;
 
   // Engine and chunk-bridge calls all live in the few helpers below (and in
   // the Batcher's decode step), so that a backend interface replaces them in
   // one place.
   Status ValidateRequest(const DecodeRequest& r) const;
   Status ReserveKv(Prepared& p);
-  int PlaceLoadedChunks(Prepared& p, const std::vector<std::shared_ptr<const kvbus::Chunk>>& chunks);
+  // Places a load's chunks and tail pieces, in order, up to the first that
+  // does not go in; returns the leading tokens placed.
+  int64_t PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded);
   Status PlacePushedSlices(Prepared& p);
   // Erases from staging the slices named for this request alone (its
   // partial tail; a blended prompt's whole KV), which only
   // PlacePushedSlices would otherwise have taken.
   void DropOwnSlices(const Prepared& p);
   std::vector<std::shared_ptr<const kvbus::Chunk>> CopyOutChunks(
-      const engine::KvSequence& seq, const std::vector<kvbus::ChunkKey>& keys, size_t first);
-  uint64_t ChunkBytes() const;  // one full chunk, serialized
+      const engine::KvSequence& seq, const std::vector<kvbus::KeyedSpan>& spans);
+  uint64_t ChunkBytes(int64_t tokens) const;  // a chunk of `tokens` tokens, serialized
 
-  void PostLoad(uint64_t id, std::vector<kvbus::ChunkKey> keys);
+  void PostLoad(uint64_t id, const Prepared& p);
   void PostStore(std::vector<std::shared_ptr<const kvbus::Chunk>> chunks);
   // Assembles and admits a prepared request whose load is in.
   void Begin(uint64_t id, int32_t first_token, DecoderOutput* out);

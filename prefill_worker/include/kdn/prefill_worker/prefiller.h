@@ -3,14 +3,16 @@
 // (docs/design.md, "One request, step by step", steps 3 to 5).
 //
 //  1. Cut the prompt into chunks and load the longest prefix of them that the
-//     KDN tiers hold (at most all but the prompt's last token, whose logits
-//     are needed).
+//     KDN tiers hold, then the tail pieces past them (docs/kvbus.md, "Tail
+//     keys"): at most all but the prompt's last token, whose logits are
+//     needed.
 //  2. Compute the rest with the engine, and as each layer finishes push that
 //     layer of the KV the decode worker lacks (every chunk past the ones it
 //     said it holds, plus the partial tail) over kvbus as layer slices.
 //  3. Wait until the decode worker has every slice, sample the first token.
-//  4. After the reply (StoreNewChunks), store the prompt's new full chunks in
-//     the KDN so the next request with this prefix loads them.
+//  4. After the reply (StoreNewChunks), store the prompt's new full chunks
+//     and its tail pieces in the KDN so the next request with this prefix
+//     (or extending this prompt) loads them.
 //
 // A blend job (CacheBlend; docs/serving.md, "Documents") instead looks each
 // document up under its segment key, fuses the KV of those it finds
@@ -56,8 +58,8 @@ struct PrefillJob {
   // The decode worker's kvbus endpoint; empty: the KV is not pushed (the
   // prompt is only prefilled and cached, as for a benchmark or a warm-up).
   std::string decode_endpoint;
-  // Leading full chunks the decode worker already has: never sent.
-  int decode_held_chunks = 0;
+  // Leading tokens the decode worker already has: never sent.
+  int64_t decode_held_tokens = 0;
   // Unique per request; names the slices of the partial tail (of the whole
   // prompt for a blend job).
   std::string transfer_id;
@@ -127,6 +129,7 @@ class Prefiller {
   // The last job, until StoreNewChunks.
   engine::KvSequence seq_;
   std::vector<kvbus::ChunkKey> keys_;
+  std::vector<kvbus::KeyedSpan> tail_;  // the prompt's tail pieces, to store
   int first_new_chunk_ = 0;
   // A blend job's documents that the KDN lacked: key and tokens.
   std::vector<std::pair<kvbus::ChunkKey, std::vector<int32_t>>> missing_segments_;
