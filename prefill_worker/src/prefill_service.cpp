@@ -99,17 +99,18 @@ struct PrefillService::Impl {
     if (out.ok()) {
       pr->set_first_token(out->first_token);
       pr->set_cached_tokens(out->cached_tokens);
+      pr->set_tail_tokens(out->tail_tokens);
       pr->set_computed_tokens(out->computed_tokens);
       pr->set_kv_bytes_sent(out->kv_bytes_sent);
       pr->set_slices_skipped(out->slices_skipped);
       pr->set_blended_tokens(out->blended_tokens);
       pr->set_recomputed_tokens(out->recomputed_tokens);
       std::fprintf(stderr,
-                   "%s: request %llu: %zu prompt tokens, %d cached (%d blended, %d of them "
-                   "recomputed), %d computed, %.3f s; %.1f MiB of KV pushed, %u slices "
-                   "skipped\n",
+                   "%s: request %llu: %zu prompt tokens, %d cached (%d from tail pieces, %d "
+                   "blended, %d of them recomputed), %d computed, %.3f s; %.1f MiB of KV "
+                   "pushed, %u slices skipped\n",
                    options.name.c_str(), static_cast<unsigned long long>(q.request_id),
-                   q.job.tokens.size(), out->cached_tokens, out->blended_tokens,
+                   q.job.tokens.size(), out->cached_tokens, out->tail_tokens, out->blended_tokens,
                    out->recomputed_tokens, out->computed_tokens, secs,
                    out->kv_bytes_sent / 1048576.0, out->slices_skipped);
     } else {

@@ -141,6 +141,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   engine::Sampler sampler(job.sampling);
   out.first_token = sampler.Sample(logits);
   out.cached_tokens = static_cast<int>(hit);
+  out.tail_tokens = static_cast<int>(hit - first_new_chunk_ * int64_t{C});
   out.computed_tokens = static_cast<int>(n - hit);
   return out;
 }

@@ -420,7 +420,7 @@ struct Backend::Impl {
         if (metrics) {
           metrics->PromptTokens(pr.cached_tokens() - pr.blended_tokens(),
                                 pr.blended_tokens() - pr.recomputed_tokens(),
-                                pr.recomputed_tokens(), pr.computed_tokens());
+                                pr.recomputed_tokens(), pr.computed_tokens(), pr.tail_tokens());
           metrics->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
         }
         // Step 5: the first token goes to the client now, shown by the

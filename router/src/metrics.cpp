@@ -78,9 +78,10 @@ void Metrics::InterToken(double seconds) {
   inter_token_.Observe(seconds);
 }
 
-void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed) {
+void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed, int tail) {
   std::lock_guard<std::mutex> lock(mu_);
   cached_tokens_ += static_cast<uint64_t>(cached);
+  tail_tokens_ += static_cast<uint64_t>(tail);
   blended_tokens_ += static_cast<uint64_t>(blended);
   recomputed_tokens_ += static_cast<uint64_t>(recomputed);
   computed_tokens_ += static_cast<uint64_t>(computed);
@@ -118,7 +119,8 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");
   inter_token_.Render("kdn_inter_token_seconds", &out);
   Head(&out, "kdn_prompt_tokens_total", "counter",
-       "Prompt tokens by the source of their KV: prefix chunks loaded from the KDN (cached), "
+       "Prompt tokens by the source of their KV: prefix chunks and tail pieces loaded from the "
+       "KDN (cached), "
        "documents' KV fused in unchanged (blended), documents' tokens recomputed by blend "
        "(recomputed), or computed in full.");
   out += "kdn_prompt_tokens_total{source=\"cached\"} " + std::to_string(cached_tokens_) + "\n";
@@ -126,6 +128,10 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   out += "kdn_prompt_tokens_total{source=\"recomputed\"} " + std::to_string(recomputed_tokens_) +
          "\n";
   out += "kdn_prompt_tokens_total{source=\"computed\"} " + std::to_string(computed_tokens_) + "\n";
+  Head(&out, "kdn_prompt_tail_tokens_total", "counter",
+       "Of the cached prompt tokens, those loaded from tail pieces: the tokens past a "
+       "conversation's last full chunk.");
+  out += "kdn_prompt_tail_tokens_total " + std::to_string(tail_tokens_) + "\n";
   Head(&out, "kdn_injected_documents_total", "counter",
        "Documents sent to /v1/kdn/inject, by result.");
   for (const char* result : {"stored", "already_held", "failed"}) {

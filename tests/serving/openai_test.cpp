@@ -255,7 +255,7 @@ TEST(Metrics, HistogramBucketsAreCumulativeAndEndInTheCount) {
 TEST(Metrics, RendersEveryDocumentedFamilyAndEscapesLabels) {
   Metrics m;
   m.RequestFinished("/v1/completions", 200);
-  m.PromptTokens(768, 0, 0, 233);
+  m.PromptTokens(768, 0, 0, 233, 200);
   m.PromptTokens(0, 500, 90, 40);
   m.Injected("stored", 120);
   m.Injected("already_held", 30);
@@ -264,13 +264,15 @@ TEST(Metrics, RendersEveryDocumentedFamilyAndEscapesLabels) {
        {"kdn_requests_total", "kdn_requests_in_flight", "kdn_ttft_seconds", "kdn_inter_token_seconds",
         "kdn_prompt_tokens_total", "kdn_generated_tokens_total", "kdn_kv_bytes_moved_total",
         "kdn_kv_chunks_skipped_total", "kdn_worker_up", "kdn_worker_queue_depth",
-        "kdn_worker_free_kv_blocks", "kdn_injected_documents_total", "kdn_injected_tokens_total"}) {
+        "kdn_worker_free_kv_blocks", "kdn_injected_documents_total", "kdn_injected_tokens_total",
+        "kdn_prompt_tail_tokens_total"}) {
     EXPECT_NE(out.find(std::string("# TYPE ") + name + " "), std::string::npos) << name;
   }
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"cached\"} 768\n"), std::string::npos);
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"blended\"} 500\n"), std::string::npos);
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"recomputed\"} 90\n"), std::string::npos);
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"computed\"} 273\n"), std::string::npos);
+  EXPECT_NE(out.find("kdn_prompt_tail_tokens_total 200\n"), std::string::npos);
   EXPECT_NE(out.find("kdn_injected_documents_total{result=\"stored\"} 1\n"), std::string::npos);
   EXPECT_NE(out.find("kdn_injected_documents_total{result=\"failed\"} 0\n"), std::string::npos);
   EXPECT_NE(out.find("kdn_injected_tokens_total 150\n"), std::string::npos);

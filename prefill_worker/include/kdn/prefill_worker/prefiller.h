@@ -69,6 +69,7 @@ struct PrefillJob {
 struct PrefillOutcome {
   int32_t first_token = -1;
   int cached_tokens = 0;    // loaded from the KDN
+  int tail_tokens = 0;      // of cached_tokens: from tail pieces past the last full chunk
   int computed_tokens = 0;  // run through the model in full
   int blended_tokens = 0;   // of cached_tokens: fused from documents' KV
   int recomputed_tokens = 0;  // of blended_tokens: recomputed past the check layer

@@ -44,7 +44,8 @@ class Metrics {
   // A request's prompt tokens by where their KV came from: prefix chunks
   // loaded, documents' KV fused in unchanged, documents' tokens recomputed by
   // blend, and computed in full. They add up to the prompt.
-  void PromptTokens(int cached, int blended, int recomputed, int computed);
+  // `tail` is the part of `cached` that came from tail pieces.
+  void PromptTokens(int cached, int blended, int recomputed, int computed, int tail = 0);
   // One injected document: result "stored", "already_held" or "failed".
   void Injected(const std::string& result, size_t tokens);
   void GeneratedTokens(int n);
@@ -58,7 +59,7 @@ class Metrics {
   int64_t in_flight_ = 0;
   Histogram ttft_;
   Histogram inter_token_;
-  uint64_t cached_tokens_ = 0, blended_tokens_ = 0, recomputed_tokens_ = 0;
+  uint64_t cached_tokens_ = 0, blended_tokens_ = 0, recomputed_tokens_ = 0, tail_tokens_ = 0;
   uint64_t computed_tokens_ = 0, generated_ = 0;
   std::map<std::string, uint64_t> injected_;  // by result
   uint64_t injected_tokens_ = 0;
