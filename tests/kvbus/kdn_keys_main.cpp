@@ -2,7 +2,10 @@
 // recomputes them from docs/kvbus.md with Python's xxhash.
 //   kdn_keys prefix  FINGERPRINT_HEX NAMESPACE CHUNK_TOKENS IDS_CSV
 //   kdn_keys segment FINGERPRINT_HEX NAMESPACE IDS_CSV
-// prefix prints one hex key per full chunk, one a line; segment prints one.
+//   kdn_keys tail    FINGERPRINT_HEX NAMESPACE CHUNK_TOKENS IDS_CSV
+// prefix prints one hex key per full chunk, one a line; segment prints one;
+// tail prints one line per tail piece (TailSpans), "FIRST COUNT KEYHEX",
+// nothing when the tokens end on a chunk boundary.
 // IDS_CSV is comma-separated token ids in [0, 2^31 - 1] (may be empty), or
 // "-" to read them from stdin. NAMESPACE is taken as raw bytes.
 #include <cerrno>
@@ -40,7 +43,8 @@ std::optional<std::vector<int32_t>> ParseIds(std::string csv) {
 int Usage() {
   std::fprintf(stderr,
                "usage: kdn_keys prefix FINGERPRINT_HEX NAMESPACE CHUNK_TOKENS IDS_CSV\n"
-               "       kdn_keys segment FINGERPRINT_HEX NAMESPACE IDS_CSV\n");
+               "       kdn_keys segment FINGERPRINT_HEX NAMESPACE IDS_CSV\n"
+               "       kdn_keys tail FINGERPRINT_HEX NAMESPACE CHUNK_TOKENS IDS_CSV\n");
   return 2;
 }
 
@@ -50,8 +54,9 @@ int main(int argc, char** argv) {
   using namespace kdn::kvbus;
   if (argc < 2) return Usage();
   const std::string mode = argv[1];
-  const bool prefix = mode == "prefix";
-  if (!(prefix && argc == 6) && !(mode == "segment" && argc == 5)) return Usage();
+  const bool tail = mode == "tail";
+  const bool chunked = mode == "prefix" || tail;  // takes CHUNK_TOKENS
+  if (!(chunked && argc == 6) && !(mode == "segment" && argc == 5)) return Usage();
 
   auto fp = ChunkKey::FromHex(argv[2]);
   if (!fp.ok()) {
@@ -59,7 +64,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   KeyContext ctx{*fp, argv[3], kDefaultChunkTokens};
-  if (prefix) {
+  if (chunked) {
     char* end = nullptr;
     const long n = std::strtol(argv[4], &end, 10);
     if (*argv[4] == '\0' || *end != '\0' || n <= 0 || n > (1 << 24)) {
@@ -68,12 +73,18 @@ int main(int argc, char** argv) {
     }
     ctx.chunk_tokens = static_cast<int>(n);
   }
-  const auto ids = ParseIds(argv[prefix ? 5 : 4]);
+  const auto ids = ParseIds(argv[chunked ? 5 : 4]);
   if (!ids) {
     std::fprintf(stderr, "kdn_keys: IDS_CSV must be comma-separated ids in [0, 2^31 - 1]\n");
     return 2;
   }
-  if (prefix) {
+  if (tail) {
+    const std::vector<ChunkKey> prefix_keys = PrefixKeys(ctx, *ids);
+    for (const KeyedSpan& s : TailSpans(ctx, *ids, prefix_keys)) {
+      std::printf("%lld %lld %s\n", static_cast<long long>(s.first), static_cast<long long>(s.count),
+                  s.key.ToHex().c_str());
+    }
+  } else if (chunked) {
     for (const ChunkKey& k : PrefixKeys(ctx, *ids)) std::printf("%s\n", k.ToHex().c_str());
   } else {
     std::printf("%s\n", SegmentKey(ctx, *ids).ToHex().c_str());
