@@ -82,6 +82,7 @@ struct MultiturnOptions {
   int turn_tokens = 64;  // each new user message
   int max_tokens = 16;   // each answer
   int conversations = 2;
+  int chunk_tokens = 256;  // the deployment's (kdn-launch --chunk-tokens): for the floor's context
   std::optional<uint64_t> seed;  // of the text; none: a new one each run, printed
 };
 int RunMultiturn(const Common& c, const MultiturnOptions& o);

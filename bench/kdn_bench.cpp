@@ -19,7 +19,9 @@
 //             router's): a fresh random context per conversation, then turns
 //             that each add a user message and the answer; time to first
 //             token of the later turns, whose prefix the KDN holds, against
-//             the first turn's cold prefill.
+//             the first turn's cold prefill and against a floor measured
+//             after each later turn: the same number of new tokens on top of
+//             a context of whole cached chunks.
 //   rag-blend k documents in a new order + a question, the documents' KV
 //             cached alone: TTFT of CacheBlend (several ratios) vs full
 //             prefill vs prefix caching alone, with KL and greedy agreement
@@ -115,6 +117,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   multiturn->add_option("--conversations", mt.conversations,
                         "Independent conversations (per-turn median and mean over them)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  multiturn->add_option("--chunk-tokens", mt.chunk_tokens,
+                        "The deployment's tokens per KV chunk (kdn-launch --chunk-tokens): the "
+                        "floor's context is whole chunks")
       ->capture_default_str()->check(CLI::PositiveNumber);
   multiturn->add_option("--seed", mt_seed, "Seed of the text (default: a new one each run)");
   multiturn->add_option("--json", c.json_path, "Also write the results as one JSON object");

@@ -254,6 +254,25 @@ std::string RandomWords(std::mt19937_64& rng, int n) {
   return s;
 }
 
+// The floor of a later turn: its new tokens (what the client added since the
+// previous prompt, answer included) prefilled on top of a context that is
+// whole chunks the KDN holds, so that no tail is involved. The context is
+// the previous prompt cut at its last chunk boundary (one BOS token plus
+// bytes: one token each on kdn's byte-level tokenizers), moved back a chunk
+// at a time while the cut would split a UTF-8 character.
+std::string FloorPrompt(const std::string& previous, int64_t previous_tokens, int64_t new_tokens,
+                        int chunk_tokens, std::mt19937_64& rng) {
+  int64_t context = previous_tokens / chunk_tokens * chunk_tokens;
+  const auto continuation = [&](int64_t bytes) {
+    return bytes > 0 && bytes < static_cast<int64_t>(previous.size()) &&
+           (static_cast<unsigned char>(previous[bytes]) & 0xc0) == 0x80;
+  };
+  while (context > chunk_tokens && continuation(context - 1)) context -= chunk_tokens;
+  const int64_t bytes = std::max<int64_t>(context - 1, 0);  // the BOS is a token
+  return previous.substr(0, std::min<size_t>(bytes, previous.size())) +
+         RandomWords(rng, static_cast<int>(std::max<int64_t>(new_tokens, 1)));
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -284,11 +303,14 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
   KDN_RETURN_IF_ERROR(Complete(url, RandomWords(warm_rng, 64), 2).status().WithContext("warm-up"));
   auto metrics_before = Exchange(url, http::verb::get, "/metrics", "");
 
-  // results[turn][conversation]
-  std::vector<std::vector<TurnResult>> results(o.turns);
+  // results[turn][conversation]; floors[turn][conversation] for turns > 1
+  std::vector<std::vector<TurnResult>> results(o.turns), floors(o.turns);
   for (int conv = 0; conv < o.conversations; ++conv) {
     std::mt19937_64 rng(seed * 1000003 + conv);
+    std::mt19937_64 floor_rng(seed * 1000003 + conv + 0xf100);
     std::string prompt = RandomWords(rng, o.context_tokens);
+    std::string previous;
+    int64_t previous_tokens = 0;
     for (int t = 0; t < o.turns; ++t) {
       prompt += "\n" + RandomWords(rng, o.turn_tokens - 1);
       auto r = Complete(url, prompt, o.max_tokens);
@@ -302,6 +324,25 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
                    conv + 1, o.conversations, t + 1, o.turns,
                    static_cast<long long>(r->prompt_tokens), static_cast<long long>(r->cached_tokens),
                    r->ttft_s * 1e3, r->total_s * 1e3);
+      if (t > 0) {
+        const std::string fp = FloorPrompt(previous, previous_tokens,
+                                           r->prompt_tokens - previous_tokens, o.chunk_tokens,
+                                           floor_rng);
+        auto f = Complete(url, fp, 1);
+        if (!f.ok()) {
+          return f.status().WithContext("conversation " + std::to_string(conv + 1) + " turn " +
+                                        std::to_string(t + 1) + "'s floor");
+        }
+        std::fprintf(stderr,
+                     "multiturn: conversation %d/%d turn %d/%d floor: %lld prompt tokens (%lld "
+                     "cached), TTFT %.1f ms\n",
+                     conv + 1, o.conversations, t + 1, o.turns,
+                     static_cast<long long>(f->prompt_tokens),
+                     static_cast<long long>(f->cached_tokens), f->ttft_s * 1e3);
+        floors[t].push_back(std::move(*f));
+      }
+      previous = prompt;
+      previous_tokens = r->prompt_tokens;
       prompt += r->text;
       results[t].push_back(std::move(*r));
     }
@@ -312,34 +353,49 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
               "%d-token user turns, %d-token answers, seed %llu\n",
               o.url.c_str(), model.c_str(), o.conversations, o.turns, o.context_tokens,
               o.turn_tokens, o.max_tokens, static_cast<unsigned long long>(seed));
-  std::printf("%5s %12s %12s %16s %14s %16s\n", "turn", "prompt tok", "cached tok",
-              "TTFT ms median", "TTFT ms mean", "total ms median");
+  std::printf("%5s %12s %12s %16s %14s %16s %16s %14s\n", "turn", "prompt tok", "cached tok",
+              "TTFT ms median", "TTFT ms mean", "total ms median", "floor ms median",
+              "turn / floor");
   json rows = json::array();
   double first_ttft = 0.0;
-  std::vector<double> later;
+  std::vector<double> later, later_floor;
   for (int t = 0; t < o.turns; ++t) {
-    std::vector<double> ttft, total, prompt_tok, cached_tok;
+    std::vector<double> ttft, total, prompt_tok, cached_tok, floor_ttft;
     for (const TurnResult& r : results[t]) {
       ttft.push_back(r.ttft_s * 1e3);
       total.push_back(r.total_s * 1e3);
       prompt_tok.push_back(static_cast<double>(r.prompt_tokens));
       cached_tok.push_back(static_cast<double>(r.cached_tokens));
     }
+    for (const TurnResult& f : floors[t]) floor_ttft.push_back(f.ttft_s * 1e3);
     const double med = Median(ttft);
+    json row = {{"turn", t + 1}, {"prompt_tokens", Median(prompt_tok)},
+                {"cached_tokens", Median(cached_tok)}, {"ttft_ms_median", med},
+                {"ttft_ms_mean", Mean(ttft)}, {"total_ms_median", Median(total)},
+                {"ttft_ms", ttft}, {"total_ms", total}};
     if (t == 0) {
       first_ttft = med;
+      std::printf("%5d %12.0f %12.0f %16.1f %14.1f %16.1f %16s %14s\n", t + 1, Median(prompt_tok),
+                  Median(cached_tok), med, Mean(ttft), Median(total), "-", "-");
     } else {
       later.push_back(med);
+      const double floor_med = Median(floor_ttft);
+      later_floor.push_back(floor_med);
+      std::printf("%5d %12.0f %12.0f %16.1f %14.1f %16.1f %16.1f %13.2fx\n", t + 1,
+                  Median(prompt_tok), Median(cached_tok), med, Mean(ttft), Median(total), floor_med,
+                  med / floor_med);
+      row["floor_ttft_ms_median"] = floor_med;
+      row["floor_ttft_ms"] = floor_ttft;
+      row["turn_to_floor"] = med / floor_med;
     }
-    std::printf("%5d %12.0f %12.0f %16.1f %14.1f %16.1f\n", t + 1, Median(prompt_tok),
-                Median(cached_tok), med, Mean(ttft), Median(total));
-    rows.push_back({{"turn", t + 1}, {"prompt_tokens", Median(prompt_tok)},
-                    {"cached_tokens", Median(cached_tok)}, {"ttft_ms_median", med},
-                    {"ttft_ms_mean", Mean(ttft)}, {"total_ms_median", Median(total)},
-                    {"ttft_ms", ttft}, {"total_ms", total}});
+    rows.push_back(std::move(row));
   }
   const double ratio = first_ttft / Mean(later);
+  const double to_floor = Mean(later) / Mean(later_floor);
   std::printf("first-turn TTFT / mean later-turn TTFT: %.1fx (aim: at least 10x)\n", ratio);
+  std::printf("mean later-turn TTFT / mean floor TTFT: %.2fx (aim: at most 1.5x; the floor is each "
+              "later turn's new tokens prefilled on a context of whole cached chunks)\n",
+              to_floor);
   for (const TurnResult& r : results[0]) {
     if (r.cached_tokens > 0) {
       std::printf("note: a first turn found %lld tokens cached, so it was not a cold prefill\n",
@@ -368,7 +424,10 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
            {"turn_tokens", o.turn_tokens}, {"max_tokens", o.max_tokens},
            {"conversations", o.conversations}, {"seed", seed},
            {"ttft", "from sending the request to the first event with a choices entry"},
+           {"floor", "each later turn's new tokens (prompt tokens added since the previous "
+                     "prompt) on a context of whole cached chunks, 1 answer token"},
            {"results", rows}, {"first_to_later_ttft_ratio", ratio},
+           {"later_to_floor_ttft_ratio", to_floor}, {"chunk_tokens", o.chunk_tokens},
            {"prompt_tokens_delta", delta}});
   return Status::Ok();
 }

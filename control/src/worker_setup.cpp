@@ -65,9 +65,10 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
     // A lookup without the prompt: full chunks only.
     const int64_t limit = tokens.empty() ? static_cast<int64_t>(prefix.size()) * ctx.chunk_tokens
                                          : static_cast<int64_t>(tokens.size());
-    const auto held = kvbus::MatchPrefix(ctx, tokens, prefix, limit, [&](const kvbus::KeyedSpan& s) {
-      return store.Contains(s.key);
-    });
+    const auto held = kvbus::MatchPrefix(ctx, tokens, prefix, limit, kvbus::kMinTailTokens,
+                                         [&](const kvbus::KeyedSpan& s) {
+                                           return store.Contains(s.key);
+                                         });
     auto* lr = reply.mutable_lookup_reply();
     lr->set_prefix_tokens(static_cast<int32_t>(kvbus::SpannedTokens(held)));
     std::vector<kvbus::ChunkKey> segments;

@@ -164,15 +164,16 @@ DecoderStats Decoder::Stats() const {
 
 void Decoder::PostLoad(uint64_t id, const Prepared& p) {
   store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys,
-                             tokens = p.request.tokens,
+                             tokens = p.request.tokens, min_tail = options_.min_tail_tokens,
                              ctx = kvbus::KeyContext{fingerprint_, p.request.ns,
                                                      options_.chunk_tokens}] {
     Mailbox::Load load{id, {}};
     // Full chunks, then the tail pieces past them. A miss, an unreachable
     // store or a chunk of another making ends it: the prefill worker sends
     // the rest.
-    (void)kvbus::MatchPrefix(
-        ctx, tokens, keys, static_cast<int64_t>(tokens.size()), [&](const kvbus::KeyedSpan& s) {
+    const auto spans = kvbus::MatchPrefix(
+        ctx, tokens, keys, static_cast<int64_t>(tokens.size()), min_tail,
+        [&](const kvbus::KeyedSpan& s) {
           auto chunk = store.Get(s.key);
           if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count)) {
             return false;
@@ -180,6 +181,7 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
           load.chunks.emplace_back(s, *std::move(chunk));
           return true;
         });
+    load.chunks.resize(spans.size());  // a tail match too short to use is dropped
     {
       std::lock_guard<std::mutex> lock(mb->mu);
       mb->loads.push_back(std::move(load));

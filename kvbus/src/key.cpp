@@ -188,6 +188,7 @@ std::vector<KeyedSpan> MatchTail(const KeyContext& ctx, std::span<const int32_t>
 
 std::vector<KeyedSpan> MatchPrefix(const KeyContext& ctx, std::span<const int32_t> tokens,
                                    std::span<const ChunkKey> prefix_keys, int64_t limit,
+                                   int64_t min_tail_tokens,
                                    const std::function<bool(const KeyedSpan&)>& held) {
   std::vector<KeyedSpan> spans;
   const int64_t C = ctx.chunk_tokens;
@@ -198,8 +199,9 @@ std::vector<KeyedSpan> MatchPrefix(const KeyContext& ctx, std::span<const int32_
     if (!held(s)) break;
     spans.push_back(s);
   }
-  for (KeyedSpan& s : MatchTail(ctx, tokens, prefix_keys, full, limit - full * C, held)) {
-    spans.push_back(s);
+  const std::vector<KeyedSpan> tail = MatchTail(ctx, tokens, prefix_keys, full, limit - full * C, held);
+  if (!tail.empty() && SpannedTokens(tail) - full * C >= min_tail_tokens) {
+    spans.insert(spans.end(), tail.begin(), tail.end());
   }
   return spans;
 }

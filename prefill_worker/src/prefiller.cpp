@@ -108,7 +108,8 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   // 1. The cached prefix, full chunks then tail pieces; the last token is
   // always computed for its logits.
   const std::vector<kvbus::KeyedSpan> held =
-      kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, [&](const kvbus::KeyedSpan& s) {
+      kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
+                         [&](const kvbus::KeyedSpan& s) {
         auto chunk = store_.Get(s.key);
         return chunk.ok() && control::ChunkFits(**chunk, fingerprint_, s.count) &&
                kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first).ok();

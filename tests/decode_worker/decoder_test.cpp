@@ -93,6 +93,9 @@ struct Rig {
                engine::EngineOptions eo = {}, DecoderOptions o = {})
       : model(MakeModel("tiny-qwen2", 7, eo)), store(std::move(s)) {
     o.chunk_tokens = kChunk;
+    // Chunks of 16 make every tail shorter than kvbus::kMinTailTokens: use
+    // tails of any length here.
+    o.min_tail_tokens = 1;
     decoder = std::make_unique<Decoder>(*model, tok, kFingerprint, *store, staging, io, o);
   }
   GatedStore& gated() { return dynamic_cast<GatedStore&>(*store); }

@@ -21,6 +21,41 @@ LAUNCH = REPO / "launch" / "kdn-launch"
 # 0-255 are bytes, 256 BOS, 257 EOS), so N ASCII characters are N + 1 tokens.
 TINY_CONTEXT = 2048
 CHUNK_TOKENS = 256  # kdn-launch's default --chunk-tokens
+MIN_TAIL_TOKENS = 16  # kvbus::kMinTailTokens
+
+
+def _tail_pieces(length):
+    """The piece sizes of a stored tail (docs/kvbus.md, "Tail keys"): an
+    anchor token, then the binary digits of the rest, largest first."""
+    if length <= 0:
+        return []
+    rest = length - 1
+    return [1] + [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1]
+
+
+def repeat_cached(prompt_tokens, answer_tokens, chunk=CHUNK_TOKENS):
+    """The cached_tokens of a prompt sent a second time, by the lookup that
+    docs/kvbus.md specifies: its first request stored the prompt's full chunks
+    and tail (prefill worker) and the conversation, prompt and all but the
+    last answer token (decode worker). The prefill worker reuses at most all
+    but the last token: the full chunks that fit, then the longest chain of
+    stored tail pieces, probed largest first, if it covers MIN_TAIL_TOKENS."""
+    limit = prompt_tokens - 1
+    full = min(prompt_tokens // chunk, limit // chunk)
+    first = full * chunk
+    stored = [_tail_pieces(n - first) for n in (prompt_tokens, prompt_tokens + answer_tokens - 1)
+              if n // chunk == full]
+    path = []
+    if any(stored):
+        path = [1]
+        size = 1 << max(chunk - 2, 1).bit_length() - 1
+        while size >= 1:
+            if sum(path) + size <= min(limit - first, chunk - 1) and any(
+                    s[:len(path) + 1] == path + [size] for s in stored):
+                path.append(size)
+            size >>= 1
+    tail = sum(path)
+    return first + (tail if tail >= MIN_TAIL_TOKENS else 0)
 
 
 def binary(name):

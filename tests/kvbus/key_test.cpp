@@ -533,7 +533,7 @@ TEST(MatchPrefix, CombinesFullChunksAndTheTail) {
         const auto more = RandomTokens(rng, static_cast<size_t>(C + 5));  // fills chunk `full`
         prompt.insert(prompt.end(), more.begin(), more.end());
         const auto pk = PrefixKeys(ctx, prompt);
-        const auto got = MatchPrefix(ctx, prompt, pk, INT64_MAX, store.Held());
+        const auto got = MatchPrefix(ctx, prompt, pk, INT64_MAX, 1, store.Held());
         std::vector<KeyedSpan> want;
         for (int i = 0; i < full; ++i) want.push_back({convo_keys[i], int64_t{i} * C, C});
         want.insert(want.end(), stored.begin(), stored.end());
@@ -543,7 +543,7 @@ TEST(MatchPrefix, CombinesFullChunksAndTheTail) {
         EXPECT_LE(static_cast<int>(store.probes.size()), full + 1 + MaxTailProbes(C));
         // A limit inside the tail keeps the chunks and the pieces that fit.
         const int64_t limit = full * C + L / 2;
-        const auto cut = MatchPrefix(ctx, prompt, pk, limit, store.Held());
+        const auto cut = MatchPrefix(ctx, prompt, pk, limit, 1, store.Held());
         want.resize(full);
         for (const KeyedSpan& s : PiecesUpTo(stored, limit)) want.push_back(s);
         EXPECT_EQ(Desc(cut), Desc(want));
@@ -553,6 +553,34 @@ TEST(MatchPrefix, CombinesFullChunksAndTheTail) {
   }
 }
 
+TEST(MatchPrefix, DropsATailMatchShorterThanTheMinimum) {
+  std::mt19937 rng(18);
+  const KeyContext ctx = Ctx("", 64);
+  // A conversation of a chunk and 20 tokens; every prompt shares its first
+  // token after the chunk (a BOS, a chat template's marker).
+  const auto convo = RandomTokens(rng, 64 + 20);
+  const auto convo_keys = PrefixKeys(ctx, convo);
+  ProbedStore store;
+  store.Add(convo_keys);
+  store.Add(TailOf(ctx, convo));
+  auto prompt = convo;
+  prompt.push_back(7);
+  const auto pk = PrefixKeys(ctx, prompt);
+  EXPECT_EQ(SpannedTokens(MatchPrefix(ctx, prompt, pk, INT64_MAX, kMinTailTokens, store.Held())),
+            64 + 20);
+  EXPECT_EQ(SpannedTokens(MatchPrefix(ctx, prompt, pk, INT64_MAX, 21, store.Held())), 64)
+      << "a 20-token tail match under a minimum of 21: the chunk alone";
+  // A prompt that shares only the tail's first token: the chunk alone.
+  auto other = std::vector<int32_t>(convo.begin(), convo.begin() + 65);
+  const auto more = RandomTokens(rng, 30);
+  other.insert(other.end(), more.begin(), more.end());
+  other[65] = convo[65] + 1;
+  const auto ok = PrefixKeys(ctx, other);
+  EXPECT_EQ(SpannedTokens(MatchPrefix(ctx, other, ok, INT64_MAX, 1, store.Held())), 65);
+  EXPECT_EQ(SpannedTokens(MatchPrefix(ctx, other, ok, INT64_MAX, kMinTailTokens, store.Held())),
+            64);
+}
+
 TEST(MatchPrefix, AColdPromptCostsOneProbeMoreThanItsChunks) {
   std::mt19937 rng(17);
   const KeyContext ctx = Ctx("", 16);
@@ -560,16 +588,16 @@ TEST(MatchPrefix, AColdPromptCostsOneProbeMoreThanItsChunks) {
   store.Add(TailOf(ctx, RandomTokens(rng, 16 + 9)));  // someone else's
   // Shorter than a chunk: the anchor is the only probe.
   const auto short_prompt = RandomTokens(rng, 9);
-  EXPECT_TRUE(MatchPrefix(ctx, short_prompt, PrefixKeys(ctx, short_prompt), INT64_MAX, store.Held()).empty());
+  EXPECT_TRUE(MatchPrefix(ctx, short_prompt, PrefixKeys(ctx, short_prompt), INT64_MAX, 1, store.Held()).empty());
   EXPECT_EQ(store.probes.size(), 1u);
   // Longer: the first chunk misses, then the anchor at position 0.
   const auto long_prompt = RandomTokens(rng, 16 * 3 + 2);
-  EXPECT_TRUE(MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), INT64_MAX, store.Held()).empty());
+  EXPECT_TRUE(MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), INT64_MAX, 1, store.Held()).empty());
   ASSERT_EQ(store.probes.size(), 2u);
   EXPECT_EQ(store.probes[1].first, 0);
   EXPECT_EQ(store.probes[1].count, 1);
   // A limit of 0 probes nothing.
-  EXPECT_TRUE(MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), 0, store.Held()).empty());
+  EXPECT_TRUE(MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), 0, 1, store.Held()).empty());
   EXPECT_TRUE(store.probes.empty());
 }
 

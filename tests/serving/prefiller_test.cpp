@@ -27,6 +27,7 @@ PrefillerOptions Options() {
   o.sender.peer_timeout = std::chrono::milliseconds(500);
   o.sender.heartbeat_interval = std::chrono::milliseconds(100);
   o.push_timeout = std::chrono::milliseconds(5000);
+  o.min_tail_tokens = 1;  // chunks of 16: every tail is shorter than the default
   return o;
 }
 

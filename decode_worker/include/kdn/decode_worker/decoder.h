@@ -112,6 +112,8 @@ struct DecoderOptions {
   // thread above which a finished conversation is not stored.
   uint64_t max_pending_store_bytes = uint64_t{1} << 30;
   std::string name = "decode";  // in log lines
+  // The shortest tail match used (kvbus::MatchPrefix).
+  int64_t min_tail_tokens = kvbus::kMinTailTokens;
   // Called on the store I/O thread when a load is in, so that the compute
   // loop calls Advance. Must be quick and must not call the Decoder.
   std::function<void()> on_load_done;

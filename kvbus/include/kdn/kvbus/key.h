@@ -92,11 +92,19 @@ std::vector<KeyedSpan> MatchTail(const KeyContext& ctx, std::span<const int32_t>
                                  std::span<const ChunkKey> prefix_keys, int64_t full_chunks,
                                  int64_t limit, const std::function<bool(const KeyedSpan&)>& held);
 
+// A tail match shorter than this is not used: every prompt that starts with
+// a BOS token finds that token's anchor, and a few tokens of KV cost less to
+// compute than to fetch (docs/kvbus.md, "Tail keys").
+inline constexpr int64_t kMinTailTokens = 16;
+
 // The longest prefix of `tokens` whose KV `held` finds, at most `limit`
 // tokens: its full chunks by prefix key (`prefix_keys`, stopping at the
-// first that is not held), then MatchTail. Spans in position order.
+// first that is not held), then MatchTail, whose match is dropped when it
+// covers fewer than `min_tail_tokens`. Spans in position order: a prefix of
+// those `held` accepted.
 std::vector<KeyedSpan> MatchPrefix(const KeyContext& ctx, std::span<const int32_t> tokens,
                                    std::span<const ChunkKey> prefix_keys, int64_t limit,
+                                   int64_t min_tail_tokens,
                                    const std::function<bool(const KeyedSpan&)>& held);
 
 // The tokens a run of spans from position 0 covers (0 for none).

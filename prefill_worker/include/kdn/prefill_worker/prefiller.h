@@ -85,6 +85,8 @@ struct PrefillerOptions {
   // How long to wait, after the last layer, for the decode worker to have
   // every slice.
   std::chrono::milliseconds push_timeout{30000};
+  // The shortest tail match used (kvbus::MatchPrefix).
+  int64_t min_tail_tokens = kvbus::kMinTailTokens;
 };
 
 class Prefiller {

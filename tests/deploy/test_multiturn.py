@@ -1,0 +1,79 @@
+"""A chat's later turns cost only their new tokens (docs/kvbus.md, "Tail keys").
+
+A deployment of the tiny model with a shared kdn-store: the decode worker
+stores each finished conversation (its full chunks and the tail pieces past
+them) and the prefill worker of the next turn loads it down to the last token
+with KV. The prompts are token ids, so that a conversation is exactly the
+tokens the model saw and produced (text could not round-trip the random
+model's bytes).
+"""
+
+import random
+import subprocess
+import time
+
+import pytest
+
+from deploy_util import CHUNK_TOKENS, Deployment, binary, metric, parse_metrics
+
+ANSWER_TOKENS = 8
+FIRST_TOKENS = 300       # a full chunk and a tail of 44
+TURN_TOKENS = 40         # each later user message
+
+
+@pytest.fixture(scope="module")
+def store_deployment(tiny_model, tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("run-store"), tiny_model, "--store",
+                   "--store-host-mib", 64)
+    try:
+        yield d
+    finally:
+        d.down()
+
+
+def engine(model, ids, *flags):
+    """kdn-generate on the whole conversation `ids` (greedy, no BOS added)."""
+    r = subprocess.run([binary("kdn-generate"), "--model", str(model), "--prompt-ids",
+                        ",".join(map(str, ids)), "--no-bos", "--ignore-eos", "--max-tokens",
+                        str(ANSWER_TOKENS), "--threads", "1", *flags],
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return r.stdout[:-1]
+
+
+def test_later_turns_compute_only_their_new_tokens(store_deployment):
+    d = store_deployment
+    rng = random.Random(20261122)
+    ids = [rng.randrange(3, 256) for _ in range(FIRST_TOKENS)]
+    stored = 0  # tokens of the conversation the KDN holds (all but the last answer token)
+    for turn in range(1, 4):
+        before = parse_metrics(d.metrics())
+        r = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+        after = parse_metrics(d.metrics())
+        grew = {source: metric(after, "kdn_prompt_tokens_total", source=source)
+                - metric(before, "kdn_prompt_tokens_total", source=source)
+                for source in ("cached", "computed")}
+        tail = (metric(after, "kdn_prompt_tail_tokens_total")
+                - metric(before, "kdn_prompt_tail_tokens_total"))
+        usage = r["usage"]
+        assert usage["prompt_tokens"] == len(ids), usage
+        assert usage["completion_tokens"] == ANSWER_TOKENS, usage
+        # Greedy output equals the engine alone on the whole conversation.
+        want = engine(d.model, ids).decode("utf-8", errors="replace")
+        assert r["choices"][0]["text"] == want, "turn %d: served text differs from kdn-generate's" % turn
+        # Only the tokens past what the KDN held were computed: for a later
+        # turn, the last answer token (never run through the model) and the
+        # new message.
+        assert usage["prompt_tokens_details"]["cached_tokens"] == stored, (turn, usage)
+        assert grew == {"cached": stored, "computed": len(ids) - stored}, (turn, grew)
+        assert tail == stored - (stored // CHUNK_TOKENS) * CHUNK_TOKENS, (turn, tail)
+        if turn > 1:
+            assert grew["computed"] == TURN_TOKENS + 1, (turn, grew)
+
+        answer = [int(t) for t in engine(d.model, ids, "--print-ids").split(b",")]
+        assert len(answer) == ANSWER_TOKENS
+        stored = len(ids) + ANSWER_TOKENS - 1
+        ids = ids + answer + [rng.randrange(3, 256) for _ in range(TURN_TOKENS)]
+        # The decode worker stores the conversation on its store I/O thread
+        # once the last token is out; give that round trip time to land.
+        time.sleep(1.0)
