@@ -107,11 +107,11 @@ struct PrefillService::Impl {
       pr->set_recomputed_tokens(out->recomputed_tokens);
       std::fprintf(stderr,
                    "%s: request %llu: %zu prompt tokens, %d cached (%d from tail pieces, %d "
-                   "blended, %d of them recomputed), %d computed, %.3f s; %.1f MiB of KV "
-                   "pushed, %u slices skipped\n",
+                   "blended, %d of them recomputed), %d computed, %.3f s (%.3f s loading); "
+                   "%.1f MiB of KV pushed, %u slices skipped\n",
                    options.name.c_str(), static_cast<unsigned long long>(q.request_id),
                    q.job.tokens.size(), out->cached_tokens, out->tail_tokens, out->blended_tokens,
-                   out->recomputed_tokens, out->computed_tokens, secs,
+                   out->recomputed_tokens, out->computed_tokens, secs, out->load_seconds,
                    out->kv_bytes_sent / 1048576.0, out->slices_skipped);
     } else {
       control::StatusToProto(out.status(), pr->mutable_error());

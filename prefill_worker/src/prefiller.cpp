@@ -107,6 +107,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
 
   // 1. The cached prefix, full chunks then tail pieces; the last token is
   // always computed for its logits.
+  const auto load_start = std::chrono::steady_clock::now();
   const std::vector<kvbus::KeyedSpan> held =
       kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
                          [&](const kvbus::KeyedSpan& s) {
@@ -118,6 +119,8 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   cache.SetLength(seq_, hit);
   first_new_chunk_ = static_cast<int>(hit / C);
   tail_ = kvbus::TailSpans(ctx, job.tokens, keys_);
+  const double load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 
   // 2. What the decode worker lacks, by region, pushed layer by layer.
   Push push{*this, job, seq_,
@@ -143,6 +146,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   out.first_token = sampler.Sample(logits);
   out.cached_tokens = static_cast<int>(hit);
   out.tail_tokens = static_cast<int>(hit - first_new_chunk_ * int64_t{C});
+  out.load_seconds = load_seconds;
   out.computed_tokens = static_cast<int>(n - hit);
   return out;
 }

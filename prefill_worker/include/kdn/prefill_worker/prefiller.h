@@ -25,6 +25,7 @@
 // Not thread-safe: the worker's compute loop owns it, with the CpuEngine. The
 // store is shared (thread-safe).
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -70,6 +71,7 @@ struct PrefillOutcome {
   int32_t first_token = -1;
   int cached_tokens = 0;    // loaded from the KDN
   int tail_tokens = 0;      // of cached_tokens: from tail pieces past the last full chunk
+  double load_seconds = 0;  // looking up and placing the cached prefix
   int computed_tokens = 0;  // run through the model in full
   int blended_tokens = 0;   // of cached_tokens: fused from documents' KV
   int recomputed_tokens = 0;  // of blended_tokens: recomputed past the check layer
