@@ -396,15 +396,12 @@ void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
   const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
   // The full chunks the load brought are in the KDN already; those past
   // them, then the tail pieces past the last full chunk, are stored.
-  std::vector<kvbus::KeyedSpan> spans;
-  uint64_t bytes = 0;
-  for (auto i = static_cast<size_t>(std::max<int64_t>(r.held_tokens, 0) / options_.chunk_tokens);
-       i < keys.size(); ++i) {
-    spans.push_back({keys[i], static_cast<int64_t>(i) * options_.chunk_tokens,
-                     options_.chunk_tokens});
-  }
-  for (const kvbus::KeyedSpan& s : kvbus::TailSpans(ctx, tokens, keys)) spans.push_back(s);
+  std::vector<kvbus::KeyedSpan> spans = kvbus::StoredSpans(ctx, tokens, keys);
+  const auto loaded = std::min<size_t>(
+      static_cast<size_t>(std::max<int64_t>(r.held_tokens, 0) / options_.chunk_tokens), keys.size());
+  spans.erase(spans.begin(), spans.begin() + static_cast<std::ptrdiff_t>(loaded));
   if (spans.empty()) return;
+  uint64_t bytes = 0;
   for (const kvbus::KeyedSpan& s : spans) bytes += ChunkBytes(s.count);
   if (mailbox_->bytes_pending.load() + bytes > options_.max_pending_store_bytes) {
     chunks_store_dropped_ += spans.size();

@@ -158,6 +158,16 @@ std::vector<KeyedSpan> TailSpans(const KeyContext& ctx, std::span<const int32_t>
   return spans;
 }
 
+std::vector<KeyedSpan> StoredSpans(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                   std::span<const ChunkKey> prefix_keys) {
+  std::vector<KeyedSpan> spans;
+  for (size_t i = 0; i < prefix_keys.size(); ++i) {
+    spans.push_back({prefix_keys[i], static_cast<int64_t>(i) * ctx.chunk_tokens, ctx.chunk_tokens});
+  }
+  for (const KeyedSpan& s : TailSpans(ctx, tokens, prefix_keys)) spans.push_back(s);
+  return spans;
+}
+
 std::vector<KeyedSpan> MatchTail(const KeyContext& ctx, std::span<const int32_t> tokens,
                                  std::span<const ChunkKey> prefix_keys, int64_t full_chunks,
                                  int64_t limit, const std::function<bool(const KeyedSpan&)>& held) {

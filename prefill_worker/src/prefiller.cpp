@@ -83,7 +83,7 @@ struct Prefiller::Push {
 Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   seq_.Reset();
   keys_.clear();
-  tail_.clear();
+  spans_.clear();
   missing_segments_.clear();
   first_new_chunk_ = 0;
   const auto n = static_cast<int64_t>(job.tokens.size());
@@ -118,7 +118,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   const int64_t hit = kvbus::SpannedTokens(held);
   cache.SetLength(seq_, hit);
   first_new_chunk_ = static_cast<int>(hit / C);
-  tail_ = kvbus::TailSpans(ctx, job.tokens, keys_);
+  spans_ = kvbus::StoredSpans(ctx, job.tokens, keys_);
   const double load_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
 
@@ -239,18 +239,10 @@ Result<bool> Prefiller::Inject(std::span<const int32_t> tokens, const std::strin
 Status Prefiller::StoreNewChunks() {
   Status first_error;
   engine::KvCache& cache = model_.kv_cache();
-  const int C = options_.chunk_tokens;
-  for (size_t i = static_cast<size_t>(first_new_chunk_); i < keys_.size(); ++i) {
-    if (seq_.length() < static_cast<int64_t>(i + 1) * C) break;
-    if (store_.Contains(keys_[i])) continue;
-    auto chunk = kvbridge::ChunkFromPagedKv(cache, seq_, static_cast<int64_t>(i) * C, C, keys_[i],
-                                         fingerprint_, kvbus::KvDType::kF32);
-    Status st = chunk.ok() ? store_.Put(*std::move(chunk)) : chunk.status();
-    if (!st.ok() && first_error.ok()) first_error = st;
-  }
-  // The prompt's tail pieces, so that a prompt extending this one (the next
-  // turn of a chat) computes only its new tokens.
-  for (const kvbus::KeyedSpan& s : tail_) {
+  // The new full chunks, then the tail pieces, so that a prompt extending
+  // this one (the next turn of a chat) computes only its new tokens.
+  for (size_t i = static_cast<size_t>(first_new_chunk_); i < spans_.size(); ++i) {
+    const kvbus::KeyedSpan& s = spans_[i];
     if (seq_.length() < s.first + s.count) break;
     if (store_.Contains(s.key)) continue;
     auto chunk = kvbridge::ChunkFromPagedKv(cache, seq_, s.first, s.count, s.key, fingerprint_,
@@ -260,7 +252,7 @@ Status Prefiller::StoreNewChunks() {
   }
   seq_.Reset();
   keys_.clear();
-  tail_.clear();
+  spans_.clear();
   for (const auto& [key, tokens] : missing_segments_) {
     if (store_.Contains(key)) continue;
     Status st = StoreSegment(key, tokens);

@@ -82,6 +82,11 @@ ChunkKey TailKey(const KeyContext& ctx, const ChunkKey& parent, std::span<const 
 std::vector<KeyedSpan> TailSpans(const KeyContext& ctx, std::span<const int32_t> tokens,
                                  std::span<const ChunkKey> prefix_keys);
 
+// Every span of `tokens` as it is stored: its full chunks under their prefix
+// keys (`prefix_keys`), then its tail pieces (TailSpans).
+std::vector<KeyedSpan> StoredSpans(const KeyContext& ctx, std::span<const int32_t> tokens,
+                                   std::span<const ChunkKey> prefix_keys);
+
 // The longest chain of stored tail pieces that `tokens` continues after its
 // first `full_chunks` full chunks (whose prefix keys are `prefix_keys`),
 // covering at most `limit` tokens: the last step of a prefix match. `held`

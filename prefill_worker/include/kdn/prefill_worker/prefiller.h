@@ -134,7 +134,9 @@ class Prefiller {
   // The last job, until StoreNewChunks.
   engine::KvSequence seq_;
   std::vector<kvbus::ChunkKey> keys_;
-  std::vector<kvbus::KeyedSpan> tail_;  // the prompt's tail pieces, to store
+  // The prompt's full chunks then its tail pieces (kvbus::StoredSpans); those
+  // from first_new_chunk_ on are stored by StoreNewChunks.
+  std::vector<kvbus::KeyedSpan> spans_;
   int first_new_chunk_ = 0;
   // A blend job's documents that the KDN lacked: key and tokens.
   std::vector<std::pair<kvbus::ChunkKey, std::vector<int32_t>>> missing_segments_;
