@@ -45,9 +45,8 @@ const char* KvDTypeName(KvDType t) {
   return "?";
 }
 
-void Chunk::SealHeader() {
-  uint8_t* h = bytes_.data();
-  const size_t payload = bytes_.size() - kHeaderBytes;
+void Chunk::SealHeader(uint8_t* h) {
+  const size_t payload = size_ - kHeaderBytes;
   std::memset(h, 0, kHeaderBytes);
   std::memcpy(h, kMagic, 8);
   Put32(h + kOffVersion, kChunkFormatVersion);
@@ -66,11 +65,14 @@ void Chunk::SealHeader() {
 
 Result<std::shared_ptr<const Chunk>> Chunk::Build(const ChunkInfo& info,
                                                   const std::function<void(uint8_t*)>& fill) {
+  const size_t size = kHeaderBytes + info.payload_bytes();
+  KDN_ASSIGN_OR_RETURN(std::shared_ptr<uint8_t> data, BufferPool::Default().Acquire(size));
   std::shared_ptr<Chunk> c(new Chunk());
   c->info_ = info;
-  c->bytes_.resize(kHeaderBytes + info.payload_bytes());
-  fill(c->bytes_.data() + kHeaderBytes);
-  c->SealHeader();
+  c->size_ = size;
+  fill(data.get() + kHeaderBytes);
+  c->SealHeader(data.get());
+  c->data_ = std::move(data);
   return std::shared_ptr<const Chunk>(std::move(c));
 }
 
@@ -85,10 +87,17 @@ Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
 }
 
 Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
-  if (bytes.size() < kHeaderBytes) {
-    return Corruption("chunk: " + std::to_string(bytes.size()) + " bytes, shorter than its header");
+  const size_t size = bytes.size();
+  auto owner = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
+  return Parse(std::shared_ptr<const uint8_t>(owner, owner->data()), size);
+}
+
+Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t> data,
+                                                  size_t size) {
+  if (size < kHeaderBytes) {
+    return Corruption("chunk: " + std::to_string(size) + " bytes, shorter than its header");
   }
-  const uint8_t* h = bytes.data();
+  const uint8_t* h = data.get();
   if (std::memcmp(h, kMagic, 8) != 0) return Corruption("chunk: bad magic");
   if (Get64(h + kOffHeaderSum) != XXH3_64bits(h, kOffHeaderSum)) {
     return Corruption("chunk: header checksum mismatch");
@@ -120,17 +129,18 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
     return Corruption(what + ": impossible shape");
   }
   const uint64_t payload = Get64(h + kOffPayloadBytes);
-  if (payload != info.payload_bytes() || payload != bytes.size() - kHeaderBytes) {
+  if (payload != info.payload_bytes() || payload != size - kHeaderBytes) {
     return Corruption(what + ": header says " + std::to_string(payload) + " payload bytes, shape implies " +
                       std::to_string(info.payload_bytes()) + ", " +
-                      std::to_string(bytes.size() - kHeaderBytes) + " present");
+                      std::to_string(size - kHeaderBytes) + " present");
   }
   if (Get64(h + kOffPayloadSum) != XXH3_64bits(h + kHeaderBytes, payload)) {
     return Corruption(what + ": payload checksum mismatch");
   }
   std::shared_ptr<Chunk> c(new Chunk());
   c->info_ = info;
-  c->bytes_ = std::move(bytes);
+  c->data_ = std::move(data);
+  c->size_ = size;
   return std::shared_ptr<const Chunk>(std::move(c));
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
+#include "kdn/kvbus/buffer_pool.h"
 #include "kdn/kvbus/key.h"
 
 namespace kdn::kvbus {
@@ -48,28 +49,34 @@ class Chunk {
   static Result<std::shared_ptr<const Chunk>> Make(const ChunkInfo& info,
                                                    std::vector<uint8_t> payload);
   // Builds a chunk whose payload `fill` writes in place (exactly
-  // info.payload_bytes() bytes at the pointer it gets): one allocation, no copy.
+  // info.payload_bytes() bytes at the pointer it gets): one pre-faulted
+  // buffer from BufferPool::Default(), no copy. RESOURCE_EXHAUSTED when no
+  // memory can be had.
   static Result<std::shared_ptr<const Chunk>> Build(const ChunkInfo& info,
                                                     const std::function<void(uint8_t*)>& fill);
   // Parses and verifies serialized bytes (header fields, sizes, checksum).
   // CORRUPTION naming what is wrong otherwise.
   static Result<std::shared_ptr<const Chunk>> Parse(std::vector<uint8_t> bytes);
+  // The same over `size` bytes at `data`, which the chunk then shares (a
+  // buffer from BufferPool, filled by a transport): no copy.
+  static Result<std::shared_ptr<const Chunk>> Parse(std::shared_ptr<const uint8_t> data,
+                                                    size_t size);
 
   const ChunkInfo& info() const { return info_; }
   const ChunkKey& key() const { return info_.key; }
   // Header followed by payload: what is stored and sent.
-  std::span<const uint8_t> bytes() const { return bytes_; }
-  std::span<const uint8_t> payload() const {
-    return std::span<const uint8_t>(bytes_).subspan(kHeaderBytes);
-  }
-  size_t size() const { return bytes_.size(); }
+  std::span<const uint8_t> bytes() const { return {data_.get(), size_}; }
+  std::span<const uint8_t> payload() const { return bytes().subspan(kHeaderBytes); }
+  size_t size() const { return size_; }
 
  private:
   Chunk() = default;
-  // Writes the header for info_ over bytes_[0, kHeaderBytes), checksums included.
-  void SealHeader();
+  // Writes the header for info_ over the first kHeaderBytes of `bytes`
+  // (size_ in all), checksums included.
+  void SealHeader(uint8_t* bytes);
   ChunkInfo info_;
-  std::vector<uint8_t> bytes_;
+  std::shared_ptr<const uint8_t> data_;  // size_ bytes: header, then payload
+  size_t size_ = 0;
 };
 
 }  // namespace kdn::kvbus
