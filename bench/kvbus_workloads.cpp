@@ -225,7 +225,7 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     DiscardStore sink;
     ReceiverOptions ro;
     ro.socket_buffer_bytes = socket_buffer_kib * 1024;
-    auto receiver = ListenTcp("tcp://127.0.0.1:0", sink, ro);
+    auto receiver = Listen("tcp://127.0.0.1:0", sink, ro);
     const std::string ep = receiver.ok() ? (*receiver)->endpoint() : std::string();
     (void)!::write(ep_pipe[1], ep.data(), ep.size());
     ::close(ep_pipe[1]);
@@ -251,7 +251,7 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
   const std::string endpoint(buf, static_cast<size_t>(got));
   SenderOptions so;
   so.socket_buffer_bytes = socket_buffer_kib * 1024;
-  auto sender = ConnectTcp(endpoint, so);
+  auto sender = Connect(endpoint, so);
   if (!sender.ok()) {
     std::fprintf(stderr, "kdn-bench: %s\n", sender.status().ToString().c_str());
     return finish(1);

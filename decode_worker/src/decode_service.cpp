@@ -266,7 +266,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   impl->decoder = std::make_unique<Decoder>(*impl->wm.model, *impl->wm.tokenizer,
                                             impl->wm.fingerprint, *impl->store, *impl->staging,
                                             *impl->store_io, dopt);
-  KDN_ASSIGN_OR_RETURN(impl->receiver, kvbus::ListenTcp(options.kvbus_listen, *impl->staging));
+  KDN_ASSIGN_OR_RETURN(impl->receiver, kvbus::Listen(options.kvbus_listen, *impl->staging));
   impl->kvbus_endpoint = impl->receiver->endpoint();
   const DecoderStats s = impl->decoder->Stats();
   impl->total_blocks = s.total_kv_blocks;

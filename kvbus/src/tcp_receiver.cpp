@@ -9,10 +9,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <optional>
+#include <random>
 #include <unordered_set>
 
 #include "tcp_transport_internal.h"
+#include "kdn/kvbus/buffer_pool.h"
 #include "kdn/kvbus/zmq_check.h"
 
 namespace kdn::kvbus {
@@ -63,6 +66,17 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
     KDN_ZMQ_RETURN_IF_ERROR(
         r->socket_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(max_frame)));
   }
+  if (options.shm_landing_bytes > 0) {
+    if (options.shm_landing_bytes < RangeAllocator::kAlign) {
+      return InvalidArgument("kvbus receiver: shm_landing_bytes must be 0 or at least 4096");
+    }
+    KDN_ASSIGN_OR_RETURN(r->landing_, SharedSegment::Create(options.shm_landing_bytes));
+    r->landing_ranges_ = std::make_unique<RangeAllocator>(options.shm_landing_bytes);
+    // An id of its own per receiver: a sender never mistakes a new
+    // receiver's segment at the same endpoint for an old one it mapped.
+    r->landing_region_ = static_cast<uint32_t>(std::random_device{}() | 1u);
+    r->stats_.shm_landing_bytes = options.shm_landing_bytes;
+  }
   KDN_ZMQ_RETURN_IF_ERROR(r->socket_.bind(zmq_endpoint));
   KDN_ZMQ_RETURN_IF_ERROR(r->endpoint_ = r->socket_.get(zmq::sockopt::last_endpoint));
   r->next_peer_check_ = TransportClock::now();
@@ -90,6 +104,7 @@ ReceiverStats TcpReceiver::Stats() const {
 
 void TcpReceiver::Publish() {
   stats_.waiting_chunks = waiting_.size();
+  if (landing_ranges_) stats_.shm_landed_bytes = landing_->bytes() / RangeAllocator::kAlign * RangeAllocator::kAlign - landing_ranges_->free_bytes();
   std::lock_guard<std::mutex> lock(mu_);
   published_ = stats_;
 }
@@ -113,6 +128,9 @@ Status TcpReceiver::RunOnce() {
   auto now = TransportClock::now();
   std::optional<TransportClock::time_point> next;
   if (!lease_deadlines_.empty()) next = lease_deadlines_.begin()->first;
+  if (!quarantine_.empty()) {
+    next = next ? std::min(*next, quarantine_.begin()->first) : quarantine_.begin()->first;
+  }
   if (!last_seen_.empty()) next = next ? std::min(*next, next_peer_check_) : next_peer_check_;
   int timeout_ms = -1;
   if (next) {
@@ -140,6 +158,7 @@ Status TcpReceiver::RunOnce() {
   }
   now = TransportClock::now();
   ExpireLeases(now);
+  EndQuarantine(now);
   if (now >= next_peer_check_) ForgetSilentPeers(now);
   GrantWaiting(now);
   // Before the acks go out, so that a sender that saw its batch done reads
@@ -182,7 +201,7 @@ void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
     return;
   }
   if (const auto* h = std::get_if<WireChunkHeader>(&*message)) {
-    if (!data) {
+    if (!data != h->landed) {  // a landed chunk comes alone, any other with its bytes
       ++stats_.bad_messages;
       return;
     }
@@ -208,6 +227,7 @@ void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
 
 void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
   ++stats_.offers;
+  peer_shm_[peer] = landing_ && m.shm && m.host_id == HostId();
   // A kvbus sender splits its offers; a larger one would make decisions
   // frames the receiver cannot encode (and stall its round).
   if (m.entries.size() > kMaxOfferEntries) {
@@ -263,35 +283,68 @@ void TcpReceiver::GrantWaiting(TransportClock::time_point now) {
     // First come, first served: a large offer is not overtaken forever.
     if (stats_.leased_bytes + it->bytes > options_.slot_capacity_bytes) break;
     const TransportClock::time_point deadline = now + options_.lease;
-    leases_.emplace(id, Lease{it->bytes, deadline});
+    Lease lease{it->bytes, deadline};
+    WireDecision grant{id.key, WireDecisionKind::kGranted, Status::Ok()};
+    // A shm peer gets a range of the segment when one is free; else the
+    // bytes come by tcp (a full segment never stalls a transfer).
+    if (auto p = peer_shm_.find(id.peer); p != peer_shm_.end() && p->second) {
+      if (std::optional<uint64_t> at = landing_ranges_->Allocate(it->bytes)) {
+        lease.landing = true;
+        lease.landing_offset = *at;
+        grant.region = landing_region_;
+        grant.offset = *at;
+      }
+    }
+    leases_.emplace(id, lease);
     lease_deadlines_.emplace(deadline, id);
     ++leased_keys_[id.key];
     stats_.leased_bytes += it->bytes;
     stats_.peak_leased_bytes = std::max(stats_.peak_leased_bytes, stats_.leased_bytes);
     ++stats_.chunks_granted;
-    outbox_[id.peer].decisions[id.batch].push_back(
-        WireDecision{id.key, WireDecisionKind::kGranted, Status::Ok()});
+    outbox_[id.peer].decisions[id.batch].push_back(std::move(grant));
     it = waiting_.erase(it);
   }
 }
 
-bool TcpReceiver::ReleaseLease(const LeaseKey& id) {
+std::optional<TcpReceiver::Lease> TcpReceiver::TakeLease(const LeaseKey& id) {
   auto it = leases_.find(id);
-  if (it == leases_.end()) return false;
-  stats_.leased_bytes -= it->second.bytes;
+  if (it == leases_.end()) return std::nullopt;
+  const Lease lease = it->second;
+  stats_.leased_bytes -= lease.bytes;
   auto k = leased_keys_.find(id.key);
   if (k != leased_keys_.end() && --k->second <= 0) leased_keys_.erase(k);
   // Last: `id` may be the very entry erased here.
-  auto deadline = std::make_pair(it->second.deadline, it->first);
+  auto deadline = std::make_pair(lease.deadline, it->first);
   leases_.erase(it);
   lease_deadlines_.erase(deadline);
-  return true;
+  return lease;
+}
+
+void TcpReceiver::FreeLanding(const Lease& lease, bool quarantine,
+                              TransportClock::time_point now) {
+  if (!lease.landing) return;
+  if (quarantine) {
+    quarantine_.emplace(now + options_.lease, std::make_pair(lease.landing_offset, lease.bytes));
+  } else {
+    landing_ranges_->Free(lease.landing_offset, lease.bytes);
+  }
+}
+
+void TcpReceiver::EndQuarantine(TransportClock::time_point now) {
+  while (!quarantine_.empty() && quarantine_.begin()->first <= now) {
+    const auto [offset, bytes] = quarantine_.begin()->second;
+    landing_ranges_->Free(offset, bytes);
+    quarantine_.erase(quarantine_.begin());
+  }
 }
 
 void TcpReceiver::ExpireLeases(TransportClock::time_point now) {
   while (!lease_deadlines_.empty() && lease_deadlines_.begin()->first <= now) {
-    if (ReleaseLease(lease_deadlines_.begin()->second)) {  // erases the deadline too
+    // Copied: TakeLease erases the deadline entry it is read from.
+    const LeaseKey id = lease_deadlines_.begin()->second;
+    if (std::optional<Lease> lease = TakeLease(id)) {
       ++stats_.leases_expired;
+      FreeLanding(*lease, /*quarantine=*/true, now);
     } else {
       lease_deadlines_.erase(lease_deadlines_.begin());  // an orphan: never loop on it
     }
@@ -307,6 +360,7 @@ void TcpReceiver::ForgetSilentPeers(TransportClock::time_point now) {
   };
   waiting_.remove_if([&](const WaitingOffer& w) { return silent(w.id.peer); });
   std::erase_if(last_seen_, [&](const auto& p) { return now - p.second > options_.lease; });
+  std::erase_if(peer_shm_, [&](const auto& p) { return last_seen_.count(p.first) == 0; });
 }
 
 void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
@@ -320,7 +374,11 @@ void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
     for (const ChunkKey& k : m.keys) ids.push_back(LeaseKey{peer, m.batch, k});
   }
   for (const LeaseKey& id : ids) {
-    if (ReleaseLease(id)) ++stats_.leases_cancelled;
+    if (std::optional<Lease> lease = TakeLease(id)) {
+      ++stats_.leases_cancelled;
+      // A sender cancels only what it is not writing: reusable at once.
+      FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+    }
   }
   const std::unordered_set<ChunkKey, ChunkKeyHash> keys(m.keys.begin(), m.keys.end());
   waiting_.remove_if([&](const WaitingOffer& w) {
@@ -331,42 +389,96 @@ void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
 void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
                               const zmq::message_t* data) {
   ++stats_.chunks_received;
-  stats_.bytes_received += data->size();
-  ReleaseLease(LeaseKey{peer, h.batch, h.key});
+  const std::optional<Lease> lease = TakeLease(LeaseKey{peer, h.batch, h.key});
   WireAck ack{h.batch, h.key, Status::Ok(), false};
   const auto reject = [&](Status why) {
     ++stats_.chunks_rejected;
     ack.status = std::move(why);
   };
-  // Bytes without a lease (it expired, or was never asked for) are still
-  // taken: they are here already, and verified like any others.
-  if (data->size() != h.bytes) {
-    reject(Corruption("chunk " + h.key.ToHex() + ": " + std::to_string(data->size()) +
-                      " bytes arrived, " + std::to_string(h.bytes) + " announced"));
-  } else if (sink_.Contains(h.key)) {
-    ++stats_.duplicates;
-    ack.duplicate = true;
-  } else {
-    const uint8_t* p = data->data<uint8_t>();
-    // The one copy on this side: Chunk owns its bytes as a vector.
-    Result<std::shared_ptr<const Chunk>> chunk =
-        Chunk::Parse(std::vector<uint8_t>(p, p + data->size()));
-    if (!chunk.ok()) {
-      reject(chunk.status());
-    } else if ((*chunk)->key() != h.key) {
-      reject(Corruption("chunk announced as " + h.key.ToHex() + " carries key " +
-                        (*chunk)->key().ToHex()));
+  if (!h.landed) {
+    stats_.bytes_received += data->size();
+    // A shm grant the sender could not use: the bytes came by tcp instead.
+    if (lease) FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+    // Bytes without a lease (it expired, or was never asked for) are still
+    // taken: they are here already, and verified like any others.
+    if (data->size() != h.bytes) {
+      reject(Corruption("chunk " + h.key.ToHex() + ": " + std::to_string(data->size()) +
+                        " bytes arrived, " + std::to_string(h.bytes) + " announced"));
+    } else if (sink_.Contains(h.key)) {
+      ++stats_.duplicates;
+      ack.duplicate = true;
     } else {
-      Status put = sink_.Put(std::move(chunk).value());
-      if (put.ok()) {
-        ++stats_.chunks_stored;
-      } else {
+      // The one copy on this side, into a pre-faulted buffer.
+      Result<std::shared_ptr<uint8_t>> copy = BufferPool::Default().Acquire(data->size());
+      if (!copy.ok()) {
         ++stats_.put_failures;
-        ack.status = put.WithContext("sink " + sink_.name());
+        ack.status = copy.status();
+      } else {
+        std::memcpy(copy->get(), data->data(), data->size());
+        Deliver(h, std::move(copy).value(), data->size(), ack);
       }
     }
+    outbox_[peer].acks.push_back(std::move(ack));
+    return;
+  }
+  // Landed: the bytes are in the segment range this chunk's lease granted,
+  // and only there; without that lease nothing says where they are.
+  if (!lease || !lease->landing) {
+    reject(FailedPrecondition("chunk " + h.key.ToHex() +
+                              " said it landed in shared memory, but holds no shm grant "
+                              "(it expired after " + std::to_string(options_.lease.count()) +
+                              " ms, or was never made)"));
+    if (lease) FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+  } else if (h.bytes != lease->bytes) {
+    reject(InvalidArgument("chunk " + h.key.ToHex() + " landed " + std::to_string(h.bytes) +
+                           " bytes under a grant of " + std::to_string(lease->bytes)));
+    FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+  } else {
+    ++stats_.shm_chunks;
+    stats_.shm_bytes += h.bytes;
+    stats_.bytes_received += h.bytes;
+    if (sink_.Contains(h.key)) {
+      ++stats_.duplicates;
+      ack.duplicate = true;
+    } else {
+      // Copied out before it is verified, so that what is verified is what
+      // is kept: the sender can no longer touch the copy.
+      Result<std::shared_ptr<uint8_t>> copy = BufferPool::Default().Acquire(h.bytes);
+      if (!copy.ok()) {
+        ++stats_.put_failures;
+        ack.status = copy.status();
+      } else {
+        std::memcpy(copy->get(), landing_->data() + lease->landing_offset, h.bytes);
+        FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+        Deliver(h, std::move(copy).value(), h.bytes, ack);
+        outbox_[peer].acks.push_back(std::move(ack));
+        return;
+      }
+    }
+    FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
   }
   outbox_[peer].acks.push_back(std::move(ack));
+}
+
+void TcpReceiver::Deliver(const WireChunkHeader& h, std::shared_ptr<const uint8_t> data,
+                          size_t bytes, WireAck& ack) {
+  Result<std::shared_ptr<const Chunk>> chunk = Chunk::Parse(std::move(data), bytes);
+  if (!chunk.ok()) {
+    ++stats_.chunks_rejected;
+    ack.status = chunk.status();
+  } else if ((*chunk)->key() != h.key) {
+    ++stats_.chunks_rejected;
+    ack.status = Corruption("chunk announced as " + h.key.ToHex() + " carries key " +
+                            (*chunk)->key().ToHex());
+  } else {
+    Status put = sink_.Put(std::move(chunk).value());
+    if (put.ok()) {
+      ++stats_.chunks_stored;
+    } else {
+      ++stats_.put_failures;
+      ack.status = put.WithContext("sink " + sink_.name());
+    }
+  }
 }
 
 Status TcpReceiver::Flush() {
@@ -384,9 +496,13 @@ Status TcpReceiver::Flush() {
   };
   for (auto& [peer, box] : outbox_) {
     for (auto& [batch, decisions] : box.decisions) {
-      if (!decisions.empty()) {
-        KDN_RETURN_IF_ERROR(send_to(peer, WireDecisions{batch, std::move(decisions)}));
+      if (decisions.empty()) continue;
+      WireDecisions m{batch, std::move(decisions), {}};
+      if (std::any_of(m.decisions.begin(), m.decisions.end(),
+                      [](const WireDecision& d) { return d.region != 0; })) {
+        m.regions.push_back(WireRegion{landing_region_, landing_->bytes(), landing_->handle()});
       }
+      KDN_RETURN_IF_ERROR(send_to(peer, m));
     }
     if (!box.acks.empty()) KDN_RETURN_IF_ERROR(send_to(peer, WireAcks{std::move(box.acks)}));
     if (box.pong) {

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <random>
 
 #include "tcp_transport_internal.h"
@@ -115,6 +117,11 @@ Result<uint64_t> TcpSender::Submit(std::vector<std::shared_ptr<const Chunk>> chu
   }
   wake_->Signal();
   return id;
+}
+
+SenderStats TcpSender::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
 }
 
 Result<BatchStatus> TcpSender::Poll(uint64_t batch) {
@@ -239,7 +246,7 @@ Status TcpSender::OfferNewBatches() {
         slot.offered_before_ping = ping_seq_ + 1;
         if (offers.empty() || offers.back().batch != id ||
             offers.back().entries.size() >= kMaxOfferEntries) {
-          offers.push_back(WireOffer{id, {}});
+          offers.push_back(NewOffer(id));
         }
         offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk->size()});
       }
@@ -279,8 +286,49 @@ Status TcpSender::ReceiveAll() {
   return Status::Ok();
 }
 
+WireOffer TcpSender::NewOffer(uint64_t batch) const {
+  WireOffer offer{batch, {}, false, {}};
+  if (options_.transport != TransportKind::kTcp && shm_usable_) {
+    offer.shm = true;
+    offer.host_id = HostId();
+  }
+  return offer;
+}
+
+void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
+  for (const WireRegion& r : regions) {
+    auto it = peer_regions_.find(r.id);
+    if (it != peer_regions_.end() && it->second.handle == r.handle &&
+        it->second.segment->bytes() == r.bytes) {
+      continue;  // mapped already
+    }
+    if (it != peer_regions_.end()) {  // the receiver was replaced: its old segment is gone
+      (void)region_table_.Unregister(table_ids_[r.id]);
+      table_ids_.erase(r.id);
+      peer_regions_.erase(it);
+    }
+    Result<std::unique_ptr<SharedSegment>> segment = SharedSegment::Open(r.handle, r.bytes);
+    if (!segment.ok()) {
+      // Not on this host after all (another pid namespace, another user):
+      // auto sends by tcp from now on; a kShm sender fails these chunks.
+      shm_usable_ = false;
+      shm_error_ = segment.status();
+      std::fprintf(stderr, "kvbus sender to %s: no shm (%s)%s\n", endpoint_.c_str(),
+                   segment.status().ToString().c_str(),
+                   options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
+      continue;
+    }
+    Result<uint32_t> id = region_table_.Register(
+        Region{MemoryKind::kHost, -1, (*segment)->data(), (*segment)->bytes()});
+    if (!id.ok()) continue;
+    table_ids_[r.id] = *id;
+    peer_regions_[r.id] = PeerRegion{r.handle, std::move(segment).value()};
+  }
+}
+
 void TcpSender::HandleDecisions(const WireDecisions& m) {
   WireCancel orphans{m.batch, {}};
+  MapRegions(m.regions);
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = batches_.find(m.batch);
@@ -298,10 +346,28 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
         case WireDecisionKind::kHeld:
           Finish(*batch, slot->second, ChunkOutcome::kSkipped, Status::Ok());
           break;
-        case WireDecisionKind::kGranted:
+        case WireDecisionKind::kGranted: {
+          const bool mapped = d.region != 0 && table_ids_.count(d.region) != 0;
+          if (options_.transport == TransportKind::kShm && !mapped) {
+            // Cancelled below with the orphans: the receiver frees the grant.
+            orphans.keys.push_back(d.key);
+            Finish(*batch, slot->second, ChunkOutcome::kFailed,
+                   FailedPrecondition(
+                       "kvbus shm: receiver " + endpoint_ + " granted no shared-memory range" +
+                       (shm_error_.ok() ? std::string(" (another host, no landing segment, or "
+                                                      "the chunk does not fit in it)")
+                                        : " (" + shm_error_.ToString() + ")")));
+            break;
+          }
           s.phase = Phase::kGranted;
-          data_.push_back(Outgoing{m.batch, slot->second, s.chunk});
+          Outgoing out{m.batch, slot->second, s.chunk};
+          if (mapped) {
+            out.region = d.region;
+            out.offset = d.offset;
+          }
+          data_.push_back(std::move(out));
           break;
+        }
         case WireDecisionKind::kRejected:
           Finish(*batch, slot->second, ChunkOutcome::kFailed, d.status);
           break;
@@ -325,6 +391,10 @@ void TcpSender::HandleAcks(const WireAcks& m) {
       if (slot == it->second.index.end()) continue;
       Slot& s = it->second.slots[slot->second];
       if (s.phase != Phase::kGranted && s.phase != Phase::kInFlight) continue;
+      if (a.status.ok() && !a.duplicate && s.chunk) {
+        (s.landed ? stats_.shm_chunks : stats_.tcp_chunks) += 1;
+        (s.landed ? stats_.shm_bytes : stats_.tcp_bytes) += s.chunk->size();
+      }
       Finish(it->second, slot->second, a.status.ok() ? ChunkOutcome::kSent : ChunkOutcome::kFailed,
              a.status);
     }
@@ -359,7 +429,7 @@ void TcpSender::HandlePong(const WirePong& m) {
         }
         if (offers.empty() || offers.back().batch != id ||
             offers.back().entries.size() >= kMaxOfferEntries) {
-          offers.push_back(WireOffer{id, {}});
+          offers.push_back(NewOffer(id));
         }
         offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk->size()});
         slot.offered_before_ping = ping_seq_ + 1;
@@ -413,7 +483,46 @@ Status TcpSender::FlushData() {
   return Status::Ok();
 }
 
+Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
+  sent = false;
+  const Chunk& chunk = *out.chunk;
+  if (!out.header_sent) {
+    // Checked against the mapped segment's bounds before a byte is written.
+    Result<uint8_t*> dst = region_table_.Resolve(table_ids_.at(out.region), out.offset,
+                                                 chunk.size(), MemoryKind::kHost);
+    if (!dst.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = batches_.find(out.batch);
+      if (it != batches_.end()) {
+        Finish(it->second, out.slot, ChunkOutcome::kFailed,
+               dst.status().WithContext("kvbus shm grant from " + endpoint_));
+      }
+      done_cv_.notify_all();
+      sent = true;  // done with it: nothing was written
+      return Status::Ok();
+    }
+    const auto t0 = TransportClock::now();
+    std::memcpy(*dst, chunk.bytes().data(), chunk.size());
+    if (options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key())) {
+      (*dst)[chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2] ^= 0x5a;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.shm_copy_seconds += std::chrono::duration<double>(TransportClock::now() - t0).count();
+      auto it = batches_.find(out.batch);
+      if (it != batches_.end()) it->second.slots[out.slot].landed = true;
+    }
+    out.header_sent = true;  // the bytes are in place; only the header is left to go
+  }
+  KDN_ASSIGN_OR_RETURN(
+      zmq::message_t header,
+      EncodeWire(WireChunkHeader{out.batch, chunk.key(), chunk.size(), /*landed=*/true}));
+  KDN_ASSIGN_OR_RETURN(sent, TrySend(socket_, header, /*more=*/false));
+  return Status::Ok();
+}
+
 Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
+  if (out.region != 0) return LandChunk(out, sent);
   sent = false;
   const Chunk& chunk = *out.chunk;
   if (!out.header_sent) {

@@ -84,13 +84,28 @@ Status SetCommonSocketOptions(zmq::socket_t& socket, std::chrono::milliseconds h
   return Status::Ok();
 }
 
-Result<std::unique_ptr<Sender>> ConnectTcp(const std::string& endpoint,
-                                           const SenderOptions& options) {
+const char* TransportKindName(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kAuto: return "auto";
+    case TransportKind::kTcp: return "tcp";
+    case TransportKind::kShm: return "shm";
+  }
+  return "?";
+}
+
+Result<TransportKind> ParseTransportKind(const std::string& name) {
+  for (TransportKind k : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm}) {
+    if (name == TransportKindName(k)) return k;
+  }
+  return InvalidArgument("kvbus transport '" + name + "': expected auto, tcp or shm");
+}
+
+Result<std::unique_ptr<Sender>> Connect(const std::string& endpoint, const SenderOptions& options) {
   return TcpSender::Start(endpoint, options);
 }
 
-Result<std::unique_ptr<Receiver>> ListenTcp(const std::string& endpoint, ChunkStore& sink,
-                                            const ReceiverOptions& options) {
+Result<std::unique_ptr<Receiver>> Listen(const std::string& endpoint, ChunkStore& sink,
+                                         const ReceiverOptions& options) {
   return TcpReceiver::Start(endpoint, sink, options);
 }
 

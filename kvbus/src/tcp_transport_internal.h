@@ -15,6 +15,7 @@
 #include <deque>
 #include <list>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -24,7 +25,9 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "kdn/kvbus/region.h"
 #include "kdn/kvbus/transport.h"
+#include "shm_segment.h"
 #include "tcp_wire.h"
 
 namespace kdn::kvbus {
@@ -72,6 +75,7 @@ class TcpSender final : public Sender {
   Result<BatchStatus> Poll(uint64_t batch) override;
   Result<BatchStatus> Wait(uint64_t batch, std::chrono::milliseconds timeout) override;
   std::string endpoint() const override { return endpoint_; }
+  SenderStats Stats() const override;
 
  private:
   // Where a chunk stands on the sender.
@@ -83,6 +87,7 @@ class TcpSender final : public Sender {
     bool duplicate = false;       // a later copy of a key in its batch: not offered
     uint64_t offered_before_ping = 0;  // the first Ping sent after its latest offer
     uint64_t sent_before_ping = 0;     // the first Ping sent after its bytes (0: not sent)
+    bool landed = false;               // its bytes went by shm (for SenderStats)
     std::vector<uint32_t> copies;  // the indices of its duplicates
   };
   struct Batch {
@@ -97,6 +102,13 @@ class TcpSender final : public Sender {
     std::shared_ptr<const Chunk> chunk;
     bool claimed = false;      // phase set to kInFlight
     bool header_sent = false;  // its header frame is out: its bytes must follow
+    uint32_t region = 0;       // granted into the receiver's region (shm); 0: tcp
+    uint64_t offset = 0;
+  };
+  // A receiver's segment this sender has mapped.
+  struct PeerRegion {
+    std::string handle;
+    std::unique_ptr<SharedSegment> segment;
   };
 
   TcpSender(std::string endpoint, const SenderOptions& options);
@@ -105,12 +117,18 @@ class TcpSender final : public Sender {
   Status RunOnce();
   Status OfferNewBatches();
   Status ReceiveAll();
+  WireOffer NewOffer(uint64_t batch) const;  // with the shm fields as options_ allow
   void HandleDecisions(const WireDecisions& m);
   void HandleAcks(const WireAcks& m);
   void HandlePong(const WirePong& m);
   Status FlushControl();
   Status FlushData();
   Status SendChunk(Outgoing& out, bool& sent);
+  // Copies the chunk into its granted range and sends the landed header.
+  Status LandChunk(Outgoing& out, bool& sent);
+  // Maps the regions a Decisions names (I/O thread). A region that cannot
+  // be mapped is left out of regions_ (auto: its grants go by tcp).
+  void MapRegions(const std::vector<WireRegion>& regions);
   void CheckPeer(TransportClock::time_point now);
 
   // Callers hold mu_.
@@ -143,6 +161,16 @@ class TcpSender final : public Sender {
   TransportClock::time_point last_heard_;
   TransportClock::time_point last_ping_;
   uint64_t ping_seq_ = 0;
+  // The shm data plane: the receiver's regions, mapped (by their id), and
+  // their bounds for every grant (kdn/kvbus/region.h).
+  std::map<uint32_t, PeerRegion> peer_regions_;
+  RegionTable region_table_;
+  std::map<uint32_t, uint32_t> table_ids_;  // receiver's region id -> region_table_ id
+  bool shm_usable_ = true;  // cleared when a segment cannot be mapped (auto falls back)
+  Status shm_error_;        // why, for kShm senders
+
+  // Guarded by mu_: bytes sent per data plane, counted when acked.
+  SenderStats stats_;
 };
 
 class TcpReceiver final : public Receiver {
@@ -165,6 +193,8 @@ class TcpReceiver final : public Receiver {
   struct Lease {
     uint64_t bytes = 0;
     TransportClock::time_point deadline;
+    bool landing = false;      // granted a range of the shm segment:
+    uint64_t landing_offset = 0;  // [landing_offset, +bytes)
   };
   struct WaitingOffer {
     LeaseKey id;
@@ -185,11 +215,21 @@ class TcpReceiver final : public Receiver {
   void Handle(const std::string& peer, const zmq::message_t& head, const zmq::message_t* data);
   void HandleOffer(const std::string& peer, const WireOffer& m);
   void HandleChunk(const std::string& peer, const WireChunkHeader& h, const zmq::message_t* data);
+  // Verifies `bytes` bytes at `data` as the chunk `h` announced and Puts them
+  // into the sink; the ack's status says how it went.
+  void Deliver(const WireChunkHeader& h, std::shared_ptr<const uint8_t> data, size_t bytes,
+               WireAck& ack);
   void HandleCancel(const std::string& peer, const WireCancel& m);
   void GrantWaiting(TransportClock::time_point now);
   void ExpireLeases(TransportClock::time_point now);
   void ForgetSilentPeers(TransportClock::time_point now);
-  bool ReleaseLease(const LeaseKey& id);
+  // Removes the lease, if there is one, and returns it; its landing range
+  // is the caller's to free.
+  std::optional<Lease> TakeLease(const LeaseKey& id);
+  // Frees a landing range now, or (`quarantine`) once a further lease has
+  // passed: a sender whose grant expired may still be writing to it.
+  void FreeLanding(const Lease& lease, bool quarantine, TransportClock::time_point now);
+  void EndQuarantine(TransportClock::time_point now);
   Status Flush();
   void Publish();
 
@@ -217,6 +257,12 @@ class TcpReceiver final : public Receiver {
   std::unordered_map<std::string, TransportClock::time_point> last_seen_;
   TransportClock::time_point next_peer_check_;
   std::map<std::string, Outbox> outbox_;
+  // The shm data plane (none when options_.shm_landing_bytes is 0).
+  std::unique_ptr<SharedSegment> landing_;
+  std::unique_ptr<RangeAllocator> landing_ranges_;
+  uint32_t landing_region_ = 0;  // its id in grants
+  std::unordered_map<std::string, bool> peer_shm_;  // peers whose offers can take shm grants
+  std::multimap<TransportClock::time_point, std::pair<uint64_t, uint64_t>> quarantine_;
 };
 
 }  // namespace kdn::kvbus

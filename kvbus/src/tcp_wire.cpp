@@ -69,6 +69,8 @@ void SetKey(P* p, const ChunkKey& k) {
 void Fill(const WireOffer& m, pb::TransportFrame& f) {
   pb::Offer* o = f.mutable_offer();
   o->set_batch(m.batch);
+  o->set_shm(m.shm);
+  o->set_host_id(m.host_id);
   o->mutable_entries()->Reserve(static_cast<int>(m.entries.size()));
   for (const WireOfferEntry& e : m.entries) {
     pb::OfferEntry* pe = o->add_entries();
@@ -86,13 +88,24 @@ void Fill(const WireDecisions& m, pb::TransportFrame& f) {
     SetKey(pd, e.key);
     switch (e.kind) {
       case WireDecisionKind::kHeld: pd->set_kind(pb::DECISION_HELD); break;
-      case WireDecisionKind::kGranted: pd->set_kind(pb::DECISION_GRANTED); break;
+      case WireDecisionKind::kGranted:
+        pd->set_kind(pb::DECISION_GRANTED);
+        pd->set_region(e.region);
+        pd->set_offset(e.offset);
+        break;
       case WireDecisionKind::kRejected:
         pd->set_kind(pb::DECISION_REJECTED);
         pd->set_code(CodeToWire(e.status.ok() ? StatusCode::kInternal : e.status.code()));
         pd->set_message(e.status.message());
         break;
     }
+  }
+  for (const WireRegion& r : m.regions) {
+    pb::RegionInfo* pr = d->add_regions();
+    pr->set_id(r.id);
+    pr->set_kind(pb::REGION_KIND_SHM);
+    pr->set_bytes(r.bytes);
+    pr->set_handle(r.handle);
   }
 }
 
@@ -101,6 +114,7 @@ void Fill(const WireChunkHeader& m, pb::TransportFrame& f) {
   h->set_batch(m.batch);
   SetKey(h, m.key);
   h->set_bytes(m.bytes);
+  h->set_landed(m.landed);
 }
 
 void Fill(const WireAcks& m, pb::TransportFrame& f) {
@@ -134,6 +148,8 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
     case pb::TransportFrame::kOffer: {
       WireOffer m;
       m.batch = f.offer().batch();
+      m.shm = f.offer().shm();
+      m.host_id = f.offer().host_id();
       m.entries.reserve(f.offer().entries_size());
       for (const pb::OfferEntry& e : f.offer().entries()) {
         m.entries.push_back(WireOfferEntry{KeyOf(e), e.bytes()});
@@ -148,7 +164,11 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
         WireDecision w{KeyOf(d), WireDecisionKind::kRejected, Status::Ok()};
         switch (d.kind()) {
           case pb::DECISION_HELD: w.kind = WireDecisionKind::kHeld; break;
-          case pb::DECISION_GRANTED: w.kind = WireDecisionKind::kGranted; break;
+          case pb::DECISION_GRANTED:
+            w.kind = WireDecisionKind::kGranted;
+            w.region = d.region();
+            w.offset = d.offset();
+            break;
           case pb::DECISION_REJECTED:
             w.status = StatusFromWire(d.code(), d.message());
             if (w.status.ok()) return InvalidArgument("kvbus wire: a rejection with code OK");
@@ -159,11 +179,18 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
         }
         m.decisions.push_back(std::move(w));
       }
+      for (const pb::RegionInfo& r : f.decisions().regions()) {
+        if (r.kind() != pb::REGION_KIND_SHM) {
+          return InvalidArgument("kvbus wire: region " + std::to_string(r.id()) +
+                                 " of unknown kind " + std::to_string(r.kind()));
+        }
+        m.regions.push_back(WireRegion{r.id(), r.bytes(), r.handle()});
+      }
       return WireMessage(std::move(m));
     }
     case pb::TransportFrame::kChunk:
-      return WireMessage(
-          WireChunkHeader{f.chunk().batch(), KeyOf(f.chunk()), f.chunk().bytes()});
+      return WireMessage(WireChunkHeader{f.chunk().batch(), KeyOf(f.chunk()), f.chunk().bytes(),
+                                         f.chunk().landed()});
     case pb::TransportFrame::kAcks: {
       WireAcks m;
       m.acks.reserve(f.acks().acks_size());

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <variant>
 #include <vector>
 #include <zmq.hpp>
@@ -27,6 +28,8 @@ struct WireOfferEntry {
 struct WireOffer {
   uint64_t batch = 0;
   std::vector<WireOfferEntry> entries;
+  bool shm = false;     // the sender can write into a shm landing on host_id
+  std::string host_id;
 };
 
 enum class WireDecisionKind : uint8_t { kHeld, kGranted, kRejected };
@@ -34,16 +37,26 @@ struct WireDecision {
   ChunkKey key;
   WireDecisionKind kind = WireDecisionKind::kRejected;
   Status status;  // kRejected: why
+  uint32_t region = 0;  // kGranted into a region (0: none): the bytes go at offset
+  uint64_t offset = 0;
+};
+// A receiver's region that grants address (proto RegionInfo; kind shm).
+struct WireRegion {
+  uint32_t id = 0;
+  uint64_t bytes = 0;
+  std::string handle;
 };
 struct WireDecisions {
   uint64_t batch = 0;
   std::vector<WireDecision> decisions;
+  std::vector<WireRegion> regions;  // those the decisions name
 };
 
 struct WireChunkHeader {
   uint64_t batch = 0;
   ChunkKey key;
   uint64_t bytes = 0;
+  bool landed = false;  // the bytes are in the granted region: no frame follows
 };
 
 struct WireAck {

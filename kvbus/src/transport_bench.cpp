@@ -95,9 +95,9 @@ Result<TransportBenchResult> RunTcpLoopbackBench(const TransportBenchConfig& con
   KDN_ASSIGN_OR_RETURN(auto chunks, MakeBenchChunks(config.shape, config.chunks, config.seed));
   DiscardStore sink;
   KDN_ASSIGN_OR_RETURN(std::unique_ptr<Receiver> receiver,
-                       ListenTcp("tcp://127.0.0.1:0", sink, config.receiver));
+                       Listen("tcp://127.0.0.1:0", sink, config.receiver));
   KDN_ASSIGN_OR_RETURN(std::unique_ptr<Sender> sender,
-                       ConnectTcp(receiver->endpoint(), config.sender));
+                       Connect(receiver->endpoint(), config.sender));
   return RunSenderBench(*sender, chunks, config.chunks_per_batch, config.batches_in_flight,
                         config.timeout);
 }

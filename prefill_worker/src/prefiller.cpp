@@ -18,7 +18,7 @@ Prefiller::~Prefiller() = default;
 Result<kvbus::Sender*> Prefiller::SenderFor(const std::string& endpoint) {
   auto it = senders_.find(endpoint);
   if (it != senders_.end()) return it->second.get();
-  KDN_ASSIGN_OR_RETURN(auto sender, kvbus::ConnectTcp(endpoint, options_.sender));
+  KDN_ASSIGN_OR_RETURN(auto sender, kvbus::Connect(endpoint, options_.sender));
   kvbus::Sender* raw = sender.get();
   senders_.emplace(endpoint, std::move(sender));
   return raw;

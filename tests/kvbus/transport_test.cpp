@@ -512,9 +512,28 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(TransportFactory{
         "tcp",
         [](ChunkStore& sink, const ReceiverOptions& o) {
-          return ListenTcp("tcp://127.0.0.1:0", sink, o);
+          return Listen("tcp://127.0.0.1:0", sink, o);
         },
-        [](const std::string& endpoint, const SenderOptions& o) { return ConnectTcp(endpoint, o); }}),
+        [](const std::string& endpoint, const SenderOptions& o) { return Connect(endpoint, o); }}),
+    TransportFactoryName);
+
+// shm: the same suite with every chunk's bytes landing in the receiver's
+// segment (the sender is forced to shm, so a grant it could not land fails
+// the test). The segment is sized so that the slot capacity, not the
+// segment, bounds what is in flight, as in a worker.
+INSTANTIATE_TEST_SUITE_P(
+    Shm, TransportConformance,
+    ::testing::Values(TransportFactory{
+        "shm",
+        [](ChunkStore& sink, ReceiverOptions o) {
+          o.shm_landing_bytes = std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20,
+                                                     uint64_t{256} << 20);
+          return Listen("tcp://127.0.0.1:0", sink, o);
+        },
+        [](const std::string& endpoint, SenderOptions o) {
+          o.transport = TransportKind::kShm;
+          return Connect(endpoint, o);
+        }}),
     TransportFactoryName);
 
 // ---------------------------------------------------------------------------
@@ -522,32 +541,32 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(TcpTransport, ReportsThePortTheSystemPickedForPortZero) {
   RecordingStore sink;
-  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, ListenTcp("tcp://127.0.0.1:0", sink));
+  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, Listen("tcp://127.0.0.1:0", sink));
   const std::string ep = receiver->endpoint();
   EXPECT_EQ(ep.rfind("tcp://127.0.0.1:", 0), 0u) << ep;
   EXPECT_NE(ep.substr(ep.rfind(':') + 1), "0");
   EXPECT_NE(ep.substr(ep.rfind(':') + 1), "*");
-  EXPECT_EQ(ListenTcp(ep, sink).status().code(), StatusCode::kUnavailable);  // in use
+  EXPECT_EQ(Listen(ep, sink).status().code(), StatusCode::kUnavailable);  // in use
 }
 
 TEST(TcpTransport, RefusesMalformedEndpointsAndOptions) {
   RecordingStore sink;
-  EXPECT_EQ(ListenTcp("udp://127.0.0.1:0", sink).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ListenTcp("tcp://127.0.0.1", sink).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ListenTcp("tcp://127.0.0.1:99999", sink).status().code(),
+  EXPECT_EQ(Listen("udp://127.0.0.1:0", sink).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Listen("tcp://127.0.0.1", sink).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Listen("tcp://127.0.0.1:99999", sink).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(ConnectTcp("tcp://127.0.0.1:0").status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ConnectTcp("tcp://:5555").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Connect("tcp://127.0.0.1:0").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Connect("tcp://:5555").status().code(), StatusCode::kInvalidArgument);
   ReceiverOptions ro;
   ro.slot_capacity_bytes = 0;
-  EXPECT_EQ(ListenTcp("tcp://127.0.0.1:0", sink, ro).status().code(),
+  EXPECT_EQ(Listen("tcp://127.0.0.1:0", sink, ro).status().code(),
             StatusCode::kInvalidArgument);
   SenderOptions so;
   so.peer_timeout = 0ms;
-  EXPECT_EQ(ConnectTcp("tcp://127.0.0.1:5555", so).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Connect("tcp://127.0.0.1:5555", so).status().code(), StatusCode::kInvalidArgument);
   so.peer_timeout = 1000ms;
   so.heartbeat_interval = 1000ms;  // a receiver could never answer in time
-  EXPECT_EQ(ConnectTcp("tcp://127.0.0.1:5555", so).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Connect("tcp://127.0.0.1:5555", so).status().code(), StatusCode::kInvalidArgument);
 }
 
 // A plain DEALER speaking (or failing to speak) the receiver's wire.
@@ -592,7 +611,7 @@ std::vector<uint8_t> BytesOf(const ChunkPtr& c) {
 
 TEST(TcpTransport, VerifiesChunksThatArriveWithoutAnOfferAndStoresOnlyGoodOnes) {
   RecordingStore sink;
-  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, ListenTcp("tcp://127.0.0.1:0", sink));
+  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, Listen("tcp://127.0.0.1:0", sink));
   RawPeer peer(receiver->endpoint());
   const ChunkPtr a = MakeChunk(1), b = MakeChunk(2), c = MakeChunk(3);
 
@@ -628,7 +647,7 @@ TEST(TcpTransport, VerifiesChunksThatArriveWithoutAnOfferAndStoresOnlyGoodOnes) 
 
 TEST(TcpTransport, DropsGarbageFramesAndKeepsServingSenders) {
   RecordingStore sink;
-  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, ListenTcp("tcp://127.0.0.1:0", sink));
+  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, Listen("tcp://127.0.0.1:0", sink));
   {
     RawPeer peer(receiver->endpoint());
     peer.SendRaw({"not a frame"});
@@ -642,7 +661,7 @@ TEST(TcpTransport, DropsGarbageFramesAndKeepsServingSenders) {
     peer.SendRaw({header->to_string()});  // a chunk header without its bytes
     ASSERT_TRUE(Eventually([&] { return receiver->Stats().bad_messages >= 5; }));
   }
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, ConnectTcp(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(receiver->endpoint(), TestSenderOptions()));
   const auto chunks = MakeChunks(1, 5);
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit(chunks));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
@@ -671,7 +690,7 @@ TEST(TcpTransport, RefusesOffersOfChunksSmallerThanAHeader) {
   ReceiverOptions ro = TestReceiverOptions();
   ro.lease = 10s;
   ro.slot_capacity_bytes = 1000;
-  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, ListenTcp("tcp://127.0.0.1:0", sink, ro));
+  KDN_ASSERT_OK_AND_ASSIGN(auto receiver, Listen("tcp://127.0.0.1:0", sink, ro));
   RawPeer peer(receiver->endpoint());
   WireOffer o{1, {}};
   for (uint64_t i = 0; i < 16000; ++i) o.entries.push_back({ChunkKey{9, i}, 0});
@@ -690,7 +709,7 @@ TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
   router.set(zmq::sockopt::rcvtimeo, 5000);
   router.bind("tcp://127.0.0.1:*");
   const std::string ep = router.get(zmq::sockopt::last_endpoint);
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, ConnectTcp(ep, TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(ep, TestSenderOptions()));
   const ChunkPtr c = MakeChunk(1);
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({c}));
   int offers = 0;

@@ -50,7 +50,7 @@ class HeldDecodeWorker {
     std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
     tiers.push_back(std::make_unique<kvbus::HostTier>(16u << 20));
     store_ = std::make_unique<kvbus::TieredStore>(std::move(tiers));
-    auto receiver = kvbus::ListenTcp("tcp://127.0.0.1:0", staging_);
+    auto receiver = kvbus::Listen("tcp://127.0.0.1:0", staging_);
     EXPECT_TRUE(receiver.ok()) << receiver.status().ToString();
     receiver_ = std::move(receiver).value();
     auto server = control::ControlServer::Start(

@@ -90,7 +90,7 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   const kvbus::ChunkKey fp{1, 2};
   Prefiller p(*model, *store, fp, Options());
   kvbus::HostTier sink(64u << 20);
-  auto receiver = kvbus::ListenTcp("tcp://127.0.0.1:0", sink);
+  auto receiver = kvbus::Listen("tcp://127.0.0.1:0", sink);
   ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
 
   PrefillJob job;
@@ -220,7 +220,7 @@ TEST(Prefiller, BlendPushesTheFusedKvUnderTheTransferKeyOnly) {
   const kvbus::ChunkKey fp{1, 2};
   Prefiller p(*model, *store, fp, Options());
   kvbus::HostTier sink(64u << 20);
-  auto receiver = kvbus::ListenTcp("tcp://127.0.0.1:0", sink);
+  auto receiver = kvbus::Listen("tcp://127.0.0.1:0", sink);
   ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
   const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 21),
                                                   RandomTokens(30, 256, 22)};

@@ -1,8 +1,15 @@
 #pragma once
 // kvbus transports: move KV chunks from one process's memory into another's
 // ChunkStore (docs/design.md, "kvbus transports"). One small interface that
-// every implementation provides: `tcp` (ZeroMQ, here), later `cuda_ipc` and
-// `nccl`; all pass tests/kvbus/transport_conformance.h.
+// every implementation provides; all pass tests/kvbus/transport_conformance.h.
+// The control plane (offers, grants, acks) is always ZeroMQ over the
+// receiver's tcp endpoint; the data plane is the transport's:
+//   tcp  the chunk's bytes follow its header on the same connection;
+//   shm  the receiver grants a range of its shared-memory landing segment
+//        (a registered region, kdn/kvbus/region.h), the sender copies the
+//        bytes there and sends only the header. Same host only.
+// TransportKind::kAuto picks shm when the two ends share a host and the
+// receiver has a landing segment, tcp otherwise (docs/kvbus.md).
 //
 // Asynchronous and batched: Sender::Submit hands over a batch and returns its
 // id at once; Poll or Wait report, per chunk, whether it was sent, skipped
@@ -42,6 +49,15 @@ enum class ChunkOutcome : uint8_t {
   kFailed,       // see ChunkResult::status
 };
 const char* ChunkOutcomeName(ChunkOutcome outcome);
+
+enum class TransportKind : uint8_t {
+  kAuto = 0,  // by topology: shm on one host when the receiver offers it, else tcp
+  kTcp,       // bytes on the ZeroMQ connection, any host
+  kShm,       // only shm: a grant it cannot use fails its chunk
+};
+const char* TransportKindName(TransportKind kind);
+// "auto", "tcp" or "shm"; INVALID_ARGUMENT otherwise.
+Result<TransportKind> ParseTransportKind(const std::string& name);
 
 struct ChunkResult {
   ChunkKey key;
@@ -88,7 +104,18 @@ struct SenderOptions {
   // loopback about 1 MiB roughly doubles throughput over the default; over a
   // long fat link a fixed size can cap it below the bandwidth-delay product.
   int socket_buffer_bytes = 0;
+  // Which data plane to use (see TransportKind). With kAuto, a receiver's
+  // segment the sender cannot map (another pid namespace) makes it send the
+  // bytes by tcp instead, for that chunk and every later one.
+  TransportKind transport = TransportKind::kAuto;
   SenderFaults faults;
+};
+
+// Per data plane, what a sender moved (its chunks acked as stored).
+struct SenderStats {
+  uint64_t tcp_chunks = 0, tcp_bytes = 0;
+  uint64_t shm_chunks = 0, shm_bytes = 0;
+  double shm_copy_seconds = 0;  // spent copying into receivers' segments
 };
 
 struct ReceiverOptions {
@@ -105,6 +132,11 @@ struct ReceiverOptions {
   std::chrono::milliseconds heartbeat_interval{1000};
   // SO_RCVBUF of its connections; 0 leaves it to the OS (see SenderOptions).
   int socket_buffer_bytes = 0;
+  // Size of the shared-memory segment shm senders on this host write into;
+  // 0: none (every sender uses tcp). Granted chunks hold a range of it from
+  // the grant until their bytes are verified and copied out; a chunk that
+  // finds no room is granted for tcp instead.
+  uint64_t shm_landing_bytes = 0;
 };
 
 struct ReceiverStats {
@@ -124,6 +156,11 @@ struct ReceiverStats {
   uint64_t leased_bytes = 0;      // granted and not yet arrived, now
   uint64_t peak_leased_bytes = 0;
   uint64_t waiting_chunks = 0;    // offered, waiting for a slot, now
+  // Of chunks_received, those whose bytes landed in the shm segment.
+  uint64_t shm_chunks = 0;
+  uint64_t shm_bytes = 0;
+  uint64_t shm_landing_bytes = 0;  // the segment's size (0: no shm)
+  uint64_t shm_landed_bytes = 0;   // of it, granted or quarantined now
 };
 
 // The sending end of one connection to one receiver. Thread-safe: Submit,
@@ -151,6 +188,8 @@ class Sender {
 
   // The receiver's endpoint this sender delivers to.
   virtual std::string endpoint() const = 0;
+
+  virtual SenderStats Stats() const = 0;
 };
 
 // The receiving end: accepts connections from any number of senders and
@@ -175,13 +214,15 @@ class Receiver {
 // asynchronous: a receiver that is not up yet gets the data once it is, and
 // one that never comes fails batches after peer_timeout. INVALID_ARGUMENT for
 // a malformed endpoint or options.
-Result<std::unique_ptr<Sender>> ConnectTcp(const std::string& endpoint,
-                                           const SenderOptions& options = {});
+Result<std::unique_ptr<Sender>> Connect(const std::string& endpoint,
+                                        const SenderOptions& options = {});
 
 // Binds `endpoint` ("tcp://host:port"; port 0 or * picks a free one, see
-// Receiver::endpoint) and delivers into `sink`. UNAVAILABLE if the address
-// cannot be bound (in use), INVALID_ARGUMENT if malformed.
-Result<std::unique_ptr<Receiver>> ListenTcp(const std::string& endpoint, ChunkStore& sink,
-                                            const ReceiverOptions& options = {});
+// Receiver::endpoint) and delivers into `sink`; creates the shm landing
+// segment when options ask for one. UNAVAILABLE if the address cannot be
+// bound (in use), INVALID_ARGUMENT if malformed, IO_ERROR if the segment
+// cannot be made.
+Result<std::unique_ptr<Receiver>> Listen(const std::string& endpoint, ChunkStore& sink,
+                                         const ReceiverOptions& options = {});
 
 }  // namespace kdn::kvbus

@@ -9,8 +9,8 @@
 //   tcp-loopback   receiver and sender in this process over 127.0.0.1
 //                  (RunTcpLoopbackBench); compare with memcpy bandwidth
 //                  (MeasureMemcpyGBps) for the ratio the design aims at (>= 0.5)
-//   two processes  the decode side runs ListenTcp into a DiscardStore, the
-//                  prefill side ConnectTcp + RunSenderBench
+//   two processes  the decode side runs Listen into a DiscardStore, the
+//                  prefill side Connect + RunSenderBench
 //
 // Thread-safety: the functions are reentrant; DiscardStore is thread-safe.
 
@@ -65,7 +65,7 @@ Result<TransportBenchResult> RunSenderBench(Sender& sender,
 // (counting the bytes copied once, as the transfer's GBps does).
 double MeasureMemcpyGBps(size_t bytes, int reps = 5);
 
-// The workload tcp-loopback: a ListenTcp into a DiscardStore and a ConnectTcp
+// The workload tcp-loopback: a Listen into a DiscardStore and a Connect
 // to it, in this process.
 Result<TransportBenchResult> RunTcpLoopbackBench(const TransportBenchConfig& config);
 
