@@ -498,7 +498,10 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
                dst.status().WithContext("kvbus shm grant from " + endpoint_));
       }
       done_cv_.notify_all();
-      sent = true;  // done with it: nothing was written
+      // Nothing was written; the receiver frees the grant.
+      Result<zmq::message_t> cancel = EncodeWire(WireCancel{out.batch, {chunk.key()}});
+      if (cancel.ok()) control_.push_back(std::move(cancel).value());
+      sent = true;  // done with it
       return Status::Ok();
     }
     const auto t0 = TransportClock::now();
