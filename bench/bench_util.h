@@ -71,7 +71,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
 int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
              const std::string& disk_dir);
 int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
-                  int socket_buffer_kib);
+                  int socket_buffer_kib, const std::vector<std::string>& transports);
 
 // multiturn: conversations against a running deployment (docs/serving.md).
 // Of Common only json_path applies.

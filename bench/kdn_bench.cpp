@@ -92,12 +92,19 @@ int main(int argc, char** argv) {
   store->add_option("--disk-dir", disk_dir, "Folder for the disk tier")->capture_default_str();
   int pd_tokens = 4096, pd_chunk_tokens = 256;
   std::string pd_dtype = "f32";
-  auto* pd = app.add_subcommand("pd-transfer", "One request's KV between two processes (tcp) vs memcpy");
+  auto* pd = app.add_subcommand(
+      "pd-transfer", "One request's KV between two processes, per kvbus transport, vs memcpy");
   common(pd);
   pd->add_option("--tokens", pd_tokens, "Tokens of KV in the request")->capture_default_str();
   pd->add_option("--chunk-tokens", pd_chunk_tokens, "Tokens per chunk")->capture_default_str();
   pd->add_option("--dtype", pd_dtype, "Chunk dtype")->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  std::vector<std::string> pd_transports = {"tcp", "shm"};
+  pd->add_option("--transport", pd_transports,
+                 "Transports to measure in this run (tcp, shm; repeat or comma-separate)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"tcp", "shm"}))
+      ->capture_default_str();
   int socket_buffer_kib = 0;
   pd->add_option("--socket-buffer-kib", socket_buffer_kib,
                  "SO_SNDBUF/SO_RCVBUF of the connection (0: the OS's autotuning)")
@@ -186,7 +193,9 @@ int main(int argc, char** argv) {
 #endif
   }
   if (prefill->parsed()) return RunPrefill(c, lengths);
-  if (pd->parsed()) return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib);
+  if (pd->parsed()) {
+    return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib, pd_transports);
+  }
   if (store->parsed()) return RunStore(c, store_tokens, chunk_tokens, store_dtype, disk_dir);
   return RunDecode(c, batches, context, steps);
 }
