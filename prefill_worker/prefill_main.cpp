@@ -30,7 +30,13 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
+  std::string kv_transport = "auto";
+  app.add_option("--kv-transport", kv_transport,
+                 "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, or shm")
+      ->check(CLI::IsMember({"auto", "tcp", "shm"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  o.kv_transport = kdn::kvbus::ParseTransportKind(kv_transport).value();  // checked by CLI11
   o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
 
   auto service = kdn::prefill_worker::PrefillService::Start(o);

@@ -87,4 +87,13 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
   return true;
 }
 
+void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
+                          uint64_t bytes, double seconds) {
+  proto::TransportCounters* t = info->add_kv_transports();
+  t->set_transport(transport);
+  t->set_chunks(chunks);
+  t->set_bytes(bytes);
+  t->set_seconds(seconds);
+}
+
 }  // namespace kdn::control

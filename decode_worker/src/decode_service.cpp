@@ -92,6 +92,12 @@ struct DecodeService::Impl {
     info->set_queue_depth(depth.load());
     info->set_free_kv_blocks(free_blocks.load());
     info->set_total_kv_blocks(total_blocks);
+    info->set_host_id(kvbus::HostId());
+    info->set_kv_transport(kvbus::TransportKindName(options.kv_transport));
+    const kvbus::ReceiverStats rs = receiver->Stats();
+    control::AddTransportCounters(info, "tcp", rs.chunks_received - rs.shm_chunks,
+                                  rs.bytes_received - rs.shm_bytes, 0);
+    control::AddTransportCounters(info, "shm", rs.shm_chunks, rs.shm_bytes, 0);
     if (Status h = receiver->Health(); !h.ok()) {
       control::StatusToProto(h, info->mutable_health());
     }
@@ -266,7 +272,12 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   impl->decoder = std::make_unique<Decoder>(*impl->wm.model, *impl->wm.tokenizer,
                                             impl->wm.fingerprint, *impl->store, *impl->staging,
                                             *impl->store_io, dopt);
-  KDN_ASSIGN_OR_RETURN(impl->receiver, kvbus::Listen(options.kvbus_listen, *impl->staging));
+  kvbus::ReceiverOptions ropt;
+  if (options.kv_transport != kvbus::TransportKind::kTcp) {
+    ropt.shm_landing_bytes = options.kv_landing_bytes;
+  }
+  KDN_ASSIGN_OR_RETURN(impl->receiver,
+                       kvbus::Listen(options.kvbus_listen, *impl->staging, ropt));
   impl->kvbus_endpoint = impl->receiver->endpoint();
   const DecoderStats s = impl->decoder->Stats();
   impl->total_blocks = s.total_kv_blocks;

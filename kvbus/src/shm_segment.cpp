@@ -1,5 +1,7 @@
 #include "shm_segment.h"
 
+#include "kdn/kvbus/transport.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

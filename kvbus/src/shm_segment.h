@@ -18,10 +18,6 @@
 
 namespace kdn::kvbus {
 
-// What the host is: equal on two processes exactly when they share a kernel
-// (the boot id, else the host name).
-const std::string& HostId();
-
 class SharedSegment {
  public:
   // A new segment of `bytes`, mapped read-write. IO_ERROR if the kernel

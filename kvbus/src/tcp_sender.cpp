@@ -90,6 +90,7 @@ TcpSender::~TcpSender() {
 
 Result<uint64_t> TcpSender::Submit(std::vector<std::shared_ptr<const Chunk>> chunks) {
   Batch batch;
+  batch.submitted = TransportClock::now();
   batch.slots.resize(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (!chunks[i]) return InvalidArgument("kvbus Submit: chunk " + std::to_string(i) + " is null");
@@ -170,6 +171,11 @@ void TcpSender::Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status
   };
   apply(first);
   for (uint32_t c : first.copies) apply(batch.slots[c]);
+  if (batch.unfinished == 0) {
+    const double s =
+        std::chrono::duration<double>(TransportClock::now() - batch.submitted).count();
+    (batch.landed ? stats_.shm_seconds : stats_.tcp_seconds) += s;
+  }
 }
 
 void TcpSender::FailAllLocked(const Status& status) {
@@ -513,7 +519,10 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.shm_copy_seconds += std::chrono::duration<double>(TransportClock::now() - t0).count();
       auto it = batches_.find(out.batch);
-      if (it != batches_.end()) it->second.slots[out.slot].landed = true;
+      if (it != batches_.end()) {
+        it->second.slots[out.slot].landed = true;
+        it->second.landed = true;
+      }
     }
     out.header_sent = true;  // the bytes are in place; only the header is left to go
   }

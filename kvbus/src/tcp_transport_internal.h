@@ -91,6 +91,8 @@ class TcpSender final : public Sender {
     std::vector<uint32_t> copies;  // the indices of its duplicates
   };
   struct Batch {
+    TransportClock::time_point submitted;
+    bool landed = false;  // a chunk of it went by shm
     std::vector<Slot> slots;
     std::unordered_map<ChunkKey, uint32_t, ChunkKeyHash> index;  // first copy of each key
     size_t unfinished = 0;

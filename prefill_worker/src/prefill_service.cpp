@@ -48,6 +48,7 @@ struct PrefillService::Impl {
   std::atomic<int> depth{0};    // queued + running
   std::atomic<int64_t> queued_tokens{0};
   std::atomic<int> free_blocks{0};
+  kvbus::SenderStats transport_stats;  // guarded by mu: as of the last job
   std::thread compute;
 
   void FillInfo(proto::WorkerInfo* info) {
@@ -60,6 +61,15 @@ struct PrefillService::Impl {
     info->set_queue_tokens(queued_tokens.load());
     info->set_free_kv_blocks(free_blocks.load());
     info->set_total_kv_blocks(total_blocks);
+    info->set_host_id(kvbus::HostId());
+    info->set_kv_transport(kvbus::TransportKindName(options.kv_transport));
+    kvbus::SenderStats sent;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      sent = transport_stats;
+    }
+    control::AddTransportCounters(info, "tcp", sent.tcp_chunks, sent.tcp_bytes, sent.tcp_seconds);
+    control::AddTransportCounters(info, "shm", sent.shm_chunks, sent.shm_bytes, sent.shm_seconds);
   }
 
   void Enqueue(QueuedJob q) {
@@ -208,6 +218,9 @@ struct PrefillService::Impl {
       queued_tokens -= static_cast<int64_t>(q.job.tokens.size());
       --depth;
       free_blocks = wm.model->kv_cache().free_blocks();
+      const kvbus::SenderStats sent = prefiller->TransportStats();
+      std::lock_guard<std::mutex> lock(mu);
+      transport_stats = sent;
     }
   }
 };
@@ -226,6 +239,7 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint));
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
+  po.sender.transport = options.kv_transport;
   impl->prefiller = std::make_unique<Prefiller>(*impl->wm.model, *impl->store,
                                                 impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();

@@ -15,6 +15,21 @@ Prefiller::Prefiller(engine::CpuEngine& model, kvbus::TieredStore& store,
 
 Prefiller::~Prefiller() = default;
 
+kvbus::SenderStats Prefiller::TransportStats() const {
+  kvbus::SenderStats sum;
+  for (const auto& [endpoint, sender] : senders_) {
+    const kvbus::SenderStats s = sender->Stats();
+    sum.tcp_chunks += s.tcp_chunks;
+    sum.tcp_bytes += s.tcp_bytes;
+    sum.tcp_seconds += s.tcp_seconds;
+    sum.shm_chunks += s.shm_chunks;
+    sum.shm_bytes += s.shm_bytes;
+    sum.shm_seconds += s.shm_seconds;
+    sum.shm_copy_seconds += s.shm_copy_seconds;
+  }
+  return sum;
+}
+
 Result<kvbus::Sender*> Prefiller::SenderFor(const std::string& endpoint) {
   auto it = senders_.find(endpoint);
   if (it != senders_.end()) return it->second.get();

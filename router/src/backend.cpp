@@ -191,6 +191,12 @@ struct Backend::Impl {
     wk.view.total_kv_blocks = info.total_kv_blocks();
     wk.view.max_context = info.max_context();
     wk.view.health = info.health().code() != 0 ? info.health().message() : "";
+    wk.view.host_id = info.host_id();
+    wk.view.kv_transport = info.kv_transport();
+    wk.view.kv_transports.clear();
+    for (const proto::TransportCounters& t : info.kv_transports()) {
+      wk.view.kv_transports.push_back({t.transport(), t.chunks(), t.bytes(), t.seconds()});
+    }
     if (info.role() != wk.view.role) {
       if (wk.view.compatible) {
         std::fprintf(stderr, "kdn-router: %s is a %s worker, not %s; not using it\n",

@@ -162,6 +162,29 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   for (const WorkerGauge& w : workers) {
     out += "kdn_worker_free_kv_blocks" + labels(w) + std::to_string(w.free_kv_blocks) + "\n";
   }
+  // Per kvbus data plane: what each prefill worker sent and each decode
+  // worker received (docs/kvbus.md, "Transports").
+  const auto per_transport = [&](const char* name, const char* help, auto value) {
+    Head(&out, name, "counter", help);
+    for (const WorkerGauge& w : workers) {
+      for (const WorkerGauge::Transport& t : w.kv_transports) {
+        out += std::string(name) + "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) +
+               "\",transport=\"" + Label(t.name) + "\"} " + value(t) + "\n";
+      }
+    }
+  };
+  per_transport("kdn_worker_kv_transport_chunks_total",
+                "KV chunks (layer slices) moved by kvbus, per data plane.",
+                [](const WorkerGauge::Transport& t) { return std::to_string(t.chunks); });
+  per_transport("kdn_worker_kv_transport_bytes_total", "KV bytes moved by kvbus, per data plane.",
+                [](const WorkerGauge::Transport& t) { return std::to_string(t.bytes); });
+  per_transport("kdn_worker_kv_transport_seconds_total",
+                "Seconds a prefill worker's kvbus batches were in flight, per data plane.",
+                [](const WorkerGauge::Transport& t) {
+                  char buf[32];
+                  std::snprintf(buf, sizeof(buf), "%.6f", t.seconds);
+                  return std::string(buf);
+                });
   return out;
 }
 

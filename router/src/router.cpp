@@ -135,7 +135,11 @@ class Session : public std::enable_shared_from_this<Session> {
       if (only(http::verb::get)) {
         std::vector<WorkerGauge> gauges;
         for (const WorkerView& w : router_.backend->Workers()) {
-          gauges.push_back({w.name, w.role, w.up && w.compatible, w.queue_depth, w.free_kv_blocks});
+          WorkerGauge g{w.name, w.role, w.up && w.compatible, w.queue_depth, w.free_kv_blocks, {}};
+          for (const auto& t : w.kv_transports) {
+            g.kv_transports.push_back({t.transport, t.chunks, t.bytes, t.seconds});
+          }
+          gauges.push_back(std::move(g));
         }
         Reply(http::status::ok, router_.metrics.Render(gauges), "text/plain; version=0.0.4");
       }
@@ -177,6 +181,8 @@ class Session : public std::enable_shared_from_this<Session> {
                          {"compatible", w.compatible},
                          {"queue_depth", w.queue_depth},
                          {"free_kv_blocks", w.free_kv_blocks},
+                         {"host_id", w.host_id},
+                         {"kv_transport", w.kv_transport},
                          {"health", w.health}});
     }
     const bool ok = live_p > 0 && live_d > 0;

@@ -48,6 +48,10 @@ bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, in
 // `keys` gives the fingerprint and chunk size the tail keys are computed
 // with (its ns is the lookup's). False, with nothing sent, for any other
 // message.
+// Appends one data plane's kvbus counters to a worker's info.
+void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
+                          uint64_t bytes, double seconds);
+
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,

@@ -28,6 +28,7 @@
 #include <string>
 
 #include "kdn/common/status.h"
+#include "kdn/kvbus/transport.h"
 
 namespace kdn::decode_worker {
 
@@ -43,6 +44,11 @@ struct DecodeServiceOptions {
   int64_t kv_tokens = 65536;
   int max_batch = 32;
   int threads = 0;
+  // kvbus data plane (kvbus::TransportKind): auto and shm give the receiver
+  // a shared-memory landing segment of kv_landing_bytes for prefill workers
+  // on this host; tcp gives none.
+  kvbus::TransportKind kv_transport = kvbus::TransportKind::kAuto;
+  uint64_t kv_landing_bytes = uint64_t{256} << 20;
 };
 
 class DecodeService {

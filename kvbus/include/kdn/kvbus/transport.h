@@ -111,12 +111,19 @@ struct SenderOptions {
   SenderFaults faults;
 };
 
-// Per data plane, what a sender moved (its chunks acked as stored).
+// Per data plane, what a sender moved (its chunks acked as stored), and
+// the seconds its batches were in flight, from Submit to the last outcome
+// (a batch counts as shm when any of its chunks landed).
 struct SenderStats {
   uint64_t tcp_chunks = 0, tcp_bytes = 0;
   uint64_t shm_chunks = 0, shm_bytes = 0;
-  double shm_copy_seconds = 0;  // spent copying into receivers' segments
+  double tcp_seconds = 0, shm_seconds = 0;
+  double shm_copy_seconds = 0;  // of shm_seconds, spent copying into receivers' segments
 };
+
+// What the transports call this host: equal in two processes exactly when
+// they share a kernel (its boot id, else the host name). Workers report it.
+const std::string& HostId();
 
 struct ReceiverOptions {
   // Bytes of granted but not yet arrived chunks the receiver allows at once

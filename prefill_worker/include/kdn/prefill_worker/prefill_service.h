@@ -12,6 +12,8 @@
 #include <memory>
 #include <string>
 
+#include "kdn/kvbus/transport.h"
+
 #include "kdn/common/status.h"
 
 namespace kdn::prefill_worker {
@@ -25,6 +27,8 @@ struct PrefillServiceOptions {
   int chunk_tokens = 256;
   int64_t kv_tokens = 32768;
   int threads = 0;
+  // kvbus data plane to decode workers (kvbus::TransportKind).
+  kvbus::TransportKind kv_transport = kvbus::TransportKind::kAuto;
 };
 
 class PrefillService {

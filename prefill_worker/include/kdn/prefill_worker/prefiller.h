@@ -116,6 +116,9 @@ class Prefiller {
   // outside the vocabulary or one beyond the context.
   Result<bool> Inject(std::span<const int32_t> tokens, const std::string& ns);
 
+  // What its kvbus senders moved, summed over every decode worker.
+  kvbus::SenderStats TransportStats() const;
+
  private:
   Result<kvbus::Sender*> SenderFor(const std::string& endpoint);
   Result<PrefillOutcome> RunBlend(const PrefillJob& job);

@@ -98,6 +98,16 @@ struct WorkerView {
   int total_kv_blocks = 0;
   int64_t max_context = 0;
   std::string health;  // a failure the worker reports; empty when none
+  std::string host_id;       // workers on one host share it (kvbus::HostId)
+  std::string kv_transport;  // its --kv-transport
+  // KV it moved over kvbus per data plane (sent by a prefill worker,
+  // received by a decode worker).
+  struct TransportCounters {
+    std::string transport;
+    uint64_t chunks = 0, bytes = 0;
+    double seconds = 0;
+  };
+  std::vector<TransportCounters> kv_transports;
 };
 
 class Backend {

@@ -32,6 +32,12 @@ struct WorkerGauge {
   bool up = false;
   int queue_depth = 0;
   int free_kv_blocks = 0;
+  struct Transport {
+    std::string name;
+    uint64_t chunks = 0, bytes = 0;
+    double seconds = 0;
+  };
+  std::vector<Transport> kv_transports;
 };
 
 class Metrics {
