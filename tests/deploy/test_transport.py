@@ -1,0 +1,53 @@
+"""kvbus data planes in a deployment (docs/kvbus.md, "Transports"): on one
+host the prefill worker lands KV in the decode worker's shared-memory
+segment unless told to use tcp, /metrics counts each plane per worker, and
+the answer does not depend on the plane."""
+
+import pytest
+
+from deploy_util import Deployment, metric, parse_metrics, wait_until
+
+PROMPT = "The transport under test carries every layer of this prompt's KV " * 6
+
+
+def planes(d):
+    """{(role, transport): bytes} from the deployment's /metrics."""
+    samples = parse_metrics(d.metrics())
+    return {(role, t): metric(samples, "kdn_worker_kv_transport_bytes_total",
+                              worker="%s-0" % role, role=role, transport=t)
+            for role in ("prefill", "decode") for t in ("tcp", "shm")}
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_kv_moves_by_the_plane_the_topology_or_the_flag_picks(tiny_model, tmp_path, transport):
+    d = Deployment(tmp_path / "run", tiny_model, "--kv-transport", transport)
+    try:
+        health = d.http.get("/health").json()
+        hosts = {w["host_id"] for w in health["workers"]}
+        assert len(hosts) == 1 and "" not in hosts, health
+        assert {w["kv_transport"] for w in health["workers"]} == {transport}, health
+        out = d.completion(PROMPT, max_tokens=8, temperature=0)
+        used = "shm" if transport == "auto" else "tcp"
+        other = "tcp" if used == "shm" else "shm"
+        # Workers' figures reach the router with their next answer to its ping.
+        wait_until(lambda: planes(d)[("decode", used)] > 0, timeout=10)
+        got = planes(d)
+        # What the prefill worker sent by a plane, the decode worker received by it.
+        assert got[("prefill", used)] > 0, got
+        assert got[("prefill", used)] == got[("decode", used)], got
+        assert got[("prefill", other)] == 0 and got[("decode", other)] == 0, got
+        samples = parse_metrics(d.metrics())
+        assert metric(samples, "kdn_worker_kv_transport_chunks_total", worker="decode-0",
+                      role="decode", transport=used) > 0
+        assert metric(samples, "kdn_worker_kv_transport_seconds_total", worker="prefill-0",
+                      role="prefill", transport=used) > 0
+        text = out["choices"][0]["text"]
+    finally:
+        d.down()
+    # Same greedy text whichever plane carried the KV.
+    d2 = Deployment(tmp_path / "run2", tiny_model, "--kv-transport",
+                    "tcp" if transport == "auto" else "shm")
+    try:
+        assert d2.completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == text
+    finally:
+        d2.down()
