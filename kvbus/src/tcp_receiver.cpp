@@ -390,73 +390,64 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
                               const zmq::message_t* data) {
   ++stats_.chunks_received;
   const std::optional<Lease> lease = TakeLease(LeaseKey{peer, h.batch, h.key});
+  // A landing range is given back, once, as soon as the bytes are copied
+  // out (or refused), before the verification and the sink's Put.
+  bool landing_freed = false;
+  const auto free_landing = [&] {
+    if (lease && !landing_freed) FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+    landing_freed = true;
+  };
   WireAck ack{h.batch, h.key, Status::Ok(), false};
   const auto reject = [&](Status why) {
     ++stats_.chunks_rejected;
     ack.status = std::move(why);
+    free_landing();
+    outbox_[peer].acks.push_back(std::move(ack));
   };
+  // Where the bytes are: after the header on the connection, or (landed) in
+  // the segment range this chunk's lease granted, and only there. Bytes by
+  // tcp without a lease (it expired, or was never asked for) are still
+  // taken: they are here already, and verified like any others.
+  const uint8_t* bytes = nullptr;
   if (!h.landed) {
     stats_.bytes_received += data->size();
-    // A shm grant the sender could not use: the bytes came by tcp instead.
-    if (lease) FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
-    // Bytes without a lease (it expired, or was never asked for) are still
-    // taken: they are here already, and verified like any others.
     if (data->size() != h.bytes) {
-      reject(Corruption("chunk " + h.key.ToHex() + ": " + std::to_string(data->size()) +
-                        " bytes arrived, " + std::to_string(h.bytes) + " announced"));
-    } else if (sink_.Contains(h.key)) {
-      ++stats_.duplicates;
-      ack.duplicate = true;
-    } else {
-      // The one copy on this side, into a pre-faulted buffer.
-      Result<std::shared_ptr<uint8_t>> copy = BufferPool::Default().Acquire(data->size());
-      if (!copy.ok()) {
-        ++stats_.put_failures;
-        ack.status = copy.status();
-      } else {
-        std::memcpy(copy->get(), data->data(), data->size());
-        Deliver(h, std::move(copy).value(), data->size(), ack);
-      }
+      return reject(Corruption("chunk " + h.key.ToHex() + ": " + std::to_string(data->size()) +
+                               " bytes arrived, " + std::to_string(h.bytes) + " announced"));
     }
-    outbox_[peer].acks.push_back(std::move(ack));
-    return;
-  }
-  // Landed: the bytes are in the segment range this chunk's lease granted,
-  // and only there; without that lease nothing says where they are.
-  if (!lease || !lease->landing) {
-    reject(FailedPrecondition("chunk " + h.key.ToHex() +
-                              " said it landed in shared memory, but holds no shm grant "
-                              "(it expired after " + std::to_string(options_.lease.count()) +
-                              " ms, or was never made)"));
-    if (lease) FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
-  } else if (h.bytes != lease->bytes) {
-    reject(InvalidArgument("chunk " + h.key.ToHex() + " landed " + std::to_string(h.bytes) +
-                           " bytes under a grant of " + std::to_string(lease->bytes)));
-    FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+    bytes = data->data<uint8_t>();
   } else {
+    if (!lease || !lease->landing) {
+      return reject(FailedPrecondition(
+          "chunk " + h.key.ToHex() + " said it landed in shared memory, but holds no shm grant "
+          "(it expired after " + std::to_string(options_.lease.count()) + " ms, or was never made)"));
+    }
+    if (h.bytes != lease->bytes) {
+      return reject(InvalidArgument("chunk " + h.key.ToHex() + " landed " +
+                                    std::to_string(h.bytes) + " bytes under a grant of " +
+                                    std::to_string(lease->bytes)));
+    }
     ++stats_.shm_chunks;
     stats_.shm_bytes += h.bytes;
     stats_.bytes_received += h.bytes;
-    if (sink_.Contains(h.key)) {
-      ++stats_.duplicates;
-      ack.duplicate = true;
-    } else {
-      // Copied out before it is verified, so that what is verified is what
-      // is kept: the sender can no longer touch the copy.
-      Result<std::shared_ptr<uint8_t>> copy = BufferPool::Default().Acquire(h.bytes);
-      if (!copy.ok()) {
-        ++stats_.put_failures;
-        ack.status = copy.status();
-      } else {
-        std::memcpy(copy->get(), landing_->data() + lease->landing_offset, h.bytes);
-        FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
-        Deliver(h, std::move(copy).value(), h.bytes, ack);
-        outbox_[peer].acks.push_back(std::move(ack));
-        return;
-      }
-    }
-    FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+    bytes = landing_->data() + lease->landing_offset;
   }
+  if (sink_.Contains(h.key)) {
+    ++stats_.duplicates;
+    ack.duplicate = true;
+  } else if (Result<std::shared_ptr<uint8_t>> copy = BufferPool::Default().Acquire(h.bytes);
+             !copy.ok()) {
+    ++stats_.put_failures;
+    ack.status = copy.status();
+  } else {
+    // The one copy on this side, into a pre-faulted buffer, made before the
+    // chunk is verified: what is verified is what is kept, out of the
+    // sender's reach.
+    std::memcpy(copy->get(), bytes, h.bytes);
+    free_landing();
+    Deliver(h, std::move(copy).value(), h.bytes, ack);
+  }
+  free_landing();
   outbox_[peer].acks.push_back(std::move(ack));
 }
 
