@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "kdn/kvbus/buffer_pool.h"
+
 
 namespace kdn::kvbus {
 

@@ -1,5 +1,5 @@
 // The kvbus transport conformance suite (transport_conformance.h), run here
-// for tcp over loopback, and the tcp transport's own tests: endpoints, and
+// for tcp and shm over loopback, and the tcp transport's own tests: endpoints, and
 // what a receiver does with frames no kvbus sender would send (written with a
 // plain ZeroMQ DEALER).
 

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/kvbus/buffer_pool.h"
 #include "kdn/kvbus/key.h"
 
 namespace kdn::kvbus {
@@ -58,7 +57,8 @@ class Chunk {
   // CORRUPTION naming what is wrong otherwise.
   static Result<std::shared_ptr<const Chunk>> Parse(std::vector<uint8_t> bytes);
   // The same over `size` bytes at `data`, which the chunk then shares (a
-  // buffer from BufferPool, filled by a transport): no copy.
+  // buffer from BufferPool, filled by a transport): no copy. Nobody may
+  // write to those bytes afterwards (chunks are immutable).
   static Result<std::shared_ptr<const Chunk>> Parse(std::shared_ptr<const uint8_t> data,
                                                     size_t size);
 
