@@ -493,9 +493,12 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
   sent = false;
   const Chunk& chunk = *out.chunk;
   if (!out.header_sent) {
-    // Checked against the mapped segment's bounds before a byte is written.
-    Result<uint8_t*> dst = region_table_.Resolve(table_ids_.at(out.region), out.offset,
-                                                 chunk.size(), MemoryKind::kHost);
+    // Checked against the mapped segment's bounds before a byte is written
+    // (region id 0 is never registered: an unmapped region is NOT_FOUND).
+    const auto table_id = table_ids_.find(out.region);
+    Result<uint8_t*> dst =
+        region_table_.Resolve(table_id == table_ids_.end() ? 0 : table_id->second, out.offset,
+                              chunk.size(), MemoryKind::kHost);
     if (!dst.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = batches_.find(out.batch);
