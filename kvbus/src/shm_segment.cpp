@@ -80,9 +80,9 @@ SharedSegment::~SharedSegment() {
 }
 
 RangeAllocator::RangeAllocator(uint64_t bytes) {
-  const uint64_t usable = bytes / kAlign * kAlign;
-  if (usable > 0) free_.emplace(0, usable);
-  free_bytes_ = usable;
+  usable_bytes_ = bytes / kAlign * kAlign;
+  if (usable_bytes_ > 0) free_.emplace(0, usable_bytes_);
+  free_bytes_ = usable_bytes_;
 }
 
 std::optional<uint64_t> RangeAllocator::Allocate(uint64_t bytes) {

@@ -56,10 +56,12 @@ class RangeAllocator {
   // Gives back a range Allocate returned, with the size it was asked for.
   void Free(uint64_t offset, uint64_t bytes);
   uint64_t free_bytes() const { return free_bytes_; }
+  uint64_t used_bytes() const { return usable_bytes_ - free_bytes_; }
 
  private:
   static uint64_t Round(uint64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
   std::map<uint64_t, uint64_t> free_;  // offset -> size
+  uint64_t usable_bytes_ = 0;  // whole pages of the segment
   uint64_t free_bytes_ = 0;
 };
 

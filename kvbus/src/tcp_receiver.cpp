@@ -104,7 +104,7 @@ ReceiverStats TcpReceiver::Stats() const {
 
 void TcpReceiver::Publish() {
   stats_.waiting_chunks = waiting_.size();
-  if (landing_ranges_) stats_.shm_landed_bytes = landing_->bytes() / RangeAllocator::kAlign * RangeAllocator::kAlign - landing_ranges_->free_bytes();
+  if (landing_ranges_) stats_.shm_landed_bytes = landing_ranges_->used_bytes();
   std::lock_guard<std::mutex> lock(mu_);
   published_ = stats_;
 }

@@ -17,16 +17,7 @@ Prefiller::~Prefiller() = default;
 
 kvbus::SenderStats Prefiller::TransportStats() const {
   kvbus::SenderStats sum;
-  for (const auto& [endpoint, sender] : senders_) {
-    const kvbus::SenderStats s = sender->Stats();
-    sum.tcp_chunks += s.tcp_chunks;
-    sum.tcp_bytes += s.tcp_bytes;
-    sum.tcp_seconds += s.tcp_seconds;
-    sum.shm_chunks += s.shm_chunks;
-    sum.shm_bytes += s.shm_bytes;
-    sum.shm_seconds += s.shm_seconds;
-    sum.shm_copy_seconds += s.shm_copy_seconds;
-  }
+  for (const auto& [endpoint, sender] : senders_) sum += sender->Stats();
   return sum;
 }
 

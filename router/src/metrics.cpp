@@ -180,11 +180,7 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
                 [](const WorkerGauge::Transport& t) { return std::to_string(t.bytes); });
   per_transport("kdn_worker_kv_transport_seconds_total",
                 "Seconds a prefill worker's kvbus batches were in flight, per data plane.",
-                [](const WorkerGauge::Transport& t) {
-                  char buf[32];
-                  std::snprintf(buf, sizeof(buf), "%.6f", t.seconds);
-                  return std::string(buf);
-                });
+                [](const WorkerGauge::Transport& t) { return Num(t.seconds); });
   return out;
 }
 

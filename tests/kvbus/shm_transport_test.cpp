@@ -251,11 +251,13 @@ TEST(RangeAllocator, HandsOutAlignedRangesAndCoalescesThemWhenFreed) {
   EXPECT_EQ(*x, 0u);
   EXPECT_EQ(*y, RangeAllocator::kAlign);
   EXPECT_EQ(*z, 3 * RangeAllocator::kAlign);
+  EXPECT_EQ(a.used_bytes(), 4 * RangeAllocator::kAlign);
   EXPECT_FALSE(a.Allocate(13 * RangeAllocator::kAlign));
   a.Free(*y, RangeAllocator::kAlign + 1);
   a.Free(*x, 1);
   a.Free(*z, RangeAllocator::kAlign);
   EXPECT_EQ(a.free_bytes(), 16 * RangeAllocator::kAlign);
+  EXPECT_EQ(a.used_bytes(), 0u);
   EXPECT_EQ(a.Allocate(16 * RangeAllocator::kAlign), 0u) << "freed ranges merge into one";
 }
 

@@ -119,6 +119,17 @@ struct SenderStats {
   uint64_t shm_chunks = 0, shm_bytes = 0;
   double tcp_seconds = 0, shm_seconds = 0;
   double shm_copy_seconds = 0;  // of shm_seconds, spent copying into receivers' segments
+
+  SenderStats& operator+=(const SenderStats& o) {
+    tcp_chunks += o.tcp_chunks;
+    tcp_bytes += o.tcp_bytes;
+    shm_chunks += o.shm_chunks;
+    shm_bytes += o.shm_bytes;
+    tcp_seconds += o.tcp_seconds;
+    shm_seconds += o.shm_seconds;
+    shm_copy_seconds += o.shm_copy_seconds;
+    return *this;
+  }
 };
 
 // What the transports call this host: equal in two processes exactly when
