@@ -24,9 +24,11 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
 def words_text(rng, n_chars):
     """ASCII text of exactly n_chars characters (so n_chars tokens on tiny)."""
     out = []
-    while sum(len(w) + 1 for w in out) < n_chars:
+    while len(" ".join(out)) < n_chars:
         out.append(rng.choice(WORDS))
-    return " ".join(out)[:n_chars]
+    text = " ".join(out)[:n_chars]
+    assert len(text) == n_chars
+    return text
 
 
 # Greedy prompts. The tiny random model mostly repeats a character; "A" and
