@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -15,7 +16,10 @@
 namespace kdn::kvbus {
 
 const std::string& HostId() {
-  static const std::string id = [] {
+  static const std::string id = []() -> std::string {
+    if (const char* set = std::getenv("KDN_HOST_ID"); set != nullptr && *set != '\0') {
+      return std::string("set:") + set;
+    }
     std::ifstream in("/proc/sys/kernel/random/boot_id");
     std::string boot;
     if (in >> boot && !boot.empty()) return "boot:" + boot;

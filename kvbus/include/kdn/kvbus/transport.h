@@ -133,7 +133,10 @@ struct SenderStats {
 };
 
 // What the transports call this host: equal in two processes exactly when
-// they share a kernel (its boot id, else the host name). Workers report it.
+// they share a kernel (its boot id, else the host name), unless the
+// environment variable KDN_HOST_ID names the host instead. The Slurm job sets
+// it to the node's name, so that nodes emulated on one machine (several
+// slurmd) are told apart as real nodes are. Workers report it.
 const std::string& HostId();
 
 struct ReceiverOptions {
