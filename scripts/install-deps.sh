@@ -22,7 +22,9 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config
       libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler libboost-dev)
 if [ $want_ref = 1 ]; then
   # promtool (package prometheus) checks /metrics; curl speaks SSE to the router.
-  pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy prometheus curl)
+  # munge, slurmctld, slurmd and slurm-client: a throwaway Slurm for tests/slurm.
+  pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy prometheus curl
+        munge slurmctld slurmd slurm-client)
 fi
 
 missing=()
