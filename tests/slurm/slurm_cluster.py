@@ -35,9 +35,9 @@ class Unavailable(Exception):
 
 def find(name):
     for d in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/sbin", "/sbin"]:
-        path = Path(d) / name
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
+        path = os.path.join(d, name)
+        if os.access(path, os.X_OK) and os.path.isfile(path):
+            return path
     return None
 
 
