@@ -134,9 +134,10 @@ set -uo pipefail
 RUN=%(run)s
 BIN=%(bin)s
 MODEL=%(model)s
-READY_TIMEOUT=%(ready_timeout)d   # seconds for each role to print its endpoint
-STOP_WAIT=%(stop_wait)d        # seconds for each group of roles to stop
-GPUS_PER_WORKER=%(gpus)d
+READY_TIMEOUT=%(ready_timeout)d  # seconds for each role to print its endpoint
+STOP_WAIT=%(stop_wait)d  # seconds for each group of roles to stop
+GPUS_PER_WORKER=%(gpus)d  # GPUs of each worker
+NODE_GPUS=%(node_gpus)d  # GPUs the job holds on each node
 GPU_GRES=%(gres)s
 
 mkdir -p "$RUN/logs" "$RUN/pids"
@@ -159,24 +160,53 @@ for i in "${!nodes[@]}"; do
 done
 listen() { %(listen_fn)s; }
 
-# start NAME NODE GPUS COMMAND...: COMMAND as a one-task step on node NODE,
-# with GPUS GPUs of its own. The step records "NODE PID" in $RUN/pids/NAME and
-# reports the node's name as its host (KDN_HOST_ID), which is how kvbus tells
-# a peer on this node (shared memory) from one on another (tcp).
+# What each step's task runs on its node: records "NODE PID" in $RUN/pids/,
+# reports the node's name as its host (KDN_HOST_ID; that is how kvbus tells a
+# peer on this node, reached through shared memory, from one on another,
+# reached over tcp), keeps its own GPUS_PER_WORKER of the node's GPUs (GPU
+# slot $2; -1: none; keep: CUDA_VISIBLE_DEVICES as it is), then becomes the
+# kdn program.
+step_main() {
+  local pidfile=$1 slot=$2 all
+  shift 2
+  echo "$SLURMD_NODENAME $$" > "$pidfile"
+  export KDN_HOST_ID=$SLURMD_NODENAME
+  if [ "$slot" = keep ]; then
+    :  # the job holds no GPUs: leave the environment as the site sets it
+  elif [ "$slot" -lt 0 ]; then
+    export CUDA_VISIBLE_DEVICES=  # router and kdn-store compute nothing on a GPU
+  else
+    IFS=, read -ra all <<< "${CUDA_VISIBLE_DEVICES:-}"
+    if [ ${#all[@]} -lt $(((slot + 1) * GPUS_PER_WORKER)) ]; then
+      echo "kdn: GPU slot $slot needs $(((slot + 1) * GPUS_PER_WORKER)) GPUs; the step sees '${CUDA_VISIBLE_DEVICES:-}'" >&2
+      exit 1
+    fi
+    CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${all[*]:slot * GPUS_PER_WORKER:GPUS_PER_WORKER}")
+    export CUDA_VISIBLE_DEVICES
+  fi
+  exec "$@"
+}
+export -f step_main
+export GPUS_PER_WORKER
+
+# start NAME NODE SLOT COMMAND...: COMMAND as a one-task step on node NODE.
+# Steps share their node (--overlap), so a worker's step asks for all of the
+# job's GPUs there and step_main keeps the worker's slot of them: Slurm 22.05
+# gives overlapping steps the same GPUs when each asks for its own.
 declare -A step_pid=()
 start() {
-  local name=$1 node=$2 gpus=$3
+  local name=$1 node=$2 slot=$3
   shift 3
   local gres=()
-  if [ "$gpus" -gt 0 ]; then gres=(--gres="gpu:${GPU_GRES}${gpus}"); fi
+  if [ "$NODE_GPUS" -gt 0 ] && [ "$slot" -ge 0 ]; then gres=(--gres="gpu:${GPU_GRES}${NODE_GPUS}"); fi
+  [ "$NODE_GPUS" -gt 0 ] || slot=keep
   rm -f "$RUN/logs/$name.out" "$RUN/pids/$name"
   # setsid: a signal to the job script (kdn-launch slurm down) must not reach
   # srun, which would kill its step at once instead of stopping it in order.
   setsid srun --nodes=1 --ntasks=1 --overlap --nodelist="${nodes[$node]}" --job-name="$name" \
          --kill-on-bad-exit=0 "${gres[@]}" \
-           --output="$RUN/logs/$name.out" --error="$RUN/logs/$name.log" \
-         bash -c 'echo "$SLURMD_NODENAME $$" > "$0"; export KDN_HOST_ID=$SLURMD_NODENAME; exec "$@"' \
-         "$RUN/pids/$name" "$@" &
+         --output="$RUN/logs/$name.out" --error="$RUN/logs/$name.log" \
+         bash -c 'step_main "$@"' step_main "$RUN/pids/$name" "$slot" "$@" &
   step_pid[$name]=$!
 }
 
@@ -282,26 +312,30 @@ def script_text(L, a, bin_dir, model, run_dir):
     body = SCRIPT_BODY % {
         "run": q(str(run_dir)), "bin": q(str(bin_dir)), "model": q(str(model)),
         "ready_timeout": int(a.ready_timeout), "stop_wait": int(L.STOP_WAIT_S), "gpus": a.gpus_per_worker,
+        "node_gpus": a.gpus_per_worker * max(per_node),
         "gres": q(a.gpu_type + ":" if a.gpu_type else ""),
         "listen_fn": listen_fn, "listen_note": listen_note,
     }
     out = "\n".join(lines) + "\n" + body
 
-    worker_common = ['--model "$MODEL"', "--host-mib %g" % a.host_mib,
-                     "--chunk-tokens %d" % a.chunk_tokens, "--threads %d" % a.threads,
-                     "--kv-transport %s" % a.kv_transport]
+    worker = ['--model "$MODEL"', "--host-mib %g" % a.host_mib,
+              "--chunk-tokens %d" % a.chunk_tokens, "--threads %d" % a.threads,
+              "--kv-transport %s" % a.kv_transport]
     steps = []
     if a.store:
         steps += ["# kdn-store on node 0; every worker reads and fills it.",
-                  'start store 0 0 "$BIN/kdn-store" --listen "$(listen 0)" --host-mib %g'
+                  'start store 0 -1 "$BIN/kdn-store" --listen "$(listen 0)" --host-mib %g'
                   % a.store_host_mib,
                   'STORE=$(endpoint store tcp://) || abort', ""]
-        worker_common.append('--store "$STORE"')
-    steps.append("# The workers, dealt over the nodes in order.")
+        worker.append('--store "$STORE"')
+    steps += ["# The workers, dealt over the nodes in order, each with these flags.",
+              "WORKER=(%s)" % " ".join(worker)]
+    slots = [0] * a.nodes
     for name, role, node in plan:
-        extra = ('--kvbus-listen "$(listen %d)" ' % node) if role == "decode" else ""
-        steps.append('start %s %d "$GPUS_PER_WORKER" "$BIN/kdn-%s" %s \\\n    --listen "$(listen %d)" '
-                     '%s--name %s' % (name, node, role, " ".join(worker_common), node, extra, name))
+        extra = (' --kvbus-listen "$(listen %d)"' % node) if role == "decode" else ""
+        steps.append('start %s %d %d "$BIN/kdn-%s" "${WORKER[@]}" --listen "$(listen %d)"%s '
+                     '--name %s' % (name, node, slots[node], role, node, extra, name))
+        slots[node] += 1
     steps.append("")
     for role in ("prefill", "decode"):
         names = [n for n, r, _ in plan if r == role]
@@ -317,7 +351,7 @@ def script_text(L, a, bin_dir, model, run_dir):
     steps += ["",
               "# The router on node 0, with the workers' endpoints; its first stdout line",
               "# is its URL, which `kdn-launch slurm status` reads from logs/router.out.",
-              "start router 0 0 " + " ".join(router),
+              "start router 0 -1 " + " ".join(router),
               'URL=$(endpoint router http://) || abort',
               'echo "kdn: serving on $URL"',
               "",
@@ -586,9 +620,9 @@ def add_commands(L, sub):
     sb.add_argument("--time", metavar="LIMIT", help="sbatch --time (e.g. 2:00:00)")
     sb.add_argument("--account", metavar="NAME", help="sbatch --account")
     sb.add_argument("--gpus-per-worker", type=L.nonneg_int, default=0, metavar="G",
-                    help="GPUs bound to each worker step (srun --gres=gpu:G, which sets "
-                    "CUDA_VISIBLE_DEVICES); the job asks each node for the GPUs of the workers "
-                    "placed on it (default: %(default)s)")
+                    help="GPUs of each worker: the job asks each node for the GPUs of the "
+                    "workers placed on it (sbatch --gres=gpu:N) and each worker gets its own "
+                    "G of them in CUDA_VISIBLE_DEVICES (default: %(default)s)")
     sb.add_argument("--gpu-type", default="", metavar="TYPE",
                     help="GPU type in the gres request (gpu:TYPE:G), as the cluster names it")
     sb.add_argument("--no-exclusive", dest="exclusive", action="store_false",

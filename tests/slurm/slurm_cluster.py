@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -53,10 +54,11 @@ def node_addr(i):
 
 
 class Cluster:
-    def __init__(self, folder, nodes=1, cpus=2, partition="debug"):
+    def __init__(self, folder, nodes=1, cpus=2, gpus=0, partition="debug"):
         self.dir = Path(folder).resolve()
         self.nodes = ["kdn%d" % i for i in range(nodes)]
         self.cpus = cpus
+        self.gpus = gpus
         self.partition = partition
         self.procs = {}
         self.conf = self.dir / "slurm.conf"
@@ -110,9 +112,24 @@ class Cluster:
             "SlurmdTimeout=30",
             "InactiveLimit=0",
         ]
+        gres = []
+        if self.gpus:
+            # Stand-in GPUs: character devices (the numbers of /dev/null) that
+            # Slurm's gpu plugin hands out by index, setting CUDA_VISIBLE_DEVICES.
+            lines.append("GresTypes=gpu")
+            (d / "dev").mkdir(exist_ok=True)
+            for n in self.nodes:
+                for g in range(self.gpus):
+                    dev = d / "dev" / ("%s-gpu%d" % (n, g))
+                    if not dev.exists():
+                        os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+                gres.append("NodeName=%s Name=gpu File=%s"
+                            % (n, d / "dev" / ("%s-gpu[0-%d]" % (n, self.gpus - 1))))
+        (d / "gres.conf").write_text("\n".join(gres) + "\n")
         for i, n in enumerate(self.nodes):
-            lines.append("NodeName=%s NodeHostname=%s NodeAddr=%s Port=%d CPUs=%d State=UNKNOWN"
-                         % (n, host, node_addr(i), free_port(), self.cpus))
+            lines.append("NodeName=%s NodeHostname=%s NodeAddr=%s Port=%d CPUs=%d%s State=UNKNOWN"
+                         % (n, host, node_addr(i), free_port(), self.cpus,
+                            " Gres=gpu:%d" % self.gpus if self.gpus else ""))
         lines.append("PartitionName=%s Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
                      % self.partition)
         self.conf.write_text("\n".join(lines) + "\n")

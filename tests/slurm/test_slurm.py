@@ -1,6 +1,7 @@
 """`kdn-launch slurm` on a real Slurm (Debian's munge, slurmctld, slurmd),
 started for these tests on this host by slurm_cluster.py with two emulated
-nodes, kdn0 on 127.0.0.2 and kdn1 on 127.0.0.3 (docs/slurm.md).
+nodes, kdn0 on 127.0.0.2 and kdn1 on 127.0.0.3, each with two stand-in GPUs
+(docs/slurm.md).
 
 The deployment serves models/kdn-qa; greedy answers are checked against
 kdn-generate, requests go through the official openai client.
@@ -31,6 +32,7 @@ DOCS = ["Faisnar was born in Tekshu. Faisnar works as a potter. Faisnar is 24 ye
 # Long enough (over one 256-token chunk) that a second request reuses KV.
 PROMPT = "".join(DOCS) * 3 + "Question: Where was Soulgai born?\nAnswer:"
 MAX_TOKENS = 12
+GPUS_PER_NODE = 2  # stand-in devices (slurm_cluster.py): binding only, no CUDA
 UNAVAILABLE = []
 
 
@@ -39,7 +41,7 @@ def cluster(tmp_path_factory):
     if not (MODEL / "model.safetensors").is_file():
         pytest.skip("%s is missing" % MODEL)
     try:
-        c = Cluster(tmp_path_factory.mktemp("slurm"), nodes=2).start()
+        c = Cluster(tmp_path_factory.mktemp("slurm"), nodes=2, gpus=GPUS_PER_NODE).start()
     except Unavailable as e:
         UNAVAILABLE.append(str(e))
         pytest.skip("no Slurm cluster could start here: %s" % e)
@@ -244,14 +246,34 @@ def test_submit_refuses_contradictions_before_sbatch(cluster, tmp_path):
 
 
 def test_slurm_refusals_reach_the_user(cluster, tmp_path):
-    # No such partition; more GPUs than any node has (these nodes have none).
+    # No such partition; more GPUs than a node has (2 workers x 2 > 2).
     for flags, words in [(["--partition", "nosuch"], "Invalid partition"),
-                         (["--gpus-per-worker", 1], "sbatch")]:
+                         (["--gpus-per-worker", 2], "Requested node configuration is not "
+                                                    "available")]:
         r = launch(cluster, "submit", "--run-dir", tmp_path / "run", "--model", MODEL,
                    "--wait", "--ready-timeout", 30, *flags, timeout=60)
         assert r.returncode == 1, (flags, r.stdout, r.stderr)
         assert "sbatch" in r.stderr and words in r.stderr, (flags, r.stderr)
         assert r.stdout == "", r.stdout  # no job id: nothing was queued
+
+
+def environ(pid):
+    with open("/proc/%d/environ" % pid, "rb") as f:
+        return dict(v.decode().split("=", 1) for v in f.read().split(b"\0") if b"=" in v)
+
+
+def test_each_worker_gets_gpus_of_its_own(cluster, tmp_path):
+    job = Job(cluster, tmp_path / "run", "--prefill", 1, "--decode", 1, "--store",
+              "--gpus-per-worker", 1)
+    try:
+        assert "#SBATCH --gres=gpu:2" in (job.run_dir / "kdn.sbatch").read_text()
+        seen = {n: environ(pid).get("CUDA_VISIBLE_DEVICES") for n, (_, pid) in job.pids().items()}
+        assert sorted([seen["prefill-0"], seen["decode-0"]]) == ["0", "1"], seen
+        assert seen["router"] == "" and seen["store"] == "", seen
+        assert completion(job).choices[0].text == engine_text(PROMPT, MAX_TOKENS)
+    finally:
+        if job.job_id:
+            check_down(job)
 
 
 def test_status_and_down_of_an_unknown_job_say_so(cluster, tmp_path):
