@@ -280,3 +280,18 @@ def test_status_and_down_of_an_unknown_job_say_so(cluster, tmp_path):
     for cmd in ("status", "down"):
         r = launch(cluster, cmd, "999999")
         assert r.returncode == 1 and "no longer knows job 999999" in r.stderr, r.stderr
+
+
+def test_a_worker_that_cannot_start_fails_the_job_with_its_log(cluster, tmp_path):
+    model = tmp_path / "no-weights"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_bytes((MODEL / name).read_bytes())
+    r = launch(cluster, "submit", "--run-dir", tmp_path / "run", "--model", model, "--wait",
+               "--ready-timeout", 60, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    job_id = r.stdout.split()[0]
+    assert "job %s ended (FAILED" % job_id in r.stderr, r.stderr
+    assert "ended before it printed its endpoint" in r.stderr, r.stderr
+    assert "model.safetensors" in r.stderr, r.stderr  # the worker's own words
+    assert job_state(cluster, job_id) == "FAILED"
