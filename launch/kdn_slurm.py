@@ -19,7 +19,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -369,13 +368,13 @@ def record_path(run_dir):
     return Path(run_dir) / RECORD_NAME
 
 
-def read_record(run_dir):
+def read_record(L, run_dir):
     try:
         return json.loads(record_path(run_dir).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise Exception("cannot read %s: %s" % (record_path(run_dir), e))
+        raise L.Failure("cannot read %s: %s" % (record_path(run_dir), e))
 
 
 def job_state(L, job_id):
@@ -405,7 +404,7 @@ def cmd_submit(L, a):
         if shutil.which(tool) is None:
             raise L.Failure("%s is not on PATH: this machine is not a Slurm client" % tool)
     run_dir = Path(a.run_dir).resolve()
-    old = read_record(run_dir)
+    old = read_record(L, run_dir)
     if old is not None:
         state, _, _ = job_state(L, old["job_id"])
         if state in LIVE_STATES:
@@ -499,7 +498,7 @@ def find_run_dir(L, a, job_id):
             raise L.Failure("Slurm no longer knows job %s; name its folder with --run-dir"
                             % job_id)
         run_dir = Path(info["Command"]).parent
-    rec = read_record(run_dir)
+    rec = read_record(L, run_dir)
     if rec is None:
         raise L.Failure("%s has no %s: not a folder of `kdn-launch slurm submit`"
                         % (run_dir, RECORD_NAME))
@@ -536,7 +535,9 @@ def cmd_status(L, a):
             node, pid = (run_dir / "pids" / name).read_text().split()[:2]
         except (OSError, ValueError):
             pass
-        step = "up" if name in running else ("ended" if state == "RUNNING" else "-")
+        # A step that never started has no pid file yet: "-", not "ended".
+        step = "up" if name in running else ("ended" if state == "RUNNING" and pid != "-"
+                                             else "-")
         endpoint = first_line(run_dir / "logs" / (name + ".out")) or "-"
         if name in workers:
             w = workers[name]

@@ -7,9 +7,6 @@ The deployment serves models/kdn-qa; greedy answers are checked against
 kdn-generate, requests go through the official openai client.
 """
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
