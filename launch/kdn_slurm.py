@@ -15,7 +15,6 @@ http_get, log_tail, the shared flags): standard library only.
 """
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -35,12 +34,17 @@ SLURM_CMD_TIMEOUT_S = 30.0
 # ------------------------------------------------------------------ slurm
 
 
+def require_tools(L, tools):
+    for tool in tools:
+        if shutil.which(tool) is None:
+            raise L.Failure("%s is not installed or not on PATH: this machine is not a Slurm "
+                            "client (Debian: apt-get install slurm-client)" % tool)
+
+
 def slurm(L, cmd, check=True):
     """Runs a Slurm client command; (returncode, stdout, stderr). A missing
     command or a failure (with check) is a Failure carrying Slurm's words."""
-    if shutil.which(cmd[0]) is None:
-        raise L.Failure("%s is not installed or not on PATH: this machine is not a Slurm "
-                        "client (Debian: apt-get install slurm-client)" % cmd[0])
+    require_tools(L, cmd[:1])
     try:
         r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                            timeout=SLURM_CMD_TIMEOUT_S)
@@ -400,9 +404,7 @@ def cmd_submit(L, a):
     bin_dir = Path(a.bin_dir).resolve() if a.bin_dir else L.bin_dir_from_env()
     L.require_bins(bin_dir, ["kdn-prefill", "kdn-decode", "kdn-router"] +
                    (["kdn-store"] if a.store else []))
-    for tool in ("sbatch", "squeue", "scontrol", "scancel"):
-        if shutil.which(tool) is None:
-            raise L.Failure("%s is not on PATH: this machine is not a Slurm client" % tool)
+    require_tools(L, ("sbatch", "squeue", "scontrol", "scancel"))
     run_dir = Path(a.run_dir).resolve()
     old = read_record(L, run_dir)
     if old is not None:
@@ -433,9 +435,7 @@ def cmd_submit(L, a):
                        [{"name": n, "role": r, "node": i} for n, r, i in placement(
                            a.prefill, a.decode, a.nodes)] +
                        [{"name": "router", "role": "router", "node": 0}]}
-    tmp = record_path(run_dir).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, record_path(run_dir))
+    L.write_json(record_path(run_dir), record)
     L.info("submitted %s as job %s (logs in %s)" % (script, job_id, run_dir / "logs"))
     print(job_id, flush=True)
     if not a.wait:
@@ -482,9 +482,8 @@ def wait_ready(L, job_id, run_dir, timeout):
 
 
 def failure_logs(L, run_dir):
-    parts = ["the end of %s:\n%s" % (run_dir / "logs" / "job.out",
-                                     L.log_tail(run_dir / "logs" / "job.out"))]
-    return "\n".join(parts)
+    job_out = run_dir / "logs" / "job.out"
+    return "the end of %s:\n%s" % (job_out, L.log_tail(job_out))
 
 
 def find_run_dir(L, a, job_id):

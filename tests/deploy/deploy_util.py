@@ -71,9 +71,10 @@ def make_model(preset, seed, out):
     return Path(out)
 
 
-def launch(*args, timeout=180):
-    """Runs kdn-launch with KDN_BIN_DIR pointing at the binaries under test."""
-    env = dict(os.environ, KDN_BIN_DIR=str(BIN_DIR))
+def launch(*args, timeout=180, env=None):
+    """Runs kdn-launch with KDN_BIN_DIR pointing at the binaries under test,
+    in `env` (default: this process's environment)."""
+    env = dict(os.environ if env is None else env, KDN_BIN_DIR=str(BIN_DIR))
     return subprocess.run([sys.executable, str(LAUNCH)] + [str(a) for a in args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -9,7 +9,6 @@ kdn-generate, requests go through the official openai client.
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
@@ -19,7 +18,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "deploy"))
 
-from deploy_util import BIN_DIR, LAUNCH, REPO, binary, pid_alive  # noqa: E402
+from deploy_util import REPO, pid_alive, wait_until  # noqa: E402
+from deploy_util import launch as deploy_launch  # noqa: E402
+from test_api import engine_text as api_engine_text  # noqa: E402
 from slurm_cluster import Cluster, Unavailable  # noqa: E402
 
 MODEL = REPO / "models" / "kdn-qa"
@@ -49,17 +50,11 @@ def cluster(tmp_path_factory):
 
 
 def launch(cluster, *args, timeout=240):
-    env = dict(cluster.env, KDN_BIN_DIR=str(BIN_DIR))
-    return subprocess.run([sys.executable, str(LAUNCH), "slurm"] + [str(a) for a in args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return deploy_launch("slurm", *args, timeout=timeout, env=cluster.env)
 
 
 def engine_text(prompt, max_tokens):
-    r = subprocess.run([binary("kdn-generate"), "--model", str(MODEL), "--prompt", prompt,
-                        "--max-tokens", str(max_tokens), "--threads", "1"],
-                       capture_output=True, timeout=120)
-    assert r.returncode == 0, r.stderr.decode(errors="replace")
-    return r.stdout[:-1].decode("utf-8")
+    return api_engine_text(MODEL, prompt, max_tokens)
 
 
 class Job:
@@ -119,15 +114,6 @@ def job_state(cluster, job_id):
 def completion(job, prompt=PROMPT):
     return job.client.completions.create(model="kdn-qa", prompt=prompt, max_tokens=MAX_TOKENS,
                                          temperature=0)
-
-
-def wait_until(check, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return check()
 
 
 def check_down(job):
