@@ -4,8 +4,8 @@
   python3 demo.py --model models/kdn-qa --check-kdn build/bin/kdn-generate
 
 The first form draws held-out examples (corpus seed 7: two single-hop, one
-two-hop, 3 to 4 documents) and keeps the first ones the PyTorch model answers
-by greedy decoding. The second runs each demo.json prompt (and the first eval
+two-hop and one coref example, 3 to 5 documents) and keeps the first ones the
+PyTorch model answers by greedy decoding. The second runs each demo.json prompt (and the first eval
 prompts of each hop count) through kdn-generate --temperature 0 and checks the
 printed continuation.
 """
@@ -23,13 +23,13 @@ import evaluate  # noqa: E402
 import export  # noqa: E402
 
 
-def Pick(model, want=((1, 2), (2, 1)), tries=200):
+def Pick(model, want=(("single", 2), ("two-hop", 1), ("coref", 1)), tries=200):
     rng = random.Random(7)
     out = []
-    for hops, count in want:
+    for family, count in want:
         got = 0
         for _ in range(tries):
-            ex = corpus.MakeExample(rng, held_out=True, hops=hops, n_docs=rng.randint(3, 4))
+            ex = corpus.MakeExample(rng, held_out=True, family=family, n_docs=rng.randint(3, 5))
             prompt = [corpus.BOS] + list(corpus.Prompt(ex["documents"], ex["question"]).encode())
             if evaluate.Greedy(model, prompt, 96).strip() == ex["answer"]:
                 out.append({"documents": ex["documents"], "question": ex["question"],
@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--check-kdn", default=None, help="path of kdn-generate")
-    ap.add_argument("--eval-count", type=int, default=4)
+    ap.add_argument("--eval-count", type=int, default=6)
     args = ap.parse_args()
     if args.out:
         import torch
@@ -76,8 +76,8 @@ def main():
             examples = json.load(f)
         with open(os.path.join(args.model, "eval.jsonl")) as f:
             ev = [json.loads(line) for line in f]
-        examples += [e for e in ev if e["hops"] == 1][:args.eval_count // 2]
-        examples += [e for e in ev if e["hops"] == 2][:args.eval_count // 2]
+        for family in corpus.FAMILIES:
+            examples += [e for e in ev if e.get("family") == family][:args.eval_count // 3]
         ok = CheckKdn(args.check_kdn, args.model, examples)
         print("kdn-generate answered {}/{}".format(ok, len(examples)))
 

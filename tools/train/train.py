@@ -3,21 +3,29 @@
   python3 train.py --out /tmp/kdn-qa-run --steps 1500 --seed 0 --threads 2
   python3 train.py --out /tmp/kdn-qa-run --steps 1500 --seed 0 --threads 2 --resume
 
+  python3 train.py --out /tmp/kdn-qa-gpu --steps 6000 --seed 0 --device cuda --workers 6 ...
+
 The batch of step s is drawn from random.Random("seed-s"), so a run is
 deterministic given --seed and --threads (on one kind of machine) and a resumed
-run sees the same data as an uninterrupted one. A checkpoint (model, optimizer,
+run sees the same data as an uninterrupted one; --workers processes make the
+batches ahead (in step order, the same batches as without them). On CUDA the
+forward and backward run under bf16 autocast (weights and optimizer in fp32). A checkpoint (model, optimizer,
 step) is written to OUT/ckpt.pt every --ckpt-every steps and at the end; the
 final model is exported to OUT/model (or --export DIR) by export.py.
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import math
+import multiprocessing
 import os
 import random
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,15 +40,20 @@ def Encode(text):
 
 
 def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop_share=0.5,
-               copy_share=0.0):
-    """Microbatches (ids, targets, weights) for one step, grouped by length."""
+               copy_share=0.0, coref_share=0.0, pad_to=1):
+    """Microbatches (ids, targets, weights) for one step, grouped by length.
+
+    Each microbatch's length is rounded up to a multiple of pad_to (padding
+    has weight 0), which keeps the number of distinct shapes small on a GPU.
+    """
     rng = random.Random("{}-{}".format(seed, step))
     seqs = []
     for _ in range(n_examples):
         if rng.random() < copy_share:
             text, spans = corpus.MakeCopyText(rng, max_docs)
         else:
-            text, spans = corpus.MakeTrainText(rng, max_questions, max_docs, two_hop_share)
+            text, spans = corpus.MakeTrainText(rng, max_questions, max_docs, two_hop_share,
+                                               coref_share)
         ids = Encode(text) + [corpus.EOS]
         w = [1.0] * (len(ids) - 1)  # weight of predicting ids[i + 1]
         for a, b in spans:
@@ -53,14 +66,17 @@ def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop
     for i in range(0, n_examples, per):
         group = seqs[i:i + per]
         t = max(len(ids) for ids, _ in group) - 1
-        x = torch.zeros(len(group), t, dtype=torch.long)
-        y = torch.zeros(len(group), t, dtype=torch.long)
-        wt = torch.zeros(len(group), t)
+        t = -(-t // pad_to) * pad_to
+        # numpy, not torch: batches made by --workers cross processes as
+        # plain pickles (torch tensors would each pass a file descriptor).
+        x = np.zeros((len(group), t), dtype=np.int64)
+        y = np.zeros((len(group), t), dtype=np.int64)
+        wt = np.zeros((len(group), t), dtype=np.float32)
         for r, (ids, w) in enumerate(group):
             n = len(ids) - 1
-            x[r, :n] = torch.tensor(ids[:-1])
-            y[r, :n] = torch.tensor(ids[1:])
-            wt[r, :n] = torch.tensor(w)
+            x[r, :n] = ids[:-1]
+            y[r, :n] = ids[1:]
+            wt[r, :n] = w
         out.append((x, y, wt))
     return out
 
@@ -68,30 +84,62 @@ def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop
 ANSWER_WEIGHT = 5.0
 
 
+def StepSchedule(step, args):
+    """(max_docs, two_hop_share, copy_share) of a step: the curriculum."""
+    max_docs = args.short_docs if step < args.short_frac * args.steps else 8
+    two_hop = 0.0 if step < args.single_frac * args.steps else 0.5
+    copy = 0.0
+    if step < args.copy_frac * args.steps:
+        copy = args.copy_share * (1 - step / (args.copy_frac * args.steps))
+    return max_docs, two_hop, copy
+
+
+def StepBatch(args, step):
+    """The microbatches of one step (a function of args and step only)."""
+    global ANSWER_WEIGHT
+    ANSWER_WEIGHT = args.answer_weight
+    max_docs, two_hop, copy = StepSchedule(step, args)
+    return TrainBatch(args.seed, step, args.examples, args.micro, args.max_questions,
+                      max_docs, two_hop, copy, args.coref_share, args.pad_to)
+
+
+def Batches(args, first_step):
+    """Yields the batches of steps first_step.. in order, made by --workers
+    processes ahead of the training loop (or inline when --workers is 0)."""
+    steps = range(first_step, args.steps)
+    if args.workers <= 0:
+        for s in steps:
+            yield StepBatch(args, s)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(args.workers) as pool:
+        yield from pool.imap(functools.partial(StepBatch, args), steps, chunksize=4)
+
 def ProbeSet(n):
-    """Held-out examples for the in-training probe (not eval.jsonl's seed)."""
-    rng = random.Random(987654321)
-    return [corpus.MakeExample(rng, held_out=True, hops=1 + i % 2) for i in range(n)]
+    """Held-out examples for the in-training probe (not eval.jsonl's seed),
+    the families in turn."""
+    return corpus.EvalSet(987654321, n)
 
 
 @torch.no_grad()
 def TeacherForcedExact(model, examples, device):
-    """Fraction per hop count whose " answer\\n" is argmax at every byte.
+    """Fraction per family whose " answer\\n" is argmax at every byte.
 
     This equals greedy-decoding exact match on the answer and its newline.
     """
     model.eval()
-    hits = {1: [0, 0], 2: [0, 0]}
+    hits = {}
     for ex in examples:
         prompt = Encode(corpus.Prompt(ex["documents"], ex["question"]))
         cont = list((" " + ex["answer"] + "\n").encode())
         ids = torch.tensor([prompt + cont], device=device)
         logits = model(ids[:, :-1])[0, len(prompt) - 1:]
         ok = bool((logits.argmax(-1).cpu() == torch.tensor(cont)).all())
-        hits[ex["hops"]][0] += ok
-        hits[ex["hops"]][1] += 1
+        h = hits.setdefault(ex["family"], [0, 0])
+        h[0] += ok
+        h[1] += 1
     model.train()
-    return {h: a / max(b, 1) for h, (a, b) in hits.items()}
+    return {f: a / max(b, 1) for f, (a, b) in hits.items()}
 
 
 def LrAt(step, args):
@@ -126,6 +174,13 @@ def main():
                          "copy sequences (corpus.MakeCopyText), their share falling "
                          "linearly from --copy-share to 0")
     ap.add_argument("--copy-share", type=float, default=0.5)
+    ap.add_argument("--coref-share", type=float, default=0.0,
+                    help="share of question examples whose world has coref people "
+                         "(corpus.py: a name, then a pronoun document)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="processes making batches ahead of training (0: inline)")
+    ap.add_argument("--pad-to", type=int, default=1,
+                    help="round microbatch lengths up to a multiple of this")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
@@ -154,6 +209,11 @@ def main():
                  num_hidden_layers=args.layers, num_attention_heads=args.heads,
                  num_key_value_heads=args.kv_heads)
     model = LlamaForCausalLM(cfg).to(args.device)
+    on_cuda = str(args.device).startswith("cuda")
+    autocast = (functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if on_cuda
+                else contextlib.nullcontext)
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -186,42 +246,45 @@ def main():
     model.train()
     t_last = time.time()
     win_loss, win_aloss, win_n, win_tok, win_t0 = 0.0, 0.0, 0, 0, time.time()
+    batches = Batches(args, step)
     while step < args.steps:
         t0 = time.time()
-        max_docs = args.short_docs if step < args.short_frac * args.steps else 8
-        two_hop = 0.0 if step < args.single_frac * args.steps else 0.5
-        copy = 0.0
-        if step < args.copy_frac * args.steps:
-            copy = args.copy_share * (1 - step / (args.copy_frac * args.steps))
-        micro = TrainBatch(args.seed, step, args.examples, args.micro,
-                           args.max_questions, max_docs, two_hop, copy)
+        micro = [tuple(torch.from_numpy(a) for a in m) for m in next(batches)]
         total_w = sum(float(w.sum()) for _, _, w in micro)
         for g in opt.param_groups:
             g["lr"] = LrAt(step, args)
         opt.zero_grad(set_to_none=True)
-        step_loss, a_loss, a_n = 0.0, 0.0, 0.0
+        # Losses stay on the device until a log line needs them: no
+        # synchronization per microbatch.
+        step_loss = torch.zeros((), device=args.device)
+        a_loss = torch.zeros((), device=args.device)
+        a_n = 0.0
         for x, y, w in micro:
-            x, y, w = x.to(args.device), y.to(args.device), w.to(args.device)
-            logits = model(x)
-            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+            a_n += float((w > 1.0).sum())
+            n_tok = int((w > 0).sum())
+            tokens += n_tok
+            win_tok += n_tok
+            x = x.to(args.device, non_blocking=True)
+            y = y.to(args.device, non_blocking=True)
+            w = w.to(args.device, non_blocking=True)
+            with autocast():
+                logits = model(x)
+            nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                   reduction="none").view_as(w)
             loss = (nll * w).sum() / total_w
             loss.backward()
-            step_loss += float(loss)
-            am = (w > 1.0).float()
-            a_loss += float((nll.detach() * am).sum())
-            a_n += float(am.sum())
-            tokens += int((w > 0).sum())
-            win_tok += int((w > 0).sum())
+            step_loss += loss.detach()
+            a_loss += (nll.detach() * (w > 1.0)).sum()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        elapsed += time.time() - t0
-        win_loss += step_loss
-        win_aloss += a_loss / max(a_n, 1)
+        win_loss = win_loss + step_loss
+        win_aloss = win_aloss + a_loss / max(a_n, 1)
         win_n += 1
+        elapsed += time.time() - t0
         now = time.time()
         if now - t_last >= args.log_seconds or step == args.steps:
+            win_loss, win_aloss = float(win_loss), float(win_aloss)
             rate = win_tok / (now - win_t0)
             eta = (args.steps - step) * elapsed / max(step, 1)
             print("step {}/{} loss {:.4f} answer-loss {:.4f} lr {:.2e} tok/s {:.0f} "
@@ -236,8 +299,9 @@ def main():
         if step % args.probe_every == 0 or step == args.steps:
             t0 = time.time()
             acc = TeacherForcedExact(model, probe, args.device)
-            print("probe step {}: single-hop {:.3f} two-hop {:.3f} ({:.0f}s)".format(
-                step, acc[1], acc[2], time.time() - t0), flush=True)
+            print("probe step {}: {} ({:.0f}s)".format(
+                step, " ".join("{} {:.3f}".format(f, acc[f]) for f in corpus.FAMILIES if f in acc),
+                time.time() - t0), flush=True)
             history.append({"step": step, "probe": acc})
         cut = args.max_minutes and elapsed > 60 * args.max_minutes
         if step % args.ckpt_every == 0 or step == args.steps or cut:
