@@ -102,6 +102,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.h, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kvh, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kvh, self.hd).transpose(1, 2)
+        # In q's dtype: under bf16 autocast, fp32 cos/sin would promote q and
+        # k to fp32 while v stays bf16, and SDPA would fall back from the
+        # fused kernel to materialized t x t scores.
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + RotateHalf(q) * sin
         k = k * cos + RotateHalf(k) * sin
         if cache is not None:

@@ -112,8 +112,12 @@ def Batches(args, first_step):
             yield StepBatch(args, s)
         return
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.workers) as pool:
+    pool = ctx.Pool(args.workers)
+    try:
         yield from pool.imap(functools.partial(StepBatch, args), steps, chunksize=4)
+    finally:
+        pool.terminate()
+        pool.join()
 
 def ProbeSet(n):
     """Held-out examples for the in-training probe (not eval.jsonl's seed),
@@ -214,6 +218,10 @@ def main():
                 else contextlib.nullcontext)
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
+        # cuDNN's fused attention builds a plan for each new sequence length
+        # (hundreds of ms); batches here have dozens of lengths. FlashAttention
+        # needs no plan.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -309,6 +317,7 @@ def main():
         if cut:
             print("time limit reached at step {}".format(step), flush=True)
             break
+    batches.close()  # stops the workers now, not at interpreter exit (where it can hang)
     out = args.export or os.path.join(args.out, "model")
     export.Export(model, out)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
