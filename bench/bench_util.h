@@ -91,9 +91,12 @@ int RunMultiturn(const Common& c, const MultiturnOptions& o);
 int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
                 const std::vector<double>& ratios, int check_layer);
 
-// quality: exact match of a QA model on its eval set (bench/quality_workload.cpp).
+// quality: exact match of a QA model on its eval set, by task family and mode
+// (bench/quality_workload.cpp). `ratios` are CacheBlend's (deviation-chosen
+// tokens), `random_ratios` the same numbers of tokens chosen at random.
 std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question);
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
-               const std::vector<double>& ratios, int check_layer);
+               const std::vector<double>& ratios, const std::vector<double>& random_ratios,
+               int check_layer);
 
 }  // namespace kdn::bench

@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
   std::string eval_path;
   int quality_limit = 0, quality_max_tokens = 96, quality_check = 1;
   std::vector<double> quality_ratios = {0.05, 0.15, 0.3};
+  std::vector<double> quality_random = {0.15};
   auto* quality = app.add_subcommand(
       "quality", "Exact-match accuracy of a QA model on its eval set, through kdn's engine");
   common(quality);
@@ -146,6 +147,11 @@ int main(int argc, char** argv) {
   quality->add_option("--ratios", quality_ratios,
                       "CacheBlend recompute ratios, each in (0, 1]; full reuse (ratio 0) "
                       "runs beside them")
+      ->delimiter(',')
+      ->capture_default_str();
+  quality->add_option("--random-ratios", quality_random,
+                      "Ratios at which randomly chosen tokens are recomputed instead of the "
+                      "deviation-chosen ones (CacheBlend's baseline); empty: none")
       ->delimiter(',')
       ->capture_default_str();
   quality->add_flag("--full-prefill-only", quality_full_only,
@@ -178,9 +184,9 @@ int main(int argc, char** argv) {
   }
   if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);
   if (quality->parsed()) {
-    if (quality_full_only) quality_ratios.clear();
+    if (quality_full_only) quality_ratios.clear(), quality_random.clear();
     return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
-                      quality_check);
+                      quality_random, quality_check);
   }
   if (device == "cuda") {
 #if KDN_BENCH_CUDA

@@ -1,15 +1,18 @@
 // kdn-bench quality: exact-match accuracy of a model on its question-answering
 // eval set (models/kdn-qa/eval.jsonl, made by tools/train/corpus.py), through
-// kdn's own engine, by the number of documents a question needs (hops).
+// kdn's own engine, by task family (single, two-hop, coref; see corpus.py).
 //
-// Each example is {"documents": [...], "question", "answer", "hops"}; the
+// Each example is {"documents": [...], "question", "answer", "hops",
+// "family"} (without "family", hops 1 is "single" and 2 "two-hop"); the
 // prompt is BOS + each document and "\n" + "Question: " + question +
 // "\nAnswer:", decoded greedily until "\n"; the text, stripped, must equal
 // the answer.
 //
 // Modes: full prefill (the reference); full reuse (every document's KV as
 // computed alone, placed and rotated, nothing recomputed: cross-document
-// attention is lost); and CacheBlend at each --ratios value. In the reuse
+// attention is lost); CacheBlend at each --ratios value; and, as its
+// baseline, the same number of tokens chosen at random at each
+// --random-ratios value. In the reuse
 // modes each document ("doc\n") is tokenized and computed on its own once,
 // as the serving path stores it under its segment key; BOS is computed and
 // the question is the suffix.
@@ -34,7 +37,17 @@ struct Example {
   std::string question;
   std::string answer;
   int hops = 1;
+  std::string family;
 };
+
+// Families in the order of tools/train/corpus.py; others sort after them.
+int FamilyRank(const std::string& f) {
+  static const char* kOrder[] = {"single", "two-hop", "coref"};
+  for (int i = 0; i < 3; ++i) {
+    if (f == kOrder[i]) return i;
+  }
+  return 3;
+}
 
 Result<std::vector<Example>> LoadEval(const std::string& path) {
   std::ifstream in(path);
@@ -56,6 +69,7 @@ Result<std::vector<Example>> LoadEval(const std::string& path) {
     e.question = j["question"].get<std::string>();
     e.answer = j["answer"].get<std::string>();
     e.hops = j.value("hops", 1);
+    e.family = j.value("family", e.hops == 1 ? std::string("single") : std::string("two-hop"));
     out.push_back(std::move(e));
   }
   if (out.empty()) return InvalidArgument(path + " holds no example");
@@ -88,6 +102,7 @@ Result<std::string> DecodeLine(engine::CpuEngine& model, engine::KvSequence& seq
 struct Mode {
   std::string name;
   double ratio = -1;  // < 0: full prefill; 0: full reuse; else CacheBlend
+  bool random = false;  // recompute tokens chosen at random, not by deviation
 };
 
 }  // namespace
@@ -99,7 +114,8 @@ std::string QaPrompt(const std::vector<std::string>& documents, const std::strin
 }
 
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
-               const std::vector<double>& ratios, int check_layer) {
+               const std::vector<double>& ratios, const std::vector<double>& random_ratios,
+               int check_layer) {
   if (c.model_dir.empty()) {
     std::fprintf(stderr, "kdn-bench quality: give --model (e.g. models/kdn-qa)\n");
     return 2;
@@ -124,15 +140,18 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   const engine::Tokenizer& tok = **tok_r;
   engine::KvCache& cache = model.kv_cache();
   std::vector<Mode> modes{{"full prefill", -1}};
-  if (!ratios.empty()) modes.push_back({"full reuse", 0});
-  for (double r : ratios) {
-    if (r <= 0 || r > 1) {
-      std::fprintf(stderr, "kdn-bench quality: --ratios values must be in (0, 1], got %g\n", r);
-      return 2;
+  if (!ratios.empty() || !random_ratios.empty()) modes.push_back({"full reuse", 0});
+  for (bool random : {false, true}) {
+    for (double r : random ? random_ratios : ratios) {
+      if (r <= 0 || r > 1) {
+        std::fprintf(stderr, "kdn-bench quality: --%sratios values must be in (0, 1], got %g\n",
+                     random ? "random-" : "", r);
+        return 2;
+      }
+      char name[32];
+      std::snprintf(name, sizeof(name), "%s %.2f", random ? "random" : "blend", r);
+      modes.push_back({name, r, random});
     }
-    char name[32];
-    std::snprintf(name, sizeof(name), "blend %.2f", r);
-    modes.push_back({name, r});
   }
   std::printf("quality of %s on %s (%zu examples), greedy, check layer %d\n", what.c_str(),
               path.c_str(), examples->size(), check_layer);
@@ -155,6 +174,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
     doc_kv.emplace(doc, shared);
     return shared;
   };
+  uint64_t seed = 0;  // of random selection: one per example, shared by its modes
   auto answer = [&](const Example& e, const Mode& mode,
                     int64_t* recomputed) -> Result<std::string> {
     engine::KvSequence seq = cache.NewSequence();
@@ -174,7 +194,11 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
       KDN_ASSIGN_OR_RETURN(
           blend::BlendResult res,
           blend::BlendPrefill(model, seq, segments, suffix,
-                              {.recompute_ratio = mode.ratio, .check_layer = check_layer}));
+                              {.recompute_ratio = mode.ratio,
+                               .check_layer = check_layer,
+                               .selection = mode.random ? blend::Selection::kRandom
+                                                        : blend::Selection::kDeviation,
+                               .seed = seed}));
       *recomputed += res.recomputed_tokens;
       logits = std::move(res.logits);
     }
@@ -185,11 +209,13 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
     int n = 0, right = 0;
     int64_t prompt_tokens = 0, cached = 0, recomputed = 0;
   };
-  std::vector<std::map<int, Tally>> tallies(modes.size());
+  // Per mode, per family (in FamilyRank order).
+  std::vector<std::map<std::pair<int, std::string>, Tally>> tallies(modes.size());
   const auto t0 = Clock::now();
   for (size_t i = 0; i < examples->size(); ++i) {
     const Example& e = (*examples)[i];
     doc_kv.clear();
+    seed = i + 1;
     const int64_t prompt_tokens =
         static_cast<int64_t>(tok.Encode(QaPrompt(e.documents, e.question), true).size());
     int64_t doc_tokens = 0;
@@ -204,7 +230,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
                      got.status().ToString().c_str());
         return 1;
       }
-      Tally& t = tallies[m][e.hops];
+      Tally& t = tallies[m][{FamilyRank(e.family), e.family}];
       ++t.n;
       t.right += Strip(*got) == e.answer;
       t.prompt_tokens += prompt_tokens;
@@ -217,19 +243,22 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
     }
   }
   const double secs = Seconds(t0, Clock::now());
-  std::printf("%-14s %5s %9s %8s %14s %18s\n", "mode", "hops", "examples", "exact",
+  std::printf("%-14s %-8s %9s %8s %14s %18s\n", "mode", "family", "examples", "exact",
               "prompt tokens", "cached recomputed");
   json rows = json::array();
   for (size_t m = 0; m < modes.size(); ++m) {
-    for (const auto& [hops, t] : tallies[m]) {
+    for (const auto& [key, t] : tallies[m]) {
+      const std::string& family = key.second;
       const double acc = static_cast<double>(t.right) / t.n;
       const double share = t.cached > 0 ? static_cast<double>(t.recomputed) / t.cached : 0;
-      std::printf("%-14s %5d %9d %7.1f%% %14.0f %17.1f%%\n", modes[m].name.c_str(), hops, t.n,
+      std::printf("%-14s %-8s %9d %7.1f%% %14.0f %17.1f%%\n", modes[m].name.c_str(),
+                  family.c_str(), t.n,
                   100.0 * acc, static_cast<double>(t.prompt_tokens) / t.n, 100.0 * share);
       json row = {{"mode", modes[m].ratio < 0    ? "full_prefill"
                            : modes[m].ratio == 0 ? "full_reuse"
+                           : modes[m].random     ? "random"
                                                  : "blend"},
-                  {"hops", hops},
+                  {"family", family},
                   {"examples", t.n},
                   {"exact_match", acc},
                   {"mean_prompt_tokens", static_cast<double>(t.prompt_tokens) / t.n}};

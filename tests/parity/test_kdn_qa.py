@@ -56,12 +56,22 @@ def test_logits_and_answers_match_transformers(tmp_path):
 
 def test_quality_through_kdn_engine(tmp_path):
     out = tmp_path / "quality.json"
-    subprocess.run([str(BIN / "kdn-bench"), "quality", "--model", str(MODEL), "--limit", "40",
-                    "--ratios", "0.15", "--json", str(out)], check=True, capture_output=True)
+    subprocess.run([str(BIN / "kdn-bench"), "quality", "--model", str(MODEL), "--limit", "60",
+                    "--ratios", "0.15", "--random-ratios", "0.15", "--json", str(out)],
+                   check=True, capture_output=True)
     rows = json.loads(out.read_text())["rows"]
-    acc = {(r["mode"], r["hops"]): r["exact_match"] for r in rows}
-    assert set(acc) == {(m, h) for m in ("full_prefill", "full_reuse", "blend") for h in (1, 2)}
-    # Measured: 45% single-hop and 40% two-hop in every mode on these 40.
-    assert acc[("full_prefill", 1)] >= 0.3, acc
-    assert acc[("full_prefill", 2)] >= 0.25, acc
-    assert acc[("blend", 1)] >= 0.25, acc
+    acc = {(r["mode"], r["family"]): r["exact_match"] for r in rows}
+    families = ("single", "two-hop", "coref")
+    assert set(acc) == {(m, f) for m in ("full_prefill", "full_reuse", "blend", "random")
+                        for f in families}
+    assert all(r["examples"] == 20 for r in rows), rows
+    # Measured on these 60: full prefill 55% / 50% / 45%, full reuse 20% on coref
+    # (the card's figures are over all 300). The floors are well under that, so
+    # a broken engine, tokenizer or blend path fails here while the model stays
+    # what it is; and full reuse must lose the coref questions that need the
+    # document before the pronoun.
+    assert acc[("full_prefill", "single")] >= 0.25, acc
+    assert acc[("full_prefill", "two-hop")] >= 0.25, acc
+    assert acc[("full_prefill", "coref")] >= 0.25, acc
+    assert acc[("blend", "single")] >= 0.25, acc
+    assert acc[("full_reuse", "coref")] < acc[("full_prefill", "coref")], acc

@@ -199,6 +199,10 @@ def main():
     ap.add_argument("--probe-every", type=int, default=250)
     ap.add_argument("--probe-size", type=int, default=64)
     ap.add_argument("--log-seconds", type=float, default=30)
+    ap.add_argument("--stop-step", type=int, default=0,
+                    help="stop (checkpoint and export) after this step, under the learning-rate "
+                         "schedule of --steps; 0: at --steps. Replays a run that --max-minutes "
+                         "cut short.")
     ap.add_argument("--max-minutes", type=float, default=0,
                     help="stop (checkpoint and export) after this much training time; "
                          "0: no limit. A run cut short is not the deterministic one.")
@@ -311,11 +315,14 @@ def main():
                 step, " ".join("{} {:.3f}".format(f, acc[f]) for f in corpus.FAMILIES if f in acc),
                 time.time() - t0), flush=True)
             history.append({"step": step, "probe": acc})
-        cut = args.max_minutes and elapsed > 60 * args.max_minutes
+        cut = ((args.max_minutes and elapsed > 60 * args.max_minutes) or
+               (args.stop_step and step >= args.stop_step))
         if step % args.ckpt_every == 0 or step == args.steps or cut:
             Save()
         if cut:
-            print("time limit reached at step {}".format(step), flush=True)
+            print("stopped at step {} ({})".format(
+                step, "--stop-step" if args.stop_step and step >= args.stop_step
+                else "time limit reached"), flush=True)
             break
     batches.close()  # stops the workers now, not at interpreter exit (where it can hang)
     out = args.export or os.path.join(args.out, "model")
