@@ -4,8 +4,8 @@
 # --device cuda: 12,000 steps of 128 examples, about 20 minutes on one H100
 # (10 steps/s). The shipped model is this recipe's first 856 steps of a
 # 900-step schedule (STEPS=900 STOP_STEP=856 WARMUP=100; models/kdn-qa/README.md).
-# --device cpu (the default): the same model, 4,000 steps of 8 examples,
-# about 2 hours on 2 cores.
+# --device cpu (the default): the same model, 4,000 steps of 8 examples
+# (2.5 s a step on 2 cores with Debian's PyTorch 1.13, so under 3 hours).
 # Env: PY (default .venv-train/bin/python, made here from requirements.txt;
 # on a machine that already has PyTorch with CUDA, PY=python3), THREADS (2),
 # STEPS (the device's default), STOP_STEP (stop there under STEPS' schedule),
