@@ -151,7 +151,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   quality->add_option("--random-ratios", quality_random,
                       "Ratios at which randomly chosen tokens are recomputed instead of the "
-                      "deviation-chosen ones (CacheBlend's baseline); empty: none")
+                      "deviation-chosen ones (CacheBlend's baseline); 0: none")
       ->delimiter(',')
       ->capture_default_str();
   quality->add_flag("--full-prefill-only", quality_full_only,
@@ -184,6 +184,7 @@ int main(int argc, char** argv) {
   }
   if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);
   if (quality->parsed()) {
+    if (quality_random == std::vector<double>{0.0}) quality_random.clear();
     if (quality_full_only) quality_ratios.clear(), quality_random.clear();
     return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
                       quality_random, quality_check);
