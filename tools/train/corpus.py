@@ -239,7 +239,9 @@ def MakeExample(rng, held_out, family, n_docs=None, names=None, phrasing="train"
         n = n_docs or rng.randint(2, 8)
         if family == "coref":
             n_coref = rng.randint(2, 3)
-            n = max(n, 2 * n_coref)
+            # At least one town besides the coref people, so that MakeWorld
+            # has room for all of them.
+            n = max(n, 2 * n_coref + 1)
             docs, ents, links = MakeWorld(rng, names, n, n_coref)
             target = rng.choice([e for e in ents if e.get("pronoun")])
             q, a = _SingleHop(rng, target, phrasing, _COREF_RELATIONS)
@@ -261,7 +263,8 @@ def MakeExample(rng, held_out, family, n_docs=None, names=None, phrasing="train"
 def MakeTrainText(rng, max_questions=6, max_docs=8, two_hop_share=0.5, coref_share=0.0):
     """One training sequence: documents then several question/answer pairs.
 
-    With probability coref_share the world has 1 to 3 coref people, and a
+    With probability coref_share the world has up to 3 coref people (as many
+    as MakeWorld has room for beside at least one town), and a
     question about one of them asks what its pronoun document says.
     Returns (text, answer_spans): spans are (start, end) byte offsets in text
     of each " answer\\n" continuation, for loss weighting. The first question

@@ -3,15 +3,16 @@
   python3 train.py --out /tmp/kdn-qa-run --steps 1500 --seed 0 --threads 2
   python3 train.py --out /tmp/kdn-qa-run --steps 1500 --seed 0 --threads 2 --resume
 
-  python3 train.py --out /tmp/kdn-qa-gpu --steps 6000 --seed 0 --device cuda --workers 6 ...
+  (train.sh --device cuda holds the GPU recipe's flags)
 
 The batch of step s is drawn from random.Random("seed-s"), so a run is
 deterministic given --seed and --threads (on one kind of machine) and a resumed
 run sees the same data as an uninterrupted one; --workers processes make the
 batches ahead (in step order, the same batches as without them). On CUDA the
-forward and backward run under bf16 autocast (weights and optimizer in fp32). A checkpoint (model, optimizer,
-step) is written to OUT/ckpt.pt every --ckpt-every steps and at the end; the
-final model is exported to OUT/model (or --export DIR) by export.py.
+forward and backward run under bf16 autocast (weights and optimizer in fp32).
+A checkpoint (model, optimizer, step) is written to OUT/ckpt.pt every
+--ckpt-every steps and at the end; the final model is exported to OUT/model
+(or --export DIR) by export.py.
 """
 
 import argparse
@@ -118,6 +119,7 @@ def Batches(args, first_step):
     finally:
         pool.terminate()
         pool.join()
+
 
 def ProbeSet(n):
     """Held-out examples for the in-training probe (not eval.jsonl's seed),
