@@ -65,8 +65,8 @@ def test_quality_through_kdn_engine(tmp_path):
     assert set(acc) == {(m, f) for m in ("full_prefill", "full_reuse", "blend", "random")
                         for f in families}
     assert all(r["examples"] == 20 for r in rows), rows
-    # Measured on these 60 (20 per family): full prefill 40% / 45% / 35%, full
-    # reuse 10% on coref (the card's figures are over all 300). Greedy decoding
+    # Measured on these 60 (20 per family): full prefill 50% / 50% / 60%, full
+    # reuse 15% on coref (the card's figures are over all 300). Greedy decoding
     # of a fixed model is deterministic. The floors are well under that, so
     # a broken engine, tokenizer or blend path fails here while the model stays
     # what it is; and full reuse must lose the coref questions that need the
