@@ -36,7 +36,6 @@ struct Example {
   std::vector<std::string> documents;
   std::string question;
   std::string answer;
-  int hops = 1;
   std::string family;
 };
 
@@ -68,8 +67,7 @@ Result<std::vector<Example>> LoadEval(const std::string& path) {
     for (const json& d : j["documents"]) e.documents.push_back(d.get<std::string>());
     e.question = j["question"].get<std::string>();
     e.answer = j["answer"].get<std::string>();
-    e.hops = j.value("hops", 1);
-    e.family = j.value("family", e.hops == 1 ? std::string("single") : std::string("two-hop"));
+    e.family = j.value("family", std::string(j.value("hops", 1) == 1 ? "single" : "two-hop"));
     out.push_back(std::move(e));
   }
   if (out.empty()) return InvalidArgument(path + " holds no example");

@@ -5,9 +5,9 @@
 
 The first form draws held-out examples (corpus seed 7: two single-hop, one
 two-hop and one coref example, 3 to 5 documents) and keeps the first ones the
-PyTorch model answers by greedy decoding. The second runs each demo.json prompt (and the first eval
-prompts of each hop count) through kdn-generate --temperature 0 and checks the
-printed continuation.
+PyTorch model answers by greedy decoding. The second runs each demo.json
+prompt (and the first eval prompts of each family) through kdn-generate
+--temperature 0 and checks the printed continuation.
 """
 
 import argparse
@@ -77,7 +77,7 @@ def main():
         with open(os.path.join(args.model, "eval.jsonl")) as f:
             ev = [json.loads(line) for line in f]
         for family in corpus.FAMILIES:
-            examples += [e for e in ev if e.get("family") == family][:args.eval_count // 3]
+            examples += [e for e in ev if evaluate.Family(e) == family][:args.eval_count // 3]
         ok = CheckKdn(args.check_kdn, args.model, examples)
         print("kdn-generate answered {}/{}".format(ok, len(examples)))
 

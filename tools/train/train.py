@@ -41,8 +41,9 @@ def Encode(text):
 
 
 def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop_share=0.5,
-               copy_share=0.0, coref_share=0.0, pad_to=1):
-    """Microbatches (ids, targets, weights) for one step, grouped by length.
+               copy_share=0.0, coref_share=0.0, pad_to=1, answer_weight=5.0):
+    """Microbatches (ids, targets, weights) for one step, grouped by length;
+    answer bytes weigh answer_weight, the others 1.
 
     Each microbatch's length is rounded up to a multiple of pad_to (padding
     has weight 0), which keeps the number of distinct shapes small on a GPU.
@@ -59,7 +60,7 @@ def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop
         w = [1.0] * (len(ids) - 1)  # weight of predicting ids[i + 1]
         for a, b in spans:
             for j in range(a, b):  # byte j is token j + 1, predicted at j
-                w[j] = ANSWER_WEIGHT
+                w[j] = answer_weight
         seqs.append((ids, w))
     seqs.sort(key=lambda s: len(s[0]))
     per = math.ceil(n_examples / n_micro)
@@ -82,9 +83,6 @@ def TrainBatch(seed, step, n_examples, n_micro, max_questions, max_docs, two_hop
     return out
 
 
-ANSWER_WEIGHT = 5.0
-
-
 def StepSchedule(step, args):
     """(max_docs, two_hop_share, copy_share) of a step: the curriculum."""
     max_docs = args.short_docs if step < args.short_frac * args.steps else 8
@@ -97,11 +95,10 @@ def StepSchedule(step, args):
 
 def StepBatch(args, step):
     """The microbatches of one step (a function of args and step only)."""
-    global ANSWER_WEIGHT
-    ANSWER_WEIGHT = args.answer_weight
     max_docs, two_hop, copy = StepSchedule(step, args)
     return TrainBatch(args.seed, step, args.examples, args.micro, args.max_questions,
-                      max_docs, two_hop, copy, args.coref_share, args.pad_to)
+                      max_docs, two_hop, copy, args.coref_share, args.pad_to,
+                      args.answer_weight)
 
 
 def Batches(args, first_step):
@@ -156,7 +153,6 @@ def LrAt(step, args):
 
 
 def main():
-    global ANSWER_WEIGHT
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -209,7 +205,6 @@ def main():
                     help="stop (checkpoint and export) after this much training time; "
                          "0: no limit. A run cut short is not the deterministic one.")
     args = ap.parse_args()
-    ANSWER_WEIGHT = args.answer_weight
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
