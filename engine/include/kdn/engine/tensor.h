@@ -6,28 +6,19 @@
 #include <string>
 #include <vector>
 
+#include "kdn/common/half.h"
+
 namespace kdn::engine {
 
 enum class DType { kF32, kF16, kBF16 };
 const char* DTypeName(DType t);  // safetensors spelling: F32, F16, BF16
 int DTypeSize(DType t);
 
-inline float Bf16ToF32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-// Round to nearest even, NaN kept NaN (as PyTorch does).
-inline uint16_t F32ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-float F16ToF32(uint16_t h);
-uint16_t F32ToF16(float f);
+// The scalar conversions live in kdn/common/half.h (kvbus uses them too).
+using kdn::Bf16ToF32;
+using kdn::F16ToF32;
+using kdn::F32ToBf16;
+using kdn::F32ToF16;
 
 // Converts `n` elements of type `t` at `src` to float.
 void ToFloat(DType t, const void* src, size_t n, float* dst);
