@@ -15,7 +15,8 @@ constexpr char kMagic[8] = {'K', 'D', 'N', 'C', 'H', 'U', 'N', 'K'};
 // Header offsets (docs/kvbus.md, "KV chunk object").
 constexpr size_t kOffVersion = 8, kOffDType = 12, kOffKey = 16, kOffModel = 32, kOffLayers = 48,
                  kOffKvHeads = 52, kOffHeadDim = 56, kOffTokens = 60, kOffPosition = 64,
-                 kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffHeaderSum = 120;
+                 kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88, kOffCodecLevel = 92,
+                 kOffRawBytes = 96, kOffHeaderSum = 120;
 
 void Put32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -51,7 +52,8 @@ void Chunk::SealHeader(uint8_t* h) {
   const size_t payload = size_ - kHeaderBytes;
   std::memset(h, 0, kHeaderBytes);
   std::memcpy(h, kMagic, 8);
-  Put32(h + kOffVersion, kChunkFormatVersion);
+  const bool encoded = info_.codec != KvCodec::kRaw;
+  Put32(h + kOffVersion, encoded ? kEncodedChunkFormatVersion : kChunkFormatVersion);
   Put32(h + kOffDType, static_cast<uint32_t>(info_.dtype));
   info_.key.ToBytes(h + kOffKey);
   info_.model_fingerprint.ToBytes(h + kOffModel);
@@ -62,11 +64,19 @@ void Chunk::SealHeader(uint8_t* h) {
   Put64(h + kOffPosition, static_cast<uint64_t>(info_.position));
   Put64(h + kOffPayloadBytes, payload);
   Put64(h + kOffPayloadSum, XXH3_64bits(h + kHeaderBytes, payload));
+  if (encoded) {
+    Put32(h + kOffCodec, static_cast<uint32_t>(info_.codec));
+    Put32(h + kOffCodecLevel, info_.codec_level);
+    Put64(h + kOffRawBytes, info_.payload_bytes());
+  }
   Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
 }
 
 Result<std::shared_ptr<const Chunk>> Chunk::Build(const ChunkInfo& info,
                                                   const std::function<void(uint8_t*)>& fill) {
+  if (info.codec != KvCodec::kRaw) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": Build makes raw chunks only");
+  }
   const size_t size = kHeaderBytes + info.payload_bytes();
   KDN_ASSIGN_OR_RETURN(std::shared_ptr<uint8_t> data, BufferPool::Default().Acquire(size));
   std::shared_ptr<Chunk> c(new Chunk());
@@ -88,6 +98,21 @@ Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
   return Build(info, [&](uint8_t* out) { std::memcpy(out, payload.data(), payload.size()); });
 }
 
+Result<std::shared_ptr<const Chunk>> Chunk::FromEncoded(const ChunkInfo& info,
+                                                        std::vector<uint8_t> bytes) {
+  if (info.codec == KvCodec::kRaw || bytes.size() < kHeaderBytes) {
+    return InvalidArgument("chunk " + info.key.ToHex() +
+                           ": FromEncoded needs a codec and room for the header");
+  }
+  auto owner = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
+  std::shared_ptr<Chunk> c(new Chunk());
+  c->info_ = info;
+  c->size_ = owner->size();
+  c->SealHeader(owner->data());
+  c->data_ = std::shared_ptr<const uint8_t>(owner, owner->data());
+  return std::shared_ptr<const Chunk>(std::move(c));
+}
+
 Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
   const size_t size = bytes.size();
   auto owner = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
@@ -105,9 +130,16 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
     return Corruption("chunk: header checksum mismatch");
   }
   const uint32_t version = Get32(h + kOffVersion);
-  if (version != kChunkFormatVersion) {
+  if (version != kChunkFormatVersion && version != kEncodedChunkFormatVersion) {
     return Corruption("chunk: format version " + std::to_string(version) + ", expected " +
-                      std::to_string(kChunkFormatVersion));
+                      std::to_string(kChunkFormatVersion) + " or " +
+                      std::to_string(kEncodedChunkFormatVersion));
+  }
+  const uint32_t codec = Get32(h + kOffCodec);
+  if (version == kChunkFormatVersion ? codec != 0
+                                     : codec != static_cast<uint32_t>(KvCodec::kKvc)) {
+    return Corruption("chunk: unknown codec " + std::to_string(codec) + " in a version " +
+                      std::to_string(version) + " chunk");
   }
   const uint32_t dtype = Get32(h + kOffDType);
   if (dtype > static_cast<uint32_t>(KvDType::kBF16)) {
@@ -122,6 +154,8 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
   info.head_dim = Get32(h + kOffHeadDim);
   info.tokens = Get32(h + kOffTokens);
   info.position = static_cast<int64_t>(Get64(h + kOffPosition));
+  info.codec = static_cast<KvCodec>(codec);
+  info.codec_level = info.codec == KvCodec::kRaw ? 0 : Get32(h + kOffCodecLevel);
   const std::string what = "chunk " + info.key.ToHex();
   // Shapes whose byte count would not fit in 64 bits are forged or damaged;
   // each field is a u32, so bounding the product by 2^62 in doubles is exact
@@ -131,7 +165,15 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
     return Corruption(what + ": impossible shape");
   }
   const uint64_t payload = Get64(h + kOffPayloadBytes);
-  if (payload != info.payload_bytes() || payload != size - kHeaderBytes) {
+  // An encoded chunk names the raw size its stream decodes to (checked again
+  // by the decoder); its stored payload may be any size.
+  if (info.codec != KvCodec::kRaw && Get64(h + kOffRawBytes) != info.payload_bytes()) {
+    return Corruption(what + ": header says it decodes to " +
+                      std::to_string(Get64(h + kOffRawBytes)) + " bytes, shape implies " +
+                      std::to_string(info.payload_bytes()));
+  }
+  const uint64_t expect = info.codec == KvCodec::kRaw ? info.payload_bytes() : payload;
+  if (payload != expect || payload != size - kHeaderBytes) {
     return Corruption(what + ": header says " + std::to_string(payload) + " payload bytes, shape implies " +
                       std::to_string(info.payload_bytes()) + ", " +
                       std::to_string(size - kHeaderBytes) + " present");

@@ -6,6 +6,10 @@
 // served. Chunks are immutable once built and shared by pointer between
 // tiers and transports. Thread-safe (immutable). Moving KV between chunks
 // and an engine's paged cache is kvbridge's (kdn/kvbridge/paged_chunks.h).
+//
+// A chunk is raw (the payload is the KV itself) or encoded (the payload is a
+// codec's stream of it: kdn/kvbus/codec.h). The key, shape and dtype are the
+// raw chunk's either way; the checksum covers the bytes stored.
 
 #include <cstdint>
 #include <functional>
@@ -18,11 +22,18 @@
 
 namespace kdn::kvbus {
 
+// Raw chunks are written as version 1 (readable by every kdn since the
+// format began); encoded ones as version 2, which older readers refuse.
 inline constexpr uint32_t kChunkFormatVersion = 1;
+inline constexpr uint32_t kEncodedChunkFormatVersion = 2;
 
 enum class KvDType : uint32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 int KvDTypeSize(KvDType t);
 const char* KvDTypeName(KvDType t);
+
+// How a chunk's payload holds its KV: kRaw, the layout above; kKvc, kdn's KV
+// codec (kdn/kvbus/codec.h), at the level in ChunkInfo::codec_level.
+enum class KvCodec : uint32_t { kRaw = 0, kKvc = 1 };
 
 struct ChunkInfo {
   ChunkKey key;
@@ -34,7 +45,11 @@ struct ChunkInfo {
   KvDType dtype = KvDType::kF32;
   // The position of the chunk's first token that its K was rotated (RoPE) for.
   int64_t position = 0;
+  KvCodec codec = KvCodec::kRaw;
+  uint32_t codec_level = 0;  // the codec's own parameter (0 for kRaw)
 
+  // The raw KV's size, which the shape implies (an encoded chunk's stored
+  // payload is smaller: Chunk::payload().size()).
   uint64_t payload_bytes() const {
     return uint64_t{layers} * 2 * tokens * kv_heads * head_dim * KvDTypeSize(dtype);
   }
@@ -53,6 +68,11 @@ class Chunk {
   // memory can be had.
   static Result<std::shared_ptr<const Chunk>> Build(const ChunkInfo& info,
                                                     const std::function<void(uint8_t*)>& fill);
+  // An encoded chunk (info.codec not kRaw): `bytes` holds kHeaderBytes of
+  // room for the header, then the codec's stream, which becomes the payload;
+  // the header is written over that room. No copy.
+  static Result<std::shared_ptr<const Chunk>> FromEncoded(const ChunkInfo& info,
+                                                          std::vector<uint8_t> bytes);
   // Parses and verifies serialized bytes (header fields, sizes, checksum).
   // CORRUPTION naming what is wrong otherwise.
   static Result<std::shared_ptr<const Chunk>> Parse(std::vector<uint8_t> bytes);
@@ -68,6 +88,7 @@ class Chunk {
   std::span<const uint8_t> bytes() const { return {data_.get(), size_}; }
   std::span<const uint8_t> payload() const { return bytes().subspan(kHeaderBytes); }
   size_t size() const { return size_; }
+  bool encoded() const { return info_.codec != KvCodec::kRaw; }
 
  private:
   Chunk() = default;

@@ -1,0 +1,682 @@
+// kvc, kdn's KV codec (kdn/kvbus/codec.h; the stream's layout is in
+// docs/kvbus.md, "KV codec").
+#include "kdn/kvbus/codec.h"
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "kdn/common/half.h"
+
+namespace kdn::kvbus {
+
+namespace {
+
+// rANS with 32-bit states kept in [kRansLow, kRansLow << 8), emitting bytes,
+// probabilities in 1/4096ths; two states interleaved (even and odd symbols)
+// so that decoding overlaps two dependency chains.
+constexpr uint32_t kProbBits = 12;
+constexpr uint32_t kProbScale = 1u << kProbBits;
+constexpr uint32_t kRansLow = 1u << 23;
+constexpr uint32_t kGroup = 16;  // tokens per anchor group (anchor-delta planes)
+
+enum PlaneMode : uint8_t { kBytes = 0, kDirect = 1, kAnchorDelta = 2 };
+
+// ---- byte I/O ---------------------------------------------------------------
+
+void PutU32(std::vector<uint8_t>& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void PutF32(std::vector<uint8_t>& out, float f) { PutU32(out, std::bit_cast<uint32_t>(f)); }
+void PutVarint(std::vector<uint8_t>& out, uint32_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<uint8_t>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<uint8_t>(v));
+}
+
+// Reads from [p, end); any read past the end fails the reader, and every
+// later read returns 0, so a caller checks ok() once after a run of reads.
+class Reader {
+ public:
+  Reader(const uint8_t* p, const uint8_t* end) : p_(p), end_(end) {}
+  bool ok() const { return ok_; }
+  const uint8_t* pos() const { return p_; }
+  size_t left() const { return static_cast<size_t>(end_ - p_); }
+  uint8_t U8() {
+    if (!Need(1)) return 0;
+    return *p_++;
+  }
+  uint32_t U32() {
+    if (!Need(4)) return 0;
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; --i) v = (v << 8) | p_[i];
+    p_ += 4;
+    return v;
+  }
+  float F32() { return std::bit_cast<float>(U32()); }
+  uint32_t Varint() {
+    uint32_t v = 0;
+    for (int shift = 0; shift < 35; shift += 7) {
+      const uint8_t b = U8();
+      v |= static_cast<uint32_t>(b & 0x7f) << shift;
+      if (!(b & 0x80)) return v;
+    }
+    ok_ = false;  // over 5 bytes
+    return 0;
+  }
+  void Skip(size_t n) {
+    if (Need(n)) p_ += n;
+  }
+
+ private:
+  bool Need(size_t n) {
+    if (ok_ && left() >= n) return true;
+    ok_ = false;
+    return false;
+  }
+  const uint8_t* p_;
+  const uint8_t* end_;
+  bool ok_ = true;
+};
+
+// ---- frequency tables ---------------------------------------------------------
+
+struct EncTable {
+  std::vector<uint32_t> freq, cum;  // per symbol
+};
+
+// One entry per probability slot: the symbol it decodes to and that
+// symbol's frequency and cumulative frequency.
+struct DecSlot {
+  uint16_t sym, freq, cum;
+};
+using DecTable = std::vector<DecSlot>;  // kProbScale entries
+
+// Frequencies summing to kProbScale, every symbol that occurs at least 1.
+EncTable Normalize(const std::vector<uint64_t>& counts) {
+  EncTable t;
+  const size_t n = counts.size();
+  t.freq.assign(n, 0);
+  t.cum.assign(n + 1, 0);
+  const uint64_t total = std::accumulate(counts.begin(), counts.end(), uint64_t{0});
+  if (total == 0) return t;
+  int64_t sum = 0;
+  for (size_t s = 0; s < n; ++s) {
+    if (counts[s] == 0) continue;
+    t.freq[s] = std::max<uint32_t>(1, static_cast<uint32_t>(counts[s] * kProbScale / total));
+    sum += t.freq[s];
+  }
+  // Hand the rounding error to (or take it from) the most frequent symbols.
+  std::vector<uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return t.freq[a] > t.freq[b]; });
+  int64_t diff = static_cast<int64_t>(kProbScale) - sum;
+  if (diff > 0) t.freq[order[0]] += static_cast<uint32_t>(diff);
+  for (size_t i = 0; diff < 0; i = (i + 1) % n) {
+    const uint32_t s = order[i];
+    if (t.freq[s] > 1) {
+      const uint32_t take = static_cast<uint32_t>(
+          std::min<int64_t>(-diff, std::max<int64_t>(1, (t.freq[s] - 1) / 2)));
+      t.freq[s] -= take;
+      diff += take;
+    }
+  }
+  for (size_t s = 0; s < n; ++s) t.cum[s + 1] = t.cum[s] + t.freq[s];
+  return t;
+}
+
+// A table giving each of `n` symbols (a power of two up to kProbScale) the
+// same probability: what a byte plane of noise is coded with, at no table
+// cost.
+EncTable Uniform(uint32_t n) {
+  EncTable t;
+  t.freq.assign(n, kProbScale / n);
+  t.cum.resize(n + 1);
+  for (uint32_t s = 0; s <= n; ++s) t.cum[s] = s * (kProbScale / n);
+  return t;
+}
+
+// The table as varints: the alphabet size (up to the last symbol that
+// occurs; 0 for Uniform), then each symbol's frequency.
+void WriteTable(std::vector<uint8_t>& out, const EncTable& t, bool uniform = false) {
+  if (uniform) {
+    PutVarint(out, 0);
+    return;
+  }
+  size_t n = t.freq.size();
+  while (n > 0 && t.freq[n - 1] == 0) --n;
+  PutVarint(out, static_cast<uint32_t>(n));
+  for (size_t s = 0; s < n; ++s) PutVarint(out, t.freq[s]);
+}
+
+// `uniform_ok`: the alphabet is a power of two and may be sent as Uniform.
+Result<DecTable> ReadTable(Reader& in, uint32_t alphabet, bool uniform_ok = false) {
+  const uint32_t n = in.Varint();
+  if (in.ok() && n == 0 && uniform_ok) {
+    DecTable t(kProbScale);
+    const uint32_t f = kProbScale / alphabet;
+    for (uint32_t slot = 0; slot < kProbScale; ++slot) {
+      t[slot] = {static_cast<uint16_t>(slot / f), static_cast<uint16_t>(f),
+                 static_cast<uint16_t>(slot / f * f)};
+    }
+    return t;
+  }
+  if (!in.ok() || n == 0 || n > alphabet) {
+    return Corruption("kvc: a table of " + std::to_string(n) + " symbols, at most " +
+                      std::to_string(alphabet) + " allowed");
+  }
+  DecTable t(kProbScale);
+  uint32_t cum = 0;
+  for (uint32_t s = 0; s < n; ++s) {
+    const uint32_t f = in.Varint();
+    if (!in.ok() || f > kProbScale - cum) return Corruption("kvc: table frequencies overflow");
+    for (uint32_t k = 0; k < f; ++k) {
+      t[cum + k] = {static_cast<uint16_t>(s), static_cast<uint16_t>(f), static_cast<uint16_t>(cum)};
+    }
+    cum += f;
+  }
+  if (cum != kProbScale) return Corruption("kvc: table frequencies do not sum to 4096");
+  return t;
+}
+
+// ---- rANS ---------------------------------------------------------------------
+
+// Collects symbols in decode order, each with its table or as `k` raw bits
+// (a uniform symbol of 2^k values); Finish codes them in reverse and returns
+// the stream the decoder reads forwards.
+class RansEncoder {
+ public:
+  void Add(uint8_t table, uint16_t sym) { items_.push_back({table, sym}); }
+  void AddBits(int k, uint16_t value) {
+    if (k > 0) items_.push_back({static_cast<uint8_t>(kBitsFlag | k), value});
+  }
+  std::vector<uint8_t> Finish(const std::vector<const EncTable*>& tables) const {
+    std::vector<uint8_t> rev;
+    rev.reserve(items_.size() / 2 + 16);
+    uint32_t x[2] = {kRansLow, kRansLow};
+    for (size_t i = items_.size(); i-- > 0;) {
+      const Item& it = items_[i];
+      uint32_t f, c;
+      if (it.table & kBitsFlag) {
+        f = kProbScale >> (it.table & ~kBitsFlag);
+        c = it.sym * f;
+      } else {
+        f = tables[it.table]->freq[it.sym];
+        c = tables[it.table]->cum[it.sym];
+      }
+      uint32_t& st = x[i & 1];
+      const uint32_t x_max = ((kRansLow >> kProbBits) << 8) * f;
+      while (st >= x_max) {
+        rev.push_back(static_cast<uint8_t>(st));
+        st >>= 8;
+      }
+      st = ((st / f) << kProbBits) + (st % f) + c;
+    }
+    for (int j = 1; j >= 0; --j) {
+      for (int b = 3; b >= 0; --b) rev.push_back(static_cast<uint8_t>(x[j] >> (8 * b)));
+    }
+    return {rev.rbegin(), rev.rend()};
+  }
+
+ private:
+  static constexpr uint8_t kBitsFlag = 0x80;
+  struct Item {
+    uint8_t table;  // or kBitsFlag | k
+    uint16_t sym;
+  };
+  std::vector<Item> items_;
+};
+
+class RansDecoder {
+ public:
+  // The stream's first 8 bytes are the two states.
+  RansDecoder(const uint8_t* p, const uint8_t* end) : p_(p), end_(end) {
+    for (uint32_t& st : x_) {
+      st = 0;
+      for (int b = 0; b < 4; ++b) st |= static_cast<uint32_t>(Byte()) << (8 * b);
+      if (st < kRansLow || st >= (kRansLow << 8)) ok_ = false;
+    }
+  }
+  uint32_t Get(const DecTable& t) {
+    uint32_t& st = x_[which_];
+    which_ ^= 1;
+    const DecSlot& d = t[st & (kProbScale - 1)];
+    st = d.freq * (st >> kProbBits) + (st & (kProbScale - 1)) - d.cum;
+    while (st < kRansLow) st = (st << 8) | Byte();
+    return d.sym;
+  }
+  // `k` raw bits (1..12; 0 reads nothing).
+  uint32_t GetBits(int k) {
+    if (k == 0) return 0;
+    uint32_t& st = x_[which_];
+    which_ ^= 1;
+    const uint32_t slot = st & (kProbScale - 1), shift = kProbBits - k;
+    const uint32_t v = slot >> shift;
+    st = (kProbScale >> k) * (st >> kProbBits) + slot - (v << shift);
+    while (st < kRansLow) st = (st << 8) | Byte();
+    return v;
+  }
+  // Every byte read, none past the end, and both states back where the
+  // encoder started them.
+  bool Done() const { return ok_ && p_ == end_ && x_[0] == kRansLow && x_[1] == kRansLow; }
+
+ private:
+  uint8_t Byte() {
+    if (p_ == end_) {
+      ok_ = false;
+      return 0x80;  // keeps a state of a bad stream from staying below kRansLow forever
+    }
+    return *p_++;
+  }
+  const uint8_t* p_;
+  const uint8_t* end_;
+  uint32_t x_[2];
+  int which_ = 0;
+  bool ok_ = true;
+};
+
+// Appends a stream: its byte length, then its bytes.
+void PutStream(std::vector<uint8_t>& out, const std::vector<uint8_t>& s) {
+  PutVarint(out, static_cast<uint32_t>(s.size()));
+  out.insert(out.end(), s.begin(), s.end());
+}
+
+// ---- elements -------------------------------------------------------------------
+
+float LoadF(KvDType dtype, const uint8_t* p) {
+  uint32_t u = 0;
+  switch (dtype) {
+    case KvDType::kF32:
+      std::memcpy(&u, p, 4);
+      return std::bit_cast<float>(u);
+    case KvDType::kBF16: return Bf16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
+    case KvDType::kF16: return F16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
+  }
+  return 0;
+}
+
+void StoreF(KvDType dtype, float f, uint8_t* p) {
+  if (dtype == KvDType::kF32) {
+    std::memcpy(p, &f, 4);
+    return;
+  }
+  const uint16_t h = dtype == KvDType::kBF16 ? F32ToBf16(f) : F32ToF16(f);
+  p[0] = static_cast<uint8_t>(h);
+  p[1] = static_cast<uint8_t>(h >> 8);
+}
+
+uint32_t ZigZag(int32_t d) { return (static_cast<uint32_t>(d) << 1) ^ static_cast<uint32_t>(d >> 31); }
+int32_t UnZigZag(uint32_t z) { return static_cast<int32_t>(z >> 1) ^ -static_cast<int32_t>(z & 1); }
+
+// A residual z (a zigzagged difference, under 2^9) as a bucket symbol and
+// raw bits: z < 8 is its own symbol; above, the symbol names the power of
+// two z falls in and the two bits after its leading one, and the bits
+// below those follow raw. 32 symbols cover every z below 2^9, so a table
+// costs a few dozen bytes however many bits the level has.
+constexpr uint32_t kBuckets = 32;
+struct Bucket {
+  uint16_t sym;
+  int extra_bits;
+  uint16_t extra;
+};
+Bucket ToBucket(uint32_t z) {
+  if (z < 8) return {static_cast<uint16_t>(z), 0, 0};
+  const int e = std::bit_width(z) - 1;  // 3..8
+  const uint32_t m = (z >> (e - 2)) & 3;
+  return {static_cast<uint16_t>(8 + (e - 3) * 4 + m), e - 2,
+          static_cast<uint16_t>(z & ((1u << (e - 2)) - 1))};
+}
+// The bucket's lowest z and how many raw bits follow it.
+void FromBucket(uint32_t sym, uint32_t* base, int* extra_bits) {
+  if (sym < 8) {
+    *base = sym;
+    *extra_bits = 0;
+    return;
+  }
+  const int e = 3 + static_cast<int>(sym - 8) / 4;
+  *base = (4u | ((sym - 8) & 3)) << (e - 2);
+  *extra_bits = e - 2;
+}
+
+// Estimated bits to code `counts` with a table fitted to them, the table
+// included (about 12 bits a symbol).
+double CostBits(const std::vector<uint64_t>& counts) {
+  const double total = static_cast<double>(std::accumulate(counts.begin(), counts.end(), uint64_t{0}));
+  double bits = 0;
+  for (uint64_t n : counts) {
+    if (n > 0) bits += static_cast<double>(n) * std::log2(total / static_cast<double>(n)) + 12;
+  }
+  return bits;
+}
+
+// One (layer, K|V) plane: `tokens` rows of `channels` elements at `data`.
+struct Plane {
+  const uint8_t* data;
+  uint32_t tokens, channels;
+  KvDType dtype;
+};
+
+// Lossless: each element's bytes split into byte planes, each coded with a
+// table of its own, or sent raw (Uniform) where a table would not pay.
+void EncodeBytesPlane(const Plane& p, std::vector<uint8_t>& out) {
+  const int esize = KvDTypeSize(p.dtype);
+  const size_t n = size_t{p.tokens} * p.channels;
+  std::vector<std::vector<uint64_t>> counts(esize, std::vector<uint64_t>(256, 0));
+  for (size_t i = 0; i < n; ++i) {
+    for (int b = 0; b < esize; ++b) ++counts[b][p.data[i * esize + b]];
+  }
+  std::vector<EncTable> tables;
+  std::vector<const EncTable*> ptrs;
+  tables.reserve(esize);
+  out.push_back(kBytes);
+  for (int b = 0; b < esize; ++b) {
+    const bool uniform = CostBits(counts[b]) >= 8.0 * static_cast<double>(n);
+    tables.push_back(uniform ? Uniform(256) : Normalize(counts[b]));
+    WriteTable(out, tables.back(), uniform);
+    ptrs.push_back(&tables.back());
+  }
+  RansEncoder enc;
+  for (size_t i = 0; i < n; ++i) {
+    for (int b = 0; b < esize; ++b) enc.Add(static_cast<uint8_t>(b), p.data[i * esize + b]);
+  }
+  PutStream(out, enc.Finish(ptrs));
+}
+
+// Quantized: q = round((x - lo) / step) per channel; anchors (every token
+// in kDirect planes) are coded as q - pred, the channel's mean q; other
+// tokens as q minus their group's anchor. False (and nothing written) when
+// the plane holds a NaN or an infinity.
+bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
+  const int esize = KvDTypeSize(p.dtype);
+  const uint32_t T = p.tokens, C = p.channels;
+  const uint32_t levels = (1u << bits) - 1;
+  std::vector<float> lo(C, INFINITY), hi(C, -INFINITY);
+  std::vector<float> x(size_t{T} * C);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = LoadF(p.dtype, p.data + i * esize);
+    if (!std::isfinite(x[i])) return false;
+    const uint32_t c = static_cast<uint32_t>(i % C);
+    lo[c] = std::min(lo[c], x[i]);
+    hi[c] = std::max(hi[c], x[i]);
+  }
+  std::vector<float> step(C);
+  for (uint32_t c = 0; c < C; ++c) {
+    step[c] = (hi[c] - lo[c]) / static_cast<float>(levels);
+    if (!(step[c] > 0) || !std::isfinite(step[c])) step[c] = 0;
+  }
+  std::vector<uint16_t> q(x.size());
+  std::vector<uint64_t> sum(C, 0);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint32_t c = static_cast<uint32_t>(i % C);
+    const float v = step[c] > 0 ? std::nearbyint((x[i] - lo[c]) / step[c]) : 0.0f;
+    q[i] = static_cast<uint16_t>(std::clamp(v, 0.0f, static_cast<float>(levels)));
+    sum[c] += q[i];
+  }
+  std::vector<uint8_t> pred(C);
+  for (uint32_t c = 0; c < C; ++c) pred[c] = static_cast<uint8_t>((sum[c] + T / 2) / T);
+  // The residual of each element in either mode; keep the cheaper mode.
+  auto residual = [&](bool delta, uint32_t t, uint32_t c) {
+    const int32_t base = delta && t % kGroup != 0 ? q[size_t{t - t % kGroup} * C + c] : pred[c];
+    return ZigZag(static_cast<int32_t>(q[size_t{t} * C + c]) - base);
+  };
+  bool delta = false;
+  {
+    std::vector<uint64_t> direct(kBuckets, 0), anchors(kBuckets, 0), deltas(kBuckets, 0);
+    double extra_direct = 0, extra_delta = 0;
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t c = 0; c < C; ++c) {
+        const Bucket d = ToBucket(residual(false, t, c)), r = ToBucket(residual(true, t, c));
+        ++direct[d.sym];
+        ++(t % kGroup == 0 ? anchors : deltas)[r.sym];
+        extra_direct += d.extra_bits;
+        extra_delta += r.extra_bits;
+      }
+    }
+    delta = CostBits(anchors) + CostBits(deltas) + extra_delta < CostBits(direct) + extra_direct;
+    out.push_back(delta ? kAnchorDelta : kDirect);
+    out.push_back(static_cast<uint8_t>(bits));
+    for (uint32_t c = 0; c < C; ++c) {
+      PutF32(out, lo[c]);
+      PutF32(out, step[c]);
+      out.push_back(pred[c]);
+    }
+    const EncTable ta = Normalize(delta ? anchors : direct);
+    const EncTable td = delta ? Normalize(deltas) : EncTable{};
+    WriteTable(out, ta);
+    if (delta) WriteTable(out, td);
+    RansEncoder enc;
+    for (uint32_t t = 0; t < T; ++t) {
+      const uint8_t table = delta && t % kGroup != 0 ? 1 : 0;
+      for (uint32_t c = 0; c < C; ++c) {
+        const Bucket b = ToBucket(residual(delta, t, c));
+        enc.Add(table, b.sym);
+        enc.AddBits(b.extra_bits, b.extra);
+      }
+    }
+    PutStream(out, enc.Finish({&ta, &td}));
+  }
+  return true;
+}
+
+// Reads a stream's length and returns a decoder over it, or CORRUPTION.
+Result<RansDecoder> OpenStream(Reader& in) {
+  const uint32_t len = in.Varint();
+  if (!in.ok() || len < 8 || len > in.left()) return Corruption("kvc: stream length out of range");
+  const uint8_t* begin = in.pos();
+  in.Skip(len);
+  return RansDecoder(begin, begin + len);
+}
+
+Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
+  const int esize = KvDTypeSize(p.dtype);
+  std::vector<DecTable> tables;
+  for (int b = 0; b < esize; ++b) {
+    KDN_ASSIGN_OR_RETURN(DecTable t, ReadTable(in, 256, /*uniform_ok=*/true));
+    tables.push_back(std::move(t));
+  }
+  KDN_ASSIGN_OR_RETURN(RansDecoder dec, OpenStream(in));
+  const size_t n = size_t{p.tokens} * p.channels;
+  for (size_t i = 0; i < n; ++i) {
+    for (int b = 0; b < esize; ++b) out[i * esize + b] = static_cast<uint8_t>(dec.Get(tables[b]));
+  }
+  if (!dec.Done()) return Corruption("kvc: a byte plane's stream does not decode");
+  return Status::Ok();
+}
+
+Status DecodeQuantizedPlane(Reader& in, const Plane& p, bool delta, uint8_t* out) {
+  const int esize = KvDTypeSize(p.dtype);
+  const uint32_t T = p.tokens, C = p.channels;
+  const int bits = in.U8();
+  if (!in.ok() || bits < 1 || bits > 8) return Corruption("kvc: a plane of " + std::to_string(bits) + " bits");
+  const int32_t levels = (1 << bits) - 1;
+  std::vector<float> lo(C), step(C);
+  std::vector<int32_t> pred(C);
+  for (uint32_t c = 0; c < C; ++c) {
+    lo[c] = in.F32();
+    step[c] = in.F32();
+    pred[c] = in.U8();
+  }
+  if (!in.ok()) return Corruption("kvc: a plane's scales are cut short");
+  KDN_ASSIGN_OR_RETURN(DecTable ta, ReadTable(in, kBuckets));
+  DecTable td;
+  if (delta) {
+    KDN_ASSIGN_OR_RETURN(td, ReadTable(in, kBuckets));
+  }
+  KDN_ASSIGN_OR_RETURN(RansDecoder dec, OpenStream(in));
+  std::vector<int32_t> anchor(C, 0);
+  bool range_ok = true;
+  for (uint32_t t = 0; t < T; ++t) {
+    uint8_t* row = out + size_t{t} * C * esize;
+    const bool is_anchor = !delta || t % kGroup == 0;
+    const DecTable& table = is_anchor ? ta : td;
+    for (uint32_t c = 0; c < C; ++c) {
+      uint32_t base;
+      int extra_bits;
+      FromBucket(dec.Get(table), &base, &extra_bits);
+      const int32_t q = (is_anchor ? pred[c] : anchor[c]) + UnZigZag(base + dec.GetBits(extra_bits));
+      range_ok &= q >= 0 && q <= levels;
+      if (is_anchor) anchor[c] = q;
+      StoreF(p.dtype, lo[c] + static_cast<float>(q) * step[c], row + c * esize);
+    }
+  }
+  if (!dec.Done() || !range_ok) return Corruption("kvc: a quantized plane's stream does not decode");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<CodecLevel> ParseCodecLevel(std::string_view name) {
+  if (name == "raw") return CodecLevel{};
+  if (name == "lossless") return CodecLevel{KvCodec::kKvc, 0};
+  if (name.size() == 2 && name[0] == 'q' && name[1] >= '2' && name[1] <= '8') {
+    return CodecLevel{KvCodec::kKvc, static_cast<uint32_t>(name[1] - '0')};
+  }
+  return InvalidArgument("KV codec level \"" + std::string(name) +
+                         "\": expected raw, lossless, or q2 ... q8");
+}
+
+std::string CodecLevelName(CodecLevel level) {
+  if (level.raw()) return "raw";
+  if (level.level == 0) return "lossless";
+  std::string name = "q";  // (not "q" + to_string: GCC 12's -Wrestrict false positive)
+  name += std::to_string(level.level);
+  return name;
+}
+
+bool ValidCodecLevel(CodecLevel level) {
+  return level.raw() ||
+         (level.codec == KvCodec::kKvc && (level.level == 0 || (level.level >= 2 && level.level <= 8)));
+}
+
+int LayerBits(uint32_t level, uint32_t layer, uint32_t layers) {
+  if (level == 0) return 0;
+  const uint32_t extra = 3 * layer < layers ? 2 : 3 * layer < 2 * layers ? 1 : 0;
+  return static_cast<int>(std::min<uint32_t>(8, level + extra));
+}
+
+Result<std::shared_ptr<const Chunk>> EncodeChunk(std::shared_ptr<const Chunk> chunk,
+                                                 CodecLevel level) {
+  if (level.raw() || chunk->encoded()) return chunk;
+  if (!ValidCodecLevel(level)) {
+    return InvalidArgument("unknown KV codec level " + std::to_string(level.level));
+  }
+  const ChunkInfo& info = chunk->info();
+  const uint32_t C = info.kv_heads * info.head_dim;
+  const size_t plane_bytes = size_t{info.tokens} * C * KvDTypeSize(info.dtype);
+  std::vector<uint8_t> out(Chunk::kHeaderBytes);
+  out.reserve(Chunk::kHeaderBytes + chunk->payload().size() / 2);
+  for (uint32_t l = 0; l < info.layers; ++l) {
+    const int bits = LayerBits(level.level, l, info.layers);
+    for (uint32_t kv = 0; kv < 2; ++kv) {
+      const Plane p{chunk->payload().data() + (size_t{l} * 2 + kv) * plane_bytes, info.tokens, C,
+                    info.dtype};
+      if (bits == 0 || !EncodeQuantizedPlane(p, bits, out)) EncodeBytesPlane(p, out);
+    }
+  }
+  ChunkInfo encoded = info;
+  encoded.codec = level.codec;
+  encoded.codec_level = level.level;
+  return Chunk::FromEncoded(encoded, std::move(out));
+}
+
+Result<std::shared_ptr<const Chunk>> DecodeChunk(std::shared_ptr<const Chunk> chunk) {
+  if (!chunk->encoded()) return chunk;
+  const ChunkInfo& info = chunk->info();
+  const std::string what = "chunk " + info.key.ToHex();
+  if (!ValidCodecLevel({info.codec, info.codec_level})) {
+    return Corruption(what + ": unknown KV codec level " + std::to_string(info.codec_level));
+  }
+  ChunkInfo raw = info;
+  raw.codec = KvCodec::kRaw;
+  raw.codec_level = 0;
+  const uint32_t C = info.kv_heads * info.head_dim;
+  const size_t plane_bytes = size_t{info.tokens} * C * KvDTypeSize(info.dtype);
+  Status status = Status::Ok();
+  auto made = Chunk::Build(raw, [&](uint8_t* out) {
+    Reader in(chunk->payload().data(), chunk->payload().data() + chunk->payload().size());
+    for (size_t i = 0; i < size_t{info.layers} * 2 && status.ok(); ++i) {
+      const Plane p{nullptr, info.tokens, C, info.dtype};
+      const uint8_t mode = in.U8();
+      if (!in.ok()) {
+        status = Corruption("kvc: the stream ends before plane " + std::to_string(i));
+      } else if (mode == kBytes) {
+        status = DecodeBytesPlane(in, p, out + i * plane_bytes);
+      } else if (mode == kDirect || mode == kAnchorDelta) {
+        status = DecodeQuantizedPlane(in, p, mode == kAnchorDelta, out + i * plane_bytes);
+      } else {
+        status = Corruption("kvc: plane " + std::to_string(i) + " has unknown mode " +
+                            std::to_string(mode));
+      }
+    }
+    if (status.ok() && in.left() != 0) {
+      status = Corruption("kvc: " + std::to_string(in.left()) + " bytes after the last plane");
+    }
+  });
+  if (!made.ok()) return made.status();
+  if (!status.ok()) return Corruption(what + ": " + status.message());
+  return made;
+}
+
+// ---- CodecTier ------------------------------------------------------------------
+
+namespace {
+uint64_t NanosSince(std::chrono::steady_clock::time_point t0) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - t0)
+                                   .count());
+}
+}  // namespace
+
+CodecTier::CodecTier(std::unique_ptr<ChunkStore> inner, CodecTierOptions options)
+    : inner_(std::move(inner)), options_(options) {}
+
+Result<std::shared_ptr<const Chunk>> CodecTier::Get(const ChunkKey& key) {
+  auto got = inner_->Get(key);
+  if (!got.ok() || !(*got)->encoded() || !options_.decode_on_get) return got;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto raw = DecodeChunk(*std::move(got));
+  decode_ns_ += NanosSince(t0);
+  if (!raw.ok()) {
+    ++decode_errors_;
+    return NotFound(key.ToHex() + " in " + inner_->name() + " does not decode (" +
+                    raw.status().message() + ")");
+  }
+  ++decoded_;
+  return raw;
+}
+
+Status CodecTier::Put(std::shared_ptr<const Chunk> chunk) {
+  if (options_.level.raw() || chunk->encoded()) return inner_->Put(std::move(chunk));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto encoded = EncodeChunk(chunk, options_.level);
+  encode_ns_ += NanosSince(t0);
+  if (!encoded.ok()) return inner_->Put(std::move(chunk));
+  ++encoded_;
+  raw_bytes_ += chunk->payload().size();
+  encoded_bytes_ += (*encoded)->payload().size();
+  return inner_->Put(*std::move(encoded));
+}
+
+TierStats CodecTier::Stats() {
+  // The inner tier counted a hit for each chunk that then failed to decode.
+  TierStats s = inner_->Stats();
+  const uint64_t errors = decode_errors_.load();
+  s.corrupt += errors;
+  s.misses += errors;
+  s.hits -= std::min(s.hits, errors);
+  return s;
+}
+
+CodecStats CodecTier::codec_stats() const {
+  return {encoded_.load(),  raw_bytes_.load(),      encoded_bytes_.load(),
+          decoded_.load(),  decode_errors_.load(), encode_ns_.load() * 1e-9,
+          decode_ns_.load() * 1e-9};
+}
+
+}  // namespace kdn::kvbus
