@@ -1,6 +1,8 @@
 #include "bench_util.h"
 
 #include <cblas.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -103,6 +105,22 @@ double MemcpyOneThreadGBps(size_t bytes, int reps) {
     if (r > 0) best = std::max(best, bytes / s / 1e9);
   }
   return best;
+}
+
+kvbus::KvDType ParseDType(const std::string& s) {
+  if (s == "bf16") return kvbus::KvDType::kBF16;
+  if (s == "f16") return kvbus::KvDType::kF16;
+  return kvbus::KvDType::kF32;
+}
+
+void DropFromPageCache(const std::filesystem::path& dir) {
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    int fd = ::open(e.path().c_str(), O_RDONLY);
+    if (fd < 0) continue;
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
 }
 
 }  // namespace kdn::bench

@@ -3,6 +3,7 @@
 // (sgemm peak, memcpy bandwidth), common flags, and output.
 
 #include <chrono>
+#include <filesystem>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -14,6 +15,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/cpu_engine.h"
+#include "kdn/kvbus/chunk.h"
 
 namespace kdn::bench {
 
@@ -51,6 +53,12 @@ Result<std::vector<int32_t>> GreedyTokens(engine::CpuEngine& model, engine::KvSe
 
 Result<std::unique_ptr<engine::CpuEngine>> MakeModel(const Common& c, int64_t kv_tokens,
                                                  std::string* what);
+// "f32", "f16" or "bf16" (anything else is f32: the flags check the choice).
+kvbus::KvDType ParseDType(const std::string& s);
+// Asks the kernel to drop every file under `dir` from the page cache, so the
+// next read comes from the device (clean pages only; no privileges needed).
+void DropFromPageCache(const std::filesystem::path& dir);
+
 // Backend, threads, BLAS build and core: what a run ran on.
 json Machine(const Common& c);
 // Writes `j` to --json's file, if one was given.
@@ -92,11 +100,27 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
                 const std::vector<double>& ratios, int check_layer);
 
 // quality: exact match of a QA model on its eval set, by task family and mode
-// (bench/quality_workload.cpp). `ratios` are CacheBlend's (deviation-chosen
+// (bench/quality_workload.cpp). `kv_codec` (a kvbus codec level) codes the
+// documents' KV before reuse. `ratios` are CacheBlend's (deviation-chosen
 // tokens), `random_ratios` the same numbers of tokens chosen at random.
 std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question);
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer);
+               int check_layer, const std::string& kv_codec);
+
+// kv-codec: the KV codec's size, error and speed against raw, plain 8-bit
+// quantization and zstd, and TTFT with the prefix loaded from the disk tier
+// and from a kdn-store, raw against encoded (bench/codec_workload.cpp).
+struct KvCodecOptions {
+  int tokens = 4096;  // of KV (whole chunks), computed from the text
+  int chunk_tokens = 256;
+  std::string dtype = "f32";
+  std::vector<std::string> levels = {"lossless", "q8", "q6", "q4", "q3", "q2"};
+  std::vector<std::string> ttft_levels = {"lossless", "q4"};  // raw always; empty: no TTFT
+  std::string text_dir;  // tokenizer.json and eval.jsonl; default: --model's folder
+  int suffix_tokens = 64;
+  std::string disk_dir;
+};
+int RunKvCodec(const Common& c, const KvCodecOptions& o);
 
 }  // namespace kdn::bench

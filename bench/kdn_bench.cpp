@@ -26,6 +26,11 @@
 //             cached alone: TTFT of CacheBlend (several ratios) vs full
 //             prefill vs prefix caching alone, with KL and greedy agreement
 //             against full prefill.
+//   kv-codec  the KV codec on one request's KV computed from real text: bytes
+//             per token against raw, plain 8-bit quantization and zstd; KV
+//             error and the KL it causes; encode and decode GB/s; TTFT with
+//             the prefix loaded from the disk tier and from kdn-store, raw
+//             against encoded.
 //   quality   exact-match accuracy of a question-answering model (models/kdn-qa)
 //             on its held-out eval set through kdn's engine, by hops: full
 //             prefill, full reuse of each document's KV, CacheBlend ratios.
@@ -158,6 +163,34 @@ int main(int argc, char** argv) {
                     "Only full prefill: no full reuse, no CacheBlend");
   quality->add_option("--check-layer", quality_check, "Layer whose KV deviation picks the tokens")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  std::string quality_codec = "raw";
+  quality->add_option("--kv-codec", quality_codec,
+                      "Code each document's KV at this level and use the decoded KV in the "
+                      "reuse and blend modes (raw, lossless, q2 ... q8)")
+      ->capture_default_str();
+  KvCodecOptions kc;
+  kc.disk_dir = disk_dir;
+  auto* kv_codec = app.add_subcommand(
+      "kv-codec", "KV codec: size vs raw, int8 and zstd; error and KL; GB/s; TTFT from disk and kdn-store");
+  common(kv_codec);
+  kv_codec->add_option("--tokens", kc.tokens, "Tokens of KV (whole chunks), computed from the text")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  kv_codec->add_option("--chunk-tokens", kc.chunk_tokens, "Tokens per chunk")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  kv_codec->add_option("--dtype", kc.dtype, "Chunk dtype")->capture_default_str()
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  kv_codec->add_option("--levels", kc.levels, "Codec levels to measure (lossless, q2 ... q8)")
+      ->delimiter(',')->capture_default_str();
+  kv_codec->add_option("--ttft-levels", kc.ttft_levels,
+                       "Levels whose TTFT is measured from each tier, beside raw (none: skip)")
+      ->delimiter(',')->capture_default_str();
+  kv_codec->add_option("--text", kc.text_dir,
+                       "Folder whose tokenizer.json and eval.jsonl documents give the text "
+                       "(default: --model's; e.g. models/kdn-qa for a preset)");
+  kv_codec->add_option("--suffix-tokens", kc.suffix_tokens,
+                       "New tokens computed on top of the cached KV (KL, TTFT)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  kv_codec->add_option("--disk-dir", kc.disk_dir, "Folder for the disk tier")->capture_default_str();
   int rb_docs = 6, rb_doc_tokens = 512, rb_question = 32, rb_check = 1;
   std::vector<double> rb_ratios = {0.0, 0.05, 0.15, 0.3, 1.0};
   auto* rag = app.add_subcommand("rag-blend", "CacheBlend TTFT and quality vs full prefill and prefix caching");
@@ -187,7 +220,15 @@ int main(int argc, char** argv) {
     if (quality_random == std::vector<double>{0.0}) quality_random.clear();
     if (quality_full_only) quality_ratios.clear(), quality_random.clear();
     return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
-                      quality_random, quality_check);
+                      quality_random, quality_check, quality_codec);
+  }
+  if (kv_codec->parsed()) {
+    if (kc.ttft_levels == std::vector<std::string>{"none"}) kc.ttft_levels.clear();
+    if (kc.text_dir.empty() && c.model_dir.empty()) {
+      std::fprintf(stderr, "kdn-bench kv-codec: with a preset, give --text (e.g. models/kdn-qa)\n");
+      return 2;
+    }
+    return RunKvCodec(c, kc);
   }
   if (device == "cuda") {
 #if KDN_BENCH_CUDA

@@ -55,12 +55,6 @@ struct RequestKv {
   }
 };
 
-KvDType ParseDType(const std::string& s) {
-  if (s == "bf16") return KvDType::kBF16;
-  if (s == "f16") return KvDType::kF16;
-  return KvDType::kF32;
-}
-
 // Write `bytes` sequentially to a file and fsync, then read it back after
 // dropping it from the page cache: the disk's own sequential bandwidth, best
 // of `reps` like the tier figures it is compared with.
@@ -87,16 +81,6 @@ std::pair<double, double> DiskSequentialGBps(const std::filesystem::path& path, 
     std::filesystem::remove(path);
   }
   return {best_w, best_r};
-}
-
-void DropFromPageCache(const std::filesystem::path& dir) {
-  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
-    if (!e.is_regular_file()) continue;
-    int fd = ::open(e.path().c_str(), O_RDONLY);
-    if (fd < 0) continue;
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-  }
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
 #include "kdn/engine/tokenizer.h"
+#include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbridge/paged_chunks.h"
 
@@ -113,7 +114,12 @@ std::string QaPrompt(const std::vector<std::string>& documents, const std::strin
 
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer) {
+               int check_layer, const std::string& kv_codec) {
+  auto codec = kvbus::ParseCodecLevel(kv_codec);
+  if (!codec.ok()) {
+    std::fprintf(stderr, "kdn-bench quality: --kv-codec: %s\n", codec.status().message().c_str());
+    return 2;
+  }
   if (c.model_dir.empty()) {
     std::fprintf(stderr, "kdn-bench quality: give --model (e.g. models/kdn-qa)\n");
     return 2;
@@ -151,8 +157,9 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
       modes.push_back({name, r, random});
     }
   }
-  std::printf("quality of %s on %s (%zu examples), greedy, check layer %d\n", what.c_str(),
-              path.c_str(), examples->size(), check_layer);
+  std::printf("quality of %s on %s (%zu examples), greedy, check layer %d, documents' KV %s\n",
+              what.c_str(), path.c_str(), examples->size(), check_layer,
+              kvbus::CodecLevelName(*codec).c_str());
 
   // Each document's KV computed alone (positions 0..n-1), once per example
   // (kept across that example's modes only: memory stays bounded).
@@ -168,7 +175,11 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
                          kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
                                                  kvbus::SegmentKey(ctx, tokens),
                                                  ctx.model_fingerprint, kvbus::KvDType::kF32));
-    auto shared = std::shared_ptr<const kvbus::Chunk>(std::move(chunk));
+    std::shared_ptr<const kvbus::Chunk> shared = std::move(chunk);
+    if (!codec->raw()) {
+      KDN_ASSIGN_OR_RETURN(auto encoded, kvbus::EncodeChunk(shared, *codec));
+      KDN_ASSIGN_OR_RETURN(shared, kvbus::DecodeChunk(encoded));
+    }
     doc_kv.emplace(doc, shared);
     return shared;
   };
@@ -269,6 +280,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   }
   std::printf("(%.1f s)\n", secs);
   Emit(c, {{"workload", "quality"}, {"model", what}, {"eval", path}, {"check_layer", check_layer},
+           {"kv_codec", kvbus::CodecLevelName(*codec)},
            {"rows", rows}, {"seconds", secs}, {"machine", Machine(c)}});
   return 0;
 }

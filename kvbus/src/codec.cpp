@@ -16,15 +16,19 @@ namespace kdn::kvbus {
 
 namespace {
 
-// rANS with 32-bit states kept in [kRansLow, kRansLow << 8), emitting bytes,
-// probabilities in 1/4096ths; two states interleaved (even and odd symbols)
-// so that decoding overlaps two dependency chains.
+// rANS with 32-bit states kept in [2^16, 2^32), moving 16-bit words (so a
+// symbol reads at most one word, and the decoder needs no loop), with
+// probabilities in 1/4096ths; two states interleaved (see "rANS" below).
 constexpr uint32_t kProbBits = 12;
 constexpr uint32_t kProbScale = 1u << kProbBits;
-constexpr uint32_t kRansLow = 1u << 23;
-constexpr uint32_t kGroup = 16;  // tokens per anchor group (anchor-delta planes)
+constexpr uint32_t kRansLow = 1u << 16;
+constexpr uint32_t kGroup = 16;  // every kGroup-th token of a kDelta plane is an anchor
 
-enum PlaneMode : uint8_t { kBytes = 0, kDirect = 1, kAnchorDelta = 2 };
+enum PlaneMode : uint8_t { kBytes = 0, kDirect = 1, kDelta = 2, kPacked = 3 };
+// A quantized plane is entropy coded only where that saves at least this
+// share of the bits over packing the values at their width: rANS decodes
+// far slower than unpacking, so a small saving does not pay for it.
+constexpr double kEntropyMinSaving = 0.10;
 
 // ---- byte I/O ---------------------------------------------------------------
 
@@ -131,21 +135,10 @@ EncTable Normalize(const std::vector<uint64_t>& counts) {
   return t;
 }
 
-// A table giving each of `n` symbols (a power of two up to kProbScale) the
-// same probability: what a byte plane of noise is coded with, at no table
-// cost.
-EncTable Uniform(uint32_t n) {
-  EncTable t;
-  t.freq.assign(n, kProbScale / n);
-  t.cum.resize(n + 1);
-  for (uint32_t s = 0; s <= n; ++s) t.cum[s] = s * (kProbScale / n);
-  return t;
-}
-
 // The table as varints: the alphabet size (up to the last symbol that
-// occurs; 0 for Uniform), then each symbol's frequency.
-void WriteTable(std::vector<uint8_t>& out, const EncTable& t, bool uniform = false) {
-  if (uniform) {
+// occurs; 0 for a byte plane stored verbatim), then each symbol's frequency.
+void WriteTable(std::vector<uint8_t>& out, const EncTable& t, bool verbatim = false) {
+  if (verbatim) {
     PutVarint(out, 0);
     return;
   }
@@ -155,18 +148,11 @@ void WriteTable(std::vector<uint8_t>& out, const EncTable& t, bool uniform = fal
   for (size_t s = 0; s < n; ++s) PutVarint(out, t.freq[s]);
 }
 
-// `uniform_ok`: the alphabet is a power of two and may be sent as Uniform.
-Result<DecTable> ReadTable(Reader& in, uint32_t alphabet, bool uniform_ok = false) {
+// `verbatim_ok`: a byte plane's table, which may be empty (n = 0: the plane
+// is stored verbatim).
+Result<DecTable> ReadTable(Reader& in, uint32_t alphabet, bool verbatim_ok = false) {
   const uint32_t n = in.Varint();
-  if (in.ok() && n == 0 && uniform_ok) {
-    DecTable t(kProbScale);
-    const uint32_t f = kProbScale / alphabet;
-    for (uint32_t slot = 0; slot < kProbScale; ++slot) {
-      t[slot] = {static_cast<uint16_t>(slot / f), static_cast<uint16_t>(f),
-                 static_cast<uint16_t>(slot / f * f)};
-    }
-    return t;
-  }
+  if (in.ok() && n == 0 && verbatim_ok) return DecTable{};
   if (!in.ok() || n == 0 || n > alphabet) {
     return Corruption("kvc: a table of " + std::to_string(n) + " symbols, at most " +
                       std::to_string(alphabet) + " allowed");
@@ -186,15 +172,23 @@ Result<DecTable> ReadTable(Reader& in, uint32_t alphabet, bool uniform_ok = fals
 }
 
 // ---- rANS ---------------------------------------------------------------------
+//
+// Two coder states share one byte stream. Each symbol names its state: the
+// symbols of even channels use state 0 and those of odd channels state 1,
+// so a decoder keeps both states in registers and decodes two channels per
+// step, their dependency chains overlapping. Any such assignment is
+// decodable as long as the decoder takes the symbols in the encoder's order.
 
-// Collects symbols in decode order, each with its table or as `k` raw bits
-// (a uniform symbol of 2^k values); Finish codes them in reverse and returns
-// the stream the decoder reads forwards.
+// Collects symbols in decode order, each with its state and its table, or
+// as `k` raw bits (a uniform symbol of 2^k values); Finish codes them in
+// reverse and returns the stream the decoder reads forwards.
 class RansEncoder {
  public:
-  void Add(uint8_t table, uint16_t sym) { items_.push_back({table, sym}); }
-  void AddBits(int k, uint16_t value) {
-    if (k > 0) items_.push_back({static_cast<uint8_t>(kBitsFlag | k), value});
+  void Add(int state, uint8_t table, uint16_t sym) {
+    items_.push_back({static_cast<uint8_t>(state), table, sym});
+  }
+  void AddBits(int state, int k, uint16_t value) {
+    if (k > 0) items_.push_back({static_cast<uint8_t>(state), static_cast<uint8_t>(kBitsFlag | k), value});
   }
   std::vector<uint8_t> Finish(const std::vector<const EncTable*>& tables) const {
     std::vector<uint8_t> rev;
@@ -210,11 +204,13 @@ class RansEncoder {
         f = tables[it.table]->freq[it.sym];
         c = tables[it.table]->cum[it.sym];
       }
-      uint32_t& st = x[i & 1];
-      const uint32_t x_max = ((kRansLow >> kProbBits) << 8) * f;
-      while (st >= x_max) {
+      uint32_t& st = x[it.state];
+      // f << 20 is (kRansLow / kProbScale) * 2^16 * f: one word out always
+      // brings st below it.
+      if (st >= (f << 20)) {
+        rev.push_back(static_cast<uint8_t>(st >> 8));  // reversed below: low byte first
         rev.push_back(static_cast<uint8_t>(st));
-        st >>= 8;
+        st >>= 16;
       }
       st = ((st / f) << kProbBits) + (st % f) + c;
     }
@@ -227,57 +223,62 @@ class RansEncoder {
  private:
   static constexpr uint8_t kBitsFlag = 0x80;
   struct Item {
+    uint8_t state;
     uint8_t table;  // or kBitsFlag | k
     uint16_t sym;
   };
   std::vector<Item> items_;
 };
 
-class RansDecoder {
+// The byte stream both states read from; the states live with the caller
+// (x0 and x1, in registers).
+class RansStream {
  public:
-  // The stream's first 8 bytes are the two states.
-  RansDecoder(const uint8_t* p, const uint8_t* end) : p_(p), end_(end) {
-    for (uint32_t& st : x_) {
-      st = 0;
-      for (int b = 0; b < 4; ++b) st |= static_cast<uint32_t>(Byte()) << (8 * b);
-      if (st < kRansLow || st >= (kRansLow << 8)) ok_ = false;
+  RansStream(const uint8_t* p, const uint8_t* end) : p_(p), end_(end) {}
+  // Reads a state (4 bytes, little-endian).
+  uint32_t State() {
+    if (end_ - p_ < 4) {
+      ok_ = false;
+      return kRansLow;
     }
+    const uint32_t st = p_[0] | p_[1] << 8 | p_[2] << 16 | static_cast<uint32_t>(p_[3]) << 24;
+    p_ += 4;
+    if (st < kRansLow) ok_ = false;
+    return st;
   }
-  uint32_t Get(const DecTable& t) {
-    uint32_t& st = x_[which_];
-    which_ ^= 1;
-    const DecSlot& d = t[st & (kProbScale - 1)];
+  uint32_t Get(uint32_t& st, const DecSlot* t) {
+    const DecSlot d = t[st & (kProbScale - 1)];
     st = d.freq * (st >> kProbBits) + (st & (kProbScale - 1)) - d.cum;
-    while (st < kRansLow) st = (st << 8) | Byte();
+    Renormalize(st);
     return d.sym;
   }
-  // `k` raw bits (1..12; 0 reads nothing).
-  uint32_t GetBits(int k) {
-    if (k == 0) return 0;
-    uint32_t& st = x_[which_];
-    which_ ^= 1;
+  // `k` raw bits (0..12; with 0 the state is left as it is, so no branch).
+  uint32_t GetBits(uint32_t& st, int k) {
     const uint32_t slot = st & (kProbScale - 1), shift = kProbBits - k;
     const uint32_t v = slot >> shift;
     st = (kProbScale >> k) * (st >> kProbBits) + slot - (v << shift);
-    while (st < kRansLow) st = (st << 8) | Byte();
+    Renormalize(st);
     return v;
   }
   // Every byte read, none past the end, and both states back where the
   // encoder started them.
-  bool Done() const { return ok_ && p_ == end_ && x_[0] == kRansLow && x_[1] == kRansLow; }
+  bool Done(uint32_t x0, uint32_t x1) const {
+    return ok_ && p_ == end_ && x0 == kRansLow && x1 == kRansLow;
+  }
 
  private:
-  uint8_t Byte() {
-    if (p_ == end_) {
-      ok_ = false;
-      return 0x80;  // keeps a state of a bad stream from staying below kRansLow forever
-    }
-    return *p_++;
+  // Reads a word into a state that fell below kRansLow: at most one, without
+  // a branch on the data (a stream cut short reads zeros and fails Done).
+  void Renormalize(uint32_t& st) {
+    const bool need = st < kRansLow;
+    const bool have = end_ - p_ >= 2;
+    const uint32_t w = have ? static_cast<uint32_t>(p_[0] | p_[1] << 8) : 0;
+    st = need ? (st << 16) | w : st;
+    p_ += need && have ? 2 : 0;
+    ok_ &= have || !need;
   }
   const uint8_t* p_;
   const uint8_t* end_;
-  uint32_t x_[2];
-  int which_ = 0;
   bool ok_ = true;
 };
 
@@ -285,6 +286,15 @@ class RansDecoder {
 void PutStream(std::vector<uint8_t>& out, const std::vector<uint8_t>& s) {
   PutVarint(out, static_cast<uint32_t>(s.size()));
   out.insert(out.end(), s.begin(), s.end());
+}
+
+// Reads a stream's length and returns the stream, or CORRUPTION.
+Result<RansStream> OpenStream(Reader& in) {
+  const uint32_t len = in.Varint();
+  if (!in.ok() || len < 8 || len > in.left()) return Corruption("kvc: stream length out of range");
+  const uint8_t* begin = in.pos();
+  in.Skip(len);
+  return RansStream(begin, begin + len);
 }
 
 // ---- elements -------------------------------------------------------------------
@@ -301,14 +311,17 @@ float LoadF(KvDType dtype, const uint8_t* p) {
   return 0;
 }
 
-void StoreF(KvDType dtype, float f, uint8_t* p) {
+// `n` floats to `out` in `dtype` (little-endian).
+void StoreRow(KvDType dtype, const float* row, size_t n, uint8_t* out) {
   if (dtype == KvDType::kF32) {
-    std::memcpy(p, &f, 4);
+    std::memcpy(out, row, n * 4);
     return;
   }
-  const uint16_t h = dtype == KvDType::kBF16 ? F32ToBf16(f) : F32ToF16(f);
-  p[0] = static_cast<uint8_t>(h);
-  p[1] = static_cast<uint8_t>(h >> 8);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t h = dtype == KvDType::kBF16 ? F32ToBf16(row[i]) : F32ToF16(row[i]);
+    out[2 * i] = static_cast<uint8_t>(h);
+    out[2 * i + 1] = static_cast<uint8_t>(h >> 8);
+  }
 }
 
 uint32_t ZigZag(int32_t d) { return (static_cast<uint32_t>(d) << 1) ^ static_cast<uint32_t>(d >> 31); }
@@ -332,17 +345,19 @@ Bucket ToBucket(uint32_t z) {
   return {static_cast<uint16_t>(8 + (e - 3) * 4 + m), e - 2,
           static_cast<uint16_t>(z & ((1u << (e - 2)) - 1))};
 }
-// The bucket's lowest z and how many raw bits follow it.
-void FromBucket(uint32_t sym, uint32_t* base, int* extra_bits) {
-  if (sym < 8) {
-    *base = sym;
-    *extra_bits = 0;
-    return;
+// Each bucket's lowest z and how many raw bits follow it.
+struct BucketBase {
+  uint32_t base[kBuckets];
+  int extra_bits[kBuckets];
+  BucketBase() {
+    for (uint32_t sym = 0; sym < kBuckets; ++sym) {
+      const int e = sym < 8 ? 0 : 3 + static_cast<int>(sym - 8) / 4;
+      base[sym] = sym < 8 ? sym : (4u | ((sym - 8) & 3)) << (e - 2);
+      extra_bits[sym] = sym < 8 ? 0 : e - 2;
+    }
   }
-  const int e = 3 + static_cast<int>(sym - 8) / 4;
-  *base = (4u | ((sym - 8) & 3)) << (e - 2);
-  *extra_bits = e - 2;
-}
+};
+const BucketBase kBucketBase;
 
 // Estimated bits to code `counts` with a table fitted to them, the table
 // included (about 12 bits a symbol).
@@ -362,8 +377,13 @@ struct Plane {
   KvDType dtype;
 };
 
-// Lossless: each element's bytes split into byte planes, each coded with a
-// table of its own, or sent raw (Uniform) where a table would not pay.
+// ---- lossless planes ---------------------------------------------------------------
+//
+// Each element's bytes are split into byte planes. A byte plane whose
+// histogram promises a saving is coded with a table of its own (element i
+// with state i & 1); one that would not (the low bytes of a mantissa are
+// noise) is stored verbatim after the stream, and costs nothing to decode.
+
 void EncodeBytesPlane(const Plane& p, std::vector<uint8_t>& out) {
   const int esize = KvDTypeSize(p.dtype);
   const size_t n = size_t{p.tokens} * p.channels;
@@ -371,27 +391,66 @@ void EncodeBytesPlane(const Plane& p, std::vector<uint8_t>& out) {
   for (size_t i = 0; i < n; ++i) {
     for (int b = 0; b < esize; ++b) ++counts[b][p.data[i * esize + b]];
   }
-  std::vector<EncTable> tables;
+  std::vector<EncTable> tables(esize);
   std::vector<const EncTable*> ptrs;
-  tables.reserve(esize);
+  std::vector<bool> verbatim(esize);
   out.push_back(kBytes);
   for (int b = 0; b < esize; ++b) {
-    const bool uniform = CostBits(counts[b]) >= 8.0 * static_cast<double>(n);
-    tables.push_back(uniform ? Uniform(256) : Normalize(counts[b]));
-    WriteTable(out, tables.back(), uniform);
-    ptrs.push_back(&tables.back());
+    verbatim[b] = CostBits(counts[b]) >= 8.0 * static_cast<double>(n);
+    if (!verbatim[b]) tables[b] = Normalize(counts[b]);
+    WriteTable(out, tables[b], verbatim[b]);
+    ptrs.push_back(&tables[b]);
   }
   RansEncoder enc;
   for (size_t i = 0; i < n; ++i) {
-    for (int b = 0; b < esize; ++b) enc.Add(static_cast<uint8_t>(b), p.data[i * esize + b]);
+    for (int b = 0; b < esize; ++b) {
+      if (!verbatim[b]) enc.Add(static_cast<int>(i & 1), static_cast<uint8_t>(b), p.data[i * esize + b]);
+    }
   }
   PutStream(out, enc.Finish(ptrs));
+  for (int b = 0; b < esize; ++b) {
+    if (!verbatim[b]) continue;
+    for (size_t i = 0; i < n; ++i) out.push_back(p.data[i * esize + b]);
+  }
 }
 
-// Quantized: q = round((x - lo) / step) per channel; anchors (every token
-// in kDirect planes) are coded as q - pred, the channel's mean q; other
-// tokens as q minus their group's anchor. False (and nothing written) when
-// the plane holds a NaN or an infinity.
+Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
+  const int esize = KvDTypeSize(p.dtype);
+  const size_t n = size_t{p.tokens} * p.channels;
+  std::vector<DecTable> tables(esize);
+  std::vector<int> coded;  // byte planes in the stream
+  for (int b = 0; b < esize; ++b) {
+    KDN_ASSIGN_OR_RETURN(tables[b], ReadTable(in, 256, /*verbatim_ok=*/true));
+    if (!tables[b].empty()) coded.push_back(b);
+  }
+  KDN_ASSIGN_OR_RETURN(RansStream s, OpenStream(in));
+  uint32_t x0 = s.State(), x1 = s.State();
+  for (size_t i = 0; i + 1 < n + 1 && !coded.empty(); i += 2) {
+    for (int b : coded) out[i * esize + b] = static_cast<uint8_t>(s.Get(x0, tables[b].data()));
+    if (i + 1 == n) break;
+    for (int b : coded) out[(i + 1) * esize + b] = static_cast<uint8_t>(s.Get(x1, tables[b].data()));
+  }
+  if (!s.Done(x0, x1)) return Corruption("kvc: a byte plane's stream does not decode");
+  for (int b = 0; b < esize; ++b) {
+    if (!tables[b].empty()) continue;
+    if (in.left() < n) return Corruption("kvc: a verbatim byte plane is cut short");
+    const uint8_t* v = in.pos();
+    for (size_t i = 0; i < n; ++i) out[i * esize + b] = v[i];
+    in.Skip(n);
+  }
+  return Status::Ok();
+}
+
+// ---- quantized planes --------------------------------------------------------------
+//
+// q = round((x - lo) / step) per channel. Anchors (every 16th token, or
+// every token in a kDirect plane) are coded as q - pred, pred being the
+// channel's mean q; in a kDelta plane the other tokens as q minus the
+// previous token's q. Each residual is a bucket symbol and raw bits, channel
+// c with state c & 1. A plane whose rANS coding would not save
+// kEntropyMinSaving is packed instead (kPacked).
+
+// False (and nothing written) when the plane holds a NaN or an infinity.
 bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
   const int esize = KvDTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
@@ -422,70 +481,103 @@ bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
   for (uint32_t c = 0; c < C; ++c) pred[c] = static_cast<uint8_t>((sum[c] + T / 2) / T);
   // The residual of each element in either mode; keep the cheaper mode.
   auto residual = [&](bool delta, uint32_t t, uint32_t c) {
-    const int32_t base = delta && t % kGroup != 0 ? q[size_t{t - t % kGroup} * C + c] : pred[c];
+    const int32_t base = delta && t % kGroup != 0 ? q[size_t{t - 1} * C + c] : pred[c];
     return ZigZag(static_cast<int32_t>(q[size_t{t} * C + c]) - base);
   };
-  bool delta = false;
-  {
-    std::vector<uint64_t> direct(kBuckets, 0), anchors(kBuckets, 0), deltas(kBuckets, 0);
-    double extra_direct = 0, extra_delta = 0;
-    for (uint32_t t = 0; t < T; ++t) {
-      for (uint32_t c = 0; c < C; ++c) {
-        const Bucket d = ToBucket(residual(false, t, c)), r = ToBucket(residual(true, t, c));
-        ++direct[d.sym];
-        ++(t % kGroup == 0 ? anchors : deltas)[r.sym];
-        extra_direct += d.extra_bits;
-        extra_delta += r.extra_bits;
-      }
+  std::vector<uint64_t> direct(kBuckets, 0), anchors(kBuckets, 0), deltas(kBuckets, 0);
+  double extra_direct = 0, extra_delta = 0;
+  for (uint32_t t = 0; t < T; ++t) {
+    for (uint32_t c = 0; c < C; ++c) {
+      const Bucket d = ToBucket(residual(false, t, c)), r = ToBucket(residual(true, t, c));
+      ++direct[d.sym];
+      ++(t % kGroup == 0 ? anchors : deltas)[r.sym];
+      extra_direct += d.extra_bits;
+      extra_delta += r.extra_bits;
     }
-    delta = CostBits(anchors) + CostBits(deltas) + extra_delta < CostBits(direct) + extra_direct;
-    out.push_back(delta ? kAnchorDelta : kDirect);
+  }
+  const double direct_bits = CostBits(direct) + extra_direct;
+  const double delta_bits = CostBits(anchors) + CostBits(deltas) + extra_delta;
+  const bool delta = delta_bits < direct_bits;
+  const double packed_bits = static_cast<double>(x.size()) * bits;
+  if (std::min(direct_bits, delta_bits) > (1 - kEntropyMinSaving) * packed_bits) {
+    out.push_back(kPacked);
     out.push_back(static_cast<uint8_t>(bits));
     for (uint32_t c = 0; c < C; ++c) {
       PutF32(out, lo[c]);
       PutF32(out, step[c]);
-      out.push_back(pred[c]);
     }
-    const EncTable ta = Normalize(delta ? anchors : direct);
-    const EncTable td = delta ? Normalize(deltas) : EncTable{};
-    WriteTable(out, ta);
-    if (delta) WriteTable(out, td);
-    RansEncoder enc;
-    for (uint32_t t = 0; t < T; ++t) {
-      const uint8_t table = delta && t % kGroup != 0 ? 1 : 0;
-      for (uint32_t c = 0; c < C; ++c) {
-        const Bucket b = ToBucket(residual(delta, t, c));
-        enc.Add(table, b.sym);
-        enc.AddBits(b.extra_bits, b.extra);
+    // LSB first: value i holds bits [i * bits, (i + 1) * bits).
+    uint64_t acc = 0;
+    int have = 0;
+    for (uint16_t v : q) {
+      acc |= static_cast<uint64_t>(v) << have;
+      have += bits;
+      while (have >= 8) {
+        out.push_back(static_cast<uint8_t>(acc));
+        acc >>= 8;
+        have -= 8;
       }
     }
-    PutStream(out, enc.Finish({&ta, &td}));
+    if (have > 0) out.push_back(static_cast<uint8_t>(acc));
+    return true;
   }
+  out.push_back(delta ? kDelta : kDirect);
+  out.push_back(static_cast<uint8_t>(bits));
+  for (uint32_t c = 0; c < C; ++c) {
+    PutF32(out, lo[c]);
+    PutF32(out, step[c]);
+    out.push_back(pred[c]);
+  }
+  const EncTable ta = Normalize(delta ? anchors : direct);
+  const EncTable td = delta ? Normalize(deltas) : EncTable{};
+  WriteTable(out, ta);
+  if (delta) WriteTable(out, td);
+  RansEncoder enc;
+  for (uint32_t t = 0; t < T; ++t) {
+    const uint8_t table = delta && t % kGroup != 0 ? 1 : 0;
+    for (uint32_t c = 0; c < C; ++c) {
+      const Bucket b = ToBucket(residual(delta, t, c));
+      enc.Add(static_cast<int>(c & 1), table, b.sym);
+      enc.AddBits(static_cast<int>(c & 1), b.extra_bits, b.extra);
+    }
+  }
+  PutStream(out, enc.Finish({&ta, &td}));
   return true;
 }
 
-// Reads a stream's length and returns a decoder over it, or CORRUPTION.
-Result<RansDecoder> OpenStream(Reader& in) {
-  const uint32_t len = in.Varint();
-  if (!in.ok() || len < 8 || len > in.left()) return Corruption("kvc: stream length out of range");
-  const uint8_t* begin = in.pos();
-  in.Skip(len);
-  return RansDecoder(begin, begin + len);
-}
-
-Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
+Status DecodePackedPlane(Reader& in, const Plane& p, uint8_t* out) {
   const int esize = KvDTypeSize(p.dtype);
-  std::vector<DecTable> tables;
-  for (int b = 0; b < esize; ++b) {
-    KDN_ASSIGN_OR_RETURN(DecTable t, ReadTable(in, 256, /*uniform_ok=*/true));
-    tables.push_back(std::move(t));
+  const uint32_t T = p.tokens, C = p.channels;
+  const int bits = in.U8();
+  if (!in.ok() || bits < 1 || bits > 8) return Corruption("kvc: a plane of " + std::to_string(bits) + " bits");
+  std::vector<float> lo(C), step(C);
+  for (uint32_t c = 0; c < C; ++c) {
+    lo[c] = in.F32();
+    step[c] = in.F32();
   }
-  KDN_ASSIGN_OR_RETURN(RansDecoder dec, OpenStream(in));
-  const size_t n = size_t{p.tokens} * p.channels;
-  for (size_t i = 0; i < n; ++i) {
-    for (int b = 0; b < esize; ++b) out[i * esize + b] = static_cast<uint8_t>(dec.Get(tables[b]));
+  const size_t bytes = (size_t{T} * C * bits + 7) / 8;
+  if (!in.ok() || in.left() < bytes) return Corruption("kvc: a packed plane is cut short");
+  const uint8_t* src = in.pos();
+  const uint8_t* src_end = src + bytes;
+  in.Skip(bytes);
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  std::vector<float> row(C);
+  uint64_t acc = 0;
+  int have = 0;
+  for (uint32_t t = 0; t < T; ++t) {
+    for (uint32_t c = 0; c < C; ++c) {
+      if (have < bits) {  // refill whole bytes, up to 56 bits held
+        while (have <= 48 && src < src_end) {
+          acc |= static_cast<uint64_t>(*src++) << have;
+          have += 8;
+        }
+      }
+      row[c] = lo[c] + static_cast<float>(acc & mask) * step[c];
+      acc >>= bits;
+      have -= bits;
+    }
+    StoreRow(p.dtype, row.data(), C, out + size_t{t} * C * esize);
   }
-  if (!dec.Done()) return Corruption("kvc: a byte plane's stream does not decode");
   return Status::Ok();
 }
 
@@ -508,24 +600,43 @@ Status DecodeQuantizedPlane(Reader& in, const Plane& p, bool delta, uint8_t* out
   if (delta) {
     KDN_ASSIGN_OR_RETURN(td, ReadTable(in, kBuckets));
   }
-  KDN_ASSIGN_OR_RETURN(RansDecoder dec, OpenStream(in));
-  std::vector<int32_t> anchor(C, 0);
-  bool range_ok = true;
+  KDN_ASSIGN_OR_RETURN(RansStream s, OpenStream(in));
+  uint32_t x0 = s.State(), x1 = s.State();
+  std::vector<int32_t> prev(C, 0);  // the previous token's q
+  std::vector<float> row(C);
+  // Out-of-range values are OR-ed into `bad` (a negative q sets the sign
+  // bit, one past `levels` a bit above it) and checked once at the end.
+  uint32_t bad = 0;
+  auto value = [&](uint32_t& st, const DecSlot* table) {
+    const uint32_t sym = s.Get(st, table);
+    return UnZigZag(kBucketBase.base[sym] + s.GetBits(st, kBucketBase.extra_bits[sym]));
+  };
   for (uint32_t t = 0; t < T; ++t) {
-    uint8_t* row = out + size_t{t} * C * esize;
     const bool is_anchor = !delta || t % kGroup == 0;
-    const DecTable& table = is_anchor ? ta : td;
-    for (uint32_t c = 0; c < C; ++c) {
-      uint32_t base;
-      int extra_bits;
-      FromBucket(dec.Get(table), &base, &extra_bits);
-      const int32_t q = (is_anchor ? pred[c] : anchor[c]) + UnZigZag(base + dec.GetBits(extra_bits));
-      range_ok &= q >= 0 && q <= levels;
-      if (is_anchor) anchor[c] = q;
-      StoreF(p.dtype, lo[c] + static_cast<float>(q) * step[c], row + c * esize);
+    const DecSlot* table = is_anchor ? ta.data() : td.data();
+    const int32_t* base = is_anchor ? pred.data() : prev.data();
+    uint32_t c = 0;
+    for (; c + 1 < C; c += 2) {
+      const int32_t q0 = base[c] + value(x0, table);
+      const int32_t q1 = base[c + 1] + value(x1, table);
+      bad |= static_cast<uint32_t>(q0) | static_cast<uint32_t>(levels - q0) |
+             static_cast<uint32_t>(q1) | static_cast<uint32_t>(levels - q1);
+      row[c] = lo[c] + static_cast<float>(q0) * step[c];
+      row[c + 1] = lo[c + 1] + static_cast<float>(q1) * step[c + 1];
+      prev[c] = q0;
+      prev[c + 1] = q1;
     }
+    if (c < C) {
+      const int32_t q0 = base[c] + value(x0, table);
+      bad |= static_cast<uint32_t>(q0) | static_cast<uint32_t>(levels - q0);
+      row[c] = lo[c] + static_cast<float>(q0) * step[c];
+      prev[c] = q0;
+    }
+    StoreRow(p.dtype, row.data(), C, out + size_t{t} * C * esize);
   }
-  if (!dec.Done() || !range_ok) return Corruption("kvc: a quantized plane's stream does not decode");
+  if (!s.Done(x0, x1) || (bad & 0x80000000u)) {
+    return Corruption("kvc: a quantized plane's stream does not decode");
+  }
   return Status::Ok();
 }
 
@@ -607,8 +718,10 @@ Result<std::shared_ptr<const Chunk>> DecodeChunk(std::shared_ptr<const Chunk> ch
         status = Corruption("kvc: the stream ends before plane " + std::to_string(i));
       } else if (mode == kBytes) {
         status = DecodeBytesPlane(in, p, out + i * plane_bytes);
-      } else if (mode == kDirect || mode == kAnchorDelta) {
-        status = DecodeQuantizedPlane(in, p, mode == kAnchorDelta, out + i * plane_bytes);
+      } else if (mode == kDirect || mode == kDelta) {
+        status = DecodeQuantizedPlane(in, p, mode == kDelta, out + i * plane_bytes);
+      } else if (mode == kPacked) {
+        status = DecodePackedPlane(in, p, out + i * plane_bytes);
       } else {
         status = Corruption("kvc: plane " + std::to_string(i) + " has unknown mode " +
                             std::to_string(mode));

@@ -7,12 +7,15 @@
 // The stream codes each (layer, K|V) plane of `tokens x kv_heads*head_dim`
 // values on its own, after what CacheGen (arXiv 2310.07240) found about KV:
 // - values of one channel in nearby tokens are close, so a plane may be coded
-//   as deltas against an anchor token every 16 tokens (the encoder keeps the
-//   deltas only where they cost fewer bits than the values);
+//   as each token's delta from the one before, with an anchor token coded on
+//   its own every 16 (the encoder keeps the deltas only where they cost
+//   fewer bits than the values);
 // - shallow layers are more sensitive to quantization than deep ones, so the
 //   first third of the layers gets 2 more bits and the middle third 1 more;
 // - an entropy coder fitted to each plane's value distribution (rANS, with
 //   frequency tables carried in the stream) beats a generic compressor.
+//   rANS decodes several times slower than unpacking fixed-width values, so
+//   a plane where it saves under 10% of the bits is packed at its width.
 //
 // Levels:
 // - "lossless": every bit kept; each plane's elements are split into byte
