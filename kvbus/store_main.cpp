@@ -10,6 +10,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/store_service.h"
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   std::string listen = "tcp://127.0.0.1:5560", disk_dir;
   double host_mib = 1024, disk_mib = 10240;
   int stats_every_s = 0;
+  std::string disk_codec = "raw";
   app.add_option("--listen", listen, "ZeroMQ endpoint to serve (port 0 picks a free one)")
       ->capture_default_str();
   app.add_option("--host-mib", host_mib, "Host-memory tier capacity in MiB")
@@ -48,6 +50,15 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--stats-every", stats_every_s, "Log tier figures every N seconds (0: only at exit)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--disk-codec", disk_codec,
+                 "KV codec level the disk tier writes chunks put raw at: raw, lossless, or q2 "
+                 "... q8 (docs/kvbus.md, \"KV codec\"); chunks put already encoded are kept as "
+                 "they are, and clients decode what they get")
+      ->check([](const std::string& s) {
+        auto l = ParseCodecLevel(s);
+        return l.ok() ? std::string() : l.status().message();
+      })
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   auto host = std::make_unique<HostTier>(static_cast<uint64_t>(host_mib * 1048576.0));
@@ -61,7 +72,15 @@ int main(int argc, char** argv) {
     disk = std::move(d).value();
   }
   const bool has_disk = disk != nullptr;
-  TieredStore store(std::move(host), std::move(disk), {.write_through = has_disk});
+  std::vector<std::unique_ptr<ChunkStore>> tiers;
+  tiers.push_back(std::move(host));
+  if (has_disk) {
+    // The disk holds chunks coded; they go back to clients as they are.
+    tiers.push_back(std::make_unique<CodecTier>(
+        std::move(disk),
+        CodecTierOptions{.level = ParseCodecLevel(disk_codec).value(), .decode_on_get = false}));
+  }
+  TieredStore store(std::move(tiers), {.write_through = has_disk});
   auto server = StoreServer::Start(store, listen, [&store] { return store.TierBreakdown(); });
   if (!server.ok()) {
     std::fprintf(stderr, "kdn-store: %s\n", server.status().ToString().c_str());

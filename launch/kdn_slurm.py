@@ -330,7 +330,7 @@ def script_text(L, a, bin_dir, model, run_dir):
                   'start store 0 -1 "$BIN/kdn-store" --listen "$(listen 0)" --host-mib %g'
                   % a.store_host_mib,
                   'STORE=$(endpoint store tcp://) || abort', ""]
-        worker.append('--store "$STORE"')
+        worker.append('--store "$STORE" --store-codec %s' % a.store_codec)
     steps += ["# The workers, dealt over the nodes in order, each with these flags.",
               "WORKER=(%s)" % " ".join(worker)]
     slots = [0] * a.nodes

@@ -35,7 +35,17 @@ int main(int argc, char** argv) {
                  "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, or shm")
       ->check(CLI::IsMember({"auto", "tcp", "shm"}))
       ->capture_default_str();
+  std::string store_codec = "raw";
+  app.add_option("--store-codec", store_codec,
+                 "KV codec level of chunks put into the --store: raw, lossless, or q2 ... q8 "
+                 "(docs/kvbus.md, \"KV codec\"); chunks read back are decoded whatever their level")
+      ->check([](const std::string& s) {
+        auto l = kdn::kvbus::ParseCodecLevel(s);
+        return l.ok() ? std::string() : l.status().message();
+      })
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  o.store_codec = kdn::kvbus::ParseCodecLevel(store_codec).value();  // checked by CLI11
   o.kv_transport = kdn::kvbus::ParseTransportKind(kv_transport).value();  // checked by CLI11
   o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
 

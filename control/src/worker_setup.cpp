@@ -25,13 +25,15 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
 }
 
 Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
-                                                            const std::string& store_endpoint) {
+                                                            const std::string& store_endpoint,
+                                                            kvbus::CodecLevel store_codec) {
   std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
   tiers.push_back(std::make_unique<kvbus::HostTier>(host_bytes));
   kvbus::TieredStoreOptions options;
   if (!store_endpoint.empty()) {
     KDN_ASSIGN_OR_RETURN(auto remote, kvbus::RemoteStore::Connect(store_endpoint));
-    tiers.push_back(std::move(remote));
+    tiers.push_back(std::make_unique<kvbus::CodecTier>(std::move(remote),
+                                                       kvbus::CodecTierOptions{.level = store_codec}));
     options.write_through = true;
   }
   return std::make_unique<kvbus::TieredStore>(std::move(tiers), options);
@@ -40,7 +42,7 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
 bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens) {
   const kvbus::ChunkInfo& info = chunk.info();
   return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
-         info.dtype == kvbus::KvDType::kF32;
+         info.dtype == kvbus::KvDType::kF32 && !chunk.encoded();
 }
 
 bool AnswerQuery(ControlServer& server, const std::string& peer,

@@ -254,7 +254,8 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   eo.threads = options.threads;
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(impl->store,
-                       control::MakeWorkerStore(options.host_bytes, options.store_endpoint));
+                       control::MakeWorkerStore(options.host_bytes, options.store_endpoint,
+                                                options.store_codec));
   impl->staging = std::make_unique<kvbus::HostTier>(options.staging_bytes);
   impl->store_io = std::make_unique<JobThread>(kStoreLanes);
   Impl* raw = impl.get();

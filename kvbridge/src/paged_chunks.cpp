@@ -59,6 +59,10 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cac
 Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
                engine::KvCache& cache, engine::KvSequence& seq, int64_t first) {
   const ChunkInfo& info = chunk.info();
+  if (chunk.encoded()) {
+    return InvalidArgument("chunk " + info.key.ToHex() +
+                           " is encoded (kvbus::DecodeChunk it before use)");
+  }
   if (layer0 < 0 || layer0 + static_cast<int64_t>(n_layers) > cache.num_layers() ||
       static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
       static_cast<int>(info.head_dim) != cache.head_dim()) {

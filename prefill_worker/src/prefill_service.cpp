@@ -236,7 +236,8 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
   eo.threads = options.threads;
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(impl->store,
-                       control::MakeWorkerStore(options.host_bytes, options.store_endpoint));
+                       control::MakeWorkerStore(options.host_bytes, options.store_endpoint,
+                                                options.store_codec));
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
   po.sender.transport = options.kv_transport;

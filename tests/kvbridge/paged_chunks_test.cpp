@@ -12,6 +12,7 @@
 #include "../engine/test_util.h"
 #include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/tensor.h"
+#include "kdn/kvbus/codec.h"
 
 namespace kdn::kvbridge {
 namespace {
@@ -209,6 +210,22 @@ TEST_P(ChunkModelKv, RealKvRoundTripsAndContinuesThePrompt) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, ChunkModelKv,
                          ::testing::Values(KvDType::kF32, KvDType::kF16, KvDType::kBF16),
                          [](const auto& info) { return std::string(KvDTypeName(info.param)); });
+
+TEST(ChunkToPagedKv, RefusesAnEncodedChunkAndTakesItDecoded) {
+  engine::CpuKvCache cache(2, 2, 3, 4);
+  FillCache(cache);
+  engine::KvSequence seq = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(seq, 32).ok());
+  cache.SetLength(seq, 32);
+  auto c = ChunkFromPagedKv(cache, seq, 0, 16, kKey, kFingerprint, KvDType::kF32).value();
+  auto enc = kvbus::EncodeChunk(c, *kvbus::ParseCodecLevel("lossless")).value();
+  engine::KvSequence other = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(other, 16).ok());
+  const Status st = ChunkToPagedKv(*enc, cache, other, 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("encoded"), std::string::npos) << st.ToString();
+  EXPECT_TRUE(ChunkToPagedKv(*kvbus::DecodeChunk(enc).value(), cache, other, 0).ok());
+}
 
 TEST(ChunkToPagedKv, RefusesAChunkOfAnotherShape) {
   engine::CpuKvCache cache(2, 1, 2, 4);

@@ -14,6 +14,7 @@
 #include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/tiered_store.h"
 
 namespace kdn::control {
@@ -29,11 +30,14 @@ struct WorkerModel {
 Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
                                     const engine::EngineOptions& options);
 
-// The worker's KDN view: its own host tier of `host_bytes`, over the shared
-// kdn-store at `store_endpoint` if one is given (written through, so other
-// workers find what this one stores).
+// The worker's KDN view: its own host tier of `host_bytes` (raw KV), over the
+// shared kdn-store at `store_endpoint` if one is given (written through, so
+// other workers find what this one stores). Chunks go to the store coded at
+// `store_codec`; whatever the store sends back encoded is decoded, whatever
+// level it was coded at.
 Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
-                                                            const std::string& store_endpoint);
+                                                            const std::string& store_endpoint,
+                                                            kvbus::CodecLevel store_codec = {});
 
 // Whether a chunk from the KDN can be written into this worker's paged KV as
 // `tokens` tokens: that many, computed by this model (`fingerprint`), in the

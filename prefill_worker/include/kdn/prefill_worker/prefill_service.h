@@ -12,9 +12,9 @@
 #include <memory>
 #include <string>
 
-#include "kdn/kvbus/transport.h"
-
 #include "kdn/common/status.h"
+#include "kdn/kvbus/codec.h"
+#include "kdn/kvbus/transport.h"
 
 namespace kdn::prefill_worker {
 
@@ -22,6 +22,7 @@ struct PrefillServiceOptions {
   std::string model_dir;
   std::string listen = "tcp://127.0.0.1:0";
   std::string store_endpoint;  // a kdn-store to share chunks through; empty: none
+  kvbus::CodecLevel store_codec;  // what chunks are coded at for the store (raw: none)
   std::string name = "prefill-0";
   uint64_t host_bytes = uint64_t{2} << 30;
   int chunk_tokens = 256;
