@@ -205,9 +205,9 @@ class RansEncoder {
         c = tables[it.table]->cum[it.sym];
       }
       uint32_t& st = x[it.state];
-      // f << 20 is (kRansLow / kProbScale) * 2^16 * f: one word out always
-      // brings st below it.
-      if (st >= (f << 20)) {
+      // (kRansLow / kProbScale) * 2^16 * f: one word out always brings st
+      // below it. 64-bit: a symbol of probability 1 makes it 2^32.
+      if (uint64_t{st} >= (uint64_t{f} << 20)) {
         rev.push_back(static_cast<uint8_t>(st >> 8));  // reversed below: low byte first
         rev.push_back(static_cast<uint8_t>(st));
         st >>= 16;

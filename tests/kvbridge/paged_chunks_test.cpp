@@ -217,14 +217,19 @@ TEST(ChunkToPagedKv, RefusesAnEncodedChunkAndTakesItDecoded) {
   engine::KvSequence seq = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(seq, 32).ok());
   cache.SetLength(seq, 32);
-  auto c = ChunkFromPagedKv(cache, seq, 0, 16, kKey, kFingerprint, KvDType::kF32).value();
-  auto enc = kvbus::EncodeChunk(c, *kvbus::ParseCodecLevel("lossless")).value();
+  auto made = ChunkFromPagedKv(cache, seq, 0, 16, kKey, kFingerprint, KvDType::kF32);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  auto enc_r = kvbus::EncodeChunk(*made, *kvbus::ParseCodecLevel("lossless"));
+  ASSERT_TRUE(enc_r.ok()) << enc_r.status().ToString();
+  auto enc = *enc_r;
   engine::KvSequence other = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(other, 16).ok());
   const Status st = ChunkToPagedKv(*enc, cache, other, 0);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("encoded"), std::string::npos) << st.ToString();
-  EXPECT_TRUE(ChunkToPagedKv(*kvbus::DecodeChunk(enc).value(), cache, other, 0).ok());
+  auto dec = kvbus::DecodeChunk(enc);
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_TRUE(ChunkToPagedKv(**dec, cache, other, 0).ok());
 }
 
 TEST(ChunkToPagedKv, RefusesAChunkOfAnotherShape) {

@@ -181,6 +181,22 @@ TEST(CodecTest, NoiseIsPackedAtItsWidth) {
   }
 }
 
+TEST(CodecTest, ConstantValuesRoundTripAtEveryLevel) {
+  // One symbol with all the probability (a byte plane or a channel that
+  // never changes) is the coder's edge case.
+  for (float v : {0.0f, 1.5f, -3.0f}) {
+    const ChunkInfo info{kKey, kModel, 2, 1, 4, 33, KvDType::kF32, 0};
+    auto raw = *Chunk::Build(info, [&](uint8_t* out) {
+      for (size_t i = 0; i < info.payload_bytes() / 4; ++i) std::memcpy(out + 4 * i, &v, 4);
+    });
+    for (const char* name : {"lossless", "q8", "q4", "q2"}) {
+      auto dec = DecodeChunk(*EncodeChunk(raw, Level(name)));
+      ASSERT_TRUE(dec.ok()) << name << " " << v << ": " << dec.status().ToString();
+      EXPECT_EQ(std::memcmp((*dec)->bytes().data(), raw->bytes().data(), raw->size()), 0) << name;
+    }
+  }
+}
+
 TEST(CodecTest, NonFinitePlanesAreKeptExactly) {
   const auto clean = MakeKv(KvDType::kF32, 2, 20);
   std::vector<float> values(clean->payload().size() / 4);
