@@ -89,6 +89,20 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
   return true;
 }
 
+void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {
+  for (size_t i = 0; i < store.tier_count(); ++i) {
+    if (auto* codec = dynamic_cast<kvbus::CodecTier*>(&store.tier(i))) {
+      const kvbus::CodecStats s = codec->codec_stats();
+      proto::KvCodecCounters* c = info->mutable_kv_codec();
+      c->set_encoded_chunks(s.encoded);
+      c->set_raw_bytes(s.raw_bytes);
+      c->set_encoded_bytes(s.encoded_bytes);
+      c->set_decoded_chunks(s.decoded);
+      c->set_decode_errors(s.decode_errors);
+    }
+  }
+}
+
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
                           uint64_t bytes, double seconds) {
   proto::TransportCounters* t = info->add_kv_transports();

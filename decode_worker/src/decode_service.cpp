@@ -98,6 +98,7 @@ struct DecodeService::Impl {
     control::AddTransportCounters(info, "tcp", rs.chunks_received - rs.shm_chunks,
                                   rs.bytes_received - rs.shm_bytes, 0);
     control::AddTransportCounters(info, "shm", rs.shm_chunks, rs.shm_bytes, 0);
+    control::SetCodecCounters(info, *store);
     if (Status h = receiver->Health(); !h.ok()) {
       control::StatusToProto(h, info->mutable_health());
     }

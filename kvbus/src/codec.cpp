@@ -769,7 +769,9 @@ Status CodecTier::Put(std::shared_ptr<const Chunk> chunk) {
   const auto t0 = std::chrono::steady_clock::now();
   auto encoded = EncodeChunk(chunk, options_.level);
   encode_ns_ += NanosSince(t0);
-  if (!encoded.ok()) return inner_->Put(std::move(chunk));
+  // Out of memory, or a chunk so small that the scales outweigh the values
+  // (a tail piece of a few tokens): stored raw.
+  if (!encoded.ok() || (*encoded)->size() >= chunk->size()) return inner_->Put(std::move(chunk));
   ++encoded_;
   raw_bytes_ += chunk->payload().size();
   encoded_bytes_ += (*encoded)->payload().size();

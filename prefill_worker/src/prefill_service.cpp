@@ -70,6 +70,7 @@ struct PrefillService::Impl {
     }
     control::AddTransportCounters(info, "tcp", sent.tcp_chunks, sent.tcp_bytes, sent.tcp_seconds);
     control::AddTransportCounters(info, "shm", sent.shm_chunks, sent.shm_bytes, sent.shm_seconds);
+    control::SetCodecCounters(info, *store);
   }
 
   void Enqueue(QueuedJob q) {

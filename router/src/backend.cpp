@@ -197,6 +197,9 @@ struct Backend::Impl {
     for (const proto::TransportCounters& t : info.kv_transports()) {
       wk.view.kv_transports.push_back({t.transport(), t.chunks(), t.bytes(), t.seconds()});
     }
+    const proto::KvCodecCounters& kc = info.kv_codec();
+    wk.view.kv_codec = {kc.encoded_chunks(), kc.raw_bytes(), kc.encoded_bytes(),
+                        kc.decoded_chunks(), kc.decode_errors()};
     if (info.role() != wk.view.role) {
       if (wk.view.compatible) {
         std::fprintf(stderr, "kdn-router: %s is a %s worker, not %s; not using it\n",

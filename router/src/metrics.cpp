@@ -181,6 +181,32 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   per_transport("kdn_worker_kv_transport_seconds_total",
                 "Seconds a prefill worker's kvbus batches were in flight, per data plane.",
                 [](const WorkerGauge::Transport& t) { return Num(t.seconds); });
+  // The KV codec at each worker's kdn-store tier (docs/kvbus.md, "KV codec").
+  Head(&out, "kdn_worker_kv_codec_chunks_total", "counter",
+       "KV chunks a worker coded for kdn-store (op=encode) or decoded from it (op=decode).");
+  for (const WorkerGauge& w : workers) {
+    const std::string l = "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) + "\",op=\"";
+    out += "kdn_worker_kv_codec_chunks_total" + l + "encode\"} " +
+           std::to_string(w.kv_codec.encoded_chunks) + "\n";
+    out += "kdn_worker_kv_codec_chunks_total" + l + "decode\"} " +
+           std::to_string(w.kv_codec.decoded_chunks) + "\n";
+  }
+  Head(&out, "kdn_worker_kv_codec_bytes_total", "counter",
+       "Payload bytes of the chunks a worker coded for kdn-store, before (form=raw) and after "
+       "(form=encoded).");
+  for (const WorkerGauge& w : workers) {
+    const std::string l = "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) + "\",form=\"";
+    out += "kdn_worker_kv_codec_bytes_total" + l + "raw\"} " + std::to_string(w.kv_codec.raw_bytes) +
+           "\n";
+    out += "kdn_worker_kv_codec_bytes_total" + l + "encoded\"} " +
+           std::to_string(w.kv_codec.encoded_bytes) + "\n";
+  }
+  Head(&out, "kdn_worker_kv_codec_decode_errors_total", "counter",
+       "Coded chunks from kdn-store that did not decode: each a miss, recomputed, never served.");
+  for (const WorkerGauge& w : workers) {
+    out += "kdn_worker_kv_codec_decode_errors_total" + labels(w) +
+           std::to_string(w.kv_codec.decode_errors) + "\n";
+  }
   return out;
 }
 

@@ -2,7 +2,8 @@
 
 import json
 
-from deploy_util import Deployment, launch, pid_alive, repeat_cached, wait_until
+from deploy_util import (Deployment, launch, metric, parse_metrics, pid_alive, repeat_cached,
+                         wait_until)
 
 
 def test_help_of_each_command():
@@ -80,3 +81,34 @@ def test_deployment_json_names_every_process(deployment):
         assert set(p) >= {"name", "role", "pid", "endpoint", "log", "cmd"}
         assert p["endpoint"].startswith("http://" if p["role"] == "router" else "tcp://")
         assert pid_alive(p["pid"])
+
+
+def test_store_codec_codes_what_workers_store(tiny_model, tmp_path):
+    """--store-codec q8: chunks reach kdn-store coded, about 4x smaller than
+    the workers' f32 KV, and the answers stay the same when they are read back."""
+    d = Deployment(tmp_path / "run", tiny_model, "--store", "--store-host-mib", 64,
+                   "--store-codec", "q8")
+    try:
+        text = "a" * 300 + "b" * 300
+        first = d.completion(text, max_tokens=2, temperature=0)
+        second = d.completion(text, max_tokens=2, temperature=0)
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        workers = [p["name"] for p in d.info["processes"] if p["role"] in ("prefill", "decode")]
+
+        def encoded_chunks():
+            s = parse_metrics(d.metrics())
+            return sum(metric(s, "kdn_worker_kv_codec_chunks_total", worker=w,
+                              role=w.split("-")[0], op="encode") for w in workers)
+        # The router's figures come with the workers' next answers to its pings.
+        assert wait_until(lambda: encoded_chunks() >= 2, 10), d.metrics()
+        samples = parse_metrics(d.metrics())
+        raw = sum(metric(samples, "kdn_worker_kv_codec_bytes_total", worker=w,
+                         role=w.split("-")[0], form="raw") for w in workers)
+        coded = sum(metric(samples, "kdn_worker_kv_codec_bytes_total", worker=w,
+                           role=w.split("-")[0], form="encoded") for w in workers)
+        assert coded < raw / 3, (coded, raw)
+        errors = sum(metric(samples, "kdn_worker_kv_codec_decode_errors_total", worker=w,
+                            role=w.split("-")[0]) for w in workers)
+        assert errors == 0
+    finally:
+        d.down()

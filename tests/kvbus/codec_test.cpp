@@ -327,6 +327,16 @@ TEST(CodecTest, CodecTierEncodesOnPutAndDecodesOnGet) {
   EXPECT_EQ(s.raw_bytes, raw->payload().size());
   EXPECT_EQ(s.encoded_bytes, (*held)->payload().size());
 
+  // A one-token tail piece: the per-channel scales would outweigh its values,
+  // so it is stored raw and not counted as encoded.
+  const auto tiny = MakeKv(KvDType::kF32, 2, 1);
+  ASSERT_LT((*EncodeChunk(tiny, Level("q8")))->size(), size_t{1} << 20);
+  ASSERT_GE((*EncodeChunk(tiny, Level("q8")))->size(), tiny->size());
+  CodecTier small(std::make_unique<HostTier>(64 << 20), {.level = Level("q8")});
+  ASSERT_TRUE(small.Put(tiny).ok());
+  EXPECT_FALSE((*small.Get(kKey))->encoded());
+  EXPECT_EQ(small.codec_stats().encoded, 0u);
+
   // Without decode_on_get the encoded chunk comes back as it is.
   CodecTier pass(std::make_unique<HostTier>(64 << 20),
                  {.level = Level("q4"), .decode_on_get = false});

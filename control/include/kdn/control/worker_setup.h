@@ -52,6 +52,8 @@ bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, in
 // `keys` gives the fingerprint and chunk size the tail keys are computed
 // with (its ns is the lookup's). False, with nothing sent, for any other
 // message.
+// Sets the info's KV codec counters from the CodecTier in `store`, if any.
+void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store);
 // Appends one data plane's kvbus counters to a worker's info.
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
                           uint64_t bytes, double seconds);

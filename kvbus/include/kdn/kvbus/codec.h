@@ -104,7 +104,8 @@ class CodecTier final : public ChunkStore {
   std::string name() const override { return inner_->name(); }
   Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override;
   bool Contains(const ChunkKey& key) override { return inner_->Contains(key); }
-  // A chunk that cannot be encoded (out of memory) is stored raw.
+  // A chunk that cannot be encoded (out of memory), or that coding would not
+  // make smaller (a tail piece of a few tokens), is stored raw.
   Status Put(std::shared_ptr<const Chunk> chunk) override;
   TierStats Stats() override;
 

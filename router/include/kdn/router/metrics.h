@@ -38,6 +38,11 @@ struct WorkerGauge {
     double seconds = 0;
   };
   std::vector<Transport> kv_transports;
+  struct Codec {
+    uint64_t encoded_chunks = 0, raw_bytes = 0, encoded_bytes = 0, decoded_chunks = 0,
+             decode_errors = 0;
+  };
+  Codec kv_codec;
 };
 
 class Metrics {
