@@ -455,27 +455,42 @@ bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
   const int esize = KvDTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
   const uint32_t levels = (1u << bits) - 1;
-  std::vector<float> lo(C, INFINITY), hi(C, -INFINITY);
+  // Loops run over rows, then channels, so that they vectorize.
   std::vector<float> x(size_t{T} * C);
-  for (size_t i = 0; i < x.size(); ++i) {
-    x[i] = LoadF(p.dtype, p.data + i * esize);
-    if (!std::isfinite(x[i])) return false;
-    const uint32_t c = static_cast<uint32_t>(i % C);
-    lo[c] = std::min(lo[c], x[i]);
-    hi[c] = std::max(hi[c], x[i]);
+  if (p.dtype == KvDType::kF32) {
+    std::memcpy(x.data(), p.data, x.size() * 4);
+  } else {
+    for (size_t i = 0; i < x.size(); ++i) x[i] = LoadF(p.dtype, p.data + i * esize);
   }
-  std::vector<float> step(C);
+  std::vector<float> lo(x.begin(), x.begin() + C), hi(lo);
+  bool finite = true;
+  for (uint32_t t = 0; t < T; ++t) {
+    const float* row = &x[size_t{t} * C];
+    for (uint32_t c = 0; c < C; ++c) {
+      finite &= std::isfinite(row[c]);
+      lo[c] = std::min(lo[c], row[c]);
+      hi[c] = std::max(hi[c], row[c]);
+    }
+  }
+  if (!finite) return false;
+  std::vector<float> step(C), inv(C);
   for (uint32_t c = 0; c < C; ++c) {
     step[c] = (hi[c] - lo[c]) / static_cast<float>(levels);
     if (!(step[c] > 0) || !std::isfinite(step[c])) step[c] = 0;
+    inv[c] = step[c] > 0 ? 1.0f / step[c] : 0.0f;
   }
   std::vector<uint16_t> q(x.size());
-  std::vector<uint64_t> sum(C, 0);
-  for (size_t i = 0; i < x.size(); ++i) {
-    const uint32_t c = static_cast<uint32_t>(i % C);
-    const float v = step[c] > 0 ? std::nearbyint((x[i] - lo[c]) / step[c]) : 0.0f;
-    q[i] = static_cast<uint16_t>(std::clamp(v, 0.0f, static_cast<float>(levels)));
-    sum[c] += q[i];
+  std::vector<uint32_t> sum(C, 0);
+  const float top = static_cast<float>(levels);
+  for (uint32_t t = 0; t < T; ++t) {
+    const float* row = &x[size_t{t} * C];
+    uint16_t* qrow = &q[size_t{t} * C];
+    for (uint32_t c = 0; c < C; ++c) {
+      // (x - lo) * inv >= 0: adding a half and truncating rounds it.
+      const float v = std::min((row[c] - lo[c]) * inv[c] + 0.5f, top);
+      qrow[c] = static_cast<uint16_t>(v);
+      sum[c] += qrow[c];
+    }
   }
   std::vector<uint8_t> pred(C);
   for (uint32_t c = 0; c < C; ++c) pred[c] = static_cast<uint8_t>((sum[c] + T / 2) / T);
@@ -485,18 +500,22 @@ bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
     return ZigZag(static_cast<int32_t>(q[size_t{t} * C + c]) - base);
   };
   std::vector<uint64_t> direct(kBuckets, 0), anchors(kBuckets, 0), deltas(kBuckets, 0);
-  double extra_direct = 0, extra_delta = 0;
+  uint64_t extra_direct = 0, extra_delta = 0;
   for (uint32_t t = 0; t < T; ++t) {
+    const uint16_t* qrow = &q[size_t{t} * C];
+    const uint16_t* prev = t % kGroup != 0 ? qrow - C : nullptr;
+    std::vector<uint64_t>& second = prev ? deltas : anchors;
     for (uint32_t c = 0; c < C; ++c) {
-      const Bucket d = ToBucket(residual(false, t, c)), r = ToBucket(residual(true, t, c));
+      const Bucket d = ToBucket(ZigZag(static_cast<int32_t>(qrow[c]) - pred[c]));
+      const Bucket r = prev ? ToBucket(ZigZag(static_cast<int32_t>(qrow[c]) - prev[c])) : d;
       ++direct[d.sym];
-      ++(t % kGroup == 0 ? anchors : deltas)[r.sym];
+      ++second[r.sym];
       extra_direct += d.extra_bits;
       extra_delta += r.extra_bits;
     }
   }
-  const double direct_bits = CostBits(direct) + extra_direct;
-  const double delta_bits = CostBits(anchors) + CostBits(deltas) + extra_delta;
+  const double direct_bits = CostBits(direct) + static_cast<double>(extra_direct);
+  const double delta_bits = CostBits(anchors) + CostBits(deltas) + static_cast<double>(extra_delta);
   const bool delta = delta_bits < direct_bits;
   const double packed_bits = static_cast<double>(x.size()) * bits;
   if (std::min(direct_bits, delta_bits) > (1 - kEntropyMinSaving) * packed_bits) {
