@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/control/worker_flags.h"
 #include "kdn/control/stop_signal.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/prefill_worker/prefill_service.h"
@@ -30,23 +31,11 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
-  std::string kv_transport = "auto";
-  app.add_option("--kv-transport", kv_transport,
-                 "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, or shm")
-      ->check(CLI::IsMember({"auto", "tcp", "shm"}))
-      ->capture_default_str();
-  std::string store_codec = "raw";
-  app.add_option("--store-codec", store_codec,
-                 "KV codec level of chunks put into the --store: raw, lossless, or q2 ... q8 "
-                 "(docs/kvbus.md, \"KV codec\"); chunks read back are decoded whatever their level")
-      ->check([](const std::string& s) {
-        auto l = kdn::kvbus::ParseCodecLevel(s);
-        return l.ok() ? std::string() : l.status().message();
-      })
-      ->capture_default_str();
+  kdn::control::KvFlags kv_flags;
+  kv_flags.Add(app);
   CLI11_PARSE(app, argc, argv);
-  o.store_codec = kdn::kvbus::ParseCodecLevel(store_codec).value();  // checked by CLI11
-  o.kv_transport = kdn::kvbus::ParseTransportKind(kv_transport).value();  // checked by CLI11
+  o.kv_transport = kv_flags.transport();
+  o.store_codec = kv_flags.codec();
   o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
 
   auto service = kdn::prefill_worker::PrefillService::Start(o);
