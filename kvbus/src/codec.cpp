@@ -722,6 +722,14 @@ Result<std::shared_ptr<const Chunk>> DecodeChunk(std::shared_ptr<const Chunk> ch
   if (!ValidCodecLevel({info.codec, info.codec_level})) {
     return Corruption(what + ": unknown KV codec level " + std::to_string(info.codec_level));
   }
+  // A stream can code a constant plane of any length in a few bytes, so the
+  // header's shape alone would let a damaged or forged chunk ask for any
+  // amount of memory.
+  if (info.payload_bytes() > kMaxDecodedBytes) {
+    return Corruption(what + ": decodes to " + std::to_string(info.payload_bytes()) +
+                      " bytes, over the " + std::to_string(kMaxDecodedBytes >> 20) +
+                      " MiB a chunk may hold");
+  }
   ChunkInfo raw = info;
   raw.codec = KvCodec::kRaw;
   raw.codec_level = 0;

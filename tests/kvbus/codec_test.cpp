@@ -299,6 +299,12 @@ TEST(CodecTest, HeaderCodecFieldsAreChecked) {
     ASSERT_FALSE(p.ok());
     EXPECT_NE(p.status().message().find("header checksum"), std::string::npos);
   }
+  // A shape past kMaxDecodedBytes is refused before any memory is taken.
+  ChunkInfo huge = enc->info();
+  huge.tokens = 1u << 30;
+  auto h = DecodeChunk(Forge(huge, std::vector<uint8_t>(enc->payload().begin(), enc->payload().end())));
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("MiB a chunk may hold"), std::string::npos) << h.status().ToString();
   // A level that cannot be is refused by the decoder even with good checksums.
   ChunkInfo bad = enc->info();
   bad.codec_level = 9;

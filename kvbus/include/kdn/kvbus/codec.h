@@ -70,9 +70,14 @@ int LayerBits(uint32_t level, uint32_t layer, uint32_t layers);
 // `chunk` back as it is. RESOURCE_EXHAUSTED when memory runs out.
 Result<std::shared_ptr<const Chunk>> EncodeChunk(std::shared_ptr<const Chunk> chunk,
                                                  CodecLevel level);
+// The most raw KV one encoded chunk may decode to: 1 GiB (a 256-token chunk
+// of a 405B-parameter Llama in f32 is 264 MB).
+inline constexpr uint64_t kMaxDecodedBytes = uint64_t{1} << 30;
+
 // The raw chunk an encoded one holds (lossy levels: the reconstruction); a
 // raw chunk is given back as it is. CORRUPTION naming what is wrong with a
-// stream that cannot be decoded exactly to the header's shape.
+// stream that cannot be decoded exactly to the header's shape, or whose
+// shape is over kMaxDecodedBytes.
 Result<std::shared_ptr<const Chunk>> DecodeChunk(std::shared_ptr<const Chunk> chunk);
 
 struct CodecStats {
