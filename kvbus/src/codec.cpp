@@ -425,7 +425,7 @@ Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
   }
   KDN_ASSIGN_OR_RETURN(RansStream s, OpenStream(in));
   uint32_t x0 = s.State(), x1 = s.State();
-  for (size_t i = 0; i + 1 < n + 1 && !coded.empty(); i += 2) {
+  for (size_t i = 0; i < n && !coded.empty(); i += 2) {
     for (int b : coded) out[i * esize + b] = static_cast<uint8_t>(s.Get(x0, tables[b].data()));
     if (i + 1 == n) break;
     for (int b : coded) out[(i + 1) * esize + b] = static_cast<uint8_t>(s.Get(x1, tables[b].data()));
