@@ -475,9 +475,14 @@ bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
   if (!finite) return false;
   std::vector<float> step(C), inv(C);
   for (uint32_t c = 0; c < C; ++c) {
+    // A range past the largest float cannot be quantized: the plane is kept
+    // losslessly, as one holding a NaN is.
+    if (!std::isfinite(hi[c] - lo[c])) return false;
     step[c] = (hi[c] - lo[c]) / static_cast<float>(levels);
-    if (!(step[c] > 0) || !std::isfinite(step[c])) step[c] = 0;
+    // A constant channel has step 0 (every q is 0); a subnormal step has no
+    // finite inverse, so its channel divides instead (inv -1).
     inv[c] = step[c] > 0 ? 1.0f / step[c] : 0.0f;
+    if (!std::isfinite(inv[c])) inv[c] = -1;
   }
   std::vector<uint16_t> q(x.size());
   std::vector<uint32_t> sum(C, 0);
@@ -486,8 +491,9 @@ bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
     const float* row = &x[size_t{t} * C];
     uint16_t* qrow = &q[size_t{t} * C];
     for (uint32_t c = 0; c < C; ++c) {
-      // (x - lo) * inv >= 0: adding a half and truncating rounds it.
-      const float v = std::min((row[c] - lo[c]) * inv[c] + 0.5f, top);
+      // (x - lo) / step >= 0: adding a half and truncating rounds it.
+      const float scaled = inv[c] >= 0 ? (row[c] - lo[c]) * inv[c] : (row[c] - lo[c]) / step[c];
+      const float v = std::min(scaled + 0.5f, top);
       qrow[c] = static_cast<uint16_t>(v);
       sum[c] += qrow[c];
     }

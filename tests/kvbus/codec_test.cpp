@@ -218,6 +218,22 @@ TEST(CodecTest, NonFinitePlanesAreKeptExactly) {
   EXPECT_NE(std::memcmp((*dec)->payload().data() + plane, (*raw)->payload().data() + plane, plane), 0);
 }
 
+TEST(CodecTest, PlanesWhoseRangeOverflowsAreKeptExactly) {
+  // hi - lo past the largest float (found by the fuzzer): no step exists, so
+  // the plane is coded losslessly; planes of tiny range still quantize.
+  const ChunkInfo info{kKey, kModel, 1, 1, 4, 8, KvDType::kF32, 0};
+  auto raw = *Chunk::Build(info, [&](uint8_t* out) {
+    for (size_t i = 0; i < info.payload_bytes() / 4; ++i) {
+      const float v = i < 32 ? (i % 2 ? 3e38f : -3e38f) : 1e-38f * static_cast<float>(i % 3);
+      std::memcpy(out + 4 * i, &v, 4);
+    }
+  });
+  auto dec = DecodeChunk(*EncodeChunk(raw, Level("q4")));
+  ASSERT_TRUE(dec.ok()) << dec.status().ToString();
+  EXPECT_EQ(std::memcmp((*dec)->payload().data(), raw->payload().data(), 32 * 4), 0);
+  for (size_t i = 32; i < 64; ++i) EXPECT_NEAR(Element(**dec, i), Element(*raw, i), 2e-38);
+}
+
 TEST(CodecTest, RawLevelAndRawChunksPassThrough) {
   const auto raw = MakeKv(KvDType::kBF16);
   EXPECT_EQ(*EncodeChunk(raw, Level("raw")), raw);
