@@ -450,7 +450,8 @@ Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
 // c with state c & 1. A plane whose rANS coding would not save
 // kEntropyMinSaving is packed instead (kPacked).
 
-// False (and nothing written) when the plane holds a NaN or an infinity.
+// False (and nothing written) when the plane holds a NaN or an infinity, or
+// a channel whose range overflows a float.
 bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
   const int esize = KvDTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;

@@ -23,8 +23,8 @@
 // - "q2" ... "q8": per-channel uniform quantization over the plane's range,
 //   at b bits in the deepest third of the layers, b+1 in the middle third and
 //   b+2 in the first (capped at 8): "q8" is 8 bits in every layer, the grid
-//   of plain 8-bit quantization. A plane holding a NaN or an infinity is
-//   coded losslessly instead.
+//   of plain 8-bit quantization. A plane holding a NaN or an infinity, or a
+//   channel whose range overflows a float, is coded losslessly instead.
 //
 // The chunk header names the codec and level (kdn/kvbus/chunk.h), so a
 // reader needs no configuration to decode. The key does not change: an
