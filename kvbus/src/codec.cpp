@@ -571,6 +571,14 @@ bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
   return true;
 }
 
+// What an encoder writes: finite offsets and finite, non-negative steps.
+bool ScalesValid(const std::vector<float>& lo, const std::vector<float>& step) {
+  for (size_t c = 0; c < lo.size(); ++c) {
+    if (!std::isfinite(lo[c]) || !std::isfinite(step[c]) || step[c] < 0) return false;
+  }
+  return true;
+}
+
 Status DecodePackedPlane(Reader& in, const Plane& p, uint8_t* out) {
   const int esize = KvDTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
@@ -583,6 +591,7 @@ Status DecodePackedPlane(Reader& in, const Plane& p, uint8_t* out) {
   }
   const size_t bytes = (size_t{T} * C * bits + 7) / 8;
   if (!in.ok() || in.left() < bytes) return Corruption("kvc: a packed plane is cut short");
+  if (!ScalesValid(lo, step)) return Corruption("kvc: a plane's scales are not finite");
   const uint8_t* src = in.pos();
   const uint8_t* src_end = src + bytes;
   in.Skip(bytes);
@@ -621,6 +630,7 @@ Status DecodeQuantizedPlane(Reader& in, const Plane& p, bool delta, uint8_t* out
     pred[c] = in.U8();
   }
   if (!in.ok()) return Corruption("kvc: a plane's scales are cut short");
+  if (!ScalesValid(lo, step)) return Corruption("kvc: a plane's scales are not finite");
   KDN_ASSIGN_OR_RETURN(DecTable ta, ReadTable(in, kBuckets));
   DecTable td;
   if (delta) {

@@ -66,6 +66,14 @@ std::shared_ptr<const Chunk> MakeKv(KvDType dtype, uint32_t layers = 3, uint32_t
 
 CodecLevel Level(const char* name) { return *ParseCodecLevel(name); }
 
+// An encoded chunk whose stream is `stream`, sealed with valid checksums, so
+// that only the decoder can find what is wrong.
+std::shared_ptr<const Chunk> Forge(const ChunkInfo& info, const std::vector<uint8_t>& stream) {
+  std::vector<uint8_t> bytes(Chunk::kHeaderBytes);
+  bytes.insert(bytes.end(), stream.begin(), stream.end());
+  return *Chunk::FromEncoded(info, std::move(bytes));
+}
+
 TEST(CodecTest, LevelsParseAndName) {
   for (const char* n : {"raw", "lossless", "q2", "q4", "q8"}) {
     auto l = ParseCodecLevel(n);
@@ -179,6 +187,15 @@ TEST(CodecTest, NoiseIsPackedAtItsWidth) {
   for (size_t i = 0; i < elements; ++i) {
     ASSERT_NEAR(Element(**dec, i), Element(*raw, i), 2.0 / 255 / 2 + 1e-6);
   }
+  // A scale no encoder writes (here the first channel's lo, after the mode
+  // and bits bytes, made NaN) is refused, even under good checksums.
+  std::vector<uint8_t> stream(enc->payload().begin(), enc->payload().end());
+  ASSERT_EQ(stream[0], 3);  // packed
+  const float nan = NAN;
+  std::memcpy(stream.data() + 2, &nan, 4);
+  auto bad = DecodeChunk(Forge(enc->info(), stream));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("not finite"), std::string::npos) << bad.status().ToString();
 }
 
 TEST(CodecTest, ConstantValuesRoundTripAtEveryLevel) {
@@ -242,14 +259,6 @@ TEST(CodecTest, RawLevelAndRawChunksPassThrough) {
   EXPECT_EQ(*EncodeChunk(enc, Level("lossless")), enc);  // already encoded
   EXPECT_EQ(raw->bytes()[8], 1);  // a raw chunk is still version 1
   EXPECT_EQ(enc->bytes()[8], 2);
-}
-
-// An encoded chunk whose stream is `stream`, sealed with valid checksums, so
-// that only the decoder can find what is wrong.
-std::shared_ptr<const Chunk> Forge(const ChunkInfo& info, const std::vector<uint8_t>& stream) {
-  std::vector<uint8_t> bytes(Chunk::kHeaderBytes);
-  bytes.insert(bytes.end(), stream.begin(), stream.end());
-  return *Chunk::FromEncoded(info, std::move(bytes));
 }
 
 TEST(CodecTest, DamagedStreamsFailOrDecodeToTheRightSizeNeverCrash) {
