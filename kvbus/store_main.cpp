@@ -2,7 +2,8 @@
 // that every worker of a node or cluster reads and fills one cache. With
 // --disk-dir, every put is written through to disk before it is acknowledged,
 // so chunks survive a restart or a crash: the disk tier's index is rebuilt
-// from its folder on start.
+// from its folder on start. --disk-codec codes what the disk tier writes
+// (kdn/kvbus/codec.h).
 #include <csignal>
 #include <cstdio>
 #include <string>
@@ -45,7 +46,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--host-mib", host_mib, "Host-memory tier capacity in MiB")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--disk-dir", disk_dir, "Folder of the disk tier (none: memory only)");
+  CLI::Option* disk_dir_opt =
+      app.add_option("--disk-dir", disk_dir, "Folder of the disk tier (none: memory only)");
   app.add_option("--disk-mib", disk_mib, "Disk tier capacity in MiB")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--stats-every", stats_every_s, "Log tier figures every N seconds (0: only at exit)")
@@ -58,6 +60,7 @@ int main(int argc, char** argv) {
         auto l = ParseCodecLevel(s);
         return l.ok() ? std::string() : l.status().message();
       })
+      ->needs(disk_dir_opt)
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
