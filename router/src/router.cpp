@@ -139,9 +139,7 @@ class Session : public std::enable_shared_from_this<Session> {
           for (const auto& t : w.kv_transports) {
             g.kv_transports.push_back({t.transport, t.chunks, t.bytes, t.seconds});
           }
-          const auto& kc = w.kv_codec;
-          g.kv_codec = {kc.encoded_chunks, kc.raw_bytes, kc.encoded_bytes, kc.decoded_chunks,
-                        kc.decode_errors};
+          g.kv_codec = w.kv_codec;
           gauges.push_back(std::move(g));
         }
         Reply(http::status::ok, router_.metrics.Render(gauges), "text/plain; version=0.0.4");

@@ -108,12 +108,7 @@ struct WorkerView {
     double seconds = 0;
   };
   std::vector<TransportCounters> kv_transports;
-  // Its KV codec at the kdn-store tier.
-  struct CodecCounters {
-    uint64_t encoded_chunks = 0, raw_bytes = 0, encoded_bytes = 0, decoded_chunks = 0,
-             decode_errors = 0;
-  };
-  CodecCounters kv_codec;
+  KvCodecCounters kv_codec;  // its KV codec at the kdn-store tier
 };
 
 class Backend {

@@ -26,6 +26,12 @@ class Histogram {
 };
 
 // Per-worker figures, taken from the backend when /metrics is read.
+// A worker's KV codec at its kdn-store tier (proto::KvCodecCounters).
+struct KvCodecCounters {
+  uint64_t encoded_chunks = 0, raw_bytes = 0, encoded_bytes = 0, decoded_chunks = 0,
+           decode_errors = 0;
+};
+
 struct WorkerGauge {
   std::string name;
   std::string role;
@@ -38,11 +44,7 @@ struct WorkerGauge {
     double seconds = 0;
   };
   std::vector<Transport> kv_transports;
-  struct Codec {
-    uint64_t encoded_chunks = 0, raw_bytes = 0, encoded_bytes = 0, decoded_chunks = 0,
-             decode_errors = 0;
-  };
-  Codec kv_codec;
+  KvCodecCounters kv_codec;
 };
 
 class Metrics {
