@@ -88,19 +88,9 @@ std::vector<float> Elements(const Chunks& chunks) {
   std::vector<float> out;
   for (const auto& c : chunks) {
     const size_t n = c->payload().size() / KvDTypeSize(c->info().dtype);
-    const uint8_t* p = c->payload().data();
-    for (size_t i = 0; i < n; ++i) {
-      switch (c->info().dtype) {
-        case KvDType::kF32: {
-          float f;
-          std::memcpy(&f, p + 4 * i, 4);
-          out.push_back(f);
-          break;
-        }
-        case KvDType::kBF16: out.push_back(Bf16ToF32(static_cast<uint16_t>(p[2 * i] | p[2 * i + 1] << 8))); break;
-        case KvDType::kF16: out.push_back(F16ToF32(static_cast<uint16_t>(p[2 * i] | p[2 * i + 1] << 8))); break;
-      }
-    }
+    out.resize(out.size() + n);
+    engine::ToFloat(kvbridge::EngineDType(c->info().dtype), c->payload().data(), n,
+                    out.data() + out.size() - n);
   }
   return out;
 }

@@ -12,15 +12,6 @@ using kvbus::ChunkInfo;
 using kvbus::ChunkKey;
 using kvbus::KvDType;
 
-engine::DType ToEngine(KvDType t) {
-  switch (t) {
-    case KvDType::kF32: return engine::DType::kF32;
-    case KvDType::kF16: return engine::DType::kF16;
-    case KvDType::kBF16: return engine::DType::kBF16;
-  }
-  return engine::DType::kF32;
-}
-
 // Layers [layer0, layer0 + layers) of tokens [first, first + count) of `seq`.
 Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cache,
                                                const engine::KvSequence& seq, int64_t first,
@@ -42,11 +33,11 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cac
                  static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(count), dtype,
                  first};
   // Each layer of the payload is one KvCache::Read: K rows, then V rows.
-  const size_t layer_bytes = cache.LayerBytes(count, ToEngine(dtype));
+  const size_t layer_bytes = cache.LayerBytes(count, EngineDType(dtype));
   Status read;
   auto chunk = Chunk::Build(info, [&](uint8_t* out) {
     for (int l = layer0; l < layer0 + layers && read.ok(); ++l) {
-      read = cache.Read(seq, l, first, count, ToEngine(dtype),
+      read = cache.Read(seq, l, first, count, EngineDType(dtype),
                         std::span<uint8_t>(out + (l - layer0) * layer_bytes, layer_bytes));
     }
   });
@@ -79,10 +70,10 @@ Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
     return InvalidArgument("chunk " + info.key.ToHex() + ": positions [" + std::to_string(first) +
                            ", " + std::to_string(end) + ") are not reserved in the sequence");
   }
-  const size_t layer_bytes = cache.LayerBytes(info.tokens, ToEngine(info.dtype));
+  const size_t layer_bytes = cache.LayerBytes(info.tokens, EngineDType(info.dtype));
   const uint8_t* in = chunk.payload().data() + static_cast<size_t>(src_layer) * layer_bytes;
   for (int l = layer0; l < layer0 + n_layers; ++l, in += layer_bytes) {
-    KDN_RETURN_IF_ERROR(cache.Write(seq, l, first, info.tokens, ToEngine(info.dtype),
+    KDN_RETURN_IF_ERROR(cache.Write(seq, l, first, info.tokens, EngineDType(info.dtype),
                                     std::span<const uint8_t>(in, layer_bytes)));
   }
   return Status::Ok();
@@ -136,6 +127,15 @@ Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::KvCache& cache
                            std::to_string(slice.info().layers) + " layers; a layer slice has 1");
   }
   return ToPaged(slice, 0, 1, layer, cache, seq, first);
+}
+
+engine::DType EngineDType(KvDType t) {
+  switch (t) {
+    case KvDType::kF32: return engine::DType::kF32;
+    case KvDType::kF16: return engine::DType::kF16;
+    case KvDType::kBF16: return engine::DType::kBF16;
+  }
+  return engine::DType::kF32;
 }
 
 kvbus::KvDType ChunkDType(engine::DType t) {

@@ -18,6 +18,8 @@ namespace kdn::kvbridge {
 
 // The chunk dtype of an engine element type (Engine::kv_dtype()).
 kvbus::KvDType ChunkDType(engine::DType t);
+// The engine element type of a chunk dtype.
+engine::DType EngineDType(kvbus::KvDType t);
 
 // Copies the KV of tokens [first, first + count) of `seq` (fp32 in the cache)
 // into a new chunk of `dtype`, rounding to nearest even. The tokens must be
