@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "kdn/engine/cpu_runtime.h"
+#include "kdn/engine/open_engine.h"
 #include "kdn/engine/presets.h"
 #include "kdn/engine/sampler.h"
 
@@ -53,7 +54,7 @@ double MemcpyGBps(size_t bytes, int reps) {
   return best;
 }
 
-Result<std::vector<int32_t>> GreedyTokens(engine::CpuEngine& model, engine::KvSequence& seq,
+Result<std::vector<int32_t>> GreedyTokens(engine::Engine& model, engine::KvSequence& seq,
                                           std::vector<float> logits, int max_tokens,
                                           const std::function<bool(int32_t)>& stop) {
   std::vector<int32_t> out;
@@ -67,21 +68,21 @@ Result<std::vector<int32_t>> GreedyTokens(engine::CpuEngine& model, engine::KvSe
   return out;
 }
 
-Result<std::unique_ptr<engine::CpuEngine>> MakeModel(const Common& c, int64_t kv_tokens, std::string* what) {
-  EngineOptions opts;
-  opts.threads = c.threads;
-  opts.kv_tokens = kv_tokens;
+Result<std::unique_ptr<engine::Engine>> MakeModel(const Common& c, int64_t kv_tokens,
+                                                  std::string* what) {
+  KDN_ASSIGN_OR_RETURN(const engine::Device device, engine::ParseDevice(c.device));
+  const engine::OpenOptions opts{.device = device, .kv_tokens = kv_tokens, .threads = c.threads};
   if (!c.model_dir.empty()) {
-    *what = c.model_dir;
-    return CpuEngine::Load(c.model_dir, opts);
+    *what = c.model_dir + " on " + device.ToString();
+    return engine::OpenEngine(c.model_dir, opts);
   }
   KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));
-  *what = "preset " + p.name + " (seed " + std::to_string(c.seed) + ")";
-  return CpuEngine::Create(p.config, GenerateWeights(p.config, c.seed, p.dtype), opts);
+  *what = "preset " + p.name + " (seed " + std::to_string(c.seed) + ") on " + device.ToString();
+  return engine::MaterializeEngine(p.config, c.seed, opts, p.dtype);
 }
 
 json Machine(const Common& c) {
-  return {{"backend", "cpu"},
+  return {{"backend", c.device},
           {"threads", c.threads > 0 ? c.threads : omp_get_max_threads()},
           {"hardware_threads", std::thread::hardware_concurrency()},
           {"blas", openblas_get_config()},

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/engine.h"
 #include "kdn/kvbus/chunk.h"
 
 namespace kdn::bench {
@@ -36,6 +36,7 @@ double MemcpyGBps(size_t bytes, int reps);
 double MemcpyOneThreadGBps(size_t bytes, int reps);
 
 struct Common {
+  std::string device = "cpu";  // cpu, cuda or cuda:N (engine::ParseDevice)
   std::string preset = "small";
   uint64_t seed = 0;
   std::string model_dir;
@@ -47,12 +48,15 @@ struct Common {
 
 // Greedy tokens continuing `seq`, whose prompt gave `logits`: at most
 // max_tokens, ending with the first one for which stop (if given) is true.
-Result<std::vector<int32_t>> GreedyTokens(engine::CpuEngine& model, engine::KvSequence& seq,
+Result<std::vector<int32_t>> GreedyTokens(engine::Engine& model, engine::KvSequence& seq,
                                           std::vector<float> logits, int max_tokens,
                                           const std::function<bool(int32_t)>& stop = nullptr);
 
-Result<std::unique_ptr<engine::CpuEngine>> MakeModel(const Common& c, int64_t kv_tokens,
-                                                 std::string* what);
+// The model of --model or --preset on --device, its KV pool holding
+// kv_tokens. A preset on a GPU is materialised there (its values are not the
+// CPU's: compare backends on a model folder).
+Result<std::unique_ptr<engine::Engine>> MakeModel(const Common& c, int64_t kv_tokens,
+                                                  std::string* what);
 // "f32", "f16" or "bf16" (anything else is f32: the flags check the choice).
 kvbus::KvDType ParseDType(const std::string& s);
 // Asks the kernel to drop every file under `dir` from the page cache, so the

@@ -36,7 +36,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     std::fprintf(stderr, "kdn-bench: %s\n", model_r.status().ToString().c_str());
     return 1;
   }
-  engine::CpuEngine& model = **model_r;
+  engine::Engine& model = **model_r;
   const engine::ModelConfig& cfg = model.config();
   std::mt19937 rng(static_cast<uint32_t>(c.seed) + 17);
   auto random_tokens = [&](int n) {
@@ -68,13 +68,14 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
   kvbus::TieredStore store(std::move(tiers));
   const kvbus::KeyContext ctx{{0, 42}, "", kChunkTokens};
   engine::KvCache& cache = model.kv_cache();
+  const kvbus::KvDType chunk_dtype = kvbridge::ChunkDType(model.kv_dtype());  // the engine's own
   for (const auto& d : documents) {
     engine::KvSequence seq = cache.NewSequence();
     std::vector<float> logits;
     auto key = kvbus::SegmentKey(ctx, d);
     if (!model.Prefill(seq, d, {}, &logits).ok()) return 1;
     auto chunk = kvbridge::ChunkFromPagedKv(cache, seq, 0, doc_tokens, key, ctx.model_fingerprint,
-                                         kvbus::KvDType::kF32);
+                                            chunk_dtype);
     if (!chunk.ok() || !store.Put(*chunk).ok()) return 1;
   }
   {
@@ -85,7 +86,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     const auto keys = kvbus::PrefixKeys(ctx, earlier);
     for (size_t i = 0; i < keys.size(); ++i) {
       auto chunk = kvbridge::ChunkFromPagedKv(cache, seq, i * kChunkTokens, kChunkTokens, keys[i],
-                                           ctx.model_fingerprint, kvbus::KvDType::kF32);
+                                              ctx.model_fingerprint, chunk_dtype);
       if (!chunk.ok() || !store.Put(*chunk).ok()) return 1;
     }
   }

@@ -62,7 +62,7 @@ Result<std::vector<int32_t>> TextTokens(const std::string& text_dir, size_t n) {
 
 // Writes the chunks' KV into a new sequence of `model` and computes `suffix`
 // on top: every position's logits.
-Result<std::vector<float>> SuffixLogits(engine::CpuEngine& model, const Chunks& chunks,
+Result<std::vector<float>> SuffixLogits(engine::Engine& model, const Chunks& chunks,
                                         std::span<const int32_t> suffix) {
   engine::KvCache& cache = model.kv_cache();
   engine::KvSequence seq = cache.NewSequence();
@@ -157,7 +157,7 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
                  (!text.ok() ? text.status() : model_r.status()).ToString().c_str());
     return 1;
   }
-  engine::CpuEngine& model = **model_r;
+  engine::Engine& model = **model_r;
   for (int32_t t : *text) {
     if (t >= model.config().vocab_size) {
       std::fprintf(stderr, "kdn-bench kv-codec: the text of %s has token %d, past %s's vocabulary\n",

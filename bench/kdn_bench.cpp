@@ -44,6 +44,7 @@
 
 #include "bench_util.h"
 #include "kdn/engine/cpu_runtime.h"
+#include "kdn/engine/open_engine.h"
 
 int main(int argc, char** argv) {
   using namespace kdn::bench;
@@ -61,9 +62,8 @@ int main(int argc, char** argv) {
     sub->add_option("--json", c.json_path, "Also write the results as one JSON object");
   };
   std::vector<int> lengths = {512, 2048};
-  std::string device = "cpu";
   auto device_option = [&](CLI::App* sub) {
-    sub->add_option("--device", device,
+    sub->add_option("--device", c.device,
                     "cpu (fp32, vs sgemm peak and memcpy) or cuda (bf16 on GPU 0, vs the bf16 "
                     "GEMM peak and a device copy; presets are made in device memory)")
         ->check(CLI::IsMember({"cpu", "cuda"}))
@@ -195,6 +195,14 @@ int main(int argc, char** argv) {
   std::vector<double> rb_ratios = {0.0, 0.05, 0.15, 0.3, 1.0};
   auto* rag = app.add_subcommand("rag-blend", "CacheBlend TTFT and quality vs full prefill and prefix caching");
   common(rag);
+  rag->add_option("--device", c.device,
+                  "Where the engine runs: cpu, cuda or cuda:N (a preset is materialised on the "
+                  "GPU, bf16)")
+      ->check([](const std::string& s) {
+        auto d = kdn::engine::ParseDevice(s);
+        return d.ok() ? std::string() : d.status().message();
+      })
+      ->capture_default_str();
   rag->add_option("--docs", rb_docs, "Documents per prompt")->capture_default_str()
       ->check(CLI::Range(1, 64));
   rag->add_option("--doc-tokens", rb_doc_tokens, "Tokens per document")->capture_default_str()
@@ -230,7 +238,7 @@ int main(int argc, char** argv) {
     }
     return RunKvCodec(c, kc);
   }
-  if (device == "cuda") {
+  if (c.device == "cuda") {
 #if KDN_BENCH_CUDA
     if (prefill->parsed()) return RunCudaPrefill(c, lengths);
     if (decode->parsed()) return RunCudaDecode(c, batches, context, steps);

@@ -83,7 +83,7 @@ std::string Strip(std::string s) {
 
 // Greedy decoding from `seq` (whose prompt gave `logits`) until a newline,
 // EOS or max_tokens; the text before the newline.
-Result<std::string> DecodeLine(engine::CpuEngine& model, engine::KvSequence& seq,
+Result<std::string> DecodeLine(engine::Engine& model, engine::KvSequence& seq,
                                const engine::Tokenizer& tok, std::vector<float> logits,
                                int max_tokens) {
   auto piece = [&](int32_t t) { return tok.Decode(std::span<const int32_t>(&t, 1)); };
@@ -140,7 +140,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
                  (!model_r.ok() ? model_r.status() : tok_r.status()).ToString().c_str());
     return 1;
   }
-  engine::CpuEngine& model = **model_r;
+  engine::Engine& model = **model_r;
   const engine::Tokenizer& tok = **tok_r;
   engine::KvCache& cache = model.kv_cache();
   std::vector<Mode> modes{{"full prefill", -1}};

@@ -31,16 +31,20 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--chunk-tokens", o.chunk_tokens, "Tokens per KV chunk (the same in every process)")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--kv-tokens", o.kv_tokens, "Tokens of KV the engine's paged cache holds")
-      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-batch", o.max_batch, "Requests decoded together at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  kdn::control::EngineFlags engine_flags(o.engine.kv_tokens);
+  engine_flags.Add(app);
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
   kdn::control::KvFlags kv_flags;
   kv_flags.Add(app);
   CLI11_PARSE(app, argc, argv);
+  auto engine = engine_flags.Options(o.engine);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "kdn-decode: %s\n", engine.status().message().c_str());
+    return 2;
+  }
+  o.engine = *engine;
   o.kv_transport = kv_flags.transport();
   o.store_codec = kv_flags.codec();
   o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);

@@ -8,18 +8,19 @@
 
 #include "kdn/engine/generate.h"
 #include "kdn/engine/cpu_runtime.h"
-#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/open_engine.h"
 #include "kdn/engine/tokenizer.h"
 
 int main(int argc, char** argv) {
   using namespace kdn::engine;
   kdn::engine::PrepareCpuRuntime(argv);
-  CLI::App app{"Run a prompt through the kdn engine (CPU backend) in one process."};
+  CLI::App app{"Run a prompt through the kdn engine, on the CPU or a GPU, in one process."};
   std::string model_dir, prompt, prompt_ids;
   GenerateOptions gen;
   gen.sampling.temperature = 0.0f;
   bool no_bos = false, print_ids = false, ignore_eos = false;
   int threads = 0;
+  std::string device = "cpu";
   app.add_option("--model", model_dir, "Model folder (config.json, *.safetensors, tokenizer.json)")
       ->required();
   auto* p = app.add_option("--prompt", prompt, "Prompt text");
@@ -31,6 +32,8 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", gen.sampling.top_k, "0 = off")->capture_default_str();
   app.add_option("--top-p", gen.sampling.top_p, "1 = off")->capture_default_str();
   app.add_option("--seed", gen.sampling.seed, "Sampling seed")->capture_default_str();
+  app.add_option("--device", device, "Where the engine runs: cpu, cuda (device 0) or cuda:N")
+      ->capture_default_str();
   app.add_option("--threads", threads, "CPU threads (0 = all cores)")->capture_default_str();
   app.add_flag("--no-bos", no_bos, "Do not prepend the BOS token");
   app.add_flag("--ignore-eos", ignore_eos, "Keep generating past the EOS token");
@@ -45,12 +48,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
     return 2;
   }
-  EngineOptions opts;
-  opts.threads = threads;
-  auto model = CpuEngine::Load(model_dir, opts);
-  if (!model.ok()) {
-    std::fprintf(stderr, "kdn-generate: %s\n", model.status().ToString().c_str());
-    return 1;
+  auto dev = ParseDevice(device);
+  if (!dev.ok()) {
+    std::fprintf(stderr, "kdn-generate: --device: %s\n", dev.status().message().c_str());
+    return 2;
   }
   auto tok = Tokenizer::Load(model_dir);
   if (!tok.ok()) {
@@ -71,6 +72,16 @@ int main(int argc, char** argv) {
     }
   } else {
     ids = (*tok)->Encode(prompt, !no_bos);
+  }
+  // The KV pool holds the prompt and every token generated.
+  OpenOptions opts{.device = *dev,
+                   .kv_tokens = static_cast<int64_t>(ids.size()) + gen.max_tokens + kKvBlockTokens,
+                   .threads = threads};
+  opts.max_batch = 1;
+  auto model = OpenEngine(model_dir, opts);
+  if (!model.ok()) {
+    std::fprintf(stderr, "kdn-generate: %s\n", model.status().ToString().c_str());
+    return 1;
   }
   const int32_t eos = (*tok)->eos_id() >= 0 ? (*tok)->eos_id() : (*model)->config().eos_token_id;
   if (!ignore_eos && eos >= 0) gen.stop_ids.push_back(eos);

@@ -25,7 +25,7 @@ class Placer {
     int64_t delta;  // at - the position its K was rotated for
   };
 
-  Placer(engine::CpuEngine& model, engine::KvSequence& seq, std::vector<Item> items, int first_layer,
+  Placer(engine::Engine& model, engine::KvSequence& seq, std::vector<Item> items, int first_layer,
          bool threaded)
       : model_(model), seq_(seq), items_(std::move(items)), first_layer_(first_layer) {
     placed_ = first_layer_;  // layers below first_layer_ need nothing
@@ -67,7 +67,7 @@ class Placer {
     }
   }
 
-  engine::CpuEngine& model_;
+  engine::Engine& model_;
   engine::KvSequence& seq_;
   const std::vector<Item> items_;
   const int first_layer_;
@@ -81,7 +81,7 @@ class Placer {
 
 }  // namespace
 
-Result<BlendResult> BlendPrefill(engine::CpuEngine& model, engine::KvSequence& seq,
+Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
                                  std::span<const int32_t> suffix, const BlendOptions& options) {
   const engine::ModelConfig& cfg = model.config();

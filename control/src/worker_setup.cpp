@@ -12,9 +12,9 @@
 namespace kdn::control {
 
 Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
-                                    const engine::EngineOptions& options) {
+                                    const engine::OpenOptions& options) {
   WorkerModel w;
-  KDN_ASSIGN_OR_RETURN(w.model, engine::CpuEngine::Load(dir, options));
+  KDN_ASSIGN_OR_RETURN(w.model, engine::OpenEngine(dir, options));
   KDN_ASSIGN_OR_RETURN(w.tokenizer, engine::Tokenizer::Load(dir));
   KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbridge::WeightsDigest(dir));
   const engine::ModelConfig& c = w.model->config();
@@ -39,10 +39,11 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
   return std::make_unique<kvbus::TieredStore>(std::move(tiers), options);
 }
 
-bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens) {
+bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens,
+               kvbus::KvDType dtype) {
   const kvbus::ChunkInfo& info = chunk.info();
   return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
-         info.dtype == kvbus::KvDType::kF32 && !chunk.encoded();
+         info.dtype == dtype && !chunk.encoded();
 }
 
 bool AnswerQuery(ControlServer& server, const std::string& peer,

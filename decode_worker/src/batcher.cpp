@@ -42,7 +42,7 @@ size_t ShowableLength(const std::string& text, const std::vector<std::string>& s
   return n - hold;
 }
 
-Batcher::Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch)
+Batcher::Batcher(engine::Engine& model, const engine::Tokenizer& tokenizer, int max_batch)
     : model_(model), tokenizer_(tokenizer), max_batch_(max_batch) {}
 
 Batcher::~Batcher() = default;
@@ -137,17 +137,19 @@ Status Batcher::Step(std::vector<TokenEvent>* events) {
   if (requests_.empty()) return Status::Ok();
   std::vector<engine::KvSequence*> seqs;
   std::vector<int32_t> tokens;
+  std::vector<engine::Sampler*> samplers;
   for (auto& [id, r] : requests_) {
     seqs.push_back(&r->seq);
     tokens.push_back(r->pending);
+    samplers.push_back(&r->sampler);
   }
-  std::vector<float> logits;
-  KDN_RETURN_IF_ERROR(model_.DecodeStep(seqs, tokens, &logits));
-  const size_t vocab = static_cast<size_t>(model_.config().vocab_size);
+  // Drawn where the logits live: on a GPU only the ids come back.
+  std::vector<int32_t> next_tokens;
+  KDN_RETURN_IF_ERROR(model_.DecodeSample(seqs, tokens, samplers, &next_tokens));
   size_t row = 0;
   for (auto it = requests_.begin(); it != requests_.end(); ++row) {
     Request& r = *it->second;
-    const int32_t next = r.sampler.Sample(std::span<const float>(&logits[row * vocab], vocab));
+    const int32_t next = next_tokens[row];
     if (Accept(r, next, events)) {
       if (on_finish_) on_finish_(it->first, r.seq, r.tokens);
       it = requests_.erase(it);  // its KV blocks go back with the sequence

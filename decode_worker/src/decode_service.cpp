@@ -250,9 +250,8 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   if (options.max_batch <= 0) return InvalidArgument("--max-batch must be positive");
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  engine::EngineOptions eo;
-  eo.kv_tokens = options.kv_tokens;
-  eo.threads = options.threads;
+  engine::OpenOptions eo = options.engine;
+  eo.max_batch = options.max_batch;
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint,

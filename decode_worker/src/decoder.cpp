@@ -32,7 +32,7 @@ struct Decoder::Mailbox {
   std::atomic<uint64_t> bytes_pending{0};
 };
 
-Decoder::Decoder(engine::CpuEngine& model, const engine::Tokenizer& tokenizer,
+Decoder::Decoder(engine::Engine& model, const engine::Tokenizer& tokenizer,
                  kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
                  JobThread& store_io, DecoderOptions options)
     : model_(model),
@@ -165,6 +165,7 @@ DecoderStats Decoder::Stats() const {
 void Decoder::PostLoad(uint64_t id, const Prepared& p) {
   store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys,
                              tokens = p.request.tokens, min_tail = options_.min_tail_tokens,
+                             dtype = kvbridge::ChunkDType(model_.kv_dtype()),
                              ctx = kvbus::KeyContext{fingerprint_, p.request.ns,
                                                      options_.chunk_tokens}] {
     Mailbox::Load load{id, {}};
@@ -175,7 +176,7 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
         ctx, tokens, keys, static_cast<int64_t>(tokens.size()), min_tail,
         [&](const kvbus::KeyedSpan& s) {
           auto chunk = store.Get(s.key);
-          if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count)) {
+          if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count, dtype)) {
             return false;
           }
           load.chunks.emplace_back(s, *std::move(chunk));

@@ -232,10 +232,7 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
   if (options.chunk_tokens <= 0) return InvalidArgument("--chunk-tokens must be positive");
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  engine::EngineOptions eo;
-  eo.kv_tokens = options.kv_tokens;
-  eo.threads = options.threads;
-  KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
+  KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, options.engine));
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint,
                                                 options.store_codec));

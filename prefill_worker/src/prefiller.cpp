@@ -9,9 +9,13 @@
 namespace kdn::prefill_worker {
 
 
-Prefiller::Prefiller(engine::CpuEngine& model, kvbus::TieredStore& store,
+Prefiller::Prefiller(engine::Engine& model, kvbus::TieredStore& store,
                      kvbus::ChunkKey model_fingerprint, PrefillerOptions options)
-    : model_(model), store_(store), fingerprint_(model_fingerprint), options_(options) {}
+    : model_(model),
+      store_(store),
+      fingerprint_(model_fingerprint),
+      chunk_dtype_(kvbridge::ChunkDType(model.kv_dtype())),
+      options_(options) {}
 
 Prefiller::~Prefiller() = default;
 
@@ -49,7 +53,7 @@ struct Prefiller::Push {
                            kvbridge::LayerSliceFromPagedKv(
                                self.model_.kv_cache(), seq, r.first, r.count, layer,
                                kvbus::LayerSliceKey(r.parent, layer), self.fingerprint_,
-                               kvbus::KvDType::kF32));
+                               self.chunk_dtype_));
       slices.push_back(std::move(slice));
     }
     KDN_ASSIGN_OR_RETURN(uint64_t batch, sender->Submit(std::move(slices)));
@@ -118,7 +122,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
       kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
                          [&](const kvbus::KeyedSpan& s) {
         auto chunk = store_.Get(s.key);
-        return chunk.ok() && control::ChunkFits(**chunk, fingerprint_, s.count) &&
+        return chunk.ok() && control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_) &&
                kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first).ok();
       });
   const int64_t hit = kvbus::SpannedTokens(held);
@@ -181,7 +185,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
     p += len;
     const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, s.tokens);
     auto chunk = store_.Get(key);
-    if (chunk.ok() && control::ChunkFits(**chunk, fingerprint_, len)) {
+    if (chunk.ok() && control::ChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
       s.kv = *std::move(chunk);
     } else if (std::none_of(missing_segments_.begin(), missing_segments_.end(),
                             [&](const auto& m) { return m.first == key; })) {
@@ -223,7 +227,7 @@ Status Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<const int32
   std::vector<float> logits;
   KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
   KDN_ASSIGN_OR_RETURN(auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
-                                                           fingerprint_, kvbus::KvDType::kF32));
+                                                           fingerprint_, chunk_dtype_));
   return store_.Put(std::move(chunk));
 }
 
@@ -252,7 +256,7 @@ Status Prefiller::StoreNewChunks() {
     if (seq_.length() < s.first + s.count) break;
     if (store_.Contains(s.key)) continue;
     auto chunk = kvbridge::ChunkFromPagedKv(cache, seq_, s.first, s.count, s.key, fingerprint_,
-                                            kvbus::KvDType::kF32);
+                                            chunk_dtype_);
     Status st = chunk.ok() ? store_.Put(*std::move(chunk)) : chunk.status();
     if (!st.ok() && first_error.ok()) first_error = st;
   }

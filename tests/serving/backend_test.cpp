@@ -186,8 +186,7 @@ class BackendTest : public ::testing::Test {
     auto p = prefill_worker::PrefillService::Start({.model_dir = dir_.path(),
                                                     .host_bytes = 16u << 20,
                                                     .chunk_tokens = kChunk,
-                                                    .kv_tokens = 1024,
-                                                    .threads = 1});
+                                                    .engine = {.kv_tokens = 1024, .threads = 1}});
     ASSERT_TRUE(p.ok()) << p.status().ToString();
     prefill_ = std::move(p).value();
   }
@@ -344,8 +343,7 @@ TEST_F(BackendTest, TheRouterAndARealDecodeWorkerShowEachTokenOnce) {
                                                 .host_bytes = 16u << 20,
                                                 .staging_bytes = 16u << 20,
                                                 .chunk_tokens = kChunk,
-                                                .kv_tokens = 1024,
-                                                .threads = 1});
+                                                .engine = {.kv_tokens = 1024, .threads = 1}});
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   StartBackend((*d)->endpoint());
   auto wm = control::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});

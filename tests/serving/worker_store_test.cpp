@@ -42,8 +42,12 @@ TEST(WorkerStore, ChunksGoToTheStoreCodedAndComeBackDecoded) {
   ASSERT_TRUE(got.ok()) << got.status().ToString();
   EXPECT_FALSE((*got)->encoded());
   ASSERT_EQ((*got)->size(), raw->size());
-  EXPECT_TRUE(ChunkFits(**got, raw->info().model_fingerprint, 64));
-  EXPECT_FALSE(ChunkFits(**held, raw->info().model_fingerprint, 64));  // coded: not usable as is
+  const kvbus::ChunkKey fp = raw->info().model_fingerprint;
+  EXPECT_TRUE(ChunkFits(**got, fp, 64, kvbus::KvDType::kF32));
+  EXPECT_FALSE(ChunkFits(**held, fp, 64, kvbus::KvDType::kF32));  // coded: not usable as is
+  // Another engine's element type (a GPU's bf16) is recomputed, not converted.
+  EXPECT_FALSE(ChunkFits(**got, fp, 64, kvbus::KvDType::kBF16));
+  EXPECT_FALSE(ChunkFits(**got, fp, 63, kvbus::KvDType::kF32));
   for (size_t i = 0; i < raw->payload().size() / 4; ++i) {
     float a, b;
     std::memcpy(&a, raw->payload().data() + 4 * i, 4);

@@ -38,29 +38,34 @@ int64_t EstimateDeviceBytes(const ModelConfig& c, const CudaEngineOptions& o) {
   return weights + kv + rows * per_row + logits + kFixedWorkspaceBytes;
 }
 
-Status internal::CheckDevice(const ModelConfig& config, const CudaEngineOptions& options) {
+Result<DeviceMemoryInfo> DeviceMemory(int device) {
   const int count = DeviceCount();
   if (count == 0) {
     return FailedPrecondition("cuda: no CUDA device is visible (driver missing, or "
                               "CUDA_VISIBLE_DEVICES empty); use --device cpu");
   }
-  if (options.device < 0 || options.device >= count) {
-    return FailedPrecondition("cuda: no device " + std::to_string(options.device) +
+  if (device < 0 || device >= count) {
+    return FailedPrecondition("cuda: no device " + std::to_string(device) +
                               "; this machine has " + std::to_string(count) + " (0.." +
                               std::to_string(count - 1) + ")");
   }
-  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   size_t free_bytes = 0, total_bytes = 0;
   KDN_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return DeviceMemoryInfo{static_cast<int64_t>(free_bytes), static_cast<int64_t>(total_bytes)};
+}
+
+Status internal::CheckDevice(const ModelConfig& config, const CudaEngineOptions& options) {
+  KDN_ASSIGN_OR_RETURN(const DeviceMemoryInfo mem, DeviceMemory(options.device));
   const int64_t need = EstimateDeviceBytes(config, options);
-  if (need > static_cast<int64_t>(free_bytes)) {
-    auto gib = [](int64_t b) { return std::to_string(b / (int64_t{1} << 20)) + " MiB"; };
+  if (need > mem.free_bytes) {
+    auto mib = [](int64_t b) { return std::to_string(b / (int64_t{1} << 20)) + " MiB"; };
     return FailedPrecondition(
-        "cuda:" + std::to_string(options.device) + ": the model needs about " + gib(need) +
-        " (weights " + gib(config.ParameterCount() * 2) + ", KV for " +
+        "cuda:" + std::to_string(options.device) + ": the model needs about " + mib(need) +
+        " (weights " + mib(config.ParameterCount() * 2) + ", KV for " +
         std::to_string(options.kv_tokens) + " tokens " +
-        gib(options.kv_tokens * KvBytesPerToken(config)) + ") but only " +
-        gib(static_cast<int64_t>(free_bytes)) + " of " + gib(static_cast<int64_t>(total_bytes)) +
+        mib(options.kv_tokens * KvBytesPerToken(config)) + ") but only " + mib(mem.free_bytes) +
+        " of " + mib(mem.total_bytes) +
         " are free; give it fewer KV tokens, a smaller --gpu-mem-fraction share or a GPU "
         "of its own");
   }

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/engine.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbridge/paged_chunks.h"
 
@@ -64,7 +64,7 @@ struct BlendResult {
 // Fuses `segments` then `suffix` (non-empty) into `seq` (empty on entry; it
 // holds the fused prompt's KV on return). INVALID_ARGUMENT for a chunk that
 // does not fit the model or its segment, a bad ratio or check layer.
-Result<BlendResult> BlendPrefill(engine::CpuEngine& model, engine::KvSequence& seq,
+Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
                                  std::span<const int32_t> suffix, const BlendOptions& options);
 

@@ -1,16 +1,71 @@
 #pragma once
-// Command-line flags kdn-prefill and kdn-decode share: kvbus's data plane
-// and the KV codec of what they put into kdn-store. Header-only, so that only
-// the programs' mains see CLI11.
+// Command-line flags kdn-prefill and kdn-decode share: where the engine runs
+// and how much KV it holds, kvbus's data plane and the KV codec of what they
+// put into kdn-store. Header-only, so that only the programs' mains see
+// CLI11.
 
 #include <CLI/CLI.hpp>
 
 #include <string>
 
+#include "kdn/engine/open_engine.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/transport.h"
 
 namespace kdn::control {
+
+// --device, --gpu-mem-fraction, --kv-tokens and --threads. On a GPU the KV
+// pool fills the memory share unless --kv-tokens is given.
+struct EngineFlags {
+  std::string device = "cpu";
+  double gpu_mem_fraction = 0.9;
+  int64_t kv_tokens;
+  int threads = 0;
+  CLI::Option* kv_tokens_option = nullptr;
+  CLI::Option* fraction_option = nullptr;
+
+  explicit EngineFlags(int64_t default_kv_tokens) : kv_tokens(default_kv_tokens) {}
+
+  void Add(CLI::App& app) {
+    app.add_option("--device", device, "Where the engine runs: cpu, cuda (device 0) or cuda:N")
+        ->check([](const std::string& s) {
+          auto d = engine::ParseDevice(s);
+          return d.ok() ? std::string() : d.status().message();
+        })
+        ->capture_default_str();
+    fraction_option =
+        app.add_option("--gpu-mem-fraction", gpu_mem_fraction,
+                       "With --device cuda: the share of the GPU's memory this worker takes "
+                       "(weights, activations, and a KV pool filling the rest), so that workers "
+                       "can share a GPU; --kv-tokens sizes the pool instead when given")
+            ->check(CLI::Range(0.0, 1.0).description("in (0, 1]"))
+            ->check([](const std::string& s) {
+              return std::stod(s) > 0 ? std::string() : std::string("must be more than 0");
+            })
+            ->capture_default_str();
+    kv_tokens_option =
+        app.add_option("--kv-tokens", kv_tokens, "Tokens of KV the engine's paged cache holds")
+            ->capture_default_str()
+            ->check(CLI::PositiveNumber);
+    app.add_option("--threads", threads, "CPU threads (0 = all cores)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+  }
+  // After parsing: `o` with the flags' device, KV pool and threads, or why
+  // the flags do not go together.
+  Result<engine::OpenOptions> Options(engine::OpenOptions o) const {
+    KDN_ASSIGN_OR_RETURN(o.device, engine::ParseDevice(device));
+    o.kv_tokens = kv_tokens;
+    o.threads = threads;
+    if (o.device.cuda()) {
+      if (kv_tokens_option->count() > 0 && fraction_option->count() > 0) {
+        return InvalidArgument("give --kv-tokens or --gpu-mem-fraction, not both");
+      }
+      if (kv_tokens_option->count() == 0) o.gpu_mem_fraction = gpu_mem_fraction;
+    }
+    return o;
+  }
+};
 
 struct KvFlags {
   std::string kv_transport = "auto";

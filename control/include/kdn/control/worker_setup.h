@@ -10,7 +10,8 @@
 
 #include "kdn/control/control_server.h"
 #include "kdn/common/status.h"
-#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/engine.h"
+#include "kdn/engine/open_engine.h"
 #include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
@@ -20,15 +21,17 @@
 namespace kdn::control {
 
 struct WorkerModel {
-  std::unique_ptr<engine::CpuEngine> model;
+  std::unique_ptr<engine::Engine> model;
   std::unique_ptr<engine::Tokenizer> tokenizer;
-  kvbus::ChunkKey fingerprint;  // of the model with f32 KV (the CPU backend's)
+  kvbus::ChunkKey fingerprint;  // of the model with its engine's KV dtype
 };
 
-// Loads the model folder (config, weights, tokenizer) and fingerprints it
-// (docs/kvbus.md: config, weight dtype, KV dtype, digest of the weights).
+// Loads the model folder (config, weights, tokenizer) onto options.device and
+// fingerprints it (docs/kvbus.md: config, weight dtype, KV dtype, digest of
+// the weights). A cuda device that is missing or too small fails here, with
+// what the machine has.
 Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
-                                    const engine::EngineOptions& options);
+                                    const engine::OpenOptions& options);
 
 // The worker's KDN view: its own host tier of `host_bytes` (raw KV), over the
 // shared kdn-store at `store_endpoint` if one is given (written through, so
@@ -40,10 +43,12 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
                                                             kvbus::CodecLevel store_codec = {});
 
 // Whether a chunk from the KDN can be written into this worker's paged KV as
-// `tokens` tokens: that many, computed by this model (`fingerprint`), in the
-// engine's f32. Another chunking, model or precision is recomputed rather
-// than guessed at.
-bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens);
+// `tokens` tokens: that many, computed by this model (`fingerprint`, which
+// covers the engine's KV element type) and decoded to `dtype`, the engine's
+// (kvbridge::ChunkDType(engine.kv_dtype())). Another chunking, model or
+// precision is recomputed rather than guessed at.
+bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens,
+               kvbus::KvDType dtype);
 
 // Answers, on the control I/O thread, the queries both kinds of worker answer
 // alike: an info request (the router's liveness ping) and a lookup (how many

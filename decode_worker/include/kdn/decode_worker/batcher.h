@@ -10,7 +10,7 @@
 // continues the prefill worker's random stream, so that a request's tokens do
 // not depend on which other requests share its batches.
 //
-// Not thread-safe: the decode worker's loop owns it (and the CpuEngine).
+// Not thread-safe: the decode worker's loop owns it (and the Engine).
 
 #include <cstdint>
 #include <functional>
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/engine.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/engine/tokenizer.h"
 
@@ -61,7 +61,7 @@ class Batcher {
 
   // `tokenizer` turns tokens into text for stop strings and events; the
   // model and tokenizer must outlive the Batcher.
-  Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch);
+  Batcher(engine::Engine& model, const engine::Tokenizer& tokenizer, int max_batch);
   ~Batcher();
 
   // Adds a request whose prompt KV is in `seq` and whose first token
@@ -105,7 +105,7 @@ class Batcher {
                      Request& r, int32_t token, std::vector<TokenEvent>* events);
   bool Accept(Request& r, int32_t token, std::vector<TokenEvent>* events);
 
-  engine::CpuEngine& model_;
+  engine::Engine& model_;
   const engine::Tokenizer& tokenizer_;
   const int max_batch_;
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // by id: a stable batch order

@@ -28,6 +28,7 @@
 #include <string>
 
 #include "kdn/common/status.h"
+#include "kdn/engine/open_engine.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/transport.h"
 
@@ -43,9 +44,10 @@ struct DecodeServiceOptions {
   uint64_t host_bytes = uint64_t{2} << 30;     // own KDN tier
   uint64_t staging_bytes = uint64_t{2} << 30;  // KV slices received, not yet assembled
   int chunk_tokens = 256;
-  int64_t kv_tokens = 65536;
+  // Where the engine runs and the KV its paged cache holds (its max_batch
+  // is set from max_batch).
+  engine::OpenOptions engine{.kv_tokens = 65536};
   int max_batch = 32;
-  int threads = 0;
   // kvbus data plane (kvbus::TransportKind): auto and shm give the receiver
   // a shared-memory landing segment of kv_landing_bytes for prefill workers
   // on this host; tcp gives none.

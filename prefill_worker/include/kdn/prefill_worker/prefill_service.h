@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kdn/common/status.h"
+#include "kdn/engine/open_engine.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/transport.h"
 
@@ -26,8 +27,8 @@ struct PrefillServiceOptions {
   std::string name = "prefill-0";
   uint64_t host_bytes = uint64_t{2} << 30;
   int chunk_tokens = 256;
-  int64_t kv_tokens = 32768;
-  int threads = 0;
+  // Where the engine runs and the KV its paged cache holds.
+  engine::OpenOptions engine{.kv_tokens = 32768, .max_batch = 8};
   // kvbus data plane to decode workers (kvbus::TransportKind).
   kvbus::TransportKind kv_transport = kvbus::TransportKind::kAuto;
 };

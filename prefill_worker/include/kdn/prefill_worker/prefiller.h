@@ -22,7 +22,7 @@
 // stored under their segment keys after the reply. Inject stores a document
 // that way ahead of any question.
 //
-// Not thread-safe: the worker's compute loop owns it, with the CpuEngine. The
+// Not thread-safe: the worker's compute loop owns it, with the Engine. The
 // store is shared (thread-safe).
 
 #include <chrono>
@@ -36,7 +36,7 @@
 
 #include "kdn/blend/blend.h"
 #include "kdn/common/status.h"
-#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/engine.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
@@ -94,7 +94,7 @@ struct PrefillerOptions {
 class Prefiller {
  public:
   // Borrows `model` and `store`, which must outlive it.
-  Prefiller(engine::CpuEngine& model, kvbus::TieredStore& store, kvbus::ChunkKey model_fingerprint,
+  Prefiller(engine::Engine& model, kvbus::TieredStore& store, kvbus::ChunkKey model_fingerprint,
             PrefillerOptions options);
   ~Prefiller();
 
@@ -128,9 +128,10 @@ class Prefiller {
   // Computes a document alone and stores it (seq_ must be free).
   Status StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens);
 
-  engine::CpuEngine& model_;
+  engine::Engine& model_;
   kvbus::TieredStore& store_;
   const kvbus::ChunkKey fingerprint_;
+  const kvbus::KvDType chunk_dtype_;  // the engine's KV element type
   const PrefillerOptions options_;
   std::map<std::string, std::unique_ptr<kvbus::Sender>> senders_;  // by endpoint
 

@@ -44,6 +44,13 @@ struct CudaEngineOptions {
 
 // The number of CUDA devices, 0 when there is none or no driver.
 int DeviceCount();
+// A device's memory now (cudaMemGetInfo). FAILED_PRECONDITION, naming what
+// the machine has, for a device that does not exist.
+struct DeviceMemoryInfo {
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+};
+Result<DeviceMemoryInfo> DeviceMemory(int device);
 
 // Device memory a CudaEngine of `config` and `options` takes: weights, KV
 // pool, activations and workspaces (an estimate to within a few percent, for
