@@ -252,3 +252,47 @@ def test_status_shows_cpu_workers(deployment):
         row = next(l for l in r.stdout.splitlines() if l.split()[:1] == [p["name"]])
         assert row.split()[4] == ("-" if p["role"] == "router" else "cpu"), row
 
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """An environment whose PATH starts with stand-in Slurm clients: sbatch
+    prints job id 4242, the others answer nothing."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir()
+    for name, text in (("sbatch", "echo 4242"), ("squeue", "true"), ("scontrol", "true"),
+                       ("scancel", "true")):
+        (bin_dir / name).write_text("#!/bin/sh\n%s\n" % text)
+        (bin_dir / name).chmod(0o755)
+    return dict(os.environ, PATH="%s:%s" % (bin_dir, os.environ.get("PATH", "")))
+
+
+@pytest.mark.parametrize("args, worker_flags", [
+    ([], ""),
+    (["--device", "cpu", "--gpus-per-worker", 1], ""),
+    (["--device", "cuda", "--gpus-per-worker", 1], " --device cuda:0 --gpu-mem-fraction 0.9"),
+    (["--device", "cuda", "--gpus-per-worker", 2, "--gpu-mem-fraction", "0.75"],
+     " --device cuda:0 --gpu-mem-fraction 0.75"),
+])
+def test_slurm_submit_gives_each_worker_its_device(fake, fake_slurm, args, worker_flags):
+    r = launch("slurm", "submit", "--bin-dir", fake.bin_dir, "--model", fake.model,
+               "--run-dir", fake.run_dir, *args, env=fake_slurm, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "4242", r.stdout + r.stderr
+    script = (fake.run_dir / "kdn.sbatch").read_text()
+    worker = next(line for line in script.splitlines() if line.startswith("WORKER=("))
+    assert worker == ('WORKER=(--model "$MODEL" --host-mib 2048 --chunk-tokens 256 --threads 0 '
+                      '--kv-transport auto%s)' % worker_flags), worker
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda"], "--device cuda needs --gpus-per-worker"),
+    (["--gpu-mem-fraction", "0.5", "--gpus-per-worker", 1],
+     "--gpu-mem-fraction needs --device cuda"),
+])
+def test_slurm_submit_refuses_gpu_flags_that_cannot_run(fake, fake_slurm, args, message):
+    r = launch("slurm", "submit", "--bin-dir", fake.bin_dir, "--model", fake.model,
+               "--run-dir", fake.run_dir, *args, env=fake_slurm, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kdn-launch: error: ") and \
+        message in lines[0], r.stderr
+    assert not fake.run_dir.exists()
