@@ -115,6 +115,12 @@ def check_flags(L, a):
                             "across) or tcp" % crossing[0])
     if a.gpus_per_worker == 0 and a.gpu_type:
         raise L.Failure("--gpu-type %s needs --gpus-per-worker" % a.gpu_type)
+    if a.device == "cuda" and a.gpus_per_worker == 0:
+        raise L.Failure("--device cuda needs --gpus-per-worker (Slurm gives each worker its "
+                        "own GPUs; there is no --gpus list here)")
+    if a.device == "cpu" and a.gpu_mem_fraction is not None:
+        raise L.Failure("--gpu-mem-fraction needs --device cuda (with --device cpu no worker "
+                        "uses a GPU)")
     for arg in a.sbatch_arg:
         if not arg.startswith("-"):
             raise L.Failure("--sbatch-arg %r is not an sbatch option (write it as "
@@ -324,6 +330,11 @@ def script_text(L, a, bin_dir, model, run_dir):
     worker = ['--model "$MODEL"', "--host-mib %g" % a.host_mib,
               "--chunk-tokens %d" % a.chunk_tokens, "--threads %d" % a.threads,
               "--kv-transport %s" % a.kv_transport]
+    if a.device == "cuda":
+        # step_main leaves each worker only its own GPUs in CUDA_VISIBLE_DEVICES,
+        # so its first one is cuda:0, and no other worker shares it.
+        worker.append("--device cuda:0 --gpu-mem-fraction %r"
+                      % (a.gpu_mem_fraction if a.gpu_mem_fraction is not None else L.GPU_SHARE))
     steps = []
     if a.store:
         steps += ["# kdn-store on node 0; every worker reads and fills it.",
@@ -625,6 +636,14 @@ def add_commands(L, sub):
                     "G of them in CUDA_VISIBLE_DEVICES (default: %(default)s)")
     sb.add_argument("--gpu-type", default="", metavar="TYPE",
                     help="GPU type in the gres request (gpu:TYPE:G), as the cluster names it")
+    sb.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the workers' engines run: cpu, or cuda (needs "
+                    "--gpus-per-worker): each worker gets --device cuda:0, the first of its own "
+                    "GPUs; with cpu no --device flag is passed (default: %(default)s)")
+    sb.add_argument("--gpu-mem-fraction", type=L.mem_fraction, metavar="F",
+                    help="with --device cuda: the share of its GPU's memory each worker may "
+                    "take (kdn-prefill/kdn-decode --gpu-mem-fraction; default: %g, as no two "
+                    "workers share a GPU)" % L.GPU_SHARE)
     sb.add_argument("--no-exclusive", dest="exclusive", action="store_false",
                     help="do not ask for whole nodes (sbatch --exclusive is the default: "
                     "workers use every core of their node)")
