@@ -98,6 +98,9 @@ struct MultiturnOptions {
   std::optional<uint64_t> seed;  // of the text; none: a new one each run, printed
 };
 int RunMultiturn(const Common& c, const MultiturnOptions& o);
+// The same conversations through prefill_worker::Prefiller in this process,
+// on c.device (bench/multiturn_engine.cpp).
+int RunMultiturnEngine(const Common& c, const MultiturnOptions& o);
 
 // rag-blend: CacheBlend vs full prefill vs prefix caching (bench/blend_workloads.cpp).
 int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,

@@ -117,8 +117,25 @@ int main(int argc, char** argv) {
   MultiturnOptions mt;
   uint64_t mt_seed = 0;
   auto* multiturn = app.add_subcommand(
-      "multiturn", "Against a running deployment: TTFT of later turns vs the first turn");
-  multiturn->add_option("--url", mt.url, "The router's URL, http://HOST:PORT")->required();
+      "multiturn", "TTFT of later turns vs the first turn: against a running deployment (--url), "
+                   "or through the prefill worker's logic in this process (--device)");
+  auto* mt_url = multiturn->add_option("--url", mt.url, "The router's URL, http://HOST:PORT");
+  auto* mt_device =
+      multiturn
+          ->add_option("--device", c.device,
+                       "Instead of --url: the engine in this process, on cpu, cuda or cuda:N, "
+                       "over a host-memory KDN tier (a preset is materialised on the GPU)")
+          ->check([](const std::string& s) {
+            auto d = kdn::engine::ParseDevice(s);
+            return d.ok() ? std::string() : d.status().message();
+          })
+          ->excludes(mt_url);
+  multiturn->add_option("--preset", c.preset, "With --device: generated model preset")
+      ->capture_default_str()->needs(mt_device);
+  multiturn->add_option("--model", c.model_dir, "With --device: a model folder instead")
+      ->needs(mt_device);
+  multiturn->add_option("--threads", c.threads, "With --device cpu: CPU threads (0 = all cores)")
+      ->capture_default_str()->needs(mt_device);
   multiturn->add_option("--context-tokens", mt.context_tokens, "Tokens of shared context")
       ->capture_default_str()->check(CLI::PositiveNumber);
   multiturn->add_option("--turns", mt.turns, "Turns per conversation")->capture_default_str()
@@ -221,6 +238,12 @@ int main(int argc, char** argv) {
   }
   if (multiturn->parsed()) {
     if (multiturn->count("--seed") > 0) mt.seed = mt_seed;
+    if (mt_device->count() > 0) return RunMultiturnEngine(c, mt);
+    if (mt_url->count() == 0) {
+      std::fprintf(stderr, "kdn-bench multiturn: give --url (a deployment) or --device (this "
+                           "process)\n");
+      return 2;
+    }
     return RunMultiturn(c, mt);
   }
   if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);

@@ -48,8 +48,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   kdn::control::CatchStopSignals();
-  std::fprintf(stderr, "kdn-prefill: %s serving on %s\n", o.name.c_str(),
-               (*service)->endpoint().c_str());
+  std::fprintf(stderr, "kdn-prefill: %s serving on %s (engine on %s)\n", o.name.c_str(),
+               (*service)->endpoint().c_str(), (*service)->engine_summary().c_str());
   std::printf("%s\n", (*service)->endpoint().c_str());
   std::fflush(stdout);
   kdn::control::WaitForStopSignal();

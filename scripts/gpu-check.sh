@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
 # What a GPU machine runs for the CUDA backend (docs/engine.md, "The CUDA
-# backend"): the gpu-labelled tests, the transformers peer, the
-# prefill/decode benchmarks on the llama3-8b shape with their ratios to the
-# hardware and to the peer (decode also at batch 32 with 4,096 tokens of
-# context), and the comparison with Hugging Face on the GPU. Results go to
-# $OUT (default ./gpu-results).
+# backend") and the deployment on GPUs (docs/serving.md, "GPUs"): the
+# gpu-labelled tests, the whole deployment on one GPU (tests/deploy/test_gpu.py),
+# the transformers peer, the prefill/decode benchmarks on the llama3-8b shape
+# with their ratios to the hardware and to the peer (decode also at batch 32
+# with 4,096 tokens of context), multiturn at a 16K-token context and
+# rag-blend with 8 documents of 2,048 tokens on that shape, and the comparison
+# with Hugging Face on the GPU. Results go to $OUT (default ./gpu-results).
 #
 #   bash scripts/gpu-check.sh BIN_DIR        # BIN_DIR holds kdn_cuda_tests,
-#                                            # kdn_forward_cuda, kdn-mkmodel, kdn-bench
-# Needs a CUDA device; the Hugging Face parts need python3 with torch (CUDA)
-# and transformers. Each step's failure is reported and the next one runs.
+#                                            # kdn_forward_cuda, kdn-mkmodel, kdn-bench,
+#                                            # kdn-generate and the four servers
+#   STEPS="tests deploy" bash scripts/gpu-check.sh BIN_DIR   # some steps only
+# Steps: tests deploy peer prefill decode serving hf. Needs a CUDA device; the
+# Hugging Face parts need python3 with torch (CUDA) and transformers, the
+# deployment test python3 with pytest and httpx. Each step's failure is
+# reported and the next one runs.
 set -uo pipefail
 BIN=${1:?usage: gpu-check.sh BIN_DIR}
 OUT=${OUT:-./gpu-results}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
+STEPS=${STEPS:-tests deploy peer prefill decode serving hf}
 status=0
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {
   local name=$1; shift
   echo "== $name: $*"
@@ -24,19 +32,27 @@ step() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-step cuda_tests "$BIN/kdn_cuda_tests" --gtest_brief=1
+want tests && step cuda_tests "$BIN/kdn_cuda_tests" --gtest_brief=1
+want deploy && step deploy_gpu env KDN_BIN_DIR="$BIN" KDN_REPO="$HERE" python3 -m pytest -q \
+  -p no:cacheprovider "$HERE/tests/deploy/test_gpu.py"
 "$BIN/kdn-mkmodel" --preset llama3-8b --out "$OUT/llama3-8b-config" --config-only > /dev/null
 # The peer first, so that kdn-bench puts kdn-vs-transformers ratios into its
 # JSON (--peer) beside the ratios to the hardware.
-step hf_peer python3 "$HERE/bench/hf_peer.py" --config "$OUT/llama3-8b-config/config.json" \
+want peer && step hf_peer python3 "$HERE/bench/hf_peer.py" --config "$OUT/llama3-8b-config/config.json" \
   --prefill 2048,8192,32768 --decode 1,32,128 --context 512 --steps 32 --json "$OUT/hf_peer.json"
 peer=()
 [ -s "$OUT/hf_peer.json" ] && peer=(--peer "$OUT/hf_peer.json")
-step prefill "$BIN/kdn-bench" prefill --device cuda --preset llama3-8b --tokens 512,2048,8192,32768 \
+want prefill && step prefill "$BIN/kdn-bench" prefill --device cuda --preset llama3-8b --tokens 512,2048,8192,32768 \
   --reps 3 "${peer[@]}" --json "$OUT/prefill.json"
-step decode "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 1,32,128 \
+want decode && step decode "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 1,32,128 \
   --context 512 --steps 32 "${peer[@]}" --json "$OUT/decode.json"
-step decode_long "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 32 \
+want decode && step decode_long "$BIN/kdn-bench" decode --device cuda --preset llama3-8b --batch 32 \
   --context 4096 --steps 32 --json "$OUT/decode_long.json"
-step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
+want serving && step multiturn "$BIN/kdn-bench" multiturn --device cuda --preset llama3-8b \
+  --context-tokens 16384 --turns 4 --turn-tokens 64 --max-tokens 16 --conversations 2 --seed 1 \
+  --json "$OUT/multiturn.json"
+want serving && step rag_blend "$BIN/kdn-bench" rag-blend --device cuda --preset llama3-8b \
+  --docs 8 --doc-tokens 2048 --question-tokens 64 --ratios 0,0.15,1 --reps 3 \
+  --json "$OUT/rag_blend.json"
+want hf && step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
 exit $status

@@ -24,6 +24,12 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
   return w;
 }
 
+std::string EngineSummary(engine::Engine& engine) {
+  const int64_t tokens = int64_t{engine.kv_cache().num_blocks()} * engine::kKvBlockTokens;
+  return engine.device() + ", " + engine::DTypeName(engine.kv_dtype()) + " KV pool of " +
+         std::to_string(tokens) + " tokens";
+}
+
 Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
                                                             const std::string& store_endpoint,
                                                             kvbus::CodecLevel store_codec) {

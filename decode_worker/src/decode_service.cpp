@@ -312,5 +312,8 @@ DecodeService::~DecodeService() {
 
 const std::string& DecodeService::endpoint() const { return impl_->server->endpoint(); }
 const std::string& DecodeService::kvbus_endpoint() const { return impl_->kvbus_endpoint; }
+std::string DecodeService::engine_summary() const {
+  return control::EngineSummary(*impl_->wm.model);
+}
 
 }  // namespace kdn::decode_worker

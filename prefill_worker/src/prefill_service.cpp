@@ -266,5 +266,8 @@ PrefillService::~PrefillService() {
 }
 
 const std::string& PrefillService::endpoint() const { return impl_->server->endpoint(); }
+std::string PrefillService::engine_summary() const {
+  return control::EngineSummary(*impl_->wm.model);
+}
 
 }  // namespace kdn::prefill_worker

@@ -47,18 +47,6 @@ Pair MakePair(const std::string& preset) {
   return out;
 }
 
-// Logits agree to 3% of their largest magnitude (bf16 weights and
-// activations against fp32 ones over every layer).
-::testing::AssertionResult LogitsClose(const std::vector<float>& gpu,
-                                       const std::vector<float>& cpu) {
-  if (gpu.size() != cpu.size()) return ::testing::AssertionFailure() << "sizes differ";
-  double scale = 0, worst = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) scale = std::max(scale, std::fabs(double(cpu[i])));
-  for (size_t i = 0; i < cpu.size(); ++i) worst = std::max(worst, std::fabs(double(gpu[i]) - cpu[i]));
-  if (worst <= 0.03 * scale) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "largest difference " << worst << " of scale " << scale;
-}
-
 // Greedy tokens agree, except after a step where the CPU's top two were
 // within bf16 noise of each other (then the continuations may part).
 void CheckGreedy(const std::string& preset) {

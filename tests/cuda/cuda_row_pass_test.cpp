@@ -98,7 +98,7 @@ TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
   }
   ASSERT_EQ(deviation[1].size(), 120u);
   EXPECT_TRUE(AllClose(deviation[1], deviation[0], {5e-2, 5e-2}));
-  EXPECT_TRUE(AllClose(logits[1], logits[0], {3e-2, 3e-2}));
+  EXPECT_TRUE(LogitsClose(logits[1], logits[0]));
 }
 
 TEST(CudaKvCache, RotationThereAndBackAndWriteReadRoundTrip) {
@@ -120,9 +120,10 @@ TEST(CudaKvCache, RotationThereAndBackAndWriteReadRoundTrip) {
   std::vector<uint16_t> rows(kv.LayerBytes(21, DType::kBF16) / 2);
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<uint16_t>(0x3c00 + i % 977);
   const std::span<const uint8_t> in(reinterpret_cast<const uint8_t*>(rows.data()), rows.size() * 2);
-  KDN_ASSERT_OK(kv.Write(seq, 2, 11, 21, DType::kBF16, in));
+  const int last = kv.num_layers() - 1;
+  KDN_ASSERT_OK(kv.Write(seq, last, 11, 21, DType::kBF16, in));
   std::vector<uint16_t> back(rows.size());
-  KDN_ASSERT_OK(kv.Read(seq, 2, 11, 21, DType::kBF16,
+  KDN_ASSERT_OK(kv.Read(seq, last, 11, 21, DType::kBF16,
                         {reinterpret_cast<uint8_t*>(back.data()), back.size() * 2}));
   EXPECT_EQ(back, rows);
 }

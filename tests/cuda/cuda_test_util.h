@@ -137,6 +137,21 @@ inline ::testing::AssertionResult AllClose(const std::vector<float>& got, const 
          << want[worst];
 }
 
+// GPU logits against the CPU engine's: they agree to 3% of the CPU's largest
+// magnitude (bf16 weights and activations against fp32 ones over every
+// layer). Element-wise tolerances do not fit logits near zero.
+inline ::testing::AssertionResult LogitsClose(const std::vector<float>& gpu,
+                                              const std::vector<float>& cpu) {
+  if (gpu.size() != cpu.size()) return ::testing::AssertionFailure() << "sizes differ";
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) scale = std::max(scale, std::fabs(double(cpu[i])));
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    worst = std::max(worst, std::fabs(double(gpu[i]) - cpu[i]));
+  }
+  if (worst <= 0.03 * scale) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "largest difference " << worst << " of scale " << scale;
+}
+
 // The mean time of one `launch()` over `iters` back-to-back launches after a
 // warm-up, in microseconds.
 template <typename Launch>

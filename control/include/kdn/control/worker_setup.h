@@ -33,6 +33,11 @@ struct WorkerModel {
 Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
                                     const engine::OpenOptions& options);
 
+// "cuda:0, bf16 KV pool of 1048576 tokens": where the worker's engine runs
+// and how much KV it holds, for its start-up line. Reads only what does not
+// change after the engine is made, so any thread may call it.
+std::string EngineSummary(engine::Engine& engine);
+
 // The worker's KDN view: its own host tier of `host_bytes` (raw KV), over the
 // shared kdn-store at `store_endpoint` if one is given (written through, so
 // other workers find what this one stores). Chunks go to the store coded at

@@ -64,6 +64,8 @@ class DecodeService {
 
   const std::string& endpoint() const;        // control
   const std::string& kvbus_endpoint() const;  // where prefill workers push KV
+  // Where its engine runs and the KV it holds (control::EngineSummary).
+  std::string engine_summary() const;
 
  private:
   struct Impl;

@@ -41,6 +41,8 @@ class PrefillService {
   PrefillService& operator=(const PrefillService&) = delete;
 
   const std::string& endpoint() const;
+  // Where its engine runs and the KV it holds (control::EngineSummary).
+  std::string engine_summary() const;
 
  private:
   struct Impl;
