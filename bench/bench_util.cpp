@@ -13,6 +13,7 @@
 
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
+#include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/engine/presets.h"
 #include "kdn/engine/sampler.h"
 
@@ -72,13 +73,17 @@ Result<std::unique_ptr<engine::Engine>> MakeModel(const Common& c, int64_t kv_to
                                                   std::string* what) {
   KDN_ASSIGN_OR_RETURN(const engine::Device device, engine::ParseDevice(c.device));
   const engine::OpenOptions opts{.device = device, .kv_tokens = kv_tokens, .threads = c.threads};
+  std::unique_ptr<engine::Engine> e;
   if (!c.model_dir.empty()) {
     *what = c.model_dir + " on " + device.ToString();
-    return engine::OpenEngine(c.model_dir, opts);
+    KDN_ASSIGN_OR_RETURN(e, engine::OpenEngine(c.model_dir, opts));
+  } else {
+    KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));
+    *what = "preset " + p.name + " (seed " + std::to_string(c.seed) + ") on " + device.ToString();
+    KDN_ASSIGN_OR_RETURN(e, engine::MaterializeEngine(p.config, c.seed, opts, p.dtype));
   }
-  KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));
-  *what = "preset " + p.name + " (seed " + std::to_string(c.seed) + ") on " + device.ToString();
-  return engine::MaterializeEngine(p.config, c.seed, opts, p.dtype);
+  kvbridge::PinChunkBuffersFor(*e);  // as a worker does
+  return e;
 }
 
 json Machine(const Common& c) {

@@ -15,6 +15,7 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
                                     const engine::OpenOptions& options) {
   WorkerModel w;
   KDN_ASSIGN_OR_RETURN(w.model, engine::OpenEngine(dir, options));
+  kvbridge::PinChunkBuffersFor(*w.model);
   KDN_ASSIGN_OR_RETURN(w.tokenizer, engine::Tokenizer::Load(dir));
   KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbridge::WeightsDigest(dir));
   const engine::ModelConfig& c = w.model->config();

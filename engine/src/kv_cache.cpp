@@ -84,38 +84,52 @@ void KvCache::Release(std::vector<int32_t>& blocks, size_t keep) {
   }
 }
 
-Status KvCache::CheckRows(const KvSequence& seq, int layer, int64_t first, int64_t count,
-                          DType dtype, size_t bytes) const {
+Status KvCache::CheckRows(const KvSequence& seq, int layer0, int layers, int64_t first,
+                          int64_t count, DType dtype, size_t bytes) const {
   if (seq.cache_ != this) return InvalidArgument("KV cache: the sequence belongs to another cache");
-  if (layer < 0 || layer >= num_layers_) {
-    return InvalidArgument("KV cache: layer " + std::to_string(layer) + " outside [0, " +
-                           std::to_string(num_layers_) + ")");
+  if (layer0 < 0 || layers < 1 || layer0 + layers > num_layers_) {
+    const std::string which = layers == 1 ? "layer " + std::to_string(layer0)
+                                          : "layers [" + std::to_string(layer0) + ", " +
+                                                std::to_string(layer0 + layers) + ")";
+    return InvalidArgument("KV cache: " + which + " outside [0, " + std::to_string(num_layers_) +
+                           ")");
   }
   if (first < 0 || count < 0 || first + count > seq.reserved()) {
     return InvalidArgument("KV cache: positions [" + std::to_string(first) + ", " +
                            std::to_string(first + count) + ") outside the " +
                            std::to_string(seq.reserved()) + " the sequence reserved");
   }
-  if (bytes != LayerBytes(count, dtype)) {
+  const size_t want = static_cast<size_t>(layers) * LayerBytes(count, dtype);
+  if (bytes != want) {
     return InvalidArgument("KV cache: a buffer of " + std::to_string(bytes) + " bytes for " +
-                           std::to_string(count) + " tokens of one layer, expected " +
-                           std::to_string(LayerBytes(count, dtype)));
+                           std::to_string(count) + " tokens of " + std::to_string(layers) +
+                           " layer(s), expected " + std::to_string(want));
   }
   return Status::Ok();
 }
 
 Status KvCache::Read(const KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
                      std::span<uint8_t> out) const {
-  KDN_RETURN_IF_ERROR(CheckRows(seq, layer, first, count, dtype, out.size()));
-  if (count == 0) return Status::Ok();
-  return ReadRows(seq.blocks_, layer, first, count, dtype, out.data());
+  return ReadLayers(seq, layer, 1, first, count, dtype, out);
 }
 
 Status KvCache::Write(KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
                       std::span<const uint8_t> in) {
-  KDN_RETURN_IF_ERROR(CheckRows(seq, layer, first, count, dtype, in.size()));
+  return WriteLayers(seq, layer, 1, first, count, dtype, in);
+}
+
+Status KvCache::ReadLayers(const KvSequence& seq, int layer0, int layers, int64_t first,
+                           int64_t count, DType dtype, std::span<uint8_t> out) const {
+  KDN_RETURN_IF_ERROR(CheckRows(seq, layer0, layers, first, count, dtype, out.size()));
   if (count == 0) return Status::Ok();
-  return WriteRows(seq.blocks_, layer, first, count, dtype, in.data());
+  return ReadRows(seq.blocks_, layer0, layers, first, count, dtype, out.data());
+}
+
+Status KvCache::WriteLayers(KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
+                            DType dtype, std::span<const uint8_t> in) {
+  KDN_RETURN_IF_ERROR(CheckRows(seq, layer0, layers, first, count, dtype, in.size()));
+  if (count == 0) return Status::Ok();
+  return WriteRows(seq.blocks_, layer0, layers, first, count, dtype, in.data());
 }
 
 CpuKvCache::CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
@@ -144,25 +158,29 @@ void ForEachRun(Pool& k, Pool& v, std::span<const int32_t> blocks, int64_t first
 
 }  // namespace
 
-Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
-                            int64_t count, DType dtype, uint8_t* out) const {
+Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int layers,
+                            int64_t first, int64_t count, DType dtype, uint8_t* out) const {
   const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
-  ForEachRun(k_[layer], v_[layer], blocks, first, count, token_stride(), row_bytes,
-             [&](const float* k, const float* v, size_t at, int64_t n) {
-               FromFloat(dtype, k, n, out + at);
-               FromFloat(dtype, v, n, out + count * row_bytes + at);
-             });
+  for (int l = layer0; l < layer0 + layers; ++l, out += LayerBytes(count, dtype)) {
+    ForEachRun(k_[l], v_[l], blocks, first, count, token_stride(), row_bytes,
+               [&](const float* k, const float* v, size_t at, int64_t n) {
+                 FromFloat(dtype, k, n, out + at);
+                 FromFloat(dtype, v, n, out + count * row_bytes + at);
+               });
+  }
   return Status::Ok();
 }
 
-Status CpuKvCache::WriteRows(std::span<const int32_t> blocks, int layer, int64_t first,
-                             int64_t count, DType dtype, const uint8_t* in) {
+Status CpuKvCache::WriteRows(std::span<const int32_t> blocks, int layer0, int layers,
+                             int64_t first, int64_t count, DType dtype, const uint8_t* in) {
   const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
-  ForEachRun(k_[layer], v_[layer], blocks, first, count, token_stride(), row_bytes,
-             [&](float* k, float* v, size_t at, int64_t n) {
-               ToFloat(dtype, in + at, n, k);
-               ToFloat(dtype, in + count * row_bytes + at, n, v);
-             });
+  for (int l = layer0; l < layer0 + layers; ++l, in += LayerBytes(count, dtype)) {
+    ForEachRun(k_[l], v_[l], blocks, first, count, token_stride(), row_bytes,
+               [&](float* k, float* v, size_t at, int64_t n) {
+                 ToFloat(dtype, in + at, n, k);
+                 ToFloat(dtype, in + count * row_bytes + at, n, v);
+               });
+  }
   return Status::Ok();
 }
 

@@ -3,6 +3,8 @@
 #include <span>
 #include <string>
 
+#include "kdn/kvbus/buffer_pool.h"
+
 namespace kdn::kvbridge {
 
 namespace {
@@ -32,14 +34,12 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cac
                  static_cast<uint32_t>(cache.num_kv_heads()),
                  static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(count), dtype,
                  first};
-  // Each layer of the payload is one KvCache::Read: K rows, then V rows.
-  const size_t layer_bytes = cache.LayerBytes(count, EngineDType(dtype));
+  // The payload is the cache's layers, each K rows then V rows: one read.
+  const size_t bytes = layers * cache.LayerBytes(count, EngineDType(dtype));
   Status read;
   auto chunk = Chunk::Build(info, [&](uint8_t* out) {
-    for (int l = layer0; l < layer0 + layers && read.ok(); ++l) {
-      read = cache.Read(seq, l, first, count, EngineDType(dtype),
-                        std::span<uint8_t>(out + (l - layer0) * layer_bytes, layer_bytes));
-    }
+    read = cache.ReadLayers(seq, layer0, layers, first, count, EngineDType(dtype),
+                            std::span<uint8_t>(out, bytes));
   });
   KDN_RETURN_IF_ERROR(read);
   return chunk;
@@ -72,14 +72,19 @@ Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
   }
   const size_t layer_bytes = cache.LayerBytes(info.tokens, EngineDType(info.dtype));
   const uint8_t* in = chunk.payload().data() + static_cast<size_t>(src_layer) * layer_bytes;
-  for (int l = layer0; l < layer0 + n_layers; ++l, in += layer_bytes) {
-    KDN_RETURN_IF_ERROR(cache.Write(seq, l, first, info.tokens, EngineDType(info.dtype),
-                                    std::span<const uint8_t>(in, layer_bytes)));
-  }
-  return Status::Ok();
+  return cache.WriteLayers(seq, layer0, n_layers, first, info.tokens, EngineDType(info.dtype),
+                           std::span<const uint8_t>(in, n_layers * layer_bytes));
 }
 
 }  // namespace
+
+void PinChunkBuffersFor(const engine::Engine& engine) {
+  const engine::HostPinning* pinning = engine.host_pinning();
+  if (pinning == nullptr) return;
+  kvbus::BufferPool::Default().SetMapHooks(
+      {[pin = pinning->pin](void* p, size_t bytes) { return pin(p, bytes); },
+       [unpin = pinning->unpin](void* p) { unpin(p); }});
+}
 
 Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(const engine::KvCache& cache,
                                                       const engine::KvSequence& seq, int64_t first,

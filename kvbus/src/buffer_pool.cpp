@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <vector>
 
 namespace kdn::kvbus {
@@ -16,8 +17,24 @@ struct BufferPool::State {
   explicit State(uint64_t max_idle) : max_idle_bytes(max_idle) {}
   ~State() {
     for (auto& [bytes, list] : idle) {
-      for (void* p : list) ::munmap(p, bytes);
+      for (void* p : list) Unmap(p, bytes);
     }
+  }
+
+  // A fresh buffer, pre-faulted, through the map hook.
+  Result<void*> Map(size_t bytes);
+  // Through the unmap hook if the buffer was pinned.
+  void Unmap(void* p, size_t bytes) {
+    std::function<void(void*)> unpin;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (pinned.erase(p) > 0) {
+        unpin = hooks.on_unmap;
+        --stats.pinned;
+      }
+    }
+    if (unpin) unpin(p);
+    ::munmap(p, bytes);
   }
 
   // Takes back a buffer of class `bytes`: kept while the idle budget lasts.
@@ -33,13 +50,15 @@ struct BufferPool::State {
       }
       ++stats.unmapped;
     }
-    ::munmap(p, bytes);
+    Unmap(p, bytes);
   }
 
   const uint64_t max_idle_bytes;
   mutable std::mutex mu;
   std::map<size_t, std::vector<void*>> idle;  // by class bytes; guarded by mu
   BufferPoolStats stats;                     // guarded by mu
+  BufferMapHooks hooks;                      // guarded by mu
+  std::set<void*> pinned;                    // guarded by mu
 };
 
 namespace {
@@ -55,6 +74,22 @@ Result<void*> MapPrefaulted(size_t bytes) {
 }
 
 }  // namespace
+
+Result<void*> BufferPool::State::Map(size_t bytes) {
+  KDN_ASSIGN_OR_RETURN(void* p, MapPrefaulted(bytes));
+  std::function<bool(void*, size_t)> pin;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ++stats.mapped;
+    pin = hooks.on_map;
+  }
+  if (pin && pin(p, bytes)) {
+    std::lock_guard<std::mutex> lock(mu);
+    pinned.insert(p);
+    ++stats.pinned;
+  }
+  return p;
+}
 
 BufferPool::BufferPool(uint64_t max_idle_bytes)
     : state_(std::make_shared<State>(max_idle_bytes)) {}
@@ -98,9 +133,7 @@ Result<std::shared_ptr<uint8_t>> BufferPool::Acquire(size_t bytes) {
     }
   }
   if (p == nullptr) {
-    KDN_ASSIGN_OR_RETURN(p, MapPrefaulted(cls));
-    std::lock_guard<std::mutex> lock(state_->mu);
-    ++state_->stats.mapped;
+    KDN_ASSIGN_OR_RETURN(p, state_->Map(cls));
   }
   {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -120,13 +153,26 @@ Status BufferPool::Reserve(size_t bytes, int count) {
       std::lock_guard<std::mutex> lock(state_->mu);
       if (state_->stats.idle_bytes + cls > state_->max_idle_bytes) return Status::Ok();
     }
-    KDN_ASSIGN_OR_RETURN(void* p, MapPrefaulted(cls));
+    KDN_ASSIGN_OR_RETURN(void* p, state_->Map(cls));
     std::lock_guard<std::mutex> lock(state_->mu);
-    ++state_->stats.mapped;
     state_->idle[cls].push_back(p);
     state_->stats.idle_bytes += cls;
   }
   return Status::Ok();
+}
+
+void BufferPool::SetMapHooks(BufferMapHooks hooks) {
+  std::map<size_t, std::vector<void*>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->hooks = std::move(hooks);
+    dropped.swap(state_->idle);
+    state_->stats.idle_bytes = 0;
+    for (auto& [bytes, list] : dropped) state_->stats.unmapped += list.size();
+  }
+  for (auto& [bytes, list] : dropped) {
+    for (void* p : list) state_->Unmap(p, bytes);
+  }
 }
 
 BufferPoolStats BufferPool::Stats() const {

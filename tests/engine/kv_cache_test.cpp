@@ -102,6 +102,37 @@ TEST(KvCache, WriteThenReadRoundTripsInBf16) {
   EXPECT_EQ(back, in);
 }
 
+TEST(KvCache, LayersInOneCallAreTheLayersOneByOne) {
+  CpuKvCache cache(3, 2, 4, 4);
+  KvSequence s = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(s, 40).ok());
+  const size_t layer = cache.LayerBytes(21, DType::kBF16);
+  std::vector<float> rows(3 * layer / 2);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = 0.5f * static_cast<float>(i % 301) - 60.0f;
+  std::vector<uint8_t> in(3 * layer);
+  FromFloat(DType::kBF16, rows.data(), rows.size(), in.data());
+  // Layers 1 and 2 in one call, from position 7 (across blocks).
+  ASSERT_TRUE(cache.WriteLayers(s, 1, 2, 7, 21, DType::kBF16,
+                                std::span<const uint8_t>(in).subspan(layer, 2 * layer))
+                  .ok());
+  for (int l = 1; l < 3; ++l) {
+    std::vector<uint8_t> one(layer);
+    ASSERT_TRUE(cache.Read(s, l, 7, 21, DType::kBF16, one).ok());
+    EXPECT_TRUE(std::equal(one.begin(), one.end(), in.begin() + l * layer)) << "layer " << l;
+  }
+  ASSERT_TRUE(cache.Write(s, 0, 7, 21, DType::kBF16, std::span<const uint8_t>(in).first(layer)).ok());
+  std::vector<uint8_t> all(3 * layer);
+  ASSERT_TRUE(cache.ReadLayers(s, 0, 3, 7, 21, DType::kBF16, all).ok());
+  EXPECT_EQ(all, in);
+  // A range past the last layer, or a buffer for another count of layers.
+  EXPECT_EQ(cache.ReadLayers(s, 2, 2, 7, 21, DType::kBF16, all).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.ReadLayers(s, 0, 2, 7, 21, DType::kBF16, all).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.ReadLayers(s, 0, 0, 7, 21, DType::kBF16, {}).code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(KvCache, ReadAndWriteRefuseWhatTheSequenceDoesNotHold) {
   CpuKvCache cache(2, 1, 2, 4), other(2, 1, 2, 4);
   KvSequence s = cache.NewSequence();

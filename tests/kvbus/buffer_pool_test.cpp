@@ -91,5 +91,56 @@ TEST(BufferPool, ServesChunksBuiltAndParsedFromPooledBytes) {
             StatusCode::kCorruption);
 }
 
+TEST(BufferPool, MapHooksPinWhatIsMappedAndUnpinItBeforeUnmapping) {
+  BufferPool pool(/*max_idle_bytes=*/0);  // every returned buffer is unmapped
+  auto early = pool.Acquire(kMiB);
+  ASSERT_TRUE(early.ok());
+  std::vector<std::pair<void*, size_t>> pinned;
+  std::vector<void*> unpinned;
+  bool refuse = false;
+  pool.SetMapHooks({[&](void* p, size_t bytes) {
+                      if (refuse) return false;
+                      pinned.emplace_back(p, bytes);
+                      return true;
+                    },
+                    [&](void* p) { unpinned.push_back(p); }});
+  void* at = nullptr;
+  {
+    auto a = pool.Acquire(3 * kMiB);
+    ASSERT_TRUE(a.ok());
+    at = a->get();
+    ASSERT_EQ(pinned.size(), 1u);
+    EXPECT_EQ(pinned[0].first, at);
+    EXPECT_EQ(pinned[0].second, BufferPool::ClassBytes(3 * kMiB));
+    EXPECT_EQ(pool.Stats().pinned, 1u);
+    EXPECT_TRUE(unpinned.empty());
+  }
+  EXPECT_EQ(unpinned, std::vector<void*>{at});  // unpinned, then unmapped
+  EXPECT_EQ(pool.Stats().pinned, 0u);
+  early->reset();  // mapped before the hooks: never pinned, so never unpinned
+  EXPECT_EQ(unpinned.size(), 1u);
+  // A buffer the hook could not pin is not unpinned either.
+  refuse = true;
+  pool.Acquire(kMiB).value().reset();
+  EXPECT_EQ(unpinned.size(), 1u);
+  // Small pieces come from the heap: no hook.
+  auto small = pool.Acquire(1000);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(pinned.size(), 1u);
+}
+
+TEST(BufferPool, NewHooksDropTheIdleBuffersMappedBefore) {
+  BufferPool pool;
+  void* first = pool.Acquire(2 * kMiB).value().get();  // returned at once: idle
+  EXPECT_EQ(pool.Stats().idle_bytes, BufferPool::ClassBytes(2 * kMiB));
+  int maps = 0;
+  pool.SetMapHooks({[&](void*, size_t) { return ++maps, true; }, [](void*) {}});
+  EXPECT_EQ(pool.Stats().idle_bytes, 0u);
+  auto again = pool.Acquire(2 * kMiB);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(maps, 1);  // a fresh buffer, through the hook
+  (void)first;
+}
+
 }  // namespace
 }  // namespace kdn::kvbus

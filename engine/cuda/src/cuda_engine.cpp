@@ -40,6 +40,17 @@ Result<std::unique_ptr<CudaEngine>> CudaEngine::Materialize(const ModelConfig& c
 const ModelConfig& CudaEngine::config() const { return impl_->config; }
 std::string CudaEngine::device() const { return "cuda:" + std::to_string(impl_->options.device); }
 KvCache& CudaEngine::kv_cache() { return *impl_->kv; }
+
+const HostPinning* CudaEngine::host_pinning() const {
+  static const HostPinning pinning{
+      [](void* p, size_t bytes) {
+        if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) return true;
+        (void)cudaGetLastError();  // not sticky: clear it for the next launch's check
+        return false;
+      },
+      [](void* p) { (void)cudaHostUnregister(p); }};
+  return &pinning;
+}
 int64_t CudaEngine::weight_bytes() const { return impl_->weight_bytes; }
 
 Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,

@@ -145,16 +145,20 @@ class DeviceKvCache final : public KvCache {
                     int64_t delta, const float* inv_freq);
 
  protected:
-  Status ReadRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
-                  DType dtype, uint8_t* out) const override;
-  Status WriteRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
-                   DType dtype, const uint8_t* in) override;
+  // Every layer asked for in one staging buffer: one host copy each way
+  // (straight from or into the caller's buffer for bf16, which is a DMA
+  // when that memory is pinned) and one wait.
+  Status ReadRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                  int64_t count, DType dtype, uint8_t* out) const override;
+  Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                   int64_t count, DType dtype, const uint8_t* in) override;
 
  private:
-  // Gathers (or scatters) one layer's rows between the pool and rows_; the
-  // block table from the first position's block on goes up first.
-  Status Stage(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
-               bool gather) const;
+  // Gathers (or scatters) layers [layer0, layer0 + layers) of the rows
+  // between the pools and rows_ (layer after layer, K rows then V rows);
+  // the block table from the first position's block on goes up first.
+  Status Stage(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+               int64_t count, bool gather) const;
 
   std::vector<DeviceArray<__nv_bfloat16>> k_, v_;  // [layer] -> pool; constant after Allocate
   cudaStream_t stream_ = nullptr;

@@ -87,28 +87,32 @@ Status DeviceKvCache::Allocate() {
   return Status::Ok();
 }
 
-Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer, int64_t first,
-                            int64_t count, bool gather) const {
+Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer0, int layers,
+                            int64_t first, int64_t count, bool gather) const {
   // The table from the first position's block on, so positions shift to it.
   const int64_t b0 = first / kKvBlockTokens, b1 = (first + count - 1) / kKvBlockTokens + 1;
+  const int64_t layer_rows = 2 * count * token_stride();
   if (table_.size() < b1 - b0) KDN_RETURN_IF_ERROR(table_.Allocate(b1 - b0));
-  if (rows_.size() < 2 * count * token_stride()) {
-    KDN_RETURN_IF_ERROR(rows_.Allocate(2 * count * token_stride()));
-  }
+  if (rows_.size() < layers * layer_rows) KDN_RETURN_IF_ERROR(rows_.Allocate(layers * layer_rows));
   KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(table_.get(), blocks.data() + b0,
                                            (b1 - b0) * sizeof(int32_t), cudaMemcpyHostToDevice,
                                            stream_));
-  const PagedKvLayer<bf16> pool{k_[layer].get(), v_[layer].get(), num_kv_heads(), head_dim()};
   const int64_t at = first - b0 * kKvBlockTokens;
-  return gather ? GatherKvCuda<bf16>(pool, table_.get(), at, count, rows_.get(), stream_)
-                : ScatterKvCuda<bf16>(rows_.get(), count, table_.get(), at, pool, stream_);
+  for (int i = 0; i < layers; ++i) {
+    const int l = layer0 + i;
+    const PagedKvLayer<bf16> pool{k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+    bf16* rows = rows_.get() + i * layer_rows;
+    KDN_RETURN_IF_ERROR(gather ? GatherKvCuda<bf16>(pool, table_.get(), at, count, rows, stream_)
+                               : ScatterKvCuda<bf16>(rows, count, table_.get(), at, pool, stream_));
+  }
+  return Status::Ok();
 }
 
-Status DeviceKvCache::ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
-                               int64_t count, DType dtype, uint8_t* out) const {
+Status DeviceKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int layers,
+                               int64_t first, int64_t count, DType dtype, uint8_t* out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/true));
-  const size_t n = static_cast<size_t>(2 * count * token_stride());
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer0, layers, first, count, /*gather=*/true));
+  const size_t n = static_cast<size_t>(layers * 2 * count * token_stride());
   // bf16 goes straight to the caller's buffer; other types through host_.
   void* dst = out;
   if (dtype != DType::kBF16) {
@@ -126,10 +130,10 @@ Status DeviceKvCache::ReadRows(std::span<const int32_t> blocks, int layer, int64
   return Status::Ok();
 }
 
-Status DeviceKvCache::WriteRows(std::span<const int32_t> blocks, int layer, int64_t first,
-                                int64_t count, DType dtype, const uint8_t* in) {
+Status DeviceKvCache::WriteRows(std::span<const int32_t> blocks, int layer0, int layers,
+                                int64_t first, int64_t count, DType dtype, const uint8_t* in) {
   std::lock_guard<std::mutex> lock(mu_);
-  const size_t n = static_cast<size_t>(2 * count * token_stride());
+  const size_t n = static_cast<size_t>(layers * 2 * count * token_stride());
   const void* src = in;
   if (dtype != DType::kBF16) {
     std::vector<float> f(n);
@@ -143,7 +147,7 @@ Status DeviceKvCache::WriteRows(std::span<const int32_t> blocks, int layer, int6
   }
   KDN_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(rows_.get(), src, n * sizeof(bf16), cudaMemcpyHostToDevice, stream_));
-  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/false));
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer0, layers, first, count, /*gather=*/false));
   KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return Status::Ok();
 }
@@ -153,7 +157,7 @@ Status DeviceKvCache::RotateKeys(std::span<const int32_t> blocks, int layer, int
   std::lock_guard<std::mutex> lock(mu_);
   // Gather, turn the K rows by delta positions (RoPE of position delta is
   // the rotation by delta), scatter back; V goes back as it came.
-  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/true));
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer, 1, first, count, /*gather=*/true));
   if (positions_.size() < count) KDN_RETURN_IF_ERROR(positions_.Allocate(count));
   const std::vector<int32_t> deltas(count, static_cast<int32_t>(delta));
   KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(positions_.get(), deltas.data(),
@@ -161,7 +165,7 @@ Status DeviceKvCache::RotateKeys(std::span<const int32_t> blocks, int layer, int
                                            stream_));
   KDN_RETURN_IF_ERROR(ApplyRopeCuda<bf16>(rows_.get(), count, num_kv_heads(), head_dim(),
                                           positions_.get(), inv_freq, stream_));
-  KDN_RETURN_IF_ERROR(Stage(blocks, layer, first, count, /*gather=*/false));
+  KDN_RETURN_IF_ERROR(Stage(blocks, layer, 1, first, count, /*gather=*/false));
   // The host vector of deltas must outlive its copy.
   KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return Status::Ok();

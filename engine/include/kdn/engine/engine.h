@@ -21,6 +21,7 @@
 // one), except where a method says otherwise. The per-layer hook runs on the
 // calling thread once the layer's KV is in the cache, so it may read it.
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -47,6 +48,16 @@ struct PrefillOptions {
 
 class RowPass;
 
+// Page-locks host memory so that copies between it and an engine's device
+// run by DMA at the link's rate (a pageable buffer goes through the driver's
+// staging at a fraction of it). Plain functions, valid for the life of the
+// process and callable from any thread: a buffer may be unpinned after the
+// engine that asked for it is gone.
+struct HostPinning {
+  bool (*pin)(void* p, size_t bytes);  // false: the memory stays pageable
+  void (*unpin)(void* p);
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -59,6 +70,9 @@ class Engine {
   // fingerprint covers.
   virtual DType kv_dtype() const = 0;
   virtual KvCache& kv_cache() = 0;
+  // How to pin host buffers for this engine's KV copies (chunks it is read
+  // into and written from); null when its cache is in host memory.
+  virtual const HostPinning* host_pinning() const { return nullptr; }
 
   // Computes `tokens` at positions seq.length() .. seq.length()+n-1 and
   // appends their KV to `seq`. `logits` receives n x vocab floats if

@@ -94,6 +94,15 @@ class KvCache {
               std::span<uint8_t> out) const;
   Status Write(KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
                std::span<const uint8_t> in);
+  // The same for layers [layer0, layer0 + layers) in one call: `layers`
+  // blocks of LayerBytes(count, dtype), layer after layer, which is a
+  // chunk's payload. A device cache moves them in one copy and waits once,
+  // so loading or storing a whole chunk costs one round trip, not one per
+  // layer.
+  Status ReadLayers(const KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
+                    DType dtype, std::span<uint8_t> out) const;
+  Status WriteLayers(KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
+                     DType dtype, std::span<const uint8_t> in);
   // Bytes Read fills and Write takes for `count` tokens of one layer.
   size_t LayerBytes(int64_t count, DType dtype) const {
     return static_cast<size_t>(2 * count * token_stride()) * DTypeSize(dtype);
@@ -101,17 +110,18 @@ class KvCache {
 
  protected:
   KvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks);
-  // The storage side of Read/Write, arguments checked: `blocks` is the
-  // sequence's block table.
-  virtual Status ReadRows(std::span<const int32_t> blocks, int layer, int64_t first,
+  // The storage side of Read/Write and ReadLayers/WriteLayers, arguments
+  // checked (count > 0): `blocks` is the sequence's block table, the buffer
+  // holds `layers` layer blocks.
+  virtual Status ReadRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
                           int64_t count, DType dtype, uint8_t* out) const = 0;
-  virtual Status WriteRows(std::span<const int32_t> blocks, int layer, int64_t first,
-                           int64_t count, DType dtype, const uint8_t* in) = 0;
+  virtual Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers,
+                           int64_t first, int64_t count, DType dtype, const uint8_t* in) = 0;
 
  private:
   friend class KvSequence;
-  Status CheckRows(const KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
-                   size_t bytes) const;
+  Status CheckRows(const KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
+                   DType dtype, size_t bytes) const;
   void Release(std::vector<int32_t>& blocks, size_t keep);
 
   const int num_layers_, num_kv_heads_, head_dim_, num_blocks_;
@@ -145,10 +155,10 @@ class CpuKvCache final : public KvCache {
   }
 
  protected:
-  Status ReadRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
-                  DType dtype, uint8_t* out) const override;
-  Status WriteRows(std::span<const int32_t> blocks, int layer, int64_t first, int64_t count,
-                   DType dtype, const uint8_t* in) override;
+  Status ReadRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                  int64_t count, DType dtype, uint8_t* out) const override;
+  Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                   int64_t count, DType dtype, const uint8_t* in) override;
 
  private:
   std::vector<std::vector<float>> k_, v_;  // [layer] -> pool

@@ -11,10 +11,18 @@
 #include <memory>
 
 #include "kdn/common/status.h"
+#include "kdn/engine/engine.h"
 #include "kdn/engine/kv_cache.h"
 #include "kdn/kvbus/chunk.h"
 
 namespace kdn::kvbridge {
+
+// Has the chunk buffer pool (kvbus::BufferPool::Default()) pin the buffers
+// it maps from now on with `engine`'s HostPinning, when it has one (a GPU):
+// chunks built from its KV, and the layer slices a worker receives for it,
+// then move to and from the device by DMA. A no-op for a host engine. Call
+// it once the engine exists, before the traffic starts.
+void PinChunkBuffersFor(const engine::Engine& engine);
 
 // The chunk dtype of an engine element type (Engine::kv_dtype()).
 kvbus::KvDType ChunkDType(engine::DType t);

@@ -11,12 +11,17 @@
 // free lists and at most a fifth of a buffer is slack. Requests under
 // kMinPooledBytes are ordinary heap allocations.
 //
+// A process whose engine runs on a GPU pins the pool's buffers (SetMapHooks),
+// so that chunks built from device KV, and the KV loaded back from them, are
+// copied by DMA at the link's rate rather than through the driver's staging.
+//
 // Thread-safe. A buffer may outlive its pool (the pool's state is shared
 // with every buffer it handed out). Chunk::Build and the transports'
 // receivers take their buffers from BufferPool::Default().
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "kdn/common/status.h"
@@ -31,6 +36,14 @@ struct BufferPoolStats {
   uint64_t outstanding = 0;    // buffers handed out and not yet returned, now
   uint64_t outstanding_bytes = 0;
   uint64_t idle_bytes = 0;     // kept for reuse, now
+  uint64_t pinned = 0;         // buffers the map hook pinned, now mapped
+};
+
+// Called on every buffer the pool maps, and before it unmaps one that
+// on_map said it pinned. Each must be safe to call from any thread.
+struct BufferMapHooks {
+  std::function<bool(void* p, size_t bytes)> on_map;  // true: pinned
+  std::function<void(void* p)> on_unmap;
 };
 
 class BufferPool {
@@ -56,6 +69,11 @@ class BufferPool {
   Status Reserve(size_t bytes, int count);
 
   BufferPoolStats Stats() const;
+
+  // Installs (or, with empty hooks, removes) the map hooks for the buffers
+  // mapped from now on; those mapped before stay as they were. Idle buffers
+  // mapped before are dropped, so that new ones get the hooks.
+  void SetMapHooks(BufferMapHooks hooks);
 
   // The class `bytes` rounds up to (what Acquire maps for it).
   static size_t ClassBytes(size_t bytes);

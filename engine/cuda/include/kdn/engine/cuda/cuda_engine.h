@@ -82,6 +82,8 @@ class CudaEngine final : public Engine {
   std::string device() const override;
   DType kv_dtype() const override { return DType::kBF16; }
   KvCache& kv_cache() override;
+  // cudaHostRegister (portable: for every device) and cudaHostUnregister.
+  const HostPinning* host_pinning() const override;
   // Bytes of device memory the weights take.
   int64_t weight_bytes() const;
 
