@@ -37,7 +37,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     return 1;
   }
   engine::CpuEngine& model = **model_r;
-  const engine::ModelConfig& cfg = model.config();
+  const model::ModelConfig& cfg = model.config();
   std::mt19937 rng(static_cast<uint32_t>(c.seed) + 17);
   auto random_tokens = [&](int n) {
     std::vector<int32_t> t(n);

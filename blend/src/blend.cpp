@@ -84,7 +84,7 @@ class Placer {
 Result<BlendResult> BlendPrefill(engine::CpuEngine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
                                  std::span<const int32_t> suffix, const BlendOptions& options) {
-  const engine::ModelConfig& cfg = model.config();
+  const model::ModelConfig& cfg = model.config();
   if (!(options.recompute_ratio >= 0.0 && options.recompute_ratio <= 1.0)) {
     return InvalidArgument("recompute_ratio must be in [0, 1]");
   }

@@ -42,7 +42,7 @@ size_t ShowableLength(const std::string& text, const std::vector<std::string>& s
   return n - hold;
 }
 
-Batcher::Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch)
+Batcher::Batcher(engine::CpuEngine& model, const text::Tokenizer& tokenizer, int max_batch)
     : model_(model), tokenizer_(tokenizer), max_batch_(max_batch) {}
 
 Batcher::~Batcher() = default;
@@ -56,7 +56,7 @@ bool Batcher::Accept(Request& r, int32_t token, std::vector<TokenEvent>* events)
   return Accept(tokenizer_, model_.config().max_context, r.seq.length(), r, token, events);
 }
 
-bool Batcher::Accept(const engine::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
+bool Batcher::Accept(const text::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
                      Request& r, int32_t token, std::vector<TokenEvent>* events) {
   r.tokens.push_back(token);
   r.text += tokenizer.Decode(std::span<const int32_t>(&token, 1));
@@ -97,7 +97,7 @@ bool Batcher::Accept(const engine::Tokenizer& tokenizer, int64_t max_context, in
 
 Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t first_token,
                       std::vector<TokenEvent>* events) {
-  KDN_RETURN_IF_ERROR(engine::ValidateSamplingParams(spec.sampling));
+  KDN_RETURN_IF_ERROR(model::ValidateSamplingParams(spec.sampling));
   if (spec.max_tokens < 1) return InvalidArgument("max_tokens must be at least 1");
   if (seq.length() == 0) return InvalidArgument("request " + std::to_string(spec.id) + " has no prompt KV");
   if (requests_.count(spec.id) != 0) {
@@ -124,7 +124,7 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   return Status::Ok();
 }
 
-TokenEvent Batcher::FirstTokenEvent(const engine::Tokenizer& tokenizer, const RequestSpec& spec,
+TokenEvent Batcher::FirstTokenEvent(const text::Tokenizer& tokenizer, const RequestSpec& spec,
                                     int64_t prompt_tokens, int64_t max_context,
                                     int32_t first_token) {
   Request r(spec, engine::KvSequence());

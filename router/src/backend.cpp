@@ -87,7 +87,7 @@ constexpr int kInjectPerWorker = 2;
 
 struct Backend::Impl {
   BackendOptions options;
-  const engine::Tokenizer* tokenizer = nullptr;
+  const text::Tokenizer* tokenizer = nullptr;
   Metrics* metrics = nullptr;
   zmq::context_t ctx{1};
   uint64_t nonce = 0;
@@ -759,7 +759,7 @@ struct Backend::Impl {
 Backend::Backend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
-                                                const engine::Tokenizer& tokenizer,
+                                                const text::Tokenizer& tokenizer,
                                                 Metrics* metrics) {
   if (options.prefill_endpoints.empty()) return InvalidArgument("no prefill worker given");
   if (options.decode_endpoints.empty()) return InvalidArgument("no decode worker given");

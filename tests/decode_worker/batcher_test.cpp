@@ -13,10 +13,10 @@ namespace {
 using engine::testing::MakeModel;
 using engine::testing::RandomTokens;
 
-engine::ByteTokenizer Bytes() {
+text::ByteTokenizer Bytes() {
   std::vector<int32_t> ids(256);
   std::iota(ids.begin(), ids.end(), 0);
-  return engine::ByteTokenizer(ids, 258, 256, 257);
+  return text::ByteTokenizer(ids, 258, 256, 257);
 }
 
 // What a prefill worker hands over: the prompt's KV and its first token.
@@ -26,7 +26,7 @@ struct Prefilled {
 };
 
 Prefilled Prefill(engine::CpuEngine& model, const std::vector<int32_t>& prompt,
-                  const engine::SamplingParams& sampling) {
+                  const model::SamplingParams& sampling) {
   Prefilled p{model.kv_cache().NewSequence(), -1};
   std::vector<float> logits;
   EXPECT_TRUE(model.Prefill(p.seq, prompt, {}, &logits).ok());
@@ -94,7 +94,7 @@ TEST(Batcher, StopStringEndsTheTextBeforeItAndIsNeverShown) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(12, 256, 3);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   auto free_run = engine::Generate(*model, prompt, {.max_tokens = 12, .sampling = greedy});
   ASSERT_TRUE(free_run.ok());
   const std::string full = tok.Decode(free_run->tokens);
@@ -119,7 +119,7 @@ TEST(Batcher, StopTokenFinishesTheRequest) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(8, 256, 4);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   auto free_run = engine::Generate(*model, prompt, {.max_tokens = 8, .sampling = greedy});
   ASSERT_TRUE(free_run.ok());
   Batcher batcher(*model, tok, 4);
@@ -139,7 +139,7 @@ TEST(Batcher, RefusesBadRequestsAndAFullBatchAndCancelsCleanly) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   Batcher batcher(*model, tok, 1);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   std::vector<TokenEvent> events;
   Prefilled a = Prefill(*model, RandomTokens(5, 256, 1), greedy);
   EXPECT_EQ(batcher.Admit({.id = 1, .sampling = {.top_p = 0.0f}}, std::move(a.seq), a.first, &events).code(),
@@ -165,7 +165,7 @@ TEST(Batcher, FirstTokenEventIsTheEventAdmitEmits) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(9, 256, 5);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   const int32_t a = 'a', lead = 0xC3;  // 0xC3: a UTF-8 lead byte, held back alone
   struct Case {
     RequestSpec spec;
@@ -208,7 +208,7 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(12, 256, 6);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   auto free_run = engine::Generate(*model, prompt, {.max_tokens = 10, .sampling = greedy});
   ASSERT_TRUE(free_run.ok());
   const std::string full = tok.Decode(free_run->tokens);

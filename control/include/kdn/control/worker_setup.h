@@ -11,17 +11,17 @@
 #include "kdn/control/control_server.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/cpu_engine.h"
-#include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/tiered_store.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::control {
 
 struct WorkerModel {
   std::unique_ptr<engine::CpuEngine> model;
-  std::unique_ptr<engine::Tokenizer> tokenizer;
+  std::unique_ptr<text::Tokenizer> tokenizer;
   kvbus::ChunkKey fingerprint;  // of the model with f32 KV (the CPU backend's)
 };
 

@@ -21,14 +21,14 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/cpu_engine.h"
-#include "kdn/engine/sampler.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/model/sampling.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::decode_worker {
 
 struct RequestSpec {
   uint64_t id = 0;
-  engine::SamplingParams sampling;
+  model::SamplingParams sampling;
   int max_tokens = 16;  // tokens generated in all, the first one included
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
@@ -61,7 +61,7 @@ class Batcher {
 
   // `tokenizer` turns tokens into text for stop strings and events; the
   // model and tokenizer must outlive the Batcher.
-  Batcher(engine::CpuEngine& model, const engine::Tokenizer& tokenizer, int max_batch);
+  Batcher(engine::CpuEngine& model, const text::Tokenizer& tokenizer, int max_batch);
   ~Batcher();
 
   // Adds a request whose prompt KV is in `seq` and whose first token
@@ -78,7 +78,7 @@ class Batcher {
   // text a client may be shown now, and whether the request ends there. The
   // router sends it to the client itself, by these very rules, so that what
   // it shows and what the decode worker shows next join up.
-  static TokenEvent FirstTokenEvent(const engine::Tokenizer& tokenizer, const RequestSpec& spec,
+  static TokenEvent FirstTokenEvent(const text::Tokenizer& tokenizer, const RequestSpec& spec,
                                     int64_t prompt_tokens, int64_t max_context,
                                     int32_t first_token);
 
@@ -101,12 +101,12 @@ class Batcher {
   struct Request;
   // Records `token` for `r`, whose sequence then holds `kv_tokens` tokens of
   // KV, and emits its event; true when `r` is finished.
-  static bool Accept(const engine::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
+  static bool Accept(const text::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
                      Request& r, int32_t token, std::vector<TokenEvent>* events);
   bool Accept(Request& r, int32_t token, std::vector<TokenEvent>* events);
 
   engine::CpuEngine& model_;
-  const engine::Tokenizer& tokenizer_;
+  const text::Tokenizer& tokenizer_;
   const int max_batch_;
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // by id: a stable batch order
   FinishHook on_finish_;

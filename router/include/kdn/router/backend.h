@@ -29,17 +29,17 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/sampler.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/model/sampling.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::router {
 
 struct Job {
   std::vector<int32_t> tokens;
   std::string ns;
-  engine::SamplingParams sampling;
+  model::SamplingParams sampling;
   int max_tokens = 16;
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
@@ -117,7 +117,7 @@ class Backend {
   // the text of each request's first token. `metrics` (borrowed, may be
   // null) receives per-request figures.
   static Result<std::unique_ptr<Backend>> Start(const BackendOptions& options,
-                                                const engine::Tokenizer& tokenizer,
+                                                const text::Tokenizer& tokenizer,
                                                 Metrics* metrics);
   ~Backend();
   Backend(const Backend&) = delete;
