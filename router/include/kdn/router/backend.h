@@ -5,7 +5,7 @@
 //   prepare  the chosen decode worker reserves KV and loads what it holds;
 //   prefill  the chosen prefill worker computes the rest, pushes the KV and
 //            answers with the first token, which goes to the client at once
-//            (shown by the decode worker's rules, decode_worker::Batcher);
+//            (shown by the decode worker's rules, text::OutputText);
 //   decode   the decode worker streams tokens from the second on until the
 //            request finishes. A first token that ends the request (max_tokens
 //            1, a stop token or string) ends it there, and the decode worker
