@@ -71,7 +71,7 @@ void Emit(const Common& c, const json& j);
 // FLOPs of a forward pass over n new tokens after `past` cached ones, with
 // `logit_rows` rows of logits (2 per multiply-add; causal attention counted
 // for the pairs it computes).
-double ForwardFlops(const engine::ModelConfig& m, int64_t n, int64_t past, int64_t logit_rows);
+double ForwardFlops(const model::ModelConfig& m, int64_t n, int64_t past, int64_t logit_rows);
 
 int RunPrefill(const Common& c, const std::vector<int>& lengths);
 int RunDecode(const Common& c, const std::vector<int>& batches, int context, int steps);

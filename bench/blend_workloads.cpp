@@ -37,7 +37,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     return 1;
   }
   engine::Engine& model = **model_r;
-  const engine::ModelConfig& cfg = model.config();
+  const model::ModelConfig& cfg = model.config();
   std::mt19937 rng(static_cast<uint32_t>(c.seed) + 17);
   auto random_tokens = [&](int n) {
     std::vector<int32_t> t(n);
@@ -133,8 +133,8 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     prefix_hit = static_cast<int64_t>(hits) * kChunkTokens;
   }
 
-  std::printf("%-22s %10s %9s %12s %10s %12s\n", "mode", "TTFT ms", "vs full", "recomputed",
-              "KL", "greedy agree");
+  std::printf("%-22s %10s %9s %12s %10s %12s %9s %9s\n", "mode", "TTFT ms", "vs full",
+              "recomputed", "KL", "greedy agree", "check ms", "wait ms");
   std::printf("%-22s %10.1f %8.2fx %12lld %10s %12s\n", "full prefill", full_s * 1e3, 1.0,
               static_cast<long long>(prompt_len), "0", "32/32");
   std::printf("%-22s %10.1f %8.2fx %12lld %10s %12s\n", "prefix caching", prefix_s * 1e3,
@@ -196,13 +196,15 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     const double kl = blend::KlDivergence(full_logits, res.logits);
     char name[40];
     std::snprintf(name, sizeof(name), "blend %.2f%s", ratio, mode.overlap ? "" : " serial load");
-    std::printf("%-22s %10.1f %8.2fx %12d %10.3g %9d/32\n", name, best * 1e3, full_s / best,
-                res.recomputed_tokens + res.computed_tokens, kl, agree);
+    std::printf("%-22s %10.1f %8.2fx %12d %10.3g %9d/32 %9.1f %9.1f\n", name, best * 1e3,
+                full_s / best, res.recomputed_tokens + res.computed_tokens, kl, agree,
+                res.check_seconds * 1e3, res.load_wait_seconds * 1e3);
     if (std::abs(ratio - 0.15) < 1e-9) (mode.overlap ? speedup_015 : serial_015) = full_s / best;
     rows.push_back({{"mode", mode.overlap ? "blend" : "blend-serial-load"}, {"ratio", ratio},
                     {"ttft_s", best},
                     {"speedup", full_s / best}, {"recomputed_tokens", res.recomputed_tokens},
-                    {"kl", kl}, {"greedy_agreement", agree / 32.0}});
+                    {"kl", kl}, {"greedy_agreement", agree / 32.0},
+                    {"check_s", res.check_seconds}, {"load_wait_s", res.load_wait_seconds}});
   }
   if (speedup_015 > 0) {
     std::printf("blend at 0.15 vs full prefill: %.2fx lower TTFT (aim: at least 3x); "

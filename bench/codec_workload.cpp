@@ -22,7 +22,7 @@
 
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/disk_tier.h"
@@ -39,7 +39,7 @@ using Chunks = std::vector<std::shared_ptr<const Chunk>>;
 
 // Tokens of the eval set's documents, one after another, at least `n`.
 Result<std::vector<int32_t>> TextTokens(const std::string& text_dir, size_t n) {
-  KDN_ASSIGN_OR_RETURN(auto tok, engine::Tokenizer::Load(text_dir));
+  KDN_ASSIGN_OR_RETURN(auto tok, text::Tokenizer::Load(text_dir));
   const std::string path = (std::filesystem::path(text_dir) / "eval.jsonl").string();
   std::ifstream in(path);
   if (!in) return NotFound("cannot open " + path + " (the text the KV is computed from)");

@@ -101,7 +101,7 @@ Result<std::unique_ptr<CudaEngine>> MakeCudaModel(const Common& c, const CudaEng
                                                  std::string* what) {
   if (!c.model_dir.empty()) {
     *what = c.model_dir;
-    KDN_ASSIGN_OR_RETURN(ModelConfig cfg, LoadModelConfig(c.model_dir));
+    KDN_ASSIGN_OR_RETURN(model::ModelConfig cfg, model::LoadModelConfig(c.model_dir));
     KDN_ASSIGN_OR_RETURN(ModelWeights w, LoadWeights(c.model_dir, cfg));
     return CudaEngine::Create(cfg, w, o);
   }
@@ -170,7 +170,7 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
   if (!peer.ok()) return Fail(peer.status());
   auto model = MakeCudaModel(c, o, &what);
   if (!model.ok()) return Fail(model.status());
-  const ModelConfig& cfg = (*model)->config();
+  const model::ModelConfig& cfg = (*model)->config();
   auto peak = Bf16GemmPeakTflops(8192, std::max(c.reps, 3));
   if (!peak.ok()) return Fail(peak.status());
   std::printf("prefill on %s, %s, bf16 (%s); cuBLAS bf16 GEMM peak %.1f TFLOP/s\n",
@@ -216,7 +216,7 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
   if (!peer.ok()) return Fail(peer.status());
   auto model = MakeCudaModel(c, o, &what);
   if (!model.ok()) return Fail(model.status());
-  const ModelConfig& cfg = (*model)->config();
+  const model::ModelConfig& cfg = (*model)->config();
   auto bw = DeviceCopyGBps(size_t{2} << 30, std::max(c.reps, 5));
   if (!bw.ok()) return Fail(bw.status());
   // Bytes a step must read: every weight but the input embeddings, of which

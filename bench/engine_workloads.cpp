@@ -11,7 +11,7 @@ namespace kdn::bench {
 
 using namespace kdn::engine;
 
-double ForwardFlops(const ModelConfig& m, int64_t n, int64_t past, int64_t logit_rows) {
+double ForwardFlops(const model::ModelConfig& m, int64_t n, int64_t past, int64_t logit_rows) {
   const double d = m.hidden_size, q = m.q_dim(), kv = m.kv_dim(), ff = m.intermediate_size;
   const double per_token = 2.0 * (d * (q + 2 * kv) + q * d + 3 * d * ff);
   // Query i attends to past + i + 1 keys: QK^T and PV, 2 FLOPs per MAC each.
@@ -28,7 +28,7 @@ int RunPrefill(const Common& c, const std::vector<int>& lengths) {
     std::fprintf(stderr, "kdn-bench: %s\n", model.status().ToString().c_str());
     return 1;
   }
-  const ModelConfig& cfg = (*model)->config();
+  const model::ModelConfig& cfg = (*model)->config();
   const double peak = SgemmPeakGflops(2048, std::max(c.reps, 8));
   std::printf("prefill on %s, %d threads, OpenBLAS %s; sgemm peak %.1f GFLOP/s\n", what.c_str(),
               omp_get_max_threads(), BlasCoreName().c_str(), peak);
@@ -69,7 +69,7 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
     std::fprintf(stderr, "kdn-bench: %s\n", model.status().ToString().c_str());
     return 1;
   }
-  const ModelConfig& cfg = (*model)->config();
+  const model::ModelConfig& cfg = (*model)->config();
   const double bw = MemcpyGBps(size_t{512} << 20, std::max(c.reps, 4));
   const double peak = SgemmPeakGflops(2048, std::max(c.reps, 8));
   // Bytes one step must read whatever the batch: every weight once (fp32).

@@ -32,7 +32,7 @@ struct RequestKv {
   engine::KvSequence seq;
   std::vector<ChunkKey> keys;
 
-  RequestKv(const engine::ModelConfig& c, int64_t tokens, int chunk_tokens, uint64_t salt)
+  RequestKv(const model::ModelConfig& c, int64_t tokens, int chunk_tokens, uint64_t salt)
       : cache(c.num_layers, c.num_kv_heads, c.head_dim,
               static_cast<int>(2 * (tokens + engine::kKvBlockTokens) / engine::kKvBlockTokens)) {
     seq = cache.NewSequence();
@@ -92,7 +92,7 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
     std::fprintf(stderr, "kdn-bench: %s\n", preset.status().ToString().c_str());
     return 2;
   }
-  const engine::ModelConfig& cfg = preset->config;
+  const model::ModelConfig& cfg = preset->config;
   const KvDType dtype = ParseDType(dtype_name);
   const ChunkKey fingerprint{1, 1};
   json rows = json::array();
@@ -188,7 +188,7 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     std::fprintf(stderr, "kdn-bench: %s\n", preset.status().ToString().c_str());
     return 2;
   }
-  const engine::ModelConfig& cfg = preset->config;
+  const model::ModelConfig& cfg = preset->config;
   ChunkInfo shape{.layers = static_cast<uint32_t>(cfg.num_layers),
                   .kv_heads = static_cast<uint32_t>(cfg.num_kv_heads),
                   .head_dim = static_cast<uint32_t>(cfg.head_dim),

@@ -24,7 +24,7 @@
 
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -84,7 +84,7 @@ std::string Strip(std::string s) {
 // Greedy decoding from `seq` (whose prompt gave `logits`) until a newline,
 // EOS or max_tokens; the text before the newline.
 Result<std::string> DecodeLine(engine::Engine& model, engine::KvSequence& seq,
-                               const engine::Tokenizer& tok, std::vector<float> logits,
+                               const text::Tokenizer& tok, std::vector<float> logits,
                                int max_tokens) {
   auto piece = [&](int32_t t) { return tok.Decode(std::span<const int32_t>(&t, 1)); };
   KDN_ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
@@ -134,14 +134,14 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   if (limit > 0 && static_cast<size_t>(limit) < examples->size()) examples->resize(limit);
   std::string what;
   auto model_r = MakeModel(c, 4096, &what);
-  auto tok_r = engine::Tokenizer::Load(c.model_dir);
+  auto tok_r = text::Tokenizer::Load(c.model_dir);
   if (!model_r.ok() || !tok_r.ok()) {
     std::fprintf(stderr, "kdn-bench: %s\n",
                  (!model_r.ok() ? model_r.status() : tok_r.status()).ToString().c_str());
     return 1;
   }
   engine::Engine& model = **model_r;
-  const engine::Tokenizer& tok = **tok_r;
+  const text::Tokenizer& tok = **tok_r;
   engine::KvCache& cache = model.kv_cache();
   std::vector<Mode> modes{{"full prefill", -1}};
   if (!ratios.empty() || !random_ratios.empty()) modes.push_back({"full reuse", 0});

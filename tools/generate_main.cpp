@@ -9,7 +9,7 @@
 #include "kdn/engine/generate.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 
 int main(int argc, char** argv) {
   using namespace kdn::engine;
@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: give --prompt or --prompt-ids\n");
     return 2;
   }
-  if (auto st = ValidateSamplingParams(gen.sampling); !st.ok()) {
+  if (auto st = kdn::model::ValidateSamplingParams(gen.sampling); !st.ok()) {
     std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
     return 2;
   }
@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: --device: %s\n", dev.status().message().c_str());
     return 2;
   }
-  auto tok = Tokenizer::Load(model_dir);
+  auto tok = kdn::text::Tokenizer::Load(model_dir);
   if (!tok.ok()) {
     std::fprintf(stderr, "kdn-generate: %s\n", tok.status().ToString().c_str());
     return 1;

@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
     std::error_code ec;
     std::filesystem::create_directories(out, ec);
     std::ofstream f(std::filesystem::path(out) / "config.json");
-    f << ModelConfigToJson(preset->config);
+    f << kdn::model::ModelConfigToJson(preset->config);
     if (ec || !f.good()) {
       std::fprintf(stderr, "kdn-mkmodel: cannot write %s/config.json\n", out.c_str());
       return 1;

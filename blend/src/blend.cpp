@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
@@ -84,7 +85,7 @@ class Placer {
 Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
                                  std::span<const int32_t> suffix, const BlendOptions& options) {
-  const engine::ModelConfig& cfg = model.config();
+  const model::ModelConfig& cfg = model.config();
   if (!(options.recompute_ratio >= 0.0 && options.recompute_ratio <= 1.0)) {
     return InvalidArgument("recompute_ratio must be in [0, 1]");
   }
@@ -154,9 +155,16 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
     engine::RowPass& rp = *pass;
     // Declared after the pass, so stopped (joined) before it goes.
     Placer placer(model, seq, std::move(items), first_placed, options.overlap_load);
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    auto seconds_since = [](Clock::time_point t) {
+      return std::chrono::duration<double>(Clock::now() - t).count();
+    };
     auto run_layer = [&](std::vector<float>* deviation) -> Status {
       const int l = rp.next_layer();
+      const auto wait = Clock::now();
       KDN_RETURN_IF_ERROR(placer.WaitFor(l));
+      out.load_wait_seconds += seconds_since(wait);
       KDN_RETURN_IF_ERROR(rp.RunLayer(deviation));
       return options.on_layer ? options.on_layer(l) : Status::Ok();
     };
@@ -179,6 +187,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
       std::sort(keep.begin(), keep.end());
       KDN_RETURN_IF_ERROR(rp.Keep(keep));
       out.recomputed_tokens = static_cast<int>(keep_cached);
+      out.check_seconds = seconds_since(start);
     }
     // 4. The remaining layers over the fused cache.
     while (rp.next_layer() < cfg.num_layers) KDN_RETURN_IF_ERROR(run_layer(nullptr));

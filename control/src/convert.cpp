@@ -17,15 +17,15 @@ Status StatusFromProto(const proto::Error& error) {
   return Status(static_cast<StatusCode>(error.code()), error.message());
 }
 
-void SamplingToProto(const engine::SamplingParams& p, proto::Sampling* out) {
+void SamplingToProto(const model::SamplingParams& p, proto::Sampling* out) {
   out->set_temperature(p.temperature);
   out->set_top_k(p.top_k);
   out->set_top_p(p.top_p);
   out->set_seed(p.seed);
 }
 
-engine::SamplingParams SamplingFromProto(const proto::Sampling& p) {
-  engine::SamplingParams s;
+model::SamplingParams SamplingFromProto(const proto::Sampling& p) {
+  model::SamplingParams s;
   s.temperature = p.temperature();
   s.top_k = p.top_k();
   s.top_p = p.top_p();

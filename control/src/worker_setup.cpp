@@ -16,9 +16,9 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
   WorkerModel w;
   KDN_ASSIGN_OR_RETURN(w.model, engine::OpenEngine(dir, options));
   kvbridge::PinChunkBuffersFor(*w.model);
-  KDN_ASSIGN_OR_RETURN(w.tokenizer, engine::Tokenizer::Load(dir));
+  KDN_ASSIGN_OR_RETURN(w.tokenizer, text::Tokenizer::Load(dir));
   KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbridge::WeightsDigest(dir));
-  const engine::ModelConfig& c = w.model->config();
+  const model::ModelConfig& c = w.model->config();
   w.fingerprint = kvbridge::ModelFingerprint(c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
                                           kvbus::KvDTypeName(kvbridge::ChunkDType(w.model->kv_dtype())),
                                              digest);

@@ -1,6 +1,8 @@
 #include "kdn/decode_worker/batcher.h"
 
-#include <algorithm>
+#include <utility>
+
+#include "kdn/text/output_text.h"
 
 namespace kdn::decode_worker {
 
@@ -8,96 +10,37 @@ struct Batcher::Request {
   RequestSpec spec;
   engine::KvSequence seq;
   engine::Sampler sampler;
-  std::vector<int32_t> tokens;  // generated
-  std::string text;             // decoded generated text
-  size_t shown = 0;             // bytes of `text` already emitted
-  int32_t pending = -1;         // the last token, whose KV the next step writes
+  text::OutputText output;  // the generated tokens and the text shown of them
+  int32_t pending = -1;     // the last token, whose KV the next step writes
 
-  Request(const RequestSpec& s, engine::KvSequence q)
-      : spec(s), seq(std::move(q)), sampler(s.sampling) {}
+  Request(const RequestSpec& s, engine::KvSequence q, const text::Tokenizer& tokenizer)
+      : spec(s),
+        seq(std::move(q)),
+        sampler(s.sampling),
+        output(tokenizer, {s.max_tokens, s.stop_ids, s.stop_strings}) {}
 };
 
-size_t ShowableLength(const std::string& text, const std::vector<std::string>& stop_strings) {
-  size_t n = text.size();
-  // A trailing partial UTF-8 character: a lead byte whose continuation bytes
-  // have not all arrived.
-  for (size_t back = 1; back <= std::min<size_t>(3, n); ++back) {
-    const auto c = static_cast<unsigned char>(text[n - back]);
-    if ((c & 0xC0) == 0x80) continue;  // a continuation byte: look further back
-    const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
-    if (need > back) n -= back;
-    break;
-  }
-  // A tail that a stop string could still complete is held back.
-  size_t hold = 0;
-  for (const std::string& stop : stop_strings) {
-    if (stop.empty()) continue;
-    for (size_t k = std::min(stop.size() - 1, n); k > hold; --k) {
-      if (text.compare(n - k, k, stop, 0, k) == 0) {
-        hold = k;
-        break;
-      }
-    }
-  }
-  return n - hold;
-}
-
-Batcher::Batcher(engine::Engine& model, const engine::Tokenizer& tokenizer, int max_batch)
+Batcher::Batcher(engine::Engine& model, const text::Tokenizer& tokenizer, int max_batch)
     : model_(model), tokenizer_(tokenizer), max_batch_(max_batch) {}
 
 Batcher::~Batcher() = default;
 
 const std::vector<int32_t>* Batcher::Generated(uint64_t id) const {
   auto it = requests_.find(id);
-  return it == requests_.end() ? nullptr : &it->second->tokens;
+  return it == requests_.end() ? nullptr : &it->second->output.tokens();
 }
 
 bool Batcher::Accept(Request& r, int32_t token, std::vector<TokenEvent>* events) {
-  return Accept(tokenizer_, model_.config().max_context, r.seq.length(), r, token, events);
-}
-
-bool Batcher::Accept(const engine::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
-                     Request& r, int32_t token, std::vector<TokenEvent>* events) {
-  r.tokens.push_back(token);
-  r.text += tokenizer.Decode(std::span<const int32_t>(&token, 1));
-  TokenEvent ev{r.spec.id, token, {}, false, {}};
-  // A stop string ends the text where it begins; the client never sees it.
-  size_t cut = std::string::npos;
-  for (const std::string& stop : r.spec.stop_strings) {
-    if (stop.empty()) continue;
-    // Only the new tail can complete a stop string not found before.
-    const size_t from = r.shown > stop.size() ? r.shown - stop.size() : 0;
-    const size_t at = r.text.find(stop, from);
-    if (at != std::string::npos) cut = std::min(cut, at);
-  }
-  if (cut != std::string::npos) {
-    r.text.resize(cut);
-    ev.finished = true;
-    ev.finish_reason = "stop";
-  } else if (std::find(r.spec.stop_ids.begin(), r.spec.stop_ids.end(), token) !=
-             r.spec.stop_ids.end()) {
-    ev.finished = true;
-    ev.finish_reason = "stop";
-  } else if (static_cast<int>(r.tokens.size()) >= r.spec.max_tokens) {
-    ev.finished = true;
-    ev.finish_reason = "length";
-  } else if (kv_tokens + 1 > max_context) {
-    ev.finished = true;
-    ev.finish_reason = "context";
-  }
-  const size_t show = ev.finished ? r.text.size() : ShowableLength(r.text, r.spec.stop_strings);
-  if (show > r.shown) {
-    ev.text = r.text.substr(r.shown, show - r.shown);
-    r.shown = show;
-  }
+  text::TextDelta d = r.output.Add(token, r.seq.length(), model_.config().max_context);
   r.pending = token;
-  events->push_back(std::move(ev));
+  events->push_back(TokenEvent{r.spec.id, token, std::move(d.text), d.finished,
+                               std::move(d.finish_reason)});
   return events->back().finished;
 }
 
 Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t first_token,
                       std::vector<TokenEvent>* events) {
-  KDN_RETURN_IF_ERROR(engine::ValidateSamplingParams(spec.sampling));
+  KDN_RETURN_IF_ERROR(model::ValidateSamplingParams(spec.sampling));
   if (spec.max_tokens < 1) return InvalidArgument("max_tokens must be at least 1");
   if (seq.length() == 0) return InvalidArgument("request " + std::to_string(spec.id) + " has no prompt KV");
   if (requests_.count(spec.id) != 0) {
@@ -106,7 +49,7 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   if (static_cast<int>(requests_.size()) >= max_batch_) {
     return ResourceExhausted("decode batch is full (" + std::to_string(max_batch_) + " requests)");
   }
-  auto r = std::make_unique<Request>(spec, std::move(seq));
+  auto r = std::make_unique<Request>(spec, std::move(seq), tokenizer_);
   r->sampler.Advance(1);  // the prefill worker drew the first token from this stream
   std::vector<TokenEvent> first;
   const bool finished = Accept(*r, first_token, &first);
@@ -119,18 +62,9 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   if (!finished) {
     requests_.emplace(spec.id, std::move(r));
   } else if (on_finish_) {
-    on_finish_(spec.id, r->seq, r->tokens);
+    on_finish_(spec.id, r->seq, r->output.tokens());
   }
   return Status::Ok();
-}
-
-TokenEvent Batcher::FirstTokenEvent(const engine::Tokenizer& tokenizer, const RequestSpec& spec,
-                                    int64_t prompt_tokens, int64_t max_context,
-                                    int32_t first_token) {
-  Request r(spec, engine::KvSequence());
-  std::vector<TokenEvent> events;
-  Accept(tokenizer, max_context, prompt_tokens, r, first_token, &events);
-  return std::move(events[0]);
 }
 
 Status Batcher::Step(std::vector<TokenEvent>* events) {
@@ -151,7 +85,7 @@ Status Batcher::Step(std::vector<TokenEvent>* events) {
     Request& r = *it->second;
     const int32_t next = next_tokens[row];
     if (Accept(r, next, events)) {
-      if (on_finish_) on_finish_(it->first, r.seq, r.tokens);
+      if (on_finish_) on_finish_(it->first, r.seq, r.output.tokens());
       it = requests_.erase(it);  // its KV blocks go back with the sequence
     } else {
       ++it;
@@ -164,7 +98,7 @@ Status Batcher::Cancel(uint64_t id, std::vector<TokenEvent>* events) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return NotFound("request " + std::to_string(id) + " is not running");
   events->push_back(TokenEvent{id, -1, {}, true, "cancelled"});
-  if (on_finish_) on_finish_(id, it->second->seq, it->second->tokens);
+  if (on_finish_) on_finish_(id, it->second->seq, it->second->output.tokens());
   requests_.erase(it);
   return Status::Ok();
 }

@@ -32,7 +32,7 @@ struct Decoder::Mailbox {
   std::atomic<uint64_t> bytes_pending{0};
 };
 
-Decoder::Decoder(engine::Engine& model, const engine::Tokenizer& tokenizer,
+Decoder::Decoder(engine::Engine& model, const text::Tokenizer& tokenizer,
                  kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
                  JobThread& store_io, DecoderOptions options)
     : model_(model),
@@ -58,7 +58,7 @@ Decoder::~Decoder() = default;
 // besides the sequences it moves around (the Batcher runs the decode steps).
 
 Status Decoder::ValidateRequest(const DecodeRequest& r) const {
-  const engine::ModelConfig& c = model_.config();
+  const model::ModelConfig& c = model_.config();
   if (r.tokens.empty()) return InvalidArgument("empty prompt");
   if (static_cast<int64_t>(r.tokens.size()) >= c.max_context) {
     return InvalidArgument("a prompt of " + std::to_string(r.tokens.size()) +
@@ -71,7 +71,7 @@ Status Decoder::ValidateRequest(const DecodeRequest& r) const {
     }
   }
   if (r.spec.max_tokens < 1) return InvalidArgument("max_tokens must be at least 1");
-  return engine::ValidateSamplingParams(r.spec.sampling);
+  return model::ValidateSamplingParams(r.spec.sampling);
 }
 
 Status Decoder::ReserveKv(Prepared& p) {

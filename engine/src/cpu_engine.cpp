@@ -11,6 +11,8 @@
 
 namespace kdn::engine {
 
+using model::ModelConfig;
+
 struct CpuEngine::Layer {
   std::vector<float> attn_norm, ffn_norm;
   std::vector<float> wq, wk, wv;  // [out][hidden]
@@ -146,7 +148,7 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config, 
 
 Result<std::unique_ptr<CpuEngine>> CpuEngine::Load(const std::filesystem::path& dir,
                                            const EngineOptions& options) {
-  KDN_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  KDN_ASSIGN_OR_RETURN(ModelConfig config, model::LoadModelConfig(dir));
   KDN_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(dir, config));
   return Create(config, std::move(weights), options);
 }

@@ -53,10 +53,10 @@ void RmsNorm(const float* x, const float* weight, float eps, int64_t rows, int d
   for (int64_t r = 0; r < rows; ++r) RmsNormRow(x + r * dim, weight, eps, dim, out + r * dim);
 }
 
-std::vector<float> RopeInvFreq(const ModelConfig& config) {
+std::vector<float> RopeInvFreq(const model::ModelConfig& config) {
   const int half = config.head_dim / 2;
   std::vector<float> inv(half);
-  const RopeScaling& s = config.rope_scaling;
+  const model::RopeScaling& s = config.rope_scaling;
   const double low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
   const double high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
   for (int i = 0; i < half; ++i) {

@@ -4,7 +4,7 @@
 
 namespace kdn::engine {
 
-Status CheckRowPass(const ModelConfig& config, const KvSequence& seq,
+Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
                     std::span<const int32_t> tokens, std::span<const int64_t> positions) {
   if (static_cast<int64_t>(tokens.size()) != seq.length()) {
     return InvalidArgument("row pass: " + std::to_string(tokens.size()) +
@@ -37,7 +37,7 @@ Status CheckKeep(std::span<const int64_t> rows, size_t current) {
   return Status::Ok();
 }
 
-Status CheckRotation(const ModelConfig& config, const KvSequence& seq, int64_t first,
+Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, int64_t first,
                      int64_t count, int layer) {
   if (first < 0 || count < 0 || first + count > seq.length()) {
     return InvalidArgument("rotate: positions [" + std::to_string(first) + ", " +

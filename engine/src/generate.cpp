@@ -7,7 +7,7 @@ namespace kdn::engine {
 
 Result<GenerateResult> Generate(Engine& model, std::span<const int32_t> prompt,
                                 const GenerateOptions& options) {
-  KDN_RETURN_IF_ERROR(ValidateSamplingParams(options.sampling));
+  KDN_RETURN_IF_ERROR(model::ValidateSamplingParams(options.sampling));
   if (options.max_tokens < 0) return InvalidArgument("max_tokens must be >= 0");
   if (prompt.empty()) return InvalidArgument("empty prompt");
   const int64_t max_ctx = model.config().max_context;

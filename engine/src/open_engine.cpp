@@ -13,6 +13,9 @@
 
 namespace kdn::engine {
 
+using model::LoadModelConfig;
+using model::ModelConfig;
+
 namespace {
 
 // Fewest tokens of KV a memory share must leave room for: a few blocks, or

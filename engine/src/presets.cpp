@@ -5,9 +5,12 @@
 #include <numbers>
 
 #include "kdn/engine/safetensors.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::engine {
+
+using model::Architecture;
+using model::ModelConfig;
 
 namespace {
 
@@ -196,9 +199,9 @@ Status WriteModelFolder(const std::filesystem::path& dir, const ModelConfig& con
     }
   }
   KDN_RETURN_IF_ERROR(writer.Finish());
-  KDN_RETURN_IF_ERROR(WriteText(dir / "config.json", ModelConfigToJson(c)));
-  KDN_RETURN_IF_ERROR(WriteText(dir / "tokenizer.json", ByteTokenizerJson()));
-  KDN_RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", ByteTokenizerConfigJson()));
+  KDN_RETURN_IF_ERROR(WriteText(dir / "config.json", model::ModelConfigToJson(c)));
+  KDN_RETURN_IF_ERROR(WriteText(dir / "tokenizer.json", text::ByteTokenizerJson()));
+  KDN_RETURN_IF_ERROR(WriteText(dir / "tokenizer_config.json", text::ByteTokenizerConfigJson()));
   return Status::Ok();
 }
 

@@ -7,15 +7,6 @@
 
 namespace kdn::engine {
 
-Status ValidateSamplingParams(const SamplingParams& p) {
-  if (std::isnan(p.temperature)) return InvalidArgument("temperature is NaN");
-  if (p.top_k < 0) return InvalidArgument("top_k must be >= 0, got " + std::to_string(p.top_k));
-  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
-    return InvalidArgument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
-  }
-  return Status::Ok();
-}
-
 int32_t Argmax(std::span<const float> logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
@@ -30,7 +21,7 @@ uint64_t SplitMix64(uint64_t& x) {
 uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 }  // namespace
 
-Sampler::Sampler(const SamplingParams& params) : params_(params) {
+Sampler::Sampler(const model::SamplingParams& params) : params_(params) {
   uint64_t x = params.seed;
   for (uint64_t& s : s_) s = SplitMix64(x);
 }

@@ -10,7 +10,7 @@
 
 namespace kdn::engine {
 
-std::vector<TensorSpec> ExpectedTensors(const ModelConfig& c) {
+std::vector<TensorSpec> ExpectedTensors(const model::ModelConfig& c) {
   const int64_t d = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), ff = c.intermediate_size;
   std::vector<TensorSpec> specs;
   specs.push_back({"model.embed_tokens.weight", {c.vocab_size, d}});
@@ -74,7 +74,8 @@ Result<std::map<std::string, std::string>> WeightMap(const std::filesystem::path
 
 }  // namespace
 
-Result<ModelWeights> LoadWeights(const std::filesystem::path& dir, const ModelConfig& config) {
+Result<ModelWeights> LoadWeights(const std::filesystem::path& dir,
+                                 const model::ModelConfig& config) {
   KDN_ASSIGN_OR_RETURN(auto weight_map, WeightMap(dir));
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
   auto open = [&](const std::string& name) -> Result<SafetensorsFile*> {

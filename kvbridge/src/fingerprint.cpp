@@ -12,7 +12,7 @@
 
 namespace kdn::kvbridge {
 
-kvbus::ChunkKey ModelFingerprint(const engine::ModelConfig& c, std::string_view weight_dtype,
+kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& c, std::string_view weight_dtype,
                           std::string_view kv_dtype, uint64_t weights_digest) {
   // A canonical text: one "name=value" line per field, then every tensor.
   std::string s = "kdn-model-fingerprint\n";
@@ -22,7 +22,7 @@ kvbus::ChunkKey ModelFingerprint(const engine::ModelConfig& c, std::string_view 
                 "kv_heads=%d\nhead_dim=%d\nrms_norm_eps=%.17g\nrope_theta=%.17g\n"
                 "rope_llama3=%d\nrope_factor=%.17g\nrope_low=%.17g\nrope_high=%.17g\n"
                 "rope_original_max=%lld\nqkv_bias=%d\no_bias=%d\ntied=%d\n",
-                engine::ArchitectureName(c.architecture), c.vocab_size, c.hidden_size,
+                model::ArchitectureName(c.architecture), c.vocab_size, c.hidden_size,
                 c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
                 c.rms_norm_eps, c.rope_theta, c.rope_scaling.llama3 ? 1 : 0, c.rope_scaling.factor,
                 c.rope_scaling.low_freq_factor, c.rope_scaling.high_freq_factor,

@@ -97,14 +97,14 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   missing_segments_.clear();
   first_new_chunk_ = 0;
   const auto n = static_cast<int64_t>(job.tokens.size());
-  const engine::ModelConfig& cfg = model_.config();
+  const model::ModelConfig& cfg = model_.config();
   if (n == 0) return InvalidArgument("prefill: empty prompt");
   if (n > cfg.max_context) {
     return InvalidArgument("prefill: a prompt of " + std::to_string(n) +
                            " tokens exceeds the model's context of " +
                            std::to_string(cfg.max_context));
   }
-  KDN_RETURN_IF_ERROR(engine::ValidateSamplingParams(job.sampling));
+  KDN_RETURN_IF_ERROR(model::ValidateSamplingParams(job.sampling));
   if (job.blend) return RunBlend(job);
   const int C = options_.chunk_tokens;
   const kvbus::KeyContext ctx{fingerprint_, job.ns, C};

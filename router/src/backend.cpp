@@ -11,9 +11,9 @@
 #include <zmq.hpp>
 
 #include "kdn/control/convert.h"
-#include "kdn/decode_worker/batcher.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/zmq_check.h"
+#include "kdn/text/output_text.h"
 #include "serving.pb.h"
 
 namespace kdn::router {
@@ -87,7 +87,7 @@ constexpr int kInjectPerWorker = 2;
 
 struct Backend::Impl {
   BackendOptions options;
-  const engine::Tokenizer* tokenizer = nullptr;
+  const text::Tokenizer* tokenizer = nullptr;
   Metrics* metrics = nullptr;
   zmq::context_t ctx{1};
   uint64_t nonce = 0;
@@ -433,17 +433,14 @@ struct Backend::Impl {
           metrics->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
         }
         // Step 5: the first token goes to the client now, shown by the
-        // decode worker's own rules (stop strings, partial characters), so
-        // that its text and the decode worker's from the second token on
-        // join up.
-        decode_worker::RequestSpec spec;
-        spec.sampling = r.job.sampling;
-        spec.max_tokens = r.job.max_tokens;
-        spec.stop_ids = r.job.stop_ids;
-        spec.stop_strings = r.job.stop_strings;
-        decode_worker::TokenEvent first = decode_worker::Batcher::FirstTokenEvent(
-            *tokenizer, spec, static_cast<int64_t>(r.job.tokens.size()),
-            workers[r.d].view.max_context, pr.first_token());
+        // decode worker's own rules (text::OutputText: stop strings, partial
+        // characters), so that its text and the decode worker's from the
+        // second token on join up.
+        text::OutputText output(*tokenizer,
+                                {r.job.max_tokens, r.job.stop_ids, r.job.stop_strings});
+        text::TextDelta first = output.Add(pr.first_token(),
+                                           static_cast<int64_t>(r.job.tokens.size()),
+                                           workers[r.d].view.max_context);
         TokenOut(r);
         r.usage.completion_tokens = 1;
         if (metrics) metrics->GeneratedTokens(1);
@@ -759,7 +756,7 @@ struct Backend::Impl {
 Backend::Backend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
-                                                const engine::Tokenizer& tokenizer,
+                                                const text::Tokenizer& tokenizer,
                                                 Metrics* metrics) {
   if (options.prefill_endpoints.empty()) return InvalidArgument("no prefill worker given");
   if (options.decode_endpoints.empty()) return InvalidArgument("no decode worker given");

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kdn/text/chat_template.h"
+
 namespace kdn::router {
 
 namespace {
@@ -291,7 +293,7 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
   } else if (IsSet(body, "documents")) {
     return Bad("'documents' go with the last user message, and there is none", "documents");
   }
-  ChatPrompt chat = RenderChat(model.config->architecture, msgs);
+  text::ChatPrompt chat = text::RenderChat(model.config->architecture, msgs);
   *end_of_turn = chat.end_of_turn;
   if (!has_documents) {
     out->prompt = model.tokenizer->Encode(chat.text, /*add_bos=*/true);
@@ -310,44 +312,6 @@ json ErrorBody(const ApiError& e) {
             {"type", e.type},
             {"param", e.param.empty() ? json(nullptr) : json(e.param)},
             {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
-}
-
-ChatPrompt RenderChat(engine::Architecture arch,
-                      const std::vector<std::pair<std::string, std::string>>& messages) {
-  ChatPrompt p;
-  switch (arch) {
-    case engine::Architecture::kQwen2:
-      for (const auto& [role, text] : messages) {
-        p.text += "<|im_start|>" + role + "\n" + text + "<|im_end|>\n";
-      }
-      p.text += "<|im_start|>assistant\n";
-      p.end_of_turn = "<|im_end|>";
-      break;
-    case engine::Architecture::kMistral: {
-      // Mistral has no system role: a system message leads the next user turn.
-      std::string pending_system;
-      for (const auto& [role, text] : messages) {
-        if (role == "system") {
-          pending_system += text + "\n\n";
-        } else if (role == "user") {
-          p.text += "[INST] " + pending_system + text + " [/INST]";
-          pending_system.clear();
-        } else {
-          p.text += text + "</s>";
-        }
-      }
-      p.end_of_turn = "</s>";
-      break;
-    }
-    case engine::Architecture::kLlama:
-      for (const auto& [role, text] : messages) {
-        p.text += "<|start_header_id|>" + role + "<|end_header_id|>\n\n" + text + "<|eot_id|>";
-      }
-      p.text += "<|start_header_id|>assistant<|end_header_id|>\n\n";
-      p.end_of_turn = "<|eot_id|>";
-      break;
-  }
-  return p;
 }
 
 std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,

@@ -12,10 +12,10 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
-#include "kdn/engine/config.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/model/config.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::router {
 
@@ -69,8 +69,8 @@ std::string Chunked(const std::string& piece) {
 // Everything a session reads: the model's view, metrics, the backend.
 struct ServerState {
   RouterOptions options;
-  engine::ModelConfig config;
-  std::unique_ptr<engine::Tokenizer> tokenizer;
+  model::ModelConfig config;
+  std::unique_ptr<text::Tokenizer> tokenizer;
   ServedModel served;
   Metrics metrics;
   std::unique_ptr<Backend> backend;
@@ -505,8 +505,8 @@ Router::Router(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  KDN_ASSIGN_OR_RETURN(impl->config, engine::LoadModelConfig(options.model_dir));
-  KDN_ASSIGN_OR_RETURN(impl->tokenizer, engine::Tokenizer::Load(options.model_dir));
+  KDN_ASSIGN_OR_RETURN(impl->config, model::LoadModelConfig(options.model_dir));
+  KDN_ASSIGN_OR_RETURN(impl->tokenizer, text::Tokenizer::Load(options.model_dir));
   std::string name = options.served_model_name;
   if (name.empty()) {
     name = std::filesystem::path(options.model_dir).lexically_normal().filename().string();

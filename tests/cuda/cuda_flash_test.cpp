@@ -345,7 +345,7 @@ TEST(DeviceSampler, DrawsWhatTheHostSamplerDraws) {
     const int rows = 6;
     std::mt19937 rng(static_cast<uint32_t>(vocab));
     std::normal_distribution<float> nd(0.0f, 3.0f);
-    const std::vector<SamplingParams> params = {
+    const std::vector<model::SamplingParams> params = {
         {0.7f, 0, 0.9f, 1}, {1.0f, 50, 1.0f, 2}, {0.0f, 0, 1.0f, 3},
         {1.3f, 0, 1.0f, 4}, {0.5f, 1, 1.0f, 5},  {1.0f, 20, 0.5f, 6}};
     auto sampler = DeviceSampler::Create(rows, vocab);
@@ -363,7 +363,7 @@ TEST(DeviceSampler, DrawsWhatTheHostSamplerDraws) {
       std::vector<DeviceSamplingRow> rows_params;
       for (int r = 0; r < rows; ++r) {
         const double u = device[r].NextDraw();
-        const SamplingParams& p = params[r];
+        const model::SamplingParams& p = params[r];
         rows_params.push_back({u < 0 ? 0.0f : p.temperature, p.top_k, p.top_p, u < 0 ? 0.0 : u});
       }
       KDN_ASSERT_OK((*sampler)->Sample(d_logits->get(), rows_params.data(), rows, d_out->get(),
@@ -506,7 +506,7 @@ TEST(CudaModelFastPaths, GraphStepsEqualEagerStepsAndDeviceSamplingEqualsTheHost
   // same step's logits on the host.
   std::vector<Sampler> on_device, on_host;
   for (int i = 0; i < batch; ++i) {
-    const SamplingParams p{0.8f, i % 2 == 0 ? 0 : 40, i % 3 == 0 ? 0.9f : 1.0f, uint64_t(i)};
+    const model::SamplingParams p{0.8f, i % 2 == 0 ? 0 : 40, i % 3 == 0 ? 0.9f : 1.0f, uint64_t(i)};
     on_device.emplace_back(p);
     on_host.emplace_back(p);
   }

@@ -30,11 +30,11 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
 #include "kdn/engine/cpu_ops.h"
 #include "kdn/engine/cuda/cuda_check.h"
 #include "kdn/engine/cuda/rmsnorm.cuh"
 #include "kdn/engine/cuda/rope.cuh"
+#include "kdn/model/config.h"
 #include "cuda_test_util.h"
 
 namespace kdn::engine::cuda {
@@ -170,8 +170,8 @@ struct RopeCase {
   bool llama3;  // Llama 3.1 frequency scaling
 };
 
-ModelConfig RopeConfig(const RopeCase& c) {
-  ModelConfig config;
+model::ModelConfig RopeConfig(const RopeCase& c) {
+  model::ModelConfig config;
   config.head_dim = c.head_dim;
   config.rope_theta = c.theta;
   if (c.llama3) {

@@ -58,6 +58,44 @@ TEST(CudaRowPass, EveryPositionAtEveryLayerIsAFullPrefill) {
   }
 }
 
+// Over a cache that holds the prompt's own KV, recomputing any rows changes
+// nothing: each row must see exactly the keys up to its position (a row that
+// saw a later key, or missed an earlier one, would move the logits). Rows
+// scattered in runs of every length, across blocks, in more bands than one.
+TEST(CudaRowPass, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto g = Tiny();
+  ASSERT_TRUE(g);
+  const int n = 300;
+  const auto tokens = Tokens(n, 31);
+  KvSequence seq = g->kv_cache().NewSequence();
+  std::vector<float> want, got;
+  KDN_ASSERT_OK(g->Prefill(seq, tokens, {}, &want));
+  std::mt19937 rng(7);
+  std::vector<int64_t> rows;
+  for (int64_t p = 0; p < n - 1; ++p) {
+    if (rng() % 5 == 0) rows.push_back(p);
+  }
+  rows.push_back(n - 1);  // the logits' row
+  auto pass = g->BeginRowPass(seq, tokens, rows);
+  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+  for (int l = 0; l < g->config().num_layers; ++l) KDN_ASSERT_OK((*pass)->RunLayer());
+  KDN_ASSERT_OK((*pass)->Logits(&got));
+  EXPECT_TRUE(AllClose(got, want, {2e-2, 2e-2}));
+  // The recomputed rows' KV is what the prefill wrote.
+  std::vector<float> after;
+  for (int64_t r : {rows.front(), rows[rows.size() / 2], rows.back()}) {
+    std::vector<float> a, b;
+    KvSequence ref = g->kv_cache().NewSequence();
+    KDN_ASSERT_OK(g->Prefill(ref, tokens, {}, &after));
+    for (int l = 0; l < g->config().num_layers; ++l) {
+      KDN_ASSERT_OK(ReadKv(*g, seq, l, r, 1, &a));
+      KDN_ASSERT_OK(ReadKv(*g, ref, l, r, 1, &b));
+      EXPECT_TRUE(AllClose(a, b, {1.0 / 64, 1e-2})) << "row " << r << " layer " << l;
+    }
+  }
+}
+
 TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   auto p = FindPreset("tiny");

@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> ids;
   std::stringstream ss(argv[2]);
   for (std::string item; std::getline(ss, item, ',');) ids.push_back(std::stoi(item));
-  auto cfg = LoadModelConfig(argv[1]);
+  auto cfg = kdn::model::LoadModelConfig(argv[1]);
   if (!cfg.ok()) return fail(cfg.status());
   auto weights = LoadWeights(argv[1], *cfg);
   if (!weights.ok()) return fail(weights.status());

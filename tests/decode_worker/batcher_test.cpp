@@ -6,6 +6,7 @@
 
 #include "../engine/test_util.h"
 #include "kdn/engine/generate.h"
+#include "kdn/text/output_text.h"
 
 namespace kdn::decode_worker {
 namespace {
@@ -13,10 +14,17 @@ namespace {
 using engine::testing::MakeModel;
 using engine::testing::RandomTokens;
 
-engine::ByteTokenizer Bytes() {
+text::ByteTokenizer Bytes() {
   std::vector<int32_t> ids(256);
   std::iota(ids.begin(), ids.end(), 0);
-  return engine::ByteTokenizer(ids, 258, 256, 257);
+  return text::ByteTokenizer(ids, 258, 256, 257);
+}
+
+// What the router shows of a request's first token (router/src/backend.cpp).
+text::TextDelta RouterFirstToken(const text::Tokenizer& tok, const RequestSpec& spec,
+                                 int64_t prompt_tokens, int64_t max_context, int32_t first) {
+  text::OutputText output(tok, {spec.max_tokens, spec.stop_ids, spec.stop_strings});
+  return output.Add(first, prompt_tokens, max_context);
 }
 
 // What a prefill worker hands over: the prompt's KV and its first token.
@@ -26,7 +34,7 @@ struct Prefilled {
 };
 
 Prefilled Prefill(engine::CpuEngine& model, const std::vector<int32_t>& prompt,
-                  const engine::SamplingParams& sampling) {
+                  const model::SamplingParams& sampling) {
   Prefilled p{model.kv_cache().NewSequence(), -1};
   std::vector<float> logits;
   EXPECT_TRUE(model.Prefill(p.seq, prompt, {}, &logits).ok());
@@ -94,7 +102,7 @@ TEST(Batcher, StopStringEndsTheTextBeforeItAndIsNeverShown) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(12, 256, 3);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   auto free_run = engine::Generate(*model, prompt, {.max_tokens = 12, .sampling = greedy});
   ASSERT_TRUE(free_run.ok());
   const std::string full = tok.Decode(free_run->tokens);
@@ -119,7 +127,7 @@ TEST(Batcher, StopTokenFinishesTheRequest) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(8, 256, 4);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   auto free_run = engine::Generate(*model, prompt, {.max_tokens = 8, .sampling = greedy});
   ASSERT_TRUE(free_run.ok());
   Batcher batcher(*model, tok, 4);
@@ -139,7 +147,7 @@ TEST(Batcher, RefusesBadRequestsAndAFullBatchAndCancelsCleanly) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   Batcher batcher(*model, tok, 1);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   std::vector<TokenEvent> events;
   Prefilled a = Prefill(*model, RandomTokens(5, 256, 1), greedy);
   EXPECT_EQ(batcher.Admit({.id = 1, .sampling = {.top_p = 0.0f}}, std::move(a.seq), a.first, &events).code(),
@@ -161,11 +169,11 @@ TEST(Batcher, RefusesBadRequestsAndAFullBatchAndCancelsCleanly) {
   EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
 }
 
-TEST(Batcher, FirstTokenEventIsTheEventAdmitEmits) {
+TEST(Batcher, TheRoutersFirstTokenTextIsTheEventAdmitEmits) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(9, 256, 5);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   const int32_t a = 'a', lead = 0xC3;  // 0xC3: a UTF-8 lead byte, held back alone
   struct Case {
     RequestSpec spec;
@@ -191,15 +199,15 @@ TEST(Batcher, FirstTokenEventIsTheEventAdmitEmits) {
     ASSERT_TRUE(batcher.Admit(spec, std::move(p.seq), c.first, &events).ok());
     ASSERT_EQ(events.size(), 1u);
     const TokenEvent want = events[0];
-    const TokenEvent got = Batcher::FirstTokenEvent(
-        tok, spec, static_cast<int64_t>(prompt.size()), context, c.first);
-    EXPECT_EQ(got.token, want.token) << "case " << spec.id;
+    const text::TextDelta got =
+        RouterFirstToken(tok, spec, static_cast<int64_t>(prompt.size()), context, c.first);
+    EXPECT_EQ(want.token, c.first) << "case " << spec.id;
     EXPECT_EQ(got.text, want.text) << "case " << spec.id;
     EXPECT_EQ(got.finished, want.finished) << "case " << spec.id;
     EXPECT_EQ(got.finish_reason, want.finish_reason) << "case " << spec.id;
   }
   // A prompt that fills the context ends at its first token.
-  const TokenEvent full = Batcher::FirstTokenEvent(tok, {.max_tokens = 4}, context, context, a);
+  const text::TextDelta full = RouterFirstToken(tok, {.max_tokens = 4}, context, context, a);
   EXPECT_TRUE(full.finished);
   EXPECT_EQ(full.finish_reason, "context");
 }
@@ -208,7 +216,7 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
   auto model = MakeModel("tiny");
   const auto tok = Bytes();
   const auto prompt = RandomTokens(12, 256, 6);
-  const engine::SamplingParams greedy{.temperature = 0.0f};
+  const model::SamplingParams greedy{.temperature = 0.0f};
   auto free_run = engine::Generate(*model, prompt, {.max_tokens = 10, .sampling = greedy});
   ASSERT_TRUE(free_run.ok());
   const std::string full = tok.Decode(free_run->tokens);
@@ -238,7 +246,7 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
   }
   ASSERT_EQ(t.tokens[1], free_run->tokens);
   EXPECT_EQ(t.tokens[2], std::vector<int32_t>(free_run->tokens.begin() + 1, free_run->tokens.end()));
-  const TokenEvent first = Batcher::FirstTokenEvent(
+  const text::TextDelta first = RouterFirstToken(
       tok, {.sampling = greedy, .max_tokens = 10, .stop_strings = {stop}},
       static_cast<int64_t>(prompt.size()), model->config().max_context, free_run->tokens[0]);
   EXPECT_EQ(first.text, "");  // held back: it may begin the stop string
@@ -258,16 +266,6 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
   EXPECT_EQ(events[0].finish_reason, "length");
   EXPECT_EQ(batcher.running(), 0u);
   EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
-}
-
-TEST(ShowableLength, HoldsBackPartialCharactersAndStopPrefixes) {
-  EXPECT_EQ(ShowableLength("hello", {}), 5u);
-  EXPECT_EQ(ShowableLength("caf\xc3", {}), 3u);           // é cut after its lead byte
-  EXPECT_EQ(ShowableLength("caf\xc3\xa9", {}), 5u);       // complete
-  EXPECT_EQ(ShowableLength("x\xe4\xb8", {}), 1u);         // 3-byte character, 2 arrived
-  EXPECT_EQ(ShowableLength("the end", {"ending"}), 4u);  // "end" may become "ending"
-  EXPECT_EQ(ShowableLength("the en", {"end", "xyz"}), 4u);
-  EXPECT_EQ(ShowableLength("the e", {"done"}), 5u);
 }
 
 }  // namespace

@@ -23,12 +23,12 @@ using engine::testing::RandomTokens;
 
 constexpr int kChunk = 16;
 const kvbus::ChunkKey kFingerprint{1, 2};
-const engine::SamplingParams kGreedy{.temperature = 0.0f};
+const model::SamplingParams kGreedy{.temperature = 0.0f};
 
-engine::ByteTokenizer Bytes() {
+text::ByteTokenizer Bytes() {
   std::vector<int32_t> ids(256);
   std::iota(ids.begin(), ids.end(), 0);
-  return engine::ByteTokenizer(ids, 258, 256, 257);
+  return text::ByteTokenizer(ids, 258, 256, 257);
 }
 
 // A store whose Gets or Puts wait while their gate is closed, so that a test
@@ -103,7 +103,7 @@ struct Rig {
   int num_blocks() const { return model->kv_cache().num_blocks(); }
 
   std::unique_ptr<engine::CpuEngine> model;
-  engine::ByteTokenizer tok = Bytes();
+  text::ByteTokenizer tok = Bytes();
   std::unique_ptr<kvbus::ChunkStore> store;
   kvbus::HostTier staging{64u << 20};
   JobThread io{kStoreLanes};
@@ -111,7 +111,7 @@ struct Rig {
 };
 
 DecodeRequest Request(std::vector<int32_t> prompt, int max_tokens,
-                      engine::SamplingParams sampling = kGreedy) {
+                      model::SamplingParams sampling = kGreedy) {
   DecodeRequest r;
   static int transfer = 0;
   r.transfer_id = "transfer-" + std::to_string(++transfer);

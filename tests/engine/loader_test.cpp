@@ -14,7 +14,7 @@ namespace {
 
 using testing::TempDir;
 
-ModelConfig TinyConfig() { return FindPreset("tiny").value().config; }
+model::ModelConfig TinyConfig() { return FindPreset("tiny").value().config; }
 
 void WriteFile(const std::filesystem::path& p, const std::string& text) {
   std::ofstream(p, std::ios::binary) << text;
@@ -36,9 +36,9 @@ class LoaderDTypeTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(LoaderDTypeTest, LoadsExactlyWhatMkmodelWrote) {
   TempDir dir;
-  const ModelConfig c = TinyConfig();
+  const model::ModelConfig c = TinyConfig();
   ASSERT_TRUE(WriteModelFolder(dir.path(), c, 5, GetParam()).ok());
-  auto cfg = LoadModelConfig(dir.path());
+  auto cfg = model::LoadModelConfig(dir.path());
   ASSERT_TRUE(cfg.ok()) << cfg.status().ToString();
   auto loaded = LoadWeights(dir.path(), *cfg);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
@@ -67,7 +67,7 @@ TEST(Loader, MkmodelIsDeterministicForAPresetAndSeed) {
 
 TEST(Loader, LoadsShardedSafetensorsThroughTheIndex) {
   TempDir dir;
-  const ModelConfig c = TinyConfig();
+  const model::ModelConfig c = TinyConfig();
   ASSERT_TRUE(WriteModelFolder(dir.path(), c, 5, DType::kF32).ok());
   std::filesystem::remove(dir.path() / "model.safetensors");
   // Two shards: the embedding alone, then everything else.
@@ -114,7 +114,7 @@ TEST(Loader, MissingWeightsFileNamesTheFolder) {
 
 TEST(Loader, MissingTensorNamesFileAndTensor) {
   TempDir dir;
-  const ModelConfig c = TinyConfig();
+  const model::ModelConfig c = TinyConfig();
   ASSERT_TRUE(WriteModelFolder(dir.path(), c, 1, DType::kBF16).ok());
   SafetensorsWriter w(dir.path() / "model.safetensors");
   for (const TensorSpec& spec : ExpectedTensors(c)) {
@@ -134,11 +134,11 @@ TEST(Loader, MissingTensorNamesFileAndTensor) {
 
 TEST(Loader, WrongShapeNamesTensorAndBothShapes) {
   TempDir dir;
-  ModelConfig c = TinyConfig();
+  model::ModelConfig c = TinyConfig();
   ASSERT_TRUE(WriteModelFolder(dir.path(), c, 1, DType::kBF16).ok());
   // config.json now claims a wider MLP than the weights have.
   c.intermediate_size = 200;
-  WriteFile(dir.path() / "config.json", ModelConfigToJson(c));
+  WriteFile(dir.path() / "config.json", model::ModelConfigToJson(c));
   auto m = CpuEngine::Load(dir.path());
   EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
   ExpectMentions(m.status(), {"model.safetensors", "model.layers.0.mlp.gate_proj.weight",

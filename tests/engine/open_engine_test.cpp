@@ -37,7 +37,7 @@ TEST(ParseDevice, NamesTheBackendAndOrdinal) {
 TEST(OpenEngine, LoadsAFolderOnTheCpu) {
   TempDir dir;
   const Preset p = FindPreset("tiny").value();
-  const ModelConfig& c = p.config;
+  const model::ModelConfig& c = p.config;
   ASSERT_TRUE(WriteModelFolder(dir.path(), c, 3, p.dtype).ok());
   auto e = OpenEngine(dir.path(), {.kv_tokens = 256, .threads = 1});
   ASSERT_TRUE(e.ok()) << e.status().ToString();

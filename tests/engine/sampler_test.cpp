@@ -12,7 +12,7 @@ namespace {
 
 const std::vector<float> kLogits = {1.0f, 3.0f, 2.5f, -1.0f, 0.0f, 2.9f};
 
-std::map<int32_t, int> Histogram(SamplingParams p, int n) {
+std::map<int32_t, int> Histogram(model::SamplingParams p, int n) {
   Sampler s(p);
   std::map<int32_t, int> h;
   for (int i = 0; i < n; ++i) ++h[s.Sample(kLogits)];
@@ -63,14 +63,6 @@ TEST(Sampler, FrequenciesFollowTheSoftmaxAtTheTemperature) {
     const double sd = std::sqrt(p * (1 - p) / n);
     EXPECT_NEAR(static_cast<double>(h[i]) / n, p, 5 * sd + 1e-4) << "token " << i;
   }
-}
-
-TEST(Sampler, ValidationRejectsBadParameters) {
-  EXPECT_FALSE(ValidateSamplingParams({.top_k = -1}).ok());
-  EXPECT_FALSE(ValidateSamplingParams({.top_p = 0.0f}).ok());
-  EXPECT_FALSE(ValidateSamplingParams({.top_p = 1.5f}).ok());
-  EXPECT_FALSE(ValidateSamplingParams({.temperature = NAN}).ok());
-  EXPECT_TRUE(ValidateSamplingParams({.temperature = 0.0f, .top_k = 5, .top_p = 0.9f}).ok());
 }
 
 }  // namespace

@@ -38,14 +38,14 @@ TEST(ModelFingerprint, MatchesTheSpecsGoldenVectorForTheTinyPreset) {
 TEST(ModelFingerprint, ChangesWithEveryFieldThatShapesTheKv) {
   auto p = engine::FindPreset("tiny");
   ASSERT_TRUE(p.ok());
-  const engine::ModelConfig base = p->config;
-  const auto fp = [](const engine::ModelConfig& c, std::string_view w = "BF16",
+  const model::ModelConfig base = p->config;
+  const auto fp = [](const model::ModelConfig& c, std::string_view w = "BF16",
                      std::string_view kv = "f32", uint64_t digest = 42) {
     return ModelFingerprint(c, w, kv, digest);
   };
-  using Edit = std::pair<const char*, std::function<void(engine::ModelConfig&)>>;
+  using Edit = std::pair<const char*, std::function<void(model::ModelConfig&)>>;
   const std::vector<Edit> edits = {
-      {"architecture", [](auto& c) { c.architecture = engine::Architecture::kMistral; }},
+      {"architecture", [](auto& c) { c.architecture = model::Architecture::kMistral; }},
       {"vocab_size", [](auto& c) { c.vocab_size += 1; }},
       {"hidden_size", [](auto& c) { c.hidden_size *= 2; }},
       {"intermediate_size", [](auto& c) { c.intermediate_size += 16; }},
@@ -68,7 +68,7 @@ TEST(ModelFingerprint, ChangesWithEveryFieldThatShapesTheKv) {
   };
   std::set<ChunkKey> seen{fp(base)};
   for (const auto& [what, edit] : edits) {
-    engine::ModelConfig c = base;
+    model::ModelConfig c = base;
     edit(c);
     EXPECT_TRUE(seen.insert(fp(c)).second) << what << " does not change the fingerprint";
   }
@@ -83,7 +83,7 @@ TEST(ModelFingerprint, ChangesWithEveryFieldThatShapesTheKv) {
 TEST(ModelFingerprint, IgnoresFieldsThatDoNotShapeTheKv) {
   auto p = engine::FindPreset("tiny");
   ASSERT_TRUE(p.ok());
-  engine::ModelConfig c = p->config;
+  model::ModelConfig c = p->config;
   const ChunkKey before = ModelFingerprint(c, "BF16", "f32", 1);
   c.max_context *= 2;
   c.bos_token_id = 1;

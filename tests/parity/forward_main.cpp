@@ -12,13 +12,13 @@
 #include "kdn/engine/generate.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/cpu_engine.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 
 int main(int argc, char** argv) {
   using namespace kdn::engine;
   kdn::engine::PrepareCpuRuntime(argv);
   if (argc == 4 && std::string(argv[1]) == "--tokenize") {
-    auto tok = Tokenizer::Load(argv[2]);
+    auto tok = kdn::text::Tokenizer::Load(argv[2]);
     if (!tok.ok()) {
       std::fprintf(stderr, "kdn_forward: %s\n", tok.status().ToString().c_str());
       return 1;

@@ -180,7 +180,7 @@ class BackendTest : public ::testing::Test {
     auto preset = engine::FindPreset("tiny");
     ASSERT_TRUE(preset.ok());
     ASSERT_TRUE(engine::WriteModelFolder(dir_.path(), preset->config, 1, preset->dtype).ok());
-    auto tok = engine::Tokenizer::Load(dir_.path());
+    auto tok = text::Tokenizer::Load(dir_.path());
     ASSERT_TRUE(tok.ok());
     tokenizer_ = std::move(tok).value();
     auto p = prefill_worker::PrefillService::Start({.model_dir = dir_.path(),
@@ -228,7 +228,7 @@ class BackendTest : public ::testing::Test {
   }
 
   TempDir dir_;
-  std::unique_ptr<engine::Tokenizer> tokenizer_;
+  std::unique_ptr<text::Tokenizer> tokenizer_;
   std::unique_ptr<prefill_worker::PrefillService> prefill_;
   Metrics metrics_;
   std::unique_ptr<Backend> backend_;  // last: stopped first

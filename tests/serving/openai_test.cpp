@@ -32,8 +32,8 @@ class OpenAiTest : public ::testing::Test {
     return e.value_or(ApiError{});
   }
 
-  engine::ModelConfig config_;
-  engine::ByteTokenizer tokenizer_;
+  model::ModelConfig config_;
+  text::ByteTokenizer tokenizer_;
   ServedModel model_;
 };
 
@@ -113,10 +113,6 @@ TEST_F(OpenAiTest, ChatUsesTheFamilysTemplateAndStopsAtItsEndOfTurn) {
             "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n");
   EXPECT_EQ(r.stop, std::vector<std::string>{"<|eot_id|>"});
-  EXPECT_EQ(RenderChat(engine::Architecture::kQwen2, {{"user", "hi"}}).text,
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
-  EXPECT_EQ(RenderChat(engine::Architecture::kMistral, {{"system", "S"}, {"user", "hi"}}).text,
-            "[INST] S\n\nhi [/INST]");
 }
 
 TEST_F(OpenAiTest, ResponsesHaveOpenAisShapeAndCachedTokens) {

@@ -141,7 +141,7 @@ Status CudaEngine::DecodeSample(std::span<KvSequence* const> seqs,
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
   for (Sampler* s : samplers) {
     if (s == nullptr) return InvalidArgument("decode: a null sampler");
-    KDN_RETURN_IF_ERROR(ValidateSamplingParams(s->params()));
+    KDN_RETURN_IF_ERROR(model::ValidateSamplingParams(s->params()));
   }
   return impl_->Decode(seqs, tokens, nullptr, next, samplers);
 }

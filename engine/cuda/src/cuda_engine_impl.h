@@ -31,6 +31,9 @@
 
 namespace kdn::engine::cuda {
 
+using model::ModelConfig;
+using model::SamplingParams;
+
 namespace internal {
 
 using bf16 = __nv_bfloat16;

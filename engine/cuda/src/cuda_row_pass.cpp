@@ -1,10 +1,12 @@
 // CudaEngine's per-layer calls for blend (engine.h: RowPass,
 // RotateCachedKeys). A row pass runs its rows through the engine's
-// activation buffers; attention runs once per run of consecutive positions
-// (each run attends causally over the cache below its end, which is exactly
-// a prefill of that run on top of the cache), and the deviation of the rows'
+// activation buffers; attention is one FlashInfer launch per layer over every
+// row with a per-row causal mask (the reference kernels: once per run of
+// consecutive positions, a prefill of that run on top of the cache), and the
+// deviation of the rows'
 // new K and V from the cached ones is taken on the host from two gathers.
 #include "cuda_engine_impl.h"
+#include "kdn/engine/cuda/deviation.cuh"
 
 namespace kdn::engine::cuda {
 
@@ -133,6 +135,7 @@ class CudaRowPass final : public RowPass {
                                              slot_host_.size() * sizeof(int64_t),
                                              cudaMemcpyHostToDevice, m_.stream));
     runs_ = Runs(positions_);
+    planned_ = false;
     return Status::Ok();
   }
 
@@ -149,51 +152,54 @@ class CudaRowPass final : public RowPass {
     return Status::Ok();
   }
 
-  // Per row, the squared distance between new_ and old_ (both on the device,
-  // the stream synchronized).
+  // Per row, the squared distance between new_ and old_ (both on the
+  // device): one distance per K or V row on the device, then each row's two
+  // summed here.
   Status Deviation(std::vector<float>* deviation) {
     const int64_t kvd = m_.config.kv_dim();
-    const size_t n = 2 * positions_.size() * static_cast<size_t>(kvd);
-    std::vector<uint16_t> a(n), b(n);
-    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(a.data(), old_.get(), n * 2, cudaMemcpyDeviceToHost));
-    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.data(), new_.get(), n * 2, cudaMemcpyDeviceToHost));
-    std::vector<float> fa(n), fb(n);
-    ToFloat(DType::kBF16, a.data(), n, fa.data());
-    ToFloat(DType::kBF16, b.data(), n, fb.data());
+    const auto rows = static_cast<int64_t>(positions_.size());
+    if (dist_.size() < 2 * rows) KDN_RETURN_IF_ERROR(dist_.Allocate(2 * rows));
+    KDN_RETURN_IF_ERROR(
+        RowSquaredDistanceCuda<bf16>(old_.get(), new_.get(), 2 * rows, kvd, dist_.get(), m_.stream));
+    std::vector<float> half(2 * rows);
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(half.data(), dist_.get(), half.size() * sizeof(float),
+                                             cudaMemcpyDeviceToHost, m_.stream));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m_.stream));
     deviation->assign(positions_.size(), 0.0f);
     for (const Run& r : runs_) {
-      const int64_t base = 2 * r.row * kvd;
+      // The run's K rows, then its V rows, from row 2 * r.row of the buffers.
       for (int64_t j = 0; j < r.len; ++j) {
-        double sum = 0.0;
-        for (int kv = 0; kv < 2; ++kv) {
-          const int64_t at = base + (kv * r.len + j) * kvd;
-          for (int64_t i = 0; i < kvd; ++i) {
-            const double e = static_cast<double>(fb[at + i]) - fa[at + i];
-            sum += e * e;
-          }
-        }
-        (*deviation)[r.row + j] = static_cast<float>(sum);
+        (*deviation)[r.row + j] = half[2 * r.row + j] + half[2 * r.row + r.len + j];
       }
     }
     return Status::Ok();
   }
 
-  // Each run attends over the cache below its end: a prefill of the run.
+  // Every row attends over the cache up to its own position. With FlashInfer
+  // that is one launch per layer, planned once for the rows (after Start and
+  // each Keep): consecutive rows are a prefill of them on top of the cache
+  // (the causal kernels, Hopper's where the device has them), scattered
+  // rows take a per-row mask. The reference kernels go run by run, each a
+  // prefill of the run.
   Status Attend(int l, int qkv_out) {
     const ModelConfig& c = m_.config;
     const int64_t qd = c.q_dim();
     const std::vector<int32_t>& blocks = seq_.blocks();
     if (m_.flash != nullptr) {
-      for (const Run& r : runs_) {
-        const int64_t kv_len = r.pos + r.len;
-        const AttentionSequence one{static_cast<int32_t>(r.len), kv_len, blocks.data(),
-                                    (kv_len + kKvBlockTokens - 1) / kKvBlockTokens};
-        KDN_RETURN_IF_ERROR(m_.flash->Plan(&one, 1, /*graph=*/false, m_.stream));
-        KDN_RETURN_IF_ERROR(m_.flash->Run(m_.qkv.get() + r.row * qkv_out, qkv_out,
-                                          m_.ConstLayer(l), m_.attn.get() + r.row * qd,
-                                          m_.stream));
+      if (!planned_) {
+        if (runs_.size() == 1) {
+          const int64_t kv_len = runs_[0].pos + runs_[0].len;
+          const AttentionSequence one{static_cast<int32_t>(runs_[0].len), kv_len, blocks.data(),
+                                      (kv_len + kKvBlockTokens - 1) / kKvBlockTokens};
+          KDN_RETURN_IF_ERROR(m_.flash->Plan(&one, 1, /*graph=*/false, m_.stream));
+        } else {
+          KDN_RETURN_IF_ERROR(m_.flash->PlanRows(
+              positions_.data(), static_cast<int64_t>(positions_.size()), blocks.data(),
+              static_cast<int64_t>(blocks.size()), m_.positions.get(), m_.stream));
+        }
+        planned_ = true;
       }
-      return Status::Ok();
+      return m_.flash->Run(m_.qkv.get(), qkv_out, m_.ConstLayer(l), m_.attn.get(), m_.stream);
     }
     const auto rows = static_cast<int64_t>(positions_.size());
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
@@ -212,9 +218,11 @@ class CudaRowPass final : public RowPass {
   KvSequence& seq_;
   std::vector<int64_t> positions_;
   std::vector<Run> runs_;
+  bool planned_ = false;  // the attention plan is for the current rows
   std::vector<int32_t> pos_host_;
   std::vector<int64_t> slot_host_;
   DeviceArray<bf16> old_, new_;
+  DeviceArray<float> dist_;
   int next_layer_ = 0;
 };
 

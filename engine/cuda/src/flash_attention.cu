@@ -1,8 +1,9 @@
 // FlashAttention (flash_attention.h): kdn's paged cache handed to
 // FlashInfer's batch prefill kernels. Only the instantiations kdn needs are
-// compiled: bf16, head_dim 64 and 128, causal mask, query tiles of 16, 64 and
-// 128 rows. Without the FlashInfer headers this file compiles to the
-// "unsupported" answers only.
+// compiled: bf16, head_dim 64 and 128, query tiles of 16, 64 and 128 rows,
+// with the causal mask, and with kdn's own mask for rows at scattered
+// positions (PositionCausal: row r sees keys 0 .. positions[r]). Without the
+// FlashInfer headers this file compiles to the "unsupported" answers only.
 #include "kdn/engine/cuda/flash_attention.h"
 
 #include <algorithm>
@@ -42,6 +43,8 @@ struct PagedParams {
   bf16* o = nullptr;
   float* lse = nullptr;
   fi::uint_fastdiv group_size;
+
+  const int32_t* maybe_q_positions = nullptr;  // PositionCausal: each row's position
 
   uint8_t* maybe_custom_mask = nullptr;
   int32_t* maybe_mask_indptr = nullptr;
@@ -87,26 +90,63 @@ struct PagedParams {
 using Variant = fi::DefaultAttention</*use_custom_mask=*/false, /*use_sliding_window=*/false,
                                      /*use_logits_soft_cap=*/false, /*use_alibi=*/false>;
 
-template <uint32_t kHeadDim, uint32_t kTileQ>
+// The mask of a row pass (CacheBlend's recomputed rows): the rows of a
+// request sit at ascending positions that need not be consecutive, and row r
+// sees keys 0 .. positions[r]. FlashInfer runs it as a custom mask: every key
+// tile below the request's kv_len is read and masked per element.
+struct PositionCausal : fi::AttentionVariantBase {
+  static constexpr bool use_softmax = true;
+
+  const int32_t* positions;
+  uint32_t qo_len, kv_len, window_left;
+  float sm_scale_log2;
+
+  template <typename Params>
+  __device__ __host__ PositionCausal(const Params& params, uint32_t batch_idx, uint8_t*) {
+    qo_len = params.get_qo_len(batch_idx);
+    kv_len = params.get_kv_len(batch_idx);
+    window_left = kv_len;
+    sm_scale_log2 = params.sm_scale * fi::math::log2e;
+    positions = params.maybe_q_positions + params.q_indptr[batch_idx];
+  }
+
+  REGISTER_LOGITS_MASK(params, batch_idx, qo_idx, kv_idx, qo_head_idx, kv_head_idx, {
+    return qo_idx < qo_len && kv_idx <= static_cast<uint32_t>(positions[qo_idx]);
+  })
+};
+
+template <uint32_t kHeadDim, uint32_t kTileQ, fi::MaskMode kMask, typename V>
 cudaError_t Launch(const PagedParams& p, bf16* tmp_v, float* tmp_s, cudaStream_t stream) {
   return fi::BatchPrefillWithPagedKVCacheDispatched<
       /*SAME_KV_STRIDES=*/true, kTileQ, kHeadDim, kHeadDim, fi::PosEncodingMode::kNone,
-      /*USE_FP16_QK_REDUCTION=*/false, fi::MaskMode::kCausal, Variant, PagedParams>(
-      p, tmp_v, tmp_s, /*enable_pdl=*/false, stream);
+      /*USE_FP16_QK_REDUCTION=*/false, kMask, V, PagedParams>(p, tmp_v, tmp_s,
+                                                              /*enable_pdl=*/false, stream);
 }
 
-template <uint32_t kHeadDim>
+template <uint32_t kHeadDim, fi::MaskMode kMask, typename V>
 cudaError_t LaunchTile(int64_t tile_q, const PagedParams& p, bf16* tmp_v, float* tmp_s,
                        cudaStream_t stream) {
   switch (tile_q) {
-    case 16: return Launch<kHeadDim, 16>(p, tmp_v, tmp_s, stream);
-    case 64: return Launch<kHeadDim, 64>(p, tmp_v, tmp_s, stream);
-    case 128: return Launch<kHeadDim, 128>(p, tmp_v, tmp_s, stream);
+    case 16: return Launch<kHeadDim, 16, kMask, V>(p, tmp_v, tmp_s, stream);
+    case 64: return Launch<kHeadDim, 64, kMask, V>(p, tmp_v, tmp_s, stream);
+    case 128: return Launch<kHeadDim, 128, kMask, V>(p, tmp_v, tmp_s, stream);
     default: return cudaErrorInvalidConfiguration;
   }
 }
 
+template <uint32_t kHeadDim>
+cudaError_t LaunchFor(bool positioned, int64_t tile_q, const PagedParams& p, bf16* tmp_v,
+                      float* tmp_s, cudaStream_t stream) {
+  return positioned
+             ? LaunchTile<kHeadDim, fi::MaskMode::kCustom, PositionCausal>(tile_q, p, tmp_v, tmp_s,
+                                                                          stream)
+             : LaunchTile<kHeadDim, fi::MaskMode::kCausal, Variant>(tile_q, p, tmp_v, tmp_s,
+                                                                   stream);
+}
+
 constexpr size_t kFloatWorkspaceBytes = size_t{256} << 20;
+// The most requests a row pass's rows are split into (PlanRows).
+constexpr int kMaxRowBands = 8;
 constexpr size_t kIntWorkspaceBytes = size_t{16} << 20;
 
 }  // namespace
@@ -132,8 +172,12 @@ struct FlashAttention::Impl {
   fi::PrefillPlanInfo plan;
   std::vector<int64_t> hopper_plan;  // the plan when planned_hopper
   bool planned_hopper = false;
+  const int32_t* row_positions = nullptr;  // device; set by PlanRows
   uint32_t batch = 0;
   int64_t rows = 0;
+
+  Status Plan(const AttentionSequence* seqs, int count, bool graph, bool allow_hopper,
+              cudaStream_t stream);
 
   ~Impl() {
     for (void* p : {float_ws, int_ws, static_cast<void*>(indices), static_cast<void*>(meta)}) {
@@ -194,7 +238,49 @@ FlashAttention::~FlashAttention() = default;
 
 Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph,
                             cudaStream_t stream) {
+  impl_->row_positions = nullptr;
+  return impl_->Plan(seqs, count, graph, /*allow_hopper=*/true, stream);
+}
+
+Status FlashAttention::PlanRows(const int64_t* positions, int64_t rows, const int32_t* table,
+                                int64_t table_size, const int32_t* device_positions,
+                                cudaStream_t stream) {
   Impl& m = *impl_;
+  m.batch = 0;
+  if (rows <= 0 || positions == nullptr || device_positions == nullptr || table == nullptr) {
+    return InvalidArgument("FlashAttention::PlanRows: no rows, positions or table");
+  }
+  for (int64_t r = 1; r < rows; ++r) {
+    if (positions[r] <= positions[r - 1]) {
+      return InvalidArgument("FlashAttention::PlanRows: positions must ascend");
+    }
+  }
+  // Bands of consecutive rows, each a request over the keys below its last
+  // row: with b bands a row reads about (b + 1) / 2b of the keys a single
+  // request would make it read. As many as the plan's block budget holds.
+  const auto pages = [](int64_t kv) { return (kv + kKvBlockTokensCuda - 1) / kKvBlockTokensCuda; };
+  int bands = static_cast<int>(std::min<int64_t>({kMaxRowBands, rows, m.max_batch}));
+  std::vector<AttentionSequence> seqs;
+  for (;; --bands) {
+    seqs.clear();
+    int64_t blocks = 0;
+    for (int b = 0; b < bands; ++b) {
+      const int64_t r0 = rows * b / bands, r1 = rows * (b + 1) / bands;
+      const int64_t kv = positions[r1 - 1] + 1;
+      seqs.push_back({static_cast<int32_t>(r1 - r0), kv, table, table_size});
+      blocks += pages(kv);
+    }
+    if (blocks <= m.max_blocks || bands == 1) break;
+  }
+  KDN_RETURN_IF_ERROR(m.Plan(seqs.data(), static_cast<int>(seqs.size()), /*graph=*/false,
+                             /*allow_hopper=*/false, stream));
+  m.row_positions = device_positions;
+  return Status::Ok();
+}
+
+Status FlashAttention::Impl::Plan(const AttentionSequence* seqs, int count, bool graph,
+                                  bool allow_hopper, cudaStream_t stream) {
+  Impl& m = *this;
   const size_t b = count > 0 ? static_cast<size_t>(count) : 0;
   if (b == 0 || seqs == nullptr) return InvalidArgument("FlashAttention::Plan: an empty batch");
   if (b > static_cast<size_t>(m.max_batch)) {
@@ -237,7 +323,7 @@ Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph
   KDN_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(m.meta, m.meta_host, meta_bytes, cudaMemcpyHostToDevice, stream));
   m.rows = qi[b];
-  m.planned_hopper = m.hopper && !graph && !uniform_one;
+  m.planned_hopper = allow_hopper && m.hopper && !graph && !uniform_one;
   if (m.planned_hopper) {
     KDN_RETURN_IF_ERROR(sm90::Plan(m.float_ws, kFloatWorkspaceBytes, m.int_ws, m.int_ws_host,
                                    kIntWorkspaceBytes, qi, pi, m.kv_lens.data(),
@@ -285,6 +371,7 @@ Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<con
       const_cast<bf16*>(cache.k), const_cast<bf16*>(cache.v), m.indices, m.page_indptr(m.meta),
       m.last_len(m.meta));
   p.q_indptr = m.q_indptr(m.meta);
+  p.maybe_q_positions = m.row_positions;
   p.o = out;
   p.group_size = fi::uint_fastdiv(static_cast<uint32_t>(m.shape.heads / m.shape.kv_heads));
   p.sm_scale = m.shape.scale;
@@ -312,8 +399,10 @@ Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<con
   }
   cudaError_t st = cudaSuccess;
   try {
-    st = m.shape.head_dim == 64 ? LaunchTile<64>(plan.cta_tile_q, p, tmp_v, tmp_s, stream)
-                                : LaunchTile<128>(plan.cta_tile_q, p, tmp_v, tmp_s, stream);
+    const bool positioned = m.row_positions != nullptr;
+    st = m.shape.head_dim == 64
+             ? LaunchFor<64>(positioned, plan.cta_tile_q, p, tmp_v, tmp_s, stream)
+             : LaunchFor<128>(positioned, plan.cta_tile_q, p, tmp_v, tmp_s, stream);
   } catch (const std::exception& e) {
     return Internal(std::string("FlashAttention::Run: ") + e.what());
   }
@@ -344,6 +433,11 @@ FlashAttention::FlashAttention(std::unique_ptr<Impl> impl) : impl_(std::move(imp
 FlashAttention::~FlashAttention() = default;
 
 Status FlashAttention::Plan(const AttentionSequence*, int, bool, cudaStream_t) {
+  return Unimplemented("FlashAttention: not built");
+}
+
+Status FlashAttention::PlanRows(const int64_t*, int64_t, const int32_t*, int64_t,
+                                const int32_t*, cudaStream_t) {
   return Unimplemented("FlashAttention: not built");
 }
 

@@ -59,6 +59,11 @@ struct BlendResult {
   int cached_tokens = 0;      // tokens whose KV came from a segment's cache
   int recomputed_tokens = 0;  // of those, recomputed past the check layer
   int computed_tokens = 0;    // uncached segments and the suffix
+  // Where the time went: the layers up to the check and the choice of rows,
+  // and of all the layers' time, how long the compute waited for the
+  // loader to place a layer's cached KV.
+  double check_seconds = 0;
+  double load_wait_seconds = 0;
 };
 
 // Fuses `segments` then `suffix` (non-empty) into `seq` (empty on entry; it

@@ -7,8 +7,8 @@
 #include <string_view>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/sampler.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/model/sampling.h"
 #include "serving.pb.h"
 
 namespace kdn::control {
@@ -18,8 +18,8 @@ void StatusToProto(const Status& status, proto::Error* out);
 // Code 0 is OK; an unknown code becomes INTERNAL, keeping the message.
 Status StatusFromProto(const proto::Error& error);
 
-void SamplingToProto(const engine::SamplingParams& p, proto::Sampling* out);
-engine::SamplingParams SamplingFromProto(const proto::Sampling& p);
+void SamplingToProto(const model::SamplingParams& p, proto::Sampling* out);
+model::SamplingParams SamplingFromProto(const proto::Sampling& p);
 
 // A key as its 16 canonical bytes, and back (INVALID_ARGUMENT unless 16 bytes).
 std::string KeyToBytes(const kvbus::ChunkKey& key);

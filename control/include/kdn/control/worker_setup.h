@@ -12,17 +12,17 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
 #include "kdn/engine/open_engine.h"
-#include "kdn/engine/tokenizer.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/tiered_store.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::control {
 
 struct WorkerModel {
   std::unique_ptr<engine::Engine> model;
-  std::unique_ptr<engine::Tokenizer> tokenizer;
+  std::unique_ptr<text::Tokenizer> tokenizer;
   kvbus::ChunkKey fingerprint;  // of the model with its engine's KV dtype
 };
 

@@ -4,11 +4,10 @@
 // a prefill worker), leave when they finish, and every Step advances all of
 // them by one token in one batched model call.
 //
-// Per request it honours max_tokens, stop token ids, stop strings (the text a
-// client sees never contains a stop string, nor a prefix of one that may
-// still complete it, nor a partial UTF-8 character), and seeded sampling that
-// continues the prefill worker's random stream, so that a request's tokens do
-// not depend on which other requests share its batches.
+// Per request it honours max_tokens, stop token ids and stop strings by the
+// rules of text::OutputText (which the router applies to the first token), and
+// seeded sampling that continues the prefill worker's random stream, so that a
+// request's tokens do not depend on which other requests share its batches.
 //
 // Not thread-safe: the decode worker's loop owns it (and the Engine).
 
@@ -22,19 +21,20 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
 #include "kdn/engine/sampler.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/model/sampling.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::decode_worker {
 
 struct RequestSpec {
   uint64_t id = 0;
-  engine::SamplingParams sampling;
+  model::SamplingParams sampling;
   int max_tokens = 16;  // tokens generated in all, the first one included
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
   // The router has already sent the first token to the client (it does as
-  // soon as the prefill worker has it, with FirstTokenEvent): Admit emits no
-  // event for it.
+  // soon as the prefill worker has it, by text::OutputText's rules): Admit
+  // emits no event for it.
   bool first_token_sent = false;
 };
 
@@ -61,26 +61,18 @@ class Batcher {
 
   // `tokenizer` turns tokens into text for stop strings and events; the
   // model and tokenizer must outlive the Batcher.
-  Batcher(engine::Engine& model, const engine::Tokenizer& tokenizer, int max_batch);
+  Batcher(engine::Engine& model, const text::Tokenizer& tokenizer, int max_batch);
   ~Batcher();
 
   // Adds a request whose prompt KV is in `seq` and whose first token
   // `first_token` was sampled from the prompt's last logits (it is emitted as
   // an event now, unless spec.first_token_sent; should it then end the
-  // request, which FirstTokenEvent would have said, only the end is emitted,
-  // as token -1). INVALID_ARGUMENT for bad sampling parameters, a duplicate
-  // id or an empty sequence; RESOURCE_EXHAUSTED when max_batch requests run.
+  // request, as the router's text::OutputText will have said, only the end
+  // is emitted, as token -1). INVALID_ARGUMENT for bad sampling parameters, a
+  // duplicate id or an empty sequence; RESOURCE_EXHAUSTED when max_batch
+  // requests run.
   Status Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t first_token,
                std::vector<TokenEvent>* events);
-
-  // The event Admit would emit for `first_token` of a request with
-  // `prompt_tokens` prompt tokens on a model of `max_context` tokens: the
-  // text a client may be shown now, and whether the request ends there. The
-  // router sends it to the client itself, by these very rules, so that what
-  // it shows and what the decode worker shows next join up.
-  static TokenEvent FirstTokenEvent(const engine::Tokenizer& tokenizer, const RequestSpec& spec,
-                                    int64_t prompt_tokens, int64_t max_context,
-                                    int32_t first_token);
 
   // One decode step for every running request; finished requests leave and
   // give their KV blocks back. A model error fails the step and leaves every
@@ -99,22 +91,14 @@ class Batcher {
 
  private:
   struct Request;
-  // Records `token` for `r`, whose sequence then holds `kv_tokens` tokens of
-  // KV, and emits its event; true when `r` is finished.
-  static bool Accept(const engine::Tokenizer& tokenizer, int64_t max_context, int64_t kv_tokens,
-                     Request& r, int32_t token, std::vector<TokenEvent>* events);
+  // Records `token` for `r` and emits its event; true when `r` is finished.
   bool Accept(Request& r, int32_t token, std::vector<TokenEvent>* events);
 
   engine::Engine& model_;
-  const engine::Tokenizer& tokenizer_;
+  const text::Tokenizer& tokenizer_;
   const int max_batch_;
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // by id: a stable batch order
   FinishHook on_finish_;
 };
-
-// Of `text`, the length that can be shown now: everything but a trailing
-// partial UTF-8 character and a trailing piece that is a proper prefix of a
-// stop string. Exposed for tests.
-size_t ShowableLength(const std::string& text, const std::vector<std::string>& stop_strings);
 
 }  // namespace kdn::decode_worker

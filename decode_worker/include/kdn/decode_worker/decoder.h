@@ -61,7 +61,7 @@
 #include "kdn/common/status.h"
 #include "kdn/decode_worker/batcher.h"
 #include "kdn/engine/engine.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
@@ -140,7 +140,7 @@ class Decoder {
   // `fingerprint` is the model's (chunks of another model are never
   // placed); `store` is the worker's KDN view; `staging` is where the kvbus
   // receiver puts pushed layer slices. All borrowed (see above).
-  Decoder(engine::Engine& model, const engine::Tokenizer& tokenizer,
+  Decoder(engine::Engine& model, const text::Tokenizer& tokenizer,
           kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
           JobThread& store_io, DecoderOptions options);
   ~Decoder();

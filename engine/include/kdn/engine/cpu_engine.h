@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 #include "kdn/engine/engine.h"
 #include "kdn/engine/kv_cache.h"
 #include "kdn/engine/weights.h"
@@ -32,7 +32,7 @@ class CpuEngine final : public Engine {
  public:
   // Takes the weights (fp32, Hugging Face names) and builds the backend's
   // layouts; the map is consumed.
-  static Result<std::unique_ptr<CpuEngine>> Create(const ModelConfig& config,
+  static Result<std::unique_ptr<CpuEngine>> Create(const model::ModelConfig& config,
                                                    ModelWeights weights,
                                                    const EngineOptions& options = {});
   // Loads config.json and the safetensors weights of a model folder.
@@ -40,7 +40,7 @@ class CpuEngine final : public Engine {
                                                  const EngineOptions& options = {});
   ~CpuEngine();
 
-  const ModelConfig& config() const override { return config_; }
+  const model::ModelConfig& config() const override { return config_; }
   std::string device() const override { return "cpu"; }
   DType kv_dtype() const override { return DType::kF32; }
   CpuKvCache& kv_cache() override { return *kv_; }
@@ -61,7 +61,7 @@ class CpuEngine final : public Engine {
   struct Segment;  // one sequence's run of new tokens inside a forward pass
   struct Scratch;  // a pass's activations, allocated once for all its layers
   class CpuRowPass;
-  CpuEngine(const ModelConfig& config, const EngineOptions& options);
+  CpuEngine(const model::ModelConfig& config, const EngineOptions& options);
   Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
                  std::vector<float>* logits);
   // Runs layer l over `rows` rows whose hidden states are in `x`, at the
@@ -77,7 +77,7 @@ class CpuEngine final : public Engine {
   void AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n, const float* q,
                   float* out);
 
-  ModelConfig config_;
+  model::ModelConfig config_;
   EngineOptions options_;
   std::vector<float> embed_;    // [vocab][hidden]
   std::vector<float> lm_head_;  // [vocab][hidden]; empty when tied to embed_

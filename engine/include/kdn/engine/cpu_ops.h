@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 
 namespace kdn::engine {
 
@@ -16,7 +16,7 @@ void RmsNorm(const float* x, const float* weight, float eps, int64_t rows, int d
 // The head_dim/2 inverse frequencies of RoPE for `config`, with its
 // rope_theta and, if set, llama3 frequency scaling (as Hugging Face computes
 // them, in double precision).
-std::vector<float> RopeInvFreq(const ModelConfig& config);
+std::vector<float> RopeInvFreq(const model::ModelConfig& config);
 
 // Rotates, in place, `rows` rows of `heads` heads of `head_dim` floats; row r
 // sits at position positions[r]. Hugging Face's "rotate half" pairing:

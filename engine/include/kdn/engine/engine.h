@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 #include "kdn/engine/kv_cache.h"
 #include "kdn/engine/sampler.h"
 
@@ -62,7 +62,7 @@ class Engine {
  public:
   virtual ~Engine() = default;
 
-  virtual const ModelConfig& config() const = 0;
+  virtual const model::ModelConfig& config() const = 0;
   // Where it runs, for logs and /metrics: "cpu", "cuda:0".
   virtual std::string device() const = 0;
   // The element type its KV cache holds: what its chunks carry (so another
@@ -135,12 +135,12 @@ class RowPass {
 };
 
 // Checks a row pass's arguments against `seq` (shared by the backends).
-Status CheckRowPass(const ModelConfig& config, const KvSequence& seq,
+Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
                     std::span<const int32_t> tokens, std::span<const int64_t> positions);
 // Checks RowPass::Keep's rows against a pass of `current` rows.
 Status CheckKeep(std::span<const int64_t> rows, size_t current);
 // Checks RotateCachedKeys' arguments against `seq`.
-Status CheckRotation(const ModelConfig& config, const KvSequence& seq, int64_t first,
+Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, int64_t first,
                      int64_t count, int layer);
 // Checks a decode batch: as many tokens as sequences, none twice, not empty.
 Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,

@@ -17,7 +17,7 @@ namespace kdn::engine {
 
 struct GenerateOptions {
   int max_tokens = 64;
-  SamplingParams sampling;
+  model::SamplingParams sampling;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one (it is kept)
   // Called with each new token; returning false stops generation.
   std::function<bool(int32_t)> on_token;

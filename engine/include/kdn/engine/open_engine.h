@@ -18,7 +18,7 @@
 #include <string_view>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 #include "kdn/engine/engine.h"
 #include "kdn/engine/weights.h"
 
@@ -60,20 +60,21 @@ bool HasCuda();
 Result<std::unique_ptr<Engine>> OpenEngine(const std::filesystem::path& dir,
                                            const OpenOptions& options);
 // The same from weights in memory (fp32, Hugging Face names).
-Result<std::unique_ptr<Engine>> OpenEngine(const ModelConfig& config, ModelWeights weights,
-                                           const OpenOptions& options);
+Result<std::unique_ptr<Engine>> OpenEngine(const model::ModelConfig& config,
+                                           ModelWeights weights, const OpenOptions& options);
 // A model of `config` with generated weights, for benchmarks of real shapes
 // with no weights file: kdn-mkmodel's values from `seed` on the CPU, values
 // drawn on the device itself on a GPU (cuda::CudaEngine::Materialize; an 8B
 // model never passes through host memory). The two are not the same model.
 // On the CPU the values are rounded through `cpu_dtype`, as a folder of that
 // dtype would hold them.
-Result<std::unique_ptr<Engine>> MaterializeEngine(const ModelConfig& config, uint64_t seed,
+Result<std::unique_ptr<Engine>> MaterializeEngine(const model::ModelConfig& config, uint64_t seed,
                                                   const OpenOptions& options,
                                                   DType cpu_dtype = DType::kF32);
 
 // The KV pool, in tokens, that gpu_mem_fraction gives a model of `config` on
 // options.device (cuda only; reads the device's total memory).
-Result<int64_t> KvTokensForMemoryShare(const ModelConfig& config, const OpenOptions& options);
+Result<int64_t> KvTokensForMemoryShare(const model::ModelConfig& config,
+                                       const OpenOptions& options);
 
 }  // namespace kdn::engine

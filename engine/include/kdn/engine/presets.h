@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 #include "kdn/engine/tensor.h"
 #include "kdn/engine/weights.h"
 
@@ -20,7 +20,7 @@ namespace kdn::engine {
 struct Preset {
   std::string name;
   std::string description;
-  ModelConfig config;
+  model::ModelConfig config;
   DType dtype;  // what the folder stores by default
 };
 
@@ -28,17 +28,18 @@ const std::vector<Preset>& Presets();
 Result<Preset> FindPreset(const std::string& name);
 
 // Fills `n` values of tensor `spec` starting at element `offset`.
-void FillTensor(const ModelConfig& config, const TensorSpec& spec, uint64_t seed, int64_t offset,
-                int64_t n, float* out);
+void FillTensor(const model::ModelConfig& config, const TensorSpec& spec, uint64_t seed,
+                int64_t offset, int64_t n, float* out);
 
 // All tensors of the model, in memory (fp32), rounded through `dtype` so they
 // equal what a folder written with that dtype loads back.
-ModelWeights GenerateWeights(const ModelConfig& config, uint64_t seed, DType dtype);
+ModelWeights GenerateWeights(const model::ModelConfig& config, uint64_t seed, DType dtype);
 
 // Writes config.json, model.safetensors, tokenizer.json and
 // tokenizer_config.json into `dir` (created if needed). `progress` (may be
 // empty) is called with bytes written and total.
-Status WriteModelFolder(const std::filesystem::path& dir, const ModelConfig& config, uint64_t seed,
-                        DType dtype, const std::function<void(int64_t, int64_t)>& progress = {});
+Status WriteModelFolder(const std::filesystem::path& dir, const model::ModelConfig& config,
+                        uint64_t seed, DType dtype,
+                        const std::function<void(int64_t, int64_t)>& progress = {});
 
 }  // namespace kdn::engine

@@ -1,5 +1,6 @@
 #pragma once
-// Token sampling from logits: greedy, temperature, top-k, top-p, seeded.
+// Token sampling from logits by a request's model::SamplingParams: greedy,
+// temperature, top-k, top-p, seeded.
 // A Sampler owns its random stream, so a seed reproduces a sequence exactly,
 // on any machine (the generator is xoshiro256**, not the standard library's
 // implementation-defined distributions). Not thread-safe; one per sequence.
@@ -8,27 +9,18 @@
 #include <span>
 
 #include "kdn/common/status.h"
+#include "kdn/model/sampling.h"
 
 namespace kdn::engine {
-
-struct SamplingParams {
-  float temperature = 1.0f;  // <= 0: greedy (argmax)
-  int top_k = 0;             // 0: no limit
-  float top_p = 1.0f;        // (0, 1]; 1: no limit
-  uint64_t seed = 0;
-};
-
-// InvalidArgument for temperature NaN, top_k < 0, top_p outside (0, 1].
-Status ValidateSamplingParams(const SamplingParams& p);
 
 // Index of the largest logit (the first one on ties).
 int32_t Argmax(std::span<const float> logits);
 
 class Sampler {
  public:
-  explicit Sampler(const SamplingParams& params);
+  explicit Sampler(const model::SamplingParams& params);
   int32_t Sample(std::span<const float> logits);
-  const SamplingParams& params() const { return params_; }
+  const model::SamplingParams& params() const { return params_; }
   // Moves the random stream on as `samples` calls of Sample would have, so
   // that a sequence sampled partly in one process (the first token, by a
   // prefill worker) continues in another exactly as in one.
@@ -41,7 +33,7 @@ class Sampler {
 
  private:
   double NextUniform();  // [0, 1)
-  SamplingParams params_;
+  model::SamplingParams params_;
   uint64_t s_[4];
 };
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 #include "kdn/engine/tensor.h"
 
 namespace kdn::engine {
@@ -19,7 +19,7 @@ struct TensorSpec {
 };
 
 // Every tensor a model with `config` must have, in a stable order.
-std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
+std::vector<TensorSpec> ExpectedTensors(const model::ModelConfig& config);
 
 // Name -> fp32 tensor. The engine's backends take their own layouts from it.
 using ModelWeights = std::map<std::string, HostTensor>;
@@ -29,6 +29,6 @@ using ModelWeights = std::map<std::string, HostTensor>;
 // Errors name the file and the tensor (missing, wrong shape, unsupported
 // dtype, truncated data). Tensors the model does not use are ignored.
 Result<ModelWeights> LoadWeights(const std::filesystem::path& dir,
-                                 const ModelConfig& config);
+                                 const model::ModelConfig& config);
 
 }  // namespace kdn::engine

@@ -8,8 +8,8 @@
 #include <string_view>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/model/config.h"
 
 namespace kdn::kvbridge {
 
@@ -18,7 +18,7 @@ namespace kdn::kvbridge {
 // a digest of the weights' contents (WeightsDigest), so two models that could
 // produce different KV never share a chunk: not even two fine-tunes of one
 // architecture, which shapes and dtypes alone would confuse.
-kvbus::ChunkKey ModelFingerprint(const engine::ModelConfig& config, std::string_view weight_dtype,
+kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& config, std::string_view weight_dtype,
                           std::string_view kv_dtype, uint64_t weights_digest);
 
 // XXH3-64 over the bytes of the model folder's safetensors files, in the

@@ -55,7 +55,7 @@ struct BlendJob {
 struct PrefillJob {
   std::vector<int32_t> tokens;
   std::string ns;  // the tenant's cache namespace
-  engine::SamplingParams sampling;
+  model::SamplingParams sampling;
   // The decode worker's kvbus endpoint; empty: the KV is not pushed (the
   // prompt is only prefilled and cached, as for a benchmark or a warm-up).
   std::string decode_endpoint;

@@ -5,7 +5,7 @@
 //   prepare  the chosen decode worker reserves KV and loads what it holds;
 //   prefill  the chosen prefill worker computes the rest, pushes the KV and
 //            answers with the first token, which goes to the client at once
-//            (shown by the decode worker's rules, decode_worker::Batcher);
+//            (shown by the decode worker's rules, text::OutputText);
 //   decode   the decode worker streams tokens from the second on until the
 //            request finishes. A first token that ends the request (max_tokens
 //            1, a stop token or string) ends it there, and the decode worker
@@ -29,17 +29,17 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/sampler.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/model/sampling.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::router {
 
 struct Job {
   std::vector<int32_t> tokens;
   std::string ns;
-  engine::SamplingParams sampling;
+  model::SamplingParams sampling;
   int max_tokens = 16;
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
@@ -117,7 +117,7 @@ class Backend {
   // the text of each request's first token. `metrics` (borrowed, may be
   // null) receives per-request figures.
   static Result<std::unique_ptr<Backend>> Start(const BackendOptions& options,
-                                                const engine::Tokenizer& tokenizer,
+                                                const text::Tokenizer& tokenizer,
                                                 Metrics* metrics);
   ~Backend();
   Backend(const Backend&) = delete;

@@ -1,7 +1,8 @@
 #pragma once
 // The OpenAI-compatible surface of kdn-router (docs/serving.md): request
-// validation into the project's own types, the chat templates, and the
-// response and error bodies. No I/O. Thread-safe (functions over values).
+// validation into the project's own types (chat prompts rendered by
+// kdn/text/chat_template.h), and the response and error bodies. No I/O.
+// Thread-safe (functions over values).
 
 #include <cstdint>
 #include <optional>
@@ -10,9 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kdn/engine/config.h"
-#include "kdn/engine/sampler.h"
-#include "kdn/engine/tokenizer.h"
+#include "kdn/model/config.h"
+#include "kdn/model/sampling.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::router {
 
@@ -47,7 +48,7 @@ struct ApiRequest {
   std::vector<int32_t> prompt;  // token ids, template applied, documents in place
   std::optional<BlendRequest> blend;  // set when the prompt has documents
   int max_tokens = 16;
-  engine::SamplingParams sampling;
+  model::SamplingParams sampling;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_ids;  // the end-of-sequence token unless ignore_eos
   bool stream = false;
@@ -58,8 +59,8 @@ struct ApiRequest {
 // What the router serves, for validation.
 struct ServedModel {
   std::string name;
-  const engine::ModelConfig* config = nullptr;
-  const engine::Tokenizer* tokenizer = nullptr;
+  const model::ModelConfig* config = nullptr;
+  const text::Tokenizer* tokenizer = nullptr;
   // Blend defaults, which a request may override.
   std::string separator;  // empty: prompts are not split
   double recompute_ratio = 0.15;
@@ -80,17 +81,6 @@ struct InjectApiRequest {
 };
 std::optional<ApiError> ParseInjectRequest(const std::string& body, const ServedModel& model,
                                            InjectApiRequest* out);
-
-// The chat template of the model family (docs/serving.md, "Chat"):
-// ChatML for Qwen2, [INST] for Mistral, Llama 3's header format for Llama.
-// `messages` is validated already. Returns the prompt text (BOS excluded)
-// and the family's end-of-turn stop string.
-struct ChatPrompt {
-  std::string text;
-  std::string end_of_turn;
-};
-ChatPrompt RenderChat(engine::Architecture arch,
-                      const std::vector<std::pair<std::string, std::string>>& messages);
 
 struct Usage {
   int prompt_tokens = 0;

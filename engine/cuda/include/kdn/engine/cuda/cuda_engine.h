@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 #include "kdn/engine/engine.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/engine/weights.h"
@@ -55,9 +55,9 @@ Result<DeviceMemoryInfo> DeviceMemory(int device);
 // Device memory a CudaEngine of `config` and `options` takes: weights, KV
 // pool, activations and workspaces (an estimate to within a few percent, for
 // refusing at start what cannot fit, and for sizing the KV pool).
-int64_t EstimateDeviceBytes(const ModelConfig& config, const CudaEngineOptions& options);
+int64_t EstimateDeviceBytes(const model::ModelConfig& config, const CudaEngineOptions& options);
 // Bytes of KV one token takes in the pool (all layers, K and V, bf16).
-int64_t KvBytesPerToken(const ModelConfig& config);
+int64_t KvBytesPerToken(const model::ModelConfig& config);
 
 class CudaEngine final : public Engine {
  public:
@@ -65,20 +65,20 @@ class CudaEngine final : public Engine {
   // them), rounding them to bf16. FAILED_PRECONDITION, saying what the
   // machine has, when options.device does not exist or has too little free
   // memory for EstimateDeviceBytes.
-  static Result<std::unique_ptr<CudaEngine>> Create(const ModelConfig& config,
+  static Result<std::unique_ptr<CudaEngine>> Create(const model::ModelConfig& config,
                                                     const ModelWeights& weights,
                                                     const CudaEngineOptions& options = {});
   // Builds the model's weights directly in device memory from `seed` (values
   // uniform in +-0.02, norms 1): for benchmarking real shapes without a
   // weights file. Not kdn-mkmodel's values.
-  static Result<std::unique_ptr<CudaEngine>> Materialize(const ModelConfig& config,
+  static Result<std::unique_ptr<CudaEngine>> Materialize(const model::ModelConfig& config,
                                                          uint64_t seed,
                                                          const CudaEngineOptions& options = {});
   ~CudaEngine() override;
   CudaEngine(const CudaEngine&) = delete;
   CudaEngine& operator=(const CudaEngine&) = delete;
 
-  const ModelConfig& config() const override;
+  const model::ModelConfig& config() const override;
   std::string device() const override;
   DType kv_dtype() const override { return DType::kBF16; }
   KvCache& kv_cache() override;

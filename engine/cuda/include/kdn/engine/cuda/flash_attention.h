@@ -67,6 +67,17 @@ class FlashAttention {
   // depend on the lengths); an unsplit plan measured slower at 512 keys.
   Status Plan(const AttentionSequence* seqs, int count, bool graph, cudaStream_t stream);
 
+  // Plans `rows` rows of one sequence at ascending positions (host) that
+  // need not be consecutive (a RowPass): row r attends keys 0 .. positions[r] of the
+  // sequence whose block table is `table` (host, table_size entries).
+  // `device_positions` holds the same positions as int32 on the device and
+  // must stay there until the plan's last Run. Runs on the FA2 kernels with
+  // a per-row mask (one launch per layer for every row, however scattered),
+  // the rows split into a few requests so that fewer key tiles are read
+  // only to be masked.
+  Status PlanRows(const int64_t* positions, int64_t rows, const int32_t* table,
+                  int64_t table_size, const int32_t* device_positions, cudaStream_t stream);
+
   // Attention of the planned batch for one layer: row r of q (heads x
   // head_dim bf16) starts at q + r * q_row_stride (so q may be the query part
   // of a fused QKV row); out is [rows][heads][head_dim]. The new tokens' K and

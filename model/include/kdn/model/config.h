@@ -5,6 +5,10 @@
 // gated MLPs, RMSNorm, RoPE (default or "llama3" scaling), grouped-query
 // attention, optional QKV bias, tied or untied embeddings. Anything else is
 // refused by ParseModelConfig with a Status that says what and why.
+//
+// Apart from the engine (library kdn_model, no BLAS, no OpenMP), so that
+// kdn-router reads config.json exactly as the workers do without linking the
+// engine. Thread-safe (values and functions over values).
 
 #include <cstdint>
 #include <filesystem>
@@ -12,7 +16,7 @@
 
 #include "kdn/common/status.h"
 
-namespace kdn::engine {
+namespace kdn::model {
 
 enum class Architecture { kLlama, kMistral, kQwen2 };
 const char* ArchitectureName(Architecture a);  // the Hugging Face class name
@@ -62,4 +66,4 @@ Result<ModelConfig> LoadModelConfig(const std::filesystem::path& dir);
 // The config.json text for `config` (what kdn-mkmodel writes).
 std::string ModelConfigToJson(const ModelConfig& config);
 
-}  // namespace kdn::engine
+}  // namespace kdn::model

@@ -17,7 +17,7 @@
 
 #include "kdn/common/status.h"
 
-namespace kdn::engine {
+namespace kdn::text {
 
 class Tokenizer {
  public:
@@ -60,4 +60,4 @@ class ByteTokenizer final : public Tokenizer {
 std::string ByteTokenizerJson();
 std::string ByteTokenizerConfigJson();
 
-}  // namespace kdn::engine
+}  // namespace kdn::text

@@ -1,11 +1,11 @@
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 
 #include <fstream>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
-namespace kdn::engine {
+namespace kdn::text {
 
 using nlohmann::json;
 
@@ -167,4 +167,4 @@ std::string ByteTokenizerConfigJson() {
   return j.dump(2) + "\n";
 }
 
-}  // namespace kdn::engine
+}  // namespace kdn::text

@@ -1,11 +1,11 @@
-#include "kdn/engine/config.h"
+#include "kdn/model/config.h"
 
 #include <fstream>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
-namespace kdn::engine {
+namespace kdn::model {
 
 using nlohmann::json;
 
@@ -232,4 +232,4 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   return j.dump(2) + "\n";
 }
 
-}  // namespace kdn::engine
+}  // namespace kdn::model

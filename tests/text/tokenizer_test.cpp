@@ -1,18 +1,37 @@
-#include "kdn/engine/tokenizer.h"
+#include "kdn/text/tokenizer.h"
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <fstream>
+#include <string>
 
-#include "kdn/engine/presets.h"
-#include "test_util.h"
-
-namespace kdn::engine {
+namespace kdn::text {
 namespace {
 
-TEST(ByteTokenizer, LoadsFromAGeneratedFolderAndRoundTripsUtf8) {
-  testing::TempDir dir;
-  ASSERT_TRUE(WriteModelFolder(dir.path(), FindPreset("tiny").value().config, 1, DType::kBF16).ok());
+// A fresh temporary folder, removed with the object.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = std::filesystem::temp_directory_path() /
+            ("kdn_text_test_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+TEST(ByteTokenizer, LoadsWhatKdnMkmodelWritesAndRoundTripsUtf8) {
+  TempDir dir;
+  std::ofstream(dir.path() / "tokenizer.json") << ByteTokenizerJson();
+  std::ofstream(dir.path() / "tokenizer_config.json") << ByteTokenizerConfigJson();
   auto tok = Tokenizer::Load(dir.path());
   ASSERT_TRUE(tok.ok()) << tok.status().ToString();
   EXPECT_EQ((*tok)->bos_id(), 256);
@@ -35,7 +54,7 @@ TEST(ByteTokenizer, ByteToUnicodeIsTheGpt2Table) {
 }
 
 TEST(ByteTokenizer, RefusesTokenizersWithMerges) {
-  testing::TempDir dir;
+  TempDir dir;
   std::string json = ByteTokenizerJson();
   json.replace(json.find("\"merges\": []"), 12, "\"merges\": [\"a b\"]");
   std::ofstream(dir.path() / "tokenizer.json") << json;
@@ -45,4 +64,4 @@ TEST(ByteTokenizer, RefusesTokenizersWithMerges) {
 }
 
 }  // namespace
-}  // namespace kdn::engine
+}  // namespace kdn::text
