@@ -8,6 +8,8 @@
 #include "cuda_engine_impl.h"
 #include "kdn/engine/cuda/deviation.cuh"
 
+#include <nvtx3/nvToolsExt.h>
+
 namespace kdn::engine::cuda {
 
 
@@ -58,6 +60,12 @@ class CudaRowPass final : public RowPass {
     const ModelConfig& c = m_.config;
     const int l = next_layer_;
     if (l >= c.num_layers) return FailedPrecondition("row pass: every layer has run");
+    // A range for Nsight tools (ncu --nvtx --nvtx-include "kdn.row_pass/");
+    // free when none is attached.
+    nvtxRangePushA("kdn.row_pass");
+    struct Pop {
+      ~Pop() { nvtxRangePop(); }
+    } pop;
     const auto rows = static_cast<int64_t>(positions_.size());
     LayerWeights& L = m_.layers[l];
     const int qkv_out = static_cast<int>(m_.qkv_dim());
