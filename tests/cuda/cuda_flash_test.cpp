@@ -128,6 +128,95 @@ TEST(FlashAttention, PrefillMatchesTheReferenceKernel) {
   }
 }
 
+// Rows at scattered positions of one sequence of n tokens, as a row pass
+// plans them: two bands of rows; each band's keys from the block of its first
+// row on through the per-row mask (PlanPositions, positions counted from
+// there), the keys below that, which all its rows see, without a mask on the
+// Hopper kernels (PlanFull), the two merged by log-sum-exp. Against the
+// reference causal prefill of all n rows, with queries large enough that a
+// key seen or missed by mistake moves the output.
+void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool shared_keys) {
+  SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
+                                    << " n " << n << " shared " << shared_keys);
+  const AttentionShape shape = ShapeOf(heads, kv_heads, dim);
+  Pool pool(kv_heads, dim, {n}, 21);
+  const int64_t q_row = int64_t{heads} * dim;
+  const auto q_all = RandomBf16(n * q_row, 22, 6.0f);
+  std::mt19937 rng(23);
+  std::vector<int64_t> rows;
+  for (int64_t p = 0; p < n; ++p) {
+    if (rng() % 4 == 0 || p == n - 1) rows.push_back(p);
+  }
+  const auto m = static_cast<int64_t>(rows.size());
+  std::vector<bf16> q(m * q_row);
+  for (int64_t r = 0; r < m; ++r) {
+    std::copy_n(q_all.begin() + rows[r] * q_row, q_row, q.begin() + r * q_row);
+  }
+  auto d_all = ToDevice(q_all);
+  auto d_q = ToDevice(q);
+  auto d_table = ToDevice(pool.tables[0]);
+  auto d_ref = ToDevice(std::vector<bf16>(q_all.size()));
+  auto d_out = ToDevice(std::vector<bf16>(q.size(), __float2bfloat16_rn(NAN)));
+  ASSERT_TRUE(d_all.ok() && d_q.ok() && d_table.ok() && d_ref.ok() && d_out.ok());
+  KDN_ASSERT_OK(PrefillAttentionCuda<bf16>(d_all->get(), n, 0, pool.layer(), d_table->get(),
+                                           shape, d_ref->get(), nullptr));
+  // Two bands; the second's masked keys start at its first row's block.
+  const int64_t split = m / 2;
+  const int64_t base = shared_keys ? rows[split] / 16 * 16 : 0;
+  const int32_t* table = pool.tables[0].data();
+  const auto blocks = static_cast<int64_t>(pool.tables[0].size());
+  const std::vector<AttentionSequence> masked = {
+      {static_cast<int32_t>(split), rows[split - 1] + 1, table, blocks},
+      {static_cast<int32_t>(m - split), rows[m - 1] + 1 - base, table + base / 16,
+       blocks - base / 16}};
+  std::vector<int32_t> rel(m);
+  for (int64_t r = 0; r < m; ++r) rel[r] = static_cast<int32_t>(rows[r] - (r < split ? 0 : base));
+  auto d_rel = ToDevice(rel);
+  ASSERT_TRUE(d_rel.ok());
+  // Each band's table is the sequence's, from its first masked key's block.
+  auto flash = FlashAttention::Create(shape, 4, m, 2 * pool.blocks);
+  ASSERT_TRUE(flash.ok()) << flash.status().ToString();
+  if (shared_keys && !(*flash)->hopper()) GTEST_SKIP() << "no Hopper kernels on this device";
+  KDN_ASSERT_OK((*flash)->PlanPositions(masked.data(), 2, d_rel->get(), nullptr));
+  auto d_lse = ToDevice(std::vector<float>(m * heads));
+  ASSERT_TRUE(d_lse.ok());
+  KDN_ASSERT_OK((*flash)->Run(d_q->get(), q_row, pool.layer(), d_out->get(), nullptr,
+                              d_lse->get()));
+  if (shared_keys) {
+    ASSERT_GT(base, 0);
+    auto shared = FlashAttention::Create(shape, 4, m, pool.blocks);
+    ASSERT_TRUE(shared.ok());
+    const AttentionSequence keys{static_cast<int32_t>(m - split), base, table, base / 16};
+    KDN_ASSERT_OK((*shared)->PlanFull(&keys, 1, nullptr));
+    auto d_part = ToDevice(std::vector<bf16>((m - split) * q_row));
+    auto d_part_lse = ToDevice(std::vector<float>((m - split) * heads));
+    ASSERT_TRUE(d_part.ok() && d_part_lse.ok());
+    KDN_ASSERT_OK((*shared)->Run(d_q->get() + split * q_row, q_row, pool.layer(), d_part->get(),
+                                 nullptr, d_part_lse->get()));
+    KDN_ASSERT_OK(FlashAttention::MergeInPlace(d_out->get() + split * q_row,
+                                               d_lse->get() + split * heads, d_part->get(),
+                                               d_part_lse->get(), m - split, heads, dim,
+                                               nullptr));
+  }
+  std::vector<bf16> got, ref;
+  KDN_ASSERT_OK(ToHost(d_out->get(), q.size(), &got));
+  KDN_ASSERT_OK(ToHost(d_ref->get(), q_all.size(), &ref));
+  std::vector<bf16> want(q.size());
+  for (int64_t r = 0; r < m; ++r) {
+    std::copy_n(ref.begin() + rows[r] * q_row, q_row, want.begin() + r * q_row);
+  }
+  EXPECT_TRUE(AllClose(ToFloats(got), ToFloats(want), {2.0 / 128, 2e-2}));
+}
+
+TEST(FlashAttention, ScatteredRowsSeeTheirKeysThroughTheMaskAndTheSharedPart) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  if (!FlashAttention::Supports(ShapeOf(32, 8, 128))) GTEST_SKIP() << "built without FlashInfer";
+  CheckFlashScatteredRows(32, 8, 128, 1500, /*shared_keys=*/false);
+  CheckFlashScatteredRows(8, 4, 64, 777, /*shared_keys=*/false);
+  CheckFlashScatteredRows(32, 8, 128, 1500, /*shared_keys=*/true);
+  CheckFlashScatteredRows(8, 4, 64, 777, /*shared_keys=*/true);
+}
+
 // A decode batch of sequences of different lengths, planned eagerly and for a
 // graph (the same batch size planned twice with other lengths, as replays
 // are), against DecodeAttentionCuda.

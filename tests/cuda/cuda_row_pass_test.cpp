@@ -61,12 +61,24 @@ TEST(CudaRowPass, EveryPositionAtEveryLayerIsAFullPrefill) {
 // Over a cache that holds the prompt's own KV, recomputing any rows changes
 // nothing: each row must see exactly the keys up to its position (a row that
 // saw a later key, or missed an earlier one, would move the logits). Rows
-// scattered in runs of every length, across blocks, in more bands than one.
-TEST(CudaRowPass, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
+// scattered in runs of every length, across blocks, split into several
+// requests. On tiny (head_dim 16: kdn's reference kernels, run by run) and
+// on small (head_dim 64: FlashInfer, one plan for every row).
+class CudaRowPassOn : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaRowPassOn, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  auto g = Tiny();
-  ASSERT_TRUE(g);
-  const int n = 300;
+  auto p = FindPreset(GetParam());
+  ASSERT_TRUE(p.ok());
+  CudaEngineOptions o;
+  o.kv_tokens = 4096;
+  o.max_prefill_tokens = 1024;
+  o.max_batch = 8;
+  auto made = CudaEngine::Create(p->config, GenerateWeights(p->config, 4, DType::kBF16), o);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  CudaEngine* g = made->get();
+  EXPECT_EQ(g->uses_flash_attention(), p->config.head_dim >= 64);
+  const int n = 700;
   const auto tokens = Tokens(n, 31);
   KvSequence seq = g->kv_cache().NewSequence();
   std::vector<float> want, got;
@@ -81,20 +93,33 @@ TEST(CudaRowPass, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
   ASSERT_TRUE(pass.ok()) << pass.status().ToString();
   for (int l = 0; l < g->config().num_layers; ++l) KDN_ASSERT_OK((*pass)->RunLayer());
   KDN_ASSERT_OK((*pass)->Logits(&got));
-  EXPECT_TRUE(AllClose(got, want, {2e-2, 2e-2}));
-  // The recomputed rows' KV is what the prefill wrote.
+  EXPECT_TRUE(LogitsClose(got, want));
+  // The recomputed rows' KV is what the prefill wrote: element by element at
+  // layer 1, whose KV comes from one layer's attention over the rows' own
+  // keys (a key seen or missed would show there), and to 5% in norm at every
+  // layer (bf16 differences between two kernels' sums grow layer by layer
+  // on random weights).
   std::vector<float> after;
-  for (int64_t r : {rows.front(), rows[rows.size() / 2], rows.back()}) {
-    std::vector<float> a, b;
-    KvSequence ref = g->kv_cache().NewSequence();
-    KDN_ASSERT_OK(g->Prefill(ref, tokens, {}, &after));
-    for (int l = 0; l < g->config().num_layers; ++l) {
+  KvSequence ref = g->kv_cache().NewSequence();
+  KDN_ASSERT_OK(g->Prefill(ref, tokens, {}, &after));
+  for (int l = 0; l < g->config().num_layers; ++l) {
+    double err = 0, norm = 0;
+    for (int64_t r : rows) {
+      std::vector<float> a, b;
       KDN_ASSERT_OK(ReadKv(*g, seq, l, r, 1, &a));
       KDN_ASSERT_OK(ReadKv(*g, ref, l, r, 1, &b));
-      EXPECT_TRUE(AllClose(a, b, {1.0 / 64, 1e-2})) << "row " << r << " layer " << l;
+      if (l == 1) EXPECT_TRUE(AllClose(a, b, {1.0 / 64, 1e-2})) << "row " << r << " layer 1";
+      for (size_t i = 0; i < a.size(); ++i) {
+        err += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+        norm += double(b[i]) * b[i];
+      }
     }
+    EXPECT_LT(std::sqrt(err / norm), 5e-2) << "layer " << l;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Presets, CudaRowPassOn, ::testing::Values("tiny", "small"),
+                         [](const auto& info) { return info.param; });
 
 TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();

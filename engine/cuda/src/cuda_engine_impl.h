@@ -125,6 +125,10 @@ class PinnedArray {
   T* p_ = nullptr;
 };
 
+// The most requests a row pass's scattered rows are split into (bands of
+// consecutive rows; cuda_row_pass.cpp).
+inline constexpr int kRowBands = 8;
+
 // The KV cache in device memory (bf16): the engine's pools, and reads and
 // writes by layer on a stream of its own (KvCache's contract), guarded by
 // mu_ so that the loader thread of a blend and the engine's thread may both
@@ -213,6 +217,9 @@ struct CudaEngine::Impl {
   PinnedArray<int64_t> slots_host;
 
   std::unique_ptr<FlashAttention> flash;       // null: reference attention
+  // A row pass's keys that all rows of a band share, without a mask, on the
+  // Hopper kernels (a plan of its own beside flash's); null off Hopper.
+  std::unique_ptr<FlashAttention> flash_shared;
   std::unique_ptr<DeviceSampler> sampler;      // made at the first DecodeSample
   std::map<int, cudaGraphExec_t> decode_graphs;  // by bucket
 
@@ -296,6 +303,13 @@ struct CudaEngine::Impl {
       // Every block once, and the scratch block once more per padding row.
       KDN_ASSIGN_OR_RETURN(flash, FlashAttention::Create(shape, options.max_batch, R,
                                                          num_blocks + options.max_batch));
+      if (flash->hopper()) {
+        const int64_t context_blocks = (c.max_context + kKvBlockTokens - 1) / kKvBlockTokens;
+        KDN_ASSIGN_OR_RETURN(flash_shared,
+                             FlashAttention::Create(shape, kRowBands, R,
+                                                    kRowBands * std::min<int64_t>(
+                                                                    context_blocks, num_blocks)));
+      }
     } else {
       KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
     }

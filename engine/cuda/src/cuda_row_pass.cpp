@@ -183,6 +183,62 @@ class CudaRowPass final : public RowPass {
     return Status::Ok();
   }
 
+  // Plans scattered rows: up to kRowBands bands of consecutive rows. The keys
+  // below the block of a band's first row are seen by every row of the band:
+  // with Hopper kernels (flash_shared) they go there without a mask, and the
+  // rest of the band's keys, up to its last row, through the per-row mask
+  // (FA2); the two parts merge by their log-sum-exp. Without them every key
+  // goes through the mask.
+  Status PlanScattered() {
+    const auto rows = static_cast<int64_t>(positions_.size());
+    const std::vector<int32_t>& blocks = seq_.blocks();
+    const bool cascade = m_.flash_shared != nullptr;
+    const auto pages = [](int64_t kv) { return (kv + kKvBlockTokens - 1) / kKvBlockTokens; };
+    int bands = static_cast<int>(
+        std::min<int64_t>({kRowBands, rows, static_cast<int64_t>(m_.options.max_batch)}));
+    std::vector<AttentionSequence> masked, shared;
+    for (;; --bands) {  // as many bands as the masked plan's block budget holds
+      masked.clear();
+      shared.clear();
+      rel_host_.resize(rows);
+      shared_row0_ = rows;
+      int64_t budget = 0;
+      for (int b = 0; b < bands; ++b) {
+        const int64_t r0 = rows * b / bands, r1 = rows * (b + 1) / bands;
+        const int64_t base = cascade ? positions_[r0] / kKvBlockTokens * kKvBlockTokens : 0;
+        const int64_t end = positions_[r1 - 1] + 1;
+        masked.push_back({static_cast<int32_t>(r1 - r0), end - base,
+                          blocks.data() + base / kKvBlockTokens,
+                          static_cast<int64_t>(blocks.size()) - base / kKvBlockTokens});
+        budget += pages(end - base);
+        for (int64_t r = r0; r < r1; ++r) rel_host_[r] = static_cast<int32_t>(positions_[r] - base);
+        if (base > 0) {
+          if (shared.empty()) shared_row0_ = r0;
+          shared.push_back({static_cast<int32_t>(r1 - r0), base, blocks.data(),
+                            base / kKvBlockTokens});
+        }
+      }
+      if (budget <= m_.kv->num_blocks() || bands == 1) break;
+    }
+    shared_rows_ = rows - shared_row0_;
+    if (rel_pos_.size() < rows) KDN_RETURN_IF_ERROR(rel_pos_.Allocate(rows));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(rel_pos_.get(), rel_host_.data(),
+                                             rows * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                             m_.stream));
+    KDN_RETURN_IF_ERROR(m_.flash->PlanPositions(masked.data(), static_cast<int>(masked.size()),
+                                                rel_pos_.get(), m_.stream));
+    if (shared_rows_ == 0) return Status::Ok();
+    const int64_t heads = m_.config.num_heads;
+    if (lse_.size() < rows * heads) KDN_RETURN_IF_ERROR(lse_.Allocate(rows * heads));
+    if (shared_lse_.size() < shared_rows_ * heads) {
+      KDN_RETURN_IF_ERROR(shared_lse_.Allocate(shared_rows_ * heads));
+    }
+    if (shared_out_.size() < shared_rows_ * m_.config.q_dim()) {
+      KDN_RETURN_IF_ERROR(shared_out_.Allocate(shared_rows_ * m_.config.q_dim()));
+    }
+    return m_.flash_shared->PlanFull(shared.data(), static_cast<int>(shared.size()), m_.stream);
+  }
+
   // Every row attends over the cache up to its own position. With FlashInfer
   // that is one launch per layer, planned once for the rows (after Start and
   // each Keep): consecutive rows are a prefill of them on top of the cache
@@ -200,14 +256,23 @@ class CudaRowPass final : public RowPass {
           const AttentionSequence one{static_cast<int32_t>(runs_[0].len), kv_len, blocks.data(),
                                       (kv_len + kKvBlockTokens - 1) / kKvBlockTokens};
           KDN_RETURN_IF_ERROR(m_.flash->Plan(&one, 1, /*graph=*/false, m_.stream));
+          shared_rows_ = 0;
         } else {
-          KDN_RETURN_IF_ERROR(m_.flash->PlanRows(
-              positions_.data(), static_cast<int64_t>(positions_.size()), blocks.data(),
-              static_cast<int64_t>(blocks.size()), m_.positions.get(), m_.stream));
+          KDN_RETURN_IF_ERROR(PlanScattered());
         }
         planned_ = true;
       }
-      return m_.flash->Run(m_.qkv.get(), qkv_out, m_.ConstLayer(l), m_.attn.get(), m_.stream);
+      const bool split = shared_rows_ > 0;
+      KDN_RETURN_IF_ERROR(m_.flash->Run(m_.qkv.get(), qkv_out, m_.ConstLayer(l), m_.attn.get(),
+                                        m_.stream, split ? lse_.get() : nullptr));
+      if (!split) return Status::Ok();
+      KDN_RETURN_IF_ERROR(m_.flash_shared->Run(m_.qkv.get() + shared_row0_ * qkv_out, qkv_out,
+                                               m_.ConstLayer(l), shared_out_.get(), m_.stream,
+                                               shared_lse_.get()));
+      return FlashAttention::MergeInPlace(m_.attn.get() + shared_row0_ * qd,
+                                          lse_.get() + shared_row0_ * c.num_heads,
+                                          shared_out_.get(), shared_lse_.get(), shared_rows_,
+                                          c.num_heads, c.head_dim, m_.stream);
     }
     const auto rows = static_cast<int64_t>(positions_.size());
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
@@ -227,6 +292,13 @@ class CudaRowPass final : public RowPass {
   std::vector<int64_t> positions_;
   std::vector<Run> runs_;
   bool planned_ = false;  // the attention plan is for the current rows
+  // PlanScattered's: rows from shared_row0_ on (shared_rows_ of them) have
+  // shared keys; each row's position from its band's first masked key.
+  int64_t shared_row0_ = 0, shared_rows_ = 0;
+  std::vector<int32_t> rel_host_;
+  DeviceArray<int32_t> rel_pos_;
+  DeviceArray<float> lse_, shared_lse_;
+  DeviceArray<bf16> shared_out_;
   std::vector<int32_t> pos_host_;
   std::vector<int64_t> slot_host_;
   DeviceArray<bf16> old_, new_;

@@ -14,6 +14,7 @@
 #include "kdn/engine/cuda/cuda_check.h"
 
 #ifdef KDN_FLASHINFER
+#include <flashinfer/attention/cascade.cuh>
 #include <flashinfer/attention/mask.cuh>
 #include <flashinfer/attention/prefill.cuh>
 #include <flashinfer/attention/scheduler.cuh>
@@ -145,8 +146,6 @@ cudaError_t LaunchFor(bool positioned, int64_t tile_q, const PagedParams& p, bf1
 }
 
 constexpr size_t kFloatWorkspaceBytes = size_t{256} << 20;
-// The most requests a row pass's rows are split into (PlanRows).
-constexpr int kMaxRowBands = 8;
 constexpr size_t kIntWorkspaceBytes = size_t{16} << 20;
 
 }  // namespace
@@ -172,12 +171,14 @@ struct FlashAttention::Impl {
   fi::PrefillPlanInfo plan;
   std::vector<int64_t> hopper_plan;  // the plan when planned_hopper
   bool planned_hopper = false;
-  const int32_t* row_positions = nullptr;  // device; set by PlanRows
+  const int32_t* row_positions = nullptr;  // device; set by PlanPositions
   uint32_t batch = 0;
   int64_t rows = 0;
 
+  bool causal = true;  // of the Hopper plan (FA2 plans are causal or positioned)
+
   Status Plan(const AttentionSequence* seqs, int count, bool graph, bool allow_hopper,
-              cudaStream_t stream);
+              bool causal_mask, cudaStream_t stream);
 
   ~Impl() {
     for (void* p : {float_ws, int_ws, static_cast<void*>(indices), static_cast<void*>(meta)}) {
@@ -239,47 +240,55 @@ FlashAttention::~FlashAttention() = default;
 Status FlashAttention::Plan(const AttentionSequence* seqs, int count, bool graph,
                             cudaStream_t stream) {
   impl_->row_positions = nullptr;
-  return impl_->Plan(seqs, count, graph, /*allow_hopper=*/true, stream);
+  return impl_->Plan(seqs, count, graph, /*allow_hopper=*/true, /*causal=*/true, stream);
 }
 
-Status FlashAttention::PlanRows(const int64_t* positions, int64_t rows, const int32_t* table,
-                                int64_t table_size, const int32_t* device_positions,
-                                cudaStream_t stream) {
-  Impl& m = *impl_;
-  m.batch = 0;
-  if (rows <= 0 || positions == nullptr || device_positions == nullptr || table == nullptr) {
-    return InvalidArgument("FlashAttention::PlanRows: no rows, positions or table");
+Status FlashAttention::PlanFull(const AttentionSequence* seqs, int count, cudaStream_t stream) {
+  if (!impl_->hopper) {
+    return Unimplemented("FlashAttention: plans without a mask run on the Hopper kernels only");
   }
-  for (int64_t r = 1; r < rows; ++r) {
-    if (positions[r] <= positions[r - 1]) {
-      return InvalidArgument("FlashAttention::PlanRows: positions must ascend");
-    }
+  impl_->row_positions = nullptr;
+  return impl_->Plan(seqs, count, /*graph=*/false, /*allow_hopper=*/true, /*causal=*/false, stream);
+}
+
+Status FlashAttention::PlanPositions(const AttentionSequence* seqs, int count,
+                                     const int32_t* device_positions, cudaStream_t stream) {
+  if (device_positions == nullptr) {
+    return InvalidArgument("FlashAttention::PlanPositions: no positions");
   }
-  // Bands of consecutive rows, each a request over the keys below its last
-  // row: with b bands a row reads about (b + 1) / 2b of the keys a single
-  // request would make it read. As many as the plan's block budget holds.
-  const auto pages = [](int64_t kv) { return (kv + kKvBlockTokensCuda - 1) / kKvBlockTokensCuda; };
-  int bands = static_cast<int>(std::min<int64_t>({kMaxRowBands, rows, m.max_batch}));
-  std::vector<AttentionSequence> seqs;
-  for (;; --bands) {
-    seqs.clear();
-    int64_t blocks = 0;
-    for (int b = 0; b < bands; ++b) {
-      const int64_t r0 = rows * b / bands, r1 = rows * (b + 1) / bands;
-      const int64_t kv = positions[r1 - 1] + 1;
-      seqs.push_back({static_cast<int32_t>(r1 - r0), kv, table, table_size});
-      blocks += pages(kv);
-    }
-    if (blocks <= m.max_blocks || bands == 1) break;
+  impl_->row_positions = nullptr;
+  KDN_RETURN_IF_ERROR(impl_->Plan(seqs, count, /*graph=*/false, /*allow_hopper=*/false,
+                                  /*causal=*/true, stream));
+  impl_->row_positions = device_positions;
+  return Status::Ok();
+}
+
+bool FlashAttention::hopper() const { return impl_->hopper; }
+
+Status FlashAttention::MergeInPlace(bf16* out, float* lse, const bf16* other_out,
+                                    const float* other_lse, int64_t rows, int heads, int head_dim,
+                                    cudaStream_t stream) {
+  if (rows == 0) return Status::Ok();
+  if (out == nullptr || lse == nullptr || other_out == nullptr || other_lse == nullptr ||
+      rows < 0 || heads <= 0 || (head_dim != 64 && head_dim != 128)) {
+    return InvalidArgument("FlashAttention::MergeInPlace: bad arguments");
   }
-  KDN_RETURN_IF_ERROR(m.Plan(seqs.data(), static_cast<int>(seqs.size()), /*graph=*/false,
-                             /*allow_hopper=*/false, stream));
-  m.row_positions = device_positions;
+  cudaError_t st = cudaSuccess;
+  try {
+    st = fi::MergeStateInPlace<bf16>(out, lse, const_cast<bf16*>(other_out),
+                                     const_cast<float*>(other_lse), static_cast<uint32_t>(rows),
+                                     static_cast<uint32_t>(heads),
+                                     static_cast<uint32_t>(head_dim), /*mask=*/nullptr, stream);
+  } catch (const std::exception& e) {
+    return Internal(std::string("FlashAttention::MergeInPlace: ") + e.what());
+  }
+  KDN_CUDA_RETURN_IF_ERROR(st);
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
 
 Status FlashAttention::Impl::Plan(const AttentionSequence* seqs, int count, bool graph,
-                                  bool allow_hopper, cudaStream_t stream) {
+                                  bool allow_hopper, bool causal_mask, cudaStream_t stream) {
   Impl& m = *this;
   const size_t b = count > 0 ? static_cast<size_t>(count) : 0;
   if (b == 0 || seqs == nullptr) return InvalidArgument("FlashAttention::Plan: an empty batch");
@@ -324,10 +333,16 @@ Status FlashAttention::Impl::Plan(const AttentionSequence* seqs, int count, bool
       cudaMemcpyAsync(m.meta, m.meta_host, meta_bytes, cudaMemcpyHostToDevice, stream));
   m.rows = qi[b];
   m.planned_hopper = allow_hopper && m.hopper && !graph && !uniform_one;
+  // One query per sequence sees all its keys with either mask.
+  if (!causal_mask && !m.planned_hopper && !uniform_one) {
+    return Unimplemented("FlashAttention: plans without a mask run on the Hopper kernels only");
+  }
+  m.causal = causal_mask;
   if (m.planned_hopper) {
     KDN_RETURN_IF_ERROR(sm90::Plan(m.float_ws, kFloatWorkspaceBytes, m.int_ws, m.int_ws_host,
                                    kIntWorkspaceBytes, qi, pi, m.kv_lens.data(),
-                                   static_cast<int>(b), m.shape, stream, &m.hopper_plan));
+                                   static_cast<int>(b), m.shape, causal_mask, stream,
+                                   &m.hopper_plan));
     KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.staged, stream));
     m.batch = static_cast<uint32_t>(b);
     return Status::Ok();
@@ -351,7 +366,7 @@ Status FlashAttention::Impl::Plan(const AttentionSequence* seqs, int count, bool
 }
 
 Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<const bf16> cache,
-                           bf16* out, cudaStream_t stream) {
+                           bf16* out, cudaStream_t stream, float* lse) {
   Impl& m = *impl_;
   if (m.batch == 0) return FailedPrecondition("FlashAttention::Run before Plan");
   if (q == nullptr || out == nullptr || cache.k == nullptr || cache.v == nullptr ||
@@ -360,8 +375,8 @@ Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<con
     return InvalidArgument("FlashAttention::Run: null pointers or a cache of another shape");
   }
   if (m.planned_hopper) {
-    return sm90::Run(m.hopper_plan, m.int_ws, q, q_row_stride, m.rows, cache, m.indices, out,
-                     m.shape, stream);
+    return sm90::Run(m.hopper_plan, m.int_ws, q, q_row_stride, m.rows, cache, m.indices, out, lse,
+                     m.shape, m.causal, stream);
   }
   PagedParams p;
   p.q = const_cast<bf16*>(q);
@@ -373,6 +388,7 @@ Status FlashAttention::Run(const bf16* q, int64_t q_row_stride, PagedKvLayer<con
   p.q_indptr = m.q_indptr(m.meta);
   p.maybe_q_positions = m.row_positions;
   p.o = out;
+  p.lse = lse;
   p.group_size = fi::uint_fastdiv(static_cast<uint32_t>(m.shape.heads / m.shape.kv_heads));
   p.sm_scale = m.shape.scale;
   p.num_qo_heads = static_cast<uint32_t>(m.shape.heads);
@@ -436,13 +452,24 @@ Status FlashAttention::Plan(const AttentionSequence*, int, bool, cudaStream_t) {
   return Unimplemented("FlashAttention: not built");
 }
 
-Status FlashAttention::PlanRows(const int64_t*, int64_t, const int32_t*, int64_t,
-                                const int32_t*, cudaStream_t) {
+Status FlashAttention::PlanFull(const AttentionSequence*, int, cudaStream_t) {
+  return Unimplemented("FlashAttention: not built");
+}
+
+Status FlashAttention::PlanPositions(const AttentionSequence*, int, const int32_t*,
+                                     cudaStream_t) {
+  return Unimplemented("FlashAttention: not built");
+}
+
+bool FlashAttention::hopper() const { return false; }
+
+Status FlashAttention::MergeInPlace(__nv_bfloat16*, float*, const __nv_bfloat16*, const float*,
+                                    int64_t, int, int, cudaStream_t) {
   return Unimplemented("FlashAttention: not built");
 }
 
 Status FlashAttention::Run(const __nv_bfloat16*, int64_t, PagedKvLayer<const __nv_bfloat16>,
-                           __nv_bfloat16*, cudaStream_t) {
+                           __nv_bfloat16*, cudaStream_t, float*) {
   return Unimplemented("FlashAttention: not built");
 }
 

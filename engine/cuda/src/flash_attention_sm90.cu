@@ -1,6 +1,6 @@
 // sm90::Plan and sm90::Run (flash_attention_sm90.h): kdn's paged cache handed
 // to FlashInfer's Hopper prefill kernels. Compiled for sm_90a alone, with
-// bf16, head_dim 64 and 128 and the causal mask instantiated. Without the
+// bf16, head_dim 64 and 128, and the causal mask or none instantiated. Without the
 // FlashInfer headers, or for another architecture, Available() is false.
 #include "flash_attention_sm90.h"
 
@@ -74,12 +74,22 @@ struct PagedParams {
 
 using Variant = fi::DefaultAttention</*use_logits_soft_cap=*/false>;
 
-template <uint32_t kHeadDim, bool kSameSchedule>
+template <uint32_t kHeadDim, bool kSameSchedule, fi::MaskMode kMask>
 cudaError_t Launch(PagedParams& p, cudaStream_t stream) {
-  return fi::BatchPrefillWithPagedKVCacheDispatched<kHeadDim, kHeadDim, fi::MaskMode::kCausal,
+  return fi::BatchPrefillWithPagedKVCacheDispatched<kHeadDim, kHeadDim, kMask,
                                                     /*LEFT_SLIDING_WINDOW=*/false, kSameSchedule,
                                                     Variant, PagedParams>(p, /*enable_pdl=*/false,
                                                                           stream);
+}
+
+template <uint32_t kHeadDim>
+cudaError_t LaunchFor(bool same_schedule, bool causal, PagedParams& p, cudaStream_t stream) {
+  if (causal) {
+    return same_schedule ? Launch<kHeadDim, true, fi::MaskMode::kCausal>(p, stream)
+                         : Launch<kHeadDim, false, fi::MaskMode::kCausal>(p, stream);
+  }
+  return same_schedule ? Launch<kHeadDim, true, fi::MaskMode::kNone>(p, stream)
+                       : Launch<kHeadDim, false, fi::MaskMode::kNone>(p, stream);
 }
 
 }  // namespace
@@ -97,7 +107,8 @@ bool Available(const AttentionShape& shape, int device) {
 
 Status Plan(void* float_ws, size_t float_bytes, void* int_ws, void* int_ws_host, size_t int_bytes,
             int32_t* qo_indptr, int32_t* page_indptr, int32_t* kv_lens, int batch,
-            const AttentionShape& shape, cudaStream_t stream, std::vector<int64_t>* plan) {
+            const AttentionShape& shape, bool causal, cudaStream_t stream,
+            std::vector<int64_t>* plan) {
   fi::PrefillPlanSM90Info info;
   try {
     KDN_CUDA_RETURN_IF_ERROR(fi::PrefillSM90Plan<int32_t>(
@@ -105,7 +116,7 @@ Status Plan(void* float_ws, size_t float_bytes, void* int_ws, void* int_ws_host,
         kv_lens, static_cast<uint32_t>(qo_indptr[batch]), static_cast<uint32_t>(batch),
         static_cast<uint32_t>(shape.heads), static_cast<uint32_t>(shape.kv_heads),
         static_cast<uint32_t>(shape.head_dim), static_cast<uint32_t>(shape.head_dim),
-        kKvBlockTokensCuda, /*causal=*/true, /*enable_cuda_graph=*/false, /*sizeof_dtype_o=*/2,
+        kKvBlockTokensCuda, causal, /*enable_cuda_graph=*/false, /*sizeof_dtype_o=*/2,
         stream));
   } catch (const std::exception& e) {
     return Internal(std::string("FlashAttention (sm90) plan: ") + e.what());
@@ -116,8 +127,8 @@ Status Plan(void* float_ws, size_t float_bytes, void* int_ws, void* int_ws_host,
 
 Status Run(const std::vector<int64_t>& plan, void* int_ws, const __nv_bfloat16* q,
            int64_t q_row_stride, int64_t rows, PagedKvLayer<const __nv_bfloat16> cache,
-           int32_t* indices, __nv_bfloat16* out, const AttentionShape& shape,
-           cudaStream_t stream) {
+           int32_t* indices, __nv_bfloat16* out, float* lse, const AttentionShape& shape,
+           bool causal, cudaStream_t stream) {
   fi::PrefillPlanSM90Info info;
   try {
     info.FromVector(plan);
@@ -129,6 +140,8 @@ Status Run(const std::vector<int64_t>& plan, void* int_ws, const __nv_bfloat16* 
   p.k_ptr = reinterpret_cast<DType*>(const_cast<__nv_bfloat16*>(cache.k));
   p.v_ptr = reinterpret_cast<DType*>(const_cast<__nv_bfloat16*>(cache.v));
   p.o_ptr = reinterpret_cast<DType*>(out);
+  p.lse_ptr = lse;
+  p.causal = causal;
   p.q_stride_n = q_row_stride;
   p.q_stride_h = shape.head_dim;
   p.o_stride_n = int64_t{shape.heads} * shape.head_dim;
@@ -155,12 +168,9 @@ Status Run(const std::vector<int64_t>& plan, void* int_ws, const __nv_bfloat16* 
   p.kv_indices = indices;
   cudaError_t st = cudaSuccess;
   try {
-    if (shape.head_dim == 64) {
-      st = info.same_schedule_for_all_heads ? Launch<64, true>(p, stream) : Launch<64, false>(p, stream);
-    } else {
-      st = info.same_schedule_for_all_heads ? Launch<128, true>(p, stream)
-                                            : Launch<128, false>(p, stream);
-    }
+    st = shape.head_dim == 64
+             ? LaunchFor<64>(info.same_schedule_for_all_heads, causal, p, stream)
+             : LaunchFor<128>(info.same_schedule_for_all_heads, causal, p, stream);
   } catch (const std::exception& e) {
     return Internal(std::string("FlashAttention (sm90) run: ") + e.what());
   }
@@ -174,13 +184,13 @@ Status Run(const std::vector<int64_t>& plan, void* int_ws, const __nv_bfloat16* 
 bool Available(const AttentionShape&, int) { return false; }
 
 Status Plan(void*, size_t, void*, void*, size_t, int32_t*, int32_t*, int32_t*, int,
-            const AttentionShape&, cudaStream_t, std::vector<int64_t>*) {
+            const AttentionShape&, bool, cudaStream_t, std::vector<int64_t>*) {
   return Unimplemented("FlashAttention: built without the Hopper kernels");
 }
 
 Status Run(const std::vector<int64_t>&, void*, const __nv_bfloat16*, int64_t, int64_t,
-           PagedKvLayer<const __nv_bfloat16>, int32_t*, __nv_bfloat16*, const AttentionShape&,
-           cudaStream_t) {
+           PagedKvLayer<const __nv_bfloat16>, int32_t*, __nv_bfloat16*, float*,
+           const AttentionShape&, bool, cudaStream_t) {
   return Unimplemented("FlashAttention: built without the Hopper kernels");
 }
 

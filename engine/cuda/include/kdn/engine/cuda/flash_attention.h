@@ -67,23 +67,38 @@ class FlashAttention {
   // depend on the lengths); an unsplit plan measured slower at 512 keys.
   Status Plan(const AttentionSequence* seqs, int count, bool graph, cudaStream_t stream);
 
-  // Plans `rows` rows of one sequence at ascending positions (host) that
-  // need not be consecutive (a RowPass): row r attends keys 0 .. positions[r] of the
-  // sequence whose block table is `table` (host, table_size entries).
-  // `device_positions` holds the same positions as int32 on the device and
-  // must stay there until the plan's last Run. Runs on the FA2 kernels with
-  // a per-row mask (one launch per layer for every row, however scattered),
-  // the rows split into a few requests so that fewer key tiles are read
-  // only to be masked.
-  Status PlanRows(const int64_t* positions, int64_t rows, const int32_t* table,
-                  int64_t table_size, const int32_t* device_positions, cudaStream_t stream);
+  // Plans a batch in which every query row of a sequence sees all kv_len of
+  // its keys (no mask): the keys a row pass's rows all share. On the Hopper
+  // kernels only: UNIMPLEMENTED where hopper() is false.
+  Status PlanFull(const AttentionSequence* seqs, int count, cudaStream_t stream);
+
+  // Plans a batch whose query rows sit at ascending positions that need not
+  // be consecutive (a RowPass's scattered rows): row r of a sequence sees
+  // its keys 0 .. positions[r], counted from the sequence's first key.
+  // `device_positions` holds one int32 per row of the batch, in row order,
+  // on the device, and must stay there until the plan's last Run. FA2
+  // kernels with a per-row mask (every key tile below kv_len is read).
+  Status PlanPositions(const AttentionSequence* seqs, int count, const int32_t* device_positions,
+                       cudaStream_t stream);
+
+  // Whether prefill plans may run on the Hopper kernels here.
+  bool hopper() const;
+
+  // out (rows x heads x head_dim) and lse (rows x heads, base-2 log-sum-exp)
+  // become the attention over the union of their keys and other's (disjoint
+  // sets of keys: the two parts of a row pass's attention), in place.
+  static Status MergeInPlace(__nv_bfloat16* out, float* lse, const __nv_bfloat16* other_out,
+                             const float* other_lse, int64_t rows, int heads, int head_dim,
+                             cudaStream_t stream);
 
   // Attention of the planned batch for one layer: row r of q (heads x
   // head_dim bf16) starts at q + r * q_row_stride (so q may be the query part
   // of a fused QKV row); out is [rows][heads][head_dim]. The new tokens' K and
   // V must be in `cache`. Enqueues on `stream`.
+  // `lse`, if not null, gets each row and head's base-2 log-sum-exp
+  // ([rows][heads]), for MergeInPlace.
   Status Run(const __nv_bfloat16* q, int64_t q_row_stride, PagedKvLayer<const __nv_bfloat16> cache,
-             __nv_bfloat16* out, cudaStream_t stream);
+             __nv_bfloat16* out, cudaStream_t stream, float* lse = nullptr);
 
   // Whether the last plan runs on the Hopper kernels.
   bool planned_hopper() const;
