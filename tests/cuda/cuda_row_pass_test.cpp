@@ -96,9 +96,9 @@ TEST_P(CudaRowPassOn, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
   EXPECT_TRUE(LogitsClose(got, want));
   // The recomputed rows' KV is what the prefill wrote: element by element at
   // layer 1, whose KV comes from one layer's attention over the rows' own
-  // keys (a key seen or missed would show there), and to 5% in norm at every
-  // layer (bf16 differences between two kernels' sums grow layer by layer
-  // on random weights).
+  // keys (a key seen or missed would show there; bf16 sums in another order
+  // move single elements by about 1e-2), and to 5% in norm at every layer
+  // (those differences grow layer by layer on random weights).
   std::vector<float> after;
   KvSequence ref = g->kv_cache().NewSequence();
   KDN_ASSERT_OK(g->Prefill(ref, tokens, {}, &after));
@@ -108,7 +108,7 @@ TEST_P(CudaRowPassOn, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
       std::vector<float> a, b;
       KDN_ASSERT_OK(ReadKv(*g, seq, l, r, 1, &a));
       KDN_ASSERT_OK(ReadKv(*g, ref, l, r, 1, &b));
-      if (l == 1) EXPECT_TRUE(AllClose(a, b, {1.0 / 64, 1e-2})) << "row " << r << " layer 1";
+      if (l == 1) EXPECT_TRUE(AllClose(a, b, {1.0 / 32, 2e-2})) << "row " << r << " layer 1";
       for (size_t i = 0; i < a.size(); ++i) {
         err += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
         norm += double(b[i]) * b[i];
