@@ -1,5 +1,7 @@
 #include "cuda_engine_impl.h"
 
+#include <atomic>
+
 namespace kdn::engine::cuda {
 
 
@@ -41,14 +43,34 @@ const ModelConfig& CudaEngine::config() const { return impl_->config; }
 std::string CudaEngine::device() const { return "cuda:" + std::to_string(impl_->options.device); }
 KvCache& CudaEngine::kv_cache() { return *impl_->kv; }
 
+namespace {
+
+// The device whose context pins host buffers: the pool maps buffers on
+// whatever thread needs one (a transport's receiver, say), whose current
+// device would otherwise be 0, and a context made there would take memory
+// on a GPU the worker was not given. Portable pinning serves every device.
+std::atomic<int> pin_device{0};
+
+bool PinHost(void* p, size_t bytes) {
+  if (cudaSetDevice(pin_device.load()) == cudaSuccess &&
+      cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) {
+    return true;
+  }
+  (void)cudaGetLastError();  // not sticky: clear it for the next launch's check
+  return false;
+}
+
+void UnpinHost(void* p) {
+  if (cudaSetDevice(pin_device.load()) != cudaSuccess || cudaHostUnregister(p) != cudaSuccess) {
+    (void)cudaGetLastError();
+  }
+}
+
+}  // namespace
+
 const HostPinning* CudaEngine::host_pinning() const {
-  static const HostPinning pinning{
-      [](void* p, size_t bytes) {
-        if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) return true;
-        (void)cudaGetLastError();  // not sticky: clear it for the next launch's check
-        return false;
-      },
-      [](void* p) { (void)cudaHostUnregister(p); }};
+  static const HostPinning pinning{PinHost, UnpinHost};
+  pin_device.store(impl_->options.device);
   return &pinning;
 }
 int64_t CudaEngine::weight_bytes() const { return impl_->weight_bytes; }
