@@ -4,6 +4,8 @@
 // stdout once it serves.
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -41,8 +43,29 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--served-model-name", o.served_model_name,
                  "Model name in the API (default: the model folder's name)");
+  std::string api_keys_file;
+  app.add_option("--api-keys", api_keys_file,
+                 "A file of API keys, one \"KEY TENANT\" a line: /v1/ requests then need "
+                 "'Authorization: Bearer KEY', and each tenant's cache is its own (default: "
+                 "$KDN_API_KEYS_FILE; neither: no keys)");
   CLI11_PARSE(app, argc, argv);
   std::signal(SIGPIPE, SIG_IGN);
+  if (api_keys_file.empty()) {
+    if (const char* env = std::getenv("KDN_API_KEYS_FILE"); env != nullptr) api_keys_file = env;
+  }
+  if (!api_keys_file.empty()) {
+    auto keys = kdn::router::ApiKeys::Load(api_keys_file);
+    if (!keys.ok()) {
+      std::fprintf(stderr, "kdn-router: %s\n", keys.status().ToString().c_str());
+      return 2;
+    }
+    std::fprintf(stderr, "kdn-router: %zu API keys for %zu tenants; /health and /metrics need none\n",
+                 keys->size(), keys->tenants());
+    o.api_keys = std::make_shared<const kdn::router::ApiKeys>(*std::move(keys));
+  } else {
+    std::fprintf(stderr, "kdn-router: no --api-keys: every request is served, and requests share "
+                         "the cache unless their cache_salt differs\n");
+  }
 
   auto router = kdn::router::Router::Start(o);
   if (!router.ok()) {

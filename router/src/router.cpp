@@ -129,6 +129,22 @@ class Session : public std::enable_shared_from_this<Session> {
       return false;
     };
     route_ = path;
+    // The API needs a key when keys are configured; /health and /metrics
+    // stay open (they name no tenant's data).
+    if (path.starts_with("/v1/") && router_.options.api_keys != nullptr) {
+      const auto auth = request_[http::field::authorization];
+      tenant_ = router_.options.api_keys->TenantOf(std::string_view(auth.data(), auth.size()));
+      if (tenant_ == nullptr) {
+        ApiError e;
+        e.http_status = 401;
+        e.message = auth.empty()
+                        ? "no API key: send it as 'Authorization: Bearer KEY'"
+                        : "the API key is not one this server accepts";
+        e.code = "invalid_api_key";
+        ReplyError(e);
+        return;
+      }
+    }
     if (path == "/health") {
       if (only(http::verb::get)) Health();
     } else if (path == "/metrics") {
@@ -215,7 +231,7 @@ class Session : public std::enable_shared_from_this<Session> {
     response_id_ = id;
     Job job;
     job.tokens = std::move(req.prompt);
-    job.ns = req.cache_salt;
+    job.ns = RequestNamespace(tenant_, req.cache_salt);
     job.sampling = req.sampling;
     job.max_tokens = req.max_tokens;
     job.stop_ids = req.stop_ids;
@@ -256,7 +272,7 @@ class Session : public std::enable_shared_from_this<Session> {
     created_ = UnixNow();
     InjectJob job;
     job.documents = std::move(req.documents);
-    job.ns = std::move(req.cache_salt);
+    job.ns = RequestNamespace(tenant_, req.cache_salt);
     stream_.expires_never();
     BeginJob();
     job_ = router_.backend->Inject(std::move(job), JobEvents());
@@ -473,6 +489,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool stream_done_ = false;
   bool header_sent_ = false;
   bool inject_ = false;  // the job is an injection
+  const std::string* tenant_ = nullptr;  // the request's, when keys are configured
   uint64_t job_ = 0;
   int64_t created_ = 0;
   std::string response_id_;

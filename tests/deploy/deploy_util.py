@@ -96,7 +96,7 @@ def pid_alive(pid):
 class Deployment:
     """One deployment started with `kdn-launch up --detach --port 0`."""
 
-    def __init__(self, run_dir, model, *up_args):
+    def __init__(self, run_dir, model, *up_args, api_key=None):
         self.run_dir = Path(run_dir)
         self.model = Path(model)
         r = launch("up", "--detach", "--port", 0, "--run-dir", self.run_dir, "--model", self.model,
@@ -112,7 +112,9 @@ class Deployment:
             self.url = last.split()[-1]
             self.info = json.loads((self.run_dir / "deployment.json").read_text())
             assert self.info["url"] == self.url, (self.info["url"], self.url)
-            self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(60.0))
+            headers = {"Authorization": "Bearer " + api_key} if api_key else {}
+            self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(60.0),
+                                     headers=headers)
             models = self.http.get("/v1/models")
             assert models.status_code == 200, "GET /v1/models -> %d %s" % (
                 models.status_code, models.text[:300])

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "kdn/common/status.h"
+#include "kdn/router/api_keys.h"
 #include "kdn/router/backend.h"
 
 namespace kdn::router {
@@ -26,6 +27,9 @@ struct RouterOptions {
   double recompute_ratio = 0.15;
   int check_layer = 1;
   BackendOptions backend;
+  // API keys (docs/serving.md, "API keys"); null: every request is served,
+  // in the namespace of its cache_salt.
+  std::shared_ptr<const ApiKeys> api_keys;
 };
 
 class Router {
