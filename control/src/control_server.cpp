@@ -80,6 +80,7 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Start(const std::string& e
   try {
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 0);  // unknown peers: drop, never block
+    impl->sock.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
     impl->sock.bind(endpoint);
     impl->endpoint = impl->sock.get(zmq::sockopt::last_endpoint);
     char name[64];

@@ -142,11 +142,13 @@ StoreServer::StoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<StoreServer>> StoreServer::Start(ChunkStore& store,
                                                         const std::string& endpoint,
-                                                        TierStatsFn tier_stats) {
+                                                        TierStatsFn tier_stats,
+                                                        int64_t max_frame_bytes) {
   auto impl = std::make_unique<Impl>(store, std::move(tier_stats));
   std::string bound;
   try {
     impl->sock.set(zmq::sockopt::linger, 0);
+    impl->sock.set(zmq::sockopt::maxmsgsize, max_frame_bytes);
     // Unroutable replies (the client is gone) are dropped, not an error.
     impl->sock.set(zmq::sockopt::router_mandatory, 0);
     impl->sock.bind(endpoint);
@@ -182,6 +184,7 @@ struct RemoteStore::Impl {
     try {
       sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
       sock->set(zmq::sockopt::linger, 0);
+      sock->set(zmq::sockopt::maxmsgsize, options.max_frame_bytes);
       sock->connect(endpoint);
     } catch (const zmq::error_t& e) {
       return Unavailable("kdn-store " + endpoint + ": " + e.what());
@@ -289,6 +292,12 @@ bool RemoteStore::Contains(const ChunkKey& key) {
 }
 
 Status RemoteStore::Put(std::shared_ptr<const Chunk> chunk) {
+  if (chunk != nullptr && static_cast<int64_t>(chunk->size()) > impl_->options.max_frame_bytes) {
+    return InvalidArgument("kdn-store " + endpoint_ + ": chunk " + chunk->key().ToHex() + " of " +
+                           std::to_string(chunk->size() >> 20) + " MiB is over the " +
+                           std::to_string(impl_->options.max_frame_bytes >> 20) +
+                           " MiB a store message may hold");
+  }
   proto::StoreRequest req;
   req.mutable_put();
   proto::StoreReply reply;

@@ -10,6 +10,7 @@
 
 #include <zmq.hpp>
 
+#include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/zmq_check.h"
@@ -781,6 +782,7 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
       w.sock = std::make_unique<zmq::socket_t>(impl->ctx, zmq::socket_type::dealer);
       w.sock->set(zmq::sockopt::linger, 0);
       w.sock->set(zmq::sockopt::sndhwm, 100000);
+      w.sock->set(zmq::sockopt::maxmsgsize, control::kMaxControlFrameBytes);
       w.sock->connect(ep);
       impl->workers.push_back(std::move(w));
     };

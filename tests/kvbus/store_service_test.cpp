@@ -7,6 +7,7 @@
 #include "recording_store.h"
 
 #include <gtest/gtest.h>
+#include <zmq.hpp>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -43,6 +44,37 @@ TEST(StoreService, PutThenGetReturnsTheSameBytes) {
   EXPECT_TRUE(std::equal((*got)->bytes().begin(), (*got)->bytes().end(), chunk->bytes().begin(),
                          chunk->bytes().end()));
   EXPECT_EQ((*client)->Get(ChunkKey{99, 99}).status().code(), StatusCode::kNotFound);
+}
+
+// A message over the server's limit is never buffered: ZeroMQ drops the
+// connection that sends it, and the server goes on serving. The client
+// refuses a chunk over the limit before sending anything.
+TEST(StoreService, AMessageOverTheFrameLimitIsDroppedAndTheServerServesOn) {
+  RecordingStore store;
+  constexpr int64_t kLimit = int64_t{1} << 20;
+  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0", {}, kLimit);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  {
+    zmq::context_t ctx;
+    zmq::socket_t raw(ctx, zmq::socket_type::dealer);
+    raw.set(zmq::sockopt::linger, 0);
+    raw.connect((*server)->endpoint());
+    std::string big(2 * kLimit, 'x');
+    raw.send(zmq::buffer(big), zmq::send_flags::none);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_EQ(store.Stats().puts, 0u);
+  auto client = RemoteStore::Connect((*server)->endpoint(), {.max_frame_bytes = kLimit});
+  ASSERT_TRUE(client.ok());
+  auto too_big = MakeChunk(7, 40000);  // 2.4 MiB of payload
+  ASSERT_GT(static_cast<int64_t>(too_big->size()), kLimit);
+  const Status st = (*client)->Put(too_big);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("MiB a store message may hold"), std::string::npos) << st.message();
+  auto ok = MakeChunk(8, 300);
+  ASSERT_TRUE((*client)->Put(ok).ok());
+  ASSERT_TRUE((*client)->Get(ok->key()).ok());
+  EXPECT_EQ(store.Stats().puts, 1u);
 }
 
 TEST(StoreService, LookupAnswersEveryKeyInOrder) {

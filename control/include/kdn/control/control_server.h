@@ -9,6 +9,7 @@
 // (which must be quick: queue work, answer lookups) and sends what Send
 // queued. The destructor stops the thread and closes the socket.
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -17,6 +18,12 @@
 #include "serving.pb.h"
 
 namespace kdn::control {
+
+// The largest control message either end takes (a prompt of 128K tokens is
+// under 1 MiB). A peer that sends a bigger one is disconnected before it is
+// buffered, so no peer can make a worker or the router hold an unbounded
+// frame.
+inline constexpr int64_t kMaxControlFrameBytes = int64_t{16} << 20;
 
 class ControlServer {
  public:

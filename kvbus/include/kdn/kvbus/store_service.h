@@ -17,6 +17,11 @@
 
 namespace kdn::kvbus {
 
+// The largest message a kdn-store socket takes, either way: a chunk and its
+// request. A bigger one is never buffered: ZeroMQ drops the connection that
+// sends it. Room for a 256-token chunk of a 70B model's KV in f32 (167 MiB).
+inline constexpr int64_t kMaxStoreFrameBytes = int64_t{512} << 20;
+
 // Serves `store` on `endpoint` ("tcp://127.0.0.1:5555"; port 0 picks one) from
 // a background thread until destroyed. The store must outlive the server.
 // Thread-safe: endpoint() and Stop() may be called from any thread.
@@ -24,8 +29,11 @@ class StoreServer {
  public:
   // `stats` (may be empty) supplies per-tier figures for stats requests.
   using TierStatsFn = std::function<std::vector<std::pair<std::string, TierStats>>()>;
+  // A client sending a message over `max_frame_bytes` is disconnected
+  // before the message is buffered.
   static Result<std::unique_ptr<StoreServer>> Start(ChunkStore& store, const std::string& endpoint,
-                                                    TierStatsFn tier_stats = {});
+                                                    TierStatsFn tier_stats = {},
+                                                    int64_t max_frame_bytes = kMaxStoreFrameBytes);
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -45,6 +53,9 @@ struct RemoteStoreOptions {
   // A request unanswered for this long is UNAVAILABLE (the server is down or
   // stuck); the connection is then rebuilt for the next request.
   std::chrono::milliseconds timeout{2000};
+  // The largest chunk Put sends (INVALID_ARGUMENT above it, before anything
+  // is sent) and the largest reply taken: the server's limit.
+  int64_t max_frame_bytes = kMaxStoreFrameBytes;
 };
 
 // A remote kdn-store as a ChunkStore. Thread-safe: requests from several
