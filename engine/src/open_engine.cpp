@@ -44,13 +44,20 @@ EngineOptions CpuOptions(const OpenOptions& o) {
 }
 
 #if KDN_CUDA
-Result<cuda::CudaEngineOptions> CudaOptions(const ModelConfig& config, const OpenOptions& o) {
+// The CUDA engine's options for `o`, its KV pool of o.kv_tokens.
+cuda::CudaEngineOptions CudaBaseOptions(const ModelConfig& config, const OpenOptions& o) {
   cuda::CudaEngineOptions c;
   c.device = o.device.index;
   c.max_batch = o.max_batch;
   // No prefill is longer than the model's context.
   c.max_prefill_tokens = std::min<int64_t>(o.max_prefill_tokens, config.max_context);
   c.kv_tokens = o.kv_tokens;
+  return c;
+}
+
+// The same with the pool sized by the memory share, when one is given.
+Result<cuda::CudaEngineOptions> CudaOptions(const ModelConfig& config, const OpenOptions& o) {
+  cuda::CudaEngineOptions c = CudaBaseOptions(config, o);
   if (o.gpu_mem_fraction > 0) {
     KDN_ASSIGN_OR_RETURN(c.kv_tokens, KvTokensForMemoryShare(config, o));
   }
@@ -86,13 +93,11 @@ Result<int64_t> KvTokensForMemoryShare(const ModelConfig& config, const OpenOpti
     return InvalidArgument("a memory share sizes the KV pool of a cuda device only");
   }
   KDN_ASSIGN_OR_RETURN(const cuda::DeviceMemoryInfo mem, cuda::DeviceMemory(o.device.index));
-  cuda::CudaEngineOptions fixed;
-  fixed.device = o.device.index;
-  fixed.max_batch = o.max_batch;
-  fixed.max_prefill_tokens = std::min<int64_t>(o.max_prefill_tokens, config.max_context);
+  cuda::CudaEngineOptions fixed = CudaBaseOptions(config, o);
   fixed.kv_tokens = 0;
   const int64_t share = static_cast<int64_t>(std::floor(o.gpu_mem_fraction * mem.total_bytes));
-  const int64_t rest = share - cuda::EstimateDeviceBytes(config, fixed);
+  const int64_t fixed_bytes = cuda::EstimateDeviceBytes(config, fixed);
+  const int64_t rest = share - fixed_bytes;
   const int64_t tokens = rest > 0 ? rest / cuda::KvBytesPerToken(config) / kKvBlockTokens *
                                         kKvBlockTokens
                                   : 0;
@@ -101,8 +106,8 @@ Result<int64_t> KvTokensForMemoryShare(const ModelConfig& config, const OpenOpti
     return FailedPrecondition(
         o.device.ToString() + ": a --gpu-mem-fraction of " + std::to_string(o.gpu_mem_fraction) +
         " is " + mib(share) + " of " + mib(mem.total_bytes) + ", but the model's weights, "
-        "activations and workspaces alone take about " +
-        mib(cuda::EstimateDeviceBytes(config, fixed)) + "; give it a larger share");
+        "activations and workspaces alone take about " + mib(fixed_bytes) +
+        "; give it a larger share");
   }
   return tokens;
 #else
