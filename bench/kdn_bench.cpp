@@ -44,6 +44,7 @@
 
 #include "bench_util.h"
 #include "kdn/engine/cpu_runtime.h"
+#include "kdn/control/worker_flags.h"
 #include "kdn/engine/open_engine.h"
 
 int main(int argc, char** argv) {
@@ -125,10 +126,7 @@ int main(int argc, char** argv) {
           ->add_option("--device", c.device,
                        "Instead of --url: the engine in this process, on cpu, cuda or cuda:N, "
                        "over a host-memory KDN tier (a preset is materialised on the GPU)")
-          ->check([](const std::string& s) {
-            auto d = kdn::engine::ParseDevice(s);
-            return d.ok() ? std::string() : d.status().message();
-          })
+          ->check(kdn::control::CheckDeviceName)
           ->excludes(mt_url);
   multiturn->add_option("--preset", c.preset, "With --device: generated model preset")
       ->capture_default_str()->needs(mt_device);
@@ -215,10 +213,7 @@ int main(int argc, char** argv) {
   rag->add_option("--device", c.device,
                   "Where the engine runs: cpu, cuda or cuda:N (a preset is materialised on the "
                   "GPU, bf16)")
-      ->check([](const std::string& s) {
-        auto d = kdn::engine::ParseDevice(s);
-        return d.ok() ? std::string() : d.status().message();
-      })
+      ->check(kdn::control::CheckDeviceName)
       ->capture_default_str();
   rag->add_option("--docs", rb_docs, "Documents per prompt")->capture_default_str()
       ->check(CLI::Range(1, 64));

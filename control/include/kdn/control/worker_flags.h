@@ -14,6 +14,13 @@
 
 namespace kdn::control {
 
+// A CLI11 check of a device name (engine::ParseDevice's refusal as the
+// message), for every program's --device.
+inline std::string CheckDeviceName(const std::string& s) {
+  auto d = engine::ParseDevice(s);
+  return d.ok() ? std::string() : d.status().message();
+}
+
 // --device, --gpu-mem-fraction, --kv-tokens and --threads. On a GPU the KV
 // pool fills the memory share unless --kv-tokens is given.
 struct EngineFlags {
@@ -28,10 +35,7 @@ struct EngineFlags {
 
   void Add(CLI::App& app) {
     app.add_option("--device", device, "Where the engine runs: cpu, cuda (device 0) or cuda:N")
-        ->check([](const std::string& s) {
-          auto d = engine::ParseDevice(s);
-          return d.ok() ? std::string() : d.status().message();
-        })
+        ->check(CheckDeviceName)
         ->capture_default_str();
     fraction_option =
         app.add_option("--gpu-mem-fraction", gpu_mem_fraction,
