@@ -20,17 +20,22 @@ namespace {
 
 using namespace ::kdn::engine::cuda::cudatest;  // NOLINT: the tests' own helpers
 
-std::unique_ptr<CudaEngine> Tiny() {
-  auto p = FindPreset("tiny");
+// A preset on the GPU (weights from seed 4, rounded to bf16), a pool of 4,096
+// tokens; null (with a failure) if it cannot be made.
+std::unique_ptr<CudaEngine> OnGpu(const std::string& preset, int64_t max_prefill_tokens,
+                                  int max_batch) {
+  auto p = FindPreset(preset);
   EXPECT_TRUE(p.ok());
   CudaEngineOptions o;
   o.kv_tokens = 4096;
-  o.max_prefill_tokens = 512;
-  o.max_batch = 4;
+  o.max_prefill_tokens = max_prefill_tokens;
+  o.max_batch = max_batch;
   auto m = CudaEngine::Create(p->config, GenerateWeights(p->config, 4, DType::kBF16), o);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return m.ok() ? std::move(m).value() : nullptr;
 }
+
+std::unique_ptr<CudaEngine> Tiny() { return OnGpu("tiny", 512, 4); }
 
 TEST(CudaRowPass, EveryPositionAtEveryLayerIsAFullPrefill) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
@@ -68,16 +73,10 @@ class CudaRowPassOn : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaRowPassOn, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  auto p = FindPreset(GetParam());
-  ASSERT_TRUE(p.ok());
-  CudaEngineOptions o;
-  o.kv_tokens = 4096;
-  o.max_prefill_tokens = 1024;
-  o.max_batch = 8;
-  auto made = CudaEngine::Create(p->config, GenerateWeights(p->config, 4, DType::kBF16), o);
-  ASSERT_TRUE(made.ok()) << made.status().ToString();
-  CudaEngine* g = made->get();
-  EXPECT_EQ(g->uses_flash_attention(), p->config.head_dim >= 64);
+  auto made = OnGpu(GetParam(), 1024, 8);
+  ASSERT_TRUE(made);
+  CudaEngine* g = made.get();
+  EXPECT_EQ(g->uses_flash_attention(), g->config().head_dim >= 64);
   const int n = 700;
   const auto tokens = Tokens(n, 31);
   KvSequence seq = g->kv_cache().NewSequence();
