@@ -82,8 +82,9 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths);
 int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context, int steps);
 int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
              const std::string& disk_dir);
+// With `curve`, each transport is measured plaintext and with CURVE.
 int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
-                  int socket_buffer_kib, const std::vector<std::string>& transports);
+                  int socket_buffer_kib, const std::vector<std::string>& transports, bool curve);
 
 // multiturn: conversations against a running deployment (docs/serving.md).
 // Of Common only json_path applies.

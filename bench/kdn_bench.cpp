@@ -115,6 +115,11 @@ int main(int argc, char** argv) {
   pd->add_option("--socket-buffer-kib", socket_buffer_kib,
                  "SO_SNDBUF/SO_RCVBUF of the connection (0: the OS's autotuning)")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  bool pd_curve = false;
+  pd->add_flag("--curve", pd_curve,
+               "Measure each transport twice in this run: plaintext, then with CURVE (kdn's "
+               "authenticated sockets, docs/kvbus.md), and print the CURVE rows' share of "
+               "plaintext");
   MultiturnOptions mt;
   uint64_t mt_seed = 0;
   auto* multiturn = app.add_subcommand(
@@ -268,7 +273,8 @@ int main(int argc, char** argv) {
   }
   if (prefill->parsed()) return RunPrefill(c, lengths);
   if (pd->parsed()) {
-    return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib, pd_transports);
+    return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib, pd_transports,
+                         pd_curve);
   }
   if (store->parsed()) return RunStore(c, store_tokens, chunk_tokens, store_dtype, disk_dir);
   return RunDecode(c, batches, context, steps);

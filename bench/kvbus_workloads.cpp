@@ -6,11 +6,14 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <random>
 
 #include "bench_util.h"
 #include "kdn/kvbus/buffer_pool.h"
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/curve.h"
 #include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
@@ -182,7 +185,7 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
 }
 
 int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::string& dtype_name,
-                  int socket_buffer_kib, const std::vector<std::string>& transports) {
+                  int socket_buffer_kib, const std::vector<std::string>& transports, bool curve) {
   auto preset = engine::FindPreset(c.preset);
   if (!preset.ok()) {
     std::fprintf(stderr, "kdn-bench: %s\n", preset.status().ToString().c_str());
@@ -201,10 +204,22 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     return 2;
   }
 
+  // With --curve, each transport is measured plaintext and with CURVE, the
+  // receiver holding the key the child inherits.
+  std::optional<CurveKeys> keys;
+  if (curve) {
+    auto k = GenerateCurveKeys();
+    if (!k.ok()) {
+      std::fprintf(stderr, "kdn-bench: %s\n", k.status().ToString().c_str());
+      return 1;
+    }
+    keys = *k;
+  }
+
   // The decode side: another process, receiving into a store that keeps
   // nothing (this measures the transport, not a tier). One receiver serves
   // every transport: it has a landing segment for shm senders, and a tcp
-  // sender does not ask for it.
+  // sender does not ask for it. With --curve a second one runs CURVE.
   int ep_pipe[2], hold_pipe[2];
   if (::pipe(ep_pipe) != 0 || ::pipe(hold_pipe) != 0) {
     std::perror("kdn-bench: pipe");
@@ -221,17 +236,24 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     ro.shm_landing_bytes = (static_cast<uint64_t>(n) + 4) * BufferPool::ClassBytes(chunk_bytes);
     auto receiver = Listen("tcp://127.0.0.1:0", sink, ro);
     if (!receiver.ok()) std::fprintf(stderr, "kdn-bench: %s\n", receiver.status().ToString().c_str());
-    const std::string ep = receiver.ok() ? (*receiver)->endpoint() : std::string();
+    std::string ep = receiver.ok() ? (*receiver)->endpoint() : std::string();
+    Result<std::unique_ptr<Receiver>> secure = std::unique_ptr<Receiver>();
+    if (keys && receiver.ok()) {
+      ro.curve = keys;
+      secure = Listen("tcp://127.0.0.1:0", sink, ro);
+      if (!secure.ok()) std::fprintf(stderr, "kdn-bench: %s\n", secure.status().ToString().c_str());
+      ep = secure.ok() ? ep + "\n" + (*secure)->endpoint() : std::string();
+    }
     (void)!::write(ep_pipe[1], ep.data(), ep.size());
     ::close(ep_pipe[1]);
     char b;
     while (::read(hold_pipe[0], &b, 1) > 0) {  // until the parent closes it
     }
-    ::_exit(receiver.ok() ? 0 : 1);
+    ::_exit(!ep.empty() ? 0 : 1);
   }
   ::close(ep_pipe[1]);
   ::close(hold_pipe[0]);
-  char buf[256];
+  char buf[512];
   const ssize_t got = ::read(ep_pipe[0], buf, sizeof(buf));
   ::close(ep_pipe[0]);
   auto finish = [&](int code) {
@@ -243,7 +265,10 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     std::fprintf(stderr, "kdn-bench: the receiving process did not start\n");
     return finish(1);
   }
-  const std::string endpoint(buf, static_cast<size_t>(got));
+  const std::string endpoints(buf, static_cast<size_t>(got));
+  const std::string endpoint = endpoints.substr(0, endpoints.find('\n'));
+  const std::string curve_endpoint =
+      keys ? endpoints.substr(endpoints.find('\n') + 1) : std::string();
   const int reps = std::max(c.reps, 1);
   // The limit: one thread copying the request's bytes (not one chunk's,
   // which would stay in cache and overstate what memory can do).
@@ -254,17 +279,20 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
               socket_buffer_kib > 0 ? (std::to_string(socket_buffer_kib) + " KiB").c_str() : "OS",
               tokens, c.preset.c_str(), KvDTypeName(shape.dtype), n,
               static_cast<double>(chunk_bytes) * n / 1048576.0, reps);
-  std::printf("%-10s %10s %14s %8s\n", "transport", "GB/s", "memcpy GB/s", "ratio");
+  std::printf("%-12s %10s %14s %8s\n", "transport", "GB/s", "memcpy GB/s", "ratio");
   json rows = json::array();
   std::printf("(memcpy: one thread copying the request's bytes; one %.1f MiB chunk copied again "
               "and again, in cache: %.2f GB/s)\n",
               static_cast<double>(chunk_bytes) / 1048576.0, mem_cached);
   uint64_t seed = 1000;
+  std::map<std::string, double> plain_gbps;  // by transport, for the CURVE rows' cost
+  for (const bool secure : keys ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
   for (const std::string& name : transports) {
     SenderOptions so;
     so.socket_buffer_bytes = socket_buffer_kib * 1024;
     so.transport = ParseTransportKind(name).value();
-    auto sender = Connect(endpoint, so);
+    if (secure) so.curve = keys;
+    auto sender = Connect(secure ? curve_endpoint : endpoint, so);
     if (!sender.ok()) {
       std::fprintf(stderr, "kdn-bench: %s\n", sender.status().ToString().c_str());
       return finish(1);
@@ -284,12 +312,21 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
       if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
     }
     const SenderStats st = (*sender)->Stats();
-    std::printf("%-10s %10.2f %14.2f %7.1f%%  (%llu chunks by shm, %llu by tcp)\n", name.c_str(),
+    const std::string label = secure ? name + "+curve" : name;
+    std::printf("%-12s %10.2f %14.2f %7.1f%%  (%llu chunks by shm, %llu by tcp)", label.c_str(),
                 best, mem, 100.0 * best / mem, static_cast<unsigned long long>(st.shm_chunks),
                 static_cast<unsigned long long>(st.tcp_chunks));
-    rows.push_back({{"transport", name}, {"gbytes_per_s", best}, {"memcpy_gbytes_per_s", mem},
-                    {"ratio", best / mem}, {"shm_chunks", st.shm_chunks},
-                    {"tcp_chunks", st.tcp_chunks}});
+    json row = {{"transport", name}, {"curve", secure}, {"gbytes_per_s", best},
+                {"memcpy_gbytes_per_s", mem}, {"ratio", best / mem},
+                {"shm_chunks", st.shm_chunks}, {"tcp_chunks", st.tcp_chunks}};
+    if (secure && plain_gbps[name] > 0) {
+      std::printf(" %.2fx of plaintext", best / plain_gbps[name]);
+      row["vs_plaintext"] = best / plain_gbps[name];
+    }
+    std::printf("\n");
+    if (!secure) plain_gbps[name] = best;
+    rows.push_back(row);
+  }
   }
   Emit(c, {{"workload", "pd-transfer"}, {"preset", c.preset}, {"tokens", tokens},
            {"chunk_tokens", chunk_tokens}, {"dtype", KvDTypeName(shape.dtype)},

@@ -11,6 +11,7 @@
 #include "kdn/control/stop_signal.h"
 #include "kdn/decode_worker/decode_service.h"
 #include "kdn/engine/cpu_runtime.h"
+#include "kdn/kvbus/curve_flag.h"
 
 int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
@@ -38,7 +39,12 @@ int main(int argc, char** argv) {
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
   kdn::control::KvFlags kv_flags;
   kv_flags.Add(app);
+  kdn::kvbus::CurveFlag curve_flag;
+  curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
+  auto curve = curve_flag.Load("kdn-decode");
+  if (!curve.ok()) return 2;
+  o.curve = *std::move(curve);
   auto engine = engine_flags.Options(o.engine);
   if (!engine.ok()) {
     std::fprintf(stderr, "kdn-decode: %s\n", engine.status().message().c_str());

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "kdn/kvbus/codec.h"
+#include "kdn/kvbus/curve_flag.h"
 #include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/store_service.h"
@@ -62,7 +63,11 @@ int main(int argc, char** argv) {
       })
       ->needs(disk_dir_opt)
       ->capture_default_str();
+  CurveFlag curve_flag;
+  curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
+  auto curve = curve_flag.Load("kdn-store");
+  if (!curve.ok()) return 2;
 
   auto host = std::make_unique<HostTier>(static_cast<uint64_t>(host_mib * 1048576.0));
   std::unique_ptr<DiskTier> disk;
@@ -84,7 +89,8 @@ int main(int argc, char** argv) {
         CodecTierOptions{.level = ParseCodecLevel(disk_codec).value(), .decode_on_get = false}));
   }
   TieredStore store(std::move(tiers), {.write_through = has_disk});
-  auto server = StoreServer::Start(store, listen, [&store] { return store.TierBreakdown(); });
+  auto server = StoreServer::Start(store, listen, [&store] { return store.TierBreakdown(); },
+                                  {.curve = *curve});
   if (!server.ok()) {
     std::fprintf(stderr, "kdn-store: %s\n", server.status().ToString().c_str());
     return 1;

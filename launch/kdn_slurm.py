@@ -330,6 +330,10 @@ def script_text(L, a, bin_dir, model, run_dir):
     worker = ['--model "$MODEL"', "--host-mib %g" % a.host_mib,
               "--chunk-tokens %d" % a.chunk_tokens, "--threads %d" % a.threads,
               "--kv-transport %s" % a.kv_transport]
+    # Every step reads the deployment's CURVE key from the run folder (which
+    # every node sees): its sockets are open to the job's steps only.
+    curve = "--curve-keys %s" % q(str(a.curve_keys))
+    worker.append(curve)
     if a.device == "cuda":
         # step_main leaves each worker only its own GPUs in CUDA_VISIBLE_DEVICES,
         # so its first one is cuda:0, and no other worker shares it.
@@ -338,8 +342,8 @@ def script_text(L, a, bin_dir, model, run_dir):
     steps = []
     if a.store:
         steps += ["# kdn-store on node 0; every worker reads and fills it.",
-                  'start store 0 -1 "$BIN/kdn-store" --listen "$(listen 0)" --host-mib %g'
-                  % a.store_host_mib,
+                  'start store 0 -1 "$BIN/kdn-store" --listen "$(listen 0)" --host-mib %g %s'
+                  % (a.store_host_mib, curve),
                   'STORE=$(endpoint store tcp://) || abort', ""]
         worker.append('--store "$STORE" --store-codec %s' % a.store_codec)
     steps += ["# The workers, dealt over the nodes in order, each with these flags.",
@@ -359,9 +363,11 @@ def script_text(L, a, bin_dir, model, run_dir):
                          % (role.upper(), role.upper(), role.upper(), n))
     router = ['"$BIN/kdn-router"', '--model "$MODEL"', '--prefill "$PREFILL"',
               '--decode "$DECODE"', '--host %s' % (q(a.host) if a.host else '"${addrs[0]}"'),
-              "--port %d" % a.port, "--recompute-ratio %r" % a.recompute_ratio]
+              "--port %d" % a.port, "--recompute-ratio %r" % a.recompute_ratio, curve]
     if a.separator:
         router.append("--separator %s" % q(a.separator))
+    if a.api_keys:
+        router.append("--api-keys %s" % q(str(Path(a.api_keys).resolve())))
     steps += ["",
               "# The router on node 0, with the workers' endpoints; its first stdout line",
               "# is its URL, which `kdn-launch slurm status` reads from logs/router.out.",
@@ -413,7 +419,7 @@ def first_line(path):
 def cmd_submit(L, a):
     check_flags(L, a)
     bin_dir = Path(a.bin_dir).resolve() if a.bin_dir else L.bin_dir_from_env()
-    L.require_bins(bin_dir, ["kdn-prefill", "kdn-decode", "kdn-router"] +
+    L.require_bins(bin_dir, ["kdn-prefill", "kdn-decode", "kdn-router", "kdn-keygen"] +
                    (["kdn-store"] if a.store else []))
     require_tools(L, ("sbatch", "squeue", "scontrol", "scancel"))
     run_dir = Path(a.run_dir).resolve()
@@ -433,6 +439,7 @@ def cmd_submit(L, a):
                 if f.is_file():
                     f.unlink()
         d.mkdir(exist_ok=True)
+    a.curve_keys = L.make_curve_key(bin_dir, run_dir)
     script = run_dir / SBATCH_NAME
     script.write_text(script_text(L, a, bin_dir, model, run_dir))
     script.chmod(0o755)

@@ -10,6 +10,7 @@
 #include "kdn/control/worker_flags.h"
 #include "kdn/control/stop_signal.h"
 #include "kdn/engine/cpu_runtime.h"
+#include "kdn/kvbus/curve_flag.h"
 #include "kdn/prefill_worker/prefill_service.h"
 
 int main(int argc, char** argv) {
@@ -31,7 +32,12 @@ int main(int argc, char** argv) {
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
   kdn::control::KvFlags kv_flags;
   kv_flags.Add(app);
+  kdn::kvbus::CurveFlag curve_flag;
+  curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
+  auto curve = curve_flag.Load("kdn-prefill");
+  if (!curve.ok()) return 2;
+  o.curve = *std::move(curve);
   auto engine = engine_flags.Options(o.engine);
   if (!engine.ok()) {
     std::fprintf(stderr, "kdn-prefill: %s\n", engine.status().message().c_str());

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "kdn/control/stop_signal.h"
+#include "kdn/kvbus/curve_flag.h"
 #include "kdn/router/router.h"
 
 int main(int argc, char** argv) {
@@ -48,7 +49,12 @@ int main(int argc, char** argv) {
                  "A file of API keys, one \"KEY TENANT\" a line: /v1/ requests then need "
                  "'Authorization: Bearer KEY', and each tenant's cache is its own (default: "
                  "$KDN_API_KEYS_FILE; neither: no keys)");
+  kdn::kvbus::CurveFlag curve_flag;
+  curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
+  auto curve = curve_flag.Load("kdn-router");
+  if (!curve.ok()) return 2;
+  o.backend.curve = *std::move(curve);
   std::signal(SIGPIPE, SIG_IGN);
   if (api_keys_file.empty()) {
     if (const char* env = std::getenv("KDN_API_KEYS_FILE"); env != nullptr) api_keys_file = env;

@@ -9,6 +9,7 @@
 #include <zmq.hpp>
 
 #include "kdn/kvbus/zmq_check.h"
+#include "kdn/kvbus/zmq_curve.h"
 
 namespace kdn::control {
 
@@ -18,6 +19,7 @@ struct ControlServer::Impl {
   zmq::context_t ctx{1};
   zmq::socket_t sock{ctx, zmq::socket_type::router};  // the I/O thread's alone
   zmq::socket_t inbox{ctx, zmq::socket_type::pull};   // the I/O thread's alone
+  std::unique_ptr<kvbus::CurveAuthenticator> auth;    // with CURVE
   std::string endpoint;
   std::string inbox_endpoint;
   std::atomic<bool> stop{false};
@@ -74,9 +76,11 @@ struct ControlServer::Impl {
 ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<ControlServer>> ControlServer::Start(const std::string& endpoint,
-                                                            Handler handler) {
+                                                            Handler handler,
+                                                            const std::optional<kvbus::CurveKeys>& curve) {
   auto impl = std::make_unique<Impl>();
   impl->handler = std::move(handler);
+  KDN_RETURN_IF_ERROR(kvbus::SecureServer(impl->ctx, impl->sock, curve, &impl->auth));
   try {
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 0);  // unknown peers: drop, never block

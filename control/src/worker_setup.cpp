@@ -31,14 +31,14 @@ std::string EngineSummary(engine::Engine& engine) {
          std::to_string(tokens) + " tokens";
 }
 
-Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
-                                                            const std::string& store_endpoint,
-                                                            kvbus::CodecLevel store_codec) {
+Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
+    uint64_t host_bytes, const std::string& store_endpoint, kvbus::CodecLevel store_codec,
+    const std::optional<kvbus::CurveKeys>& curve) {
   std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
   tiers.push_back(std::make_unique<kvbus::HostTier>(host_bytes));
   kvbus::TieredStoreOptions options;
   if (!store_endpoint.empty()) {
-    KDN_ASSIGN_OR_RETURN(auto remote, kvbus::RemoteStore::Connect(store_endpoint));
+    KDN_ASSIGN_OR_RETURN(auto remote, kvbus::RemoteStore::Connect(store_endpoint, {.curve = curve}));
     tiers.push_back(std::make_unique<kvbus::CodecTier>(std::move(remote),
                                                        kvbus::CodecTierOptions{.level = store_codec}));
     options.write_through = true;

@@ -255,7 +255,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint,
-                                                options.store_codec));
+                                                options.store_codec, options.curve));
   impl->staging = std::make_unique<kvbus::HostTier>(options.staging_bytes);
   impl->store_io = std::make_unique<JobThread>(kStoreLanes);
   Impl* raw = impl.get();
@@ -274,6 +274,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
                                             impl->wm.fingerprint, *impl->store, *impl->staging,
                                             *impl->store_io, dopt);
   kvbus::ReceiverOptions ropt;
+  ropt.curve = options.curve;
   if (options.kv_transport != kvbus::TransportKind::kTcp) {
     ropt.shm_landing_bytes = options.kv_landing_bytes;
   }
@@ -288,7 +289,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
                            options.listen, [raw](control::ControlServer& srv,
                                                  const std::string& peer, proto::WorkerMessage m) {
                              raw->OnMessage(srv, peer, std::move(m));
-                           }));
+                           }, options.curve));
   impl->compute = std::thread([raw] { raw->Loop(); });
   return std::unique_ptr<DecodeService>(new DecodeService(std::move(impl)));
 }

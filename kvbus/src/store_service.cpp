@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kvbus_store.pb.h"
+#include "kdn/kvbus/zmq_curve.h"
 #include "zmq_chunk.h"
 
 namespace kdn::kvbus {
@@ -56,6 +57,7 @@ struct StoreServer::Impl {
   TierStatsFn tier_stats;
   zmq::context_t ctx{1};
   zmq::socket_t sock{ctx, zmq::socket_type::router};
+  std::unique_ptr<CurveAuthenticator> auth;  // with CURVE; closed before sock and ctx
   std::atomic<bool> stop{false};
   std::thread thread;
 
@@ -143,12 +145,13 @@ StoreServer::StoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Result<std::unique_ptr<StoreServer>> StoreServer::Start(ChunkStore& store,
                                                         const std::string& endpoint,
                                                         TierStatsFn tier_stats,
-                                                        int64_t max_frame_bytes) {
+                                                        StoreServerOptions options) {
   auto impl = std::make_unique<Impl>(store, std::move(tier_stats));
+  KDN_RETURN_IF_ERROR(SecureServer(impl->ctx, impl->sock, options.curve, &impl->auth));
   std::string bound;
   try {
     impl->sock.set(zmq::sockopt::linger, 0);
-    impl->sock.set(zmq::sockopt::maxmsgsize, max_frame_bytes);
+    impl->sock.set(zmq::sockopt::maxmsgsize, options.max_frame_bytes);
     // Unroutable replies (the client is gone) are dropped, not an error.
     impl->sock.set(zmq::sockopt::router_mandatory, 0);
     impl->sock.bind(endpoint);
@@ -183,6 +186,7 @@ struct RemoteStore::Impl {
   Status Reconnect() {
     try {
       sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
+      KDN_RETURN_IF_ERROR(SecureClient(*sock, options.curve));
       sock->set(zmq::sockopt::linger, 0);
       sock->set(zmq::sockopt::maxmsgsize, options.max_frame_bytes);
       sock->connect(endpoint);

@@ -58,6 +58,7 @@ Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
   KDN_ZMQ_RETURN_IF_ERROR(s.reset(new TcpSender(endpoint, options)));
   s->wake_ = std::move(wake);
   KDN_ZMQ_RETURN_IF_ERROR(s->socket_ = zmq::socket_t(s->context_, zmq::socket_type::dealer));
+  KDN_RETURN_IF_ERROR(SecureClient(s->socket_, options.curve));
   KDN_RETURN_IF_ERROR(
       SetCommonSocketOptions(s->socket_, options.heartbeat_interval, options.peer_timeout));
   KDN_ZMQ_RETURN_IF_ERROR(s->socket_.set(zmq::sockopt::routing_id, MakeRoutingId()));

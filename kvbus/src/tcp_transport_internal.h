@@ -27,6 +27,7 @@
 
 #include "kdn/kvbus/region.h"
 #include "kdn/kvbus/transport.h"
+#include "kdn/kvbus/zmq_curve.h"
 #include "shm_segment.h"
 #include "tcp_wire.h"
 
@@ -241,6 +242,7 @@ class TcpReceiver final : public Receiver {
   ChunkStore& sink_;
   zmq::context_t context_;
   zmq::socket_t socket_;  // the I/O thread's after Start()
+  std::unique_ptr<CurveAuthenticator> auth_;  // with CURVE; closed before context_
   std::unique_ptr<WakeFd> wake_;
   std::thread thread_;
   std::atomic<bool> stop_{false};

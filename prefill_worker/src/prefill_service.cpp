@@ -235,10 +235,11 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, options.engine));
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint,
-                                                options.store_codec));
+                                                options.store_codec, options.curve));
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
   po.sender.transport = options.kv_transport;
+  po.sender.curve = options.curve;
   impl->prefiller = std::make_unique<Prefiller>(*impl->wm.model, *impl->store,
                                                 impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();
@@ -249,7 +250,7 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
                        control::ControlServer::Start(
                            options.listen, [raw](control::ControlServer& srv, const std::string& peer,
                                  proto::WorkerMessage m) { raw->OnMessage(srv, peer, std::move(m));
-                           }));
+                           }, options.curve));
   impl->compute = std::thread([raw] { raw->Loop(); });
   return std::unique_ptr<PrefillService>(new PrefillService(std::move(impl)));
 }

@@ -14,6 +14,7 @@
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/zmq_check.h"
+#include "kdn/kvbus/zmq_curve.h"
 #include "kdn/text/output_text.h"
 #include "serving.pb.h"
 
@@ -780,14 +781,16 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
       w.view.role = role;
       w.view.endpoint = ep;
       w.sock = std::make_unique<zmq::socket_t>(impl->ctx, zmq::socket_type::dealer);
+      KDN_RETURN_IF_ERROR(kvbus::SecureClient(*w.sock, options.curve));
       w.sock->set(zmq::sockopt::linger, 0);
       w.sock->set(zmq::sockopt::sndhwm, 100000);
       w.sock->set(zmq::sockopt::maxmsgsize, control::kMaxControlFrameBytes);
       w.sock->connect(ep);
       impl->workers.push_back(std::move(w));
+      return Status::Ok();
     };
-    for (const std::string& ep : options.prefill_endpoints) add(ep, "prefill");
-    for (const std::string& ep : options.decode_endpoints) add(ep, "decode");
+    for (const std::string& ep : options.prefill_endpoints) KDN_RETURN_IF_ERROR(add(ep, "prefill"));
+    for (const std::string& ep : options.decode_endpoints) KDN_RETURN_IF_ERROR(add(ep, "decode"));
   } catch (const zmq::error_t& e) {
     return kvbus::ZmqErrorStatus(e.num(), "connecting to the workers");
   }

@@ -31,6 +31,15 @@ print("tcp://127.0.0.1:9", flush=True)
 time.sleep(600)
 """
 
+# Writes the key file as kdn-keygen does: new, mode 0600.
+FAKE_KEYGEN = """\
+#!{python}
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+os.write(fd, b"stand-in key\\n")
+os.close(fd)
+"""
+
 FAKE_ROUTER = """\
 #!{python}
 import http.server
@@ -56,7 +65,8 @@ def fake(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("kdn-prefill", FAKE_WORKER), ("kdn-decode", FAKE_WORKER),
-                       ("kdn-store", FAKE_WORKER), ("kdn-router", FAKE_ROUTER)):
+                       ("kdn-store", FAKE_WORKER), ("kdn-router", FAKE_ROUTER),
+                       ("kdn-keygen", FAKE_KEYGEN)):
         path = bin_dir / name
         path.write_text(text.format(python=sys.executable))
         path.chmod(0o755)
@@ -178,19 +188,24 @@ def test_dry_run_on_the_cpu_passes_the_flags_of_before(model_dir):
     """--device cpu (the default) passes no --device, so older workers run."""
     model = model_dir
     for extra in ([], ["--device", "cpu"]):
-        p = plan("--model", model, "--bin-dir", "/b", "--store", *extra)
+        p = plan("--model", model, "--bin-dir", "/b", "--store", "--run-dir", "/r", *extra)
+        curve = ["--curve-keys", "/r/curve.key"]
         common = ["--model", str(model), "--listen", "tcp://127.0.0.1:0", "--host-mib", "2048",
-                  "--chunk-tokens", "256", "--threads", "0", "--kv-transport", "auto",
+                  "--chunk-tokens", "256", "--threads", "0", "--kv-transport", "auto", *curve,
                   "--store", "store-ENDPOINT", "--store-codec", "raw"]
         assert p == {
-            "store": ["/b/kdn-store", "--listen", "tcp://127.0.0.1:0", "--host-mib", "4096"],
+            "store": ["/b/kdn-store", "--listen", "tcp://127.0.0.1:0", "--host-mib", "4096",
+                      *curve],
             "prefill-0": ["/b/kdn-prefill"] + common + ["--name", "prefill-0"],
             "decode-0": ["/b/kdn-decode"] + common + ["--kvbus-listen", "tcp://127.0.0.1:0",
                                                       "--name", "decode-0"],
             "router": ["/b/kdn-router", "--model", str(model), "--prefill", "prefill-0-ENDPOINT",
                        "--decode", "decode-0-ENDPOINT", "--host", "127.0.0.1", "--port", "8000",
-                       "--recompute-ratio", "0.15"],
+                       "--recompute-ratio", "0.15", *curve],
         }, p
+    # --no-curve: plaintext, no key.
+    p = plan("--model", model, "--bin-dir", "/b", "--run-dir", "/r", "--no-curve")
+    assert all("--curve-keys" not in argv for argv in p.values()), p
 
 
 def test_up_status_down_with_stand_in_cuda_workers(fake):
@@ -206,6 +221,11 @@ def test_up_status_down_with_stand_in_cuda_workers(fake):
             p = next(p for p in info["processes"] if p["name"] == name)
             assert (p["device"], p["gpu_mem_fraction"]) == ("cuda:%d" % gpu, 0.45), p
         assert "--device" not in fake.argv("store")
+        # A new deployment key, private to this user, for every process.
+        key = fake.run_dir.resolve() / "curve.key"
+        assert key.stat().st_mode & 0o777 == 0o600
+        for name in ("store", "prefill-0", "prefill-1", "decode-0", "decode-1"):
+            assert flag(fake.argv(name), "--curve-keys") == str(key), fake.argv(name)
         assert all("device" not in p for p in info["processes"]
                    if p["role"] in ("router", "store"))
         st = launch("status", "--run-dir", fake.run_dir)
@@ -222,6 +242,7 @@ def test_up_status_down_with_stand_in_cuda_workers(fake):
     assert down.returncode == 0, down.stdout + down.stderr
     pids = [p["pid"] for p in info["processes"]]
     assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5)
+    assert not (fake.run_dir / "curve.key").exists()
 
 
 def test_a_worker_that_fails_at_start_is_reported_with_its_log(fake):
@@ -279,8 +300,13 @@ def test_slurm_submit_gives_each_worker_its_device(fake, fake_slurm, args, worke
     assert r.returncode == 0 and r.stdout.strip() == "4242", r.stdout + r.stderr
     script = (fake.run_dir / "kdn.sbatch").read_text()
     worker = next(line for line in script.splitlines() if line.startswith("WORKER=("))
+    key = fake.run_dir.resolve() / "curve.key"
     assert worker == ('WORKER=(--model "$MODEL" --host-mib 2048 --chunk-tokens 256 --threads 0 '
-                      '--kv-transport auto%s)' % worker_flags), worker
+                      '--kv-transport auto --curve-keys %s%s)' % (key, worker_flags)), worker
+    # The job's key, private to this user, for the router too.
+    assert key.stat().st_mode & 0o777 == 0o600
+    router = next(line for line in script.splitlines() if line.startswith("start router"))
+    assert "--curve-keys %s" % key in router, router
 
 
 @pytest.mark.parametrize("args, message", [

@@ -52,7 +52,7 @@ TEST(StoreService, PutThenGetReturnsTheSameBytes) {
 TEST(StoreService, AMessageOverTheFrameLimitIsDroppedAndTheServerServesOn) {
   RecordingStore store;
   constexpr int64_t kLimit = int64_t{1} << 20;
-  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0", {}, kLimit);
+  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0", {}, {.max_frame_bytes = kLimit});
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   {
     zmq::context_t ctx;

@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "kdn/common/status.h"
+#include "kdn/kvbus/curve.h"
 #include "serving.pb.h"
 
 namespace kdn::control {
@@ -34,8 +36,11 @@ class ControlServer {
                                      proto::WorkerMessage message)>;
 
   // Binds `endpoint` ("tcp://127.0.0.1:0" picks a port). UNAVAILABLE if it
-  // cannot be bound, INVALID_ARGUMENT if malformed.
-  static Result<std::unique_ptr<ControlServer>> Start(const std::string& endpoint, Handler handler);
+  // cannot be bound, INVALID_ARGUMENT if malformed. With `curve` set the
+  // socket runs CURVE and admits only routers holding that key.
+  static Result<std::unique_ptr<ControlServer>> Start(
+      const std::string& endpoint, Handler handler,
+      const std::optional<kvbus::CurveKeys>& curve = std::nullopt);
   ~ControlServer();
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;

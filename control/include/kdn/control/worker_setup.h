@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "kdn/control/control_server.h"
@@ -42,10 +43,10 @@ std::string EngineSummary(engine::Engine& engine);
 // shared kdn-store at `store_endpoint` if one is given (written through, so
 // other workers find what this one stores). Chunks go to the store coded at
 // `store_codec`; whatever the store sends back encoded is decoded, whatever
-// level it was coded at.
-Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(uint64_t host_bytes,
-                                                            const std::string& store_endpoint,
-                                                            kvbus::CodecLevel store_codec = {});
+// level it was coded at. With `curve`, the store connection runs CURVE.
+Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
+    uint64_t host_bytes, const std::string& store_endpoint, kvbus::CodecLevel store_codec = {},
+    const std::optional<kvbus::CurveKeys>& curve = std::nullopt);
 
 // Whether a chunk from the KDN can be written into this worker's paged KV as
 // `tokens` tokens: that many, computed by this model (`fingerprint`, which

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "kdn/common/status.h"
@@ -53,6 +54,9 @@ struct DecodeServiceOptions {
   // on this host; tcp gives none.
   kvbus::TransportKind kv_transport = kvbus::TransportKind::kAuto;
   uint64_t kv_landing_bytes = uint64_t{256} << 20;
+  // Set: every ZeroMQ socket it opens (control, kvbus, kdn-store) runs CURVE
+  // with this deployment key (kdn/kvbus/curve.h); unset: plaintext.
+  std::optional<kvbus::CurveKeys> curve;
 };
 
 class DecodeService {

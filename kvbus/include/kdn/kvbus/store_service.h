@@ -9,11 +9,13 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk_store.h"
+#include "kdn/kvbus/curve.h"
 
 namespace kdn::kvbus {
 
@@ -22,6 +24,15 @@ namespace kdn::kvbus {
 // sends it. Room for a 256-token chunk of a 70B model's KV in f32 (167 MiB).
 inline constexpr int64_t kMaxStoreFrameBytes = int64_t{512} << 20;
 
+struct StoreServerOptions {
+  // A client sending a message over this is disconnected before the message
+  // is buffered.
+  int64_t max_frame_bytes = kMaxStoreFrameBytes;
+  // Set: the socket runs CURVE and admits only clients holding this key
+  // (kdn/kvbus/curve.h); unset: plaintext, open to anyone who can connect.
+  std::optional<CurveKeys> curve;
+};
+
 // Serves `store` on `endpoint` ("tcp://127.0.0.1:5555"; port 0 picks one) from
 // a background thread until destroyed. The store must outlive the server.
 // Thread-safe: endpoint() and Stop() may be called from any thread.
@@ -29,11 +40,9 @@ class StoreServer {
  public:
   // `stats` (may be empty) supplies per-tier figures for stats requests.
   using TierStatsFn = std::function<std::vector<std::pair<std::string, TierStats>>()>;
-  // A client sending a message over `max_frame_bytes` is disconnected
-  // before the message is buffered.
   static Result<std::unique_ptr<StoreServer>> Start(ChunkStore& store, const std::string& endpoint,
                                                     TierStatsFn tier_stats = {},
-                                                    int64_t max_frame_bytes = kMaxStoreFrameBytes);
+                                                    StoreServerOptions options = {});
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -56,6 +65,8 @@ struct RemoteStoreOptions {
   // The largest chunk Put sends (INVALID_ARGUMENT above it, before anything
   // is sent) and the largest reply taken: the server's limit.
   int64_t max_frame_bytes = kMaxStoreFrameBytes;
+  // Set: connect with CURVE, as a holder of this key (the server's).
+  std::optional<CurveKeys> curve;
 };
 
 // A remote kdn-store as a ChunkStore. Thread-safe: requests from several

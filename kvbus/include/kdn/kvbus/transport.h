@@ -32,12 +32,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/chunk_store.h"
+#include "kdn/kvbus/curve.h"
 #include "kdn/kvbus/key.h"
 
 namespace kdn::kvbus {
@@ -108,6 +110,10 @@ struct SenderOptions {
   // segment the sender cannot map (another pid namespace) makes it send the
   // bytes by tcp instead, for that chunk and every later one.
   TransportKind transport = TransportKind::kAuto;
+  // Set: the connection runs CURVE as a holder of this key, the receiver's
+  // (kdn/kvbus/curve.h). Its control messages and tcp chunks are then
+  // encrypted; shm chunks never leave the host's memory (docs/kvbus.md).
+  std::optional<CurveKeys> curve;
   SenderFaults faults;
 };
 
@@ -158,6 +164,8 @@ struct ReceiverOptions {
   // the grant until their bytes are verified and copied out; a chunk that
   // finds no room is granted for tcp instead.
   uint64_t shm_landing_bytes = 0;
+  // Set: the socket runs CURVE and admits only senders holding this key.
+  std::optional<CurveKeys> curve;
 };
 
 struct ReceiverStats {

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "kdn/common/status.h"
@@ -31,6 +32,9 @@ struct PrefillServiceOptions {
   engine::OpenOptions engine{.kv_tokens = 32768, .max_batch = 8};
   // kvbus data plane to decode workers (kvbus::TransportKind).
   kvbus::TransportKind kv_transport = kvbus::TransportKind::kAuto;
+  // Set: every ZeroMQ socket it opens (control, kvbus, kdn-store) runs CURVE
+  // with this deployment key (kdn/kvbus/curve.h); unset: plaintext.
+  std::optional<kvbus::CurveKeys> curve;
 };
 
 class PrefillService {

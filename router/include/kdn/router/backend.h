@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
+#include "kdn/kvbus/curve.h"
 #include "kdn/model/sampling.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
@@ -84,6 +85,9 @@ struct BackendOptions {
   std::chrono::milliseconds worker_timeout{3000};
   std::chrono::milliseconds lookup_timeout{1000};
   std::chrono::milliseconds prepare_timeout{10000};
+  // Set: the control connections run CURVE as holders of this key, the
+  // workers' (kdn/kvbus/curve.h); unset: plaintext.
+  std::optional<kvbus::CurveKeys> curve;
 };
 
 struct WorkerView {

@@ -1,0 +1,59 @@
+#pragma once
+// CURVE on ZeroMQ sockets (kdn/kvbus/curve.h has the key). A server socket
+// encrypts and proves it holds the deployment's secret key; a client must
+// know the server's public key and prove it holds a secret key of its own,
+// which the context's CurveAuthenticator (ZeroMQ's ZAP handler) checks
+// against the deployment's public key. Without an authenticator ZeroMQ would
+// admit any client that knows the server's public key, so SecureServer
+// starts one.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <zmq.hpp>
+
+#include "kdn/common/status.h"
+#include "kdn/kvbus/curve.h"
+
+namespace kdn::kvbus {
+
+// ZeroMQ's ZAP handler for one context: admits CURVE clients that hold the
+// deployment's key and refuses every other client (logging the first
+// refusal from each address). One per context, started before any of its
+// server sockets binds; destroy it before closing the context.
+class CurveAuthenticator {
+ public:
+  static Result<std::unique_ptr<CurveAuthenticator>> Start(zmq::context_t& context,
+                                                           const CurveKeys& keys);
+  ~CurveAuthenticator();
+  CurveAuthenticator(const CurveAuthenticator&) = delete;
+  CurveAuthenticator& operator=(const CurveAuthenticator&) = delete;
+
+  uint64_t admitted() const { return admitted_.load(std::memory_order_relaxed); }
+  uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
+
+ private:
+  CurveAuthenticator(zmq::context_t& context, std::string allowed);
+  void Run();
+
+  zmq::socket_t socket_;    // REP at inproc://zeromq.zap.01; the thread's alone
+  const std::string allowed_;  // the deployment's public key, 32 bytes
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> admitted_{0}, refused_{0};
+  std::thread thread_;
+};
+
+// Makes `socket`, before it binds, a CURVE server for `keys` when `keys` is
+// set, starting `*auth` on `context` first if it is not running; with no
+// keys, does nothing (a plaintext socket).
+Status SecureServer(zmq::context_t& context, zmq::socket_t& socket,
+                    const std::optional<CurveKeys>& keys,
+                    std::unique_ptr<CurveAuthenticator>* auth);
+
+// Makes `socket`, before it connects, a CURVE client for `keys` when set.
+Status SecureClient(zmq::socket_t& socket, const std::optional<CurveKeys>& keys);
+
+}  // namespace kdn::kvbus
