@@ -799,9 +799,9 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
   std::random_device rd;
   impl->nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
                 static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  // Request ids count up from a random point, so that the log lines of two
-  // runs of a router never share one: 30 random bits above a 32-bit count,
-  // below the injection parts' ids (1 << 62).
+  // Request ids count up from a random point, so that two runs of a router
+  // almost never share one in their logs: 30 random bits above a 32-bit
+  // count, below the injection parts' ids (1 << 62).
   impl->next_id = ((impl->nonce >> 7) & 0x3fffffff) << 32 | 1;
   try {
     char name[64];

@@ -286,10 +286,11 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // The end of a job that failed, with the HTTP status it answers (or sent
-  // in its stream, after a 200).
+  // in its stream, after a 200): an error when the fault is the server's.
   void LogFailed(const ApiError& e) {
-    LogWarn("{} failed: {} {} after {:.1f} ms: {}", ReqId{job_}, e.http_status, e.type, JobMs(),
-            e.message);
+    Log(e.http_status >= 500 ? LogLevel::kError : LogLevel::kWarn,
+        "{} failed: {} {} after {:.1f} ms: {}", ReqId{job_}, e.http_status, e.type, JobMs(),
+        e.message);
   }
 
   static json ProgressJson(const InjectProgress& p, bool final) {

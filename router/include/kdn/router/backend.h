@@ -127,7 +127,7 @@ class Backend {
   // Starts a job and returns its id: the request id that every message
   // about it carries, and that its log lines show (ReqId) in every process.
   // Ids are unique within a router and, as they start at a random point,
-  // across its restarts too. `callback` gets its events.
+  // almost surely across its restarts too. `callback` gets its events.
   uint64_t Submit(Job job, JobCallback callback);
   // Starts an injection and returns its id; `callback` gets a kProgress per
   // document, then kDone (or kError when no prefill worker is up). A
