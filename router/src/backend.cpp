@@ -360,10 +360,12 @@ struct Backend::Impl {
     for (const std::string& s : r.job.stop_strings) pr->add_stop_strings(s);
     pr->set_transfer_id(r.transfer_id);
     pr->set_blended(r.job.blend.has_value());
-    Send(r.d, r.id, m);
+    // Before the prepare goes out, so that the line comes before the decode
+    // worker's about it.
     LogInfo("{} routed: prefill {} (reaches {} tokens), decode {} (holds {} tokens)",
             ReqId{r.id}, workers[r.p].view.name, r.prefix[r.p], workers[r.d].view.name,
             r.job.blend ? 0 : r.prefix[r.d]);
+    Send(r.d, r.id, m);
     // Count the request against the worker until it next reports.
     ++workers[r.d].view.queue_depth;
     workers[r.p].view.queue_tokens += n;
