@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/common/log_flags.h"
 #include "kdn/control/worker_flags.h"
 #include "kdn/control/stop_signal.h"
 #include "kdn/decode_worker/decode_service.h"
@@ -18,6 +19,8 @@ int main(int argc, char** argv) {
   kdn::decode_worker::DecodeServiceOptions o;
   double host_mib = 2048, staging_mib = 2048;
   CLI::App app{"kdn-decode: a decode worker. Prints its control endpoint on stdout once it serves."};
+  kdn::LogFlags log_flags;
+  log_flags.Add(app);
   app.add_option("--model", o.model_dir, "Model folder (config.json, *.safetensors, tokenizer.json)")
       ->required();
   app.add_option("--listen", o.listen, "Control endpoint to bind (port 0 picks a free one)")
@@ -42,12 +45,16 @@ int main(int argc, char** argv) {
   kdn::kvbus::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
-  auto curve = curve_flag.Load("kdn-decode");
+  if (kdn::Status st = log_flags.Init("decode", o.name); !st.ok()) {
+    kdn::LogError("{}", st.ToString());
+    return 2;
+  }
+  auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
   o.curve = *std::move(curve);
   auto engine = engine_flags.Options(o.engine);
   if (!engine.ok()) {
-    std::fprintf(stderr, "kdn-decode: %s\n", engine.status().message().c_str());
+    kdn::LogError("{}", engine.status().message());
     return 2;
   }
   o.engine = *engine;
@@ -58,17 +65,16 @@ int main(int argc, char** argv) {
 
   auto service = kdn::decode_worker::DecodeService::Start(o);
   if (!service.ok()) {
-    std::fprintf(stderr, "kdn-decode: %s\n", service.status().ToString().c_str());
+    kdn::LogError("{}", service.status().ToString());
     return 1;
   }
   kdn::control::CatchStopSignals();
-  std::fprintf(stderr, "kdn-decode: %s serving on %s, KV in on %s (engine on %s)\n",
-               o.name.c_str(), (*service)->endpoint().c_str(),
-               (*service)->kvbus_endpoint().c_str(), (*service)->engine_summary().c_str());
+  kdn::LogInfo("serving on {}, KV in on {} (engine on {})", (*service)->endpoint(),
+               (*service)->kvbus_endpoint(), (*service)->engine_summary());
   std::printf("%s\n", (*service)->endpoint().c_str());
   std::fflush(stdout);
   kdn::control::WaitForStopSignal();
   service->reset();
-  std::fprintf(stderr, "kdn-decode: %s stopped\n", o.name.c_str());
+  kdn::LogInfo("stopped");
   return 0;
 }

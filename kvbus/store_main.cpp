@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/common/log_flags.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/curve_flag.h"
 #include "kdn/kvbus/disk_tier.h"
@@ -24,14 +25,10 @@ void OnSignal(int) { g_stop = 1; }
 
 void PrintStats(kdn::kvbus::TieredStore& store) {
   for (const auto& [name, s] : store.TierBreakdown()) {
-    std::fprintf(stderr,
-                 "kdn-store: %-5s %8llu chunks %10.1f MiB of %10.1f MiB; hits %llu misses %llu "
-                 "evictions %llu corrupt %llu\n",
-                 name.c_str(), static_cast<unsigned long long>(s.chunks), s.bytes / 1048576.0,
-                 s.capacity_bytes / 1048576.0, static_cast<unsigned long long>(s.hits),
-                 static_cast<unsigned long long>(s.misses),
-                 static_cast<unsigned long long>(s.evictions),
-                 static_cast<unsigned long long>(s.corrupt));
+    kdn::LogInfo("{:<5} {:8} chunks {:10.1f} MiB of {:10.1f} MiB; hits {} misses {} evictions {} "
+                 "corrupt {}",
+                 name, s.chunks, s.bytes / 1048576.0, s.capacity_bytes / 1048576.0, s.hits,
+                 s.misses, s.evictions, s.corrupt);
   }
 }
 }  // namespace
@@ -39,6 +36,8 @@ void PrintStats(kdn::kvbus::TieredStore& store) {
 int main(int argc, char** argv) {
   using namespace kdn::kvbus;
   CLI::App app{"kdn-store: the shared KV-chunk store (host memory + disk) served over ZeroMQ."};
+  kdn::LogFlags log_flags;
+  log_flags.Add(app);
   std::string listen = "tcp://127.0.0.1:5560", disk_dir;
   double host_mib = 1024, disk_mib = 10240;
   int stats_every_s = 0;
@@ -66,7 +65,11 @@ int main(int argc, char** argv) {
   CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
-  auto curve = curve_flag.Load("kdn-store");
+  if (kdn::Status st = log_flags.Init("store"); !st.ok()) {
+    kdn::LogError("{}", st.ToString());
+    return 2;
+  }
+  auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
 
   auto host = std::make_unique<HostTier>(static_cast<uint64_t>(host_mib * 1048576.0));
@@ -74,7 +77,7 @@ int main(int argc, char** argv) {
   if (!disk_dir.empty()) {
     auto d = DiskTier::Open(disk_dir, static_cast<uint64_t>(disk_mib * 1048576.0));
     if (!d.ok()) {
-      std::fprintf(stderr, "kdn-store: %s\n", d.status().ToString().c_str());
+      kdn::LogError("{}", d.status().ToString());
       return 1;
     }
     disk = std::move(d).value();
@@ -92,14 +95,14 @@ int main(int argc, char** argv) {
   auto server = StoreServer::Start(store, listen, [&store] { return store.TierBreakdown(); },
                                   {.curve = *curve});
   if (!server.ok()) {
-    std::fprintf(stderr, "kdn-store: %s\n", server.status().ToString().c_str());
+    kdn::LogError("{}", server.status().ToString());
     return 1;
   }
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   const TierStats at_start = store.Stats();
-  std::fprintf(stderr, "kdn-store: serving on %s (%llu chunks restored from disk)\n",
-               (*server)->endpoint().c_str(), static_cast<unsigned long long>(at_start.chunks));
+  kdn::LogInfo("serving on {} ({} chunks restored from disk)", (*server)->endpoint(),
+               at_start.chunks);
   std::printf("%s\n", (*server)->endpoint().c_str());
   std::fflush(stdout);
   int ticks = 0;
@@ -109,6 +112,6 @@ int main(int argc, char** argv) {
   }
   (*server)->Stop();
   PrintStats(store);
-  std::fprintf(stderr, "kdn-store: stopped\n");
+  kdn::LogInfo("stopped");
   return 0;
 }

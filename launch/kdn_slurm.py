@@ -327,9 +327,10 @@ def script_text(L, a, bin_dir, model, run_dir):
     }
     out = "\n".join(lines) + "\n" + body
 
+    log = " ".join(q(f) for f in L.log_flags(a))
     worker = ['--model "$MODEL"', "--host-mib %g" % a.host_mib,
               "--chunk-tokens %d" % a.chunk_tokens, "--threads %d" % a.threads,
-              "--kv-transport %s" % a.kv_transport]
+              "--kv-transport %s" % a.kv_transport] + ([log] if log else [])
     # Every step reads the deployment's CURVE key from the run folder (which
     # every node sees): its sockets are open to the job's steps only.
     curve = "--curve-keys %s" % q(str(a.curve_keys))
@@ -342,8 +343,8 @@ def script_text(L, a, bin_dir, model, run_dir):
     steps = []
     if a.store:
         steps += ["# kdn-store on node 0; every worker reads and fills it.",
-                  'start store 0 -1 "$BIN/kdn-store" --listen "$(listen 0)" --host-mib %g %s'
-                  % (a.store_host_mib, curve),
+                  'start store 0 -1 "$BIN/kdn-store" --listen "$(listen 0)" --host-mib %g%s %s'
+                  % (a.store_host_mib, " " + log if log else "", curve),
                   'STORE=$(endpoint store tcp://) || abort', ""]
         worker.append('--store "$STORE" --store-codec %s' % a.store_codec)
     steps += ["# The workers, dealt over the nodes in order, each with these flags.",
@@ -363,7 +364,8 @@ def script_text(L, a, bin_dir, model, run_dir):
                          % (role.upper(), role.upper(), role.upper(), n))
     router = ['"$BIN/kdn-router"', '--model "$MODEL"', '--prefill "$PREFILL"',
               '--decode "$DECODE"', '--host %s' % (q(a.host) if a.host else '"${addrs[0]}"'),
-              "--port %d" % a.port, "--recompute-ratio %r" % a.recompute_ratio, curve]
+              "--port %d" % a.port, "--recompute-ratio %r" % a.recompute_ratio, curve] + (
+                  [log] if log else [])
     if a.separator:
         router.append("--separator %s" % q(a.separator))
     if a.api_keys:

@@ -10,6 +10,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/common/log_flags.h"
 #include "kdn/control/stop_signal.h"
 #include "kdn/kvbus/curve_flag.h"
 #include "kdn/router/router.h"
@@ -18,6 +19,8 @@ int main(int argc, char** argv) {
   kdn::router::RouterOptions o;
   CLI::App app{"kdn-router: OpenAI-compatible HTTP endpoint in front of kdn-prefill and kdn-decode "
                "workers. Prints its URL on stdout once it serves."};
+  kdn::LogFlags log_flags;
+  log_flags.Add(app);
   app.add_option("--model", o.model_dir, "Model folder (its config.json and tokenizer.json are read)")
       ->required();
   app.add_option("--prefill", o.backend.prefill_endpoints,
@@ -52,7 +55,11 @@ int main(int argc, char** argv) {
   kdn::kvbus::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
-  auto curve = curve_flag.Load("kdn-router");
+  if (kdn::Status st = log_flags.Init("router"); !st.ok()) {
+    kdn::LogError("{}", st.ToString());
+    return 2;
+  }
+  auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
   o.backend.curve = *std::move(curve);
   std::signal(SIGPIPE, SIG_IGN);
@@ -62,30 +69,29 @@ int main(int argc, char** argv) {
   if (!api_keys_file.empty()) {
     auto keys = kdn::router::ApiKeys::Load(api_keys_file);
     if (!keys.ok()) {
-      std::fprintf(stderr, "kdn-router: %s\n", keys.status().ToString().c_str());
+      kdn::LogError("{}", keys.status().ToString());
       return 2;
     }
-    std::fprintf(stderr, "kdn-router: %zu API keys for %zu tenants; /health and /metrics need none\n",
-                 keys->size(), keys->tenants());
+    kdn::LogInfo("{} API keys for {} tenants; /health and /metrics need none", keys->size(),
+                 keys->tenants());
     o.api_keys = std::make_shared<const kdn::router::ApiKeys>(*std::move(keys));
   } else {
-    std::fprintf(stderr, "kdn-router: no --api-keys: every request is served, and requests share "
-                         "the cache unless their cache_salt differs\n");
+    kdn::LogInfo("no --api-keys: every request is served, and requests share the cache unless "
+                 "their cache_salt differs");
   }
 
   auto router = kdn::router::Router::Start(o);
   if (!router.ok()) {
-    std::fprintf(stderr, "kdn-router: %s\n", router.status().ToString().c_str());
+    kdn::LogError("{}", router.status().ToString());
     return 1;
   }
   kdn::control::CatchStopSignals();
-  std::fprintf(stderr, "kdn-router: serving on %s (%zu prefill, %zu decode workers)\n",
-               (*router)->url().c_str(), o.backend.prefill_endpoints.size(),
-               o.backend.decode_endpoints.size());
+  kdn::LogInfo("serving on {} ({} prefill, {} decode workers)", (*router)->url(),
+               o.backend.prefill_endpoints.size(), o.backend.decode_endpoints.size());
   std::printf("%s\n", (*router)->url().c_str());
   std::fflush(stdout);
   kdn::control::WaitForStopSignal();
   router->reset();
-  std::fprintf(stderr, "kdn-router: stopped\n");
+  kdn::LogInfo("stopped");
   return 0;
 }

@@ -3,11 +3,11 @@
 #include <atomic>
 #include <cstdio>
 #include <mutex>
-#include <set>
 #include <thread>
 
 #include <zmq.hpp>
 
+#include "kdn/common/log.h"
 #include "kdn/kvbus/zmq_check.h"
 #include "kdn/kvbus/zmq_curve.h"
 
@@ -28,7 +28,9 @@ struct ControlServer::Impl {
   std::mutex mu;  // guards outbox
   zmq::socket_t outbox{ctx, zmq::socket_type::push};
 
-  std::set<std::string> warned;  // peers that sent a malformed frame (I/O thread)
+  // Peers can send malformed frames without end, and the loop's errors can
+  // repeat on every turn: both are rate-limited.
+  LogLimiter malformed, loop_errors, send_errors;
 
   void Loop() {
     zmq::pollitem_t items[2] = {{sock.handle(), 0, ZMQ_POLLIN, 0},
@@ -57,17 +59,15 @@ struct ControlServer::Impl {
           }
           proto::WorkerMessage msg;
           if (extra || !msg.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
-            std::string id = peer.to_string();
-            if (warned.insert(id).second) {
-              std::fprintf(stderr, "control: dropping a malformed message from a peer\n");
-            }
+            malformed.Warn("control: dropping a malformed message of {} bytes from a peer",
+                           body.size());
             continue;
           }
           handler(*self, peer.to_string(), std::move(msg));
         }
       } catch (const zmq::error_t& e) {
         if (e.num() == ETERM) return;
-        std::fprintf(stderr, "control: %s\n", e.what());
+        loop_errors.Error("control: {}", e.what());
       }
     }
   }
@@ -117,7 +117,8 @@ void ControlServer::Send(const std::string& peer, const proto::WorkerMessage& me
     impl_->outbox.send(zmq::buffer(peer), zmq::send_flags::sndmore);
     impl_->outbox.send(zmq::buffer(body), zmq::send_flags::none);
   } catch (const zmq::error_t& e) {
-    std::fprintf(stderr, "control: cannot queue a reply: %s\n", e.what());
+    impl_->send_errors.Error("{} control: cannot queue a reply: {}", ReqId{message.request_id()},
+                             e.what());
   }
 }
 

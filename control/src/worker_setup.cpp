@@ -1,7 +1,9 @@
 #include "kdn/control/worker_setup.h"
 
+#include <algorithm>
 #include <vector>
 
+#include "kdn/common/log.h"
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
@@ -90,6 +92,10 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
       for (bool held : store.ContainsEach(segments)) lr->add_segments_held(held);
     }
     fill_info(lr->mutable_info());
+    LogDebug("{} lookup: its KDN reaches {} of {} prompt tokens; {} of {} documents held",
+             ReqId{message.request_id()}, lr->prefix_tokens(), tokens.size(),
+             std::count(lr->segments_held().begin(), lr->segments_held().end(), true),
+             segments.size());
   } else {
     return false;
   }

@@ -3,13 +3,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <thread>
 
 #include "kdn/common/job_thread.h"
+#include "kdn/common/log.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
 #include "kdn/control/worker_setup.h"
@@ -31,14 +31,16 @@ struct Command {
 struct Origin {
   std::string peer;
   uint64_t request_id = 0;
+  int64_t tokens = 0;  // token events sent to it so far
 };
 
 std::string OriginKey(const std::string& peer, uint64_t request_id) {
   return peer + "/" + std::to_string(request_id);
 }
 
-DecodeRequest RequestFromProto(const proto::PrepareRequest& r) {
+DecodeRequest RequestFromProto(uint64_t request_id, const proto::PrepareRequest& r) {
   DecodeRequest d;
+  d.request_id = request_id;
   d.tokens.assign(r.tokens().begin(), r.tokens().end());
   d.ns = r.ns();
   d.transfer_id = r.transfer_id();
@@ -77,6 +79,7 @@ struct DecodeService::Impl {
   std::atomic<int> depth{0};     // prepared + running
   std::atomic<int> free_blocks{0};
   std::thread compute;
+  LogLimiter unserved;  // messages it does not serve, from any peer
 
   // The compute thread's alone.
   std::map<std::string, uint64_t> ids;  // origin key -> Decoder id
@@ -126,8 +129,8 @@ struct DecodeService::Impl {
       }
       default:
         if (control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
-        std::fprintf(stderr, "%s: ignoring a message it does not serve (%d)\n",
-                     options.name.c_str(), static_cast<int>(msg.body_case()));
+        unserved.Warn("{} ignoring a message it does not serve ({})", ReqId{msg.request_id()},
+                      static_cast<int>(msg.body_case()));
     }
   }
 
@@ -147,8 +150,9 @@ struct DecodeService::Impl {
         ids.count(okey) != 0
             ? Result<uint64_t>(InvalidArgument("request " + std::to_string(msg.request_id()) +
                                                " is already here"))
-            : decoder->Prepare(RequestFromProto(msg.prepare()), out);
+            : decoder->Prepare(RequestFromProto(msg.request_id(), msg.prepare()), out);
     if (!id.ok()) {
+      LogError("{} prepare refused: {}", ReqId{msg.request_id()}, id.status().ToString());
       proto::WorkerMessage reply;
       reply.set_request_id(msg.request_id());
       control::StatusToProto(id.status(), reply.mutable_prepare_reply()->mutable_error());
@@ -168,12 +172,19 @@ struct DecodeService::Impl {
                                " was not prepared here (or expired)")
                     : decoder->Start(it->second, msg.start().first_token(),
                                      msg.start().first_token_sent(), out);
-    if (!st.ok()) SendError(origin, st);
+    if (!st.ok()) {
+      LogError("{} start refused: {}", ReqId{msg.request_id()}, st.ToString());
+      SendError(origin, st);
+    }
   }
 
   void DoCancel(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     auto it = ids.find(OriginKey(peer, msg.request_id()));
-    if (it != ids.end()) (void)decoder->Cancel(it->second, out);
+    if (it != ids.end()) {
+      (void)decoder->Cancel(it->second, out);
+    } else {
+      LogDebug("{} cancel: not here (finished already)", ReqId{msg.request_id()});
+    }
   }
 
   // Sends what the Decoder produced to the routers that asked: Prepare
@@ -196,6 +207,7 @@ struct DecodeService::Impl {
       proto::WorkerMessage m;
       m.set_request_id(it->second.request_id);
       for (const TokenEvent* ev : evs) {
+        if (ev->token >= 0) ++it->second.tokens;
         auto* e = m.mutable_tokens()->add_events();
         e->set_token(ev->token);
         e->set_text(ev->text);
@@ -205,6 +217,14 @@ struct DecodeService::Impl {
       }
       server->Send(it->second.peer, m);
       if (evs.back()->finished) {
+        const TokenEvent& last = *evs.back();
+        if (!last.error.ok()) {
+          LogError("{} failed after {} tokens: {}", ReqId{it->second.request_id},
+                   it->second.tokens, last.error.ToString());
+        } else {
+          LogInfo("{} finished: {}, {} tokens sent", ReqId{it->second.request_id},
+                  last.finish_reason, it->second.tokens);
+        }
         ids.erase(OriginKey(it->second.peer, it->second.request_id));
         origins.erase(it);
       }
@@ -262,7 +282,6 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   DecoderOptions dopt;
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;
-  dopt.name = options.name;
   dopt.on_load_done = [raw] {
     {
       std::lock_guard<std::mutex> lock(raw->mu);
@@ -304,8 +323,7 @@ DecodeService::~DecodeService() {
   // Before the server its lookups answer through; lookups posted after this
   // are dropped (their router times them out).
   if (const size_t dropped = impl_->store_io->Stop(); dropped > 0) {
-    std::fprintf(stderr, "%s: stopping with %zu store jobs not run\n", impl_->options.name.c_str(),
-                 dropped);
+    LogWarn("stopping with {} store jobs not run", dropped);
   }
   impl_->server.reset();
   impl_->receiver.reset();

@@ -1,9 +1,9 @@
 #include "kdn/decode_worker/decoder.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <mutex>
 
+#include "kdn/common/log.h"
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -20,7 +20,6 @@ struct Decoder::Mailbox {
   };
 
   // Constant after construction.
-  std::string name;
   std::function<void()> on_load_done;
 
   std::mutex mu;
@@ -43,7 +42,6 @@ Decoder::Decoder(engine::Engine& model, const text::Tokenizer& tokenizer,
       options_(std::move(options)),
       mailbox_(std::make_shared<Mailbox>()),
       batcher_(std::make_unique<Batcher>(model, tokenizer, options_.max_batch)) {
-  mailbox_->name = options_.name;
   mailbox_->on_load_done = options_.on_load_done;
   batcher_->SetFinishHook([this](uint64_t id, const engine::KvSequence& seq,
                                  const std::vector<int32_t>& generated) {
@@ -121,14 +119,15 @@ Status Decoder::PlacePushedSlices(Prepared& p) {
 }
 
 std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
-    const engine::KvSequence& seq, const std::vector<kvbus::KeyedSpan>& spans) {
+    uint64_t request_id, const engine::KvSequence& seq,
+    const std::vector<kvbus::KeyedSpan>& spans) {
   std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;
   for (const kvbus::KeyedSpan& s : spans) {
     auto chunk = kvbridge::ChunkFromPagedKv(model_.kv_cache(), seq, s.first, s.count, s.key,
                                             fingerprint_, kvbridge::ChunkDType(model_.kv_dtype()));
     if (!chunk.ok()) {
-      std::fprintf(stderr, "%s: copying a chunk out of the KV cache: %s\n", options_.name.c_str(),
-                   chunk.status().ToString().c_str());
+      LogError("{} copying a chunk out of the KV cache: {}", ReqId{request_id},
+               chunk.status().ToString());
       break;  // prefix keys: the chunks past a missing one are never reached
     }
     chunks.push_back(*std::move(chunk));
@@ -191,11 +190,15 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
   });
 }
 
-void Decoder::PostStore(std::vector<std::shared_ptr<const kvbus::Chunk>> chunks) {
+void Decoder::PostStore(uint64_t request_id,
+                        std::vector<std::shared_ptr<const kvbus::Chunk>> chunks) {
   uint64_t bytes = 0;
   for (const auto& c : chunks) bytes += c->size();
   mailbox_->bytes_pending += bytes;
-  store_io_.Post(kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes] {
+  LogDebug("{} storing {} chunks ({} bytes) of its conversation", ReqId{request_id},
+           chunks.size(), bytes);
+  store_io_.Post(kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes,
+                              request_id] {
     for (size_t i = 0; i < chunks.size(); ++i) {
       if (store.Contains(chunks[i]->key())) {
         ++mb->already_held;
@@ -206,11 +209,9 @@ void Decoder::PostStore(std::vector<std::shared_ptr<const kvbus::Chunk>> chunks)
         // Prefix keys: the chunks after this one are never reached without it.
         const uint64_t lost = chunks.size() - i;
         const uint64_t total = (mb->failed += lost);
-        std::fprintf(stderr,
-                     "%s: storing a conversation's chunk failed, %llu of its chunks not stored "
-                     "(%llu so far): %s\n",
-                     mb->name.c_str(), static_cast<unsigned long long>(lost),
-                     static_cast<unsigned long long>(total), st.ToString().c_str());
+        LogError("{} storing a conversation's chunk failed, {} of its chunks not stored ({} so "
+                 "far): {}",
+                 ReqId{request_id}, lost, total, st.ToString());
         break;
       }
       ++mb->stored;
@@ -242,6 +243,10 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   }
   const uint64_t id = next_id_++;
   p.request.spec.id = id;
+  LogInfo("{} prepare: {} prompt tokens, max_tokens {}, {} KV blocks reserved ({} free){}",
+          ReqId{p.request.request_id}, p.request.tokens.size(), p.request.spec.max_tokens,
+          p.seq.blocks().size(), model_.kv_cache().free_blocks(),
+          p.request.blended ? "; blended: nothing to load" : "");
   if (p.request.blended) {
     p.held_tokens = 0;
     out->prepared.push_back({id, 0});
@@ -277,8 +282,13 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   if (st.ok()) {
     // Before Admit: a request that finishes at its first token is stored
     // from inside Admit.
+    LogInfo("{} start: first token {}, {} prompt tokens held, {} pushed by the prefill worker "
+            "(transfer {})",
+            ReqId{p.request.request_id}, first_token, p.held_tokens,
+            static_cast<int64_t>(p.request.tokens.size()) - p.held_tokens,
+            HexBytes{p.request.transfer_id});
     running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
-                           p.held_tokens};
+                           p.held_tokens, p.request.request_id};
     std::vector<TokenEvent> events;
     st = batcher_->Admit(p.request.spec, std::move(p.seq), first_token, &events);
     if (st.ok()) {
@@ -288,8 +298,7 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
     }
   }
   if (!st.ok()) {
-    std::fprintf(stderr, "%s: request %llu cannot start: %s\n", options_.name.c_str(),
-                 static_cast<unsigned long long>(id), st.ToString().c_str());
+    LogError("{} cannot start: {}", ReqId{p.request.request_id}, st.ToString());
     out->events.push_back(Failure(id, std::move(st)));
   }
 }
@@ -311,6 +320,8 @@ Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
   if (auto it = prepared_.find(id); it != prepared_.end()) {
     // Never started (the first token ended it, or its client went away):
     // its reserved blocks go back with the sequence.
+    LogInfo("{} cancel: prepared, never started; its {} KV blocks are freed",
+            ReqId{it->second.request.request_id}, it->second.seq.blocks().size());
     DropOwnSlices(it->second);
     prepared_.erase(it);
     TokenEvent e;
@@ -319,6 +330,9 @@ Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
     e.finish_reason = "cancelled";
     out->events.push_back(std::move(e));
     return Status::Ok();
+  }
+  if (auto it = running_.find(id); it != running_.end()) {
+    LogInfo("{} cancel: running", ReqId{it->second.request_id});
   }
   return batcher_->Cancel(id, &out->events);
 }
@@ -334,6 +348,9 @@ void Decoder::Advance(DecoderOutput* out) {
     if (it == prepared_.end()) continue;  // cancelled or dropped while loading
     Prepared& p = it->second;
     p.held_tokens = PlaceLoaded(p, load.chunks);
+    LogInfo("{} prepared: its KDN gave {} of {} prompt tokens ({} chunks and tail pieces)",
+            ReqId{p.request.request_id}, p.held_tokens, p.request.tokens.size(),
+            load.chunks.size());
     out->prepared.push_back({load.id, p.held_tokens});
     if (p.start) Begin(load.id, *p.start, out);
   }
@@ -344,8 +361,8 @@ void Decoder::Advance(DecoderOutput* out) {
       ++it;
       continue;
     }
-    std::fprintf(stderr, "%s: request %llu was prepared but never started; dropped\n",
-                 options_.name.c_str(), static_cast<unsigned long long>(it->first));
+    LogWarn("{} was prepared but never started within {} ms; dropped",
+            ReqId{it->second.request.request_id}, options_.prepare_timeout.count());
     out->events.push_back(Failure(
         it->first, Status(StatusCode::kDeadlineExceeded,
                           "prepared but not started within " +
@@ -364,10 +381,14 @@ void Decoder::Advance(DecoderOutput* out) {
   // The model refused the whole step (e.g. no free KV block for a new
   // token): fail every running request rather than spin. Their KV is as it
   // was before the step, so their conversations are still stored.
-  std::fprintf(stderr, "%s: decode step failed: %s\n", options_.name.c_str(),
-               st.ToString().c_str());
   std::vector<uint64_t> ids;
-  for (const auto& [id, r] : running_) ids.push_back(id);
+  std::string reqs;
+  for (const auto& [id, r] : running_) {
+    ids.push_back(id);
+    reqs += fmt::format(" {}", ReqId{r.request_id});
+  }
+  LogError("decode step failed, failing {} running requests:{}: {}", ids.size(), reqs,
+           st.ToString());
   for (uint64_t id : ids) {
     std::vector<TokenEvent> cancelled;
     (void)batcher_->Cancel(id, &cancelled);
@@ -406,15 +427,12 @@ void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
   for (const kvbus::KeyedSpan& s : spans) bytes += ChunkBytes(s.count);
   if (mailbox_->bytes_pending.load() + bytes > options_.max_pending_store_bytes) {
     chunks_store_dropped_ += spans.size();
-    std::fprintf(stderr,
-                 "%s: request %llu's %zu chunks not stored: %llu bytes already wait for the "
-                 "store\n",
-                 options_.name.c_str(), static_cast<unsigned long long>(id), spans.size(),
-                 static_cast<unsigned long long>(mailbox_->bytes_pending.load()));
+    LogWarn("{} its {} chunks not stored: {} bytes already wait for the store",
+            ReqId{r.request_id}, spans.size(), mailbox_->bytes_pending.load());
     return;
   }
-  auto chunks = CopyOutChunks(seq, spans);
-  if (!chunks.empty()) PostStore(std::move(chunks));
+  auto chunks = CopyOutChunks(r.request_id, seq, spans);
+  if (!chunks.empty()) PostStore(r.request_id, std::move(chunks));
 }
 
 }  // namespace kdn::decode_worker

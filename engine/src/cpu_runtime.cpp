@@ -3,9 +3,10 @@
 #include <cblas.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#include "kdn/common/log.h"
 
 namespace kdn::engine {
 
@@ -36,8 +37,7 @@ void PrepareCpuRuntime(char** argv) {
   ::setenv("OPENBLAS_CORETYPE", want, 1);
   ::execv("/proc/self/exe", argv);
   // exec failed (no /proc?): carry on with the slower kernels.
-  std::fprintf(stderr, "kdn: note: OpenBLAS runs its %s kernels; set OPENBLAS_CORETYPE=%s\n",
-               core.c_str(), want);
+  LogWarn("OpenBLAS runs its {} kernels; set OPENBLAS_CORETYPE={}", core, want);
 }
 
 }  // namespace kdn::engine

@@ -6,13 +6,12 @@
 #include <zmq.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <set>
 #include <sstream>
 
+#include "kdn/common/log.h"
 #include "kdn/kvbus/zmq_check.h"
 #include "kdn/kvbus/zmq_curve.h"
 
@@ -156,7 +155,7 @@ void CurveAuthenticator::Run() {
   // routing id, mechanism, then the mechanism's credentials (CURVE: the
   // client's 32-byte public key); the reply is version, request id, status
   // code, status text, user id, metadata.
-  std::set<std::string> warned;  // addresses whose refusal was logged
+  LogLimiter refusals, errors;
   zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
   while (!stop_.load(std::memory_order_relaxed)) {
     try {
@@ -172,13 +171,8 @@ void CurveAuthenticator::Run() {
                       frames[6].to_string_view() == allowed_;
       (ok ? admitted_ : refused_).fetch_add(1, std::memory_order_relaxed);
       if (!ok && frames.size() >= 4) {
-        std::string address = frames[3].to_string();
-        if (warned.size() < 1024 && warned.insert(address).second) {
-          std::fprintf(stderr,
-                       "kvbus: refused a connection from %s: it does not hold this "
-                       "deployment's CURVE key\n",
-                       address.c_str());
-        }
+        refusals.Warn("refused a connection from {}: it does not hold this deployment's CURVE key",
+                      frames[3].to_string());
       }
       const std::string request_id = frames.size() >= 2 ? frames[1].to_string() : "";
       socket_.send(zmq::buffer(std::string_view("1.0")), zmq::send_flags::sndmore);
@@ -190,7 +184,7 @@ void CurveAuthenticator::Run() {
       socket_.send(zmq::buffer(std::string_view("")), zmq::send_flags::none);     // metadata
     } catch (const zmq::error_t& e) {
       if (e.num() == ETERM) return;
-      std::fprintf(stderr, "kvbus: CURVE authenticator: %s\n", e.what());
+      errors.Error("CURVE authenticator: {}", e.what());
     }
   }
 }

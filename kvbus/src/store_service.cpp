@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "kdn/common/log.h"
 #include "kvbus_store.pb.h"
 #include "kdn/kvbus/zmq_curve.h"
 #include "zmq_chunk.h"
@@ -120,6 +121,9 @@ struct StoreServer::Impl {
         proto::StoreReply reply;
         std::shared_ptr<const Chunk> reply_chunk;
         if (!req.ParseFromArray(frames[1].data(), static_cast<int>(frames[1].size()))) {
+          static LogLimiter malformed;  // a client can send them without end
+          malformed.Warn("kdn-store: answering a malformed request of {} bytes",
+                         frames[1].size());
           SetStatus(&reply, InvalidArgument("malformed request"));
         } else {
           Handle(req, frames.size() > 2 ? &frames[2] : nullptr, &reply, &reply_chunk);
@@ -132,9 +136,11 @@ struct StoreServer::Impl {
         } else {
           sock.send(zmq::buffer(out), zmq::send_flags::none);
         }
-      } catch (const zmq::error_t&) {
+      } catch (const zmq::error_t& e) {
         // A client that went away mid-reply (ROUTER drops unroutable replies,
         // so this is rare); keep serving the others.
+        static LogLimiter errors;
+        if (e.num() != ETERM) errors.Warn("kdn-store: {}", e.what());
       }
     }
   }

@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "tcp_transport_internal.h"
+#include "kdn/common/log.h"
 #include "kdn/kvbus/buffer_pool.h"
 #include "kdn/kvbus/zmq_check.h"
 
@@ -27,6 +28,15 @@ constexpr int kMaxMessagesPerRound = 256;
 constexpr uint64_t kMaxBytesPerRound = uint64_t{64} << 20;
 // Room for control frames (offers are split at 16384 entries) beyond a chunk.
 constexpr int64_t kControlFrameAllowance = int64_t{4} << 20;
+
+// Frames that are no kvbus message, or none a receiver takes: counted in
+// ReceiverStats::bad_messages and logged, rate-limited (a peer can send
+// them without end).
+void LogBadFrames(const std::string& endpoint, uint64_t round, uint64_t total) {
+  static LogLimiter limiter;
+  limiter.Warn("kvbus receiver at {}: dropped {} malformed frames ({} so far)", endpoint, round,
+               total);
+}
 
 }  // namespace
 
@@ -117,8 +127,7 @@ void TcpReceiver::Run() {
     const Status st = RunOnce();
     if (!st.ok()) {
       // Senders see the receiver go silent; the owner reads it from Health().
-      std::fprintf(stderr, "kvbus tcp receiver at %s stopped: %s\n", endpoint_.c_str(),
-                   st.ToString().c_str());
+      LogError("kvbus tcp receiver at {} stopped: {}", endpoint_, st.ToString());
       std::lock_guard<std::mutex> lock(mu_);
       health_ = st;
       return;
@@ -152,10 +161,14 @@ Status TcpReceiver::RunOnce() {
     // Control frames count against the round's budget as chunk bytes do, so
     // a flood of large offers cannot starve the other senders' pongs.
     round_bytes_ = 0;
+    const uint64_t bad_before = stats_.bad_messages;
     for (int n = 0; n < kMaxMessagesPerRound; ++n) {
       bool got = false;
       KDN_RETURN_IF_ERROR(ReceiveOne(got));
       if (!got || round_bytes_ >= kMaxBytesPerRound) break;
+    }
+    if (stats_.bad_messages > bad_before) {
+      LogBadFrames(endpoint_, stats_.bad_messages - bad_before, stats_.bad_messages);
     }
   }
   now = TransportClock::now();

@@ -13,6 +13,7 @@
 #include <random>
 
 #include "tcp_transport_internal.h"
+#include "kdn/common/log.h"
 #include "kdn/kvbus/zmq_check.h"
 #include "zmq_chunk.h"
 
@@ -200,6 +201,7 @@ void TcpSender::Run() {
     if (!st.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       fatal_ = st.WithContext("kvbus tcp sender to " + endpoint_);
+      LogError("{}; its transfers fail", fatal_.ToString());
       FailAllLocked(fatal_);
       done_cv_.notify_all();
       return;
@@ -320,9 +322,8 @@ void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
       // auto sends by tcp from now on; a kShm sender fails these chunks.
       shm_usable_ = false;
       shm_error_ = segment.status();
-      std::fprintf(stderr, "kvbus sender to %s: no shm (%s)%s\n", endpoint_.c_str(),
-                   segment.status().ToString().c_str(),
-                   options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
+      LogWarn("kvbus sender to {}: no shm ({}){}", endpoint_, segment.status().ToString(),
+              options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
       continue;
     }
     Result<uint32_t> id = region_table_.Register(

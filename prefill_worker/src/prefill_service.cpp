@@ -3,12 +3,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
 #include <mutex>
 #include <thread>
 
 #include "kdn/common/job_thread.h"
+#include "kdn/common/log.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
 #include "kdn/control/worker_setup.h"
@@ -50,6 +50,7 @@ struct PrefillService::Impl {
   std::atomic<int> free_blocks{0};
   kvbus::SenderStats transport_stats;  // guarded by mu: as of the last job
   std::thread compute;
+  LogLimiter unserved;  // messages it does not serve, from any peer
 
   void FillInfo(proto::WorkerInfo* info) {
     info->set_name(options.name);
@@ -90,10 +91,12 @@ struct PrefillService::Impl {
     auto* ir = reply.mutable_inject_reply();
     if (held.ok()) {
       ir->set_already_held(*held);
+      LogInfo("{} injected a document of {} tokens: {}", ReqId{q.request_id},
+              q.job.tokens.size(), *held ? "already held" : "computed and stored");
     } else {
       control::StatusToProto(held.status(), ir->mutable_error());
-      std::fprintf(stderr, "%s: injecting a document of %zu tokens failed: %s\n",
-                   options.name.c_str(), q.job.tokens.size(), held.status().ToString().c_str());
+      LogError("{} injecting a document of {} tokens failed: {}", ReqId{q.request_id},
+               q.job.tokens.size(), held.status().ToString());
     }
     server->Send(q.peer, reply);
   }
@@ -116,25 +119,26 @@ struct PrefillService::Impl {
       pr->set_slices_skipped(out->slices_skipped);
       pr->set_blended_tokens(out->blended_tokens);
       pr->set_recomputed_tokens(out->recomputed_tokens);
-      std::fprintf(stderr,
-                   "%s: request %llu: %zu prompt tokens, %d cached (%d from tail pieces, %d "
-                   "blended, %d of them recomputed), %d computed, %.3f s (%.3f s loading); "
-                   "%.1f MiB of KV pushed, %u slices skipped\n",
-                   options.name.c_str(), static_cast<unsigned long long>(q.request_id),
-                   q.job.tokens.size(), out->cached_tokens, out->tail_tokens, out->blended_tokens,
-                   out->recomputed_tokens, out->computed_tokens, secs, out->load_seconds,
-                   out->kv_bytes_sent / 1048576.0, out->slices_skipped);
+      const ReqId req{q.request_id};
+      LogInfo("{} KDN: {} of {} prompt tokens cached ({} from tail pieces, {} blended), "
+              "loaded in {:.1f} ms",
+              req, out->cached_tokens, q.job.tokens.size(), out->tail_tokens, out->blended_tokens,
+              out->load_seconds * 1e3);
+      LogInfo("{} computed: {} tokens in full, {} blended tokens recomputed; {:.1f} ms in all",
+              req, out->computed_tokens, out->recomputed_tokens, secs * 1e3);
+      if (!q.job.decode_endpoint.empty()) {
+        LogInfo("{} KV sent: {} bytes to {} (transfer {}), {} slices skipped", req,
+                out->kv_bytes_sent, q.job.decode_endpoint, HexBytes{q.job.transfer_id},
+                out->slices_skipped);
+      }
     } else {
       control::StatusToProto(out.status(), pr->mutable_error());
-      std::fprintf(stderr, "%s: request %llu failed: %s\n", options.name.c_str(),
-                   static_cast<unsigned long long>(q.request_id),
-                   out.status().ToString().c_str());
+      LogError("{} failed: {}", ReqId{q.request_id}, out.status().ToString());
     }
     server->Send(q.peer, reply);
     // After the reply, so that storing costs the request no time.
     if (Status st = prefiller->StoreNewChunks(); !st.ok()) {
-      std::fprintf(stderr, "%s: storing chunks: %s\n", options.name.c_str(),
-                   st.ToString().c_str());
+      LogError("{} storing chunks: {}", ReqId{q.request_id}, st.ToString());
     }
   }
 
@@ -169,6 +173,13 @@ struct PrefillService::Impl {
           b.check_layer = r.blend().check_layer();
           q.job.blend = std::move(b);
         }
+        LogInfo("{} received: {} prompt tokens{}, KV to {} (it holds {} tokens; transfer {}), "
+                "{} ahead in the queue",
+                ReqId{q.request_id}, q.job.tokens.size(),
+                q.job.blend ? fmt::format(", {} documents", q.job.blend->segment_tokens.size())
+                            : std::string(),
+                q.job.decode_endpoint, q.job.decode_held_tokens, HexBytes{q.job.transfer_id},
+                depth.load());
         Enqueue(std::move(q));
         return;
       }
@@ -179,6 +190,8 @@ struct PrefillService::Impl {
         q.inject = true;
         q.job.tokens.assign(msg.inject().tokens().begin(), msg.inject().tokens().end());
         q.job.ns = msg.inject().ns();
+        LogDebug("{} received: inject a document of {} tokens", ReqId{q.request_id},
+                 q.job.tokens.size());
         Enqueue(std::move(q));
         return;
       }
@@ -189,14 +202,15 @@ struct PrefillService::Impl {
             queued_tokens -= static_cast<int64_t>(it->job.tokens.size());
             --depth;
             queue.erase(it);
+            LogInfo("{} cancelled while queued", ReqId{msg.request_id()});
             break;
           }
         }
         return;  // a running prefill finishes; its router ignores the reply
       }
       default:
-        std::fprintf(stderr, "%s: ignoring a message it does not serve (%d)\n",
-                     options.name.c_str(), static_cast<int>(msg.body_case()));
+        unserved.Warn("{} ignoring a message it does not serve ({})", ReqId{msg.request_id()},
+                      static_cast<int>(msg.body_case()));
     }
   }
 

@@ -10,6 +10,7 @@
 
 #include <zmq.hpp>
 
+#include "kdn/common/log.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/key.h"
@@ -113,6 +114,12 @@ struct Backend::Impl {
   bool have_identity = false;
   kvbus::ChunkKey fingerprint;
   int chunk_tokens = 0;
+  // Failures that can repeat on every turn of the loop.
+  LogLimiter send_errors, bad_messages, loop_errors;
+
+  double MsSince(Clock::time_point t) const {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  }
 
   void Send(size_t w, uint64_t request_id, proto::WorkerMessage& m) {
     m.set_request_id(request_id);
@@ -122,7 +129,7 @@ struct Backend::Impl {
       // its silence.
       (void)workers[w].sock->send(zmq::buffer(body), zmq::send_flags::dontwait);
     } catch (const zmq::error_t& e) {
-      std::fprintf(stderr, "kdn-router: sending to %s: %s\n", workers[w].view.name.c_str(), e.what());
+      send_errors.Error("{} sending to {}: {}", ReqId{request_id}, workers[w].view.name, e.what());
     }
   }
 
@@ -204,8 +211,8 @@ struct Backend::Impl {
                         kc.decoded_chunks(), kc.decode_errors()};
     if (info.role() != wk.view.role) {
       if (wk.view.compatible) {
-        std::fprintf(stderr, "kdn-router: %s is a %s worker, not %s; not using it\n",
-                     wk.view.endpoint.c_str(), info.role().c_str(), wk.view.role.c_str());
+        LogError("{} is a {} worker, not {}; not using it", wk.view.endpoint, info.role(),
+                 wk.view.role);
       }
       wk.view.compatible = false;
       return;
@@ -217,16 +224,14 @@ struct Backend::Impl {
       have_identity = true;
       fingerprint = *fp;
       chunk_tokens = info.chunk_tokens();
-      std::fprintf(stderr, "kdn-router: model %s, chunks of %d tokens (from %s)\n",
-                   fingerprint.ToHex().c_str(), chunk_tokens, wk.view.name.c_str());
+      LogInfo("model {}, chunks of {} tokens (from {})", fingerprint.ToHex(), chunk_tokens,
+              wk.view.name);
     }
     const bool ok = *fp == fingerprint && info.chunk_tokens() == chunk_tokens;
     if (!ok && wk.view.compatible) {
-      std::fprintf(stderr,
-                   "kdn-router: %s serves another model or chunk size (%s, %d) than the "
-                   "others (%s, %d); not using it\n",
-                   wk.view.name.c_str(), fp->ToHex().c_str(), info.chunk_tokens(),
-                   fingerprint.ToHex().c_str(), chunk_tokens);
+      LogError("{} serves another model or chunk size ({}, {}) than the others ({}, {}); not "
+               "using it",
+               wk.view.name, fp->ToHex(), info.chunk_tokens(), fingerprint.ToHex(), chunk_tokens);
     }
     wk.view.compatible = ok;
   }
@@ -239,6 +244,15 @@ struct Backend::Impl {
     r.arrival = c.arrival;
     requests.emplace(r.id, std::move(r));
     Request& req = requests[c.id];
+    if (LogEnabled(LogLevel::kInfo)) {
+      std::string blend;
+      if (req.job.blend) {
+        blend = fmt::format(", {} documents", req.job.blend->segment_tokens.size());
+      }
+      LogInfo("{} accepted {}: {} prompt tokens, max_tokens {}{}", ReqId{req.id},
+              req.job.route.empty() ? "a job" : req.job.route, req.job.tokens.size(),
+              req.job.max_tokens, blend);
+    }
     if (!have_identity) {
       Fail(req.id, Unavailable("no worker has answered yet"));
       return;
@@ -347,6 +361,11 @@ struct Backend::Impl {
     for (const std::string& s : r.job.stop_strings) pr->add_stop_strings(s);
     pr->set_transfer_id(r.transfer_id);
     pr->set_blended(r.job.blend.has_value());
+    // Before the prepare goes out, so that the line comes before the decode
+    // worker's about it.
+    LogInfo("{} routed: prefill {} (reaches {} tokens), decode {} (holds {} tokens)",
+            ReqId{r.id}, workers[r.p].view.name, r.prefix[r.p], workers[r.d].view.name,
+            r.job.blend ? 0 : r.prefix[r.d]);
     Send(r.d, r.id, m);
     // Count the request against the worker until it next reports.
     ++workers[r.d].view.queue_depth;
@@ -403,6 +422,8 @@ struct Backend::Impl {
         pf->set_decode_endpoint(workers[r.d].kvbus_endpoint);
         pf->set_decode_held_tokens(m.prepare_reply().held_tokens());
         pf->set_transfer_id(r.transfer_id);
+        LogDebug("{} prepared: {} holds {} prompt tokens; prefill to {}", ReqId{r.id},
+                 workers[r.d].view.name, m.prepare_reply().held_tokens(), workers[r.p].view.name);
         if (r.job.blend) {
           auto* b = pf->mutable_blend();
           b->set_head_tokens(r.job.blend->head_tokens);
@@ -423,6 +444,12 @@ struct Backend::Impl {
           Fail(r.id, st.WithContext(workers[w].view.name));
           return;
         }
+        LogInfo("{} prefill done by {}: {} cached ({} from tail pieces, {} blended, {} of them "
+                "recomputed), {} computed, {} bytes of KV sent, {} slices skipped, first "
+                "token after {:.1f} ms",
+                ReqId{r.id}, workers[w].view.name, pr.cached_tokens(), pr.tail_tokens(),
+                pr.blended_tokens(), pr.recomputed_tokens(), pr.computed_tokens(),
+                pr.kv_bytes_sent(), pr.slices_skipped(), MsSince(r.arrival));
         r.usage.prompt_tokens = static_cast<int>(r.job.tokens.size());
         r.usage.cached_tokens = pr.cached_tokens();
         r.usage.blended = r.job.blend.has_value();
@@ -504,6 +531,7 @@ struct Backend::Impl {
     inj.cb = std::move(c.cb);
     inj.progress.total = static_cast<int>(inj.job.documents.size());
     for (size_t i = 0; i < inj.job.documents.size(); ++i) inj.todo.push_back(i);
+    LogInfo("{} accepted /v1/kdn/inject: {} documents", ReqId{c.id}, inj.job.documents.size());
     injections.emplace(c.id, std::move(inj));
     PumpInjection(c.id);
   }
@@ -540,6 +568,10 @@ struct Backend::Impl {
       inject_parts[part_id] = {id, doc, best};
       ++busy[best];
       ++inj.in_flight;
+      // The document travels under an id of its own: the prefill worker's
+      // lines about it carry that one.
+      LogDebug("{} document {} ({} tokens) to {} as {}", ReqId{id}, doc,
+               inj.job.documents[doc].size(), workers[best].view.name, ReqId{part_id});
       Send(best, part_id, m);
     }
     if (!inj.todo.empty() && !any_up && inj.in_flight == 0) {
@@ -595,6 +627,10 @@ struct Backend::Impl {
     Injection& inj = it->second;
     --inj.in_flight;
     Status st = control::StatusFromProto(m.inject_reply().error());
+    if (!st.ok()) {
+      LogWarn("{} document {} failed at {} ({}): {}", ReqId{part.injection}, part.document,
+              workers[w].view.name, ReqId{m.request_id()}, st.ToString());
+    }
     DocumentDone(inj, part.document,
                  st.ok() ? "" : st.WithContext(workers[w].view.name).ToString(),
                  m.inject_reply().already_held());
@@ -642,8 +678,7 @@ struct Backend::Impl {
       if (wk.view.up && silent) {
         wk.view.up = false;
         changed = true;
-        std::fprintf(stderr, "kdn-router: %s (%s) stopped answering\n", wk.view.name.c_str(),
-                     wk.view.endpoint.c_str());
+        LogWarn("{} ({}) stopped answering", wk.view.name, wk.view.endpoint);
         std::vector<uint64_t> doomed, to_choose;
         for (auto& [id, r] : requests) {
           const bool uses_d = r.phase != Phase::kLookup && r.d == w;
@@ -730,13 +765,11 @@ struct Backend::Impl {
             wk.heard = true;
             if (!wk.view.up) {
               wk.view.up = true;
-              std::fprintf(stderr, "kdn-router: %s (%s) is up\n", wk.view.endpoint.c_str(),
-                           wk.view.role.c_str());
+              LogInfo("{} ({}) is up", wk.view.endpoint, wk.view.role);
             }
             proto::WorkerMessage wm;
             if (!wm.ParseFromArray(msg.data(), static_cast<int>(msg.size()))) {
-              std::fprintf(stderr, "kdn-router: dropping an undecodable message from %s\n",
-                           wk.view.name.c_str());
+              bad_messages.Warn("dropping an undecodable message from {}", wk.view.name);
               continue;
             }
             OnMessage(w, wm);
@@ -749,7 +782,7 @@ struct Backend::Impl {
         }
       } catch (const zmq::error_t& e) {
         if (e.num() == ETERM) return;
-        std::fprintf(stderr, "kdn-router: backend: %s\n", e.what());
+        loop_errors.Error("backend: {}", e.what());
       }
     }
   }
@@ -769,6 +802,10 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
   std::random_device rd;
   impl->nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
                 static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  // Request ids count up from a random point, so that two runs of a router
+  // almost never share one in their logs: 30 random bits above a 32-bit
+  // count, below the injection parts' ids (1 << 62).
+  impl->next_id = ((impl->nonce >> 7) & 0x3fffffff) << 32 | 1;
   try {
     char name[64];
     std::snprintf(name, sizeof(name), "inproc://router-backend-%p", static_cast<void*>(impl.get()));

@@ -12,6 +12,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include "kdn/common/log.h"
 #include "kdn/model/config.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
@@ -75,7 +76,6 @@ struct ServerState {
   Metrics metrics;
   std::unique_ptr<Backend> backend;
   int64_t started = UnixNow();
-  std::atomic<uint64_t> next_response{1};
 
   asio::io_context io{1};
   std::optional<tcp::acceptor> acceptor;
@@ -225,11 +225,8 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_mode_ = req.stream;
     include_usage_ = req.include_usage;
     created_ = UnixNow();
-    char id[40];
-    std::snprintf(id, sizeof(id), "%s-%016llx", kind == ApiKind::kChat ? "chatcmpl" : "cmpl",
-                  static_cast<unsigned long long>(router_.next_response++));
-    response_id_ = id;
     Job job;
+    job.route = route_;
     job.tokens = std::move(req.prompt);
     job.ns = RequestNamespace(tenant_, req.cache_salt);
     job.sampling = req.sampling;
@@ -240,10 +237,14 @@ class Session : public std::enable_shared_from_this<Session> {
     if (stream_mode_) stream_.expires_never();
     BeginJob();
     job_ = router_.backend->Submit(std::move(job), JobEvents());
+    // The OpenAI id is the request id that every process's log lines carry.
+    request_id_ = FormatRequestId(job_);
+    response_id_ = (kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-") + request_id_;
   }
 
   // The job about to start counts as in flight and live.
   void BeginJob() {
+    job_start_ = std::chrono::steady_clock::now();
     router_.metrics.InFlight(1);
     in_flight_ = true;
     job_live_ = true;
@@ -276,6 +277,20 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_.expires_never();
     BeginJob();
     job_ = router_.backend->Inject(std::move(job), JobEvents());
+    request_id_ = FormatRequestId(job_);
+  }
+
+  double JobMs() const {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - job_start_)
+        .count();
+  }
+
+  // The end of a job that failed, with the HTTP status it answers (or sent
+  // in its stream, after a 200): an error when the fault is the server's.
+  void LogFailed(const ApiError& e) {
+    Log(e.http_status >= 500 ? LogLevel::kError : LogLevel::kWarn,
+        "{} failed: {} {} after {:.1f} ms: {}", ReqId{job_}, e.http_status, e.type, JobMs(),
+        e.message);
   }
 
   static json ProgressJson(const InjectProgress& p, bool final) {
@@ -302,6 +317,7 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string head =
         "HTTP/1.1 200 OK\r\nServer: kdn-router\r\nContent-Type: text/event-stream\r\n"
         "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n";
+    if (!request_id_.empty()) head += "X-Request-Id: " + request_id_ + "\r\n";
     head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
     Enqueue(std::move(head));
     header_sent_ = true;
@@ -317,6 +333,13 @@ class Session : public std::enable_shared_from_this<Session> {
     job_live_ = false;
     EndInFlight();
     const InjectProgress& p = ev.progress;
+    if (ev.kind == JobEvent::Kind::kError) {
+      LogFailed(JobError(ev.error));
+    } else {
+      LogInfo("{} finished: {} documents, {} stored, {} already held, {} failed, {} tokens, "
+              "{:.1f} ms",
+              ReqId{job_}, p.total, p.stored, p.already_held, p.failed, p.tokens, JobMs());
+    }
     if (ev.kind == JobEvent::Kind::kDone && p.failed == p.total && p.total > 0 &&
         !header_sent_) {
       // Nothing stored: the first failure is the answer.
@@ -350,6 +373,7 @@ class Session : public std::enable_shared_from_this<Session> {
       job_live_ = false;
       EndInFlight();
       ApiError e = JobError(ev.error);
+      LogFailed(e);
       if (!stream_mode_ || !header_sent_) {
         // Nothing streamed yet: the failure gets its own status code.
         ReplyError(e);
@@ -372,6 +396,9 @@ class Session : public std::enable_shared_from_this<Session> {
     // kDone
     job_live_ = false;
     EndInFlight();
+    LogInfo("{} finished: {}, {} prompt tokens ({} cached), {} completion tokens, 200, {:.1f} ms",
+            ReqId{job_}, ev.finish_reason, ev.usage.prompt_tokens, ev.usage.cached_tokens,
+            ev.usage.completion_tokens, JobMs());
     if (!stream_mode_) {
       Reply(http::status::ok,
             Dump(CompletionResponse(kind_, response_id_, created_, model, text_, ev.finish_reason,
@@ -409,6 +436,7 @@ class Session : public std::enable_shared_from_this<Session> {
     auto res = std::make_shared<http::response<http::string_body>>(status, 11);
     res->set(http::field::server, "kdn-router");
     res->set(http::field::content_type, content_type);
+    if (!request_id_.empty()) res->set("X-Request-Id", request_id_);
     res->keep_alive(keep_alive_);
     res->body() = std::move(body);
     res->prepare_payload();
@@ -428,6 +456,7 @@ class Session : public std::enable_shared_from_this<Session> {
     header_sent_ = false;
     job_live_ = false;
     inject_ = false;
+    request_id_.clear();
   }
 
   void Enqueue(std::string piece) {
@@ -452,6 +481,8 @@ class Session : public std::enable_shared_from_this<Session> {
         job_live_ = false;
         EndInFlight();
         router_.metrics.RequestFinished(route_, 499);
+        LogInfo("{} cancelled: the client went away (499) after {:.1f} ms: {}", ReqId{job_},
+                JobMs(), ec.message());
       }
       queue_.clear();
       return Close();
@@ -491,6 +522,8 @@ class Session : public std::enable_shared_from_this<Session> {
   bool inject_ = false;  // the job is an injection
   const std::string* tenant_ = nullptr;  // the request's, when keys are configured
   uint64_t job_ = 0;
+  std::string request_id_;  // job_ as X-Request-Id gives it; empty: no job
+  std::chrono::steady_clock::time_point job_start_;
   int64_t created_ = 0;
   std::string response_id_;
   std::string text_;
@@ -508,7 +541,9 @@ void Router::Impl::Accept() {
   acceptor->async_accept([this](beast::error_code ec, tcp::socket socket) {
     if (ec) {
       if (ec == asio::error::operation_aborted) return;
-      std::fprintf(stderr, "kdn-router: accept: %s\n", ec.message().c_str());
+      // It can fail on every try (out of file descriptors): rate-limited.
+      static LogLimiter limiter;
+      limiter.Error("accept: {}", ec.message());
     } else {
       socket.set_option(tcp::no_delay(true), ec);
       std::make_shared<Session>(std::move(socket), *this)->Start();

@@ -1,6 +1,7 @@
 // ControlServer: a frame over kMaxControlFrameBytes is never buffered nor
 // handed to the handler (ZeroMQ drops the connection that sends it), and the
-// server goes on answering its other peers.
+// server goes on answering its other peers. Malformed frames are dropped with
+// a rate-limited log line, however many peers send them.
 #include "kdn/control/control_server.h"
 
 #include "kdn/kvbus/zmq_curve.h"
@@ -8,10 +9,16 @@
 #include <gtest/gtest.h>
 #include <zmq.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <memory>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include "kdn/common/log.h"
 
 namespace kdn::control {
 namespace {
@@ -57,6 +64,58 @@ TEST(ControlServer, AFrameOverTheLimitIsDroppedAndOthersAreServed) {
   ASSERT_TRUE(parsed.ParseFromArray(reply.data(), static_cast<int>(reply.size())));
   EXPECT_EQ(parsed.request_id(), 2u);
   EXPECT_EQ(handled.load(), 1);
+}
+
+// Sends an info request on `sock` and waits for its answer: every frame
+// `sock` sent before has been handled (one connection keeps its order).
+void Ping(zmq::socket_t& sock, uint64_t id) {
+  proto::WorkerMessage ping;
+  ping.set_request_id(id);
+  ping.mutable_info_request();
+  const std::string bytes = ping.SerializeAsString();
+  sock.send(zmq::buffer(bytes), zmq::send_flags::none);
+  zmq::message_t reply;
+  ASSERT_TRUE(sock.recv(reply, zmq::recv_flags::none).has_value()) << "no answer to " << id;
+}
+
+TEST(ControlServer, AFloodOfMalformedFramesFromManyPeersLogsAFewLines) {
+  const LogLevel saved = GetLogLevel();
+  SetLogLevel(LogLevel::kInfo);
+  auto server = ControlServer::Start(
+      "tcp://127.0.0.1:0", [&](ControlServer& srv, const std::string& peer, proto::WorkerMessage m) {
+        proto::WorkerMessage reply;
+        reply.set_request_id(m.request_id());
+        reply.mutable_info();
+        srv.Send(peer, reply);
+      });
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  zmq::context_t ctx;
+  std::vector<std::unique_ptr<zmq::socket_t>> peers;
+  for (int i = 0; i < 20; ++i) {
+    auto s = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
+    s->set(zmq::sockopt::linger, 0);
+    s->set(zmq::sockopt::rcvtimeo, 10000);
+    s->connect((*server)->endpoint());
+    peers.push_back(std::move(s));
+  }
+  // Field 0 is no protobuf field: the frame does not parse.
+  const std::string garbage("\xff\xff\xff\xff", 4);
+  testing::internal::CaptureStderr();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int k = 0; k < 100; ++k) {
+    for (auto& s : peers) s->send(zmq::buffer(garbage), zmq::send_flags::none);
+  }
+  for (size_t i = 0; i < peers.size(); ++i) Ping(*peers[i], i + 1);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string text = testing::internal::GetCapturedStderr();
+  SetLogLevel(saved);
+  const auto lines = std::count(text.begin(), text.end(), '\n');
+  // 2000 malformed frames from 20 peers: at most 5 lines a second (and one
+  // "suppressed" line before each window's first), not one per frame or peer.
+  EXPECT_GE(lines, 1);
+  EXPECT_LE(lines, 6 * static_cast<long>(std::ceil(seconds) + 1)) << text;
+  EXPECT_NE(text.find("dropping a malformed message"), std::string::npos) << text;
 }
 
 // With CURVE, a peer without the deployment's key reaches no handler: its

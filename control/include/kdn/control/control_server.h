@@ -31,7 +31,7 @@ class ControlServer {
  public:
   // Called on the I/O thread for each well-formed message, with the server
   // to answer through (valid even before Start has returned); malformed
-  // frames are dropped (logged once per peer).
+  // frames are dropped (logged, rate-limited: kdn::LogLimiter).
   using Handler = std::function<void(ControlServer& server, const std::string& peer,
                                      proto::WorkerMessage message)>;
 

@@ -85,6 +85,8 @@ struct DecodeRequest {
   std::string transfer_id;
   // The prompt's KV was fused by blend: nothing loaded or stored by prefix key.
   bool blended = false;
+  // The router's request id, shown in the Decoder's log lines (ReqId) only.
+  uint64_t request_id = 0;
   RequestSpec spec;  // sampling, max_tokens, stops; spec.id is set by Prepare
 };
 
@@ -111,7 +113,6 @@ struct DecoderOptions {
   // Bytes of finished conversations' chunks waiting for the store I/O
   // thread above which a finished conversation is not stored.
   uint64_t max_pending_store_bytes = uint64_t{1} << 30;
-  std::string name = "decode";  // in log lines
   // The shortest tail match used (kvbus::MatchPrefix).
   int64_t min_tail_tokens = kvbus::kMinTailTokens;
   // Called on the store I/O thread when a load is in, so that the compute
@@ -197,6 +198,7 @@ class Decoder {
     std::string ns;
     bool blended = false;
     int64_t held_tokens = 0;  // leading tokens the KDN gave: their full chunks not stored again
+    uint64_t request_id = 0;  // the router's (DecodeRequest::request_id)
   };
   struct Mailbox;  // shared with the store I/O thread's jobs
   using LoadedSpan = std::pair<kvbus::KeyedSpan, std::shared_ptr<const kvbus::Chunk>>;
@@ -214,12 +216,14 @@ class Decoder {
   // partial tail; a blended prompt's whole KV), which only
   // PlacePushedSlices would otherwise have taken.
   void DropOwnSlices(const Prepared& p);
+  // `request_id` (the router's) is for log lines.
   std::vector<std::shared_ptr<const kvbus::Chunk>> CopyOutChunks(
-      const engine::KvSequence& seq, const std::vector<kvbus::KeyedSpan>& spans);
+      uint64_t request_id, const engine::KvSequence& seq,
+      const std::vector<kvbus::KeyedSpan>& spans);
   uint64_t ChunkBytes(int64_t tokens) const;  // a chunk of `tokens` tokens, serialized
 
   void PostLoad(uint64_t id, const Prepared& p);
-  void PostStore(std::vector<std::shared_ptr<const kvbus::Chunk>> chunks);
+  void PostStore(uint64_t request_id, std::vector<std::shared_ptr<const kvbus::Chunk>> chunks);
   // Assembles and admits a prepared request whose load is in.
   void Begin(uint64_t id, int32_t first_token, DecoderOutput* out);
   // The Batcher's finish hook: hands the conversation's chunks to the store.

@@ -5,10 +5,10 @@
 
 #include <CLI/CLI.hpp>
 
-#include <cstdio>
 #include <optional>
 #include <string>
 
+#include "kdn/common/log.h"
 #include "kdn/kvbus/curve.h"
 
 namespace kdn::kvbus {
@@ -24,22 +24,21 @@ struct CurveFlag {
                    "who can connect to this process's ports is trusted)");
   }
 
-  // After parsing: the key, or none; logs which, as `program`. On error,
-  // prints why and returns an error status for main to exit with.
-  Result<std::optional<CurveKeys>> Load(const char* program) const {
+  // After parsing: the key, or none, and a log line saying which. On error
+  // it logs why and returns the status, for main to exit with.
+  Result<std::optional<CurveKeys>> Load() const {
     auto keys = CurveKeysFromFlagOrEnv(path);
     if (!keys.ok()) {
-      std::fprintf(stderr, "%s: --curve-keys: %s\n", program, keys.status().ToString().c_str());
+      LogError("--curve-keys: {}", keys.status().ToString());
       return keys.status();
     }
     if (keys->has_value()) {
-      std::fprintf(stderr, "%s: internal sockets use CURVE (deployment key %.8s...)\n", program,
-                   (*keys)->public_key.c_str());
+      LogInfo("internal sockets use CURVE (deployment key {}...)",
+              (*keys)->public_key.substr(0, 8));
     } else {
-      std::fprintf(stderr,
-                   "%s: internal sockets are plaintext (no --curve-keys): any process that can "
-                   "connect to them is trusted\n",
-                   program);
+      LogWarn(
+          "internal sockets are plaintext (no --curve-keys): any process that can connect to "
+          "them is trusted");
     }
     return keys;
   }

@@ -21,8 +21,8 @@
 namespace kdn::kvbus {
 
 // ZeroMQ's ZAP handler for one context: admits CURVE clients that hold the
-// deployment's key and refuses every other client (logging the first
-// refusal from each address). One per context, started before any of its
+// deployment's key and refuses every other client (logging each refusal,
+// rate-limited). One per context, started before any of its
 // server sockets binds; destroy it before closing the context.
 class CurveAuthenticator {
  public:

@@ -45,6 +45,7 @@ struct Job {
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
   std::optional<BlendRequest> blend;
+  std::string route;  // the HTTP path it came by, for log lines
 };
 
 struct InjectJob {
@@ -127,7 +128,10 @@ class Backend {
   Backend(const Backend&) = delete;
   Backend& operator=(const Backend&) = delete;
 
-  // Starts a job and returns its id; `callback` gets its events.
+  // Starts a job and returns its id: the request id that every message
+  // about it carries, and that its log lines show (ReqId) in every process.
+  // Ids are unique within a router and, as they start at a random point,
+  // almost surely across its restarts too. `callback` gets its events.
   uint64_t Submit(Job job, JobCallback callback);
   // Starts an injection and returns its id; `callback` gets a kProgress per
   // document, then kDone (or kError when no prefill worker is up). A
