@@ -37,6 +37,19 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-batch", o.max_batch, "Requests decoded together at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  int64_t peer_lease_ms = o.peer_lease.count();
+  app.add_option("--peer-lease-ms", peer_lease_ms,
+                 "Prepared requests not yet started are let go once the router that sent them "
+                 "has been silent this long (routers ping every 250 ms)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--peer-prepare-share", o.peer_prepare_share,
+                 "The share of the KV pool one router's prepared, not yet started requests may "
+                 "hold together; a Prepare past it is refused")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0).description("in (0, 1]"))
+      ->check([](const std::string& s) {
+        return std::stod(s) > 0 ? std::string() : std::string("must be more than 0");
+      });
   kdn::control::EngineFlags engine_flags(o.engine.kv_tokens);
   engine_flags.Add(app);
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
@@ -52,6 +65,7 @@ int main(int argc, char** argv) {
   auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
   o.curve = *std::move(curve);
+  o.peer_lease = std::chrono::milliseconds(peer_lease_ms);
   auto engine = engine_flags.Options(o.engine);
   if (!engine.ok()) {
     kdn::LogError("{}", engine.status().message());

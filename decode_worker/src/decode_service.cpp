@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "kdn/common/job_thread.h"
@@ -32,6 +33,8 @@ struct Origin {
   std::string peer;
   uint64_t request_id = 0;
   int64_t tokens = 0;  // token events sent to it so far
+  int64_t blocks = 0;     // KV blocks its prompt reserved
+  bool unstarted = true;  // prepared, not started: its blocks count against its peer's budget
 };
 
 std::string OriginKey(const std::string& peer, uint64_t request_id) {
@@ -80,10 +83,15 @@ struct DecodeService::Impl {
   std::atomic<int> free_blocks{0};
   std::thread compute;
   LogLimiter unserved;  // messages it does not serve, from any peer
+  // When each peer was last heard from (any message: routers ping every
+  // 250 ms), for the leases on its unstarted requests. Guarded by mu.
+  std::map<std::string, std::chrono::steady_clock::time_point> heard;
 
   // The compute thread's alone.
   std::map<std::string, uint64_t> ids;  // origin key -> Decoder id
   std::map<uint64_t, Origin> origins;   // Decoder id -> who asked
+  // Per peer, KV blocks held by its prepared requests not yet started.
+  std::map<std::string, int64_t> unstarted_blocks;
 
   void FillInfo(proto::WorkerInfo* info) {
     info->set_name(options.name);
@@ -111,6 +119,10 @@ struct DecodeService::Impl {
   // trips) to the store I/O thread and the rest to the compute thread.
   void OnMessage(control::ControlServer& srv, const std::string& peer, proto::WorkerMessage msg) {
     const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      heard[peer] = std::chrono::steady_clock::now();
+    }
     switch (msg.body_case()) {
       case proto::WorkerMessage::kLookup:
         store_io->Post(kLookupLane, [this, &srv, peer, msg = std::move(msg), fill] {
@@ -144,13 +156,31 @@ struct DecodeService::Impl {
     server->Send(o.peer, m);
   }
 
+  // A peer's budget: the KV blocks its prepared, unstarted requests may
+  // hold together (options.peer_prepare_share of the pool).
+  Status CheckBudget(const std::string& peer, int64_t blocks) const {
+    const auto it = unstarted_blocks.find(peer);
+    const int64_t held = it == unstarted_blocks.end() ? 0 : it->second;
+    const auto budget = static_cast<int64_t>(options.peer_prepare_share * total_blocks);
+    if (held + blocks <= budget) return Status::Ok();
+    return ResourceExhausted("this router's requests not yet started hold " +
+                             std::to_string(held) + " KV blocks; " + std::to_string(blocks) +
+                             " more would pass its budget of " + std::to_string(budget) + " (" +
+                             std::to_string(options.peer_prepare_share) +
+                             " of the pool, --peer-prepare-share)");
+  }
+
   void DoPrepare(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const std::string okey = OriginKey(peer, msg.request_id());
+    const int64_t blocks =
+        (msg.prepare().tokens_size() + engine::kKvBlockTokens - 1) / engine::kKvBlockTokens;
+    Status budget = CheckBudget(peer, blocks);
     Result<uint64_t> id =
         ids.count(okey) != 0
             ? Result<uint64_t>(InvalidArgument("request " + std::to_string(msg.request_id()) +
                                                " is already here"))
-            : decoder->Prepare(RequestFromProto(msg.request_id(), msg.prepare()), out);
+        : !budget.ok() ? Result<uint64_t>(budget)
+                       : decoder->Prepare(RequestFromProto(msg.request_id(), msg.prepare()), out);
     if (!id.ok()) {
       LogError("{} prepare refused: {}", ReqId{msg.request_id()}, id.status().ToString());
       proto::WorkerMessage reply;
@@ -161,7 +191,44 @@ struct DecodeService::Impl {
     }
     // The reply goes out with the Decoder's PrepareDone, once the load is in.
     ids[okey] = *id;
-    origins[*id] = {peer, msg.request_id()};
+    origins[*id] = {peer, msg.request_id(), 0, blocks, true};
+    unstarted_blocks[peer] += blocks;
+  }
+
+  // `o` is started, finished or let go: its blocks leave its peer's budget.
+  void Unreserve(Origin& o) {
+    if (!o.unstarted) return;
+    o.unstarted = false;
+    auto it = unstarted_blocks.find(o.peer);
+    if (it != unstarted_blocks.end() && (it->second -= o.blocks) <= 0) unstarted_blocks.erase(it);
+  }
+
+  // Leases: the unstarted requests of a peer silent for options.peer_lease
+  // (its router died, or it was never a router) are let go, their blocks
+  // free; and peers long silent are forgotten.
+  void ExpireLeases(DecoderOutput* out) {
+    const auto now = std::chrono::steady_clock::now();
+    std::set<std::string> silent;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto it = heard.begin(); it != heard.end();) {
+        const auto quiet = now - it->second;
+        if (quiet > options.peer_lease) silent.insert(it->first);
+        it = quiet > 10 * options.peer_lease ? heard.erase(it) : std::next(it);
+      }
+    }
+    if (silent.empty()) return;
+    std::vector<uint64_t> lapsed;
+    for (const auto& [id, o] : origins) {
+      if (o.unstarted && silent.count(o.peer) != 0) lapsed.push_back(id);
+    }
+    for (uint64_t id : lapsed) {
+      Origin& o = origins[id];
+      LogWarn("{} its router has been silent for over {} ms: letting its {} reserved KV blocks go",
+              ReqId{o.request_id}, options.peer_lease.count(), o.blocks);
+      Unreserve(o);
+      (void)decoder->Cancel(id, out);
+    }
   }
 
   void DoStart(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
@@ -172,6 +239,7 @@ struct DecodeService::Impl {
                                " was not prepared here (or expired)")
                     : decoder->Start(it->second, msg.start().first_token(),
                                      msg.start().first_token_sent(), out);
+    if (st.ok()) Unreserve(origins[it->second]);
     if (!st.ok()) {
       LogError("{} start refused: {}", ReqId{msg.request_id()}, st.ToString());
       SendError(origin, st);
@@ -217,6 +285,7 @@ struct DecodeService::Impl {
       }
       server->Send(it->second.peer, m);
       if (evs.back()->finished) {
+        Unreserve(it->second);
         const TokenEvent& last = *evs.back();
         if (!last.error.ok()) {
           LogError("{} failed after {} tokens: {}", ReqId{it->second.request_id},
@@ -246,6 +315,7 @@ struct DecodeService::Impl {
         todo.swap(commands);
       }
       DecoderOutput out;
+      ExpireLeases(&out);
       for (const Command& c : todo) {
         switch (c.msg.body_case()) {
           case proto::WorkerMessage::kPrepare: DoPrepare(c.peer, c.msg, &out); break;
@@ -268,6 +338,10 @@ DecodeService::DecodeService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceOptions& options) {
   if (options.chunk_tokens <= 0) return InvalidArgument("--chunk-tokens must be positive");
   if (options.max_batch <= 0) return InvalidArgument("--max-batch must be positive");
+  if (!(options.peer_prepare_share > 0 && options.peer_prepare_share <= 1)) {
+    return InvalidArgument("--peer-prepare-share must be in (0, 1]");
+  }
+  if (options.peer_lease.count() <= 0) return InvalidArgument("--peer-lease-ms must be positive");
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   engine::OpenOptions eo = options.engine;

@@ -23,6 +23,7 @@
 // (store jobs still queued are dropped: a conversation not stored costs only
 // reuse).
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -54,6 +55,15 @@ struct DecodeServiceOptions {
   // on this host; tcp gives none.
   kvbus::TransportKind kv_transport = kvbus::TransportKind::kAuto;
   uint64_t kv_landing_bytes = uint64_t{256} << 20;
+  // Leases on reservations: the prepared, unstarted requests of a peer (a
+  // router) not heard from for this long are let go. Routers ping every
+  // 250 ms, so only a dead one (or a peer that is no router) lapses.
+  std::chrono::milliseconds peer_lease{5000};
+  // A peer's budget: the share of the KV pool its prepared, unstarted
+  // requests may hold together; a Prepare past it is RESOURCE_EXHAUSTED.
+  // Below 1, no one router can reserve the whole pool for requests that
+  // never start. In (0, 1].
+  double peer_prepare_share = 0.9;
   // Set: every ZeroMQ socket it opens (control, kvbus, kdn-store) runs CURVE
   // with this deployment key (kdn/kvbus/curve.h); unset: plaintext.
   std::optional<kvbus::CurveKeys> curve;

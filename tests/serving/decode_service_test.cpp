@@ -1,0 +1,194 @@
+// DecodeService's checks on Prepare, with raw ZeroMQ peers standing in for
+// routers: a peer's budget (its prepared, unstarted requests hold at most a
+// share of the KV pool) and leases (a silent peer's unstarted requests are
+// let go). The tests wait for what the worker reports, never for a length
+// of time that a slow machine could miss.
+#include "kdn/decode_worker/decode_service.h"
+
+#include <gtest/gtest.h>
+#include <zmq.hpp>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "../engine/test_util.h"
+#include "kdn/engine/generate.h"
+#include "kdn/engine/presets.h"
+#include "serving.pb.h"
+
+namespace kdn::decode_worker {
+namespace {
+
+using engine::testing::TempDir;
+using namespace std::chrono_literals;
+
+constexpr int kPromptTokens = 64;  // 4 KV blocks of 16 tokens
+
+// A router stand-in: one DEALER to the worker's control socket.
+class Peer {
+ public:
+  Peer(zmq::context_t& ctx, const std::string& endpoint) : sock_(ctx, zmq::socket_type::dealer) {
+    sock_.set(zmq::sockopt::linger, 0);
+    sock_.set(zmq::sockopt::rcvtimeo, 30000);  // only ever reached by a failing test
+    sock_.connect(endpoint);
+  }
+
+  void Send(const proto::WorkerMessage& m) {
+    const std::string bytes = m.SerializeAsString();
+    sock_.send(zmq::buffer(bytes), zmq::send_flags::none);
+  }
+
+  // The next message for this peer (an empty one after the timeout).
+  proto::WorkerMessage Receive() {
+    zmq::message_t msg;
+    proto::WorkerMessage m;
+    if (sock_.recv(msg, zmq::recv_flags::none)) {
+      EXPECT_TRUE(m.ParseFromArray(msg.data(), static_cast<int>(msg.size())));
+    }
+    return m;
+  }
+
+  // Prepares request `id` and returns the worker's reply.
+  proto::WorkerMessage Prepare(uint64_t id) {
+    proto::WorkerMessage m;
+    m.set_request_id(id);
+    auto* p = m.mutable_prepare();
+    for (int i = 0; i < kPromptTokens; ++i) p->add_tokens(1 + (i * 7 + static_cast<int>(id)) % 250);
+    p->mutable_sampling()->set_top_p(1.0f);
+    p->set_max_tokens(4);
+    p->set_transfer_id(std::string(16, static_cast<char>('a' + id % 26)));
+    Send(m);
+    return Receive();
+  }
+
+  // The worker's free KV blocks, by an info request (which also keeps this
+  // peer's leases alive).
+  int FreeBlocks() {
+    proto::WorkerMessage m;
+    m.mutable_info_request();
+    Send(m);
+    for (;;) {
+      proto::WorkerMessage r = Receive();
+      if (r.body_case() == proto::WorkerMessage::kInfo) return r.info().free_kv_blocks();
+      if (r.body_case() == proto::WorkerMessage::BODY_NOT_SET) return -1;
+    }
+  }
+
+ private:
+  zmq::socket_t sock_;
+};
+
+class DecodeServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto preset = engine::FindPreset("tiny");
+    ASSERT_TRUE(preset.ok());
+    ASSERT_TRUE(engine::WriteModelFolder(dir_.path(), preset->config, 1, preset->dtype).ok());
+  }
+
+  std::unique_ptr<DecodeService> Start(std::chrono::milliseconds lease, double share) {
+    auto d = DecodeService::Start({.model_dir = dir_.path(),
+                                   .host_bytes = 16u << 20,
+                                   .staging_bytes = 16u << 20,
+                                   .chunk_tokens = 16,
+                                   .engine = {.kv_tokens = 256, .threads = 1},
+                                   .peer_lease = lease,
+                                   .peer_prepare_share = share});
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    return d.ok() ? std::move(d).value() : nullptr;
+  }
+
+  TempDir dir_;
+  zmq::context_t ctx_;
+};
+
+bool Refused(const proto::WorkerMessage& reply, StatusCode code) {
+  return reply.has_prepare_reply() && reply.prepare_reply().has_error() &&
+         reply.prepare_reply().error().code() == static_cast<int>(code);
+}
+
+// 256 tokens of KV are 16 blocks; a share of 0.5 lets one peer's unstarted
+// requests hold 8: two prompts of 4 blocks, not a third. Another peer has a
+// budget of its own.
+TEST_F(DecodeServiceTest, APeersUnstartedRequestsStayWithinItsBudget) {
+  auto d = Start(60s, 0.5);
+  ASSERT_NE(d, nullptr);
+  Peer a(ctx_, d->endpoint()), b(ctx_, d->endpoint());
+  for (uint64_t id : {1, 2}) {
+    const auto r = a.Prepare(id);
+    ASSERT_TRUE(r.has_prepare_reply()) << r.DebugString();
+    EXPECT_FALSE(r.prepare_reply().has_error()) << r.DebugString();
+  }
+  const auto third = a.Prepare(3);
+  EXPECT_TRUE(Refused(third, StatusCode::kResourceExhausted)) << third.DebugString();
+  EXPECT_NE(third.prepare_reply().error().message().find("--peer-prepare-share"),
+            std::string::npos);
+  const auto other = b.Prepare(4);
+  EXPECT_FALSE(other.prepare_reply().has_error()) << other.DebugString();
+  EXPECT_EQ(b.FreeBlocks(), 16 - 3 * 4);
+
+  // A cancelled request leaves the budget: the peer may prepare again.
+  proto::WorkerMessage cancel;
+  cancel.set_request_id(1);
+  cancel.mutable_cancel();
+  a.Send(cancel);
+  const auto cancelled = a.Receive();
+  ASSERT_TRUE(cancelled.has_tokens()) << cancelled.DebugString();
+  EXPECT_EQ(cancelled.tokens().events(0).finish_reason(), "cancelled");
+  const auto again = a.Prepare(5);
+  EXPECT_FALSE(again.prepare_reply().has_error()) << again.DebugString();
+}
+
+// A peer that goes silent loses its unstarted requests after the lease
+// (they end "cancelled", their blocks free); a peer that keeps talking keeps
+// its own.
+TEST_F(DecodeServiceTest, ASilentPeersUnstartedRequestsAreLetGo) {
+  auto d = Start(300ms, 1.0);
+  ASSERT_NE(d, nullptr);
+  Peer silent(ctx_, d->endpoint()), live(ctx_, d->endpoint());
+  for (uint64_t id : {1, 2}) EXPECT_FALSE(silent.Prepare(id).prepare_reply().has_error());
+  EXPECT_FALSE(live.Prepare(3).prepare_reply().has_error());
+  EXPECT_EQ(live.FreeBlocks(), 16 - 3 * 4);
+  // The live peer pings (as a router does every 250 ms) until the silent
+  // peer's two requests are gone.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  int free = 0;
+  while ((free = live.FreeBlocks()) != 16 - 4 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(free, 16 - 4) << "the silent peer's reservations were never let go";
+  for (int i = 0; i < 2; ++i) {
+    const auto ev = silent.Receive();
+    ASSERT_TRUE(ev.has_tokens()) << ev.DebugString();
+    EXPECT_EQ(ev.tokens().events(0).finish_reason(), "cancelled");
+  }
+  // The live peer's request is still there to start: it fails only for the
+  // KV that no prefill worker sent (UNAVAILABLE), where a lapsed one would
+  // not be found.
+  proto::WorkerMessage start;
+  start.set_request_id(3);
+  start.mutable_start()->set_first_token(5);
+  live.Send(start);
+  for (;;) {
+    const auto ev = live.Receive();
+    if (ev.body_case() == proto::WorkerMessage::kInfo) continue;
+    ASSERT_TRUE(ev.has_tokens()) << ev.DebugString();
+    ASSERT_GT(ev.tokens().events_size(), 0);
+    EXPECT_EQ(ev.tokens().events(0).error().code(), static_cast<int>(StatusCode::kUnavailable))
+        << ev.DebugString();
+    break;
+  }
+}
+
+TEST_F(DecodeServiceTest, BadBudgetAndLeaseAreRefusedAtStart) {
+  for (double share : {0.0, 1.5}) {
+    auto d = DecodeService::Start({.model_dir = dir_.path(), .peer_prepare_share = share});
+    EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument) << share;
+  }
+  auto d = DecodeService::Start({.model_dir = dir_.path(), .peer_lease = 0ms});
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kdn::decode_worker
