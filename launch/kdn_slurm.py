@@ -333,7 +333,7 @@ def script_text(L, a, bin_dir, model, run_dir):
               "--kv-transport %s" % a.kv_transport] + ([log] if log else [])
     # Every step reads the deployment's CURVE key from the run folder (which
     # every node sees): its sockets are open to the job's steps only.
-    curve = "--curve-keys %s" % q(str(a.curve_keys))
+    curve = "--curve-keys %s" % q(str(a.curve_keys[0]))
     worker.append(curve)
     if a.device == "cuda":
         # step_main leaves each worker only its own GPUs in CUDA_VISIBLE_DEVICES,
@@ -364,7 +364,8 @@ def script_text(L, a, bin_dir, model, run_dir):
                          % (role.upper(), role.upper(), role.upper(), n))
     router = ['"$BIN/kdn-router"', '--model "$MODEL"', '--prefill "$PREFILL"',
               '--decode "$DECODE"', '--host %s' % (q(a.host) if a.host else '"${addrs[0]}"'),
-              "--port %d" % a.port, "--recompute-ratio %r" % a.recompute_ratio, curve] + (
+              "--port %d" % a.port, "--recompute-ratio %r" % a.recompute_ratio,
+              "--curve-keys %s" % q(str(a.curve_keys[1]))] + (
                   [log] if log else [])
     if a.separator:
         router.append("--separator %s" % q(a.separator))
@@ -441,7 +442,7 @@ def cmd_submit(L, a):
                 if f.is_file():
                     f.unlink()
         d.mkdir(exist_ok=True)
-    a.curve_keys = L.make_curve_key(bin_dir, run_dir)
+    a.curve_keys = L.make_curve_keys(bin_dir, run_dir)
     script = run_dir / SBATCH_NAME
     script.write_text(script_text(L, a, bin_dir, model, run_dir))
     script.chmod(0o755)

@@ -39,7 +39,15 @@ Result<CurveKeys> GenerateCurveKeys() {
   }
   char pub[kZ85Chars + 1], sec[kZ85Chars + 1];
   if (zmq_curve_keypair(pub, sec) != 0) return ZmqErrorStatus(errno, "zmq_curve_keypair");
-  return CurveKeys{pub, sec};
+  return CurveKeys{pub, sec, "", ""};
+}
+
+Result<std::pair<CurveKeys, CurveKeys>> GenerateDeploymentKeys() {
+  KDN_ASSIGN_OR_RETURN(CurveKeys members, GenerateCurveKeys());
+  KDN_ASSIGN_OR_RETURN(CurveKeys router, GenerateCurveKeys());
+  members.router_key = router.public_key;
+  router.server_key = members.public_key;
+  return std::make_pair(std::move(members), std::move(router));
 }
 
 Status WriteCurveKeys(const std::string& path, const CurveKeys& keys) {
@@ -54,7 +62,9 @@ Status WriteCurveKeys(const std::string& path, const CurveKeys& keys) {
       "# kdn deployment key: ZeroMQ CURVE, Z85 (docs/kvbus.md, \"Authenticated sockets\").\n"
       "# Every process of the deployment reads it (--curve-keys); keep it private.\n"
       "public-key = " + keys.public_key + "\n" +
-      "secret-key = " + keys.secret_key + "\n";
+      "secret-key = " + keys.secret_key + "\n" +
+      (keys.server_key.empty() ? "" : "server-key = " + keys.server_key + "\n") +
+      (keys.router_key.empty() ? "" : "router-key = " + keys.router_key + "\n");
   bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
   ok = (::close(fd) == 0) && ok;
   if (!ok) {
@@ -88,11 +98,15 @@ Result<CurveKeys> ReadCurveKeys(const std::string& path) {
     std::string value = eq == std::string::npos ? "" : Trim(line.substr(eq + 1));
     std::string* slot = name == "public-key"   ? &keys.public_key
                         : name == "secret-key" ? &keys.secret_key
+                        : name == "server-key" ? &keys.server_key
+                        : name == "router-key" ? &keys.router_key
                                                : nullptr;
-    if (slot == nullptr || value.size() != kZ85Chars) {
+    uint8_t decoded[32];
+    if (slot == nullptr || value.size() != kZ85Chars ||
+        zmq_z85_decode(decoded, value.c_str()) == nullptr) {
       return InvalidArgument(path + ":" + std::to_string(lineno) +
-                             ": expected 'public-key = <40 Z85 characters>' or "
-                             "'secret-key = <40 Z85 characters>'");
+                             ": expected 'NAME = <40 Z85 characters>' with NAME one of "
+                             "public-key, secret-key, server-key, router-key");
     }
     *slot = value;
   }
@@ -122,22 +136,42 @@ Result<std::optional<CurveKeys>> CurveKeysFromFlagOrEnv(const std::string& path)
 
 // --- ZeroMQ sockets ---------------------------------------------------------
 
-CurveAuthenticator::CurveAuthenticator(zmq::context_t& context, std::string allowed)
-    : socket_(context, zmq::socket_type::rep), allowed_(std::move(allowed)) {}
+namespace {
+
+constexpr const char* kDataDomain = "kdn-data";
+constexpr const char* kControlDomain = "kdn-control";
+
+// The 32 bytes of a Z85 key; empty if it is not one.
+std::string DecodeKey(const std::string& z85) {
+  std::string out(32, '\0');
+  if (z85.size() != kZ85Chars ||
+      zmq_z85_decode(reinterpret_cast<uint8_t*>(out.data()), z85.c_str()) == nullptr) {
+    return "";
+  }
+  return out;
+}
+
+}  // namespace
+
+CurveAuthenticator::CurveAuthenticator(zmq::context_t& context, std::string data_key,
+                                       std::string control_key)
+    : socket_(context, zmq::socket_type::rep),
+      data_key_(std::move(data_key)),
+      control_key_(std::move(control_key)) {}
 
 Result<std::unique_ptr<CurveAuthenticator>> CurveAuthenticator::Start(zmq::context_t& context,
                                                                       const CurveKeys& keys) {
   if (!CurveAvailable()) {
     return FailedPrecondition("this libzmq was built without CURVE (it needs libsodium)");
   }
-  std::string allowed(32, '\0');
-  if (keys.public_key.size() != kZ85Chars ||
-      zmq_z85_decode(reinterpret_cast<uint8_t*>(allowed.data()), keys.public_key.c_str()) ==
-          nullptr) {
-    return InvalidArgument("CURVE public key is not 40 Z85 characters");
+  std::string data_key = DecodeKey(keys.public_key);
+  std::string control_key = DecodeKey(keys.ControlClientKey());
+  if (data_key.empty() || control_key.empty()) {
+    return InvalidArgument("CURVE public and router keys must be 40 Z85 characters");
   }
   std::unique_ptr<CurveAuthenticator> a;
-  KDN_ZMQ_RETURN_IF_ERROR(a.reset(new CurveAuthenticator(context, std::move(allowed))));
+  KDN_ZMQ_RETURN_IF_ERROR(
+      a.reset(new CurveAuthenticator(context, std::move(data_key), std::move(control_key))));
   KDN_ZMQ_RETURN_IF_ERROR(a->socket_.set(zmq::sockopt::linger, 0));
   KDN_ZMQ_RETURN_IF_ERROR(a->socket_.bind(kZapEndpoint));
   a->thread_ = std::thread(&CurveAuthenticator::Run, a.get());
@@ -166,13 +200,20 @@ void CurveAuthenticator::Run() {
         frames.emplace_back();
         (void)socket_.recv(frames.back(), zmq::recv_flags::none);
       } while (frames.back().more());
+      // Each domain admits one key: a data socket the members', a control
+      // socket the router's.
       const bool ok = frames.size() >= 7 && frames[0].to_string_view() == "1.0" &&
                       frames[5].to_string_view() == "CURVE" &&
-                      frames[6].to_string_view() == allowed_;
+                      ((frames[2].to_string_view() == kDataDomain &&
+                        frames[6].to_string_view() == data_key_) ||
+                       (frames[2].to_string_view() == kControlDomain &&
+                        frames[6].to_string_view() == control_key_));
       (ok ? admitted_ : refused_).fetch_add(1, std::memory_order_relaxed);
       if (!ok && frames.size() >= 4) {
-        refusals.Warn("refused a connection from {}: it does not hold this deployment's CURVE key",
-                      frames[3].to_string());
+        refusals.Warn("refused a connection from {} to a {} socket: it does not hold the "
+                      "deployment's CURVE key for it",
+                      frames[3].to_string(),
+                      frames[2].to_string_view() == kControlDomain ? "control" : "data");
       }
       const std::string request_id = frames.size() >= 2 ? frames[1].to_string() : "";
       socket_.send(zmq::buffer(std::string_view("1.0")), zmq::send_flags::sndmore);
@@ -190,13 +231,19 @@ void CurveAuthenticator::Run() {
 }
 
 Status SecureServer(zmq::context_t& context, zmq::socket_t& socket,
-                    const std::optional<CurveKeys>& keys,
+                    const std::optional<CurveKeys>& keys, CurveRole role,
                     std::unique_ptr<CurveAuthenticator>* auth) {
   if (!keys) return Status::Ok();
+  if (!keys->server_key.empty() && keys->server_key != keys->public_key) {
+    return InvalidArgument(
+        "this CURVE key file is a client's (it names another server key): a server needs the "
+        "members' key file");
+  }
   if (!*auth) {
     KDN_ASSIGN_OR_RETURN(*auth, CurveAuthenticator::Start(context, *keys));
   }
-  KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::zap_domain, "kdn"));
+  KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::zap_domain,
+                                     role == CurveRole::kControl ? kControlDomain : kDataDomain));
   KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::curve_server, true));
   KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::curve_secretkey, keys->secret_key));
   return Status::Ok();
@@ -207,7 +254,7 @@ Status SecureClient(zmq::socket_t& socket, const std::optional<CurveKeys>& keys)
   if (!CurveAvailable()) {
     return FailedPrecondition("this libzmq was built without CURVE (it needs libsodium)");
   }
-  KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::curve_serverkey, keys->public_key));
+  KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::curve_serverkey, keys->ServerKey()));
   KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::curve_publickey, keys->public_key));
   KDN_ZMQ_RETURN_IF_ERROR(socket.set(zmq::sockopt::curve_secretkey, keys->secret_key));
   return Status::Ok();

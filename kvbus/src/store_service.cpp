@@ -153,7 +153,8 @@ Result<std::unique_ptr<StoreServer>> StoreServer::Start(ChunkStore& store,
                                                         TierStatsFn tier_stats,
                                                         StoreServerOptions options) {
   auto impl = std::make_unique<Impl>(store, std::move(tier_stats));
-  KDN_RETURN_IF_ERROR(SecureServer(impl->ctx, impl->sock, options.curve, &impl->auth));
+  KDN_RETURN_IF_ERROR(
+      SecureServer(impl->ctx, impl->sock, options.curve, CurveRole::kData, &impl->auth));
   std::string bound;
   try {
     impl->sock.set(zmq::sockopt::linger, 0);

@@ -58,7 +58,8 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
   KDN_ZMQ_RETURN_IF_ERROR(r.reset(new TcpReceiver(sink, options)));
   r->wake_ = std::move(wake);
   KDN_ZMQ_RETURN_IF_ERROR(r->socket_ = zmq::socket_t(r->context_, zmq::socket_type::router));
-  KDN_RETURN_IF_ERROR(SecureServer(r->context_, r->socket_, options.curve, &r->auth_));
+  KDN_RETURN_IF_ERROR(
+      SecureServer(r->context_, r->socket_, options.curve, CurveRole::kData, &r->auth_));
   KDN_RETURN_IF_ERROR(SetCommonSocketOptions(r->socket_, options.heartbeat_interval,
                                              5 * options.heartbeat_interval));
   // A sender that reconnects with its routing id takes its old place.

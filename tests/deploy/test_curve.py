@@ -1,9 +1,11 @@
 """CURVE on the internal sockets (docs/kvbus.md, "Authenticated sockets"): a
-deployment from `kdn-launch up --store`, which writes a deployment key into
-its run folder. pyzmq plays the outsider: a peer without the key, or with a
-keypair of its own, gets no answer from kdn-store, cannot prepare on the decode
-worker (its free KV blocks stay where they were) and crashes nothing; the same
-probes with the deployment's key are answered, so the probes are well formed.
+deployment from `kdn-launch up --store`, which writes the members' and the
+router's keys into its run folder. pyzmq plays the outsider: a peer without a
+key, or with a keypair of its own, gets no answer from kdn-store, cannot
+prepare on the decode worker (its free KV blocks stay where they were) and
+crashes nothing; a holder of the members' key reaches kdn-store but cannot
+prepare either: only the router's key can. The answered probes show the
+probes are well formed.
 """
 
 import re
@@ -58,9 +60,10 @@ def secured(tiny_model, tmp_path_factory):
         d.down()
 
 
-def deployment_key(d):
-    text = (d.run_dir / "curve.key").read_text()
-    return {k: v.encode() for k, v in re.findall(r"^(public-key|secret-key) = (\S+)$", text, re.M)}
+def read_key(d, name):
+    text = (d.run_dir / name).read_text()
+    return {k: v.encode() for k, v in
+            re.findall(r"^(public-key|secret-key|server-key|router-key) = (\S+)$", text, re.M)}
 
 
 def endpoint(d, name):
@@ -96,15 +99,20 @@ def free_blocks(d):
                   role="decode")
 
 
-def test_the_key_is_private_and_every_process_holds_it(secured):
-    key = secured.run_dir / "curve.key"
-    assert key.stat().st_mode & 0o777 == 0o600
+def test_the_keys_are_private_and_every_process_holds_its_own(secured):
+    for name in ("curve.key", "router.key"):
+        assert (secured.run_dir / name).stat().st_mode & 0o777 == 0o600
     for p in secured.info["processes"]:
+        key = secured.run_dir / ("router.key" if p["name"] == "router" else "curve.key")
         assert p["cmd"][p["cmd"].index("--curve-keys") + 1] == str(key.resolve()), p["cmd"]
+    members, router = read_key(secured, "curve.key"), read_key(secured, "router.key")
+    assert members["router-key"] == router["public-key"]
+    assert router["server-key"] == members["public-key"]
+    assert "secret-key" in router and router["secret-key"] != members["secret-key"]
 
 
 def test_outsiders_cannot_prepare_or_reach_the_store(secured):
-    key = deployment_key(secured)
+    key, router_key = read_key(secured, "curve.key"), read_key(secured, "router.key")
     ctx = zmq.Context()
     try:
         before = free_blocks(secured)
@@ -123,15 +131,21 @@ def test_outsiders_cannot_prepare_or_reach_the_store(secured):
                            [b"\x08\x01\x22\x00", b"KDNC" + b"\x00" * 200]):
                 send(store, frames)
             store.close()
-        time.sleep(0.5)
-        assert free_blocks(secured) == before
-        # The same probes with the deployment's key are answered.
+        # A holder of the members' key (a worker) reaches the store but not
+        # a control socket: only the router prepares.
         member = dict(server_key=key["public-key"], keypair=(key["public-key"],
                                                              key["secret-key"]))
+        decode = dealer(ctx, endpoint(secured, "decode-0"), **member)
+        assert not answered(decode, [prepare(998)], 1000)
+        decode.close()
+        time.sleep(0.5)
+        assert free_blocks(secured) == before
         store = dealer(ctx, endpoint(secured, "store"), **member)
         assert answered(store, [STORE_STATS], 5000)
         store.close()
-        decode = dealer(ctx, endpoint(secured, "decode-0"), **member)
+        router = dict(server_key=router_key["server-key"],
+                      keypair=(router_key["public-key"], router_key["secret-key"]))
+        decode = dealer(ctx, endpoint(secured, "decode-0"), **router)
         assert answered(decode, [prepare(42)], 5000)
         # PrepareReply{} with no error: it reserved; then let it go.
         assert decode.recv() == varint(1 << 3) + varint(42) + field(7, b"")
@@ -145,4 +159,4 @@ def test_outsiders_cannot_prepare_or_reach_the_store(secured):
     assert out["choices"][0]["text"] is not None
     logs = {p["name"]: open(p["log"], errors="replace").read() for p in secured.info["processes"]}
     for name in ("store", "decode-0"):
-        assert "does not hold this deployment's CURVE key" in logs[name], logs[name][-2000:]
+        assert "does not hold the deployment's CURVE key" in logs[name], logs[name][-2000:]

@@ -31,13 +31,14 @@ print("tcp://127.0.0.1:9", flush=True)
 time.sleep(600)
 """
 
-# Writes the key file as kdn-keygen does: new, mode 0600.
+# Writes the key files as kdn-keygen FILE --router FILE2 does: new, mode 0600.
 FAKE_KEYGEN = """\
 #!{python}
 import os, sys
-fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-os.write(fd, b"stand-in key\\n")
-os.close(fd)
+for path in (sys.argv[1], sys.argv[3]):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"stand-in key\\n")
+    os.close(fd)
 """
 
 FAKE_ROUTER = """\
@@ -201,7 +202,7 @@ def test_dry_run_on_the_cpu_passes_the_flags_of_before(model_dir):
                                                       "--name", "decode-0"],
             "router": ["/b/kdn-router", "--model", str(model), "--prefill", "prefill-0-ENDPOINT",
                        "--decode", "decode-0-ENDPOINT", "--host", "127.0.0.1", "--port", "8000",
-                       "--recompute-ratio", "0.15", *curve],
+                       "--recompute-ratio", "0.15", "--curve-keys", "/r/router.key"],
         }, p
     # --no-curve: plaintext, no key.
     p = plan("--model", model, "--bin-dir", "/b", "--run-dir", "/r", "--no-curve")
@@ -221,11 +222,15 @@ def test_up_status_down_with_stand_in_cuda_workers(fake):
             p = next(p for p in info["processes"] if p["name"] == name)
             assert (p["device"], p["gpu_mem_fraction"]) == ("cuda:%d" % gpu, 0.45), p
         assert "--device" not in fake.argv("store")
-        # A new deployment key, private to this user, for every process.
-        key = fake.run_dir.resolve() / "curve.key"
+        # New deployment keys, private to this user: the members' for the
+        # workers and the store, the router's for the router.
+        key, router_key = (fake.run_dir.resolve() / n for n in ("curve.key", "router.key"))
         assert key.stat().st_mode & 0o777 == 0o600
+        assert router_key.stat().st_mode & 0o777 == 0o600
         for name in ("store", "prefill-0", "prefill-1", "decode-0", "decode-1"):
             assert flag(fake.argv(name), "--curve-keys") == str(key), fake.argv(name)
+        router = next(p for p in info["processes"] if p["name"] == "router")
+        assert flag(router["cmd"], "--curve-keys") == str(router_key), router["cmd"]
         assert all("device" not in p for p in info["processes"]
                    if p["role"] in ("router", "store"))
         st = launch("status", "--run-dir", fake.run_dir)
@@ -243,6 +248,7 @@ def test_up_status_down_with_stand_in_cuda_workers(fake):
     pids = [p["pid"] for p in info["processes"]]
     assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5)
     assert not (fake.run_dir / "curve.key").exists()
+    assert not (fake.run_dir / "router.key").exists()
 
 
 def test_a_worker_that_fails_at_start_is_reported_with_its_log(fake):
@@ -303,10 +309,10 @@ def test_slurm_submit_gives_each_worker_its_device(fake, fake_slurm, args, worke
     key = fake.run_dir.resolve() / "curve.key"
     assert worker == ('WORKER=(--model "$MODEL" --host-mib 2048 --chunk-tokens 256 --threads 0 '
                       '--kv-transport auto --curve-keys %s%s)' % (key, worker_flags)), worker
-    # The job's key, private to this user, for the router too.
+    # The job's keys, private to this user; the router's for the router.
     assert key.stat().st_mode & 0o777 == 0o600
     router = next(line for line in script.splitlines() if line.startswith("start router"))
-    assert "--curve-keys %s" % key in router, router
+    assert "--curve-keys %s" % key.with_name("router.key") in router, router
 
 
 @pytest.mark.parametrize("args, message", [

@@ -102,6 +102,36 @@ TEST(CurveKeys, AWrittenKeyReadsBackAndIsPrivate) {
   EXPECT_EQ(ReadCurveKeys(path)->secret_key, keys.secret_key);
 }
 
+// The members' and the router's files name each other's public keys, and
+// read back as written.
+TEST(CurveKeys, ADeploymentsTwoFilesNameEachOther) {
+  TempDir dir;
+  auto pair = GenerateDeploymentKeys();
+  ASSERT_TRUE(pair.ok()) << pair.status().ToString();
+  const auto& [members, router] = *pair;
+  EXPECT_EQ(members.router_key, router.public_key);
+  EXPECT_EQ(router.server_key, members.public_key);
+  EXPECT_EQ(members.ServerKey(), members.public_key);
+  EXPECT_EQ(router.ServerKey(), members.public_key);
+  EXPECT_EQ(members.ControlClientKey(), router.public_key);
+  ASSERT_TRUE(WriteCurveKeys(dir / "curve.key", members).ok());
+  ASSERT_TRUE(WriteCurveKeys(dir / "router.key", router).ok());
+  auto m = ReadCurveKeys(dir / "curve.key");
+  auto r = ReadCurveKeys(dir / "router.key");
+  ASSERT_TRUE(m.ok() && r.ok());
+  EXPECT_EQ(m->router_key, router.public_key);
+  EXPECT_TRUE(m->server_key.empty());
+  EXPECT_EQ(r->server_key, members.public_key);
+  EXPECT_EQ(r->secret_key, router.secret_key);
+  // The router's file cannot serve: it names another server key.
+  zmq::context_t ctx;
+  zmq::socket_t s(ctx, zmq::socket_type::router);
+  std::unique_ptr<CurveAuthenticator> auth;
+  EXPECT_EQ(SecureServer(ctx, s, *r, CurveRole::kControl, &auth).code(),
+            StatusCode::kInvalidArgument);
+  s.close();
+}
+
 TEST(CurveKeys, AKeyOthersMayReadIsRefused) {
   TempDir dir;
   const std::string path = dir / "kdn.key";
@@ -180,6 +210,16 @@ TEST(CurveStore, OnlyAHolderOfTheKeyCanPut) {
   });
   EXPECT_EQ(store.Stats().puts, 0u);
 
+  // The router's key is for control sockets: the store refuses it.
+  {
+    CurveKeys router = Keys();
+    router.server_key = keys.public_key;
+    auto r = RemoteStore::Connect(ep, {.timeout = 500ms, .curve = router});
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ((*r)->Put(MakeChunk(4)).code(), StatusCode::kUnavailable);
+  }
+  EXPECT_EQ(store.Stats().puts, 0u);
+
   auto member = RemoteStore::Connect(ep, {.curve = keys});
   ASSERT_TRUE(member.ok());
   ASSERT_TRUE((*member)->Put(MakeChunk(3)).ok());
@@ -241,7 +281,7 @@ TEST(CurveAuthenticator, CountsAdmittedAndRefusedClients) {
   zmq::context_t ctx;
   zmq::socket_t server(ctx, zmq::socket_type::router);
   std::unique_ptr<CurveAuthenticator> auth;
-  ASSERT_TRUE(SecureServer(ctx, server, keys, &auth).ok());
+  ASSERT_TRUE(SecureServer(ctx, server, keys, CurveRole::kData, &auth).ok());
   server.set(zmq::sockopt::linger, 0);
   server.bind("tcp://127.0.0.1:0");
   const std::string ep = server.get(zmq::sockopt::last_endpoint);

@@ -118,11 +118,12 @@ TEST(ControlServer, AFloodOfMalformedFramesFromManyPeersLogsAFewLines) {
   EXPECT_NE(text.find("dropping a malformed message"), std::string::npos) << text;
 }
 
-// With CURVE, a peer without the deployment's key reaches no handler: its
-// Prepare (which would reserve a decode worker's KV) and garbage alike are
-// refused at the handshake, and a router that holds the key is answered.
-TEST(ControlServer, WithCurveOnlyAHolderOfTheKeyIsHeard) {
-  const kvbus::CurveKeys keys = kvbus::GenerateCurveKeys().value();
+// With CURVE, only the router's key reaches the handler: a Prepare (which
+// would reserve a decode worker's KV) and garbage alike from a peer with no
+// key, a keypair of its own, or the members' key (a worker's) are refused at
+// the handshake, and the router is answered.
+TEST(ControlServer, WithCurveOnlyTheRouterIsHeard) {
+  const auto [keys, router] = kvbus::GenerateDeploymentKeys().value();
   std::atomic<int> handled{0};
   auto server = ControlServer::Start(
       "tcp://127.0.0.1:0",
@@ -142,13 +143,14 @@ TEST(ControlServer, WithCurveOnlyAHolderOfTheKeyIsHeard) {
   const std::string bytes = prepare.SerializeAsString();
   zmq::context_t ctx;
   const kvbus::CurveKeys other = kvbus::GenerateCurveKeys().value();
-  for (int kind = 0; kind < 2; ++kind) {  // plaintext; a keypair of its own
+  for (const kvbus::CurveKeys* client : {static_cast<const kvbus::CurveKeys*>(nullptr), &other,
+                                         &keys}) {
     zmq::socket_t s(ctx, zmq::socket_type::dealer);
     s.set(zmq::sockopt::linger, 0);
-    if (kind == 1) {
+    if (client != nullptr) {
       s.set(zmq::sockopt::curve_serverkey, keys.public_key);
-      s.set(zmq::sockopt::curve_publickey, other.public_key);
-      s.set(zmq::sockopt::curve_secretkey, other.secret_key);
+      s.set(zmq::sockopt::curve_publickey, client->public_key);
+      s.set(zmq::sockopt::curve_secretkey, client->secret_key);
     }
     s.connect((*server)->endpoint());
     for (int i = 0; i < 40; ++i) s.send(zmq::buffer(bytes), zmq::send_flags::dontwait);
@@ -157,14 +159,14 @@ TEST(ControlServer, WithCurveOnlyAHolderOfTheKeyIsHeard) {
   }
   EXPECT_EQ(handled.load(), 0);
 
-  zmq::socket_t member(ctx, zmq::socket_type::dealer);
-  member.set(zmq::sockopt::linger, 0);
-  member.set(zmq::sockopt::rcvtimeo, 5000);
-  ASSERT_TRUE(kvbus::SecureClient(member, keys).ok());
-  member.connect((*server)->endpoint());
-  member.send(zmq::buffer(bytes), zmq::send_flags::none);
+  zmq::socket_t router_peer(ctx, zmq::socket_type::dealer);
+  router_peer.set(zmq::sockopt::linger, 0);
+  router_peer.set(zmq::sockopt::rcvtimeo, 5000);
+  ASSERT_TRUE(kvbus::SecureClient(router_peer, router).ok());
+  router_peer.connect((*server)->endpoint());
+  router_peer.send(zmq::buffer(bytes), zmq::send_flags::none);
   zmq::message_t reply;
-  ASSERT_TRUE(member.recv(reply, zmq::recv_flags::none).has_value()) << "no answer";
+  ASSERT_TRUE(router_peer.recv(reply, zmq::recv_flags::none).has_value()) << "no answer";
   EXPECT_EQ(handled.load(), 1);
 }
 

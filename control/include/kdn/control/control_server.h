@@ -36,8 +36,9 @@ class ControlServer {
                                      proto::WorkerMessage message)>;
 
   // Binds `endpoint` ("tcp://127.0.0.1:0" picks a port). UNAVAILABLE if it
-  // cannot be bound, INVALID_ARGUMENT if malformed. With `curve` set the
-  // socket runs CURVE and admits only routers holding that key.
+  // cannot be bound, INVALID_ARGUMENT if malformed. With `curve` (the
+  // members' keys) set the socket runs CURVE and admits only the router's
+  // key (kvbus::CurveRole::kControl).
   static Result<std::unique_ptr<ControlServer>> Start(
       const std::string& endpoint, Handler handler,
       const std::optional<kvbus::CurveKeys>& curve = std::nullopt);
