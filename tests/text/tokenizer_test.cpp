@@ -73,8 +73,9 @@ std::string Edited(const std::string& from, const std::string& to) {
 
 // Found by tests/fuzz/tokenizer_fuzz.cpp: ids that are no token ids (a
 // negative one wrote before the id table, a huge one sized it, a float one
-// was cast), two bytes with one id (Decode could not tell them apart) and a
-// missing field (read with const operator[]) were taken.
+// was cast), two bytes with one id (Decode could not tell them apart), a
+// BOS or EOS with a byte's id (Decode showed it) and a missing field (read
+// with const operator[]) were taken.
 TEST(ByteTokenizer, RefusesIdsThatAreNotTokenIdsAndBytesSharingAnId) {
   const std::string cases[] = {
       Edited("\"A\": 65", "\"A\": -1"),
@@ -84,6 +85,8 @@ TEST(ByteTokenizer, RefusesIdsThatAreNotTokenIdsAndBytesSharingAnId) {
       Edited("\"A\": 65", "\"A\": 66"),
       Edited("\"id\": 257", "\"id\": -7"),
       Edited("\"id\": 257", "\"id\": 1e300"),
+      Edited("\"id\": 256", "\"id\": 255"),  // BOS with a byte's id
+      Edited("\"id\": 257", "\"id\": 10"),   // EOS with a byte's id
       Edited("\"merges\": [],", ""),
       "[1, 2]",
   };

@@ -156,6 +156,13 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::filesystem::path& 
       bos = SpecialId(*cfg, "bos_token", tok);
       eos = SpecialId(*cfg, "eos_token", tok);
     }
+    // Decode leaves special tokens out: one with a byte's id would be shown.
+    for (const auto& [name, id] : {std::pair{"BOS", bos}, std::pair{"EOS", eos}}) {
+      if (id >= 0 && taken[id]) {
+        return InvalidArgument(path.string() + ": the " + name + " token has the id " +
+                               std::to_string(id) + " of a byte");
+      }
+    }
     return std::unique_ptr<Tokenizer>(new ByteTokenizer(std::move(byte_ids), vocab_size, bos, eos));
   } catch (const json::exception& e) {
     return InvalidArgument(path.string() + ": malformed: " + e.what());
