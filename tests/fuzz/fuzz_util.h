@@ -7,8 +7,10 @@
 // (binary formats) writes it when run with KDN_FUZZ_WRITE_SEEDS=DIR, then
 // exits; see WriteSeedsIfAsked.
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -28,16 +30,30 @@ inline void Check(bool ok, const char* what) {
   }
 }
 
-// A folder of this process's own, removed at exit.
+// A folder of this process's own, /tmp/kdn-fuzz-<pid>. libFuzzer ends a
+// run with _Exit, past atexit, so each process removes the folders of
+// processes that are gone before making its own.
 inline const std::filesystem::path& ScratchDir() {
   static const std::filesystem::path dir = [] {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kdn-fuzz-XXXXXX").string();
-    Check(::mkdtemp(tmpl.data()) != nullptr, "mkdtemp");
+    const auto tmp = std::filesystem::temp_directory_path();
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(tmp, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("kdn-fuzz-", 0) != 0) continue;
+      char* end = nullptr;
+      const long pid = std::strtol(name.c_str() + 9, &end, 10);
+      if (pid > 0 && *end == '\0' && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        std::filesystem::remove_all(e.path(), ec);
+      }
+    }
+    const auto mine = tmp / ("kdn-fuzz-" + std::to_string(::getpid()));
+    std::filesystem::remove_all(mine, ec);
+    std::filesystem::create_directories(mine);
     std::atexit([] {
       std::error_code ec;
       std::filesystem::remove_all(ScratchDir(), ec);
     });
-    return std::filesystem::path(tmpl);
+    return mine;
   }();
   return dir;
 }
