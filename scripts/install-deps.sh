@@ -24,9 +24,10 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config
 if [ $want_ref = 1 ]; then
   # promtool (package prometheus) checks /metrics; curl speaks SSE to the router.
   # munge, slurmctld, slurmd and slurm-client: a throwaway Slurm for tests/slurm.
-  # clang-14 and libclang-rt-14-dev: libFuzzer, for the fuzz tests.
+  # clang-14 and libclang-rt-14-dev: libFuzzer, for the fuzz tests;
+  # libomp-14-dev: clang's omp.h, which the CPU engine includes there.
   pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy prometheus curl
-        munge slurmctld slurmd slurm-client clang-14 libclang-rt-14-dev)
+        munge slurmctld slurmd slurm-client clang-14 libclang-rt-14-dev libomp-14-dev)
 fi
 
 missing=()

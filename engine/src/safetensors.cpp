@@ -43,11 +43,16 @@ Status ParseHeader(const std::string& where, const json& header, const uint8_t* 
     if (!ParseDType(dt, &e.dtype)) {
       return Unimplemented(at + ": dtype " + dt + " is not supported (F32, F16, BF16)");
     }
-    uint64_t numel = 1;
+    // The shape's size in bytes, refused when it does not fit in 64 bits
+    // (it would wrap to a small count that some data range matches) or a
+    // dimension does not fit in an int64_t.
+    uint64_t shape_bytes = DTypeSize(e.dtype);
     for (const json& d : t["shape"]) {
-      if (!d.is_number_unsigned()) return Corruption(at + ": bad shape " + t["shape"].dump());
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > uint64_t{INT64_MAX} ||
+          __builtin_mul_overflow(shape_bytes, d.get<uint64_t>(), &shape_bytes)) {
+        return Corruption(at + ": bad shape " + t["shape"].dump());
+      }
       e.shape.push_back(d.get<int64_t>());
-      numel *= d.get<uint64_t>();
     }
     const json& off = t["data_offsets"];
     if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
@@ -59,7 +64,7 @@ Status ParseHeader(const std::string& where, const json& header, const uint8_t* 
                         ") lies beyond the file's " + std::to_string(data_size) +
                         " data bytes (truncated file?)");
     }
-    if (end - begin != numel * DTypeSize(e.dtype)) {
+    if (end - begin != shape_bytes) {
       return Corruption(at + ": " + std::to_string(end - begin) + " bytes for shape " +
                         ShapeToString(e.shape) + " of " + dt);
     }

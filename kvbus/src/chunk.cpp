@@ -95,7 +95,10 @@ Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
                            std::to_string(payload.size()) + " bytes, expected " +
                            std::to_string(info.payload_bytes()));
   }
-  return Build(info, [&](uint8_t* out) { std::memcpy(out, payload.data(), payload.size()); });
+  // An empty payload's data() may be null, which memcpy must not get.
+  return Build(info, [&](uint8_t* out) {
+    if (!payload.empty()) std::memcpy(out, payload.data(), payload.size());
+  });
 }
 
 Result<std::shared_ptr<const Chunk>> Chunk::FromEncoded(const ChunkInfo& info,

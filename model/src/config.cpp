@@ -1,6 +1,7 @@
 #include "kdn/model/config.h"
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -18,15 +19,22 @@ const char* ArchitectureName(Architecture a) {
   return "?";
 }
 
-int64_t ModelConfig::ParameterCount() const {
-  const int64_t d = hidden_size;
-  int64_t per_layer = d * (q_dim() + 2 * kv_dim()) + static_cast<int64_t>(q_dim()) * d +
-                      3 * d * intermediate_size + 2 * d;
-  if (qkv_bias) per_layer += q_dim() + 2 * kv_dim();
-  if (o_bias) per_layer += d;
-  const int64_t embed = static_cast<int64_t>(vocab_size) * d;
-  return embed * (tie_word_embeddings ? 1 : 2) + num_layers * per_layer + d;
+namespace {
+
+// The parameter count in doubles, which no size can overflow; exact while
+// it is below 2^53, which ParseModelConfig ensures.
+double Parameters(const ModelConfig& c) {
+  const double d = c.hidden_size, q = c.q_dim(), kv = c.kv_dim();
+  double per_layer = d * (q + 2 * kv) + q * d + 3 * d * c.intermediate_size + 2 * d;
+  if (c.qkv_bias) per_layer += q + 2 * kv;
+  if (c.o_bias) per_layer += d;
+  const double embed = static_cast<double>(c.vocab_size) * d;
+  return embed * (c.tie_word_embeddings ? 1 : 2) + c.num_layers * per_layer + d;
 }
+
+}  // namespace
+
+int64_t ModelConfig::ParameterCount() const { return static_cast<int64_t>(Parameters(*this)); }
 
 namespace {
 
@@ -43,6 +51,21 @@ Status GetInt(const json& j, const char* key, bool required, int64_t fallback, i
     return InvalidArgument(source + ": field \"" + key + "\" must be an integer, got " + it->dump());
   }
   *out = it->get<int64_t>();
+  return Status::Ok();
+}
+
+// Reads a size: an integer in [1, INT_MAX], as the engine holds sizes in
+// ints (a larger one must not be cut down to fit).
+Status GetSize(const json& j, const char* key, bool required, int64_t fallback, int* out,
+               const std::string& source) {
+  int64_t v = 0;
+  KDN_RETURN_IF_ERROR(GetInt(j, key, required, fallback, &v, source));
+  if (v <= 0 || v > std::numeric_limits<int>::max()) {
+    return InvalidArgument(source + ": field \"" + key + "\" must be in [1, " +
+                           std::to_string(std::numeric_limits<int>::max()) + "], got " +
+                           std::to_string(v));
+  }
+  *out = static_cast<int>(v);
   return Status::Ok();
 }
 
@@ -90,20 +113,14 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
                          "Qwen2ForCausalLM)");
   }
 
-  int64_t v = 0;
-  KDN_RETURN_IF_ERROR(GetInt(j, "vocab_size", true, 0, &v, src)); c.vocab_size = static_cast<int>(v);
-  KDN_RETURN_IF_ERROR(GetInt(j, "hidden_size", true, 0, &v, src)); c.hidden_size = static_cast<int>(v);
-  KDN_RETURN_IF_ERROR(GetInt(j, "intermediate_size", true, 0, &v, src)); c.intermediate_size = static_cast<int>(v);
-  KDN_RETURN_IF_ERROR(GetInt(j, "num_hidden_layers", true, 0, &v, src)); c.num_layers = static_cast<int>(v);
-  KDN_RETURN_IF_ERROR(GetInt(j, "num_attention_heads", true, 0, &v, src)); c.num_heads = static_cast<int>(v);
-  KDN_RETURN_IF_ERROR(GetInt(j, "num_key_value_heads", false, c.num_heads, &v, src)); c.num_kv_heads = static_cast<int>(v);
-  if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.intermediate_size <= 0 || c.num_layers <= 0 ||
-      c.num_heads <= 0 || c.num_kv_heads <= 0) {
-    return InvalidArgument(src + ": sizes must be positive");
-  }
-  KDN_RETURN_IF_ERROR(GetInt(j, "head_dim", false, c.hidden_size / c.num_heads, &v, src));
-  c.head_dim = static_cast<int>(v);
-  if (c.head_dim <= 0 || c.head_dim % 2 != 0) {
+  KDN_RETURN_IF_ERROR(GetSize(j, "vocab_size", true, 0, &c.vocab_size, src));
+  KDN_RETURN_IF_ERROR(GetSize(j, "hidden_size", true, 0, &c.hidden_size, src));
+  KDN_RETURN_IF_ERROR(GetSize(j, "intermediate_size", true, 0, &c.intermediate_size, src));
+  KDN_RETURN_IF_ERROR(GetSize(j, "num_hidden_layers", true, 0, &c.num_layers, src));
+  KDN_RETURN_IF_ERROR(GetSize(j, "num_attention_heads", true, 0, &c.num_heads, src));
+  KDN_RETURN_IF_ERROR(GetSize(j, "num_key_value_heads", false, c.num_heads, &c.num_kv_heads, src));
+  KDN_RETURN_IF_ERROR(GetSize(j, "head_dim", false, c.hidden_size / c.num_heads, &c.head_dim, src));
+  if (c.head_dim % 2 != 0) {
     return InvalidArgument(src + ": head_dim must be positive and even, got " + std::to_string(c.head_dim));
   }
   if (!j.contains("head_dim") && c.hidden_size % c.num_heads != 0) {
@@ -113,6 +130,9 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
     return InvalidArgument(src + ": num_attention_heads (" + std::to_string(c.num_heads) +
                            ") is not a multiple of num_key_value_heads (" +
                            std::to_string(c.num_kv_heads) + ")");
+  }
+  if (int64_t{c.num_heads} * c.head_dim > std::numeric_limits<int>::max()) {
+    return InvalidArgument(src + ": num_attention_heads * head_dim does not fit in an int");
   }
   KDN_RETURN_IF_ERROR(GetDouble(j, "rms_norm_eps", 1e-6, &c.rms_norm_eps, src));
   KDN_RETURN_IF_ERROR(GetDouble(j, "rope_theta", 10000.0, &c.rope_theta, src));
@@ -144,9 +164,12 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
     }
   }
 
+  // As in Hugging Face's classes: Qwen2 always has QKV biases, Llama has
+  // them (and the output's) when attention_bias says so, Mistral never
+  // (its attention_bias, if any, is not read).
   if (c.architecture == Architecture::kQwen2) {
     c.qkv_bias = true;
-  } else if (j.value("attention_bias", false)) {
+  } else if (c.architecture == Architecture::kLlama && j.value("attention_bias", false)) {
     c.qkv_bias = true;
     c.o_bias = true;
   }
@@ -154,6 +177,7 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
 
   int64_t max_pos = 0;
   KDN_RETURN_IF_ERROR(GetInt(j, "max_position_embeddings", false, 4096, &max_pos, src));
+  if (max_pos <= 0) return InvalidArgument(src + ": max_position_embeddings must be positive");
   c.max_context = max_pos;
   auto sw = j.find("sliding_window");
   const bool sliding = c.architecture == Architecture::kMistral ||
@@ -164,6 +188,11 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
   c.bos_token_id = FirstId(j, "bos_token_id");
   c.eos_token_id = FirstId(j, "eos_token_id");
   c.torch_dtype = j.value("torch_dtype", std::string());
+  // Far beyond any model (Llama 3.1 405B is under 2^39), and every product
+  // of sizes the engine forms in int64_t stays inside it.
+  if (Parameters(c) > 0x1p53) {
+    return InvalidArgument(src + ": the sizes imply more than 2^53 parameters");
+  }
   return c;
 }
 

@@ -268,7 +268,9 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
       text = content->get<std::string>();
     } else if (content->is_array()) {
       for (const json& part : *content) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+        // Compared, not read with value(), which throws when "type" is not a string.
+        const auto type = part.is_object() ? part.find("type") : part.end();
+        if (!part.is_object() || type == part.end() || *type != "text" || !part.contains("text") ||
             !part["text"].is_string()) {
           return Bad(where + ".content: only text parts are supported", "messages");
         }
@@ -364,9 +366,11 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
   }
   const int64_t ctx = model.config->max_context;
   const int64_t n = static_cast<int64_t>(out->prompt.size());
-  if (n + max_tokens > ctx) {
+  // Compared and added so that no max_tokens overflows (both are >= 0 here).
+  if (max_tokens > ctx - n) {
+    const uint64_t asked = static_cast<uint64_t>(n) + static_cast<uint64_t>(max_tokens);
     ApiError e = Bad("this model's maximum context length is " + std::to_string(ctx) +
-                         " tokens; the request asks for " + std::to_string(n + max_tokens) +
+                         " tokens; the request asks for " + std::to_string(asked) +
                          " (" + std::to_string(n) + " in the prompt, " +
                          std::to_string(max_tokens) + " for the completion)",
                      n >= ctx ? (kind == ApiKind::kChat ? "messages" : "prompt") : "max_tokens");

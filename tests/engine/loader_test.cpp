@@ -177,6 +177,24 @@ TEST(Loader, GarbageHeaderIsCorruption) {
   ExpectMentions(m.status(), {"model.safetensors", "JSON"});
 }
 
+// Found by tests/fuzz/safetensors_fuzz.cpp: a shape whose size overflowed
+// 64 bits wrapped to 0 bytes, which an empty data range matched, and a
+// dimension past INT64_MAX became a negative one.
+TEST(Loader, AShapeWhoseSizeOverflowsIsCorruption) {
+  TempDir dir;
+  for (const char* shape : {"[4611686018427387904,4]", "[9223372036854775808]",
+                            "[4294967296,4294967296]"}) {
+    const std::string header = std::string(R"({"t":{"dtype":"F32","shape":)") + shape +
+                               R"(,"data_offsets":[0,0]}})";
+    std::string bytes(8, '\0');
+    bytes[0] = static_cast<char>(header.size());
+    WriteFile(dir.path() / "x.safetensors", bytes + header);
+    auto f = SafetensorsFile::Open(dir.path() / "x.safetensors");
+    EXPECT_EQ(f.status().code(), StatusCode::kCorruption) << shape;
+    ExpectMentions(f.status(), {"x.safetensors", "\"t\"", "shape"});
+  }
+}
+
 TEST(Loader, UnknownArchitectureIsRefusedNamingIt) {
   TempDir dir;
   ASSERT_TRUE(WriteModelFolder(dir.path(), TinyConfig(), 1, DType::kBF16).ok());

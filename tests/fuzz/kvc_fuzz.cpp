@@ -9,7 +9,7 @@
 //   it), encoded at the level named, then decoded: that must succeed, and at
 //   "lossless" give back every byte.
 //
-// Built with clang's -fsanitize=fuzzer,address (tests/CMakeLists.txt); the
+// Built with clang's -fsanitize=fuzzer,address,undefined (tests/fuzz); the
 // test `kvc_fuzz` (label fuzz) runs it over tests/fuzz/corpus/kvc.
 #include <cstdint>
 #include <cstdlib>

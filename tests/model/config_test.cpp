@@ -51,6 +51,22 @@ TEST(ModelConfig, MistralSlidingWindowBoundsTheContext) {
   EXPECT_EQ(c->max_context, 4096);
 }
 
+// Found by tests/fuzz/config_fuzz.cpp: a Mistral config with attention_bias
+// got Llama's biases (tensors a Mistral checkpoint does not have), and lost
+// them again through ModelConfigToJson.
+TEST(ModelConfig, MistralHasNoAttentionBiasWhateverTheConfigSays) {
+  const char* j = R"({"architectures": ["MistralForCausalLM"], "vocab_size": 258,
+    "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "attention_bias": true})";
+  auto c = ParseModelConfig(j, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias);
+  auto back = ParseModelConfig(ModelConfigToJson(*c), "written");
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->ParameterCount(), c->ParameterCount());
+}
+
 TEST(ModelConfig, RefusesWhatItCannotRunSayingWhy) {
   struct Case {
     std::string from, to, expect;
@@ -74,6 +90,28 @@ TEST(ModelConfig, RefusesWhatItCannotRunSayingWhy) {
     EXPECT_EQ(c.status().code(), k.code) << k.to << ": " << c.status().ToString();
     EXPECT_NE(c.status().message().find(k.expect), std::string::npos) << c.status().message();
     EXPECT_NE(c.status().message().find("cfg.json"), std::string::npos);
+  }
+}
+
+// Found by tests/fuzz/config_fuzz.cpp: a size past INT_MAX was cut down to
+// an int (4336128256 vocab entries ran as 41160960), a context of 0 or less
+// was taken, and sizes whose products overflow (q_dim, the parameter count)
+// reached the engine.
+TEST(ModelConfig, RefusesSizesTheEngineCannotHold) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"\"vocab_size\": 128256", "\"vocab_size\": 4336128256"},
+      {"\"hidden_size\": 4096", "\"hidden_size\": 2147483648"},
+      {"\"num_hidden_layers\": 32", "\"num_hidden_layers\": -32"},
+      {"\"max_position_embeddings\": 131072", "\"max_position_embeddings\": 0"},
+      {"\"max_position_embeddings\": 131072", "\"max_position_embeddings\": -1"},
+      {"\"num_attention_heads\": 32", "\"num_attention_heads\": 32, \"head_dim\": 134217728"},
+      {"\"num_hidden_layers\": 32", "\"num_hidden_layers\": 2000000000"},
+  };
+  for (const auto& [from, to] : cases) {
+    std::string j = kLlama3;
+    j.replace(j.find(from), from.size(), to);
+    auto c = ParseModelConfig(j, "cfg.json");
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << to;
   }
 }
 

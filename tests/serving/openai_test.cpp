@@ -101,6 +101,28 @@ TEST_F(OpenAiTest, APromptBeyondTheContextIsRefusedWithItsLengths) {
   EXPECT_EQ(e.param, "max_tokens");
 }
 
+// Found by tests/fuzz/openai_fuzz.cpp: prompt length + max_tokens overflowed
+// int64 (undefined; in practice a negative sum, and the request was taken with
+// max_tokens cut to -1).
+TEST_F(OpenAiTest, AHugeMaxTokensIsRefusedNotOverflowed) {
+  const ApiError e = Refused(R"({"prompt":"a","max_tokens":9223372036854775807})");
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_EQ(e.param, "max_tokens");
+  EXPECT_NE(e.message.find("9223372036854775809"), std::string::npos) << e.message;
+}
+
+// Found by tests/fuzz/openai_fuzz.cpp: a content part whose "type" was not a
+// string threw out of ParseRequest (json::value), which ended kdn-router.
+TEST_F(OpenAiTest, AContentPartWhoseTypeIsNotAStringIsRefused) {
+  for (const char* part : {R"({"type":5,"text":"x"})", R"({"type":null,"text":"x"})",
+                           R"({"type":["text"],"text":"x"})", R"("text")"}) {
+    const ApiError e = Refused(std::string(R"({"messages":[{"role":"user","content":[)") + part +
+                                   "]}]}",
+                               ApiKind::kChat);
+    EXPECT_EQ(e.param, "messages") << part;
+  }
+}
+
 TEST_F(OpenAiTest, ChatUsesTheFamilysTemplateAndStopsAtItsEndOfTurn) {
   ApiRequest r;
   ASSERT_FALSE(Parse(ApiKind::kChat,

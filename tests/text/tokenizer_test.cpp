@@ -63,5 +63,41 @@ TEST(ByteTokenizer, RefusesTokenizersWithMerges) {
   EXPECT_NE(tok.status().message().find("tokenizer.json"), std::string::npos);
 }
 
+// ByteTokenizerJson() with `from` replaced by `to` (each must occur).
+std::string Edited(const std::string& from, const std::string& to) {
+  std::string json = ByteTokenizerJson();
+  const size_t at = json.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  return at == std::string::npos ? json : json.replace(at, from.size(), to);
+}
+
+// Found by tests/fuzz/tokenizer_fuzz.cpp: ids that are no token ids (a
+// negative one wrote before the id table, a huge one sized it, a float one
+// was cast), two bytes with one id (Decode could not tell them apart), a
+// BOS or EOS with a byte's id (Decode showed it) and a missing field (read
+// with const operator[]) were taken.
+TEST(ByteTokenizer, RefusesIdsThatAreNotTokenIdsAndBytesSharingAnId) {
+  const std::string cases[] = {
+      Edited("\"A\": 65", "\"A\": -1"),
+      Edited("\"A\": 65", "\"A\": 2000000000"),
+      Edited("\"A\": 65", "\"A\": 65.5"),
+      Edited("\"A\": 65", "\"A\": \"65\""),
+      Edited("\"A\": 65", "\"A\": 66"),
+      Edited("\"id\": 257", "\"id\": -7"),
+      Edited("\"id\": 257", "\"id\": 1e300"),
+      Edited("\"id\": 256", "\"id\": 255"),  // BOS with a byte's id
+      Edited("\"id\": 257", "\"id\": 10"),   // EOS with a byte's id
+      Edited("\"merges\": [],", ""),
+      "[1, 2]",
+  };
+  for (const std::string& json : cases) {
+    TempDir dir;
+    std::ofstream(dir.path() / "tokenizer.json") << json;
+    std::ofstream(dir.path() / "tokenizer_config.json") << ByteTokenizerConfigJson();
+    auto tok = Tokenizer::Load(dir.path());
+    EXPECT_EQ(tok.status().code(), StatusCode::kInvalidArgument) << json;
+  }
+}
+
 }  // namespace
 }  // namespace kdn::text

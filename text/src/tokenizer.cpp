@@ -49,18 +49,29 @@ Result<json> ReadJson(const std::filesystem::path& path) {
   return j;
 }
 
+// The largest token id taken: the id -> byte table is sized by the largest
+// id, so a file must not make it any size it likes (the largest
+// vocabularies in use are a few hundred thousand).
+constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
+
+// Whether `v` is a token id: an integer in [0, kMaxTokenId].
+bool IsTokenId(const json& v) {
+  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTokenId;
+}
+
 // The id of a special token given by its content in tokenizer_config.json
-// (a string, or an object with "content"), looked up in added_tokens.
+// (a string, or an object with "content"), looked up in added_tokens
+// (whose ids Load has checked).
 int32_t SpecialId(const json& cfg, const char* key, const json& tok) {
-  if (!cfg.contains(key)) return -1;
-  const json& v = cfg[key];
+  if (!cfg.is_object() || !cfg.contains(key)) return -1;
+  const json& v = cfg.at(key);
   std::string content;
   if (v.is_string()) content = v.get<std::string>();
-  else if (v.is_object() && v.contains("content") && v["content"].is_string()) content = v["content"].get<std::string>();
+  else if (v.is_object() && v.contains("content") && v.at("content").is_string()) content = v.at("content").get<std::string>();
   else return -1;
-  if (tok.contains("added_tokens") && tok["added_tokens"].is_array()) {
-    for (const json& a : tok["added_tokens"]) {
-      if (a.value("content", std::string()) == content && a.contains("id")) return a["id"].get<int32_t>();
+  if (tok.contains("added_tokens") && tok.at("added_tokens").is_array()) {
+    for (const json& a : tok.at("added_tokens")) {
+      if (a.value("content", std::string()) == content && a.contains("id")) return a.at("id").get<int32_t>();
     }
   }
   return -1;
@@ -94,35 +105,63 @@ std::string ByteTokenizer::Decode(std::span<const int32_t> ids) const {
 Result<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::filesystem::path& dir) {
   const auto path = dir / "tokenizer.json";
   KDN_ASSIGN_OR_RETURN(json tok, ReadJson(path));
+  // Fields are read with at(), never const operator[] (undefined behaviour
+  // for a missing key): a file without them is malformed, not a crash.
   try {
-    const json& model = tok["model"];
-    const bool byte_level = tok.contains("pre_tokenizer") && tok["pre_tokenizer"].is_object() &&
-                            tok["pre_tokenizer"].value("type", "") == "ByteLevel";
+    if (!tok.is_object()) return InvalidArgument(path.string() + ": not a JSON object");
+    const json& model = tok.at("model");
+    const bool byte_level = tok.contains("pre_tokenizer") && tok.at("pre_tokenizer").is_object() &&
+                            tok.at("pre_tokenizer").value("type", "") == "ByteLevel";
     if (!model.is_object() || model.value("type", "") != "BPE" || !byte_level ||
-        !model["merges"].empty()) {
+        !model.at("merges").empty()) {
       return Unimplemented(path.string() +
                            ": only byte-level tokenizers (BPE without merges over the ByteLevel "
                            "alphabet) are supported so far");
     }
-    const json& vocab = model["vocab"];
+    const json& vocab = model.at("vocab");
+    if (!vocab.is_object()) return InvalidArgument(path.string() + ": model.vocab is not an object");
+    auto bad_id = [&](const std::string& what) {
+      return InvalidArgument(path.string() + ": the id of " + what + " is not an integer in [0, " +
+                             std::to_string(kMaxTokenId) + "]");
+    };
     std::vector<int32_t> byte_ids(256, -1);
     int vocab_size = 0;
+    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      if (!IsTokenId(*it)) return bad_id("token \"" + it.key() + "\"");
+      vocab_size = std::max(vocab_size, it->get<int>() + 1);
+    }
+    if (tok.contains("added_tokens")) {
+      for (const json& a : tok.at("added_tokens")) {
+        if (!a.is_object() || !a.contains("id") || !IsTokenId(a.at("id"))) return bad_id("an added token");
+        vocab_size = std::max(vocab_size, a.at("id").get<int>() + 1);
+      }
+    }
+    // Two bytes with one id could not be told apart by Decode.
+    std::vector<bool> taken(vocab_size, false);
     for (int b = 0; b < 256; ++b) {
       auto it = vocab.find(Utf8(ByteToUnicode(static_cast<uint8_t>(b))));
       if (it == vocab.end()) {
         return InvalidArgument(path.string() + ": byte " + std::to_string(b) + " has no token");
       }
       byte_ids[b] = it->get<int32_t>();
-    }
-    for (auto it = vocab.begin(); it != vocab.end(); ++it) vocab_size = std::max(vocab_size, it->get<int>() + 1);
-    if (tok.contains("added_tokens")) {
-      for (const json& a : tok["added_tokens"]) vocab_size = std::max(vocab_size, a["id"].get<int>() + 1);
+      if (taken[byte_ids[b]]) {
+        return InvalidArgument(path.string() + ": byte " + std::to_string(b) + " has the id " +
+                               std::to_string(byte_ids[b]) + " of another byte");
+      }
+      taken[byte_ids[b]] = true;
     }
     int32_t bos = -1, eos = -1;
     auto cfg = ReadJson(dir / "tokenizer_config.json");
     if (cfg.ok()) {
       bos = SpecialId(*cfg, "bos_token", tok);
       eos = SpecialId(*cfg, "eos_token", tok);
+    }
+    // Decode leaves special tokens out: one with a byte's id would be shown.
+    for (const auto& [name, id] : {std::pair{"BOS", bos}, std::pair{"EOS", eos}}) {
+      if (id >= 0 && taken[id]) {
+        return InvalidArgument(path.string() + ": the " + name + " token has the id " +
+                               std::to_string(id) + " of a byte");
+      }
     }
     return std::unique_ptr<Tokenizer>(new ByteTokenizer(std::move(byte_ids), vocab_size, bos, eos));
   } catch (const json::exception& e) {

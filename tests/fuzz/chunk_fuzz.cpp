@@ -1,0 +1,113 @@
+// libFuzzer harness for the KV chunk parser (Chunk::Parse, kdn/kvbus/chunk.h):
+// the bytes every tier and transport reads from disk or a peer.
+//
+// The first byte's low bits say which checksums the harness writes over the
+// rest before parsing (bit 0: the payload's, bit 1: the header's), so that
+// mutated headers get past the checksums to the field checks (as a forged
+// chunk would); the rest is the chunk. Parse must not crash or hit undefined
+// behaviour, refuse with CORRUPTION, and a chunk it accepts must be what it
+// says: the header's size plus a payload of the size its shape implies (raw)
+// or its stream (encoded), and built again from its info and payload it must
+// give the same fields and payload.
+//
+// Built with clang's -fsanitize=fuzzer,address,undefined (tests/fuzz); the
+// test `chunk_fuzz` (label fuzz) runs it over tests/fuzz/corpus/chunk.
+#include <xxhash.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "fuzz_util.h"
+#include "kdn/kvbus/chunk.h"
+
+using namespace kdn::kvbus;
+using kdn::fuzz::Check;
+
+namespace {
+
+// Header offsets (docs/kvbus.md, "KV chunk object").
+constexpr size_t kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88, kOffReserved = 104,
+                 kOffHeaderSum = 120;
+
+void Put64(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+// Whether `c` has the bytes of `bytes` up to header offset `fields` (the
+// fields its kind of chunk has: a raw chunk's codec fields and the reserved
+// bytes are zero when written and ignored when read) and from the payload on.
+bool SameChunk(const Chunk& c, const std::vector<uint8_t>& bytes, size_t fields) {
+  const uint8_t* b = c.bytes().data();
+  return c.size() == bytes.size() && std::memcmp(b, bytes.data(), fields) == 0 &&
+         std::memcmp(b + Chunk::kHeaderBytes, bytes.data() + Chunk::kHeaderBytes,
+                     bytes.size() - Chunk::kHeaderBytes) == 0;
+}
+
+// Seeds: a raw chunk per dtype and an encoded one, as the tiers store them.
+std::vector<std::string> Seeds() {
+  std::vector<std::string> seeds;
+  const KvDType dtypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16};
+  for (int i = 0; i < 3; ++i) {
+    ChunkInfo info{{0x1122, 0x3344}, {5, 6}, 2, 1, 4, 3, dtypes[i], 32};
+    std::vector<uint8_t> payload(info.payload_bytes());
+    for (size_t b = 0; b < payload.size(); ++b) payload[b] = static_cast<uint8_t>(b * 7 + i);
+    auto c = Chunk::Make(info, payload);
+    Check(c.ok(), "seed chunk");
+    std::string s(1, '\0');
+    s.append(reinterpret_cast<const char*>((*c)->bytes().data()), (*c)->size());
+    seeds.push_back(s);
+  }
+  ChunkInfo info{{7, 8}, {5, 6}, 1, 1, 2, 2, KvDType::kF16, 0, KvCodec::kKvc, 8};
+  std::vector<uint8_t> bytes(Chunk::kHeaderBytes, 0);
+  for (int b = 0; b < 12; ++b) bytes.push_back(static_cast<uint8_t>(b));
+  auto c = Chunk::FromEncoded(info, bytes);
+  Check(c.ok(), "seed encoded chunk");
+  std::string s(1, '\0');
+  s.append(reinterpret_cast<const char*>((*c)->bytes().data()), (*c)->size());
+  seeds.push_back(s);
+  return seeds;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  kdn::fuzz::WriteSeedsIfAsked(Seeds());
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  std::vector<uint8_t> bytes(data + 1, data + size);
+  if (bytes.size() >= Chunk::kHeaderBytes) {
+    uint8_t* h = bytes.data();
+    if (data[0] & 1) {
+      const size_t payload = bytes.size() - Chunk::kHeaderBytes;
+      Put64(h + kOffPayloadBytes, payload);
+      Put64(h + kOffPayloadSum, XXH3_64bits(h + Chunk::kHeaderBytes, payload));
+    }
+    if (data[0] & 2) Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
+  }
+  const std::vector<uint8_t> copy = bytes;
+  auto chunk = Chunk::Parse(std::move(bytes));
+  if (!chunk.ok()) {
+    Check(chunk.status().code() == kdn::StatusCode::kCorruption, "a refusal is CORRUPTION");
+    return 0;
+  }
+  const Chunk& c = **chunk;
+  Check(c.size() == copy.size(), "the chunk is the bytes given");
+  Check(c.payload().size() == c.size() - Chunk::kHeaderBytes, "header, then payload");
+  if (!c.encoded()) {
+    Check(c.payload().size() == c.info().payload_bytes(), "a raw payload of its shape's size");
+    auto again = Chunk::Make(c.info(), std::vector<uint8_t>(c.payload().begin(), c.payload().end()));
+    Check(again.ok(), "a parsed raw chunk builds again");
+    Check(SameChunk(**again, copy, kOffCodec), "and gives the same chunk");
+  } else {
+    std::vector<uint8_t> room(Chunk::kHeaderBytes);
+    room.insert(room.end(), c.payload().begin(), c.payload().end());
+    auto again = Chunk::FromEncoded(c.info(), std::move(room));
+    Check(again.ok(), "a parsed encoded chunk builds again");
+    Check(SameChunk(**again, copy, kOffReserved), "and gives the same chunk");
+  }
+  return 0;
+}
