@@ -3,7 +3,8 @@ deployment from `kdn-launch up --store`, which writes the members' and the
 router's keys into its run folder. pyzmq plays the outsider: a peer without a
 key, or with a keypair of its own, gets no answer from kdn-store, cannot
 prepare on the decode worker (its free KV blocks stay where they were) and
-crashes nothing; a holder of the members' key reaches kdn-store but cannot
+crashes nothing, not even with every input of the fuzz tests' corpora sent to
+every internal socket; a holder of the members' key reaches kdn-store but cannot
 prepare either: only the router's key can. The answered probes show the
 probes are well formed.
 """
@@ -11,6 +12,7 @@ probes are well formed.
 import re
 import struct
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -47,6 +49,16 @@ def cancel(request_id):
     return varint(1 << 3) + varint(request_id) + field(12, b"")
 
 
+# The fuzz tests' corpora (tests/fuzz/corpus): inputs each harness feeds a
+# parser or handler, here sent whole as frames by peers without the key.
+CORPUS = Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
+
+
+def corpus_frames():
+    return [f.read_bytes() for d in ("worker", "store", "wire", "chunk", "kvc")
+            for f in sorted((CORPUS / d).iterdir()) if f.is_file()]
+
+
 # proto/kvbus_store.proto StoreRequest{id: 7, stats{}}.
 STORE_STATS = varint(1 << 3) + varint(7) + field(5, b"")
 
@@ -68,6 +80,14 @@ def read_key(d, name):
 
 def endpoint(d, name):
     return next(p["endpoint"] for p in d.info["processes"] if p["name"] == name)
+
+
+def kvbus_endpoint(d, name):
+    """Where decode worker `name` takes KV, from its start-up log line."""
+    log = next(p["log"] for p in d.info["processes"] if p["name"] == name)
+    m = re.search(r"KV in on (tcp://\S+)", Path(log).read_text(errors="replace"))
+    assert m, "no 'KV in on' line in %s" % log
+    return m.group(1)
 
 
 def dealer(ctx, ep, server_key=None, keypair=None):
@@ -131,6 +151,17 @@ def test_outsiders_cannot_prepare_or_reach_the_store(secured):
                            [b"\x08\x01\x22\x00", b"KDNC" + b"\x00" * 200]):
                 send(store, frames)
             store.close()
+            # Every fuzz corpus input, to every internal socket.
+            frames = corpus_frames()
+            assert len(frames) >= 20, CORPUS
+            for ep in (endpoint(secured, "decode-0"), endpoint(secured, "prefill-0"),
+                       endpoint(secured, "store"), kvbus_endpoint(secured, "decode-0")):
+                s = dealer(ctx, ep, **who)
+                for f in frames:
+                    send(s, [f])
+                    send(s, [f, f])
+                assert not answered(s, [STORE_STATS], 300)
+                s.close()
         # A holder of the members' key (a worker) reaches the store but not
         # a control socket: only the router prepares.
         member = dict(server_key=key["public-key"], keypair=(key["public-key"],
