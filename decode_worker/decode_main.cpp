@@ -13,6 +13,7 @@
 #include "kdn/decode_worker/decode_service.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/kvbus/curve_flag.h"
+#include "proto_log.h"
 
 int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
     kdn::LogError("{}", st.ToString());
     return 2;
   }
+  kdn::proto::RouteProtobufLogs();
   auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
   o.curve = *std::move(curve);

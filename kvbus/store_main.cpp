@@ -18,6 +18,7 @@
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/store_service.h"
 #include "kdn/kvbus/tiered_store.h"
+#include "proto_log.h"
 
 namespace {
 volatile std::sig_atomic_t g_stop = 0;
@@ -69,6 +70,7 @@ int main(int argc, char** argv) {
     kdn::LogError("{}", st.ToString());
     return 2;
   }
+  kdn::proto::RouteProtobufLogs();
   auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
 

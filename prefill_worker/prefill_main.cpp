@@ -13,6 +13,7 @@
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/kvbus/curve_flag.h"
 #include "kdn/prefill_worker/prefill_service.h"
+#include "proto_log.h"
 
 int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
@@ -42,6 +43,7 @@ int main(int argc, char** argv) {
     kdn::LogError("{}", st.ToString());
     return 2;
   }
+  kdn::proto::RouteProtobufLogs();
   auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
   o.curve = *std::move(curve);

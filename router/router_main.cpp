@@ -14,6 +14,7 @@
 #include "kdn/control/stop_signal.h"
 #include "kdn/kvbus/curve_flag.h"
 #include "kdn/router/router.h"
+#include "proto_log.h"
 
 int main(int argc, char** argv) {
   kdn::router::RouterOptions o;
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {
     kdn::LogError("{}", st.ToString());
     return 2;
   }
+  kdn::proto::RouteProtobufLogs();
   auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
   o.backend.curve = *std::move(curve);

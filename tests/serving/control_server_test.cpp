@@ -5,6 +5,7 @@
 #include "kdn/control/control_server.h"
 
 #include "kdn/kvbus/zmq_curve.h"
+#include "proto_log.h"
 
 #include <gtest/gtest.h>
 #include <zmq.hpp>
@@ -116,6 +117,32 @@ TEST(ControlServer, AFloodOfMalformedFramesFromManyPeersLogsAFewLines) {
   EXPECT_GE(lines, 1);
   EXPECT_LE(lines, 6 * static_cast<long>(std::ceil(seconds) + 1)) << text;
   EXPECT_NE(text.find("dropping a malformed message"), std::string::npos) << text;
+}
+
+// Protobuf logs an error for each string field that is not UTF-8; routed
+// through kdn's log, a peer sending such messages in a loop gets a few
+// lines, not one per message.
+TEST(ControlServer, ProtobufsComplaintsAreRateLimited) {
+  const LogLevel saved = GetLogLevel();
+  SetLogLevel(LogLevel::kInfo);
+  proto::RouteProtobufLogs();
+  proto::WorkerMessage bad;
+  bad.mutable_lookup()->set_ns(std::string("\xff\xfe", 2));
+  const std::string bytes = bad.SerializeAsString();
+  testing::internal::CaptureStderr();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 2000; ++i) {
+    proto::WorkerMessage m;
+    (void)m.ParseFromString(bytes);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string text = testing::internal::GetCapturedStderr();
+  SetLogLevel(saved);
+  const auto lines = std::count(text.begin(), text.end(), '\n');
+  EXPECT_GE(lines, 1);
+  EXPECT_LE(lines, 6 * static_cast<long>(std::ceil(seconds) + 1)) << text;
+  EXPECT_NE(text.find("protobuf"), std::string::npos) << text;
 }
 
 // With CURVE, only the router's key reaches the handler: a Prepare (which
