@@ -63,6 +63,15 @@ int main(int argc, char** argv) {
   kdn::proto::RouteProtobufLogs();
   auto curve = curve_flag.Load();
   if (!curve.ok()) return 2;
+  if (curve->has_value() && !(*curve)->router_key.empty()) {
+    // The members' file names the router's key: the workers would refuse
+    // this router.
+    kdn::LogError(
+        "--curve-keys: {} is the members' key file (it names a router key); the router takes "
+        "the router's (kdn-keygen --router)",
+        curve_flag.path.empty() ? std::string("$KDN_CURVE_KEYS") : curve_flag.path);
+    return 2;
+  }
   o.backend.curve = *std::move(curve);
   std::signal(SIGPIPE, SIG_IGN);
   if (api_keys_file.empty()) {

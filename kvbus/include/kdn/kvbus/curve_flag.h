@@ -33,7 +33,7 @@ struct CurveFlag {
       return keys.status();
     }
     if (keys->has_value()) {
-      LogInfo("internal sockets use CURVE (deployment key {}...)",
+      LogInfo("internal sockets use CURVE (public key {}...)",
               (*keys)->public_key.substr(0, 8));
     } else {
       LogWarn(
