@@ -316,8 +316,22 @@ json ErrorBody(const ApiError& e) {
             {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
 }
 
-std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
-                                     const ServedModel& model, ApiRequest* out) {
+namespace {
+
+// A JSON accessor that throws (nlohmann's type_error, out_of_range) in a path
+// no check foresaw must not end the router's I/O thread: the request is
+// refused instead.
+template <typename Fn>
+std::optional<ApiError> RefuseOnJsonException(Fn&& parse) {
+  try {
+    return parse();
+  } catch (const json::exception& e) {
+    return Bad(std::string("malformed request: ") + e.what(), "");
+  }
+}
+
+std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& body_text,
+                                              const ServedModel& model, ApiRequest* out) {
   json body;
   KDN_API_CHECK(ParseBody(body_text, model, &body));
   out->kind = kind;
@@ -431,8 +445,9 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
   return std::nullopt;
 }
 
-std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
-                                           const ServedModel& model, InjectApiRequest* out) {
+std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text,
+                                                    const ServedModel& model,
+                                                    InjectApiRequest* out) {
   json body;
   KDN_API_CHECK(ParseBody(body_text, model, &body));
   if (!IsSet(body, "documents")) return Bad("'documents' is required", "documents");
@@ -454,6 +469,18 @@ std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
   KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
   KDN_API_CHECK(GetBool(body, "stream", &out->stream));
   return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
+                                     const ServedModel& model, ApiRequest* out) {
+  return RefuseOnJsonException([&] { return ParseRequestUnguarded(kind, body_text, model, out); });
+}
+
+std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
+                                           const ServedModel& model, InjectApiRequest* out) {
+  return RefuseOnJsonException([&] { return ParseInjectRequestUnguarded(body_text, model, out); });
 }
 
 json UsageJson(const Usage& u) {
