@@ -18,10 +18,12 @@ struct CurveFlag {
 
   void Add(CLI::App& app) {
     app.add_option("--curve-keys", path,
-                   "The deployment's CURVE key file (kdn-keygen writes one; mode 0600): "
-                   "internal sockets are then encrypted and refuse peers without the key. "
-                   "Default: the file named by KDN_CURVE_KEYS, else none (plaintext: anyone "
-                   "who can connect to this process's ports is trusted)");
+                   "The deployment's CURVE key file (kdn-keygen FILE --router FILE2 writes "
+                   "them, mode 0600): FILE for kdn-prefill, kdn-decode and kdn-store, FILE2 "
+                   "for kdn-router. Internal sockets are then encrypted and refuse peers "
+                   "without the right key. Default: the file named by KDN_CURVE_KEYS, else "
+                   "none (plaintext: anyone who can connect to this process's ports is "
+                   "trusted)");
   }
 
   // After parsing: the key, or none, and a log line saying which. On error
