@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -30,6 +31,10 @@ enum class Phase { kLookup, kPrepare, kPrefill, kDecode };
 struct Worker {
   WorkerView view;
   std::unique_ptr<zmq::socket_t> sock;
+  // ZeroMQ's monitor of sock (a PAIR on its inproc endpoint): tells at once
+  // when the worker's connection closes, so that a process that is gone is
+  // down in milliseconds, not after worker_timeout of silence.
+  std::unique_ptr<zmq::socket_t> monitor;
   Clock::time_point last_heard{};
   Clock::time_point last_ping{};
   bool heard = false;
@@ -663,6 +668,52 @@ struct Backend::Impl {
     for (uint64_t id : touched) PumpInjection(id);
   }
 
+  // Worker `w` is down (`why`: "stopped answering", "closed its
+  // connection"): its requests fail, its lookups count as misses, its
+  // injections go to another prefill worker. It is up again once it is
+  // heard from.
+  void MarkDown(size_t w, const std::string& why) {
+    Worker& wk = workers[w];
+    wk.view.up = false;
+    wk.heard = false;
+    LogWarn("{} ({}) {}", wk.view.name, wk.view.endpoint, why);
+    std::vector<uint64_t> doomed, to_choose;
+    for (auto& [id, r] : requests) {
+      const bool uses_d = r.phase != Phase::kLookup && r.d == w;
+      const bool uses_p = r.phase == Phase::kPrefill && r.p == w;
+      if (uses_d || uses_p) doomed.push_back(id);
+      auto pit = r.prefix.find(w);
+      if (r.phase == Phase::kLookup && pit != r.prefix.end() && pit->second < 0) {
+        r.prefix.erase(pit);
+        if (--r.lookups_pending == 0) to_choose.push_back(id);
+      }
+    }
+    for (uint64_t id : doomed) {
+      Fail(id, Unavailable(wk.view.role + " worker " + wk.view.name + " " + why));
+    }
+    if (wk.view.role == "prefill") RequeueInjections(w);
+    for (uint64_t id : to_choose) {
+      auto it = requests.find(id);
+      if (it != requests.end()) Choose(it->second);
+    }
+  }
+
+  // Takes the monitor events of worker `w`: a closed connection marks it
+  // down at once.
+  void OnMonitorEvents(size_t w) {
+    for (;;) {
+      zmq::message_t event, endpoint;
+      if (!workers[w].monitor->recv(event, zmq::recv_flags::dontwait)) return;
+      if (event.more()) (void)workers[w].monitor->recv(endpoint, zmq::recv_flags::none);
+      uint16_t id = 0;
+      if (event.size() >= sizeof(id)) std::memcpy(&id, event.data(), sizeof(id));
+      if (id == ZMQ_EVENT_DISCONNECTED && workers[w].view.up) {
+        MarkDown(w, "closed its connection");
+        UpdateSnapshot();
+      }
+    }
+  }
+
   void Tick() {
     const auto now = Clock::now();
     bool changed = false;
@@ -676,28 +727,8 @@ struct Backend::Impl {
       }
       const bool silent = !wk.heard || now - wk.last_heard > options.worker_timeout;
       if (wk.view.up && silent) {
-        wk.view.up = false;
+        MarkDown(w, "stopped answering");
         changed = true;
-        LogWarn("{} ({}) stopped answering", wk.view.name, wk.view.endpoint);
-        std::vector<uint64_t> doomed, to_choose;
-        for (auto& [id, r] : requests) {
-          const bool uses_d = r.phase != Phase::kLookup && r.d == w;
-          const bool uses_p = r.phase == Phase::kPrefill && r.p == w;
-          if (uses_d || uses_p) doomed.push_back(id);
-          auto pit = r.prefix.find(w);
-          if (r.phase == Phase::kLookup && pit != r.prefix.end() && pit->second < 0) {
-            r.prefix.erase(pit);
-            if (--r.lookups_pending == 0) to_choose.push_back(id);
-          }
-        }
-        for (uint64_t id : doomed) {
-          Fail(id, Unavailable(wk.view.role + " worker " + wk.view.name + " stopped answering"));
-        }
-        if (wk.view.role == "prefill") RequeueInjections(w);
-        for (uint64_t id : to_choose) {
-          auto it = requests.find(id);
-          if (it != requests.end()) Choose(it->second);
-        }
       }
     }
     // Deadlines: lookups go ahead with the answers they have.
@@ -724,6 +755,7 @@ struct Backend::Impl {
     std::vector<zmq::pollitem_t> items;
     items.push_back({inbox.handle(), 0, ZMQ_POLLIN, 0});
     for (Worker& w : workers) items.push_back({w.sock->handle(), 0, ZMQ_POLLIN, 0});
+    for (Worker& w : workers) items.push_back({w.monitor->handle(), 0, ZMQ_POLLIN, 0});
     auto last_snapshot = Clock::now();
     while (!stop.load(std::memory_order_relaxed)) {
       try {
@@ -775,6 +807,9 @@ struct Backend::Impl {
             OnMessage(w, wm);
           }
         }
+        for (size_t w = 0; w < workers.size(); ++w) {
+          if (items[1 + workers.size() + w].revents & ZMQ_POLLIN) OnMonitorEvents(w);
+        }
         Tick();
         if (Clock::now() - last_snapshot > std::chrono::milliseconds(100)) {
           UpdateSnapshot();
@@ -822,6 +857,15 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
       w.sock->set(zmq::sockopt::linger, 0);
       w.sock->set(zmq::sockopt::sndhwm, 100000);
       w.sock->set(zmq::sockopt::maxmsgsize, control::kMaxControlFrameBytes);
+      char mon[96];
+      std::snprintf(mon, sizeof(mon), "inproc://router-backend-%p-monitor-%zu",
+                    static_cast<void*>(impl.get()), impl->workers.size());
+      if (zmq_socket_monitor(w.sock->handle(), mon, ZMQ_EVENT_DISCONNECTED) != 0) {
+        return kvbus::ZmqErrorStatus(zmq_errno(), "monitoring the connection to " + ep);
+      }
+      w.monitor = std::make_unique<zmq::socket_t>(impl->ctx, zmq::socket_type::pair);
+      w.monitor->set(zmq::sockopt::linger, 0);
+      w.monitor->connect(mon);
       w.sock->connect(ep);
       impl->workers.push_back(std::move(w));
       return Status::Ok();

@@ -193,10 +193,12 @@ class BackendTest : public ::testing::Test {
 
   // Starts the backend over the prefill worker and `decode_endpoint`, and
   // waits until it has heard from both.
-  void StartBackend(const std::string& decode_endpoint) {
+  void StartBackend(const std::string& decode_endpoint,
+                    std::chrono::milliseconds worker_timeout = std::chrono::seconds(3)) {
     BackendOptions o;
     o.prefill_endpoints = {prefill_->endpoint()};
     o.decode_endpoints = {decode_endpoint};
+    o.worker_timeout = worker_timeout;
     auto b = Backend::Start(o, *tokenizer_, &metrics_);
     ASSERT_TRUE(b.ok()) << b.status().ToString();
     backend_ = std::move(b).value();
@@ -338,6 +340,24 @@ TEST_F(BackendTest, AClientGoneAfterTheFirstTokenCancelsItAtTheDecodeWorker) {
 // what the decode worker sends after it join up, even when the first token is
 // held back (it may begin a stop string), and a request that its first token
 // ends gives the decode worker's KV back.
+// A decode worker whose connection closes (its process is gone) is down at
+// once, from ZeroMQ's monitor: its running request fails without waiting for
+// worker_timeout, here an hour, which the test's wait never reaches.
+TEST_F(BackendTest, AWorkerWhoseConnectionClosesIsDownAtOnce) {
+  auto d = std::make_unique<HeldDecodeWorker>(dir_.path());
+  StartBackend(d->endpoint(), std::chrono::hours(1));
+  Client client;
+  const uint64_t id = backend_->Submit(GreedyJob("Hello world", 8), client.Callback());
+  ASSERT_EQ(d->WaitForWord(id).body, proto::WorkerMessage::kStart);
+  d.reset();  // closes its control socket, as a process that dies does
+  const std::vector<JobEvent> events = client.WaitForEnd();
+  ASSERT_FALSE(events.empty());
+  ASSERT_EQ(events.back().kind, JobEvent::Kind::kError);
+  EXPECT_NE(events.back().error.message().find("closed its connection"), std::string::npos)
+      << events.back().error.ToString();
+  EXPECT_FALSE(DecodeView().up);
+}
+
 TEST_F(BackendTest, TheRouterAndARealDecodeWorkerShowEachTokenOnce) {
   auto d = decode_worker::DecodeService::Start({.model_dir = dir_.path(),
                                                 .host_bytes = 16u << 20,
