@@ -104,6 +104,11 @@ void Metrics::KvMoved(uint64_t bytes, uint64_t slices_skipped) {
   slices_skipped_ += slices_skipped;
 }
 
+void Metrics::AcceptFailed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++accept_errors_;
+}
+
 std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
@@ -114,6 +119,10 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   }
   Head(&out, "kdn_requests_in_flight", "gauge", "Requests being served.");
   out += "kdn_requests_in_flight " + std::to_string(in_flight_) + "\n";
+  Head(&out, "kdn_http_accept_errors_total", "counter",
+       "HTTP connections the router failed to accept (out of file descriptors, say); it "
+       "backs off up to 1 s between tries while they fail.");
+  out += "kdn_http_accept_errors_total " + std::to_string(accept_errors_) + "\n";
   Head(&out, "kdn_ttft_seconds", "histogram", "Time to first token from the request's arrival.");
   ttft_.Render("kdn_ttft_seconds", &out);
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");

@@ -1,5 +1,6 @@
 #include "kdn/router/router.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -79,6 +80,10 @@ struct ServerState {
 
   asio::io_context io{1};
   std::optional<tcp::acceptor> acceptor;
+  // Between accepts that fail (out of file descriptors, which a try does not
+  // change): 10 ms, doubling to 1 s, back to none after a success.
+  std::optional<asio::steady_timer> accept_timer;
+  std::chrono::milliseconds accept_backoff{0};
   std::string url;
   std::thread thread;
 };
@@ -541,13 +546,23 @@ void Router::Impl::Accept() {
   acceptor->async_accept([this](beast::error_code ec, tcp::socket socket) {
     if (ec) {
       if (ec == asio::error::operation_aborted) return;
-      // It can fail on every try (out of file descriptors): rate-limited.
+      // It can fail on every try (out of file descriptors): rate-limited,
+      // and tried again after a back-off rather than at once, which would
+      // spin a core.
+      accept_backoff = std::clamp(accept_backoff * 2, std::chrono::milliseconds(10),
+                                  std::chrono::milliseconds(1000));
       static LogLimiter limiter;
-      limiter.Error("accept: {}", ec.message());
-    } else {
-      socket.set_option(tcp::no_delay(true), ec);
-      std::make_shared<Session>(std::move(socket), *this)->Start();
+      limiter.Error("accept: {} (trying again in {} ms)", ec.message(), accept_backoff.count());
+      metrics.AcceptFailed();
+      accept_timer->expires_after(accept_backoff);
+      accept_timer->async_wait([this](beast::error_code wait_ec) {
+        if (wait_ec != asio::error::operation_aborted) Accept();
+      });
+      return;
     }
+    accept_backoff = std::chrono::milliseconds(0);
+    socket.set_option(tcp::no_delay(true), ec);
+    std::make_shared<Session>(std::move(socket), *this)->Start();
     Accept();
   });
 }
@@ -581,6 +596,7 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
   try {
     const auto address = asio::ip::make_address(options.host);
     impl->acceptor.emplace(impl->io);
+    impl->accept_timer.emplace(impl->io);
     tcp::endpoint ep(address, options.port);
     impl->acceptor->open(ep.protocol());
     impl->acceptor->set_option(asio::socket_base::reuse_address(true));

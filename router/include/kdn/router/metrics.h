@@ -63,6 +63,8 @@ class Metrics {
   void Injected(const std::string& result, size_t tokens);
   void GeneratedTokens(int n);
   void KvMoved(uint64_t bytes, uint64_t slices_skipped);
+  // A failed accept of an HTTP connection (out of file descriptors, say).
+  void AcceptFailed();
 
   std::string Render(const std::vector<WorkerGauge>& workers) const;
 
@@ -77,6 +79,7 @@ class Metrics {
   std::map<std::string, uint64_t> injected_;  // by result
   uint64_t injected_tokens_ = 0;
   uint64_t kv_bytes_ = 0, slices_skipped_ = 0;
+  uint64_t accept_errors_ = 0;
 };
 
 }  // namespace kdn::router
