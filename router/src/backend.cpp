@@ -58,6 +58,8 @@ struct Request {
   size_t p = 0, d = 0;
   bool prefill_sent = false;
   bool first_token_seen = false;
+  int64_t decode_held_tokens = 0;  // from the decode worker's PrepareReply
+  int prefill_retries = 0;         // prefill workers lost before the first token
   std::string transfer_id;
   Usage usage;
 };
@@ -419,26 +421,10 @@ struct Backend::Impl {
           Fail(r.id, Unavailable(workers[r.d].view.name + " has not said where it takes KV"));
           return;
         }
-        proto::WorkerMessage pm;
-        auto* pf = pm.mutable_prefill();
-        for (int32_t t : r.job.tokens) pf->add_tokens(t);
-        pf->set_ns(r.job.ns);
-        control::SamplingToProto(r.job.sampling, pf->mutable_sampling());
-        pf->set_decode_endpoint(workers[r.d].kvbus_endpoint);
-        pf->set_decode_held_tokens(m.prepare_reply().held_tokens());
-        pf->set_transfer_id(r.transfer_id);
+        r.decode_held_tokens = m.prepare_reply().held_tokens();
         LogDebug("{} prepared: {} holds {} prompt tokens; prefill to {}", ReqId{r.id},
-                 workers[r.d].view.name, m.prepare_reply().held_tokens(), workers[r.p].view.name);
-        if (r.job.blend) {
-          auto* b = pf->mutable_blend();
-          b->set_head_tokens(r.job.blend->head_tokens);
-          for (int len : r.job.blend->segment_tokens) b->add_segment_tokens(len);
-          b->set_recompute_ratio(r.job.blend->recompute_ratio);
-          b->set_check_layer(r.job.blend->check_layer);
-        }
-        Send(r.p, r.id, pm);
-        r.prefill_sent = true;
-        r.phase = Phase::kPrefill;
+                 workers[r.d].view.name, r.decode_held_tokens, workers[r.p].view.name);
+        SendPrefill(r);
         return;
       }
       case proto::WorkerMessage::kPrefillReply: {
@@ -668,6 +654,54 @@ struct Backend::Impl {
     for (uint64_t id : touched) PumpInjection(id);
   }
 
+  // Sends request `r`'s prefill to its prefill worker r.p, the KV to go to
+  // its decode worker r.d (prepared).
+  void SendPrefill(Request& r) {
+    proto::WorkerMessage pm;
+    auto* pf = pm.mutable_prefill();
+    for (int32_t t : r.job.tokens) pf->add_tokens(t);
+    pf->set_ns(r.job.ns);
+    control::SamplingToProto(r.job.sampling, pf->mutable_sampling());
+    pf->set_decode_endpoint(workers[r.d].kvbus_endpoint);
+    pf->set_decode_held_tokens(static_cast<int32_t>(r.decode_held_tokens));
+    pf->set_transfer_id(r.transfer_id);
+    if (r.job.blend) {
+      auto* b = pf->mutable_blend();
+      b->set_head_tokens(r.job.blend->head_tokens);
+      for (int len : r.job.blend->segment_tokens) b->add_segment_tokens(len);
+      b->set_recompute_ratio(r.job.blend->recompute_ratio);
+      b->set_check_layer(r.job.blend->check_layer);
+    }
+    Send(r.p, r.id, pm);
+    r.prefill_sent = true;
+    r.phase = Phase::kPrefill;
+  }
+
+  // Request `r` lost its prefill worker before its first token: the least
+  // busy other prefill worker takes the prefill (the decode worker still
+  // holds the reservation; KV the lost worker already pushed is skipped).
+  // False if there is none, or the request has been moved twice already.
+  bool RetryPrefill(Request& r) {
+    constexpr int kMaxPrefillRetries = 2;
+    if (r.prefill_retries >= kMaxPrefillRetries) return false;
+    const size_t lost = r.p;
+    bool found = false;
+    for (size_t x = 0; x < workers.size(); ++x) {
+      if (x == lost || !Usable(x, "prefill")) continue;
+      if (!found || workers[x].view.queue_tokens < workers[r.p].view.queue_tokens) r.p = x;
+      found = true;
+    }
+    if (!found) {
+      r.p = lost;
+      return false;
+    }
+    ++r.prefill_retries;
+    LogWarn("{} prefill worker {} lost before the first token: prefill sent again, to {}",
+            ReqId{r.id}, workers[lost].view.name, workers[r.p].view.name);
+    SendPrefill(r);
+    return true;
+  }
+
   // Worker `w` is down (`why`: "stopped answering", "closed its
   // connection"): its requests fail, its lookups count as misses, its
   // injections go to another prefill worker. It is up again once it is
@@ -681,6 +715,9 @@ struct Backend::Impl {
     for (auto& [id, r] : requests) {
       const bool uses_d = r.phase != Phase::kLookup && r.d == w;
       const bool uses_p = r.phase == Phase::kPrefill && r.p == w;
+      // Before the first token nothing has reached the client: another
+      // prefill worker can take the request over.
+      if (uses_p && !uses_d && RetryPrefill(r)) continue;
       if (uses_d || uses_p) doomed.push_back(id);
       auto pit = r.prefix.find(w);
       if (r.phase == Phase::kLookup && pit != r.prefix.end() && pit->second < 0) {

@@ -43,7 +43,10 @@ struct Told {
 
 class HeldDecodeWorker {
  public:
-  explicit HeldDecodeWorker(const std::filesystem::path& model_dir) {
+  // `role` "prefill": it stands in for a prefill worker instead, which
+  // records the prefill requests it gets and answers none.
+  explicit HeldDecodeWorker(const std::filesystem::path& model_dir, std::string role = "decode")
+      : role_(std::move(role)) {
     auto wm = control::LoadWorkerModel(model_dir, {.kv_tokens = 256, .threads = 1});
     EXPECT_TRUE(wm.ok()) << wm.status().ToString();
     wm_ = std::move(wm).value();
@@ -94,8 +97,8 @@ class HeldDecodeWorker {
   void OnMessage(control::ControlServer& srv, const std::string& peer,
                  const proto::WorkerMessage& m) {
     auto info = [this](proto::WorkerInfo* i) {
-      i->set_name("held-decode");
-      i->set_role("decode");
+      i->set_name("held-" + role_);
+      i->set_role(role_);
       i->set_model_fingerprint(control::KeyToBytes(wm_.fingerprint));
       i->set_chunk_tokens(kChunk);
       i->set_max_context(wm_.model->config().max_context);
@@ -122,6 +125,7 @@ class HeldDecodeWorker {
     cv_.notify_all();
   }
 
+  const std::string role_;
   control::WorkerModel wm_;
   std::unique_ptr<kvbus::TieredStore> store_;
   kvbus::HostTier staging_{64u << 20};
@@ -193,10 +197,14 @@ class BackendTest : public ::testing::Test {
 
   // Starts the backend over the prefill worker and `decode_endpoint`, and
   // waits until it has heard from both.
+  // `prefill_before`: prefill workers listed before the real one (chosen
+  // first when their costs tie).
   void StartBackend(const std::string& decode_endpoint,
-                    std::chrono::milliseconds worker_timeout = std::chrono::seconds(3)) {
+                    std::chrono::milliseconds worker_timeout = std::chrono::seconds(3),
+                    std::vector<std::string> prefill_before = {}) {
     BackendOptions o;
-    o.prefill_endpoints = {prefill_->endpoint()};
+    o.prefill_endpoints = std::move(prefill_before);
+    o.prefill_endpoints.push_back(prefill_->endpoint());
     o.decode_endpoints = {decode_endpoint};
     o.worker_timeout = worker_timeout;
     auto b = Backend::Start(o, *tokenizer_, &metrics_);
@@ -356,6 +364,34 @@ TEST_F(BackendTest, AWorkerWhoseConnectionClosesIsDownAtOnce) {
   EXPECT_NE(events.back().error.message().find("closed its connection"), std::string::npos)
       << events.back().error.ToString();
   EXPECT_FALSE(DecodeView().up);
+}
+
+// A prefill worker lost before the first token (its connection closes)
+// loses no request: the prefill goes to another prefill worker, the decode
+// worker keeps its reservation, and the client sees only the answer.
+TEST_F(BackendTest, APrefillWorkerLostBeforeTheFirstTokenIsReplaced) {
+  auto d = decode_worker::DecodeService::Start({.model_dir = dir_.path(),
+                                                .host_bytes = 16u << 20,
+                                                .staging_bytes = 16u << 20,
+                                                .chunk_tokens = kChunk,
+                                                .engine = {.kv_tokens = 1024, .threads = 1}});
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto lost = std::make_unique<HeldDecodeWorker>(dir_.path(), "prefill");
+  StartBackend((*d)->endpoint(), std::chrono::hours(1), {lost->endpoint()});
+  auto wm = control::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
+  ASSERT_TRUE(wm.ok());
+  const Job job = GreedyJob("Hello world", 6);
+  const std::vector<int32_t> want = EngineTokens(*wm, job, 6);
+  Client client;
+  const uint64_t id = backend_->Submit(job, client.Callback());
+  ASSERT_EQ(lost->WaitForWord(id).body, proto::WorkerMessage::kPrefill);
+  EXPECT_TRUE(client.Events().empty());
+  lost.reset();  // closes its control socket, as a process that dies does
+  const std::vector<JobEvent> events = client.WaitForEnd();
+  ASSERT_FALSE(events.empty());
+  ASSERT_EQ(events.back().kind, JobEvent::Kind::kDone) << events.back().error.ToString();
+  EXPECT_EQ(JoinedText(events), tokenizer_->Decode(want));
+  EXPECT_EQ(events.back().usage.completion_tokens, 6);
 }
 
 TEST_F(BackendTest, TheRouterAndARealDecodeWorkerShowEachTokenOnce) {
