@@ -245,6 +245,7 @@ class Session : public std::enable_shared_from_this<Session> {
     // The OpenAI id is the request id that every process's log lines carry.
     request_id_ = FormatRequestId(job_);
     response_id_ = (kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-") + request_id_;
+    WatchClient(job_);
   }
 
   // The job about to start counts as in flight and live.
@@ -253,6 +254,37 @@ class Session : public std::enable_shared_from_this<Session> {
     router_.metrics.InFlight(1);
     in_flight_ = true;
     job_live_ = true;
+  }
+
+  // While job `job` runs, watches the connection for the client going away:
+  // a non-streaming request or injection writes nothing until it ends, so
+  // no failed write would tell. Readable with nothing to read is the
+  // client's FIN (or an error): the job is cancelled. Bytes to read (a
+  // pipelined request) end the watch; they are left for the next read.
+  void WatchClient(uint64_t job) {
+    stream_.socket().async_wait(
+        tcp::socket::wait_read, [self = shared_from_this(), job](beast::error_code ec) {
+          if (!self->job_live_ || self->job_ != job || ec == asio::error::operation_aborted) {
+            return;
+          }
+          beast::error_code avail_ec;
+          if (!ec && self->stream_.socket().available(avail_ec) > 0 && !avail_ec) return;
+          self->ClientGone(ec ? ec.message() : std::string("the connection was closed"));
+        });
+  }
+
+  // The client went away while its job ran: stop the job.
+  void ClientGone(const std::string& why) {
+    if (job_live_) {
+      router_.backend->Cancel(job_);
+      job_live_ = false;
+      EndInFlight();
+      router_.metrics.RequestFinished(route_, 499);
+      LogInfo("{} cancelled: the client went away (499) after {:.1f} ms: {}", ReqId{job_},
+              JobMs(), why);
+    }
+    queue_.clear();
+    Close();
   }
 
   // The callback that brings a job's events (on the backend thread) to this
@@ -283,6 +315,7 @@ class Session : public std::enable_shared_from_this<Session> {
     BeginJob();
     job_ = router_.backend->Inject(std::move(job), JobEvents());
     request_id_ = FormatRequestId(job_);
+    WatchClient(job_);
   }
 
   double JobMs() const {
@@ -479,19 +512,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnWrite(beast::error_code ec) {
     writing_ = false;
-    if (ec) {
-      // The client went away mid-stream: stop the job.
-      if (job_live_) {
-        router_.backend->Cancel(job_);
-        job_live_ = false;
-        EndInFlight();
-        router_.metrics.RequestFinished(route_, 499);
-        LogInfo("{} cancelled: the client went away (499) after {:.1f} ms: {}", ReqId{job_},
-                JobMs(), ec.message());
-      }
-      queue_.clear();
-      return Close();
-    }
+    // The client went away mid-stream: stop the job.
+    if (ec) return ClientGone(ec.message());
     queue_.pop_front();
     if (!queue_.empty()) return DoWrite();
     if (stream_done_) {

@@ -7,10 +7,13 @@ This one deployment serves the generated `small` model: on the tiny one a
 anything.
 """
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import time
+from urllib.parse import urlparse
 
 import httpx
 import openai
@@ -43,9 +46,11 @@ def deployment_1x2(small_model, tmp_path_factory):
 
 
 def busy_decode_workers(d):
+    """The decode workers up with a request (a dead one's last depth stays)."""
     s = parse_metrics(d.metrics())
     return [w for w in DECODE_WORKERS
-            if metric(s, "kdn_worker_queue_depth", worker=w, role="decode") >= 1]
+            if metric(s, "kdn_worker_up", worker=w, role="decode") == 1
+            and metric(s, "kdn_worker_queue_depth", worker=w, role="decode") >= 1]
 
 
 def test_killing_a_decode_worker_mid_stream(deployment_1x2):
@@ -115,3 +120,29 @@ def test_killing_a_decode_worker_mid_stream(deployment_1x2):
     assert st.returncode == 1, st.stdout + st.stderr
     line = next(l for l in st.stdout.splitlines() if l.startswith(victim))
     assert "dead" in line.split(), line
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_request(deployment_1x2):
+    """A client that closes its connection while its non-streaming request
+    generates (nothing is written to it until the end) frees the decode
+    worker at once: the request is cancelled and counted as a 499, instead of
+    generating all its tokens for nobody (1500 take the small model about
+    half a minute)."""
+    d = deployment_1x2
+    before = metric(parse_metrics(d.metrics()), "kdn_requests_total",
+                    route="/v1/completions", code="499")
+    url = urlparse(d.url)
+    body = json.dumps({"prompt": "The client leaves", "max_tokens": 1500, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kdn\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        busy = wait_until(lambda: busy_decode_workers(d) or None, 10)
+        assert busy, "no decode worker took the request"
+    finally:
+        sock.close()
+    assert wait_until(lambda: not busy_decode_workers(d), 10), (
+        "the decode worker still generates for a client that left\n" + d.log_tails())
+    assert wait_until(lambda: metric(parse_metrics(d.metrics()), "kdn_requests_total",
+                                     route="/v1/completions", code="499") == before + 1, 5)
