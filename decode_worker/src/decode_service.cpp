@@ -172,8 +172,10 @@ struct DecodeService::Impl {
 
   void DoPrepare(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const std::string okey = OriginKey(peer, msg.request_id());
-    const int64_t blocks =
-        (msg.prepare().tokens_size() + engine::kKvBlockTokens - 1) / engine::kKvBlockTokens;
+    const int64_t tokens = KvTokensReserved(msg.prepare().tokens_size(),
+                                            msg.prepare().max_tokens(),
+                                            wm.model->config().max_context);
+    const int64_t blocks = (tokens + engine::kKvBlockTokens - 1) / engine::kKvBlockTokens;
     Status budget = CheckBudget(peer, blocks);
     Result<uint64_t> id =
         ids.count(okey) != 0

@@ -72,10 +72,18 @@ Status Decoder::ValidateRequest(const DecodeRequest& r) const {
   return model::ValidateSamplingParams(r.spec.sampling);
 }
 
+int64_t KvTokensReserved(int64_t prompt_tokens, int64_t max_tokens, int64_t max_context) {
+  return std::min(prompt_tokens + max_tokens, max_context);
+}
+
 Status Decoder::ReserveKv(Prepared& p) {
   engine::KvCache& cache = model_.kv_cache();
   p.seq = cache.NewSequence();
-  return cache.Reserve(p.seq, static_cast<int64_t>(p.request.tokens.size()));
+  // The whole request, so that a request admitted never runs out of KV
+  // mid-stream: its decode steps find their blocks reserved.
+  return cache.Reserve(p.seq, KvTokensReserved(static_cast<int64_t>(p.request.tokens.size()),
+                                               p.request.spec.max_tokens,
+                                               model_.config().max_context));
 }
 
 int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded) {

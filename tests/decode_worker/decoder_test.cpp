@@ -258,13 +258,13 @@ TEST(Decoder, DecodesTheTokensTheEngineGeneratesAloneWhateverJoinsTheBatch) {
   EXPECT_EQ(rig.staging.Stats().chunks, 2u * 2 + 4u * 2) << "full chunks' slices stay staged";
 }
 
-TEST(Decoder, PrepareReservesThePromptsBlocksAndRefusesBadRequests) {
+TEST(Decoder, PrepareReservesTheRequestsBlocksAndRefusesBadRequests) {
   Rig rig;
   const int all = rig.num_blocks();
   DecoderOutput out;
   auto id = rig.decoder->Prepare(Request(RandomTokens(40, 256, 1), 8), &out);
   ASSERT_TRUE(id.ok());
-  EXPECT_EQ(rig.free_blocks(), all - 3);  // 40 tokens in blocks of 16
+  EXPECT_EQ(rig.free_blocks(), all - 3);  // 40 + 8 tokens in blocks of 16
   EXPECT_EQ(rig.decoder->Stats().prepared, 1);
 
   const auto refused = [&](DecodeRequest r) {
@@ -287,38 +287,39 @@ TEST(Decoder, PrepareRefusesAPromptTheFreeBlocksCannotHoldUntilBlocksAreFree) {
   Rig rig(std::make_unique<GatedStore>(), {.kv_blocks = 6});
   Transcript t;
   const uint64_t a = PrepareAndLoad(rig, Request(RandomTokens(64, 256, 1), 8), t);
-  EXPECT_EQ(rig.free_blocks(), 2);
+  EXPECT_EQ(rig.free_blocks(), 1);  // 64 + 8 tokens: 5 blocks
   DecoderOutput out;
   auto b = rig.decoder->Prepare(Request(RandomTokens(40, 256, 2), 8), &out);
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
-  EXPECT_EQ(rig.free_blocks(), 2);
+  EXPECT_EQ(rig.free_blocks(), 1);
   ASSERT_TRUE(rig.decoder->Cancel(a, &out).ok());
   EXPECT_EQ(rig.free_blocks(), 6);
   EXPECT_TRUE(rig.decoder->Prepare(Request(RandomTokens(40, 256, 2), 8), &out).ok());
 }
 
-TEST(Decoder, RunningOutOfBlocksMidDecodeFailsTheBatchAndFreesItsBlocks) {
-  // Two 32-token prompts fill a 4-block cache; the step after the first
-  // token needs a fifth block.
+TEST(Decoder, ARequestAdmittedNeverRunsOutOfBlocksMidDecode) {
+  // Each request needs 32 + 32 tokens, 4 blocks, of a 4-block cache: the
+  // first is admitted with all of them and runs to its last token; the
+  // second is refused at Prepare (before any prefill), not cut mid-stream.
   Rig rig(std::make_unique<GatedStore>(), {.kv_blocks = 4});
-  std::vector<DecodeRequest> reqs = {Request(RandomTokens(32, 256, 1), 20),
-                                     Request(RandomTokens(32, 256, 2), 20)};
+  std::vector<DecodeRequest> reqs = {Request(RandomTokens(32, 256, 1), 32),
+                                     Request(RandomTokens(32, 256, 2), 32)};
   // The stand-in prefill needs blocks of its own: it pushes first (the
   // store is empty, so the decode worker will hold nothing).
-  std::vector<int32_t> first;
-  for (const DecodeRequest& r : reqs) first.push_back(PushPrompt(rig, r, 0));
+  const int32_t first = PushPrompt(rig, reqs[0], 0);
   Transcript t;
-  std::vector<uint64_t> ids;
-  for (const DecodeRequest& r : reqs) ids.push_back(PrepareAndLoad(rig, r, t));
+  const uint64_t id = PrepareAndLoad(rig, reqs[0], t);
   EXPECT_EQ(rig.free_blocks(), 0);
-  for (size_t i = 0; i < ids.size(); ++i) Start(rig, ids[i], first[i], t);
+  DecoderOutput out;
+  auto refused = rig.decoder->Prepare(reqs[1], &out);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  Start(rig, id, first, t);
   RunToEnd(rig, t);
-  for (uint64_t id : ids) {
-    EXPECT_EQ(t.tokens[id].size(), 1u);
-    EXPECT_EQ(t.finished_events[id], 1);
-    EXPECT_EQ(t.error[id].code(), StatusCode::kResourceExhausted) << t.error[id].ToString();
-  }
+  EXPECT_EQ(t.tokens[id].size(), 32u);
+  EXPECT_EQ(t.finished_events[id], 1);
+  EXPECT_TRUE(t.error[id].ok()) << t.error[id].ToString();
   EXPECT_EQ(rig.free_blocks(), 4);
   EXPECT_EQ(rig.decoder->Stats().running, 0);
 }

@@ -23,7 +23,8 @@ namespace {
 using engine::testing::TempDir;
 using namespace std::chrono_literals;
 
-constexpr int kPromptTokens = 64;  // 4 KV blocks of 16 tokens
+// With max_tokens 4, a request reserves 64 tokens: 4 KV blocks of 16.
+constexpr int kPromptTokens = 60;
 
 // A router stand-in: one DEALER to the worker's control socket.
 class Peer {

@@ -90,6 +90,13 @@ struct DecodeRequest {
   RequestSpec spec;  // sampling, max_tokens, stops; spec.id is set by Prepare
 };
 
+// The KV a request's Prepare reserves, in tokens: its prompt and max_tokens
+// (its last token's KV is never written, so this is one spare), within the
+// model's context. A request admitted therefore never runs out of KV blocks
+// mid-stream; a request whose whole length the free blocks cannot hold is
+// refused at Prepare, before any prefill is spent on it.
+int64_t KvTokensReserved(int64_t prompt_tokens, int64_t max_tokens, int64_t max_context);
+
 // A Prepare's load is in: the leading `held_tokens` tokens of the prompt
 // (full chunks, then tail pieces) are in the request's blocks and need not
 // travel.
@@ -151,7 +158,8 @@ class Decoder {
   // Step 1. Returns the request's id. INVALID_ARGUMENT for an empty prompt,
   // one that leaves no room in the model's context, ids outside the
   // vocabulary, max_tokens < 1 or bad sampling parameters;
-  // RESOURCE_EXHAUSTED when too few KV blocks are free for the prompt. On
+  // RESOURCE_EXHAUSTED when too few KV blocks are free for the whole
+  // request (KvTokensReserved). On
   // error nothing is held. A blended prompt (nothing to load) gets its
   // PrepareDone in `out` at once.
   Result<uint64_t> Prepare(DecodeRequest request, DecoderOutput* out);
