@@ -22,26 +22,14 @@
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/zmq_curve.h"
 #include "recording_store.h"
+#include "temp_dir.h"
 
 namespace kdn::kvbus {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::RecordingStore;
-namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/kdn-curve-XXXXXX";
-    path_ = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 std::shared_ptr<const Chunk> MakeChunk(uint64_t id) {
   ChunkInfo info{ChunkKey{id, ~id}, ChunkKey{1, 2}, 2, 2, 8, 16, KvDType::kBF16, 0};
@@ -88,7 +76,7 @@ void Bombard(const std::string& endpoint, const std::function<void(zmq::socket_t
 TEST(CurveKeys, AWrittenKeyReadsBackAndIsPrivate) {
   TempDir dir;
   const CurveKeys keys = Keys();
-  const std::string path = dir / "kdn.key";
+  const std::string path = (dir.path() / "kdn.key").string();
   ASSERT_TRUE(WriteCurveKeys(path, keys).ok());
   struct stat st{};
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
@@ -114,10 +102,10 @@ TEST(CurveKeys, ADeploymentsTwoFilesNameEachOther) {
   EXPECT_EQ(members.ServerKey(), members.public_key);
   EXPECT_EQ(router.ServerKey(), members.public_key);
   EXPECT_EQ(members.ControlClientKey(), router.public_key);
-  ASSERT_TRUE(WriteCurveKeys(dir / "curve.key", members).ok());
-  ASSERT_TRUE(WriteCurveKeys(dir / "router.key", router).ok());
-  auto m = ReadCurveKeys(dir / "curve.key");
-  auto r = ReadCurveKeys(dir / "router.key");
+  ASSERT_TRUE(WriteCurveKeys((dir.path() / "curve.key").string(), members).ok());
+  ASSERT_TRUE(WriteCurveKeys((dir.path() / "router.key").string(), router).ok());
+  auto m = ReadCurveKeys((dir.path() / "curve.key").string());
+  auto r = ReadCurveKeys((dir.path() / "router.key").string());
   ASSERT_TRUE(m.ok() && r.ok());
   EXPECT_EQ(m->router_key, router.public_key);
   EXPECT_TRUE(m->server_key.empty());
@@ -134,7 +122,7 @@ TEST(CurveKeys, ADeploymentsTwoFilesNameEachOther) {
 
 TEST(CurveKeys, AKeyOthersMayReadIsRefused) {
   TempDir dir;
-  const std::string path = dir / "kdn.key";
+  const std::string path = (dir.path() / "kdn.key").string();
   ASSERT_TRUE(WriteCurveKeys(path, Keys()).ok());
   ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
   auto r = ReadCurveKeys(path);
@@ -145,7 +133,7 @@ TEST(CurveKeys, AKeyOthersMayReadIsRefused) {
 TEST(CurveKeys, MalformedAndMismatchedFilesAreRefused) {
   TempDir dir;
   auto write = [&](const std::string& name, const std::string& text) {
-    const std::string p = dir / name;
+    const std::string p = (dir.path() / name).string();
     std::ofstream(p) << text;
     ::chmod(p.c_str(), 0600);
     return p;
@@ -160,7 +148,7 @@ TEST(CurveKeys, MalformedAndMismatchedFilesAreRefused) {
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadCurveKeys(dir / "missing").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(ReadCurveKeys((dir.path() / "missing").string()).status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(ReadCurveKeys(write("ok", "# comment\n\npublic-key = " + a.public_key +
                                           "\nsecret-key = " + a.secret_key + "\n"))
                   .ok());
@@ -168,7 +156,7 @@ TEST(CurveKeys, MalformedAndMismatchedFilesAreRefused) {
 
 TEST(CurveKeys, TheEnvironmentNamesTheFileWhenTheFlagDoesNot) {
   TempDir dir;
-  const std::string path = dir / "kdn.key";
+  const std::string path = (dir.path() / "kdn.key").string();
   const CurveKeys keys = Keys();
   ASSERT_TRUE(WriteCurveKeys(path, keys).ok());
   ::unsetenv("KDN_CURVE_KEYS");
@@ -179,7 +167,7 @@ TEST(CurveKeys, TheEnvironmentNamesTheFileWhenTheFlagDoesNot) {
   ASSERT_TRUE(from_env.ok());
   ASSERT_TRUE(from_env->has_value());
   EXPECT_EQ((*from_env)->public_key, keys.public_key);
-  EXPECT_EQ(CurveKeysFromFlagOrEnv(dir / "missing").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(CurveKeysFromFlagOrEnv((dir.path() / "missing").string()).status().code(), StatusCode::kNotFound);
 }
 
 // kdn-store with CURVE: its clients put and get; a client without the key, or

@@ -18,11 +18,13 @@
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/tiered_store.h"
+#include "temp_dir.h"
 
 namespace kdn::kvbus {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::TempDir;
 using std::chrono::milliseconds;
 
 constexpr uint32_t kTokens = 4;
@@ -65,26 +67,6 @@ class FakeClock {
  private:
   std::shared_ptr<HostTier::TimePoint> now_ =
       std::make_shared<HostTier::TimePoint>(std::chrono::hours(1));
-};
-
-// A fresh folder per test, removed at the end.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("kdn_tier_test_" + std::string(info->test_suite_name()) +
-                                         "_" + info->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
 };
 
 std::unique_ptr<DiskTier> OpenDisk(const fs::path& dir, uint64_t capacity) {
