@@ -222,6 +222,15 @@ class BackendTest : public ::testing::Test {
     }
   }
 
+  // A real decode worker on the test's model.
+  Result<std::unique_ptr<decode_worker::DecodeService>> StartDecodeService() const {
+    return decode_worker::DecodeService::Start({.model_dir = dir_.path(),
+                                                .host_bytes = 16u << 20,
+                                                .staging_bytes = 16u << 20,
+                                                .chunk_tokens = kChunk,
+                                                .engine = {.kv_tokens = 1024, .threads = 1}});
+  }
+
   WorkerView DecodeView() const {
     for (const WorkerView& w : backend_->Workers()) {
       if (w.role == "decode") return w;
@@ -370,11 +379,7 @@ TEST_F(BackendTest, AWorkerWhoseConnectionClosesIsDownAtOnce) {
 // loses no request: the prefill goes to another prefill worker, the decode
 // worker keeps its reservation, and the client sees only the answer.
 TEST_F(BackendTest, APrefillWorkerLostBeforeTheFirstTokenIsReplaced) {
-  auto d = decode_worker::DecodeService::Start({.model_dir = dir_.path(),
-                                                .host_bytes = 16u << 20,
-                                                .staging_bytes = 16u << 20,
-                                                .chunk_tokens = kChunk,
-                                                .engine = {.kv_tokens = 1024, .threads = 1}});
+  auto d = StartDecodeService();
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   auto lost = std::make_unique<HeldDecodeWorker>(dir_.path(), "prefill");
   StartBackend((*d)->endpoint(), std::chrono::hours(1), {lost->endpoint()});
@@ -395,11 +400,7 @@ TEST_F(BackendTest, APrefillWorkerLostBeforeTheFirstTokenIsReplaced) {
 }
 
 TEST_F(BackendTest, TheRouterAndARealDecodeWorkerShowEachTokenOnce) {
-  auto d = decode_worker::DecodeService::Start({.model_dir = dir_.path(),
-                                                .host_bytes = 16u << 20,
-                                                .staging_bytes = 16u << 20,
-                                                .chunk_tokens = kChunk,
-                                                .engine = {.kv_tokens = 1024, .threads = 1}});
+  auto d = StartDecodeService();
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   StartBackend((*d)->endpoint());
   auto wm = control::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});

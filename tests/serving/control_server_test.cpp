@@ -25,16 +25,21 @@
 namespace kdn::control {
 namespace {
 
+// A handler that answers every message with an info reply, counting them
+// in `handled`.
+ControlServer::Handler AnswerEach(std::atomic<int>* handled) {
+  return [handled](ControlServer& srv, const std::string& peer, proto::WorkerMessage m) {
+    ++*handled;
+    proto::WorkerMessage reply;
+    reply.set_request_id(m.request_id());
+    reply.mutable_info();
+    srv.Send(peer, reply);
+  };
+}
+
 TEST(ControlServer, AFrameOverTheLimitIsDroppedAndOthersAreServed) {
   std::atomic<int> handled{0};
-  auto server = ControlServer::Start(
-      "tcp://127.0.0.1:0", [&](ControlServer& srv, const std::string& peer, proto::WorkerMessage m) {
-        ++handled;
-        proto::WorkerMessage reply;
-        reply.set_request_id(m.request_id());
-        reply.mutable_info();
-        srv.Send(peer, reply);
-      });
+  auto server = ControlServer::Start("tcp://127.0.0.1:0", AnswerEach(&handled));
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   zmq::context_t ctx;
   {
@@ -100,13 +105,8 @@ void ExpectFewLines(const std::function<void()>& flood, const std::string& what)
 }
 
 TEST(ControlServer, AFloodOfMalformedFramesFromManyPeersLogsAFewLines) {
-  auto server = ControlServer::Start(
-      "tcp://127.0.0.1:0", [&](ControlServer& srv, const std::string& peer, proto::WorkerMessage m) {
-        proto::WorkerMessage reply;
-        reply.set_request_id(m.request_id());
-        reply.mutable_info();
-        srv.Send(peer, reply);
-      });
+  std::atomic<int> handled{0};
+  auto server = ControlServer::Start("tcp://127.0.0.1:0", AnswerEach(&handled));
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   zmq::context_t ctx;
   std::vector<std::unique_ptr<zmq::socket_t>> peers;
@@ -155,16 +155,7 @@ TEST(ControlServer, ProtobufsComplaintsAreRateLimited) {
 TEST(ControlServer, WithCurveOnlyTheRouterIsHeard) {
   const auto [keys, router] = kvbus::GenerateDeploymentKeys().value();
   std::atomic<int> handled{0};
-  auto server = ControlServer::Start(
-      "tcp://127.0.0.1:0",
-      [&](ControlServer& srv, const std::string& peer, proto::WorkerMessage m) {
-        ++handled;
-        proto::WorkerMessage reply;
-        reply.set_request_id(m.request_id());
-        reply.mutable_info();
-        srv.Send(peer, reply);
-      },
-      keys);
+  auto server = ControlServer::Start("tcp://127.0.0.1:0", AnswerEach(&handled), keys);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   proto::WorkerMessage prepare;
   prepare.set_request_id(7);
