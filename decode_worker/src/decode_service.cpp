@@ -92,6 +92,7 @@ struct DecodeService::Impl {
   std::map<uint64_t, Origin> origins;   // Decoder id -> who asked
   // Per peer, KV blocks held by its prepared requests not yet started.
   std::map<std::string, int64_t> unstarted_blocks;
+  std::chrono::steady_clock::time_point next_lease_check{};
 
   void FillInfo(proto::WorkerInfo* info) {
     info->set_name(options.name);
@@ -209,7 +210,11 @@ struct DecodeService::Impl {
   // (its router died, or it was never a router) are let go, their blocks
   // free; and peers long silent are forgotten.
   void ExpireLeases(DecoderOutput* out) {
+    // Leases last seconds: a look every 100 ms is enough, rather than one
+    // per decode step.
     const auto now = std::chrono::steady_clock::now();
+    if (now < next_lease_check) return;
+    next_lease_check = now + std::chrono::milliseconds(100);
     std::set<std::string> silent;
     {
       std::lock_guard<std::mutex> lock(mu);
