@@ -3,7 +3,9 @@
 #   scripts/install-deps.sh          build dependencies only
 #   scripts/install-deps.sh --ref    also the test references: Debian's CPU
 #                                    PyTorch and, in .venv-ref/, the pinned
-#                                    PyPI packages of tests/parity/requirements.txt
+#                                    PyPI packages of tests/parity/requirements.txt,
+#                                    and the real vocabularies and chat templates
+#                                    of one pinned PyPI source archive (below)
 # Where nvcc is present it also fetches the FlashInfer attention headers: one
 # pinned wheel from PyPI, unpacked to ~/.cache/kdn (KDN_FLASHINFER_DIR in
 # CMake). Nothing else is downloaded. CUDA (nvcc, cuBLAS, NCCL) is expected
@@ -20,7 +22,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 pkgs=(build-essential cmake ninja-build ccache pkg-config
       libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libxxhash-dev
       libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler libboost-dev libzstd-dev
-      libspdlog-dev libfmt-dev)
+      libspdlog-dev libfmt-dev libpcre2-dev libutf8proc-dev)
 if [ $want_ref = 1 ]; then
   # promtool (package prometheus) checks /metrics; curl speaks SSE to the router.
   # munge, slurmctld, slurmd and slurm-client: a throwaway Slurm for tests/slurm.
@@ -51,6 +53,29 @@ if [ $want_ref = 1 ]; then
     echo "install-deps: pip install -r tests/parity/requirements.txt (into .venv-ref)"
     .venv-ref/bin/pip install -q --disable-pip-version-check -r tests/parity/requirements.txt
     cp tests/parity/requirements.txt .venv-ref/requirements.installed
+  fi
+  # Real tokenizer vocabularies (Llama 3, Llama 2/Mistral sentencepiece, Qwen2,
+  # GPT-2, as GGUF files with the ids Hugging Face gave for test inputs) and
+  # real chat templates: llama.cpp's test data, inside the pinned
+  # llama-cpp-python source archive. Only those files are unpacked, to
+  # ~/.cache/kdn (KDN_LLAMA_CPP_REF in CMake); nothing is built or installed.
+  LLAMA_CPP_PY_VERSION=0.3.36
+  LLAMA_CPP_REF="${HOME}/.cache/kdn/llama-cpp-python-${LLAMA_CPP_PY_VERSION}"
+  if [ ! -f "$LLAMA_CPP_REF/.complete" ]; then
+    echo "install-deps: llama-cpp-python ${LLAMA_CPP_PY_VERSION} vocabularies and templates into $LLAMA_CPP_REF"
+    tmp=$(mktemp -d)
+    # The archive's PyPI address and digest (pip download would build the
+    # package's metadata, and with it a C++ toolchain's worth of build deps).
+    curl -fsSL -o "$tmp/src.tar.gz" \
+      "https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-${LLAMA_CPP_PY_VERSION}.tar.gz"
+    echo "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e  $tmp/src.tar.gz" | sha256sum -c --quiet
+    tar xzf "$tmp/src.tar.gz" -C "$tmp" --wildcards \
+      '*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/models/templates/*'
+    rm -rf "$LLAMA_CPP_REF"
+    mkdir -p "$(dirname "$LLAMA_CPP_REF")"
+    mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp/models "$LLAMA_CPP_REF"
+    touch "$LLAMA_CPP_REF/.complete"
+    rm -rf "$tmp"
   fi
 fi
 
