@@ -89,6 +89,13 @@ std::vector<float> Take(ModelWeights& w, const std::string& name) {
 
 // Query rows at least this long go through the blocked matrix-product path.
 constexpr int64_t kGemmAttentionMinRows = 16;
+
+// The first key a query at `position` sees: 0, or under a sliding window
+// (transformers' mask: key j is seen when j > position - window) the oldest
+// key inside it.
+int64_t FirstVisibleKey(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+}
 constexpr int64_t kQueryTile = 128;
 
 }  // namespace
@@ -137,6 +144,7 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config, 
     L.w_down = Take(weights, p + "mlp.down_proj.weight");
   }
   m->inv_freq_ = RopeInvFreq(config);
+  m->rope_ = RopeParamsFor(config);
   int blocks = options.kv_blocks;
   if (blocks <= 0) {
     blocks = static_cast<int>((options.kv_tokens + kKvBlockTokens - 1) / kKvBlockTokens);
@@ -282,8 +290,8 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int
   AddBias(q.data(), rows, qd, L.bq);
   AddBias(k.data(), rows, kvd, L.bk);
   AddBias(v.data(), rows, kvd, L.bv);
-  ApplyRope(q.data(), rows, c.num_heads, c.head_dim, pos, inv_freq_.data());
-  ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, pos, inv_freq_.data());
+  ApplyRope(q.data(), rows, c.num_heads, c.head_dim, pos, inv_freq_.data(), rope_);
+  ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, pos, inv_freq_.data(), rope_);
   if (deviation != nullptr) deviation->assign(rows, 0.0f);
   for (const Segment& s : segs) {
     for (int64_t i = 0; i < s.n; ++i) {
@@ -332,6 +340,7 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t kvs = kv_->token_stride();
   const int64_t work = static_cast<int64_t>(short_rows.size()) * c.num_heads;
+  const int64_t window = c.LayerWindow(layer);
 #pragma omp parallel
   {
     std::vector<float> scores;
@@ -342,21 +351,22 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
       const int g = head / group;
       const int64_t row = s->row0 + i;
       const int64_t ctx = pos[row] + 1;  // causal: positions 0..pos
+      const int64_t lo = FirstVisibleKey(pos[row], window);
       const float* qr = q + row * qd + head * hd;
       const std::vector<int32_t>& blocks = s->seq->blocks();
-      scores.resize(ctx);
-      for (int64_t p = 0; p < ctx; ++p) {
+      scores.resize(ctx - lo);
+      for (int64_t p = lo; p < ctx; ++p) {
         const float* kp = kv_->Key(layer, blocks[p / kKvBlockTokens]) +
                           (p % kKvBlockTokens) * kvs + g * hd;
-        scores[p] = Dot(qr, kp, hd) * scale;
+        scores[p - lo] = Dot(qr, kp, hd) * scale;
       }
-      Softmax(scores.data(), ctx);
+      Softmax(scores.data(), ctx - lo);
       float* o = out + row * qd + head * hd;
       std::fill(o, o + hd, 0.0f);
-      for (int64_t p = 0; p < ctx; ++p) {
+      for (int64_t p = lo; p < ctx; ++p) {
         const float* vp = kv_->Value(layer, blocks[p / kKvBlockTokens]) +
                           (p % kKvBlockTokens) * kvs + g * hd;
-        Axpy(scores[p], vp, hd, o);
+        Axpy(scores[p - lo], vp, hd, o);
       }
     }
   }
@@ -370,6 +380,7 @@ void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos,
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t qd = c.q_dim(), kvs = kv_->token_stride();
   const int64_t ctx = static_cast<int64_t>(pos[n - 1]) + 1;
+  const int64_t window = c.LayerWindow(layer);
   const std::vector<int32_t>& blocks = seq.blocks();
   std::vector<float> kc(ctx * hd), vc(ctx * hd);
   std::vector<float> sc(std::min(kQueryTile, n) * ctx);
@@ -392,7 +403,9 @@ void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos,
         for (int64_t r = 0; r < tr; ++r) {
           float* row = &sc[r * keys];
           const int64_t visible = static_cast<int64_t>(pos[i0 + r]) + 1;
-          Softmax(row, visible);
+          const int64_t lo = FirstVisibleKey(pos[i0 + r], window);
+          Softmax(row + lo, visible - lo);
+          std::fill(row, row + lo, 0.0f);
           std::fill(row + visible, row + keys, 0.0f);
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, tr, hd, keys, 1.0f, sc.data(), keys,
@@ -478,7 +491,7 @@ Result<std::unique_ptr<RowPass>> CpuEngine::BeginRowPass(KvSequence& seq,
 
 Status CpuEngine::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
                                int layer) {
-  KDN_RETURN_IF_ERROR(CheckRotation(config_, seq, first, count, layer));
+  KDN_RETURN_IF_ERROR(CheckRotation(config_, seq, first, count, delta, layer));
   if (delta == 0 || count == 0) return Status::Ok();
   // Every token turns by the same angle: the cosines and sines once, then a
   // plain loop (no OpenMP: this runs beside the compute threads on blend's

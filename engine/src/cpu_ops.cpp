@@ -55,31 +55,79 @@ void RmsNorm(const float* x, const float* weight, float eps, int64_t rows, int d
 
 std::vector<float> RopeInvFreq(const model::ModelConfig& config) {
   const int half = config.head_dim / 2;
+  const double dim = config.head_dim;
   std::vector<float> inv(half);
   const model::RopeScaling& s = config.rope_scaling;
-  const double low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
-  const double high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+  const double original = static_cast<double>(s.original_max_position_embeddings);
+  // yarn: frequencies that turn fewer than beta_slow times over the original
+  // context are interpolated (divided by factor), those that turn more than
+  // beta_fast times are kept, and a linear ramp over the dimensions joins them.
+  double ramp_low = 0, ramp_high = 0;
+  if (s.type == model::RopeType::kYarn) {
+    auto correction_dim = [&](double rotations) {
+      return dim * std::log(original / (rotations * 2.0 * std::numbers::pi)) /
+             (2.0 * std::log(config.rope_theta));
+    };
+    ramp_low = correction_dim(s.beta_fast);
+    ramp_high = correction_dim(s.beta_slow);
+    if (s.truncate) {
+      ramp_low = std::floor(ramp_low);
+      ramp_high = std::ceil(ramp_high);
+    }
+    ramp_low = std::max(ramp_low, 0.0);
+    ramp_high = std::min(ramp_high, dim - 1);
+    if (ramp_low == ramp_high) ramp_high += 0.001;  // as transformers: no division by zero
+  }
+  const double low_freq_wavelen = original / s.low_freq_factor;
+  const double high_freq_wavelen = original / s.high_freq_factor;
   for (int i = 0; i < half; ++i) {
-    double f = 1.0 / std::pow(config.rope_theta, (2.0 * i) / config.head_dim);
-    if (s.llama3) {
-      // Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
-      // and the band between is interpolated smoothly.
-      const double wavelen = 2.0 * std::numbers::pi / f;
-      if (wavelen > low_freq_wavelen) {
+    double f = 1.0 / std::pow(config.rope_theta, (2.0 * i) / dim);
+    switch (s.type) {
+      case model::RopeType::kLinear:
         f /= s.factor;
-      } else if (wavelen >= high_freq_wavelen) {
-        const double smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) /
-                              (s.high_freq_factor - s.low_freq_factor);
-        f = (1.0 - smooth) * f / s.factor + smooth * f;
+        break;
+      case model::RopeType::kYarn: {
+        const double ramp = std::clamp((i - ramp_low) / (ramp_high - ramp_low), 0.0, 1.0);
+        f = f / s.factor * ramp + f * (1.0 - ramp);
+        break;
       }
+      case model::RopeType::kLlama3: {
+        // Llama 3.1: long wavelengths are slowed by `factor`, short ones kept,
+        // and the band between is interpolated smoothly.
+        const double wavelen = 2.0 * std::numbers::pi / f;
+        if (wavelen > low_freq_wavelen) {
+          f /= s.factor;
+        } else if (wavelen >= high_freq_wavelen) {
+          const double smooth = (original / wavelen - s.low_freq_factor) /
+                                (s.high_freq_factor - s.low_freq_factor);
+          f = (1.0 - smooth) * f / s.factor + smooth * f;
+        }
+        break;
+      }
+      case model::RopeType::kDefault:
+      case model::RopeType::kDynamic:  // grows per position: RopeParamsFor
+        break;
     }
     inv[i] = static_cast<float>(f);
   }
   return inv;
 }
 
+RopeParams RopeParamsFor(const model::ModelConfig& config) {
+  RopeParams r;
+  const model::RopeScaling& s = config.rope_scaling;
+  if (s.type == model::RopeType::kYarn) r.attention_scaling = static_cast<float>(s.attention_factor);
+  if (s.type == model::RopeType::kDynamic) {
+    r.dynamic_threshold = s.dynamic_threshold;
+    r.dynamic_factor = s.factor;
+  }
+  r.theta = config.rope_theta;
+  r.head_dim = config.head_dim;
+  return r;
+}
+
 void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
-               const float* inv_freq) {
+               const float* inv_freq, const RopeParams& rope) {
   const int half = head_dim / 2;
 #pragma omp parallel if (rows >= 16)
   {
@@ -88,9 +136,9 @@ void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* p
     for (int64_t r = 0; r < rows; ++r) {
       for (int i = 0; i < half; ++i) {
         // The angle in double: float32 loses ~1e-3 rad at position 32K.
-        const double a = static_cast<double>(positions[r]) * inv_freq[i];
-        cs[i] = static_cast<float>(std::cos(a));
-        sn[i] = static_cast<float>(std::sin(a));
+        const double a = RopeAngle(rope, inv_freq, i, positions[r]);
+        cs[i] = static_cast<float>(std::cos(a)) * rope.attention_scaling;
+        sn[i] = static_cast<float>(std::sin(a)) * rope.attention_scaling;
       }
       RotateByAngles(x + r * heads * head_dim, heads, head_dim, cs.data(), sn.data());
     }

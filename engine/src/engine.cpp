@@ -1,5 +1,6 @@
 #include "kdn/engine/engine.h"
 
+#include <algorithm>
 #include <string>
 
 namespace kdn::engine {
@@ -38,7 +39,7 @@ Status CheckKeep(std::span<const int64_t> rows, size_t current) {
 }
 
 Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, int64_t first,
-                     int64_t count, int layer) {
+                     int64_t count, int64_t delta, int layer) {
   if (first < 0 || count < 0 || first + count > seq.length()) {
     return InvalidArgument("rotate: positions [" + std::to_string(first) + ", " +
                            std::to_string(first + count) + ") are not all in a sequence of " +
@@ -46,6 +47,15 @@ Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, in
   }
   if (layer < -1 || layer >= config.num_layers) {
     return InvalidArgument("rotate: no layer " + std::to_string(layer));
+  }
+  // Under dynamic RoPE a key's frequencies depend on its position once past
+  // the threshold, so moving it is no single rotation.
+  const int64_t threshold = config.rope_scaling.dynamic_threshold;
+  if (config.rope_scaling.type == model::RopeType::kDynamic && delta != 0 &&
+      std::max(first + count, first + count + delta) > threshold) {
+    return Unimplemented("rotate: cached keys cannot move past position " +
+                         std::to_string(threshold) +
+                         " under dynamic RoPE (their frequencies change with the position)");
   }
   return Status::Ok();
 }

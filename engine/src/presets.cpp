@@ -43,7 +43,7 @@ std::vector<Preset> MakePresets() {
     // Llama with GQA, tied embeddings and llama3 RoPE scaling whose three
     // frequency bands all occur (wavelengths 6..~6000 vs original 128).
     ModelConfig c = Shape(Architecture::kLlama, 258, 64, 176, 2, 4, 2, 16, 10000.0, true, 2048);
-    c.rope_scaling = {true, 4.0, 1.0, 4.0, 128};
+    c.rope_scaling = {model::RopeType::kLlama3, 4.0, 1.0, 4.0, 128};
     p.push_back({"tiny", "2-layer Llama (GQA, tied, llama3 RoPE) for unit tests", c, DType::kBF16});
   }
   p.push_back({"tiny-qwen2", "2-layer Qwen2 (QKV bias, untied) for unit tests",
@@ -58,7 +58,7 @@ std::vector<Preset> MakePresets() {
   {
     ModelConfig c = Shape(Architecture::kLlama, 128256, 4096, 14336, 32, 32, 8, 128, 500000.0,
                           false, 131072);
-    c.rope_scaling = {true, 8.0, 1.0, 4.0, 8192};
+    c.rope_scaling = {model::RopeType::kLlama3, 8.0, 1.0, 4.0, 8192};
     p.push_back({"llama3-8b", "the shape of Llama-3.1-8B (16 GB in bf16)", c, DType::kBF16});
   }
   p.push_back({"qwen2.5-7b", "the shape of Qwen2.5-7B (15 GB in bf16)",

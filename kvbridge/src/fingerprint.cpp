@@ -24,11 +24,30 @@ kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& c, std::string_view w
                 "rope_original_max=%lld\nqkv_bias=%d\no_bias=%d\ntied=%d\n",
                 model::ArchitectureName(c.architecture), c.vocab_size, c.hidden_size,
                 c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
-                c.rms_norm_eps, c.rope_theta, c.rope_scaling.llama3 ? 1 : 0, c.rope_scaling.factor,
+                c.rms_norm_eps, c.rope_theta, c.rope_scaling.type == model::RopeType::kLlama3 ? 1 : 0, c.rope_scaling.factor,
                 c.rope_scaling.low_freq_factor, c.rope_scaling.high_freq_factor,
                 static_cast<long long>(c.rope_scaling.original_max_position_embeddings),
                 c.qkv_bias ? 1 : 0, c.o_bias ? 1 : 0, c.tie_word_embeddings ? 1 : 0);
   s += buf;
+  // Later fields are written only where set, so that the models of before
+  // (default or llama3 RoPE, full attention) keep their fingerprints.
+  const model::RopeScaling& rs = c.rope_scaling;
+  if (rs.type != model::RopeType::kDefault && rs.type != model::RopeType::kLlama3) {
+    std::snprintf(buf, sizeof(buf),
+                  "rope_type=%s\nrope_factor=%.17g\nrope_original_max=%lld\nrope_beta_fast=%.17g\n"
+                  "rope_beta_slow=%.17g\nrope_truncate=%d\nrope_attention_factor=%.17g\n"
+                  "rope_dynamic_threshold=%lld\n",
+                  model::RopeTypeName(rs.type), rs.factor,
+                  static_cast<long long>(rs.original_max_position_embeddings), rs.beta_fast,
+                  rs.beta_slow, rs.truncate ? 1 : 0, rs.attention_factor,
+                  static_cast<long long>(rs.dynamic_threshold));
+    s += buf;
+  }
+  if (c.sliding_window > 0) {
+    s += "sliding_window=" + std::to_string(c.sliding_window) + "\nwindowed_layers=";
+    for (int l = 0; l < c.num_layers; ++l) s += c.windowed_layers[l] ? '1' : '0';
+    s += "\n";
+  }
   for (const engine::TensorSpec& t : engine::ExpectedTensors(c)) {
     s += "tensor=" + t.name + engine::ShapeToString(t.shape) + "\n";
   }

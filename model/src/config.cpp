@@ -1,5 +1,7 @@
 #include "kdn/model/config.h"
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -15,6 +17,17 @@ const char* ArchitectureName(Architecture a) {
     case Architecture::kLlama: return "LlamaForCausalLM";
     case Architecture::kMistral: return "MistralForCausalLM";
     case Architecture::kQwen2: return "Qwen2ForCausalLM";
+  }
+  return "?";
+}
+
+const char* RopeTypeName(RopeType t) {
+  switch (t) {
+    case RopeType::kDefault: return "default";
+    case RopeType::kLinear: return "linear";
+    case RopeType::kDynamic: return "dynamic";
+    case RopeType::kYarn: return "yarn";
+    case RopeType::kLlama3: return "llama3";
   }
   return "?";
 }
@@ -93,6 +106,158 @@ int FirstId(const json& j, const char* key) {
   return -1;
 }
 
+// RoPE as transformers 5.x reads it (RotaryEmbeddingConfigMixin): the
+// parameters are config.json's rope_scaling when that is a non-empty object,
+// else its rope_parameters (what 5.x writes); their rope_theta comes before
+// the top-level one; "rope_type" comes before the older "type". Scaling
+// parameters of a type are checked, the others' ignored, as transformers
+// ignores them (with a warning).
+Status ParseRope(const json& j, int64_t max_pos, ModelConfig* c, const std::string& src) {
+  const json* rp = nullptr;
+  std::string field = "rope_scaling";
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) continue;
+    if (!it->is_object()) return InvalidArgument(src + ": " + key + " must be an object or null");
+    if (it->empty()) continue;
+    rp = &*it;
+    field = key;
+    break;
+  }
+  KDN_RETURN_IF_ERROR(GetDouble(j, "rope_theta", 10000.0, &c->rope_theta, src));
+  if (rp == nullptr) return Status::Ok();
+  const std::string where = src + " " + field;
+  KDN_RETURN_IF_ERROR(GetDouble(*rp, "rope_theta", c->rope_theta, &c->rope_theta, where));
+  if (!(c->rope_theta > 1.0)) return InvalidArgument(where + ": rope_theta must be > 1");
+  double partial = 1.0;
+  KDN_RETURN_IF_ERROR(GetDouble(*rp, "partial_rotary_factor", 1.0, &partial, where));
+  if (partial != 1.0) {
+    return Unimplemented(where + ": partial_rotary_factor " + std::to_string(partial) +
+                         " is not supported (RoPE over the whole head only)");
+  }
+  std::string type = "default";
+  for (const char* key : {"rope_type", "type"}) {
+    auto it = rp->find(key);
+    if (it == rp->end() || it->is_null()) continue;
+    if (!it->is_string()) return InvalidArgument(where + ": " + key + " must be a string");
+    type = it->get<std::string>();
+    break;
+  }
+  RopeScaling& s = c->rope_scaling;
+  if (type == "default") return Status::Ok();
+  if (type == "linear") s.type = RopeType::kLinear;
+  else if (type == "dynamic") s.type = RopeType::kDynamic;
+  else if (type == "yarn") s.type = RopeType::kYarn;
+  else if (type == "llama3") s.type = RopeType::kLlama3;
+  else {
+    return Unimplemented(where + ": rope_type \"" + type +
+                         "\" is not supported (default, linear, dynamic, yarn, llama3)");
+  }
+  // factor: required but for yarn, where it defaults to the context ratio.
+  const bool has_factor = rp->contains("factor") && !rp->at("factor").is_null();
+  if (!has_factor && s.type != RopeType::kYarn) {
+    return InvalidArgument(where + ": rope_type \"" + type + "\" needs a \"factor\"");
+  }
+  int64_t original = max_pos;
+  KDN_RETURN_IF_ERROR(GetInt(*rp, "original_max_position_embeddings", false, max_pos, &original, where));
+  if (original <= 0) return InvalidArgument(where + ": original_max_position_embeddings must be positive");
+  s.original_max_position_embeddings = original;
+  KDN_RETURN_IF_ERROR(GetDouble(*rp, "factor", static_cast<double>(max_pos) / original, &s.factor, where));
+  if (!(s.factor > 0) || !std::isfinite(s.factor)) {
+    return InvalidArgument(where + ": factor must be a positive number");
+  }
+  switch (s.type) {
+    case RopeType::kLlama3:
+      KDN_RETURN_IF_ERROR(GetDouble(*rp, "low_freq_factor", 1.0, &s.low_freq_factor, where));
+      KDN_RETURN_IF_ERROR(GetDouble(*rp, "high_freq_factor", 4.0, &s.high_freq_factor, where));
+      if (s.high_freq_factor <= s.low_freq_factor || s.low_freq_factor <= 0) {
+        return InvalidArgument(where + ": llama3 needs high_freq_factor > low_freq_factor > 0");
+      }
+      break;
+    case RopeType::kDynamic:
+      s.dynamic_threshold = max_pos;
+      // The base grows with the position past max_position_embeddings:
+      // the scaled context is the point of dynamic RoPE.
+      c->max_context = static_cast<int64_t>(std::min(static_cast<double>(max_pos) * std::max(1.0, s.factor),
+                                                     static_cast<double>(int64_t{1} << 31)));
+      break;
+    case RopeType::kYarn: {
+      // transformers treats a falsy beta (null or 0) as unset.
+      KDN_RETURN_IF_ERROR(GetDouble(*rp, "beta_fast", 32.0, &s.beta_fast, where));
+      KDN_RETURN_IF_ERROR(GetDouble(*rp, "beta_slow", 1.0, &s.beta_slow, where));
+      if (s.beta_fast == 0) s.beta_fast = 32.0;
+      if (s.beta_slow == 0) s.beta_slow = 1.0;
+      if (!(s.beta_fast > 0 && s.beta_slow > 0)) {
+        return InvalidArgument(where + ": beta_fast and beta_slow must be positive");
+      }
+      auto tr = rp->find("truncate");
+      if (tr != rp->end() && !tr->is_null()) {
+        if (!tr->is_boolean()) return InvalidArgument(where + ": truncate must be true or false");
+        s.truncate = tr->get<bool>();
+      }
+      auto mscale = [](double scale, double m) {
+        return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+      };
+      double m = 0, m_all = 0;
+      KDN_RETURN_IF_ERROR(GetDouble(*rp, "mscale", 0.0, &m, where));
+      KDN_RETURN_IF_ERROR(GetDouble(*rp, "mscale_all_dim", 0.0, &m_all, where));
+      const double fallback = m != 0 && m_all != 0 ? mscale(s.factor, m) / mscale(s.factor, m_all)
+                                                   : mscale(s.factor, 1.0);
+      KDN_RETURN_IF_ERROR(GetDouble(*rp, "attention_factor", fallback, &s.attention_factor, where));
+      if (!(s.attention_factor > 0) || !std::isfinite(s.attention_factor)) {
+        return InvalidArgument(where + ": attention_factor must be a positive number");
+      }
+      break;
+    }
+    default: break;
+  }
+  return Status::Ok();
+}
+
+// Sliding windows as transformers 5.x builds them: Mistral windows every
+// layer when sliding_window is set; Qwen2 only with use_sliding_window, and
+// then the layers its layer_types call "sliding_attention" (by default those
+// from max_window_layers on). Llama has none.
+Status ParseSlidingWindow(const json& j, ModelConfig* c, const std::string& src) {
+  if (c->architecture == Architecture::kLlama) return Status::Ok();
+  if (c->architecture == Architecture::kQwen2 && !j.value("use_sliding_window", false)) {
+    return Status::Ok();
+  }
+  // Both classes default sliding_window to 4096 when the field is absent.
+  int64_t window = 0;
+  KDN_RETURN_IF_ERROR(GetInt(j, "sliding_window", false, 4096, &window, src));
+  if (j.contains("sliding_window") && j.at("sliding_window").is_null()) return Status::Ok();
+  if (window <= 0) return InvalidArgument(src + ": sliding_window must be positive or null");
+  c->sliding_window = window;
+  c->windowed_layers.assign(c->num_layers, true);
+  if (c->architecture != Architecture::kQwen2) return Status::Ok();
+  auto lt = j.find("layer_types");
+  if (lt != j.end() && !lt->is_null()) {
+    if (!lt->is_array() || static_cast<int64_t>(lt->size()) != c->num_layers) {
+      return InvalidArgument(src + ": layer_types must list one type for each of the " +
+                             std::to_string(c->num_layers) + " layers");
+    }
+    for (int l = 0; l < c->num_layers; ++l) {
+      const json& t = (*lt)[l];
+      if (t == "full_attention") c->windowed_layers[l] = false;
+      else if (t != "sliding_attention") {
+        return Unimplemented(src + ": layer_types[" + std::to_string(l) + "] " + t.dump() +
+                             " is not supported (full_attention, sliding_attention)");
+      }
+    }
+  } else {
+    int64_t first = 28;
+    KDN_RETURN_IF_ERROR(GetInt(j, "max_window_layers", false, 28, &first, src));
+    for (int l = 0; l < c->num_layers; ++l) c->windowed_layers[l] = l >= first;
+  }
+  // A window no layer uses is none (one model, one fingerprint).
+  if (std::find(c->windowed_layers.begin(), c->windowed_layers.end(), true) == c->windowed_layers.end()) {
+    c->sliding_window = 0;
+    c->windowed_layers.clear();
+  }
+  return Status::Ok();
+}
+
 Result<ModelConfig> Parse(const json& j, const std::string& src) {
   if (!j.is_object()) return InvalidArgument(src + ": not a JSON object");
   ModelConfig c;
@@ -135,33 +300,14 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
     return InvalidArgument(src + ": num_attention_heads * head_dim does not fit in an int");
   }
   KDN_RETURN_IF_ERROR(GetDouble(j, "rms_norm_eps", 1e-6, &c.rms_norm_eps, src));
-  KDN_RETURN_IF_ERROR(GetDouble(j, "rope_theta", 10000.0, &c.rope_theta, src));
 
   const std::string act = j.value("hidden_act", std::string("silu"));
   if (act != "silu") {
     return Unimplemented(src + ": hidden_act \"" + act + "\" is not supported (only silu)");
   }
-  if (j.value("mlp_bias", false)) return Unimplemented(src + ": mlp_bias is not supported");
-
-  auto rs = j.find("rope_scaling");
-  if (rs != j.end() && !rs->is_null()) {
-    if (!rs->is_object()) return InvalidArgument(src + ": rope_scaling must be an object or null");
-    std::string type = rs->value("rope_type", rs->value("type", std::string("default")));
-    if (type == "llama3") {
-      RopeScaling& s = c.rope_scaling;
-      s.llama3 = true;
-      KDN_RETURN_IF_ERROR(GetDouble(*rs, "factor", 8.0, &s.factor, src + " rope_scaling"));
-      KDN_RETURN_IF_ERROR(GetDouble(*rs, "low_freq_factor", 1.0, &s.low_freq_factor, src + " rope_scaling"));
-      KDN_RETURN_IF_ERROR(GetDouble(*rs, "high_freq_factor", 4.0, &s.high_freq_factor, src + " rope_scaling"));
-      KDN_RETURN_IF_ERROR(GetInt(*rs, "original_max_position_embeddings", false, 8192,
-                                 &s.original_max_position_embeddings, src + " rope_scaling"));
-      if (s.high_freq_factor <= s.low_freq_factor || s.factor <= 0) {
-        return InvalidArgument(src + ": rope_scaling needs high_freq_factor > low_freq_factor and factor > 0");
-      }
-    } else if (type != "default") {
-      return Unimplemented(src + ": rope_scaling type \"" + type +
-                           "\" is not supported (only llama3 or none)");
-    }
+  // Only Llama's class reads mlp_bias; Mistral's and Qwen2's never build MLP biases.
+  if (c.architecture == Architecture::kLlama && j.value("mlp_bias", false)) {
+    return Unimplemented(src + ": mlp_bias: true is not supported (MLP biases)");
   }
 
   // As in Hugging Face's classes: Qwen2 always has QKV biases, Llama has
@@ -179,12 +325,8 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
   KDN_RETURN_IF_ERROR(GetInt(j, "max_position_embeddings", false, 4096, &max_pos, src));
   if (max_pos <= 0) return InvalidArgument(src + ": max_position_embeddings must be positive");
   c.max_context = max_pos;
-  auto sw = j.find("sliding_window");
-  const bool sliding = c.architecture == Architecture::kMistral ||
-                       (c.architecture == Architecture::kQwen2 && j.value("use_sliding_window", false));
-  if (sliding && sw != j.end() && sw->is_number_integer() && sw->get<int64_t>() > 0) {
-    c.max_context = std::min(c.max_context, sw->get<int64_t>());
-  }
+  KDN_RETURN_IF_ERROR(ParseRope(j, max_pos, &c, src));
+  KDN_RETURN_IF_ERROR(ParseSlidingWindow(j, &c, src));
   c.bos_token_id = FirstId(j, "bos_token_id");
   c.eos_token_id = FirstId(j, "eos_token_id");
   c.torch_dtype = j.value("torch_dtype", std::string());
@@ -233,26 +375,49 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
-  if (c.rope_scaling.llama3) {
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", c.rope_scaling.factor},
-                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
-                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
-                         {"original_max_position_embeddings",
-                          c.rope_scaling.original_max_position_embeddings}};
-  } else {
+  const RopeScaling& rs = c.rope_scaling;
+  if (rs.type == RopeType::kDefault) {
     j["rope_scaling"] = nullptr;
+  } else {
+    json r = {{"rope_type", RopeTypeName(rs.type)}, {"factor", rs.factor}};
+    if (rs.type == RopeType::kLlama3) {
+      r["low_freq_factor"] = rs.low_freq_factor;
+      r["high_freq_factor"] = rs.high_freq_factor;
+    }
+    if (rs.type == RopeType::kLlama3 || rs.type == RopeType::kYarn) {
+      r["original_max_position_embeddings"] = rs.original_max_position_embeddings;
+    }
+    if (rs.type == RopeType::kYarn) {
+      r["beta_fast"] = rs.beta_fast;
+      r["beta_slow"] = rs.beta_slow;
+      r["truncate"] = rs.truncate;
+      r["attention_factor"] = rs.attention_factor;
+    }
+    j["rope_scaling"] = r;
   }
   if (c.architecture == Architecture::kLlama) {
     j["attention_bias"] = c.o_bias;
     j["mlp_bias"] = false;
   }
   if (c.architecture != Architecture::kLlama) {
-    j["sliding_window"] = nullptr;
-    j["use_sliding_window"] = false;
+    if (c.sliding_window > 0) {
+      j["sliding_window"] = c.sliding_window;
+      j["use_sliding_window"] = true;
+      if (c.architecture == Architecture::kQwen2) {
+        json types = json::array();
+        for (int l = 0; l < c.num_layers; ++l) {
+          types.push_back(c.windowed_layers[l] ? "sliding_attention" : "full_attention");
+        }
+        j["layer_types"] = types;
+      }
+    } else {
+      j["sliding_window"] = nullptr;
+      j["use_sliding_window"] = false;
+    }
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
-  j["max_position_embeddings"] = c.max_context;
+  j["max_position_embeddings"] =
+      rs.type == RopeType::kDynamic ? rs.dynamic_threshold : c.max_context;
   j["bos_token_id"] = c.bos_token_id;
   j["eos_token_id"] = c.eos_token_id;
   j["torch_dtype"] = c.torch_dtype.empty() ? "float32" : c.torch_dtype;

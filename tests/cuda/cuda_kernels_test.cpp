@@ -167,20 +167,18 @@ struct RopeCase {
   int heads;
   int head_dim;
   double theta;
-  bool llama3;  // Llama 3.1 frequency scaling
+  model::RopeType type;  // kLlama3: Llama 3.1's scaling; the others factor 4
 };
 
 model::ModelConfig RopeConfig(const RopeCase& c) {
   model::ModelConfig config;
   config.head_dim = c.head_dim;
   config.rope_theta = c.theta;
-  if (c.llama3) {
-    config.rope_scaling.llama3 = true;
-    config.rope_scaling.factor = 8.0;
-    config.rope_scaling.low_freq_factor = 1.0;
-    config.rope_scaling.high_freq_factor = 4.0;
-    config.rope_scaling.original_max_position_embeddings = 8192;
-  }
+  config.rope_scaling.type = c.type;
+  config.rope_scaling.factor = c.type == model::RopeType::kLlama3 ? 8.0 : 4.0;
+  config.rope_scaling.original_max_position_embeddings = 8192;
+  if (c.type == model::RopeType::kYarn) config.rope_scaling.attention_factor = 1.1386;
+  if (c.type == model::RopeType::kDynamic) config.rope_scaling.dynamic_threshold = 4096;
   return config;
 }
 
@@ -190,7 +188,7 @@ template <typename T>
 void ExpectRopeMatchesCpu(const RopeCase& c, uint32_t seed) {
   SCOPED_TRACE("rows=" + std::to_string(c.rows) + " heads=" + std::to_string(c.heads) +
                " head_dim=" + std::to_string(c.head_dim) + " theta=" + std::to_string(c.theta) +
-               (c.llama3 ? " llama3" : ""));
+               " " + model::RopeTypeName(c.type));
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   std::uniform_int_distribution<int32_t> position(0, 32768);
@@ -201,10 +199,11 @@ void ExpectRopeMatchesCpu(const RopeCase& c, uint32_t seed) {
   positions[0] = 32768;
   if (c.rows > 1) positions[1] = 0;
   const std::vector<float> inv_freq = RopeInvFreq(RopeConfig(c));
+  const RopeParams rope = RopeParamsFor(RopeConfig(c));
 
   const std::vector<T> x_t = FromFloats<T>(x);
   std::vector<float> want = ToFloats(x_t);
-  ApplyRope(want.data(), c.rows, c.heads, c.head_dim, positions.data(), inv_freq.data());
+  ApplyRope(want.data(), c.rows, c.heads, c.head_dim, positions.data(), inv_freq.data(), rope);
 
   auto d_x = ToDevice(x_t);
   KDN_ASSERT_OK(d_x.status());
@@ -213,7 +212,7 @@ void ExpectRopeMatchesCpu(const RopeCase& c, uint32_t seed) {
   auto d_inv_freq = ToDevice(inv_freq);
   KDN_ASSERT_OK(d_inv_freq.status());
   KDN_ASSERT_OK(ApplyRopeCuda(d_x->get(), c.rows, c.heads, c.head_dim, d_positions->get(),
-                              d_inv_freq->get(), nullptr));
+                              d_inv_freq->get(), nullptr, rope));
   std::vector<T> got;
   KDN_ASSERT_OK(ToHost(d_x->get(), x.size(), &got));
   EXPECT_TRUE(AllClose(ToFloats(got), want, ToleranceFor<T>()));
@@ -221,9 +220,15 @@ void ExpectRopeMatchesCpu(const RopeCase& c, uint32_t seed) {
 
 // head_dim 80 (half 40) exercises a frequency count that is no warp multiple;
 // 513 rows of 8 heads more rows than one wave of blocks.
+// yarn (frequencies and the factor on cos and sin) and dynamic (positions
+// past 4096 with bases of their own) go through rope.h on both sides.
+using model::RopeType;
 const RopeCase kRopeCases[] = {
-    {1, 1, 64, 10000.0, false},     {7, 32, 128, 500000.0, true}, {33, 8, 64, 10000.0, false},
-    {513, 8, 128, 1000000.0, false}, {64, 40, 128, 500000.0, true}, {5, 3, 80, 10000.0, false},
+    {1, 1, 64, 10000.0, RopeType::kDefault},      {7, 32, 128, 500000.0, RopeType::kLlama3},
+    {33, 8, 64, 10000.0, RopeType::kDefault},     {513, 8, 128, 1000000.0, RopeType::kDefault},
+    {64, 40, 128, 500000.0, RopeType::kLlama3},   {5, 3, 80, 10000.0, RopeType::kDefault},
+    {65, 8, 128, 1000000.0, RopeType::kYarn},     {65, 8, 128, 10000.0, RopeType::kDynamic},
+    {9, 4, 64, 10000.0, RopeType::kLinear},
 };
 
 TEST(ApplyRopeCuda, MatchesCpuReferenceInFp32) {
@@ -266,7 +271,7 @@ TEST(ApplyRopeCuda, ReportsItsBandwidthOnAPrefillBatch) {
   KDN_ASSERT_OK(d_x.status());
   auto d_positions = ToDevice(positions);
   KDN_ASSERT_OK(d_positions.status());
-  auto d_inv_freq = ToDevice(RopeInvFreq(RopeConfig({rows, heads, head_dim, 500000.0, true})));
+  auto d_inv_freq = ToDevice(RopeInvFreq(RopeConfig({rows, heads, head_dim, 500000.0, RopeType::kLlama3})));
   KDN_ASSERT_OK(d_inv_freq.status());
   const Result<double> us = MeanLaunchMicros(
       [&] {

@@ -237,11 +237,12 @@ TEST(PagedKvCuda, WriteGatherScatterAndCopyKeepEveryRowInItsSlot) {
 // -------------------------------------------------------------- attention
 
 // Causal grouped-query attention of queries at positions q_pos over keys
-// 0..q_pos, in double. q: [n][heads][dim]; keys, values: [len][kv_heads][dim].
+// 0..q_pos (q_pos - window + 1 .. q_pos with a window), in double.
+// q: [n][heads][dim]; keys, values: [len][kv_heads][dim].
 std::vector<float> ReferenceAttention(const std::vector<float>& q, const std::vector<int64_t>& q_pos,
                                       const std::vector<float>& keys,
                                       const std::vector<float>& values, int heads, int kv_heads,
-                                      int dim) {
+                                      int dim, int64_t window = 0) {
   const int group = heads / kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   std::vector<float> out(q.size());
@@ -249,9 +250,10 @@ std::vector<float> ReferenceAttention(const std::vector<float>& q, const std::ve
     for (int h = 0; h < heads; ++h) {
       const int g = h / group;
       const float* qh = &q[(i * heads + h) * dim];
-      std::vector<double> s(q_pos[i] + 1);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, q_pos[i] - window + 1) : 0;
+      std::vector<double> s(q_pos[i] + 1, -INFINITY);
       double mx = -INFINITY;
-      for (int64_t t = 0; t <= q_pos[i]; ++t) {
+      for (int64_t t = first; t <= q_pos[i]; ++t) {
         const float* kt = &keys[(t * kv_heads + g) * dim];
         double dot = 0;
         for (int d = 0; d < dim; ++d) dot += static_cast<double>(qh[d]) * kt[d];
@@ -259,7 +261,7 @@ std::vector<float> ReferenceAttention(const std::vector<float>& q, const std::ve
         mx = std::max(mx, s[t]);
       }
       double z = 0;
-      for (double& x : s) z += (x = std::exp(x - mx));
+      for (double& x : s) z += (x = std::exp(x - mx));  // exp(-inf) = 0 before the window
       for (int d = 0; d < dim; ++d) {
         double o = 0;
         for (int64_t t = 0; t <= q_pos[i]; ++t) o += s[t] * values[(t * kv_heads + g) * dim + d];
@@ -281,9 +283,11 @@ Tolerance AttentionTolerance() {
 }
 
 template <typename T>
-void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n) {
+void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n,
+                  int64_t window = 0) {
   SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
-                                    << " q_start " << q_start << " n " << n);
+                                    << " q_start " << q_start << " n " << n << " window "
+                                    << window);
   const int64_t len = q_start + n;
   PagedFixture<T> f(kv_heads, dim, static_cast<int>((len + 15) / 16) + 2, 3);
   const auto kv = Rounded<T>(Uniforms(2 * len * f.row(), 4, -2.0f, 2.0f));
@@ -292,7 +296,8 @@ void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n) 
   auto d_q = ToDevice(FromFloats<T>(q));
   auto d_out = ToDevice(std::vector<T>(q.size()));
   ASSERT_TRUE(d_q.ok() && d_out.ok());
-  const AttentionShape shape{heads, kv_heads, dim, 1.0f / std::sqrt(static_cast<float>(dim))};
+  const AttentionShape shape{heads, kv_heads, dim, 1.0f / std::sqrt(static_cast<float>(dim)),
+                             window};
   KDN_ASSERT_OK(PrefillAttentionCuda<T>(d_q->get(), n, q_start, f.const_layer(), f.d_table.get(),
                                         shape, d_out->get(), nullptr));
   std::vector<T> got;
@@ -301,7 +306,8 @@ void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n) 
   std::iota(pos.begin(), pos.end(), q_start);
   const std::vector<float> keys(kv.begin(), kv.begin() + len * f.row());
   const std::vector<float> values(kv.begin() + len * f.row(), kv.end());
-  EXPECT_TRUE(AllClose(ToFloats(got), ReferenceAttention(q, pos, keys, values, heads, kv_heads, dim),
+  EXPECT_TRUE(AllClose(ToFloats(got),
+                       ReferenceAttention(q, pos, keys, values, heads, kv_heads, dim, window),
                        AttentionTolerance<T>()));
 }
 
@@ -314,10 +320,19 @@ TEST(PrefillAttentionCuda, MatchesTheReferenceAcrossShapesAndStarts) {
   CheckPrefill<bf16>(16, 1, 256, 5, 40);     // the widest head, one KV head
 }
 
+TEST(PrefillAttentionCuda, SeesOnlyTheSlidingWindow) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  CheckPrefill<float>(4, 2, 16, 0, 300, 64);    // windows inside one prefill
+  CheckPrefill<float>(8, 2, 64, 500, 70, 33);   // after a prefix, a window no tile multiple
+  CheckPrefill<bf16>(32, 8, 128, 100, 200, 1);  // a window of one: each query sees itself
+  CheckPrefill<bf16>(28, 4, 128, 0, 90, 4096);  // a window longer than the sequence
+}
+
 template <typename T>
-void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths, int max_splits) {
+void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths, int max_splits,
+                 int64_t window = 0) {
   SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
-                                    << " splits " << max_splits);
+                                    << " splits " << max_splits << " window " << window);
   const int64_t batch = static_cast<int64_t>(lengths.size());
   const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
   const int64_t stride = (max_len + 15) / 16;
@@ -342,7 +357,7 @@ void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths,
     const std::vector<float> qb(q.begin() + b * heads * dim, q.begin() + (b + 1) * heads * dim);
     const auto out = ReferenceAttention(
         qb, {len - 1}, std::vector<float>(kv.begin(), kv.begin() + len * f.row()),
-        std::vector<float>(kv.begin() + len * f.row(), kv.end()), heads, kv_heads, dim);
+        std::vector<float>(kv.begin() + len * f.row(), kv.end()), heads, kv_heads, dim, window);
     want.insert(want.end(), out.begin(), out.end());
   }
   std::vector<int32_t> lens32(lengths.begin(), lengths.end());
@@ -350,7 +365,8 @@ void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths,
   auto d_tables = ToDevice(tables);
   auto d_lens = ToDevice(lens32);
   auto d_out = ToDevice(std::vector<T>(q.size()));
-  const AttentionShape shape{heads, kv_heads, dim, 1.0f / std::sqrt(static_cast<float>(dim))};
+  const AttentionShape shape{heads, kv_heads, dim, 1.0f / std::sqrt(static_cast<float>(dim)),
+                             window};
   auto d_ws = ToDevice(std::vector<float>(
       std::max<size_t>(1, DecodeAttentionWorkspaceBytes(batch, shape, max_splits) / sizeof(float))));
   ASSERT_TRUE(d_q.ok() && d_tables.ok() && d_lens.ok() && d_out.ok() && d_ws.ok());
@@ -368,6 +384,13 @@ TEST(DecodeAttentionCuda, MatchesTheReferenceWholeAndSplit) {
   CheckDecode<float>(4, 2, 16, {1, 17, 64, 3000}, 16);     // ragged, split
   CheckDecode<bf16>(32, 8, 128, {4096}, 64);               // batch 1, long: many splits
   CheckDecode<bf16>(28, 4, 128, {5, 700, 33, 1500}, 8);
+}
+
+TEST(DecodeAttentionCuda, SeesOnlyTheSlidingWindowWholeAndSplit) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  CheckDecode<float>(4, 2, 16, {1, 17, 64, 200}, 1, 50);     // one split
+  CheckDecode<float>(4, 2, 16, {1, 17, 64, 3000}, 16, 100);  // splits wholly before the window
+  CheckDecode<bf16>(32, 8, 128, {4096}, 64, 4095);
 }
 
 // ---------------------------------------------------- argument checking

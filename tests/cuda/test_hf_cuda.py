@@ -5,11 +5,13 @@ where transformers' own top two are within that noise. Skipped without a GPU.
 """
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 BIN = Path(os.environ.get("KDN_BIN_DIR", "build/bin"))
@@ -49,3 +51,48 @@ def test_cuda_logits_and_greedy_tokens_match_transformers(preset, tmp_path):
                 break  # a near tie: bf16 noise may pick either
             assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
             seq.append(int(top2.indices[0]))
+
+
+# The RoPE types and sliding windows of tests/parity/test_rope_window.py, on
+# the CUDA engine (windowed models on its reference attention kernels).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "parity"))
+from test_rope_window import CASES, make_model, prompt_ids  # noqa: E402
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_rope_types_and_windows_match_transformers(case, tmp_path):
+    preset, changes, needs_tf5 = CASES[case]
+    if needs_tf5 and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__} reads this config as 4.x did")
+    model_dir, cfg = make_model(tmp_path, preset, changes)
+    ids = prompt_ids(300)
+    out = tmp_path / "logits.f32"
+    greedy = run(BIN / "kdn_forward_cuda", model_dir, ",".join(map(str, ids)), out, 16)
+    kdn_tokens = [int(t) for t in greedy.strip().split(",")]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16,
+                                                 attn_implementation="eager").cuda().eval()
+    rope = changes.get("rope_scaling") or changes.get("rope_parameters") or {}
+    split = cfg["max_position_embeddings"] if rope.get("rope_type", rope.get("type")) == "dynamic" \
+        else len(ids)
+    with torch.no_grad():
+        # Dynamic RoPE: one token per pass past the threshold (see the parity test).
+        res = model(torch.tensor([ids[:split]], device="cuda"), use_cache=True)
+        rows, past = [res.logits[0].float()], res.past_key_values
+        for t in ids[split:]:
+            res = model(torch.tensor([[t]], device="cuda"), past_key_values=past, use_cache=True)
+            rows.append(res.logits[0].float())
+            past = res.past_key_values
+        ref = torch.cat(rows).cpu().numpy()
+        kdn_logits = np.fromfile(out, dtype=np.float32).reshape(len(ids), model.config.vocab_size)
+        scale = np.abs(ref).max()
+        err = np.abs(kdn_logits - ref).max() / scale
+        print(f"\n{case}: max |kdn - hf| / max |hf| = {err:.2e} (transformers {transformers.__version__})")
+        assert err < 3e-2
+        for step in range(16):
+            logits = res.logits[0, -1].float()
+            top2 = torch.topk(logits, 2)
+            if (top2.values[0] - top2.values[1]).item() < 0.01 * scale:
+                break  # a near tie: bf16 noise may pick either
+            assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
+            res = model(top2.indices[:1].view(1, 1), past_key_values=past, use_cache=True)
+            past = res.past_key_values

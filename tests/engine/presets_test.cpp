@@ -14,7 +14,7 @@ TEST(Presets, RoundTripThroughConfigJson) {
     ASSERT_TRUE(c.ok()) << p.name << ": " << c.status().ToString();
     EXPECT_EQ(c->ParameterCount(), p.config.ParameterCount()) << p.name;
     EXPECT_EQ(c->qkv_bias, p.config.qkv_bias) << p.name;
-    EXPECT_EQ(c->rope_scaling.llama3, p.config.rope_scaling.llama3) << p.name;
+    EXPECT_EQ(c->rope_scaling.type, p.config.rope_scaling.type) << p.name;
     EXPECT_EQ(c->max_context, p.config.max_context) << p.name;
   }
 }
@@ -29,7 +29,7 @@ TEST(Presets, SmallHasAtLeastSixteenLayersAndTensOfMillionsOfParameters) {
 
 TEST(RopeInvFreq, Llama3ScalingKeepsHighFrequenciesAndSlowsLowOnes) {
   const model::ModelConfig c = FindPreset("llama3-8b").value().config;  // Llama 3.1's scaling
-  ASSERT_TRUE(c.rope_scaling.llama3);
+  ASSERT_EQ(c.rope_scaling.type, model::RopeType::kLlama3);
   ASSERT_EQ(c.rope_scaling.factor, 8.0);
   model::ModelConfig plain = c;
   plain.rope_scaling = {};

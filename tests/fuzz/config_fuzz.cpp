@@ -35,13 +35,23 @@ bool Same(const model::ModelConfig& a, const model::ModelConfig& b) {
          a.num_layers == b.num_layers && a.num_heads == b.num_heads &&
          a.num_kv_heads == b.num_kv_heads && a.head_dim == b.head_dim &&
          a.rms_norm_eps == b.rms_norm_eps && a.rope_theta == b.rope_theta &&
-         a.rope_scaling.llama3 == b.rope_scaling.llama3 &&
-         (!a.rope_scaling.llama3 ||
+         a.rope_scaling.type == b.rope_scaling.type &&
+         (a.rope_scaling.type == model::RopeType::kDefault ||
           (a.rope_scaling.factor == b.rope_scaling.factor &&
-           a.rope_scaling.low_freq_factor == b.rope_scaling.low_freq_factor &&
+           a.rope_scaling.dynamic_threshold == b.rope_scaling.dynamic_threshold)) &&
+         (a.rope_scaling.type != model::RopeType::kLlama3 ||
+          (a.rope_scaling.low_freq_factor == b.rope_scaling.low_freq_factor &&
            a.rope_scaling.high_freq_factor == b.rope_scaling.high_freq_factor &&
            a.rope_scaling.original_max_position_embeddings ==
                b.rope_scaling.original_max_position_embeddings)) &&
+         (a.rope_scaling.type != model::RopeType::kYarn ||
+          (a.rope_scaling.original_max_position_embeddings ==
+               b.rope_scaling.original_max_position_embeddings &&
+           a.rope_scaling.beta_fast == b.rope_scaling.beta_fast &&
+           a.rope_scaling.beta_slow == b.rope_scaling.beta_slow &&
+           a.rope_scaling.truncate == b.rope_scaling.truncate &&
+           a.rope_scaling.attention_factor == b.rope_scaling.attention_factor)) &&
+         a.sliding_window == b.sliding_window && a.windowed_layers == b.windowed_layers &&
          a.qkv_bias == b.qkv_bias && a.o_bias == b.o_bias &&
          a.tie_word_embeddings == b.tie_word_embeddings && a.max_context == b.max_context &&
          a.bos_token_id == b.bos_token_id && a.eos_token_id == b.eos_token_id;

@@ -55,7 +55,13 @@ TEST(ModelFingerprint, ChangesWithEveryFieldThatShapesTheKv) {
       {"head_dim", [](auto& c) { c.head_dim = 8; }},
       {"rms_norm_eps", [](auto& c) { c.rms_norm_eps = 1e-6; }},
       {"rope_theta", [](auto& c) { c.rope_theta = 500000.0; }},
-      {"rope_scaling.llama3", [](auto& c) { c.rope_scaling.llama3 = false; }},
+      {"rope_scaling.type default", [](auto& c) { c.rope_scaling.type = model::RopeType::kDefault; }},
+      {"rope_scaling.type linear", [](auto& c) { c.rope_scaling.type = model::RopeType::kLinear; }},
+      {"rope_scaling.type yarn", [](auto& c) { c.rope_scaling.type = model::RopeType::kYarn; }},
+      {"sliding_window", [](auto& c) {
+         c.sliding_window = 64;
+         c.windowed_layers.assign(c.num_layers, true);
+       }},
       {"rope_scaling.factor", [](auto& c) { c.rope_scaling.factor = 8.0; }},
       {"rope_scaling.low_freq_factor", [](auto& c) { c.rope_scaling.low_freq_factor = 2.0; }},
       {"rope_scaling.high_freq_factor", [](auto& c) { c.rope_scaling.high_freq_factor = 8.0; }},

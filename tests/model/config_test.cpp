@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,7 @@ TEST(ModelConfig, ParsesALlama31Config) {
   EXPECT_EQ(c->architecture, Architecture::kLlama);
   EXPECT_EQ(c->head_dim, 128);
   EXPECT_EQ(c->num_kv_heads, 8);
-  EXPECT_TRUE(c->rope_scaling.llama3);
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kLlama3);
   EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
   EXPECT_EQ(c->eos_token_id, 128001);
   EXPECT_FALSE(c->qkv_bias);
@@ -41,14 +42,134 @@ TEST(ModelConfig, Qwen2ImpliesQkvBias) {
   EXPECT_FALSE(c->o_bias);
 }
 
-TEST(ModelConfig, MistralSlidingWindowBoundsTheContext) {
+TEST(ModelConfig, MistralWindowsEveryLayerAndKeepsItsWholeContext) {
   const char* j = R"({"architectures": ["MistralForCausalLM"], "vocab_size": 32000,
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
     "sliding_window": 4096})";
   auto c = ParseModelConfig(j, "config.json");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
-  EXPECT_EQ(c->max_context, 4096);
+  EXPECT_EQ(c->max_context, 32768);
+  EXPECT_EQ(c->sliding_window, 4096);
+  EXPECT_EQ(c->LayerWindow(0), 4096);
+  EXPECT_EQ(c->LayerWindow(31), 4096);
+}
+
+TEST(ModelConfig, SlidingWindowsAsTransformers5BuildsThem) {
+  const std::string head = R"({"architectures": ["ARCH"], "vocab_size": 300, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4)";
+  auto parse = [&](const std::string& arch, const std::string& rest) {
+    std::string j = head;
+    j.replace(j.find("ARCH"), 4, arch);
+    return ParseModelConfig(j + rest + "}", "config.json");
+  };
+  // Mistral: absent means transformers' default of 4096; null means none.
+  auto m = parse("MistralForCausalLM", "");
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->sliding_window, 4096);
+  m = parse("MistralForCausalLM", R"(, "sliding_window": null)");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->sliding_window, 0);
+  EXPECT_EQ(m->LayerWindow(2), 0);
+  // Qwen2: nothing without use_sliding_window; with it, the layers from
+  // max_window_layers on, or those layer_types names.
+  auto q = parse("Qwen2ForCausalLM", R"(, "sliding_window": 32, "max_window_layers": 1)");
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->sliding_window, 0);
+  q = parse("Qwen2ForCausalLM",
+            R"(, "use_sliding_window": true, "sliding_window": 32, "max_window_layers": 1)");
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->LayerWindow(0), 0);
+  EXPECT_EQ(q->LayerWindow(1), 32);
+  EXPECT_EQ(q->LayerWindow(3), 32);
+  q = parse("Qwen2ForCausalLM", R"(, "use_sliding_window": true, "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"])");
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->LayerWindow(0), 32);
+  EXPECT_EQ(q->LayerWindow(1), 0);
+  // A window no layer uses is none (max_window_layers defaults to 28).
+  q = parse("Qwen2ForCausalLM", R"(, "use_sliding_window": true, "sliding_window": 32)");
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->sliding_window, 0);
+  // Llama has no window whatever the file says.
+  auto l = parse("LlamaForCausalLM", R"(, "sliding_window": 32)");
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->sliding_window, 0);
+  // Refusals name the field.
+  q = parse("Qwen2ForCausalLM", R"(, "use_sliding_window": true, "sliding_window": 32,
+    "layer_types": ["sliding_attention"])");
+  EXPECT_NE(q.status().message().find("layer_types"), std::string::npos) << q.status().ToString();
+  q = parse("Qwen2ForCausalLM", R"(, "use_sliding_window": true, "sliding_window": 32,
+    "layer_types": ["chunked_attention", "full_attention", "full_attention", "full_attention"])");
+  EXPECT_EQ(q.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(q.status().message().find("layer_types[0]"), std::string::npos);
+  m = parse("MistralForCausalLM", R"(, "sliding_window": -3)");
+  EXPECT_NE(m.status().message().find("sliding_window"), std::string::npos);
+}
+
+TEST(ModelConfig, ReadsEachRopeTypeWithTransformers5Precedence) {
+  const std::string head = R"({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "max_position_embeddings": 4096, "rope_theta": 10000.0)";
+  auto parse = [&](const std::string& rest) {
+    return ParseModelConfig(head + rest + "}", "config.json");
+  };
+  auto c = parse(R"(, "rope_scaling": {"rope_type": "linear", "factor": 2.0})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kLinear);
+  EXPECT_EQ(c->rope_scaling.factor, 2.0);
+  // "rope_type" before the older "type".
+  c = parse(R"(, "rope_scaling": {"type": "linear", "rope_type": "dynamic", "factor": 2.0})");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kDynamic);
+  EXPECT_EQ(c->rope_scaling.dynamic_threshold, 4096);
+  EXPECT_EQ(c->max_context, 8192);  // dynamic runs past max_position_embeddings
+  c = parse(R"(, "rope_scaling": {"type": "linear", "factor": 2.0})");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kLinear);
+  // rope_parameters (what transformers 5 writes), its rope_theta first.
+  c = parse(R"(, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
+              "original_max_position_embeddings": 1024})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kYarn);
+  EXPECT_EQ(c->rope_theta, 5000.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 1024);
+  EXPECT_NEAR(c->rope_scaling.attention_factor, 0.1 * std::log(4.0) + 1.0, 1e-12);
+  // yarn: factor defaults to the context ratio; mscale / mscale_all_dim.
+  c = parse(R"(, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 1024,
+              "mscale": 1.0, "mscale_all_dim": 0.5})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_scaling.factor, 4.0);
+  EXPECT_NEAR(c->rope_scaling.attention_factor,
+              (0.1 * std::log(4.0) + 1.0) / (0.05 * std::log(4.0) + 1.0), 1e-12);
+  // A default-type rope_parameters with a theta of its own.
+  c = parse(R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0})");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->rope_scaling.type, RopeType::kDefault);
+  EXPECT_EQ(c->rope_theta, 1000000.0);
+  // Refusals name the field.
+  struct Bad {
+    std::string rest, expect;
+    StatusCode code;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {R"(, "rope_scaling": {"rope_type": "longrope", "factor": 2.0})", "longrope",
+            StatusCode::kUnimplemented},
+           {R"(, "rope_scaling": {"rope_type": "linear"})", "factor", StatusCode::kInvalidArgument},
+           {R"(, "rope_scaling": {"rope_type": "linear", "factor": -1})", "factor",
+            StatusCode::kInvalidArgument},
+           {R"(, "rope_scaling": {"rope_type": 3, "factor": 2})", "rope_type",
+            StatusCode::kInvalidArgument},
+           {R"(, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5})",
+            "partial_rotary_factor", StatusCode::kUnimplemented},
+           {R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+               "high_freq_factor": 1.0})", "high_freq_factor", StatusCode::kInvalidArgument},
+           {R"(, "rope_scaling": [1])", "rope_scaling", StatusCode::kInvalidArgument},
+       }) {
+    auto r = parse(b.rest);
+    EXPECT_EQ(r.status().code(), b.code) << b.rest << ": " << r.status().ToString();
+    EXPECT_NE(r.status().message().find(b.expect), std::string::npos) << r.status().ToString();
+  }
 }
 
 // Found by tests/fuzz/config_fuzz.cpp: a Mistral config with attention_bias
@@ -75,7 +196,7 @@ TEST(ModelConfig, RefusesWhatItCannotRunSayingWhy) {
   const std::vector<Case> cases = {
       {"LlamaForCausalLM", "GPTNeoXForCausalLM", "GPTNeoXForCausalLM", StatusCode::kUnimplemented},
       {"\"silu\"", "\"gelu\"", "gelu", StatusCode::kUnimplemented},
-      {"\"llama3\"", "\"yarn\"", "yarn", StatusCode::kUnimplemented},
+      {"\"llama3\"", "\"su\"", "\"su\"", StatusCode::kUnimplemented},
       {"\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5", "multiple", StatusCode::kInvalidArgument},
       {"\"hidden_size\": 4096", "\"hidden_size\": \"big\"", "hidden_size", StatusCode::kInvalidArgument},
       {"\"vocab_size\": 128256,", "", "vocab_size", StatusCode::kInvalidArgument},
@@ -120,10 +241,38 @@ TEST(ModelConfig, RoundTripsThroughJson) {
   auto back = ParseModelConfig(ModelConfigToJson(c), "written");
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->ParameterCount(), c.ParameterCount());
-  EXPECT_EQ(back->rope_scaling.llama3, c.rope_scaling.llama3);
+  EXPECT_EQ(back->rope_scaling.type, c.rope_scaling.type);
   EXPECT_EQ(back->rope_scaling.factor, c.rope_scaling.factor);
   EXPECT_EQ(back->max_context, c.max_context);
   EXPECT_EQ(back->eos_token_id, c.eos_token_id);
+}
+
+TEST(ModelConfig, RoundTripsYarnDynamicAndWindowsThroughJson) {
+  const std::string qwen = R"({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "max_position_embeddings": 4096, "use_sliding_window": true,
+    "sliding_window": 100, "max_window_layers": 2, "rope_scaling": ROPE})";
+  for (const std::string rope :
+       {R"({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 16, "truncate": false, "mscale": 0.7, "mscale_all_dim": 0.3})",
+        R"({"rope_type": "dynamic", "factor": 2.5})", R"({"type": "linear", "factor": 3})"}) {
+    std::string j = qwen;
+    j.replace(j.find("ROPE"), 4, rope);
+    const ModelConfig c = ParseModelConfig(j, "config.json").value();
+    auto back = ParseModelConfig(ModelConfigToJson(c), "written");
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    const RopeScaling &a = c.rope_scaling, &b = back->rope_scaling;
+    EXPECT_EQ(b.type, a.type) << rope;
+    EXPECT_EQ(b.factor, a.factor);
+    EXPECT_EQ(b.original_max_position_embeddings, a.original_max_position_embeddings);
+    EXPECT_EQ(b.beta_fast, a.beta_fast);
+    EXPECT_EQ(b.truncate, a.truncate);
+    EXPECT_DOUBLE_EQ(b.attention_factor, a.attention_factor);
+    EXPECT_EQ(b.dynamic_threshold, a.dynamic_threshold);
+    EXPECT_EQ(back->max_context, c.max_context);
+    EXPECT_EQ(back->sliding_window, 100);
+    EXPECT_EQ(back->windowed_layers, c.windowed_layers);
+  }
 }
 
 }  // namespace

@@ -47,15 +47,18 @@ template <typename T>
 __global__ void DecodeKernel(const T* __restrict__ q, PagedKvLayer<const T> cache,
                              const int32_t* __restrict__ tables, int64_t table_stride,
                              const int32_t* __restrict__ lengths, int heads, int head_dim,
-                             float scale, int splits, int64_t split_len,
+                             float scale, int64_t window, int splits, int64_t split_len,
                              float* __restrict__ partial, T* __restrict__ out) {
   const int split = blockIdx.x, g = blockIdx.y;
   const int64_t b = blockIdx.z;
   const int group = heads / cache.kv_heads;
   const int row = cache.kv_heads * head_dim;
   const int64_t len = lengths[b];
-  const int64_t begin = split * split_len;
-  const int64_t end = MinI64(len, begin + split_len);
+  // Under a sliding window the keys before len - window are not seen: a
+  // split wholly before them has none (l = 0, which the combine skips).
+  const int64_t first = window > 0 && len > window ? len - window : 0;
+  const int64_t begin = split * split_len > first ? split * split_len : first;
+  const int64_t end = MinI64(len, split * split_len + split_len);
   const int32_t* table = tables + b * table_stride;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
@@ -209,7 +212,7 @@ size_t PrefillSharedBytes(int head_dim) {
 template <typename T>
 __global__ void PrefillKernel(const T* __restrict__ q, int64_t n, int64_t q_start,
                               PagedKvLayer<const T> cache, const int32_t* __restrict__ table,
-                              int heads, int head_dim, float scale, int tk,
+                              int heads, int head_dim, float scale, int64_t window, int tk,
                               T* __restrict__ out) {
   extern __shared__ float smem[];
   const int ld = head_dim + 1;
@@ -237,7 +240,9 @@ __global__ void PrefillKernel(const T* __restrict__ q, int64_t n, int64_t q_star
   }
   // Keys up to the last query's position.
   const int64_t keys = q_start + q0 + nq;
-  for (int64_t t0 = 0; t0 < keys; t0 += tk) {
+  // A sliding window: the block's first query sees nothing before this.
+  const int64_t first = window > 0 && q_start + q0 >= window ? q_start + q0 - window + 1 : 0;
+  for (int64_t t0 = first; t0 < keys; t0 += tk) {
     const int tile = static_cast<int>(MinI64(tk, keys - t0));
     __syncthreads();  // the previous tile is consumed
     for (int i = threadIdx.x; i < tile * head_dim; i += blockDim.x) {
@@ -253,7 +258,7 @@ __global__ void PrefillKernel(const T* __restrict__ q, int64_t n, int64_t q_star
       const int64_t qpos = q_start + q0 + r;
       // Lane j scores key t0 + j (tk <= 32).
       float s = -INFINITY;
-      if (lane < tile && t0 + lane <= qpos) {
+      if (lane < tile && t0 + lane <= qpos && (window == 0 || t0 + lane > qpos - window)) {
         const float* kr = ks + lane * ld;
         const float* qr = qs + r * head_dim;
         float dot = 0.0f;
@@ -350,7 +355,8 @@ Status DecodeAttentionCuda(const T* q, PagedKvLayer<const T> cache, const int32_
       (max_length + splits - 1) / splits;
   DecodeKernel<T><<<dim3(splits, shape.kv_heads, static_cast<unsigned>(batch)), kThreads, 0,
                     stream>>>(q, cache, tables, table_stride, lengths, shape.heads,
-                              shape.head_dim, shape.scale, splits, split_len, workspace, out);
+                              shape.head_dim, shape.scale, shape.window, splits, split_len,
+                              workspace, out);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (splits > 1) {
     CombineKernel<T><<<static_cast<unsigned>(batch * shape.heads),
@@ -382,7 +388,7 @@ Status PrefillAttentionCuda(const T* q, int64_t n, int64_t q_start, PagedKvLayer
   const dim3 grid(static_cast<unsigned>((n + kPrefillQ - 1) / kPrefillQ),
                   static_cast<unsigned>(shape.heads));
   PrefillKernel<T><<<grid, kThreads, smem, stream>>>(q, n, q_start, cache, table, shape.heads,
-                                                     shape.head_dim, shape.scale,
+                                                     shape.head_dim, shape.scale, shape.window,
                                                      PrefillKeyTile(shape.head_dim), out);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();

@@ -92,6 +92,7 @@ struct CudaEngine::Impl {
   DeviceArray<bf16> embed, lm_head, final_norm;  // lm_head empty when tied
   std::vector<LayerWeights> layers;
   DeviceArray<float> inv_freq;
+  RopeParams rope;  // yarn's scale, dynamic growth (rope.h)
 
   // The KV pool, and the one block that decode graphs' padding rows write
   // (held by `scratch` for the engine's life). Declared before anything
@@ -184,6 +185,7 @@ struct CudaEngine::Impl {
         cublasSetWorkspace(blas, blas_workspace.get(), kCublasWorkspaceBytes));
     const ModelConfig& c = config;
     const std::vector<float> freq = RopeInvFreq(c);
+    rope = RopeParamsFor(c);
     KDN_RETURN_IF_ERROR(inv_freq.Allocate(static_cast<int64_t>(freq.size())));
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(inv_freq.get(), freq.data(), freq.size() * sizeof(float),
                                         cudaMemcpyHostToDevice));
@@ -241,9 +243,12 @@ struct CudaEngine::Impl {
     return Status::Ok();
   }
 
-  AttentionShape Shape() const {
+  // The attention shape of layer `l` (its sliding window, if any), or with
+  // l = -1 the model's (any layer's window).
+  AttentionShape Shape(int l = -1) const {
     return {config.num_heads, config.num_kv_heads, config.head_dim,
-            1.0f / std::sqrt(static_cast<float>(config.head_dim))};
+            1.0f / std::sqrt(static_cast<float>(config.head_dim)),
+            l < 0 ? config.sliding_window : config.LayerWindow(l)};
   }
 
   // Uploads `n` floats as bf16 into `dst` (allocated here).
@@ -346,7 +351,7 @@ struct CudaEngine::Impl {
     }
     KDN_RETURN_IF_ERROR(RopeQkvToCacheCuda<bf16>(qkv.get(), rows, c.num_heads, c.num_kv_heads,
                                                  c.head_dim, positions.get(), inv_freq.get(),
-                                                 slots.get(), Layer(l), stream));
+                                                 slots.get(), Layer(l), stream, rope));
     if (flash != nullptr) {
       return flash->Run(qkv.get(), qkv_out, ConstLayer(l), attn.get(), stream);
     }
@@ -354,7 +359,7 @@ struct CudaEngine::Impl {
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
         q.get(), c.q_dim() * sizeof(bf16), qkv.get(), qkv_out * sizeof(bf16),
         c.q_dim() * sizeof(bf16), rows, cudaMemcpyDeviceToDevice, stream));
-    const AttentionShape shape = Shape();
+    const AttentionShape shape = Shape(l);
     if (decode) {
       return DecodeAttentionCuda<bf16>(q.get(), ConstLayer(l), tables.get(), table_stride,
                                        lengths.get(), rows, max_len, shape, kMaxDecodeSplits,

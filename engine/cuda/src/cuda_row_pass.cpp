@@ -79,7 +79,7 @@ class CudaRowPass final : public RowPass {
     KDN_RETURN_IF_ERROR(RopeQkvToCacheCuda<bf16>(m_.qkv.get(), rows, c.num_heads, c.num_kv_heads,
                                                  c.head_dim, m_.positions.get(),
                                                  m_.inv_freq.get(), m_.slots.get(), m_.Layer(l),
-                                                 m_.stream));
+                                                 m_.stream, m_.rope));
     if (deviation != nullptr) KDN_RETURN_IF_ERROR(Gather(l, &new_));
     KDN_RETURN_IF_ERROR(Attend(l, qkv_out));
     KDN_RETURN_IF_ERROR(m_.Finish(l, rows));
@@ -278,7 +278,7 @@ class CudaRowPass final : public RowPass {
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
         m_.q.get(), qd * sizeof(bf16), m_.qkv.get(), qkv_out * sizeof(bf16), qd * sizeof(bf16),
         rows, cudaMemcpyDeviceToDevice, m_.stream));
-    const AttentionShape shape = m_.Shape();
+    const AttentionShape shape = m_.Shape(l);
     for (const Run& r : runs_) {
       KDN_RETURN_IF_ERROR(PrefillAttentionCuda<bf16>(m_.q.get() + r.row * qd, r.len, r.pos,
                                                      m_.ConstLayer(l), m_.tables.get(), shape,
@@ -325,7 +325,7 @@ Result<std::unique_ptr<RowPass>> CudaEngine::BeginRowPass(KvSequence& seq,
 Status CudaEngine::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
                                     int layer) {
   Impl& m = *impl_;
-  KDN_RETURN_IF_ERROR(CheckRotation(m.config, seq, first, count, layer));
+  KDN_RETURN_IF_ERROR(CheckRotation(m.config, seq, first, count, delta, layer));
   if (delta == 0 || count == 0) return Status::Ok();
   const int l0 = layer < 0 ? 0 : layer;
   const int l1 = layer < 0 ? m.config.num_layers : layer + 1;

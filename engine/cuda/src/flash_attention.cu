@@ -196,8 +196,10 @@ struct FlashAttention::Impl {
 };
 
 bool FlashAttention::Supports(const AttentionShape& shape) {
+  // Sliding windows are left to the reference kernels: FlashInfer's
+  // windowed variants would double the instantiations compiled here.
   return (shape.head_dim == 64 || shape.head_dim == 128) && shape.kv_heads > 0 &&
-         shape.heads % shape.kv_heads == 0;
+         shape.heads % shape.kv_heads == 0 && shape.window == 0;
 }
 
 Result<std::unique_ptr<FlashAttention>> FlashAttention::Create(const AttentionShape& shape,

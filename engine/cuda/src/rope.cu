@@ -19,14 +19,14 @@ constexpr int kMaxHeadDim = 8192;  // cos + sin of a row: 32 KiB of shared memor
 // positions below 2^29), and double sincos (2 ulp) rounded to float agrees
 // with its std::cos/std::sin to within one float ulp.
 __device__ __forceinline__ void RowCosSin(int32_t position, const float* __restrict__ inv_freq,
-                                          int half, float* cs, float* sn) {
-  const double pos = static_cast<double>(position);
+                                          int half, const RopeParams& rope, float* cs,
+                                          float* sn) {
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   for (int i = tid; i < half; i += blockDim.x * blockDim.y) {
     double s, c;
-    sincos(pos * static_cast<double>(inv_freq[i]), &s, &c);
-    cs[i] = static_cast<float>(c);
-    sn[i] = static_cast<float>(s);
+    sincos(RopeAngle(rope, inv_freq, i, position), &s, &c);
+    cs[i] = static_cast<float>(c) * rope.attention_scaling;
+    sn[i] = static_cast<float>(s) * rope.attention_scaling;
   }
   __syncthreads();
 }
@@ -36,13 +36,13 @@ __device__ __forceinline__ void RowCosSin(int32_t position, const float* __restr
 template <typename T>
 __global__ void RopeKernel(T* __restrict__ x, int heads, int head_dim,
                            const int32_t* __restrict__ positions,
-                           const float* __restrict__ inv_freq) {
+                           const float* __restrict__ inv_freq, RopeParams rope) {
   extern __shared__ float cos_sin[];  // [half] cosines, then [half] sines
   const int half = head_dim / 2;
   float* cs = cos_sin;
   float* sn = cos_sin + half;
   const int64_t row = blockIdx.x;
-  RowCosSin(positions[row], inv_freq, half, cs, sn);
+  RowCosSin(positions[row], inv_freq, half, rope, cs, sn);
 
   T* xr = x + row * heads * static_cast<int64_t>(head_dim);
   for (int h = threadIdx.y; h < heads; h += blockDim.y) {
@@ -64,13 +64,13 @@ __global__ void RopeQkvKernel(T* __restrict__ qkv, int heads, int kv_heads, int 
                               const int32_t* __restrict__ positions,
                               const float* __restrict__ inv_freq,
                               const int64_t* __restrict__ slots, T* __restrict__ k_cache,
-                              T* __restrict__ v_cache) {
+                              T* __restrict__ v_cache, RopeParams rope) {
   extern __shared__ float cos_sin[];
   const int half = head_dim / 2;
   float* cs = cos_sin;
   float* sn = cos_sin + half;
   const int64_t row = blockIdx.x;
-  RowCosSin(positions[row], inv_freq, half, cs, sn);
+  RowCosSin(positions[row], inv_freq, half, rope, cs, sn);
 
   const int64_t kv_row = static_cast<int64_t>(kv_heads) * head_dim;
   T* xr = qkv + row * (heads + 2 * static_cast<int64_t>(kv_heads)) * head_dim;
@@ -100,7 +100,7 @@ __global__ void RopeQkvKernel(T* __restrict__ qkv, int heads, int kv_heads, int 
 template <typename T>
 Status RopeQkvToCacheCuda(T* qkv, int64_t rows, int heads, int kv_heads, int head_dim,
                           const int32_t* positions, const float* inv_freq, const int64_t* slots,
-                          PagedKvLayer<T> layer, cudaStream_t stream) {
+                          PagedKvLayer<T> layer, cudaStream_t stream, const RopeParams& rope) {
   const int64_t all_heads = static_cast<int64_t>(heads) + 2 * static_cast<int64_t>(kv_heads);
   if (rows < 0 || rows > kMaxGridX || heads <= 0 || kv_heads <= 0 || head_dim <= 0 ||
       head_dim % 2 != 0 || head_dim > kMaxHeadDim || all_heads * head_dim > INT_MAX ||
@@ -119,14 +119,14 @@ Status RopeQkvToCacheCuda(T* qkv, int64_t rows, int heads, int kv_heads, int hea
   const int ty = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(all_heads, kThreads / tx)));
   const size_t shared_bytes = sizeof(float) * head_dim;
   RopeQkvKernel<T><<<static_cast<unsigned>(rows), dim3(tx, ty), shared_bytes, stream>>>(
-      qkv, heads, kv_heads, head_dim, positions, inv_freq, slots, layer.k, layer.v);
+      qkv, heads, kv_heads, head_dim, positions, inv_freq, slots, layer.k, layer.v, rope);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
 
 template <typename T>
 Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
-                     const float* inv_freq, cudaStream_t stream) {
+                     const float* inv_freq, cudaStream_t stream, const RopeParams& rope) {
   if (rows < 0 || rows > kMaxGridX || heads <= 0 || head_dim <= 0 || head_dim % 2 != 0 ||
       head_dim > kMaxHeadDim || static_cast<int64_t>(heads) * head_dim > INT_MAX) {
     return InvalidArgument("ApplyRopeCuda: bad shape rows=" + std::to_string(rows) +
@@ -142,21 +142,23 @@ Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t*
   const int ty = std::max(1, std::min(heads, kThreads / tx));
   const size_t shared_bytes = sizeof(float) * head_dim;
   RopeKernel<T><<<static_cast<unsigned>(rows), dim3(tx, ty), shared_bytes, stream>>>(
-      x, heads, head_dim, positions, inv_freq);
+      x, heads, head_dim, positions, inv_freq, rope);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
 
 template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*, const float*,
-                                     cudaStream_t);
+                                     cudaStream_t, const RopeParams&);
 template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int,
-                                             const int32_t*, const float*, cudaStream_t);
+                                             const int32_t*, const float*, cudaStream_t,
+                                             const RopeParams&);
 
 template Status RopeQkvToCacheCuda<float>(float*, int64_t, int, int, int, const int32_t*,
                                           const float*, const int64_t*, PagedKvLayer<float>,
-                                          cudaStream_t);
+                                          cudaStream_t, const RopeParams&);
 template Status RopeQkvToCacheCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int, int,
                                                   const int32_t*, const float*, const int64_t*,
-                                                  PagedKvLayer<__nv_bfloat16>, cudaStream_t);
+                                                  PagedKvLayer<__nv_bfloat16>, cudaStream_t,
+                                                  const RopeParams&);
 
 }  // namespace kdn::engine::cuda

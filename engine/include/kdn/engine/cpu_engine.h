@@ -16,6 +16,7 @@
 #include "kdn/model/config.h"
 #include "kdn/engine/engine.h"
 #include "kdn/engine/kv_cache.h"
+#include "kdn/engine/rope.h"
 #include "kdn/engine/weights.h"
 
 namespace kdn::engine {
@@ -84,6 +85,7 @@ class CpuEngine final : public Engine {
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;
+  RopeParams rope_;
   std::unique_ptr<CpuKvCache> kv_;
 };
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kdn/engine/rope.h"
 #include "kdn/model/config.h"
 
 namespace kdn::engine {
@@ -14,15 +15,21 @@ namespace kdn::engine {
 void RmsNorm(const float* x, const float* weight, float eps, int64_t rows, int dim, float* out);
 
 // The head_dim/2 inverse frequencies of RoPE for `config`, with its
-// rope_theta and, if set, llama3 frequency scaling (as Hugging Face computes
-// them, in double precision).
+// rope_theta and its linear, yarn or llama3 scaling (as transformers 5.x
+// computes them, in double precision here). Dynamic scaling starts from the
+// plain table; RopeParamsFor says how it grows.
 std::vector<float> RopeInvFreq(const model::ModelConfig& config);
+
+// What a rotation of `config` adds to the table (rope.h): yarn's factor on
+// cos and sin, dynamic scaling's growth.
+RopeParams RopeParamsFor(const model::ModelConfig& config);
 
 // Rotates, in place, `rows` rows of `heads` heads of `head_dim` floats; row r
 // sits at position positions[r]. Hugging Face's "rotate half" pairing:
-// element i pairs with element i + head_dim/2, and uses inv_freq[i].
+// element i pairs with element i + head_dim/2, and uses inv_freq[i] (and
+// `rope`: RopeAngle). The default `rope` is a plain rotation.
 void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
-               const float* inv_freq);
+               const float* inv_freq, const RopeParams& rope = {});
 
 // The rotation itself: turns `vectors` consecutive vectors of head_dim floats
 // by the angles whose cosines and sines are cs and sn (head_dim / 2 each),

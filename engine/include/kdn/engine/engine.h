@@ -139,9 +139,10 @@ Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
                     std::span<const int32_t> tokens, std::span<const int64_t> positions);
 // Checks RowPass::Keep's rows against a pass of `current` rows.
 Status CheckKeep(std::span<const int64_t> rows, size_t current);
-// Checks RotateCachedKeys' arguments against `seq`.
+// Checks RotateCachedKeys' arguments against `seq` (and that the model's
+// RoPE allows the move: not past dynamic scaling's threshold).
 Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, int64_t first,
-                     int64_t count, int layer);
+                     int64_t count, int64_t delta, int layer);
 // Checks a decode batch: as many tokens as sequences, none twice, not empty.
 Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                         size_t samplers);

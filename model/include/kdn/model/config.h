@@ -2,9 +2,11 @@
 // ModelConfig: the subset of a Hugging Face config.json that the engine runs.
 //
 // Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM with SiLU
-// gated MLPs, RMSNorm, RoPE (default or "llama3" scaling), grouped-query
+// gated MLPs, RMSNorm, RoPE (default, or "linear", "dynamic", "yarn" or
+// "llama3" scaling, read as transformers 5.x reads them: docs/engine.md,
+// "RoPE"), sliding-window attention (Mistral; Qwen2 per layer), grouped-query
 // attention, optional QKV bias, tied or untied embeddings. Anything else is
-// refused by ParseModelConfig with a Status that says what and why.
+// refused by ParseModelConfig with a Status that names the field.
 //
 // Apart from the engine (library kdn_model, no BLAS, no OpenMP), so that
 // kdn-router reads config.json exactly as the workers do without linking the
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "kdn/common/status.h"
 
@@ -21,12 +24,28 @@ namespace kdn::model {
 enum class Architecture { kLlama, kMistral, kQwen2 };
 const char* ArchitectureName(Architecture a);  // the Hugging Face class name
 
+enum class RopeType { kDefault, kLinear, kDynamic, kYarn, kLlama3 };
+const char* RopeTypeName(RopeType t);  // as config.json spells it
+
 struct RopeScaling {
-  bool llama3 = false;  // false: plain RoPE
-  double factor = 1.0;
+  RopeType type = RopeType::kDefault;
+  double factor = 1.0;  // linear, dynamic, yarn, llama3
+  // llama3: the band of wavelengths between original / high_freq_factor and
+  // original / low_freq_factor is interpolated.
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
+  // llama3 and yarn: the context the model was pretrained on.
   int64_t original_max_position_embeddings = 8192;
+  // yarn: the correction range's rotation counts, whether its bounds are
+  // rounded outwards, and the factor by which cos and sin are multiplied
+  // (resolved from attention_factor, or mscale and mscale_all_dim, or factor).
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  bool truncate = true;
+  double attention_factor = 1.0;
+  // dynamic: the length past which the base grows with the position
+  // (max_position_embeddings, as transformers has it).
+  int64_t dynamic_threshold = 0;
 };
 
 struct ModelConfig {
@@ -44,10 +63,20 @@ struct ModelConfig {
   bool qkv_bias = false;  // Qwen2 always; Llama when attention_bias
   bool o_bias = false;    // Llama with attention_bias only
   bool tie_word_embeddings = false;
-  // The longest sequence the engine accepts: max_position_embeddings, or the
-  // sliding window when a Mistral/Qwen2 model sets one smaller (inside the
-  // window, sliding-window attention equals full attention).
+  // The longest sequence the engine accepts: max_position_embeddings (times
+  // the factor for dynamic RoPE, whose point is to run past it).
   int64_t max_context = 0;
+  // Sliding-window attention: a query at position p of a windowed layer sees
+  // the keys of positions p - sliding_window + 1 .. p. 0: none. Mistral
+  // windows every layer; Qwen2 those its layer_types (or max_window_layers)
+  // name.
+  int64_t sliding_window = 0;
+  std::vector<bool> windowed_layers;  // [num_layers] when sliding_window > 0
+
+  // The window of layer `l`: sliding_window, or 0 (full attention).
+  int64_t LayerWindow(int l) const {
+    return sliding_window > 0 && windowed_layers[static_cast<size_t>(l)] ? sliding_window : 0;
+  }
   int bos_token_id = -1;
   int eos_token_id = -1;
   std::string torch_dtype;  // as written; informative only

@@ -9,7 +9,8 @@
 //                        even batch 1 fills the GPU, then one combine pass.
 //   PrefillAttentionCuda n queries of one sequence at positions q_start ..
 //                        q_start + n - 1, tiled over queries and keys; query i
-//                        attends to keys 0 .. q_start + i.
+//                        attends to keys 0 .. q_start + i (within the shape's
+//                        window, if it has one).
 //
 // This first version multiplies with CUDA cores in fp32 (no tensor cores);
 // it is the correctness baseline the tensor-core version is tested against.
@@ -36,6 +37,10 @@ struct AttentionShape {
   int kv_heads = 0;
   int head_dim = 0;
   float scale = 0;  // usually 1 / sqrt(head_dim)
+  // Sliding window: a query at position p sees keys p - window + 1 .. p
+  // (transformers' mask). 0: every earlier key. The reference kernels below
+  // honour it; FlashAttention does not (Supports() is false with one).
+  int64_t window = 0;
 };
 
 // Bytes of `workspace` DecodeAttentionCuda needs for `batch` sequences split

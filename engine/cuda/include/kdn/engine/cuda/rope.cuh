@@ -12,6 +12,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/cuda/paged_kv.cuh"
+#include "kdn/engine/rope.h"
 
 namespace kdn::engine::cuda {
 
@@ -41,9 +42,13 @@ namespace kdn::engine::cuda {
 // pointer with rows > 0, and the launch's error (see cuda_check.h) if the
 // kernel could not be launched. rows == 0 enqueues nothing and returns OK.
 // Thread-safe.
+//
+// `rope` adds what the table cannot hold (kdn/engine/rope.h): yarn's factor
+// on cos and sin and dynamic scaling's per-position base. The default is a
+// plain rotation (as a delta rotation of cached keys must be).
 template <typename T>
 Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t* positions,
-                     const float* inv_freq, cudaStream_t stream);
+                     const float* inv_freq, cudaStream_t stream, const RopeParams& rope = {});
 
 // The step after a fused QKV product, in one pass: qkv is [rows][heads +
 // 2 * kv_heads][head_dim] (the query heads, then the key heads, then the
@@ -58,21 +63,21 @@ Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t*
 template <typename T>
 Status RopeQkvToCacheCuda(T* qkv, int64_t rows, int heads, int kv_heads, int head_dim,
                           const int32_t* positions, const float* inv_freq, const int64_t* slots,
-                          PagedKvLayer<T> layer, cudaStream_t stream);
+                          PagedKvLayer<T> layer, cudaStream_t stream, const RopeParams& rope = {});
 
 extern template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*,
-                                            const float*, cudaStream_t);
+                                            const float*, cudaStream_t, const RopeParams&);
 extern template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int,
                                                     const int32_t*, const float*,
-                                                    cudaStream_t);
+                                                    cudaStream_t, const RopeParams&);
 
 extern template Status RopeQkvToCacheCuda<float>(float*, int64_t, int, int, int, const int32_t*,
                                                  const float*, const int64_t*,
-                                                 PagedKvLayer<float>, cudaStream_t);
+                                                 PagedKvLayer<float>, cudaStream_t, const RopeParams&);
 extern template Status RopeQkvToCacheCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int, int,
                                                          const int32_t*, const float*,
                                                          const int64_t*,
                                                          PagedKvLayer<__nv_bfloat16>,
-                                                         cudaStream_t);
+                                                         cudaStream_t, const RopeParams&);
 
 }  // namespace kdn::engine::cuda
