@@ -380,36 +380,42 @@ void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos,
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t qd = c.q_dim(), kvs = kv_->token_stride();
   const int64_t ctx = static_cast<int64_t>(pos[n - 1]) + 1;
+  // Rows are in ascending positions; under a sliding window no row sees a
+  // key before the first row's window, so only keys base..ctx are gathered,
+  // and each tile multiplies only the keys its rows see.
   const int64_t window = c.LayerWindow(layer);
+  const int64_t base = FirstVisibleKey(pos[0], window);
   const std::vector<int32_t>& blocks = seq.blocks();
-  std::vector<float> kc(ctx * hd), vc(ctx * hd);
-  std::vector<float> sc(std::min(kQueryTile, n) * ctx);
+  std::vector<float> kc((ctx - base) * hd), vc((ctx - base) * hd);
+  std::vector<float> sc(std::min(kQueryTile, n) * (ctx - base));
   for (int g = 0; g < c.num_kv_heads; ++g) {
     // Gather this KV head's keys and values from the pages.
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < ctx; ++p) {
+    for (int64_t p = base; p < ctx; ++p) {
       const int64_t off = (p % kKvBlockTokens) * kvs + g * hd;
-      std::memcpy(&kc[p * hd], kv_->Key(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
-      std::memcpy(&vc[p * hd], kv_->Value(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
+      std::memcpy(&kc[(p - base) * hd], kv_->Key(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
+      std::memcpy(&vc[(p - base) * hd], kv_->Value(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
     }
     for (int head = g * group; head < (g + 1) * group; ++head) {
       for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
         const int64_t i1 = std::min(n, i0 + kQueryTile);
         const int64_t tr = i1 - i0;
-        const int64_t keys = static_cast<int64_t>(pos[i1 - 1]) + 1;  // the tile's last row sees these
+        // The tile's rows see keys k0 .. its last row's position.
+        const int64_t k0 = FirstVisibleKey(pos[i0], window);
+        const int64_t keys = static_cast<int64_t>(pos[i1 - 1]) + 1 - k0;
         const float* qt = q + i0 * qd + head * hd;
-        GemmNT(tr, keys, hd, scale, qt, qd, kc.data(), hd, 0.0f, sc.data(), keys);
+        GemmNT(tr, keys, hd, scale, qt, qd, &kc[(k0 - base) * hd], hd, 0.0f, sc.data(), keys);
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < tr; ++r) {
           float* row = &sc[r * keys];
-          const int64_t visible = static_cast<int64_t>(pos[i0 + r]) + 1;
-          const int64_t lo = FirstVisibleKey(pos[i0 + r], window);
+          const int64_t visible = static_cast<int64_t>(pos[i0 + r]) + 1 - k0;
+          const int64_t lo = FirstVisibleKey(pos[i0 + r], window) - k0;
           Softmax(row + lo, visible - lo);
           std::fill(row, row + lo, 0.0f);
           std::fill(row + visible, row + keys, 0.0f);
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, tr, hd, keys, 1.0f, sc.data(), keys,
-                    vc.data(), hd, 0.0f, out + i0 * qd + head * hd, qd);
+                    &vc[(k0 - base) * hd], hd, 0.0f, out + i0 * qd + head * hd, qd);
       }
     }
   }

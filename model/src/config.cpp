@@ -96,6 +96,25 @@ Status GetDouble(const json& j, const char* key, double fallback, double* out,
   return Status::Ok();
 }
 
+// The ids of a bos/eos field: an integer or a list of them (Llama 3 lists
+// several eos ids). Other values are no ids.
+std::vector<int> Ids(const json& j, const char* key) {
+  std::vector<int> ids;
+  auto it = j.find(key);
+  if (it == j.end()) return ids;
+  auto take = [&](const json& v) {
+    if (v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= std::numeric_limits<int>::max()) {
+      ids.push_back(v.get<int>());
+    }
+  };
+  if (it->is_array()) {
+    for (const json& v : *it) take(v);
+  } else {
+    take(*it);
+  }
+  return ids;
+}
+
 // bos/eos may be an integer or a list (Llama 3 lists several eos ids; the
 // first is the one generation stops on by default).
 int FirstId(const json& j, const char* key) {
@@ -329,6 +348,7 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
   KDN_RETURN_IF_ERROR(ParseSlidingWindow(j, &c, src));
   c.bos_token_id = FirstId(j, "bos_token_id");
   c.eos_token_id = FirstId(j, "eos_token_id");
+  c.eos_token_ids = Ids(j, "eos_token_id");
   c.torch_dtype = j.value("torch_dtype", std::string());
   // Far beyond any model (Llama 3.1 405B is under 2^39), and every product
   // of sizes the engine forms in int64_t stays inside it.
@@ -356,7 +376,26 @@ Result<ModelConfig> LoadModelConfig(const std::filesystem::path& dir) {
   if (!in) return NotFound(path.string() + ": cannot open (is this a model folder?)");
   std::stringstream ss;
   ss << in.rdbuf();
-  return ParseModelConfig(ss.str(), path.string());
+  KDN_ASSIGN_OR_RETURN(ModelConfig c, ParseModelConfig(ss.str(), path.string()));
+  // generation_config.json: the eos ids transformers' generate stops on
+  // (Llama 3.1 Instruct adds <|eot_id|> there).
+  const auto gen_path = dir / "generation_config.json";
+  std::ifstream gen(gen_path);
+  if (gen) {
+    std::stringstream gs;
+    gs << gen.rdbuf();
+    json g = json::parse(gs.str(), nullptr, /*allow_exceptions=*/false);
+    if (g.is_discarded() || !g.is_object()) {
+      return InvalidArgument(gen_path.string() + ": not a JSON object");
+    }
+    for (int id : Ids(g, "eos_token_id")) {
+      if (std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end()) {
+        c.eos_token_ids.push_back(id);
+      }
+    }
+    if (c.eos_token_id < 0 && !c.eos_token_ids.empty()) c.eos_token_id = c.eos_token_ids[0];
+  }
+  return c;
 }
 
 std::string ModelConfigToJson(const ModelConfig& c) {
@@ -419,7 +458,7 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   j["max_position_embeddings"] =
       rs.type == RopeType::kDynamic ? rs.dynamic_threshold : c.max_context;
   j["bos_token_id"] = c.bos_token_id;
-  j["eos_token_id"] = c.eos_token_id;
+  j["eos_token_id"] = c.eos_token_ids.size() > 1 ? json(c.eos_token_ids) : json(c.eos_token_id);
   j["torch_dtype"] = c.torch_dtype.empty() ? "float32" : c.torch_dtype;
   j["initializer_range"] = 0.02;
   j["use_cache"] = true;

@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -28,6 +32,7 @@ TEST(ModelConfig, ParsesALlama31Config) {
   EXPECT_EQ(c->rope_scaling.type, RopeType::kLlama3);
   EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
   EXPECT_EQ(c->eos_token_id, 128001);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int>{128001, 128008, 128009}));
   EXPECT_FALSE(c->qkv_bias);
   EXPECT_EQ(c->max_context, 131072);
   EXPECT_NEAR(c->ParameterCount() / 1e9, 8.03, 0.01);
@@ -273,6 +278,27 @@ TEST(ModelConfig, RoundTripsYarnDynamicAndWindowsThroughJson) {
     EXPECT_EQ(back->sliding_window, 100);
     EXPECT_EQ(back->windowed_layers, c.windowed_layers);
   }
+}
+
+TEST(ModelConfig, GenerationConfigAddsTheIdsGenerateStopsOn) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("kdn-config-test-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::string j = kLlama3;
+  j.replace(j.find("[128001, 128008, 128009]"), 24, "128001");
+  std::ofstream(dir / "config.json") << j;
+  auto c = LoadModelConfig(dir);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int>{128001}));
+  std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": [128001, 128009]})";
+  c = LoadModelConfig(dir);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->eos_token_id, 128001);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int>{128001, 128009}));
+  std::ofstream(dir / "generation_config.json") << "{";
+  c = LoadModelConfig(dir);
+  EXPECT_NE(c.status().message().find("generation_config.json"), std::string::npos);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

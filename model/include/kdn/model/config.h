@@ -78,7 +78,11 @@ struct ModelConfig {
     return sliding_window > 0 && windowed_layers[static_cast<size_t>(l)] ? sliding_window : 0;
   }
   int bos_token_id = -1;
-  int eos_token_id = -1;
+  int eos_token_id = -1;  // the first of eos_token_ids, -1 when none
+  // Every id that ends generation: config.json's eos_token_id (an integer or
+  // a list: Llama 3.1 lists 128001, 128008 and 128009), then, where the folder
+  // has one, generation_config.json's (what transformers' generate stops on).
+  std::vector<int> eos_token_ids;
   std::string torch_dtype;  // as written; informative only
 
   int q_dim() const { return num_heads * head_dim; }
