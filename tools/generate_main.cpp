@@ -9,6 +9,7 @@
 #include "kdn/engine/generate.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
+#include "kdn/text/output_text.h"
 #include "kdn/text/tokenizer.h"
 
 int main(int argc, char** argv) {
@@ -83,8 +84,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: %s\n", model.status().ToString().c_str());
     return 1;
   }
-  const int32_t eos = (*tok)->eos_id() >= 0 ? (*tok)->eos_id() : (*model)->config().eos_token_id;
-  if (!ignore_eos && eos >= 0) gen.stop_ids.push_back(eos);
+  if (!ignore_eos) gen.stop_ids = kdn::text::ModelStopIds(**tok, (*model)->config());
   auto res = Generate(**model, ids, gen);
   if (!res.ok()) {
     std::fprintf(stderr, "kdn-generate: %s\n", res.status().ToString().c_str());

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kdn/text/chat_template.h"
+#include "kdn/text/output_text.h"
 
 namespace kdn::router {
 
@@ -436,9 +437,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   }
   bool ignore_eos = false;
   KDN_API_CHECK(GetBool(body, "ignore_eos", &ignore_eos));
-  const int32_t eos = model.tokenizer->eos_id() >= 0 ? model.tokenizer->eos_id()
-                                                       : model.config->eos_token_id;
-  if (!ignore_eos && eos >= 0) out->stop_ids.push_back(eos);
+  if (!ignore_eos) out->stop_ids = text::ModelStopIds(*model.tokenizer, *model.config);
   KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
   std::string user;
   KDN_API_CHECK(GetString(body, "user", &user));

@@ -79,3 +79,21 @@ TEST(OutputText, StopIdsAndTheContextEndTheRequest) {
 
 }  // namespace
 }  // namespace kdn::text
+
+namespace kdn::text {
+namespace {
+
+TEST(ModelStopIds, TheTokenizersEosAndEveryConfigEosOnceEach) {
+  const ByteTokenizer tok = Bytes();
+  model::ModelConfig c;
+  c.vocab_size = 300;
+  c.eos_token_id = 257;
+  c.eos_token_ids = {257, 280, 299, 300};  // 300 is outside the vocabulary
+  EXPECT_EQ(ModelStopIds(tok, c), (std::vector<int32_t>{257, 280, 299}));
+  c.eos_token_ids.clear();
+  c.eos_token_id = -1;
+  EXPECT_EQ(ModelStopIds(tok, c), (std::vector<int32_t>{257}));
+}
+
+}  // namespace
+}  // namespace kdn::text

@@ -31,6 +31,19 @@ size_t ShowableLength(const std::string& text, const std::vector<std::string>& s
   return n - hold;
 }
 
+std::vector<int32_t> ModelStopIds(const Tokenizer& tokenizer, const model::ModelConfig& config) {
+  std::vector<int32_t> ids;
+  auto add = [&](int32_t id) {
+    if (id >= 0 && id < config.vocab_size && std::find(ids.begin(), ids.end(), id) == ids.end()) {
+      ids.push_back(id);
+    }
+  };
+  add(tokenizer.eos_id());
+  for (int id : config.eos_token_ids) add(id);
+  add(config.eos_token_id);
+  return ids;
+}
+
 OutputText::OutputText(const Tokenizer& tokenizer, StopRules rules)
     : tokenizer_(tokenizer), rules_(std::move(rules)) {}
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kdn/model/config.h"
 #include "kdn/text/tokenizer.h"
 
 namespace kdn::text {
@@ -51,6 +52,11 @@ class OutputText {
   std::string text_;             // decoded generated text, cut at a stop string
   size_t shown_ = 0;             // bytes of text_ already shown
 };
+
+// The ids that end a generation by default (what ignore_eos turns off): the
+// tokenizer's EOS and every eos id of config.json and generation_config.json
+// (Llama 3.1 Instruct ends its turns with <|eot_id|>, which only those name).
+std::vector<int32_t> ModelStopIds(const Tokenizer& tokenizer, const model::ModelConfig& config);
 
 // Of `text`, the length that can be shown now: everything but a trailing
 // partial UTF-8 character and a trailing piece that is a proper prefix of a
