@@ -2,7 +2,10 @@
 
 #include <zmq.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <mutex>
 
 #include "kdn/common/log.h"
 #include "kvbus_store.pb.h"
@@ -186,9 +189,27 @@ struct RemoteStore::Impl {
   RemoteStoreOptions options;
   zmq::context_t ctx{1};
   std::unique_ptr<zmq::socket_t> sock;
-  std::mutex mu;  // one request at a time over the socket
+  std::timed_mutex mu;  // one request at a time over the socket
   uint64_t next_id = 1;
   std::atomic<uint64_t> corrupt{0};
+  std::atomic<uint64_t> unreachable{0};
+  // Guarded by mu: the store is held to be down until down_until, after
+  // `failures` requests in a row went unanswered.
+  std::chrono::steady_clock::time_point down_until{};
+  int failures = 0;
+
+  // A request went unanswered: fail fast for a backoff that doubles with
+  // each failure in a row.
+  void MarkDown() {
+    ++unreachable;
+    ++failures;
+    auto backoff = options.backoff;
+    for (int i = 1; i < failures && backoff < options.max_backoff; ++i) backoff *= 2;
+    down_until = std::chrono::steady_clock::now() + std::min(backoff, options.max_backoff);
+    static LogLimiter limiter;
+    limiter.Warn("kdn-store {} does not answer: its requests fail at once (cache misses) for {} ms",
+                 endpoint, std::min(backoff, options.max_backoff).count());
+  }
 
   Status Reconnect() {
     try {
@@ -204,13 +225,25 @@ struct RemoteStore::Impl {
   }
 
   // Sends `req` (and `chunk` as a second frame) and waits for its reply.
+  // `timeout`: options.timeout or, for index-only requests, lookup_timeout.
   Status Call(proto::StoreRequest& req, const std::shared_ptr<const Chunk>& chunk,
-              proto::StoreReply* reply, std::vector<uint8_t>* reply_payload) {
-    std::lock_guard<std::mutex> lock(mu);
+              proto::StoreReply* reply, std::vector<uint8_t>* reply_payload,
+              std::chrono::milliseconds timeout) {
+    std::unique_lock<std::timed_mutex> lock(mu, std::defer_lock);
+    if (!lock.try_lock_for(std::min(timeout, options.lookup_timeout))) {
+      // Another thread's request holds the connection (a large Put, or a
+      // server that stopped answering it): not worth waiting for.
+      ++unreachable;
+      return Unavailable("kdn-store " + endpoint + ": busy with another request");
+    }
+    if (std::chrono::steady_clock::now() < down_until) {
+      ++unreachable;
+      return Unavailable("kdn-store " + endpoint + ": not answering; retried after a backoff");
+    }
     if (!sock) KDN_RETURN_IF_ERROR(Reconnect());
     req.set_id(next_id++);
     const std::string out = req.SerializeAsString();
-    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     try {
       if (chunk) {
         sock->send(zmq::buffer(out), zmq::send_flags::sndmore);
@@ -225,8 +258,9 @@ struct RemoteStore::Impl {
         if (left.count() <= 0 || zmq::poll(&item, 1, left) == 0) {
           // Drop the connection: a late reply must not be read as the next one's.
           sock.reset();
+          MarkDown();
           return Unavailable("kdn-store " + endpoint + ": no reply within " +
-                             std::to_string(options.timeout.count()) + " ms");
+                             std::to_string(timeout.count()) + " ms");
         }
         zmq::message_t head, body;
         (void)sock->recv(head, zmq::recv_flags::none);
@@ -244,10 +278,12 @@ struct RemoteStore::Impl {
           const auto* d = static_cast<const uint8_t*>(body.data());
           reply_payload->assign(d, d + body.size());
         }
+        failures = 0;
         return Status::Ok();
       }
     } catch (const zmq::error_t& e) {
       sock.reset();
+      MarkDown();
       return Unavailable("kdn-store " + endpoint + ": " + e.what());
     }
   }
@@ -272,7 +308,7 @@ Result<std::shared_ptr<const Chunk>> RemoteStore::Get(const ChunkKey& key) {
   req.mutable_get()->set_key(KeyBytes(key));
   proto::StoreReply reply;
   std::vector<uint8_t> payload;
-  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, &payload));
+  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, &payload, impl_->options.timeout));
   KDN_RETURN_IF_ERROR(ReplyStatus(reply));
   auto chunk = Chunk::Parse(std::move(payload));
   if (!chunk.ok() || (*chunk)->key() != key) {
@@ -287,7 +323,7 @@ Result<std::vector<bool>> RemoteStore::Lookup(std::span<const ChunkKey> keys) {
   proto::StoreRequest req;
   for (const ChunkKey& k : keys) req.mutable_lookup()->add_keys(KeyBytes(k));
   proto::StoreReply reply;
-  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, nullptr));
+  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, nullptr, impl_->options.lookup_timeout));
   KDN_RETURN_IF_ERROR(ReplyStatus(reply));
   if (static_cast<size_t>(reply.present_size()) != keys.size()) {
     return Corruption("kdn-store " + endpoint_ + ": lookup answered " +
@@ -312,7 +348,7 @@ Status RemoteStore::Put(std::shared_ptr<const Chunk> chunk) {
   proto::StoreRequest req;
   req.mutable_put();
   proto::StoreReply reply;
-  KDN_RETURN_IF_ERROR(impl_->Call(req, chunk, &reply, nullptr));
+  KDN_RETURN_IF_ERROR(impl_->Call(req, chunk, &reply, nullptr, impl_->options.timeout));
   return ReplyStatus(reply);
 }
 
@@ -320,12 +356,14 @@ Result<std::vector<std::pair<std::string, TierStats>>> RemoteStore::RemoteStats(
   proto::StoreRequest req;
   req.mutable_stats();
   proto::StoreReply reply;
-  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, nullptr));
+  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, nullptr, impl_->options.lookup_timeout));
   KDN_RETURN_IF_ERROR(ReplyStatus(reply));
   std::vector<std::pair<std::string, TierStats>> out;
   for (const auto& s : reply.stats()) out.emplace_back(s.name(), FromProto(s));
   return out;
 }
+
+uint64_t RemoteStore::unreachable() const { return impl_->unreachable.load(); }
 
 TierStats RemoteStore::Stats() {
   TierStats s;

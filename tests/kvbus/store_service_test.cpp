@@ -107,18 +107,32 @@ TEST(StoreService, StatsReportTheServedStore) {
   EXPECT_EQ((*stats)[1].second.chunks, 7u);
 }
 
-TEST(StoreService, ClientReportsUnavailableWhenNoServerAnswersAndRecovers) {
+TEST(StoreService, ClientFailsFastWhileNoServerAnswersAndRecovers) {
+  using std::chrono::milliseconds;
   RecordingStore store;
   auto server = StoreServer::Start(store, "tcp://127.0.0.1:0").value();
   const std::string endpoint = server->endpoint();
-  auto client = RemoteStore::Connect(endpoint, {.timeout = std::chrono::milliseconds(300)}).value();
+  auto client = RemoteStore::Connect(endpoint, {.timeout = milliseconds(1500),
+                                                .lookup_timeout = milliseconds(1500),
+                                                .backoff = milliseconds(1500)})
+                    .value();
   server.reset();
-  EXPECT_EQ(client->Put(MakeChunk(1)).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(client->Put(MakeChunk(1)).code(), StatusCode::kUnavailable);  // one timeout
+  EXPECT_EQ(client->unreachable(), 1u);
+  // Held to be down: requests fail at once (misses), not after a timeout
+  // each, which on a worker's control thread would starve the router's pings.
+  const auto t0 = std::chrono::steady_clock::now();
   EXPECT_FALSE(client->Contains(MakeChunk(1)->key()));
-  // A server back on the same endpoint is used by the next request.
+  EXPECT_EQ(client->Get(MakeChunk(1)->key()).status().code(), StatusCode::kUnavailable);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(1000));
+  EXPECT_EQ(client->unreachable(), 3u);
+  // A server back on the same endpoint is used by the first request after
+  // the backoff.
   auto again = StoreServer::Start(store, endpoint).value();
+  std::this_thread::sleep_for(milliseconds(1600));
   EXPECT_TRUE(client->Put(MakeChunk(2)).ok());
   EXPECT_TRUE(client->Contains(MakeChunk(2)->key()));
+  EXPECT_EQ(client->unreachable(), 3u);
 }
 
 TEST(StoreService, ServesSeveralClientThreadsAtOnce) {

@@ -59,9 +59,21 @@ class StoreServer {
 };
 
 struct RemoteStoreOptions {
-  // A request unanswered for this long is UNAVAILABLE (the server is down or
-  // stuck); the connection is then rebuilt for the next request.
+  // A Get or Put unanswered for this long is UNAVAILABLE (the server is down
+  // or stuck); the connection is then rebuilt for the next request.
   std::chrono::milliseconds timeout{2000};
+  // The same for presence checks (Contains, Lookup) and Stats, which the
+  // server answers from its index: workers ask them on their control
+  // threads, which must keep answering the router (docs/kvbus.md, "A store
+  // that does not answer"). Also the longest such a call waits for another
+  // thread's request to finish.
+  std::chrono::milliseconds lookup_timeout{250};
+  // After a request fails for want of an answer, requests fail at once
+  // (UNAVAILABLE: a cache miss to the caller) for `backoff`, doubled at each
+  // further failure up to `max_backoff`; the first request after that tries
+  // the server again.
+  std::chrono::milliseconds backoff{500};
+  std::chrono::milliseconds max_backoff{8000};
   // The largest chunk Put sends (INVALID_ARGUMENT above it, before anything
   // is sent) and the largest reply taken: the server's limit.
   int64_t max_frame_bytes = kMaxStoreFrameBytes;
@@ -71,7 +83,10 @@ struct RemoteStoreOptions {
 
 // A remote kdn-store as a ChunkStore. Thread-safe: requests from several
 // threads are serialised over one connection. Chunks received are verified
-// (Chunk::Parse); a damaged one is a miss, counted in Stats().corrupt.
+// (Chunk::Parse); a damaged one is a miss, counted in Stats().corrupt. A
+// store that stops answering costs one timeout, then fast failures (misses)
+// until it answers again (RemoteStoreOptions::backoff); unreachable() counts
+// the requests refused that way.
 class RemoteStore final : public ChunkStore {
  public:
   static Result<std::unique_ptr<RemoteStore>> Connect(const std::string& endpoint,
@@ -89,6 +104,10 @@ class RemoteStore final : public ChunkStore {
 
   // Presence of each key, in one round trip.
   Result<std::vector<bool>> Lookup(std::span<const ChunkKey> keys);
+  // Requests that failed for want of an answer: timed out, refused at once
+  // while the store was held to be down, or given up waiting for another
+  // thread's request to end.
+  uint64_t unreachable() const;
   // The server's figures: the whole store first, then each tier.
   Result<std::vector<std::pair<std::string, TierStats>>> RemoteStats();
 
