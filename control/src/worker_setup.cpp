@@ -113,6 +113,9 @@ void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {
       c->set_encoded_bytes(s.encoded_bytes);
       c->set_decoded_chunks(s.decoded);
       c->set_decode_errors(s.decode_errors);
+      if (auto* remote = dynamic_cast<kvbus::RemoteStore*>(&codec->inner())) {
+        info->set_store_unreachable(remote->unreachable());
+      }
     }
   }
 }

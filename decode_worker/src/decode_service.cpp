@@ -63,8 +63,12 @@ struct DecodeService::Impl {
   control::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<kvbus::HostTier> staging;
-  // Every kdn-store round trip: lookups, the Decoder's loads and stores.
+  // The Decoder's kdn-store round trips: loads and stores.
   std::unique_ptr<JobThread> store_io;
+  // Lookups on a thread of their own: a router waits on them (about a
+  // second), and a load or store in flight to a store that stopped answering
+  // must not hold them for its whole timeout.
+  std::unique_ptr<JobThread> lookup_io;
   std::unique_ptr<Decoder> decoder;  // the compute thread's alone
   std::unique_ptr<kvbus::Receiver> receiver;
   std::unique_ptr<control::ControlServer> server;
@@ -126,7 +130,7 @@ struct DecodeService::Impl {
     }
     switch (msg.body_case()) {
       case proto::WorkerMessage::kLookup:
-        store_io->Post(kLookupLane, [this, &srv, peer, msg = std::move(msg), fill] {
+        lookup_io->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
           (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill);
         });
         return;
@@ -359,6 +363,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
                                                 options.store_codec, options.curve));
   impl->staging = std::make_unique<kvbus::HostTier>(options.staging_bytes);
   impl->store_io = std::make_unique<JobThread>(kStoreLanes);
+  impl->lookup_io = std::make_unique<JobThread>(1);
   Impl* raw = impl.get();
   DecoderOptions dopt;
   dopt.chunk_tokens = options.chunk_tokens;
@@ -403,6 +408,7 @@ DecodeService::~DecodeService() {
   if (impl_->compute.joinable()) impl_->compute.join();
   // Before the server its lookups answer through; lookups posted after this
   // are dropped (their router times them out).
+  (void)impl_->lookup_io->Stop();
   if (const size_t dropped = impl_->store_io->Stop(); dropped > 0) {
     LogWarn("stopping with {} store jobs not run", dropped);
   }

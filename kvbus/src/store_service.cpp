@@ -193,6 +193,10 @@ struct RemoteStore::Impl {
   uint64_t next_id = 1;
   std::atomic<uint64_t> corrupt{0};
   std::atomic<uint64_t> unreachable{0};
+  // When the request holding the connection began (steady_clock ticks), 0
+  // when none does: one that has run past lookup_timeout marks a slow store,
+  // and the requests behind it give up at once instead of each waiting.
+  std::atomic<int64_t> busy_since{0};
   // Guarded by mu: the store is held to be down until down_until, after
   // `failures` requests in a row went unanswered.
   std::chrono::steady_clock::time_point down_until{};
@@ -229,13 +233,23 @@ struct RemoteStore::Impl {
   Status Call(proto::StoreRequest& req, const std::shared_ptr<const Chunk>& chunk,
               proto::StoreReply* reply, std::vector<uint8_t>* reply_payload,
               std::chrono::milliseconds timeout) {
+    const auto wait = std::min(timeout, options.lookup_timeout);
+    const int64_t since = busy_since.load();
     std::unique_lock<std::timed_mutex> lock(mu, std::defer_lock);
-    if (!lock.try_lock_for(std::min(timeout, options.lookup_timeout))) {
+    if ((since != 0 && std::chrono::steady_clock::now().time_since_epoch().count() - since >
+                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait)
+                               .count()) ||
+        !lock.try_lock_for(wait)) {
       // Another thread's request holds the connection (a large Put, or a
       // server that stopped answering it): not worth waiting for.
       ++unreachable;
       return Unavailable("kdn-store " + endpoint + ": busy with another request");
     }
+    busy_since.store(std::chrono::steady_clock::now().time_since_epoch().count());
+    struct Idle {
+      std::atomic<int64_t>& since;
+      ~Idle() { since.store(0); }
+    } idle{busy_since};
     if (std::chrono::steady_clock::now() < down_until) {
       ++unreachable;
       return Unavailable("kdn-store " + endpoint + ": not answering; retried after a backoff");

@@ -216,6 +216,7 @@ struct Backend::Impl {
     const proto::KvCodecCounters& kc = info.kv_codec();
     wk.view.kv_codec = {kc.encoded_chunks(), kc.raw_bytes(), kc.encoded_bytes(),
                         kc.decoded_chunks(), kc.decode_errors()};
+    wk.view.store_unreachable = info.store_unreachable();
     if (info.role() != wk.view.role) {
       if (wk.view.compatible) {
         LogError("{} is a {} worker, not {}; not using it", wk.view.endpoint, info.role(),

@@ -216,6 +216,13 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
     out += "kdn_worker_kv_codec_decode_errors_total" + labels(w) +
            std::to_string(w.kv_codec.decode_errors) + "\n";
   }
+  Head(&out, "kdn_worker_store_unreachable_total", "counter",
+       "A worker's kdn-store requests that failed for want of an answer (timed out, or refused "
+       "at once while the store is held to be down): each a cache miss.");
+  for (const WorkerGauge& w : workers) {
+    out += "kdn_worker_store_unreachable_total" + labels(w) + std::to_string(w.store_unreachable) +
+           "\n";
+  }
   return out;
 }
 

@@ -161,6 +161,7 @@ class Session : public std::enable_shared_from_this<Session> {
             g.kv_transports.push_back({t.transport, t.chunks, t.bytes, t.seconds});
           }
           g.kv_codec = w.kv_codec;
+          g.store_unreachable = w.store_unreachable;
           gauges.push_back(std::move(g));
         }
         Reply(http::status::ok, router_.metrics.Render(gauges), "text/plain; version=0.0.4");

@@ -39,12 +39,19 @@ def test_a_stopped_store_costs_hits_not_requests(with_store):
         started = time.monotonic()
         # New prompts and repeated ones; d.completion asserts a 200 for each.
         for i in range(24):
-            r = d.completion(prompt(i % 6), max_tokens=4, temperature=0)
+            try:
+                r = d.completion(prompt(i % 6), max_tokens=4, temperature=0)
+            except AssertionError as e:
+                raise AssertionError("request %d, %.1f s after SIGSTOP: %s\n%s" % (
+                    i, time.monotonic() - started, e, d.log_tails(30))) from None
             assert r["choices"][0]["finish_reason"] == "length"
         elapsed = time.monotonic() - started
         s = parse_metrics(d.metrics())
         for w, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
             assert metric(s, "kdn_worker_up", worker=w, role=role) == 1, (w, elapsed)
+        # The misses it cost are counted.
+        assert metric(s, "kdn_worker_store_unreachable_total", worker="prefill-0",
+                      role="prefill") > 0
     finally:
         os.kill(store, signal.SIGCONT)
     # Back: requests still succeed, and a prompt seen before hits the cache.

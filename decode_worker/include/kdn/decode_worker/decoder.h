@@ -33,7 +33,7 @@
 // After that event the id is unknown to the Decoder.
 //
 // KDN store I/O: every Get, Contains and Put on `store` runs on the store
-// I/O thread (`store_io`, a JobThread shared with the worker's lookups), never
+// I/O thread (`store_io`, a JobThread; the worker's lookups have their own), never
 // on the caller's thread: the compute loop never waits on the network. Jobs
 // hold the store and a mailbox shared with the Decoder, never the Decoder or
 // the KV cache, so the Decoder may be destroyed with jobs still queued. A
@@ -69,8 +69,9 @@
 namespace kdn::decode_worker {
 
 // Lanes of the store I/O thread (JobThread lanes, most urgent first):
-// lookups a router waits on (about a second), then loads a Prepare reply
-// waits on, then stores nobody waits on.
+// lookups a router waits on (about a second; DecodeService runs them on a
+// thread of their own), then loads a Prepare reply waits on, then stores
+// nobody waits on.
 inline constexpr int kLookupLane = 0;
 inline constexpr int kLoadLane = 1;
 inline constexpr int kStoreLane = 2;

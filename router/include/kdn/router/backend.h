@@ -114,6 +114,7 @@ struct WorkerView {
   };
   std::vector<TransportCounters> kv_transports;
   KvCodecCounters kv_codec;  // its KV codec at the kdn-store tier
+  uint64_t store_unreachable = 0;  // its kdn-store requests left unanswered
 };
 
 class Backend {

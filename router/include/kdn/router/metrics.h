@@ -45,6 +45,7 @@ struct WorkerGauge {
   };
   std::vector<Transport> kv_transports;
   KvCodecCounters kv_codec;
+  uint64_t store_unreachable = 0;
 };
 
 class Metrics {
