@@ -53,9 +53,21 @@ int main(int argc, char** argv) {
                  "A file of API keys, one \"KEY TENANT\" a line: /v1/ requests then need "
                  "'Authorization: Bearer KEY', and each tenant's cache is its own (default: "
                  "$KDN_API_KEYS_FILE; neither: no keys)");
+  app.add_option("--max-queued", o.backend.max_queued,
+                 "Requests that may wait for a decode worker with room (KV for prompt + "
+                 "max_tokens, a place in its batch) before any prefill is spent on them; past "
+                 "that a request gets 429")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  int64_t queue_timeout_ms = o.backend.queue_timeout.count();
+  app.add_option("--queue-timeout-ms", queue_timeout_ms,
+                 "How long a request may wait for a decode worker with room before it gets 503")
+      ->check(CLI::Range(int64_t{1}, int64_t{24} * 3600 * 1000))
+      ->capture_default_str();
   kdn::kvbus::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
+  o.backend.queue_timeout = std::chrono::milliseconds(queue_timeout_ms);
   if (kdn::Status st = log_flags.Init("router"); !st.ok()) {
     kdn::LogError("{}", st.ToString());
     return 2;

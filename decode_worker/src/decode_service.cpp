@@ -106,6 +106,7 @@ struct DecodeService::Impl {
     info->set_max_context(wm.model->config().max_context);
     info->set_kvbus_endpoint(kvbus_endpoint);
     info->set_queue_depth(depth.load());
+    info->set_max_batch(options.max_batch);
     info->set_free_kv_blocks(free_blocks.load());
     info->set_total_kv_blocks(total_blocks);
     info->set_host_id(kvbus::HostId());

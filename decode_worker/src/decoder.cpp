@@ -241,6 +241,14 @@ TokenEvent Decoder::Failure(uint64_t id, Status st) {
 
 Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   KDN_RETURN_IF_ERROR(ValidateRequest(request));
+  // Refused here, before any prefill is spent on it, rather than at Start
+  // when the batch turns out full (the router queues it and tries again).
+  const size_t taken = prepared_.size() + batcher_->running();
+  if (taken >= static_cast<size_t>(options_.max_batch)) {
+    return ResourceExhausted("decode batch is full (" + std::to_string(taken) + " of " +
+                             std::to_string(options_.max_batch) +
+                             " requests running or prepared)");
+  }
   Prepared p;
   p.request = std::move(request);
   p.created = options_.clock ? options_.clock() : std::chrono::steady_clock::now();

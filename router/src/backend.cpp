@@ -26,7 +26,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Phase { kLookup, kPrepare, kPrefill, kDecode };
+enum class Phase { kLookup, kQueued, kPrepare, kPrefill, kDecode };
 
 struct Worker {
   WorkerView view;
@@ -55,6 +55,7 @@ struct Request {
   std::map<size_t, int64_t> segment_tokens_held;  // worker -> document tokens it holds
   int lookups_pending = 0;
   Clock::time_point arrival, deadline, last_token;
+  Clock::time_point queued_at;  // when it last began to wait (kQueued)
   size_t p = 0, d = 0;
   bool prefill_sent = false;
   bool first_token_seen = false;
@@ -115,6 +116,9 @@ struct Backend::Impl {
   zmq::socket_t inbox{ctx, zmq::socket_type::pull};
   std::vector<Worker> workers;
   std::map<uint64_t, Request> requests;
+  // Requests in kQueued, oldest first (ids of requests gone meanwhile are
+  // skipped when met).
+  std::deque<uint64_t> queued;
   std::map<uint64_t, Injection> injections;
   std::map<uint64_t, InjectPart> inject_parts;  // by message id
   uint64_t next_part_id = uint64_t{1} << 62;    // apart from the jobs' ids
@@ -157,7 +161,7 @@ struct Backend::Impl {
     if (it == requests.end()) return;
     Request& r = it->second;
     // Tell the workers involved to let go.
-    if (r.phase != Phase::kLookup) SendCancel(r.d, r.id);
+    if (r.phase != Phase::kLookup && r.phase != Phase::kQueued) SendCancel(r.d, r.id);
     if (r.prefill_sent && r.phase == Phase::kPrefill) SendCancel(r.p, r.id);
     JobEvent ev;
     ev.kind = JobEvent::Kind::kError;
@@ -202,6 +206,7 @@ struct Backend::Impl {
     Worker& wk = workers[w];
     if (!info.name().empty()) wk.view.name = info.name();
     wk.view.queue_depth = info.queue_depth();
+    wk.view.max_batch = info.max_batch();
     wk.view.queue_tokens = info.queue_tokens();
     wk.view.free_kv_blocks = info.free_kv_blocks();
     wk.view.total_kv_blocks = info.total_kv_blocks();
@@ -311,6 +316,62 @@ struct Backend::Impl {
     req.deadline = Clock::now() + options.lookup_timeout;
   }
 
+  // Whether decode worker `w` has room for `r`: KV for prompt + max_tokens
+  // and a place in its batch, as it last reported (less what was sent to it
+  // since).
+  bool HasRoom(size_t w, const Request& r) const {
+    const WorkerView& v = workers[w].view;
+    const int64_t need_blocks =
+        (static_cast<int64_t>(r.job.tokens.size()) + r.job.max_tokens + 15) / 16;
+    return v.free_kv_blocks >= need_blocks && (v.max_batch <= 0 || v.queue_depth < v.max_batch);
+  }
+
+  // Request `r` waits for a decode worker with room (or is refused when the
+  // queue is full). `front`: it had its turn and goes back to the head.
+  void Park(Request& r, bool front) {
+    if (!front && static_cast<int>(queued.size()) >= options.max_queued) {
+      Fail(r.id, ResourceExhausted("every decode worker is full and " +
+                                   std::to_string(queued.size()) +
+                                   " requests already wait (--max-queued)"));
+      return;
+    }
+    if (r.phase != Phase::kQueued) {
+      r.queued_at = Clock::now();
+      r.deadline = r.queued_at + options.queue_timeout;
+      LogDebug("{} queued: no decode worker has room for {} + {} tokens; {} waiting", ReqId{r.id},
+               r.job.tokens.size(), r.job.max_tokens, queued.size() + 1);
+    }
+    r.phase = Phase::kQueued;
+    if (front) {
+      queued.push_front(r.id);
+    } else {
+      queued.push_back(r.id);
+    }
+    if (metrics) metrics->QueueDepth(static_cast<int>(queued.size()));
+  }
+
+  // Gives waiting requests, oldest first, to decode workers with room; stops
+  // at the first that still finds none (arrival order is kept).
+  void DrainQueue() {
+    while (!queued.empty()) {
+      auto it = requests.find(queued.front());
+      if (it == requests.end() || it->second.phase != Phase::kQueued) {
+        queued.pop_front();
+        continue;
+      }
+      Request& r = it->second;
+      bool room = false;
+      for (const auto& [w, held] : r.prefix) room |= held >= 0 && Usable(w, "decode") && HasRoom(w, r);
+      if (!room) break;
+      queued.pop_front();
+      if (metrics) {
+        metrics->QueueDepth(static_cast<int>(queued.size()));
+        metrics->QueueWait(std::chrono::duration<double>(Clock::now() - r.queued_at).count());
+      }
+      Choose(r);
+    }
+  }
+
   void Choose(Request& r) {
     const auto n = static_cast<int64_t>(r.job.tokens.size());
     int64_t best_cost = INT64_MAX;
@@ -337,10 +398,14 @@ struct Backend::Impl {
     const int64_t need_blocks = (n + r.job.max_tokens + 15) / 16;
     int64_t best_prefix = -1;
     int best_depth = INT32_MAX;
+    bool up_d = false, any_d = false;
     for (auto [w, held_tokens] : r.prefix) {
       if (held_tokens < 0 || !Usable(w, "decode")) continue;
       const WorkerView& v = workers[w].view;
-      if (v.free_kv_blocks < need_blocks) continue;
+      up_d = true;
+      // A worker that could never hold it is no reason to wait.
+      any_d |= v.total_kv_blocks <= 0 || v.total_kv_blocks >= need_blocks;
+      if (!HasRoom(w, r)) continue;
       if (r.job.blend) held_tokens = 0;  // a blended prompt reuses nothing it holds
       if (held_tokens > best_prefix ||
           (held_tokens == best_prefix && v.queue_depth < best_depth)) {
@@ -355,8 +420,14 @@ struct Backend::Impl {
       return;
     }
     if (!have_d) {
-      Fail(r.id, ResourceExhausted("no decode worker has room for " + std::to_string(n) +
-                                   " + " + std::to_string(r.job.max_tokens) + " tokens"));
+      if (!up_d) {
+        Fail(r.id, Unavailable("no decode worker is up"));
+      } else if (any_d) {
+        Park(r, /*front=*/false);
+      } else {
+        Fail(r.id, InvalidArgument("no decode worker can hold " + std::to_string(n) + " + " +
+                                   std::to_string(r.job.max_tokens) + " tokens of KV"));
+      }
       return;
     }
     proto::WorkerMessage m;
@@ -377,6 +448,7 @@ struct Backend::Impl {
     Send(r.d, r.id, m);
     // Count the request against the worker until it next reports.
     ++workers[r.d].view.queue_depth;
+    workers[r.d].view.free_kv_blocks -= static_cast<int>(need_blocks);
     workers[r.p].view.queue_tokens += n;
     r.phase = Phase::kPrepare;
     r.deadline = Clock::now() + options.prepare_timeout;
@@ -385,6 +457,7 @@ struct Backend::Impl {
   void OnMessage(size_t w, const proto::WorkerMessage& m) {
     if (m.body_case() == proto::WorkerMessage::kInfo) {
       TakeInfo(w, m.info());
+      DrainQueue();
       return;
     }
     if (m.body_case() == proto::WorkerMessage::kInjectReply) {
@@ -414,6 +487,15 @@ struct Backend::Impl {
       case proto::WorkerMessage::kPrepareReply: {
         if (r.phase != Phase::kPrepare || w != r.d) return;
         Status st = control::StatusFromProto(m.prepare_reply().error());
+        if (st.code() == StatusCode::kResourceExhausted) {
+          // Full after all (the view was stale): back to the head of the
+          // queue, no prefill spent.
+          LogDebug("{} {} is full: {}; queued again", ReqId{r.id}, workers[w].view.name,
+                   st.message());
+          workers[w].view.free_kv_blocks = 0;
+          Park(r, /*front=*/true);
+          return;
+        }
         if (!st.ok()) {
           Fail(r.id, st.WithContext(workers[w].view.name));
           return;
@@ -714,7 +796,7 @@ struct Backend::Impl {
     LogWarn("{} ({}) {}", wk.view.name, wk.view.endpoint, why);
     std::vector<uint64_t> doomed, to_choose;
     for (auto& [id, r] : requests) {
-      const bool uses_d = r.phase != Phase::kLookup && r.d == w;
+      const bool uses_d = r.phase != Phase::kLookup && r.phase != Phase::kQueued && r.d == w;
       const bool uses_p = r.phase == Phase::kPrefill && r.p == w;
       // Before the first token nothing has reached the client: another
       // prefill worker can take the request over.
@@ -770,12 +852,19 @@ struct Backend::Impl {
       }
     }
     // Deadlines: lookups go ahead with the answers they have.
-    std::vector<uint64_t> late_lookup, late_prepare;
+    std::vector<uint64_t> late_lookup, late_prepare, late_queued;
     for (auto& [id, r] : requests) {
       if (now < r.deadline) continue;
       if (r.phase == Phase::kLookup) late_lookup.push_back(id);
       if (r.phase == Phase::kPrepare) late_prepare.push_back(id);
+      if (r.phase == Phase::kQueued) late_queued.push_back(id);
     }
+    for (uint64_t id : late_queued) {
+      Fail(id, Unavailable("no decode worker had room within " +
+                           std::to_string(options.queue_timeout.count() / 1000) +
+                           " s (--queue-timeout-ms)"));
+    }
+    DrainQueue();
     for (uint64_t id : late_lookup) {
       auto it = requests.find(id);
       if (it != requests.end()) {
@@ -818,7 +907,8 @@ struct Backend::Impl {
               auto it = requests.find(c.id);
               if (it != requests.end()) {
                 const Request& r = it->second;
-                if (r.phase != Phase::kLookup) SendCancel(r.d, r.id);
+                // A queued one is skipped when the queue reaches its id.
+                if (r.phase != Phase::kLookup && r.phase != Phase::kQueued) SendCancel(r.d, r.id);
                 if (r.phase == Phase::kPrefill) SendCancel(r.p, r.id);
                 requests.erase(it);
               }

@@ -56,7 +56,18 @@ void Histogram::Render(const std::string& name, std::string* out) const {
 
 Metrics::Metrics()
     : ttft_({0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
-      inter_token_({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}) {}
+      inter_token_({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}),
+      queue_wait_({0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}) {}
+
+void Metrics::QueueDepth(int n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_depth_ = n;
+}
+
+void Metrics::QueueWait(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_wait_.Observe(seconds);
+}
 
 void Metrics::RequestFinished(const std::string& route, int code) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -123,6 +134,13 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
        "HTTP connections the router failed to accept (out of file descriptors, say); it "
        "backs off up to 1 s between tries while they fail.");
   out += "kdn_http_accept_errors_total " + std::to_string(accept_errors_) + "\n";
+  Head(&out, "kdn_queue_depth", "gauge",
+       "Requests waiting for a decode worker with room (KV for prompt + max_tokens, a place in "
+       "its batch), before any prefill is spent on them.");
+  out += "kdn_queue_depth " + std::to_string(queue_depth_) + "\n";
+  Head(&out, "kdn_queue_wait_seconds", "histogram",
+       "How long requests that waited for a decode worker waited.");
+  queue_wait_.Render("kdn_queue_wait_seconds", &out);
   Head(&out, "kdn_ttft_seconds", "histogram", "Time to first token from the request's arrival.");
   ttft_.Render("kdn_ttft_seconds", &out);
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");

@@ -44,7 +44,10 @@ ApiError JobError(const Status& st) {
     case StatusCode::kInvalidArgument:
       e.http_status = 400;
       break;
-    case StatusCode::kResourceExhausted:
+    case StatusCode::kResourceExhausted:  // the admission queue is full
+      e.http_status = 429;
+      e.type = "rate_limit_exceeded";
+      break;
     case StatusCode::kUnavailable:
       e.http_status = 503;
       e.type = "service_unavailable";

@@ -86,6 +86,12 @@ struct BackendOptions {
   std::chrono::milliseconds worker_timeout{3000};
   std::chrono::milliseconds lookup_timeout{1000};
   std::chrono::milliseconds prepare_timeout{10000};
+  // Requests no decode worker has room for (KV for prompt + max_tokens, a
+  // place in its batch) wait, in arrival order and before any prefill is
+  // spent on them, for at most queue_timeout; past max_queued waiting, a
+  // request is refused at once (RESOURCE_EXHAUSTED: HTTP 429).
+  int max_queued = 1024;
+  std::chrono::milliseconds queue_timeout{60000};
   // Set: the control connections run CURVE as holders of this key, the
   // workers' (kdn/kvbus/curve.h); unset: plaintext.
   std::optional<kvbus::CurveKeys> curve;
@@ -98,6 +104,7 @@ struct WorkerView {
   bool up = false;
   bool compatible = true;  // false: another model than the other workers'
   int queue_depth = 0;
+  int max_batch = 0;  // decode: its --max-batch (0: not said)
   int64_t queue_tokens = 0;
   int free_kv_blocks = 0;
   int total_kv_blocks = 0;

@@ -66,6 +66,10 @@ class Metrics {
   void KvMoved(uint64_t bytes, uint64_t slices_skipped);
   // A failed accept of an HTTP connection (out of file descriptors, say).
   void AcceptFailed();
+  // The admission queue (BackendOptions::max_queued): requests waiting now,
+  // and how long one waited once it got a decode worker.
+  void QueueDepth(int n);
+  void QueueWait(double seconds);
 
   std::string Render(const std::vector<WorkerGauge>& workers) const;
 
@@ -81,6 +85,8 @@ class Metrics {
   uint64_t injected_tokens_ = 0;
   uint64_t kv_bytes_ = 0, slices_skipped_ = 0;
   uint64_t accept_errors_ = 0;
+  int queue_depth_ = 0;
+  Histogram queue_wait_;
 };
 
 }  // namespace kdn::router
