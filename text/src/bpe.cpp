@@ -186,6 +186,28 @@ Result<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& j, bool byte_le
     auto bt = m->vocab_.find(m->byte_chars_[b]);
     m->byte_ids_[b] = bt == m->vocab_.end() ? -1 : bt->second;
   }
+  // A sentencepiece text with no pre-tokenizer is one word, and merging a
+  // word costs O(n log n) with poor locality. When no token has a "▁" after
+  // another character, no merge can join the symbol ending before such a
+  // "▁" to the one starting with it (its result would be such a token), so
+  // the parts between those points merge alone to the same result, the
+  // merges within each part being done in the same order. (With
+  // ignore_merges a whole part found in the vocabulary would be taken as it
+  // is, which the whole word would not; prefixes and suffixes change the
+  // symbols' strings: neither is cut.)
+  constexpr std::string_view kMeta = "\u2581";
+  if (!byte_level && !m->ignore_merges_ && m->prefix_.empty() && m->suffix_.empty() &&
+      m->vocab_.count(kMeta) != 0) {
+    m->split_at_metaspace_ = true;
+    for (const auto& [tok, id] : m->vocab_) {
+      for (size_t at = tok.find(kMeta, 1); at != std::string::npos; at = tok.find(kMeta, at + 1)) {
+        if (at < kMeta.size() || tok.compare(at - kMeta.size(), kMeta.size(), kMeta) != 0) {
+          m->split_at_metaspace_ = false;
+        }
+      }
+      if (!m->split_at_metaspace_) break;
+    }
+  }
   if (byte_level && m->ignore_merges_) {
     // Tokens of ByteLevel characters only, by their bytes.
     std::unordered_map<char32_t, uint8_t> char_byte;
@@ -207,6 +229,22 @@ Result<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& j, bool byte_le
 }
 
 void BpeModel::Tokenize(std::string_view word, Scratch& s, std::vector<int32_t>* ids) const {
+  if (!split_at_metaspace_) {
+    TokenizePart(word, s, ids);
+    return;
+  }
+  constexpr std::string_view kMeta = "\u2581";
+  size_t begin = 0;
+  for (size_t at = word.find(kMeta, 1); at != std::string_view::npos; at = word.find(kMeta, at + 1)) {
+    // Within a run of "▁" there is no cut.
+    if (at >= kMeta.size() && word.compare(at - kMeta.size(), kMeta.size(), kMeta) == 0) continue;
+    TokenizePart(word.substr(begin, at - begin), s, ids);
+    begin = at;
+  }
+  TokenizePart(word.substr(begin), s, ids);
+}
+
+void BpeModel::TokenizePart(std::string_view word, Scratch& s, std::vector<int32_t>* ids) const {
   if (ignore_merges_) {
     const TokenMap& whole = byte_level_ ? raw_vocab_ : vocab_;
     auto it = whole.find(word);

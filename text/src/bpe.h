@@ -76,11 +76,16 @@ class BpeModel {
   BpeModel() = default;
   struct MergeTable;
   void MergeWord(Scratch& s) const;
+  void TokenizePart(std::string_view word, Scratch& s, std::vector<int32_t>* ids) const;
 
   TokenMap vocab_;
   std::vector<std::string> tokens_;
   std::vector<bool> has_;
   std::unique_ptr<MergeTable> merges_;
+  // Whether a word may be cut before each "▁" that follows another
+  // character and each part merged alone (sentencepiece vocabularies): see
+  // FromJson.
+  bool split_at_metaspace_ = false;
   bool byte_level_ = false;
   bool ignore_merges_ = false;
   bool byte_fallback_ = false;
