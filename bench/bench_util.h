@@ -131,4 +131,11 @@ struct KvCodecOptions {
 };
 int RunKvCodec(const Common& c, const KvCodecOptions& o);
 
+// tokenize: encode and decode speed of a tokenizer folder on a long text
+// (--text, or a synthetic one of about `tokens` tokens), in tokens/s and
+// microseconds per 1000 tokens against a 1 ms/1000-token budget
+// (bench/tokenize_workload.cpp). Of Common only reps and json_path apply.
+int RunTokenize(const Common& c, const std::string& tokenizer_dir, const std::string& text_path,
+                int tokens);
+
 }  // namespace kdn::bench

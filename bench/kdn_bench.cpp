@@ -31,6 +31,9 @@
 //             error and the KL it causes; encode and decode GB/s; TTFT with
 //             the prefix loaded from the disk tier and from kdn-store, raw
 //             against encoded.
+//   tokenize  a tokenizer folder (--tokenizer) encoding a ~32K-token text and
+//             decoding it back, whole and token by token: tokens/s and
+//             microseconds per 1000 tokens against a 1 ms/1000-token budget.
 //   quality   exact-match accuracy of a question-answering model (models/kdn-qa)
 //             on its held-out eval set through kdn's engine, by hops: full
 //             prefill, full reuse of each document's KV, CacheBlend ratios.
@@ -230,7 +233,21 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   rag->add_option("--check-layer", rb_check, "Layer whose KV deviation picks the tokens")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  std::string tk_dir, tk_text;
+  int tk_tokens = 32768;
+  auto* tokenize = app.add_subcommand(
+      "tokenize", "Tokenizer encode and decode speed on a long text: tokens/s, us per 1000 tokens");
+  tokenize->add_option("--tokenizer", tk_dir, "Folder with tokenizer.json (and tokenizer_config.json)")
+      ->required()->check(CLI::ExistingDirectory);
+  tokenize->add_option("--text", tk_text, "Text file to encode (default: a synthetic text)")
+      ->check(CLI::ExistingFile);
+  tokenize->add_option("--tokens", tk_tokens, "Tokens of the synthetic text, about")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  tokenize->add_option("--reps", c.reps, "Timed repetitions (best is reported)")->capture_default_str();
+  tokenize->add_option("--json", c.json_path, "Also write the results as one JSON object");
   CLI11_PARSE(app, argc, argv);
+
+  if (tokenize->parsed()) return RunTokenize(c, tk_dir, tk_text, tk_tokens);
 
   if (c.threads > 0) {
     omp_set_num_threads(c.threads);

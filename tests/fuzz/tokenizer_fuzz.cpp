@@ -1,18 +1,23 @@
 // libFuzzer harness for the tokenizer (kdn/text/tokenizer.h).
 //
 // The first byte picks what the rest is:
-// - 0 mod 3: text, encoded by models/kdn-qa's tokenizer: every id inside the
-//   vocabulary, the BOS first when asked for, and decoding gives the text
-//   back;
+// - 0 mod 3: text, encoded by models/kdn-qa's byte-level tokenizer: every id
+//   inside the vocabulary, the BOS first when asked for, one id per byte
+//   (unless the text holds an added token's text, <s> or </s>), and decoding
+//   gives valid UTF-8 text back;
 // - 1 mod 3: token ids (4 bytes each, any value), decoded by the same
-//   tokenizer: never a crash, one byte at most per id, specials left out;
+//   tokenizer: never a crash, at most one U+FFFD (3 bytes) per id;
 // - 2 mod 3: a tokenizer.json and, after the first NUL, a
 //   tokenizer_config.json, loaded from a folder (Tokenizer::Load). Either a
-//   Status, or a tokenizer that encodes every byte to an id inside its
-//   vocabulary and decodes it back, with BOS and EOS inside it or -1.
+//   Status, or a tokenizer that encodes every byte value and its own input
+//   to ids inside its vocabulary and decodes them to valid UTF-8, with BOS
+//   and EOS inside it or -1.
+// Every decode is checked against a DecodeStream fed one id at a time: the
+// two give the same text.
 //
 // Built with clang's -fsanitize=fuzzer,address,undefined (tests/fuzz); the
 // test `tokenizer_fuzz` (label fuzz) runs it over tests/fuzz/corpus/tokenizer.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -36,14 +41,58 @@ const text::Tokenizer& Shipped() {
   return *tok;
 }
 
-void CheckRoundTrip(const text::Tokenizer& tok, std::string_view text) {
-  for (bool bos : {false, true}) {
-    const std::vector<int32_t> ids = tok.Encode(text, bos);
-    const bool has_bos = bos && tok.bos_id() >= 0;
-    Check(ids.size() == text.size() + (has_bos ? 1 : 0), "one id per byte (a byte-level tokenizer)");
-    if (has_bos) Check(!ids.empty() && ids[0] == tok.bos_id(), "BOS first when asked for");
-    for (int32_t id : ids) Check(id >= 0 && id < tok.vocab_size(), "ids inside the vocabulary");
-    Check(tok.Decode(ids) == text, "decoding gives the text back");
+bool ValidUtf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80 ? 1 : (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE0 && c <= 0xEF) ? 3
+                   : (c >= 0xF0 && c <= 0xF4) ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    for (size_t k = 1; k < n; ++k) {
+      if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return false;
+    }
+    const auto c1 = static_cast<unsigned char>(n > 1 ? s[i + 1] : 0);
+    if ((c == 0xE0 && c1 < 0xA0) || (c == 0xED && c1 > 0x9F) || (c == 0xF0 && c1 < 0x90) ||
+        (c == 0xF4 && c1 > 0x8F)) {
+      return false;
+    }
+    i += n;
+  }
+  return true;
+}
+
+// Decode(ids), checked against a DecodeStream fed one id at a time.
+std::string CheckedDecode(const text::Tokenizer& tok, const std::vector<int32_t>& ids) {
+  const std::string text = tok.Decode(ids);
+  auto stream = tok.NewDecodeStream();
+  std::string streamed;
+  for (int32_t id : ids) streamed += stream->Next(id);
+  streamed += stream->Finish();
+  Check(streamed == text, "decoding token by token gives Decode's text");
+  Check(ValidUtf8(text), "decoded text is valid UTF-8");
+  return text;
+}
+
+// Encodes `text` with and without the special tokens the tokenizer adds
+// (add_bos): ids inside the vocabulary, and the ids without them found
+// inside the ids with them; returns the ids without.
+std::vector<int32_t> CheckedEncode(const text::Tokenizer& tok, std::string_view text) {
+  const std::vector<int32_t> plain = tok.Encode(text, false);
+  const std::vector<int32_t> with = tok.Encode(text, true);
+  for (int32_t id : plain) Check(id >= 0 && id < tok.vocab_size(), "ids inside the vocabulary");
+  for (int32_t id : with) Check(id >= 0 && id < tok.vocab_size(), "ids inside the vocabulary");
+  Check(std::search(with.begin(), with.end(), plain.begin(), plain.end()) != with.end(),
+        "the text's ids inside those with the added special tokens");
+  return plain;
+}
+
+void CheckByteLevel(const text::Tokenizer& tok, std::string_view text) {
+  const std::vector<int32_t> ids = CheckedEncode(tok, text);
+  const std::vector<int32_t> with_bos = tok.Encode(text, true);
+  Check(!with_bos.empty() && with_bos[0] == tok.bos_id(), "BOS first when asked for");
+  const std::string decoded = CheckedDecode(tok, ids);
+  if (text.find("<s>") == std::string_view::npos && text.find("</s>") == std::string_view::npos) {
+    Check(ids.size() == text.size(), "one id per byte (a byte-level tokenizer)");
+    if (ValidUtf8(text)) Check(decoded == text, "decoding gives valid UTF-8 text back");
   }
 }
 
@@ -54,12 +103,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
   switch (data[0] % 3) {
     case 0:
-      CheckRoundTrip(Shipped(), rest);
+      CheckByteLevel(Shipped(), rest);
       break;
     case 1: {
       std::vector<int32_t> ids(rest.size() / 4);
       if (!ids.empty()) std::memcpy(ids.data(), rest.data(), ids.size() * 4);
-      Check(Shipped().Decode(ids).size() <= ids.size(), "a byte per id at most");
+      Check(CheckedDecode(Shipped(), ids).size() <= 3 * ids.size(), "a U+FFFD per id at most");
       break;
     }
     default: {
@@ -79,7 +128,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Check(t.eos_id() >= -1 && t.eos_id() < t.vocab_size(), "EOS inside the vocabulary or -1");
       std::string every_byte(256, '\0');
       for (int b = 0; b < 256; ++b) every_byte[b] = static_cast<char>(b);
-      CheckRoundTrip(t, every_byte);
+      CheckedDecode(t, CheckedEncode(t, every_byte));
+      CheckedDecode(t, CheckedEncode(t, rest));
       break;
     }
   }

@@ -1,7 +1,6 @@
 #include "kdn/text/output_text.h"
 
 #include <algorithm>
-#include <span>
 #include <utility>
 
 namespace kdn::text {
@@ -45,11 +44,19 @@ std::vector<int32_t> ModelStopIds(const Tokenizer& tokenizer, const model::Model
 }
 
 OutputText::OutputText(const Tokenizer& tokenizer, StopRules rules)
-    : tokenizer_(tokenizer), rules_(std::move(rules)) {}
+    : rules_(std::move(rules)), stream_(tokenizer.NewDecodeStream()) {}
 
 TextDelta OutputText::Add(int32_t token, int64_t kv_tokens, int64_t max_context) {
   tokens_.push_back(token);
-  text_ += tokenizer_.Decode(std::span<const int32_t>(&token, 1));
+  text_ += stream_->Next(token);
+  // A request that ends for a reason other than a stop string shows what the
+  // decoder still holds (an incomplete character becomes U+FFFD, as Decode
+  // of the whole shows it); the stop strings are looked for in that too.
+  const bool stop_id =
+      std::find(rules_.stop_ids.begin(), rules_.stop_ids.end(), token) != rules_.stop_ids.end();
+  const bool length = static_cast<int>(tokens_.size()) >= rules_.max_tokens;
+  const bool context = kv_tokens + 1 > max_context;
+  if (stop_id || length || context) text_ += stream_->Finish();
   TextDelta d;
   // A stop string ends the text where it begins; the client never sees it.
   size_t cut = std::string::npos;
@@ -64,14 +71,13 @@ TextDelta OutputText::Add(int32_t token, int64_t kv_tokens, int64_t max_context)
     text_.resize(cut);
     d.finished = true;
     d.finish_reason = "stop";
-  } else if (std::find(rules_.stop_ids.begin(), rules_.stop_ids.end(), token) !=
-             rules_.stop_ids.end()) {
+  } else if (stop_id) {
     d.finished = true;
     d.finish_reason = "stop";
-  } else if (static_cast<int>(tokens_.size()) >= rules_.max_tokens) {
+  } else if (length) {
     d.finished = true;
     d.finish_reason = "length";
-  } else if (kv_tokens + 1 > max_context) {
+  } else if (context) {
     d.finished = true;
     d.finish_reason = "context";
   }

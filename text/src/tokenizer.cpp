@@ -5,6 +5,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hf_tokenizer.h"
+#include "utf8.h"
+
 namespace kdn::text {
 
 using nlohmann::json;
@@ -26,16 +29,7 @@ namespace {
 
 std::string Utf8(char32_t c) {
   std::string s;
-  if (c < 0x80) {
-    s.push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    s.push_back(static_cast<char>(0xC0 | (c >> 6)));
-    s.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else {
-    s.push_back(static_cast<char>(0xE0 | (c >> 12)));
-    s.push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    s.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  }
+  AppendUtf8(c, &s);
   return s;
 }
 
@@ -47,34 +41,6 @@ Result<json> ReadJson(const std::filesystem::path& path) {
   json j = json::parse(ss.str(), nullptr, false);
   if (j.is_discarded()) return InvalidArgument(path.string() + ": not valid JSON");
   return j;
-}
-
-// The largest token id taken: the id -> byte table is sized by the largest
-// id, so a file must not make it any size it likes (the largest
-// vocabularies in use are a few hundred thousand).
-constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
-
-// Whether `v` is a token id: an integer in [0, kMaxTokenId].
-bool IsTokenId(const json& v) {
-  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTokenId;
-}
-
-// The id of a special token given by its content in tokenizer_config.json
-// (a string, or an object with "content"), looked up in added_tokens
-// (whose ids Load has checked).
-int32_t SpecialId(const json& cfg, const char* key, const json& tok) {
-  if (!cfg.is_object() || !cfg.contains(key)) return -1;
-  const json& v = cfg.at(key);
-  std::string content;
-  if (v.is_string()) content = v.get<std::string>();
-  else if (v.is_object() && v.contains("content") && v.at("content").is_string()) content = v.at("content").get<std::string>();
-  else return -1;
-  if (tok.contains("added_tokens") && tok.at("added_tokens").is_array()) {
-    for (const json& a : tok.at("added_tokens")) {
-      if (a.value("content", std::string()) == content && a.contains("id")) return a.at("id").get<int32_t>();
-    }
-  }
-  return -1;
 }
 
 }  // namespace
@@ -93,77 +59,60 @@ std::vector<int32_t> ByteTokenizer::Encode(std::string_view text, bool add_bos) 
   return ids;
 }
 
-std::string ByteTokenizer::Decode(std::span<const int32_t> ids) const {
-  std::string s;
-  s.reserve(ids.size());
-  for (int32_t id : ids) {
-    if (id >= 0 && id < vocab_size_ && id_to_byte_[id] >= 0) s.push_back(static_cast<char>(id_to_byte_[id]));
+namespace {
+
+// A ByteLevel decoder over kdn's byte ids: bytes as lossy UTF-8, an
+// incomplete character held back.
+class ByteDecodeStream final : public DecodeStream {
+ public:
+  explicit ByteDecodeStream(const std::vector<int16_t>& id_to_byte) : id_to_byte_(id_to_byte) {}
+  std::string Next(int32_t id) override {
+    std::string out;
+    if (id < 0 || static_cast<size_t>(id) >= id_to_byte_.size() || id_to_byte_[id] < 0) return out;
+    pending_.push_back(static_cast<char>(id_to_byte_[id]));
+    pending_.erase(0, AppendUtf8Lossy(pending_, /*final=*/false, &out));
+    return out;
   }
+  std::string Finish() override {
+    std::string out;
+    AppendUtf8Lossy(pending_, /*final=*/true, &out);
+    pending_.clear();
+    return out;
+  }
+
+ private:
+  const std::vector<int16_t>& id_to_byte_;
+  std::string pending_;
+};
+
+}  // namespace
+
+std::unique_ptr<DecodeStream> ByteTokenizer::NewDecodeStream() const {
+  return std::make_unique<ByteDecodeStream>(id_to_byte_);
+}
+
+std::string Tokenizer::Decode(std::span<const int32_t> ids) const {
+  auto stream = NewDecodeStream();
+  std::string s;
+  s.reserve(ids.size() * 4);
+  for (int32_t id : ids) s += stream->Next(id);
+  s += stream->Finish();
   return s;
 }
 
 Result<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::filesystem::path& dir) {
   const auto path = dir / "tokenizer.json";
   KDN_ASSIGN_OR_RETURN(json tok, ReadJson(path));
-  // Fields are read with at(), never const operator[] (undefined behaviour
-  // for a missing key): a file without them is malformed, not a crash.
+  json config;  // null when there is none
+  if (std::filesystem::exists(dir / "tokenizer_config.json")) {
+    KDN_ASSIGN_OR_RETURN(config, ReadJson(dir / "tokenizer_config.json"));
+  }
+  // Fields are read with at() after contains(), never const operator[]
+  // (undefined behaviour for a missing key); what nlohmann still throws
+  // (a number out of range) becomes InvalidArgument here.
   try {
-    if (!tok.is_object()) return InvalidArgument(path.string() + ": not a JSON object");
-    const json& model = tok.at("model");
-    const bool byte_level = tok.contains("pre_tokenizer") && tok.at("pre_tokenizer").is_object() &&
-                            tok.at("pre_tokenizer").value("type", "") == "ByteLevel";
-    if (!model.is_object() || model.value("type", "") != "BPE" || !byte_level ||
-        !model.at("merges").empty()) {
-      return Unimplemented(path.string() +
-                           ": only byte-level tokenizers (BPE without merges over the ByteLevel "
-                           "alphabet) are supported so far");
-    }
-    const json& vocab = model.at("vocab");
-    if (!vocab.is_object()) return InvalidArgument(path.string() + ": model.vocab is not an object");
-    auto bad_id = [&](const std::string& what) {
-      return InvalidArgument(path.string() + ": the id of " + what + " is not an integer in [0, " +
-                             std::to_string(kMaxTokenId) + "]");
-    };
-    std::vector<int32_t> byte_ids(256, -1);
-    int vocab_size = 0;
-    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-      if (!IsTokenId(*it)) return bad_id("token \"" + it.key() + "\"");
-      vocab_size = std::max(vocab_size, it->get<int>() + 1);
-    }
-    if (tok.contains("added_tokens")) {
-      for (const json& a : tok.at("added_tokens")) {
-        if (!a.is_object() || !a.contains("id") || !IsTokenId(a.at("id"))) return bad_id("an added token");
-        vocab_size = std::max(vocab_size, a.at("id").get<int>() + 1);
-      }
-    }
-    // Two bytes with one id could not be told apart by Decode.
-    std::vector<bool> taken(vocab_size, false);
-    for (int b = 0; b < 256; ++b) {
-      auto it = vocab.find(Utf8(ByteToUnicode(static_cast<uint8_t>(b))));
-      if (it == vocab.end()) {
-        return InvalidArgument(path.string() + ": byte " + std::to_string(b) + " has no token");
-      }
-      byte_ids[b] = it->get<int32_t>();
-      if (taken[byte_ids[b]]) {
-        return InvalidArgument(path.string() + ": byte " + std::to_string(b) + " has the id " +
-                               std::to_string(byte_ids[b]) + " of another byte");
-      }
-      taken[byte_ids[b]] = true;
-    }
-    int32_t bos = -1, eos = -1;
-    auto cfg = ReadJson(dir / "tokenizer_config.json");
-    if (cfg.ok()) {
-      bos = SpecialId(*cfg, "bos_token", tok);
-      eos = SpecialId(*cfg, "eos_token", tok);
-    }
-    // Decode leaves special tokens out: one with a byte's id would be shown.
-    for (const auto& [name, id] : {std::pair{"BOS", bos}, std::pair{"EOS", eos}}) {
-      if (id >= 0 && taken[id]) {
-        return InvalidArgument(path.string() + ": the " + name + " token has the id " +
-                               std::to_string(id) + " of a byte");
-      }
-    }
-    return std::unique_ptr<Tokenizer>(new ByteTokenizer(std::move(byte_ids), vocab_size, bos, eos));
+    KDN_ASSIGN_OR_RETURN(auto t, HfTokenizer::FromJson(tok, config, path.string()));
+    return std::unique_ptr<Tokenizer>(std::move(t));
   } catch (const json::exception& e) {
     return InvalidArgument(path.string() + ": malformed: " + e.what());
   }

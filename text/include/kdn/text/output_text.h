@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -45,9 +46,12 @@ class OutputText {
 
  private:
   // Constant after construction.
-  const Tokenizer& tokenizer_;
   StopRules rules_;
 
+  // The generated tokens decoded as one sequence, so that the text shown in
+  // pieces is Tokenizer::Decode of them all (the leading-space strip of
+  // sentencepiece decoders applies to the first generated token only).
+  std::unique_ptr<DecodeStream> stream_;
   std::vector<int32_t> tokens_;  // generated
   std::string text_;             // decoded generated text, cut at a stop string
   size_t shown_ = 0;             // bytes of text_ already shown

@@ -1,11 +1,17 @@
 #pragma once
-// Tokenizer interface and its byte-level implementation.
+// Tokenizer interface, its loader, and kdn's byte-level tokenizer.
 //
-// The byte-level tokenizer is what kdn's generated and trained models use: one
-// token per byte, plus special tokens, described by a Hugging Face
-// tokenizer.json (a BPE model with no merges over the 256 byte symbols of the
-// ByteLevel pre-tokenizer), so Hugging Face `tokenizers` produces the same ids.
-// Thread-safe after construction.
+// Tokenizer::Load reads a Hugging Face tokenizer.json and gives the ids that
+// Hugging Face `tokenizers` gives for it: BPE models with merges over the
+// ByteLevel alphabet (GPT-2, Llama 3, Qwen2: the ByteLevel or Split regex
+// pre-tokenizers) and sentencepiece-style BPE (Llama 2, Mistral: Metaspace or
+// the Prepend/Replace normalizers, byte fallback, unk), added tokens with
+// their flags, the NFC/NFD/NFKC/NFKD, Prepend and Replace normalizers, and
+// the decoders those files use (docs/serving.md, "Tokenizers"). kdn's own
+// generated models use a byte-level tokenizer.json (ByteTokenizerJson: one
+// token per byte, no merges), which loads the same way.
+//
+// Thread-safe after construction; a DecodeStream is one sequence's.
 
 #include <cstdint>
 #include <filesystem>
@@ -19,18 +25,45 @@
 
 namespace kdn::text {
 
+// Decodes one sequence a token at a time. The text it gives, all pieces
+// and Finish() together, is exactly Tokenizer::Decode of the whole
+// sequence: a token that ends inside a UTF-8 character, inside a run of
+// byte-fallback tokens, or with characters the decoder may strip at the
+// end, has that text held back until what follows settles it (it never
+// shows as U+FFFD unless the whole sequence decodes to one there). The
+// sentencepiece decoders' leading-space strip applies to the first token of
+// the sequence only. Not thread-safe; the tokenizer must outlive it.
+class DecodeStream {
+ public:
+  virtual ~DecodeStream() = default;
+  // The text that `id`, the next token of the sequence, makes final (often
+  // empty for a byte of a longer character). Special tokens give none.
+  virtual std::string Next(int32_t id) = 0;
+  // The end of the sequence: the text held back, as Decode shows it.
+  virtual std::string Finish() = 0;
+};
+
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
+  // The ids of `text` (any bytes; invalid UTF-8 is encoded as bytes that
+  // are no character). With `add_bos`, the special tokens the tokenizer puts
+  // around a text: those of its TemplateProcessing post-processor (Llama 2 and
+  // 3: the BOS), or without one the BOS when tokenizer_config.json's
+  // add_bos_token is true (kdn's byte-level models); none for GPT-2 or Qwen2.
   virtual std::vector<int32_t> Encode(std::string_view text, bool add_bos) const = 0;
-  // Special tokens are left out of the text.
-  virtual std::string Decode(std::span<const int32_t> ids) const = 0;
+  // The text of `ids`, as Hugging Face `tokenizers` decodes them with
+  // skip_special_tokens: special tokens and ids outside the vocabulary are
+  // left out; always valid UTF-8. One DecodeStream run over the ids.
+  std::string Decode(std::span<const int32_t> ids) const;
+  virtual std::unique_ptr<DecodeStream> NewDecodeStream() const = 0;
   virtual int vocab_size() const = 0;
   virtual int32_t bos_id() const = 0;  // -1 when the model has none
-  virtual int32_t eos_id() const = 0;
+  virtual int32_t eos_id() const = 0;  // -1 when the model has none
 
-  // Loads DIR/tokenizer.json (and tokenizer_config.json for bos/eos). A
-  // tokenizer.json that is not byte-level is refused as Unimplemented.
+  // Loads DIR/tokenizer.json (and DIR/tokenizer_config.json for bos, eos and
+  // add_bos_token, when present). InvalidArgument names the malformed field;
+  // Unimplemented names a component type not supported.
   static Result<std::unique_ptr<Tokenizer>> Load(const std::filesystem::path& dir);
 };
 
@@ -38,12 +71,15 @@ class Tokenizer {
 // pre-tokenizer uses for each byte value.
 char32_t ByteToUnicode(uint8_t b);
 
+// A byte-level tokenizer built in code (tests, tools): byte b is id
+// byte_ids[b], and Decode is that of a ByteLevel decoder (bytes, shown as
+// lossy UTF-8). Encode adds `bos` when asked and it is not -1.
 class ByteTokenizer final : public Tokenizer {
  public:
   // byte_ids[b] is the id of byte b; specials are named ids outside that.
   ByteTokenizer(std::vector<int32_t> byte_ids, int vocab_size, int32_t bos, int32_t eos);
   std::vector<int32_t> Encode(std::string_view text, bool add_bos) const override;
-  std::string Decode(std::span<const int32_t> ids) const override;
+  std::unique_ptr<DecodeStream> NewDecodeStream() const override;
   int vocab_size() const override { return vocab_size_; }
   int32_t bos_id() const override { return bos_; }
   int32_t eos_id() const override { return eos_; }
