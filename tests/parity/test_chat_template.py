@@ -214,6 +214,9 @@ SNIPPETS = [
     "{{ [1, 2] + [3] }} {{ 'ab' * 3 }} {{ [0] * 2 }} {{ -l[0] }} {{ +f }} {{ 10 - 2 * 3 }} {{ (10 - 2) * 3 }} {{ 2 ** 3 ** 2 }}",
     "{{ \"it's\" }} {{ 'say \"hi\"' }} {{ 'a' 'b' }} {{ '\\u00e9\\x41\\t|' }} {{ [\"it's\", 'x\\ny'] }}",
     "{{ 'a' + 'b'|upper }}{{ l|length + 1 }}{{ -f|abs }}",
+    # Filters and tests some environments lack, used where jinja2 allows it.
+    "{% if false %}{{ x|from_json }}{{ 1 is bogus }}{% endif %}{{ x|from_json if false else 1 }}",
+    "{{ n|selectattr('a')|list }}{{ n|map(attribute='a')|list }}{{ 0|select|list }}",
 ]
 # Whitespace control: trim_blocks and lstrip_blocks as transformers sets
 # them, and the - and + markers.
@@ -242,6 +245,7 @@ ERROR_SNIPPETS = [
     "{{ '{} {0}'.format(1) }}",
     "{{ -x|default(1) }}",  # the filter takes -x, which fails
     "{{ -l|length }}",
+    "{% if true %}{{ 1|from_json }}{% endif %}",
 ]
 
 

@@ -116,6 +116,12 @@ TEST(Jinja, ParseErrorsNameTheFileAndLine) {
   t = Template::Parse("\n\n{{ 1 |nofilter }}", "t.jinja");
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().message(), "t.jinja, line 3: No filter named 'nofilter'.");
+  // Inside an `if` an unknown filter fails only when applied, as in jinja2,
+  // but not in a loop's body there.
+  EXPECT_TRUE(Template::Parse("{% if x %}{{ x|from_json }}{% endif %}", "t.jinja").ok());
+  t = Template::Parse("{% if x %}{% for i in x %}\n{{ i|from_json }}{% endfor %}{% endif %}", "t.jinja");
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().message(), "t.jinja, line 2: No filter named 'from_json'.");
   t = Template::Parse("{% endfor %}", "t.jinja");
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().message(), "t.jinja, line 1: Encountered unknown tag 'endfor'.");

@@ -4,6 +4,7 @@
 // jinja2 (3.1) or Python original, checked against them in
 // tests/parity/test_chat_template.py.
 #include <algorithm>
+#include <charconv>
 #include <ctime>
 #include <set>
 
@@ -111,8 +112,11 @@ std::string Format(const std::string& fmt, const Args& args, const Kwargs& kwarg
       v = args[auto_index++];
     } else if (std::isdigit(static_cast<unsigned char>(field[0]))) {
       manual = true;
-      const size_t k = std::stoul(field);
-      if (k >= args.size()) Fail("Replacement index " + field + " out of range");
+      size_t k = 0;
+      const auto [end, ec] = std::from_chars(field.data(), field.data() + field.size(), k);
+      if (ec != std::errc() || end != field.data() + field.size() || k >= args.size()) {
+        Fail("Replacement index " + field + " out of range");
+      }
       v = args[k];
     } else {
       v = Arg({}, kwargs, 0, field.c_str(), Value::Undefined("'" + field + "'"));

@@ -62,7 +62,7 @@ Renderer::Flow Renderer::Exec(const Body& body) {
 }
 
 Renderer::Flow Renderer::ExecStmt(const Stmt& s) {
-  line = s.line;
+  line_ = s.line;
   switch (s.kind) {
     case Stmt::Kind::kText: *out_ += s.text; break;
     case Stmt::Kind::kOutput: *out_ += Eval(*s.expr).ToString(); break;
@@ -158,7 +158,7 @@ Renderer::Flow Renderer::ExecFor(const Stmt& s) {
     };
     loop.object().Set("cycle", Value::Callable(std::move(cycle)));
     Assign("loop", std::move(loop));
-    line = s.line;
+    line_ = s.line;
     if (Exec(s.body) == Flow::kBreak) break;
   }
   if (n == 0) Exec(s.else_body);
@@ -194,7 +194,7 @@ void Renderer::EvalArgs(const Expr& e, size_t first, Args* args, Kwargs* kwargs)
 }
 
 Value Renderer::Eval(const Expr& e) {
-  line = e.line;
+  line_ = e.line;
   switch (e.kind) {
     case Expr::Kind::kLiteral: return e.literal;
     case Expr::Kind::kName: return Lookup(e.name);
@@ -215,20 +215,20 @@ Value Renderer::Eval(const Expr& e) {
     }
     case Expr::Kind::kGetAttr: {
       Value obj = Eval(*e.args[0]);
-      line = e.line;
+      line_ = e.line;
       return GetAttr(obj, e.name);
     }
     case Expr::Kind::kGetItem: {
       Value obj = Eval(*e.args[0]);
       Value key = Eval(*e.args[1]);
-      line = e.line;
+      line_ = e.line;
       return GetItem(obj, key);
     }
     case Expr::Kind::kSlice: {
       Value obj = Eval(*e.args[0]);
       Value bounds[3];
       for (int i = 0; i < 3; ++i) bounds[i] = e.args[i + 1] ? Eval(*e.args[i + 1]) : Value::None();
-      line = e.line;
+      line_ = e.line;
       return GetSlice(obj, bounds[0], bounds[1], bounds[2]);
     }
     case Expr::Kind::kCall: {
@@ -236,7 +236,7 @@ Value Renderer::Eval(const Expr& e) {
       Args args;
       Kwargs kwargs;
       EvalArgs(e, 1, &args, &kwargs);
-      line = e.line;
+      line_ = e.line;
       return Call(fn, args, kwargs);
     }
     case Expr::Kind::kFilter: {
@@ -244,7 +244,7 @@ Value Renderer::Eval(const Expr& e) {
       Args args;
       Kwargs kwargs;
       EvalArgs(e, 1, &args, &kwargs);
-      line = e.line;
+      line_ = e.line;
       return ApplyFilter(e.name, input, args, kwargs);
     }
     case Expr::Kind::kTest: {
@@ -252,7 +252,7 @@ Value Renderer::Eval(const Expr& e) {
       Args args;
       Kwargs unused;
       EvalArgs(e, 1, &args, &unused);
-      line = e.line;
+      line_ = e.line;
       return ApplyTest(e.name, input, args) != e.negated;
     }
     case Expr::Kind::kUnary: {
@@ -267,7 +267,7 @@ Value Renderer::Eval(const Expr& e) {
     case Expr::Kind::kBinary: {
       Value a = Eval(*e.args[0]);
       Value b = Eval(*e.args[1]);
-      line = e.line;
+      line_ = e.line;
       return Arithmetic(e.name, a, b);
     }
     case Expr::Kind::kAnd: {
@@ -282,7 +282,7 @@ Value Renderer::Eval(const Expr& e) {
       Value left = Eval(*e.args[0]);
       for (size_t i = 0; i < e.ops.size(); ++i) {
         Value right = Eval(*e.args[i + 1]);
-        line = e.line;
+        line_ = e.line;
         const std::string& op = e.ops[i];
         const bool ok = op == "in" ? Contains(right, left) : op == "notin" ? !Contains(right, left)
                                                                             : Compare(op, left, right);
@@ -318,7 +318,7 @@ Value Renderer::CallMacro(const Stmt& macro, Args& args, Kwargs& kwargs) {
   }
   if (depth_ >= kMaxMacroDepth) Fail("macro calls nested over " + std::to_string(kMaxMacroDepth) + " deep");
   const size_t saved_base = scope_base_;
-  const int saved_line = line;
+  const int saved_line = line_;
   ++depth_;
   frames_.push_back(std::make_unique<Frame>());
   scope_base_ = frames_.size() - 1;
@@ -340,7 +340,7 @@ Value Renderer::CallMacro(const Stmt& macro, Args& args, Kwargs& kwargs) {
   frames_.pop_back();
   scope_base_ = saved_base;
   --depth_;
-  line = saved_line;
+  line_ = saved_line;
   return Value(std::move(out));
 }
 
@@ -360,6 +360,8 @@ Result<Template> Template::Parse(std::string_view source, std::string name) {
     return Template(ParseTemplate(source), name);
   } catch (const TemplateError& e) {
     return ToStatus(e, name, 0);
+  } catch (const std::exception& e) {  // bad_alloc, or a bug: never past the library
+    return Internal(name + ": " + e.what());
   }
 }
 
@@ -368,7 +370,9 @@ Result<std::string> Template::Render(const Variables& variables) const {
   try {
     return r.Render(*body_, variables);
   } catch (const TemplateError& e) {
-    return ToStatus(e, name_, r.line);
+    return ToStatus(e, name_, r.line());
+  } catch (const std::exception& e) {
+    return Internal(name_ + ", line " + std::to_string(r.line()) + ": " + e.what());
   }
 }
 

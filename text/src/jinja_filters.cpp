@@ -51,6 +51,7 @@ Value SelectOrReject(Renderer& r, const Value& in, Args& args, bool with_attr, b
   if (i < args.size()) test = StringArg(args[i++], "the test");
   Args test_args(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
   std::vector<Value> out;
+  if (!in.Truthy()) return Value::Array({});  // jinja2 selects nothing from none
   for (const Value& item : Iterate(in)) {
     const Value v = with_attr ? AttrPath(item, attr) : item;
     Args a = test_args;
@@ -220,6 +221,7 @@ KDN_FILTER(FList) { (void)r, (void)a, (void)k; return Value::Array(Iterate(in));
 KDN_FILTER(FLower) { (void)r, (void)a, (void)k; return MapCase(in.ToString(), ToLower); }
 KDN_FILTER(FMap) {
   std::vector<Value> out;
+  if (!in.Truthy()) return Value::Array({});  // jinja2 maps none to nothing
   if (a.empty()) {
     const Value attr = Arg(a, k, 99, "attribute");
     if (attr.is_undefined()) Fail("map needs a filter name or attribute=");
@@ -449,13 +451,13 @@ TestFn FindTest(std::string_view name) {
 
 Value Renderer::ApplyFilter(const std::string& name, const Value& input, Args& args, Kwargs& kwargs) {
   FilterFn f = FindFilter(name);
-  if (f == nullptr) Fail("No filter named '" + name + "'.");
+  if (f == nullptr) Fail("No filter named '" + name + "' found.");  // one the parser let pass
   return f(*this, input, args, kwargs);
 }
 
 bool Renderer::ApplyTest(const std::string& name, const Value& input, Args& args) {
   TestFn t = FindTest(name);
-  if (t == nullptr) Fail("No test named '" + name + "'.");
+  if (t == nullptr) Fail("No test named '" + name + "' found.");
   return t(*this, input, args);
 }
 

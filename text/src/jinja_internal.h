@@ -167,6 +167,8 @@ Value Arg(const Args& args, const Kwargs& kwargs, size_t index, const char* name
 const std::string& StringArg(const Value& v, const char* what);
 int64_t IntArg(const Value& v, const char* what);
 
+// One render of a template: its output, its scopes, where it is. One per
+// Template::Render call; not thread-safe.
 class Renderer {
  public:
   // Calls a function value (a macro, a global, a method).
@@ -177,6 +179,8 @@ class Renderer {
   bool ApplyTest(const std::string& name, const Value& input, Args& args);
 
   std::string Render(const Body& body, const Variables& variables);
+  // The line of what is being evaluated, for errors.
+  int line() const { return line_; }
 
  private:
   enum class Flow { kNormal, kBreak, kContinue };
@@ -197,8 +201,7 @@ class Renderer {
   size_t scope_base_ = 0;  // a macro sees frames_[0] and frames_[scope_base_..]
   int depth_ = 0;          // macro calls in progress
   Value block_input_;      // what a filter block or `set` block captured
- public:
-  int line = 0;            // of what is being evaluated, for errors
+  int line_ = 0;
 };
 
 // --- Python's strings --------------------------------------------------------

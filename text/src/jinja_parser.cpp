@@ -100,6 +100,7 @@ class Parser {
         auto s = NewStmt(Stmt::Kind::kOutput, Next().line);
         s->expr = ParseTuple(true, false);
         ExpectEnd(Tok::kVarEnd);
+        FailUnknown();
         body.stmts.push_back(std::move(s));
       } else if (t.kind == Tok::kBlockBegin) {
         Next();
@@ -109,10 +110,33 @@ class Parser {
           return body;
         }
         body.stmts.push_back(ParseStatement());
+        FailUnknown();
       } else {
         Fail("unexpected '" + Describe(t) + "'", t.line);
       }
     }
+  }
+
+  // The body of a block with a scope of its own (for, macro, set, filter):
+  // not soft, even inside an `if`, as in jinja2.
+  Body Inner(const std::set<std::string>& ends, std::string* end, const std::string& opener,
+             int opener_line) {
+    const bool soft = soft_;
+    soft_ = false;
+    Body body = ParseBody(ends, end, opener, opener_line);
+    soft_ = soft;
+    return body;
+  }
+
+  // A filter or test that does not exist: an error when the statement is
+  // parsed, unless it is inside an `if` or a conditional expression, where
+  // jinja2 lets a template use one that only some environments define and
+  // fails only if it is applied.
+  void Unknown(std::string message, int line) {
+    if (!soft_) unknown_.emplace_back(std::move(message), line);
+  }
+  void FailUnknown() {
+    if (!unknown_.empty()) Fail(unknown_[0].first, unknown_[0].second);
   }
 
   std::unique_ptr<Stmt> NewStmt(Stmt::Kind kind, int line) {
@@ -128,6 +152,8 @@ class Parser {
     const std::string name = tag.text;
     std::string end;
     if (name == "if") {
+      const bool soft = soft_;
+      soft_ = true;
       auto s = NewStmt(Stmt::Kind::kIf, line);
       ExprPtr cond = ParseTuple(false, false);
       for (;;) {
@@ -143,6 +169,7 @@ class Parser {
         cond = ParseTuple(false, false);
       }
       ExpectEnd(Tok::kBlockEnd);
+      soft_ = soft;
       return s;
     }
     if (name == "for") {
@@ -156,11 +183,11 @@ class Parser {
       if (IsName("recursive")) FailUnsupported("recursive for loops are not supported", line);
       ExpectEnd(Tok::kBlockEnd);
       ++loops_;
-      s->body = ParseBody({"else", "endfor"}, &end, "for", line);
+      s->body = Inner({"else", "endfor"}, &end, "for", line);
       --loops_;
       if (end == "else") {
         ExpectEnd(Tok::kBlockEnd);
-        s->else_body = ParseBody({"endfor"}, &end, "for", line);
+        s->else_body = Inner({"endfor"}, &end, "for", line);
       }
       ExpectEnd(Tok::kBlockEnd);
       return s;
@@ -182,7 +209,7 @@ class Parser {
       s->kind = Stmt::Kind::kSetBlock;
       if (IsOp("|")) s->expr = ParseFilterExpr(nullptr);
       ExpectEnd(Tok::kBlockEnd);
-      s->body = ParseBody({"endset"}, &end, "set", line);
+      s->body = Inner({"endset"}, &end, "set", line);
       ExpectEnd(Tok::kBlockEnd);
       return s;
     }
@@ -201,7 +228,7 @@ class Parser {
       ExpectEnd(Tok::kBlockEnd);
       const int loops = loops_;
       loops_ = 0;  // a loop outside a macro is not one its body can leave
-      s->body = ParseBody({"endmacro"}, &end, "macro", line);
+      s->body = Inner({"endmacro"}, &end, "macro", line);
       loops_ = loops;
       ExpectEnd(Tok::kBlockEnd);
       return s;
@@ -214,7 +241,7 @@ class Parser {
     if (name == "generation") {
       auto s = NewStmt(Stmt::Kind::kScope, line);
       ExpectEnd(Tok::kBlockEnd);
-      s->body = ParseBody({"endgeneration"}, &end, "generation", line);
+      s->body = Inner({"endgeneration"}, &end, "generation", line);
       ExpectEnd(Tok::kBlockEnd);
       return s;
     }
@@ -223,7 +250,7 @@ class Parser {
       s->expr = ParseFilter(nullptr);
       s->expr = ParseFilterExpr(std::move(s->expr));
       ExpectEnd(Tok::kBlockEnd);
-      s->body = ParseBody({"endfilter"}, &end, "filter", line);
+      s->body = Inner({"endfilter"}, &end, "filter", line);
       ExpectEnd(Tok::kBlockEnd);
       return s;
     }
@@ -262,7 +289,13 @@ class Parser {
 
   ExprPtr ParseExpression(bool with_condexpr) {
     if (!with_condexpr) return ParseOr();
+    const size_t unknown = unknown_.size();
     ExprPtr e = ParseOr();
+    const bool soft = soft_;
+    if (IsName("if")) {
+      unknown_.resize(unknown);  // the whole conditional expression is soft
+      soft_ = true;
+    }
     while (IsName("if")) {
       const int line = Next().line;
       auto c = Node(Expr::Kind::kCond, line);
@@ -273,6 +306,7 @@ class Parser {
       c->args.push_back(std::move(other));
       e = std::move(c);
     }
+    soft_ = soft;
     return e;
   }
 
@@ -529,7 +563,7 @@ class Parser {
   ExprPtr ParseFilter(ExprPtr input) {
     auto e = Node(Expr::Kind::kFilter, Peek().line);
     e->name = DottedName();
-    if (FindFilter(e->name) == nullptr) Fail("No filter named '" + e->name + "'.", e->line);
+    if (FindFilter(e->name) == nullptr) Unknown("No filter named '" + e->name + "'.", e->line);
     e->args.push_back(std::move(input));
     if (IsOp("(")) ParseCallArgs(e.get());
     return e;
@@ -553,7 +587,7 @@ class Parser {
     auto e = Node(Expr::Kind::kTest, Next().line);
     e->negated = SkipName("not");
     e->name = DottedName();
-    if (FindTest(e->name) == nullptr) Fail("No test named '" + e->name + "'.", e->line);
+    if (FindTest(e->name) == nullptr) Unknown("No test named '" + e->name + "'.", e->line);
     e->args.push_back(std::move(input));
     const Token& t = Peek();
     if (IsOp("(")) {
@@ -571,6 +605,8 @@ class Parser {
   std::vector<Token> t_;
   size_t i_ = 0;
   int loops_ = 0;  // for loops around what is being parsed (within one macro)
+  bool soft_ = false;  // inside an `if` or a conditional expression
+  std::vector<std::pair<std::string, int>> unknown_;  // filters and tests not soft
 };
 
 }  // namespace

@@ -12,8 +12,11 @@
 // nothing, are falsy and fail on attribute access as jinja2's default
 // Undefined does; integers are 64-bit (an overflow is an error). What is not
 // supported: template inheritance and includes, call blocks, `with`, `raw`,
-// autoescaping, Python's %-formatting of strings, and case mapping beyond
-// ASCII (upper, lower, title and capitalize leave other letters as they are).
+// recursive loops, autoescaping, dict keys other than strings, Python's
+// %-formatting of strings and format specs in str.format, and case mapping
+// beyond ASCII and Latin-1 (upper, lower, title and capitalize leave other
+// letters as they are). Lists print as Python prints them; dict.items() is a
+// list, not a dict_items view.
 //
 // A parsed Template is immutable; Render is const and thread-safe. Values are
 // not thread-safe: each render builds its own.
