@@ -24,7 +24,9 @@ using namespace kdn;
 
 namespace {
 
-json ErrorJson(const Status& s) { return {{"error", StatusCodeName(s.code())}, {"message", s.message()}}; }
+json ErrorJson(const Status& s) {
+  return {{"error", StatusCodeName(s.code())}, {"message", s.message()}};
+}
 
 std::optional<std::string> OptionalString(const json& c, const char* key) {
   if (!c.contains(key) || c[key].is_null()) return std::nullopt;
@@ -59,10 +61,12 @@ json RenderCase(const json& c) {
 }  // namespace
 
 int main() {
-  const std::string input((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  const std::string input((std::istreambuf_iterator<char>(std::cin)),
+                          std::istreambuf_iterator<char>());
   const json cases = json::parse(input);
   json results = json::array();
   for (const json& c : cases) results.push_back(RenderCase(c));
-  std::cout << results.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace) << "\n";
+  std::cout << results.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace)
+            << "\n";
   return 0;
 }

@@ -46,7 +46,8 @@ Result<ChatTemplate> ChatTemplate::FromSource(std::string_view source, std::stri
   return c;
 }
 
-Result<ChatTemplate> ChatTemplate::Load(const std::filesystem::path& dir, model::Architecture arch) {
+Result<ChatTemplate> ChatTemplate::Load(const std::filesystem::path& dir,
+                                        model::Architecture arch) {
   nlohmann::json config = nlohmann::json::object();
   const auto config_path = dir / "tokenizer_config.json";
   if (std::filesystem::exists(config_path)) {
@@ -67,8 +68,8 @@ Result<ChatTemplate> ChatTemplate::Load(const std::filesystem::path& dir, model:
       // Named templates (transformers uses "default" when no tools are given).
       bool found = false;
       for (const auto& t : *it) {
-        if (t.is_object() && t.value("name", nlohmann::json()) == "default" && t.contains("template") &&
-            t["template"].is_string()) {
+        if (t.is_object() && t.value("name", nlohmann::json()) == "default" &&
+            t.contains("template") && t["template"].is_string()) {
           source = t["template"].get<std::string>();
           found = true;
         }
@@ -82,8 +83,8 @@ Result<ChatTemplate> ChatTemplate::Load(const std::filesystem::path& dir, model:
   }
   // Every special token transformers passes (its special_tokens_map), though
   // templates use bos_token and eos_token only.
-  KDN_ASSIGN_OR_RETURN(ChatTemplate c,
-                       FromSource(source, name, TokenText(config, "bos_token"), TokenText(config, "eos_token")));
+  KDN_ASSIGN_OR_RETURN(ChatTemplate c, FromSource(source, name, TokenText(config, "bos_token"),
+                                                  TokenText(config, "eos_token")));
   for (const char* key : {"unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
     if (auto t = TokenText(config, key)) c.tokens_.emplace_back(key, *t);
   }
@@ -97,7 +98,8 @@ ChatTemplate ChatTemplate::BuiltIn(model::Architecture arch) {
   return c;
 }
 
-Result<ChatPrompt> ChatTemplate::Render(const ChatMessages& messages, bool add_generation_prompt) const {
+Result<ChatPrompt> ChatTemplate::Render(const ChatMessages& messages,
+                                        bool add_generation_prompt) const {
   if (jinja_ == nullptr) return RenderChat(arch_, messages, add_generation_prompt);
   std::vector<jinja::Value> list;
   list.reserve(messages.size());
@@ -115,7 +117,8 @@ Result<ChatPrompt> ChatTemplate::Render(const ChatMessages& messages, bool add_g
   return ChatPrompt{std::move(text), eos_token_, /*add_bos=*/false};
 }
 
-ChatPrompt RenderChat(model::Architecture arch, const ChatMessages& messages, bool add_generation_prompt) {
+ChatPrompt RenderChat(model::Architecture arch, const ChatMessages& messages,
+                      bool add_generation_prompt) {
   ChatPrompt p;
   switch (arch) {
     case model::Architecture::kQwen2:

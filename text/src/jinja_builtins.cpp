@@ -59,7 +59,9 @@ Value NoElement(const Value& obj, const Value& key) {
 Value Bind(std::string name, std::function<Value(Args&, Kwargs&)> fn) {
   auto f = std::make_shared<Function>();
   f->name = std::move(name);
-  f->call = [fn = std::move(fn)](Renderer&, Args& args, Kwargs& kwargs) { return fn(args, kwargs); };
+  f->call = [fn = std::move(fn)](Renderer&, Args& args, Kwargs& kwargs) {
+    return fn(args, kwargs);
+  };
   return Value::Callable(std::move(f));
 }
 
@@ -74,9 +76,11 @@ std::string Format(const std::string& fmt, const Args& args, const Kwargs& kwarg
   bool manual = false;
   for (size_t i = 0; i < fmt.size(); ++i) {
     const char c = fmt[i];
-    if (c == '}' ) {
-      if (i + 1 < fmt.size() && fmt[i + 1] == '}') ++i;
-      else Fail("Single '}' encountered in format string");
+    if (c == '}') {
+      if (i + 1 < fmt.size() && fmt[i + 1] == '}')
+        ++i;
+      else
+        Fail("Single '}' encountered in format string");
       out += '}';
       continue;
     }
@@ -103,12 +107,14 @@ std::string Format(const std::string& fmt, const Args& args, const Kwargs& kwarg
       FailUnsupported("str.format with format specs or attribute access is not supported");
     }
     Value v;
-    if (field.empty() ? manual : auto_index > 0 && std::isdigit(static_cast<unsigned char>(field[0]))) {
+    if (field.empty() ? manual
+                      : auto_index > 0 && std::isdigit(static_cast<unsigned char>(field[0]))) {
       // The sandbox formats with string.Formatter, which says this either way.
       Fail("cannot switch from manual field specification to automatic field numbering");
     }
     if (field.empty()) {
-      if (auto_index >= args.size()) Fail("Replacement index " + std::to_string(auto_index) + " out of range");
+      if (auto_index >= args.size())
+        Fail("Replacement index " + std::to_string(auto_index) + " out of range");
       v = args[auto_index++];
     } else if (std::isdigit(static_cast<unsigned char>(field[0]))) {
       manual = true;
@@ -129,9 +135,10 @@ std::string Format(const std::string& fmt, const Args& args, const Kwargs& kwarg
 
 Value StringMethod(const std::string& self, const std::string& name) {
   static const std::set<std::string> kMethods = {
-      "strip", "lstrip", "rstrip", "startswith", "endswith", "split", "rsplit", "splitlines",
-      "replace", "upper", "lower", "title", "capitalize", "find", "rfind", "count", "format",
-      "join", "isdigit", "isalpha", "isalnum", "isspace", "islower", "isupper"};
+      "strip",      "lstrip",     "rstrip",  "startswith", "endswith", "split",
+      "rsplit",     "splitlines", "replace", "upper",      "lower",    "title",
+      "capitalize", "find",       "rfind",   "count",      "format",   "join",
+      "isdigit",    "isalpha",    "isalnum", "isspace",    "islower",  "isupper"};
   if (!kMethods.count(name)) return Value();
   return Bind(name, [self, name](Args& a, Kwargs& k) -> Value {
     if (name == "strip" || name == "lstrip" || name == "rstrip") {
@@ -145,7 +152,8 @@ Value StringMethod(const std::string& self, const std::string& name) {
       for (const Value& o : options) {
         const std::string& x = StringArg(o, name.c_str());
         if (name == "startswith" ? self.compare(0, x.size(), x) == 0 && self.size() >= x.size()
-                                 : self.size() >= x.size() && self.compare(self.size() - x.size(), x.size(), x) == 0) {
+                                 : self.size() >= x.size() &&
+                                       self.compare(self.size() - x.size(), x.size(), x) == 0) {
           return true;
         }
       }
@@ -153,7 +161,8 @@ Value StringMethod(const std::string& self, const std::string& name) {
     }
     if (name == "split" || name == "rsplit") {
       return Value::Array(Split(self, Arg(a, k, 0, "sep", Value::None()),
-                                IntArg(Arg(a, k, 1, "maxsplit", Value(-1)), "maxsplit"), name == "rsplit"));
+                                IntArg(Arg(a, k, 1, "maxsplit", Value(-1)), "maxsplit"),
+                                name == "rsplit"));
     }
     if (name == "splitlines") {
       std::vector<Value> out;
@@ -179,7 +188,9 @@ Value StringMethod(const std::string& self, const std::string& name) {
       const std::string& sub = StringArg(Arg(a, k, 0, "sub"), "count");
       if (sub.empty()) return Value(static_cast<int64_t>(DecodeUtf8(self).size()) + 1);
       int64_t n = 0;
-      for (size_t at = self.find(sub); at != std::string::npos; at = self.find(sub, at + sub.size())) ++n;
+      for (size_t at = self.find(sub); at != std::string::npos;
+           at = self.find(sub, at + sub.size()))
+        ++n;
       return Value(n);
     }
     if (name == "format") return Format(self, a, k);
@@ -197,7 +208,8 @@ Value StringMethod(const std::string& self, const std::string& name) {
     auto all = [&](auto pred) { return std::all_of(u.begin(), u.end(), pred); };
     if (name == "isdigit") return all([](char32_t c) { return c >= '0' && c <= '9'; });
     if (name == "isalpha") return all([](char32_t c) { return IsCased(c); });
-    if (name == "isalnum") return all([](char32_t c) { return IsCased(c) || (c >= '0' && c <= '9'); });
+    if (name == "isalnum")
+      return all([](char32_t c) { return IsCased(c) || (c >= '0' && c <= '9'); });
     if (name == "isspace") return all(IsPySpace);
     const bool any_cased = std::any_of(u.begin(), u.end(), IsCased);
     if (name == "islower") return any_cased && std::none_of(u.begin(), u.end(), IsUpper);
@@ -257,7 +269,8 @@ Value GetItem(const Value& obj, const Value& key) {
       if (key.is_integral()) {
         const bool is_str = obj.is_string();
         const std::u32string u = is_str ? DecodeUtf8(obj.str()) : std::u32string();
-        const int64_t n = is_str ? static_cast<int64_t>(u.size()) : static_cast<int64_t>(obj.items().size());
+        const int64_t n =
+            is_str ? static_cast<int64_t>(u.size()) : static_cast<int64_t>(obj.items().size());
         int64_t i = key.int_value();
         if (i < 0) i += n;
         if (i < 0 || i >= n) break;
@@ -275,13 +288,16 @@ Value GetSlice(const Value& obj, const Value& start_v, const Value& stop_v, cons
   if (obj.is_undefined()) FailUndefined(obj);
   // jinja2 compiles a slice to Python's own subscript: no undefined fallback.
   for (const Value* b : {&start_v, &stop_v, &step_v}) {
-    if (!b->is_none() && !b->is_integral()) Fail("slice indices must be integers or None or have an __index__ method");
+    if (!b->is_none() && !b->is_integral())
+      Fail("slice indices must be integers or None or have an __index__ method");
   }
-  if (!obj.is_string() && !obj.is_array()) Fail(std::string("'") + obj.TypeName() + "' object is not subscriptable");
+  if (!obj.is_string() && !obj.is_array())
+    Fail(std::string("'") + obj.TypeName() + "' object is not subscriptable");
   const int64_t step = step_v.is_none() ? 1 : step_v.int_value();
   if (step == 0) Fail("slice step cannot be zero");
   const std::u32string u = obj.is_string() ? DecodeUtf8(obj.str()) : std::u32string();
-  const int64_t n = obj.is_string() ? static_cast<int64_t>(u.size()) : static_cast<int64_t>(obj.items().size());
+  const int64_t n =
+      obj.is_string() ? static_cast<int64_t>(u.size()) : static_cast<int64_t>(obj.items().size());
   const int64_t lower = step > 0 ? 0 : -1, upper = step > 0 ? n : n - 1;
   auto adjust = [&](const Value& v, int64_t def) {
     if (v.is_none()) return def;
@@ -310,14 +326,17 @@ namespace {
 // jinja2's sandbox refuses larger ranges (MAX_RANGE).
 constexpr int64_t kMaxRange = 100000;
 
-Value Global(const std::string& name, std::function<Value(Args&, Kwargs&)> fn) { return Bind(name, std::move(fn)); }
+Value Global(const std::string& name, std::function<Value(Args&, Kwargs&)> fn) {
+  return Bind(name, std::move(fn));
+}
 
 }  // namespace
 
 Value LookupGlobal(const std::string& name) {
   if (name == "raise_exception") {
     return Global(name, [](Args& a, Kwargs& k) -> Value {
-      throw TemplateError{StatusCode::kInvalidArgument, Arg(a, k, 0, "message").ToString(), 0, true};
+      throw TemplateError{StatusCode::kInvalidArgument, Arg(a, k, 0, "message").ToString(), 0,
+                          true};
     });
   }
   if (name == "namespace" || name == "dict") {
@@ -335,7 +354,8 @@ Value LookupGlobal(const std::string& name) {
   }
   if (name == "range") {
     return Global(name, [](Args& a, Kwargs&) -> Value {
-      if (a.empty() || a.size() > 3) Fail("range expected 1 to 3 arguments, got " + std::to_string(a.size()));
+      if (a.empty() || a.size() > 3)
+        Fail("range expected 1 to 3 arguments, got " + std::to_string(a.size()));
       int64_t start = 0, stop, step = 1;
       if (a.size() == 1) {
         stop = IntArg(a[0], "range()'s argument");
@@ -365,7 +385,8 @@ Value LookupGlobal(const std::string& name) {
       localtime_r(&now, &tm);
       char buf[256];
       const size_t n = std::strftime(buf, sizeof buf, fmt.c_str(), &tm);
-      if (n == 0 && !fmt.empty()) FailUnsupported("strftime_now's format gives over 255 bytes or nothing");
+      if (n == 0 && !fmt.empty())
+        FailUnsupported("strftime_now's format gives over 255 bytes or nothing");
       return std::string(buf, n);
     });
   }

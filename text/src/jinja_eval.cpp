@@ -42,7 +42,9 @@ Value Renderer::Lookup(const std::string& name) const {
   return Value::Undefined("'" + name + "' is undefined");
 }
 
-void Renderer::Assign(const std::string& name, Value v) { frames_.back()->vars[name] = std::move(v); }
+void Renderer::Assign(const std::string& name, Value v) {
+  frames_.back()->vars[name] = std::move(v);
+}
 
 std::string Renderer::Capture(const Body& body) {
   std::string captured;
@@ -86,7 +88,9 @@ Renderer::Flow Renderer::ExecStmt(const Stmt& s) {
       auto fn = std::make_shared<Function>();
       fn->name = s.text;
       const Stmt* macro = &s;  // the template outlives its renders
-      fn->call = [macro](Renderer& r, Args& args, Kwargs& kwargs) { return r.CallMacro(*macro, args, kwargs); };
+      fn->call = [macro](Renderer& r, Args& args, Kwargs& kwargs) {
+        return r.CallMacro(*macro, args, kwargs);
+      };
       Assign(s.text, Value::Callable(std::move(fn)));
       break;
     }
@@ -208,7 +212,8 @@ Value Renderer::Eval(const Expr& e) {
       Value d = Value::Object();
       for (size_t i = 0; i + 1 < e.args.size(); i += 2) {
         Value k = Eval(*e.args[i]);
-        if (!k.is_string()) FailUnsupported("dict keys other than strings are not supported", e.line);
+        if (!k.is_string())
+          FailUnsupported("dict keys other than strings are not supported", e.line);
         d.object().Set(k.str(), Eval(*e.args[i + 1]));
       }
       return d;
@@ -259,7 +264,8 @@ Value Renderer::Eval(const Expr& e) {
       Value v = Eval(*e.args[0]);
       if (e.name == "not") return !v.Truthy();
       if (v.is_undefined()) FailUndefined(v);
-      if (!v.is_number()) Fail("bad operand type for unary " + e.name + ": '" + v.TypeName() + "'", e.line);
+      if (!v.is_number())
+        Fail("bad operand type for unary " + e.name + ": '" + v.TypeName() + "'", e.line);
       if (e.name == "+") return v.kind() == Value::Kind::kFloat ? v : Value(v.int_value());
       if (v.kind() == Value::Kind::kFloat) return Value(-v.float_value());
       return Arithmetic("-", Value(0), v);
@@ -284,8 +290,9 @@ Value Renderer::Eval(const Expr& e) {
         Value right = Eval(*e.args[i + 1]);
         line_ = e.line;
         const std::string& op = e.ops[i];
-        const bool ok = op == "in" ? Contains(right, left) : op == "notin" ? !Contains(right, left)
-                                                                            : Compare(op, left, right);
+        const bool ok = op == "in"      ? Contains(right, left)
+                        : op == "notin" ? !Contains(right, left)
+                                        : Compare(op, left, right);
         if (!ok) return false;
         left = std::move(right);
       }
@@ -302,7 +309,8 @@ Value Renderer::Eval(const Expr& e) {
 
 Value Renderer::Call(const Value& fn, Args& args, Kwargs& kwargs) {
   if (fn.is_undefined()) FailUndefined(fn);
-  if (fn.kind() != Value::Kind::kFunction) Fail(std::string("'") + fn.TypeName() + "' object is not callable");
+  if (fn.kind() != Value::Kind::kFunction)
+    Fail(std::string("'") + fn.TypeName() + "' object is not callable");
   return fn.function()->call(*this, args, kwargs);
 }
 
@@ -316,7 +324,8 @@ Value Renderer::CallMacro(const Stmt& macro, Args& args, Kwargs& kwargs) {
     for (const auto& p : macro.params) known = known || p.first == k;
     if (!known) Fail("macro '" + macro.text + "' takes no keyword argument '" + k + "'");
   }
-  if (depth_ >= kMaxMacroDepth) Fail("macro calls nested over " + std::to_string(kMaxMacroDepth) + " deep");
+  if (depth_ >= kMaxMacroDepth)
+    Fail("macro calls nested over " + std::to_string(kMaxMacroDepth) + " deep");
   const size_t saved_base = scope_base_;
   const int saved_line = line_;
   ++depth_;
@@ -333,7 +342,8 @@ Value Renderer::CallMacro(const Stmt& macro, Args& args, Kwargs& kwargs) {
         given = true;
       }
     }
-    if (!given) v = def ? Eval(*def) : Value::Undefined("parameter '" + name + "' was not provided");
+    if (!given)
+      v = def ? Eval(*def) : Value::Undefined("parameter '" + name + "' was not provided");
     Assign(name, std::move(v));
   }
   std::string out = Capture(macro.body);
@@ -350,7 +360,8 @@ namespace {
 
 Status ToStatus(const TemplateError& e, const std::string& name, int line) {
   if (e.raised) return InvalidArgument(e.message);
-  return Status(e.code, name + ", line " + std::to_string(e.line ? e.line : line) + ": " + e.message);
+  return Status(e.code,
+                name + ", line " + std::to_string(e.line ? e.line : line) + ": " + e.message);
 }
 
 }  // namespace

@@ -19,9 +19,11 @@ Value AttrPath(const Value& item, const std::string& path) {
   size_t from = 0;
   for (;;) {
     const size_t dot = path.find('.', from);
-    const std::string part = path.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
+    const std::string part =
+        path.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
     int64_t index;
-    v = ParsePyInt(part, 10, &index) && !part.empty() && std::isdigit(static_cast<unsigned char>(part[0]))
+    v = ParsePyInt(part, 10, &index) && !part.empty() &&
+                std::isdigit(static_cast<unsigned char>(part[0]))
             ? GetItem(v, Value(index))
             : GetItem(v, Value(part));
     if (dot == std::string::npos) return v;
@@ -63,7 +65,9 @@ Value SelectOrReject(Renderer& r, const Value& in, Args& args, bool with_attr, b
 
 std::string Indent(const std::string& s, const Value& width, bool first, bool blank) {
   const std::string indention =
-      width.is_string() ? width.str() : std::string(static_cast<size_t>(std::max<int64_t>(0, IntArg(width, "width"))), ' ');
+      width.is_string()
+          ? width.str()
+          : std::string(static_cast<size_t>(std::max<int64_t>(0, IntArg(width, "width"))), ' ');
   // jinja2 appends a newline before splitting, so a trailing one is kept.
   std::vector<std::string> lines = SplitLines(s + "\n");
   std::string rv;
@@ -94,7 +98,8 @@ Value RoundValue(const Value& v, int64_t precision, const std::string& method) {
     if (v.is_integral()) return Value(v.int_value());  // round(int, n) stays an int
     // printf rounds the exact binary value half to even, as Python's round does.
     char buf[512];
-    if (precision < 0 || precision > 300) FailUnsupported("round with that precision is not supported");
+    if (precision < 0 || precision > 300)
+      FailUnsupported("round with that precision is not supported");
     std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(precision), v.float_value());
     double d = 0;
     ParsePyFloat(buf, &d);
@@ -144,55 +149,57 @@ std::string HtmlEscape(const std::string& s) {
   return out;
 }
 
-#define KDN_FILTER(name) Value name(Renderer& r, const Value& in, Args& a, Kwargs& k)
+// Each filter takes the renderer, the input and the call's arguments, whether
+// it uses them or not.
+#define KDN_FILTER(name)                                                     \
+  Value name([[maybe_unused]] Renderer& r, [[maybe_unused]] const Value& in, \
+             [[maybe_unused]] Args& a, [[maybe_unused]] Kwargs& k)
 
 KDN_FILTER(FAbs) {
-  (void)r, (void)a, (void)k;
   if (in.kind() == Value::Kind::kFloat) return Value(std::fabs(in.float_value()));
   if (in.is_integral()) return Arithmetic("*", in, Value(in.int_value() < 0 ? -1 : 1));
   if (in.is_undefined()) FailUndefined(in);
   Fail(std::string("bad operand type for abs(): '") + in.TypeName() + "'");
 }
-KDN_FILTER(FCapitalize) { (void)r, (void)a, (void)k; return Capitalize(in.ToString()); }
+KDN_FILTER(FCapitalize) { return Capitalize(in.ToString()); }
 KDN_FILTER(FDefault) {
-  (void)r;
   const Value def = Arg(a, k, 0, "default_value", Value(""));
   const bool boolean = Arg(a, k, 1, "boolean", Value(false)).Truthy();
   return in.is_undefined() || (boolean && !in.Truthy()) ? def : in;
 }
 KDN_FILTER(FDictsort) {
-  (void)r;
   if (in.is_undefined()) FailUndefined(in);
   if (!in.is_object()) Fail(std::string("'") + in.TypeName() + "' object has no attribute 'items'");
   const bool case_sensitive = Arg(a, k, 0, "case_sensitive", Value(false)).Truthy();
   const Value by = Arg(a, k, 1, "by", Value("key"));
   const bool reverse = Arg(a, k, 2, "reverse", Value(false)).Truthy();
-  if (!by.is_string() || (by.str() != "key" && by.str() != "value")) Fail("You can only sort by either 'key' or 'value'");
+  if (!by.is_string() || (by.str() != "key" && by.str() != "value"))
+    Fail("You can only sort by either 'key' or 'value'");
   const size_t pos = by.str() == "key" ? 0 : 1;
   std::vector<Value> items;
-  for (const auto& [key, v] : in.object().items) items.push_back(Value::Array({Value(key), v}, true));
-  SortValues(&items, [&](const Value& item) { return Lowered(item.items()[pos], case_sensitive); }, reverse);
+  for (const auto& [key, v] : in.object().items)
+    items.push_back(Value::Array({Value(key), v}, true));
+  SortValues(
+      &items, [&](const Value& item) { return Lowered(item.items()[pos], case_sensitive); },
+      reverse);
   return Value::Array(std::move(items));
 }
-KDN_FILTER(FEscape) { (void)r, (void)a, (void)k; return HtmlEscape(in.ToString()); }
+KDN_FILTER(FEscape) { return HtmlEscape(in.ToString()); }
 KDN_FILTER(FFirst) {
-  (void)r, (void)a, (void)k;
   const std::vector<Value> items = Iterate(in);
   return items.empty() ? Value::Undefined("No first item, sequence was empty.") : items.front();
 }
-KDN_FILTER(FFloat) { (void)r; return ToFloat(in, Arg(a, k, 0, "default", Value(0.0))); }
+KDN_FILTER(FFloat) { return ToFloat(in, Arg(a, k, 0, "default", Value(0.0))); }
 KDN_FILTER(FIndent) {
-  (void)r;
-  return Indent(in.ToString(), Arg(a, k, 0, "width", Value(4)), Arg(a, k, 1, "first", Value(false)).Truthy(),
+  return Indent(in.ToString(), Arg(a, k, 0, "width", Value(4)),
+                Arg(a, k, 1, "first", Value(false)).Truthy(),
                 Arg(a, k, 2, "blank", Value(false)).Truthy());
 }
 KDN_FILTER(FInt) {
-  (void)r;
   return ToInt(in, Arg(a, k, 0, "default", Value(0)),
                static_cast<int>(IntArg(Arg(a, k, 1, "base", Value(10)), "base")));
 }
 KDN_FILTER(FItems) {
-  (void)r, (void)a, (void)k;
   if (in.is_undefined()) return Value::Array({});
   if (!in.is_object() || in.object().is_namespace) Fail("Can only get item pairs from a mapping.");
   std::vector<Value> out;
@@ -200,7 +207,6 @@ KDN_FILTER(FItems) {
   return Value::Array(std::move(out));
 }
 KDN_FILTER(FJoin) {
-  (void)r;
   const Value sep = Arg(a, k, 0, "d", Value(""));
   const Value attr = Arg(a, k, 1, "attribute", Value::None());
   std::string out;
@@ -212,13 +218,12 @@ KDN_FILTER(FJoin) {
   return out;
 }
 KDN_FILTER(FLast) {
-  (void)r, (void)a, (void)k;
   const std::vector<Value> items = Iterate(in);
   return items.empty() ? Value::Undefined("No last item, sequence was empty.") : items.back();
 }
-KDN_FILTER(FLength) { (void)r, (void)a, (void)k; return Value(Length(in)); }
-KDN_FILTER(FList) { (void)r, (void)a, (void)k; return Value::Array(Iterate(in)); }
-KDN_FILTER(FLower) { (void)r, (void)a, (void)k; return MapCase(in.ToString(), ToLower); }
+KDN_FILTER(FLength) { return Value(Length(in)); }
+KDN_FILTER(FList) { return Value::Array(Iterate(in)); }
+KDN_FILTER(FLower) { return MapCase(in.ToString(), ToLower); }
 KDN_FILTER(FMap) {
   std::vector<Value> out;
   if (!in.Truthy()) return Value::Array({});  // jinja2 maps none to nothing
@@ -245,26 +250,27 @@ Value MinMax(const Value& in, Args& a, Kwargs& k, bool max) {
   const bool case_sensitive = Arg(a, k, 0, "case_sensitive", Value(false)).Truthy();
   const Value attr = Arg(a, k, 1, "attribute", Value::None());
   const std::vector<Value> items = Iterate(in);
-  if (items.empty()) return Value::Undefined(std::string("No aggregated item, sequence was empty."));
-  auto key = [&](const Value& v) { return Lowered(attr.is_none() ? v : AttrPath(v, attr.ToString()), case_sensitive); };
+  if (items.empty())
+    return Value::Undefined(std::string("No aggregated item, sequence was empty."));
+  auto key = [&](const Value& v) {
+    return Lowered(attr.is_none() ? v : AttrPath(v, attr.ToString()), case_sensitive);
+  };
   size_t best = 0;
   for (size_t i = 1; i < items.size(); ++i) {
     if (Compare(max ? ">" : "<", key(items[i]), key(items[best]))) best = i;
   }
   return items[best];
 }
-KDN_FILTER(FMax) { (void)r; return MinMax(in, a, k, true); }
-KDN_FILTER(FMin) { (void)r; return MinMax(in, a, k, false); }
-KDN_FILTER(FReject) { (void)k; return SelectOrReject(r, in, a, false, false); }
-KDN_FILTER(FRejectattr) { (void)k; return SelectOrReject(r, in, a, true, false); }
+KDN_FILTER(FMax) { return MinMax(in, a, k, true); }
+KDN_FILTER(FMin) { return MinMax(in, a, k, false); }
+KDN_FILTER(FReject) { return SelectOrReject(r, in, a, false, false); }
+KDN_FILTER(FRejectattr) { return SelectOrReject(r, in, a, true, false); }
 KDN_FILTER(FReplace) {
-  (void)r;
   const Value count = Arg(a, k, 2, "count", Value::None());
   return Replace(in.ToString(), Arg(a, k, 0, "old").ToString(), Arg(a, k, 1, "new").ToString(),
                  count.is_none() ? -1 : IntArg(count, "count"));
 }
 KDN_FILTER(FReverse) {
-  (void)r, (void)a, (void)k;
   if (in.is_string()) {
     std::u32string u = DecodeUtf8(in.str());
     std::reverse(u.begin(), u.end());
@@ -275,63 +281,63 @@ KDN_FILTER(FReverse) {
   return Value::Array(std::move(items));
 }
 KDN_FILTER(FRound) {
-  (void)r;
   return RoundValue(in, IntArg(Arg(a, k, 0, "precision", Value(0)), "precision"),
                     Arg(a, k, 1, "method", Value("common")).ToString());
 }
-KDN_FILTER(FSafe) { (void)r, (void)a, (void)k; return in; }
-KDN_FILTER(FSelect) { (void)k; return SelectOrReject(r, in, a, false, true); }
-KDN_FILTER(FSelectattr) { (void)k; return SelectOrReject(r, in, a, true, true); }
+KDN_FILTER(FSafe) { return in; }
+KDN_FILTER(FSelect) { return SelectOrReject(r, in, a, false, true); }
+KDN_FILTER(FSelectattr) { return SelectOrReject(r, in, a, true, true); }
 KDN_FILTER(FSort) {
-  (void)r;
   const bool reverse = Arg(a, k, 0, "reverse", Value(false)).Truthy();
   const bool case_sensitive = Arg(a, k, 1, "case_sensitive", Value(false)).Truthy();
   const Value attr = Arg(a, k, 2, "attribute", Value::None());
   std::vector<Value> items = Iterate(in);
-  SortValues(&items, [&](const Value& v) {
-    return Lowered(attr.is_none() ? v : AttrPath(v, attr.ToString()), case_sensitive);
-  }, reverse);
+  SortValues(
+      &items,
+      [&](const Value& v) {
+        return Lowered(attr.is_none() ? v : AttrPath(v, attr.ToString()), case_sensitive);
+      },
+      reverse);
   return Value::Array(std::move(items));
 }
-KDN_FILTER(FString) { (void)r, (void)a, (void)k; return in.ToString(); }
+KDN_FILTER(FString) { return in.ToString(); }
 KDN_FILTER(FSum) {
-  (void)r;
   const Value attr = Arg(a, k, 0, "attribute", Value::None());
   Value total = Arg(a, k, 1, "start", Value(0));
-  for (const Value& v : Iterate(in)) total = Arithmetic("+", total, attr.is_none() ? v : AttrPath(v, attr.ToString()));
+  for (const Value& v : Iterate(in))
+    total = Arithmetic("+", total, attr.is_none() ? v : AttrPath(v, attr.ToString()));
   return total;
 }
-KDN_FILTER(FTitle) { (void)r, (void)a, (void)k; return Title(in.ToString()); }
+KDN_FILTER(FTitle) { return Title(in.ToString()); }
 // transformers' tojson: json.dumps(x, ensure_ascii=False, indent=None,
 // separators=None, sort_keys=False), not jinja2's HTML-safe one.
 KDN_FILTER(FToJson) {
-  (void)r;
   const Value ensure_ascii = Arg(a, k, 0, "ensure_ascii", Value(false));
   const Value indent = Arg(a, k, 1, "indent", Value::None());
   const Value separators = Arg(a, k, 2, "separators", Value::None());
   const Value sort_keys = Arg(a, k, 3, "sort_keys", Value(false));
   std::string item_sep, key_sep;
   if (!separators.is_none()) {
-    if (!separators.is_array() || separators.items().size() != 2) Fail("separators must be a pair of strings");
+    if (!separators.is_array() || separators.items().size() != 2)
+      Fail("separators must be a pair of strings");
     item_sep = StringArg(separators.items()[0], "separator");
     key_sep = StringArg(separators.items()[1], "separator");
   }
-  if (!indent.is_none() && !indent.is_integral()) FailUnsupported("tojson's indent must be an integer or none");
-  Result<std::string> s = ToJson(in, indent.is_none() ? -1 : static_cast<int>(std::max<int64_t>(0, indent.int_value())),
-                                 ensure_ascii.Truthy(), sort_keys.Truthy(),
-                                 separators.is_none() ? nullptr : &item_sep,
-                                 separators.is_none() ? nullptr : &key_sep);
+  if (!indent.is_none() && !indent.is_integral())
+    FailUnsupported("tojson's indent must be an integer or none");
+  Result<std::string> s =
+      ToJson(in, indent.is_none() ? -1 : static_cast<int>(std::max<int64_t>(0, indent.int_value())),
+             ensure_ascii.Truthy(), sort_keys.Truthy(), separators.is_none() ? nullptr : &item_sep,
+             separators.is_none() ? nullptr : &key_sep);
   if (!s.ok()) Fail(s.status().message());
   return std::move(s).value();
 }
 KDN_FILTER(FTrim) {
-  (void)r;
   const Value chars = Arg(a, k, 0, "chars", Value::None());
   const std::string set = chars.is_none() ? "" : chars.ToString();
   return PyStrip(in.ToString(), chars.is_none() ? nullptr : &set, true, true);
 }
 KDN_FILTER(FUnique) {
-  (void)r;
   const bool case_sensitive = Arg(a, k, 0, "case_sensitive", Value(false)).Truthy();
   const Value attr = Arg(a, k, 1, "attribute", Value::None());
   std::vector<Value> out, seen;
@@ -344,52 +350,79 @@ KDN_FILTER(FUnique) {
   }
   return Value::Array(std::move(out));
 }
-KDN_FILTER(FUpper) { (void)r, (void)a, (void)k; return MapCase(in.ToString(), ToUpper); }
+KDN_FILTER(FUpper) { return MapCase(in.ToString(), ToUpper); }
 
 #undef KDN_FILTER
 
 const std::map<std::string, FilterFn, std::less<>>& Filters() {
   static const auto* filters = new std::map<std::string, FilterFn, std::less<>>{
-      {"abs", FAbs},         {"capitalize", FCapitalize}, {"count", FLength},  {"d", FDefault},
-      {"default", FDefault}, {"dictsort", FDictsort},     {"e", FEscape},      {"escape", FEscape},
-      {"first", FFirst},     {"float", FFloat},           {"indent", FIndent}, {"int", FInt},
-      {"items", FItems},     {"join", FJoin},             {"last", FLast},     {"length", FLength},
-      {"list", FList},       {"lower", FLower},           {"map", FMap},       {"max", FMax},
-      {"min", FMin},         {"reject", FReject},
-      {"rejectattr", FRejectattr}, {"replace", FReplace}, {"reverse", FReverse}, {"round", FRound},
-      {"safe", FSafe},       {"select", FSelect},         {"selectattr", FSelectattr},
-      {"sort", FSort},       {"string", FString},         {"sum", FSum},       {"title", FTitle},
-      {"tojson", FToJson},   {"trim", FTrim},             {"unique", FUnique}, {"upper", FUpper},
+      {"abs", FAbs},
+      {"capitalize", FCapitalize},
+      {"count", FLength},
+      {"d", FDefault},
+      {"default", FDefault},
+      {"dictsort", FDictsort},
+      {"e", FEscape},
+      {"escape", FEscape},
+      {"first", FFirst},
+      {"float", FFloat},
+      {"indent", FIndent},
+      {"int", FInt},
+      {"items", FItems},
+      {"join", FJoin},
+      {"last", FLast},
+      {"length", FLength},
+      {"list", FList},
+      {"lower", FLower},
+      {"map", FMap},
+      {"max", FMax},
+      {"min", FMin},
+      {"reject", FReject},
+      {"rejectattr", FRejectattr},
+      {"replace", FReplace},
+      {"reverse", FReverse},
+      {"round", FRound},
+      {"safe", FSafe},
+      {"select", FSelect},
+      {"selectattr", FSelectattr},
+      {"sort", FSort},
+      {"string", FString},
+      {"sum", FSum},
+      {"title", FTitle},
+      {"tojson", FToJson},
+      {"trim", FTrim},
+      {"unique", FUnique},
+      {"upper", FUpper},
   };
   return *filters;
 }
 
 // --- Tests -------------------------------------------------------------------------
 
-#define KDN_TEST(name) bool name(Renderer& r, const Value& v, Args& a)
+#define KDN_TEST(name) \
+  bool name([[maybe_unused]] Renderer& r, [[maybe_unused]] const Value& v, [[maybe_unused]] Args& a)
 
-KDN_TEST(TDefined) { (void)r, (void)a; return !v.is_undefined(); }
-KDN_TEST(TUndefined) { (void)r, (void)a; return v.is_undefined(); }
-KDN_TEST(TNone) { (void)r, (void)a; return v.is_none(); }
-KDN_TEST(TBoolean) { (void)r, (void)a; return v.kind() == Value::Kind::kBool; }
-KDN_TEST(TTrue) { (void)r, (void)a; return v.kind() == Value::Kind::kBool && v.int_value(); }
-KDN_TEST(TFalse) { (void)r, (void)a; return v.kind() == Value::Kind::kBool && !v.int_value(); }
-KDN_TEST(TInteger) { (void)r, (void)a; return v.kind() == Value::Kind::kInt; }
-KDN_TEST(TFloat) { (void)r, (void)a; return v.kind() == Value::Kind::kFloat; }
-KDN_TEST(TNumber) { (void)r, (void)a; return v.is_number(); }
-KDN_TEST(TString) { (void)r, (void)a; return v.is_string(); }
-KDN_TEST(TMapping) { (void)r, (void)a; return v.is_object() && !v.object().is_namespace; }
+KDN_TEST(TDefined) { return !v.is_undefined(); }
+KDN_TEST(TUndefined) { return v.is_undefined(); }
+KDN_TEST(TNone) { return v.is_none(); }
+KDN_TEST(TBoolean) { return v.kind() == Value::Kind::kBool; }
+KDN_TEST(TTrue) { return v.kind() == Value::Kind::kBool && v.int_value(); }
+KDN_TEST(TFalse) { return v.kind() == Value::Kind::kBool && !v.int_value(); }
+KDN_TEST(TInteger) { return v.kind() == Value::Kind::kInt; }
+KDN_TEST(TFloat) { return v.kind() == Value::Kind::kFloat; }
+KDN_TEST(TNumber) { return v.is_number(); }
+KDN_TEST(TString) { return v.is_string(); }
+KDN_TEST(TMapping) { return v.is_object() && !v.object().is_namespace; }
 // Python's iter() and jinja2's test_sequence (len() and __getitem__) accept
 // an Undefined, strings and dicts alike.
 KDN_TEST(TIterable) {
-  (void)r, (void)a;
-  return v.is_undefined() || v.is_string() || v.is_array() || (v.is_object() && !v.object().is_namespace);
+  return v.is_undefined() || v.is_string() || v.is_array() ||
+         (v.is_object() && !v.object().is_namespace);
 }
-KDN_TEST(TCallable) { (void)r, (void)a; return v.kind() == Value::Kind::kFunction; }
-KDN_TEST(TOdd) { (void)r, (void)a; return Arithmetic("%", v, Value(2)).Equals(Value(1)); }
-KDN_TEST(TEven) { (void)r, (void)a; return Arithmetic("%", v, Value(2)).Equals(Value(0)); }
+KDN_TEST(TCallable) { return v.kind() == Value::Kind::kFunction; }
+KDN_TEST(TOdd) { return Arithmetic("%", v, Value(2)).Equals(Value(1)); }
+KDN_TEST(TEven) { return Arithmetic("%", v, Value(2)).Equals(Value(0)); }
 KDN_TEST(TDivisibleBy) {
-  (void)r;
   if (a.size() != 1) Fail("divisibleby takes one argument");
   return Arithmetic("%", v, a[0]).Equals(Value(0));
 }
@@ -397,42 +430,69 @@ bool Need1(const Args& a, const char* test) {
   if (a.size() != 1) Fail(std::string(test) + " takes one argument");
   return true;
 }
-KDN_TEST(TEq) { (void)r; return Need1(a, "eq") && v.Equals(a[0]); }
-KDN_TEST(TNe) { (void)r; return Need1(a, "ne") && !v.Equals(a[0]); }
-KDN_TEST(TLt) { (void)r; return Need1(a, "lt") && Compare("<", v, a[0]); }
-KDN_TEST(TLe) { (void)r; return Need1(a, "le") && Compare("<=", v, a[0]); }
-KDN_TEST(TGt) { (void)r; return Need1(a, "gt") && Compare(">", v, a[0]); }
-KDN_TEST(TGe) { (void)r; return Need1(a, "ge") && Compare(">=", v, a[0]); }
-KDN_TEST(TIn) { (void)r; return Need1(a, "in") && Contains(a[0], v); }
-KDN_TEST(TSameAs) { (void)r; return Need1(a, "sameas") && v.SameAs(a[0]); }
+KDN_TEST(TEq) { return Need1(a, "eq") && v.Equals(a[0]); }
+KDN_TEST(TNe) { return Need1(a, "ne") && !v.Equals(a[0]); }
+KDN_TEST(TLt) { return Need1(a, "lt") && Compare("<", v, a[0]); }
+KDN_TEST(TLe) { return Need1(a, "le") && Compare("<=", v, a[0]); }
+KDN_TEST(TGt) { return Need1(a, "gt") && Compare(">", v, a[0]); }
+KDN_TEST(TGe) { return Need1(a, "ge") && Compare(">=", v, a[0]); }
+KDN_TEST(TIn) { return Need1(a, "in") && Contains(a[0], v); }
+KDN_TEST(TSameAs) { return Need1(a, "sameas") && v.SameAs(a[0]); }
 KDN_TEST(TLower) {
-  (void)r, (void)a;
   const std::u32string u = DecodeUtf8(v.ToString());
   return std::any_of(u.begin(), u.end(), IsCased) && std::none_of(u.begin(), u.end(), IsUpper);
 }
 KDN_TEST(TUpper) {
-  (void)r, (void)a;
   const std::u32string u = DecodeUtf8(v.ToString());
   return std::any_of(u.begin(), u.end(), IsCased) && std::none_of(u.begin(), u.end(), IsLower);
 }
-KDN_TEST(TEscaped) { (void)r, (void)v, (void)a; return false; }
-KDN_TEST(TFilter) { (void)r, (void)a; return v.is_string() && FindFilter(v.str()) != nullptr; }
-KDN_TEST(TTest) { (void)r, (void)a; return v.is_string() && FindTest(v.str()) != nullptr; }
+KDN_TEST(TEscaped) { return false; }
+KDN_TEST(TFilter) { return v.is_string() && FindFilter(v.str()) != nullptr; }
+KDN_TEST(TTest) { return v.is_string() && FindTest(v.str()) != nullptr; }
 
 #undef KDN_TEST
 
 const std::map<std::string, TestFn, std::less<>>& Tests() {
   static const auto* tests = new std::map<std::string, TestFn, std::less<>>{
-      {"defined", TDefined}, {"undefined", TUndefined}, {"none", TNone},     {"boolean", TBoolean},
-      {"true", TTrue},       {"false", TFalse},         {"integer", TInteger}, {"float", TFloat},
-      {"number", TNumber},   {"string", TString},       {"mapping", TMapping}, {"iterable", TIterable},
-      {"sequence", TIterable}, {"callable", TCallable}, {"odd", TOdd},       {"even", TEven},
-      {"divisibleby", TDivisibleBy}, {"eq", TEq},       {"equalto", TEq},    {"==", TEq},
-      {"ne", TNe},           {"!=", TNe},               {"lt", TLt},         {"lessthan", TLt},
-      {"<", TLt},            {"le", TLe},               {"<=", TLe},         {"gt", TGt},
-      {"greaterthan", TGt},  {">", TGt},                {"ge", TGe},         {">=", TGe},
-      {"in", TIn},           {"sameas", TSameAs},       {"lower", TLower},   {"upper", TUpper},
-      {"escaped", TEscaped}, {"filter", TFilter},       {"test", TTest},
+      {"defined", TDefined},
+      {"undefined", TUndefined},
+      {"none", TNone},
+      {"boolean", TBoolean},
+      {"true", TTrue},
+      {"false", TFalse},
+      {"integer", TInteger},
+      {"float", TFloat},
+      {"number", TNumber},
+      {"string", TString},
+      {"mapping", TMapping},
+      {"iterable", TIterable},
+      {"sequence", TIterable},
+      {"callable", TCallable},
+      {"odd", TOdd},
+      {"even", TEven},
+      {"divisibleby", TDivisibleBy},
+      {"eq", TEq},
+      {"equalto", TEq},
+      {"==", TEq},
+      {"ne", TNe},
+      {"!=", TNe},
+      {"lt", TLt},
+      {"lessthan", TLt},
+      {"<", TLt},
+      {"le", TLe},
+      {"<=", TLe},
+      {"gt", TGt},
+      {"greaterthan", TGt},
+      {">", TGt},
+      {"ge", TGe},
+      {">=", TGe},
+      {"in", TIn},
+      {"sameas", TSameAs},
+      {"lower", TLower},
+      {"upper", TUpper},
+      {"escaped", TEscaped},
+      {"filter", TFilter},
+      {"test", TTest},
   };
   return *tests;
 }
@@ -449,7 +509,8 @@ TestFn FindTest(std::string_view name) {
   return it == Tests().end() ? nullptr : it->second;
 }
 
-Value Renderer::ApplyFilter(const std::string& name, const Value& input, Args& args, Kwargs& kwargs) {
+Value Renderer::ApplyFilter(const std::string& name, const Value& input, Args& args,
+                            Kwargs& kwargs) {
   FilterFn f = FindFilter(name);
   if (f == nullptr) Fail("No filter named '" + name + "' found.");  // one the parser let pass
   return f(*this, input, args, kwargs);

@@ -41,23 +41,23 @@ using KwargExprs = std::vector<std::pair<std::string, ExprPtr>>;
 
 struct Expr {
   enum class Kind {
-    kLiteral,   // literal
-    kName,      // name
-    kList,      // args: the items
-    kTuple,     // args: the items
-    kDict,      // args: key, value, key, value...
-    kGetAttr,   // args[0].name
-    kGetItem,   // args[0][args[1]]
-    kSlice,     // args[0][args[1]:args[2]:args[3]], each bound may be null
-    kCall,      // args[0](args[1:], kwargs)
-    kFilter,    // args[0] | name(args[1:], kwargs); args[0] null in a filter block
-    kTest,      // args[0] is [not] name(args[1:])
-    kUnary,     // name args[0]: "-", "+", "not"
-    kBinary,    // args[0] name args[1]: + - * / // % ** ~
+    kLiteral,  // literal
+    kName,     // name
+    kList,     // args: the items
+    kTuple,    // args: the items
+    kDict,     // args: key, value, key, value...
+    kGetAttr,  // args[0].name
+    kGetItem,  // args[0][args[1]]
+    kSlice,    // args[0][args[1]:args[2]:args[3]], each bound may be null
+    kCall,     // args[0](args[1:], kwargs)
+    kFilter,   // args[0] | name(args[1:], kwargs); args[0] null in a filter block
+    kTest,     // args[0] is [not] name(args[1:])
+    kUnary,    // name args[0]: "-", "+", "not"
+    kBinary,   // args[0] name args[1]: + - * / // % ** ~
     kAnd,
     kOr,
-    kCompare,   // args[0] ops[0] args[1] ops[1] args[2]...: == != < <= > >= in notin
-    kCond,      // args[1] if args[0] else args[2] (null: undefined)
+    kCompare,  // args[0] ops[0] args[1] ops[1] args[2]...: == != < <= > >= in notin
+    kCond,     // args[1] if args[0] else args[2] (null: undefined)
   };
   Kind kind;
   int line = 0;
@@ -76,13 +76,13 @@ struct Body {
 
 struct Stmt {
   enum class Kind {
-    kText,        // text
-    kOutput,      // {{ expr }}
-    kIf,          // branches; a null condition is the else
-    kFor,         // for targets in expr [if cond]: body [else: else_body]
-    kSet,         // set targets = expr, or set targets[0].attr = expr
-    kSetBlock,    // set targets[0] [| expr's filters]: body
-    kMacro,       // macro text(params): body
+    kText,      // text
+    kOutput,    // {{ expr }}
+    kIf,        // branches; a null condition is the else
+    kFor,       // for targets in expr [if cond]: body [else: else_body]
+    kSet,       // set targets = expr, or set targets[0].attr = expr
+    kSetBlock,  // set targets[0] [| expr's filters]: body
+    kMacro,     // macro text(params): body
     kBreak,
     kContinue,
     kScope,       // a block rendered in place (transformers' generation)
@@ -100,7 +100,19 @@ struct Stmt {
   KwargExprs params;  // a macro's parameters and their defaults (null: none)
 };
 
-enum class Tok { kText, kVarBegin, kVarEnd, kBlockBegin, kBlockEnd, kName, kString, kInt, kFloat, kOp, kEof };
+enum class Tok {
+  kText,
+  kVarBegin,
+  kVarEnd,
+  kBlockBegin,
+  kBlockEnd,
+  kName,
+  kString,
+  kInt,
+  kFloat,
+  kOp,
+  kEof
+};
 
 struct Token {
   Tok kind;
@@ -162,7 +174,8 @@ int64_t Length(const Value& v);
 [[noreturn]] void FailUndefined(const Value& v);
 
 // A call's argument at `index`, or the keyword argument `name`, else `def`.
-Value Arg(const Args& args, const Kwargs& kwargs, size_t index, const char* name, Value def = Value());
+Value Arg(const Args& args, const Kwargs& kwargs, size_t index, const char* name,
+          Value def = Value());
 // The argument as a string or an integer; fails naming `what` otherwise.
 const std::string& StringArg(const Value& v, const char* what);
 int64_t IntArg(const Value& v, const char* what);
@@ -234,6 +247,7 @@ std::vector<Value> Split(const std::string& s, const Value& sep, int64_t maxspli
 // str.splitlines(): Python's line boundaries, which are dropped.
 std::vector<std::string> SplitLines(const std::string& s);
 // str.replace; count < 0: all.
-std::string Replace(const std::string& s, const std::string& old, const std::string& repl, int64_t count);
+std::string Replace(const std::string& s, const std::string& old, const std::string& repl,
+                    int64_t count);
 
 }  // namespace kdn::text::jinja

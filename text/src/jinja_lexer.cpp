@@ -127,9 +127,10 @@ class Lexer {
       }
       std::string text = src_.substr(pos_, start - pos_);
       const char type = src_[start + 1];
-      const char sign = start + 2 < src_.size() && (src_[start + 2] == '-' || src_[start + 2] == '+')
-                            ? src_[start + 2]
-                            : 0;
+      const char sign =
+          start + 2 < src_.size() && (src_[start + 2] == '-' || src_[start + 2] == '+')
+              ? src_[start + 2]
+              : 0;
       if (sign == '-') {
         text = RStripSpace(text);
       } else if (sign != '+' && type != '{') {  // lstrip_blocks
@@ -155,9 +156,7 @@ class Lexer {
     for (; pos_ < to; ++pos_) line_ += src_[pos_] == '\n';
   }
 
-  void Emit(Tok kind, std::string text) {
-    tokens_.push_back({kind, std::move(text), line_});
-  }
+  void Emit(Tok kind, std::string text) { tokens_.push_back({kind, std::move(text), line_}); }
 
   // Whitespace control after a tag: `-` eats all whitespace, trim_blocks one
   // newline. Returns whether what it ate ends a line (lstrip_blocks then
@@ -193,7 +192,8 @@ class Lexer {
     std::vector<char> balance;
     const char* close = variable ? "}}" : "%}";
     for (;;) {
-      while (pos_ < src_.size() && IsPySpace(static_cast<unsigned char>(src_[pos_]))) Advance(pos_ + 1);
+      while (pos_ < src_.size() && IsPySpace(static_cast<unsigned char>(src_[pos_])))
+        Advance(pos_ + 1);
       if (pos_ >= src_.size()) {
         Fail(variable ? "unexpected end of template, expected 'end of print statement'"
                       : "unexpected end of template, expected 'end of statement block'",
@@ -214,7 +214,9 @@ class Lexer {
       const char c = rest[0];
       if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
         size_t n = 1;
-        while (n < rest.size() && (std::isalnum(static_cast<unsigned char>(rest[n])) || rest[n] == '_')) ++n;
+        while (n < rest.size() &&
+               (std::isalnum(static_cast<unsigned char>(rest[n])) || rest[n] == '_'))
+          ++n;
         Emit(Tok::kName, std::string(rest.substr(0, n)));
         Advance(pos_ + n);
       } else if (std::isdigit(static_cast<unsigned char>(c))) {
@@ -226,9 +228,9 @@ class Lexer {
         Emit(Tok::kString, Unescape(rest.substr(1, n - 1), line_));
         Advance(pos_ + n + 1);
       } else {
-        static const char* kOps[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "/", "*", "%",
-                                     "~",  "[",  "]",  "(",  ")",  "{",  "}", "<", ">", "=", ".",
-                                     ":",  "|",  ",",  ";"};
+        static const char* kOps[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "/",
+                                     "*",  "%",  "~",  "[",  "]",  "(",  ")", "{", "}",
+                                     "<",  ">",  "=",  ".",  ":",  "|",  ",", ";"};
         std::string op;
         for (const char* o : kOps) {
           if (rest.substr(0, std::strlen(o)) == o) {
@@ -242,7 +244,8 @@ class Lexer {
         } else if (op == ")" || op == "]" || op == "}") {
           if (balance.empty()) Fail("unexpected '" + op + "'", line_);
           if (balance.back() != op[0]) {
-            Fail("unexpected '" + op + "', expected '" + std::string(1, balance.back()) + "'", line_);
+            Fail("unexpected '" + op + "', expected '" + std::string(1, balance.back()) + "'",
+                 line_);
           }
           balance.pop_back();
         }
@@ -265,7 +268,8 @@ class Lexer {
     };
     size_t n = digits(0);
     bool is_float = false;
-    const bool after_dot = !tokens_.empty() && tokens_.back().kind == Tok::kOp && tokens_.back().text == ".";
+    const bool after_dot =
+        !tokens_.empty() && tokens_.back().kind == Tok::kOp && tokens_.back().text == ".";
     if (!after_dot && n + 1 < rest.size() && rest[n] == '.' &&
         std::isdigit(static_cast<unsigned char>(rest[n + 1]))) {
       n = digits(n + 1);

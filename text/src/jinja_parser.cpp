@@ -352,8 +352,8 @@ class Parser {
     auto e = Node(Expr::Kind::kCompare, line);
     for (;;) {
       const Token& t = Peek();
-      if (t.kind == Tok::kOp && (t.text == "==" || t.text == "!=" || t.text == "<" || t.text == "<=" ||
-                                 t.text == ">" || t.text == ">=")) {
+      if (t.kind == Tok::kOp && (t.text == "==" || t.text == "!=" || t.text == "<" ||
+                                 t.text == "<=" || t.text == ">" || t.text == ">=")) {
         e->ops.push_back(Next().text);
       } else if (SkipName("in")) {
         e->ops.push_back("in");
@@ -531,13 +531,15 @@ class Parser {
       if (!first) ExpectOp(",");
       first = false;
       if (SkipOp(")")) break;
-      if (IsOp("*") || IsOp("**")) FailUnsupported("*args and **kwargs in calls are not supported", Peek().line);
+      if (IsOp("*") || IsOp("**"))
+        FailUnsupported("*args and **kwargs in calls are not supported", Peek().line);
       if (Peek().kind == Tok::kName && IsOp("=", 1)) {
         std::string key = Next().text;
         Next();
         e->kwargs.emplace_back(std::move(key), ParseExpression(true));
       } else {
-        if (!e->kwargs.empty()) Fail("a positional argument follows keyword arguments", Peek().line);
+        if (!e->kwargs.empty())
+          Fail("a positional argument follows keyword arguments", Peek().line);
         e->args.push_back(ParseExpression(true));
       }
     }
@@ -592,7 +594,8 @@ class Parser {
     const Token& t = Peek();
     if (IsOp("(")) {
       ParseCallArgs(e.get());
-      if (!e->kwargs.empty()) FailUnsupported("keyword arguments to tests are not supported", e->line);
+      if (!e->kwargs.empty())
+        FailUnsupported("keyword arguments to tests are not supported", e->line);
     } else if ((t.kind == Tok::kName || t.kind == Tok::kString || t.kind == Tok::kInt ||
                 t.kind == Tok::kFloat || IsOp("[") || IsOp("{")) &&
                !IsName("else") && !IsName("or") && !IsName("and")) {
@@ -604,7 +607,7 @@ class Parser {
 
   std::vector<Token> t_;
   size_t i_ = 0;
-  int loops_ = 0;  // for loops around what is being parsed (within one macro)
+  int loops_ = 0;      // for loops around what is being parsed (within one macro)
   bool soft_ = false;  // inside an `if` or a conditional expression
   std::vector<std::pair<std::string, int>> unknown_;  // filters and tests not soft
 };

@@ -15,7 +15,11 @@ std::u32string DecodeUtf8(std::string_view s) {
   out.reserve(s.size());
   for (size_t i = 0; i < s.size();) {
     const unsigned char c = s[i];
-    size_t len = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+    size_t len = c < 0x80             ? 1
+                 : (c & 0xe0) == 0xc0 ? 2
+                 : (c & 0xf0) == 0xe0 ? 3
+                 : (c & 0xf8) == 0xf0 ? 4
+                                      : 0;
     if (len == 0 || i + len > s.size()) {
       out += U'\xfffd';  // not UTF-8: Python would not have the string at all
       ++i;
@@ -58,14 +62,16 @@ bool IsPySpace(char32_t c) {
   // Python's str.isspace(): the ASCII ones, the information separators
   // \x1c-\x1f, and Unicode's spaces.
   return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
-         c == 0x202f || c == 0x205f || c == 0x3000;
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f ||
+         c == 0x205f || c == 0x3000;
 }
 
 std::string PyStrip(std::string_view s, const std::string* chars, bool left, bool right) {
   const std::u32string u = DecodeUtf8(s);
   const std::u32string set = chars ? DecodeUtf8(*chars) : std::u32string();
-  auto strip = [&](char32_t c) { return chars ? set.find(c) != std::u32string::npos : IsPySpace(c); };
+  auto strip = [&](char32_t c) {
+    return chars ? set.find(c) != std::u32string::npos : IsPySpace(c);
+  };
   size_t b = 0, e = u.size();
   if (left) {
     while (b < e && strip(u[b])) ++b;
@@ -106,7 +112,8 @@ bool ParsePyFloat(std::string_view s, double* out) {
   std::string lower;
   for (char c : t) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   const bool neg = !lower.empty() && lower[0] == '-';
-  const std::string body = !lower.empty() && (lower[0] == '-' || lower[0] == '+') ? lower.substr(1) : lower;
+  const std::string body =
+      !lower.empty() && (lower[0] == '-' || lower[0] == '+') ? lower.substr(1) : lower;
   if (body == "inf" || body == "infinity" || body == "nan") {
     *out = body == "nan" ? NAN : (neg ? -INFINITY : INFINITY);
     return true;
@@ -152,7 +159,8 @@ std::string FloatRepr(double d) {
 }
 
 bool IsCased(char32_t c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= 0xc0 && c <= 0x24f && c != 0xd7 && c != 0xf7);
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+         (c >= 0xc0 && c <= 0x24f && c != 0xd7 && c != 0xf7);
 }
 bool IsUpper(char32_t c) { return (c >= 'A' && c <= 'Z') || (c >= 0xc0 && c <= 0xde && c != 0xd7); }
 bool IsLower(char32_t c) { return (c >= 'a' && c <= 'z') || (c >= 0xdf && c <= 0xff && c != 0xf7); }
@@ -189,7 +197,8 @@ std::string Capitalize(const std::string& s) {
   return EncodeUtf8(u);
 }
 
-std::vector<Value> Split(const std::string& s, const Value& sep_v, int64_t maxsplit, bool from_right) {
+std::vector<Value> Split(const std::string& s, const Value& sep_v, int64_t maxsplit,
+                         bool from_right) {
   std::vector<std::string> parts;
   if (sep_v.is_none() || sep_v.is_undefined()) {
     // Runs of whitespace, none at either end.
@@ -264,7 +273,8 @@ std::vector<std::string> SplitLines(const std::string& s) {
   return lines;
 }
 
-std::string Replace(const std::string& s, const std::string& old, const std::string& repl, int64_t count) {
+std::string Replace(const std::string& s, const std::string& old, const std::string& repl,
+                    int64_t count) {
   std::string out;
   if (old.empty()) {
     // Python inserts `repl` around every character.

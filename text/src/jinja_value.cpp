@@ -186,7 +186,8 @@ bool Value::Equals(const Value& o) const {
     case Kind::kString: return str_ == o.str_;
     case Kind::kArray:
       // Python's list never equals a tuple.
-      if (array_->tuple != o.array_->tuple || array_->items.size() != o.array_->items.size()) return false;
+      if (array_->tuple != o.array_->tuple || array_->items.size() != o.array_->items.size())
+        return false;
       for (size_t i = 0; i < array_->items.size(); ++i) {
         if (!array_->items[i].Equals(o.array_->items[i])) return false;
       }
@@ -244,7 +245,8 @@ Value FromJson(const nlohmann::ordered_json& j) {
     }
     case nlohmann::json::value_t::object: {
       std::vector<std::pair<std::string, Value>> items;
-      for (auto it = j.begin(); it != j.end(); ++it) items.emplace_back(it.key(), FromJson(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it)
+        items.emplace_back(it.key(), FromJson(it.value()));
       return Value::Object(std::move(items));
     }
     default: return Value();
@@ -267,7 +269,8 @@ void JsonString(const std::string& s, bool ensure_ascii, std::string* out) {
         if (c < 0x20 || (ensure_ascii && c >= 0x7f)) {
           if (c >= 0x10000) {
             const char32_t v = c - 0x10000;
-            std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", static_cast<unsigned>(0xd800 + (v >> 10)),
+            std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x",
+                          static_cast<unsigned>(0xd800 + (v >> 10)),
                           static_cast<unsigned>(0xdc00 + (v & 0x3ff)));
           } else {
             std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
@@ -301,7 +304,9 @@ struct JsonWriter {
       case Value::Kind::kInt: out += std::to_string(v.int_value()); return;
       case Value::Kind::kFloat: {
         const double d = v.float_value();
-        out += std::isnan(d) ? "NaN" : std::isinf(d) ? (d < 0 ? "-Infinity" : "Infinity") : FloatRepr(d);
+        out += std::isnan(d)   ? "NaN"
+               : std::isinf(d) ? (d < 0 ? "-Infinity" : "Infinity")
+                               : FloatRepr(d);
         return;
       }
       case Value::Kind::kString: JsonString(v.str(), ensure_ascii, &out); return;
@@ -352,7 +357,8 @@ struct JsonWriter {
 }  // namespace
 
 Result<Value> ValueFromJson(std::string_view json_text) {
-  nlohmann::ordered_json j = nlohmann::ordered_json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  nlohmann::ordered_json j =
+      nlohmann::ordered_json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return InvalidArgument("not valid JSON");
   return FromJson(j);
 }
@@ -360,9 +366,12 @@ Result<Value> ValueFromJson(std::string_view json_text) {
 Result<std::string> ToJson(const Value& value, int indent, bool ensure_ascii, bool sort_keys,
                            const std::string* item_separator, const std::string* key_separator) {
   // Python's defaults: ", " between items, or "," when indenting.
-  JsonWriter w{indent, ensure_ascii, sort_keys,
+  JsonWriter w{indent,
+               ensure_ascii,
+               sort_keys,
                item_separator ? *item_separator : (indent >= 0 ? "," : ", "),
-               key_separator ? *key_separator : ": ", {}};
+               key_separator ? *key_separator : ": ",
+               {}};
   try {
     w.Write(value, 0);
   } catch (const TemplateError& e) {
@@ -381,7 +390,8 @@ namespace {
   if (op == "+" && a.is_string()) {
     Fail(std::string("can only concatenate str (not \"") + b.TypeName() + "\") to str");
   }
-  Fail("unsupported operand type(s) for " + op + ": '" + a.TypeName() + "' and '" + b.TypeName() + "'");
+  Fail("unsupported operand type(s) for " + op + ": '" + a.TypeName() + "' and '" + b.TypeName() +
+       "'");
 }
 
 // x op y, failing on overflow.
@@ -434,7 +444,8 @@ Value Arithmetic(const std::string& op, const Value& a, const Value& b) {
     if (op == "//" || op == "%") {
       if (q == 0) Fail(ints ? "integer division or modulo by zero" : "float modulo");
       if (ints) {
-        if (x == INT64_MIN && y == -1) FailUnsupported("integer overflow (kdn's integers are 64-bit)");
+        if (x == INT64_MIN && y == -1)
+          FailUnsupported("integer overflow (kdn's integers are 64-bit)");
         int64_t d = x / y, m = x % y;
         if (m != 0 && ((m < 0) != (y < 0))) {
           --d;
@@ -461,8 +472,10 @@ Value Arithmetic(const std::string& op, const Value& a, const Value& b) {
     items.insert(items.end(), b.items().begin(), b.items().end());
     return Value::Array(std::move(items), a.is_tuple());
   }
-  if (op == "*" && (a.is_string() || a.is_array()) && b.is_integral()) return Repeat(a, b.int_value());
-  if (op == "*" && (b.is_string() || b.is_array()) && a.is_integral()) return Repeat(b, a.int_value());
+  if (op == "*" && (a.is_string() || a.is_array()) && b.is_integral())
+    return Repeat(a, b.int_value());
+  if (op == "*" && (b.is_string() || b.is_array()) && a.is_integral())
+    return Repeat(b, a.int_value());
   if (op == "%" && a.is_string()) FailUnsupported("%-formatting of strings is not supported");
   OperandError(op, a, b);
 }
@@ -472,11 +485,13 @@ namespace {
 // -1, 0, 1 for Python's ordering of two values; fails where Python has none.
 int Order(const std::string& op, const Value& a, const Value& b) {
   if (a.is_number() && b.is_number()) {
-    if (a.is_integral() && b.is_integral()) return (a.int_value() > b.int_value()) - (a.int_value() < b.int_value());
+    if (a.is_integral() && b.is_integral())
+      return (a.int_value() > b.int_value()) - (a.int_value() < b.int_value());
     const double x = a.AsDouble(), y = b.AsDouble();
     return (x > y) - (x < y);
   }
-  if (a.is_string() && b.is_string()) return a.str().compare(b.str()) < 0 ? -1 : a.str() == b.str() ? 0 : 1;
+  if (a.is_string() && b.is_string())
+    return a.str().compare(b.str()) < 0 ? -1 : a.str() == b.str() ? 0 : 1;
   if (a.is_array() && b.is_array() && a.is_tuple() == b.is_tuple()) {
     const auto& x = a.items();
     const auto& y = b.items();
@@ -487,7 +502,8 @@ int Order(const std::string& op, const Value& a, const Value& b) {
   }
   if (a.is_undefined()) FailUndefined(a);
   if (b.is_undefined()) FailUndefined(b);
-  Fail("'" + op + "' not supported between instances of '" + a.TypeName() + "' and '" + b.TypeName() + "'");
+  Fail("'" + op + "' not supported between instances of '" + a.TypeName() + "' and '" +
+       b.TypeName() + "'");
 }
 
 }  // namespace
@@ -511,7 +527,8 @@ bool Contains(const Value& c, const Value& item) {
       }
       return c.str().find(item.str()) != std::string::npos;
     case Value::Kind::kArray:
-      return std::any_of(c.items().begin(), c.items().end(), [&](const Value& v) { return v.Equals(item); });
+      return std::any_of(c.items().begin(), c.items().end(),
+                         [&](const Value& v) { return v.Equals(item); });
     case Value::Kind::kObject:
       if (c.object().is_namespace) break;
       return item.is_string() && c.object().Find(item.str()) != nullptr;

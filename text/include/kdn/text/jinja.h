@@ -58,13 +58,13 @@ class Value {
  public:
   enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kArray, kObject, kFunction };
 
-  Value() = default;  // undefined
-  Value(bool b) : kind_(Kind::kBool), int_(b) {}  // NOLINT: implicit by design
-  Value(int i) : kind_(Kind::kInt), int_(i) {}  // NOLINT
-  Value(int64_t i) : kind_(Kind::kInt), int_(i) {}  // NOLINT
-  Value(double d) : kind_(Kind::kFloat), float_(d) {}  // NOLINT
+  Value() = default;                                                  // undefined
+  Value(bool b) : kind_(Kind::kBool), int_(b) {}                      // NOLINT: implicit by design
+  Value(int i) : kind_(Kind::kInt), int_(i) {}                        // NOLINT
+  Value(int64_t i) : kind_(Kind::kInt), int_(i) {}                    // NOLINT
+  Value(double d) : kind_(Kind::kFloat), float_(d) {}                 // NOLINT
   Value(std::string s) : kind_(Kind::kString), str_(std::move(s)) {}  // NOLINT
-  Value(const char* s) : kind_(Kind::kString), str_(s) {}  // NOLINT
+  Value(const char* s) : kind_(Kind::kString), str_(s) {}             // NOLINT
 
   static Value None();
   // An undefined value; `hint` says why, for the error when it is used
