@@ -20,7 +20,7 @@ Value Arg(const Args& args, const Kwargs& kwargs, size_t index, const char* name
   return def;
 }
 
-const std::string& StringArg(const Value& v, const char* what) {
+std::string StringArg(const Value& v, const char* what) {
   if (!v.is_string()) Fail(std::string(what) + " must be str, not " + v.TypeName());
   return v.str();
 }
@@ -143,14 +143,15 @@ Value StringMethod(const std::string& self, const std::string& name) {
   return Bind(name, [self, name](Args& a, Kwargs& k) -> Value {
     if (name == "strip" || name == "lstrip" || name == "rstrip") {
       const Value chars = Arg(a, k, 0, "chars", Value::None());
-      const std::string* set = chars.is_none() ? nullptr : &StringArg(chars, "strip arg");
+      const std::string set_chars = chars.is_none() ? "" : StringArg(chars, "strip arg");
+      const std::string* set = chars.is_none() ? nullptr : &set_chars;
       return PyStrip(self, set, name != "rstrip", name != "lstrip");
     }
     if (name == "startswith" || name == "endswith") {
       const Value p = Arg(a, k, 0, "prefix");
       std::vector<Value> options = p.is_array() ? p.items() : std::vector<Value>{p};
       for (const Value& o : options) {
-        const std::string& x = StringArg(o, name.c_str());
+        const std::string x = StringArg(o, name.c_str());
         if (name == "startswith" ? self.compare(0, x.size(), x) == 0 && self.size() >= x.size()
                                  : self.size() >= x.size() &&
                                        self.compare(self.size() - x.size(), x.size(), x) == 0) {
@@ -180,12 +181,12 @@ Value StringMethod(const std::string& self, const std::string& name) {
     if (name == "capitalize") return Capitalize(self);
     if (name == "find" || name == "rfind") {
       if (a.size() > 1) FailUnsupported("str." + name + " with start or end is not supported");
-      const std::string& sub = StringArg(Arg(a, k, 0, "sub"), name.c_str());
+      const std::string sub = StringArg(Arg(a, k, 0, "sub"), name.c_str());
       const size_t at = name == "find" ? self.find(sub) : self.rfind(sub);
       return at == std::string::npos ? Value(-1) : Value(CodePoints(self, at));
     }
     if (name == "count") {
-      const std::string& sub = StringArg(Arg(a, k, 0, "sub"), "count");
+      const std::string sub = StringArg(Arg(a, k, 0, "sub"), "count");
       if (sub.empty()) return Value(static_cast<int64_t>(DecodeUtf8(self).size()) + 1);
       int64_t n = 0;
       for (size_t at = self.find(sub); at != std::string::npos;

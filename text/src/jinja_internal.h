@@ -176,8 +176,9 @@ int64_t Length(const Value& v);
 // A call's argument at `index`, or the keyword argument `name`, else `def`.
 Value Arg(const Args& args, const Kwargs& kwargs, size_t index, const char* name,
           Value def = Value());
-// The argument as a string or an integer; fails naming `what` otherwise.
-const std::string& StringArg(const Value& v, const char* what);
+// The argument as a string (a copy: arguments are often temporaries) or an
+// integer; fails naming `what` otherwise.
+std::string StringArg(const Value& v, const char* what);
 int64_t IntArg(const Value& v, const char* what);
 
 // One render of a template: its output, its scopes, where it is. One per

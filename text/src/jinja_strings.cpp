@@ -225,7 +225,7 @@ std::vector<Value> Split(const std::string& s, const Value& sep_v, int64_t maxsp
     }
     if (from_right) std::reverse(parts.begin(), parts.end());
   } else {
-    const std::string& sep = StringArg(sep_v, "the separator");
+    const std::string sep = StringArg(sep_v, "the separator");
     if (sep.empty()) Fail("empty separator");
     if (!from_right) {
       size_t from = 0, at;
