@@ -22,7 +22,8 @@ int main(int argc, char** argv) {
                "workers. Prints its URL on stdout once it serves."};
   kdn::LogFlags log_flags;
   log_flags.Add(app);
-  app.add_option("--model", o.model_dir, "Model folder (its config.json and tokenizer.json are read)")
+  app.add_option("--model", o.model_dir,
+                 "Model folder (its config.json, tokenizer.json and chat template are read)")
       ->required();
   app.add_option("--prefill", o.backend.prefill_endpoints,
                  "Prefill workers' control endpoints (comma-separated or repeated)")

@@ -136,8 +136,10 @@ std::optional<ApiError> RefuseUnsupported(const json& body) {
   return std::nullopt;
 }
 
-// The marker that stands for the documents in a rendered chat prompt.
-constexpr std::string_view kDocumentsMarker = "\x1e\x1fkdn-documents\x1f\x1e";
+// The marker that stands for the documents in a rendered chat prompt. Its
+// control characters are not whitespace to Python (\x1c-\x1f are), so a
+// template's `| trim` of the message leaves it whole.
+constexpr std::string_view kDocumentsMarker = "\x1a\x1bkdn-documents\x1b\x1a";
 
 // The prompt's text when it is one string (`text` set), else its token ids.
 std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
@@ -215,13 +217,14 @@ std::optional<ApiError> TakeDocuments(const json& body, const std::string& separ
   return std::nullopt;
 }
 
-// Tokenizes head, documents and the rest as one prompt with a blend plan.
+// Tokenizes head (after a BOS with `add_bos`), documents and the rest as one
+// prompt with a blend plan.
 std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string& head,
                                     const std::vector<std::string>& docs,
-                                    const std::string& rest, const char* param,
+                                    const std::string& rest, bool add_bos, const char* param,
                                     ApiRequest* out) {
   BlendRequest b;
-  out->prompt = model.tokenizer->Encode(head, /*add_bos=*/true);
+  out->prompt = model.tokenizer->Encode(head, add_bos);
   b.head_tokens = static_cast<int>(out->prompt.size());
   for (size_t i = 0; i < docs.size(); ++i) {
     std::vector<int32_t> t = model.tokenizer->Encode(docs[i], /*add_bos=*/false);
@@ -296,15 +299,37 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
   } else if (IsSet(body, "documents")) {
     return Bad("'documents' go with the last user message, and there is none", "documents");
   }
-  text::ChatPrompt chat = text::RenderChat(model.config->architecture, msgs);
+  Result<text::ChatPrompt> rendered =
+      model.chat_template ? model.chat_template->Render(msgs)
+                          : text::RenderChat(model.config->architecture, msgs);
+  if (!rendered.ok()) {
+    if (rendered.status().code() == StatusCode::kInvalidArgument) {
+      // The template's raise_exception (roles that do not alternate...), or
+      // an error of the template that these messages led to.
+      return Bad("the model's chat template refused the messages: " + rendered.status().message(),
+                 "messages");
+    }
+    ApiError e = Bad("the model's chat template cannot be rendered: " + rendered.status().message());
+    e.http_status = 500;
+    e.type = "server_error";
+    return e;
+  }
+  const text::ChatPrompt& chat = *rendered;
   *end_of_turn = chat.end_of_turn;
   if (!has_documents) {
-    out->prompt = model.tokenizer->Encode(chat.text, /*add_bos=*/true);
+    out->prompt = model.tokenizer->Encode(chat.text, chat.add_bos);
     return std::nullopt;
   }
+  // A template could drop the last user message, or repeat it: the documents
+  // must have one place to go.
   const size_t at = chat.text.find(kDocumentsMarker);
+  if (at == std::string::npos || chat.text.find(kDocumentsMarker, at + 1) != std::string::npos) {
+    return Bad("the model's chat template does not place the last user message once, where "
+               "documents could go; send the request without documents",
+               "documents");
+  }
   return BlendPrompt(model, chat.text.substr(0, at), docs,
-                     chat.text.substr(at + kDocumentsMarker.size()), "messages", out);
+                     chat.text.substr(at + kDocumentsMarker.size()), chat.add_bos, "messages", out);
 }
 
 }  // namespace
@@ -351,7 +376,9 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
       std::vector<std::string> docs;
       bool has_documents = false;
       KDN_API_CHECK(TakeDocuments(body, separator, &*text, &docs, &has_documents));
-      if (has_documents) KDN_API_CHECK(BlendPrompt(model, "", docs, *text, "prompt", out));
+      if (has_documents) {
+        KDN_API_CHECK(BlendPrompt(model, "", docs, *text, /*add_bos=*/true, "prompt", out));
+      }
     }
   } else {
     KDN_API_CHECK(ParseMessages(body, model, separator, out, &end_of_turn));

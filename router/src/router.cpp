@@ -76,6 +76,7 @@ struct ServerState {
   RouterOptions options;
   model::ModelConfig config;
   std::unique_ptr<text::Tokenizer> tokenizer;
+  text::ChatTemplate chat_template;
   ServedModel served;
   Metrics metrics;
   std::unique_ptr<Backend> backend;
@@ -600,6 +601,9 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
   impl->options = options;
   KDN_ASSIGN_OR_RETURN(impl->config, model::LoadModelConfig(options.model_dir));
   KDN_ASSIGN_OR_RETURN(impl->tokenizer, text::Tokenizer::Load(options.model_dir));
+  // Parsed once here: a template that does not parse fails the start.
+  KDN_ASSIGN_OR_RETURN(impl->chat_template,
+                       text::ChatTemplate::Load(options.model_dir, impl->config.architecture));
   std::string name = options.served_model_name;
   if (name.empty()) {
     name = std::filesystem::path(options.model_dir).lexically_normal().filename().string();
@@ -617,7 +621,8 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                   impl->tokenizer.get(),
                   options.separator,
                   options.recompute_ratio,
-                  options.check_layer};
+                  options.check_layer,
+                  &impl->chat_template};
   KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));
   try {
     const auto address = asio::ip::make_address(options.host);

@@ -219,6 +219,62 @@ TEST_F(OpenAiTest, ChatDocumentsOpenTheLastUserMessage) {
             "documents");
 }
 
+// A folder's template, which writes BOS itself and trims the messages as
+// Llama 3's does.
+text::ChatTemplate TrimmingTemplate() {
+  auto t = text::ChatTemplate::FromSource(
+      "{{ bos_token }}{% for m in messages %}"
+      "{% if m.role == 'assistant' and loop.first %}{{ raise_exception('a user speaks first') }}{% endif %}"
+      "<{{ m.role }}>{{ m.content | trim }}</>{% endfor %}"
+      "{% if add_generation_prompt %}<assistant>{% endif %}",
+      "test.jinja", "<s>", "</s>");
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return std::move(t).value();
+}
+
+TEST_F(OpenAiTest, ChatWithTheFoldersTemplateAddsNoBosOfItsOwnAndStopsAtItsEos) {
+  const text::ChatTemplate tpl = TrimmingTemplate();
+  model_.chat_template = &tpl;
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kChat, R"({"messages":[{"role":"user","content":" hi "}]})", &r));
+  // "<s>" is the template's text: this byte-level tokenizer spells it out.
+  EXPECT_EQ(r.prompt.front(), '<');
+  EXPECT_EQ(tokenizer_.Decode(r.prompt), "<s><user>hi</><assistant>");
+  EXPECT_EQ(r.stop, std::vector<std::string>{"</s>"});
+  EXPECT_EQ(r.stop_ids, std::vector<int32_t>{257});
+}
+
+TEST_F(OpenAiTest, ChatDocumentsSurviveATemplateThatTrimsTheMessage) {
+  const text::ChatTemplate tpl = TrimmingTemplate();
+  model_.chat_template = &tpl;
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kChat,
+                     R"({"messages":[{"role":"user","content":"Q? "}],"documents":["D1 ","D2 "]})", &r));
+  ASSERT_TRUE(r.blend.has_value());
+  const std::string head = "<s><user>";
+  EXPECT_EQ(tokenizer_.Decode(r.prompt), head + "D1 D2 Q?</><assistant>");
+  EXPECT_EQ(r.blend->head_tokens, static_cast<int>(head.size()));  // no BOS id before it
+  EXPECT_EQ(r.blend->segment_tokens, (std::vector<int>{3, 3}));
+}
+
+TEST_F(OpenAiTest, ChatTemplateRaisingIsABadRequestWithItsMessage) {
+  const text::ChatTemplate tpl = TrimmingTemplate();
+  model_.chat_template = &tpl;
+  const ApiError e = Refused(R"({"messages":[{"role":"assistant","content":"A"}]})", ApiKind::kChat);
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.message, "the model's chat template refused the messages: a user speaks first");
+  EXPECT_EQ(e.param, "messages");
+}
+
+TEST_F(OpenAiTest, ChatDocumentsAreRefusedWhereTheTemplateDropsTheUserMessage) {
+  auto tpl = text::ChatTemplate::FromSource("{% for m in messages %}{{ m.role }}{% endfor %}", "t",
+                                            std::nullopt, std::nullopt);
+  ASSERT_TRUE(tpl.ok());
+  model_.chat_template = &*tpl;
+  EXPECT_EQ(Refused(R"({"messages":[{"role":"user","content":"Q"}],"documents":["D"]})", ApiKind::kChat).param,
+            "documents");
+}
+
 TEST_F(OpenAiTest, BadDocumentsAndBlendSettingsAreRefused) {
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":"d"})").param, "documents");
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":[]})").param, "documents");

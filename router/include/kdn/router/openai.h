@@ -13,6 +13,7 @@
 
 #include "kdn/model/config.h"
 #include "kdn/model/sampling.h"
+#include "kdn/text/chat_template.h"
 #include "kdn/text/tokenizer.h"
 
 namespace kdn::router {
@@ -65,10 +66,14 @@ struct ServedModel {
   std::string separator;  // empty: prompts are not split
   double recompute_ratio = 0.15;
   int check_layer = 1;
+  // The model folder's chat template; null: the built-in format of
+  // config->architecture.
+  const text::ChatTemplate* chat_template = nullptr;
 };
 
 // Parses and validates a body of /v1/completions or /v1/chat/completions.
-// Returns the request, or the 4xx to answer with.
+// Returns the request, or the error to answer with: a 4xx, or a 500 where the
+// model's chat template uses what kdn's Jinja does not support.
 std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body,
                                      const ServedModel& model, ApiRequest* out);
 
