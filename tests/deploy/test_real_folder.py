@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from deploy_util import Deployment
 
@@ -58,7 +58,7 @@ def make_folder(case, out):
     else:
         tok_cfg["chat_template"] = (ref_dir() / "templates" / template_file).read_text()
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    tok = AutoTokenizer.from_pretrained(out)
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
     g = read_gguf(gguf_path)
     # The end of an assistant turn in each template, which generation stops at.
     eos = tok.convert_tokens_to_ids("<|im_end|>" if case == "qwen2" else "<|eot_id|>")
