@@ -84,7 +84,11 @@ def test_chat_on_a_real_format_folder_matches_transformers(case, tmp_path):
     folder = tmp_path / "model"
     tok, eos = make_folder(case, folder)
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    # The rendered text encoded without specials added, which is what
+    # apply_chat_template(tokenize=True) does (its return type differs
+    # between transformers 4 and 5).
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos)
