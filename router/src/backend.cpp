@@ -347,7 +347,6 @@ struct Backend::Impl {
     } else {
       queued.push_back(r.id);
     }
-    if (metrics) metrics->QueueDepth(static_cast<int>(queued.size()));
   }
 
   // Gives waiting requests, oldest first, to decode workers with room; stops
@@ -365,7 +364,6 @@ struct Backend::Impl {
       if (!room) break;
       queued.pop_front();
       if (metrics) {
-        metrics->QueueDepth(static_cast<int>(queued.size()));
         metrics->QueueWait(std::chrono::duration<double>(Clock::now() - r.queued_at).count());
       }
       Choose(r);
@@ -865,6 +863,13 @@ struct Backend::Impl {
                            " s (--queue-timeout-ms)"));
     }
     DrainQueue();
+    if (metrics) {
+      // Counted from the requests, not the queue, which may still hold the
+      // ids of requests cancelled or timed out while they waited.
+      int waiting = 0;
+      for (const auto& [id, r] : requests) waiting += r.phase == Phase::kQueued;
+      metrics->QueueDepth(waiting);
+    }
     for (uint64_t id : late_lookup) {
       auto it = requests.find(id);
       if (it != requests.end()) {
