@@ -65,6 +65,10 @@ int main(int argc, char** argv) {
                  "How long a request may wait for a decode worker with room before it gets 503")
       ->check(CLI::Range(int64_t{1}, int64_t{24} * 3600 * 1000))
       ->capture_default_str();
+  app.add_option("--max-connections", o.max_connections,
+                 "Open HTTP connections at most; one more is answered 503 and closed")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   kdn::kvbus::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);

@@ -29,6 +29,9 @@ using tcp = asio::ip::tcp;
 namespace {
 
 constexpr uint64_t kBodyLimit = 16u << 20;
+constexpr std::string_view kTooManyConnections =
+    R"json({"error":{"message":"the router has too many open connections (--max-connections)",)json"
+    R"json("type":"service_unavailable","param":null,"code":null}})json";
 
 int64_t UnixNow() {
   return std::chrono::duration_cast<std::chrono::seconds>(
@@ -88,6 +91,7 @@ struct ServerState {
   // change): 10 ms, doubling to 1 s, back to none after a success.
   std::optional<asio::steady_timer> accept_timer;
   std::chrono::milliseconds accept_backoff{0};
+  int sessions = 0;  // open connections (the I/O thread's alone)
   std::string url;
   std::thread thread;
 };
@@ -95,7 +99,10 @@ struct ServerState {
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket socket, ServerState& router)
-      : stream_(std::move(socket)), router_(router) {}
+      : stream_(std::move(socket)), router_(router) {
+    ++router_.sessions;
+  }
+  ~Session() { --router_.sessions; }
 
   void Start() { Read(); }
 
@@ -589,7 +596,26 @@ void Router::Impl::Accept() {
     }
     accept_backoff = std::chrono::milliseconds(0);
     socket.set_option(tcp::no_delay(true), ec);
-    std::make_shared<Session>(std::move(socket), *this)->Start();
+    if (sessions >= options.max_connections) {
+      // Over the cap: a short answer, then the connection goes, without
+      // reading the request (whose body could be large).
+      static LogLimiter limiter;
+      limiter.Warn("refusing a connection: {} are open (--max-connections)", sessions);
+      metrics.RequestFinished("other", 503);
+      auto sock = std::make_shared<tcp::socket>(std::move(socket));
+      auto reply = std::make_shared<std::string>(
+          "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+          "Connection: close\r\nRetry-After: 1\r\nContent-Length: " +
+          std::to_string(kTooManyConnections.size()) + "\r\n\r\n" +
+          std::string(kTooManyConnections));
+      asio::async_write(*sock, asio::buffer(*reply), [sock, reply](beast::error_code, size_t) {
+        beast::error_code ignored;
+        sock->shutdown(tcp::socket::shutdown_both, ignored);
+        sock->close(ignored);
+      });
+    } else {
+      std::make_shared<Session>(std::move(socket), *this)->Start();
+    }
     Accept();
   });
 }

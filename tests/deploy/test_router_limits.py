@@ -12,6 +12,7 @@ import socket
 import time
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 
 from deploy_util import Deployment, metric, parse_metrics
@@ -58,3 +59,29 @@ def test_accept_backs_off_when_out_of_descriptors(deployment_fd):
     log = open(next(p["log"] for p in d.info["processes"] if p["name"] == "router"),
                errors="replace").read()
     assert "trying again in" in log, log[-2000:]
+
+
+def test_a_connection_over_the_cap_gets_503_and_the_router_serves_on(tiny_model, tmp_path):
+    d = Deployment(tmp_path / "run", tiny_model, "--no-curve", "--max-connections", 4)
+    url = urlparse(d.url)
+    idle = []
+    try:
+        # Idle connections hold their places (the cap bounds what bodies
+        # they may buffer); the ones past it are answered and closed.
+        for _ in range(6):
+            idle.append(socket.create_connection((url.hostname, url.port), timeout=5))
+        time.sleep(0.3)
+        r = httpx.get(d.url + "/health", timeout=10)
+        assert r.status_code == 503, r.text
+        assert r.headers.get("retry-after") == "1"
+        assert "--max-connections" in r.json()["error"]["message"]
+        for c in idle:
+            c.close()
+        idle = []
+        time.sleep(0.5)
+        assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+        assert d.completion("Still serving", max_tokens=2)["choices"][0]["text"] is not None
+    finally:
+        for c in idle:
+            c.close()
+        d.down()

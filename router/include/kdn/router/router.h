@@ -30,6 +30,9 @@ struct RouterOptions {
   // API keys (docs/serving.md, "API keys"); null: every request is served,
   // in the namespace of its cache_salt.
   std::shared_ptr<const ApiKeys> api_keys;
+  // Open HTTP connections at most: one over it is answered 503 and closed
+  // at once (each may buffer a body of up to 16 MiB).
+  int max_connections = 1024;
 };
 
 class Router {
