@@ -86,6 +86,10 @@ struct ServerState {
   int64_t started = UnixNow();
 
   asio::io_context io{1};
+  // Requests' JSON parsing and tokenizing (megabytes of body, tens of
+  // thousands of tokens) run here, off the one I/O thread, which must keep
+  // serving /health and other streams meanwhile. Destroyed before `io`.
+  asio::thread_pool parse_pool{2};
   std::optional<tcp::acceptor> acceptor;
   // Between accepts that fail (out of file descriptors, which a try does not
   // change): 10 ms, doubling to 1 s, back to none after a success.
@@ -232,12 +236,21 @@ class Session : public std::enable_shared_from_this<Session> {
           "application/json");
   }
 
+  // Parses the body on the parse pool (the session waits meanwhile: nothing
+  // touches request_ or the stream until the result is back on the I/O
+  // thread), then starts the job there.
   void Generate(ApiKind kind) {
-    ApiRequest req;
-    if (auto err = ParseRequest(kind, request_.body(), router_.served, &req)) {
-      ReplyError(*err);
-      return;
-    }
+    asio::post(router_.parse_pool, [self = shared_from_this(), kind] {
+      auto req = std::make_shared<ApiRequest>();
+      auto err = ParseRequest(kind, self->request_.body(), self->router_.served, req.get());
+      asio::post(self->router_.io, [self, kind, req, err = std::move(err)] {
+        if (err) return self->ReplyError(*err);
+        self->StartGenerate(kind, std::move(*req));
+      });
+    });
+  }
+
+  void StartGenerate(ApiKind kind, ApiRequest req) {
     kind_ = kind;
     stream_mode_ = req.stream;
     include_usage_ = req.include_usage;
@@ -312,11 +325,17 @@ class Session : public std::enable_shared_from_this<Session> {
   // POST /v1/kdn/inject: stores documents' KV in the KDN. With "stream",
   // one SSE event per document done, then the summary.
   void Inject() {
-    InjectApiRequest req;
-    if (auto err = ParseInjectRequest(request_.body(), router_.served, &req)) {
-      ReplyError(*err);
-      return;
-    }
+    asio::post(router_.parse_pool, [self = shared_from_this()] {
+      auto req = std::make_shared<InjectApiRequest>();
+      auto err = ParseInjectRequest(self->request_.body(), self->router_.served, req.get());
+      asio::post(self->router_.io, [self, req, err = std::move(err)] {
+        if (err) return self->ReplyError(*err);
+        self->StartInject(std::move(*req));
+      });
+    });
+  }
+
+  void StartInject(InjectApiRequest req) {
     inject_ = true;
     stream_mode_ = req.stream;
     created_ = UnixNow();
