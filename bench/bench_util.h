@@ -99,6 +99,24 @@ struct MultiturnOptions {
   std::optional<uint64_t> seed;  // of the text; none: a new one each run, printed
 };
 int RunMultiturn(const Common& c, const MultiturnOptions& o);
+
+// serve-load: many clients against a running deployment, their documents
+// reused under a Zipf law (bench/serving_workloads.cpp; docs/serving.md).
+struct ServeLoadOptions {
+  std::string url;
+  int clients = 8;
+  int requests = 200;
+  int soak = 0;  // > 0: that many requests, judged against the soak's aims
+  int documents = 64;
+  double zipf = 1.1;
+  int doc_chars = 1024;
+  int question_chars = 32;
+  int max_tokens = 16;
+  double ttft_slo_ms = 1000;
+  std::string run_dir;  // kdn-launch's: processes' RSS read from /proc
+  std::optional<uint64_t> seed;
+};
+int RunServeLoad(const Common& c, const ServeLoadOptions& o);
 // The same conversations through prefill_worker::Prefiller in this process,
 // on c.device (bench/multiturn_engine.cpp).
 int RunMultiturnEngine(const Common& c, const MultiturnOptions& o);

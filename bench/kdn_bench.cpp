@@ -245,9 +245,48 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   tokenize->add_option("--reps", c.reps, "Timed repetitions (best is reported)")->capture_default_str();
   tokenize->add_option("--json", c.json_path, "Also write the results as one JSON object");
+  ServeLoadOptions sl;
+  uint64_t sl_seed = 0;
+  auto* serve_load = app.add_subcommand(
+      "serve-load",
+      "Many clients against a running deployment, their documents reused under a Zipf law: "
+      "throughput and goodput at a TTFT objective, TTFT and inter-token percentiles, errors, the "
+      "KDN hit rate, RSS; --soak N judges N requests against the soak's aims");
+  serve_load->add_option("--url", sl.url, "The router's URL, http://HOST:PORT")->required();
+  serve_load->add_option("--clients", sl.clients, "Concurrent clients")
+      ->capture_default_str()->check(CLI::Range(1, 4096));
+  serve_load->add_option("--requests", sl.requests, "Requests in all")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  serve_load->add_option("--soak", sl.soak,
+                         "Run this many requests instead, then exit 1 unless there was no error, "
+                         "every KV block came back, and no process's RSS grew 5% after warm-up "
+                         "(the first 10%; RSS needs --run-dir)")
+      ->check(CLI::PositiveNumber);
+  serve_load->add_option("--documents", sl.documents, "Distinct documents")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  serve_load->add_option("--zipf", sl.zipf, "Zipf exponent of document popularity")
+      ->capture_default_str()->check(CLI::Range(0.0, 10.0));
+  serve_load->add_option("--doc-chars", sl.doc_chars, "Characters of a document (random words)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  serve_load->add_option("--question-chars", sl.question_chars,
+                         "Characters of the new question after each document")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  serve_load->add_option("--max-tokens", sl.max_tokens, "Tokens of each answer (ignore_eos)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  serve_load->add_option("--ttft-slo-ms", sl.ttft_slo_ms, "TTFT objective for the goodput")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  serve_load->add_option("--run-dir", sl.run_dir,
+                         "kdn-launch's run dir: each process's RSS is read from /proc")
+      ->check(CLI::ExistingDirectory);
+  serve_load->add_option("--seed", sl_seed, "Seed of the text (default: a new one each run)");
+  serve_load->add_option("--json", c.json_path, "Also write the results as one JSON object");
   CLI11_PARSE(app, argc, argv);
 
   if (tokenize->parsed()) return RunTokenize(c, tk_dir, tk_text, tk_tokens);
+  if (serve_load->parsed()) {
+    if (serve_load->count("--seed") > 0) sl.seed = sl_seed;
+    return RunServeLoad(c, sl);
+  }
 
   if (c.threads > 0) {
     omp_set_num_threads(c.threads);

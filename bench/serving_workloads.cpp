@@ -1,6 +1,12 @@
 // kdn-bench's serving workloads: multiturn (see kdn_bench.cpp), a client of a
 // running deployment through its HTTP API (docs/serving.md).
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <thread>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -432,7 +438,218 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
   return Status::Ok();
 }
 
+// The counters of /metrics a soak compares: every `name{labels} value`
+// line whose name is one of `names`, keyed by the line up to the value.
+std::map<std::string, double> MetricLines(const std::string& text,
+                                          std::initializer_list<const char*> names) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    for (const char* name : names) {
+      const size_t n = std::strlen(name);
+      if (line.compare(0, n, name) != 0 || (line.size() > n && line[n] != '{' && line[n] != ' ')) {
+        continue;
+      }
+      const size_t space = line.rfind(' ');
+      if (space != std::string::npos) out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
+    }
+  }
+  return out;
+}
+
+// Resident memory of each process of a kdn-launch run dir (deployment.json),
+// in MiB, by name; empty without a run dir.
+std::map<std::string, double> ProcessRss(const std::string& run_dir) {
+  std::map<std::string, double> out;
+  if (run_dir.empty()) return out;
+  std::ifstream in(run_dir + "/deployment.json");
+  const json info = json::parse(in, nullptr, false);
+  if (info.is_discarded() || !info.contains("processes")) return out;
+  for (const json& p : info["processes"]) {
+    std::ifstream status("/proc/" + std::to_string(p.value("pid", 0)) + "/status");
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("VmRSS:", 0) == 0) out[p.value("name", "?")] = std::strtod(line.c_str() + 6, nullptr) / 1024;
+    }
+  }
+  return out;
+}
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))];
+}
+
+struct LoadResult {
+  bool ok = false;
+  std::string error;
+  double ttft_s = 0, total_s = 0, itl_s = 0;  // itl: the request's mean gap between tokens
+  int64_t prompt_tokens = 0, cached_tokens = 0;
+};
+
+Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
+  KDN_ASSIGN_OR_RETURN(const Url url, ParseUrl(o.url));
+  const int requests = o.soak > 0 ? o.soak : o.requests;
+  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
+  // Documents, and a Zipf law over them: document k (from 0) is asked about
+  // with weight 1 / (k + 1)^s.
+  std::mt19937_64 doc_rng(seed);
+  std::vector<std::string> docs;
+  for (int i = 0; i < o.documents; ++i) docs.push_back(RandomWords(doc_rng, o.doc_chars));
+  std::vector<double> cdf;
+  double sum = 0;
+  for (int k = 0; k < o.documents; ++k) cdf.push_back(sum += 1.0 / std::pow(k + 1.0, o.zipf));
+
+  KDN_RETURN_IF_ERROR(Complete(url, RandomWords(doc_rng, 64), 2).status().WithContext("warm-up"));
+  auto metrics_before = Exchange(url, http::verb::get, "/metrics", "");
+  if (!metrics_before.ok()) return metrics_before.status().WithContext("GET /metrics");
+  const auto rss_start = ProcessRss(o.run_dir);
+  std::map<std::string, double> rss_warm;
+  const int warm_at = std::max(1, requests / 10);  // RSS after warm-up: the first 10%
+
+  std::vector<LoadResult> results(requests);
+  std::atomic<int> next{0}, done{0};
+  std::mutex mu;
+  const auto started = Clock::now();
+  auto client = [&](int id) {
+    std::mt19937_64 rng(seed * 7919 + id);
+    std::uniform_real_distribution<double> u(0, sum);
+    for (int i; (i = next.fetch_add(1)) < requests;) {
+      const int doc = static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
+      const std::string prompt = docs[std::min(doc, o.documents - 1)] + "\n" +
+                                 RandomWords(rng, o.question_chars);
+      auto r = Complete(url, prompt, o.max_tokens);
+      LoadResult& out = results[i];
+      if (r.ok()) {
+        out.ok = true;
+        out.ttft_s = r->ttft_s;
+        out.total_s = r->total_s;
+        out.itl_s = o.max_tokens > 1 ? (r->total_s - r->ttft_s) / (o.max_tokens - 1) : 0;
+        out.prompt_tokens = r->prompt_tokens;
+        out.cached_tokens = r->cached_tokens;
+      } else {
+        out.error = r.status().message().substr(0, 160);
+      }
+      const int d = done.fetch_add(1) + 1;
+      std::lock_guard<std::mutex> lock(mu);
+      if (d == warm_at) rss_warm = ProcessRss(o.run_dir);
+      if (d % std::max(1, requests / 20) == 0 || d == requests) {
+        std::fprintf(stderr, "serve-load: %d/%d requests, %.1f s\n", d, requests,
+                     Seconds(started, Clock::now()));
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int i = 0; i < o.clients; ++i) threads.emplace_back(client, i);
+  for (std::thread& t : threads) t.join();
+  const double wall = Seconds(started, Clock::now());
+
+  // Drained: what the deployment holds now must be what it held before. The
+  // workers' figures reach /metrics with the router's pings (every 250 ms):
+  // read them a second after the last request left.
+  std::map<std::string, double> after_lines;
+  for (int tries = 0, idle = 0; tries < 100 && idle < 10; ++tries) {
+    auto m = Exchange(url, http::verb::get, "/metrics", "");
+    if (!m.ok()) return m.status().WithContext("GET /metrics");
+    after_lines = MetricLines(m->body, {"kdn_requests_in_flight", "kdn_worker_free_kv_blocks",
+                                        "kdn_prompt_tokens_total", "kdn_queue_depth"});
+    idle = after_lines["kdn_requests_in_flight"] == 0 ? idle + 1 : 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const auto before_lines = MetricLines(metrics_before->body,
+                                        {"kdn_worker_free_kv_blocks", "kdn_prompt_tokens_total"});
+  const auto rss_end = ProcessRss(o.run_dir);
+
+  std::vector<double> ttft, itl;
+  std::map<std::string, int> errors;
+  int ok = 0, good = 0;
+  for (const LoadResult& r : results) {
+    if (!r.ok) {
+      ++errors[r.error];
+      continue;
+    }
+    ++ok;
+    ttft.push_back(r.ttft_s * 1e3);
+    if (o.max_tokens > 1) itl.push_back(r.itl_s * 1e3);
+    good += r.ttft_s * 1e3 <= o.ttft_slo_ms;
+  }
+  double cached = 0, total = 0;
+  for (const auto& [line, v] : after_lines) {
+    if (line.rfind("kdn_prompt_tokens_total", 0) != 0) continue;
+    const double d = v - (before_lines.count(line) ? before_lines.at(line) : 0.0);
+    total += d;
+    if (line.find("source=\"cached\"") != std::string::npos) cached += d;
+  }
+  json leaked = json::object();
+  int64_t leaked_blocks = 0;
+  for (const auto& [line, v] : before_lines) {
+    if (line.rfind("kdn_worker_free_kv_blocks", 0) != 0 || !after_lines.count(line)) continue;
+    const double lost = v - after_lines.at(line);
+    leaked[line] = lost;
+    leaked_blocks += static_cast<int64_t>(std::max(0.0, lost));
+  }
+  json rss = json::object();
+  double worst_growth = 0;
+  for (const auto& [name, mib] : rss_end) {
+    const double start = rss_start.count(name) ? rss_start.at(name) : 0;
+    const double warm = rss_warm.count(name) ? rss_warm.at(name) : start;
+    const double growth = warm > 0 ? (mib - warm) / warm : 0;
+    worst_growth = std::max(worst_growth, growth);
+    rss[name] = {{"start_mib", start}, {"after_warmup_mib", warm}, {"end_mib", mib},
+                 {"growth_after_warmup", growth}};
+  }
+  const int failed = requests - ok;
+  std::printf("serve-load: %d requests, %d clients, %d documents (Zipf s=%.2f), %d answer tokens\n",
+              requests, o.clients, o.documents, o.zipf, o.max_tokens);
+  std::printf("  throughput      %.2f requests/s, %.1f answer tokens/s\n", ok / wall,
+              ok * static_cast<double>(o.max_tokens) / wall);
+  std::printf("  goodput         %.2f requests/s within a TTFT of %.0f ms (%d of %d)\n",
+              good / wall, o.ttft_slo_ms, good, ok);
+  std::printf("  TTFT            p50 %.1f ms, p99 %.1f ms\n", Percentile(ttft, 0.5),
+              Percentile(ttft, 0.99));
+  std::printf("  inter-token     p50 %.2f ms, p99 %.2f ms (each request's mean gap)\n",
+              Percentile(itl, 0.5), Percentile(itl, 0.99));
+  std::printf("  KDN hit rate    %.1f%% of prompt tokens cached\n", total > 0 ? 100 * cached / total : 0);
+  std::printf("  errors          %d\n", failed);
+  for (const auto& [what, n] : errors) std::printf("    %d x %s\n", n, what.c_str());
+  std::printf("  KV blocks not given back after the run: %lld\n", static_cast<long long>(leaked_blocks));
+  for (const auto& [name, r] : rss.items()) {
+    std::printf("  RSS %-10s %.1f MiB at start, %.1f after warm-up, %.1f at the end (%+.1f%%)\n",
+                name.c_str(), r["start_mib"].get<double>(), r["after_warmup_mib"].get<double>(),
+                r["end_mib"].get<double>(), 100 * r["growth_after_warmup"].get<double>());
+  }
+  json errs = json::object();
+  for (const auto& [what, n] : errors) errs[what] = n;
+  Emit(c, {{"workload", "serve-load"}, {"url", o.url}, {"requests", requests},
+           {"clients", o.clients}, {"documents", o.documents}, {"zipf", o.zipf},
+           {"doc_chars", o.doc_chars}, {"question_chars", o.question_chars},
+           {"max_tokens", o.max_tokens}, {"seed", seed}, {"seconds", wall},
+           {"requests_per_s", ok / wall}, {"ttft_slo_ms", o.ttft_slo_ms},
+           {"goodput_requests_per_s", good / wall}, {"ttft_ms_p50", Percentile(ttft, 0.5)},
+           {"ttft_ms_p99", Percentile(ttft, 0.99)}, {"itl_ms_p50", Percentile(itl, 0.5)},
+           {"itl_ms_p99", Percentile(itl, 0.99)},
+           {"itl", "each request's mean gap between tokens: (total - TTFT) / (tokens - 1)"},
+           {"hit_rate", total > 0 ? cached / total : 0.0}, {"errors", failed},
+           {"error_kinds", errs}, {"kv_blocks_leaked", leaked_blocks}, {"free_kv_blocks_lost", leaked},
+           {"rss", rss}, {"rss_growth_after_warmup_max", worst_growth}});
+  if (o.soak > 0) {
+    const bool pass = failed == 0 && leaked_blocks == 0 && (rss_end.empty() || worst_growth < 0.05);
+    std::printf("soak: %s (aims: 0 errors, 0 KV blocks kept, RSS growth after warm-up under 5%%%s)\n",
+                pass ? "met" : "MISSED", o.run_dir.empty() ? "; no --run-dir, RSS not read" : "");
+    if (!pass) return Status(StatusCode::kInternal, "the soak missed its aims");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+int RunServeLoad(const Common& c, const ServeLoadOptions& o) {
+  if (Status s = ServeLoad(c, o); !s.ok()) {
+    std::fprintf(stderr, "kdn-bench: serve-load: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
 
 int RunMultiturn(const Common& c, const MultiturnOptions& o) {
   if (Status s = Multiturn(c, o); !s.ok()) {
