@@ -337,10 +337,12 @@ struct DecodeService::Impl {
         }
       }
       decoder->Advance(&out);
-      Deliver(out);
+      // The figures first, then the replies: a peer that asks for info after
+      // a reply sees what the reply did (its blocks reserved or given back).
       const DecoderStats s = decoder->Stats();
       depth = s.prepared + s.running;
       free_blocks = s.free_kv_blocks;
+      Deliver(out);
     }
   }
 };
