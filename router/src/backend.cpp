@@ -792,6 +792,9 @@ struct Backend::Impl {
     wk.view.up = false;
     wk.heard = false;
     LogWarn("{} ({}) {}", wk.view.name, wk.view.endpoint, why);
+    // Published before its requests fail, so that whoever hears of a failure
+    // (the client, /health) already sees the worker down.
+    UpdateSnapshot();
     std::vector<uint64_t> doomed, to_choose;
     for (auto& [id, r] : requests) {
       const bool uses_d = r.phase != Phase::kLookup && r.phase != Phase::kQueued && r.d == w;
