@@ -144,10 +144,15 @@ Status ParseRope(const json& j, int64_t max_pos, ModelConfig* c, const std::stri
     break;
   }
   KDN_RETURN_IF_ERROR(GetDouble(j, "rope_theta", 10000.0, &c->rope_theta, src));
+  if (!(c->rope_theta > 1.0) || !std::isfinite(c->rope_theta)) {
+    return InvalidArgument(src + ": rope_theta must be a number above 1");
+  }
   if (rp == nullptr) return Status::Ok();
   const std::string where = src + " " + field;
   KDN_RETURN_IF_ERROR(GetDouble(*rp, "rope_theta", c->rope_theta, &c->rope_theta, where));
-  if (!(c->rope_theta > 1.0)) return InvalidArgument(where + ": rope_theta must be > 1");
+  if (!(c->rope_theta > 1.0) || !std::isfinite(c->rope_theta)) {
+    return InvalidArgument(where + ": rope_theta must be a number above 1");
+  }
   double partial = 1.0;
   KDN_RETURN_IF_ERROR(GetDouble(*rp, "partial_rotary_factor", 1.0, &partial, where));
   if (partial != 1.0) {
@@ -194,6 +199,11 @@ Status ParseRope(const json& j, int64_t max_pos, ModelConfig* c, const std::stri
       }
       break;
     case RopeType::kDynamic:
+      // Its base grows as a power d / (d - 2) of the head size d.
+      if (c->head_dim <= 2) {
+        return Unimplemented(where + ": dynamic RoPE needs head_dim > 2, got " +
+                             std::to_string(c->head_dim));
+      }
       s.dynamic_threshold = max_pos;
       // The base grows with the position past max_position_embeddings:
       // the scaled context is the point of dynamic RoPE.

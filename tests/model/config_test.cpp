@@ -170,6 +170,8 @@ TEST(ModelConfig, ReadsEachRopeTypeWithTransformers5Precedence) {
            {R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                "high_freq_factor": 1.0})", "high_freq_factor", StatusCode::kInvalidArgument},
            {R"(, "rope_scaling": [1])", "rope_scaling", StatusCode::kInvalidArgument},
+           {R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 0.5})", "rope_theta",
+            StatusCode::kInvalidArgument},
        }) {
     auto r = parse(b.rest);
     EXPECT_EQ(r.status().code(), b.code) << b.rest << ": " << r.status().ToString();
