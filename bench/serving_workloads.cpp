@@ -132,19 +132,32 @@ Result<json> GetJson(const Url& url, const std::string& path) {
   return j;
 }
 
+// The samples of /metrics text: every `name{labels} value`
+// line whose name is one of `names`, keyed by the line up to the value.
+std::map<std::string, double> MetricLines(const std::string& text,
+                                          std::initializer_list<const char*> names) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    for (const char* name : names) {
+      const size_t n = std::strlen(name);
+      if (line.compare(0, n, name) != 0 || (line.size() > n && line[n] != '{' && line[n] != ' ')) {
+        continue;
+      }
+      const size_t space = line.rfind(' ');
+      if (space != std::string::npos) out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
+    }
+  }
+  return out;
+}
+
 // Sum of kdn_prompt_tokens_total by source, from Prometheus text; empty when
 // the router does not export it.
 std::map<std::string, double> PromptTokenCounters(const std::string& text) {
   std::map<std::string, double> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("kdn_prompt_tokens_total{", 0) != 0) continue;
-    const size_t close = line.find('}');
+  for (const auto& [line, v] : MetricLines(text, {"kdn_prompt_tokens_total"})) {
     for (const char* source : {"computed", "cached"}) {
-      if (close != std::string::npos &&
-          line.find(std::string("source=\"") + source + "\"") < close) {
-        out[source] += std::strtod(line.c_str() + close + 1, nullptr);
-      }
+      if (line.find(std::string("source=\"") + source + "\"") != std::string::npos) out[source] += v;
     }
   }
   return out;
@@ -436,25 +449,6 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
            {"later_to_floor_ttft_ratio", to_floor}, {"chunk_tokens", o.chunk_tokens},
            {"prompt_tokens_delta", delta}});
   return Status::Ok();
-}
-
-// The counters of /metrics a soak compares: every `name{labels} value`
-// line whose name is one of `names`, keyed by the line up to the value.
-std::map<std::string, double> MetricLines(const std::string& text,
-                                          std::initializer_list<const char*> names) {
-  std::map<std::string, double> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    for (const char* name : names) {
-      const size_t n = std::strlen(name);
-      if (line.compare(0, n, name) != 0 || (line.size() > n && line[n] != '{' && line[n] != ' ')) {
-        continue;
-      }
-      const size_t space = line.rfind(' ');
-      if (space != std::string::npos) out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
-    }
-  }
-  return out;
 }
 
 // Resident memory of each process of a kdn-launch run dir (deployment.json),

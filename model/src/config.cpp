@@ -144,15 +144,14 @@ Status ParseRope(const json& j, int64_t max_pos, ModelConfig* c, const std::stri
     break;
   }
   KDN_RETURN_IF_ERROR(GetDouble(j, "rope_theta", 10000.0, &c->rope_theta, src));
-  if (!(c->rope_theta > 1.0) || !std::isfinite(c->rope_theta)) {
-    return InvalidArgument(src + ": rope_theta must be a number above 1");
+  const std::string where = src + (rp != nullptr ? " " + field : "");
+  if (rp != nullptr) {
+    KDN_RETURN_IF_ERROR(GetDouble(*rp, "rope_theta", c->rope_theta, &c->rope_theta, where));
   }
-  if (rp == nullptr) return Status::Ok();
-  const std::string where = src + " " + field;
-  KDN_RETURN_IF_ERROR(GetDouble(*rp, "rope_theta", c->rope_theta, &c->rope_theta, where));
   if (!(c->rope_theta > 1.0) || !std::isfinite(c->rope_theta)) {
     return InvalidArgument(where + ": rope_theta must be a number above 1");
   }
+  if (rp == nullptr) return Status::Ok();
   double partial = 1.0;
   KDN_RETURN_IF_ERROR(GetDouble(*rp, "partial_rotary_factor", 1.0, &partial, where));
   if (partial != 1.0) {

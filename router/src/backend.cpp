@@ -321,9 +321,13 @@ struct Backend::Impl {
   // since).
   bool HasRoom(size_t w, const Request& r) const {
     const WorkerView& v = workers[w].view;
-    const int64_t need_blocks =
-        (static_cast<int64_t>(r.job.tokens.size()) + r.job.max_tokens + 15) / 16;
-    return v.free_kv_blocks >= need_blocks && (v.max_batch <= 0 || v.queue_depth < v.max_batch);
+    return v.free_kv_blocks >= NeedBlocks(r) && (v.max_batch <= 0 || v.queue_depth < v.max_batch);
+  }
+
+  // The KV blocks (16 tokens each) a decode worker reserves for `r`: its
+  // prompt and max_tokens.
+  static int64_t NeedBlocks(const Request& r) {
+    return (static_cast<int64_t>(r.job.tokens.size()) + r.job.max_tokens + 15) / 16;
   }
 
   // Request `r` waits for a decode worker with room (or is refused when the
@@ -393,7 +397,7 @@ struct Backend::Impl {
     }
     // Decode: the worker holding most of the conversation, then the least
     // busy; only workers with room for the whole request.
-    const int64_t need_blocks = (n + r.job.max_tokens + 15) / 16;
+    const int64_t need_blocks = NeedBlocks(r);
     int64_t best_prefix = -1;
     int best_depth = INT32_MAX;
     bool up_d = false, any_d = false;
