@@ -49,8 +49,22 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   if (static_cast<int>(requests_.size()) >= max_batch_) {
     return ResourceExhausted("decode batch is full (" + std::to_string(max_batch_) + " requests)");
   }
+  const auto g = static_cast<int64_t>(spec.generated.size());
+  if (g >= spec.max_tokens || g >= seq.length()) {
+    return InvalidArgument("request " + std::to_string(spec.id) + " resumes after " +
+                           std::to_string(g) + " generated tokens, but max_tokens is " +
+                           std::to_string(spec.max_tokens) + " and its sequence holds " +
+                           std::to_string(seq.length()));
+  }
   auto r = std::make_unique<Request>(spec, std::move(seq), tokenizer_);
-  r->sampler.Advance(1);  // the prefill worker drew the first token from this stream
+  // The tokens a resumed request generated before; their text was shown.
+  if (!r->output.Replay(spec.generated, r->seq.length() - g, model_.config().max_context)) {
+    return InvalidArgument("request " + std::to_string(spec.id) +
+                           " resumes past its end: the tokens it generated before end it");
+  }
+  // The prefill worker drew the first token from this stream, after the
+  // draws of the tokens generated before.
+  r->sampler.Advance(static_cast<int>(g) + 1);
   std::vector<TokenEvent> first;
   const bool finished = Accept(*r, first_token, &first);
   if (spec.first_token_sent) {

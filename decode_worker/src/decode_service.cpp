@@ -178,17 +178,21 @@ struct DecodeService::Impl {
 
   void DoPrepare(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const std::string okey = OriginKey(peer, msg.request_id());
-    const int64_t tokens = KvTokensReserved(msg.prepare().tokens_size(),
-                                            msg.prepare().max_tokens(),
-                                            wm.model->config().max_context);
+    const proto::PrepareRequest& pr = msg.prepare();
+    const int64_t tokens = KvTokensReserved(pr.tokens_size() - pr.generated_tokens(),
+                                            pr.max_tokens(), wm.model->config().max_context);
     const int64_t blocks = (tokens + engine::kKvBlockTokens - 1) / engine::kKvBlockTokens;
-    Status budget = CheckBudget(peer, blocks);
-    Result<uint64_t> id =
-        ids.count(okey) != 0
-            ? Result<uint64_t>(InvalidArgument("request " + std::to_string(msg.request_id()) +
-                                               " is already here"))
-        : !budget.ok() ? Result<uint64_t>(budget)
-                       : decoder->Prepare(RequestFromProto(msg.request_id(), msg.prepare()), out);
+    Status refused = CheckBudget(peer, blocks);
+    if (ids.count(okey) != 0) {
+      refused = InvalidArgument("request " + std::to_string(msg.request_id()) + " is already here");
+    } else if (pr.generated_tokens() < 0 || pr.generated_tokens() > pr.tokens_size()) {
+      refused = InvalidArgument("generated_tokens " + std::to_string(pr.generated_tokens()) +
+                                " is not within the " + std::to_string(pr.tokens_size()) +
+                                " tokens sent");
+    }
+    Result<uint64_t> id = !refused.ok()
+                              ? Result<uint64_t>(refused)
+                              : decoder->Prepare(RequestFromProto(msg.request_id(), pr), out);
     if (!id.ok()) {
       LogError("{} prepare refused: {}", ReqId{msg.request_id()}, id.status().ToString());
       proto::WorkerMessage reply;

@@ -69,6 +69,13 @@ Status Decoder::ValidateRequest(const DecodeRequest& r) const {
     }
   }
   if (r.spec.max_tokens < 1) return InvalidArgument("max_tokens must be at least 1");
+  const size_t g = r.spec.generated.size();
+  if (g >= r.tokens.size() || g >= static_cast<size_t>(r.spec.max_tokens)) {
+    return InvalidArgument("generated_tokens " + std::to_string(g) +
+                           " must be fewer than the tokens sent (" +
+                           std::to_string(r.tokens.size()) + ") and than max_tokens (" +
+                           std::to_string(r.spec.max_tokens) + ")");
+  }
   return model::ValidateSamplingParams(r.spec.sampling);
 }
 
@@ -81,7 +88,7 @@ Status Decoder::ReserveKv(Prepared& p) {
   p.seq = cache.NewSequence();
   // The whole request, so that a request admitted never runs out of KV
   // mid-stream: its decode steps find their blocks reserved.
-  return cache.Reserve(p.seq, KvTokensReserved(static_cast<int64_t>(p.request.tokens.size()),
+  return cache.Reserve(p.seq, KvTokensReserved(p.request.PromptTokens(),
                                                p.request.spec.max_tokens,
                                                model_.config().max_context));
 }
@@ -259,9 +266,12 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   }
   const uint64_t id = next_id_++;
   p.request.spec.id = id;
-  LogInfo("{} prepare: {} prompt tokens, max_tokens {}, {} KV blocks reserved ({} free){}",
-          ReqId{p.request.request_id}, p.request.tokens.size(), p.request.spec.max_tokens,
-          p.seq.blocks().size(), model_.kv_cache().free_blocks(),
+  LogInfo("{} prepare: {} prompt tokens{}, max_tokens {}, {} KV blocks reserved ({} free){}",
+          ReqId{p.request.request_id}, p.request.PromptTokens(),
+          p.request.spec.generated.empty()
+              ? std::string()
+              : fmt::format(" and {} generated before (resumed)", p.request.spec.generated.size()),
+          p.request.spec.max_tokens, p.seq.blocks().size(), model_.kv_cache().free_blocks(),
           p.request.blended ? "; blended: nothing to load" : "");
   if (p.request.blended) {
     p.held_tokens = 0;
@@ -303,6 +313,10 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
             ReqId{p.request.request_id}, first_token, p.held_tokens,
             static_cast<int64_t>(p.request.tokens.size()) - p.held_tokens,
             HexBytes{p.request.transfer_id});
+    // The conversation stored at its end is this prompt and what the
+    // Batcher holds as generated (of a resumed request, the tokens it
+    // generated before too).
+    p.request.tokens.resize(static_cast<size_t>(p.request.PromptTokens()));
     running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
                            p.held_tokens, p.request.request_id};
     std::vector<TokenEvent> events;

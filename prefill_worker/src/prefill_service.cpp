@@ -110,6 +110,7 @@ struct PrefillService::Impl {
     proto::WorkerMessage reply;
     reply.set_request_id(q.request_id);
     auto* pr = reply.mutable_prefill_reply();
+    pr->set_transfer_id(q.job.transfer_id);
     if (out.ok()) {
       pr->set_first_token(out->first_token);
       pr->set_cached_tokens(out->cached_tokens);
@@ -164,6 +165,7 @@ struct PrefillService::Impl {
         q.job.decode_endpoint = r.decode_endpoint();
         q.job.decode_held_tokens = r.decode_held_tokens();
         q.job.transfer_id = r.transfer_id();
+        q.job.generated_tokens = r.generated_tokens();
         if (r.has_blend()) {
           BlendJob b;
           b.head_tokens = r.blend().head_tokens();
@@ -173,9 +175,12 @@ struct PrefillService::Impl {
           b.check_layer = r.blend().check_layer();
           q.job.blend = std::move(b);
         }
-        LogInfo("{} received: {} prompt tokens{}, KV to {} (it holds {} tokens; transfer {}), "
+        LogInfo("{} received: {} prompt tokens{}{}, KV to {} (it holds {} tokens; transfer {}), "
                 "{} ahead in the queue",
                 ReqId{q.request_id}, q.job.tokens.size(),
+                q.job.generated_tokens > 0
+                    ? fmt::format(" (resumed: the last {} generated)", q.job.generated_tokens)
+                    : std::string(),
                 q.job.blend ? fmt::format(", {} documents", q.job.blend->segment_tokens.size())
                             : std::string(),
                 q.job.decode_endpoint, q.job.decode_held_tokens, HexBytes{q.job.transfer_id},

@@ -105,6 +105,10 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
                            std::to_string(cfg.max_context));
   }
   KDN_RETURN_IF_ERROR(model::ValidateSamplingParams(job.sampling));
+  if (job.generated_tokens < 0 || job.generated_tokens >= n) {
+    return InvalidArgument("prefill: generated_tokens " + std::to_string(job.generated_tokens) +
+                           " is not within the " + std::to_string(n) + " tokens sent");
+  }
   if (job.blend) return RunBlend(job);
   const int C = options_.chunk_tokens;
   const kvbus::KeyContext ctx{fingerprint_, job.ns, C};
@@ -153,6 +157,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
     out.slices_skipped += static_cast<uint32_t>(held_chunks * cfg.num_layers);
   }
   engine::Sampler sampler(job.sampling);
+  sampler.Advance(static_cast<int>(job.generated_tokens));
   out.first_token = sampler.Sample(logits);
   out.cached_tokens = static_cast<int>(hit);
   out.tail_tokens = static_cast<int>(hit - first_new_chunk_ * int64_t{C});
@@ -212,6 +217,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   PrefillOutcome out;
   KDN_RETURN_IF_ERROR(push.Finish(&out));
   engine::Sampler sampler(job.sampling);
+  sampler.Advance(static_cast<int>(job.generated_tokens));
   out.first_token = sampler.Sample(r.logits);
   out.cached_tokens = r.cached_tokens;
   out.blended_tokens = r.cached_tokens;

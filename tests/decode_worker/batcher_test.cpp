@@ -268,5 +268,92 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
   EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
 }
 
+// A request resumed after `k` tokens on another worker (docs/serving.md, "A
+// decode worker lost"): the prefill worker computes prompt + those tokens and
+// draws the next from the stream moved past them; the Batcher replays them.
+// It must go on token for token, and text for text, as if it never moved.
+TEST(Batcher, AResumedRequestGoesOnAsIfItNeverMoved) {
+  auto model = MakeModel("tiny-qwen2");
+  const auto tok = Bytes();
+  const auto prompt = RandomTokens(14, 256, 8);
+  constexpr int kMax = 12;
+  for (const model::SamplingParams& sampling :
+       {model::SamplingParams{.temperature = 0.0f},
+        model::SamplingParams{.temperature = 4.0f, .top_k = 50, .seed = 99}}) {
+    auto free_run = engine::Generate(*model, prompt, {.max_tokens = kMax, .sampling = sampling});
+    ASSERT_TRUE(free_run.ok());
+    const std::vector<int32_t>& all = free_run->tokens;
+    ASSERT_EQ(all.size(), static_cast<size_t>(kMax));
+    // A stop string of two ASCII tokens past the third, and none: the
+    // resumed request must find it where the first one would, also when it
+    // resumes between its tokens (the first one's text held back).
+    std::string stop;
+    for (size_t i = 3; i + 1 < all.size() && stop.empty(); ++i) {
+      if (all[i] >= 32 && all[i] < 127 && all[i + 1] >= 32 && all[i + 1] < 127) {
+        stop = {static_cast<char>(all[i]), static_cast<char>(all[i + 1])};
+      }
+    }
+    ASSERT_FALSE(stop.empty()) << "precondition: two ASCII tokens in a row";
+    for (const bool with_stop : {false, true}) {
+      RequestSpec spec{.sampling = sampling, .max_tokens = kMax};
+      if (with_stop) spec.stop_strings = {stop};
+      Transcript whole;
+      {
+        Batcher batcher(*model, tok, 2);
+        spec.id = 1;
+        Prefilled p = Prefill(*model, prompt, sampling);
+        std::vector<TokenEvent> events;
+        ASSERT_TRUE(batcher.Admit(spec, std::move(p.seq), p.first, &events).ok());
+        while (batcher.running() > 0) ASSERT_TRUE(batcher.Step(&events).ok());
+        whole.Add(events);
+      }
+      const size_t end = whole.tokens[1].size();
+      for (size_t k = 1; k < end; ++k) {
+        SCOPED_TRACE(testing::Message() << "seed " << sampling.seed << ", stop " << with_stop
+                                        << ", resumed after " << k);
+        // What the client was shown of the first k tokens.
+        text::OutputText shown(tok, {spec.max_tokens, spec.stop_ids, spec.stop_strings});
+        std::string before;
+        for (size_t i = 0; i < k; ++i) {
+          before += shown.Add(all[i], static_cast<int64_t>(prompt.size() + i),
+                              model->config().max_context).text;
+        }
+        std::vector<int32_t> longer = prompt;
+        longer.insert(longer.end(), all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k));
+        Prefilled p{model->kv_cache().NewSequence(), -1};
+        std::vector<float> logits;
+        ASSERT_TRUE(model->Prefill(p.seq, longer, {}, &logits).ok());
+        engine::Sampler sampler(sampling);
+        sampler.Advance(static_cast<int>(k));
+        p.first = sampler.Sample(logits);
+        RequestSpec resumed = spec;
+        resumed.id = 2;
+        resumed.generated.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k));
+        Batcher batcher(*model, tok, 2);
+        std::vector<TokenEvent> events;
+        ASSERT_TRUE(batcher.Admit(resumed, std::move(p.seq), p.first, &events).ok());
+        while (batcher.running() > 0) ASSERT_TRUE(batcher.Step(&events).ok());
+        Transcript t;
+        t.Add(events);
+        EXPECT_EQ(t.tokens[2], std::vector<int32_t>(whole.tokens[1].begin() +
+                                                        static_cast<std::ptrdiff_t>(k),
+                                                    whole.tokens[1].end()));
+        EXPECT_EQ(before + t.text[2], whole.text[1]);
+        EXPECT_EQ(t.finish[2], whole.finish[1]);
+      }
+      if (with_stop) EXPECT_EQ(whole.finish[1], "stop");
+    }
+  }
+  // Resuming past the end, or with more tokens than the sequence, is refused.
+  Batcher batcher(*model, tok, 2);
+  std::vector<TokenEvent> events;
+  Prefilled p = Prefill(*model, prompt, {.temperature = 0.0f});
+  RequestSpec late{.id = 3, .sampling = {.temperature = 0.0f}, .max_tokens = 2};
+  late.generated = {1, 2};
+  EXPECT_EQ(batcher.Admit(late, std::move(p.seq), p.first, &events).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
+}
+
 }  // namespace
 }  // namespace kdn::decode_worker

@@ -89,4 +89,14 @@ TextDelta OutputText::Add(int32_t token, int64_t kv_tokens, int64_t max_context)
   return d;
 }
 
+bool OutputText::Replay(std::span<const int32_t> generated, int64_t prompt_tokens,
+                        int64_t max_context) {
+  for (size_t i = 0; i < generated.size(); ++i) {
+    if (Add(generated[i], prompt_tokens + static_cast<int64_t>(i), max_context).finished) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace kdn::text

@@ -36,6 +36,13 @@ struct RequestSpec {
   // soon as the prefill worker has it, by text::OutputText's rules): Admit
   // emits no event for it.
   bool first_token_sent = false;
+  // A resumed request (docs/serving.md, "A decode worker lost"): the tokens
+  // it generated before this worker took it over, whose KV is the tail of
+  // its sequence. Admit replays them, so that they count toward max_tokens
+  // and stop strings and their text is not shown again, and moves the
+  // sampler's stream past them; the request then goes on as if it had never
+  // moved.
+  std::vector<int32_t> generated;
 };
 
 // What one Step (or Admit) produced for one request.
@@ -69,7 +76,8 @@ class Batcher {
   // an event now, unless spec.first_token_sent; should it then end the
   // request, as the router's text::OutputText will have said, only the end
   // is emitted, as token -1). INVALID_ARGUMENT for bad sampling parameters, a
-  // duplicate id or an empty sequence; RESOURCE_EXHAUSTED when max_batch
+  // duplicate id, an empty sequence, or spec.generated not shorter than
+  // max_tokens or not within the sequence; RESOURCE_EXHAUSTED when max_batch
   // requests run.
   Status Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t first_token,
                std::vector<TokenEvent>* events);

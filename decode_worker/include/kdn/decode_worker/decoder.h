@@ -88,7 +88,14 @@ struct DecodeRequest {
   bool blended = false;
   // The router's request id, shown in the Decoder's log lines (ReqId) only.
   uint64_t request_id = 0;
-  RequestSpec spec;  // sampling, max_tokens, stops; spec.id is set by Prepare
+  // Sampling, max_tokens, stops; spec.id is set by Prepare. A resumed
+  // request's spec.generated are the last tokens of `tokens`.
+  RequestSpec spec;
+
+  // The prompt's tokens, less those a resumed request generated before.
+  int64_t PromptTokens() const {
+    return static_cast<int64_t>(tokens.size() - spec.generated.size());
+  }
 };
 
 // The KV a request's Prepare reserves, in tokens: its prompt and max_tokens

@@ -65,6 +65,10 @@ struct PrefillJob {
   // prompt for a blend job).
   std::string transfer_id;
   std::optional<BlendJob> blend;
+  // A resumed request (docs/serving.md, "A decode worker lost"): the last
+  // generated_tokens of `tokens` it generated before; its first token is the
+  // draw of its sampler's stream that follows theirs.
+  int64_t generated_tokens = 0;
 };
 
 struct PrefillOutcome {

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,15 @@ class OutputText {
   // tokens of KV (the token's own KV is written next), on a model of
   // `max_context` tokens. A finished request shows all the text held back.
   TextDelta Add(int32_t token, int64_t kv_tokens, int64_t max_context);
+
+  // Records `generated`, the tokens a request generated before it moved
+  // here (a resumed request: docs/serving.md, "A decode worker lost"), as
+  // Add did when they were sampled, the i-th with prompt_tokens + i tokens of
+  // KV; their text counts as shown. The state is then what it was after
+  // them, so that the text of the tokens that follow joins up with what the
+  // client has. False when they end the request (it should not have gone
+  // on); the state is then unspecified.
+  bool Replay(std::span<const int32_t> generated, int64_t prompt_tokens, int64_t max_context);
 
   const std::vector<int32_t>& tokens() const { return tokens_; }
 
