@@ -369,6 +369,12 @@ def script_text(L, a, bin_dir, model, run_dir):
                   [log] if log else [])
     if a.separator:
         router.append("--separator %s" % q(a.separator))
+    if a.max_queued != 1024:
+        router.append("--max-queued %d" % a.max_queued)
+    if a.max_connections != 1024:
+        router.append("--max-connections %d" % a.max_connections)
+    if a.no_resume:
+        router.append("--no-resume")
     if a.api_keys:
         router.append("--api-keys %s" % q(str(Path(a.api_keys).resolve())))
     steps += ["",

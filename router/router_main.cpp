@@ -69,10 +69,19 @@ int main(int argc, char** argv) {
                  "Open HTTP connections at most; one more is answered 503 and closed")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  bool no_resume = false;
+  app.add_flag("--no-resume", no_resume,
+               "A request whose decode worker is lost mid-stream fails (its client gets an "
+               "error) instead of going on at another decode worker");
+  app.add_option("--max-resumes", o.backend.max_resumes,
+                 "Decode workers a request may lose and still go on")
+      ->check(CLI::Range(0, 100))
+      ->capture_default_str();
   kdn::kvbus::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   o.backend.queue_timeout = std::chrono::milliseconds(queue_timeout_ms);
+  o.backend.resume = !no_resume;
   if (kdn::Status st = log_flags.Init("router"); !st.ok()) {
     kdn::LogError("{}", st.ToString());
     return 2;

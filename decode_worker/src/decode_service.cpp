@@ -52,6 +52,9 @@ DecodeRequest RequestFromProto(uint64_t request_id, const proto::PrepareRequest&
   d.spec.max_tokens = r.max_tokens();
   d.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());
   d.spec.stop_strings.assign(r.stop_strings().begin(), r.stop_strings().end());
+  // A resumed request's generated tokens (DoPrepare has checked the count
+  // is within the tokens; Decoder::Prepare checks the rest).
+  d.spec.generated.assign(r.tokens().end() - r.generated_tokens(), r.tokens().end());
   return d;
 }
 

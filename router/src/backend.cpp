@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <zmq.hpp>
@@ -63,6 +64,20 @@ struct Request {
   int prefill_retries = 0;         // prefill workers lost before the first token
   std::string transfer_id;
   Usage usage;
+  // Every token sent to the client so far, the first included.
+  std::vector<int32_t> generated;
+  // Decode workers lost (docs/serving.md, "A decode worker lost"): how many,
+  // and which (never chosen again for it, as what they may still send is
+  // about a request that has moved on).
+  int resumes = 0;
+  std::set<size_t> lost_decode;
+  // Of job.tokens, the last resumed_tokens are generated ones, carried into
+  // its prompt by the last resume.
+  int64_t resumed_tokens = 0;
+
+  int64_t PromptTokens() const {
+    return static_cast<int64_t>(job.tokens.size()) - resumed_tokens;
+  }
 };
 
 struct Command {
@@ -266,22 +281,25 @@ struct Backend::Impl {
               req.job.route.empty() ? "a job" : req.job.route, req.job.tokens.size(),
               req.job.max_tokens, blend);
     }
-    if (!have_identity) {
-      Fail(req.id, Unavailable("no worker has answered yet"));
-      return;
-    }
+    if (Status st = StartLookup(req); !st.ok()) Fail(req.id, st);
+  }
+
+  // Asks every live worker how much of `req`'s prompt it reaches (phase
+  // kLookup); Choose takes it on once they have answered. UNAVAILABLE, with
+  // nothing sent, when no worker of a role is up.
+  Status StartLookup(Request& req) {
+    if (!have_identity) return Unavailable("no worker has answered yet");
     bool any_p = false, any_d = false;
     for (size_t w = 0; w < workers.size(); ++w) {
       any_p |= Usable(w, "prefill");
-      any_d |= Usable(w, "decode");
+      any_d |= Usable(w, "decode") && req.lost_decode.count(w) == 0;
     }
     if (!any_p || !any_d) {
-      Fail(req.id, Unavailable(std::string("no ") + (any_p ? "decode" : "prefill") +
-                               " worker is up"));
-      return;
+      return Unavailable(std::string("no ") + (any_p ? "decode" : "prefill") + " worker is up");
     }
     const kvbus::KeyContext kctx{fingerprint, req.job.ns, chunk_tokens};
     req.keys = kvbus::PrefixKeys(kctx, req.job.tokens);
+    req.segment_keys.clear();
     if (req.job.blend) {
       const int32_t* t = req.job.tokens.data() + req.job.blend->head_tokens;
       for (int len : req.job.blend->segment_tokens) {
@@ -289,9 +307,12 @@ struct Backend::Impl {
         t += len;
       }
     }
+    // Unique per request and per sending: a resumed request's late replies
+    // and slices from before are told apart.
+    const uint64_t salt = nonce ^ (static_cast<uint64_t>(req.resumes) << 56);
     uint8_t tid[16];
     for (int i = 0; i < 8; ++i) {
-      tid[i] = static_cast<uint8_t>(nonce >> (8 * i));
+      tid[i] = static_cast<uint8_t>(salt >> (8 * i));
       tid[8 + i] = static_cast<uint8_t>(req.id >> (8 * i));
     }
     req.transfer_id.assign(reinterpret_cast<const char*>(tid), 16);
@@ -306,14 +327,19 @@ struct Backend::Impl {
     for (const kvbus::ChunkKey& k : req.segment_keys) {
       lk->add_segment_keys(control::KeyToBytes(k));
     }
+    req.prefix.clear();
+    req.segment_tokens_held.clear();
+    req.lookups_pending = 0;
     for (size_t w = 0; w < workers.size(); ++w) {
       if (!Usable(w, "prefill") && !Usable(w, "decode")) continue;
+      if (req.lost_decode.count(w) != 0) continue;
       req.prefix[w] = -1;
       ++req.lookups_pending;
       Send(w, req.id, m);
     }
     req.phase = Phase::kLookup;
     req.deadline = Clock::now() + options.lookup_timeout;
+    return Status::Ok();
   }
 
   // Whether decode worker `w` has room for `r`: KV for prompt + max_tokens
@@ -327,7 +353,7 @@ struct Backend::Impl {
   // The KV blocks (16 tokens each) a decode worker reserves for `r`: its
   // prompt and max_tokens.
   static int64_t NeedBlocks(const Request& r) {
-    return (static_cast<int64_t>(r.job.tokens.size()) + r.job.max_tokens + 15) / 16;
+    return (r.PromptTokens() + r.job.max_tokens + 15) / 16;
   }
 
   // Request `r` waits for a decode worker with room (or is refused when the
@@ -425,9 +451,11 @@ struct Backend::Impl {
       if (!up_d) {
         Fail(r.id, Unavailable("no decode worker is up"));
       } else if (any_d) {
-        Park(r, /*front=*/false);
+        // A resumed request was admitted before: it waits ahead of the new.
+        Park(r, /*front=*/r.resumes > 0);
       } else {
-        Fail(r.id, InvalidArgument("no decode worker can hold " + std::to_string(n) + " + " +
+        Fail(r.id, InvalidArgument("no decode worker can hold " +
+                                   std::to_string(r.PromptTokens()) + " + " +
                                    std::to_string(r.job.max_tokens) + " tokens of KV"));
       }
       return;
@@ -442,6 +470,7 @@ struct Backend::Impl {
     for (const std::string& s : r.job.stop_strings) pr->add_stop_strings(s);
     pr->set_transfer_id(r.transfer_id);
     pr->set_blended(r.job.blend.has_value());
+    pr->set_generated_tokens(static_cast<int32_t>(r.resumed_tokens));
     // Before the prepare goes out, so that the line comes before the decode
     // worker's about it.
     LogInfo("{} routed: prefill {} (reaches {} tokens), decode {} (holds {} tokens)",
@@ -515,39 +544,56 @@ struct Backend::Impl {
       case proto::WorkerMessage::kPrefillReply: {
         if (r.phase != Phase::kPrefill || w != r.p) return;
         const proto::PrefillReply& pr = m.prefill_reply();
+        // A reply to an earlier sending of a resumed request (a worker
+        // before this echo sends none).
+        if (!pr.transfer_id().empty() && pr.transfer_id() != r.transfer_id) return;
         Status st = control::StatusFromProto(pr.error());
         if (!st.ok()) {
           Fail(r.id, st.WithContext(workers[w].view.name));
           return;
         }
-        LogInfo("{} prefill done by {}: {} cached ({} from tail pieces, {} blended, {} of them "
-                "recomputed), {} computed, {} bytes of KV sent, {} slices skipped, first "
-                "token after {:.1f} ms",
-                ReqId{r.id}, workers[w].view.name, pr.cached_tokens(), pr.tail_tokens(),
-                pr.blended_tokens(), pr.recomputed_tokens(), pr.computed_tokens(),
-                pr.kv_bytes_sent(), pr.slices_skipped(), MsSince(r.arrival));
-        r.usage.prompt_tokens = static_cast<int>(r.job.tokens.size());
-        r.usage.cached_tokens = pr.cached_tokens();
-        r.usage.blended = r.job.blend.has_value();
-        r.usage.blended_tokens = pr.blended_tokens();
-        r.usage.recomputed_tokens = pr.recomputed_tokens();
+        // A resumed request's prefill carries on a stream its client has;
+        // the figures of its prompt are its first prefill's.
+        const bool resumed = !r.generated.empty();
+        LogInfo("{} prefill done by {}{}: {} cached ({} from tail pieces, {} blended, {} of them "
+                "recomputed), {} computed, {} bytes of KV sent, {} slices skipped, {} token after "
+                "{:.1f} ms",
+                ReqId{r.id}, workers[w].view.name, resumed ? " (resumed)" : "", pr.cached_tokens(),
+                pr.tail_tokens(), pr.blended_tokens(), pr.recomputed_tokens(),
+                pr.computed_tokens(), pr.kv_bytes_sent(), pr.slices_skipped(),
+                resumed ? "next" : "first", MsSince(r.arrival));
+        if (!resumed) {
+          r.usage.prompt_tokens = static_cast<int>(r.job.tokens.size());
+          r.usage.cached_tokens = pr.cached_tokens();
+          r.usage.blended = r.job.blend.has_value();
+          r.usage.blended_tokens = pr.blended_tokens();
+          r.usage.recomputed_tokens = pr.recomputed_tokens();
+        }
         if (metrics) {
-          metrics->PromptTokens(pr.cached_tokens() - pr.blended_tokens(),
-                                pr.blended_tokens() - pr.recomputed_tokens(),
-                                pr.recomputed_tokens(), pr.computed_tokens(), pr.tail_tokens());
+          if (!resumed) {
+            metrics->PromptTokens(pr.cached_tokens() - pr.blended_tokens(),
+                                  pr.blended_tokens() - pr.recomputed_tokens(),
+                                  pr.recomputed_tokens(), pr.computed_tokens(), pr.tail_tokens());
+          }
           metrics->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
         }
         // Step 5: the first token goes to the client now, shown by the
         // decode worker's own rules (text::OutputText: stop strings, partial
         // characters), so that its text and the decode worker's from the
-        // second token on join up.
+        // second token on join up. A resumed request's token follows the
+        // ones its client has, replayed first.
         text::OutputText output(*tokenizer,
                                 {r.job.max_tokens, r.job.stop_ids, r.job.stop_strings});
+        const int64_t max_context = workers[r.d].view.max_context;
+        if (!output.Replay(r.generated, r.PromptTokens(), max_context)) {
+          Fail(r.id, Internal("resumed after the tokens that end it"));
+          return;
+        }
         text::TextDelta first = output.Add(pr.first_token(),
-                                           static_cast<int64_t>(r.job.tokens.size()),
-                                           workers[r.d].view.max_context);
+                                           static_cast<int64_t>(r.job.tokens.size()), max_context);
         TokenOut(r);
-        r.usage.completion_tokens = 1;
+        r.generated.push_back(pr.first_token());
+        r.usage.completion_tokens = static_cast<int>(r.generated.size());
         if (metrics) metrics->GeneratedTokens(1);
         JobEvent ev;
         ev.tokens = 1;
@@ -579,6 +625,7 @@ struct Backend::Impl {
           }
           if (e.token() >= 0) {
             TokenOut(r);
+            r.generated.push_back(e.token());
             ++ev.tokens;
           }
           ev.text += e.text();
@@ -750,6 +797,7 @@ struct Backend::Impl {
     pf->set_decode_endpoint(workers[r.d].kvbus_endpoint);
     pf->set_decode_held_tokens(static_cast<int32_t>(r.decode_held_tokens));
     pf->set_transfer_id(r.transfer_id);
+    pf->set_generated_tokens(static_cast<int32_t>(r.resumed_tokens));
     if (r.job.blend) {
       auto* b = pf->mutable_blend();
       b->set_head_tokens(r.job.blend->head_tokens);
@@ -787,8 +835,42 @@ struct Backend::Impl {
     return true;
   }
 
+  // Request `r` lost its decode worker (`why`): it starts over from the
+  // lookup, never to that worker again, with the tokens its client has as
+  // the tail of its prompt (docs/serving.md, "A decode worker lost"). Its
+  // prefill worker, if it has one at work, is told to let it go. False,
+  // with nothing changed, when resuming is off or spent, or no decode
+  // worker is left to take it.
+  bool Resume(Request& r, const std::string& why) {
+    if (!options.resume || r.resumes >= options.max_resumes) return false;
+    bool other = false;
+    for (size_t x = 0; x < workers.size(); ++x) {
+      other |= x != r.d && r.lost_decode.count(x) == 0 && Usable(x, "decode");
+    }
+    if (!other) return false;
+    if (r.prefill_sent && r.phase == Phase::kPrefill) SendCancel(r.p, r.id);
+    // Should the worker only have gone quiet, it stops for good.
+    SendCancel(r.d, r.id);
+    r.lost_decode.insert(r.d);
+    ++r.resumes;
+    const int64_t carried = static_cast<int64_t>(r.generated.size()) - r.resumed_tokens;
+    r.job.tokens.insert(r.job.tokens.end(), r.generated.end() - carried, r.generated.end());
+    r.resumed_tokens = static_cast<int64_t>(r.generated.size());
+    r.prefill_sent = false;
+    r.decode_held_tokens = 0;
+    r.prefill_retries = 0;
+    LogWarn("{} decode worker {} {} after {} tokens: resuming elsewhere ({} of {})", ReqId{r.id},
+            workers[r.d].view.name, why, r.generated.size(), r.resumes, options.max_resumes);
+    if (metrics) metrics->Resumed(static_cast<int>(r.generated.size()));
+    if (Status st = StartLookup(r); !st.ok()) {
+      Fail(r.id, st);  // not reached: a decode worker is up (checked above)
+    }
+    return true;
+  }
+
   // Worker `w` is down (`why`: "stopped answering", "closed its
-  // connection"): its requests fail, its lookups count as misses, its
+  // connection"): its requests go on elsewhere where they can (Resume,
+  // RetryPrefill) and fail otherwise, its lookups count as misses, its
   // injections go to another prefill worker. It is up again once it is
   // heard from.
   void MarkDown(size_t w, const std::string& why) {
@@ -799,23 +881,30 @@ struct Backend::Impl {
     // Published before its requests fail, so that whoever hears of a failure
     // (the client, /health) already sees the worker down.
     UpdateSnapshot();
-    std::vector<uint64_t> doomed, to_choose;
+    std::vector<uint64_t> doomed, to_choose, to_resume;
     for (auto& [id, r] : requests) {
       const bool uses_d = r.phase != Phase::kLookup && r.phase != Phase::kQueued && r.d == w;
       const bool uses_p = r.phase == Phase::kPrefill && r.p == w;
       // Before the first token nothing has reached the client: another
       // prefill worker can take the request over.
       if (uses_p && !uses_d && RetryPrefill(r)) continue;
-      if (uses_d || uses_p) doomed.push_back(id);
+      if (uses_d) {
+        to_resume.push_back(id);  // after this loop: Resume may fail it
+      } else if (uses_p) {
+        doomed.push_back(id);
+      }
       auto pit = r.prefix.find(w);
       if (r.phase == Phase::kLookup && pit != r.prefix.end() && pit->second < 0) {
         r.prefix.erase(pit);
         if (--r.lookups_pending == 0) to_choose.push_back(id);
       }
     }
-    for (uint64_t id : doomed) {
-      Fail(id, Unavailable(wk.view.role + " worker " + wk.view.name + " " + why));
+    const Status lost = Unavailable(wk.view.role + " worker " + wk.view.name + " " + why);
+    for (uint64_t id : to_resume) {
+      auto it = requests.find(id);
+      if (it != requests.end() && !Resume(it->second, why)) doomed.push_back(id);
     }
+    for (uint64_t id : doomed) Fail(id, lost);
     if (wk.view.role == "prefill") RequeueInjections(w);
     for (uint64_t id : to_choose) {
       auto it = requests.find(id);

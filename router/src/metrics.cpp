@@ -69,6 +69,12 @@ void Metrics::QueueWait(double seconds) {
   queue_wait_.Observe(seconds);
 }
 
+void Metrics::Resumed(int tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++resumed_;
+  resumed_tokens_ += static_cast<uint64_t>(tokens);
+}
+
 void Metrics::RequestFinished(const std::string& route, int code) {
   std::lock_guard<std::mutex> lock(mu_);
   ++requests_[{route, code}];
@@ -141,6 +147,12 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   Head(&out, "kdn_queue_wait_seconds", "histogram",
        "How long requests that waited for a decode worker waited.");
   queue_wait_.Render("kdn_queue_wait_seconds", &out);
+  Head(&out, "kdn_requests_resumed_total", "counter",
+       "Requests moved to another decode worker after theirs was lost; their streams went on.");
+  out += "kdn_requests_resumed_total " + std::to_string(resumed_) + "\n";
+  Head(&out, "kdn_resumed_tokens_total", "counter",
+       "Tokens generated before a request was resumed, which its new prompt carried.");
+  out += "kdn_resumed_tokens_total " + std::to_string(resumed_tokens_) + "\n";
   Head(&out, "kdn_ttft_seconds", "histogram", "Time to first token from the request's arrival.");
   ttft_.Render("kdn_ttft_seconds", &out);
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");

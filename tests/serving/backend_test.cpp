@@ -198,15 +198,19 @@ class BackendTest : public ::testing::Test {
   // Starts the backend over the prefill worker and `decode_endpoint`, and
   // waits until it has heard from both.
   // `prefill_before`: prefill workers listed before the real one (chosen
-  // first when their costs tie).
+  // first when their costs tie); `decode_after`: decode workers listed after
+  // `decode_endpoint` (chosen after it when all else ties).
   void StartBackend(const std::string& decode_endpoint,
                     std::chrono::milliseconds worker_timeout = std::chrono::seconds(3),
-                    std::vector<std::string> prefill_before = {}) {
+                    std::vector<std::string> prefill_before = {},
+                    std::vector<std::string> decode_after = {}) {
     BackendOptions o;
     o.prefill_endpoints = std::move(prefill_before);
     o.prefill_endpoints.push_back(prefill_->endpoint());
     o.decode_endpoints = {decode_endpoint};
+    o.decode_endpoints.insert(o.decode_endpoints.end(), decode_after.begin(), decode_after.end());
     o.worker_timeout = worker_timeout;
+    o.resume = resume_;
     auto b = Backend::Start(o, *tokenizer_, &metrics_);
     ASSERT_TRUE(b.ok()) << b.status().ToString();
     backend_ = std::move(b).value();
@@ -250,6 +254,7 @@ class BackendTest : public ::testing::Test {
   std::unique_ptr<text::Tokenizer> tokenizer_;
   std::unique_ptr<prefill_worker::PrefillService> prefill_;
   Metrics metrics_;
+  bool resume_ = true;                // BackendOptions::resume of StartBackend
   std::unique_ptr<Backend> backend_;  // last: stopped first
 };
 
@@ -397,6 +402,80 @@ TEST_F(BackendTest, APrefillWorkerLostBeforeTheFirstTokenIsReplaced) {
   ASSERT_EQ(events.back().kind, JobEvent::Kind::kDone) << events.back().error.ToString();
   EXPECT_EQ(JoinedText(events), tokenizer_->Decode(want));
   EXPECT_EQ(events.back().usage.completion_tokens, 6);
+}
+
+// A decode worker lost mid-stream (its connection closes) loses no request
+// (docs/serving.md, "A decode worker lost"): the router sends the prompt and
+// the tokens its client has to another decode worker, by way of a prefill
+// worker, and the stream goes on, token for token what an uninterrupted run
+// gives, greedy or seeded.
+TEST_F(BackendTest, ADecodeWorkerLostMidStreamIsResumedElsewhere) {
+  auto d = StartDecodeService();
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto lost = std::make_unique<HeldDecodeWorker>(dir_.path());
+  StartBackend(lost->endpoint(), std::chrono::hours(1), {}, {(*d)->endpoint()});
+  auto wm = control::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
+  ASSERT_TRUE(wm.ok());
+  constexpr int kMax = 10;
+  // The tiny model's logits are steep: only a high temperature makes its
+  // seeded draws differ from token to token.
+  for (const float temperature : {0.0f, 100.0f}) {
+    SCOPED_TRACE(testing::Message() << "temperature " << temperature);
+    // Prompts apart, so that the decode worker that holds the first one's
+    // conversation is not chosen for the second by its prefix.
+    Job job = GreedyJob(temperature == 0 ? "Hello world, resumed" : "Seeded, and resumed", kMax);
+    job.sampling.temperature = temperature;
+    job.sampling.seed = 11;
+    const std::vector<int32_t> want = EngineTokens(*wm, job, kMax);
+    ASSERT_EQ(want.size(), static_cast<size_t>(kMax));
+    Client client;
+    const uint64_t id = backend_->Submit(job, client.Callback());
+    const Told start = lost->WaitForWord(id);
+    ASSERT_EQ(start.body, proto::WorkerMessage::kStart);
+    ASSERT_EQ(start.first_token, want[0]);
+    // Two more tokens reach the client; then the worker dies.
+    lost->SendTokens(id, {want[1], want[2]}, "");
+    for (int i = 0; i < 3000 && client.Events().size() < 2; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(client.Events().size(), 2u);
+    lost.reset();  // closes its control socket, as a process that dies does
+    const std::vector<JobEvent> events = client.WaitForEnd();
+    ASSERT_FALSE(events.empty());
+    ASSERT_EQ(events.back().kind, JobEvent::Kind::kDone) << events.back().error.ToString();
+    EXPECT_EQ(JoinedText(events), tokenizer_->Decode(want));
+    int tokens = 0;
+    for (const JobEvent& e : events) tokens += e.tokens;
+    EXPECT_EQ(tokens, kMax);
+    EXPECT_EQ(events.back().usage.completion_tokens, kMax);
+    EXPECT_EQ(events.back().usage.prompt_tokens, static_cast<int>(job.tokens.size()));
+    EXPECT_EQ(events.back().finish_reason, "length");
+    // The next request goes to the live worker from the start.
+    lost = std::make_unique<HeldDecodeWorker>(dir_.path());
+    backend_.reset();
+    StartBackend(lost->endpoint(), std::chrono::hours(1), {}, {(*d)->endpoint()});
+  }
+  const std::string page = metrics_.Render({});
+  EXPECT_EQ(Sample(page, "kdn_requests_resumed_total"), 2);
+  EXPECT_EQ(Sample(page, "kdn_resumed_tokens_total"), 6);
+}
+
+// With resuming off, the same loss fails the request.
+TEST_F(BackendTest, WithoutResumeADecodeWorkerLostFailsItsRequests) {
+  auto d = StartDecodeService();
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto lost = std::make_unique<HeldDecodeWorker>(dir_.path());
+  resume_ = false;
+  StartBackend(lost->endpoint(), std::chrono::hours(1), {}, {(*d)->endpoint()});
+  Client client;
+  const uint64_t id = backend_->Submit(GreedyJob("Hello world", 8), client.Callback());
+  ASSERT_EQ(lost->WaitForWord(id).body, proto::WorkerMessage::kStart);
+  lost.reset();
+  const std::vector<JobEvent> events = client.WaitForEnd();
+  ASSERT_FALSE(events.empty());
+  ASSERT_EQ(events.back().kind, JobEvent::Kind::kError);
+  EXPECT_NE(events.back().error.message().find("closed its connection"), std::string::npos)
+      << events.back().error.ToString();
 }
 
 TEST_F(BackendTest, TheRouterAndARealDecodeWorkerShowEachTokenOnce) {

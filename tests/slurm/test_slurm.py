@@ -171,10 +171,14 @@ def test_one_node_serves_caches_survives_a_dead_worker_and_stops(cluster, tmp_pa
 
 
 def test_two_nodes_place_workers_apart_and_move_kv_over_tcp(cluster, tmp_path):
-    job = Job(cluster, tmp_path / "run", "--nodes", 2, "--prefill", 1, "--decode", 1, "--store")
+    job = Job(cluster, tmp_path / "run", "--nodes", 2, "--prefill", 1, "--decode", 1, "--store",
+              "--max-queued", 64, "--no-resume")
     try:
         script = (job.run_dir / "kdn.sbatch").read_text()
         assert "#SBATCH --nodes=2" in script
+        # The router flags of `kdn-launch up` reach the job's router.
+        router_line = next(l for l in script.splitlines() if l.startswith("start router"))
+        assert "--max-queued 64" in router_line and "--no-resume" in router_line, router_line
         pids = job.pids()
         assert pids["router"][0] == "kdn0" and pids["store"][0] == "kdn0"
         assert pids["prefill-0"][0] == "kdn0" and pids["decode-0"][0] == "kdn1", pids

@@ -14,8 +14,14 @@
 // hold the documents' KV; its KV is blended, so it travels under the
 // request's transfer key and the decode worker never stores it. Inject sends
 // documents one by one to the prefill workers to store in the KDN.
-// A worker silent for `worker_timeout` is down: its requests fail with
-// UNAVAILABLE, and new requests go elsewhere until it answers again.
+// A worker silent for `worker_timeout`, or whose connection closes, is down,
+// and new requests go elsewhere until it answers again. Its requests go on
+// where they can: a prefill worker's, before their first token, at another
+// prefill worker; a decode worker's (BackendOptions::resume) at another
+// decode worker, which takes the prompt and the tokens streamed so far as a
+// new prompt (their KV loaded from the KDN where held, computed by a prefill
+// worker where not) and goes on from there, the client's stream unbroken.
+// The others fail with UNAVAILABLE.
 //
 // Thread-safe: Submit, Cancel and Workers from any thread. One background
 // thread owns the sockets and calls the job callbacks.
@@ -92,6 +98,10 @@ struct BackendOptions {
   // request is refused at once (RESOURCE_EXHAUSTED: HTTP 429).
   int max_queued = 1024;
   std::chrono::milliseconds queue_timeout{60000};
+  // A request whose decode worker is lost goes on at another (docs/serving.md,
+  // "A decode worker lost"), up to max_resumes times; false: it fails.
+  bool resume = true;
+  int max_resumes = 3;
   // Set: the control connections run CURVE as holders of this key, the
   // workers' (kdn/kvbus/curve.h); unset: plaintext.
   std::optional<kvbus::CurveKeys> curve;

@@ -70,6 +70,10 @@ class Metrics {
   // and how long one waited once it got a decode worker.
   void QueueDepth(int n);
   void QueueWait(double seconds);
+  // A request moved to another decode worker after it lost its own
+  // (BackendOptions::resume), with `tokens` generated tokens recomputed
+  // or loaded as part of its new prompt.
+  void Resumed(int tokens);
 
   std::string Render(const std::vector<WorkerGauge>& workers) const;
 
@@ -87,6 +91,7 @@ class Metrics {
   uint64_t accept_errors_ = 0;
   int queue_depth_ = 0;
   Histogram queue_wait_;
+  uint64_t resumed_ = 0, resumed_tokens_ = 0;
 };
 
 }  // namespace kdn::router
