@@ -207,6 +207,12 @@ def test_dry_run_on_the_cpu_passes_the_flags_of_before(model_dir):
     # --no-curve: plaintext, no key.
     p = plan("--model", model, "--bin-dir", "/b", "--run-dir", "/r", "--no-curve")
     assert all("--curve-keys" not in argv for argv in p.values()), p
+    # The router's own flags, given: passed on.
+    p = plan("--model", model, "--bin-dir", "/b", "--run-dir", "/r", "--no-curve",
+             "--max-queued", "5", "--max-connections", "9", "--no-resume")
+    router = p["router"]
+    assert flag(router, "--max-queued") == "5" and flag(router, "--max-connections") == "9"
+    assert "--no-resume" in router, router
 
 
 def test_up_status_down_with_stand_in_cuda_workers(fake):
