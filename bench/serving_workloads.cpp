@@ -546,7 +546,9 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
     auto m = Exchange(url, http::verb::get, "/metrics", "");
     if (!m.ok()) return m.status().WithContext("GET /metrics");
     after_lines = MetricLines(m->body, {"kdn_requests_in_flight", "kdn_worker_free_kv_blocks",
-                                        "kdn_prompt_tokens_total", "kdn_queue_depth"});
+                                        "kdn_prompt_tokens_total", "kdn_queue_depth",
+                                        "kdn_worker_leased_kv_blocks",
+                                        "kdn_worker_kvbus_leased_bytes"});
     idle = after_lines["kdn_requests_in_flight"] == 0 ? idle + 1 : 0;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -582,6 +584,18 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
     leaked[line] = lost;
     leaked_blocks += static_cast<int64_t>(std::max(0.0, lost));
   }
+  // Leases still held once drained: each would be let go only when it runs
+  // out, so any here is a request or a transfer the deployment lost track of.
+  json leases = json::object();
+  double leases_held = 0;
+  for (const auto& [line, v] : after_lines) {
+    if (line.rfind("kdn_worker_leased_kv_blocks", 0) != 0 &&
+        line.rfind("kdn_worker_kvbus_leased_bytes", 0) != 0) {
+      continue;
+    }
+    leases[line] = v;
+    leases_held += v;
+  }
   json rss = json::object();
   double worst_growth = 0;
   for (const auto& [name, mib] : rss_end) {
@@ -607,6 +621,9 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
   std::printf("  errors          %d\n", failed);
   for (const auto& [what, n] : errors) std::printf("    %d x %s\n", n, what.c_str());
   std::printf("  KV blocks not given back after the run: %lld\n", static_cast<long long>(leaked_blocks));
+  std::printf("  held under leases after the run: %.0f (KV blocks of requests not started, kvbus "
+              "bytes granted)\n",
+              leases_held);
   for (const auto& [name, r] : rss.items()) {
     std::printf("  RSS %-10s %.1f MiB at start, %.1f after warm-up, %.1f at the end (%+.1f%%)\n",
                 name.c_str(), r["start_mib"].get<double>(), r["after_warmup_mib"].get<double>(),
@@ -625,10 +642,13 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
            {"itl", "each request's mean gap between tokens: (total - TTFT) / (tokens - 1)"},
            {"hit_rate", total > 0 ? cached / total : 0.0}, {"errors", failed},
            {"error_kinds", errs}, {"kv_blocks_leaked", leaked_blocks}, {"free_kv_blocks_lost", leaked},
+           {"leases_held_after", leases}, {"leases_held", leases_held},
            {"rss", rss}, {"rss_growth_after_warmup_max", worst_growth}});
   if (o.soak > 0) {
-    const bool pass = failed == 0 && leaked_blocks == 0 && (rss_end.empty() || worst_growth < 0.05);
-    std::printf("soak: %s (aims: 0 errors, 0 KV blocks kept, RSS growth after warm-up under 5%%%s)\n",
+    const bool pass = failed == 0 && leaked_blocks == 0 && leases_held == 0 &&
+                      (rss_end.empty() || worst_growth < 0.05);
+    std::printf("soak: %s (aims: 0 errors, 0 KV blocks kept, 0 leases held, RSS growth after "
+                "warm-up under 5%%%s)\n",
                 pass ? "met" : "MISSED", o.run_dir.empty() ? "; no --run-dir, RSS not read" : "");
     if (!pass) return Status(StatusCode::kInternal, "the soak missed its aims");
   }

@@ -88,6 +88,7 @@ struct DecodeService::Impl {
   bool stop = false;             // guarded by mu
   std::atomic<int> depth{0};     // prepared + running
   std::atomic<int> free_blocks{0};
+  std::atomic<int64_t> leased_blocks{0};  // unstarted_blocks, summed
   std::thread compute;
   LogLimiter unserved;  // messages it does not serve, from any peer
   // When each peer was last heard from (any message: routers ping every
@@ -110,6 +111,7 @@ struct DecodeService::Impl {
     info->set_kvbus_endpoint(kvbus_endpoint);
     info->set_queue_depth(depth.load());
     info->set_max_batch(options.max_batch);
+    info->set_leased_kv_blocks(static_cast<int32_t>(leased_blocks.load()));
     info->set_free_kv_blocks(free_blocks.load());
     info->set_total_kv_blocks(total_blocks);
     info->set_host_id(kvbus::HostId());
@@ -118,6 +120,7 @@ struct DecodeService::Impl {
     control::AddTransportCounters(info, "tcp", rs.chunks_received - rs.shm_chunks,
                                   rs.bytes_received - rs.shm_bytes, 0);
     control::AddTransportCounters(info, "shm", rs.shm_chunks, rs.shm_bytes, 0);
+    info->set_kvbus_leased_bytes(rs.leased_bytes);
     control::SetCodecCounters(info, *store);
     if (Status h = receiver->Health(); !h.ok()) {
       control::StatusToProto(h, info->mutable_health());
@@ -349,6 +352,9 @@ struct DecodeService::Impl {
       const DecoderStats s = decoder->Stats();
       depth = s.prepared + s.running;
       free_blocks = s.free_kv_blocks;
+      int64_t leased = 0;
+      for (const auto& [peer, blocks] : unstarted_blocks) leased += blocks;
+      leased_blocks = leased;
       Deliver(out);
     }
   }

@@ -237,6 +237,8 @@ struct Backend::Impl {
     wk.view.kv_codec = {kc.encoded_chunks(), kc.raw_bytes(), kc.encoded_bytes(),
                         kc.decoded_chunks(), kc.decode_errors()};
     wk.view.store_unreachable = info.store_unreachable();
+    wk.view.leased_kv_blocks = info.leased_kv_blocks();
+    wk.view.kvbus_leased_bytes = info.kvbus_leased_bytes();
     if (info.role() != wk.view.role) {
       if (wk.view.compatible) {
         LogError("{} is a {} worker, not {}; not using it", wk.view.endpoint, info.role(),

@@ -201,6 +201,22 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   for (const WorkerGauge& w : workers) {
     out += "kdn_worker_free_kv_blocks" + labels(w) + std::to_string(w.free_kv_blocks) + "\n";
   }
+  // What a worker holds under leases: a request's or a sender's that stops
+  // answering lets it go once the lease runs out, so after a run has
+  // drained these are 0 (kdn-bench serve-load checks).
+  Head(&out, "kdn_worker_leased_kv_blocks", "gauge",
+       "KV blocks a decode worker reserved for requests prepared and not yet started, each "
+       "under its router's lease.");
+  for (const WorkerGauge& w : workers) {
+    out += "kdn_worker_leased_kv_blocks" + labels(w) + std::to_string(w.leased_kv_blocks) + "\n";
+  }
+  Head(&out, "kdn_worker_kvbus_leased_bytes", "gauge",
+       "Bytes of a decode worker's kvbus receiver slots granted to senders and not yet "
+       "filled, each under a lease.");
+  for (const WorkerGauge& w : workers) {
+    out += "kdn_worker_kvbus_leased_bytes" + labels(w) + std::to_string(w.kvbus_leased_bytes) +
+           "\n";
+  }
   // Per kvbus data plane: what each prefill worker sent and each decode
   // worker received (docs/kvbus.md, "Transports").
   const auto per_transport = [&](const char* name, const char* help, auto value) {

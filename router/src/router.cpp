@@ -177,6 +177,8 @@ class Session : public std::enable_shared_from_this<Session> {
           }
           g.kv_codec = w.kv_codec;
           g.store_unreachable = w.store_unreachable;
+          g.leased_kv_blocks = w.leased_kv_blocks;
+          g.kvbus_leased_bytes = w.kvbus_leased_bytes;
           gauges.push_back(std::move(g));
         }
         Reply(http::status::ok, router_.metrics.Render(gauges), "text/plain; version=0.0.4");

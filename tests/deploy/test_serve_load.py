@@ -26,6 +26,10 @@ def test_serve_load_reports_a_clean_run(deployment, tmp_path):
     # Six documents over forty requests: most prompts repeat one.
     assert res["hit_rate"] > 0.3, res["hit_rate"]
     assert res["kv_blocks_leaked"] == 0, res["free_kv_blocks_lost"]
+    # The decode worker's leases were read, and none is held once drained.
+    assert any(k.startswith("kdn_worker_leased_kv_blocks{") and 'worker="decode-0"' in k
+               for k in res["leases_held_after"]), res["leases_held_after"]
+    assert res["leases_held"] == 0, res["leases_held_after"]
     assert set(res["rss"]) == {"prefill-0", "decode-0", "router"}, res["rss"]
     assert all(v["end_mib"] > 0 for v in res["rss"].values())
     assert "goodput" in r.stdout and "KDN hit rate" in r.stdout

@@ -65,14 +65,21 @@ class Peer {
 
   // The worker's free KV blocks, by an info request (which also keeps this
   // peer's leases alive).
-  int FreeBlocks() {
+  int FreeBlocks() { return Info().free_kv_blocks(); }
+
+  // Its info (free_kv_blocks -1 when none came).
+  proto::WorkerInfo Info() {
     proto::WorkerMessage m;
     m.mutable_info_request();
     Send(m);
     for (;;) {
       proto::WorkerMessage r = Receive();
-      if (r.body_case() == proto::WorkerMessage::kInfo) return r.info().free_kv_blocks();
-      if (r.body_case() == proto::WorkerMessage::BODY_NOT_SET) return -1;
+      if (r.body_case() == proto::WorkerMessage::kInfo) return r.info();
+      if (r.body_case() == proto::WorkerMessage::BODY_NOT_SET) {
+        proto::WorkerInfo none;
+        none.set_free_kv_blocks(-1);
+        return none;
+      }
     }
   }
 
@@ -151,6 +158,9 @@ TEST_F(DecodeServiceTest, ASilentPeersUnstartedRequestsAreLetGo) {
   for (uint64_t id : {1, 2}) EXPECT_FALSE(silent.Prepare(id).prepare_reply().has_error());
   EXPECT_FALSE(live.Prepare(3).prepare_reply().has_error());
   EXPECT_EQ(live.FreeBlocks(), 16 - 3 * 4);
+  // Reported for /metrics (kdn_worker_leased_kv_blocks), with the figures
+  // of the step that prepared them.
+  EXPECT_EQ(live.Info().leased_kv_blocks(), 3 * 4);
   // The live peer pings (as a router does every 250 ms) until the silent
   // peer's two requests are gone.
   const auto deadline = std::chrono::steady_clock::now() + 30s;
@@ -159,6 +169,7 @@ TEST_F(DecodeServiceTest, ASilentPeersUnstartedRequestsAreLetGo) {
     std::this_thread::sleep_for(50ms);
   }
   EXPECT_EQ(free, 16 - 4) << "the silent peer's reservations were never let go";
+  EXPECT_EQ(live.Info().leased_kv_blocks(), 4);
   for (int i = 0; i < 2; ++i) {
     const auto ev = silent.Receive();
     ASSERT_TRUE(ev.has_tokens()) << ev.DebugString();

@@ -132,6 +132,9 @@ struct WorkerView {
   std::vector<TransportCounters> kv_transports;
   KvCodecCounters kv_codec;  // its KV codec at the kdn-store tier
   uint64_t store_unreachable = 0;  // its kdn-store requests left unanswered
+  // decode: what it holds under leases now (proto::WorkerInfo fields 18, 19).
+  int leased_kv_blocks = 0;
+  uint64_t kvbus_leased_bytes = 0;
 };
 
 class Backend {

@@ -46,6 +46,8 @@ struct WorkerGauge {
   std::vector<Transport> kv_transports;
   KvCodecCounters kv_codec;
   uint64_t store_unreachable = 0;
+  int leased_kv_blocks = 0;
+  uint64_t kvbus_leased_bytes = 0;
 };
 
 class Metrics {
