@@ -31,6 +31,13 @@ void Head(std::string* out, const char* name, const char* type, const char* help
   *out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
 }
 
+// A metric of one unlabelled sample.
+template <typename T>
+void Single(std::string* out, const char* name, const char* type, const char* help, T value) {
+  Head(out, name, type, help);
+  *out += std::string(name) + " " + std::to_string(value) + "\n";
+}
+
 }  // namespace
 
 Histogram::Histogram(std::vector<double> bounds)
@@ -134,25 +141,24 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
     out += "kdn_requests_total{route=\"" + Label(k.first) + "\",code=\"" +
            std::to_string(k.second) + "\"} " + std::to_string(v) + "\n";
   }
-  Head(&out, "kdn_requests_in_flight", "gauge", "Requests being served.");
-  out += "kdn_requests_in_flight " + std::to_string(in_flight_) + "\n";
-  Head(&out, "kdn_http_accept_errors_total", "counter",
-       "HTTP connections the router failed to accept (out of file descriptors, say); it "
-       "backs off up to 1 s between tries while they fail.");
-  out += "kdn_http_accept_errors_total " + std::to_string(accept_errors_) + "\n";
-  Head(&out, "kdn_queue_depth", "gauge",
-       "Requests waiting for a decode worker with room (KV for prompt + max_tokens, a place in "
-       "its batch), before any prefill is spent on them.");
-  out += "kdn_queue_depth " + std::to_string(queue_depth_) + "\n";
+  Single(&out, "kdn_requests_in_flight", "gauge", "Requests being served.", in_flight_);
+  Single(&out, "kdn_http_accept_errors_total", "counter",
+         "HTTP connections the router failed to accept (out of file descriptors, say); it "
+         "backs off up to 1 s between tries while they fail.", accept_errors_);
+  Single(&out, "kdn_queue_depth", "gauge",
+         "Requests waiting for a decode worker with room (KV for prompt + max_tokens, a place "
+         "in its batch), before any prefill is spent on them.",
+         queue_depth_);
   Head(&out, "kdn_queue_wait_seconds", "histogram",
        "How long requests that waited for a decode worker waited.");
   queue_wait_.Render("kdn_queue_wait_seconds", &out);
-  Head(&out, "kdn_requests_resumed_total", "counter",
-       "Requests moved to another decode worker after theirs was lost; their streams went on.");
-  out += "kdn_requests_resumed_total " + std::to_string(resumed_) + "\n";
-  Head(&out, "kdn_resumed_tokens_total", "counter",
-       "Tokens generated before a request was resumed, which its new prompt carried.");
-  out += "kdn_resumed_tokens_total " + std::to_string(resumed_tokens_) + "\n";
+  Single(&out, "kdn_requests_resumed_total", "counter",
+         "Requests moved to another decode worker after theirs was lost; their streams went "
+         "on.",
+         resumed_);
+  Single(&out, "kdn_resumed_tokens_total", "counter",
+         "Tokens generated before a request was resumed, which its new prompt carried.",
+         resumed_tokens_);
   Head(&out, "kdn_ttft_seconds", "histogram", "Time to first token from the request's arrival.");
   ttft_.Render("kdn_ttft_seconds", &out);
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");
@@ -167,10 +173,9 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   out += "kdn_prompt_tokens_total{source=\"recomputed\"} " + std::to_string(recomputed_tokens_) +
          "\n";
   out += "kdn_prompt_tokens_total{source=\"computed\"} " + std::to_string(computed_tokens_) + "\n";
-  Head(&out, "kdn_prompt_tail_tokens_total", "counter",
-       "Of the cached prompt tokens, those loaded from tail pieces: the tokens past a "
-       "conversation's last full chunk.");
-  out += "kdn_prompt_tail_tokens_total " + std::to_string(tail_tokens_) + "\n";
+  Single(&out, "kdn_prompt_tail_tokens_total", "counter",
+         "Of the cached prompt tokens, those loaded from tail pieces: the tokens past a "
+         "conversation's last full chunk.", tail_tokens_);
   Head(&out, "kdn_injected_documents_total", "counter",
        "Documents sent to /v1/kdn/inject, by result.");
   for (const char* result : {"stored", "already_held", "failed"}) {
@@ -178,45 +183,39 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
     out += std::string("kdn_injected_documents_total{result=\"") + result + "\"} " +
            std::to_string(it == injected_.end() ? 0 : it->second) + "\n";
   }
-  Head(&out, "kdn_injected_tokens_total", "counter", "Tokens of the documents injected.");
-  out += "kdn_injected_tokens_total " + std::to_string(injected_tokens_) + "\n";
-  Head(&out, "kdn_generated_tokens_total", "counter", "Tokens generated.");
-  out += "kdn_generated_tokens_total " + std::to_string(generated_) + "\n";
-  Head(&out, "kdn_kv_bytes_moved_total", "counter",
-       "KV bytes sent from prefill to decode workers.");
-  out += "kdn_kv_bytes_moved_total " + std::to_string(kv_bytes_) + "\n";
-  Head(&out, "kdn_kv_chunks_skipped_total", "counter",
-       "KV layer slices not sent because the decode worker held them.");
-  out += "kdn_kv_chunks_skipped_total " + std::to_string(slices_skipped_) + "\n";
+  Single(&out, "kdn_injected_tokens_total", "counter", "Tokens of the documents injected.",
+               injected_tokens_);
+  Single(&out, "kdn_generated_tokens_total", "counter", "Tokens generated.", generated_);
+  Single(&out, "kdn_kv_bytes_moved_total", "counter",
+         "KV bytes sent from prefill to decode workers.", kv_bytes_);
+  Single(&out, "kdn_kv_chunks_skipped_total", "counter",
+         "KV layer slices not sent because the decode worker held them.", slices_skipped_);
   Head(&out, "kdn_worker_up", "gauge", "1 while a worker answers.");
   auto labels = [](const WorkerGauge& w) {
     return "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) + "\"} ";
   };
   for (const WorkerGauge& w : workers) out += "kdn_worker_up" + labels(w) + (w.up ? "1" : "0") + "\n";
-  Head(&out, "kdn_worker_queue_depth", "gauge", "Requests queued or running at a worker.");
-  for (const WorkerGauge& w : workers) {
-    out += "kdn_worker_queue_depth" + labels(w) + std::to_string(w.queue_depth) + "\n";
-  }
-  Head(&out, "kdn_worker_free_kv_blocks", "gauge", "Free blocks of a worker's paged KV cache.");
-  for (const WorkerGauge& w : workers) {
-    out += "kdn_worker_free_kv_blocks" + labels(w) + std::to_string(w.free_kv_blocks) + "\n";
-  }
+  // A metric of one sample per worker.
+  const auto per_worker = [&](const char* name, const char* type, const char* help, auto value) {
+    Head(&out, name, type, help);
+    for (const WorkerGauge& w : workers) {
+      out += name + labels(w) + std::to_string(value(w)) + "\n";
+    }
+  };
+  per_worker("kdn_worker_queue_depth", "gauge", "Requests queued or running at a worker.",
+             [](const WorkerGauge& w) { return w.queue_depth; });
+  per_worker("kdn_worker_free_kv_blocks", "gauge", "Free blocks of a worker's paged KV cache.",
+             [](const WorkerGauge& w) { return w.free_kv_blocks; });
   // What a worker holds under leases: a request's or a sender's that stops
   // answering lets it go once the lease runs out, so after a run has
   // drained these are 0 (kdn-bench serve-load checks).
-  Head(&out, "kdn_worker_leased_kv_blocks", "gauge",
-       "KV blocks a decode worker reserved for requests prepared and not yet started, each "
-       "under its router's lease.");
-  for (const WorkerGauge& w : workers) {
-    out += "kdn_worker_leased_kv_blocks" + labels(w) + std::to_string(w.leased_kv_blocks) + "\n";
-  }
-  Head(&out, "kdn_worker_kvbus_leased_bytes", "gauge",
-       "Bytes of a decode worker's kvbus receiver slots granted to senders and not yet "
-       "filled, each under a lease.");
-  for (const WorkerGauge& w : workers) {
-    out += "kdn_worker_kvbus_leased_bytes" + labels(w) + std::to_string(w.kvbus_leased_bytes) +
-           "\n";
-  }
+  per_worker("kdn_worker_leased_kv_blocks", "gauge",
+             "KV blocks a decode worker reserved for requests prepared and not yet started, each "
+             "under its router's lease.", [](const WorkerGauge& w) { return w.leased_kv_blocks; });
+  per_worker("kdn_worker_kvbus_leased_bytes", "gauge",
+             "Bytes of a decode worker's kvbus receiver slots granted to senders and not yet "
+             "filled, each under a lease.",
+             [](const WorkerGauge& w) { return w.kvbus_leased_bytes; });
   // Per kvbus data plane: what each prefill worker sent and each decode
   // worker received (docs/kvbus.md, "Transports").
   const auto per_transport = [&](const char* name, const char* help, auto value) {
@@ -224,7 +223,7 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
     for (const WorkerGauge& w : workers) {
       for (const WorkerGauge::Transport& t : w.kv_transports) {
         out += std::string(name) + "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) +
-               "\",transport=\"" + Label(t.name) + "\"} " + value(t) + "\n";
+         "\",transport=\"" + Label(t.name) + "\"} " + value(t) + "\n";
       }
     }
   };
@@ -256,19 +255,14 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
     out += "kdn_worker_kv_codec_bytes_total" + l + "encoded\"} " +
            std::to_string(w.kv_codec.encoded_bytes) + "\n";
   }
-  Head(&out, "kdn_worker_kv_codec_decode_errors_total", "counter",
-       "Coded chunks from kdn-store that did not decode: each a miss, recomputed, never served.");
-  for (const WorkerGauge& w : workers) {
-    out += "kdn_worker_kv_codec_decode_errors_total" + labels(w) +
-           std::to_string(w.kv_codec.decode_errors) + "\n";
-  }
-  Head(&out, "kdn_worker_store_unreachable_total", "counter",
-       "A worker's kdn-store requests that failed for want of an answer (timed out, or refused "
-       "at once while the store is held to be down): each a cache miss.");
-  for (const WorkerGauge& w : workers) {
-    out += "kdn_worker_store_unreachable_total" + labels(w) + std::to_string(w.store_unreachable) +
-           "\n";
-  }
+  per_worker("kdn_worker_kv_codec_decode_errors_total", "counter",
+             "Coded chunks from kdn-store that did not decode: each a miss, recomputed, never "
+             "served.",
+             [](const WorkerGauge& w) { return w.kv_codec.decode_errors; });
+  per_worker("kdn_worker_store_unreachable_total", "counter",
+             "A worker's kdn-store requests that failed for want of an answer (timed out, or "
+             "refused at once while the store is held to be down): each a cache miss.",
+             [](const WorkerGauge& w) { return w.store_unreachable; });
   return out;
 }
 
