@@ -152,7 +152,12 @@ std::string FloatRepr(double d) {
     return out;
   }
   out += digits.substr(0, 1);
-  if (digits.size() > 1) out += "." + digits.substr(1);
+  if (digits.size() > 1) {
+    // Appended in two steps: GCC 12 warns (-Wrestrict, a false positive) on
+    // "." + std::string here.
+    out += '.';
+    out.append(digits, 1);
+  }
   char e[16];
   std::snprintf(e, sizeof e, "e%c%02d", exp < 0 ? '-' : '+', std::abs(exp));
   return out + e;
