@@ -352,10 +352,11 @@ struct DecodeService::Impl {
       const DecoderStats s = decoder->Stats();
       depth = s.prepared + s.running;
       free_blocks = s.free_kv_blocks;
+      Deliver(out);
+      // After Deliver, which lets go of the requests that ended unstarted.
       int64_t leased = 0;
       for (const auto& [peer, blocks] : unstarted_blocks) leased += blocks;
       leased_blocks = leased;
-      Deliver(out);
     }
   }
 };
