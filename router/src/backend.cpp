@@ -66,14 +66,16 @@ struct Request {
   Usage usage;
   // Every token sent to the client so far, the first included.
   std::vector<int32_t> generated;
-  // Decode workers lost (docs/serving.md, "A decode worker lost"): how many,
-  // and which (never chosen again for it, as what they may still send is
-  // about a request that has moved on).
-  int resumes = 0;
+  // Decode workers lost (docs/serving.md, "A decode worker lost"), each
+  // once: never chosen again for it, as what they may still send is about
+  // a request that has moved on.
   std::set<size_t> lost_decode;
   // Of job.tokens, the last resumed_tokens are generated ones, carried into
   // its prompt by the last resume.
   int64_t resumed_tokens = 0;
+
+  // Times it was resumed: once per decode worker lost.
+  int Resumes() const { return static_cast<int>(lost_decode.size()); }
 
   int64_t PromptTokens() const {
     return static_cast<int64_t>(job.tokens.size()) - resumed_tokens;
@@ -311,7 +313,7 @@ struct Backend::Impl {
     }
     // Unique per request and per sending: a resumed request's late replies
     // and slices from before are told apart.
-    const uint64_t salt = nonce ^ (static_cast<uint64_t>(req.resumes) << 56);
+    const uint64_t salt = nonce ^ (static_cast<uint64_t>(req.Resumes()) << 56);
     uint8_t tid[16];
     for (int i = 0; i < 8; ++i) {
       tid[i] = static_cast<uint8_t>(salt >> (8 * i));
@@ -454,7 +456,7 @@ struct Backend::Impl {
         Fail(r.id, Unavailable("no decode worker is up"));
       } else if (any_d) {
         // A resumed request was admitted before: it waits ahead of the new.
-        Park(r, /*front=*/r.resumes > 0);
+        Park(r, /*front=*/r.Resumes() > 0);
       } else {
         Fail(r.id, InvalidArgument("no decode worker can hold " +
                                    std::to_string(r.PromptTokens()) + " + " +
@@ -844,7 +846,7 @@ struct Backend::Impl {
   // with nothing changed, when resuming is off or spent, or no decode
   // worker is left to take it.
   bool Resume(Request& r, const std::string& why) {
-    if (!options.resume || r.resumes >= options.max_resumes) return false;
+    if (!options.resume || r.Resumes() >= options.max_resumes) return false;
     bool other = false;
     for (size_t x = 0; x < workers.size(); ++x) {
       other |= x != r.d && r.lost_decode.count(x) == 0 && Usable(x, "decode");
@@ -854,7 +856,6 @@ struct Backend::Impl {
     // Should the worker only have gone quiet, it stops for good.
     SendCancel(r.d, r.id);
     r.lost_decode.insert(r.d);
-    ++r.resumes;
     const int64_t carried = static_cast<int64_t>(r.generated.size()) - r.resumed_tokens;
     r.job.tokens.insert(r.job.tokens.end(), r.generated.end() - carried, r.generated.end());
     r.resumed_tokens = static_cast<int64_t>(r.generated.size());
@@ -862,7 +863,7 @@ struct Backend::Impl {
     r.decode_held_tokens = 0;
     r.prefill_retries = 0;
     LogWarn("{} decode worker {} {} after {} tokens: resuming elsewhere ({} of {})", ReqId{r.id},
-            workers[r.d].view.name, why, r.generated.size(), r.resumes, options.max_resumes);
+            workers[r.d].view.name, why, r.generated.size(), r.Resumes(), options.max_resumes);
     if (metrics) metrics->Resumed(static_cast<int>(r.generated.size()));
     if (Status st = StartLookup(r); !st.ok()) {
       Fail(r.id, st);  // not reached: a decode worker is up (checked above)
