@@ -1,10 +1,5 @@
 #include "kdn/engine/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstring>
 
@@ -79,32 +74,15 @@ Status ParseHeader(const std::string& where, const json& header, const uint8_t* 
 
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::filesystem::path& path) {
   const std::string where = path.string();
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return NotFound(where + ": no such file");
-    return IoError(where + ": " + std::strerror(errno));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return IoError(where + ": " + std::strerror(err));
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
+  KDN_ASSIGN_OR_RETURN(auto mapped, MappedFile::Open(path));
+  const size_t size = mapped->size();
   if (size < 8) {
-    ::close(fd);
     return Corruption(where + ": " + std::to_string(size) + " bytes, too short for a safetensors file");
   }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);
-  if (map == MAP_FAILED) return IoError(where + ": mmap: " + std::strerror(map_err));
-
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
-  f->map_ = map;
-  f->map_size_ = size;
-  const auto* bytes = static_cast<const uint8_t*>(map);
+  const uint8_t* bytes = mapped->data();
+  f->file_ = std::move(mapped);
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
   if (header_len > size - 8) {
@@ -122,9 +100,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::filesy
   return f;
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_ != nullptr) ::munmap(map_, map_size_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 const SafetensorsEntry* SafetensorsFile::Find(const std::string& name) const {
   auto it = tensors_.find(name);

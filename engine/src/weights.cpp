@@ -6,7 +6,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kdn/engine/gguf_weights.h"
 #include "kdn/engine/safetensors.h"
+#include "kdn/model/gguf.h"
 
 namespace kdn::engine {
 
@@ -76,6 +78,10 @@ Result<std::map<std::string, std::string>> WeightMap(const std::filesystem::path
 
 Result<ModelWeights> LoadWeights(const std::filesystem::path& dir,
                                  const model::ModelConfig& config) {
+  if (model::IsGgufPath(dir)) {
+    KDN_ASSIGN_OR_RETURN(auto file, model::GgufFile::Open(dir));
+    return LoadGgufWeights(*file, config);
+  }
   KDN_ASSIGN_OR_RETURN(auto weight_map, WeightMap(dir));
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
   auto open = [&](const std::string& name) -> Result<SafetensorsFile*> {

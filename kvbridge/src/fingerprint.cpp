@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kdn/engine/weights.h"
+#include "kdn/model/gguf.h"
 
 namespace kdn::kvbridge {
 
@@ -62,11 +63,15 @@ kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& c, std::string_view w
 Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir) {
   std::vector<std::filesystem::path> files;
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(model_dir, ec)) {
-    if (e.is_regular_file() && e.path().extension() == ".safetensors") files.push_back(e.path());
+  if (model::IsGgufPath(model_dir)) {
+    files.push_back(model_dir);
+  } else {
+    for (const auto& e : std::filesystem::directory_iterator(model_dir, ec)) {
+      if (e.is_regular_file() && e.path().extension() == ".safetensors") files.push_back(e.path());
+    }
+    if (ec) return NotFound(model_dir.string() + ": " + ec.message());
+    if (files.empty()) return NotFound(model_dir.string() + ": no .safetensors files");
   }
-  if (ec) return NotFound(model_dir.string() + ": " + ec.message());
-  if (files.empty()) return NotFound(model_dir.string() + ": no .safetensors files");
   std::sort(files.begin(), files.end());
   XXH3_state_t* st = XXH3_createState();
   XXH3_64bits_reset(st);

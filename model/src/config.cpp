@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kdn/model/gguf.h"
+
 namespace kdn::model {
 
 using nlohmann::json;
@@ -380,6 +382,10 @@ Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::st
 }
 
 Result<ModelConfig> LoadModelConfig(const std::filesystem::path& dir) {
+  if (IsGgufPath(dir)) {
+    KDN_ASSIGN_OR_RETURN(auto file, GgufFile::Open(dir));
+    return ModelConfigFromGguf(*file);
+  }
   const auto path = dir / "config.json";
   std::ifstream in(path);
   if (!in) return NotFound(path.string() + ": cannot open (is this a model folder?)");

@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kdn/model/gguf.h"
+
 namespace kdn::text {
 
 namespace {
@@ -49,15 +51,37 @@ Result<ChatTemplate> ChatTemplate::FromSource(std::string_view source, std::stri
 Result<ChatTemplate> ChatTemplate::Load(const std::filesystem::path& dir,
                                         model::Architecture arch) {
   nlohmann::json config = nlohmann::json::object();
-  const auto config_path = dir / "tokenizer_config.json";
-  if (std::filesystem::exists(config_path)) {
+  auto config_path = dir / "tokenizer_config.json";
+  if (model::IsGgufPath(dir)) {
+    // tokenizer.chat_template, and the special tokens' texts by their ids,
+    // read as tokenizer_config.json's fields.
+    KDN_ASSIGN_OR_RETURN(auto file, model::GgufFile::Open(dir));
+    config_path = dir.string() + " (tokenizer.*)";
+    if (file->Find("tokenizer.chat_template") != nullptr) {
+      KDN_ASSIGN_OR_RETURN(config["chat_template"], file->String("tokenizer.chat_template"));
+    }
+    std::vector<std::string> tokens;
+    if (file->Find("tokenizer.ggml.tokens") != nullptr) {
+      KDN_ASSIGN_OR_RETURN(tokens, file->Strings("tokenizer.ggml.tokens"));
+    }
+    for (const char* name : {"bos", "eos", "unknown", "padding"}) {
+      const std::string key = std::string("tokenizer.ggml.") + name + "_token_id";
+      if (file->Find(key) == nullptr) continue;
+      KDN_ASSIGN_OR_RETURN(const int64_t id, file->Int(key));
+      if (id < 0 || id >= static_cast<int64_t>(tokens.size())) continue;
+      const std::string field = name == std::string("unknown")   ? "unk_token"
+                                : name == std::string("padding") ? "pad_token"
+                                                                 : std::string(name) + "_token";
+      config[field] = tokens[static_cast<size_t>(id)];
+    }
+  } else if (std::filesystem::exists(config_path)) {
     KDN_ASSIGN_OR_RETURN(std::string text, ReadFile(config_path));
     config = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (!config.is_object()) return Corruption(config_path.string() + " is not a JSON object");
   }
   std::string source, name;
   const auto jinja_path = dir / "chat_template.jinja";
-  if (std::filesystem::exists(jinja_path)) {
+  if (!model::IsGgufPath(dir) && std::filesystem::exists(jinja_path)) {
     KDN_ASSIGN_OR_RETURN(source, ReadFile(jinja_path));
     name = jinja_path.string();
   } else if (auto it = config.find("chat_template"); it != config.end() && !it->is_null()) {

@@ -5,7 +5,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gguf_tokenizer.h"
 #include "hf_tokenizer.h"
+#include "kdn/model/gguf.h"
 #include "utf8.h"
 
 namespace kdn::text {
@@ -101,6 +103,17 @@ std::string Tokenizer::Decode(std::span<const int32_t> ids) const {
 }
 
 Result<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::filesystem::path& dir) {
+  if (model::IsGgufPath(dir)) {
+    KDN_ASSIGN_OR_RETURN(auto file, model::GgufFile::Open(dir));
+    KDN_ASSIGN_OR_RETURN(GgufTokenizerJson j, TokenizerJsonFromGguf(*file));
+    try {
+      KDN_ASSIGN_OR_RETURN(auto t, HfTokenizer::FromJson(j.tokenizer, j.config,
+                                                         dir.string() + " (tokenizer.ggml.*)"));
+      return std::unique_ptr<Tokenizer>(std::move(t));
+    } catch (const json::exception& e) {
+      return InvalidArgument(dir.string() + ": tokenizer.ggml.*: " + e.what());
+    }
+  }
   const auto path = dir / "tokenizer.json";
   KDN_ASSIGN_OR_RETURN(json tok, ReadJson(path));
   json config;  // null when there is none

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kdn/common/mapped_file.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/tensor.h"
 
@@ -40,8 +41,7 @@ class SafetensorsFile {
  private:
   SafetensorsFile() = default;
   std::filesystem::path path_;
-  void* map_ = nullptr;
-  size_t map_size_ = 0;
+  std::unique_ptr<MappedFile> file_;
   std::map<std::string, SafetensorsEntry> tensors_;
 };
 

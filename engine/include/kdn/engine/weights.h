@@ -27,7 +27,9 @@ using ModelWeights = std::map<std::string, HostTensor>;
 // Loads every expected tensor from DIR/model.safetensors, or from the shards
 // DIR/model.safetensors.index.json lists, converting bf16/fp16/fp32 to fp32.
 // Errors name the file and the tensor (missing, wrong shape, unsupported
-// dtype, truncated data). Tensors the model does not use are ignored.
+// dtype, truncated data). Tensors the model does not use are ignored. Where
+// `dir` is a GGUF file (model::IsGgufPath), its tensors are read instead
+// (LoadGgufWeights, kdn/engine/gguf_weights.h).
 Result<ModelWeights> LoadWeights(const std::filesystem::path& dir,
                                  const model::ModelConfig& config);
 

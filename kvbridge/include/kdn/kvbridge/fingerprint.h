@@ -22,7 +22,9 @@ kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& config, std::string_v
                           std::string_view kv_dtype, uint64_t weights_digest);
 
 // XXH3-64 over the bytes of the model folder's safetensors files, in the
-// order of their names (streamed; ~10 GB/s, so ~2 s for 16 GB).
+// order of their names, or of the whole GGUF file where `model_dir` is one
+// (so a Q4_1 file's chunks never mix with another quantization's); streamed,
+// ~10 GB/s, so ~2 s for 16 GB.
 Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir);
 
 }  // namespace kdn::kvbridge

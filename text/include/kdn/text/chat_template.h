@@ -43,7 +43,10 @@ class ChatTemplate {
   // tokenizer_config.json's `chat_template` (a string, or a list of {name,
   // template} of which "default" is used); with bos_token and eos_token of
   // tokenizer_config.json (strings or {content} objects). A folder with
-  // neither falls back to the built-in format of `arch`. A template that does
+  // neither falls back to the built-in format of `arch`. Where `dir` is a GGUF
+  // file, its tokenizer.chat_template, with the texts of the tokens that
+  // tokenizer.ggml.bos_token_id, eos_token_id, unknown_token_id and
+  // padding_token_id name. A template that does
   // not parse is InvalidArgument naming the file and the line.
   static Result<ChatTemplate> Load(const std::filesystem::path& dir, model::Architecture arch);
 

@@ -62,7 +62,9 @@ class Tokenizer {
   virtual int32_t eos_id() const = 0;  // -1 when the model has none
 
   // Loads DIR/tokenizer.json (and DIR/tokenizer_config.json for bos, eos and
-  // add_bos_token, when present). InvalidArgument names the malformed field;
+  // add_bos_token, when present), or, where `dir` is a GGUF file
+  // (model::IsGgufPath), its tokenizer.ggml.* keys, which give llama.cpp's ids
+  // (models gpt2 and llama; docs/engine.md, "GGUF"). InvalidArgument names the malformed field;
   // Unimplemented names a component type not supported.
   static Result<std::unique_ptr<Tokenizer>> Load(const std::filesystem::path& dir);
 };
