@@ -254,6 +254,24 @@ TEST(HfTokenizer, SplitPreTokenizerBehaviours) {
   EXPECT_EQ((*inverted)->Encode("a11a", false), (Ids{1, 1}));
 }
 
+// A character-level BPE over `vocab` with `merges`, cut by `pre_tokenizer`.
+json CharBpeWith(json pre_tokenizer, json vocab, json merges) {
+  return {{"pre_tokenizer", pre_tokenizer},
+          {"decoder", {{"type", "Fuse"}}},
+          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}}}};
+}
+
+TEST(HfTokenizer, SplitRegexWhiteSpaceIsUnicodeWhiteSpace) {
+  // U+180E (Mongolian vowel separator) left White_Space in Unicode 6.3;
+  // Oniguruma's \s does not take it, so "a" and it stay one word.
+  const json vocab = {{"a", 0}, {"\xe1\xa0\x8e", 1}, {"a\xe1\xa0\x8e", 2}, {" ", 3}};
+  auto t = LoadJson(CharBpeWith(
+      {{"type", "Split"}, {"pattern", {{"Regex", "\\S+|\\s+"}}}, {"behavior", "Isolated"}},
+      vocab, {"a \xe1\xa0\x8e"}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->Encode("a\xe1\xa0\x8e a", false), (Ids{2, 3, 0}));
+}
+
 TEST(HfTokenizer, NfcNormalizerComposes) {
   json tok = {{"normalizer", {{"type", "NFC"}}},
               {"decoder", {{"type", "Fuse"}}},
