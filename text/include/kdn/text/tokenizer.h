@@ -3,11 +3,13 @@
 //
 // Tokenizer::Load reads a Hugging Face tokenizer.json and gives the ids that
 // Hugging Face `tokenizers` gives for it: BPE models with merges over the
-// ByteLevel alphabet (GPT-2, Llama 3, Qwen2: the ByteLevel or Split regex
-// pre-tokenizers) and sentencepiece-style BPE (Llama 2, Mistral: Metaspace or
-// the Prepend/Replace normalizers, byte fallback, unk), added tokens with
-// their flags, the NFC/NFD/NFKC/NFKD, Prepend and Replace normalizers, and
-// the decoders those files use (docs/serving.md, "Tokenizers"). kdn's own
+// ByteLevel alphabet (GPT-2, Llama 3, Qwen2, SmolLM2) and sentencepiece-style
+// BPE (Llama 2, Mistral: Metaspace or the Prepend/Replace normalizers, byte
+// fallback, unk); the pre-tokenizers Split, ByteLevel, Metaspace, Digits,
+// Punctuation, Whitespace and WhitespaceSplit in a Sequence (ByteLevel
+// last); added tokens with their flags; the NFC/NFD/NFKC/NFKD, Prepend and
+// Replace normalizers; and the decoders those files use (docs/engine.md,
+// "Tokenizer"). kdn's own
 // generated models use a byte-level tokenizer.json (ByteTokenizerJson: one
 // token per byte, no merges), which loads the same way.
 //
