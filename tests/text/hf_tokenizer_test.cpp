@@ -342,6 +342,58 @@ TEST(HfTokenizer, SplitRegexWhiteSpaceIsUnicodeWhiteSpace) {
   EXPECT_EQ((*t)->Encode("a\xe1\xa0\x8e a", false), (Ids{2, 3, 0}));
 }
 
+// SpmBpe() with `decoders` as its decoder Sequence.
+json SpmWithDecoders(json decoders) {
+  json tok = SpmBpe();
+  tok["decoder"] = {{"type", "Sequence"}, {"decoders", decoders}};
+  return tok;
+}
+
+TEST(HfTokenizer, DecoderStepsRunAfterTheFusePointOnTheWholeText) {
+  const json replace = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
+  const json strip = {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}};
+  // The Llama 2 decoder with its Replace moved after Fuse decodes alike.
+  auto t = LoadJson(SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, replace, strip}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->Decode(Ids{12, 12, 3, 4}), "hi hi\xc3\xa9");
+  EXPECT_EQ(Pieces(**t, {12, 12}), (std::vector<std::string>{"hi", " hi", ""}));
+  // After Fuse, Metaspace sees one token, the first: it drops every "▁".
+  auto m = LoadJson(SpmWithDecoders(
+      {{{"type", "Fuse"}}, {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}}}));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->Decode(Ids{12, 8, 12}), "hihi");
+}
+
+TEST(HfTokenizer, StreamingHoldsWhatMayBeginAStringReplaceAfterFuse) {
+  const json two = {{"type", "Replace"}, {"pattern", {{"String", "\u2581\u2581"}}}, {"content", "="}};
+  const json one = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
+  auto t = LoadJson(SpmWithDecoders({{{"type", "Fuse"}}, two, one}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  // "h" "▁" "▁h" "i": the lone "▁" waits to see whether "▁▁" follows.
+  EXPECT_EQ(Pieces(**t, {9, 8, 11, 10}), (std::vector<std::string>{"h", "", "=h", "i", ""}));
+  EXPECT_EQ(Pieces(**t, {9, 8, 10}), (std::vector<std::string>{"h", "", " i", ""}));
+  EXPECT_EQ(Pieces(**t, {9, 8}), (std::vector<std::string>{"h", "", " "}));
+}
+
+TEST(HfTokenizer, ByteLevelAfterFuseTakesBytesOnlyWhenEveryCharacterIsInItsAlphabet) {
+  auto t = LoadJson(SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, {{"type", "ByteLevel"}}}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  // "h" "i" are their own bytes, but only the end can tell: held till then.
+  EXPECT_EQ(Pieces(**t, {9, 10}), (std::vector<std::string>{"", "", "hi"}));
+  // "▁" is outside the alphabet: the whole text is taken as it is.
+  EXPECT_EQ(Pieces(**t, {9, 12, 10}), (std::vector<std::string>{"", "h\u2581hi", "i", ""}));
+  // é (the fallback bytes C3 A9) is the alphabet's byte E9: invalid alone.
+  EXPECT_EQ((*t)->Decode(Ids{3, 4}), "\xef\xbf\xbd");
+}
+
+TEST(HfTokenizer, ByteFallbackAfterFuseTakesOnlyATextThatIsOneByteToken) {
+  auto t = LoadJson(SpmWithDecoders({{{"type", "Fuse"}}, {{"type", "ByteFallback"}}}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->Decode(Ids{3}), "\xef\xbf\xbd");  // byte C3 alone is not UTF-8
+  EXPECT_EQ(Pieces(**t, {3, 4}), (std::vector<std::string>{"", "<0xC3><0xA9>", ""}));
+  EXPECT_EQ(Pieces(**t, {9, 3}), (std::vector<std::string>{"h", "<0xC3>", ""}));  // "h" settles it
+}
+
 TEST(HfTokenizer, NfcNormalizerComposes) {
   json tok = {{"normalizer", {{"type", "NFC"}}},
               {"decoder", {{"type", "Fuse"}}},
@@ -382,6 +434,8 @@ TEST(HfTokenizer, RefusesWhatItCannotRunNamingTheField) {
   digits["pre_tokenizer"] = {{"type", "Digits"}};  // individual_digits is required
   json punctuation = CharBpe(json::array());
   punctuation["pre_tokenizer"] = {{"type", "Punctuation"}, {"behavior", "Apart"}};
+  json ctc = CharBpe(json::array());
+  ctc["decoder"] = {{"type", "Sequence"}, {"decoders", {{{"type", "Fuse"}}, {{"type", "CTC"}}}}};
   json clash = CharBpe(json::array());
   clash["added_tokens"] = {Added(2, "<x>")};  // 2 is "c"
   const Case cases[] = {
@@ -398,6 +452,7 @@ TEST(HfTokenizer, RefusesWhatItCannotRunNamingTheField) {
       {scripts, StatusCode::kUnimplemented, "UnicodeScripts"},
       {digits, StatusCode::kInvalidArgument, "individual_digits"},
       {punctuation, StatusCode::kInvalidArgument, "behavior"},
+      {ctc, StatusCode::kUnimplemented, "CTC"},
   };
   for (const Case& c : cases) {
     auto t = LoadJson(c.tok);

@@ -30,11 +30,14 @@ namespace kdn::text {
 // Decodes one sequence a token at a time. The text it gives, all pieces
 // and Finish() together, is exactly Tokenizer::Decode of the whole
 // sequence: a token that ends inside a UTF-8 character, inside a run of
-// byte-fallback tokens, or with characters the decoder may strip at the
-// end, has that text held back until what follows settles it (it never
-// shows as U+FFFD unless the whole sequence decodes to one there). The
-// sentencepiece decoders' leading-space strip applies to the first token of
-// the sequence only. Not thread-safe; the tokenizer must outlive it.
+// byte-fallback tokens, with characters the decoder may strip at the end,
+// or with the start of a String a Replace after Fuse may match, has that
+// text held back until what follows settles it (it never shows as U+FFFD
+// unless the whole sequence decodes to one there). Decoders that judge the
+// whole fused text (ByteFallback or ByteLevel after the fuse point, a Regex
+// Replace after it) may hold it all until Finish. The sentencepiece
+// decoders' leading-space strip applies to the first token of the sequence
+// only. Not thread-safe; the tokenizer must outlive it.
 class DecodeStream {
  public:
   virtual ~DecodeStream() = default;
