@@ -254,6 +254,146 @@ TEST(HfTokenizer, SplitPreTokenizerBehaviours) {
   EXPECT_EQ((*inverted)->Encode("a11a", false), (Ids{1, 1}));
 }
 
+// A character-level BPE over `vocab` with `merges`, cut by `pre_tokenizer`.
+json CharBpeWith(json pre_tokenizer, json vocab, json merges) {
+  return {{"pre_tokenizer", pre_tokenizer},
+          {"decoder", {{"type", "Fuse"}}},
+          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}}}};
+}
+
+TEST(HfTokenizer, DigitsSplitsEachDigitWhenIndividual) {
+  // "½" is a number too (char::is_numeric: Nd, Nl, No).
+  const json vocab = {{"a", 0}, {"1", 1}, {"2", 2}, {"12", 3}, {"a1", 4}, {"\xc2\xbd", 5}};
+  const json merges = {"a 1", "1 2"};
+  auto each = LoadJson(CharBpeWith({{"type", "Digits"}, {"individual_digits", true}}, vocab, merges));
+  ASSERT_TRUE(each.ok()) << each.status().ToString();
+  EXPECT_EQ((*each)->Encode("a12\xc2\xbd" "a", false), (Ids{0, 1, 2, 5, 0}));
+  auto runs = LoadJson(CharBpeWith({{"type", "Digits"}, {"individual_digits", false}}, vocab, merges));
+  ASSERT_TRUE(runs.ok()) << runs.status().ToString();
+  EXPECT_EQ((*runs)->Encode("a12\xc2\xbd" "a", false), (Ids{0, 3, 5, 0}));  // "a" "12½" "a"
+  auto none = LoadJson(CharBpeWith(nullptr, vocab, merges));
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ((*none)->Encode("a12", false), (Ids{4, 2}));  // the split is what kept "a" apart
+}
+
+TEST(HfTokenizer, PunctuationSplitsByEachBehaviorAndTakesAsciiSymbols) {
+  const json vocab = {{"a", 0}, {"!", 1}, {"?", 2}, {"a!", 3}, {"!?", 4}, {"?a", 5}, {"$", 6}};
+  const json merges = {"a !", "! ?", "? a"};
+  auto with = [&](const char* behavior) {
+    json p = {{"type", "Punctuation"}};
+    if (behavior != nullptr) p["behavior"] = behavior;
+    return LoadJson(CharBpeWith(p, vocab, merges));
+  };
+  const std::pair<const char*, Ids> cases[] = {
+      {nullptr, {0, 1, 2, 0}},             // Isolated by default
+      {"Isolated", {0, 1, 2, 0}},
+      {"Removed", {0, 0}},
+      {"MergedWithPrevious", {3, 2, 0}},   // "a!" "?" "a"
+      {"MergedWithNext", {0, 1, 5}},       // "a" "!" "?a"
+      {"Contiguous", {0, 4, 0}},           // "a" "!?" "a"
+  };
+  for (const auto& [behavior, want] : cases) {
+    auto t = with(behavior);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    EXPECT_EQ((*t)->Encode("a!?a", false), want) << (behavior ? behavior : "default");
+  }
+  // '$' is a Unicode symbol (Sc), but ASCII punctuation to Rust.
+  auto removed = with("Removed");
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ((*removed)->Encode("a$a", false), (Ids{0, 0}));
+}
+
+TEST(HfTokenizer, WhitespaceKeepsWordsAndSymbolRunsAndDropsTheSpaces) {
+  const json vocab = {{"a", 0}, {"b", 1}, {"!", 2}, {"?", 3}, {" ", 4}, {"ab", 5}, {"!?", 6}, {"b!", 7}};
+  const json merges = {"b !", "a b", "! ?"};
+  auto ws = LoadJson(CharBpeWith({{"type", "Whitespace"}}, vocab, merges));
+  ASSERT_TRUE(ws.ok()) << ws.status().ToString();
+  // "ab" "!?" "a" "b": word characters and the rest are cut apart.
+  EXPECT_EQ((*ws)->Encode(" ab!?\t\n a\xe2\x80\x83" "b", false), (Ids{5, 6, 0, 1}));
+  auto split = LoadJson(CharBpeWith({{"type", "WhitespaceSplit"}}, vocab, merges));
+  ASSERT_TRUE(split.ok()) << split.status().ToString();
+  // Only the white space cuts: "ab!?" is one word (b ! merges first).
+  EXPECT_EQ((*split)->Encode(" ab!?\t\n a\xe2\x80\x83" "b", false), (Ids{0, 7, 3, 0, 1}));
+}
+
+TEST(HfTokenizer, CharacterClassPreTokenizersRunInASequenceWithMetaspace) {
+  json tok = CharBpeWith(
+      {{"type", "Sequence"},
+       {"pretokenizers",
+        {{{"type", "WhitespaceSplit"}},
+         {{"type", "Digits"}, {"individual_digits", true}},
+         {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}}}}},
+      {{"\u2581", 0}, {"a", 1}, {"1", 2}, {"\u2581a", 3}, {"\u2581" "1", 4}, {"a1", 5}},
+      {"\u2581 a", "\u2581 1", "a 1"});
+  auto t = LoadJson(tok);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  // "a" "1" "1" after the spaces go; each word gets its "▁".
+  EXPECT_EQ((*t)->Encode("  a11 ", false), (Ids{3, 4, 4}));
+}
+
+TEST(HfTokenizer, SplitRegexWhiteSpaceIsUnicodeWhiteSpace) {
+  // U+180E (Mongolian vowel separator) left White_Space in Unicode 6.3;
+  // Oniguruma's \s does not take it, so "a" and it stay one word.
+  const json vocab = {{"a", 0}, {"\xe1\xa0\x8e", 1}, {"a\xe1\xa0\x8e", 2}, {" ", 3}};
+  auto t = LoadJson(CharBpeWith(
+      {{"type", "Split"}, {"pattern", {{"Regex", "\\S+|\\s+"}}}, {"behavior", "Isolated"}},
+      vocab, {"a \xe1\xa0\x8e"}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->Encode("a\xe1\xa0\x8e a", false), (Ids{2, 3, 0}));
+}
+
+// SpmBpe() with `decoders` as its decoder Sequence.
+json SpmWithDecoders(json decoders) {
+  json tok = SpmBpe();
+  tok["decoder"] = {{"type", "Sequence"}, {"decoders", decoders}};
+  return tok;
+}
+
+TEST(HfTokenizer, DecoderStepsRunAfterTheFusePointOnTheWholeText) {
+  const json replace = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
+  const json strip = {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}};
+  // The Llama 2 decoder with its Replace moved after Fuse decodes alike.
+  auto t = LoadJson(SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, replace, strip}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->Decode(Ids{12, 12, 3, 4}), "hi hi\xc3\xa9");
+  EXPECT_EQ(Pieces(**t, {12, 12}), (std::vector<std::string>{"hi", " hi", ""}));
+  // After Fuse, Metaspace sees one token, the first: it drops every "▁".
+  auto m = LoadJson(SpmWithDecoders(
+      {{{"type", "Fuse"}}, {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}}}));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ((*m)->Decode(Ids{12, 8, 12}), "hihi");
+}
+
+TEST(HfTokenizer, StreamingHoldsWhatMayBeginAStringReplaceAfterFuse) {
+  const json two = {{"type", "Replace"}, {"pattern", {{"String", "\u2581\u2581"}}}, {"content", "="}};
+  const json one = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
+  auto t = LoadJson(SpmWithDecoders({{{"type", "Fuse"}}, two, one}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  // "h" "▁" "▁h" "i": the lone "▁" waits to see whether "▁▁" follows.
+  EXPECT_EQ(Pieces(**t, {9, 8, 11, 10}), (std::vector<std::string>{"h", "", "=h", "i", ""}));
+  EXPECT_EQ(Pieces(**t, {9, 8, 10}), (std::vector<std::string>{"h", "", " i", ""}));
+  EXPECT_EQ(Pieces(**t, {9, 8}), (std::vector<std::string>{"h", "", " "}));
+}
+
+TEST(HfTokenizer, ByteLevelAfterFuseTakesBytesOnlyWhenEveryCharacterIsInItsAlphabet) {
+  auto t = LoadJson(SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, {{"type", "ByteLevel"}}}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  // "h" "i" are their own bytes, but only the end can tell: held till then.
+  EXPECT_EQ(Pieces(**t, {9, 10}), (std::vector<std::string>{"", "", "hi"}));
+  // "▁" is outside the alphabet: the whole text is taken as it is.
+  EXPECT_EQ(Pieces(**t, {9, 12, 10}), (std::vector<std::string>{"", "h\u2581hi", "i", ""}));
+  // é (the fallback bytes C3 A9) is the alphabet's byte E9: invalid alone.
+  EXPECT_EQ((*t)->Decode(Ids{3, 4}), "\xef\xbf\xbd");
+}
+
+TEST(HfTokenizer, ByteFallbackAfterFuseTakesOnlyATextThatIsOneByteToken) {
+  auto t = LoadJson(SpmWithDecoders({{{"type", "Fuse"}}, {{"type", "ByteFallback"}}}));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->Decode(Ids{3}), "\xef\xbf\xbd");  // byte C3 alone is not UTF-8
+  EXPECT_EQ(Pieces(**t, {3, 4}), (std::vector<std::string>{"", "<0xC3><0xA9>", ""}));
+  EXPECT_EQ(Pieces(**t, {9, 3}), (std::vector<std::string>{"h", "<0xC3>", ""}));  // "h" settles it
+}
+
 TEST(HfTokenizer, NfcNormalizerComposes) {
   json tok = {{"normalizer", {{"type", "NFC"}}},
               {"decoder", {{"type", "Fuse"}}},
@@ -288,6 +428,14 @@ TEST(HfTokenizer, RefusesWhatItCannotRunNamingTheField) {
   json bad_behavior = bad_regex;
   bad_behavior["pre_tokenizer"]["pattern"]["Regex"] = "a";
   bad_behavior["pre_tokenizer"]["behavior"] = "Sideways";
+  json scripts = CharBpe(json::array());
+  scripts["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", {{{"type", "UnicodeScripts"}}}}};
+  json digits = CharBpe(json::array());
+  digits["pre_tokenizer"] = {{"type", "Digits"}};  // individual_digits is required
+  json punctuation = CharBpe(json::array());
+  punctuation["pre_tokenizer"] = {{"type", "Punctuation"}, {"behavior", "Apart"}};
+  json ctc = CharBpe(json::array());
+  ctc["decoder"] = {{"type", "Sequence"}, {"decoders", {{{"type", "Fuse"}}, {{"type", "CTC"}}}}};
   json clash = CharBpe(json::array());
   clash["added_tokens"] = {Added(2, "<x>")};  // 2 is "c"
   const Case cases[] = {
@@ -301,6 +449,10 @@ TEST(HfTokenizer, RefusesWhatItCannotRunNamingTheField) {
       {bad_regex, StatusCode::kInvalidArgument, "pre_tokenizer"},
       {bad_behavior, StatusCode::kInvalidArgument, "behavior"},
       {clash, StatusCode::kInvalidArgument, "added_tokens[0]"},
+      {scripts, StatusCode::kUnimplemented, "UnicodeScripts"},
+      {digits, StatusCode::kInvalidArgument, "individual_digits"},
+      {punctuation, StatusCode::kInvalidArgument, "behavior"},
+      {ctc, StatusCode::kUnimplemented, "CTC"},
   };
   for (const Case& c : cases) {
     auto t = LoadJson(c.tok);

@@ -15,6 +15,23 @@ namespace {
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
+// The fixed splits of the character-class pre-tokenizers, each the same set
+// of characters as the Rust predicate or regex `tokenizers` uses, so that they
+// run as a Split with that behavior. One character a match, as `tokenizers`'
+// Pattern for a char predicate finds them.
+//   Digits: char::is_numeric (Nd, Nl, No).
+constexpr const char* kNumeric = R"(\p{N})";
+//   Punctuation: char::is_ascii_punctuation or unicode_categories'
+//   is_punctuation (the P categories).
+constexpr const char* kPunctuation = R"([\p{P}\x{21}-\x{2F}\x{3A}-\x{40}\x{5B}-\x{60}\x{7B}-\x{7E}])";
+//   WhitespaceSplit: char::is_whitespace.
+constexpr const char* kWhiteSpace = R"(\p{White_Space})";
+//   Whitespace: the regex crate's \w+|[^\w\s]+, with its Unicode \w and \s
+//   spelled out (\w: Alphabetic, marks, Nd, Pc, Join_Control).
+constexpr const char* kWordsOrSymbols =
+    R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}]+)"
+    R"(|[^\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}\p{White_Space}]+)";
+
 // `tokenizers`' SplitDelimiterBehavior.
 enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
@@ -163,6 +180,30 @@ Status PreTokenizer::Add(const json& j, const std::string& where, PreTokenizer* 
     KDN_ASSIGN_OR_RETURN(step->regex, PatternFromJson(j.at("pattern"), where));
     KDN_ASSIGN_OR_RETURN(step->behavior, BehaviorFromJson(j, where));
     KDN_ASSIGN_OR_RETURN(step->invert, Bool(j, "invert", false, where));
+  } else if (type == "Digits") {
+    // digits.rs: each digit alone, or runs of them.
+    if (!j.contains("individual_digits") || !j.at("individual_digits").is_boolean()) {
+      return InvalidArgument(where + ".individual_digits is not a boolean");
+    }
+    step->kind = Step::kSplit;
+    KDN_ASSIGN_OR_RETURN(step->regex, Regex::Compile(kNumeric, false, where));
+    step->behavior = j.at("individual_digits").get<bool>() ? Behavior::kIsolated : Behavior::kContiguous;
+  } else if (type == "Punctuation") {
+    step->kind = Step::kSplit;
+    KDN_ASSIGN_OR_RETURN(step->regex, Regex::Compile(kPunctuation, false, where));
+    if (j.contains("behavior")) {
+      KDN_ASSIGN_OR_RETURN(step->behavior, BehaviorFromJson(j, where));
+    }
+  } else if (type == "Whitespace") {
+    // whitespace.rs: the matches are the words; what lies between goes.
+    step->kind = Step::kSplit;
+    KDN_ASSIGN_OR_RETURN(step->regex, Regex::Compile(kWordsOrSymbols, false, where));
+    step->behavior = Behavior::kRemoved;
+    step->invert = true;
+  } else if (type == "WhitespaceSplit") {
+    step->kind = Step::kSplit;
+    KDN_ASSIGN_OR_RETURN(step->regex, Regex::Compile(kWhiteSpace, false, where));
+    step->behavior = Behavior::kRemoved;
   } else if (type == "ByteLevel") {
     step->kind = Step::kByteLevel;
     KDN_ASSIGN_OR_RETURN(step->add_prefix_space, Bool(j, "add_prefix_space", true, where));

@@ -1,10 +1,12 @@
 #pragma once
 // PreTokenizer: the `pre_tokenizer` of a tokenizer.json (Hugging Face
 // `tokenizers`), which cuts normalized text into the words BPE encodes one
-// at a time: Split (a regex, with its behavior and invert), ByteLevel (the
-// GPT-2 split, and the byte-to-unicode alphabet), Metaspace (sentencepiece's
-// "▁"), and a Sequence of them. Private to kdn_text. Thread-safe after
-// construction.
+// at a time: Split (a regex, with its behavior and invert); Digits,
+// Punctuation, Whitespace and WhitespaceSplit (each a Split by a fixed
+// character class, as `tokenizers` runs them); ByteLevel (the GPT-2 split,
+// and the byte-to-unicode alphabet); Metaspace (sentencepiece's "▁"); and a
+// Sequence of them, in any order but for ByteLevel's. Private to kdn_text.
+// Thread-safe after construction.
 //
 // The words keep their bytes: the ByteLevel alphabet is applied by the BPE
 // model itself (BpeModel's byte-level mode), which looks bytes up directly,

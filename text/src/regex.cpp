@@ -9,11 +9,11 @@ namespace kdn::text {
 
 namespace {
 
-// Oniguruma's \s (what `tokenizers` runs) takes U+0085 (NEL) as a space;
-// PCRE2's \s in UCP mode takes only the Z categories and \t\n\v\f\r. \s and
-// \S are rewritten to take NEL in too, so the two split text alike. Inside a
-// character class only \s can be (\S there is left as it is; no pattern in
-// use has one).
+// Oniguruma's \s (what `tokenizers` runs) is Unicode's White_Space; PCRE2's
+// \s in UCP mode is \p{Z}, \h and \v, which takes U+180E (Mongolian vowel
+// separator, no longer a space) too. \s and \S are rewritten to the property
+// so the two split text alike. Inside a character class only \s can be (\S
+// there is left as it is; no pattern in use has one).
 std::string OnigurumaToPcre2(std::string_view p) {
   std::string out;
   out.reserve(p.size() + 16);
@@ -24,9 +24,9 @@ std::string OnigurumaToPcre2(std::string_view p) {
       const char n = p[i + 1];
       ++i;
       if (n == 's') {
-        out += in_class ? "\\s\\x{85}" : "[\\s\\x{85}]";
+        out += "\\p{White_Space}";
       } else if (n == 'S' && !in_class) {
-        out += "[^\\s\\x{85}]";
+        out += "\\P{White_Space}";
       } else {
         out.push_back('\\');
         out.push_back(n);

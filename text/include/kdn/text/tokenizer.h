@@ -3,11 +3,13 @@
 //
 // Tokenizer::Load reads a Hugging Face tokenizer.json and gives the ids that
 // Hugging Face `tokenizers` gives for it: BPE models with merges over the
-// ByteLevel alphabet (GPT-2, Llama 3, Qwen2: the ByteLevel or Split regex
-// pre-tokenizers) and sentencepiece-style BPE (Llama 2, Mistral: Metaspace or
-// the Prepend/Replace normalizers, byte fallback, unk), added tokens with
-// their flags, the NFC/NFD/NFKC/NFKD, Prepend and Replace normalizers, and
-// the decoders those files use (docs/serving.md, "Tokenizers"). kdn's own
+// ByteLevel alphabet (GPT-2, Llama 3, Qwen2, SmolLM2) and sentencepiece-style
+// BPE (Llama 2, Mistral: Metaspace or the Prepend/Replace normalizers, byte
+// fallback, unk); the pre-tokenizers Split, ByteLevel, Metaspace, Digits,
+// Punctuation, Whitespace and WhitespaceSplit in a Sequence (ByteLevel
+// last); added tokens with their flags; the NFC/NFD/NFKC/NFKD, Prepend and
+// Replace normalizers; and the decoders those files use (docs/engine.md,
+// "Tokenizer"). kdn's own
 // generated models use a byte-level tokenizer.json (ByteTokenizerJson: one
 // token per byte, no merges), which loads the same way.
 //
@@ -28,11 +30,14 @@ namespace kdn::text {
 // Decodes one sequence a token at a time. The text it gives, all pieces
 // and Finish() together, is exactly Tokenizer::Decode of the whole
 // sequence: a token that ends inside a UTF-8 character, inside a run of
-// byte-fallback tokens, or with characters the decoder may strip at the
-// end, has that text held back until what follows settles it (it never
-// shows as U+FFFD unless the whole sequence decodes to one there). The
-// sentencepiece decoders' leading-space strip applies to the first token of
-// the sequence only. Not thread-safe; the tokenizer must outlive it.
+// byte-fallback tokens, with characters the decoder may strip at the end,
+// or with the start of a String a Replace after Fuse may match, has that
+// text held back until what follows settles it (it never shows as U+FFFD
+// unless the whole sequence decodes to one there). Decoders that judge the
+// whole fused text (ByteFallback or ByteLevel after the fuse point, a Regex
+// Replace after it) may hold it all until Finish. The sentencepiece
+// decoders' leading-space strip applies to the first token of the sequence
+// only. Not thread-safe; the tokenizer must outlive it.
 class DecodeStream {
  public:
   virtual ~DecodeStream() = default;
