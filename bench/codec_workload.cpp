@@ -37,9 +37,11 @@ namespace {
 
 using Chunks = std::vector<std::shared_ptr<const Chunk>>;
 
-// Tokens of the eval set's documents, one after another, at least `n`.
-Result<std::vector<int32_t>> TextTokens(const std::string& text_dir, size_t n) {
-  KDN_ASSIGN_OR_RETURN(auto tok, text::Tokenizer::Load(text_dir));
+// Tokens of the eval set's documents (TEXT_DIR/eval.jsonl), one after another,
+// at least `n`, by the tokenizer of `tokenizer_from` (a model folder or GGUF).
+Result<std::vector<int32_t>> TextTokens(const std::string& tokenizer_from,
+                                        const std::string& text_dir, size_t n) {
+  KDN_ASSIGN_OR_RETURN(auto tok, text::Tokenizer::Load(tokenizer_from));
   const std::string path = (std::filesystem::path(text_dir) / "eval.jsonl").string();
   std::ifstream in(path);
   if (!in) return NotFound("cannot open " + path + " (the text the KV is computed from)");
@@ -149,7 +151,9 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
   const int n_chunks = o.tokens / o.chunk_tokens;
   const int64_t prefix = int64_t{n_chunks} * o.chunk_tokens;
   const std::string text_dir = o.text_dir.empty() ? c.model_dir : o.text_dir;
-  auto text = TextTokens(text_dir, static_cast<size_t>(prefix + o.suffix_tokens));
+  // The model's own tokenizer where it has one (a preset has none: the text's).
+  auto text = TextTokens(c.model_dir.empty() ? text_dir : c.model_dir, text_dir,
+                         static_cast<size_t>(prefix + o.suffix_tokens));
   std::string what;
   auto model_r = MakeModel(c, 2 * (prefix + o.suffix_tokens) + 64, &what);
   if (!text.ok() || !model_r.ok()) {

@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     sub->add_option("--preset", c.preset, "Generated model preset (ignored with --model)")
         ->capture_default_str();
     sub->add_option("--seed", c.seed, "Seed of the generated weights")->capture_default_str();
-    sub->add_option("--model", c.model_dir, "Model folder instead of a preset");
+    sub->add_option("--model", c.model_dir, "Model folder or .gguf file instead of a preset");
     sub->add_option("--threads", c.threads, "CPU threads (0 = all cores)")->capture_default_str();
     sub->add_option("--reps", c.reps, "Timed repetitions (best is reported)")->capture_default_str();
     sub->add_option("--json", c.json_path, "Also write the results as one JSON object");
@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
           ->excludes(mt_url);
   multiturn->add_option("--preset", c.preset, "With --device: generated model preset")
       ->capture_default_str()->needs(mt_device);
-  multiturn->add_option("--model", c.model_dir, "With --device: a model folder instead")
+  multiturn->add_option("--model", c.model_dir, "With --device: a model folder or .gguf file instead")
       ->needs(mt_device);
   multiturn->add_option("--threads", c.threads, "With --device cpu: CPU threads (0 = all cores)")
       ->capture_default_str()->needs(mt_device);
@@ -208,8 +208,9 @@ int main(int argc, char** argv) {
                        "Levels whose TTFT is measured from each tier, beside raw (none: skip)")
       ->delimiter(',')->capture_default_str();
   kv_codec->add_option("--text", kc.text_dir,
-                       "Folder whose tokenizer.json and eval.jsonl documents give the text "
-                       "(default: --model's; e.g. models/kdn-qa for a preset)");
+                       "Folder whose eval.jsonl documents give the text, tokenized by "
+                       "--model's tokenizer (a preset's: this folder's) (default: --model's; "
+                       "e.g. models/kdn-qa for a preset or a .gguf file)");
   kv_codec->add_option("--suffix-tokens", kc.suffix_tokens,
                        "New tokens computed on top of the cached KV (KL, TTFT)")
       ->capture_default_str()->check(CLI::PositiveNumber);

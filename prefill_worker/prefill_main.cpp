@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kdn-prefill: a prefill worker. Prints its control endpoint on stdout once it serves."};
   kdn::LogFlags log_flags;
   log_flags.Add(app);
-  app.add_option("--model", o.model_dir, "Model folder (config.json, *.safetensors, tokenizer.json)")
+  app.add_option("--model", o.model_dir, "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
       ->required();
   app.add_option("--listen", o.listen, "Control endpoint to bind (port 0 picks a free one)")
       ->capture_default_str();

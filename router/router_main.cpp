@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   kdn::LogFlags log_flags;
   log_flags.Add(app);
   app.add_option("--model", o.model_dir,
-                 "Model folder (its config.json, tokenizer.json and chat template are read)")
+                 "Model folder (its config.json, tokenizer.json and chat template are read) or a .gguf file")
       ->required();
   app.add_option("--prefill", o.backend.prefill_endpoints,
                  "Prefill workers' control endpoints (comma-separated or repeated)")
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--served-model-name", o.served_model_name,
-                 "Model name in the API (default: the model folder's name)");
+                 "Model name in the API (default: the model folder's name, or the .gguf file's without .gguf)");
   std::string api_keys_file;
   app.add_option("--api-keys", api_keys_file,
                  "A file of API keys, one \"KEY TENANT\" a line: /v1/ requests then need "

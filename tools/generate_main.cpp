@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   bool no_bos = false, print_ids = false, ignore_eos = false;
   int threads = 0;
   std::string device = "cpu";
-  app.add_option("--model", model_dir, "Model folder (config.json, *.safetensors, tokenizer.json)")
+  app.add_option("--model", model_dir, "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
       ->required();
   auto* p = app.add_option("--prompt", prompt, "Prompt text");
   app.add_option("--prompt-ids", prompt_ids, "Prompt as comma-separated token ids (instead of --prompt)")

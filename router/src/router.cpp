@@ -653,7 +653,8 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                        text::ChatTemplate::Load(options.model_dir, impl->config.architecture));
   std::string name = options.served_model_name;
   if (name.empty()) {
-    name = std::filesystem::path(options.model_dir).lexically_normal().filename().string();
+    const auto path = std::filesystem::path(options.model_dir).lexically_normal();
+    name = (path.extension() == ".gguf" ? path.stem() : path.filename()).string();
     if (name.empty()) {
       name = std::filesystem::path(options.model_dir).lexically_normal().parent_path().filename();
     }
