@@ -116,6 +116,14 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
     KDN_ASSIGN_OR_RETURN(const int64_t eot, f.Int("tokenizer.ggml.eot_token_id"));
     if (eot != j["eos_token_id"].get<int64_t>()) j["eos_token_id"] = {j["eos_token_id"], eot};
   }
+  // Each layer is at least 9 tensors: a block_count the file cannot hold is
+  // refused here, before anyone lists the tensors it implies.
+  const int64_t layers = j["num_hidden_layers"].get<int64_t>();
+  if (layers > static_cast<int64_t>(f.tensors().size() / 9)) {
+    return InvalidArgument(f.Where(p + "block_count " + std::to_string(layers) +
+                                   ": the file holds only " + std::to_string(f.tensors().size()) +
+                                   " tensors"));
+  }
   std::set<std::string> types;
   for (const GgufTensor& t : f.tensors()) types.insert(FindGgmlType(t.type)->name);
   std::string dtype = "gguf:";

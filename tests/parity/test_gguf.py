@@ -281,12 +281,13 @@ def test_config_is_read_from_the_llama_keys(smollm2):
 
 # (f) Malformed and unsupported files. A micro model the gguf package writes,
 # then broken one way each.
-def micro_gguf(path, arch="llama", tensor_type=gguf.GGMLQuantizationType.F32, extra=None):
+def micro_gguf(path, arch="llama", tensor_type=gguf.GGMLQuantizationType.F32, extra=None,
+               block_count=1):
     w = gguf.GGUFWriter(str(path), arch)
     d, ff, vocab = 64, 96, 8
     w.add_uint32(f"{arch}.embedding_length", d)
     w.add_uint32(f"{arch}.feed_forward_length", ff)
-    w.add_uint32(f"{arch}.block_count", 1)
+    w.add_uint32(f"{arch}.block_count", block_count)
     w.add_uint32(f"{arch}.attention.head_count", 2)
     w.add_uint32(f"{arch}.attention.head_count_kv", 1)
     w.add_uint32(f"{arch}.context_length", 64)
@@ -365,6 +366,13 @@ def test_a_key_of_the_wrong_type_is_named(tmp_path):
                       extra={"llama.rope.freq_base": lambda w, k: w.add_string(k, "1e4")})
     rc, err = kdn_error(path, "--config")
     assert rc == 1 and "llama.rope.freq_base is string, not a float" in err, err
+
+
+def test_a_block_count_the_file_cannot_hold_is_refused(tmp_path):
+    # (gguf_fuzz found it: 2^24 layers of 8 made the weights loader list
+    # 200M tensor names before it looked for the first.)
+    rc, err = kdn_error(micro_gguf(tmp_path / "b.gguf", block_count=1 << 24), "--config")
+    assert rc == 1 and "llama.block_count 16777216: the file holds only 11 tensors" in err, err
 
 
 def test_another_architecture_is_refused_naming_it(tmp_path):
