@@ -21,7 +21,6 @@ worker and kdn-store, and checked against transformers through the official
 """
 
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,11 +36,10 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from deploy_util import CHUNK_TOKENS, MIN_TAIL_TOKENS, Deployment, _tail_pieces
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "parity"))
+from gguf_micro import smollm2_path  # noqa: E402
 from llama_cpp_tokenize import llama_cpp_decode, llama_cpp_ids  # noqa: E402
 from test_gguf import hf_folder  # noqa: E402
 
-SMOLLM2 = Path(os.environ.get("KDN_SMOLLM2",
-                              Path.home() / ".cache" / "kdn" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 EOS = 2  # <|im_end|>
 NEW_TOKENS = 24
 RECOMPUTE_RATIO = 0.15  # kdn-launch's default --recompute-ratio
@@ -133,10 +131,7 @@ def expected_cached(prompt, stored, chunk=CHUNK_TOKENS):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not SMOLLM2.is_file():
-        pytest.fail(f"{SMOLLM2}: SmolLM2 is missing; run scripts/install-deps.sh --ref "
-                    "(or scripts/fetch-smollm2.sh)")
-    return SMOLLM2
+    return smollm2_path()
 
 
 @pytest.fixture(scope="module")

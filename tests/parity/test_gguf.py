@@ -37,13 +37,12 @@ from tokenizers.models import WordLevel
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.modeling_gguf_pytorch_utils import reverse_permute_weights
 
+from gguf_micro import smollm2_path, write_micro_llama
 from llama_cpp_ref import ref_dir
 from llama_cpp_tokenize import llama_cpp_ids
 from test_tokenizer_vocab import CORPUS, random_texts
 
 BIN = Path(os.environ.get("KDN_BIN_DIR", "build/bin"))
-SMOLLM2 = Path(os.environ.get("KDN_SMOLLM2",
-                              Path.home() / ".cache" / "kdn" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 # Prose for the 300-token prompt (written for this test).
 PROSE = (
@@ -60,10 +59,7 @@ def run(*args, check=True):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not SMOLLM2.is_file():
-        pytest.fail(f"{SMOLLM2}: SmolLM2 is missing; run scripts/install-deps.sh --ref "
-                    "(or scripts/fetch-smollm2.sh)")
-    return SMOLLM2
+    return smollm2_path()
 
 
 @pytest.fixture(scope="module")
@@ -283,39 +279,8 @@ def test_config_is_read_from_the_llama_keys(smollm2):
 # then broken one way each.
 def micro_gguf(path, arch="llama", tensor_type=gguf.GGMLQuantizationType.F32, extra=None,
                block_count=1):
-    w = gguf.GGUFWriter(str(path), arch)
-    d, ff, vocab = 64, 96, 8
-    w.add_uint32(f"{arch}.embedding_length", d)
-    w.add_uint32(f"{arch}.feed_forward_length", ff)
-    w.add_uint32(f"{arch}.block_count", block_count)
-    w.add_uint32(f"{arch}.attention.head_count", 2)
-    w.add_uint32(f"{arch}.attention.head_count_kv", 1)
-    w.add_uint32(f"{arch}.context_length", 64)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_uint32(f"{arch}.vocab_size", vocab)
-    for k, v in (extra or {}).items():
-        v(w, k)
-    rng = np.random.default_rng(1)
-    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,),
-              "blk.0.attn_norm.weight": (d,), "blk.0.attn_q.weight": (d, d),
-              "blk.0.attn_k.weight": (32, d), "blk.0.attn_v.weight": (32, d),
-              "blk.0.attn_output.weight": (d, d), "blk.0.ffn_norm.weight": (d,),
-              "blk.0.ffn_gate.weight": (ff, d), "blk.0.ffn_up.weight": (ff, d),
-              "blk.0.ffn_down.weight": (d, ff)}
-    for name, shape in shapes.items():
-        x = rng.standard_normal(shape).astype(np.float32)
-        if len(shape) == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
-            # Random blocks: only the type matters here.
-            block, size = gguf.GGML_QUANT_SIZES[tensor_type]
-            raw = rng.integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
-            w.add_tensor(name, raw, raw_dtype=tensor_type)
-        else:
-            w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_micro_llama(path, arch=arch, tensor_type=tensor_type, keys=extra,
+                             block_count=block_count)
 
 
 def kdn_error(path, mode="--weights"):

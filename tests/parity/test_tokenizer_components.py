@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from gguf_tokenizer import read_gguf, tokenizer_files
 from llama_cpp_ref import ref_dir
-from test_tokenizer_vocab import CORPUS, Kdn, random_texts
+from test_tokenizer_vocab import CORPUS, Kdn, random_id_sequences, random_texts
 
 EXTRA = [
     "12345", "3.14", "1,000,000", "-42.5e3", "v1.2.3-rc4", "2024-01-31T12:00:00Z", "0x7fff_ffff",
@@ -186,15 +186,7 @@ def test_ids_equal_tokenizers(variant):
 def test_decode_and_streaming_decode_equal_tokenizers(variant):
     name, hf, kdn = variant
     seqs = [hf.encode(t, add_special_tokens=False).ids for t in texts()]
-    rng = random.Random(13)
-    size = hf.get_vocab_size()
-    byte_tokens = [t for t in (hf.token_to_id(f"<0x{b:02X}>") for b in range(256)) if t is not None]
-    for _ in range(200):
-        seq = [rng.randrange(size) for _ in range(rng.randint(1, 12))]
-        if byte_tokens and rng.random() < 0.5:
-            at = rng.randint(0, len(seq))
-            seq[at:at] = [rng.choice(byte_tokens) for _ in range(rng.randint(1, 5))]
-        seqs.append(seq)
+    seqs += random_id_sequences(hf, 200, random.Random(13))
     compared = 0
     for ids in seqs:
         want = panics(hf.decode, ids, skip_special_tokens=True)

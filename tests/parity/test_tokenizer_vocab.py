@@ -69,6 +69,22 @@ POOL = ("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
         "🦙🔥👍🏽\u200d\u0301\u00a0\u3000\u0085")
 
 
+def random_id_sequences(hf, n, rng):
+    """n random id sequences of `hf`'s vocabulary: cut characters, stray
+    bytes, and half of them with a run of byte-fallback tokens (where the
+    vocabulary has them) inserted, valid UTF-8 or not."""
+    size = hf.get_vocab_size()
+    byte_tokens = [t for t in (hf.token_to_id(f"<0x{b:02X}>") for b in range(256)) if t is not None]
+    seqs = []
+    for _ in range(n):
+        seq = [rng.randrange(size) for _ in range(rng.randint(1, 12))]
+        if byte_tokens and rng.random() < 0.5:
+            at = rng.randint(0, len(seq))
+            seq[at:at] = [rng.choice(byte_tokens) for _ in range(rng.randint(1, 5))]
+        seqs.append(seq)
+    return seqs
+
+
 def random_texts(n, seed):
     rng = random.Random(seed)
     texts = []
@@ -147,16 +163,9 @@ def test_decode_and_streaming_decode_equal_tokenizers(vocab):
     name, _, hf, kdn = vocab
     seqs = [hf.encode(t).ids for t in CORPUS + random_texts(100, seed=8)]
     rng = random.Random(9)
-    size = hf.get_vocab_size()
     byte_tokens = [hf.token_to_id(f"<0x{b:02X}>") for b in range(256)]
     byte_tokens = [t for t in byte_tokens if t is not None]
-    for _ in range(300):
-        # Random ids: cut characters, stray bytes, invalid fallback runs.
-        seq = [rng.randrange(size) for _ in range(rng.randint(1, 12))]
-        if byte_tokens and rng.random() < 0.5:
-            at = rng.randint(0, len(seq))
-            seq[at:at] = [rng.choice(byte_tokens) for _ in range(rng.randint(1, 5))]
-        seqs.append(seq)
+    seqs += random_id_sequences(hf, 300, rng)
     if byte_tokens:
         # "é" (C3 A9) and "🦙" (F0 9F A6 99) as fallback runs, whole and cut.
         b = lambda x: hf.token_to_id(f"<0x{x:02X}>")  # noqa: E731
