@@ -143,7 +143,9 @@ struct KvCodecOptions {
   std::string dtype = "f32";
   std::vector<std::string> levels = {"lossless", "q8", "q6", "q4", "q3", "q2"};
   std::vector<std::string> ttft_levels = {"lossless", "q4"};  // raw always; empty: no TTFT
-  std::string text_dir;  // tokenizer.json and eval.jsonl; default: --model's folder
+  // eval.jsonl, whose documents --model's tokenizer (a preset's: this
+  // folder's tokenizer.json) encodes; default: --model's folder
+  std::string text_dir;
   int suffix_tokens = 64;
   std::string disk_dir;
 };

@@ -47,6 +47,7 @@
 
 #include "bench_util.h"
 #include "kdn/engine/cpu_runtime.h"
+#include "kdn/model/gguf.h"
 #include "kdn/control/worker_flags.h"
 #include "kdn/engine/open_engine.h"
 
@@ -238,8 +239,9 @@ int main(int argc, char** argv) {
   int tk_tokens = 32768;
   auto* tokenize = app.add_subcommand(
       "tokenize", "Tokenizer encode and decode speed on a long text: tokens/s, us per 1000 tokens");
-  tokenize->add_option("--tokenizer", tk_dir, "Folder with tokenizer.json (and tokenizer_config.json)")
-      ->required()->check(CLI::ExistingDirectory);
+  tokenize->add_option("--tokenizer", tk_dir,
+                       "Folder with tokenizer.json (and tokenizer_config.json), or a .gguf file")
+      ->required()->check(CLI::ExistingPath);
   tokenize->add_option("--text", tk_text, "Text file to encode (default: a synthetic text)")
       ->check(CLI::ExistingFile);
   tokenize->add_option("--tokens", tk_tokens, "Tokens of the synthetic text, about")
@@ -312,8 +314,9 @@ int main(int argc, char** argv) {
   }
   if (kv_codec->parsed()) {
     if (kc.ttft_levels == std::vector<std::string>{"none"}) kc.ttft_levels.clear();
-    if (kc.text_dir.empty() && c.model_dir.empty()) {
-      std::fprintf(stderr, "kdn-bench kv-codec: with a preset, give --text (e.g. models/kdn-qa)\n");
+    if (kc.text_dir.empty() && (c.model_dir.empty() || kdn::model::IsGgufPath(c.model_dir))) {
+      std::fprintf(stderr, "kdn-bench kv-codec: with a preset or a .gguf file, give --text "
+                           "(e.g. models/kdn-qa)\n");
       return 2;
     }
     return RunKvCodec(c, kc);

@@ -26,6 +26,7 @@
 #include "kdn/blend/blend.h"
 #include "kdn/text/tokenizer.h"
 #include "kdn/kvbus/codec.h"
+#include "kdn/model/gguf.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbridge/paged_chunks.h"
 
@@ -122,6 +123,10 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   }
   if (c.model_dir.empty()) {
     std::fprintf(stderr, "kdn-bench quality: give --model (e.g. models/kdn-qa)\n");
+    return 2;
+  }
+  if (eval_path.empty() && model::IsGgufPath(c.model_dir)) {
+    std::fprintf(stderr, "kdn-bench quality: with a .gguf file, give --eval\n");
     return 2;
   }
   const std::string path =

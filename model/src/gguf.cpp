@@ -227,18 +227,18 @@ Status GgufFile::Parse() {
   uint64_t alignment = kDefaultAlignment;
   if (Find("general.alignment") != nullptr) {
     KDN_ASSIGN_OR_RETURN(const int64_t a, Int("general.alignment"));
-    if (a <= 0 || (a & (a - 1)) != 0 || a > (int64_t{1} << 30)) {
+    // A power of two, and at least 8 as the format requires (so that every
+    // tensor's data is aligned for the widest element the engine reads).
+    if (a < 8 || (a & (a - 1)) != 0 || a > (int64_t{1} << 30)) {
       return Corruption(where + ": general.alignment " + std::to_string(a) +
-                        " is not a power of two");
+                        " is not a power of two from 8 to 2^30");
     }
     alignment = static_cast<uint64_t>(a);
   }
 
-  struct Pending {
-    uint64_t offset;
-  };
-  std::vector<Pending> offsets;
-  tensors_.reserve(n_tensors);
+  // Not reserved from the count: a corrupt count is refused only once the
+  // descriptions run out of bytes.
+  std::vector<uint64_t> offsets;
   for (uint64_t i = 0; i < n_tensors; ++i) {
     GgufTensor t;
     uint32_t n_dims = 0;
@@ -269,8 +269,11 @@ Status GgufFile::Parse() {
                         std::to_string(info->block_elements) + ")");
     }
     // Bytes: rows * (row / block) * block_bytes, refused where it overflows.
-    uint64_t bytes = static_cast<uint64_t>(t.dims[0] / info->block_elements) *
-                     static_cast<uint64_t>(info->block_bytes);
+    uint64_t bytes = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(t.dims[0] / info->block_elements),
+                               static_cast<uint64_t>(info->block_bytes), &bytes)) {
+      return Corruption(at + ": its size overflows 64 bits");
+    }
     for (size_t d = 1; d < t.dims.size(); ++d) {
       if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(t.dims[d]), &bytes)) {
         return Corruption(at + ": its size overflows 64 bits");
@@ -284,7 +287,7 @@ Status GgufFile::Parse() {
     if (tensor_index_.count(t.name) != 0) return Corruption(at + ": appears twice");
     tensor_index_[t.name] = tensors_.size();
     tensors_.push_back(std::move(t));
-    offsets.push_back({offset});
+    offsets.push_back(offset);
   }
 
   // The data section begins at the next multiple of the alignment.
@@ -292,7 +295,7 @@ Status GgufFile::Parse() {
   const uint64_t size = file_->size();
   for (size_t i = 0; i < tensors_.size(); ++i) {
     GgufTensor& t = tensors_[i];
-    const uint64_t begin = offsets[i].offset;
+    const uint64_t begin = offsets[i];
     if (data_start > size || begin > size - data_start || t.bytes > size - data_start - begin) {
       return Corruption(where + ": tensor \"" + t.name + "\": data [" + std::to_string(begin) +
                         ", +" + std::to_string(t.bytes) + ") lies beyond the file's " +

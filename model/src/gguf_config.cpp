@@ -29,6 +29,15 @@ Status CopyInt(const GgufFile& f, const std::string& key, bool required, const c
 
 }  // namespace
 
+int64_t GgufDefaultTokenId(const GgufFile& f, const std::string& key) {
+  const GgufValue* model = f.Find("tokenizer.ggml.model");
+  if (model == nullptr || model->type != GgufValueType::kString || model->s != "llama") return -1;
+  if (key == "tokenizer.ggml.bos_token_id") return 1;
+  if (key == "tokenizer.ggml.eos_token_id") return 2;
+  if (key == "tokenizer.ggml.unknown_token_id") return 0;
+  return -1;
+}
+
 Result<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
   KDN_ASSIGN_OR_RETURN(const std::string arch, f.String("general.architecture"));
   if (arch != "llama") {
@@ -109,6 +118,8 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
     const std::string k = std::string("tokenizer.ggml.") + key;
     if (f.Find(k) != nullptr) {
       KDN_ASSIGN_OR_RETURN(j[key], f.Int(k));
+    } else if (const int64_t id = GgufDefaultTokenId(f, k); id >= 0) {
+      j[key] = id;
     }
   }
   // The end-of-turn token ends generation too, where the file names one.

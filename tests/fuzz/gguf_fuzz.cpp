@@ -46,7 +46,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Check(t.dims[d] > 0, "positive dimensions");
       if (d == 0) {
         Check(t.dims[0] % info->block_elements == 0, "rows of whole blocks");
-        bytes = static_cast<uint64_t>(t.dims[0] / info->block_elements) * info->block_bytes;
+        Check(!__builtin_mul_overflow(static_cast<uint64_t>(t.dims[0] / info->block_elements),
+                                      static_cast<uint64_t>(info->block_bytes), &bytes),
+              "a row size that fits in 64 bits");
       } else {
         Check(!__builtin_mul_overflow(bytes, static_cast<uint64_t>(t.dims[d]), &bytes),
               "a size that fits in 64 bits");

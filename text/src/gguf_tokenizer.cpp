@@ -14,6 +14,7 @@ namespace {
 
 // llama.cpp's token types (tokenizer.ggml.token_type).
 constexpr int64_t kUnknown = 2, kControl = 3, kUserDefined = 4;
+constexpr size_t kMaxMergedPieceBytes = 256;
 
 // GPT-2's regex, which several pre-tokenizers share.
 constexpr const char* kGpt2Regex =
@@ -43,6 +44,10 @@ json SentencePieceMerges(const std::vector<std::string>& tokens, const std::vect
   std::vector<Merge> merges;
   for (size_t t = 0; t < tokens.size(); ++t) {
     const std::string& piece = tokens[t];
+    // Each split costs the piece's length, so a hostile megabyte-long token
+    // would cost its length squared. Real sentencepiece pieces are tens of
+    // bytes; one over kMaxMergedPieceBytes is never built from two pieces.
+    if (piece.size() > kMaxMergedPieceBytes) continue;
     std::vector<Merge> local;
     for (size_t k = 1; k < piece.size(); ++k) {
       auto l = id.find(piece.substr(0, k));
@@ -116,8 +121,12 @@ Result<GgufTokenizerJson> TokenizerJsonFromGguf(const model::GgufFile& f) {
     }
   }
   auto token_of = [&](const char* key) -> Result<json> {
-    if (f.Find(key) == nullptr) return json(nullptr);
-    KDN_ASSIGN_OR_RETURN(const int64_t id, f.Int(key));
+    int64_t id = model::GgufDefaultTokenId(f, key);
+    if (f.Find(key) != nullptr) {
+      KDN_ASSIGN_OR_RETURN(id, f.Int(key));
+    } else if (id < 0 || id >= static_cast<int64_t>(tokens.size())) {
+      return json(nullptr);
+    }
     if (id < 0 || id >= static_cast<int64_t>(tokens.size())) {
       return InvalidArgument(f.Where(std::string(key) + " " + std::to_string(id) +
                                      " is not a token id (" + std::to_string(tokens.size()) +

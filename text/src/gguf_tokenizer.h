@@ -16,10 +16,13 @@
 //   tokens; user-defined ones (4) are added tokens: all are matched in the
 //   text, as llama.cpp does with parse_special.
 // - add_bos: tokenizer.ggml.add_bos_token, else llama.cpp's default for the
-//   model and pre-tokenizer.
+//   model and pre-tokenizer. BOS, EOS and unknown ids the file does not give
+//   are llama.cpp's defaults (model::GgufDefaultTokenId).
 // Other models and pre-tokenizer names are Unimplemented, naming the key.
 
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -36,8 +39,8 @@ struct GgufTokenizerJson {
 Result<GgufTokenizerJson> TokenizerJsonFromGguf(const model::GgufFile& file);
 
 // The pre-tokenizer regexes llama.cpp applies for tokenizer.ggml.pre `pre`
-// (empty means "default"), and whether it ignores merges for it; false when
-// kdn does not know the name.
+// (empty means "default"), whether it ignores merges and whether it adds a
+// BOS by default for it; false when kdn does not know the name.
 bool LlamaCppPreTokenizer(const std::string& pre, std::vector<std::string>* regexes,
                           bool* ignore_merges, bool* add_bos);
 

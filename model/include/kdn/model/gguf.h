@@ -117,7 +117,8 @@ struct GgufTensor {
 class GgufFile {
  public:
   // Corruption for a malformed file (naming what and where), NotFound or
-  // IoError when it cannot be read, Unimplemented for a version other than 2
+  // IoError when it cannot be read, InvalidArgument when `path` is not a
+  // regular file, Unimplemented for a version other than 2
   // or 3 or a tensor type number the reader does not know.
   static Result<std::unique_ptr<GgufFile>> Open(const std::filesystem::path& path);
 
@@ -160,10 +161,6 @@ class GgufFile {
 // loaders take either (a --model argument).
 bool IsGgufPath(const std::filesystem::path& path);
 
-}  // namespace kdn::model
-
-namespace kdn::model {
-
 // The ModelConfig of a GGUF file's metadata: general.architecture "llama"
 // and its llama.* keys (sizes, heads, rms epsilon, RoPE base and linear
 // scaling, context length), the tokenizer.ggml.* BOS/EOS ids, tied
@@ -173,5 +170,10 @@ namespace kdn::model {
 // as config.json's are. torch_dtype holds "gguf:" and the tensor types found
 // (e.g. "gguf:F32+Q4_1+Q8_0"), which the model fingerprint carries.
 Result<ModelConfig> ModelConfigFromGguf(const GgufFile& file);
+
+// The id llama.cpp assumes for tokenizer.ggml.`key` (bos_token_id,
+// eos_token_id, unknown_token_id) when the file has none: sentencepiece's
+// 1, 2 and 0 for tokenizer model "llama"; -1 (none) otherwise.
+int64_t GgufDefaultTokenId(const GgufFile& file, const std::string& key);
 
 }  // namespace kdn::model
