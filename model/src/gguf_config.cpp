@@ -110,6 +110,10 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
       return Unimplemented(f.Where(p + "rope.scaling.type \"" + type +
                                    "\" is not supported (none, linear)"));
     }
+  } else if (f.Find(p + "rope.scale_linear") != nullptr) {
+    // The older key of linear scaling, which llama.cpp still reads.
+    KDN_ASSIGN_OR_RETURN(const double factor, f.Float(p + "rope.scale_linear"));
+    j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", factor}};
   }
   const bool q_bias = f.FindTensor("blk.0.attn_q.bias") != nullptr;
   j["attention_bias"] = q_bias;

@@ -326,6 +326,17 @@ def test_what_kdn_does_not_run_is_refused_naming_the_key(tmp_path, key, writer, 
     assert rc == 1 and "UNIMPLEMENTED" in err and key in err and message in err, err
 
 
+@pytest.mark.parametrize("keys", [
+    {"llama.rope.scaling.type": lambda w, k: w.add_string(k, "linear"),
+     "llama.rope.scaling.factor": lambda w, k: w.add_float32(k, 4.0)},
+    {"llama.rope.scale_linear": lambda w, k: w.add_float32(k, 4.0)},
+])
+def test_linear_rope_scaling_is_read(tmp_path, keys):
+    p = run(BIN / "kdn_gguf_dump", "--config", micro_gguf(tmp_path / "r.gguf", extra=keys))
+    c = json.loads(p.stdout)
+    assert c["rope_scaling"]["rope_type"] == "linear" and c["rope_scaling"]["factor"] == 4.0
+
+
 def test_a_key_of_the_wrong_type_is_named(tmp_path):
     path = micro_gguf(tmp_path / "w.gguf",
                       extra={"llama.rope.freq_base": lambda w, k: w.add_string(k, "1e4")})
