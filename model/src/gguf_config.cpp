@@ -29,7 +29,8 @@ Status CopyInt(const GgufFile& f, const std::string& key, bool required, const c
 
 }  // namespace
 
-int64_t GgufDefaultTokenId(const GgufFile& f, const std::string& key) {
+Result<int64_t> GgufTokenId(const GgufFile& f, const std::string& key) {
+  if (f.Find(key) != nullptr) return f.Int(key);
   const GgufValue* model = f.Find("tokenizer.ggml.model");
   if (model == nullptr || model->type != GgufValueType::kString || model->s != "llama") return -1;
   if (key == "tokenizer.ggml.bos_token_id") return 1;
@@ -120,11 +121,8 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
   j["tie_word_embeddings"] = f.FindTensor("output.weight") == nullptr;
   for (const char* key : {"bos_token_id", "eos_token_id"}) {
     const std::string k = std::string("tokenizer.ggml.") + key;
-    if (f.Find(k) != nullptr) {
-      KDN_ASSIGN_OR_RETURN(j[key], f.Int(k));
-    } else if (const int64_t id = GgufDefaultTokenId(f, k); id >= 0) {
-      j[key] = id;
-    }
+    KDN_ASSIGN_OR_RETURN(const int64_t id, GgufTokenId(f, k));
+    if (id >= 0 || f.Find(k) != nullptr) j[key] = id;
   }
   // The end-of-turn token ends generation too, where the file names one.
   if (f.Find("tokenizer.ggml.eot_token_id") != nullptr && j.contains("eos_token_id")) {

@@ -121,13 +121,10 @@ Result<GgufTokenizerJson> TokenizerJsonFromGguf(const model::GgufFile& f) {
     }
   }
   auto token_of = [&](const char* key) -> Result<json> {
-    int64_t id = model::GgufDefaultTokenId(f, key);
-    if (f.Find(key) != nullptr) {
-      KDN_ASSIGN_OR_RETURN(id, f.Int(key));
-    } else if (id < 0 || id >= static_cast<int64_t>(tokens.size())) {
-      return json(nullptr);
-    }
+    KDN_ASSIGN_OR_RETURN(const int64_t id, model::GgufTokenId(f, key));
     if (id < 0 || id >= static_cast<int64_t>(tokens.size())) {
+      // A default the vocabulary does not reach means none; a key, an error.
+      if (f.Find(key) == nullptr) return json(nullptr);
       return InvalidArgument(f.Where(std::string(key) + " " + std::to_string(id) +
                                      " is not a token id (" + std::to_string(tokens.size()) +
                                      " tokens)"));

@@ -17,7 +17,7 @@
 //   text, as llama.cpp does with parse_special.
 // - add_bos: tokenizer.ggml.add_bos_token, else llama.cpp's default for the
 //   model and pre-tokenizer. BOS, EOS and unknown ids the file does not give
-//   are llama.cpp's defaults (model::GgufDefaultTokenId).
+//   are llama.cpp's defaults (model::GgufTokenId).
 // Other models and pre-tokenizer names are Unimplemented, naming the key.
 
 #include <string>

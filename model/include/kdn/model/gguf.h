@@ -171,9 +171,12 @@ bool IsGgufPath(const std::filesystem::path& path);
 // (e.g. "gguf:F32+Q4_1+Q8_0"), which the model fingerprint carries.
 Result<ModelConfig> ModelConfigFromGguf(const GgufFile& file);
 
-// The id llama.cpp assumes for tokenizer.ggml.`key` (bos_token_id,
-// eos_token_id, unknown_token_id) when the file has none: sentencepiece's
-// 1, 2 and 0 for tokenizer model "llama"; -1 (none) otherwise.
-int64_t GgufDefaultTokenId(const GgufFile& file, const std::string& key);
+// The token id tokenizer.ggml.`key` (bos_token_id, eos_token_id,
+// unknown_token_id, padding_token_id...) names, or, where the file has no
+// such key, the one llama.cpp assumes: sentencepiece's 1, 2 and 0 for BOS,
+// EOS and unknown with tokenizer model "llama"; -1 (none) otherwise. Not
+// checked against the vocabulary; InvalidArgument when the key is not an
+// integer.
+Result<int64_t> GgufTokenId(const GgufFile& file, const std::string& key);
 
 }  // namespace kdn::model

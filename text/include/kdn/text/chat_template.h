@@ -46,7 +46,7 @@ class ChatTemplate {
   // neither falls back to the built-in format of `arch`. Where `dir` is a GGUF
   // file, its tokenizer.chat_template, with the texts of the tokens that
   // tokenizer.ggml.bos_token_id, eos_token_id, unknown_token_id and
-  // padding_token_id name. A template that does
+  // padding_token_id name (or llama.cpp's defaults, model::GgufTokenId). A template that does
   // not parse is InvalidArgument naming the file and the line.
   static Result<ChatTemplate> Load(const std::filesystem::path& dir, model::Architecture arch);
 
