@@ -117,14 +117,12 @@ std::vector<int> Ids(const json& j, const char* key) {
   return ids;
 }
 
-// bos/eos may be an integer or a list (Llama 3 lists several eos ids; the
-// first is the one generation stops on by default).
+// The first of Ids (Llama 3 lists several eos ids; the first is the one
+// generation stops on by default), -1 when there is none: derived from Ids so
+// that eos_token_id is always eos_token_ids' first, as config.h says.
 int FirstId(const json& j, const char* key) {
-  auto it = j.find(key);
-  if (it == j.end()) return -1;
-  if (it->is_number_integer()) return it->get<int>();
-  if (it->is_array() && !it->empty() && (*it)[0].is_number_integer()) return (*it)[0].get<int>();
-  return -1;
+  const std::vector<int> ids = Ids(j, key);
+  return ids.empty() ? -1 : ids[0];
 }
 
 // RoPE as transformers 5.x reads it (RotaryEmbeddingConfigMixin): the

@@ -254,6 +254,18 @@ TEST(ModelConfig, RoundTripsThroughJson) {
   EXPECT_EQ(back->eos_token_id, c.eos_token_id);
 }
 
+TEST(ModelConfig, TheFirstEosIdIsTheFirstOfTheIdsThatAreIds) {
+  // config_fuzz found it: a first entry that is no id (a float here) was
+  // dropped from eos_token_ids but made eos_token_id -1, so the written
+  // config read back with another eos_token_id.
+  std::string text = kLlama3;
+  text.replace(text.find("[128001,"), 8, "[1.5e40,");
+  const ModelConfig c = ParseModelConfig(text, "config.json").value();
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int>{128008, 128009}));
+  EXPECT_EQ(c.eos_token_id, 128008);
+  EXPECT_EQ(ParseModelConfig(ModelConfigToJson(c), "written")->eos_token_id, 128008);
+}
+
 TEST(ModelConfig, RoundTripsYarnDynamicAndWindowsThroughJson) {
   const std::string qwen = R"({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300,
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
