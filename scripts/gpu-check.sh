@@ -6,13 +6,16 @@
 # with their ratios to the hardware and to the peer (decode also at batch 32
 # with 4,096 tokens of context), multiturn at a 16K-token context and
 # rag-blend with 8 documents of 2,048 tokens on that shape, and the comparison
-# with Hugging Face on the GPU. Results go to $OUT (default ./gpu-results).
+# with Hugging Face on the GPU; and a GPU deployment of SmolLM2's GGUF
+# (KDN_SMOLLM2, default ~/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf) under
+# kdn-bench multiturn --url and serve-load. Results go to $OUT (default
+# ./gpu-results).
 #
 #   bash scripts/gpu-check.sh BIN_DIR        # BIN_DIR holds kdn_cuda_tests,
 #                                            # kdn_forward_cuda, kdn-mkmodel, kdn-bench,
 #                                            # kdn-generate and the four servers
 #   STEPS="tests deploy" bash scripts/gpu-check.sh BIN_DIR   # some steps only
-# Steps: tests deploy peer prefill decode serving hf. Needs a CUDA device; the
+# Steps: tests deploy peer prefill decode serving hf deploy_bench. Needs a CUDA device; the
 # Hugging Face parts need python3 with torch (CUDA) and transformers, the
 # deployment test python3 with pytest and httpx. Each step's failure is
 # reported and the next one runs.
@@ -21,7 +24,7 @@ BIN=${1:?usage: gpu-check.sh BIN_DIR}
 OUT=${OUT:-./gpu-results}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
-STEPS=${STEPS:-tests deploy peer prefill decode serving hf}
+STEPS=${STEPS:-tests deploy peer prefill decode serving hf deploy_bench}
 status=0
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {
@@ -54,5 +57,24 @@ want serving && step multiturn "$BIN/kdn-bench" multiturn --device cuda --preset
 want serving && step rag_blend "$BIN/kdn-bench" rag-blend --device cuda --preset llama3-8b \
   --docs 8 --doc-tokens 2048 --question-tokens 64 --ratios 0,0.15,1 --reps 3 \
   --json "$OUT/rag_blend.json"
-want hf && step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
+want hf && step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -s -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
+# A whole deployment on the GPU, measured from outside through the router.
+SMOL=${KDN_SMOLLM2:-$HOME/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf}
+deploy_bench() {
+  local run="$OUT/deploy-run" rc=0
+  rm -rf "$run"
+  KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" up --detach --port 0 --run-dir "$run" \
+    --model "$SMOL" --store --device cuda --threads 4 --ready-timeout 120 > "$OUT/deploy_up.out" || return 1
+  local url; url=$(tail -n 1 "$OUT/deploy_up.out" | awk '{print $NF}')
+  "$BIN/kdn-bench" multiturn --url "$url" --context-tokens 4096 --turns 4 --turn-tokens 64 \
+    --max-tokens 16 --conversations 2 --seed 1 --json "$OUT/deploy_multiturn.json" || rc=1
+  "$BIN/kdn-bench" serve-load --url "$url" --clients 32 --requests 1000 --documents 64 \
+    --doc-chars 4096 --max-tokens 32 --run-dir "$run" --seed 1 --json "$OUT/deploy_serve_load.json" || rc=1
+  KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" down --run-dir "$run" || rc=1
+  return $rc
+}
+if want deploy_bench; then
+  if [ -f "$SMOL" ]; then step deploy_bench deploy_bench
+  else echo "== deploy_bench: skipped, no $SMOL (scripts/fetch-smollm2.sh)"; fi
+fi
 exit $status

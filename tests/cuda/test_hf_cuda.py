@@ -96,3 +96,51 @@ def test_cuda_rope_types_and_windows_match_transformers(case, tmp_path):
             assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
             res = model(top2.indices[:1].view(1, 1), past_key_values=past, use_cache=True)
             past = res.past_key_values
+
+
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct's GGUF (scripts/fetch-smollm2.sh; KDN_SMOLLM2
+    names another copy), or a skip where neither is here."""
+    p = Path(os.environ.get("KDN_SMOLLM2",
+                            Path.home() / ".cache" / "kdn" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if not p.is_file():
+        pytest.skip(f"{p}: no SmolLM2 GGUF here (scripts/fetch-smollm2.sh)")
+    return p
+
+
+def test_cuda_smollm2_gguf_matches_transformers(tmp_path):
+    """A real model as users ship it (Q4_1 GGUF, head_dim 64: the FlashInfer
+    path) on the CUDA engine, against transformers' own GGUF loader and
+    tokenizer, both in bf16 on the same GPU."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+    path = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = ("<|im_start|>user\nThe lighthouse of Varn was built in 1887 and is painted red "
+            "and white. Its keeper, Anna Lind, lit the lamp every evening for thirty-one "
+            "years. Who kept the lighthouse, and for how long? Answer in one sentence, then "
+            "describe the lighthouse in a few more sentences.<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    out = tmp_path / "logits.f32"
+    greedy = run(BIN / "kdn_forward_cuda", path, ",".join(map(str, ids)), out, 16)
+    kdn_tokens = [int(t) for t in greedy.strip().split(",")]
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 torch_dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").cuda().eval()
+    vocab = model.config.vocab_size
+    kdn_logits = np.fromfile(out, dtype=np.float32).reshape(len(ids), vocab)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+        scale = np.abs(ref).max()
+        err = np.abs(kdn_logits - ref).max() / scale
+        print(f"\nSmolLM2 ({len(ids)} tokens): max |kdn - hf| / max |hf| = {err:.2e} "
+              f"(transformers {transformers.__version__})")
+        assert err < 3e-2
+        seq = list(ids)
+        for step in range(16):
+            logits = model(torch.tensor([seq], device="cuda")).logits[0, -1].float()
+            top2 = torch.topk(logits, 2)
+            if (top2.values[0] - top2.values[1]).item() < 0.01 * scale:
+                break  # a near tie: bf16 noise may pick either
+            assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
+            seq.append(int(top2.indices[0]))

@@ -99,6 +99,52 @@ def test_cpu_and_gpu_deployments_answer_alike(gpu_deployment, tmp_path_factory):
         cpu.down()
 
 
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct's GGUF (scripts/fetch-smollm2.sh; KDN_SMOLLM2
+    names another copy), or None."""
+    import os
+    from pathlib import Path
+    p = Path(os.environ.get("KDN_SMOLLM2",
+                            Path.home() / ".cache" / "kdn" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return p if p.is_file() else None
+
+
+@needs_gpu
+def test_smollm2_gguf_deployment_on_the_gpu(tmp_path_factory):
+    """A real model (Q4_1 GGUF, head_dim 64: FlashInfer and CUDA graphs) on
+    a GPU deployment: each turn of a chat gives the engine's own greedy text
+    on the GPU (kdn-generate --device cuda on the rendered prompt), and a
+    repeated turn reuses KV from the KDN."""
+    model = smollm2_gguf()
+    if model is None:
+        pytest.skip("no SmolLM2 GGUF here (scripts/fetch-smollm2.sh)")
+    # A small share: the kdn-qa deployment of this module holds most of the GPU.
+    d = Deployment(tmp_path_factory.mktemp("run-smollm2-gpu"), model, "--device", "cuda",
+                   "--gpu-mem-fraction", "0.04")
+    try:
+        messages = [{"role": "system", "content": "Answer in one short sentence."}]
+        for question in ["What is the capital of France?", "And of Germany?"]:
+            messages.append({"role": "user", "content": question})
+            prompt = ("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n"
+                      + "".join("<|im_start|>%s\n%s<|im_end|>\n" % (m["role"], m["content"])
+                                for m in messages[1:])
+                      + "<|im_start|>assistant\n")
+            r = subprocess.run([binary("kdn-generate"), "--model", str(model), "--prompt", prompt,
+                                "--max-tokens", "24", "--device", "cuda", "--no-bos"],
+                               capture_output=True, timeout=300)
+            assert r.returncode == 0, r.stderr.decode(errors="replace")
+            want = r.stdout.decode("utf-8")[:-1]
+            got = d.chat(messages, max_tokens=24, temperature=0)
+            answer = got["choices"][0]["message"]["content"]
+            assert answer == want and answer, (want, answer, d.log_tails())
+            again = d.chat(messages, max_tokens=24, temperature=0)
+            assert again["choices"][0]["message"]["content"] == answer
+            assert cached_tokens(again["usage"]) > 0, again["usage"]
+            messages.append({"role": "assistant", "content": answer})
+    finally:
+        d.down()
+
+
 def test_a_cuda_worker_without_its_device_fails_clearly():
     """kdn-prefill on cuda with a memory share that cannot hold the model (on
     a GPU machine), or on a machine with no device: it exits non-zero at
