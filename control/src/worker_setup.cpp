@@ -10,6 +10,7 @@
 #include "kdn/kvbus/store_service.h"
 #include "kdn/kvbridge/fingerprint.h"
 #include "kdn/kvbridge/paged_chunks.h"
+#include "kdn/kvbridge/resident.h"
 
 namespace kdn::control {
 
@@ -58,7 +59,8 @@ bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, in
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,
-                 const std::function<void(proto::WorkerInfo*)>& fill_info) {
+                 const std::function<void(proto::WorkerInfo*)>& fill_info,
+                 const engine::KvCache* pool) {
   proto::WorkerMessage reply;
   reply.set_request_id(message.request_id());
   if (message.body_case() == proto::WorkerMessage::kInfoRequest) {
@@ -77,12 +79,18 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
     // A lookup without the prompt: full chunks only.
     const int64_t limit = tokens.empty() ? static_cast<int64_t>(prefix.size()) * ctx.chunk_tokens
                                          : static_cast<int64_t>(tokens.size());
+    const int64_t resident =
+        pool == nullptr ? 0
+                        : kvbridge::ResidentPrefixTokens(*pool, ctx, tokens, prefix, limit,
+                                                         kvbus::kMinTailTokens);
     const auto held = kvbus::MatchPrefix(ctx, tokens, prefix, limit, kvbus::kMinTailTokens,
                                          [&](const kvbus::KeyedSpan& s) {
+                                           if (s.first + s.count <= resident) return true;
                                            return store.Contains(s.key);
                                          });
     auto* lr = reply.mutable_lookup_reply();
     lr->set_prefix_tokens(static_cast<int32_t>(kvbus::SpannedTokens(held)));
+    lr->set_resident_tokens(static_cast<int32_t>(resident));
     std::vector<kvbus::ChunkKey> segments;
     for (const std::string& b : message.lookup().segment_keys()) {
       auto k = KeyFromBytes(b);
@@ -101,6 +109,17 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
   }
   server.Send(peer, reply);
   return true;
+}
+
+void SetResidentCounters(proto::WorkerInfo* info, const engine::ResidentStats& st,
+                         uint64_t hit_tokens, uint64_t kv_bytes_loaded) {
+  proto::ResidentCounters* r = info->mutable_resident();
+  r->set_cached_blocks(st.cached_blocks);
+  r->set_evictable_blocks(st.evictable_blocks);
+  r->set_evictions(st.evictions);
+  r->set_hit_tokens(hit_tokens);
+  r->set_copied_blocks(st.copied_blocks);
+  r->set_kv_bytes_loaded(kv_bytes_loaded);
 }
 
 void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {

@@ -89,6 +89,7 @@ struct DecodeService::Impl {
   std::atomic<int> depth{0};     // prepared + running
   std::atomic<int> free_blocks{0};
   std::atomic<int64_t> leased_blocks{0};  // unstarted_blocks, summed
+  DecoderStats stats;  // guarded by mu: as of the last Advance
   std::thread compute;
   LogLimiter unserved;  // messages it does not serve, from any peer
   // When each peer was last heard from (any message: routers ping every
@@ -122,6 +123,11 @@ struct DecodeService::Impl {
     control::AddTransportCounters(info, "shm", rs.shm_chunks, rs.shm_bytes, 0);
     info->set_kvbus_leased_bytes(rs.leased_bytes);
     control::SetCodecCounters(info, *store);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      control::SetResidentCounters(info, stats.resident, stats.resident_hit_tokens,
+                                   stats.kv_bytes_loaded);
+    }
     if (Status h = receiver->Health(); !h.ok()) {
       control::StatusToProto(h, info->mutable_health());
     }
@@ -138,7 +144,8 @@ struct DecodeService::Impl {
     switch (msg.body_case()) {
       case proto::WorkerMessage::kLookup:
         lookup_io->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
-          (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill);
+          (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
+                                     &wm.model->kv_cache());
         });
         return;
       case proto::WorkerMessage::kPrepare:
@@ -287,6 +294,7 @@ struct DecodeService::Impl {
       proto::WorkerMessage reply;
       reply.set_request_id(it->second.request_id);
       reply.mutable_prepare_reply()->set_held_tokens(static_cast<int32_t>(d.held_tokens));
+      reply.mutable_prepare_reply()->set_resident_tokens(static_cast<int32_t>(d.resident_tokens));
       server->Send(it->second.peer, reply);
     }
     std::map<uint64_t, std::vector<const TokenEvent*>> by_id;
@@ -352,6 +360,10 @@ struct DecodeService::Impl {
       const DecoderStats s = decoder->Stats();
       depth = s.prepared + s.running;
       free_blocks = s.free_kv_blocks;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stats = s;
+      }
       Deliver(out);
       // After Deliver, which lets go of the requests that ended unstarted.
       int64_t leased = 0;

@@ -7,6 +7,7 @@
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
+#include "kdn/kvbridge/resident.h"
 #include "kdn/kvbus/chunk.h"
 
 namespace kdn::decode_worker {
@@ -86,6 +87,14 @@ int64_t KvTokensReserved(int64_t prompt_tokens, int64_t max_tokens, int64_t max_
 Status Decoder::ReserveKv(Prepared& p) {
   engine::KvCache& cache = model_.kv_cache();
   p.seq = cache.NewSequence();
+  if (!p.request.blended && options_.resident) {
+    const kvbus::KeyContext ctx{fingerprint_, p.request.ns, options_.chunk_tokens};
+    KDN_ASSIGN_OR_RETURN(p.resident_tokens,
+                         kvbridge::AttachResidentPrefix(
+                             cache, p.seq, ctx, p.request.tokens, p.keys,
+                             static_cast<int64_t>(p.request.tokens.size()),
+                             options_.min_tail_tokens));
+  }
   // The whole request, so that a request admitted never runs out of KV
   // mid-stream: its decode steps find their blocks reserved.
   return cache.Reserve(p.seq, KvTokensReserved(p.request.PromptTokens(),
@@ -97,13 +106,18 @@ int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded)
   engine::KvCache& cache = model_.kv_cache();
   int64_t placed = 0;
   for (const auto& [span, chunk] : loaded) {
-    if (span.first != placed || !kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, placed).ok()) {
+    if (span.first != placed) break;
+    if (chunk == nullptr) {  // attached from the pool
+      if (span.first + span.count > p.resident_tokens) break;
+    } else if (kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, placed).ok()) {
+      ++chunks_loaded_;
+      kv_bytes_loaded_ += cache.LayerBytes(span.count, model_.kv_dtype()) * cache.num_layers();
+    } else {
       break;
     }
     placed += span.count;
-    ++chunks_loaded_;
   }
-  return placed;
+  return std::max(placed, p.resident_tokens);
 }
 
 Status Decoder::PlacePushedSlices(Prepared& p) {
@@ -164,6 +178,9 @@ DecoderStats Decoder::Stats() const {
   s.free_kv_blocks = model_.kv_cache().free_blocks();
   s.total_kv_blocks = model_.kv_cache().num_blocks();
   s.chunks_loaded = chunks_loaded_;
+  s.kv_bytes_loaded = kv_bytes_loaded_;
+  s.resident_hit_tokens = resident_hit_tokens_;
+  s.resident = model_.kv_cache().resident_stats();
   s.chunks_stored = mailbox_->stored.load();
   s.chunks_already_held = mailbox_->already_held.load();
   s.chunks_store_failed = mailbox_->failed.load();
@@ -179,6 +196,7 @@ DecoderStats Decoder::Stats() const {
 void Decoder::PostLoad(uint64_t id, const Prepared& p) {
   store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys,
                              tokens = p.request.tokens, min_tail = options_.min_tail_tokens,
+                             resident = p.resident_tokens,
                              dtype = kvbridge::ChunkDType(model_.kv_dtype()),
                              ctx = kvbus::KeyContext{fingerprint_, p.request.ns,
                                                      options_.chunk_tokens}] {
@@ -189,6 +207,11 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
     const auto spans = kvbus::MatchPrefix(
         ctx, tokens, keys, static_cast<int64_t>(tokens.size()), min_tail,
         [&](const kvbus::KeyedSpan& s) {
+          if (s.first + s.count <= resident) {  // attached from the pool: nothing to load
+            load.chunks.emplace_back(s, nullptr);
+            return true;
+          }
+          if (s.first < resident) return false;  // would write into shared blocks
           auto chunk = store.Get(s.key);
           if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count, dtype)) {
             return false;
@@ -259,23 +282,26 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   Prepared p;
   p.request = std::move(request);
   p.created = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
-  KDN_RETURN_IF_ERROR(ReserveKv(p));
   if (!p.request.blended) {
     p.keys = kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens},
                                p.request.tokens);
   }
+  KDN_RETURN_IF_ERROR(ReserveKv(p));
+  resident_hit_tokens_ += static_cast<uint64_t>(p.resident_tokens);
   const uint64_t id = next_id_++;
   p.request.spec.id = id;
-  LogInfo("{} prepare: {} prompt tokens{}, max_tokens {}, {} KV blocks reserved ({} free){}",
+  LogInfo("{} prepare: {} prompt tokens{}, max_tokens {}, {} KV blocks reserved ({} free), {} "
+          "tokens resident{}",
           ReqId{p.request.request_id}, p.request.PromptTokens(),
           p.request.spec.generated.empty()
               ? std::string()
               : fmt::format(" and {} generated before (resumed)", p.request.spec.generated.size()),
           p.request.spec.max_tokens, p.seq.blocks().size(), model_.kv_cache().free_blocks(),
-          p.request.blended ? "; blended: nothing to load" : "");
-  if (p.request.blended) {
-    p.held_tokens = 0;
-    out->prepared.push_back({id, 0});
+          p.resident_tokens, p.request.blended ? "; blended: nothing to load" : "");
+  if (p.request.blended ||
+      p.resident_tokens == static_cast<int64_t>(p.request.tokens.size())) {
+    p.held_tokens = p.resident_tokens;
+    out->prepared.push_back({id, p.held_tokens, p.resident_tokens});
   } else {
     PostLoad(id, p);
   }
@@ -381,7 +407,7 @@ void Decoder::Advance(DecoderOutput* out) {
     LogInfo("{} prepared: its KDN gave {} of {} prompt tokens ({} chunks and tail pieces)",
             ReqId{p.request.request_id}, p.held_tokens, p.request.tokens.size(),
             load.chunks.size());
-    out->prepared.push_back({load.id, p.held_tokens});
+    out->prepared.push_back({load.id, p.held_tokens, p.resident_tokens});
     if (p.start) Begin(load.id, *p.start, out);
   }
 
@@ -446,9 +472,12 @@ void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
   tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(seq.length())));
   const kvbus::KeyContext ctx{fingerprint_, r.ns, options_.chunk_tokens};
   const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
-  // The full chunks the load brought are in the KDN already; those past
-  // them, then the tail pieces past the last full chunk, are stored.
   std::vector<kvbus::KeyedSpan> spans = kvbus::StoredSpans(ctx, tokens, keys);
+  // The whole conversation stays resident in the pool, for its next turn.
+  if (options_.resident) kvbridge::PublishSpans(model_.kv_cache(), seq, spans);
+  // The full chunks the load brought (or the pool held) are in the KDN
+  // already; those past them, then the tail pieces past the last full
+  // chunk, are stored.
   const auto loaded = std::min<size_t>(
       static_cast<size_t>(std::max<int64_t>(r.held_tokens, 0) / options_.chunk_tokens), keys.size());
   spans.erase(spans.begin(), spans.begin() + static_cast<std::ptrdiff_t>(loaded));

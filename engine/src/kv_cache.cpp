@@ -43,9 +43,32 @@ void KvSequence::Truncate(int64_t new_length) {
 
 KvCache::KvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
     : num_layers_(num_layers), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-      num_blocks_(num_blocks) {
+      num_blocks_(num_blocks), refs_(num_blocks, 0), index_refs_(num_blocks, 0) {
   free_.reserve(num_blocks);
   for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
+}
+
+void KvCache::AddRef(int32_t block, bool index) {
+  const bool was = Evictable(block);
+  ++refs_[block];
+  if (index && ++index_refs_[block] == 1) ++cached_;
+  evictable_ += static_cast<int>(Evictable(block)) - static_cast<int>(was);
+}
+
+void KvCache::DropRef(int32_t block, bool index) {
+  assert(refs_[block] > 0 && (!index || index_refs_[block] > 0));
+  const bool was = Evictable(block);
+  --refs_[block];
+  if (index && --index_refs_[block] == 0) --cached_;
+  evictable_ += static_cast<int>(Evictable(block)) - static_cast<int>(was);
+  if (refs_[block] == 0) free_.push_back(block);
+}
+
+int32_t KvCache::Take() {
+  const int32_t b = free_.back();
+  free_.pop_back();
+  AddRef(b, false);
+  return b;
 }
 
 KvSequence KvCache::NewSequence() {
@@ -57,20 +80,111 @@ KvSequence KvCache::NewSequence() {
 Status KvCache::Reserve(KvSequence& seq, int64_t new_length) {
   assert(seq.cache_ == this);
   const size_t need = static_cast<size_t>((new_length + kKvBlockTokens - 1) / kKvBlockTokens);
-  if (need <= seq.blocks_.size()) return Status::Ok();
-  const size_t more = need - seq.blocks_.size();
-  if (more > free_.size()) {
-    return ResourceExhausted("KV cache: " + std::to_string(more) + " more blocks needed for " +
+  const size_t more = need > seq.blocks_.size() ? need - seq.blocks_.size() : 0;
+  // The block the next write lands in, when the sequence shares it.
+  const auto shared_last = [&]() -> int64_t {
+    const int64_t at = seq.length_ / kKvBlockTokens;
+    const bool grows = new_length > seq.length_ && seq.length_ % kKvBlockTokens != 0;
+    return grows && at < static_cast<int64_t>(seq.blocks_.size()) && refs_[seq.blocks_[at]] > 1
+               ? at
+               : -1;
+  };
+  size_t total = more + (shared_last() >= 0 ? 1 : 0);
+  if (total == 0) return Status::Ok();
+  if (free_.size() < total && !EvictFor(total)) {
+    return ResourceExhausted("KV cache: " + std::to_string(total) + " more blocks needed for " +
                              std::to_string(new_length) + " tokens, " +
-                             std::to_string(free_.size()) + " of " + std::to_string(num_blocks_) +
-                             " free");
+                             std::to_string(free_blocks()) + " of " +
+                             std::to_string(num_blocks_) + " free");
   }
-  for (size_t i = 0; i < more; ++i) {
-    seq.blocks_.push_back(free_.back());
-    free_.pop_back();
+  // Evicting may have left the last block to this sequence alone.
+  if (const int64_t at = shared_last(); at >= 0) {
+    const int32_t copy = Take();
+    if (Status st = CopyBlock(seq.blocks_[at], copy); !st.ok()) {
+      DropRef(copy, false);
+      return st;
+    }
+    DropRef(seq.blocks_[at], false);
+    seq.blocks_[at] = copy;
+    ++copied_blocks_;
+  }
+  for (size_t i = 0; i < more; ++i) seq.blocks_.push_back(Take());
+  return Status::Ok();
+}
+
+void KvCache::Publish(const KvSequence& seq, const KvKey& key, int64_t end) {
+  assert(seq.cache_ == this && end > 0 && end <= seq.length_);
+  std::lock_guard<std::mutex> lock(index_mu_);
+  if (auto it = index_.find(key); it != index_.end()) {
+    Touch(it->second);
+    return;
+  }
+  Entry e;
+  e.blocks.assign(seq.blocks_.begin(),
+                  seq.blocks_.begin() + (end + kKvBlockTokens - 1) / kKvBlockTokens);
+  e.end = end;
+  for (int32_t b : e.blocks) AddRef(b, true);
+  lru_.push_front(key);
+  e.lru = lru_.begin();
+  index_.emplace(key, std::move(e));
+}
+
+Status KvCache::Attach(KvSequence& seq, std::span<const KvKey> chain) {
+  assert(seq.cache_ == this);
+  if (!seq.blocks_.empty()) {
+    return FailedPrecondition("KV cache: resident KV attaches to an empty sequence only");
+  }
+  std::lock_guard<std::mutex> lock(index_mu_);
+  if (chain.empty()) return InvalidArgument("KV cache: no key to attach");
+  auto last = index_.find(chain.back());
+  if (last == index_.end()) return NotFound("KV cache: the key is not resident");
+  for (int32_t b : last->second.blocks) AddRef(b, false);
+  seq.blocks_ = last->second.blocks;
+  seq.length_ = last->second.end;
+  for (auto k = chain.rbegin(); k != chain.rend(); ++k) {
+    if (auto it = index_.find(*k); it != index_.end()) Touch(it->second);
   }
   return Status::Ok();
 }
+
+int64_t KvCache::ResidentEnd(const KvKey& key) const {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  auto it = index_.find(key);
+  return it == index_.end() ? -1 : it->second.end;
+}
+
+bool KvCache::IsResident(const KvKey& key) const {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  return index_.contains(key);
+}
+
+void KvCache::DropResident() {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  while (!index_.empty()) {
+    Evict(index_.begin());
+    --evictions_;  // not to make room
+  }
+}
+
+ResidentStats KvCache::resident_stats() const {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  return {static_cast<int>(index_.size()), cached_, evictable_, evictions_, copied_blocks_};
+}
+
+bool KvCache::EvictFor(size_t need) {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  while (free_.size() < need && !lru_.empty()) Evict(index_.find(lru_.back()));
+  return free_.size() >= need;
+}
+
+void KvCache::Evict(std::map<KvKey, Entry>::iterator it) {
+  for (int32_t b : it->second.blocks) DropRef(b, true);
+  lru_.erase(it->second.lru);
+  index_.erase(it);
+  ++evictions_;
+}
+
+void KvCache::Touch(Entry& e) { lru_.splice(lru_.begin(), lru_, e.lru); }
 
 void KvCache::SetLength(KvSequence& seq, int64_t length) {
   assert(length <= static_cast<int64_t>(seq.blocks_.size()) * kKvBlockTokens);
@@ -79,7 +193,7 @@ void KvCache::SetLength(KvSequence& seq, int64_t length) {
 
 void KvCache::Release(std::vector<int32_t>& blocks, size_t keep) {
   while (blocks.size() > keep) {
-    free_.push_back(blocks.back());
+    DropRef(blocks.back(), false);
     blocks.pop_back();
   }
 }
@@ -129,6 +243,13 @@ Status KvCache::WriteLayers(KvSequence& seq, int layer0, int layers, int64_t fir
                             DType dtype, std::span<const uint8_t> in) {
   KDN_RETURN_IF_ERROR(CheckRows(seq, layer0, layers, first, count, dtype, in.size()));
   if (count == 0) return Status::Ok();
+  for (int64_t b = first / kKvBlockTokens; b <= (first + count - 1) / kKvBlockTokens; ++b) {
+    if (refs_[seq.blocks_[b]] > 1) {
+      return FailedPrecondition("KV cache: positions [" + std::to_string(first) + ", " +
+                                std::to_string(first + count) +
+                                ") lie in a block the sequence shares");
+    }
+  }
   return WriteRows(seq.blocks_, layer0, layers, first, count, dtype, in.data());
 }
 
@@ -157,6 +278,15 @@ void ForEachRun(Pool& k, Pool& v, std::span<const int32_t> blocks, int64_t first
 }
 
 }  // namespace
+
+Status CpuKvCache::CopyBlock(int32_t from, int32_t to) {
+  const auto n = static_cast<size_t>(block_stride());
+  for (int l = 0; l < num_layers(); ++l) {
+    std::copy_n(&k_[l][from * n], n, &k_[l][to * n]);
+    std::copy_n(&v_[l][from * n], n, &v_[l][to * n]);
+  }
+  return Status::Ok();
+}
 
 Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int layers,
                             int64_t first, int64_t count, DType dtype, uint8_t* out) const {

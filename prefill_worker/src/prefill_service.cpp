@@ -49,6 +49,9 @@ struct PrefillService::Impl {
   std::atomic<int64_t> queued_tokens{0};
   std::atomic<int> free_blocks{0};
   kvbus::SenderStats transport_stats;  // guarded by mu: as of the last job
+  engine::ResidentStats resident;      // guarded by mu: as of the last job
+  uint64_t resident_hit_tokens = 0;    // guarded by mu
+  uint64_t kv_bytes_loaded = 0;        // guarded by mu
   std::thread compute;
   LogLimiter unserved;  // messages it does not serve, from any peer
 
@@ -68,6 +71,7 @@ struct PrefillService::Impl {
     {
       std::lock_guard<std::mutex> lock(mu);
       sent = transport_stats;
+      control::SetResidentCounters(info, resident, resident_hit_tokens, kv_bytes_loaded);
     }
     control::AddTransportCounters(info, "tcp", sent.tcp_chunks, sent.tcp_bytes, sent.tcp_seconds);
     control::AddTransportCounters(info, "shm", sent.shm_chunks, sent.shm_bytes, sent.shm_seconds);
@@ -120,10 +124,18 @@ struct PrefillService::Impl {
       pr->set_slices_skipped(out->slices_skipped);
       pr->set_blended_tokens(out->blended_tokens);
       pr->set_recomputed_tokens(out->recomputed_tokens);
+      pr->set_resident_tokens(out->resident_tokens);
+      pr->set_kv_bytes_loaded(out->kv_bytes_loaded);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        resident_hit_tokens += static_cast<uint64_t>(out->resident_tokens);
+        kv_bytes_loaded += out->kv_bytes_loaded;
+      }
       const ReqId req{q.request_id};
-      LogInfo("{} KDN: {} of {} prompt tokens cached ({} from tail pieces, {} blended), "
-              "loaded in {:.1f} ms",
-              req, out->cached_tokens, q.job.tokens.size(), out->tail_tokens, out->blended_tokens,
+      LogInfo("{} KDN: {} of {} prompt tokens cached ({} resident in the pool, {} from tail "
+              "pieces, {} blended), {} KV bytes loaded in {:.1f} ms",
+              req, out->cached_tokens, q.job.tokens.size(), out->resident_tokens,
+              out->tail_tokens, out->blended_tokens, out->kv_bytes_loaded,
               out->load_seconds * 1e3);
       LogInfo("{} computed: {} tokens in full, {} blended tokens recomputed; {:.1f} ms in all",
               req, out->computed_tokens, out->recomputed_tokens, secs * 1e3);
@@ -148,7 +160,8 @@ struct PrefillService::Impl {
     const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
     if (msg.body_case() == proto::WorkerMessage::kLookup) {
       lookups->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
-        (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill);
+        (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
+                                   &wm.model->kv_cache());
       });
       return;
     }
@@ -239,8 +252,10 @@ struct PrefillService::Impl {
       --depth;
       free_blocks = wm.model->kv_cache().free_blocks();
       const kvbus::SenderStats sent = prefiller->TransportStats();
+      const engine::ResidentStats pool = wm.model->kv_cache().resident_stats();
       std::lock_guard<std::mutex> lock(mu);
       transport_stats = sent;
+      resident = pool;
     }
   }
 };

@@ -5,6 +5,7 @@
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
+#include "kdn/kvbridge/resident.h"
 
 namespace kdn::prefill_worker {
 
@@ -117,19 +118,39 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
 
   engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
-  KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
 
   // 1. The cached prefix, full chunks then tail pieces; the last token is
-  // always computed for its logits.
+  // always computed for its logits. What the pool holds resident is attached
+  // (no KV moves); the lower tiers give what lies past it.
   const auto load_start = std::chrono::steady_clock::now();
+  int64_t resident = 0;
+  if (options_.resident) {
+    KDN_ASSIGN_OR_RETURN(resident, kvbridge::AttachResidentPrefix(
+                                       cache, seq_, ctx, job.tokens, keys_, n - 1,
+                                       options_.min_tail_tokens));
+  }
+  KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
+  uint64_t bytes_loaded = 0;
   const std::vector<kvbus::KeyedSpan> held =
       kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
                          [&](const kvbus::KeyedSpan& s) {
+        if (s.first + s.count <= resident) return true;  // attached
+        if (s.first < resident) return false;  // would write into shared blocks
         auto chunk = store_.Get(s.key);
-        return chunk.ok() && control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_) &&
-               kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first).ok();
+        if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_) ||
+            !kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first).ok()) {
+          return false;
+        }
+        bytes_loaded += cache.LayerBytes(s.count, model_.kv_dtype()) * cache.num_layers();
+        return true;
       });
   const int64_t hit = kvbus::SpannedTokens(held);
+  if (hit < resident) {
+    // The lower tiers' match retraces the resident one; short of it, the
+    // compute would write into shared blocks.
+    return Internal("prefill: the prefix match reached " + std::to_string(hit) +
+                    " tokens, short of the " + std::to_string(resident) + " attached");
+  }
   cache.SetLength(seq_, hit);
   first_new_chunk_ = static_cast<int>(hit / C);
   spans_ = kvbus::StoredSpans(ctx, job.tokens, keys_);
@@ -160,6 +181,8 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   sampler.Advance(static_cast<int>(job.generated_tokens));
   out.first_token = sampler.Sample(logits);
   out.cached_tokens = static_cast<int>(hit);
+  out.resident_tokens = static_cast<int>(std::min(resident, hit));
+  out.kv_bytes_loaded = bytes_loaded;
   out.tail_tokens = static_cast<int>(hit - first_new_chunk_ * int64_t{C});
   out.load_seconds = load_seconds;
   out.computed_tokens = static_cast<int>(n - hit);
@@ -266,6 +289,9 @@ Status Prefiller::StoreNewChunks() {
     Status st = chunk.ok() ? store_.Put(*std::move(chunk)) : chunk.status();
     if (!st.ok() && first_error.ok()) first_error = st;
   }
+  // Every span of the prompt stays in the pool, resident, until the pool
+  // needs the blocks (the lower tiers hold the same KV).
+  if (options_.resident) kvbridge::PublishSpans(cache, seq_, spans_);
   seq_.Reset();
   keys_.clear();
   spans_.clear();

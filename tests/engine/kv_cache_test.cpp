@@ -147,5 +147,150 @@ TEST(KvCache, ReadAndWriteRefuseWhatTheSequenceDoesNotHold) {
   EXPECT_EQ(other.Write(s, 0, 0, 4, DType::kF32, buf).code(), StatusCode::kInvalidArgument);
 }
 
+// Resident KV: shared blocks, copy on write, eviction.
+
+// Fills positions [0, n) of layer 0 and 1 with values naming the position.
+void Fill(CpuKvCache& cache, KvSequence& s, int64_t from, int64_t n, float tag) {
+  for (int64_t p = from; p < n; ++p) {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      cache.KeyAt(s, l, p)[0] = tag + static_cast<float>(p);
+      cache.ValueAt(s, l, p)[0] = -tag - static_cast<float>(p);
+    }
+  }
+  cache.SetLength(s, n);
+}
+
+TEST(KvCacheResident, AttachSharesTheBlocksAndMovesNoKv) {
+  CpuKvCache cache(2, 1, 4, 8);
+  KvSequence a = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(a, 40).ok());
+  Fill(cache, a, 0, 40, 1000);
+  cache.Publish(a, {1, 1}, 32);
+  cache.Publish(a, {1, 2}, 40);
+  EXPECT_TRUE(cache.IsResident({1, 2}));
+  EXPECT_EQ(cache.ResidentEnd({1, 1}), 32);
+  EXPECT_EQ(cache.ResidentEnd({9, 9}), -1);
+  const std::vector<int32_t> blocks = a.blocks();
+  a.Reset();
+  // Only the index holds the three blocks: cached, and still available.
+  EXPECT_EQ(cache.unused_blocks(), 5);
+  EXPECT_EQ(cache.free_blocks(), 8);
+  EXPECT_EQ(cache.resident_stats().cached_blocks, 3);
+  EXPECT_EQ(cache.resident_stats().evictable_blocks, 3);
+
+  KvSequence b = cache.NewSequence();
+  const KvKey chain[] = {{1, 1}, {1, 2}};
+  ASSERT_TRUE(cache.Attach(b, chain).ok());
+  EXPECT_EQ(b.length(), 40);
+  EXPECT_EQ(b.blocks(), blocks);
+  EXPECT_EQ(cache.unused_blocks(), 5);  // nothing copied, nothing taken
+  EXPECT_EQ(cache.resident_stats().evictable_blocks, 0);
+  EXPECT_EQ(cache.KeyAt(b, 1, 39)[0], 1039.0f);
+  // Not on a sequence that holds blocks; not for a key that is not there.
+  EXPECT_EQ(cache.Attach(b, chain).code(), StatusCode::kFailedPrecondition);
+  KvSequence c = cache.NewSequence();
+  const KvKey missing[] = {{7, 7}};
+  EXPECT_EQ(cache.Attach(c, missing).code(), StatusCode::kNotFound);
+}
+
+TEST(KvCacheResident, ASequenceCopiesASharedPartlyFilledBlockBeforeItGrows) {
+  CpuKvCache cache(2, 1, 4, 8);
+  KvSequence a = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(a, 20).ok());
+  Fill(cache, a, 0, 20, 0);
+  cache.Publish(a, {2, 1}, 20);
+  a.Reset();
+  KvSequence b = cache.NewSequence();
+  const KvKey chain[] = {{2, 1}};
+  ASSERT_TRUE(cache.Attach(b, chain).ok());
+  const int32_t shared_last = b.blocks()[1];
+  // The shared block takes no write.
+  std::vector<uint8_t> row(cache.LayerBytes(1, DType::kF32));
+  EXPECT_EQ(cache.Write(b, 0, 20, 1, DType::kF32, row).code(), StatusCode::kFailedPrecondition);
+  // Growing copies it (one block) and takes one more for positions 32..35.
+  ASSERT_TRUE(cache.Reserve(b, 36).ok());
+  EXPECT_NE(b.blocks()[1], shared_last);
+  EXPECT_EQ(b.blocks().size(), 3u);
+  EXPECT_EQ(cache.resident_stats().copied_blocks, 1u);
+  EXPECT_EQ(cache.KeyAt(b, 1, 19)[0], 19.0f);  // the copy holds the shared KV
+  Fill(cache, b, 20, 36, 500);
+  // The resident entry never changed.
+  KvSequence c = cache.NewSequence();
+  ASSERT_TRUE(cache.Attach(c, chain).ok());
+  EXPECT_EQ(c.blocks()[1], shared_last);
+  EXPECT_EQ(cache.KeyAt(c, 0, 19)[0], 19.0f);
+  EXPECT_EQ(cache.KeyAt(c, 0, 20)[0], 0.0f);  // never written there
+  EXPECT_EQ(cache.KeyAt(b, 0, 20)[0], 520.0f);
+  // A sequence that grows from a whole block shares nothing it writes.
+  KvSequence d = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(d, 16).ok());
+  Fill(cache, d, 0, 16, 0);
+  cache.Publish(d, {3, 1}, 16);
+  ASSERT_TRUE(cache.Reserve(d, 17).ok());
+  EXPECT_EQ(cache.resident_stats().copied_blocks, 1u);
+}
+
+TEST(KvCacheResident, EvictionDropsTheLeastRecentlyUsedDeepestEntriesFirst) {
+  CpuKvCache cache(1, 1, 4, 6);
+  // Conversation x: 3 blocks under chain x1 (16), x2 (32), x3 (48).
+  KvSequence x = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(x, 48).ok());
+  Fill(cache, x, 0, 48, 0);
+  for (uint64_t i = 3; i >= 1; --i) cache.Publish(x, {10, i}, static_cast<int64_t>(16 * i));
+  x.Reset();
+  // Conversation y: 2 blocks, used after x.
+  KvSequence y = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(y, 32).ok());
+  Fill(cache, y, 0, 32, 100);
+  cache.Publish(y, {20, 2}, 32);
+  cache.Publish(y, {20, 1}, 16);
+  y.Reset();
+  EXPECT_EQ(cache.unused_blocks(), 1);
+  EXPECT_EQ(cache.free_blocks(), 6);
+  // Three blocks needed, one unused: x's deepest entry goes first (x3
+  // frees one block), then x2; x1 and y stay.
+  KvSequence z = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(z, 48).ok());
+  EXPECT_FALSE(cache.IsResident({10, 3}));
+  EXPECT_FALSE(cache.IsResident({10, 2}));
+  EXPECT_TRUE(cache.IsResident({10, 1}));
+  EXPECT_TRUE(cache.IsResident({20, 2}));
+  EXPECT_EQ(cache.resident_stats().evictions, 2u);
+  // A block a sequence holds is never taken: with y attached, asking for
+  // every block fails and y's KV is intact.
+  KvSequence y2 = cache.NewSequence();
+  const KvKey ychain[] = {{20, 1}, {20, 2}};
+  ASSERT_TRUE(cache.Attach(y2, ychain).ok());
+  KvSequence w = cache.NewSequence();
+  EXPECT_EQ(cache.Reserve(w, 6 * 16).code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(w.blocks().empty());
+  EXPECT_EQ(cache.KeyAt(y2, 0, 31)[0], 131.0f);
+  // Everything given back: no reference leaks.
+  z.Reset();
+  y2.Reset();
+  cache.DropResident();
+  EXPECT_EQ(cache.unused_blocks(), 6);
+  const ResidentStats st = cache.resident_stats();
+  EXPECT_EQ(st.entries, 0);
+  EXPECT_EQ(st.cached_blocks, 0);
+  EXPECT_EQ(st.evictable_blocks, 0);
+}
+
+TEST(KvCacheResident, PublishingAKeyAgainOnlyTouchesIt) {
+  CpuKvCache cache(1, 1, 4, 4);
+  KvSequence a = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(a, 16).ok());
+  Fill(cache, a, 0, 16, 0);
+  cache.Publish(a, {5, 5}, 16);
+  KvSequence b = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(b, 16).ok());
+  Fill(cache, b, 0, 16, 50);
+  cache.Publish(b, {5, 5}, 16);  // the first stays
+  a.Reset();
+  b.Reset();
+  EXPECT_EQ(cache.resident_stats().cached_blocks, 1);
+  EXPECT_EQ(cache.unused_blocks(), 3);
+}
+
 }  // namespace
 }  // namespace kdn::engine

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "../engine/test_util.h"
 #include "kdn/control/transfer_plan.h"
 #include "kdn/kvbus/host_tier.h"
@@ -65,6 +67,138 @@ TEST(Prefiller, SecondRunLoadsTheCachedPrefixAndComputesOnlyTheRest) {
   EXPECT_EQ(second->computed_tokens, 20);
   EXPECT_EQ(second->first_token, GreedyFirstToken(*model, longer.tokens));
   ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+// The KV a full prefill of `prompt` leaves, every layer, as floats.
+std::vector<float> FullPrefillKv(const std::vector<int32_t>& prompt) {
+  auto ref = MakeModel("tiny");
+  engine::KvSequence seq = ref->kv_cache().NewSequence();
+  std::vector<float> logits;
+  EXPECT_TRUE(ref->Prefill(seq, prompt, {}, &logits).ok());
+  std::vector<uint8_t> kv(ref->kv_cache().LayerBytes(seq.length(), engine::DType::kF32) *
+                          ref->config().num_layers);
+  EXPECT_TRUE(ref->kv_cache()
+                  .ReadLayers(seq, 0, ref->config().num_layers, 0, seq.length(),
+                              engine::DType::kF32, kv)
+                  .ok());
+  std::vector<float> f(kv.size() / sizeof(float));
+  std::memcpy(f.data(), kv.data(), kv.size());
+  return f;
+}
+
+TEST(PrefillerResident, ARepeatedPromptAttachesItsKvFromThePoolAndMovesNoBytes) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  kvbus::HostTier sink(64u << 20);
+  auto receiver = kvbus::Listen("tcp://127.0.0.1:0", sink);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  PrefillJob job;
+  job.tokens = RandomTokens(100, 258, 21);
+  job.sampling.temperature = 0;
+  auto first = p.Run(job);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  const engine::ResidentStats after_first = model->kv_cache().resident_stats();
+  EXPECT_GT(after_first.entries, 0);
+  EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
+
+  // Again, pushed to a decode worker: every cached token is resident, no
+  // byte comes from the host tier, and the decode worker gets the KV a full
+  // prefill gives, bit for bit.
+  job.decode_endpoint = (*receiver)->endpoint();
+  job.transfer_id = "again";
+  auto again = p.Run(job);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->cached_tokens, 99);
+  EXPECT_EQ(again->resident_tokens, 99);
+  EXPECT_EQ(again->kv_bytes_loaded, 0u);
+  EXPECT_EQ(again->computed_tokens, 1);
+  EXPECT_EQ(again->first_token, GreedyFirstToken(*model, job.tokens));
+  const auto keys = kvbus::PrefixKeys({kvbus::ChunkKey{1, 2}, "", kChunk}, job.tokens);
+  const auto regions = control::TransferRegions(keys, 100, kChunk, 0, job.transfer_id);
+  engine::CpuKvCache& cache = model->kv_cache();
+  engine::KvSequence rebuilt = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(rebuilt, 100).ok());
+  for (const control::KvRegion& r : regions) {
+    for (int l = 0; l < model->config().num_layers; ++l) {
+      auto slice = sink.Get(kvbus::LayerSliceKey(r.parent, l));
+      ASSERT_TRUE(slice.ok()) << "region at " << r.first << " layer " << l;
+      ASSERT_TRUE(kvbridge::LayerSliceToPagedKv(**slice, l, cache, rebuilt, r.first).ok());
+    }
+  }
+  cache.SetLength(rebuilt, 100);
+  std::vector<uint8_t> kv(cache.LayerBytes(100, engine::DType::kF32) * model->config().num_layers);
+  ASSERT_TRUE(cache.ReadLayers(rebuilt, 0, model->config().num_layers, 0, 100,
+                               engine::DType::kF32, kv).ok());
+  // The 99 attached tokens are the first run's KV, which one full prefill
+  // of the prompt gave: bit for bit. The last token, computed alone over
+  // them, within float rounding of the full prefill's.
+  const std::vector<float> want = FullPrefillKv(job.tokens);
+  ASSERT_EQ(kv.size(), want.size() * sizeof(float));
+  std::vector<float> got(want.size());
+  std::memcpy(got.data(), kv.data(), kv.size());
+  const size_t stride = static_cast<size_t>(cache.token_stride());
+  for (int l = 0; l < model->config().num_layers; ++l) {
+    for (int kv_half = 0; kv_half < 2; ++kv_half) {
+      const size_t row0 = (static_cast<size_t>(l) * 2 + kv_half) * 100 * stride;
+      EXPECT_EQ(std::memcmp(&got[row0], &want[row0], 99 * stride * sizeof(float)), 0)
+          << "layer " << l;
+      EXPECT_LT(engine::testing::RelError(&got[row0 + 99 * stride], &want[row0 + 99 * stride],
+                                          stride),
+                1e-5);
+    }
+  }
+  rebuilt.Reset();
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+
+  // With residency off the same hit is loaded from the host tier.
+  PrefillerOptions off = Options();
+  off.resident = false;
+  Prefiller q(*model, *store, kvbus::ChunkKey{1, 2}, off);
+  job.decode_endpoint.clear();
+  auto loaded = q.Run(job);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_EQ(loaded->cached_tokens, 99);
+  EXPECT_EQ(loaded->resident_tokens, 0);
+  EXPECT_EQ(loaded->kv_bytes_loaded,
+            99u * cache.token_stride() * 2 * sizeof(float) * model->config().num_layers);
+  EXPECT_EQ(loaded->first_token, again->first_token);
+  ASSERT_TRUE(q.StoreNewChunks().ok());
+}
+
+TEST(PrefillerResident, UnderPoolPressureEvictedKvComesBackFromTheLowerTiers) {
+  engine::EngineOptions eo;
+  eo.kv_blocks = 24;  // 384 tokens: room for about three prompts of 100
+  auto model = MakeModel("tiny", 7, eo);
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  std::vector<PrefillJob> jobs(8);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    jobs[i].tokens = RandomTokens(100, 258, 40 + static_cast<uint32_t>(i));
+    jobs[i].sampling.temperature = 0;
+  }
+  for (int round = 0; round < 2; ++round) {
+    for (const PrefillJob& job : jobs) {
+      auto out = p.Run(job);
+      ASSERT_TRUE(out.ok()) << out.status().ToString();
+      EXPECT_EQ(out->first_token, GreedyFirstToken(*model, job.tokens));
+      if (round == 1) {
+        // Evicted from the pool long ago: the host tier gives it back.
+        EXPECT_EQ(out->cached_tokens, 99);
+        EXPECT_EQ(out->resident_tokens + out->kv_bytes_loaded / 
+                      (model->kv_cache().token_stride() * 2 * sizeof(float) *
+                       model->config().num_layers),
+                  99u);
+      }
+      ASSERT_TRUE(p.StoreNewChunks().ok());
+    }
+  }
+  const engine::ResidentStats st = model->kv_cache().resident_stats();
+  EXPECT_GT(st.evictions, 0u);
+  // Every block is free or cached and held by no request.
+  EXPECT_EQ(model->kv_cache().free_blocks(), model->kv_cache().num_blocks());
+  EXPECT_EQ(st.evictable_blocks, st.cached_blocks);
 }
 
 TEST(Prefiller, APromptOfWholeChunksStillComputesItsLastChunk) {

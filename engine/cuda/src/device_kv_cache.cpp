@@ -153,6 +153,20 @@ Status DeviceKvCache::WriteRows(std::span<const int32_t> blocks, int layer0, int
   return Status::Ok();
 }
 
+Status DeviceKvCache::CopyBlock(int32_t from, int32_t to) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t bytes = static_cast<size_t>(block_stride()) * sizeof(bf16);
+  for (int l = 0; l < num_layers(); ++l) {
+    for (const auto* pool : {&k_[l], &v_[l]}) {
+      KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool->get() + to * block_stride(),
+                                               pool->get() + from * block_stride(), bytes,
+                                               cudaMemcpyDeviceToDevice, stream_));
+    }
+  }
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return Status::Ok();
+}
+
 Status DeviceKvCache::RotateKeys(std::span<const int32_t> blocks, int layer, int64_t first,
                                  int64_t count, int64_t delta, const float* inv_freq) {
   std::lock_guard<std::mutex> lock(mu_);

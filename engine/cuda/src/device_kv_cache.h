@@ -106,6 +106,8 @@ class DeviceKvCache final : public KvCache {
                   int64_t count, DType dtype, uint8_t* out) const override;
   Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
                    int64_t count, DType dtype, const uint8_t* in) override;
+  // Device to device, every layer's K and V, on this cache's stream; waits.
+  Status CopyBlock(int32_t from, int32_t to) override;
 
  private:
   // Gathers (or scatters) layers [layer0, layer0 + layers) of the rows

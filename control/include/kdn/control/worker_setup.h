@@ -61,8 +61,10 @@ bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, in
 // leading prompt tokens its tiers hold, full chunks then tail pieces, and
 // which segment keys), each with the worker's figures from `fill_info`.
 // `keys` gives the fingerprint and chunk size the tail keys are computed
-// with (its ns is the lookup's). False, with nothing sent, for any other
-// message.
+// with (its ns is the lookup's). `pool`, when given, is the worker's KV
+// pool: what it holds resident counts first (LookupReply.resident_tokens);
+// it is read only through KvCache::IsResident. False, with nothing sent, for
+// any other message.
 // Sets the info's KV codec counters from the CodecTier in `store`, if any.
 void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store);
 // Appends one data plane's kvbus counters to a worker's info.
@@ -72,6 +74,11 @@ void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport,
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,
-                 const std::function<void(proto::WorkerInfo*)>& fill_info);
+                 const std::function<void(proto::WorkerInfo*)>& fill_info,
+                 const engine::KvCache* pool = nullptr);
+// Sets the info's resident counters from the pool's (a snapshot the
+// engine's thread took) and the worker's own two.
+void SetResidentCounters(proto::WorkerInfo* info, const engine::ResidentStats& pool,
+                         uint64_t hit_tokens, uint64_t kv_bytes_loaded);
 
 }  // namespace kdn::control

@@ -3,10 +3,13 @@
 // on the wire", steps 2 and 4), driven by DecodeService as Prefiller is by
 // PrefillService. A request's life:
 //
-//  1. Prepare: the request is checked, KV blocks are reserved for its whole
-//     prompt, and a load of the prompt's leading chunks the KDN holds, then
-//     of the tail pieces past them (docs/kvbus.md, "Tail keys"), is queued
-//     on the store I/O thread. When the load is in, Advance copies them into
+//  1. Prepare: the request is checked, the longest prefix of its prompt
+//     that the KV pool holds resident (a conversation this worker finished,
+//     kvbridge/resident.h) is attached by reference, KV blocks are reserved
+//     for the rest of the request, and a load of the leading chunks past
+//     the resident ones that the KDN holds, then of the tail pieces past
+//     them (docs/kvbus.md, "Tail keys"), is queued on the store I/O thread
+//     (none when the pool holds the whole prompt). When the load is in, Advance copies them into
 //     the reserved blocks and reports a PrepareDone with how many leading
 //     tokens it placed; the prefill worker sends none of those.
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
@@ -19,8 +22,10 @@
 //     chunks of prompt + output that the load did not bring, and the tail
 //     pieces past the last of them, are copied out of the cache and handed
 //     to the store I/O thread, which stores those the KDN lacks; the
-//     request's blocks go back at once. The next turn of the chat then
-//     loads the conversation down to its last token. (Chunks another
+//     request's blocks go back at once, staying resident in the pool under
+//     the conversation's keys until it needs them. The next turn of the
+//     chat, routed here, attaches the conversation down to its last token;
+//     anywhere else it loads it from the KDN. (Chunks another
 //     worker stored meanwhile are copied out too, and skipped there: asking
 //     the store first would hold the blocks across a round trip.) A blended
 //     request's KV is not what a full prefill computes: it is neither loaded
@@ -111,6 +116,7 @@ int64_t KvTokensReserved(int64_t prompt_tokens, int64_t max_tokens, int64_t max_
 struct PrepareDone {
   uint64_t id = 0;
   int64_t held_tokens = 0;
+  int64_t resident_tokens = 0;  // of held_tokens, attached from the pool
 };
 
 // What Decoder calls produce, appended in order.
@@ -133,6 +139,9 @@ struct DecoderOptions {
   // Called on the store I/O thread when a load is in, so that the compute
   // loop calls Advance. Must be quick and must not call the Decoder.
   std::function<void()> on_load_done;
+  // Keep finished conversations resident in the pool and attach them
+  // (false: every prefix is loaded from the KDN; for benchmarks).
+  bool resident = true;
   // Time for prepare_timeout; steady_clock::now when empty (tests inject one).
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
@@ -143,6 +152,9 @@ struct DecoderStats {
   int free_kv_blocks = 0;
   int total_kv_blocks = 0;
   uint64_t chunks_loaded = 0;  // chunks and tail pieces placed from the KDN at Prepare
+  uint64_t kv_bytes_loaded = 0;      // their KV, copied into the pool
+  uint64_t resident_hit_tokens = 0;  // prompt tokens attached from the pool at Prepare
+  engine::ResidentStats resident;    // the pool's resident index
   // Of finished conversations' chunks handed to the store I/O thread:
   uint64_t chunks_stored = 0;        // Put
   uint64_t chunks_already_held = 0;  // not Put: the store had them
@@ -204,6 +216,7 @@ class Decoder {
     DecodeRequest request;
     std::vector<kvbus::ChunkKey> keys;  // the prompt's prefix keys; none when blended
     engine::KvSequence seq;             // blocks for the whole prompt
+    int64_t resident_tokens = 0;        // leading tokens attached from the pool
     int64_t held_tokens = -1;           // -1 while the load is out
     std::optional<int32_t> start;       // a Start waiting for the load: its first token
     TimePoint created;
@@ -262,6 +275,8 @@ class Decoder {
   std::map<uint64_t, Running> running_;
   uint64_t next_id_ = 1;
   uint64_t chunks_loaded_ = 0;
+  uint64_t kv_bytes_loaded_ = 0;
+  uint64_t resident_hit_tokens_ = 0;
   uint64_t chunks_store_dropped_ = 0;
 };
 

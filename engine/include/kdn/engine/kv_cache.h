@@ -12,11 +12,27 @@
 // so one block of one layer is the token-major slice a KV chunk stores
 // ([token][kv_head][head_dim]).
 //
+// Resident KV (docs/engine.md, "Resident KV"): a block can belong to
+// several sequences and to the cache's index at once; it carries a reference
+// count. The index names the KV of a sequence's first `end` tokens by a
+// content key (kvbus::ChunkKey's 128 bits: a prefix chunk's or a tail
+// piece's key), holding a reference on every block under [0, end). A
+// sequence never writes into a block it shares: Reserve first copies a
+// shared, partly filled last block into a block of its own (copy on write),
+// and Write refuses positions in a shared block. Blocks that only the index
+// holds stay cached; when Reserve finds too few free blocks it drops index
+// entries least recently used first until enough are free, so free_blocks()
+// counts those blocks as available.
+//
 // Not thread-safe: the engine that owns a cache serialises access to it,
 // except where a method says otherwise.
 
+#include <compare>
 #include <cstdint>
+#include <list>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -28,6 +44,24 @@ namespace kdn::engine {
 inline constexpr int kKvBlockTokens = 16;
 
 class KvCache;
+
+// A content key naming resident KV: kvbus::ChunkKey's value (the engine
+// knows no kvbus; kvbridge::ResidentKey converts).
+struct KvKey {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  friend bool operator==(const KvKey&, const KvKey&) = default;
+  friend auto operator<=>(const KvKey&, const KvKey&) = default;
+};
+
+// What the resident index holds, for metrics and tests.
+struct ResidentStats {
+  int entries = 0;            // keys indexed
+  int cached_blocks = 0;      // blocks the index holds (some also in sequences)
+  int evictable_blocks = 0;   // of those, held by no sequence
+  uint64_t evictions = 0;     // entries dropped to make room
+  uint64_t copied_blocks = 0; // shared blocks copied before a sequence wrote into them
+};
 
 // A sequence's view of the cache: its block table and how many tokens of KV
 // it holds. Move-only; gives its blocks back when destroyed or Reset.
@@ -67,14 +101,21 @@ class KvCache {
   int num_kv_heads() const { return num_kv_heads_; }
   int head_dim() const { return head_dim_; }
   int num_blocks() const { return num_blocks_; }
-  int free_blocks() const { return static_cast<int>(free_.size()); }
+  // Blocks Reserve can take: those held by nothing and those only the
+  // resident index holds (it drops them when needed).
+  int free_blocks() const { return static_cast<int>(free_.size()) + evictable_; }
+  // Blocks held by nothing at all.
+  int unused_blocks() const { return static_cast<int>(free_.size()); }
   // Elements in one token's K (or V) of one layer.
   int64_t token_stride() const { return static_cast<int64_t>(num_kv_heads_) * head_dim_; }
   int64_t block_stride() const { return token_stride() * kKvBlockTokens; }
 
   // A new, empty sequence bound to this cache.
   KvSequence NewSequence();
-  // Makes `seq` hold room for `new_length` tokens, taking blocks as needed.
+  // Makes `seq` hold room for `new_length` tokens, taking blocks as needed,
+  // and (when new_length > length) gives it a block of its own in place of a
+  // shared, partly filled last block, copying its KV. Drops resident entries
+  // least recently used first when too few blocks are unused.
   // ResourceExhausted (and `seq` unchanged) when too few blocks are free.
   Status Reserve(KvSequence& seq, int64_t new_length);
   // Marks the first `length` tokens of `seq` as holding KV. length <= reserved.
@@ -103,6 +144,28 @@ class KvCache {
                     DType dtype, std::span<uint8_t> out) const;
   Status WriteLayers(KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
                      DType dtype, std::span<const uint8_t> in);
+  // Resident KV. Publish indexes the KV of `seq`'s positions [0, end) under
+  // `key` (end <= seq.length(), > 0), taking a reference on the blocks under
+  // them; from then on those blocks never change. A key already indexed is
+  // only touched. Attach makes an empty sequence hold a resident key's KV by
+  // reference (length = that entry's end) and touches it: no KV moves.
+  // NOT_FOUND when the key is not resident, FAILED_PRECONDITION when `seq`
+  // holds blocks. ResidentEnd gives an entry's end, or -1.
+  // Attach takes the chain of keys a prefix match found, in position order,
+  // attaches the last and touches them last to first, so that eviction,
+  // least recently used first, drops a chain's deepest entries before the
+  // ones it extends (which stay reachable).
+  void Publish(const KvSequence& seq, const KvKey& key, int64_t end);
+  Status Attach(KvSequence& seq, std::span<const KvKey> chain);
+  int64_t ResidentEnd(const KvKey& key) const;
+  // Whether `key` is resident now. Thread-safe: a lookup thread may ask
+  // while the engine's thread works (the answer can be stale when used).
+  bool IsResident(const KvKey& key) const;
+  // Drops every entry: cached blocks no sequence holds become unused.
+  void DropResident();
+  // On the engine's thread, as free_blocks().
+  ResidentStats resident_stats() const;
+
   // Bytes Read fills and Write takes for `count` tokens of one layer.
   size_t LayerBytes(int64_t count, DType dtype) const {
     return static_cast<size_t>(2 * count * token_stride()) * DTypeSize(dtype);
@@ -117,15 +180,42 @@ class KvCache {
                           int64_t count, DType dtype, uint8_t* out) const = 0;
   virtual Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers,
                            int64_t first, int64_t count, DType dtype, const uint8_t* in) = 0;
+  // Copies every layer's K and V of block `from` into block `to`.
+  virtual Status CopyBlock(int32_t from, int32_t to) = 0;
 
  private:
   friend class KvSequence;
+  struct Entry {
+    std::vector<int32_t> blocks;  // under [0, end)
+    int64_t end = 0;
+    std::list<KvKey>::iterator lru;  // in lru_
+  };
   Status CheckRows(const KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
                    DType dtype, size_t bytes) const;
   void Release(std::vector<int32_t>& blocks, size_t keep);
+  // Reference counting; `index` says whose reference it is.
+  void AddRef(int32_t block, bool index);
+  void DropRef(int32_t block, bool index);
+  bool Evictable(int32_t block) const { return index_refs_[block] > 0 && refs_[block] == index_refs_[block]; }
+  // Drops least recently used entries until `need` blocks are unused or
+  // none is left; true when enough are.
+  bool EvictFor(size_t need);
+  void Evict(std::map<KvKey, Entry>::iterator it);
+  void Touch(Entry& e);
+  int32_t Take();  // an unused block, referenced once
 
   const int num_layers_, num_kv_heads_, head_dim_, num_blocks_;
-  std::vector<int32_t> free_;  // stack of free block ids
+  std::vector<int32_t> free_;  // stack of unused block ids
+  std::vector<int32_t> refs_;        // [block] -> references (sequences and index)
+  std::vector<int32_t> index_refs_;  // [block] -> of those, the index's
+  int evictable_ = 0;                // blocks that only the index holds
+  int cached_ = 0;                   // blocks the index holds
+  uint64_t evictions_ = 0, copied_blocks_ = 0;
+  // The index. The engine's thread changes it; IsResident reads it from
+  // other threads, so every access holds index_mu_.
+  mutable std::mutex index_mu_;
+  std::map<KvKey, Entry> index_;
+  std::list<KvKey> lru_;  // most recently used first
 };
 
 // The CPU backend's cache: fp32 pools in host memory, which the CPU engine
@@ -159,6 +249,7 @@ class CpuKvCache final : public KvCache {
                   int64_t count, DType dtype, uint8_t* out) const override;
   Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
                    int64_t count, DType dtype, const uint8_t* in) override;
+  Status CopyBlock(int32_t from, int32_t to) override;
 
  private:
   std::vector<std::vector<float>> k_, v_;  // [layer] -> pool

@@ -2,17 +2,20 @@
 // Prefiller: the prefill worker's job, one request at a time
 // (docs/design.md, "One request, step by step", steps 3 to 5).
 //
-//  1. Cut the prompt into chunks and load the longest prefix of them that the
-//     KDN tiers hold, then the tail pieces past them (docs/kvbus.md, "Tail
+//  1. Cut the prompt into chunks and take the longest prefix of them that the
+//     KDN holds, then the tail pieces past them (docs/kvbus.md, "Tail
 //     keys"): at most all but the prompt's last token, whose logits are
-//     needed.
+//     needed. The engine's pool is the first tier: what it holds resident is
+//     attached by reference (kvbridge/resident.h), and only the rest is
+//     loaded from the host tier, the disk tier or kdn-store.
 //  2. Compute the rest with the engine, and as each layer finishes push that
 //     layer of the KV the decode worker lacks (every chunk past the ones it
 //     said it holds, plus the partial tail) over kvbus as layer slices.
 //  3. Wait until the decode worker has every slice, sample the first token.
 //  4. After the reply (StoreNewChunks), store the prompt's new full chunks
 //     and its tail pieces in the KDN so the next request with this prefix
-//     (or extending this prompt) loads them.
+//     (or extending this prompt) loads them, and publish all of them in the
+//     pool's resident index, so that the next one here attaches them.
 //
 // A blend job (CacheBlend; docs/serving.md, "Documents") instead looks each
 // document up under its segment key, fuses the KV of those it finds
@@ -73,8 +76,10 @@ struct PrefillJob {
 
 struct PrefillOutcome {
   int32_t first_token = -1;
-  int cached_tokens = 0;    // loaded from the KDN
+  int cached_tokens = 0;    // taken from the KDN (resident or loaded)
+  int resident_tokens = 0;  // of cached_tokens: attached from the pool, no KV moved
   int tail_tokens = 0;      // of cached_tokens: from tail pieces past the last full chunk
+  uint64_t kv_bytes_loaded = 0;  // KV copied into the pool from the KDN's lower tiers
   double load_seconds = 0;  // looking up and placing the cached prefix
   int computed_tokens = 0;  // run through the model in full
   int blended_tokens = 0;   // of cached_tokens: fused from documents' KV
@@ -93,6 +98,10 @@ struct PrefillerOptions {
   std::chrono::milliseconds push_timeout{30000};
   // The shortest tail match used (kvbus::MatchPrefix).
   int64_t min_tail_tokens = kvbus::kMinTailTokens;
+  // Keep prompts' KV resident in the pool and attach it (false: every hit
+  // is loaded from the lower tiers, as before the pool was a tier; for
+  // benchmarks).
+  bool resident = true;
 };
 
 class Prefiller {
