@@ -4,6 +4,18 @@
 
 namespace kdn::router {
 
+namespace {
+
+// The prompt and its sampling, as a prepare and a prefill both carry them.
+template <typename Request>
+void SetPrompt(const Job& job, Request* r) {
+  r->mutable_tokens()->Add(job.tokens.begin(), job.tokens.end());
+  r->set_ns(job.ns);
+  control::SamplingToProto(job.sampling, r->mutable_sampling());
+}
+
+}  // namespace
+
 proto::WorkerMessage LookupMessage(const Job& job, const std::vector<kvbus::ChunkKey>& keys,
                                    const std::vector<kvbus::ChunkKey>& segment_keys) {
   proto::WorkerMessage m;
@@ -22,9 +34,7 @@ proto::WorkerMessage PrepareMessage(const Job& job, const std::string& transfer_
                                     int64_t generated_tokens) {
   proto::WorkerMessage m;
   auto* pr = m.mutable_prepare();
-  pr->mutable_tokens()->Add(job.tokens.begin(), job.tokens.end());
-  pr->set_ns(job.ns);
-  control::SamplingToProto(job.sampling, pr->mutable_sampling());
+  SetPrompt(job, pr);
   pr->set_max_tokens(job.max_tokens);
   pr->mutable_stop_ids()->Add(job.stop_ids.begin(), job.stop_ids.end());
   for (const std::string& s : job.stop_strings) pr->add_stop_strings(s);
@@ -39,9 +49,7 @@ proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_en
                                     int64_t generated_tokens) {
   proto::WorkerMessage m;
   auto* pf = m.mutable_prefill();
-  pf->mutable_tokens()->Add(job.tokens.begin(), job.tokens.end());
-  pf->set_ns(job.ns);
-  control::SamplingToProto(job.sampling, pf->mutable_sampling());
+  SetPrompt(job, pf);
   pf->set_decode_endpoint(decode_endpoint);
   pf->set_decode_held_tokens(static_cast<int32_t>(decode_held_tokens));
   pf->set_transfer_id(transfer_id);

@@ -150,6 +150,8 @@ TEST_F(PlacementTest, DecodeWaitsWhenOneCouldHoldItAndRefusesWhenNoneEver) {
   EXPECT_EQ(Decode().verdict, Verdict::kWait);  // worker 3 could
   workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks) - 1;
   EXPECT_EQ(Decode().verdict, Verdict::kTooLarge);
+  workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks);  // just big enough, one day
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
   workers_[3].total_kv_blocks = 0;  // not said: it might
   EXPECT_EQ(Decode().verdict, Verdict::kWait);
   workers_[2].up = false;
