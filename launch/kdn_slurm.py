@@ -373,6 +373,8 @@ def script_text(L, a, bin_dir, model, run_dir):
         router.append("--max-queued %d" % a.max_queued)
     if a.max_connections != 1024:
         router.append("--max-connections %d" % a.max_connections)
+    if getattr(a, "max_body_buffer_mib", 256) != 256:
+        router.append("--max-body-buffer-mib %d" % a.max_body_buffer_mib)
     if a.no_resume:
         router.append("--no-resume")
     if a.api_keys:

@@ -69,6 +69,12 @@ int main(int argc, char** argv) {
                  "Open HTTP connections at most; one more is answered 503 and closed")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  uint64_t max_body_buffer_mib = o.max_body_buffer_bytes >> 20;
+  app.add_option("--max-body-buffer-mib", max_body_buffer_mib,
+                 "Request-body MiB all connections may buffer together; a body past it is "
+                 "answered 503 with Retry-After before it is read")
+      ->check(CLI::Range(uint64_t{16}, uint64_t{1} << 20))
+      ->capture_default_str();
   bool no_resume = false;
   app.add_flag("--no-resume", no_resume,
                "A request whose decode worker is lost mid-stream fails (its client gets an "
@@ -81,6 +87,7 @@ int main(int argc, char** argv) {
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   o.backend.queue_timeout = std::chrono::milliseconds(queue_timeout_ms);
+  o.max_body_buffer_bytes = max_body_buffer_mib << 20;
   o.backend.resume = !no_resume;
   if (kdn::Status st = log_flags.Init("router"); !st.ok()) {
     kdn::LogError("{}", st.ToString());

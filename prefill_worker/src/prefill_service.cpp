@@ -179,15 +179,7 @@ struct PrefillService::Impl {
         q.job.decode_held_tokens = r.decode_held_tokens();
         q.job.transfer_id = r.transfer_id();
         q.job.generated_tokens = r.generated_tokens();
-        if (r.has_blend()) {
-          BlendJob b;
-          b.head_tokens = r.blend().head_tokens();
-          b.segment_tokens.assign(r.blend().segment_tokens().begin(),
-                                  r.blend().segment_tokens().end());
-          b.recompute_ratio = r.blend().recompute_ratio();
-          b.check_layer = r.blend().check_layer();
-          q.job.blend = std::move(b);
-        }
+        if (r.has_blend()) q.job.blend = control::BlendFromProto(r.blend());
         LogInfo("{} received: {} prompt tokens{}{}, KV to {} (it holds {} tokens; transfer {}), "
                 "{} ahead in the queue",
                 ReqId{q.request_id}, q.job.tokens.size(),

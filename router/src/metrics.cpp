@@ -206,6 +206,14 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
              [](const WorkerGauge& w) { return w.queue_depth; });
   per_worker("kdn_worker_free_kv_blocks", "gauge", "Free blocks of a worker's paged KV cache.",
              [](const WorkerGauge& w) { return w.free_kv_blocks; });
+  // The router's own, apart from what workers report: what it routed to a
+  // worker since the worker last reported.
+  per_worker("kdn_worker_router_reserved_requests", "gauge",
+             "Requests the router routed to a worker since its last report (the router's count).",
+             [](const WorkerGauge& w) { return w.reserved_requests; });
+  per_worker("kdn_worker_router_reserved_kv_blocks", "gauge",
+             "KV blocks the router reserved at a worker since its last report (the router's count).",
+             [](const WorkerGauge& w) { return w.reserved_kv_blocks; });
   // What a worker holds under leases: a request's or a sender's that stops
   // answering lets it go once the lease runs out, so after a run has
   // drained these are 0 (kdn-bench serve-load checks).

@@ -5,75 +5,11 @@
 
 #include "kdn/text/chat_template.h"
 #include "kdn/text/output_text.h"
+#include "json_fields.h"
 
 namespace kdn::router {
 
 namespace {
-
-ApiError Bad(std::string message, std::string param = {}) {
-  ApiError e;
-  e.message = std::move(message);
-  e.param = std::move(param);
-  return e;
-}
-
-const char* TypeName(const json& v) {
-  switch (v.type()) {
-    case json::value_t::null: return "null";
-    case json::value_t::boolean: return "a boolean";
-    case json::value_t::string: return "a string";
-    case json::value_t::array: return "an array";
-    case json::value_t::object: return "an object";
-    case json::value_t::number_float: return "a number";
-    default: return "an integer";
-  }
-}
-
-// Reads an optional field; null counts as absent.
-std::optional<ApiError> GetInt(const json& body, const char* name, int64_t* out) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return std::nullopt;
-  if (it->is_number_integer() || it->is_number_unsigned()) {
-    *out = it->get<int64_t>();
-    return std::nullopt;
-  }
-  if (it->is_number_float() && std::floor(it->get<double>()) == it->get<double>() &&
-      std::fabs(it->get<double>()) < 9e15) {
-    *out = static_cast<int64_t>(it->get<double>());
-    return std::nullopt;
-  }
-  return Bad(std::string("'") + name + "' must be an integer, not " + TypeName(*it), name);
-}
-
-std::optional<ApiError> GetNumber(const json& body, const char* name, double* out) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return std::nullopt;
-  if (!it->is_number()) {
-    return Bad(std::string("'") + name + "' must be a number, not " + TypeName(*it), name);
-  }
-  *out = it->get<double>();
-  return std::nullopt;
-}
-
-std::optional<ApiError> GetBool(const json& body, const char* name, bool* out) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return std::nullopt;
-  if (!it->is_boolean()) {
-    return Bad(std::string("'") + name + "' must be a boolean, not " + TypeName(*it), name);
-  }
-  *out = it->get<bool>();
-  return std::nullopt;
-}
-
-std::optional<ApiError> GetString(const json& body, const char* name, std::string* out) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return std::nullopt;
-  if (!it->is_string()) {
-    return Bad(std::string("'") + name + "' must be a string, not " + TypeName(*it), name);
-  }
-  *out = it->get<std::string>();
-  return std::nullopt;
-}
 
 #define KDN_API_CHECK(expr)        \
   do {                             \
@@ -223,7 +159,7 @@ std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string&
                                     const std::vector<std::string>& docs,
                                     const std::string& rest, bool add_bos, const char* param,
                                     ApiRequest* out) {
-  BlendRequest b;
+  BlendSpec b;
   out->prompt = model.tokenizer->Encode(head, add_bos);
   b.head_tokens = static_cast<int>(out->prompt.size());
   for (size_t i = 0; i < docs.size(); ++i) {
@@ -334,14 +270,6 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
 
 }  // namespace
 
-json ErrorBody(const ApiError& e) {
-  return {{"error",
-           {{"message", e.message},
-            {"type", e.type},
-            {"param", e.param.empty() ? json(nullptr) : json(e.param)},
-            {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
-}
-
 namespace {
 
 // A JSON accessor that throws (nlohmann's type_error, out_of_range) in a path
@@ -400,7 +328,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     out->blend->check_layer = static_cast<int>(check_layer);
   }
 
-  int64_t max_tokens = 16;
+  int64_t max_tokens = control::kDefaultMaxTokens;
   KDN_API_CHECK(GetInt(body, "max_tokens", &max_tokens));
   if (kind == ApiKind::kChat) KDN_API_CHECK(GetInt(body, "max_completion_tokens", &max_tokens));
   if (max_tokens < 1) {
@@ -509,63 +437,17 @@ std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
   return RefuseOnJsonException([&] { return ParseInjectRequestUnguarded(body_text, model, out); });
 }
 
-json UsageJson(const Usage& u) {
-  json details = {{"cached_tokens", u.cached_tokens}};
-  if (u.blended) {
-    details["blended_tokens"] = u.blended_tokens;
-    details["recomputed_tokens"] = u.recomputed_tokens;
-  }
-  return {{"prompt_tokens", u.prompt_tokens},
-          {"completion_tokens", u.completion_tokens},
-          {"total_tokens", u.prompt_tokens + u.completion_tokens},
-          {"prompt_tokens_details", details}};
-}
-
-json CompletionResponse(ApiKind kind, const std::string& id, int64_t created,
-                        const std::string& model, const std::string& text,
-                        const std::string& finish_reason, const Usage& usage) {
-  json choice = {{"index", 0}, {"finish_reason", finish_reason}, {"logprobs", nullptr}};
-  if (kind == ApiKind::kChat) {
-    choice["message"] = {{"role", "assistant"}, {"content", text}};
-  } else {
-    choice["text"] = text;
-  }
-  return {{"id", id},
-          {"object", kind == ApiKind::kChat ? "chat.completion" : "text_completion"},
-          {"created", created},
-          {"model", model},
-          {"choices", json::array({choice})},
-          {"usage", UsageJson(usage)}};
-}
-
-json StreamChunk(ApiKind kind, const std::string& id, int64_t created, const std::string& model,
-                 const std::string& text, const std::string* finish_reason, bool first) {
-  json choice = {{"index", 0},
-                 {"finish_reason", finish_reason ? json(*finish_reason) : json(nullptr)},
-                 {"logprobs", nullptr}};
-  if (kind == ApiKind::kChat) {
-    json delta = json::object();
-    if (first) delta["role"] = "assistant";
-    if (!text.empty() || finish_reason == nullptr) delta["content"] = text;
-    choice["delta"] = delta;
-  } else {
-    choice["text"] = text;
-  }
-  return {{"id", id},
-          {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
-          {"created", created},
-          {"model", model},
-          {"choices", json::array({choice})}};
-}
-
-json StreamUsageChunk(ApiKind kind, const std::string& id, int64_t created,
-                      const std::string& model, const Usage& usage) {
-  return {{"id", id},
-          {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
-          {"created", created},
-          {"model", model},
-          {"choices", json::array()},
-          {"usage", UsageJson(usage)}};
+Job ToJob(ApiRequest req, std::string ns, std::string route) {
+  Job job;
+  job.tokens = std::move(req.prompt);
+  job.ns = std::move(ns);
+  job.sampling = req.sampling;
+  job.max_tokens = req.max_tokens;
+  job.stop_ids = std::move(req.stop_ids);
+  job.stop_strings = std::move(req.stop);
+  job.blend = std::move(req.blend);
+  job.route = std::move(route);
+  return job;
 }
 
 }  // namespace kdn::router

@@ -237,7 +237,7 @@ class BackendTest : public ::testing::Test {
 
   WorkerView DecodeView() const {
     for (const WorkerView& w : backend_->Workers()) {
-      if (w.role == "decode") return w;
+      if (w.role == Role::kDecode) return w;
     }
     return {};
   }

@@ -36,12 +36,13 @@
 #include <span>
 #include <vector>
 
+#include "kdn/common/kv_block.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/tensor.h"
 
 namespace kdn::engine {
 
-inline constexpr int kKvBlockTokens = 16;
+using kdn::kKvBlockTokens;  // common/kv_block.h: the router counts in it too
 
 class KvCache;
 

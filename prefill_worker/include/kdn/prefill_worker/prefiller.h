@@ -40,6 +40,7 @@
 #include "kdn/blend/blend.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
+#include "kdn/control/request_spec.h"
 #include "kdn/engine/sampler.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
@@ -48,12 +49,8 @@
 
 namespace kdn::prefill_worker {
 
-struct BlendJob {
-  int head_tokens = 0;              // leading prompt tokens computed in full
-  std::vector<int> segment_tokens;  // then the documents' lengths, in order
-  double recompute_ratio = 0.15;
-  int check_layer = 1;
-};
+// The router's blend spec as it crossed the edge (control/request_spec.h).
+using BlendJob = control::BlendSpec;
 
 struct PrefillJob {
   std::vector<int32_t> tokens;

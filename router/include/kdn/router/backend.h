@@ -23,6 +23,12 @@
 // worker where not) and goes on from there, the client's stream unbroken.
 // The others fail with UNAVAILABLE.
 //
+// Its parts (docs/design.md, "The router's parts"): the worker pool
+// (router/src/worker_pool.h) keeps the connections and what workers
+// reported; placement (placement.h) decides where; the request flow
+// (request_flow.h) drives each request; the injector (injector.h) stores
+// documents. Backend owns them and runs their loop.
+//
 // Thread-safe: Submit, Cancel and Workers from any thread. One background
 // thread owns the sockets and calls the job callbacks.
 
@@ -39,25 +45,11 @@
 #include "kdn/model/sampling.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
+#include "kdn/router/request_spec.h"
+#include "kdn/router/worker_view.h"
 #include "kdn/text/tokenizer.h"
 
 namespace kdn::router {
-
-struct Job {
-  std::vector<int32_t> tokens;
-  std::string ns;
-  model::SamplingParams sampling;
-  int max_tokens = 16;
-  std::vector<int32_t> stop_ids;
-  std::vector<std::string> stop_strings;
-  std::optional<BlendRequest> blend;
-  std::string route;  // the HTTP path it came by, for log lines
-};
-
-struct InjectJob {
-  std::vector<std::vector<int32_t>> documents;
-  std::string ns;
-};
 
 // How far an injection has come.
 struct InjectProgress {
@@ -107,36 +99,6 @@ struct BackendOptions {
   std::optional<kvbus::CurveKeys> curve;
 };
 
-struct WorkerView {
-  std::string name;  // as the worker reports it; its endpoint until it has
-  std::string role;
-  std::string endpoint;
-  bool up = false;
-  bool compatible = true;  // false: another model than the other workers'
-  int queue_depth = 0;
-  int max_batch = 0;  // decode: its --max-batch (0: not said)
-  int64_t queue_tokens = 0;
-  int free_kv_blocks = 0;
-  int total_kv_blocks = 0;
-  int64_t max_context = 0;
-  std::string health;  // a failure the worker reports; empty when none
-  std::string host_id;       // workers on one host share it (kvbus::HostId)
-  std::string kv_transport;  // its --kv-transport
-  // KV it moved over kvbus per data plane (sent by a prefill worker,
-  // received by a decode worker).
-  struct TransportCounters {
-    std::string transport;
-    uint64_t chunks = 0, bytes = 0;
-    double seconds = 0;
-  };
-  std::vector<TransportCounters> kv_transports;
-  KvCodecCounters kv_codec;  // its KV codec at the kdn-store tier
-  uint64_t store_unreachable = 0;  // its kdn-store requests left unanswered
-  // decode: what it holds under leases now (proto::WorkerInfo fields 18, 19).
-  int leased_kv_blocks = 0;
-  uint64_t kvbus_leased_bytes = 0;
-};
-
 class Backend {
  public:
   // `tokenizer` (borrowed, must outlive the Backend) is the model's: it gives
@@ -161,7 +123,8 @@ class Backend {
   // Abandons a job or an injection (its client went away): no further events, and its
   // workers are told to stop.
   void Cancel(uint64_t id);
-  // The workers as last heard from.
+  // The workers as last heard from (at most ~100 ms old), each with the
+  // router's reservations on it since its report (WorkerView::reserved).
   std::vector<WorkerView> Workers() const;
 
  private:

@@ -36,8 +36,12 @@ struct WorkerGauge {
   std::string name;
   std::string role;
   bool up = false;
+  // As the worker reported them.
   int queue_depth = 0;
   int free_kv_blocks = 0;
+  // The router's reservations since that report (WorkerView::reserved).
+  int reserved_requests = 0;
+  int64_t reserved_kv_blocks = 0;
   struct Transport {
     std::string name;
     uint64_t chunks = 0, bytes = 0;

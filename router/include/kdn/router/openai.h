@@ -13,6 +13,7 @@
 
 #include "kdn/model/config.h"
 #include "kdn/model/sampling.h"
+#include "kdn/router/request_spec.h"
 #include "kdn/text/chat_template.h"
 #include "kdn/text/tokenizer.h"
 
@@ -33,22 +34,11 @@ struct ApiError {
 };
 json ErrorBody(const ApiError& e);
 
-// A prompt made of documents (CacheBlend; docs/serving.md, "Documents"): the
-// prompt's first head_tokens tokens are computed in full, then come the
-// documents (segment_tokens each), whose KV is reused from the KDN when held,
-// then the rest of the prompt.
-struct BlendRequest {
-  int head_tokens = 0;
-  std::vector<int> segment_tokens;
-  double recompute_ratio = 0.15;
-  int check_layer = 1;
-};
-
 struct ApiRequest {
   ApiKind kind = ApiKind::kCompletion;
   std::vector<int32_t> prompt;  // token ids, template applied, documents in place
-  std::optional<BlendRequest> blend;  // set when the prompt has documents
-  int max_tokens = 16;
+  std::optional<BlendSpec> blend;  // set when the prompt has documents
+  int max_tokens = control::kDefaultMaxTokens;
   model::SamplingParams sampling;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_ids;  // the end-of-sequence token unless ignore_eos
@@ -64,8 +54,8 @@ struct ServedModel {
   const text::Tokenizer* tokenizer = nullptr;
   // Blend defaults, which a request may override.
   std::string separator;  // empty: prompts are not split
-  double recompute_ratio = 0.15;
-  int check_layer = 1;
+  double recompute_ratio = control::kDefaultRecomputeRatio;
+  int check_layer = control::kDefaultCheckLayer;
   // The model folder's chat template; null: the built-in format of
   // config->architecture.
   const text::ChatTemplate* chat_template = nullptr;
@@ -76,6 +66,9 @@ struct ServedModel {
 // model's chat template uses what kdn's Jinja does not support.
 std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body,
                                      const ServedModel& model, ApiRequest* out);
+// The router's spec of a parsed request: its fields moved over, nothing
+// checked again; `ns` is its namespace (RequestNamespace), `route` its path.
+Job ToJob(ApiRequest req, std::string ns, std::string route);
 
 // A body of /v1/kdn/inject: documents to store in the KDN ahead of any
 // question, each tokenized as a request's document is.

@@ -24,15 +24,21 @@ struct RouterOptions {
   uint16_t port = 0;  // 0 picks a free port
   // Blend defaults (docs/serving.md, "Documents").
   std::string separator;
-  double recompute_ratio = 0.15;
-  int check_layer = 1;
+  double recompute_ratio = control::kDefaultRecomputeRatio;
+  int check_layer = control::kDefaultCheckLayer;
   BackendOptions backend;
   // API keys (docs/serving.md, "API keys"); null: every request is served,
   // in the namespace of its cache_salt.
   std::shared_ptr<const ApiKeys> api_keys;
   // Open HTTP connections at most: one over it is answered 503 and closed
-  // at once (each may buffer a body of up to 16 MiB).
+  // at once (each may buffer a body of up to 16 MiB, and all of them
+  // max_body_buffer_bytes together).
   int max_connections = 1024;
+  // Request-body bytes all connections may buffer at once: a body that
+  // would go past it is answered 503 with Retry-After and its connection
+  // closed, before any of it is read (its Content-Length counts, else the
+  // 16 MiB a body may be).
+  uint64_t max_body_buffer_bytes = uint64_t{256} << 20;
 };
 
 class Router {

@@ -1,0 +1,107 @@
+#pragma once
+// Placement: which worker takes what, as pure functions of what workers
+// reported (WorkerView, read-only) and of the router's own reservations since
+// (Ledger). No I/O, no clock: tests drive it without sockets
+// (tests/serving/placement_test.cpp). The rules (docs/serving.md, "Routing"):
+//   prefill   the worker with the least work for the request: the prompt
+//             tokens it must compute (all but the prefix it reaches, the last
+//             token always; a blend request's held documents at their
+//             recompute share) plus the tokens queued at it;
+//   decode    among workers with room (KV blocks for prompt + max_tokens, a
+//             place in its batch), the one holding most of the prompt (none
+//             counts for a blend request), then the least busy. None with
+//             room: the request waits if one could ever hold it, else it is
+//             refused;
+//   retry     a prefill lost before its first token goes to the other
+//             prefill worker with the fewest queued tokens;
+//   document  an injection's document goes to the prefill worker with the
+//             fewest documents in flight, below a cap, then the fewest queued
+//             tokens.
+// Only workers that answered the lookup (a prefix >= 0) are candidates for a
+// request; only usable ones (up, compatible, of the role) for anything.
+//
+// Thread-compatible: values, and const references the caller keeps alive.
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "kdn/common/kv_block.h"
+#include "kdn/router/request_spec.h"
+#include "kdn/router/worker_view.h"
+
+namespace kdn::router {
+
+// The router's reservations per worker (WorkerView::reserved): what it
+// routed since each worker's last report. A report clears its row.
+class Ledger {
+ public:
+  explicit Ledger(size_t workers = 0) : rows_(workers) {}
+
+  // A request routed: a place and `kv_blocks` at decode worker `decode`,
+  // `prompt_tokens` to compute at prefill worker `prefill`.
+  void Reserve(size_t prefill, size_t decode, int64_t prompt_tokens, int64_t kv_blocks);
+  // Decode worker `decode` refused a prepare for want of KV: none is free
+  // there until it reports again.
+  void MarkFull(size_t decode, const WorkerView& reported);
+  // Worker `w` reported: its report shows what was reserved.
+  void Clear(size_t w) { rows_.at(w) = {}; }
+  const Reservation& at(size_t w) const { return rows_.at(w); }
+  size_t size() const { return rows_.size(); }
+
+ private:
+  std::vector<Reservation> rows_;
+};
+
+// Worker `w` as placement counts it: reported, less what was reserved since.
+struct Load {
+  int queue_depth = 0;
+  int64_t free_kv_blocks = 0;
+  int64_t queue_tokens = 0;
+};
+Load LoadOf(const WorkerView& reported, const Reservation& reserved);
+
+// What placement reads of one request.
+struct PlacementInput {
+  int64_t tokens = 0;     // the prompt as sent (a resumed one's generated tokens included)
+  int64_t kv_blocks = 0;  // what a decode worker reserves: KvBlocksFor(prompt + max_tokens)
+  const BlendSpec* blend = nullptr;  // null: no documents
+  // The lookup's answers: worker -> leading prompt tokens whose KV it
+  // reaches (-1: no answer), and for a blend request the document tokens
+  // it holds.
+  const std::map<size_t, int64_t>* prefix = nullptr;
+  const std::map<size_t, int64_t>* segment_tokens_held = nullptr;
+};
+
+using WorkerViews = std::vector<WorkerView>;
+
+// The prefill worker for the request; none when no usable one answered.
+std::optional<size_t> PlacePrefill(const WorkerViews& workers, const Ledger& ledger,
+                                   const PlacementInput& in);
+
+struct DecodePlacement {
+  enum class Verdict {
+    kRoute,     // to `worker`
+    kWait,      // none has room now, one could hold it: the admission queue
+    kNoneUp,    // no usable decode worker answered
+    kTooLarge,  // no decode worker could ever hold it
+  };
+  Verdict verdict = Verdict::kNoneUp;
+  size_t worker = 0;
+};
+DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
+                            const PlacementInput& in);
+
+// The prefill worker that takes over a prefill lost with worker `lost`; none
+// when no other usable prefill worker is left.
+std::optional<size_t> PlaceRetry(const WorkerViews& workers, const Ledger& ledger, size_t lost);
+
+// The prefill worker for an injection's next document, given the documents
+// in flight per worker (indexed like `workers`); none when every usable one
+// has `per_worker` in flight, or none is usable.
+std::optional<size_t> PlaceDocument(const WorkerViews& workers, const Ledger& ledger,
+                                    const std::vector<int>& in_flight, int per_worker);
+
+}  // namespace kdn::router

@@ -1,0 +1,41 @@
+#pragma once
+// The router's request spec: what a request asks, as the router drives it
+// (docs/serving.md). Each field is declared once per process edge:
+//   HTTP      openai.h's ApiRequest, validated and defaulted by ParseRequest;
+//   router    Job (here), made from it by ToJob (openai.h), nothing re-checked;
+//   proto     PrepareRequest/PrefillRequest, built by router/src/worker_messages.h;
+//   worker    the prefill worker's PrefillJob, the decode worker's spec.
+// Defaults shared across the edges (max_tokens, blend's) are
+// control/request_spec.h's, the KV block size common/kv_block.h's.
+//
+// Thread-compatible values.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kdn/control/request_spec.h"
+#include "kdn/model/sampling.h"
+
+namespace kdn::router {
+
+using control::BlendSpec;
+
+struct Job {
+  std::vector<int32_t> tokens;  // the prompt, documents in place
+  std::string ns;               // the tenant's cache namespace
+  model::SamplingParams sampling;
+  int max_tokens = control::kDefaultMaxTokens;  // generated in all, the first included
+  std::vector<int32_t> stop_ids;
+  std::vector<std::string> stop_strings;
+  std::optional<BlendSpec> blend;  // set when the prompt has documents
+  std::string route;  // the HTTP path it came by, for log lines
+};
+
+struct InjectJob {
+  std::vector<std::vector<int32_t>> documents;
+  std::string ns;
+};
+
+}  // namespace kdn::router

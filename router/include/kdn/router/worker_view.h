@@ -1,0 +1,79 @@
+#pragma once
+// What the router knows of one worker, read-only outside the worker pool
+// (router/src/worker_pool.h): its role, whether it is up, and what it last
+// reported (proto::WorkerInfo), apart from the router's own reservations
+// since that report (placement.h's Ledger), which `reserved` shows and no
+// reported field includes. /health and /metrics publish both, each under
+// its own name (docs/serving.md, "Health and metrics").
+//
+// Thread-compatible values.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kdn/kvbus/key.h"
+#include "kdn/router/metrics.h"
+
+namespace kdn::router {
+
+enum class Role { kPrefill, kDecode };
+
+// "prefill" or "decode": as workers report it and as logs and metrics label it.
+const char* RoleName(Role role);
+
+// The model every compatible worker serves, fixed by the first that reports.
+struct ModelIdentity {
+  bool known = false;
+  kvbus::ChunkKey fingerprint;
+  int chunk_tokens = 0;
+};
+
+// The router's reservations on a worker since its last report: requests
+// routed to it that its report does not show yet. A report clears them.
+struct Reservation {
+  int requests = 0;            // decode: requests prepared on it
+  int64_t kv_blocks = 0;       // decode: KV blocks those reserve
+  int64_t prefill_tokens = 0;  // prefill: prompt tokens sent to it
+};
+
+struct WorkerView {
+  std::string name;  // as the worker reports it; its endpoint until it has
+  Role role = Role::kPrefill;
+  std::string endpoint;
+  bool up = false;
+  bool compatible = true;  // false: another model than the other workers'
+  // Reported by the worker.
+  int queue_depth = 0;
+  int max_batch = 0;  // decode: its --max-batch (0: not said)
+  int64_t queue_tokens = 0;
+  int free_kv_blocks = 0;
+  int total_kv_blocks = 0;
+  int64_t max_context = 0;
+  std::string health;  // a failure the worker reports; empty when none
+  std::string host_id;       // workers on one host share it (kvbus::HostId)
+  std::string kv_transport;  // its --kv-transport
+  std::string kvbus_endpoint;  // where it takes KV (decode); empty: not said
+  // KV it moved over kvbus per data plane (sent by a prefill worker,
+  // received by a decode worker).
+  struct TransportCounters {
+    std::string transport;
+    uint64_t chunks = 0, bytes = 0;
+    double seconds = 0;
+  };
+  std::vector<TransportCounters> kv_transports;
+  KvCodecCounters kv_codec;  // its KV codec at the kdn-store tier
+  uint64_t store_unreachable = 0;  // its kdn-store requests left unanswered
+  // decode: what it holds under leases now (proto::WorkerInfo fields 18, 19).
+  int leased_kv_blocks = 0;
+  uint64_t kvbus_leased_bytes = 0;
+  // The router's own, not reported: what it routed here since the report.
+  Reservation reserved;
+};
+
+// Up, compatible and of `role`: a worker placement may choose.
+inline bool Usable(const WorkerView& w, Role role) {
+  return w.role == role && w.up && w.compatible;
+}
+
+}  // namespace kdn::router

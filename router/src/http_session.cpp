@@ -1,0 +1,493 @@
+// One HTTP connection of kdn-router (server_state.h): reads requests (their
+// bodies counted against --max-body-buffer-mib), routes them, starts jobs on
+// the Backend and writes their answers or streams.
+#include <deque>
+
+#include "kdn/common/log.h"
+#include "server_state.h"
+
+namespace kdn::router {
+
+namespace {
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, ServerState& router)
+      : stream_(std::move(socket)), router_(router) {
+    ++router_.sessions;
+  }
+  ~Session() {
+    ReleaseBody();
+    --router_.sessions;
+  }
+
+  void Start() { Read(); }
+
+ private:
+  void Read() {
+    ReleaseBody();
+    parser_.emplace();
+    parser_->body_limit(kBodyLimit);
+    stream_.expires_after(std::chrono::minutes(5));
+    http::async_read_header(stream_, buffer_, *parser_,
+                            [self = shared_from_this()](beast::error_code ec, size_t) {
+                              self->OnHeader(ec);
+                            });
+  }
+
+  // The header is in: the body's bytes (its Content-Length, else the most a
+  // body may be) are counted against --max-body-buffer-mib before any is
+  // read, and over it the request is refused with 503 and Retry-After, as a
+  // connection past --max-connections is.
+  void OnHeader(beast::error_code ec) {
+    if (!ec && !parser_->is_done()) {
+      const uint64_t bytes = parser_->content_length().value_or(kBodyLimit);
+      if (!router_.bodies.TryReserve(bytes)) {
+        static LogLimiter limiter;
+        limiter.Warn("refusing a request body of {} bytes: {} bytes of bodies are buffered "
+                     "(--max-body-buffer-mib)", bytes, router_.bodies.reserved());
+        ApiError e;
+        e.http_status = 503;
+        e.type = "service_unavailable";
+        e.message = "the router buffers too many request bodies (--max-body-buffer-mib)";
+        keep_alive_ = false;
+        retry_after_ = true;
+        route_ = "other";
+        return ReplyError(e);
+      }
+      body_reserved_ = bytes;
+    }
+    if (ec || parser_->is_done()) return OnRead(ec);
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+  }
+
+  // The body's bytes no longer count against the cap (its request is done,
+  // or the session is).
+  void ReleaseBody() {
+    router_.bodies.Release(body_reserved_);
+    body_reserved_ = 0;
+  }
+
+  void OnRead(beast::error_code ec) {
+    if (ec == http::error::body_limit) {
+      ApiError e;
+      e.http_status = 413;
+      e.message = "the request body is over " + std::to_string(kBodyLimit >> 20) + " MiB";
+      keep_alive_ = false;
+      route_ = "other";
+      ReplyError(e);
+      return;
+    }
+    if (ec) return Close();
+    request_ = parser_->release();
+    keep_alive_ = request_.keep_alive();
+    Handle();
+  }
+
+  void Handle() {
+    std::string path(request_.target());
+    if (auto q = path.find('?'); q != std::string::npos) path.resize(q);
+    const auto method = request_.method();
+    auto only = [&](http::verb v) {
+      if (method == v) return true;
+      ApiError e;
+      e.http_status = 405;
+      e.message = std::string("method ") + std::string(request_.method_string()) +
+                  " is not allowed on " + path;
+      ReplyError(e);
+      return false;
+    };
+    route_ = path;
+    // The API needs a key when keys are configured; /health and /metrics
+    // stay open (they name no tenant's data).
+    if (path.starts_with("/v1/") && router_.options.api_keys != nullptr) {
+      const auto auth = request_[http::field::authorization];
+      tenant_ = router_.options.api_keys->TenantOf(std::string_view(auth.data(), auth.size()));
+      if (tenant_ == nullptr) {
+        ApiError e;
+        e.http_status = 401;
+        e.message = auth.empty()
+                        ? "no API key: send it as 'Authorization: Bearer KEY'"
+                        : "the API key is not one this server accepts";
+        e.code = "invalid_api_key";
+        ReplyError(e);
+        return;
+      }
+    }
+    if (path == "/health") {
+      if (only(http::verb::get)) Health();
+    } else if (path == "/metrics") {
+      if (only(http::verb::get)) {
+        Reply(http::status::ok, router_.metrics.Render(WorkerGauges(router_.backend->Workers())),
+              "text/plain; version=0.0.4");
+      }
+    } else if (path == "/v1/models") {
+      if (only(http::verb::get)) {
+        json m = {{"object", "list"},
+                  {"data", json::array({{{"id", router_.served.name},
+                                         {"object", "model"},
+                                         {"created", router_.started},
+                                         {"owned_by", "kdn"},
+                                         {"max_model_len", router_.config.max_context}}})}};
+        Reply(http::status::ok, Dump(m), "application/json");
+      }
+    } else if (path == "/v1/kdn/inject") {
+      if (only(http::verb::post)) Inject();
+    } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
+      if (only(http::verb::post)) {
+        Generate(path == "/v1/completions" ? ApiKind::kCompletion : ApiKind::kChat);
+      }
+    } else {
+      route_ = "other";
+      ApiError e;
+      e.http_status = 404;
+      e.message = "no route " + path + " (see docs/serving.md)";
+      ReplyError(e);
+    }
+  }
+
+  void Health() {
+    json body;
+    const bool ok = HealthBody(router_.backend->Workers(), router_.served.name, &body);
+    Reply(ok ? http::status::ok : http::status::service_unavailable, Dump(body),
+          "application/json");
+  }
+
+  // Parses the body on the parse pool (the session waits meanwhile: nothing
+  // touches request_ or the stream until the result is back on the I/O
+  // thread), then starts the job there.
+  void Generate(ApiKind kind) {
+    asio::post(router_.parse_pool, [self = shared_from_this(), kind] {
+      auto req = std::make_shared<ApiRequest>();
+      auto err = ParseRequest(kind, self->request_.body(), self->router_.served, req.get());
+      asio::post(self->router_.io, [self, kind, req, err = std::move(err)] {
+        if (err) return self->ReplyError(*err);
+        self->StartGenerate(kind, std::move(*req));
+      });
+    });
+  }
+
+  void StartGenerate(ApiKind kind, ApiRequest req) {
+    kind_ = kind;
+    stream_mode_ = req.stream;
+    include_usage_ = req.include_usage;
+    created_ = UnixNow();
+    Job job = ToJob(std::move(req), RequestNamespace(tenant_, req.cache_salt), route_);
+    if (stream_mode_) stream_.expires_never();
+    BeginJob();
+    job_ = router_.backend->Submit(std::move(job), JobEvents());
+    // The OpenAI id is the request id that every process's log lines carry.
+    request_id_ = FormatRequestId(job_);
+    response_id_ = (kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-") + request_id_;
+    WatchClient(job_);
+  }
+
+  // The job about to start counts as in flight and live.
+  void BeginJob() {
+    job_start_ = std::chrono::steady_clock::now();
+    router_.metrics.InFlight(1);
+    in_flight_ = true;
+    job_live_ = true;
+  }
+
+  // While job `job` runs, watches the connection for the client going away:
+  // a non-streaming request or injection writes nothing until it ends, so
+  // no failed write would tell. Readable with nothing to read is the
+  // client's FIN (or an error): the job is cancelled. Bytes to read (a
+  // pipelined request) end the watch; they are left for the next read.
+  void WatchClient(uint64_t job) {
+    stream_.socket().async_wait(
+        tcp::socket::wait_read, [self = shared_from_this(), job](beast::error_code ec) {
+          if (!self->job_live_ || self->job_ != job || ec == asio::error::operation_aborted) {
+            return;
+          }
+          beast::error_code avail_ec;
+          if (!ec && self->stream_.socket().available(avail_ec) > 0 && !avail_ec) return;
+          self->ClientGone(ec ? ec.message() : std::string("the connection was closed"));
+        });
+  }
+
+  // The client went away while its job ran: stop the job.
+  void ClientGone(const std::string& why) {
+    if (job_live_) {
+      router_.backend->Cancel(job_);
+      job_live_ = false;
+      EndInFlight();
+      router_.metrics.RequestFinished(route_, 499);
+      LogInfo("{} cancelled: the client went away (499) after {:.1f} ms: {}", ReqId{job_},
+              JobMs(), why);
+    }
+    queue_.clear();
+    Close();
+  }
+
+  // The callback that brings a job's events (on the backend thread) to this
+  // session's I/O thread.
+  JobCallback JobEvents() {
+    return [self = shared_from_this()](JobEvent ev) {
+      asio::post(self->router_.io, [self, ev = std::move(ev)]() mutable {
+        self->OnJobEvent(std::move(ev));
+      });
+    };
+  }
+
+  // POST /v1/kdn/inject: stores documents' KV in the KDN. With "stream",
+  // one SSE event per document done, then the summary.
+  void Inject() {
+    asio::post(router_.parse_pool, [self = shared_from_this()] {
+      auto req = std::make_shared<InjectApiRequest>();
+      auto err = ParseInjectRequest(self->request_.body(), self->router_.served, req.get());
+      asio::post(self->router_.io, [self, req, err = std::move(err)] {
+        if (err) return self->ReplyError(*err);
+        self->StartInject(std::move(*req));
+      });
+    });
+  }
+
+  void StartInject(InjectApiRequest req) {
+    inject_ = true;
+    stream_mode_ = req.stream;
+    created_ = UnixNow();
+    InjectJob job;
+    job.documents = std::move(req.documents);
+    job.ns = RequestNamespace(tenant_, req.cache_salt);
+    stream_.expires_never();
+    BeginJob();
+    job_ = router_.backend->Inject(std::move(job), JobEvents());
+    request_id_ = FormatRequestId(job_);
+    WatchClient(job_);
+  }
+
+  double JobMs() const {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - job_start_)
+        .count();
+  }
+
+  // The end of a job that failed, with the HTTP status it answers (or sent
+  // in its stream, after a 200): an error when the fault is the server's.
+  void LogFailed(const ApiError& e) {
+    Log(e.http_status >= 500 ? LogLevel::kError : LogLevel::kWarn,
+        "{} failed: {} {} after {:.1f} ms: {}", ReqId{job_}, e.http_status, e.type, JobMs(),
+        e.message);
+  }
+
+  void SendStreamHeader() {
+    // The header waits for the first event, so that a request refused
+    // before it produced anything still gets a 4xx/5xx status.
+    std::string head =
+        "HTTP/1.1 200 OK\r\nServer: kdn-router\r\nContent-Type: text/event-stream\r\n"
+        "Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n";
+    if (!request_id_.empty()) head += "X-Request-Id: " + request_id_ + "\r\n";
+    head += keep_alive_ ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n";
+    Enqueue(std::move(head));
+    header_sent_ = true;
+  }
+
+  void OnInjectEvent(JobEvent ev) {
+    if (ev.kind == JobEvent::Kind::kProgress) {
+      if (!stream_mode_) return;
+      if (!header_sent_) SendStreamHeader();
+      Enqueue(Chunked(SseEvent(Dump(ProgressJson(ev.progress, false)))));
+      return;
+    }
+    job_live_ = false;
+    EndInFlight();
+    const InjectProgress& p = ev.progress;
+    if (ev.kind == JobEvent::Kind::kError) {
+      LogFailed(JobError(ev.error));
+    } else {
+      LogInfo("{} finished: {} documents, {} stored, {} already held, {} failed, {} tokens, "
+              "{:.1f} ms",
+              ReqId{job_}, p.total, p.stored, p.already_held, p.failed, p.tokens, JobMs());
+    }
+    if (ev.kind == JobEvent::Kind::kDone && p.failed == p.total && p.total > 0 &&
+        !header_sent_) {
+      // Nothing stored: the first failure is the answer.
+      ApiError e;
+      e.http_status = 502;
+      e.type = "server_error";
+      e.message = "no document was stored: " + p.errors.front().second;
+      ReplyError(e);
+      return;
+    }
+    if (!stream_mode_ || !header_sent_) {
+      if (ev.kind == JobEvent::Kind::kError) {
+        ReplyError(JobError(ev.error));
+      } else {
+        Reply(http::status::ok, Dump(ProgressJson(p, true)), "application/json");
+      }
+      return;
+    }
+    std::string out = ev.kind == JobEvent::Kind::kError ? SseEvent(Dump(ErrorBody(JobError(ev.error))))
+                                                         : SseEvent(Dump(ProgressJson(p, true)));
+    out += SseEvent("[DONE]");
+    Enqueue(Chunked(out));
+    FinishStream();
+  }
+
+  void OnJobEvent(JobEvent ev) {
+    if (!job_live_) return;
+    if (inject_) return OnInjectEvent(std::move(ev));
+    const std::string& model = router_.served.name;
+    if (ev.kind == JobEvent::Kind::kError) {
+      job_live_ = false;
+      EndInFlight();
+      ApiError e = JobError(ev.error);
+      LogFailed(e);
+      if (!stream_mode_ || !header_sent_) {
+        // Nothing streamed yet: the failure gets its own status code.
+        ReplyError(e);
+        return;
+      }
+      Enqueue(Chunked(SseEvent(Dump(ErrorBody(e)))));
+      FinishStream();
+      return;
+    }
+    text_ += ev.text;
+    if (stream_mode_ && !header_sent_) SendStreamHeader();
+    if (ev.kind == JobEvent::Kind::kTokens) {
+      if (stream_mode_ && !ev.text.empty()) {
+        Enqueue(Chunked(SseEvent(Dump(
+            StreamChunk(kind_, response_id_, created_, model, ev.text, nullptr, first_chunk_)))));
+        first_chunk_ = false;
+      }
+      return;
+    }
+    // kDone
+    job_live_ = false;
+    EndInFlight();
+    LogInfo("{} finished: {}, {} prompt tokens ({} cached), {} completion tokens, 200, {:.1f} ms",
+            ReqId{job_}, ev.finish_reason, ev.usage.prompt_tokens, ev.usage.cached_tokens,
+            ev.usage.completion_tokens, JobMs());
+    if (!stream_mode_) {
+      Reply(http::status::ok,
+            Dump(CompletionResponse(kind_, response_id_, created_, model, text_, ev.finish_reason,
+                                    ev.usage)),
+            "application/json");
+      return;
+    }
+    std::string out = SseEvent(Dump(StreamChunk(kind_, response_id_, created_, model, ev.text,
+                                                &ev.finish_reason, first_chunk_)));
+    if (include_usage_) {
+      out += SseEvent(Dump(StreamUsageChunk(kind_, response_id_, created_, model, ev.usage)));
+    }
+    out += SseEvent("[DONE]");
+    Enqueue(Chunked(out));
+    FinishStream();
+  }
+
+  void EndInFlight() {
+    if (in_flight_) router_.metrics.InFlight(-1);
+    in_flight_ = false;
+  }
+
+  void FinishStream() {
+    Enqueue("0\r\n\r\n");
+    stream_done_ = true;
+    router_.metrics.RequestFinished(route_, 200);
+  }
+
+  void ReplyError(const ApiError& e) {
+    Reply(static_cast<http::status>(e.http_status), Dump(ErrorBody(e)), "application/json");
+  }
+
+  void Reply(http::status status, std::string body, const char* content_type) {
+    router_.metrics.RequestFinished(route_, static_cast<int>(status));
+    auto res = std::make_shared<http::response<http::string_body>>(status, 11);
+    res->set(http::field::server, "kdn-router");
+    res->set(http::field::content_type, content_type);
+    if (!request_id_.empty()) res->set("X-Request-Id", request_id_);
+    if (retry_after_) res->set(http::field::retry_after, "1");
+    res->keep_alive(keep_alive_);
+    res->body() = std::move(body);
+    res->prepare_payload();
+    http::async_write(stream_, *res,
+                      [self = shared_from_this(), res](beast::error_code ec, size_t) {
+                        if (ec || !self->keep_alive_) return self->Close();
+                        self->ResetRequestState();
+                        self->Read();
+                      });
+  }
+
+  void ResetRequestState() {
+    text_.clear();
+    first_chunk_ = true;
+    stream_done_ = false;
+    stream_mode_ = false;
+    header_sent_ = false;
+    job_live_ = false;
+    inject_ = false;
+    request_id_.clear();
+  }
+
+  void Enqueue(std::string piece) {
+    queue_.push_back(std::move(piece));
+    if (!writing_) DoWrite();
+  }
+
+  void DoWrite() {
+    writing_ = true;
+    asio::async_write(stream_.socket(), asio::buffer(queue_.front()),
+                      [self = shared_from_this()](beast::error_code ec, size_t) {
+                        self->OnWrite(ec);
+                      });
+  }
+
+  void OnWrite(beast::error_code ec) {
+    writing_ = false;
+    // The client went away mid-stream: stop the job.
+    if (ec) return ClientGone(ec.message());
+    queue_.pop_front();
+    if (!queue_.empty()) return DoWrite();
+    if (stream_done_) {
+      if (!keep_alive_) return Close();
+      ResetRequestState();
+      Read();
+    }
+  }
+
+  void Close() {
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    stream_.socket().close(ignored);
+  }
+
+  beast::tcp_stream stream_;
+  ServerState& router_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  http::request<http::string_body> request_;
+  bool keep_alive_ = true;
+  bool retry_after_ = false;  // the reply asks the client to come back in 1 s
+  uint64_t body_reserved_ = 0;  // of router_.bodies, for the body being read or served
+  std::string route_ = "other";
+
+  // The generation being served.
+  ApiKind kind_ = ApiKind::kCompletion;
+  bool stream_mode_ = false;
+  bool include_usage_ = false;
+  bool first_chunk_ = true;
+  bool job_live_ = false;
+  bool in_flight_ = false;
+  bool stream_done_ = false;
+  bool header_sent_ = false;
+  bool inject_ = false;  // the job is an injection
+  const std::string* tenant_ = nullptr;  // the request's, when keys are configured
+  uint64_t job_ = 0;
+  std::string request_id_;  // job_ as X-Request-Id gives it; empty: no job
+  std::chrono::steady_clock::time_point job_start_;
+  int64_t created_ = 0;
+  std::string response_id_;
+  std::string text_;
+  std::deque<std::string> queue_;
+  bool writing_ = false;
+};
+
+}  // namespace
+
+void StartSession(tcp::socket socket, ServerState& state) {
+  std::make_shared<Session>(std::move(socket), state)->Start();
+}
+
+}  // namespace kdn::router

@@ -1,0 +1,23 @@
+#pragma once
+// Reading a request body's fields, each refused by name (ApiError::param)
+// when it has the wrong type; null counts as absent and leaves *out as it
+// was (its default). Private to router/src (openai.cpp). Thread-safe.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kdn/router/openai.h"
+
+namespace kdn::router {
+
+// A 400 invalid_request_error about `param`.
+ApiError Bad(std::string message, std::string param = {});
+// "a string", "an array", ...: for messages.
+const char* TypeName(const json& v);
+std::optional<ApiError> GetInt(const json& body, const char* name, int64_t* out);
+std::optional<ApiError> GetNumber(const json& body, const char* name, double* out);
+std::optional<ApiError> GetBool(const json& body, const char* name, bool* out);
+std::optional<ApiError> GetString(const json& body, const char* name, std::string* out);
+
+}  // namespace kdn::router

@@ -1,0 +1,113 @@
+#include "kdn/router/placement.h"
+
+#include <algorithm>
+#include <climits>
+
+namespace kdn::router {
+
+void Ledger::Reserve(size_t prefill, size_t decode, int64_t prompt_tokens, int64_t kv_blocks) {
+  ++rows_.at(decode).requests;
+  rows_.at(decode).kv_blocks += kv_blocks;
+  rows_.at(prefill).prefill_tokens += prompt_tokens;
+}
+
+void Ledger::MarkFull(size_t decode, const WorkerView& reported) {
+  rows_.at(decode).kv_blocks = reported.free_kv_blocks;
+}
+
+Load LoadOf(const WorkerView& reported, const Reservation& reserved) {
+  return {reported.queue_depth + reserved.requests, reported.free_kv_blocks - reserved.kv_blocks,
+          reported.queue_tokens + reserved.prefill_tokens};
+}
+
+namespace {
+
+// Whether decode worker `w` has room for the request: KV for prompt +
+// max_tokens and a place in its batch.
+bool HasRoom(const WorkerView& v, const Load& load, int64_t kv_blocks) {
+  return load.free_kv_blocks >= kv_blocks && (v.max_batch <= 0 || load.queue_depth < v.max_batch);
+}
+
+}  // namespace
+
+std::optional<size_t> PlacePrefill(const WorkerViews& workers, const Ledger& ledger,
+                                   const PlacementInput& in) {
+  const int64_t n = in.tokens;
+  std::optional<size_t> best;
+  int64_t best_cost = INT64_MAX;
+  for (const auto& [w, held_tokens] : *in.prefix) {
+    if (held_tokens < 0 || !Usable(workers[w], Role::kPrefill)) continue;
+    int64_t cost = 0;
+    if (in.blend != nullptr) {
+      // Held documents cost their recomputed share; the rest is computed.
+      const auto it = in.segment_tokens_held->find(w);
+      const double held = it == in.segment_tokens_held->end() ? 0.0 : static_cast<double>(it->second);
+      cost = n - static_cast<int64_t>(held * (1.0 - in.blend->recompute_ratio));
+    } else {
+      cost = n - std::min<int64_t>(held_tokens, n - 1);  // the last token is computed
+    }
+    cost += LoadOf(workers[w], ledger.at(w)).queue_tokens;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = w;
+    }
+  }
+  return best;
+}
+
+DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
+                            const PlacementInput& in) {
+  DecodePlacement out;
+  int64_t best_prefix = -1;
+  int best_depth = INT32_MAX;
+  bool up = false, could_hold = false, found = false;
+  for (auto [w, held_tokens] : *in.prefix) {
+    if (held_tokens < 0 || !Usable(workers[w], Role::kDecode)) continue;
+    const WorkerView& v = workers[w];
+    const Load load = LoadOf(v, ledger.at(w));
+    up = true;
+    // A worker that could never hold it is no reason to wait.
+    could_hold |= v.total_kv_blocks <= 0 || v.total_kv_blocks >= in.kv_blocks;
+    if (!HasRoom(v, load, in.kv_blocks)) continue;
+    if (in.blend != nullptr) held_tokens = 0;  // a blended prompt reuses nothing it holds
+    if (held_tokens > best_prefix || (held_tokens == best_prefix && load.queue_depth < best_depth)) {
+      best_prefix = held_tokens;
+      best_depth = load.queue_depth;
+      out.worker = w;
+      found = true;
+    }
+  }
+  using V = DecodePlacement::Verdict;
+  out.verdict = found ? V::kRoute : !up ? V::kNoneUp : could_hold ? V::kWait : V::kTooLarge;
+  return out;
+}
+
+std::optional<size_t> PlaceRetry(const WorkerViews& workers, const Ledger& ledger, size_t lost) {
+  std::optional<size_t> best;
+  int64_t best_tokens = 0;
+  for (size_t w = 0; w < workers.size(); ++w) {
+    if (w == lost || !Usable(workers[w], Role::kPrefill)) continue;
+    const int64_t tokens = LoadOf(workers[w], ledger.at(w)).queue_tokens;
+    if (!best || tokens < best_tokens) {
+      best = w;
+      best_tokens = tokens;
+    }
+  }
+  return best;
+}
+
+std::optional<size_t> PlaceDocument(const WorkerViews& workers, const Ledger& ledger,
+                                    const std::vector<int>& in_flight, int per_worker) {
+  std::optional<size_t> best;
+  for (size_t w = 0; w < workers.size(); ++w) {
+    if (!Usable(workers[w], Role::kPrefill) || in_flight[w] >= per_worker) continue;
+    if (!best || in_flight[w] < in_flight[*best] ||
+        (in_flight[w] == in_flight[*best] && LoadOf(workers[w], ledger.at(w)).queue_tokens <
+                                                 LoadOf(workers[*best], ledger.at(*best)).queue_tokens)) {
+      best = w;
+    }
+  }
+  return best;
+}
+
+}  // namespace kdn::router

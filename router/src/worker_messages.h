@@ -1,0 +1,38 @@
+#pragma once
+// The router -> worker edge of a request: its spec (request_spec.h) into the
+// proto messages workers take (proto/serving.proto), built here and nowhere
+// else. Thread-compatible (functions over values).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kdn/kvbus/key.h"
+#include "kdn/router/request_spec.h"
+#include "serving.pb.h"
+
+namespace kdn::router {
+
+// Lookup: which of `keys` (and of a blend request's `segment_keys`) a worker
+// holds.
+proto::WorkerMessage LookupMessage(const Job& job, const std::vector<kvbus::ChunkKey>& keys,
+                                   const std::vector<kvbus::ChunkKey>& segment_keys);
+// Prepare (to the decode worker). `generated_tokens`: of job.tokens, the
+// last ones generated before a resume.
+proto::WorkerMessage PrepareMessage(const Job& job, const std::string& transfer_id,
+                                    int64_t generated_tokens);
+// Prefill (to the prefill worker), its KV to `decode_endpoint`, which holds
+// the first `decode_held_tokens` already.
+proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_endpoint,
+                                    int64_t decode_held_tokens, const std::string& transfer_id,
+                                    int64_t generated_tokens);
+// Start: the decode worker goes on after `first_token`, which the client has.
+proto::WorkerMessage StartMessage(int32_t first_token);
+// Cancel: the worker lets the request go.
+proto::WorkerMessage CancelMessage();
+// Inject: the prefill worker computes and stores a document's KV.
+proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns);
+// Info request: a ping, answered by a report.
+proto::WorkerMessage PingMessage();
+
+}  // namespace kdn::router

@@ -1,0 +1,217 @@
+// Placement's rules (kdn/router/placement.h) over hand-made worker views and
+// ledgers: no sockets, no workers. Each rule has a test that fails when the
+// rule is broken.
+#include "kdn/router/placement.h"
+
+#include <gtest/gtest.h>
+
+namespace kdn::router {
+namespace {
+
+WorkerView Worker(Role role, std::string name) {
+  WorkerView v;
+  v.name = std::move(name);
+  v.role = role;
+  v.up = true;
+  v.compatible = true;
+  if (role == Role::kDecode) {
+    v.free_kv_blocks = 100;
+    v.total_kv_blocks = 100;
+  }
+  return v;
+}
+
+// Workers 0, 1 prefill; 2, 3 decode; every one answered the lookup with
+// `prefix` (set per test).
+class PlacementTest : public ::testing::Test {
+ protected:
+  PlacementTest()
+      : workers_({Worker(Role::kPrefill, "p0"), Worker(Role::kPrefill, "p1"),
+                  Worker(Role::kDecode, "d0"), Worker(Role::kDecode, "d1")}),
+        ledger_(4) {
+    for (size_t w = 0; w < 4; ++w) prefix_[w] = 0;
+    in_.tokens = 64;
+    in_.kv_blocks = KvBlocksFor(64 + 16);
+    in_.prefix = &prefix_;
+    in_.segment_tokens_held = &held_;
+  }
+  std::optional<size_t> Prefill() const { return PlacePrefill(workers_, ledger_, in_); }
+  DecodePlacement Decode() const { return PlaceDecode(workers_, ledger_, in_); }
+
+  WorkerViews workers_;
+  Ledger ledger_;
+  std::map<size_t, int64_t> prefix_, held_;
+  PlacementInput in_;
+};
+
+using Verdict = DecodePlacement::Verdict;
+
+TEST(KvBlocks, AreCountedInBlocksOfTheOneConstant) {
+  EXPECT_EQ(kKvBlockTokens, 16);
+  EXPECT_EQ(KvBlocksFor(0), 0);
+  EXPECT_EQ(KvBlocksFor(1), 1);
+  EXPECT_EQ(KvBlocksFor(16), 1);
+  EXPECT_EQ(KvBlocksFor(17), 2);
+}
+
+TEST_F(PlacementTest, PrefillGoesWhereMoreOfThePromptIsReached) {
+  prefix_[1] = 32;
+  EXPECT_EQ(Prefill(), 1u);
+  prefix_[0] = 48;
+  EXPECT_EQ(Prefill(), 0u);
+}
+
+TEST_F(PlacementTest, PrefillWeighsQueuedTokensAgainstThePrefix) {
+  prefix_[0] = 32;               // 32 to compute
+  workers_[0].queue_tokens = 40;  // ... behind 40: 72
+  EXPECT_EQ(Prefill(), 1u);      // 64 to compute, nothing queued
+  workers_[0].queue_tokens = 20;  // 52
+  EXPECT_EQ(Prefill(), 0u);
+}
+
+TEST_F(PlacementTest, PrefillAlwaysComputesTheLastToken) {
+  prefix_[0] = 64;  // the whole prompt: still 1 to compute, + 1 queued = 2
+  workers_[0].queue_tokens = 1;
+  prefix_[1] = 63;  // 1 to compute
+  EXPECT_EQ(Prefill(), 1u);
+}
+
+TEST_F(PlacementTest, PrefillCountsTheRouterReservationsAsQueued) {
+  prefix_[0] = 32;
+  ledger_.Reserve(/*prefill=*/0, /*decode=*/2, /*prompt_tokens=*/40, /*kv_blocks=*/1);
+  EXPECT_EQ(Prefill(), 1u);
+  ledger_.Clear(0);  // the worker reported: its report shows the 40
+  EXPECT_EQ(Prefill(), 0u);
+}
+
+TEST_F(PlacementTest, PrefillCountsHeldDocumentsAtTheirRecomputeShare) {
+  BlendSpec blend;
+  blend.recompute_ratio = 0.25;
+  in_.blend = &blend;
+  held_[0] = 40;                  // saves 30 of 64: 34 to compute
+  workers_[0].queue_tokens = 20;  // 54 < 64
+  EXPECT_EQ(Prefill(), 0u);
+  blend.recompute_ratio = 0.75;   // saves 10: 54 + 20 = 74 > 64
+  EXPECT_EQ(Prefill(), 1u);
+  prefix_[1] = 60;  // a blend prompt's prefix counts for nothing
+  workers_[0].queue_tokens = 0;
+  EXPECT_EQ(Prefill(), 0u);
+}
+
+TEST_F(PlacementTest, PrefillTakesOnlyUsableWorkersThatAnswered) {
+  prefix_[0] = 32;
+  prefix_[1] = -1;  // no answer
+  EXPECT_EQ(Prefill(), 0u);
+  workers_[0].up = false;
+  EXPECT_EQ(Prefill(), std::nullopt);
+  workers_[0].up = true;
+  workers_[0].compatible = false;
+  EXPECT_EQ(Prefill(), std::nullopt);
+}
+
+TEST_F(PlacementTest, DecodeGoesWhereMostIsHeldThenWhereLeastIsQueued) {
+  prefix_[3] = 32;
+  workers_[3].queue_depth = 5;
+  EXPECT_EQ(Decode().verdict, Verdict::kRoute);
+  EXPECT_EQ(Decode().worker, 3u);
+  prefix_[3] = 0;
+  EXPECT_EQ(Decode().worker, 2u);  // equal prefix: the less busy
+  workers_[2].queue_depth = 6;
+  EXPECT_EQ(Decode().worker, 3u);
+}
+
+TEST_F(PlacementTest, DecodeNeedsKvForPromptAndMaxTokens) {
+  workers_[3].free_kv_blocks = 0;
+  workers_[2].free_kv_blocks = static_cast<int>(in_.kv_blocks);  // just enough
+  EXPECT_EQ(Decode().verdict, Verdict::kRoute);
+  EXPECT_EQ(Decode().worker, 2u);
+  workers_[2].free_kv_blocks = static_cast<int>(in_.kv_blocks) - 1;
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+}
+
+TEST_F(PlacementTest, DecodeNeedsAPlaceInTheBatch) {
+  for (size_t w : {2u, 3u}) {
+    workers_[w].max_batch = 2;
+    workers_[w].queue_depth = 2;
+  }
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+  workers_[3].queue_depth = 1;
+  EXPECT_EQ(Decode().verdict, Verdict::kRoute);
+  EXPECT_EQ(Decode().worker, 3u);
+  workers_[3].max_batch = 0;  // not said: no limit
+  workers_[3].queue_depth = 50;
+  EXPECT_EQ(Decode().verdict, Verdict::kRoute);
+}
+
+TEST_F(PlacementTest, DecodeWaitsWhenOneCouldHoldItAndRefusesWhenNoneEver) {
+  for (size_t w : {2u, 3u}) workers_[w].free_kv_blocks = 1;
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+  workers_[2].total_kv_blocks = static_cast<int>(in_.kv_blocks) - 1;
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);  // worker 3 could
+  workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks) - 1;
+  EXPECT_EQ(Decode().verdict, Verdict::kTooLarge);
+  workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks);  // just big enough, one day
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+  workers_[3].total_kv_blocks = 0;  // not said: it might
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+  workers_[2].up = false;
+  prefix_[3] = -1;
+  EXPECT_EQ(Decode().verdict, Verdict::kNoneUp);
+}
+
+TEST_F(PlacementTest, DecodeCountsTheRouterReservations) {
+  workers_[3].free_kv_blocks = 0;
+  ledger_.Reserve(0, 2, 64, 100 - in_.kv_blocks + 1);
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+  ledger_.Clear(2);
+  EXPECT_EQ(Decode().verdict, Verdict::kRoute);
+  ledger_.MarkFull(2, workers_[2]);  // it refused a prepare for want of KV
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+  ledger_.Clear(2);
+  workers_[2].max_batch = 1;
+  ledger_.Reserve(0, 2, 64, 1);  // one place taken
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+}
+
+TEST_F(PlacementTest, DecodeForABlendRequestCountsNoHeldPrefix) {
+  BlendSpec blend;
+  in_.blend = &blend;
+  prefix_[2] = 48;
+  workers_[2].queue_depth = 3;
+  EXPECT_EQ(Decode().worker, 3u);
+  in_.blend = nullptr;
+  EXPECT_EQ(Decode().worker, 2u);
+}
+
+TEST_F(PlacementTest, RetryGoesToTheOtherPrefillWorkerWithFewestQueuedTokens) {
+  workers_.push_back(Worker(Role::kPrefill, "p2"));
+  ledger_ = Ledger(5);
+  workers_[1].queue_tokens = 10;
+  workers_[4].queue_tokens = 5;
+  EXPECT_EQ(PlaceRetry(workers_, ledger_, 0), 4u);
+  ledger_.Reserve(4, 2, 10, 1);
+  EXPECT_EQ(PlaceRetry(workers_, ledger_, 0), 1u);
+  EXPECT_EQ(PlaceRetry(workers_, ledger_, 1), 0u);  // never the lost one
+  workers_[0].up = false;
+  workers_[4].up = false;
+  EXPECT_EQ(PlaceRetry(workers_, ledger_, 1), std::nullopt);
+}
+
+TEST_F(PlacementTest, DocumentsGoToFewestInFlightThenFewestQueuedBelowTheCap) {
+  std::vector<int> in_flight = {1, 0, 0, 0};
+  EXPECT_EQ(PlaceDocument(workers_, ledger_, in_flight, 2), 1u);
+  in_flight = {1, 1, 0, 0};
+  workers_[0].queue_tokens = 9;
+  EXPECT_EQ(PlaceDocument(workers_, ledger_, in_flight, 2), 1u);
+  ledger_.Reserve(1, 2, 10, 1);
+  EXPECT_EQ(PlaceDocument(workers_, ledger_, in_flight, 2), 0u);
+  in_flight = {2, 2, 0, 0};
+  EXPECT_EQ(PlaceDocument(workers_, ledger_, in_flight, 2), std::nullopt);
+  in_flight = {0, 0, 0, 0};
+  workers_[0].up = false;
+  workers_[1].compatible = false;
+  EXPECT_EQ(PlaceDocument(workers_, ledger_, in_flight, 2), std::nullopt);  // never a decode worker
+}
+
+}  // namespace
+}  // namespace kdn::router

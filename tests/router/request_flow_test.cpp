@@ -1,0 +1,372 @@
+// The request flow (kdn/router/request_flow.h) against fake workers: a
+// WorkerLink that records what the router sends, and replies the tests build.
+// No sockets: each test steps a request through its phases by hand.
+#include "kdn/router/request_flow.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "kdn/control/convert.h"
+#include "serving.pb.h"
+
+namespace kdn::router {
+namespace {
+
+using Phase = RequestFlow::Phase;
+using Body = proto::WorkerMessage::BodyCase;
+
+constexpr size_t kP0 = 0, kP1 = 1, kD0 = 2, kD1 = 3;
+
+struct Sent {
+  size_t worker;
+  uint64_t id;
+  proto::WorkerMessage m;
+};
+
+class FakeLink : public WorkerLink {
+ public:
+  void Send(size_t worker, uint64_t request_id, proto::WorkerMessage& m) override {
+    m.set_request_id(request_id);
+    sent.push_back({worker, request_id, m});
+  }
+  // The messages of kind `body` sent since the last Take, and forgets all.
+  std::vector<Sent> Take(Body body) {
+    std::vector<Sent> out;
+    for (Sent& s : sent) {
+      if (s.m.body_case() == body) out.push_back(std::move(s));
+    }
+    sent.clear();
+    return out;
+  }
+  std::vector<Sent> sent;
+};
+
+WorkerView Worker(Role role, std::string name) {
+  WorkerView v;
+  v.name = std::move(name);
+  v.role = role;
+  v.up = v.compatible = true;
+  if (role == Role::kDecode) {
+    v.free_kv_blocks = v.total_kv_blocks = 64;
+    v.max_context = 2048;
+    v.kvbus_endpoint = "tcp://kv-" + v.name;
+  }
+  return v;
+}
+
+std::vector<int32_t> ByteIds() {
+  std::vector<int32_t> ids(256);
+  std::iota(ids.begin(), ids.end(), 0);
+  return ids;
+}
+
+class RequestFlowTest : public ::testing::Test {
+ protected:
+  RequestFlowTest()
+      : workers_({Worker(Role::kPrefill, "p0"), Worker(Role::kPrefill, "p1"),
+                  Worker(Role::kDecode, "d0"), Worker(Role::kDecode, "d1")}),
+        ledger_(4),
+        tokenizer_(ByteIds(), 258, 256, 257) {
+    identity_.known = true;
+    identity_.chunk_tokens = 16;
+    options_.max_queued = 2;
+  }
+  void Start() {
+    flow_ = std::make_unique<RequestFlow>(options_, workers_, identity_, ledger_, link_,
+                                          tokenizer_, nullptr, 42);
+  }
+  // Submits a request of `prompt` (bytes) and `max_tokens`; its events go to events_[id].
+  uint64_t Submit(const std::string& prompt, int max_tokens = 8, uint64_t id = 1) {
+    if (!flow_) Start();
+    Job job;
+    job.tokens.assign(prompt.begin(), prompt.end());
+    job.max_tokens = max_tokens;
+    job.sampling.temperature = 0;
+    flow_->Submit(id, std::move(job), [this, id](JobEvent ev) { events_[id].push_back(ev); },
+                  RequestFlow::Clock::now());
+    return id;
+  }
+  Phase PhaseOf(uint64_t id) {
+    Phase p = Phase::kLookup;
+    EXPECT_TRUE(flow_->PhaseOf(id, &p));
+    return p;
+  }
+  void Reply(size_t w, uint64_t id, proto::WorkerMessage m) {
+    m.set_request_id(id);
+    flow_->OnMessage(w, m);
+  }
+  // Every worker asked answers the lookup with `prefix` tokens (decode
+  // worker d1: `d1_prefix`).
+  void AnswerLookups(uint64_t id, int prefix = 0, int d1_prefix = 0) {
+    for (const Sent& s : link_.Take(Body::kLookup)) {
+      proto::WorkerMessage m;
+      m.mutable_lookup_reply()->set_prefix_tokens(s.worker == kD1 ? d1_prefix : prefix);
+      Reply(s.worker, id, m);
+    }
+  }
+  void AnswerPrepare(size_t w, uint64_t id, const Status& st = Status::Ok()) {
+    proto::WorkerMessage m;
+    control::StatusToProto(st, m.mutable_prepare_reply()->mutable_error());
+    Reply(w, id, m);
+  }
+  void AnswerPrefill(size_t w, uint64_t id, int32_t first, const std::string& transfer_id) {
+    proto::WorkerMessage m;
+    m.mutable_prefill_reply()->set_first_token(first);
+    m.mutable_prefill_reply()->set_transfer_id(transfer_id);
+    Reply(w, id, m);
+  }
+  void SendTokens(size_t w, uint64_t id, const std::string& text, bool finished) {
+    proto::WorkerMessage m;
+    for (char c : text) {
+      auto* e = m.mutable_tokens()->add_events();
+      e->set_token(static_cast<unsigned char>(c));
+      e->set_text(std::string(1, c));
+    }
+    if (finished) {
+      auto* e = m.mutable_tokens()->add_events();
+      e->set_token(-1);
+      e->set_finished(true);
+      e->set_finish_reason("length");
+    }
+    Reply(w, id, m);
+  }
+  // Steps request `id` from its lookup to its first token: prefill at `p`,
+  // decode at `d` (by the lookup's answers). Returns the prefill sent.
+  proto::PrefillRequest ToFirstToken(uint64_t id, size_t p, size_t d, int32_t first = 'x') {
+    AnswerLookups(id, 0, d == kD1 ? 16 : 0);
+    auto prepares = link_.Take(Body::kPrepare);
+    EXPECT_EQ(prepares.size(), 1u);
+    EXPECT_EQ(prepares.at(0).worker, d);
+    AnswerPrepare(d, id);
+    auto prefills = link_.Take(Body::kPrefill);
+    EXPECT_EQ(prefills.size(), 1u);
+    EXPECT_EQ(prefills.at(0).worker, p);
+    const proto::PrefillRequest pf = prefills.at(0).m.prefill();
+    EXPECT_EQ(pf.decode_endpoint(), workers_[d].kvbus_endpoint);
+    AnswerPrefill(p, id, first, pf.transfer_id());
+    return pf;
+  }
+  // Worker `w` goes down, as the pool would tell the flow.
+  void Down(size_t w) {
+    workers_[w].up = false;
+    flow_->OnWorkerDown(w, "stopped answering");
+  }
+
+  BackendOptions options_;
+  WorkerViews workers_;
+  ModelIdentity identity_;
+  Ledger ledger_;
+  FakeLink link_;
+  text::ByteTokenizer tokenizer_;
+  std::unique_ptr<RequestFlow> flow_;
+  std::map<uint64_t, std::vector<JobEvent>> events_;
+};
+
+TEST_F(RequestFlowTest, ARequestGoesThroughLookupPreparePrefillAndDecode) {
+  const uint64_t id = Submit("Hello world");
+  EXPECT_EQ(PhaseOf(id), Phase::kLookup);
+  EXPECT_EQ(link_.sent.size(), 4u);  // every worker is asked
+  AnswerLookups(id, 0, /*d1_prefix=*/16);
+  EXPECT_EQ(PhaseOf(id), Phase::kPrepare);
+  auto prepares = link_.Take(Body::kPrepare);
+  ASSERT_EQ(prepares.size(), 1u);
+  EXPECT_EQ(prepares[0].worker, kD1);  // it holds more of the prompt
+  EXPECT_EQ(prepares[0].m.prepare().generated_tokens(), 0);
+  EXPECT_EQ(ledger_.at(kD1).requests, 1);  // reserved until d1 reports
+  EXPECT_EQ(ledger_.at(kD1).kv_blocks, KvBlocksFor(11 + 8));
+  EXPECT_EQ(ledger_.at(kP0).prefill_tokens, 11);
+  AnswerPrepare(kD1, id);
+  EXPECT_EQ(PhaseOf(id), Phase::kPrefill);
+  auto prefills = link_.Take(Body::kPrefill);
+  ASSERT_EQ(prefills.size(), 1u);
+  AnswerPrefill(prefills[0].worker, id, 'A', prefills[0].m.prefill().transfer_id());
+  EXPECT_EQ(PhaseOf(id), Phase::kDecode);
+  auto starts = link_.Take(Body::kStart);
+  ASSERT_EQ(starts.size(), 1u);
+  EXPECT_EQ(starts[0].worker, kD1);
+  EXPECT_EQ(starts[0].m.start().first_token(), 'A');
+  SendTokens(kD1, id, "bc", /*finished=*/true);
+  EXPECT_EQ(flow_->size(), 0u);
+  const auto& ev = events_[id];
+  ASSERT_EQ(ev.size(), 2u);
+  EXPECT_EQ(ev[0].text, "A");
+  EXPECT_EQ(ev[1].kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(ev[1].text, "bc");
+  EXPECT_EQ(ev[1].usage.completion_tokens, 3);
+  EXPECT_EQ(ev[1].usage.prompt_tokens, 11);
+}
+
+TEST_F(RequestFlowTest, AFirstTokenThatEndsTheRequestReleasesTheDecodeWorker) {
+  const uint64_t id = Submit("Hello", /*max_tokens=*/1);
+  ToFirstToken(id, kP0, kD0);
+  EXPECT_EQ(flow_->size(), 0u);
+  ASSERT_EQ(events_[id].size(), 1u);
+  EXPECT_EQ(events_[id][0].kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(events_[id][0].finish_reason, "length");
+  auto cancels = link_.Take(Body::kCancel);
+  ASSERT_EQ(cancels.size(), 1u);  // the decode worker's reservation, not the prefill worker
+  EXPECT_EQ(cancels[0].worker, kD0);
+}
+
+TEST_F(RequestFlowTest, WithNoRoomARequestWaitsAndGoesOnWhenAWorkerReports) {
+  workers_[kD0].free_kv_blocks = workers_[kD1].free_kv_blocks = 0;
+  const uint64_t id = Submit("Hello world");
+  AnswerLookups(id);
+  EXPECT_EQ(PhaseOf(id), Phase::kQueued);
+  EXPECT_EQ(flow_->Waiting(), 1);
+  EXPECT_TRUE(link_.Take(Body::kPrepare).empty());  // no prefill spent on it
+  workers_[kD0].free_kv_blocks = 64;
+  flow_->OnReport();
+  EXPECT_EQ(PhaseOf(id), Phase::kPrepare);
+  EXPECT_EQ(link_.Take(Body::kPrepare).at(0).worker, kD0);
+}
+
+TEST_F(RequestFlowTest, PastMaxQueuedARequestIsRefusedAndAWaitEndsAtItsDeadline) {
+  workers_[kD0].free_kv_blocks = workers_[kD1].free_kv_blocks = 0;
+  for (uint64_t id : {1, 2, 3}) {
+    Submit("Hello", 8, id);
+    AnswerLookups(id);
+  }
+  EXPECT_EQ(flow_->Waiting(), 2);
+  ASSERT_EQ(events_[3].size(), 1u);
+  EXPECT_EQ(events_[3][0].error.code(), StatusCode::kResourceExhausted);
+  flow_->Tick(RequestFlow::Clock::now() + options_.queue_timeout + std::chrono::seconds(1));
+  EXPECT_EQ(flow_->size(), 0u);
+  EXPECT_EQ(events_[1].at(0).error.code(), StatusCode::kUnavailable);
+}
+
+TEST_F(RequestFlowTest, ARequestNoDecodeWorkerCouldHoldIsRefused) {
+  const uint64_t id = Submit(std::string(2000, 'a'), 100);
+  AnswerLookups(id);
+  ASSERT_EQ(events_[id].size(), 1u);
+  EXPECT_EQ(events_[id][0].error.code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(RequestFlowTest, ADecodeWorkerFullAfterAllSendsTheRequestBackToTheQueue) {
+  workers_[kD1].up = false;
+  const uint64_t id = Submit("Hello");
+  AnswerLookups(id);
+  AnswerPrepare(kD0, id, ResourceExhausted("full"));
+  EXPECT_EQ(PhaseOf(id), Phase::kQueued);
+  EXPECT_TRUE(link_.Take(Body::kPrefill).empty());
+  ledger_.Clear(kD0);  // d0 reports room again
+  flow_->OnReport();
+  EXPECT_EQ(PhaseOf(id), Phase::kPrepare);
+}
+
+TEST_F(RequestFlowTest, APrefillWorkerLostBeforeTheFirstTokenIsReplacedByTheOther) {
+  const uint64_t id = Submit("Hello world");
+  AnswerLookups(id);
+  AnswerPrepare(link_.Take(Body::kPrepare).at(0).worker, id);
+  auto first = link_.Take(Body::kPrefill);
+  ASSERT_EQ(first.size(), 1u);
+  const size_t lost = first[0].worker;
+  Down(lost);
+  auto again = link_.Take(Body::kPrefill);
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_NE(again[0].worker, lost);
+  EXPECT_EQ(PhaseOf(id), Phase::kPrefill);
+  EXPECT_TRUE(events_[id].empty());  // the client saw nothing of it
+  Down(again[0].worker);  // no prefill worker is left
+  EXPECT_EQ(events_[id].at(0).error.code(), StatusCode::kUnavailable);
+}
+
+TEST_F(RequestFlowTest, ADecodeWorkerLostMidStreamResumesAtAnotherWithTheTokensSoFar) {
+  const uint64_t id = Submit("Hello", 8);
+  ToFirstToken(id, kP0, kD1, 'A');
+  SendTokens(kD1, id, "bc", false);
+  link_.sent.clear();
+  Down(kD1);
+  ASSERT_EQ(link_.sent.at(0).m.body_case(), Body::kCancel);
+  EXPECT_EQ(link_.sent.at(0).worker, kD1);  // should it only be quiet, it stops
+  // Looked up again, never at the lost worker, with "Abc" in its prompt.
+  EXPECT_EQ(PhaseOf(id), Phase::kLookup);
+  const std::vector<Sent> sent = link_.sent;
+  ASSERT_EQ(sent.size(), 4u);  // the cancel, then three lookups
+  for (size_t i = 1; i < sent.size(); ++i) {
+    EXPECT_EQ(sent[i].m.body_case(), Body::kLookup);
+    EXPECT_NE(sent[i].worker, kD1);
+  }
+  const auto& tokens = sent[1].m.lookup().tokens();
+  EXPECT_EQ(std::string(tokens.begin(), tokens.end()), "HelloAbc");
+  AnswerLookups(id);
+  auto prepares = link_.Take(Body::kPrepare);
+  ASSERT_EQ(prepares.size(), 1u);
+  EXPECT_EQ(prepares[0].worker, kD0);
+  EXPECT_EQ(prepares[0].m.prepare().generated_tokens(), 3);
+  AnswerPrepare(kD0, id);
+  auto prefills = link_.Take(Body::kPrefill);
+  ASSERT_EQ(prefills.size(), 1u);
+  EXPECT_EQ(prefills[0].m.prefill().generated_tokens(), 3);
+  AnswerPrefill(prefills[0].worker, id, 'd', prefills[0].m.prefill().transfer_id());
+  SendTokens(kD0, id, "e", true);
+  std::string text;
+  for (const JobEvent& ev : events_[id]) text += ev.text;
+  EXPECT_EQ(text, "Abcde");  // one stream, unbroken
+  EXPECT_EQ(events_[id].back().kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(events_[id].back().usage.completion_tokens, 5);
+  EXPECT_EQ(events_[id].back().usage.prompt_tokens, 5);  // its first prefill's
+}
+
+TEST_F(RequestFlowTest, WithResumeOffALostDecodeWorkerFailsTheRequest) {
+  options_.resume = false;
+  const uint64_t id = Submit("Hello", 8);
+  ToFirstToken(id, kP0, kD1);
+  Down(kD1);
+  EXPECT_EQ(flow_->size(), 0u);
+  EXPECT_EQ(events_[id].back().error.code(), StatusCode::kUnavailable);
+}
+
+TEST_F(RequestFlowTest, ALateReplyToAnEarlierSendingIsIgnored) {
+  const uint64_t id = Submit("Hello", 8);
+  const proto::PrefillRequest pf = ToFirstToken(id, kP0, kD1);
+  Down(kD1);
+  AnswerLookups(id);
+  AnswerPrepare(kD0, id);
+  const auto prefills = link_.Take(Body::kPrefill);
+  ASSERT_EQ(prefills.size(), 1u);
+  EXPECT_NE(prefills[0].m.prefill().transfer_id(), pf.transfer_id());
+  AnswerPrefill(prefills[0].worker, id, 'z', pf.transfer_id());  // the old one
+  EXPECT_EQ(PhaseOf(id), Phase::kPrefill);
+}
+
+TEST_F(RequestFlowTest, CancellingReleasesTheWorkersThatHoldTheRequest) {
+  const uint64_t id = Submit("Hello", 8);
+  AnswerLookups(id);
+  const size_t d = link_.Take(Body::kPrepare).at(0).worker;
+  AnswerPrepare(d, id);
+  const size_t p = link_.Take(Body::kPrefill).at(0).worker;
+  EXPECT_TRUE(flow_->Cancel(id));
+  auto cancels = link_.Take(Body::kCancel);
+  ASSERT_EQ(cancels.size(), 2u);
+  EXPECT_EQ(cancels[0].worker, d);
+  EXPECT_EQ(cancels[1].worker, p);
+  EXPECT_TRUE(events_[id].empty());
+  EXPECT_FALSE(flow_->Cancel(id));
+}
+
+TEST_F(RequestFlowTest, ALookupPastItsDeadlineGoesOnWithTheAnswersItHas) {
+  const uint64_t id = Submit("Hello", 8);
+  for (const Sent& s : link_.Take(Body::kLookup)) {
+    if (s.worker == kD1) continue;  // d1 never answers
+    proto::WorkerMessage m;
+    m.mutable_lookup_reply();
+    Reply(s.worker, id, m);
+  }
+  EXPECT_EQ(PhaseOf(id), Phase::kLookup);
+  flow_->Tick(RequestFlow::Clock::now() + options_.lookup_timeout + std::chrono::seconds(1));
+  EXPECT_EQ(PhaseOf(id), Phase::kPrepare);
+  EXPECT_EQ(link_.Take(Body::kPrepare).at(0).worker, kD0);
+}
+
+TEST_F(RequestFlowTest, NoWorkerOfARoleUpFailsAtOnce) {
+  workers_[kP0].up = workers_[kP1].up = false;
+  const uint64_t id = Submit("Hello");
+  ASSERT_EQ(events_[id].size(), 1u);
+  EXPECT_EQ(events_[id][0].error.code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(link_.sent.empty());
+}
+
+}  // namespace
+}  // namespace kdn::router
