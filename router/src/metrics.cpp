@@ -267,6 +267,26 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
              "Coded chunks from kdn-store that did not decode: each a miss, recomputed, never "
              "served.",
              [](const WorkerGauge& w) { return w.kv_codec.decode_errors; });
+  // Its KV pool as the KDN's first tier (docs/engine.md, "Resident KV").
+  per_worker("kdn_worker_resident_kv_blocks", "gauge",
+             "KV blocks a worker's pool keeps resident under content keys (some also in use).",
+             [](const WorkerGauge& w) { return w.resident.cached_blocks; });
+  per_worker("kdn_worker_resident_evictable_kv_blocks", "gauge",
+             "Of the resident KV blocks, those no request holds: counted as free.",
+             [](const WorkerGauge& w) { return w.resident.evictable_blocks; });
+  per_worker("kdn_worker_resident_evictions_total", "counter",
+             "Resident KV entries a worker's pool dropped to make room.",
+             [](const WorkerGauge& w) { return w.resident.evictions; });
+  per_worker("kdn_worker_resident_hit_tokens_total", "counter",
+             "Prompt tokens whose KV a worker attached from its pool, moving no KV.",
+             [](const WorkerGauge& w) { return w.resident.hit_tokens; });
+  per_worker("kdn_worker_resident_copied_blocks_total", "counter",
+             "Shared KV blocks a worker copied before a request wrote into them.",
+             [](const WorkerGauge& w) { return w.resident.copied_blocks; });
+  per_worker("kdn_worker_kv_loaded_bytes_total", "counter",
+             "KV bytes a worker copied into its pool from its lower KDN tiers (host, disk, "
+             "kdn-store); a resident hit adds nothing.",
+             [](const WorkerGauge& w) { return w.resident.kv_bytes_loaded; });
   per_worker("kdn_worker_store_unreachable_total", "counter",
              "A worker's kdn-store requests that failed for want of an answer (timed out, or "
              "refused at once while the store is held to be down): each a cache miss.",

@@ -28,13 +28,19 @@ bool HasRoom(const WorkerView& v, const Load& load, int64_t kv_blocks) {
   return load.free_kv_blocks >= kv_blocks && (v.max_batch <= 0 || load.queue_depth < v.max_batch);
 }
 
+int64_t ResidentAt(const PlacementInput& in, size_t w) {
+  if (in.resident == nullptr || in.blend != nullptr) return 0;
+  const auto it = in.resident->find(w);
+  return it == in.resident->end() ? 0 : it->second;
+}
+
 }  // namespace
 
 std::optional<size_t> PlacePrefill(const WorkerViews& workers, const Ledger& ledger,
                                    const PlacementInput& in) {
   const int64_t n = in.tokens;
   std::optional<size_t> best;
-  int64_t best_cost = INT64_MAX;
+  int64_t best_cost = INT64_MAX, best_resident = -1;
   for (const auto& [w, held_tokens] : *in.prefix) {
     if (held_tokens < 0 || !Usable(workers[w], Role::kPrefill)) continue;
     int64_t cost = 0;
@@ -47,8 +53,10 @@ std::optional<size_t> PlacePrefill(const WorkerViews& workers, const Ledger& led
       cost = n - std::min<int64_t>(held_tokens, n - 1);  // the last token is computed
     }
     cost += LoadOf(workers[w], ledger.at(w)).queue_tokens;
-    if (cost < best_cost) {
+    const int64_t resident = ResidentAt(in, w);
+    if (cost < best_cost || (cost == best_cost && resident > best_resident)) {
       best_cost = cost;
+      best_resident = resident;
       best = w;
     }
   }
@@ -58,7 +66,7 @@ std::optional<size_t> PlacePrefill(const WorkerViews& workers, const Ledger& led
 DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
                             const PlacementInput& in) {
   DecodePlacement out;
-  int64_t best_prefix = -1;
+  int64_t best_prefix = -1, best_resident = -1;
   int best_depth = INT32_MAX;
   bool up = false, could_hold = false, found = false;
   for (auto [w, held_tokens] : *in.prefix) {
@@ -70,8 +78,13 @@ DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
     could_hold |= v.total_kv_blocks <= 0 || v.total_kv_blocks >= in.kv_blocks;
     if (!HasRoom(v, load, in.kv_blocks)) continue;
     if (in.blend != nullptr) held_tokens = 0;  // a blended prompt reuses nothing it holds
-    if (held_tokens > best_prefix || (held_tokens == best_prefix && load.queue_depth < best_depth)) {
+    const int64_t resident = ResidentAt(in, w);
+    if (held_tokens > best_prefix ||
+        (held_tokens == best_prefix &&
+         (resident > best_resident ||
+          (resident == best_resident && load.queue_depth < best_depth)))) {
       best_prefix = held_tokens;
+      best_resident = resident;
       best_depth = load.queue_depth;
       out.worker = w;
       found = true;

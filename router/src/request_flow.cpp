@@ -173,6 +173,7 @@ Status RequestFlow::StartLookup(Request& r) {
   proto::WorkerMessage m = LookupMessage(r.job, r.keys, r.segment_keys);
   r.prefix.clear();
   r.segment_tokens_held.clear();
+  r.resident.clear();
   r.lookups_pending = 0;
   for (size_t w = 0; w < workers_.size(); ++w) {
     if (!Usable(workers_[w], Role::kPrefill) && !Usable(workers_[w], Role::kDecode)) continue;
@@ -192,6 +193,7 @@ PlacementInput RequestFlow::InputOf(const Request& r) const {
   in.blend = r.job.blend ? &*r.job.blend : nullptr;
   in.prefix = &r.prefix;
   in.segment_tokens_held = &r.segment_tokens_held;
+  in.resident = &r.resident;
   return in;
 }
 

@@ -31,6 +31,7 @@ void RequestFlow::OnLookupReply(size_t w, Request& r, const proto::WorkerMessage
   auto pit = r.prefix.find(w);
   if (r.phase != Phase::kLookup || pit == r.prefix.end() || pit->second >= 0) return;
   pit->second = std::max(0, m.lookup_reply().prefix_tokens());
+  r.resident[w] = std::clamp<int64_t>(m.lookup_reply().resident_tokens(), 0, pit->second);
   if (r.job.blend) {
     int64_t held = 0;
     const auto& flags = m.lookup_reply().segments_held();

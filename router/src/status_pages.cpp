@@ -114,6 +114,7 @@ std::vector<WorkerGauge> WorkerGauges(const std::vector<WorkerView>& workers) {
     g.store_unreachable = w.store_unreachable;
     g.leased_kv_blocks = w.leased_kv_blocks;
     g.kvbus_leased_bytes = w.kvbus_leased_bytes;
+    g.resident = w.resident;
     gauges.push_back(std::move(g));
   }
   return gauges;

@@ -149,6 +149,9 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   v.store_unreachable = info.store_unreachable();
   v.leased_kv_blocks = info.leased_kv_blocks();
   v.kvbus_leased_bytes = info.kvbus_leased_bytes();
+  const proto::ResidentCounters& r = info.resident();
+  v.resident = {r.cached_blocks(), r.evictable_blocks(), r.evictions(), r.hit_tokens(),
+                r.copied_blocks(), r.kv_bytes_loaded()};
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {
       LogError("{} is a {} worker, not {}; not using it", v.endpoint, info.role(),

@@ -177,7 +177,8 @@ struct Transcript {
 void ScrubFreeBlocks(Rig& rig) {
   engine::CpuKvCache& cache = rig.model->kv_cache();
   engine::KvSequence seq = cache.NewSequence();
-  ASSERT_TRUE(cache.Reserve(seq, int64_t{cache.free_blocks()} * engine::kKvBlockTokens).ok());
+  // Unused blocks only: those the pool keeps resident stay as they are.
+  ASSERT_TRUE(cache.Reserve(seq, int64_t{cache.unused_blocks()} * engine::kKvBlockTokens).ok());
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> noise(-4.0f, 4.0f);
   for (int32_t block : seq.blocks()) {
@@ -359,7 +360,10 @@ TEST(Decoder, CancelEndsPreparedLoadingAndRunningRequestsAndFreesTheirBlocks) {
 }
 
 TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
-  Rig rig;
+  // The store's path: nothing kept resident in the pool.
+  DecoderOptions o;
+  o.resident = false;
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
   auto& store = rig.gated().inner();
   // Turn 1: 40 prompt tokens and 30 generated: KV for 69 tokens, 4 full
   // chunks and a tail of 5 (pieces of 1 and 4 tokens).
@@ -431,6 +435,60 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
   EXPECT_EQ(store.PutOrder().size(), 6u + 4u);
   EXPECT_EQ(rig.decoder->Stats().chunks_stored, 10u);
   EXPECT_EQ(rig.decoder->Stats().chunks_already_held, 0u);
+}
+
+TEST(Decoder, AFinishedConversationStaysResidentAndItsNextTurnAttachesIt) {
+  Rig rig;
+  auto& store = rig.gated().inner();
+  const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
+  Transcript t;
+  const uint64_t a = PrepareAndLoad(rig, turn1, t);
+  Start(rig, a, PushPrompt(rig, turn1, 0), t);
+  RunToEnd(rig, t);
+  rig.io.Drain();
+  EXPECT_EQ(store.PutOrder().size(), 6u);  // still stored to the KDN
+  // Its blocks are back, and cached: counted free, held only by the index.
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+  const engine::ResidentStats cached = rig.decoder->Stats().resident;
+  EXPECT_EQ(cached.cached_blocks, 5);  // 69 tokens with KV
+  EXPECT_EQ(cached.evictable_blocks, 5);
+
+  // Turn 2: the 69 tokens with KV are attached, none loaded, none copied
+  // but the shared last block; the answer is the engine's alone.
+  std::vector<int32_t> prompt2 = turn1.tokens;
+  prompt2.insert(prompt2.end(), t.tokens[a].begin(), t.tokens[a].end());
+  const auto more = RandomTokens(10, 256, 9);
+  prompt2.insert(prompt2.end(), more.begin(), more.end());
+  const DecodeRequest turn2 = Request(prompt2, 12);
+  const uint64_t b = PrepareAndLoad(rig, turn2, t);
+  EXPECT_EQ(t.held[b], 69);
+  DecoderStats s = rig.decoder->Stats();
+  EXPECT_EQ(s.resident_hit_tokens, 69u);
+  EXPECT_EQ(s.chunks_loaded, 0u);
+  EXPECT_EQ(s.kv_bytes_loaded, 0u);
+  EXPECT_EQ(s.resident.copied_blocks, 1u);  // 69 = 4 blocks and 5 tokens of a shared fifth
+  Start(rig, b, PushPrompt(rig, turn2, t.held[b]), t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[b], Alone(*rig.model, turn2));
+
+  // The same prompt once more: the pool holds all of it (turn 2 left its
+  // conversation resident), so Prepare is done at once, with no load.
+  const DecodeRequest again = Request(prompt2, 4);
+  DecoderOutput out;
+  auto c = rig.decoder->Prepare(again, &out);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ(out.prepared.size(), 1u);
+  EXPECT_EQ(out.prepared[0].held_tokens, static_cast<int64_t>(prompt2.size()));
+  EXPECT_EQ(out.prepared[0].resident_tokens, static_cast<int64_t>(prompt2.size()));
+  t.Add(out);
+  Start(rig, *c, PushPrompt(rig, again, t.held[*c]), t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[*c], Alone(*rig.model, again));
+  rig.io.Drain();
+  // No reference leaked: every block free or cached and unreferenced.
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+  s = rig.decoder->Stats();
+  EXPECT_EQ(s.resident.evictable_blocks, s.resident.cached_blocks);
 }
 
 TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {

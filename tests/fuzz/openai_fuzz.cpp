@@ -79,7 +79,7 @@ void CheckRequest(const router::ApiRequest& r, const model::ModelConfig& c) {
   for (const std::string& s : r.stop) Check(!s.empty(), "stop strings are not empty");
   Check(InVocab(r.stop_ids, c.vocab_size), "stop ids inside the vocabulary");
   if (r.blend) {
-    const router::BlendRequest& b = *r.blend;
+    const router::BlendSpec& b = *r.blend;
     Check(b.head_tokens >= 0, "blend head >= 0");
     int64_t end = b.head_tokens;
     Check(!b.segment_tokens.empty(), "a blend plan has documents");

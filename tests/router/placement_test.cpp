@@ -34,13 +34,14 @@ class PlacementTest : public ::testing::Test {
     in_.kv_blocks = KvBlocksFor(64 + 16);
     in_.prefix = &prefix_;
     in_.segment_tokens_held = &held_;
+    in_.resident = &resident_;
   }
   std::optional<size_t> Prefill() const { return PlacePrefill(workers_, ledger_, in_); }
   DecodePlacement Decode() const { return PlaceDecode(workers_, ledger_, in_); }
 
   WorkerViews workers_;
   Ledger ledger_;
-  std::map<size_t, int64_t> prefix_, held_;
+  std::map<size_t, int64_t> prefix_, held_, resident_;
   PlacementInput in_;
 };
 
@@ -59,6 +60,33 @@ TEST_F(PlacementTest, PrefillGoesWhereMoreOfThePromptIsReached) {
   EXPECT_EQ(Prefill(), 1u);
   prefix_[0] = 48;
   EXPECT_EQ(Prefill(), 0u);
+}
+
+TEST_F(PlacementTest, PrefillAtEqualWorkPrefersThePrefixResidentInThePool) {
+  prefix_[0] = prefix_[1] = 48;
+  resident_[1] = 48;  // p1's pool holds it; p0 would load it from a lower tier
+  EXPECT_EQ(Prefill(), 1u);
+  resident_[1] = 0;
+  resident_[0] = 32;
+  EXPECT_EQ(Prefill(), 0u);
+  // More work is not made up for by residency.
+  prefix_[1] = 49;
+  EXPECT_EQ(Prefill(), 1u);
+}
+
+TEST_F(PlacementTest, DecodeAtAnEqualPrefixPrefersTheOneHoldingItResident) {
+  prefix_[2] = prefix_[3] = 48;
+  resident_[3] = 48;
+  workers_[3].queue_depth = 2;  // busier, yet its pool holds the prompt
+  EXPECT_EQ(Decode().worker, 3u);
+  resident_[3] = 0;
+  EXPECT_EQ(Decode().worker, 2u);
+  // Residency counts for nothing in a blend request.
+  resident_[3] = 48;
+  BlendSpec blend;
+  blend.segment_tokens = {32};
+  in_.blend = &blend;
+  EXPECT_EQ(Decode().worker, 2u);
 }
 
 TEST_F(PlacementTest, PrefillWeighsQueuedTokensAgainstThePrefix) {

@@ -32,6 +32,12 @@ struct KvCodecCounters {
            decode_errors = 0;
 };
 
+// A worker's KV pool as the KDN's first tier (proto::ResidentCounters).
+struct ResidentCounters {
+  int cached_blocks = 0, evictable_blocks = 0;
+  uint64_t evictions = 0, hit_tokens = 0, copied_blocks = 0, kv_bytes_loaded = 0;
+};
+
 struct WorkerGauge {
   std::string name;
   std::string role;
@@ -52,6 +58,7 @@ struct WorkerGauge {
   uint64_t store_unreachable = 0;
   int leased_kv_blocks = 0;
   uint64_t kvbus_leased_bytes = 0;
+  ResidentCounters resident;
 };
 
 class Metrics {

@@ -6,10 +6,12 @@
 //   prefill   the worker with the least work for the request: the prompt
 //             tokens it must compute (all but the prefix it reaches, the last
 //             token always; a blend request's held documents at their
-//             recompute share) plus the tokens queued at it;
+//             recompute share) plus the tokens queued at it; at equal work,
+//             the one whose KV pool holds more of the prefix resident;
 //   decode    among workers with room (KV blocks for prompt + max_tokens, a
 //             place in its batch), the one holding most of the prompt (none
-//             counts for a blend request), then the least busy. None with
+//             counts for a blend request), then the one holding more of it
+//             resident in its pool, then the least busy. None with
 //             room: the request waits if one could ever hold it, else it is
 //             refused;
 //   retry     a prefill lost before its first token goes to the other
@@ -73,6 +75,9 @@ struct PlacementInput {
   // it holds.
   const std::map<size_t, int64_t>* prefix = nullptr;
   const std::map<size_t, int64_t>* segment_tokens_held = nullptr;
+  // Of each worker's prefix, the tokens resident in its KV pool (attached
+  // with no KV moved); null or absent: none.
+  const std::map<size_t, int64_t>* resident = nullptr;
 };
 
 using WorkerViews = std::vector<WorkerView>;

@@ -100,6 +100,7 @@ class RequestFlow {
     std::map<size_t, int64_t> prefix;
     std::vector<kvbus::ChunkKey> segment_keys;      // a blend request's documents
     std::map<size_t, int64_t> segment_tokens_held;  // worker -> document tokens it holds
+    std::map<size_t, int64_t> resident;  // worker -> of its prefix, tokens resident in its pool
     int lookups_pending = 0;
     Clock::time_point arrival, deadline, last_token;
     Clock::time_point queued_at;  // when it last began to wait (kQueued)

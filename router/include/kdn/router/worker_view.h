@@ -67,6 +67,8 @@ struct WorkerView {
   // decode: what it holds under leases now (proto::WorkerInfo fields 18, 19).
   int leased_kv_blocks = 0;
   uint64_t kvbus_leased_bytes = 0;
+  // Its KV pool as the KDN's first tier (proto::ResidentCounters).
+  ResidentCounters resident;
   // The router's own, not reported: what it routed here since the report.
   Reservation reserved;
 };
