@@ -107,11 +107,15 @@ int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded)
   int64_t placed = 0;
   for (const auto& [span, chunk] : loaded) {
     if (span.first != placed) break;
+    // A span across the end of the attached prefix: only its part past it
+    // is written (the blocks below are shared).
+    const int64_t skip = std::max<int64_t>(p.resident_tokens - span.first, 0);
     if (chunk == nullptr) {  // attached from the pool
       if (span.first + span.count > p.resident_tokens) break;
-    } else if (kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, placed).ok()) {
+    } else if (kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, placed, skip).ok()) {
       ++chunks_loaded_;
-      kv_bytes_loaded_ += cache.LayerBytes(span.count, model_.kv_dtype()) * cache.num_layers();
+      kv_bytes_loaded_ +=
+          cache.LayerBytes(span.count - skip, model_.kv_dtype()) * cache.num_layers();
     } else {
       break;
     }
@@ -211,7 +215,6 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
             load.chunks.emplace_back(s, nullptr);
             return true;
           }
-          if (s.first < resident) return false;  // would write into shared blocks
           auto chunk = store.Get(s.key);
           if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count, dtype)) {
             return false;

@@ -1,5 +1,8 @@
 #include "kdn/kvbridge/paged_chunks.h"
 
+#include <algorithm>
+#include <vector>
+
 #include <span>
 #include <string>
 
@@ -48,7 +51,8 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cac
 // Writes the chunk's layers [src_layer, src_layer + n_layers) into the
 // cache's layers from layer0 on.
 Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
-               engine::KvCache& cache, engine::KvSequence& seq, int64_t first) {
+               engine::KvCache& cache, engine::KvSequence& seq, int64_t first,
+               int64_t skip = 0) {
   const ChunkInfo& info = chunk.info();
   if (chunk.encoded()) {
     return InvalidArgument("chunk " + info.key.ToHex() +
@@ -66,14 +70,30 @@ Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
                            std::to_string(cache.head_dim()));
   }
   const int64_t end = first + info.tokens;
-  if (first < 0 || end > seq.reserved()) {
-    return InvalidArgument("chunk " + info.key.ToHex() + ": positions [" + std::to_string(first) +
-                           ", " + std::to_string(end) + ") are not reserved in the sequence");
+  if (first < 0 || end > seq.reserved() || skip < 0 || skip >= info.tokens) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": positions [" +
+                           std::to_string(first + skip) + ", " + std::to_string(end) +
+                           ") are not reserved in the sequence");
   }
-  const size_t layer_bytes = cache.LayerBytes(info.tokens, EngineDType(info.dtype));
+  const engine::DType dtype = EngineDType(info.dtype);
+  const size_t layer_bytes = cache.LayerBytes(info.tokens, dtype);
   const uint8_t* in = chunk.payload().data() + static_cast<size_t>(src_layer) * layer_bytes;
-  return cache.WriteLayers(seq, layer0, n_layers, first, info.tokens, EngineDType(info.dtype),
-                           std::span<const uint8_t>(in, n_layers * layer_bytes));
+  if (skip == 0) {
+    return cache.WriteLayers(seq, layer0, n_layers, first, info.tokens, dtype,
+                             std::span<const uint8_t>(in, n_layers * layer_bytes));
+  }
+  // The rows past `skip` of each layer's K and V, gathered.
+  const int64_t count = info.tokens - skip;
+  const size_t row = layer_bytes / (2 * static_cast<size_t>(info.tokens));
+  std::vector<uint8_t> rows(static_cast<size_t>(n_layers) * cache.LayerBytes(count, dtype));
+  uint8_t* out = rows.data();
+  for (int l = 0; l < n_layers; ++l, in += layer_bytes) {
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* from = in + (half * info.tokens + skip) * row;
+      out = std::copy(from, from + count * row, out);
+    }
+  }
+  return cache.WriteLayers(seq, layer0, n_layers, first + skip, count, dtype, rows);
 }
 
 }  // namespace
@@ -95,13 +115,13 @@ Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(const engine::KvCac
 }
 
 Status ChunkToPagedKv(const Chunk& chunk, engine::KvCache& cache, engine::KvSequence& seq,
-                      int64_t first) {
+                      int64_t first, int64_t skip) {
   if (static_cast<int>(chunk.info().layers) != cache.num_layers()) {
     return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
                            std::to_string(chunk.info().layers) + " layers, the cache " +
                            std::to_string(cache.num_layers()));
   }
-  return ToPaged(chunk, 0, cache.num_layers(), 0, cache, seq, first);
+  return ToPaged(chunk, 0, cache.num_layers(), 0, cache, seq, first, skip);
 }
 
 Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::KvCache& cache,

@@ -135,13 +135,16 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
       kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
                          [&](const kvbus::KeyedSpan& s) {
         if (s.first + s.count <= resident) return true;  // attached
-        if (s.first < resident) return false;  // would write into shared blocks
+        // A span across the end of the attached prefix: only its part past
+        // it is written (the blocks below are shared).
+        const int64_t skip = std::max<int64_t>(resident - s.first, 0);
         auto chunk = store_.Get(s.key);
         if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_) ||
-            !kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first).ok()) {
+            !kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first, skip).ok()) {
           return false;
         }
-        bytes_loaded += cache.LayerBytes(s.count, model_.kv_dtype()) * cache.num_layers();
+        bytes_loaded +=
+            cache.LayerBytes(s.count - skip, model_.kv_dtype()) * cache.num_layers();
         return true;
       });
   const int64_t hit = kvbus::SpannedTokens(held);

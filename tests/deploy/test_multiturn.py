@@ -77,3 +77,66 @@ def test_later_turns_compute_only_their_new_tokens(store_deployment):
         # The decode worker stores the conversation on its store I/O thread
         # once the last token is out; give that round trip time to land.
         time.sleep(1.0)
+
+
+def worker_counter(samples, name, worker, role):
+    return metric(samples, name, worker=worker, role=role)
+
+
+def settled_metrics(d):
+    """The router's page once the workers' reports after the last request
+    are in (they come with the router's pings, every 250 ms)."""
+    time.sleep(1.0)
+    return parse_metrics(d.metrics())
+
+
+def test_resident_kv_serves_repeats_and_next_turns_with_no_kv_copied(store_deployment):
+    """docs/engine.md, "Resident KV": the workers' pools keep prompts and
+    conversations. A repeated prompt attaches its prefix from the prefill
+    worker's pool (no KV bytes copied in from the host tier or kdn-store),
+    and a chat's next turn attaches the conversation at the decode worker;
+    the answers stay kdn-generate's."""
+    d = store_deployment
+    rng = random.Random(20261125)
+    ids = [rng.randrange(3, 256) for _ in range(FIRST_TOKENS)]
+    first = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+    want = engine(d.model, ids).decode("utf-8", errors="replace")
+    assert first["choices"][0]["text"] == want
+    time.sleep(1.0)  # the prefill worker publishes after its reply
+
+    before = settled_metrics(d)
+    again = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+    after = settled_metrics(d)
+    assert again["choices"][0]["text"] == want
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == FIRST_TOKENS - 1, again["usage"]
+    hit = (worker_counter(after, "kdn_worker_resident_hit_tokens_total", "prefill-0", "prefill")
+           - worker_counter(before, "kdn_worker_resident_hit_tokens_total", "prefill-0", "prefill"))
+    loaded = (worker_counter(after, "kdn_worker_kv_loaded_bytes_total", "prefill-0", "prefill")
+              - worker_counter(before, "kdn_worker_kv_loaded_bytes_total", "prefill-0", "prefill"))
+    assert hit == cached and loaded == 0, (hit, loaded)
+    assert worker_counter(after, "kdn_worker_resident_kv_blocks", "prefill-0", "prefill") > 0
+
+    # The next turn: the decode worker attaches the conversation it kept.
+    answer = [int(t) for t in engine(d.model, ids, "--print-ids").split(b",")]
+    turn2 = ids + answer + [rng.randrange(3, 256) for _ in range(TURN_TOKENS)]
+    before = settled_metrics(d)
+    r = d.completion(turn2, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+    after = settled_metrics(d)
+    assert r["choices"][0]["text"] == engine(d.model, turn2).decode("utf-8", errors="replace")
+    decode_hit = (worker_counter(after, "kdn_worker_resident_hit_tokens_total", "decode-0", "decode")
+                  - worker_counter(before, "kdn_worker_resident_hit_tokens_total", "decode-0",
+                                   "decode"))
+    decode_loaded = (worker_counter(after, "kdn_worker_kv_loaded_bytes_total", "decode-0", "decode")
+                     - worker_counter(before, "kdn_worker_kv_loaded_bytes_total", "decode-0",
+                                      "decode"))
+    assert decode_hit == FIRST_TOKENS + ANSWER_TOKENS - 1 and decode_loaded == 0, (decode_hit,
+                                                                                  decode_loaded)
+    # Every block is free or cached and held by no request: the resident
+    # blocks are all evictable.
+    s = settled_metrics(d)
+    for worker, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        cached = metric(s, "kdn_worker_resident_kv_blocks", worker=worker, role=role)
+        assert cached > 0, worker
+        assert metric(s, "kdn_worker_resident_evictable_kv_blocks", worker=worker,
+                      role=role) == cached, worker

@@ -167,6 +167,42 @@ TEST(PrefillerResident, ARepeatedPromptAttachesItsKvFromThePoolAndMovesNoBytes) 
   ASSERT_TRUE(q.StoreNewChunks().ok());
 }
 
+TEST(PrefillerResident, ALowerTierThatReachesFurtherExtendsTheResidentPrefix) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  PrefillerOptions off = Options();
+  off.resident = false;
+  Prefiller other(*model, *store, kvbus::ChunkKey{1, 2}, off);  // another worker's KV
+  PrefillJob a;
+  a.tokens = RandomTokens(100, 258, 31);
+  a.sampling.temperature = 0;
+  ASSERT_TRUE(p.Run(a).ok());
+  ASSERT_TRUE(p.StoreNewChunks().ok());  // resident here: 100 tokens (pieces 1, 2, 1 past 96)
+  // The store learns 7 more tokens of the same text (a conversation another
+  // worker stored: pieces 1, 8, 2 past 96).
+  PrefillJob b = a;
+  const auto answer = RandomTokens(7, 258, 32);
+  b.tokens.insert(b.tokens.end(), answer.begin(), answer.end());
+  b.tokens.push_back(5);
+  ASSERT_TRUE(other.Run(b).ok());
+  ASSERT_TRUE(other.StoreNewChunks().ok());
+  // The next turn: 100 tokens attached, the 8-token piece that crosses their
+  // end written from its 5th token on, then the rest from the store.
+  PrefillJob c = b;
+  const auto more = RandomTokens(10, 258, 33);
+  c.tokens.insert(c.tokens.end(), more.begin(), more.end());
+  auto out = p.Run(c);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->resident_tokens, 100);
+  EXPECT_EQ(out->cached_tokens, 108);
+  const uint64_t token_bytes =
+      model->kv_cache().token_stride() * 2 * sizeof(float) * model->config().num_layers;
+  EXPECT_EQ(out->kv_bytes_loaded, (108u - 100u) * token_bytes);
+  EXPECT_EQ(out->first_token, GreedyFirstToken(*model, c.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
 TEST(PrefillerResident, UnderPoolPressureEvictedKvComesBackFromTheLowerTiers) {
   engine::EngineOptions eo;
   eo.kv_blocks = 24;  // 384 tokens: room for about three prompts of 100

@@ -40,10 +40,11 @@ Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(const engine::KvCac
 
 // Writes a chunk's KV into positions [first, first + tokens) of `seq`, which
 // must have reserved room for them (KvCache::Reserve); does not change
-// seq's length. INVALID_ARGUMENT if the chunk's layers, heads or head_dim do
-// not match the cache.
+// seq's length. With `skip`, the chunk's first `skip` tokens are left out
+// (positions the sequence already holds, resident KV it shares). INVALID_ARGUMENT
+// if the chunk's layers, heads or head_dim do not match the cache.
 Status ChunkToPagedKv(const kvbus::Chunk& chunk, engine::KvCache& cache, engine::KvSequence& seq,
-                      int64_t first);
+                      int64_t first, int64_t skip = 0);
 
 // The same for layer `layer` of a whole chunk alone (for loading a chunk one
 // layer at a time while earlier layers compute).
