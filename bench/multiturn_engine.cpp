@@ -29,9 +29,12 @@ namespace kdn::bench {
 
 namespace {
 
+// The median; of an even count, the mean of the middle two.
 double MedianOf(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
+  if (v.empty()) return 0.0;
+  const size_t h = v.size() / 2;
+  return v.size() % 2 == 1 ? v[h] : (v[h - 1] + v[h]) / 2;
 }
 
 Status MultiturnEngine(const Common& c, const MultiturnOptions& o) {
@@ -77,13 +80,19 @@ Status MultiturnEngine(const Common& c, const MultiturnOptions& o) {
     for (auto* v : {&m.ttft, &m.cached, &m.resident_tok, &m.loaded, &m.prompt_len}) {
       v->assign(o.turns, {});
     }
-    // One unmeasured turn first: CUDA graphs, cuBLAS heuristics, first-touch.
+    // An unmeasured conversation of two turns first, at the full context:
+    // CUDA graphs, cuBLAS heuristics, attention plans and first-touch for
+    // both a first and a later turn's shapes.
     {
       std::vector<int32_t> warm;
-      add_random(warm, std::min(o.context_tokens, 512));
-      KDN_RETURN_IF_ERROR(
-          prefiller.Run({.tokens = warm, .ns = std::string("warm-up ") + m.name}).status());
-      KDN_RETURN_IF_ERROR(prefiller.StoreNewChunks());
+      add_random(warm, o.context_tokens);
+      for (int t = 0; t < 2; ++t) {
+        add_random(warm, o.turn_tokens);
+        KDN_RETURN_IF_ERROR(
+            prefiller.Run({.tokens = warm, .ns = std::string("warm-up ") + m.name}).status());
+        KDN_RETURN_IF_ERROR(prefiller.StoreNewChunks());
+        add_random(warm, o.max_tokens);
+      }
     }
     for (int conv = 0; conv < o.conversations; ++conv) {
       std::vector<int32_t> prompt;

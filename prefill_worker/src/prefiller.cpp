@@ -1,6 +1,7 @@
 #include "kdn/prefill_worker/prefiller.h"
 
 #include <algorithm>
+#include <map>
 
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
@@ -130,23 +131,33 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
                                        options_.min_tail_tokens));
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
-  uint64_t bytes_loaded = 0;
-  const std::vector<kvbus::KeyedSpan> held =
+  // The lower tiers' chunks are fetched while matching and placed after it,
+  // so that a tail match too short to use costs no copy.
+  std::map<int64_t, std::shared_ptr<const kvbus::Chunk>> fetched;  // by first position
+  std::vector<kvbus::KeyedSpan> held =
       kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
                          [&](const kvbus::KeyedSpan& s) {
         if (s.first + s.count <= resident) return true;  // attached
-        // A span across the end of the attached prefix: only its part past
-        // it is written (the blocks below are shared).
-        const int64_t skip = std::max<int64_t>(resident - s.first, 0);
         auto chunk = store_.Get(s.key);
-        if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_) ||
-            !kvbridge::ChunkToPagedKv(**chunk, cache, seq_, s.first, skip).ok()) {
+        if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_)) {
           return false;
         }
-        bytes_loaded +=
-            cache.LayerBytes(s.count - skip, model_.kv_dtype()) * cache.num_layers();
+        fetched[s.first] = *std::move(chunk);
         return true;
       });
+  uint64_t bytes_loaded = 0;
+  for (size_t i = 0; i < held.size(); ++i) {
+    const kvbus::KeyedSpan& s = held[i];
+    if (s.first + s.count <= resident) continue;
+    // A span across the end of the attached prefix: only its part past it
+    // is written (the blocks below are shared).
+    const int64_t skip = std::max<int64_t>(resident - s.first, 0);
+    if (!kvbridge::ChunkToPagedKv(*fetched.at(s.first), cache, seq_, s.first, skip).ok()) {
+      held.resize(i);  // the prefix ends before this span
+      break;
+    }
+    bytes_loaded += cache.LayerBytes(s.count - skip, model_.kv_dtype()) * cache.num_layers();
+  }
   const int64_t hit = kvbus::SpannedTokens(held);
   if (hit < resident) {
     // The lower tiers' match retraces the resident one; short of it, the

@@ -118,29 +118,38 @@ def test_smollm2_gguf_deployment_on_the_gpu(tmp_path_factory):
     model = smollm2_gguf()
     if model is None:
         pytest.skip("no SmolLM2 GGUF here (scripts/fetch-smollm2.sh)")
+    system = {"role": "system", "content": "Answer in one short sentence."}
+
+    def render(messages):
+        return ("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n"
+                + "".join("<|im_start|>%s\n%s<|im_end|>\n" % (m["role"], m["content"])
+                          for m in messages[1:])
+                + "<|im_start|>assistant\n")
+
+    # The engine's answers first, each turn on the one before: the module's
+    # kdn-qa deployment and this one leave too little of the GPU for a third
+    # engine beside them.
+    messages, wants = [system], []
+    for question in ["What is the capital of France?", "And of Germany?"]:
+        messages.append({"role": "user", "content": question})
+        r = subprocess.run([binary("kdn-generate"), "--model", str(model), "--prompt",
+                            render(messages), "--max-tokens", "24", "--device", "cuda",
+                            "--no-bos"], capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        wants.append(r.stdout.decode("utf-8")[:-1])
+        messages.append({"role": "assistant", "content": wants[-1]})
     # A small share: the kdn-qa deployment of this module holds most of the GPU.
     d = Deployment(tmp_path_factory.mktemp("run-smollm2-gpu"), model, "--device", "cuda",
                    "--gpu-mem-fraction", "0.04")
     try:
-        messages = [{"role": "system", "content": "Answer in one short sentence."}]
-        for question in ["What is the capital of France?", "And of Germany?"]:
-            messages.append({"role": "user", "content": question})
-            prompt = ("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n"
-                      + "".join("<|im_start|>%s\n%s<|im_end|>\n" % (m["role"], m["content"])
-                                for m in messages[1:])
-                      + "<|im_start|>assistant\n")
-            r = subprocess.run([binary("kdn-generate"), "--model", str(model), "--prompt", prompt,
-                                "--max-tokens", "24", "--device", "cuda", "--no-bos"],
-                               capture_output=True, timeout=300)
-            assert r.returncode == 0, r.stderr.decode(errors="replace")
-            want = r.stdout.decode("utf-8")[:-1]
-            got = d.chat(messages, max_tokens=24, temperature=0)
+        for turn in range(2):
+            asked = messages[:2 + 2 * turn]
+            got = d.chat(asked, max_tokens=24, temperature=0)
             answer = got["choices"][0]["message"]["content"]
-            assert answer == want and answer, (want, answer, d.log_tails())
-            again = d.chat(messages, max_tokens=24, temperature=0)
+            assert answer == wants[turn] and answer, (wants[turn], answer, d.log_tails())
+            again = d.chat(asked, max_tokens=24, temperature=0)
             assert again["choices"][0]["message"]["content"] == answer
             assert cached_tokens(again["usage"]) > 0, again["usage"]
-            messages.append({"role": "assistant", "content": answer})
     finally:
         d.down()
 
