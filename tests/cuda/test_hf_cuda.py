@@ -23,6 +23,27 @@ def run(*args):
     return subprocess.run([str(a) for a in args], check=True, capture_output=True, text=True).stdout
 
 
+def check_against(model, ids, logits_file, kdn_tokens, label):
+    """kdn's logits of `ids` (logits_file) within bf16 noise of the model's
+    (3% of the largest), and its greedy tokens the model's until the first
+    step where the model's own top two are within that noise."""
+    kdn_logits = np.fromfile(logits_file, dtype=np.float32).reshape(len(ids), -1)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+        scale = np.abs(ref).max()
+        err = np.abs(kdn_logits - ref).max() / scale
+        print(f"\n{label}: max |kdn - hf| / max |hf| = {err:.2e} (transformers {transformers.__version__})")
+        assert err < 3e-2
+        seq = list(ids)
+        for step in range(len(kdn_tokens)):
+            logits = model(torch.tensor([seq], device="cuda")).logits[0, -1].float()
+            top2 = torch.topk(logits, 2)
+            if (top2.values[0] - top2.values[1]).item() < 0.01 * scale:
+                break  # a near tie: bf16 noise may pick either
+            assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
+            seq.append(int(top2.indices[0]))
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "small"])
 def test_cuda_logits_and_greedy_tokens_match_transformers(preset, tmp_path):
     model_dir = tmp_path / preset
@@ -35,22 +56,7 @@ def test_cuda_logits_and_greedy_tokens_match_transformers(preset, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16,
                                                  attn_implementation="sdpa").cuda().eval()
-    vocab = model.config.vocab_size
-    kdn_logits = np.fromfile(out, dtype=np.float32).reshape(len(ids), vocab)
-    with torch.no_grad():
-        ref = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
-        scale = np.abs(ref).max()
-        err = np.abs(kdn_logits - ref).max() / scale
-        print(f"\n{preset}: max |kdn - hf| / max |hf| = {err:.2e}")
-        assert err < 3e-2
-        seq = list(ids)
-        for step in range(16):
-            logits = model(torch.tensor([seq], device="cuda")).logits[0, -1].float()
-            top2 = torch.topk(logits, 2)
-            if (top2.values[0] - top2.values[1]).item() < 0.01 * scale:
-                break  # a near tie: bf16 noise may pick either
-            assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
-            seq.append(int(top2.indices[0]))
+    check_against(model, ids, out, kdn_tokens, preset)
 
 
 # The RoPE types and sliding windows of tests/parity/test_rope_window.py, on
@@ -127,20 +133,4 @@ def test_cuda_smollm2_gguf_matches_transformers(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  torch_dtype=torch.bfloat16,
                                                  attn_implementation="sdpa").cuda().eval()
-    vocab = model.config.vocab_size
-    kdn_logits = np.fromfile(out, dtype=np.float32).reshape(len(ids), vocab)
-    with torch.no_grad():
-        ref = model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
-        scale = np.abs(ref).max()
-        err = np.abs(kdn_logits - ref).max() / scale
-        print(f"\nSmolLM2 ({len(ids)} tokens): max |kdn - hf| / max |hf| = {err:.2e} "
-              f"(transformers {transformers.__version__})")
-        assert err < 3e-2
-        seq = list(ids)
-        for step in range(16):
-            logits = model(torch.tensor([seq], device="cuda")).logits[0, -1].float()
-            top2 = torch.topk(logits, 2)
-            if (top2.values[0] - top2.values[1]).item() < 0.01 * scale:
-                break  # a near tie: bf16 noise may pick either
-            assert kdn_tokens[step] == int(top2.indices[0]), f"step {step}"
-            seq.append(int(top2.indices[0]))
+    check_against(model, ids, out, kdn_tokens, f"SmolLM2 ({len(ids)} tokens)")
