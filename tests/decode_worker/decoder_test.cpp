@@ -491,6 +491,38 @@ TEST(Decoder, AFinishedConversationStaysResidentAndItsNextTurnAttachesIt) {
   EXPECT_EQ(s.resident.evictable_blocks, s.resident.cached_blocks);
 }
 
+TEST(Decoder, ACancelledOrFailedRequestGivesBackItsResidentReferences) {
+  Rig rig;
+  const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
+  Transcript t;
+  const uint64_t a = PrepareAndLoad(rig, turn1, t);
+  Start(rig, a, PushPrompt(rig, turn1, 0), t);
+  RunToEnd(rig, t);
+  rig.io.Drain();
+  std::vector<int32_t> prompt2 = turn1.tokens;
+  prompt2.insert(prompt2.end(), t.tokens[a].begin(), t.tokens[a].end());
+  prompt2.push_back(7);
+  // Prepared on the resident conversation, then cancelled before Start.
+  const uint64_t b = PrepareAndLoad(rig, Request(prompt2, 8), t);
+  EXPECT_EQ(t.held[b], 69);
+  EXPECT_LT(rig.decoder->Stats().resident.evictable_blocks,
+            rig.decoder->Stats().resident.cached_blocks);  // b holds some
+  DecoderOutput out;
+  ASSERT_TRUE(rig.decoder->Cancel(b, &out).ok());
+  DecoderStats s = rig.decoder->Stats();
+  EXPECT_EQ(s.resident.evictable_blocks, s.resident.cached_blocks);
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+  // Prepared again and started without its slices: it fails at Start.
+  const uint64_t c = PrepareAndLoad(rig, Request(prompt2, 8), t);
+  out = {};
+  ASSERT_TRUE(rig.decoder->Start(c, 5, false, &out).ok());
+  t.Add(out);
+  EXPECT_FALSE(t.error[c].ok());
+  s = rig.decoder->Stats();
+  EXPECT_EQ(s.resident.evictable_blocks, s.resident.cached_blocks);
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+}
+
 TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {
   Rig rig;
   const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 8);
