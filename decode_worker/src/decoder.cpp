@@ -215,6 +215,7 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
             load.chunks.emplace_back(s, nullptr);
             return true;
           }
+          if (!kvbridge::WorthFetchingPast(s, resident, ctx.chunk_tokens, min_tail)) return false;
           auto chunk = store.Get(s.key);
           if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count, dtype)) {
             return false;

@@ -138,6 +138,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
       kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
                          [&](const kvbus::KeyedSpan& s) {
         if (s.first + s.count <= resident) return true;  // attached
+        if (!kvbridge::WorthFetchingPast(s, resident, C, options_.min_tail_tokens)) return false;
         auto chunk = store_.Get(s.key);
         if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_)) {
           return false;

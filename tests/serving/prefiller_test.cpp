@@ -203,6 +203,38 @@ TEST(PrefillerResident, ALowerTierThatReachesFurtherExtendsTheResidentPrefix) {
   ASSERT_TRUE(p.StoreNewChunks().ok());
 }
 
+TEST(PrefillerResident, AWholeChunkIsNotFetchedForATokenPastTheResidentPrefix) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  PrefillerOptions o = Options();
+  o.min_tail_tokens = 4;
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, o);
+  PrefillerOptions off = o;
+  off.resident = false;
+  Prefiller other(*model, *store, kvbus::ChunkKey{1, 2}, off);
+  PrefillJob a;
+  a.tokens = RandomTokens(31, 258, 51);  // resident: chunk 0 and a tail of 15
+  a.sampling.temperature = 0;
+  ASSERT_TRUE(p.Run(a).ok());
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  PrefillJob b = a;  // stored elsewhere: chunks 0 and 1, and a tail of 1
+  b.tokens.push_back(9);
+  b.tokens.push_back(10);
+  ASSERT_TRUE(other.Run(b).ok());
+  ASSERT_TRUE(other.StoreNewChunks().ok());
+  PrefillJob c = b;
+  const auto more = RandomTokens(10, 258, 52);
+  c.tokens.insert(c.tokens.end(), more.begin(), more.end());
+  auto out = p.Run(c);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  // Chunk 1 would bring 1 token past the 31 resident: computed instead.
+  EXPECT_EQ(out->resident_tokens, 31);
+  EXPECT_EQ(out->cached_tokens, 31);
+  EXPECT_EQ(out->kv_bytes_loaded, 0u);
+  EXPECT_EQ(out->first_token, GreedyFirstToken(*model, c.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
 TEST(PrefillerResident, UnderPoolPressureEvictedKvComesBackFromTheLowerTiers) {
   engine::EngineOptions eo;
   eo.kv_blocks = 24;  // 384 tokens: room for about three prompts of 100
