@@ -188,23 +188,33 @@ struct RemoteStore::Impl {
   std::string endpoint;
   RemoteStoreOptions options;
   zmq::context_t ctx{1};
-  std::unique_ptr<zmq::socket_t> sock;
-  std::timed_mutex mu;  // one request at a time over the socket
-  uint64_t next_id = 1;
+  // Two connections: index-only requests (lookups, stats), which a router
+  // waits on, never queue behind a chunk's transfer (a Get or a Put of
+  // megabytes, such as a decode worker storing the conversation it just
+  // finished while the next turn is looked up).
+  struct Lane {
+    std::unique_ptr<zmq::socket_t> sock;
+    std::timed_mutex mu;  // one request at a time over the socket
+    uint64_t next_id = 1;  // guarded by mu
+    // When the request holding the connection began (steady_clock ticks),
+    // 0 when none does: one that has run past lookup_timeout marks a slow
+    // store, and the requests behind it give up at once instead of each
+    // waiting.
+    std::atomic<int64_t> busy_since{0};
+  };
+  Lane bulk, index;
   std::atomic<uint64_t> corrupt{0};
   std::atomic<uint64_t> unreachable{0};
-  // When the request holding the connection began (steady_clock ticks), 0
-  // when none does: one that has run past lookup_timeout marks a slow store,
-  // and the requests behind it give up at once instead of each waiting.
-  std::atomic<int64_t> busy_since{0};
-  // Guarded by mu: the store is held to be down until down_until, after
-  // `failures` requests in a row went unanswered.
+  // Guarded by down_mu: the store is held to be down until down_until,
+  // after `failures` requests in a row went unanswered.
+  std::mutex down_mu;
   std::chrono::steady_clock::time_point down_until{};
   int failures = 0;
 
   // A request went unanswered: fail fast for a backoff that doubles with
   // each failure in a row.
   void MarkDown() {
+    std::lock_guard<std::mutex> lock(down_mu);
     ++unreachable;
     ++failures;
     auto backoff = options.backoff;
@@ -215,7 +225,8 @@ struct RemoteStore::Impl {
                  endpoint, std::min(backoff, options.max_backoff).count());
   }
 
-  Status Reconnect() {
+  Status Reconnect(Lane& lane) {
+    std::unique_ptr<zmq::socket_t>& sock = lane.sock;
     try {
       sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
       KDN_RETURN_IF_ERROR(SecureClient(*sock, options.curve));
@@ -228,14 +239,18 @@ struct RemoteStore::Impl {
     return Status::Ok();
   }
 
-  // Sends `req` (and `chunk` as a second frame) and waits for its reply.
-  // `timeout`: options.timeout or, for index-only requests, lookup_timeout.
+  // Sends `req` (and `chunk` as a second frame) and waits for its reply, on
+  // the index connection when neither carries a chunk. `timeout`:
+  // options.timeout or, for index-only requests, lookup_timeout.
   Status Call(proto::StoreRequest& req, const std::shared_ptr<const Chunk>& chunk,
               proto::StoreReply* reply, std::vector<uint8_t>* reply_payload,
               std::chrono::milliseconds timeout) {
+    Lane& lane = chunk == nullptr && reply_payload == nullptr ? index : bulk;
+    std::unique_ptr<zmq::socket_t>& sock = lane.sock;
+    std::atomic<int64_t>& busy_since = lane.busy_since;
     const auto wait = std::min(timeout, options.lookup_timeout);
     const int64_t since = busy_since.load();
-    std::unique_lock<std::timed_mutex> lock(mu, std::defer_lock);
+    std::unique_lock<std::timed_mutex> lock(lane.mu, std::defer_lock);
     if ((since != 0 && std::chrono::steady_clock::now().time_since_epoch().count() - since >
                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait)
                                .count()) ||
@@ -250,12 +265,15 @@ struct RemoteStore::Impl {
       std::atomic<int64_t>& since;
       ~Idle() { since.store(0); }
     } idle{busy_since};
-    if (std::chrono::steady_clock::now() < down_until) {
-      ++unreachable;
-      return Unavailable("kdn-store " + endpoint + ": not answering; retried after a backoff");
+    {
+      std::lock_guard<std::mutex> down(down_mu);
+      if (std::chrono::steady_clock::now() < down_until) {
+        ++unreachable;
+        return Unavailable("kdn-store " + endpoint + ": not answering; retried after a backoff");
+      }
     }
-    if (!sock) KDN_RETURN_IF_ERROR(Reconnect());
-    req.set_id(next_id++);
+    if (!sock) KDN_RETURN_IF_ERROR(Reconnect(lane));
+    req.set_id(lane.next_id++);
     const std::string out = req.SerializeAsString();
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     try {
@@ -292,7 +310,10 @@ struct RemoteStore::Impl {
           const auto* d = static_cast<const uint8_t*>(body.data());
           reply_payload->assign(d, d + body.size());
         }
-        failures = 0;
+        {
+          std::lock_guard<std::mutex> down(down_mu);
+          failures = 0;
+        }
         return Status::Ok();
       }
     } catch (const zmq::error_t& e) {
@@ -313,7 +334,8 @@ Result<std::unique_ptr<RemoteStore>> RemoteStore::Connect(const std::string& end
   auto impl = std::make_unique<Impl>();
   impl->endpoint = endpoint;
   impl->options = options;
-  KDN_RETURN_IF_ERROR(impl->Reconnect());
+  KDN_RETURN_IF_ERROR(impl->Reconnect(impl->bulk));
+  KDN_RETURN_IF_ERROR(impl->Reconnect(impl->index));
   return std::unique_ptr<RemoteStore>(new RemoteStore(endpoint, std::move(impl)));
 }
 

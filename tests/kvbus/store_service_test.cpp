@@ -5,6 +5,7 @@
 #include "kdn/kvbus/codec.h"
 
 #include "recording_store.h"
+#include "kvbus_store.pb.h"
 
 #include <gtest/gtest.h>
 #include <zmq.hpp>
@@ -12,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -133,6 +135,56 @@ TEST(StoreService, ClientFailsFastWhileNoServerAnswersAndRecovers) {
   EXPECT_TRUE(client->Put(MakeChunk(2)).ok());
   EXPECT_TRUE(client->Contains(MakeChunk(2)->key()));
   EXPECT_EQ(client->unreachable(), 3u);
+}
+
+TEST(StoreService, ALookupDoesNotWaitBehindAChunkTransfer) {
+  using std::chrono::milliseconds;
+  // A server that answers lookups (every key present) and never a Put, so
+  // that the Put holds its connection until its timeout.
+  zmq::context_t ctx;
+  zmq::socket_t fake(ctx, zmq::socket_type::router);
+  fake.set(zmq::sockopt::linger, 0);
+  fake.bind("tcp://127.0.0.1:0");
+  const std::string endpoint = fake.get(zmq::sockopt::last_endpoint);
+  std::atomic<bool> stop{false};
+  std::atomic<int> puts_seen{0};
+  std::thread server([&] {
+    while (!stop.load()) {
+      zmq::pollitem_t item{fake.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, milliseconds(20));
+      if (!(item.revents & ZMQ_POLLIN)) continue;
+      std::vector<zmq::message_t> frames;
+      for (;;) {
+        zmq::message_t m;
+        (void)fake.recv(m, zmq::recv_flags::none);
+        const bool more = m.more();
+        frames.push_back(std::move(m));
+        if (!more) break;
+      }
+      proto::StoreRequest req;
+      if (frames.size() < 2 || !req.ParseFromArray(frames[1].data(), static_cast<int>(frames[1].size()))) continue;
+      if (!req.has_lookup()) {
+        ++puts_seen;
+        continue;
+      }
+      proto::StoreReply reply;
+      reply.set_id(req.id());
+      for (int i = 0; i < req.lookup().keys_size(); ++i) reply.add_present(true);
+      const std::string out = reply.SerializeAsString();
+      fake.send(frames[0], zmq::send_flags::sndmore);
+      fake.send(zmq::buffer(out), zmq::send_flags::none);
+    }
+  });
+  auto client = RemoteStore::Connect(endpoint, {.timeout = milliseconds(2000),
+                                                .lookup_timeout = milliseconds(500)})
+                    .value();
+  std::thread put([&] { EXPECT_FALSE(client->Put(MakeChunk(1)).ok()); });
+  while (puts_seen.load() == 0) std::this_thread::sleep_for(milliseconds(5));
+  // The Put is in flight on its connection; the lookup goes on its own.
+  EXPECT_TRUE(client->Contains(MakeChunk(2)->key()));
+  put.join();
+  stop = true;
+  server.join();
 }
 
 TEST(StoreService, ServesSeveralClientThreadsAtOnce) {
