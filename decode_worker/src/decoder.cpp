@@ -302,8 +302,12 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
               : fmt::format(" and {} generated before (resumed)", p.request.spec.generated.size()),
           p.request.spec.max_tokens, p.seq.blocks().size(), model_.kv_cache().free_blocks(),
           p.resident_tokens, p.request.blended ? "; blended: nothing to load" : "");
-  if (p.request.blended ||
-      p.resident_tokens == static_cast<int64_t>(p.request.tokens.size())) {
+  // Past a resident prefix that leaves less than a chunk of the prompt, the
+  // lower tiers could add only tail pieces of those few tokens, which the
+  // prefill worker sends anyway: no load, which would queue behind the
+  // store I/O thread's work (storing the conversation just finished).
+  const int64_t lacking = static_cast<int64_t>(p.request.tokens.size()) - p.resident_tokens;
+  if (p.request.blended || (p.resident_tokens > 0 && lacking < options_.chunk_tokens)) {
     p.held_tokens = p.resident_tokens;
     out->prepared.push_back({id, p.held_tokens, p.resident_tokens});
   } else {

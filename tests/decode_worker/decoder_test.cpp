@@ -524,7 +524,10 @@ TEST(Decoder, ACancelledOrFailedRequestGivesBackItsResidentReferences) {
 }
 
 TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {
-  Rig rig;
+  // The store's path: nothing kept resident in the pool.
+  DecoderOptions o;
+  o.resident = false;
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
   const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 8);
   Transcript t;
   {

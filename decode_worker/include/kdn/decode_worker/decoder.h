@@ -9,7 +9,8 @@
 //     for the rest of the request, and a load of the leading chunks past
 //     the resident ones that the KDN holds, then of the tail pieces past
 //     them (docs/kvbus.md, "Tail keys"), is queued on the store I/O thread
-//     (none when the pool holds the whole prompt). When the load is in, Advance copies them into
+//     (none when the pool holds all but less than a chunk of the prompt:
+//     the next turn of a conversation it kept is prepared at once). When the load is in, Advance copies them into
 //     the reserved blocks and reports a PrepareDone with how many leading
 //     tokens it placed; the prefill worker sends none of those.
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
