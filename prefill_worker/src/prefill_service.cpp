@@ -266,6 +266,7 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
   po.chunk_tokens = options.chunk_tokens;
   po.sender.transport = options.kv_transport;
   po.sender.curve = options.curve;
+  po.store_in_background = true;
   impl->prefiller = std::make_unique<Prefiller>(*impl->wm.model, *impl->store,
                                                 impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();

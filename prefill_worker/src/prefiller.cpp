@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 
+#include "kdn/common/log.h"
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -17,9 +18,20 @@ Prefiller::Prefiller(engine::Engine& model, kvbus::TieredStore& store,
       store_(store),
       fingerprint_(model_fingerprint),
       chunk_dtype_(kvbridge::ChunkDType(model.kv_dtype())),
-      options_(options) {}
+      options_(options) {
+  if (options_.store_in_background) store_io_ = std::make_unique<JobThread>();
+}
 
-Prefiller::~Prefiller() = default;
+// The store thread first: its jobs use the store, which outlives this.
+Prefiller::~Prefiller() {
+  if (store_io_) (void)store_io_->Stop();
+}
+
+void Prefiller::WaitForStores() {
+  if (store_io_) store_io_->Drain();
+}
+
+uint64_t Prefiller::StoreFailures() const { return store_failures_->load(); }
 
 kvbus::SenderStats Prefiller::TransportStats() const {
   kvbus::SenderStats sum;
@@ -293,20 +305,42 @@ Result<bool> Prefiller::Inject(std::span<const int32_t> tokens, const std::strin
 Status Prefiller::StoreNewChunks() {
   Status first_error;
   engine::KvCache& cache = model_.kv_cache();
+  // Every span of the prompt stays in the pool, resident, until the pool
+  // needs the blocks (the lower tiers hold, or are about to hold, the same
+  // KV).
+  if (options_.resident) kvbridge::PublishSpans(cache, seq_, spans_);
   // The new full chunks, then the tail pieces, so that a prompt extending
   // this one (the next turn of a chat) computes only its new tokens.
+  std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;
   for (size_t i = static_cast<size_t>(first_new_chunk_); i < spans_.size(); ++i) {
     const kvbus::KeyedSpan& s = spans_[i];
     if (seq_.length() < s.first + s.count) break;
-    if (store_.Contains(s.key)) continue;
+    if (!store_io_ && store_.Contains(s.key)) continue;
     auto chunk = kvbridge::ChunkFromPagedKv(cache, seq_, s.first, s.count, s.key, fingerprint_,
                                             chunk_dtype_);
-    Status st = chunk.ok() ? store_.Put(*std::move(chunk)) : chunk.status();
-    if (!st.ok() && first_error.ok()) first_error = st;
+    if (!chunk.ok()) {
+      if (first_error.ok()) first_error = chunk.status();
+      break;  // prefix keys: the chunks past a missing one are never reached
+    }
+    if (store_io_) {
+      chunks.push_back(*std::move(chunk));
+    } else if (Status st = store_.Put(*std::move(chunk)); !st.ok() && first_error.ok()) {
+      first_error = st;
+    }
   }
-  // Every span of the prompt stays in the pool, resident, until the pool
-  // needs the blocks (the lower tiers hold the same KV).
-  if (options_.resident) kvbridge::PublishSpans(cache, seq_, spans_);
+  if (store_io_ && !chunks.empty()) {
+    store_io_->Post(0, [&store = store_, failures = store_failures_,
+                        chunks = std::move(chunks)] {
+      for (const auto& chunk : chunks) {
+        if (store.Contains(chunk->key())) continue;
+        if (Status st = store.Put(chunk); !st.ok()) {
+          const uint64_t n = ++*failures;
+          LogError("storing a prompt's chunk failed ({} so far): {}", n, st.ToString());
+          break;  // prefix keys: the chunks past it are never reached without it
+        }
+      }
+    });
+  }
   seq_.Reset();
   keys_.clear();
   spans_.clear();

@@ -269,6 +269,29 @@ TEST(PrefillerResident, UnderPoolPressureEvictedKvComesBackFromTheLowerTiers) {
   EXPECT_EQ(st.evictable_blocks, st.cached_blocks);
 }
 
+TEST(Prefiller, StoresInTheBackgroundWhatItWouldStoreItself) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  PrefillerOptions o = Options();
+  o.store_in_background = true;
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, o);
+  PrefillJob job;
+  job.tokens = RandomTokens(100, 258, 3);
+  job.sampling.temperature = 0;
+  ASSERT_TRUE(p.Run(job).ok());
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  // The prompt is resident at once; the store has it once the thread is done.
+  EXPECT_GT(model->kv_cache().resident_stats().entries, 0);
+  p.WaitForStores();
+  EXPECT_EQ(store->Stats().chunks, 6u + 3u);  // as SecondRunLoadsTheCachedPrefix...
+  EXPECT_EQ(p.StoreFailures(), 0u);
+  // Again: every chunk is held, none put twice.
+  ASSERT_TRUE(p.Run(job).ok());
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  p.WaitForStores();
+  EXPECT_EQ(store->Stats().chunks, 6u + 3u);
+}
+
 TEST(Prefiller, APromptOfWholeChunksStillComputesItsLastChunk) {
   auto model = MakeModel("tiny");
   auto store = HostStore();

@@ -28,6 +28,7 @@
 // Not thread-safe: the worker's compute loop owns it, with the Engine. The
 // store is shared (thread-safe).
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "kdn/blend/blend.h"
+#include "kdn/common/job_thread.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
 #include "kdn/control/request_spec.h"
@@ -99,6 +101,11 @@ struct PrefillerOptions {
   // is loaded from the lower tiers, as before the pool was a tier; for
   // benchmarks).
   bool resident = true;
+  // StoreNewChunks hands the chunks it copied out to a thread of the
+  // Prefiller's own, which asks the store and puts them, so that the next
+  // request does not wait for a write-through to kdn-store (the worker);
+  // false: it puts them itself before it returns (tests, benchmarks).
+  bool store_in_background = false;
 };
 
 class Prefiller {
@@ -118,7 +125,12 @@ class Prefiller {
   // Stores the last job's computed full chunks that the store lacks (for a
   // blend job: the documents the KDN lacked, each computed on its own), then
   // frees its KV. A store failure is returned but loses nothing but reuse.
+  // With store_in_background, the chunks' KV is copied out here and put on
+  // the store thread; its failures are logged and counted (StoreFailures).
   Status StoreNewChunks();
+  // Waits until the store thread has put what it was handed.
+  void WaitForStores();
+  uint64_t StoreFailures() const;
 
   // Knowledge injection: computes `tokens` (one document) on its own and
   // stores its KV under its segment key. Returns true when the store already
@@ -144,6 +156,12 @@ class Prefiller {
   const kvbus::KvDType chunk_dtype_;  // the engine's KV element type
   const PrefillerOptions options_;
   std::map<std::string, std::unique_ptr<kvbus::Sender>> senders_;  // by endpoint
+
+  // With store_in_background: the thread that puts chunks, and the puts
+  // that failed there.
+  std::unique_ptr<JobThread> store_io_;
+  std::shared_ptr<std::atomic<uint64_t>> store_failures_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
 
   // The last job, until StoreNewChunks.
   engine::KvSequence seq_;
