@@ -229,6 +229,16 @@ std::vector<int32_t> Alone(engine::CpuEngine& model, const DecodeRequest& r) {
   return g.ok() ? g->tokens : std::vector<int32_t>{};
 }
 
+// One whole request: prepared, started with the prompt pushed, decoded to
+// its end, its conversation handed to the store. Returns its id.
+uint64_t RunWhole(Rig& rig, const DecodeRequest& r, Transcript& t) {
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  Start(rig, id, PushPrompt(rig, r, 0), t);
+  RunToEnd(rig, t);
+  rig.io.Drain();
+  return id;
+}
+
 TEST(Decoder, DecodesTheTokensTheEngineGeneratesAloneWhateverJoinsTheBatch) {
   Rig rig;
   std::vector<DecodeRequest> reqs = {
@@ -369,11 +379,8 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
   // chunks and a tail of 5 (pieces of 1 and 4 tokens).
   const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
   Transcript t;
-  const uint64_t a = PrepareAndLoad(rig, turn1, t);
-  Start(rig, a, PushPrompt(rig, turn1, 0), t);
-  RunToEnd(rig, t);
+  const uint64_t a = RunWhole(rig, turn1, t);
   ASSERT_EQ(t.tokens[a].size(), 30u);
-  rig.io.Drain();
   std::vector<int32_t> conversation = turn1.tokens;
   conversation.insert(conversation.end(), t.tokens[a].begin(), t.tokens[a].end());
   const kvbus::KeyContext ctx{kFingerprint, "", kChunk};
@@ -442,10 +449,7 @@ TEST(Decoder, AFinishedConversationStaysResidentAndItsNextTurnAttachesIt) {
   auto& store = rig.gated().inner();
   const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
   Transcript t;
-  const uint64_t a = PrepareAndLoad(rig, turn1, t);
-  Start(rig, a, PushPrompt(rig, turn1, 0), t);
-  RunToEnd(rig, t);
-  rig.io.Drain();
+  const uint64_t a = RunWhole(rig, turn1, t);
   EXPECT_EQ(store.PutOrder().size(), 6u);  // still stored to the KDN
   // Its blocks are back, and cached: counted free, held only by the index.
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
@@ -495,10 +499,7 @@ TEST(Decoder, ACancelledOrFailedRequestGivesBackItsResidentReferences) {
   Rig rig;
   const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
   Transcript t;
-  const uint64_t a = PrepareAndLoad(rig, turn1, t);
-  Start(rig, a, PushPrompt(rig, turn1, 0), t);
-  RunToEnd(rig, t);
-  rig.io.Drain();
+  const uint64_t a = RunWhole(rig, turn1, t);
   std::vector<int32_t> prompt2 = turn1.tokens;
   prompt2.insert(prompt2.end(), t.tokens[a].begin(), t.tokens[a].end());
   prompt2.push_back(7);
