@@ -91,7 +91,9 @@ Status KvCache::Reserve(KvSequence& seq, int64_t new_length) {
   };
   size_t total = more + (shared_last() >= 0 ? 1 : 0);
   if (total == 0) return Status::Ok();
-  if (free_.size() < total && !EvictFor(total)) {
+  // Blocks only the index holds are what evicting every entry frees: when
+  // even those are too few, nothing is evicted for a request refused anyway.
+  if (free_.size() < total && (free_blocks() < static_cast<int>(total) || !EvictFor(total))) {
     return ResourceExhausted("KV cache: " + std::to_string(total) + " more blocks needed for " +
                              std::to_string(new_length) + " tokens, " +
                              std::to_string(free_blocks()) + " of " +

@@ -262,8 +262,11 @@ TEST(KvCacheResident, EvictionDropsTheLeastRecentlyUsedDeepestEntriesFirst) {
   const KvKey ychain[] = {{20, 1}, {20, 2}};
   ASSERT_TRUE(cache.Attach(y2, ychain).ok());
   KvSequence w = cache.NewSequence();
+  const uint64_t evictions = cache.resident_stats().evictions;
   EXPECT_EQ(cache.Reserve(w, 6 * 16).code(), StatusCode::kResourceExhausted);
   EXPECT_TRUE(w.blocks().empty());
+  EXPECT_EQ(cache.resident_stats().evictions, evictions);  // nothing dropped for a refusal
+  EXPECT_TRUE(cache.IsResident({10, 1}));
   EXPECT_EQ(cache.KeyAt(y2, 0, 31)[0], 131.0f);
   // Everything given back: no reference leaks.
   z.Reset();
