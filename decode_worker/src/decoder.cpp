@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "kdn/common/log.h"
+#include "kdn/control/prefix_kv.h"
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -103,25 +104,11 @@ Status Decoder::ReserveKv(Prepared& p) {
 }
 
 int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded) {
-  engine::KvCache& cache = model_.kv_cache();
-  int64_t placed = 0;
-  for (const auto& [span, chunk] : loaded) {
-    if (span.first != placed) break;
-    // A span across the end of the attached prefix: only its part past it
-    // is written (the blocks below are shared).
-    const int64_t skip = std::max<int64_t>(p.resident_tokens - span.first, 0);
-    if (chunk == nullptr) {  // attached from the pool
-      if (span.first + span.count > p.resident_tokens) break;
-    } else if (kvbridge::ChunkToPagedKv(*chunk, cache, p.seq, placed, skip).ok()) {
-      ++chunks_loaded_;
-      kv_bytes_loaded_ +=
-          cache.LayerBytes(span.count - skip, model_.kv_dtype()) * cache.num_layers();
-    } else {
-      break;
-    }
-    placed += span.count;
-  }
-  return std::max(placed, p.resident_tokens);
+  const control::PlacedPrefix placed =
+      control::PlacePrefix(model_.kv_cache(), p.seq, loaded, p.resident_tokens);
+  chunks_loaded_ += placed.chunks;
+  kv_bytes_loaded_ += placed.kv_bytes;
+  return std::max(placed.tokens, p.resident_tokens);
 }
 
 Status Decoder::PlacePushedSlices(Prepared& p) {
@@ -204,26 +191,12 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
                              dtype = kvbridge::ChunkDType(model_.kv_dtype()),
                              ctx = kvbus::KeyContext{fingerprint_, p.request.ns,
                                                      options_.chunk_tokens}] {
-    Mailbox::Load load{id, {}};
     // Full chunks, then the tail pieces past them. A miss, an unreachable
     // store or a chunk of another making ends it: the prefill worker sends
     // the rest.
-    const auto spans = kvbus::MatchPrefix(
-        ctx, tokens, keys, static_cast<int64_t>(tokens.size()), min_tail,
-        [&](const kvbus::KeyedSpan& s) {
-          if (s.first + s.count <= resident) {  // attached from the pool: nothing to load
-            load.chunks.emplace_back(s, nullptr);
-            return true;
-          }
-          if (!kvbridge::WorthFetchingPast(s, resident, ctx.chunk_tokens, min_tail)) return false;
-          auto chunk = store.Get(s.key);
-          if (!chunk.ok() || !control::ChunkFits(**chunk, ctx.model_fingerprint, s.count, dtype)) {
-            return false;
-          }
-          load.chunks.emplace_back(s, *std::move(chunk));
-          return true;
-        });
-    load.chunks.resize(spans.size());  // a tail match too short to use is dropped
+    Mailbox::Load load{id, control::FetchPrefix(store, ctx, tokens, keys,
+                                                static_cast<int64_t>(tokens.size()), min_tail,
+                                                resident, dtype)};
     {
       std::lock_guard<std::mutex> lock(mb->mu);
       mb->loads.push_back(std::move(load));
@@ -241,22 +214,14 @@ void Decoder::PostStore(uint64_t request_id,
            chunks.size(), bytes);
   store_io_.Post(kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes,
                               request_id] {
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      if (store.Contains(chunks[i]->key())) {
-        ++mb->already_held;
-        continue;
-      }
-      Status st = store.Put(chunks[i]);
-      if (!st.ok()) {
-        // Prefix keys: the chunks after this one are never reached without it.
-        const uint64_t lost = chunks.size() - i;
-        const uint64_t total = (mb->failed += lost);
-        LogError("{} storing a conversation's chunk failed, {} of its chunks not stored ({} so "
-                 "far): {}",
-                 ReqId{request_id}, lost, total, st.ToString());
-        break;
-      }
-      ++mb->stored;
+    const control::PutOutcome put = control::PutMissing(store, chunks);
+    mb->stored += put.stored;
+    mb->already_held += put.already_held;
+    if (!put.error.ok()) {
+      const uint64_t total = (mb->failed += put.not_stored);
+      LogError("{} storing a conversation's chunk failed, {} of its chunks not stored ({} so "
+               "far): {}",
+               ReqId{request_id}, put.not_stored, total, put.error.ToString());
     }
     mb->bytes_pending -= bytes;
   });

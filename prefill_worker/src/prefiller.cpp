@@ -1,9 +1,9 @@
 #include "kdn/prefill_worker/prefiller.h"
 
 #include <algorithm>
-#include <map>
 
 #include "kdn/common/log.h"
+#include "kdn/control/prefix_kv.h"
 #include "kdn/control/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -143,35 +143,13 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
                                        options_.min_tail_tokens));
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
-  // The lower tiers' chunks are fetched while matching and placed after it,
-  // so that a tail match too short to use costs no copy.
-  std::map<int64_t, std::shared_ptr<const kvbus::Chunk>> fetched;  // by first position
-  std::vector<kvbus::KeyedSpan> held =
-      kvbus::MatchPrefix(ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
-                         [&](const kvbus::KeyedSpan& s) {
-        if (s.first + s.count <= resident) return true;  // attached
-        if (!kvbridge::WorthFetchingPast(s, resident, C, options_.min_tail_tokens)) return false;
-        auto chunk = store_.Get(s.key);
-        if (!chunk.ok() || !control::ChunkFits(**chunk, fingerprint_, s.count, chunk_dtype_)) {
-          return false;
-        }
-        fetched[s.first] = *std::move(chunk);
-        return true;
-      });
-  uint64_t bytes_loaded = 0;
-  for (size_t i = 0; i < held.size(); ++i) {
-    const kvbus::KeyedSpan& s = held[i];
-    if (s.first + s.count <= resident) continue;
-    // A span across the end of the attached prefix: only its part past it
-    // is written (the blocks below are shared).
-    const int64_t skip = std::max<int64_t>(resident - s.first, 0);
-    if (!kvbridge::ChunkToPagedKv(*fetched.at(s.first), cache, seq_, s.first, skip).ok()) {
-      held.resize(i);  // the prefix ends before this span
-      break;
-    }
-    bytes_loaded += cache.LayerBytes(s.count - skip, model_.kv_dtype()) * cache.num_layers();
-  }
-  const int64_t hit = kvbus::SpannedTokens(held);
+  // The lower tiers past the resident prefix, fetched while matching and
+  // placed after it, so that a tail match too short to use costs no copy.
+  const std::vector<control::FetchedSpan> fetched =
+      control::FetchPrefix(store_, ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
+                           resident, chunk_dtype_);
+  const control::PlacedPrefix placed = control::PlacePrefix(cache, seq_, fetched, resident);
+  const int64_t hit = placed.tokens;
   if (hit < resident) {
     // The lower tiers' match retraces the resident one; short of it, the
     // compute would write into shared blocks.
@@ -209,7 +187,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   out.first_token = sampler.Sample(logits);
   out.cached_tokens = static_cast<int>(hit);
   out.resident_tokens = static_cast<int>(std::min(resident, hit));
-  out.kv_bytes_loaded = bytes_loaded;
+  out.kv_bytes_loaded = placed.kv_bytes;
   out.tail_tokens = static_cast<int>(hit - first_new_chunk_ * int64_t{C});
   out.load_seconds = load_seconds;
   out.computed_tokens = static_cast<int>(n - hit);
@@ -331,13 +309,12 @@ Status Prefiller::StoreNewChunks() {
   if (store_io_ && !chunks.empty()) {
     store_io_->Post(0, [&store = store_, failures = store_failures_,
                         chunks = std::move(chunks)] {
-      for (const auto& chunk : chunks) {
-        if (store.Contains(chunk->key())) continue;
-        if (Status st = store.Put(chunk); !st.ok()) {
-          const uint64_t n = ++*failures;
-          LogError("storing a prompt's chunk failed ({} so far): {}", n, st.ToString());
-          break;  // prefix keys: the chunks past it are never reached without it
-        }
+      const control::PutOutcome put = control::PutMissing(store, chunks);
+      if (!put.error.ok()) {
+        const uint64_t n = ++*failures;
+        LogError("storing a prompt's chunks failed, {} of them not stored ({} failures so far): "
+                 "{}",
+                 put.not_stored, n, put.error.ToString());
       }
     });
   }

@@ -65,6 +65,7 @@
 
 #include "kdn/common/job_thread.h"
 #include "kdn/common/status.h"
+#include "kdn/control/prefix_kv.h"
 #include "kdn/decode_worker/batcher.h"
 #include "kdn/engine/engine.h"
 #include "kdn/text/tokenizer.h"
@@ -231,7 +232,7 @@ class Decoder {
     uint64_t request_id = 0;  // the router's (DecodeRequest::request_id)
   };
   struct Mailbox;  // shared with the store I/O thread's jobs
-  using LoadedSpan = std::pair<kvbus::KeyedSpan, std::shared_ptr<const kvbus::Chunk>>;
+  using LoadedSpan = control::FetchedSpan;
 
   // Engine and chunk-bridge calls all live in the few helpers below (and in
   // the Batcher's decode step), so that a backend interface replaces them in
