@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-batch", o.max_batch, "Requests decoded together at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--local-prefill-step-tokens", o.local_prefill_step_tokens,
+                 "Prompt tokens a local prefill (the router's --disaggregation) computes "
+                 "between two decode steps while requests run; with none running it runs whole")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   int64_t peer_lease_ms = o.peer_lease.count();
   app.add_option("--peer-lease-ms", peer_lease_ms,
                  "Prepared requests not yet started are let go once the router that sent them "

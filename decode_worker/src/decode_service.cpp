@@ -35,6 +35,7 @@ struct Origin {
   int64_t tokens = 0;  // token events sent to it so far
   int64_t blocks = 0;     // KV blocks its prompt reserved
   bool unstarted = true;  // prepared, not started: its blocks count against its peer's budget
+  std::string transfer_id;  // echoed in a local prefill's reply
 };
 
 std::string OriginKey(const std::string& peer, uint64_t request_id) {
@@ -48,6 +49,7 @@ DecodeRequest RequestFromProto(uint64_t request_id, const proto::PrepareRequest&
   d.ns = r.ns();
   d.transfer_id = r.transfer_id();
   d.blended = r.blended();
+  d.local_prefill = r.local_prefill();
   d.spec.sampling = control::SamplingFromProto(r.sampling());
   d.spec.max_tokens = r.max_tokens();
   d.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());
@@ -127,6 +129,14 @@ struct DecodeService::Impl {
       std::lock_guard<std::mutex> lock(mu);
       control::SetResidentCounters(info, stats.resident, stats.resident_hit_tokens,
                                    stats.kv_bytes_loaded);
+      proto::LocalPrefill* lp = info->mutable_local_prefill();
+      lp->set_running(stats.running);
+      lp->set_backlog_tokens(stats.local_backlog_tokens);
+      lp->set_step_ms(stats.step_ms);
+      lp->set_prefill_ms_per_token(stats.prefill_ms_per_token);
+      lp->set_step_tokens(options.local_prefill_step_tokens);
+      lp->set_requests(stats.local_prefills);
+      lp->set_tokens(stats.local_prefill_tokens);
     }
     if (Status h = receiver->Health(); !h.ok()) {
       control::StatusToProto(h, info->mutable_health());
@@ -216,7 +226,7 @@ struct DecodeService::Impl {
     }
     // The reply goes out with the Decoder's PrepareDone, once the load is in.
     ids[okey] = *id;
-    origins[*id] = {peer, msg.request_id(), 0, blocks, true};
+    origins[*id] = {peer, msg.request_id(), 0, blocks, true, pr.transfer_id()};
     unstarted_blocks[peer] += blocks;
   }
 
@@ -295,6 +305,24 @@ struct DecodeService::Impl {
       reply.set_request_id(it->second.request_id);
       reply.mutable_prepare_reply()->set_held_tokens(static_cast<int32_t>(d.held_tokens));
       reply.mutable_prepare_reply()->set_resident_tokens(static_cast<int32_t>(d.resident_tokens));
+      server->Send(it->second.peer, reply);
+    }
+    // A local prefill's first token, as a prefill worker would send it;
+    // before its events, which follow it.
+    for (const LocalPrefillDone& d : out.prefilled) {
+      auto it = origins.find(d.id);
+      if (it == origins.end()) continue;
+      Unreserve(it->second);  // started
+      proto::WorkerMessage reply;
+      reply.set_request_id(it->second.request_id);
+      proto::PrefillReply* pr = reply.mutable_prefill_reply();
+      pr->set_first_token(d.first_token);
+      pr->set_cached_tokens(static_cast<int32_t>(d.held_tokens));
+      pr->set_computed_tokens(static_cast<int32_t>(d.computed_tokens));
+      pr->set_resident_tokens(static_cast<int32_t>(d.resident_tokens));
+      pr->set_kv_bytes_loaded(d.kv_bytes_loaded);
+      pr->set_tail_tokens(static_cast<int32_t>(d.held_tokens % options.chunk_tokens));
+      pr->set_transfer_id(it->second.transfer_id);
       server->Send(it->second.peer, reply);
     }
     std::map<uint64_t, std::vector<const TokenEvent*>> by_id;
@@ -378,6 +406,9 @@ DecodeService::DecodeService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceOptions& options) {
   if (options.chunk_tokens <= 0) return InvalidArgument("--chunk-tokens must be positive");
   if (options.max_batch <= 0) return InvalidArgument("--max-batch must be positive");
+  if (options.local_prefill_step_tokens <= 0) {
+    return InvalidArgument("--local-prefill-step-tokens must be positive");
+  }
   if (!(options.peer_prepare_share > 0 && options.peer_prepare_share <= 1)) {
     return InvalidArgument("--peer-prepare-share must be in (0, 1]");
   }
@@ -397,6 +428,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   DecoderOptions dopt;
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;
+  dopt.local_prefill_step_tokens = options.local_prefill_step_tokens;
   dopt.on_load_done = [raw] {
     {
       std::lock_guard<std::mutex> lock(raw->mu);

@@ -1,6 +1,7 @@
 #include "kdn/decode_worker/decoder.h"
 
 #include <algorithm>
+#include <climits>
 #include <mutex>
 
 #include "kdn/common/log.h"
@@ -78,7 +79,16 @@ Status Decoder::ValidateRequest(const DecodeRequest& r) const {
                            std::to_string(r.tokens.size()) + ") and than max_tokens (" +
                            std::to_string(r.spec.max_tokens) + ")");
   }
+  if (r.local_prefill && (r.blended || g > 0)) {
+    return InvalidArgument(std::string("a ") + (r.blended ? "blended" : "resumed") +
+                           " request is not prefilled on the decode worker");
+  }
   return model::ValidateSamplingParams(r.spec.sampling);
+}
+
+int64_t Decoder::HeldLimit(const DecodeRequest& r) {
+  const auto n = static_cast<int64_t>(r.tokens.size());
+  return r.local_prefill ? n - 1 : n;
 }
 
 int64_t KvTokensReserved(int64_t prompt_tokens, int64_t max_tokens, int64_t max_context) {
@@ -91,10 +101,9 @@ Status Decoder::ReserveKv(Prepared& p) {
   if (!p.request.blended && options_.resident) {
     const kvbus::KeyContext ctx{fingerprint_, p.request.ns, options_.chunk_tokens};
     KDN_ASSIGN_OR_RETURN(p.resident_tokens,
-                         kvbridge::AttachResidentPrefix(
-                             cache, p.seq, ctx, p.request.tokens, p.keys,
-                             static_cast<int64_t>(p.request.tokens.size()),
-                             options_.min_tail_tokens));
+                         kvbridge::AttachResidentPrefix(cache, p.seq, ctx, p.request.tokens,
+                                                        p.keys, HeldLimit(p.request),
+                                                        options_.min_tail_tokens));
   }
   // The whole request, so that a request admitted never runs out of KV
   // mid-stream: its decode steps find their blocks reserved.
@@ -108,6 +117,7 @@ int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded)
       control::PlacePrefix(model_.kv_cache(), p.seq, loaded, p.resident_tokens);
   chunks_loaded_ += placed.chunks;
   kv_bytes_loaded_ += placed.kv_bytes;
+  p.kv_bytes_loaded += placed.kv_bytes;
   return std::max(placed.tokens, p.resident_tokens);
 }
 
@@ -177,6 +187,15 @@ DecoderStats Decoder::Stats() const {
   s.chunks_store_failed = mailbox_->failed.load();
   s.chunks_store_dropped = chunks_store_dropped_;
   s.store_bytes_pending = mailbox_->bytes_pending.load();
+  for (const auto& [id, p] : prepared_) {
+    if (!p.request.local_prefill) continue;
+    const int64_t have = std::max({p.seq.length(), p.held_tokens, p.resident_tokens});
+    s.local_backlog_tokens += static_cast<int64_t>(p.request.tokens.size()) - have;
+  }
+  s.step_ms = step_ms_;
+  s.prefill_ms_per_token = prefill_ms_per_token_;
+  s.local_prefills = local_prefills_;
+  s.local_prefill_tokens = local_prefill_tokens_;
   return s;
 }
 
@@ -186,7 +205,8 @@ DecoderStats Decoder::Stats() const {
 
 void Decoder::PostLoad(uint64_t id, const Prepared& p) {
   store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys,
-                             tokens = p.request.tokens, min_tail = options_.min_tail_tokens,
+                             tokens = p.request.tokens, limit = HeldLimit(p.request),
+                             min_tail = options_.min_tail_tokens,
                              resident = p.resident_tokens,
                              dtype = kvbridge::ChunkDType(model_.kv_dtype()),
                              ctx = kvbus::KeyContext{fingerprint_, p.request.ns,
@@ -194,8 +214,7 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
     // Full chunks, then the tail pieces past them. A miss, an unreachable
     // store or a chunk of another making ends it: the prefill worker sends
     // the rest.
-    Mailbox::Load load{id, control::FetchPrefix(store, ctx, tokens, keys,
-                                                static_cast<int64_t>(tokens.size()), min_tail,
+    Mailbox::Load load{id, control::FetchPrefix(store, ctx, tokens, keys, limit, min_tail,
                                                 resident, dtype)};
     {
       std::lock_guard<std::mutex> lock(mb->mu);
@@ -275,6 +294,7 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   if (p.request.blended || (p.resident_tokens > 0 && lacking < options_.chunk_tokens)) {
     p.held_tokens = p.resident_tokens;
     out->prepared.push_back({id, p.held_tokens, p.resident_tokens});
+    if (p.request.local_prefill) QueueLocal(id, p);
   } else {
     PostLoad(id, p);
   }
@@ -290,6 +310,10 @@ Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent,
   }
   Prepared& p = it->second;
   if (p.start) return InvalidArgument("request " + std::to_string(id) + " was started already");
+  if (p.request.local_prefill) {
+    return InvalidArgument("request " + std::to_string(id) +
+                           " is prefilled on this worker and needs no Start");
+  }
   p.request.spec.first_token_sent = first_token_sent;
   if (p.held_tokens < 0) {
     p.start = first_token;  // Advance begins it once its load is in
@@ -303,32 +327,104 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   auto it = prepared_.find(id);
   Prepared p = std::move(it->second);
   prepared_.erase(it);
+  const uint64_t request_id = p.request.request_id;
   Status st = PlacePushedSlices(p);
   if (st.ok()) {
-    // Before Admit: a request that finishes at its first token is stored
-    // from inside Admit.
     LogInfo("{} start: first token {}, {} prompt tokens held, {} pushed by the prefill worker "
             "(transfer {})",
-            ReqId{p.request.request_id}, first_token, p.held_tokens,
+            ReqId{request_id}, first_token, p.held_tokens,
             static_cast<int64_t>(p.request.tokens.size()) - p.held_tokens,
             HexBytes{p.request.transfer_id});
-    // The conversation stored at its end is this prompt and what the
-    // Batcher holds as generated (of a resumed request, the tokens it
-    // generated before too).
-    p.request.tokens.resize(static_cast<size_t>(p.request.PromptTokens()));
-    running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
-                           p.held_tokens, p.request.request_id};
-    std::vector<TokenEvent> events;
-    st = batcher_->Admit(p.request.spec, std::move(p.seq), first_token, &events);
-    if (st.ok()) {
-      out->events.insert(out->events.end(), events.begin(), events.end());
-    } else {
-      running_.erase(id);
-    }
+    st = Admit(id, std::move(p), first_token, out);
   }
   if (!st.ok()) {
-    LogError("{} cannot start: {}", ReqId{p.request.request_id}, st.ToString());
+    LogError("{} cannot start: {}", ReqId{request_id}, st.ToString());
     out->events.push_back(Failure(id, std::move(st)));
+  }
+}
+
+Status Decoder::Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutput* out) {
+  // Before the Batcher's Admit: a request that finishes at its first token
+  // is stored from inside it. The conversation stored at its end is this
+  // prompt and what the Batcher holds as generated (of a resumed request,
+  // the tokens it generated before too).
+  p.request.tokens.resize(static_cast<size_t>(p.request.PromptTokens()));
+  running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
+                         p.held_tokens, p.request.request_id};
+  std::vector<TokenEvent> events;
+  Status st = batcher_->Admit(p.request.spec, std::move(p.seq), first_token, &events);
+  if (!st.ok()) {
+    running_.erase(id);
+    return st;
+  }
+  out->events.insert(out->events.end(), events.begin(), events.end());
+  return Status::Ok();
+}
+
+void Decoder::QueueLocal(uint64_t id, Prepared& p) {
+  // What the pool and the KDN gave is the sequence's KV; the rest is
+  // computed on top of it.
+  model_.kv_cache().SetLength(p.seq, p.held_tokens);
+  local_queue_.push_back(id);
+}
+
+void Decoder::RunLocalPrefills(DecoderOutput* out) {
+  // None running: nobody waits on a step, so a prefill runs whole (one
+  // large batch computes faster than pieces).
+  int64_t budget = batcher_->running() > 0 ? options_.local_prefill_step_tokens : INT64_MAX;
+  while (budget > 0 && !local_queue_.empty()) {
+    const uint64_t id = local_queue_.front();
+    auto it = prepared_.find(id);
+    if (it == prepared_.end()) {  // cancelled meanwhile
+      local_queue_.pop_front();
+      continue;
+    }
+    Prepared& p = it->second;
+    const auto n = static_cast<int64_t>(p.request.tokens.size());
+    const int64_t at = p.seq.length();
+    const int64_t take = std::min(budget, n - at);
+    std::vector<float> logits;
+    const auto t0 = std::chrono::steady_clock::now();
+    Status st = model_.Prefill(p.seq, {p.request.tokens.data() + at, static_cast<size_t>(take)},
+                               {}, &logits);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (!st.ok()) {
+      local_queue_.pop_front();
+      LogError("{} local prefill of tokens [{}, {}) failed: {}", ReqId{p.request.request_id}, at,
+               at + take, st.ToString());
+      out->events.push_back(Failure(id, std::move(st)));
+      prepared_.erase(it);
+      continue;
+    }
+    constexpr double kWeight = 0.2;  // of the newest piece in the average
+    const double per_token = ms / static_cast<double>(take);
+    prefill_ms_per_token_ = prefill_ms_per_token_ == 0
+                                ? per_token
+                                : (1 - kWeight) * prefill_ms_per_token_ + kWeight * per_token;
+    local_prefill_tokens_ += static_cast<uint64_t>(take);
+    budget -= take;
+    if (p.seq.length() < n) continue;  // the next piece after the next step
+
+    local_queue_.pop_front();
+    ++local_prefills_;
+    engine::Sampler sampler(p.request.spec.sampling);
+    const int32_t first = sampler.Sample(logits);
+    LocalPrefillDone done{id, first, p.held_tokens, p.resident_tokens, n - p.held_tokens,
+                          p.kv_bytes_loaded};
+    LogInfo("{} local prefill: {} prompt tokens held ({} resident), {} computed, first token {}",
+            ReqId{p.request.request_id}, p.held_tokens, p.resident_tokens, n - p.held_tokens,
+            first);
+    Prepared taken = std::move(p);
+    prepared_.erase(it);
+    // The router sends the first token itself, as from a prefill worker.
+    taken.request.spec.first_token_sent = true;
+    const uint64_t request_id = taken.request.request_id;
+    out->prefilled.push_back(done);
+    if (Status a = Admit(id, std::move(taken), first, out); !a.ok()) {
+      LogError("{} cannot start: {}", ReqId{request_id}, a.ToString());
+      out->events.push_back(Failure(id, std::move(a)));
+    }
   }
 }
 
@@ -381,12 +477,17 @@ void Decoder::Advance(DecoderOutput* out) {
             ReqId{p.request.request_id}, p.held_tokens, p.request.tokens.size(),
             load.chunks.size());
     out->prepared.push_back({load.id, p.held_tokens, p.resident_tokens});
-    if (p.start) Begin(load.id, *p.start, out);
+    if (p.request.local_prefill) {
+      QueueLocal(load.id, p);
+    } else if (p.start) {
+      Begin(load.id, *p.start, out);
+    }
   }
 
   const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
   for (auto it = prepared_.begin(); it != prepared_.end();) {
-    if (now - it->second.created <= options_.prepare_timeout) {
+    if (it->second.request.local_prefill ||
+        now - it->second.created <= options_.prepare_timeout) {
       ++it;
       continue;
     }
@@ -400,10 +501,15 @@ void Decoder::Advance(DecoderOutput* out) {
     it = prepared_.erase(it);
   }
 
+  RunLocalPrefills(out);
   if (batcher_->running() == 0) return;
   std::vector<TokenEvent> events;
+  const auto t0 = std::chrono::steady_clock::now();
   Status st = batcher_->Step(&events);
   if (st.ok()) {
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    step_ms_ = step_ms_ == 0 ? ms : 0.8 * step_ms_ + 0.2 * ms;
     out->events.insert(out->events.end(), events.begin(), events.end());
     return;
   }
@@ -427,6 +533,9 @@ void Decoder::Advance(DecoderOutput* out) {
 
 bool Decoder::Busy() const {
   if (batcher_->running() > 0) return true;
+  for (uint64_t id : local_queue_) {
+    if (prepared_.count(id) != 0) return true;
+  }
   std::lock_guard<std::mutex> lock(mailbox_->mu);
   return !mailbox_->loads.empty();
 }

@@ -153,10 +153,17 @@ struct Transcript {
   std::map<uint64_t, std::string> finish;
   std::map<uint64_t, Status> error;
   std::map<uint64_t, int> finished_events;
+  std::map<uint64_t, LocalPrefillDone> prefilled;
   void Add(const DecoderOutput& out) {
     for (const PrepareDone& d : out.prepared) {
       EXPECT_EQ(held.count(d.id), 0u) << "two PrepareDone for " << d.id;
       held[d.id] = d.held_tokens;
+    }
+    for (const LocalPrefillDone& d : out.prefilled) {
+      EXPECT_EQ(prefilled.count(d.id), 0u) << "two LocalPrefillDone for " << d.id;
+      EXPECT_EQ(tokens.count(d.id), 0u) << "an event before the first token of " << d.id;
+      prefilled[d.id] = d;
+      tokens[d.id].push_back(d.first_token);  // the router sends it; events follow it
     }
     for (const TokenEvent& e : out.events) {
       EXPECT_EQ(finished_events[e.id], 0) << "an event after the finish of " << e.id;
@@ -267,6 +274,172 @@ TEST(Decoder, DecodesTheTokensTheEngineGeneratesAloneWhateverJoinsTheBatch) {
   }
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
   EXPECT_EQ(rig.staging.Stats().chunks, 2u * 2 + 4u * 2) << "full chunks' slices stay staged";
+}
+
+DecodeRequest Local(std::vector<int32_t> prompt, int max_tokens,
+                   model::SamplingParams sampling = kGreedy) {
+  DecodeRequest r = Request(std::move(prompt), max_tokens, sampling);
+  r.local_prefill = true;
+  return r;
+}
+
+// The next turn of a conversation: the prompt, the answer and `more` new tokens.
+std::vector<int32_t> NextTurn(const DecodeRequest& r, const std::vector<int32_t>& answer,
+                              int more, uint32_t seed) {
+  std::vector<int32_t> next = r.tokens;
+  next.insert(next.end(), answer.begin(), answer.end());
+  const auto extra = RandomTokens(more, 256, seed);
+  next.insert(next.end(), extra.begin(), extra.end());
+  return next;
+}
+
+TEST(Decoder, ALocalPrefillGivesTheTokensTheEngineGeneratesAloneOnEveryTurn) {
+  Rig rig;
+  Transcript t;
+  // Turn 1: nothing held, the whole prompt computed here, seeded sampling.
+  const DecodeRequest turn1 =
+      Local(RandomTokens(40, 256, 1), 20, {.temperature = 0.8f, .top_k = 40, .seed = 3});
+  const uint64_t a = PrepareAndLoad(rig, turn1, t);
+  RunToEnd(rig, t);
+  ASSERT_EQ(t.prefilled.count(a), 1u);
+  EXPECT_EQ(t.prefilled[a].held_tokens, 0);
+  EXPECT_EQ(t.prefilled[a].computed_tokens, 40);
+  EXPECT_EQ(t.tokens[a], Alone(*rig.model, turn1));
+  EXPECT_EQ(t.finish[a], "length");
+  rig.io.Drain();
+
+  // Turn 2: the conversation (prompt and all but the last answer token) is
+  // attached from the pool; only the new tokens are computed.
+  const DecodeRequest turn2 = Local(NextTurn(turn1, t.tokens[a], 9, 2), 12);
+  const uint64_t b = PrepareAndLoad(rig, turn2, t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.prefilled[b].resident_tokens, 59);
+  EXPECT_EQ(t.prefilled[b].held_tokens, 59);
+  EXPECT_EQ(t.prefilled[b].computed_tokens, static_cast<int64_t>(turn2.tokens.size()) - 59);
+  EXPECT_EQ(t.tokens[b], Alone(*rig.model, turn2));
+
+  // A prompt the pool holds whole (turn 1's conversation with KV: 3
+  // chunks and a tail piece): the last token is still computed, for its
+  // logits, after its shared block is copied.
+  const DecodeRequest again = Local({turn2.tokens.begin(), turn2.tokens.begin() + 59}, 6);
+  const uint64_t c = PrepareAndLoad(rig, again, t);
+  RunToEnd(rig, t);
+  EXPECT_LT(t.prefilled[c].held_tokens, 59);
+  EXPECT_EQ(t.prefilled[c].computed_tokens, 59 - t.prefilled[c].held_tokens);
+  EXPECT_EQ(t.tokens[c], Alone(*rig.model, again));
+
+  const DecoderStats s = rig.decoder->Stats();
+  EXPECT_EQ(s.local_prefills, 3u);
+  EXPECT_EQ(s.local_prefill_tokens, 40u + (turn2.tokens.size() - 59) +
+                                        static_cast<uint64_t>(t.prefilled[c].computed_tokens));
+  EXPECT_EQ(s.local_backlog_tokens, 0);
+  EXPECT_GT(s.prefill_ms_per_token, 0.0);
+  rig.io.Drain();
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+}
+
+TEST(Decoder, ALocalPrefillPlacesWhatTheKdnHoldsAndComputesTheRest) {
+  DecoderOptions o;
+  o.resident = false;  // every prefix from the store
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  Transcript t;
+  const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
+  const uint64_t a = RunWhole(rig, turn1, t);
+  const DecodeRequest turn2 = Local(NextTurn(turn1, t.tokens[a], 10, 4), 10);
+  const uint64_t b = PrepareAndLoad(rig, turn2, t);
+  RunToEnd(rig, t);
+  // 69 tokens with KV were stored: 4 chunks and a tail piece of 5.
+  EXPECT_EQ(t.prefilled[b].held_tokens, 69);
+  EXPECT_EQ(t.prefilled[b].resident_tokens, 0);
+  EXPECT_GT(t.prefilled[b].kv_bytes_loaded, 0u);
+  EXPECT_EQ(t.tokens[b], Alone(*rig.model, turn2));
+}
+
+TEST(Decoder, ALocalPrefillRunsInBoundedPiecesBetweenTheRunningRequestsSteps) {
+  DecoderOptions o;
+  o.local_prefill_step_tokens = 16;
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  Transcript t;
+  const DecodeRequest running = Request(RandomTokens(20, 256, 1), 40);
+  const uint64_t r = PrepareAndLoad(rig, running, t);
+  Start(rig, r, PushPrompt(rig, running, 0), t);
+  const size_t before = t.tokens[r].size();
+
+  const DecodeRequest local = Local(RandomTokens(70, 256, 2), 8);
+  DecoderOutput out;
+  auto l = rig.decoder->Prepare(local, &out);
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  t.Add(out);
+  rig.io.Drain();  // its load (a miss)
+  // 70 tokens at 16 a step: 5 steps, each of which still decodes the
+  // running request; the backlog shrinks by a piece each.
+  int64_t backlog = 70;
+  for (int step = 1; step <= 5; ++step) {
+    out = {};
+    rig.decoder->Advance(&out);
+    t.Add(out);
+    EXPECT_EQ(t.tokens[r].size(), before + step) << "a step without the running request";
+    const int64_t now = rig.decoder->Stats().local_backlog_tokens;
+    EXPECT_EQ(now, std::max<int64_t>(backlog - 16, 0)) << "step " << step;
+    backlog = now;
+    EXPECT_EQ(t.prefilled.count(*l), step == 5 ? 1u : 0u) << "step " << step;
+  }
+  EXPECT_GT(rig.decoder->Stats().step_ms, 0.0);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[r], Alone(*rig.model, running));
+  EXPECT_EQ(t.tokens[*l], Alone(*rig.model, local));
+}
+
+TEST(Decoder, ALocalPrefillIsRefusedForBlendedAndResumedRequestsAndNeedsNoStart) {
+  Rig rig;
+  DecoderOutput out;
+  DecodeRequest blended = Local(RandomTokens(20, 256, 1), 4);
+  blended.blended = true;
+  EXPECT_EQ(rig.decoder->Prepare(blended, &out).status().code(), StatusCode::kInvalidArgument);
+  DecodeRequest resumed = Local(RandomTokens(20, 256, 1), 4);
+  resumed.spec.generated = {resumed.tokens.back()};
+  EXPECT_EQ(rig.decoder->Prepare(resumed, &out).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+
+  // Held by a store that does not answer: its load stays out.
+  rig.gated().CloseGets();
+  auto id = rig.decoder->Prepare(Local(RandomTokens(40, 256, 2), 4), &out);
+  ASSERT_TRUE(id.ok());
+  EXPECT_EQ(rig.decoder->Start(*id, 7, true, &out).code(), StatusCode::kInvalidArgument);
+  EXPECT_GT(rig.decoder->Stats().local_backlog_tokens, 0);
+  Transcript t;
+  out = {};
+  ASSERT_TRUE(rig.decoder->Cancel(*id, &out).ok());
+  t.Add(out);
+  EXPECT_EQ(t.finish[*id], "cancelled");
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+  rig.gated().OpenAll();
+  rig.io.Drain();
+  out = {};
+  rig.decoder->Advance(&out);
+  EXPECT_TRUE(out.empty()) << "a cancelled local prefill is not computed";
+  EXPECT_EQ(rig.decoder->Stats().local_prefills, 0u);
+}
+
+TEST(Decoder, ALocalPrefillIsNeverDroppedForWantOfAStart) {
+  auto now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  DecoderOptions o;
+  o.prepare_timeout = std::chrono::seconds(60);
+  o.clock = [&] { return now; };
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  rig.gated().CloseGets();  // its load stays out past the timeout
+  DecoderOutput out;
+  const DecodeRequest local = Local(RandomTokens(40, 256, 2), 4);
+  auto id = rig.decoder->Prepare(local, &out);
+  ASSERT_TRUE(id.ok());
+  now += std::chrono::minutes(5);
+  rig.decoder->Advance(&out);
+  EXPECT_TRUE(out.empty());
+  rig.gated().OpenAll();
+  rig.io.Drain();
+  Transcript t;
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[*id], Alone(*rig.model, local));
 }
 
 TEST(Decoder, PrepareReservesTheRequestsBlocksAndRefusesBadRequests) {

@@ -50,6 +50,9 @@ struct DecodeServiceOptions {
   // is set from max_batch).
   engine::OpenOptions engine{.kv_tokens = 65536};
   int max_batch = 32;
+  // Local prefill (docs/serving.md, "Two paths"): the most prompt tokens
+  // computed between two decode steps while requests run.
+  int local_prefill_step_tokens = 64;
   // kvbus data plane (kvbus::TransportKind): auto and shm give the receiver
   // a shared-memory landing segment of kv_landing_bytes for prefill workers
   // on this host; tcp gives none.

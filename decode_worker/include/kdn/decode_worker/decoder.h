@@ -13,6 +13,13 @@
 //     the next turn of a conversation it kept is prepared at once). When the load is in, Advance copies them into
 //     the reserved blocks and reports a PrepareDone with how many leading
 //     tokens it placed; the prefill worker sends none of those.
+//     A request prepared for local prefill (docs/serving.md, "Two paths")
+//     instead computes the prompt tokens it lacks here, in Advance, between
+//     decode steps: all at once when no request runs, else at most
+//     local_prefill_step_tokens per step, so that running streams keep
+//     their pace. Its first token is drawn here, reported as a
+//     LocalPrefillDone, and it joins the batch with no Start (events from
+//     its second token: the router sends the first).
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
 //     layer slices into the staging tier and sampled the first token. The
 //     slices are copied into the reserved blocks and the request joins the
@@ -56,6 +63,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -93,6 +101,8 @@ struct DecodeRequest {
   std::string transfer_id;
   // The prompt's KV was fused by blend: nothing loaded or stored by prefix key.
   bool blended = false;
+  // Prefill it here (step 1); neither blended nor resumed.
+  bool local_prefill = false;
   // The router's request id, shown in the Decoder's log lines (ReqId) only.
   uint64_t request_id = 0;
   // Sampling, max_tokens, stops; spec.id is set by Prepare. A resumed
@@ -121,11 +131,23 @@ struct PrepareDone {
   int64_t resident_tokens = 0;  // of held_tokens, attached from the pool
 };
 
+// A local prefill is done: its first token is drawn and it runs. Its
+// events start at the second token (the router sends the first).
+struct LocalPrefillDone {
+  uint64_t id = 0;
+  int32_t first_token = -1;
+  int64_t held_tokens = 0;      // leading prompt tokens it did not compute (pool and KDN)
+  int64_t resident_tokens = 0;  // of held_tokens, attached from the pool
+  int64_t computed_tokens = 0;
+  uint64_t kv_bytes_loaded = 0;  // KV copied into the pool from its lower tiers
+};
+
 // What Decoder calls produce, appended in order.
 struct DecoderOutput {
   std::vector<PrepareDone> prepared;
+  std::vector<LocalPrefillDone> prefilled;  // before `events`, which may follow them
   std::vector<TokenEvent> events;
-  bool empty() const { return prepared.empty() && events.empty(); }
+  bool empty() const { return prepared.empty() && prefilled.empty() && events.empty(); }
 };
 
 struct DecoderOptions {
@@ -144,6 +166,10 @@ struct DecoderOptions {
   // Keep finished conversations resident in the pool and attach them
   // (false: every prefix is loaded from the KDN; for benchmarks).
   bool resident = true;
+  // The most prompt tokens of local prefills computed between two decode
+  // steps while requests run (none run: all at once). Bounds what a local
+  // prefill adds to the running streams' inter-token latency.
+  int local_prefill_step_tokens = 64;
   // Time for prepare_timeout; steady_clock::now when empty (tests inject one).
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
@@ -163,6 +189,12 @@ struct DecoderStats {
   uint64_t chunks_store_failed = 0;  // a Put failed: that chunk and the rest of its conversation
   uint64_t chunks_store_dropped = 0;  // never handed over: too many bytes waiting
   uint64_t store_bytes_pending = 0;   // handed over, not yet stored
+  // Local prefill (placement's inputs and /metrics):
+  int64_t local_backlog_tokens = 0;    // prompt tokens of local prefills still to compute
+  double step_ms = 0;                  // decode steps, recent average (0: none yet)
+  double prefill_ms_per_token = 0;     // local prefill pieces, recent average (0: none yet)
+  uint64_t local_prefills = 0;         // finished (first token drawn)
+  uint64_t local_prefill_tokens = 0;   // prompt tokens computed by local prefills
 };
 
 class Decoder {
@@ -183,12 +215,13 @@ class Decoder {
   // RESOURCE_EXHAUSTED when too few KV blocks are free for the whole
   // request (KvTokensReserved). On
   // error nothing is held. A blended prompt (nothing to load) gets its
-  // PrepareDone in `out` at once.
+  // PrepareDone in `out` at once. INVALID_ARGUMENT too for a local prefill
+  // of a blended or resumed request (those keep the prefill worker's path).
   Result<uint64_t> Prepare(DecodeRequest request, DecoderOutput* out);
 
   // Step 2. NOT_FOUND, with nothing changed, when `id` is not a prepared
   // request (unknown, started, finished or dropped); INVALID_ARGUMENT when a
-  // Start for it is already waiting. Otherwise OK, and the request either
+  // Start for it is already waiting, or it is prefilled here (it needs none). Otherwise OK, and the request either
   // runs (its first event in `out`), fails (its finished event with `error`
   // in `out`), or waits for its load (a later Advance does the rest).
   // `first_token_sent`: the router has sent the first token to the client
@@ -201,12 +234,15 @@ class Decoder {
   Status Cancel(uint64_t id, DecoderOutput* out);
 
   // Takes in the loads that are in (PrepareDone, then any Start waiting for
-  // them), drops prepared requests past prepare_timeout, and runs one decode
-  // step for the batch. A failed step fails every running request.
+  // them), drops prepared requests past prepare_timeout (local prefills
+  // never: they need no Start), computes local prefills (bounded while
+  // requests run; a failed one fails its request) and runs one decode step
+  // for the batch. A failed step fails every running request.
   void Advance(DecoderOutput* out);
 
-  // Whether Advance has work now (running requests or loads that are in),
-  // so that a driver knows when it may sleep.
+  // Whether Advance has work now (running requests, loads that are in, or
+  // local prefills ready to compute), so that a driver knows when it may
+  // sleep.
   bool Busy() const;
 
   DecoderStats Stats() const;
@@ -222,6 +258,7 @@ class Decoder {
     int64_t held_tokens = -1;           // -1 while the load is out
     std::optional<int32_t> start;       // a Start waiting for the load: its first token
     TimePoint created;
+    uint64_t kv_bytes_loaded = 0;       // placed from the lower tiers
   };
   // From Start to the finish: what storing the conversation needs.
   struct Running {
@@ -257,6 +294,16 @@ class Decoder {
   void PostStore(uint64_t request_id, std::vector<std::shared_ptr<const kvbus::Chunk>> chunks);
   // Assembles and admits a prepared request whose load is in.
   void Begin(uint64_t id, int32_t first_token, DecoderOutput* out);
+  // Admits `p` (its prompt's KV all in its sequence) into the batch.
+  Status Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutput* out);
+  // The load of local prefill `id` is in: it waits for its compute.
+  void QueueLocal(uint64_t id, Prepared& p);
+  // Computes local prefills, oldest first, up to the step's budget.
+  void RunLocalPrefills(DecoderOutput* out);
+  // The prompt tokens a prepared request may take from the pool and the
+  // KDN: all of them, or all but the last when it is prefilled here (the
+  // last is computed for its logits).
+  static int64_t HeldLimit(const DecodeRequest& r);
   // The Batcher's finish hook: hands the conversation's chunks to the store.
   void StoreConversation(uint64_t id, const engine::KvSequence& seq,
                          const std::vector<int32_t>& generated);
@@ -280,6 +327,11 @@ class Decoder {
   uint64_t kv_bytes_loaded_ = 0;
   uint64_t resident_hit_tokens_ = 0;
   uint64_t chunks_store_dropped_ = 0;
+  std::deque<uint64_t> local_queue_;  // local prefills whose load is in, oldest first
+  double step_ms_ = 0;                // recent averages (exponential)
+  double prefill_ms_per_token_ = 0;
+  uint64_t local_prefills_ = 0;
+  uint64_t local_prefill_tokens_ = 0;
 };
 
 }  // namespace kdn::decode_worker
