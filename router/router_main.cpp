@@ -83,9 +83,24 @@ int main(int argc, char** argv) {
                  "Decode workers a request may lose and still go on")
       ->check(CLI::Range(0, 100))
       ->capture_default_str();
+  std::string disaggregation = kdn::router::DisaggregationName(o.backend.disaggregation);
+  app.add_option("--disaggregation", disaggregation,
+                 "Where prompts are computed: always on a prefill worker (KV moved to the "
+                 "decode worker), never (on the decode worker, but blended and resumed "
+                 "requests), or auto (the decode worker when placement's cost model says so; "
+                 "docs/serving.md, \"Two paths\"); a request's \"disaggregation\" field "
+                 "overrides it")
+      ->check(CLI::IsMember({"always", "auto", "never"}))
+      ->capture_default_str();
+  app.add_option("--local-prefill-max-tokens", o.backend.local_prefill_max_tokens,
+                 "With --disaggregation auto: the most prompt tokens a decode worker lacks "
+                 "for it to compute the prompt itself")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+      ->capture_default_str();
   kdn::kvbus::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
+  o.backend.disaggregation = *kdn::router::ParseDisaggregation(disaggregation);
   o.backend.queue_timeout = std::chrono::milliseconds(queue_timeout_ms);
   o.max_body_buffer_bytes = max_body_buffer_mib << 20;
   o.backend.resume = !no_resume;

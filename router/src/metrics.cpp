@@ -82,6 +82,11 @@ void Metrics::Resumed(int tokens) {
   resumed_tokens_ += static_cast<uint64_t>(tokens);
 }
 
+void Metrics::Routed(bool local) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++(local ? routed_local_ : routed_disaggregated_);
+}
+
 void Metrics::RequestFinished(const std::string& route, int code) {
   std::lock_guard<std::mutex> lock(mu_);
   ++requests_[{route, code}];
@@ -159,6 +164,12 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   Single(&out, "kdn_resumed_tokens_total", "counter",
          "Tokens generated before a request was resumed, which its new prompt carried.",
          resumed_tokens_);
+  Head(&out, "kdn_requests_routed_total", "counter",
+       "Requests routed (a resume counts again), by where their prompt was computed: "
+       "path=disaggregated on a prefill worker, its KV moved; path=local on the decode worker.");
+  out += "kdn_requests_routed_total{path=\"disaggregated\"} " +
+         std::to_string(routed_disaggregated_) + "\n";
+  out += "kdn_requests_routed_total{path=\"local\"} " + std::to_string(routed_local_) + "\n";
   Head(&out, "kdn_ttft_seconds", "histogram", "Time to first token from the request's arrival.");
   ttft_.Render("kdn_ttft_seconds", &out);
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");
@@ -287,6 +298,16 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
              "KV bytes a worker copied into its pool from its lower KDN tiers (host, disk, "
              "kdn-store); a resident hit adds nothing.",
              [](const WorkerGauge& w) { return w.resident.kv_bytes_loaded; });
+  // Local prefill on decode workers (docs/serving.md, "Two paths").
+  per_worker("kdn_worker_local_prefills_total", "counter",
+             "Prompts a decode worker computed itself (local prefill).",
+             [](const WorkerGauge& w) { return w.local_prefill.requests; });
+  per_worker("kdn_worker_local_prefill_tokens_total", "counter",
+             "Prompt tokens a decode worker's local prefills computed.",
+             [](const WorkerGauge& w) { return w.local_prefill.tokens; });
+  per_worker("kdn_worker_local_prefill_backlog_tokens", "gauge",
+             "Prompt tokens of local prefills a decode worker has still to compute.",
+             [](const WorkerGauge& w) { return w.local_prefill.backlog_tokens; });
   per_worker("kdn_worker_store_unreachable_total", "counter",
              "A worker's kdn-store requests that failed for want of an answer (timed out, or "
              "refused at once while the store is held to be down): each a cache miss.",

@@ -394,6 +394,15 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   KDN_API_CHECK(GetBool(body, "ignore_eos", &ignore_eos));
   if (!ignore_eos) out->stop_ids = text::ModelStopIds(*model.tokenizer, *model.config);
   KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
+  std::string disaggregation;
+  KDN_API_CHECK(GetString(body, "disaggregation", &disaggregation));
+  if (!disaggregation.empty()) {
+    out->disaggregation = ParseDisaggregation(disaggregation);
+    if (!out->disaggregation) {
+      return Bad("'disaggregation' must be \"always\", \"auto\" or \"never\"",
+                 "disaggregation");
+    }
+  }
   std::string user;
   KDN_API_CHECK(GetString(body, "user", &user));
   return std::nullopt;
@@ -446,6 +455,7 @@ Job ToJob(ApiRequest req, std::string ns, std::string route) {
   job.stop_ids = std::move(req.stop_ids);
   job.stop_strings = std::move(req.stop);
   job.blend = std::move(req.blend);
+  job.disaggregation = req.disaggregation;
   job.route = std::move(route);
   return job;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 
 namespace kdn::router {
 
@@ -9,6 +10,12 @@ void Ledger::Reserve(size_t prefill, size_t decode, int64_t prompt_tokens, int64
   ++rows_.at(decode).requests;
   rows_.at(decode).kv_blocks += kv_blocks;
   rows_.at(prefill).prefill_tokens += prompt_tokens;
+}
+
+void Ledger::ReserveLocal(size_t decode, int64_t prompt_tokens, int64_t kv_blocks) {
+  ++rows_.at(decode).requests;
+  rows_.at(decode).kv_blocks += kv_blocks;
+  rows_.at(decode).local_tokens += prompt_tokens;
 }
 
 void Ledger::MarkFull(size_t decode, const WorkerView& reported) {
@@ -93,6 +100,35 @@ DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
   using V = DecodePlacement::Verdict;
   out.verdict = found ? V::kRoute : !up ? V::kNoneUp : could_hold ? V::kWait : V::kTooLarge;
   return out;
+}
+
+bool PrefillLocally(const WorkerViews& workers, const Ledger& ledger, const PlacementInput& in,
+                    size_t p, size_t d, Disaggregation mode, int64_t max_local_tokens) {
+  if (in.blend != nullptr || in.resumed || mode == Disaggregation::kAlways) return false;
+  if (mode == Disaggregation::kNever) return true;
+  const int64_t n = in.tokens;
+  const auto lacking = [&](size_t w) {
+    const auto it = in.prefix->find(w);
+    const int64_t held = it == in.prefix->end() ? 0 : std::max<int64_t>(it->second, 0);
+    return n - std::min(held, n - 1);  // the last token is computed
+  };
+  const int64_t local_tokens = lacking(d);
+  if (local_tokens > max_local_tokens) return false;
+  const LocalPrefillView& lp = workers[d].local_prefill;
+  const double backlog =
+      static_cast<double>(lp.backlog_tokens + ledger.at(d).local_tokens + local_tokens);
+  double local = backlog;
+  if (lp.running > 0) {
+    // Pieces of step_tokens, each after a decode step of the running batch.
+    const double step_tokens = lp.step_tokens > 0 ? lp.step_tokens : 64;
+    const double step_cost = lp.step_ms > 0 && lp.prefill_ms_per_token > 0
+                                 ? lp.step_ms / lp.prefill_ms_per_token
+                                 : step_tokens;
+    local += std::ceil(backlog / step_tokens) * step_cost;
+  }
+  const double remote =
+      static_cast<double>(lacking(p) + LoadOf(workers[p], ledger.at(p)).queue_tokens);
+  return local <= remote;
 }
 
 std::optional<size_t> PlaceRetry(const WorkerViews& workers, const Ledger& ledger, size_t lost) {

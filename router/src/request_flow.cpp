@@ -1,5 +1,6 @@
 #include "kdn/router/request_flow.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "kdn/common/log.h"
@@ -73,7 +74,7 @@ void RequestFlow::Release(const Request& r) {
   if (r.phase == Phase::kPrepare || r.phase == Phase::kPrefill || r.phase == Phase::kDecode) {
     link_.Send(r.d, r.id, cancel);
   }
-  if (r.phase == Phase::kPrefill) link_.Send(r.p, r.id, cancel);
+  if (r.phase == Phase::kPrefill && !r.local) link_.Send(r.p, r.id, cancel);
 }
 
 void RequestFlow::End(Iter it, JobEvent ev) {
@@ -174,6 +175,7 @@ Status RequestFlow::StartLookup(Request& r) {
   r.prefix.clear();
   r.segment_tokens_held.clear();
   r.resident.clear();
+  r.local = false;
   r.lookups_pending = 0;
   for (size_t w = 0; w < workers_.size(); ++w) {
     if (!Usable(workers_[w], Role::kPrefill) && !Usable(workers_[w], Role::kDecode)) continue;
@@ -194,6 +196,7 @@ PlacementInput RequestFlow::InputOf(const Request& r) const {
   in.prefix = &r.prefix;
   in.segment_tokens_held = &r.segment_tokens_held;
   in.resident = &r.resident;
+  in.resumed = r.Resumes() > 0 || r.generated_tokens > 0;
   return in;
 }
 
@@ -220,14 +223,25 @@ void RequestFlow::Place(Request& r) {
   }
   r.p = *p;
   r.d = d.worker;
-  proto::WorkerMessage m = PrepareMessage(r.job, r.transfer_id, r.generated_tokens);
+  r.local = PrefillLocally(workers_, ledger_, in, r.p, r.d,
+                           r.job.disaggregation.value_or(options_.disaggregation),
+                           options_.local_prefill_max_tokens);
+  proto::WorkerMessage m = PrepareMessage(r.job, r.transfer_id, r.generated_tokens, r.local);
   // Before the prepare goes out, so that the line comes before the decode
-  // worker's about it.
-  LogInfo("{} routed: prefill {} (reaches {} tokens), decode {} (holds {} tokens)", ReqId{r.id},
-          workers_[r.p].name, r.prefix[r.p], workers_[r.d].name, r.job.blend ? 0 : r.prefix[r.d]);
+  // worker's about it. Counted against the workers until they next report.
+  if (r.local) {
+    LogInfo("{} routed: local prefill on decode {} (holds {} tokens); prefill {} reaches {}",
+            ReqId{r.id}, workers_[r.d].name, r.prefix[r.d], workers_[r.p].name, r.prefix[r.p]);
+    r.p = r.d;
+    ledger_.ReserveLocal(r.d, in.tokens - std::min(r.prefix[r.d], in.tokens - 1), in.kv_blocks);
+  } else {
+    LogInfo("{} routed: prefill {} (reaches {} tokens), decode {} (holds {} tokens)", ReqId{r.id},
+            workers_[r.p].name, r.prefix[r.p], workers_[r.d].name,
+            r.job.blend ? 0 : r.prefix[r.d]);
+    ledger_.Reserve(r.p, r.d, in.tokens, in.kv_blocks);
+  }
+  if (metrics_) metrics_->Routed(r.local);
   link_.Send(r.d, r.id, m);
-  // Counted against the workers until they next report.
-  ledger_.Reserve(r.p, r.d, in.tokens, in.kv_blocks);
   Enter(r, Phase::kPrepare);
 }
 

@@ -58,6 +58,12 @@ void RequestFlow::OnPrepareReply(size_t w, Request& r, const proto::WorkerMessag
     return Fail(r.id, Unavailable(workers_[r.d].name + " has not said where it takes KV"));
   }
   r.decode_held_tokens = m.prepare_reply().held_tokens();
+  if (r.local) {
+    // It computes the rest itself; its PrefillReply comes from it.
+    LogDebug("{} prepared: {} holds {} prompt tokens and prefills the rest", ReqId{r.id},
+             workers_[r.d].name, r.decode_held_tokens);
+    return Enter(r, Phase::kPrefill);
+  }
   LogDebug("{} prepared: {} holds {} prompt tokens; prefill to {}", ReqId{r.id},
            workers_[r.d].name, r.decode_held_tokens, workers_[r.p].name);
   SendPrefill(r);
@@ -90,10 +96,11 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
   // A resumed request's prefill carries on a stream its client has; the
   // figures of its prompt are its first prefill's.
   const bool resumed = !r.streamed.empty();
-  LogInfo("{} prefill done by {}{}: {} cached ({} from tail pieces, {} blended, {} of them "
+  LogInfo("{} prefill done by {}{}{}: {} cached ({} from tail pieces, {} blended, {} of them "
           "recomputed), {} computed, {} bytes of KV sent, {} slices skipped, {} token after "
           "{:.1f} ms",
-          ReqId{r.id}, workers_[w].name, resumed ? " (resumed)" : "", pr.cached_tokens(),
+          ReqId{r.id}, workers_[w].name, r.local ? " (local)" : "", resumed ? " (resumed)" : "",
+          pr.cached_tokens(),
           pr.tail_tokens(), pr.blended_tokens(), pr.recomputed_tokens(), pr.computed_tokens(),
           pr.kv_bytes_sent(), pr.slices_skipped(), resumed ? "next" : "first",
           std::chrono::duration<double, std::milli>(Clock::now() - r.arrival).count());
@@ -139,13 +146,19 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
     return Finish(it, std::move(ev));
   }
   r.cb(std::move(ev));
+  if (r.local) return;  // it runs already, its events from the second token on
   proto::WorkerMessage start = StartMessage(pr.first_token());
   link_.Send(r.d, r.id, start);
 }
 
 void RequestFlow::OnTokens(size_t w, Iter it, const proto::WorkerMessage& m) {
   Request& r = it->second;
-  if (w != r.d || (r.phase != Phase::kDecode && r.phase != Phase::kPrepare)) return;
+  // Before the decode phase only a failure comes (of its prepare, or of its
+  // local prefill).
+  if (w != r.d || (r.phase != Phase::kDecode && r.phase != Phase::kPrepare &&
+                   !(r.phase == Phase::kPrefill && r.local))) {
+    return;
+  }
   JobEvent ev;
   bool finished = false;
   for (const proto::TokenEvent& e : m.tokens().events()) {

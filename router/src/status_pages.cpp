@@ -115,6 +115,7 @@ std::vector<WorkerGauge> WorkerGauges(const std::vector<WorkerView>& workers) {
     g.leased_kv_blocks = w.leased_kv_blocks;
     g.kvbus_leased_bytes = w.kvbus_leased_bytes;
     g.resident = w.resident;
+    g.local_prefill = w.local_prefill;
     gauges.push_back(std::move(g));
   }
   return gauges;

@@ -152,6 +152,9 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   const proto::ResidentCounters& r = info.resident();
   v.resident = {r.cached_blocks(), r.evictable_blocks(), r.evictions(), r.hit_tokens(),
                 r.copied_blocks(), r.kv_bytes_loaded()};
+  const proto::LocalPrefill& lp = info.local_prefill();
+  v.local_prefill = {lp.running(), lp.backlog_tokens(), lp.step_ms(), lp.prefill_ms_per_token(),
+                     lp.step_tokens(), lp.requests(), lp.tokens()};
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {
       LogError("{} is a {} worker, not {}; not using it", v.endpoint, info.role(),

@@ -47,6 +47,72 @@ class PlacementTest : public ::testing::Test {
 
 using Verdict = DecodePlacement::Verdict;
 
+// --- path: PrefillLocally's cost model (p0 prefill, d0 decode).
+
+TEST_F(PlacementTest, PathFollowsTheModeAndNeverTakesBlendedOrResumedRequestsLocally) {
+  prefix_[2] = 60;  // d0 lacks 4 tokens, p0 all 64: auto says local
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAlways, 512));
+  prefix_[2] = 0;  // auto would not; never forces it
+  workers_[2].local_prefill.running = 4;
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kNever, 512));
+  BlendSpec blend;
+  in_.blend = &blend;
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kNever, 512));
+  in_.blend = nullptr;
+  in_.resumed = true;
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kNever, 512));
+}
+
+TEST_F(PlacementTest, AutoPrefillsLocallyWhatTheDecodeWorkerLacksUpToTheCap) {
+  in_.tokens = 1000;
+  prefix_[2] = 900;  // d0 lacks 100; p0 reaches as much: equal work, local saves the move
+  prefix_[0] = 900;
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 99));
+  // p0 reaches more than d0: it computes less.
+  prefix_[0] = 950;
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  // ...unless tokens queue at p0.
+  workers_[0].queue_tokens = 100;
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  // The whole prompt held at d0 still costs its last token.
+  prefix_[2] = 1000;
+  prefix_[0] = 0;
+  workers_[0].queue_tokens = 0;
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 1));
+}
+
+TEST_F(PlacementTest, AutoCountsTheDecodeWorkersBacklogAndItsRunningBatchesSteps) {
+  in_.tokens = 1000;
+  prefix_[2] = 900;  // d0 lacks 100
+  prefix_[0] = 800;  // p0 lacks 200
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  // Local prefills already queued there, reported or routed since.
+  workers_[2].local_prefill.backlog_tokens = 60;
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  ledger_.ReserveLocal(2, 50, 1);
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  ledger_.Clear(2);
+  workers_[2].local_prefill.backlog_tokens = 0;
+  // Requests running there: pieces of 50 tokens, each after a step that
+  // costs 20 ms, at 1 ms a token: 100 + 2 * 20 = 140 <= 200, local.
+  workers_[2].local_prefill = {.running = 8, .step_ms = 20, .prefill_ms_per_token = 1,
+                               .step_tokens = 50};
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  // Steps of 60 ms: 100 + 2 * 60 = 220 > 200, the prefill worker.
+  workers_[2].local_prefill.step_ms = 60;
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  // Before any measure a step counts as a piece: 100 + 2 * 50 = 200, local.
+  workers_[2].local_prefill.step_ms = 0;
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  workers_[2].local_prefill.step_tokens = 25;  // 100 + 4 * 25 = 200
+  EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+  prefix_[0] = 801;  // p0 lacks 199
+  EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
+}
+
 TEST(KvBlocks, AreCountedInBlocksOfTheOneConstant) {
   EXPECT_EQ(kKvBlockTokens, 16);
   EXPECT_EQ(KvBlocksFor(0), 0);

@@ -71,6 +71,9 @@ class RequestFlowTest : public ::testing::Test {
     identity_.known = true;
     identity_.chunk_tokens = 16;
     options_.max_queued = 2;
+    // The prefill worker's path unless a test says otherwise (the local
+    // path's tests are at the end).
+    options_.disaggregation = Disaggregation::kAlways;
   }
   void Start() {
     flow_ = std::make_unique<RequestFlow>(options_, workers_, identity_, ledger_, link_,
@@ -366,6 +369,112 @@ TEST_F(RequestFlowTest, NoWorkerOfARoleUpFailsAtOnce) {
   ASSERT_EQ(events_[id].size(), 1u);
   EXPECT_EQ(events_[id][0].error.code(), StatusCode::kUnavailable);
   EXPECT_TRUE(link_.sent.empty());
+}
+
+}  // namespace
+}  // namespace kdn::router
+
+namespace kdn::router {
+namespace {
+
+// --- The local path (docs/serving.md, "Two paths").
+
+class LocalPathTest : public RequestFlowTest {
+ protected:
+  LocalPathTest() { options_.disaggregation = Disaggregation::kAuto; }
+  // d1 holds 16 of the prompt and p0, p1 nothing: auto takes d1 locally.
+  proto::PrepareRequest ToLocalPrefill(uint64_t id) {
+    AnswerLookups(id, 0, 16);
+    auto prepares = link_.Take(Body::kPrepare);
+    EXPECT_EQ(prepares.size(), 1u);
+    EXPECT_EQ(prepares.at(0).worker, kD1);
+    EXPECT_TRUE(prepares.at(0).m.prepare().local_prefill());
+    AnswerPrepare(kD1, id);
+    EXPECT_EQ(PhaseOf(id), Phase::kPrefill);
+    EXPECT_TRUE(link_.Take(Body::kPrefill).empty()) << "no prefill worker is asked";
+    return prepares.at(0).m.prepare();
+  }
+};
+
+TEST_F(LocalPathTest, TheDecodeWorkerPrefillsAndStreamsWithNoStart) {
+  const uint64_t id = Submit("Hello world, again");
+  const proto::PrepareRequest pr = ToLocalPrefill(id);
+  EXPECT_EQ(ledger_.at(kD1).local_tokens, 18 - 16);
+  EXPECT_EQ(ledger_.at(kP0).prefill_tokens + ledger_.at(kP1).prefill_tokens, 0);
+  AnswerPrefill(kD1, id, 'A', pr.transfer_id());
+  EXPECT_EQ(PhaseOf(id), Phase::kDecode);
+  EXPECT_TRUE(link_.Take(Body::kStart).empty()) << "it runs already";
+  SendTokens(kD1, id, "bc", /*finished=*/true);
+  const auto& ev = events_[id];
+  ASSERT_EQ(ev.size(), 2u);
+  EXPECT_EQ(ev[0].text, "A");
+  EXPECT_EQ(ev[1].text, "bc");
+  EXPECT_EQ(ev[1].kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(flow_->size(), 0u);
+}
+
+TEST_F(LocalPathTest, TheRoutersFlagAndTheRequestsFieldForceEitherPath) {
+  options_.disaggregation = Disaggregation::kAlways;
+  Submit("Hello world, again", 8, 1);
+  AnswerLookups(1, 0, 16);
+  auto prepares = link_.Take(Body::kPrepare);
+  ASSERT_EQ(prepares.size(), 1u);
+  EXPECT_FALSE(prepares[0].m.prepare().local_prefill());
+  // A request's own field overrides the router's.
+  Job job;
+  const std::string prompt = "Hello world, again";
+  job.tokens.assign(prompt.begin(), prompt.end());
+  job.sampling.temperature = 0;
+  job.disaggregation = Disaggregation::kNever;
+  flow_->Submit(2, std::move(job), [this](JobEvent ev) { events_[2].push_back(ev); },
+                RequestFlow::Clock::now());
+  AnswerLookups(2, 0, 0);
+  prepares = link_.Take(Body::kPrepare);
+  ASSERT_EQ(prepares.size(), 1u);
+  EXPECT_TRUE(prepares[0].m.prepare().local_prefill());
+}
+
+TEST_F(LocalPathTest, AFailedLocalPrefillFailsTheRequest) {
+  const uint64_t id = Submit("Hello world, again");
+  ToLocalPrefill(id);
+  proto::WorkerMessage m;
+  auto* e = m.mutable_tokens()->add_events();
+  e->set_token(-1);
+  e->set_finished(true);
+  control::StatusToProto(Internal("engine failed"), e->mutable_error());
+  Reply(kD1, id, m);
+  ASSERT_EQ(events_[id].size(), 1u);
+  EXPECT_EQ(events_[id][0].kind, JobEvent::Kind::kError);
+  EXPECT_EQ(flow_->size(), 0u);
+}
+
+TEST_F(LocalPathTest, ADecodeWorkerLostMidLocalPrefillResumesOnThePrefillWorkersPath) {
+  const uint64_t id = Submit("Hello world, again");
+  ToLocalPrefill(id);
+  Down(kD1);
+  EXPECT_EQ(PhaseOf(id), Phase::kLookup);  // resumed: asked again, d1 left out
+  AnswerLookups(id, 0, 0);
+  auto prepares = link_.Take(Body::kPrepare);
+  ASSERT_EQ(prepares.size(), 1u);
+  EXPECT_EQ(prepares[0].worker, kD0);
+  EXPECT_FALSE(prepares[0].m.prepare().local_prefill()) << "a resumed request is not local";
+  AnswerPrepare(kD0, id);
+  auto prefills = link_.Take(Body::kPrefill);
+  ASSERT_EQ(prefills.size(), 1u);
+  AnswerPrefill(prefills[0].worker, id, 'A', prefills[0].m.prefill().transfer_id());
+  ASSERT_EQ(link_.Take(Body::kStart).size(), 1u);
+  SendTokens(kD0, id, "bc", true);
+  ASSERT_EQ(events_[id].size(), 2u);
+  EXPECT_EQ(events_[id][0].text + events_[id][1].text, "Abc");
+}
+
+TEST_F(LocalPathTest, ACancelledLocalPrefillIsCancelledOnceAtItsDecodeWorker) {
+  const uint64_t id = Submit("Hello world, again");
+  ToLocalPrefill(id);
+  EXPECT_TRUE(flow_->Cancel(id));
+  const auto cancels = link_.Take(Body::kCancel);
+  ASSERT_EQ(cancels.size(), 1u);
+  EXPECT_EQ(cancels[0].worker, kD1);
 }
 
 }  // namespace

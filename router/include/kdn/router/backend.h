@@ -94,6 +94,12 @@ struct BackendOptions {
   // "A decode worker lost"), up to max_resumes times; false: it fails.
   bool resume = true;
   int max_resumes = 3;
+  // Where prompts are computed (docs/serving.md, "Two paths"); a request's
+  // own "disaggregation" field overrides it. A local prefill is chosen
+  // (auto) only for at most local_prefill_max_tokens tokens the decode
+  // worker lacks.
+  Disaggregation disaggregation = Disaggregation::kAuto;
+  int64_t local_prefill_max_tokens = 512;
   // Set: the control connections run CURVE as holders of this key, the
   // workers' (kdn/kvbus/curve.h); unset: plaintext.
   std::optional<kvbus::CurveKeys> curve;

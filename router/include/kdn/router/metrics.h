@@ -38,6 +38,17 @@ struct ResidentCounters {
   uint64_t evictions = 0, hit_tokens = 0, copied_blocks = 0, kv_bytes_loaded = 0;
 };
 
+// A decode worker's local prefill (proto::LocalPrefill).
+struct LocalPrefillView {
+  int running = 0;              // requests in its decode batch
+  int64_t backlog_tokens = 0;   // local prefill tokens still to compute
+  double step_ms = 0;           // its decode steps, recent average (0: none yet)
+  double prefill_ms_per_token = 0;  // its local prefill pieces (0: none yet)
+  int step_tokens = 0;          // its --local-prefill-step-tokens (0: not said)
+  uint64_t requests = 0;        // local prefills finished
+  uint64_t tokens = 0;          // prompt tokens they computed
+};
+
 struct WorkerGauge {
   std::string name;
   std::string role;
@@ -59,6 +70,7 @@ struct WorkerGauge {
   int leased_kv_blocks = 0;
   uint64_t kvbus_leased_bytes = 0;
   ResidentCounters resident;
+  LocalPrefillView local_prefill;  // decode
 };
 
 class Metrics {
@@ -87,6 +99,10 @@ class Metrics {
   // (BackendOptions::resume), with `tokens` generated tokens recomputed
   // or loaded as part of its new prompt.
   void Resumed(int tokens);
+  // A request routed: its prompt computed by a prefill worker
+  // (disaggregated) or by its decode worker (local; docs/serving.md, "Two
+  // paths").
+  void Routed(bool local);
 
   std::string Render(const std::vector<WorkerGauge>& workers) const;
 
@@ -105,6 +121,7 @@ class Metrics {
   int queue_depth_ = 0;
   Histogram queue_wait_;
   uint64_t resumed_ = 0, resumed_tokens_ = 0;
+  uint64_t routed_disaggregated_ = 0, routed_local_ = 0;
 };
 
 }  // namespace kdn::router

@@ -45,6 +45,7 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;
   std::string cache_salt;  // the tenant's namespace
+  std::optional<Disaggregation> disaggregation;  // "disaggregation": where the prompt is computed
 };
 
 // What the router serves, for validation.

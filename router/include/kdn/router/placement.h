@@ -18,7 +18,10 @@
 //             prefill worker with the fewest queued tokens;
 //   document  an injection's document goes to the prefill worker with the
 //             fewest documents in flight, below a cap, then the fewest queued
-//             tokens.
+//             tokens;
+//   path      with both workers chosen, whether the decode worker computes
+//             the prompt itself (local prefill) instead of the prefill
+//             worker: PrefillLocally's cost model.
 // Only workers that answered the lookup (a prefix >= 0) are candidates for a
 // request; only usable ones (up, compatible, of the role) for anything.
 //
@@ -45,6 +48,9 @@ class Ledger {
   // A request routed: a place and `kv_blocks` at decode worker `decode`,
   // `prompt_tokens` to compute at prefill worker `prefill`.
   void Reserve(size_t prefill, size_t decode, int64_t prompt_tokens, int64_t kv_blocks);
+  // A request routed to be prefilled at decode worker `decode` itself,
+  // `prompt_tokens` of it to compute there.
+  void ReserveLocal(size_t decode, int64_t prompt_tokens, int64_t kv_blocks);
   // Decode worker `decode` refused a prepare for want of KV: none is free
   // there until it reports again.
   void MarkFull(size_t decode, const WorkerView& reported);
@@ -78,6 +84,7 @@ struct PlacementInput {
   // Of each worker's prefix, the tokens resident in its KV pool (attached
   // with no KV moved); null or absent: none.
   const std::map<size_t, int64_t>* resident = nullptr;
+  bool resumed = false;  // its decode worker was lost before (a resume)
 };
 
 using WorkerViews = std::vector<WorkerView>;
@@ -98,6 +105,21 @@ struct DecodePlacement {
 };
 DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
                             const PlacementInput& in);
+
+// Where the prompt of a request placed at prefill worker `p` and decode
+// worker `d` is computed (docs/serving.md, "Two paths"): true for a local
+// prefill at `d`. Never for a blended or resumed request. kNever: always
+// else; kAlways: never. kAuto, in estimated prefill tokens of time:
+//   local   the tokens `d` lacks (the prompt less what it reaches, the last
+//           token always) plus its local backlog, and, while requests run
+//           there, one decode step per piece of its step tokens (the step's
+//           time in tokens from its reported averages; a step counts as a
+//           piece before it has any);
+//   remote  the tokens `p` lacks plus the tokens queued at it;
+// local when the tokens `d` lacks are at most `max_local_tokens` and local
+// costs no more than remote (at equal cost local also saves moving the KV).
+bool PrefillLocally(const WorkerViews& workers, const Ledger& ledger, const PlacementInput& in,
+                    size_t p, size_t d, Disaggregation mode, int64_t max_local_tokens);
 
 // The prefill worker that takes over a prefill lost with worker `lost`; none
 // when no other usable prefill worker is left.

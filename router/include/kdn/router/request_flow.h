@@ -107,6 +107,9 @@ class RequestFlow {
     size_t p = 0, d = 0;
     bool first_token_seen = false;
     int64_t decode_held_tokens = 0;  // from the decode worker's PrepareReply
+    // Its decode worker computes the prompt (p == d; docs/serving.md, "Two
+    // paths"): no prefill worker, no KV moved, no Start.
+    bool local = false;
     int prefill_retries = 0;         // prefill workers lost before the first token
     std::string transfer_id;
     Usage usage;

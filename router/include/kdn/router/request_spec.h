@@ -22,6 +22,16 @@ namespace kdn::router {
 
 using control::BlendSpec;
 
+// Where a request's prompt is computed (docs/serving.md, "Two paths"):
+//   always  on a prefill worker, its KV moved to the decode worker;
+//   auto    on the decode worker when the placement's cost model says so;
+//   never   on the decode worker whenever the request may be (a blended or
+//           resumed request always takes the prefill worker's path).
+enum class Disaggregation { kAlways, kAuto, kNever };
+const char* DisaggregationName(Disaggregation d);
+// "always", "auto" or "never"; nullopt for anything else.
+std::optional<Disaggregation> ParseDisaggregation(const std::string& s);
+
 struct Job {
   std::vector<int32_t> tokens;  // the prompt, documents in place
   std::string ns;               // the tenant's cache namespace
@@ -30,6 +40,8 @@ struct Job {
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
   std::optional<BlendSpec> blend;  // set when the prompt has documents
+  // The request's own choice of path; unset: the router's --disaggregation.
+  std::optional<Disaggregation> disaggregation;
   std::string route;  // the HTTP path it came by, for log lines
 };
 

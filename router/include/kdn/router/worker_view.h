@@ -35,7 +35,9 @@ struct Reservation {
   int requests = 0;            // decode: requests prepared on it
   int64_t kv_blocks = 0;       // decode: KV blocks those reserve
   int64_t prefill_tokens = 0;  // prefill: prompt tokens sent to it
+  int64_t local_tokens = 0;    // decode: prompt tokens sent to it to prefill locally
 };
+
 
 struct WorkerView {
   std::string name;  // as the worker reports it; its endpoint until it has
@@ -69,6 +71,7 @@ struct WorkerView {
   uint64_t kvbus_leased_bytes = 0;
   // Its KV pool as the KDN's first tier (proto::ResidentCounters).
   ResidentCounters resident;
+  LocalPrefillView local_prefill;  // decode
   // The router's own, not reported: what it routed here since the report.
   Reservation reserved;
 };
