@@ -97,6 +97,9 @@ struct MultiturnOptions {
   int conversations = 2;
   int chunk_tokens = 256;  // the deployment's (kdn-launch --chunk-tokens): for the floor's context
   std::optional<uint64_t> seed;  // of the text; none: a new one each run, printed
+  // The requests' "disaggregation" field, one run of the conversations per
+  // entry (text of its own each); empty: one run, the router's own path.
+  std::vector<std::string> paths;
 };
 int RunMultiturn(const Common& c, const MultiturnOptions& o);
 

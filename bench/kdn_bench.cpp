@@ -159,6 +159,13 @@ int main(int argc, char** argv) {
                         "floor's context is whole chunks")
       ->capture_default_str()->check(CLI::PositiveNumber);
   multiturn->add_option("--seed", mt_seed, "Seed of the text (default: a new one each run)");
+  multiturn
+      ->add_option("--paths", mt.paths,
+                   "With --url: run the conversations once per path, each request with that "
+                   "\"disaggregation\" field (always, auto, never; docs/serving.md, \"Two "
+                   "paths\"), text of its own each, and compare later turns against the first")
+      ->delimiter(',')
+      ->needs(mt_url);
   multiturn->add_option("--json", c.json_path, "Also write the results as one JSON object");
   std::string eval_path;
   int quality_limit = 0, quality_max_tokens = 96, quality_check = 1;

@@ -151,14 +151,16 @@ std::map<std::string, double> MetricLines(const std::string& text,
   return out;
 }
 
-// Sum of kdn_prompt_tokens_total by source, from Prometheus text; empty when
-// the router does not export it.
-std::map<std::string, double> PromptTokenCounters(const std::string& text) {
+// The samples of counter family `name` in Prometheus text, by their labels
+// (what lies between the braces); empty when the router does not export it.
+std::map<std::string, double> LabelledCounters(const std::string& text, const char* name) {
   std::map<std::string, double> out;
-  for (const auto& [line, v] : MetricLines(text, {"kdn_prompt_tokens_total"})) {
-    for (const char* source : {"computed", "cached"}) {
-      if (line.find(std::string("source=\"") + source + "\"") != std::string::npos) out[source] += v;
-    }
+  for (const auto& [line, v] : MetricLines(text, {name})) {
+    const size_t open = line.find('{'), close = line.rfind('}');
+    const std::string labels =
+        open == std::string::npos || close == std::string::npos ? ""
+                                                                : line.substr(open + 1, close - open - 1);
+    out[labels] += v;
   }
   return out;
 }
@@ -240,10 +242,14 @@ class SseReader {
   bool done_ = false, first_ = false;
 };
 
-Result<TurnResult> Complete(const Url& url, const std::string& prompt, int max_tokens) {
-  const json req = {{"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0},
-                    {"stream", true}, {"stream_options", {{"include_usage", true}}},
-                    {"ignore_eos", true}};
+// `path`: the request's "disaggregation" field (docs/serving.md, "Two
+// paths"); empty: none, the router's own.
+Result<TurnResult> Complete(const Url& url, const std::string& prompt, int max_tokens,
+                            const std::string& path = "") {
+  json req = {{"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0},
+              {"stream", true}, {"stream_options", {{"include_usage", true}}},
+              {"ignore_eos", true}};
+  if (!path.empty()) req["disaggregation"] = path;
   // Answers fed back into the next prompt are UTF-8 already; replace rather
   // than throw should the router ever send something that is not.
   const std::string body = req.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -302,24 +308,10 @@ double Mean(const std::vector<double>& v) {
   return std::accumulate(v.begin(), v.end(), 0.0) / v.size();
 }
 
-Status Multiturn(const Common& c, const MultiturnOptions& o) {
-  if (o.context_tokens < 1 || o.turns < 2 || o.turn_tokens < 1 || o.max_tokens < 1 ||
-      o.conversations < 1) {
-    return InvalidArgument("multiturn needs --turns >= 2 and the other counts >= 1");
-  }
-  KDN_ASSIGN_OR_RETURN(const Url url, ParseUrl(o.url));
-  KDN_ASSIGN_OR_RETURN(const json health, GetJson(url, "/health"));
-  KDN_ASSIGN_OR_RETURN(const json models, GetJson(url, "/v1/models"));
-  std::string model = "?";
-  if (models.contains("data") && !models["data"].empty()) model = models["data"][0].value("id", "?");
-  // A seed of its own each run by default: a rerun against the same
-  // deployment must not find its first turns cached.
-  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
-
-  // One request first, outside the figures, so that no one-time cost of a
-  // fresh deployment lands on the first conversation's first turn.
-  std::mt19937_64 warm_rng(seed ^ 0x5eed);
-  KDN_RETURN_IF_ERROR(Complete(url, RandomWords(warm_rng, 64), 2).status().WithContext("warm-up"));
+// The conversations of one path (`path`: the requests' "disaggregation"
+// field, empty for none): its table printed, its figures returned.
+Result<json> MultiturnPath(const Url& url, const MultiturnOptions& o, const std::string& model,
+                           const std::string& path, uint64_t seed) {
   auto metrics_before = Exchange(url, http::verb::get, "/metrics", "");
 
   // results[turn][conversation]; floors[turn][conversation] for turns > 1
@@ -332,7 +324,7 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
     int64_t previous_tokens = 0;
     for (int t = 0; t < o.turns; ++t) {
       prompt += "\n" + RandomWords(rng, o.turn_tokens - 1);
-      auto r = Complete(url, prompt, o.max_tokens);
+      auto r = Complete(url, prompt, o.max_tokens, path);
       if (!r.ok()) {
         return r.status().WithContext("conversation " + std::to_string(conv + 1) + " turn " +
                                       std::to_string(t + 1));
@@ -347,7 +339,7 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
         const std::string fp = FloorPrompt(previous, previous_tokens,
                                            r->prompt_tokens - previous_tokens, o.chunk_tokens,
                                            floor_rng);
-        auto f = Complete(url, fp, 1);
+        auto f = Complete(url, fp, 1, path);
         if (!f.ok()) {
           return f.status().WithContext("conversation " + std::to_string(conv + 1) + " turn " +
                                         std::to_string(t + 1) + "'s floor");
@@ -368,10 +360,12 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
   }
   auto metrics_after = Exchange(url, http::verb::get, "/metrics", "");
 
-  std::printf("multiturn against %s (model %s): %d conversations of %d turns, a %d-token context, "
-              "%d-token user turns, %d-token answers, seed %llu\n",
-              o.url.c_str(), model.c_str(), o.conversations, o.turns, o.context_tokens,
-              o.turn_tokens, o.max_tokens, static_cast<unsigned long long>(seed));
+  std::printf("multiturn against %s (model %s)%s: %d conversations of %d turns, a %d-token "
+              "context, %d-token user turns, %d-token answers, seed %llu\n",
+              o.url.c_str(), model.c_str(),
+              path.empty() ? "" : (", disaggregation " + path).c_str(), o.conversations, o.turns,
+              o.context_tokens, o.turn_tokens, o.max_tokens,
+              static_cast<unsigned long long>(seed));
   std::printf("%5s %12s %12s %16s %14s %16s %16s %14s\n", "turn", "prompt tok", "cached tok",
               "TTFT ms median", "TTFT ms mean", "total ms median", "floor ms median",
               "turn / floor");
@@ -425,29 +419,78 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
   json delta = nullptr;
   if (metrics_before.ok() && metrics_after.ok() && metrics_before->code == 200 &&
       metrics_after->code == 200) {
-    const auto before = PromptTokenCounters(metrics_before->body);
-    const auto after = PromptTokenCounters(metrics_after->body);
-    if (!after.empty()) {
-      delta = json::object();
-      std::printf("router kdn_prompt_tokens_total during the conversations:");
-      for (const auto& [source, v] : after) {
-        const double d = v - (before.count(source) ? before.at(source) : 0.0);
-        delta[source] = d;
-        std::printf(" %s +%.0f", source.c_str(), d);
+    delta = json::object();
+    for (const char* family : {"kdn_prompt_tokens_total", "kdn_requests_routed_total"}) {
+      const auto before = LabelledCounters(metrics_before->body, family);
+      const auto after = LabelledCounters(metrics_after->body, family);
+      if (after.empty()) continue;
+      std::printf("router %s during the conversations:", family);
+      for (const auto& [label, v] : after) {
+        const double d = v - (before.count(label) ? before.at(label) : 0.0);
+        delta[std::string(family) + "{" + label + "}"] = d;
+        std::printf(" %s +%.0f", label.c_str(), d);
       }
       std::printf("\n");
     }
   }
-  Emit(c, {{"workload", "multiturn"}, {"url", o.url}, {"model", model}, {"health", health},
-           {"context_tokens", o.context_tokens}, {"turns", o.turns},
-           {"turn_tokens", o.turn_tokens}, {"max_tokens", o.max_tokens},
-           {"conversations", o.conversations}, {"seed", seed},
-           {"ttft", "from sending the request to the first event with a choices entry"},
-           {"floor", "each later turn's new tokens (prompt tokens added since the previous "
-                     "prompt) on a context of whole cached chunks, 1 answer token"},
-           {"results", rows}, {"first_to_later_ttft_ratio", ratio},
-           {"later_to_floor_ttft_ratio", to_floor}, {"chunk_tokens", o.chunk_tokens},
-           {"prompt_tokens_delta", delta}});
+  return json{{"disaggregation", path.empty() ? json(nullptr) : json(path)}, {"seed", seed},
+              {"results", rows}, {"first_to_later_ttft_ratio", ratio},
+              {"later_to_floor_ttft_ratio", to_floor}, {"later_ttft_ms_mean", Mean(later)},
+              {"counters_delta", delta}};
+}
+
+Status Multiturn(const Common& c, const MultiturnOptions& o) {
+  if (o.context_tokens < 1 || o.turns < 2 || o.turn_tokens < 1 || o.max_tokens < 1 ||
+      o.conversations < 1) {
+    return InvalidArgument("multiturn needs --turns >= 2 and the other counts >= 1");
+  }
+  for (const std::string& p : o.paths) {
+    if (p != "always" && p != "auto" && p != "never") {
+      return InvalidArgument("--paths takes always, auto and never, not '" + p + "'");
+    }
+  }
+  KDN_ASSIGN_OR_RETURN(const Url url, ParseUrl(o.url));
+  KDN_ASSIGN_OR_RETURN(const json health, GetJson(url, "/health"));
+  KDN_ASSIGN_OR_RETURN(const json models, GetJson(url, "/v1/models"));
+  std::string model = "?";
+  if (models.contains("data") && !models["data"].empty()) model = models["data"][0].value("id", "?");
+  // A seed of its own each run by default: a rerun against the same
+  // deployment must not find its first turns cached.
+  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
+
+  // One request first, outside the figures, so that no one-time cost of a
+  // fresh deployment lands on the first conversation's first turn.
+  std::mt19937_64 warm_rng(seed ^ 0x5eed);
+  KDN_RETURN_IF_ERROR(Complete(url, RandomWords(warm_rng, 64), 2).status().WithContext("warm-up"));
+  const std::vector<std::string> paths = o.paths.empty() ? std::vector<std::string>{""} : o.paths;
+  json runs = json::array();
+  for (size_t i = 0; i < paths.size(); ++i) {
+    // Text of its own per path: no path finds another's conversations cached.
+    KDN_ASSIGN_OR_RETURN(json run, MultiturnPath(url, o, model, paths[i], seed + 7919 * i));
+    runs.push_back(std::move(run));
+  }
+  if (runs.size() > 1) {
+    const double base = runs[0]["later_ttft_ms_mean"].get<double>();
+    for (size_t i = 1; i < runs.size(); ++i) {
+      std::printf("mean later-turn TTFT, disaggregation %s / %s: %.2fx\n", paths[i].c_str(),
+                  paths[0].c_str(), runs[i]["later_ttft_ms_mean"].get<double>() / base);
+    }
+  }
+  json out = {{"workload", "multiturn"}, {"url", o.url}, {"model", model}, {"health", health},
+              {"context_tokens", o.context_tokens}, {"turns", o.turns},
+              {"turn_tokens", o.turn_tokens}, {"max_tokens", o.max_tokens},
+              {"conversations", o.conversations}, {"seed", seed},
+              {"ttft", "from sending the request to the first event with a choices entry"},
+              {"floor", "each later turn's new tokens (prompt tokens added since the previous "
+                        "prompt) on a context of whole cached chunks, 1 answer token, on the "
+                        "same path"},
+              {"chunk_tokens", o.chunk_tokens}};
+  if (runs.size() == 1) {
+    for (auto& [k, v] : runs[0].items()) out[k] = v;
+  } else {
+    out["paths"] = runs;
+  }
+  Emit(c, out);
   return Status::Ok();
 }
 

@@ -3,7 +3,8 @@
 A deployment of the tiny model with a shared kdn-store: the decode worker
 stores each finished conversation (its full chunks and the tail pieces past
 them) and the prefill worker of the next turn loads it down to the last token
-with KV. The prompts are token ids, so that a conversation is exactly the
+with KV. Every request here takes the prefill worker's path ("disaggregation":
+"always"); test_local_prefill.py has the decode worker prefill next turns. The prompts are token ids, so that a conversation is exactly the
 tokens the model saw and produced (text could not round-trip the random
 model's bytes).
 """
@@ -48,7 +49,8 @@ def test_later_turns_compute_only_their_new_tokens(store_deployment):
     stored = 0  # tokens of the conversation the KDN holds (all but the last answer token)
     for turn in range(1, 4):
         before = parse_metrics(d.metrics())
-        r = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+        r = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True,
+                         disaggregation="always")
         after = parse_metrics(d.metrics())
         grew = {source: metric(after, "kdn_prompt_tokens_total", source=source)
                 - metric(before, "kdn_prompt_tokens_total", source=source)
@@ -99,13 +101,15 @@ def test_resident_kv_serves_repeats_and_next_turns_with_no_kv_copied(store_deplo
     d = store_deployment
     rng = random.Random(20261125)
     ids = [rng.randrange(3, 256) for _ in range(FIRST_TOKENS)]
-    first = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+    first = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True,
+                         disaggregation="always")
     want = engine(d.model, ids).decode("utf-8", errors="replace")
     assert first["choices"][0]["text"] == want
     time.sleep(1.0)  # the prefill worker publishes after its reply
 
     before = settled_metrics(d)
-    again = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+    again = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True,
+                         disaggregation="always")
     after = settled_metrics(d)
     assert again["choices"][0]["text"] == want
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -121,7 +125,8 @@ def test_resident_kv_serves_repeats_and_next_turns_with_no_kv_copied(store_deplo
     answer = [int(t) for t in engine(d.model, ids, "--print-ids").split(b",")]
     turn2 = ids + answer + [rng.randrange(3, 256) for _ in range(TURN_TOKENS)]
     before = settled_metrics(d)
-    r = d.completion(turn2, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
+    r = d.completion(turn2, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True,
+                         disaggregation="always")
     after = settled_metrics(d)
     assert r["choices"][0]["text"] == engine(d.model, turn2).decode("utf-8", errors="replace")
     decode_hit = (worker_counter(after, "kdn_worker_resident_hit_tokens_total", "decode-0", "decode")
