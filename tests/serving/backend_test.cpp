@@ -211,6 +211,9 @@ class BackendTest : public ::testing::Test {
     o.decode_endpoints.insert(o.decode_endpoints.end(), decode_after.begin(), decode_after.end());
     o.worker_timeout = worker_timeout;
     o.resume = resume_;
+    // These tests drive the prefill worker's path, with a fake decode
+    // worker that never prefills (tests/router covers the local path).
+    o.disaggregation = Disaggregation::kAlways;
     auto b = Backend::Start(o, *tokenizer_, &metrics_);
     ASSERT_TRUE(b.ok()) << b.status().ToString();
     backend_ = std::move(b).value();
