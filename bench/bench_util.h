@@ -118,6 +118,8 @@ struct ServeLoadOptions {
   double ttft_slo_ms = 1000;
   std::string run_dir;  // kdn-launch's: processes' RSS read from /proc
   std::optional<uint64_t> seed;
+  int chat_turns = 1;  // > 1: each client's requests are chats of that many turns
+  std::vector<std::string> paths;  // as MultiturnOptions::paths: one run each
 };
 int RunServeLoad(const Common& c, const ServeLoadOptions& o);
 // The same conversations through prefill_worker::Prefiller in this process,

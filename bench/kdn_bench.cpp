@@ -289,6 +289,17 @@ int main(int argc, char** argv) {
                          "kdn-launch's run dir: each process's RSS is read from /proc")
       ->check(CLI::ExistingDirectory);
   serve_load->add_option("--seed", sl_seed, "Seed of the text (default: a new one each run)");
+  serve_load
+      ->add_option("--chat-turns", sl.chat_turns,
+                   "Each client's requests are chats of this many turns: a document and a "
+                   "question, then the answer and a new question each turn")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  serve_load
+      ->add_option("--paths", sl.paths,
+                   "Run the load once per path, each request with that \"disaggregation\" "
+                   "field (always, auto, never), text of its own each, and compare them")
+      ->delimiter(',');
   serve_load->add_option("--json", c.json_path, "Also write the results as one JSON object");
   CLI11_PARSE(app, argc, argv);
 

@@ -167,6 +167,7 @@ std::map<std::string, double> LabelledCounters(const std::string& text, const ch
 
 struct TurnResult {
   double ttft_s = 0, total_s = 0;
+  std::vector<double> gaps_s;  // between events with tokens, from the first on
   int64_t prompt_tokens = -1, cached_tokens = -1;
   std::string text;
 };
@@ -221,7 +222,10 @@ class SseReader {
   Status Read(const json& j) {
     if (j.contains("error")) return Unavailable("the stream carried an error: " + j["error"].dump());
     if (j.contains("choices") && !j["choices"].empty()) {
-      if (!first_) r_->ttft_s = Seconds(*sent_, Clock::now());
+      const auto now = Clock::now();
+      if (!first_) r_->ttft_s = Seconds(*sent_, now);
+      if (first_) r_->gaps_s.push_back(Seconds(last_, now));
+      last_ = now;
       first_ = true;
       r_->text += j["choices"][0].value("text", "");
     }
@@ -237,6 +241,7 @@ class SseReader {
 
   const Clock::time_point* sent_;
   TurnResult* r_;
+  Clock::time_point last_;  // the last event with tokens
   size_t pos_ = 0;
   std::string data_;
   bool done_ = false, first_ = false;
@@ -521,13 +526,17 @@ struct LoadResult {
   bool ok = false;
   std::string error;
   double ttft_s = 0, total_s = 0, itl_s = 0;  // itl: the request's mean gap between tokens
+  std::vector<double> gaps_s;                 // each gap between its token events
   int64_t prompt_tokens = 0, cached_tokens = 0;
+  int turn = 0;  // of its conversation, from 0 (--chat-turns)
 };
 
-Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
-  KDN_ASSIGN_OR_RETURN(const Url url, ParseUrl(o.url));
+// One run of the load, its requests on `path` (their "disaggregation"
+// field; empty: none): its summary printed and returned.
+Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::string& path,
+                          uint64_t seed) {
   const int requests = o.soak > 0 ? o.soak : o.requests;
-  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
+  if (!path.empty()) std::printf("serve-load, disaggregation %s:\n", path.c_str());
   // Documents, and a Zipf law over them: document k (from 0) is asked about
   // with weight 1 / (k + 1)^s.
   std::mt19937_64 doc_rng(seed);
@@ -551,14 +560,25 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
   auto client = [&](int id) {
     std::mt19937_64 rng(seed * 7919 + id);
     std::uniform_real_distribution<double> u(0, sum);
+    // A chat (--chat-turns): the document and a question, then each turn the
+    // answer and a new question on top of the conversation so far.
+    std::string conversation;
+    int turn = 0;
     for (int i; (i = next.fetch_add(1)) < requests;) {
-      const int doc = static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
-      const std::string prompt = docs[std::min(doc, o.documents - 1)] + "\n" +
-                                 RandomWords(rng, o.question_chars);
-      auto r = Complete(url, prompt, o.max_tokens);
+      if (turn == 0) {
+        const int doc =
+            static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
+        conversation = docs[std::min(doc, o.documents - 1)];
+      }
+      const std::string prompt = conversation + "\n" + RandomWords(rng, o.question_chars);
+      auto r = Complete(url, prompt, o.max_tokens, path);
       LoadResult& out = results[i];
+      out.turn = turn;
+      conversation = r.ok() ? prompt + r->text : prompt;
+      turn = (turn + 1) % std::max(1, o.chat_turns);
       if (r.ok()) {
         out.ok = true;
+        out.gaps_s = r->gaps_s;
         out.ttft_s = r->ttft_s;
         out.total_s = r->total_s;
         out.itl_s = o.max_tokens > 1 ? (r->total_s - r->ttft_s) / (o.max_tokens - 1) : 0;
@@ -599,7 +619,7 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
                                         {"kdn_worker_free_kv_blocks", "kdn_prompt_tokens_total"});
   const auto rss_end = ProcessRss(o.run_dir);
 
-  std::vector<double> ttft, itl;
+  std::vector<double> ttft, itl, gaps, ttft_later;
   std::map<std::string, int> errors;
   int ok = 0, good = 0;
   for (const LoadResult& r : results) {
@@ -609,7 +629,9 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
     }
     ++ok;
     ttft.push_back(r.ttft_s * 1e3);
+    if (r.turn > 0) ttft_later.push_back(r.ttft_s * 1e3);
     if (o.max_tokens > 1) itl.push_back(r.itl_s * 1e3);
+    for (double g : r.gaps_s) gaps.push_back(g * 1e3);
     good += r.ttft_s * 1e3 <= o.ttft_slo_ms;
   }
   double cached = 0, total = 0;
@@ -660,6 +682,12 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
               Percentile(ttft, 0.99));
   std::printf("  inter-token     p50 %.2f ms, p99 %.2f ms (each request's mean gap)\n",
               Percentile(itl, 0.5), Percentile(itl, 0.99));
+  std::printf("  token gaps      p50 %.2f ms, p99 %.2f ms (every gap between token events)\n",
+              Percentile(gaps, 0.5), Percentile(gaps, 0.99));
+  if (!ttft_later.empty()) {
+    std::printf("  later turns     TTFT p50 %.1f ms, p99 %.1f ms (%zu requests)\n",
+                Percentile(ttft_later, 0.5), Percentile(ttft_later, 0.99), ttft_later.size());
+  }
   std::printf("  KDN hit rate    %.1f%% of prompt tokens cached\n", total > 0 ? 100 * cached / total : 0);
   std::printf("  errors          %d\n", failed);
   for (const auto& [what, n] : errors) std::printf("    %d x %s\n", n, what.c_str());
@@ -674,7 +702,12 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
   }
   json errs = json::object();
   for (const auto& [what, n] : errors) errs[what] = n;
-  Emit(c, {{"workload", "serve-load"}, {"url", o.url}, {"requests", requests},
+  json out = {{"workload", "serve-load"}, {"url", o.url}, {"requests", requests},
+           {"disaggregation", path.empty() ? json(nullptr) : json(path)},
+           {"chat_turns", o.chat_turns},
+           {"gap_ms_p50", Percentile(gaps, 0.5)}, {"gap_ms_p99", Percentile(gaps, 0.99)},
+           {"later_turn_ttft_ms_p50", ttft_later.empty() ? json(nullptr) : json(Percentile(ttft_later, 0.5))},
+           {"later_turn_ttft_ms_p99", ttft_later.empty() ? json(nullptr) : json(Percentile(ttft_later, 0.99))},
            {"clients", o.clients}, {"documents", o.documents}, {"zipf", o.zipf},
            {"doc_chars", o.doc_chars}, {"question_chars", o.question_chars},
            {"max_tokens", o.max_tokens}, {"seed", seed}, {"seconds", wall},
@@ -686,7 +719,7 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
            {"hit_rate", total > 0 ? cached / total : 0.0}, {"errors", failed},
            {"error_kinds", errs}, {"kv_blocks_leaked", leaked_blocks}, {"free_kv_blocks_lost", leaked},
            {"leases_held_after", leases}, {"leases_held", leases_held},
-           {"rss", rss}, {"rss_growth_after_warmup_max", worst_growth}});
+           {"rss", rss}, {"rss_growth_after_warmup_max", worst_growth}};
   if (o.soak > 0) {
     const bool pass = failed == 0 && leaked_blocks == 0 && leases_held == 0 &&
                       (rss_end.empty() || worst_growth < 0.05);
@@ -695,6 +728,40 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
                 pass ? "met" : "MISSED", o.run_dir.empty() ? "; no --run-dir, RSS not read" : "");
     if (!pass) return Status(StatusCode::kInternal, "the soak missed its aims");
   }
+  return out;
+}
+
+Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
+  for (const std::string& p : o.paths) {
+    if (p != "always" && p != "auto" && p != "never") {
+      return InvalidArgument("--paths takes always, auto and never, not '" + p + "'");
+    }
+  }
+  KDN_ASSIGN_OR_RETURN(const Url url, ParseUrl(o.url));
+  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
+  const std::vector<std::string> paths = o.paths.empty() ? std::vector<std::string>{""} : o.paths;
+  json runs = json::array();
+  for (size_t i = 0; i < paths.size(); ++i) {
+    // Text of its own per path: no run finds another's documents cached.
+    KDN_ASSIGN_OR_RETURN(json run, ServeLoadRun(o, url, paths[i], seed + 104729 * i));
+    runs.push_back(std::move(run));
+  }
+  if (runs.size() == 1) {
+    Emit(c, runs[0]);
+    return Status::Ok();
+  }
+  const json& base = runs[0];
+  for (size_t i = 1; i < runs.size(); ++i) {
+    const json& r = runs[i];
+    std::printf("disaggregation %s against %s: token gap p99 %.2fx, inter-token p99 %.2fx, "
+                "TTFT p50 %.2fx, throughput %.2fx\n",
+                paths[i].c_str(), paths[0].c_str(),
+                r["gap_ms_p99"].get<double>() / base["gap_ms_p99"].get<double>(),
+                r["itl_ms_p99"].get<double>() / base["itl_ms_p99"].get<double>(),
+                r["ttft_ms_p50"].get<double>() / base["ttft_ms_p50"].get<double>(),
+                r["requests_per_s"].get<double>() / base["requests_per_s"].get<double>());
+  }
+  Emit(c, {{"workload", "serve-load"}, {"url", o.url}, {"seed", seed}, {"paths", runs}});
   return Status::Ok();
 }
 

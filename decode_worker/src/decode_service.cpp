@@ -50,6 +50,7 @@ DecodeRequest RequestFromProto(uint64_t request_id, const proto::PrepareRequest&
   d.transfer_id = r.transfer_id();
   d.blended = r.blended();
   d.local_prefill = r.local_prefill();
+  d.lookup_tokens = r.lookup_tokens();
   d.spec.sampling = control::SamplingFromProto(r.sampling());
   d.spec.max_tokens = r.max_tokens();
   d.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());

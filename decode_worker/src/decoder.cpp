@@ -289,9 +289,15 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   // Past a resident prefix that leaves less than a chunk of the prompt, the
   // lower tiers could add only tail pieces of those few tokens, which the
   // prefill worker sends anyway: no load, which would queue behind the
-  // store I/O thread's work (storing the conversation just finished).
+  // store I/O thread's work (storing the conversation just finished). A
+  // local prefill computes them itself: it loads only when its lookup
+  // reached past the pool.
   const int64_t lacking = static_cast<int64_t>(p.request.tokens.size()) - p.resident_tokens;
-  if (p.request.blended || (p.resident_tokens > 0 && lacking < options_.chunk_tokens)) {
+  const bool no_load =
+      p.request.local_prefill
+          ? p.resident_tokens >= std::min(p.request.lookup_tokens, HeldLimit(p.request))
+          : p.resident_tokens > 0 && lacking < options_.chunk_tokens;
+  if (p.request.blended || no_load) {
     p.held_tokens = p.resident_tokens;
     out->prepared.push_back({id, p.held_tokens, p.resident_tokens});
     if (p.request.local_prefill) QueueLocal(id, p);
@@ -415,6 +421,10 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
     LogInfo("{} local prefill: {} prompt tokens held ({} resident), {} computed, first token {}",
             ReqId{p.request.request_id}, p.held_tokens, p.resident_tokens, n - p.held_tokens,
             first);
+    // The prompt's own spans, as a prefill worker publishes and stores them:
+    // a next turn whose template re-renders the answer differs from the
+    // conversation inside its tail, and still finds the prompt whole.
+    PublishAndStore(p.request.request_id, p.seq, p.request.tokens, p.held_tokens, p.request.ns);
     Prepared taken = std::move(p);
     prepared_.erase(it);
     // The router sends the first token itself, as from a prefill worker.
@@ -552,16 +562,22 @@ void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
   std::vector<int32_t> tokens = std::move(r.prompt);
   tokens.insert(tokens.end(), generated.begin(), generated.end());
   tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(seq.length())));
-  const kvbus::KeyContext ctx{fingerprint_, r.ns, options_.chunk_tokens};
+  // The whole conversation stays resident in the pool, for its next turn.
+  PublishAndStore(r.request_id, seq, tokens, r.held_tokens, r.ns);
+}
+
+void Decoder::PublishAndStore(uint64_t request_id, const engine::KvSequence& seq,
+                              std::span<const int32_t> tokens, int64_t held_tokens,
+                              const std::string& ns) {
+  const kvbus::KeyContext ctx{fingerprint_, ns, options_.chunk_tokens};
   const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
   std::vector<kvbus::KeyedSpan> spans = kvbus::StoredSpans(ctx, tokens, keys);
-  // The whole conversation stays resident in the pool, for its next turn.
   if (options_.resident) kvbridge::PublishSpans(model_.kv_cache(), seq, spans);
   // The full chunks the load brought (or the pool held) are in the KDN
   // already; those past them, then the tail pieces past the last full
   // chunk, are stored.
   const auto loaded = std::min<size_t>(
-      static_cast<size_t>(std::max<int64_t>(r.held_tokens, 0) / options_.chunk_tokens), keys.size());
+      static_cast<size_t>(std::max<int64_t>(held_tokens, 0) / options_.chunk_tokens), keys.size());
   spans.erase(spans.begin(), spans.begin() + static_cast<std::ptrdiff_t>(loaded));
   if (spans.empty()) return;
   uint64_t bytes = 0;
@@ -569,11 +585,11 @@ void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
   if (mailbox_->bytes_pending.load() + bytes > options_.max_pending_store_bytes) {
     chunks_store_dropped_ += spans.size();
     LogWarn("{} its {} chunks not stored: {} bytes already wait for the store",
-            ReqId{r.request_id}, spans.size(), mailbox_->bytes_pending.load());
+            ReqId{request_id}, spans.size(), mailbox_->bytes_pending.load());
     return;
   }
-  auto chunks = CopyOutChunks(r.request_id, seq, spans);
-  if (!chunks.empty()) PostStore(r.request_id, std::move(chunks));
+  auto chunks = CopyOutChunks(request_id, seq, spans);
+  if (!chunks.empty()) PostStore(request_id, std::move(chunks));
 }
 
 }  // namespace kdn::decode_worker

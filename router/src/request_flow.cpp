@@ -226,7 +226,8 @@ void RequestFlow::Place(Request& r) {
   r.local = PrefillLocally(workers_, ledger_, in, r.p, r.d,
                            r.job.disaggregation.value_or(options_.disaggregation),
                            options_.local_prefill_max_tokens);
-  proto::WorkerMessage m = PrepareMessage(r.job, r.transfer_id, r.generated_tokens, r.local);
+  proto::WorkerMessage m = PrepareMessage(r.job, r.transfer_id, r.generated_tokens, r.local,
+                                          std::max<int64_t>(r.prefix[r.d], 0));
   // Before the prepare goes out, so that the line comes before the decode
   // worker's about it. Counted against the workers until they next report.
   if (r.local) {

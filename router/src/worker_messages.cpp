@@ -31,7 +31,8 @@ proto::WorkerMessage LookupMessage(const Job& job, const std::vector<kvbus::Chun
 }
 
 proto::WorkerMessage PrepareMessage(const Job& job, const std::string& transfer_id,
-                                    int64_t generated_tokens, bool local_prefill) {
+                                    int64_t generated_tokens, bool local_prefill,
+                                    int64_t lookup_tokens) {
   proto::WorkerMessage m;
   auto* pr = m.mutable_prepare();
   SetPrompt(job, pr);
@@ -42,6 +43,7 @@ proto::WorkerMessage PrepareMessage(const Job& job, const std::string& transfer_
   pr->set_blended(job.blend.has_value());
   pr->set_generated_tokens(static_cast<int32_t>(generated_tokens));
   pr->set_local_prefill(local_prefill);
+  pr->set_lookup_tokens(static_cast<int32_t>(lookup_tokens));
   return m;
 }
 

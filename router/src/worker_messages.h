@@ -19,9 +19,11 @@ proto::WorkerMessage LookupMessage(const Job& job, const std::vector<kvbus::Chun
                                    const std::vector<kvbus::ChunkKey>& segment_keys);
 // Prepare (to the decode worker). `generated_tokens`: of job.tokens, the
 // last ones generated before a resume; `local_prefill`: it computes the
-// prompt itself (docs/serving.md, "Two paths").
+// prompt itself (docs/serving.md, "Two paths"), having reached
+// `lookup_tokens` of it at the lookup.
 proto::WorkerMessage PrepareMessage(const Job& job, const std::string& transfer_id,
-                                    int64_t generated_tokens, bool local_prefill);
+                                    int64_t generated_tokens, bool local_prefill,
+                                    int64_t lookup_tokens);
 // Prefill (to the prefill worker), its KV to `decode_endpoint`, which holds
 // the first `decode_held_tokens` already.
 proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_endpoint,

@@ -345,14 +345,23 @@ TEST(Decoder, ALocalPrefillPlacesWhatTheKdnHoldsAndComputesTheRest) {
   Transcript t;
   const DecodeRequest turn1 = Request(RandomTokens(40, 256, 1), 30);
   const uint64_t a = RunWhole(rig, turn1, t);
-  const DecodeRequest turn2 = Local(NextTurn(turn1, t.tokens[a], 10, 4), 10);
+  // A lookup that reached nothing: no load, the whole prompt computed.
+  DecodeRequest cold = Local(NextTurn(turn1, t.tokens[a], 10, 4), 10);
+  const uint64_t c = PrepareAndLoad(rig, cold, t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.prefilled[c].held_tokens, 0);
+  EXPECT_EQ(rig.decoder->Stats().chunks_loaded, 0u);
+  // Its lookup reached the 69 tokens with KV stored (4 chunks and a tail
+  // piece of 5): they are loaded, the rest computed.
+  DecodeRequest turn2 = Local(NextTurn(turn1, t.tokens[a], 10, 5), 10);
+  turn2.lookup_tokens = 69;
   const uint64_t b = PrepareAndLoad(rig, turn2, t);
   RunToEnd(rig, t);
-  // 69 tokens with KV were stored: 4 chunks and a tail piece of 5.
   EXPECT_EQ(t.prefilled[b].held_tokens, 69);
   EXPECT_EQ(t.prefilled[b].resident_tokens, 0);
   EXPECT_GT(t.prefilled[b].kv_bytes_loaded, 0u);
   EXPECT_EQ(t.tokens[b], Alone(*rig.model, turn2));
+  EXPECT_EQ(t.tokens[c], Alone(*rig.model, cold));
 }
 
 TEST(Decoder, ALocalPrefillRunsInBoundedPiecesBetweenTheRunningRequestsSteps) {
@@ -403,7 +412,9 @@ TEST(Decoder, ALocalPrefillIsRefusedForBlendedAndResumedRequestsAndNeedsNoStart)
 
   // Held by a store that does not answer: its load stays out.
   rig.gated().CloseGets();
-  auto id = rig.decoder->Prepare(Local(RandomTokens(40, 256, 2), 4), &out);
+  DecodeRequest loading = Local(RandomTokens(40, 256, 2), 4);
+  loading.lookup_tokens = 32;
+  auto id = rig.decoder->Prepare(loading, &out);
   ASSERT_TRUE(id.ok());
   EXPECT_EQ(rig.decoder->Start(*id, 7, true, &out).code(), StatusCode::kInvalidArgument);
   EXPECT_GT(rig.decoder->Stats().local_backlog_tokens, 0);
@@ -429,7 +440,8 @@ TEST(Decoder, ALocalPrefillIsNeverDroppedForWantOfAStart) {
   Rig rig(std::make_unique<GatedStore>(), {}, o);
   rig.gated().CloseGets();  // its load stays out past the timeout
   DecoderOutput out;
-  const DecodeRequest local = Local(RandomTokens(40, 256, 2), 4);
+  DecodeRequest local = Local(RandomTokens(40, 256, 2), 4);
+  local.lookup_tokens = 32;  // a load to wait for
   auto id = rig.decoder->Prepare(local, &out);
   ASSERT_TRUE(id.ok());
   now += std::chrono::minutes(5);

@@ -433,9 +433,10 @@ def test_decode_worker_skips_chunks_it_holds(deployment):
     chunks: the prefill worker sends none of their layers again."""
     rng = random.Random(uuid.uuid4().int)
     text = words_text(rng, 2 * CHUNK_TOKENS + 50)
-    deployment.completion(text, max_tokens=2, temperature=0)
+    # The prefill worker's path: KV moves, and what the decode worker holds is skipped.
+    deployment.completion(text, max_tokens=2, temperature=0, disaggregation="always")
     before = parse_metrics(deployment.metrics())
-    r = deployment.completion(text, max_tokens=2, temperature=0)
+    r = deployment.completion(text, max_tokens=2, temperature=0, disaggregation="always")
     assert cached_tokens(r["usage"]) == repeat_cached(2 * CHUNK_TOKENS + 51, 2)
     layers = json.loads((deployment.model / "config.json").read_text())["num_hidden_layers"]
 

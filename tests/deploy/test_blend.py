@@ -101,11 +101,14 @@ def test_blended_kv_is_never_stored_under_prefix_keys(deployment):
     assert details(r["usage"])["recomputed_tokens"] == 0
     # The same tokens as a plain prompt: no prefix chunk may come from the
     # blend (neither the prefill nor the decode worker stored one).
-    plain = deployment.completion("".join(docs) + question, max_tokens=4, temperature=0)
+    # The prefill worker's path: its own exact chunks are what is asked of it.
+    plain = deployment.completion("".join(docs) + question, max_tokens=4, temperature=0,
+                                  disaggregation="always")
     assert details(plain["usage"])["cached_tokens"] == 0, plain["usage"]
     assert "blended_tokens" not in details(plain["usage"])
     # That plain request stored its own exact chunks.
-    again = deployment.completion("".join(docs) + question, max_tokens=4, temperature=0)
+    again = deployment.completion("".join(docs) + question, max_tokens=4, temperature=0,
+                                  disaggregation="always")
     assert details(again["usage"])["cached_tokens"] == repeat_cached(
         again["usage"]["prompt_tokens"], 4)
 

@@ -130,7 +130,7 @@ def test_a_decode_worker_killed_mid_local_prefill_loses_nothing(small_model, tmp
     try:
         # Long enough that the small model's prefill on one thread takes a
         # good part of a second.
-        prompt = " ".join("word%d" % (i % 97) for i in range(700))
+        prompt = " ".join("word%d" % (i % 97) for i in range(250))
         want = subprocess.run([binary("kdn-generate"), "--model", str(small_model), "--prompt",
                                prompt, "--max-tokens", "4", "--threads", "1"],
                               capture_output=True, timeout=120, check=True).stdout[:-1]

@@ -69,7 +69,9 @@ def check_story(found, request_id):
 def test_one_request_can_be_followed_across_the_logs_by_its_id(deployment):
     r = deployment.http.post("/v1/completions",
                              json={"prompt": "Follow me through the logs", "max_tokens": 4,
-                                   "temperature": 0, "ignore_eos": True})
+                                   "temperature": 0, "ignore_eos": True,
+                                   # the prefill worker's path, whose milestones these are
+                                   "disaggregation": "always"})
     assert r.status_code == 200, r.text
     request_id = r.headers["X-Request-Id"]
     assert re.fullmatch(r"[0-9a-f]{16}", request_id), request_id
@@ -96,7 +98,8 @@ def test_one_request_can_be_followed_across_the_logs_by_its_id(deployment):
 def test_a_streamed_chat_carries_its_id_in_the_header_and_the_chunks(deployment):
     with deployment.http.stream("POST", "/v1/chat/completions",
                                 json={"messages": [{"role": "user", "content": "hi"}],
-                                      "max_tokens": 3, "stream": True}) as r:
+                                      "max_tokens": 3, "stream": True,
+                                      "disaggregation": "always"}) as r:
         assert r.status_code == 200
         request_id = r.headers["X-Request-Id"]
         events = sse_events(r.iter_lines())

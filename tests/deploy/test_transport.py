@@ -26,7 +26,7 @@ def test_kv_moves_by_the_plane_the_topology_or_the_flag_picks(tiny_model, tmp_pa
         hosts = {w["host_id"] for w in health["workers"]}
         assert len(hosts) == 1 and "" not in hosts, health
         assert {w["kv_transport"] for w in health["workers"]} == {transport}, health
-        out = d.completion(PROMPT, max_tokens=8, temperature=0)
+        out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
         used = "shm" if transport == "auto" else "tcp"
         other = "tcp" if used == "shm" else "shm"
         # Workers' figures reach the router with their next answer to its ping.
@@ -48,6 +48,7 @@ def test_kv_moves_by_the_plane_the_topology_or_the_flag_picks(tiny_model, tmp_pa
     d2 = Deployment(tmp_path / "run2", tiny_model, "--kv-transport",
                     "tcp" if transport == "auto" else "shm")
     try:
-        assert d2.completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == text
+        assert d2.completion(PROMPT, max_tokens=8, temperature=0,
+                             disaggregation="always")["choices"][0]["text"] == text
     finally:
         d2.down()

@@ -19,7 +19,8 @@
 //     local_prefill_step_tokens per step, so that running streams keep
 //     their pace. Its first token is drawn here, reported as a
 //     LocalPrefillDone, and it joins the batch with no Start (events from
-//     its second token: the router sends the first).
+//     its second token: the router sends the first). Its prompt's spans
+//     are published in the pool and stored, as a prefill worker does.
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
 //     layer slices into the staging tier and sampled the first token. The
 //     slices are copied into the reserved blocks and the request joins the
@@ -68,6 +69,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -103,6 +105,9 @@ struct DecodeRequest {
   bool blended = false;
   // Prefill it here (step 1); neither blended nor resumed.
   bool local_prefill = false;
+  // The leading tokens its lookup reached (pool and lower tiers): a local
+  // prefill loads nothing when the pool holds as many.
+  int64_t lookup_tokens = 0;
   // The router's request id, shown in the Decoder's log lines (ReqId) only.
   uint64_t request_id = 0;
   // Sampling, max_tokens, stops; spec.id is set by Prepare. A resumed
@@ -304,6 +309,11 @@ class Decoder {
   // KDN: all of them, or all but the last when it is prefilled here (the
   // last is computed for its logits).
   static int64_t HeldLimit(const DecodeRequest& r);
+  // Publishes the spans of `tokens` (the KV `seq` holds) in the pool, and
+  // hands those past the first `held_tokens`' full chunks to the store.
+  void PublishAndStore(uint64_t request_id, const engine::KvSequence& seq,
+                       std::span<const int32_t> tokens, int64_t held_tokens,
+                       const std::string& ns);
   // The Batcher's finish hook: hands the conversation's chunks to the store.
   void StoreConversation(uint64_t id, const engine::KvSequence& seq,
                          const std::vector<int32_t>& generated);
