@@ -66,10 +66,15 @@ deploy_bench() {
   KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" up --detach --port 0 --run-dir "$run" \
     --model "$SMOL" --store --device cuda --threads 4 --ready-timeout 120 > "$OUT/deploy_up.out" || return 1
   local url; url=$(tail -n 1 "$OUT/deploy_up.out" | awk '{print $NF}')
+  # Each beside the other path in one run (docs/serving.md, "Two paths").
   "$BIN/kdn-bench" multiturn --url "$url" --context-tokens 4096 --turns 4 --turn-tokens 64 \
-    --max-tokens 16 --conversations 2 --seed 1 --json "$OUT/deploy_multiturn.json" || rc=1
+    --max-tokens 16 --conversations 2 --seed 1 --paths always,auto \
+    --json "$OUT/deploy_multiturn.json" || rc=1
   "$BIN/kdn-bench" serve-load --url "$url" --clients 32 --requests 1000 --documents 64 \
     --doc-chars 4096 --max-tokens 32 --run-dir "$run" --seed 1 --json "$OUT/deploy_serve_load.json" || rc=1
+  "$BIN/kdn-bench" serve-load --url "$url" --clients 16 --requests 400 --documents 32 \
+    --doc-chars 4096 --max-tokens 32 --chat-turns 4 --paths always,auto --seed 1 \
+    --json "$OUT/deploy_serve_load_chat.json" || rc=1
   KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" down --run-dir "$run" || rc=1
   return $rc
 }
