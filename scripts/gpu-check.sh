@@ -4,7 +4,8 @@
 # gpu-labelled tests, the whole deployment on one GPU (tests/deploy/test_gpu.py),
 # the transformers peer, the prefill/decode benchmarks on the llama3-8b shape
 # with their ratios to the hardware and to the peer (decode also at batch 32
-# with 4,096 tokens of context), multiturn at a 16K-token context and
+# with 4,096 tokens of context), multiturn at a 16K-token context (with the
+# decode worker's local prefill beside the prefill worker's logic) and
 # rag-blend with 8 documents of 2,048 tokens on that shape, and the comparison
 # with Hugging Face on the GPU; and a GPU deployment of SmolLM2's GGUF
 # (KDN_SMOLLM2, default ~/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf) under

@@ -65,6 +65,24 @@ def binary(name):
     return str(path)
 
 
+def generate_ids(model, ids, max_tokens, *flags):
+    """kdn-generate on the token ids `ids` (greedy, no BOS added, past the
+    end-of-sequence token): its stdout, less the newline."""
+    r = subprocess.run([binary("kdn-generate"), "--model", str(model), "--prompt-ids",
+                        ",".join(map(str, ids)), "--no-bos", "--ignore-eos", "--max-tokens",
+                        str(max_tokens), "--threads", "1", *flags],
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return r.stdout[:-1]
+
+
+def settled_metrics(d):
+    """The router's page once the workers' reports after the last request
+    are in (they come with the router's pings, every 250 ms)."""
+    time.sleep(1.0)
+    return parse_metrics(d.metrics())
+
+
 def make_model(preset, seed, out):
     subprocess.run([binary("kdn-mkmodel"), "--preset", preset, "--seed", str(seed), "--out", str(out)],
                    check=True, stdout=subprocess.DEVNULL, timeout=300)

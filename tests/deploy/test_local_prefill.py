@@ -14,12 +14,12 @@ import random
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from deploy_util import Deployment, binary, metric, parse_metrics, wait_until
+from deploy_util import (Deployment, binary, generate_ids, metric, parse_metrics,
+                         settled_metrics, wait_until)
 
 ANSWER_TOKENS = 8
 FIRST_TOKENS = 300
@@ -37,20 +37,7 @@ def store_deployment(tiny_model, tmp_path_factory):
 
 
 def engine(model, ids, *flags):
-    """kdn-generate on the whole conversation `ids` (greedy, no BOS added)."""
-    r = subprocess.run([binary("kdn-generate"), "--model", str(model), "--prompt-ids",
-                        ",".join(map(str, ids)), "--no-bos", "--ignore-eos", "--max-tokens",
-                        str(ANSWER_TOKENS), "--threads", "1", *flags],
-                       capture_output=True, timeout=120)
-    assert r.returncode == 0, r.stderr.decode(errors="replace")
-    return r.stdout[:-1]
-
-
-def settled(d):
-    """The router's page once the workers' reports after the last request
-    are in (they come with the router's pings, every 250 ms)."""
-    time.sleep(1.0)
-    return parse_metrics(d.metrics())
+    return generate_ids(model, ids, ANSWER_TOKENS, *flags)
 
 
 def routed(samples, path):
@@ -70,10 +57,10 @@ def test_a_conversation_gives_kdn_generates_tokens_on_either_path(store_deployme
     ids = [rng.randrange(3, 256) for _ in range(FIRST_TOKENS)]
     local = path == "never"
     for turn in range(1, 4):
-        before = settled(d)
+        before = settled_metrics(d)
         r = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True,
                          disaggregation=path)
-        after = settled(d)
+        after = settled_metrics(d)
         want = engine(d.model, ids).decode("utf-8", errors="replace")
         assert r["choices"][0]["text"] == want, "turn %d (%s): text differs from kdn-generate's" % (
             turn, path)
@@ -107,9 +94,9 @@ def test_by_default_a_later_turn_is_prefilled_by_the_decode_worker_that_holds_it
     answer = [int(t) for t in engine(d.model, ids, "--print-ids").split(b",")]
     assert first["choices"][0]["text"] == engine(d.model, ids).decode("utf-8", errors="replace")
     ids = ids + answer + [rng.randrange(3, 256) for _ in range(TURN_TOKENS)]
-    before = settled(d)
+    before = settled_metrics(d)
     r = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
-    after = settled(d)
+    after = settled_metrics(d)
     assert r["choices"][0]["text"] == engine(d.model, ids).decode("utf-8", errors="replace")
     assert routed(after, "local") - routed(before, "local") == 1
     requests, tokens = (a - b for a, b in zip(local_counters(after), local_counters(before)))

@@ -10,12 +10,12 @@ model's bytes).
 """
 
 import random
-import subprocess
 import time
 
 import pytest
 
-from deploy_util import CHUNK_TOKENS, Deployment, binary, metric, parse_metrics
+from deploy_util import (CHUNK_TOKENS, Deployment, generate_ids, metric, parse_metrics,
+                         settled_metrics)
 
 ANSWER_TOKENS = 8
 FIRST_TOKENS = 300       # a full chunk and a tail of 44
@@ -33,13 +33,7 @@ def store_deployment(tiny_model, tmp_path_factory):
 
 
 def engine(model, ids, *flags):
-    """kdn-generate on the whole conversation `ids` (greedy, no BOS added)."""
-    r = subprocess.run([binary("kdn-generate"), "--model", str(model), "--prompt-ids",
-                        ",".join(map(str, ids)), "--no-bos", "--ignore-eos", "--max-tokens",
-                        str(ANSWER_TOKENS), "--threads", "1", *flags],
-                       capture_output=True, timeout=120)
-    assert r.returncode == 0, r.stderr.decode(errors="replace")
-    return r.stdout[:-1]
+    return generate_ids(model, ids, ANSWER_TOKENS, *flags)
 
 
 def test_later_turns_compute_only_their_new_tokens(store_deployment):
@@ -83,13 +77,6 @@ def test_later_turns_compute_only_their_new_tokens(store_deployment):
 
 def worker_counter(samples, name, worker, role):
     return metric(samples, name, worker=worker, role=role)
-
-
-def settled_metrics(d):
-    """The router's page once the workers' reports after the last request
-    are in (they come with the router's pings, every 250 ms)."""
-    time.sleep(1.0)
-    return parse_metrics(d.metrics())
 
 
 def test_resident_kv_serves_repeats_and_next_turns_with_no_kv_copied(store_deployment):
