@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <type_traits>
+
+#include <fmt/format.h>
 
 namespace kdn::router {
 
@@ -165,7 +168,8 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
          "Tokens generated before a request was resumed, which its new prompt carried.",
          resumed_tokens_);
   Head(&out, "kdn_requests_routed_total", "counter",
-       "Requests routed (a resume counts again), by where their prompt was computed: "
+       "Requests routed (one sent back to the queue, or resumed, counts again), by where "
+       "their prompt was computed: "
        "path=disaggregated on a prefill worker, its KV moved; path=local on the decode worker.");
   out += "kdn_requests_routed_total{path=\"disaggregated\"} " +
          std::to_string(routed_disaggregated_) + "\n";
@@ -210,7 +214,12 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   const auto per_worker = [&](const char* name, const char* type, const char* help, auto value) {
     Head(&out, name, type, help);
     for (const WorkerGauge& w : workers) {
-      out += name + labels(w) + std::to_string(value(w)) + "\n";
+      const auto v = value(w);
+      if constexpr (std::is_floating_point_v<decltype(v)>) {
+        out += name + labels(w) + fmt::format("{:.6g}", v) + "\n";
+      } else {
+        out += name + labels(w) + std::to_string(v) + "\n";
+      }
     }
   };
   per_worker("kdn_worker_queue_depth", "gauge", "Requests queued or running at a worker.",
@@ -308,6 +317,13 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   per_worker("kdn_worker_local_prefill_backlog_tokens", "gauge",
              "Prompt tokens of local prefills a decode worker has still to compute.",
              [](const WorkerGauge& w) { return w.local_prefill.backlog_tokens; });
+  per_worker("kdn_worker_decode_step_seconds", "gauge",
+             "A decode worker's decode steps, recent average (0 before its first).",
+             [](const WorkerGauge& w) { return w.local_prefill.step_ms / 1e3; });
+  per_worker("kdn_worker_local_prefill_seconds_per_token", "gauge",
+             "A decode worker's local prefill pieces per prompt token, recent average (0 "
+             "before its first).",
+             [](const WorkerGauge& w) { return w.local_prefill.prefill_ms_per_token / 1e3; });
   per_worker("kdn_worker_store_unreachable_total", "counter",
              "A worker's kdn-store requests that failed for want of an answer (timed out, or "
              "refused at once while the store is held to be down): each a cache miss.",
