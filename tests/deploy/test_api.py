@@ -393,11 +393,18 @@ METRICS = {
     "kdn_worker_up": "gauge",
     "kdn_worker_queue_depth": "gauge",
     "kdn_worker_free_kv_blocks": "gauge",
+    "kdn_requests_routed_total": "counter",
+    "kdn_worker_local_prefills_total": "counter",
+    "kdn_worker_local_prefill_tokens_total": "counter",
+    "kdn_worker_local_prefill_backlog_tokens": "gauge",
+    "kdn_worker_decode_step_seconds": "gauge",
+    "kdn_worker_local_prefill_seconds_per_token": "gauge",
 }
 
 
 def test_metrics_names_types_and_values(deployment):
-    deployment.completion("Hello world", max_tokens=8, temperature=0)
+    # The prefill worker's path, so that KV moves.
+    deployment.completion("Hello world", max_tokens=8, temperature=0, disaggregation="always")
     text = deployment.metrics()
     types = metric_types(text)
     for name, kind in METRICS.items():
