@@ -88,12 +88,20 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                            ": the model has " + std::to_string(impl->config.num_layers) +
                            " layers");
   }
+  if (auto st = control::CheckSchedule(options.recompute_ratio, options.check_layer,
+                                       options.check_layers, options.check_ratios,
+                                       impl->config.num_layers);
+      !st.ok()) {
+    return InvalidArgument("--check-layers/--check-ratios: " + st.status().message());
+  }
   impl->served = {name,
                   &impl->config,
                   impl->tokenizer.get(),
                   options.separator,
                   options.recompute_ratio,
                   options.check_layer,
+                  options.check_layers,
+                  options.check_ratios,
                   &impl->chat_template};
   KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));
   try {
