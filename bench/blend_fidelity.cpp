@@ -137,7 +137,11 @@ std::string JoinLayers(const std::vector<int>& layers) {
 
 int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
   std::string what;
-  auto model_r = MakeModel(c, 8192, &what);
+  // Room for the longest prompt (documents are at most twice --doc-tokens)
+  // and its answer, twice over.
+  const int64_t kv_tokens =
+      std::max<int64_t>(8192, 2 * (2 * int64_t{o.docs} * o.doc_tokens + 512 + o.answer_tokens));
+  auto model_r = MakeModel(c, kv_tokens, &what);
   if (!model_r.ok()) {
     std::fprintf(stderr, "kdn-bench: %s\n", model_r.status().ToString().c_str());
     return 1;
