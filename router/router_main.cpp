@@ -44,14 +44,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--check-layer", o.check_layer,
                  "Blend: the layer at which tokens are chosen by KV deviation (every token is "
-                 "recomputed up to it) when --check-layers is empty; a request's 'check_layer' "
-                 "overrides it")
+                 "recomputed up to it): the first of the progressive checks unless "
+                 "--check-layers is given; a request's 'check_layer' overrides it")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--check-layers", o.check_layers,
                  "Blend: progressive filtering, the ascending layers at which the tokens still "
-                 "recomputed are narrowed by KV deviation (comma-separated; empty: one check at "
-                 "--check-layer); a request's 'check_layers' overrides it")
+                 "recomputed are narrowed by KV deviation (comma-separated; one layer: one check "
+                 "there; default: --check-layer and the two after it, or one check on a model "
+                 "with fewer layers); a request's 'check_layers' overrides it")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--check-ratios", o.check_ratios,

@@ -331,7 +331,10 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     check_layers.clear();  // one check, where the request says
     check_ratios.clear();
   }
-  if (IsSet(body, "check_layers") && !IsSet(body, "check_ratios")) check_ratios.clear();
+  if ((IsSet(body, "check_layers") || IsSet(body, "recompute_ratio")) &&
+      !IsSet(body, "check_ratios")) {
+    check_ratios.clear();  // the default schedule for this request's layers and ratio
+  }
   if (IsSet(body, "check_ratios") && !IsSet(body, "recompute_ratio") && !check_ratios.empty()) {
     ratio = check_ratios.back();  // the last check's ratio is the target
   }

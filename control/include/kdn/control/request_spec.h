@@ -25,9 +25,9 @@ inline constexpr int kDefaultMaxTokens = 16;
 inline constexpr double kDefaultRecomputeRatio = 0.15;
 inline constexpr int kDefaultCheckLayer = 1;
 
-// The check layers of progressive filtering when neither kdn-router's
-// --check-layers nor a request names any; empty: one check at check_layer.
-// (Chosen by kdn-bench blend-fidelity; docs/blend.md, "Choosing the tokens".)
+// No check layers named: in a BlendSpec, one check at check_layer; in
+// kdn-router's options, its default (progressive checks at check_layer and
+// the two layers after it; docs/blend.md, "Choosing the tokens").
 inline std::vector<int> DefaultCheckLayers() { return {}; }
 
 // One check of a blend: at `layer` the tokens still recomputed are scored by
