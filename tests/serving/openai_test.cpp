@@ -198,6 +198,15 @@ TEST_F(OpenAiTest, ProgressiveChecksComeFromTheRequestOrTheServer) {
       Parse(ApiKind::kCompletion, R"({"prompt":"Q?","documents":["d"],"check_layer":1})", &one));
   EXPECT_TRUE(one.blend->check_layers.empty());
   EXPECT_EQ(one.blend->check_layer, 1);
+  // A request's own ratio replaces the server's check ratios with the
+  // default ones for it (the server's last would not equal it).
+  model_.check_ratios = {0.5, 0.15};
+  ApiRequest own;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":["d"],"recompute_ratio":0.3})", &own));
+  EXPECT_EQ(own.blend->check_layers, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(own.blend->check_ratios.empty());
+  EXPECT_DOUBLE_EQ(own.blend->recompute_ratio, 0.3);
 }
 
 TEST_F(OpenAiTest, ASeparatorSplitsThePromptIntoDocumentsAndTheQuestion) {
