@@ -127,17 +127,36 @@ int RunServeLoad(const Common& c, const ServeLoadOptions& o);
 int RunMultiturnEngine(const Common& c, const MultiturnOptions& o);
 
 // rag-blend: CacheBlend vs full prefill vs prefix caching (bench/blend_workloads.cpp).
+// With check_layers, each ratio also runs with progressive filtering over
+// those layers (control::CheckSchedule's default ratios).
 int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
-                const std::vector<double>& ratios, int check_layer);
+                const std::vector<double>& ratios, int check_layer,
+                const std::vector<int>& check_layers);
+
+// blend-fidelity: CacheBlend's answers against full prefill's on prompts of
+// real prose (bench/blend_fidelity.cpp; docs/blend.md).
+struct BlendFidelityOptions {
+  std::string text_dir = "/usr/share/common-licenses";
+  int prompts = 50;
+  int docs = 6;
+  int doc_tokens = 96;  // a document: whole paragraphs, at least this many tokens
+  int answer_tokens = 32;
+  std::vector<double> ratios = {0.05, 0.15, 0.3};
+  int check_layer = 1;
+  std::vector<std::vector<int>> check_layers;  // progressive schedules
+};
+int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o);
 
 // quality: exact match of a QA model on its eval set, by task family and mode
-// (bench/quality_workload.cpp). `kv_codec` (a kvbus codec level) codes the
+// (bench/quality_workload.cpp). With `check_layers`, each of `ratios` also
+// runs with progressive filtering over them. `kv_codec` (a kvbus codec level) codes the
 // documents' KV before reuse. `ratios` are CacheBlend's (deviation-chosen
 // tokens), `random_ratios` the same numbers of tokens chosen at random.
 std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question);
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer, const std::string& kv_codec);
+               int check_layer, const std::string& kv_codec,
+               const std::vector<int>& check_layers);
 
 // kv-codec: the KV codec's size, error and speed against raw, plain 8-bit
 // quantization and zstd, and TTFT with the prefix loaded from the disk tier

@@ -2,7 +2,8 @@
 // documents' KV cached as computed alone (segment keys, host tier). Time to
 // first token of full prefill, of prefix caching alone (a prompt with the
 // same documents in another order was cached before: its prefix keys miss),
-// and of CacheBlend at several recompute ratios; and, beside full prefill,
+// and of CacheBlend at several recompute ratios (with --check-layers, also
+// with progressive filtering); and, beside full prefill,
 // the KL divergence of the next-token distribution and the agreement of 32
 // greedy tokens.
 #include <algorithm>
@@ -28,7 +29,8 @@ constexpr int kChunkTokens = 256;
 }  // namespace
 
 int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
-                const std::vector<double>& ratios, int check_layer) {
+                const std::vector<double>& ratios, int check_layer,
+                const std::vector<int>& check_layers) {
   std::string what;
   const int64_t prompt_len = 1 + static_cast<int64_t>(docs) * doc_tokens + question_tokens;
   auto model_r = MakeModel(c, 4 * prompt_len + 256, &what);
@@ -146,14 +148,17 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
   double speedup_015 = 0;
   // Each ratio with the cached KV placed on the loader thread, overlapping
   // the layers' compute (the serving path); 0.15 also placed serially first.
+  // With check_layers, each partial ratio also with progressive filtering.
   struct Mode {
     double ratio;
     bool overlap;
+    bool progressive = false;
   };
   std::vector<Mode> modes;
   for (double ratio : ratios) {
     if (std::abs(ratio - 0.15) < 1e-9) modes.push_back({ratio, false});
     modes.push_back({ratio, true});
+    if (!check_layers.empty() && ratio > 0 && ratio < 1) modes.push_back({ratio, true, true});
   }
   double serial_015 = 0;
   for (const Mode& mode : modes) {
@@ -173,6 +178,8 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
       auto out = blend::BlendPrefill(model, seq, segments, question,
                                      {.recompute_ratio = ratio,
                                       .check_layer = check_layer,
+                                      .check_layers = mode.progressive ? check_layers
+                                                                       : std::vector<int>{},
                                       .overlap_load = mode.overlap});
       if (!out.ok()) {
         std::fprintf(stderr, "kdn-bench: %s\n", out.status().ToString().c_str());
@@ -195,12 +202,18 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     }
     const double kl = blend::KlDivergence(full_logits, res.logits);
     char name[40];
-    std::snprintf(name, sizeof(name), "blend %.2f%s", ratio, mode.overlap ? "" : " serial load");
+    std::snprintf(name, sizeof(name), "blend %.2f%s", ratio,
+                  mode.progressive ? " progressive" : mode.overlap ? "" : " serial load");
     std::printf("%-22s %10.1f %8.2fx %12d %10.3g %9d/32 %9.1f %9.1f\n", name, best * 1e3,
                 full_s / best, res.recomputed_tokens + res.computed_tokens, kl, agree,
                 res.check_seconds * 1e3, res.load_wait_seconds * 1e3);
-    if (std::abs(ratio - 0.15) < 1e-9) (mode.overlap ? speedup_015 : serial_015) = full_s / best;
-    rows.push_back({{"mode", mode.overlap ? "blend" : "blend-serial-load"}, {"ratio", ratio},
+    if (std::abs(ratio - 0.15) < 1e-9 && !mode.progressive) {
+      (mode.overlap ? speedup_015 : serial_015) = full_s / best;
+    }
+    rows.push_back({{"mode", mode.progressive ? "blend-progressive"
+                             : mode.overlap   ? "blend"
+                                              : "blend-serial-load"},
+                    {"ratio", ratio},
                     {"ttft_s", best},
                     {"speedup", full_s / best}, {"recomputed_tokens", res.recomputed_tokens},
                     {"kl", kl}, {"greedy_agreement", agree / 32.0},
@@ -213,7 +226,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
   }
   Emit(c, {{"workload", "rag-blend"}, {"model", what}, {"documents", docs},
            {"doc_tokens", doc_tokens}, {"question_tokens", question_tokens},
-           {"check_layer", check_layer}, {"rows", rows}, {"blend_015_speedup", speedup_015},
+           {"check_layer", check_layer}, {"check_layers", check_layers}, {"rows", rows}, {"blend_015_speedup", speedup_015},
            {"machine", Machine(c)}});
   return 0;
 }

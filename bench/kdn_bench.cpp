@@ -34,6 +34,11 @@
 //   tokenize  a tokenizer folder (--tokenizer) encoding a ~32K-token text and
 //             decoding it back, whole and token by token: tokens/s and
 //             microseconds per 1000 tokens against a 1 ms/1000-token budget.
+//   blend-fidelity  multi-document prompts of real English prose (licence
+//             texts): per blend mode (full reuse, deviation-chosen, random,
+//             progressive filtering; several ratios) the KL and top-1
+//             agreement with full prefill over 32 teacher-forced answer
+//             positions, whole greedy answers equal, and TTFT vs full prefill.
 //   quality   exact-match accuracy of a question-answering model (models/kdn-qa)
 //             on its held-out eval set through kdn's engine, by hops: full
 //             prefill, full reuse of each document's KV, CacheBlend ratios.
@@ -42,6 +47,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 
 #include <CLI/CLI.hpp>
 
@@ -194,6 +200,11 @@ int main(int argc, char** argv) {
                     "Only full prefill: no full reuse, no CacheBlend");
   quality->add_option("--check-layer", quality_check, "Layer whose KV deviation picks the tokens")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  std::vector<int> quality_layers;
+  quality->add_option("--check-layers", quality_layers,
+                      "Also run each --ratios value with progressive filtering over these check "
+                      "layers (ascending, comma-separated)")
+      ->delimiter(',');
   std::string quality_codec = "raw";
   quality->add_option("--kv-codec", quality_codec,
                       "Code each document's KV at this level and use the decoded KV in the "
@@ -242,6 +253,40 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   rag->add_option("--check-layer", rb_check, "Layer whose KV deviation picks the tokens")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  std::vector<int> rb_layers;
+  rag->add_option("--check-layers", rb_layers,
+                  "Also run each partial ratio with progressive filtering over these check "
+                  "layers (ascending, comma-separated)")
+      ->delimiter(',');
+  BlendFidelityOptions bf;
+  std::vector<std::string> bf_layers;
+  auto* fidelity = app.add_subcommand(
+      "blend-fidelity",
+      "CacheBlend vs full prefill on prompts of real prose: KL, top-1 and greedy agreement over "
+      "the answer, TTFT, per selection and ratio");
+  common(fidelity);
+  fidelity->add_option("--device", c.device, "Where the engine runs: cpu, cuda or cuda:N")
+      ->check(kdn::control::CheckDeviceName)
+      ->capture_default_str();
+  fidelity->add_option("--text-dir", bf.text_dir, "Folder of English text files (the documents)")
+      ->capture_default_str();
+  fidelity->add_option("--prompts", bf.prompts, "Prompts")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  fidelity->add_option("--docs", bf.docs, "Documents per prompt")->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  fidelity->add_option("--doc-tokens", bf.doc_tokens,
+                       "A document: consecutive paragraphs of one file, at least this many tokens")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  fidelity->add_option("--answer-tokens", bf.answer_tokens, "Answer positions compared")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  fidelity->add_option("--ratios", bf.ratios, "Recompute ratios, each in (0, 1)")->delimiter(',')
+      ->capture_default_str();
+  fidelity->add_option("--check-layer", bf.check_layer,
+                       "The one check layer of deviation and random selection")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  fidelity->add_option("--check-layers", bf_layers,
+                       "A progressive schedule's check layers, comma-separated and ascending "
+                       "(repeat the option for several schedules)");
   std::string tk_dir, tk_text;
   int tk_tokens = 32768;
   auto* tokenize = app.add_subcommand(
@@ -323,12 +368,32 @@ int main(int argc, char** argv) {
     }
     return RunMultiturn(c, mt);
   }
-  if (rag->parsed()) return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check);
+  if (rag->parsed()) {
+    return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check, rb_layers);
+  }
+  if (fidelity->parsed()) {
+    for (const std::string& s : bf_layers) {
+      std::vector<int> layers;
+      std::stringstream in(s);
+      std::string item;
+      while (std::getline(in, item, ',')) {
+        try {
+          layers.push_back(std::stoi(item));
+        } catch (const std::exception&) {
+          std::fprintf(stderr, "kdn-bench blend-fidelity: --check-layers %s: not a list of "
+                               "layers\n", s.c_str());
+          return 2;
+        }
+      }
+      bf.check_layers.push_back(std::move(layers));
+    }
+    return RunBlendFidelity(c, bf);
+  }
   if (quality->parsed()) {
     if (quality_random == std::vector<double>{0.0}) quality_random.clear();
     if (quality_full_only) quality_ratios.clear(), quality_random.clear();
     return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
-                      quality_random, quality_check, quality_codec);
+                      quality_random, quality_check, quality_codec, quality_layers);
   }
   if (kv_codec->parsed()) {
     if (kc.ttft_levels == std::vector<std::string>{"none"}) kc.ttft_levels.clear();

@@ -12,7 +12,8 @@
 // computed alone, placed and rotated, nothing recomputed: cross-document
 // attention is lost); CacheBlend at each --ratios value; and, as its
 // baseline, the same number of tokens chosen at random at each
-// --random-ratios value. In the reuse
+// --random-ratios value; with --check-layers, progressive filtering over
+// those layers at each --ratios value. In the reuse
 // modes each document ("doc\n") is tokenized and computed on its own once,
 // as the serving path stores it under its segment key; BOS is computed and
 // the question is the suffix.
@@ -103,6 +104,7 @@ struct Mode {
   std::string name;
   double ratio = -1;  // < 0: full prefill; 0: full reuse; else CacheBlend
   bool random = false;  // recompute tokens chosen at random, not by deviation
+  bool progressive = false;  // progressive filtering over the check layers
 };
 
 }  // namespace
@@ -115,7 +117,8 @@ std::string QaPrompt(const std::vector<std::string>& documents, const std::strin
 
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer, const std::string& kv_codec) {
+               int check_layer, const std::string& kv_codec,
+               const std::vector<int>& check_layers) {
   auto codec = kvbus::ParseCodecLevel(kv_codec);
   if (!codec.ok()) {
     std::fprintf(stderr, "kdn-bench quality: --kv-codec: %s\n", codec.status().message().c_str());
@@ -160,6 +163,13 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
       char name[32];
       std::snprintf(name, sizeof(name), "%s %.2f", random ? "random" : "blend", r);
       modes.push_back({name, r, random});
+    }
+  }
+  if (!check_layers.empty()) {
+    for (double r : ratios) {
+      char name[32];
+      std::snprintf(name, sizeof(name), "progr. %.2f", r);
+      modes.push_back({name, r, false, true});
     }
   }
   std::printf("quality of %s on %s (%zu examples), greedy, check layer %d, documents' KV %s\n",
@@ -210,6 +220,8 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
           blend::BlendPrefill(model, seq, segments, suffix,
                               {.recompute_ratio = mode.ratio,
                                .check_layer = check_layer,
+                               .check_layers = mode.progressive ? check_layers
+                                                                : std::vector<int>{},
                                .selection = mode.random ? blend::Selection::kRandom
                                                         : blend::Selection::kDeviation,
                                .seed = seed}));
@@ -270,8 +282,9 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
                   100.0 * acc, static_cast<double>(t.prompt_tokens) / t.n, 100.0 * share);
       json row = {{"mode", modes[m].ratio < 0    ? "full_prefill"
                            : modes[m].ratio == 0 ? "full_reuse"
-                           : modes[m].random     ? "random"
-                                                 : "blend"},
+                           : modes[m].random      ? "random"
+                           : modes[m].progressive ? "progressive"
+                                                  : "blend"},
                   {"family", family},
                   {"examples", t.n},
                   {"exact_match", acc},
@@ -285,6 +298,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   }
   std::printf("(%.1f s)\n", secs);
   Emit(c, {{"workload", "quality"}, {"model", what}, {"eval", path}, {"check_layer", check_layer},
+           {"check_layers", check_layers},
            {"kv_codec", kvbus::CodecLevelName(*codec)},
            {"rows", rows}, {"seconds", secs}, {"machine", Machine(c)}});
   return 0;

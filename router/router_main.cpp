@@ -44,9 +44,22 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--check-layer", o.check_layer,
                  "Blend: the layer at which tokens are chosen by KV deviation (every token is "
-                 "recomputed up to it); a request's 'check_layer' overrides it")
+                 "recomputed up to it): the first of the progressive checks unless "
+                 "--check-layers is given; a request's 'check_layer' overrides it")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--check-layers", o.check_layers,
+                 "Blend: progressive filtering, the ascending layers at which the tokens still "
+                 "recomputed are narrowed by KV deviation (comma-separated; one layer: one check "
+                 "there; default: --check-layer and the two after it, or one check on a model "
+                 "with fewer layers); a request's 'check_layers' overrides it")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--check-ratios", o.check_ratios,
+                 "Blend: the share of cached tokens kept at each of --check-layers, "
+                 "non-increasing, the last equal to --recompute-ratio (default: from twice "
+                 "the ratio down to it); a request's 'check_ratios' overrides it")
+      ->delimiter(',');
   app.add_option("--served-model-name", o.served_model_name,
                  "Model name in the API (default: the model folder's name, or the .gguf file's without .gguf)");
   std::string api_keys_file;

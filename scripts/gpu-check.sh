@@ -6,7 +6,8 @@
 # with their ratios to the hardware and to the peer (decode also at batch 32
 # with 4,096 tokens of context), multiturn at a 16K-token context (with the
 # decode worker's local prefill beside the prefill worker's logic) and
-# rag-blend with 8 documents of 2,048 tokens on that shape, and the comparison
+# rag-blend with 8 documents of 2,048 tokens on that shape, blend-fidelity
+# (progressive vs one-layer selection) on it, and the comparison
 # with Hugging Face on the GPU; and a GPU deployment of SmolLM2's GGUF
 # (KDN_SMOLLM2, default ~/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf) under
 # kdn-bench multiturn --url and serve-load. Results go to $OUT (default
@@ -58,6 +59,15 @@ want serving && step multiturn "$BIN/kdn-bench" multiturn --device cuda --preset
 want serving && step rag_blend "$BIN/kdn-bench" rag-blend --device cuda --preset llama3-8b \
   --docs 8 --doc-tokens 2048 --question-tokens 64 --ratios 0,0.15,1 --reps 3 \
   --json "$OUT/rag_blend.json"
+# Blend fidelity on that shape (generated weights; the licence texts' bytes
+# as tokens): deviation, random and progressive selection against full
+# prefill, and rag-blend's TTFT with progressive filtering beside.
+want serving && step blend_fidelity "$BIN/kdn-bench" blend-fidelity --device cuda --preset llama3-8b \
+  --prompts 50 --docs 8 --doc-tokens 512 --check-layers 1,2,3 --check-layers 1,4,8 \
+  --json "$OUT/blend_fidelity.json"
+want serving && step rag_blend_progressive "$BIN/kdn-bench" rag-blend --device cuda --preset llama3-8b \
+  --docs 8 --doc-tokens 2048 --question-tokens 64 --ratios 0.15 --check-layers 1,2,3 --reps 3 \
+  --json "$OUT/rag_blend_progressive.json"
 want hf && step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -s -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
 # A whole deployment on the GPU, measured from outside through the router.
 SMOL=${KDN_SMOLLM2:-$HOME/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf}

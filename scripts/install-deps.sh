@@ -25,7 +25,10 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 pkgs=(build-essential cmake ninja-build ccache pkg-config
       libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libxxhash-dev
       libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler libboost-dev libzstd-dev
-      libspdlog-dev libfmt-dev libpcre2-dev libutf8proc-dev)
+      libspdlog-dev libfmt-dev libpcre2-dev libutf8proc-dev
+      # base-files: /usr/share/common-licenses, the English prose of
+      # kdn-bench blend-fidelity (essential, so normally present already).
+      base-files)
 if [ $want_ref = 1 ]; then
   # promtool (package prometheus) checks /metrics; curl speaks SSE to the router.
   # munge, slurmctld, slurmd and slurm-client: a throwaway Slurm for tests/slurm.

@@ -86,12 +86,10 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments,
                                  std::span<const int32_t> suffix, const BlendOptions& options) {
   const model::ModelConfig& cfg = model.config();
-  if (!(options.recompute_ratio >= 0.0 && options.recompute_ratio <= 1.0)) {
-    return InvalidArgument("recompute_ratio must be in [0, 1]");
-  }
-  if (options.check_layer < 0 || options.check_layer >= cfg.num_layers) {
-    return InvalidArgument("check_layer must be in [0, " + std::to_string(cfg.num_layers) + ")");
-  }
+  KDN_ASSIGN_OR_RETURN(const std::vector<control::CheckStep> checks,
+                       control::CheckSchedule(options.recompute_ratio, options.check_layer,
+                                              options.check_layers, options.check_ratios,
+                                              cfg.num_layers));
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
 
@@ -137,18 +135,21 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   for (int64_t p = 0; p < n; ++p) (cached[p] ? cached_rows : fresh_rows).push_back(p);
   out.cached_tokens = static_cast<int>(cached_rows.size());
   out.computed_tokens = static_cast<int>(fresh_rows.size());
-  const auto keep_cached = static_cast<int64_t>(
-      std::ceil(options.recompute_ratio * static_cast<double>(cached_rows.size()) - 1e-9));
+  auto kept_of = [&](double ratio) {
+    return static_cast<int64_t>(
+        std::ceil(ratio * static_cast<double>(cached_rows.size()) - 1e-9));
+  };
+  const bool reuse_only = kept_of(options.recompute_ratio) == 0;
 
   // 1. Place and rotate the cached KV, from the first layer that reads it:
-  // with a check, every token is recomputed below the check layer.
-  const int first_placed = keep_cached == 0 ? 0 : options.check_layer;
+  // with a check, every token is recomputed below the first check layer.
+  const int first_placed = reuse_only ? 0 : checks.front().layer;
   auto run = [&]() -> Status {
     std::vector<int64_t> rows;
-    if (keep_cached == 0) {
+    if (reuse_only) {
       rows = fresh_rows;  // full reuse recomputes only the fresh rows
     } else {
-      rows.resize(n);  // 2. every row up to the check layer
+      rows.resize(n);  // 2. every row up to the first check layer
       std::iota(rows.begin(), rows.end(), 0);
     }
     KDN_ASSIGN_OR_RETURN(auto pass, model.BeginRowPass(seq, tokens, rows));
@@ -168,25 +169,22 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
       KDN_RETURN_IF_ERROR(rp.RunLayer(deviation));
       return options.on_layer ? options.on_layer(l) : Status::Ok();
     };
-    if (keep_cached > 0) {
-      for (int l = 0; l < options.check_layer; ++l) KDN_RETURN_IF_ERROR(run_layer(nullptr));
-      std::vector<float> deviation;
-      KDN_RETURN_IF_ERROR(run_layer(&deviation));
-      // 3. The cached rows to go on with.
-      std::vector<int64_t> order = cached_rows;  // positions = row indices here
-      if (options.selection == Selection::kDeviation) {
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int64_t a, int64_t b) { return deviation[a] > deviation[b]; });
-      } else {
-        std::mt19937_64 rng(options.seed);
-        std::shuffle(order.begin(), order.end(), rng);
+    if (!reuse_only) {
+      for (size_t i = 0; i < checks.size(); ++i) {
+        while (rp.next_layer() < checks[i].layer) KDN_RETURN_IF_ERROR(run_layer(nullptr));
+        std::vector<float> deviation;
+        KDN_RETURN_IF_ERROR(run_layer(&deviation));
+        // 3. The cached rows to go on with, among those still recomputed.
+        const int64_t keep = std::min(kept_of(checks[i].ratio),
+                                      static_cast<int64_t>(rp.positions().size() -
+                                                           fresh_rows.size()));
+        const std::vector<int64_t> chosen =
+            ChooseRows(rp.positions(), cached, deviation, keep, options.selection,
+                       options.seed + i);
+        KDN_RETURN_IF_ERROR(rp.Keep(chosen));
+        out.kept_at_check.push_back(static_cast<int>(keep));
       }
-      order.resize(static_cast<size_t>(keep_cached));
-      std::vector<int64_t> keep = fresh_rows;
-      keep.insert(keep.end(), order.begin(), order.end());
-      std::sort(keep.begin(), keep.end());
-      KDN_RETURN_IF_ERROR(rp.Keep(keep));
-      out.recomputed_tokens = static_cast<int>(keep_cached);
+      out.recomputed_tokens = out.kept_at_check.back();
       out.check_seconds = seconds_since(start);
     }
     // 4. The remaining layers over the fused cache.
@@ -198,6 +196,27 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
     seq.Reset();
     return st;
   }
+  return out;
+}
+
+std::vector<int64_t> ChooseRows(std::span<const int64_t> positions, const std::vector<bool>& cached,
+                                std::span<const float> deviation, int64_t keep,
+                                Selection selection, uint64_t seed) {
+  std::vector<int64_t> out, candidates;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    (cached[positions[i]] ? candidates : out).push_back(static_cast<int64_t>(i));
+  }
+  if (selection == Selection::kDeviation) {
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [&](int64_t a, int64_t b) { return deviation[a] > deviation[b]; });
+  } else {
+    std::mt19937_64 rng(seed);
+    std::shuffle(candidates.begin(), candidates.end(), rng);
+  }
+  candidates.resize(static_cast<size_t>(std::clamp<int64_t>(
+      keep, 0, static_cast<int64_t>(candidates.size()))));
+  out.insert(out.end(), candidates.begin(), candidates.end());
+  std::sort(out.begin(), out.end());
   return out;
 }
 

@@ -1,5 +1,9 @@
 #include "kdn/control/request_spec.h"
 
+#include <algorithm>
+#include <cmath>
+#include <string>
+
 #include "serving.pb.h"
 
 namespace kdn::control {
@@ -9,6 +13,8 @@ void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out) {
   for (int len : spec.segment_tokens) out->add_segment_tokens(len);
   out->set_recompute_ratio(spec.recompute_ratio);
   out->set_check_layer(spec.check_layer);
+  for (int l : spec.check_layers) out->add_check_layers(l);
+  for (double r : spec.check_ratios) out->add_check_ratios(r);
 }
 
 BlendSpec BlendFromProto(const proto::BlendSpec& p) {
@@ -17,7 +23,62 @@ BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   spec.segment_tokens.assign(p.segment_tokens().begin(), p.segment_tokens().end());
   spec.recompute_ratio = p.recompute_ratio();
   spec.check_layer = p.check_layer();
+  spec.check_layers.assign(p.check_layers().begin(), p.check_layers().end());
+  spec.check_ratios.assign(p.check_ratios().begin(), p.check_ratios().end());
   return spec;
+}
+
+std::vector<double> DefaultCheckRatios(double ratio, size_t checks) {
+  std::vector<double> out(checks, ratio);
+  if (checks < 2) return out;
+  const double first = std::min(1.0, 2 * ratio);
+  for (size_t i = 0; i + 1 < checks; ++i) {
+    const double f = static_cast<double>(checks - 1 - i) / static_cast<double>(checks - 1);
+    out[i] = ratio + (first - ratio) * f;
+  }
+  return out;
+}
+
+Result<std::vector<CheckStep>> CheckSchedule(double recompute_ratio, int check_layer,
+                                             std::span<const int> check_layers,
+                                             std::span<const double> check_ratios,
+                                             int num_layers) {
+  const std::string layers_range = "[0, " + std::to_string(num_layers) + ")";
+  if (!(recompute_ratio >= 0 && recompute_ratio <= 1)) {
+    return InvalidArgument("recompute_ratio must be in [0, 1]");
+  }
+  if (check_layers.empty()) {
+    if (!check_ratios.empty()) return InvalidArgument("check_ratios need check_layers");
+    if (check_layer < 0 || check_layer >= num_layers) {
+      return InvalidArgument("check_layer must be in " + layers_range);
+    }
+    return std::vector<CheckStep>{{check_layer, recompute_ratio}};
+  }
+  std::vector<double> ratios(check_ratios.begin(), check_ratios.end());
+  if (ratios.empty()) ratios = DefaultCheckRatios(recompute_ratio, check_layers.size());
+  if (ratios.size() != check_layers.size()) {
+    return InvalidArgument("check_ratios must give one ratio per check layer");
+  }
+  std::vector<CheckStep> out;
+  for (size_t i = 0; i < check_layers.size(); ++i) {
+    if (check_layers[i] < 0 || check_layers[i] >= num_layers) {
+      return InvalidArgument("check_layers must be in " + layers_range);
+    }
+    if (i > 0 && check_layers[i] <= check_layers[i - 1]) {
+      return InvalidArgument("check_layers must be ascending");
+    }
+    if (!(ratios[i] >= 0 && ratios[i] <= 1)) {
+      return InvalidArgument("check_ratios must be in [0, 1]");
+    }
+    if (i > 0 && ratios[i] > ratios[i - 1]) {
+      return InvalidArgument("check_ratios must not increase");
+    }
+    out.push_back({check_layers[i], ratios[i]});
+  }
+  if (std::abs(ratios.back() - recompute_ratio) > 1e-9) {
+    return InvalidArgument("the last of check_ratios must equal recompute_ratio");
+  }
+  return out;
 }
 
 }  // namespace kdn::control

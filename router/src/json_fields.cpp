@@ -48,6 +48,38 @@ std::optional<ApiError> GetNumber(const json& body, const char* name, double* ou
   return std::nullopt;
 }
 
+std::optional<ApiError> GetIntArray(const json& body, const char* name, std::vector<int>* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  const std::string bad = std::string("'") + name + "' must be an array of integers";
+  if (!it->is_array()) return Bad(bad + ", not " + TypeName(*it), name);
+  std::vector<int> v;
+  for (const json& e : *it) {
+    if (!e.is_number() || std::floor(e.get<double>()) != e.get<double>() ||
+        std::fabs(e.get<double>()) > 1e9) {
+      return Bad(bad, name);
+    }
+    v.push_back(static_cast<int>(e.get<double>()));
+  }
+  *out = std::move(v);
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetNumberArray(const json& body, const char* name,
+                                       std::vector<double>* out) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return std::nullopt;
+  const std::string bad = std::string("'") + name + "' must be an array of numbers";
+  if (!it->is_array()) return Bad(bad + ", not " + TypeName(*it), name);
+  std::vector<double> v;
+  for (const json& e : *it) {
+    if (!e.is_number()) return Bad(bad, name);
+    v.push_back(e.get<double>());
+  }
+  *out = std::move(v);
+  return std::nullopt;
+}
+
 std::optional<ApiError> GetBool(const json& body, const char* name, bool* out) {
   auto it = body.find(name);
   if (it == body.end() || it->is_null()) return std::nullopt;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kdn/router/openai.h"
 
@@ -18,6 +19,10 @@ const char* TypeName(const json& v);
 std::optional<ApiError> GetInt(const json& body, const char* name, int64_t* out);
 std::optional<ApiError> GetNumber(const json& body, const char* name, double* out);
 std::optional<ApiError> GetBool(const json& body, const char* name, bool* out);
+// An array of integers, or of numbers; *out is replaced when present.
+std::optional<ApiError> GetIntArray(const json& body, const char* name, std::vector<int>* out);
+std::optional<ApiError> GetNumberArray(const json& body, const char* name,
+                                       std::vector<double>* out);
 std::optional<ApiError> GetString(const json& body, const char* name, std::string* out);
 
 }  // namespace kdn::router

@@ -313,8 +313,12 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   }
   double ratio = model.recompute_ratio;
   int64_t check_layer = model.check_layer;
+  std::vector<int> check_layers = model.check_layers;
+  std::vector<double> check_ratios = model.check_ratios;
   KDN_API_CHECK(GetNumber(body, "recompute_ratio", &ratio));
   KDN_API_CHECK(GetInt(body, "check_layer", &check_layer));
+  KDN_API_CHECK(GetIntArray(body, "check_layers", &check_layers));
+  KDN_API_CHECK(GetNumberArray(body, "check_ratios", &check_ratios));
   if (!(ratio >= 0 && ratio <= 1)) {
     return Bad("'recompute_ratio' must be between 0 and 1", "recompute_ratio");
   }
@@ -323,9 +327,28 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
                    ") for this model",
                "check_layer");
   }
+  if (IsSet(body, "check_layer") && !IsSet(body, "check_layers")) {
+    check_layers.clear();  // one check, where the request says
+    check_ratios.clear();
+  }
+  if ((IsSet(body, "check_layers") || IsSet(body, "recompute_ratio")) &&
+      !IsSet(body, "check_ratios")) {
+    check_ratios.clear();  // the default schedule for this request's layers and ratio
+  }
+  if (IsSet(body, "check_ratios") && !IsSet(body, "recompute_ratio") && !check_ratios.empty()) {
+    ratio = check_ratios.back();  // the last check's ratio is the target
+  }
+  if (auto st = control::CheckSchedule(ratio, static_cast<int>(check_layer), check_layers,
+                                       check_ratios, model.config->num_layers);
+      !st.ok()) {
+    return Bad("'check_layers' and 'check_ratios': " + st.status().message(),
+               IsSet(body, "check_ratios") ? "check_ratios" : "check_layers");
+  }
   if (out->blend) {
     out->blend->recompute_ratio = ratio;
     out->blend->check_layer = static_cast<int>(check_layer);
+    out->blend->check_layers = std::move(check_layers);
+    out->blend->check_ratios = std::move(check_ratios);
   }
 
   int64_t max_tokens = control::kDefaultMaxTokens;

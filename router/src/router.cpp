@@ -88,12 +88,31 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                            ": the model has " + std::to_string(impl->config.num_layers) +
                            " layers");
   }
+  // No --check-layers: progressive filtering at --check-layer and the two
+  // layers after it, where the model has them (docs/blend.md, "Choosing the
+  // tokens"); one listed layer is one check.
+  std::vector<int> check_layers = options.check_layers;
+  if (check_layers.empty()) {
+    for (int l = options.check_layer; l < options.check_layer + 3 && l < impl->config.num_layers;
+         ++l) {
+      check_layers.push_back(l);
+    }
+    if (check_layers.size() < 2 || !options.check_ratios.empty()) check_layers.clear();
+  }
+  if (auto st = control::CheckSchedule(options.recompute_ratio, options.check_layer,
+                                       check_layers, options.check_ratios,
+                                       impl->config.num_layers);
+      !st.ok()) {
+    return InvalidArgument("--check-layers/--check-ratios: " + st.status().message());
+  }
   impl->served = {name,
                   &impl->config,
                   impl->tokenizer.get(),
                   options.separator,
                   options.recompute_ratio,
                   options.check_layer,
+                  check_layers,
+                  options.check_ratios,
                   &impl->chat_template};
   KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));
   try {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <numeric>
 
 #include "../engine/test_util.h"
@@ -188,6 +189,114 @@ TEST(Blend, DeviationChosenTokensBeatRandomOnesAtFifteenPercent) {
   EXPECT_GT(wins, runs / 2);
 }
 
+// One check given as a list is kdn's one-layer choice, exactly.
+TEST(Blend, ProgressiveWithOneCheckIsTheOneLayerChoice) {
+  auto model = MakeModel("small", 1, {.kv_tokens = 2048, .threads = 1});
+  const Prompt p = MakePrompt(*model, 3, 48, 5);
+  engine::KvSequence a = model->kv_cache().NewSequence();
+  auto one = BlendPrefill(*model, a, p.segments, p.suffix, {.recompute_ratio = 0.3, .check_layer = 2});
+  engine::KvSequence b = model->kv_cache().NewSequence();
+  auto listed = BlendPrefill(*model, b, p.segments, p.suffix,
+                             {.recompute_ratio = 0.3, .check_layers = {2}, .check_ratios = {0.3}});
+  ASSERT_TRUE(one.ok() && listed.ok());
+  EXPECT_EQ(one->logits, listed->logits);
+  EXPECT_EQ(listed->kept_at_check, std::vector<int>{44});  // ceil(0.3 * 144)
+}
+
+// Each check keeps its share of the cached tokens, the last the target
+// ratio; the result is not the one-layer choice's at that ratio.
+TEST(Blend, ProgressiveFilteringNarrowsAtEachCheck) {
+  auto model = MakeModel("small", 2, {.kv_tokens = 2048, .threads = 1});
+  const Prompt p = MakePrompt(*model, 4, 50, 6);  // 200 cached tokens
+  engine::KvSequence a = model->kv_cache().NewSequence();
+  auto prog = BlendPrefill(*model, a, p.segments, p.suffix,
+                           {.recompute_ratio = 0.15, .check_layers = {1, 3, 5},
+                            .check_ratios = {0.5, 0.3, 0.15}});
+  ASSERT_TRUE(prog.ok()) << prog.status().ToString();
+  EXPECT_EQ(prog->kept_at_check, (std::vector<int>{100, 60, 30}));
+  EXPECT_EQ(prog->recomputed_tokens, 30);
+  EXPECT_EQ(prog->cached_tokens, 200);
+  engine::KvSequence b = model->kv_cache().NewSequence();
+  auto one = BlendPrefill(*model, b, p.segments, p.suffix, {.recompute_ratio = 0.15});
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->recomputed_tokens, 30);
+  EXPECT_GT(RelError(prog->logits.data(), one->logits.data(), one->logits.size()), 1e-6);
+  // The default ratios when none are given: 0.3, 0.225, 0.15 of 200.
+  engine::KvSequence c = model->kv_cache().NewSequence();
+  auto dflt = BlendPrefill(*model, c, p.segments, p.suffix,
+                           {.recompute_ratio = 0.15, .check_layers = {1, 3, 5}});
+  ASSERT_TRUE(dflt.ok());
+  EXPECT_EQ(dflt->kept_at_check, (std::vector<int>{60, 45, 30}));
+}
+
+TEST(Blend, ProgressiveAtRatioOneIsAFullPrefill) {
+  auto model = MakeModel("tiny");
+  const Prompt p = MakePrompt(*model, 3, 40, 7);
+  engine::KvSequence seq = model->kv_cache().NewSequence();
+  auto r = BlendPrefill(*model, seq, p.segments, p.suffix,
+                        {.recompute_ratio = 1.0, .check_layers = {0, 1}, .check_ratios = {1, 1}});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->recomputed_tokens, 120);
+  const auto want = FullPrefill(*model, p.all);
+  EXPECT_LT(RelError(r->logits.data(), want.data(), want.size()), 1e-5);
+}
+
+// A check keeps every uncached row and the cached ones with the largest
+// deviation, as indices into the rows still recomputed.
+TEST(Blend, ChooseRowsKeepsUncachedRowsAndTheLargestDeviations) {
+  //                   position: 0     1     2     3     4     5     6     7
+  const std::vector<bool> cached{false, true, true, true, true, true, true, false};
+  // After an earlier check: rows at positions 0, 2, 3, 5, 6, 7.
+  const std::vector<int64_t> positions{0, 2, 3, 5, 6, 7};
+  const std::vector<float> deviation{9, 1, 5, 4, 5, 0};
+  EXPECT_EQ(ChooseRows(positions, cached, deviation, 2, Selection::kDeviation, 0),
+            (std::vector<int64_t>{0, 2, 4, 5}));  // ties go to the earlier row
+  EXPECT_EQ(ChooseRows(positions, cached, deviation, 0, Selection::kDeviation, 0),
+            (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(ChooseRows(positions, cached, deviation, 9, Selection::kDeviation, 0),
+            (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  const auto rnd = ChooseRows(positions, cached, deviation, 3, Selection::kRandom, 7);
+  ASSERT_EQ(rnd.size(), 5u);
+  EXPECT_EQ(rnd.front(), 0);
+  EXPECT_EQ(rnd.back(), 5);
+  EXPECT_TRUE(std::is_sorted(rnd.begin(), rnd.end()));
+  EXPECT_EQ(rnd, ChooseRows(positions, cached, deviation, 3, Selection::kRandom, 7));
+}
+
+TEST(CheckSchedule, OneCheckWithoutLayersAndDefaultRatiosWithThem) {
+  auto one = control::CheckSchedule(0.15, 2, {}, {}, 30);
+  ASSERT_TRUE(one.ok());
+  ASSERT_EQ(one->size(), 1u);
+  EXPECT_EQ((*one)[0].layer, 2);
+  EXPECT_EQ((*one)[0].ratio, 0.15);
+  const std::vector<int> layers{1, 4, 8};
+  auto prog = control::CheckSchedule(0.15, 1, layers, {}, 30);
+  ASSERT_TRUE(prog.ok());
+  ASSERT_EQ(prog->size(), 3u);
+  EXPECT_EQ((*prog)[2].layer, 8);
+  EXPECT_NEAR((*prog)[0].ratio, 0.3, 1e-12);
+  EXPECT_NEAR((*prog)[1].ratio, 0.225, 1e-12);
+  EXPECT_NEAR((*prog)[2].ratio, 0.15, 1e-12);
+  EXPECT_EQ(control::DefaultCheckRatios(0.7, 2), (std::vector<double>{1.0, 0.7}));
+}
+
+TEST(CheckSchedule, RefusesBadLayersAndRatios) {
+  auto bad = [](double ratio, std::vector<int> layers, std::vector<double> ratios) {
+    auto r = control::CheckSchedule(ratio, 1, layers, ratios, 10);
+    return !r.ok() && r.status().code() == StatusCode::kInvalidArgument;
+  };
+  EXPECT_TRUE(bad(0.15, {2, 2}, {}));            // not ascending
+  EXPECT_TRUE(bad(0.15, {1, 10}, {}));           // past the last layer
+  EXPECT_TRUE(bad(0.15, {-1, 3}, {}));
+  EXPECT_TRUE(bad(0.15, {1, 3}, {0.15, 0.3}));   // increasing
+  EXPECT_TRUE(bad(0.15, {1, 3}, {0.3, 0.2}));    // last is not the target
+  EXPECT_TRUE(bad(0.15, {1, 3}, {0.15}));        // one ratio short
+  EXPECT_TRUE(bad(0.15, {}, {0.15}));            // ratios without layers
+  EXPECT_TRUE(bad(1.5, {1, 3}, {}));
+  EXPECT_FALSE(bad(0.15, {1, 3}, {0.3, 0.15}));
+  EXPECT_FALSE(bad(0.0, {1, 3}, {}));
+}
+
 TEST(Blend, RefusesBadSettingsAndMismatchedKv) {
   auto model = MakeModel("tiny");
   Prompt p = MakePrompt(*model, 1, 20, 3);
@@ -195,6 +304,9 @@ TEST(Blend, RefusesBadSettingsAndMismatchedKv) {
   EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.5}).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.check_layer = 2}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix,
+                         {.check_layers = {0, 2}}).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(BlendPrefill(*model, seq, p.segments, {}, {}).status().code(),
             StatusCode::kInvalidArgument);

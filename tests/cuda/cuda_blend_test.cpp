@@ -105,6 +105,26 @@ TEST(CudaBlend, OverlappedLoadingEqualsLoadingFirst) {
   }
 }
 
+// Progressive filtering goes through the same row pass: each check narrows
+// the rows on the device, and overlapped loading still changes nothing.
+TEST(CudaBlend, ProgressiveFilteringNarrowsAtEachCheck) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto e = TinyOnGpu(8);
+  ASSERT_TRUE(e);
+  const Prompt p = MakePrompt(*e);
+  std::vector<std::vector<float>> logits;
+  for (bool overlap : {false, true}) {
+    KvSequence seq = e->kv_cache().NewSequence();
+    auto r = blend::BlendPrefill(*e, seq, p.segments, p.suffix,
+                                 {.recompute_ratio = 0.15, .check_layers = {0, 1},
+                                  .check_ratios = {0.3, 0.15}, .overlap_load = overlap});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->kept_at_check, (std::vector<int>{97, 49}));  // of 321 cached tokens
+    logits.push_back(r->logits);
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+}
+
 TEST(CudaOpenEngine, MemoryShareSizesTheKvPool) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   auto p = FindPreset("tiny");

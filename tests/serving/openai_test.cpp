@@ -176,6 +176,39 @@ TEST_F(OpenAiTest, DocumentsBecomeSegmentsBetweenBosAndTheQuestion) {
   EXPECT_FALSE(plain.blend.has_value());
 }
 
+TEST_F(OpenAiTest, ProgressiveChecksComeFromTheRequestOrTheServer) {
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":["d\n"],"check_layers":[0,1],
+                         "check_ratios":[0.5,0.2]})",
+                     &r));
+  ASSERT_TRUE(r.blend.has_value());
+  EXPECT_EQ(r.blend->check_layers, (std::vector<int>{0, 1}));
+  EXPECT_EQ(r.blend->check_ratios, (std::vector<double>{0.5, 0.2}));
+  EXPECT_DOUBLE_EQ(r.blend->recompute_ratio, 0.2);  // the last check's ratio is the target
+
+  model_.check_layers = {0, 1};
+  ApiRequest dflt;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"Q?","documents":["d"]})", &dflt));
+  EXPECT_EQ(dflt.blend->check_layers, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(dflt.blend->check_ratios.empty());
+  // A request naming one check layer gets one check there.
+  ApiRequest one;
+  ASSERT_FALSE(
+      Parse(ApiKind::kCompletion, R"({"prompt":"Q?","documents":["d"],"check_layer":1})", &one));
+  EXPECT_TRUE(one.blend->check_layers.empty());
+  EXPECT_EQ(one.blend->check_layer, 1);
+  // A request's own ratio replaces the server's check ratios with the
+  // default ones for it (the server's last would not equal it).
+  model_.check_ratios = {0.5, 0.15};
+  ApiRequest own;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":["d"],"recompute_ratio":0.3})", &own));
+  EXPECT_EQ(own.blend->check_layers, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(own.blend->check_ratios.empty());
+  EXPECT_DOUBLE_EQ(own.blend->recompute_ratio, 0.3);
+}
+
 TEST_F(OpenAiTest, ASeparatorSplitsThePromptIntoDocumentsAndTheQuestion) {
   model_.separator = " # # ";
   model_.recompute_ratio = 0.05;
@@ -285,6 +318,21 @@ TEST_F(OpenAiTest, BadDocumentsAndBlendSettingsAreRefused) {
             "recompute_ratio");
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"check_layer":2})").message,
             "'check_layer' must be in [0, 2) for this model");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"check_layers":[1,0]})").param,
+            "check_layers");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"check_layers":[0,2]})").param,
+            "check_layers");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"check_layers":"0,1"})").param,
+            "check_layers");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"check_layers":[0,1],
+                        "check_ratios":[0.1,0.2]})")
+                .param,
+            "check_ratios");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"check_layers":[0,1],
+                        "check_ratios":[0.5,0.3],"recompute_ratio":0.15})")
+                .message,
+            "'check_layers' and 'check_ratios': the last of check_ratios must equal "
+            "recompute_ratio");
   EXPECT_EQ(Refused(R"({"prompt":"q","separator":7})").param, "separator");
 }
 

@@ -6,9 +6,11 @@
 //
 // Thread-compatible values.
 
+#include <span>
 #include <vector>
 
 #include "kdn/common/kv_block.h"
+#include "kdn/common/status.h"
 
 namespace kdn::proto {
 class BlendSpec;
@@ -23,6 +25,34 @@ inline constexpr int kDefaultMaxTokens = 16;
 inline constexpr double kDefaultRecomputeRatio = 0.15;
 inline constexpr int kDefaultCheckLayer = 1;
 
+// No check layers named: in a BlendSpec, one check at check_layer; in
+// kdn-router's options, its default (progressive checks at check_layer and
+// the two layers after it; docs/blend.md, "Choosing the tokens").
+inline std::vector<int> DefaultCheckLayers() { return {}; }
+
+// One check of a blend: at `layer` the tokens still recomputed are scored by
+// KV deviation and the top `ratio` of the prompt's cached tokens go on.
+struct CheckStep {
+  int layer = kDefaultCheckLayer;
+  double ratio = kDefaultRecomputeRatio;
+};
+
+// The checks of a blend (docs/blend.md, "Choosing the tokens"). With no
+// check_layers, one check at check_layer keeps recompute_ratio (kdn's
+// one-layer choice). Otherwise CacheBlend's progressive filtering: one check
+// at each of check_layers (ascending, each in [0, num_layers)), keeping
+// check_ratios[i] of the cached tokens, among those kept at the check
+// before; the ratios are non-increasing, in [0, 1], and the last equals
+// recompute_ratio. Empty check_ratios: DefaultCheckRatios. INVALID_ARGUMENT
+// (naming the field) for anything else.
+Result<std::vector<CheckStep>> CheckSchedule(double recompute_ratio, int check_layer,
+                                             std::span<const int> check_layers,
+                                             std::span<const double> check_ratios, int num_layers);
+// `checks` ratios falling in equal steps from min(1, 2 * ratio) at the first
+// check to `ratio` at the last: a larger share is kept where the deviation
+// is least telling, as the paper does.
+std::vector<double> DefaultCheckRatios(double ratio, size_t checks);
+
 // A prompt made of documents (CacheBlend; docs/serving.md, "Documents"): the
 // prompt's first head_tokens tokens are computed in full, then come the
 // documents (segment_tokens each), whose KV is reused from the KDN when held,
@@ -32,6 +62,9 @@ struct BlendSpec {
   std::vector<int> segment_tokens;  // then the documents' lengths, in order
   double recompute_ratio = kDefaultRecomputeRatio;
   int check_layer = kDefaultCheckLayer;
+  // Progressive filtering (CheckSchedule); empty: one check at check_layer.
+  std::vector<int> check_layers;
+  std::vector<double> check_ratios;  // one per check layer; empty: the default
 };
 
 void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out);

@@ -57,6 +57,9 @@ struct ServedModel {
   std::string separator;  // empty: prompts are not split
   double recompute_ratio = control::kDefaultRecomputeRatio;
   int check_layer = control::kDefaultCheckLayer;
+  // Progressive filtering (control::CheckSchedule); empty: one check.
+  std::vector<int> check_layers = control::DefaultCheckLayers();
+  std::vector<double> check_ratios;
   // The model folder's chat template; null: the built-in format of
   // config->architecture.
   const text::ChatTemplate* chat_template = nullptr;

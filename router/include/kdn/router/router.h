@@ -26,6 +26,9 @@ struct RouterOptions {
   std::string separator;
   double recompute_ratio = control::kDefaultRecomputeRatio;
   int check_layer = control::kDefaultCheckLayer;
+  // Progressive filtering (control::CheckSchedule); empty: one check.
+  std::vector<int> check_layers = control::DefaultCheckLayers();
+  std::vector<double> check_ratios;
   BackendOptions backend;
   // API keys (docs/serving.md, "API keys"); null: every request is served,
   // in the namespace of its cache_salt.

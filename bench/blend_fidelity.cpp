@@ -1,0 +1,424 @@
+// kdn-bench blend-fidelity: how close CacheBlend's answers come to full
+// prefill's on multi-document prompts of real English prose.
+//
+// The text: every regular file of --text-dir (default
+// /usr/share/common-licenses, the licence texts Debian's base-files installs
+// on every system; each may be copied verbatim), split into paragraphs,
+// consecutive paragraphs of one file joined into documents of at least
+// --doc-tokens tokens. Each prompt is a head (computed in full), --docs
+// documents drawn from different places of the pool in a fresh order (each
+// document's KV computed alone once, at positions 0..n-1, as the KDN holds
+// it) and a cue (a question about the passages, or a request to go on),
+// in the model's chat format when its tokenizer knows <|im_start|>.
+//
+// Modes, each against full prefill: full reuse (nothing recomputed), blend by
+// KV deviation at one check layer (kdn's choice) at each ratio, the same
+// number of tokens chosen at random, and progressive filtering over each
+// --check-layers list (CacheBlend's; control::CheckSchedule's default
+// ratios). Per mode, over the first --answer-tokens positions of the answer,
+// teacher-forced on full prefill's greedy tokens (one pass over them on top
+// of the prompt's KV, for the reference and every mode alike): the mean KL(full || mode)
+// of the next-token distribution, top-1 agreement with full prefill, the
+// share of prompts whose greedy answer equals full prefill's in all those
+// tokens, the mean run of equal greedy tokens, and time to first token
+// against full prefill's (the documents' KV already in memory).
+//
+// With a preset (no tokenizer) the text's bytes are the tokens.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "bench_util.h"
+#include "kdn/blend/blend.h"
+#include "kdn/kvbridge/paged_chunks.h"
+#include "kdn/kvbus/key.h"
+#include "kdn/model/gguf.h"
+#include "kdn/text/tokenizer.h"
+
+namespace kdn::bench {
+
+namespace {
+
+struct Document {
+  std::string text;
+  std::vector<int32_t> tokens;
+  int source = 0;  // which file
+};
+
+// Paragraphs of one file: runs of non-blank lines, whitespace collapsed.
+std::vector<std::string> Paragraphs(const std::string& body) {
+  std::vector<std::string> out;
+  std::istringstream in(body);
+  std::string line, cur;
+  auto flush = [&] {
+    if (!cur.empty()) out.push_back(cur);
+    cur.clear();
+  };
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string w;
+    bool any = false;
+    while (words >> w) {
+      if (!cur.empty()) cur += ' ';
+      cur += w;
+      any = true;
+    }
+    if (!any) flush();
+  }
+  flush();
+  return out;
+}
+
+// A distinctive word of `text` (the longest alphabetic one), for a cue.
+std::string KeyWord(const std::string& text) {
+  std::string best, w;
+  for (size_t i = 0; i <= text.size(); ++i) {
+    const char ch = i < text.size() ? text[i] : ' ';
+    if (std::isalpha(static_cast<unsigned char>(ch))) {
+      w += ch;
+    } else {
+      if (w.size() > best.size()) best = w;
+      w.clear();
+    }
+  }
+  return best;
+}
+
+// The next-token logits at each of tokens' positions: `logits` (the
+// prompt's, in `seq`) for the first, then one pass over tokens[0..n-2] on
+// top of `seq` (all logits) for the rest.
+Result<std::vector<std::vector<float>>> TeacherForced(engine::Engine& model,
+                                                      engine::KvSequence& seq,
+                                                      std::vector<float> logits,
+                                                      const std::vector<int32_t>& tokens) {
+  std::vector<std::vector<float>> out{std::move(logits)};
+  if (tokens.size() < 2) return out;
+  std::vector<float> all;
+  KDN_RETURN_IF_ERROR(model.Prefill(seq, std::span(tokens).first(tokens.size() - 1),
+                                    {.all_logits = true}, &all));
+  const size_t vocab = out[0].size();
+  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
+    out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(i * vocab),
+                     all.begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
+  }
+  return out;
+}
+
+struct Mode {
+  std::string name;
+  std::string kind;  // full_reuse, deviation, random, progressive
+  double ratio = 0;
+  std::vector<int> check_layers;  // progressive only
+};
+
+struct Tally {
+  double kl = 0;          // summed over positions
+  int64_t top1 = 0;       // positions agreeing
+  int64_t positions = 0;
+  int all_equal = 0;      // prompts whose whole greedy answer agrees
+  int64_t equal_run = 0;  // summed leading runs of agreeing greedy tokens
+  double seconds = 0;     // summed TTFT
+  int64_t recomputed = 0, cached = 0;
+};
+
+std::string JoinLayers(const std::vector<int>& layers) {
+  std::string s;
+  for (int l : layers) s += (s.empty() ? "" : ",") + std::to_string(l);
+  return s;
+}
+
+}  // namespace
+
+int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
+  std::string what;
+  // Room for the longest prompt (documents are at most twice --doc-tokens)
+  // and its answer, twice over.
+  const int64_t kv_tokens =
+      std::max<int64_t>(8192, 2 * (2 * int64_t{o.docs} * o.doc_tokens + 512 + o.answer_tokens));
+  auto model_r = MakeModel(c, kv_tokens, &what);
+  if (!model_r.ok()) {
+    std::fprintf(stderr, "kdn-bench: %s\n", model_r.status().ToString().c_str());
+    return 1;
+  }
+  engine::Engine& model = **model_r;
+  const model::ModelConfig& cfg = model.config();
+  std::unique_ptr<text::Tokenizer> tok;
+  if (!c.model_dir.empty()) {
+    auto tok_r = text::Tokenizer::Load(c.model_dir);
+    if (!tok_r.ok()) {
+      std::fprintf(stderr, "kdn-bench: %s\n", tok_r.status().ToString().c_str());
+      return 1;
+    }
+    tok = std::move(tok_r).value();
+  }
+  auto encode = [&](const std::string& s) {
+    if (tok) return tok->Encode(s, false);
+    std::vector<int32_t> t;
+    for (unsigned char ch : s) t.push_back(static_cast<int32_t>(ch) % cfg.vocab_size);
+    return t;
+  };
+
+  // The pool of documents.
+  std::vector<std::filesystem::path> files;
+  std::set<std::filesystem::path> seen;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(o.text_dir, ec)) {
+    const auto real = std::filesystem::canonical(e.path(), ec);
+    if (ec || !std::filesystem::is_regular_file(real) || !seen.insert(real).second) continue;
+    files.push_back(e.path());
+  }
+  if (files.empty()) {
+    std::fprintf(stderr, "kdn-bench blend-fidelity: no text under %s (scripts/install-deps.sh)\n",
+                 o.text_dir.c_str());
+    return 1;
+  }
+  std::sort(files.begin(), files.end());
+  std::vector<Document> pool;
+  for (size_t f = 0; f < files.size(); ++f) {
+    std::ifstream in(files[f]);
+    std::stringstream body;
+    body << in.rdbuf();
+    Document cur{"", {}, static_cast<int>(f)};
+    for (const std::string& para : Paragraphs(body.str())) {
+      cur.text += (cur.text.empty() ? "" : "\n") + para;
+      cur.tokens = encode(cur.text + "\n\n");
+      if (static_cast<int>(cur.tokens.size()) >= o.doc_tokens) {
+        // A run past twice the size (one huge paragraph) is left out.
+        if (static_cast<int>(cur.tokens.size()) <= 2 * o.doc_tokens) {
+          cur.text += "\n\n";
+          pool.push_back(std::move(cur));
+        }
+        cur = Document{"", {}, static_cast<int>(f)};
+      }
+    }
+  }
+  if (static_cast<int>(pool.size()) < o.docs) {
+    std::fprintf(stderr, "kdn-bench blend-fidelity: %zu documents under %s, fewer than --docs\n",
+                 pool.size(), o.text_dir.c_str());
+    return 1;
+  }
+
+  const bool chat = tok && encode("<|im_start|>").size() == 1;
+  const std::string head_text =
+      chat ? "<|im_start|>user\nRead the following passages.\n\n" : "Read the following passages.\n\n";
+  const std::vector<std::string> cues = {
+      "Summarize the passages above in a few sentences.",
+      "What do the passages above say about \"%s\"?",
+      "Which of the passages above mentions \"%s\", and what does it say?",
+      "Continue the last passage above.",
+      "List the main points of each passage above.",
+  };
+
+  std::vector<Mode> modes{{"full reuse", "full_reuse", 0, {}}};
+  for (double r : o.ratios) {
+    char name[64];
+    std::snprintf(name, sizeof(name), "deviation %.2f", r);
+    modes.push_back({name, "deviation", r, {}});
+    std::snprintf(name, sizeof(name), "random %.2f", r);
+    modes.push_back({name, "random", r, {}});
+    for (const auto& layers : o.check_layers) {
+      std::snprintf(name, sizeof(name), "progressive %.2f @%s", r, JoinLayers(layers).c_str());
+      modes.push_back({name, "progressive", r, layers});
+    }
+  }
+  for (const Mode& m : modes) {
+    for (int l : m.check_layers) {
+      if (l < 0 || l >= cfg.num_layers) {
+        std::fprintf(stderr, "kdn-bench blend-fidelity: check layer %d: the model has %d\n", l,
+                     cfg.num_layers);
+        return 2;
+      }
+    }
+  }
+  std::printf("blend-fidelity on %s: %d prompts of %d documents (pool of %zu from %zu files "
+              "under %s), %d answer tokens teacher-forced on full prefill's, check layer %d%s\n",
+              what.c_str(), o.prompts, o.docs, pool.size(), files.size(), o.text_dir.c_str(),
+              o.answer_tokens, o.check_layer, chat ? ", chat format" : "");
+
+  // Each document's KV computed alone, once.
+  engine::KvCache& cache = model.kv_cache();
+  const kvbus::KeyContext ctx{{0, 42}, "", 256};
+  std::map<int, std::shared_ptr<const kvbus::Chunk>> doc_kv;
+  auto kv_of = [&](int d) -> Result<std::shared_ptr<const kvbus::Chunk>> {
+    if (auto it = doc_kv.find(d); it != doc_kv.end()) return it->second;
+    engine::KvSequence seq = cache.NewSequence();
+    std::vector<float> logits;
+    const auto& t = pool[d].tokens;
+    KDN_RETURN_IF_ERROR(model.Prefill(seq, t, {}, &logits));
+    KDN_ASSIGN_OR_RETURN(auto chunk,
+                         kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(t.size()),
+                                                    kvbus::SegmentKey(ctx, t),
+                                                    ctx.model_fingerprint,
+                                                    kvbridge::ChunkDType(model.kv_dtype())));
+    std::shared_ptr<const kvbus::Chunk> shared = std::move(chunk);
+    doc_kv.emplace(d, shared);
+    return shared;
+  };
+
+  std::fflush(stdout);
+  std::vector<Tally> tallies(modes.size());
+  double full_seconds = 0;
+  int64_t ref_path_flips = 0;  // reference argmaxes that differ between the two paths
+  int64_t prompt_tokens = 0;
+  std::mt19937_64 rng(c.seed + 39);
+  const auto t_start = Clock::now();
+  for (int p = 0; p < o.prompts; ++p) {
+    // Documents from different files where there are enough, in a fresh order.
+    std::vector<int> picked;
+    std::vector<int> order(pool.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::set<int> sources;
+    for (int d : order) {
+      if (static_cast<int>(picked.size()) == o.docs) break;
+      if (sources.insert(pool[d].source).second || sources.size() >= files.size()) {
+        picked.push_back(d);
+      }
+    }
+    for (int d : order) {
+      if (static_cast<int>(picked.size()) == o.docs) break;
+      if (std::find(picked.begin(), picked.end(), d) == picked.end()) picked.push_back(d);
+    }
+    std::string cue = cues[p % cues.size()];
+    if (cue.find("%s") != std::string::npos) {
+      const std::string word = KeyWord(pool[picked[rng() % picked.size()]].text);
+      cue.replace(cue.find("%s"), 2, word);
+    }
+    const std::string suffix_text =
+        chat ? cue + "<|im_end|>\n<|im_start|>assistant\n" : cue + "\nAnswer:";
+    std::vector<int32_t> head = tok ? tok->Encode(head_text, true) : encode(head_text);
+    if (head.empty()) head.push_back(cfg.bos_token_id >= 0 ? cfg.bos_token_id : 0);
+    const std::vector<int32_t> suffix = encode(suffix_text);
+    std::vector<int32_t> prompt = head;
+    for (int d : picked) prompt.insert(prompt.end(), pool[d].tokens.begin(), pool[d].tokens.end());
+    prompt.insert(prompt.end(), suffix.begin(), suffix.end());
+    prompt_tokens += static_cast<int64_t>(prompt.size());
+
+    // Full prefill: the reference answer (greedy, step by step), then its
+    // distributions at each answer position, teacher-forced in one pass on
+    // top of the prompt's KV as every mode's are.
+    std::vector<std::vector<float>> ref_logits;
+    std::vector<int32_t> ref_tokens;
+    {
+      engine::KvSequence seq = cache.NewSequence();
+      std::vector<float> logits;
+      const auto t0 = Clock::now();
+      if (!model.Prefill(seq, prompt, {}, &logits).ok()) return 1;
+      full_seconds += Seconds(t0, Clock::now());
+      auto greedy = GreedyTokens(model, seq, logits, o.answer_tokens);
+      if (!greedy.ok()) return 1;
+      ref_tokens = *std::move(greedy);
+      seq.Reset();
+      if (!model.Prefill(seq, prompt, {}, &logits).ok()) return 1;
+      auto forced = TeacherForced(model, seq, std::move(logits), ref_tokens);
+      if (!forced.ok()) return 1;
+      ref_logits = *std::move(forced);
+      for (size_t i = 0; i < ref_tokens.size(); ++i) {
+        ref_path_flips += engine::Argmax(ref_logits[i]) != ref_tokens[i];
+      }
+    }
+    std::vector<blend::Segment> segments;
+    segments.push_back({head, nullptr});
+    int64_t cached_tokens = 0;
+    for (int d : picked) {
+      auto kv = kv_of(d);
+      if (!kv.ok()) {
+        std::fprintf(stderr, "kdn-bench: %s\n", kv.status().ToString().c_str());
+        return 1;
+      }
+      segments.push_back({pool[d].tokens, *kv});
+      cached_tokens += static_cast<int64_t>(pool[d].tokens.size());
+    }
+    for (size_t m = 0; m < modes.size(); ++m) {
+      const Mode& mode = modes[m];
+      blend::BlendOptions bo{.recompute_ratio = mode.ratio, .check_layer = o.check_layer};
+      if (mode.kind == "random") {
+        bo.selection = blend::Selection::kRandom;
+        bo.seed = static_cast<uint64_t>(p) + 1;
+      }
+      if (mode.kind == "progressive") bo.check_layers = mode.check_layers;
+      engine::KvSequence seq = cache.NewSequence();
+      const auto t0 = Clock::now();
+      auto res = blend::BlendPrefill(model, seq, segments, suffix, bo);
+      if (!res.ok()) {
+        std::fprintf(stderr, "kdn-bench: %s: %s\n", mode.name.c_str(),
+                     res.status().ToString().c_str());
+        return 1;
+      }
+      Tally& t = tallies[m];
+      t.seconds += Seconds(t0, Clock::now());
+      t.recomputed += res->recomputed_tokens;
+      t.cached += cached_tokens;
+      auto forced = TeacherForced(model, seq, std::move(res->logits), ref_tokens);
+      if (!forced.ok()) {
+        std::fprintf(stderr, "kdn-bench: %s\n", forced.status().ToString().c_str());
+        return 1;
+      }
+      bool equal_so_far = true;
+      for (size_t i = 0; i < ref_tokens.size(); ++i) {
+        t.kl += blend::KlDivergence(ref_logits[i], (*forced)[i]);
+        const bool agree = engine::Argmax((*forced)[i]) == ref_tokens[i];
+        t.top1 += agree;
+        ++t.positions;
+        // Teacher-forced on the reference, a run of agreeing argmaxes is
+        // exactly the greedy answer's run of equal tokens.
+        equal_so_far = equal_so_far && agree;
+        t.equal_run += equal_so_far;
+      }
+      t.all_equal += equal_so_far;
+    }
+    if ((p + 1) % 5 == 0 || p + 1 == o.prompts || p == 0) {
+      std::fprintf(stderr, "blend-fidelity: %d/%d prompts (%.0f s)\n", p + 1, o.prompts,
+                   Seconds(t_start, Clock::now()));
+    }
+  }
+
+  const double full_ttft = full_seconds / o.prompts;
+  std::printf("mean prompt: %.0f tokens; full prefill TTFT %.1f ms; %lld of %lld reference "
+              "tokens not the teacher-forced pass's argmax\n",
+              static_cast<double>(prompt_tokens) / o.prompts, full_ttft * 1e3,
+              static_cast<long long>(ref_path_flips),
+              static_cast<long long>(o.prompts) * o.answer_tokens);
+  std::printf("%-28s %10s %9s %10s %8s %12s %10s %9s\n", "mode", "recomputed", "KL", "KL/reuse",
+              "top-1", "greedy equal", "equal run", "TTFT x");
+  const double reuse_kl = tallies[0].kl / static_cast<double>(tallies[0].positions);
+  json rows = json::array();
+  rows.push_back({{"mode", "full_prefill"}, {"ttft_s", full_ttft}});
+  for (size_t m = 0; m < modes.size(); ++m) {
+    const Tally& t = tallies[m];
+    const double kl = t.kl / static_cast<double>(t.positions);
+    const double top1 = static_cast<double>(t.top1) / static_cast<double>(t.positions);
+    const double all_equal = static_cast<double>(t.all_equal) / o.prompts;
+    const double run = static_cast<double>(t.equal_run) / o.prompts;
+    const double ttft = t.seconds / o.prompts;
+    const double share = static_cast<double>(t.recomputed) / static_cast<double>(t.cached);
+    std::printf("%-28s %9.1f%% %9.4f %10.3f %8.3f %11.0f%% %10.1f %8.2fx\n", modes[m].name.c_str(),
+                100 * share, kl, reuse_kl > 0 ? kl / reuse_kl : 0, top1, 100 * all_equal, run,
+                full_ttft / ttft);
+    json row = {{"mode", modes[m].kind},        {"ratio", modes[m].ratio},
+                {"recomputed_share", share},    {"kl", kl},
+                {"kl_vs_full_reuse", reuse_kl > 0 ? kl / reuse_kl : 0},
+                {"top1_agreement", top1},       {"greedy_equal", all_equal},
+                {"greedy_equal_run", run},      {"ttft_s", ttft},
+                {"speedup", full_ttft / ttft}};
+    if (!modes[m].check_layers.empty()) row["check_layers"] = modes[m].check_layers;
+    rows.push_back(std::move(row));
+  }
+  const double secs = Seconds(t_start, Clock::now());
+  std::printf("(%.0f s)\n", secs);
+  Emit(c, {{"workload", "blend-fidelity"}, {"model", what}, {"text_dir", o.text_dir},
+           {"prompts", o.prompts}, {"documents", o.docs}, {"doc_tokens_min", o.doc_tokens},
+           {"answer_tokens", o.answer_tokens}, {"check_layer", o.check_layer},
+           {"reference_path_flips", ref_path_flips},
+           {"mean_prompt_tokens", static_cast<double>(prompt_tokens) / o.prompts},
+           {"rows", rows}, {"seconds", secs}, {"machine", Machine(c)}});
+  return 0;
+}
+
+}  // namespace kdn::bench
