@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "kdn/common/log.h"
+#include "kdn/common/mutex.h"
 #include "kvbus_store.pb.h"
 #include "kdn/kvbus/zmq_curve.h"
 #include "zmq_chunk.h"
@@ -205,16 +206,16 @@ struct RemoteStore::Impl {
   Lane bulk, index;
   std::atomic<uint64_t> corrupt{0};
   std::atomic<uint64_t> unreachable{0};
-  // Guarded by down_mu: the store is held to be down until down_until,
-  // after `failures` requests in a row went unanswered.
-  std::mutex down_mu;
-  std::chrono::steady_clock::time_point down_until{};
-  int failures = 0;
+  // The store is held to be down until down_until, after `failures`
+  // requests in a row went unanswered.
+  Mutex down_mu;
+  std::chrono::steady_clock::time_point down_until KDN_GUARDED_BY(down_mu){};
+  int failures KDN_GUARDED_BY(down_mu) = 0;
 
   // A request went unanswered: fail fast for a backoff that doubles with
   // each failure in a row.
   void MarkDown() {
-    std::lock_guard<std::mutex> lock(down_mu);
+    MutexLock lock(down_mu);
     ++unreachable;
     ++failures;
     auto backoff = options.backoff;
@@ -266,7 +267,7 @@ struct RemoteStore::Impl {
       ~Idle() { since.store(0); }
     } idle{busy_since};
     {
-      std::lock_guard<std::mutex> down(down_mu);
+      MutexLock down(down_mu);
       if (std::chrono::steady_clock::now() < down_until) {
         ++unreachable;
         return Unavailable("kdn-store " + endpoint + ": not answering; retried after a backoff");
@@ -311,7 +312,7 @@ struct RemoteStore::Impl {
           reply_payload->assign(d, d + body.size());
         }
         {
-          std::lock_guard<std::mutex> down(down_mu);
+          MutexLock down(down_mu);
           failures = 0;
         }
         return Status::Ok();
