@@ -21,12 +21,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The binaries each sanitizer runs: those found clean so far. The others
-# (under ASan kdn_decode_worker_tests, kdn_blend_tests, kdn_serving_tests and
-# kdn_router_tests; under TSan all but kdn_common_tests) join a list once they
-# have been run under it and what it reports is fixed.
+# The binaries each sanitizer runs: those found clean so far. ASan+UBSan
+# runs every unit-test binary. Under TSan the others (kdn_kvbus_tests and
+# the rest) join the list once they have been run under it and what it
+# reports is fixed.
 ASAN_TESTS=(kdn_common_tests kdn_model_tests kdn_text_tests kdn_engine_tests kdn_kvbus_tests
-            kdn_kvbridge_tests)
+            kdn_kvbridge_tests kdn_decode_worker_tests kdn_blend_tests kdn_serving_tests
+            kdn_router_tests)
 TSAN_TESTS=(kdn_common_tests)
 SUPP="$PWD/scripts/sanitize"
 
