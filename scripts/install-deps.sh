@@ -34,8 +34,10 @@ if [ $want_ref = 1 ]; then
   # munge, slurmctld, slurmd and slurm-client: a throwaway Slurm for tests/slurm.
   # clang-14 and libclang-rt-14-dev: libFuzzer, for the fuzz tests;
   # libomp-14-dev: clang's omp.h, which the CPU engine includes there.
+  # clang-format-14: scripts/format.sh and scripts/check-format.sh.
   pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy prometheus curl
-        munge slurmctld slurmd slurm-client clang-14 libclang-rt-14-dev libomp-14-dev)
+        munge slurmctld slurmd slurm-client clang-14 libclang-rt-14-dev libomp-14-dev
+        clang-format-14)
 fi
 
 missing=()

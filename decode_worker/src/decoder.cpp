@@ -25,8 +25,8 @@ struct Decoder::Mailbox {
   // Constant after construction.
   std::function<void()> on_load_done;
 
-  std::mutex mu;
-  std::vector<Load> loads;  // guarded by mu: in, not yet taken by Advance
+  Mutex mu;
+  std::vector<Load> loads KDN_GUARDED_BY(mu);  // in, not yet taken by Advance
 
   std::atomic<uint64_t> stored{0};
   std::atomic<uint64_t> already_held{0};
@@ -217,7 +217,7 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
     Mailbox::Load load{id, control::FetchPrefix(store, ctx, tokens, keys, limit, min_tail,
                                                 resident, dtype)};
     {
-      std::lock_guard<std::mutex> lock(mb->mu);
+      MutexLock lock(mb->mu);
       mb->loads.push_back(std::move(load));
     }
     if (mb->on_load_done) mb->on_load_done();
@@ -475,7 +475,7 @@ Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
 void Decoder::Advance(DecoderOutput* out) {
   std::vector<Mailbox::Load> loads;
   {
-    std::lock_guard<std::mutex> lock(mailbox_->mu);
+    MutexLock lock(mailbox_->mu);
     loads.swap(mailbox_->loads);
   }
   for (Mailbox::Load& load : loads) {
@@ -546,7 +546,7 @@ bool Decoder::Busy() const {
   for (uint64_t id : local_queue_) {
     if (prepared_.count(id) != 0) return true;
   }
-  std::lock_guard<std::mutex> lock(mailbox_->mu);
+  MutexLock lock(mailbox_->mu);
   return !mailbox_->loads.empty();
 }
 

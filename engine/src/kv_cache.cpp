@@ -116,7 +116,7 @@ Status KvCache::Reserve(KvSequence& seq, int64_t new_length) {
 
 void KvCache::Publish(const KvSequence& seq, const KvKey& key, int64_t end) {
   assert(seq.cache_ == this && end > 0 && end <= seq.length_);
-  std::lock_guard<std::mutex> lock(index_mu_);
+  MutexLock lock(index_mu_);
   if (auto it = index_.find(key); it != index_.end()) {
     Touch(it->second);
     return;
@@ -136,7 +136,7 @@ Status KvCache::Attach(KvSequence& seq, std::span<const KvKey> chain) {
   if (!seq.blocks_.empty()) {
     return FailedPrecondition("KV cache: resident KV attaches to an empty sequence only");
   }
-  std::lock_guard<std::mutex> lock(index_mu_);
+  MutexLock lock(index_mu_);
   if (chain.empty()) return InvalidArgument("KV cache: no key to attach");
   auto last = index_.find(chain.back());
   if (last == index_.end()) return NotFound("KV cache: the key is not resident");
@@ -150,18 +150,18 @@ Status KvCache::Attach(KvSequence& seq, std::span<const KvKey> chain) {
 }
 
 int64_t KvCache::ResidentEnd(const KvKey& key) const {
-  std::lock_guard<std::mutex> lock(index_mu_);
+  MutexLock lock(index_mu_);
   auto it = index_.find(key);
   return it == index_.end() ? -1 : it->second.end;
 }
 
 bool KvCache::IsResident(const KvKey& key) const {
-  std::lock_guard<std::mutex> lock(index_mu_);
+  MutexLock lock(index_mu_);
   return index_.contains(key);
 }
 
 void KvCache::DropResident() {
-  std::lock_guard<std::mutex> lock(index_mu_);
+  MutexLock lock(index_mu_);
   while (!index_.empty()) {
     Evict(index_.begin());
     --evictions_;  // not to make room
@@ -169,12 +169,12 @@ void KvCache::DropResident() {
 }
 
 ResidentStats KvCache::resident_stats() const {
-  std::lock_guard<std::mutex> lock(index_mu_);
+  MutexLock lock(index_mu_);
   return {static_cast<int>(index_.size()), cached_, evictable_, evictions_, copied_blocks_};
 }
 
 bool KvCache::EvictFor(size_t need) {
-  std::lock_guard<std::mutex> lock(index_mu_);
+  MutexLock lock(index_mu_);
   while (free_.size() < need && !lru_.empty()) Evict(index_.find(lru_.back()));
   return free_.size() >= need;
 }

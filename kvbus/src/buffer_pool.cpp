@@ -7,9 +7,10 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <set>
 #include <vector>
+
+#include "kdn/common/mutex.h"
 
 namespace kdn::kvbus {
 
@@ -27,7 +28,7 @@ struct BufferPool::State {
   void Unmap(void* p, size_t bytes) {
     std::function<void(void*)> unpin;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       if (pinned.erase(p) > 0) {
         unpin = hooks.on_unmap;
         --stats.pinned;
@@ -40,7 +41,7 @@ struct BufferPool::State {
   // Takes back a buffer of class `bytes`: kept while the idle budget lasts.
   void Return(void* p, size_t bytes) {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       --stats.outstanding;
       stats.outstanding_bytes -= bytes;
       if (stats.idle_bytes + bytes <= max_idle_bytes) {
@@ -54,11 +55,11 @@ struct BufferPool::State {
   }
 
   const uint64_t max_idle_bytes;
-  mutable std::mutex mu;
-  std::map<size_t, std::vector<void*>> idle;  // by class bytes; guarded by mu
-  BufferPoolStats stats;                     // guarded by mu
-  BufferMapHooks hooks;                      // guarded by mu
-  std::set<void*> pinned;                    // guarded by mu
+  mutable Mutex mu;
+  std::map<size_t, std::vector<void*>> idle KDN_GUARDED_BY(mu);  // by class bytes
+  BufferPoolStats stats KDN_GUARDED_BY(mu);
+  BufferMapHooks hooks KDN_GUARDED_BY(mu);
+  std::set<void*> pinned KDN_GUARDED_BY(mu);
 };
 
 namespace {
@@ -79,12 +80,12 @@ Result<void*> BufferPool::State::Map(size_t bytes) {
   KDN_ASSIGN_OR_RETURN(void* p, MapPrefaulted(bytes));
   std::function<bool(void*, size_t)> pin;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     ++stats.mapped;
     pin = hooks.on_map;
   }
   if (pin && pin(p, bytes)) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     pinned.insert(p);
     ++stats.pinned;
   }
@@ -114,7 +115,7 @@ size_t BufferPool::ClassBytes(size_t bytes) {
 Result<std::shared_ptr<uint8_t>> BufferPool::Acquire(size_t bytes) {
   if (bytes < kMinPooledBytes) {
     // Small pieces: the heap's own free lists serve them without faults.
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(state_->mu);
     ++state_->stats.acquired;
     return std::shared_ptr<uint8_t>(new uint8_t[bytes == 0 ? 1 : bytes],
                                     std::default_delete<uint8_t[]>());
@@ -122,7 +123,7 @@ Result<std::shared_ptr<uint8_t>> BufferPool::Acquire(size_t bytes) {
   const size_t cls = ClassBytes(bytes);
   void* p = nullptr;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(state_->mu);
     ++state_->stats.acquired;
     auto it = state_->idle.find(cls);
     if (it != state_->idle.end() && !it->second.empty()) {
@@ -136,7 +137,7 @@ Result<std::shared_ptr<uint8_t>> BufferPool::Acquire(size_t bytes) {
     KDN_ASSIGN_OR_RETURN(p, state_->Map(cls));
   }
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(state_->mu);
     ++state_->stats.outstanding;
     state_->stats.outstanding_bytes += cls;
   }
@@ -150,11 +151,11 @@ Status BufferPool::Reserve(size_t bytes, int count) {
   const size_t cls = ClassBytes(bytes);
   for (int i = 0; i < count; ++i) {
     {
-      std::lock_guard<std::mutex> lock(state_->mu);
+      MutexLock lock(state_->mu);
       if (state_->stats.idle_bytes + cls > state_->max_idle_bytes) return Status::Ok();
     }
     KDN_ASSIGN_OR_RETURN(void* p, state_->Map(cls));
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(state_->mu);
     state_->idle[cls].push_back(p);
     state_->stats.idle_bytes += cls;
   }
@@ -164,7 +165,7 @@ Status BufferPool::Reserve(size_t bytes, int count) {
 void BufferPool::SetMapHooks(BufferMapHooks hooks) {
   std::map<size_t, std::vector<void*>> dropped;
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    MutexLock lock(state_->mu);
     state_->hooks = std::move(hooks);
     dropped.swap(state_->idle);
     state_->stats.idle_bytes = 0;
@@ -176,7 +177,7 @@ void BufferPool::SetMapHooks(BufferMapHooks hooks) {
 }
 
 BufferPoolStats BufferPool::Stats() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  MutexLock lock(state_->mu);
   return state_->stats;
 }
 

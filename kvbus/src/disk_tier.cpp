@@ -195,7 +195,7 @@ Status DiskTier::Rebuild() {
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) {
     return std::tie(a.mtime, a.key) < std::tie(b.mtime, b.key);
   });
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   for (const Found& f : found) InsertLocked(f.key, f.bytes);
   EvictLocked(nullptr);
   return Status::Ok();
@@ -241,7 +241,7 @@ void DiskTier::EvictLocked(const ChunkKey* keep) {
 Result<std::shared_ptr<const Chunk>> DiskTier::Get(const ChunkKey& key) {
   uint64_t generation = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = index_.find(key);
     if (it == index_.end()) {
       ++misses_;
@@ -254,12 +254,12 @@ Result<std::shared_ptr<const Chunk>> DiskTier::Get(const ChunkKey& key) {
   // Read outside the lock: chunks are megabytes and disks are slow. If the
   // file is evicted meanwhile, the read sees it gone (or, already open, whole).
   auto bytes = ReadFileAndTouch(path);
-  auto drop_if_same = [&](bool remove_file) {
+  auto drop_if_same = [&](bool remove_file) KDN_REQUIRES(mu_) {
     auto it = index_.find(key);
     if (it != index_.end() && it->second.generation == generation) EraseLocked(key, remove_file);
   };
   if (!bytes.ok()) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     ++misses_;
     // Someone removed the file behind our back: forget it, and it is a miss.
     if (bytes.status().code() == StatusCode::kNotFound) drop_if_same(false);
@@ -272,7 +272,7 @@ Result<std::shared_ptr<const Chunk>> DiskTier::Get(const ChunkKey& key) {
   } else if ((*chunk)->key() != key) {
     damage = "its header names chunk " + (*chunk)->key().ToHex();
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   if (!damage.empty()) {
     ++misses_;
     ++corrupt_;
@@ -284,7 +284,7 @@ Result<std::shared_ptr<const Chunk>> DiskTier::Get(const ChunkKey& key) {
 }
 
 bool DiskTier::Contains(const ChunkKey& key) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return index_.count(key) != 0;
 }
 
@@ -299,7 +299,7 @@ Status DiskTier::Put(std::shared_ptr<const Chunk> chunk) {
                              " of " + dir_.string());
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (auto it = index_.find(key); it != index_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second.lru);
       return Status::Ok();
@@ -314,7 +314,7 @@ Status DiskTier::Put(std::shared_ptr<const Chunk> chunk) {
   // never disagree about which keys are there.
   KDN_RETURN_IF_ERROR(WriteFileSynced(tmp, chunk->bytes()));
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (auto it = index_.find(key); it != index_.end()) {
       // Another Put of the same key won the race; chunks are immutable.
       (void)::unlink(tmp.c_str());
@@ -335,7 +335,7 @@ Status DiskTier::Put(std::shared_ptr<const Chunk> chunk) {
 }
 
 TierStats DiskTier::Stats() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   TierStats s;
   s.chunks = index_.size();
   s.bytes = bytes_;

@@ -37,7 +37,7 @@ void HostTier::ReleaseLocked(const PinRecord& pin) {
 void HostTier::TouchLocked(Entry& e) { lru_.splice(lru_.begin(), lru_, e.lru); }
 
 Result<std::shared_ptr<const Chunk>> HostTier::Get(const ChunkKey& key) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   ExpireLocked(Now());
   if (auto it = index_.find(key); it != index_.end()) {
     TouchLocked(it->second);
@@ -53,7 +53,7 @@ Result<std::shared_ptr<const Chunk>> HostTier::Get(const ChunkKey& key) {
 }
 
 bool HostTier::Contains(const ChunkKey& key) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   ExpireLocked(Now());
   return index_.count(key) != 0 || demoting_.count(key) != 0;
 }
@@ -65,7 +65,7 @@ Status HostTier::Put(std::shared_ptr<const Chunk> chunk) {
   std::vector<std::shared_ptr<const Chunk>> evicted;
   EvictionHandler handler;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     ExpireLocked(Now());
     if (auto it = index_.find(key); it != index_.end()) {
       TouchLocked(it->second);
@@ -116,14 +116,14 @@ void HostTier::Demote(const EvictionHandler& handler,
   for (auto& chunk : evicted) {
     const ChunkKey key = chunk->key();
     handler(std::move(chunk));
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = demoting_.find(key);
     if (it != demoting_.end() && --it->second.count == 0) demoting_.erase(it);
   }
 }
 
 bool HostTier::Erase(const ChunkKey& key) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   ExpireLocked(Now());
   auto it = index_.find(key);
   if (it == index_.end() || it->second.pins > 0) return false;
@@ -134,7 +134,7 @@ bool HostTier::Erase(const ChunkKey& key) {
 }
 
 TierStats HostTier::Stats() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   ExpireLocked(Now());
   TierStats s;
   s.chunks = index_.size();
@@ -151,7 +151,7 @@ Result<uint64_t> HostTier::Pin(const ChunkKey& key, std::chrono::milliseconds le
   if (lease.count() <= 0) {
     return InvalidArgument("host tier: pin lease of " + std::to_string(lease.count()) + " ms");
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   const TimePoint now = Now();
   ExpireLocked(now);
   auto it = index_.find(key);
@@ -170,7 +170,7 @@ Status HostTier::Renew(uint64_t pin, std::chrono::milliseconds lease) {
   if (lease.count() <= 0) {
     return InvalidArgument("host tier: pin lease of " + std::to_string(lease.count()) + " ms");
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   const TimePoint now = Now();
   ExpireLocked(now);
   auto it = pins_.find(pin);
@@ -182,7 +182,7 @@ Status HostTier::Renew(uint64_t pin, std::chrono::milliseconds lease) {
 }
 
 Status HostTier::Unpin(uint64_t pin) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   ExpireLocked(Now());
   auto it = pins_.find(pin);
   if (it == pins_.end()) return NotFound("host tier: no pin " + std::to_string(pin));
@@ -193,18 +193,18 @@ Status HostTier::Unpin(uint64_t pin) {
 }
 
 size_t HostTier::ExpirePins() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   return ExpireLocked(Now());
 }
 
 size_t HostTier::PinCount() {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   ExpireLocked(Now());
   return pins_.size();
 }
 
 void HostTier::SetEvictionHandler(EvictionHandler handler) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   handler_ = std::move(handler);
 }
 

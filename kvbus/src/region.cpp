@@ -22,21 +22,21 @@ Result<uint32_t> RegionTable::Register(const Region& region) {
                            " region with device " + std::to_string(region.device) +
                            " (device regions name their device, others none)");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   const uint32_t id = next_id_++;
   regions_.emplace(id, region);
   return id;
 }
 
 Status RegionTable::Unregister(uint32_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (regions_.erase(id) == 0) return NotFound("kvbus region " + std::to_string(id) + " is not registered");
   return Status::Ok();
 }
 
 Result<uint8_t*> RegionTable::Resolve(uint32_t id, uint64_t offset, uint64_t bytes, MemoryKind kind,
                                       int device) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = regions_.find(id);
   if (it == regions_.end()) return NotFound("kvbus region " + std::to_string(id) + " is not registered");
   const Region& r = it->second;
@@ -55,7 +55,7 @@ Result<uint8_t*> RegionTable::Resolve(uint32_t id, uint64_t offset, uint64_t byt
 }
 
 size_t RegionTable::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return regions_.size();
 }
 

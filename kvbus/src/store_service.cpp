@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <mutex>
 
 #include "kdn/common/log.h"
+#include "kdn/common/mutex.h"
 #include "kvbus_store.pb.h"
 #include "kdn/kvbus/zmq_curve.h"
 #include "zmq_chunk.h"
@@ -193,28 +193,55 @@ struct RemoteStore::Impl {
   // megabytes, such as a decode worker storing the conversation it just
   // finished while the next turn is looked up).
   struct Lane {
+    // The request that holds the lane (Acquire) owns these until Release.
     std::unique_ptr<zmq::socket_t> sock;
-    std::timed_mutex mu;  // one request at a time over the socket
-    uint64_t next_id = 1;  // guarded by mu
+    uint64_t next_id = 1;
     // When the request holding the connection began (steady_clock ticks),
     // 0 when none does: one that has run past lookup_timeout marks a slow
     // store, and the requests behind it give up at once instead of each
     // waiting.
     std::atomic<int64_t> busy_since{0};
+
+    // One request at a time over the socket. A flag under a Mutex, not a
+    // std::timed_mutex: GCC 12's ThreadSanitizer does not intercept the
+    // pthread_mutex_clocklock under try_lock_for, and so reports each unlock
+    // as one of a mutex nobody locked.
+    Mutex mu;
+    CondVar released;
+    bool held KDN_GUARDED_BY(mu) = false;
+
+    // Takes the lane, waiting up to `wait` for the request that holds it;
+    // false if that one still does.
+    bool Acquire(std::chrono::milliseconds wait) KDN_EXCLUDES(mu) {
+      const auto deadline = std::chrono::steady_clock::now() + wait;
+      MutexLock lock(mu);
+      while (held && released.WaitUntil(mu, deadline)) {
+      }
+      if (held) return false;
+      held = true;
+      return true;
+    }
+    void Release() KDN_EXCLUDES(mu) {
+      {
+        MutexLock lock(mu);
+        held = false;
+      }
+      released.Signal();
+    }
   };
   Lane bulk, index;
   std::atomic<uint64_t> corrupt{0};
   std::atomic<uint64_t> unreachable{0};
-  // Guarded by down_mu: the store is held to be down until down_until,
-  // after `failures` requests in a row went unanswered.
-  std::mutex down_mu;
-  std::chrono::steady_clock::time_point down_until{};
-  int failures = 0;
+  // The store is held to be down until down_until, after `failures`
+  // requests in a row went unanswered.
+  Mutex down_mu;
+  std::chrono::steady_clock::time_point down_until KDN_GUARDED_BY(down_mu){};
+  int failures KDN_GUARDED_BY(down_mu) = 0;
 
   // A request went unanswered: fail fast for a backoff that doubles with
   // each failure in a row.
   void MarkDown() {
-    std::lock_guard<std::mutex> lock(down_mu);
+    MutexLock lock(down_mu);
     ++unreachable;
     ++failures;
     auto backoff = options.backoff;
@@ -250,23 +277,26 @@ struct RemoteStore::Impl {
     std::atomic<int64_t>& busy_since = lane.busy_since;
     const auto wait = std::min(timeout, options.lookup_timeout);
     const int64_t since = busy_since.load();
-    std::unique_lock<std::timed_mutex> lock(lane.mu, std::defer_lock);
     if ((since != 0 && std::chrono::steady_clock::now().time_since_epoch().count() - since >
                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait)
                                .count()) ||
-        !lock.try_lock_for(wait)) {
+        !lane.Acquire(wait)) {
       // Another thread's request holds the connection (a large Put, or a
       // server that stopped answering it): not worth waiting for.
       ++unreachable;
       return Unavailable("kdn-store " + endpoint + ": busy with another request");
     }
+    struct Hold {
+      Lane& lane;
+      ~Hold() { lane.Release(); }
+    } hold{lane};
     busy_since.store(std::chrono::steady_clock::now().time_since_epoch().count());
     struct Idle {
       std::atomic<int64_t>& since;
       ~Idle() { since.store(0); }
     } idle{busy_since};
     {
-      std::lock_guard<std::mutex> down(down_mu);
+      MutexLock down(down_mu);
       if (std::chrono::steady_clock::now() < down_until) {
         ++unreachable;
         return Unavailable("kdn-store " + endpoint + ": not answering; retried after a backoff");
@@ -311,7 +341,7 @@ struct RemoteStore::Impl {
           reply_payload->assign(d, d + body.size());
         }
         {
-          std::lock_guard<std::mutex> down(down_mu);
+          MutexLock down(down_mu);
           failures = 0;
         }
         return Status::Ok();

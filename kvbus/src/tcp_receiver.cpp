@@ -106,19 +106,19 @@ TcpReceiver::~TcpReceiver() {
 }
 
 Status TcpReceiver::Health() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return health_;
 }
 
 ReceiverStats TcpReceiver::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return published_;
 }
 
 void TcpReceiver::Publish() {
   stats_.waiting_chunks = waiting_.size();
   if (landing_ranges_) stats_.shm_landed_bytes = landing_ranges_->used_bytes();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   published_ = stats_;
 }
 
@@ -129,7 +129,7 @@ void TcpReceiver::Run() {
     if (!st.ok()) {
       // Senders see the receiver go silent; the owner reads it from Health().
       LogError("kvbus tcp receiver at {} stopped: {}", endpoint_, st.ToString());
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       health_ = st;
       return;
     }

@@ -76,7 +76,7 @@ Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
 
 TcpSender::~TcpSender() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stop_ = true;
   }
   if (wake_) wake_->Signal();
@@ -85,9 +85,9 @@ TcpSender::~TcpSender() {
   data_.clear();
   socket_.close();  // linger 0: unsent frames are dropped (and their chunks released)
   context_.close();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   FailAllLocked(Unavailable("kvbus tcp sender to " + endpoint_ + " closed"));
-  done_cv_.notify_all();
+  done_cv_.SignalAll();
 }
 
 Result<uint64_t> TcpSender::Submit(std::vector<std::shared_ptr<const Chunk>> chunks) {
@@ -108,7 +108,7 @@ Result<uint64_t> TcpSender::Submit(std::vector<std::shared_ptr<const Chunk>> chu
   batch.unfinished = batch.slots.size();
   uint64_t id = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!fatal_.ok()) return fatal_;
     if (stop_) return Unavailable("kvbus tcp sender to " + endpoint_ + " is closing");
     id = next_batch_++;
@@ -123,7 +123,7 @@ Result<uint64_t> TcpSender::Submit(std::vector<std::shared_ptr<const Chunk>> chu
 }
 
 SenderStats TcpSender::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return stats_;
 }
 
@@ -136,12 +136,13 @@ Result<BatchStatus> TcpSender::Wait(uint64_t batch, std::chrono::milliseconds ti
   timeout = std::clamp(timeout, std::chrono::milliseconds(0),
                        std::chrono::milliseconds(365LL * 24 * 3600 * 1000));
   const auto deadline = TransportClock::now() + timeout;
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait_until(lock, deadline, [&] {
-    auto it = batches_.find(batch);
-    return it == batches_.end() || it->second.unfinished == 0;
-  });
+  MutexLock lock(mu_);
   auto it = batches_.find(batch);
+  while (it != batches_.end() && it->second.unfinished > 0) {
+    const bool woken = done_cv_.WaitUntil(mu_, deadline);
+    it = batches_.find(batch);  // the wait let go of mu_: `it` may be gone
+    if (!woken) break;
+  }
   if (it == batches_.end()) {
     return NotFound("kvbus tcp sender: no batch " + std::to_string(batch) +
                     " (never submitted, or already reported done)");
@@ -163,7 +164,7 @@ BatchStatus TcpSender::SnapshotLocked(uint64_t id, const Batch& batch) const {
 void TcpSender::Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status) {
   Slot& first = batch.slots[slot];
   if (first.phase == Phase::kDone) return;
-  const auto apply = [&](Slot& s) {
+  const auto apply = [&](Slot& s) KDN_REQUIRES(mu_) {
     s.phase = Phase::kDone;
     s.result.outcome = outcome;
     s.result.status = status;
@@ -194,16 +195,16 @@ void TcpSender::Run() {
   last_heard_ = last_ping_ = TransportClock::now();
   while (true) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (stop_) return;
     }
     const Status st = RunOnce();
     if (!st.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       fatal_ = st.WithContext("kvbus tcp sender to " + endpoint_);
       LogError("{}; its transfers fail", fatal_.ToString());
       FailAllLocked(fatal_);
-      done_cv_.notify_all();
+      done_cv_.SignalAll();
       return;
     }
   }
@@ -213,7 +214,7 @@ Status TcpSender::RunOnce() {
   auto now = TransportClock::now();
   bool busy = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     busy = unfinished_ > 0;
   }
   // The receiver's silence is measured from when there was work to hear about.
@@ -244,7 +245,7 @@ Status TcpSender::RunOnce() {
 Status TcpSender::OfferNewBatches() {
   std::vector<WireOffer> offers;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (uint64_t id : to_offer_) {
       auto it = batches_.find(id);
       if (it == batches_.end()) continue;
@@ -338,7 +339,7 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
   WireCancel orphans{m.batch, {}};
   MapRegions(m.regions);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = batches_.find(m.batch);
     for (const WireDecision& d : m.decisions) {
       Batch* batch = it == batches_.end() ? nullptr : &it->second;
@@ -382,7 +383,7 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
       }
     }
   }
-  done_cv_.notify_all();
+  done_cv_.SignalAll();
   if (!orphans.keys.empty()) {
     Result<zmq::message_t> frame = EncodeWire(orphans);
     if (frame.ok()) control_.push_back(std::move(frame).value());
@@ -391,7 +392,7 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
 
 void TcpSender::HandleAcks(const WireAcks& m) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (const WireAck& a : m.acks) {
       auto it = batches_.find(a.batch);
       if (it == batches_.end()) continue;
@@ -407,7 +408,7 @@ void TcpSender::HandleAcks(const WireAcks& m) {
              a.status);
     }
   }
-  done_cv_.notify_all();
+  done_cv_.SignalAll();
 }
 
 void TcpSender::HandlePong(const WirePong& m) {
@@ -419,7 +420,7 @@ void TcpSender::HandlePong(const WirePong& m) {
   // too. Offering again is harmless: offers are idempotent by key.
   std::vector<WireOffer> offers;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (auto& [id, batch] : batches_) {
       if (batch.unfinished == 0) continue;
       const bool waiting =
@@ -463,7 +464,7 @@ Status TcpSender::FlushData() {
   while (!data_.empty()) {
     Outgoing& out = data_.front();
     if (!out.claimed) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = batches_.find(out.batch);
       if (it == batches_.end() || it->second.slots[out.slot].phase != Phase::kGranted) {
         data_.pop_front();  // decided meanwhile (failed, or acked by a repeat)
@@ -482,7 +483,7 @@ Status TcpSender::FlushData() {
     if (!sent) break;
     {
       // Pings wait for an empty control queue, so the next one follows these bytes.
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = batches_.find(out.batch);
       if (it != batches_.end()) it->second.slots[out.slot].sent_before_ping = ping_seq_ + 1;
     }
@@ -502,13 +503,13 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
         region_table_.Resolve(table_id == table_ids_.end() ? 0 : table_id->second, out.offset,
                               chunk.size(), MemoryKind::kHost);
     if (!dst.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = batches_.find(out.batch);
       if (it != batches_.end()) {
         Finish(it->second, out.slot, ChunkOutcome::kFailed,
                dst.status().WithContext("kvbus shm grant from " + endpoint_));
       }
-      done_cv_.notify_all();
+      done_cv_.SignalAll();
       // Nothing was written; the receiver frees the grant.
       Result<zmq::message_t> cancel = EncodeWire(WireCancel{out.batch, {chunk.key()}});
       if (cancel.ok()) control_.push_back(std::move(cancel).value());
@@ -521,7 +522,7 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
       (*dst)[chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2] ^= 0x5a;
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stats_.shm_copy_seconds += std::chrono::duration<double>(TransportClock::now() - t0).count();
       auto it = batches_.find(out.batch);
       if (it != batches_.end()) {
@@ -571,14 +572,14 @@ void TcpSender::CheckPeer(TransportClock::time_point now) {
   if (now - last_heard_ > options_.peer_timeout) {
     std::vector<uint64_t> failed;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (const auto& [id, batch] : batches_) {
         if (batch.unfinished > 0) failed.push_back(id);
       }
       FailAllLocked(Unavailable("kvbus tcp: no word from receiver " + endpoint_ + " for " +
                                 std::to_string(options_.peer_timeout.count()) + " ms"));
     }
-    done_cv_.notify_all();
+    done_cv_.SignalAll();
     busy_ = false;
     // What was queued belongs to batches that just failed; the cancels let a
     // receiver that was only slow free their slots now.

@@ -10,14 +10,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <list>
 #include <map>
 #include <optional>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -25,6 +23,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "kdn/common/mutex.h"
 #include "kdn/kvbus/region.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/zmq_curve.h"
@@ -134,10 +133,10 @@ class TcpSender final : public Sender {
   void MapRegions(const std::vector<WireRegion>& regions);
   void CheckPeer(TransportClock::time_point now);
 
-  // Callers hold mu_.
-  void Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status);
-  void FailAllLocked(const Status& status);
-  BatchStatus SnapshotLocked(uint64_t id, const Batch& batch) const;
+  void Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status)
+      KDN_REQUIRES(mu_);
+  void FailAllLocked(const Status& status) KDN_REQUIRES(mu_);
+  BatchStatus SnapshotLocked(uint64_t id, const Batch& batch) const KDN_REQUIRES(mu_);
 
   // Constant after construction.
   const std::string endpoint_;
@@ -147,15 +146,14 @@ class TcpSender final : public Sender {
   std::unique_ptr<WakeFd> wake_;
   std::thread thread_;
 
-  mutable std::mutex mu_;
-  std::condition_variable done_cv_;
-  // Guarded by mu_.
-  std::map<uint64_t, Batch> batches_;
-  std::vector<uint64_t> to_offer_;
-  uint64_t next_batch_ = 1;
-  size_t unfinished_ = 0;
-  Status fatal_;
-  bool stop_ = false;
+  mutable Mutex mu_;
+  CondVar done_cv_;
+  std::map<uint64_t, Batch> batches_ KDN_GUARDED_BY(mu_);
+  std::vector<uint64_t> to_offer_ KDN_GUARDED_BY(mu_);
+  uint64_t next_batch_ KDN_GUARDED_BY(mu_) = 1;
+  size_t unfinished_ KDN_GUARDED_BY(mu_) = 0;
+  Status fatal_ KDN_GUARDED_BY(mu_);
+  bool stop_ KDN_GUARDED_BY(mu_) = false;
 
   // The I/O thread's only.
   std::deque<zmq::message_t> control_;
@@ -172,8 +170,8 @@ class TcpSender final : public Sender {
   bool shm_usable_ = true;  // cleared when a segment cannot be mapped (auto falls back)
   Status shm_error_;        // why, for kShm senders
 
-  // Guarded by mu_: bytes sent per data plane, counted when acked.
-  SenderStats stats_;
+  // Bytes sent per data plane, counted when acked.
+  SenderStats stats_ KDN_GUARDED_BY(mu_);
 };
 
 class TcpReceiver final : public Receiver {
@@ -247,9 +245,9 @@ class TcpReceiver final : public Receiver {
   std::thread thread_;
   std::atomic<bool> stop_{false};
 
-  mutable std::mutex mu_;
-  ReceiverStats published_;  // guarded by mu_: a copy of stats_ after each round
-  Status health_;            // guarded by mu_: what stopped the I/O thread, if anything
+  mutable Mutex mu_;
+  ReceiverStats published_ KDN_GUARDED_BY(mu_);  // a copy of stats_ after each round
+  Status health_ KDN_GUARDED_BY(mu_);  // what stopped the I/O thread, if anything
   uint64_t round_bytes_ = 0;  // I/O thread only: bytes received this round
 
   // The I/O thread's only.

@@ -2,13 +2,13 @@
 
 #include <cstdio>
 #include <deque>
-#include <mutex>
 #include <random>
 #include <thread>
 
 #include <zmq.hpp>
 
 #include "kdn/common/log.h"
+#include "kdn/common/mutex.h"
 #include "kdn/kvbus/zmq_check.h"
 #include "kdn/router/injector.h"
 #include "kdn/router/placement.h"
@@ -37,11 +37,11 @@ struct Command {
 struct Backend::Impl {
   zmq::context_t ctx{1};
 
-  std::mutex mu;  // guards commands, wake, next_id, snapshot
-  std::deque<Command> commands;
-  zmq::socket_t wake{ctx, zmq::socket_type::push};
-  uint64_t next_id = 1;
-  std::vector<WorkerView> snapshot;
+  Mutex mu;
+  std::deque<Command> commands KDN_GUARDED_BY(mu);
+  zmq::socket_t wake KDN_GUARDED_BY(mu){ctx, zmq::socket_type::push};
+  uint64_t next_id KDN_GUARDED_BY(mu) = 1;
+  std::vector<WorkerView> snapshot KDN_GUARDED_BY(mu);
 
   std::atomic<bool> stop{false};
   std::thread thread;
@@ -58,7 +58,7 @@ struct Backend::Impl {
   void UpdateSnapshot() {
     std::vector<WorkerView> v = pool->views();
     for (size_t w = 0; w < v.size(); ++w) v[w].reserved = ledger.at(w);
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(mu);
     snapshot = std::move(v);
   }
 
@@ -88,7 +88,7 @@ struct Backend::Impl {
   void RunCommands() {
     std::deque<Command> todo;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(mu);
       todo.swap(commands);
     }
     for (Command& c : todo) {
@@ -161,15 +161,19 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
   // Request ids count up from a random point, so that two runs of a router
   // almost never share one in their logs: 30 random bits above a 32-bit
   // count, below the injection parts' ids (1 << 62).
-  impl->next_id = ((nonce >> 7) & 0x3fffffff) << 32 | 1;
-  try {
-    char name[64];
-    std::snprintf(name, sizeof(name), "inproc://router-backend-%p", static_cast<void*>(impl.get()));
-    impl->inbox.bind(name);
-    impl->wake.set(zmq::sockopt::linger, 0);
-    impl->wake.connect(name);
-  } catch (const zmq::error_t& e) {
-    return kvbus::ZmqErrorStatus(e.num(), "connecting to the workers");
+  {
+    MutexLock lock(impl->mu);  // nothing shares impl yet: uncontended
+    impl->next_id = ((nonce >> 7) & 0x3fffffff) << 32 | 1;
+    try {
+      char name[64];
+      std::snprintf(name, sizeof(name), "inproc://router-backend-%p",
+                    static_cast<void*>(impl.get()));
+      impl->inbox.bind(name);
+      impl->wake.set(zmq::sockopt::linger, 0);
+      impl->wake.connect(name);
+    } catch (const zmq::error_t& e) {
+      return kvbus::ZmqErrorStatus(e.num(), "connecting to the workers");
+    }
   }
   KDN_ASSIGN_OR_RETURN(impl->pool, WorkerPool::Connect(impl->ctx, options, impl.get()));
   impl->ledger = Ledger(impl->pool->size());
@@ -191,7 +195,7 @@ Backend::~Backend() {
 
 
 uint64_t Backend::Submit(Job job, JobCallback callback) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   const uint64_t id = impl_->next_id++;
   impl_->commands.push_back(
       {Command::Kind::kSubmit, id, std::move(job), {}, std::move(callback), Clock::now()});
@@ -200,7 +204,7 @@ uint64_t Backend::Submit(Job job, JobCallback callback) {
 }
 
 uint64_t Backend::Inject(InjectJob job, JobCallback callback) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   const uint64_t id = impl_->next_id++;
   Command c{Command::Kind::kInject, id, {}, std::move(job), std::move(callback), Clock::now()};
   impl_->commands.push_back(std::move(c));
@@ -209,13 +213,13 @@ uint64_t Backend::Inject(InjectJob job, JobCallback callback) {
 }
 
 void Backend::Cancel(uint64_t id) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   impl_->commands.push_back({Command::Kind::kCancel, id, {}, {}, {}, Clock::now()});
   (void)impl_->wake.send(zmq::str_buffer("c"), zmq::send_flags::dontwait);
 }
 
 std::vector<WorkerView> Backend::Workers() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->snapshot;
 }
 

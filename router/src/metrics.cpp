@@ -70,48 +70,48 @@ Metrics::Metrics()
       queue_wait_({0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}) {}
 
 void Metrics::QueueDepth(int n) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   queue_depth_ = n;
 }
 
 void Metrics::QueueWait(double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   queue_wait_.Observe(seconds);
 }
 
 void Metrics::Resumed(int tokens) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ++resumed_;
   resumed_tokens_ += static_cast<uint64_t>(tokens);
 }
 
 void Metrics::Routed(bool local) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ++(local ? routed_local_ : routed_disaggregated_);
 }
 
 void Metrics::RequestFinished(const std::string& route, int code) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ++requests_[{route, code}];
 }
 
 void Metrics::InFlight(int delta) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   in_flight_ += delta;
 }
 
 void Metrics::Ttft(double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ttft_.Observe(seconds);
 }
 
 void Metrics::InterToken(double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   inter_token_.Observe(seconds);
 }
 
 void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed, int tail) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   cached_tokens_ += static_cast<uint64_t>(cached);
   tail_tokens_ += static_cast<uint64_t>(tail);
   blended_tokens_ += static_cast<uint64_t>(blended);
@@ -120,29 +120,29 @@ void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed
 }
 
 void Metrics::Injected(const std::string& result, size_t tokens) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ++injected_[result];
   injected_tokens_ += tokens;
 }
 
 void Metrics::GeneratedTokens(int n) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   generated_ += static_cast<uint64_t>(n);
 }
 
 void Metrics::KvMoved(uint64_t bytes, uint64_t slices_skipped) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   kv_bytes_ += bytes;
   slices_skipped_ += slices_skipped;
 }
 
 void Metrics::AcceptFailed() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   ++accept_errors_;
 }
 
 std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::string out;
   Head(&out, "kdn_requests_total", "counter", "Finished HTTP requests by route and status code.");
   for (const auto& [k, v] : requests_) {

@@ -341,7 +341,9 @@ TEST(Batcher, AResumedRequestGoesOnAsIfItNeverMoved) {
         EXPECT_EQ(before + t.text[2], whole.text[1]);
         EXPECT_EQ(t.finish[2], whole.finish[1]);
       }
-      if (with_stop) EXPECT_EQ(whole.finish[1], "stop");
+      if (with_stop) {
+        EXPECT_EQ(whole.finish[1], "stop");
+      }
     }
   }
   // Resuming past the end, or with more tokens than the sequence, is refused.

@@ -311,10 +311,13 @@ def test_slurm_submit_gives_each_worker_its_device(fake, fake_slurm, args, worke
                "--run-dir", fake.run_dir, *args, env=fake_slurm, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "4242", r.stdout + r.stderr
     script = (fake.run_dir / "kdn.sbatch").read_text()
-    worker = next(line for line in script.splitlines() if line.startswith("WORKER=("))
     key = fake.run_dir.resolve() / "curve.key"
-    assert worker == ('WORKER=(--model "$MODEL" --host-mib 2048 --chunk-tokens 256 --threads 0 '
-                      '--kv-transport auto --curve-keys %s%s)' % (key, worker_flags)), worker
+    for name in ("prefill-0", "decode-0"):
+        worker = next(line for line in script.splitlines() if line.startswith("start " + name))
+        assert worker.endswith("--name %s%s" % (name, worker_flags)), worker
+        assert ("--model %s --listen \"$(listen 0)\" --host-mib 2048 --chunk-tokens 256 "
+                "--threads 0 --kv-transport auto --curve-keys %s" % (fake.model.resolve(), key)) \
+            in worker, worker
     # The job's keys, private to this user; the router's for the router.
     assert key.stat().st_mode & 0o777 == 0o600
     router = next(line for line in script.splitlines() if line.startswith("start router"))

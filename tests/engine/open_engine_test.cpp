@@ -30,7 +30,9 @@ TEST(ParseDevice, NamesTheBackendAndOrdinal) {
   for (const char* bad : {"", "gpu", "CPU", "cuda:", "cuda:-1", "cuda:1x", "cuda:0:1", "cuda 0"}) {
     auto d = ParseDevice(bad);
     EXPECT_FALSE(d.ok()) << bad;
-    if (!d.ok()) EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument) << bad;
+    if (!d.ok()) {
+      EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument) << bad;
+    }
   }
 }
 

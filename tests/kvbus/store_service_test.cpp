@@ -251,12 +251,17 @@ TEST(StoreProcess, SurvivesARestartOrACrashWithItsDiskTierIntact) {
   // memory, all are written through to disk.
   std::vector<std::shared_ptr<const Chunk>> chunks;
   for (int i = 0; i < 40; ++i) chunks.push_back(MakeChunk(1000 + i, 256));
+  // What is checked is durability, not latency: a store process built with a
+  // sanitizer, writing through to disk on a busy machine, may take more than
+  // the default 2 s to answer a Put.
+  const RemoteStoreOptions patient{.timeout = std::chrono::seconds(60),
+                                   .lookup_timeout = std::chrono::seconds(60)};
   for (int sig : {SIGTERM, SIGKILL}) {
     SCOPED_TRACE(sig == SIGTERM ? "clean stop" : "crash");
     {
       StoreProcess p(dir);
       ASSERT_FALSE(p.endpoint().empty());
-      auto client = RemoteStore::Connect(p.endpoint()).value();
+      auto client = RemoteStore::Connect(p.endpoint(), patient).value();
       for (const auto& c : chunks) ASSERT_TRUE(client->Put(c).ok());
       const int code = p.Stop(sig);
       if (sig == SIGTERM) {
@@ -264,7 +269,7 @@ TEST(StoreProcess, SurvivesARestartOrACrashWithItsDiskTierIntact) {
       }
     }
     StoreProcess again(dir);
-    auto client = RemoteStore::Connect(again.endpoint()).value();
+    auto client = RemoteStore::Connect(again.endpoint(), patient).value();
     for (const auto& c : chunks) {
       auto got = client->Get(c->key());
       ASSERT_TRUE(got.ok()) << got.status().ToString();

@@ -12,13 +12,13 @@
 // Post, but must not Drain or Stop its own JobThread. Jobs must not throw.
 // Whatever a job borrows must outlive the JobThread (or its Stop).
 
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "kdn/common/mutex.h"
 
 namespace kdn {
 
@@ -35,31 +35,30 @@ class JobThread {
 
   // Queues `job` in `lane` (clamped to the lanes there are). After Stop the
   // job is dropped unrun.
-  void Post(int lane, Job job);
+  void Post(int lane, Job job) KDN_EXCLUDES(mu_);
 
   // Blocks until no job is queued or running (or the thread has stopped).
   // For owners that must know their jobs are done, such as tests.
-  void Drain();
+  void Drain() KDN_EXCLUDES(mu_);
 
   // Jobs queued and not yet started.
-  size_t pending() const;
+  size_t pending() const KDN_EXCLUDES(mu_);
 
   // Lets the running job finish, drops the queued ones unrun, and joins the
   // thread. Posts after it are dropped. Idempotent. Returns how many queued
   // jobs were dropped.
-  size_t Stop();
+  size_t Stop() KDN_EXCLUDES(mu_);
 
  private:
-  void Loop();
+  void Loop() KDN_EXCLUDES(mu_);
 
-  mutable std::mutex mu_;
-  std::condition_variable wake_;  // a job was posted, or stop_
-  std::condition_variable idle_;  // the queue ran dry
-  // Guarded by mu_.
-  std::vector<std::deque<Job>> lanes_;
-  size_t queued_ = 0;
-  bool running_ = false;  // a job is running now
-  bool stop_ = false;
+  mutable Mutex mu_;
+  CondVar wake_;  // a job was posted, or stop_
+  CondVar idle_;  // the queue ran dry
+  std::vector<std::deque<Job>> lanes_ KDN_GUARDED_BY(mu_);
+  size_t queued_ KDN_GUARDED_BY(mu_) = 0;
+  bool running_ KDN_GUARDED_BY(mu_) = false;  // a job is running now
+  bool stop_ KDN_GUARDED_BY(mu_) = false;
 
   std::thread thread_;  // last: started after everything above exists
 };

@@ -32,11 +32,11 @@
 #include <list>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <vector>
 
 #include "kdn/common/kv_block.h"
+#include "kdn/common/mutex.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/tensor.h"
 
@@ -156,16 +156,16 @@ class KvCache {
   // attaches the last and touches them last to first, so that eviction,
   // least recently used first, drops a chain's deepest entries before the
   // ones it extends (which stay reachable).
-  void Publish(const KvSequence& seq, const KvKey& key, int64_t end);
-  Status Attach(KvSequence& seq, std::span<const KvKey> chain);
-  int64_t ResidentEnd(const KvKey& key) const;
+  void Publish(const KvSequence& seq, const KvKey& key, int64_t end) KDN_EXCLUDES(index_mu_);
+  Status Attach(KvSequence& seq, std::span<const KvKey> chain) KDN_EXCLUDES(index_mu_);
+  int64_t ResidentEnd(const KvKey& key) const KDN_EXCLUDES(index_mu_);
   // Whether `key` is resident now. Thread-safe: a lookup thread may ask
   // while the engine's thread works (the answer can be stale when used).
-  bool IsResident(const KvKey& key) const;
+  bool IsResident(const KvKey& key) const KDN_EXCLUDES(index_mu_);
   // Drops every entry: cached blocks no sequence holds become unused.
-  void DropResident();
+  void DropResident() KDN_EXCLUDES(index_mu_);
   // On the engine's thread, as free_blocks().
-  ResidentStats resident_stats() const;
+  ResidentStats resident_stats() const KDN_EXCLUDES(index_mu_);
 
   // Bytes Read fills and Write takes for `count` tokens of one layer.
   size_t LayerBytes(int64_t count, DType dtype) const {
@@ -200,9 +200,9 @@ class KvCache {
   bool Evictable(int32_t block) const { return index_refs_[block] > 0 && refs_[block] == index_refs_[block]; }
   // Drops least recently used entries until `need` blocks are unused or
   // none is left; true when enough are.
-  bool EvictFor(size_t need);
-  void Evict(std::map<KvKey, Entry>::iterator it);
-  void Touch(Entry& e);
+  bool EvictFor(size_t need) KDN_EXCLUDES(index_mu_);
+  void Evict(std::map<KvKey, Entry>::iterator it) KDN_REQUIRES(index_mu_);
+  void Touch(Entry& e) KDN_REQUIRES(index_mu_);
   int32_t Take();  // an unused block, referenced once
 
   const int num_layers_, num_kv_heads_, head_dim_, num_blocks_;
@@ -214,9 +214,9 @@ class KvCache {
   uint64_t evictions_ = 0, copied_blocks_ = 0;
   // The index. The engine's thread changes it; IsResident reads it from
   // other threads, so every access holds index_mu_.
-  mutable std::mutex index_mu_;
-  std::map<KvKey, Entry> index_;
-  std::list<KvKey> lru_;  // most recently used first
+  mutable Mutex index_mu_;
+  std::map<KvKey, Entry> index_ KDN_GUARDED_BY(index_mu_);
+  std::list<KvKey> lru_ KDN_GUARDED_BY(index_mu_);  // most recently used first
 };
 
 // The CPU backend's cache: fp32 pools in host memory, which the CPU engine

@@ -25,10 +25,10 @@
 #include <filesystem>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 
+#include "kdn/common/mutex.h"
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/chunk_store.h"
@@ -85,26 +85,28 @@ class DiskTier : public ChunkStore {
   // Scans the folder: indexes chunk files, removes temporaries. Called once
   // by Open before the tier is shared.
   Status Rebuild();
-  // Adds an entry as most recent. Requires mu_.
-  void InsertLocked(const ChunkKey& key, uint64_t bytes);
-  // Removes the entry and, if `remove_file`, its file. Requires mu_.
-  void EraseLocked(const ChunkKey& key, bool remove_file);
+  // Adds an entry as most recent.
+  void InsertLocked(const ChunkKey& key, uint64_t bytes) KDN_REQUIRES(mu_);
+  // Removes the entry and, if `remove_file`, its file.
+  void EraseLocked(const ChunkKey& key, bool remove_file) KDN_REQUIRES(mu_);
   // Evicts least recently used entries, never `keep`, until the total fits.
-  // Requires mu_.
-  void EvictLocked(const ChunkKey* keep);
+  void EvictLocked(const ChunkKey* keep) KDN_REQUIRES(mu_);
 
   // Constant after construction.
   const std::filesystem::path dir_;
   const uint64_t capacity_;
   const int lock_fd_;
 
-  std::mutex mu_;
-  // Guarded by mu_.
-  std::unordered_map<ChunkKey, Entry, ChunkKeyHash> index_;
-  std::list<ChunkKey> lru_;  // most recently used first
-  uint64_t bytes_ = 0;
-  uint64_t next_generation_ = 1;
-  uint64_t hits_ = 0, misses_ = 0, puts_ = 0, evictions_ = 0, corrupt_ = 0;
+  Mutex mu_;
+  std::unordered_map<ChunkKey, Entry, ChunkKeyHash> index_ KDN_GUARDED_BY(mu_);
+  std::list<ChunkKey> lru_ KDN_GUARDED_BY(mu_);  // most recently used first
+  uint64_t bytes_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t next_generation_ KDN_GUARDED_BY(mu_) = 1;
+  uint64_t hits_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t misses_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t puts_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t evictions_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t corrupt_ KDN_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kdn::kvbus

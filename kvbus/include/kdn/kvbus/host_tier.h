@@ -20,13 +20,13 @@
 #include <functional>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "kdn/common/mutex.h"
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/chunk_store.h"
@@ -110,32 +110,34 @@ class HostTier : public ChunkStore {
 
   TimePoint Now() const { return clock_(); }
   static TimePoint DeadlineAfter(TimePoint now, std::chrono::milliseconds lease);
-  // Drops lapsed pins; returns how many. Requires mu_.
-  size_t ExpireLocked(TimePoint now);
-  // Removes one pin's hold on its entry. Requires mu_.
-  void ReleaseLocked(const PinRecord& pin);
-  void TouchLocked(Entry& e);
+  // Drops lapsed pins; returns how many.
+  size_t ExpireLocked(TimePoint now) KDN_REQUIRES(mu_);
+  // Removes one pin's hold on its entry.
+  void ReleaseLocked(const PinRecord& pin) KDN_REQUIRES(mu_);
+  void TouchLocked(Entry& e) KDN_REQUIRES(mu_);
   // Hands `evicted` to `handler` one at a time, then forgets them as
   // demoting. Must be called without mu_.
   void Demote(const EvictionHandler& handler,
-              std::vector<std::shared_ptr<const Chunk>> evicted);
+              std::vector<std::shared_ptr<const Chunk>> evicted) KDN_EXCLUDES(mu_);
 
   // Constant after construction.
   const uint64_t capacity_;
   const Clock clock_;
 
-  std::mutex mu_;
-  // Guarded by mu_.
-  std::unordered_map<ChunkKey, Entry, ChunkKeyHash> index_;
-  std::list<ChunkKey> lru_;  // most recently used first
-  std::unordered_map<uint64_t, PinRecord> pins_;
-  std::set<std::pair<TimePoint, uint64_t>> deadlines_;  // (deadline, pin id)
-  std::unordered_map<ChunkKey, Demoting, ChunkKeyHash> demoting_;
-  EvictionHandler handler_;
-  uint64_t next_pin_ = 1;
-  uint64_t bytes_ = 0;
-  uint64_t pinned_bytes_ = 0;  // bytes of entries with pins > 0
-  uint64_t hits_ = 0, misses_ = 0, puts_ = 0, evictions_ = 0;
+  Mutex mu_;
+  std::unordered_map<ChunkKey, Entry, ChunkKeyHash> index_ KDN_GUARDED_BY(mu_);
+  std::list<ChunkKey> lru_ KDN_GUARDED_BY(mu_);  // most recently used first
+  std::unordered_map<uint64_t, PinRecord> pins_ KDN_GUARDED_BY(mu_);
+  std::set<std::pair<TimePoint, uint64_t>> deadlines_ KDN_GUARDED_BY(mu_);  // (deadline, pin id)
+  std::unordered_map<ChunkKey, Demoting, ChunkKeyHash> demoting_ KDN_GUARDED_BY(mu_);
+  EvictionHandler handler_ KDN_GUARDED_BY(mu_);
+  uint64_t next_pin_ KDN_GUARDED_BY(mu_) = 1;
+  uint64_t bytes_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t pinned_bytes_ KDN_GUARDED_BY(mu_) = 0;  // bytes of entries with pins > 0
+  uint64_t hits_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t misses_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t puts_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t evictions_ KDN_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kdn::kvbus

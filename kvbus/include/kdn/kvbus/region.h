@@ -11,8 +11,8 @@
 
 #include <cstdint>
 #include <map>
-#include <mutex>
 
+#include "kdn/common/mutex.h"
 #include "kdn/common/status.h"
 
 namespace kdn::kvbus {
@@ -44,9 +44,9 @@ class RegionTable {
   size_t size() const;
 
  private:
-  mutable std::mutex mu_;
-  std::map<uint32_t, Region> regions_;  // guarded by mu_
-  uint32_t next_id_ = 1;                // guarded by mu_
+  mutable Mutex mu_;
+  std::map<uint32_t, Region> regions_ KDN_GUARDED_BY(mu_);
+  uint32_t next_id_ KDN_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace kdn::kvbus

@@ -5,9 +5,10 @@
 
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
+
+#include "kdn/common/mutex.h"
 
 namespace kdn::router {
 
@@ -107,21 +108,28 @@ class Metrics {
   std::string Render(const std::vector<WorkerGauge>& workers) const;
 
  private:
-  mutable std::mutex mu_;
-  std::map<std::pair<std::string, int>, uint64_t> requests_;
-  int64_t in_flight_ = 0;
-  Histogram ttft_;
-  Histogram inter_token_;
-  uint64_t cached_tokens_ = 0, blended_tokens_ = 0, recomputed_tokens_ = 0, tail_tokens_ = 0;
-  uint64_t computed_tokens_ = 0, generated_ = 0;
-  std::map<std::string, uint64_t> injected_;  // by result
-  uint64_t injected_tokens_ = 0;
-  uint64_t kv_bytes_ = 0, slices_skipped_ = 0;
-  uint64_t accept_errors_ = 0;
-  int queue_depth_ = 0;
-  Histogram queue_wait_;
-  uint64_t resumed_ = 0, resumed_tokens_ = 0;
-  uint64_t routed_disaggregated_ = 0, routed_local_ = 0;
+  mutable Mutex mu_;
+  std::map<std::pair<std::string, int>, uint64_t> requests_ KDN_GUARDED_BY(mu_);
+  int64_t in_flight_ KDN_GUARDED_BY(mu_) = 0;
+  Histogram ttft_ KDN_GUARDED_BY(mu_);
+  Histogram inter_token_ KDN_GUARDED_BY(mu_);
+  uint64_t cached_tokens_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t blended_tokens_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t recomputed_tokens_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t tail_tokens_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t computed_tokens_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t generated_ KDN_GUARDED_BY(mu_) = 0;
+  std::map<std::string, uint64_t> injected_ KDN_GUARDED_BY(mu_);  // by result
+  uint64_t injected_tokens_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t kv_bytes_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t slices_skipped_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t accept_errors_ KDN_GUARDED_BY(mu_) = 0;
+  int queue_depth_ KDN_GUARDED_BY(mu_) = 0;
+  Histogram queue_wait_ KDN_GUARDED_BY(mu_);
+  uint64_t resumed_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t resumed_tokens_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t routed_disaggregated_ KDN_GUARDED_BY(mu_) = 0;
+  uint64_t routed_local_ KDN_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kdn::router

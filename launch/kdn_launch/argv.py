@@ -1,0 +1,92 @@
+"""The one builder of every process's command line (kdn-store, kdn-prefill,
+kdn-decode, kdn-router), for a local deployment (`up`, `demo`, `--dry-run`)
+and for the Slurm job script alike: each flag of kdn-launch reaches the
+processes it concerns from here, the same way in both.
+
+The two differ only in the words they pass in: the addresses to listen on,
+the endpoints of the store and the workers, the router's host, and the
+device flags. A local deployment knows them (or, for --dry-run, names them
+NAME-ENDPOINT); the job script computes them when it runs, so for it they
+are Shell words, written into the script as they are.
+
+The flags whose default is the process's own (--max-batch, --max-queued,
+--max-connections, --max-body-buffer-mib) are passed when given, whatever
+their value, and left out otherwise; every other flag is always passed.
+"""
+
+import shlex
+from pathlib import Path
+
+
+class Shell:
+    """A word of a command line that the job script computes when it runs
+    (e.g. "$(listen 0)", "$STORE"): written into the script as it is."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __repr__(self):
+        return "Shell(%r)" % self.text
+
+
+def bash_words(argv):
+    """`argv` as bash words: Shell words as they are, the others quoted."""
+    return " ".join(w.text if isinstance(w, Shell) else shlex.quote(w) for w in argv)
+
+
+def curve_flags(a, role="member"):
+    """--curve-keys for a process (the router's key for the router), unless
+    the deployment runs plaintext (a.curve_keys unset)."""
+    keys = getattr(a, "curve_keys", None)
+    if not keys:
+        return []
+    return ["--curve-keys", str(keys[1] if role == "router" else keys[0])]
+
+
+def log_flags(a):
+    """--log-level for every process, when given: without it the processes
+    log at $KDN_LOG_LEVEL (which they inherit), else info."""
+    level = getattr(a, "log_level", None)
+    return ["--log-level", level] if level else []
+
+
+def given(flag, value):
+    """[flag, value] when the flag was given; [] leaves the process's own default."""
+    return [] if value is None else [flag, str(value)]
+
+
+def store_argv(a, bin_dir, listen):
+    return [str(Path(bin_dir) / "kdn-store"), "--listen", listen,
+            "--host-mib", "%g" % a.store_host_mib] + curve_flags(a) + log_flags(a)
+
+
+def worker_argv(a, bin_dir, model, name, role, listen, store, device):
+    """kdn-prefill or kdn-decode (`role`) named `name`, listening on `listen`
+    (a decode worker's kvbus too), reading and filling the kdn-store at
+    `store` (None: no store), on `device` (a plan.WorkerDevice)."""
+    cmd = [str(Path(bin_dir) / ("kdn-" + role)), "--model", str(model), "--listen", listen,
+           "--host-mib", "%g" % a.host_mib, "--chunk-tokens", str(a.chunk_tokens),
+           "--threads", str(a.threads), "--kv-transport", a.kv_transport] + \
+        curve_flags(a) + log_flags(a)
+    if store is not None:
+        cmd += ["--store", store, "--store-codec", a.store_codec]
+    if role == "decode":
+        cmd += ["--kvbus-listen", listen] + given("--max-batch", a.max_batch)
+    return cmd + ["--name", name] + device.flags()
+
+
+def router_argv(a, bin_dir, model, prefill, decode, host):
+    """kdn-router over the prefill and decode workers at `prefill` and
+    `decode` (comma-separated endpoints), serving HTTP on `host`."""
+    cmd = [str(Path(bin_dir) / "kdn-router"), "--model", str(model), "--prefill", prefill,
+           "--decode", decode, "--host", host, "--port", str(a.port),
+           "--recompute-ratio", repr(a.recompute_ratio)] + log_flags(a)
+    cmd += given("--max-queued", a.max_queued) + given("--max-connections", a.max_connections)
+    cmd += given("--max-body-buffer-mib", a.max_body_buffer_mib)
+    if a.no_resume:
+        cmd += ["--no-resume"]
+    if a.separator:
+        cmd += ["--separator", a.separator]
+    if a.api_keys:
+        cmd += ["--api-keys", str(Path(a.api_keys).resolve())]
+    return cmd + curve_flags(a, "router")
