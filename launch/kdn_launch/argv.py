@@ -10,8 +10,10 @@ NAME-ENDPOINT); the job script computes them when it runs, so for it they
 are Shell words, written into the script as they are.
 
 The flags whose default is the process's own (--max-batch, --max-queued,
---max-connections, --max-body-buffer-mib) are passed when given, whatever
-their value, and left out otherwise; every other flag is always passed.
+--max-connections, --max-body-buffer-mib, --disaggregation,
+--local-prefill-max-tokens, --local-prefill-step-tokens) are passed when
+given, whatever their value, and left out otherwise; every other flag is
+always passed.
 """
 
 import shlex
@@ -72,6 +74,7 @@ def worker_argv(a, bin_dir, model, name, role, listen, store, device):
         cmd += ["--store", store, "--store-codec", a.store_codec]
     if role == "decode":
         cmd += ["--kvbus-listen", listen] + given("--max-batch", a.max_batch)
+        cmd += given("--local-prefill-step-tokens", a.local_prefill_step_tokens)
     return cmd + ["--name", name] + device.flags()
 
 
@@ -83,6 +86,8 @@ def router_argv(a, bin_dir, model, prefill, decode, host):
            "--recompute-ratio", repr(a.recompute_ratio)] + log_flags(a)
     cmd += given("--max-queued", a.max_queued) + given("--max-connections", a.max_connections)
     cmd += given("--max-body-buffer-mib", a.max_body_buffer_mib)
+    cmd += given("--disaggregation", a.disaggregation)
+    cmd += given("--local-prefill-max-tokens", a.local_prefill_max_tokens)
     if a.no_resume:
         cmd += ["--no-resume"]
     if a.separator:

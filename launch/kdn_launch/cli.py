@@ -144,6 +144,19 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                         "at most over all connections; a body past it is answered 503 with "
                         "Retry-After before it is read (at least 16; default: kdn-router's "
                         "own)")
+    p.add_argument("--disaggregation", choices=("always", "auto", "never"),
+                   help="kdn-router --disaggregation: where prompts are computed, always on a "
+                        "prefill worker, never (on the decode worker, but blended and resumed "
+                        "requests) or auto by placement's cost model (docs/serving.md, \"Two "
+                        "paths\"; default: kdn-router's own)")
+    p.add_argument("--local-prefill-max-tokens", type=positive_int, metavar="N",
+                   help="kdn-router --local-prefill-max-tokens: with auto, the most prompt "
+                        "tokens a decode worker lacks for it to prefill the prompt itself "
+                        "(default: kdn-router's own)")
+    p.add_argument("--local-prefill-step-tokens", type=positive_int, metavar="N",
+                   help="kdn-decode --local-prefill-step-tokens, to every decode worker: "
+                        "prompt tokens a local prefill computes between two decode steps while "
+                        "requests run (default: kdn-decode's own)")
     p.add_argument("--no-resume", action="store_true",
                    help="a request whose decode worker is lost mid-stream fails instead of "
                         "going on at another decode worker (docs/serving.md, \"A decode worker "

@@ -129,6 +129,8 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
              "--store-codec", "q4", "--host-mib", 64, "--chunk-tokens", 128,
              "--kv-transport", "tcp", "--max-batch", 7, "--max-queued", 5,
              "--max-connections", 9, "--max-body-buffer-mib", 32, "--no-resume",
+             "--disaggregation", "never", "--local-prefill-max-tokens", 300,
+             "--local-prefill-step-tokens", 24,
              "--host", "127.0.0.1", "--port", 0, "--separator", "<doc> x",
              "--recompute-ratio", 0.25, "--api-keys", keys, "--threads", 1,
              "--log-level", "debug", "--ready-timeout", 30]
@@ -136,6 +138,7 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
     assert sorted(argvs) == ["decode-0", "decode-1", "prefill-0", "prefill-1", "router", "store"]
     for name in ("decode-0", "decode-1"):
         assert flag(argvs[name], "--max-batch") == "7", argvs[name]
+        assert flag(argvs[name], "--local-prefill-step-tokens") == "24", argvs[name]
     for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
         argv = argvs[name]
         assert (flag(argv, "--host-mib"), flag(argv, "--chunk-tokens"), flag(argv, "--threads"),
@@ -151,6 +154,8 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
         ("5", "9", "32", "<doc> x", "0.25", str(keys.resolve()),
          "decode-0-ENDPOINT,decode-1-ENDPOINT")
     assert "--no-resume" in router
+    assert (flag(router, "--disaggregation"), flag(router, "--local-prefill-max-tokens")) == \
+        ("never", "300"), router
 
 
 def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slurm):
@@ -158,7 +163,9 @@ def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slu
                           fake_slurm)
     for argv in argvs.values():
         for name in ("--max-batch", "--max-queued", "--max-connections",
-                     "--max-body-buffer-mib", "--log-level", "--no-resume", "--separator"):
+                     "--max-body-buffer-mib", "--log-level", "--no-resume", "--separator",
+                     "--disaggregation", "--local-prefill-max-tokens",
+                     "--local-prefill-step-tokens"):
             assert name not in argv, argv
 
 
