@@ -63,8 +63,8 @@ Result<std::vector<int32_t>> GreedyTokens(engine::Engine& model, engine::KvSeque
   while (static_cast<int>(out.size()) < max_tokens) {
     out.push_back(engine::Argmax(logits));
     if ((stop && stop(out.back())) || static_cast<int>(out.size()) == max_tokens) break;
-    KDN_RETURN_IF_ERROR(model.DecodeStep(std::span<engine::KvSequence* const>(&s, 1),
-                                         {&out.back(), 1}, &logits));
+    KDN_RETURN_IF_ERROR(
+        model.DecodeStep(std::span<engine::KvSequence* const>(&s, 1), {&out.back(), 1}, &logits));
   }
   return out;
 }

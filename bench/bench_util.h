@@ -89,7 +89,7 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
 // multiturn: conversations against a running deployment (docs/serving.md).
 // Of Common only json_path applies.
 struct MultiturnOptions {
-  std::string url;  // the router's, http://HOST:PORT
+  std::string url;            // the router's, http://HOST:PORT
   int context_tokens = 4096;  // shared context, fresh and random per conversation
   int turns = 4;
   int turn_tokens = 64;  // each new user message
@@ -118,7 +118,7 @@ struct ServeLoadOptions {
   double ttft_slo_ms = 1000;
   std::string run_dir;  // kdn-launch's: processes' RSS read from /proc
   std::optional<uint64_t> seed;
-  int chat_turns = 1;  // > 1: each client's requests are chats of that many turns
+  int chat_turns = 1;              // > 1: each client's requests are chats of that many turns
   std::vector<std::string> paths;  // as MultiturnOptions::paths: one run each
 };
 int RunServeLoad(const Common& c, const ServeLoadOptions& o);
@@ -155,8 +155,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o);
 std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question);
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer, const std::string& kv_codec,
-               const std::vector<int>& check_layers);
+               int check_layer, const std::string& kv_codec, const std::vector<int>& check_layers);
 
 // kv-codec: the KV codec's size, error and speed against raw, plain 8-bit
 // quantization and zstd, and TTFT with the prefix loaded from the disk tier

@@ -100,8 +100,8 @@ Result<std::vector<std::vector<float>>> TeacherForced(engine::Engine& model,
   std::vector<std::vector<float>> out{std::move(logits)};
   if (tokens.size() < 2) return out;
   std::vector<float> all;
-  KDN_RETURN_IF_ERROR(model.Prefill(seq, std::span(tokens).first(tokens.size() - 1),
-                                    {.all_logits = true}, &all));
+  KDN_RETURN_IF_ERROR(
+      model.Prefill(seq, std::span(tokens).first(tokens.size() - 1), {.all_logits = true}, &all));
   const size_t vocab = out[0].size();
   for (size_t i = 0; i + 1 < tokens.size(); ++i) {
     out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(i * vocab),
@@ -118,8 +118,8 @@ struct Mode {
 };
 
 struct Tally {
-  double kl = 0;          // summed over positions
-  int64_t top1 = 0;       // positions agreeing
+  double kl = 0;     // summed over positions
+  int64_t top1 = 0;  // positions agreeing
   int64_t positions = 0;
   int all_equal = 0;      // prompts whose whole greedy answer agrees
   int64_t equal_run = 0;  // summed leading runs of agreeing greedy tokens
@@ -205,8 +205,8 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
   }
 
   const bool chat = tok && encode("<|im_start|>").size() == 1;
-  const std::string head_text =
-      chat ? "<|im_start|>user\nRead the following passages.\n\n" : "Read the following passages.\n\n";
+  const std::string head_text = chat ? "<|im_start|>user\nRead the following passages.\n\n"
+                                     : "Read the following passages.\n\n";
   const std::vector<std::string> cues = {
       "Summarize the passages above in a few sentences.",
       "What do the passages above say about \"%s\"?",
@@ -236,10 +236,11 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
       }
     }
   }
-  std::printf("blend-fidelity on %s: %d prompts of %d documents (pool of %zu from %zu files "
-              "under %s), %d answer tokens teacher-forced on full prefill's, check layer %d%s\n",
-              what.c_str(), o.prompts, o.docs, pool.size(), files.size(), o.text_dir.c_str(),
-              o.answer_tokens, o.check_layer, chat ? ", chat format" : "");
+  std::printf(
+      "blend-fidelity on %s: %d prompts of %d documents (pool of %zu from %zu files "
+      "under %s), %d answer tokens teacher-forced on full prefill's, check layer %d%s\n",
+      what.c_str(), o.prompts, o.docs, pool.size(), files.size(), o.text_dir.c_str(),
+      o.answer_tokens, o.check_layer, chat ? ", chat format" : "");
 
   // Each document's KV computed alone, once.
   engine::KvCache& cache = model.kv_cache();
@@ -251,11 +252,10 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
     std::vector<float> logits;
     const auto& t = pool[d].tokens;
     KDN_RETURN_IF_ERROR(model.Prefill(seq, t, {}, &logits));
-    KDN_ASSIGN_OR_RETURN(auto chunk,
-                         kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(t.size()),
-                                                    kvbus::SegmentKey(ctx, t),
-                                                    ctx.model_fingerprint,
-                                                    kvbridge::ChunkDType(model.kv_dtype())));
+    KDN_ASSIGN_OR_RETURN(
+        auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(t.size()),
+                                               kvbus::SegmentKey(ctx, t), ctx.model_fingerprint,
+                                               kvbridge::ChunkDType(model.kv_dtype())));
     std::shared_ptr<const kvbus::Chunk> shared = std::move(chunk);
     doc_kv.emplace(d, shared);
     return shared;
@@ -380,11 +380,11 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
   }
 
   const double full_ttft = full_seconds / o.prompts;
-  std::printf("mean prompt: %.0f tokens; full prefill TTFT %.1f ms; %lld of %lld reference "
-              "tokens not the teacher-forced pass's argmax\n",
-              static_cast<double>(prompt_tokens) / o.prompts, full_ttft * 1e3,
-              static_cast<long long>(ref_path_flips),
-              static_cast<long long>(o.prompts) * o.answer_tokens);
+  std::printf(
+      "mean prompt: %.0f tokens; full prefill TTFT %.1f ms; %lld of %lld reference "
+      "tokens not the teacher-forced pass's argmax\n",
+      static_cast<double>(prompt_tokens) / o.prompts, full_ttft * 1e3,
+      static_cast<long long>(ref_path_flips), static_cast<long long>(o.prompts) * o.answer_tokens);
   std::printf("%-28s %10s %9s %10s %8s %12s %10s %9s\n", "mode", "recomputed", "KL", "KL/reuse",
               "top-1", "greedy equal", "equal run", "TTFT x");
   const double reuse_kl = tallies[0].kl / static_cast<double>(tallies[0].positions);
@@ -401,23 +401,34 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
     std::printf("%-28s %9.1f%% %9.4f %10.3f %8.3f %11.0f%% %10.1f %8.2fx\n", modes[m].name.c_str(),
                 100 * share, kl, reuse_kl > 0 ? kl / reuse_kl : 0, top1, 100 * all_equal, run,
                 full_ttft / ttft);
-    json row = {{"mode", modes[m].kind},        {"ratio", modes[m].ratio},
-                {"recomputed_share", share},    {"kl", kl},
+    json row = {{"mode", modes[m].kind},
+                {"ratio", modes[m].ratio},
+                {"recomputed_share", share},
+                {"kl", kl},
                 {"kl_vs_full_reuse", reuse_kl > 0 ? kl / reuse_kl : 0},
-                {"top1_agreement", top1},       {"greedy_equal", all_equal},
-                {"greedy_equal_run", run},      {"ttft_s", ttft},
+                {"top1_agreement", top1},
+                {"greedy_equal", all_equal},
+                {"greedy_equal_run", run},
+                {"ttft_s", ttft},
                 {"speedup", full_ttft / ttft}};
     if (!modes[m].check_layers.empty()) row["check_layers"] = modes[m].check_layers;
     rows.push_back(std::move(row));
   }
   const double secs = Seconds(t_start, Clock::now());
   std::printf("(%.0f s)\n", secs);
-  Emit(c, {{"workload", "blend-fidelity"}, {"model", what}, {"text_dir", o.text_dir},
-           {"prompts", o.prompts}, {"documents", o.docs}, {"doc_tokens_min", o.doc_tokens},
-           {"answer_tokens", o.answer_tokens}, {"check_layer", o.check_layer},
+  Emit(c, {{"workload", "blend-fidelity"},
+           {"model", what},
+           {"text_dir", o.text_dir},
+           {"prompts", o.prompts},
+           {"documents", o.docs},
+           {"doc_tokens_min", o.doc_tokens},
+           {"answer_tokens", o.answer_tokens},
+           {"check_layer", o.check_layer},
            {"reference_path_flips", ref_path_flips},
            {"mean_prompt_tokens", static_cast<double>(prompt_tokens) / o.prompts},
-           {"rows", rows}, {"seconds", secs}, {"machine", Machine(c)}});
+           {"rows", rows},
+           {"seconds", secs},
+           {"machine", Machine(c)}});
   return 0;
 }
 

@@ -25,7 +25,6 @@ namespace {
 
 constexpr int kChunkTokens = 256;
 
-
 }  // namespace
 
 int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
@@ -93,10 +92,11 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     }
   }
 
-  std::printf("rag-blend on %s: %d documents of %d tokens in a new order + %d-token question "
-              "(%lld tokens), check layer %d, best of %d\n",
-              what.c_str(), docs, doc_tokens, question_tokens, static_cast<long long>(prompt_len),
-              check_layer, c.reps);
+  std::printf(
+      "rag-blend on %s: %d documents of %d tokens in a new order + %d-token question "
+      "(%lld tokens), check layer %d, best of %d\n",
+      what.c_str(), docs, doc_tokens, question_tokens, static_cast<long long>(prompt_len),
+      check_layer, c.reps);
   // Full prefill: the reference for time and quality.
   std::vector<float> full_logits;
   double full_s = 1e30;
@@ -127,23 +127,27 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     if (!cache.Reserve(seq, static_cast<int64_t>(prompt.size())).ok()) return 1;
     for (size_t i = 0; i < hits; ++i) {
       auto chunk = store.Get(keys[i]);
-      if (!chunk.ok() || !kvbridge::ChunkToPagedKv(**chunk, cache, seq, i * kChunkTokens).ok()) return 1;
+      if (!chunk.ok() || !kvbridge::ChunkToPagedKv(**chunk, cache, seq, i * kChunkTokens).ok())
+        return 1;
     }
     cache.SetLength(seq, static_cast<int64_t>(hits) * kChunkTokens);
-    if (!model.Prefill(seq, std::span(prompt).subspan(hits * kChunkTokens), {}, &logits).ok()) return 1;
+    if (!model.Prefill(seq, std::span(prompt).subspan(hits * kChunkTokens), {}, &logits).ok())
+      return 1;
     prefix_s = std::min(prefix_s, Seconds(t0, Clock::now()));
     prefix_hit = static_cast<int64_t>(hits) * kChunkTokens;
   }
 
-  std::printf("%-22s %10s %9s %12s %10s %12s %9s %9s\n", "mode", "TTFT ms", "vs full",
-              "recomputed", "KL", "greedy agree", "check ms", "wait ms");
+  std::printf("%-22s %10s %9s %12s %10s %12s %9s %9s\n", "mode", "TTFT ms", "vs full", "recomputed",
+              "KL", "greedy agree", "check ms", "wait ms");
   std::printf("%-22s %10.1f %8.2fx %12lld %10s %12s\n", "full prefill", full_s * 1e3, 1.0,
               static_cast<long long>(prompt_len), "0", "32/32");
   std::printf("%-22s %10.1f %8.2fx %12lld %10s %12s\n", "prefix caching", prefix_s * 1e3,
               full_s / prefix_s, static_cast<long long>(prompt_len - prefix_hit), "0", "32/32");
   json rows = json::array();
   rows.push_back({{"mode", "full"}, {"ttft_s", full_s}});
-  rows.push_back({{"mode", "prefix"}, {"ttft_s", prefix_s}, {"speedup", full_s / prefix_s},
+  rows.push_back({{"mode", "prefix"},
+                  {"ttft_s", prefix_s},
+                  {"speedup", full_s / prefix_s},
                   {"cached_tokens", prefix_hit}});
   double speedup_015 = 0;
   // Each ratio with the cached KV placed on the loader thread, overlapping
@@ -175,12 +179,12 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
         auto chunk = store.Get(kvbus::SegmentKey(ctx, documents[i]));
         segments.push_back({documents[i], chunk.ok() ? *chunk : nullptr});
       }
-      auto out = blend::BlendPrefill(model, seq, segments, question,
-                                     {.recompute_ratio = ratio,
-                                      .check_layer = check_layer,
-                                      .check_layers = mode.progressive ? check_layers
-                                                                       : std::vector<int>{},
-                                      .overlap_load = mode.overlap});
+      auto out =
+          blend::BlendPrefill(model, seq, segments, question,
+                              {.recompute_ratio = ratio,
+                               .check_layer = check_layer,
+                               .check_layers = mode.progressive ? check_layers : std::vector<int>{},
+                               .overlap_load = mode.overlap});
       if (!out.ok()) {
         std::fprintf(stderr, "kdn-bench: %s\n", out.status().ToString().c_str());
         return 1;
@@ -203,7 +207,9 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     const double kl = blend::KlDivergence(full_logits, res.logits);
     char name[40];
     std::snprintf(name, sizeof(name), "blend %.2f%s", ratio,
-                  mode.progressive ? " progressive" : mode.overlap ? "" : " serial load");
+                  mode.progressive ? " progressive"
+                  : mode.overlap   ? ""
+                                   : " serial load");
     std::printf("%-22s %10.1f %8.2fx %12d %10.3g %9d/32 %9.1f %9.1f\n", name, best * 1e3,
                 full_s / best, res.recomputed_tokens + res.computed_tokens, kl, agree,
                 res.check_seconds * 1e3, res.load_wait_seconds * 1e3);
@@ -215,18 +221,28 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
                                               : "blend-serial-load"},
                     {"ratio", ratio},
                     {"ttft_s", best},
-                    {"speedup", full_s / best}, {"recomputed_tokens", res.recomputed_tokens},
-                    {"kl", kl}, {"greedy_agreement", agree / 32.0},
-                    {"check_s", res.check_seconds}, {"load_wait_s", res.load_wait_seconds}});
+                    {"speedup", full_s / best},
+                    {"recomputed_tokens", res.recomputed_tokens},
+                    {"kl", kl},
+                    {"greedy_agreement", agree / 32.0},
+                    {"check_s", res.check_seconds},
+                    {"load_wait_s", res.load_wait_seconds}});
   }
   if (speedup_015 > 0) {
-    std::printf("blend at 0.15 vs full prefill: %.2fx lower TTFT (aim: at least 3x); "
-                "%.2fx with the KV placed before the compute instead of beside it\n",
-                speedup_015, serial_015);
+    std::printf(
+        "blend at 0.15 vs full prefill: %.2fx lower TTFT (aim: at least 3x); "
+        "%.2fx with the KV placed before the compute instead of beside it\n",
+        speedup_015, serial_015);
   }
-  Emit(c, {{"workload", "rag-blend"}, {"model", what}, {"documents", docs},
-           {"doc_tokens", doc_tokens}, {"question_tokens", question_tokens},
-           {"check_layer", check_layer}, {"check_layers", check_layers}, {"rows", rows}, {"blend_015_speedup", speedup_015},
+  Emit(c, {{"workload", "rag-blend"},
+           {"model", what},
+           {"documents", docs},
+           {"doc_tokens", doc_tokens},
+           {"question_tokens", question_tokens},
+           {"check_layer", check_layer},
+           {"check_layers", check_layers},
+           {"rows", rows},
+           {"blend_015_speedup", speedup_015},
            {"machine", Machine(c)}});
   return 0;
 }

@@ -55,8 +55,8 @@ Result<std::vector<int32_t>> TextTokens(const std::string& tokenizer_from,
     }
   }
   if (out.size() < n) {
-    return InvalidArgument(path + " holds " + std::to_string(out.size()) + " tokens of documents, " +
-                           std::to_string(n) + " needed");
+    return InvalidArgument(path + " holds " + std::to_string(out.size()) +
+                           " tokens of documents, " + std::to_string(n) + " needed");
   }
   out.resize(n);
   return out;
@@ -103,9 +103,9 @@ struct Timed {
 };
 
 // Runs `f` on every chunk, `reps` times; the best pass's time.
-Result<Timed> EachChunk(const Chunks& in, int reps,
-                        const std::function<Result<std::shared_ptr<const Chunk>>(
-                            std::shared_ptr<const Chunk>)>& f) {
+Result<Timed> EachChunk(
+    const Chunks& in, int reps,
+    const std::function<Result<std::shared_ptr<const Chunk>>(std::shared_ptr<const Chunk>)>& f) {
   Timed t;
   t.seconds = 1e30;
   for (int r = 0; r < reps; ++r) {
@@ -145,7 +145,8 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
     if (!l->raw()) ttft_levels.push_back(*l);
   }
   if (o.tokens < o.chunk_tokens || o.chunk_tokens <= 0 || o.suffix_tokens <= 0) {
-    std::fprintf(stderr, "kdn-bench kv-codec: --tokens must hold at least one chunk of --chunk-tokens\n");
+    std::fprintf(stderr,
+                 "kdn-bench kv-codec: --tokens must hold at least one chunk of --chunk-tokens\n");
     return 2;
   }
   const int n_chunks = o.tokens / o.chunk_tokens;
@@ -164,14 +165,16 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
   engine::Engine& model = **model_r;
   for (int32_t t : *text) {
     if (t >= model.config().vocab_size) {
-      std::fprintf(stderr, "kdn-bench kv-codec: the text of %s has token %d, past %s's vocabulary\n",
+      std::fprintf(stderr,
+                   "kdn-bench kv-codec: the text of %s has token %d, past %s's vocabulary\n",
                    text_dir.c_str(), t, what.c_str());
       return 2;
     }
   }
   const KvDType dtype = ParseDType(o.dtype);
   const std::span<const int32_t> prompt(text->data(), static_cast<size_t>(prefix));
-  const std::span<const int32_t> suffix(text->data() + prefix, static_cast<size_t>(o.suffix_tokens));
+  const std::span<const int32_t> suffix(text->data() + prefix,
+                                        static_cast<size_t>(o.suffix_tokens));
   const int reps = std::max(c.reps, 1);
 
   // The request's KV: one prefill, cut into chunks of the dtype asked for.
@@ -189,7 +192,8 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
     }
     std::fprintf(stderr, "kv-codec: prefill took %.1f s\n", Seconds(t0, Clock::now()));
     const KeyContext ctx{{7, 7}, "kv-codec", o.chunk_tokens};
-    const std::vector<ChunkKey> keys = PrefixKeys(ctx, std::vector<int32_t>(prompt.begin(), prompt.end()));
+    const std::vector<ChunkKey> keys =
+        PrefixKeys(ctx, std::vector<int32_t>(prompt.begin(), prompt.end()));
     for (int i = 0; i < n_chunks; ++i) {
       auto ch = kvbridge::ChunkFromPagedKv(cache, seq, int64_t{i} * o.chunk_tokens, o.chunk_tokens,
                                            keys[i], ctx.model_fingerprint, dtype);
@@ -215,11 +219,12 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
   for (float v : ref_kv) ref_norm += Sq(v);
   const int vocab = model.config().vocab_size;
 
-  std::printf("kv-codec: %s, %lld tokens of %s KV (%u layers x %u KV heads x %u), %d chunks of %d; "
-              "text %s; suffix %d tokens; best of %d\n",
-              what.c_str(), static_cast<long long>(prefix), KvDTypeName(dtype), shape.layers,
-              shape.kv_heads, shape.head_dim, n_chunks, o.chunk_tokens, text_dir.c_str(),
-              o.suffix_tokens, reps);
+  std::printf(
+      "kv-codec: %s, %lld tokens of %s KV (%u layers x %u KV heads x %u), %d chunks of %d; "
+      "text %s; suffix %d tokens; best of %d\n",
+      what.c_str(), static_cast<long long>(prefix), KvDTypeName(dtype), shape.layers,
+      shape.kv_heads, shape.head_dim, n_chunks, o.chunk_tokens, text_dir.c_str(), o.suffix_tokens,
+      reps);
   std::printf("%-10s %10s %9s %9s %10s %10s %10s %10s %8s\n", "codec", "B/token", "vs raw",
               "vs int8", "enc GB/s", "dec GB/s", "KV rel err", "KL", "top-1");
   json rows = json::array();
@@ -244,7 +249,9 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
     } else {
       std::printf(" %7.1f%%\n", 100 * agree);
     }
-    json r = {{"codec", name}, {"bytes_per_token", bytes / prefix}, {"ratio_vs_raw", raw_payload / bytes},
+    json r = {{"codec", name},
+              {"bytes_per_token", bytes / prefix},
+              {"ratio_vs_raw", raw_payload / bytes},
               {"ratio_vs_int8", int8_bytes / bytes}};
     if (enc_s > 0) r["encode_gbytes_per_s"] = raw_payload / enc_s / 1e9;
     if (dec_s > 0) r["decode_gbytes_per_s"] = raw_payload / dec_s / 1e9;
@@ -265,7 +272,8 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
       auto t0 = Clock::now();
       for (const auto& ch : raw) {
         std::vector<uint8_t> out(ZSTD_compressBound(ch->payload().size()));
-        const size_t n = ZSTD_compress(out.data(), out.size(), ch->payload().data(), ch->payload().size(), 3);
+        const size_t n =
+            ZSTD_compress(out.data(), out.size(), ch->payload().data(), ch->payload().size(), 3);
         out.resize(ZSTD_isError(n) ? 0 : n);
         bytes += static_cast<double>(out.size());
         packed.push_back(std::move(out));
@@ -288,8 +296,9 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
     const std::string name = CodecLevelName(level);
     std::fprintf(stderr, "kv-codec: %s\n", name.c_str());
     auto enc = EachChunk(raw, reps, [&](auto ch) { return EncodeChunk(std::move(ch), level); });
-    auto dec = enc.ok() ? EachChunk(enc->out, reps, [](auto ch) { return DecodeChunk(std::move(ch)); })
-                        : Result<Timed>(enc.status());
+    auto dec = enc.ok()
+                   ? EachChunk(enc->out, reps, [](auto ch) { return DecodeChunk(std::move(ch)); })
+                   : Result<Timed>(enc.status());
     if (!dec.ok()) {
       std::fprintf(stderr, "kdn-bench: %s: %s\n", name.c_str(), dec.status().ToString().c_str());
       return 1;
@@ -336,8 +345,8 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
     for (const char* tier_name : {"disk", "kdn-store"}) {
       double raw_ttft = 0;
       for (const CodecLevel& level : ttft_levels) {
-        const std::filesystem::path dir = std::filesystem::path(o.disk_dir) /
-                                          ("kdn-bench-codec-" + std::to_string(::getpid()));
+        const std::filesystem::path dir =
+            std::filesystem::path(o.disk_dir) / ("kdn-bench-codec-" + std::to_string(::getpid()));
         std::filesystem::remove_all(dir);
         HostTier store_host(0);
         std::unique_ptr<StoreServer> server;
@@ -409,8 +418,11 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
         } else {
           std::printf(" %10s\n", "-");
         }
-        json r = {{"tier", tier_name}, {"codec", name}, {"stored_bytes", stored},
-                  {"load_ms", 1e3 * load_s}, {"ttft_ms", 1e3 * ttft_s}};
+        json r = {{"tier", tier_name},
+                  {"codec", name},
+                  {"stored_bytes", stored},
+                  {"load_ms", 1e3 * load_s},
+                  {"ttft_ms", 1e3 * ttft_s}};
         if (raw_ttft > 0) r["speedup_vs_raw"] = raw_ttft / ttft_s;
         ttft_rows.push_back(std::move(r));
         if (server) server->Stop();
@@ -421,9 +433,15 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
                 "-", "-", "-", 1e3 * full_s);
     ttft_rows.push_back({{"tier", "none"}, {"ttft_ms", 1e3 * full_s}});
   }
-  Emit(c, {{"workload", "kv-codec"}, {"model", what}, {"text", text_dir}, {"tokens", prefix},
-           {"chunk_tokens", o.chunk_tokens}, {"dtype", KvDTypeName(dtype)},
-           {"suffix_tokens", o.suffix_tokens}, {"rows", rows}, {"ttft", ttft_rows},
+  Emit(c, {{"workload", "kv-codec"},
+           {"model", what},
+           {"text", text_dir},
+           {"tokens", prefix},
+           {"chunk_tokens", o.chunk_tokens},
+           {"dtype", KvDTypeName(dtype)},
+           {"suffix_tokens", o.suffix_tokens},
+           {"rows", rows},
+           {"ttft", ttft_rows},
            {"machine", Machine(c)}});
   return 0;
 }

@@ -87,7 +87,8 @@ Result<double> DeviceCopyGBps(size_t bytes, int reps) {
   KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&dst, bytes));
   auto ms = BestMs(
       [&]() -> Status {
-        KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
+        KDN_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, nullptr));
         return Status::Ok();
       },
       reps);
@@ -98,7 +99,7 @@ Result<double> DeviceCopyGBps(size_t bytes, int reps) {
 }
 
 Result<std::unique_ptr<CudaEngine>> MakeCudaModel(const Common& c, const CudaEngineOptions& o,
-                                                 std::string* what) {
+                                                  std::string* what) {
   if (!c.model_dir.empty()) {
     *what = c.model_dir;
     KDN_ASSIGN_OR_RETURN(model::ModelConfig cfg, model::LoadModelConfig(c.model_dir));
@@ -173,10 +174,10 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
   const model::ModelConfig& cfg = (*model)->config();
   auto peak = Bf16GemmPeakTflops(8192, std::max(c.reps, 3));
   if (!peak.ok()) return Fail(peak.status());
-  std::printf("prefill on %s, %s, bf16 (%s); cuBLAS bf16 GEMM peak %.1f TFLOP/s\n",
-              what.c_str(), DeviceName().c_str(), Paths(**model).c_str(), *peak);
-  std::printf("%8s %10s %12s %10s %8s %9s\n", "tokens", "seconds", "tokens/s", "TFLOP/s",
-              "of peak", "vs peer");
+  std::printf("prefill on %s, %s, bf16 (%s); cuBLAS bf16 GEMM peak %.1f TFLOP/s\n", what.c_str(),
+              DeviceName().c_str(), Paths(**model).c_str(), *peak);
+  std::printf("%8s %10s %12s %10s %8s %9s\n", "tokens", "seconds", "tokens/s", "TFLOP/s", "of peak",
+              "vs peer");
   json rows = json::array();
   for (int n : lengths) {
     std::vector<int32_t> tokens(n);
@@ -186,22 +187,30 @@ int RunCudaPrefill(const Common& c, const std::vector<int>& lengths) {
       KvSequence seq = (*model)->kv_cache().NewSequence();
       std::vector<float> logits;
       const auto t0 = Clock::now();
-      Status st = (*model)->Prefill(seq, tokens, {}, &logits);  // returns with the logits on the host
+      Status st =
+          (*model)->Prefill(seq, tokens, {}, &logits);  // returns with the logits on the host
       const double s = Seconds(t0, Clock::now());
       seq.Reset();
       if (!st.ok()) return Fail(st);
       if (r > 0 || c.reps == 0) best = std::min(best, s);
     }
     const double tflops = ForwardFlops(cfg, n, 0, 1) / best / 1e12;
-    json row = {{"tokens", n}, {"seconds", best}, {"tokens_per_s", n / best},
-                {"tflops", tflops}, {"fraction_of_bf16_gemm_peak", tflops / *peak}};
+    json row = {{"tokens", n},
+                {"seconds", best},
+                {"tokens_per_s", n / best},
+                {"tflops", tflops},
+                {"fraction_of_bf16_gemm_peak", tflops / *peak}};
     const std::string vs = AddPeerRatio(*peer, "prefill", "tokens", n, n / best, &row);
     std::printf("%8d %10.4f %12.0f %10.1f %7.1f%% %9s\n", n, best, n / best, tflops,
                 100.0 * tflops / *peak, vs.c_str());
     rows.push_back(row);
   }
-  Emit(c, {{"workload", "prefill"}, {"device", DeviceName()}, {"model", what},
-           {"paths", Paths(**model)}, {"bf16_gemm_peak_tflops", *peak}, {"results", rows}});
+  Emit(c, {{"workload", "prefill"},
+           {"device", DeviceName()},
+           {"model", what},
+           {"paths", Paths(**model)},
+           {"bf16_gemm_peak_tflops", *peak},
+           {"results", rows}});
   return 0;
 }
 
@@ -224,9 +233,10 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
   const double embed_bytes =
       cfg.tie_word_embeddings ? 0.0 : 2.0 * double(cfg.vocab_size) * cfg.hidden_size;
   const double weight_bytes = static_cast<double>((*model)->weight_bytes()) - embed_bytes;
-  std::printf("decode on %s, %s, bf16 (%s), greedy on the device, context %d, %d steps; "
-              "device copy %.0f GB/s\n",
-              what.c_str(), DeviceName().c_str(), Paths(**model).c_str(), context, steps, *bw);
+  std::printf(
+      "decode on %s, %s, bf16 (%s), greedy on the device, context %d, %d steps; "
+      "device copy %.0f GB/s\n",
+      what.c_str(), DeviceName().c_str(), Paths(**model).c_str(), context, steps, *bw);
   std::printf("%6s %12s %10s %10s %9s %9s\n", "batch", "tokens/s", "ms/step", "GB/s", "of copy",
               "vs peer");
   json rows = json::array();
@@ -249,23 +259,31 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
     double kv_bytes = 0.0;
     const auto t0 = Clock::now();
     for (int s = 0; s < steps; ++s) {
-      for (auto* p : ptrs) kv_bytes += 2.0 * 2.0 * cfg.num_layers * cfg.kv_dim() * (p->length() + 1);
+      for (auto* p : ptrs)
+        kv_bytes += 2.0 * 2.0 * cfg.num_layers * cfg.kv_dim() * (p->length() + 1);
       if (Status st = (*model)->DecodeGreedy(ptrs, next, &next); !st.ok()) return Fail(st);
     }
     const double secs = Seconds(t0, Clock::now());
     const double gbps = (steps * weight_bytes + kv_bytes) / secs / 1e9;
-    json row = {{"batch", b}, {"tokens_per_s", b * steps / secs},
-                {"ms_per_step", 1e3 * secs / steps}, {"gbytes_per_s", gbps},
+    json row = {{"batch", b},
+                {"tokens_per_s", b * steps / secs},
+                {"ms_per_step", 1e3 * secs / steps},
+                {"gbytes_per_s", gbps},
                 {"fraction_of_device_copy", gbps / *bw}};
     const std::string vs = AddPeerRatio(*peer, "decode", "batch", b, b * steps / secs, &row);
-    std::printf("%6d %12.1f %10.2f %10.0f %8.1f%% %9s\n", b, b * steps / secs,
-                1e3 * secs / steps, gbps, 100.0 * gbps / *bw, vs.c_str());
+    std::printf("%6d %12.1f %10.2f %10.0f %8.1f%% %9s\n", b, b * steps / secs, 1e3 * secs / steps,
+                gbps, 100.0 * gbps / *bw, vs.c_str());
     rows.push_back(row);
     for (auto& s : seqs) s.Reset();
   }
-  Emit(c, {{"workload", "decode"}, {"device", DeviceName()}, {"model", what},
-           {"paths", Paths(**model)}, {"context", context}, {"steps", steps},
-           {"device_copy_gbytes_per_s", *bw}, {"results", rows}});
+  Emit(c, {{"workload", "decode"},
+           {"device", DeviceName()},
+           {"model", what},
+           {"paths", Paths(**model)},
+           {"context", context},
+           {"steps", steps},
+           {"device_copy_gbytes_per_s", *bw},
+           {"results", rows}});
   return 0;
 }
 

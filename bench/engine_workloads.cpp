@@ -53,11 +53,17 @@ int RunPrefill(const Common& c, const std::vector<int>& lengths) {
     const double gflops = ForwardFlops(cfg, n, 0, 1) / best / 1e9;
     std::printf("%8d %10.3f %12.1f %10.1f %7.1f%%\n", n, best, n / best, gflops,
                 100.0 * gflops / peak);
-    rows.push_back({{"tokens", n}, {"seconds", best}, {"tokens_per_s", n / best},
-                    {"gflops", gflops}, {"fraction_of_sgemm_peak", gflops / peak}});
+    rows.push_back({{"tokens", n},
+                    {"seconds", best},
+                    {"tokens_per_s", n / best},
+                    {"gflops", gflops},
+                    {"fraction_of_sgemm_peak", gflops / peak}});
   }
-  Emit(c, {{"workload", "prefill"}, {"model", what}, {"machine", Machine(c)},
-           {"sgemm_peak_gflops", peak}, {"results", rows}});
+  Emit(c, {{"workload", "prefill"},
+           {"model", what},
+           {"machine", Machine(c)},
+           {"sgemm_peak_gflops", peak},
+           {"results", rows}});
   return 0;
 }
 
@@ -115,15 +121,23 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
     const double gflops = flops / secs / 1e9;
     std::printf("%6d %12.1f %10.2f %10.1f %7.1f%% %10.1f %7.1f%%\n", b, b * steps / secs,
                 1e3 * secs / steps, gbps, 100.0 * gbps / bw, gflops, 100.0 * gflops / peak);
-    rows.push_back({{"batch", b}, {"tokens_per_s", b * steps / secs},
-                    {"ms_per_step", 1e3 * secs / steps}, {"gbytes_per_s", gbps},
-                    {"fraction_of_memcpy", gbps / bw}, {"gflops", gflops},
+    rows.push_back({{"batch", b},
+                    {"tokens_per_s", b * steps / secs},
+                    {"ms_per_step", 1e3 * secs / steps},
+                    {"gbytes_per_s", gbps},
+                    {"fraction_of_memcpy", gbps / bw},
+                    {"gflops", gflops},
                     {"fraction_of_sgemm_peak", gflops / peak}});
   }
-  Emit(c, {{"workload", "decode"}, {"model", what}, {"machine", Machine(c)}, {"context", context},
-           {"steps", steps}, {"memcpy_gbytes_per_s", bw}, {"sgemm_peak_gflops", peak}, {"results", rows}});
+  Emit(c, {{"workload", "decode"},
+           {"model", what},
+           {"machine", Machine(c)},
+           {"context", context},
+           {"steps", steps},
+           {"memcpy_gbytes_per_s", bw},
+           {"sgemm_peak_gflops", peak},
+           {"results", rows}});
   return 0;
 }
-
 
 }  // namespace kdn::bench

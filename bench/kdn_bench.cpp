@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
     sub->add_option("--seed", c.seed, "Seed of the generated weights")->capture_default_str();
     sub->add_option("--model", c.model_dir, "Model folder or .gguf file instead of a preset");
     sub->add_option("--threads", c.threads, "CPU threads (0 = all cores)")->capture_default_str();
-    sub->add_option("--reps", c.reps, "Timed repetitions (best is reported)")->capture_default_str();
+    sub->add_option("--reps", c.reps, "Timed repetitions (best is reported)")
+        ->capture_default_str();
     sub->add_option("--json", c.json_path, "Also write the results as one JSON object");
   };
   std::vector<int> lengths = {512, 2048};
@@ -84,26 +85,31 @@ int main(int argc, char** argv) {
                     "transformers ratios for the lengths and batches it measured")
         ->check(CLI::ExistingFile);
   };
-  auto* prefill = app.add_subcommand("prefill", "One long prompt, no cache: tokens/s and FLOP/s vs the matrix-product peak");
+  auto* prefill = app.add_subcommand(
+      "prefill", "One long prompt, no cache: tokens/s and FLOP/s vs the matrix-product peak");
   common(prefill);
   device_option(prefill);
   prefill->add_option("--tokens", lengths, "Prompt lengths")->capture_default_str()->delimiter(',');
 
   std::vector<int> batches = {1, 8, 32};
   int context = 512, steps = 16;
-  auto* decode = app.add_subcommand("decode", "A batch generating: tokens/s and GB/s vs a memory copy");
+  auto* decode =
+      app.add_subcommand("decode", "A batch generating: tokens/s and GB/s vs a memory copy");
   common(decode);
   device_option(decode);
   decode->add_option("--batch", batches, "Batch sizes")->capture_default_str()->delimiter(',');
-  decode->add_option("--context", context, "Tokens of KV each sequence holds")->capture_default_str();
+  decode->add_option("--context", context, "Tokens of KV each sequence holds")
+      ->capture_default_str();
   decode->add_option("--steps", steps, "Decode steps timed per batch size")->capture_default_str();
   int store_tokens = 4096, chunk_tokens = 256;
   std::string store_dtype = "f32", disk_dir = std::filesystem::temp_directory_path().string();
-  auto* store = app.add_subcommand("store", "Host and disk tier GB/s vs memcpy and the disk's own bandwidth");
+  auto* store =
+      app.add_subcommand("store", "Host and disk tier GB/s vs memcpy and the disk's own bandwidth");
   common(store);
   store->add_option("--tokens", store_tokens, "Tokens of KV moved")->capture_default_str();
   store->add_option("--chunk-tokens", chunk_tokens, "Tokens per chunk")->capture_default_str();
-  store->add_option("--dtype", store_dtype, "Chunk dtype")->capture_default_str()
+  store->add_option("--dtype", store_dtype, "Chunk dtype")
+      ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   store->add_option("--disk-dir", disk_dir, "Folder for the disk tier")->capture_default_str();
   int pd_tokens = 4096, pd_chunk_tokens = 256;
@@ -113,7 +119,8 @@ int main(int argc, char** argv) {
   common(pd);
   pd->add_option("--tokens", pd_tokens, "Tokens of KV in the request")->capture_default_str();
   pd->add_option("--chunk-tokens", pd_chunk_tokens, "Tokens per chunk")->capture_default_str();
-  pd->add_option("--dtype", pd_dtype, "Chunk dtype")->capture_default_str()
+  pd->add_option("--dtype", pd_dtype, "Chunk dtype")
+      ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   std::vector<std::string> pd_transports = {"tcp", "shm"};
   pd->add_option("--transport", pd_transports,
@@ -124,7 +131,8 @@ int main(int argc, char** argv) {
   int socket_buffer_kib = 0;
   pd->add_option("--socket-buffer-kib", socket_buffer_kib,
                  "SO_SNDBUF/SO_RCVBUF of the connection (0: the OS's autotuning)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   bool pd_curve = false;
   pd->add_flag("--curve", pd_curve,
                "Measure each transport twice in this run: plaintext, then with CURVE (kdn's "
@@ -133,8 +141,9 @@ int main(int argc, char** argv) {
   MultiturnOptions mt;
   uint64_t mt_seed = 0;
   auto* multiturn = app.add_subcommand(
-      "multiturn", "TTFT of later turns vs the first turn: against a running deployment (--url), "
-                   "or through the prefill worker's logic in this process (--device)");
+      "multiturn",
+      "TTFT of later turns vs the first turn: against a running deployment (--url), "
+      "or through the prefill worker's logic in this process (--device)");
   auto* mt_url = multiturn->add_option("--url", mt.url, "The router's URL, http://HOST:PORT");
   auto* mt_device =
       multiturn
@@ -144,26 +153,37 @@ int main(int argc, char** argv) {
           ->check(kdn::control::CheckDeviceName)
           ->excludes(mt_url);
   multiturn->add_option("--preset", c.preset, "With --device: generated model preset")
-      ->capture_default_str()->needs(mt_device);
-  multiturn->add_option("--model", c.model_dir, "With --device: a model folder or .gguf file instead")
+      ->capture_default_str()
+      ->needs(mt_device);
+  multiturn
+      ->add_option("--model", c.model_dir, "With --device: a model folder or .gguf file instead")
       ->needs(mt_device);
   multiturn->add_option("--threads", c.threads, "With --device cpu: CPU threads (0 = all cores)")
-      ->capture_default_str()->needs(mt_device);
+      ->capture_default_str()
+      ->needs(mt_device);
   multiturn->add_option("--context-tokens", mt.context_tokens, "Tokens of shared context")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  multiturn->add_option("--turns", mt.turns, "Turns per conversation")->capture_default_str()
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  multiturn->add_option("--turns", mt.turns, "Turns per conversation")
+      ->capture_default_str()
       ->check(CLI::Range(2, 1000));
   multiturn->add_option("--turn-tokens", mt.turn_tokens, "Tokens of each new user message")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   multiturn->add_option("--max-tokens", mt.max_tokens, "Tokens of each answer")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  multiturn->add_option("--conversations", mt.conversations,
-                        "Independent conversations (per-turn median and mean over them)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  multiturn->add_option("--chunk-tokens", mt.chunk_tokens,
-                        "The deployment's tokens per KV chunk (kdn-launch --chunk-tokens): the "
-                        "floor's context is whole chunks")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  multiturn
+      ->add_option("--conversations", mt.conversations,
+                   "Independent conversations (per-turn median and mean over them)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  multiturn
+      ->add_option("--chunk-tokens", mt.chunk_tokens,
+                   "The deployment's tokens per KV chunk (kdn-launch --chunk-tokens): the "
+                   "floor's context is whole chunks")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   multiturn->add_option("--seed", mt_seed, "Seed of the text (default: a new one each run)");
   multiturn
       ->add_option("--paths", mt.paths,
@@ -182,77 +202,100 @@ int main(int argc, char** argv) {
   common(quality);
   quality->add_option("--eval", eval_path, "Eval set (default: MODEL/eval.jsonl)");
   quality->add_option("--limit", quality_limit, "Only the first N examples (0: all)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   quality->add_option("--max-tokens", quality_max_tokens, "Answer tokens at most")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   bool quality_full_only = false;
-  quality->add_option("--ratios", quality_ratios,
-                      "CacheBlend recompute ratios, each in (0, 1]; full reuse (ratio 0) "
-                      "runs beside them")
+  quality
+      ->add_option("--ratios", quality_ratios,
+                   "CacheBlend recompute ratios, each in (0, 1]; full reuse (ratio 0) "
+                   "runs beside them")
       ->delimiter(',')
       ->capture_default_str();
-  quality->add_option("--random-ratios", quality_random,
-                      "Ratios at which randomly chosen tokens are recomputed instead of the "
-                      "deviation-chosen ones (CacheBlend's baseline); 0: none")
+  quality
+      ->add_option("--random-ratios", quality_random,
+                   "Ratios at which randomly chosen tokens are recomputed instead of the "
+                   "deviation-chosen ones (CacheBlend's baseline); 0: none")
       ->delimiter(',')
       ->capture_default_str();
   quality->add_flag("--full-prefill-only", quality_full_only,
                     "Only full prefill: no full reuse, no CacheBlend");
   quality->add_option("--check-layer", quality_check, "Layer whose KV deviation picks the tokens")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   std::vector<int> quality_layers;
-  quality->add_option("--check-layers", quality_layers,
-                      "Also run each --ratios value with progressive filtering over these check "
-                      "layers (ascending, comma-separated)")
+  quality
+      ->add_option("--check-layers", quality_layers,
+                   "Also run each --ratios value with progressive filtering over these check "
+                   "layers (ascending, comma-separated)")
       ->delimiter(',');
   std::string quality_codec = "raw";
-  quality->add_option("--kv-codec", quality_codec,
-                      "Code each document's KV at this level and use the decoded KV in the "
-                      "reuse and blend modes (raw, lossless, q2 ... q8)")
+  quality
+      ->add_option("--kv-codec", quality_codec,
+                   "Code each document's KV at this level and use the decoded KV in the "
+                   "reuse and blend modes (raw, lossless, q2 ... q8)")
       ->capture_default_str();
   KvCodecOptions kc;
   kc.disk_dir = disk_dir;
   auto* kv_codec = app.add_subcommand(
-      "kv-codec", "KV codec: size vs raw, int8 and zstd; error and KL; GB/s; TTFT from disk and kdn-store");
+      "kv-codec",
+      "KV codec: size vs raw, int8 and zstd; error and KL; GB/s; TTFT from disk and kdn-store");
   common(kv_codec);
   kv_codec->add_option("--tokens", kc.tokens, "Tokens of KV (whole chunks), computed from the text")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  kv_codec->add_option("--chunk-tokens", kc.chunk_tokens, "Tokens per chunk")->capture_default_str()
+      ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  kv_codec->add_option("--dtype", kc.dtype, "Chunk dtype")->capture_default_str()
+  kv_codec->add_option("--chunk-tokens", kc.chunk_tokens, "Tokens per chunk")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  kv_codec->add_option("--dtype", kc.dtype, "Chunk dtype")
+      ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   kv_codec->add_option("--levels", kc.levels, "Codec levels to measure (lossless, q2 ... q8)")
-      ->delimiter(',')->capture_default_str();
-  kv_codec->add_option("--ttft-levels", kc.ttft_levels,
-                       "Levels whose TTFT is measured from each tier, beside raw (none: skip)")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
+  kv_codec
+      ->add_option("--ttft-levels", kc.ttft_levels,
+                   "Levels whose TTFT is measured from each tier, beside raw (none: skip)")
+      ->delimiter(',')
+      ->capture_default_str();
   kv_codec->add_option("--text", kc.text_dir,
                        "Folder whose eval.jsonl documents give the text, tokenized by "
                        "--model's tokenizer (a preset's: this folder's) (default: --model's; "
                        "e.g. models/kdn-qa for a preset or a .gguf file)");
-  kv_codec->add_option("--suffix-tokens", kc.suffix_tokens,
-                       "New tokens computed on top of the cached KV (KL, TTFT)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  kv_codec->add_option("--disk-dir", kc.disk_dir, "Folder for the disk tier")->capture_default_str();
+  kv_codec
+      ->add_option("--suffix-tokens", kc.suffix_tokens,
+                   "New tokens computed on top of the cached KV (KL, TTFT)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  kv_codec->add_option("--disk-dir", kc.disk_dir, "Folder for the disk tier")
+      ->capture_default_str();
   int rb_docs = 6, rb_doc_tokens = 512, rb_question = 32, rb_check = 1;
   std::vector<double> rb_ratios = {0.0, 0.05, 0.15, 0.3, 1.0};
-  auto* rag = app.add_subcommand("rag-blend", "CacheBlend TTFT and quality vs full prefill and prefix caching");
+  auto* rag = app.add_subcommand("rag-blend",
+                                 "CacheBlend TTFT and quality vs full prefill and prefix caching");
   common(rag);
   rag->add_option("--device", c.device,
                   "Where the engine runs: cpu, cuda or cuda:N (a preset is materialised on the "
                   "GPU, bf16)")
       ->check(kdn::control::CheckDeviceName)
       ->capture_default_str();
-  rag->add_option("--docs", rb_docs, "Documents per prompt")->capture_default_str()
+  rag->add_option("--docs", rb_docs, "Documents per prompt")
+      ->capture_default_str()
       ->check(CLI::Range(1, 64));
-  rag->add_option("--doc-tokens", rb_doc_tokens, "Tokens per document")->capture_default_str()
+  rag->add_option("--doc-tokens", rb_doc_tokens, "Tokens per document")
+      ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  rag->add_option("--question-tokens", rb_question, "Tokens of the question")->capture_default_str()
+  rag->add_option("--question-tokens", rb_question, "Tokens of the question")
+      ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  rag->add_option("--ratios", rb_ratios, "Recompute ratios to run")->delimiter(',')
+  rag->add_option("--ratios", rb_ratios, "Recompute ratios to run")
+      ->delimiter(',')
       ->capture_default_str();
   rag->add_option("--check-layer", rb_check, "Layer whose KV deviation picks the tokens")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   std::vector<int> rb_layers;
   rag->add_option("--check-layers", rb_layers,
                   "Also run each partial ratio with progressive filtering over these check "
@@ -270,20 +313,28 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   fidelity->add_option("--text-dir", bf.text_dir, "Folder of English text files (the documents)")
       ->capture_default_str();
-  fidelity->add_option("--prompts", bf.prompts, "Prompts")->capture_default_str()
+  fidelity->add_option("--prompts", bf.prompts, "Prompts")
+      ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  fidelity->add_option("--docs", bf.docs, "Documents per prompt")->capture_default_str()
+  fidelity->add_option("--docs", bf.docs, "Documents per prompt")
+      ->capture_default_str()
       ->check(CLI::Range(1, 64));
-  fidelity->add_option("--doc-tokens", bf.doc_tokens,
-                       "A document: consecutive paragraphs of one file, at least this many tokens")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+  fidelity
+      ->add_option("--doc-tokens", bf.doc_tokens,
+                   "A document: consecutive paragraphs of one file, at least this many tokens")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   fidelity->add_option("--answer-tokens", bf.answer_tokens, "Answer positions compared")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  fidelity->add_option("--ratios", bf.ratios, "Recompute ratios, each in (0, 1)")->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  fidelity->add_option("--ratios", bf.ratios, "Recompute ratios, each in (0, 1)")
+      ->delimiter(',')
       ->capture_default_str();
-  fidelity->add_option("--check-layer", bf.check_layer,
-                       "The one check layer of deviation and random selection")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  fidelity
+      ->add_option("--check-layer", bf.check_layer,
+                   "The one check layer of deviation and random selection")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   fidelity->add_option("--check-layers", bf_layers,
                        "A progressive schedule's check layers, comma-separated and ascending "
                        "(repeat the option for several schedules)");
@@ -291,14 +342,18 @@ int main(int argc, char** argv) {
   int tk_tokens = 32768;
   auto* tokenize = app.add_subcommand(
       "tokenize", "Tokenizer encode and decode speed on a long text: tokens/s, us per 1000 tokens");
-  tokenize->add_option("--tokenizer", tk_dir,
-                       "Folder with tokenizer.json (and tokenizer_config.json), or a .gguf file")
-      ->required()->check(CLI::ExistingPath);
+  tokenize
+      ->add_option("--tokenizer", tk_dir,
+                   "Folder with tokenizer.json (and tokenizer_config.json), or a .gguf file")
+      ->required()
+      ->check(CLI::ExistingPath);
   tokenize->add_option("--text", tk_text, "Text file to encode (default: a synthetic text)")
       ->check(CLI::ExistingFile);
   tokenize->add_option("--tokens", tk_tokens, "Tokens of the synthetic text, about")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  tokenize->add_option("--reps", c.reps, "Timed repetitions (best is reported)")->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  tokenize->add_option("--reps", c.reps, "Timed repetitions (best is reported)")
+      ->capture_default_str();
   tokenize->add_option("--json", c.json_path, "Also write the results as one JSON object");
   ServeLoadOptions sl;
   uint64_t sl_seed = 0;
@@ -309,29 +364,40 @@ int main(int argc, char** argv) {
       "KDN hit rate, RSS; --soak N judges N requests against the soak's aims");
   serve_load->add_option("--url", sl.url, "The router's URL, http://HOST:PORT")->required();
   serve_load->add_option("--clients", sl.clients, "Concurrent clients")
-      ->capture_default_str()->check(CLI::Range(1, 4096));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   serve_load->add_option("--requests", sl.requests, "Requests in all")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  serve_load->add_option("--soak", sl.soak,
-                         "Run this many requests instead, then exit 1 unless there was no error, "
-                         "every KV block came back, and no process's RSS grew 5% after warm-up "
-                         "(the first 10%; RSS needs --run-dir)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  serve_load
+      ->add_option("--soak", sl.soak,
+                   "Run this many requests instead, then exit 1 unless there was no error, "
+                   "every KV block came back, and no process's RSS grew 5% after warm-up "
+                   "(the first 10%; RSS needs --run-dir)")
       ->check(CLI::PositiveNumber);
   serve_load->add_option("--documents", sl.documents, "Distinct documents")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   serve_load->add_option("--zipf", sl.zipf, "Zipf exponent of document popularity")
-      ->capture_default_str()->check(CLI::Range(0.0, 10.0));
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 10.0));
   serve_load->add_option("--doc-chars", sl.doc_chars, "Characters of a document (random words)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  serve_load->add_option("--question-chars", sl.question_chars,
-                         "Characters of the new question after each document")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  serve_load
+      ->add_option("--question-chars", sl.question_chars,
+                   "Characters of the new question after each document")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   serve_load->add_option("--max-tokens", sl.max_tokens, "Tokens of each answer (ignore_eos)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   serve_load->add_option("--ttft-slo-ms", sl.ttft_slo_ms, "TTFT objective for the goodput")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  serve_load->add_option("--run-dir", sl.run_dir,
-                         "kdn-launch's run dir: each process's RSS is read from /proc")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  serve_load
+      ->add_option("--run-dir", sl.run_dir,
+                   "kdn-launch's run dir: each process's RSS is read from /proc")
       ->check(CLI::ExistingDirectory);
   serve_load->add_option("--seed", sl_seed, "Seed of the text (default: a new one each run)");
   serve_load
@@ -362,8 +428,9 @@ int main(int argc, char** argv) {
     if (multiturn->count("--seed") > 0) mt.seed = mt_seed;
     if (mt_device->count() > 0) return RunMultiturnEngine(c, mt);
     if (mt_url->count() == 0) {
-      std::fprintf(stderr, "kdn-bench multiturn: give --url (a deployment) or --device (this "
-                           "process)\n");
+      std::fprintf(stderr,
+                   "kdn-bench multiturn: give --url (a deployment) or --device (this "
+                   "process)\n");
       return 2;
     }
     return RunMultiturn(c, mt);
@@ -380,8 +447,10 @@ int main(int argc, char** argv) {
         try {
           layers.push_back(std::stoi(item));
         } catch (const std::exception&) {
-          std::fprintf(stderr, "kdn-bench blend-fidelity: --check-layers %s: not a list of "
-                               "layers\n", s.c_str());
+          std::fprintf(stderr,
+                       "kdn-bench blend-fidelity: --check-layers %s: not a list of "
+                       "layers\n",
+                       s.c_str());
           return 2;
         }
       }
@@ -398,8 +467,9 @@ int main(int argc, char** argv) {
   if (kv_codec->parsed()) {
     if (kc.ttft_levels == std::vector<std::string>{"none"}) kc.ttft_levels.clear();
     if (kc.text_dir.empty() && (c.model_dir.empty() || kdn::model::IsGgufPath(c.model_dir))) {
-      std::fprintf(stderr, "kdn-bench kv-codec: with a preset or a .gguf file, give --text "
-                           "(e.g. models/kdn-qa)\n");
+      std::fprintf(stderr,
+                   "kdn-bench kv-codec: with a preset or a .gguf file, give --text "
+                   "(e.g. models/kdn-qa)\n");
       return 2;
     }
     return RunKvCodec(c, kc);
@@ -409,8 +479,9 @@ int main(int argc, char** argv) {
     if (prefill->parsed()) return RunCudaPrefill(c, lengths);
     if (decode->parsed()) return RunCudaDecode(c, batches, context, steps);
 #else
-    std::fprintf(stderr, "kdn-bench: --device cuda: this build has no CUDA (configure with "
-                         "KDN_CUDA=ON where nvcc is)\n");
+    std::fprintf(stderr,
+                 "kdn-bench: --device cuda: this build has no CUDA (configure with "
+                 "KDN_CUDA=ON where nvcc is)\n");
     return 1;
 #endif
   }

@@ -109,8 +109,8 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
     // put: paged KV -> chunk (copy, convert, checksum) -> host tier
     auto t0 = Clock::now();
     for (size_t i = 0; i < kv.keys.size(); ++i) {
-      auto chunk = kvbridge::ChunkFromPagedKv(kv.cache, kv.seq, i * chunk_tokens, chunk_tokens, kv.keys[i],
-                                    fingerprint, dtype);
+      auto chunk = kvbridge::ChunkFromPagedKv(kv.cache, kv.seq, i * chunk_tokens, chunk_tokens,
+                                              kv.keys[i], fingerprint, dtype);
       if (!chunk.ok() || !host.Put(*chunk).ok()) {
         std::fprintf(stderr, "kdn-bench: store put failed\n");
         return 1;
@@ -122,7 +122,8 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
     t0 = Clock::now();
     for (size_t i = 0; i < kv.keys.size(); ++i) {
       auto chunk = host.Get(kv.keys[i]);
-      if (!chunk.ok() || !kvbridge::ChunkToPagedKv(**chunk, back.cache, back.seq, i * chunk_tokens).ok()) {
+      if (!chunk.ok() ||
+          !kvbridge::ChunkToPagedKv(**chunk, back.cache, back.seq, i * chunk_tokens).ok()) {
         std::fprintf(stderr, "kdn-bench: store get failed\n");
         return 1;
       }
@@ -166,21 +167,30 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
       std::filesystem::path(disk_dir) / ("kdn-bench-seq-" + std::to_string(::getpid())),
       static_cast<size_t>(chunk_bytes), reps);
   std::printf("store: %d tokens of %s KV (%s), %zu chunks of %d tokens, %.1f MiB; best of %d\n",
-              tokens, c.preset.c_str(), KvDTypeName(dtype), static_cast<size_t>(tokens / chunk_tokens),
-              chunk_tokens, chunk_bytes / 1048576.0, reps);
+              tokens, c.preset.c_str(), KvDTypeName(dtype),
+              static_cast<size_t>(tokens / chunk_tokens), chunk_tokens, chunk_bytes / 1048576.0,
+              reps);
   std::printf("%-10s %10s %12s %8s\n", "operation", "GB/s", "limit GB/s", "ratio");
   auto row = [&](const char* op, double v, double limit, const char* limit_name) {
     std::printf("%-10s %10.2f %12.2f %7.1f%%  (%s)\n", op, v, limit, 100.0 * v / limit, limit_name);
-    rows.push_back({{"operation", op}, {"gbytes_per_s", v}, {"limit_gbytes_per_s", limit},
-                    {"limit", limit_name}, {"ratio", v / limit}});
+    rows.push_back({{"operation", op},
+                    {"gbytes_per_s", v},
+                    {"limit_gbytes_per_s", limit},
+                    {"limit", limit_name},
+                    {"ratio", v / limit}});
   };
   row("host put", host_put, mem, "memcpy, 1 thread");
   row("host get", host_get, mem, "memcpy, 1 thread");
   row("disk put", disk_put, seq_w, "sequential write + fsync");
   row("disk get", disk_get, seq_r, "sequential read, cold");
-  Emit(c, {{"workload", "store"}, {"preset", c.preset}, {"tokens", tokens},
-           {"chunk_tokens", chunk_tokens}, {"dtype", KvDTypeName(dtype)}, {"bytes", chunk_bytes},
-           {"machine", Machine(c)}, {"results", rows}});
+  Emit(c, {{"workload", "store"},
+           {"preset", c.preset},
+           {"tokens", tokens},
+           {"chunk_tokens", chunk_tokens},
+           {"dtype", KvDTypeName(dtype)},
+           {"bytes", chunk_bytes},
+           {"machine", Machine(c)},
+           {"results", rows}});
   return 0;
 }
 
@@ -235,7 +245,8 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     // Room for the batches in flight (RunSenderBench: 4 of n/4 chunks).
     ro.shm_landing_bytes = (static_cast<uint64_t>(n) + 4) * BufferPool::ClassBytes(chunk_bytes);
     auto receiver = Listen("tcp://127.0.0.1:0", sink, ro);
-    if (!receiver.ok()) std::fprintf(stderr, "kdn-bench: %s\n", receiver.status().ToString().c_str());
+    if (!receiver.ok())
+      std::fprintf(stderr, "kdn-bench: %s\n", receiver.status().ToString().c_str());
     std::string ep = receiver.ok() ? (*receiver)->endpoint() : std::string();
     Result<std::unique_ptr<Receiver>> secure = std::unique_ptr<Receiver>();
     if (keys && receiver.ok()) {
@@ -274,65 +285,74 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
   // which would stay in cache and overstate what memory can do).
   const double mem = MemcpyOneThreadGBps(chunk_bytes * static_cast<size_t>(n), std::max(c.reps, 4));
   const double mem_cached = MeasureMemcpyGBps(chunk_bytes, std::max(c.reps, 5));
-  std::printf("pd-transfer (two processes, control over loopback tcp, socket buffers %s): %d "
-              "tokens of %s KV (%s), %d chunks, %.1f MiB per request; best of %d\n",
-              socket_buffer_kib > 0 ? (std::to_string(socket_buffer_kib) + " KiB").c_str() : "OS",
-              tokens, c.preset.c_str(), KvDTypeName(shape.dtype), n,
-              static_cast<double>(chunk_bytes) * n / 1048576.0, reps);
+  std::printf(
+      "pd-transfer (two processes, control over loopback tcp, socket buffers %s): %d "
+      "tokens of %s KV (%s), %d chunks, %.1f MiB per request; best of %d\n",
+      socket_buffer_kib > 0 ? (std::to_string(socket_buffer_kib) + " KiB").c_str() : "OS", tokens,
+      c.preset.c_str(), KvDTypeName(shape.dtype), n,
+      static_cast<double>(chunk_bytes) * n / 1048576.0, reps);
   std::printf("%-12s %10s %14s %8s\n", "transport", "GB/s", "memcpy GB/s", "ratio");
   json rows = json::array();
-  std::printf("(memcpy: one thread copying the request's bytes; one %.1f MiB chunk copied again "
-              "and again, in cache: %.2f GB/s)\n",
-              static_cast<double>(chunk_bytes) / 1048576.0, mem_cached);
+  std::printf(
+      "(memcpy: one thread copying the request's bytes; one %.1f MiB chunk copied again "
+      "and again, in cache: %.2f GB/s)\n",
+      static_cast<double>(chunk_bytes) / 1048576.0, mem_cached);
   uint64_t seed = 1000;
   std::map<std::string, double> plain_gbps;  // by transport, for the CURVE rows' cost
   for (const bool secure : keys ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
-  for (const std::string& name : transports) {
-    SenderOptions so;
-    so.socket_buffer_bytes = socket_buffer_kib * 1024;
-    so.transport = ParseTransportKind(name).value();
-    if (secure) so.curve = keys;
-    auto sender = Connect(secure ? curve_endpoint : endpoint, so);
-    if (!sender.ok()) {
-      std::fprintf(stderr, "kdn-bench: %s\n", sender.status().ToString().c_str());
-      return finish(1);
-    }
-    double best = 0.0;
-    for (int r = 0; r < reps + 1; ++r) {
-      auto chunks = MakeBenchChunks(shape, n, seed++);  // new keys: nothing is skipped
-      if (!chunks.ok()) {
-        std::fprintf(stderr, "kdn-bench: %s\n", chunks.status().ToString().c_str());
+    for (const std::string& name : transports) {
+      SenderOptions so;
+      so.socket_buffer_bytes = socket_buffer_kib * 1024;
+      so.transport = ParseTransportKind(name).value();
+      if (secure) so.curve = keys;
+      auto sender = Connect(secure ? curve_endpoint : endpoint, so);
+      if (!sender.ok()) {
+        std::fprintf(stderr, "kdn-bench: %s\n", sender.status().ToString().c_str());
         return finish(1);
       }
-      auto res = RunSenderBench(**sender, *chunks, std::max(1, n / 4), 4, std::chrono::seconds(120));
-      if (!res.ok()) {
-        std::fprintf(stderr, "kdn-bench: %s: %s\n", name.c_str(), res.status().ToString().c_str());
-        return finish(1);
+      double best = 0.0;
+      for (int r = 0; r < reps + 1; ++r) {
+        auto chunks = MakeBenchChunks(shape, n, seed++);  // new keys: nothing is skipped
+        if (!chunks.ok()) {
+          std::fprintf(stderr, "kdn-bench: %s\n", chunks.status().ToString().c_str());
+          return finish(1);
+        }
+        auto res =
+            RunSenderBench(**sender, *chunks, std::max(1, n / 4), 4, std::chrono::seconds(120));
+        if (!res.ok()) {
+          std::fprintf(stderr, "kdn-bench: %s: %s\n", name.c_str(),
+                       res.status().ToString().c_str());
+          return finish(1);
+        }
+        if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
       }
-      if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
+      const SenderStats st = (*sender)->Stats();
+      const std::string label = secure ? name + "+curve" : name;
+      std::printf("%-12s %10.2f %14.2f %7.1f%%  (%llu chunks by shm, %llu by tcp)", label.c_str(),
+                  best, mem, 100.0 * best / mem, static_cast<unsigned long long>(st.shm_chunks),
+                  static_cast<unsigned long long>(st.tcp_chunks));
+      json row = {{"transport", name},          {"curve", secure},
+                  {"gbytes_per_s", best},       {"memcpy_gbytes_per_s", mem},
+                  {"ratio", best / mem},        {"shm_chunks", st.shm_chunks},
+                  {"tcp_chunks", st.tcp_chunks}};
+      if (secure && plain_gbps[name] > 0) {
+        std::printf(" %.2fx of plaintext", best / plain_gbps[name]);
+        row["vs_plaintext"] = best / plain_gbps[name];
+      }
+      std::printf("\n");
+      if (!secure) plain_gbps[name] = best;
+      rows.push_back(row);
     }
-    const SenderStats st = (*sender)->Stats();
-    const std::string label = secure ? name + "+curve" : name;
-    std::printf("%-12s %10.2f %14.2f %7.1f%%  (%llu chunks by shm, %llu by tcp)", label.c_str(),
-                best, mem, 100.0 * best / mem, static_cast<unsigned long long>(st.shm_chunks),
-                static_cast<unsigned long long>(st.tcp_chunks));
-    json row = {{"transport", name}, {"curve", secure}, {"gbytes_per_s", best},
-                {"memcpy_gbytes_per_s", mem}, {"ratio", best / mem},
-                {"shm_chunks", st.shm_chunks}, {"tcp_chunks", st.tcp_chunks}};
-    if (secure && plain_gbps[name] > 0) {
-      std::printf(" %.2fx of plaintext", best / plain_gbps[name]);
-      row["vs_plaintext"] = best / plain_gbps[name];
-    }
-    std::printf("\n");
-    if (!secure) plain_gbps[name] = best;
-    rows.push_back(row);
   }
-  }
-  Emit(c, {{"workload", "pd-transfer"}, {"preset", c.preset}, {"tokens", tokens},
-           {"chunk_tokens", chunk_tokens}, {"dtype", KvDTypeName(shape.dtype)},
+  Emit(c, {{"workload", "pd-transfer"},
+           {"preset", c.preset},
+           {"tokens", tokens},
+           {"chunk_tokens", chunk_tokens},
+           {"dtype", KvDTypeName(shape.dtype)},
            {"socket_buffer_kib", socket_buffer_kib},
            {"bytes_per_request", static_cast<double>(chunk_bytes) * n},
-           {"memcpy_one_chunk_cached_gbytes_per_s", mem_cached}, {"machine", Machine(c)},
+           {"memcpy_one_chunk_cached_gbytes_per_s", mem_cached},
+           {"machine", Machine(c)},
            {"results", rows}});
   return finish(0);
 }

@@ -155,10 +155,11 @@ Status MultiturnEngine(const Common& c, const MultiturnOptions& o) {
   std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
   tiers.push_back(std::make_unique<kvbus::HostTier>(kv_bytes + kv_bytes / 2 + (uint64_t{1} << 28)));
   kvbus::TieredStore store(std::move(tiers));
-  std::printf("multiturn on %s: %d conversations of %d turns, %d context tokens, %d tokens per "
-              "user message and %d per answer, chunks of %d tokens, text seed %llu\n",
-              what.c_str(), o.conversations, o.turns, o.context_tokens, o.turn_tokens,
-              o.max_tokens, o.chunk_tokens, static_cast<unsigned long long>(seed));
+  std::printf(
+      "multiturn on %s: %d conversations of %d turns, %d context tokens, %d tokens per "
+      "user message and %d per answer, chunks of %d tokens, text seed %llu\n",
+      what.c_str(), o.conversations, o.turns, o.context_tokens, o.turn_tokens, o.max_tokens,
+      o.chunk_tokens, static_cast<unsigned long long>(seed));
   const int vocab = e.config().vocab_size;
   std::vector<Mode> modes = {{"resident", true}, {"copying", false}};
   for (Mode& m : modes) {
@@ -209,9 +210,9 @@ Status MultiturnEngine(const Common& c, const MultiturnOptions& o) {
   KDN_RETURN_IF_ERROR(LocalPrefillTurns(e, store, o, seed, &modes.back()));
   std::printf("%5s %11s %11s | %-34s | %-34s | %-23s\n", "", "", "", "resident KV in the pool",
               "residency off (copied from the host tier)", "decode worker, local");
-  std::printf("%5s %11s %11s | %10s %10s %12s | %10s %10s %12s | %10s %12s\n", "turn",
-              "prompt tok", "cached tok", "resident", "MB copied", "TTFT ms", "resident",
-              "MB copied", "TTFT ms", "resident", "TTFT ms");
+  std::printf("%5s %11s %11s | %10s %10s %12s | %10s %10s %12s | %10s %12s\n", "turn", "prompt tok",
+              "cached tok", "resident", "MB copied", "TTFT ms", "resident", "MB copied", "TTFT ms",
+              "resident", "TTFT ms");
   json rows = json::array();
   for (int t = 0; t < o.turns; ++t) {
     const Mode &r = modes[0], &cp = modes[1], &lo = modes[2];
@@ -220,12 +221,14 @@ Status MultiturnEngine(const Common& c, const MultiturnOptions& o) {
                 MedianOf(r.resident_tok[t]), MedianOf(r.loaded[t]), MedianOf(r.ttft[t]),
                 MedianOf(cp.resident_tok[t]), MedianOf(cp.loaded[t]), MedianOf(cp.ttft[t]),
                 MedianOf(lo.resident_tok[t]), MedianOf(lo.ttft[t]));
-    json row = {{"turn", t + 1}, {"prompt_tokens", MedianOf(r.prompt_len[t])},
+    json row = {{"turn", t + 1},
+                {"prompt_tokens", MedianOf(r.prompt_len[t])},
                 {"cached_tokens", MedianOf(r.cached[t])}};
     for (const Mode& m : modes) {
       row[m.name] = {{"resident_tokens", MedianOf(m.resident_tok[t])},
                      {"kv_mb_copied_median", MedianOf(m.loaded[t])},
-                     {"ttft_ms_median", MedianOf(m.ttft[t])}, {"ttft_ms", m.ttft[t]}};
+                     {"ttft_ms_median", MedianOf(m.ttft[t])},
+                     {"ttft_ms", m.ttft[t]}};
     }
     rows.push_back(row);
   }
@@ -236,18 +239,28 @@ Status MultiturnEngine(const Common& c, const MultiturnOptions& o) {
     m.ratio = MedianOf(m.ttft[0]) / (later / (o.turns - 1));
     ratios[m.name] = m.ratio;
   }
-  std::printf("first-turn TTFT / mean later-turn TTFT: %.1fx with resident KV, %.1fx with "
-              "residency off, %.1fx prefilled by the decode worker (aim: at least 10x; 20x "
-              "for the local prefill at 16K on a GPU)\n",
-              modes[0].ratio, modes[1].ratio, modes[2].ratio);
-  Emit(c, {{"workload", "multiturn"}, {"mode", "engine"}, {"model", what},
-           {"machine", Machine(c)}, {"context_tokens", o.context_tokens}, {"turns", o.turns},
-           {"turn_tokens", o.turn_tokens}, {"max_tokens", o.max_tokens},
-           {"conversations", o.conversations}, {"chunk_tokens", o.chunk_tokens}, {"seed", seed},
-           {"ttft", "Prefiller::Run: KDN lookup, cached KV attached (resident) or copied into "
-                    "the engine's cache, new tokens computed, first token drawn; local: "
-                    "Decoder::Prepare to its LocalPrefillDone"},
-           {"results", rows}, {"first_to_later_ttft_ratio", ratios}});
+  std::printf(
+      "first-turn TTFT / mean later-turn TTFT: %.1fx with resident KV, %.1fx with "
+      "residency off, %.1fx prefilled by the decode worker (aim: at least 10x; 20x "
+      "for the local prefill at 16K on a GPU)\n",
+      modes[0].ratio, modes[1].ratio, modes[2].ratio);
+  Emit(c, {{"workload", "multiturn"},
+           {"mode", "engine"},
+           {"model", what},
+           {"machine", Machine(c)},
+           {"context_tokens", o.context_tokens},
+           {"turns", o.turns},
+           {"turn_tokens", o.turn_tokens},
+           {"max_tokens", o.max_tokens},
+           {"conversations", o.conversations},
+           {"chunk_tokens", o.chunk_tokens},
+           {"seed", seed},
+           {"ttft",
+            "Prefiller::Run: KDN lookup, cached KV attached (resident) or copied into "
+            "the engine's cache, new tokens computed, first token drawn; local: "
+            "Decoder::Prepare to its LocalPrefillDone"},
+           {"results", rows},
+           {"first_to_later_ttft_ratio", ratios}});
   return Status::Ok();
 }
 

@@ -102,8 +102,8 @@ Result<std::string> DecodeLine(engine::Engine& model, engine::KvSequence& seq,
 
 struct Mode {
   std::string name;
-  double ratio = -1;  // < 0: full prefill; 0: full reuse; else CacheBlend
-  bool random = false;  // recompute tokens chosen at random, not by deviation
+  double ratio = -1;         // < 0: full prefill; 0: full reuse; else CacheBlend
+  bool random = false;       // recompute tokens chosen at random, not by deviation
   bool progressive = false;  // progressive filtering over the check layers
 };
 
@@ -117,8 +117,7 @@ std::string QaPrompt(const std::vector<std::string>& documents, const std::strin
 
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer, const std::string& kv_codec,
-               const std::vector<int>& check_layers) {
+               int check_layer, const std::string& kv_codec, const std::vector<int>& check_layers) {
   auto codec = kvbus::ParseCodecLevel(kv_codec);
   if (!codec.ok()) {
     std::fprintf(stderr, "kdn-bench quality: --kv-codec: %s\n", codec.status().message().c_str());
@@ -180,16 +179,17 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
   // (kept across that example's modes only: memory stays bounded).
   const kvbus::KeyContext ctx{{0, 42}, "", 256};
   std::map<std::string, std::shared_ptr<const kvbus::Chunk>> doc_kv;
-  auto kv_of = [&](const std::string& doc, const std::vector<int32_t>& tokens)
-      -> Result<std::shared_ptr<const kvbus::Chunk>> {
+  auto kv_of =
+      [&](const std::string& doc,
+          const std::vector<int32_t>& tokens) -> Result<std::shared_ptr<const kvbus::Chunk>> {
     if (auto it = doc_kv.find(doc); it != doc_kv.end()) return it->second;
     engine::KvSequence seq = cache.NewSequence();
     std::vector<float> logits;
     KDN_RETURN_IF_ERROR(model.Prefill(seq, tokens, {}, &logits));
-    KDN_ASSIGN_OR_RETURN(auto chunk,
-                         kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
-                                                 kvbus::SegmentKey(ctx, tokens),
-                                                 ctx.model_fingerprint, kvbus::KvDType::kF32));
+    KDN_ASSIGN_OR_RETURN(
+        auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
+                                               kvbus::SegmentKey(ctx, tokens),
+                                               ctx.model_fingerprint, kvbus::KvDType::kF32));
     std::shared_ptr<const kvbus::Chunk> shared = std::move(chunk);
     if (!codec->raw()) {
       KDN_ASSIGN_OR_RETURN(auto encoded, kvbus::EncodeChunk(shared, *codec));
@@ -217,14 +217,13 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
       const std::vector<int32_t> suffix = tok.Encode(QaPrompt({}, e.question), false);
       KDN_ASSIGN_OR_RETURN(
           blend::BlendResult res,
-          blend::BlendPrefill(model, seq, segments, suffix,
-                              {.recompute_ratio = mode.ratio,
-                               .check_layer = check_layer,
-                               .check_layers = mode.progressive ? check_layers
-                                                                : std::vector<int>{},
-                               .selection = mode.random ? blend::Selection::kRandom
-                                                        : blend::Selection::kDeviation,
-                               .seed = seed}));
+          blend::BlendPrefill(
+              model, seq, segments, suffix,
+              {.recompute_ratio = mode.ratio,
+               .check_layer = check_layer,
+               .check_layers = mode.progressive ? check_layers : std::vector<int>{},
+               .selection = mode.random ? blend::Selection::kRandom : blend::Selection::kDeviation,
+               .seed = seed}));
       *recomputed += res.recomputed_tokens;
       logits = std::move(res.logits);
     }
@@ -277,11 +276,10 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
       const std::string& family = key.second;
       const double acc = static_cast<double>(t.right) / t.n;
       const double share = t.cached > 0 ? static_cast<double>(t.recomputed) / t.cached : 0;
-      std::printf("%-14s %-8s %9d %7.1f%% %14.0f %17.1f%%\n", modes[m].name.c_str(),
-                  family.c_str(), t.n,
-                  100.0 * acc, static_cast<double>(t.prompt_tokens) / t.n, 100.0 * share);
-      json row = {{"mode", modes[m].ratio < 0    ? "full_prefill"
-                           : modes[m].ratio == 0 ? "full_reuse"
+      std::printf("%-14s %-8s %9d %7.1f%% %14.0f %17.1f%%\n", modes[m].name.c_str(), family.c_str(),
+                  t.n, 100.0 * acc, static_cast<double>(t.prompt_tokens) / t.n, 100.0 * share);
+      json row = {{"mode", modes[m].ratio < 0     ? "full_prefill"
+                           : modes[m].ratio == 0  ? "full_reuse"
                            : modes[m].random      ? "random"
                            : modes[m].progressive ? "progressive"
                                                   : "blend"},
@@ -297,10 +295,15 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
     }
   }
   std::printf("(%.1f s)\n", secs);
-  Emit(c, {{"workload", "quality"}, {"model", what}, {"eval", path}, {"check_layer", check_layer},
+  Emit(c, {{"workload", "quality"},
+           {"model", what},
+           {"eval", path},
+           {"check_layer", check_layer},
            {"check_layers", check_layers},
            {"kv_codec", kvbus::CodecLevelName(*codec)},
-           {"rows", rows}, {"seconds", secs}, {"machine", Machine(c)}});
+           {"rows", rows},
+           {"seconds", secs},
+           {"machine", Machine(c)}});
   return 0;
 }
 

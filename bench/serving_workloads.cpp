@@ -126,7 +126,8 @@ Result<Reply> Exchange(const Url& url, http::verb verb, const std::string& path,
 
 Result<json> GetJson(const Url& url, const std::string& path) {
   KDN_ASSIGN_OR_RETURN(Reply r, Exchange(url, http::verb::get, path, ""));
-  if (r.code != 200) return Unavailable("GET " + path + ": " + std::to_string(r.code) + " " + r.body);
+  if (r.code != 200)
+    return Unavailable("GET " + path + ": " + std::to_string(r.code) + " " + r.body);
   json j = json::parse(r.body, nullptr, false);
   if (j.is_discarded()) return Corruption("GET " + path + ": not JSON: " + r.body);
   return j;
@@ -145,7 +146,8 @@ std::map<std::string, double> MetricLines(const std::string& text,
         continue;
       }
       const size_t space = line.rfind(' ');
-      if (space != std::string::npos) out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
+      if (space != std::string::npos)
+        out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
     }
   }
   return out;
@@ -157,9 +159,9 @@ std::map<std::string, double> LabelledCounters(const std::string& text, const ch
   std::map<std::string, double> out;
   for (const auto& [line, v] : MetricLines(text, {name})) {
     const size_t open = line.find('{'), close = line.rfind('}');
-    const std::string labels =
-        open == std::string::npos || close == std::string::npos ? ""
-                                                                : line.substr(open + 1, close - open - 1);
+    const std::string labels = open == std::string::npos || close == std::string::npos
+                                   ? ""
+                                   : line.substr(open + 1, close - open - 1);
     out[labels] += v;
   }
   return out;
@@ -211,7 +213,8 @@ class SseReader {
       return Status::Ok();
     }
     const json j = json::parse(data, nullptr, false);
-    if (j.is_discarded() || !j.is_object()) return Corruption("an event that is not a JSON object: " + data);
+    if (j.is_discarded() || !j.is_object())
+      return Corruption("an event that is not a JSON object: " + data);
     try {
       return Read(j);
     } catch (const json::exception& e) {
@@ -220,7 +223,8 @@ class SseReader {
   }
 
   Status Read(const json& j) {
-    if (j.contains("error")) return Unavailable("the stream carried an error: " + j["error"].dump());
+    if (j.contains("error"))
+      return Unavailable("the stream carried an error: " + j["error"].dump());
     if (j.contains("choices") && !j["choices"].empty()) {
       const auto now = Clock::now();
       if (!first_) r_->ttft_s = Seconds(*sent_, now);
@@ -251,8 +255,11 @@ class SseReader {
 // paths"); empty: none, the router's own.
 Result<TurnResult> Complete(const Url& url, const std::string& prompt, int max_tokens,
                             const std::string& path = "") {
-  json req = {{"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0},
-              {"stream", true}, {"stream_options", {{"include_usage", true}}},
+  json req = {{"prompt", prompt},
+              {"max_tokens", max_tokens},
+              {"temperature", 0},
+              {"stream", true},
+              {"stream_options", {{"include_usage", true}}},
               {"ignore_eos", true}};
   if (!path.empty()) req["disaggregation"] = path;
   // Answers fed back into the next prompt are UTF-8 already; replace rather
@@ -262,8 +269,9 @@ Result<TurnResult> Complete(const Url& url, const std::string& prompt, int max_t
   Clock::time_point sent;
   SseReader sse(&sent, &r);
   KDN_ASSIGN_OR_RETURN(Reply reply,
-                       Exchange(url, http::verb::post, "/v1/completions", body,
-                                [&](const std::string& b) { return sse.Consume(b); }, &sent));
+                       Exchange(
+                           url, http::verb::post, "/v1/completions", body,
+                           [&](const std::string& b) { return sse.Consume(b); }, &sent));
   r.total_s = Seconds(sent, Clock::now());
   if (reply.code != 200) {
     return Unavailable("POST /v1/completions: " + std::to_string(reply.code) + " " + reply.body);
@@ -338,12 +346,12 @@ Result<json> MultiturnPath(const Url& url, const MultiturnOptions& o, const std:
                    "multiturn: conversation %d/%d turn %d/%d: %lld prompt tokens (%lld cached), "
                    "TTFT %.1f ms, total %.1f ms\n",
                    conv + 1, o.conversations, t + 1, o.turns,
-                   static_cast<long long>(r->prompt_tokens), static_cast<long long>(r->cached_tokens),
-                   r->ttft_s * 1e3, r->total_s * 1e3);
+                   static_cast<long long>(r->prompt_tokens),
+                   static_cast<long long>(r->cached_tokens), r->ttft_s * 1e3, r->total_s * 1e3);
       if (t > 0) {
-        const std::string fp = FloorPrompt(previous, previous_tokens,
-                                           r->prompt_tokens - previous_tokens, o.chunk_tokens,
-                                           floor_rng);
+        const std::string fp =
+            FloorPrompt(previous, previous_tokens, r->prompt_tokens - previous_tokens,
+                        o.chunk_tokens, floor_rng);
         auto f = Complete(url, fp, 1, path);
         if (!f.ok()) {
           return f.status().WithContext("conversation " + std::to_string(conv + 1) + " turn " +
@@ -365,12 +373,12 @@ Result<json> MultiturnPath(const Url& url, const MultiturnOptions& o, const std:
   }
   auto metrics_after = Exchange(url, http::verb::get, "/metrics", "");
 
-  std::printf("multiturn against %s (model %s)%s: %d conversations of %d turns, a %d-token "
-              "context, %d-token user turns, %d-token answers, seed %llu\n",
-              o.url.c_str(), model.c_str(),
-              path.empty() ? "" : (", disaggregation " + path).c_str(), o.conversations, o.turns,
-              o.context_tokens, o.turn_tokens, o.max_tokens,
-              static_cast<unsigned long long>(seed));
+  std::printf(
+      "multiturn against %s (model %s)%s: %d conversations of %d turns, a %d-token "
+      "context, %d-token user turns, %d-token answers, seed %llu\n",
+      o.url.c_str(), model.c_str(), path.empty() ? "" : (", disaggregation " + path).c_str(),
+      o.conversations, o.turns, o.context_tokens, o.turn_tokens, o.max_tokens,
+      static_cast<unsigned long long>(seed));
   std::printf("%5s %12s %12s %16s %14s %16s %16s %14s\n", "turn", "prompt tok", "cached tok",
               "TTFT ms median", "TTFT ms mean", "total ms median", "floor ms median",
               "turn / floor");
@@ -387,10 +395,14 @@ Result<json> MultiturnPath(const Url& url, const MultiturnOptions& o, const std:
     }
     for (const TurnResult& f : floors[t]) floor_ttft.push_back(f.ttft_s * 1e3);
     const double med = Median(ttft);
-    json row = {{"turn", t + 1}, {"prompt_tokens", Median(prompt_tok)},
-                {"cached_tokens", Median(cached_tok)}, {"ttft_ms_median", med},
-                {"ttft_ms_mean", Mean(ttft)}, {"total_ms_median", Median(total)},
-                {"ttft_ms", ttft}, {"total_ms", total}};
+    json row = {{"turn", t + 1},
+                {"prompt_tokens", Median(prompt_tok)},
+                {"cached_tokens", Median(cached_tok)},
+                {"ttft_ms_median", med},
+                {"ttft_ms_mean", Mean(ttft)},
+                {"total_ms_median", Median(total)},
+                {"ttft_ms", ttft},
+                {"total_ms", total}};
     if (t == 0) {
       first_ttft = med;
       std::printf("%5d %12.0f %12.0f %16.1f %14.1f %16.1f %16s %14s\n", t + 1, Median(prompt_tok),
@@ -411,9 +423,10 @@ Result<json> MultiturnPath(const Url& url, const MultiturnOptions& o, const std:
   const double ratio = first_ttft / Mean(later);
   const double to_floor = Mean(later) / Mean(later_floor);
   std::printf("first-turn TTFT / mean later-turn TTFT: %.1fx (aim: at least 10x)\n", ratio);
-  std::printf("mean later-turn TTFT / mean floor TTFT: %.2fx (aim: at most 1.5x; the floor is each "
-              "later turn's new tokens prefilled on a context of whole cached chunks)\n",
-              to_floor);
+  std::printf(
+      "mean later-turn TTFT / mean floor TTFT: %.2fx (aim: at most 1.5x; the floor is each "
+      "later turn's new tokens prefilled on a context of whole cached chunks)\n",
+      to_floor);
   for (const TurnResult& r : results[0]) {
     if (r.cached_tokens > 0) {
       std::printf("note: a first turn found %lld tokens cached, so it was not a cold prefill\n",
@@ -438,9 +451,12 @@ Result<json> MultiturnPath(const Url& url, const MultiturnOptions& o, const std:
       std::printf("\n");
     }
   }
-  return json{{"disaggregation", path.empty() ? json(nullptr) : json(path)}, {"seed", seed},
-              {"results", rows}, {"first_to_later_ttft_ratio", ratio},
-              {"later_to_floor_ttft_ratio", to_floor}, {"later_ttft_ms_mean", Mean(later)},
+  return json{{"disaggregation", path.empty() ? json(nullptr) : json(path)},
+              {"seed", seed},
+              {"results", rows},
+              {"first_to_later_ttft_ratio", ratio},
+              {"later_to_floor_ttft_ratio", to_floor},
+              {"later_ttft_ms_mean", Mean(later)},
               {"counters_delta", delta}};
 }
 
@@ -458,7 +474,8 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
   KDN_ASSIGN_OR_RETURN(const json health, GetJson(url, "/health"));
   KDN_ASSIGN_OR_RETURN(const json models, GetJson(url, "/v1/models"));
   std::string model = "?";
-  if (models.contains("data") && !models["data"].empty()) model = models["data"][0].value("id", "?");
+  if (models.contains("data") && !models["data"].empty())
+    model = models["data"][0].value("id", "?");
   // A seed of its own each run by default: a rerun against the same
   // deployment must not find its first turns cached.
   const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
@@ -481,14 +498,21 @@ Status Multiturn(const Common& c, const MultiturnOptions& o) {
                   paths[0].c_str(), runs[i]["later_ttft_ms_mean"].get<double>() / base);
     }
   }
-  json out = {{"workload", "multiturn"}, {"url", o.url}, {"model", model}, {"health", health},
-              {"context_tokens", o.context_tokens}, {"turns", o.turns},
-              {"turn_tokens", o.turn_tokens}, {"max_tokens", o.max_tokens},
-              {"conversations", o.conversations}, {"seed", seed},
+  json out = {{"workload", "multiturn"},
+              {"url", o.url},
+              {"model", model},
+              {"health", health},
+              {"context_tokens", o.context_tokens},
+              {"turns", o.turns},
+              {"turn_tokens", o.turn_tokens},
+              {"max_tokens", o.max_tokens},
+              {"conversations", o.conversations},
+              {"seed", seed},
               {"ttft", "from sending the request to the first event with a choices entry"},
-              {"floor", "each later turn's new tokens (prompt tokens added since the previous "
-                        "prompt) on a context of whole cached chunks, 1 answer token, on the "
-                        "same path"},
+              {"floor",
+               "each later turn's new tokens (prompt tokens added since the previous "
+               "prompt) on a context of whole cached chunks, 1 answer token, on the "
+               "same path"},
               {"chunk_tokens", o.chunk_tokens}};
   if (runs.size() == 1) {
     for (auto& [k, v] : runs[0].items()) out[k] = v;
@@ -510,7 +534,8 @@ std::map<std::string, double> ProcessRss(const std::string& run_dir) {
   for (const json& p : info["processes"]) {
     std::ifstream status("/proc/" + std::to_string(p.value("pid", 0)) + "/status");
     for (std::string line; std::getline(status, line);) {
-      if (line.rfind("VmRSS:", 0) == 0) out[p.value("name", "?")] = std::strtod(line.c_str() + 6, nullptr) / 1024;
+      if (line.rfind("VmRSS:", 0) == 0)
+        out[p.value("name", "?")] = std::strtod(line.c_str() + 6, nullptr) / 1024;
     }
   }
   return out;
@@ -608,15 +633,15 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
   for (int tries = 0, idle = 0; tries < 100 && idle < 10; ++tries) {
     auto m = Exchange(url, http::verb::get, "/metrics", "");
     if (!m.ok()) return m.status().WithContext("GET /metrics");
-    after_lines = MetricLines(m->body, {"kdn_requests_in_flight", "kdn_worker_free_kv_blocks",
-                                        "kdn_prompt_tokens_total", "kdn_queue_depth",
-                                        "kdn_worker_leased_kv_blocks",
-                                        "kdn_worker_kvbus_leased_bytes"});
+    after_lines =
+        MetricLines(m->body, {"kdn_requests_in_flight", "kdn_worker_free_kv_blocks",
+                              "kdn_prompt_tokens_total", "kdn_queue_depth",
+                              "kdn_worker_leased_kv_blocks", "kdn_worker_kvbus_leased_bytes"});
     idle = after_lines["kdn_requests_in_flight"] == 0 ? idle + 1 : 0;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  const auto before_lines = MetricLines(metrics_before->body,
-                                        {"kdn_worker_free_kv_blocks", "kdn_prompt_tokens_total"});
+  const auto before_lines =
+      MetricLines(metrics_before->body, {"kdn_worker_free_kv_blocks", "kdn_prompt_tokens_total"});
   const auto rss_end = ProcessRss(o.run_dir);
 
   std::vector<double> ttft, itl, gaps, ttft_later;
@@ -668,7 +693,9 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
     const double warm = rss_warm.count(name) ? rss_warm.at(name) : start;
     const double growth = warm > 0 ? (mib - warm) / warm : 0;
     worst_growth = std::max(worst_growth, growth);
-    rss[name] = {{"start_mib", start}, {"after_warmup_mib", warm}, {"end_mib", mib},
+    rss[name] = {{"start_mib", start},
+                 {"after_warmup_mib", warm},
+                 {"end_mib", mib},
                  {"growth_after_warmup", growth}};
   }
   const int failed = requests - ok;
@@ -688,13 +715,16 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
     std::printf("  later turns     TTFT p50 %.1f ms, p99 %.1f ms (%zu requests)\n",
                 Percentile(ttft_later, 0.5), Percentile(ttft_later, 0.99), ttft_later.size());
   }
-  std::printf("  KDN hit rate    %.1f%% of prompt tokens cached\n", total > 0 ? 100 * cached / total : 0);
+  std::printf("  KDN hit rate    %.1f%% of prompt tokens cached\n",
+              total > 0 ? 100 * cached / total : 0);
   std::printf("  errors          %d\n", failed);
   for (const auto& [what, n] : errors) std::printf("    %d x %s\n", n, what.c_str());
-  std::printf("  KV blocks not given back after the run: %lld\n", static_cast<long long>(leaked_blocks));
-  std::printf("  held under leases after the run: %.0f (KV blocks of requests not started, kvbus "
-              "bytes granted)\n",
-              leases_held);
+  std::printf("  KV blocks not given back after the run: %lld\n",
+              static_cast<long long>(leaked_blocks));
+  std::printf(
+      "  held under leases after the run: %.0f (KV blocks of requests not started, kvbus "
+      "bytes granted)\n",
+      leases_held);
   for (const auto& [name, r] : rss.items()) {
     std::printf("  RSS %-10s %.1f MiB at start, %.1f after warm-up, %.1f at the end (%+.1f%%)\n",
                 name.c_str(), r["start_mib"].get<double>(), r["after_warmup_mib"].get<double>(),
@@ -702,30 +732,49 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
   }
   json errs = json::object();
   for (const auto& [what, n] : errors) errs[what] = n;
-  json out = {{"workload", "serve-load"}, {"url", o.url}, {"requests", requests},
-           {"disaggregation", path.empty() ? json(nullptr) : json(path)},
-           {"chat_turns", o.chat_turns},
-           {"gap_ms_p50", Percentile(gaps, 0.5)}, {"gap_ms_p99", Percentile(gaps, 0.99)},
-           {"later_turn_ttft_ms_p50", ttft_later.empty() ? json(nullptr) : json(Percentile(ttft_later, 0.5))},
-           {"later_turn_ttft_ms_p99", ttft_later.empty() ? json(nullptr) : json(Percentile(ttft_later, 0.99))},
-           {"clients", o.clients}, {"documents", o.documents}, {"zipf", o.zipf},
-           {"doc_chars", o.doc_chars}, {"question_chars", o.question_chars},
-           {"max_tokens", o.max_tokens}, {"seed", seed}, {"seconds", wall},
-           {"requests_per_s", ok / wall}, {"ttft_slo_ms", o.ttft_slo_ms},
-           {"goodput_requests_per_s", good / wall}, {"ttft_ms_p50", Percentile(ttft, 0.5)},
-           {"ttft_ms_p99", Percentile(ttft, 0.99)}, {"itl_ms_p50", Percentile(itl, 0.5)},
-           {"itl_ms_p99", Percentile(itl, 0.99)},
-           {"itl", "each request's mean gap between tokens: (total - TTFT) / (tokens - 1)"},
-           {"hit_rate", total > 0 ? cached / total : 0.0}, {"errors", failed},
-           {"error_kinds", errs}, {"kv_blocks_leaked", leaked_blocks}, {"free_kv_blocks_lost", leaked},
-           {"leases_held_after", leases}, {"leases_held", leases_held},
-           {"rss", rss}, {"rss_growth_after_warmup_max", worst_growth}};
+  json out = {{"workload", "serve-load"},
+              {"url", o.url},
+              {"requests", requests},
+              {"disaggregation", path.empty() ? json(nullptr) : json(path)},
+              {"chat_turns", o.chat_turns},
+              {"gap_ms_p50", Percentile(gaps, 0.5)},
+              {"gap_ms_p99", Percentile(gaps, 0.99)},
+              {"later_turn_ttft_ms_p50",
+               ttft_later.empty() ? json(nullptr) : json(Percentile(ttft_later, 0.5))},
+              {"later_turn_ttft_ms_p99",
+               ttft_later.empty() ? json(nullptr) : json(Percentile(ttft_later, 0.99))},
+              {"clients", o.clients},
+              {"documents", o.documents},
+              {"zipf", o.zipf},
+              {"doc_chars", o.doc_chars},
+              {"question_chars", o.question_chars},
+              {"max_tokens", o.max_tokens},
+              {"seed", seed},
+              {"seconds", wall},
+              {"requests_per_s", ok / wall},
+              {"ttft_slo_ms", o.ttft_slo_ms},
+              {"goodput_requests_per_s", good / wall},
+              {"ttft_ms_p50", Percentile(ttft, 0.5)},
+              {"ttft_ms_p99", Percentile(ttft, 0.99)},
+              {"itl_ms_p50", Percentile(itl, 0.5)},
+              {"itl_ms_p99", Percentile(itl, 0.99)},
+              {"itl", "each request's mean gap between tokens: (total - TTFT) / (tokens - 1)"},
+              {"hit_rate", total > 0 ? cached / total : 0.0},
+              {"errors", failed},
+              {"error_kinds", errs},
+              {"kv_blocks_leaked", leaked_blocks},
+              {"free_kv_blocks_lost", leaked},
+              {"leases_held_after", leases},
+              {"leases_held", leases_held},
+              {"rss", rss},
+              {"rss_growth_after_warmup_max", worst_growth}};
   if (o.soak > 0) {
     const bool pass = failed == 0 && leaked_blocks == 0 && leases_held == 0 &&
                       (rss_end.empty() || worst_growth < 0.05);
-    std::printf("soak: %s (aims: 0 errors, 0 KV blocks kept, 0 leases held, RSS growth after "
-                "warm-up under 5%%%s)\n",
-                pass ? "met" : "MISSED", o.run_dir.empty() ? "; no --run-dir, RSS not read" : "");
+    std::printf(
+        "soak: %s (aims: 0 errors, 0 KV blocks kept, 0 leases held, RSS growth after "
+        "warm-up under 5%%%s)\n",
+        pass ? "met" : "MISSED", o.run_dir.empty() ? "; no --run-dir, RSS not read" : "");
     if (!pass) return Status(StatusCode::kInternal, "the soak missed its aims");
   }
   return out;
@@ -753,13 +802,14 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
   const json& base = runs[0];
   for (size_t i = 1; i < runs.size(); ++i) {
     const json& r = runs[i];
-    std::printf("disaggregation %s against %s: token gap p99 %.2fx, inter-token p99 %.2fx, "
-                "TTFT p50 %.2fx, throughput %.2fx\n",
-                paths[i].c_str(), paths[0].c_str(),
-                r["gap_ms_p99"].get<double>() / base["gap_ms_p99"].get<double>(),
-                r["itl_ms_p99"].get<double>() / base["itl_ms_p99"].get<double>(),
-                r["ttft_ms_p50"].get<double>() / base["ttft_ms_p50"].get<double>(),
-                r["requests_per_s"].get<double>() / base["requests_per_s"].get<double>());
+    std::printf(
+        "disaggregation %s against %s: token gap p99 %.2fx, inter-token p99 %.2fx, "
+        "TTFT p50 %.2fx, throughput %.2fx\n",
+        paths[i].c_str(), paths[0].c_str(),
+        r["gap_ms_p99"].get<double>() / base["gap_ms_p99"].get<double>(),
+        r["itl_ms_p99"].get<double>() / base["itl_ms_p99"].get<double>(),
+        r["ttft_ms_p50"].get<double>() / base["ttft_ms_p50"].get<double>(),
+        r["requests_per_s"].get<double>() / base["requests_per_s"].get<double>());
   }
   Emit(c, {{"workload", "serve-load"}, {"url", o.url}, {"seed", seed}, {"paths", runs}});
   return Status::Ok();

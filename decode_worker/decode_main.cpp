@@ -19,10 +19,12 @@ int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
   kdn::decode_worker::DecodeServiceOptions o;
   double host_mib = 2048, staging_mib = 2048;
-  CLI::App app{"kdn-decode: a decode worker. Prints its control endpoint on stdout once it serves."};
+  CLI::App app{
+      "kdn-decode: a decode worker. Prints its control endpoint on stdout once it serves."};
   kdn::LogFlags log_flags;
   log_flags.Add(app);
-  app.add_option("--model", o.model_dir, "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+  app.add_option("--model", o.model_dir,
+                 "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
       ->required();
   app.add_option("--listen", o.listen, "Control endpoint to bind (port 0 picks a free one)")
       ->capture_default_str();
@@ -31,22 +33,29 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--store", o.store_endpoint, "A kdn-store endpoint to share chunks through");
   app.add_option("--host-mib", host_mib, "Own host-memory KDN tier in MiB")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--staging-mib", staging_mib, "Memory for KV received and not yet used, in MiB")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--chunk-tokens", o.chunk_tokens, "Tokens per KV chunk (the same in every process)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--chunk-tokens", o.chunk_tokens,
+                 "Tokens per KV chunk (the same in every process)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--max-batch", o.max_batch, "Requests decoded together at most")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--local-prefill-step-tokens", o.local_prefill_step_tokens,
                  "Prompt tokens a local prefill (the router's --disaggregation) computes "
                  "between two decode steps while requests run; with none running it runs whole")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   int64_t peer_lease_ms = o.peer_lease.count();
   app.add_option("--peer-lease-ms", peer_lease_ms,
                  "Prepared requests not yet started are let go once the router that sent them "
                  "has been silent this long (routers ping every 250 ms)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--peer-prepare-share", o.peer_prepare_share,
                  "The share of the KV pool one router's prepared, not yet started requests may "
                  "hold together; a Prepare past it is refused")

@@ -26,10 +26,11 @@ void OnSignal(int) { g_stop = 1; }
 
 void PrintStats(kdn::kvbus::TieredStore& store) {
   for (const auto& [name, s] : store.TierBreakdown()) {
-    kdn::LogInfo("{:<5} {:8} chunks {:10.1f} MiB of {:10.1f} MiB; hits {} misses {} evictions {} "
-                 "corrupt {}",
-                 name, s.chunks, s.bytes / 1048576.0, s.capacity_bytes / 1048576.0, s.hits,
-                 s.misses, s.evictions, s.corrupt);
+    kdn::LogInfo(
+        "{:<5} {:8} chunks {:10.1f} MiB of {:10.1f} MiB; hits {} misses {} evictions {} "
+        "corrupt {}",
+        name, s.chunks, s.bytes / 1048576.0, s.capacity_bytes / 1048576.0, s.hits, s.misses,
+        s.evictions, s.corrupt);
   }
 }
 }  // namespace
@@ -46,13 +47,17 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "ZeroMQ endpoint to serve (port 0 picks a free one)")
       ->capture_default_str();
   app.add_option("--host-mib", host_mib, "Host-memory tier capacity in MiB")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   CLI::Option* disk_dir_opt =
       app.add_option("--disk-dir", disk_dir, "Folder of the disk tier (none: memory only)");
   app.add_option("--disk-mib", disk_mib, "Disk tier capacity in MiB")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--stats-every", stats_every_s, "Log tier figures every N seconds (0: only at exit)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--stats-every", stats_every_s,
+                 "Log tier figures every N seconds (0: only at exit)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--disk-codec", disk_codec,
                  "KV codec level the disk tier writes chunks put raw at: raw, lossless, or q2 "
                  "... q8 (docs/kvbus.md, \"KV codec\"); chunks put already encoded are kept as "
@@ -95,7 +100,7 @@ int main(int argc, char** argv) {
   }
   TieredStore store(std::move(tiers), {.write_through = has_disk});
   auto server = StoreServer::Start(store, listen, [&store] { return store.TierBreakdown(); },
-                                  {.curve = *curve});
+                                   {.curve = *curve});
   if (!server.ok()) {
     kdn::LogError("{}", server.status().ToString());
     return 1;

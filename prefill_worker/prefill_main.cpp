@@ -19,18 +19,23 @@ int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
   kdn::prefill_worker::PrefillServiceOptions o;
   double host_mib = 2048;
-  CLI::App app{"kdn-prefill: a prefill worker. Prints its control endpoint on stdout once it serves."};
+  CLI::App app{
+      "kdn-prefill: a prefill worker. Prints its control endpoint on stdout once it serves."};
   kdn::LogFlags log_flags;
   log_flags.Add(app);
-  app.add_option("--model", o.model_dir, "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+  app.add_option("--model", o.model_dir,
+                 "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
       ->required();
   app.add_option("--listen", o.listen, "Control endpoint to bind (port 0 picks a free one)")
       ->capture_default_str();
   app.add_option("--store", o.store_endpoint, "A kdn-store endpoint to share chunks through");
   app.add_option("--host-mib", host_mib, "Own host-memory KDN tier in MiB")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--chunk-tokens", o.chunk_tokens, "Tokens per KV chunk (the same in every process)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--chunk-tokens", o.chunk_tokens,
+                 "Tokens per KV chunk (the same in every process)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   kdn::control::EngineFlags engine_flags(o.engine.kv_tokens);
   engine_flags.Add(app);
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();

@@ -16,7 +16,7 @@ void Handler(google::protobuf::LogLevel level, const char* file, int line,
   static LogLimiter limiter;  // one budget for all of protobuf's lines
   const LogLevel ours = level == google::protobuf::LOGLEVEL_INFO      ? LogLevel::kDebug
                         : level == google::protobuf::LOGLEVEL_WARNING ? LogLevel::kWarn
-                                                                       : LogLevel::kError;
+                                                                      : LogLevel::kError;
   limiter.Log(ours, "protobuf ({}:{}): {}", file, line, message);
 }
 

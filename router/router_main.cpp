@@ -18,19 +18,23 @@
 
 int main(int argc, char** argv) {
   kdn::router::RouterOptions o;
-  CLI::App app{"kdn-router: OpenAI-compatible HTTP endpoint in front of kdn-prefill and kdn-decode "
-               "workers. Prints its URL on stdout once it serves."};
+  CLI::App app{
+      "kdn-router: OpenAI-compatible HTTP endpoint in front of kdn-prefill and kdn-decode "
+      "workers. Prints its URL on stdout once it serves."};
   kdn::LogFlags log_flags;
   log_flags.Add(app);
   app.add_option("--model", o.model_dir,
-                 "Model folder (its config.json, tokenizer.json and chat template are read) or a .gguf file")
+                 "Model folder (its config.json, tokenizer.json and chat template are read) or a "
+                 ".gguf file")
       ->required();
   app.add_option("--prefill", o.backend.prefill_endpoints,
                  "Prefill workers' control endpoints (comma-separated or repeated)")
-      ->required()->delimiter(',');
+      ->required()
+      ->delimiter(',');
   app.add_option("--decode", o.backend.decode_endpoints,
                  "Decode workers' control endpoints (comma-separated or repeated)")
-      ->required()->delimiter(',');
+      ->required()
+      ->delimiter(',');
   app.add_option("--host", o.host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o.port, "Port to listen on (0 picks a free one)")->capture_default_str();
   app.add_option("--separator", o.separator,
@@ -61,7 +65,8 @@ int main(int argc, char** argv) {
                  "the ratio down to it); a request's 'check_ratios' overrides it")
       ->delimiter(',');
   app.add_option("--served-model-name", o.served_model_name,
-                 "Model name in the API (default: the model folder's name, or the .gguf file's without .gguf)");
+                 "Model name in the API (default: the model folder's name, or the .gguf file's "
+                 "without .gguf)");
   std::string api_keys_file;
   app.add_option("--api-keys", api_keys_file,
                  "A file of API keys, one \"KEY TENANT\" a line: /v1/ requests then need "
@@ -148,8 +153,9 @@ int main(int argc, char** argv) {
                  keys->tenants());
     o.api_keys = std::make_shared<const kdn::router::ApiKeys>(*std::move(keys));
   } else {
-    kdn::LogInfo("no --api-keys: every request is served, and requests share the cache unless "
-                 "their cache_salt differs");
+    kdn::LogInfo(
+        "no --api-keys: every request is served, and requests share the cache unless "
+        "their cache_salt differs");
   }
 
   auto router = kdn::router::Router::Start(o);

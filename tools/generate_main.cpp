@@ -22,12 +22,15 @@ int main(int argc, char** argv) {
   bool no_bos = false, print_ids = false, ignore_eos = false;
   int threads = 0;
   std::string device = "cpu";
-  app.add_option("--model", model_dir, "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+  app.add_option("--model", model_dir,
+                 "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
       ->required();
   auto* p = app.add_option("--prompt", prompt, "Prompt text");
-  app.add_option("--prompt-ids", prompt_ids, "Prompt as comma-separated token ids (instead of --prompt)")
+  app.add_option("--prompt-ids", prompt_ids,
+                 "Prompt as comma-separated token ids (instead of --prompt)")
       ->excludes(p);
-  app.add_option("--max-tokens", gen.max_tokens, "Tokens to generate")->capture_default_str()
+  app.add_option("--max-tokens", gen.max_tokens, "Tokens to generate")
+      ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   app.add_option("--temperature", gen.sampling.temperature, "0 = greedy")->capture_default_str();
   app.add_option("--top-k", gen.sampling.top_k, "0 = off")->capture_default_str();
@@ -67,7 +70,8 @@ int main(int argc, char** argv) {
       try {
         ids.push_back(std::stoi(item));
       } catch (...) {
-        std::fprintf(stderr, "kdn-generate: --prompt-ids: \"%s\" is not a token id\n", item.c_str());
+        std::fprintf(stderr, "kdn-generate: --prompt-ids: \"%s\" is not a token id\n",
+                     item.c_str());
         return 2;
       }
     }
@@ -91,7 +95,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (print_ids) {
-    for (size_t i = 0; i < res->tokens.size(); ++i) std::printf("%s%d", i ? "," : "", res->tokens[i]);
+    for (size_t i = 0; i < res->tokens.size(); ++i)
+      std::printf("%s%d", i ? "," : "", res->tokens[i]);
     std::printf("\n");
   } else {
     std::printf("%s\n", (*tok)->Decode(res->tokens).c_str());

@@ -30,8 +30,8 @@ int main(int argc, char** argv) {
 
   if (list) {
     for (const Preset& p : Presets()) {
-      std::printf("%-14s %6.1fM params  %s\n", p.name.c_str(),
-                  p.config.ParameterCount() / 1e6, p.description.c_str());
+      std::printf("%-14s %6.1fM params  %s\n", p.name.c_str(), p.config.ParameterCount() / 1e6,
+                  p.description.c_str());
     }
     return 0;
   }
@@ -69,8 +69,9 @@ int main(int argc, char** argv) {
     const int pct = static_cast<int>(100 * done / std::max<int64_t>(total, 1)) / step * step;
     if (pct != last_pct && total > (64 << 20)) {
       last_pct = pct;
-      std::fprintf(stderr, tty ? "\rkdn-mkmodel: %3d%% of %.1f GB" : "kdn-mkmodel: %3d%% of %.1f GB\n",
-                   pct, total / 1e9);
+      std::fprintf(stderr,
+                   tty ? "\rkdn-mkmodel: %3d%% of %.1f GB" : "kdn-mkmodel: %3d%% of %.1f GB\n", pct,
+                   total / 1e9);
     }
   };
   kdn::Status st = WriteModelFolder(out, preset->config, seed, dtype, progress);

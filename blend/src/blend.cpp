@@ -21,7 +21,7 @@ class Placer {
  public:
   struct Item {
     const kvbus::Chunk* kv;
-    int64_t at;     // where the segment starts in the prompt
+    int64_t at;  // where the segment starts in the prompt
     int64_t len;
     int64_t delta;  // at - the position its K was rotated for
   };
@@ -83,13 +83,13 @@ class Placer {
 }  // namespace
 
 Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
-                                 std::span<const Segment> segments,
-                                 std::span<const int32_t> suffix, const BlendOptions& options) {
+                                 std::span<const Segment> segments, std::span<const int32_t> suffix,
+                                 const BlendOptions& options) {
   const model::ModelConfig& cfg = model.config();
-  KDN_ASSIGN_OR_RETURN(const std::vector<control::CheckStep> checks,
-                       control::CheckSchedule(options.recompute_ratio, options.check_layer,
-                                              options.check_layers, options.check_ratios,
-                                              cfg.num_layers));
+  KDN_ASSIGN_OR_RETURN(
+      const std::vector<control::CheckStep> checks,
+      control::CheckSchedule(options.recompute_ratio, options.check_layer, options.check_layers,
+                             options.check_ratios, cfg.num_layers));
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
 
@@ -136,8 +136,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   out.cached_tokens = static_cast<int>(cached_rows.size());
   out.computed_tokens = static_cast<int>(fresh_rows.size());
   auto kept_of = [&](double ratio) {
-    return static_cast<int64_t>(
-        std::ceil(ratio * static_cast<double>(cached_rows.size()) - 1e-9));
+    return static_cast<int64_t>(std::ceil(ratio * static_cast<double>(cached_rows.size()) - 1e-9));
   };
   const bool reuse_only = kept_of(options.recompute_ratio) == 0;
 
@@ -175,12 +174,11 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
         std::vector<float> deviation;
         KDN_RETURN_IF_ERROR(run_layer(&deviation));
         // 3. The cached rows to go on with, among those still recomputed.
-        const int64_t keep = std::min(kept_of(checks[i].ratio),
-                                      static_cast<int64_t>(rp.positions().size() -
-                                                           fresh_rows.size()));
-        const std::vector<int64_t> chosen =
-            ChooseRows(rp.positions(), cached, deviation, keep, options.selection,
-                       options.seed + i);
+        const int64_t keep =
+            std::min(kept_of(checks[i].ratio),
+                     static_cast<int64_t>(rp.positions().size() - fresh_rows.size()));
+        const std::vector<int64_t> chosen = ChooseRows(rp.positions(), cached, deviation, keep,
+                                                       options.selection, options.seed + i);
         KDN_RETURN_IF_ERROR(rp.Keep(chosen));
         out.kept_at_check.push_back(static_cast<int>(keep));
       }
@@ -200,8 +198,8 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
 }
 
 std::vector<int64_t> ChooseRows(std::span<const int64_t> positions, const std::vector<bool>& cached,
-                                std::span<const float> deviation, int64_t keep,
-                                Selection selection, uint64_t seed) {
+                                std::span<const float> deviation, int64_t keep, Selection selection,
+                                uint64_t seed) {
   std::vector<int64_t> out, candidates;
   for (size_t i = 0; i < positions.size(); ++i) {
     (cached[positions[i]] ? candidates : out).push_back(static_cast<int64_t>(i));
@@ -213,8 +211,8 @@ std::vector<int64_t> ChooseRows(std::span<const int64_t> positions, const std::v
     std::mt19937_64 rng(seed);
     std::shuffle(candidates.begin(), candidates.end(), rng);
   }
-  candidates.resize(static_cast<size_t>(std::clamp<int64_t>(
-      keep, 0, static_cast<int64_t>(candidates.size()))));
+  candidates.resize(
+      static_cast<size_t>(std::clamp<int64_t>(keep, 0, static_cast<int64_t>(candidates.size()))));
   out.insert(out.end(), candidates.begin(), candidates.end());
   std::sort(out.begin(), out.end());
   return out;

@@ -31,9 +31,9 @@ uint16_t F32ToF16(float f) {
   std::memcpy(&x, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   const uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return sign | 0x7e00u;         // NaN
-  if (ax >= 0x47800000u) return sign | 0x7c00u;        // overflow -> inf (65520 and up)
-  if (ax < 0x38800000u) {                              // subnormal or zero in half
+  if (ax > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (ax >= 0x47800000u) return sign | 0x7c00u;  // overflow -> inf (65520 and up)
+  if (ax < 0x38800000u) {                        // subnormal or zero in half
     const float a = std::fabs(f);
     const float scaled = std::nearbyint(a * 16777216.0f);  // 2^24, round-half-even
     return sign | static_cast<uint16_t>(scaled);

@@ -18,7 +18,8 @@ void JobThread::Post(int lane, Job job) {
   {
     MutexLock lock(mu_);
     if (stop_) return;
-    const auto i = static_cast<size_t>(std::clamp<int>(lane, 0, static_cast<int>(lanes_.size()) - 1));
+    const auto i =
+        static_cast<size_t>(std::clamp<int>(lane, 0, static_cast<int>(lanes_.size()) - 1));
     lanes_[i].push_back(std::move(job));
     ++queued_;
   }

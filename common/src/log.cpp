@@ -21,8 +21,8 @@ class LevelFlag final : public spdlog::custom_flag_formatter {
  public:
   void format(const spdlog::details::log_msg& msg, const std::tm&,
               spdlog::memory_buf_t& dest) override {
-    static constexpr std::string_view kPadded[] = {"trace", "debug", "info ", "warn ", "error",
-                                                   "error", "off  "};
+    static constexpr std::string_view kPadded[] = {"trace", "debug", "info ", "warn ",
+                                                   "error", "error", "off  "};
     const auto i = static_cast<size_t>(msg.level);
     const std::string_view s = i < std::size(kPadded) ? kPadded[i] : "?    ";
     dest.append(s.data(), s.data() + s.size());
@@ -66,8 +66,8 @@ LogLevel LevelFromEnv() {
 // is trace, so that it never filters a line twice.
 struct LogState {
   LogState() : level(static_cast<int>(LevelFromEnv())) {
-    logger = std::make_shared<spdlog::logger>(
-        "kdn", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+    logger =
+        std::make_shared<spdlog::logger>("kdn", std::make_shared<spdlog::sinks::stderr_sink_mt>());
     logger->set_level(spdlog::level::trace);
     logger->flush_on(spdlog::level::trace);
     logger->set_formatter(MakeFormatter(program_invocation_short_name));

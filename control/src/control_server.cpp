@@ -75,13 +75,12 @@ struct ControlServer::Impl {
 
 ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-Result<std::unique_ptr<ControlServer>> ControlServer::Start(const std::string& endpoint,
-                                                            Handler handler,
-                                                            const std::optional<kvbus::CurveKeys>& curve) {
+Result<std::unique_ptr<ControlServer>> ControlServer::Start(
+    const std::string& endpoint, Handler handler, const std::optional<kvbus::CurveKeys>& curve) {
   auto impl = std::make_unique<Impl>();
   impl->handler = std::move(handler);
-  KDN_RETURN_IF_ERROR(kvbus::SecureServer(impl->ctx, impl->sock, curve,
-                                          kvbus::CurveRole::kControl, &impl->auth));
+  KDN_RETURN_IF_ERROR(
+      kvbus::SecureServer(impl->ctx, impl->sock, curve, kvbus::CurveRole::kControl, &impl->auth));
   try {
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 0);  // unknown peers: drop, never block

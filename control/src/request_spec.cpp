@@ -41,8 +41,7 @@ std::vector<double> DefaultCheckRatios(double ratio, size_t checks) {
 
 Result<std::vector<CheckStep>> CheckSchedule(double recompute_ratio, int check_layer,
                                              std::span<const int> check_layers,
-                                             std::span<const double> check_ratios,
-                                             int num_layers) {
+                                             std::span<const double> check_ratios, int num_layers) {
   const std::string layers_range = "[0, " + std::to_string(num_layers) + ")";
   if (!(recompute_ratio >= 0 && recompute_ratio <= 1)) {
     return InvalidArgument("recompute_ratio must be in [0, 1]");

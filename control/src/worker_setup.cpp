@@ -22,9 +22,9 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
   KDN_ASSIGN_OR_RETURN(w.tokenizer, text::Tokenizer::Load(dir));
   KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbridge::WeightsDigest(dir));
   const model::ModelConfig& c = w.model->config();
-  w.fingerprint = kvbridge::ModelFingerprint(c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
-                                          kvbus::KvDTypeName(kvbridge::ChunkDType(w.model->kv_dtype())),
-                                             digest);
+  w.fingerprint = kvbridge::ModelFingerprint(
+      c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
+      kvbus::KvDTypeName(kvbridge::ChunkDType(w.model->kv_dtype())), digest);
   return w;
 }
 
@@ -41,9 +41,10 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
   tiers.push_back(std::make_unique<kvbus::HostTier>(host_bytes));
   kvbus::TieredStoreOptions options;
   if (!store_endpoint.empty()) {
-    KDN_ASSIGN_OR_RETURN(auto remote, kvbus::RemoteStore::Connect(store_endpoint, {.curve = curve}));
-    tiers.push_back(std::make_unique<kvbus::CodecTier>(std::move(remote),
-                                                       kvbus::CodecTierOptions{.level = store_codec}));
+    KDN_ASSIGN_OR_RETURN(auto remote,
+                         kvbus::RemoteStore::Connect(store_endpoint, {.curve = curve}));
+    tiers.push_back(std::make_unique<kvbus::CodecTier>(
+        std::move(remote), kvbus::CodecTierOptions{.level = store_codec}));
     options.write_through = true;
   }
   return std::make_unique<kvbus::TieredStore>(std::move(tiers), options);
@@ -79,10 +80,10 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
     // A lookup without the prompt: full chunks only.
     const int64_t limit = tokens.empty() ? static_cast<int64_t>(prefix.size()) * ctx.chunk_tokens
                                          : static_cast<int64_t>(tokens.size());
-    const int64_t resident =
-        pool == nullptr ? 0
-                        : kvbridge::ResidentPrefixTokens(*pool, ctx, tokens, prefix, limit,
-                                                         kvbus::kMinTailTokens);
+    const int64_t resident = pool == nullptr
+                                 ? 0
+                                 : kvbridge::ResidentPrefixTokens(*pool, ctx, tokens, prefix, limit,
+                                                                  kvbus::kMinTailTokens);
     const auto held = kvbus::MatchPrefix(ctx, tokens, prefix, limit, kvbus::kMinTailTokens,
                                          [&](const kvbus::KeyedSpan& s) {
                                            if (s.first + s.count <= resident) return true;

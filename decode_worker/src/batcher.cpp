@@ -33,8 +33,8 @@ const std::vector<int32_t>* Batcher::Generated(uint64_t id) const {
 bool Batcher::Accept(Request& r, int32_t token, std::vector<TokenEvent>* events) {
   text::TextDelta d = r.output.Add(token, r.seq.length(), model_.config().max_context);
   r.pending = token;
-  events->push_back(TokenEvent{r.spec.id, token, std::move(d.text), d.finished,
-                               std::move(d.finish_reason)});
+  events->push_back(
+      TokenEvent{r.spec.id, token, std::move(d.text), d.finished, std::move(d.finish_reason)});
   return events->back().finished;
 }
 
@@ -42,7 +42,8 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
                       std::vector<TokenEvent>* events) {
   KDN_RETURN_IF_ERROR(model::ValidateSamplingParams(spec.sampling));
   if (spec.max_tokens < 1) return InvalidArgument("max_tokens must be at least 1");
-  if (seq.length() == 0) return InvalidArgument("request " + std::to_string(spec.id) + " has no prompt KV");
+  if (seq.length() == 0)
+    return InvalidArgument("request " + std::to_string(spec.id) + " has no prompt KV");
   if (requests_.count(spec.id) != 0) {
     return InvalidArgument("request " + std::to_string(spec.id) + " is already running");
   }

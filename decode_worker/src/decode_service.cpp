@@ -32,9 +32,9 @@ struct Command {
 struct Origin {
   std::string peer;
   uint64_t request_id = 0;
-  int64_t tokens = 0;  // token events sent to it so far
-  int64_t blocks = 0;     // KV blocks its prompt reserved
-  bool unstarted = true;  // prepared, not started: its blocks count against its peer's budget
+  int64_t tokens = 0;       // token events sent to it so far
+  int64_t blocks = 0;       // KV blocks its prompt reserved
+  bool unstarted = true;    // prepared, not started: its blocks count against its peer's budget
   std::string transfer_id;  // echoed in a local prefill's reply
 };
 
@@ -92,7 +92,7 @@ struct DecodeService::Impl {
   std::atomic<int> depth{0};     // prepared + running
   std::atomic<int> free_blocks{0};
   std::atomic<int64_t> leased_blocks{0};  // unstarted_blocks, summed
-  DecoderStats stats;  // guarded by mu: as of the last Advance
+  DecoderStats stats;                     // guarded by mu: as of the last Advance
   std::thread compute;
   LogLimiter unserved;  // messages it does not serve, from any peer
   // When each peer was last heard from (any message: routers ping every
@@ -193,11 +193,10 @@ struct DecodeService::Impl {
     const int64_t held = it == unstarted_blocks.end() ? 0 : it->second;
     const auto budget = static_cast<int64_t>(options.peer_prepare_share * total_blocks);
     if (held + blocks <= budget) return Status::Ok();
-    return ResourceExhausted("this router's requests not yet started hold " +
-                             std::to_string(held) + " KV blocks; " + std::to_string(blocks) +
-                             " more would pass its budget of " + std::to_string(budget) + " (" +
-                             std::to_string(options.peer_prepare_share) +
-                             " of the pool, --peer-prepare-share)");
+    return ResourceExhausted(
+        "this router's requests not yet started hold " + std::to_string(held) + " KV blocks; " +
+        std::to_string(blocks) + " more would pass its budget of " + std::to_string(budget) + " (" +
+        std::to_string(options.peer_prepare_share) + " of the pool, --peer-prepare-share)");
   }
 
   void DoPrepare(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
@@ -274,11 +273,10 @@ struct DecodeService::Impl {
   void DoStart(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const Origin origin{peer, msg.request_id()};
     auto it = ids.find(OriginKey(peer, msg.request_id()));
-    Status st = it == ids.end()
-                    ? NotFound("request " + std::to_string(msg.request_id()) +
-                               " was not prepared here (or expired)")
-                    : decoder->Start(it->second, msg.start().first_token(),
-                                     msg.start().first_token_sent(), out);
+    Status st = it == ids.end() ? NotFound("request " + std::to_string(msg.request_id()) +
+                                           " was not prepared here (or expired)")
+                                : decoder->Start(it->second, msg.start().first_token(),
+                                                 msg.start().first_token_sent(), out);
     if (st.ok()) Unreserve(origins[it->second]);
     if (!st.ok()) {
       LogError("{} start refused: {}", ReqId{msg.request_id()}, st.ToString());
@@ -347,8 +345,8 @@ struct DecodeService::Impl {
         Unreserve(it->second);
         const TokenEvent& last = *evs.back();
         if (!last.error.ok()) {
-          LogError("{} failed after {} tokens: {}", ReqId{it->second.request_id},
-                   it->second.tokens, last.error.ToString());
+          LogError("{} failed after {} tokens: {}", ReqId{it->second.request_id}, it->second.tokens,
+                   last.error.ToString());
         } else {
           LogInfo("{} finished: {}, {} tokens sent", ReqId{it->second.request_id},
                   last.finish_reason, it->second.tokens);
@@ -437,26 +435,25 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     }
     raw->cv.notify_one();
   };
-  impl->decoder = std::make_unique<Decoder>(*impl->wm.model, *impl->wm.tokenizer,
-                                            impl->wm.fingerprint, *impl->store, *impl->staging,
-                                            *impl->store_io, dopt);
+  impl->decoder =
+      std::make_unique<Decoder>(*impl->wm.model, *impl->wm.tokenizer, impl->wm.fingerprint,
+                                *impl->store, *impl->staging, *impl->store_io, dopt);
   kvbus::ReceiverOptions ropt;
   ropt.curve = options.curve;
   if (options.kv_transport != kvbus::TransportKind::kTcp) {
     ropt.shm_landing_bytes = options.kv_landing_bytes;
   }
-  KDN_ASSIGN_OR_RETURN(impl->receiver,
-                       kvbus::Listen(options.kvbus_listen, *impl->staging, ropt));
+  KDN_ASSIGN_OR_RETURN(impl->receiver, kvbus::Listen(options.kvbus_listen, *impl->staging, ropt));
   impl->kvbus_endpoint = impl->receiver->endpoint();
   const DecoderStats s = impl->decoder->Stats();
   impl->total_blocks = s.total_kv_blocks;
   impl->free_blocks = s.free_kv_blocks;
-  KDN_ASSIGN_OR_RETURN(impl->server,
-                       control::ControlServer::Start(
-                           options.listen, [raw](control::ControlServer& srv,
-                                                 const std::string& peer, proto::WorkerMessage m) {
-                             raw->OnMessage(srv, peer, std::move(m));
-                           }, options.curve));
+  KDN_ASSIGN_OR_RETURN(
+      impl->server, control::ControlServer::Start(
+                        options.listen,
+                        [raw](control::ControlServer& srv, const std::string& peer,
+                              proto::WorkerMessage m) { raw->OnMessage(srv, peer, std::move(m)); },
+                        options.curve));
   impl->compute = std::thread([raw] { raw->Loop(); });
   return std::unique_ptr<DecodeService>(new DecodeService(std::move(impl)));
 }

@@ -46,10 +46,10 @@ Decoder::Decoder(engine::Engine& model, const text::Tokenizer& tokenizer,
       mailbox_(std::make_shared<Mailbox>()),
       batcher_(std::make_unique<Batcher>(model, tokenizer, options_.max_batch)) {
   mailbox_->on_load_done = options_.on_load_done;
-  batcher_->SetFinishHook([this](uint64_t id, const engine::KvSequence& seq,
-                                 const std::vector<int32_t>& generated) {
-    StoreConversation(id, seq, generated);
-  });
+  batcher_->SetFinishHook(
+      [this](uint64_t id, const engine::KvSequence& seq, const std::vector<int32_t>& generated) {
+        StoreConversation(id, seq, generated);
+      });
 }
 
 Decoder::~Decoder() = default;
@@ -100,15 +100,13 @@ Status Decoder::ReserveKv(Prepared& p) {
   p.seq = cache.NewSequence();
   if (!p.request.blended && options_.resident) {
     const kvbus::KeyContext ctx{fingerprint_, p.request.ns, options_.chunk_tokens};
-    KDN_ASSIGN_OR_RETURN(p.resident_tokens,
-                         kvbridge::AttachResidentPrefix(cache, p.seq, ctx, p.request.tokens,
-                                                        p.keys, HeldLimit(p.request),
-                                                        options_.min_tail_tokens));
+    KDN_ASSIGN_OR_RETURN(p.resident_tokens, kvbridge::AttachResidentPrefix(
+                                                cache, p.seq, ctx, p.request.tokens, p.keys,
+                                                HeldLimit(p.request), options_.min_tail_tokens));
   }
   // The whole request, so that a request admitted never runs out of KV
   // mid-stream: its decode steps find their blocks reserved.
-  return cache.Reserve(p.seq, KvTokensReserved(p.request.PromptTokens(),
-                                               p.request.spec.max_tokens,
+  return cache.Reserve(p.seq, KvTokensReserved(p.request.PromptTokens(), p.request.spec.max_tokens,
                                                model_.config().max_context));
 }
 
@@ -167,9 +165,9 @@ std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
 
 uint64_t Decoder::ChunkBytes(int64_t tokens) const {
   const engine::KvCache& cache = model_.kv_cache();
-  return kvbus::Chunk::kHeaderBytes + static_cast<uint64_t>(tokens) *
-                                          cache.token_stride() * 2 * cache.num_layers() *
-                                          kvbus::KvDTypeSize(kvbridge::ChunkDType(model_.kv_dtype()));
+  return kvbus::Chunk::kHeaderBytes +
+         static_cast<uint64_t>(tokens) * cache.token_stride() * 2 * cache.num_layers() *
+             kvbus::KvDTypeSize(kvbridge::ChunkDType(model_.kv_dtype()));
 }
 
 DecoderStats Decoder::Stats() const {
@@ -204,24 +202,22 @@ DecoderStats Decoder::Stats() const {
 // mailbox only.
 
 void Decoder::PostLoad(uint64_t id, const Prepared& p) {
-  store_io_.Post(kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys,
-                             tokens = p.request.tokens, limit = HeldLimit(p.request),
-                             min_tail = options_.min_tail_tokens,
-                             resident = p.resident_tokens,
-                             dtype = kvbridge::ChunkDType(model_.kv_dtype()),
-                             ctx = kvbus::KeyContext{fingerprint_, p.request.ns,
-                                                     options_.chunk_tokens}] {
-    // Full chunks, then the tail pieces past them. A miss, an unreachable
-    // store or a chunk of another making ends it: the prefill worker sends
-    // the rest.
-    Mailbox::Load load{id, control::FetchPrefix(store, ctx, tokens, keys, limit, min_tail,
-                                                resident, dtype)};
-    {
-      MutexLock lock(mb->mu);
-      mb->loads.push_back(std::move(load));
-    }
-    if (mb->on_load_done) mb->on_load_done();
-  });
+  store_io_.Post(
+      kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys, tokens = p.request.tokens,
+                  limit = HeldLimit(p.request), min_tail = options_.min_tail_tokens,
+                  resident = p.resident_tokens, dtype = kvbridge::ChunkDType(model_.kv_dtype()),
+                  ctx = kvbus::KeyContext{fingerprint_, p.request.ns, options_.chunk_tokens}] {
+        // Full chunks, then the tail pieces past them. A miss, an unreachable
+        // store or a chunk of another making ends it: the prefill worker sends
+        // the rest.
+        Mailbox::Load load{
+            id, control::FetchPrefix(store, ctx, tokens, keys, limit, min_tail, resident, dtype)};
+        {
+          MutexLock lock(mb->mu);
+          mb->loads.push_back(std::move(load));
+        }
+        if (mb->on_load_done) mb->on_load_done();
+      });
 }
 
 void Decoder::PostStore(uint64_t request_id,
@@ -229,21 +225,22 @@ void Decoder::PostStore(uint64_t request_id,
   uint64_t bytes = 0;
   for (const auto& c : chunks) bytes += c->size();
   mailbox_->bytes_pending += bytes;
-  LogDebug("{} storing {} chunks ({} bytes) of its conversation", ReqId{request_id},
-           chunks.size(), bytes);
-  store_io_.Post(kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes,
-                              request_id] {
-    const control::PutOutcome put = control::PutMissing(store, chunks);
-    mb->stored += put.stored;
-    mb->already_held += put.already_held;
-    if (!put.error.ok()) {
-      const uint64_t total = (mb->failed += put.not_stored);
-      LogError("{} storing a conversation's chunk failed, {} of its chunks not stored ({} so "
-               "far): {}",
-               ReqId{request_id}, put.not_stored, total, put.error.ToString());
-    }
-    mb->bytes_pending -= bytes;
-  });
+  LogDebug("{} storing {} chunks ({} bytes) of its conversation", ReqId{request_id}, chunks.size(),
+           bytes);
+  store_io_.Post(
+      kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes, request_id] {
+        const control::PutOutcome put = control::PutMissing(store, chunks);
+        mb->stored += put.stored;
+        mb->already_held += put.already_held;
+        if (!put.error.ok()) {
+          const uint64_t total = (mb->failed += put.not_stored);
+          LogError(
+              "{} storing a conversation's chunk failed, {} of its chunks not stored ({} so "
+              "far): {}",
+              ReqId{request_id}, put.not_stored, total, put.error.ToString());
+        }
+        mb->bytes_pending -= bytes;
+      });
 }
 
 // ---------------------------------------------------------------------------
@@ -264,28 +261,28 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   const size_t taken = prepared_.size() + batcher_->running();
   if (taken >= static_cast<size_t>(options_.max_batch)) {
     return ResourceExhausted("decode batch is full (" + std::to_string(taken) + " of " +
-                             std::to_string(options_.max_batch) +
-                             " requests running or prepared)");
+                             std::to_string(options_.max_batch) + " requests running or prepared)");
   }
   Prepared p;
   p.request = std::move(request);
   p.created = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
   if (!p.request.blended) {
-    p.keys = kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens},
-                               p.request.tokens);
+    p.keys =
+        kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
   }
   KDN_RETURN_IF_ERROR(ReserveKv(p));
   resident_hit_tokens_ += static_cast<uint64_t>(p.resident_tokens);
   const uint64_t id = next_id_++;
   p.request.spec.id = id;
-  LogInfo("{} prepare: {} prompt tokens{}, max_tokens {}, {} KV blocks reserved ({} free), {} "
-          "tokens resident{}",
-          ReqId{p.request.request_id}, p.request.PromptTokens(),
-          p.request.spec.generated.empty()
-              ? std::string()
-              : fmt::format(" and {} generated before (resumed)", p.request.spec.generated.size()),
-          p.request.spec.max_tokens, p.seq.blocks().size(), model_.kv_cache().free_blocks(),
-          p.resident_tokens, p.request.blended ? "; blended: nothing to load" : "");
+  LogInfo(
+      "{} prepare: {} prompt tokens{}, max_tokens {}, {} KV blocks reserved ({} free), {} "
+      "tokens resident{}",
+      ReqId{p.request.request_id}, p.request.PromptTokens(),
+      p.request.spec.generated.empty()
+          ? std::string()
+          : fmt::format(" and {} generated before (resumed)", p.request.spec.generated.size()),
+      p.request.spec.max_tokens, p.seq.blocks().size(), model_.kv_cache().free_blocks(),
+      p.resident_tokens, p.request.blended ? "; blended: nothing to load" : "");
   // Past a resident prefix that leaves less than a chunk of the prompt, the
   // lower tiers could add only tail pieces of those few tokens, which the
   // prefill worker sends anyway: no load, which would queue behind the
@@ -308,8 +305,7 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   return id;
 }
 
-Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent,
-                      DecoderOutput* out) {
+Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out) {
   auto it = prepared_.find(id);
   if (it == prepared_.end()) {
     return NotFound("request " + std::to_string(id) + " was not prepared here (or expired)");
@@ -336,11 +332,12 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   const uint64_t request_id = p.request.request_id;
   Status st = PlacePushedSlices(p);
   if (st.ok()) {
-    LogInfo("{} start: first token {}, {} prompt tokens held, {} pushed by the prefill worker "
-            "(transfer {})",
-            ReqId{request_id}, first_token, p.held_tokens,
-            static_cast<int64_t>(p.request.tokens.size()) - p.held_tokens,
-            HexBytes{p.request.transfer_id});
+    LogInfo(
+        "{} start: first token {}, {} prompt tokens held, {} pushed by the prefill worker "
+        "(transfer {})",
+        ReqId{request_id}, first_token, p.held_tokens,
+        static_cast<int64_t>(p.request.tokens.size()) - p.held_tokens,
+        HexBytes{p.request.transfer_id});
     st = Admit(id, std::move(p), first_token, out);
   }
   if (!st.ok()) {
@@ -391,8 +388,8 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
     const int64_t take = std::min(budget, n - at);
     std::vector<float> logits;
     const auto t0 = std::chrono::steady_clock::now();
-    Status st = model_.Prefill(p.seq, {p.request.tokens.data() + at, static_cast<size_t>(take)},
-                               {}, &logits);
+    Status st = model_.Prefill(p.seq, {p.request.tokens.data() + at, static_cast<size_t>(take)}, {},
+                               &logits);
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!st.ok()) {
@@ -416,8 +413,8 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
     ++local_prefills_;
     engine::Sampler sampler(p.request.spec.sampling);
     const int32_t first = sampler.Sample(logits);
-    LocalPrefillDone done{id, first, p.held_tokens, p.resident_tokens, n - p.held_tokens,
-                          p.kv_bytes_loaded};
+    LocalPrefillDone done{
+        id, first, p.held_tokens, p.resident_tokens, n - p.held_tokens, p.kv_bytes_loaded};
     LogInfo("{} local prefill: {} prompt tokens held ({} resident), {} computed, first token {}",
             ReqId{p.request.request_id}, p.held_tokens, p.resident_tokens, n - p.held_tokens,
             first);
@@ -439,10 +436,9 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
 }
 
 void Decoder::DropOwnSlices(const Prepared& p) {
-  const auto regions =
-      control::TransferRegions(p.keys, static_cast<int64_t>(p.request.tokens.size()),
-                               options_.chunk_tokens, std::max<int64_t>(p.held_tokens, 0),
-                               p.request.transfer_id);
+  const auto regions = control::TransferRegions(
+      p.keys, static_cast<int64_t>(p.request.tokens.size()), options_.chunk_tokens,
+      std::max<int64_t>(p.held_tokens, 0), p.request.transfer_id);
   for (const control::KvRegion& r : regions) {
     if (!r.tail) continue;
     for (int l = 0; l < model_.kv_cache().num_layers(); ++l) {
@@ -496,17 +492,16 @@ void Decoder::Advance(DecoderOutput* out) {
 
   const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
   for (auto it = prepared_.begin(); it != prepared_.end();) {
-    if (it->second.request.local_prefill ||
-        now - it->second.created <= options_.prepare_timeout) {
+    if (it->second.request.local_prefill || now - it->second.created <= options_.prepare_timeout) {
       ++it;
       continue;
     }
     LogWarn("{} was prepared but never started within {} ms; dropped",
             ReqId{it->second.request.request_id}, options_.prepare_timeout.count());
-    out->events.push_back(Failure(
-        it->first, Status(StatusCode::kDeadlineExceeded,
-                          "prepared but not started within " +
-                              std::to_string(options_.prepare_timeout.count()) + " ms")));
+    out->events.push_back(
+        Failure(it->first, Status(StatusCode::kDeadlineExceeded,
+                                  "prepared but not started within " +
+                                      std::to_string(options_.prepare_timeout.count()) + " ms")));
     DropOwnSlices(it->second);
     it = prepared_.erase(it);
   }
@@ -584,8 +579,8 @@ void Decoder::PublishAndStore(uint64_t request_id, const engine::KvSequence& seq
   for (const kvbus::KeyedSpan& s : spans) bytes += ChunkBytes(s.count);
   if (mailbox_->bytes_pending.load() + bytes > options_.max_pending_store_bytes) {
     chunks_store_dropped_ += spans.size();
-    LogWarn("{} its {} chunks not stored: {} bytes already wait for the store",
-            ReqId{request_id}, spans.size(), mailbox_->bytes_pending.load());
+    LogWarn("{} its {} chunks not stored: {} bytes already wait for the store", ReqId{request_id},
+            spans.size(), mailbox_->bytes_pending.load());
     return;
   }
   auto chunks = CopyOutChunks(request_id, seq, spans);

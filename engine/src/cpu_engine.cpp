@@ -105,8 +105,9 @@ CpuEngine::CpuEngine(const ModelConfig& config, const EngineOptions& options)
 
 CpuEngine::~CpuEngine() = default;
 
-Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config, ModelWeights weights,
-                                             const EngineOptions& options) {
+Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config,
+                                                     ModelWeights weights,
+                                                     const EngineOptions& options) {
   for (const TensorSpec& spec : ExpectedTensors(config)) {
     auto it = weights.find(spec.name);
     if (it == weights.end()) return NotFound("weights: tensor \"" + spec.name + "\" is missing");
@@ -149,27 +150,27 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config, 
   if (blocks <= 0) {
     blocks = static_cast<int>((options.kv_tokens + kKvBlockTokens - 1) / kKvBlockTokens);
   }
-  m->kv_ = std::make_unique<CpuKvCache>(config.num_layers, config.num_kv_heads, config.head_dim,
-                                          blocks);
+  m->kv_ =
+      std::make_unique<CpuKvCache>(config.num_layers, config.num_kv_heads, config.head_dim, blocks);
   return m;
 }
 
 Result<std::unique_ptr<CpuEngine>> CpuEngine::Load(const std::filesystem::path& dir,
-                                           const EngineOptions& options) {
+                                                   const EngineOptions& options) {
   KDN_ASSIGN_OR_RETURN(ModelConfig config, model::LoadModelConfig(dir));
   KDN_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(dir, config));
   return Create(config, std::move(weights), options);
 }
 
 Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
-                      const PrefillOptions& options, std::vector<float>* logits) {
+                          const PrefillOptions& options, std::vector<float>* logits) {
   if (tokens.empty()) return InvalidArgument("prefill: no tokens");
   Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
   return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer, logits);
 }
 
 Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
-                         std::vector<float>* logits) {
+                             std::vector<float>* logits) {
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
   std::vector<Segment> segs;
   segs.reserve(seqs.size());
@@ -193,7 +194,7 @@ Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<cons
 }
 
 Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
-                      std::vector<float>* logits) {
+                          std::vector<float>* logits) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
 
@@ -276,13 +277,13 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
 }
 
 void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
-                     Scratch& scratch, std::vector<float>* deviation) {
+                         Scratch& scratch, std::vector<float>* deviation) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
   const Layer& L = layers_[l];
   scratch.Fit(c, rows);
   std::vector<float>&h = scratch.h, &q = scratch.q, &k = scratch.k, &v = scratch.v,
-                    &attn = scratch.attn, &gu = scratch.gu, &act = scratch.act;
+  &attn = scratch.attn, &gu = scratch.gu, &act = scratch.act;
   RmsNorm(x, L.attn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
   GemmNT(rows, qd, d, 1.0f, h.data(), d, L.wq.data(), d, 0.0f, q.data(), qd);
   GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wk.data(), d, 0.0f, k.data(), kvd);
@@ -321,7 +322,7 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int
 }
 
 void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos,
-                      const float* q, float* out) {
+                          const float* q, float* out) {
   // Long segments (prefill) go through blocked matrix products; single or
   // short rows (decode) are computed row by row, in parallel.
   const ModelConfig& c = config_;
@@ -356,16 +357,16 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
       const std::vector<int32_t>& blocks = s->seq->blocks();
       scores.resize(ctx - lo);
       for (int64_t p = lo; p < ctx; ++p) {
-        const float* kp = kv_->Key(layer, blocks[p / kKvBlockTokens]) +
-                          (p % kKvBlockTokens) * kvs + g * hd;
+        const float* kp =
+            kv_->Key(layer, blocks[p / kKvBlockTokens]) + (p % kKvBlockTokens) * kvs + g * hd;
         scores[p - lo] = Dot(qr, kp, hd) * scale;
       }
       Softmax(scores.data(), ctx - lo);
       float* o = out + row * qd + head * hd;
       std::fill(o, o + hd, 0.0f);
       for (int64_t p = lo; p < ctx; ++p) {
-        const float* vp = kv_->Value(layer, blocks[p / kKvBlockTokens]) +
-                          (p % kKvBlockTokens) * kvs + g * hd;
+        const float* vp =
+            kv_->Value(layer, blocks[p / kKvBlockTokens]) + (p % kKvBlockTokens) * kvs + g * hd;
         Axpy(scores[p - lo], vp, hd, o);
       }
     }
@@ -373,7 +374,7 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
 }
 
 void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n,
-                       const float* q, float* out) {
+                           const float* q, float* out) {
   const ModelConfig& c = config_;
   const int group = c.num_heads / c.num_kv_heads;
   const int hd = c.head_dim;
@@ -393,8 +394,10 @@ void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos,
 #pragma omp parallel for schedule(static)
     for (int64_t p = base; p < ctx; ++p) {
       const int64_t off = (p % kKvBlockTokens) * kvs + g * hd;
-      std::memcpy(&kc[(p - base) * hd], kv_->Key(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
-      std::memcpy(&vc[(p - base) * hd], kv_->Value(layer, blocks[p / kKvBlockTokens]) + off, hd * sizeof(float));
+      std::memcpy(&kc[(p - base) * hd], kv_->Key(layer, blocks[p / kKvBlockTokens]) + off,
+                  hd * sizeof(float));
+      std::memcpy(&vc[(p - base) * hd], kv_->Value(layer, blocks[p / kKvBlockTokens]) + off,
+                  hd * sizeof(float));
     }
     for (int head = g * group; head < (g + 1) * group; ++head) {
       for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
@@ -425,7 +428,9 @@ class CpuEngine::CpuRowPass final : public RowPass {
  public:
   CpuRowPass(CpuEngine& engine, KvSequence& seq, std::span<const int32_t> tokens,
              std::span<const int64_t> positions)
-      : engine_(engine), seq_(seq), positions_(positions.begin(), positions.end()),
+      : engine_(engine),
+        seq_(seq),
+        positions_(positions.begin(), positions.end()),
         scratch_(std::make_unique<Scratch>()) {
     const int64_t d = engine_.config_.hidden_size;
     x_.resize(positions.size() * d);
@@ -472,8 +477,7 @@ class CpuEngine::CpuRowPass final : public RowPass {
     std::vector<float> hf(d);
     RmsNorm(&x_[(positions_.size() - 1) * d], engine_.final_norm_.data(),
             static_cast<float>(c.rms_norm_eps), 1, d, hf.data());
-    const float* head =
-        engine_.lm_head_.empty() ? engine_.embed_.data() : engine_.lm_head_.data();
+    const float* head = engine_.lm_head_.empty() ? engine_.embed_.data() : engine_.lm_head_.data();
     logits->resize(c.vocab_size);
     GemmNT(1, c.vocab_size, d, 1.0f, hf.data(), d, head, d, 0.0f, logits->data(), c.vocab_size);
     return Status::Ok();
@@ -496,7 +500,7 @@ Result<std::unique_ptr<RowPass>> CpuEngine::BeginRowPass(KvSequence& seq,
 }
 
 Status CpuEngine::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
-                               int layer) {
+                                   int layer) {
   KDN_RETURN_IF_ERROR(CheckRotation(config_, seq, first, count, delta, layer));
   if (delta == 0 || count == 0) return Status::Ok();
   // Every token turns by the same angle: the cosines and sines once, then a
@@ -515,8 +519,8 @@ Status CpuEngine::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count
     // Tokens of one block are contiguous: rotate them in runs.
     for (int64_t t = first; t < first + count;) {
       const int64_t run = std::min<int64_t>(kKvBlockTokens - t % kKvBlockTokens, first + count - t);
-      RotateByAngles(kv_->KeyAt(seq, l, t), run * config_.num_kv_heads, config_.head_dim,
-                     cs.data(), sn.data());
+      RotateByAngles(kv_->KeyAt(seq, l, t), run * config_.num_kv_heads, config_.head_dim, cs.data(),
+                     sn.data());
       t += run;
     }
   }

@@ -83,9 +83,7 @@ std::vector<float> RopeInvFreq(const model::ModelConfig& config) {
   for (int i = 0; i < half; ++i) {
     double f = 1.0 / std::pow(config.rope_theta, (2.0 * i) / dim);
     switch (s.type) {
-      case model::RopeType::kLinear:
-        f /= s.factor;
-        break;
+      case model::RopeType::kLinear: f /= s.factor; break;
       case model::RopeType::kYarn: {
         const double ramp = std::clamp((i - ramp_low) / (ramp_high - ramp_low), 0.0, 1.0);
         f = f / s.factor * ramp + f * (1.0 - ramp);
@@ -98,8 +96,8 @@ std::vector<float> RopeInvFreq(const model::ModelConfig& config) {
         if (wavelen > low_freq_wavelen) {
           f /= s.factor;
         } else if (wavelen >= high_freq_wavelen) {
-          const double smooth = (original / wavelen - s.low_freq_factor) /
-                                (s.high_freq_factor - s.low_freq_factor);
+          const double smooth =
+              (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
           f = (1.0 - smooth) * f / s.factor + smooth * f;
         }
         break;
@@ -116,7 +114,8 @@ std::vector<float> RopeInvFreq(const model::ModelConfig& config) {
 RopeParams RopeParamsFor(const model::ModelConfig& config) {
   RopeParams r;
   const model::RopeScaling& s = config.rope_scaling;
-  if (s.type == model::RopeType::kYarn) r.attention_scaling = static_cast<float>(s.attention_factor);
+  if (s.type == model::RopeType::kYarn)
+    r.attention_scaling = static_cast<float>(s.attention_factor);
   if (s.type == model::RopeType::kDynamic) {
     r.dynamic_threshold = s.dynamic_threshold;
     r.dynamic_factor = s.factor;

@@ -21,8 +21,8 @@ void PrepareCpuRuntime(char** argv) {
   const char* want = nullptr;
 #if defined(__x86_64__)
   const bool has_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512cd");
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512cd");
   const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   // The cores OpenBLAS falls back to when it does not recognise the CPU.
   const bool generic = core == "Prescott" || core == "Core2" || core == "Nehalem" ||

@@ -35,7 +35,8 @@ Result<GenerateResult> Generate(Engine& model, std::span<const int32_t> prompt,
       result.finish_reason = "stop";
       break;
     }
-    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end()) {
+    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), token) !=
+        options.stop_ids.end()) {
       result.finish_reason = "stop";
       break;
     }

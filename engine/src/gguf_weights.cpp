@@ -24,7 +24,8 @@ float HalfAt(const uint8_t* p) {
 void DequantizeQ8_0(const uint8_t* src, int64_t blocks, float* dst) {
   for (int64_t b = 0; b < blocks; ++b, src += 34, dst += kQBlock) {
     const float d = HalfAt(src);
-    for (int i = 0; i < kQBlock; ++i) dst[i] = static_cast<float>(static_cast<int8_t>(src[2 + i])) * d;
+    for (int i = 0; i < kQBlock; ++i)
+      dst[i] = static_cast<float>(static_cast<int8_t>(src[2 + i])) * d;
   }
 }
 
@@ -74,18 +75,21 @@ void UnpermuteRows(int64_t heads, int64_t head_dim, int64_t cols, std::vector<fl
 
 bool CanDequantize(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
-    case GgmlType::kF32: case GgmlType::kF16: case GgmlType::kBF16:
-    case GgmlType::kQ8_0: case GgmlType::kQ4_0: case GgmlType::kQ4_1:
-      return true;
-    default:
-      return false;
+    case GgmlType::kF32:
+    case GgmlType::kF16:
+    case GgmlType::kBF16:
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_0:
+    case GgmlType::kQ4_1: return true;
+    default: return false;
   }
 }
 
 Status DequantizeGguf(uint32_t type, const uint8_t* src, int64_t n, float* dst) {
   const model::GgmlTypeInfo* info = model::FindGgmlType(type);
   if (info == nullptr || !CanDequantize(type)) {
-    return Unimplemented(std::string("ggml type ") + (info != nullptr ? info->name : std::to_string(type)) +
+    return Unimplemented(std::string("ggml type ") +
+                         (info != nullptr ? info->name : std::to_string(type)) +
                          " is not read (kdn reads F32, F16, BF16, Q8_0, Q4_0, Q4_1)");
   }
   if (n < 0 || n % info->block_elements != 0) {
@@ -120,10 +124,10 @@ std::string GgufTensorName(const std::string& hf) {
   const std::string layer = hf.substr(kLayer.size(), dot - kLayer.size());
   const std::string rest = hf.substr(dot + 1);
   static const std::pair<const char*, const char*> kParts[] = {
-      {"input_layernorm.", "attn_norm."},     {"self_attn.q_proj.", "attn_q."},
-      {"self_attn.k_proj.", "attn_k."},       {"self_attn.v_proj.", "attn_v."},
-      {"self_attn.o_proj.", "attn_output."},  {"post_attention_layernorm.", "ffn_norm."},
-      {"mlp.gate_proj.", "ffn_gate."},        {"mlp.up_proj.", "ffn_up."},
+      {"input_layernorm.", "attn_norm."},    {"self_attn.q_proj.", "attn_q."},
+      {"self_attn.k_proj.", "attn_k."},      {"self_attn.v_proj.", "attn_v."},
+      {"self_attn.o_proj.", "attn_output."}, {"post_attention_layernorm.", "ffn_norm."},
+      {"mlp.gate_proj.", "ffn_gate."},       {"mlp.up_proj.", "ffn_up."},
       {"mlp.down_proj.", "ffn_down."},
   };
   for (const auto& [from, to] : kParts) {

@@ -42,8 +42,12 @@ void KvSequence::Truncate(int64_t new_length) {
 }
 
 KvCache::KvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
-    : num_layers_(num_layers), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-      num_blocks_(num_blocks), refs_(num_blocks, 0), index_refs_(num_blocks, 0) {
+    : num_layers_(num_layers),
+      num_kv_heads_(num_kv_heads),
+      head_dim_(head_dim),
+      num_blocks_(num_blocks),
+      refs_(num_blocks, 0),
+      index_refs_(num_blocks, 0) {
   free_.reserve(num_blocks);
   for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
 }
@@ -96,8 +100,8 @@ Status KvCache::Reserve(KvSequence& seq, int64_t new_length) {
   if (free_.size() < total && (free_blocks() < static_cast<int>(total) || !EvictFor(total))) {
     return ResourceExhausted("KV cache: " + std::to_string(total) + " more blocks needed for " +
                              std::to_string(new_length) + " tokens, " +
-                             std::to_string(free_blocks()) + " of " +
-                             std::to_string(num_blocks_) + " free");
+                             std::to_string(free_blocks()) + " of " + std::to_string(num_blocks_) +
+                             " free");
   }
   // Evicting may have left the last block to this sequence alone.
   if (const int64_t at = shared_last(); at >= 0) {
@@ -290,8 +294,8 @@ Status CpuKvCache::CopyBlock(int32_t from, int32_t to) {
   return Status::Ok();
 }
 
-Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int layers,
-                            int64_t first, int64_t count, DType dtype, uint8_t* out) const {
+Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                            int64_t count, DType dtype, uint8_t* out) const {
   const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
   for (int l = layer0; l < layer0 + layers; ++l, out += LayerBytes(count, dtype)) {
     ForEachRun(k_[l], v_[l], blocks, first, count, token_stride(), row_bytes,
@@ -303,8 +307,8 @@ Status CpuKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int lay
   return Status::Ok();
 }
 
-Status CpuKvCache::WriteRows(std::span<const int32_t> blocks, int layer0, int layers,
-                             int64_t first, int64_t count, DType dtype, const uint8_t* in) {
+Status CpuKvCache::WriteRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                             int64_t count, DType dtype, const uint8_t* in) {
   const size_t row_bytes = static_cast<size_t>(token_stride()) * DTypeSize(dtype);
   for (int l = layer0; l < layer0 + layers; ++l, in += LayerBytes(count, dtype)) {
     ForEachRun(k_[l], v_[l], blocks, first, count, token_stride(), row_bytes,

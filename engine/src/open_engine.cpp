@@ -98,16 +98,16 @@ Result<int64_t> KvTokensForMemoryShare(const ModelConfig& config, const OpenOpti
   const int64_t share = static_cast<int64_t>(std::floor(o.gpu_mem_fraction * mem.total_bytes));
   const int64_t fixed_bytes = cuda::EstimateDeviceBytes(config, fixed);
   const int64_t rest = share - fixed_bytes;
-  const int64_t tokens = rest > 0 ? rest / cuda::KvBytesPerToken(config) / kKvBlockTokens *
-                                        kKvBlockTokens
-                                  : 0;
+  const int64_t tokens =
+      rest > 0 ? rest / cuda::KvBytesPerToken(config) / kKvBlockTokens * kKvBlockTokens : 0;
   if (tokens < kMinPoolTokens) {
     auto mib = [](int64_t b) { return std::to_string(b / (int64_t{1} << 20)) + " MiB"; };
-    return FailedPrecondition(
-        o.device.ToString() + ": a --gpu-mem-fraction of " + std::to_string(o.gpu_mem_fraction) +
-        " is " + mib(share) + " of " + mib(mem.total_bytes) + ", but the model's weights, "
-        "activations and workspaces alone take about " + mib(fixed_bytes) +
-        "; give it a larger share");
+    return FailedPrecondition(o.device.ToString() + ": a --gpu-mem-fraction of " +
+                              std::to_string(o.gpu_mem_fraction) + " is " + mib(share) + " of " +
+                              mib(mem.total_bytes) +
+                              ", but the model's weights, "
+                              "activations and workspaces alone take about " +
+                              mib(fixed_bytes) + "; give it a larger share");
   }
   return tokens;
 #else

@@ -56,19 +56,19 @@ std::vector<Preset> MakePresets() {
                Shape(Architecture::kLlama, 258, 512, 1408, 16, 8, 4, 64, 10000.0, false, 8192),
                DType::kBF16});
   {
-    ModelConfig c = Shape(Architecture::kLlama, 128256, 4096, 14336, 32, 32, 8, 128, 500000.0,
-                          false, 131072);
+    ModelConfig c =
+        Shape(Architecture::kLlama, 128256, 4096, 14336, 32, 32, 8, 128, 500000.0, false, 131072);
     c.rope_scaling = {model::RopeType::kLlama3, 8.0, 1.0, 4.0, 8192};
     p.push_back({"llama3-8b", "the shape of Llama-3.1-8B (16 GB in bf16)", c, DType::kBF16});
   }
-  p.push_back({"qwen2.5-7b", "the shape of Qwen2.5-7B (15 GB in bf16)",
-               Shape(Architecture::kQwen2, 152064, 3584, 18944, 28, 28, 4, 128, 1000000.0, false,
-                     32768),
-               DType::kBF16});
-  p.push_back({"mistral-7b", "the shape of Mistral-7B-v0.3 (14 GB in bf16)",
-               Shape(Architecture::kMistral, 32768, 4096, 14336, 32, 32, 8, 128, 1000000.0, false,
-                     32768),
-               DType::kBF16});
+  p.push_back(
+      {"qwen2.5-7b", "the shape of Qwen2.5-7B (15 GB in bf16)",
+       Shape(Architecture::kQwen2, 152064, 3584, 18944, 28, 28, 4, 128, 1000000.0, false, 32768),
+       DType::kBF16});
+  p.push_back(
+      {"mistral-7b", "the shape of Mistral-7B-v0.3 (14 GB in bf16)",
+       Shape(Architecture::kMistral, 32768, 4096, 14336, 32, 32, 8, 128, 1000000.0, false, 32768),
+       DType::kBF16});
   return p;
 }
 
@@ -86,7 +86,8 @@ uint64_t Fnv1a(const std::string& s) {
 }
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace

@@ -12,10 +12,14 @@ using nlohmann::json;
 namespace {
 
 bool ParseDType(const std::string& s, DType* out) {
-  if (s == "F32") *out = DType::kF32;
-  else if (s == "F16") *out = DType::kF16;
-  else if (s == "BF16") *out = DType::kBF16;
-  else return false;
+  if (s == "F32")
+    *out = DType::kF32;
+  else if (s == "F16")
+    *out = DType::kF16;
+  else if (s == "BF16")
+    *out = DType::kBF16;
+  else
+    return false;
   return true;
 }
 
@@ -77,7 +81,8 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::filesy
   KDN_ASSIGN_OR_RETURN(auto mapped, MappedFile::Open(path));
   const size_t size = mapped->size();
   if (size < 8) {
-    return Corruption(where + ": " + std::to_string(size) + " bytes, too short for a safetensors file");
+    return Corruption(where + ": " + std::to_string(size) +
+                      " bytes, too short for a safetensors file");
   }
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
@@ -92,8 +97,8 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::filesy
   json header = json::parse(bytes + 8, bytes + 8 + header_len, nullptr, false);
   if (header.is_discarded()) return Corruption(where + ": header is not valid JSON");
   try {
-    KDN_RETURN_IF_ERROR(ParseHeader(where, header, bytes + 8 + header_len, size - 8 - header_len,
-                                    &f->tensors_));
+    KDN_RETURN_IF_ERROR(
+        ParseHeader(where, header, bytes + 8 + header_len, size - 8 - header_len, &f->tensors_));
   } catch (const json::exception& e) {
     return Corruption(where + ": malformed header: " + e.what());
   }
@@ -125,7 +130,8 @@ Status SafetensorsWriter::Begin() {
   json header = json::object();
   size_t offset = 0;
   for (const Decl& d : decls_) {
-    header[d.name] = {{"dtype", DTypeName(d.dtype)}, {"shape", d.shape},
+    header[d.name] = {{"dtype", DTypeName(d.dtype)},
+                      {"shape", d.shape},
                       {"data_offsets", {offset, offset + d.bytes}}};
     offset += d.bytes;
   }
@@ -175,7 +181,8 @@ Status SafetensorsWriter::Append(const float* src, size_t n) {
 Status SafetensorsWriter::Finish() {
   if (file_ == nullptr) return Internal(path_.string() + ": Finish before Begin");
   if (current_ != decls_.size()) {
-    return Internal(path_.string() + ": tensor \"" + decls_[current_].name + "\" not fully written");
+    return Internal(path_.string() + ": tensor \"" + decls_[current_].name +
+                    "\" not fully written");
   }
   const bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
   std::fclose(file_);

@@ -17,9 +17,7 @@ int DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 void ToFloat(DType t, const void* src, size_t n, float* dst) {
   switch (t) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * 4);
-      return;
+    case DType::kF32: std::memcpy(dst, src, n * 4); return;
     case DType::kBF16: {
       const auto* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
@@ -35,9 +33,7 @@ void ToFloat(DType t, const void* src, size_t n, float* dst) {
 
 void FromFloat(DType t, const float* src, size_t n, void* dst) {
   switch (t) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * 4);
-      return;
+    case DType::kF32: std::memcpy(dst, src, n * 4); return;
     case DType::kBF16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = F32ToBf16(src[i]);

@@ -58,11 +58,13 @@ Result<std::map<std::string, std::string>> WeightMap(const std::filesystem::path
     }
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       if (!it.value().is_string()) {
-        return Corruption(index.string() + ": weight_map entry \"" + it.key() + "\" is not a file name");
+        return Corruption(index.string() + ": weight_map entry \"" + it.key() +
+                          "\" is not a file name");
       }
       const std::string file = it.value().get<std::string>();
       if (file.find('/') != std::string::npos || file == "..") {
-        return Corruption(index.string() + ": shard name \"" + file + "\" is not a plain file name");
+        return Corruption(index.string() + ": shard name \"" + file +
+                          "\" is not a plain file name");
       }
       map[it.key()] = file;
     }

@@ -14,7 +14,7 @@
 namespace kdn::kvbridge {
 
 kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& c, std::string_view weight_dtype,
-                          std::string_view kv_dtype, uint64_t weights_digest) {
+                                 std::string_view kv_dtype, uint64_t weights_digest) {
   // A canonical text: one "name=value" line per field, then every tensor.
   std::string s = "kdn-model-fingerprint\n";
   char buf[512];
@@ -25,7 +25,8 @@ kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& c, std::string_view w
                 "rope_original_max=%lld\nqkv_bias=%d\no_bias=%d\ntied=%d\n",
                 model::ArchitectureName(c.architecture), c.vocab_size, c.hidden_size,
                 c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
-                c.rms_norm_eps, c.rope_theta, c.rope_scaling.type == model::RopeType::kLlama3 ? 1 : 0, c.rope_scaling.factor,
+                c.rms_norm_eps, c.rope_theta,
+                c.rope_scaling.type == model::RopeType::kLlama3 ? 1 : 0, c.rope_scaling.factor,
                 c.rope_scaling.low_freq_factor, c.rope_scaling.high_freq_factor,
                 static_cast<long long>(c.rope_scaling.original_max_position_embeddings),
                 c.qkv_bias ? 1 : 0, c.o_bias ? 1 : 0, c.tie_word_embeddings ? 1 : 0);

@@ -18,11 +18,9 @@ using kvbus::ChunkKey;
 using kvbus::KvDType;
 
 // Layers [layer0, layer0 + layers) of tokens [first, first + count) of `seq`.
-Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cache,
-                                               const engine::KvSequence& seq, int64_t first,
-                                               int64_t count, int layer0, int layers,
-                                               const ChunkKey& key,
-                                               const ChunkKey& model_fingerprint, KvDType dtype) {
+Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
+    const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
+    int layer0, int layers, const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
   if (first < 0 || count <= 0 || first + count > seq.length()) {
     return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
                            std::to_string(first + count) + ") are not all in a sequence of " +
@@ -33,9 +31,13 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cac
                            std::to_string(layer0 + layers) + ") are not all in a cache of " +
                            std::to_string(cache.num_layers()));
   }
-  ChunkInfo info{key, model_fingerprint, static_cast<uint32_t>(layers),
+  ChunkInfo info{key,
+                 model_fingerprint,
+                 static_cast<uint32_t>(layers),
                  static_cast<uint32_t>(cache.num_kv_heads()),
-                 static_cast<uint32_t>(cache.head_dim()), static_cast<uint32_t>(count), dtype,
+                 static_cast<uint32_t>(cache.head_dim()),
+                 static_cast<uint32_t>(count),
+                 dtype,
                  first};
   // The payload is the cache's layers, each K rows then V rows: one read.
   const size_t bytes = layers * cache.LayerBytes(count, EngineDType(dtype));
@@ -50,9 +52,8 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(const engine::KvCache& cac
 
 // Writes the chunk's layers [src_layer, src_layer + n_layers) into the
 // cache's layers from layer0 on.
-Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
-               engine::KvCache& cache, engine::KvSequence& seq, int64_t first,
-               int64_t skip = 0) {
+Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0, engine::KvCache& cache,
+               engine::KvSequence& seq, int64_t first, int64_t skip = 0) {
   const ChunkInfo& info = chunk.info();
   if (chunk.encoded()) {
     return InvalidArgument("chunk " + info.key.ToHex() +
@@ -61,13 +62,12 @@ Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0,
   if (layer0 < 0 || layer0 + static_cast<int64_t>(n_layers) > cache.num_layers() ||
       static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
       static_cast<int>(info.head_dim) != cache.head_dim()) {
-    return InvalidArgument("chunk " + info.key.ToHex() + " has " + std::to_string(info.layers) +
-                           " layers x " + std::to_string(info.kv_heads) + " KV heads x " +
-                           std::to_string(info.head_dim) + "; the cache from layer " +
-                           std::to_string(layer0) + " has " +
-                           std::to_string(cache.num_layers() - layer0) + " x " +
-                           std::to_string(cache.num_kv_heads()) + " x " +
-                           std::to_string(cache.head_dim()));
+    return InvalidArgument(
+        "chunk " + info.key.ToHex() + " has " + std::to_string(info.layers) + " layers x " +
+        std::to_string(info.kv_heads) + " KV heads x " + std::to_string(info.head_dim) +
+        "; the cache from layer " + std::to_string(layer0) + " has " +
+        std::to_string(cache.num_layers() - layer0) + " x " + std::to_string(cache.num_kv_heads()) +
+        " x " + std::to_string(cache.head_dim()));
   }
   const int64_t end = first + info.tokens;
   if (first < 0 || end > seq.reserved() || skip < 0 || skip >= info.tokens) {
@@ -106,11 +106,9 @@ void PinChunkBuffersFor(const engine::Engine& engine) {
        [unpin = pinning->unpin](void* p) { unpin(p); }});
 }
 
-Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(const engine::KvCache& cache,
-                                                      const engine::KvSequence& seq, int64_t first,
-                                                      int64_t count, const ChunkKey& key,
-                                                      const ChunkKey& model_fingerprint,
-                                                      KvDType dtype) {
+Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
+    const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
+    const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
   return FromPaged(cache, seq, first, count, 0, cache.num_layers(), key, model_fingerprint, dtype);
 }
 
@@ -130,18 +128,15 @@ Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::KvCache& cache
       layer >= cache.num_layers()) {
     return InvalidArgument("chunk " + chunk.key().ToHex() + " has " +
                            std::to_string(chunk.info().layers) + " layers, the cache " +
-                           std::to_string(cache.num_layers()) + "; layer " +
-                           std::to_string(layer) + " asked for");
+                           std::to_string(cache.num_layers()) + "; layer " + std::to_string(layer) +
+                           " asked for");
   }
   return ToPaged(chunk, layer, 1, layer, cache, seq, first);
 }
 
-Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(const engine::KvCache& cache,
-                                                           const engine::KvSequence& seq,
-                                                           int64_t first, int64_t count, int layer,
-                                                           const ChunkKey& key,
-                                                           const ChunkKey& model_fingerprint,
-                                                           KvDType dtype) {
+Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
+    const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
+    int layer, const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
   return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype);
 }
 

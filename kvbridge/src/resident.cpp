@@ -19,17 +19,15 @@ std::vector<kvbus::KeyedSpan> MatchResident(const engine::KvCache& cache,
                                             std::span<const int32_t> tokens,
                                             std::span<const kvbus::ChunkKey> prefix_keys,
                                             int64_t limit, int64_t min_tail_tokens) {
-  return kvbus::MatchPrefix(ctx, tokens, prefix_keys, limit, min_tail_tokens,
-                            [&](const kvbus::KeyedSpan& s) {
-                              return cache.IsResident(ResidentKey(s.key));
-                            });
+  return kvbus::MatchPrefix(
+      ctx, tokens, prefix_keys, limit, min_tail_tokens,
+      [&](const kvbus::KeyedSpan& s) { return cache.IsResident(ResidentKey(s.key)); });
 }
 
 }  // namespace
 
 Result<int64_t> AttachResidentPrefix(engine::KvCache& cache, engine::KvSequence& seq,
-                                     const kvbus::KeyContext& ctx,
-                                     std::span<const int32_t> tokens,
+                                     const kvbus::KeyContext& ctx, std::span<const int32_t> tokens,
                                      std::span<const kvbus::ChunkKey> prefix_keys, int64_t limit,
                                      int64_t min_tail_tokens) {
   const std::vector<kvbus::KeyedSpan> spans =

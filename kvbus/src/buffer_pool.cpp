@@ -92,8 +92,7 @@ Result<void*> BufferPool::State::Map(size_t bytes) {
   return p;
 }
 
-BufferPool::BufferPool(uint64_t max_idle_bytes)
-    : state_(std::make_shared<State>(max_idle_bytes)) {}
+BufferPool::BufferPool(uint64_t max_idle_bytes) : state_(std::make_shared<State>(max_idle_bytes)) {}
 
 BufferPool::~BufferPool() = default;
 

@@ -6,7 +6,6 @@
 
 #include "kdn/kvbus/buffer_pool.h"
 
-
 namespace kdn::kvbus {
 
 namespace {
@@ -139,8 +138,7 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
                       std::to_string(kEncodedChunkFormatVersion));
   }
   const uint32_t codec = Get32(h + kOffCodec);
-  if (version == kChunkFormatVersion ? codec != 0
-                                     : codec != static_cast<uint32_t>(KvCodec::kKvc)) {
+  if (version == kChunkFormatVersion ? codec != 0 : codec != static_cast<uint32_t>(KvCodec::kKvc)) {
     return Corruption("chunk: unknown codec " + std::to_string(codec) + " in a version " +
                       std::to_string(version) + " chunk");
   }
@@ -177,9 +175,9 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
   }
   const uint64_t expect = info.codec == KvCodec::kRaw ? info.payload_bytes() : payload;
   if (payload != expect || payload != size - kHeaderBytes) {
-    return Corruption(what + ": header says " + std::to_string(payload) + " payload bytes, shape implies " +
-                      std::to_string(info.payload_bytes()) + ", " +
-                      std::to_string(size - kHeaderBytes) + " present");
+    return Corruption(what + ": header says " + std::to_string(payload) +
+                      " payload bytes, shape implies " + std::to_string(info.payload_bytes()) +
+                      ", " + std::to_string(size - kHeaderBytes) + " present");
   }
   if (Get64(h + kOffPayloadSum) != XXH3_64bits(h + kHeaderBytes, payload)) {
     return Corruption(what + ": payload checksum mismatch");

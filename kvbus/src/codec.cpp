@@ -32,9 +32,7 @@ constexpr double kEntropyMinSaving = 0.10;
 float LoadF(KvDType dtype, const uint8_t* p) {
   uint32_t u = 0;
   switch (dtype) {
-    case KvDType::kF32:
-      std::memcpy(&u, p, 4);
-      return std::bit_cast<float>(u);
+    case KvDType::kF32: std::memcpy(&u, p, 4); return std::bit_cast<float>(u);
     case KvDType::kBF16: return Bf16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
     case KvDType::kF16: return F16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
   }
@@ -54,7 +52,9 @@ void StoreRow(KvDType dtype, const float* row, size_t n, uint8_t* out) {
   }
 }
 
-uint32_t ZigZag(int32_t d) { return (static_cast<uint32_t>(d) << 1) ^ static_cast<uint32_t>(d >> 31); }
+uint32_t ZigZag(int32_t d) {
+  return (static_cast<uint32_t>(d) << 1) ^ static_cast<uint32_t>(d >> 31);
+}
 int32_t UnZigZag(uint32_t z) { return static_cast<int32_t>(z >> 1) ^ -static_cast<int32_t>(z & 1); }
 
 // A residual z (a zigzagged difference, under 2^9) as a bucket symbol and
@@ -92,7 +92,8 @@ const BucketBase kBucketBase;
 // Estimated bits to code `counts` with a table fitted to them, the table
 // included (about 12 bits a symbol).
 double CostBits(const std::vector<uint64_t>& counts) {
-  const double total = static_cast<double>(std::accumulate(counts.begin(), counts.end(), uint64_t{0}));
+  const double total =
+      static_cast<double>(std::accumulate(counts.begin(), counts.end(), uint64_t{0}));
   double bits = 0;
   for (uint64_t n : counts) {
     if (n > 0) bits += static_cast<double>(n) * std::log2(total / static_cast<double>(n)) + 12;
@@ -134,7 +135,8 @@ void EncodeBytesPlane(const Plane& p, std::vector<uint8_t>& out) {
   RansEncoder enc;
   for (size_t i = 0; i < n; ++i) {
     for (int b = 0; b < esize; ++b) {
-      if (!verbatim[b]) enc.Add(static_cast<int>(i & 1), static_cast<uint8_t>(b), p.data[i * esize + b]);
+      if (!verbatim[b])
+        enc.Add(static_cast<int>(i & 1), static_cast<uint8_t>(b), p.data[i * esize + b]);
     }
   }
   PutStream(out, enc.Finish(ptrs));
@@ -158,7 +160,8 @@ Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
   for (size_t i = 0; i < n && !coded.empty(); i += 2) {
     for (int b : coded) out[i * esize + b] = static_cast<uint8_t>(s.Get(x0, tables[b].data()));
     if (i + 1 == n) break;
-    for (int b : coded) out[(i + 1) * esize + b] = static_cast<uint8_t>(s.Get(x1, tables[b].data()));
+    for (int b : coded)
+      out[(i + 1) * esize + b] = static_cast<uint8_t>(s.Get(x1, tables[b].data()));
   }
   if (!s.Done(x0, x1)) return Corruption("kvc: a byte plane's stream does not decode");
   for (int b = 0; b < esize; ++b) {
@@ -313,7 +316,8 @@ Status DecodePackedPlane(Reader& in, const Plane& p, uint8_t* out) {
   const int esize = KvDTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
   const int bits = in.U8();
-  if (!in.ok() || bits < 1 || bits > 8) return Corruption("kvc: a plane of " + std::to_string(bits) + " bits");
+  if (!in.ok() || bits < 1 || bits > 8)
+    return Corruption("kvc: a plane of " + std::to_string(bits) + " bits");
   std::vector<float> lo(C), step(C);
   for (uint32_t c = 0; c < C; ++c) {
     lo[c] = in.F32();
@@ -350,7 +354,8 @@ Status DecodeQuantizedPlane(Reader& in, const Plane& p, bool delta, uint8_t* out
   const int esize = KvDTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
   const int bits = in.U8();
-  if (!in.ok() || bits < 1 || bits > 8) return Corruption("kvc: a plane of " + std::to_string(bits) + " bits");
+  if (!in.ok() || bits < 1 || bits > 8)
+    return Corruption("kvc: a plane of " + std::to_string(bits) + " bits");
   const int32_t levels = (1 << bits) - 1;
   std::vector<float> lo(C), step(C);
   std::vector<int32_t> pred(C);
@@ -427,8 +432,8 @@ std::string CodecLevelName(CodecLevel level) {
 }
 
 bool ValidCodecLevel(CodecLevel level) {
-  return level.raw() ||
-         (level.codec == KvCodec::kKvc && (level.level == 0 || (level.level >= 2 && level.level <= 8)));
+  return level.raw() || (level.codec == KvCodec::kKvc &&
+                         (level.level == 0 || (level.level >= 2 && level.level <= 8)));
 }
 
 int LayerBits(uint32_t level, uint32_t layer, uint32_t layers) {
@@ -514,9 +519,9 @@ Result<std::shared_ptr<const Chunk>> DecodeChunk(std::shared_ptr<const Chunk> ch
 
 namespace {
 uint64_t NanosSince(std::chrono::steady_clock::time_point t0) {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now() - t0)
-                                   .count());
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
 }
 }  // namespace
 
@@ -563,9 +568,8 @@ TierStats CodecTier::Stats() {
 }
 
 CodecStats CodecTier::codec_stats() const {
-  return {encoded_.load(),  raw_bytes_.load(),      encoded_bytes_.load(),
-          decoded_.load(),  decode_errors_.load(), encode_ns_.load() * 1e-9,
-          decode_ns_.load() * 1e-9};
+  return {encoded_.load(),       raw_bytes_.load(),        encoded_bytes_.load(),   decoded_.load(),
+          decode_errors_.load(), encode_ns_.load() * 1e-9, decode_ns_.load() * 1e-9};
 }
 
 }  // namespace kdn::kvbus

@@ -61,8 +61,8 @@ Status WriteCurveKeys(const std::string& path, const CurveKeys& keys) {
   std::string text =
       "# kdn deployment key: ZeroMQ CURVE, Z85 (docs/kvbus.md, \"Authenticated sockets\").\n"
       "# Every process of the deployment reads it (--curve-keys); keep it private.\n"
-      "public-key = " + keys.public_key + "\n" +
-      "secret-key = " + keys.secret_key + "\n" +
+      "public-key = " +
+      keys.public_key + "\n" + "secret-key = " + keys.secret_key + "\n" +
       (keys.server_key.empty() ? "" : "server-key = " + keys.server_key + "\n") +
       (keys.router_key.empty() ? "" : "router-key = " + keys.router_key + "\n");
   bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
@@ -75,7 +75,7 @@ Status WriteCurveKeys(const std::string& path, const CurveKeys& keys) {
 }
 
 Result<CurveKeys> ReadCurveKeys(const std::string& path) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return NotFound("CURVE key file " + path + " does not exist");
     return IoError("cannot stat " + path + ": " + std::strerror(errno));
@@ -202,18 +202,19 @@ void CurveAuthenticator::Run() {
       } while (frames.back().more());
       // Each domain admits one key: a data socket the members', a control
       // socket the router's.
-      const bool ok = frames.size() >= 7 && frames[0].to_string_view() == "1.0" &&
-                      frames[5].to_string_view() == "CURVE" &&
-                      ((frames[2].to_string_view() == kDataDomain &&
-                        frames[6].to_string_view() == data_key_) ||
-                       (frames[2].to_string_view() == kControlDomain &&
-                        frames[6].to_string_view() == control_key_));
+      const bool ok =
+          frames.size() >= 7 && frames[0].to_string_view() == "1.0" &&
+          frames[5].to_string_view() == "CURVE" &&
+          ((frames[2].to_string_view() == kDataDomain && frames[6].to_string_view() == data_key_) ||
+           (frames[2].to_string_view() == kControlDomain &&
+            frames[6].to_string_view() == control_key_));
       (ok ? admitted_ : refused_).fetch_add(1, std::memory_order_relaxed);
       if (!ok && frames.size() >= 4) {
-        refusals.Warn("refused a connection from {} to a {} socket: it does not hold the "
-                      "deployment's CURVE key for it",
-                      frames[3].to_string(),
-                      frames[2].to_string_view() == kControlDomain ? "control" : "data");
+        refusals.Warn(
+            "refused a connection from {} to a {} socket: it does not hold the "
+            "deployment's CURVE key for it",
+            frames[3].to_string(),
+            frames[2].to_string_view() == kControlDomain ? "control" : "data");
       }
       const std::string request_id = frames.size() >= 2 ? frames[1].to_string() : "";
       socket_.send(zmq::buffer(std::string_view("1.0")), zmq::send_flags::sndmore);

@@ -176,7 +176,8 @@ Status DiskTier::Rebuild() {
         fs::remove(f->path(), rec);
         continue;
       }
-      if (!f->is_regular_file(fec) || name.size() != 32 + 4 || !name.ends_with(kExtension)) continue;
+      if (!f->is_regular_file(fec) || name.size() != 32 + 4 || !name.ends_with(kExtension))
+        continue;
       const std::string hex = name.substr(0, 32);
       auto key = ChunkKey::FromHex(hex);
       // Only the canonical name in the right folder: anything else is not ours.
@@ -187,7 +188,8 @@ Status DiskTier::Rebuild() {
       if (sec) continue;  // vanished while we looked
       found.push_back({mtime, *key, size});
     }
-    if (fec) return IoError("disk tier: read folder " + sub->path().string() + ": " + fec.message());
+    if (fec)
+      return IoError("disk tier: read folder " + sub->path().string() + ": " + fec.message());
   }
   if (ec) return IoError("disk tier: read folder " + dir_.string() + ": " + ec.message());
   // Oldest first, so the newest ends up most recent; ties broken by key so

@@ -68,15 +68,20 @@ std::string ChunkKey::ToHex() const {
 }
 
 Result<ChunkKey> ChunkKey::FromHex(std::string_view hex) {
-  if (hex.size() != 32) return InvalidArgument("chunk key must be 32 hex digits, got \"" + std::string(hex) + "\"");
+  if (hex.size() != 32)
+    return InvalidArgument("chunk key must be 32 hex digits, got \"" + std::string(hex) + "\"");
   ChunkKey k;
   for (size_t i = 0; i < 32; ++i) {
     const char c = hex[i];
     int v;
-    if (c >= '0' && c <= '9') v = c - '0';
-    else if (c >= 'a' && c <= 'f') v = c - 'a' + 10;
-    else if (c >= 'A' && c <= 'F') v = c - 'A' + 10;
-    else return InvalidArgument("chunk key \"" + std::string(hex) + "\" is not hex");
+    if (c >= '0' && c <= '9')
+      v = c - '0';
+    else if (c >= 'a' && c <= 'f')
+      v = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F')
+      v = c - 'A' + 10;
+    else
+      return InvalidArgument("chunk key \"" + std::string(hex) + "\" is not hex");
     uint64_t& half = i < 16 ? k.hi : k.lo;
     half = (half << 4) | static_cast<uint64_t>(v);
   }
@@ -173,8 +178,8 @@ std::vector<KeyedSpan> MatchTail(const KeyContext& ctx, std::span<const int32_t>
                                  int64_t limit, const std::function<bool(const KeyedSpan&)>& held) {
   std::vector<KeyedSpan> spans;
   const int64_t first = full_chunks * ctx.chunk_tokens;
-  limit = std::min<int64_t>({limit, ctx.chunk_tokens - 1,
-                             static_cast<int64_t>(tokens.size()) - first});
+  limit =
+      std::min<int64_t>({limit, ctx.chunk_tokens - 1, static_cast<int64_t>(tokens.size()) - first});
   if (ctx.chunk_tokens <= 1 || full_chunks < 0 ||
       full_chunks > static_cast<int64_t>(prefix_keys.size()) || limit < 1) {
     return spans;
@@ -209,7 +214,8 @@ std::vector<KeyedSpan> MatchPrefix(const KeyContext& ctx, std::span<const int32_
     if (!held(s)) break;
     spans.push_back(s);
   }
-  const std::vector<KeyedSpan> tail = MatchTail(ctx, tokens, prefix_keys, full, limit - full * C, held);
+  const std::vector<KeyedSpan> tail =
+      MatchTail(ctx, tokens, prefix_keys, full, limit - full * C, held);
   if (!tail.empty() && SpannedTokens(tail) - full * C >= min_tail_tokens) {
     spans.insert(spans.end(), tail.begin(), tail.end());
   }

@@ -23,7 +23,8 @@ EncTable Normalize(const std::vector<uint64_t>& counts) {
   // Hand the rounding error to (or take it from) the most frequent symbols.
   std::vector<uint32_t> order(n);
   std::iota(order.begin(), order.end(), 0u);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return t.freq[a] > t.freq[b]; });
+  std::sort(order.begin(), order.end(),
+            [&](uint32_t a, uint32_t b) { return t.freq[a] > t.freq[b]; });
   int64_t diff = static_cast<int64_t>(kProbScale) - sum;
   if (diff > 0) t.freq[order[0]] += static_cast<uint32_t>(diff);
   for (size_t i = 0; diff < 0; i = (i + 1) % n) {

@@ -118,7 +118,8 @@ class RansEncoder {
     items_.push_back({static_cast<uint8_t>(state), table, sym});
   }
   void AddBits(int state, int k, uint16_t value) {
-    if (k > 0) items_.push_back({static_cast<uint8_t>(state), static_cast<uint8_t>(kBitsFlag | k), value});
+    if (k > 0)
+      items_.push_back({static_cast<uint8_t>(state), static_cast<uint8_t>(kBitsFlag | k), value});
   }
   std::vector<uint8_t> Finish(const std::vector<const EncTable*>& tables) const;
 

@@ -30,7 +30,8 @@ Result<uint32_t> RegionTable::Register(const Region& region) {
 
 Status RegionTable::Unregister(uint32_t id) {
   MutexLock lock(mu_);
-  if (regions_.erase(id) == 0) return NotFound("kvbus region " + std::to_string(id) + " is not registered");
+  if (regions_.erase(id) == 0)
+    return NotFound("kvbus region " + std::to_string(id) + " is not registered");
   return Status::Ok();
 }
 
@@ -38,7 +39,8 @@ Result<uint8_t*> RegionTable::Resolve(uint32_t id, uint64_t offset, uint64_t byt
                                       int device) const {
   MutexLock lock(mu_);
   auto it = regions_.find(id);
-  if (it == regions_.end()) return NotFound("kvbus region " + std::to_string(id) + " is not registered");
+  if (it == regions_.end())
+    return NotFound("kvbus region " + std::to_string(id) + " is not registered");
   const Region& r = it->second;
   const std::string what = "kvbus region " + std::to_string(id) + " (" + MemoryKindName(r.kind) +
                            (r.kind == MemoryKind::kDevice ? " " + std::to_string(r.device) : "") +

@@ -61,7 +61,7 @@ class RangeAllocator {
  private:
   static uint64_t Round(uint64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
   std::map<uint64_t, uint64_t> free_;  // offset -> size
-  uint64_t usable_bytes_ = 0;  // whole pages of the segment
+  uint64_t usable_bytes_ = 0;          // whole pages of the segment
   uint64_t free_bytes_ = 0;
 };
 

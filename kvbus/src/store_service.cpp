@@ -23,7 +23,8 @@ std::string KeyBytes(const ChunkKey& k) {
 }
 
 Result<ChunkKey> ParseKey(const std::string& s) {
-  if (s.size() != 16) return InvalidArgument("key of " + std::to_string(s.size()) + " bytes, expected 16");
+  if (s.size() != 16)
+    return InvalidArgument("key of " + std::to_string(s.size()) + " bytes, expected 16");
   return ChunkKey::FromBytes(reinterpret_cast<const uint8_t*>(s.data()));
 }
 
@@ -40,8 +41,8 @@ void FillStats(proto::StoreTierStats* out, const std::string& name, const TierSt
 }
 
 TierStats FromProto(const proto::StoreTierStats& p) {
-  return TierStats{p.chunks(), p.bytes(), p.capacity_bytes(), p.hits(), p.misses(),
-                   p.puts(),   p.evictions(), p.corrupt()};
+  return TierStats{p.chunks(), p.bytes(), p.capacity_bytes(), p.hits(),
+                   p.misses(), p.puts(),  p.evictions(),      p.corrupt()};
 }
 
 void SetStatus(proto::StoreReply* reply, const Status& st) {
@@ -88,7 +89,8 @@ struct StoreServer::Impl {
         return;
       }
       case proto::StoreRequest::kPut: {
-        if (payload == nullptr) return SetStatus(reply, InvalidArgument("put without a chunk frame"));
+        if (payload == nullptr)
+          return SetStatus(reply, InvalidArgument("put without a chunk frame"));
         const auto* d = static_cast<const uint8_t*>(payload->data());
         auto chunk = Chunk::Parse(std::vector<uint8_t>(d, d + payload->size()));
         if (!chunk.ok()) return SetStatus(reply, chunk.status());
@@ -125,8 +127,7 @@ struct StoreServer::Impl {
         std::shared_ptr<const Chunk> reply_chunk;
         if (!req.ParseFromArray(frames[1].data(), static_cast<int>(frames[1].size()))) {
           static LogLimiter malformed;  // a client can send them without end
-          malformed.Warn("kdn-store: answering a malformed request of {} bytes",
-                         frames[1].size());
+          malformed.Warn("kdn-store: answering a malformed request of {} bytes", frames[1].size());
           SetStatus(&reply, InvalidArgument("malformed request"));
         } else {
           Handle(req, frames.size() > 2 ? &frames[2] : nullptr, &reply, &reply_chunk);
@@ -277,9 +278,9 @@ struct RemoteStore::Impl {
     std::atomic<int64_t>& busy_since = lane.busy_since;
     const auto wait = std::min(timeout, options.lookup_timeout);
     const int64_t since = busy_since.load();
-    if ((since != 0 && std::chrono::steady_clock::now().time_since_epoch().count() - since >
-                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait)
-                               .count()) ||
+    if ((since != 0 &&
+         std::chrono::steady_clock::now().time_since_epoch().count() - since >
+             std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait).count()) ||
         !lane.Acquire(wait)) {
       // Another thread's request holds the connection (a large Put, or a
       // server that stopped answering it): not worth waiting for.

@@ -43,8 +43,7 @@ void LogBadFrames(const std::string& endpoint, uint64_t round, uint64_t total) {
 TcpReceiver::TcpReceiver(ChunkStore& sink, const ReceiverOptions& options)
     : options_(options), sink_(sink), context_(1) {}
 
-Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint,
-                                                     ChunkStore& sink,
+Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint, ChunkStore& sink,
                                                      const ReceiverOptions& options) {
   if (options.slot_capacity_bytes == 0 || options.lease.count() <= 0 ||
       options.heartbeat_interval.count() <= 0 || options.socket_buffer_bytes < 0) {
@@ -146,10 +145,11 @@ Status TcpReceiver::RunOnce() {
   if (!last_seen_.empty()) next = next ? std::min(*next, next_peer_check_) : next_peer_check_;
   int timeout_ms = -1;
   if (next) {
-    timeout_ms = *next <= now ? 0
-                              : static_cast<int>(std::min<int64_t>(
-                                    std::chrono::ceil<std::chrono::milliseconds>(*next - now).count(),
-                                    60'000));
+    timeout_ms =
+        *next <= now
+            ? 0
+            : static_cast<int>(std::min<int64_t>(
+                  std::chrono::ceil<std::chrono::milliseconds>(*next - now).count(), 60'000));
   }
   zmq_pollitem_t items[2] = {{socket_.handle(), 0, ZMQ_POLLIN, 0},
                              {nullptr, wake_->fd(), ZMQ_POLLIN, 0}};
@@ -336,8 +336,7 @@ std::optional<TcpReceiver::Lease> TcpReceiver::TakeLease(const LeaseKey& id) {
   return lease;
 }
 
-void TcpReceiver::FreeLanding(const Lease& lease, bool quarantine,
-                              TransportClock::time_point now) {
+void TcpReceiver::FreeLanding(const Lease& lease, bool quarantine, TransportClock::time_point now) {
   if (!lease.landing) return;
   if (quarantine) {
     quarantine_.emplace(now + options_.lease, std::make_pair(lease.landing_offset, lease.bytes));
@@ -398,7 +397,8 @@ void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
   }
   const std::unordered_set<ChunkKey, ChunkKeyHash> keys(m.keys.begin(), m.keys.end());
   waiting_.remove_if([&](const WaitingOffer& w) {
-    return w.id.peer == peer && w.id.batch == m.batch && (keys.empty() || keys.count(w.id.key) != 0);
+    return w.id.peer == peer && w.id.batch == m.batch &&
+           (keys.empty() || keys.count(w.id.key) != 0);
   });
 }
 
@@ -434,9 +434,11 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
     bytes = data->data<uint8_t>();
   } else {
     if (!lease || !lease->landing) {
-      return reject(FailedPrecondition(
-          "chunk " + h.key.ToHex() + " said it landed in shared memory, but holds no shm grant "
-          "(it expired after " + std::to_string(options_.lease.count()) + " ms, or was never made)"));
+      return reject(FailedPrecondition("chunk " + h.key.ToHex() +
+                                       " said it landed in shared memory, but holds no shm grant "
+                                       "(it expired after " +
+                                       std::to_string(options_.lease.count()) +
+                                       " ms, or was never made)"));
     }
     if (h.bytes != lease->bytes) {
       return reject(InvalidArgument("chunk " + h.key.ToHex() + " landed " +

@@ -175,8 +175,7 @@ void TcpSender::Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status
   apply(first);
   for (uint32_t c : first.copies) apply(batch.slots[c]);
   if (batch.unfinished == 0) {
-    const double s =
-        std::chrono::duration<double>(TransportClock::now() - batch.submitted).count();
+    const double s = std::chrono::duration<double>(TransportClock::now() - batch.submitted).count();
     (batch.landed ? stats_.shm_seconds : stats_.tcp_seconds) += s;
   }
 }
@@ -222,8 +221,8 @@ Status TcpSender::RunOnce() {
   busy_ = busy;
   int timeout_ms = -1;
   if (busy) {
-    timeout_ms = PollTimeoutMs(
-        now, std::min(last_ping_ + options_.heartbeat_interval, last_heard_ + options_.peer_timeout));
+    timeout_ms = PollTimeoutMs(now, std::min(last_ping_ + options_.heartbeat_interval,
+                                             last_heard_ + options_.peer_timeout));
   }
   const bool want_out = !control_.empty() || !data_.empty();
   zmq_pollitem_t items[2] = {
@@ -519,7 +518,8 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
     const auto t0 = TransportClock::now();
     std::memcpy(*dst, chunk.bytes().data(), chunk.size());
     if (options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key())) {
-      (*dst)[chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2] ^= 0x5a;
+      (*dst)[chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2] ^=
+          0x5a;
     }
     {
       MutexLock lock(mu_);
@@ -553,7 +553,8 @@ Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
   zmq::message_t body;
   if (options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key())) {
     KDN_ZMQ_RETURN_IF_ERROR(body.rebuild(chunk.bytes().data(), chunk.size()));
-    const size_t at = chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2;
+    const size_t at =
+        chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2;
     static_cast<uint8_t*>(body.data())[at] ^= 0x5a;
   } else {
     // No copy: ZeroMQ reads the chunk's own bytes and drops the reference

@@ -48,8 +48,9 @@ Result<std::string> NormalizeTcpEndpoint(const std::string& endpoint, bool for_b
     if (!for_bind) return bad("a sender needs the receiver's actual port");
     return kScheme + host + ":*";
   }
-  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
-      std::stoi(port) > 65535 || std::stoi(port) == 0) {
+  if (port.empty() || port.size() > 5 ||
+      port.find_first_not_of("0123456789") != std::string::npos || std::stoi(port) > 65535 ||
+      std::stoi(port) == 0) {
     return bad("port '" + port + "' is not a number in 1..65535");
   }
   return endpoint;

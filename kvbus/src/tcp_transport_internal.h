@@ -84,11 +84,11 @@ class TcpSender final : public Sender {
     std::shared_ptr<const Chunk> chunk;
     ChunkResult result;
     Phase phase = Phase::kOffered;
-    bool duplicate = false;       // a later copy of a key in its batch: not offered
+    bool duplicate = false;            // a later copy of a key in its batch: not offered
     uint64_t offered_before_ping = 0;  // the first Ping sent after its latest offer
     uint64_t sent_before_ping = 0;     // the first Ping sent after its bytes (0: not sent)
     bool landed = false;               // its bytes went by shm (for SenderStats)
-    std::vector<uint32_t> copies;  // the indices of its duplicates
+    std::vector<uint32_t> copies;      // the indices of its duplicates
   };
   struct Batch {
     TransportClock::time_point submitted;
@@ -133,8 +133,7 @@ class TcpSender final : public Sender {
   void MapRegions(const std::vector<WireRegion>& regions);
   void CheckPeer(TransportClock::time_point now);
 
-  void Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status)
-      KDN_REQUIRES(mu_);
+  void Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status) KDN_REQUIRES(mu_);
   void FailAllLocked(const Status& status) KDN_REQUIRES(mu_);
   BatchStatus SnapshotLocked(uint64_t id, const Batch& batch) const KDN_REQUIRES(mu_);
 
@@ -194,7 +193,7 @@ class TcpReceiver final : public Receiver {
   struct Lease {
     uint64_t bytes = 0;
     TransportClock::time_point deadline;
-    bool landing = false;      // granted a range of the shm segment:
+    bool landing = false;         // granted a range of the shm segment:
     uint64_t landing_offset = 0;  // [landing_offset, +bytes)
   };
   struct WaitingOffer {
@@ -239,7 +238,7 @@ class TcpReceiver final : public Receiver {
   const ReceiverOptions options_;
   ChunkStore& sink_;
   zmq::context_t context_;
-  zmq::socket_t socket_;  // the I/O thread's after Start()
+  zmq::socket_t socket_;                      // the I/O thread's after Start()
   std::unique_ptr<CurveAuthenticator> auth_;  // with CURVE; closed before context_
   std::unique_ptr<WakeFd> wake_;
   std::thread thread_;
@@ -247,8 +246,8 @@ class TcpReceiver final : public Receiver {
 
   mutable Mutex mu_;
   ReceiverStats published_ KDN_GUARDED_BY(mu_);  // a copy of stats_ after each round
-  Status health_ KDN_GUARDED_BY(mu_);  // what stopped the I/O thread, if anything
-  uint64_t round_bytes_ = 0;  // I/O thread only: bytes received this round
+  Status health_ KDN_GUARDED_BY(mu_);            // what stopped the I/O thread, if anything
+  uint64_t round_bytes_ = 0;                     // I/O thread only: bytes received this round
 
   // The I/O thread's only.
   ReceiverStats stats_;
@@ -262,7 +261,7 @@ class TcpReceiver final : public Receiver {
   // The shm data plane (none when options_.shm_landing_bytes is 0).
   std::unique_ptr<SharedSegment> landing_;
   std::unique_ptr<RangeAllocator> landing_ranges_;
-  uint32_t landing_region_ = 0;  // its id in grants
+  uint32_t landing_region_ = 0;                     // its id in grants
   std::unordered_map<std::string, bool> peer_shm_;  // peers whose offers can take shm grants
   std::multimap<TransportClock::time_point, std::pair<uint64_t, uint64_t>> quarantine_;
 };

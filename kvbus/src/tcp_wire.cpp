@@ -202,7 +202,8 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
     }
     case pb::TransportFrame::kPing: return WireMessage(WirePing{f.ping().seq()});
     case pb::TransportFrame::kPong: {
-      WirePong m{f.pong().seq(), {f.pong().waiting_batches().begin(), f.pong().waiting_batches().end()}};
+      WirePong m{f.pong().seq(),
+                 {f.pong().waiting_batches().begin(), f.pong().waiting_batches().end()}};
       std::sort(m.waiting_batches.begin(), m.waiting_batches.end());
       return WireMessage(std::move(m));
     }

@@ -28,7 +28,7 @@ struct WireOfferEntry {
 struct WireOffer {
   uint64_t batch = 0;
   std::vector<WireOfferEntry> entries;
-  bool shm = false;     // the sender can write into a shm landing on host_id
+  bool shm = false;  // the sender can write into a shm landing on host_id
   std::string host_id;
 };
 
@@ -36,7 +36,7 @@ enum class WireDecisionKind : uint8_t { kHeld, kGranted, kRejected };
 struct WireDecision {
   ChunkKey key;
   WireDecisionKind kind = WireDecisionKind::kRejected;
-  Status status;  // kRejected: why
+  Status status;        // kRejected: why
   uint32_t region = 0;  // kGranted into a region (0: none): the bytes go at offset
   uint64_t offset = 0;
 };

@@ -27,10 +27,10 @@ Status BatchStatus::ToStatus() const {
     }
   }
   if (!done) {
-    return Status(StatusCode::kDeadlineExceeded,
-                  "batch " + std::to_string(batch) + ": " +
-                      std::to_string(Count(ChunkOutcome::kPending)) + " of " +
-                      std::to_string(chunks.size()) + " chunks still pending");
+    return Status(StatusCode::kDeadlineExceeded, "batch " + std::to_string(batch) + ": " +
+                                                     std::to_string(Count(ChunkOutcome::kPending)) +
+                                                     " of " + std::to_string(chunks.size()) +
+                                                     " chunks still pending");
   }
   return Status::Ok();
 }

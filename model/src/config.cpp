@@ -63,7 +63,8 @@ Status GetInt(const json& j, const char* key, bool required, int64_t fallback, i
     return Status::Ok();
   }
   if (!it->is_number_integer()) {
-    return InvalidArgument(source + ": field \"" + key + "\" must be an integer, got " + it->dump());
+    return InvalidArgument(source + ": field \"" + key + "\" must be an integer, got " +
+                           it->dump());
   }
   *out = it->get<int64_t>();
   return Status::Ok();
@@ -105,7 +106,8 @@ std::vector<int> Ids(const json& j, const char* key) {
   auto it = j.find(key);
   if (it == j.end()) return ids;
   auto take = [&](const json& v) {
-    if (v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= std::numeric_limits<int>::max()) {
+    if (v.is_number_integer() && v.get<int64_t>() >= 0 &&
+        v.get<int64_t>() <= std::numeric_limits<int>::max()) {
       ids.push_back(v.get<int>());
     }
   };
@@ -168,10 +170,14 @@ Status ParseRope(const json& j, int64_t max_pos, ModelConfig* c, const std::stri
   }
   RopeScaling& s = c->rope_scaling;
   if (type == "default") return Status::Ok();
-  if (type == "linear") s.type = RopeType::kLinear;
-  else if (type == "dynamic") s.type = RopeType::kDynamic;
-  else if (type == "yarn") s.type = RopeType::kYarn;
-  else if (type == "llama3") s.type = RopeType::kLlama3;
+  if (type == "linear")
+    s.type = RopeType::kLinear;
+  else if (type == "dynamic")
+    s.type = RopeType::kDynamic;
+  else if (type == "yarn")
+    s.type = RopeType::kYarn;
+  else if (type == "llama3")
+    s.type = RopeType::kLlama3;
   else {
     return Unimplemented(where + ": rope_type \"" + type +
                          "\" is not supported (default, linear, dynamic, yarn, llama3)");
@@ -182,10 +188,13 @@ Status ParseRope(const json& j, int64_t max_pos, ModelConfig* c, const std::stri
     return InvalidArgument(where + ": rope_type \"" + type + "\" needs a \"factor\"");
   }
   int64_t original = max_pos;
-  KDN_RETURN_IF_ERROR(GetInt(*rp, "original_max_position_embeddings", false, max_pos, &original, where));
-  if (original <= 0) return InvalidArgument(where + ": original_max_position_embeddings must be positive");
+  KDN_RETURN_IF_ERROR(
+      GetInt(*rp, "original_max_position_embeddings", false, max_pos, &original, where));
+  if (original <= 0)
+    return InvalidArgument(where + ": original_max_position_embeddings must be positive");
   s.original_max_position_embeddings = original;
-  KDN_RETURN_IF_ERROR(GetDouble(*rp, "factor", static_cast<double>(max_pos) / original, &s.factor, where));
+  KDN_RETURN_IF_ERROR(
+      GetDouble(*rp, "factor", static_cast<double>(max_pos) / original, &s.factor, where));
   if (!(s.factor > 0) || !std::isfinite(s.factor)) {
     return InvalidArgument(where + ": factor must be a positive number");
   }
@@ -206,8 +215,9 @@ Status ParseRope(const json& j, int64_t max_pos, ModelConfig* c, const std::stri
       s.dynamic_threshold = max_pos;
       // The base grows with the position past max_position_embeddings:
       // the scaled context is the point of dynamic RoPE.
-      c->max_context = static_cast<int64_t>(std::min(static_cast<double>(max_pos) * std::max(1.0, s.factor),
-                                                     static_cast<double>(int64_t{1} << 31)));
+      c->max_context =
+          static_cast<int64_t>(std::min(static_cast<double>(max_pos) * std::max(1.0, s.factor),
+                                        static_cast<double>(int64_t{1} << 31)));
       break;
     case RopeType::kYarn: {
       // transformers treats a falsy beta (null or 0) as unset.
@@ -267,7 +277,8 @@ Status ParseSlidingWindow(const json& j, ModelConfig* c, const std::string& src)
     }
     for (int l = 0; l < c->num_layers; ++l) {
       const json& t = (*lt)[l];
-      if (t == "full_attention") c->windowed_layers[l] = false;
+      if (t == "full_attention")
+        c->windowed_layers[l] = false;
       else if (t != "sliding_attention") {
         return Unimplemented(src + ": layer_types[" + std::to_string(l) + "] " + t.dump() +
                              " is not supported (full_attention, sliding_attention)");
@@ -279,7 +290,8 @@ Status ParseSlidingWindow(const json& j, ModelConfig* c, const std::string& src)
     for (int l = 0; l < c->num_layers; ++l) c->windowed_layers[l] = l >= first;
   }
   // A window no layer uses is none (one model, one fingerprint).
-  if (std::find(c->windowed_layers.begin(), c->windowed_layers.end(), true) == c->windowed_layers.end()) {
+  if (std::find(c->windowed_layers.begin(), c->windowed_layers.end(), true) ==
+      c->windowed_layers.end()) {
     c->sliding_window = 0;
     c->windowed_layers.clear();
   }
@@ -291,7 +303,8 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
   ModelConfig c;
   auto arch = j.find("architectures");
   if (arch == j.end() || !arch->is_array() || arch->empty() || !(*arch)[0].is_string()) {
-    return InvalidArgument(src + ": missing \"architectures\" (expected e.g. [\"LlamaForCausalLM\"])");
+    return InvalidArgument(src +
+                           ": missing \"architectures\" (expected e.g. [\"LlamaForCausalLM\"])");
   }
   const std::string name = (*arch)[0].get<std::string>();
   if (name == "LlamaForCausalLM") {
@@ -314,7 +327,8 @@ Result<ModelConfig> Parse(const json& j, const std::string& src) {
   KDN_RETURN_IF_ERROR(GetSize(j, "num_key_value_heads", false, c.num_heads, &c.num_kv_heads, src));
   KDN_RETURN_IF_ERROR(GetSize(j, "head_dim", false, c.hidden_size / c.num_heads, &c.head_dim, src));
   if (c.head_dim % 2 != 0) {
-    return InvalidArgument(src + ": head_dim must be positive and even, got " + std::to_string(c.head_dim));
+    return InvalidArgument(src + ": head_dim must be positive and even, got " +
+                           std::to_string(c.head_dim));
   }
   if (!j.contains("head_dim") && c.hidden_size % c.num_heads != 0) {
     return InvalidArgument(src + ": hidden_size is not a multiple of num_attention_heads");

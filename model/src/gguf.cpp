@@ -17,15 +17,15 @@ constexpr int kMaxArrayDepth = 8;  // arrays of arrays, as deep as anyone writes
 constexpr uint64_t kMaxArrayElements = uint64_t{1} << 22;
 
 constexpr GgmlTypeInfo kTypes[] = {
-    {"F32", 1, 4},        {"F16", 1, 2},        {"Q4_0", 32, 18},     {"Q4_1", 32, 20},
-    {nullptr, 0, 0},      {nullptr, 0, 0},      {"Q5_0", 32, 22},     {"Q5_1", 32, 24},
-    {"Q8_0", 32, 34},     {"Q8_1", 32, 40},     {"Q2_K", 256, 84},    {"Q3_K", 256, 110},
-    {"Q4_K", 256, 144},   {"Q5_K", 256, 176},   {"Q6_K", 256, 210},   {"Q8_K", 256, 292},
-    {"IQ2_XXS", 256, 66}, {"IQ2_XS", 256, 74},  {"IQ3_XXS", 256, 98}, {"IQ1_S", 256, 50},
-    {"IQ4_NL", 32, 18},   {"IQ3_S", 256, 110},  {"IQ2_S", 256, 82},   {"IQ4_XS", 256, 136},
-    {"I8", 1, 1},         {"I16", 1, 2},        {"I32", 1, 4},        {"I64", 1, 8},
-    {"F64", 1, 8},        {"IQ1_M", 256, 56},   {"BF16", 1, 2},       {nullptr, 0, 0},
-    {nullptr, 0, 0},      {nullptr, 0, 0},      {"TQ1_0", 256, 54},   {"TQ2_0", 256, 66},
+    {"F32", 1, 4},        {"F16", 1, 2},       {"Q4_0", 32, 18},     {"Q4_1", 32, 20},
+    {nullptr, 0, 0},      {nullptr, 0, 0},     {"Q5_0", 32, 22},     {"Q5_1", 32, 24},
+    {"Q8_0", 32, 34},     {"Q8_1", 32, 40},    {"Q2_K", 256, 84},    {"Q3_K", 256, 110},
+    {"Q4_K", 256, 144},   {"Q5_K", 256, 176},  {"Q6_K", 256, 210},   {"Q8_K", 256, 292},
+    {"IQ2_XXS", 256, 66}, {"IQ2_XS", 256, 74}, {"IQ3_XXS", 256, 98}, {"IQ1_S", 256, 50},
+    {"IQ4_NL", 32, 18},   {"IQ3_S", 256, 110}, {"IQ2_S", 256, 82},   {"IQ4_XS", 256, 136},
+    {"I8", 1, 1},         {"I16", 1, 2},       {"I32", 1, 4},        {"I64", 1, 8},
+    {"F64", 1, 8},        {"IQ1_M", 256, 56},  {"BF16", 1, 2},       {nullptr, 0, 0},
+    {nullptr, 0, 0},      {nullptr, 0, 0},     {"TQ1_0", 256, 54},   {"TQ2_0", 256, 66},
 };
 
 // A cursor over the file's bytes; every read is checked against the end.
@@ -65,8 +65,8 @@ class Reader {
   }
 
   Status Truncated(const char* what) const {
-    return Corruption(where_ + ": the file ends at byte " + std::to_string(size_) +
-                      " inside " + what + " (truncated?)");
+    return Corruption(where_ + ": the file ends at byte " + std::to_string(size_) + " inside " +
+                      what + " (truncated?)");
   }
 
  private:
@@ -80,10 +80,17 @@ class Reader {
 // The fewest bytes one value of `t` takes in the file (an array's header).
 uint64_t MinBytes(GgufValueType t) {
   switch (t) {
-    case GgufValueType::kUint8: case GgufValueType::kInt8: case GgufValueType::kBool: return 1;
-    case GgufValueType::kUint16: case GgufValueType::kInt16: return 2;
-    case GgufValueType::kUint32: case GgufValueType::kInt32: case GgufValueType::kFloat32: return 4;
-    case GgufValueType::kString: case GgufValueType::kUint64: case GgufValueType::kInt64:
+    case GgufValueType::kUint8:
+    case GgufValueType::kInt8:
+    case GgufValueType::kBool: return 1;
+    case GgufValueType::kUint16:
+    case GgufValueType::kInt16: return 2;
+    case GgufValueType::kUint32:
+    case GgufValueType::kInt32:
+    case GgufValueType::kFloat32: return 4;
+    case GgufValueType::kString:
+    case GgufValueType::kUint64:
+    case GgufValueType::kInt64:
     case GgufValueType::kFloat64: return 8;
     case GgufValueType::kArray: return 12;
   }
@@ -101,16 +108,60 @@ Status ReadValue(Reader& r, GgufValueType type, int depth, const std::string& ke
   v->type = type;
   const char* what = "a metadata value";
   switch (type) {
-    case GgufValueType::kUint8: { uint8_t x = 0; KDN_RETURN_IF_ERROR(r.Read(&x, what)); v->bits = x; break; }
-    case GgufValueType::kInt8: { int8_t x = 0; KDN_RETURN_IF_ERROR(r.Read(&x, what)); v->bits = static_cast<uint64_t>(int64_t{x}); break; }
-    case GgufValueType::kUint16: { uint16_t x = 0; KDN_RETURN_IF_ERROR(r.Read(&x, what)); v->bits = x; break; }
-    case GgufValueType::kInt16: { int16_t x = 0; KDN_RETURN_IF_ERROR(r.Read(&x, what)); v->bits = static_cast<uint64_t>(int64_t{x}); break; }
-    case GgufValueType::kUint32: { uint32_t x = 0; KDN_RETURN_IF_ERROR(r.Read(&x, what)); v->bits = x; break; }
-    case GgufValueType::kInt32: { int32_t x = 0; KDN_RETURN_IF_ERROR(r.Read(&x, what)); v->bits = static_cast<uint64_t>(int64_t{x}); break; }
-    case GgufValueType::kUint64: { KDN_RETURN_IF_ERROR(r.Read(&v->bits, what)); break; }
-    case GgufValueType::kInt64: { KDN_RETURN_IF_ERROR(r.Read(&v->bits, what)); break; }
-    case GgufValueType::kFloat32: { float x = 0; KDN_RETURN_IF_ERROR(r.Read(&x, what)); v->f = x; break; }
-    case GgufValueType::kFloat64: { KDN_RETURN_IF_ERROR(r.Read(&v->f, what)); break; }
+    case GgufValueType::kUint8: {
+      uint8_t x = 0;
+      KDN_RETURN_IF_ERROR(r.Read(&x, what));
+      v->bits = x;
+      break;
+    }
+    case GgufValueType::kInt8: {
+      int8_t x = 0;
+      KDN_RETURN_IF_ERROR(r.Read(&x, what));
+      v->bits = static_cast<uint64_t>(int64_t{x});
+      break;
+    }
+    case GgufValueType::kUint16: {
+      uint16_t x = 0;
+      KDN_RETURN_IF_ERROR(r.Read(&x, what));
+      v->bits = x;
+      break;
+    }
+    case GgufValueType::kInt16: {
+      int16_t x = 0;
+      KDN_RETURN_IF_ERROR(r.Read(&x, what));
+      v->bits = static_cast<uint64_t>(int64_t{x});
+      break;
+    }
+    case GgufValueType::kUint32: {
+      uint32_t x = 0;
+      KDN_RETURN_IF_ERROR(r.Read(&x, what));
+      v->bits = x;
+      break;
+    }
+    case GgufValueType::kInt32: {
+      int32_t x = 0;
+      KDN_RETURN_IF_ERROR(r.Read(&x, what));
+      v->bits = static_cast<uint64_t>(int64_t{x});
+      break;
+    }
+    case GgufValueType::kUint64: {
+      KDN_RETURN_IF_ERROR(r.Read(&v->bits, what));
+      break;
+    }
+    case GgufValueType::kInt64: {
+      KDN_RETURN_IF_ERROR(r.Read(&v->bits, what));
+      break;
+    }
+    case GgufValueType::kFloat32: {
+      float x = 0;
+      KDN_RETURN_IF_ERROR(r.Read(&x, what));
+      v->f = x;
+      break;
+    }
+    case GgufValueType::kFloat64: {
+      KDN_RETURN_IF_ERROR(r.Read(&v->f, what));
+      break;
+    }
     case GgufValueType::kBool: {
       uint8_t x = 0;
       KDN_RETURN_IF_ERROR(r.Read(&x, what));
@@ -128,7 +179,8 @@ Status ReadValue(Reader& r, GgufValueType type, int depth, const std::string& ke
       KDN_RETURN_IF_ERROR(r.Read(&elem, "an array's type"));
       KDN_RETURN_IF_ERROR(r.Read(&n, "an array's length"));
       if (!KnownValueType(elem)) {
-        return Corruption("key \"" + key + "\": unknown array element type " + std::to_string(elem));
+        return Corruption("key \"" + key + "\": unknown array element type " +
+                          std::to_string(elem));
       }
       v->elem = static_cast<GgufValueType>(elem);
       // Refuse a count the rest of the file cannot hold before reserving it.
@@ -154,9 +206,9 @@ Status ReadValue(Reader& r, GgufValueType type, int depth, const std::string& ke
 }  // namespace
 
 const char* GgufValueTypeName(GgufValueType t) {
-  static constexpr const char* kNames[] = {"uint8", "int8",   "uint16", "int16", "uint32",
-                                           "int32", "float32", "bool",  "string", "array",
-                                           "uint64", "int64", "float64"};
+  static constexpr const char* kNames[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
+                                           "int32",  "float32", "bool",   "string", "array",
+                                           "uint64", "int64",   "float64"};
   const auto i = static_cast<uint32_t>(t);
   return i < std::size(kNames) ? kNames[i] : "unknown";
 }
@@ -342,8 +394,8 @@ Result<double> AsFloat(const GgufFile& f, const std::string& key, const GgufValu
 
 }  // namespace
 
-#define KDN_GGUF_FIND(v, key)                                          \
-  const GgufValue* v = Find(key);                                      \
+#define KDN_GGUF_FIND(v, key)     \
+  const GgufValue* v = Find(key); \
   if (v == nullptr) return NotFound(Where("no metadata key " + key))
 
 Result<int64_t> GgufFile::Int(const std::string& key) const {

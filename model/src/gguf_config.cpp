@@ -95,8 +95,9 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
     }
   }
   if (f.FindTensor("rope_freqs.weight") != nullptr) {
-    return Unimplemented(f.Where("tensor rope_freqs.weight: per-frequency RoPE factors "
-                                 "(Llama 3.1 scaling) are not read from GGUF files"));
+    return Unimplemented(
+        f.Where("tensor rope_freqs.weight: per-frequency RoPE factors "
+                "(Llama 3.1 scaling) are not read from GGUF files"));
   }
   KDN_ASSIGN_OR_RETURN(j["rms_norm_eps"], f.Float(p + "attention.layer_norm_rms_epsilon"));
   if (f.Find(p + "rope.freq_base") != nullptr) {
@@ -108,8 +109,8 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
       KDN_ASSIGN_OR_RETURN(const double factor, f.Float(p + "rope.scaling.factor"));
       j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", factor}};
     } else if (type != "none") {
-      return Unimplemented(f.Where(p + "rope.scaling.type \"" + type +
-                                   "\" is not supported (none, linear)"));
+      return Unimplemented(
+          f.Where(p + "rope.scaling.type \"" + type + "\" is not supported (none, linear)"));
     }
   } else if (f.Find(p + "rope.scale_linear") != nullptr) {
     // The older key of linear scaling, which llama.cpp still reads.

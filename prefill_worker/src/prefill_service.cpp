@@ -95,8 +95,8 @@ struct PrefillService::Impl {
     auto* ir = reply.mutable_inject_reply();
     if (held.ok()) {
       ir->set_already_held(*held);
-      LogInfo("{} injected a document of {} tokens: {}", ReqId{q.request_id},
-              q.job.tokens.size(), *held ? "already held" : "computed and stored");
+      LogInfo("{} injected a document of {} tokens: {}", ReqId{q.request_id}, q.job.tokens.size(),
+              *held ? "already held" : "computed and stored");
     } else {
       control::StatusToProto(held.status(), ir->mutable_error());
       LogError("{} injecting a document of {} tokens failed: {}", ReqId{q.request_id},
@@ -132,13 +132,13 @@ struct PrefillService::Impl {
         kv_bytes_loaded += out->kv_bytes_loaded;
       }
       const ReqId req{q.request_id};
-      LogInfo("{} KDN: {} of {} prompt tokens cached ({} resident in the pool, {} from tail "
-              "pieces, {} blended), {} KV bytes loaded in {:.1f} ms",
-              req, out->cached_tokens, q.job.tokens.size(), out->resident_tokens,
-              out->tail_tokens, out->blended_tokens, out->kv_bytes_loaded,
-              out->load_seconds * 1e3);
-      LogInfo("{} computed: {} tokens in full, {} blended tokens recomputed; {:.1f} ms in all",
-              req, out->computed_tokens, out->recomputed_tokens, secs * 1e3);
+      LogInfo(
+          "{} KDN: {} of {} prompt tokens cached ({} resident in the pool, {} from tail "
+          "pieces, {} blended), {} KV bytes loaded in {:.1f} ms",
+          req, out->cached_tokens, q.job.tokens.size(), out->resident_tokens, out->tail_tokens,
+          out->blended_tokens, out->kv_bytes_loaded, out->load_seconds * 1e3);
+      LogInfo("{} computed: {} tokens in full, {} blended tokens recomputed; {:.1f} ms in all", req,
+              out->computed_tokens, out->recomputed_tokens, secs * 1e3);
       if (!q.job.decode_endpoint.empty()) {
         LogInfo("{} KV sent: {} bytes to {} (transfer {}), {} slices skipped", req,
                 out->kv_bytes_sent, q.job.decode_endpoint, HexBytes{q.job.transfer_id},
@@ -155,8 +155,7 @@ struct PrefillService::Impl {
     }
   }
 
-  void OnMessage(control::ControlServer& srv, const std::string& peer,
-                 proto::WorkerMessage msg) {
+  void OnMessage(control::ControlServer& srv, const std::string& peer, proto::WorkerMessage msg) {
     const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
     if (msg.body_case() == proto::WorkerMessage::kLookup) {
       lookups->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
@@ -180,16 +179,17 @@ struct PrefillService::Impl {
         q.job.transfer_id = r.transfer_id();
         q.job.generated_tokens = r.generated_tokens();
         if (r.has_blend()) q.job.blend = control::BlendFromProto(r.blend());
-        LogInfo("{} received: {} prompt tokens{}{}, KV to {} (it holds {} tokens; transfer {}), "
-                "{} ahead in the queue",
-                ReqId{q.request_id}, q.job.tokens.size(),
-                q.job.generated_tokens > 0
-                    ? fmt::format(" (resumed: the last {} generated)", q.job.generated_tokens)
-                    : std::string(),
-                q.job.blend ? fmt::format(", {} documents", q.job.blend->segment_tokens.size())
-                            : std::string(),
-                q.job.decode_endpoint, q.job.decode_held_tokens, HexBytes{q.job.transfer_id},
-                depth.load());
+        LogInfo(
+            "{} received: {} prompt tokens{}{}, KV to {} (it holds {} tokens; transfer {}), "
+            "{} ahead in the queue",
+            ReqId{q.request_id}, q.job.tokens.size(),
+            q.job.generated_tokens > 0
+                ? fmt::format(" (resumed: the last {} generated)", q.job.generated_tokens)
+                : std::string(),
+            q.job.blend ? fmt::format(", {} documents", q.job.blend->segment_tokens.size())
+                        : std::string(),
+            q.job.decode_endpoint, q.job.decode_held_tokens, HexBytes{q.job.transfer_id},
+            depth.load());
         Enqueue(std::move(q));
         return;
       }
@@ -254,7 +254,8 @@ struct PrefillService::Impl {
 
 PrefillService::PrefillService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServiceOptions& options) {
+Result<std::unique_ptr<PrefillService>> PrefillService::Start(
+    const PrefillServiceOptions& options) {
   if (options.chunk_tokens <= 0) return InvalidArgument("--chunk-tokens must be positive");
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -267,17 +268,18 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(const PrefillServi
   po.sender.transport = options.kv_transport;
   po.sender.curve = options.curve;
   po.store_in_background = true;
-  impl->prefiller = std::make_unique<Prefiller>(*impl->wm.model, *impl->store,
-                                                impl->wm.fingerprint, po);
+  impl->prefiller =
+      std::make_unique<Prefiller>(*impl->wm.model, *impl->store, impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();
   impl->total_blocks = impl->wm.model->kv_cache().num_blocks();
   impl->free_blocks = impl->wm.model->kv_cache().free_blocks();
   Impl* raw = impl.get();
-  KDN_ASSIGN_OR_RETURN(impl->server,
-                       control::ControlServer::Start(
-                           options.listen, [raw](control::ControlServer& srv, const std::string& peer,
-                                 proto::WorkerMessage m) { raw->OnMessage(srv, peer, std::move(m));
-                           }, options.curve));
+  KDN_ASSIGN_OR_RETURN(
+      impl->server, control::ControlServer::Start(
+                        options.listen,
+                        [raw](control::ControlServer& srv, const std::string& peer,
+                              proto::WorkerMessage m) { raw->OnMessage(srv, peer, std::move(m)); },
+                        options.curve));
   impl->compute = std::thread([raw] { raw->Loop(); });
   return std::unique_ptr<PrefillService>(new PrefillService(std::move(impl)));
 }
@@ -290,7 +292,7 @@ PrefillService::~PrefillService() {
   impl_->cv.notify_all();
   if (impl_->compute.joinable()) impl_->compute.join();
   (void)impl_->lookups->Stop();  // before the server it answers through
-  impl_->server.reset();  // before the state its handler reads
+  impl_->server.reset();         // before the state its handler reads
 }
 
 const std::string& PrefillService::endpoint() const { return impl_->server->endpoint(); }

@@ -11,7 +11,6 @@
 
 namespace kdn::prefill_worker {
 
-
 Prefiller::Prefiller(engine::Engine& model, kvbus::TieredStore& store,
                      kvbus::ChunkKey model_fingerprint, PrefillerOptions options)
     : model_(model),
@@ -63,11 +62,10 @@ struct Prefiller::Push {
     std::vector<std::shared_ptr<const kvbus::Chunk>> slices;
     slices.reserve(regions.size());
     for (const control::KvRegion& r : regions) {
-      KDN_ASSIGN_OR_RETURN(auto slice,
-                           kvbridge::LayerSliceFromPagedKv(
-                               self.model_.kv_cache(), seq, r.first, r.count, layer,
-                               kvbus::LayerSliceKey(r.parent, layer), self.fingerprint_,
-                               self.chunk_dtype_));
+      KDN_ASSIGN_OR_RETURN(
+          auto slice, kvbridge::LayerSliceFromPagedKv(self.model_.kv_cache(), seq, r.first, r.count,
+                                                      layer, kvbus::LayerSliceKey(r.parent, layer),
+                                                      self.fingerprint_, self.chunk_dtype_));
       slices.push_back(std::move(slice));
     }
     KDN_ASSIGN_OR_RETURN(uint64_t batch, sender->Submit(std::move(slices)));
@@ -85,10 +83,9 @@ struct Prefiller::Push {
                            sender->Wait(batch, std::max(left, std::chrono::milliseconds(0))));
       Status st = bs.ToStatus();
       if (!st.ok()) {
-        return Status(st.code() == StatusCode::kDeadlineExceeded ? StatusCode::kUnavailable
-                                                                 : st.code(),
-                      "pushing KV to the decode worker at " + job.decode_endpoint + ": " +
-                          st.message());
+        return Status(
+            st.code() == StatusCode::kDeadlineExceeded ? StatusCode::kUnavailable : st.code(),
+            "pushing KV to the decode worker at " + job.decode_endpoint + ": " + st.message());
       }
       // bs.chunks are in submission order: one per region.
       for (size_t j = 0; j < bs.chunks.size() && j < regions.size(); ++j) {
@@ -138,16 +135,15 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   const auto load_start = std::chrono::steady_clock::now();
   int64_t resident = 0;
   if (options_.resident) {
-    KDN_ASSIGN_OR_RETURN(resident, kvbridge::AttachResidentPrefix(
-                                       cache, seq_, ctx, job.tokens, keys_, n - 1,
-                                       options_.min_tail_tokens));
+    KDN_ASSIGN_OR_RETURN(resident,
+                         kvbridge::AttachResidentPrefix(cache, seq_, ctx, job.tokens, keys_, n - 1,
+                                                        options_.min_tail_tokens));
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
   // The lower tiers past the resident prefix, fetched while matching and
   // placed after it, so that a tail match too short to use costs no copy.
-  const std::vector<control::FetchedSpan> fetched =
-      control::FetchPrefix(store_, ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens,
-                           resident, chunk_dtype_);
+  const std::vector<control::FetchedSpan> fetched = control::FetchPrefix(
+      store_, ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens, resident, chunk_dtype_);
   const control::PlacedPrefix placed = control::PlacePrefix(cache, seq_, fetched, resident);
   const int64_t hit = placed.tokens;
   if (hit < resident) {
@@ -231,8 +227,8 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   // The fused KV is this request's alone: one region under the transfer key.
   engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
-  Push push{*this, job, seq_, control::TransferRegions({}, n, options_.chunk_tokens, 0,
-                                                       job.transfer_id)};
+  Push push{*this, job, seq_,
+            control::TransferRegions({}, n, options_.chunk_tokens, 0, job.transfer_id)};
   if (!job.decode_endpoint.empty()) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
@@ -263,7 +259,7 @@ Status Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<const int32
   std::vector<float> logits;
   KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
   KDN_ASSIGN_OR_RETURN(auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
-                                                           fingerprint_, chunk_dtype_));
+                                                              fingerprint_, chunk_dtype_));
   return store_.Put(std::move(chunk));
 }
 
@@ -275,8 +271,7 @@ Result<bool> Prefiller::Inject(std::span<const int32_t> tokens, const std::strin
                            " tokens exceeds the model's context of " +
                            std::to_string(model_.config().max_context));
   }
-  const kvbus::ChunkKey key =
-      kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, tokens);
+  const kvbus::ChunkKey key = kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, tokens);
   if (store_.Contains(key)) return true;
   KDN_RETURN_IF_ERROR(StoreSegment(key, tokens));
   return false;
@@ -309,14 +304,14 @@ Status Prefiller::StoreNewChunks() {
     }
   }
   if (store_io_ && !chunks.empty()) {
-    store_io_->Post(0, [&store = store_, failures = store_failures_,
-                        chunks = std::move(chunks)] {
+    store_io_->Post(0, [&store = store_, failures = store_failures_, chunks = std::move(chunks)] {
       const control::PutOutcome put = control::PutMissing(store, chunks);
       if (!put.error.ok()) {
         const uint64_t n = ++*failures;
-        LogError("storing a prompt's chunks failed, {} of them not stored ({} failures so far): "
-                 "{}",
-                 put.not_stored, n, put.error.ToString());
+        LogError(
+            "storing a prompt's chunks failed, {} of them not stored ({} failures so far): "
+            "{}",
+            put.not_stored, n, put.error.ToString());
       }
     });
   }

@@ -41,7 +41,8 @@ Result<ApiKeys> ApiKeys::Parse(std::string_view text, std::string_view source) {
     std::string key, tenant, extra;
     if (!(fields >> key) || key[0] == '#') continue;
     const std::string where = std::string(source) + ":" + std::to_string(number);
-    if (!(fields >> tenant)) return InvalidArgument("api keys: " + where + ": a key without a tenant");
+    if (!(fields >> tenant))
+      return InvalidArgument("api keys: " + where + ": a key without a tenant");
     if (fields >> extra) {
       return InvalidArgument("api keys: " + where + ": expected \"KEY TENANT\", found more");
     }
@@ -49,10 +50,12 @@ Result<ApiKeys> ApiKeys::Parse(std::string_view text, std::string_view source) {
       return InvalidArgument("api keys: " + where + ": a key of " + std::to_string(key.size()) +
                              " characters; at least " + std::to_string(kMinKeyBytes));
     }
-    if (!seen.insert(key).second) return InvalidArgument("api keys: " + where + ": a key given twice");
+    if (!seen.insert(key).second)
+      return InvalidArgument("api keys: " + where + ": a key given twice");
     keys.keys_.emplace_back(std::move(key), std::move(tenant));
   }
-  if (keys.keys_.empty()) return InvalidArgument("api keys: " + std::string(source) + " has no key");
+  if (keys.keys_.empty())
+    return InvalidArgument("api keys: " + std::string(source) + " has no key");
   return keys;
 }
 

@@ -177,9 +177,8 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
   }
   KDN_ASSIGN_OR_RETURN(impl->pool, WorkerPool::Connect(impl->ctx, options, impl.get()));
   impl->ledger = Ledger(impl->pool->size());
-  impl->flow = std::make_unique<RequestFlow>(options, impl->pool->views(),
-                                             impl->pool->identity(), impl->ledger, *impl->pool,
-                                             tokenizer, metrics, nonce);
+  impl->flow = std::make_unique<RequestFlow>(options, impl->pool->views(), impl->pool->identity(),
+                                             impl->ledger, *impl->pool, tokenizer, metrics, nonce);
   impl->injector =
       std::make_unique<Injector>(impl->pool->views(), impl->ledger, *impl->pool, metrics);
   impl->UpdateSnapshot();
@@ -192,7 +191,6 @@ Backend::~Backend() {
   impl_->stop = true;
   if (impl_->thread.joinable()) impl_->thread.join();
 }
-
 
 uint64_t Backend::Submit(Job job, JobCallback callback) {
   MutexLock lock(impl_->mu);

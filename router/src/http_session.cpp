@@ -12,8 +12,7 @@ namespace {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, ServerState& router)
-      : stream_(std::move(socket)), router_(router) {
+  Session(tcp::socket socket, ServerState& router) : stream_(std::move(socket)), router_(router) {
     ++router_.sessions;
   }
   ~Session() {
@@ -29,10 +28,9 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_.emplace();
     parser_->body_limit(kBodyLimit);
     stream_.expires_after(std::chrono::minutes(5));
-    http::async_read_header(stream_, buffer_, *parser_,
-                            [self = shared_from_this()](beast::error_code ec, size_t) {
-                              self->OnHeader(ec);
-                            });
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
   }
 
   // The header is in: the body's bytes (its Content-Length, else the most a
@@ -44,8 +42,10 @@ class Session : public std::enable_shared_from_this<Session> {
       const uint64_t bytes = parser_->content_length().value_or(kBodyLimit);
       if (!router_.bodies.TryReserve(bytes)) {
         static LogLimiter limiter;
-        limiter.Warn("refusing a request body of {} bytes: {} bytes of bodies are buffered "
-                     "(--max-body-buffer-mib)", bytes, router_.bodies.reserved());
+        limiter.Warn(
+            "refusing a request body of {} bytes: {} bytes of bodies are buffered "
+            "(--max-body-buffer-mib)",
+            bytes, router_.bodies.reserved());
         ApiError e;
         e.http_status = 503;
         e.type = "service_unavailable";
@@ -58,8 +58,9 @@ class Session : public std::enable_shared_from_this<Session> {
       body_reserved_ = bytes;
     }
     if (ec || parser_->is_done()) return OnRead(ec);
-    http::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
+    http::async_read(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnRead(ec); });
   }
 
   // The body's bytes no longer count against the cap (its request is done,
@@ -107,9 +108,8 @@ class Session : public std::enable_shared_from_this<Session> {
       if (tenant_ == nullptr) {
         ApiError e;
         e.http_status = 401;
-        e.message = auth.empty()
-                        ? "no API key: send it as 'Authorization: Bearer KEY'"
-                        : "the API key is not one this server accepts";
+        e.message = auth.empty() ? "no API key: send it as 'Authorization: Bearer KEY'"
+                                 : "the API key is not one this server accepts";
         e.code = "invalid_api_key";
         ReplyError(e);
         return;
@@ -215,8 +215,8 @@ class Session : public std::enable_shared_from_this<Session> {
       job_live_ = false;
       EndInFlight();
       router_.metrics.RequestFinished(route_, 499);
-      LogInfo("{} cancelled: the client went away (499) after {:.1f} ms: {}", ReqId{job_},
-              JobMs(), why);
+      LogInfo("{} cancelled: the client went away (499) after {:.1f} ms: {}", ReqId{job_}, JobMs(),
+              why);
     }
     queue_.clear();
     Close();
@@ -226,9 +226,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // session's I/O thread.
   JobCallback JobEvents() {
     return [self = shared_from_this()](JobEvent ev) {
-      asio::post(self->router_.io, [self, ev = std::move(ev)]() mutable {
-        self->OnJobEvent(std::move(ev));
-      });
+      asio::post(self->router_.io,
+                 [self, ev = std::move(ev)]() mutable { self->OnJobEvent(std::move(ev)); });
     };
   }
 
@@ -297,12 +296,12 @@ class Session : public std::enable_shared_from_this<Session> {
     if (ev.kind == JobEvent::Kind::kError) {
       LogFailed(JobError(ev.error));
     } else {
-      LogInfo("{} finished: {} documents, {} stored, {} already held, {} failed, {} tokens, "
-              "{:.1f} ms",
-              ReqId{job_}, p.total, p.stored, p.already_held, p.failed, p.tokens, JobMs());
+      LogInfo(
+          "{} finished: {} documents, {} stored, {} already held, {} failed, {} tokens, "
+          "{:.1f} ms",
+          ReqId{job_}, p.total, p.stored, p.already_held, p.failed, p.tokens, JobMs());
     }
-    if (ev.kind == JobEvent::Kind::kDone && p.failed == p.total && p.total > 0 &&
-        !header_sent_) {
+    if (ev.kind == JobEvent::Kind::kDone && p.failed == p.total && p.total > 0 && !header_sent_) {
       // Nothing stored: the first failure is the answer.
       ApiError e;
       e.http_status = 502;
@@ -319,8 +318,9 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       return;
     }
-    std::string out = ev.kind == JobEvent::Kind::kError ? SseEvent(Dump(ErrorBody(JobError(ev.error))))
-                                                         : SseEvent(Dump(ProgressJson(p, true)));
+    std::string out = ev.kind == JobEvent::Kind::kError
+                          ? SseEvent(Dump(ErrorBody(JobError(ev.error))))
+                          : SseEvent(Dump(ProgressJson(p, true)));
     out += SseEvent("[DONE]");
     Enqueue(Chunked(out));
     FinishStream();
@@ -428,10 +428,9 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void DoWrite() {
     writing_ = true;
-    asio::async_write(stream_.socket(), asio::buffer(queue_.front()),
-                      [self = shared_from_this()](beast::error_code ec, size_t) {
-                        self->OnWrite(ec);
-                      });
+    asio::async_write(
+        stream_.socket(), asio::buffer(queue_.front()),
+        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnWrite(ec); });
   }
 
   void OnWrite(beast::error_code ec) {
@@ -459,7 +458,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::request_parser<http::string_body>> parser_;
   http::request<http::string_body> request_;
   bool keep_alive_ = true;
-  bool retry_after_ = false;  // the reply asks the client to come back in 1 s
+  bool retry_after_ = false;    // the reply asks the client to come back in 1 s
   uint64_t body_reserved_ = 0;  // of router_.bodies, for the body being read or served
   std::string route_ = "other";
 
@@ -472,7 +471,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool in_flight_ = false;
   bool stream_done_ = false;
   bool header_sent_ = false;
-  bool inject_ = false;  // the job is an injection
+  bool inject_ = false;                  // the job is an injection
   const std::string* tenant_ = nullptr;  // the request's, when keys are configured
   uint64_t job_ = 0;
   std::string request_id_;  // job_ as X-Request-Id gives it; empty: no job

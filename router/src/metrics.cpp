@@ -152,7 +152,8 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   Single(&out, "kdn_requests_in_flight", "gauge", "Requests being served.", in_flight_);
   Single(&out, "kdn_http_accept_errors_total", "counter",
          "HTTP connections the router failed to accept (out of file descriptors, say); it "
-         "backs off up to 1 s between tries while they fail.", accept_errors_);
+         "backs off up to 1 s between tries while they fail.",
+         accept_errors_);
   Single(&out, "kdn_queue_depth", "gauge",
          "Requests waiting for a decode worker with room (KV for prompt + max_tokens, a place "
          "in its batch), before any prefill is spent on them.",
@@ -185,12 +186,13 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
        "(recomputed), or computed in full.");
   out += "kdn_prompt_tokens_total{source=\"cached\"} " + std::to_string(cached_tokens_) + "\n";
   out += "kdn_prompt_tokens_total{source=\"blended\"} " + std::to_string(blended_tokens_) + "\n";
-  out += "kdn_prompt_tokens_total{source=\"recomputed\"} " + std::to_string(recomputed_tokens_) +
-         "\n";
+  out +=
+      "kdn_prompt_tokens_total{source=\"recomputed\"} " + std::to_string(recomputed_tokens_) + "\n";
   out += "kdn_prompt_tokens_total{source=\"computed\"} " + std::to_string(computed_tokens_) + "\n";
   Single(&out, "kdn_prompt_tail_tokens_total", "counter",
          "Of the cached prompt tokens, those loaded from tail pieces: the tokens past a "
-         "conversation's last full chunk.", tail_tokens_);
+         "conversation's last full chunk.",
+         tail_tokens_);
   Head(&out, "kdn_injected_documents_total", "counter",
        "Documents sent to /v1/kdn/inject, by result.");
   for (const char* result : {"stored", "already_held", "failed"}) {
@@ -199,7 +201,7 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
            std::to_string(it == injected_.end() ? 0 : it->second) + "\n";
   }
   Single(&out, "kdn_injected_tokens_total", "counter", "Tokens of the documents injected.",
-               injected_tokens_);
+         injected_tokens_);
   Single(&out, "kdn_generated_tokens_total", "counter", "Tokens generated.", generated_);
   Single(&out, "kdn_kv_bytes_moved_total", "counter",
          "KV bytes sent from prefill to decode workers.", kv_bytes_);
@@ -209,7 +211,8 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   auto labels = [](const WorkerGauge& w) {
     return "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) + "\"} ";
   };
-  for (const WorkerGauge& w : workers) out += "kdn_worker_up" + labels(w) + (w.up ? "1" : "0") + "\n";
+  for (const WorkerGauge& w : workers)
+    out += "kdn_worker_up" + labels(w) + (w.up ? "1" : "0") + "\n";
   // A metric of one sample per worker.
   const auto per_worker = [&](const char* name, const char* type, const char* help, auto value) {
     Head(&out, name, type, help);
@@ -231,15 +234,17 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   per_worker("kdn_worker_router_reserved_requests", "gauge",
              "Requests the router routed to a worker since its last report (the router's count).",
              [](const WorkerGauge& w) { return w.reserved_requests; });
-  per_worker("kdn_worker_router_reserved_kv_blocks", "gauge",
-             "KV blocks the router reserved at a worker since its last report (the router's count).",
-             [](const WorkerGauge& w) { return w.reserved_kv_blocks; });
+  per_worker(
+      "kdn_worker_router_reserved_kv_blocks", "gauge",
+      "KV blocks the router reserved at a worker since its last report (the router's count).",
+      [](const WorkerGauge& w) { return w.reserved_kv_blocks; });
   // What a worker holds under leases: a request's or a sender's that stops
   // answering lets it go once the lease runs out, so after a run has
   // drained these are 0 (kdn-bench serve-load checks).
   per_worker("kdn_worker_leased_kv_blocks", "gauge",
              "KV blocks a decode worker reserved for requests prepared and not yet started, each "
-             "under its router's lease.", [](const WorkerGauge& w) { return w.leased_kv_blocks; });
+             "under its router's lease.",
+             [](const WorkerGauge& w) { return w.leased_kv_blocks; });
   per_worker("kdn_worker_kvbus_leased_bytes", "gauge",
              "Bytes of a decode worker's kvbus receiver slots granted to senders and not yet "
              "filled, each under a lease.",
@@ -251,7 +256,7 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
     for (const WorkerGauge& w : workers) {
       for (const WorkerGauge::Transport& t : w.kv_transports) {
         out += std::string(name) + "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) +
-         "\",transport=\"" + Label(t.name) + "\"} " + value(t) + "\n";
+               "\",transport=\"" + Label(t.name) + "\"} " + value(t) + "\n";
       }
     }
   };
@@ -277,9 +282,10 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
        "Payload bytes of the chunks a worker coded for kdn-store, before (form=raw) and after "
        "(form=encoded).");
   for (const WorkerGauge& w : workers) {
-    const std::string l = "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) + "\",form=\"";
-    out += "kdn_worker_kv_codec_bytes_total" + l + "raw\"} " + std::to_string(w.kv_codec.raw_bytes) +
-           "\n";
+    const std::string l =
+        "{worker=\"" + Label(w.name) + "\",role=\"" + Label(w.role) + "\",form=\"";
+    out += "kdn_worker_kv_codec_bytes_total" + l + "raw\"} " +
+           std::to_string(w.kv_codec.raw_bytes) + "\n";
     out += "kdn_worker_kv_codec_bytes_total" + l + "encoded\"} " +
            std::to_string(w.kv_codec.encoded_bytes) + "\n";
   }

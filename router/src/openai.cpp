@@ -11,8 +11,8 @@ namespace kdn::router {
 
 namespace {
 
-#define KDN_API_CHECK(expr)        \
-  do {                             \
+#define KDN_API_CHECK(expr)          \
+  do {                               \
     if (auto _e = (expr)) return _e; \
   } while (0)
 
@@ -24,9 +24,9 @@ std::optional<ApiError> ParseBody(const std::string& text, const ServedModel& mo
   std::string name;
   KDN_API_CHECK(GetString(*body, "model", &name));
   if (!name.empty() && name != model.name) {
-    ApiError e = Bad("the model '" + name + "' does not exist; this server serves '" +
-                         model.name + "'",
-                     "model");
+    ApiError e =
+        Bad("the model '" + name + "' does not exist; this server serves '" + model.name + "'",
+            "model");
     e.http_status = 404;
     e.code = "model_not_found";
     return e;
@@ -62,7 +62,8 @@ std::optional<ApiError> RefuseUnsupported(const json& body) {
   for (const char* name : {"presence_penalty", "frequency_penalty"}) {
     double v = 0;
     KDN_API_CHECK(GetNumber(body, name, &v));
-    if (v != 0) return Bad(std::string("'") + name + "' other than 0 is not supported by kdn", name);
+    if (v != 0)
+      return Bad(std::string("'") + name + "' other than 0 is not supported by kdn", name);
   }
   for (const char* name : {"n", "best_of"}) {
     int64_t v = 1;
@@ -156,9 +157,8 @@ std::optional<ApiError> TakeDocuments(const json& body, const std::string& separ
 // Tokenizes head (after a BOS with `add_bos`), documents and the rest as one
 // prompt with a blend plan.
 std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string& head,
-                                    const std::vector<std::string>& docs,
-                                    const std::string& rest, bool add_bos, const char* param,
-                                    ApiRequest* out) {
+                                    const std::vector<std::string>& docs, const std::string& rest,
+                                    bool add_bos, const char* param, ApiRequest* out) {
   BlendSpec b;
   out->prompt = model.tokenizer->Encode(head, add_bos);
   b.head_tokens = static_cast<int>(out->prompt.size());
@@ -194,7 +194,8 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
     const std::string where = "messages[" + std::to_string(i) + "]";
     if (!m.is_object()) return Bad(where + " must be an object", "messages");
     auto role = m.find("role");
-    if (role == m.end() || !role->is_string()) return Bad(where + ".role must be a string", "messages");
+    if (role == m.end() || !role->is_string())
+      return Bad(where + ".role must be a string", "messages");
     const std::string r = role->get<std::string>();
     if (r != "system" && r != "user" && r != "assistant" && r != "developer") {
       return Bad(where + ".role '" + r + "' is not one of system, developer, user, assistant",
@@ -227,17 +228,17 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
   // Documents go at the start of the last user message.
   std::vector<std::string> docs;
   bool has_documents = false;
-  auto last_user = std::find_if(msgs.rbegin(), msgs.rend(),
-                                [](const auto& m) { return m.first == "user"; });
+  auto last_user =
+      std::find_if(msgs.rbegin(), msgs.rend(), [](const auto& m) { return m.first == "user"; });
   if (last_user != msgs.rend()) {
     KDN_API_CHECK(TakeDocuments(body, separator, &last_user->second, &docs, &has_documents));
     if (has_documents) last_user->second.insert(0, kDocumentsMarker);
   } else if (IsSet(body, "documents")) {
     return Bad("'documents' go with the last user message, and there is none", "documents");
   }
-  Result<text::ChatPrompt> rendered =
-      model.chat_template ? model.chat_template->Render(msgs)
-                          : text::RenderChat(model.config->architecture, msgs);
+  Result<text::ChatPrompt> rendered = model.chat_template
+                                          ? model.chat_template->Render(msgs)
+                                          : text::RenderChat(model.config->architecture, msgs);
   if (!rendered.ok()) {
     if (rendered.status().code() == StatusCode::kInvalidArgument) {
       // The template's raise_exception (roles that do not alternate...), or
@@ -245,7 +246,8 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
       return Bad("the model's chat template refused the messages: " + rendered.status().message(),
                  "messages");
     }
-    ApiError e = Bad("the model's chat template cannot be rendered: " + rendered.status().message());
+    ApiError e =
+        Bad("the model's chat template cannot be rendered: " + rendered.status().message());
     e.http_status = 500;
     e.type = "server_error";
     return e;
@@ -260,9 +262,10 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
   // must have one place to go.
   const size_t at = chat.text.find(kDocumentsMarker);
   if (at == std::string::npos || chat.text.find(kDocumentsMarker, at + 1) != std::string::npos) {
-    return Bad("the model's chat template does not place the last user message once, where "
-               "documents could go; send the request without documents",
-               "documents");
+    return Bad(
+        "the model's chat template does not place the last user message once, where "
+        "documents could go; send the request without documents",
+        "documents");
   }
   return BlendPrompt(model, chat.text.substr(0, at), docs,
                      chat.text.substr(at + kDocumentsMarker.size()), chat.add_bos, "messages", out);
@@ -363,9 +366,9 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   if (max_tokens > ctx - n) {
     const uint64_t asked = static_cast<uint64_t>(n) + static_cast<uint64_t>(max_tokens);
     ApiError e = Bad("this model's maximum context length is " + std::to_string(ctx) +
-                         " tokens; the request asks for " + std::to_string(asked) +
-                         " (" + std::to_string(n) + " in the prompt, " +
-                         std::to_string(max_tokens) + " for the completion)",
+                         " tokens; the request asks for " + std::to_string(asked) + " (" +
+                         std::to_string(n) + " in the prompt, " + std::to_string(max_tokens) +
+                         " for the completion)",
                      n >= ctx ? (kind == ApiKind::kChat ? "messages" : "prompt") : "max_tokens");
     e.code = "context_length_exceeded";
     return e;
@@ -396,7 +399,8 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     if (stop->is_string()) {
       out->stop.push_back(stop->get<std::string>());
     } else if (stop->is_array() && stop->size() <= 4 &&
-               std::all_of(stop->begin(), stop->end(), [](const json& s) { return s.is_string(); })) {
+               std::all_of(stop->begin(), stop->end(),
+                           [](const json& s) { return s.is_string(); })) {
       for (const json& s : *stop) out->stop.push_back(s.get<std::string>());
     } else {
       return Bad("'stop' must be a string or a list of at most 4 strings", "stop");
@@ -422,8 +426,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   if (!disaggregation.empty()) {
     out->disaggregation = ParseDisaggregation(disaggregation);
     if (!out->disaggregation) {
-      return Bad("'disaggregation' must be \"always\", \"auto\" or \"never\"",
-                 "disaggregation");
+      return Bad("'disaggregation' must be \"always\", \"auto\" or \"never\"", "disaggregation");
     }
   }
   std::string user;
@@ -443,10 +446,10 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
     std::vector<int32_t> t = model.tokenizer->Encode(docs[i], /*add_bos=*/false);
     if (t.empty()) return Bad("document " + std::to_string(i) + " has no tokens", "documents");
     if (static_cast<int64_t>(t.size()) >= model.config->max_context) {
-      ApiError e = Bad("document " + std::to_string(i) + " has " + std::to_string(t.size()) +
-                           " tokens; this model's context is " +
-                           std::to_string(model.config->max_context),
-                       "documents");
+      ApiError e =
+          Bad("document " + std::to_string(i) + " has " + std::to_string(t.size()) +
+                  " tokens; this model's context is " + std::to_string(model.config->max_context),
+              "documents");
       e.code = "context_length_exceeded";
       return e;
     }
@@ -464,8 +467,8 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
   return RefuseOnJsonException([&] { return ParseRequestUnguarded(kind, body_text, model, out); });
 }
 
-std::optional<ApiError> ParseInjectRequest(const std::string& body_text,
-                                           const ServedModel& model, InjectApiRequest* out) {
+std::optional<ApiError> ParseInjectRequest(const std::string& body_text, const ServedModel& model,
+                                           InjectApiRequest* out) {
   return RefuseOnJsonException([&] { return ParseInjectRequestUnguarded(body_text, model, out); });
 }
 

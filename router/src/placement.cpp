@@ -54,7 +54,8 @@ std::optional<size_t> PlacePrefill(const WorkerViews& workers, const Ledger& led
     if (in.blend != nullptr) {
       // Held documents cost their recomputed share; the rest is computed.
       const auto it = in.segment_tokens_held->find(w);
-      const double held = it == in.segment_tokens_held->end() ? 0.0 : static_cast<double>(it->second);
+      const double held =
+          it == in.segment_tokens_held->end() ? 0.0 : static_cast<double>(it->second);
       cost = n - static_cast<int64_t>(held * (1.0 - in.blend->recompute_ratio));
     } else {
       cost = n - std::min<int64_t>(held_tokens, n - 1);  // the last token is computed
@@ -151,8 +152,9 @@ std::optional<size_t> PlaceDocument(const WorkerViews& workers, const Ledger& le
   for (size_t w = 0; w < workers.size(); ++w) {
     if (!Usable(workers[w], Role::kPrefill) || in_flight[w] >= per_worker) continue;
     if (!best || in_flight[w] < in_flight[*best] ||
-        (in_flight[w] == in_flight[*best] && LoadOf(workers[w], ledger.at(w)).queue_tokens <
-                                                 LoadOf(workers[*best], ledger.at(*best)).queue_tokens)) {
+        (in_flight[w] == in_flight[*best] &&
+         LoadOf(workers[w], ledger.at(w)).queue_tokens <
+             LoadOf(workers[*best], ledger.at(*best)).queue_tokens)) {
       best = w;
     }
   }

@@ -50,21 +50,16 @@ void RequestFlow::Enter(Request& r, Phase next) {
   }
   const auto now = Clock::now();
   switch (next) {
-    case Phase::kLookup:
-      r.deadline = now + options_.lookup_timeout;
-      break;
+    case Phase::kLookup: r.deadline = now + options_.lookup_timeout; break;
     case Phase::kQueued:
       if (r.phase != Phase::kQueued) {  // it waits from its first parking
         r.queued_at = now;
         r.deadline = now + options_.queue_timeout;
       }
       break;
-    case Phase::kPrepare:
-      r.deadline = now + options_.prepare_timeout;
-      break;
+    case Phase::kPrepare: r.deadline = now + options_.prepare_timeout; break;
     case Phase::kPrefill:
-    case Phase::kDecode:
-      break;  // no deadline: their workers' liveness bounds them
+    case Phase::kDecode: break;  // no deadline: their workers' liveness bounds them
   }
   r.phase = next;
 }
@@ -209,17 +204,15 @@ void RequestFlow::Place(Request& r) {
   using V = DecodePlacement::Verdict;
   if (!p) return Fail(r.id, Unavailable("no prefill worker answered"));
   switch (d.verdict) {
-    case V::kNoneUp:
-      return Fail(r.id, Unavailable("no decode worker is up"));
+    case V::kNoneUp: return Fail(r.id, Unavailable("no decode worker is up"));
     case V::kWait:
       // A resumed request was admitted before: it waits ahead of the new.
       return Park(r, /*front=*/r.Resumes() > 0);
     case V::kTooLarge:
-      return Fail(r.id, InvalidArgument("no decode worker can hold " +
-                                        std::to_string(r.PromptTokens()) + " + " +
-                                        std::to_string(r.job.max_tokens) + " tokens of KV"));
-    case V::kRoute:
-      break;
+      return Fail(r.id,
+                  InvalidArgument("no decode worker can hold " + std::to_string(r.PromptTokens()) +
+                                  " + " + std::to_string(r.job.max_tokens) + " tokens of KV"));
+    case V::kRoute: break;
   }
   r.p = *p;
   r.d = d.worker;
@@ -237,8 +230,7 @@ void RequestFlow::Place(Request& r) {
     ledger_.ReserveLocal(r.d, in.tokens - std::min(r.prefix[r.d], in.tokens - 1), in.kv_blocks);
   } else {
     LogInfo("{} routed: prefill {} (reaches {} tokens), decode {} (holds {} tokens)", ReqId{r.id},
-            workers_[r.p].name, r.prefix[r.p], workers_[r.d].name,
-            r.job.blend ? 0 : r.prefix[r.d]);
+            workers_[r.p].name, r.prefix[r.p], workers_[r.d].name, r.job.blend ? 0 : r.prefix[r.d]);
     ledger_.Reserve(r.p, r.d, in.tokens, in.kv_blocks);
   }
   if (metrics_) metrics_->Routed(r.local);
@@ -290,8 +282,8 @@ void RequestFlow::DrainQueue() {
 // Sends `r`'s prefill to its prefill worker r.p, the KV to go to its decode
 // worker r.d (prepared).
 void RequestFlow::SendPrefill(Request& r) {
-  proto::WorkerMessage m = PrefillMessage(r.job, workers_[r.d].kvbus_endpoint,
-                                          r.decode_held_tokens, r.transfer_id, r.generated_tokens);
+  proto::WorkerMessage m = PrefillMessage(r.job, workers_[r.d].kvbus_endpoint, r.decode_held_tokens,
+                                          r.transfer_id, r.generated_tokens);
   link_.Send(r.p, r.id, m);
   Enter(r, Phase::kPrefill);
 }
@@ -360,7 +352,8 @@ void RequestFlow::OnWorkerDown(size_t w, const std::string& why) {
     }
   }
   const WorkerView& wk = workers_[w];
-  const Status lost = Unavailable(std::string(RoleName(wk.role)) + " worker " + wk.name + " " + why);
+  const Status lost =
+      Unavailable(std::string(RoleName(wk.role)) + " worker " + wk.name + " " + why);
   for (uint64_t id : to_resume) {
     auto it = requests_.find(id);
     if (it != requests_.end() && !Resume(it->second, why)) doomed.push_back(id);
@@ -395,7 +388,8 @@ void RequestFlow::Tick(Clock::time_point now) {
       Place(it->second);
     }
   }
-  for (uint64_t id : late_prepare) Fail(id, Unavailable("the decode worker did not answer in time"));
+  for (uint64_t id : late_prepare)
+    Fail(id, Unavailable("the decode worker did not answer in time"));
 }
 
 }  // namespace kdn::router

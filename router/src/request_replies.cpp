@@ -14,16 +14,11 @@ void RequestFlow::OnMessage(size_t w, const proto::WorkerMessage& m) {
   auto it = requests_.find(m.request_id());
   if (it == requests_.end()) return;  // finished or cancelled meanwhile
   switch (m.body_case()) {
-    case proto::WorkerMessage::kLookupReply:
-      return OnLookupReply(w, it->second, m);
-    case proto::WorkerMessage::kPrepareReply:
-      return OnPrepareReply(w, it->second, m);
-    case proto::WorkerMessage::kPrefillReply:
-      return OnPrefillReply(w, it, m);
-    case proto::WorkerMessage::kTokens:
-      return OnTokens(w, it, m);
-    default:
-      return;
+    case proto::WorkerMessage::kLookupReply: return OnLookupReply(w, it->second, m);
+    case proto::WorkerMessage::kPrepareReply: return OnPrepareReply(w, it->second, m);
+    case proto::WorkerMessage::kPrefillReply: return OnPrefillReply(w, it, m);
+    case proto::WorkerMessage::kTokens: return OnTokens(w, it, m);
+    default: return;
   }
 }
 
@@ -64,8 +59,8 @@ void RequestFlow::OnPrepareReply(size_t w, Request& r, const proto::WorkerMessag
              workers_[r.d].name, r.decode_held_tokens);
     return Enter(r, Phase::kPrefill);
   }
-  LogDebug("{} prepared: {} holds {} prompt tokens; prefill to {}", ReqId{r.id},
-           workers_[r.d].name, r.decode_held_tokens, workers_[r.p].name);
+  LogDebug("{} prepared: {} holds {} prompt tokens; prefill to {}", ReqId{r.id}, workers_[r.d].name,
+           r.decode_held_tokens, workers_[r.p].name);
   SendPrefill(r);
 }
 
@@ -96,14 +91,14 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
   // A resumed request's prefill carries on a stream its client has; the
   // figures of its prompt are its first prefill's.
   const bool resumed = !r.streamed.empty();
-  LogInfo("{} prefill done by {}{}{}: {} cached ({} from tail pieces, {} blended, {} of them "
-          "recomputed), {} computed, {} bytes of KV sent, {} slices skipped, {} token after "
-          "{:.1f} ms",
-          ReqId{r.id}, workers_[w].name, r.local ? " (local)" : "", resumed ? " (resumed)" : "",
-          pr.cached_tokens(),
-          pr.tail_tokens(), pr.blended_tokens(), pr.recomputed_tokens(), pr.computed_tokens(),
-          pr.kv_bytes_sent(), pr.slices_skipped(), resumed ? "next" : "first",
-          std::chrono::duration<double, std::milli>(Clock::now() - r.arrival).count());
+  LogInfo(
+      "{} prefill done by {}{}{}: {} cached ({} from tail pieces, {} blended, {} of them "
+      "recomputed), {} computed, {} bytes of KV sent, {} slices skipped, {} token after "
+      "{:.1f} ms",
+      ReqId{r.id}, workers_[w].name, r.local ? " (local)" : "", resumed ? " (resumed)" : "",
+      pr.cached_tokens(), pr.tail_tokens(), pr.blended_tokens(), pr.recomputed_tokens(),
+      pr.computed_tokens(), pr.kv_bytes_sent(), pr.slices_skipped(), resumed ? "next" : "first",
+      std::chrono::duration<double, std::milli>(Clock::now() - r.arrival).count());
   if (!resumed) {
     r.usage.prompt_tokens = static_cast<int>(r.job.tokens.size());
     r.usage.cached_tokens = pr.cached_tokens();

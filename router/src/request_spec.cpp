@@ -12,7 +12,8 @@ const char* DisaggregationName(Disaggregation d) {
 }
 
 std::optional<Disaggregation> ParseDisaggregation(const std::string& s) {
-  for (Disaggregation d : {Disaggregation::kAlways, Disaggregation::kAuto, Disaggregation::kNever}) {
+  for (Disaggregation d :
+       {Disaggregation::kAlways, Disaggregation::kAuto, Disaggregation::kNever}) {
     if (s == DisaggregationName(d)) return d;
   }
   return std::nullopt;

@@ -99,9 +99,8 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
     }
     if (check_layers.size() < 2 || !options.check_ratios.empty()) check_layers.clear();
   }
-  if (auto st = control::CheckSchedule(options.recompute_ratio, options.check_layer,
-                                       check_layers, options.check_ratios,
-                                       impl->config.num_layers);
+  if (auto st = control::CheckSchedule(options.recompute_ratio, options.check_layer, check_layers,
+                                       options.check_ratios, impl->config.num_layers);
       !st.ok()) {
     return InvalidArgument("--check-layers/--check-ratios: " + st.status().message());
   }
@@ -114,7 +113,8 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                   check_layers,
                   options.check_ratios,
                   &impl->chat_template};
-  KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));
+  KDN_ASSIGN_OR_RETURN(impl->backend,
+                       Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));
   try {
     const auto address = asio::ip::make_address(options.host);
     impl->acceptor.emplace(impl->io);

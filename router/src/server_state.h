@@ -98,7 +98,6 @@ struct ServerState {
   std::thread thread;
 };
 
-
 // Serves one accepted connection until it closes.
 void StartSession(tcp::socket socket, ServerState& state);
 

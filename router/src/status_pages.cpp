@@ -17,9 +17,7 @@ ApiError JobError(const Status& st) {
   ApiError e;
   e.message = st.message();
   switch (st.code()) {
-    case StatusCode::kInvalidArgument:
-      e.http_status = 400;
-      break;
+    case StatusCode::kInvalidArgument: e.http_status = 400; break;
     case StatusCode::kResourceExhausted:  // the admission queue is full
       e.http_status = 429;
       e.type = "rate_limit_exceeded";
@@ -28,9 +26,7 @@ ApiError JobError(const Status& st) {
       e.http_status = 503;
       e.type = "service_unavailable";
       break;
-    default:
-      e.http_status = 502;
-      e.type = "server_error";
+    default: e.http_status = 502; e.type = "server_error";
   }
   return e;
 }
@@ -44,7 +40,6 @@ std::string Chunked(const std::string& piece) {
   std::snprintf(head, sizeof(head), "%zx\r\n", piece.size());
   return head + piece + "\r\n";
 }
-
 
 json ProgressJson(const InjectProgress& p, bool final) {
   json j = {{"object", final ? "kdn.inject" : "kdn.inject.progress"},

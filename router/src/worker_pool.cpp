@@ -150,11 +150,11 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   v.leased_kv_blocks = info.leased_kv_blocks();
   v.kvbus_leased_bytes = info.kvbus_leased_bytes();
   const proto::ResidentCounters& r = info.resident();
-  v.resident = {r.cached_blocks(), r.evictable_blocks(), r.evictions(), r.hit_tokens(),
-                r.copied_blocks(), r.kv_bytes_loaded()};
+  v.resident = {r.cached_blocks(), r.evictable_blocks(), r.evictions(),
+                r.hit_tokens(),    r.copied_blocks(),    r.kv_bytes_loaded()};
   const proto::LocalPrefill& lp = info.local_prefill();
-  v.local_prefill = {lp.running(), lp.backlog_tokens(), lp.step_ms(), lp.prefill_ms_per_token(),
-                     lp.step_tokens(), lp.requests(), lp.tokens()};
+  v.local_prefill = {lp.running(),     lp.backlog_tokens(), lp.step_ms(), lp.prefill_ms_per_token(),
+                     lp.step_tokens(), lp.requests(),       lp.tokens()};
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {
       LogError("{} is a {} worker, not {}; not using it", v.endpoint, info.role(),
@@ -168,15 +168,15 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   if (!fp.ok()) return;
   if (!identity_.known) {
     identity_ = {true, *fp, info.chunk_tokens()};
-    LogInfo("model {}, chunks of {} tokens (from {})", fp->ToHex(), identity_.chunk_tokens,
-            v.name);
+    LogInfo("model {}, chunks of {} tokens (from {})", fp->ToHex(), identity_.chunk_tokens, v.name);
   }
   const bool ok = *fp == identity_.fingerprint && info.chunk_tokens() == identity_.chunk_tokens;
   if (!ok && v.compatible) {
-    LogError("{} serves another model or chunk size ({}, {}) than the others ({}, {}); not "
-             "using it",
-             v.name, fp->ToHex(), info.chunk_tokens(), identity_.fingerprint.ToHex(),
-             identity_.chunk_tokens);
+    LogError(
+        "{} serves another model or chunk size ({}, {}) than the others ({}, {}); not "
+        "using it",
+        v.name, fp->ToHex(), info.chunk_tokens(), identity_.fingerprint.ToHex(),
+        identity_.chunk_tokens);
   }
   v.compatible = ok;
 }

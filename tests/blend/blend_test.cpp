@@ -23,9 +23,9 @@ std::shared_ptr<const kvbus::Chunk> KvAlone(engine::CpuEngine& model,
   engine::KvSequence seq = model.kv_cache().NewSequence();
   std::vector<float> logits;
   EXPECT_TRUE(model.Prefill(seq, tokens, {}, &logits).ok());
-  auto chunk = kvbridge::ChunkFromPagedKv(model.kv_cache(), seq, 0,
-                                       static_cast<int64_t>(tokens.size()), {0, 1}, {0, 2},
-                                       kvbus::KvDType::kF32);
+  auto chunk =
+      kvbridge::ChunkFromPagedKv(model.kv_cache(), seq, 0, static_cast<int64_t>(tokens.size()),
+                                 {0, 1}, {0, 2}, kvbus::KvDType::kF32);
   EXPECT_TRUE(chunk.ok());
   return chunk.ok() ? *chunk : nullptr;
 }
@@ -59,12 +59,12 @@ std::vector<float> FullPrefill(engine::CpuEngine& model, const std::vector<int32
   return logits;
 }
 
-
 TEST(Blend, RatioOneIsAFullPrefill) {
   auto model = MakeModel("tiny");
   const Prompt p = MakePrompt(*model, 3, 40, 1);
   engine::KvSequence seq = model->kv_cache().NewSequence();
-  auto r = BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.0, .check_layer = 0});
+  auto r =
+      BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.0, .check_layer = 0});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->cached_tokens, 120);
   EXPECT_EQ(r->recomputed_tokens, 120);
@@ -171,9 +171,9 @@ TEST(Blend, DeviationChosenTokensBeatRandomOnesAtFifteenPercent) {
       engine::KvSequence a = model->kv_cache().NewSequence();
       auto dev = BlendPrefill(*model, a, p.segments, p.suffix, {.recompute_ratio = 0.15});
       engine::KvSequence b = model->kv_cache().NewSequence();
-      auto rnd = BlendPrefill(*model, b, p.segments, p.suffix,
-                              {.recompute_ratio = 0.15, .selection = Selection::kRandom,
-                               .seed = prompt_seed});
+      auto rnd = BlendPrefill(
+          *model, b, p.segments, p.suffix,
+          {.recompute_ratio = 0.15, .selection = Selection::kRandom, .seed = prompt_seed});
       ASSERT_TRUE(dev.ok() && rnd.ok());
       ASSERT_EQ(dev->recomputed_tokens, rnd->recomputed_tokens);
       const double kd = KlDivergence(full, dev->logits), kr = KlDivergence(full, rnd->logits);
@@ -194,7 +194,8 @@ TEST(Blend, ProgressiveWithOneCheckIsTheOneLayerChoice) {
   auto model = MakeModel("small", 1, {.kv_tokens = 2048, .threads = 1});
   const Prompt p = MakePrompt(*model, 3, 48, 5);
   engine::KvSequence a = model->kv_cache().NewSequence();
-  auto one = BlendPrefill(*model, a, p.segments, p.suffix, {.recompute_ratio = 0.3, .check_layer = 2});
+  auto one =
+      BlendPrefill(*model, a, p.segments, p.suffix, {.recompute_ratio = 0.3, .check_layer = 2});
   engine::KvSequence b = model->kv_cache().NewSequence();
   auto listed = BlendPrefill(*model, b, p.segments, p.suffix,
                              {.recompute_ratio = 0.3, .check_layers = {2}, .check_ratios = {0.3}});
@@ -209,9 +210,9 @@ TEST(Blend, ProgressiveFilteringNarrowsAtEachCheck) {
   auto model = MakeModel("small", 2, {.kv_tokens = 2048, .threads = 1});
   const Prompt p = MakePrompt(*model, 4, 50, 6);  // 200 cached tokens
   engine::KvSequence a = model->kv_cache().NewSequence();
-  auto prog = BlendPrefill(*model, a, p.segments, p.suffix,
-                           {.recompute_ratio = 0.15, .check_layers = {1, 3, 5},
-                            .check_ratios = {0.5, 0.3, 0.15}});
+  auto prog = BlendPrefill(
+      *model, a, p.segments, p.suffix,
+      {.recompute_ratio = 0.15, .check_layers = {1, 3, 5}, .check_ratios = {0.5, 0.3, 0.15}});
   ASSERT_TRUE(prog.ok()) << prog.status().ToString();
   EXPECT_EQ(prog->kept_at_check, (std::vector<int>{100, 60, 30}));
   EXPECT_EQ(prog->recomputed_tokens, 30);
@@ -285,13 +286,13 @@ TEST(CheckSchedule, RefusesBadLayersAndRatios) {
     auto r = control::CheckSchedule(ratio, 1, layers, ratios, 10);
     return !r.ok() && r.status().code() == StatusCode::kInvalidArgument;
   };
-  EXPECT_TRUE(bad(0.15, {2, 2}, {}));            // not ascending
-  EXPECT_TRUE(bad(0.15, {1, 10}, {}));           // past the last layer
+  EXPECT_TRUE(bad(0.15, {2, 2}, {}));   // not ascending
+  EXPECT_TRUE(bad(0.15, {1, 10}, {}));  // past the last layer
   EXPECT_TRUE(bad(0.15, {-1, 3}, {}));
-  EXPECT_TRUE(bad(0.15, {1, 3}, {0.15, 0.3}));   // increasing
-  EXPECT_TRUE(bad(0.15, {1, 3}, {0.3, 0.2}));    // last is not the target
-  EXPECT_TRUE(bad(0.15, {1, 3}, {0.15}));        // one ratio short
-  EXPECT_TRUE(bad(0.15, {}, {0.15}));            // ratios without layers
+  EXPECT_TRUE(bad(0.15, {1, 3}, {0.15, 0.3}));  // increasing
+  EXPECT_TRUE(bad(0.15, {1, 3}, {0.3, 0.2}));   // last is not the target
+  EXPECT_TRUE(bad(0.15, {1, 3}, {0.15}));       // one ratio short
+  EXPECT_TRUE(bad(0.15, {}, {0.15}));           // ratios without layers
   EXPECT_TRUE(bad(1.5, {1, 3}, {}));
   EXPECT_FALSE(bad(0.15, {1, 3}, {0.3, 0.15}));
   EXPECT_FALSE(bad(0.0, {1, 3}, {}));
@@ -301,13 +302,14 @@ TEST(Blend, RefusesBadSettingsAndMismatchedKv) {
   auto model = MakeModel("tiny");
   Prompt p = MakePrompt(*model, 1, 20, 3);
   engine::KvSequence seq = model->kv_cache().NewSequence();
-  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.5}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.5}).status().code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.check_layer = 2}).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix,
-                         {.check_layers = {0, 2}}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      BlendPrefill(*model, seq, p.segments, p.suffix, {.check_layers = {0, 2}}).status().code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(BlendPrefill(*model, seq, p.segments, {}, {}).status().code(),
             StatusCode::kInvalidArgument);
   p.segments[1].tokens.push_back(5);  // the KV no longer fits its segment

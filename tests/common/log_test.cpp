@@ -60,9 +60,8 @@ TEST_F(LogTest, LineHasTimestampLevelRoleAndRequestId) {
   InitLog("prefill", "prefill-3", LogLevel::kInfo);
   const auto lines = StderrLines([] { LogInfo("{} received: {} tokens", ReqId{0x2a}, 12); });
   ASSERT_EQ(lines.size(), 1u);
-  const std::regex want(
-      R"(^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z info  prefill/prefill-3 )"
-      R"(req=000000000000002a received: 12 tokens$)");
+  const std::regex want(R"(^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z info  prefill/prefill-3 )"
+                        R"(req=000000000000002a received: 12 tokens$)");
   EXPECT_TRUE(std::regex_match(lines[0], want)) << lines[0];
 }
 

@@ -25,8 +25,10 @@ std::unique_ptr<Engine> TinyOnGpu(uint64_t seed) {
   auto p = FindPreset("tiny");
   EXPECT_TRUE(p.ok());
   auto e = OpenEngine(p->config, GenerateWeights(p->config, seed, DType::kBF16),
-                      {.device = {Device::Kind::kCuda, 0}, .kv_tokens = 8192,
-                       .max_prefill_tokens = 1024, .max_batch = 4});
+                      {.device = {Device::Kind::kCuda, 0},
+                       .kv_tokens = 8192,
+                       .max_prefill_tokens = 1024,
+                       .max_batch = 4});
   EXPECT_TRUE(e.ok()) << e.status().ToString();
   return e.ok() ? std::move(e).value() : nullptr;
 }
@@ -116,8 +118,10 @@ TEST(CudaBlend, ProgressiveFilteringNarrowsAtEachCheck) {
   for (bool overlap : {false, true}) {
     KvSequence seq = e->kv_cache().NewSequence();
     auto r = blend::BlendPrefill(*e, seq, p.segments, p.suffix,
-                                 {.recompute_ratio = 0.15, .check_layers = {0, 1},
-                                  .check_ratios = {0.3, 0.15}, .overlap_load = overlap});
+                                 {.recompute_ratio = 0.15,
+                                  .check_layers = {0, 1},
+                                  .check_ratios = {0.3, 0.15},
+                                  .overlap_load = overlap});
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->kept_at_check, (std::vector<int>{97, 49}));  // of 321 cached tokens
     logits.push_back(r->logits);
@@ -129,8 +133,10 @@ TEST(CudaOpenEngine, MemoryShareSizesTheKvPool) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   auto p = FindPreset("tiny");
   ASSERT_TRUE(p.ok());
-  const OpenOptions small{.device = {Device::Kind::kCuda, 0}, .gpu_mem_fraction = 0.05,
-                          .max_prefill_tokens = 1024, .max_batch = 4};
+  const OpenOptions small{.device = {Device::Kind::kCuda, 0},
+                          .gpu_mem_fraction = 0.05,
+                          .max_prefill_tokens = 1024,
+                          .max_batch = 4};
   auto tokens = KvTokensForMemoryShare(p->config, small);
   ASSERT_TRUE(tokens.ok()) << tokens.status().ToString();
   auto e = OpenEngine(p->config, GenerateWeights(p->config, 1, DType::kBF16), small);
@@ -138,8 +144,10 @@ TEST(CudaOpenEngine, MemoryShareSizesTheKvPool) {
   EXPECT_EQ((*e)->device(), "cuda:0");
   EXPECT_EQ((*e)->kv_cache().num_blocks() * int64_t{kKvBlockTokens}, *tokens + kKvBlockTokens);
   // A share twice as large holds about twice the KV beyond the fixed part.
-  auto twice = KvTokensForMemoryShare(p->config, {.device = small.device, .gpu_mem_fraction = 0.1,
-                                                  .max_prefill_tokens = 1024, .max_batch = 4});
+  auto twice = KvTokensForMemoryShare(p->config, {.device = small.device,
+                                                  .gpu_mem_fraction = 0.1,
+                                                  .max_prefill_tokens = 1024,
+                                                  .max_batch = 4});
   ASSERT_TRUE(twice.ok());
   EXPECT_GT(*twice, *tokens * 3 / 2);
 }
@@ -149,8 +157,8 @@ TEST(CudaOpenEngine, RefusesAShareTooSmallOrADeviceNotThere) {
   auto p = FindPreset("llama3-8b");
   ASSERT_TRUE(p.ok());
   // 16 GB of bf16 weights do not fit in a thousandth of any GPU.
-  auto r = MaterializeEngine(p->config, 1, {.device = {Device::Kind::kCuda, 0},
-                                            .gpu_mem_fraction = 0.001});
+  auto r = MaterializeEngine(p->config, 1,
+                             {.device = {Device::Kind::kCuda, 0}, .gpu_mem_fraction = 0.001});
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(r.status().message().find("give it a larger share"), std::string::npos)

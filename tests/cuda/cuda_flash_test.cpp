@@ -158,8 +158,8 @@ void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool s
   auto d_ref = ToDevice(std::vector<bf16>(q_all.size()));
   auto d_out = ToDevice(std::vector<bf16>(q.size(), __float2bfloat16_rn(NAN)));
   ASSERT_TRUE(d_all.ok() && d_q.ok() && d_table.ok() && d_ref.ok() && d_out.ok());
-  KDN_ASSERT_OK(PrefillAttentionCuda<bf16>(d_all->get(), n, 0, pool.layer(), d_table->get(),
-                                           shape, d_ref->get(), nullptr));
+  KDN_ASSERT_OK(PrefillAttentionCuda<bf16>(d_all->get(), n, 0, pool.layer(), d_table->get(), shape,
+                                           d_ref->get(), nullptr));
   // Two bands; the second's masked keys start at its first row's block.
   const int64_t split = m / 2;
   const int64_t base = shared_keys ? rows[split] / 16 * 16 : 0;
@@ -180,8 +180,8 @@ void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool s
   KDN_ASSERT_OK((*flash)->PlanPositions(masked.data(), 2, d_rel->get(), nullptr));
   auto d_lse = ToDevice(std::vector<float>(m * heads));
   ASSERT_TRUE(d_lse.ok());
-  KDN_ASSERT_OK((*flash)->Run(d_q->get(), q_row, pool.layer(), d_out->get(), nullptr,
-                              d_lse->get()));
+  KDN_ASSERT_OK(
+      (*flash)->Run(d_q->get(), q_row, pool.layer(), d_out->get(), nullptr, d_lse->get()));
   if (shared_keys) {
     ASSERT_GT(base, 0);
     auto shared = FlashAttention::Create(shape, 4, m, pool.blocks);
@@ -195,8 +195,7 @@ void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool s
                                  nullptr, d_part_lse->get()));
     KDN_ASSERT_OK(FlashAttention::MergeInPlace(d_out->get() + split * q_row,
                                                d_lse->get() + split * heads, d_part->get(),
-                                               d_part_lse->get(), m - split, heads, dim,
-                                               nullptr));
+                                               d_part_lse->get(), m - split, heads, dim, nullptr));
   }
   std::vector<bf16> got, ref;
   KDN_ASSERT_OK(ToHost(d_out->get(), q.size(), &got));
@@ -222,8 +221,8 @@ TEST(FlashAttention, ScatteredRowsSeeTheirKeysThroughTheMaskAndTheSharedPart) {
 // are), against DecodeAttentionCuda.
 void CheckFlashDecode(int heads, int kv_heads, int dim, const std::vector<int64_t>& lengths,
                       bool graph) {
-  SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
-                                    << " graph " << graph);
+  SCOPED_TRACE(::testing::Message()
+               << "heads " << heads << "/" << kv_heads << " dim " << dim << " graph " << graph);
   const AttentionShape shape = ShapeOf(heads, kv_heads, dim);
   const int64_t batch = static_cast<int64_t>(lengths.size());
   Pool pool(kv_heads, dim, lengths, 21);
@@ -236,8 +235,8 @@ void CheckFlashDecode(int heads, int kv_heads, int dim, const std::vector<int64_
   std::vector<AttentionSequence> seqs;
   for (int64_t b = 0; b < batch; ++b) {
     std::copy(pool.tables[b].begin(), pool.tables[b].end(), tables.begin() + b * stride);
-    seqs.push_back({1, lengths[b], pool.tables[b].data(),
-                    static_cast<int64_t>(pool.tables[b].size())});
+    seqs.push_back(
+        {1, lengths[b], pool.tables[b].data(), static_cast<int64_t>(pool.tables[b].size())});
   }
   auto d_q = ToDevice(q);
   auto d_tables = ToDevice(tables);
@@ -285,7 +284,7 @@ TEST(FlashAttention, RefusesBadPlans) {
   auto flash = FlashAttention::Create(shape, 2, 32, 4);
   ASSERT_TRUE(flash.ok());
   const int32_t table[2] = {0, 1};
-  const AttentionSequence longer_q{8, 4, table, 2};   // more queries than keys
+  const AttentionSequence longer_q{8, 4, table, 2};  // more queries than keys
   const AttentionSequence short_table{1, 40, table, 2};
   const AttentionSequence prefill{4, 8, table, 2};
   EXPECT_EQ((*flash)->Plan(&longer_q, 1, false, nullptr).code(), StatusCode::kInvalidArgument);
@@ -331,10 +330,10 @@ TEST(RopeQkvToCacheCuda, EqualsRopeThenTheSlotWrite) {
   KDN_ASSERT_OK(RopeQkvToCacheCuda<bf16>(d_qkv->get(), rows, heads, kv_heads, dim, d_pos->get(),
                                          d_freq->get(), d_slots->get(),
                                          {kc->get(), vc->get(), kv_heads, dim}, nullptr));
-  KDN_ASSERT_OK(ApplyRopeCuda<bf16>(d_q->get(), rows, heads, dim, d_pos->get(), d_freq->get(),
-                                    nullptr));
-  KDN_ASSERT_OK(ApplyRopeCuda<bf16>(d_k->get(), rows, kv_heads, dim, d_pos->get(), d_freq->get(),
-                                    nullptr));
+  KDN_ASSERT_OK(
+      ApplyRopeCuda<bf16>(d_q->get(), rows, heads, dim, d_pos->get(), d_freq->get(), nullptr));
+  KDN_ASSERT_OK(
+      ApplyRopeCuda<bf16>(d_k->get(), rows, kv_heads, dim, d_pos->get(), d_freq->get(), nullptr));
   KDN_ASSERT_OK(WriteKvSlotsCuda<bf16>(d_k->get(), d_v->get(), kd, rows, d_slots->get(),
                                        {rk->get(), rv->get(), kv_heads, dim}, nullptr));
   std::vector<bf16> got_qkv, want_q, got_k, want_k, got_v, want_v;
@@ -381,16 +380,15 @@ void CheckGemv(int rows, int in_dim, int out_dim, bool accumulate) {
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const cudaDataType_t out_type = std::is_same_v<OutT, float> ? CUDA_R_32F : CUDA_R_16BF;
   ASSERT_EQ(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, out_dim, rows, in_dim, &alpha, d_w->get(),
-                         CUDA_R_16BF, in_dim, d_x->get(), CUDA_R_16BF, in_dim, &beta,
-                         d_ref->get(), out_type, out_dim, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT),
+                         CUDA_R_16BF, in_dim, d_x->get(), CUDA_R_16BF, in_dim, &beta, d_ref->get(),
+                         out_type, out_dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
             CUBLAS_STATUS_SUCCESS);
   std::vector<OutT> got, want;
   KDN_ASSERT_OK(ToHost(d_out->get(), init.size(), &got));
   KDN_ASSERT_OK(ToHost(d_ref->get(), init.size(), &want));
   cublasDestroy(h);
-  const Tolerance tol = std::is_same_v<OutT, float> ? Tolerance{1e-4, 1e-4}
-                                                     : Tolerance{1.0 / 128, 1e-3};
+  const Tolerance tol =
+      std::is_same_v<OutT, float> ? Tolerance{1e-4, 1e-4} : Tolerance{1.0 / 128, 1e-3};
   EXPECT_TRUE(AllClose(ToFloats(got), ToFloats(want), tol));
 }
 
@@ -402,7 +400,7 @@ TEST(GemvCuda, MatchesCublasForEveryRowCount) {
     CheckGemv<float>(rows, 512, 258, false);   // a small LM head, fp32 logits
     CheckGemv<float>(rows, 512, 20000, true);  // many rows, accumulated
   }
-  CheckGemv<bf16>(1, 8 * 37, 13, true);        // widths off every unrolled step
+  CheckGemv<bf16>(1, 8 * 37, 13, true);  // widths off every unrolled step
   // The fused gate/up product and SwiGLU gate: bit for bit the unfused pair.
   for (int rows = 1; rows <= kGemvMaxRows; ++rows) {
     const int in_dim = 4096, inter = 1000;
@@ -415,7 +413,8 @@ TEST(GemvCuda, MatchesCublasForEveryRowCount) {
     KDN_ASSERT_OK(GemvCuda<bf16>(d_x->get(), rows, in_dim, d_w->get(), 2 * inter, d_gu->get(),
                                  false, nullptr));
     KDN_ASSERT_OK(SiluMulCuda<bf16>(d_gu->get(), rows, inter, d_ref->get(), nullptr));
-    KDN_ASSERT_OK(GemvSwiGluCuda(d_x->get(), rows, in_dim, d_w->get(), inter, d_out->get(), nullptr));
+    KDN_ASSERT_OK(
+        GemvSwiGluCuda(d_x->get(), rows, in_dim, d_w->get(), inter, d_out->get(), nullptr));
     std::vector<bf16> got, want;
     KDN_ASSERT_OK(ToHost(d_out->get(), size_t(rows) * inter, &got));
     KDN_ASSERT_OK(ToHost(d_ref->get(), size_t(rows) * inter, &want));
@@ -434,9 +433,9 @@ TEST(DeviceSampler, DrawsWhatTheHostSamplerDraws) {
     const int rows = 6;
     std::mt19937 rng(static_cast<uint32_t>(vocab));
     std::normal_distribution<float> nd(0.0f, 3.0f);
-    const std::vector<model::SamplingParams> params = {
-        {0.7f, 0, 0.9f, 1}, {1.0f, 50, 1.0f, 2}, {0.0f, 0, 1.0f, 3},
-        {1.3f, 0, 1.0f, 4}, {0.5f, 1, 1.0f, 5},  {1.0f, 20, 0.5f, 6}};
+    const std::vector<model::SamplingParams> params = {{0.7f, 0, 0.9f, 1}, {1.0f, 50, 1.0f, 2},
+                                                       {0.0f, 0, 1.0f, 3}, {1.3f, 0, 1.0f, 4},
+                                                       {0.5f, 1, 1.0f, 5}, {1.0f, 20, 0.5f, 6}};
     auto sampler = DeviceSampler::Create(rows, vocab);
     ASSERT_TRUE(sampler.ok()) << sampler.status().ToString();
     std::vector<Sampler> host, device;
@@ -455,13 +454,14 @@ TEST(DeviceSampler, DrawsWhatTheHostSamplerDraws) {
         const model::SamplingParams& p = params[r];
         rows_params.push_back({u < 0 ? 0.0f : p.temperature, p.top_k, p.top_p, u < 0 ? 0.0 : u});
       }
-      KDN_ASSERT_OK((*sampler)->Sample(d_logits->get(), rows_params.data(), rows, d_out->get(),
-                                       nullptr));
+      KDN_ASSERT_OK(
+          (*sampler)->Sample(d_logits->get(), rows_params.data(), rows, d_out->get(), nullptr));
       std::vector<int32_t> got;
       KDN_ASSERT_OK(ToHost(d_out->get(), rows, &got));
       for (int r = 0; r < rows; ++r) {
         const std::span<const float> row(logits.data() + r * vocab, vocab);
-        EXPECT_EQ(got[r], host[r].Sample(row)) << "vocab " << vocab << " step " << step << " row " << r;
+        EXPECT_EQ(got[r], host[r].Sample(row))
+            << "vocab " << vocab << " step " << step << " row " << r;
       }
     }
   }

@@ -224,10 +224,10 @@ void ExpectRopeMatchesCpu(const RopeCase& c, uint32_t seed) {
 // past 4096 with bases of their own) go through rope.h on both sides.
 using model::RopeType;
 const RopeCase kRopeCases[] = {
-    {1, 1, 64, 10000.0, RopeType::kDefault},      {7, 32, 128, 500000.0, RopeType::kLlama3},
-    {33, 8, 64, 10000.0, RopeType::kDefault},     {513, 8, 128, 1000000.0, RopeType::kDefault},
-    {64, 40, 128, 500000.0, RopeType::kLlama3},   {5, 3, 80, 10000.0, RopeType::kDefault},
-    {65, 8, 128, 1000000.0, RopeType::kYarn},     {65, 8, 128, 10000.0, RopeType::kDynamic},
+    {1, 1, 64, 10000.0, RopeType::kDefault},    {7, 32, 128, 500000.0, RopeType::kLlama3},
+    {33, 8, 64, 10000.0, RopeType::kDefault},   {513, 8, 128, 1000000.0, RopeType::kDefault},
+    {64, 40, 128, 500000.0, RopeType::kLlama3}, {5, 3, 80, 10000.0, RopeType::kDefault},
+    {65, 8, 128, 1000000.0, RopeType::kYarn},   {65, 8, 128, 10000.0, RopeType::kDynamic},
     {9, 4, 64, 10000.0, RopeType::kLinear},
 };
 
@@ -271,7 +271,8 @@ TEST(ApplyRopeCuda, ReportsItsBandwidthOnAPrefillBatch) {
   KDN_ASSERT_OK(d_x.status());
   auto d_positions = ToDevice(positions);
   KDN_ASSERT_OK(d_positions.status());
-  auto d_inv_freq = ToDevice(RopeInvFreq(RopeConfig({rows, heads, head_dim, 500000.0, RopeType::kLlama3})));
+  auto d_inv_freq =
+      ToDevice(RopeInvFreq(RopeConfig({rows, heads, head_dim, 500000.0, RopeType::kLlama3})));
   KDN_ASSERT_OK(d_inv_freq.status());
   const Result<double> us = MeanLaunchMicros(
       [&] {

@@ -111,10 +111,10 @@ TEST(ArgmaxCuda, EqualsTheEngineIncludingTiesAndNaN) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t vocab = 128256;
   std::vector<float> logits = Uniforms(4 * vocab, 11, -10.0f, 10.0f);
-  logits[0 * vocab + 77777] = 50.0f;    // a clear winner
-  logits[1 * vocab + 9] = 60.0f;        // a tie: the first index wins
+  logits[0 * vocab + 77777] = 50.0f;  // a clear winner
+  logits[1 * vocab + 9] = 60.0f;      // a tie: the first index wins
   logits[1 * vocab + 90000] = 60.0f;
-  logits[2 * vocab + 3] = NAN;          // NaN is never chosen
+  logits[2 * vocab + 3] = NAN;  // NaN is never chosen
   logits[2 * vocab + 128255] = 70.0f;
   std::fill(logits.begin() + 3 * vocab, logits.end(), -1.0f);  // all equal: index 0
   auto d_logits = ToDevice(logits);
@@ -158,7 +158,7 @@ TEST(FillUniformCuda, WritesTheHostsValuesWithinTheScale) {
     ASSERT_LE(std::fabs(got[i]), 0.02f);
     sum += got[i];
   }
-  EXPECT_LT(std::fabs(sum / n), 1e-4);  // centred
+  EXPECT_LT(std::fabs(sum / n), 1e-4);                              // centred
   EXPECT_NE(UniformAt(42, 8, 0, 1.0f), UniformAt(42, 7, 0, 1.0f));  // streams differ
 }
 
@@ -202,7 +202,8 @@ TEST(PagedKvCuda, WriteGatherScatterAndCopyKeepEveryRowInItsSlot) {
   // Gather returns exactly what was written.
   auto d_out = ToDevice(std::vector<bf16>(2 * count * f.row()));
   ASSERT_TRUE(d_out.ok());
-  KDN_ASSERT_OK(GatherKvCuda<bf16>(f.layer(), f.d_table.get(), first, count, d_out->get(), nullptr));
+  KDN_ASSERT_OK(
+      GatherKvCuda<bf16>(f.layer(), f.d_table.get(), first, count, d_out->get(), nullptr));
   std::vector<bf16> got;
   KDN_ASSERT_OK(ToHost(d_out->get(), kv.size(), &got));
   EXPECT_EQ(ToFloats(got), kv);
@@ -224,11 +225,12 @@ TEST(PagedKvCuda, WriteGatherScatterAndCopyKeepEveryRowInItsSlot) {
   auto d_pairs = ToDevice(std::vector<int32_t>{f.table[0], f.table[9]});
   ASSERT_TRUE(d_pairs.ok());
   KDN_ASSERT_OK(CopyKvBlocksCuda<bf16>(f.layer(), d_pairs->get(), 1, nullptr));
-  KDN_ASSERT_OK(GatherKvCuda<bf16>(f.layer(), f.d_table.get(), 9 * 16, 16, d_again->get(), nullptr));
+  KDN_ASSERT_OK(
+      GatherKvCuda<bf16>(f.layer(), f.d_table.get(), 9 * 16, 16, d_again->get(), nullptr));
   KDN_ASSERT_OK(ToHost(d_again->get(), 2 * 16 * f.row(), &got));
   for (int64_t t = 0; t < 16; ++t) {
     for (int i = 0; i < f.row(); i += 37) {
-      ASSERT_EQ(__bfloat162float(got[t * f.row() + i]), kv[t * f.row() + i]);                  // K
+      ASSERT_EQ(__bfloat162float(got[t * f.row() + i]), kv[t * f.row() + i]);                   // K
       ASSERT_EQ(__bfloat162float(got[(16 + t) * f.row() + i]), kv[(count + t) * f.row() + i]);  // V
     }
   }
@@ -239,7 +241,8 @@ TEST(PagedKvCuda, WriteGatherScatterAndCopyKeepEveryRowInItsSlot) {
 // Causal grouped-query attention of queries at positions q_pos over keys
 // 0..q_pos (q_pos - window + 1 .. q_pos with a window), in double.
 // q: [n][heads][dim]; keys, values: [len][kv_heads][dim].
-std::vector<float> ReferenceAttention(const std::vector<float>& q, const std::vector<int64_t>& q_pos,
+std::vector<float> ReferenceAttention(const std::vector<float>& q,
+                                      const std::vector<int64_t>& q_pos,
                                       const std::vector<float>& keys,
                                       const std::vector<float>& values, int heads, int kv_heads,
                                       int dim, int64_t window = 0) {
@@ -285,9 +288,9 @@ Tolerance AttentionTolerance() {
 template <typename T>
 void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n,
                   int64_t window = 0) {
-  SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
-                                    << " q_start " << q_start << " n " << n << " window "
-                                    << window);
+  SCOPED_TRACE(::testing::Message()
+               << "heads " << heads << "/" << kv_heads << " dim " << dim << " q_start " << q_start
+               << " n " << n << " window " << window);
   const int64_t len = q_start + n;
   PagedFixture<T> f(kv_heads, dim, static_cast<int>((len + 15) / 16) + 2, 3);
   const auto kv = Rounded<T>(Uniforms(2 * len * f.row(), 4, -2.0f, 2.0f));
@@ -313,11 +316,11 @@ void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n,
 
 TEST(PrefillAttentionCuda, MatchesTheReferenceAcrossShapesAndStarts) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  CheckPrefill<float>(4, 2, 16, 0, 37);      // the tiny preset's shape
-  CheckPrefill<float>(8, 8, 64, 100, 50);    // no grouping, a cached prefix
-  CheckPrefill<bf16>(32, 8, 128, 0, 300);    // Llama-3-8B's heads
-  CheckPrefill<bf16>(28, 4, 128, 777, 65);   // Qwen2.5-7B's heads, after a prefix
-  CheckPrefill<bf16>(16, 1, 256, 5, 40);     // the widest head, one KV head
+  CheckPrefill<float>(4, 2, 16, 0, 37);     // the tiny preset's shape
+  CheckPrefill<float>(8, 8, 64, 100, 50);   // no grouping, a cached prefix
+  CheckPrefill<bf16>(32, 8, 128, 0, 300);   // Llama-3-8B's heads
+  CheckPrefill<bf16>(28, 4, 128, 777, 65);  // Qwen2.5-7B's heads, after a prefix
+  CheckPrefill<bf16>(16, 1, 256, 5, 40);    // the widest head, one KV head
 }
 
 TEST(PrefillAttentionCuda, SeesOnlyTheSlidingWindow) {
@@ -348,8 +351,8 @@ void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths,
     const int64_t len = lengths[b];
     const auto kv = Rounded<T>(Uniforms(2 * len * f.row(), 9 + b, -2.0f, 2.0f));
     auto d_kv = ToDevice(FromFloats<T>(kv));
-    auto d_tab = ToDevice(std::vector<int32_t>(tables.begin() + b * stride,
-                                               tables.begin() + (b + 1) * stride));
+    auto d_tab = ToDevice(
+        std::vector<int32_t>(tables.begin() + b * stride, tables.begin() + (b + 1) * stride));
     ASSERT_TRUE(d_kv.ok() && d_tab.ok());
     KDN_ASSERT_OK(WriteKvCuda<T>(d_kv->get(), d_kv->get() + len * f.row(), f.row(), len,
                                  d_tab->get(), 0, f.layer(), nullptr));
@@ -367,8 +370,8 @@ void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths,
   auto d_out = ToDevice(std::vector<T>(q.size()));
   const AttentionShape shape{heads, kv_heads, dim, 1.0f / std::sqrt(static_cast<float>(dim)),
                              window};
-  auto d_ws = ToDevice(std::vector<float>(
-      std::max<size_t>(1, DecodeAttentionWorkspaceBytes(batch, shape, max_splits) / sizeof(float))));
+  auto d_ws = ToDevice(std::vector<float>(std::max<size_t>(
+      1, DecodeAttentionWorkspaceBytes(batch, shape, max_splits) / sizeof(float))));
   ASSERT_TRUE(d_q.ok() && d_tables.ok() && d_lens.ok() && d_out.ok() && d_ws.ok());
   KDN_ASSERT_OK(DecodeAttentionCuda<T>(d_q->get(), f.const_layer(), d_tables->get(), stride,
                                        d_lens->get(), batch, max_len, shape, max_splits,
@@ -380,9 +383,9 @@ void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths,
 
 TEST(DecodeAttentionCuda, MatchesTheReferenceWholeAndSplit) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  CheckDecode<float>(4, 2, 16, {1, 17, 64, 200}, 1);       // tiny's shape, one split
-  CheckDecode<float>(4, 2, 16, {1, 17, 64, 3000}, 16);     // ragged, split
-  CheckDecode<bf16>(32, 8, 128, {4096}, 64);               // batch 1, long: many splits
+  CheckDecode<float>(4, 2, 16, {1, 17, 64, 200}, 1);    // tiny's shape, one split
+  CheckDecode<float>(4, 2, 16, {1, 17, 64, 3000}, 16);  // ragged, split
+  CheckDecode<bf16>(32, 8, 128, {4096}, 64);            // batch 1, long: many splits
   CheckDecode<bf16>(28, 4, 128, {5, 700, 33, 1500}, 8);
 }
 
@@ -411,10 +414,10 @@ TEST(LayerKernelsCuda, RefuseBadShapesWithoutTouchingTheDevice) {
   EXPECT_EQ(SiluMulCuda<float>(nullptr, 1, 8, nullptr, nullptr).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(ArgmaxCuda(nullptr, 1, 0, nullptr, nullptr).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(WriteKvCuda<float>(nullptr, nullptr, 4, 1, nullptr, 0, {nullptr, nullptr, 2, 4},
-                               nullptr)
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      WriteKvCuda<float>(nullptr, nullptr, 4, 1, nullptr, 0, {nullptr, nullptr, 2, 4}, nullptr)
+          .code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(FillUniformCuda<float>(nullptr, -1, 0, 0, 1.0f, nullptr).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(UniformAt(1, 2, 3, 0.5f), UniformAt(1, 2, 3, 0.5f));

@@ -92,7 +92,7 @@ TEST(CudaEngine, MatchesTheCpuBackendOnSmall) {
 
 // The tiny preset on the GPU with a pool and buffers of these sizes.
 Result<std::unique_ptr<CudaEngine>> TinyCudaModel(int64_t kv_tokens, int64_t max_prefill,
-                                                 int max_batch) {
+                                                  int max_batch) {
   KDN_ASSIGN_OR_RETURN(Preset p, FindPreset("tiny"));
   CudaEngineOptions o;
   o.kv_tokens = kv_tokens;

@@ -22,23 +22,22 @@
 
 namespace kdn::engine::cuda::cudatest {
 
-#define KDN_SKIP_WITHOUT_CUDA_DEVICE()                                           \
-  do {                                                                           \
+#define KDN_SKIP_WITHOUT_CUDA_DEVICE()                                            \
+  do {                                                                            \
     if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device on this machine"; \
   } while (0)
 
-#define KDN_ASSERT_OK(expr)                                     \
-  do {                                                          \
-    const ::kdn::Status kdn_assert_status_ = (expr);            \
-    ASSERT_TRUE(kdn_assert_status_.ok())                        \
-        << #expr << " -> " << kdn_assert_status_.ToString();    \
+#define KDN_ASSERT_OK(expr)                                                                   \
+  do {                                                                                        \
+    const ::kdn::Status kdn_assert_status_ = (expr);                                          \
+    ASSERT_TRUE(kdn_assert_status_.ok()) << #expr << " -> " << kdn_assert_status_.ToString(); \
   } while (0)
 
-#define KDN_CUDA_ASSERT_OK(expr)                                                       \
-  do {                                                                                 \
-    const cudaError_t kdn_cuda_assert_err_ = (expr);                                   \
-    ASSERT_EQ(kdn_cuda_assert_err_, cudaSuccess) << #expr << " -> "                    \
-                                                 << cudaGetErrorString(kdn_cuda_assert_err_); \
+#define KDN_CUDA_ASSERT_OK(expr)                                        \
+  do {                                                                  \
+    const cudaError_t kdn_cuda_assert_err_ = (expr);                    \
+    ASSERT_EQ(kdn_cuda_assert_err_, cudaSuccess)                        \
+        << #expr << " -> " << cudaGetErrorString(kdn_cuda_assert_err_); \
   } while (0)
 
 using bf16 = __nv_bfloat16;
@@ -112,11 +111,10 @@ Tolerance ToleranceFor() {
 
 // Passes when |got[i] - want[i]| <= atol + rtol * |want[i]| for every i; else
 // says how many elements failed, the first and the worst.
-inline ::testing::AssertionResult AllClose(const std::vector<float>& got, const std::vector<float>& want,
-                                    Tolerance tol) {
+inline ::testing::AssertionResult AllClose(const std::vector<float>& got,
+                                           const std::vector<float>& want, Tolerance tol) {
   if (got.size() != want.size()) {
-    return ::testing::AssertionFailure()
-           << "size " << got.size() << " != expected " << want.size();
+    return ::testing::AssertionFailure() << "size " << got.size() << " != expected " << want.size();
   }
   size_t bad = 0, first = 0, worst = 0;
   double worst_excess = 0.0;
@@ -132,9 +130,8 @@ inline ::testing::AssertionResult AllClose(const std::vector<float>& got, const 
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure()
          << bad << " of " << got.size() << " elements off (rtol " << tol.rtol << ", atol "
-         << tol.atol << "); first [" << first << "] got " << got[first] << " want "
-         << want[first] << "; worst [" << worst << "] got " << got[worst] << " want "
-         << want[worst];
+         << tol.atol << "); first [" << first << "] got " << got[first] << " want " << want[first]
+         << "; worst [" << worst << "] got " << got[worst] << " want " << want[worst];
 }
 
 // GPU logits against the CPU engine's: they agree to 3% of the CPU's largest
@@ -188,8 +185,8 @@ inline std::vector<KvSequence> NewSequences(Engine& engine, int n) {
 
 // One layer's KV of positions [first, first + count), as floats: count rows
 // of K, then count rows of V.
-inline Status ReadKv(Engine& engine, const KvSequence& seq, int layer, int64_t first,
-                     int64_t count, std::vector<float>* out) {
+inline Status ReadKv(Engine& engine, const KvSequence& seq, int layer, int64_t first, int64_t count,
+                     std::vector<float>* out) {
   out->resize(engine.kv_cache().LayerBytes(count, DType::kF32) / sizeof(float));
   return engine.kv_cache().Read(seq, layer, first, count, DType::kF32,
                                 {reinterpret_cast<uint8_t*>(out->data()), out->size() * 4});

@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
   if (!model.ok()) return fail(model.status());
   KvSequence seq = (*model)->kv_cache().NewSequence();
   std::vector<float> logits;
-  if (auto st = (*model)->Prefill(seq, ids, {.all_logits = true}, &logits); !st.ok()) return fail(st);
+  if (auto st = (*model)->Prefill(seq, ids, {.all_logits = true}, &logits); !st.ok())
+    return fail(st);
   std::ofstream(argv[3], std::ios::binary)
       .write(reinterpret_cast<const char*>(logits.data()), logits.size() * sizeof(float));
   const int n = std::stoi(argv[4]);

@@ -72,9 +72,12 @@ TEST(Batcher, RequestsJoiningAtAnyStepGetTheTokensTheyGetAlone) {
     spec.id = 100 + i;
     spec.max_tokens = 6 + static_cast<int>(i) * 3;
     // Greedy, and seeded sampling with temperature, top-k and top-p.
-    if (i % 2 == 1) spec.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 7 + i};
-    else spec.sampling = {.temperature = 0.0f};
-    cases.push_back({spec, RandomTokens(10 + 7 * static_cast<int>(i), 256, 50 + i), static_cast<int>(i)});
+    if (i % 2 == 1)
+      spec.sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 7 + i};
+    else
+      spec.sampling = {.temperature = 0.0f};
+    cases.push_back(
+        {spec, RandomTokens(10 + 7 * static_cast<int>(i), 256, 50 + i), static_cast<int>(i)});
   }
   Transcript t;
   for (int step = 0; step < 40; ++step) {
@@ -150,10 +153,15 @@ TEST(Batcher, RefusesBadRequestsAndAFullBatchAndCancelsCleanly) {
   const model::SamplingParams greedy{.temperature = 0.0f};
   std::vector<TokenEvent> events;
   Prefilled a = Prefill(*model, RandomTokens(5, 256, 1), greedy);
-  EXPECT_EQ(batcher.Admit({.id = 1, .sampling = {.top_p = 0.0f}}, std::move(a.seq), a.first, &events).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      batcher.Admit({.id = 1, .sampling = {.top_p = 0.0f}}, std::move(a.seq), a.first, &events)
+          .code(),
+      StatusCode::kInvalidArgument);
   a = Prefill(*model, RandomTokens(5, 256, 1), greedy);
-  ASSERT_TRUE(batcher.Admit({.id = 1, .sampling = greedy, .max_tokens = 50}, std::move(a.seq), a.first, &events).ok());
+  ASSERT_TRUE(batcher
+                  .Admit({.id = 1, .sampling = greedy, .max_tokens = 50}, std::move(a.seq), a.first,
+                         &events)
+                  .ok());
   Prefilled b = Prefill(*model, RandomTokens(5, 256, 2), greedy);
   EXPECT_EQ(batcher.Admit({.id = 2, .sampling = greedy}, std::move(b.seq), b.first, &events).code(),
             StatusCode::kResourceExhausted);
@@ -181,10 +189,10 @@ TEST(Batcher, TheRoutersFirstTokenTextIsTheEventAdmitEmits) {
   };
   const std::vector<Case> cases = {
       {{.sampling = greedy, .max_tokens = 4}, a},
-      {{.sampling = greedy, .max_tokens = 1}, a},                             // length
-      {{.sampling = greedy, .max_tokens = 4, .stop_ids = {a}}, a},            // stop token
-      {{.sampling = greedy, .max_tokens = 4, .stop_strings = {"a"}}, a},      // stop string
-      {{.sampling = greedy, .max_tokens = 4, .stop_strings = {"ab"}}, a},     // may become one
+      {{.sampling = greedy, .max_tokens = 1}, a},                          // length
+      {{.sampling = greedy, .max_tokens = 4, .stop_ids = {a}}, a},         // stop token
+      {{.sampling = greedy, .max_tokens = 4, .stop_strings = {"a"}}, a},   // stop string
+      {{.sampling = greedy, .max_tokens = 4, .stop_strings = {"ab"}}, a},  // may become one
       {{.sampling = greedy, .max_tokens = 4}, lead},
       {{.sampling = greedy, .max_tokens = 1}, lead},
   };
@@ -235,8 +243,11 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
   Transcript t;
   for (const bool sent : {false, true}) {
     Batcher batcher(*model, tok, 4);
-    RequestSpec spec{.id = sent ? 2u : 1u, .sampling = greedy, .max_tokens = 10,
-                     .stop_strings = {stop}, .first_token_sent = sent};
+    RequestSpec spec{.id = sent ? 2u : 1u,
+                     .sampling = greedy,
+                     .max_tokens = 10,
+                     .stop_strings = {stop},
+                     .first_token_sent = sent};
     Prefilled p = Prefill(*model, prompt, greedy);
     std::vector<TokenEvent> events;
     ASSERT_TRUE(batcher.Admit(spec, std::move(p.seq), p.first, &events).ok());
@@ -245,7 +256,8 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
     t.Add(events);
   }
   ASSERT_EQ(t.tokens[1], free_run->tokens);
-  EXPECT_EQ(t.tokens[2], std::vector<int32_t>(free_run->tokens.begin() + 1, free_run->tokens.end()));
+  EXPECT_EQ(t.tokens[2],
+            std::vector<int32_t>(free_run->tokens.begin() + 1, free_run->tokens.end()));
   const text::TextDelta first = RouterFirstToken(
       tok, {.sampling = greedy, .max_tokens = 10, .stop_strings = {stop}},
       static_cast<int64_t>(prompt.size()), model->config().max_context, free_run->tokens[0]);
@@ -258,8 +270,10 @@ TEST(Batcher, AFirstTokenTheClientHasIsNotEmittedAgain) {
   Batcher batcher(*model, tok, 4);
   Prefilled p = Prefill(*model, prompt, greedy);
   std::vector<TokenEvent> events;
-  ASSERT_TRUE(batcher.Admit({.id = 3, .sampling = greedy, .max_tokens = 1, .first_token_sent = true},
-                            std::move(p.seq), p.first, &events).ok());
+  ASSERT_TRUE(batcher
+                  .Admit({.id = 3, .sampling = greedy, .max_tokens = 1, .first_token_sent = true},
+                         std::move(p.seq), p.first, &events)
+                  .ok());
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].token, -1);
   EXPECT_TRUE(events[0].finished);
@@ -315,8 +329,10 @@ TEST(Batcher, AResumedRequestGoesOnAsIfItNeverMoved) {
         text::OutputText shown(tok, {spec.max_tokens, spec.stop_ids, spec.stop_strings});
         std::string before;
         for (size_t i = 0; i < k; ++i) {
-          before += shown.Add(all[i], static_cast<int64_t>(prompt.size() + i),
-                              model->config().max_context).text;
+          before +=
+              shown
+                  .Add(all[i], static_cast<int64_t>(prompt.size() + i), model->config().max_context)
+                  .text;
         }
         std::vector<int32_t> longer = prompt;
         longer.insert(longer.end(), all.begin(), all.begin() + static_cast<std::ptrdiff_t>(k));
@@ -335,9 +351,9 @@ TEST(Batcher, AResumedRequestGoesOnAsIfItNeverMoved) {
         while (batcher.running() > 0) ASSERT_TRUE(batcher.Step(&events).ok());
         Transcript t;
         t.Add(events);
-        EXPECT_EQ(t.tokens[2], std::vector<int32_t>(whole.tokens[1].begin() +
-                                                        static_cast<std::ptrdiff_t>(k),
-                                                    whole.tokens[1].end()));
+        EXPECT_EQ(t.tokens[2],
+                  std::vector<int32_t>(whole.tokens[1].begin() + static_cast<std::ptrdiff_t>(k),
+                                       whole.tokens[1].end()));
         EXPECT_EQ(before + t.text[2], whole.text[1]);
         EXPECT_EQ(t.finish[2], whole.finish[1]);
       }

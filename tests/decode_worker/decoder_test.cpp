@@ -136,8 +136,8 @@ int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int64_t held_tokens) {
        control::TransferRegions(keys, n, kChunk, held_tokens, r.transfer_id)) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
-                                                kvbus::LayerSliceKey(region.parent, l),
-                                                kFingerprint, kvbus::KvDType::kF32);
+                                                   kvbus::LayerSliceKey(region.parent, l),
+                                                   kFingerprint, kvbus::KvDType::kF32);
       EXPECT_TRUE(slice.ok());
       EXPECT_TRUE(rig.staging.Put(*std::move(slice)).ok());
     }
@@ -277,15 +277,15 @@ TEST(Decoder, DecodesTheTokensTheEngineGeneratesAloneWhateverJoinsTheBatch) {
 }
 
 DecodeRequest Local(std::vector<int32_t> prompt, int max_tokens,
-                   model::SamplingParams sampling = kGreedy) {
+                    model::SamplingParams sampling = kGreedy) {
   DecodeRequest r = Request(std::move(prompt), max_tokens, sampling);
   r.local_prefill = true;
   return r;
 }
 
 // The next turn of a conversation: the prompt, the answer and `more` new tokens.
-std::vector<int32_t> NextTurn(const DecodeRequest& r, const std::vector<int32_t>& answer,
-                              int more, uint32_t seed) {
+std::vector<int32_t> NextTurn(const DecodeRequest& r, const std::vector<int32_t>& answer, int more,
+                              uint32_t seed) {
   std::vector<int32_t> next = r.tokens;
   next.insert(next.end(), answer.begin(), answer.end());
   const auto extra = RandomTokens(more, 256, seed);
@@ -593,9 +593,9 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
     for (size_t i = 0; i < spans.size(); ++i) {
       auto stored = store.Get(spans[i].key);
       ASSERT_TRUE(stored.ok());
-      auto expect = kvbridge::ChunkFromPagedKv(rig.model->kv_cache(), seq, spans[i].first,
-                                               spans[i].count, spans[i].key, kFingerprint,
-                                               kvbus::KvDType::kF32);
+      auto expect =
+          kvbridge::ChunkFromPagedKv(rig.model->kv_cache(), seq, spans[i].first, spans[i].count,
+                                     spans[i].key, kFingerprint, kvbus::KvDType::kF32);
       ASSERT_TRUE(expect.ok());
       const auto got = (*stored)->payload();
       const auto want = (*expect)->payload();

@@ -47,7 +47,8 @@ TEST(Generate, RejectsBadInputsWithAStatus) {
   auto model = MakeModel("tiny");
   EXPECT_EQ(Generate(*model, {}, {}).status().code(), StatusCode::kInvalidArgument);
   const std::vector<int32_t> one = {1};
-  EXPECT_EQ(Generate(*model, one, {.max_tokens = -1}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Generate(*model, one, {.max_tokens = -1}).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(Generate(*model, one, {.sampling = {.top_p = 2.0f}}).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_TRUE(Generate(*model, one, {.max_tokens = 0}).value().tokens.empty());

@@ -94,8 +94,8 @@ TEST(KvCache, WriteThenReadRoundTripsInBf16) {
   std::vector<uint8_t> in(cache.LayerBytes(13, DType::kBF16));
   FromFloat(DType::kBF16, rows.data(), rows.size(), in.data());
   ASSERT_TRUE(cache.Write(s, 0, 9, 13, DType::kBF16, in).ok());
-  EXPECT_EQ(s.length(), 0);  // Write leaves the length to the caller
-  EXPECT_EQ(cache.KeyAt(s, 0, 9)[0], rows[0]);        // exact in bf16
+  EXPECT_EQ(s.length(), 0);                            // Write leaves the length to the caller
+  EXPECT_EQ(cache.KeyAt(s, 0, 9)[0], rows[0]);         // exact in bf16
   EXPECT_EQ(cache.ValueAt(s, 0, 21)[7], rows.back());  // the last V row, in the second block
   std::vector<uint8_t> back(in.size());
   ASSERT_TRUE(cache.Read(s, 0, 9, 13, DType::kBF16, back).ok());
@@ -112,15 +112,17 @@ TEST(KvCache, LayersInOneCallAreTheLayersOneByOne) {
   std::vector<uint8_t> in(3 * layer);
   FromFloat(DType::kBF16, rows.data(), rows.size(), in.data());
   // Layers 1 and 2 in one call, from position 7 (across blocks).
-  ASSERT_TRUE(cache.WriteLayers(s, 1, 2, 7, 21, DType::kBF16,
-                                std::span<const uint8_t>(in).subspan(layer, 2 * layer))
+  ASSERT_TRUE(cache
+                  .WriteLayers(s, 1, 2, 7, 21, DType::kBF16,
+                               std::span<const uint8_t>(in).subspan(layer, 2 * layer))
                   .ok());
   for (int l = 1; l < 3; ++l) {
     std::vector<uint8_t> one(layer);
     ASSERT_TRUE(cache.Read(s, l, 7, 21, DType::kBF16, one).ok());
     EXPECT_TRUE(std::equal(one.begin(), one.end(), in.begin() + l * layer)) << "layer " << l;
   }
-  ASSERT_TRUE(cache.Write(s, 0, 7, 21, DType::kBF16, std::span<const uint8_t>(in).first(layer)).ok());
+  ASSERT_TRUE(
+      cache.Write(s, 0, 7, 21, DType::kBF16, std::span<const uint8_t>(in).first(layer)).ok());
   std::vector<uint8_t> all(3 * layer);
   ASSERT_TRUE(cache.ReadLayers(s, 0, 3, 7, 21, DType::kBF16, all).ok());
   EXPECT_EQ(all, in);

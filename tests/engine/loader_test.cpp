@@ -28,7 +28,8 @@ std::string ReadFile(const std::filesystem::path& p) {
 void ExpectMentions(const Status& st, std::initializer_list<std::string> words) {
   EXPECT_FALSE(st.ok());
   for (const std::string& w : words) {
-    EXPECT_NE(st.message().find(w), std::string::npos) << "\"" << w << "\" not in: " << st.message();
+    EXPECT_NE(st.message().find(w), std::string::npos)
+        << "\"" << w << "\" not in: " << st.message();
   }
 }
 
@@ -62,7 +63,8 @@ TEST(Loader, MkmodelIsDeterministicForAPresetAndSeed) {
   EXPECT_TRUE(ReadFile(a.path() / "model.safetensors") == ReadFile(b.path() / "model.safetensors"));
   TempDir c;
   ASSERT_TRUE(WriteModelFolder(c.path(), TinyConfig(), 10, DType::kBF16).ok());
-  EXPECT_FALSE(ReadFile(a.path() / "model.safetensors") == ReadFile(c.path() / "model.safetensors"));
+  EXPECT_FALSE(ReadFile(a.path() / "model.safetensors") ==
+               ReadFile(c.path() / "model.safetensors"));
 }
 
 TEST(Loader, LoadsShardedSafetensorsThroughTheIndex) {
@@ -89,7 +91,8 @@ TEST(Loader, LoadsShardedSafetensorsThroughTheIndex) {
   for (const TensorSpec& spec : ExpectedTensors(c)) {
     const auto& t = w.at(spec.name);
     ASSERT_TRUE((spec.name == "model.embed_tokens.weight" ? s1 : s2)
-                    .Append(t.data.data(), t.data.size()).ok());
+                    .Append(t.data.data(), t.data.size())
+                    .ok());
   }
   ASSERT_TRUE(s1.Finish().ok());
   ASSERT_TRUE(s2.Finish().ok());
@@ -118,7 +121,8 @@ TEST(Loader, MissingTensorNamesFileAndTensor) {
   ASSERT_TRUE(WriteModelFolder(dir.path(), c, 1, DType::kBF16).ok());
   SafetensorsWriter w(dir.path() / "model.safetensors");
   for (const TensorSpec& spec : ExpectedTensors(c)) {
-    if (spec.name != "model.layers.1.mlp.up_proj.weight") w.Declare(spec.name, DType::kBF16, spec.shape);
+    if (spec.name != "model.layers.1.mlp.up_proj.weight")
+      w.Declare(spec.name, DType::kBF16, spec.shape);
   }
   ASSERT_TRUE(w.Begin().ok());
   for (const TensorSpec& spec : ExpectedTensors(c)) {
@@ -182,10 +186,10 @@ TEST(Loader, GarbageHeaderIsCorruption) {
 // dimension past INT64_MAX became a negative one.
 TEST(Loader, AShapeWhoseSizeOverflowsIsCorruption) {
   TempDir dir;
-  for (const char* shape : {"[4611686018427387904,4]", "[9223372036854775808]",
-                            "[4294967296,4294967296]"}) {
-    const std::string header = std::string(R"({"t":{"dtype":"F32","shape":)") + shape +
-                               R"(,"data_offsets":[0,0]}})";
+  for (const char* shape :
+       {"[4611686018427387904,4]", "[9223372036854775808]", "[4294967296,4294967296]"}) {
+    const std::string header =
+        std::string(R"({"t":{"dtype":"F32","shape":)") + shape + R"(,"data_offsets":[0,0]}})";
     std::string bytes(8, '\0');
     bytes[0] = static_cast<char>(header.size());
     WriteFile(dir.path() / "x.safetensors", bytes + header);

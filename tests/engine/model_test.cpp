@@ -81,7 +81,8 @@ TEST_P(ModelTest, BatchedDecodeStepEqualsSequencesDecodedAlone) {
     for (size_t b = 0; b < 3; ++b) {
       KvSequence* one[] = {&solo_seqs[b]};
       ASSERT_TRUE(model->DecodeStep(one, std::span(&next[b], 1), &logits).ok());
-      EXPECT_LT(RelError(&batched[b * V], logits.data(), V), 1e-5) << "seq " << b << " step " << step;
+      EXPECT_LT(RelError(&batched[b * V], logits.data(), V), 1e-5)
+          << "seq " << b << " step " << step;
     }
   }
 }
@@ -90,7 +91,8 @@ INSTANTIATE_TEST_SUITE_P(Presets, ModelTest,
                          ::testing::Values("tiny", "tiny-qwen2", "tiny-mistral"),
                          [](const auto& info) {
                            std::string s = info.param;
-                           for (char& ch : s) if (ch == '-') ch = '_';
+                           for (char& ch : s)
+                             if (ch == '-') ch = '_';
                            return s;
                          });
 

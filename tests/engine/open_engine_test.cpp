@@ -59,8 +59,7 @@ TEST(OpenEngine, LoadsAFolderOnTheCpu) {
 TEST(OpenEngine, RefusesBadOptions) {
   TempDir dir;
   ASSERT_TRUE(WriteModelFolder(dir.path(), FindPreset("tiny").value().config, 3, DType::kF32).ok());
-  EXPECT_EQ(OpenEngine(dir.path(), {.kv_tokens = 0}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenEngine(dir.path(), {.kv_tokens = 0}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(OpenEngine(dir.path(), {.gpu_mem_fraction = 1.5}).status().code(),
             StatusCode::kInvalidArgument);
 }

@@ -24,7 +24,8 @@ TEST_P(RowPassTest, EveryPositionAtEveryLayerIsAFullPrefill) {
   const auto tokens = RandomTokens(70, model->config().vocab_size, 11);
   std::vector<float> want;
   KvSequence seq = cache.NewSequence();
-  ASSERT_TRUE(model->Prefill(seq, RandomTokens(70, model->config().vocab_size, 12), {}, &want).ok());
+  ASSERT_TRUE(
+      model->Prefill(seq, RandomTokens(70, model->config().vocab_size, 12), {}, &want).ok());
   std::vector<int64_t> all(70);
   std::iota(all.begin(), all.end(), 0);
   auto pass = model->BeginRowPass(seq, tokens, all);

@@ -19,7 +19,7 @@ namespace kdn::engine::testing {
 
 // A model built in memory from a preset (no files).
 inline std::unique_ptr<CpuEngine> MakeModel(const std::string& preset, uint64_t seed = 7,
-                                        EngineOptions options = {}) {
+                                            EngineOptions options = {}) {
   auto p = FindPreset(preset);
   EXPECT_TRUE(p.ok()) << p.status().ToString();
   if (options.threads == 0) options.threads = 1;  // tests run side by side

@@ -99,7 +99,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(c.payload().size() == c.size() - Chunk::kHeaderBytes, "header, then payload");
   if (!c.encoded()) {
     Check(c.payload().size() == c.info().payload_bytes(), "a raw payload of its shape's size");
-    auto again = Chunk::Make(c.info(), std::vector<uint8_t>(c.payload().begin(), c.payload().end()));
+    auto again =
+        Chunk::Make(c.info(), std::vector<uint8_t>(c.payload().begin(), c.payload().end()));
     Check(again.ok(), "a parsed raw chunk builds again");
     Check(SameChunk(**again, copy, kOffCodec), "and gives the same chunk");
   } else {

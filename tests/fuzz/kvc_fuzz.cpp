@@ -77,7 +77,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto dec = DecodeChunk(*enc);
   if (!dec.ok()) abort();
   if ((*dec)->payload().size() != payload.size()) abort();
-  if (s.level.level == 0 && std::memcmp((*dec)->payload().data(), payload.data(), payload.size()) != 0) {
+  if (s.level.level == 0 &&
+      std::memcmp((*dec)->payload().data(), payload.data(), payload.size()) != 0) {
     abort();
   }
   return 0;

@@ -119,8 +119,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       } else {
         Check(!r.documents.empty(), "an inject request has documents");
         for (const auto& d : r.documents) {
-          Check(!d.empty() && InVocab(d, m.config.vocab_size), "a document of ids in the vocabulary");
-          Check(static_cast<int64_t>(d.size()) < m.config.max_context, "a document inside the context");
+          Check(!d.empty() && InVocab(d, m.config.vocab_size),
+                "a document of ids in the vocabulary");
+          Check(static_cast<int64_t>(d.size()) < m.config.max_context,
+                "a document inside the context");
         }
       }
       break;

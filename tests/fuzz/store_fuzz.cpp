@@ -104,7 +104,8 @@ std::vector<std::string> Seeds() {
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 13);
   auto chunk = kvbus::Chunk::Make(info, payload);
   Check(chunk.ok(), "seed chunk");
-  const std::string bytes(reinterpret_cast<const char*>((*chunk)->bytes().data()), (*chunk)->size());
+  const std::string bytes(reinterpret_cast<const char*>((*chunk)->bytes().data()),
+                          (*chunk)->size());
 
   std::vector<std::string> seeds;
   proto::StoreRequest put;

@@ -44,8 +44,11 @@ const text::Tokenizer& Shipped() {
 bool ValidUtf8(std::string_view s) {
   for (size_t i = 0; i < s.size();) {
     const auto c = static_cast<unsigned char>(s[i]);
-    const size_t n = c < 0x80 ? 1 : (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE0 && c <= 0xEF) ? 3
-                   : (c >= 0xF0 && c <= 0xF4) ? 4 : 0;
+    const size_t n = c < 0x80                   ? 1
+                     : (c >= 0xC2 && c <= 0xDF) ? 2
+                     : (c >= 0xE0 && c <= 0xEF) ? 3
+                     : (c >= 0xF0 && c <= 0xF4) ? 4
+                                                : 0;
     if (n == 0 || i + n > s.size()) return false;
     for (size_t k = 1; k < n; ++k) {
       if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return false;
@@ -102,9 +105,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const std::string_view rest(reinterpret_cast<const char*>(data + 1), size - 1);
   switch (data[0] % 3) {
-    case 0:
-      CheckByteLevel(Shipped(), rest);
-      break;
+    case 0: CheckByteLevel(Shipped(), rest); break;
     case 1: {
       std::vector<int32_t> ids(rest.size() / 4);
       if (!ids.empty()) std::memcpy(ids.data(), rest.data(), ids.size() * 4);

@@ -52,7 +52,8 @@ std::string Fields(const WireMessage& m) {
         } else if constexpr (std::is_same_v<T, WireDecisions>) {
           add(x.batch);
           for (const auto& d : x.decisions) {
-            key(d.key), add(static_cast<uint64_t>(d.kind)), add(static_cast<uint64_t>(d.status.code()));
+            key(d.key), add(static_cast<uint64_t>(d.kind)),
+                add(static_cast<uint64_t>(d.status.code()));
             add(d.region), add(d.offset);
           }
           for (const auto& r : x.regions) add(r.id), add(r.bytes), s += " " + r.handle;
@@ -85,9 +86,13 @@ std::vector<std::string> Seeds() {
   WireAcks a;
   a.acks.push_back({7, k1, kdn::Status::Ok(), false});
   a.acks.push_back({7, k2, kdn::Corruption("bad checksum"), true});
-  return {Bytes(WireOffer{7, {{k1, 100}, {k2, 200}}, true, "host-a"}), Bytes(d),
-          Bytes(WireChunkHeader{7, k2, 200, true}), Bytes(a), Bytes(WirePing{9}),
-          Bytes(WirePong{9, {3, 1, 2}}), Bytes(WireCancel{7, {k1}})};
+  return {Bytes(WireOffer{7, {{k1, 100}, {k2, 200}}, true, "host-a"}),
+          Bytes(d),
+          Bytes(WireChunkHeader{7, k2, 200, true}),
+          Bytes(a),
+          Bytes(WirePing{9}),
+          Bytes(WirePong{9, {3, 1, 2}}),
+          Bytes(WireCancel{7, {k1}})};
 }
 
 }  // namespace

@@ -84,7 +84,8 @@ struct Peer {
       zmq::message_t m;
       (void)sock.recv(m, zmq::recv_flags::none);
       proto::WorkerMessage msg;
-      Check(msg.ParseFromArray(m.data(), static_cast<int>(m.size())), "workers send WorkerMessages");
+      Check(msg.ParseFromArray(m.data(), static_cast<int>(m.size())),
+            "workers send WorkerMessages");
       if (msg.request_id() == id && msg.body_case() == body) return msg;
     }
   }
@@ -116,16 +117,20 @@ struct Rig {
     auto preset = engine::FindPreset("tiny");
     Check(preset.ok(), "the tiny preset");
     Check(engine::WriteModelFolder(dir, preset->config, 1, preset->dtype).ok(), "model folder");
-    auto p = prefill_worker::PrefillService::Start(
-        {.model_dir = dir, .host_bytes = 16u << 20, .chunk_tokens = kChunk,
-         .engine = {.kv_tokens = 1024, .threads = 1},
-         .kv_transport = kvbus::TransportKind::kTcp});
+    auto p = prefill_worker::PrefillService::Start({.model_dir = dir,
+                                                    .host_bytes = 16u << 20,
+                                                    .chunk_tokens = kChunk,
+                                                    .engine = {.kv_tokens = 1024, .threads = 1},
+                                                    .kv_transport = kvbus::TransportKind::kTcp});
     Check(p.ok(), "the prefill worker starts");
     prefill = std::move(p).value();
-    auto d = decode_worker::DecodeService::Start(
-        {.model_dir = dir, .host_bytes = 16u << 20, .staging_bytes = 16u << 20,
-         .chunk_tokens = kChunk, .engine = {.kv_tokens = 1024, .threads = 1}, .max_batch = 4,
-         .kv_transport = kvbus::TransportKind::kTcp});
+    auto d = decode_worker::DecodeService::Start({.model_dir = dir,
+                                                  .host_bytes = 16u << 20,
+                                                  .staging_bytes = 16u << 20,
+                                                  .chunk_tokens = kChunk,
+                                                  .engine = {.kv_tokens = 1024, .threads = 1},
+                                                  .max_batch = 4,
+                                                  .kv_transport = kvbus::TransportKind::kTcp});
     Check(d.ok(), "the decode worker starts");
     decode = std::move(d).value();
     to_prefill = std::make_unique<Peer>(ctx, prefill->endpoint());
@@ -235,7 +240,8 @@ std::vector<std::string> Seeds() {
   const auto prompt = Prompt(40, 1);
   auto longer = prompt;
   for (int32_t t : Prompt(20, 2)) longer.push_back(t);
-  seeds.push_back(Record(false, Prefill(1, prompt, false)) + Record(false, Prefill(2, longer, false)));
+  seeds.push_back(Record(false, Prefill(1, prompt, false)) +
+                  Record(false, Prefill(2, longer, false)));
 
   // Prepare, prefill pushing the KV, start: a whole request.
   seeds.push_back(Record(true, Prepare(3, prompt, 4)) + Record(false, Prefill(3, prompt, true)) +

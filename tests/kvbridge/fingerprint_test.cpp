@@ -40,9 +40,8 @@ TEST(ModelFingerprint, ChangesWithEveryFieldThatShapesTheKv) {
   ASSERT_TRUE(p.ok());
   const model::ModelConfig base = p->config;
   const auto fp = [](const model::ModelConfig& c, std::string_view w = "BF16",
-                     std::string_view kv = "f32", uint64_t digest = 42) {
-    return ModelFingerprint(c, w, kv, digest);
-  };
+                     std::string_view kv = "f32",
+                     uint64_t digest = 42) { return ModelFingerprint(c, w, kv, digest); };
   using Edit = std::pair<const char*, std::function<void(model::ModelConfig&)>>;
   const std::vector<Edit> edits = {
       {"architecture", [](auto& c) { c.architecture = model::Architecture::kMistral; }},
@@ -55,17 +54,20 @@ TEST(ModelFingerprint, ChangesWithEveryFieldThatShapesTheKv) {
       {"head_dim", [](auto& c) { c.head_dim = 8; }},
       {"rms_norm_eps", [](auto& c) { c.rms_norm_eps = 1e-6; }},
       {"rope_theta", [](auto& c) { c.rope_theta = 500000.0; }},
-      {"rope_scaling.type default", [](auto& c) { c.rope_scaling.type = model::RopeType::kDefault; }},
+      {"rope_scaling.type default",
+       [](auto& c) { c.rope_scaling.type = model::RopeType::kDefault; }},
       {"rope_scaling.type linear", [](auto& c) { c.rope_scaling.type = model::RopeType::kLinear; }},
       {"rope_scaling.type yarn", [](auto& c) { c.rope_scaling.type = model::RopeType::kYarn; }},
-      {"sliding_window", [](auto& c) {
+      {"sliding_window",
+       [](auto& c) {
          c.sliding_window = 64;
          c.windowed_layers.assign(c.num_layers, true);
        }},
       {"rope_scaling.factor", [](auto& c) { c.rope_scaling.factor = 8.0; }},
       {"rope_scaling.low_freq_factor", [](auto& c) { c.rope_scaling.low_freq_factor = 2.0; }},
       {"rope_scaling.high_freq_factor", [](auto& c) { c.rope_scaling.high_freq_factor = 8.0; }},
-      {"rope_scaling.original_max", [](auto& c) { c.rope_scaling.original_max_position_embeddings = 256; }},
+      {"rope_scaling.original_max",
+       [](auto& c) { c.rope_scaling.original_max_position_embeddings = 256; }},
       {"qkv_bias", [](auto& c) { c.qkv_bias = true; }},
       {"o_bias", [](auto& c) { c.o_bias = true; }},
       {"tie_word_embeddings", [](auto& c) { c.tie_word_embeddings = false; }},

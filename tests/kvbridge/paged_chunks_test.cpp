@@ -29,7 +29,8 @@ constexpr ChunkKey kFingerprint{0x0123456789abcdefull, 0xfedcba9876543210ull};
 // head, dim, so a misplaced copy cannot go unnoticed.
 float Marker(int layer, int kv, int64_t block, int64_t slot, int64_t i) {
   return static_cast<float>(layer * 1000000 + kv * 500000 + block * 10000 + slot * 100 + i) *
-         0.001f + 0.123f;
+             0.001f +
+         0.123f;
 }
 
 void FillCache(engine::CpuKvCache& cache) {
@@ -87,8 +88,8 @@ TEST(ChunkFromPagedKv, PayloadIsLayerMajorKThenVTokenHeadDim) {
         for (int h = 0; h < 2; ++h) {
           for (int d = 0; d < 3; ++d) {
             const int64_t b = seq.blocks()[t / engine::kKvBlockTokens];
-            const float want = (kv == 0 ? 1.0f : -1.0f) *
-                               Marker(l, kv, b, t % engine::kKvBlockTokens, h * 3 + d);
+            const float want =
+                (kv == 0 ? 1.0f : -1.0f) * Marker(l, kv, b, t % engine::kKvBlockTokens, h * 3 + d);
             ASSERT_EQ(p[n++], want) << "layer " << l << " kv " << kv << " token " << t;
           }
         }

@@ -75,8 +75,12 @@ TEST(BufferPool, LetsABufferOutliveItsPool) {
 }
 
 TEST(BufferPool, ServesChunksBuiltAndParsedFromPooledBytes) {
-  ChunkInfo info{.key = ChunkKey{1, 2}, .layers = 2, .kv_heads = 2, .head_dim = 64,
-                 .tokens = 256, .dtype = KvDType::kF32};
+  ChunkInfo info{.key = ChunkKey{1, 2},
+                 .layers = 2,
+                 .kv_heads = 2,
+                 .head_dim = 64,
+                 .tokens = 256,
+                 .dtype = KvDType::kF32};
   auto built = Chunk::Build(info, [&](uint8_t* p) { std::memset(p, 3, info.payload_bytes()); });
   ASSERT_TRUE(built.ok());
   auto copy = BufferPool::Default().Acquire((*built)->size()).value();

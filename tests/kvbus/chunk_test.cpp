@@ -13,7 +13,6 @@
 #include <string>
 #include <vector>
 
-
 namespace kdn::kvbus {
 namespace {
 
@@ -40,9 +39,7 @@ std::string ToHex(std::span<const uint8_t> bytes) {
 
 // The golden chunk of docs/kvbus.md: 2 layers x 1 KV head x head_dim 2,
 // 1 token, bf16, rotated for position 256, payload bytes 00 01 .. 0f.
-ChunkInfo GoldenInfo() {
-  return ChunkInfo{kKey, kFingerprint, 2, 1, 2, 1, KvDType::kBF16, 256};
-}
+ChunkInfo GoldenInfo() { return ChunkInfo{kKey, kFingerprint, 2, 1, 2, 1, KvDType::kBF16, 256}; }
 std::vector<uint8_t> GoldenPayload() {
   std::vector<uint8_t> p(16);
   for (size_t i = 0; i < p.size(); ++i) p[i] = static_cast<uint8_t>(i);
@@ -50,13 +47,13 @@ std::vector<uint8_t> GoldenPayload() {
 }
 // Computed from the spec with Python's struct and xxhash, not from chunk.cpp.
 const char* const kGoldenHeaderHex =
-    "4b444e4348554e4b0100000002000000"  //   0: "KDNCHUNK", version 1, dtype 2 (bf16)
-    "00112233445566778899aabbccddeeff"  //  16: key
-    "0123456789abcdeffedcba9876543210"  //  32: model fingerprint
-    "02000000010000000200000001000000"  //  48: layers, kv_heads, head_dim, tokens
-    "00010000000000001000000000000000"  //  64: position 256, payload_bytes 16
-    "db7017f6a6e355830000000000000000"  //  80: payload XXH3-64, reserved
-    "00000000000000000000000000000000"  //  96: reserved
+    "4b444e4348554e4b0100000002000000"   //   0: "KDNCHUNK", version 1, dtype 2 (bf16)
+    "00112233445566778899aabbccddeeff"   //  16: key
+    "0123456789abcdeffedcba9876543210"   //  32: model fingerprint
+    "02000000010000000200000001000000"   //  48: layers, kv_heads, head_dim, tokens
+    "00010000000000001000000000000000"   //  64: position 256, payload_bytes 16
+    "db7017f6a6e355830000000000000000"   //  80: payload XXH3-64, reserved
+    "00000000000000000000000000000000"   //  96: reserved
     "000000000000000021fff694b5bd7af7";  // 112: reserved, header XXH3-64 of [0, 120)
 
 std::shared_ptr<const Chunk> MakeOrDie(const ChunkInfo& info, std::vector<uint8_t> payload) {

@@ -103,7 +103,8 @@ TEST(CodecTest, LosslessIsExactForEveryDType) {
     EXPECT_TRUE((*enc)->encoded());
     EXPECT_LT((*enc)->payload().size(), raw->payload().size()) << KvDTypeName(dt);
     // Through the bytes, as a reader in another process would get it.
-    auto parsed = Chunk::Parse(std::vector<uint8_t>((*enc)->bytes().begin(), (*enc)->bytes().end()));
+    auto parsed =
+        Chunk::Parse(std::vector<uint8_t>((*enc)->bytes().begin(), (*enc)->bytes().end()));
     ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
     EXPECT_EQ((*parsed)->info().codec, KvCodec::kKvc);
     EXPECT_EQ((*parsed)->info().codec_level, 0u);
@@ -195,7 +196,8 @@ TEST(CodecTest, NoiseIsPackedAtItsWidth) {
   std::memcpy(stream.data() + 2, &nan, 4);
   auto bad = DecodeChunk(Forge(enc->info(), stream));
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("not finite"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("not finite"), std::string::npos)
+      << bad.status().ToString();
 }
 
 TEST(CodecTest, ConstantValuesRoundTripAtEveryLevel) {
@@ -232,7 +234,8 @@ TEST(CodecTest, NonFinitePlanesAreKeptExactly) {
   EXPECT_EQ(std::memcmp((*dec)->payload().data(), (*raw)->payload().data(), plane), 0);
   EXPECT_TRUE(std::isnan(Element(**dec, 7)));
   // Other planes are quantized: not all exact.
-  EXPECT_NE(std::memcmp((*dec)->payload().data() + plane, (*raw)->payload().data() + plane, plane), 0);
+  EXPECT_NE(std::memcmp((*dec)->payload().data() + plane, (*raw)->payload().data() + plane, plane),
+            0);
 }
 
 TEST(CodecTest, PlanesWhoseRangeOverflowsAreKeptExactly) {
@@ -257,7 +260,7 @@ TEST(CodecTest, RawLevelAndRawChunksPassThrough) {
   EXPECT_EQ(*DecodeChunk(raw), raw);
   auto enc = *EncodeChunk(raw, Level("q4"));
   EXPECT_EQ(*EncodeChunk(enc, Level("lossless")), enc);  // already encoded
-  EXPECT_EQ(raw->bytes()[8], 1);  // a raw chunk is still version 1
+  EXPECT_EQ(raw->bytes()[8], 1);                         // a raw chunk is still version 1
   EXPECT_EQ(enc->bytes()[8], 2);
 }
 
@@ -278,7 +281,9 @@ TEST(CodecTest, DamagedStreamsFailOrDecodeToTheRightSizeNeverCrash) {
     };
     // Every truncation, and a byte too many, is refused.
     for (size_t cut = 0; cut < stream.size(); ++cut) {
-      EXPECT_FALSE(DecodeChunk(Forge(enc->info(), std::vector<uint8_t>(stream.begin(), stream.begin() + cut))).ok())
+      EXPECT_FALSE(DecodeChunk(Forge(enc->info(),
+                                     std::vector<uint8_t>(stream.begin(), stream.begin() + cut)))
+                       .ok())
           << name << " cut at " << cut;
     }
     std::vector<uint8_t> longer = stream;
@@ -327,13 +332,16 @@ TEST(CodecTest, HeaderCodecFieldsAreChecked) {
   // A shape past kMaxDecodedBytes is refused before any memory is taken.
   ChunkInfo huge = enc->info();
   huge.tokens = 1u << 30;
-  auto h = DecodeChunk(Forge(huge, std::vector<uint8_t>(enc->payload().begin(), enc->payload().end())));
+  auto h =
+      DecodeChunk(Forge(huge, std::vector<uint8_t>(enc->payload().begin(), enc->payload().end())));
   ASSERT_FALSE(h.ok());
-  EXPECT_NE(h.status().message().find("MiB a chunk may hold"), std::string::npos) << h.status().ToString();
+  EXPECT_NE(h.status().message().find("MiB a chunk may hold"), std::string::npos)
+      << h.status().ToString();
   // A level that cannot be is refused by the decoder even with good checksums.
   ChunkInfo bad = enc->info();
   bad.codec_level = 9;
-  auto d = DecodeChunk(Forge(bad, std::vector<uint8_t>(enc->payload().begin(), enc->payload().end())));
+  auto d =
+      DecodeChunk(Forge(bad, std::vector<uint8_t>(enc->payload().begin(), enc->payload().end())));
   ASSERT_FALSE(d.ok());
   EXPECT_NE(d.status().message().find("level 9"), std::string::npos);
 }

@@ -78,7 +78,7 @@ TEST(CurveKeys, AWrittenKeyReadsBackAndIsPrivate) {
   const CurveKeys keys = Keys();
   const std::string path = (dir.path() / "kdn.key").string();
   ASSERT_TRUE(WriteCurveKeys(path, keys).ok());
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   auto back = ReadCurveKeys(path);
@@ -143,14 +143,15 @@ TEST(CurveKeys, MalformedAndMismatchedFilesAreRefused) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(ReadCurveKeys(write("short", "public-key = abc\nsecret-key = def\n")).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadCurveKeys(write("other", "public-key = " + a.public_key + "\nsecret-key = " +
-                                             b.secret_key + "\n"))
+  EXPECT_EQ(ReadCurveKeys(write("other", "public-key = " + a.public_key +
+                                             "\nsecret-key = " + b.secret_key + "\n"))
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadCurveKeys((dir.path() / "missing").string()).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(ReadCurveKeys((dir.path() / "missing").string()).status().code(),
+            StatusCode::kNotFound);
   EXPECT_TRUE(ReadCurveKeys(write("ok", "# comment\n\npublic-key = " + a.public_key +
-                                          "\nsecret-key = " + a.secret_key + "\n"))
+                                            "\nsecret-key = " + a.secret_key + "\n"))
                   .ok());
 }
 
@@ -167,7 +168,8 @@ TEST(CurveKeys, TheEnvironmentNamesTheFileWhenTheFlagDoesNot) {
   ASSERT_TRUE(from_env.ok());
   ASSERT_TRUE(from_env->has_value());
   EXPECT_EQ((*from_env)->public_key, keys.public_key);
-  EXPECT_EQ(CurveKeysFromFlagOrEnv((dir.path() / "missing").string()).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(CurveKeysFromFlagOrEnv((dir.path() / "missing").string()).status().code(),
+            StatusCode::kNotFound);
 }
 
 // kdn-store with CURVE: its clients put and get; a client without the key, or

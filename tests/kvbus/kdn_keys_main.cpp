@@ -29,7 +29,8 @@ std::optional<std::vector<int32_t>> ParseIds(std::string csv) {
   size_t pos = 0;
   while (true) {
     const size_t comma = csv.find(',', pos);
-    const std::string item = csv.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    const std::string item =
+        csv.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
     char* end = nullptr;
     errno = 0;
     const long long v = std::strtoll(item.c_str(), &end, 10);
@@ -81,8 +82,8 @@ int main(int argc, char** argv) {
   if (tail) {
     const std::vector<ChunkKey> prefix_keys = PrefixKeys(ctx, *ids);
     for (const KeyedSpan& s : TailSpans(ctx, *ids, prefix_keys)) {
-      std::printf("%lld %lld %s\n", static_cast<long long>(s.first), static_cast<long long>(s.count),
-                  s.key.ToHex().c_str());
+      std::printf("%lld %lld %s\n", static_cast<long long>(s.first),
+                  static_cast<long long>(s.count), s.key.ToHex().c_str());
     }
   } else if (chunked) {
     for (const ChunkKey& k : PrefixKeys(ctx, *ids)) std::printf("%s\n", k.ToHex().c_str());

@@ -20,7 +20,6 @@
 #include <string>
 #include <vector>
 
-
 namespace kdn::kvbus {
 namespace {
 
@@ -41,7 +40,6 @@ std::vector<std::string> Hex(const std::vector<ChunkKey>& keys) {
 KeyContext Ctx(std::string ns = "", int chunk_tokens = 256) {
   return KeyContext{kFingerprint, std::move(ns), chunk_tokens};
 }
-
 
 TEST(ChunkKey, PrefixKeysMatchTheSpecsGoldenVectors) {
   // docs/kvbus.md, golden vector 1: tokens 0..599, 256 per chunk, empty
@@ -179,10 +177,10 @@ TEST(ChunkKey, HexRoundTripsAndIsCanonicalBigEndian) {
 }
 
 TEST(ChunkKey, FromHexRefusesAnythingButThirtyTwoHexDigits) {
-  for (const char* bad : {"", "0123", "0123456789abcdeffedcba987654321",
-                          "0123456789abcdeffedcba98765432100", "0x23456789abcdeffedcba9876543210",
-                          "0123456789abcdeffedcba987654321g", " 123456789abcdeffedcba9876543210",
-                          "0123456789abcdef-edcba9876543210"}) {
+  for (const char* bad :
+       {"", "0123", "0123456789abcdeffedcba987654321", "0123456789abcdeffedcba98765432100",
+        "0x23456789abcdeffedcba9876543210", "0123456789abcdeffedcba987654321g",
+        " 123456789abcdeffedcba9876543210", "0123456789abcdef-edcba9876543210"}) {
     auto k = ChunkKey::FromHex(bad);
     EXPECT_FALSE(k.ok()) << '"' << bad << '"';
     EXPECT_EQ(k.status().code(), StatusCode::kInvalidArgument) << '"' << bad << '"';
@@ -228,7 +226,8 @@ struct ProbedStore {
   std::function<bool(const KeyedSpan&)> Held() {
     probes.clear();
     return [this](const KeyedSpan& s) {
-      EXPECT_TRUE(probes.empty() || s.first >= probes.back().first) << "probes out of position order";
+      EXPECT_TRUE(probes.empty() || s.first >= probes.back().first)
+          << "probes out of position order";
       probes.push_back(s);
       return keys.count(s.key) > 0;
     };
@@ -249,13 +248,12 @@ TEST(TailKey, TailSpansMatchTheSpecsGoldenVectors) {
   // docs/kvbus.md, tail golden vector 1: tokens 0..599, 256 per chunk, empty
   // namespace; the 88 tokens past chunk 1 are pieces 1, 64, 16, 4, 2, 1.
   const auto tokens = Iota(600);
-  EXPECT_EQ(Desc(TailOf(Ctx(), tokens)),
-            (std::vector<std::string>{"512+1:29ebceeee2bf877370b81e28879ed04a",
-                                      "513+64:935daff95c143c6dfa7dab35a7f8ea93",
-                                      "577+16:6b4187cfd3fffb4789d69d0fd990e0a3",
-                                      "593+4:33b5e0a2c645c310a397ce7e08c22b31",
-                                      "597+2:bd0300a257cdabe853a30aa4c08d34b2",
-                                      "599+1:7d8a1172448b7b665513e7d43867d4b3"}));
+  EXPECT_EQ(
+      Desc(TailOf(Ctx(), tokens)),
+      (std::vector<std::string>{
+          "512+1:29ebceeee2bf877370b81e28879ed04a", "513+64:935daff95c143c6dfa7dab35a7f8ea93",
+          "577+16:6b4187cfd3fffb4789d69d0fd990e0a3", "593+4:33b5e0a2c645c310a397ce7e08c22b31",
+          "597+2:bd0300a257cdabe853a30aa4c08d34b2", "599+1:7d8a1172448b7b665513e7d43867d4b3"}));
   // Golden vector 2: tokens 1..7, 16 per chunk, namespace "tenant-a": no full
   // chunk, so the anchor's parent is the zero key.
   EXPECT_EQ(Desc(TailOf(Ctx("tenant-a", 16), Iota(7, 1))),
@@ -304,7 +302,8 @@ TEST(TailKey, PiecesAreAnAnchorThenTheBinaryDigitsOfTheRestLargestFirst) {
           EXPECT_EQ(spans[i].first, pos) << C << " " << L;
           if (i > 0) rest.push_back(spans[i].count);
           // Each piece chains over the key before it.
-          EXPECT_EQ(spans[i].key, TailKey(Ctx("", C), parent, std::span(tokens).subspan(pos, spans[i].count)));
+          EXPECT_EQ(spans[i].key,
+                    TailKey(Ctx("", C), parent, std::span(tokens).subspan(pos, spans[i].count)));
           parent = spans[i].key;
           pos += spans[i].count;
         }
@@ -331,14 +330,16 @@ TEST(TailKey, TailsAreSeparatedLikeChunks) {
   EXPECT_NE(TailOf(other, tokens)[0].key, base[0].key);
   auto changed = tokens;
   changed[3] += 1;  // inside the full chunk: every tail piece changes
-  for (size_t i = 0; i < base.size(); ++i) EXPECT_NE(TailOf(Ctx("", 16), changed)[i].key, base[i].key);
+  for (size_t i = 0; i < base.size(); ++i)
+    EXPECT_NE(TailOf(Ctx("", 16), changed)[i].key, base[i].key);
   // A tail piece is not a prefix or a segment key of the same tokens.
   const auto one = Iota(1);
   EXPECT_NE(TailKey(Ctx("", 1), ChunkKey{}, one), PrefixKeys(Ctx("", 1), one)[0]);
   EXPECT_NE(TailKey(Ctx(), ChunkKey{}, one), SegmentKey(Ctx(), one));
   // The count is hashed: pieces [1, 2] then [3] differ from [1] then [2, 3].
   const std::vector<int32_t> a{1, 2}, b{3}, c{1}, d{2, 3};
-  EXPECT_NE(TailKey(Ctx(), TailKey(Ctx(), ChunkKey{}, a), b), TailKey(Ctx(), TailKey(Ctx(), ChunkKey{}, c), d));
+  EXPECT_NE(TailKey(Ctx(), TailKey(Ctx(), ChunkKey{}, a), b),
+            TailKey(Ctx(), TailKey(Ctx(), ChunkKey{}, c), d));
 }
 
 // Tail lengths to try for a chunk size: all of them for small chunks, a
@@ -365,7 +366,8 @@ TEST(MatchTail, FindsAStoredConversationsTailWhenThePromptExtendsIt) {
     const KeyContext ctx = Ctx("tenant-a", C);
     for (int full : {0, 1, 3}) {
       for (int L : TailLengths(C, rng)) {
-        SCOPED_TRACE("C " + std::to_string(C) + ", full " + std::to_string(full) + ", L " + std::to_string(L));
+        SCOPED_TRACE("C " + std::to_string(C) + ", full " + std::to_string(full) + ", L " +
+                     std::to_string(L));
         const auto convo = RandomTokens(rng, static_cast<size_t>(full * C + L));
         const auto stored = TailOf(ctx, convo);
         ProbedStore store;
@@ -383,7 +385,8 @@ TEST(MatchTail, FindsAStoredConversationsTailWhenThePromptExtendsIt) {
           EXPECT_LE(static_cast<int>(store.probes.size()), MaxTailProbes(C));
         }
         // The same prompt again: the whole tail too.
-        const auto again = MatchTail(ctx, convo, PrefixKeys(ctx, convo), full, INT64_MAX, store.Held());
+        const auto again =
+            MatchTail(ctx, convo, PrefixKeys(ctx, convo), full, INT64_MAX, store.Held());
         EXPECT_EQ(Desc(again), Desc(stored));
         EXPECT_LE(static_cast<int>(store.probes.size()), MaxTailProbes(C));
       }
@@ -405,7 +408,8 @@ TEST(MatchTail, ProbesAtMostOnePlusBitWidthAndAColdPromptOnce) {
       prompt.push_back(1);
       const auto got = MatchTail(ctx, prompt, PrefixKeys(ctx, prompt), 1, INT64_MAX, store.Held());
       EXPECT_EQ(SpannedTokens(got), C + L) << "C " << C << ", L " << L;
-      EXPECT_LE(static_cast<int>(store.probes.size()), MaxTailProbes(C)) << "C " << C << ", L " << L;
+      EXPECT_LE(static_cast<int>(store.probes.size()), MaxTailProbes(C))
+          << "C " << C << ", L " << L;
     }
     // A prompt whose tail was never stored: one probe, nothing found.
     const auto cold = RandomTokens(rng, static_cast<size_t>(C + C / 2 + 1));
@@ -431,7 +435,8 @@ TEST(MatchTail, NeverSpansMoreThanTheLimit) {
       prompt.push_back(9);
       const auto pk = PrefixKeys(ctx, prompt);
       for (int64_t limit = -1; limit <= L + 2; ++limit) {
-        SCOPED_TRACE("C " + std::to_string(C) + ", L " + std::to_string(L) + ", limit " + std::to_string(limit));
+        SCOPED_TRACE("C " + std::to_string(C) + ", L " + std::to_string(L) + ", limit " +
+                     std::to_string(limit));
         const auto got = MatchTail(ctx, prompt, pk, full, limit, store.Held());
         // The stored pieces that fit, in order, and not one probe past the limit.
         EXPECT_EQ(Desc(got), Desc(PiecesUpTo(stored, full * C + std::max<int64_t>(limit, 0))));
@@ -459,8 +464,10 @@ TEST(MatchTail, APromptThatDivergesInsideTheTailReusesOnlyThePiecesThatMatch) {
         auto prompt = convo;
         prompt[full * C + d] ^= 0x5a5a;
         prompt.push_back(3);
-        const auto got = MatchTail(ctx, prompt, PrefixKeys(ctx, prompt), full, INT64_MAX, store.Held());
-        EXPECT_EQ(Desc(got), Desc(PiecesUpTo(stored, full * C + d))) << "C " << C << ", L " << L << ", d " << d;
+        const auto got =
+            MatchTail(ctx, prompt, PrefixKeys(ctx, prompt), full, INT64_MAX, store.Held());
+        EXPECT_EQ(Desc(got), Desc(PiecesUpTo(stored, full * C + d)))
+            << "C " << C << ", L " << L << ", d " << d;
         EXPECT_LE(static_cast<int>(store.probes.size()), MaxTailProbes(C));
       }
     }
@@ -499,7 +506,8 @@ TEST(MatchTail, AHeldThatRefusesAPieceKeepsTheChainBeforeIt) {
     store.Add(stored);
     store.keys.erase(stored[refused].key);
     const auto got = MatchTail(ctx, convo, PrefixKeys(ctx, convo), 1, INT64_MAX, store.Held());
-    EXPECT_EQ(Desc(got), Desc(std::vector<KeyedSpan>(stored.begin(), stored.begin() + refused))) << refused;
+    EXPECT_EQ(Desc(got), Desc(std::vector<KeyedSpan>(stored.begin(), stored.begin() + refused)))
+        << refused;
   }
 }
 
@@ -511,8 +519,10 @@ TEST(MatchTail, RefusesBadArguments) {
   const auto held = [&](const KeyedSpan&) { return ++calls, true; };
   EXPECT_TRUE(MatchTail(ctx, tokens, pk, 3, INT64_MAX, held).empty());   // past the keys
   EXPECT_TRUE(MatchTail(ctx, tokens, pk, -1, INT64_MAX, held).empty());  // negative
-  EXPECT_TRUE(MatchTail(Ctx("", 1), tokens, PrefixKeys(Ctx("", 1), tokens), 40, INT64_MAX, held).empty());
-  EXPECT_TRUE(MatchTail(ctx, Iota(32), PrefixKeys(ctx, Iota(32)), 2, INT64_MAX, held).empty());  // no tail tokens
+  EXPECT_TRUE(
+      MatchTail(Ctx("", 1), tokens, PrefixKeys(Ctx("", 1), tokens), 40, INT64_MAX, held).empty());
+  EXPECT_TRUE(MatchTail(ctx, Iota(32), PrefixKeys(ctx, Iota(32)), 2, INT64_MAX, held)
+                  .empty());  // no tail tokens
   EXPECT_EQ(calls, 0);
 }
 
@@ -522,7 +532,8 @@ TEST(MatchPrefix, CombinesFullChunksAndTheTail) {
     const KeyContext ctx = Ctx("tenant-a", C);
     for (int full : {0, 1, 3}) {
       for (int L : TailLengths(C, rng)) {
-        SCOPED_TRACE("C " + std::to_string(C) + ", full " + std::to_string(full) + ", L " + std::to_string(L));
+        SCOPED_TRACE("C " + std::to_string(C) + ", full " + std::to_string(full) + ", L " +
+                     std::to_string(L));
         const auto convo = RandomTokens(rng, static_cast<size_t>(full * C + L));
         const auto convo_keys = PrefixKeys(ctx, convo);
         const auto stored = TailOf(ctx, convo);
@@ -588,16 +599,21 @@ TEST(MatchPrefix, AColdPromptCostsOneProbeMoreThanItsChunks) {
   store.Add(TailOf(ctx, RandomTokens(rng, 16 + 9)));  // someone else's
   // Shorter than a chunk: the anchor is the only probe.
   const auto short_prompt = RandomTokens(rng, 9);
-  EXPECT_TRUE(MatchPrefix(ctx, short_prompt, PrefixKeys(ctx, short_prompt), INT64_MAX, 1, store.Held()).empty());
+  EXPECT_TRUE(
+      MatchPrefix(ctx, short_prompt, PrefixKeys(ctx, short_prompt), INT64_MAX, 1, store.Held())
+          .empty());
   EXPECT_EQ(store.probes.size(), 1u);
   // Longer: the first chunk misses, then the anchor at position 0.
   const auto long_prompt = RandomTokens(rng, 16 * 3 + 2);
-  EXPECT_TRUE(MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), INT64_MAX, 1, store.Held()).empty());
+  EXPECT_TRUE(
+      MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), INT64_MAX, 1, store.Held())
+          .empty());
   ASSERT_EQ(store.probes.size(), 2u);
   EXPECT_EQ(store.probes[1].first, 0);
   EXPECT_EQ(store.probes[1].count, 1);
   // A limit of 0 probes nothing.
-  EXPECT_TRUE(MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), 0, 1, store.Held()).empty());
+  EXPECT_TRUE(
+      MatchPrefix(ctx, long_prompt, PrefixKeys(ctx, long_prompt), 0, 1, store.Held()).empty());
   EXPECT_TRUE(store.probes.empty());
 }
 

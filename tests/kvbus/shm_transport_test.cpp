@@ -27,8 +27,13 @@ using ChunkPtr = std::shared_ptr<const Chunk>;
 constexpr auto kNoHang = std::chrono::milliseconds(20000);
 
 ChunkPtr MakeChunk(uint64_t id, uint32_t tokens = 16) {
-  ChunkInfo info{.key = ChunkKey{0x5a, id}, .model_fingerprint = ChunkKey{1, 2}, .layers = 2,
-                 .kv_heads = 2, .head_dim = 64, .tokens = tokens, .dtype = KvDType::kF32};
+  ChunkInfo info{.key = ChunkKey{0x5a, id},
+                 .model_fingerprint = ChunkKey{1, 2},
+                 .layers = 2,
+                 .kv_heads = 2,
+                 .head_dim = 64,
+                 .tokens = tokens,
+                 .dtype = KvDType::kF32};
   auto chunk = Chunk::Build(info, [&](uint8_t* p) {
     for (uint64_t i = 0; i < info.payload_bytes(); ++i) p[i] = static_cast<uint8_t>(id + i * 13);
   });
@@ -168,7 +173,8 @@ TEST(ShmTransport, GivesTheSegmentBackAfterASenderDiesBetweenGrantAndData) {
   ASSERT_TRUE(Eventually([&] {
     const ReceiverStats s = (*receiver)->Stats();
     return s.leased_bytes == 0 && s.shm_landed_bytes == 0;
-  })) << "landed bytes " << (*receiver)->Stats().shm_landed_bytes;
+  })) << "landed bytes "
+      << (*receiver)->Stats().shm_landed_bytes;
   EXPECT_GE((*receiver)->Stats().leases_expired, 4u);
 }
 

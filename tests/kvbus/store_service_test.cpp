@@ -85,7 +85,8 @@ TEST(StoreService, LookupAnswersEveryKeyInOrder) {
   auto client = RemoteStore::Connect(server->endpoint()).value();
   ASSERT_TRUE(client->Put(MakeChunk(1)).ok());
   ASSERT_TRUE(client->Put(MakeChunk(3)).ok());
-  const std::vector<ChunkKey> keys = {MakeChunk(1)->key(), MakeChunk(2)->key(), MakeChunk(3)->key()};
+  const std::vector<ChunkKey> keys = {MakeChunk(1)->key(), MakeChunk(2)->key(),
+                                      MakeChunk(3)->key()};
   auto present = client->Lookup(keys);
   ASSERT_TRUE(present.ok());
   EXPECT_EQ(*present, (std::vector<bool>{true, false, true}));
@@ -95,9 +96,10 @@ TEST(StoreService, LookupAnswersEveryKeyInOrder) {
 
 TEST(StoreService, StatsReportTheServedStore) {
   RecordingStore store;
-  auto server = StoreServer::Start(store, "tcp://127.0.0.1:0", [] {
-    return std::vector<std::pair<std::string, TierStats>>{{"host", TierStats{.chunks = 7}}};
-  }).value();
+  auto server =
+      StoreServer::Start(store, "tcp://127.0.0.1:0", [] {
+        return std::vector<std::pair<std::string, TierStats>>{{"host", TierStats{.chunks = 7}}};
+      }).value();
   auto client = RemoteStore::Connect(server->endpoint()).value();
   ASSERT_TRUE(client->Put(MakeChunk(1)).ok());
   auto stats = client->RemoteStats();
@@ -162,7 +164,9 @@ TEST(StoreService, ALookupDoesNotWaitBehindAChunkTransfer) {
         if (!more) break;
       }
       proto::StoreRequest req;
-      if (frames.size() < 2 || !req.ParseFromArray(frames[1].data(), static_cast<int>(frames[1].size()))) continue;
+      if (frames.size() < 2 ||
+          !req.ParseFromArray(frames[1].data(), static_cast<int>(frames[1].size())))
+        continue;
       if (!req.has_lookup()) {
         ++puts_seen;
         continue;
@@ -175,8 +179,8 @@ TEST(StoreService, ALookupDoesNotWaitBehindAChunkTransfer) {
       fake.send(zmq::buffer(out), zmq::send_flags::none);
     }
   });
-  auto client = RemoteStore::Connect(endpoint, {.timeout = milliseconds(2000),
-                                                .lookup_timeout = milliseconds(500)})
+  auto client = RemoteStore::Connect(
+                    endpoint, {.timeout = milliseconds(2000), .lookup_timeout = milliseconds(500)})
                     .value();
   std::thread put([&] { EXPECT_FALSE(client->Put(MakeChunk(1)).ok()); });
   while (puts_seen.load() == 0) std::this_thread::sleep_for(milliseconds(5));
@@ -244,8 +248,8 @@ class StoreProcess {
 };
 
 TEST(StoreProcess, SurvivesARestartOrACrashWithItsDiskTierIntact) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("kdn_store_restart_" + std::to_string(getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kdn_store_restart_" + std::to_string(getpid()));
   std::filesystem::remove_all(dir);
   // ~1.2 MiB of chunks through 1 MiB of host memory: some are evicted from
   // memory, all are written through to disk.
@@ -282,8 +286,8 @@ TEST(StoreProcess, SurvivesARestartOrACrashWithItsDiskTierIntact) {
 }
 
 TEST(StoreProcess, DiskCodecWritesChunksCodedAndServesThemCoded) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("kdn_store_codec_" + std::to_string(getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kdn_store_codec_" + std::to_string(getpid()));
   std::filesystem::remove_all(dir);
   // bf16 KV-like values: the exponent bytes repeat, so lossless coding pays.
   std::vector<std::shared_ptr<const Chunk>> chunks;

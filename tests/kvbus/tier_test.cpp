@@ -24,8 +24,8 @@ namespace kdn::kvbus {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::TempDir;
 using std::chrono::milliseconds;
+using testing::TempDir;
 
 constexpr uint32_t kTokens = 4;
 // 128-byte header + 1 layer * (K,V) * 4 tokens * 1 head * 4 dims * 4 bytes.
@@ -516,8 +516,8 @@ TEST(DiskTier, ConcurrentPutAndGetLoseNoChunks) {
 
 // Host memory for `host_chunks` chunks over an unbounded disk in `dir`.
 TieredStore MakeStore(const fs::path& dir, uint64_t host_chunks, TieredStoreOptions options = {}) {
-  return TieredStore(std::make_unique<HostTier>(host_chunks * kChunkBytes),
-                     OpenDisk(dir, 0), options);
+  return TieredStore(std::make_unique<HostTier>(host_chunks * kChunkBytes), OpenDisk(dir, 0),
+                     options);
 }
 
 TEST(TieredStore, PromotesDiskHitsIntoHost) {

@@ -29,11 +29,9 @@ namespace kdn::kvbus {
 struct TransportFactory {
   std::string name;  // names the instantiation ("tcp")
   // Starts a receiver that delivers into `sink` (which outlives it).
-  std::function<Result<std::unique_ptr<Receiver>>(ChunkStore& sink, const ReceiverOptions&)>
-      listen;
+  std::function<Result<std::unique_ptr<Receiver>>(ChunkStore& sink, const ReceiverOptions&)> listen;
   // Connects a sender to the receiver that reported `endpoint`.
-  std::function<Result<std::unique_ptr<Sender>>(const std::string& endpoint,
-                                                const SenderOptions&)>
+  std::function<Result<std::unique_ptr<Sender>>(const std::string& endpoint, const SenderOptions&)>
       connect;
 };
 

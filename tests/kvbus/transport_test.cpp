@@ -31,16 +31,16 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-#define KDN_ASSERT_OK(expr)                                     \
-  do {                                                          \
-    const ::kdn::Status _kdn_s = (expr);                        \
-    ASSERT_TRUE(_kdn_s.ok()) << _kdn_s.ToString();              \
+#define KDN_ASSERT_OK(expr)                        \
+  do {                                             \
+    const ::kdn::Status _kdn_s = (expr);           \
+    ASSERT_TRUE(_kdn_s.ok()) << _kdn_s.ToString(); \
   } while (0)
 #define KDN_ASSERT_OK_AND_ASSIGN(lhs, expr) \
   KDN_ASSERT_OK_AND_ASSIGN_IMPL_(KDN_CONCAT_(_kdn_r_, __LINE__), lhs, expr)
-#define KDN_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr)           \
-  auto tmp = (expr);                                              \
-  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();               \
+#define KDN_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                   \
+  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();    \
   lhs = std::move(tmp).value()
 
 // Anything that must finish finishes well within this; it bounds hangs only.
@@ -128,7 +128,8 @@ void ExpectStored(RecordingStore& sink, const std::vector<ChunkPtr>& chunks) {
 TEST_P(TransportConformance, DeliversManyChunksCompleteAndInSubmissionOrder) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   const auto chunks = MakeChunks(1, 300);
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit(chunks));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
@@ -152,7 +153,8 @@ TEST_P(TransportConformance, KeepsSubmissionOrderWhenTheReceiverHasRoomForOnlyAF
   ro.lease = 10s;  // this test is about capacity, not expiry
   ro.slot_capacity_bytes = 3 * chunks[0]->size();
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, ro));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit(chunks));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
   ASSERT_TRUE(status.done);
@@ -169,7 +171,8 @@ TEST_P(TransportConformance, KeepsSubmissionOrderWhenTheReceiverHasRoomForOnlyAF
 TEST_P(TransportConformance, MovesSingleTokenAndSixteenMegabyteChunksIntact) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   const std::vector<ChunkPtr> chunks = {MakeChunk(1, 1), MakeLargeChunk(2), MakeChunk(3, 1),
                                         MakeLargeChunk(4)};
   ASSERT_EQ(chunks[1]->payload().size(), size_t{16} << 20);
@@ -186,7 +189,8 @@ TEST_P(TransportConformance, SkipsChunksTheReceiverAlreadyHoldsWithoutSendingThe
   const auto chunks = MakeChunks(1, 10);
   for (int i = 0; i < 10; i += 2) KDN_ASSERT_OK(sink.Put(chunks[i]));
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit(chunks));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
   ASSERT_TRUE(status.done);
@@ -205,7 +209,8 @@ TEST_P(TransportConformance, SkipsChunksTheReceiverAlreadyHoldsWithoutSendingThe
 TEST_P(TransportConformance, SkipsEveryChunkOfABatchOfferedAgain) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   const auto chunks = MakeChunks(1, 20);
   for (int round = 0; round < 3; ++round) {
     KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit(chunks));
@@ -221,7 +226,8 @@ TEST_P(TransportConformance, SkipsEveryChunkOfABatchOfferedAgain) {
 TEST_P(TransportConformance, SendsAKeyRepeatedWithinABatchOnce) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   const ChunkPtr a = MakeChunk(1), b = MakeChunk(2);
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({a, b, a, a}));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
@@ -235,9 +241,11 @@ TEST_P(TransportConformance, SendsAKeyRepeatedWithinABatchOnce) {
 TEST_P(TransportConformance, SendsAKeyOfferedByTwoBatchesInFlightOnlyOnce) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   const auto all = MakeChunks(1, 15);
-  const std::vector<ChunkPtr> first(all.begin(), all.begin() + 10), second(all.begin() + 5, all.end());
+  const std::vector<ChunkPtr> first(all.begin(), all.begin() + 10),
+      second(all.begin() + 5, all.end());
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t b1, sender->Submit(first));
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t b2, sender->Submit(second));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus s2, sender->Wait(b2, kNoHang));
@@ -253,7 +261,8 @@ TEST_P(TransportConformance, SendsAKeyOfferedByTwoBatchesInFlightOnlyOnce) {
 TEST_P(TransportConformance, CompletesTwoBatchesInFlightWhicheverIsWaitedForFirst) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   const auto a = MakeChunks(100, 40), b = MakeChunks(200, 3);
   const std::vector<ChunkPtr> big = {MakeLargeChunk(300)};
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t ba, sender->Submit(a));
@@ -278,7 +287,8 @@ TEST_P(TransportConformance, AcceptsTwoSendersAtOnce) {
   KDN_ASSERT_OK_AND_ASSIGN(auto s1, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   KDN_ASSERT_OK_AND_ASSIGN(auto s2, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   const auto all = MakeChunks(1, 60);
-  const std::vector<ChunkPtr> first(all.begin(), all.begin() + 40), second(all.begin() + 20, all.end());
+  const std::vector<ChunkPtr> first(all.begin(), all.begin() + 40),
+      second(all.begin() + 20, all.end());
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t b1, s1->Submit(first));
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t b2, s2->Submit(second));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus r1, s1->Wait(b1, kNoHang));
@@ -295,7 +305,8 @@ TEST_P(TransportConformance, FailsOnlyTheChunkLargerThanTheReceiversSlotCapacity
   ReceiverOptions ro = TestReceiverOptions();
   ro.slot_capacity_bytes = big->size() - 1;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, ro));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({small1, big, small2}));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
   ASSERT_TRUE(status.done);
@@ -400,7 +411,8 @@ TEST_P(TransportConformance, FreesLeasedSlotsWhenTheSenderDiesAfterTheGrant) {
   ASSERT_TRUE(Eventually([&] {
     const ReceiverStats s = receiver->Stats();
     return s.leased_bytes == 0 && s.waiting_chunks == 0;
-  })) << "leased bytes " << receiver->Stats().leased_bytes;
+  })) << "leased bytes "
+      << receiver->Stats().leased_bytes;
   EXPECT_GE(receiver->Stats().leases_expired, 3u);
   EXPECT_EQ(sink.size(), 0u);
 }
@@ -450,7 +462,8 @@ TEST_P(TransportConformance, ReturnsFromWaitWithPendingChunksWhenTheTimeoutPasse
 TEST_P(TransportConformance, ForgetsABatchOnceItWasReportedDone) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t empty, sender->Submit({}));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus none, sender->Poll(empty));
   EXPECT_TRUE(none.done);
@@ -466,7 +479,8 @@ TEST_P(TransportConformance, ForgetsABatchOnceItWasReportedDone) {
 TEST_P(TransportConformance, RefusesANullChunk) {
   RecordingStore sink;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                           GetParam().connect(receiver->endpoint(), TestSenderOptions()));
   EXPECT_EQ(sender->Submit({MakeChunk(1), nullptr}).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -497,7 +511,8 @@ TEST_P(TransportConformance, LeavesNoThreadBehindOnceBothEndsAreGone) {
   {
     RecordingStore sink;
     KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, TestReceiverOptions()));
-    KDN_ASSERT_OK_AND_ASSIGN(auto sender, GetParam().connect(receiver->endpoint(), TestSenderOptions()));
+    KDN_ASSERT_OK_AND_ASSIGN(auto sender,
+                             GetParam().connect(receiver->endpoint(), TestSenderOptions()));
     KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit(MakeChunks(1, 8)));
     KDN_ASSERT_OK_AND_ASSIGN(BatchStatus status, sender->Wait(batch, kNoHang));
     KDN_ASSERT_OK(status.ToStatus());
@@ -507,34 +522,35 @@ TEST_P(TransportConformance, LeavesNoThreadBehindOnceBothEndsAreGone) {
       << ThreadsInThisProcess() << " threads, " << before << " before";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Tcp, TransportConformance,
-    ::testing::Values(TransportFactory{
-        "tcp",
-        [](ChunkStore& sink, const ReceiverOptions& o) {
-          return Listen("tcp://127.0.0.1:0", sink, o);
-        },
-        [](const std::string& endpoint, const SenderOptions& o) { return Connect(endpoint, o); }}),
-    TransportFactoryName);
+INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
+                         ::testing::Values(TransportFactory{
+                             "tcp",
+                             [](ChunkStore& sink, const ReceiverOptions& o) {
+                               return Listen("tcp://127.0.0.1:0", sink, o);
+                             },
+                             [](const std::string& endpoint, const SenderOptions& o) {
+                               return Connect(endpoint, o);
+                             }}),
+                         TransportFactoryName);
 
 // shm: the same suite with every chunk's bytes landing in the receiver's
 // segment (the sender is forced to shm, so a grant it could not land fails
 // the test). The segment is sized so that the slot capacity, not the
 // segment, bounds what is in flight, as in a worker.
-INSTANTIATE_TEST_SUITE_P(
-    Shm, TransportConformance,
-    ::testing::Values(TransportFactory{
-        "shm",
-        [](ChunkStore& sink, ReceiverOptions o) {
-          o.shm_landing_bytes = std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20,
-                                                     uint64_t{256} << 20);
-          return Listen("tcp://127.0.0.1:0", sink, o);
-        },
-        [](const std::string& endpoint, SenderOptions o) {
-          o.transport = TransportKind::kShm;
-          return Connect(endpoint, o);
-        }}),
-    TransportFactoryName);
+INSTANTIATE_TEST_SUITE_P(Shm, TransportConformance,
+                         ::testing::Values(TransportFactory{
+                             "shm",
+                             [](ChunkStore& sink, ReceiverOptions o) {
+                               o.shm_landing_bytes =
+                                   std::clamp<uint64_t>(4 * o.slot_capacity_bytes,
+                                                        uint64_t{1} << 20, uint64_t{256} << 20);
+                               return Listen("tcp://127.0.0.1:0", sink, o);
+                             },
+                             [](const std::string& endpoint, SenderOptions o) {
+                               o.transport = TransportKind::kShm;
+                               return Connect(endpoint, o);
+                             }}),
+                         TransportFactoryName);
 
 // ---------------------------------------------------------------------------
 // tcp only.
@@ -553,14 +569,12 @@ TEST(TcpTransport, RefusesMalformedEndpointsAndOptions) {
   RecordingStore sink;
   EXPECT_EQ(Listen("udp://127.0.0.1:0", sink).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Listen("tcp://127.0.0.1", sink).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(Listen("tcp://127.0.0.1:99999", sink).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Listen("tcp://127.0.0.1:99999", sink).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Connect("tcp://127.0.0.1:0").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Connect("tcp://:5555").status().code(), StatusCode::kInvalidArgument);
   ReceiverOptions ro;
   ro.slot_capacity_bytes = 0;
-  EXPECT_EQ(Listen("tcp://127.0.0.1:0", sink, ro).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Listen("tcp://127.0.0.1:0", sink, ro).status().code(), StatusCode::kInvalidArgument);
   SenderOptions so;
   so.peer_timeout = 0ms;
   EXPECT_EQ(Connect("tcp://127.0.0.1:5555", so).status().code(), StatusCode::kInvalidArgument);
@@ -727,10 +741,11 @@ TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
     };
     if (auto* o = std::get_if<WireOffer>(&*m)) {
       ++offers;
-      reply(WireDecisions{o->batch, {WireDecision{c->key(),
-                                                  offers == 1 ? WireDecisionKind::kGranted
-                                                              : WireDecisionKind::kHeld,
-                                                  Status::Ok()}}});
+      reply(WireDecisions{
+          o->batch,
+          {WireDecision{c->key(),
+                        offers == 1 ? WireDecisionKind::kGranted : WireDecisionKind::kHeld,
+                        Status::Ok()}}});
     } else if (std::holds_alternative<WireChunkHeader>(*m)) {
       zmq::message_t body;
       ASSERT_TRUE(router.recv(body));

@@ -168,7 +168,8 @@ TEST(ModelConfig, ReadsEachRopeTypeWithTransformers5Precedence) {
            {R"(, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5})",
             "partial_rotary_factor", StatusCode::kUnimplemented},
            {R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
-               "high_freq_factor": 1.0})", "high_freq_factor", StatusCode::kInvalidArgument},
+               "high_freq_factor": 1.0})",
+            "high_freq_factor", StatusCode::kInvalidArgument},
            {R"(, "rope_scaling": [1])", "rope_scaling", StatusCode::kInvalidArgument},
            {R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 0.5})", "rope_theta",
             StatusCode::kInvalidArgument},
@@ -204,8 +205,10 @@ TEST(ModelConfig, RefusesWhatItCannotRunSayingWhy) {
       {"LlamaForCausalLM", "GPTNeoXForCausalLM", "GPTNeoXForCausalLM", StatusCode::kUnimplemented},
       {"\"silu\"", "\"gelu\"", "gelu", StatusCode::kUnimplemented},
       {"\"llama3\"", "\"su\"", "\"su\"", StatusCode::kUnimplemented},
-      {"\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5", "multiple", StatusCode::kInvalidArgument},
-      {"\"hidden_size\": 4096", "\"hidden_size\": \"big\"", "hidden_size", StatusCode::kInvalidArgument},
+      {"\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5", "multiple",
+       StatusCode::kInvalidArgument},
+      {"\"hidden_size\": 4096", "\"hidden_size\": \"big\"", "hidden_size",
+       StatusCode::kInvalidArgument},
       {"\"vocab_size\": 128256,", "", "vocab_size", StatusCode::kInvalidArgument},
       {"{", "[", "not valid JSON", StatusCode::kInvalidArgument},
       {"\"max_position_embeddings\": 131072", "\"max_position_embeddings\": [1]",
@@ -295,8 +298,8 @@ TEST(ModelConfig, RoundTripsYarnDynamicAndWindowsThroughJson) {
 }
 
 TEST(ModelConfig, GenerationConfigAddsTheIdsGenerateStopsOn) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("kdn-config-test-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kdn-config-test-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   std::string j = kLlama3;
   j.replace(j.find("[128001, 128008, 128009]"), 24, "128001");

@@ -61,8 +61,8 @@ class GgufBytes {
     return *this;
   }
   std::string Write(const std::string& name) const {
-    const auto dir = std::filesystem::temp_directory_path() /
-                     ("kdn_gguf_test_" + std::to_string(::getpid()));
+    const auto dir =
+        std::filesystem::temp_directory_path() / ("kdn_gguf_test_" + std::to_string(::getpid()));
     std::filesystem::create_directories(dir);
     const std::string path = (dir / name).string();
     std::ofstream(path, std::ios::binary).write(bytes_.data(), bytes_.size());
@@ -162,13 +162,13 @@ TEST(GgufFile, RefusesACountTheFileCannotHold) {
 }
 
 TEST(GgufFile, IsGgufPathTellsAFileFromAFolder) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("kdn_gguf_test_" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("kdn_gguf_test_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir / "folder.gguf");
   EXPECT_FALSE(IsGgufPath(dir / "folder.gguf"));
   EXPECT_TRUE(IsGgufPath(Valid().Write("named.gguf")));
   EXPECT_TRUE(IsGgufPath(Valid().Write("no-extension")));  // by its magic
-  EXPECT_TRUE(IsGgufPath(dir / "missing.gguf"));            // Open then says it is missing
+  EXPECT_TRUE(IsGgufPath(dir / "missing.gguf"));           // Open then says it is missing
   EXPECT_FALSE(IsGgufPath(dir / "missing-folder"));
   EXPECT_EQ(GgufFile::Open(dir / "missing.gguf").status().code(), StatusCode::kNotFound);
 }

@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
   std::ofstream(argv[3], std::ios::binary)
       .write(reinterpret_cast<const char*>(logits.data()), logits.size() * sizeof(float));
 
-  auto res = Generate(**model, ids, {.max_tokens = std::stoi(argv[4]), .sampling = {.temperature = 0.0f}});
+  auto res =
+      Generate(**model, ids, {.max_tokens = std::stoi(argv[4]), .sampling = {.temperature = 0.0f}});
   if (!res.ok()) {
     std::fprintf(stderr, "kdn_forward: %s\n", res.status().ToString().c_str());
     return 1;

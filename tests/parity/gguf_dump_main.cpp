@@ -55,7 +55,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (args.size() < 3) {
-    std::fprintf(stderr, "usage: kdn_gguf_dump --types | --config FILE | --weights FILE | FILE OUT_DIR NAME...\n");
+    std::fprintf(
+        stderr,
+        "usage: kdn_gguf_dump --types | --config FILE | --weights FILE | FILE OUT_DIR NAME...\n");
     return 2;
   }
   auto file = model::GgufFile::Open(args[0]);

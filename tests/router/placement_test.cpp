@@ -98,8 +98,8 @@ TEST_F(PlacementTest, AutoCountsTheDecodeWorkersBacklogAndItsRunningBatchesSteps
   workers_[2].local_prefill.backlog_tokens = 0;
   // Requests running there: pieces of 50 tokens, each after a step that
   // costs 20 ms, at 1 ms a token: 100 + 2 * 20 = 140 <= 200, local.
-  workers_[2].local_prefill = {.running = 8, .step_ms = 20, .prefill_ms_per_token = 1,
-                               .step_tokens = 50};
+  workers_[2].local_prefill = {
+      .running = 8, .step_ms = 20, .prefill_ms_per_token = 1, .step_tokens = 50};
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   // Steps of 60 ms: 100 + 2 * 60 = 220 > 200, the prefill worker.
   workers_[2].local_prefill.step_ms = 60;
@@ -156,9 +156,9 @@ TEST_F(PlacementTest, DecodeAtAnEqualPrefixPrefersTheOneHoldingItResident) {
 }
 
 TEST_F(PlacementTest, PrefillWeighsQueuedTokensAgainstThePrefix) {
-  prefix_[0] = 32;               // 32 to compute
+  prefix_[0] = 32;                // 32 to compute
   workers_[0].queue_tokens = 40;  // ... behind 40: 72
-  EXPECT_EQ(Prefill(), 1u);      // 64 to compute, nothing queued
+  EXPECT_EQ(Prefill(), 1u);       // 64 to compute, nothing queued
   workers_[0].queue_tokens = 20;  // 52
   EXPECT_EQ(Prefill(), 0u);
 }
@@ -185,7 +185,7 @@ TEST_F(PlacementTest, PrefillCountsHeldDocumentsAtTheirRecomputeShare) {
   held_[0] = 40;                  // saves 30 of 64: 34 to compute
   workers_[0].queue_tokens = 20;  // 54 < 64
   EXPECT_EQ(Prefill(), 0u);
-  blend.recompute_ratio = 0.75;   // saves 10: 54 + 20 = 74 > 64
+  blend.recompute_ratio = 0.75;  // saves 10: 54 + 20 = 74 > 64
   EXPECT_EQ(Prefill(), 1u);
   prefix_[1] = 60;  // a blend prompt's prefix counts for nothing
   workers_[0].queue_tokens = 0;

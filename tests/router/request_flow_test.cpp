@@ -76,8 +76,8 @@ class RequestFlowTest : public ::testing::Test {
     options_.disaggregation = Disaggregation::kAlways;
   }
   void Start() {
-    flow_ = std::make_unique<RequestFlow>(options_, workers_, identity_, ledger_, link_,
-                                          tokenizer_, nullptr, 42);
+    flow_ = std::make_unique<RequestFlow>(options_, workers_, identity_, ledger_, link_, tokenizer_,
+                                          nullptr, 42);
   }
   // Submits a request of `prompt` (bytes) and `max_tokens`; its events go to events_[id].
   uint64_t Submit(const std::string& prompt, int max_tokens = 8, uint64_t id = 1) {
@@ -86,8 +86,9 @@ class RequestFlowTest : public ::testing::Test {
     job.tokens.assign(prompt.begin(), prompt.end());
     job.max_tokens = max_tokens;
     job.sampling.temperature = 0;
-    flow_->Submit(id, std::move(job), [this, id](JobEvent ev) { events_[id].push_back(ev); },
-                  RequestFlow::Clock::now());
+    flow_->Submit(
+        id, std::move(job), [this, id](JobEvent ev) { events_[id].push_back(ev); },
+        RequestFlow::Clock::now());
     return id;
   }
   Phase PhaseOf(uint64_t id) {
@@ -271,7 +272,7 @@ TEST_F(RequestFlowTest, APrefillWorkerLostBeforeTheFirstTokenIsReplacedByTheOthe
   EXPECT_NE(again[0].worker, lost);
   EXPECT_EQ(PhaseOf(id), Phase::kPrefill);
   EXPECT_TRUE(events_[id].empty());  // the client saw nothing of it
-  Down(again[0].worker);  // no prefill worker is left
+  Down(again[0].worker);             // no prefill worker is left
   EXPECT_EQ(events_[id].at(0).error.code(), StatusCode::kUnavailable);
 }
 
@@ -426,8 +427,9 @@ TEST_F(LocalPathTest, TheRoutersFlagAndTheRequestsFieldForceEitherPath) {
   job.tokens.assign(prompt.begin(), prompt.end());
   job.sampling.temperature = 0;
   job.disaggregation = Disaggregation::kNever;
-  flow_->Submit(2, std::move(job), [this](JobEvent ev) { events_[2].push_back(ev); },
-                RequestFlow::Clock::now());
+  flow_->Submit(
+      2, std::move(job), [this](JobEvent ev) { events_[2].push_back(ev); },
+      RequestFlow::Clock::now());
   AnswerLookups(2, 0, 0);
   prepares = link_.Take(Body::kPrepare);
   ASSERT_EQ(prepares.size(), 1u);

@@ -8,9 +8,10 @@ namespace kdn::router {
 namespace {
 
 TEST(ApiKeys, ParsesKeysAndTenantsSkippingCommentsAndBlankLines) {
-  auto keys = ApiKeys::Parse("# key tenant\n\nalice-key-0123456789 alice\r\n"
-                             "  bob-key-9876543210abc   bob  \nalice-key-second-one alice\n",
-                             "keys");
+  auto keys = ApiKeys::Parse(
+      "# key tenant\n\nalice-key-0123456789 alice\r\n"
+      "  bob-key-9876543210abc   bob  \nalice-key-second-one alice\n",
+      "keys");
   ASSERT_TRUE(keys.ok()) << keys.status().ToString();
   EXPECT_EQ(keys->size(), 3u);
   EXPECT_EQ(keys->tenants(), 2u);
@@ -24,10 +25,10 @@ TEST(ApiKeys, ParsesKeysAndTenantsSkippingCommentsAndBlankLines) {
 TEST(ApiKeys, NamesNoTenantForAnythingButABearerOfAKey) {
   auto keys = ApiKeys::Parse("alice-key-0123456789 alice\n", "keys");
   ASSERT_TRUE(keys.ok());
-  for (const char* bad : {"", "Bearer ", "alice-key-0123456789", "bearer alice-key-0123456789",
-                          "Bearer alice-key-012345678", "Bearer alice-key-0123456789 ",
-                          "Bearer alice-key-01234567890", "Basic YWxpY2U6eA==",
-                          "Bearer  alice-key-0123456789"}) {
+  for (const char* bad :
+       {"", "Bearer ", "alice-key-0123456789", "bearer alice-key-0123456789",
+        "Bearer alice-key-012345678", "Bearer alice-key-0123456789 ",
+        "Bearer alice-key-01234567890", "Basic YWxpY2U6eA==", "Bearer  alice-key-0123456789"}) {
     EXPECT_EQ(keys->TenantOf(bad), nullptr) << "'" << bad << "'";
   }
   EXPECT_NE(keys->TenantOf("Bearer alice-key-0123456789"), nullptr);

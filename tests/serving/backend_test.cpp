@@ -220,8 +220,9 @@ class BackendTest : public ::testing::Test {
     const auto deadline = std::chrono::steady_clock::now() + kWait;
     for (;;) {
       const auto workers = backend_->Workers();
-      if (std::all_of(workers.begin(), workers.end(),
-                      [](const WorkerView& w) { return w.up && w.compatible && w.max_context > 0; })) {
+      if (std::all_of(workers.begin(), workers.end(), [](const WorkerView& w) {
+            return w.up && w.compatible && w.max_context > 0;
+          })) {
         return;
       }
       ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the workers never answered";

@@ -164,8 +164,8 @@ TEST(ControlServer, WithCurveOnlyTheRouterIsHeard) {
   const std::string bytes = prepare.SerializeAsString();
   zmq::context_t ctx;
   const kvbus::CurveKeys other = kvbus::GenerateCurveKeys().value();
-  for (const kvbus::CurveKeys* client : {static_cast<const kvbus::CurveKeys*>(nullptr), &other,
-                                         &keys}) {
+  for (const kvbus::CurveKeys* client :
+       {static_cast<const kvbus::CurveKeys*>(nullptr), &other, &keys}) {
     zmq::socket_t s(ctx, zmq::socket_type::dealer);
     s.set(zmq::sockopt::linger, 0);
     if (client != nullptr) {

@@ -116,9 +116,8 @@ TEST_F(OpenAiTest, AHugeMaxTokensIsRefusedNotOverflowed) {
 TEST_F(OpenAiTest, AContentPartWhoseTypeIsNotAStringIsRefused) {
   for (const char* part : {R"({"type":5,"text":"x"})", R"({"type":null,"text":"x"})",
                            R"({"type":["text"],"text":"x"})", R"("text")"}) {
-    const ApiError e = Refused(std::string(R"({"messages":[{"role":"user","content":[)") + part +
-                                   "]}]}",
-                               ApiKind::kChat);
+    const ApiError e = Refused(
+        std::string(R"({"messages":[{"role":"user","content":[)") + part + "]}]}", ApiKind::kChat);
     EXPECT_EQ(e.param, "messages") << part;
   }
 }
@@ -246,10 +245,10 @@ TEST_F(OpenAiTest, ChatDocumentsOpenTheLastUserMessage) {
             head + "D1 D2 Q?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n");
   EXPECT_EQ(r.blend->head_tokens, 1 + static_cast<int>(head.size()));
   EXPECT_EQ(r.blend->segment_tokens, (std::vector<int>{3, 3}));
-  EXPECT_EQ(Refused(R"({"messages":[{"role":"system","content":"S"}],"documents":["d"]})",
-                    ApiKind::kChat)
-                .param,
-            "documents");
+  EXPECT_EQ(
+      Refused(R"({"messages":[{"role":"system","content":"S"}],"documents":["d"]})", ApiKind::kChat)
+          .param,
+      "documents");
 }
 
 // A folder's template, which writes BOS itself and trims the messages as
@@ -257,7 +256,8 @@ TEST_F(OpenAiTest, ChatDocumentsOpenTheLastUserMessage) {
 text::ChatTemplate TrimmingTemplate() {
   auto t = text::ChatTemplate::FromSource(
       "{{ bos_token }}{% for m in messages %}"
-      "{% if m.role == 'assistant' and loop.first %}{{ raise_exception('a user speaks first') }}{% endif %}"
+      "{% if m.role == 'assistant' and loop.first %}{{ raise_exception('a user speaks first') }}{% "
+      "endif %}"
       "<{{ m.role }}>{{ m.content | trim }}</>{% endfor %}"
       "{% if add_generation_prompt %}<assistant>{% endif %}",
       "test.jinja", "<s>", "</s>");
@@ -282,7 +282,8 @@ TEST_F(OpenAiTest, ChatDocumentsSurviveATemplateThatTrimsTheMessage) {
   model_.chat_template = &tpl;
   ApiRequest r;
   ASSERT_FALSE(Parse(ApiKind::kChat,
-                     R"({"messages":[{"role":"user","content":"Q? "}],"documents":["D1 ","D2 "]})", &r));
+                     R"({"messages":[{"role":"user","content":"Q? "}],"documents":["D1 ","D2 "]})",
+                     &r));
   ASSERT_TRUE(r.blend.has_value());
   const std::string head = "<s><user>";
   EXPECT_EQ(tokenizer_.Decode(r.prompt), head + "D1 D2 Q?</><assistant>");
@@ -293,7 +294,8 @@ TEST_F(OpenAiTest, ChatDocumentsSurviveATemplateThatTrimsTheMessage) {
 TEST_F(OpenAiTest, ChatTemplateRaisingIsABadRequestWithItsMessage) {
   const text::ChatTemplate tpl = TrimmingTemplate();
   model_.chat_template = &tpl;
-  const ApiError e = Refused(R"({"messages":[{"role":"assistant","content":"A"}]})", ApiKind::kChat);
+  const ApiError e =
+      Refused(R"({"messages":[{"role":"assistant","content":"A"}]})", ApiKind::kChat);
   EXPECT_EQ(e.http_status, 400);
   EXPECT_EQ(e.message, "the model's chat template refused the messages: a user speaks first");
   EXPECT_EQ(e.param, "messages");
@@ -304,8 +306,10 @@ TEST_F(OpenAiTest, ChatDocumentsAreRefusedWhereTheTemplateDropsTheUserMessage) {
                                             std::nullopt, std::nullopt);
   ASSERT_TRUE(tpl.ok());
   model_.chat_template = &*tpl;
-  EXPECT_EQ(Refused(R"({"messages":[{"role":"user","content":"Q"}],"documents":["D"]})", ApiKind::kChat).param,
-            "documents");
+  EXPECT_EQ(
+      Refused(R"({"messages":[{"role":"user","content":"Q"}],"documents":["D"]})", ApiKind::kChat)
+          .param,
+      "documents");
 }
 
 TEST_F(OpenAiTest, BadDocumentsAndBlendSettingsAreRefused) {
@@ -338,14 +342,15 @@ TEST_F(OpenAiTest, BadDocumentsAndBlendSettingsAreRefused) {
 
 TEST_F(OpenAiTest, InjectTakesDocumentsAndRefusesOversizedOnes) {
   InjectApiRequest r;
-  ASSERT_FALSE(ParseInjectRequest(R"({"documents":["ab","c"],"cache_salt":"t","stream":true})",
-                                  model_, &r));
+  ASSERT_FALSE(
+      ParseInjectRequest(R"({"documents":["ab","c"],"cache_salt":"t","stream":true})", model_, &r));
   EXPECT_EQ(r.documents, (std::vector<std::vector<int32_t>>{{'a', 'b'}, {'c'}}));
   EXPECT_EQ(r.cache_salt, "t");
   EXPECT_TRUE(r.stream);
   InjectApiRequest bad;
   EXPECT_EQ(ParseInjectRequest("{}", model_, &bad)->param, "documents");
-  auto e = ParseInjectRequest(R"({"documents":[")" + std::string(3000, 'x') + R"("]})", model_, &bad);
+  auto e =
+      ParseInjectRequest(R"({"documents":[")" + std::string(3000, 'x') + R"("]})", model_, &bad);
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->code, "context_length_exceeded");
 }
@@ -383,11 +388,11 @@ TEST(Metrics, RendersEveryDocumentedFamilyAndEscapesLabels) {
   m.Injected("already_held", 30);
   const std::string out = m.Render({{"we\"ird", "decode", true, 2, 10}});
   for (const char* name :
-       {"kdn_requests_total", "kdn_requests_in_flight", "kdn_ttft_seconds", "kdn_inter_token_seconds",
-        "kdn_prompt_tokens_total", "kdn_generated_tokens_total", "kdn_kv_bytes_moved_total",
-        "kdn_kv_chunks_skipped_total", "kdn_worker_up", "kdn_worker_queue_depth",
-        "kdn_worker_free_kv_blocks", "kdn_injected_documents_total", "kdn_injected_tokens_total",
-        "kdn_prompt_tail_tokens_total"}) {
+       {"kdn_requests_total", "kdn_requests_in_flight", "kdn_ttft_seconds",
+        "kdn_inter_token_seconds", "kdn_prompt_tokens_total", "kdn_generated_tokens_total",
+        "kdn_kv_bytes_moved_total", "kdn_kv_chunks_skipped_total", "kdn_worker_up",
+        "kdn_worker_queue_depth", "kdn_worker_free_kv_blocks", "kdn_injected_documents_total",
+        "kdn_injected_tokens_total", "kdn_prompt_tail_tokens_total"}) {
     EXPECT_NE(out.find(std::string("# TYPE ") + name + " "), std::string::npos) << name;
   }
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"cached\"} 768\n"), std::string::npos);

@@ -77,10 +77,10 @@ std::vector<float> FullPrefillKv(const std::vector<int32_t>& prompt) {
   EXPECT_TRUE(ref->Prefill(seq, prompt, {}, &logits).ok());
   std::vector<uint8_t> kv(ref->kv_cache().LayerBytes(seq.length(), engine::DType::kF32) *
                           ref->config().num_layers);
-  EXPECT_TRUE(ref->kv_cache()
-                  .ReadLayers(seq, 0, ref->config().num_layers, 0, seq.length(),
-                              engine::DType::kF32, kv)
-                  .ok());
+  EXPECT_TRUE(
+      ref->kv_cache()
+          .ReadLayers(seq, 0, ref->config().num_layers, 0, seq.length(), engine::DType::kF32, kv)
+          .ok());
   std::vector<float> f(kv.size() / sizeof(float));
   std::memcpy(f.data(), kv.data(), kv.size());
   return f;
@@ -129,8 +129,9 @@ TEST(PrefillerResident, ARepeatedPromptAttachesItsKvFromThePoolAndMovesNoBytes) 
   }
   cache.SetLength(rebuilt, 100);
   std::vector<uint8_t> kv(cache.LayerBytes(100, engine::DType::kF32) * model->config().num_layers);
-  ASSERT_TRUE(cache.ReadLayers(rebuilt, 0, model->config().num_layers, 0, 100,
-                               engine::DType::kF32, kv).ok());
+  ASSERT_TRUE(
+      cache.ReadLayers(rebuilt, 0, model->config().num_layers, 0, 100, engine::DType::kF32, kv)
+          .ok());
   // The 99 attached tokens are the first run's KV, which one full prefill
   // of the prompt gave: bit for bit. The last token, computed alone over
   // them, within float rounding of the full prefill's.
@@ -144,9 +145,9 @@ TEST(PrefillerResident, ARepeatedPromptAttachesItsKvFromThePoolAndMovesNoBytes) 
       const size_t row0 = (static_cast<size_t>(l) * 2 + kv_half) * 100 * stride;
       EXPECT_EQ(std::memcmp(&got[row0], &want[row0], 99 * stride * sizeof(float)), 0)
           << "layer " << l;
-      EXPECT_LT(engine::testing::RelError(&got[row0 + 99 * stride], &want[row0 + 99 * stride],
-                                          stride),
-                1e-5);
+      EXPECT_LT(
+          engine::testing::RelError(&got[row0 + 99 * stride], &want[row0 + 99 * stride], stride),
+          1e-5);
     }
   }
   rebuilt.Reset();
@@ -254,9 +255,9 @@ TEST(PrefillerResident, UnderPoolPressureEvictedKvComesBackFromTheLowerTiers) {
       if (round == 1) {
         // Evicted from the pool long ago: the host tier gives it back.
         EXPECT_EQ(out->cached_tokens, 99);
-        EXPECT_EQ(out->resident_tokens + out->kv_bytes_loaded / 
-                      (model->kv_cache().token_stride() * 2 * sizeof(float) *
-                       model->config().num_layers),
+        EXPECT_EQ(out->resident_tokens +
+                      out->kv_bytes_loaded / (model->kv_cache().token_stride() * 2 * sizeof(float) *
+                                              model->config().num_layers),
                   99u);
       }
       ASSERT_TRUE(p.StoreNewChunks().ok());
@@ -588,8 +589,8 @@ TEST(LayerSlice, AWholeChunkIsNotASlice) {
   ASSERT_TRUE(chunk.ok());
   EXPECT_EQ(kvbridge::LayerSliceToPagedKv(**chunk, 0, cache, seq, 0).code(),
             StatusCode::kInvalidArgument);
-  auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, 0, 16, 1, {0, 3}, {0, 2},
-                                            kvbus::KvDType::kF32);
+  auto slice =
+      kvbridge::LayerSliceFromPagedKv(cache, seq, 0, 16, 1, {0, 3}, {0, 2}, kvbus::KvDType::kF32);
   ASSERT_TRUE(slice.ok());
   EXPECT_EQ((*slice)->info().layers, 1u);
   EXPECT_EQ(kvbridge::LayerSliceToPagedKv(**slice, 2, cache, seq, 0).code(),

@@ -15,12 +15,13 @@ namespace {
 
 std::shared_ptr<const kvbus::Chunk> MakeChunk() {
   const kvbus::ChunkInfo info{{5, 6}, {7, 8}, 4, 2, 16, 64, kvbus::KvDType::kF32, 0};
-  return kvbus::Chunk::Build(info, [&](uint8_t* out) {
-           for (size_t i = 0; i < info.payload_bytes() / 4; ++i) {
-             const float v = std::sin(0.37f * static_cast<float>(i % 977));
-             std::memcpy(out + 4 * i, &v, 4);
-           }
-         })
+  return kvbus::Chunk::Build(info,
+                             [&](uint8_t* out) {
+                               for (size_t i = 0; i < info.payload_bytes() / 4; ++i) {
+                                 const float v = std::sin(0.37f * static_cast<float>(i % 977));
+                                 std::memcpy(out + 4 * i, &v, 4);
+                               }
+                             })
       .value();
 }
 
@@ -64,7 +65,8 @@ TEST(WorkerStore, AStreamThatDoesNotDecodeIsAMissNotAnError) {
   const auto enc = kvbus::EncodeChunk(raw, *kvbus::ParseCodecLevel("q4")).value();
   // Checksums good, stream cut in half: only the decoder can tell.
   std::vector<uint8_t> bytes(kvbus::Chunk::kHeaderBytes);
-  bytes.insert(bytes.end(), enc->payload().begin(), enc->payload().begin() + enc->payload().size() / 2);
+  bytes.insert(bytes.end(), enc->payload().begin(),
+               enc->payload().begin() + enc->payload().size() / 2);
   ASSERT_TRUE(shared.Put(kvbus::Chunk::FromEncoded(enc->info(), std::move(bytes)).value()).ok());
   auto reader = MakeWorkerStore(1 << 20, server->endpoint(), {}).value();
   auto got = reader->Get(raw->key());

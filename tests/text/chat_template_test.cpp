@@ -25,8 +25,9 @@ TEST(RenderChat, QwenUsesChatMlAndEndsAtImEnd) {
 }
 
 TEST(RenderChat, MistralFoldsTheSystemMessageIntoTheNextUserTurn) {
-  const ChatPrompt p = RenderChat(model::Architecture::kMistral,
-                                  {{"system", "S"}, {"user", "hi"}, {"assistant", "A"}, {"user", "more"}});
+  const ChatPrompt p =
+      RenderChat(model::Architecture::kMistral,
+                 {{"system", "S"}, {"user", "hi"}, {"assistant", "A"}, {"user", "more"}});
   EXPECT_EQ(p.text, "[INST] S\n\nhi [/INST]A</s>[INST] more [/INST]");
   EXPECT_EQ(p.end_of_turn, "</s>");
 }
@@ -68,8 +69,9 @@ TEST(ChatTemplate, RendersTheTemplateOfTokenizerConfigWithItsTokens) {
 
 TEST(ChatTemplate, LeavesATokenTheFolderDoesNotHaveUndefined) {
   TempDir dir;
-  Write(dir.path() / "tokenizer_config.json",
-        R"({"chat_template": "{{ bos_token is defined }}|{{ tools is none }}", "bos_token": null})");
+  Write(
+      dir.path() / "tokenizer_config.json",
+      R"({"chat_template": "{{ bos_token is defined }}|{{ tools is none }}", "bos_token": null})");
   auto t = ChatTemplate::Load(dir.path(), model::Architecture::kQwen2);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   auto p = t->Render(kHi);
@@ -87,7 +89,8 @@ TEST(ChatTemplate, UsesTheDefaultOfNamedTemplates) {
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ(t->Render(kHi)->text, "plain");
 
-  Write(dir.path() / "tokenizer_config.json", R"({"chat_template": [{"name": "rag", "template": "x"}]})");
+  Write(dir.path() / "tokenizer_config.json",
+        R"({"chat_template": [{"name": "rag", "template": "x"}]})");
   t = ChatTemplate::Load(dir.path(), model::Architecture::kLlama);
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("none named 'default'"), std::string::npos);
@@ -95,7 +98,8 @@ TEST(ChatTemplate, UsesTheDefaultOfNamedTemplates) {
 
 TEST(ChatTemplate, PrefersChatTemplateJinjaToTokenizerConfig) {
   TempDir dir;
-  Write(dir.path() / "tokenizer_config.json", R"({"chat_template": "from config", "eos_token": "<e>"})");
+  Write(dir.path() / "tokenizer_config.json",
+        R"({"chat_template": "from config", "eos_token": "<e>"})");
   Write(dir.path() / "chat_template.jinja", "from file\n");
   auto t = ChatTemplate::Load(dir.path(), model::Architecture::kLlama);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
@@ -120,7 +124,8 @@ TEST(ChatTemplate, FallsBackToTheBuiltInFormatWithoutATemplate) {
 
 TEST(ChatTemplate, RefusesATemplateThatDoesNotParseNamingTheFileAndLine) {
   TempDir dir;
-  Write(dir.path() / "chat_template.jinja", "{% for m in messages %}\n{{ m.content }\n{% endfor %}");
+  Write(dir.path() / "chat_template.jinja",
+        "{% for m in messages %}\n{{ m.content }\n{% endfor %}");
   auto t = ChatTemplate::Load(dir.path(), model::Architecture::kLlama);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
@@ -130,7 +135,8 @@ TEST(ChatTemplate, RefusesATemplateThatDoesNotParseNamingTheFileAndLine) {
 
 TEST(ChatTemplate, TurnsRaiseExceptionIntoInvalidArgumentWithTheTemplatesMessage) {
   auto t = ChatTemplate::FromSource(
-      "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user') }}"
+      "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a "
+      "user') }}"
       "{% endif %}ok",
       "t", std::nullopt, std::nullopt);
   ASSERT_TRUE(t.ok()) << t.status().ToString();

@@ -24,9 +24,9 @@ using Ids = std::vector<int32_t>;
 // Writes `tok` (and `cfg` unless null) into a fresh folder and loads it.
 Result<std::unique_ptr<Tokenizer>> LoadJson(const json& tok, const json& cfg = nullptr) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("kdn_hf_tokenizer_test_" + std::string(info->name()) + "_" +
-                    std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      ("kdn_hf_tokenizer_test_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "tokenizer.json") << tok.dump();
@@ -37,7 +37,7 @@ Result<std::unique_ptr<Tokenizer>> LoadJson(const json& tok, const json& cfg = n
 }
 
 json Added(int id, const std::string& content, bool special = true) {
-  return {{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false},
+  return {{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
           {"rstrip", false}, {"normalized", false}, {"special", special}};
 }
 
@@ -56,32 +56,36 @@ json CharBpe(json merges) {
 // " " -> "▁" normalizers, byte fallback, a fused <unk>, the Llama decoders
 // and a BOS template. Its byte tokens: <0xC3> <0xA9> <0xE4> <0xB8> <0x96>.
 json SpmBpe() {
-  json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}, {"<0xC3>", 3}, {"<0xA9>", 4},
-                {"<0xE4>", 5}, {"<0xB8>", 6}, {"<0x96>", 7}, {"\u2581", 8}, {"h", 9},
-                {"i", 10}, {"\u2581h", 11}, {"\u2581hi", 12}};
-  return {
-      {"added_tokens", {Added(0, "<unk>"), Added(1, "<s>"), Added(2, "</s>")}},
-      {"normalizer",
-       {{"type", "Sequence"},
-        {"normalizers",
-         {{{"type", "Prepend"}, {"prepend", "\u2581"}},
-          {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}}}}}},
-      {"pre_tokenizer", nullptr},
-      {"post_processor",
-       {{"type", "TemplateProcessing"},
-        {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
-                    {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
-        {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}}},
-      {"decoder",
-       {{"type", "Sequence"},
-        {"decoders",
-         {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
-          {{"type", "ByteFallback"}},
-          {{"type", "Fuse"}},
-          {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
-      {"model",
-       {{"type", "BPE"}, {"unk_token", "<unk>"}, {"fuse_unk", true}, {"byte_fallback", true},
-        {"vocab", vocab}, {"merges", {"\u2581 h", "\u2581h i"}}}}};
+  json vocab = {{"<unk>", 0},  {"<s>", 1},      {"</s>", 2},     {"<0xC3>", 3}, {"<0xA9>", 4},
+                {"<0xE4>", 5}, {"<0xB8>", 6},   {"<0x96>", 7},   {"\u2581", 8}, {"h", 9},
+                {"i", 10},     {"\u2581h", 11}, {"\u2581hi", 12}};
+  return {{"added_tokens", {Added(0, "<unk>"), Added(1, "<s>"), Added(2, "</s>")}},
+          {"normalizer",
+           {{"type", "Sequence"},
+            {"normalizers",
+             {{{"type", "Prepend"}, {"prepend", "\u2581"}},
+              {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}}}}}},
+          {"pre_tokenizer", nullptr},
+          {"post_processor",
+           {{"type", "TemplateProcessing"},
+            {"single",
+             {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+              {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+            {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {1}}, {"tokens", {"<s>"}}}}}}}},
+          {"decoder",
+           {{"type", "Sequence"},
+            {"decoders",
+             {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+              {{"type", "ByteFallback"}},
+              {{"type", "Fuse"}},
+              {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+          {"model",
+           {{"type", "BPE"},
+            {"unk_token", "<unk>"},
+            {"fuse_unk", true},
+            {"byte_fallback", true},
+            {"vocab", vocab},
+            {"merges", {"\u2581 h", "\u2581h i"}}}}};
 }
 
 // Every piece a DecodeStream gives for `ids`, Finish's last.
@@ -96,7 +100,7 @@ std::vector<std::string> Pieces(const Tokenizer& t, const Ids& ids) {
 TEST(HfTokenizer, MergesTheLowestRankedPairFirst) {
   auto t = LoadJson(CharBpe({"b c", "a b", "a bc"}));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
-  EXPECT_EQ((*t)->Encode("abc", false), (Ids{6}));     // b c, then a bc
+  EXPECT_EQ((*t)->Encode("abc", false), (Ids{6}));  // b c, then a bc
   EXPECT_EQ((*t)->Encode("abab", false), (Ids{4, 4}));
   EXPECT_EQ((*t)->Encode("cab", false), (Ids{2, 4}));
   // With "a b" ranked first, "abc" becomes ab c: there is no "ab c" merge.
@@ -203,7 +207,9 @@ TEST(HfTokenizer, AddedTokensHonourLstripRstripAndSingleWord) {
 TEST(HfTokenizer, MetaspacePreTokenizerAndDecoder) {
   json tok = {
       {"pre_tokenizer",
-       {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"},
+       {{"type", "Metaspace"},
+        {"replacement", "\u2581"},
+        {"prepend_scheme", "first"},
         {"split", true}}},
       {"decoder", {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}}},
       {"added_tokens", {Added(5, "<s>")}},
@@ -213,7 +219,7 @@ TEST(HfTokenizer, MetaspacePreTokenizerAndDecoder) {
         {"merges", {"\u2581 a", "\u2581 b"}}}}};
   auto t = LoadJson(tok);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
-  EXPECT_EQ((*t)->Encode("a b", false), (Ids{3, 4}));    // ▁a ▁b
+  EXPECT_EQ((*t)->Encode("a b", false), (Ids{3, 4}));      // ▁a ▁b
   EXPECT_EQ((*t)->Encode("a  b", false), (Ids{3, 0, 4}));  // ▁a ▁ ▁b
   // "first": only the text at the very start gets the "▁".
   EXPECT_EQ((*t)->Encode("<s>a b", false), (Ids{5, 1, 4}));
@@ -224,15 +230,16 @@ TEST(HfTokenizer, MetaspacePreTokenizerAndDecoder) {
 TEST(HfTokenizer, SplitPreTokenizerBehaviours) {
   // Digits cut apart three ways; the model knows single characters only.
   auto with = [](const std::string& behavior, bool invert) {
-    return json{
-        {"pre_tokenizer",
-         {{"type", "Split"}, {"pattern", {{"Regex", "\\p{N}"}}}, {"behavior", behavior},
-          {"invert", invert}}},
-        {"decoder", {{"type", "Fuse"}}},
-        {"model",
-         {{"type", "BPE"},
-          {"vocab", {{"a", 0}, {"1", 1}, {"a1", 2}, {"1a", 3}, {"11", 4}}},
-          {"merges", {"a 1", "1 a", "1 1"}}}}};
+    return json{{"pre_tokenizer",
+                 {{"type", "Split"},
+                  {"pattern", {{"Regex", "\\p{N}"}}},
+                  {"behavior", behavior},
+                  {"invert", invert}}},
+                {"decoder", {{"type", "Fuse"}}},
+                {"model",
+                 {{"type", "BPE"},
+                  {"vocab", {{"a", 0}, {"1", 1}, {"a1", 2}, {"1a", 3}, {"11", 4}}},
+                  {"merges", {"a 1", "1 a", "1 1"}}}}};
   };
   auto iso = LoadJson(with("Isolated", false));
   ASSERT_TRUE(iso.ok()) << iso.status().ToString();
@@ -249,7 +256,7 @@ TEST(HfTokenizer, SplitPreTokenizerBehaviours) {
   auto contiguous = LoadJson(with("Contiguous", false));
   ASSERT_TRUE(contiguous.ok());
   EXPECT_EQ((*contiguous)->Encode("a11a", false), (Ids{0, 4, 0}));  // "a" "11" "a"
-  auto inverted = LoadJson(with("Removed", true));  // the letters are removed
+  auto inverted = LoadJson(with("Removed", true));                  // the letters are removed
   ASSERT_TRUE(inverted.ok());
   EXPECT_EQ((*inverted)->Encode("a11a", false), (Ids{1, 1}));
 }
@@ -265,12 +272,20 @@ TEST(HfTokenizer, DigitsSplitsEachDigitWhenIndividual) {
   // "½" is a number too (char::is_numeric: Nd, Nl, No).
   const json vocab = {{"a", 0}, {"1", 1}, {"2", 2}, {"12", 3}, {"a1", 4}, {"\xc2\xbd", 5}};
   const json merges = {"a 1", "1 2"};
-  auto each = LoadJson(CharBpeWith({{"type", "Digits"}, {"individual_digits", true}}, vocab, merges));
+  auto each =
+      LoadJson(CharBpeWith({{"type", "Digits"}, {"individual_digits", true}}, vocab, merges));
   ASSERT_TRUE(each.ok()) << each.status().ToString();
-  EXPECT_EQ((*each)->Encode("a12\xc2\xbd" "a", false), (Ids{0, 1, 2, 5, 0}));
-  auto runs = LoadJson(CharBpeWith({{"type", "Digits"}, {"individual_digits", false}}, vocab, merges));
+  EXPECT_EQ((*each)->Encode("a12\xc2\xbd"
+                            "a",
+                            false),
+            (Ids{0, 1, 2, 5, 0}));
+  auto runs =
+      LoadJson(CharBpeWith({{"type", "Digits"}, {"individual_digits", false}}, vocab, merges));
   ASSERT_TRUE(runs.ok()) << runs.status().ToString();
-  EXPECT_EQ((*runs)->Encode("a12\xc2\xbd" "a", false), (Ids{0, 3, 5, 0}));  // "a" "12½" "a"
+  EXPECT_EQ((*runs)->Encode("a12\xc2\xbd"
+                            "a",
+                            false),
+            (Ids{0, 3, 5, 0}));  // "a" "12½" "a"
   auto none = LoadJson(CharBpeWith(nullptr, vocab, merges));
   ASSERT_TRUE(none.ok());
   EXPECT_EQ((*none)->Encode("a12", false), (Ids{4, 2}));  // the split is what kept "a" apart
@@ -285,12 +300,11 @@ TEST(HfTokenizer, PunctuationSplitsByEachBehaviorAndTakesAsciiSymbols) {
     return LoadJson(CharBpeWith(p, vocab, merges));
   };
   const std::pair<const char*, Ids> cases[] = {
-      {nullptr, {0, 1, 2, 0}},             // Isolated by default
-      {"Isolated", {0, 1, 2, 0}},
-      {"Removed", {0, 0}},
-      {"MergedWithPrevious", {3, 2, 0}},   // "a!" "?" "a"
-      {"MergedWithNext", {0, 1, 5}},       // "a" "!" "?a"
-      {"Contiguous", {0, 4, 0}},           // "a" "!?" "a"
+      {nullptr, {0, 1, 2, 0}},  // Isolated by default
+      {"Isolated", {0, 1, 2, 0}},        {"Removed", {0, 0}},
+      {"MergedWithPrevious", {3, 2, 0}},  // "a!" "?" "a"
+      {"MergedWithNext", {0, 1, 5}},      // "a" "!" "?a"
+      {"Contiguous", {0, 4, 0}},          // "a" "!?" "a"
   };
   for (const auto& [behavior, want] : cases) {
     auto t = with(behavior);
@@ -304,16 +318,23 @@ TEST(HfTokenizer, PunctuationSplitsByEachBehaviorAndTakesAsciiSymbols) {
 }
 
 TEST(HfTokenizer, WhitespaceKeepsWordsAndSymbolRunsAndDropsTheSpaces) {
-  const json vocab = {{"a", 0}, {"b", 1}, {"!", 2}, {"?", 3}, {" ", 4}, {"ab", 5}, {"!?", 6}, {"b!", 7}};
+  const json vocab = {{"a", 0}, {"b", 1},  {"!", 2},  {"?", 3},
+                      {" ", 4}, {"ab", 5}, {"!?", 6}, {"b!", 7}};
   const json merges = {"b !", "a b", "! ?"};
   auto ws = LoadJson(CharBpeWith({{"type", "Whitespace"}}, vocab, merges));
   ASSERT_TRUE(ws.ok()) << ws.status().ToString();
   // "ab" "!?" "a" "b": word characters and the rest are cut apart.
-  EXPECT_EQ((*ws)->Encode(" ab!?\t\n a\xe2\x80\x83" "b", false), (Ids{5, 6, 0, 1}));
+  EXPECT_EQ((*ws)->Encode(" ab!?\t\n a\xe2\x80\x83"
+                          "b",
+                          false),
+            (Ids{5, 6, 0, 1}));
   auto split = LoadJson(CharBpeWith({{"type", "WhitespaceSplit"}}, vocab, merges));
   ASSERT_TRUE(split.ok()) << split.status().ToString();
   // Only the white space cuts: "ab!?" is one word (b ! merges first).
-  EXPECT_EQ((*split)->Encode(" ab!?\t\n a\xe2\x80\x83" "b", false), (Ids{0, 7, 3, 0, 1}));
+  EXPECT_EQ((*split)->Encode(" ab!?\t\n a\xe2\x80\x83"
+                             "b",
+                             false),
+            (Ids{0, 7, 3, 0, 1}));
 }
 
 TEST(HfTokenizer, CharacterClassPreTokenizersRunInASequenceWithMetaspace) {
@@ -323,7 +344,14 @@ TEST(HfTokenizer, CharacterClassPreTokenizersRunInASequenceWithMetaspace) {
         {{{"type", "WhitespaceSplit"}},
          {{"type", "Digits"}, {"individual_digits", true}},
          {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}}}}},
-      {{"\u2581", 0}, {"a", 1}, {"1", 2}, {"\u2581a", 3}, {"\u2581" "1", 4}, {"a1", 5}},
+      {{"\u2581", 0},
+       {"a", 1},
+       {"1", 2},
+       {"\u2581a", 3},
+       {"\u2581"
+        "1",
+        4},
+       {"a1", 5}},
       {"\u2581 a", "\u2581 1", "a 1"});
   auto t = LoadJson(tok);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
@@ -336,8 +364,8 @@ TEST(HfTokenizer, SplitRegexWhiteSpaceIsUnicodeWhiteSpace) {
   // Oniguruma's \s does not take it, so "a" and it stay one word.
   const json vocab = {{"a", 0}, {"\xe1\xa0\x8e", 1}, {"a\xe1\xa0\x8e", 2}, {" ", 3}};
   auto t = LoadJson(CharBpeWith(
-      {{"type", "Split"}, {"pattern", {{"Regex", "\\S+|\\s+"}}}, {"behavior", "Isolated"}},
-      vocab, {"a \xe1\xa0\x8e"}));
+      {{"type", "Split"}, {"pattern", {{"Regex", "\\S+|\\s+"}}}, {"behavior", "Isolated"}}, vocab,
+      {"a \xe1\xa0\x8e"}));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ((*t)->Encode("a\xe1\xa0\x8e a", false), (Ids{2, 3, 0}));
 }
@@ -353,19 +381,22 @@ TEST(HfTokenizer, DecoderStepsRunAfterTheFusePointOnTheWholeText) {
   const json replace = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
   const json strip = {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}};
   // The Llama 2 decoder with its Replace moved after Fuse decodes alike.
-  auto t = LoadJson(SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, replace, strip}));
+  auto t =
+      LoadJson(SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, replace, strip}));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ((*t)->Decode(Ids{12, 12, 3, 4}), "hi hi\xc3\xa9");
   EXPECT_EQ(Pieces(**t, {12, 12}), (std::vector<std::string>{"hi", " hi", ""}));
   // After Fuse, Metaspace sees one token, the first: it drops every "▁".
   auto m = LoadJson(SpmWithDecoders(
-      {{{"type", "Fuse"}}, {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}}}));
+      {{{"type", "Fuse"}},
+       {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "first"}}}));
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   EXPECT_EQ((*m)->Decode(Ids{12, 8, 12}), "hihi");
 }
 
 TEST(HfTokenizer, StreamingHoldsWhatMayBeginAStringReplaceAfterFuse) {
-  const json two = {{"type", "Replace"}, {"pattern", {{"String", "\u2581\u2581"}}}, {"content", "="}};
+  const json two = {
+      {"type", "Replace"}, {"pattern", {{"String", "\u2581\u2581"}}}, {"content", "="}};
   const json one = {{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}};
   auto t = LoadJson(SpmWithDecoders({{{"type", "Fuse"}}, two, one}));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
@@ -376,7 +407,8 @@ TEST(HfTokenizer, StreamingHoldsWhatMayBeginAStringReplaceAfterFuse) {
 }
 
 TEST(HfTokenizer, ByteLevelAfterFuseTakesBytesOnlyWhenEveryCharacterIsInItsAlphabet) {
-  auto t = LoadJson(SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, {{"type", "ByteLevel"}}}));
+  auto t = LoadJson(
+      SpmWithDecoders({{{"type", "ByteFallback"}}, {{"type", "Fuse"}}, {{"type", "ByteLevel"}}}));
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   // "h" "i" are their own bytes, but only the end can tell: held till then.
   EXPECT_EQ(Pieces(**t, {9, 10}), (std::vector<std::string>{"", "", "hi"}));
@@ -395,15 +427,20 @@ TEST(HfTokenizer, ByteFallbackAfterFuseTakesOnlyATextThatIsOneByteToken) {
 }
 
 TEST(HfTokenizer, NfcNormalizerComposes) {
-  json tok = {{"normalizer", {{"type", "NFC"}}},
-              {"decoder", {{"type", "Fuse"}}},
-              {"model", {{"type", "BPE"}, {"vocab", {{"\xc3\xa9", 0}, {"e", 1}}}, {"merges", json::array()}}}};
+  json tok = {
+      {"normalizer", {{"type", "NFC"}}},
+      {"decoder", {{"type", "Fuse"}}},
+      {"model",
+       {{"type", "BPE"}, {"vocab", {{"\xc3\xa9", 0}, {"e", 1}}}, {"merges", json::array()}}}};
   auto t = LoadJson(tok);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ((*t)->Encode("e\xcc\x81", false), (Ids{0}));  // e + U+0301 -> é
   // Invalid UTF-8 is left as it is around the normalized runs (and, with no
   // token nor unk, dropped by BPE).
-  EXPECT_EQ((*t)->Encode("e\xcc\x81\xff" "e", false), (Ids{0, 1}));
+  EXPECT_EQ((*t)->Encode("e\xcc\x81\xff"
+                         "e",
+                         false),
+            (Ids{0, 1}));
 }
 
 TEST(HfTokenizer, RefusesWhatItCannotRunNamingTheField) {
@@ -423,13 +460,16 @@ TEST(HfTokenizer, RefusesWhatItCannotRunNamingTheField) {
   json roberta = CharBpe(json::array());
   roberta["post_processor"] = {{"type", "RobertaProcessing"}};
   json bad_regex = CharBpe(json::array());
-  bad_regex["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}},
-                                {"behavior", "Isolated"}, {"invert", false}};
+  bad_regex["pre_tokenizer"] = {{"type", "Split"},
+                                {"pattern", {{"Regex", "(unclosed"}}},
+                                {"behavior", "Isolated"},
+                                {"invert", false}};
   json bad_behavior = bad_regex;
   bad_behavior["pre_tokenizer"]["pattern"]["Regex"] = "a";
   bad_behavior["pre_tokenizer"]["behavior"] = "Sideways";
   json scripts = CharBpe(json::array());
-  scripts["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", {{{"type", "UnicodeScripts"}}}}};
+  scripts["pre_tokenizer"] = {{"type", "Sequence"},
+                              {"pretokenizers", {{{"type", "UnicodeScripts"}}}}};
   json digits = CharBpe(json::array());
   digits["pre_tokenizer"] = {{"type", "Digits"}};  // individual_digits is required
   json punctuation = CharBpe(json::array());

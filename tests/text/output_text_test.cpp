@@ -33,9 +33,9 @@ std::string Feed(OutputText& out, const std::string& text, TextDelta* last = nul
 
 TEST(ShowableLength, HoldsBackPartialCharactersAndStopPrefixes) {
   EXPECT_EQ(ShowableLength("hello", {}), 5u);
-  EXPECT_EQ(ShowableLength("caf\xc3", {}), 3u);           // é cut after its lead byte
-  EXPECT_EQ(ShowableLength("caf\xc3\xa9", {}), 5u);       // complete
-  EXPECT_EQ(ShowableLength("x\xe4\xb8", {}), 1u);         // 3-byte character, 2 arrived
+  EXPECT_EQ(ShowableLength("caf\xc3", {}), 3u);          // é cut after its lead byte
+  EXPECT_EQ(ShowableLength("caf\xc3\xa9", {}), 5u);      // complete
+  EXPECT_EQ(ShowableLength("x\xe4\xb8", {}), 1u);        // 3-byte character, 2 arrived
   EXPECT_EQ(ShowableLength("the end", {"ending"}), 4u);  // "end" may become "ending"
   EXPECT_EQ(ShowableLength("the en", {"end", "xyz"}), 4u);
   EXPECT_EQ(ShowableLength("the e", {"done"}), 5u);

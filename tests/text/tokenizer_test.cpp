@@ -48,7 +48,7 @@ TEST(ByteTokenizer, LoadsWhatKdnMkmodelWritesAndRoundTripsUtf8) {
 
 TEST(ByteTokenizer, ByteToUnicodeIsTheGpt2Table) {
   EXPECT_EQ(ByteToUnicode('A'), U'A');
-  EXPECT_EQ(ByteToUnicode(' '), U'\u0120');  // "Ġ"
+  EXPECT_EQ(ByteToUnicode(' '), U'\u0120');   // "Ġ"
   EXPECT_EQ(ByteToUnicode('\n'), U'\u010a');  // "Ċ"
   EXPECT_EQ(ByteToUnicode(0), U'\u0100');
   EXPECT_EQ(ByteToUnicode(0xAD), U'\u0143');
@@ -75,8 +75,13 @@ TEST(ByteTokenizer, TheLoadedFileAndTheBuiltOneAgreeOnIdsAndText) {
   EXPECT_EQ((*tok)->Encode("a<s>", false), (std::vector<int32_t>{'a', 256}));
   // Invalid UTF-8 decodes as tokenizers' ByteLevel decoder shows it: one
   // U+FFFD per maximal invalid sequence.
-  const auto ids = built.Encode("a\xff\xe4\xb8" "b", false);
-  EXPECT_EQ(built.Decode(ids), "a\xef\xbf\xbd\xef\xbf\xbd" "b");
+  const auto ids = built.Encode(
+      "a\xff\xe4\xb8"
+      "b",
+      false);
+  EXPECT_EQ(built.Decode(ids),
+            "a\xef\xbf\xbd\xef\xbf\xbd"
+            "b");
 }
 
 // ByteTokenizerJson() with `from` replaced by `to` (each must occur).

@@ -121,8 +121,9 @@ Result<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& j, bool byte_le
   KDN_ASSIGN_OR_RETURN(m->prefix_, OptString(j, "continuing_subword_prefix", where));
   KDN_ASSIGN_OR_RETURN(m->suffix_, OptString(j, "end_of_word_suffix", where));
   if (byte_level && (!m->prefix_.empty() || !m->suffix_.empty())) {
-    return Unimplemented(where + ": continuing_subword_prefix or end_of_word_suffix with the "
-                                 "ByteLevel pre-tokenizer is not supported");
+    return Unimplemented(where +
+                         ": continuing_subword_prefix or end_of_word_suffix with the "
+                         "ByteLevel pre-tokenizer is not supported");
   }
   KDN_ASSIGN_OR_RETURN(m->ignore_merges_, OptBool(j, "ignore_merges", where));
   KDN_ASSIGN_OR_RETURN(m->byte_fallback_, OptBool(j, "byte_fallback", where));
@@ -170,7 +171,10 @@ Result<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& j, bool byte_le
     const std::string merged = a + b.substr(m->prefix_.size());
     auto ia = m->vocab_.find(a), ib = m->vocab_.find(b), im = m->vocab_.find(merged);
     if (ia == m->vocab_.end() || ib == m->vocab_.end() || im == m->vocab_.end()) {
-      return InvalidArgument(at + ": \"" + (ia == m->vocab_.end() ? a : ib == m->vocab_.end() ? b : merged) +
+      return InvalidArgument(at + ": \"" +
+                             (ia == m->vocab_.end()   ? a
+                              : ib == m->vocab_.end() ? b
+                                                      : merged) +
                              "\" is not in the vocabulary");
     }
     m->merges_->Put(ia->second, ib->second, static_cast<int32_t>(r), im->second);
@@ -211,7 +215,8 @@ Result<std::unique_ptr<BpeModel>> BpeModel::FromJson(const json& j, bool byte_le
   if (byte_level && m->ignore_merges_) {
     // Tokens of ByteLevel characters only, by their bytes.
     std::unordered_map<char32_t, uint8_t> char_byte;
-    for (int b = 0; b < 256; ++b) char_byte[ByteToUnicode(static_cast<uint8_t>(b))] = static_cast<uint8_t>(b);
+    for (int b = 0; b < 256; ++b)
+      char_byte[ByteToUnicode(static_cast<uint8_t>(b))] = static_cast<uint8_t>(b);
     for (const auto& [tok, id] : m->vocab_) {
       std::string raw;
       bool ok = true;
@@ -235,7 +240,8 @@ void BpeModel::Tokenize(std::string_view word, Scratch& s, std::vector<int32_t>*
   }
   constexpr std::string_view kMeta = "\u2581";
   size_t begin = 0;
-  for (size_t at = word.find(kMeta, 1); at != std::string_view::npos; at = word.find(kMeta, at + 1)) {
+  for (size_t at = word.find(kMeta, 1); at != std::string_view::npos;
+       at = word.find(kMeta, at + 1)) {
     // Within a run of "▁" there is no cut.
     if (at >= kMeta.size() && word.compare(at - kMeta.size(), kMeta.size(), kMeta) == 0) continue;
     TokenizePart(word.substr(begin, at - begin), s, ids);

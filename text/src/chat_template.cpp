@@ -65,9 +65,9 @@ Result<ChatTemplate> ChatTemplate::Load(const std::filesystem::path& dir,
       KDN_ASSIGN_OR_RETURN(tokens, file->Strings("tokenizer.ggml.tokens"));
     }
     for (const char* name : {"bos", "eos", "unknown", "padding"}) {
-      KDN_ASSIGN_OR_RETURN(const int64_t id, model::GgufTokenId(
-                                                 *file, std::string("tokenizer.ggml.") + name +
-                                                            "_token_id"));
+      KDN_ASSIGN_OR_RETURN(
+          const int64_t id,
+          model::GgufTokenId(*file, std::string("tokenizer.ggml.") + name + "_token_id"));
       if (id < 0 || id >= static_cast<int64_t>(tokens.size())) continue;
       const std::string field = name == std::string("unknown")   ? "unk_token"
                                 : name == std::string("padding") ? "pad_token"

@@ -18,7 +18,8 @@ struct ByteLevelInverse {
   int16_t byte[324];
   ByteLevelInverse() {
     for (int16_t& b : byte) b = -1;
-    for (int b = 0; b < 256; ++b) byte[ByteToUnicode(static_cast<uint8_t>(b))] = static_cast<int16_t>(b);
+    for (int b = 0; b < 256; ++b)
+      byte[ByteToUnicode(static_cast<uint8_t>(b))] = static_cast<int16_t>(b);
   }
 };
 const ByteLevelInverse& Inverse() {
@@ -62,7 +63,8 @@ Result<size_t> Count(const json& j, const char* key, const std::string& where) {
 // Whether more text may still make `s` one byte-fallback token.
 bool MayBecomeFallbackByte(std::string_view s) {
   static constexpr std::string_view kSome = "<0x00>";
-  return s.size() <= kSome.size() && FallbackByte(std::string(s) + std::string(kSome.substr(s.size()))) >= 0;
+  return s.size() <= kSome.size() &&
+         FallbackByte(std::string(s) + std::string(kSome.substr(s.size()))) >= 0;
 }
 
 // Appends the bytes of the ByteLevel characters of `tok` to `bytes`; false
@@ -83,7 +85,8 @@ bool ByteLevelBytes(std::string_view tok, std::string* bytes) {
 }
 
 // `tok` with `matches` (ranges of it, in order) replaced by `content`.
-std::string ReplaceMatches(std::string_view tok, const std::vector<std::pair<size_t, size_t>>& matches,
+std::string ReplaceMatches(std::string_view tok,
+                           const std::vector<std::pair<size_t, size_t>>& matches,
                            const std::string& content) {
   std::string r;
   size_t at = 0;
@@ -120,7 +123,6 @@ std::string Take(std::string& s) {
 }
 
 }  // namespace
-
 
 Decoder::~Decoder() = default;
 
@@ -236,9 +238,7 @@ void Decoder::Run(State& st, size_t k, std::string tok, std::string* out) const 
   const Step& step = steps_[k];
   const size_t index = st.seen[k]++;
   switch (step.kind) {
-    case Step::kReplace:
-      tok = ReplaceMatches(tok, step.pattern->FindAll(tok), step.content);
-      break;
+    case Step::kReplace: tok = ReplaceMatches(tok, step.pattern->FindAll(tok), step.content); break;
     case Step::kMetaspace:
       // The first token loses every replacement character (the prefix the
       // encoder added); the others turn them into spaces.
@@ -253,9 +253,7 @@ void Decoder::Run(State& st, size_t k, std::string tok, std::string* out) const 
       FlushGroup(st, k, out);
       break;
     }
-    case Step::kStrip:
-      tok = StripToken(tok, step.content, step.start, step.stop);
-      break;
+    case Step::kStrip: tok = StripToken(tok, step.content, step.start, step.stop); break;
     case Step::kByteLevel:  // always the fuse point before post_
       break;
   }
@@ -280,9 +278,7 @@ void Decoder::Fused(State& st, std::string_view tok, std::string* out) const {
       if (st.fused++ > 0) Post(st, 0, " ", out);
       Post(st, 0, std::string(tok), out);
       return;
-    case Fuse::kConcat:
-      Post(st, 0, std::string(tok), out);
-      return;
+    case Fuse::kConcat: Post(st, 0, std::string(tok), out); return;
     case Fuse::kByteLevel: {
       // A token with a character outside the alphabet is taken as its own
       // UTF-8 bytes, as `tokenizers` does.
@@ -297,7 +293,8 @@ void Decoder::Fused(State& st, std::string_view tok, std::string* out) const {
 }
 
 void Decoder::Post(State& st, size_t j, std::string text, std::string* out) const {
-  for (; j < post_.size() && !text.empty(); ++j) text = PostPush(post_[j], st.post[j], std::move(text));
+  for (; j < post_.size() && !text.empty(); ++j)
+    text = PostPush(post_[j], st.post[j], std::move(text));
   out->append(text);
 }
 
@@ -316,7 +313,8 @@ std::string Decoder::PostPush(const Step& s, PostState& ps, std::string text) co
       const auto matches = s.pattern->FindAll(all);
       const size_t from = matches.empty() ? 0 : matches.back().second;
       size_t keep = all.size();
-      for (size_t i = std::max(from, all.size() - std::min(all.size(), s.text.size() - 1)); i < all.size(); ++i) {
+      for (size_t i = std::max(from, all.size() - std::min(all.size(), s.text.size() - 1));
+           i < all.size(); ++i) {
         if (s.text.compare(0, all.size() - i, all, i) == 0) {
           keep = i;
           break;
@@ -372,8 +370,7 @@ std::string Decoder::PostPush(const Step& s, PostState& ps, std::string text) co
 std::string Decoder::PostFinish(const Step& s, PostState& ps) const {
   std::string held = Take(ps.held);
   switch (s.kind) {
-    case Step::kReplace:
-      return ReplaceMatches(held, s.pattern->FindAll(held), s.content);
+    case Step::kReplace: return ReplaceMatches(held, s.pattern->FindAll(held), s.content);
     case Step::kByteFallback:
       if (!ps.settled) {
         const int b = FallbackByte(held);
@@ -390,8 +387,7 @@ std::string Decoder::PostFinish(const Step& s, PostState& ps) const {
       }
       return held;
     case Step::kStrip:  // what it holds is at the end of the text: stripped
-    case Step::kMetaspace:
-      return "";
+    case Step::kMetaspace: return "";
   }
   return "";
 }

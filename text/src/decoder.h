@@ -50,18 +50,18 @@ class Decoder {
 
   // What a step after the fuse point holds of the text.
   struct PostState {
-    std::string held;       // text not yet given on
-    bool settled = false;   // ByteLevel: a character outside the alphabet seen;
-                            // ByteFallback: the text cannot be one "<0xNN>"
-    size_t lead = 0;        // Strip: leading characters removed
-    bool lead_done = false; // ... or a character that stays was seen
+    std::string held;        // text not yet given on
+    bool settled = false;    // ByteLevel: a character outside the alphabet seen;
+                             // ByteFallback: the text cannot be one "<0xNN>"
+    size_t lead = 0;         // Strip: leading characters removed
+    bool lead_done = false;  // ... or a character that stays was seen
   };
   struct State {
-    std::vector<size_t> seen;         // tokens each per-token step has had (Metaspace's index)
-    std::vector<std::string> group;   // each ByteFallback step's unfinished run
-    size_t fused = 0;                 // tokens joined (kJoinSpaces)
-    std::string bytes;                // kByteLevel: bytes of an unfinished character
-    std::vector<PostState> post;      // each step after the fuse point
+    std::vector<size_t> seen;        // tokens each per-token step has had (Metaspace's index)
+    std::vector<std::string> group;  // each ByteFallback step's unfinished run
+    size_t fused = 0;                // tokens joined (kJoinSpaces)
+    std::string bytes;               // kByteLevel: bytes of an unfinished character
+    std::vector<PostState> post;     // each step after the fuse point
   };
   std::unique_ptr<State> NewState() const;
   // Feeds the string of the next token (special tokens the caller skips)
@@ -94,8 +94,8 @@ class Decoder {
 
   std::vector<Step> steps_;  // per token, before the fuse point
   Fuse fuse_ = Fuse::kConcat;
-  bool fused_ = false;       // a fuse step was seen (while parsing)
-  std::vector<Step> post_;   // on the one fused text, after the fuse point
+  bool fused_ = false;      // a fuse step was seen (while parsing)
+  std::vector<Step> post_;  // on the one fused text, after the fuse point
 };
 
 }  // namespace kdn::text

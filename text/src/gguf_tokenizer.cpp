@@ -27,14 +27,15 @@ constexpr const char* kQwen2Regex =
     "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 json AddedToken(int64_t id, const std::string& content, bool special) {
-  return {{"id", id},          {"content", content}, {"single_word", false}, {"lstrip", false},
-          {"rstrip", false},   {"normalized", false}, {"special", special}};
+  return {{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
+          {"rstrip", false}, {"normalized", false}, {"special", special}};
 }
 
 // transformers' SentencePieceExtractor (4.44): every split of a token into
 // two tokens is a merge, ranked by the whole token's score (highest first),
 // ties by the pieces' ids.
-json SentencePieceMerges(const std::vector<std::string>& tokens, const std::vector<double>& scores) {
+json SentencePieceMerges(const std::vector<std::string>& tokens,
+                         const std::vector<double>& scores) {
   std::unordered_map<std::string, int64_t> id;
   for (size_t i = 0; i < tokens.size(); ++i) id.emplace(tokens[i], static_cast<int64_t>(i));
   struct Merge {
@@ -67,10 +68,16 @@ json SentencePieceMerges(const std::vector<std::string>& tokens, const std::vect
 }
 
 json Bpe(json vocab, json merges) {
-  return {{"type", "BPE"},          {"dropout", nullptr},        {"unk_token", nullptr},
-          {"continuing_subword_prefix", nullptr},                {"end_of_word_suffix", nullptr},
-          {"fuse_unk", false},      {"byte_fallback", false},    {"ignore_merges", false},
-          {"vocab", std::move(vocab)}, {"merges", std::move(merges)}};
+  return {{"type", "BPE"},
+          {"dropout", nullptr},
+          {"unk_token", nullptr},
+          {"continuing_subword_prefix", nullptr},
+          {"end_of_word_suffix", nullptr},
+          {"fuse_unk", false},
+          {"byte_fallback", false},
+          {"ignore_merges", false},
+          {"vocab", std::move(vocab)},
+          {"merges", std::move(merges)}};
 }
 
 }  // namespace
@@ -81,8 +88,8 @@ bool LlamaCppPreTokenizer(const std::string& pre, std::vector<std::string>* rege
   *add_bos = false;
   static const std::vector<std::string> kLlama3 = {"llama3", "llama-v3", "llama-bpe", "falcon3",
                                                    "pixtral"};
-  static const std::vector<std::string> kStarcoder = {"starcoder", "refact", "command-r",
-                                                      "smollm", "codeshell", "minerva-7b"};
+  static const std::vector<std::string> kStarcoder = {"starcoder", "refact",    "command-r",
+                                                      "smollm",    "codeshell", "minerva-7b"};
   static const std::vector<std::string> kGpt2 = {"gpt-2", "phi-2", "mpt", "olmo", "jais"};
   static const std::vector<std::string> kQwen2 = {"qwen2", "stablelm2", "megrez",
                                                   "deepseek-r1-qwen"};
@@ -116,8 +123,9 @@ Result<GgufTokenizerJson> TokenizerJsonFromGguf(const model::GgufFile& f) {
   if (f.Find("tokenizer.ggml.token_type") != nullptr) {
     KDN_ASSIGN_OR_RETURN(types, f.Ints("tokenizer.ggml.token_type"));
     if (types.size() != tokens.size()) {
-      return InvalidArgument(f.Where("tokenizer.ggml.token_type has " + std::to_string(types.size()) +
-                                     " entries for " + std::to_string(tokens.size()) + " tokens"));
+      return InvalidArgument(f.Where("tokenizer.ggml.token_type has " +
+                                     std::to_string(types.size()) + " entries for " +
+                                     std::to_string(tokens.size()) + " tokens"));
     }
   }
   auto token_of = [&](const char* key) -> Result<json> {
@@ -134,8 +142,11 @@ Result<GgufTokenizerJson> TokenizerJsonFromGguf(const model::GgufFile& f) {
 
   GgufTokenizerJson out;
   json& tok = out.tokenizer;
-  tok = {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr},
-         {"normalizer", nullptr}, {"post_processor", nullptr}};
+  tok = {{"version", "1.0"},
+         {"truncation", nullptr},
+         {"padding", nullptr},
+         {"normalizer", nullptr},
+         {"post_processor", nullptr}};
   json added = json::array();
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (types[i] == kControl || types[i] == kUnknown || types[i] == kUserDefined) {
@@ -157,19 +168,26 @@ Result<GgufTokenizerJson> TokenizerJsonFromGguf(const model::GgufFile& f) {
     std::vector<std::string> regexes;
     bool ignore_merges = false;
     if (!LlamaCppPreTokenizer(pre, &regexes, &ignore_merges, &add_bos)) {
-      return Unimplemented(f.Where("tokenizer.ggml.pre \"" + pre +
-                                   "\" is not supported (default, llama-bpe, qwen2, gpt-2, "
-                                   "smollm, falcon and the names llama.cpp gives the same regexes)"));
+      return Unimplemented(
+          f.Where("tokenizer.ggml.pre \"" + pre +
+                  "\" is not supported (default, llama-bpe, qwen2, gpt-2, "
+                  "smollm, falcon and the names llama.cpp gives the same regexes)"));
     }
     json steps = json::array();
     for (const std::string& r : regexes) {
-      steps.push_back({{"type", "Split"}, {"pattern", {{"Regex", r}}}, {"behavior", "Isolated"},
+      steps.push_back({{"type", "Split"},
+                       {"pattern", {{"Regex", r}}},
+                       {"behavior", "Isolated"},
                        {"invert", false}});
     }
-    steps.push_back({{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
+    steps.push_back({{"type", "ByteLevel"},
+                     {"add_prefix_space", false},
+                     {"trim_offsets", false},
                      {"use_regex", false}});
     tok["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", std::move(steps)}};
-    tok["decoder"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
+    tok["decoder"] = {{"type", "ByteLevel"},
+                      {"add_prefix_space", false},
+                      {"trim_offsets", false},
                       {"use_regex", false}};
     KDN_ASSIGN_OR_RETURN(const std::vector<std::string> merges, f.Strings("tokenizer.ggml.merges"));
     tok["model"] = Bpe(std::move(vocab), merges);
@@ -205,15 +223,16 @@ Result<GgufTokenizerJson> TokenizerJsonFromGguf(const model::GgufFile& f) {
     tok["model"]["byte_fallback"] = true;
     add_bos = true;
   } else {
-    return Unimplemented(f.Where("tokenizer.ggml.model \"" + model +
-                                 "\" is not supported (gpt2, llama)"));
+    return Unimplemented(
+        f.Where("tokenizer.ggml.model \"" + model + "\" is not supported (gpt2, llama)"));
   }
   if (f.Find("tokenizer.ggml.add_bos_token") != nullptr) {
     KDN_ASSIGN_OR_RETURN(add_bos, f.Bool("tokenizer.ggml.add_bos_token"));
   }
   KDN_ASSIGN_OR_RETURN(json bos, token_of("tokenizer.ggml.bos_token_id"));
   KDN_ASSIGN_OR_RETURN(json eos, token_of("tokenizer.ggml.eos_token_id"));
-  out.config = {{"bos_token", bos}, {"eos_token", eos}, {"add_bos_token", add_bos && !bos.is_null()}};
+  out.config = {
+      {"bos_token", bos}, {"eos_token", eos}, {"add_bos_token", add_bos && !bos.is_null()}};
   return out;
 }
 

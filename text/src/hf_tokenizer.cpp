@@ -21,13 +21,18 @@ bool IsTokenId(const json& v) {
 bool IsWordChar(char32_t c) {
   if (c == 0x200C || c == 0x200D) return true;
   switch (utf8proc_category(static_cast<utf8proc_int32_t>(c))) {
-    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL: case UTF8PROC_CATEGORY_LT:
-    case UTF8PROC_CATEGORY_LM: case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_MN:
-    case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME: case UTF8PROC_CATEGORY_ND:
-    case UTF8PROC_CATEGORY_NL: case UTF8PROC_CATEGORY_PC:
-      return true;
-    default:
-      return false;
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+    case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC:
+    case UTF8PROC_CATEGORY_ME:
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_PC: return true;
+    default: return false;
   }
 }
 
@@ -92,7 +97,8 @@ Status HfTokenizer::LoadAdded(const json& tok, const std::string& file) {
     const std::string where = file + ": added_tokens[" + std::to_string(i) + "]";
     if (!a.is_object()) return InvalidArgument(where + " is not an object");
     if (!a.contains("id") || !IsTokenId(a.at("id"))) {
-      return InvalidArgument(where + ".id is not an integer in [0, " + std::to_string(kMaxTokenId) + "]");
+      return InvalidArgument(where + ".id is not an integer in [0, " + std::to_string(kMaxTokenId) +
+                             "]");
     }
     if (!a.contains("content") || !a.at("content").is_string() ||
         a.at("content").get<std::string>().empty()) {
@@ -109,12 +115,14 @@ Status HfTokenizer::LoadAdded(const json& tok, const std::string& file) {
     // An added token may repeat a vocabulary token (Llama 2's <s>), but one
     // that took another token's id would make that token's text undecodable.
     if (model_->has_token(t.id) && model_->tokens()[t.id] != t.content) {
-      return InvalidArgument(where + ": id " + std::to_string(t.id) + " is the vocabulary's token \"" +
-                             model_->tokens()[t.id] + "\", not \"" + t.content + "\"");
+      return InvalidArgument(where + ": id " + std::to_string(t.id) +
+                             " is the vocabulary's token \"" + model_->tokens()[t.id] +
+                             "\", not \"" + t.content + "\"");
     }
     if (static_cast<size_t>(t.id) >= added_by_id_.size()) added_by_id_.resize(t.id + 1, -1);
     if (added_by_id_[t.id] >= 0) {
-      return InvalidArgument(where + ": id " + std::to_string(t.id) + " is taken by another added token");
+      return InvalidArgument(where + ": id " + std::to_string(t.id) +
+                             " is taken by another added token");
     }
     added_by_id_[t.id] = static_cast<int32_t>(added_.size());
     t.match = t.normalized && normalizer_ ? normalizer_->Apply(t.content) : t.content;
@@ -129,8 +137,9 @@ Status HfTokenizer::LoadAdded(const json& tok, const std::string& file) {
   }
   for (Matcher* m : {&raw_matcher_, &normalized_matcher_}) {
     for (auto& list : m->by_byte) {
-      std::stable_sort(list.begin(), list.end(),
-                       [&](int a, int b) { return added_[a].match.size() > added_[b].match.size(); });
+      std::stable_sort(list.begin(), list.end(), [&](int a, int b) {
+        return added_[a].match.size() > added_[b].match.size();
+      });
     }
   }
   return Status::Ok();
@@ -148,7 +157,8 @@ Status HfTokenizer::LoadPostProcessor(const json& j, const std::string& where) {
     }
     const json& list = j.at("processors");
     for (size_t i = 0; i < list.size(); ++i) {
-      KDN_RETURN_IF_ERROR(LoadPostProcessor(list[i], where + ".processors[" + std::to_string(i) + "]"));
+      KDN_RETURN_IF_ERROR(
+          LoadPostProcessor(list[i], where + ".processors[" + std::to_string(i) + "]"));
     }
     return Status::Ok();
   }
@@ -173,8 +183,9 @@ Status HfTokenizer::LoadPostProcessor(const json& j, const std::string& where) {
       seen_a = true;
       continue;
     }
-    if (!item.is_object() || !item.contains("SpecialToken") || !item.at("SpecialToken").is_object() ||
-        !item.at("SpecialToken").contains("id") || !item.at("SpecialToken").at("id").is_string()) {
+    if (!item.is_object() || !item.contains("SpecialToken") ||
+        !item.at("SpecialToken").is_object() || !item.at("SpecialToken").contains("id") ||
+        !item.at("SpecialToken").at("id").is_string()) {
       return InvalidArgument(at + " is neither a Sequence nor a SpecialToken with an id");
     }
     const std::string name = item.at("SpecialToken").at("id").get<std::string>();
@@ -201,12 +212,14 @@ Result<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(const json& tok, cons
     static const json kNull;
     return tok.contains(key) ? tok.at(key) : kNull;
   };
-  KDN_ASSIGN_OR_RETURN(t->normalizer_, Normalizer::FromJson(field("normalizer"), file + ": normalizer"));
+  KDN_ASSIGN_OR_RETURN(t->normalizer_,
+                       Normalizer::FromJson(field("normalizer"), file + ": normalizer"));
   KDN_ASSIGN_OR_RETURN(t->pre_tokenizer_,
                        PreTokenizer::FromJson(field("pre_tokenizer"), file + ": pre_tokenizer"));
   if (!tok.contains("model")) return InvalidArgument(file + ": no model");
-  KDN_ASSIGN_OR_RETURN(t->model_, BpeModel::FromJson(tok.at("model"), t->pre_tokenizer_->byte_level(),
-                                                     file + ": model"));
+  KDN_ASSIGN_OR_RETURN(
+      t->model_,
+      BpeModel::FromJson(tok.at("model"), t->pre_tokenizer_->byte_level(), file + ": model"));
   KDN_ASSIGN_OR_RETURN(t->decoder_, Decoder::FromJson(field("decoder"), file + ": decoder"));
   KDN_RETURN_IF_ERROR(t->LoadAdded(tok, file));
   KDN_RETURN_IF_ERROR(t->LoadPostProcessor(field("post_processor"), file + ": post_processor"));
@@ -223,15 +236,20 @@ Result<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(const json& tok, cons
   };
   t->bos_ = id_of(SpecialContent(config, "bos_token"));
   t->eos_ = id_of(SpecialContent(config, "eos_token"));
-  if (config.is_object() && config.contains("add_bos_token") && config.at("add_bos_token").is_boolean()) {
+  if (config.is_object() && config.contains("add_bos_token") &&
+      config.at("add_bos_token").is_boolean()) {
     t->add_bos_token_ = config.at("add_bos_token").get<bool>();
   }
   if (!t->has_template_ && t->add_bos_token_ && t->bos_ >= 0) t->prefix_ids_ = {t->bos_};
   for (int32_t id : t->prefix_ids_) {
-    if (id >= t->vocab_size_) return InvalidArgument(file + ": post_processor adds id " + std::to_string(id) + ", outside the vocabulary");
+    if (id >= t->vocab_size_)
+      return InvalidArgument(file + ": post_processor adds id " + std::to_string(id) +
+                             ", outside the vocabulary");
   }
   for (int32_t id : t->suffix_ids_) {
-    if (id >= t->vocab_size_) return InvalidArgument(file + ": post_processor adds id " + std::to_string(id) + ", outside the vocabulary");
+    if (id >= t->vocab_size_)
+      return InvalidArgument(file + ": post_processor adds id " + std::to_string(id) +
+                             ", outside the vocabulary");
   }
   return t;
 }
@@ -245,7 +263,8 @@ const std::string* HfTokenizer::DecodeString(int32_t id) const {
   return model_->has_token(id) ? &model_->tokens()[id] : nullptr;
 }
 
-std::vector<HfTokenizer::Piece> HfTokenizer::FindAdded(std::string_view text, const Matcher& m) const {
+std::vector<HfTokenizer::Piece> HfTokenizer::FindAdded(std::string_view text,
+                                                       const Matcher& m) const {
   std::vector<Piece> out;
   const size_t n = text.size();
   if (m.empty) {
@@ -341,7 +360,8 @@ std::vector<int32_t> HfTokenizer::Encode(std::string_view text, bool add_bos) co
       if (q.added >= 0) {
         ids.push_back(added_[q.added].id);
       } else {
-        EncodeText(piece.substr(q.begin, q.end - q.begin), at_start && q.begin == 0, *scratch, &ids);
+        EncodeText(piece.substr(q.begin, q.end - q.begin), at_start && q.begin == 0, *scratch,
+                   &ids);
       }
     }
   }

@@ -24,10 +24,9 @@ std::string UnicodeNormalize(std::string_view text, int options) {
   auto flush = [&](size_t end) {
     if (end == run) return;
     utf8proc_uint8_t* dst = nullptr;
-    const utf8proc_ssize_t n =
-        utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data() + run),
-                     static_cast<utf8proc_ssize_t>(end - run), &dst,
-                     static_cast<utf8proc_option_t>(options));
+    const utf8proc_ssize_t n = utf8proc_map(
+        reinterpret_cast<const utf8proc_uint8_t*>(text.data() + run),
+        static_cast<utf8proc_ssize_t>(end - run), &dst, static_cast<utf8proc_option_t>(options));
     if (n >= 0) {
       out.append(reinterpret_cast<const char*>(dst), static_cast<size_t>(n));
     } else {
@@ -85,7 +84,7 @@ Status Normalizer::Add(const json& j, const std::string& where, Normalizer* n) {
   } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
     op.kind = Op::kUnicode;
     op.utf8proc_options = UTF8PROC_STABLE | (type[2] == 'C' || type[3] == 'C' ? UTF8PROC_COMPOSE
-                                                                               : UTF8PROC_DECOMPOSE);
+                                                                              : UTF8PROC_DECOMPOSE);
     if (type.size() == 4) op.utf8proc_options |= UTF8PROC_COMPAT;
   } else if (type == "Prepend") {
     if (!j.contains("prepend") || !j.at("prepend").is_string()) {
@@ -118,9 +117,7 @@ std::string Normalizer::Apply(std::string_view text) const {
   std::string s(text);
   for (const Op& op : ops_) {
     switch (op.kind) {
-      case Op::kUnicode:
-        s = UnicodeNormalize(s, op.utf8proc_options);
-        break;
+      case Op::kUnicode: s = UnicodeNormalize(s, op.utf8proc_options); break;
       case Op::kPrepend:
         if (!s.empty()) s.insert(0, op.text);  // `tokenizers` leaves an empty text empty
         break;

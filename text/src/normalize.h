@@ -35,8 +35,8 @@ class Normalizer {
  private:
   struct Op {
     enum Kind { kUnicode, kPrepend, kReplace } kind;
-    int utf8proc_options = 0;    // kUnicode
-    std::string text;            // kPrepend: the prefix; kReplace: the content
+    int utf8proc_options = 0;        // kUnicode
+    std::string text;                // kPrepend: the prefix; kReplace: the content
     std::unique_ptr<Regex> pattern;  // kReplace
   };
   static Status Add(const nlohmann::json& j, const std::string& where, Normalizer* n);

@@ -23,7 +23,8 @@ constexpr const char* kGpt2Pattern =
 constexpr const char* kNumeric = R"(\p{N})";
 //   Punctuation: char::is_ascii_punctuation or unicode_categories'
 //   is_punctuation (the P categories).
-constexpr const char* kPunctuation = R"([\p{P}\x{21}-\x{2F}\x{3A}-\x{40}\x{5B}-\x{60}\x{7B}-\x{7E}])";
+constexpr const char* kPunctuation =
+    R"([\p{P}\x{21}-\x{2F}\x{3A}-\x{40}\x{5B}-\x{60}\x{7B}-\x{7E}])";
 //   WhitespaceSplit: char::is_whitespace.
 constexpr const char* kWhiteSpace = R"(\p{White_Space})";
 //   Whitespace: the regex crate's \w+|[^\w\s]+, with its Unicode \w and \s
@@ -72,8 +73,10 @@ std::vector<std::pair<size_t, size_t>> ApplyBehavior(const std::vector<Segment>&
     case Behavior::kContiguous: {
       bool prev = false;
       for (const Segment& s : segs) {
-        if (s.match == prev && !out.empty()) out.back().second = s.end;
-        else out.emplace_back(s.begin, s.end);
+        if (s.match == prev && !out.empty())
+          out.back().second = s.end;
+        else
+          out.emplace_back(s.begin, s.end);
         prev = s.match;
       }
       break;
@@ -81,8 +84,10 @@ std::vector<std::pair<size_t, size_t>> ApplyBehavior(const std::vector<Segment>&
     case Behavior::kMergedWithPrevious: {
       bool prev = false;
       for (const Segment& s : segs) {
-        if (s.match && !prev && !out.empty()) out.back().second = s.end;
-        else out.emplace_back(s.begin, s.end);
+        if (s.match && !prev && !out.empty())
+          out.back().second = s.end;
+        else
+          out.emplace_back(s.begin, s.end);
         prev = s.match;
       }
       break;
@@ -91,8 +96,10 @@ std::vector<std::pair<size_t, size_t>> ApplyBehavior(const std::vector<Segment>&
       bool prev = false;
       for (size_t i = segs.size(); i-- > 0;) {
         const Segment& s = segs[i];
-        if (s.match && !prev && !out.empty()) out.back().first = s.begin;
-        else out.emplace_back(s.begin, s.end);
+        if (s.match && !prev && !out.empty())
+          out.back().first = s.begin;
+        else
+          out.emplace_back(s.begin, s.end);
         prev = s.match;
       }
       std::reverse(out.begin(), out.end());
@@ -187,7 +194,8 @@ Status PreTokenizer::Add(const json& j, const std::string& where, PreTokenizer* 
     }
     step->kind = Step::kSplit;
     KDN_ASSIGN_OR_RETURN(step->regex, Regex::Compile(kNumeric, false, where));
-    step->behavior = j.at("individual_digits").get<bool>() ? Behavior::kIsolated : Behavior::kContiguous;
+    step->behavior =
+        j.at("individual_digits").get<bool>() ? Behavior::kIsolated : Behavior::kContiguous;
   } else if (type == "Punctuation") {
     step->kind = Step::kSplit;
     KDN_ASSIGN_OR_RETURN(step->regex, Regex::Compile(kPunctuation, false, where));
@@ -221,10 +229,14 @@ Status PreTokenizer::Add(const json& j, const std::string& where, PreTokenizer* 
     step->replacement = j.at("replacement").get<std::string>();
     if (j.contains("prepend_scheme")) {
       const json& s = j.at("prepend_scheme");
-      if (s == "always") step->prepend = Step::kAlways;
-      else if (s == "first") step->prepend = Step::kFirst;
-      else if (s == "never") step->prepend = Step::kNever;
-      else return InvalidArgument(where + ".prepend_scheme is not always, first or never");
+      if (s == "always")
+        step->prepend = Step::kAlways;
+      else if (s == "first")
+        step->prepend = Step::kFirst;
+      else if (s == "never")
+        step->prepend = Step::kNever;
+      else
+        return InvalidArgument(where + ".prepend_scheme is not always, first or never");
     } else {
       // Files older than prepend_scheme say add_prefix_space.
       KDN_ASSIGN_OR_RETURN(const bool add, Bool(j, "add_prefix_space", true, where));
@@ -238,7 +250,8 @@ Status PreTokenizer::Add(const json& j, const std::string& where, PreTokenizer* 
   return Status::Ok();
 }
 
-Result<std::unique_ptr<PreTokenizer>> PreTokenizer::FromJson(const json& j, const std::string& where) {
+Result<std::unique_ptr<PreTokenizer>> PreTokenizer::FromJson(const json& j,
+                                                             const std::string& where) {
   std::unique_ptr<PreTokenizer> p(new PreTokenizer());
   KDN_RETURN_IF_ERROR(Add(j, where, p.get()));
   return p;
@@ -246,9 +259,7 @@ Result<std::unique_ptr<PreTokenizer>> PreTokenizer::FromJson(const json& j, cons
 
 void PreTokenizer::Apply(const Step& step, Words* w) {
   switch (step.kind) {
-    case Step::kSplit:
-      SplitWords(*step.regex, step.behavior, step.invert, w);
-      return;
+    case Step::kSplit: SplitWords(*step.regex, step.behavior, step.invert, w); return;
     case Step::kByteLevel:
       if (step.add_prefix_space) {
         Words n;
@@ -273,12 +284,15 @@ void PreTokenizer::Apply(const Step& step, Words* w) {
         const size_t b = n.buf.size();
         const bool starts = s.substr(0, step.replacement.size()) == step.replacement ||
                             (!s.empty() && s[0] == ' ');  // a space becomes the replacement
-        if (!starts && (step.prepend == Step::kAlways || (step.prepend == Step::kFirst && r.at_start))) {
+        if (!starts &&
+            (step.prepend == Step::kAlways || (step.prepend == Step::kFirst && r.at_start))) {
           n.buf += step.replacement;
         }
         for (char c : s) {
-          if (c == ' ') n.buf += step.replacement;
-          else n.buf.push_back(c);
+          if (c == ' ')
+            n.buf += step.replacement;
+          else
+            n.buf.push_back(c);
         }
         if (!step.split) {
           n.list.push_back({b, n.buf.size(), r.at_start});

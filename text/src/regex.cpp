@@ -58,14 +58,14 @@ Result<std::unique_ptr<Regex>> Regex::Compile(std::string_view pattern, bool lit
   uint32_t options = PCRE2_UTF | PCRE2_MATCH_INVALID_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
   int err = 0;
   PCRE2_SIZE err_at = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(p.data()), p.size(), options,
-                                   &err, &err_at, nullptr);
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(p.data()), p.size(), options, &err,
+                                   &err_at, nullptr);
   if (code == nullptr) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof(msg));
-    return InvalidArgument(where + ": the regex \"" + std::string(pattern) + "\" does not compile (" +
-                           reinterpret_cast<const char*>(msg) + " at offset " +
-                           std::to_string(err_at) + ")");
+    return InvalidArgument(where + ": the regex \"" + std::string(pattern) +
+                           "\" does not compile (" + reinterpret_cast<const char*>(msg) +
+                           " at offset " + std::to_string(err_at) + ")");
   }
   // Without JIT (a platform that lacks it) the interpreter gives the same
   // matches, only slower.

@@ -47,9 +47,13 @@ Result<json> ReadJson(const std::filesystem::path& path) {
 
 }  // namespace
 
-ByteTokenizer::ByteTokenizer(std::vector<int32_t> byte_ids, int vocab_size, int32_t bos, int32_t eos)
-    : byte_ids_(std::move(byte_ids)), id_to_byte_(vocab_size, -1), vocab_size_(vocab_size),
-      bos_(bos), eos_(eos) {
+ByteTokenizer::ByteTokenizer(std::vector<int32_t> byte_ids, int vocab_size, int32_t bos,
+                             int32_t eos)
+    : byte_ids_(std::move(byte_ids)),
+      id_to_byte_(vocab_size, -1),
+      vocab_size_(vocab_size),
+      bos_(bos),
+      eos_(eos) {
   for (int b = 0; b < 256; ++b) id_to_byte_[byte_ids_[b]] = static_cast<int16_t>(b);
 }
 
@@ -135,7 +139,7 @@ std::string ByteTokenizerJson() {
   json vocab = json::object();
   for (int b = 0; b < 256; ++b) vocab[Utf8(ByteToUnicode(static_cast<uint8_t>(b)))] = b;
   auto added = [](int id, const char* content) {
-    return json{{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false},
+    return json{{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
                 {"rstrip", false}, {"normalized", false}, {"special", true}};
   };
   json j = {
@@ -145,15 +149,27 @@ std::string ByteTokenizerJson() {
       {"added_tokens", {added(256, "<s>"), added(257, "</s>")}},
       {"normalizer", nullptr},
       {"pre_tokenizer",
-       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
+       {{"type", "ByteLevel"},
+        {"add_prefix_space", false},
+        {"trim_offsets", false},
+        {"use_regex", false}}},
       {"post_processor", nullptr},
       {"decoder",
-       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
+       {{"type", "ByteLevel"},
+        {"add_prefix_space", false},
+        {"trim_offsets", false},
+        {"use_regex", false}}},
       {"model",
-       {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
-        {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
-        {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
-        {"vocab", vocab}, {"merges", json::array()}}},
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"ignore_merges", false},
+        {"vocab", vocab},
+        {"merges", json::array()}}},
   };
   return j.dump(2) + "\n";
 }

@@ -63,8 +63,8 @@ Status AddBiasCuda(T* x, const T* bias, int64_t rows, int dim, cudaStream_t stre
   if (rows < 0 || dim <= 0) return InvalidArgument("AddBiasCuda: bad shape");
   if (rows == 0) return Status::Ok();
   if (x == nullptr || bias == nullptr) return InvalidArgument("AddBiasCuda: null pointer");
-  AddBiasKernel<T><<<GridStrideBlocks(rows * dim), kGridStrideThreads, 0, stream>>>(
-      x, bias, rows * dim, dim);
+  AddBiasKernel<T>
+      <<<GridStrideBlocks(rows * dim), kGridStrideThreads, 0, stream>>>(x, bias, rows * dim, dim);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
@@ -87,7 +87,8 @@ Status SiluMulCuda(const T* gate_up, int64_t rows, int inter, T* out, cudaStream
       return Status::Ok();
     }
   }
-  SiluMulKernel<T><<<GridStrideBlocks(rows * inter), kGridStrideThreads, 0, stream>>>(gate_up, rows, inter, out);
+  SiluMulKernel<T><<<GridStrideBlocks(rows * inter), kGridStrideThreads, 0, stream>>>(gate_up, rows,
+                                                                                      inter, out);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }

@@ -14,7 +14,7 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;  // query heads per KV head
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kDecodeTile = 64;  // keys per tile of a decode block
+constexpr int kDecodeTile = 64;                         // keys per tile of a decode block
 constexpr int kDimsPerThread = kMaxHeadDim / kThreads;  // 2
 
 __device__ __forceinline__ int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -32,10 +32,10 @@ __device__ __forceinline__ float WarpSum(float v) {
 }
 
 template <typename T>
-__device__ __forceinline__ const T* RowAt(const T* base, const int32_t* table, int64_t pos,
-                                          int row, int offset) {
-  const int64_t slot = static_cast<int64_t>(table[pos / kKvBlockTokensCuda]) *
-                           kKvBlockTokensCuda + pos % kKvBlockTokensCuda;
+__device__ __forceinline__ const T* RowAt(const T* base, const int32_t* table, int64_t pos, int row,
+                                          int offset) {
+  const int64_t slot = static_cast<int64_t>(table[pos / kKvBlockTokensCuda]) * kKvBlockTokensCuda +
+                       pos % kKvBlockTokensCuda;
   return base + slot * row + offset;
 }
 
@@ -205,8 +205,8 @@ int PrefillKeyTile(int head_dim) { return head_dim <= 128 ? 32 : 16; }
 
 size_t PrefillSharedBytes(int head_dim) {
   const int tk = PrefillKeyTile(head_dim);
-  return sizeof(float) * (static_cast<size_t>(2) * tk * (head_dim + 1) +
-                          static_cast<size_t>(kPrefillQ) * head_dim);
+  return sizeof(float) *
+         (static_cast<size_t>(2) * tk * (head_dim + 1) + static_cast<size_t>(kPrefillQ) * head_dim);
 }
 
 template <typename T>
@@ -304,12 +304,13 @@ Status CheckShape(const char* who, const AttentionShape& s, int cache_kv_heads,
       s.heads / s.kv_heads > kMaxGroup || s.head_dim <= 0 || s.head_dim % 8 != 0 ||
       s.head_dim > kMaxHeadDim || !(s.scale > 0) || cache_kv_heads != s.kv_heads ||
       cache_head_dim != s.head_dim) {
-    return InvalidArgument(std::string(who) + ": unsupported shape heads=" +
-                           std::to_string(s.heads) + " kv_heads=" + std::to_string(s.kv_heads) +
-                           " head_dim=" + std::to_string(s.head_dim) +
-                           " (heads a multiple of kv_heads, at most " +
-                           std::to_string(kMaxGroup) + " per KV head; head_dim a multiple of 8 "
-                           "up to " + std::to_string(kMaxHeadDim) + "; the cache's shape)");
+    return InvalidArgument(
+        std::string(who) + ": unsupported shape heads=" + std::to_string(s.heads) +
+        " kv_heads=" + std::to_string(s.kv_heads) + " head_dim=" + std::to_string(s.head_dim) +
+        " (heads a multiple of kv_heads, at most " + std::to_string(kMaxGroup) +
+        " per KV head; head_dim a multiple of 8 "
+        "up to " +
+        std::to_string(kMaxHeadDim) + "; the cache's shape)");
   }
   return Status::Ok();
 }
@@ -340,8 +341,7 @@ Status DecodeAttentionCuda(const T* q, PagedKvLayer<const T> cache, const int32_
                            int64_t table_stride, const int32_t* lengths, int64_t batch,
                            int64_t max_length, const AttentionShape& shape, int max_splits,
                            float* workspace, T* out, cudaStream_t stream) {
-  KDN_RETURN_IF_ERROR(
-      CheckShape("DecodeAttentionCuda", shape, cache.kv_heads, cache.head_dim));
+  KDN_RETURN_IF_ERROR(CheckShape("DecodeAttentionCuda", shape, cache.kv_heads, cache.head_dim));
   if (batch < 0 || batch > 65535 || max_length < 0 || max_splits < 1 || table_stride < 0) {
     return InvalidArgument("DecodeAttentionCuda: bad batch, length, splits or table stride");
   }
@@ -351,17 +351,16 @@ Status DecodeAttentionCuda(const T* q, PagedKvLayer<const T> cache, const int32_
     return InvalidArgument("DecodeAttentionCuda: null pointer");
   }
   const int splits = SplitsFor(batch, shape.kv_heads, max_length, max_splits);
-  const int64_t split_len =
-      (max_length + splits - 1) / splits;
-  DecodeKernel<T><<<dim3(splits, shape.kv_heads, static_cast<unsigned>(batch)), kThreads, 0,
-                    stream>>>(q, cache, tables, table_stride, lengths, shape.heads,
-                              shape.head_dim, shape.scale, shape.window, splits, split_len,
-                              workspace, out);
+  const int64_t split_len = (max_length + splits - 1) / splits;
+  DecodeKernel<T>
+      <<<dim3(splits, shape.kv_heads, static_cast<unsigned>(batch)), kThreads, 0, stream>>>(
+          q, cache, tables, table_stride, lengths, shape.heads, shape.head_dim, shape.scale,
+          shape.window, splits, split_len, workspace, out);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (splits > 1) {
-    CombineKernel<T><<<static_cast<unsigned>(batch * shape.heads),
-                       std::min(256, RoundUpToWarp(shape.head_dim)), 0, stream>>>(
-        workspace, splits, shape.head_dim, out);
+    CombineKernel<T>
+        <<<static_cast<unsigned>(batch * shape.heads), std::min(256, RoundUpToWarp(shape.head_dim)),
+           0, stream>>>(workspace, splits, shape.head_dim, out);
     KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return Status::Ok();
@@ -371,10 +370,8 @@ template <typename T>
 Status PrefillAttentionCuda(const T* q, int64_t n, int64_t q_start, PagedKvLayer<const T> cache,
                             const int32_t* table, const AttentionShape& shape, T* out,
                             cudaStream_t stream) {
-  KDN_RETURN_IF_ERROR(
-      CheckShape("PrefillAttentionCuda", shape, cache.kv_heads, cache.head_dim));
-  if (n < 0 || q_start < 0 || (n + kPrefillQ - 1) / kPrefillQ > kMaxGridX ||
-      shape.heads > 65535) {
+  KDN_RETURN_IF_ERROR(CheckShape("PrefillAttentionCuda", shape, cache.kv_heads, cache.head_dim));
+  if (n < 0 || q_start < 0 || (n + kPrefillQ - 1) / kPrefillQ > kMaxGridX || shape.heads > 65535) {
     return InvalidArgument("PrefillAttentionCuda: bad query count or start");
   }
   if (n == 0) return Status::Ok();
@@ -394,15 +391,15 @@ Status PrefillAttentionCuda(const T* q, int64_t n, int64_t q_start, PagedKvLayer
   return Status::Ok();
 }
 
-template Status DecodeAttentionCuda<float>(const float*, PagedKvLayer<const float>,
-                                           const int32_t*, int64_t, const int32_t*, int64_t,
-                                           int64_t, const AttentionShape&, int, float*, float*,
+template Status DecodeAttentionCuda<float>(const float*, PagedKvLayer<const float>, const int32_t*,
+                                           int64_t, const int32_t*, int64_t, int64_t,
+                                           const AttentionShape&, int, float*, float*,
                                            cudaStream_t);
 template Status DecodeAttentionCuda<__nv_bfloat16>(const __nv_bfloat16*,
                                                    PagedKvLayer<const __nv_bfloat16>,
-                                                   const int32_t*, int64_t, const int32_t*,
-                                                   int64_t, int64_t, const AttentionShape&, int,
-                                                   float*, __nv_bfloat16*, cudaStream_t);
+                                                   const int32_t*, int64_t, const int32_t*, int64_t,
+                                                   int64_t, const AttentionShape&, int, float*,
+                                                   __nv_bfloat16*, cudaStream_t);
 template Status PrefillAttentionCuda<float>(const float*, int64_t, int64_t,
                                             PagedKvLayer<const float>, const int32_t*,
                                             const AttentionShape&, float*, cudaStream_t);

@@ -5,24 +5,20 @@
 namespace kdn::engine::cuda {
 
 Status CudaErrorToStatus(cudaError_t err, const char* expr, const char* file, int line) {
-  std::string msg = std::string(expr) + " failed at " + file + ":" + std::to_string(line) +
-                    ": " + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")";
+  std::string msg = std::string(expr) + " failed at " + file + ":" + std::to_string(line) + ": " +
+                    cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")";
   switch (err) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
     case cudaErrorDevicesUnavailable:
     case cudaErrorSystemDriverMismatch:
     case cudaErrorCompatNotSupportedOnDevice:
-    case cudaErrorNoKernelImageForDevice:
-      return Unavailable(std::move(msg));
-    case cudaErrorMemoryAllocation:
-      return ResourceExhausted(std::move(msg));
+    case cudaErrorNoKernelImageForDevice: return Unavailable(std::move(msg));
+    case cudaErrorMemoryAllocation: return ResourceExhausted(std::move(msg));
     case cudaErrorInvalidValue:
     case cudaErrorInvalidConfiguration:
-    case cudaErrorInvalidDevicePointer:
-      return InvalidArgument(std::move(msg));
-    default:
-      return Internal(std::move(msg));
+    case cudaErrorInvalidDevicePointer: return InvalidArgument(std::move(msg));
+    default: return Internal(std::move(msg));
   }
 }
 

@@ -4,7 +4,6 @@
 
 namespace kdn::engine::cuda {
 
-
 namespace {
 
 // What Create and Materialize share: the device checked, then every buffer
@@ -25,15 +24,16 @@ CudaEngine::CudaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaEngine::~CudaEngine() = default;
 
 Result<std::unique_ptr<CudaEngine>> CudaEngine::Create(const ModelConfig& config,
-                                                     const ModelWeights& weights,
-                                                     const CudaEngineOptions& options) {
+                                                       const ModelWeights& weights,
+                                                       const CudaEngineOptions& options) {
   KDN_ASSIGN_OR_RETURN(auto impl, SetUp(config, options));
   KDN_RETURN_IF_ERROR(impl->UploadWeights(weights));
   return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
 }
 
-Result<std::unique_ptr<CudaEngine>> CudaEngine::Materialize(const ModelConfig& config, uint64_t seed,
-                                                          const CudaEngineOptions& options) {
+Result<std::unique_ptr<CudaEngine>> CudaEngine::Materialize(const ModelConfig& config,
+                                                            uint64_t seed,
+                                                            const CudaEngineOptions& options) {
   KDN_ASSIGN_OR_RETURN(auto impl, SetUp(config, options));
   KDN_RETURN_IF_ERROR(impl->MaterializeWeights(seed));
   return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
@@ -128,8 +128,7 @@ Status CudaEngine::Impl::PrefillBody(KvSequence& seq, std::span<const int32_t> t
                                 static_cast<int64_t>(blocks.size())};
     KDN_RETURN_IF_ERROR(m.flash->Plan(&one, 1, /*graph=*/false, m.stream));
   } else {
-    KDN_CUDA_RETURN_IF_ERROR(
-        up(m.tables.get(), blocks.data(), blocks.size() * sizeof(int32_t)));
+    KDN_CUDA_RETURN_IF_ERROR(up(m.tables.get(), blocks.data(), blocks.size() * sizeof(int32_t)));
   }
   KDN_RETURN_IF_ERROR(m.Embed(n));
   for (int l = 0; l < c.num_layers; ++l) {
@@ -147,19 +146,18 @@ Status CudaEngine::Impl::PrefillBody(KvSequence& seq, std::span<const int32_t> t
   return options.all_logits ? m.Logits(0, n, logits) : m.Logits(n - 1, 1, logits);
 }
 
-Status CudaEngine::DecodeStep(std::span<KvSequence* const> seqs,
-                             std::span<const int32_t> tokens, std::vector<float>* logits) {
+Status CudaEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                              std::vector<float>* logits) {
   return impl_->Decode(seqs, tokens, logits, nullptr);
 }
 
-Status CudaEngine::DecodeGreedy(std::span<KvSequence* const> seqs,
-                               std::span<const int32_t> tokens, std::vector<int32_t>* next) {
+Status CudaEngine::DecodeGreedy(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                                std::vector<int32_t>* next) {
   return impl_->Decode(seqs, tokens, nullptr, next);
 }
 
-Status CudaEngine::DecodeSample(std::span<KvSequence* const> seqs,
-                               std::span<const int32_t> tokens,
-                               std::span<Sampler* const> samplers, std::vector<int32_t>* next) {
+Status CudaEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                                std::span<Sampler* const> samplers, std::vector<int32_t>* next) {
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
   for (Sampler* s : samplers) {
     if (s == nullptr) return InvalidArgument("decode: a null sampler");
@@ -171,10 +169,9 @@ Status CudaEngine::DecodeSample(std::span<KvSequence* const> seqs,
 bool CudaEngine::uses_flash_attention() const { return impl_->flash != nullptr; }
 bool CudaEngine::uses_cuda_graphs() const { return impl_->graphs(); }
 
-Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs,
-                               std::span<const int32_t> tokens, std::vector<float>* logits_out,
-                               std::vector<int32_t>* next_out,
-                               std::span<Sampler* const> samplers) {
+Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                                std::vector<float>* logits_out, std::vector<int32_t>* next_out,
+                                std::span<Sampler* const> samplers) {
   const ModelConfig& c = config;
   const auto batch = static_cast<int64_t>(seqs.size());
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
@@ -227,7 +224,8 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs,
     KDN_CUDA_RETURN_IF_ERROR(up(ids.get(), ids_host.get(), rows * sizeof(int32_t)));
     KDN_CUDA_RETURN_IF_ERROR(up(positions.get(), positions_host.get(), rows * sizeof(int32_t)));
     KDN_CUDA_RETURN_IF_ERROR(up(slots.get(), slots_host.get(), rows * sizeof(int64_t)));
-    if (flash != nullptr) return flash->Plan(attn_seqs.data(), static_cast<int>(rows), use_graph, stream);
+    if (flash != nullptr)
+      return flash->Plan(attn_seqs.data(), static_cast<int>(rows), use_graph, stream);
     std::vector<int32_t> lens(batch), table(batch * stride, 0);
     for (int64_t b = 0; b < batch; ++b) {
       lens[b] = static_cast<int32_t>(seqs[b]->length() + 1);
@@ -244,8 +242,8 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs,
     st = exec.ok() ? Status::Ok() : exec.status();
     if (st.ok()) {
       const cudaError_t launched = cudaGraphLaunch(*exec, stream);
-      if (launched != cudaSuccess) st = Internal(std::string("cudaGraphLaunch: ") +
-                                                 cudaGetErrorString(launched));
+      if (launched != cudaSuccess)
+        st = Internal(std::string("cudaGraphLaunch: ") + cudaGetErrorString(launched));
     }
   } else if (st.ok()) {
     st = DecodeBody(rows, stride, max_len);
@@ -265,8 +263,10 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs,
     }
     if (any && sampler == nullptr) {
       auto made = DeviceSampler::Create(options.max_batch, c.vocab_size);
-      if (made.ok()) sampler = std::move(made).value();
-      else st = made.status();
+      if (made.ok())
+        sampler = std::move(made).value();
+      else
+        st = made.status();
     }
     if (st.ok() && any) {
       st = sampler->Sample(logits.get(), rows_params.data(), static_cast<int>(batch), sampled.get(),
@@ -275,9 +275,9 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs,
   }
   if (st.ok() && logits_out != nullptr) {
     logits_out->resize(batch * c.vocab_size);
-    const cudaError_t e = cudaMemcpyAsync(logits_out->data(), logits.get(),
-                                          batch * c.vocab_size * sizeof(float),
-                                          cudaMemcpyDeviceToHost, stream);
+    const cudaError_t e =
+        cudaMemcpyAsync(logits_out->data(), logits.get(), batch * c.vocab_size * sizeof(float),
+                        cudaMemcpyDeviceToHost, stream);
     if (e != cudaSuccess) st = Internal(std::string("logits copy: ") + cudaGetErrorString(e));
   }
   if (st.ok() && next_out != nullptr) {

@@ -55,23 +55,22 @@ inline int DecodeBucket(int batch, int max_batch) {
   return std::min(b, max_batch);
 }
 
-#define KDN_CUBLAS_RETURN_IF_ERROR(expr)                                                   \
-  do {                                                                                     \
-    const cublasStatus_t _kdn_cublas_st = (expr);                                          \
-    if (_kdn_cublas_st != CUBLAS_STATUS_SUCCESS) {                                         \
-      return Internal(std::string(#expr) + " failed: " +                                   \
-                      cublasGetStatusString(_kdn_cublas_st) + " at " + __FILE__ + ":" +    \
-                      std::to_string(__LINE__));                                           \
-    }                                                                                      \
+#define KDN_CUBLAS_RETURN_IF_ERROR(expr)                                                         \
+  do {                                                                                           \
+    const cublasStatus_t _kdn_cublas_st = (expr);                                                \
+    if (_kdn_cublas_st != CUBLAS_STATUS_SUCCESS) {                                               \
+      return Internal(std::string(#expr) + " failed: " + cublasGetStatusString(_kdn_cublas_st) + \
+                      " at " + __FILE__ + ":" + std::to_string(__LINE__));                       \
+    }                                                                                            \
   } while (0)
 
 struct LayerWeights {
   DeviceArray<bf16> input_norm, post_norm;
-  DeviceArray<bf16> qkv;              // [q_dim + 2 * kv_dim][hidden]: q rows, k rows, v rows
-  DeviceArray<bf16> o;                // [hidden][q_dim]
-  DeviceArray<bf16> qkv_bias, o_bias; // empty when absent
-  DeviceArray<bf16> gate_up;          // [2 * ffn][hidden]: gate rows, then up rows
-  DeviceArray<bf16> down;             // [hidden][ffn]
+  DeviceArray<bf16> qkv;               // [q_dim + 2 * kv_dim][hidden]: q rows, k rows, v rows
+  DeviceArray<bf16> o;                 // [hidden][q_dim]
+  DeviceArray<bf16> qkv_bias, o_bias;  // empty when absent
+  DeviceArray<bf16> gate_up;           // [2 * ffn][hidden]: gate rows, then up rows
+  DeviceArray<bf16> down;              // [hidden][ffn]
 };
 
 // The most requests a row pass's scattered rows are split into (bands of
@@ -115,11 +114,11 @@ struct CudaEngine::Impl {
   PinnedArray<int32_t> ids_host, positions_host, sampled_host;
   PinnedArray<int64_t> slots_host;
 
-  std::unique_ptr<FlashAttention> flash;       // null: reference attention
+  std::unique_ptr<FlashAttention> flash;  // null: reference attention
   // A row pass's keys that all rows of a band share, without a mask, on the
   // Hopper kernels (a plan of its own beside flash's); null off Hopper.
   std::unique_ptr<FlashAttention> flash_shared;
-  std::unique_ptr<DeviceSampler> sampler;      // made at the first DecodeSample
+  std::unique_ptr<DeviceSampler> sampler;        // made at the first DecodeSample
   std::map<int, cudaGraphExec_t> decode_graphs;  // by bucket
 
   ~Impl() {
@@ -131,9 +130,7 @@ struct CudaEngine::Impl {
   int64_t qkv_dim() const { return config.q_dim() + 2 * config.kv_dim(); }
   bool graphs() const { return flash != nullptr && options.cuda_graphs; }
 
-  PagedKvLayer<bf16> Layer(int l) {
-    return kv->Layer(l);
-  }
+  PagedKvLayer<bf16> Layer(int l) { return kv->Layer(l); }
   PagedKvLayer<const bf16> ConstLayer(int l) { return kv->ConstLayer(l); }
 
   // out[rows][out_dim] (= or +=) in[rows][in_dim] . w[out_dim][in_dim]^T.
@@ -143,11 +140,10 @@ struct CudaEngine::Impl {
               cudaDataType_t out_type, bool accumulate) {
     if (rows <= kGemvMaxRows && GemvFits(in, static_cast<int>(rows), in_dim, w)) {
       const int r = static_cast<int>(rows);
-      return out_type == CUDA_R_32F
-                 ? GemvCuda<float>(in, r, in_dim, w, out_dim, static_cast<float*>(out),
-                                   accumulate, stream)
-                 : GemvCuda<bf16>(in, r, in_dim, w, out_dim, static_cast<bf16*>(out), accumulate,
-                                  stream);
+      return out_type == CUDA_R_32F ? GemvCuda<float>(in, r, in_dim, w, out_dim,
+                                                      static_cast<float*>(out), accumulate, stream)
+                                    : GemvCuda<bf16>(in, r, in_dim, w, out_dim,
+                                                     static_cast<bf16*>(out), accumulate, stream);
     }
     return CublasGemm(in, rows, in_dim, w, out_dim, out, out_type, accumulate);
   }
@@ -163,13 +159,13 @@ struct CudaEngine::Impl {
     return Gemm(h.get(), rows, dim, w, out_dim, out, out_type, false);
   }
 
-  Status CublasGemm(const bf16* in, int64_t rows, int in_dim, const bf16* w, int out_dim,
-                    void* out, cudaDataType_t out_type, bool accumulate) {
+  Status CublasGemm(const bf16* in, int64_t rows, int in_dim, const bf16* w, int out_dim, void* out,
+                    cudaDataType_t out_type, bool accumulate) {
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    KDN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
-        blas, CUBLAS_OP_T, CUBLAS_OP_N, out_dim, static_cast<int>(rows), in_dim, &alpha, w,
-        CUDA_R_16BF, in_dim, in, CUDA_R_16BF, in_dim, &beta, out, out_type, out_dim,
-        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    KDN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, out_dim,
+                                            static_cast<int>(rows), in_dim, &alpha, w, CUDA_R_16BF,
+                                            in_dim, in, CUDA_R_16BF, in_dim, &beta, out, out_type,
+                                            out_dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return Status::Ok();
   }
 
@@ -205,10 +201,10 @@ struct CudaEngine::Impl {
                                                          num_blocks + options.max_batch));
       if (flash->hopper()) {
         const int64_t context_blocks = (c.max_context + kKvBlockTokens - 1) / kKvBlockTokens;
-        KDN_ASSIGN_OR_RETURN(flash_shared,
-                             FlashAttention::Create(shape, kRowBands, R,
-                                                    kRowBands * std::min<int64_t>(
-                                                                    context_blocks, num_blocks)));
+        KDN_ASSIGN_OR_RETURN(
+            flash_shared,
+            FlashAttention::Create(shape, kRowBands, R,
+                                   kRowBands * std::min<int64_t>(context_blocks, num_blocks)));
       }
     } else {
       KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
@@ -219,16 +215,16 @@ struct CudaEngine::Impl {
     KDN_RETURN_IF_ERROR(attn.Allocate(R * c.q_dim()));
     KDN_RETURN_IF_ERROR(gate_up.Allocate(R * 2 * int64_t{c.intermediate_size}));
     KDN_RETURN_IF_ERROR(act.Allocate(R * c.intermediate_size));
-    KDN_RETURN_IF_ERROR(logits.Allocate(std::max<int64_t>(kLogitRows, options.max_batch) *
-                                        c.vocab_size));
+    KDN_RETURN_IF_ERROR(
+        logits.Allocate(std::max<int64_t>(kLogitRows, options.max_batch) * c.vocab_size));
     KDN_RETURN_IF_ERROR(ids.Allocate(R));
     KDN_RETURN_IF_ERROR(positions.Allocate(R));
     KDN_RETURN_IF_ERROR(lengths.Allocate(options.max_batch));
     KDN_RETURN_IF_ERROR(slots.Allocate(R));
     KDN_RETURN_IF_ERROR(bad_id.Allocate(1));
     KDN_RETURN_IF_ERROR(sampled.Allocate(options.max_batch));
-    KDN_RETURN_IF_ERROR(argmax_workspace.Allocate(
-        static_cast<int64_t>(ArgmaxWorkspaceBytes(options.max_batch))));
+    KDN_RETURN_IF_ERROR(
+        argmax_workspace.Allocate(static_cast<int64_t>(ArgmaxWorkspaceBytes(options.max_batch))));
     KDN_RETURN_IF_ERROR(ids_host.Allocate(options.max_batch));
     KDN_RETURN_IF_ERROR(positions_host.Allocate(options.max_batch));
     KDN_RETURN_IF_ERROR(slots_host.Allocate(options.max_batch));
@@ -283,21 +279,28 @@ struct CudaEngine::Impl {
   Status UploadWeights(const ModelWeights& w) {
     KDN_RETURN_IF_ERROR(UploadTensor(w, "model.embed_tokens.weight", &embed));
     KDN_RETURN_IF_ERROR(UploadTensor(w, "model.norm.weight", &final_norm));
-    if (!config.tie_word_embeddings) KDN_RETURN_IF_ERROR(UploadTensor(w, "lm_head.weight", &lm_head));
+    if (!config.tie_word_embeddings)
+      KDN_RETURN_IF_ERROR(UploadTensor(w, "lm_head.weight", &lm_head));
     layers.resize(config.num_layers);
     for (int l = 0; l < config.num_layers; ++l) {
       const std::string p = "model.layers." + std::to_string(l) + ".";
       LayerWeights& L = layers[l];
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "input_layernorm.weight", &L.input_norm));
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "post_attention_layernorm.weight", &L.post_norm));
-      KDN_RETURN_IF_ERROR(UploadConcat(w, {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                                           p + "self_attn.v_proj.weight"}, &L.qkv));
+      KDN_RETURN_IF_ERROR(
+          UploadConcat(w,
+                       {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                        p + "self_attn.v_proj.weight"},
+                       &L.qkv));
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.weight", &L.o));
       if (config.qkv_bias) {
-        KDN_RETURN_IF_ERROR(UploadConcat(w, {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias",
-                                             p + "self_attn.v_proj.bias"}, &L.qkv_bias));
+        KDN_RETURN_IF_ERROR(UploadConcat(
+            w,
+            {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"},
+            &L.qkv_bias));
       }
-      if (config.o_bias) KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.bias", &L.o_bias));
+      if (config.o_bias)
+        KDN_RETURN_IF_ERROR(UploadTensor(w, p + "self_attn.o_proj.bias", &L.o_bias));
       KDN_RETURN_IF_ERROR(
           UploadConcat(w, {p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, &L.gate_up));
       KDN_RETURN_IF_ERROR(UploadTensor(w, p + "mlp.down_proj.weight", &L.down));
@@ -344,8 +347,8 @@ struct CudaEngine::Impl {
     const ModelConfig& c = config;
     LayerWeights& L = layers[l];
     const int qkv_out = static_cast<int>(qkv_dim());
-    KDN_RETURN_IF_ERROR(NormGemm(x.get(), rows, L.input_norm.get(), L.qkv.get(), qkv_out,
-                                 qkv.get(), CUDA_R_16BF));
+    KDN_RETURN_IF_ERROR(
+        NormGemm(x.get(), rows, L.input_norm.get(), L.qkv.get(), qkv_out, qkv.get(), CUDA_R_16BF));
     if (c.qkv_bias) {
       KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(qkv.get(), L.qkv_bias.get(), rows, qkv_out, stream));
     }
@@ -356,9 +359,9 @@ struct CudaEngine::Impl {
       return flash->Run(qkv.get(), qkv_out, ConstLayer(l), attn.get(), stream);
     }
     // The reference kernels take contiguous queries.
-    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
-        q.get(), c.q_dim() * sizeof(bf16), qkv.get(), qkv_out * sizeof(bf16),
-        c.q_dim() * sizeof(bf16), rows, cudaMemcpyDeviceToDevice, stream));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(q.get(), c.q_dim() * sizeof(bf16), qkv.get(),
+                                               qkv_out * sizeof(bf16), c.q_dim() * sizeof(bf16),
+                                               rows, cudaMemcpyDeviceToDevice, stream));
     const AttentionShape shape = Shape(l);
     if (decode) {
       return DecodeAttentionCuda<bf16>(q.get(), ConstLayer(l), tables.get(), table_stride,
@@ -373,8 +376,8 @@ struct CudaEngine::Impl {
   Status Finish(int l, int64_t rows) {
     const ModelConfig& c = config;
     LayerWeights& L = layers[l];
-    KDN_RETURN_IF_ERROR(Gemm(attn.get(), rows, c.q_dim(), L.o.get(), c.hidden_size, x.get(),
-                             CUDA_R_16BF, true));
+    KDN_RETURN_IF_ERROR(
+        Gemm(attn.get(), rows, c.q_dim(), L.o.get(), c.hidden_size, x.get(), CUDA_R_16BF, true));
     if (c.o_bias) {
       KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(x.get(), L.o_bias.get(), rows, c.hidden_size, stream));
     }
@@ -389,8 +392,8 @@ struct CudaEngine::Impl {
     } else {
       KDN_RETURN_IF_ERROR(Gemm(h.get(), rows, c.hidden_size, L.gate_up.get(),
                                2 * c.intermediate_size, gate_up.get(), CUDA_R_16BF, false));
-      KDN_RETURN_IF_ERROR(SiluMulCuda<bf16>(gate_up.get(), rows, c.intermediate_size, act.get(),
-                                            stream));
+      KDN_RETURN_IF_ERROR(
+          SiluMulCuda<bf16>(gate_up.get(), rows, c.intermediate_size, act.get(), stream));
     }
     KDN_RETURN_IF_ERROR(Gemm(act.get(), rows, c.intermediate_size, L.down.get(), c.hidden_size,
                              x.get(), CUDA_R_16BF, true));
@@ -434,8 +437,8 @@ struct CudaEngine::Impl {
       KDN_RETURN_IF_ERROR(Finish(l, rows));
     }
     const bf16* head = c.tie_word_embeddings ? embed.get() : lm_head.get();
-    KDN_RETURN_IF_ERROR(NormGemm(x.get(), rows, final_norm.get(), head, c.vocab_size,
-                                 logits.get(), CUDA_R_32F));
+    KDN_RETURN_IF_ERROR(
+        NormGemm(x.get(), rows, final_norm.get(), head, c.vocab_size, logits.get(), CUDA_R_32F));
     return ArgmaxCuda(logits.get(), rows, c.vocab_size, sampled.get(), stream,
                       argmax_workspace.get());
   }

@@ -12,7 +12,6 @@
 
 namespace kdn::engine::cuda {
 
-
 namespace {
 
 // A run of rows [row, row + len) at positions [pos, pos + len).
@@ -43,8 +42,7 @@ class CudaRowPass final : public RowPass {
   Status Start(std::span<const int32_t> tokens) {
     std::vector<int32_t> ids(positions_.size());
     for (size_t i = 0; i < positions_.size(); ++i) ids[i] = tokens[positions_[i]];
-    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m_.ids.get(), ids.data(),
-                                             ids.size() * sizeof(int32_t),
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m_.ids.get(), ids.data(), ids.size() * sizeof(int32_t),
                                              cudaMemcpyHostToDevice, m_.stream));
     const std::vector<int32_t>& blocks = seq_.blocks();
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m_.tables.get(), blocks.data(),
@@ -77,9 +75,8 @@ class CudaRowPass final : public RowPass {
     }
     if (deviation != nullptr) KDN_RETURN_IF_ERROR(Gather(l, &old_));
     KDN_RETURN_IF_ERROR(RopeQkvToCacheCuda<bf16>(m_.qkv.get(), rows, c.num_heads, c.num_kv_heads,
-                                                 c.head_dim, m_.positions.get(),
-                                                 m_.inv_freq.get(), m_.slots.get(), m_.Layer(l),
-                                                 m_.stream, m_.rope));
+                                                 c.head_dim, m_.positions.get(), m_.inv_freq.get(),
+                                                 m_.slots.get(), m_.Layer(l), m_.stream, m_.rope));
     if (deviation != nullptr) KDN_RETURN_IF_ERROR(Gather(l, &new_));
     KDN_RETURN_IF_ERROR(Attend(l, qkv_out));
     KDN_RETURN_IF_ERROR(m_.Finish(l, rows));
@@ -101,9 +98,9 @@ class CudaRowPass final : public RowPass {
       size_t j = i + 1;
       while (j < rows.size() && rows[j] == rows[j - 1] + 1) ++j;
       if (rows[i] != static_cast<int64_t>(i)) {
-        KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-            m_.x.get() + static_cast<int64_t>(i) * d, m_.x.get() + rows[i] * d,
-            (j - i) * d * sizeof(bf16), cudaMemcpyDeviceToDevice, m_.stream));
+        KDN_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(m_.x.get() + static_cast<int64_t>(i) * d, m_.x.get() + rows[i] * d,
+                            (j - i) * d * sizeof(bf16), cudaMemcpyDeviceToDevice, m_.stream));
       }
       i = j;
     }
@@ -167,8 +164,8 @@ class CudaRowPass final : public RowPass {
     const int64_t kvd = m_.config.kv_dim();
     const auto rows = static_cast<int64_t>(positions_.size());
     if (dist_.size() < 2 * rows) KDN_RETURN_IF_ERROR(dist_.Allocate(2 * rows));
-    KDN_RETURN_IF_ERROR(
-        RowSquaredDistanceCuda<bf16>(old_.get(), new_.get(), 2 * rows, kvd, dist_.get(), m_.stream));
+    KDN_RETURN_IF_ERROR(RowSquaredDistanceCuda<bf16>(old_.get(), new_.get(), 2 * rows, kvd,
+                                                     dist_.get(), m_.stream));
     std::vector<float> half(2 * rows);
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(half.data(), dist_.get(), half.size() * sizeof(float),
                                              cudaMemcpyDeviceToHost, m_.stream));
@@ -214,8 +211,8 @@ class CudaRowPass final : public RowPass {
         for (int64_t r = r0; r < r1; ++r) rel_host_[r] = static_cast<int32_t>(positions_[r] - base);
         if (base > 0) {
           if (shared.empty()) shared_row0_ = r0;
-          shared.push_back({static_cast<int32_t>(r1 - r0), base, blocks.data(),
-                            base / kKvBlockTokens});
+          shared.push_back(
+              {static_cast<int32_t>(r1 - r0), base, blocks.data(), base / kKvBlockTokens});
         }
       }
       if (budget <= m_.kv->num_blocks() || bands == 1) break;
@@ -269,15 +266,14 @@ class CudaRowPass final : public RowPass {
       KDN_RETURN_IF_ERROR(m_.flash_shared->Run(m_.qkv.get() + shared_row0_ * qkv_out, qkv_out,
                                                m_.ConstLayer(l), shared_out_.get(), m_.stream,
                                                shared_lse_.get()));
-      return FlashAttention::MergeInPlace(m_.attn.get() + shared_row0_ * qd,
-                                          lse_.get() + shared_row0_ * c.num_heads,
-                                          shared_out_.get(), shared_lse_.get(), shared_rows_,
-                                          c.num_heads, c.head_dim, m_.stream);
+      return FlashAttention::MergeInPlace(
+          m_.attn.get() + shared_row0_ * qd, lse_.get() + shared_row0_ * c.num_heads,
+          shared_out_.get(), shared_lse_.get(), shared_rows_, c.num_heads, c.head_dim, m_.stream);
     }
     const auto rows = static_cast<int64_t>(positions_.size());
-    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
-        m_.q.get(), qd * sizeof(bf16), m_.qkv.get(), qkv_out * sizeof(bf16), qd * sizeof(bf16),
-        rows, cudaMemcpyDeviceToDevice, m_.stream));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(m_.q.get(), qd * sizeof(bf16), m_.qkv.get(),
+                                               qkv_out * sizeof(bf16), qd * sizeof(bf16), rows,
+                                               cudaMemcpyDeviceToDevice, m_.stream));
     const AttentionShape shape = m_.Shape(l);
     for (const Run& r : runs_) {
       KDN_RETURN_IF_ERROR(PrefillAttentionCuda<bf16>(m_.q.get() + r.row * qd, r.len, r.pos,
@@ -312,9 +308,8 @@ Result<std::unique_ptr<RowPass>> CudaEngine::BeginRowPass(KvSequence& seq,
   Impl& m = *impl_;
   KDN_RETURN_IF_ERROR(CheckRowPass(m.config, seq, tokens, positions));
   if (static_cast<int64_t>(positions.size()) > m.max_rows) {
-    return InvalidArgument("row pass: " + std::to_string(positions.size()) +
-                           " rows; at most " + std::to_string(m.max_rows) +
-                           " (CudaEngineOptions::max_prefill_tokens)");
+    return InvalidArgument("row pass: " + std::to_string(positions.size()) + " rows; at most " +
+                           std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
   }
   auto pass = std::make_unique<CudaRowPass>(
       m, seq, std::vector<int64_t>(positions.begin(), positions.end()));

@@ -46,8 +46,8 @@ Status RowSquaredDistanceCuda(const T* a, const T* b, int64_t rows, int64_t dim,
   return Status::Ok();
 }
 
-template Status RowSquaredDistanceCuda<float>(const float*, const float*, int64_t, int64_t,
-                                              float*, cudaStream_t);
+template Status RowSquaredDistanceCuda<float>(const float*, const float*, int64_t, int64_t, float*,
+                                              cudaStream_t);
 template Status RowSquaredDistanceCuda<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*,
                                                       int64_t, int64_t, float*, cudaStream_t);
 

@@ -6,7 +6,6 @@
 
 namespace kdn::engine::cuda {
 
-
 namespace {
 
 // Workspaces not sized by the options: FlashInfer's plans and split-KV
@@ -42,13 +41,13 @@ int64_t EstimateDeviceBytes(const ModelConfig& c, const CudaEngineOptions& o) {
 Result<DeviceMemoryInfo> DeviceMemory(int device) {
   const int count = DeviceCount();
   if (count == 0) {
-    return FailedPrecondition("cuda: no CUDA device is visible (driver missing, or "
-                              "CUDA_VISIBLE_DEVICES empty); use --device cpu");
+    return FailedPrecondition(
+        "cuda: no CUDA device is visible (driver missing, or "
+        "CUDA_VISIBLE_DEVICES empty); use --device cpu");
   }
   if (device < 0 || device >= count) {
-    return FailedPrecondition("cuda: no device " + std::to_string(device) +
-                              "; this machine has " + std::to_string(count) + " (0.." +
-                              std::to_string(count - 1) + ")");
+    return FailedPrecondition("cuda: no device " + std::to_string(device) + "; this machine has " +
+                              std::to_string(count) + " (0.." + std::to_string(count - 1) + ")");
   }
   KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   size_t free_bytes = 0, total_bytes = 0;
@@ -88,8 +87,8 @@ Status DeviceKvCache::Allocate() {
   return Status::Ok();
 }
 
-Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer0, int layers,
-                            int64_t first, int64_t count, bool gather) const {
+Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                            int64_t count, bool gather) const {
   // The table from the first position's block on, so positions shift to it.
   const int64_t b0 = first / kKvBlockTokens, b1 = (first + count - 1) / kKvBlockTokens + 1;
   const int64_t layer_rows = 2 * count * token_stride();
@@ -175,9 +174,8 @@ Status DeviceKvCache::RotateKeys(std::span<const int32_t> blocks, int layer, int
   KDN_RETURN_IF_ERROR(Stage(blocks, layer, 1, first, count, /*gather=*/true));
   if (positions_.size() < count) KDN_RETURN_IF_ERROR(positions_.Allocate(count));
   const std::vector<int32_t> deltas(count, static_cast<int32_t>(delta));
-  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(positions_.get(), deltas.data(),
-                                           count * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                           stream_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(positions_.get(), deltas.data(), count * sizeof(int32_t),
+                                           cudaMemcpyHostToDevice, stream_));
   KDN_RETURN_IF_ERROR(ApplyRopeCuda<bf16>(rows_.get(), count, num_kv_heads(), head_dim(),
                                           positions_.get(), inv_freq, stream_));
   KDN_RETURN_IF_ERROR(Stage(blocks, layer, 1, first, count, /*gather=*/false));

@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t i = lo; i < hi; ++i) {
       acc += weight(i);
       if (acc / sum >= p.top_p) {
-        atomicMin(reinterpret_cast<unsigned long long*>(&first), static_cast<unsigned long long>(i));
+        atomicMin(reinterpret_cast<unsigned long long*>(&first),
+                  static_cast<unsigned long long>(i));
         break;
       }
     }
@@ -96,8 +97,8 @@ struct DeviceSampler::Impl {
   void* temp = nullptr;
   size_t temp_bytes = 0;
   ~Impl() {
-    for (void* p : {static_cast<void*>(iota), static_cast<void*>(keys),
-                    static_cast<void*>(values), temp}) {
+    for (void* p :
+         {static_cast<void*>(iota), static_cast<void*>(keys), static_cast<void*>(values), temp}) {
       if (p != nullptr) (void)cudaFree(p);
     }
   }
@@ -123,7 +124,7 @@ Result<std::unique_ptr<DeviceSampler>> DeviceSampler::Create(int max_rows, int64
       static_cast<int>(vocab)));
   KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&m->temp, std::max<size_t>(1, m->temp_bytes)));
   IotaKernel<<<static_cast<unsigned>(std::min<int64_t>((vocab + 255) / 256, 4096)), 256>>>(m->iota,
-                                                                                          vocab);
+                                                                                           vocab);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   KDN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return std::unique_ptr<DeviceSampler>(new DeviceSampler(std::move(m)));
@@ -132,7 +133,8 @@ Result<std::unique_ptr<DeviceSampler>> DeviceSampler::Create(int max_rows, int64
 Status DeviceSampler::Sample(const float* logits, const DeviceSamplingRow* params, int rows,
                              int32_t* out, cudaStream_t stream) {
   Impl& m = *impl_;
-  if (rows < 0 || rows > m.max_rows) return InvalidArgument("DeviceSampler: more rows than it was made for");
+  if (rows < 0 || rows > m.max_rows)
+    return InvalidArgument("DeviceSampler: more rows than it was made for");
   if (rows == 0) return Status::Ok();
   if (logits == nullptr || out == nullptr || params == nullptr) {
     return InvalidArgument("DeviceSampler: null pointer");
@@ -142,13 +144,14 @@ Status DeviceSampler::Sample(const float* logits, const DeviceSamplingRow* param
   for (int r = 0; r < rows; ++r) {
     const DeviceSamplingRow& p = params[r];
     if (p.temperature <= 0.0f || p.top_k == 1) continue;
-    if (p.top_k < 0 || !(p.top_p > 0.0f && p.top_p <= 1.0f) || !(p.uniform >= 0.0 && p.uniform < 1.0)) {
+    if (p.top_k < 0 || !(p.top_p > 0.0f && p.top_p <= 1.0f) ||
+        !(p.uniform >= 0.0 && p.uniform < 1.0)) {
       return InvalidArgument("DeviceSampler: row " + std::to_string(r) + " has bad parameters");
     }
     size_t bytes = m.temp_bytes;
     KDN_CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairsDescending(
-        m.temp, bytes, logits + int64_t{r} * m.vocab, m.keys, m.iota, m.values, static_cast<int>(m.vocab),
-        0, 32, stream));
+        m.temp, bytes, logits + int64_t{r} * m.vocab, m.keys, m.iota, m.values,
+        static_cast<int>(m.vocab), 0, 32, stream));
     PickKernel<<<1, kThreads, 0, stream>>>(m.keys, m.values, m.vocab, p, out + r);
     KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }

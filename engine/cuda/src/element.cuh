@@ -17,7 +17,9 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162fl
 template <typename T>
 __device__ __forceinline__ T FromFloat(float v);
 template <>
-__device__ __forceinline__ float FromFloat<float>(float v) { return v; }
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);

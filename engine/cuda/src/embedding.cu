@@ -11,8 +11,7 @@ namespace {
 
 template <typename T>
 __global__ void EmbedKernel(const T* __restrict__ table, int64_t vocab, int dim,
-                            const int32_t* __restrict__ ids, T* __restrict__ out,
-                            int32_t* bad_id) {
+                            const int32_t* __restrict__ ids, T* __restrict__ out, int32_t* bad_id) {
   const int64_t r = blockIdx.x;
   const int32_t id = ids[r];
   const bool ok = id >= 0 && id < vocab;
@@ -36,8 +35,8 @@ Status EmbedCuda(const T* table, int64_t vocab, int dim, const int32_t* ids, int
     return InvalidArgument("EmbedCuda: null pointer");
   }
   const int threads = std::min(1024, RoundUpToWarp(dim));
-  EmbedKernel<T><<<static_cast<unsigned>(rows), threads, 0, stream>>>(table, vocab, dim, ids, out,
-                                                                      bad_id);
+  EmbedKernel<T>
+      <<<static_cast<unsigned>(rows), threads, 0, stream>>>(table, vocab, dim, ids, out, bad_id);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }

@@ -138,11 +138,10 @@ cudaError_t LaunchTile(int64_t tile_q, const PagedParams& p, bf16* tmp_v, float*
 template <uint32_t kHeadDim>
 cudaError_t LaunchFor(bool positioned, int64_t tile_q, const PagedParams& p, bf16* tmp_v,
                       float* tmp_s, cudaStream_t stream) {
-  return positioned
-             ? LaunchTile<kHeadDim, fi::MaskMode::kCustom, PositionCausal>(tile_q, p, tmp_v, tmp_s,
-                                                                          stream)
-             : LaunchTile<kHeadDim, fi::MaskMode::kCausal, Variant>(tile_q, p, tmp_v, tmp_s,
-                                                                   stream);
+  return positioned ? LaunchTile<kHeadDim, fi::MaskMode::kCustom, PositionCausal>(tile_q, p, tmp_v,
+                                                                                  tmp_s, stream)
+                    : LaunchTile<kHeadDim, fi::MaskMode::kCausal, Variant>(tile_q, p, tmp_v, tmp_s,
+                                                                           stream);
 }
 
 constexpr size_t kFloatWorkspaceBytes = size_t{256} << 20;
@@ -158,8 +157,9 @@ struct FlashAttention::Impl {
   // Device: FlashInfer's workspaces, then the batch description.
   void* float_ws = nullptr;
   void* int_ws = nullptr;
-  int32_t* indices = nullptr;   // all block tables, back to back
-  int32_t* meta = nullptr;      // q_indptr [max_batch+1], page indptr [max_batch+1], last lens [max_batch]
+  int32_t* indices = nullptr;  // all block tables, back to back
+  int32_t* meta =
+      nullptr;  // q_indptr [max_batch+1], page indptr [max_batch+1], last lens [max_batch]
   // Pinned host staging for the same, and the event that says it is free again.
   void* int_ws_host = nullptr;
   int32_t* indices_host = nullptr;
@@ -279,8 +279,8 @@ Status FlashAttention::MergeInPlace(bf16* out, float* lse, const bf16* other_out
   try {
     st = fi::MergeStateInPlace<bf16>(out, lse, const_cast<bf16*>(other_out),
                                      const_cast<float*>(other_lse), static_cast<uint32_t>(rows),
-                                     static_cast<uint32_t>(heads),
-                                     static_cast<uint32_t>(head_dim), /*mask=*/nullptr, stream);
+                                     static_cast<uint32_t>(heads), static_cast<uint32_t>(head_dim),
+                                     /*mask=*/nullptr, stream);
   } catch (const std::exception& e) {
     return Internal(std::string("FlashAttention::MergeInPlace: ") + e.what());
   }
@@ -341,10 +341,9 @@ Status FlashAttention::Impl::Plan(const AttentionSequence* seqs, int count, bool
   }
   m.causal = causal_mask;
   if (m.planned_hopper) {
-    KDN_RETURN_IF_ERROR(sm90::Plan(m.float_ws, kFloatWorkspaceBytes, m.int_ws, m.int_ws_host,
-                                   kIntWorkspaceBytes, qi, pi, m.kv_lens.data(),
-                                   static_cast<int>(b), m.shape, causal_mask, stream,
-                                   &m.hopper_plan));
+    KDN_RETURN_IF_ERROR(sm90::Plan(
+        m.float_ws, kFloatWorkspaceBytes, m.int_ws, m.int_ws_host, kIntWorkspaceBytes, qi, pi,
+        m.kv_lens.data(), static_cast<int>(b), m.shape, causal_mask, stream, &m.hopper_plan));
     KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(m.staged, stream));
     m.batch = static_cast<uint32_t>(b);
     return Status::Ok();
@@ -437,7 +436,6 @@ struct FlashAttention::Impl {};
 
 bool FlashAttention::planned_hopper() const { return false; }
 
-
 bool FlashAttention::Supports(const AttentionShape&) { return false; }
 
 Result<std::unique_ptr<FlashAttention>> FlashAttention::Create(const AttentionShape&, int, int64_t,
@@ -458,8 +456,7 @@ Status FlashAttention::PlanFull(const AttentionSequence*, int, cudaStream_t) {
   return Unimplemented("FlashAttention: not built");
 }
 
-Status FlashAttention::PlanPositions(const AttentionSequence*, int, const int32_t*,
-                                     cudaStream_t) {
+Status FlashAttention::PlanPositions(const AttentionSequence*, int, const int32_t*, cudaStream_t) {
   return Unimplemented("FlashAttention: not built");
 }
 

@@ -116,8 +116,7 @@ Status Plan(void* float_ws, size_t float_bytes, void* int_ws, void* int_ws_host,
         kv_lens, static_cast<uint32_t>(qo_indptr[batch]), static_cast<uint32_t>(batch),
         static_cast<uint32_t>(shape.heads), static_cast<uint32_t>(shape.kv_heads),
         static_cast<uint32_t>(shape.head_dim), static_cast<uint32_t>(shape.head_dim),
-        kKvBlockTokensCuda, causal, /*enable_cuda_graph=*/false, /*sizeof_dtype_o=*/2,
-        stream));
+        kKvBlockTokensCuda, causal, /*enable_cuda_graph=*/false, /*sizeof_dtype_o=*/2, stream));
   } catch (const std::exception& e) {
     return Internal(std::string("FlashAttention (sm90) plan: ") + e.what());
   }
@@ -168,9 +167,8 @@ Status Run(const std::vector<int64_t>& plan, void* int_ws, const __nv_bfloat16* 
   p.kv_indices = indices;
   cudaError_t st = cudaSuccess;
   try {
-    st = shape.head_dim == 64
-             ? LaunchFor<64>(info.same_schedule_for_all_heads, causal, p, stream)
-             : LaunchFor<128>(info.same_schedule_for_all_heads, causal, p, stream);
+    st = shape.head_dim == 64 ? LaunchFor<64>(info.same_schedule_for_all_heads, causal, p, stream)
+                              : LaunchFor<128>(info.same_schedule_for_all_heads, causal, p, stream);
   } catch (const std::exception& e) {
     return Internal(std::string("FlashAttention (sm90) run: ") + e.what());
   }

@@ -9,8 +9,8 @@
 namespace kdn::engine::cuda {
 namespace {
 
-constexpr int kWarps = 8;    // output rows per block, one per warp
-constexpr int kUnroll = 4;   // 16-byte weight loads in flight per lane
+constexpr int kWarps = 8;   // output rows per block, one per warp
+constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane
 
 __device__ __forceinline__ void Fma8(const uint4& w, const uint4& x, float& acc) {
   const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
@@ -43,7 +43,8 @@ __device__ __forceinline__ void RowDot(const uint4* __restrict__ wr,
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(in + int64_t{r} * in_dim) + v + 32 * u);
+        const uint4 xv =
+            __ldg(reinterpret_cast<const uint4*>(in + int64_t{r} * in_dim) + v + 32 * u);
         Fma8(wv[u], xv, acc[r]);
       }
     }
@@ -97,8 +98,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   float gate[kRows], up[kRows];
   RowDot<kRows>(reinterpret_cast<const uint4*>(w + static_cast<int64_t>(o) * in_dim), in, in_dim,
                 lane, gate);
-  RowDot<kRows>(reinterpret_cast<const uint4*>(w + (static_cast<int64_t>(inter) + o) * in_dim),
-                in, in_dim, lane, up);
+  RowDot<kRows>(reinterpret_cast<const uint4*>(w + (static_cast<int64_t>(inter) + o) * in_dim), in,
+                in_dim, lane, up);
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -112,26 +113,38 @@ __global__ void __launch_bounds__(kWarps * 32)
 }  // namespace
 
 bool GemvFits(const void* in, int rows, int in_dim, const void* w) {
-  return rows >= 1 && rows <= kGemvMaxRows && in_dim > 0 && in_dim % 8 == 0 &&
-         IsAligned(in, 16) && IsAligned(w, 16);
+  return rows >= 1 && rows <= kGemvMaxRows && in_dim > 0 && in_dim % 8 == 0 && IsAligned(in, 16) &&
+         IsAligned(w, 16);
 }
 
 template <typename OutT>
-Status GemvCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat16* w,
-                int out_dim, OutT* out, bool accumulate, cudaStream_t stream) {
+Status GemvCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat16* w, int out_dim,
+                OutT* out, bool accumulate, cudaStream_t stream) {
   if (out_dim <= 0 || out == nullptr || in == nullptr || w == nullptr ||
       !GemvFits(in, rows, in_dim, w)) {
-    return InvalidArgument("GemvCuda: rows=" + std::to_string(rows) + " in_dim=" +
-                           std::to_string(in_dim) + " out_dim=" + std::to_string(out_dim) +
-                           " (rows 1.." + std::to_string(kGemvMaxRows) +
-                           ", in_dim a multiple of 8, 16-byte aligned operands)");
+    return InvalidArgument(
+        "GemvCuda: rows=" + std::to_string(rows) + " in_dim=" + std::to_string(in_dim) +
+        " out_dim=" + std::to_string(out_dim) + " (rows 1.." + std::to_string(kGemvMaxRows) +
+        ", in_dim a multiple of 8, 16-byte aligned operands)");
   }
   const unsigned blocks = static_cast<unsigned>((out_dim + kWarps - 1) / kWarps);
   switch (rows) {
-    case 1: GemvKernel<1, OutT><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate); break;
-    case 2: GemvKernel<2, OutT><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate); break;
-    case 3: GemvKernel<3, OutT><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate); break;
-    default: GemvKernel<4, OutT><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate); break;
+    case 1:
+      GemvKernel<1, OutT>
+          <<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate);
+      break;
+    case 2:
+      GemvKernel<2, OutT>
+          <<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate);
+      break;
+    case 3:
+      GemvKernel<3, OutT>
+          <<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate);
+      break;
+    default:
+      GemvKernel<4, OutT>
+          <<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, out_dim, out, accumulate);
+      break;
   }
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
@@ -141,15 +154,23 @@ Status GemvSwiGluCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_
                       int inter, __nv_bfloat16* out, cudaStream_t stream) {
   if (inter <= 0 || out == nullptr || in == nullptr || w == nullptr ||
       !GemvFits(in, rows, in_dim, w)) {
-    return InvalidArgument("GemvSwiGluCuda: rows=" + std::to_string(rows) + " in_dim=" +
-                           std::to_string(in_dim) + " inter=" + std::to_string(inter));
+    return InvalidArgument("GemvSwiGluCuda: rows=" + std::to_string(rows) +
+                           " in_dim=" + std::to_string(in_dim) + " inter=" + std::to_string(inter));
   }
   const unsigned blocks = static_cast<unsigned>((inter + kWarps - 1) / kWarps);
   switch (rows) {
-    case 1: GemvSwiGluKernel<1><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
-    case 2: GemvSwiGluKernel<2><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
-    case 3: GemvSwiGluKernel<3><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
-    default: GemvSwiGluKernel<4><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out); break;
+    case 1:
+      GemvSwiGluKernel<1><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out);
+      break;
+    case 2:
+      GemvSwiGluKernel<2><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out);
+      break;
+    case 3:
+      GemvSwiGluKernel<3><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out);
+      break;
+    default:
+      GemvSwiGluKernel<4><<<blocks, kWarps * 32, 0, stream>>>(in, in_dim, w, inter, out);
+      break;
   }
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();

@@ -16,8 +16,8 @@ __host__ __device__ __forceinline__ uint64_t Mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-__host__ __device__ __forceinline__ float Uniform(uint64_t seed, uint64_t stream_id,
-                                                  uint64_t index, float scale) {
+__host__ __device__ __forceinline__ float Uniform(uint64_t seed, uint64_t stream_id, uint64_t index,
+                                                  float scale) {
   const uint64_t h = Mix64(Mix64(seed ^ Mix64(stream_id + 0x9e3779b97f4a7c15ull)) + index);
   // 24 random bits -> [0, 1) exactly representable, then [-scale, scale).
   const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
@@ -25,8 +25,8 @@ __host__ __device__ __forceinline__ float Uniform(uint64_t seed, uint64_t stream
 }
 
 template <typename T>
-__global__ void FillUniformKernel(T* __restrict__ out, int64_t n, uint64_t seed,
-                                  uint64_t stream_id, float scale) {
+__global__ void FillUniformKernel(T* __restrict__ out, int64_t n, uint64_t seed, uint64_t stream_id,
+                                  float scale) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = FromFloat<T>(Uniform(seed, stream_id, static_cast<uint64_t>(i), scale));
@@ -41,7 +41,8 @@ Status FillUniformCuda(T* out, int64_t n, uint64_t seed, uint64_t stream_id, flo
   if (n < 0) return InvalidArgument("FillUniformCuda: negative size");
   if (n == 0) return Status::Ok();
   if (out == nullptr) return InvalidArgument("FillUniformCuda: null pointer");
-  FillUniformKernel<T><<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(out, n, seed, stream_id, scale);
+  FillUniformKernel<T>
+      <<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(out, n, seed, stream_id, scale);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }

@@ -58,9 +58,9 @@ __global__ void CopyBlocksKernel(T* k, T* v, const int32_t* pairs, int64_t block
 template <typename T>
 Status CheckLayer(const char* who, const PagedKvLayer<T>& layer, int64_t count) {
   if (layer.kv_heads <= 0 || layer.head_dim <= 0 || count < 0 || count > kMaxGridX) {
-    return InvalidArgument(std::string(who) + ": bad shape kv_heads=" +
-                           std::to_string(layer.kv_heads) + " head_dim=" +
-                           std::to_string(layer.head_dim) + " count=" + std::to_string(count));
+    return InvalidArgument(
+        std::string(who) + ": bad shape kv_heads=" + std::to_string(layer.kv_heads) +
+        " head_dim=" + std::to_string(layer.head_dim) + " count=" + std::to_string(count));
   }
   if (count > 0 && (layer.k == nullptr || layer.v == nullptr)) {
     return InvalidArgument(std::string(who) + ": null cache pointer");
@@ -148,22 +148,23 @@ Status CopyKvBlocksCuda(PagedKvLayer<T> layer, const int32_t* pairs, int64_t n_p
   if (pairs == nullptr) return InvalidArgument("CopyKvBlocksCuda: null pointer");
   const int64_t block_elems =
       static_cast<int64_t>(kKvBlockTokensCuda) * layer.kv_heads * layer.head_dim;
-  const unsigned gx = static_cast<unsigned>(std::min<int64_t>((block_elems + kThreads - 1) / kThreads, 64));
+  const unsigned gx =
+      static_cast<unsigned>(std::min<int64_t>((block_elems + kThreads - 1) / kThreads, 64));
   CopyBlocksKernel<T><<<dim3(gx, static_cast<unsigned>(n_pairs)), kThreads, 0, stream>>>(
       layer.k, layer.v, pairs, block_elems);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
 
-#define KDN_PAGED_KV_INSTANTIATE(T)                                                           \
-  template Status WriteKvCuda<T>(const T*, const T*, int64_t, int64_t, const int32_t*,        \
-                                 int64_t, PagedKvLayer<T>, cudaStream_t);                     \
-  template Status WriteKvSlotsCuda<T>(const T*, const T*, int64_t, int64_t, const int64_t*,   \
-                                      PagedKvLayer<T>, cudaStream_t);                         \
-  template Status GatherKvCuda<T>(PagedKvLayer<T>, const int32_t*, int64_t, int64_t, T*,      \
-                                  cudaStream_t);                                              \
-  template Status ScatterKvCuda<T>(const T*, int64_t, const int32_t*, int64_t,                \
-                                   PagedKvLayer<T>, cudaStream_t);                            \
+#define KDN_PAGED_KV_INSTANTIATE(T)                                                             \
+  template Status WriteKvCuda<T>(const T*, const T*, int64_t, int64_t, const int32_t*, int64_t, \
+                                 PagedKvLayer<T>, cudaStream_t);                                \
+  template Status WriteKvSlotsCuda<T>(const T*, const T*, int64_t, int64_t, const int64_t*,     \
+                                      PagedKvLayer<T>, cudaStream_t);                           \
+  template Status GatherKvCuda<T>(PagedKvLayer<T>, const int32_t*, int64_t, int64_t, T*,        \
+                                  cudaStream_t);                                                \
+  template Status ScatterKvCuda<T>(const T*, int64_t, const int32_t*, int64_t, PagedKvLayer<T>, \
+                                   cudaStream_t);                                               \
   template Status CopyKvBlocksCuda<T>(PagedKvLayer<T>, const int32_t*, int64_t, cudaStream_t);
 KDN_PAGED_KV_INSTANTIATE(float)
 KDN_PAGED_KV_INSTANTIATE(__nv_bfloat16)

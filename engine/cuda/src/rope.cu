@@ -19,8 +19,7 @@ constexpr int kMaxHeadDim = 8192;  // cos + sin of a row: 32 KiB of shared memor
 // positions below 2^29), and double sincos (2 ulp) rounded to float agrees
 // with its std::cos/std::sin to within one float ulp.
 __device__ __forceinline__ void RowCosSin(int32_t position, const float* __restrict__ inv_freq,
-                                          int half, const RopeParams& rope, float* cs,
-                                          float* sn) {
+                                          int half, const RopeParams& rope, float* cs, float* sn) {
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   for (int i = tid; i < half; i += blockDim.x * blockDim.y) {
     double s, c;
@@ -62,9 +61,8 @@ __global__ void RopeKernel(T* __restrict__ x, int heads, int head_dim,
 template <typename T>
 __global__ void RopeQkvKernel(T* __restrict__ qkv, int heads, int kv_heads, int head_dim,
                               const int32_t* __restrict__ positions,
-                              const float* __restrict__ inv_freq,
-                              const int64_t* __restrict__ slots, T* __restrict__ k_cache,
-                              T* __restrict__ v_cache, RopeParams rope) {
+                              const float* __restrict__ inv_freq, const int64_t* __restrict__ slots,
+                              T* __restrict__ k_cache, T* __restrict__ v_cache, RopeParams rope) {
   extern __shared__ float cos_sin[];
   const int half = head_dim / 2;
   float* cs = cos_sin;
@@ -116,7 +114,8 @@ Status RopeQkvToCacheCuda(T* qkv, int64_t rows, int heads, int kv_heads, int hea
   }
   const int half = head_dim / 2;
   const int tx = std::min(kThreads, RoundUpToWarp(half));
-  const int ty = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(all_heads, kThreads / tx)));
+  const int ty =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(all_heads, kThreads / tx)));
   const size_t shared_bytes = sizeof(float) * head_dim;
   RopeQkvKernel<T><<<static_cast<unsigned>(rows), dim3(tx, ty), shared_bytes, stream>>>(
       qkv, heads, kv_heads, head_dim, positions, inv_freq, slots, layer.k, layer.v, rope);
@@ -129,9 +128,8 @@ Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t*
                      const float* inv_freq, cudaStream_t stream, const RopeParams& rope) {
   if (rows < 0 || rows > kMaxGridX || heads <= 0 || head_dim <= 0 || head_dim % 2 != 0 ||
       head_dim > kMaxHeadDim || static_cast<int64_t>(heads) * head_dim > INT_MAX) {
-    return InvalidArgument("ApplyRopeCuda: bad shape rows=" + std::to_string(rows) +
-                           " heads=" + std::to_string(heads) +
-                           " head_dim=" + std::to_string(head_dim));
+    return InvalidArgument("ApplyRopeCuda: bad shape rows=" + std::to_string(rows) + " heads=" +
+                           std::to_string(heads) + " head_dim=" + std::to_string(head_dim));
   }
   if (rows == 0) return Status::Ok();
   if (x == nullptr || positions == nullptr || inv_freq == nullptr) {
@@ -149,9 +147,8 @@ Status ApplyRopeCuda(T* x, int64_t rows, int heads, int head_dim, const int32_t*
 
 template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*, const float*,
                                      cudaStream_t, const RopeParams&);
-template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int,
-                                             const int32_t*, const float*, cudaStream_t,
-                                             const RopeParams&);
+template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int, const int32_t*,
+                                             const float*, cudaStream_t, const RopeParams&);
 
 template Status RopeQkvToCacheCuda<float>(float*, int64_t, int, int, int, const int32_t*,
                                           const float*, const int64_t*, PagedKvLayer<float>,

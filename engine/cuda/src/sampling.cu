@@ -70,7 +70,8 @@ __global__ void ArgmaxCombineKernel(const Best* __restrict__ partial, int slices
                                     int32_t* __restrict__ out) {
   const int64_t r = blockIdx.x;
   Best best{NAN, INT64_MAX};
-  for (int s = threadIdx.x; s < slices; s += blockDim.x) best = Better(best, partial[r * slices + s]);
+  for (int s = threadIdx.x; s < slices; s += blockDim.x)
+    best = Better(best, partial[r * slices + s]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     Best other{__shfl_xor_sync(0xffffffffu, best.v, offset),
@@ -108,7 +109,5 @@ Status ArgmaxCuda(const float* logits, int64_t rows, int64_t vocab, int32_t* out
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
-
-
 
 }  // namespace kdn::engine::cuda

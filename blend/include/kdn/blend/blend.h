@@ -69,7 +69,7 @@ struct BlendResult {
   int recomputed_tokens = 0;  // of those, recomputed past the last check layer
   // Cached tokens kept at each check, in order (the last is recomputed_tokens).
   std::vector<int> kept_at_check;
-  int computed_tokens = 0;    // uncached segments and the suffix
+  int computed_tokens = 0;  // uncached segments and the suffix
   // Where the time went: the layers up to the check and the choice of rows,
   // and of all the layers' time, how long the compute waited for the
   // loader to place a layer's cached KV.
@@ -81,8 +81,8 @@ struct BlendResult {
 // holds the fused prompt's KV on return). INVALID_ARGUMENT for a chunk that
 // does not fit the model or its segment, a bad ratio or check layer.
 Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
-                                 std::span<const Segment> segments,
-                                 std::span<const int32_t> suffix, const BlendOptions& options);
+                                 std::span<const Segment> segments, std::span<const int32_t> suffix,
+                                 const BlendOptions& options);
 
 // The rows a check keeps: of the current rows (at `positions`, where
 // cached[p] says whether position p came from a cache), every uncached one
@@ -90,8 +90,8 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
 // row; ties to the earlier row), or `keep` drawn by `rng` with kRandom.
 // Indices into the current rows, ascending. keep at most the cached rows.
 std::vector<int64_t> ChooseRows(std::span<const int64_t> positions, const std::vector<bool>& cached,
-                                std::span<const float> deviation, int64_t keep,
-                                Selection selection, uint64_t seed);
+                                std::span<const float> deviation, int64_t keep, Selection selection,
+                                uint64_t seed);
 
 // KL(p || q) of the next-token distributions softmax(p_logits) and
 // softmax(q_logits): how far a blend's prediction is from full prefill's.

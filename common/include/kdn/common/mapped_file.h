@@ -15,7 +15,8 @@ namespace kdn {
 class MappedFile {
  public:
   // NotFound when there is no such file, InvalidArgument when it is not a
-  // regular file, IoError when it cannot be opened or mapped. An empty file maps to data() == nullptr and size() == 0.
+  // regular file, IoError when it cannot be opened or mapped. An empty file maps to data() ==
+  // nullptr and size() == 0.
   static Result<std::unique_ptr<MappedFile>> Open(const std::filesystem::path& path);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;

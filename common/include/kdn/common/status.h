@@ -15,13 +15,13 @@ namespace kdn {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,  // the caller's input is wrong (bad request, bad flag)
-  kNotFound,         // a file, tensor, key or peer is not there
-  kCorruption,       // data is there but malformed (truncated file, bad header)
-  kUnimplemented,    // well-formed but not supported (unknown architecture)
+  kInvalidArgument,    // the caller's input is wrong (bad request, bad flag)
+  kNotFound,           // a file, tensor, key or peer is not there
+  kCorruption,         // data is there but malformed (truncated file, bad header)
+  kUnimplemented,      // well-formed but not supported (unknown architecture)
   kResourceExhausted,  // no free KV blocks, capacity reached
   kFailedPrecondition,
-  kUnavailable,      // peer down, device missing
+  kUnavailable,  // peer down, device missing
   kDeadlineExceeded,
   kInternal,
   kIoError,
@@ -32,8 +32,7 @@ const char* StatusCodeName(StatusCode code);
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(StatusCode code, std::string message)
-      : code_(code), message_(std::move(message)) {}
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
   static Status Ok() { return Status(); }
 
@@ -51,12 +50,18 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status Corruption(std::string m) { return {StatusCode::kCorruption, std::move(m)}; }
 inline Status Unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
-inline Status ResourceExhausted(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
-inline Status FailedPrecondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
+inline Status ResourceExhausted(std::string m) {
+  return {StatusCode::kResourceExhausted, std::move(m)};
+}
+inline Status FailedPrecondition(std::string m) {
+  return {StatusCode::kFailedPrecondition, std::move(m)};
+}
 inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 inline Status IoError(std::string m) { return {StatusCode::kIoError, std::move(m)}; }
@@ -65,7 +70,7 @@ inline Status IoError(std::string m) { return {StatusCode::kIoError, std::move(m
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {  // NOLINT
     if (std::get<Status>(v_).ok()) {
       v_ = Status(StatusCode::kInternal, "Result constructed from an OK Status");
@@ -95,10 +100,10 @@ class [[nodiscard]] Result {
 #define KDN_CONCAT_(a, b) KDN_CONCAT_INNER_(a, b)
 
 // Returns the Status of `expr` from the enclosing function if it is not OK.
-#define KDN_RETURN_IF_ERROR(expr)            \
-  do {                                       \
-    ::kdn::Status _kdn_st = (expr);          \
-    if (!_kdn_st.ok()) return _kdn_st;       \
+#define KDN_RETURN_IF_ERROR(expr)      \
+  do {                                 \
+    ::kdn::Status _kdn_st = (expr);    \
+    if (!_kdn_st.ok()) return _kdn_st; \
   } while (0)
 
 // `KDN_ASSIGN_OR_RETURN(auto x, MakeX());` binds the value or returns the Status.

@@ -36,8 +36,8 @@ std::vector<FetchedSpan> FetchPrefix(kvbus::ChunkStore& store, const kvbus::KeyC
                                      kvbus::KvDType dtype);
 
 struct PlacedPrefix {
-  int64_t tokens = 0;  // leading tokens the sequence holds, the resident ones counted
-  uint64_t chunks = 0;  // chunks and tail pieces written
+  int64_t tokens = 0;     // leading tokens the sequence holds, the resident ones counted
+  uint64_t chunks = 0;    // chunks and tail pieces written
   uint64_t kv_bytes = 0;  // their KV, in the cache's element type
 };
 

@@ -25,7 +25,7 @@ struct KvRegion {
   kvbus::ChunkKey parent;  // the prefix key, or a transfer key (gap, tail)
   int64_t first = 0;       // first token position
   int64_t count = 0;
-  bool tail = false;       // named by a transfer key: of this request alone
+  bool tail = false;  // named by a transfer key: of this request alone
 };
 
 // `prefix_keys` are the prompt's full-chunk keys (kvbus::PrefixKeys);

@@ -10,12 +10,11 @@
 //     the resident ones that the KDN holds, then of the tail pieces past
 //     them (docs/kvbus.md, "Tail keys"), is queued on the store I/O thread
 //     (none when the pool holds all but less than a chunk of the prompt:
-//     the next turn of a conversation it kept is prepared at once). When the load is in, Advance copies them into
-//     the reserved blocks and reports a PrepareDone with how many leading
-//     tokens it placed; the prefill worker sends none of those.
-//     A request prepared for local prefill (docs/serving.md, "Two paths")
-//     instead computes the prompt tokens it lacks here, in Advance, between
-//     decode steps: all at once when no request runs, else at most
+//     the next turn of a conversation it kept is prepared at once). When the load is in, Advance
+//     copies them into the reserved blocks and reports a PrepareDone with how many leading tokens
+//     it placed; the prefill worker sends none of those. A request prepared for local prefill
+//     (docs/serving.md, "Two paths") instead computes the prompt tokens it lacks here, in Advance,
+//     between decode steps: all at once when no request runs, else at most
 //     local_prefill_step_tokens per step, so that running streams keep
 //     their pace. Its first token is drawn here, reported as a
 //     LocalPrefillDone, and it joins the batch with no Start (events from
@@ -184,22 +183,22 @@ struct DecoderStats {
   int running = 0;   // in the batch
   int free_kv_blocks = 0;
   int total_kv_blocks = 0;
-  uint64_t chunks_loaded = 0;  // chunks and tail pieces placed from the KDN at Prepare
+  uint64_t chunks_loaded = 0;        // chunks and tail pieces placed from the KDN at Prepare
   uint64_t kv_bytes_loaded = 0;      // their KV, copied into the pool
   uint64_t resident_hit_tokens = 0;  // prompt tokens attached from the pool at Prepare
   engine::ResidentStats resident;    // the pool's resident index
   // Of finished conversations' chunks handed to the store I/O thread:
-  uint64_t chunks_stored = 0;        // Put
-  uint64_t chunks_already_held = 0;  // not Put: the store had them
-  uint64_t chunks_store_failed = 0;  // a Put failed: that chunk and the rest of its conversation
+  uint64_t chunks_stored = 0;         // Put
+  uint64_t chunks_already_held = 0;   // not Put: the store had them
+  uint64_t chunks_store_failed = 0;   // a Put failed: that chunk and the rest of its conversation
   uint64_t chunks_store_dropped = 0;  // never handed over: too many bytes waiting
   uint64_t store_bytes_pending = 0;   // handed over, not yet stored
   // Local prefill (placement's inputs and /metrics):
-  int64_t local_backlog_tokens = 0;    // prompt tokens of local prefills still to compute
-  double step_ms = 0;                  // decode steps, recent average (0: none yet)
-  double prefill_ms_per_token = 0;     // local prefill pieces, recent average (0: none yet)
-  uint64_t local_prefills = 0;         // finished (first token drawn)
-  uint64_t local_prefill_tokens = 0;   // prompt tokens computed by local prefills
+  int64_t local_backlog_tokens = 0;   // prompt tokens of local prefills still to compute
+  double step_ms = 0;                 // decode steps, recent average (0: none yet)
+  double prefill_ms_per_token = 0;    // local prefill pieces, recent average (0: none yet)
+  uint64_t local_prefills = 0;        // finished (first token drawn)
+  uint64_t local_prefill_tokens = 0;  // prompt tokens computed by local prefills
 };
 
 class Decoder {
@@ -207,9 +206,9 @@ class Decoder {
   // `fingerprint` is the model's (chunks of another model are never
   // placed); `store` is the worker's KDN view; `staging` is where the kvbus
   // receiver puts pushed layer slices. All borrowed (see above).
-  Decoder(engine::Engine& model, const text::Tokenizer& tokenizer,
-          kvbus::ChunkKey fingerprint, kvbus::ChunkStore& store, kvbus::HostTier& staging,
-          JobThread& store_io, DecoderOptions options);
+  Decoder(engine::Engine& model, const text::Tokenizer& tokenizer, kvbus::ChunkKey fingerprint,
+          kvbus::ChunkStore& store, kvbus::HostTier& staging, JobThread& store_io,
+          DecoderOptions options);
   ~Decoder();
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
@@ -226,11 +225,11 @@ class Decoder {
 
   // Step 2. NOT_FOUND, with nothing changed, when `id` is not a prepared
   // request (unknown, started, finished or dropped); INVALID_ARGUMENT when a
-  // Start for it is already waiting, or it is prefilled here (it needs none). Otherwise OK, and the request either
-  // runs (its first event in `out`), fails (its finished event with `error`
-  // in `out`), or waits for its load (a later Advance does the rest).
-  // `first_token_sent`: the router has sent the first token to the client
-  // itself, so the request's events begin at the second (RequestSpec).
+  // Start for it is already waiting, or it is prefilled here (it needs none). Otherwise OK, and the
+  // request either runs (its first event in `out`), fails (its finished event with `error` in
+  // `out`), or waits for its load (a later Advance does the rest). `first_token_sent`: the router
+  // has sent the first token to the client itself, so the request's events begin at the second
+  // (RequestSpec).
   Status Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out);
 
   // Ends a prepared or running request: its "cancelled" event in `out`, its
@@ -263,7 +262,7 @@ class Decoder {
     int64_t held_tokens = -1;           // -1 while the load is out
     std::optional<int32_t> start;       // a Start waiting for the load: its first token
     TimePoint created;
-    uint64_t kv_bytes_loaded = 0;       // placed from the lower tiers
+    uint64_t kv_bytes_loaded = 0;  // placed from the lower tiers
   };
   // From Start to the finish: what storing the conversation needs.
   struct Running {
@@ -312,8 +311,7 @@ class Decoder {
   // Publishes the spans of `tokens` (the KV `seq` holds) in the pool, and
   // hands those past the first `held_tokens`' full chunks to the store.
   void PublishAndStore(uint64_t request_id, const engine::KvSequence& seq,
-                       std::span<const int32_t> tokens, int64_t held_tokens,
-                       const std::string& ns);
+                       std::span<const int32_t> tokens, int64_t held_tokens, const std::string& ns);
   // The Batcher's finish hook: hands the conversation's chunks to the store.
   void StoreConversation(uint64_t id, const engine::KvSequence& seq,
                          const std::vector<int32_t>& generated);

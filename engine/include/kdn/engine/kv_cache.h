@@ -57,11 +57,11 @@ struct KvKey {
 
 // What the resident index holds, for metrics and tests.
 struct ResidentStats {
-  int entries = 0;            // keys indexed
-  int cached_blocks = 0;      // blocks the index holds (some also in sequences)
-  int evictable_blocks = 0;   // of those, held by no sequence
-  uint64_t evictions = 0;     // entries dropped to make room
-  uint64_t copied_blocks = 0; // shared blocks copied before a sequence wrote into them
+  int entries = 0;             // keys indexed
+  int cached_blocks = 0;       // blocks the index holds (some also in sequences)
+  int evictable_blocks = 0;    // of those, held by no sequence
+  uint64_t evictions = 0;      // entries dropped to make room
+  uint64_t copied_blocks = 0;  // shared blocks copied before a sequence wrote into them
 };
 
 // A sequence's view of the cache: its block table and how many tokens of KV
@@ -179,8 +179,8 @@ class KvCache {
   // holds `layers` layer blocks.
   virtual Status ReadRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
                           int64_t count, DType dtype, uint8_t* out) const = 0;
-  virtual Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers,
-                           int64_t first, int64_t count, DType dtype, const uint8_t* in) = 0;
+  virtual Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
+                           int64_t count, DType dtype, const uint8_t* in) = 0;
   // Copies every layer's K and V of block `from` into block `to`.
   virtual Status CopyBlock(int32_t from, int32_t to) = 0;
 
@@ -197,7 +197,9 @@ class KvCache {
   // Reference counting; `index` says whose reference it is.
   void AddRef(int32_t block, bool index);
   void DropRef(int32_t block, bool index);
-  bool Evictable(int32_t block) const { return index_refs_[block] > 0 && refs_[block] == index_refs_[block]; }
+  bool Evictable(int32_t block) const {
+    return index_refs_[block] > 0 && refs_[block] == index_refs_[block];
+  }
   // Drops least recently used entries until `need` blocks are unused or
   // none is left; true when enough are.
   bool EvictFor(size_t need) KDN_EXCLUDES(index_mu_);
@@ -206,7 +208,7 @@ class KvCache {
   int32_t Take();  // an unused block, referenced once
 
   const int num_layers_, num_kv_heads_, head_dim_, num_blocks_;
-  std::vector<int32_t> free_;  // stack of unused block ids
+  std::vector<int32_t> free_;        // stack of unused block ids
   std::vector<int32_t> refs_;        // [block] -> references (sequences and index)
   std::vector<int32_t> index_refs_;  // [block] -> of those, the index's
   int evictable_ = 0;                // blocks that only the index holds

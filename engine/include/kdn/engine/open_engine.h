@@ -60,8 +60,8 @@ bool HasCuda();
 Result<std::unique_ptr<Engine>> OpenEngine(const std::filesystem::path& dir,
                                            const OpenOptions& options);
 // The same from weights in memory (fp32, Hugging Face names).
-Result<std::unique_ptr<Engine>> OpenEngine(const model::ModelConfig& config,
-                                           ModelWeights weights, const OpenOptions& options);
+Result<std::unique_ptr<Engine>> OpenEngine(const model::ModelConfig& config, ModelWeights weights,
+                                           const OpenOptions& options);
 // A model of `config` with generated weights, for benchmarks of real shapes
 // with no weights file: kdn-mkmodel's values from `seed` on the CPU, values
 // drawn on the device itself on a GPU (cuda::CudaEngine::Materialize; an 8B

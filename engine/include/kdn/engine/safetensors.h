@@ -72,7 +72,7 @@ class SafetensorsWriter {
   std::filesystem::path tmp_path_;
   std::vector<Decl> decls_;
   std::FILE* file_ = nullptr;
-  size_t current_ = 0;          // index of the tensor being written
+  size_t current_ = 0;             // index of the tensor being written
   size_t written_in_current_ = 0;  // bytes of it written so far
   std::vector<uint8_t> scratch_;
 };

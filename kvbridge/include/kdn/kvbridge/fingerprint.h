@@ -19,7 +19,7 @@ namespace kdn::kvbridge {
 // produce different KV never share a chunk: not even two fine-tunes of one
 // architecture, which shapes and dtypes alone would confuse.
 kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& config, std::string_view weight_dtype,
-                          std::string_view kv_dtype, uint64_t weights_digest);
+                                 std::string_view kv_dtype, uint64_t weights_digest);
 
 // XXH3-64 over the bytes of the model folder's safetensors files, in the
 // order of their names, or of the whole GGUF file where `model_dir` is one

@@ -32,11 +32,9 @@ engine::DType EngineDType(kvbus::KvDType t);
 // Copies the KV of tokens [first, first + count) of `seq` (fp32 in the cache)
 // into a new chunk of `dtype`, rounding to nearest even. The tokens must be
 // within seq.length().
-Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(const engine::KvCache& cache,
-                                                      const engine::KvSequence& seq, int64_t first,
-                                                      int64_t count, const kvbus::ChunkKey& key,
-                                                      const kvbus::ChunkKey& model_fingerprint,
-                                                      kvbus::KvDType dtype);
+Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
+    const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
+    const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint, kvbus::KvDType dtype);
 
 // Writes a chunk's KV into positions [first, first + tokens) of `seq`, which
 // must have reserved room for them (KvCache::Reserve); does not change
@@ -55,12 +53,10 @@ Status ChunkLayerToPagedKv(const kvbus::Chunk& chunk, int layer, engine::KvCache
 // prefill worker pushes KV to a decode worker as each layer finishes
 // (LayerSliceKey names them). Same contracts as the whole-chunk functions;
 // `layer` is the cache layer read or written.
-Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(const engine::KvCache& cache,
-                                                           const engine::KvSequence& seq,
-                                                           int64_t first, int64_t count, int layer,
-                                                           const kvbus::ChunkKey& key,
-                                                           const kvbus::ChunkKey& model_fingerprint,
-                                                           kvbus::KvDType dtype);
+Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
+    const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
+    int layer, const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint,
+    kvbus::KvDType dtype);
 Status LayerSliceToPagedKv(const kvbus::Chunk& slice, int layer, engine::KvCache& cache,
                            engine::KvSequence& seq, int64_t first);
 

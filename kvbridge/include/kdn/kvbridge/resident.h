@@ -30,8 +30,7 @@ void PublishSpans(engine::KvCache& cache, const engine::KvSequence& seq,
 // the empty sequence `seq` by reference. Returns the tokens attached (0 for
 // none: `seq` stays empty).
 Result<int64_t> AttachResidentPrefix(engine::KvCache& cache, engine::KvSequence& seq,
-                                     const kvbus::KeyContext& ctx,
-                                     std::span<const int32_t> tokens,
+                                     const kvbus::KeyContext& ctx, std::span<const int32_t> tokens,
                                      std::span<const kvbus::ChunkKey> prefix_keys, int64_t limit,
                                      int64_t min_tail_tokens);
 

@@ -29,14 +29,14 @@
 namespace kdn::kvbus {
 
 struct BufferPoolStats {
-  uint64_t acquired = 0;       // Acquire calls served
-  uint64_t reused = 0;         // of those, served from an idle buffer
-  uint64_t mapped = 0;         // buffers mapped (pre-faulted) so far
-  uint64_t unmapped = 0;       // buffers given back to the OS
-  uint64_t outstanding = 0;    // buffers handed out and not yet returned, now
+  uint64_t acquired = 0;     // Acquire calls served
+  uint64_t reused = 0;       // of those, served from an idle buffer
+  uint64_t mapped = 0;       // buffers mapped (pre-faulted) so far
+  uint64_t unmapped = 0;     // buffers given back to the OS
+  uint64_t outstanding = 0;  // buffers handed out and not yet returned, now
   uint64_t outstanding_bytes = 0;
-  uint64_t idle_bytes = 0;     // kept for reuse, now
-  uint64_t pinned = 0;         // buffers the map hook pinned, now mapped
+  uint64_t idle_bytes = 0;  // kept for reuse, now
+  uint64_t pinned = 0;      // buffers the map hook pinned, now mapped
 };
 
 // Called on every buffer the pool maps, and before it unmaps one that

@@ -81,11 +81,11 @@ inline constexpr uint64_t kMaxDecodedBytes = uint64_t{1} << 30;
 Result<std::shared_ptr<const Chunk>> DecodeChunk(std::shared_ptr<const Chunk> chunk);
 
 struct CodecStats {
-  uint64_t encoded = 0;         // chunks encoded by Put
-  uint64_t raw_bytes = 0;       // their raw payloads
-  uint64_t encoded_bytes = 0;   // their encoded payloads
-  uint64_t decoded = 0;         // encoded chunks decoded by Get
-  uint64_t decode_errors = 0;   // encoded chunks that failed to decode (misses)
+  uint64_t encoded = 0;        // chunks encoded by Put
+  uint64_t raw_bytes = 0;      // their raw payloads
+  uint64_t encoded_bytes = 0;  // their encoded payloads
+  uint64_t decoded = 0;        // encoded chunks decoded by Get
+  uint64_t decode_errors = 0;  // encoded chunks that failed to decode (misses)
   double encode_seconds = 0;
   double decode_seconds = 0;
 };

@@ -35,8 +35,7 @@ struct CurveFlag {
       return keys.status();
     }
     if (keys->has_value()) {
-      LogInfo("internal sockets use CURVE (public key {}...)",
-              (*keys)->public_key.substr(0, 8));
+      LogInfo("internal sockets use CURVE (public key {}...)", (*keys)->public_key.substr(0, 8));
     } else {
       LogWarn(
           "internal sockets are plaintext (no --curve-keys): any process that can connect to "

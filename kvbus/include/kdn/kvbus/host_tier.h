@@ -117,8 +117,8 @@ class HostTier : public ChunkStore {
   void TouchLocked(Entry& e) KDN_REQUIRES(mu_);
   // Hands `evicted` to `handler` one at a time, then forgets them as
   // demoting. Must be called without mu_.
-  void Demote(const EvictionHandler& handler,
-              std::vector<std::shared_ptr<const Chunk>> evicted) KDN_EXCLUDES(mu_);
+  void Demote(const EvictionHandler& handler, std::vector<std::shared_ptr<const Chunk>> evicted)
+      KDN_EXCLUDES(mu_);
 
   // Constant after construction.
   const uint64_t capacity_;

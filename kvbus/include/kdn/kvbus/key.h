@@ -41,7 +41,9 @@ struct ChunkKey {
 };
 
 struct ChunkKeyHash {
-  size_t operator()(const ChunkKey& k) const { return static_cast<size_t>(k.lo ^ (k.hi * 0x9e3779b97f4a7c15ull)); }
+  size_t operator()(const ChunkKey& k) const {
+    return static_cast<size_t>(k.lo ^ (k.hi * 0x9e3779b97f4a7c15ull));
+  }
 };
 
 // What, besides the tokens, keys depend on. The model fingerprint comes from

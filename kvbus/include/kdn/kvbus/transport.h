@@ -70,8 +70,8 @@ struct ChunkResult {
 // A snapshot of one batch.
 struct BatchStatus {
   uint64_t batch = 0;
-  bool done = false;                 // every chunk has a final outcome
-  std::vector<ChunkResult> chunks;   // in submission order
+  bool done = false;                // every chunk has a final outcome
+  std::vector<ChunkResult> chunks;  // in submission order
 
   size_t Count(ChunkOutcome outcome) const;
   // OK when done and nothing failed; the first failed chunk's Status (naming
@@ -169,22 +169,22 @@ struct ReceiverOptions {
 };
 
 struct ReceiverStats {
-  uint64_t offers = 0;            // offer messages handled
+  uint64_t offers = 0;  // offer messages handled
   uint64_t chunks_offered = 0;
-  uint64_t chunks_held = 0;       // offered keys the sink already held (skipped)
+  uint64_t chunks_held = 0;  // offered keys the sink already held (skipped)
   uint64_t chunks_granted = 0;
-  uint64_t chunks_received = 0;   // chunk frames that arrived, valid or not
-  uint64_t bytes_received = 0;    // their bytes
-  uint64_t chunks_stored = 0;     // verified and Put into the sink
-  uint64_t duplicates = 0;        // verified but already held on arrival
-  uint64_t chunks_rejected = 0;   // failed verification: never stored
-  uint64_t put_failures = 0;      // the sink refused a verified chunk
-  uint64_t bad_messages = 0;      // undecodable frames, dropped
+  uint64_t chunks_received = 0;  // chunk frames that arrived, valid or not
+  uint64_t bytes_received = 0;   // their bytes
+  uint64_t chunks_stored = 0;    // verified and Put into the sink
+  uint64_t duplicates = 0;       // verified but already held on arrival
+  uint64_t chunks_rejected = 0;  // failed verification: never stored
+  uint64_t put_failures = 0;     // the sink refused a verified chunk
+  uint64_t bad_messages = 0;     // undecodable frames, dropped
   uint64_t leases_expired = 0;
   uint64_t leases_cancelled = 0;
-  uint64_t leased_bytes = 0;      // granted and not yet arrived, now
+  uint64_t leased_bytes = 0;  // granted and not yet arrived, now
   uint64_t peak_leased_bytes = 0;
-  uint64_t waiting_chunks = 0;    // offered, waiting for a slot, now
+  uint64_t waiting_chunks = 0;  // offered, waiting for a slot, now
   // Of chunks_received, those whose bytes landed in the shm segment.
   uint64_t shm_chunks = 0;
   uint64_t shm_bytes = 0;

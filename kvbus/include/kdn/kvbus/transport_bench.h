@@ -29,22 +29,22 @@
 namespace kdn::kvbus {
 
 struct TransportBenchConfig {
-  int chunks = 64;             // moved per run
+  int chunks = 64;  // moved per run
   int chunks_per_batch = 8;
-  int batches_in_flight = 4;   // submitted ahead of the oldest one's Wait
-  ChunkInfo shape{.layers = 32, .kv_heads = 8, .head_dim = 128, .tokens = 64,
-                  .dtype = KvDType::kBF16};
-  uint64_t seed = 1;           // distinct seeds give distinct keys
+  int batches_in_flight = 4;  // submitted ahead of the oldest one's Wait
+  ChunkInfo shape{
+      .layers = 32, .kv_heads = 8, .head_dim = 128, .tokens = 64, .dtype = KvDType::kBF16};
+  uint64_t seed = 1;                          // distinct seeds give distinct keys
   std::chrono::milliseconds timeout{120000};  // per Wait
-  ReceiverOptions receiver;    // tcp-loopback only
-  SenderOptions sender;        // tcp-loopback only
+  ReceiverOptions receiver;                   // tcp-loopback only
+  SenderOptions sender;                       // tcp-loopback only
 };
 
 struct TransportBenchResult {
-  uint64_t chunks = 0;   // not skipped: moved over the wire
-  uint64_t bytes = 0;    // their serialized bytes
+  uint64_t chunks = 0;  // not skipped: moved over the wire
+  uint64_t bytes = 0;   // their serialized bytes
   uint64_t skipped = 0;
-  double seconds = 0;    // first Submit to last Wait
+  double seconds = 0;  // first Submit to last Wait
   double GBps() const { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
 };
 

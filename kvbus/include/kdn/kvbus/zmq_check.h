@@ -22,22 +22,17 @@ inline Status ZmqErrorStatus(int errnum, std::string_view what) {
   switch (errnum) {
     case EINVAL:
     case EPROTONOSUPPORT:
-    case ENOCOMPATPROTO:
-      return InvalidArgument(std::move(m));
+    case ENOCOMPATPROTO: return InvalidArgument(std::move(m));
     case ENOMEM:
-    case EMFILE:
-      return ResourceExhausted(std::move(m));
+    case EMFILE: return ResourceExhausted(std::move(m));
     case EADDRINUSE:
     case EADDRNOTAVAIL:
     case ENODEV:
     case ETERM:
     case EHOSTUNREACH:
-    case ECONNREFUSED:
-      return Unavailable(std::move(m));
-    case EAGAIN:
-      return {StatusCode::kDeadlineExceeded, std::move(m)};
-    default:
-      return IoError(std::move(m));
+    case ECONNREFUSED: return Unavailable(std::move(m));
+    case EAGAIN: return {StatusCode::kDeadlineExceeded, std::move(m)};
+    default: return IoError(std::move(m));
   }
 }
 
@@ -45,11 +40,11 @@ inline Status ZmqErrorStatus(int errnum, std::string_view what) {
 
 // Evaluates `expr` (a cppzmq call); if it throws zmq::error_t, returns its
 // Status from the enclosing function (which returns Status or Result<T>).
-#define KDN_ZMQ_RETURN_IF_ERROR(expr)                                    \
-  do {                                                                   \
-    try {                                                                \
-      (void)(expr);                                                      \
-    } catch (const ::zmq::error_t& _kdn_zmq_e) {                         \
-      return ::kdn::kvbus::ZmqErrorStatus(_kdn_zmq_e.num(), #expr);      \
-    }                                                                    \
+#define KDN_ZMQ_RETURN_IF_ERROR(expr)                               \
+  do {                                                              \
+    try {                                                           \
+      (void)(expr);                                                 \
+    } catch (const ::zmq::error_t& _kdn_zmq_e) {                    \
+      return ::kdn::kvbus::ZmqErrorStatus(_kdn_zmq_e.num(), #expr); \
+    }                                                               \
   } while (0)

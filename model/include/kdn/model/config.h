@@ -92,8 +92,7 @@ struct ModelConfig {
 };
 
 // Parses config.json text. `source` names the file in error messages.
-Result<ModelConfig> ParseModelConfig(const std::string& json_text,
-                                     const std::string& source);
+Result<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source);
 // Reads and parses DIR/config.json, or, where `dir` is a GGUF file
 // (IsGgufPath), the config of its metadata (kdn/model/gguf.h).
 Result<ModelConfig> LoadModelConfig(const std::filesystem::path& dir);

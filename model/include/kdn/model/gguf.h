@@ -107,7 +107,7 @@ struct GgufTensor {
   // ggml's order: dims[0] is the innermost (contiguous) one. A Hugging Face
   // [out, in] matrix is stored as dims {in, out}.
   std::vector<int64_t> dims;
-  uint32_t type = 0;  // a GgmlType; FindGgmlType(type) is never null
+  uint32_t type = 0;              // a GgmlType; FindGgmlType(type) is never null
   const uint8_t* data = nullptr;  // into the mapping; valid while the file lives
   size_t bytes = 0;
 

@@ -23,7 +23,7 @@ namespace kdn::prefill_worker {
 struct PrefillServiceOptions {
   std::string model_dir;
   std::string listen = "tcp://127.0.0.1:0";
-  std::string store_endpoint;  // a kdn-store to share chunks through; empty: none
+  std::string store_endpoint;     // a kdn-store to share chunks through; empty: none
   kvbus::CodecLevel store_codec;  // what chunks are coded at for the store (raw: none)
   std::string name = "prefill-0";
   uint64_t host_bytes = uint64_t{2} << 30;

@@ -75,14 +75,14 @@ struct PrefillJob {
 
 struct PrefillOutcome {
   int32_t first_token = -1;
-  int cached_tokens = 0;    // taken from the KDN (resident or loaded)
-  int resident_tokens = 0;  // of cached_tokens: attached from the pool, no KV moved
-  int tail_tokens = 0;      // of cached_tokens: from tail pieces past the last full chunk
+  int cached_tokens = 0;         // taken from the KDN (resident or loaded)
+  int resident_tokens = 0;       // of cached_tokens: attached from the pool, no KV moved
+  int tail_tokens = 0;           // of cached_tokens: from tail pieces past the last full chunk
   uint64_t kv_bytes_loaded = 0;  // KV copied into the pool from the KDN's lower tiers
-  double load_seconds = 0;  // looking up and placing the cached prefix
-  int computed_tokens = 0;  // run through the model in full
-  int blended_tokens = 0;   // of cached_tokens: fused from documents' KV
-  int recomputed_tokens = 0;  // of blended_tokens: recomputed past the check layer
+  double load_seconds = 0;       // looking up and placing the cached prefix
+  int computed_tokens = 0;       // run through the model in full
+  int blended_tokens = 0;        // of cached_tokens: fused from documents' KV
+  int recomputed_tokens = 0;     // of blended_tokens: recomputed past the check layer
   uint64_t kv_bytes_sent = 0;
   // Layer slices not sent because the decode worker held them: the chunks it
   // said it holds, and slices its receiver answered HELD for.

@@ -58,7 +58,7 @@ struct InjectProgress {
   int stored = 0;        // computed and stored
   int already_held = 0;  // the KDN had them
   int failed = 0;
-  int64_t tokens = 0;    // of the documents done
+  int64_t tokens = 0;                               // of the documents done
   std::vector<std::pair<int, std::string>> errors;  // (document index, message)
 };
 
@@ -67,8 +67,8 @@ struct InjectProgress {
 struct JobEvent {
   enum class Kind { kTokens, kProgress, kDone, kError };
   Kind kind = Kind::kTokens;
-  std::string text;  // kTokens and kDone: new text (may be empty)
-  int tokens = 0;    // kTokens and kDone: tokens this event adds
+  std::string text;           // kTokens and kDone: new text (may be empty)
+  int tokens = 0;             // kTokens and kDone: tokens this event adds
   std::string finish_reason;  // kDone
   Usage usage;                // kDone
   Status error;               // kError
@@ -111,8 +111,7 @@ class Backend {
   // the text of each request's first token. `metrics` (borrowed, may be
   // null) receives per-request figures.
   static Result<std::unique_ptr<Backend>> Start(const BackendOptions& options,
-                                                const text::Tokenizer& tokenizer,
-                                                Metrics* metrics);
+                                                const text::Tokenizer& tokenizer, Metrics* metrics);
   ~Backend();
   Backend(const Backend&) = delete;
   Backend& operator=(const Backend&) = delete;

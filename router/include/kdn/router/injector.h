@@ -67,7 +67,7 @@ class Injector {
   Metrics* const metrics_;
 
   std::map<uint64_t, Injection> injections_;
-  std::map<uint64_t, Part> parts_;            // by message id
+  std::map<uint64_t, Part> parts_;             // by message id
   uint64_t next_part_id_ = uint64_t{1} << 62;  // apart from the jobs' ids
 };
 

@@ -41,13 +41,13 @@ struct ResidentCounters {
 
 // A decode worker's local prefill (proto::LocalPrefill).
 struct LocalPrefillView {
-  int running = 0;              // requests in its decode batch
-  int64_t backlog_tokens = 0;   // local prefill tokens still to compute
-  double step_ms = 0;           // its decode steps, recent average (0: none yet)
+  int running = 0;                  // requests in its decode batch
+  int64_t backlog_tokens = 0;       // local prefill tokens still to compute
+  double step_ms = 0;               // its decode steps, recent average (0: none yet)
   double prefill_ms_per_token = 0;  // its local prefill pieces (0: none yet)
-  int step_tokens = 0;          // its --local-prefill-step-tokens (0: not said)
-  uint64_t requests = 0;        // local prefills finished
-  uint64_t tokens = 0;          // prompt tokens they computed
+  int step_tokens = 0;              // its --local-prefill-step-tokens (0: not said)
+  uint64_t requests = 0;            // local prefills finished
+  uint64_t tokens = 0;              // prompt tokens they computed
 };
 
 struct WorkerGauge {

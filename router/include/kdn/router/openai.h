@@ -36,7 +36,7 @@ json ErrorBody(const ApiError& e);
 
 struct ApiRequest {
   ApiKind kind = ApiKind::kCompletion;
-  std::vector<int32_t> prompt;  // token ids, template applied, documents in place
+  std::vector<int32_t> prompt;     // token ids, template applied, documents in place
   std::optional<BlendSpec> blend;  // set when the prompt has documents
   int max_tokens = control::kDefaultMaxTokens;
   model::SamplingParams sampling;
@@ -44,7 +44,7 @@ struct ApiRequest {
   std::vector<int32_t> stop_ids;  // the end-of-sequence token unless ignore_eos
   bool stream = false;
   bool include_usage = false;
-  std::string cache_salt;  // the tenant's namespace
+  std::string cache_salt;                        // the tenant's namespace
   std::optional<Disaggregation> disaggregation;  // "disaggregation": where the prompt is computed
 };
 
@@ -87,8 +87,8 @@ std::optional<ApiError> ParseInjectRequest(const std::string& body, const Served
 struct Usage {
   int prompt_tokens = 0;
   int completion_tokens = 0;
-  int cached_tokens = 0;  // prompt tokens whose KV came from the KDN
-  bool blended = false;   // a blend request: the two below are reported
+  int cached_tokens = 0;      // prompt tokens whose KV came from the KDN
+  bool blended = false;       // a blend request: the two below are reported
   int blended_tokens = 0;     // of cached_tokens, fused from documents' KV
   int recomputed_tokens = 0;  // of blended_tokens, recomputed by blend
 };

@@ -110,7 +110,7 @@ class RequestFlow {
     // Its decode worker computes the prompt (p == d; docs/serving.md, "Two
     // paths"): no prefill worker, no KV moved, no Start.
     bool local = false;
-    int prefill_retries = 0;         // prefill workers lost before the first token
+    int prefill_retries = 0;  // prefill workers lost before the first token
     std::string transfer_id;
     Usage usage;
     // Every token streamed to the client so far, the first included.

@@ -38,7 +38,6 @@ struct Reservation {
   int64_t local_tokens = 0;    // decode: prompt tokens sent to it to prefill locally
 };
 
-
 struct WorkerView {
   std::string name;  // as the worker reports it; its endpoint until it has
   Role role = Role::kPrefill;
@@ -52,9 +51,9 @@ struct WorkerView {
   int free_kv_blocks = 0;
   int total_kv_blocks = 0;
   int64_t max_context = 0;
-  std::string health;  // a failure the worker reports; empty when none
-  std::string host_id;       // workers on one host share it (kvbus::HostId)
-  std::string kv_transport;  // its --kv-transport
+  std::string health;          // a failure the worker reports; empty when none
+  std::string host_id;         // workers on one host share it (kvbus::HostId)
+  std::string kv_transport;    // its --kv-transport
   std::string kvbus_endpoint;  // where it takes KV (decode); empty: not said
   // KV it moved over kvbus per data plane (sent by a prefill worker,
   // received by a decode worker).
@@ -64,7 +63,7 @@ struct WorkerView {
     double seconds = 0;
   };
   std::vector<TransportCounters> kv_transports;
-  KvCodecCounters kv_codec;  // its KV codec at the kdn-store tier
+  KvCodecCounters kv_codec;        // its KV codec at the kdn-store tier
   uint64_t store_unreachable = 0;  // its kdn-store requests left unanswered
   // decode: what it holds under leases now (proto::WorkerInfo fields 18, 19).
   int leased_kv_blocks = 0;

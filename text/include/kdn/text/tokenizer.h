@@ -92,7 +92,7 @@ class ByteTokenizer final : public Tokenizer {
   int32_t eos_id() const override { return eos_; }
 
  private:
-  std::vector<int32_t> byte_ids_;   // byte -> id
+  std::vector<int32_t> byte_ids_;    // byte -> id
   std::vector<int16_t> id_to_byte_;  // id -> byte, -1 for specials
   int vocab_size_;
   int32_t bos_, eos_;

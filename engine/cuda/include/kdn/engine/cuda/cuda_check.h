@@ -37,11 +37,10 @@ bool CudaDeviceAvailable();
 // enclosing function (which returns kdn::Status or kdn::Result<T>) the Status
 // of CudaErrorToStatus for it, e.g.
 //   KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, n, kind, stream));
-#define KDN_CUDA_RETURN_IF_ERROR(expr)                                            \
-  do {                                                                            \
-    const cudaError_t _kdn_cuda_err = (expr);                                     \
-    if (_kdn_cuda_err != cudaSuccess) {                                           \
-      return ::kdn::engine::cuda::CudaErrorToStatus(_kdn_cuda_err, #expr, __FILE__, \
-                                                    __LINE__);                    \
-    }                                                                             \
+#define KDN_CUDA_RETURN_IF_ERROR(expr)                                                         \
+  do {                                                                                         \
+    const cudaError_t _kdn_cuda_err = (expr);                                                  \
+    if (_kdn_cuda_err != cudaSuccess) {                                                        \
+      return ::kdn::engine::cuda::CudaErrorToStatus(_kdn_cuda_err, #expr, __FILE__, __LINE__); \
+    }                                                                                          \
   } while (0)

@@ -25,8 +25,8 @@ inline constexpr int kGemvMaxRows = 4;
 // out is [rows][out_dim], OutT bf16 or float. Accumulated in fp32, rounded to
 // OutT once.
 template <typename OutT>
-Status GemvCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat16* w,
-                int out_dim, OutT* out, bool accumulate, cudaStream_t stream);
+Status GemvCuda(const __nv_bfloat16* in, int rows, int in_dim, const __nv_bfloat16* w, int out_dim,
+                OutT* out, bool accumulate, cudaStream_t stream);
 
 // The gate/up product and SwiGLU's gate in one pass: w is the stacked
 // [2 * inter][in_dim] gate and up weight, out [rows][inter] =

@@ -39,8 +39,7 @@ struct PagedKvLayer {
 // sequence whose block table is `table`.
 template <typename T>
 Status WriteKvCuda(const T* k_src, const T* v_src, int64_t src_stride, int64_t count,
-                   const int32_t* table, int64_t first, PagedKvLayer<T> layer,
-                   cudaStream_t stream);
+                   const int32_t* table, int64_t first, PagedKvLayer<T> layer, cudaStream_t stream);
 
 // The same for rows of different sequences (a decode step's batch): row r
 // goes to cache slot slots[r] (block id * kKvBlockTokensCuda + row in block,

@@ -34,10 +34,9 @@ template <typename T>
 Status RmsNormCuda(const T* x, const T* weight, float eps, int64_t rows, int dim, T* out,
                    cudaStream_t stream);
 
-extern template Status RmsNormCuda<float>(const float*, const float*, float, int64_t, int,
-                                          float*, cudaStream_t);
-extern template Status RmsNormCuda<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*,
-                                                  float, int64_t, int, __nv_bfloat16*,
-                                                  cudaStream_t);
+extern template Status RmsNormCuda<float>(const float*, const float*, float, int64_t, int, float*,
+                                          cudaStream_t);
+extern template Status RmsNormCuda<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, float,
+                                                  int64_t, int, __nv_bfloat16*, cudaStream_t);
 
 }  // namespace kdn::engine::cuda

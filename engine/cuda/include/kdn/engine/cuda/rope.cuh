@@ -65,19 +65,19 @@ Status RopeQkvToCacheCuda(T* qkv, int64_t rows, int heads, int kv_heads, int hea
                           const int32_t* positions, const float* inv_freq, const int64_t* slots,
                           PagedKvLayer<T> layer, cudaStream_t stream, const RopeParams& rope = {});
 
-extern template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*,
-                                            const float*, cudaStream_t, const RopeParams&);
+extern template Status ApplyRopeCuda<float>(float*, int64_t, int, int, const int32_t*, const float*,
+                                            cudaStream_t, const RopeParams&);
 extern template Status ApplyRopeCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int,
-                                                    const int32_t*, const float*,
-                                                    cudaStream_t, const RopeParams&);
+                                                    const int32_t*, const float*, cudaStream_t,
+                                                    const RopeParams&);
 
 extern template Status RopeQkvToCacheCuda<float>(float*, int64_t, int, int, int, const int32_t*,
-                                                 const float*, const int64_t*,
-                                                 PagedKvLayer<float>, cudaStream_t, const RopeParams&);
+                                                 const float*, const int64_t*, PagedKvLayer<float>,
+                                                 cudaStream_t, const RopeParams&);
 extern template Status RopeQkvToCacheCuda<__nv_bfloat16>(__nv_bfloat16*, int64_t, int, int, int,
                                                          const int32_t*, const float*,
                                                          const int64_t*,
-                                                         PagedKvLayer<__nv_bfloat16>,
-                                                         cudaStream_t, const RopeParams&);
+                                                         PagedKvLayer<__nv_bfloat16>, cudaStream_t,
+                                                         const RopeParams&);
 
 }  // namespace kdn::engine::cuda
