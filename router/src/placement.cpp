@@ -58,7 +58,7 @@ std::optional<size_t> PlacePrefill(const WorkerViews& workers, const Ledger& led
           it == in.segment_tokens_held->end() ? 0.0 : static_cast<double>(it->second);
       cost = n - static_cast<int64_t>(held * (1.0 - in.blend->recompute_ratio));
     } else {
-      cost = n - std::min<int64_t>(held_tokens, n - 1);  // the last token is computed
+      cost = TokensToCompute(in, w);
     }
     cost += LoadOf(workers[w], ledger.at(w)).queue_tokens;
     const int64_t resident = ResidentAt(in, w);
@@ -103,17 +103,17 @@ DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
   return out;
 }
 
+int64_t TokensToCompute(const PlacementInput& in, size_t w) {
+  const auto it = in.prefix->find(w);
+  const int64_t held = it == in.prefix->end() ? 0 : std::max<int64_t>(it->second, 0);
+  return in.tokens - std::min(held, in.tokens - 1);
+}
+
 bool PrefillLocally(const WorkerViews& workers, const Ledger& ledger, const PlacementInput& in,
                     size_t p, size_t d, Disaggregation mode, int64_t max_local_tokens) {
   if (in.blend != nullptr || in.resumed || mode == Disaggregation::kAlways) return false;
   if (mode == Disaggregation::kNever) return true;
-  const int64_t n = in.tokens;
-  const auto lacking = [&](size_t w) {
-    const auto it = in.prefix->find(w);
-    const int64_t held = it == in.prefix->end() ? 0 : std::max<int64_t>(it->second, 0);
-    return n - std::min(held, n - 1);  // the last token is computed
-  };
-  const int64_t local_tokens = lacking(d);
+  const int64_t local_tokens = TokensToCompute(in, d);
   if (local_tokens > max_local_tokens) return false;
   const LocalPrefillView& lp = workers[d].local_prefill;
   const double backlog =
@@ -128,7 +128,7 @@ bool PrefillLocally(const WorkerViews& workers, const Ledger& ledger, const Plac
     local += std::ceil(backlog / step_tokens) * step_cost;
   }
   const double remote =
-      static_cast<double>(lacking(p) + LoadOf(workers[p], ledger.at(p)).queue_tokens);
+      static_cast<double>(TokensToCompute(in, p) + LoadOf(workers[p], ledger.at(p)).queue_tokens);
   return local <= remote;
 }
 

@@ -227,7 +227,7 @@ void RequestFlow::Place(Request& r) {
     LogInfo("{} routed: local prefill on decode {} (holds {} tokens); prefill {} reaches {}",
             ReqId{r.id}, workers_[r.d].name, r.prefix[r.d], workers_[r.p].name, r.prefix[r.p]);
     r.p = r.d;
-    ledger_.ReserveLocal(r.d, in.tokens - std::min(r.prefix[r.d], in.tokens - 1), in.kv_blocks);
+    ledger_.ReserveLocal(r.d, TokensToCompute(in, r.d), in.kv_blocks);
   } else {
     LogInfo("{} routed: prefill {} (reaches {} tokens), decode {} (holds {} tokens)", ReqId{r.id},
             workers_[r.p].name, r.prefix[r.p], workers_[r.d].name, r.job.blend ? 0 : r.prefix[r.d]);

@@ -33,3 +33,15 @@ def deployment(tiny_model, tmp_path_factory):
         yield d
     finally:
         d.down()
+
+
+@pytest.fixture(scope="module")
+def store_deployment(tiny_model, tmp_path_factory):
+    """1 prefill and 1 decode worker with a shared kdn-store, the tiny model;
+    one per test module (each reads its own conversations' counters)."""
+    d = Deployment(tmp_path_factory.mktemp("run-store"), tiny_model, "--store",
+                   "--store-host-mib", 64)
+    try:
+        yield d
+    finally:
+        d.down()

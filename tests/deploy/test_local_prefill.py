@@ -26,16 +26,6 @@ FIRST_TOKENS = 300
 TURN_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def store_deployment(tiny_model, tmp_path_factory):
-    d = Deployment(tmp_path_factory.mktemp("run-local"), tiny_model, "--store",
-                   "--store-host-mib", 64)
-    try:
-        yield d
-    finally:
-        d.down()
-
-
 def engine(model, ids, *flags):
     return generate_ids(model, ids, ANSWER_TOKENS, *flags)
 

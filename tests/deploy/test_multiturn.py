@@ -12,24 +12,11 @@ model's bytes).
 import random
 import time
 
-import pytest
-
-from deploy_util import (CHUNK_TOKENS, Deployment, generate_ids, metric, parse_metrics,
-                         settled_metrics)
+from deploy_util import CHUNK_TOKENS, generate_ids, metric, parse_metrics, settled_metrics
 
 ANSWER_TOKENS = 8
 FIRST_TOKENS = 300       # a full chunk and a tail of 44
 TURN_TOKENS = 40         # each later user message
-
-
-@pytest.fixture(scope="module")
-def store_deployment(tiny_model, tmp_path_factory):
-    d = Deployment(tmp_path_factory.mktemp("run-store"), tiny_model, "--store",
-                   "--store-host-mib", 64)
-    try:
-        yield d
-    finally:
-        d.down()
 
 
 def engine(model, ids, *flags):

@@ -106,6 +106,11 @@ struct DecodePlacement {
 DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
                             const PlacementInput& in);
 
+// The prompt tokens worker `w` would compute for the request: all but the
+// prefix its lookup reached (none when it did not answer), the last token
+// always (its logits draw the first token).
+int64_t TokensToCompute(const PlacementInput& in, size_t w);
+
 // Where the prompt of a request placed at prefill worker `p` and decode
 // worker `d` is computed (docs/serving.md, "Two paths"): true for a local
 // prefill at `d`. Never for a blended or resumed request. kNever: always
