@@ -20,6 +20,15 @@ namespace kdn::kvbus {
 enum class MemoryKind : uint8_t { kHost = 0, kPinnedHost = 1, kDevice = 2 };
 const char* MemoryKindName(MemoryKind kind);
 
+// A byte range of a region: [offset, offset + bytes). A chunk's payload
+// landed in place is a list of them, filled in order (a layer slice: its K
+// rows block by block, then its V rows).
+struct Extent {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  friend bool operator==(const Extent&, const Extent&) = default;
+};
+
 struct Region {
   MemoryKind kind = MemoryKind::kHost;
   int device = -1;  // the device's id for kDevice; -1 otherwise
