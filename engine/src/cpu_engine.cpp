@@ -150,8 +150,14 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config,
   if (blocks <= 0) {
     blocks = static_cast<int>((options.kv_tokens + kKvBlockTokens - 1) / kKvBlockTokens);
   }
-  m->kv_ =
-      std::make_unique<CpuKvCache>(config.num_layers, config.num_kv_heads, config.head_dim, blocks);
+  uint8_t* storage = nullptr;
+  if (options.kv_pool_memory) {
+    KDN_ASSIGN_OR_RETURN(storage,
+                         options.kv_pool_memory(CpuKvCache::StorageBytes(
+                             config.num_layers, config.num_kv_heads, config.head_dim, blocks)));
+  }
+  m->kv_ = std::make_unique<CpuKvCache>(config.num_layers, config.num_kv_heads, config.head_dim,
+                                        blocks, storage);
   return m;
 }
 

@@ -228,6 +228,48 @@ Status KvCache::CheckRows(const KvSequence& seq, int layer0, int layers, int64_t
   return Status::Ok();
 }
 
+Status KvCache::CheckOwned(const KvSequence& seq, int64_t first, int64_t count) const {
+  for (int64_t b = first / kKvBlockTokens; b <= (first + count - 1) / kKvBlockTokens; ++b) {
+    if (refs_[seq.blocks_[b]] > 1) {
+      return FailedPrecondition("KV cache: positions [" + std::to_string(first) + ", " +
+                                std::to_string(first + count) +
+                                ") lie in a block the sequence shares");
+    }
+  }
+  return Status::Ok();
+}
+
+uint64_t KvCache::BlockOffset(int, bool, int32_t) const { return 0; }
+
+Status KvCache::LayerRanges(const KvSequence& seq, int layer, int64_t first, int64_t count,
+                            std::vector<KvPoolRange>* out) const {
+  out->clear();
+  const KvPoolMemory mem = Memory();
+  if (mem.base == nullptr) {
+    return FailedPrecondition("KV cache: this pool is not one addressable region");
+  }
+  KDN_RETURN_IF_ERROR(
+      CheckRows(seq, layer, 1, first, count, mem.dtype, LayerBytes(count, mem.dtype)));
+  if (count == 0) return Status::Ok();
+  KDN_RETURN_IF_ERROR(CheckOwned(seq, first, count));
+  const uint64_t row = static_cast<uint64_t>(token_stride()) * DTypeSize(mem.dtype);
+  for (const bool value : {false, true}) {
+    for (int64_t t = first; t < first + count;) {
+      const int64_t slot = t % kKvBlockTokens;
+      const int64_t run = std::min<int64_t>(kKvBlockTokens - slot, first + count - t);
+      const uint64_t at = BlockOffset(layer, value, seq.blocks_[t / kKvBlockTokens]) + slot * row;
+      const uint64_t bytes = static_cast<uint64_t>(run) * row;
+      if (!out->empty() && out->back().offset + out->back().bytes == at) {
+        out->back().bytes += bytes;
+      } else {
+        out->push_back({at, bytes});
+      }
+      t += run;
+    }
+  }
+  return Status::Ok();
+}
+
 Status KvCache::Read(const KvSequence& seq, int layer, int64_t first, int64_t count, DType dtype,
                      std::span<uint8_t> out) const {
   return ReadLayers(seq, layer, 1, first, count, dtype, out);
@@ -249,22 +291,35 @@ Status KvCache::WriteLayers(KvSequence& seq, int layer0, int layers, int64_t fir
                             DType dtype, std::span<const uint8_t> in) {
   KDN_RETURN_IF_ERROR(CheckRows(seq, layer0, layers, first, count, dtype, in.size()));
   if (count == 0) return Status::Ok();
-  for (int64_t b = first / kKvBlockTokens; b <= (first + count - 1) / kKvBlockTokens; ++b) {
-    if (refs_[seq.blocks_[b]] > 1) {
-      return FailedPrecondition("KV cache: positions [" + std::to_string(first) + ", " +
-                                std::to_string(first + count) +
-                                ") lie in a block the sequence shares");
-    }
-  }
+  KDN_RETURN_IF_ERROR(CheckOwned(seq, first, count));
   return WriteRows(seq.blocks_, layer0, layers, first, count, dtype, in.data());
 }
 
-CpuKvCache::CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
+CpuKvCache::CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks,
+                       uint8_t* storage)
     : KvCache(num_layers, num_kv_heads, head_dim, num_blocks), k_(num_layers), v_(num_layers) {
-  for (int l = 0; l < num_layers; ++l) {
-    k_[l].assign(static_cast<size_t>(num_blocks) * block_stride(), 0.0f);
-    v_[l].assign(static_cast<size_t>(num_blocks) * block_stride(), 0.0f);
+  const uint64_t bytes = StorageBytes(num_layers, num_kv_heads, head_dim, num_blocks);
+  if (storage == nullptr) {
+    own_ = std::make_unique<float[]>(bytes / sizeof(float));  // zeroed
+    pool_ = own_.get();
+  } else {
+    pool_ = reinterpret_cast<float*>(storage);
   }
+  const auto layer = static_cast<size_t>(num_blocks) * block_stride();
+  for (int l = 0; l < num_layers; ++l) {
+    k_[l] = pool_ + 2 * l * layer;
+    v_[l] = k_[l] + layer;
+  }
+}
+
+KvPoolMemory CpuKvCache::Memory() const {
+  return {reinterpret_cast<uint8_t*>(pool_),
+          StorageBytes(num_layers(), num_kv_heads(), head_dim(), num_blocks()), -1, DType::kF32};
+}
+
+uint64_t CpuKvCache::BlockOffset(int layer, bool value, int32_t block) const {
+  const float* at = (value ? v_ : k_)[layer] + static_cast<int64_t>(block) * block_stride();
+  return static_cast<uint64_t>(at - pool_) * sizeof(float);
 }
 
 namespace {
@@ -278,7 +333,7 @@ void ForEachRun(Pool& k, Pool& v, std::span<const int32_t> blocks, int64_t first
     const int64_t slot = t % kKvBlockTokens;
     const int64_t run = std::min<int64_t>(kKvBlockTokens - slot, first + count - t);
     const int64_t at = blocks[t / kKvBlockTokens] * stride * kKvBlockTokens + slot * stride;
-    f(k.data() + at, v.data() + at, static_cast<size_t>(t - first) * row_bytes, run * stride);
+    f(k + at, v + at, static_cast<size_t>(t - first) * row_bytes, run * stride);
     t += run;
   }
 }
@@ -288,8 +343,8 @@ void ForEachRun(Pool& k, Pool& v, std::span<const int32_t> blocks, int64_t first
 Status CpuKvCache::CopyBlock(int32_t from, int32_t to) {
   const auto n = static_cast<size_t>(block_stride());
   for (int l = 0; l < num_layers(); ++l) {
-    std::copy_n(&k_[l][from * n], n, &k_[l][to * n]);
-    std::copy_n(&v_[l][from * n], n, &v_[l][to * n]);
+    std::copy_n(k_[l] + from * n, n, k_[l] + to * n);
+    std::copy_n(v_[l] + from * n, n, v_[l] + to * n);
   }
   return Status::Ok();
 }

@@ -40,6 +40,7 @@ EngineOptions CpuOptions(const OpenOptions& o) {
   EngineOptions e;
   e.kv_tokens = o.kv_tokens;
   e.threads = o.threads;
+  e.kv_pool_memory = o.kv_pool_memory;
   return e;
 }
 

@@ -1,5 +1,6 @@
 #include "kdn/kvbus/chunk.h"
 
+#define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include <xxhash.h>
 
 #include <cstring>
@@ -121,12 +122,19 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::vector<uint8_t> bytes) {
   return Parse(std::shared_ptr<const uint8_t>(owner, owner->data()), size);
 }
 
-Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t> data,
-                                                  size_t size) {
-  if (size < kHeaderBytes) {
-    return Corruption("chunk: " + std::to_string(size) + " bytes, shorter than its header");
+uint64_t PayloadChecksum(const uint8_t* base, std::span<const Extent> extents) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (const Extent& e : extents) XXH3_64bits_update(&state, base + e.offset, e.bytes);
+  return XXH3_64bits_digest(&state);
+}
+
+Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
+  if (header.size() < kHeaderBytes) {
+    return Corruption("chunk: " + std::to_string(header.size()) +
+                      " bytes, shorter than its header");
   }
-  const uint8_t* h = data.get();
+  const uint8_t* h = header.data();
   if (std::memcmp(h, kMagic, 8) != 0) return Corruption("chunk: bad magic");
   if (Get64(h + kOffHeaderSum) != XXH3_64bits(h, kOffHeaderSum)) {
     return Corruption("chunk: header checksum mismatch");
@@ -146,7 +154,8 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
   if (dtype > static_cast<uint32_t>(KvDType::kBF16)) {
     return Corruption("chunk: unknown dtype " + std::to_string(dtype));
   }
-  ChunkInfo info;
+  ChunkHeaderFields f;
+  ChunkInfo& info = f.info;
   info.key = ChunkKey::FromBytes(h + kOffKey);
   info.model_fingerprint = ChunkKey::FromBytes(h + kOffModel);
   info.dtype = static_cast<KvDType>(dtype);
@@ -165,7 +174,8 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
       0x1p62) {
     return Corruption(what + ": impossible shape");
   }
-  const uint64_t payload = Get64(h + kOffPayloadBytes);
+  f.payload_bytes = Get64(h + kOffPayloadBytes);
+  f.payload_checksum = Get64(h + kOffPayloadSum);
   // An encoded chunk names the raw size its stream decodes to (checked again
   // by the decoder); its stored payload may be any size.
   if (info.codec != KvCodec::kRaw && Get64(h + kOffRawBytes) != info.payload_bytes()) {
@@ -173,17 +183,28 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
                       std::to_string(Get64(h + kOffRawBytes)) + " bytes, shape implies " +
                       std::to_string(info.payload_bytes()));
   }
-  const uint64_t expect = info.codec == KvCodec::kRaw ? info.payload_bytes() : payload;
-  if (payload != expect || payload != size - kHeaderBytes) {
-    return Corruption(what + ": header says " + std::to_string(payload) +
-                      " payload bytes, shape implies " + std::to_string(info.payload_bytes()) +
-                      ", " + std::to_string(size - kHeaderBytes) + " present");
+  if (info.codec == KvCodec::kRaw && f.payload_bytes != info.payload_bytes()) {
+    return Corruption(what + ": header says " + std::to_string(f.payload_bytes) +
+                      " payload bytes, shape implies " + std::to_string(info.payload_bytes()));
   }
-  if (Get64(h + kOffPayloadSum) != XXH3_64bits(h + kHeaderBytes, payload)) {
-    return Corruption(what + ": payload checksum mismatch");
+  return f;
+}
+
+Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t> data,
+                                                  size_t size) {
+  KDN_ASSIGN_OR_RETURN(ChunkHeaderFields f, ParseHeader({data.get(), size}));
+  const uint8_t* h = data.get();
+  if (f.payload_bytes != size - kHeaderBytes) {
+    return Corruption("chunk " + f.info.key.ToHex() + ": header says " +
+                      std::to_string(f.payload_bytes) + " payload bytes, shape implies " +
+                      std::to_string(f.info.payload_bytes()) + ", " +
+                      std::to_string(size - kHeaderBytes) + " present");
+  }
+  if (f.payload_checksum != XXH3_64bits(h + kHeaderBytes, f.payload_bytes)) {
+    return Corruption("chunk " + f.info.key.ToHex() + ": payload checksum mismatch");
   }
   std::shared_ptr<Chunk> c(new Chunk());
-  c->info_ = info;
+  c->info_ = f.info;
   c->data_ = std::move(data);
   c->size_ = size;
   return std::shared_ptr<const Chunk>(std::move(c));

@@ -1,12 +1,6 @@
 #pragma once
-// Private to the kvbus transports: the shared-memory segment a receiver
-// lands shm transfers in, and the allocator of its ranges.
-//
-// The segment is a memfd: it needs no name in /dev/shm (so nothing is left
-// behind when a process dies, and /dev/shm's size limit in containers does
-// not apply), and a peer of the same user on the same host maps it through
-// /proc/<pid>/fd/<fd>. A peer that cannot (another host, another pid
-// namespace, another user) finds out when Open fails.
+// Private to the kvbus transports: the allocator of a landing segment's
+// ranges (the segment itself: kdn/kvbus/shared_segment.h).
 
 #include <cstdint>
 #include <map>
@@ -15,35 +9,9 @@
 #include <string>
 
 #include "kdn/common/status.h"
+#include "kdn/kvbus/shared_segment.h"
 
 namespace kdn::kvbus {
-
-class SharedSegment {
- public:
-  // A new segment of `bytes`, mapped read-write. IO_ERROR if the kernel
-  // refuses.
-  static Result<std::unique_ptr<SharedSegment>> Create(uint64_t bytes);
-  // Maps the segment another process created, by its handle(); `bytes` must
-  // be its size. UNAVAILABLE when it cannot be reached from here;
-  // INVALID_ARGUMENT for a malformed handle or a size that differs.
-  static Result<std::unique_ptr<SharedSegment>> Open(const std::string& handle, uint64_t bytes);
-  ~SharedSegment();
-  SharedSegment(const SharedSegment&) = delete;
-  SharedSegment& operator=(const SharedSegment&) = delete;
-
-  uint8_t* data() const { return data_; }
-  uint64_t bytes() const { return bytes_; }
-  // "memfd:<pid>:<fd>"; empty for an opened (not created) segment.
-  const std::string& handle() const { return handle_; }
-
- private:
-  SharedSegment(int fd, uint8_t* data, uint64_t bytes, std::string handle)
-      : fd_(fd), data_(data), bytes_(bytes), handle_(std::move(handle)) {}
-  int fd_;  // -1 for an opened segment (closed once mapped)
-  uint8_t* data_;
-  uint64_t bytes_;
-  std::string handle_;
-};
 
 // First-fit ranges of a segment, page-aligned, coalesced on free. Not
 // thread-safe (the receiver's I/O thread owns it).

@@ -88,6 +88,15 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
     r->landing_region_ = static_cast<uint32_t>(std::random_device{}() | 1u);
     r->stats_.shm_landing_bytes = options.shm_landing_bytes;
   }
+  if ((options.landing == nullptr) != (options.landing_region == nullptr)) {
+    return InvalidArgument(
+        "kvbus receiver: a landing site needs its region, and a region its site");
+  }
+  if (options.landing_region != nullptr) {
+    do {
+      r->pool_region_ = static_cast<uint32_t>(std::random_device{}() | 1u);
+    } while (r->pool_region_ == r->landing_region_);
+  }
   KDN_ZMQ_RETURN_IF_ERROR(r->socket_.bind(zmq_endpoint));
   KDN_ZMQ_RETURN_IF_ERROR(r->endpoint_ = r->socket_.get(zmq::sockopt::last_endpoint));
   r->next_peer_check_ = TransportClock::now();
@@ -243,7 +252,7 @@ void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
 
 void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
   ++stats_.offers;
-  peer_shm_[peer] = landing_ && m.shm && m.host_id == HostId();
+  peer_shm_[peer] = m.shm && m.host_id == HostId();
   // A kvbus sender splits its offers; a larger one would make decisions
   // frames the receiver cannot encode (and stall its round).
   if (m.entries.size() > kMaxOfferEntries) {
@@ -266,6 +275,20 @@ void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
                             " bytes exceeds the receiver's slot capacity of " +
                             std::to_string(options_.slot_capacity_bytes) + " bytes")});
       continue;
+    }
+    if (options_.landing != nullptr) {
+      // Claimed chunks land in place, each claim by a transfer of its own:
+      // never waiting for slot capacity.
+      if (auto it = leases_.find(LeaseKey{peer, m.batch, e.key});
+          it != leases_.end() && it->second.in_place) {
+        out.push_back(InPlaceDecision(e.key, it->second));  // a repeated offer
+        continue;
+      }
+      if (std::optional<Landing> claim =
+              options_.landing->Claim(e.key, e.bytes - Chunk::kHeaderBytes)) {
+        GrantInPlace(peer, m.batch, e, std::move(*claim), out);
+        continue;
+      }
     }
     if (sink_.Contains(e.key)) {
       ++stats_.chunks_held;
@@ -303,7 +326,7 @@ void TcpReceiver::GrantWaiting(TransportClock::time_point now) {
     WireDecision grant{id.key, WireDecisionKind::kGranted, Status::Ok()};
     // A shm peer gets a range of the segment when one is free; else the
     // bytes come by tcp (a full segment never stalls a transfer).
-    if (auto p = peer_shm_.find(id.peer); p != peer_shm_.end() && p->second) {
+    if (auto p = peer_shm_.find(id.peer); landing_ && p != peer_shm_.end() && p->second) {
       if (std::optional<uint64_t> at = landing_ranges_->Allocate(it->bytes)) {
         lease.landing = true;
         lease.landing_offset = *at;
@@ -325,8 +348,8 @@ void TcpReceiver::GrantWaiting(TransportClock::time_point now) {
 std::optional<TcpReceiver::Lease> TcpReceiver::TakeLease(const LeaseKey& id) {
   auto it = leases_.find(id);
   if (it == leases_.end()) return std::nullopt;
-  const Lease lease = it->second;
-  stats_.leased_bytes -= lease.bytes;
+  Lease lease = std::move(it->second);
+  if (!lease.in_place) stats_.leased_bytes -= lease.bytes;  // claims take no slot capacity
   auto k = leased_keys_.find(id.key);
   if (k != leased_keys_.end() && --k->second <= 0) leased_keys_.erase(k);
   // Last: `id` may be the very entry erased here.
@@ -360,6 +383,8 @@ void TcpReceiver::ExpireLeases(TransportClock::time_point now) {
     if (std::optional<Lease> lease = TakeLease(id)) {
       ++stats_.leases_expired;
       FreeLanding(*lease, /*quarantine=*/true, now);
+      EndClaim(*lease, Unavailable("kvbus: the grant of chunk " + id.key.ToHex() +
+                                   " expired before its bytes came"));
     } else {
       lease_deadlines_.erase(lease_deadlines_.begin());  // an orphan: never loop on it
     }
@@ -393,6 +418,7 @@ void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
       ++stats_.leases_cancelled;
       // A sender cancels only what it is not writing: reusable at once.
       FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+      EndClaim(*lease, Unavailable("kvbus: the sender cancelled chunk " + id.key.ToHex()));
     }
   }
   const std::unordered_set<ChunkKey, ChunkKeyHash> keys(m.keys.begin(), m.keys.end());
@@ -406,6 +432,7 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
                               const zmq::message_t* data) {
   ++stats_.chunks_received;
   const std::optional<Lease> lease = TakeLease(LeaseKey{peer, h.batch, h.key});
+  if (lease && lease->in_place) return HandleInPlace(peer, h, data, *lease);
   // A landing range is given back, once, as soon as the bytes are copied
   // out (or refused), before the verification and the sink's Put.
   bool landing_freed = false;
@@ -507,9 +534,17 @@ Status TcpReceiver::Flush() {
     for (auto& [batch, decisions] : box.decisions) {
       if (decisions.empty()) continue;
       WireDecisions m{batch, std::move(decisions), {}};
-      if (std::any_of(m.decisions.begin(), m.decisions.end(),
-                      [](const WireDecision& d) { return d.region != 0; })) {
+      const auto names = [&](uint32_t region) {
+        return region != 0 &&
+               std::any_of(m.decisions.begin(), m.decisions.end(),
+                           [&](const WireDecision& d) { return d.region == region; });
+      };
+      if (names(landing_region_)) {
         m.regions.push_back(WireRegion{landing_region_, landing_->bytes(), landing_->handle()});
+      }
+      if (names(pool_region_)) {
+        const SharedSegment& pool = *options_.landing_region;
+        m.regions.push_back(WireRegion{pool_region_, pool.bytes(), pool.handle()});
       }
       KDN_RETURN_IF_ERROR(send_to(peer, m));
     }

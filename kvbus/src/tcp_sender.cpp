@@ -355,6 +355,9 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
           Finish(*batch, slot->second, ChunkOutcome::kSkipped, Status::Ok());
           break;
         case WireDecisionKind::kGranted: {
+          // An in-place grant without a region, or into one this sender
+          // could not map, takes the whole chunk by tcp (the receiver puts
+          // it in place).
           const bool mapped = d.region != 0 && table_ids_.count(d.region) != 0;
           if (options_.transport == TransportKind::kShm && !mapped) {
             // Cancelled below with the orphans: the receiver frees the grant.
@@ -372,6 +375,7 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
           if (mapped) {
             out.region = d.region;
             out.offset = d.offset;
+            out.extents = d.extents;
           }
           data_.push_back(std::move(out));
           break;
@@ -491,16 +495,39 @@ Status TcpSender::FlushData() {
   return Status::Ok();
 }
 
+Result<std::vector<uint8_t*>> TcpSender::ResolveGrant(const Outgoing& out) const {
+  // Region id 0 is never registered: an unmapped region is NOT_FOUND.
+  const auto table_id = table_ids_.find(out.region);
+  const uint32_t id = table_id == table_ids_.end() ? 0 : table_id->second;
+  const Chunk& chunk = *out.chunk;
+  std::vector<uint8_t*> at;
+  if (out.extents.empty()) {
+    KDN_ASSIGN_OR_RETURN(uint8_t * dst,
+                         region_table_.Resolve(id, out.offset, chunk.size(), MemoryKind::kHost));
+    at.push_back(dst);
+    return at;
+  }
+  uint64_t total = 0;
+  for (const Extent& x : out.extents) {
+    KDN_ASSIGN_OR_RETURN(uint8_t * dst,
+                         region_table_.Resolve(id, x.offset, x.bytes, MemoryKind::kHost));
+    at.push_back(dst);
+    total += x.bytes;
+  }
+  if (total != chunk.payload().size()) {
+    return InvalidArgument("an in-place grant of " + std::to_string(total) +
+                           " bytes for a payload of " + std::to_string(chunk.payload().size()));
+  }
+  return at;
+}
+
 Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
   sent = false;
   const Chunk& chunk = *out.chunk;
+  const bool in_place = !out.extents.empty();
   if (!out.header_sent) {
-    // Checked against the mapped segment's bounds before a byte is written
-    // (region id 0 is never registered: an unmapped region is NOT_FOUND).
-    const auto table_id = table_ids_.find(out.region);
-    Result<uint8_t*> dst =
-        region_table_.Resolve(table_id == table_ids_.end() ? 0 : table_id->second, out.offset,
-                              chunk.size(), MemoryKind::kHost);
+    // Every range is checked before a byte is written.
+    Result<std::vector<uint8_t*>> dst = ResolveGrant(out);
     if (!dst.ok()) {
       MutexLock lock(mu_);
       auto it = batches_.find(out.batch);
@@ -516,10 +543,25 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
       return Status::Ok();
     }
     const auto t0 = TransportClock::now();
-    std::memcpy(*dst, chunk.bytes().data(), chunk.size());
-    if (options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key())) {
-      (*dst)[chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2] ^=
-          0x5a;
+    uint8_t* middle = nullptr;  // the byte corrupt_data flips
+    if (in_place) {
+      // The payload alone, piece by piece, into the receiver's blocks.
+      const uint8_t* from = chunk.payload().data();
+      uint64_t left = chunk.payload().size() / 2;
+      for (size_t i = 0; i < out.extents.size(); ++i) {
+        std::memcpy((*dst)[i], from, out.extents[i].bytes);
+        if (middle == nullptr && left < out.extents[i].bytes) middle = (*dst)[i] + left;
+        if (middle == nullptr) left -= out.extents[i].bytes;
+        from += out.extents[i].bytes;
+      }
+    } else {
+      std::memcpy((*dst)[0], chunk.bytes().data(), chunk.size());
+      middle = (*dst)[0] +
+               (chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2);
+    }
+    if (options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key()) &&
+        middle != nullptr) {
+      *middle ^= 0x5a;
     }
     {
       MutexLock lock(mu_);
@@ -532,9 +574,11 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
     }
     out.header_sent = true;  // the bytes are in place; only the header is left to go
   }
-  KDN_ASSIGN_OR_RETURN(
-      zmq::message_t header,
-      EncodeWire(WireChunkHeader{out.batch, chunk.key(), chunk.size(), /*landed=*/true}));
+  WireChunkHeader h{out.batch, chunk.key(), chunk.size(), /*landed=*/true, {}};
+  if (in_place) {
+    h.header.assign(reinterpret_cast<const char*>(chunk.bytes().data()), Chunk::kHeaderBytes);
+  }
+  KDN_ASSIGN_OR_RETURN(zmq::message_t header, EncodeWire(h));
   KDN_ASSIGN_OR_RETURN(sent, TrySend(socket_, header, /*more=*/false));
   return Status::Ok();
 }

@@ -106,6 +106,7 @@ class TcpSender final : public Sender {
     bool header_sent = false;  // its header frame is out: its bytes must follow
     uint32_t region = 0;       // granted into the receiver's region (shm); 0: tcp
     uint64_t offset = 0;
+    std::vector<Extent> extents;  // in place: where in `region` the payload goes
   };
   // A receiver's segment this sender has mapped.
   struct PeerRegion {
@@ -126,8 +127,13 @@ class TcpSender final : public Sender {
   Status FlushControl();
   Status FlushData();
   Status SendChunk(Outgoing& out, bool& sent);
-  // Copies the chunk into its granted range and sends the landed header.
+  // Copies the chunk into its granted range (its payload into its extents,
+  // in place) and sends the landed header.
   Status LandChunk(Outgoing& out, bool& sent);
+  // Where `out`'s bytes go in the mapped region: one address per extent (a
+  // whole-chunk grant: one range of the chunk's size). Every range is
+  // checked against the region's bounds before a byte is written.
+  Result<std::vector<uint8_t*>> ResolveGrant(const Outgoing& out) const;
   // Maps the regions a Decisions names (I/O thread). A region that cannot
   // be mapped is left out of regions_ (auto: its grants go by tcp).
   void MapRegions(const std::vector<WireRegion>& regions);
@@ -195,6 +201,11 @@ class TcpReceiver final : public Receiver {
     TransportClock::time_point deadline;
     bool landing = false;         // granted a range of the shm segment:
     uint64_t landing_offset = 0;  // [landing_offset, +bytes)
+    // Claimed by the landing site (kdn/kvbus/transport.h, "Landing in
+    // place"); takes no slot capacity. in_region: the sender was told to
+    // write the payload into the site's region itself.
+    std::optional<Landing> in_place;
+    bool in_region = false;
   };
   struct WaitingOffer {
     LeaseKey id;
@@ -215,6 +226,17 @@ class TcpReceiver final : public Receiver {
   void Handle(const std::string& peer, const zmq::message_t& head, const zmq::message_t* data);
   void HandleOffer(const std::string& peer, const WireOffer& m);
   void HandleChunk(const std::string& peer, const WireChunkHeader& h, const zmq::message_t* data);
+  // Landing in place (tcp_in_place.cpp): grants a claim, and verifies
+  // (and, from a tcp frame, copies) a claimed chunk's payload where it lands.
+  void GrantInPlace(const std::string& peer, uint64_t batch, const WireOfferEntry& e, Landing claim,
+                    std::vector<WireDecision>& out);
+  WireDecision InPlaceDecision(const ChunkKey& key, const Lease& lease) const;
+  void HandleInPlace(const std::string& peer, const WireChunkHeader& h, const zmq::message_t* data,
+                     const Lease& lease);
+  Result<ChunkInfo> LandInPlace(const WireChunkHeader& h, const zmq::message_t* data,
+                                const Landing& claim);
+  // The site hears how an in-place lease ended, if it was one.
+  void EndClaim(const Lease& lease, const Status& status);
   // Verifies `bytes` bytes at `data` as the chunk `h` announced and Puts them
   // into the sink; the ack's status says how it went.
   void Deliver(const WireChunkHeader& h, std::shared_ptr<const uint8_t> data, size_t bytes,
@@ -262,7 +284,8 @@ class TcpReceiver final : public Receiver {
   std::unique_ptr<SharedSegment> landing_;
   std::unique_ptr<RangeAllocator> landing_ranges_;
   uint32_t landing_region_ = 0;                     // its id in grants
-  std::unordered_map<std::string, bool> peer_shm_;  // peers whose offers can take shm grants
+  std::unordered_map<std::string, bool> peer_shm_;  // peers on this host that can write shm
+  uint32_t pool_region_ = 0;  // the landing site's region's id in grants (0: none)
   std::multimap<TransportClock::time_point, std::pair<uint64_t, uint64_t>> quarantine_;
 };
 

@@ -92,6 +92,12 @@ void Fill(const WireDecisions& m, pb::TransportFrame& f) {
         pd->set_kind(pb::DECISION_GRANTED);
         pd->set_region(e.region);
         pd->set_offset(e.offset);
+        pd->set_in_place(e.in_place);
+        for (const Extent& x : e.extents) {
+          pb::Extent* px = pd->add_extents();
+          px->set_offset(x.offset);
+          px->set_bytes(x.bytes);
+        }
         break;
       case WireDecisionKind::kRejected:
         pd->set_kind(pb::DECISION_REJECTED);
@@ -115,6 +121,7 @@ void Fill(const WireChunkHeader& m, pb::TransportFrame& f) {
   SetKey(h, m.key);
   h->set_bytes(m.bytes);
   h->set_landed(m.landed);
+  if (!m.header.empty()) h->set_header(m.header);
 }
 
 void Fill(const WireAcks& m, pb::TransportFrame& f) {
@@ -168,6 +175,12 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
             w.kind = WireDecisionKind::kGranted;
             w.region = d.region();
             w.offset = d.offset();
+            w.in_place = d.in_place();
+            w.extents.reserve(d.extents_size());
+            for (const pb::Extent& x : d.extents()) w.extents.push_back({x.offset(), x.bytes()});
+            if (!w.extents.empty() && (w.region == 0 || !w.in_place)) {
+              return InvalidArgument("kvbus wire: extents outside an in-place grant into a region");
+            }
             break;
           case pb::DECISION_REJECTED:
             w.status = StatusFromWire(d.code(), d.message());
@@ -190,7 +203,7 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
     }
     case pb::TransportFrame::kChunk:
       return WireMessage(WireChunkHeader{f.chunk().batch(), KeyOf(f.chunk()), f.chunk().bytes(),
-                                         f.chunk().landed()});
+                                         f.chunk().landed(), f.chunk().header()});
     case pb::TransportFrame::kAcks: {
       WireAcks m;
       m.acks.reserve(f.acks().acks_size());

@@ -14,6 +14,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/region.h"
 
 namespace kdn::kvbus {
 
@@ -39,6 +40,10 @@ struct WireDecision {
   Status status;        // kRejected: why
   uint32_t region = 0;  // kGranted into a region (0: none): the bytes go at offset
   uint64_t offset = 0;
+  // kGranted in place: the payload goes to these ranges of `region` (empty
+  // with in_place: the whole chunk comes in a frame, the receiver lands it).
+  std::vector<Extent> extents;
+  bool in_place = false;
 };
 // A receiver's region that grants address (proto RegionInfo; kind shm).
 struct WireRegion {
@@ -57,6 +62,7 @@ struct WireChunkHeader {
   ChunkKey key;
   uint64_t bytes = 0;
   bool landed = false;  // the bytes are in the granted region: no frame follows
+  std::string header;   // landed in place: the chunk's header (its payload in the extents)
 };
 
 struct WireAck {

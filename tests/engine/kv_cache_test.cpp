@@ -85,6 +85,56 @@ TEST(KvCache, ReadGivesOneLayersKRowsThenVRowsAcrossBlocks) {
   }
 }
 
+// Bytes written at a layer's pool ranges, in order, are what Read gives
+// back: the layout a transport lands a layer slice in place in.
+TEST(KvCache, LayerRangesAreWhereAReadsBytesLie) {
+  std::vector<uint8_t> storage(CpuKvCache::StorageBytes(3, 2, 4, 6));
+  CpuKvCache cache(3, 2, 4, 6, storage.data());
+  EXPECT_EQ(cache.Memory().base, storage.data());
+  EXPECT_EQ(cache.Memory().bytes, storage.size());
+  KvSequence hold = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(hold, 16).ok());  // so that s's blocks are not the first ones
+  KvSequence s = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(s, 48).ok());
+  // Positions 10..41 of layer 2: part of s's first block, its second, part of its third.
+  const int64_t first = 10, count = 32;
+  std::vector<KvPoolRange> ranges;
+  ASSERT_TRUE(cache.LayerRanges(s, 2, first, count, &ranges).ok());
+  std::vector<uint8_t> bytes(cache.LayerBytes(count, DType::kF32));
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 + 3);
+  uint64_t at = 0;
+  for (const KvPoolRange& r : ranges) {
+    ASSERT_LE(r.offset + r.bytes, storage.size());
+    std::memcpy(storage.data() + r.offset, bytes.data() + at, r.bytes);
+    at += r.bytes;
+  }
+  EXPECT_EQ(at, bytes.size());
+  std::vector<uint8_t> back(bytes.size());
+  ASSERT_TRUE(cache.Read(s, 2, first, count, DType::kF32, back).ok());
+  EXPECT_EQ(back, bytes);
+  // Nothing else of the pool changed: only s's rows of layer 2.
+  std::vector<uint8_t> other(cache.LayerBytes(16, DType::kF32));
+  ASSERT_TRUE(cache.Read(hold, 2, 0, 16, DType::kF32, other).ok());
+  EXPECT_EQ(other, std::vector<uint8_t>(other.size(), 0));
+
+  // Blocks in order run together: one range each for K and V.
+  KvSequence t = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(t, 32).ok());
+  ASSERT_TRUE(cache.LayerRanges(t, 0, 0, 32, &ranges).ok());
+  if (t.blocks()[1] == t.blocks()[0] + 1) {
+    EXPECT_EQ(ranges.size(), 2u);
+  }
+
+  // Refusals: past what the sequence reserved, a layer out of range, a
+  // shared block, a pool that is not one region.
+  EXPECT_EQ(cache.LayerRanges(s, 0, 40, 9, &ranges).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.LayerRanges(s, 3, 0, 1, &ranges).code(), StatusCode::kInvalidArgument);
+  cache.SetLength(s, 48);
+  cache.Publish(s, {4, 4}, 20);
+  EXPECT_EQ(cache.LayerRanges(s, 0, 16, 4, &ranges).code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(cache.LayerRanges(s, 0, 32, 4, &ranges).ok());
+}
+
 TEST(KvCache, WriteThenReadRoundTripsInBf16) {
   CpuKvCache cache(1, 2, 4, 4);
   KvSequence s = cache.NewSequence();

@@ -22,6 +22,7 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/transport_bench.h"
+#include "landing_site.h"
 #include "recording_store.h"
 #include "transport_conformance.h"
 
@@ -551,6 +552,36 @@ INSTANTIATE_TEST_SUITE_P(Shm, TransportConformance,
                                return Connect(endpoint, o);
                              }}),
                          TransportFactoryName);
+
+// Landing in place: the same suite with a landing site that claims every
+// chunk (testing::SinkLandingSite), its payload written into the site's
+// scattered extents by the sender (shm) or put there by the receiver from
+// a tcp frame, verified where it lies, then handed on to the sink.
+uint64_t InPlaceSegmentBytes(const ReceiverOptions& o) {
+  return std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20, uint64_t{256} << 20);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    InPlace, TransportConformance,
+    ::testing::Values(TransportFactory{"tcp_in_place",
+                                       [](ChunkStore& sink, const ReceiverOptions& o) {
+                                         return testing::InPlaceReceiver::Listen(
+                                             sink, o, InPlaceSegmentBytes(o));
+                                       },
+                                       [](const std::string& endpoint, SenderOptions o) {
+                                         o.transport = TransportKind::kTcp;
+                                         return Connect(endpoint, o);
+                                       }},
+                      TransportFactory{"shm_in_place",
+                                       [](ChunkStore& sink, const ReceiverOptions& o) {
+                                         return testing::InPlaceReceiver::Listen(
+                                             sink, o, InPlaceSegmentBytes(o));
+                                       },
+                                       [](const std::string& endpoint, SenderOptions o) {
+                                         o.transport = TransportKind::kShm;
+                                         return Connect(endpoint, o);
+                                       }}),
+    TransportFactoryName);
 
 // ---------------------------------------------------------------------------
 // tcp only.

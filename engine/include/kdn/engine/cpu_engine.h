@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -27,6 +28,10 @@ struct EngineOptions {
   int64_t kv_tokens = 16384;
   // OpenMP/OpenBLAS threads; 0 = all cores.
   int threads = 0;
+  // Where the KV pool lives (CpuKvCache's storage): called once with the
+  // pool's size in bytes; it returns memory that outlives the engine, or an
+  // error that Create returns. Empty: the engine's own memory.
+  std::function<Result<uint8_t*>(uint64_t bytes)> kv_pool_memory;
 };
 
 class CpuEngine final : public Engine {

@@ -55,6 +55,24 @@ struct KvKey {
   friend auto operator<=>(const KvKey&, const KvKey&) = default;
 };
 
+// The memory a cache's pool lives in, for a transport that lands KV in
+// place (docs/kvbus.md, "Landing in place"): `bytes` at `base`, host memory
+// (device -1) or device memory of `device`, elements of `dtype`. A null
+// base: the pool cannot be addressed as one region.
+struct KvPoolMemory {
+  uint8_t* base = nullptr;
+  uint64_t bytes = 0;
+  int device = -1;
+  DType dtype = DType::kF32;
+};
+
+// A byte range of KvPoolMemory: [offset, offset + bytes) from its base.
+struct KvPoolRange {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  friend bool operator==(const KvPoolRange&, const KvPoolRange&) = default;
+};
+
 // What the resident index holds, for metrics and tests.
 struct ResidentStats {
   int entries = 0;             // keys indexed
@@ -167,6 +185,19 @@ class KvCache {
   // On the engine's thread, as free_blocks().
   ResidentStats resident_stats() const KDN_EXCLUDES(index_mu_);
 
+  // The pool's memory (base null when it is not one addressable region).
+  virtual KvPoolMemory Memory() const { return {}; }
+  // Where one layer's KV of positions [first, first + count) of `seq` lies
+  // in Memory(): its K rows, then its V rows, each as runs of consecutive
+  // bytes (adjacent runs merged), in the order of a layer's bytes that Read
+  // gives in the pool's own dtype (a layer slice's payload). A transport
+  // writes a slice there in place, as Write would, so the same checks
+  // apply: INVALID_ARGUMENT for positions or a layer out of range,
+  // FAILED_PRECONDITION for positions in a block `seq` shares or a pool
+  // that cannot be addressed. Replaces `out`'s contents.
+  Status LayerRanges(const KvSequence& seq, int layer, int64_t first, int64_t count,
+                     std::vector<KvPoolRange>* out) const;
+
   // Bytes Read fills and Write takes for `count` tokens of one layer.
   size_t LayerBytes(int64_t count, DType dtype) const {
     return static_cast<size_t>(2 * count * token_stride()) * DTypeSize(dtype);
@@ -183,6 +214,10 @@ class KvCache {
                            int64_t count, DType dtype, const uint8_t* in) = 0;
   // Copies every layer's K and V of block `from` into block `to`.
   virtual Status CopyBlock(int32_t from, int32_t to) = 0;
+  // Where block `block`'s K (or V, `value`) of `layer` starts in Memory(),
+  // in bytes; block_stride() elements follow. Backends whose Memory() has
+  // a base define it.
+  virtual uint64_t BlockOffset(int layer, bool value, int32_t block) const;
 
  private:
   friend class KvSequence;
@@ -193,6 +228,9 @@ class KvCache {
   };
   Status CheckRows(const KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
                    DType dtype, size_t bytes) const;
+  // FAILED_PRECONDITION when a block under [first, first + count) of `seq`
+  // is shared (written in place, it would change another holder's KV).
+  Status CheckOwned(const KvSequence& seq, int64_t first, int64_t count) const;
   void Release(std::vector<int32_t>& blocks, size_t keep);
   // Reference counting; `index` says whose reference it is.
   void AddRef(int32_t block, bool index);
@@ -222,10 +260,20 @@ class KvCache {
 };
 
 // The CPU backend's cache: fp32 pools in host memory, which the CPU engine
-// reads and writes in place through the accessors below.
+// reads and writes in place through the accessors below. All of it is one
+// region, [layer][K, V][block][slot][kv_head][head_dim]: its own memory, or
+// `storage` (StorageBytes of it, zeroed or not, borrowed: it must outlive
+// the cache), such as a shared segment a transport's sender maps to land
+// KV in place.
 class CpuKvCache final : public KvCache {
  public:
-  CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks);
+  CpuKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks,
+             uint8_t* storage = nullptr);
+  static uint64_t StorageBytes(int num_layers, int num_kv_heads, int head_dim, int num_blocks) {
+    return uint64_t{2} * num_layers * num_blocks * kKvBlockTokens * num_kv_heads * head_dim *
+           sizeof(float);
+  }
+  KvPoolMemory Memory() const override;
 
   float* Key(int layer, int32_t block) { return &k_[layer][block * block_stride()]; }
   float* Value(int layer, int32_t block) { return &v_[layer][block * block_stride()]; }
@@ -253,9 +301,12 @@ class CpuKvCache final : public KvCache {
   Status WriteRows(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
                    int64_t count, DType dtype, const uint8_t* in) override;
   Status CopyBlock(int32_t from, int32_t to) override;
+  uint64_t BlockOffset(int layer, bool value, int32_t block) const override;
 
  private:
-  std::vector<std::vector<float>> k_, v_;  // [layer] -> pool
+  std::unique_ptr<float[]> own_;  // the pool, unless storage was given
+  float* pool_ = nullptr;
+  std::vector<float*> k_, v_;  // [layer] -> its K (V) pool, num_blocks blocks
 };
 
 }  // namespace kdn::engine

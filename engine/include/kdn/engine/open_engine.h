@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -46,6 +47,8 @@ struct OpenOptions {
   double gpu_mem_fraction = 0;
   // cpu only: OpenMP/OpenBLAS threads, 0 = all cores.
   int threads = 0;
+  // cpu only: where the KV pool lives (EngineOptions::kv_pool_memory).
+  std::function<Result<uint8_t*>(uint64_t bytes)> kv_pool_memory;
   // cuda only: the longest Prefill call or row pass, and the largest decode
   // batch (they size the activation buffers).
   int64_t max_prefill_tokens = 32768;

@@ -19,6 +19,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/region.h"
 
 namespace kdn::kvbus {
 
@@ -55,6 +56,18 @@ struct ChunkInfo {
   }
 };
 
+// A chunk's header read on its own, its payload elsewhere (a layer slice
+// landed in place: docs/kvbus.md, "Landing in place").
+struct ChunkHeaderFields {
+  ChunkInfo info;
+  uint64_t payload_bytes = 0;     // stored
+  uint64_t payload_checksum = 0;  // XXH3-64 of them
+};
+
+// The XXH3-64 of the bytes of `extents` of `base`, in order: a payload's
+// checksum when its bytes lie in pieces (the same value as over one piece).
+uint64_t PayloadChecksum(const uint8_t* base, std::span<const Extent> extents);
+
 class Chunk {
  public:
   static constexpr size_t kHeaderBytes = 128;
@@ -81,6 +94,11 @@ class Chunk {
   // write to those bytes afterwards (chunks are immutable).
   static Result<std::shared_ptr<const Chunk>> Parse(std::shared_ptr<const uint8_t> data,
                                                     size_t size);
+  // Parses and verifies a header of kHeaderBytes alone (magic, its own
+  // checksum, version, codec, dtype, a possible shape, and a payload size
+  // that agrees with the shape); its payload is the caller's to check
+  // against payload_checksum. CORRUPTION naming what is wrong otherwise.
+  static Result<ChunkHeaderFields> ParseHeader(std::span<const uint8_t> header);
 
   const ChunkInfo& info() const { return info_; }
   const ChunkKey& key() const { return info_.key; }

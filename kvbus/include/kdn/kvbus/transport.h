@@ -11,6 +11,14 @@
 // TransportKind::kAuto picks shm when the two ends share a host and the
 // receiver has a landing segment, tcp otherwise (docs/kvbus.md).
 //
+// Landing in place: a receiver given a LandingSite asks it, for each key
+// offered, where that chunk's payload goes (the decode worker: the KV
+// blocks a request reserved). A claimed chunk's payload is written straight
+// there, never into the sink: by the sender itself when it can map the
+// site's region (shm), else by the receiver from the tcp frame. Its header
+// travels on the control connection, and the receiver verifies the payload
+// where it lies (checksum, key, shape) before it tells the site.
+//
 // Asynchronous and batched: Sender::Submit hands over a batch and returns its
 // id at once; Poll or Wait report, per chunk, whether it was sent, skipped
 // (the receiver already held it) or failed, with a Status. Under the hood an
@@ -41,6 +49,8 @@
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/curve.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/region.h"
+#include "kdn/kvbus/shared_segment.h"
 
 namespace kdn::kvbus {
 
@@ -145,6 +155,35 @@ struct SenderStats {
 // slurmd) are told apart as real nodes are. Workers report it.
 const std::string& HostId();
 
+// Where a chunk's payload lands in place (see the top of this file).
+struct Landing {
+  // The site's own name for this claim, handed back to Landed.
+  uint64_t ticket = 0;
+  // In the landing region (ReceiverOptions::landing_region), in payload
+  // order; their bytes add up to the payload's.
+  std::vector<Extent> extents;
+};
+
+// The receiver's questions to whoever owns the landing region. Called on the
+// receiver's I/O thread: thread-safe, quick, and never calling the Receiver.
+class LandingSite {
+ public:
+  virtual ~LandingSite() = default;
+  // `key` is offered with a payload of `payload_bytes`: where it lands, or
+  // none (it goes to the sink, as without a site). Each claim is filled by
+  // a transfer of its own, so a key claimed twice moves twice.
+  virtual std::optional<Landing> Claim(const ChunkKey& key, uint64_t payload_bytes) = 0;
+  // The end of claim `ticket`. `arrived` holds the chunk's header when its
+  // payload landed in the extents and was verified there (key as offered,
+  // raw, payload checksum); the site checks the rest (shape, dtype,
+  // position, model) and returns OK to accept it, or the error the sender
+  // is told. Otherwise `arrived` says why nothing usable landed (the bytes
+  // failed verification, the sender cancelled, the lease ran out) and the
+  // result is ignored. After a failure a slow sender may still be writing
+  // to the extents until one more lease has passed.
+  virtual Status Landed(uint64_t ticket, const Result<ChunkInfo>& arrived) = 0;
+};
+
 struct ReceiverOptions {
   // Bytes of granted but not yet arrived chunks the receiver allows at once
   // (the memory it commits to transfers in flight). A chunk larger than this
@@ -166,6 +205,13 @@ struct ReceiverOptions {
   uint64_t shm_landing_bytes = 0;
   // Set: the socket runs CURVE and admits only senders holding this key.
   std::optional<CurveKeys> curve;
+  // Landing in place (see the top of this file): the site that claims
+  // chunks, and the host memory its extents address, which shm senders on
+  // this host map. Both or neither; borrowed, they must outlive the
+  // Receiver. Claimed chunks take no slot capacity (their memory is the
+  // site's), but no chunk larger than it is claimed.
+  LandingSite* landing = nullptr;
+  const SharedSegment* landing_region = nullptr;
 };
 
 struct ReceiverStats {
@@ -190,6 +236,12 @@ struct ReceiverStats {
   uint64_t shm_bytes = 0;
   uint64_t shm_landing_bytes = 0;  // the segment's size (0: no shm)
   uint64_t shm_landed_bytes = 0;   // of it, granted or quarantined now
+  // Landing in place: claims granted, and chunks verified in place (of
+  // them, written there by the sender over shm; the rest came by tcp and
+  // the receiver copied their payloads).
+  uint64_t in_place_claims = 0;
+  uint64_t in_place_chunks = 0, in_place_bytes = 0;
+  uint64_t in_place_shm_chunks = 0;
 };
 
 // The sending end of one connection to one receiver. Thread-safe: Submit,
