@@ -66,9 +66,14 @@ DecodeRequest RequestFromProto(uint64_t request_id, const proto::PrepareRequest&
 struct DecodeService::Impl {
   // Constant after Start (declared so that what borrows is destroyed first).
   DecodeServiceOptions options;
+  // The CPU engine's KV pool, in a shared segment that prefill workers on
+  // this host map to land pushed slices in place (docs/kvbus.md, "Landing
+  // in place"); null on a GPU. Outlives the engine.
+  std::unique_ptr<kvbus::SharedSegment> pool;
   control::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<kvbus::HostTier> staging;
+  std::unique_ptr<SliceLanding> landing;  // with `pool`
   // The Decoder's kdn-store round trips: loads and stores.
   std::unique_ptr<JobThread> store_io;
   // Lookups on a thread of their own: a router waits on them (about a
@@ -138,7 +143,12 @@ struct DecodeService::Impl {
       lp->set_step_tokens(options.local_prefill_step_tokens);
       lp->set_requests(stats.local_prefills);
       lp->set_tokens(stats.local_prefill_tokens);
+      proto::PushedKv* pk = info->mutable_pushed_kv();
+      pk->set_slices_landed(stats.slices_landed);
+      pk->set_start_copy_bytes(stats.start_copy_bytes);
+      pk->set_quarantined_blocks(stats.quarantined_blocks);
     }
+    if (landing) info->mutable_pushed_kv()->set_landed_bytes(landing->Stats().landed_bytes);
     if (Status h = receiver->Health(); !h.ok()) {
       control::StatusToProto(h, info->mutable_health());
     }
@@ -416,6 +426,13 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   impl->options = options;
   engine::OpenOptions eo = options.engine;
   eo.max_batch = options.max_batch;
+  Impl* raw = impl.get();
+  if (!eo.device.cuda()) {
+    eo.kv_pool_memory = [raw](uint64_t bytes) -> Result<uint8_t*> {
+      KDN_ASSIGN_OR_RETURN(raw->pool, kvbus::SharedSegment::Create(bytes));
+      return raw->pool->data();
+    };
+  }
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint,
@@ -423,8 +440,19 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   impl->staging = std::make_unique<kvbus::HostTier>(options.staging_bytes);
   impl->store_io = std::make_unique<JobThread>(kStoreLanes);
   impl->lookup_io = std::make_unique<JobThread>(1);
-  Impl* raw = impl.get();
+  kvbus::ReceiverOptions ropt;
+  ropt.curve = options.curve;
+  if (options.kv_transport != kvbus::TransportKind::kTcp) {
+    ropt.shm_landing_bytes = options.kv_landing_bytes;
+  }
   DecoderOptions dopt;
+  if (impl->pool) {
+    impl->landing = std::make_unique<SliceLanding>();
+    ropt.landing = impl->landing.get();
+    ropt.landing_region = impl->pool.get();
+    dopt.landing = impl->landing.get();
+    dopt.landing_quarantine = ropt.lease;
+  }
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;
   dopt.local_prefill_step_tokens = options.local_prefill_step_tokens;
@@ -438,11 +466,6 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   impl->decoder =
       std::make_unique<Decoder>(*impl->wm.model, *impl->wm.tokenizer, impl->wm.fingerprint,
                                 *impl->store, *impl->staging, *impl->store_io, dopt);
-  kvbus::ReceiverOptions ropt;
-  ropt.curve = options.curve;
-  if (options.kv_transport != kvbus::TransportKind::kTcp) {
-    ropt.shm_landing_bytes = options.kv_landing_bytes;
-  }
   KDN_ASSIGN_OR_RETURN(impl->receiver, kvbus::Listen(options.kvbus_listen, *impl->staging, ropt));
   impl->kvbus_endpoint = impl->receiver->endpoint();
   const DecoderStats s = impl->decoder->Stats();

@@ -119,7 +119,7 @@ int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded)
   return std::max(placed.tokens, p.resident_tokens);
 }
 
-Status Decoder::PlacePushedSlices(Prepared& p) {
+Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& landed) {
   engine::KvCache& cache = model_.kv_cache();
   const auto n = static_cast<int64_t>(p.request.tokens.size());
   const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
@@ -127,6 +127,7 @@ Status Decoder::PlacePushedSlices(Prepared& p) {
   for (const control::KvRegion& r : regions) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       const kvbus::ChunkKey key = kvbus::LayerSliceKey(r.parent, l);
+      if (landed.count(key) != 0) continue;  // in its blocks already
       auto slice = staging_.Get(key);
       if (!slice.ok()) {
         return Unavailable("layer " + std::to_string(l) + " of the KV of tokens [" +
@@ -139,11 +140,53 @@ Status Decoder::PlacePushedSlices(Prepared& p) {
                           std::to_string(r.count));
       }
       KDN_RETURN_IF_ERROR(kvbridge::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
+      start_copy_bytes_ += (*slice)->payload().size();
       if (r.tail) staging_.Erase(key);  // named for this request alone
     }
   }
   cache.SetLength(p.seq, n);
   return Status::Ok();
+}
+
+void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
+  if (options_.landing == nullptr || p.request.local_prefill) return;
+  engine::KvCache& cache = model_.kv_cache();
+  const auto n = static_cast<int64_t>(p.request.tokens.size());
+  const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
+                                                p.request.transfer_id);
+  const model::ModelConfig& c = model_.config();
+  std::vector<ExpectedSlice> slices;
+  std::vector<engine::KvPoolRange> ranges;
+  for (const control::KvRegion& r : regions) {
+    for (int l = 0; l < cache.num_layers(); ++l) {
+      // A slice whose place cannot be named (not expected: it does not
+      // happen with a pool of one region) comes through staging.
+      if (!cache.LayerRanges(p.seq, l, r.first, r.count, &ranges).ok()) continue;
+      ExpectedSlice s;
+      s.info = kvbus::ChunkInfo{.key = kvbus::LayerSliceKey(r.parent, l),
+                                .model_fingerprint = fingerprint_,
+                                .layers = 1,
+                                .kv_heads = static_cast<uint32_t>(c.num_kv_heads),
+                                .head_dim = static_cast<uint32_t>(c.head_dim),
+                                .tokens = static_cast<uint32_t>(r.count),
+                                .dtype = kvbridge::ChunkDType(cache.Memory().dtype),
+                                .position = r.first};
+      s.extents.reserve(ranges.size());
+      for (const engine::KvPoolRange& x : ranges) s.extents.push_back({x.offset, x.bytes});
+      slices.push_back(std::move(s));
+    }
+  }
+  options_.landing->Expect(id, std::move(slices));
+}
+
+void Decoder::Drop(uint64_t id, Prepared p) {
+  DropOwnSlices(p);
+  if (options_.landing == nullptr || !options_.landing->Forget(id).unsafe) return;
+  // A prefill worker may still be writing into these blocks.
+  LogInfo("{} its {} KV blocks are held back for {} ms: a push into them may still be under way",
+          ReqId{p.request.request_id}, p.seq.blocks().size(), options_.landing_quarantine.count());
+  const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+  quarantine_.emplace_back(now + options_.landing_quarantine, std::move(p.seq));
 }
 
 std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
@@ -194,6 +237,10 @@ DecoderStats Decoder::Stats() const {
   s.prefill_ms_per_token = prefill_ms_per_token_;
   s.local_prefills = local_prefills_;
   s.local_prefill_tokens = local_prefill_tokens_;
+  if (options_.landing != nullptr) s.slices_landed = options_.landing->Stats().landed;
+  s.start_copy_bytes = start_copy_bytes_;
+  for (const auto& [at, seq] : quarantine_)
+    s.quarantined_blocks += static_cast<int>(seq.blocks().size());
   return s;
 }
 
@@ -296,6 +343,7 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
           : p.resident_tokens > 0 && lacking < options_.chunk_tokens;
   if (p.request.blended || no_load) {
     p.held_tokens = p.resident_tokens;
+    ExpectSlices(id, p);
     out->prepared.push_back({id, p.held_tokens, p.resident_tokens});
     if (p.request.local_prefill) QueueLocal(id, p);
   } else {
@@ -330,7 +378,9 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   Prepared p = std::move(it->second);
   prepared_.erase(it);
   const uint64_t request_id = p.request.request_id;
-  Status st = PlacePushedSlices(p);
+  SliceLanding::Settled settled;
+  if (options_.landing != nullptr) settled = options_.landing->Forget(id);
+  Status st = PlacePushedSlices(p, settled.landed);
   if (st.ok()) {
     LogInfo(
         "{} start: first token {}, {} prompt tokens held, {} pushed by the prefill worker "
@@ -343,6 +393,10 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   if (!st.ok()) {
     LogError("{} cannot start: {}", ReqId{request_id}, st.ToString());
     out->events.push_back(Failure(id, std::move(st)));
+    if (settled.unsafe && p.seq.blocks().size() > 0) {
+      const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+      quarantine_.emplace_back(now + options_.landing_quarantine, std::move(p.seq));
+    }
   }
 }
 
@@ -453,8 +507,9 @@ Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
     // its reserved blocks go back with the sequence.
     LogInfo("{} cancel: prepared, never started; its {} KV blocks are freed",
             ReqId{it->second.request.request_id}, it->second.seq.blocks().size());
-    DropOwnSlices(it->second);
+    Prepared p = std::move(it->second);
     prepared_.erase(it);
+    Drop(id, std::move(p));
     TokenEvent e;
     e.id = id;
     e.finished = true;
@@ -482,6 +537,7 @@ void Decoder::Advance(DecoderOutput* out) {
     LogInfo("{} prepared: its KDN gave {} of {} prompt tokens ({} chunks and tail pieces)",
             ReqId{p.request.request_id}, p.held_tokens, p.request.tokens.size(),
             load.chunks.size());
+    ExpectSlices(load.id, p);
     out->prepared.push_back({load.id, p.held_tokens, p.resident_tokens});
     if (p.request.local_prefill) {
       QueueLocal(load.id, p);
@@ -491,6 +547,7 @@ void Decoder::Advance(DecoderOutput* out) {
   }
 
   const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+  while (!quarantine_.empty() && quarantine_.front().first <= now) quarantine_.pop_front();
   for (auto it = prepared_.begin(); it != prepared_.end();) {
     if (it->second.request.local_prefill || now - it->second.created <= options_.prepare_timeout) {
       ++it;
@@ -502,8 +559,10 @@ void Decoder::Advance(DecoderOutput* out) {
         Failure(it->first, Status(StatusCode::kDeadlineExceeded,
                                   "prepared but not started within " +
                                       std::to_string(options_.prepare_timeout.count()) + " ms")));
-    DropOwnSlices(it->second);
+    Prepared p = std::move(it->second);
+    const uint64_t id = it->first;
     it = prepared_.erase(it);
+    Drop(id, std::move(p));
   }
 
   RunLocalPrefills(out);

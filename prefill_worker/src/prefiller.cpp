@@ -92,8 +92,10 @@ struct Prefiller::Push {
         if (bs.chunks[j].outcome == kvbus::ChunkOutcome::kSkipped) {
           ++out->slices_skipped;
         } else {
+          // In the chunks' dtype, the engine's own (bf16 on a GPU).
           out->kv_bytes_sent += static_cast<uint64_t>(regions[j].count) *
-                                self.model_.kv_cache().token_stride() * 2 * sizeof(float);
+                                self.model_.kv_cache().token_stride() * 2 *
+                                kvbus::KvDTypeSize(self.chunk_dtype_);
         }
       }
     }

@@ -313,6 +313,20 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
              "KV bytes a worker copied into its pool from its lower KDN tiers (host, disk, "
              "kdn-store); a resident hit adds nothing.",
              [](const WorkerGauge& w) { return w.resident.kv_bytes_loaded; });
+  // Pushed KV on decode workers (docs/kvbus.md, "Landing in place").
+  per_worker("kdn_worker_kv_landed_slices_total", "counter",
+             "Layer slices a decode worker's kvbus receiver landed in place, in their KV blocks.",
+             [](const WorkerGauge& w) { return w.pushed_kv.slices_landed; });
+  per_worker("kdn_worker_kv_landed_bytes_total", "counter", "Bytes of those slices.",
+             [](const WorkerGauge& w) { return w.pushed_kv.landed_bytes; });
+  per_worker("kdn_worker_kv_start_copy_bytes_total", "counter",
+             "KV bytes a decode worker copied into blocks at Start from its staging tier (0 "
+             "when every pushed slice landed in place).",
+             [](const WorkerGauge& w) { return w.pushed_kv.start_copy_bytes; });
+  per_worker("kdn_worker_kv_quarantined_blocks", "gauge",
+             "KV blocks a decode worker holds back after a request left while a push into them "
+             "may still be under way.",
+             [](const WorkerGauge& w) { return w.pushed_kv.quarantined_blocks; });
   // Local prefill on decode workers (docs/serving.md, "Two paths").
   per_worker("kdn_worker_local_prefills_total", "counter",
              "Prompts a decode worker computed itself (local prefill).",

@@ -111,6 +111,7 @@ std::vector<WorkerGauge> WorkerGauges(const std::vector<WorkerView>& workers) {
     g.kvbus_leased_bytes = w.kvbus_leased_bytes;
     g.resident = w.resident;
     g.local_prefill = w.local_prefill;
+    g.pushed_kv = w.pushed_kv;
     gauges.push_back(std::move(g));
   }
   return gauges;

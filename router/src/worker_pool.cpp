@@ -155,6 +155,9 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   const proto::LocalPrefill& lp = info.local_prefill();
   v.local_prefill = {lp.running(),     lp.backlog_tokens(), lp.step_ms(), lp.prefill_ms_per_token(),
                      lp.step_tokens(), lp.requests(),       lp.tokens()};
+  const proto::PushedKv& pk = info.pushed_kv();
+  v.pushed_kv = {pk.slices_landed(), pk.landed_bytes(), pk.start_copy_bytes(),
+                 pk.quarantined_blocks()};
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {
       LogError("{} is a {} worker, not {}; not using it", v.endpoint, info.role(),

@@ -21,10 +21,13 @@
 //     its second token: the router sends the first). Its prompt's spans
 //     are published in the pool and stored, as a prefill worker does.
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
-//     layer slices into the staging tier and sampled the first token. The
-//     slices are copied into the reserved blocks and the request joins the
-//     continuous batch (Batcher). A Start that comes while the load is still
-//     out waits for it.
+//     layer slices and sampled the first token. With a SliceLanding (the
+//     CPU pool, docs/kvbus.md "Landing in place"), the slices were
+//     registered when the load came in and landed straight in the reserved
+//     blocks: nothing is copied. Otherwise they wait in the staging tier and
+//     are copied into the blocks now (counted in start_copy_bytes). The
+//     request joins the continuous batch (Batcher). A Start that comes
+//     while the load is still out waits for it.
 //  3. Advance: one decode step for every running request; token events out.
 //  4. Finish (length, stop, context, Cancel, or a failed step): the full
 //     chunks of prompt + output that the load did not bring, and the tail
@@ -68,6 +71,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -76,6 +80,7 @@
 #include "kdn/common/status.h"
 #include "kdn/control/prefix_kv.h"
 #include "kdn/decode_worker/batcher.h"
+#include "kdn/decode_worker/slice_landing.h"
 #include "kdn/engine/engine.h"
 #include "kdn/text/tokenizer.h"
 #include "kdn/kvbus/chunk_store.h"
@@ -174,6 +179,14 @@ struct DecoderOptions {
   // steps while requests run (none run: all at once). Bounds what a local
   // prefill adds to the running streams' inter-token latency.
   int local_prefill_step_tokens = 64;
+  // Where pushed slices land in place (borrowed; outlives the Decoder);
+  // null: in the staging tier. Needs a pool addressable as one region
+  // (engine::KvCache::Memory).
+  SliceLanding* landing = nullptr;
+  // Blocks of a request dropped while a sender may still write into them
+  // (SliceLanding::Forget) are reused only this long after: the kvbus
+  // receiver's lease.
+  std::chrono::milliseconds landing_quarantine{30000};
   // Time for prepare_timeout; steady_clock::now when empty (tests inject one).
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
@@ -199,6 +212,11 @@ struct DecoderStats {
   double prefill_ms_per_token = 0;    // local prefill pieces, recent average (0: none yet)
   uint64_t local_prefills = 0;        // finished (first token drawn)
   uint64_t local_prefill_tokens = 0;  // prompt tokens computed by local prefills
+  // Pushed KV: slices that landed in place, and bytes copied into blocks at
+  // Start from the staging tier (0 when every slice landed in place).
+  uint64_t slices_landed = 0;
+  uint64_t start_copy_bytes = 0;
+  int quarantined_blocks = 0;  // held back from reuse, now (landing_quarantine)
 };
 
 class Decoder {
@@ -283,11 +301,19 @@ class Decoder {
   // Places a load's chunks and tail pieces, in order, up to the first that
   // does not go in; returns the leading tokens placed.
   int64_t PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded);
-  Status PlacePushedSlices(Prepared& p);
+  // Takes the slices that landed in place (`landed`) and copies the others
+  // from the staging tier.
+  Status PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& landed);
   // Erases from staging the slices named for this request alone (its
   // partial tail; a blended prompt's whole KV), which only
   // PlacePushedSlices would otherwise have taken.
   void DropOwnSlices(const Prepared& p);
+  // Registers with the SliceLanding the slices prepared request `id` will
+  // be pushed, each where it goes in its blocks (its load is in).
+  void ExpectSlices(uint64_t id, const Prepared& p);
+  // A prepared request leaves without starting: its slices are forgotten
+  // and its blocks, should a sender still be writing, held back.
+  void Drop(uint64_t id, Prepared p);
   // `request_id` (the router's) is for log lines.
   std::vector<std::shared_ptr<const kvbus::Chunk>> CopyOutChunks(
       uint64_t request_id, const engine::KvSequence& seq,
@@ -336,7 +362,9 @@ class Decoder {
   uint64_t resident_hit_tokens_ = 0;
   uint64_t chunks_store_dropped_ = 0;
   std::deque<uint64_t> local_queue_;  // local prefills whose load is in, oldest first
-  double step_ms_ = 0;                // recent averages (exponential)
+  std::deque<std::pair<TimePoint, engine::KvSequence>> quarantine_;  // by release time
+  uint64_t start_copy_bytes_ = 0;
+  double step_ms_ = 0;  // recent averages (exponential)
   double prefill_ms_per_token_ = 0;
   uint64_t local_prefills_ = 0;
   uint64_t local_prefill_tokens_ = 0;

@@ -50,6 +50,14 @@ struct LocalPrefillView {
   uint64_t tokens = 0;              // prompt tokens they computed
 };
 
+// A decode worker's pushed KV (proto PushedKv).
+struct PushedKvView {
+  uint64_t slices_landed = 0;
+  uint64_t landed_bytes = 0;
+  uint64_t start_copy_bytes = 0;
+  int quarantined_blocks = 0;
+};
+
 struct WorkerGauge {
   std::string name;
   std::string role;
@@ -72,6 +80,7 @@ struct WorkerGauge {
   uint64_t kvbus_leased_bytes = 0;
   ResidentCounters resident;
   LocalPrefillView local_prefill;  // decode
+  PushedKvView pushed_kv;          // decode
 };
 
 class Metrics {

@@ -71,6 +71,7 @@ struct WorkerView {
   // Its KV pool as the KDN's first tier (proto::ResidentCounters).
   ResidentCounters resident;
   LocalPrefillView local_prefill;  // decode
+  PushedKvView pushed_kv;          // decode
   // The router's own, not reported: what it routed here since the report.
   Reservation reserved;
 };
