@@ -19,7 +19,11 @@
 //
 // Thread-compatible: one thread at a time calls into an Engine (a worker owns
 // one), except where a method says otherwise. The per-layer hook runs on the
-// calling thread once the layer's KV is in the cache, so it may read it.
+// calling thread once the layer's KV is in the cache, so it may read it. Any
+// thread may be that one, not only the thread that opened the engine: a
+// backend on a device makes its own device current on the calling thread at
+// each entry point (and in its KvCache's reads and writes), so callers never
+// select a device themselves.
 
 #include <cstddef>
 #include <cstdint>

@@ -17,7 +17,12 @@
 // The per-layer hook runs on the calling thread once the layer's KV is in the
 // cache (the stream is synchronized first), so a caller may read it.
 //
-// Thread-compatible otherwise: one thread at a time calls into a CudaEngine.
+// Thread-compatible otherwise: one thread at a time calls into a CudaEngine,
+// and it need not be the thread that made it. Every entry point (and every
+// read, write and copy of its KvCache, and a RowPass's calls) makes
+// options.device current on the calling thread first, so a worker on
+// `cuda:1` may call it from its compute, store I/O and lookup threads, whose
+// current device is otherwise 0.
 
 #include <cstdint>
 #include <memory>
