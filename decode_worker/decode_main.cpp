@@ -53,6 +53,12 @@ int main(int argc, char** argv) {
                  "between two decode steps while requests run; with none running it runs whole")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--local-prefill-call-tokens", o.local_prefill_call_tokens,
+                 "The most prompt tokens one local prefill call computes; on a GPU the engine's "
+                 "activation buffers hold this many rows, and a longer prompt runs in several "
+                 "calls")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   int64_t peer_lease_ms = o.peer_lease.count();
   app.add_option("--peer-lease-ms", peer_lease_ms,
                  "Prepared requests not yet started are let go once the router that sent them "

@@ -423,6 +423,9 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   if (options.local_prefill_step_tokens <= 0) {
     return InvalidArgument("--local-prefill-step-tokens must be positive");
   }
+  if (options.local_prefill_call_tokens <= 0) {
+    return InvalidArgument("--local-prefill-call-tokens must be positive");
+  }
   if (!(options.peer_prepare_share > 0 && options.peer_prepare_share <= 1)) {
     return InvalidArgument("--peer-prepare-share must be in (0, 1]");
   }
@@ -431,6 +434,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   impl->options = options;
   engine::OpenOptions eo = options.engine;
   eo.max_batch = options.max_batch;
+  eo.max_prefill_tokens = options.local_prefill_call_tokens;
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint,

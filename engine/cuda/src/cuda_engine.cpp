@@ -78,6 +78,7 @@ const HostPinning* CudaEngine::host_pinning() const {
   return &pinning;
 }
 int64_t CudaEngine::weight_bytes() const { return impl_->weight_bytes; }
+int64_t CudaEngine::max_prefill_tokens() const { return impl_->max_rows; }
 
 Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                            const PrefillOptions& options, std::vector<float>* logits) {

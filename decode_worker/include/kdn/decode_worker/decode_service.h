@@ -51,12 +51,18 @@ struct DecodeServiceOptions {
   uint64_t staging_bytes = 0;
   int chunk_tokens = 256;
   // Where the engine runs and the KV its paged cache holds (its max_batch
-  // is set from max_batch).
+  // is set from max_batch, its max_prefill_tokens from
+  // local_prefill_call_tokens).
   engine::OpenOptions engine{.kv_tokens = 65536};
   int max_batch = 32;
   // Local prefill (docs/serving.md, "Two paths"): the most prompt tokens
   // computed between two decode steps while requests run.
   int local_prefill_step_tokens = 64;
+  // The most prompt tokens one local prefill call computes: a GPU engine's
+  // activation buffers are sized for this many rows rather than a prefill
+  // worker's 32768 (a decode worker prefills only its conversations' next
+  // turns); a longer prompt is computed in several calls.
+  int64_t local_prefill_call_tokens = 4096;
   // kvbus data plane (kvbus::TransportKind): auto and shm give the receiver
   // a shared-memory landing segment of kv_landing_bytes for prefill workers
   // on this host; tcp gives none.

@@ -91,6 +91,9 @@ class CudaEngine final : public Engine {
   const HostPinning* host_pinning() const override;
   // Bytes of device memory the weights take.
   int64_t weight_bytes() const;
+  // The rows its activation buffers hold: options.max_prefill_tokens (or
+  // max_batch, if larger).
+  int64_t max_prefill_tokens() const override;
 
   // `logits` gets the last token's fp32 logits (or every new token's with
   // options.all_logits).
