@@ -445,12 +445,14 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     impl->options.staging_bytes = StagingBytesFor(model.config(), model.kv_dtype(), pool_tokens,
                                                   options.max_batch, options.chunk_tokens);
     LogInfo(
-        "staging for pushed KV: {} MiB, the {} KV of {} prompts of up to {} tokens, at most "
+        "staging for pushed KV: {:.1f} MiB, the {} KV of {} prompts of up to {} tokens, at most "
         "the pool's {} tokens (--staging-mib sets it)",
-        impl->options.staging_bytes >> 20, engine::DTypeName(model.kv_dtype()), options.max_batch,
+        static_cast<double>(impl->options.staging_bytes) / (1 << 20),
+        engine::DTypeName(model.kv_dtype()), options.max_batch,
         std::min<int64_t>(model.config().max_context, pool_tokens), pool_tokens);
   } else {
-    LogInfo("staging for pushed KV: {} MiB (--staging-mib)", impl->options.staging_bytes >> 20);
+    LogInfo("staging for pushed KV: {:.1f} MiB (--staging-mib)",
+            static_cast<double>(impl->options.staging_bytes) / (1 << 20));
   }
   impl->staging = std::make_unique<kvbus::HostTier>(impl->options.staging_bytes);
   impl->store_io = std::make_unique<JobThread>(kStoreLanes);
