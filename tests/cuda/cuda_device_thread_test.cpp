@@ -89,11 +89,13 @@ TEST(CudaDeviceThread, EveryEntryPointRunsOnTheEnginesDeviceFromAnotherThread) {
   worker.join();
   KDN_ASSERT_OK(st);
   EXPECT_EQ(current_after, o.device);
-  EXPECT_EQ(there.prefill, here.prefill);
-  EXPECT_EQ(there.decode, here.decode);
-  EXPECT_EQ(there.written, here.written);
-  EXPECT_EQ(there.row_pass, here.row_pass);
-  EXPECT_EQ(there.rotated, here.rotated);
+  // The same work on the same device: the same answers, up to the order
+  // of a reduction.
+  EXPECT_TRUE(LogitsClose(there.prefill, here.prefill));
+  EXPECT_TRUE(LogitsClose(there.decode, here.decode));
+  EXPECT_TRUE(LogitsClose(there.row_pass, here.row_pass));
+  EXPECT_TRUE(AllClose(there.written, here.written, {1.0 / 64, 1e-2}));
+  EXPECT_TRUE(AllClose(there.rotated, here.rotated, {1.0 / 64, 1e-2}));
 }
 
 }  // namespace
