@@ -18,7 +18,7 @@
 int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
   kdn::decode_worker::DecodeServiceOptions o;
-  double host_mib = 2048, staging_mib = 2048;
+  double host_mib = 2048, staging_mib = 0;
   CLI::App app{
       "kdn-decode: a decode worker. Prints its control endpoint on stdout once it serves."};
   kdn::LogFlags log_flags;
@@ -35,9 +35,12 @@ int main(int argc, char** argv) {
   app.add_option("--host-mib", host_mib, "Own host-memory KDN tier in MiB")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--staging-mib", staging_mib, "Memory for KV received and not yet used, in MiB")
+  app.add_option("--staging-mib", staging_mib,
+                 "Host memory for KV that prefill workers pushed and no request has used yet, in "
+                 "MiB; 0 sizes it from the model: the KV of --max-batch prompts as long as the KV "
+                 "pool holds, at most the pool's KV (printed at start)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--chunk-tokens", o.chunk_tokens,
                  "Tokens per KV chunk (the same in every process)")
       ->capture_default_str()
@@ -48,6 +51,12 @@ int main(int argc, char** argv) {
   app.add_option("--local-prefill-step-tokens", o.local_prefill_step_tokens,
                  "Prompt tokens a local prefill (the router's --disaggregation) computes "
                  "between two decode steps while requests run; with none running it runs whole")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--local-prefill-call-tokens", o.local_prefill_call_tokens,
+                 "The most prompt tokens one local prefill call computes; on a GPU the engine's "
+                 "activation buffers hold this many rows, and a longer prompt runs in several "
+                 "calls")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   int64_t peer_lease_ms = o.peer_lease.count();

@@ -1,5 +1,6 @@
 #include "kdn/decode_worker/decode_service.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -15,6 +16,7 @@
 #include "kdn/control/convert.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/decode_worker/decoder.h"
+#include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/transport.h"
 
@@ -62,6 +64,19 @@ DecodeRequest RequestFromProto(uint64_t request_id, const proto::PrepareRequest&
 }
 
 }  // namespace
+
+uint64_t StagingBytesFor(const model::ModelConfig& config, engine::DType kv_dtype,
+                         int64_t pool_tokens, int max_batch, int chunk_tokens) {
+  const int64_t longest = std::min<int64_t>(config.max_context, pool_tokens);
+  // longest * max_batch, at most the pool (without overflowing).
+  const int64_t tokens =
+      longest > 0 && max_batch > pool_tokens / longest ? pool_tokens : longest * max_batch;
+  const auto per_token = static_cast<uint64_t>(2 * int64_t{config.num_layers} * config.kv_dim() *
+                                               engine::DTypeSize(kv_dtype));
+  const auto slices = static_cast<uint64_t>((tokens / std::max(chunk_tokens, 1) + max_batch) *
+                                            int64_t{config.num_layers});
+  return static_cast<uint64_t>(tokens) * per_token + slices * kvbus::Chunk::kHeaderBytes;
+}
 
 struct DecodeService::Impl {
   // Constant after Start (declared so that what borrows is destroyed first).
@@ -418,6 +433,9 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   if (options.local_prefill_step_tokens <= 0) {
     return InvalidArgument("--local-prefill-step-tokens must be positive");
   }
+  if (options.local_prefill_call_tokens <= 0) {
+    return InvalidArgument("--local-prefill-call-tokens must be positive");
+  }
   if (!(options.peer_prepare_share > 0 && options.peer_prepare_share <= 1)) {
     return InvalidArgument("--peer-prepare-share must be in (0, 1]");
   }
@@ -426,6 +444,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   impl->options = options;
   engine::OpenOptions eo = options.engine;
   eo.max_batch = options.max_batch;
+  eo.max_prefill_tokens = options.local_prefill_call_tokens;
   Impl* raw = impl.get();
   if (!eo.device.cuda()) {
     eo.kv_pool_memory = [raw](uint64_t bytes) -> Result<uint8_t*> {
@@ -437,7 +456,22 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   KDN_ASSIGN_OR_RETURN(impl->store,
                        control::MakeWorkerStore(options.host_bytes, options.store_endpoint,
                                                 options.store_codec, options.curve));
-  impl->staging = std::make_unique<kvbus::HostTier>(options.staging_bytes);
+  engine::Engine& model = *impl->wm.model;
+  const int64_t pool_tokens = int64_t{model.kv_cache().num_blocks()} * engine::kKvBlockTokens;
+  if (impl->options.staging_bytes == 0) {
+    impl->options.staging_bytes = StagingBytesFor(model.config(), model.kv_dtype(), pool_tokens,
+                                                  options.max_batch, options.chunk_tokens);
+    LogInfo(
+        "staging for pushed KV: {:.1f} MiB, the {} KV of {} prompts of up to {} tokens, at most "
+        "the pool's {} tokens (--staging-mib sets it)",
+        static_cast<double>(impl->options.staging_bytes) / (1 << 20),
+        engine::DTypeName(model.kv_dtype()), options.max_batch,
+        std::min<int64_t>(model.config().max_context, pool_tokens), pool_tokens);
+  } else {
+    LogInfo("staging for pushed KV: {:.1f} MiB (--staging-mib)",
+            static_cast<double>(impl->options.staging_bytes) / (1 << 20));
+  }
+  impl->staging = std::make_unique<kvbus::HostTier>(impl->options.staging_bytes);
   impl->store_io = std::make_unique<JobThread>(kStoreLanes);
   impl->lookup_io = std::make_unique<JobThread>(1);
   kvbus::ReceiverOptions ropt;
@@ -503,5 +537,6 @@ const std::string& DecodeService::kvbus_endpoint() const { return impl_->kvbus_e
 std::string DecodeService::engine_summary() const {
   return control::EngineSummary(*impl_->wm.model);
 }
+uint64_t DecodeService::staging_bytes() const { return impl_->options.staging_bytes; }
 
 }  // namespace kdn::decode_worker

@@ -427,8 +427,10 @@ void Decoder::QueueLocal(uint64_t id, Prepared& p) {
 
 void Decoder::RunLocalPrefills(DecoderOutput* out) {
   // None running: nobody waits on a step, so a prefill runs whole (one
-  // large batch computes faster than pieces).
+  // large batch computes faster than pieces), in as few calls as the
+  // engine's activation buffers allow.
   int64_t budget = batcher_->running() > 0 ? options_.local_prefill_step_tokens : INT64_MAX;
+  const int64_t most = model_.max_prefill_tokens();
   while (budget > 0 && !local_queue_.empty()) {
     const uint64_t id = local_queue_.front();
     auto it = prepared_.find(id);
@@ -439,7 +441,7 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
     Prepared& p = it->second;
     const auto n = static_cast<int64_t>(p.request.tokens.size());
     const int64_t at = p.seq.length();
-    const int64_t take = std::min(budget, n - at);
+    const int64_t take = std::min({budget, n - at, most});
     std::vector<float> logits;
     const auto t0 = std::chrono::steady_clock::now();
     Status st = model_.Prefill(p.seq, {p.request.tokens.data() + at, static_cast<size_t>(take)}, {},

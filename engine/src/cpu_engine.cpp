@@ -171,6 +171,11 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Load(const std::filesystem::path& 
 Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                           const PrefillOptions& options, std::vector<float>* logits) {
   if (tokens.empty()) return InvalidArgument("prefill: no tokens");
+  if (static_cast<int64_t>(tokens.size()) > max_prefill_tokens()) {
+    return InvalidArgument("prefill: " + std::to_string(tokens.size()) +
+                           " tokens in one call; at most " + std::to_string(max_prefill_tokens()) +
+                           " (EngineOptions::max_prefill_tokens)");
+  }
   Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
   return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer, logits);
 }
@@ -502,6 +507,11 @@ Result<std::unique_ptr<RowPass>> CpuEngine::BeginRowPass(KvSequence& seq,
                                                          std::span<const int32_t> tokens,
                                                          std::span<const int64_t> positions) {
   KDN_RETURN_IF_ERROR(CheckRowPass(config_, seq, tokens, positions));
+  if (static_cast<int64_t>(positions.size()) > max_prefill_tokens()) {
+    return InvalidArgument("row pass: " + std::to_string(positions.size()) + " rows; at most " +
+                           std::to_string(max_prefill_tokens()) +
+                           " (EngineOptions::max_prefill_tokens)");
+  }
   return std::unique_ptr<RowPass>(new CpuRowPass(*this, seq, tokens, positions));
 }
 

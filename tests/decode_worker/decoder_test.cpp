@@ -164,6 +164,53 @@ TEST(Decoder, ALocalPrefillRunsInBoundedPiecesBetweenTheRunningRequestsSteps) {
   EXPECT_EQ(t.tokens[*l], Alone(*rig.model, local));
 }
 
+TEST(Decoder, ALocalPrefillGoesInPiecesNoLongerThanTheEnginesLimit) {
+  // An engine that, as a GPU's activation buffers do, refuses a Prefill of
+  // more than 6 tokens; its twin, the same weights without the limit, gives
+  // the answers.
+  DecoderOptions o;
+  o.local_prefill_step_tokens = 16;
+  Rig rig(std::make_unique<GatedStore>(), {.max_prefill_tokens = 6}, o);
+  const auto whole = MakeModel("tiny-qwen2", 7);
+  ASSERT_EQ(rig.model->max_prefill_tokens(), 6);
+  ASSERT_EQ(whole->max_prefill_tokens(), INT64_MAX);
+  Transcript t;
+  // Nothing running: the whole prompt at once, in 7 calls.
+  const DecodeRequest alone = Local(RandomTokens(40, 256, 1), 10);
+  const uint64_t a = PrepareAndLoad(rig, alone, t);
+  RunToEnd(rig, t);
+  ASSERT_EQ(t.prefilled.count(a), 1u);
+  EXPECT_EQ(t.prefilled[a].computed_tokens, 40);
+  EXPECT_TRUE(t.error[a].ok()) << t.error[a].ToString();
+  EXPECT_EQ(t.tokens[a], Alone(*whole, alone));
+  rig.io.Drain();
+
+  // A request running: 16 prompt tokens a step, in calls of at most 6.
+  const DecodeRequest running = Request(RandomTokens(6, 256, 2), 30);
+  const uint64_t r = PrepareAndLoad(rig, running, t);
+  Start(rig, r, PushPrompt(rig, running, 0), t);
+  const DecodeRequest local = Local(RandomTokens(50, 256, 3), 8);
+  DecoderOutput out;
+  auto l = rig.decoder->Prepare(local, &out);
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  t.Add(out);
+  rig.io.Drain();  // its load (a miss)
+  int64_t backlog = 50;
+  for (int step = 1; step <= 4; ++step) {
+    out = {};
+    rig.decoder->Advance(&out);
+    t.Add(out);
+    const int64_t now = rig.decoder->Stats().local_backlog_tokens;
+    EXPECT_EQ(now, std::max<int64_t>(backlog - 16, 0)) << "step " << step;
+    backlog = now;
+  }
+  ASSERT_EQ(t.prefilled.count(*l), 1u);
+  RunToEnd(rig, t);
+  EXPECT_TRUE(t.error[*l].ok()) << t.error[*l].ToString();
+  EXPECT_EQ(t.tokens[r], Alone(*whole, running));
+  EXPECT_EQ(t.tokens[*l], Alone(*whole, local));
+}
+
 TEST(Decoder, ALocalPrefillIsRefusedForBlendedAndResumedRequestsAndNeedsNoStart) {
   Rig rig;
   DecoderOutput out;

@@ -15,6 +15,7 @@
 #include "../engine/test_util.h"
 #include "kdn/engine/generate.h"
 #include "kdn/engine/presets.h"
+#include "kdn/kvbus/chunk.h"
 #include "serving.pb.h"
 
 namespace kdn::decode_worker {
@@ -200,6 +201,44 @@ TEST_F(DecodeServiceTest, BadBudgetAndLeaseAreRefusedAtStart) {
   }
   auto d = DecodeService::Start({.model_dir = dir_.path(), .peer_lease = 0ms});
   EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(StagingBytesFor, IsTheKvOfMaxBatchLongestPromptsAtMostThePools) {
+  auto llama = engine::FindPreset("llama3-8b");
+  ASSERT_TRUE(llama.ok());
+  const model::ModelConfig& c = llama->config;  // 128 KiB of bf16 KV a token, 131072 of context
+  const uint64_t token = 2 * 32 * 1024 * 2;
+  const uint64_t header = kvbus::Chunk::kHeaderBytes;
+  // A pool of 300000 tokens is less than 32 prompts of the whole context: the pool.
+  EXPECT_EQ(StagingBytesFor(c, engine::DType::kBF16, 300000, 32, 256),
+            300000 * token + (300000 / 256 + 32) * 32 * header);
+  // A pool that outgrows 2 prompts of the whole context: those prompts.
+  EXPECT_EQ(StagingBytesFor(c, engine::DType::kBF16, 1000000, 2, 256),
+            2 * 131072 * token + (2 * 131072 / 256 + 2) * 32 * header);
+  // A pool shorter than the context holds one prompt of the pool's length at most.
+  EXPECT_EQ(StagingBytesFor(c, engine::DType::kF32, 4096, 1, 256),
+            4096 * 2 * token + (4096 / 256 + 1) * 32 * header);
+}
+
+TEST_F(DecodeServiceTest, StagingIsSizedFromTheModelUnlessSet) {
+  auto sized = DecodeService::Start({.model_dir = dir_.path(),
+                                     .host_bytes = 16u << 20,
+                                     .chunk_tokens = 16,
+                                     .engine = {.kv_tokens = 256, .threads = 1},
+                                     .max_batch = 4});
+  ASSERT_TRUE(sized.ok()) << sized.status().ToString();
+  auto preset = engine::FindPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  // The CPU engine's fp32 KV of its 256-token pool: 4 prompts of 256 tokens
+  // would be more.
+  EXPECT_EQ((*sized)->staging_bytes(),
+            StagingBytesFor(preset->config, engine::DType::kF32, 256, 4, 16));
+  EXPECT_EQ((*sized)->staging_bytes(),
+            256u * 2 * 2 * 32 * 4 + (256 / 16 + 4) * 2 * kvbus::Chunk::kHeaderBytes);
+  sized->reset();
+  auto set = Start(60s, 1.0);
+  ASSERT_NE(set, nullptr);
+  EXPECT_EQ(set->staging_bytes(), 16u << 20);
 }
 
 }  // namespace

@@ -21,7 +21,11 @@ Result<std::unique_ptr<CudaEngine::Impl>> SetUp(const ModelConfig& config,
 }  // namespace
 
 CudaEngine::CudaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-CudaEngine::~CudaEngine() = default;
+CudaEngine::~CudaEngine() {
+  // The engine may be destroyed on a thread other than the one that used it
+  // last; its buffers, graphs and streams go on its own device.
+  if (impl_ != nullptr) (void)UseDevice(impl_->options.device);
+}
 
 Result<std::unique_ptr<CudaEngine>> CudaEngine::Create(const ModelConfig& config,
                                                        const ModelWeights& weights,
@@ -74,6 +78,7 @@ const HostPinning* CudaEngine::host_pinning() const {
   return &pinning;
 }
 int64_t CudaEngine::weight_bytes() const { return impl_->weight_bytes; }
+int64_t CudaEngine::max_prefill_tokens() const { return impl_->max_rows; }
 
 Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                            const PrefillOptions& options, std::vector<float>* logits) {
@@ -81,6 +86,7 @@ Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
   const ModelConfig& c = m.config;
   const auto n = static_cast<int64_t>(tokens.size());
   if (n == 0) return InvalidArgument("prefill: no tokens");
+  KDN_RETURN_IF_ERROR(UseDevice(m.options.device));
   if (n > m.max_rows) {
     return InvalidArgument("prefill: " + std::to_string(n) + " tokens in one call; at most " +
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
@@ -175,6 +181,7 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<con
   const ModelConfig& c = config;
   const auto batch = static_cast<int64_t>(seqs.size());
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
+  KDN_RETURN_IF_ERROR(UseDevice(options.device));
   if (batch > options.max_batch) {
     return InvalidArgument("decode: batch of " + std::to_string(batch) + " beyond max_batch " +
                            std::to_string(options.max_batch));

@@ -170,7 +170,7 @@ struct CudaEngine::Impl {
   }
 
   Status Setup() {
-    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+    KDN_RETURN_IF_ERROR(UseDevice(options.device));
     KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     KDN_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas));
     KDN_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas, stream));
@@ -187,7 +187,8 @@ struct CudaEngine::Impl {
                                         cudaMemcpyHostToDevice));
     // One block more than asked for: the scratch block of graph padding.
     const int num_blocks = static_cast<int>((options.kv_tokens + 15) / 16) + 1;
-    kv = std::make_unique<DeviceKvCache>(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks);
+    kv = std::make_unique<DeviceKvCache>(options.device, c.num_layers, c.num_kv_heads, c.head_dim,
+                                         num_blocks);
     KDN_RETURN_IF_ERROR(kv->Allocate());
     scratch = kv->NewSequence();
     KDN_RETURN_IF_ERROR(kv->Reserve(scratch, 1));

@@ -37,6 +37,8 @@ class CudaRowPass final : public RowPass {
  public:
   CudaRowPass(CudaEngine::Impl& m, KvSequence& seq, std::vector<int64_t> positions)
       : m_(m), seq_(seq), positions_(std::move(positions)) {}
+  // Its buffers go on the engine's device, whatever thread ends the pass.
+  ~CudaRowPass() override { (void)UseDevice(m_.options.device); }
 
   // Uploads the rows' embeddings, positions, slots and the sequence's table.
   Status Start(std::span<const int32_t> tokens) {
@@ -58,6 +60,7 @@ class CudaRowPass final : public RowPass {
     const ModelConfig& c = m_.config;
     const int l = next_layer_;
     if (l >= c.num_layers) return FailedPrecondition("row pass: every layer has run");
+    KDN_RETURN_IF_ERROR(UseDevice(m_.options.device));
     // A range for Nsight tools (ncu --nvtx --nvtx-include "kdn.row_pass/");
     // free when none is attached.
     nvtxRangePushA("kdn.row_pass");
@@ -90,6 +93,7 @@ class CudaRowPass final : public RowPass {
 
   Status Keep(std::span<const int64_t> rows) override {
     KDN_RETURN_IF_ERROR(CheckKeep(rows, positions_.size()));
+    KDN_RETURN_IF_ERROR(UseDevice(m_.options.device));
     // Compact the kept rows' hidden states to the front, run by run (kept
     // rows only move down, and runs are copied in ascending order).
     const int64_t d = m_.config.hidden_size;
@@ -118,6 +122,7 @@ class CudaRowPass final : public RowPass {
     if (next_layer_ != m_.config.num_layers) {
       return FailedPrecondition("row pass: layers left to run");
     }
+    KDN_RETURN_IF_ERROR(UseDevice(m_.options.device));
     logits->clear();
     return m_.Logits(static_cast<int64_t>(positions_.size()) - 1, 1, logits);
   }
@@ -311,6 +316,7 @@ Result<std::unique_ptr<RowPass>> CudaEngine::BeginRowPass(KvSequence& seq,
     return InvalidArgument("row pass: " + std::to_string(positions.size()) + " rows; at most " +
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
   }
+  KDN_RETURN_IF_ERROR(UseDevice(m.options.device));
   auto pass = std::make_unique<CudaRowPass>(
       m, seq, std::vector<int64_t>(positions.begin(), positions.end()));
   KDN_RETURN_IF_ERROR(pass->Start(tokens));

@@ -73,10 +73,14 @@ Status internal::CheckDevice(const ModelConfig& config, const CudaEngineOptions&
 }
 
 DeviceKvCache::~DeviceKvCache() {
+  // The pools (k_, v_ and the staging arrays) are freed after this, on the
+  // device made current here.
+  (void)UseDevice(device_);
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
 }
 
 Status DeviceKvCache::Allocate() {
+  KDN_RETURN_IF_ERROR(UseDevice(device_));
   KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   k_.resize(num_layers());
   v_.resize(num_layers());
@@ -111,6 +115,7 @@ Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer0, int lay
 Status DeviceKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int layers,
                                int64_t first, int64_t count, DType dtype, uint8_t* out) const {
   std::lock_guard<std::mutex> lock(mu_);
+  KDN_RETURN_IF_ERROR(UseDevice(device_));
   KDN_RETURN_IF_ERROR(Stage(blocks, layer0, layers, first, count, /*gather=*/true));
   const size_t n = static_cast<size_t>(layers * 2 * count * token_stride());
   // bf16 goes straight to the caller's buffer; other types through host_.
@@ -133,6 +138,7 @@ Status DeviceKvCache::ReadRows(std::span<const int32_t> blocks, int layer0, int 
 Status DeviceKvCache::WriteRows(std::span<const int32_t> blocks, int layer0, int layers,
                                 int64_t first, int64_t count, DType dtype, const uint8_t* in) {
   std::lock_guard<std::mutex> lock(mu_);
+  KDN_RETURN_IF_ERROR(UseDevice(device_));
   const size_t n = static_cast<size_t>(layers * 2 * count * token_stride());
   const void* src = in;
   if (dtype != DType::kBF16) {
@@ -154,6 +160,7 @@ Status DeviceKvCache::WriteRows(std::span<const int32_t> blocks, int layer0, int
 
 Status DeviceKvCache::CopyBlock(int32_t from, int32_t to) {
   std::lock_guard<std::mutex> lock(mu_);
+  KDN_RETURN_IF_ERROR(UseDevice(device_));
   const size_t bytes = static_cast<size_t>(block_stride()) * sizeof(bf16);
   for (int l = 0; l < num_layers(); ++l) {
     for (const auto* pool : {&k_[l], &v_[l]}) {
@@ -169,6 +176,7 @@ Status DeviceKvCache::CopyBlock(int32_t from, int32_t to) {
 Status DeviceKvCache::RotateKeys(std::span<const int32_t> blocks, int layer, int64_t first,
                                  int64_t count, int64_t delta, const float* inv_freq) {
   std::lock_guard<std::mutex> lock(mu_);
+  KDN_RETURN_IF_ERROR(UseDevice(device_));
   // Gather, turn the K rows by delta positions (RoPE of position delta is
   // the rotation by delta), scatter back; V goes back as it came.
   KDN_RETURN_IF_ERROR(Stage(blocks, layer, 1, first, count, /*gather=*/true));

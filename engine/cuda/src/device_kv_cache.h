@@ -23,6 +23,18 @@ namespace internal {
 
 using bf16 = __nv_bfloat16;
 
+// Makes `device` current on the calling thread. A worker calls into its engine
+// and its KvCache from threads other than the one that opened it (the compute
+// thread, store I/O and lookup threads, blend's loader), whose current device
+// is 0 until set: so every entry point that touches the device calls this
+// first, or `--device cuda:1` would allocate on device 0 and launch onto a
+// stream of another device. Cheap: cudaSetDevice returns at once when the
+// device is already current.
+inline Status UseDevice(int device) {
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  return Status::Ok();
+}
+
 // A device allocation of n elements of T.
 template <typename T>
 class DeviceArray {
@@ -79,11 +91,12 @@ class PinnedArray {
 // The KV cache in device memory (bf16): the engine's pools, and reads and
 // writes by layer on a stream of its own (KvCache's contract), guarded by
 // mu_ so that the loader thread of a blend and the engine's thread may both
-// use it.
+// use it. Each read, write and copy makes `device` current on its thread
+// first (UseDevice), so any thread may make them.
 class DeviceKvCache final : public KvCache {
  public:
-  DeviceKvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
-      : KvCache(num_layers, num_kv_heads, head_dim, num_blocks) {}
+  DeviceKvCache(int device, int num_layers, int num_kv_heads, int head_dim, int num_blocks)
+      : KvCache(num_layers, num_kv_heads, head_dim, num_blocks), device_(device) {}
   ~DeviceKvCache() override;
   // The pools and the stream.
   Status Allocate();
@@ -116,6 +129,7 @@ class DeviceKvCache final : public KvCache {
   Status Stage(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
                int64_t count, bool gather) const;
 
+  const int device_;
   std::vector<DeviceArray<__nv_bfloat16>> k_, v_;  // [layer] -> pool; constant after Allocate
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;

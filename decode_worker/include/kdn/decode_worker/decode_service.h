@@ -31,6 +31,8 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/open_engine.h"
+#include "kdn/engine/tensor.h"
+#include "kdn/model/config.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/transport.h"
 
@@ -43,16 +45,24 @@ struct DecodeServiceOptions {
   std::string store_endpoint;     // a kdn-store to share chunks through; empty: none
   kvbus::CodecLevel store_codec;  // what chunks are coded at for the store (raw: none)
   std::string name = "decode-0";
-  uint64_t host_bytes = uint64_t{2} << 30;     // own KDN tier
-  uint64_t staging_bytes = uint64_t{2} << 30;  // KV slices received, not yet assembled
+  uint64_t host_bytes = uint64_t{2} << 30;  // own KDN tier
+  // KV slices received from prefill workers, not yet assembled; 0: sized
+  // from the model and the pool (StagingBytesFor).
+  uint64_t staging_bytes = 0;
   int chunk_tokens = 256;
   // Where the engine runs and the KV its paged cache holds (its max_batch
-  // is set from max_batch).
+  // is set from max_batch, its max_prefill_tokens from
+  // local_prefill_call_tokens).
   engine::OpenOptions engine{.kv_tokens = 65536};
   int max_batch = 32;
   // Local prefill (docs/serving.md, "Two paths"): the most prompt tokens
   // computed between two decode steps while requests run.
   int local_prefill_step_tokens = 64;
+  // The most prompt tokens one local prefill call computes: a GPU engine's
+  // activation buffers are sized for this many rows rather than a prefill
+  // worker's 32768 (a decode worker prefills only its conversations' next
+  // turns); a longer prompt is computed in several calls.
+  int64_t local_prefill_call_tokens = 4096;
   // kvbus data plane (kvbus::TransportKind): auto and shm give the receiver
   // a shared-memory landing segment of kv_landing_bytes for prefill workers
   // on this host; tcp gives none.
@@ -72,6 +82,16 @@ struct DecodeServiceOptions {
   std::optional<kvbus::CurveKeys> curve;
 };
 
+// The staging memory a decode worker gives the KV slices prefill workers
+// push when none is set: the KV of `max_batch` concurrent pushes of the
+// longest prompt its pool can hold (the model's context, or the pool when
+// that is smaller), at most the pool's KV (every push lands in blocks its
+// Prepare reserved, so more is never waiting to be assembled at once), in
+// `kv_dtype` (the engine's: what its slices carry), with a header for each
+// slice (one per layer of each chunk and of each request's tail piece).
+uint64_t StagingBytesFor(const model::ModelConfig& config, engine::DType kv_dtype,
+                         int64_t pool_tokens, int max_batch, int chunk_tokens);
+
 class DecodeService {
  public:
   static Result<std::unique_ptr<DecodeService>> Start(const DecodeServiceOptions& options);
@@ -83,6 +103,9 @@ class DecodeService {
   const std::string& kvbus_endpoint() const;  // where prefill workers push KV
   // Where its engine runs and the KV it holds (control::EngineSummary).
   std::string engine_summary() const;
+  // The staging memory it was given (options.staging_bytes, or
+  // StagingBytesFor its model and pool).
+  uint64_t staging_bytes() const;
 
  private:
   struct Impl;

@@ -16,10 +16,11 @@
 //     (docs/serving.md, "Two paths") instead computes the prompt tokens it lacks here, in Advance,
 //     between decode steps: all at once when no request runs, else at most
 //     local_prefill_step_tokens per step, so that running streams keep
-//     their pace. Its first token is drawn here, reported as a
-//     LocalPrefillDone, and it joins the batch with no Start (events from
-//     its second token: the router sends the first). Its prompt's spans
-//     are published in the pool and stored, as a prefill worker does.
+//     their pace (and never more per Prefill call than the engine's
+//     max_prefill_tokens: a longer piece goes in several calls). Its first token is drawn here,
+//     reported as a LocalPrefillDone, and it joins the batch with no Start (events from its second
+//     token: the router sends the first). Its prompt's spans are published in the pool and stored,
+//     as a prefill worker does.
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
 //     layer slices and sampled the first token. With a SliceLanding (the
 //     CPU pool, docs/kvbus.md "Landing in place"), the slices were

@@ -28,6 +28,10 @@ struct EngineOptions {
   int64_t kv_tokens = 16384;
   // OpenMP/OpenBLAS threads; 0 = all cores.
   int threads = 0;
+  // > 0: the most tokens one Prefill call (or rows one row pass) takes, as
+  // a GPU's activation buffers limit it (for tests of callers that split
+  // prompts); 0: no limit.
+  int64_t max_prefill_tokens = 0;
   // Where the KV pool lives (CpuKvCache's storage): called once with the
   // pool's size in bytes; it returns memory that outlives the engine, or an
   // error that Create returns. Empty: the engine's own memory.
@@ -50,6 +54,9 @@ class CpuEngine final : public Engine {
   std::string device() const override { return "cpu"; }
   DType kv_dtype() const override { return DType::kF32; }
   CpuKvCache& kv_cache() override { return *kv_; }
+  int64_t max_prefill_tokens() const override {
+    return options_.max_prefill_tokens > 0 ? options_.max_prefill_tokens : INT64_MAX;
+  }
 
   Status Prefill(KvSequence& seq, std::span<const int32_t> tokens, const PrefillOptions& options,
                  std::vector<float>* logits) override;

@@ -19,7 +19,11 @@
 //
 // Thread-compatible: one thread at a time calls into an Engine (a worker owns
 // one), except where a method says otherwise. The per-layer hook runs on the
-// calling thread once the layer's KV is in the cache, so it may read it.
+// calling thread once the layer's KV is in the cache, so it may read it. Any
+// thread may be that one, not only the thread that opened the engine: a
+// backend on a device makes its own device current on the calling thread at
+// each entry point (and in its KvCache's reads and writes), so callers never
+// select a device themselves.
 
 #include <cstddef>
 #include <cstdint>
@@ -73,6 +77,12 @@ class Engine {
   // How to pin host buffers for this engine's KV copies (chunks it is read
   // into and written from); null when its cache is in host memory.
   virtual const HostPinning* host_pinning() const { return nullptr; }
+  // The most tokens one Prefill call computes, and the most rows of one row
+  // pass (a GPU's activation buffers are sized for them:
+  // OpenOptions::max_prefill_tokens); more is INVALID_ARGUMENT. A longer
+  // prompt is prefilled in pieces no longer than this, each appended to the
+  // sequence. INT64_MAX when the backend has no such limit.
+  virtual int64_t max_prefill_tokens() const { return INT64_MAX; }
 
   // Computes `tokens` at positions seq.length() .. seq.length()+n-1 and
   // appends their KV to `seq`. `logits` receives n x vocab floats if

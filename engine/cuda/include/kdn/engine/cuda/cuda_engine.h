@@ -17,7 +17,12 @@
 // The per-layer hook runs on the calling thread once the layer's KV is in the
 // cache (the stream is synchronized first), so a caller may read it.
 //
-// Thread-compatible otherwise: one thread at a time calls into a CudaEngine.
+// Thread-compatible otherwise: one thread at a time calls into a CudaEngine,
+// and it need not be the thread that made it. Every entry point (and every
+// read, write and copy of its KvCache, and a RowPass's calls) makes
+// options.device current on the calling thread first, so a worker on
+// `cuda:1` may call it from its compute, store I/O and lookup threads, whose
+// current device is otherwise 0.
 
 #include <cstdint>
 #include <memory>
@@ -86,6 +91,9 @@ class CudaEngine final : public Engine {
   const HostPinning* host_pinning() const override;
   // Bytes of device memory the weights take.
   int64_t weight_bytes() const;
+  // The rows its activation buffers hold: options.max_prefill_tokens (or
+  // max_batch, if larger).
+  int64_t max_prefill_tokens() const override;
 
   // `logits` gets the last token's fp32 logits (or every new token's with
   // options.all_logits).
