@@ -75,6 +75,29 @@ Status SplitExtents(std::span<const Extent> src, std::span<const Extent> dst,
   return Status::Ok();
 }
 
+std::vector<Extent> PagedSliceExtents(std::span<const int32_t> blocks, int64_t tokens,
+                                      int block_tokens, uint64_t row_bytes, uint64_t k_offset,
+                                      uint64_t v_offset) {
+  std::vector<Extent> out;
+  const uint64_t block_bytes = static_cast<uint64_t>(block_tokens) * row_bytes;
+  for (const uint64_t base : {k_offset, v_offset}) {
+    const size_t first = out.size();
+    int64_t left = tokens;
+    for (size_t i = 0; i < blocks.size() && left > 0; ++i) {
+      const int64_t rows = std::min<int64_t>(left, block_tokens);
+      left -= rows;
+      const Extent e{base + static_cast<uint64_t>(blocks[i]) * block_bytes,
+                     static_cast<uint64_t>(rows) * row_bytes};
+      if (out.size() > first && out.back().offset + out.back().bytes == e.offset) {
+        out.back().bytes += e.bytes;
+      } else {
+        out.push_back(e);
+      }
+    }
+  }
+  return out;
+}
+
 Status CheckExtentsWithin(std::span<const Extent> extents, uint64_t bytes, const char* what) {
   for (size_t i = 0; i < extents.size(); ++i) {
     const Extent& e = extents[i];

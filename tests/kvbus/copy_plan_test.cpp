@@ -89,6 +89,17 @@ TEST(SplitExtents, RefusesAnExtentPastTwoToTheSixtyFour) {
   EXPECT_EQ(SplitExtents(src, dst, 0, &pieces).code(), StatusCode::kInvalidArgument);
 }
 
+TEST(PagedSliceExtents, GivesKRowsThenVRowsBlockByBlock) {
+  const std::vector<int32_t> blocks = {5, 2, 3, 9};
+  // 16-token blocks of 8-byte rows (128 bytes a block); 50 tokens use 3 whole
+  // blocks and 2 rows of the fourth. V starts at 10,000.
+  const std::vector<Extent> got = PagedSliceExtents(blocks, 50, 16, 8, 0, 10000);
+  const std::vector<Extent> want = {{640, 128},   {256, 256},   {1152, 16},
+                                    {10640, 128}, {10256, 256}, {11152, 16}};
+  EXPECT_EQ(got, want);
+  EXPECT_TRUE(PagedSliceExtents(blocks, 0, 16, 8, 0, 10000).empty());
+}
+
 TEST(CheckExtentsWithin, RefusesAnExtentThatLeavesTheRegion) {
   EXPECT_TRUE(CheckExtentsWithin(std::vector<Extent>{{0, 10}, {90, 10}}, 100, "dst").ok());
   EXPECT_EQ(CheckExtentsWithin(std::vector<Extent>{{91, 10}}, 100, "dst").code(),
@@ -108,7 +119,7 @@ TEST(SplitExtents, MovesEveryByteToItsPlaceOnRandomLists) {
     const uint64_t cap = round % 2 ? 64 : 0;
     ASSERT_TRUE(SplitExtents(src, dst, cap, &pieces).ok());
     std::vector<uint8_t> a(region), b(region, 0), want(region, 0);
-    for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint8_t>(rng());
+    for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint8_t>(i * 131 + i / 251 + round);
     const std::vector<uint64_t> s = ByteOffsets(src), d = ByteOffsets(dst);
     ASSERT_EQ(s.size(), d.size());
     for (size_t i = 0; i < s.size(); ++i) want[d[i]] = a[s[i]];
@@ -116,7 +127,9 @@ TEST(SplitExtents, MovesEveryByteToItsPlaceOnRandomLists) {
     ASSERT_EQ(b, want) << "round " << round;
     uint64_t sum = 0;
     for (const CopyPiece& p : pieces) {
-      if (cap) EXPECT_LE(p.bytes, cap);
+      if (cap) {
+        EXPECT_LE(p.bytes, cap);
+      }
       EXPECT_GT(p.bytes, 0u);
       sum += p.bytes;
     }

@@ -41,6 +41,17 @@ Result<uint64_t> ExtentBytes(std::span<const Extent> extents);
 Status SplitExtents(std::span<const Extent> src, std::span<const Extent> dst,
                     uint64_t max_piece_bytes, std::vector<CopyPiece>* pieces);
 
+// The extents of one layer slice of a paged KV pool whose K (and V) rows are
+// laid out [block][block_tokens slots][row_bytes]: the first `tokens` rows
+// of the blocks `blocks` in order (the last block may be partly used), K
+// rows from k_offset, then V rows from v_offset. Blocks that follow each
+// other in the pool give one extent. Offsets in bytes from the pool's base
+// (engine/cuda/src/device_kv_cache.h: one layer's K or V pool is
+// [block][16][kv_heads][head_dim]). Needs tokens <= blocks.size() * block_tokens.
+std::vector<Extent> PagedSliceExtents(std::span<const int32_t> blocks, int64_t tokens,
+                                      int block_tokens, uint64_t row_bytes, uint64_t k_offset,
+                                      uint64_t v_offset);
+
 // INVALID_ARGUMENT (naming `what` and the extent) unless every extent lies
 // in [0, bytes): the bounds check of a write into a peer's region.
 Status CheckExtentsWithin(std::span<const Extent> extents, uint64_t bytes, const char* what);
