@@ -72,8 +72,10 @@ class NcclLink {
   // memory of this link's device) and one ncclSend of their bytes to rank 1.
   Status Send(const uint8_t* base, std::span<const Extent> extents, cudaStream_t stream);
   // Rank 1: enqueues one ncclRecv of the slice and its scatter onto
-  // `extents` of base. The extents must total the sender's bytes (NCCL
-  // fails the operation otherwise; the bytes are not checked further).
+  // `extents` of base. The extents must total the sender's bytes: the two
+  // sides agree on each slice's size over the control channel first. NCCL
+  // does not reliably report a size mismatch (the operation may never end:
+  // Wait's deadline then aborts the link).
   Status Recv(uint8_t* base, std::span<const Extent> extents, cudaStream_t stream);
   // OpenSelf's link: gather, ncclSend and ncclRecv to itself in one group,
   // scatter. INVALID_ARGUMENT when the totals differ.
