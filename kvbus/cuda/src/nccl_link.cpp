@@ -135,9 +135,19 @@ Result<std::unique_ptr<NcclLink>> NcclLink::OpenSelf(int device) {
 NcclLink::~NcclLink() {
   (void)cudaSetDevice(device_);
   if (comm_ != nullptr) {
-    // Destroy waits for the link's enqueued operations; a dead peer is
-    // the caller's to Abort first (Wait does on its deadline).
-    (void)ncclCommDestroy(comm_);
+    // Finalize waits for the link's enqueued operations (non-blocking: poll
+    // it, 10 s at most; PollComm aborts the communicator at the deadline), then
+    // Destroy frees it. A dead peer is better aborted first (Wait does).
+    const ncclResult_t r = ncclCommFinalize(comm_);
+    Status st = r == ncclSuccess || r == ncclInProgress
+                    ? PollComm(comm_, Clock::now() + std::chrono::seconds(10), "ncclCommFinalize")
+                    : Internal("ncclCommFinalize failed");
+    if (st.ok()) {
+      (void)ncclCommDestroy(comm_);
+    } else if (st.code() != StatusCode::kDeadlineExceeded) {
+      (void)ncclCommAbort(comm_);
+    }
+    comm_ = nullptr;
   }
   if (last_ != nullptr) {
     (void)cudaEventSynchronize(last_);
