@@ -80,6 +80,12 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
 // materialised in device memory (no weights file needed).
 int RunCudaPrefill(const Common& c, const std::vector<int>& lengths);
 int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context, int steps);
+// cuda-ipc: one request's KV (tokens of c.preset's shape) between the paged
+// pools of two processes on the GPU through the kvbus device planes
+// (cuda_ipc, nccl; `paths` also: local, cuda_ipc/layer is cuda_ipc's twin,
+// nccl-self), against a device-to-device cudaMemcpy in the same run
+// (bench/cuda_planes_workload.cpp).
+int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& paths);
 int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
              const std::string& disk_dir);
 // With `curve`, each transport is measured plaintext and with CURVE.

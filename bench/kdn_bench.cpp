@@ -15,6 +15,11 @@
 //             measured in the same run.
 //   pd-transfer  one request's KV from a prefill process to a decode process
 //             over the tcp transport (loopback), against memcpy in the same run.
+//   cuda-ipc  one request's KV (16K tokens of llama3-8b, blocks scattered in
+//             each pool) between two processes' GPU KV pools through the
+//             kvbus device planes (cuda_ipc, nccl; bench/cuda_planes_workload.cpp):
+//             GB/s and the ratio to a device-to-device cudaMemcpy of the same
+//             bytes in the same run. CUDA builds only.
 //   multiturn  conversations against a running deployment (--url, the
 //             router's): a fresh random context per conversation, then turns
 //             that each add a user message and the answer; time to first
@@ -128,6 +133,27 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({"tcp", "shm"}))
       ->capture_default_str();
+  int ipc_tokens = 16384;
+  std::string ipc_preset = "llama3-8b";
+  std::vector<std::string> ipc_paths = {"local", "cuda_ipc", "nccl", "nccl-self"};
+  auto* cuda_ipc = app.add_subcommand(
+      "cuda-ipc",
+      "One request's KV between two processes' GPU pools (cuda_ipc, nccl) vs cudaMemcpy");
+  cuda_ipc->add_option("--preset", ipc_preset, "Model preset whose KV shape is moved")
+      ->capture_default_str();
+  cuda_ipc->add_option("--tokens", ipc_tokens, "Tokens of KV in the request")
+      ->capture_default_str();
+  cuda_ipc
+      ->add_option("--path", ipc_paths,
+                   "Paths to measure (local, cuda_ipc, nccl, nccl-self; repeat or "
+                   "comma-separate)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"local", "cuda_ipc", "nccl", "nccl-self"}))
+      ->capture_default_str();
+  cuda_ipc->add_option("--seed", c.seed, "Seed of the block tables")->capture_default_str();
+  cuda_ipc->add_option("--reps", c.reps, "Timed repetitions (best is reported)")
+      ->capture_default_str();
+  cuda_ipc->add_option("--json", c.json_path, "Also write the results as one JSON object");
   int socket_buffer_kib = 0;
   pd->add_option("--socket-buffer-kib", socket_buffer_kib,
                  "SO_SNDBUF/SO_RCVBUF of the connection (0: the OS's autotuning)")
@@ -473,6 +499,17 @@ int main(int argc, char** argv) {
       return 2;
     }
     return RunKvCodec(c, kc);
+  }
+  if (cuda_ipc->parsed()) {
+    c.preset = ipc_preset;
+#if KDN_BENCH_CUDA
+    return RunCudaIpc(c, ipc_tokens, ipc_paths);
+#else
+    std::fprintf(stderr,
+                 "kdn-bench cuda-ipc: this build has no CUDA (configure with KDN_CUDA=ON where "
+                 "nvcc is)\n");
+    return 1;
+#endif
   }
   if (c.device == "cuda") {
 #if KDN_BENCH_CUDA

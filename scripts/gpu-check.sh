@@ -10,14 +10,19 @@
 # (progressive vs one-layer selection) on it, and the comparison
 # with Hugging Face on the GPU; and a GPU deployment of SmolLM2's GGUF
 # (KDN_SMOLLM2, default ~/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf) under
-# kdn-bench multiturn --url and serve-load. Results go to $OUT (default
-# ./gpu-results).
+# kdn-bench multiturn --url and serve-load; and the kvbus device planes
+# (kvbus/cuda: docs/kvbus-device-planes.md): their gpu tests and kdn-bench
+# cuda-ipc, 16K tokens of llama3-8b KV between two processes over cuda_ipc and
+# nccl against cudaMemcpy. Results go to $OUT (default ./gpu-results; for the
+# record, OUT=bench/results/<gpu>-<date>).
 #
 #   bash scripts/gpu-check.sh BIN_DIR        # BIN_DIR holds kdn_cuda_tests,
+#                                            # kdn_kvbus_cuda_tests,
 #                                            # kdn_forward_cuda, kdn-mkmodel, kdn-bench,
 #                                            # kdn-generate and the four servers
 #   STEPS="tests deploy" bash scripts/gpu-check.sh BIN_DIR   # some steps only
-# Steps: tests deploy peer prefill decode serving hf deploy_bench. Needs a CUDA device; the
+#   STEPS=kvbus bash scripts/gpu-check.sh BIN_DIR   # the device planes only
+# Steps: tests deploy peer prefill decode serving hf deploy_bench kvbus. Needs a CUDA device; the
 # Hugging Face parts need python3 with torch (CUDA) and transformers, the
 # deployment test python3 with pytest and httpx. Each step's failure is
 # reported and the next one runs.
@@ -26,7 +31,7 @@ BIN=${1:?usage: gpu-check.sh BIN_DIR}
 OUT=${OUT:-./gpu-results}
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
-STEPS=${STEPS:-tests deploy peer prefill decode serving hf deploy_bench}
+STEPS=${STEPS:-tests deploy peer prefill decode serving hf deploy_bench kvbus}
 status=0
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {
@@ -68,6 +73,12 @@ want serving && step blend_fidelity "$BIN/kdn-bench" blend-fidelity --device cud
 want serving && step rag_blend_progressive "$BIN/kdn-bench" rag-blend --device cuda --preset llama3-8b \
   --docs 8 --doc-tokens 2048 --question-tokens 64 --ratios 0.15 --check-layers 1,2,3 --reps 3 \
   --json "$OUT/rag_blend_progressive.json"
+# The kvbus device planes: the extent copy, cuda_ipc and nccl between two
+# processes (two ranks on one GPU need NCCL >= 2.30; the two-GPU test skips on
+# one), then the request-sized benchmark with its ratio to cudaMemcpy.
+want kvbus && step kvbus_cuda_tests "$BIN/kdn_kvbus_cuda_tests" --gtest_brief=1
+want kvbus && step cuda_ipc "$BIN/kdn-bench" cuda-ipc --preset llama3-8b --tokens 16384 --reps 5 \
+  --json "$OUT/cuda_ipc.json"
 want hf && step hf_cuda env KDN_BIN_DIR="$BIN" python3 -m pytest -q -s -p no:cacheprovider "$HERE/tests/cuda/test_hf_cuda.py"
 # A whole deployment on the GPU, measured from outside through the router.
 SMOL=${KDN_SMOLLM2:-$HOME/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf}
