@@ -88,9 +88,23 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
 int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& paths);
 int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
              const std::string& disk_dir);
-// With `curve`, each transport is measured plaintext and with CURVE.
-int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
-                  int socket_buffer_kib, const std::vector<std::string>& transports, bool curve);
+// pd-transfer: one request's KV between two processes (docs/kvbus.md, "Measured").
+struct PdTransferOptions {
+  int tokens = 4096, chunk_tokens = 256;
+  std::string dtype = "f32";
+  int socket_buffer_kib = 0;
+  std::vector<std::string> transports = {"tcp", "shm"};
+  // Where the receiver puts the KV: "in-place" (a landing site, as a decode
+  // worker's KV blocks) and/or "staging" (its sink, after a copy out of the
+  // landing segment).
+  std::vector<std::string> landings = {"in-place", "staging"};
+  bool curve = false;  // each row again with CURVE
+  // Set: run this Python on nixl_script (bench/nixl_peer.py) for the same
+  // bytes, as the peer figure in the same run.
+  std::string nixl_python;
+  std::string nixl_script = "bench/nixl_peer.py";
+};
+int RunPdTransfer(const Common& c, const PdTransferOptions& o);
 
 // multiturn: conversations against a running deployment (docs/serving.md).
 // Of Common only json_path applies.

@@ -117,22 +117,41 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   store->add_option("--disk-dir", disk_dir, "Folder for the disk tier")->capture_default_str();
-  int pd_tokens = 4096, pd_chunk_tokens = 256;
-  std::string pd_dtype = "f32";
+  PdTransferOptions pdo;
   auto* pd = app.add_subcommand(
       "pd-transfer", "One request's KV between two processes, per kvbus transport, vs memcpy");
   common(pd);
-  pd->add_option("--tokens", pd_tokens, "Tokens of KV in the request")->capture_default_str();
-  pd->add_option("--chunk-tokens", pd_chunk_tokens, "Tokens per chunk")->capture_default_str();
-  pd->add_option("--dtype", pd_dtype, "Chunk dtype")
+  pd->add_option("--tokens", pdo.tokens, "Tokens of KV in the request")->capture_default_str();
+  pd->add_option("--chunk-tokens", pdo.chunk_tokens, "Tokens per chunk")->capture_default_str();
+  pd->add_option("--dtype", pdo.dtype, "Chunk dtype")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
-  std::vector<std::string> pd_transports = {"tcp", "shm"};
-  pd->add_option("--transport", pd_transports,
+  pd->add_option("--transport", pdo.transports,
                  "Transports to measure in this run (tcp, shm; repeat or comma-separate)")
       ->delimiter(',')
       ->check(CLI::IsMember({"tcp", "shm"}))
       ->capture_default_str();
+  pd->add_option("--landing", pdo.landings,
+                 "Where the receiving process puts the KV, each measured in this run: in-place "
+                 "(scattered over 16-token blocks of a pool, as a decode worker's KV blocks; "
+                 "docs/kvbus.md, \"Landing in place\") or staging (copied out of the landing "
+                 "segment into a chunk buffer, as before)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"in-place", "staging"}))
+      ->capture_default_str();
+  pd->add_option("--socket-buffer-kib", pdo.socket_buffer_kib,
+                 "SO_SNDBUF/SO_RCVBUF of the connection (0: the OS's autotuning)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  pd->add_flag("--curve", pdo.curve,
+               "Measure each transport twice in this run: plaintext, then with CURVE (kdn's "
+               "authenticated sockets, docs/kvbus.md), and print the CURVE rows' share of "
+               "plaintext");
+  pd->add_option("--nixl", pdo.nixl_python,
+                 "A Python with the PyPI nixl wheel: also run --nixl-script for the same bytes "
+                 "in this run (NIXL moving them between two processes) and print each row's "
+                 "share of it");
+  pd->add_option("--nixl-script", pdo.nixl_script, "The NIXL peer script")->capture_default_str();
   int ipc_tokens = 16384;
   std::string ipc_preset = "llama3-8b";
   std::vector<std::string> ipc_paths = {"local", "cuda_ipc", "nccl", "nccl-self"};
@@ -154,16 +173,6 @@ int main(int argc, char** argv) {
   cuda_ipc->add_option("--reps", c.reps, "Timed repetitions (best is reported)")
       ->capture_default_str();
   cuda_ipc->add_option("--json", c.json_path, "Also write the results as one JSON object");
-  int socket_buffer_kib = 0;
-  pd->add_option("--socket-buffer-kib", socket_buffer_kib,
-                 "SO_SNDBUF/SO_RCVBUF of the connection (0: the OS's autotuning)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  bool pd_curve = false;
-  pd->add_flag("--curve", pd_curve,
-               "Measure each transport twice in this run: plaintext, then with CURVE (kdn's "
-               "authenticated sockets, docs/kvbus.md), and print the CURVE rows' share of "
-               "plaintext");
   MultiturnOptions mt;
   uint64_t mt_seed = 0;
   auto* multiturn = app.add_subcommand(
@@ -524,8 +533,7 @@ int main(int argc, char** argv) {
   }
   if (prefill->parsed()) return RunPrefill(c, lengths);
   if (pd->parsed()) {
-    return RunPdTransfer(c, pd_tokens, pd_chunk_tokens, pd_dtype, socket_buffer_kib, pd_transports,
-                         pd_curve);
+    return RunPdTransfer(c, pdo);
   }
   if (store->parsed()) return RunStore(c, store_tokens, chunk_tokens, store_dtype, disk_dir);
   return RunDecode(c, batches, context, steps);

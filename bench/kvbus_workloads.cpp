@@ -5,6 +5,10 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -17,6 +21,7 @@
 #include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/shared_segment.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/transport_bench.h"
 #include "kdn/engine/presets.h"
@@ -194,8 +199,83 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
   return 0;
 }
 
-int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::string& dtype_name,
-                  int socket_buffer_kib, const std::vector<std::string>& transports, bool curve) {
+namespace {
+
+// The receiving process's landing site for pd-transfer --landing in-place:
+// a pool of 16-token blocks in a shared segment, as a decode worker's KV
+// pool; each chunk's payload lands scattered over blocks taken from a
+// shuffled free list (as a request's blocks lie), given back once it has
+// landed. A chunk that finds too few free blocks goes to the sink.
+class BenchLandingSite final : public LandingSite {
+ public:
+  BenchLandingSite(std::unique_ptr<SharedSegment> pool, uint64_t block_bytes)
+      : pool_(std::move(pool)), block_bytes_(block_bytes) {
+    for (uint64_t b = 0; b < pool_->bytes() / block_bytes_; ++b) free_.push_back(b);
+    std::shuffle(free_.begin(), free_.end(), std::mt19937_64(7));
+  }
+  const SharedSegment& pool() const { return *pool_; }
+
+  std::optional<Landing> Claim(const ChunkKey&, uint64_t payload_bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (payload_bytes == 0 || payload_bytes % block_bytes_ != 0) return std::nullopt;
+    const uint64_t need = payload_bytes / block_bytes_;
+    if (free_.size() < need) return std::nullopt;
+    Landing l{next_++, {}};
+    std::vector<uint64_t>& blocks = claims_[l.ticket];
+    for (uint64_t i = 0; i < need; ++i) {
+      blocks.push_back(free_.front());
+      free_.pop_front();
+      l.extents.push_back({blocks.back() * block_bytes_, block_bytes_});
+    }
+    return l;
+  }
+  Status Landed(uint64_t ticket, const Result<ChunkInfo>&) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = claims_.find(ticket);
+    if (it == claims_.end()) return Internal("unknown claim");
+    free_.insert(free_.end(), it->second.begin(), it->second.end());
+    claims_.erase(it);
+    return Status::Ok();
+  }
+
+ private:
+  std::unique_ptr<SharedSegment> pool_;
+  const uint64_t block_bytes_;
+  std::mutex mu_;
+  std::deque<uint64_t> free_;
+  std::map<uint64_t, std::vector<uint64_t>> claims_;
+  uint64_t next_ = 1;
+};
+
+// The NIXL peer's best GB/s for `bytes` (bench/nixl_peer.py), or a
+// negative value, having said why on stderr.
+double RunNixlPeer(const PdTransferOptions& o, uint64_t bytes, int reps) {
+  const std::string cmd = o.nixl_python + " " + o.nixl_script + " --bytes " +
+                          std::to_string(bytes) + " --reps " + std::to_string(reps);
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) {
+    std::perror("kdn-bench: popen");
+    return -1;
+  }
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int rc = ::pclose(p);
+  try {
+    if (rc != 0) throw std::runtime_error("exit status " + std::to_string(rc));
+    // Its stdout is one line of JSON (progress goes to stderr).
+    const json j = json::parse(out);
+    return j.at("gbytes_per_s").get<double>();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kdn-bench: the NIXL peer (%s) gave no figure: %s\n", cmd.c_str(),
+                 e.what());
+    return -1;
+  }
+}
+
+}  // namespace
+
+int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
   auto preset = engine::FindPreset(c.preset);
   if (!preset.ok()) {
     std::fprintf(stderr, "kdn-bench: %s\n", preset.status().ToString().c_str());
@@ -205,19 +285,22 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
   ChunkInfo shape{.layers = static_cast<uint32_t>(cfg.num_layers),
                   .kv_heads = static_cast<uint32_t>(cfg.num_kv_heads),
                   .head_dim = static_cast<uint32_t>(cfg.head_dim),
-                  .tokens = static_cast<uint32_t>(chunk_tokens),
-                  .dtype = ParseDType(dtype_name)};
-  const int n = tokens / chunk_tokens;
+                  .tokens = static_cast<uint32_t>(o.chunk_tokens),
+                  .dtype = ParseDType(o.dtype)};
+  const int n = o.tokens / o.chunk_tokens;
   const size_t chunk_bytes = Chunk::kHeaderBytes + shape.payload_bytes();
-  if (n < 1) {
-    std::fprintf(stderr, "kdn-bench: --tokens must be at least --chunk-tokens\n");
+  const uint64_t block_bytes =
+      uint64_t{engine::kKvBlockTokens} * shape.kv_heads * shape.head_dim * KvDTypeSize(shape.dtype);
+  if (n < 1 || o.chunk_tokens % engine::kKvBlockTokens != 0) {
+    std::fprintf(stderr, "kdn-bench: --tokens must be at least --chunk-tokens, a multiple of %d\n",
+                 engine::kKvBlockTokens);
     return 2;
   }
 
-  // With --curve, each transport is measured plaintext and with CURVE, the
+  // With --curve, each row is measured plaintext and with CURVE, the
   // receiver holding the key the child inherits.
   std::optional<CurveKeys> keys;
-  if (curve) {
+  if (o.curve) {
     auto k = GenerateCurveKeys();
     if (!k.ok()) {
       std::fprintf(stderr, "kdn-bench: %s\n", k.status().ToString().c_str());
@@ -225,11 +308,14 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     }
     keys = *k;
   }
+  const std::vector<bool> securities =
+      keys ? std::vector<bool>{false, true} : std::vector<bool>{false};
 
-  // The decode side: another process, receiving into a store that keeps
-  // nothing (this measures the transport, not a tier). One receiver serves
-  // every transport: it has a landing segment for shm senders, and a tcp
-  // sender does not ask for it. With --curve a second one runs CURVE.
+  // The decode side: another process, with one receiver per landing mode
+  // (and security): in-place lands payloads scattered over a pool's blocks;
+  // staging receives into a store that keeps nothing (this measures the
+  // transport, not a tier). Every receiver has a landing segment for shm
+  // senders; a tcp sender does not ask for it.
   int ep_pipe[2], hold_pipe[2];
   if (::pipe(ep_pipe) != 0 || ::pipe(hold_pipe) != 0) {
     std::perror("kdn-bench: pipe");
@@ -240,118 +326,159 @@ int RunPdTransfer(const Common& c, int tokens, int chunk_tokens, const std::stri
     ::close(ep_pipe[0]);
     ::close(hold_pipe[1]);
     DiscardStore sink;
-    ReceiverOptions ro;
-    ro.socket_buffer_bytes = socket_buffer_kib * 1024;
-    // Room for the batches in flight (RunSenderBench: 4 of n/4 chunks).
-    ro.shm_landing_bytes = (static_cast<uint64_t>(n) + 4) * BufferPool::ClassBytes(chunk_bytes);
-    auto receiver = Listen("tcp://127.0.0.1:0", sink, ro);
-    if (!receiver.ok())
-      std::fprintf(stderr, "kdn-bench: %s\n", receiver.status().ToString().c_str());
-    std::string ep = receiver.ok() ? (*receiver)->endpoint() : std::string();
-    Result<std::unique_ptr<Receiver>> secure = std::unique_ptr<Receiver>();
-    if (keys && receiver.ok()) {
-      ro.curve = keys;
-      secure = Listen("tcp://127.0.0.1:0", sink, ro);
-      if (!secure.ok()) std::fprintf(stderr, "kdn-bench: %s\n", secure.status().ToString().c_str());
-      ep = secure.ok() ? ep + "\n" + (*secure)->endpoint() : std::string();
+    std::vector<std::unique_ptr<BenchLandingSite>> sites;
+    std::vector<std::unique_ptr<Receiver>> receivers;
+    std::string eps;
+    for (const std::string& landing : o.landings) {
+      for (const bool secure : securities) {
+        ReceiverOptions ro;
+        ro.socket_buffer_bytes = o.socket_buffer_kib * 1024;
+        // Room for the batches in flight (RunSenderBench: 4 of n/4 chunks).
+        ro.shm_landing_bytes = (static_cast<uint64_t>(n) + 4) * BufferPool::ClassBytes(chunk_bytes);
+        if (secure) ro.curve = keys;
+        if (landing == "in-place") {
+          auto pool = SharedSegment::Create((static_cast<uint64_t>(n) + 4) * shape.payload_bytes());
+          if (!pool.ok()) {
+            std::fprintf(stderr, "kdn-bench: %s\n", pool.status().ToString().c_str());
+            ::_exit(1);
+          }
+          std::memset((*pool)->data(), 0, (*pool)->bytes());  // resident, as a worker's pool is
+          sites.push_back(std::make_unique<BenchLandingSite>(*std::move(pool), block_bytes));
+          ro.landing = sites.back().get();
+          ro.landing_region = &sites.back()->pool();
+        }
+        auto r = Listen("tcp://127.0.0.1:0", sink, ro);
+        if (!r.ok()) {
+          std::fprintf(stderr, "kdn-bench: %s\n", r.status().ToString().c_str());
+          ::_exit(1);
+        }
+        eps += (*r)->endpoint() + "\n";
+        receivers.push_back(*std::move(r));
+      }
     }
-    (void)!::write(ep_pipe[1], ep.data(), ep.size());
+    (void)!::write(ep_pipe[1], eps.data(), eps.size());
     ::close(ep_pipe[1]);
     char b;
     while (::read(hold_pipe[0], &b, 1) > 0) {  // until the parent closes it
     }
-    ::_exit(!ep.empty() ? 0 : 1);
+    receivers.clear();
+    ::_exit(0);
   }
   ::close(ep_pipe[1]);
   ::close(hold_pipe[0]);
+  std::string endpoints;
   char buf[512];
-  const ssize_t got = ::read(ep_pipe[0], buf, sizeof(buf));
+  for (ssize_t got; (got = ::read(ep_pipe[0], buf, sizeof(buf))) > 0;) endpoints.append(buf, got);
   ::close(ep_pipe[0]);
   auto finish = [&](int code) {
     ::close(hold_pipe[1]);
     ::waitpid(child, nullptr, 0);
     return code;
   };
-  if (got <= 0) {
+  std::vector<std::string> eps;
+  for (size_t at = 0, nl; (nl = endpoints.find('\n', at)) != std::string::npos; at = nl + 1) {
+    eps.push_back(endpoints.substr(at, nl - at));
+  }
+  if (eps.size() != o.landings.size() * securities.size()) {
     std::fprintf(stderr, "kdn-bench: the receiving process did not start\n");
     return finish(1);
   }
-  const std::string endpoints(buf, static_cast<size_t>(got));
-  const std::string endpoint = endpoints.substr(0, endpoints.find('\n'));
-  const std::string curve_endpoint =
-      keys ? endpoints.substr(endpoints.find('\n') + 1) : std::string();
   const int reps = std::max(c.reps, 1);
+  const uint64_t request_bytes = chunk_bytes * static_cast<uint64_t>(n);
   // The limit: one thread copying the request's bytes (not one chunk's,
   // which would stay in cache and overstate what memory can do).
-  const double mem = MemcpyOneThreadGBps(chunk_bytes * static_cast<size_t>(n), std::max(c.reps, 4));
+  const double mem = MemcpyOneThreadGBps(request_bytes, std::max(c.reps, 4));
   const double mem_cached = MeasureMemcpyGBps(chunk_bytes, std::max(c.reps, 5));
   std::printf(
       "pd-transfer (two processes, control over loopback tcp, socket buffers %s): %d "
       "tokens of %s KV (%s), %d chunks, %.1f MiB per request; best of %d\n",
-      socket_buffer_kib > 0 ? (std::to_string(socket_buffer_kib) + " KiB").c_str() : "OS", tokens,
-      c.preset.c_str(), KvDTypeName(shape.dtype), n,
-      static_cast<double>(chunk_bytes) * n / 1048576.0, reps);
-  std::printf("%-12s %10s %14s %8s\n", "transport", "GB/s", "memcpy GB/s", "ratio");
-  json rows = json::array();
+      o.socket_buffer_kib > 0 ? (std::to_string(o.socket_buffer_kib) + " KiB").c_str() : "OS",
+      o.tokens, c.preset.c_str(), KvDTypeName(shape.dtype), n,
+      static_cast<double>(request_bytes) / 1048576.0, reps);
   std::printf(
       "(memcpy: one thread copying the request's bytes; one %.1f MiB chunk copied again "
       "and again, in cache: %.2f GB/s)\n",
       static_cast<double>(chunk_bytes) / 1048576.0, mem_cached);
+  double nixl = -1;
+  if (!o.nixl_python.empty()) {
+    nixl = RunNixlPeer(o, request_bytes, reps);
+    if (nixl < 0) return finish(1);
+  }
+  std::printf("%-24s %8s %12s %9s%s\n", "transport", "GB/s", "memcpy GB/s", "of memcpy",
+              nixl > 0 ? "   of NIXL" : "");
+  json rows = json::array();
+  if (nixl > 0) {
+    std::printf("%-24s %8.2f %12.2f %8.1f%%   (bench/nixl_peer.py, UCX)\n", "nixl (peer)", nixl,
+                mem, 100.0 * nixl / mem);
+    rows.push_back({{"transport", "nixl"},
+                    {"gbytes_per_s", nixl},
+                    {"memcpy_gbytes_per_s", mem},
+                    {"ratio", nixl / mem}});
+  }
   uint64_t seed = 1000;
-  std::map<std::string, double> plain_gbps;  // by transport, for the CURVE rows' cost
-  for (const bool secure : keys ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
-    for (const std::string& name : transports) {
-      SenderOptions so;
-      so.socket_buffer_bytes = socket_buffer_kib * 1024;
-      so.transport = ParseTransportKind(name).value();
-      if (secure) so.curve = keys;
-      auto sender = Connect(secure ? curve_endpoint : endpoint, so);
-      if (!sender.ok()) {
-        std::fprintf(stderr, "kdn-bench: %s\n", sender.status().ToString().c_str());
-        return finish(1);
-      }
-      double best = 0.0;
-      for (int r = 0; r < reps + 1; ++r) {
-        auto chunks = MakeBenchChunks(shape, n, seed++);  // new keys: nothing is skipped
-        if (!chunks.ok()) {
-          std::fprintf(stderr, "kdn-bench: %s\n", chunks.status().ToString().c_str());
+  std::map<std::string, double> plain_gbps;  // by row, for the CURVE rows' cost
+  size_t ep = 0;
+  for (const std::string& landing : o.landings) {
+    for (const bool secure : securities) {
+      const std::string endpoint = eps[ep++];
+      for (const std::string& name : o.transports) {
+        SenderOptions so;
+        so.socket_buffer_bytes = o.socket_buffer_kib * 1024;
+        so.transport = ParseTransportKind(name).value();
+        if (secure) so.curve = keys;
+        auto sender = Connect(endpoint, so);
+        if (!sender.ok()) {
+          std::fprintf(stderr, "kdn-bench: %s\n", sender.status().ToString().c_str());
           return finish(1);
         }
-        auto res =
-            RunSenderBench(**sender, *chunks, std::max(1, n / 4), 4, std::chrono::seconds(120));
-        if (!res.ok()) {
-          std::fprintf(stderr, "kdn-bench: %s: %s\n", name.c_str(),
-                       res.status().ToString().c_str());
-          return finish(1);
+        double best = 0.0;
+        for (int r = 0; r < reps + 1; ++r) {
+          auto chunks = MakeBenchChunks(shape, n, seed++);  // new keys: nothing is skipped
+          if (!chunks.ok()) {
+            std::fprintf(stderr, "kdn-bench: %s\n", chunks.status().ToString().c_str());
+            return finish(1);
+          }
+          auto res =
+              RunSenderBench(**sender, *chunks, std::max(1, n / 4), 4, std::chrono::seconds(120));
+          if (!res.ok()) {
+            std::fprintf(stderr, "kdn-bench: %s: %s\n", name.c_str(),
+                         res.status().ToString().c_str());
+            return finish(1);
+          }
+          if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
         }
-        if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
+        const SenderStats st = (*sender)->Stats();
+        const std::string base = name + " " + landing;
+        const std::string label = secure ? base + " +curve" : base;
+        std::printf("%-24s %8.2f %12.2f %8.1f%%", label.c_str(), best, mem, 100.0 * best / mem);
+        if (nixl > 0) std::printf(" %8.2fx", best / nixl);
+        std::printf("  (%llu chunks by shm, %llu by tcp)",
+                    static_cast<unsigned long long>(st.shm_chunks),
+                    static_cast<unsigned long long>(st.tcp_chunks));
+        json row = {
+            {"transport", name},           {"landing", landing},         {"curve", secure},
+            {"gbytes_per_s", best},        {"memcpy_gbytes_per_s", mem}, {"ratio", best / mem},
+            {"shm_chunks", st.shm_chunks}, {"tcp_chunks", st.tcp_chunks}};
+        if (nixl > 0) row["vs_nixl"] = best / nixl;
+        if (secure && plain_gbps[base] > 0) {
+          std::printf(" %.2fx of plaintext", best / plain_gbps[base]);
+          row["vs_plaintext"] = best / plain_gbps[base];
+        }
+        std::printf("\n");
+        if (!secure) plain_gbps[base] = best;
+        rows.push_back(row);
       }
-      const SenderStats st = (*sender)->Stats();
-      const std::string label = secure ? name + "+curve" : name;
-      std::printf("%-12s %10.2f %14.2f %7.1f%%  (%llu chunks by shm, %llu by tcp)", label.c_str(),
-                  best, mem, 100.0 * best / mem, static_cast<unsigned long long>(st.shm_chunks),
-                  static_cast<unsigned long long>(st.tcp_chunks));
-      json row = {{"transport", name},          {"curve", secure},
-                  {"gbytes_per_s", best},       {"memcpy_gbytes_per_s", mem},
-                  {"ratio", best / mem},        {"shm_chunks", st.shm_chunks},
-                  {"tcp_chunks", st.tcp_chunks}};
-      if (secure && plain_gbps[name] > 0) {
-        std::printf(" %.2fx of plaintext", best / plain_gbps[name]);
-        row["vs_plaintext"] = best / plain_gbps[name];
-      }
-      std::printf("\n");
-      if (!secure) plain_gbps[name] = best;
-      rows.push_back(row);
     }
   }
   Emit(c, {{"workload", "pd-transfer"},
            {"preset", c.preset},
-           {"tokens", tokens},
-           {"chunk_tokens", chunk_tokens},
+           {"tokens", o.tokens},
+           {"chunk_tokens", o.chunk_tokens},
            {"dtype", KvDTypeName(shape.dtype)},
-           {"socket_buffer_kib", socket_buffer_kib},
-           {"bytes_per_request", static_cast<double>(chunk_bytes) * n},
+           {"socket_buffer_kib", o.socket_buffer_kib},
+           {"bytes_per_request", static_cast<double>(request_bytes)},
            {"memcpy_one_chunk_cached_gbytes_per_s", mem_cached},
+           {"nixl_gbytes_per_s", nixl > 0 ? json(nixl) : json(nullptr)},
            {"machine", Machine(c)},
            {"results", rows}});
   return finish(0);
