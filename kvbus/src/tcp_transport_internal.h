@@ -150,10 +150,11 @@ class TcpSender final : public Sender {
   const std::string endpoint_;
   const SenderOptions options_;
   zmq::context_t context_;
-  zmq::socket_t socket_;                  // the I/O thread's after Start()
-  std::unique_ptr<PeerMonitor> monitor_;  // socket_'s connection; the I/O thread's after Start()
+  zmq::socket_t socket_;  // the I/O thread's after Start()
   std::unique_ptr<WakeFd> wake_;
   std::thread thread_;
+  // socket_'s connection events; the I/O thread's after Start().
+  std::unique_ptr<PeerMonitor> monitor_;
 
   mutable Mutex mu_;
   CondVar done_cv_;
