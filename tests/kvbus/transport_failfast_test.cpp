@@ -243,7 +243,10 @@ TEST(PeerMonitor, SeesARefusedEndpointThenAnUpConnectionThenItsLoss) {
   KDN_ASSERT_OK_AND_ASSIGN(auto monitor, PeerMonitor::Watch(context, dealer));
   std::string endpoint;
   {
-    zmq::socket_t probe(context, zmq::socket_type::router);
+    // A context of its own: closing it waits until the port is closed (a
+    // socket's close alone finishes later, on ZeroMQ's threads).
+    zmq::context_t probe_context;
+    zmq::socket_t probe(probe_context, zmq::socket_type::router);
     probe.set(zmq::sockopt::linger, 0);
     probe.bind("tcp://127.0.0.1:*");
     endpoint = probe.get(zmq::sockopt::last_endpoint);
