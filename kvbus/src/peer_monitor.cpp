@@ -21,17 +21,19 @@ Result<std::unique_ptr<PeerMonitor>> PeerMonitor::Watch(zmq::context_t& context,
   // inproc names are per context; the counter keeps two monitors in one apart.
   static std::atomic<uint64_t> next_id{0};
   const std::string address = "inproc://kdn-kvbus-peer-monitor-" + std::to_string(next_id++);
-  if (zmq_socket_monitor(socket.handle(), address.c_str(), kWatchedEvents) != 0) {
-    return ZmqErrorStatus(zmq_errno(), "zmq_socket_monitor");
-  }
   zmq::socket_t events;
   KDN_ZMQ_RETURN_IF_ERROR(events = zmq::socket_t(context, zmq::socket_type::pair));
   KDN_ZMQ_RETURN_IF_ERROR(events.set(zmq::sockopt::linger, 0));
   // No limit on the inproc pipe (a connecter's 0 makes the pair's 0): a
   // full pipe would block libzmq's I/O thread in its send of an event.
   KDN_ZMQ_RETURN_IF_ERROR(events.set(zmq::sockopt::rcvhwm, 0));
-  KDN_ZMQ_RETURN_IF_ERROR(events.connect(address));
-  return std::unique_ptr<PeerMonitor>(new PeerMonitor(socket, std::move(events)));
+  if (zmq_socket_monitor(socket.handle(), address.c_str(), kWatchedEvents) != 0) {
+    return ZmqErrorStatus(zmq_errno(), "zmq_socket_monitor");
+  }
+  // From here on its destructor stops the monitoring, should the connect fail.
+  std::unique_ptr<PeerMonitor> monitor(new PeerMonitor(socket, std::move(events)));
+  KDN_ZMQ_RETURN_IF_ERROR(monitor->events_.connect(address));
+  return monitor;
 }
 
 PeerMonitor::~PeerMonitor() {
