@@ -69,6 +69,7 @@ Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
   if (options.socket_buffer_bytes > 0) {
     KDN_ZMQ_RETURN_IF_ERROR(s->socket_.set(zmq::sockopt::sndbuf, options.socket_buffer_bytes));
   }
+  KDN_RETURN_IF_ERROR(s->WatchConnection());  // before connect, to see its first attempt
   KDN_ZMQ_RETURN_IF_ERROR(s->socket_.connect(zmq_endpoint));
   s->thread_ = std::thread(&TcpSender::Run, s.get());
   return std::unique_ptr<Sender>(std::move(s));
@@ -83,6 +84,8 @@ TcpSender::~TcpSender() {
   if (thread_.joinable()) thread_.join();
   control_.clear();
   data_.clear();
+  // The monitor's socket too must close before the context can.
+  monitor_.reset();
   socket_.close();  // linger 0: unsent frames are dropped (and their chunks released)
   context_.close();
   MutexLock lock(mu_);
@@ -225,10 +228,11 @@ Status TcpSender::RunOnce() {
                                              last_heard_ + options_.peer_timeout));
   }
   const bool want_out = !control_.empty() || !data_.empty();
-  zmq_pollitem_t items[2] = {
+  zmq_pollitem_t items[3] = {
       {socket_.handle(), 0, static_cast<short>(ZMQ_POLLIN | (want_out ? ZMQ_POLLOUT : 0)), 0},
-      {nullptr, wake_->fd(), ZMQ_POLLIN, 0}};
-  if (zmq_poll(items, 2, timeout_ms) < 0) {
+      {nullptr, wake_->fd(), ZMQ_POLLIN, 0},
+      {monitor_->handle(), 0, ZMQ_POLLIN, 0}};
+  if (zmq_poll(items, 3, timeout_ms) < 0) {
     if (zmq_errno() == EINTR) return Status::Ok();
     return ZmqErrorStatus(zmq_errno(), "zmq_poll");
   }
@@ -237,6 +241,7 @@ Status TcpSender::RunOnce() {
   if (items[0].revents & ZMQ_POLLIN) KDN_RETURN_IF_ERROR(ReceiveAll());
   KDN_RETURN_IF_ERROR(FlushControl());
   KDN_RETURN_IF_ERROR(FlushData());
+  KDN_RETURN_IF_ERROR(CheckConnection(TransportClock::now()));  // after the acks that came
   CheckPeer(TransportClock::now());
   return FlushControl();
 }
@@ -615,25 +620,10 @@ Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
 void TcpSender::CheckPeer(TransportClock::time_point now) {
   if (!busy_) return;
   if (now - last_heard_ > options_.peer_timeout) {
-    std::vector<uint64_t> failed;
-    {
-      MutexLock lock(mu_);
-      for (const auto& [id, batch] : batches_) {
-        if (batch.unfinished > 0) failed.push_back(id);
-      }
-      FailAllLocked(Unavailable("kvbus tcp: no word from receiver " + endpoint_ + " for " +
-                                std::to_string(options_.peer_timeout.count()) + " ms"));
-    }
-    done_cv_.SignalAll();
+    FailUnfinished(Unavailable("kvbus tcp: no word from receiver " + endpoint_ + " for " +
+                               std::to_string(options_.peer_timeout.count()) + " ms"),
+                   TransportClock::time_point::max());
     busy_ = false;
-    // What was queued belongs to batches that just failed; the cancels let a
-    // receiver that was only slow free their slots now.
-    control_.clear();
-    data_.clear();
-    for (uint64_t id : failed) {
-      Result<zmq::message_t> frame = EncodeWire(WireCancel{id, {}});
-      if (frame.ok()) control_.push_back(std::move(frame).value());
-    }
     return;
   }
   if (now - last_ping_ >= options_.heartbeat_interval) {

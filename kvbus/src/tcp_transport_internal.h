@@ -27,6 +27,7 @@
 #include "kdn/kvbus/region.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/zmq_curve.h"
+#include "peer_monitor.h"
 #include "shm_segment.h"
 #include "tcp_wire.h"
 
@@ -138,6 +139,14 @@ class TcpSender final : public Sender {
   // be mapped is left out of regions_ (auto: its grants go by tcp).
   void MapRegions(const std::vector<WireRegion>& regions);
   void CheckPeer(TransportClock::time_point now);
+  // Fail fast (tcp_sender_liveness.cpp): watches the connection before it is
+  // made; then, each round, fails what a lost or refused connection dooms.
+  Status WatchConnection();
+  Status CheckConnection(TransportClock::time_point now);
+  // Fails the unfinished chunks of the batches submitted at or before
+  // `submitted_by` with `status`, sends nothing more for them and asks the
+  // receiver to cancel them. For a silent receiver and a dead connection.
+  void FailUnfinished(const Status& status, TransportClock::time_point submitted_by);
 
   void Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status status) KDN_REQUIRES(mu_);
   void FailAllLocked(const Status& status) KDN_REQUIRES(mu_);
@@ -150,6 +159,8 @@ class TcpSender final : public Sender {
   zmq::socket_t socket_;  // the I/O thread's after Start()
   std::unique_ptr<WakeFd> wake_;
   std::thread thread_;
+  // socket_'s connection events; the I/O thread's after Start().
+  std::unique_ptr<PeerMonitor> monitor_;
 
   mutable Mutex mu_;
   CondVar done_cv_;

@@ -29,12 +29,20 @@
 // (Chunk::Parse, and that the key is the one announced) before it Puts it in
 // its sink. Idempotent by key: offering or sending a chunk twice is harmless.
 //
-// Failure: a receiver that goes silent fails the unfinished chunks of every
-// batch with UNAVAILABLE within SenderOptions::peer_timeout; a sender that
-// vanishes leaks nothing on the receiver, whose leases expire after
-// ReceiverOptions::lease. A batch failed for a silent receiver is cancelled
-// there (its slots freed, should the receiver only have been slow); chunks
-// already stored stay (they are verified and content-addressed).
+// Failure: a dead receiver costs only the batches sent to it, and at once.
+// The sender watches its connection: when it is lost (the receiver's process
+// died or closed) the unfinished chunks of every batch fail with UNAVAILABLE
+// "connection lost" straight away, and nothing more is sent for them; while
+// the endpoint refuses connections (nothing listens there), a batch that has
+// waited SenderOptions::connect_timeout fails with UNAVAILABLE "connection
+// refused". A receiver that is alive but silent (hung, or a host that drops
+// packets) fails them within SenderOptions::peer_timeout. The sender is not
+// broken for good: it reconnects on its own, and a receiver that comes back
+// at the endpoint serves later batches. A sender that vanishes leaks nothing
+// on the receiver, whose leases expire after ReceiverOptions::lease. A
+// failed batch is cancelled there (its slots freed, should the receiver only
+// have been slow); chunks already stored stay (they are verified and
+// content-addressed).
 
 #include <chrono>
 #include <cstdint>
@@ -94,7 +102,7 @@ struct BatchStatus {
 struct SenderFaults {
   // A granted chunk for which this returns true is never sent, as if the
   // sender died between the grant and the data. Its outcome stays kPending
-  // until the receiver goes silent.
+  // until the receiver goes silent or its connection is lost.
   std::function<bool(const ChunkKey&)> withhold_data;
   // A chunk for which this returns true is sent with one payload byte
   // flipped (the receiver must reject it: kFailed, CORRUPTION).
@@ -106,6 +114,13 @@ struct SenderOptions {
   // this long fails their unfinished chunks with UNAVAILABLE. Must exceed the
   // time one chunk takes on the wire plus the receiver's slowest sink Put.
   std::chrono::milliseconds peer_timeout{10000};
+  // While the receiver's endpoint refuses connections (nothing listens there:
+  // not up yet, or dead), a batch that has waited this long since Submit
+  // fails with UNAVAILABLE; younger batches wait, so a receiver that comes up
+  // within it still gets them. A connection lost while batches are unfinished
+  // fails them at once, whatever this is. Must be >= 0 (0: fail at the first
+  // refusal).
+  std::chrono::milliseconds connect_timeout{1000};
   // While busy, the sender pings at this interval (the receiver answers), and
   // ZeroMQ heartbeats the connection at it. Must be below peer_timeout, and
   // should be well below the receivers' lease (a receiver drops the queued
@@ -292,9 +307,11 @@ class Receiver {
 };
 
 // Connects to a receiver at `endpoint` ("tcp://host:port"). Connecting is
-// asynchronous: a receiver that is not up yet gets the data once it is, and
-// one that never comes fails batches after peer_timeout. INVALID_ARGUMENT for
-// a malformed endpoint or options.
+// asynchronous: a receiver that is not up yet gets the data once it is, as
+// long as it comes within the batch's connect_timeout; while nothing listens
+// there, batches fail after connect_timeout (a host that does not answer at
+// all: after peer_timeout). INVALID_ARGUMENT for a malformed endpoint or
+// options.
 Result<std::unique_ptr<Sender>> Connect(const std::string& endpoint,
                                         const SenderOptions& options = {});
 
