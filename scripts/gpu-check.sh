@@ -11,7 +11,7 @@
 # with Hugging Face on the GPU; and a GPU deployment of SmolLM2's GGUF
 # (KDN_SMOLLM2, default ~/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf) under
 # kdn-bench multiturn --url and serve-load; and the kvbus device planes
-# (kvbus/cuda: docs/kvbus-device-planes.md): their gpu tests and kdn-bench
+# (kvbus/cuda: docs/kvbus.md, "Device planes"): their gpu tests and kdn-bench
 # cuda-ipc, 16K tokens of llama3-8b KV between two processes over cuda_ipc and
 # nccl against cudaMemcpy. Results go to $OUT (default ./gpu-results; for the
 # record, OUT=bench/results/<gpu>-<date>).

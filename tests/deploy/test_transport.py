@@ -1,7 +1,9 @@
-"""kvbus data planes in a deployment (docs/kvbus.md, "Transports"): on one
-host the prefill worker lands KV in the decode worker's shared-memory
-segment unless told to use tcp, /metrics counts each plane per worker, and
-the answer does not depend on the plane."""
+"""kvbus data planes in a deployment (docs/kvbus.md, "Transports" and
+"Landing in place"): on one host the prefill worker writes KV straight into
+the decode worker's KV blocks (its pool, a shared segment) unless told to
+use tcp, where the decode worker's receiver puts it there; either way the
+decode worker copies nothing at Start, /metrics counts each plane per
+worker, and the answer does not depend on the plane."""
 
 import pytest
 
@@ -18,8 +20,9 @@ def planes(d):
             for role in ("prefill", "decode") for t in ("tcp", "shm")}
 
 
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_kv_moves_by_the_plane_the_topology_or_the_flag_picks(tiny_model, tmp_path, transport):
+@pytest.mark.parametrize("transport", ["auto", "shm", "tcp"])
+def test_kv_lands_in_place_by_the_plane_the_topology_or_the_flag_picks(tiny_model, tmp_path,
+                                                                       transport):
     d = Deployment(tmp_path / "run", tiny_model, "--kv-transport", transport)
     try:
         health = d.http.get("/health").json()
@@ -27,7 +30,7 @@ def test_kv_moves_by_the_plane_the_topology_or_the_flag_picks(tiny_model, tmp_pa
         assert len(hosts) == 1 and "" not in hosts, health
         assert {w["kv_transport"] for w in health["workers"]} == {transport}, health
         out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
-        used = "shm" if transport == "auto" else "tcp"
+        used = "tcp" if transport == "tcp" else "shm"
         other = "tcp" if used == "shm" else "shm"
         # Workers' figures reach the router with their next answer to its ping.
         wait_until(lambda: planes(d)[("decode", used)] > 0, timeout=10)
@@ -41,12 +44,21 @@ def test_kv_moves_by_the_plane_the_topology_or_the_flag_picks(tiny_model, tmp_pa
                       role="decode", transport=used) > 0
         assert metric(samples, "kdn_worker_kv_transport_seconds_total", worker="prefill-0",
                       role="prefill", transport=used) > 0
+        # Every pushed slice landed in the request's own blocks: nothing was
+        # copied into them at Start.
+        wait_until(lambda: metric(parse_metrics(d.metrics()), "kdn_worker_kv_landed_slices_total",
+                                  worker="decode-0", role="decode") > 0, timeout=10)
+        samples = parse_metrics(d.metrics())
+        assert metric(samples, "kdn_worker_kv_start_copy_bytes_total", worker="decode-0",
+                      role="decode") == 0
+        assert metric(samples, "kdn_worker_kv_landed_bytes_total", worker="decode-0",
+                      role="decode") > 0
         text = out["choices"][0]["text"]
     finally:
         d.down()
     # Same greedy text whichever plane carried the KV.
     d2 = Deployment(tmp_path / "run2", tiny_model, "--kv-transport",
-                    "tcp" if transport == "auto" else "shm")
+                    "shm" if transport == "tcp" else "tcp")
     try:
         assert d2.completion(PROMPT, max_tokens=8, temperature=0,
                              disaggregation="always")["choices"][0]["text"] == text
