@@ -302,7 +302,7 @@ Status TcpSender::ReceiveAll() {
 
 WireOffer TcpSender::NewOffer(uint64_t batch) const {
   WireOffer offer{batch, {}, false, {}};
-  if (options_.transport != TransportKind::kTcp && shm_usable_) {
+  if (options_.transport != TransportKind::kTcp && shm_.usable()) {
     offer.shm = true;
     offer.host_id = HostId();
   }
@@ -310,32 +310,12 @@ WireOffer TcpSender::NewOffer(uint64_t batch) const {
 }
 
 void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
-  for (const WireRegion& r : regions) {
-    auto it = peer_regions_.find(r.id);
-    if (it != peer_regions_.end() && it->second.handle == r.handle &&
-        it->second.segment->bytes() == r.bytes) {
-      continue;  // mapped already
-    }
-    if (it != peer_regions_.end()) {  // the receiver was replaced: its old segment is gone
-      (void)region_table_.Unregister(table_ids_[r.id]);
-      table_ids_.erase(r.id);
-      peer_regions_.erase(it);
-    }
-    Result<std::unique_ptr<SharedSegment>> segment = SharedSegment::Open(r.handle, r.bytes);
-    if (!segment.ok()) {
-      // Not on this host after all (another pid namespace, another user):
-      // auto sends by tcp from now on; a kShm sender fails these chunks.
-      shm_usable_ = false;
-      shm_error_ = segment.status();
-      LogWarn("kvbus sender to {}: no shm ({}){}", endpoint_, segment.status().ToString(),
-              options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
-      continue;
-    }
-    Result<uint32_t> id = region_table_.Register(
-        Region{MemoryKind::kHost, -1, (*segment)->data(), (*segment)->bytes()});
-    if (!id.ok()) continue;
-    table_ids_[r.id] = *id;
-    peer_regions_[r.id] = PeerRegion{r.handle, std::move(segment).value()};
+  const bool was_usable = shm_.usable();
+  shm_.Map(regions);
+  if (was_usable && !shm_.usable()) {
+    // auto sends by tcp from now on; a kShm sender fails these chunks.
+    LogWarn("kvbus sender to {}: no shm ({}){}", endpoint_, shm_.error().ToString(),
+            options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
   }
 }
 
@@ -363,16 +343,16 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
           // An in-place grant without a region, or into one this sender
           // could not map, takes the whole chunk by tcp (the receiver puts
           // it in place).
-          const bool mapped = d.region != 0 && table_ids_.count(d.region) != 0;
+          const bool mapped = d.region != 0 && shm_.Mapped(d.region);
           if (options_.transport == TransportKind::kShm && !mapped) {
             // Cancelled below with the orphans: the receiver frees the grant.
             orphans.keys.push_back(d.key);
             Finish(*batch, slot->second, ChunkOutcome::kFailed,
                    FailedPrecondition(
                        "kvbus shm: receiver " + endpoint_ + " granted no shared-memory range" +
-                       (shm_error_.ok() ? std::string(" (another host, no landing segment, or "
-                                                      "the chunk does not fit in it)")
-                                        : " (" + shm_error_.ToString() + ")")));
+                       (shm_.usable() ? std::string(" (another host, no landing segment, or "
+                                                    "the chunk does not fit in it)")
+                                      : " (" + shm_.error().ToString() + ")")));
             break;
           }
           s.phase = Phase::kGranted;
@@ -500,45 +480,22 @@ Status TcpSender::FlushData() {
   return Status::Ok();
 }
 
-Result<std::vector<uint8_t*>> TcpSender::ResolveGrant(const Outgoing& out) const {
-  // Region id 0 is never registered: an unmapped region is NOT_FOUND.
-  const auto table_id = table_ids_.find(out.region);
-  const uint32_t id = table_id == table_ids_.end() ? 0 : table_id->second;
-  const Chunk& chunk = *out.chunk;
-  std::vector<uint8_t*> at;
-  if (out.extents.empty()) {
-    KDN_ASSIGN_OR_RETURN(uint8_t * dst,
-                         region_table_.Resolve(id, out.offset, chunk.size(), MemoryKind::kHost));
-    at.push_back(dst);
-    return at;
-  }
-  uint64_t total = 0;
-  for (const Extent& x : out.extents) {
-    KDN_ASSIGN_OR_RETURN(uint8_t * dst,
-                         region_table_.Resolve(id, x.offset, x.bytes, MemoryKind::kHost));
-    at.push_back(dst);
-    total += x.bytes;
-  }
-  if (total != chunk.payload().size()) {
-    return InvalidArgument("an in-place grant of " + std::to_string(total) +
-                           " bytes for a payload of " + std::to_string(chunk.payload().size()));
-  }
-  return at;
-}
-
 Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
   sent = false;
   const Chunk& chunk = *out.chunk;
   const bool in_place = !out.extents.empty();
   if (!out.header_sent) {
     // Every range is checked before a byte is written.
-    Result<std::vector<uint8_t*>> dst = ResolveGrant(out);
-    if (!dst.ok()) {
+    const auto t0 = TransportClock::now();
+    const Status written =
+        shm_.Write(chunk, RegionGrant{out.region, out.offset, out.extents},
+                   options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key()));
+    if (!written.ok()) {
       MutexLock lock(mu_);
       auto it = batches_.find(out.batch);
       if (it != batches_.end()) {
         Finish(it->second, out.slot, ChunkOutcome::kFailed,
-               dst.status().WithContext("kvbus shm grant from " + endpoint_));
+               written.WithContext("kvbus shm grant from " + endpoint_));
       }
       done_cv_.SignalAll();
       // Nothing was written; the receiver frees the grant.
@@ -546,27 +503,6 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
       if (cancel.ok()) control_.push_back(std::move(cancel).value());
       sent = true;  // done with it
       return Status::Ok();
-    }
-    const auto t0 = TransportClock::now();
-    uint8_t* middle = nullptr;  // the byte corrupt_data flips
-    if (in_place) {
-      // The payload alone, piece by piece, into the receiver's blocks.
-      const uint8_t* from = chunk.payload().data();
-      uint64_t left = chunk.payload().size() / 2;
-      for (size_t i = 0; i < out.extents.size(); ++i) {
-        std::memcpy((*dst)[i], from, out.extents[i].bytes);
-        if (middle == nullptr && left < out.extents[i].bytes) middle = (*dst)[i] + left;
-        if (middle == nullptr) left -= out.extents[i].bytes;
-        from += out.extents[i].bytes;
-      }
-    } else {
-      std::memcpy((*dst)[0], chunk.bytes().data(), chunk.size());
-      middle = (*dst)[0] +
-               (chunk.payload().empty() ? 0 : Chunk::kHeaderBytes + chunk.payload().size() / 2);
-    }
-    if (options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key()) &&
-        middle != nullptr) {
-      *middle ^= 0x5a;
     }
     {
       MutexLock lock(mu_);

@@ -28,6 +28,7 @@
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/zmq_curve.h"
 #include "peer_monitor.h"
+#include "data_plane.h"
 #include "shm_segment.h"
 #include "tcp_wire.h"
 
@@ -109,11 +110,6 @@ class TcpSender final : public Sender {
     uint64_t offset = 0;
     std::vector<Extent> extents;  // in place: where in `region` the payload goes
   };
-  // A receiver's segment this sender has mapped.
-  struct PeerRegion {
-    std::string handle;
-    std::unique_ptr<SharedSegment> segment;
-  };
 
   TcpSender(std::string endpoint, const SenderOptions& options);
 
@@ -128,13 +124,9 @@ class TcpSender final : public Sender {
   Status FlushControl();
   Status FlushData();
   Status SendChunk(Outgoing& out, bool& sent);
-  // Copies the chunk into its granted range (its payload into its extents,
-  // in place) and sends the landed header.
+  // Has the region plane write the chunk into its granted range (its
+  // payload into its extents, in place) and sends the landed header.
   Status LandChunk(Outgoing& out, bool& sent);
-  // Where `out`'s bytes go in the mapped region: one address per extent (a
-  // whole-chunk grant: one range of the chunk's size). Every range is
-  // checked against the region's bounds before a byte is written.
-  Result<std::vector<uint8_t*>> ResolveGrant(const Outgoing& out) const;
   // Maps the regions a Decisions names (I/O thread). A region that cannot
   // be mapped is left out of regions_ (auto: its grants go by tcp).
   void MapRegions(const std::vector<WireRegion>& regions);
@@ -178,13 +170,9 @@ class TcpSender final : public Sender {
   TransportClock::time_point last_heard_;
   TransportClock::time_point last_ping_;
   uint64_t ping_seq_ = 0;
-  // The shm data plane: the receiver's regions, mapped (by their id), and
-  // their bounds for every grant (kdn/kvbus/region.h).
-  std::map<uint32_t, PeerRegion> peer_regions_;
-  RegionTable region_table_;
-  std::map<uint32_t, uint32_t> table_ids_;  // receiver's region id -> region_table_ id
-  bool shm_usable_ = true;  // cleared when a segment cannot be mapped (auto falls back)
-  Status shm_error_;        // why, for kShm senders
+  // The shm data plane (data_plane.h): the receiver's regions it mapped.
+  // Not usable once one cannot be mapped (auto falls back to tcp).
+  ShmPlane shm_;
 
   // Bytes sent per data plane, counted when acked.
   SenderStats stats_ KDN_GUARDED_BY(mu_);

@@ -1,0 +1,79 @@
+#pragma once
+// Private to the kvbus transports: a sender's data plane for grants into a
+// region of the receiver's memory (docs/kvbus.md, "Transports"). TcpSender
+// runs the control protocol (offers, grants, acks, liveness) and sends a
+// granted chunk's bytes in a frame after its header (the tcp plane); a grant
+// that names a region goes to the plane that maps that kind of region, which
+// writes the bytes there itself before the header goes out marked landed.
+// ShmPlane is the plane of host memory shared on one host (a landing
+// segment, or a decode worker's KV pool landed in place); a plane of device
+// memory (cuda_ipc) takes the same calls.
+//
+// Not thread-safe: the sender's I/O thread owns its planes.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/region.h"
+#include "kdn/kvbus/shared_segment.h"
+#include "tcp_wire.h"
+
+namespace kdn::kvbus {
+
+// Where a grant puts a chunk: the whole chunk at `offset` of `region`, or (in
+// place) its payload over `extents` of it, in order.
+struct RegionGrant {
+  uint32_t region = 0;
+  uint64_t offset = 0;
+  std::vector<Extent> extents;
+};
+
+class RegionPlane {
+ public:
+  virtual ~RegionPlane() = default;
+  virtual const char* name() const = 0;
+  // Maps the regions a Decisions message names (those already mapped are
+  // kept; one whose handle changed, a new receiver's, is mapped again). A
+  // region that cannot be mapped from here is left out, and usable() turns
+  // false with the reason in error().
+  virtual void Map(const std::vector<WireRegion>& regions) = 0;
+  virtual bool Mapped(uint32_t region) const = 0;
+  virtual bool usable() const = 0;
+  virtual const Status& error() const = 0;
+  // Writes `chunk` where `grant` says, every range checked against the
+  // mapped region before a byte moves (nothing written on error: NOT_FOUND
+  // for a region not mapped, INVALID_ARGUMENT for a range outside it or
+  // extents that do not add up to the payload). `corrupt` flips one payload
+  // byte where it lands (SenderFaults::corrupt_data).
+  virtual Status Write(const Chunk& chunk, const RegionGrant& grant, bool corrupt) = 0;
+};
+
+class ShmPlane final : public RegionPlane {
+ public:
+  const char* name() const override { return "shm"; }
+  void Map(const std::vector<WireRegion>& regions) override;
+  bool Mapped(uint32_t region) const override { return table_ids_.count(region) != 0; }
+  bool usable() const override { return error_.ok(); }
+  const Status& error() const override { return error_; }
+  Status Write(const Chunk& chunk, const RegionGrant& grant, bool corrupt) override;
+
+ private:
+  struct PeerRegion {
+    std::string handle;
+    std::unique_ptr<SharedSegment> segment;
+  };
+  // Where each range of `grant` lies here, one address per range.
+  Result<std::vector<uint8_t*>> Resolve(const Chunk& chunk, const RegionGrant& grant) const;
+
+  std::map<uint32_t, PeerRegion> regions_;  // by the receiver's region id
+  RegionTable table_;                       // their bounds (kdn/kvbus/region.h)
+  std::map<uint32_t, uint32_t> table_ids_;  // receiver's region id -> table_ id
+  Status error_;                            // why a region could not be mapped
+};
+
+}  // namespace kdn::kvbus
