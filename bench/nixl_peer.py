@@ -2,8 +2,12 @@
 """The NIXL peer of `kdn-bench pd-transfer`: how fast NIXL moves one request's
 KV between two processes on this machine, host memory to host memory.
 
-  python3 -m venv /tmp/nixl-venv && /tmp/nixl-venv/bin/pip install nixl numpy
+  python3 -m venv /tmp/nixl-venv
+  /tmp/nixl-venv/bin/pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 numpy
   /tmp/nixl-venv/bin/python bench/nixl_peer.py --bytes 134217728 --chunk-bytes 8388608 --reps 5
+
+(A plain `pip install nixl` works too but pulls torch and CUDA, some 6 GB;
+the host-memory path needs neither.)
 
 Process A (the initiator, this one) holds N bytes of random content; process B
 (the target, spawned with multiprocessing) holds an N-byte destination. Both
@@ -94,6 +98,16 @@ def chunks(addr: int, nbytes: int, chunk: int):
     return np.stack([starts + np.uint64(addr), lens, np.zeros_like(starts)], axis=1)
 
 
+def nixl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    for dist in ("nixl", "nixl-cu13", "nixl-cu12"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "unknown"
+
+
 def digest(arr) -> str:
     return hashlib.blake2b(memoryview(arr), digest_size=16).hexdigest()
 
@@ -119,13 +133,21 @@ def target_main(conn, nbytes: int, backend: str, params: dict,
         _, dst = host_buffer(nbytes, b"")
         agent.register_memory(chunks(dst.ctypes.data, nbytes, nbytes), "DRAM",
                               backends=[backend])
-        conn.send(("ready", agent.get_agent_metadata(), dst.ctypes.data))
+        try:
+            meta = agent.get_agent_metadata()
+        except Exception as e:
+            raise RuntimeError(f"no metadata for remote agents ({e}): backend {backend} "
+                               "does not do transfers between processes")
+        conn.send(("ready", meta, dst.ctypes.data))
         msg = recv(conn, "the initiator's verify request", agent)
         assert msg == "verify", msg
         conn.send(("digest", digest(dst)))
         recv(conn, "the initiator's goodbye", agent)  # keep dst registered till then
     except BaseException as e:  # report to A, which owns the exit status
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:  # A is gone
+            pass
         raise
 
 
@@ -154,7 +176,7 @@ def run(args) -> dict:
         agent.register_memory(chunks(src.ctypes.data, args.bytes, args.bytes), "DRAM",
                               backends=[args.backend])
         msg = recv(conn, "the target's metadata", peer=target)
-        if msg[0] == "error":
+        if msg[0] != "ready":
             raise RuntimeError(f"target: {msg[1]}")
         _, meta, dst_addr = msg
         remote = agent.add_remote_agent(meta)
@@ -200,17 +222,11 @@ def run(args) -> dict:
         target.join(timeout=10)
         if target.is_alive():
             target.kill()
-    nixl_version = "unknown"
-    try:
-        from importlib.metadata import version
-        nixl_version = version("nixl")
-    except Exception:
-        pass
-    return {"peer": "nixl", "nixl_version": nixl_version, "backend": args.backend,
+    return {"peer": "nixl", "nixl_version": nixl_version(), "backend": args.backend,
             "bytes": args.bytes, "chunk_bytes": args.chunk_bytes, "reps": args.reps,
-            "gbytes_per_s": max(rates), "all_gbytes_per_s": [round(r, 3) for r in rates],
-            "descriptors": n, "progress_thread": args.progress_thread,
-            "backend_params": params,
+            "gbytes_per_s": round(max(rates), 3),
+            "all_gbytes_per_s": [round(r, 3) for r in rates], "descriptors": n,
+            "progress_thread": args.progress_thread, "backend_params": params,
             "ucx_tls": os.environ.get("UCX_TLS", ""),
             "method": f"NIXL WRITE host->host between 2 processes, one prepared xfer of "
                       f"{n} descriptors, timed post to DONE polled by the initiator, "
@@ -226,7 +242,7 @@ def main() -> None:
     ap.add_argument("--backend", default="UCX")
     ap.add_argument("--progress-thread", action="store_true",
                     help="give each agent NIXL's progress thread (off: on 2 cores it "
-                         "competes with the polling thread and costs 2-3x)")
+                         "competes with the polling thread; up to 3x slower here)")
     ap.add_argument("--backend-param", action="append", default=[], metavar="KEY=VALUE",
                     help="backend init parameter, e.g. ucx_error_handling_mode=none "
                          "(lets UCX_TLS=sm,self work: shm has no peer failure handler)")
