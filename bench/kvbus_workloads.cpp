@@ -343,7 +343,7 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
             ::_exit(1);
           }
           std::memset((*pool)->data(), 0, (*pool)->bytes());  // resident, as a worker's pool is
-          sites.push_back(std::make_unique<BenchLandingSite>(*std::move(pool), block_bytes));
+          sites.push_back(std::make_unique<BenchLandingSite>(std::move(pool).value(), block_bytes));
           ro.landing = sites.back().get();
           ro.landing_region = &sites.back()->pool();
         }
@@ -353,7 +353,7 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
           ::_exit(1);
         }
         eps += (*r)->endpoint() + "\n";
-        receivers.push_back(*std::move(r));
+        receivers.push_back(std::move(r).value());
       }
     }
     (void)!::write(ep_pipe[1], eps.data(), eps.size());
@@ -452,9 +452,15 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
         const std::string label = secure ? base + " +curve" : base;
         std::printf("%-24s %8.2f %12.2f %8.1f%%", label.c_str(), best, mem, 100.0 * best / mem);
         if (nixl > 0) std::printf(" %8.2fx", best / nixl);
-        std::printf("  (%llu chunks by shm, %llu by tcp)",
+        std::printf("  (%llu chunks by shm, %llu by tcp",
                     static_cast<unsigned long long>(st.shm_chunks),
                     static_cast<unsigned long long>(st.tcp_chunks));
+        // The sender's own copies into shared memory, apart from the rest.
+        const double copy_gbps = st.shm_copy_seconds > 0
+                                     ? static_cast<double>(st.shm_bytes) / st.shm_copy_seconds / 1e9
+                                     : 0;
+        if (copy_gbps > 0) std::printf("; its shm copies at %.2f GB/s", copy_gbps);
+        std::printf(")");
         json row = {
             {"transport", name},           {"landing", landing},         {"curve", secure},
             {"gbytes_per_s", best},        {"memcpy_gbytes_per_s", mem}, {"ratio", best / mem},
