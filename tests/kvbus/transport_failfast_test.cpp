@@ -21,62 +21,18 @@
 #include "kdn/kvbus/transport.h"
 #include "recording_store.h"
 #include "transport_conformance.h"
+#include "transport_test_util.h"
 
 namespace kdn::kvbus {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-using ChunkPtr = std::shared_ptr<const Chunk>;
+using namespace transport_test;  // NOLINT: transport_test_util.h
 using testing::RecordingStore;
 
-constexpr auto kNoHang = 20s;  // bounds hangs only
-constexpr auto kFast = 5s;     // "at once": well below the peer timeout
+constexpr auto kFast = 5s;  // "at once": well below the peer timeout
 constexpr auto kPeerTimeout = 30s;
-
-#define KDN_ASSERT_OK_AND_ASSIGN(lhs, expr) \
-  KDN_ASSERT_OK_AND_ASSIGN_IMPL_(KDN_CONCAT_(_kdn_r_, __LINE__), lhs, expr)
-#define KDN_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr) \
-  auto tmp = (expr);                                   \
-  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();    \
-  lhs = std::move(tmp).value()
-
-ChunkPtr MakeChunk(uint64_t id) {
-  ChunkInfo info{.key = ChunkKey{0xfa57, id},
-                 .model_fingerprint = ChunkKey{1, 2},
-                 .layers = 2,
-                 .kv_heads = 2,
-                 .head_dim = 8,
-                 .tokens = 4,
-                 .dtype = KvDType::kF32};
-  std::vector<uint8_t> payload(info.payload_bytes());
-  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(id * 13 + i);
-  auto chunk = Chunk::Make(info, std::move(payload));
-  EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
-  return chunk.ok() ? *chunk : nullptr;
-}
-
-std::vector<ChunkPtr> MakeChunks(uint64_t first_id, int count) {
-  std::vector<ChunkPtr> chunks;
-  for (int i = 0; i < count; ++i) chunks.push_back(MakeChunk(first_id + i));
-  return chunks;
-}
-
-bool Eventually(const std::function<bool()>& done, std::chrono::milliseconds limit = kNoHang) {
-  const auto deadline = Clock::now() + limit;
-  while (!done()) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
-ReceiverOptions TestReceiverOptions() {
-  ReceiverOptions o;
-  o.lease = 300ms;
-  o.heartbeat_interval = 100ms;
-  return o;
-}
 
 // The peer timeout far out of the way: only the connection can fail a batch fast.
 SenderOptions SlowPeerTimeout() {

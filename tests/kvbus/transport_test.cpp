@@ -25,79 +25,20 @@
 #include "landing_site.h"
 #include "recording_store.h"
 #include "transport_conformance.h"
+#include "transport_test_util.h"
 
 namespace kdn::kvbus {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-#define KDN_ASSERT_OK(expr)                        \
-  do {                                             \
-    const ::kdn::Status _kdn_s = (expr);           \
-    ASSERT_TRUE(_kdn_s.ok()) << _kdn_s.ToString(); \
-  } while (0)
-#define KDN_ASSERT_OK_AND_ASSIGN(lhs, expr) \
-  KDN_ASSERT_OK_AND_ASSIGN_IMPL_(KDN_CONCAT_(_kdn_r_, __LINE__), lhs, expr)
-#define KDN_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr) \
-  auto tmp = (expr);                                   \
-  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();    \
-  lhs = std::move(tmp).value()
-
-// Anything that must finish finishes well within this; it bounds hangs only.
-constexpr auto kNoHang = 20s;
-
+using namespace transport_test;  // NOLINT: transport_test_util.h
 using testing::RecordingStore;
-
-using ChunkPtr = std::shared_ptr<const Chunk>;
-
-// An f32 chunk of `tokens` tokens, 2 layers x 2 KV heads x head_dim 8
-// (256 payload bytes per token), whose key and payload depend on `id`.
-ChunkPtr MakeChunk(uint64_t id, uint32_t tokens = 4, uint32_t layers = 2, uint32_t kv_heads = 2,
-                   uint32_t head_dim = 8) {
-  ChunkInfo info{.key = ChunkKey{0x7e57 + (id >> 32), id},
-                 .model_fingerprint = ChunkKey{1, 2},
-                 .layers = layers,
-                 .kv_heads = kv_heads,
-                 .head_dim = head_dim,
-                 .tokens = tokens,
-                 .dtype = KvDType::kF32};
-  std::vector<uint8_t> payload(info.payload_bytes());
-  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(id * 31 + i * 7);
-  auto chunk = Chunk::Make(info, std::move(payload));
-  EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
-  return chunk.ok() ? *chunk : nullptr;
-}
-
-// 16 MiB of payload: 16 layers x 8 KV heads x head_dim 64 x 256 tokens, f32.
-ChunkPtr MakeLargeChunk(uint64_t id) { return MakeChunk(id, 256, 16, 8, 64); }
-
-std::vector<ChunkPtr> MakeChunks(uint64_t first_id, int count, uint32_t tokens = 4) {
-  std::vector<ChunkPtr> chunks;
-  for (int i = 0; i < count; ++i) chunks.push_back(MakeChunk(first_id + i, tokens));
-  return chunks;
-}
 
 uint64_t TotalBytes(const std::vector<ChunkPtr>& chunks) {
   uint64_t n = 0;
   for (const auto& c : chunks) n += c->size();
   return n;
-}
-
-bool Eventually(const std::function<bool()>& done, std::chrono::milliseconds limit = kNoHang) {
-  const auto deadline = Clock::now() + limit;
-  while (!done()) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
-ReceiverOptions TestReceiverOptions() {
-  ReceiverOptions o;
-  o.lease = 300ms;
-  o.heartbeat_interval = 100ms;
-  return o;
 }
 
 SenderOptions TestSenderOptions() {

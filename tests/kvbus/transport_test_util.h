@@ -1,0 +1,80 @@
+#pragma once
+// What the kvbus transport tests share (transport_test.cpp,
+// transport_failfast_test.cpp): status assertions, chunks of a small shape,
+// waiting for a condition, and the receiver options with short leases.
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/transport.h"
+
+#define KDN_ASSERT_OK(expr)                        \
+  do {                                             \
+    const ::kdn::Status _kdn_s = (expr);           \
+    ASSERT_TRUE(_kdn_s.ok()) << _kdn_s.ToString(); \
+  } while (0)
+#define KDN_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  KDN_ASSERT_OK_AND_ASSIGN_IMPL_(KDN_CONCAT_(_kdn_r_, __LINE__), lhs, expr)
+#define KDN_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                   \
+  ASSERT_TRUE(tmp.ok()) << tmp.status().ToString();    \
+  lhs = std::move(tmp).value()
+
+namespace kdn::kvbus::transport_test {
+
+using ChunkPtr = std::shared_ptr<const Chunk>;
+
+// Anything that must finish finishes well within this; it bounds hangs only.
+inline constexpr auto kNoHang = std::chrono::seconds(20);
+
+// An f32 chunk of `tokens` tokens, 2 layers x 2 KV heads x head_dim 8
+// (256 payload bytes per token), whose key and payload depend on `id`.
+inline ChunkPtr MakeChunk(uint64_t id, uint32_t tokens = 4, uint32_t layers = 2,
+                          uint32_t kv_heads = 2, uint32_t head_dim = 8) {
+  ChunkInfo info{.key = ChunkKey{0x7e57 + (id >> 32), id},
+                 .model_fingerprint = ChunkKey{1, 2},
+                 .layers = layers,
+                 .kv_heads = kv_heads,
+                 .head_dim = head_dim,
+                 .tokens = tokens,
+                 .dtype = KvDType::kF32};
+  std::vector<uint8_t> payload(info.payload_bytes());
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(id * 31 + i * 7);
+  auto chunk = Chunk::Make(info, std::move(payload));
+  EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
+  return chunk.ok() ? *chunk : nullptr;
+}
+
+// 16 MiB of payload: 16 layers x 8 KV heads x head_dim 64 x 256 tokens, f32.
+inline ChunkPtr MakeLargeChunk(uint64_t id) { return MakeChunk(id, 256, 16, 8, 64); }
+
+inline std::vector<ChunkPtr> MakeChunks(uint64_t first_id, int count, uint32_t tokens = 4) {
+  std::vector<ChunkPtr> chunks;
+  for (int i = 0; i < count; ++i) chunks.push_back(MakeChunk(first_id + i, tokens));
+  return chunks;
+}
+
+inline bool Eventually(const std::function<bool()>& done,
+                       std::chrono::milliseconds limit = kNoHang) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+inline ReceiverOptions TestReceiverOptions() {
+  ReceiverOptions o;
+  o.lease = std::chrono::milliseconds(300);
+  o.heartbeat_interval = std::chrono::milliseconds(100);
+  return o;
+}
+
+}  // namespace kdn::kvbus::transport_test
