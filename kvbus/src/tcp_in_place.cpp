@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "stream_copy.h"
 #include "tcp_transport_internal.h"
 
 namespace kdn::kvbus {
@@ -124,7 +125,7 @@ Result<ChunkInfo> TcpReceiver::LandInPlace(const WireChunkHeader& h, const zmq::
   }
   const uint8_t* from = chunk->payload().data();
   for (const Extent& x : claim.extents) {
-    std::memcpy(base + x.offset, from, x.bytes);
+    StreamCopy(base + x.offset, from, x.bytes);
     from += x.bytes;
   }
   return chunk->info();
