@@ -181,12 +181,26 @@ void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
 
 void Decoder::Drop(uint64_t id, Prepared p) {
   DropOwnSlices(p);
-  if (options_.landing == nullptr || !options_.landing->Forget(id).unsafe) return;
+  if (options_.landing != nullptr && options_.landing->Forget(id).unsafe) {
+    HoldBack(p.request.request_id, std::move(p.seq));
+  }
+}
+
+void Decoder::HoldBack(uint64_t request_id, engine::KvSequence seq) {
+  if (seq.blocks().empty()) return;
   // A prefill worker may still be writing into these blocks.
   LogInfo("{} its {} KV blocks are held back for {} ms: a push into them may still be under way",
-          ReqId{p.request.request_id}, p.seq.blocks().size(), options_.landing_quarantine.count());
-  const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
-  quarantine_.emplace_back(now + options_.landing_quarantine, std::move(p.seq));
+          ReqId{request_id}, seq.blocks().size(), options_.landing_quarantine.count());
+  quarantine_.emplace_back(Now() + options_.landing_quarantine, std::move(seq));
+}
+
+void Decoder::ReleaseHeldBack() {
+  const TimePoint now = Now();
+  while (!quarantine_.empty() && quarantine_.front().first <= now) quarantine_.pop_front();
+}
+
+Decoder::TimePoint Decoder::Now() const {
+  return options_.clock ? options_.clock() : std::chrono::steady_clock::now();
 }
 
 std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
@@ -310,6 +324,7 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
     return ResourceExhausted("decode batch is full (" + std::to_string(taken) + " of " +
                              std::to_string(options_.max_batch) + " requests running or prepared)");
   }
+  ReleaseHeldBack();  // blocks whose hold ran out are free for this one
   Prepared p;
   p.request = std::move(request);
   p.created = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
@@ -393,10 +408,7 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   if (!st.ok()) {
     LogError("{} cannot start: {}", ReqId{request_id}, st.ToString());
     out->events.push_back(Failure(id, std::move(st)));
-    if (settled.unsafe && p.seq.blocks().size() > 0) {
-      const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
-      quarantine_.emplace_back(now + options_.landing_quarantine, std::move(p.seq));
-    }
+    if (settled.unsafe) HoldBack(request_id, std::move(p.seq));
   }
 }
 
@@ -549,7 +561,7 @@ void Decoder::Advance(DecoderOutput* out) {
   }
 
   const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
-  while (!quarantine_.empty() && quarantine_.front().first <= now) quarantine_.pop_front();
+  ReleaseHeldBack();
   for (auto it = prepared_.begin(); it != prepared_.end();) {
     if (it->second.request.local_prefill || now - it->second.created <= options_.prepare_timeout) {
       ++it;

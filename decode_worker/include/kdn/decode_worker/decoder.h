@@ -315,6 +315,11 @@ class Decoder {
   // A prepared request leaves without starting: its slices are forgotten
   // and its blocks, should a sender still be writing, held back.
   void Drop(uint64_t id, Prepared p);
+  // Keeps `seq`'s blocks from reuse for landing_quarantine; ReleaseHeldBack
+  // (Prepare, Advance) frees those whose time is up.
+  void HoldBack(uint64_t request_id, engine::KvSequence seq);
+  void ReleaseHeldBack();
+  TimePoint Now() const;  // options_.clock, or steady_clock
   // `request_id` (the router's) is for log lines.
   std::vector<std::shared_ptr<const kvbus::Chunk>> CopyOutChunks(
       uint64_t request_id, const engine::KvSequence& seq,
