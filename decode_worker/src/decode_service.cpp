@@ -484,6 +484,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     impl->landing = std::make_unique<SliceLanding>();
     ropt.landing = impl->landing.get();
     ropt.landing_region = impl->pool.get();
+    ropt.landing_by_shm = options.kv_transport != kvbus::TransportKind::kTcp;
     dopt.landing = impl->landing.get();
     dopt.landing_quarantine = ropt.lease;
   }

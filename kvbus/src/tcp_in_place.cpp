@@ -74,7 +74,7 @@ void TcpReceiver::GrantInPlace(const std::string& peer, uint64_t batch, const Wi
   const auto now = TransportClock::now();
   Lease lease{e.bytes, now + options_.lease};
   auto shm = peer_shm_.find(peer);
-  lease.in_region = shm != peer_shm_.end() && shm->second;
+  lease.in_region = options_.landing_by_shm && shm != peer_shm_.end() && shm->second;
   lease.in_place = std::move(claim);
   const LeaseKey id{peer, batch, e.key};
   out.push_back(InPlaceDecision(e.key, lease));

@@ -178,6 +178,28 @@ TEST(InPlace, TheReceiverPutsATcpChunksPayloadInPlace) {
   EXPECT_EQ(rig.sender->Stats().tcp_chunks, 1u);
 }
 
+TEST(InPlace, AReceiverThatTakesNoShmLandsEveryClaimFromTcpFrames) {
+  RecordingStore sink;
+  Site site(uint64_t{8} << 20);
+  site.Reset();
+  ReceiverOptions ro;
+  ro.landing = &site;
+  ro.landing_region = &site.segment();
+  ro.landing_by_shm = false;
+  auto receiver = Listen("tcp://127.0.0.1:0", sink, ro).value();
+  SenderOptions so;
+  so.transport = TransportKind::kAuto;  // would write shared memory if granted it
+  auto sender = Connect(receiver->endpoint(), so).value();
+  const ChunkPtr c = MakeChunk(25);
+  auto batch = sender->Submit({c});
+  ASSERT_TRUE(batch.ok());
+  ASSERT_TRUE(sender->Wait(*batch, kNoHang)->ToStatus().ok());
+  EXPECT_EQ(site.Gather(1), PayloadOf(c));
+  EXPECT_EQ(receiver->Stats().in_place_chunks, 1u);
+  EXPECT_EQ(receiver->Stats().in_place_shm_chunks, 0u);
+  EXPECT_EQ(sender->Stats().tcp_chunks, 1u);
+}
+
 TEST(InPlace, UnclaimedChunksGoToTheSinkAsBefore) {
   Rig rig(TransportKind::kAuto);
   rig.site.claim_if = [](const ChunkKey& k) { return k.lo % 2 == 0; };

@@ -227,6 +227,10 @@ struct ReceiverOptions {
   // site's), but no chunk larger than it is claimed.
   LandingSite* landing = nullptr;
   const SharedSegment* landing_region = nullptr;
+  // Whether shm senders on this host may write the landing region
+  // themselves; false: claimed chunks all come by tcp and the receiver puts
+  // them in place (a decode worker started with --kv-transport tcp).
+  bool landing_by_shm = true;
 };
 
 struct ReceiverStats {
