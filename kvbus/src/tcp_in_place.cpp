@@ -12,7 +12,7 @@ namespace kdn::kvbus {
 
 namespace {
 
-uint64_t lease_payload(const Landing& claim) {
+uint64_t ClaimBytes(const Landing& claim) {
   uint64_t n = 0;
   for (const Extent& x : claim.extents) n += x.bytes;
   return n;
@@ -118,10 +118,10 @@ Result<ChunkInfo> TcpReceiver::LandInPlace(const WireChunkHeader& h, const zmq::
       std::shared_ptr<const Chunk> chunk,
       Chunk::Parse(std::shared_ptr<const uint8_t>(std::shared_ptr<void>(), bytes), data->size()));
   KDN_RETURN_IF_ERROR(CheckArrived(chunk->info(), h.key));
-  if (chunk->payload().size() != lease_payload(claim)) {
+  if (chunk->payload().size() != ClaimBytes(claim)) {
     return InvalidArgument(
         "chunk " + h.key.ToHex() + " of " + std::to_string(chunk->payload().size()) +
-        " payload bytes for a landing of " + std::to_string(lease_payload(claim)));
+        " payload bytes for a landing of " + std::to_string(ClaimBytes(claim)));
   }
   const uint8_t* from = chunk->payload().data();
   for (const Extent& x : claim.extents) {
