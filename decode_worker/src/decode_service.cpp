@@ -487,6 +487,9 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     ropt.landing_by_shm = options.kv_transport != kvbus::TransportKind::kTcp;
     dopt.landing = impl->landing.get();
     dopt.landing_quarantine = ropt.lease;
+    LogInfo("pushed KV lands in place, in the KV pool's blocks (a shared segment of {:.1f} MiB{})",
+            static_cast<double>(impl->pool->bytes()) / (1 << 20),
+            ropt.landing_by_shm ? " that prefill workers on this host write" : "; tcp only");
   }
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;
