@@ -114,8 +114,11 @@ struct Rig {
   std::unique_ptr<Receiver> receiver;
   std::unique_ptr<Sender> sender;
 
-  explicit Rig(TransportKind kind, std::function<void(SenderOptions&)> tweak = {}) {
+  // `setup` sets the site's policies before the receiver can call it.
+  explicit Rig(TransportKind kind, std::function<void(SenderOptions&)> tweak = {},
+               std::function<void(Site&)> setup = {}) {
     site.Reset();
+    if (setup) setup(site);
     ReceiverOptions ro;
     ro.lease = 300ms;
     ro.heartbeat_interval = 100ms;
@@ -201,8 +204,8 @@ TEST(InPlace, AReceiverThatTakesNoShmLandsEveryClaimFromTcpFrames) {
 }
 
 TEST(InPlace, UnclaimedChunksGoToTheSinkAsBefore) {
-  Rig rig(TransportKind::kAuto);
-  rig.site.claim_if = [](const ChunkKey& k) { return k.lo % 2 == 0; };
+  Rig rig(TransportKind::kAuto, {},
+          [](Site& site) { site.claim_if = [](const ChunkKey& k) { return k.lo % 2 == 0; }; });
   const std::vector<ChunkPtr> chunks = {MakeChunk(30), MakeChunk(31)};
   ASSERT_TRUE(rig.Move(chunks).ToStatus().ok());
   EXPECT_EQ(rig.receiver->Stats().in_place_chunks, 1u);
@@ -247,12 +250,13 @@ TEST(InPlace, AKeyClaimedTwiceLandsTwice) {
 }
 
 TEST(InPlace, TheSitesVerdictOnWhatArrivedReachesTheSender) {
-  Rig rig(TransportKind::kShm);
-  rig.site.accept = [](const ChunkInfo& info) {
-    return info.position == 64 && info.tokens == 8
-               ? Status::Ok()
-               : Corruption("expected 8 tokens at 64, got " + std::to_string(info.tokens));
-  };
+  Rig rig(TransportKind::kShm, {}, [](Site& site) {
+    site.accept = [](const ChunkInfo& info) {
+      return info.position == 64 && info.tokens == 8
+                 ? Status::Ok()
+                 : Corruption("expected 8 tokens at 64, got " + std::to_string(info.tokens));
+    };
+  });
   const BatchStatus bs = rig.Move({MakeChunk(60, 8), MakeChunk(61, 16)});
   EXPECT_EQ(bs.chunks[0].outcome, ChunkOutcome::kSent);
   EXPECT_EQ(bs.chunks[1].outcome, ChunkOutcome::kFailed);
@@ -278,8 +282,8 @@ TEST(InPlace, AGrantThatRunsOutEndsItsClaimWithAnError) {
 }
 
 TEST(InPlace, ExtentsOutsideTheRegionAreRefusedBeforeAnyByteMoves) {
-  Rig rig(TransportKind::kShm);
-  rig.site.bad_offset = uint64_t{64} << 20;  // past the 8 MiB segment
+  Rig rig(TransportKind::kShm, {},
+          [](Site& site) { site.bad_offset = uint64_t{64} << 20; });  // past the 8 MiB segment
   const BatchStatus bs = rig.Move({MakeChunk(80)});
   ASSERT_EQ(bs.chunks[0].outcome, ChunkOutcome::kFailed);
   EXPECT_EQ(rig.site.ended().begin()->second.code(), StatusCode::kInternal);
