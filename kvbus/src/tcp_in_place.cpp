@@ -119,9 +119,9 @@ Result<ChunkInfo> TcpReceiver::LandInPlace(const WireChunkHeader& h, const zmq::
       Chunk::Parse(std::shared_ptr<const uint8_t>(std::shared_ptr<void>(), bytes), data->size()));
   KDN_RETURN_IF_ERROR(CheckArrived(chunk->info(), h.key));
   if (chunk->payload().size() != ClaimBytes(claim)) {
-    return InvalidArgument(
-        "chunk " + h.key.ToHex() + " of " + std::to_string(chunk->payload().size()) +
-        " payload bytes for a landing of " + std::to_string(ClaimBytes(claim)));
+    return InvalidArgument("chunk " + h.key.ToHex() + " of " +
+                           std::to_string(chunk->payload().size()) +
+                           " payload bytes for a landing of " + std::to_string(ClaimBytes(claim)));
   }
   const uint8_t* from = chunk->payload().data();
   for (const Extent& x : claim.extents) {
