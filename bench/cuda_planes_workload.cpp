@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -284,7 +285,6 @@ int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& path
   }
   if (cudaSetDevice(0) != cudaSuccess) return finish(Fail(Internal("cudaSetDevice(0) failed")));
   uint8_t* src = nullptr;
-  uint8_t* local_dst = nullptr;
   if (Status st = [&]() -> Status {
         KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&src), plan.pool_bytes));
         return Status::Ok();
@@ -334,23 +334,28 @@ int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& path
     rows.push_back({{"path", path}, {"skipped", why}});
   };
 
+  // A row whose destination pool is in this process (local, nccl-self):
+  // every layer moved by `move(dst, layer)`, timed, checked, the pool freed.
+  auto in_process = [&](const std::string& path,
+                        const std::function<Status(uint8_t*, int)>& move) -> Status {
+    uint8_t* dst = nullptr;
+    if (cudaMalloc(reinterpret_cast<void**>(&dst), plan.pool_bytes) != cudaSuccess) {
+      return ResourceExhausted("cudaMalloc of the local destination pool failed");
+    }
+    Result<double> s = BestSeconds(stream, reps, [&]() -> Status {
+      for (int l = 0; l < plan.layers; ++l) KDN_RETURN_IF_ERROR(move(dst, l));
+      return Status::Ok();
+    });
+    if (s.ok()) row(path, *s, CheckLayers(dst, plan, pattern));
+    (void)cudaFree(dst);
+    return s.status();
+  };
+
   if (want("local")) {
-    Status st;
-    if (cudaMalloc(reinterpret_cast<void**>(&local_dst), plan.pool_bytes) != cudaSuccess) {
-      st = ResourceExhausted("cudaMalloc of the local destination pool failed");
-    }
-    Result<double> s = st;
-    if (st.ok()) {
-      s = BestSeconds(stream, reps, [&]() -> Status {
-        for (int l = 0; l < plan.layers; ++l) {
-          KDN_RETURN_IF_ERROR(CopyExtents(src, plan.src[l], local_dst, plan.dst[l], stream));
-        }
-        return Status::Ok();
-      });
-    }
-    if (!s.ok()) return finish(Fail(s.status()));
-    row("local", *s, CheckLayers(local_dst, plan, pattern));
-    (void)cudaFree(local_dst);
+    const Status st = in_process("local", [&](uint8_t* dst, int l) {
+      return CopyExtents(src, plan.src[l], dst, plan.dst[l], stream);
+    });
+    if (!st.ok()) return finish(Fail(st));
   }
 
   if (want("cuda_ipc")) {
@@ -420,23 +425,10 @@ int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& path
     if (!link.ok()) {
       skip("nccl-self", link.status().ToString());
     } else {
-      Status st;
-      if (cudaMalloc(reinterpret_cast<void**>(&local_dst), plan.pool_bytes) != cudaSuccess) {
-        st = ResourceExhausted("cudaMalloc of the local destination pool failed");
-      }
-      Result<double> s = st;
-      if (st.ok()) {
-        s = BestSeconds(stream, reps, [&]() -> Status {
-          for (int l = 0; l < plan.layers; ++l) {
-            KDN_RETURN_IF_ERROR(
-                (*link)->SendRecvSelf(src, plan.src[l], local_dst, plan.dst[l], stream));
-          }
-          return Status::Ok();
-        });
-      }
-      if (!s.ok()) return finish(Fail(s.status()));
-      row("nccl-self", *s, CheckLayers(local_dst, plan, pattern));
-      (void)cudaFree(local_dst);
+      const Status st = in_process("nccl-self", [&](uint8_t* dst, int l) {
+        return (*link)->SendRecvSelf(src, plan.src[l], dst, plan.dst[l], stream);
+      });
+      if (!st.ok()) return finish(Fail(st));
     }
   }
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -125,9 +126,11 @@ inline DecodeRequest Request(std::vector<int32_t> prompt, int max_tokens,
 }
 
 // Acts as the prefill worker: computes the whole prompt on a sequence of its
-// own, puts the layer slices of what the decode worker lacks (every chunk
-// past `held_tokens`, and the tail) into staging, and returns the first token.
-inline int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int64_t held_tokens) {
+// own, hands `deliver` each layer slice of what the decode worker lacks
+// (every chunk past `held_tokens`, and the tail), and returns the first
+// token.
+inline int32_t PushSlices(Rig& rig, const DecodeRequest& r, int64_t held_tokens,
+                          const std::function<void(std::shared_ptr<const kvbus::Chunk>)>& deliver) {
   engine::KvCache& cache = rig.model->kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   std::vector<float> logits;
@@ -142,11 +145,18 @@ inline int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int64_t held_tokens)
                                                    kvbus::LayerSliceKey(region.parent, l),
                                                    kFingerprint, kvbus::KvDType::kF32);
       EXPECT_TRUE(slice.ok());
-      EXPECT_TRUE(rig.staging.Put(*std::move(slice)).ok());
+      if (slice.ok()) deliver(*std::move(slice));
     }
   }
   engine::Sampler sampler(r.spec.sampling);
   return sampler.Sample(logits);
+}
+
+// PushSlices into staging, as the kvbus receiver puts slices nobody claims.
+inline int32_t PushPrompt(Rig& rig, const DecodeRequest& r, int64_t held_tokens) {
+  return PushSlices(rig, r, held_tokens, [&](std::shared_ptr<const kvbus::Chunk> slice) {
+    EXPECT_TRUE(rig.staging.Put(std::move(slice)).ok());
+  });
 }
 
 // Collects what the Decoder said, per request.

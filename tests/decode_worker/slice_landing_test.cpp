@@ -62,38 +62,23 @@ TEST(SliceLanding, EachRequestExpectingAKeyGetsAClaimOfItsOwnInOrder) {
   EXPECT_EQ(site.Landed(c->ticket, SliceInfo(7, 16, 32)).code(), StatusCode::kFailedPrecondition);
 }
 
-// Plays the prefill worker and the kvbus receiver: computes the prompt on a
-// sequence of its own and lands every slice the Decoder expects straight in
-// its pool through `site`. Returns the first token.
+// Plays the prefill worker and the kvbus receiver: lands every slice the
+// Decoder expects straight in its pool through `site`. Returns the first
+// token.
 int32_t PushInPlace(Rig& rig, SliceLanding& site, const DecodeRequest& r, int64_t held_tokens) {
-  engine::KvCache& cache = rig.model->kv_cache();
-  engine::KvSequence seq = cache.NewSequence();
-  std::vector<float> logits;
-  EXPECT_TRUE(rig.model->Prefill(seq, r.tokens, {}, &logits).ok());
-  const auto keys = kvbus::PrefixKeys({kFingerprint, r.ns, kChunk}, r.tokens);
-  const auto n = static_cast<int64_t>(r.tokens.size());
-  uint8_t* pool = cache.Memory().base;
-  for (const control::KvRegion& region :
-       control::TransferRegions(keys, n, kChunk, held_tokens, r.transfer_id)) {
-    for (int l = 0; l < cache.num_layers(); ++l) {
-      auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
-                                                   kvbus::LayerSliceKey(region.parent, l),
-                                                   kFingerprint, kvbus::KvDType::kF32);
-      EXPECT_TRUE(slice.ok());
-      auto claim = site.Claim((*slice)->key(), (*slice)->payload().size());
-      EXPECT_TRUE(claim) << "layer " << l << " of [" << region.first << ", +" << region.count
-                         << ") not expected";
-      if (!claim) continue;
-      const uint8_t* from = (*slice)->payload().data();
-      for (const kvbus::Extent& x : claim->extents) {
-        std::memcpy(pool + x.offset, from, x.bytes);
-        from += x.bytes;
-      }
-      EXPECT_TRUE(site.Landed(claim->ticket, (*slice)->info()).ok());
+  uint8_t* pool = rig.model->kv_cache().Memory().base;
+  return PushSlices(rig, r, held_tokens, [&](std::shared_ptr<const kvbus::Chunk> slice) {
+    auto claim = site.Claim(slice->key(), slice->payload().size());
+    EXPECT_TRUE(claim) << "slice at " << slice->info().position << " of " << slice->info().tokens
+                       << " tokens not expected";
+    if (!claim) return;
+    const uint8_t* from = slice->payload().data();
+    for (const kvbus::Extent& x : claim->extents) {
+      std::memcpy(pool + x.offset, from, x.bytes);
+      from += x.bytes;
     }
-  }
-  engine::Sampler sampler(r.spec.sampling);
-  return sampler.Sample(logits);
+    EXPECT_TRUE(site.Landed(claim->ticket, slice->info()).ok());
+  });
 }
 
 struct LandingRig {

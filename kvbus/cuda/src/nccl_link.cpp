@@ -66,6 +66,18 @@ Status PollComm(ncclComm_t comm, Clock::time_point deadline, const char* what) {
   }
 }
 
+// Makes `device` current on this thread, once it is known to exist, and
+// the extent copier a link on it uses (Connect and OpenSelf).
+Result<std::unique_ptr<ExtentCopier>> OpenDevice(int device) {
+  const int count = DeviceCount();
+  if (device < 0 || device >= count) {
+    return FailedPrecondition("nccl: device " + std::to_string(device) + " of " +
+                              std::to_string(count));
+  }
+  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  return ExtentCopier::Create(device);
+}
+
 }  // namespace
 
 int NcclLink::Version() {
@@ -90,13 +102,7 @@ Result<std::unique_ptr<NcclLink>> NcclLink::Connect(const std::string& unique_id
                            " hex digits");
   }
   if (rank != 0 && rank != 1) return InvalidArgument("nccl: rank " + std::to_string(rank));
-  const int count = DeviceCount();
-  if (device < 0 || device >= count) {
-    return FailedPrecondition("nccl: device " + std::to_string(device) + " of " +
-                              std::to_string(count));
-  }
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  KDN_ASSIGN_OR_RETURN(std::unique_ptr<ExtentCopier> copier, ExtentCopier::Create(device));
+  KDN_ASSIGN_OR_RETURN(std::unique_ptr<ExtentCopier> copier, OpenDevice(device));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t comm = nullptr;
@@ -117,13 +123,7 @@ Result<std::unique_ptr<NcclLink>> NcclLink::Connect(const std::string& unique_id
 }
 
 Result<std::unique_ptr<NcclLink>> NcclLink::OpenSelf(int device) {
-  const int count = DeviceCount();
-  if (device < 0 || device >= count) {
-    return FailedPrecondition("nccl: device " + std::to_string(device) + " of " +
-                              std::to_string(count));
-  }
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-  KDN_ASSIGN_OR_RETURN(std::unique_ptr<ExtentCopier> copier, ExtentCopier::Create(device));
+  KDN_ASSIGN_OR_RETURN(std::unique_ptr<ExtentCopier> copier, OpenDevice(device));
   ncclComm_t comm = nullptr;
   KDN_NCCL_RETURN_IF_ERROR(ncclCommInitAll(&comm, 1, &device), nullptr);
   std::unique_ptr<NcclLink> link(new NcclLink(comm, 0, 0, device));
