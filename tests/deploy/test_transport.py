@@ -32,12 +32,17 @@ def test_kv_lands_in_place_by_the_plane_the_topology_or_the_flag_picks(tiny_mode
         out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
         used = "tcp" if transport == "tcp" else "shm"
         other = "tcp" if used == "shm" else "shm"
-        # Workers' figures reach the router with their next answer to its ping.
-        wait_until(lambda: planes(d)[("decode", used)] > 0, timeout=10)
-        got = planes(d)
-        # What the prefill worker sent by a plane, the decode worker received by it.
-        assert got[("prefill", used)] > 0, got
-        assert got[("prefill", used)] == got[("decode", used)], got
+        # Workers' figures reach the router with their next answer to its ping,
+        # each worker's on its own (a report may be older than the request's
+        # end): wait until both sides' figures of this request are there.
+        # What the prefill worker sent by a plane, the decode worker received
+        # by it.
+        def both_sides():
+            g = planes(d)
+            return g if g[("decode", used)] > 0 and g[("prefill", used)] == g[("decode", used)] \
+                else None
+        got = wait_until(both_sides, timeout=30)
+        assert got, planes(d)
         assert got[("prefill", other)] == 0 and got[("decode", other)] == 0, got
         samples = parse_metrics(d.metrics())
         assert metric(samples, "kdn_worker_kv_transport_chunks_total", worker="decode-0",
