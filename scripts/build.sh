@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Configures and builds kdn into build/ (Release, Ninja, ccache). Extra
 # arguments go to cmake, e.g. scripts/build.sh -DKDN_CUDA=OFF
+#   scripts/build.sh --configure-only [cmake args]   configures, builds nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
+configure_only=0
+if [ "${1:-}" = "--configure-only" ]; then configure_only=1; shift; fi
 jobs=$(nproc)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >build.log 2>&1 || {
   cat build.log; exit 1; }
 grep -E "^-- kdn:" build.log || true
+[ $configure_only = 1 ] && exit 0
 cmake --build build -j "$jobs"
