@@ -2,10 +2,13 @@
 router's, the prefill worker's and the decode worker's log files by the id
 the router returns in X-Request-Id; and --log-level."""
 
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-from deploy_util import Deployment, sse_events, wait_until
+from deploy_util import REPO, Deployment, sse_events, wait_until
 
 # ISO 8601 UTC with milliseconds, the level, the process, the message.
 LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z) (trace|debug|info |warn |error) "
@@ -93,6 +96,47 @@ def test_one_request_can_be_followed_across_the_logs_by_its_id(deployment):
     other = again.headers["X-Request-Id"]
     assert other != request_id
     assert all("req=" + other not in l for lines in found.values() for l in lines)
+
+
+def test_request_phases_puts_a_requests_milestones_in_order_from_the_logs(deployment, tmp_path):
+    """scripts/request-phases.py (where a request's time goes): the router's,
+    the prefill worker's and the decode worker's milestones of one request,
+    merged in time order, with the prefill worker's own figures."""
+    r = deployment.http.post("/v1/completions",
+                             json={"prompt": "Where does my time go?", "max_tokens": 3,
+                                   "temperature": 0, "ignore_eos": True,
+                                   "disaggregation": "always"})
+    assert r.status_code == 200, r.text
+    request_id = r.headers["X-Request-Id"]
+    story(deployment, request_id)
+    out = tmp_path / "phases.json"
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "request-phases.py"),
+                        str(deployment.run_dir), "--req", request_id, "--json", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "req=%s: 23 prompt tokens, 0 cached" % request_id in p.stdout, p.stdout
+    req = next(q for q in json.loads(out.read_text())["requests"] if q["id"] == request_id)
+    names = [m["milestone"] for m in req["milestones"]]
+    assert names[0] == "router accepted", names
+    # Each milestone no earlier than the one that causes it (the logs have
+    # milliseconds: lines of one millisecond may come in either order).
+    at = {}
+    for m in req["milestones"]:
+        at.setdefault(m["milestone"], m["ms"])
+    for a, b in [("router accepted", "router routed"), ("router routed", "prefill received"),
+                 ("prefill received", "prefill computed"), ("prefill computed", "router prefill done"),
+                 ("router prefill done", "router finished")]:
+        assert at[a] <= at[b], (a, b, req["milestones"])
+    assert {"decode prepare", "decode start", "prefill KDN", "prefill KV sent"} <= set(names), names
+    stamps = [m["ms"] for m in req["milestones"]]
+    assert stamps == sorted(stamps) and stamps[0] == 0, stamps
+    assert 0 <= req["ttft_ms"] <= stamps[-1], req
+    assert req["figures"]["compute_ms"] >= 0 and "kdn_load_ms" in req["figures"], req["figures"]
+    # An id that is not in the logs is refused, saying so.
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "request-phases.py"),
+                        str(deployment.run_dir), "--req", "0" * 16], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0 and "no request" in p.stderr, p.stdout + p.stderr
 
 
 def test_a_streamed_chat_carries_its_id_in_the_header_and_the_chunks(deployment):
