@@ -35,9 +35,10 @@ if [ $want_ref = 1 ]; then
   # clang-14 and libclang-rt-14-dev: libFuzzer, for the fuzz tests;
   # libomp-14-dev: clang's omp.h, which the CPU engine includes there.
   # clang-format-14: scripts/format.sh and scripts/check-format.sh.
+  # patchelf: scripts/package.sh (the release's run paths), tested in tests/deploy.
   pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy prometheus curl
         munge slurmctld slurmd slurm-client clang-14 libclang-rt-14-dev libomp-14-dev
-        clang-format-14)
+        clang-format-14 patchelf)
 fi
 
 missing=()

@@ -6,7 +6,8 @@ import os
 import sys
 
 from . import demo, local, slurm
-from .plan import DEFAULT_MODEL, FALLBACK_MODEL, FALLBACK_MODEL_MKMODEL_ARGS, GPU_SHARE
+from .plan import (DEFAULT_MODEL, FALLBACK_MODEL, FALLBACK_MODEL_MKMODEL_ARGS, GPU_SHARE,
+                   default_bin_dir)
 from .procs import STOP_WAIT_S
 from .util import REPO, Failure, Interrupted
 
@@ -182,7 +183,7 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                    "$KDN_LOG_LEVEL, else info)" % ", ".join(LOG_LEVELS))
     p.add_argument("--bin-dir", metavar="DIR",
                    help="folder of the kdn binaries (default: $KDN_BIN_DIR, else %s)"
-                   % (REPO / "build" / "bin"))
+                   % default_bin_dir())
     add_run_dir(p, run_dir_default, run_dir_help)
     p.add_argument("--ready-timeout", type=positive_float, default=120, metavar="S",
                    help="seconds to wait for each process's endpoint, then for /health "

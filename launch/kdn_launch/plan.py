@@ -123,9 +123,16 @@ def make_curve_keys(bin_dir, run_dir):
     return members, router
 
 
+def default_bin_dir():
+    """bin/ beside launch/ in an unpacked release (scripts/package.sh), else
+    the source tree's build/bin."""
+    packaged = REPO / "bin"
+    return packaged if (packaged / "kdn-router").is_file() else REPO / "build" / "bin"
+
+
 def bin_dir_from_env():
     env = os.environ.get("KDN_BIN_DIR")
-    return Path(env).resolve() if env else REPO / "build" / "bin"
+    return Path(env).resolve() if env else default_bin_dir()
 
 
 def require_bins(bin_dir, names):
