@@ -134,10 +134,14 @@ TEST(FlashAttention, PrefillMatchesTheReferenceKernel) {
 // there), the keys below that, which all its rows see, without a mask on the
 // Hopper kernels (PlanFull), the two merged by log-sum-exp. Against the
 // reference causal prefill of all n rows, with queries large enough that a
-// key seen or missed by mistake moves the output.
-void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool shared_keys) {
-  SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
-                                    << " n " << n << " shared " << shared_keys);
+// key seen or missed by mistake moves the output. Every position below
+// `dense` is a row (deviation often keeps a run of them): the second band
+// then has more rows than shared keys.
+void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool shared_keys,
+                             int64_t dense = 0) {
+  SCOPED_TRACE(::testing::Message()
+               << "heads " << heads << "/" << kv_heads << " dim " << dim << " n " << n << " shared "
+               << shared_keys << " dense " << dense);
   const AttentionShape shape = ShapeOf(heads, kv_heads, dim);
   Pool pool(kv_heads, dim, {n}, 21);
   const int64_t q_row = int64_t{heads} * dim;
@@ -145,7 +149,7 @@ void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool s
   std::mt19937 rng(23);
   std::vector<int64_t> rows;
   for (int64_t p = 0; p < n; ++p) {
-    if (rng() % 4 == 0 || p == n - 1) rows.push_back(p);
+    if (p < dense || rng() % 4 == 0 || p == n - 1) rows.push_back(p);
   }
   const auto m = static_cast<int64_t>(rows.size());
   std::vector<bf16> q(m * q_row);
@@ -184,6 +188,9 @@ void CheckFlashScatteredRows(int heads, int kv_heads, int dim, int64_t n, bool s
       (*flash)->Run(d_q->get(), q_row, pool.layer(), d_out->get(), nullptr, d_lse->get()));
   if (shared_keys) {
     ASSERT_GT(base, 0);
+    if (dense > 0) {
+      ASSERT_LT(base, m - split) << "the case is a band of more rows than keys";
+    }
     auto shared = FlashAttention::Create(shape, 4, m, pool.blocks);
     ASSERT_TRUE(shared.ok());
     const AttentionSequence keys{static_cast<int32_t>(m - split), base, table, base / 16};
@@ -214,6 +221,9 @@ TEST(FlashAttention, ScatteredRowsSeeTheirKeysThroughTheMaskAndTheSharedPart) {
   CheckFlashScatteredRows(8, 4, 64, 777, /*shared_keys=*/false);
   CheckFlashScatteredRows(32, 8, 128, 1500, /*shared_keys=*/true);
   CheckFlashScatteredRows(8, 4, 64, 777, /*shared_keys=*/true);
+  // More rows in the second band than keys below its first row.
+  CheckFlashScatteredRows(32, 8, 128, 1500, /*shared_keys=*/true, /*dense=*/400);
+  CheckFlashScatteredRows(8, 4, 64, 777, /*shared_keys=*/true, /*dense=*/300);
 }
 
 // A decode batch of sequences of different lengths, planned eagerly and for a

@@ -311,7 +311,11 @@ Status FlashAttention::Impl::Plan(const AttentionSequence* seqs, int count, bool
     const AttentionSequence& s = seqs[i];
     const int64_t kv = s.kv_len;
     const int64_t pages = (kv + kKvBlockTokensCuda - 1) / kKvBlockTokensCuda;
-    if (s.q_len < 1 || kv < s.q_len || s.table == nullptr || s.table_size < pages) {
+    // A causal plan's queries are the last q_len of its keys; without the
+    // mask (PlanFull: a band's shared keys) a band may have more rows than
+    // keys.
+    if (s.q_len < 1 || kv < 1 || (causal_mask && kv < s.q_len) || s.table == nullptr ||
+        s.table_size < pages) {
       return InvalidArgument("FlashAttention::Plan: sequence " + std::to_string(i) +
                              " has a bad length or a short block table");
     }
