@@ -486,20 +486,27 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
     LogInfo("{} local prefill: {} prompt tokens held ({} resident), {} computed, first token {}",
             ReqId{p.request.request_id}, p.held_tokens, p.resident_tokens, n - p.held_tokens,
             first);
-    // The prompt's own spans, as a prefill worker publishes and stores them:
-    // a next turn whose template re-renders the answer differs from the
-    // conversation inside its tail, and still finds the prompt whole.
-    PublishAndStore(p.request.request_id, p.seq, p.request.tokens, p.held_tokens, p.request.ns);
-    Prepared taken = std::move(p);
-    prepared_.erase(it);
-    // The router sends the first token itself, as from a prefill worker.
-    taken.request.spec.first_token_sent = true;
-    const uint64_t request_id = taken.request.request_id;
     out->prefilled.push_back(done);
-    if (Status a = Admit(id, std::move(taken), first, out); !a.ok()) {
-      LogError("{} cannot start: {}", ReqId{request_id}, a.ToString());
-      out->events.push_back(Failure(id, std::move(a)));
-    }
+    first_sent_.emplace_back(id, first);
+  }
+}
+
+void Decoder::AdmitLocal(uint64_t id, int32_t first_token, DecoderOutput* out) {
+  auto it = prepared_.find(id);
+  if (it == prepared_.end()) return;
+  Prepared& p = it->second;
+  // The prompt's own spans, as a prefill worker publishes and stores them:
+  // a next turn whose template re-renders the answer differs from the
+  // conversation inside its tail, and still finds the prompt whole.
+  PublishAndStore(p.request.request_id, p.seq, p.request.tokens, p.held_tokens, p.request.ns);
+  Prepared taken = std::move(p);
+  prepared_.erase(it);
+  // The router sends the first token itself, as from a prefill worker.
+  taken.request.spec.first_token_sent = true;
+  const uint64_t request_id = taken.request.request_id;
+  if (Status a = Admit(id, std::move(taken), first_token, out); !a.ok()) {
+    LogError("{} cannot start: {}", ReqId{request_id}, a.ToString());
+    out->events.push_back(Failure(id, std::move(a)));
   }
 }
 
@@ -516,6 +523,15 @@ void Decoder::DropOwnSlices(const Prepared& p) {
 }
 
 Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
+  // A local prefill whose first token went out is as good as started: its
+  // prompt is published and stored, and it is cancelled as a running one.
+  for (auto f = first_sent_.begin(); f != first_sent_.end(); ++f) {
+    if (f->first != id) continue;
+    const int32_t first = f->second;
+    first_sent_.erase(f);
+    AdmitLocal(id, first, out);
+    break;
+  }
   if (auto it = prepared_.find(id); it != prepared_.end()) {
     // Never started (the first token ended it, or its client went away):
     // its reserved blocks go back with the sequence.
@@ -579,7 +595,17 @@ void Decoder::Advance(DecoderOutput* out) {
     Drop(id, std::move(p));
   }
 
+  // Last Advance's local prefills, whose first tokens are out, join the
+  // batch; then the next ones run. A first token goes out before anything
+  // else is done for its request, and before the step (which would hold it
+  // back by a step's time).
+  while (!first_sent_.empty()) {
+    const auto [id, first] = first_sent_.front();
+    first_sent_.pop_front();
+    AdmitLocal(id, first, out);
+  }
   RunLocalPrefills(out);
+  if (!out->prefilled.empty()) return;
   if (batcher_->running() == 0) return;
   std::vector<TokenEvent> events;
   const auto t0 = std::chrono::steady_clock::now();
@@ -610,7 +636,7 @@ void Decoder::Advance(DecoderOutput* out) {
 }
 
 bool Decoder::Busy() const {
-  if (batcher_->running() > 0) return true;
+  if (batcher_->running() > 0 || !first_sent_.empty()) return true;
   for (uint64_t id : local_queue_) {
     if (prepared_.count(id) != 0) return true;
   }

@@ -145,19 +145,28 @@ TEST(Decoder, ALocalPrefillRunsInBoundedPiecesBetweenTheRunningRequestsSteps) {
   ASSERT_TRUE(l.ok()) << l.status().ToString();
   t.Add(out);
   rig.io.Drain();  // its load (a miss)
-  // 70 tokens at 16 a step: 5 steps, each of which still decodes the
-  // running request; the backlog shrinks by a piece each.
+  // 70 tokens at 16 a step: 5 pieces, the first four each followed by a
+  // step that still decodes the running request; the backlog shrinks by a
+  // piece each. The Advance of the last piece sends the first token at once,
+  // before any step; the next admits the request and steps both.
   int64_t backlog = 70;
   for (int step = 1; step <= 5; ++step) {
     out = {};
     rig.decoder->Advance(&out);
     t.Add(out);
-    EXPECT_EQ(t.tokens[r].size(), before + step) << "a step without the running request";
+    EXPECT_EQ(t.tokens[r].size(), before + std::min(step, 4)) << "step " << step;
     const int64_t now = rig.decoder->Stats().local_backlog_tokens;
     EXPECT_EQ(now, std::max<int64_t>(backlog - 16, 0)) << "step " << step;
     backlog = now;
     EXPECT_EQ(t.prefilled.count(*l), step == 5 ? 1u : 0u) << "step " << step;
   }
+  EXPECT_TRUE(out.events.empty()) << "a step held the first token back";
+  EXPECT_TRUE(rig.decoder->Busy());
+  out = {};
+  rig.decoder->Advance(&out);
+  t.Add(out);
+  EXPECT_EQ(t.tokens[r].size(), before + 5);
+  EXPECT_EQ(t.tokens[*l].size(), 2u) << "admitted, and in the step";
   EXPECT_GT(rig.decoder->Stats().step_ms, 0.0);
   RunToEnd(rig, t);
   EXPECT_EQ(t.tokens[r], Alone(*rig.model, running));
@@ -330,6 +339,33 @@ TEST(Decoder, ARequestAdmittedNeverRunsOutOfBlocksMidDecode) {
   EXPECT_TRUE(t.error[id].ok()) << t.error[id].ToString();
   EXPECT_EQ(rig.free_blocks(), 4);
   EXPECT_EQ(rig.decoder->Stats().running, 0);
+}
+
+TEST(Decoder, ALocalPrefillCancelledRightAfterItsFirstTokenEndsAsAStartedOne) {
+  Rig rig;
+  Transcript t;
+  const DecodeRequest turn = Local(RandomTokens(40, 256, 4), 5);
+  const uint64_t a = PrepareAndLoad(rig, turn, t);
+  DecoderOutput out;
+  rig.decoder->Advance(&out);
+  t.Add(out);
+  ASSERT_EQ(t.prefilled.count(a), 1u);
+  // The client goes away before the next Advance: the request ends as a
+  // running one would, its prompt published for the next turn.
+  out = {};
+  ASSERT_TRUE(rig.decoder->Cancel(a, &out).ok());
+  t.Add(out);
+  EXPECT_EQ(t.finish[a], "cancelled");
+  EXPECT_EQ(t.tokens[a].size(), 1u);
+  EXPECT_EQ(rig.decoder->Cancel(a, &out).code(), StatusCode::kNotFound);
+  RunToEnd(rig, t);
+  EXPECT_EQ(rig.decoder->Stats().prepared + rig.decoder->Stats().running, 0);
+  // The same prompt again finds it resident but for its last token.
+  const uint64_t b = PrepareAndLoad(rig, turn, t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.prefilled[b].resident_tokens, 39);
+  EXPECT_EQ(t.tokens[b], Alone(*rig.model, turn));
+  EXPECT_EQ(t.tokens[b][0], t.tokens[a][0]);
 }
 
 TEST(Decoder, CancelEndsPreparedLoadingAndRunningRequestsAndFreesTheirBlocks) {

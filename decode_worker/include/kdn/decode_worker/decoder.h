@@ -17,10 +17,11 @@
 //     between decode steps: all at once when no request runs, else at most
 //     local_prefill_step_tokens per step, so that running streams keep
 //     their pace (and never more per Prefill call than the engine's
-//     max_prefill_tokens: a longer piece goes in several calls). Its first token is drawn here,
-//     reported as a LocalPrefillDone, and it joins the batch with no Start (events from its second
-//     token: the router sends the first). Its prompt's spans are published in the pool and stored,
-//     as a prefill worker does.
+//     max_prefill_tokens: a longer piece goes in several calls). Its first token is drawn here and
+//     reported as a LocalPrefillDone by an Advance that then returns, before any decode step; the
+//     next Advance (or a Cancel before it) publishes its prompt's spans in the pool and stores
+//     them, as a prefill worker does, and it joins the batch with no Start (events from its
+//     second token: the router sends the first).
 //  2. Start: the prefill worker has pushed the rest of the prompt's KV as
 //     layer slices and sampled the first token. With a SliceLanding (the
 //     CPU pool, docs/kvbus.md "Landing in place"), the slices were
@@ -258,14 +259,17 @@ class Decoder {
 
   // Takes in the loads that are in (PrepareDone, then any Start waiting for
   // them), drops prepared requests past prepare_timeout (local prefills
-  // never: they need no Start), computes local prefills (bounded while
+  // never: they need no Start), admits the local prefills whose first token
+  // the last Advance reported, computes local prefills (bounded while
   // requests run; a failed one fails its request) and runs one decode step
-  // for the batch. A failed step fails every running request.
+  // for the batch, unless a local prefill finished: then it returns with
+  // that first token, and the step comes with the next Advance. A failed
+  // step fails every running request.
   void Advance(DecoderOutput* out);
 
-  // Whether Advance has work now (running requests, loads that are in, or
-  // local prefills ready to compute), so that a driver knows when it may
-  // sleep.
+  // Whether Advance has work now (running requests, loads that are in,
+  // local prefills ready to compute or whose first token went out), so that
+  // a driver knows when it may sleep.
   bool Busy() const;
 
   DecoderStats Stats() const;
@@ -334,8 +338,14 @@ class Decoder {
   Status Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutput* out);
   // The load of local prefill `id` is in: it waits for its compute.
   void QueueLocal(uint64_t id, Prepared& p);
-  // Computes local prefills, oldest first, up to the step's budget.
+  // Computes local prefills, oldest first, up to the step's budget. A
+  // finished one's first token goes out with this Advance; what is not on
+  // its way (publishing and storing its prompt's KV, admitting it, the next
+  // decode step) waits for the next (AdmitLocal).
   void RunLocalPrefills(DecoderOutput* out);
+  // Local prefill `id`, whose first token went out: its prompt's KV
+  // published and stored, then admitted into the batch.
+  void AdmitLocal(uint64_t id, int32_t first_token, DecoderOutput* out);
   // The prompt tokens a prepared request may take from the pool and the
   // KDN: all of them, or all but the last when it is prefilled here (the
   // last is computed for its logits).
@@ -368,6 +378,8 @@ class Decoder {
   uint64_t resident_hit_tokens_ = 0;
   uint64_t chunks_store_dropped_ = 0;
   std::deque<uint64_t> local_queue_;  // local prefills whose load is in, oldest first
+  // Local prefills whose first token went out, not admitted yet: id, token.
+  std::deque<std::pair<uint64_t, int32_t>> first_sent_;
   std::deque<std::pair<TimePoint, engine::KvSequence>> quarantine_;  // by release time
   uint64_t start_copy_bytes_ = 0;
   double step_ms_ = 0;  // recent averages (exponential)
