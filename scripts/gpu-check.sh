@@ -4,8 +4,9 @@
 #   quick  the GPU tests (kdn_cuda_tests), a GPU deployment of SmolLM2's GGUF
 #          whose greedy chat turns must equal kdn-generate's on the GPU, and
 #          every step docs/engine.md lists under "Owed on a GPU" (it reads
-#          that table and nothing else). About 5-7 minutes on an H100.
-#   full   every step below, owed or not (about 25 minutes).
+#          that table and nothing else). 163 s on an H100 on 2026-11-27.
+#   full   every step below, owed or not (the benchmarks on the llama3-8b
+#          shape and Hugging Face's peer besides: several times longer).
 #
 #   scripts/gpu-check.sh [--profile quick|full] [BIN_DIR]
 #   STEPS="kvbus multiturn" scripts/gpu-check.sh [BIN_DIR]    # these steps only
