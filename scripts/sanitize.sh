@@ -3,7 +3,10 @@
 # sanitizers, each in a build of its own with only what those tests need
 # (no CUDA, no kdn-bench, no deployment tests):
 #   asan   AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer, in
-#          build-asan/
+#          build-asan/: the tree compiled once with clang (with libFuzzer's
+#          coverage instrumentation and Clang's thread-safety analysis), for
+#          the unit tests and the libFuzzer harnesses (tests/fuzz, KDN_FUZZ),
+#          whose fuzz tests (ctest label fuzz) run after the unit tests
 #   tsan   ThreadSanitizer, in build-tsan/
 # Any report fails the run: every sanitizer halts on its first error
 # (-fno-sanitize-recover=all, halt_on_error=1) and the test binary exits
@@ -11,8 +14,10 @@
 #
 #   scripts/sanitize.sh            both
 #   scripts/sanitize.sh tsan       one
+#   scripts/sanitize.sh --build-only [asan|tsan]   configure and build, run nothing
 # Extra cmake arguments can come in $KDN_SANITIZE_CMAKE_ARGS.
-# Warnings are the main build's business (-Werror there), not these builds'.
+# Warnings are the main build's business (-Werror there), not these builds',
+# but for Clang's thread-safety analysis, whose findings fail the asan build.
 # Suppressions (scripts/sanitize/tsan.supp) name third-party code only, each
 # with its reason.
 #
@@ -32,10 +37,17 @@ TSAN_TESTS=(kdn_common_tests)
 SUPP="$PWD/scripts/sanitize"
 
 run_one() {
-  local kind=$1 flags dir=build-$1 tests
+  local kind=$1 flags dir=build-$1 tests targets compilers=()
   case "$kind" in
-    asan) flags="-fsanitize=address,undefined -fno-sanitize-recover=all" tests=("${ASAN_TESTS[@]}") ;;
-    tsan) flags="-fsanitize=thread" tests=("${TSAN_TESTS[@]}") ;;
+    asan)
+      # clang: libFuzzer and the thread-safety analysis come with it.
+      local cc=${KDN_CLANG:-clang-14} cxx=${KDN_CLANGXX:-clang++-14}
+      command -v "$cxx" >/dev/null || {
+        echo "sanitize: $cxx is missing (scripts/install-deps.sh --ref installs it)" >&2; return 1; }
+      compilers=(-DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DKDN_FUZZ=ON)
+      flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fsanitize=fuzzer-no-link"
+      tests=("${ASAN_TESTS[@]}") targets=("${ASAN_TESTS[@]}" kdn_fuzzers) ;;
+    tsan) flags="-fsanitize=thread" tests=("${TSAN_TESTS[@]}") targets=("${TSAN_TESTS[@]}") ;;
     *) echo "sanitize: unknown sanitizer '$kind' (asan or tsan)" >&2; return 2 ;;
   esac
   flags="-O1 -g -fno-omit-frame-pointer $flags"
@@ -44,11 +56,13 @@ run_one() {
   # shellcheck disable=SC2086
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize -DKDN_CUDA=OFF \
     -DKDN_BUILD_TESTS=ON -DKDN_BUILD_BENCH=OFF -DKDN_REF_PYTHON= -DKDN_WERROR=OFF \
+    "${compilers[@]}" \
     -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_C_FLAGS="$flags" \
     -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags" \
     ${KDN_SANITIZE_CMAKE_ARGS:-} >"$dir/configure.log" 2>&1 || {
     cat "$dir/configure.log"; return 1; }
-  cmake --build "$dir" -j "$(nproc)" --target "${tests[@]}"
+  cmake --build "$dir" -j "$(nproc)" --target "${targets[@]}" || return 1
+  [ "$build_only" = 1 ] && { echo "sanitize: $kind: built in $((SECONDS - t0)) s"; return 0; }
   local built=$SECONDS failed=()
   for t in "${tests[@]}"; do
     echo "sanitize: $kind $t"
@@ -60,6 +74,11 @@ run_one() {
       failed+=("$t")
     fi
   done
+  if [ "$kind" = asan ]; then
+    echo "sanitize: asan: the fuzz tests (ctest -L fuzz)"
+    (cd "$dir" && OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 ctest -L fuzz --output-on-failure -j "$(nproc)") ||
+      failed+=(fuzz)
+  fi
   echo "sanitize: $kind: build $((built - t0)) s, tests $((SECONDS - built)) s"
   if [ ${#failed[@]} -gt 0 ]; then
     echo "sanitize: $kind: FAILED: ${failed[*]}" >&2
@@ -67,6 +86,8 @@ run_one() {
   fi
 }
 
+build_only=0
+if [ "${1:-}" = "--build-only" ]; then build_only=1; shift; fi
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
 status=0

@@ -153,8 +153,9 @@ TEST(InPlace, TheSenderWritesEveryPayloadIntoItsExtentsOverShm) {
   const auto claimed = rig.site.claimed();
   ASSERT_EQ(claimed.size(), 6u);
   for (const auto& [ticket, claim] : claimed) {
+    const auto& key = claim.first;  // a structured binding no lambda captures (clang 14)
     const auto c = std::find_if(chunks.begin(), chunks.end(),
-                                [&](const ChunkPtr& x) { return x->key() == claim.first; });
+                                [&](const ChunkPtr& x) { return x->key() == key; });
     ASSERT_NE(c, chunks.end());
     EXPECT_EQ(claim.second.size(), 4u);
     EXPECT_EQ(rig.site.Gather(ticket), PayloadOf(*c));

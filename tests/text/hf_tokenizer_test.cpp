@@ -477,7 +477,7 @@ TEST(HfTokenizer, RefusesWhatItCannotRunNamingTheField) {
   json ctc = CharBpe(json::array());
   ctc["decoder"] = {{"type", "Sequence"}, {"decoders", {{{"type", "Fuse"}}, {{"type", "CTC"}}}}};
   json clash = CharBpe(json::array());
-  clash["added_tokens"] = {Added(2, "<x>")};  // 2 is "c"
+  clash["added_tokens"] = json::array({Added(2, "<x>")});  // 2 is "c"
   const Case cases[] = {
       {unigram, StatusCode::kUnimplemented, "model"},
       {lowercase, StatusCode::kUnimplemented, "Lowercase"},
