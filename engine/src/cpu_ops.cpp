@@ -10,7 +10,10 @@ namespace kdn::engine {
 
 // The hot loops are compiled for AVX-512, AVX2 and baseline x86-64 and the
 // best one is picked at load time, so one binary runs everywhere and fast.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: the loader calls the picking function (an ifunc
+// resolver) before TSan's runtime is up, and the instrumented resolver
+// crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define KDN_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KDN_CPU_CLONES
