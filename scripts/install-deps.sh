@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kdn needs to build and run, from Debian's packages.
 #   scripts/install-deps.sh          build dependencies only
+#   scripts/install-deps.sh --ref-packages   the Debian packages of --ref
+#                                    alone (no PyPI, no llama.cpp, no model)
 #   scripts/install-deps.sh --ref    also the test references: Debian's CPU
 #                                    PyTorch and, in .venv-ref/, the pinned
 #                                    PyPI packages of tests/parity/requirements.txt,
@@ -16,8 +18,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want_ref=0
-[ "${1:-}" = "--ref" ] && want_ref=1
+want_ref=0 want_ref_python=1
+case "${1:-}" in
+  --ref) want_ref=1 ;;
+  # The packages of --ref alone (Debian's, FlashInfer's headers): what a
+  # build needs; the Python references can come beside it (scripts/test.sh).
+  --ref-packages) want_ref=1 want_ref_python=0 ;;
+  "") ;;
+  *) echo "install-deps: unknown argument '$1' (--ref, --ref-packages)" >&2; exit 2 ;;
+esac
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -51,7 +60,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-if [ $want_ref = 1 ]; then
+if [ $want_ref = 1 ] && [ $want_ref_python = 1 ]; then
   # Debian's python3 (its torch is built for it), with the pinned references
   # in a venv that sees the system site-packages.
   if [ ! -x .venv-ref/bin/python ]; then
