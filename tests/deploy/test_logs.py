@@ -69,13 +69,19 @@ def check_story(found, request_id):
         assert stamps == sorted(stamps), lines
 
 
-def test_one_request_can_be_followed_across_the_logs_by_its_id(deployment):
+def greedy_on_the_prefill_worker(deployment, prompt, max_tokens):
+    """A completion on the prefill worker's path (whose milestones MILESTONES
+    lists): the response."""
     r = deployment.http.post("/v1/completions",
-                             json={"prompt": "Follow me through the logs", "max_tokens": 4,
+                             json={"prompt": prompt, "max_tokens": max_tokens,
                                    "temperature": 0, "ignore_eos": True,
-                                   # the prefill worker's path, whose milestones these are
                                    "disaggregation": "always"})
     assert r.status_code == 200, r.text
+    return r
+
+
+def test_one_request_can_be_followed_across_the_logs_by_its_id(deployment):
+    r = greedy_on_the_prefill_worker(deployment, "Follow me through the logs", 4)
     request_id = r.headers["X-Request-Id"]
     assert re.fullmatch(r"[0-9a-f]{16}", request_id), request_id
     body = r.json()
@@ -102,12 +108,8 @@ def test_request_phases_puts_a_requests_milestones_in_order_from_the_logs(deploy
     """scripts/request-phases.py (where a request's time goes): the router's,
     the prefill worker's and the decode worker's milestones of one request,
     merged in time order, with the prefill worker's own figures."""
-    r = deployment.http.post("/v1/completions",
-                             json={"prompt": "Where does my time go?", "max_tokens": 3,
-                                   "temperature": 0, "ignore_eos": True,
-                                   "disaggregation": "always"})
-    assert r.status_code == 200, r.text
-    request_id = r.headers["X-Request-Id"]
+    request_id = greedy_on_the_prefill_worker(deployment, "Where does my time go?", 3).headers[
+        "X-Request-Id"]
     story(deployment, request_id)
     out = tmp_path / "phases.json"
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "request-phases.py"),
