@@ -598,14 +598,20 @@ void Decoder::Advance(DecoderOutput* out) {
   // Last Advance's local prefills, whose first tokens are out, join the
   // batch; then the next ones run. A first token goes out before anything
   // else is done for its request, and before the step (which would hold it
-  // back by a step's time).
+  // back by a step's time). The running requests' step that this put off
+  // comes first in the next Advance, before any more local prefill: between
+  // two of their steps there is still at most one piece.
   while (!first_sent_.empty()) {
     const auto [id, first] = first_sent_.front();
     first_sent_.pop_front();
     AdmitLocal(id, first, out);
   }
-  RunLocalPrefills(out);
-  if (!out->prefilled.empty()) return;
+  if (!step_owed_) RunLocalPrefills(out);
+  step_owed_ = false;
+  if (!out->prefilled.empty()) {
+    step_owed_ = batcher_->running() > 0;
+    return;
+  }
   if (batcher_->running() == 0) return;
   std::vector<TokenEvent> events;
   const auto t0 = std::chrono::steady_clock::now();

@@ -341,6 +341,45 @@ TEST(Decoder, ARequestAdmittedNeverRunsOutOfBlocksMidDecode) {
   EXPECT_EQ(rig.decoder->Stats().running, 0);
 }
 
+TEST(Decoder, RunningRequestsStepBetweenLocalPrefillsThatFinishOneAfterAnother) {
+  DecoderOptions o;
+  o.local_prefill_step_tokens = 16;
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  Transcript t;
+  const DecodeRequest running = Request(RandomTokens(20, 256, 1), 60);
+  const uint64_t r = PrepareAndLoad(rig, running, t);
+  Start(rig, r, PushPrompt(rig, running, 0), t);
+  // Four short local prefills, each done in one piece: each Advance that
+  // sends a first token puts the running request's step off to the next,
+  // which steps before computing the next prefill.
+  std::vector<uint64_t> locals;
+  for (int i = 0; i < 4; ++i) {
+    DecoderOutput out;
+    auto l = rig.decoder->Prepare(Local(RandomTokens(10, 256, 10 + i), 4), &out);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    t.Add(out);
+    locals.push_back(*l);
+  }
+  rig.io.Drain();  // their loads (misses)
+  size_t tokens = t.tokens[r].size();
+  int without_a_step = 0;
+  for (int advance = 0; advance < 12; ++advance) {
+    DecoderOutput out;
+    rig.decoder->Advance(&out);
+    t.Add(out);
+    without_a_step = t.tokens[r].size() > tokens ? 0 : without_a_step + 1;
+    tokens = t.tokens[r].size();
+    EXPECT_LE(without_a_step, 1) << "two Advances without a step, at " << advance;
+  }
+  for (uint64_t l : locals) EXPECT_EQ(t.prefilled.count(l), 1u);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[r], Alone(*rig.model, running));
+  for (size_t i = 0; i < locals.size(); ++i) {
+    EXPECT_EQ(t.tokens[locals[i]],
+              Alone(*rig.model, Local(RandomTokens(10, 256, 10 + static_cast<uint32_t>(i)), 4)));
+  }
+}
+
 TEST(Decoder, ALocalPrefillCancelledRightAfterItsFirstTokenEndsAsAStartedOne) {
   Rig rig;
   Transcript t;

@@ -380,6 +380,9 @@ class Decoder {
   std::deque<uint64_t> local_queue_;  // local prefills whose load is in, oldest first
   // Local prefills whose first token went out, not admitted yet: id, token.
   std::deque<std::pair<uint64_t, int32_t>> first_sent_;
+  // The last Advance sent first tokens and put off the running requests'
+  // step: the next one steps before it computes any local prefill.
+  bool step_owed_ = false;
   std::deque<std::pair<TimePoint, engine::KvSequence>> quarantine_;  // by release time
   uint64_t start_copy_bytes_ = 0;
   double step_ms_ = 0;  // recent averages (exponential)
