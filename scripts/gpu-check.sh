@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --profile) profile=${2:-}; explicit_profile=1; shift 2 || break ;;
     --profile=*) profile=${1#--profile=}; explicit_profile=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu-check: unknown flag $1 (--profile quick|full, --help)" >&2; exit 2 ;;
     *) [ -z "$BIN" ] || { echo "gpu-check: one BIN_DIR, not '$BIN' and '$1'" >&2; exit 2; }
        BIN=$1; shift ;;
@@ -48,7 +48,8 @@ case "$profile" in quick|full) ;; *) echo "gpu-check: --profile takes quick or f
 if [ -z "$BIN" ]; then
   if [ -x "$HERE/bin/kdn-bench" ]; then BIN=$HERE/bin; else BIN=$HERE/build/bin; fi
 fi
-BIN=$(cd "$BIN" 2>/dev/null && pwd) || { echo "gpu-check: no folder $BIN" >&2; exit 2; }
+[ -d "$BIN" ] || { echo "gpu-check: no folder $BIN" >&2; exit 2; }
+BIN=$(cd "$BIN" && pwd)
 OUT=${OUT:-./gpu-results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -101,6 +102,10 @@ if [ -n "${STEPS:-}" ]; then
   steps=" $STEPS "
 elif [ "$profile" = quick ]; then
   owed=$(owed_steps) || exit 2
+  known=" tests device_thread deploy peer prefill decode multiturn rag_blend blend_fidelity hf kvbus smollm2 deploy_paths turn_phases deploy_bench serving "
+  for o in $owed; do
+    [[ "$known" == *" $o "* ]] || echo "gpu-check: docs/engine.md owes '$o', which is no step of this script" >&2
+  done
   steps=" tests smollm2 $(echo $owed) "
   echo "owed (docs/engine.md): ${owed:-nothing}" | tr '\n' ' '; echo
 else
