@@ -71,7 +71,7 @@ done
 # /usr/local/cuda); nothing of the build tree.
 src=$(pwd -P)
 for p in "$root"/bin/*; do
-  file -b "$p" | grep -q ELF || continue
+  [ "$(head -c 4 "$p" | tail -c 3)" = ELF ] || continue
   rpath='$ORIGIN/../lib'
   IFS=: read -r -a old <<< "$(patchelf --print-rpath "$p")"
   for d in "${old[@]}"; do
