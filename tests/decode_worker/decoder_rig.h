@@ -249,11 +249,18 @@ inline std::vector<int32_t> Alone(engine::CpuEngine& model, const DecodeRequest&
   return g.ok() ? g->tokens : std::vector<int32_t>{};
 }
 
+// A request prepared, its load in, and started with its whole prompt pushed
+// by the prefill worker: running. Returns its id.
+inline uint64_t PrepareAndStart(Rig& rig, const DecodeRequest& r, Transcript& t) {
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  Start(rig, id, PushPrompt(rig, r, 0), t);
+  return id;
+}
+
 // One whole request: prepared, started with the prompt pushed, decoded to
 // its end, its conversation handed to the store. Returns its id.
 inline uint64_t RunWhole(Rig& rig, const DecodeRequest& r, Transcript& t) {
-  const uint64_t id = PrepareAndLoad(rig, r, t);
-  Start(rig, id, PushPrompt(rig, r, 0), t);
+  const uint64_t id = PrepareAndStart(rig, r, t);
   RunToEnd(rig, t);
   rig.io.Drain();
   return id;
