@@ -36,7 +36,7 @@ LINE = re.compile(r"^(\S+Z)\s+(\w+)\s+(\S+)\s+req=([0-9a-f]{16})\s+(.*)$")
 # router's "prefill done by prefill-0 (local): ..."), after the role.
 CUT = re.compile(r"^(.*?)(?: by [^:]*)?:")
 FIGURES = [
-    ("kdn_load_ms", re.compile(r"KV bytes loaded in ([0-9.]+) ms|loaded in ([0-9.]+) ms")),
+    ("kdn_load_ms", re.compile(r"loaded in ([0-9.]+) ms")),
     ("compute_ms", re.compile(r"; ([0-9.]+) ms in all")),
     ("first_token_ms", re.compile(r"first token after ([0-9.]+) ms")),
 ]
@@ -49,7 +49,7 @@ def parse_time(stamp):
 
 
 def read(paths):
-    """{request id: [(time, role, milestone, message)]}, each list in time order."""
+    """{request id: [(time, milestone, message)]}, each list in time order."""
     reqs = {}
     for path in paths:
         with open(path, errors="replace") as f:
@@ -69,38 +69,38 @@ def read(paths):
                     t = parse_time(stamp)
                 except ValueError:
                     continue
-                reqs.setdefault(rid, []).append((t, role, milestone, msg))
+                reqs.setdefault(rid, []).append((t, milestone, msg))
     # In time order (stable: a process's own order kept); the router's
     # `accepted` first among lines of the same millisecond, as it is.
     for events in reqs.values():
-        events.sort(key=lambda e: (e[0], e[2] != "router accepted"))
+        events.sort(key=lambda e: (e[0], e[1] != "router accepted"))
     return reqs
 
 
 def accepted_at(events):
-    return next(e[0] for e in events if e[2] == "router accepted")
+    return next(e[0] for e in events if e[1] == "router accepted")
 
 
 def summarize(rid, events):
     """One request's milestones, gaps and figures; None without the router's
     `accepted` (a document part, or a log cut short)."""
-    start = next((e for e in events if e[2] == "router accepted"), None)
+    start = next((e for e in events if e[1] == "router accepted"), None)
     if start is None:
         return None
     t0 = start[0]
     out = {"id": rid, "milestones": [], "figures": {}}
-    m = ACCEPTED.search(start[3])
+    m = ACCEPTED.search(start[2])
     out["prompt_tokens"] = int(m.group(1)) if m else None
     out["cached_tokens"] = None
     prev = t0
-    for t, role, milestone, msg in events:
+    for t, milestone, msg in events:
         out["milestones"].append({"milestone": milestone, "ms": (t - t0) * 1e3,
                                   "gap_ms": (t - prev) * 1e3})
         prev = t
         for name, rx in FIGURES:
             f = rx.search(msg)
             if f:
-                out["figures"][name] = float(next(g for g in f.groups() if g is not None))
+                out["figures"][name] = float(f.group(1))
         if milestone == "router finished":
             f = FINISHED.search(msg)
             if f:
