@@ -254,12 +254,11 @@ deploy_paths() {
 turn_phases() {
   local run="$OUT/phases-run" url rc=0
   up_smollm2 "$run" "$OUT/phases_up.out" --log-level debug || return 1
-  url=$(tail -n 1 "$OUT/phases_up.out" | awk '{print $NF}')
+  url=$(url_of "$OUT/phases_up.out")
   "$BIN/kdn-bench" multiturn --url "$url" --context-tokens 4096 --turns 4 --turn-tokens 64 \
     --max-tokens 16 --conversations 2 --seed 7 --paths always,auto > "$OUT/turn_phases_multiturn.log" ||
     rc=1
-  KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" down --run-dir "$run" > /dev/null || rc=1
-  tar czf "$OUT/phases_logs.tgz" -C "$run" logs 2>/dev/null
+  down_smollm2 "$run" "$OUT/phases_logs.tgz" || rc=1
   python3 "$HERE/scripts/request-phases.py" "$run" --json "$OUT/turn_phases.json" \
     > "$OUT/turn_phases.txt" || rc=1
   sed -n '/medians/,$p' "$OUT/turn_phases.txt"
@@ -272,6 +271,15 @@ up_smollm2() {
   KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" up --detach --port 0 --run-dir "$run" \
     --model "$SMOL" --store --device cuda --threads 4 --ready-timeout 120 "$@" > "$log" 2>&1
 }
+# The router's URL, the last word of kdn-launch up's output in file $1.
+url_of() { tail -n 1 "$1" | awk '{print $NF}'; }
+# Stops the deployment of run folder $1 and keeps its logs in the tarball $2.
+down_smollm2() {
+  local rc=0
+  KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" down --run-dir "$1" > /dev/null || rc=1
+  tar czf "$2" -C "$1" logs 2>/dev/null
+  return $rc
+}
 deploy_bench() {
   "$BIN/kdn-bench" serve-load --url "$1" --clients 32 --requests 1000 --documents 64 \
     --doc-chars 4096 --max-tokens 32 --run-dir "$RUN" --seed 1 --json "$OUT/deploy_serve_load.json"
@@ -283,13 +291,11 @@ if want smollm2 || want deploy_paths || want turn_phases || want deploy_bench; t
     step smollm2_generate smollm2_generate
     echo "== smollm2: kdn-launch up --store --device cuda --model $SMOL"
     if up_smollm2 "$RUN" "$OUT/deploy_up.out"; then
-      url=$(tail -n 1 "$OUT/deploy_up.out" | awk '{print $NF}')
+      url=$(url_of "$OUT/deploy_up.out")
       [ -s "$OUT/smollm2_want.json" ] && step smollm2 smollm2_compare "$url"
       want deploy_paths && step deploy_paths deploy_paths "$url"
       want deploy_bench && step deploy_bench deploy_bench "$url"
-      KDN_BIN_DIR="$BIN" python3 "$HERE/launch/kdn-launch" down --run-dir "$RUN" > /dev/null ||
-        { echo "   kdn-launch down FAILED"; status=1; }
-      tar czf "$OUT/deploy_logs.tgz" -C "$RUN" logs 2>/dev/null
+      down_smollm2 "$RUN" "$OUT/deploy_logs.tgz" || { echo "   kdn-launch down FAILED"; status=1; }
     else
       echo "   FAILED: the deployment did not come up"; tail -n 30 "$OUT/deploy_up.out"
       status=1; failed+=(smollm2)
