@@ -304,7 +304,7 @@ TEST(Decoder, AStartThatComesBeforeTheLoadWaitsForIt) {
   Transcript t;
   {
     // Fill the store through a first request whose prompt is this one.
-    const uint64_t id = PrepareAndStart(rig, turn1, t);
+    PrepareAndStart(rig, turn1, t);
     RunToEnd(rig, t);
     rig.io.Drain();
   }
@@ -409,7 +409,7 @@ TEST(Decoder, ABlendedRequestLoadsAndStoresNothingByPrefixKey) {
   Rig rig;
   Transcript t;
   const DecodeRequest plain = Request(RandomTokens(40, 256, 1), 4);
-  const uint64_t first = PrepareAndStart(rig, plain, t);
+  PrepareAndStart(rig, plain, t);
   RunToEnd(rig, t);
   rig.io.Drain();
   const size_t held = rig.gated().inner().size();
