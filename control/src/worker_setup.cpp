@@ -84,11 +84,24 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
                                  ? 0
                                  : kvbridge::ResidentPrefixTokens(*pool, ctx, tokens, prefix, limit,
                                                                   kvbus::kMinTailTokens);
-    const auto held = kvbus::MatchPrefix(ctx, tokens, prefix, limit, kvbus::kMinTailTokens,
-                                         [&](const kvbus::KeyedSpan& s) {
-                                           if (s.first + s.count <= resident) return true;
-                                           return store.Contains(s.key);
-                                         });
+    // The full chunks past the resident prefix in one batch (a remote tier
+    // answers them in one round trip); tail pieces, each probed only if the
+    // one before it is held, one by one.
+    const int64_t C = ctx.chunk_tokens;
+    const size_t full_max =
+        C <= 0 ? 0 : std::min(prefix.size(), static_cast<size_t>(std::max<int64_t>(limit, 0) / C));
+    const size_t skip = C <= 0 ? 0 : std::min(full_max, static_cast<size_t>(resident / C));
+    const std::vector<bool> full_held =
+        store.ContainsMany(std::span<const kvbus::ChunkKey>(prefix).subspan(skip, full_max - skip));
+    const auto held = kvbus::MatchPrefix(
+        ctx, tokens, prefix, limit, kvbus::kMinTailTokens, [&](const kvbus::KeyedSpan& s) {
+          if (s.first + s.count <= resident) return true;
+          const size_t i = static_cast<size_t>(s.first / C);
+          if (s.count == C && s.first % C == 0 && i >= skip && i < full_max && s.key == prefix[i]) {
+            return static_cast<bool>(full_held[i - skip]);
+          }
+          return store.Contains(s.key);
+        });
     auto* lr = reply.mutable_lookup_reply();
     lr->set_prefix_tokens(static_cast<int32_t>(kvbus::SpannedTokens(held)));
     lr->set_resident_tokens(static_cast<int32_t>(resident));
@@ -98,7 +111,7 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
       segments.push_back(k.ok() ? *k : kvbus::ChunkKey{});
     }
     if (!segments.empty()) {
-      for (bool held : store.ContainsEach(segments)) lr->add_segments_held(held);
+      for (bool held : store.ContainsMany(segments)) lr->add_segments_held(held);
     }
     fill_info(lr->mutable_info());
     LogDebug("{} lookup: its KDN reaches {} of {} prompt tokens; {} of {} documents held",
@@ -133,11 +146,9 @@ void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {
       c->set_encoded_bytes(s.encoded_bytes);
       c->set_decoded_chunks(s.decoded);
       c->set_decode_errors(s.decode_errors);
-      if (auto* remote = dynamic_cast<kvbus::RemoteStore*>(&codec->inner())) {
-        info->set_store_unreachable(remote->unreachable());
-      }
     }
   }
+  info->set_store_unreachable(store.LocalStats().unreachable);
 }
 
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,

@@ -544,6 +544,7 @@ Result<std::shared_ptr<const Chunk>> CodecTier::Get(const ChunkKey& key) {
 }
 
 Status CodecTier::Put(std::shared_ptr<const Chunk> chunk) {
+  if (chunk == nullptr) return InvalidArgument("codec tier: Put of a null chunk");
   if (options_.level.raw() || chunk->encoded()) return inner_->Put(std::move(chunk));
   const auto t0 = std::chrono::steady_clock::now();
   auto encoded = EncodeChunk(chunk, options_.level);

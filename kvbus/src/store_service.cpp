@@ -405,6 +405,12 @@ bool RemoteStore::Contains(const ChunkKey& key) {
   return r.ok() && (*r)[0];
 }
 
+std::vector<bool> RemoteStore::ContainsMany(std::span<const ChunkKey> keys) {
+  if (keys.empty()) return {};
+  auto r = Lookup(keys);
+  return r.ok() ? *std::move(r) : std::vector<bool>(keys.size(), false);
+}
+
 Status RemoteStore::Put(std::shared_ptr<const Chunk> chunk) {
   if (chunk != nullptr && static_cast<int64_t>(chunk->size()) > impl_->options.max_frame_bytes) {
     return InvalidArgument("kdn-store " + endpoint_ + ": chunk " + chunk->key().ToHex() + " of " +
@@ -432,11 +438,19 @@ Result<std::vector<std::pair<std::string, TierStats>>> RemoteStore::RemoteStats(
 
 uint64_t RemoteStore::unreachable() const { return impl_->unreachable.load(); }
 
+TierStats RemoteStore::LocalStats() {
+  TierStats s;
+  s.corrupt = impl_->corrupt.load();
+  s.unreachable = impl_->unreachable.load();
+  return s;
+}
+
 TierStats RemoteStore::Stats() {
   TierStats s;
   auto r = RemoteStats();
   if (r.ok() && !r->empty()) s = r->front().second;
   s.corrupt += impl_->corrupt.load();
+  s.unreachable = impl_->unreachable.load();
   return s;
 }
 

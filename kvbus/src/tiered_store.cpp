@@ -72,6 +72,29 @@ bool TieredStore::Contains(const ChunkKey& key) {
                      [&](const std::unique_ptr<ChunkStore>& t) { return t->Contains(key); });
 }
 
+std::vector<bool> TieredStore::ContainsMany(std::span<const ChunkKey> keys) {
+  std::vector<bool> held(keys.size(), false);
+  std::vector<size_t> open(keys.size());  // indices no tier has been found to hold
+  for (size_t i = 0; i < keys.size(); ++i) open[i] = i;
+  std::vector<ChunkKey> ask;
+  for (auto& t : tiers_) {
+    if (open.empty()) break;
+    ask.clear();
+    for (size_t i : open) ask.push_back(keys[i]);
+    const std::vector<bool> found = t->ContainsMany(ask);
+    std::vector<size_t> still;
+    for (size_t j = 0; j < open.size(); ++j) {
+      if (j < found.size() && found[j]) {
+        held[open[j]] = true;
+      } else {
+        still.push_back(open[j]);
+      }
+    }
+    open = std::move(still);
+  }
+  return held;
+}
+
 Status TieredStore::Put(std::shared_ptr<const Chunk> chunk) {
   if (!chunk) return InvalidArgument("tiered store: Put of a null chunk");
   if (tiers_.empty()) return FailedPrecondition("tiered store: no tiers");
@@ -92,11 +115,15 @@ Status TieredStore::Put(std::shared_ptr<const Chunk> chunk) {
   return stored ? Status::Ok() : first;
 }
 
-TierStats TieredStore::Stats() {
+TierStats TieredStore::Stats() { return Sum(&ChunkStore::Stats); }
+
+TierStats TieredStore::LocalStats() { return Sum(&ChunkStore::LocalStats); }
+
+TierStats TieredStore::Sum(TierStats (ChunkStore::*stats)()) {
   TierStats sum;
   bool unbounded = false;
   for (auto& t : tiers_) {
-    const TierStats s = t->Stats();
+    const TierStats s = (t.get()->*stats)();
     sum.chunks += s.chunks;
     sum.bytes += s.bytes;
     sum.capacity_bytes += s.capacity_bytes;
@@ -104,6 +131,7 @@ TierStats TieredStore::Stats() {
     sum.puts += s.puts;
     sum.evictions += s.evictions;
     sum.corrupt += s.corrupt;
+    sum.unreachable += s.unreachable;
   }
   if (unbounded) sum.capacity_bytes = 0;
   sum.hits = hits_.load(std::memory_order_relaxed);
@@ -112,15 +140,8 @@ TierStats TieredStore::Stats() {
 }
 
 size_t TieredStore::LongestPrefix(std::span<const ChunkKey> keys) {
-  size_t n = 0;
-  while (n < keys.size() && Contains(keys[n])) ++n;
-  return n;
-}
-
-std::vector<bool> TieredStore::ContainsEach(std::span<const ChunkKey> keys) {
-  std::vector<bool> held(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) held[i] = Contains(keys[i]);
-  return held;
+  const std::vector<bool> held = ContainsMany(keys);
+  return static_cast<size_t>(std::find(held.begin(), held.end(), false) - held.begin());
 }
 
 std::vector<std::pair<std::string, TierStats>> TieredStore::TierBreakdown() {

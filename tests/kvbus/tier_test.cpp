@@ -571,15 +571,15 @@ TEST(TieredStore, LongestPrefixStopsAtTheFirstMissAcrossTiers) {
   EXPECT_EQ(store.Stats().hits, 0u);  // lookups are not reads
 }
 
-TEST(TieredStore, ContainsEachReportsEveryKeyInOrder) {
+TEST(TieredStore, ContainsManyReportsEveryKeyInOrder) {
   TempDir dir;
   TieredStore store = MakeStore(dir.path(), 8);
   ASSERT_TRUE(store.tier(0).Put(MakeChunk(1)).ok());
   ASSERT_TRUE(store.tier(1).Put(MakeChunk(3)).ok());
   ASSERT_TRUE(store.tier(0).Put(MakeChunk(5)).ok());
   const std::vector<ChunkKey> keys = {KeyOf(1), KeyOf(2), KeyOf(3), KeyOf(4), KeyOf(5)};
-  EXPECT_EQ(store.ContainsEach(keys), std::vector<bool>({true, false, true, false, true}));
-  EXPECT_TRUE(store.ContainsEach({}).empty());
+  EXPECT_EQ(store.ContainsMany(keys), std::vector<bool>({true, false, true, false, true}));
+  EXPECT_TRUE(store.ContainsMany({}).empty());
 }
 
 TEST(TieredStore, WriteThroughPutsIntoEveryTier) {

@@ -1,13 +1,15 @@
 #pragma once
 // ChunkStore: one place KV chunks are kept (a tier: host memory, disk, a
-// remote kdn-store), and the counters every tier reports.
+// remote kdn-store, a Redis Cluster), and the counters every tier reports.
 //
 // Implementations are thread-safe: workers' threads and a kdn-store's server
 // loop call into one store concurrently.
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk.h"
@@ -24,6 +26,10 @@ struct TierStats {
   uint64_t puts = 0;
   uint64_t evictions = 0;
   uint64_t corrupt = 0;  // chunks found damaged, dropped and never served
+  // Requests a remote tier could not get answered (down, timed out, failing
+  // over): each a miss for a read, a dropped chunk for a put. 0 for local
+  // tiers.
+  uint64_t unreachable = 0;
 };
 
 class ChunkStore {
@@ -35,10 +41,22 @@ class ChunkStore {
   virtual Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) = 0;
   // Whether the store holds `key`, without reading it or counting a hit.
   virtual bool Contains(const ChunkKey& key) = 0;
+  // Contains for each key, in order: one round trip for a remote tier
+  // (by default, Contains key by key). A key a remote tier could not be
+  // asked about is not held.
+  virtual std::vector<bool> ContainsMany(std::span<const ChunkKey> keys) {
+    std::vector<bool> held(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) held[i] = Contains(keys[i]);
+    return held;
+  }
   // Stores a chunk (a key already held is kept as it is: chunks are immutable
   // and content-addressed). RESOURCE_EXHAUSTED when it cannot be made to fit.
   virtual Status Put(std::shared_ptr<const Chunk> chunk) = 0;
   virtual TierStats Stats() = 0;
+  // What this process counted itself, without a round trip: a remote tier's
+  // client-side figures (its `unreachable` and `corrupt` above all); a local
+  // tier's Stats(). Cheap enough for every worker status reply.
+  virtual TierStats LocalStats() { return Stats(); }
 };
 
 }  // namespace kdn::kvbus

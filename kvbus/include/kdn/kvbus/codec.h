@@ -109,10 +109,14 @@ class CodecTier final : public ChunkStore {
   std::string name() const override { return inner_->name(); }
   Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override;
   bool Contains(const ChunkKey& key) override { return inner_->Contains(key); }
+  std::vector<bool> ContainsMany(std::span<const ChunkKey> keys) override {
+    return inner_->ContainsMany(keys);
+  }
   // A chunk that cannot be encoded (out of memory), or that coding would not
   // make smaller (a tail piece of a few tokens), is stored raw.
   Status Put(std::shared_ptr<const Chunk> chunk) override;
   TierStats Stats() override;
+  TierStats LocalStats() override { return inner_->LocalStats(); }
 
   CodecStats codec_stats() const;
   const CodecTierOptions& options() const { return options_; }

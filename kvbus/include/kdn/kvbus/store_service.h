@@ -97,16 +97,20 @@ class RemoteStore final : public ChunkStore {
   Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override;
   // False also when the store cannot be reached.
   bool Contains(const ChunkKey& key) override;
+  // Lookup; all false when the store cannot be reached.
+  std::vector<bool> ContainsMany(std::span<const ChunkKey> keys) override;
   Status Put(std::shared_ptr<const Chunk> chunk) override;
-  // The server's whole-store figures, plus this client's corrupt count;
-  // zeros if it cannot be reached.
+  // The server's whole-store figures, plus this client's corrupt and
+  // unreachable counts; zeros but those if it cannot be reached.
   TierStats Stats() override;
+  // This client's corrupt and unreachable counts alone.
+  TierStats LocalStats() override;
 
   // Presence of each key, in one round trip.
   Result<std::vector<bool>> Lookup(std::span<const ChunkKey> keys);
   // Requests that failed for want of an answer: timed out, refused at once
   // while the store was held to be down, or given up waiting for another
-  // thread's request to end.
+  // thread's request to end (also Stats().unreachable).
   uint64_t unreachable() const;
   // The server's figures: the whole store first, then each tier.
   Result<std::vector<std::pair<std::string, TierStats>>> RemoteStats();

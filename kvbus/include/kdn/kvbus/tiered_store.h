@@ -9,8 +9,9 @@
 //   host evicts are demoted into the second tier unless it already holds
 //   them. HostTier keeps a chunk visible while it is being demoted, so a
 //   reader never finds it in neither tier.
-// - LongestPrefix and ContainsEach answer "what is cached" without reading
-//   chunks (prefix-cache and segment lookups).
+// - LongestPrefix and ContainsMany answer "what is cached" without reading
+//   chunks (prefix-cache and segment lookups), one batch per tier: a remote
+//   tier is asked once, about the keys the faster tiers lack.
 //
 // Thread-safe: the list of tiers is fixed at construction and every tier is
 // thread-safe; the store adds only atomic counters.
@@ -64,22 +65,25 @@ class TieredStore : public ChunkStore {
   Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override;
   // Whether some tier holds `key` (no tier counts a hit).
   bool Contains(const ChunkKey& key) override;
+  // For each key, whether some tier holds it: each tier is asked, in one
+  // ContainsMany, about the keys the tiers before it lack. The lookup for
+  // segment keys, which do not depend on one another.
+  std::vector<bool> ContainsMany(std::span<const ChunkKey> keys) override;
   // Into the first tier; if it has no room (RESOURCE_EXHAUSTED), into the
   // next tier that takes it. With write_through, into every tier. OK when
   // at least one tier stored the chunk; otherwise the first tier's Status.
   Status Put(std::shared_ptr<const Chunk> chunk) override;
-  // Tier counters summed (a chunk held by two tiers counts twice in
+  // Tier counters summed (`unreachable` too; a chunk held by two tiers counts twice in
   // `chunks` and `bytes`; `capacity_bytes` is 0 if any tier is unbounded),
   // except `hits` and `misses`, which count this store's Gets: a Get that
   // misses the host and hits the disk is one hit.
   TierStats Stats() override;
+  // The tiers' LocalStats summed as Stats() sums theirs (no round trip).
+  TierStats LocalStats() override;
 
   // How many leading keys some tier holds, stopping at the first key no
-  // tier holds: the prefix-cache lookup over PrefixKeys().
+  // tier holds: the prefix-cache lookup over PrefixKeys() (ContainsMany).
   size_t LongestPrefix(std::span<const ChunkKey> keys);
-  // For each key, whether some tier holds it: the lookup for segment keys,
-  // which do not depend on one another.
-  std::vector<bool> ContainsEach(std::span<const ChunkKey> keys);
   // Each tier's name() and Stats(), fastest first.
   std::vector<std::pair<std::string, TierStats>> TierBreakdown();
 
@@ -91,6 +95,7 @@ class TieredStore : public ChunkStore {
 
  private:
   void WireDemotion();
+  TierStats Sum(TierStats (ChunkStore::*stats)());
   void Demote(std::shared_ptr<const Chunk> chunk);
 
   // Constant after construction.
