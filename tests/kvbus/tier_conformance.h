@@ -57,22 +57,23 @@ class OwnedTier : public TierHarness {
   std::unique_ptr<ChunkStore> store_;
 };
 
-class TierConformance : public ::testing::TestWithParam<TierMaker> {
+// The chunks the suite writes: keys salted per test, payloads by id.
+class ConformanceChunks {
  protected:
-  void SetUp() override {
-    harness_ = GetParam().make(dir_.path());
-    if (harness_ == nullptr) GTEST_SKIP() << GetParam().name << " cannot run on this machine";
-    salt_ = std::random_device{}() * 0x9e3779b97f4a7c15ull + std::random_device{}();
-  }
-  ChunkStore& store() { return harness_->store(); }
+  ConformanceChunks()
+      : salt_(std::random_device{}() * 0x9e3779b97f4a7c15ull + std::random_device{}()) {}
 
   ChunkKey Key(uint64_t id) const { return ChunkKey{salt_ ^ (id * 0xff51afd7ed558ccdull), id}; }
 
   // An f32 chunk whose payload depends on `id`: 4 tokens (640 bytes), or
   // with `big`, 64 tokens of 4 layers x 8 heads x 64 dims (1 MiB of KV).
   std::shared_ptr<const Chunk> Make(uint64_t id, bool big = false) const {
+    return MakeWithKey(Key(id), id, big);
+  }
+  std::shared_ptr<const Chunk> MakeWithKey(const ChunkKey& key, uint64_t id,
+                                           bool big = false) const {
     ChunkInfo info;
-    info.key = Key(id);
+    info.key = key;
     info.model_fingerprint = kConformanceModel;
     info.layers = big ? 4 : 1;
     info.kv_heads = big ? 8 : 1;
@@ -97,9 +98,19 @@ class TierConformance : public ::testing::TestWithParam<TierMaker> {
     EXPECT_TRUE(std::equal(got.payload().begin(), got.payload().end(), want.payload().begin()));
   }
 
+  const uint64_t salt_;
+};
+
+class TierConformance : public ::testing::TestWithParam<TierMaker>, protected ConformanceChunks {
+ protected:
+  void SetUp() override {
+    harness_ = GetParam().make(dir_.path());
+    if (harness_ == nullptr) GTEST_SKIP() << GetParam().name << " cannot run on this machine";
+  }
+  ChunkStore& store() { return harness_->store(); }
+
   TempDir dir_;
   std::unique_ptr<TierHarness> harness_;
-  uint64_t salt_ = 0;
 };
 
 TEST_P(TierConformance, AMissIsNotFoundAndNotHeld) {
