@@ -28,7 +28,6 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--listen", o.listen, "Control endpoint to bind (port 0 picks a free one)")
       ->capture_default_str();
-  app.add_option("--store", o.store_endpoint, "A kdn-store endpoint to share chunks through");
   app.add_option("--host-mib", host_mib, "Own host-memory KDN tier in MiB")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -60,6 +59,8 @@ int main(int argc, char** argv) {
   o.engine = *engine;
   o.kv_transport = kv_flags.transport();
   o.store_codec = kv_flags.codec();
+  o.shared_tier = kv_flags.shared_tier();
+  o.shared_tier_ttl = kv_flags.redis_ttl();
   o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
 
   auto service = kdn::prefill_worker::PrefillService::Start(o);

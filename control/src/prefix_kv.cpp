@@ -61,8 +61,14 @@ PlacedPrefix PlacePrefix(engine::KvCache& cache, engine::KvSequence& seq,
 PutOutcome PutMissing(kvbus::ChunkStore& store,
                       std::span<const std::shared_ptr<const kvbus::Chunk>> chunks) {
   PutOutcome out;
+  // What the store holds already, in one batch (one round trip to a
+  // remote tier).
+  std::vector<kvbus::ChunkKey> keys;
+  keys.reserve(chunks.size());
+  for (const auto& c : chunks) keys.push_back(c->key());
+  const std::vector<bool> held = store.ContainsMany(keys);
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (store.Contains(chunks[i]->key())) {
+    if (held[i]) {
       ++out.already_held;
       continue;
     }

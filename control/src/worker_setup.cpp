@@ -7,7 +7,6 @@
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
-#include "kdn/kvbus/store_service.h"
 #include "kdn/kvbridge/fingerprint.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
@@ -35,14 +34,14 @@ std::string EngineSummary(engine::Engine& engine) {
 }
 
 Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
-    uint64_t host_bytes, const std::string& store_endpoint, kvbus::CodecLevel store_codec,
-    const std::optional<kvbus::CurveKeys>& curve) {
+    uint64_t host_bytes, const std::string& shared_tier, kvbus::CodecLevel store_codec,
+    const kvbus::SharedTierOptions& shared) {
   std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
   tiers.push_back(std::make_unique<kvbus::HostTier>(host_bytes));
   kvbus::TieredStoreOptions options;
-  if (!store_endpoint.empty()) {
-    KDN_ASSIGN_OR_RETURN(auto remote,
-                         kvbus::RemoteStore::Connect(store_endpoint, {.curve = curve}));
+  if (!shared_tier.empty()) {
+    KDN_ASSIGN_OR_RETURN(auto remote, kvbus::OpenSharedTier(shared_tier, shared));
+    LogInfo("KDN: host tier of {} MiB over {}", host_bytes >> 20, remote->name());
     tiers.push_back(std::make_unique<kvbus::CodecTier>(
         std::move(remote), kvbus::CodecTierOptions{.level = store_codec}));
     options.write_through = true;

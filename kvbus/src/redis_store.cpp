@@ -180,8 +180,14 @@ std::string RedisUrl::Redacted() const {
 
 Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   auto bad = [&](const std::string& why) {
-    return InvalidArgument("redis URL '" + std::string(url.substr(0, 8)) +
-                           "...': " + why +
+    // The URL as given, but never its credentials.
+    std::string shown(url);
+    const size_t scheme = shown.find("://"), at = shown.rfind('@');
+    if (at != std::string::npos) {
+      const size_t from = scheme == std::string::npos ? 0 : scheme + 3;
+      if (at >= from) shown.replace(from, at - from, "***");
+    }
+    return InvalidArgument("redis URL '" + shown + "' " + why +
                            " (expected redis://[user:password@]host:port[,host:port...])");
   };
   constexpr std::string_view kScheme = "redis://";

@@ -6,10 +6,12 @@
 
 #include <CLI/CLI.hpp>
 
+#include <chrono>
 #include <string>
 
 #include "kdn/engine/open_engine.h"
 #include "kdn/kvbus/codec.h"
+#include "kdn/kvbus/redis_store.h"
 #include "kdn/kvbus/transport.h"
 
 namespace kdn::control {
@@ -74,15 +76,39 @@ struct EngineFlags {
 struct KvFlags {
   std::string kv_transport = "auto";
   std::string store_codec = "raw";
+  std::string store;       // --store: a kdn-store endpoint
+  std::string kdn_redis;   // --kdn-redis: a Redis Cluster's seeds
+  double redis_ttl_s = 0;  // --kdn-redis-ttl
 
-  // Adds --kv-transport and --store-codec to `app`, checked as they parse.
+  // Adds --kv-transport, the shared KDN tier (--store or --kdn-redis) and
+  // --store-codec to `app`, checked as they parse.
   void Add(CLI::App& app) {
+    auto* store_opt = app.add_option("--store", store,
+                                     "A kdn-store endpoint (tcp://host:port) to share chunks "
+                                     "through");
+    auto* redis_opt =
+        app.add_option("--kdn-redis", kdn_redis,
+                       "A Redis Cluster (or one standalone Redis or Valkey) to share chunks "
+                       "through: redis://[user:password@]host:port[,host:port...], its seed "
+                       "nodes (docs/kvbus.md, \"Redis tier\")")
+            ->check([](const std::string& s) {
+              auto u = kvbus::ParseRedisUrl(s);
+              return u.ok() ? std::string() : u.status().message();
+            });
+    store_opt->excludes(redis_opt);
+    app.add_option("--kdn-redis-ttl", redis_ttl_s,
+                   "Seconds after which a chunk put into --kdn-redis expires (0: never; Redis "
+                   "evicts by its maxmemory policy)")
+        ->check(CLI::NonNegativeNumber)
+        ->needs(redis_opt)
+        ->capture_default_str();
     app.add_option("--kv-transport", kv_transport,
                    "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, or shm")
         ->check(CLI::IsMember({"auto", "tcp", "shm"}))
         ->capture_default_str();
     app.add_option("--store-codec", store_codec,
-                   "KV codec level of chunks put into the --store: raw, lossless, or q2 ... q8 "
+                   "KV codec level of chunks put into the --store or --kdn-redis: raw, lossless, "
+                   "or q2 ... q8 "
                    "(docs/kvbus.md, \"KV codec\"); chunks read back are decoded whatever their "
                    "level")
         ->check([](const std::string& s) {
@@ -94,6 +120,11 @@ struct KvFlags {
   // After parsing (both were checked then).
   kvbus::TransportKind transport() const { return kvbus::ParseTransportKind(kv_transport).value(); }
   kvbus::CodecLevel codec() const { return kvbus::ParseCodecLevel(store_codec).value(); }
+  // The shared tier's URI (kdn/kvbus/shared_tier.h); empty: none.
+  std::string shared_tier() const { return kdn_redis.empty() ? store : kdn_redis; }
+  std::chrono::milliseconds redis_ttl() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(redis_ttl_s * 1000));
+  }
 };
 
 }  // namespace kdn::control

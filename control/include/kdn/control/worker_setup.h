@@ -16,6 +16,7 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/codec.h"
+#include "kdn/kvbus/shared_tier.h"
 #include "kdn/kvbus/tiered_store.h"
 #include "kdn/text/tokenizer.h"
 
@@ -40,13 +41,15 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
 std::string EngineSummary(engine::Engine& engine);
 
 // The worker's KDN view: its own host tier of `host_bytes` (raw KV), over the
-// shared kdn-store at `store_endpoint` if one is given (written through, so
-// other workers find what this one stores). Chunks go to the store coded at
-// `store_codec`; whatever the store sends back encoded is decoded, whatever
-// level it was coded at. With `curve`, the store connection runs CURVE.
+// shared tier `shared_tier` names if one is given (kdn/kvbus/shared_tier.h:
+// a kdn-store or a Redis Cluster; written through, so other workers find
+// what this one stores). Chunks go to the shared tier coded at
+// `store_codec`; whatever it sends back encoded is decoded, whatever level
+// it was coded at. `shared`: CURVE keys for a kdn-store, the model and TTL
+// for Redis.
 Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
-    uint64_t host_bytes, const std::string& store_endpoint, kvbus::CodecLevel store_codec = {},
-    const std::optional<kvbus::CurveKeys>& curve = std::nullopt);
+    uint64_t host_bytes, const std::string& shared_tier, kvbus::CodecLevel store_codec = {},
+    const kvbus::SharedTierOptions& shared = {});
 
 // Whether a chunk from the KDN can be written into this worker's paged KV as
 // `tokens` tokens: that many, computed by this model (`fingerprint`, which

@@ -8,6 +8,7 @@
 // Thread-safe: endpoint() from any thread. The destructor stops serving
 // (queued jobs are dropped; their router times them out).
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -23,7 +24,10 @@ namespace kdn::prefill_worker {
 struct PrefillServiceOptions {
   std::string model_dir;
   std::string listen = "tcp://127.0.0.1:0";
-  std::string store_endpoint;     // a kdn-store to share chunks through; empty: none
+  // The KDN tier shared with other workers (kdn/kvbus/shared_tier.h: a
+  // kdn-store endpoint or a redis:// URL); empty: none.
+  std::string shared_tier;
+  std::chrono::milliseconds shared_tier_ttl{0};  // Redis: expiry of what is put (0: none)
   kvbus::CodecLevel store_codec;  // what chunks are coded at for the store (raw: none)
   std::string name = "prefill-0";
   uint64_t host_bytes = uint64_t{2} << 30;
