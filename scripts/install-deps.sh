@@ -35,6 +35,9 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config
       libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libxxhash-dev
       libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler libboost-dev libzstd-dev
       libspdlog-dev libfmt-dev libpcre2-dev libutf8proc-dev
+      # redis-server: `kdn-launch up --redis-cluster` and the Redis tests;
+      # libhiredis-dev: the workers' Redis client.
+      redis-server libhiredis-dev
       # base-files: /usr/share/common-licenses, the English prose of
       # kdn-bench blend-fidelity (essential, so normally present already).
       base-files)

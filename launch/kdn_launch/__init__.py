@@ -5,6 +5,8 @@
   plan.py    the deployment plan: model, binaries, devices, CURVE keys
   argv.py    the one builder of every process's command line, for `up` and
              for the Slurm job script alike
+  redis_cluster.py  --redis-cluster: the nodes' redis.conf and password, and
+             a cluster of them on this machine
   local.py   `up`, `down`, `status` and `--dry-run`: a deployment on this
              machine and its record, RUN_DIR/deployment.json
   demo.py    `demo`'s client: the sample requests it sends

@@ -1,7 +1,8 @@
 """The one builder of every process's command line (kdn-store, kdn-prefill,
 kdn-decode, kdn-router), for a local deployment (`up`, `demo`, `--dry-run`)
 and for the Slurm job script alike: each flag of kdn-launch reaches the
-processes it concerns from here, the same way in both.
+processes it concerns from here, the same way in both. (redis-server takes
+only its redis.conf: redis_cluster.py writes that.)
 
 The two differ only in the words they pass in: the addresses to listen on,
 the endpoints of the store and the workers, the router's host, and the
@@ -16,6 +17,7 @@ given, whatever their value, and left out otherwise; every other flag is
 always passed.
 """
 
+import re
 import shlex
 from pathlib import Path
 
@@ -34,6 +36,13 @@ class Shell:
 def bash_words(argv):
     """`argv` as bash words: Shell words as they are, the others quoted."""
     return " ".join(w.text if isinstance(w, Shell) else shlex.quote(w) for w in argv)
+
+
+def redacted(cmd):
+    """`cmd` with the password of a --kdn-redis URL written as ***, for
+    what the launcher records and prints (deployment.json, messages)."""
+    return [w if isinstance(w, Shell) else re.sub(r"^(redis://[^@/]*:)[^@/]*@", r"\1***@", w)
+            for w in cmd]
 
 
 def curve_flags(a, role="member"):
@@ -62,16 +71,20 @@ def store_argv(a, bin_dir, listen):
             "--host-mib", "%g" % a.store_host_mib] + curve_flags(a) + log_flags(a)
 
 
-def worker_argv(a, bin_dir, model, name, role, listen, store, device):
+def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None):
     """kdn-prefill or kdn-decode (`role`) named `name`, listening on `listen`
     (a decode worker's kvbus too), reading and filling the kdn-store at
-    `store` (None: no store), on `device` (a plan.WorkerDevice)."""
+    `store` or the Redis Cluster at the URL `redis` (at most one of them; None:
+    no store), on `device` (a plan.WorkerDevice)."""
+    assert store is None or redis is None, "a worker has one shared store"
     cmd = [str(Path(bin_dir) / ("kdn-" + role)), "--model", str(model), "--listen", listen,
            "--host-mib", "%g" % a.host_mib, "--chunk-tokens", str(a.chunk_tokens),
            "--threads", str(a.threads), "--kv-transport", a.kv_transport] + \
         curve_flags(a) + log_flags(a)
     if store is not None:
         cmd += ["--store", store, "--store-codec", a.store_codec]
+    if redis is not None:
+        cmd += ["--kdn-redis", redis, "--store-codec", a.store_codec]
     if role == "decode":
         cmd += ["--kvbus-listen", listen] + given("--max-batch", a.max_batch)
         cmd += given("--local-prefill-step-tokens", a.local_prefill_step_tokens)

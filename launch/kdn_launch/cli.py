@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from . import demo, local, slurm
+from . import argv, demo, local, redis_cluster, slurm
 from .plan import (DEFAULT_MODEL, FALLBACK_MODEL, FALLBACK_MODEL_MKMODEL_ARGS, GPU_SHARE,
                    default_bin_dir)
 from .procs import STOP_WAIT_S
@@ -72,6 +72,35 @@ def positive_float(text):
     return v
 
 
+def redis_primaries(text):
+    """--redis-cluster N: redis-cli --cluster create needs 3 primaries."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("%r is not an integer" % text)
+    if v < redis_cluster.MIN_PRIMARIES:
+        raise argparse.ArgumentTypeError(
+            "%r: a Redis Cluster needs at least %d primaries (redis-cli --cluster create "
+            "refuses fewer)" % (text, redis_cluster.MIN_PRIMARIES))
+    return v
+
+
+def redis_url(text):
+    """--kdn-redis: redis://[USER:PASS@ or :PASS@]HOST:PORT[,HOST:PORT...]."""
+    scheme = "redis://"
+    if not text.startswith(scheme):
+        raise argparse.ArgumentTypeError("%r does not begin with %s (redis://[USER:PASS@]"
+                                         "HOST:PORT[,HOST:PORT...])" % (text, scheme))
+    seeds = text[len(scheme):].rsplit("@", 1)[-1]
+    for seed in seeds.split(","):
+        host, _, port = seed.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError("%r: %r is not HOST:PORT (redis://[USER:PASS@]"
+                                             "HOST:PORT[,HOST:PORT...])"
+                                             % (argv.redacted([text])[0], seed))
+    return text
+
+
 def gpu_list(text):
     """--gpus: CUDA device ids, comma-separated, each listed once."""
     ids = []
@@ -104,7 +133,8 @@ def add_run_dir(p, default=str(local.RUN_DIR),
 
 def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_default="127.0.0.1",
                  host_help="router HTTP address (default: %(default)s)",
-                 run_dir_help="folder of deployment.json and logs/ (default: %(default)s)"):
+                 run_dir_help="folder of deployment.json and logs/ (default: %(default)s)",
+                 slurm_job=False):
     p.add_argument("--model", metavar="PATH",
                    help="model folder or .gguf file (default: %s, made by tools/train/, when present; "
                    "otherwise %s, generated with kdn-mkmodel %s)"
@@ -113,12 +143,38 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                    help="prefill workers (default: %(default)s)")
     p.add_argument("--decode", type=positive_int, default=1, metavar="M",
                    help="decode workers (default: %(default)s)")
-    p.add_argument("--store", action="store_true",
-                   help="also start a shared kdn-store that every worker reads and fills")
+    shared = p.add_mutually_exclusive_group()
+    shared.add_argument("--store", action="store_true",
+                        help="also start a shared kdn-store that every worker reads and fills")
+    if slurm_job:
+        shared.add_argument("--redis-cluster", action="store_true",
+                            help="also start a Redis Cluster that every worker reads and "
+                            "fills: a primary on every node of the job and its replica on "
+                            "the next node, with a new password (at least 3 nodes; "
+                            "docs/slurm.md, \"Redis Cluster\")")
+    else:
+        shared.add_argument("--redis-cluster", type=redis_primaries, metavar="N",
+                            help="also start a Redis Cluster that every worker reads and "
+                            "fills: N primaries (at least 3) with one replica each, on "
+                            "loopback, with a new password (docs/launch.md, \"Redis "
+                            "Cluster\")")
+    shared.add_argument("--kdn-redis", type=redis_url, metavar="URL",
+                        help="an existing Redis Cluster every worker reads and fills, passed "
+                        "to the workers as it is: redis://[USER:PASS@]HOST:PORT[,HOST:PORT...] "
+                        "(the seed nodes)")
+    p.add_argument("--redis-maxmemory-mib", type=positive_int,
+                   default=redis_cluster.DEFAULT_MAXMEMORY_MIB, metavar="MIB",
+                   help="with --redis-cluster: each primary's maxmemory in MiB, past which it "
+                   "evicts the least recently used keys (default: %(default)s)")
+    p.add_argument("--redis-node-timeout-ms", type=positive_int,
+                   default=redis_cluster.DEFAULT_NODE_TIMEOUT_MS, metavar="MS",
+                   help="with --redis-cluster: cluster-node-timeout, how long a node may be "
+                   "unreachable before its replica takes over (default: %(default)s)")
     p.add_argument("--store-host-mib", type=positive_float, default=4096, metavar="MIB",
                    help="kdn-store host-memory tier in MiB (default: %(default)s)")
     p.add_argument("--store-codec", choices=CODEC_LEVELS, default="raw", metavar="LEVEL",
-                   help="KV codec level of the chunks workers put into the kdn-store: raw, "
+                   help="KV codec level of the chunks workers put into the kdn-store or the "
+                        "Redis Cluster: raw, "
                         "lossless, or q2 ... q8, quantized at that many bits in the deepest "
                         "layers (docs/kvbus.md, \"KV codec\"; default: %(default)s)")
     p.add_argument("--host-mib", type=positive_float, default=2048, metavar="MIB",
@@ -232,14 +288,16 @@ def add_slurm_commands(sub):
     sb = ssub.add_parser(
         "submit", help="write the job script and sbatch it",
         description="Write RUN_DIR/kdn.sbatch (kdn-router, and kdn-store with --store, on the "
-        "job's first node; workers dealt over the nodes in order, prefill first), submit it "
+        "job's first node; workers dealt over the nodes in order, prefill first; with "
+        "--redis-cluster a Redis primary on every node and its replica on the next), submit it "
         "with sbatch, and print the job id on stdout. With --wait, also wait until the "
         "router answers /health and print 'kdn: serving on URL'. Logs: RUN_DIR/logs/NAME.log "
         "(stderr), NAME.out (stdout), job.out (the job script).")
     add_up_flags(sb, run_dir_default=str(REPO / ".kdn-slurm"), port_default=0,
                    host_default=None, run_dir_help="folder of kdn.sbatch, slurm.json, logs/ and "
                    "pids/, on storage every node sees (default: %(default)s)",
-                   host_help="router HTTP address (default: the first node's address)")
+                   host_help="router HTTP address (default: the first node's address)",
+                   slurm_job=True)
     sb.add_argument("--nodes", type=positive_int, default=1, metavar="N",
                     help="nodes of the job (default: %(default)s); at most one per worker")
     sb.add_argument("--partition", metavar="NAME", help="sbatch --partition")
@@ -282,7 +340,8 @@ def add_slurm_commands(sub):
     dn = ssub.add_parser(
         "down", help="stop the job cleanly (scancel)",
         description="Signal the job script, which stops the router, then the workers, then "
-        "kdn-store; if the job has not ended within %.0f s, scancel it." % slurm.DOWN_WAIT_S)
+        "kdn-store or the Redis nodes; if the job has not ended within %.0f s, scancel it."
+        % slurm.DOWN_WAIT_S)
     dn.add_argument("job_id", metavar="JOBID", type=positive_int)
     dn.add_argument("--run-dir", metavar="DIR",
                     help="the job's folder (default: the folder of its script, from scontrol)")
@@ -293,15 +352,16 @@ def add_slurm_commands(sub):
 def build_parser():
     top = Parser(prog="kdn-launch",
                  description="Start, stop and inspect a local kdn deployment: kdn-router, "
-                 "N kdn-prefill and M kdn-decode workers and an optional kdn-store "
-                 "(docs/serving.md).")
+                 "N kdn-prefill and M kdn-decode workers and an optional kdn-store or Redis "
+                 "Cluster (docs/serving.md).")
     sub = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     up = sub.add_parser(
         "up", help="start a deployment",
-        description="Start kdn-store (with --store), the prefill and decode workers and "
-        "kdn-router; wait until GET /health answers 200; print the URL as the last stdout "
-        "line ('kdn: serving on URL'). Processes log to RUN_DIR/logs/NAME.log (stderr) and "
-        "NAME.out (stdout); RUN_DIR/deployment.json names them. Without --detach it stays in "
+        description="Start kdn-store (with --store) or a Redis Cluster (with --redis-cluster), "
+        "the prefill and decode workers and kdn-router; wait until GET /health answers 200; "
+        "print the URL as the last stdout line ('kdn: serving on URL'). Processes log to "
+        "RUN_DIR/logs/NAME.log (stderr) and NAME.out (stdout); RUN_DIR/deployment.json names "
+        "them. Without --detach it stays in "
         "the foreground, reports a process that dies, and stops everything on Ctrl-C or "
         "SIGTERM. A process that exits before it serves fails `up` with the end of its log. "
         "Workers get OMP_WAIT_POLICY=PASSIVE unless the environment sets it. With --device "
@@ -317,8 +377,9 @@ def build_parser():
     dn = sub.add_parser(
         "down", help="stop the deployment",
         description="Stop the processes RUN_DIR/deployment.json names: SIGTERM to the router, "
-        "then the workers, then kdn-store, each given %.0f s before SIGKILL; then remove "
-        "deployment.json. A foreground kdn-launch up is asked to do it itself."
+        "then the workers, then kdn-store or the Redis nodes, each given %.0f s before "
+        "SIGKILL; then remove deployment.json, the CURVE keys and the Redis password. A "
+        "foreground kdn-launch up is asked to do it itself."
         % STOP_WAIT_S)
     add_run_dir(dn)
     dn.set_defaults(func=local.cmd_down)

@@ -9,8 +9,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .local import dry_run, remove_deployment, start_deployment
-from .plan import FALLBACK_MODEL, remove_curve_keys
+from .local import dry_run, forget, start_deployment
+from .plan import FALLBACK_MODEL
 from .procs import stop_all
 from .util import Failure, Interrupted
 
@@ -237,8 +237,7 @@ def cmd_demo(args):
         return 0
     print()
     stop_all(d.procs)
-    remove_deployment(d.run_dir)
-    remove_curve_keys(d.run_dir)
+    forget(d.run_dir)
     if failed:
         raise Failure(failed)
     return 0

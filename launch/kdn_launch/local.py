@@ -1,5 +1,6 @@
 """`up`, `down`, `status` and `--dry-run`: a deployment on this machine. The
-launcher starts the processes in dependency order (store, workers, router),
+launcher starts the processes in dependency order (store or Redis Cluster,
+workers, router),
 each in its own session with its stdout and stderr in files under the run
 folder, waits for each one's endpoint line and then for the router's
 /health, and records what it started in RUN_DIR/deployment.json (the
@@ -8,12 +9,13 @@ deployment record) so that `down` and `status` find it."""
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-from . import argv
+from . import argv, redis_cluster
 from .plan import (bin_dir_from_env, check_model, curve_key_paths, make_curve_keys,
                    plan_devices, remove_curve_keys, require_bins, resolve_model, worker_names)
 from .procs import STOP_WAIT_S, Proc, SignalGuard, pid_alive, stop_all
@@ -30,10 +32,10 @@ def store_command(a, bin_dir):
     return argv.store_argv(a, bin_dir, LOCAL_LISTEN)
 
 
-def worker_commands(a, bin_dir, model, store_ep, devices):
+def worker_commands(a, bin_dir, model, store_ep, devices, redis_url=None):
     """[(name, role, cmd)] of the workers, in start order."""
     return [(name, role, argv.worker_argv(a, bin_dir, model, name, role, LOCAL_LISTEN, store_ep,
-                                          devices[name]))
+                                          devices[name], redis_url))
             for name, role in worker_names(a.prefill, a.decode)]
 
 
@@ -49,7 +51,17 @@ def print_plan(a, bin_dir, model, devices):
     store_ep = "store-ENDPOINT" if a.store else None
     if a.store:
         print("store: " + shlex.join(store_command(a, bin_dir)))
-    workers = worker_commands(a, bin_dir, model, store_ep, devices)
+    redis_url = a.kdn_redis
+    if a.redis_cluster:
+        # Its nodes read everything from their redis.conf; the password is
+        # made when the cluster starts.
+        cluster = redis_cluster.RedisCluster(a.run_dir, a.redis_cluster)
+        server = shutil.which("redis-server") or "redis-server"
+        for node in cluster.nodes:
+            print("%s: %s" % (node.name, shlex.join([server, str(node.conf)])))
+        redis_url = redis_cluster.url("PASSWORD", ["%s-ENDPOINT" % n.name
+                                                   for n in cluster.nodes[:a.redis_cluster]])
+    workers = worker_commands(a, bin_dir, model, store_ep, devices, redis_url)
     for name, _, cmd in workers:
         print("%s: %s" % (name, shlex.join(cmd)))
     eps = {role: [name + "-ENDPOINT" for name, r, _ in workers if r == role]
@@ -88,6 +100,14 @@ def remove_deployment(run_dir):
         pass
 
 
+def forget(run_dir):
+    """After a deployment stopped: its record, its CURVE keys and its Redis
+    password go (the logs stay)."""
+    remove_deployment(run_dir)
+    remove_curve_keys(run_dir)
+    redis_cluster.remove_secrets(run_dir)
+
+
 class Deployment:
     """What `up` starts: the processes and the file that names them."""
 
@@ -111,6 +131,11 @@ class Deployment:
             "processes": [p.to_json() for p in self.procs],
             "started": int(self.started), "launcher_pid": launcher_pid,
         })
+
+    def record(self, p):
+        """Adds `p`, a process started elsewhere (a Redis node), to the record."""
+        self.procs.append(p)
+        self.save(os.getpid())
 
     def start(self, name, role, cmd, device=None):
         logs = self.run_dir / "logs"
@@ -153,16 +178,26 @@ class Deployment:
 
     def up(self):
         a, b = self.args, self.bin_dir
-        store_ep = None
+        store_ep, redis_url = None, a.kdn_redis
         if a.store:
             p = self.start("store", "store", store_command(a, b))
             info("started kdn-store (pid %d)" % p.pid)
             store_ep = self.wait_endpoint(p, "tcp://", a.ready_timeout)
+        if a.redis_cluster:
+            cluster = redis_cluster.start_cluster(
+                self.run_dir, a.redis_cluster, a.redis_maxmemory_mib, a.redis_node_timeout_ms,
+                a.ready_timeout, on_start=self.record)
+            self.save(os.getpid())  # the nodes' endpoints
+            info("Redis Cluster up: %d primaries (%s) with a replica each; password in %s"
+                 % (a.redis_cluster, ", ".join(cluster.seeds()),
+                    redis_cluster.password_path(self.run_dir)))
+            redis_url = cluster.url()
         if a.device != "cpu":
             info("GPUs: " + ", ".join("%s on %s" % (name, d.describe())
                                       for name, d in self.devices.items()))
         workers = [self.start(name, role, cmd, self.devices[name])
-                   for name, role, cmd in worker_commands(a, b, self.model, store_ep, self.devices)]
+                   for name, role, cmd in worker_commands(a, b, self.model, store_ep, self.devices,
+                                                          redis_url)]
         info("started %d prefill and %d decode workers; loading %s" % (a.prefill, a.decode, self.model))
         for p in workers:
             self.wait_endpoint(p, "tcp://", a.ready_timeout)
@@ -237,6 +272,8 @@ def start_deployment(args):
     bin_dir = Path(args.bin_dir).resolve() if args.bin_dir else bin_dir_from_env()
     require_bins(bin_dir, ["kdn-prefill", "kdn-decode", "kdn-router"] +
                  (["kdn-store"] if args.store else []) + ([] if args.no_curve else ["kdn-keygen"]))
+    if args.redis_cluster:
+        redis_cluster.require_redis()
     run_dir = Path(args.run_dir)
     dep, procs = running_procs(run_dir)
     if dep is not None:
@@ -261,8 +298,7 @@ def start_deployment(args):
         if isinstance(e, Interrupted):
             info("interrupted; stopping what was started")
         stop_all(d.procs, quiet=True)
-        remove_deployment(run_dir)
-        remove_curve_keys(run_dir)
+        forget(run_dir)
         raise
     return d, guard
 
@@ -294,8 +330,7 @@ def cmd_up(args):
         pass
     info("shutting down")
     stop_all(d.procs)
-    remove_deployment(d.run_dir)
-    remove_curve_keys(d.run_dir)
+    forget(d.run_dir)
     info("stopped")
     return 0
 
@@ -314,8 +349,7 @@ def down(run_dir):
         while time.monotonic() < deadline and pid_alive(launcher):
             time.sleep(0.1)
     stop_all(procs)
-    remove_deployment(run_dir)
-    remove_curve_keys(run_dir)
+    forget(run_dir)
     return True
 
 

@@ -7,13 +7,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from .argv import redacted
 from .plan import WorkerDevice
 from .util import Interrupted, info
 
 STOP_WAIT_S = 10.0
 # Stop order: the router first (no new requests), then the workers, then the
-# store they write to.
-STOP_GROUPS = [("router",), ("prefill", "decode"), ("store",)]
+# store or the Redis Cluster they write to.
+STOP_GROUPS = [("router",), ("prefill", "decode"), ("store", "redis")]
 
 
 def pid_alive(pid, argv0=None):
@@ -51,7 +52,7 @@ class Proc:
         self.name = name
         self.role = role
         self.cmd = cmd
-        self.device = device  # a WorkerDevice for a worker, None for the router and store
+        self.device = device  # a WorkerDevice for a worker, None for the others
         self.out = str(Path(run_dir) / "logs" / (name + ".out"))
         self.log = str(Path(run_dir) / "logs" / (name + ".log"))
         self.popen = popen
@@ -84,9 +85,11 @@ class Proc:
             pass
 
     def to_json(self):
+        # A --kdn-redis URL's password stays out of deployment.json; liveness
+        # reads only argv[0].
         d = {"name": self.name, "role": self.role, "pid": self.pid,
              "endpoint": self.endpoint, "log": self.log, "out": self.out,
-             "cmd": self.cmd}
+             "cmd": redacted(self.cmd)}
         if self.device is not None:
             d["device"] = self.device.name
             d["gpu_mem_fraction"] = self.device.fraction

@@ -4,8 +4,9 @@
 `submit` renders RUN_DIR/kdn.sbatch from the template job.sbatch (beside this
 file): a bash script that starts each role as an `srun` step on the job's
 nodes (kdn-store and kdn-router on the first node, workers dealt over the
-nodes in order), with the command lines of argv.py, the builder `up` uses
-too; then it submits the script with `sbatch`. The run folder is the
+nodes in order; with --redis-cluster, a Redis primary on every node and its
+replica on the next), with the command lines of argv.py, the builder `up`
+uses too; then it submits the script with `sbatch`. The run folder is the
 rendezvous: it must be on storage every node of the job sees. Each step
 writes its stdout (whose first line is its endpoint, as under `up`) to
 RUN_DIR/logs/NAME.out, its stderr to RUN_DIR/logs/NAME.log, and "NODE PID" to
@@ -21,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import argv
+from . import argv, redis_cluster
 from .argv import Shell
 from .plan import (GPU_SHARE, WorkerDevice, bin_dir_from_env, make_curve_keys, require_bins,
                    resolve_model)
@@ -97,6 +98,14 @@ def running_steps(job_id):
 # ------------------------------------------------------------------ plan
 
 
+def redis_placement(nodes):
+    """[(name, node index)] of --redis-cluster's nodes: primary redis-pI on
+    node I, its replica redis-rI on node I+1 (mod N), so that losing one node
+    loses no primary together with its replica."""
+    return ([("redis-p%d" % i, i) for i in range(nodes)] +
+            [("redis-r%d" % i, (i + 1) % nodes) for i in range(nodes)])
+
+
 def placement(prefill, decode, nodes):
     """[(name, role, node index)]: kdn-store and the router on node 0 (added by
     the script), workers dealt over the nodes in order, prefill first."""
@@ -112,6 +121,10 @@ def check_flags(a):
         raise Failure("--nodes %d asks for more nodes than there are workers (%d prefill + "
                         "%d decode): the extra nodes would sit idle" % (a.nodes, a.prefill,
                                                                         a.decode))
+    if a.redis_cluster and a.nodes < redis_cluster.MIN_PRIMARIES:
+        raise Failure("--redis-cluster puts one primary on each node and needs at least %d "
+                      "(redis-cli --cluster create refuses fewer primaries); the job has "
+                      "--nodes %d" % (redis_cluster.MIN_PRIMARIES, a.nodes))
     plan = placement(a.prefill, a.decode, a.nodes)
     if a.kv_transport == "shm" and a.nodes > 1:
         crossing = [(p, d) for p, rp, np_ in plan if rp == "prefill"
@@ -194,6 +207,16 @@ def steps(a, bin_dir, model, plan):
                     argv.store_argv(a, bin_dir, Shell('"$(listen 0)"'))),
                 "STORE=$(endpoint store tcp://) || abort", ""]
         store = Shell('"$STORE"')
+    redis = a.kdn_redis
+    if a.redis_cluster:
+        out.append("# The Redis Cluster: a primary on every node, its replica on the next node.")
+        nodes = redis_placement(a.nodes)
+        for k, (name, node) in enumerate(nodes):
+            out.append("start %s %d -1 bash -c 'redis_main \"$@\"' redis_main \"${addrs[%d]}\" "
+                       "\"$RUN/redis/%s\" \"$RUN/redis/common.conf\" %d %d"
+                       % (name, node, node, name, k, len(nodes)))
+        out += ["KDN_REDIS=$(redis_cluster %d) || abort" % a.nodes, ""]
+        redis = Shell('"$KDN_REDIS"')
     device = WorkerDevice("cpu")
     if a.device == "cuda":
         # step_main leaves each worker only its own GPUs in CUDA_VISIBLE_DEVICES,
@@ -204,7 +227,7 @@ def steps(a, bin_dir, model, plan):
     slots = [0] * a.nodes
     for name, role, node in plan:
         cmd = argv.worker_argv(a, bin_dir, model, name, role, Shell('"$(listen %d)"' % node),
-                               store, device)
+                               store, device, redis)
         out.append("start %s %d %d %s" % (name, node, slots[node], argv.bash_words(cmd)))
         slots[node] += 1
     out.append("")
@@ -237,9 +260,11 @@ def script_text(a, bin_dir, model, run_dir):
     multi = a.nodes > 1
     return render(TEMPLATE.read_text(), {
         "SCRIPT": q(str(run_dir / SBATCH_NAME)),
-        "PLACEMENT": "kdn-router%s on node 0;\n#   %s." % (
+        "PLACEMENT": "kdn-router%s on node 0;\n#   %s.%s" % (
             " and kdn-store" if a.store else "",
-            ", ".join("%s on node %d" % (n, i) for n, _, i in plan)),
+            ", ".join("%s on node %d" % (n, i) for n, _, i in plan),
+            "\n#   Redis: primary redis-pI on node I, its replica redis-rI on node (I+1) mod %d."
+            % a.nodes if a.redis_cluster else ""),
         "SBATCH_LINES": "\n".join(sbatch_lines(a, run_dir, per_node)),
         "RUN": q(str(run_dir)),
         "READY_TIMEOUT": "%d" % int(a.ready_timeout),
@@ -291,6 +316,20 @@ def first_line(path):
     return text.split("\n", 1)[0].strip() if "\n" in text else None
 
 
+def write_redis_settings(a, run_dir):
+    """A new password (RUN_DIR/redis.password) and the settings every Redis
+    node shares with it (RUN_DIR/redis/common.conf), both mode 0600; each
+    node adds its address, ports and folder when it starts (redis_main in
+    the job script). An earlier job's node folders go: a node that keeps its
+    nodes.conf refuses to join a new cluster."""
+    folder = run_dir / redis_cluster.FOLDER_NAME
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    password = redis_cluster.make_password(run_dir)
+    redis_cluster.write_private(folder / "common.conf", redis_cluster.common_conf(
+        password, a.redis_maxmemory_mib, a.redis_node_timeout_ms))
+
+
 def cmd_submit(a):
     check_flags(a)
     bin_dir = Path(a.bin_dir).resolve() if a.bin_dir else bin_dir_from_env()
@@ -315,6 +354,8 @@ def cmd_submit(a):
                     f.unlink()
         d.mkdir(exist_ok=True)
     a.curve_keys = make_curve_keys(bin_dir, run_dir)
+    if a.redis_cluster:
+        write_redis_settings(a, run_dir)
     script = run_dir / SBATCH_NAME
     script.write_text(script_text(a, bin_dir, model, run_dir))
     script.chmod(0o755)
@@ -325,6 +366,8 @@ def cmd_submit(a):
     record = {"job_id": job_id, "run_dir": str(run_dir), "script": str(script),
               "model": str(model), "nodes": a.nodes, "submitted": int(time.time()),
               "roles": ([{"name": "store", "role": "store", "node": 0}] if a.store else []) +
+                       ([{"name": n, "role": "redis", "node": i}
+                         for n, i in redis_placement(a.nodes)] if a.redis_cluster else []) +
                        [{"name": n, "role": r, "node": i} for n, r, i in placement(
                            a.prefill, a.decode, a.nodes)] +
                        [{"name": "router", "role": "router", "node": 0}]}
