@@ -88,6 +88,12 @@ int RunCudaDecode(const Common& c, const std::vector<int>& batches, int context,
 int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& paths);
 int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& dtype,
              const std::string& disk_dir);
+// The shared KDN tiers (kdn-store, redis): put/get GB/s with `clients`
+// threads, a 128-key lookup, and redis against redis-benchmark
+// (bench/shared_tier_workload.cpp). Empty URLs: started for the run.
+int RunSharedTiers(const Common& c, const std::vector<std::string>& backends,
+                   const std::string& store_url, const std::string& redis_url, int chunk_mib,
+                   int clients, int per_client);
 // pd-transfer: one request's KV between two processes (docs/kvbus.md, "Measured").
 struct PdTransferOptions {
   int tokens = 4096, chunk_tokens = 256;

@@ -117,6 +117,28 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   store->add_option("--disk-dir", disk_dir, "Folder for the disk tier")->capture_default_str();
+  std::vector<std::string> store_backends;
+  std::string bench_store_url, bench_redis_url;
+  int shared_chunk_mib = 4, shared_clients = 4, shared_chunks = 16;
+  store
+      ->add_option("--backends", store_backends,
+                   "Instead of the host and disk tiers: the shared tiers kdn-store and/or redis, "
+                   "put and get GB/s and a 128-key lookup, redis against redis-benchmark on the "
+                   "same cluster (started and stopped here unless --kdn-store/--kdn-redis)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"kdn-store", "redis"}));
+  store->add_option("--kdn-store", bench_store_url, "A running kdn-store (tcp://host:port)");
+  store->add_option("--kdn-redis", bench_redis_url,
+                    "A running Redis Cluster: redis://[user:password@]host:port[,...]");
+  store->add_option("--chunk-mib", shared_chunk_mib, "With --backends: MiB of KV per chunk")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  store->add_option("--clients", shared_clients, "With --backends: client threads")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  store->add_option("--chunks", shared_chunks, "With --backends: chunks each client puts and gets")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   PdTransferOptions pdo;
   auto* pd = app.add_subcommand(
       "pd-transfer", "One request's KV between two processes, per kvbus transport, vs memcpy");
@@ -534,6 +556,10 @@ int main(int argc, char** argv) {
   if (prefill->parsed()) return RunPrefill(c, lengths);
   if (pd->parsed()) {
     return RunPdTransfer(c, pdo);
+  }
+  if (store->parsed() && !store_backends.empty()) {
+    return RunSharedTiers(c, store_backends, bench_store_url, bench_redis_url, shared_chunk_mib,
+                          shared_clients, shared_chunks);
   }
   if (store->parsed()) return RunStore(c, store_tokens, chunk_tokens, store_dtype, disk_dir);
   return RunDecode(c, batches, context, steps);

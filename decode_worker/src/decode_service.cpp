@@ -453,12 +453,11 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     };
   }
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
-  KDN_ASSIGN_OR_RETURN(impl->store,
-                       control::MakeWorkerStore(options.host_bytes, options.shared_tier,
-                                                options.store_codec,
-                                                {.curve = options.curve,
-                                                 .model = impl->wm.fingerprint,
-                                                 .ttl = options.shared_tier_ttl}));
+  KDN_ASSIGN_OR_RETURN(
+      impl->store,
+      control::MakeWorkerStore(
+          options.host_bytes, options.shared_tier, options.store_codec,
+          {.curve = options.curve, .model = impl->wm.fingerprint, .ttl = options.shared_tier_ttl}));
   engine::Engine& model = *impl->wm.model;
   const int64_t pool_tokens = int64_t{model.kv_cache().num_blocks()} * engine::kKvBlockTokens;
   if (impl->options.staging_bytes == 0) {

@@ -156,8 +156,7 @@ bool ParseRedirect(std::string_view err, std::string* host, int* port) {
 // data): the command is a miss and the slot map is reread.
 bool TransientError(std::string_view err) {
   return StartsWith(err, "TRYAGAIN") || StartsWith(err, "CLUSTERDOWN") ||
-         StartsWith(err, "LOADING") || StartsWith(err, "MASTERDOWN") ||
-         StartsWith(err, "READONLY");
+         StartsWith(err, "LOADING") || StartsWith(err, "MASTERDOWN") || StartsWith(err, "READONLY");
 }
 
 bool IsAuthError(std::string_view err) {
@@ -312,8 +311,8 @@ struct RedisStore::Impl {
       KDN_RETURN_IF_ERROR(WriteAll(c.get(), {&auth}));
       KDN_ASSIGN_OR_RETURN(ReplyPtr r, ReadReply(c.get()));
       if (r->type == REDIS_REPLY_ERROR) {
-        return InvalidArgument("redis " + Addr(host, port) + " refuses the URL's credentials: " +
-                               std::string(ErrorText(*r)));
+        return InvalidArgument("redis " + Addr(host, port) +
+                               " refuses the URL's credentials: " + std::string(ErrorText(*r)));
       }
     }
     return c;
@@ -370,8 +369,8 @@ struct RedisStore::Impl {
         return false;
       }
       if (IsAuthError(err)) {
-        return InvalidArgument("redis " + host + " asks for a password the URL does not give: " +
-                               std::string(err));
+        return InvalidArgument("redis " + host +
+                               " asks for a password the URL does not give: " + std::string(err));
       }
       return Unavailable("redis CLUSTER SLOTS: " + std::string(err));
     }
@@ -381,9 +380,9 @@ struct RedisStore::Impl {
       const redisReply* e = r->element[i];
       if (e->type != REDIS_REPLY_ARRAY || e->elements < 3) continue;
       const redisReply* primary = e->element[2];
-      if (e->element[0]->type != REDIS_REPLY_INTEGER || e->element[1]->type != REDIS_REPLY_INTEGER ||
-          primary->type != REDIS_REPLY_ARRAY || primary->elements < 2 ||
-          primary->element[0]->type != REDIS_REPLY_STRING ||
+      if (e->element[0]->type != REDIS_REPLY_INTEGER ||
+          e->element[1]->type != REDIS_REPLY_INTEGER || primary->type != REDIS_REPLY_ARRAY ||
+          primary->elements < 2 || primary->element[0]->type != REDIS_REPLY_STRING ||
           primary->element[1]->type != REDIS_REPLY_INTEGER) {
         continue;
       }
@@ -605,8 +604,8 @@ size_t RedisStore::primaries() {
   std::vector<uint16_t> seen(impl_->slots);
   std::sort(seen.begin(), seen.end());
   seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
-  return static_cast<size_t>(std::count_if(seen.begin(), seen.end(),
-                                           [](uint16_t n) { return n != kNoNode; }));
+  return static_cast<size_t>(
+      std::count_if(seen.begin(), seen.end(), [](uint16_t n) { return n != kNoNode; }));
 }
 
 Result<std::shared_ptr<const Chunk>> RedisStore::Get(const ChunkKey& key) {
@@ -626,9 +625,8 @@ Result<std::shared_ptr<const Chunk>> RedisStore::Get(const ChunkKey& key) {
   // The chunk shares the reply's buffer: no copy past hiredis' own.
   const size_t size = reply->len;
   const auto* data = reinterpret_cast<const uint8_t*>(reply->str);
-  std::shared_ptr<const uint8_t> bytes(data, [r = reply.release()](const uint8_t*) {
-    freeReplyObject(r);
-  });
+  std::shared_ptr<const uint8_t> bytes(
+      data, [r = reply.release()](const uint8_t*) { freeReplyObject(r); });
   auto chunk = Chunk::Parse(std::move(bytes), size);
   std::string why;
   if (!chunk.ok()) {

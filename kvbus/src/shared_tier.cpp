@@ -16,8 +16,9 @@ Result<std::unique_ptr<ChunkStore>> OpenSharedTier(std::string_view uri,
     return std::unique_ptr<ChunkStore>(std::move(redis));
   }
   if (uri.starts_with(kKdnStore) || uri.starts_with(kTcp)) {
-    const std::string endpoint =
-        uri.starts_with(kTcp) ? std::string(uri) : "tcp://" + std::string(uri.substr(kKdnStore.size()));
+    const std::string endpoint = uri.starts_with(kTcp)
+                                     ? std::string(uri)
+                                     : "tcp://" + std::string(uri.substr(kKdnStore.size()));
     KDN_ASSIGN_OR_RETURN(auto remote, RemoteStore::Connect(endpoint, {.curve = options.curve}));
     return std::unique_ptr<ChunkStore>(std::move(remote));
   }

@@ -260,12 +260,11 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, options.engine));
-  KDN_ASSIGN_OR_RETURN(impl->store,
-                       control::MakeWorkerStore(options.host_bytes, options.shared_tier,
-                                                options.store_codec,
-                                                {.curve = options.curve,
-                                                 .model = impl->wm.fingerprint,
-                                                 .ttl = options.shared_tier_ttl}));
+  KDN_ASSIGN_OR_RETURN(
+      impl->store,
+      control::MakeWorkerStore(
+          options.host_bytes, options.shared_tier, options.store_codec,
+          {.curve = options.curve, .model = impl->wm.fingerprint, .ttl = options.shared_tier_ttl}));
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
   po.sender.transport = options.kv_transport;

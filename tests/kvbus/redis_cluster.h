@@ -64,10 +64,10 @@ class RedisCluster {
  public:
   struct Options {
     int primaries = 3;
-    int replicas = 1;         // per primary
-    bool cluster = true;      // false: one standalone node (primaries, replicas ignored)
+    int replicas = 1;     // per primary
+    bool cluster = true;  // false: one standalone node (primaries, replicas ignored)
     std::string password = "kdn-test-secret";
-    int maxmemory_mib = 0;    // 0: unbounded
+    int maxmemory_mib = 0;  // 0: unbounded
     int node_timeout_ms = 1000;
   };
 
@@ -226,16 +226,28 @@ class RedisCluster {
 
   void Launch(int i) {
     const std::string port = std::to_string(ports_[i]);
-    std::vector<std::string> args = {"redis-server", "--port", port, "--bind", "127.0.0.1",
-                                     "--dir", dir_.string(), "--logfile",
-                                     (dir_ / ("node-" + port + ".log")).string(), "--save", "",
-                                     "--appendonly", "no", "--requirepass", o_.password,
-                                     "--masterauth", o_.password};
+    std::vector<std::string> args = {"redis-server",
+                                     "--port",
+                                     port,
+                                     "--bind",
+                                     "127.0.0.1",
+                                     "--dir",
+                                     dir_.string(),
+                                     "--logfile",
+                                     (dir_ / ("node-" + port + ".log")).string(),
+                                     "--save",
+                                     "",
+                                     "--appendonly",
+                                     "no",
+                                     "--requirepass",
+                                     o_.password,
+                                     "--masterauth",
+                                     o_.password};
     if (o_.cluster) {
-      args.insert(args.end(), {"--cluster-enabled", "yes", "--cluster-config-file",
-                               "nodes-" + port + ".conf", "--cluster-node-timeout",
-                               std::to_string(o_.node_timeout_ms),
-                               "--cluster-require-full-coverage", "no"});
+      args.insert(args.end(),
+                  {"--cluster-enabled", "yes", "--cluster-config-file", "nodes-" + port + ".conf",
+                   "--cluster-node-timeout", std::to_string(o_.node_timeout_ms),
+                   "--cluster-require-full-coverage", "no"});
     }
     if (o_.maxmemory_mib > 0) {
       args.insert(args.end(), {"--maxmemory", std::to_string(o_.maxmemory_mib) + "mb",

@@ -63,15 +63,16 @@ std::unique_ptr<TierHarness> Harness(RedisCluster* c) {
   return std::make_unique<OwnedTier<>>(std::move(s));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Redis, TierConformance,
-    ::testing::Values(TierMaker{"cluster",
-                                [](const std::filesystem::path&) { return Harness(SharedCluster()); }},
-                      TierMaker{"standalone",
-                                [](const std::filesystem::path&) {
-                                  return Harness(SharedStandalone());
-                                }}),
-    TierName);
+INSTANTIATE_TEST_SUITE_P(Redis, TierConformance,
+                         ::testing::Values(TierMaker{"cluster",
+                                                     [](const std::filesystem::path&) {
+                                                       return Harness(SharedCluster());
+                                                     }},
+                                           TierMaker{"standalone",
+                                                     [](const std::filesystem::path&) {
+                                                       return Harness(SharedStandalone());
+                                                     }}),
+                         TierName);
 
 // Tests of the Redis tier alone, with the conformance suite's chunks.
 class RedisTier : public ::testing::Test, protected ConformanceChunks {
@@ -103,8 +104,8 @@ TEST(RedisUrl, ParsesSeedsAndCredentials) {
 }
 
 TEST(RedisUrl, RefusesWhatDoesNotParse) {
-  for (const char* bad : {"http://h:1", "redis://", "redis://h:0", "redis://h:99999",
-                          "redis://h:x", "redis://h:1,,h:2", "redis://h:1/3", "redis://h:"}) {
+  for (const char* bad : {"http://h:1", "redis://", "redis://h:0", "redis://h:99999", "redis://h:x",
+                          "redis://h:1,,h:2", "redis://h:1/3", "redis://h:"}) {
     auto u = ParseRedisUrl(bad);
     EXPECT_FALSE(u.ok()) << bad;
     if (!u.ok()) {
@@ -326,8 +327,8 @@ TEST_F(RedisTier, WritingTwiceItsMemoryEvictsWithoutAnErrorAndTheHotSetHits) {
       EXPECT_TRUE(st.ok()) << st.ToString();
       last = RedisKey(kConformanceModel, Key(id));
     }
-    ASSERT_TRUE(WaitUntil([&] { return c->Cli(0, "object idletime " + last) != "0\n"; },
-                          seconds(5)));
+    ASSERT_TRUE(
+        WaitUntil([&] { return c->Cli(0, "object idletime " + last) != "0\n"; }, seconds(5)));
     for (uint64_t hot : {1, 2}) hot_misses += store->Get(Key(hot)).ok() ? 0 : 1;
   }
   EXPECT_EQ(hot_misses, 0);

@@ -194,7 +194,8 @@ TEST_P(TierConformance, ThreadsPutAndGetAtOnce) {
     });
   }
   for (auto& th : threads) th.join();
-  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(good[static_cast<size_t>(t)], kEach) << "thread " << t;
+  for (int t = 0; t < kThreads; ++t)
+    EXPECT_EQ(good[static_cast<size_t>(t)], kEach) << "thread " << t;
 }
 
 }  // namespace kdn::kvbus::testing

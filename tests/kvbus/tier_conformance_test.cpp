@@ -34,8 +34,8 @@ std::unique_ptr<TierHarness> RemoteHarness(bool codec) {
   if (!client.ok()) return nullptr;
   std::unique_ptr<ChunkStore> store = std::move(client).value();
   if (codec) {
-    store = std::make_unique<CodecTier>(
-        std::move(store), CodecTierOptions{.level = {KvCodec::kKvc, 0}});
+    store = std::make_unique<CodecTier>(std::move(store),
+                                        CodecTierOptions{.level = {KvCodec::kKvc, 0}});
   }
   return std::make_unique<OwnedTier<Served>>(std::move(store), std::move(served));
 }
