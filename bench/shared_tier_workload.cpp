@@ -117,8 +117,7 @@ class ClusterProcess {
       if (fs::exists(p / "kdn_launch" / "redis_cluster.py")) launch = fs::canonical(p);
     }
     if (launch.empty()) {
-      std::fprintf(stderr, "kdn-bench: launch/kdn_launch not found beside %s\n",
-                   SelfDir().c_str());
+      std::fprintf(stderr, "kdn-bench: launch/kdn_launch not found beside %s\n", SelfDir().c_str());
       return nullptr;
     }
     auto c = std::unique_ptr<ClusterProcess>(new ClusterProcess);
@@ -134,8 +133,8 @@ class ClusterProcess {
       close(out[0]);
       if (chdir(launch.c_str()) != 0) _exit(127);
       const std::string primaries_arg = std::to_string(primaries);
-      execlp("python3", "python3", "-m", "kdn_launch.redis_cluster", c->dir_.c_str(),
-             "--primaries", primaries_arg.c_str(), static_cast<char*>(nullptr));
+      execlp("python3", "python3", "-m", "kdn_launch.redis_cluster", c->dir_.c_str(), "--primaries",
+             primaries_arg.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(in[0]);
@@ -174,8 +173,8 @@ struct TierFigures {
 
 // `clients` threads each put then get `per_client` chunks; then 128-key
 // lookups (half held) from one thread, the median of 20.
-TierFigures Measure(const std::function<std::unique_ptr<kvbus::ChunkStore>()>& connect,
-                    int clients, int per_client, uint64_t chunk_bytes, uint64_t run) {
+TierFigures Measure(const std::function<std::unique_ptr<kvbus::ChunkStore>()>& connect, int clients,
+                    int per_client, uint64_t chunk_bytes, uint64_t run) {
   TierFigures f;
   std::vector<std::unique_ptr<kvbus::ChunkStore>> stores;
   for (int i = 0; i < clients; ++i) {
@@ -186,8 +185,8 @@ TierFigures Measure(const std::function<std::unique_ptr<kvbus::ChunkStore>()>& c
   uint64_t bytes = 0;
   for (int i = 0; i < clients; ++i) {
     for (int k = 0; k < per_client; ++k) {
-      chunks[i].push_back(BenchChunk(run * 100000 + static_cast<uint64_t>(i * per_client + k),
-                                     chunk_bytes));
+      chunks[i].push_back(
+          BenchChunk(run * 100000 + static_cast<uint64_t>(i * per_client + k), chunk_bytes));
       bytes += chunks[i].back()->size();
     }
   }
@@ -244,8 +243,8 @@ std::pair<double, double> RedisBenchmark(const std::string& url, int clients, in
   auto run = [&](const char* test, int n, int keys) {
     std::string cmd = "redis-benchmark --cluster -h " + host + " -p " + std::to_string(port) +
                       " -c " + std::to_string(clients) + " -n " + std::to_string(n) + " -d " +
-                      std::to_string(value_bytes) + " -r " + std::to_string(keys) + " -t " +
-                      test + " --csv";
+                      std::to_string(value_bytes) + " -r " + std::to_string(keys) + " -t " + test +
+                      " --csv";
     if (!parsed->password.empty()) cmd += " -a '" + parsed->password + "'";
     if (!parsed->user.empty()) cmd += " --user '" + parsed->user + "'";
     const std::string out = RunCapture(cmd + " 2>/dev/null");
@@ -305,8 +304,9 @@ int RunSharedTiers(const Common& c, const std::vector<std::string>& backends,
     TierFigures best;
     double set_gbps = 0, get_gbps = 0;
     for (int r = 0; r < std::max(c.reps, 1); ++r) {
-      const TierFigures f = Measure(connect, clients, per_client, chunk_bytes,
-                                    static_cast<uint64_t>(getpid()) * 16 + static_cast<uint64_t>(r));
+      const TierFigures f =
+          Measure(connect, clients, per_client, chunk_bytes,
+                  static_cast<uint64_t>(getpid()) * 16 + static_cast<uint64_t>(r));
       if (!f.ok) return 1;
       best.put_gbps = std::max(best.put_gbps, f.put_gbps);
       best.get_gbps = std::max(best.get_gbps, f.get_gbps);
