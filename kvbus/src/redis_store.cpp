@@ -26,8 +26,10 @@ constexpr uint16_t kNoNode = 0xFFFF;
 constexpr int kMaxRedirects = 4;
 // Idle connections kept per node: about one per thread that calls at once.
 constexpr size_t kMaxIdlePerNode = 8;
-// The slot map is reread at most this often while nodes fail.
+// The slot map is reread at most this often while nodes fail, and a reread
+// gives up after this many nodes fail to answer it.
 constexpr auto kMinRefreshInterval = std::chrono::milliseconds(100);
+constexpr int kMaxRefreshFailures = 2;
 
 struct ReplyFree {
   void operator()(redisReply* r) const {
@@ -297,9 +299,10 @@ struct RedisStore::Impl {
     return idx;
   }
 
-  // A new connection to host:port, authenticated when the URL has a password.
-  Result<ContextPtr> Dial(const std::string& host, int port) {
-    ContextPtr c(redisConnectWithTimeout(host.c_str(), port, TimeVal(options.connect_timeout)));
+  // A new connection to host:port (given `connect` to connect),
+  // authenticated when the URL has a password.
+  Result<ContextPtr> Dial(const std::string& host, int port, std::chrono::milliseconds connect) {
+    ContextPtr c(redisConnectWithTimeout(host.c_str(), port, TimeVal(connect)));
     if (c == nullptr) return ResourceExhausted("redis: out of memory connecting");
     if (c->err != 0) return Unavailable("redis " + Addr(host, port) + ": " + c->errstr);
     if (redisSetTimeout(c.get(), TimeVal(options.timeout)) != REDIS_OK) {
@@ -318,9 +321,10 @@ struct RedisStore::Impl {
     return c;
   }
 
-  // A connection to node `n` for one call: an idle one, or a new one. A node
-  // held to be down is UNAVAILABLE at once.
-  Result<ContextPtr> Take(uint16_t n) {
+  // A connection to node `n` for one call: an idle one, or a new one (which
+  // may take `timeout` to connect). A node held to be down is UNAVAILABLE at
+  // once.
+  Result<ContextPtr> Take(uint16_t n, std::chrono::milliseconds timeout) {
     std::string host;
     int port = 0;
     {
@@ -337,7 +341,7 @@ struct RedisStore::Impl {
       host = node.host;
       port = node.port;
     }
-    auto c = Dial(host, port);
+    auto c = Dial(host, port, std::min(options.connect_timeout, timeout));
     if (!c.ok()) MarkDown(n);
     return c;
   }
@@ -406,28 +410,60 @@ struct RedisStore::Impl {
   }
 
   // Rereads the slot map from the first node that answers (rate-limited;
-  // one thread at a time), after a MOVED or a failing node.
+  // one thread at a time), after a MOVED or a failing node: through an idle
+  // connection of a node not held to be down if there is one, else a new
+  // one, else a seed not in the map. It runs on a caller's thread (a
+  // worker's control thread, for lookups), so each try gets the lookup
+  // timeout and at most kMaxRefreshFailures tries fail.
   void Refresh() {
     if (!cluster) return;
-    std::vector<std::pair<std::string, int>> candidates;
+    std::vector<uint16_t> live;
+    std::vector<std::pair<std::string, int>> seeds;
     {
       MutexLock lock(mu);
-      if (refreshing || Clock::now() - last_refresh < kMinRefreshInterval) return;
-      refreshing = true;
-      last_refresh = Clock::now();
       const Clock::time_point now = Clock::now();
-      for (const auto& n : nodes) {
-        if (now >= n->down_until) candidates.emplace_back(n->host, n->port);
+      if (refreshing || now - last_refresh < kMinRefreshInterval) return;
+      refreshing = true;
+      last_refresh = now;
+      for (size_t i = 0; i < nodes.size(); ++i) {
+        if (now >= nodes[i]->down_until) live.push_back(static_cast<uint16_t>(i));
+      }
+      for (const auto& seed : url.seeds) {
+        if (!node_index.contains(Addr(seed.first, seed.second))) seeds.push_back(seed);
       }
     }
-    for (const auto& s : url.seeds) candidates.push_back(s);
-    for (const auto& [host, port] : candidates) {
-      auto c = Dial(host, port);
-      if (!c.ok()) continue;
-      redisSetTimeout(c->get(), TimeVal(options.lookup_timeout));
+    int failures = 0;
+    bool done = false;
+    auto load = [&](redisContext* c, const std::string& host) {
+      redisSetTimeout(c, TimeVal(options.lookup_timeout));
       bool standalone = false;
-      auto loaded = LoadSlots(c->get(), host, &standalone);
-      if (loaded.ok() && *loaded) break;
+      auto loaded = LoadSlots(c, host, &standalone);
+      done = loaded.ok() && *loaded;
+      if (!done) ++failures;
+    };
+    for (uint16_t n : live) {
+      if (done || failures >= kMaxRefreshFailures) break;
+      auto c = Take(n, options.lookup_timeout);
+      if (!c.ok()) {
+        ++failures;
+        continue;
+      }
+      std::string host;
+      {
+        MutexLock lock(mu);
+        host = nodes[n]->host;
+      }
+      load(c->get(), host);
+      Give(n, std::move(c).value());
+    }
+    for (const auto& [host, port] : seeds) {
+      if (done || failures >= kMaxRefreshFailures) break;
+      auto c = Dial(host, port, std::min(options.connect_timeout, options.lookup_timeout));
+      if (!c.ok()) {
+        ++failures;
+        continue;
+      }
+      load(c->get(), host);
     }
     MutexLock lock(mu);
     refreshing = false;
@@ -467,7 +503,7 @@ struct RedisStore::Impl {
       };
       std::vector<Open> open;
       for (auto& [n, idx] : groups) {
-        auto c = Take(n);
+        auto c = Take(n, timeout);
         if (c.ok()) {
           redisSetTimeout(c->get(), TimeVal(timeout));
           std::vector<const Command*> batch;
@@ -557,7 +593,7 @@ Result<std::unique_ptr<RedisStore>> RedisStore::Connect(std::string_view url,
   impl->name = "redis " + impl->url.Redacted();
   std::string tried;
   for (const auto& [host, port] : impl->url.seeds) {
-    auto c = impl->Dial(host, port);
+    auto c = impl->Dial(host, port, impl->options.connect_timeout);
     if (!c.ok()) {
       if (c.status().code() == StatusCode::kInvalidArgument) return c.status();
       tried += (tried.empty() ? "" : "; ") + c.status().message();
