@@ -59,7 +59,12 @@ int main(int argc, char** argv) {
   o.engine = *engine;
   o.kv_transport = kv_flags.transport();
   o.store_codec = kv_flags.codec();
-  o.shared_tier = kv_flags.shared_tier();
+  if (auto tier = kv_flags.shared_tier(); tier.ok()) {
+    o.shared_tier = std::move(tier).value();
+  } else {
+    kdn::LogError("{}", tier.status().ToString());
+    return 2;
+  }
   o.shared_tier_ttl = kv_flags.redis_ttl();
   o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
 

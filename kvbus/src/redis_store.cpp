@@ -237,6 +237,20 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   return out;
 }
 
+Result<std::string> RedisUrlWithPassword(std::string_view url, std::string_view password) {
+  KDN_ASSIGN_OR_RETURN(RedisUrl u, ParseRedisUrl(url));
+  if (!u.password.empty()) {
+    return InvalidArgument("redis URL " + u.Redacted() +
+                           " has a password already: give it in the URL or in the file, not both");
+  }
+  if (password.empty()) return InvalidArgument("redis: the password given is empty");
+  std::string out = "redis://" + u.user + ":" + std::string(password) + "@";
+  for (size_t i = 0; i < u.seeds.size(); ++i) {
+    out += (i > 0 ? "," : "") + Addr(u.seeds[i].first, u.seeds[i].second);
+  }
+  return out;
+}
+
 std::string RedisKey(const ChunkKey& model, const ChunkKey& key) {
   return "kdn:" + model.ToHex() + ":" + key.ToHex();
 }

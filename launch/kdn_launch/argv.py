@@ -71,11 +71,13 @@ def store_argv(a, bin_dir, listen):
             "--host-mib", "%g" % a.store_host_mib] + curve_flags(a) + log_flags(a)
 
 
-def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None):
+def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None,
+                redis_password_file=None):
     """kdn-prefill or kdn-decode (`role`) named `name`, listening on `listen`
     (a decode worker's kvbus too), reading and filling the kdn-store at
     `store` or the Redis Cluster at the URL `redis` (at most one of them; None:
-    no store), on `device` (a plan.WorkerDevice)."""
+    no store; the URL's password in `redis_password_file` if given), on
+    `device` (a plan.WorkerDevice)."""
     assert store is None or redis is None, "a worker has one shared store"
     cmd = [str(Path(bin_dir) / ("kdn-" + role)), "--model", str(model), "--listen", listen,
            "--host-mib", "%g" % a.host_mib, "--chunk-tokens", str(a.chunk_tokens),
@@ -85,6 +87,8 @@ def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None
         cmd += ["--store", store, "--store-codec", a.store_codec]
     if redis is not None:
         cmd += ["--kdn-redis", redis, "--store-codec", a.store_codec]
+        if redis_password_file is not None:
+            cmd += ["--kdn-redis-password-file", redis_password_file]
     if role == "decode":
         cmd += ["--kvbus-listen", listen] + given("--max-batch", a.max_batch)
         cmd += given("--local-prefill-step-tokens", a.local_prefill_step_tokens)

@@ -32,10 +32,11 @@ def store_command(a, bin_dir):
     return argv.store_argv(a, bin_dir, LOCAL_LISTEN)
 
 
-def worker_commands(a, bin_dir, model, store_ep, devices, redis_url=None):
+def worker_commands(a, bin_dir, model, store_ep, devices, redis_url=None,
+                    redis_password_file=None):
     """[(name, role, cmd)] of the workers, in start order."""
     return [(name, role, argv.worker_argv(a, bin_dir, model, name, role, LOCAL_LISTEN, store_ep,
-                                          devices[name], redis_url))
+                                          devices[name], redis_url, redis_password_file))
             for name, role in worker_names(a.prefill, a.decode)]
 
 
@@ -51,7 +52,7 @@ def print_plan(a, bin_dir, model, devices):
     store_ep = "store-ENDPOINT" if a.store else None
     if a.store:
         print("store: " + shlex.join(store_command(a, bin_dir)))
-    redis_url = a.kdn_redis
+    redis_url, password_file = a.kdn_redis, None
     if a.redis_cluster:
         # Its nodes read everything from their redis.conf; the password is
         # made when the cluster starts.
@@ -59,9 +60,10 @@ def print_plan(a, bin_dir, model, devices):
         server = shutil.which("redis-server") or "redis-server"
         for node in cluster.nodes:
             print("%s: %s" % (node.name, shlex.join([server, str(node.conf)])))
-        redis_url = redis_cluster.url("PASSWORD", ["%s-ENDPOINT" % n.name
-                                                   for n in cluster.nodes[:a.redis_cluster]])
-    workers = worker_commands(a, bin_dir, model, store_ep, devices, redis_url)
+        redis_url = redis_cluster.url(None, ["%s-ENDPOINT" % n.name
+                                             for n in cluster.nodes[:a.redis_cluster]])
+        password_file = str(redis_cluster.password_path(a.run_dir))
+    workers = worker_commands(a, bin_dir, model, store_ep, devices, redis_url, password_file)
     for name, _, cmd in workers:
         print("%s: %s" % (name, shlex.join(cmd)))
     eps = {role: [name + "-ENDPOINT" for name, r, _ in workers if r == role]
@@ -178,7 +180,7 @@ class Deployment:
 
     def up(self):
         a, b = self.args, self.bin_dir
-        store_ep, redis_url = None, a.kdn_redis
+        store_ep, redis_url, password_file = None, a.kdn_redis, None
         if a.store:
             p = self.start("store", "store", store_command(a, b))
             info("started kdn-store (pid %d)" % p.pid)
@@ -191,13 +193,14 @@ class Deployment:
             info("Redis Cluster up: %d primaries (%s) with a replica each; password in %s"
                  % (a.redis_cluster, ", ".join(cluster.seeds()),
                     redis_cluster.password_path(self.run_dir)))
-            redis_url = cluster.url()
+            redis_url = cluster.worker_url()
+            password_file = str(redis_cluster.password_path(self.run_dir))
         if a.device != "cpu":
             info("GPUs: " + ", ".join("%s on %s" % (name, d.describe())
                                       for name, d in self.devices.items()))
         workers = [self.start(name, role, cmd, self.devices[name])
                    for name, role, cmd in worker_commands(a, b, self.model, store_ep, self.devices,
-                                                          redis_url)]
+                                                          redis_url, password_file)]
         info("started %d prefill and %d decode workers; loading %s" % (a.prefill, a.decode, self.model))
         for p in workers:
             self.wait_endpoint(p, "tcp://", a.ready_timeout)

@@ -77,8 +77,11 @@ def remove_secrets(run_dir):
 
 
 def url(password, endpoints):
-    """The workers' --kdn-redis URL: the password, then every seed
-    "host:port", comma-separated."""
+    """A --kdn-redis URL: the password (None: none, the workers then read
+    it from --kdn-redis-password-file), then every seed "host:port",
+    comma-separated."""
+    if password is None:
+        return "redis://" + ",".join(endpoints)
     return "redis://:%s@%s" % (password, ",".join(endpoints))
 
 
@@ -260,8 +263,14 @@ class RedisCluster:
         return [n.endpoint() for n in self.nodes[:self.primaries]]
 
     def url(self):
-        """The workers' --kdn-redis URL, every primary a seed."""
+        """The --kdn-redis URL, every primary a seed, with the password (for
+        programs that are not kdn's workers)."""
         return url(self.password, self.seeds())
+
+    def worker_url(self):
+        """The workers' --kdn-redis URL: every primary a seed, no password
+        (they read RUN_DIR/redis.password with --kdn-redis-password-file)."""
+        return url(None, self.seeds())
 
     def start(self, timeout, on_start=lambda proc: None):
         """Starts every node, creates the cluster and waits until every node

@@ -207,7 +207,7 @@ def steps(a, bin_dir, model, plan):
                     argv.store_argv(a, bin_dir, Shell('"$(listen 0)"'))),
                 "STORE=$(endpoint store tcp://) || abort", ""]
         store = Shell('"$STORE"')
-    redis = a.kdn_redis
+    redis, password_file = a.kdn_redis, None
     if a.redis_cluster:
         out.append("# The Redis Cluster: a primary on every node, its replica on the next node.")
         nodes = redis_placement(a.nodes)
@@ -217,6 +217,7 @@ def steps(a, bin_dir, model, plan):
                        % (name, node, node, name, k, len(nodes)))
         out += ["KDN_REDIS=$(redis_cluster %d) || abort" % a.nodes, ""]
         redis = Shell('"$KDN_REDIS"')
+        password_file = Shell('"$RUN/%s"' % redis_cluster.PASSWORD_NAME)
     device = WorkerDevice("cpu")
     if a.device == "cuda":
         # step_main leaves each worker only its own GPUs in CUDA_VISIBLE_DEVICES,
@@ -227,7 +228,7 @@ def steps(a, bin_dir, model, plan):
     slots = [0] * a.nodes
     for name, role, node in plan:
         cmd = argv.worker_argv(a, bin_dir, model, name, role, Shell('"$(listen %d)"' % node),
-                               store, device, redis)
+                               store, device, redis, password_file)
         out.append("start %s %d %d %s" % (name, node, slots[node], argv.bash_words(cmd)))
         slots[node] += 1
     out.append("")

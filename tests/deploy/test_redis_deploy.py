@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +136,10 @@ def chat_turns(d, rng, turns, cluster=None, between=None):
 def test_chats_and_documents_as_with_kdn_store(redis_deployment, store_deployment):
     d = redis_deployment
     cluster = Cluster(d)
+    # The workers read the password from its file: no command line shows it.
+    for name in ("prefill-0", "decode-0"):
+        cmdline = Path("/proc/%d/cmdline" % d.pid(name)).read_bytes().decode(errors="replace")
+        assert "--kdn-redis-password-file" in cmdline and cluster.password not in cmdline
     # Later turns load the whole conversation from the cluster.
     chat_turns(d, random.Random(20261127), 3, cluster)
     # Documents: injected (stored before the reply), then blended, the same

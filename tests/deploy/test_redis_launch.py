@@ -168,7 +168,9 @@ def test_dry_run_shows_the_cluster_nodes_and_the_workers_url(tmp_path, model_dir
         assert argvs[name][1:] == [str(tmp_path / "run" / "redis" / name / "redis.conf")]
     for name in WORKERS:
         assert flag(argvs[name], "--kdn-redis") == \
-            "redis://:PASSWORD@redis-0-ENDPOINT,redis-1-ENDPOINT,redis-2-ENDPOINT"
+            "redis://redis-0-ENDPOINT,redis-1-ENDPOINT,redis-2-ENDPOINT"
+        assert flag(argvs[name], "--kdn-redis-password-file") == \
+            str(tmp_path / "run" / "redis.password")
         assert "--store" not in argvs[name]
 
 
@@ -411,8 +413,9 @@ def test_slurm_job_script_builds_the_cluster_and_stops_it(tmp_path, model_dir,
         seeds = ",".join("127.0.0.1:%d" % ports["redis-p%d" % i] for i in range(3))
         for w in ("prefill-0", "prefill-1", "decode-0"):
             words = (job.steps / w).read_bytes().split(b"\0")[:-1]
-            assert flag([x.decode() for x in words], "--kdn-redis") == \
-                "redis://:%s@%s" % (password, seeds)
+            assert flag([x.decode() for x in words], "--kdn-redis") == "redis://" + seeds
+            assert flag([x.decode() for x in words], "--kdn-redis-password-file") == \
+                str(run / "redis.password")
         pids = {n: int((run / "pids" / n).read_text().split()[1]) for n in names}
         assert all(pid_alive(p) for p in pids.values())
         for pid, line in process_args(pids.values()).items():

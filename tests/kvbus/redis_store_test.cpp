@@ -118,6 +118,16 @@ TEST(RedisUrl, RefusesWhatDoesNotParse) {
   EXPECT_EQ(u.status().message().find("hunter2"), std::string::npos) << u.status().message();
 }
 
+TEST(RedisUrl, APasswordFromAFileGoesIntoAURLWithout) {
+  EXPECT_EQ(RedisUrlWithPassword("redis://h:1,g", "pw").value(), "redis://:pw@h:1,g:6379");
+  EXPECT_EQ(RedisUrlWithPassword("redis://bob@h:1", "pw").value(), "redis://bob:pw@h:1");
+  auto twice = RedisUrlWithPassword("redis://:a@h:1", "pw");
+  ASSERT_FALSE(twice.ok());
+  EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(twice.status().message().find(":a@"), std::string::npos) << twice.status().message();
+  EXPECT_FALSE(RedisUrlWithPassword("redis://h:1", "").ok());
+}
+
 TEST(RedisSlot, MatchesRedisClusterSpec) {
   // Values from the Redis Cluster specification and CLUSTER KEYSLOT.
   EXPECT_EQ(RedisSlot("123456789"), 0x31C3);

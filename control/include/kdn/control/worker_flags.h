@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <fstream>
 #include <string>
 
 #include "kdn/engine/open_engine.h"
@@ -78,7 +79,8 @@ struct KvFlags {
   std::string store_codec = "raw";
   std::string store;       // --store: a kdn-store endpoint
   std::string kdn_redis;   // --kdn-redis: a Redis Cluster's seeds
-  double redis_ttl_s = 0;  // --kdn-redis-ttl
+  std::string redis_password_file;  // --kdn-redis-password-file
+  double redis_ttl_s = 0;           // --kdn-redis-ttl
 
   // Adds --kv-transport, the shared KDN tier (--store or --kdn-redis) and
   // --store-codec to `app`, checked as they parse.
@@ -96,6 +98,11 @@ struct KvFlags {
               return u.ok() ? std::string() : u.status().message();
             });
     store_opt->excludes(redis_opt);
+    app.add_option("--kdn-redis-password-file", redis_password_file,
+                   "A file holding the password of the --kdn-redis URL (which then has none), "
+                   "so that process listings do not show it")
+        ->check(CLI::ExistingFile)
+        ->needs(redis_opt);
     app.add_option("--kdn-redis-ttl", redis_ttl_s,
                    "Seconds after which a chunk put into --kdn-redis expires (0: never; Redis "
                    "evicts by its maxmemory policy)")
@@ -120,8 +127,22 @@ struct KvFlags {
   // After parsing (both were checked then).
   kvbus::TransportKind transport() const { return kvbus::ParseTransportKind(kv_transport).value(); }
   kvbus::CodecLevel codec() const { return kvbus::ParseCodecLevel(store_codec).value(); }
-  // The shared tier's URI (kdn/kvbus/shared_tier.h); empty: none.
-  std::string shared_tier() const { return kdn_redis.empty() ? store : kdn_redis; }
+  // The shared tier's URI (kdn/kvbus/shared_tier.h), the Redis password
+  // file's password put in; empty: none.
+  Result<std::string> shared_tier() const {
+    if (kdn_redis.empty()) return store;
+    if (redis_password_file.empty()) return kdn_redis;
+    std::ifstream in(redis_password_file);
+    std::string password;
+    if (!in || !std::getline(in, password)) {
+      return InvalidArgument("--kdn-redis-password-file " + redis_password_file +
+                             ": cannot read a password from it");
+    }
+    while (!password.empty() && (password.back() == '\r' || password.back() == ' ')) {
+      password.pop_back();
+    }
+    return kvbus::RedisUrlWithPassword(kdn_redis, password);
+  }
   std::chrono::milliseconds redis_ttl() const {
     return std::chrono::milliseconds(static_cast<int64_t>(redis_ttl_s * 1000));
   }

@@ -50,6 +50,9 @@ struct RedisUrl {
 };
 // INVALID_ARGUMENT saying what is wrong with `url`.
 Result<RedisUrl> ParseRedisUrl(std::string_view url);
+// `url` with `password` put in (for a password kept out of command lines,
+// in a file); INVALID_ARGUMENT if `url` does not parse or has one already.
+Result<std::string> RedisUrlWithPassword(std::string_view url, std::string_view password);
 
 // The Redis key of chunk `key` of model `model`.
 std::string RedisKey(const ChunkKey& model, const ChunkKey& key);
