@@ -77,8 +77,8 @@ struct EngineFlags {
 struct KvFlags {
   std::string kv_transport = "auto";
   std::string store_codec = "raw";
-  std::string store;       // --store: a kdn-store endpoint
-  std::string kdn_redis;   // --kdn-redis: a Redis Cluster's seeds
+  std::string store;                // --store: a kdn-store endpoint
+  std::string kdn_redis;            // --kdn-redis: a Redis Cluster's seeds
   std::string redis_password_file;  // --kdn-redis-password-file
   double redis_ttl_s = 0;           // --kdn-redis-ttl
 
