@@ -49,13 +49,6 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
   return std::make_unique<kvbus::TieredStore>(std::move(tiers), options);
 }
 
-bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens,
-               kvbus::KvDType dtype) {
-  const kvbus::ChunkInfo& info = chunk.info();
-  return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
-         info.dtype == dtype && !chunk.encoded();
-}
-
 bool AnswerQuery(ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,

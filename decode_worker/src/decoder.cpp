@@ -6,7 +6,7 @@
 
 #include "kdn/common/log.h"
 #include "kdn/control/prefix_kv.h"
-#include "kdn/control/transfer_plan.h"
+#include "kdn/kvbus/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
@@ -122,9 +122,9 @@ int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded)
 Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& landed) {
   engine::KvCache& cache = model_.kv_cache();
   const auto n = static_cast<int64_t>(p.request.tokens.size());
-  const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
-                                                p.request.transfer_id);
-  for (const control::KvRegion& r : regions) {
+  const auto regions = kvbus::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
+                                              p.request.transfer_id);
+  for (const kvbus::KvRegion& r : regions) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       const kvbus::ChunkKey key = kvbus::LayerSliceKey(r.parent, l);
       if (landed.count(key) != 0) continue;  // in its blocks already
@@ -152,12 +152,12 @@ void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
   if (options_.landing == nullptr || p.request.local_prefill) return;
   engine::KvCache& cache = model_.kv_cache();
   const auto n = static_cast<int64_t>(p.request.tokens.size());
-  const auto regions = control::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
-                                                p.request.transfer_id);
+  const auto regions = kvbus::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
+                                              p.request.transfer_id);
   const model::ModelConfig& c = model_.config();
   std::vector<ExpectedSlice> slices;
   std::vector<engine::KvPoolRange> ranges;
-  for (const control::KvRegion& r : regions) {
+  for (const kvbus::KvRegion& r : regions) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       // A slice whose place cannot be named (not expected: it does not
       // happen with a pool of one region) comes through staging.
@@ -272,7 +272,7 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
         // store or a chunk of another making ends it: the prefill worker sends
         // the rest.
         Mailbox::Load load{
-            id, control::FetchPrefix(store, ctx, tokens, keys, limit, min_tail, resident, dtype)};
+            id, kvbus::FetchPrefix(store, ctx, tokens, keys, limit, min_tail, resident, dtype)};
         {
           MutexLock lock(mb->mu);
           mb->loads.push_back(std::move(load));
@@ -290,7 +290,7 @@ void Decoder::PostStore(uint64_t request_id,
            bytes);
   store_io_.Post(
       kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes, request_id] {
-        const control::PutOutcome put = control::PutMissing(store, chunks);
+        const kvbus::PutOutcome put = kvbus::PutMissing(store, chunks);
         mb->stored += put.stored;
         mb->already_held += put.already_held;
         if (!put.error.ok()) {
@@ -511,10 +511,10 @@ void Decoder::AdmitLocal(uint64_t id, int32_t first_token, DecoderOutput* out) {
 }
 
 void Decoder::DropOwnSlices(const Prepared& p) {
-  const auto regions = control::TransferRegions(
+  const auto regions = kvbus::TransferRegions(
       p.keys, static_cast<int64_t>(p.request.tokens.size()), options_.chunk_tokens,
       std::max<int64_t>(p.held_tokens, 0), p.request.transfer_id);
-  for (const control::KvRegion& r : regions) {
+  for (const kvbus::KvRegion& r : regions) {
     if (!r.tail) continue;
     for (int l = 0; l < model_.kv_cache().num_layers(); ++l) {
       staging_.Erase(kvbus::LayerSliceKey(r.parent, l));

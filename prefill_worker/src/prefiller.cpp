@@ -4,7 +4,7 @@
 
 #include "kdn/common/log.h"
 #include "kdn/control/prefix_kv.h"
-#include "kdn/control/transfer_plan.h"
+#include "kdn/kvbus/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
@@ -52,7 +52,7 @@ struct Prefiller::Push {
   Prefiller& self;
   const PrefillJob& job;
   const engine::KvSequence& seq;
-  std::vector<control::KvRegion> regions;
+  std::vector<kvbus::KvRegion> regions;
   kvbus::Sender* sender = nullptr;
   std::vector<uint64_t> batches;
 
@@ -61,7 +61,7 @@ struct Prefiller::Push {
     if (sender == nullptr) return Status::Ok();
     std::vector<std::shared_ptr<const kvbus::Chunk>> slices;
     slices.reserve(regions.size());
-    for (const control::KvRegion& r : regions) {
+    for (const kvbus::KvRegion& r : regions) {
       KDN_ASSIGN_OR_RETURN(
           auto slice, kvbridge::LayerSliceFromPagedKv(self.model_.kv_cache(), seq, r.first, r.count,
                                                       layer, kvbus::LayerSliceKey(r.parent, layer),
@@ -144,7 +144,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
   // The lower tiers past the resident prefix, fetched while matching and
   // placed after it, so that a tail match too short to use costs no copy.
-  const std::vector<control::FetchedSpan> fetched = control::FetchPrefix(
+  const std::vector<kvbus::FetchedSpan> fetched = kvbus::FetchPrefix(
       store_, ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens, resident, chunk_dtype_);
   const control::PlacedPrefix placed = control::PlacePrefix(cache, seq_, fetched, resident);
   const int64_t hit = placed.tokens;
@@ -162,7 +162,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
 
   // 2. What the decode worker lacks, by region, pushed layer by layer.
   Push push{*this, job, seq_,
-            control::TransferRegions(keys_, n, C, job.decode_held_tokens, job.transfer_id)};
+            kvbus::TransferRegions(keys_, n, C, job.decode_held_tokens, job.transfer_id)};
   if (!job.decode_endpoint.empty() && !push.regions.empty()) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
@@ -216,7 +216,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
     p += len;
     const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, s.tokens);
     auto chunk = store_.Get(key);
-    if (chunk.ok() && control::ChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
+    if (chunk.ok() && kvbus::ChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
       s.kv = *std::move(chunk);
     } else if (std::none_of(missing_segments_.begin(), missing_segments_.end(),
                             [&](const auto& m) { return m.first == key; })) {
@@ -230,7 +230,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
   Push push{*this, job, seq_,
-            control::TransferRegions({}, n, options_.chunk_tokens, 0, job.transfer_id)};
+            kvbus::TransferRegions({}, n, options_.chunk_tokens, 0, job.transfer_id)};
   if (!job.decode_endpoint.empty()) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
@@ -307,7 +307,7 @@ Status Prefiller::StoreNewChunks() {
   }
   if (store_io_ && !chunks.empty()) {
     store_io_->Post(0, [&store = store_, failures = store_failures_, chunks = std::move(chunks)] {
-      const control::PutOutcome put = control::PutMissing(store, chunks);
+      const kvbus::PutOutcome put = kvbus::PutMissing(store, chunks);
       if (!put.error.ok()) {
         const uint64_t n = ++*failures;
         LogError(

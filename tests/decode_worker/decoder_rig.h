@@ -14,7 +14,7 @@
 
 #include "../engine/test_util.h"
 #include "../kvbus/recording_store.h"
-#include "kdn/control/transfer_plan.h"
+#include "kdn/kvbus/transfer_plan.h"
 #include "kdn/decode_worker/decoder.h"
 #include "kdn/engine/generate.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -138,8 +138,8 @@ inline int32_t PushSlices(Rig& rig, const DecodeRequest& r, int64_t held_tokens,
   std::vector<kvbus::ChunkKey> keys;
   if (!r.blended) keys = kvbus::PrefixKeys({kFingerprint, r.ns, kChunk}, r.tokens);
   const auto n = static_cast<int64_t>(r.tokens.size());
-  for (const control::KvRegion& region :
-       control::TransferRegions(keys, n, kChunk, held_tokens, r.transfer_id)) {
+  for (const kvbus::KvRegion& region :
+       kvbus::TransferRegions(keys, n, kChunk, held_tokens, r.transfer_id)) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
                                                    kvbus::LayerSliceKey(region.parent, l),

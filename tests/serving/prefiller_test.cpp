@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "../engine/test_util.h"
-#include "kdn/control/transfer_plan.h"
+#include "kdn/kvbus/transfer_plan.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbridge/paged_chunks.h"
 
@@ -116,11 +116,11 @@ TEST(PrefillerResident, ARepeatedPromptAttachesItsKvFromThePoolAndMovesNoBytes) 
   EXPECT_EQ(again->computed_tokens, 1);
   EXPECT_EQ(again->first_token, GreedyFirstToken(*model, job.tokens));
   const auto keys = kvbus::PrefixKeys({kvbus::ChunkKey{1, 2}, "", kChunk}, job.tokens);
-  const auto regions = control::TransferRegions(keys, 100, kChunk, 0, job.transfer_id);
+  const auto regions = kvbus::TransferRegions(keys, 100, kChunk, 0, job.transfer_id);
   engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence rebuilt = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(rebuilt, 100).ok());
-  for (const control::KvRegion& r : regions) {
+  for (const kvbus::KvRegion& r : regions) {
     for (int l = 0; l < model->config().num_layers; ++l) {
       auto slice = sink.Get(kvbus::LayerSliceKey(r.parent, l));
       ASSERT_TRUE(slice.ok()) << "region at " << r.first << " layer " << l;
@@ -339,14 +339,14 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   ASSERT_TRUE(ref_model->Prefill(ref, job.tokens, {}, &logits).ok());
 
   const auto keys = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
-  const auto regions = control::TransferRegions(keys, 75, kChunk, 16, job.transfer_id);
+  const auto regions = kvbus::TransferRegions(keys, 75, kChunk, 16, job.transfer_id);
   ASSERT_EQ(regions.size(), 4u);  // chunks 1..3 and the tail
   engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence rebuilt = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(rebuilt, 75).ok());
   for (int l = 0; l < layers; ++l) {
     EXPECT_FALSE(sink.Contains(kvbus::LayerSliceKey(keys[0], l)));  // held: never sent
-    for (const control::KvRegion& r : regions) {
+    for (const kvbus::KvRegion& r : regions) {
       auto slice = sink.Get(kvbus::LayerSliceKey(r.parent, l));
       ASSERT_TRUE(slice.ok()) << "layer " << l << " of region at " << r.first;
       ASSERT_TRUE(kvbridge::LayerSliceToPagedKv(**slice, l, cache, rebuilt, r.first).ok());
@@ -523,7 +523,7 @@ TEST(Prefiller, RefusesAnEmptyPromptAndOneBeyondTheContext) {
 
 TEST(TransferRegions, FullChunksPastTheHeldOnesThenTheTail) {
   const std::vector<kvbus::ChunkKey> keys = {{0, 1}, {0, 2}, {0, 3}};
-  auto r = control::TransferRegions(keys, 50, 16, 16, "t");
+  auto r = kvbus::TransferRegions(keys, 50, 16, 16, "t");
   ASSERT_EQ(r.size(), 3u);
   EXPECT_EQ(r[0].parent, keys[1]);
   EXPECT_EQ(r[0].first, 16);
@@ -533,19 +533,19 @@ TEST(TransferRegions, FullChunksPastTheHeldOnesThenTheTail) {
   EXPECT_EQ(r[2].count, 2);
   EXPECT_EQ(r[2].parent, kvbus::TransferKey({reinterpret_cast<const uint8_t*>("t"), 1}));
   // Whole chunks: no tail. All held, or more: nothing.
-  EXPECT_EQ(control::TransferRegions(keys, 48, 16, 0, "t").size(), 3u);
-  EXPECT_TRUE(control::TransferRegions(keys, 48, 16, 48, "t").empty());
-  EXPECT_TRUE(control::TransferRegions(keys, 48, 16, 700, "t").empty());
+  EXPECT_EQ(kvbus::TransferRegions(keys, 48, 16, 0, "t").size(), 3u);
+  EXPECT_TRUE(kvbus::TransferRegions(keys, 48, 16, 48, "t").empty());
+  EXPECT_TRUE(kvbus::TransferRegions(keys, 48, 16, 700, "t").empty());
   // Tails of different requests have different names.
-  EXPECT_NE(control::TransferRegions(keys, 50, 16, 48, "a")[0].parent,
-            control::TransferRegions(keys, 50, 16, 48, "b")[0].parent);
+  EXPECT_NE(kvbus::TransferRegions(keys, 50, 16, 48, "a")[0].parent,
+            kvbus::TransferRegions(keys, 50, 16, 48, "b")[0].parent);
 }
 
 TEST(TransferRegions, HeldTailPiecesLeaveAGapToTheNextChunkBoundary) {
   const std::vector<kvbus::ChunkKey> keys = {{0, 1}, {0, 2}, {0, 3}};
   // Held up to 21 (a chunk and 5 tokens of tail pieces): the gap [21, 32)
   // under a name of this request's, then chunk 2, then the tail.
-  auto r = control::TransferRegions(keys, 50, 16, 21, "t");
+  auto r = kvbus::TransferRegions(keys, 50, 16, 21, "t");
   ASSERT_EQ(r.size(), 3u);
   EXPECT_TRUE(r[0].tail);
   EXPECT_EQ(r[0].first, 21);
@@ -560,13 +560,13 @@ TEST(TransferRegions, HeldTailPiecesLeaveAGapToTheNextChunkBoundary) {
   EXPECT_EQ(r[2].first, 48);
   EXPECT_NE(r[0].parent, r[2].parent);
   // Held inside the prompt's own tail: the rest of it, under the tail's name.
-  r = control::TransferRegions(keys, 50, 16, 49, "t");
+  r = kvbus::TransferRegions(keys, 50, 16, 49, "t");
   ASSERT_EQ(r.size(), 1u);
   EXPECT_EQ(r[0].first, 49);
   EXPECT_EQ(r[0].count, 1);
   EXPECT_EQ(r[0].parent, kvbus::TransferKey({reinterpret_cast<const uint8_t*>("t"), 1}));
   // A gap in the last full chunk of a prompt with no tail.
-  r = control::TransferRegions(keys, 48, 16, 40, "t");
+  r = kvbus::TransferRegions(keys, 48, 16, 40, "t");
   ASSERT_EQ(r.size(), 1u);
   EXPECT_EQ(r[0].first, 40);
   EXPECT_EQ(r[0].count, 8);

@@ -8,6 +8,7 @@
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/host_tier.h"
+#include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbus/store_service.h"
 
 namespace kdn::control {
@@ -44,11 +45,11 @@ TEST(WorkerStore, ChunksGoToTheStoreCodedAndComeBackDecoded) {
   EXPECT_FALSE((*got)->encoded());
   ASSERT_EQ((*got)->size(), raw->size());
   const kvbus::ChunkKey fp = raw->info().model_fingerprint;
-  EXPECT_TRUE(ChunkFits(**got, fp, 64, kvbus::KvDType::kF32));
-  EXPECT_FALSE(ChunkFits(**held, fp, 64, kvbus::KvDType::kF32));  // coded: not usable as is
+  EXPECT_TRUE(kvbus::ChunkFits(**got, fp, 64, kvbus::KvDType::kF32));
+  EXPECT_FALSE(kvbus::ChunkFits(**held, fp, 64, kvbus::KvDType::kF32));  // coded: not usable as is
   // Another engine's element type (a GPU's bf16) is recomputed, not converted.
-  EXPECT_FALSE(ChunkFits(**got, fp, 64, kvbus::KvDType::kBF16));
-  EXPECT_FALSE(ChunkFits(**got, fp, 63, kvbus::KvDType::kF32));
+  EXPECT_FALSE(kvbus::ChunkFits(**got, fp, 64, kvbus::KvDType::kBF16));
+  EXPECT_FALSE(kvbus::ChunkFits(**got, fp, 63, kvbus::KvDType::kF32));
   for (size_t i = 0; i < raw->payload().size() / 4; ++i) {
     float a, b;
     std::memcpy(&a, raw->payload().data() + 4 * i, 4);

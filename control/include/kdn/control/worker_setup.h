@@ -51,14 +51,6 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
     uint64_t host_bytes, const std::string& shared_tier, kvbus::CodecLevel store_codec = {},
     const kvbus::SharedTierOptions& shared = {});
 
-// Whether a chunk from the KDN can be written into this worker's paged KV as
-// `tokens` tokens: that many, computed by this model (`fingerprint`, which
-// covers the engine's KV element type) and decoded to `dtype`, the engine's
-// (kvbridge::ChunkDType(engine.kv_dtype())). Another chunking, model or
-// precision is recomputed rather than guessed at.
-bool ChunkFits(const kvbus::Chunk& chunk, const kvbus::ChunkKey& fingerprint, int64_t tokens,
-               kvbus::KvDType dtype);
-
 // Answers, on the control I/O thread, the queries both kinds of worker answer
 // alike: an info request (the router's liveness ping) and a lookup (how many
 // leading prompt tokens its tiers hold, full chunks then tail pieces, and

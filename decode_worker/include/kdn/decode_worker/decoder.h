@@ -296,7 +296,7 @@ class Decoder {
     uint64_t request_id = 0;  // the router's (DecodeRequest::request_id)
   };
   struct Mailbox;  // shared with the store I/O thread's jobs
-  using LoadedSpan = control::FetchedSpan;
+  using LoadedSpan = kvbus::FetchedSpan;
 
   // Engine and chunk-bridge calls all live in the few helpers below (and in
   // the Batcher's decode step), so that a backend interface replaces them in

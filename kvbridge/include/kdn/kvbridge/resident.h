@@ -34,19 +34,6 @@ Result<int64_t> AttachResidentPrefix(engine::KvCache& cache, engine::KvSequence&
                                      std::span<const kvbus::ChunkKey> prefix_keys, int64_t limit,
                                      int64_t min_tail_tokens);
 
-// Whether a lower tier's span `s` is worth fetching past a resident prefix
-// of `resident` tokens: one wholly past it is; one across its end is written
-// from there on only (ChunkToPagedKv's skip), and a whole chunk of which
-// fewer than `min_tail_tokens` lie past it is not (a chunk fetched from
-// kdn-store for a token or two of it costs more than computing them: the
-// next turn of a chat whose prompt is resident and whose conversation the
-// decode worker stored).
-inline bool WorthFetchingPast(const kvbus::KeyedSpan& s, int64_t resident, int chunk_tokens,
-                              int64_t min_tail_tokens) {
-  if (s.first >= resident) return true;
-  return s.count < chunk_tokens || s.first + s.count - resident >= min_tail_tokens;
-}
-
 // What AttachResidentPrefix would attach, without attaching: for lookups,
 // from any thread.
 int64_t ResidentPrefixTokens(const engine::KvCache& cache, const kvbus::KeyContext& ctx,

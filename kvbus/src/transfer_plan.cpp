@@ -1,19 +1,19 @@
-#include "kdn/control/transfer_plan.h"
+#include "kdn/kvbus/transfer_plan.h"
 
 #include <algorithm>
 #include <string>
 
-namespace kdn::control {
+namespace kdn::kvbus {
 
 namespace {
 
-kvbus::ChunkKey TransferKeyOf(std::string_view id) {
-  return kvbus::TransferKey({reinterpret_cast<const uint8_t*>(id.data()), id.size()});
+ChunkKey TransferKeyOf(std::string_view id) {
+  return TransferKey({reinterpret_cast<const uint8_t*>(id.data()), id.size()});
 }
 
 }  // namespace
 
-std::vector<KvRegion> TransferRegions(std::span<const kvbus::ChunkKey> prefix_keys,
+std::vector<KvRegion> TransferRegions(std::span<const ChunkKey> prefix_keys,
                                       int64_t prompt_tokens, int chunk_tokens, int64_t held_tokens,
                                       std::string_view transfer_id) {
   std::vector<KvRegion> regions;
@@ -37,4 +37,4 @@ std::vector<KvRegion> TransferRegions(std::span<const kvbus::ChunkKey> prefix_ke
   return regions;
 }
 
-}  // namespace kdn::control
+}  // namespace kdn::kvbus

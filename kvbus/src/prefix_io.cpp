@@ -1,0 +1,64 @@
+#include "kdn/kvbus/prefix_io.h"
+
+namespace kdn::kvbus {
+
+bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens,
+               KvDType dtype) {
+  const ChunkInfo& info = chunk.info();
+  return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
+         info.dtype == dtype && !chunk.encoded();
+}
+
+std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,
+                                     std::span<const int32_t> tokens,
+                                     std::span<const ChunkKey> prefix_keys, int64_t limit,
+                                     int64_t min_tail_tokens, int64_t resident,
+                                     KvDType dtype) {
+  std::vector<FetchedSpan> fetched;
+  const auto spans = MatchPrefix(
+      ctx, tokens, prefix_keys, limit, min_tail_tokens, [&](const KeyedSpan& s) {
+        if (s.first + s.count <= resident) {  // attached from the pool
+          fetched.emplace_back(s, nullptr);
+          return true;
+        }
+        if (!WorthFetchingPast(s, resident, ctx.chunk_tokens, min_tail_tokens)) {
+          return false;
+        }
+        auto chunk = store.Get(s.key);
+        if (!chunk.ok() || !ChunkFits(**chunk, ctx.model_fingerprint, s.count, dtype)) {
+          return false;
+        }
+        fetched.emplace_back(s, *std::move(chunk));
+        return true;
+      });
+  // The spans accepted are the match's, in order; a tail match too short to
+  // use is dropped from its end.
+  fetched.resize(spans.size());
+  return fetched;
+}
+
+PutOutcome PutMissing(ChunkStore& store,
+                      std::span<const std::shared_ptr<const Chunk>> chunks) {
+  PutOutcome out;
+  // What the store holds already, in one batch (one round trip to a
+  // remote tier).
+  std::vector<ChunkKey> keys;
+  keys.reserve(chunks.size());
+  for (const auto& c : chunks) keys.push_back(c->key());
+  const std::vector<bool> held = store.ContainsMany(keys);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (held[i]) {
+      ++out.already_held;
+      continue;
+    }
+    if (Status st = store.Put(chunks[i]); !st.ok()) {
+      out.not_stored = chunks.size() - i;
+      out.error = st;
+      break;
+    }
+    ++out.stored;
+  }
+  return out;
+}
+
+}  // namespace kdn::kvbus
