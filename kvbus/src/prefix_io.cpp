@@ -2,8 +2,7 @@
 
 namespace kdn::kvbus {
 
-bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens,
-               KvDType dtype) {
+bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, KvDType dtype) {
   const ChunkInfo& info = chunk.info();
   return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
          info.dtype == dtype && !chunk.encoded();
@@ -12,11 +11,10 @@ bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens,
 std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,
                                      std::span<const int32_t> tokens,
                                      std::span<const ChunkKey> prefix_keys, int64_t limit,
-                                     int64_t min_tail_tokens, int64_t resident,
-                                     KvDType dtype) {
+                                     int64_t min_tail_tokens, int64_t resident, KvDType dtype) {
   std::vector<FetchedSpan> fetched;
-  const auto spans = MatchPrefix(
-      ctx, tokens, prefix_keys, limit, min_tail_tokens, [&](const KeyedSpan& s) {
+  const auto spans =
+      MatchPrefix(ctx, tokens, prefix_keys, limit, min_tail_tokens, [&](const KeyedSpan& s) {
         if (s.first + s.count <= resident) {  // attached from the pool
           fetched.emplace_back(s, nullptr);
           return true;
@@ -37,8 +35,7 @@ std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,
   return fetched;
 }
 
-PutOutcome PutMissing(ChunkStore& store,
-                      std::span<const std::shared_ptr<const Chunk>> chunks) {
+PutOutcome PutMissing(ChunkStore& store, std::span<const std::shared_ptr<const Chunk>> chunks) {
   PutOutcome out;
   // What the store holds already, in one batch (one round trip to a
   // remote tier).

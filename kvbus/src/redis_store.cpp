@@ -1,6 +1,7 @@
 #include "kdn/kvbus/redis_store.h"
 
 #include <hiredis/hiredis.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -101,8 +102,9 @@ Command SetNx(const std::string& key, std::span<const uint8_t> value,
 
 constexpr std::string_view kAsking = "*1\r\n$6\r\nASKING\r\n";
 
-// Writes every command to the connection's socket, in order, with writev
-// (SO_SNDTIMEO, set with the context's timeout, bounds each wait).
+// Writes every command to the connection's socket, in order, gathered
+// (SO_SNDTIMEO, set with the context's timeout, bounds each wait). A failed
+// write marks the context failed, so that it is never pooled again.
 Status WriteAll(redisContext* c, const std::vector<const Command*>& cmds) {
   std::vector<iovec> iov;
   for (const Command* cmd : cmds) {
@@ -116,9 +118,15 @@ Status WriteAll(redisContext* c, const std::vector<const Command*>& cmds) {
   size_t at = 0;
   while (at < iov.size()) {
     const int n = static_cast<int>(std::min<size_t>(iov.size() - at, IOV_MAX));
-    const ssize_t w = ::writev(c->fd, iov.data() + at, n);
+    // sendmsg, not writev: MSG_NOSIGNAL, so that a connection the node has
+    // closed is an EPIPE here (a miss), not a SIGPIPE that ends the process.
+    msghdr msg{};
+    msg.msg_iov = iov.data() + at;
+    msg.msg_iovlen = static_cast<size_t>(n);
+    const ssize_t w = ::sendmsg(c->fd, &msg, MSG_NOSIGNAL);
     if (w < 0) {
       if (errno == EINTR) continue;
+      c->err = REDIS_ERR_IO;
       return Unavailable(errno == EAGAIN || errno == EWOULDBLOCK ? "write timed out"
                                                                  : std::strerror(errno));
     }
@@ -144,14 +152,21 @@ std::string_view ErrorText(const redisReply& r) { return {r.str, r.len}; }
 
 bool StartsWith(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 
-// "MOVED 3999 127.0.0.1:6381" / "ASK ...": the node named, as host, port.
-bool ParseRedirect(std::string_view err, std::string* host, int* port) {
+// A whole decimal number in [1, 65535].
+bool ParsePort(std::string_view p, int* port) {
+  const auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), *port);
+  return ec == std::errc{} && end == p.data() + p.size() && *port > 0 && *port <= 65535;
+}
+
+// "MOVED 3999 127.0.0.1:6381" / "ASK ...": the node named, as host, port
+// (an empty host, ":6381", is the one the command went to: `asked`).
+bool ParseRedirect(std::string_view err, const std::string& asked, std::string* host, int* port) {
   const size_t sp = err.rfind(' ');
   const size_t colon = err.rfind(':');
   if (sp == std::string_view::npos || colon == std::string_view::npos || colon < sp) return false;
   *host = std::string(err.substr(sp + 1, colon - sp - 1));
-  std::string_view p = err.substr(colon + 1);
-  return std::from_chars(p.data(), p.data() + p.size(), *port).ec == std::errc{} && *port > 0;
+  if (host->empty() || *host == "?") *host = asked;
+  return ParsePort(err.substr(colon + 1), port);
 }
 
 // Errors that mean "not now" (a failover, a resharding, a node loading its
@@ -222,9 +237,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     int port = 6379;
     if (const size_t colon = node.rfind(':'); colon != std::string_view::npos) {
       host = std::string(node.substr(0, colon));
-      const std::string_view p = node.substr(colon + 1);
-      if (std::from_chars(p.data(), p.data() + p.size(), port).ec != std::errc{} || port <= 0 ||
-          port > 65535 || p.empty()) {
+      if (!ParsePort(node.substr(colon + 1), &port)) {
         return bad("has a port that is not a number from 1 to 65535");
       }
     }
@@ -439,8 +452,18 @@ struct RedisStore::Impl {
       if (refreshing || now - last_refresh < kMinRefreshInterval) return;
       refreshing = true;
       last_refresh = now;
-      for (size_t i = 0; i < nodes.size(); ++i) {
-        if (now >= nodes[i]->down_until) live.push_back(static_cast<uint16_t>(i));
+      // The nodes the map names first (a node that left the cluster long
+      // ago is in `nodes` still, and never answers), then the others.
+      std::vector<bool> mapped(nodes.size(), false);
+      for (uint16_t n : slots) {
+        if (n != kNoNode) mapped[n] = true;
+      }
+      for (int pass = 0; pass < 2; ++pass) {
+        for (size_t i = 0; i < nodes.size(); ++i) {
+          if (mapped[i] == (pass == 0) && now >= nodes[i]->down_until) {
+            live.push_back(static_cast<uint16_t>(i));
+          }
+        }
       }
       for (const auto& seed : url.seeds) {
         if (!node_index.contains(Addr(seed.first, seed.second))) seeds.push_back(seed);
@@ -448,12 +471,15 @@ struct RedisStore::Impl {
     }
     int failures = 0;
     bool done = false;
+    // Rereads the map through `c`; false when it could not (the connection
+    // is then not fit to pool).
     auto load = [&](redisContext* c, const std::string& host) {
       redisSetTimeout(c, TimeVal(options.lookup_timeout));
       bool standalone = false;
       auto loaded = LoadSlots(c, host, &standalone);
       done = loaded.ok() && *loaded;
       if (!done) ++failures;
+      return loaded.ok();
     };
     for (uint16_t n : live) {
       if (done || failures >= kMaxRefreshFailures) break;
@@ -467,8 +493,7 @@ struct RedisStore::Impl {
         MutexLock lock(mu);
         host = nodes[n]->host;
       }
-      load(c->get(), host);
-      Give(n, std::move(c).value());
+      if (load(c->get(), host)) Give(n, std::move(c).value());
     }
     for (const auto& [host, port] : seeds) {
       if (done || failures >= kMaxRefreshFailures) break;
@@ -514,6 +539,8 @@ struct RedisStore::Impl {
         uint16_t node;
         ContextPtr c;
         const std::vector<size_t>* idx;
+        std::string host;  // the node's
+        int port = 0;
       };
       std::vector<Open> open;
       for (auto& [n, idx] : groups) {
@@ -524,7 +551,8 @@ struct RedisStore::Impl {
           for (size_t i : idx) batch.push_back(&cmds[i]);
           Status st = WriteAll(c->get(), batch);
           if (st.ok()) {
-            open.push_back({n, std::move(c).value(), &idx});
+            MutexLock lock(mu);
+            open.push_back({n, std::move(c).value(), &idx, nodes[n]->host, nodes[n]->port});
             continue;
           }
           MarkDown(n);
@@ -553,7 +581,7 @@ struct RedisStore::Impl {
             std::string host;
             int port = 0;
             if ((StartsWith(err, "MOVED ") || StartsWith(err, "ASK ")) &&
-                ParseRedirect(err, &host, &port)) {
+                ParseRedirect(err, o.host, &host, &port)) {
               MutexLock lock(mu);
               const uint16_t to = NodeFor(host, port);
               if (StartsWith(err, "MOVED ")) {
@@ -572,6 +600,10 @@ struct RedisStore::Impl {
               out[i] = Unavailable("redis: " + std::string(err));
               continue;
             }
+            // Not a cluster in transition: a refusal (OOM under noeviction,
+            // NOPERM for the ACL user, MISCONF, ...) that will not pass by
+            // itself. A miss too, but said in the log.
+            limiter.Warn("redis: {} refused {}: {}", Addr(o.host, o.port), cmds[i].key, err);
             out[i] = Internal("redis: " + std::string(err));
             continue;
           }
@@ -680,7 +712,14 @@ Result<std::shared_ptr<const Chunk>> RedisStore::Get(const ChunkKey& key) {
   auto chunk = Chunk::Parse(std::move(bytes), size);
   std::string why;
   if (!chunk.ok()) {
-    why = chunk.status().message();
+    // A whole header of a format or codec this build does not know is
+    // another kdn version's chunk, sharing the cluster: a miss, kept.
+    const std::string& m = chunk.status().message();
+    if (m.starts_with("chunk: format version") || m.starts_with("chunk: unknown codec")) {
+      ++impl_->misses;
+      return NotFound("redis: chunk " + key.ToHex() + " is of another kdn version (" + m + ")");
+    }
+    why = m;
   } else if ((*chunk)->key() != key) {
     why = "it holds chunk " + (*chunk)->key().ToHex();
   } else if ((*chunk)->info().model_fingerprint != impl_->options.model) {

@@ -13,8 +13,8 @@ ChunkKey TransferKeyOf(std::string_view id) {
 
 }  // namespace
 
-std::vector<KvRegion> TransferRegions(std::span<const ChunkKey> prefix_keys,
-                                      int64_t prompt_tokens, int chunk_tokens, int64_t held_tokens,
+std::vector<KvRegion> TransferRegions(std::span<const ChunkKey> prefix_keys, int64_t prompt_tokens,
+                                      int chunk_tokens, int64_t held_tokens,
                                       std::string_view transfer_id) {
   std::vector<KvRegion> regions;
   const int64_t C = chunk_tokens;

@@ -38,11 +38,23 @@ def bash_words(argv):
     return " ".join(w.text if isinstance(w, Shell) else shlex.quote(w) for w in argv)
 
 
+def redact_url(word):
+    """A URL (redis://, or any SCHEME://) with its credentials' password
+    written as ***: what lies between the scheme and the URL's last @ is
+    USER:PASSWORD, the password holding any character, / @ : included."""
+    scheme, sep, rest = word.partition("://")
+    if not sep or "@" not in rest:
+        return word
+    scheme += sep
+    cred, _, hosts = rest.rpartition("@")
+    user = cred.split(":", 1)[0] if ":" in cred else cred
+    return "%s%s%s@%s" % (scheme, user, ":***" if ":" in cred else "", hosts)
+
+
 def redacted(cmd):
     """`cmd` with the password of a --kdn-redis URL written as ***, for
     what the launcher records and prints (deployment.json, messages)."""
-    return [w if isinstance(w, Shell) else re.sub(r"^(redis://[^@/]*:)[^@/]*@", r"\1***@", w)
-            for w in cmd]
+    return [w if isinstance(w, Shell) else redact_url(w) for w in cmd]
 
 
 def curve_flags(a, role="member"):

@@ -90,7 +90,8 @@ def redis_url(text):
     scheme = "redis://"
     if not text.startswith(scheme):
         raise argparse.ArgumentTypeError("%r does not begin with %s (redis://[USER:PASS@]"
-                                         "HOST:PORT[,HOST:PORT...])" % (text, scheme))
+                                         "HOST:PORT[,HOST:PORT...])"
+                                         % (argv.redact_url(text), scheme))
     seeds = text[len(scheme):].rsplit("@", 1)[-1]
     for seed in seeds.split(","):
         host, _, port = seed.rpartition(":")

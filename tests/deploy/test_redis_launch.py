@@ -157,6 +157,13 @@ def test_deployment_json_records_no_redis_password(tmp_path):
                     device=WorkerDevice("cpu")).to_json()["cmd"]
     assert recorded == ["kdn-prefill", "--kdn-redis", "redis://:***@127.0.0.1:7000,127.0.0.1:7001",
                         "--name", "prefill-0"]
+    # A password may hold / : @ (a random one often has /): all of it goes.
+    for url, shown in [("redis://:a/b@c:d@h:1,g:2", "redis://:***@h:1,g:2"),
+                       ("redis://bob:p:w/@h:1", "redis://bob:***@h:1"),
+                       ("redis://bob@h:1", "redis://bob@h:1"),
+                       ("redis://h:1", "redis://h:1")]:
+        assert Proc("p", "prefill", ["kdn-prefill", "--kdn-redis", url], tmp_path, pid=1,
+                    device=WorkerDevice("cpu")).to_json()["cmd"][2] == shown, url
 
 
 def test_dry_run_shows_the_cluster_nodes_and_the_workers_url(tmp_path, model_dir):

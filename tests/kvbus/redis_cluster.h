@@ -213,7 +213,9 @@ class RedisCluster {
   bool PickPorts(int n) {
     std::mt19937 rng(std::random_device{}());
     for (int attempt = 0; attempt < 50; ++attempt) {
-      const int base = 20000 + static_cast<int>(rng() % 20000);
+      // Ports and cluster-bus ports (+10000) below Linux's ephemeral range
+      // (32768 on), which the kernel hands to outgoing connections.
+      const int base = 10000 + static_cast<int>(rng() % 12000);
       bool ok = true;
       for (int i = 0; i < n && ok; ++i) ok = PortFree(base + i) && PortFree(base + i + 10000);
       if (!ok) continue;

@@ -346,6 +346,24 @@ TEST_F(RedisTier, WritingTwiceItsMemoryEvictsWithoutAnErrorAndTheHotSetHits) {
   EXPECT_EQ(store->Stats().unreachable, 0u);
 }
 
+TEST_F(RedisTier, APutOnAConnectionTheServerClosedIsAMissNotASignal) {
+  RedisCluster* c = SharedStandalone();
+  ASSERT_NE(c, nullptr);
+  auto store = ConnectTo(*c);
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->Put(Make(1)).ok());  // a pooled connection now
+  // The server drops every client; the pooled connection is dead. Writing a
+  // megabyte into it meets EPIPE, which must be a miss (SIGPIPE would end
+  // this process).
+  ASSERT_NE(c->Cli(0, "client kill type normal"), "");
+  Status st = store->Put(Make(2, /*big=*/true));
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  // After the node's backoff, a new connection serves again.
+  EXPECT_TRUE(WaitUntil([&] { return store->Put(Make(2, true)).ok(); }, seconds(5)));
+  EXPECT_TRUE(store->Get(Key(2)).ok());
+}
+
 TEST(RedisConnect, WrongCredentialsAndDeadSeedsAreClearErrorsAtStart) {
   RedisCluster* c = SharedCluster();
   ASSERT_NE(c, nullptr);

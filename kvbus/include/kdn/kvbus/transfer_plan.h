@@ -22,8 +22,8 @@
 namespace kdn::kvbus {
 
 struct KvRegion {
-  ChunkKey parent;  // the prefix key, or a transfer key (gap, tail)
-  int64_t first = 0;       // first token position
+  ChunkKey parent;    // the prefix key, or a transfer key (gap, tail)
+  int64_t first = 0;  // first token position
   int64_t count = 0;
   bool tail = false;  // named by a transfer key: of this request alone
 };
@@ -31,8 +31,8 @@ struct KvRegion {
 // `prefix_keys` are the prompt's full-chunk keys (kvbus::PrefixKeys);
 // `held_tokens` (the decode worker's leading tokens) is clamped to
 // [0, prompt_tokens].
-std::vector<KvRegion> TransferRegions(std::span<const ChunkKey> prefix_keys,
-                                      int64_t prompt_tokens, int chunk_tokens, int64_t held_tokens,
+std::vector<KvRegion> TransferRegions(std::span<const ChunkKey> prefix_keys, int64_t prompt_tokens,
+                                      int chunk_tokens, int64_t held_tokens,
                                       std::string_view transfer_id);
 
 }  // namespace kdn::kvbus
