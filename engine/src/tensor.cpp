@@ -47,13 +47,4 @@ void FromFloat(DType t, const float* src, size_t n, void* dst) {
   }
 }
 
-std::string ShapeToString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 }  // namespace kdn::engine

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "kdn/engine/weights.h"
+#include "kdn/model/tensors.h"
 #include "kdn/model/gguf.h"
 
 namespace kdn::kvbridge {
@@ -50,8 +50,8 @@ kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& c, std::string_view w
     for (int l = 0; l < c.num_layers; ++l) s += c.windowed_layers[l] ? '1' : '0';
     s += "\n";
   }
-  for (const engine::TensorSpec& t : engine::ExpectedTensors(c)) {
-    s += "tensor=" + t.name + engine::ShapeToString(t.shape) + "\n";
+  for (const model::TensorSpec& t : model::ExpectedTensors(c)) {
+    s += "tensor=" + t.name + model::ShapeToString(t.shape) + "\n";
   }
   s += "weight_dtype=" + std::string(weight_dtype) + "\nkv_dtype=" + std::string(kv_dtype) + "\n";
   std::snprintf(buf, sizeof(buf), "weights_digest=%016llx\n",

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kdn/common/half.h"
+#include "kdn/model/tensors.h"
 
 namespace kdn::engine {
 
@@ -36,6 +37,6 @@ struct HostTensor {
   }
 };
 
-std::string ShapeToString(const std::vector<int64_t>& shape);
+using model::ShapeToString;  // kdn/model/tensors.h
 
 }  // namespace kdn::engine

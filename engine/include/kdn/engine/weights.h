@@ -9,17 +9,14 @@
 
 #include "kdn/common/status.h"
 #include "kdn/model/config.h"
+#include "kdn/model/tensors.h"
 #include "kdn/engine/tensor.h"
 
 namespace kdn::engine {
 
-struct TensorSpec {
-  std::string name;
-  std::vector<int64_t> shape;
-};
-
-// Every tensor a model with `config` must have, in a stable order.
-std::vector<TensorSpec> ExpectedTensors(const model::ModelConfig& config);
+// Every tensor a model with `config` must have (kdn/model/tensors.h).
+using model::ExpectedTensors;
+using model::TensorSpec;
 
 // Name -> fp32 tensor. The engine's backends take their own layouts from it.
 using ModelWeights = std::map<std::string, HostTensor>;

@@ -1,7 +1,8 @@
 #pragma once
 // The model fingerprint that every chunk key covers (docs/kvbus.md, "Model
-// fingerprint"): it needs the engine's config and tensor list, so it lives
-// here, above kvbus and the engine. Thread-safe: pure functions.
+// fingerprint"), from the model's config, the tensors it implies
+// (kdn/model/tensors.h) and its files: the library kdn_fingerprint, which
+// links kvbus and model but not the engine. Thread-safe: pure functions.
 
 #include <cstdint>
 #include <filesystem>
