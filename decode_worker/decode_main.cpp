@@ -95,15 +95,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.engine = *engine;
-  o.kv_transport = kv_flags.transport();
-  o.store_codec = kv_flags.codec();
-  if (auto tier = kv_flags.shared_tier(); tier.ok()) {
-    o.shared_tier = std::move(tier).value();
-  } else {
-    kdn::LogError("{}", tier.status().ToString());
+  if (kdn::Status st = kv_flags.ApplyTo(o); !st.ok()) {
+    kdn::LogError("{}", st.ToString());
     return 2;
   }
-  o.shared_tier_ttl = kv_flags.redis_ttl();
   o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
   o.staging_bytes = static_cast<uint64_t>(staging_mib * 1048576.0);
 

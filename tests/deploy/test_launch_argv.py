@@ -46,15 +46,20 @@ if [ "$name" = router ]; then echo "http://router-ENDPOINT" > "$out"; else echo 
 }
 
 
-@pytest.fixture
-def fake_slurm(tmp_path):
-    tools = tmp_path / "fake-slurm"
-    tools.mkdir()
-    for name, body in FAKE_TOOLS.items():
-        path = tools / name
+def write_tools(folder, tools):
+    """Each {name: bash body} of `tools` as an executable script in
+    `folder` (made here), for PATH to find before the real ones."""
+    folder.mkdir()
+    for name, body in tools.items():
+        path = folder / name
         path.write_text("#!/bin/bash\n" + body)
         path.chmod(0o755)
-    return tools
+    return folder
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    return write_tools(tmp_path / "fake-slurm", FAKE_TOOLS)
 
 
 @pytest.fixture

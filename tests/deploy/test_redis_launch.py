@@ -22,7 +22,7 @@ import time
 import pytest
 
 from deploy_util import REPO, launch, pid_alive, wait_until
-from test_launch_argv import FAKE_TOOLS, argvs_of_both, dry_run_argvs, flag
+from test_launch_argv import FAKE_TOOLS, argvs_of_both, dry_run_argvs, flag, write_tools
 from test_launch_argv import fake_slurm  # noqa: F401 (a fixture)
 
 sys.path.insert(0, str(REPO / "launch"))
@@ -355,13 +355,7 @@ exit 0
 
 @pytest.fixture
 def redis_job_slurm(tmp_path):
-    tools = tmp_path / "redis-job-slurm"
-    tools.mkdir()
-    for name, body in REDIS_JOB_TOOLS.items():
-        path = tools / name
-        path.write_text("#!/bin/bash\n" + body)
-        path.chmod(0o755)
-    return tools
+    return write_tools(tmp_path / "redis-job-slurm", REDIS_JOB_TOOLS)
 
 
 class RedisJob:

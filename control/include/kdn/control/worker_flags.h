@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "kdn/common/status.h"
 #include "kdn/engine/open_engine.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/redis_store.h"
@@ -145,6 +146,17 @@ struct KvFlags {
   }
   std::chrono::milliseconds redis_ttl() const {
     return std::chrono::milliseconds(static_cast<int64_t>(redis_ttl_s * 1000));
+  }
+  // Sets a worker's options (PrefillServiceOptions, DecodeServiceOptions:
+  // kv_transport, store_codec, shared_tier, shared_tier_ttl) from the flags;
+  // shared_tier()'s error when the password file cannot be read.
+  template <class Options>
+  Status ApplyTo(Options& o) const {
+    o.kv_transport = transport();
+    o.store_codec = codec();
+    KDN_ASSIGN_OR_RETURN(o.shared_tier, shared_tier());
+    o.shared_tier_ttl = redis_ttl();
+    return Status::Ok();
   }
 };
 
