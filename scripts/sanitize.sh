@@ -36,7 +36,7 @@ cd "$(dirname "$0")/.."
 # blend) compute on the calling thread or in OpenMP loops.
 ASAN_TESTS=(kdn_common_tests kdn_model_tests kdn_text_tests kdn_engine_tests kdn_kvbus_tests
             kdn_kvbridge_tests kdn_decode_worker_tests kdn_blend_tests kdn_serving_tests
-            kdn_router_tests kdn_redis_tests)
+            kdn_router_tests kdn_redis_tests kdn_client_tests)
 TSAN_TESTS=(kdn_common_tests kdn_kvbus_tests kdn_redis_tests kdn_serving_tests kdn_router_tests
             kdn_decode_worker_tests)
 SUPP="$PWD/scripts/sanitize"
@@ -51,7 +51,7 @@ run_one() {
         echo "sanitize: $cxx is missing (scripts/install-deps.sh --ref installs it)" >&2; return 1; }
       compilers=(-DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DKDN_FUZZ=ON)
       flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fsanitize=fuzzer-no-link"
-      tests=("${ASAN_TESTS[@]}") targets=("${ASAN_TESTS[@]}" kdn_fuzzers) ;;
+      tests=("${ASAN_TESTS[@]}") targets=("${ASAN_TESTS[@]}" kdn_fuzzers kdn-store) ;;
     tsan) flags="-fsanitize=thread" tests=("${TSAN_TESTS[@]}") targets=("${TSAN_TESTS[@]}") ;;
     *) echo "sanitize: unknown sanitizer '$kind' (asan or tsan)" >&2; return 2 ;;
   esac
@@ -82,6 +82,7 @@ run_one() {
          UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
          TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$SUPP/tsan.supp" \
          OMP_NUM_THREADS=$([ "$kind" = tsan ] && echo 1 || echo 2) OPENBLAS_NUM_THREADS=1 \
+         KDN_BIN_DIR="$dir/bin" \
          "$dir/bin/$t" --gtest_brief=1; then
       failed+=("$t")
     fi

@@ -7,6 +7,7 @@
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
+#include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbridge/fingerprint.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
@@ -76,26 +77,9 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
                                  ? 0
                                  : kvbridge::ResidentPrefixTokens(*pool, ctx, tokens, prefix, limit,
                                                                   kvbus::kMinTailTokens);
-    // The full chunks past the resident prefix in one batch (a remote tier
-    // answers them in one round trip); tail pieces, each probed only if the
-    // one before it is held, one by one.
-    const int64_t C = ctx.chunk_tokens;
-    const size_t full_max =
-        C <= 0 ? 0 : std::min(prefix.size(), static_cast<size_t>(std::max<int64_t>(limit, 0) / C));
-    const size_t skip = C <= 0 ? 0 : std::min(full_max, static_cast<size_t>(resident / C));
-    const std::vector<bool> full_held =
-        store.ContainsMany(std::span<const kvbus::ChunkKey>(prefix).subspan(skip, full_max - skip));
-    const auto held = kvbus::MatchPrefix(
-        ctx, tokens, prefix, limit, kvbus::kMinTailTokens, [&](const kvbus::KeyedSpan& s) {
-          if (s.first + s.count <= resident) return true;
-          const size_t i = static_cast<size_t>(s.first / C);
-          if (s.count == C && s.first % C == 0 && i >= skip && i < full_max && s.key == prefix[i]) {
-            return static_cast<bool>(full_held[i - skip]);
-          }
-          return store.Contains(s.key);
-        });
     auto* lr = reply.mutable_lookup_reply();
-    lr->set_prefix_tokens(static_cast<int32_t>(kvbus::SpannedTokens(held)));
+    lr->set_prefix_tokens(static_cast<int32_t>(kvbus::StoredPrefixTokens(
+        store, ctx, tokens, prefix, limit, kvbus::kMinTailTokens, resident)));
     lr->set_resident_tokens(static_cast<int32_t>(resident));
     std::vector<kvbus::ChunkKey> segments;
     for (const std::string& b : message.lookup().segment_keys()) {

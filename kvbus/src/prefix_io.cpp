@@ -1,5 +1,7 @@
 #include "kdn/kvbus/prefix_io.h"
 
+#include <algorithm>
+
 namespace kdn::kvbus {
 
 bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, KvDType dtype) {
@@ -33,6 +35,29 @@ std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,
   // use is dropped from its end.
   fetched.resize(spans.size());
   return fetched;
+}
+
+int64_t StoredPrefixTokens(ChunkStore& store, const KeyContext& ctx,
+                           std::span<const int32_t> tokens, std::span<const ChunkKey> prefix_keys,
+                           int64_t limit, int64_t min_tail_tokens, int64_t resident) {
+  const int64_t C = ctx.chunk_tokens;
+  const size_t full_max =
+      C <= 0 ? 0
+             : std::min(prefix_keys.size(), static_cast<size_t>(std::max<int64_t>(limit, 0) / C));
+  const size_t skip = C <= 0 ? 0 : std::min(full_max, static_cast<size_t>(resident / C));
+  const std::vector<bool> full_held =
+      store.ContainsMany(prefix_keys.subspan(skip, full_max - skip));
+  const auto held =
+      MatchPrefix(ctx, tokens, prefix_keys, limit, min_tail_tokens, [&](const KeyedSpan& s) {
+        if (s.first + s.count <= resident) return true;
+        const size_t i = static_cast<size_t>(s.first / C);
+        if (s.count == C && s.first % C == 0 && i >= skip && i < full_max &&
+            s.key == prefix_keys[i]) {
+          return static_cast<bool>(full_held[i - skip]);
+        }
+        return store.Contains(s.key);
+      });
+  return SpannedTokens(held);
 }
 
 PutOutcome PutMissing(ChunkStore& store, std::span<const std::shared_ptr<const Chunk>> chunks) {

@@ -50,6 +50,15 @@ std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,
                                      std::span<const ChunkKey> prefix_keys, int64_t limit,
                                      int64_t min_tail_tokens, int64_t resident, KvDType dtype);
 
+// How many leading tokens of the prompt the caller (its first `resident`
+// tokens) and `store` hold together: MatchPrefix's reach, at most `limit`
+// tokens, without reading a chunk. The full chunks past the resident prefix
+// are asked about in one ContainsMany (one round trip to a remote tier);
+// tail pieces, each asked only if the one before it is held, one by one.
+int64_t StoredPrefixTokens(ChunkStore& store, const KeyContext& ctx,
+                           std::span<const int32_t> tokens, std::span<const ChunkKey> prefix_keys,
+                           int64_t limit, int64_t min_tail_tokens, int64_t resident);
+
 struct PutOutcome {
   uint64_t stored = 0;
   uint64_t already_held = 0;

@@ -1,0 +1,252 @@
+"""kdn's KDN for any engine: store the KV of a token sequence, fetch the KV of
+its longest stored prefix, under the content addresses kdn's workers use
+(docs/clients.md). A thin layer over libkdn_client's C API; numpy is its only
+dependency, and torch tensors are taken as they are.
+
+    import kdn
+    model = kdn.Model("SmolLM2-135M-Instruct.Q4_1.gguf", kv_dtype="f32")
+    client = kdn.Client("kdn-store://127.0.0.1:5560", model, curve_keys="run/keys/members")
+    hit = client.lookup(token_ids)
+    n, k, v = client.fetch(token_ids)   # numpy, [layers, kv_heads, n, head_dim]
+
+The adapters: kdn.hf (transformers' DynamicCache), kdn.vllm (a vLLM KV
+connector).
+"""
+
+import ctypes
+
+import numpy as np
+
+from kdn._native import KdnError, check, lib
+from kdn import _native
+
+__all__ = ["Client", "KdnError", "Model", "Span", "StoreResult", "layout_of"]
+
+DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
+_ITEMSIZE = {0: 4, 1: 2, 2: 2}
+
+
+class Model:
+    """A model's identity for the KDN: its fingerprint over its files (a GGUF
+    file or a Hugging Face folder), as kdn's workers compute it, for KV kept as
+    `kv_dtype` ("f32", "f16", "bf16": what the engine's KV cache holds)."""
+
+    def __init__(self, path, kv_dtype="f32"):
+        self._handle = None
+        if kv_dtype not in DTYPES:
+            raise ValueError("kv_dtype must be one of %s, not %r" % (sorted(DTYPES), kv_dtype))
+        handle = ctypes.c_void_p()
+        check(lib.kdn_model_open(str(path).encode(), DTYPES[kv_dtype], ctypes.byref(handle)))
+        self._handle = handle
+        info = _native.ModelInfo()
+        check(lib.kdn_model_get_info(handle, ctypes.byref(info)))
+        self.path = str(path)
+        self.kv_dtype = kv_dtype
+        self.layers, self.kv_heads, self.head_dim = info.layers, info.kv_heads, info.head_dim
+        self.fingerprint = info.fingerprint.decode()
+
+    def close(self):
+        if getattr(self, "_handle", None):
+            lib.kdn_model_close(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        self.close()
+
+    def __repr__(self):
+        return "kdn.Model(%r, kv_dtype=%r: %d layers x %d KV heads x %d, fingerprint %s)" % (
+            self.path, self.kv_dtype, self.layers, self.kv_heads, self.head_dim, self.fingerprint)
+
+
+class Span:
+    __slots__ = ("key", "first", "count")
+
+    def __init__(self, key, first, count):
+        self.key, self.first, self.count = key, first, count
+
+    def __repr__(self):
+        return "Span(%s, first=%d, count=%d)" % (self.key, self.first, self.count)
+
+
+class StoreResult:
+    __slots__ = ("stored", "already_held", "not_stored")
+
+    def __init__(self, r):
+        self.stored, self.already_held, self.not_stored = r.stored, r.already_held, r.not_stored
+
+    def __repr__(self):
+        return "StoreResult(stored=%d, already_held=%d, not_stored=%d)" % (
+            self.stored, self.already_held, self.not_stored)
+
+
+def _tokens(tokens):
+    a = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1), dtype=np.int32)
+    return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(a)
+
+
+def _array(x):
+    """(address, shape, strides in elements, kdn dtype, itemsize) of a numpy
+    array or a CPU torch tensor, without a copy."""
+    if hasattr(x, "data_ptr"):  # torch
+        if x.device.type != "cpu":
+            raise ValueError("KV buffers must be in host memory, not on %s" % x.device)
+        name = str(x.dtype).replace("torch.", "")
+        dt = {"float32": 0, "float16": 1, "bfloat16": 2}.get(name)
+        if dt is None:
+            raise ValueError("KV buffers must be float32, float16 or bfloat16, not %s" % name)
+        return x.data_ptr(), tuple(x.shape), tuple(x.stride()), dt
+    a = np.asarray(x)
+    dt = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}.get(a.dtype)
+    if dt is None:
+        raise ValueError("numpy KV buffers must be float32 or float16, not %s" % a.dtype)
+    if any(s % a.itemsize for s in a.strides) or not a.flags.writeable:
+        raise ValueError("numpy KV buffers must be writeable and element-aligned")
+    return a.ctypes.data, a.shape, tuple(s // a.itemsize for s in a.strides), dt
+
+
+def layout_of(k, v, dims, block_table=None):
+    """The C layout of per-layer K and V buffers (`k` and `v`: one array or
+    tensor per layer, all of one shape, strides and dtype), whose axes `dims`
+    names: "t" tokens, "h" KV heads, "d" head_dim (its stride must be 1), and
+    for paged buffers "b" blocks, with "t" then the token within a block and
+    `block_table` each logical block's physical block. transformers' cache
+    of one sequence, [kv_heads, tokens, head_dim], is "htd"; vLLM's flash
+    layout per layer, [blocks, block_size, kv_heads, head_dim], "bthd".
+    Returns (layout, keepalive): keep the second while the layout is used."""
+    if len(k) != len(v) or not k:
+        raise ValueError("one K and one V buffer per layer")
+    dims = dims.lower()
+    if sorted(dims) not in (sorted("thd"), sorted("bthd")):
+        raise ValueError("dims must name t, h, d (and b when paged), not %r" % dims)
+    ptr, shape, strides, dt = _array(k[0])
+    if len(shape) != len(dims):
+        raise ValueError("buffers of shape %s do not have the %d axes %r names"
+                         % (shape, len(dims), dims))
+    bases_k, bases_v = [], []
+    for x in list(k) + list(v):
+        p, s, st, d = _array(x)
+        if s != shape or st != strides or d != dt:
+            raise ValueError("every layer's K and V buffer must share shape, strides and dtype: "
+                             "%s %s %s against %s %s %s" % (s, st, d, shape, strides, dt))
+        (bases_k if len(bases_k) < len(k) else bases_v).append(p)
+    ax = {c: i for i, c in enumerate(dims)}
+    if shape[ax["d"]] > 1 and strides[ax["d"]] != 1:
+        raise ValueError("head_dim must be the contiguous axis (stride 1), not stride %d"
+                         % strides[ax["d"]])
+    if any(s < 0 for s in strides):
+        raise ValueError("negative strides are not supported")
+    extent = sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else 0
+    L = _native.KvLayout()
+    L.dtype, L.layers = dt, len(k)
+    L.kv_heads, L.head_dim = shape[ax["h"]], shape[ax["d"]]
+    karr = (ctypes.c_void_p * len(k))(*bases_k)
+    varr = (ctypes.c_void_p * len(v))(*bases_v)
+    L.k, L.v = karr, varr
+    L.buffer_bytes = extent * _ITEMSIZE[dt]
+    L.stride_token, L.stride_head = strides[ax["t"]], strides[ax["h"]]
+    keep = [karr, varr, k, v]
+    if "b" in ax:
+        if block_table is None:
+            raise ValueError("a paged layout (dims with 'b') needs block_table")
+        table = np.ascontiguousarray(np.asarray(block_table, dtype=np.int64), dtype=np.int32)
+        L.block_tokens, L.stride_block = shape[ax["t"]], strides[ax["b"]]
+        L.block_table = table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        L.block_table_len = len(table)
+        keep.append(table)
+    return L, keep
+
+
+class Client:
+    """A connection to a KDN for one model's KV: "kdn-store://host:port"
+    (`curve_keys`: the deployment's members' key file, or $KDN_CURVE_KEYS) or
+    "redis://[user:password@]host:port[,...]". `ns` is the tenant's cache
+    salt and `chunk_tokens` the deployment's --chunk-tokens; both must match
+    the deployment's for keys to meet. Thread-safe."""
+
+    def __init__(self, uri, model, curve_keys=None, ns=None, chunk_tokens=0, redis_ttl_ms=0):
+        self._handle = None
+        self.model = model
+        o = _native.ClientOptions(curve_keys.encode() if curve_keys else None,
+                                  ns.encode() if ns else None, chunk_tokens, redis_ttl_ms)
+        handle = ctypes.c_void_p()
+        check(lib.kdn_client_open(uri.encode(), model._handle, ctypes.byref(o),
+                                  ctypes.byref(handle)))
+        self._handle = handle
+        self.uri = uri
+
+    def close(self):
+        if getattr(self, "_handle", None):
+            lib.kdn_client_close(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def spans(self, tokens):
+        """The spans of `tokens` as they are stored: full chunks, then tail pieces."""
+        _, p, n = _tokens(tokens)
+        count = ctypes.c_int64()
+        check(lib.kdn_spans(self._handle, p, n, None, 0, ctypes.byref(count)))
+        arr = (_native.Span * count.value)()
+        check(lib.kdn_spans(self._handle, p, n, arr, count.value, ctypes.byref(count)))
+        return [Span(bytes(s.key).hex(), s.first, s.count) for s in arr]
+
+    def lookup(self, tokens, limit=None):
+        """How many leading tokens of `tokens` the KDN holds (at most `limit`)."""
+        _, p, n = _tokens(tokens)
+        hit = ctypes.c_int64()
+        check(lib.kdn_lookup(self._handle, p, n, -1 if limit is None else limit,
+                             ctypes.byref(hit)))
+        return hit.value
+
+    def fetch_into(self, tokens, k, v, dims, limit=None, block_table=None):
+        """Writes the KV of the longest stored prefix of `tokens` (at most
+        `limit` tokens) into the per-layer buffers `k` and `v` (layout_of
+        describes `dims`); returns how many tokens it wrote, from token 0."""
+        layout, keep = layout_of(k, v, dims, block_table)
+        _, p, n = _tokens(tokens)
+        fetched = ctypes.c_int64()
+        check(lib.kdn_fetch(self._handle, p, n, -1 if limit is None else limit,
+                            ctypes.byref(layout), ctypes.byref(fetched)))
+        del keep
+        return fetched.value
+
+    def fetch(self, tokens, limit=None, dtype=np.float32, major="head"):
+        """(n, k, v): the KV of the longest stored prefix of `tokens` as numpy
+        arrays of shape [layers, kv_heads, n, head_dim] (major="head") or
+        [layers, n, kv_heads, head_dim] (major="token"): views of one
+        allocation, no copy (torch.from_numpy shares them too)."""
+        m = self.model
+        cap = len(np.asarray(tokens).reshape(-1)) if limit is None else int(limit)
+        cap = max(cap, 0)
+        if major == "head":
+            shape, dims = (m.layers, m.kv_heads, cap, m.head_dim), "htd"
+        elif major == "token":
+            shape, dims = (m.layers, cap, m.kv_heads, m.head_dim), "thd"
+        else:
+            raise ValueError("major must be 'head' or 'token', not %r" % major)
+        k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        if cap == 0:
+            return 0, k, v
+        got = self.fetch_into(tokens, list(k), list(v), dims, limit=cap)
+        cut = (slice(None), slice(None), slice(0, got)) if major == "head" else (
+            slice(None), slice(0, got))
+        return got, k[cut], v[cut]
+
+    def store(self, tokens, k, v, dims, block_table=None):
+        """Stores the KV of all of `tokens` (tokens [0, len) of the per-layer
+        buffers `k` and `v`, described as for layout_of), each chunk and tail
+        piece the KDN lacks. Returns a StoreResult; raises KdnError (with the
+        result's counts in its message) if a put fails."""
+        layout, keep = layout_of(k, v, dims, block_table)
+        _, p, n = _tokens(tokens)
+        r = _native.StoreResult()
+        check(lib.kdn_store(self._handle, p, n, ctypes.byref(layout), ctypes.byref(r)))
+        del keep
+        return StoreResult(r)

@@ -1,0 +1,223 @@
+"""kdn's KDN shared with transformers (docs/clients.md), through the Python
+package `kdn` over libkdn_client, on SmolLM2-135M-Instruct (the Q4_1 GGUF a
+kdn deployment serves; transformers runs the folder the gguf package's
+dequantized tensors make of it, fp32):
+
+  - kdn's prefill worker stores a prompt of several chunks and a tail in
+    kdn-store; transformers looks it up, fetches it into a DynamicCache and
+    decodes greedily: the tokens of its own full prefill, with the hit the
+    KDN's lookup spec gives and KV close to its own;
+  - transformers stores a prompt; a kdn request with it reports those
+    tokens as cached_tokens and answers as kdn-generate does;
+  - negative controls: a chunk changed in the store (a Redis value, edited
+    with redis-cli) is a miss from there on, never wrong tokens; another
+    model fingerprint misses; a layout that does not fit is refused.
+
+Runs with the transformers of .venv-ref (CI's) and of scripts/vllm-env.sh's
+environment (the current one; scripts/test-vllm.sh runs it there too).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "deploy"))
+sys.path.insert(0, str(HERE.parent / "parity"))
+sys.path.insert(0, str(HERE.parents[1] / "python"))
+from deploy_util import BIN_DIR, Deployment, generate_ids, repeat_cached, wait_until  # noqa: E402
+from gguf_micro import smollm2_path  # noqa: E402
+from llama_cpp_tokenize import llama_cpp_ids  # noqa: E402
+from test_gguf import hf_folder  # noqa: E402
+
+os.environ.setdefault("KDN_LIB_DIR", str(BIN_DIR.parent / "lib"))
+import kdn  # noqa: E402
+import kdn.hf  # noqa: E402
+
+CHUNK = 256
+NEW_TOKENS = 8
+PARAGRAPH = ("The harbour town of Kessel keeps a ledger of every ship that docks there. "
+             "In {year} the ledger records {n} ships, the largest a grain barge of {t} tonnes "
+             "from the river ports, and the smallest a fishing boat named after the keeper's "
+             "daughter. ")
+
+
+def text(seed, paragraphs):
+    return "".join(PARAGRAPH.format(year=1800 + seed * 40 + i, n=17 + 3 * i + seed,
+                                    t=120 + 11 * i) for i in range(paragraphs))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, tmp_path_factory):
+    folder = hf_folder(gguf.GGUFReader(str(smollm2)), tmp_path_factory.mktemp("smollm2-hf"))
+    model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def deployment(smollm2, tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("run-clients"), smollm2, "--store",
+                   "--store-host-mib", 256)
+    try:
+        yield d
+    finally:
+        d.down()
+
+
+@pytest.fixture(scope="module")
+def client(smollm2, deployment):
+    store = next(p for p in deployment.info["processes"] if p["role"] == "store")
+    uri = "kdn-store://" + store["endpoint"][len("tcp://"):]
+    model = kdn.Model(smollm2, kv_dtype="f32")  # kdn's CPU worker keeps f32 KV
+    c = kdn.Client(uri, model, curve_keys=str(deployment.run_dir / "curve.key"),
+                   chunk_tokens=CHUNK)
+    yield c
+    c.close()
+
+
+def greedy(model, ids, cache=None):
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             attention_mask=torch.ones_like(x), pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+def full_cache(model, ids):
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    return out.past_key_values
+
+
+def kdn_serve(d, ids, max_tokens):
+    r = d.completion(ids, max_tokens=max_tokens, temperature=0)
+    return r, r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def test_transformers_reads_what_kdn_stored(smollm2, reference, deployment, client):
+    ids = llama_cpp_ids(smollm2, [text(1, 14)])[0]
+    assert 3 * CHUNK < len(ids) < 4 * CHUNK and len(ids) % CHUNK >= 17, len(ids)
+    assert client.lookup(ids) == 0
+    kdn_serve(deployment, ids, 1)
+    # The prefill worker stored the prompt's chunks and tail; the decode
+    # worker the conversation (the prompt, with max_tokens 1).
+    expected = repeat_cached(len(ids), 1)
+    assert wait_until(lambda: client.lookup(ids, limit=len(ids) - 1) == expected, 30), (
+        client.lookup(ids, limit=len(ids) - 1), expected)
+    assert expected > 3 * CHUNK
+
+    cache, cached = kdn.hf.fetch_cache(reference, ids, client)
+    assert cached == expected
+    # The KV kdn computed is transformers' own, up to rounding.
+    own = kdn.hf._layer_kv(full_cache(reference, ids))
+    for layer, (k, v) in enumerate(kdn.hf._layer_kv(cache)):
+        assert k.shape == (1, client.model.kv_heads, cached, client.model.head_dim)
+        torch.testing.assert_close(k, own[layer][0][:, :, :cached], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(v, own[layer][1][:, :, :cached], atol=2e-3, rtol=1e-3)
+    kdn.hf.attach(reference, client)  # the client fetch_cache uses when given none
+    cache, _ = kdn.hf.fetch_cache(reference, ids)
+    assert greedy(reference, ids, cache) == greedy(reference, ids)
+
+
+def test_kdn_reads_what_transformers_stored(smollm2, reference, deployment, client):
+    ids = llama_cpp_ids(smollm2, [text(2, 10)])[0]
+    assert 2 * CHUNK < len(ids) < 3 * CHUNK, len(ids)
+    assert client.lookup(ids) == 0
+    r = kdn.hf.store_cache(reference, ids, full_cache(reference, ids), client)
+    spans = client.spans(ids)
+    assert (r.stored, r.already_held, r.not_stored) == (len(spans), 0, 0)
+    assert client.lookup(ids) == len(ids)
+
+    out, cached = kdn_serve(deployment, ids, NEW_TOKENS)
+    assert cached == repeat_cached(len(ids), 1)
+    assert cached > 2 * CHUNK
+    ref = generate_ids(smollm2, ids, NEW_TOKENS)
+    assert out["choices"][0]["text"].encode() == ref
+
+
+def test_another_model_misses_and_a_wrong_layout_is_refused(smollm2, deployment, client):
+    ids = llama_cpp_ids(smollm2, [text(1, 14)])[0]  # stored by the first test
+    assert client.lookup(ids) > 0
+    bf16 = kdn.Model(smollm2, kv_dtype="bf16")
+    assert bf16.fingerprint != client.model.fingerprint
+    with kdn.Client(client.uri, bf16, curve_keys=str(deployment.run_dir / "curve.key"),
+                    chunk_tokens=CHUNK) as other:
+        assert other.lookup(ids) == 0
+        assert other.fetch(ids)[0] == 0
+    # A layout of another shape: refused by libkdn_client, naming both.
+    m = client.model
+    k = torch.zeros(m.layers - 1, m.kv_heads, 8, m.head_dim)
+    with pytest.raises(kdn.KdnError) as e:
+        client.fetch_into(ids, list(k), list(k.clone()), "htd", limit=8)
+    assert e.value.code == "INVALID_ARGUMENT"
+    assert "29 layers" in e.value.message and "30 x 3 x 64" in e.value.message, e.value.message
+    short = torch.zeros(m.layers, m.kv_heads, 4, m.head_dim)
+    with pytest.raises(kdn.KdnError, match="past the KV buffers"):
+        client.fetch_into(ids, list(short), list(short.clone()), "htd", limit=8)
+
+
+# --- a Redis the test starts: the store whose values can be edited
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is missing: scripts/install-deps.sh installs it")
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis")
+    p = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: subprocess.run(
+            ["redis-cli", "-p", str(port), "ping"], capture_output=True,
+            text=True).stdout.strip() == "PONG", 20)
+        yield port
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+
+
+def test_a_changed_chunk_is_a_miss(smollm2, reference, redis):
+    model = kdn.Model(smollm2, kv_dtype="f32")
+    with kdn.Client("redis://127.0.0.1:%d" % redis, model, chunk_tokens=CHUNK) as c:
+        ids = llama_cpp_ids(smollm2, [text(3, 9)])[0]
+        kdn.hf.store_cache(reference, ids, full_cache(reference, ids), c)
+        _, cached = kdn.hf.fetch_cache(reference, ids, c)
+        assert cached == repeat_cached(len(ids), 1)
+        # One byte of the second chunk's payload, changed in place.
+        second = c.spans(ids)[1]
+        key = "kdn:%s:%s" % (model.fingerprint, second.key)
+        cli = ["redis-cli", "-p", str(redis)]
+        size = int(subprocess.run(cli + ["strlen", key], capture_output=True, text=True,
+                                  check=True).stdout)
+        assert size > 128 * 1024, size  # the 128-byte header and 256 tokens of KV
+        old = subprocess.run(cli + ["--no-raw", "getrange", key, "4096", "4096"],
+                             capture_output=True, text=True, check=True).stdout
+        new = "A" if "A" not in old else "B"
+        subprocess.run(cli + ["setrange", key, "4096", new], check=True, capture_output=True)
+        cache, cached = kdn.hf.fetch_cache(reference, ids, c)
+        assert cached == CHUNK  # the first chunk only: a miss from the changed one on
+        # What it brought is right: the answer is the full prefill's.
+        assert greedy(reference, ids, cache) == greedy(reference, ids)
