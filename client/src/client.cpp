@@ -5,6 +5,7 @@
 
 #include "kdn/client.h"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -91,6 +92,14 @@ Status CheckDType(int d, const char* what) {
   return Status::Ok();
 }
 
+Status CheckMajor(int32_t m) {
+  if (m != KDN_TOKEN_MAJOR && m != KDN_HEAD_MAJOR) {
+    return kdn::InvalidArgument("major is " + std::to_string(m) +
+                                "; kdn_major is KDN_TOKEN_MAJOR or KDN_HEAD_MAJOR");
+  }
+  return Status::Ok();
+}
+
 Status CheckTokensArg(const int32_t* tokens, int64_t n) {
   if (n < 0) return kdn::InvalidArgument("a negative token count");
   if (n > 0 && tokens == nullptr) return kdn::InvalidArgument("tokens is null");
@@ -98,6 +107,13 @@ Status CheckTokensArg(const int32_t* tokens, int64_t n) {
 }
 
 int64_t Limit(int64_t limit, int64_t n) { return limit < 0 || limit > n ? n : limit; }
+
+// How far a fetch of at most `limit` tokens looks: to the end of the chunk
+// `limit` falls in (its KV is a prefix of that chunk's), the prompt's end
+// at most.
+int64_t Reach(int64_t limit, int64_t n, int64_t chunk_tokens) {
+  return std::min(n, (limit + chunk_tokens - 1) / chunk_tokens * chunk_tokens);
+}
 
 // The C layout as kvbus's, checked against the client's model.
 kdn::Result<kvbus::KvLayout> ToLayout(const kdn_client* c, const kdn_kv_layout* in) {
@@ -127,7 +143,8 @@ kdn::Result<kvbus::KvLayout> ToLayout(const kdn_client* c, const kdn_kv_layout* 
   l.block_tokens = in->block_tokens;
   l.stride_block = in->stride_block;
   if (in->block_tokens > 0) {
-    l.block_table = {in->block_table, static_cast<size_t>(std::max<int64_t>(in->block_table_len, 0))};
+    l.block_table = {in->block_table,
+                     static_cast<size_t>(std::max<int64_t>(in->block_table_len, 0))};
   }
   const kdn::model::ModelConfig& m = c->model->config;
   KDN_RETURN_IF_ERROR(kvbus::CheckLayout(l, m.num_layers, m.num_kv_heads, m.head_dim));
@@ -158,7 +175,7 @@ const char* kdn_status_name(kdn_status status) {
   return "UNKNOWN";
 }
 
-kdn_status kdn_model_open(const char* path, kdn_dtype kv_dtype, kdn_model** out) {
+kdn_status kdn_model_open(const char* path, int32_t kv_dtype, kdn_model** out) {
   return Guard([&]() -> Status {
     if (path == nullptr || out == nullptr) return kdn::InvalidArgument("path or out is null");
     *out = nullptr;
@@ -184,7 +201,7 @@ kdn_status kdn_model_get_info(const kdn_model* model, kdn_model_info* out) {
     out->layers = model->config.num_layers;
     out->kv_heads = model->config.num_kv_heads;
     out->head_dim = model->config.head_dim;
-    out->kv_dtype = static_cast<kdn_dtype>(model->kv_dtype);
+    out->kv_dtype = static_cast<int32_t>(model->kv_dtype);
     const std::string hex = model->fingerprint.ToHex();
     std::memcpy(out->fingerprint, hex.c_str(), hex.size() + 1);
     return Status::Ok();
@@ -230,7 +247,8 @@ void kdn_client_close(kdn_client* client) { delete client; }
 kdn_status kdn_spans(const kdn_client* client, const int32_t* tokens, int64_t n, kdn_span* out,
                      int64_t capacity, int64_t* count) {
   return Guard([&]() -> Status {
-    if (client == nullptr || count == nullptr) return kdn::InvalidArgument("client or count is null");
+    if (client == nullptr || count == nullptr)
+      return kdn::InvalidArgument("client or count is null");
     KDN_RETURN_IF_ERROR(CheckTokensArg(tokens, n));
     if (capacity < 0 || (capacity > 0 && out == nullptr)) {
       return kdn::InvalidArgument("out is null or capacity negative");
@@ -248,10 +266,11 @@ kdn_status kdn_spans(const kdn_client* client, const int32_t* tokens, int64_t n,
   });
 }
 
-kdn_status kdn_layout_contiguous(kdn_kv_layout* layout, kdn_major major, int64_t capacity) {
+kdn_status kdn_layout_contiguous(kdn_kv_layout* layout, int32_t major, int64_t capacity) {
   return Guard([&]() -> Status {
     if (layout == nullptr) return kdn::InvalidArgument("layout is null");
     KDN_RETURN_IF_ERROR(CheckDType(layout->dtype, "the KV layout's dtype"));
+    KDN_RETURN_IF_ERROR(CheckMajor(major));
     if (capacity < 0 || layout->kv_heads <= 0 || layout->head_dim <= 0) {
       return kdn::InvalidArgument("a negative capacity, or the layout's shape is not set");
     }
@@ -260,30 +279,32 @@ kdn_status kdn_layout_contiguous(kdn_kv_layout* layout, kdn_major major, int64_t
     layout->stride_block = 0;
     layout->stride_token = major == KDN_HEAD_MAJOR ? D : H * D;
     layout->stride_head = major == KDN_HEAD_MAJOR ? capacity * D : D;
-    layout->buffer_bytes = static_cast<uint64_t>(capacity * H * D) *
-                           static_cast<uint64_t>(kvbus::KvDTypeSize(
-                               static_cast<kvbus::KvDType>(layout->dtype)));
+    layout->buffer_bytes =
+        static_cast<uint64_t>(capacity * H * D) *
+        static_cast<uint64_t>(kvbus::KvDTypeSize(static_cast<kvbus::KvDType>(layout->dtype)));
     return Status::Ok();
   });
 }
 
-kdn_status kdn_layout_paged(kdn_kv_layout* layout, kdn_major major, int32_t block_tokens,
+kdn_status kdn_layout_paged(kdn_kv_layout* layout, int32_t major, int32_t block_tokens,
                             int64_t num_blocks) {
   return Guard([&]() -> Status {
     if (layout == nullptr) return kdn::InvalidArgument("layout is null");
     KDN_RETURN_IF_ERROR(CheckDType(layout->dtype, "the KV layout's dtype"));
+    KDN_RETURN_IF_ERROR(CheckMajor(major));
     if (block_tokens <= 0 || num_blocks < 0 || layout->kv_heads <= 0 || layout->head_dim <= 0) {
-      return kdn::InvalidArgument("block_tokens must be positive, num_blocks not negative, and "
-                                  "the layout's shape set");
+      return kdn::InvalidArgument(
+          "block_tokens must be positive, num_blocks not negative, and "
+          "the layout's shape set");
     }
     const int64_t H = layout->kv_heads, D = layout->head_dim;
     layout->block_tokens = block_tokens;
     layout->stride_block = int64_t{block_tokens} * H * D;
     layout->stride_token = major == KDN_HEAD_MAJOR ? D : H * D;
     layout->stride_head = major == KDN_HEAD_MAJOR ? int64_t{block_tokens} * D : D;
-    layout->buffer_bytes = static_cast<uint64_t>(num_blocks * layout->stride_block) *
-                           static_cast<uint64_t>(kvbus::KvDTypeSize(
-                               static_cast<kvbus::KvDType>(layout->dtype)));
+    layout->buffer_bytes =
+        static_cast<uint64_t>(num_blocks * layout->stride_block) *
+        static_cast<uint64_t>(kvbus::KvDTypeSize(static_cast<kvbus::KvDType>(layout->dtype)));
     return Status::Ok();
   });
 }
@@ -297,8 +318,10 @@ kdn_status kdn_lookup(kdn_client* client, const int32_t* tokens, int64_t n, int6
     KDN_RETURN_IF_ERROR(CheckTokensArg(tokens, n));
     const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
     const auto prefix = kvbus::PrefixKeys(client->keys, t);
-    *hit_tokens = kvbus::StoredPrefixTokens(*client->store, client->keys, t, prefix,
-                                            Limit(limit, n), kvbus::kMinTailTokens, 0);
+    const int64_t lim = Limit(limit, n);
+    *hit_tokens = std::min(lim, kvbus::StoredPrefixTokens(*client->store, client->keys, t, prefix,
+                                                          Reach(lim, n, client->keys.chunk_tokens),
+                                                          kvbus::kMinTailTokens, 0));
     return Status::Ok();
   });
 }
@@ -316,18 +339,21 @@ kdn_status kdn_fetch(kdn_client* client, const int32_t* tokens, int64_t n, int64
     KDN_RETURN_IF_ERROR(kvbus::CheckTokens(layout, 0, lim));
     const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
     const auto prefix = kvbus::PrefixKeys(client->keys, t);
-    const auto spans = kvbus::FetchPrefix(*client->store, client->keys, t, prefix, lim,
+    const auto spans = kvbus::FetchPrefix(*client->store, client->keys, t, prefix,
+                                          Reach(lim, n, client->keys.chunk_tokens),
                                           kvbus::kMinTailTokens, 0, client->model->kv_dtype);
     for (const auto& [span, chunk] : spans) {
-      KDN_RETURN_IF_ERROR(kvbus::ChunkToLayout(*chunk, span.first, layout));
-      *fetched = span.first + span.count;
+      if (span.first >= lim) break;
+      const int64_t count = std::min(span.count, lim - span.first);
+      KDN_RETURN_IF_ERROR(kvbus::ChunkToLayout(*chunk, span.first, layout, count));
+      *fetched = span.first + count;
     }
     return Status::Ok();
   });
 }
 
-kdn_status kdn_store(kdn_client* client, const int32_t* tokens, int64_t n,
-                     const kdn_kv_layout* src, kdn_store_result* out) {
+kdn_status kdn_store(kdn_client* client, const int32_t* tokens, int64_t n, const kdn_kv_layout* src,
+                     kdn_store_result* out) {
   return Guard([&]() -> Status {
     if (client == nullptr) return kdn::InvalidArgument("client is null");
     if (out != nullptr) *out = {};

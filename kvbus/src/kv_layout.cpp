@@ -57,9 +57,9 @@ Status CheckLayout(const KvLayout& l, int layers, int kv_heads, int head_dim) {
                            Str(layers) + " x " + Str(kv_heads) + " x " + Str(head_dim));
   }
   if (l.k.size() != static_cast<size_t>(layers) || l.v.size() != static_cast<size_t>(layers)) {
-    return InvalidArgument("the KV layout needs one K and one V buffer per layer (" +
-                           Str(layers) + "), not " + Str(static_cast<int64_t>(l.k.size())) +
-                           " and " + Str(static_cast<int64_t>(l.v.size())));
+    return InvalidArgument("the KV layout needs one K and one V buffer per layer (" + Str(layers) +
+                           "), not " + Str(static_cast<int64_t>(l.k.size())) + " and " +
+                           Str(static_cast<int64_t>(l.v.size())));
   }
   for (int i = 0; i < layers; ++i) {
     if (l.k[static_cast<size_t>(i)] == nullptr || l.v[static_cast<size_t>(i)] == nullptr) {
@@ -128,17 +128,27 @@ void ForEachRow(const KvLayout& l, int64_t first, int64_t count, F&& f) {
 
 }  // namespace
 
-Status ChunkToLayout(const Chunk& chunk, int64_t first, const KvLayout& l) {
+Status ChunkToLayout(const Chunk& chunk, int64_t first, const KvLayout& l, int64_t count) {
   const ChunkInfo& info = chunk.info();
   if (chunk.encoded()) return InvalidArgument("an encoded chunk cannot be copied as KV");
+  if (count < 0) count = info.tokens;
+  if (count > int64_t{info.tokens}) {
+    return InvalidArgument(Str(count) + " tokens of a chunk of " + Str(info.tokens));
+  }
   KDN_RETURN_IF_ERROR(CheckLayout(l, static_cast<int>(info.layers), static_cast<int>(info.kv_heads),
                                   static_cast<int>(info.head_dim)));
-  KDN_RETURN_IF_ERROR(CheckTokens(l, first, info.tokens));
+  KDN_RETURN_IF_ERROR(CheckTokens(l, first, count));
   const uint8_t* src = chunk.payload().data();
   const size_t ss = static_cast<size_t>(KvDTypeSize(info.dtype));
   const size_t n = static_cast<size_t>(l.head_dim);
-  ForEachRow(l, first, info.tokens, [&](uint8_t* dst, int64_t elem) {
-    ConvertKv(src + static_cast<size_t>(elem) * ss, info.dtype, dst, l.dtype, n);
+  // The chunk's rows are [layer][K|V][token][head] over all its tokens: a
+  // row of this copy's plane p, token i, head h is the chunk's row of
+  // plane p, token i, head h.
+  const int64_t per_plane = int64_t{info.tokens} * l.kv_heads * l.head_dim;
+  const int64_t per_plane_here = count * l.kv_heads * l.head_dim;
+  ForEachRow(l, first, count, [&](uint8_t* dst, int64_t elem) {
+    const int64_t src_elem = elem / per_plane_here * per_plane + elem % per_plane_here;
+    ConvertKv(src + static_cast<size_t>(src_elem) * ss, info.dtype, dst, l.dtype, n);
   });
   return Status::Ok();
 }

@@ -272,6 +272,15 @@ TEST_F(ClientApiTest, StoreThenFetchThroughEveryLayout) {
       EXPECT_EQ(Mismatches(dst.layout, n), 0) << dtype << " " << major;
     }
   }
+  // At most 100 tokens: the second chunk's first 36, into buffers of 100.
+  ASSERT_EQ(kdn_lookup(client_, t.data(), n, 100, &hit), KDN_OK);
+  EXPECT_EQ(hit, 100);
+  Buffers part(KDN_F32, KDN_HEAD_MAJOR, 100);
+  int64_t got = -1;
+  ASSERT_EQ(kdn_fetch(client_, t.data(), n, 100, &part.layout, &got), KDN_OK) << kdn_last_error();
+  EXPECT_EQ(got, 100);
+  EXPECT_EQ(Mismatches(part.layout, 100), 0);
+
   // Paged, blocks of 4 tokens in a scrambled order, head-major in a block.
   const int64_t blocks = (n + 3) / 4 + 3;
   std::vector<int32_t> table(static_cast<size_t>((n + 3) / 4));
@@ -295,14 +304,14 @@ TEST_F(ClientApiTest, StoreThenFetchThroughEveryLayout) {
   const auto more = Tokens(2 * kChunk, 9);
   longer.insert(longer.end(), more.begin(), more.end());
   Buffers big(KDN_F32, KDN_TOKEN_MAJOR, static_cast<int64_t>(longer.size()));
-  ASSERT_EQ(kdn_fetch(client_, longer.data(), static_cast<int64_t>(longer.size()), -1,
-                      &big.layout, &fetched),
+  ASSERT_EQ(kdn_fetch(client_, longer.data(), static_cast<int64_t>(longer.size()), -1, &big.layout,
+                      &fetched),
             KDN_OK);
   EXPECT_EQ(fetched, n);
   EXPECT_EQ(Mismatches(big.layout, n), 0);
   longer[3 * kChunk + 1] ^= 1;  // within the stored tail: the anchor only, under 16 tokens
-  ASSERT_EQ(kdn_fetch(client_, longer.data(), static_cast<int64_t>(longer.size()), -1,
-                      &big.layout, &fetched),
+  ASSERT_EQ(kdn_fetch(client_, longer.data(), static_cast<int64_t>(longer.size()), -1, &big.layout,
+                      &fetched),
             KDN_OK);
   EXPECT_EQ(fetched, 3 * kChunk);
 }
@@ -352,8 +361,7 @@ TEST_F(ClientApiTest, BadArgumentsAreCodesWithMessages) {
   EXPECT_NE(std::string(kdn_last_error()), "");
   EXPECT_EQ(kdn_model_open((dir_ / "missing").c_str(), KDN_F32, &m), KDN_NOT_FOUND);
   EXPECT_EQ(m, nullptr);
-  EXPECT_EQ(kdn_model_open((dir_ / "a").c_str(), static_cast<kdn_dtype>(7), &m),
-            KDN_INVALID_ARGUMENT);
+  EXPECT_EQ(kdn_model_open((dir_ / "a").c_str(), 7, &m), KDN_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kdn_last_error()).find("kdn_dtype"), std::string::npos);
   kdn_client* c = nullptr;
   EXPECT_EQ(kdn_client_open("http://x:1", model_, nullptr, &c), KDN_INVALID_ARGUMENT);
@@ -393,6 +401,10 @@ TEST_F(ClientApiTest, BadArgumentsAreCodesWithMessages) {
   paged.layout.block_table_len = 2;
   EXPECT_EQ(kdn_fetch(client_, t.data(), n, -1, &paged.layout, &out), KDN_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kdn_last_error()).find("block table"), std::string::npos);
+  EXPECT_EQ(kdn_layout_contiguous(&paged.layout, 5, n), KDN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kdn_last_error()).find("kdn_major"), std::string::npos);
+  paged.layout.dtype = 9;
+  EXPECT_EQ(kdn_fetch(client_, t.data(), n, -1, &paged.layout, &out), KDN_INVALID_ARGUMENT);
   EXPECT_STREQ(kdn_status_name(KDN_UNAVAILABLE), "UNAVAILABLE");
 }
 

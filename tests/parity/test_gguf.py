@@ -35,7 +35,13 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.modeling_gguf_pytorch_utils import reverse_permute_weights
+try:  # transformers 4.4x
+    from transformers.modeling_gguf_pytorch_utils import reverse_permute_weights
+except ImportError:  # transformers 5: a method of its llama tensor processor
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    def reverse_permute_weights(weights, n_head, num_kv_heads=None):
+        return LlamaTensorProcessor()._reverse_permute_weights(weights, n_head, num_kv_heads)
 
 from gguf_micro import smollm2_path, write_micro_llama
 from llama_cpp_ref import ref_dir

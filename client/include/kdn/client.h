@@ -32,13 +32,13 @@ KDN_API int kdn_api_version(void);
 
 typedef enum kdn_status {
   KDN_OK = 0,
-  KDN_INVALID_ARGUMENT = 1,  /* a null or short buffer, a layout that does not fit the model */
-  KDN_NOT_FOUND = 2,         /* a model file that is not there */
-  KDN_CORRUPTION = 3,        /* a model file that cannot be read as one */
-  KDN_UNIMPLEMENTED = 4,     /* a model kdn cannot fingerprint (unknown architecture) */
-  KDN_RESOURCE_EXHAUSTED = 5,/* the store is full */
-  KDN_FAILED_PRECONDITION = 6,/* a key file others may read */
-  KDN_UNAVAILABLE = 7,       /* the KDN cannot be reached */
+  KDN_INVALID_ARGUMENT = 1,    /* a null or short buffer, a layout that does not fit the model */
+  KDN_NOT_FOUND = 2,           /* a model file that is not there */
+  KDN_CORRUPTION = 3,          /* a model file that cannot be read as one */
+  KDN_UNIMPLEMENTED = 4,       /* a model kdn cannot fingerprint (unknown architecture) */
+  KDN_RESOURCE_EXHAUSTED = 5,  /* the store is full */
+  KDN_FAILED_PRECONDITION = 6, /* a key file others may read */
+  KDN_UNAVAILABLE = 7,         /* the KDN cannot be reached */
   KDN_INTERNAL = 8,
   KDN_IO_ERROR = 9
 } kdn_status;
@@ -49,6 +49,8 @@ KDN_API const char* kdn_last_error(void);
 /* "INVALID_ARGUMENT" for KDN_INVALID_ARGUMENT, and so on. */
 KDN_API const char* kdn_status_name(kdn_status status);
 
+/* Enums cross the ABI as int32_t (their size is the compiler's in C); a
+ * value outside an enum is refused with KDN_INVALID_ARGUMENT. */
 typedef enum kdn_dtype { KDN_F32 = 0, KDN_F16 = 1, KDN_BF16 = 2 } kdn_dtype;
 
 /* ---- The model: what every key covers. ---- */
@@ -60,14 +62,14 @@ typedef struct kdn_model kdn_model;
  * compute for them, for KV kept as `kv_dtype` (what the engine's KV cache
  * holds: kdn's CPU worker keeps f32). Reads every weight byte once (the
  * digest): about a second per 10 GB. */
-KDN_API kdn_status kdn_model_open(const char* path, kdn_dtype kv_dtype, kdn_model** out);
+KDN_API kdn_status kdn_model_open(const char* path, int32_t kv_dtype, kdn_model** out);
 KDN_API void kdn_model_close(kdn_model* model);
 
 typedef struct kdn_model_info {
   int32_t layers;
   int32_t kv_heads;
   int32_t head_dim;
-  kdn_dtype kv_dtype;
+  int32_t kv_dtype;     /* a kdn_dtype */
   char fingerprint[33]; /* 32 hex digits and a NUL */
 } kdn_model_info;
 KDN_API kdn_status kdn_model_get_info(const kdn_model* model, kdn_model_info* out);
@@ -126,7 +128,7 @@ KDN_API kdn_status kdn_spans(const kdn_client* client, const int32_t* tokens, in
  * into it. kdn_layout_contiguous and kdn_layout_paged fill the strides of
  * the common layouts. */
 typedef struct kdn_kv_layout {
-  kdn_dtype dtype;
+  int32_t dtype; /* a kdn_dtype */
   int32_t layers;
   int32_t kv_heads;
   int32_t head_dim;
@@ -135,7 +137,7 @@ typedef struct kdn_kv_layout {
   uint64_t buffer_bytes; /* bytes each base may be accessed from */
   int64_t stride_token;
   int64_t stride_head;
-  int32_t block_tokens;  /* 0: contiguous */
+  int32_t block_tokens; /* 0: contiguous */
   int64_t stride_block;
   const int32_t* block_table;
   int64_t block_table_len;
@@ -148,22 +150,24 @@ typedef enum kdn_major {
 
 /* Sets a layout's strides, block_tokens and buffer_bytes for contiguous
  * buffers of `capacity` tokens each (its dtype and shape must be set). */
-KDN_API kdn_status kdn_layout_contiguous(kdn_kv_layout* layout, kdn_major major,
-                                         int64_t capacity);
+KDN_API kdn_status kdn_layout_contiguous(kdn_kv_layout* layout, int32_t major, int64_t capacity);
 /* The same for paged buffers of `num_blocks` blocks of `block_tokens`
  * tokens, each block ordered as `major` says (block_table is the caller's
  * to set). */
-KDN_API kdn_status kdn_layout_paged(kdn_kv_layout* layout, kdn_major major,
-                                    int32_t block_tokens, int64_t num_blocks);
+KDN_API kdn_status kdn_layout_paged(kdn_kv_layout* layout, int32_t major, int32_t block_tokens,
+                                    int64_t num_blocks);
 
 /* ---- Lookup, fetch, store. ---- */
 
 /* The length of the longest prefix of `tokens` whose KV the KDN holds for
- * this model, at most `limit` tokens (negative: n). Full chunks, then tail
- * pieces if they cover at least 16 tokens: exactly what a fetch would
- * bring (unless the KDN changes in between). Nothing is read. */
-KDN_API kdn_status kdn_lookup(kdn_client* client, const int32_t* tokens, int64_t n,
-                              int64_t limit, int64_t* hit_tokens);
+ * this model, at most `limit` tokens (negative: n): full chunks, then tail
+ * pieces if they cover at least 16 tokens, cut at `limit` (a chunk across
+ * it gives its first tokens: an engine that must compute the prompt's
+ * last token asks for n - 1 and gets them even when the prompt ends on a
+ * chunk's end). Exactly what a fetch would bring, unless the KDN changes
+ * in between. Nothing is read. */
+KDN_API kdn_status kdn_lookup(kdn_client* client, const int32_t* tokens, int64_t n, int64_t limit,
+                              int64_t* hit_tokens);
 
 /* Writes the KV of the longest stored prefix of `tokens` (at most `limit`
  * tokens; negative: n) into tokens [0, *fetched) of `dst`, and sets
@@ -171,8 +175,8 @@ KDN_API kdn_status kdn_lookup(kdn_client* client, const int32_t* tokens, int64_t
  * prefix (a miss, never wrong KV). A layout that does not fit the model,
  * or buffers too short for `limit` tokens, is refused before anything is
  * read. */
-KDN_API kdn_status kdn_fetch(kdn_client* client, const int32_t* tokens, int64_t n,
-                             int64_t limit, const kdn_kv_layout* dst, int64_t* fetched);
+KDN_API kdn_status kdn_fetch(kdn_client* client, const int32_t* tokens, int64_t n, int64_t limit,
+                             const kdn_kv_layout* dst, int64_t* fetched);
 
 typedef struct kdn_store_result {
   int64_t stored;       /* spans put */

@@ -53,10 +53,12 @@ Status CheckLayout(const KvLayout& layout, int layers, int kv_heads, int head_di
 // that does not. CheckLayout first.
 Status CheckTokens(const KvLayout& layout, int64_t first, int64_t count);
 
-// Writes the KV of a raw chunk into tokens [first, first + chunk tokens) of
+// Writes the KV of the first `count` tokens of a raw chunk (all of them
+// when `count` is negative) into tokens [first, first + count) of
 // `layout`, converting its dtype. INVALID_ARGUMENT for an encoded chunk, a
-// shape other than the layout's, or tokens past the buffers.
-Status ChunkToLayout(const Chunk& chunk, int64_t first, const KvLayout& layout);
+// shape other than the layout's, a count past the chunk's, or tokens past
+// the buffers.
+Status ChunkToLayout(const Chunk& chunk, int64_t first, const KvLayout& layout, int64_t count = -1);
 
 // Reads tokens [first, first + count) of `layout` into `payload` (a raw
 // chunk's payload of that many tokens, as `dtype`: ChunkInfo::

@@ -1,0 +1,169 @@
+"""vLLM on the CPU with kdn.vllm as its KV connector, against a kdn deployment
+on the same model (SmolLM2-135M-Instruct; vLLM runs the fp32 folder the gguf
+package makes of kdn's GGUF). Run by scripts/test-vllm.sh with the
+environment scripts/vllm-env.sh makes; not part of .ci/run.
+
+  1. baseline: vLLM without a connector (its own prefix caching off): the
+     greedy tokens of two prompts, P1 and P2;
+  2. kdn serves P1 (its prefill worker stores P1's KV in kdn-store);
+  3. vLLM with kdn.vllm (prefix caching off, so hits are the KDN's): P1 is a
+     hit of its length less one, rounded down to vLLM's block size, and the
+     tokens are the baseline's; P2 is a miss, its tokens the baseline's, and
+     its KV is stored when its prefill ends;
+  4. kdn serves P2: cached_tokens is the KDN lookup's over what vLLM stored,
+     and the answer is kdn-generate's.
+Each vLLM run is a process of its own (vLLM's CPU engine spawns its workers).
+Exits 0 when every check holds, else 1 with what failed.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "deploy"))
+sys.path.insert(0, str(HERE.parent / "parity"))
+sys.path.insert(0, str(REPO / "python"))
+
+NEW_TOKENS = 8
+BLOCK = 128  # vLLM's CPU default block size
+PARAGRAPH = ("The harbour town of Kessel keeps a ledger of every ship that docks there. "
+             "In {year} the ledger records {n} ships, the largest a grain barge of {t} tonnes "
+             "from the river ports, and the smallest a fishing boat named after the keeper's "
+             "daughter. ")
+
+
+def text(seed, paragraphs):
+    return "".join(PARAGRAPH.format(year=1800 + seed * 40 + i, n=17 + 3 * i + seed,
+                                    t=120 + 11 * i) for i in range(paragraphs))
+
+
+def log(msg):
+    print("[vllm-e2e %s] %s" % (time.strftime("%H:%M:%S"), msg), flush=True)
+
+
+def run_vllm(args):
+    """One vLLM engine over the prompts in args.prompts; writes
+    [{tokens, cached}] to args.out."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    kw = {}
+    if args.kdn_uri:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KdnConnector", "kv_connector_module_path": "kdn.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"kdn_uri": args.kdn_uri, "kdn_model": args.gguf,
+                                          "kdn_curve_keys": args.curve_keys}}
+    llm = LLM(model=args.folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              max_model_len=4096, seed=0, gpu_memory_utilization=0.5,
+              enable_prefix_caching=False, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, detokenize=False,
+                        ignore_eos=True)
+    out = []
+    for ids in prompts:
+        r = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        out.append(dict(tokens=list(r.outputs[0].token_ids), cached=r.num_cached_tokens or 0))
+    Path(args.out).write_text(json.dumps(out))
+
+
+def vllm_process(work, name, prompts, folder, gguf, kdn_uri=None, curve_keys=None):
+    pf, of = work / (name + "-prompts.json"), work / (name + "-out.json")
+    pf.write_text(json.dumps(prompts))
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               PYTHONPATH=os.pathsep.join([str(REPO / "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, __file__, "--vllm", "--folder", str(folder), "--gguf", str(gguf),
+           "--prompts", str(pf), "--out", str(of)]
+    if kdn_uri:
+        cmd += ["--kdn-uri", kdn_uri, "--curve-keys", str(curve_keys)]
+    t0 = time.time()
+    with open(work / (name + ".log"), "w") as logf:
+        r = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=900)
+    if r.returncode != 0:
+        tail = (work / (name + ".log")).read_text(errors="replace").splitlines()[-40:]
+        raise SystemExit("vLLM run %s failed (exit %d); its log ends:\n%s"
+                         % (name, r.returncode, "\n".join(tail)))
+    log("vLLM %s: %.0f s" % (name, time.time() - t0))
+    return json.loads(of.read_text())
+
+
+def main():
+    import gguf as gguf_pkg
+
+    import kdn
+    from deploy_util import BIN_DIR, Deployment, generate_ids, repeat_cached, wait_until
+    from gguf_micro import smollm2_path
+    from llama_cpp_tokenize import llama_cpp_ids
+    from test_gguf import hf_folder
+
+    os.environ.setdefault("KDN_LIB_DIR", str(BIN_DIR.parent / "lib"))
+    model = smollm2_path()
+    work = Path(tempfile.mkdtemp(prefix="kdn-vllm-e2e-"))
+    log("work folder %s" % work)
+    folder = hf_folder(gguf_pkg.GGUFReader(str(model)), work / "smollm2-hf")
+    p1, p2 = llama_cpp_ids(model, [text(5, 9), text(6, 8)])
+    failures = []
+
+    def check(ok, what):
+        log(("ok   " if ok else "FAIL ") + what)
+        if not ok:
+            failures.append(what)
+
+    base = vllm_process(work, "baseline", [p1, p2], folder, model)
+    d = Deployment(work / "run", model, "--store", "--store-host-mib", 256)
+    try:
+        store = next(p for p in d.info["processes"] if p["role"] == "store")
+        uri = "kdn-store://" + store["endpoint"][len("tcp://"):]
+        keys = d.run_dir / "curve.key"
+        client = kdn.Client(uri, kdn.Model(model, "f32"), curve_keys=str(keys))
+        d.completion(p1, max_tokens=1, temperature=0)
+        check(wait_until(lambda: client.lookup(p1) == len(p1), 30),
+              "kdn stored P1 (%d tokens)" % len(p1))
+        check(client.lookup(p2) == 0, "P2 is not in the KDN")
+
+        got = vllm_process(work, "kdn-connector", [p1, p2], folder, model, uri, keys)
+        want = (len(p1) - 1) // BLOCK * BLOCK
+        check(got[0]["cached"] == want and want > 0,
+              "vLLM's P1: %d cached tokens from the KDN (want %d)" % (got[0]["cached"], want))
+        check(got[0]["tokens"] == base[0]["tokens"],
+              "vLLM's P1 tokens with the KDN's KV: %s; without: %s"
+              % (got[0]["tokens"], base[0]["tokens"]))
+        check(got[1]["cached"] == 0, "vLLM's P2: a miss (%d cached)" % got[1]["cached"])
+        check(got[1]["tokens"] == base[1]["tokens"], "vLLM's P2 tokens are the baseline's")
+        check(wait_until(lambda: client.lookup(p2) == len(p2), 10),
+              "vLLM stored P2: the KDN reaches %d of %d tokens" % (client.lookup(p2), len(p2)))
+
+        r = d.completion(p2, max_tokens=NEW_TOKENS, temperature=0)
+        cached = r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        check(cached == repeat_cached(len(p2), 1) and cached > 0,
+              "kdn's P2: %d cached tokens (want %d)" % (cached, repeat_cached(len(p2), 1)))
+        ref = generate_ids(model, p2, NEW_TOKENS)
+        check(r["choices"][0]["text"].encode() == ref, "kdn's P2 answer is kdn-generate's")
+        client.close()
+    finally:
+        d.down()
+    if failures:
+        log("%d check(s) failed" % len(failures))
+        sys.exit(1)
+    log("all checks passed")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--folder", "--gguf", "--prompts", "--out", "--kdn-uri", "--curve-keys"):
+        ap.add_argument(flag, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.vllm:
+        run_vllm(a)
+    else:
+        main()
