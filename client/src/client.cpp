@@ -133,6 +133,10 @@ kdn::Result<kvbus::KvLayout> ToLayout(const kdn_client* c, const kdn_kv_layout* 
   l.layers = in->layers;
   l.kv_heads = in->kv_heads;
   l.head_dim = in->head_dim;
+  // The shape first: the base arrays are read for the model's layer count
+  // only.
+  const kdn::model::ModelConfig& m = c->model->config;
+  KDN_RETURN_IF_ERROR(kvbus::CheckLayoutShape(l, m.num_layers, m.num_kv_heads, m.head_dim));
   for (int i = 0; i < in->layers; ++i) {
     l.k.push_back(static_cast<uint8_t*>(in->k[i]));
     l.v.push_back(static_cast<uint8_t*>(in->v[i]));
@@ -146,7 +150,6 @@ kdn::Result<kvbus::KvLayout> ToLayout(const kdn_client* c, const kdn_kv_layout* 
     l.block_table = {in->block_table,
                      static_cast<size_t>(std::max<int64_t>(in->block_table_len, 0))};
   }
-  const kdn::model::ModelConfig& m = c->model->config;
   KDN_RETURN_IF_ERROR(kvbus::CheckLayout(l, m.num_layers, m.num_kv_heads, m.head_dim));
   return l;
 }

@@ -50,12 +50,17 @@ int64_t KvLayout::TokenOffset(int64_t t) const {
   return physical * stride_block + (t % block_tokens) * stride_token;
 }
 
-Status CheckLayout(const KvLayout& l, int layers, int kv_heads, int head_dim) {
+Status CheckLayoutShape(const KvLayout& l, int layers, int kv_heads, int head_dim) {
   if (l.layers != layers || l.kv_heads != kv_heads || l.head_dim != head_dim) {
     return InvalidArgument("the KV layout is " + Str(l.layers) + " layers x " + Str(l.kv_heads) +
                            " KV heads x head_dim " + Str(l.head_dim) + "; the model's KV is " +
                            Str(layers) + " x " + Str(kv_heads) + " x " + Str(head_dim));
   }
+  return Status::Ok();
+}
+
+Status CheckLayout(const KvLayout& l, int layers, int kv_heads, int head_dim) {
+  KDN_RETURN_IF_ERROR(CheckLayoutShape(l, layers, kv_heads, head_dim));
   if (l.k.size() != static_cast<size_t>(layers) || l.v.size() != static_cast<size_t>(layers)) {
     return InvalidArgument("the KV layout needs one K and one V buffer per layer (" + Str(layers) +
                            "), not " + Str(static_cast<int64_t>(l.k.size())) + " and " +

@@ -43,6 +43,11 @@ struct KvLayout {
   int64_t TokenOffset(int64_t t) const;
 };
 
+// OK when `layout`'s layers, KV heads and head_dim are those given;
+// INVALID_ARGUMENT naming both shapes otherwise. (CheckLayout's first test,
+// apart, for a caller that must not read the bases of a wrong shape.)
+Status CheckLayoutShape(const KvLayout& layout, int layers, int kv_heads, int head_dim);
+
 // OK when `layout` is well formed and holds KV of the given shape;
 // INVALID_ARGUMENT naming the first mismatch (a layer count, a head count,
 // a missing base, a negative stride, heads that overlap) otherwise.
