@@ -170,6 +170,11 @@ struct BlendFidelityOptions {
   std::vector<double> ratios = {0.05, 0.15, 0.3};
   int check_layer = 1;
   std::vector<std::vector<int>> check_layers;  // progressive schedules
+  // EPIC's boundary selection: one row per K (no ratio); and
+  // boundary+deviation:K at each ratio, with one check and each schedule
+  // (0: none).
+  std::vector<int> boundary = {4, 16, 32};
+  int boundary_deviation = 16;
 };
 int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o);
 

@@ -11,17 +11,19 @@
 // it) and a cue (a question about the passages, or a request to go on),
 // in the model's chat format when its tokenizer knows <|im_start|>.
 //
-// Modes, each against full prefill: full reuse (nothing recomputed), blend by
-// KV deviation at one check layer (kdn's choice) at each ratio, the same
-// number of tokens chosen at random, and progressive filtering over each
-// --check-layers list (CacheBlend's; control::CheckSchedule's default
-// ratios). Per mode, over the first --answer-tokens positions of the answer,
-// teacher-forced on full prefill's greedy tokens (one pass over them on top
-// of the prompt's KV, for the reference and every mode alike): the mean KL(full || mode)
-// of the next-token distribution, top-1 agreement with full prefill, the
-// share of prompts whose greedy answer equals full prefill's in all those
-// tokens, the mean run of equal greedy tokens, and time to first token
-// against full prefill's (the documents' KV already in memory).
+// Modes, each against full prefill: full reuse (nothing recomputed), EPIC's
+// boundary selection for each --boundary K (each document's first K tokens
+// recomputed at every layer, no check), blend by KV deviation at one check
+// layer (kdn's choice) at each ratio, the same number of tokens chosen at
+// random, progressive filtering over each --check-layers list (CacheBlend's;
+// control::CheckSchedule's default ratios), and boundary+deviation (the
+// first --boundary-deviation tokens of each document always, the rest of the
+// ratio by deviation) with one check and each schedule. Per mode, over the first --answer-tokens
+// positions of the answer, teacher-forced on full prefill's greedy tokens (one pass over them on
+// top of the prompt's KV, for the reference and every mode alike): the mean KL(full || mode) of the
+// next-token distribution, top-1 agreement with full prefill, the share of prompts whose greedy
+// answer equals full prefill's in all those tokens, the mean run of equal greedy tokens, and time
+// to first token against full prefill's (the documents' KV already in memory).
 //
 // With a preset (no tokenizer) the text's bytes are the tokens.
 #include <algorithm>
@@ -112,9 +114,10 @@ Result<std::vector<std::vector<float>>> TeacherForced(engine::Engine& model,
 
 struct Mode {
   std::string name;
-  std::string kind;  // full_reuse, deviation, random, progressive
+  std::string kind;  // full_reuse, deviation, random, progressive, boundary:K, boundary+deviation
   double ratio = 0;
-  std::vector<int> check_layers;  // progressive only
+  std::vector<int> check_layers;  // progressive schedules only
+  control::BlendSelection selection;
 };
 
 struct Tally {
@@ -215,16 +218,31 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
       "List the main points of each passage above.",
   };
 
-  std::vector<Mode> modes{{"full reuse", "full_reuse", 0, {}}};
+  using Kind = control::BlendSelection::Kind;
+  std::vector<Mode> modes{{"full reuse", "full_reuse", 0, {}, {}}};
+  for (int k : o.boundary) {
+    const std::string kind = "boundary:" + std::to_string(k);
+    modes.push_back({kind, kind, 0, {}, {Kind::kBoundary, k}});
+  }
   for (double r : o.ratios) {
     char name[64];
     std::snprintf(name, sizeof(name), "deviation %.2f", r);
-    modes.push_back({name, "deviation", r, {}});
+    modes.push_back({name, "deviation", r, {}, {}});
     std::snprintf(name, sizeof(name), "random %.2f", r);
-    modes.push_back({name, "random", r, {}});
+    modes.push_back({name, "random", r, {}, {Kind::kRandom, 0}});
     for (const auto& layers : o.check_layers) {
       std::snprintf(name, sizeof(name), "progressive %.2f @%s", r, JoinLayers(layers).c_str());
-      modes.push_back({name, "progressive", r, layers});
+      modes.push_back({name, "progressive", r, layers, {}});
+    }
+    if (o.boundary_deviation > 0) {
+      const control::BlendSelection bd{Kind::kBoundaryDeviation, o.boundary_deviation};
+      std::snprintf(name, sizeof(name), "bound:%d+dev %.2f", o.boundary_deviation, r);
+      modes.push_back({name, "boundary+deviation", r, {}, bd});
+      for (const auto& layers : o.check_layers) {
+        std::snprintf(name, sizeof(name), "bound:%d+dev %.2f @%s", o.boundary_deviation, r,
+                      JoinLayers(layers).c_str());
+        modes.push_back({name, "boundary+deviation", r, layers, bd});
+      }
     }
   }
   for (const Mode& m : modes) {
@@ -337,12 +355,11 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
     }
     for (size_t m = 0; m < modes.size(); ++m) {
       const Mode& mode = modes[m];
-      blend::BlendOptions bo{.recompute_ratio = mode.ratio, .check_layer = o.check_layer};
-      if (mode.kind == "random") {
-        bo.selection = blend::Selection::kRandom;
-        bo.seed = static_cast<uint64_t>(p) + 1;
-      }
-      if (mode.kind == "progressive") bo.check_layers = mode.check_layers;
+      blend::BlendOptions bo{.spec = {.recompute_ratio = mode.ratio,
+                                      .check_layer = o.check_layer,
+                                      .check_layers = mode.check_layers,
+                                      .selection = mode.selection},
+                             .seed = static_cast<uint64_t>(p) + 1};
       engine::KvSequence seq = cache.NewSequence();
       const auto t0 = Clock::now();
       auto res = blend::BlendPrefill(model, seq, segments, suffix, bo);
@@ -402,7 +419,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
                 100 * share, kl, reuse_kl > 0 ? kl / reuse_kl : 0, top1, 100 * all_equal, run,
                 full_ttft / ttft);
     json row = {{"mode", modes[m].kind},
-                {"ratio", modes[m].ratio},
+                {"ratio", modes[m].selection.checks() ? json(modes[m].ratio) : json(nullptr)},
                 {"recomputed_share", share},
                 {"kl", kl},
                 {"kl_vs_full_reuse", reuse_kl > 0 ? kl / reuse_kl : 0},
@@ -410,7 +427,8 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
                 {"greedy_equal", all_equal},
                 {"greedy_equal_run", run},
                 {"ttft_s", ttft},
-                {"speedup", full_ttft / ttft}};
+                {"speedup", full_ttft / ttft},
+                {"ttft_speedup", full_ttft / ttft}};
     if (!modes[m].check_layers.empty()) row["check_layers"] = modes[m].check_layers;
     rows.push_back(std::move(row));
   }

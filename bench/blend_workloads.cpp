@@ -179,12 +179,12 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
         auto chunk = store.Get(kvbus::SegmentKey(ctx, documents[i]));
         segments.push_back({documents[i], chunk.ok() ? *chunk : nullptr});
       }
-      auto out =
-          blend::BlendPrefill(model, seq, segments, question,
-                              {.recompute_ratio = ratio,
-                               .check_layer = check_layer,
-                               .check_layers = mode.progressive ? check_layers : std::vector<int>{},
-                               .overlap_load = mode.overlap});
+      auto out = blend::BlendPrefill(
+          model, seq, segments, question,
+          {.spec = {.recompute_ratio = ratio,
+                    .check_layer = check_layer,
+                    .check_layers = mode.progressive ? check_layers : std::vector<int>{}},
+           .overlap_load = mode.overlap});
       if (!out.ok()) {
         std::fprintf(stderr, "kdn-bench: %s\n", out.status().ToString().c_str());
         return 1;

@@ -57,6 +57,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_util.h"
+#include "kdn/control/request_spec.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/model/gguf.h"
 #include "kdn/control/worker_flags.h"
@@ -392,6 +393,18 @@ int main(int argc, char** argv) {
                    "The one check layer of deviation and random selection")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  fidelity
+      ->add_option("--boundary", bf.boundary,
+                   "Boundary selection (EPIC's): one row for each K, the first K tokens of each "
+                   "document recomputed (comma-separated; none: no such rows)")
+      ->delimiter(',')
+      ->capture_default_str();
+  fidelity
+      ->add_option("--boundary-deviation", bf.boundary_deviation,
+                   "boundary+deviation:K rows at each ratio, with one check and each schedule "
+                   "(0: none)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, kdn::control::kMaxBoundaryTokens));
   fidelity->add_option("--check-layers", bf_layers,
                        "A progressive schedule's check layers, comma-separated and ascending "
                        "(repeat the option for several schedules)");

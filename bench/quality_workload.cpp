@@ -219,10 +219,12 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
           blend::BlendResult res,
           blend::BlendPrefill(
               model, seq, segments, suffix,
-              {.recompute_ratio = mode.ratio,
-               .check_layer = check_layer,
-               .check_layers = mode.progressive ? check_layers : std::vector<int>{},
-               .selection = mode.random ? blend::Selection::kRandom : blend::Selection::kDeviation,
+              {.spec = {.recompute_ratio = mode.ratio,
+                        .check_layer = check_layer,
+                        .check_layers = mode.progressive ? check_layers : std::vector<int>{},
+                        .selection = {.kind = mode.random
+                                                  ? control::BlendSelection::Kind::kRandom
+                                                  : control::BlendSelection::Kind::kDeviation}},
                .seed = seed}));
       *recomputed += res.recomputed_tokens;
       logits = std::move(res.logits);

@@ -64,6 +64,18 @@ int main(int argc, char** argv) {
                  "non-increasing, the last equal to --recompute-ratio (default: from twice "
                  "the ratio down to it); a request's 'check_ratios' overrides it")
       ->delimiter(',');
+  std::string blend_selection = kdn::control::BlendSelectionName(o.selection);
+  app.add_option("--blend-selection", blend_selection,
+                 "Blend: how the recomputed document tokens are chosen (docs/blend.md, "
+                 "\"Selection policies\"): deviation (CacheBlend's, at the check layers), "
+                 "boundary:K (the first K tokens of each document, no check), "
+                 "boundary+deviation:K (those, and the rest of the ratio by deviation) or random; "
+                 "a request's 'blend_selection' overrides it")
+      ->check([](const std::string& v) {
+        auto s = kdn::control::ParseBlendSelection(v);
+        return s.ok() ? std::string() : s.status().message();
+      })
+      ->capture_default_str();
   app.add_option("--served-model-name", o.served_model_name,
                  "Model name in the API (default: the model folder's name, or the .gguf file's "
                  "without .gguf)");
@@ -119,6 +131,7 @@ int main(int argc, char** argv) {
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   o.backend.disaggregation = *kdn::router::ParseDisaggregation(disaggregation);
+  o.selection = *kdn::control::ParseBlendSelection(blend_selection);
   o.backend.queue_timeout = std::chrono::milliseconds(queue_timeout_ms);
   o.max_body_buffer_bytes = max_body_buffer_mib << 20;
   o.backend.resume = !no_resume;

@@ -86,12 +86,14 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments, std::span<const int32_t> suffix,
                                  const BlendOptions& options) {
   const model::ModelConfig& cfg = model.config();
+  const control::BlendSpec& spec = options.spec;
   KDN_ASSIGN_OR_RETURN(
       const std::vector<control::CheckStep> checks,
-      control::CheckSchedule(options.recompute_ratio, options.check_layer, options.check_layers,
-                             options.check_ratios, cfg.num_layers));
+      control::CheckSchedule(spec.recompute_ratio, spec.check_layer, spec.check_layers,
+                             spec.check_ratios, cfg.num_layers));
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
+  const SelectionPolicy policy = options.policy ? options.policy : PolicyFor(spec.selection);
 
   // The prompt, which of its positions come from a cache, and where each
   // cached segment goes.
@@ -99,6 +101,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   std::vector<int32_t> tokens;
   std::vector<bool> cached;
   std::vector<Placer::Item> items;
+  std::vector<DocumentSpan> documents;
   for (const Segment& s : segments) {
     const auto at = static_cast<int64_t>(tokens.size());
     const auto len = static_cast<int64_t>(s.tokens.size());
@@ -114,7 +117,10 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
         return InvalidArgument("blend: segment KV " + info.key.ToHex() +
                                " does not fit the model's cache");
       }
-      if (len > 0) items.push_back({s.kv.get(), at, len, at - info.position});
+      if (len > 0) {
+        items.push_back({s.kv.get(), at, len, at - info.position});
+        documents.push_back({at, len});
+      }
     }
     tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
     cached.insert(cached.end(), s.tokens.size(), s.kv != nullptr);
@@ -131,26 +137,36 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   cache.SetLength(seq, n);
 
   BlendResult out;
-  std::vector<int64_t> cached_rows, fresh_rows;
+  std::vector<int64_t> cached_rows, fresh_rows, all_rows(static_cast<size_t>(n));
+  std::iota(all_rows.begin(), all_rows.end(), 0);
   for (int64_t p = 0; p < n; ++p) (cached[p] ? cached_rows : fresh_rows).push_back(p);
   out.cached_tokens = static_cast<int>(cached_rows.size());
   out.computed_tokens = static_cast<int>(fresh_rows.size());
   auto kept_of = [&](double ratio) {
     return static_cast<int64_t>(std::ceil(ratio * static_cast<double>(cached_rows.size()) - 1e-9));
   };
-  const bool reuse_only = kept_of(options.recompute_ratio) == 0;
+  // With checks (deviation, random, boundary+deviation) every row is
+  // computed up to the first check layer; without (full reuse, boundary),
+  // the rows the policy chose before layer 0 are all that is computed.
+  const bool checked = spec.selection.checks() && kept_of(spec.recompute_ratio) > 0;
+  std::vector<int64_t> rows = fresh_rows;
+  if (checked) {
+    rows = all_rows;
+  } else if (!spec.selection.checks()) {
+    rows = policy(SelectionInput{.positions = all_rows,
+                                 .cached = cached,
+                                 .documents = documents,
+                                 .keep = 0,
+                                 .seed = options.seed});
+    out.recomputed_tokens = static_cast<int>(rows.size() - fresh_rows.size());
+    out.kept_at_check.push_back(out.recomputed_tokens);
+    for (int64_t& r : rows) r = all_rows[static_cast<size_t>(r)];
+  }
 
   // 1. Place and rotate the cached KV, from the first layer that reads it:
   // with a check, every token is recomputed below the first check layer.
-  const int first_placed = reuse_only ? 0 : checks.front().layer;
+  const int first_placed = checked ? checks.front().layer : 0;
   auto run = [&]() -> Status {
-    std::vector<int64_t> rows;
-    if (reuse_only) {
-      rows = fresh_rows;  // full reuse recomputes only the fresh rows
-    } else {
-      rows.resize(n);  // 2. every row up to the first check layer
-      std::iota(rows.begin(), rows.end(), 0);
-    }
     KDN_ASSIGN_OR_RETURN(auto pass, model.BeginRowPass(seq, tokens, rows));
     engine::RowPass& rp = *pass;
     // Declared after the pass, so stopped (joined) before it goes.
@@ -168,7 +184,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
       KDN_RETURN_IF_ERROR(rp.RunLayer(deviation));
       return options.on_layer ? options.on_layer(l) : Status::Ok();
     };
-    if (!reuse_only) {
+    if (checked) {
       for (size_t i = 0; i < checks.size(); ++i) {
         while (rp.next_layer() < checks[i].layer) KDN_RETURN_IF_ERROR(run_layer(nullptr));
         std::vector<float> deviation;
@@ -177,10 +193,14 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
         const int64_t keep =
             std::min(kept_of(checks[i].ratio),
                      static_cast<int64_t>(rp.positions().size() - fresh_rows.size()));
-        const std::vector<int64_t> chosen = ChooseRows(rp.positions(), cached, deviation, keep,
-                                                       options.selection, options.seed + i);
+        const std::vector<int64_t> chosen = policy(SelectionInput{.positions = rp.positions(),
+                                                                  .cached = cached,
+                                                                  .deviation = deviation,
+                                                                  .documents = documents,
+                                                                  .keep = keep,
+                                                                  .seed = options.seed + i});
         KDN_RETURN_IF_ERROR(rp.Keep(chosen));
-        out.kept_at_check.push_back(static_cast<int>(keep));
+        out.kept_at_check.push_back(static_cast<int>(chosen.size() - fresh_rows.size()));
       }
       out.recomputed_tokens = out.kept_at_check.back();
       out.check_seconds = seconds_since(start);
@@ -197,25 +217,93 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   return out;
 }
 
-std::vector<int64_t> ChooseRows(std::span<const int64_t> positions, const std::vector<bool>& cached,
-                                std::span<const float> deviation, int64_t keep, Selection selection,
-                                uint64_t seed) {
-  std::vector<int64_t> out, candidates;
-  for (size_t i = 0; i < positions.size(); ++i) {
-    (cached[positions[i]] ? candidates : out).push_back(static_cast<int64_t>(i));
+namespace {
+
+// The current rows split: uncached ones (always kept) and cached ones.
+void SplitRows(const SelectionInput& in, std::vector<int64_t>* kept,
+               std::vector<int64_t>* candidates) {
+  for (size_t i = 0; i < in.positions.size(); ++i) {
+    (in.cached[static_cast<size_t>(in.positions[i])] ? candidates : kept)
+        ->push_back(static_cast<int64_t>(i));
   }
-  if (selection == Selection::kDeviation) {
-    std::stable_sort(candidates.begin(), candidates.end(),
-                     [&](int64_t a, int64_t b) { return deviation[a] > deviation[b]; });
-  } else {
-    std::mt19937_64 rng(seed);
-    std::shuffle(candidates.begin(), candidates.end(), rng);
-  }
+}
+
+// `kept` plus the first `keep` of `candidates`, ascending.
+std::vector<int64_t> Take(std::vector<int64_t> kept, std::vector<int64_t> candidates,
+                          int64_t keep) {
   candidates.resize(
       static_cast<size_t>(std::clamp<int64_t>(keep, 0, static_cast<int64_t>(candidates.size()))));
-  out.insert(out.end(), candidates.begin(), candidates.end());
-  std::sort(out.begin(), out.end());
-  return out;
+  kept.insert(kept.end(), candidates.begin(), candidates.end());
+  std::sort(kept.begin(), kept.end());
+  return kept;
+}
+
+void ByDeviation(const SelectionInput& in, std::vector<int64_t>* rows) {
+  std::stable_sort(rows->begin(), rows->end(),
+                   [&](int64_t a, int64_t b) { return in.deviation[a] > in.deviation[b]; });
+}
+
+bool IsBoundary(const SelectionInput& in, int64_t position, int k) {
+  for (const DocumentSpan& d : in.documents) {
+    if (position >= d.first && position < d.first + std::min<int64_t>(k, d.count)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::vector<int64_t> DeviationRows(const SelectionInput& in) {
+  std::vector<int64_t> kept, candidates;
+  SplitRows(in, &kept, &candidates);
+  ByDeviation(in, &candidates);
+  return Take(std::move(kept), std::move(candidates), in.keep);
+}
+
+std::vector<int64_t> RandomRows(const SelectionInput& in) {
+  std::vector<int64_t> kept, candidates;
+  SplitRows(in, &kept, &candidates);
+  std::mt19937_64 rng(in.seed);
+  std::shuffle(candidates.begin(), candidates.end(), rng);
+  return Take(std::move(kept), std::move(candidates), in.keep);
+}
+
+std::vector<int64_t> BoundaryRows(const SelectionInput& in, int boundary_tokens) {
+  std::vector<int64_t> kept, candidates;
+  SplitRows(in, &kept, &candidates);
+  for (int64_t r : candidates) {
+    if (IsBoundary(in, in.positions[static_cast<size_t>(r)], boundary_tokens)) kept.push_back(r);
+  }
+  std::sort(kept.begin(), kept.end());
+  return kept;
+}
+
+std::vector<int64_t> BoundaryDeviationRows(const SelectionInput& in, int boundary_tokens) {
+  std::vector<int64_t> kept, candidates, rest;
+  SplitRows(in, &kept, &candidates);
+  int64_t boundary = 0;
+  for (int64_t r : candidates) {
+    if (IsBoundary(in, in.positions[static_cast<size_t>(r)], boundary_tokens)) {
+      kept.push_back(r);
+      ++boundary;
+    } else {
+      rest.push_back(r);
+    }
+  }
+  ByDeviation(in, &rest);
+  return Take(std::move(kept), std::move(rest), in.keep - boundary);
+}
+
+SelectionPolicy PolicyFor(const control::BlendSelection& s) {
+  using Kind = control::BlendSelection::Kind;
+  const int k = s.boundary_tokens;
+  switch (s.kind) {
+    case Kind::kRandom: return RandomRows;
+    case Kind::kBoundary: return [k](const SelectionInput& in) { return BoundaryRows(in, k); };
+    case Kind::kBoundaryDeviation:
+      return [k](const SelectionInput& in) { return BoundaryDeviationRows(in, k); };
+    case Kind::kDeviation: break;
+  }
+  return DeviationRows;
 }
 
 double KlDivergence(std::span<const float> p_logits, std::span<const float> q_logits) {

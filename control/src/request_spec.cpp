@@ -15,6 +15,7 @@ void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out) {
   out->set_check_layer(spec.check_layer);
   for (int l : spec.check_layers) out->add_check_layers(l);
   for (double r : spec.check_ratios) out->add_check_ratios(r);
+  if (spec.selection != BlendSelection{}) out->set_selection(BlendSelectionName(spec.selection));
 }
 
 BlendSpec BlendFromProto(const proto::BlendSpec& p) {
@@ -25,7 +26,75 @@ BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   spec.check_layer = p.check_layer();
   spec.check_layers.assign(p.check_layers().begin(), p.check_layers().end());
   spec.check_ratios.assign(p.check_ratios().begin(), p.check_ratios().end());
+  // The router sends only what it parsed; an unknown name (a newer router)
+  // falls back to the default rather than failing the request.
+  if (!p.selection().empty()) {
+    if (auto sel = ParseBlendSelection(p.selection()); sel.ok()) spec.selection = *sel;
+  }
   return spec;
+}
+
+Result<BlendSelection> ParseBlendSelection(std::string_view text) {
+  BlendSelection s;
+  std::string_view name = text, k;
+  if (const size_t colon = text.find(':'); colon != std::string_view::npos) {
+    name = text.substr(0, colon);
+    k = text.substr(colon + 1);
+  }
+  if (name == "deviation") {
+    s.kind = BlendSelection::Kind::kDeviation;
+  } else if (name == "random") {
+    s.kind = BlendSelection::Kind::kRandom;
+  } else if (name == "boundary") {
+    s.kind = BlendSelection::Kind::kBoundary;
+  } else if (name == "boundary+deviation") {
+    s.kind = BlendSelection::Kind::kBoundaryDeviation;
+  } else {
+    return InvalidArgument("blend selection '" + std::string(text) +
+                           "' is none of deviation, random, boundary:K, boundary+deviation[:K]");
+  }
+  const bool boundary = s.kind == BlendSelection::Kind::kBoundary ||
+                        s.kind == BlendSelection::Kind::kBoundaryDeviation;
+  if (!boundary) {
+    if (!k.empty() || text.find(':') != std::string_view::npos) {
+      return InvalidArgument("blend selection '" + std::string(text) + "' takes no :K");
+    }
+    return s;
+  }
+  s.boundary_tokens = kDefaultBoundaryTokens;
+  if (text.find(':') != std::string_view::npos) {
+    int v = 0;
+    size_t i = 0;
+    for (; i < k.size() && k[i] >= '0' && k[i] <= '9' && v <= kMaxBoundaryTokens; ++i) {
+      v = v * 10 + (k[i] - '0');
+    }
+    if (k.empty() || i != k.size() || v < 1 || v > kMaxBoundaryTokens) {
+      return InvalidArgument("blend selection '" + std::string(text) + "': K must be 1 to " +
+                             std::to_string(kMaxBoundaryTokens));
+    }
+    s.boundary_tokens = v;
+  }
+  return s;
+}
+
+std::string BlendSelectionName(const BlendSelection& s) {
+  switch (s.kind) {
+    case BlendSelection::Kind::kDeviation: return "deviation";
+    case BlendSelection::Kind::kRandom: return "random";
+    case BlendSelection::Kind::kBoundary: return "boundary:" + std::to_string(s.boundary_tokens);
+    case BlendSelection::Kind::kBoundaryDeviation:
+      return "boundary+deviation:" + std::to_string(s.boundary_tokens);
+  }
+  return "deviation";
+}
+
+std::vector<int> ResolveCheckLayers(int check_layer, std::span<const int> check_layers,
+                                    bool ratios_named, int num_layers) {
+  std::vector<int> out(check_layers.begin(), check_layers.end());
+  if (!out.empty()) return out;
+  for (int l = check_layer; l < check_layer + 3 && l < num_layers; ++l) out.push_back(l);
+  if (out.size() < 2 || ratios_named) out.clear();
+  return out;
 }
 
 std::vector<double> DefaultCheckRatios(double ratio, size_t checks) {

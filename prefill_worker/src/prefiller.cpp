@@ -235,10 +235,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
   blend::BlendOptions bo;
-  bo.recompute_ratio = b.recompute_ratio;
-  bo.check_layer = b.check_layer;
-  bo.check_layers = b.check_layers;
-  bo.check_ratios = b.check_ratios;
+  bo.spec = b;
   bo.on_layer = [&](int layer) { return push.Layer(layer); };
   KDN_ASSIGN_OR_RETURN(blend::BlendResult r,
                        blend::BlendPrefill(model_, seq_, segments, suffix, bo));

@@ -318,6 +318,14 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   int64_t check_layer = model.check_layer;
   std::vector<int> check_layers = model.check_layers;
   std::vector<double> check_ratios = model.check_ratios;
+  control::BlendSelection selection = model.selection;
+  std::string selection_text;
+  KDN_API_CHECK(GetString(body, "blend_selection", &selection_text));
+  if (IsSet(body, "blend_selection")) {
+    auto s = control::ParseBlendSelection(selection_text);
+    if (!s.ok()) return Bad("'blend_selection': " + s.status().message(), "blend_selection");
+    selection = *s;
+  }
   KDN_API_CHECK(GetNumber(body, "recompute_ratio", &ratio));
   KDN_API_CHECK(GetInt(body, "check_layer", &check_layer));
   KDN_API_CHECK(GetIntArray(body, "check_layers", &check_layers));
@@ -352,6 +360,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     out->blend->check_layer = static_cast<int>(check_layer);
     out->blend->check_layers = std::move(check_layers);
     out->blend->check_ratios = std::move(check_ratios);
+    out->blend->selection = selection;
   }
 
   int64_t max_tokens = control::kDefaultMaxTokens;

@@ -89,16 +89,10 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                            " layers");
   }
   // No --check-layers: progressive filtering at --check-layer and the two
-  // layers after it, where the model has them (docs/blend.md, "Choosing the
-  // tokens"); one listed layer is one check.
-  std::vector<int> check_layers = options.check_layers;
-  if (check_layers.empty()) {
-    for (int l = options.check_layer; l < options.check_layer + 3 && l < impl->config.num_layers;
-         ++l) {
-      check_layers.push_back(l);
-    }
-    if (check_layers.size() < 2 || !options.check_ratios.empty()) check_layers.clear();
-  }
+  // layers after it (docs/blend.md, "Choosing the tokens").
+  const std::vector<int> check_layers =
+      control::ResolveCheckLayers(options.check_layer, options.check_layers,
+                                  !options.check_ratios.empty(), impl->config.num_layers);
   if (auto st = control::CheckSchedule(options.recompute_ratio, options.check_layer, check_layers,
                                        options.check_ratios, impl->config.num_layers);
       !st.ok()) {
@@ -112,6 +106,7 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                   options.check_layer,
                   check_layers,
                   options.check_ratios,
+                  options.selection,
                   &impl->chat_template};
   KDN_ASSIGN_OR_RETURN(impl->backend,
                        Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));

@@ -63,8 +63,8 @@ TEST(Blend, RatioOneIsAFullPrefill) {
   auto model = MakeModel("tiny");
   const Prompt p = MakePrompt(*model, 3, 40, 1);
   engine::KvSequence seq = model->kv_cache().NewSequence();
-  auto r =
-      BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.0, .check_layer = 0});
+  auto r = BlendPrefill(*model, seq, p.segments, p.suffix,
+                        {.spec = {.recompute_ratio = 1.0, .check_layer = 0}});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->cached_tokens, 120);
   EXPECT_EQ(r->recomputed_tokens, 120);
@@ -73,11 +73,43 @@ TEST(Blend, RatioOneIsAFullPrefill) {
   EXPECT_LT(RelError(r->logits.data(), want.data(), want.size()), 1e-5);
 }
 
+// Boundary selection recomputes each document's first K tokens at every
+// layer and nothing else: K covering every document is a full prefill; a
+// smaller K recomputes K per document and lands between full reuse and it.
+TEST(Blend, BoundarySelectionRecomputesEachDocumentsFirstTokens) {
+  auto model = MakeModel("tiny");
+  const Prompt p = MakePrompt(*model, 3, 40, 5);
+  const auto full = FullPrefill(*model, p.all);
+  auto blend = [&](std::string_view selection, double ratio = 0.15) {
+    engine::KvSequence seq = model->kv_cache().NewSequence();
+    auto r = BlendPrefill(*model, seq, p.segments, p.suffix,
+                          {.spec = {.recompute_ratio = ratio,
+                                    .selection = *control::ParseBlendSelection(selection)}});
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return *r;
+  };
+  const BlendResult all = blend("boundary:40");
+  EXPECT_EQ(all.recomputed_tokens, 120);
+  EXPECT_LT(RelError(all.logits.data(), full.data(), full.size()), 1e-5);
+  const BlendResult four = blend("boundary:4");
+  EXPECT_EQ(four.recomputed_tokens, 12);
+  EXPECT_EQ(four.kept_at_check, std::vector<int>{12});
+  const BlendResult reuse = blend("deviation", 0.0);
+  const double kl_four = KlDivergence(full, four.logits),
+               kl_reuse = KlDivergence(full, reuse.logits);
+  EXPECT_GT(kl_four, 0);
+  EXPECT_LT(kl_four, kl_reuse);
+  // boundary+deviation keeps the boundary rows at each check and fills the
+  // budget (0.15 of 120 = 18) by deviation.
+  const BlendResult both = blend("boundary+deviation:4");
+  EXPECT_EQ(both.recomputed_tokens, 18);
+}
+
 TEST(Blend, RatioZeroIsFullReuse) {
   auto model = MakeModel("tiny-qwen2");
   const Prompt p = MakePrompt(*model, 3, 40, 2);
   engine::KvSequence seq = model->kv_cache().NewSequence();
-  auto r = BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 0.0});
+  auto r = BlendPrefill(*model, seq, p.segments, p.suffix, {.spec = {.recompute_ratio = 0.0}});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->recomputed_tokens, 0);
 
@@ -115,7 +147,7 @@ TEST(Blend, OverlappedLoadingGivesTheSameResultAndLayersInOrder) {
       engine::KvSequence seq = model->kv_cache().NewSequence();
       std::vector<int> layers;
       std::vector<float> keys;
-      BlendOptions o{.recompute_ratio = ratio, .check_layer = 1, .overlap_load = overlap};
+      BlendOptions o{.spec = {.recompute_ratio = ratio, .check_layer = 1}, .overlap_load = overlap};
       o.on_layer = [&](int l) -> Status {
         layers.push_back(l);
         const float* k = model->kv_cache().KeyAt(seq, l, 41);  // inside document 2
@@ -169,11 +201,13 @@ TEST(Blend, DeviationChosenTokensBeatRandomOnesAtFifteenPercent) {
       const Prompt p = MakePrompt(*model, 4, 64, prompt_seed);
       const auto full = FullPrefill(*model, p.all);
       engine::KvSequence a = model->kv_cache().NewSequence();
-      auto dev = BlendPrefill(*model, a, p.segments, p.suffix, {.recompute_ratio = 0.15});
+      auto dev = BlendPrefill(*model, a, p.segments, p.suffix, {.spec = {.recompute_ratio = 0.15}});
       engine::KvSequence b = model->kv_cache().NewSequence();
-      auto rnd = BlendPrefill(
-          *model, b, p.segments, p.suffix,
-          {.recompute_ratio = 0.15, .selection = Selection::kRandom, .seed = prompt_seed});
+      auto rnd =
+          BlendPrefill(*model, b, p.segments, p.suffix,
+                       {.spec = {.recompute_ratio = 0.15,
+                                 .selection = {.kind = control::BlendSelection::Kind::kRandom}},
+                        .seed = prompt_seed});
       ASSERT_TRUE(dev.ok() && rnd.ok());
       ASSERT_EQ(dev->recomputed_tokens, rnd->recomputed_tokens);
       const double kd = KlDivergence(full, dev->logits), kr = KlDivergence(full, rnd->logits);
@@ -194,11 +228,12 @@ TEST(Blend, ProgressiveWithOneCheckIsTheOneLayerChoice) {
   auto model = MakeModel("small", 1, {.kv_tokens = 2048, .threads = 1});
   const Prompt p = MakePrompt(*model, 3, 48, 5);
   engine::KvSequence a = model->kv_cache().NewSequence();
-  auto one =
-      BlendPrefill(*model, a, p.segments, p.suffix, {.recompute_ratio = 0.3, .check_layer = 2});
+  auto one = BlendPrefill(*model, a, p.segments, p.suffix,
+                          {.spec = {.recompute_ratio = 0.3, .check_layer = 2}});
   engine::KvSequence b = model->kv_cache().NewSequence();
-  auto listed = BlendPrefill(*model, b, p.segments, p.suffix,
-                             {.recompute_ratio = 0.3, .check_layers = {2}, .check_ratios = {0.3}});
+  auto listed =
+      BlendPrefill(*model, b, p.segments, p.suffix,
+                   {.spec = {.recompute_ratio = 0.3, .check_layers = {2}, .check_ratios = {0.3}}});
   ASSERT_TRUE(one.ok() && listed.ok());
   EXPECT_EQ(one->logits, listed->logits);
   EXPECT_EQ(listed->kept_at_check, std::vector<int>{44});  // ceil(0.3 * 144)
@@ -212,20 +247,21 @@ TEST(Blend, ProgressiveFilteringNarrowsAtEachCheck) {
   engine::KvSequence a = model->kv_cache().NewSequence();
   auto prog = BlendPrefill(
       *model, a, p.segments, p.suffix,
-      {.recompute_ratio = 0.15, .check_layers = {1, 3, 5}, .check_ratios = {0.5, 0.3, 0.15}});
+      {.spec = {
+           .recompute_ratio = 0.15, .check_layers = {1, 3, 5}, .check_ratios = {0.5, 0.3, 0.15}}});
   ASSERT_TRUE(prog.ok()) << prog.status().ToString();
   EXPECT_EQ(prog->kept_at_check, (std::vector<int>{100, 60, 30}));
   EXPECT_EQ(prog->recomputed_tokens, 30);
   EXPECT_EQ(prog->cached_tokens, 200);
   engine::KvSequence b = model->kv_cache().NewSequence();
-  auto one = BlendPrefill(*model, b, p.segments, p.suffix, {.recompute_ratio = 0.15});
+  auto one = BlendPrefill(*model, b, p.segments, p.suffix, {.spec = {.recompute_ratio = 0.15}});
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(one->recomputed_tokens, 30);
   EXPECT_GT(RelError(prog->logits.data(), one->logits.data(), one->logits.size()), 1e-6);
   // The default ratios when none are given: 0.3, 0.225, 0.15 of 200.
   engine::KvSequence c = model->kv_cache().NewSequence();
   auto dflt = BlendPrefill(*model, c, p.segments, p.suffix,
-                           {.recompute_ratio = 0.15, .check_layers = {1, 3, 5}});
+                           {.spec = {.recompute_ratio = 0.15, .check_layers = {1, 3, 5}}});
   ASSERT_TRUE(dflt.ok());
   EXPECT_EQ(dflt->kept_at_check, (std::vector<int>{60, 45, 30}));
 }
@@ -234,8 +270,9 @@ TEST(Blend, ProgressiveAtRatioOneIsAFullPrefill) {
   auto model = MakeModel("tiny");
   const Prompt p = MakePrompt(*model, 3, 40, 7);
   engine::KvSequence seq = model->kv_cache().NewSequence();
-  auto r = BlendPrefill(*model, seq, p.segments, p.suffix,
-                        {.recompute_ratio = 1.0, .check_layers = {0, 1}, .check_ratios = {1, 1}});
+  auto r = BlendPrefill(
+      *model, seq, p.segments, p.suffix,
+      {.spec = {.recompute_ratio = 1.0, .check_layers = {0, 1}, .check_ratios = {1, 1}}});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r->recomputed_tokens, 120);
   const auto want = FullPrefill(*model, p.all);
@@ -244,24 +281,72 @@ TEST(Blend, ProgressiveAtRatioOneIsAFullPrefill) {
 
 // A check keeps every uncached row and the cached ones with the largest
 // deviation, as indices into the rows still recomputed.
-TEST(Blend, ChooseRowsKeepsUncachedRowsAndTheLargestDeviations) {
+TEST(Blend, DeviationRowsKeepUncachedRowsAndTheLargestDeviations) {
   //                   position: 0     1     2     3     4     5     6     7
   const std::vector<bool> cached{false, true, true, true, true, true, true, false};
   // After an earlier check: rows at positions 0, 2, 3, 5, 6, 7.
   const std::vector<int64_t> positions{0, 2, 3, 5, 6, 7};
   const std::vector<float> deviation{9, 1, 5, 4, 5, 0};
-  EXPECT_EQ(ChooseRows(positions, cached, deviation, 2, Selection::kDeviation, 0),
-            (std::vector<int64_t>{0, 2, 4, 5}));  // ties go to the earlier row
-  EXPECT_EQ(ChooseRows(positions, cached, deviation, 0, Selection::kDeviation, 0),
-            (std::vector<int64_t>{0, 5}));
-  EXPECT_EQ(ChooseRows(positions, cached, deviation, 9, Selection::kDeviation, 0),
-            (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
-  const auto rnd = ChooseRows(positions, cached, deviation, 3, Selection::kRandom, 7);
+  auto in = [&](int64_t keep, uint64_t seed = 0) {
+    return SelectionInput{.positions = positions,
+                          .cached = cached,
+                          .deviation = deviation,
+                          .keep = keep,
+                          .seed = seed};
+  };
+  EXPECT_EQ(DeviationRows(in(2)), (std::vector<int64_t>{0, 2, 4, 5}));  // ties to the earlier row
+  EXPECT_EQ(DeviationRows(in(0)), (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(DeviationRows(in(9)), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  const auto rnd = RandomRows(in(3, 7));
   ASSERT_EQ(rnd.size(), 5u);
   EXPECT_EQ(rnd.front(), 0);
   EXPECT_EQ(rnd.back(), 5);
   EXPECT_TRUE(std::is_sorted(rnd.begin(), rnd.end()));
-  EXPECT_EQ(rnd, ChooseRows(positions, cached, deviation, 3, Selection::kRandom, 7));
+  EXPECT_EQ(rnd, RandomRows(in(3, 7)));
+  // PolicyFor gives the same functions by name.
+  EXPECT_EQ(PolicyFor({})(in(2)), DeviationRows(in(2)));
+  EXPECT_EQ(PolicyFor(*control::ParseBlendSelection("random"))(in(3, 7)), rnd);
+}
+
+// EPIC's choice: the first K tokens of each document, whatever the
+// deviation and the budget; with deviation, the budget's rest by deviation.
+TEST(Blend, BoundaryRowsAreEachDocumentsFirstTokens) {
+  // A head (0-1), documents at 2-6 and 7-9, a question (10-11).
+  std::vector<bool> cached(12, false);
+  for (int p = 2; p < 10; ++p) cached[static_cast<size_t>(p)] = true;
+  const std::vector<DocumentSpan> docs{{2, 5}, {7, 3}};
+  std::vector<int64_t> all(12);
+  std::iota(all.begin(), all.end(), 0);
+  //                                 0  1  2  3  4  5  6  7  8  9  10 11
+  const std::vector<float> deviation{0, 0, 1, 2, 9, 8, 3, 0, 7, 6, 0, 0};
+  SelectionInput in{.positions = all, .cached = cached, .documents = docs, .keep = 0};
+  // K = 2: positions 2, 3 and 7, 8; uncached rows always.
+  EXPECT_EQ(BoundaryRows(in, 2), (std::vector<int64_t>{0, 1, 2, 3, 7, 8, 10, 11}));
+  // K past a document's length: all of it, nothing of the next one's span.
+  EXPECT_EQ(BoundaryRows(in, 4), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11}));
+  in.deviation = deviation;
+  in.keep = 6;  // 4 boundary rows (K = 2), then the 2 largest deviations of the rest: 4, 5
+  EXPECT_EQ(BoundaryDeviationRows(in, 2), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 7, 8, 10, 11}));
+  in.keep = 2;  // under the boundary's count: the boundary rows alone
+  EXPECT_EQ(BoundaryDeviationRows(in, 2), (std::vector<int64_t>{0, 1, 2, 3, 7, 8, 10, 11}));
+  // After a check, among the rows still recomputed (positions, not rows).
+  const std::vector<int64_t> later{0, 3, 4, 8, 9, 10, 11};
+  const std::vector<float> later_dev{0, 5, 1, 2, 9, 0, 0};
+  SelectionInput after{
+      .positions = later, .cached = cached, .deviation = later_dev, .documents = docs, .keep = 3};
+  // Boundary positions 3 and 8 (rows 1, 3), then the largest of the rest: row 4.
+  EXPECT_EQ(BoundaryDeviationRows(after, 2), (std::vector<int64_t>{0, 1, 3, 4, 5, 6}));
+  auto name = [](std::string_view t) {
+    return control::BlendSelectionName(*control::ParseBlendSelection(t));
+  };
+  EXPECT_EQ(PolicyFor(*control::ParseBlendSelection("boundary:2"))(in), BoundaryRows(in, 2));
+  EXPECT_EQ(name("boundary+deviation"), "boundary+deviation:16");
+  EXPECT_EQ(name("boundary:4"), "boundary:4");
+  for (const char* bad :
+       {"boundary:0", "boundary:x", "boundary:", "deviation:3", "epic", "boundary:100000"}) {
+    EXPECT_EQ(control::ParseBlendSelection(bad).status().code(), StatusCode::kInvalidArgument)
+        << bad;
+  }
 }
 
 TEST(CheckSchedule, OneCheckWithoutLayersAndDefaultRatiosWithThem) {
@@ -302,14 +387,17 @@ TEST(Blend, RefusesBadSettingsAndMismatchedKv) {
   auto model = MakeModel("tiny");
   Prompt p = MakePrompt(*model, 1, 20, 3);
   engine::KvSequence seq = model->kv_cache().NewSequence();
-  EXPECT_EQ(
-      BlendPrefill(*model, seq, p.segments, p.suffix, {.recompute_ratio = 1.5}).status().code(),
-      StatusCode::kInvalidArgument);
-  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.check_layer = 2}).status().code(),
+  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.spec = {.recompute_ratio = 1.5}})
+                .status()
+                .code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(
-      BlendPrefill(*model, seq, p.segments, p.suffix, {.check_layers = {0, 2}}).status().code(),
+      BlendPrefill(*model, seq, p.segments, p.suffix, {.spec = {.check_layer = 2}}).status().code(),
       StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlendPrefill(*model, seq, p.segments, p.suffix, {.spec = {.check_layers = {0, 2}}})
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(BlendPrefill(*model, seq, p.segments, {}, {}).status().code(),
             StatusCode::kInvalidArgument);
   p.segments[1].tokens.push_back(5);  // the KV no longer fits its segment

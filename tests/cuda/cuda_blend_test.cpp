@@ -73,7 +73,7 @@ TEST(CudaBlend, RatioOneIsAFullPrefill) {
   KDN_ASSERT_OK(e->Prefill(full, p.all, {}, &want));
   KvSequence seq = e->kv_cache().NewSequence();
   auto r = blend::BlendPrefill(*e, seq, p.segments, p.suffix,
-                               {.recompute_ratio = 1.0, .check_layer = 0});
+                               {.spec = {.recompute_ratio = 1.0, .check_layer = 0}});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(seq.length(), static_cast<int64_t>(p.all.size()));
   EXPECT_TRUE(AllClose(r->logits, want, {2e-2, 2e-2}));
@@ -97,7 +97,7 @@ TEST(CudaBlend, OverlappedLoadingEqualsLoadingFirst) {
     for (bool overlap : {false, true}) {
       KvSequence seq = e->kv_cache().NewSequence();
       auto r = blend::BlendPrefill(*e, seq, p.segments, p.suffix,
-                                   {.recompute_ratio = ratio, .overlap_load = overlap});
+                                   {.spec = {.recompute_ratio = ratio}, .overlap_load = overlap});
       ASSERT_TRUE(r.ok()) << r.status().ToString();
       EXPECT_EQ(r->cached_tokens, 90 + 107 + 124);
       logits.push_back(r->logits);
@@ -117,11 +117,10 @@ TEST(CudaBlend, ProgressiveFilteringNarrowsAtEachCheck) {
   std::vector<std::vector<float>> logits;
   for (bool overlap : {false, true}) {
     KvSequence seq = e->kv_cache().NewSequence();
-    auto r = blend::BlendPrefill(*e, seq, p.segments, p.suffix,
-                                 {.recompute_ratio = 0.15,
-                                  .check_layers = {0, 1},
-                                  .check_ratios = {0.3, 0.15},
-                                  .overlap_load = overlap});
+    auto r = blend::BlendPrefill(
+        *e, seq, p.segments, p.suffix,
+        {.spec = {.recompute_ratio = 0.15, .check_layers = {0, 1}, .check_ratios = {0.3, 0.15}},
+         .overlap_load = overlap});
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->kept_at_check, (std::vector<int>{97, 49}));  // of 321 cached tokens
     logits.push_back(r->logits);

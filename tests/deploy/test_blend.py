@@ -91,6 +91,27 @@ def test_ratio_one_equals_the_full_prompt_before_and_after_caching(deployment):
             assert d["blended_tokens"] == d["recomputed_tokens"] == 600, r["usage"]
 
 
+def test_a_request_chooses_its_selection_policy(deployment):
+    # boundary:K recomputes each held document's first K tokens (EPIC's),
+    # whatever the ratio; K covering the documents is a full prefill.
+    docs = fresh_docs(3, 200)
+    question = "Z"
+    inject(deployment, docs)
+    want = engine_text(deployment.model, "".join(docs) + question, 16)
+    r = deployment.completion(question, documents=docs, max_tokens=16, temperature=0,
+                              blend_selection="boundary:4", recompute_ratio=0.5)
+    d = details(r["usage"])
+    assert d["blended_tokens"] == 600 and d["recomputed_tokens"] == 3 * 4, r["usage"]
+    r = deployment.completion(question, documents=docs, max_tokens=16, temperature=0,
+                              blend_selection="boundary:200")
+    assert details(r["usage"])["recomputed_tokens"] == 600, r["usage"]
+    assert r["choices"][0]["text"] == want
+    # boundary+deviation keeps the ratio's share, boundary tokens among it.
+    r = deployment.completion(question, documents=docs, max_tokens=4, temperature=0,
+                              blend_selection="boundary+deviation:8", recompute_ratio=0.1)
+    assert details(r["usage"])["recomputed_tokens"] == 60, r["usage"]
+
+
 def test_blended_kv_is_never_stored_under_prefix_keys(deployment):
     docs = fresh_docs(3, 300)
     question = "Question: what now?\nAnswer:"
@@ -145,6 +166,10 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
     ("/v1/completions", {"prompt": "q", "documents": ["a"], "recompute_ratio": 2}, "recompute_ratio"),
     ("/v1/completions", {"prompt": "q", "documents": ["a"], "check_layer": 5}, "check_layer"),
     ("/v1/completions", {"prompt": [1, 2], "documents": ["a"]}, "prompt"),
+    ("/v1/completions", {"prompt": "q", "documents": ["a"], "blend_selection": "epic"},
+     "blend_selection"),
+    ("/v1/completions", {"prompt": "q", "documents": ["a"], "blend_selection": "boundary:0"},
+     "blend_selection"),
     ("/v1/kdn/inject", {"documents": []}, "documents"),
     ("/v1/kdn/inject", {"documents": ["x" * 5000]}, "documents"),
 ])

@@ -13,6 +13,10 @@
 // With check_layers (the paper's progressive filtering), steps 2-3 repeat at
 // each check layer: the rows still recomputed are scored again there and
 // narrowed to that check's ratio (control::CheckSchedule).
+// Which cached tokens go on is the selection policy's (SelectionPolicy:
+// CacheBlend's deviation by default); a policy that needs no deviation
+// (boundary, EPIC's first tokens of each document) chooses before layer 0,
+// and its tokens alone are recomputed, at every layer, with no check.
 // recompute_ratio 1 is a full prefill; recompute_ratio 0 is full reuse (no
 // cached token is recomputed at any layer). With overlap_load, a loader
 // thread places (copies and rotates) layer l+1 of the cached KV while layer l
@@ -42,21 +46,52 @@ struct Segment {
   std::shared_ptr<const kvbus::Chunk> kv;
 };
 
-enum class Selection {
-  kDeviation,  // CacheBlend: the cached tokens whose KV deviates most
-  kRandom,     // the same number chosen at random (the baseline it must beat)
+// A cached document's place in the prompt.
+struct DocumentSpan {
+  int64_t first = 0;
+  int64_t count = 0;
+  friend bool operator==(const DocumentSpan&, const DocumentSpan&) = default;
 };
 
+// What a selection policy sees at a check (or, for a policy without checks,
+// before layer 0): the current rows (their prompt `positions`), which
+// positions came from a cache, each current row's KV deviation at this
+// layer (empty before layer 0), the cached documents' spans, and the
+// budget: how many of the current cached rows to keep.
+struct SelectionInput {
+  std::span<const int64_t> positions;
+  const std::vector<bool>& cached;
+  std::span<const float> deviation;
+  std::span<const DocumentSpan> documents;
+  int64_t keep = 0;
+  uint64_t seed = 0;
+};
+
+// A selection policy returns the rows to go on with: indices into the
+// current rows, ascending, every uncached row among them. It may keep more
+// cached rows than the budget (boundary tokens are kept whatever it is).
+using SelectionPolicy = std::function<std::vector<int64_t>(const SelectionInput&)>;
+
+// The policies of control::BlendSelection, each a pure function:
+// deviation (the `keep` cached rows of largest deviation, ties to the
+// earlier row), random (`keep` drawn with the seed), boundary (the first K
+// positions of each document, the budget not used) and boundary+deviation
+// (those, and the rest of the budget by deviation).
+std::vector<int64_t> DeviationRows(const SelectionInput& in);
+std::vector<int64_t> RandomRows(const SelectionInput& in);
+std::vector<int64_t> BoundaryRows(const SelectionInput& in, int boundary_tokens);
+std::vector<int64_t> BoundaryDeviationRows(const SelectionInput& in, int boundary_tokens);
+SelectionPolicy PolicyFor(const control::BlendSelection& selection);
+
 struct BlendOptions {
-  double recompute_ratio = 0.15;
-  int check_layer = 1;
-  // Progressive filtering: checks at these layers, keeping these shares of
-  // the cached tokens (control::CheckSchedule; empty: one check at
-  // check_layer).
-  std::vector<int> check_layers;
-  std::vector<double> check_ratios;
-  Selection selection = Selection::kDeviation;
-  uint64_t seed = 0;  // for kRandom
+  // The request's ratio, checks and selection (control::CheckSchedule and
+  // control::BlendSelection); its head and segment lengths are the
+  // segments' own here.
+  control::BlendSpec spec;
+  // A policy in place of spec.selection's (tests, benches); with checks
+  // unless spec.selection says none.
+  SelectionPolicy policy;
+  uint64_t seed = 0;  // for random selection
   bool overlap_load = true;
   // Called on the caller's thread once layer l of the fused KV is final in
   // `seq` (for pushing it to a decode worker); an error stops the blend.
@@ -66,7 +101,9 @@ struct BlendOptions {
 struct BlendResult {
   std::vector<float> logits;  // of the prompt's last token
   int cached_tokens = 0;      // tokens whose KV came from a segment's cache
-  int recomputed_tokens = 0;  // of those, recomputed past the last check layer
+  // Of those, recomputed past the last check layer (with boundary
+  // selection, the boundary tokens, recomputed at every layer).
+  int recomputed_tokens = 0;
   // Cached tokens kept at each check, in order (the last is recomputed_tokens).
   std::vector<int> kept_at_check;
   int computed_tokens = 0;  // uncached segments and the suffix
@@ -83,15 +120,6 @@ struct BlendResult {
 Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments, std::span<const int32_t> suffix,
                                  const BlendOptions& options);
-
-// The rows a check keeps: of the current rows (at `positions`, where
-// cached[p] says whether position p came from a cache), every uncached one
-// and the `keep` cached ones with the largest `deviation` (one per current
-// row; ties to the earlier row), or `keep` drawn by `rng` with kRandom.
-// Indices into the current rows, ascending. keep at most the cached rows.
-std::vector<int64_t> ChooseRows(std::span<const int64_t> positions, const std::vector<bool>& cached,
-                                std::span<const float> deviation, int64_t keep, Selection selection,
-                                uint64_t seed);
 
 // KL(p || q) of the next-token distributions softmax(p_logits) and
 // softmax(q_logits): how far a blend's prediction is from full prefill's.

@@ -7,6 +7,8 @@
 // Thread-compatible values.
 
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kdn/common/kv_block.h"
@@ -48,10 +50,45 @@ struct CheckStep {
 Result<std::vector<CheckStep>> CheckSchedule(double recompute_ratio, int check_layer,
                                              std::span<const int> check_layers,
                                              std::span<const double> check_ratios, int num_layers);
+// The check layers a blend uses when none are named: progressive filtering
+// at `check_layer` and the two layers after it, where the model has them
+// (one layer left is one check: empty), unless `ratios_named` (explicit
+// check ratios need explicit layers). Named layers are kept as they are.
+std::vector<int> ResolveCheckLayers(int check_layer, std::span<const int> check_layers,
+                                    bool ratios_named, int num_layers);
+
 // `checks` ratios falling in equal steps from min(1, 2 * ratio) at the first
 // check to `ratio` at the last: a larger share is kept where the deviation
 // is least telling, as the paper does.
 std::vector<double> DefaultCheckRatios(double ratio, size_t checks);
+
+// How a blend chooses the cached tokens it recomputes (docs/blend.md,
+// "Selection policies"):
+//   deviation            CacheBlend's: at each check, the cached tokens whose
+//                        KV deviates most, up to the check's ratio
+//   random               as many, drawn at random (the baseline)
+//   boundary:K           EPIC's: the first K tokens of each document, at
+//                        every layer; no check (the ratio is not used)
+//   boundary+deviation:K the first K of each document always, and the rest
+//                        of each check's budget by deviation
+// K defaults to kDefaultBoundaryTokens and is at most kMaxBoundaryTokens.
+struct BlendSelection {
+  enum class Kind { kDeviation, kRandom, kBoundary, kBoundaryDeviation };
+  Kind kind = Kind::kDeviation;
+  int boundary_tokens = 0;  // K, for the boundary kinds
+
+  // Whether the blend scores deviation at check layers (every kind but
+  // boundary, which knows its tokens from the start).
+  bool checks() const { return kind != Kind::kBoundary; }
+  friend bool operator==(const BlendSelection&, const BlendSelection&) = default;
+};
+inline constexpr int kDefaultBoundaryTokens = 16;
+inline constexpr int kMaxBoundaryTokens = 256;
+// "deviation", "random", "boundary:16", "boundary+deviation" (K 16) or
+// "boundary+deviation:8"; INVALID_ARGUMENT naming the choices otherwise.
+Result<BlendSelection> ParseBlendSelection(std::string_view text);
+// The text ParseBlendSelection reads back ("boundary+deviation:16").
+std::string BlendSelectionName(const BlendSelection& s);
 
 // A prompt made of documents (CacheBlend; docs/serving.md, "Documents"): the
 // prompt's first head_tokens tokens are computed in full, then come the
@@ -65,6 +102,7 @@ struct BlendSpec {
   // Progressive filtering (CheckSchedule); empty: one check at check_layer.
   std::vector<int> check_layers;
   std::vector<double> check_ratios;  // one per check layer; empty: the default
+  BlendSelection selection;
 };
 
 void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out);
