@@ -175,6 +175,11 @@ struct BlendFidelityOptions {
   // (0: none).
   std::vector<int> boundary = {4, 16, 32};
   int boundary_deviation = 16;
+  // Quality-target rows (blend_max_kl), each starting at the first ratio.
+  std::vector<double> max_kl;
+  // Fit KL against the residual deviation (blend::BlendOptions::
+  // kl_per_residual) over the deviation rows, and print the slope.
+  bool calibrate = false;
 };
 int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o);
 

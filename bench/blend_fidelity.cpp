@@ -118,6 +118,7 @@ struct Mode {
   double ratio = 0;
   std::vector<int> check_layers;  // progressive schedules only
   control::BlendSelection selection;
+  double max_kl = 0;
 };
 
 struct Tally {
@@ -128,6 +129,8 @@ struct Tally {
   int64_t equal_run = 0;  // summed leading runs of agreeing greedy tokens
   double seconds = 0;     // summed TTFT
   int64_t recomputed = 0, cached = 0;
+  // Per prompt: the residual deviation at the first check and the mean KL.
+  std::vector<std::pair<double, double>> residual_kl;
 };
 
 std::string JoinLayers(const std::vector<int>& layers) {
@@ -233,6 +236,15 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
     for (const auto& layers : o.check_layers) {
       std::snprintf(name, sizeof(name), "progressive %.2f @%s", r, JoinLayers(layers).c_str());
       modes.push_back({name, "progressive", r, layers, {}});
+    }
+    if (r == o.ratios.front()) {
+      for (double kl : o.max_kl) {
+        std::snprintf(name, sizeof(name), "max_kl %.3g from %.2f", kl, r);
+        Mode m{
+            name, "max_kl", r, o.check_layers.empty() ? std::vector<int>{} : o.check_layers[0], {}};
+        m.max_kl = kl;
+        modes.push_back(std::move(m));
+      }
     }
     if (o.boundary_deviation > 0) {
       const control::BlendSelection bd{Kind::kBoundaryDeviation, o.boundary_deviation};
@@ -358,7 +370,8 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
       blend::BlendOptions bo{.spec = {.recompute_ratio = mode.ratio,
                                       .check_layer = o.check_layer,
                                       .check_layers = mode.check_layers,
-                                      .selection = mode.selection},
+                                      .selection = mode.selection,
+                                      .max_kl = mode.max_kl},
                              .seed = static_cast<uint64_t>(p) + 1};
       engine::KvSequence seq = cache.NewSequence();
       const auto t0 = Clock::now();
@@ -371,6 +384,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
       Tally& t = tallies[m];
       t.seconds += Seconds(t0, Clock::now());
       t.recomputed += res->recomputed_tokens;
+      const double residual = res->residual;
       t.cached += cached_tokens;
       auto forced = TeacherForced(model, seq, std::move(res->logits), ref_tokens);
       if (!forced.ok()) {
@@ -378,8 +392,11 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
         return 1;
       }
       bool equal_so_far = true;
+      double prompt_kl = 0;
       for (size_t i = 0; i < ref_tokens.size(); ++i) {
-        t.kl += blend::KlDivergence(ref_logits[i], (*forced)[i]);
+        const double kl = blend::KlDivergence(ref_logits[i], (*forced)[i]);
+        prompt_kl += kl;
+        t.kl += kl;
         const bool agree = engine::Argmax((*forced)[i]) == ref_tokens[i];
         t.top1 += agree;
         ++t.positions;
@@ -389,6 +406,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
         t.equal_run += equal_so_far;
       }
       t.all_equal += equal_so_far;
+      t.residual_kl.emplace_back(residual, prompt_kl / static_cast<double>(ref_tokens.size()));
     }
     if ((p + 1) % 5 == 0 || p + 1 == o.prompts || p == 0) {
       std::fprintf(stderr, "blend-fidelity: %d/%d prompts (%.0f s)\n", p + 1, o.prompts,
@@ -430,7 +448,42 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
                 {"speedup", full_ttft / ttft},
                 {"ttft_speedup", full_ttft / ttft}};
     if (!modes[m].check_layers.empty()) row["check_layers"] = modes[m].check_layers;
+    if (modes[m].max_kl > 0) row["max_kl"] = modes[m].max_kl;
+    double residual = 0;
+    for (const auto& rk : t.residual_kl) residual += rk.first;
+    if (modes[m].selection.checks() && modes[m].kind != "full_reuse") {
+      row["residual"] = residual / static_cast<double>(t.residual_kl.size());
+    }
     rows.push_back(std::move(row));
+  }
+  // The quality target's slope: each prompt's KL against its residual
+  // deviation at the first check, over the deviation rows (one check and
+  // progressive), fitted through the origin.
+  json calibration = nullptr;
+  if (o.calibrate) {
+    double rk = 0, rr = 0, kk = 0, sr = 0, sk = 0;
+    size_t n = 0;
+    for (size_t m = 0; m < modes.size(); ++m) {
+      if (modes[m].kind != "deviation" && modes[m].kind != "progressive") continue;
+      for (const auto& [r, k] : tallies[m].residual_kl) {
+        rk += r * k;
+        rr += r * r;
+        kk += k * k;
+        sr += r;
+        sk += k;
+        ++n;
+      }
+    }
+    const double slope = rr > 0 ? rk / rr : 0;
+    const double dn = static_cast<double>(n);
+    const double cov = rk / dn - (sr / dn) * (sk / dn);
+    const double corr =
+        cov / std::sqrt((rr / dn - (sr / dn) * (sr / dn)) * (kk / dn - (sk / dn) * (sk / dn)));
+    std::printf(
+        "calibration: KL = %.4f x residual deviation (%zu prompt-rows; correlation %.3f)"
+        " -> --blend-kl-per-residual %.4f\n",
+        slope, n, corr, slope);
+    calibration = {{"kl_per_residual", slope}, {"points", n}, {"correlation", corr}};
   }
   const double secs = Seconds(t_start, Clock::now());
   std::printf("(%.0f s)\n", secs);
@@ -445,6 +498,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
            {"reference_path_flips", ref_path_flips},
            {"mean_prompt_tokens", static_cast<double>(prompt_tokens) / o.prompts},
            {"rows", rows},
+           {"calibration", calibration},
            {"seconds", secs},
            {"machine", Machine(c)}});
   return 0;

@@ -405,6 +405,15 @@ int main(int argc, char** argv) {
                    "(0: none)")
       ->capture_default_str()
       ->check(CLI::Range(0, kdn::control::kMaxBoundaryTokens));
+  fidelity
+      ->add_option("--max-kl", bf.max_kl,
+                   "Quality-target rows: blend_max_kl values (comma-separated), the ratio "
+                   "raised from the first of --ratios")
+      ->delimiter(',');
+  fidelity->add_flag("--calibrate", bf.calibrate,
+                     "Fit each prompt's KL against its residual deviation over the deviation "
+                     "rows (the slope a quality target uses); run on prompts (--seed) other than "
+                     "those reported");
   fidelity->add_option("--check-layers", bf_layers,
                        "A progressive schedule's check layers, comma-separated and ascending "
                        "(repeat the option for several schedules)");

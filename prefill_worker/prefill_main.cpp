@@ -35,6 +35,12 @@ int main(int argc, char** argv) {
                  "Tokens per KV chunk (the same in every process)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--blend-kl-per-residual", o.blend_kl_per_residual,
+                 "Blend: the KL per unit of residual deviation a request's blend_max_kl is "
+                 "turned into a ratio with (docs/blend.md, \"A quality target\"); the default "
+                 "is SmolLM2-135M-Instruct's, measured by kdn-bench blend-fidelity --calibrate")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   kdn::control::EngineFlags engine_flags(o.engine.kv_tokens);
   engine_flags.Add(app);
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();

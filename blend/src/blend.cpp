@@ -88,9 +88,10 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   const model::ModelConfig& cfg = model.config();
   const control::BlendSpec& spec = options.spec;
   KDN_ASSIGN_OR_RETURN(
-      const std::vector<control::CheckStep> checks,
+      std::vector<control::CheckStep> checks,
       control::CheckSchedule(spec.recompute_ratio, spec.check_layer, spec.check_layers,
                              spec.check_ratios, cfg.num_layers));
+  if (!(spec.max_kl >= 0)) return InvalidArgument("blend: max_kl must be positive");
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
   const SelectionPolicy policy = options.policy ? options.policy : PolicyFor(spec.selection);
@@ -137,6 +138,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   cache.SetLength(seq, n);
 
   BlendResult out;
+  out.recompute_ratio = spec.recompute_ratio;
   std::vector<int64_t> cached_rows, fresh_rows, all_rows(static_cast<size_t>(n));
   std::iota(all_rows.begin(), all_rows.end(), 0);
   for (int64_t p = 0; p < n; ++p) (cached[p] ? cached_rows : fresh_rows).push_back(p);
@@ -189,6 +191,25 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
         while (rp.next_layer() < checks[i].layer) KDN_RETURN_IF_ERROR(run_layer(nullptr));
         std::vector<float> deviation;
         KDN_RETURN_IF_ERROR(run_layer(&deviation));
+        if (i == 0) {
+          // Every cached row is still here: the residual of the ratio, and
+          // with a quality target the ratio it needs.
+          std::vector<float> dev;
+          for (size_t r = 0; r < rp.positions().size(); ++r) {
+            if (cached[static_cast<size_t>(rp.positions()[r])]) dev.push_back(deviation[r]);
+          }
+          if (spec.max_kl > 0) {
+            const double ratio =
+                TargetRatio(dev, spec.recompute_ratio, spec.max_kl, options.kl_per_residual);
+            if (ratio != spec.recompute_ratio) {
+              KDN_ASSIGN_OR_RETURN(
+                  checks, control::CheckSchedule(ratio, spec.check_layer, spec.check_layers, {},
+                                                 cfg.num_layers));
+              out.recompute_ratio = ratio;
+            }
+          }
+          out.residual = ResidualShare(dev, kept_of(out.recompute_ratio));
+        }
         // 3. The cached rows to go on with, among those still recomputed.
         const int64_t keep =
             std::min(kept_of(checks[i].ratio),
@@ -291,6 +312,31 @@ std::vector<int64_t> BoundaryDeviationRows(const SelectionInput& in, int boundar
   }
   ByDeviation(in, &rest);
   return Take(std::move(kept), std::move(rest), in.keep - boundary);
+}
+
+double ResidualShare(std::span<const float> cached_deviation, int64_t keep) {
+  std::vector<float> d(cached_deviation.begin(), cached_deviation.end());
+  std::sort(d.begin(), d.end(), std::greater<float>());
+  double total = 0, kept = 0;
+  for (size_t i = 0; i < d.size(); ++i) {
+    total += d[i];
+    if (static_cast<int64_t>(i) < keep) kept += d[i];
+  }
+  return total > 0 ? (total - kept) / total : 0;
+}
+
+double TargetRatio(std::span<const float> cached_deviation, double start, double max_kl,
+                   double kl_per_residual) {
+  const double n = static_cast<double>(cached_deviation.size());
+  auto fits = [&](double ratio) {
+    const auto keep = static_cast<int64_t>(std::ceil(ratio * n - 1e-9));
+    return kl_per_residual * ResidualShare(cached_deviation, keep) <= max_kl;
+  };
+  if (fits(start)) return start;
+  for (double r : kRatioLadder) {
+    if (r > start && fits(r)) return r;
+  }
+  return 1.0;
 }
 
 SelectionPolicy PolicyFor(const control::BlendSelection& s) {

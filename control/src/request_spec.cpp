@@ -16,6 +16,7 @@ void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out) {
   for (int l : spec.check_layers) out->add_check_layers(l);
   for (double r : spec.check_ratios) out->add_check_ratios(r);
   if (spec.selection != BlendSelection{}) out->set_selection(BlendSelectionName(spec.selection));
+  out->set_max_kl(spec.max_kl);
 }
 
 BlendSpec BlendFromProto(const proto::BlendSpec& p) {
@@ -26,6 +27,7 @@ BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   spec.check_layer = p.check_layer();
   spec.check_layers.assign(p.check_layers().begin(), p.check_layers().end());
   spec.check_ratios.assign(p.check_ratios().begin(), p.check_ratios().end());
+  spec.max_kl = p.max_kl();
   // The router sends only what it parsed; an unknown name (a newer router)
   // falls back to the default rather than failing the request.
   if (!p.selection().empty()) {

@@ -124,6 +124,7 @@ struct PrefillService::Impl {
       pr->set_slices_skipped(out->slices_skipped);
       pr->set_blended_tokens(out->blended_tokens);
       pr->set_recomputed_tokens(out->recomputed_tokens);
+      pr->set_recompute_ratio(out->recompute_ratio);
       pr->set_resident_tokens(out->resident_tokens);
       pr->set_kv_bytes_loaded(out->kv_bytes_loaded);
       {
@@ -267,6 +268,7 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
           {.curve = options.curve, .model = impl->wm.fingerprint, .ttl = options.shared_tier_ttl}));
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
+  po.blend_kl_per_residual = options.blend_kl_per_residual;
   po.sender.transport = options.kv_transport;
   po.sender.curve = options.curve;
   po.store_in_background = true;

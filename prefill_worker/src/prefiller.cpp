@@ -236,6 +236,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   }
   blend::BlendOptions bo;
   bo.spec = b;
+  bo.kl_per_residual = options_.blend_kl_per_residual;
   bo.on_layer = [&](int layer) { return push.Layer(layer); };
   KDN_ASSIGN_OR_RETURN(blend::BlendResult r,
                        blend::BlendPrefill(model_, seq_, segments, suffix, bo));
@@ -247,6 +248,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   out.cached_tokens = r.cached_tokens;
   out.blended_tokens = r.cached_tokens;
   out.recomputed_tokens = r.recomputed_tokens;
+  out.recompute_ratio = r.recompute_ratio;
   out.computed_tokens = r.computed_tokens;
   return out;
 }

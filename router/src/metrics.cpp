@@ -67,7 +67,8 @@ void Histogram::Render(const std::string& name, std::string* out) const {
 Metrics::Metrics()
     : ttft_({0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
       inter_token_({0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5}),
-      queue_wait_({0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}) {}
+      queue_wait_({0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
+      blend_ratio_({0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1}) {}
 
 void Metrics::QueueDepth(int n) {
   MutexLock lock(mu_);
@@ -117,6 +118,11 @@ void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed
   blended_tokens_ += static_cast<uint64_t>(blended);
   recomputed_tokens_ += static_cast<uint64_t>(recomputed);
   computed_tokens_ += static_cast<uint64_t>(computed);
+}
+
+void Metrics::BlendRatio(double ratio) {
+  MutexLock lock(mu_);
+  blend_ratio_.Observe(ratio);
 }
 
 void Metrics::Injected(const std::string& result, size_t tokens) {
@@ -179,6 +185,10 @@ std::string Metrics::Render(const std::vector<WorkerGauge>& workers) const {
   ttft_.Render("kdn_ttft_seconds", &out);
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");
   inter_token_.Render("kdn_inter_token_seconds", &out);
+  Head(&out, "kdn_blend_recompute_ratio", "histogram",
+       "The recompute ratio of each blend request: its own, or the one its quality target "
+       "(blend_max_kl) chose.");
+  blend_ratio_.Render("kdn_blend_recompute_ratio", &out);
   Head(&out, "kdn_prompt_tokens_total", "counter",
        "Prompt tokens by the source of their KV: prefix chunks and tail pieces loaded from the "
        "KDN (cached), "

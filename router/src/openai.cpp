@@ -326,6 +326,14 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     if (!s.ok()) return Bad("'blend_selection': " + s.status().message(), "blend_selection");
     selection = *s;
   }
+  double max_kl = 0;
+  KDN_API_CHECK(GetNumber(body, "blend_max_kl", &max_kl));
+  if (IsSet(body, "blend_max_kl") && !(max_kl > 0 && max_kl <= 10)) {
+    return Bad("'blend_max_kl' must be above 0 and at most 10", "blend_max_kl");
+  }
+  // A quality target raises the ratio from the ladder's first unless the
+  // request says where to start.
+  if (max_kl > 0 && !IsSet(body, "recompute_ratio")) ratio = control::kMinTargetRatio;
   KDN_API_CHECK(GetNumber(body, "recompute_ratio", &ratio));
   KDN_API_CHECK(GetInt(body, "check_layer", &check_layer));
   KDN_API_CHECK(GetIntArray(body, "check_layers", &check_layers));
@@ -342,7 +350,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     check_layers.clear();  // one check, where the request says
     check_ratios.clear();
   }
-  if ((IsSet(body, "check_layers") || IsSet(body, "recompute_ratio")) &&
+  if ((IsSet(body, "check_layers") || IsSet(body, "recompute_ratio") || max_kl > 0) &&
       !IsSet(body, "check_ratios")) {
     check_ratios.clear();  // the default schedule for this request's layers and ratio
   }
@@ -361,6 +369,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     out->blend->check_layers = std::move(check_layers);
     out->blend->check_ratios = std::move(check_ratios);
     out->blend->selection = selection;
+    out->blend->max_kl = max_kl;
   }
 
   int64_t max_tokens = control::kDefaultMaxTokens;

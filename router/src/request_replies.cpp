@@ -105,6 +105,7 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
     r.usage.blended = r.job.blend.has_value();
     r.usage.blended_tokens = pr.blended_tokens();
     r.usage.recomputed_tokens = pr.recomputed_tokens();
+    r.usage.recompute_ratio = pr.recompute_ratio();
   }
   if (metrics_) {
     if (!resumed) {
@@ -113,6 +114,7 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
                              pr.computed_tokens(), pr.tail_tokens());
     }
     metrics_->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
+    if (!resumed && r.job.blend.has_value()) metrics_->BlendRatio(pr.recompute_ratio());
   }
   // Step 5: the first token goes to the client now, shown by the decode
   // worker's own rules (text::OutputText: stop strings, partial characters),

@@ -105,6 +105,57 @@ TEST(Blend, BoundarySelectionRecomputesEachDocumentsFirstTokens) {
   EXPECT_EQ(both.recomputed_tokens, 18);
 }
 
+// A quality target raises the ratio where deviation is spread over many
+// tokens and keeps it where a few hold it.
+TEST(Blend, TargetRatioClimbsWhereDeviationIsSpread) {
+  std::vector<float> concentrated(20, 0.01f), spread(20, 1.0f);
+  concentrated[3] = 100;
+  // keep 1 of 20: the rest hold 0.19 of 100.19 / 19 of 20.
+  EXPECT_NEAR(ResidualShare(concentrated, 1), 0.19 / 100.19, 1e-6);
+  EXPECT_NEAR(ResidualShare(spread, 1), 0.95, 1e-6);
+  EXPECT_EQ(ResidualShare(spread, 20), 0);
+  EXPECT_EQ(ResidualShare(std::vector<float>(5, 0.0f), 1), 0);
+  // max_kl 0.1 at 0.5 KL per residual: a residual of at most 0.2.
+  EXPECT_EQ(TargetRatio(concentrated, 0.05, 0.1, 0.5), 0.05);
+  // Needs 16 of 20 (0.8): 0.75 keeps 15 (residual 0.25), so 1.
+  EXPECT_EQ(TargetRatio(spread, 0.05, 0.1, 0.5), 1.0);
+  EXPECT_EQ(TargetRatio(spread, 0.05, 0.25, 0.5), 0.5);   // residual 0.5
+  EXPECT_EQ(TargetRatio(spread, 0.15, 0.45, 0.5), 0.15);  // 0.85 * 0.5 <= 0.45: the start
+  // The steeper the slope, the higher the ratio.
+  EXPECT_GT(TargetRatio(spread, 0.05, 0.25, 2.0), TargetRatio(spread, 0.05, 0.25, 0.5));
+}
+
+// In a blend: a target nothing but a full prefill meets recomputes every
+// token; a loose one keeps the starting ratio; the ratio used is reported.
+TEST(Blend, AQualityTargetChoosesTheRatioAtTheFirstCheck) {
+  auto model = MakeModel("tiny");
+  const Prompt p = MakePrompt(*model, 3, 40, 6);
+  auto blend = [&](double max_kl) {
+    engine::KvSequence seq = model->kv_cache().NewSequence();
+    auto r = BlendPrefill(*model, seq, p.segments, p.suffix,
+                          {.spec = {.recompute_ratio = 0.05, .max_kl = max_kl}});
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return *r;
+  };
+  const BlendResult tight = blend(1e-9);
+  EXPECT_EQ(tight.recompute_ratio, 1.0);
+  EXPECT_EQ(tight.recomputed_tokens, 120);
+  EXPECT_EQ(tight.residual, 0);
+  const auto full = FullPrefill(*model, p.all);
+  EXPECT_LT(RelError(tight.logits.data(), full.data(), full.size()), 1e-5);
+  const BlendResult loose = blend(10);
+  EXPECT_EQ(loose.recompute_ratio, 0.05);
+  EXPECT_EQ(loose.recomputed_tokens, 6);
+  EXPECT_GT(loose.residual, 0);
+  EXPECT_LT(loose.residual, 1);
+  // Without a target: the request's ratio, its residual reported.
+  engine::KvSequence seq = model->kv_cache().NewSequence();
+  auto fixed = BlendPrefill(*model, seq, p.segments, p.suffix, {.spec = {.recompute_ratio = 0.05}});
+  ASSERT_TRUE(fixed.ok());
+  EXPECT_EQ(fixed->recompute_ratio, 0.05);
+  EXPECT_DOUBLE_EQ(fixed->residual, loose.residual);
+}
+
 TEST(Blend, RatioZeroIsFullReuse) {
   auto model = MakeModel("tiny-qwen2");
   const Prompt p = MakePrompt(*model, 3, 40, 2);

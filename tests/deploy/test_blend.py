@@ -112,6 +112,32 @@ def test_a_request_chooses_its_selection_policy(deployment):
     assert details(r["usage"])["recomputed_tokens"] == 60, r["usage"]
 
 
+def test_a_quality_target_chooses_the_ratio_and_reports_it(deployment):
+    docs = fresh_docs(3, 200)
+    question = "Z"
+    inject(deployment, docs)
+    want = engine_text(deployment.model, "".join(docs) + question, 16)
+    before = metric(parse_metrics(deployment.metrics()), "kdn_blend_recompute_ratio_count")
+    # Met by nothing but recomputing every token: ratio 1, a full prefill.
+    r = deployment.completion(question, documents=docs, max_tokens=16, temperature=0,
+                              blend_max_kl=1e-9)
+    d = details(r["usage"])
+    assert d["recompute_ratio"] == 1 and d["recomputed_tokens"] == 600, r["usage"]
+    assert r["choices"][0]["text"] == want
+    # Met at once: the ladder's first ratio, 0.05.
+    r = deployment.completion(question, documents=docs, max_tokens=4, temperature=0,
+                              blend_max_kl=10)
+    d = details(r["usage"])
+    assert d["recompute_ratio"] == 0.05 and d["recomputed_tokens"] == 30, r["usage"]
+    # A fixed ratio reports itself.
+    r = deployment.completion(question, documents=docs, max_tokens=4, temperature=0,
+                              recompute_ratio=0.2)
+    assert details(r["usage"])["recompute_ratio"] == 0.2, r["usage"]
+    s = parse_metrics(deployment.metrics())
+    assert metric(s, "kdn_blend_recompute_ratio_count") == before + 3
+    assert metric(s, "kdn_blend_recompute_ratio_bucket", le="0.05") >= 1
+
+
 def test_blended_kv_is_never_stored_under_prefix_keys(deployment):
     docs = fresh_docs(3, 300)
     question = "Question: what now?\nAnswer:"
@@ -166,6 +192,7 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
     ("/v1/completions", {"prompt": "q", "documents": ["a"], "recompute_ratio": 2}, "recompute_ratio"),
     ("/v1/completions", {"prompt": "q", "documents": ["a"], "check_layer": 5}, "check_layer"),
     ("/v1/completions", {"prompt": [1, 2], "documents": ["a"]}, "prompt"),
+    ("/v1/completions", {"prompt": "q", "documents": ["a"], "blend_max_kl": 0}, "blend_max_kl"),
     ("/v1/completions", {"prompt": "q", "documents": ["a"], "blend_selection": "epic"},
      "blend_selection"),
     ("/v1/completions", {"prompt": "q", "documents": ["a"], "blend_selection": "boundary:0"},

@@ -83,6 +83,28 @@ std::vector<int64_t> BoundaryRows(const SelectionInput& in, int boundary_tokens)
 std::vector<int64_t> BoundaryDeviationRows(const SelectionInput& in, int boundary_tokens);
 SelectionPolicy PolicyFor(const control::BlendSelection& selection);
 
+// A quality target (BlendSpec::max_kl; docs/blend.md, "A quality target"):
+// at the first check every cached token's deviation is known; the residual
+// of a ratio is the share of the cached tokens' total deviation that the
+// tokens it does not recompute hold. The KL a blend ends with grows with
+// it, about linearly: KL ~ kl_per_residual x residual, the slope fitted
+// offline (kdn-bench blend-fidelity --calibrate) on prompts other than
+// those the benchmark reports. The ratio is raised along kRatioLadder, from
+// the request's, until the predicted KL is at most max_kl (1: all).
+inline constexpr double kRatioLadder[] = {0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0};
+// SmolLM2-135M-Instruct's slope (docs/blend.md); another model's is
+// measured the same way and given to the prefill worker
+// (--blend-kl-per-residual).
+inline constexpr double kDefaultKlPerResidual = 0.5;
+
+// The residual of keeping the `keep` cached rows of largest deviation:
+// the rest's share of the total deviation (0 when the total is 0).
+double ResidualShare(std::span<const float> cached_deviation, int64_t keep);
+// The first ratio of kRatioLadder at or past `start` (start itself first)
+// whose residual times kl_per_residual is at most max_kl; 1 if none is.
+double TargetRatio(std::span<const float> cached_deviation, double start, double max_kl,
+                   double kl_per_residual);
+
 struct BlendOptions {
   // The request's ratio, checks and selection (control::CheckSchedule and
   // control::BlendSelection); its head and segment lengths are the
@@ -91,7 +113,8 @@ struct BlendOptions {
   // A policy in place of spec.selection's (tests, benches); with checks
   // unless spec.selection says none.
   SelectionPolicy policy;
-  uint64_t seed = 0;  // for random selection
+  uint64_t seed = 0;                               // for random selection
+  double kl_per_residual = kDefaultKlPerResidual;  // for spec.max_kl
   bool overlap_load = true;
   // Called on the caller's thread once layer l of the fused KV is final in
   // `seq` (for pushing it to a decode worker); an error stops the blend.
@@ -104,6 +127,11 @@ struct BlendResult {
   // Of those, recomputed past the last check layer (with boundary
   // selection, the boundary tokens, recomputed at every layer).
   int recomputed_tokens = 0;
+  // The ratio used: the request's, or the one its quality target chose.
+  double recompute_ratio = 0;
+  // At the first check (deviation selections): the residual of that ratio
+  // (ResidualShare), the quantity a quality target bounds.
+  double residual = 0;
   // Cached tokens kept at each check, in order (the last is recomputed_tokens).
   std::vector<int> kept_at_check;
   int computed_tokens = 0;  // uncached segments and the suffix

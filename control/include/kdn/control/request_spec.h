@@ -26,6 +26,9 @@ inline constexpr int kDefaultMaxTokens = 16;
 // --recompute-ratio and --check-layer and a request may override them.
 inline constexpr double kDefaultRecomputeRatio = 0.15;
 inline constexpr int kDefaultCheckLayer = 1;
+// Where a quality target (BlendSpec::max_kl) starts raising the ratio when
+// the request names none: blend::kRatioLadder's first.
+inline constexpr double kMinTargetRatio = 0.05;
 
 // No check layers named: in a BlendSpec, one check at check_layer; in
 // kdn-router's options, its default (progressive checks at check_layer and
@@ -103,6 +106,10 @@ struct BlendSpec {
   std::vector<int> check_layers;
   std::vector<double> check_ratios;  // one per check layer; empty: the default
   BlendSelection selection;
+  // > 0: a quality target instead of a fixed ratio (docs/blend.md, "A
+  // quality target"): recompute_ratio is where the ratio starts, raised at
+  // the first check until the KL the deviation predicts is at most this.
+  double max_kl = 0;
 };
 
 void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out);

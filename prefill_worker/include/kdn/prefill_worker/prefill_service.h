@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "kdn/blend/blend.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/open_engine.h"
 #include "kdn/kvbus/codec.h"
@@ -32,6 +33,8 @@ struct PrefillServiceOptions {
   std::string name = "prefill-0";
   uint64_t host_bytes = uint64_t{2} << 30;
   int chunk_tokens = 256;
+  // A blend's quality target's slope (docs/blend.md, "A quality target").
+  double blend_kl_per_residual = blend::kDefaultKlPerResidual;
   // Where the engine runs and the KV its paged cache holds.
   engine::OpenOptions engine{.kv_tokens = 32768, .max_batch = 8};
   // kvbus data plane to decode workers (kvbus::TransportKind).

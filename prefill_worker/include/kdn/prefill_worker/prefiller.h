@@ -83,6 +83,7 @@ struct PrefillOutcome {
   int computed_tokens = 0;       // run through the model in full
   int blended_tokens = 0;        // of cached_tokens: fused from documents' KV
   int recomputed_tokens = 0;     // of blended_tokens: recomputed past the check layer
+  double recompute_ratio = 0;    // a blend's: the request's, or its quality target's
   uint64_t kv_bytes_sent = 0;
   // Layer slices not sent because the decode worker held them: the chunks it
   // said it holds, and slices its receiver answered HELD for.
@@ -106,6 +107,8 @@ struct PrefillerOptions {
   // request does not wait for a write-through to kdn-store (the worker);
   // false: it puts them itself before it returns (tests, benchmarks).
   bool store_in_background = false;
+  // A blend's quality target's slope (blend::BlendOptions::kl_per_residual).
+  double blend_kl_per_residual = blend::kDefaultKlPerResidual;
 };
 
 class Prefiller {

@@ -95,6 +95,9 @@ class Metrics {
   // blend, and computed in full. They add up to the prompt.
   // `tail` is the part of `cached` that came from tail pieces.
   void PromptTokens(int cached, int blended, int recomputed, int computed, int tail = 0);
+  // The recompute ratio a blend request used (its own, or its quality
+  // target's).
+  void BlendRatio(double ratio);
   // One injected document: result "stored", "already_held" or "failed".
   void Injected(const std::string& result, size_t tokens);
   void GeneratedTokens(int n);
@@ -135,6 +138,7 @@ class Metrics {
   uint64_t accept_errors_ KDN_GUARDED_BY(mu_) = 0;
   int queue_depth_ KDN_GUARDED_BY(mu_) = 0;
   Histogram queue_wait_ KDN_GUARDED_BY(mu_);
+  Histogram blend_ratio_ KDN_GUARDED_BY(mu_);
   uint64_t resumed_ KDN_GUARDED_BY(mu_) = 0;
   uint64_t resumed_tokens_ KDN_GUARDED_BY(mu_) = 0;
   uint64_t routed_disaggregated_ KDN_GUARDED_BY(mu_) = 0;
