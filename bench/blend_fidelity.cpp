@@ -224,6 +224,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
   using Kind = control::BlendSelection::Kind;
   std::vector<Mode> modes{{"full reuse", "full_reuse", 0, {}, {}}};
   for (int k : o.boundary) {
+    if (k <= 0) continue;  // --boundary 0: no boundary rows
     const std::string kind = "boundary:" + std::to_string(k);
     modes.push_back({kind, kind, 0, {}, {Kind::kBoundary, k}});
   }

@@ -354,6 +354,16 @@ int main(int argc, char** argv) {
   rag->add_option("--check-layer", rb_check, "Layer whose KV deviation picks the tokens")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  std::vector<std::string> rb_selections = {"deviation"};
+  rag->add_option("--selections", rb_selections,
+                  "Blend selection policies the blend rows run with (comma-separated: "
+                  "deviation, random, boundary:K, boundary+deviation:K); boundary:K runs once")
+      ->delimiter(',')
+      ->check([](const std::string& v) {
+        auto s = kdn::control::ParseBlendSelection(v);
+        return s.ok() ? std::string() : s.status().message();
+      })
+      ->capture_default_str();
   std::vector<int> rb_layers;
   rag->add_option("--check-layers", rb_layers,
                   "Also run each partial ratio with progressive filtering over these check "
@@ -396,7 +406,7 @@ int main(int argc, char** argv) {
   fidelity
       ->add_option("--boundary", bf.boundary,
                    "Boundary selection (EPIC's): one row for each K, the first K tokens of each "
-                   "document recomputed (comma-separated; none: no such rows)")
+                   "document recomputed (comma-separated; 0: no such rows)")
       ->delimiter(',')
       ->capture_default_str();
   fidelity
@@ -515,7 +525,8 @@ int main(int argc, char** argv) {
     return RunMultiturn(c, mt);
   }
   if (rag->parsed()) {
-    return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check, rb_layers);
+    return RunRagBlend(c, rb_docs, rb_doc_tokens, rb_question, rb_ratios, rb_check, rb_layers,
+                       rb_selections);
   }
   if (fidelity->parsed()) {
     for (const std::string& s : bf_layers) {

@@ -391,7 +391,7 @@ TEST(Blend, BoundaryRowsAreEachDocumentsFirstTokens) {
     return control::BlendSelectionName(*control::ParseBlendSelection(t));
   };
   EXPECT_EQ(PolicyFor(*control::ParseBlendSelection("boundary:2"))(in), BoundaryRows(in, 2));
-  EXPECT_EQ(name("boundary+deviation"), "boundary+deviation:16");
+  EXPECT_EQ(name("boundary+deviation"), "boundary+deviation:8");
   EXPECT_EQ(name("boundary:4"), "boundary:4");
   for (const char* bad :
        {"boundary:0", "boundary:x", "boundary:", "deviation:3", "epic", "boundary:100000"}) {

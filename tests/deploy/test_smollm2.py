@@ -43,6 +43,7 @@ from test_gguf import hf_folder  # noqa: E402
 EOS = 2  # <|im_end|>
 NEW_TOKENS = 24
 RECOMPUTE_RATIO = 0.15  # kdn-launch's default --recompute-ratio
+BOUNDARY_TOKENS = 8  # kdn-router's default --blend-selection, boundary+deviation:8
 
 SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
 # The second answer runs past NEW_TOKENS (finish_reason "length"); the others
@@ -236,11 +237,14 @@ def test_documents_are_computed_then_blended(served, reference):
     assert text == want
     assert usage.completion_tokens == len(new), usage
 
-    # Held: blended, the default share recomputed.
+    # Held: blended, the default share recomputed, and at least each
+    # document's first BOUNDARY_TOKENS (kdn-router's default selection,
+    # boundary+deviation:8).
     text, finish, usage = chat(d, client, messages, True, documents=DOCUMENTS)
     assert usage.prompt_tokens == len(prompt), usage
+    boundary = sum(min(BOUNDARY_TOKENS, len(p)) for p in pieces[1:-1])
     assert details(usage) == (doc_tokens, doc_tokens,
-                              math.ceil(RECOMPUTE_RATIO * doc_tokens)), usage
+                              max(math.ceil(RECOMPUTE_RATIO * doc_tokens), boundary)), usage
     assert text.strip() and finish in ("stop", "length"), (text, finish)
 
     # Held, every document token recomputed: a full prefill again.

@@ -92,10 +92,12 @@ SelectionPolicy PolicyFor(const control::BlendSelection& selection);
 // those the benchmark reports. The ratio is raised along kRatioLadder, from
 // the request's, until the predicted KL is at most max_kl (1: all).
 inline constexpr double kRatioLadder[] = {0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0};
-// SmolLM2-135M-Instruct's slope (docs/blend.md); another model's is
-// measured the same way and given to the prefill worker
+// SmolLM2-135M-Instruct's slope: 0.333 over 160 prompt-rows of 20
+// calibration prompts (kdn-bench blend-fidelity --seed 2 --calibrate;
+// bench/results/cpu-2026-11-27/blend-calibration.txt, docs/blend.md).
+// Another model's is measured the same way and given to the prefill worker
 // (--blend-kl-per-residual).
-inline constexpr double kDefaultKlPerResidual = 0.5;
+inline constexpr double kDefaultKlPerResidual = 0.333;
 
 // The residual of keeping the `keep` cached rows of largest deviation:
 // the rest's share of the total deviation (0 when the total is 0).

@@ -75,6 +75,8 @@ std::vector<double> DefaultCheckRatios(double ratio, size_t checks);
 //   boundary+deviation:K the first K of each document always, and the rest
 //                        of each check's budget by deviation
 // K defaults to kDefaultBoundaryTokens and is at most kMaxBoundaryTokens.
+// kdn-router's default is DefaultBlendSelection(): the best measured on
+// SmolLM2 (docs/blend.md, "Selection policies").
 struct BlendSelection {
   enum class Kind { kDeviation, kRandom, kBoundary, kBoundaryDeviation };
   Kind kind = Kind::kDeviation;
@@ -85,12 +87,15 @@ struct BlendSelection {
   bool checks() const { return kind != Kind::kBoundary; }
   friend bool operator==(const BlendSelection&, const BlendSelection&) = default;
 };
-inline constexpr int kDefaultBoundaryTokens = 16;
+inline constexpr int kDefaultBoundaryTokens = 8;
 inline constexpr int kMaxBoundaryTokens = 256;
-// "deviation", "random", "boundary:16", "boundary+deviation" (K 16) or
-// "boundary+deviation:8"; INVALID_ARGUMENT naming the choices otherwise.
+// "deviation", "random", "boundary:16", "boundary+deviation" (K 8) or
+// "boundary+deviation:4"; INVALID_ARGUMENT naming the choices otherwise.
 Result<BlendSelection> ParseBlendSelection(std::string_view text);
-// The text ParseBlendSelection reads back ("boundary+deviation:16").
+inline BlendSelection DefaultBlendSelection() {
+  return {BlendSelection::Kind::kBoundaryDeviation, kDefaultBoundaryTokens};
+}
+// The text ParseBlendSelection reads back ("boundary+deviation:8").
 std::string BlendSelectionName(const BlendSelection& s);
 
 // A prompt made of documents (CacheBlend; docs/serving.md, "Documents"): the

@@ -60,7 +60,8 @@ struct ServedModel {
   // Progressive filtering (control::CheckSchedule); empty: one check.
   std::vector<int> check_layers = control::DefaultCheckLayers();
   std::vector<double> check_ratios;
-  control::BlendSelection selection;  // a request's 'blend_selection' overrides it
+  // A request's 'blend_selection' overrides it.
+  control::BlendSelection selection = control::DefaultBlendSelection();
   // The model folder's chat template; null: the built-in format of
   // config->architecture.
   const text::ChatTemplate* chat_template = nullptr;

@@ -29,7 +29,8 @@ struct RouterOptions {
   // Progressive filtering (control::CheckSchedule); empty: one check.
   std::vector<int> check_layers = control::DefaultCheckLayers();
   std::vector<double> check_ratios;
-  control::BlendSelection selection;  // the policy (control::ParseBlendSelection)
+  // The policy (control::ParseBlendSelection).
+  control::BlendSelection selection = control::DefaultBlendSelection();
   BackendOptions backend;
   // API keys (docs/serving.md, "API keys"); null: every request is served,
   // in the namespace of its cache_salt.
