@@ -1,16 +1,78 @@
 // kdn-generate: the engine alone, one process, no network. Loads a model
 // folder, runs a prompt, prints the continuation (stdout) and timings (stderr).
+// With --document, the prompt is a blend (docs/blend.md) as a deployment
+// runs it: BOS, the documents (each tokenized apart, its KV computed on its
+// own), then --prompt as the question; the fused prefill's answer, greedy.
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "kdn/blend/blend.h"
 #include "kdn/engine/generate.h"
+#include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
+#include "kdn/engine/sampler.h"
 #include "kdn/text/output_text.h"
 #include "kdn/text/tokenizer.h"
+
+namespace {
+
+std::string JoinIds(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+struct BlendOutput {
+  std::vector<int32_t> tokens;
+  int cached_tokens = 0;
+  int recomputed_tokens = 0;
+  double recompute_ratio = 0;
+};
+
+// Each document's KV computed on its own (from position 0, as kdn-prefill
+// stores it under its segment key), then fused with `head` and `question`
+// by blend::BlendPrefill, then greedy decoding on the fused KV.
+kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vector<int32_t>& head,
+                                     const std::vector<std::vector<int32_t>>& docs,
+                                     const std::vector<int32_t>& question,
+                                     const kdn::control::BlendSpec& spec,
+                                     const kdn::engine::GenerateOptions& gen) {
+  kdn::engine::KvCache& cache = model.kv_cache();
+  const auto dtype = kdn::kvbridge::ChunkDType(model.kv_dtype());
+  std::vector<kdn::blend::Segment> segments;
+  if (!head.empty()) segments.push_back({head, nullptr});
+  for (const auto& d : docs) {
+    kdn::engine::KvSequence seq = cache.NewSequence();
+    KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(d.size())));
+    std::vector<float> logits;
+    KDN_RETURN_IF_ERROR(model.Prefill(seq, d, {}, &logits));
+    KDN_ASSIGN_OR_RETURN(
+        auto kv, kdn::kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), {}, {}, dtype));
+    segments.push_back({d, std::move(kv)});
+  }
+  kdn::engine::KvSequence seq = cache.NewSequence();
+  KDN_ASSIGN_OR_RETURN(kdn::blend::BlendResult r,
+                       kdn::blend::BlendPrefill(model, seq, segments, question, {.spec = spec}));
+  BlendOutput out{{}, r.cached_tokens, r.recomputed_tokens, r.recompute_ratio};
+  std::vector<float> logits = std::move(r.logits);
+  kdn::engine::KvSequence* s = &seq;
+  while (static_cast<int>(out.tokens.size()) < gen.max_tokens) {
+    out.tokens.push_back(kdn::engine::Argmax(logits));
+    const int32_t t = out.tokens.back();
+    if (std::find(gen.stop_ids.begin(), gen.stop_ids.end(), t) != gen.stop_ids.end()) break;
+    if (static_cast<int>(out.tokens.size()) == gen.max_tokens) break;
+    KDN_RETURN_IF_ERROR(model.DecodeStep(std::span<kdn::engine::KvSequence* const>(&s, 1),
+                                         {&out.tokens.back(), 1}, &logits));
+  }
+  return out;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace kdn::engine;
@@ -42,8 +104,37 @@ int main(int argc, char** argv) {
   app.add_flag("--no-bos", no_bos, "Do not prepend the BOS token");
   app.add_flag("--ignore-eos", ignore_eos, "Keep generating past the EOS token");
   app.add_flag("--print-ids", print_ids, "Print generated token ids instead of text");
+  std::vector<std::string> documents;
+  kdn::control::BlendSpec blend;
+  std::string selection = kdn::control::BlendSelectionName(kdn::control::DefaultBlendSelection());
+  app.add_option("--document", documents,
+                 "A document of a blend prompt (repeat in order; --prompt is the question): "
+                 "each document's KV is computed on its own and fused as kdn-prefill does")
+      ->excludes("--prompt-ids");
+  app.add_option("--recompute-ratio", blend.recompute_ratio, "Blend: the recompute ratio")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--check-layers", blend.check_layers,
+                 "Blend: the check layers (comma-separated; default: kdn-router's, 1,2,3 where "
+                 "the model has them)")
+      ->delimiter(',');
+  app.add_option("--blend-selection", selection,
+                 "Blend: the selection policy (kdn-router's --blend-selection)")
+      ->capture_default_str();
+  app.add_option("--blend-max-kl", blend.max_kl, "Blend: a quality target (0: none)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
 
+  if (auto s = kdn::control::ParseBlendSelection(selection); s.ok()) {
+    blend.selection = *s;
+  } else {
+    std::fprintf(stderr, "kdn-generate: --blend-selection: %s\n", s.status().message().c_str());
+    return 2;
+  }
+  if (!documents.empty() && gen.sampling.temperature != 0.0f) {
+    std::fprintf(stderr, "kdn-generate: a blend (--document) decodes greedily: --temperature 0\n");
+    return 2;
+  }
   if (prompt.empty() && prompt_ids.empty()) {
     std::fprintf(stderr, "kdn-generate: give --prompt or --prompt-ids\n");
     return 2;
@@ -75,8 +166,21 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-  } else {
+  } else if (documents.empty()) {
     ids = (*tok)->Encode(prompt, !no_bos);
+  }
+  // A blend prompt, tokenized as kdn-router's BlendPrompt does: BOS, each
+  // document apart, then the question.
+  std::vector<std::vector<int32_t>> doc_ids;
+  std::vector<int32_t> question;
+  if (!documents.empty()) {
+    ids = (*tok)->Encode("", !no_bos);
+    for (const std::string& d : documents) {
+      doc_ids.push_back((*tok)->Encode(d, false));
+      ids.insert(ids.end(), doc_ids.back().begin(), doc_ids.back().end());
+    }
+    question = (*tok)->Encode(prompt, false);
+    ids.insert(ids.end(), question.begin(), question.end());
   }
   // The KV pool holds the prompt and every token generated.
   OpenOptions opts{.device = *dev,
@@ -89,15 +193,33 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (!ignore_eos) gen.stop_ids = kdn::text::ModelStopIds(**tok, (*model)->config());
+  if (!documents.empty()) {
+    const int layers = (*model)->config().num_layers;
+    blend.check_layers =
+        kdn::control::ResolveCheckLayers(blend.check_layer, blend.check_layers, false, layers);
+    auto out = BlendAnswer(
+        **model, ids.size() > 0 && !no_bos ? std::vector<int32_t>{ids[0]} : std::vector<int32_t>{},
+        doc_ids, question, blend, gen);
+    if (!out.ok()) {
+      std::fprintf(stderr, "kdn-generate: %s\n", out.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("%s\n",
+                print_ids ? JoinIds(out->tokens).c_str() : (*tok)->Decode(out->tokens).c_str());
+    std::fprintf(stderr,
+                 "kdn-generate: blend of %zu documents: %d cached tokens, %d recomputed "
+                 "(ratio %.2f), %zu tokens generated\n",
+                 documents.size(), out->cached_tokens, out->recomputed_tokens, out->recompute_ratio,
+                 out->tokens.size());
+    return 0;
+  }
   auto res = Generate(**model, ids, gen);
   if (!res.ok()) {
     std::fprintf(stderr, "kdn-generate: %s\n", res.status().ToString().c_str());
     return 1;
   }
   if (print_ids) {
-    for (size_t i = 0; i < res->tokens.size(); ++i)
-      std::printf("%s%d", i ? "," : "", res->tokens[i]);
-    std::printf("\n");
+    std::printf("%s\n", JoinIds(res->tokens).c_str());
   } else {
     std::printf("%s\n", (*tok)->Decode(res->tokens).c_str());
   }

@@ -12,7 +12,9 @@ import uuid
 import openai
 import pytest
 
-from deploy_util import metric, parse_metrics, repeat_cached, sse_events, wait_until
+import subprocess
+
+from deploy_util import binary, metric, parse_metrics, repeat_cached, sse_events, wait_until
 from test_api import engine_text, words_text
 
 
@@ -110,6 +112,32 @@ def test_a_request_chooses_its_selection_policy(deployment):
     r = deployment.completion(question, documents=docs, max_tokens=4, temperature=0,
                               blend_selection="boundary+deviation:8", recompute_ratio=0.1)
     assert details(r["usage"])["recomputed_tokens"] == 60, r["usage"]
+
+
+def blend_text(model, docs, question, max_tokens, selection):
+    """kdn-generate's blend of the same prompt (documents computed on their
+    own, fused as kdn-prefill does, greedy)."""
+    cmd = [binary("kdn-generate"), "--model", str(model), "--prompt", question, "--max-tokens",
+           str(max_tokens), "--threads", "1", "--blend-selection", selection]
+    for d in docs:
+        cmd += ["--document", d]
+    r = subprocess.run(cmd, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return r.stdout[:-1].decode("utf-8"), r.stderr.decode()
+
+
+def test_a_blend_answers_as_kdn_generates_blend_of_the_same_selection(deployment):
+    docs = fresh_docs(3, 120)
+    question = "Question: which word comes first?\nAnswer:"
+    inject(deployment, docs)
+    for selection in ("boundary+deviation:8", "boundary:4", "deviation"):
+        r = deployment.completion(question, documents=docs, max_tokens=8, temperature=0,
+                                  blend_selection=selection)
+        d = details(r["usage"])
+        want, log = blend_text(deployment.model, docs, question, 8, selection)
+        assert "%d recomputed" % d["recomputed_tokens"] in log, (selection, d, log)
+        assert d["blended_tokens"] == 360, r["usage"]
+        assert r["choices"][0]["text"] == want, selection
 
 
 def test_a_quality_target_chooses_the_ratio_and_reports_it(deployment):
