@@ -34,10 +34,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "deploy"))
 sys.path.insert(0, str(HERE.parent / "parity"))
 sys.path.insert(0, str(HERE.parents[1] / "python"))
+sys.path.insert(0, str(HERE))
 from deploy_util import BIN_DIR, Deployment, generate_ids, repeat_cached, wait_until  # noqa: E402
 from gguf_micro import smollm2_path  # noqa: E402
 from llama_cpp_tokenize import llama_cpp_ids  # noqa: E402
 from test_gguf import hf_folder  # noqa: E402
+from prompts import text  # noqa: E402
 
 os.environ.setdefault("KDN_LIB_DIR", str(BIN_DIR.parent / "lib"))
 import kdn  # noqa: E402
@@ -45,15 +47,6 @@ import kdn.hf  # noqa: E402
 
 CHUNK = 256
 NEW_TOKENS = 8
-PARAGRAPH = ("The harbour town of Kessel keeps a ledger of every ship that docks there. "
-             "In {year} the ledger records {n} ships, the largest a grain barge of {t} tonnes "
-             "from the river ports, and the smallest a fishing boat named after the keeper's "
-             "daughter. ")
-
-
-def text(seed, paragraphs):
-    return "".join(PARAGRAPH.format(year=1800 + seed * 40 + i, n=17 + 3 * i + seed,
-                                    t=120 + 11 * i) for i in range(paragraphs))
 
 
 @pytest.fixture(scope="module")

@@ -30,18 +30,12 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "deploy"))
 sys.path.insert(0, str(HERE.parent / "parity"))
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(HERE))
+
+from prompts import text  # noqa: E402
 
 NEW_TOKENS = 8
 BLOCK = 128  # vLLM's CPU default block size
-PARAGRAPH = ("The harbour town of Kessel keeps a ledger of every ship that docks there. "
-             "In {year} the ledger records {n} ships, the largest a grain barge of {t} tonnes "
-             "from the river ports, and the smallest a fishing boat named after the keeper's "
-             "daughter. ")
-
-
-def text(seed, paragraphs):
-    return "".join(PARAGRAPH.format(year=1800 + seed * 40 + i, n=17 + 3 * i + seed,
-                                    t=120 + 11 * i) for i in range(paragraphs))
 
 
 def log(msg):
