@@ -226,11 +226,11 @@ class KdnConnector(KVConnectorBase_V1):
                 raise ValueError("kdn.vllm: this attention backend's heads do not share one "
                                  "page layout")
             found += pages[0] * base ** digit
-        where = torch.full((2 * n * d + 1,), -1, dtype=torch.int64)
-        where[found] = torch.arange(page)
         if sorted(found.tolist()) != list(range(1, page + 1)):
             raise ValueError("kdn.vllm: this attention backend's pages are not a permutation of "
                              "their tokens' K and V; kdn.vllm cannot read them")
+        where = torch.full((2 * n * d + 1,), -1, dtype=torch.int64)
+        where[found] = torch.arange(page)
         self._page_map = (where[1:n * d + 1].view(n, d), where[n * d + 1:].view(n, d))
 
     def _store(self, req):
