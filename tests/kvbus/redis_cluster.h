@@ -253,7 +253,12 @@ class RedisCluster {
     }
     if (o_.maxmemory_mib > 0) {
       args.insert(args.end(), {"--maxmemory", std::to_string(o_.maxmemory_mib) + "mb",
-                               "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10"});
+                               "--maxmemory-policy", "allkeys-lru",
+                               // Redis's most: more than the keys a test holds, so that
+                               // every eviction samples them all and evicts the least
+                               // recently used, exactly (with 10 samples a hot key was
+                               // sometimes evicted when few older keys were left).
+                               "--maxmemory-samples", "64"});
     }
     const pid_t pid = fork();
     if (pid == 0) {
