@@ -91,7 +91,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
       std::vector<control::CheckStep> checks,
       control::CheckSchedule(spec.recompute_ratio, spec.check_layer, spec.check_layers,
                              spec.check_ratios, cfg.num_layers));
-  if (!(spec.max_kl >= 0)) return InvalidArgument("blend: max_kl must be positive");
+  if (!(spec.max_kl >= 0)) return InvalidArgument("blend: max_kl may not be negative");
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
   const SelectionPolicy policy = options.policy ? options.policy : PolicyFor(spec.selection);
