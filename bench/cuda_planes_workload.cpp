@@ -1,5 +1,5 @@
 // kdn-bench cuda-ipc: the kvbus device data planes (kvbus/cuda,
-// docs/kvbus-device-planes.md) moving one request's KV between the paged KV
+// docs/kvbus.md, "Device planes") moving one request's KV between the paged KV
 // pools of two processes on the GPU, against a plain device-to-device
 // cudaMemcpy of the same bytes measured in the same run (the aim: >= 0.8 of
 // it).

@@ -1,4 +1,4 @@
-// The kvbus device data planes (kvbus/cuda, docs/kvbus-device-planes.md) on
+// The kvbus device data planes (kvbus/cuda, docs/kvbus.md, "Device planes") on
 // a GPU: the one-launch extent copy against a host reference, cuda_ipc
 // between two processes, NCCL to itself in one rank and between two
 // processes (one GPU with NCCL >= 2.30, or two GPUs). Every test that needs

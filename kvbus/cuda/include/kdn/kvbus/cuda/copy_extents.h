@@ -2,7 +2,7 @@
 // The device gather/scatter copy of a kvbus layer slice: the bytes of a list
 // of source extents (offsets from src_base) onto a list of destination
 // extents (offsets from dst_base) that covers the same bytes in the same
-// order, cut elsewhere (docs/kvbus-device-planes.md). One small table upload
+// order, cut elsewhere (docs/kvbus.md, "Device planes"). One small table upload
 // and ONE kernel launch per call, whatever the number of extents (a 16K-token
 // slice of the llama3-8b shape is ~2,000 extents per layer): the host cuts
 // the two lists into matching pieces (kvbus/copy_plan.h, SplitExtents), each

@@ -1,5 +1,5 @@
 #pragma once
-// The cuda_ipc data plane's device half (docs/kvbus-device-planes.md): a
+// The cuda_ipc data plane's device half (docs/kvbus.md, "Device planes"): a
 // process exports a range of its device memory (the decode worker, its KV
 // pool) as a handle string; a peer process on the same GPU opens it and
 // writes layer slices into it with the device copy (copy_extents.h).

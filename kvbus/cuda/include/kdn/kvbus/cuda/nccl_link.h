@@ -1,5 +1,5 @@
 #pragma once
-// The nccl data plane's device half (docs/kvbus-device-planes.md): one NCCL
+// The nccl data plane's device half (docs/kvbus.md, "Device planes"): one NCCL
 // communicator of two ranks for one prefill/decode pair (rank 0 sends, rank 1
 // receives), moving layer slices from the sender's paged KV pool to the
 // receiver's. A slice is gathered on the sender into a device staging
