@@ -234,6 +234,10 @@ class KdnConnector(KVConnectorBase_V1):
         self._page_map = (where[1:n * d + 1].view(n, d), where[n * d + 1:].view(n, d))
 
     def _store(self, req):
+        # A prompt the KDN reaches to its end (it was loaded from there, or
+        # another engine stored it) is not read out of the blocks again.
+        if self.client.lookup(req.token_ids) >= len(req.token_ids):
+            return
         if self._page_map is None:
             self._draw_page_map()
         kpos, vpos = self._page_map
