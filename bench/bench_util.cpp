@@ -55,20 +55,6 @@ double MemcpyGBps(size_t bytes, int reps) {
   return best;
 }
 
-Result<std::vector<int32_t>> GreedyTokens(engine::Engine& model, engine::KvSequence& seq,
-                                          std::vector<float> logits, int max_tokens,
-                                          const std::function<bool(int32_t)>& stop) {
-  std::vector<int32_t> out;
-  engine::KvSequence* s = &seq;
-  while (static_cast<int>(out.size()) < max_tokens) {
-    out.push_back(engine::Argmax(logits));
-    if ((stop && stop(out.back())) || static_cast<int>(out.size()) == max_tokens) break;
-    KDN_RETURN_IF_ERROR(
-        model.DecodeStep(std::span<engine::KvSequence* const>(&s, 1), {&out.back(), 1}, &logits));
-  }
-  return out;
-}
-
 Result<std::unique_ptr<engine::Engine>> MakeModel(const Common& c, int64_t kv_tokens,
                                                   std::string* what) {
   KDN_ASSIGN_OR_RETURN(const engine::Device device, engine::ParseDevice(c.device));

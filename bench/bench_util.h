@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kdn/common/status.h"
+#include "kdn/engine/generate.h"
 #include "kdn/engine/engine.h"
 #include "kdn/kvbus/chunk.h"
 
@@ -46,11 +47,8 @@ struct Common {
   std::string peer_path;  // bench/hf_peer.py's JSON, for kdn-vs-peer ratios (cuda)
 };
 
-// Greedy tokens continuing `seq`, whose prompt gave `logits`: at most
-// max_tokens, ending with the first one for which stop (if given) is true.
-Result<std::vector<int32_t>> GreedyTokens(engine::Engine& model, engine::KvSequence& seq,
-                                          std::vector<float> logits, int max_tokens,
-                                          const std::function<bool(int32_t)>& stop = nullptr);
+// Greedy tokens continuing a sequence (kdn/engine/generate.h).
+using engine::GreedyTokens;
 
 // The model of --model or --preset on --device, its KV pool holding
 // kv_tokens. A preset on a GPU is materialised there (its values are not the

@@ -15,7 +15,6 @@
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
-#include "kdn/engine/sampler.h"
 #include "kdn/text/output_text.h"
 #include "kdn/text/tokenizer.h"
 
@@ -59,16 +58,11 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
   KDN_ASSIGN_OR_RETURN(kdn::blend::BlendResult r,
                        kdn::blend::BlendPrefill(model, seq, segments, question, {.spec = spec}));
   BlendOutput out{{}, r.cached_tokens, r.recomputed_tokens, r.recompute_ratio};
-  std::vector<float> logits = std::move(r.logits);
-  kdn::engine::KvSequence* s = &seq;
-  while (static_cast<int>(out.tokens.size()) < gen.max_tokens) {
-    out.tokens.push_back(kdn::engine::Argmax(logits));
-    const int32_t t = out.tokens.back();
-    if (std::find(gen.stop_ids.begin(), gen.stop_ids.end(), t) != gen.stop_ids.end()) break;
-    if (static_cast<int>(out.tokens.size()) == gen.max_tokens) break;
-    KDN_RETURN_IF_ERROR(model.DecodeStep(std::span<kdn::engine::KvSequence* const>(&s, 1),
-                                         {&out.tokens.back(), 1}, &logits));
-  }
+  KDN_ASSIGN_OR_RETURN(
+      out.tokens,
+      kdn::engine::GreedyTokens(model, seq, std::move(r.logits), gen.max_tokens, [&](int32_t t) {
+        return std::find(gen.stop_ids.begin(), gen.stop_ids.end(), t) != gen.stop_ids.end();
+      }));
   return out;
 }
 

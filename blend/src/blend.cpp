@@ -155,6 +155,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   if (checked) {
     rows = all_rows;
   } else if (!spec.selection.checks()) {
+    // Indices into all_rows are positions.
     rows = policy(SelectionInput{.positions = all_rows,
                                  .cached = cached,
                                  .documents = documents,
@@ -162,7 +163,6 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  .seed = options.seed});
     out.recomputed_tokens = static_cast<int>(rows.size() - fresh_rows.size());
     out.kept_at_check.push_back(out.recomputed_tokens);
-    for (int64_t& r : rows) r = all_rows[static_cast<size_t>(r)];
   }
 
   // 1. Place and rotate the cached KV, from the first layer that reads it:

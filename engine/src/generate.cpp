@@ -56,4 +56,18 @@ Result<GenerateResult> Generate(Engine& model, std::span<const int32_t> prompt,
   return result;
 }
 
+Result<std::vector<int32_t>> GreedyTokens(Engine& model, KvSequence& seq, std::vector<float> logits,
+                                          int max_tokens,
+                                          const std::function<bool(int32_t)>& stop) {
+  std::vector<int32_t> out;
+  KvSequence* s = &seq;
+  while (static_cast<int>(out.size()) < max_tokens) {
+    out.push_back(Argmax(logits));
+    if ((stop && stop(out.back())) || static_cast<int>(out.size()) == max_tokens) break;
+    KDN_RETURN_IF_ERROR(
+        model.DecodeStep(std::span<KvSequence* const>(&s, 1), {&out.back(), 1}, &logits));
+  }
+  return out;
+}
+
 }  // namespace kdn::engine

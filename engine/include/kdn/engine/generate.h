@@ -33,4 +33,11 @@ struct GenerateResult {
 Result<GenerateResult> Generate(Engine& model, std::span<const int32_t> prompt,
                                 const GenerateOptions& options);
 
+// Greedy tokens continuing `seq`, whose prompt gave `logits` (a prefill or
+// a blend already run on it): at most max_tokens, ending with the first one
+// for which stop (if given) is true.
+Result<std::vector<int32_t>> GreedyTokens(Engine& model, KvSequence& seq, std::vector<float> logits,
+                                          int max_tokens,
+                                          const std::function<bool(int32_t)>& stop = nullptr);
+
 }  // namespace kdn::engine
