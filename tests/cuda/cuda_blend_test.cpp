@@ -87,6 +87,31 @@ TEST(CudaBlend, RatioOneIsAFullPrefill) {
   }
 }
 
+// Boundary selection goes through the same row pass from layer 0 with no
+// check: K covering every document is a full prefill on the device too, and
+// a small K recomputes K tokens per document.
+TEST(CudaBlend, BoundarySelectionRecomputesEachDocumentsFirstTokens) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto e = TinyOnGpu(9);
+  ASSERT_TRUE(e);
+  const Prompt p = MakePrompt(*e);
+  KvSequence full = e->kv_cache().NewSequence();
+  std::vector<float> want;
+  KDN_ASSERT_OK(e->Prefill(full, p.all, {}, &want));
+  auto blend = [&](const char* selection) {
+    KvSequence seq = e->kv_cache().NewSequence();
+    auto r = blend::BlendPrefill(*e, seq, p.segments, p.suffix,
+                                 {.spec = {.selection = *control::ParseBlendSelection(selection)}});
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return *r;
+  };
+  const blend::BlendResult all = blend("boundary:124");  // the longest document
+  EXPECT_EQ(all.recomputed_tokens, 90 + 107 + 124);
+  EXPECT_TRUE(AllClose(all.logits, want, {2e-2, 2e-2}));
+  EXPECT_EQ(Argmax(all.logits), Argmax(want));
+  EXPECT_EQ(blend("boundary:4").recomputed_tokens, 3 * 4);
+}
+
 TEST(CudaBlend, OverlappedLoadingEqualsLoadingFirst) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
   auto e = TinyOnGpu(7);
