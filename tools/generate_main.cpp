@@ -95,6 +95,12 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "Where the engine runs: cpu, cuda (device 0) or cuda:N")
       ->capture_default_str();
   app.add_option("--threads", threads, "CPU threads (0 = all cores)")->capture_default_str();
+  std::string weights_dtype = "native";
+  app.add_option("--weights-dtype", weights_dtype,
+                 "CPU: native computes with the file's quantized or 16-bit weight matrices, f32 "
+                 "widens them at load (docs/engine.md, \"Weight formats\")")
+      ->check(CLI::IsMember({"native", "f32"}))
+      ->capture_default_str();
   app.add_flag("--no-bos", no_bos, "Do not prepend the BOS token");
   app.add_flag("--ignore-eos", ignore_eos, "Keep generating past the EOS token");
   app.add_flag("--print-ids", print_ids, "Print generated token ids instead of text");
@@ -181,6 +187,7 @@ int main(int argc, char** argv) {
                    .kv_tokens = static_cast<int64_t>(ids.size()) + gen.max_tokens + kKvBlockTokens,
                    .threads = threads};
   opts.max_batch = 1;
+  opts.weights_dtype = *kdn::engine::ParseWeightsDType(weights_dtype);  // checked by the flag
   auto model = OpenEngine(model_dir, opts);
   if (!model.ok()) {
     std::fprintf(stderr, "kdn-generate: %s\n", model.status().ToString().c_str());

@@ -15,11 +15,12 @@ using model::ModelConfig;
 
 struct CpuEngine::Layer {
   std::vector<float> attn_norm, ffn_norm;
-  std::vector<float> wq, wk, wv;  // [out][hidden]
+  WeightMatrix wq, wk, wv;        // [out][hidden]
   std::vector<float> bq, bk, bv;  // empty without QKV bias
-  std::vector<float> wo, bo;      // [hidden][q_dim]; bo empty without o bias
-  std::vector<float> w_gate_up;   // [2*inter][hidden]: gate rows, then up rows
-  std::vector<float> w_down;      // [hidden][inter]
+  WeightMatrix wo;                // [hidden][q_dim]
+  std::vector<float> bo;          // empty without o bias
+  WeightMatrix w_gate_up;         // [2*inter][hidden]: gate rows, then up rows
+  WeightMatrix w_down;            // [hidden][inter]
 };
 
 struct CpuEngine::Segment {
@@ -32,6 +33,7 @@ struct CpuEngine::Segment {
 
 struct CpuEngine::Scratch {
   std::vector<float> h, q, k, v, attn, gu, act;
+  ProductScratch product;
   // Sizes every buffer for `rows` rows; capacity is kept across layers.
   void Fit(const ModelConfig& c, int64_t rows) {
     const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
@@ -47,12 +49,12 @@ struct CpuEngine::Scratch {
 
 namespace {
 
-// Up to this many rows, products against a weight matrix stream the weight
-// once and take dot products: for decode batches that is memory-bound anyway,
-// and sgemm would first repack the whole weight on every call.
+// Up to this many rows, attention's products stream B once and take dot
+// products: sgemm would first repack it on every call.
 constexpr int64_t kStreamingMaxRows = 8;
 
-// C[m][n] = alpha * A[m][k] * B[n][k]^T + beta * C, row-major with leading dims.
+// Attention's C[m][n] = alpha * A[m][k] * B[n][k]^T + beta * C, row-major
+// with leading dims (the weights' products are WeightMatrix::Product).
 // beta is 0 or 1.
 void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
             const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
@@ -79,12 +81,40 @@ void AddBias(float* x, int64_t rows, int64_t cols, const std::vector<float>& bia
   }
 }
 
+// A vector's fp32 values (empty when the model has no such tensor).
 std::vector<float> Take(ModelWeights& w, const std::string& name) {
   auto it = w.find(name);
   if (it == w.end()) return {};
+  ToF32(&it->second);
   std::vector<float> v = std::move(it->second.data);
   w.erase(it);
   return v;
+}
+
+// A matrix in the format it came in.
+Result<WeightMatrix> TakeMatrix(ModelWeights& w, const std::string& name) {
+  auto it = w.find(name);
+  if (it == w.end()) return NotFound("weights: tensor \"" + name + "\" is missing");
+  HostTensor t = std::move(it->second);
+  w.erase(it);
+  return WeightMatrix::FromTensor(std::move(t), name);
+}
+
+// Gate and up projections as one matrix; a file that stores them in two
+// formats has both widened to the wider (f32 for two quantized formats).
+Result<WeightMatrix> StackOrWiden(WeightMatrix gate, WeightMatrix up) {
+  if (gate.traits().type == up.traits().type)
+    return WeightMatrix::Stack(std::move(gate), std::move(up));
+  auto widen = [](const WeightMatrix& w) {
+    HostTensor t;
+    t.shape = {w.rows(), w.cols()};
+    t.data.resize(static_cast<size_t>(w.rows() * w.cols()));
+    for (int64_t r = 0; r < w.rows(); ++r) w.RowToFloat(r, &t.data[r * w.cols()]);
+    return WeightMatrix::FromTensor(std::move(t), "mlp");
+  };
+  KDN_ASSIGN_OR_RETURN(WeightMatrix g, widen(gate));
+  KDN_ASSIGN_OR_RETURN(WeightMatrix u, widen(up));
+  return WeightMatrix::Stack(std::move(g), std::move(u));
 }
 
 // Query rows at least this long go through the blocked matrix-product path.
@@ -122,8 +152,10 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config,
     omp_set_num_threads(options.threads);
     openblas_set_num_threads(options.threads);
   }
-  m->embed_ = Take(weights, "model.embed_tokens.weight");
-  if (!config.tie_word_embeddings) m->lm_head_ = Take(weights, "lm_head.weight");
+  KDN_ASSIGN_OR_RETURN(m->embed_, TakeMatrix(weights, "model.embed_tokens.weight"));
+  if (!config.tie_word_embeddings) {
+    KDN_ASSIGN_OR_RETURN(m->lm_head_, TakeMatrix(weights, "lm_head.weight"));
+  }
   m->final_norm_ = Take(weights, "model.norm.weight");
   m->layers_.resize(config.num_layers);
   for (int l = 0; l < config.num_layers; ++l) {
@@ -131,18 +163,18 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config,
     Layer& L = m->layers_[l];
     L.attn_norm = Take(weights, p + "input_layernorm.weight");
     L.ffn_norm = Take(weights, p + "post_attention_layernorm.weight");
-    L.wq = Take(weights, p + "self_attn.q_proj.weight");
-    L.wk = Take(weights, p + "self_attn.k_proj.weight");
-    L.wv = Take(weights, p + "self_attn.v_proj.weight");
+    KDN_ASSIGN_OR_RETURN(L.wq, TakeMatrix(weights, p + "self_attn.q_proj.weight"));
+    KDN_ASSIGN_OR_RETURN(L.wk, TakeMatrix(weights, p + "self_attn.k_proj.weight"));
+    KDN_ASSIGN_OR_RETURN(L.wv, TakeMatrix(weights, p + "self_attn.v_proj.weight"));
     L.bq = Take(weights, p + "self_attn.q_proj.bias");
     L.bk = Take(weights, p + "self_attn.k_proj.bias");
     L.bv = Take(weights, p + "self_attn.v_proj.bias");
-    L.wo = Take(weights, p + "self_attn.o_proj.weight");
+    KDN_ASSIGN_OR_RETURN(L.wo, TakeMatrix(weights, p + "self_attn.o_proj.weight"));
     L.bo = Take(weights, p + "self_attn.o_proj.bias");
-    L.w_gate_up = Take(weights, p + "mlp.gate_proj.weight");
-    std::vector<float> up = Take(weights, p + "mlp.up_proj.weight");
-    L.w_gate_up.insert(L.w_gate_up.end(), up.begin(), up.end());
-    L.w_down = Take(weights, p + "mlp.down_proj.weight");
+    KDN_ASSIGN_OR_RETURN(WeightMatrix gate, TakeMatrix(weights, p + "mlp.gate_proj.weight"));
+    KDN_ASSIGN_OR_RETURN(WeightMatrix up, TakeMatrix(weights, p + "mlp.up_proj.weight"));
+    KDN_ASSIGN_OR_RETURN(L.w_gate_up, StackOrWiden(std::move(gate), std::move(up)));
+    KDN_ASSIGN_OR_RETURN(L.w_down, TakeMatrix(weights, p + "mlp.down_proj.weight"));
   }
   m->inv_freq_ = RopeInvFreq(config);
   m->rope_ = RopeParamsFor(config);
@@ -161,10 +193,21 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Create(const ModelConfig& config,
   return m;
 }
 
+int64_t CpuEngine::weight_bytes() const {
+  auto vec = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * 4); };
+  int64_t n = embed_.bytes() + lm_head_.bytes() + vec(final_norm_);
+  for (const Layer& L : layers_) {
+    n += L.wq.bytes() + L.wk.bytes() + L.wv.bytes() + L.wo.bytes() + L.w_gate_up.bytes() +
+         L.w_down.bytes();
+    n += vec(L.attn_norm) + vec(L.ffn_norm) + vec(L.bq) + vec(L.bk) + vec(L.bv) + vec(L.bo);
+  }
+  return n;
+}
+
 Result<std::unique_ptr<CpuEngine>> CpuEngine::Load(const std::filesystem::path& dir,
                                                    const EngineOptions& options) {
   KDN_ASSIGN_OR_RETURN(ModelConfig config, model::LoadModelConfig(dir));
-  KDN_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(dir, config));
+  KDN_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(dir, config, options.weights_dtype));
   return Create(config, std::move(weights), options);
 }
 
@@ -246,8 +289,7 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
   std::vector<float> x(rows * d);
   for (const Segment& s : segs) {
     for (int64_t i = 0; i < s.n; ++i) {
-      std::memcpy(&x[(s.row0 + i) * d], &embed_[static_cast<int64_t>(s.tokens[i]) * d],
-                  d * sizeof(float));
+      embed_.RowToFloat(s.tokens[i], &x[(s.row0 + i) * d]);
     }
   }
 
@@ -280,9 +322,8 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
     RmsNorm(&x[out_rows[i] * d], final_norm_.data(), static_cast<float>(c.rms_norm_eps), 1, d,
             &hf[i * d]);
   }
-  const float* head = lm_head_.empty() ? embed_.data() : lm_head_.data();
   logits->resize(nout * c.vocab_size);
-  GemmNT(nout, c.vocab_size, d, 1.0f, hf.data(), d, head, d, 0.0f, logits->data(), c.vocab_size);
+  head().Product(nout, hf.data(), d, logits->data(), c.vocab_size, false, scratch.product);
   for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
   return Status::Ok();
 }
@@ -296,9 +337,10 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int
   std::vector<float>&h = scratch.h, &q = scratch.q, &k = scratch.k, &v = scratch.v,
   &attn = scratch.attn, &gu = scratch.gu, &act = scratch.act;
   RmsNorm(x, L.attn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
-  GemmNT(rows, qd, d, 1.0f, h.data(), d, L.wq.data(), d, 0.0f, q.data(), qd);
-  GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wk.data(), d, 0.0f, k.data(), kvd);
-  GemmNT(rows, kvd, d, 1.0f, h.data(), d, L.wv.data(), d, 0.0f, v.data(), kvd);
+  ProductScratch& ps = scratch.product;
+  L.wq.Product(rows, h.data(), d, q.data(), qd, false, ps);
+  L.wk.Product(rows, h.data(), d, k.data(), kvd, false, ps);
+  L.wv.Product(rows, h.data(), d, v.data(), kvd, false, ps);
   AddBias(q.data(), rows, qd, L.bq);
   AddBias(k.data(), rows, kvd, L.bk);
   AddBias(v.data(), rows, kvd, L.bv);
@@ -323,13 +365,13 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int
     }
   }
   AttendAll(l, segs, pos, q.data(), attn.data());
-  GemmNT(rows, d, qd, 1.0f, attn.data(), qd, L.wo.data(), qd, 1.0f, x, d);
+  L.wo.Product(rows, attn.data(), qd, x, d, true, ps);
   AddBias(x, rows, d, L.bo);
 
   RmsNorm(x, L.ffn_norm.data(), static_cast<float>(c.rms_norm_eps), rows, d, h.data());
-  GemmNT(rows, 2 * ff, d, 1.0f, h.data(), d, L.w_gate_up.data(), d, 0.0f, gu.data(), 2 * ff);
+  L.w_gate_up.Product(rows, h.data(), d, gu.data(), 2 * ff, false, ps);
   SiluMul(gu.data(), rows, static_cast<int>(ff), act.data());
-  GemmNT(rows, d, ff, 1.0f, act.data(), ff, L.w_down.data(), ff, 1.0f, x, d);
+  L.w_down.Product(rows, act.data(), ff, x, d, true, ps);
 }
 
 void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos,
@@ -351,35 +393,33 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
   const int hd = c.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t kvs = kv_->token_stride();
-  const int64_t work = static_cast<int64_t>(short_rows.size()) * c.num_heads;
+  // One work item per (row, KV head): its group of query heads together.
+  const int64_t work = static_cast<int64_t>(short_rows.size()) * c.num_kv_heads;
   const int64_t window = c.LayerWindow(layer);
 #pragma omp parallel
   {
     std::vector<float> scores;
+    std::vector<const float*> kb, vb;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
-      const auto [s, i] = short_rows[w / c.num_heads];
-      const int head = static_cast<int>(w % c.num_heads);
-      const int g = head / group;
+      const auto [s, i] = short_rows[w / c.num_kv_heads];
+      const int g = static_cast<int>(w % c.num_kv_heads);
       const int64_t row = s->row0 + i;
       const int64_t ctx = pos[row] + 1;  // causal: positions 0..pos
       const int64_t lo = FirstVisibleKey(pos[row], window);
-      const float* qr = q + row * qd + head * hd;
+      // This KV head's keys and values, block by block.
       const std::vector<int32_t>& blocks = s->seq->blocks();
-      scores.resize(ctx - lo);
-      for (int64_t p = lo; p < ctx; ++p) {
-        const float* kp =
-            kv_->Key(layer, blocks[p / kKvBlockTokens]) + (p % kKvBlockTokens) * kvs + g * hd;
-        scores[p - lo] = Dot(qr, kp, hd) * scale;
+      const int64_t nb = (ctx + kKvBlockTokens - 1) / kKvBlockTokens;
+      kb.resize(nb);
+      vb.resize(nb);
+      for (int64_t b = lo / kKvBlockTokens; b < nb; ++b) {
+        kb[b] = kv_->Key(layer, blocks[b]) + g * hd;
+        vb[b] = kv_->Value(layer, blocks[b]) + g * hd;
       }
-      Softmax(scores.data(), ctx - lo);
-      float* o = out + row * qd + head * hd;
-      std::fill(o, o + hd, 0.0f);
-      for (int64_t p = lo; p < ctx; ++p) {
-        const float* vp =
-            kv_->Value(layer, blocks[p / kKvBlockTokens]) + (p % kKvBlockTokens) * kvs + g * hd;
-        Axpy(scores[p - lo], vp, hd, o);
-      }
+      scores.resize(group * (ctx - lo));
+      const int64_t at = row * qd + static_cast<int64_t>(g) * group * hd;
+      AttendPagedGroup(q + at, group, kb.data(), vb.data(), kvs, lo, ctx, hd, scale, scores.data(),
+                       out + at);
     }
   }
 }
@@ -446,8 +486,7 @@ class CpuEngine::CpuRowPass final : public RowPass {
     const int64_t d = engine_.config_.hidden_size;
     x_.resize(positions.size() * d);
     for (size_t i = 0; i < positions.size(); ++i) {
-      std::memcpy(&x_[i * d], &engine_.embed_[static_cast<int64_t>(tokens[positions[i]]) * d],
-                  d * sizeof(float));
+      engine_.embed_.RowToFloat(tokens[positions[i]], &x_[i * d]);
     }
   }
 
@@ -488,9 +527,8 @@ class CpuEngine::CpuRowPass final : public RowPass {
     std::vector<float> hf(d);
     RmsNorm(&x_[(positions_.size() - 1) * d], engine_.final_norm_.data(),
             static_cast<float>(c.rms_norm_eps), 1, d, hf.data());
-    const float* head = engine_.lm_head_.empty() ? engine_.embed_.data() : engine_.lm_head_.data();
     logits->resize(c.vocab_size);
-    GemmNT(1, c.vocab_size, d, 1.0f, hf.data(), d, head, d, 0.0f, logits->data(), c.vocab_size);
+    engine_.head().Product(1, hf.data(), d, logits->data(), c.vocab_size, false, scratch_->product);
     return Status::Ok();
   }
 

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <numbers>
 
+#include "quant_kernels.h"
+
 namespace kdn::engine {
 
 // The hot loops are compiled for AVX-512, AVX2 and baseline x86-64 and the
@@ -189,6 +191,38 @@ void Softmax(float* x, int64_t n) {
   const float inv = 1.0f / sum;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+KDN_CPU_CLONES
+void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
+                      const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx, int hd,
+                      float scale, float* scores, float* out) {
+  // AVX-512 where the CPU has it and the group fits its registers.
+  if (internal::AttendGroupFn fast = internal::FastAttendGroup(hd, heads)) {
+    return fast(q, k_blocks, v_blocks, stride, lo, ctx, scale, scores, out);
+  }
+  constexpr int64_t kBlock = 16;  // kKvBlockTokens
+  const int64_t n = ctx - lo;
+  for (int h = 0; h < heads; ++h) {
+    const float* qh = q + h * hd;
+    float* sh = scores + h * n;
+    for (int64_t p = lo; p < ctx; ++p) {
+      const float* kp = k_blocks[p / kBlock] + (p % kBlock) * stride;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int i = 0; i < hd; ++i) s += qh[i] * kp[i];
+      sh[p - lo] = s * scale;
+    }
+    Softmax(sh, n);
+    float* oh = out + h * hd;
+    for (int i = 0; i < hd; ++i) oh[i] = 0.0f;
+    for (int64_t p = lo; p < ctx; ++p) {
+      const float* vp = v_blocks[p / kBlock] + (p % kBlock) * stride;
+      const float w = sh[p - lo];
+#pragma omp simd
+      for (int i = 0; i < hd; ++i) oh[i] += w * vp[i];
+    }
+  }
 }
 
 KDN_CPU_CLONES

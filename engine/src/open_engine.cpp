@@ -41,6 +41,7 @@ EngineOptions CpuOptions(const OpenOptions& o) {
   e.kv_tokens = o.kv_tokens;
   e.threads = o.threads;
   e.kv_pool_memory = o.kv_pool_memory;
+  e.weights_dtype = o.weights_dtype;
   return e;
 }
 
@@ -127,7 +128,11 @@ Result<std::unique_ptr<Engine>> OpenEngine(const std::filesystem::path& dir,
   // weights.
   if (options.device.cuda()) KDN_RETURN_IF_ERROR(CudaOptions(config, options).status());
 #endif
-  KDN_ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(dir, config));
+  // A GPU takes f32 and uploads its own dtype; the CPU computes in the
+  // file's formats unless told f32.
+  KDN_ASSIGN_OR_RETURN(
+      ModelWeights weights,
+      LoadWeights(dir, config, options.device.cuda() ? WeightsDType::kF32 : options.weights_dtype));
   return OpenEngine(config, std::move(weights), options);
 }
 

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kdn/engine/gguf_weights.h"
+#include "kdn/engine/quant.h"
 #include "kdn/engine/safetensors.h"
 #include "kdn/model/gguf.h"
 
@@ -51,11 +52,28 @@ Result<std::map<std::string, std::string>> WeightMap(const std::filesystem::path
 
 }  // namespace
 
-Result<ModelWeights> LoadWeights(const std::filesystem::path& dir,
-                                 const model::ModelConfig& config) {
+Result<WeightsDType> ParseWeightsDType(const std::string& name) {
+  if (name == "f32") return WeightsDType::kF32;
+  if (name == "native") return WeightsDType::kNative;
+  return InvalidArgument("weights dtype \"" + name + "\": expected f32 or native");
+}
+
+const char* WeightsDTypeName(WeightsDType d) { return d == WeightsDType::kF32 ? "f32" : "native"; }
+
+void ToF32(HostTensor* t) {
+  if (t->type == model::GgmlType::kF32) return;
+  const QuantTraits* traits = FindQuantTraits(t->type);
+  t->data.resize(static_cast<size_t>(t->numel()));
+  traits->to_float(t->bytes.data(), t->numel(), t->data.data());
+  t->type = model::GgmlType::kF32;
+  t->bytes = {};
+}
+
+Result<ModelWeights> LoadWeights(const std::filesystem::path& dir, const model::ModelConfig& config,
+                                 WeightsDType dtype) {
   if (model::IsGgufPath(dir)) {
     KDN_ASSIGN_OR_RETURN(auto file, model::GgufFile::Open(dir));
-    return LoadGgufWeights(*file, config);
+    return LoadGgufWeights(*file, config, dtype);
   }
   KDN_ASSIGN_OR_RETURN(auto weight_map, WeightMap(dir));
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
@@ -91,8 +109,14 @@ Result<ModelWeights> LoadWeights(const std::filesystem::path& dir,
     }
     HostTensor t;
     t.shape = spec.shape;
-    t.data.resize(t.numel());
-    ToFloat(e->dtype, e->data, t.data.size(), t.data.data());
+    if (dtype == WeightsDType::kNative && spec.shape.size() == 2 && e->dtype != DType::kF32) {
+      // F16 or BF16 matrices stay 16-bit.
+      t.type = e->dtype == DType::kF16 ? model::GgmlType::kF16 : model::GgmlType::kBF16;
+      t.bytes.assign(e->data, e->data + t.numel() * 2);
+    } else {
+      t.data.resize(t.numel());
+      ToFloat(e->dtype, e->data, t.data.size(), t.data.data());
+    }
     weights.emplace(spec.name, std::move(t));
   }
   return weights;

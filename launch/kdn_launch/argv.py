@@ -93,7 +93,8 @@ def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None
     assert store is None or redis is None, "a worker has one shared store"
     cmd = [str(Path(bin_dir) / ("kdn-" + role)), "--model", str(model), "--listen", listen,
            "--host-mib", "%g" % a.host_mib, "--chunk-tokens", str(a.chunk_tokens),
-           "--threads", str(a.threads), "--kv-transport", a.kv_transport] + \
+           "--threads", str(a.threads), "--weights-dtype", a.weights_dtype,
+           "--kv-transport", a.kv_transport] + \
         curve_flags(a) + log_flags(a)
     if store is not None:
         cmd += ["--store", store, "--store-codec", a.store_codec]

@@ -233,6 +233,10 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                         "needs a key and each tenant's cache is its own (default: none)")
     p.add_argument("--threads", type=nonneg_int, default=0, metavar="T",
                    help="CPU threads per worker, 0 = all cores (default: %(default)s)")
+    p.add_argument("--weights-dtype", choices=("native", "f32"), default="native",
+                   help="workers' --weights-dtype on the CPU: native computes with the file's "
+                        "quantized or 16-bit weights, f32 widens them at load "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, metavar="LEVEL",
                    help="every process's --log-level: %s; each line has a timestamp, the "
                    "level, the process and the message, and a request's lines carry "

@@ -64,8 +64,9 @@ def reference(smollm2, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(smollm2, tmp_path_factory):
+    # f32 weights: transformers' fp32 arithmetic, whose KV kdn's must match.
     d = Deployment(tmp_path_factory.mktemp("run-clients"), smollm2, "--store",
-                   "--store-host-mib", 256)
+                   "--store-host-mib", 256, "--weights-dtype", "f32")
     try:
         yield d
     finally:
@@ -136,7 +137,7 @@ def test_kdn_reads_what_transformers_stored(smollm2, reference, deployment, clie
     out, cached = kdn_serve(deployment, ids, NEW_TOKENS)
     assert cached == repeat_cached(len(ids), 1)
     assert cached > 2 * CHUNK
-    ref = generate_ids(smollm2, ids, NEW_TOKENS)
+    ref = generate_ids(smollm2, ids, NEW_TOKENS, "--weights-dtype", "f32")
     assert out["choices"][0]["text"].encode() == ref
 
 

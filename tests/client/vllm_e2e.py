@@ -113,7 +113,9 @@ def main():
             failures.append(what)
 
     base = vllm_process(work, "baseline", [p1, p2], folder, model)
-    d = Deployment(work / "run", model, "--store", "--store-host-mib", 256)
+    # f32 weights: vLLM's arithmetic (fp32 on the dequantized folder).
+    d = Deployment(work / "run", model, "--store", "--store-host-mib", 256,
+                   "--weights-dtype", "f32")
     try:
         store = next(p for p in d.info["processes"] if p["role"] == "store")
         uri = "kdn-store://" + store["endpoint"][len("tcp://"):]
@@ -140,7 +142,7 @@ def main():
         cached = r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
         check(cached == repeat_cached(len(p2), 1) and cached > 0,
               "kdn's P2: %d cached tokens (want %d)" % (cached, repeat_cached(len(p2), 1)))
-        ref = generate_ids(model, p2, NEW_TOKENS)
+        ref = generate_ids(model, p2, NEW_TOKENS, "--weights-dtype", "f32")
         check(r["choices"][0]["text"].encode() == ref, "kdn's P2 answer is kdn-generate's")
         client.close()
     finally:

@@ -192,8 +192,9 @@ def test_dry_run_on_the_cpu_passes_the_flags_of_before(model_dir):
         p = plan("--model", model, "--bin-dir", "/b", "--store", "--run-dir", "/r", *extra)
         curve = ["--curve-keys", "/r/curve.key"]
         common = ["--model", str(model), "--listen", "tcp://127.0.0.1:0", "--host-mib", "2048",
-                  "--chunk-tokens", "256", "--threads", "0", "--kv-transport", "auto", *curve,
-                  "--store", "store-ENDPOINT", "--store-codec", "raw"]
+                  "--chunk-tokens", "256", "--threads", "0", "--weights-dtype", "native",
+                  "--kv-transport", "auto", *curve, "--store", "store-ENDPOINT", "--store-codec",
+                  "raw"]
         assert p == {
             "store": ["/b/kdn-store", "--listen", "tcp://127.0.0.1:0", "--host-mib", "4096",
                       *curve],
@@ -316,7 +317,8 @@ def test_slurm_submit_gives_each_worker_its_device(fake, fake_slurm, args, worke
         worker = next(line for line in script.splitlines() if line.startswith("start " + name))
         assert worker.endswith("--name %s%s" % (name, worker_flags)), worker
         assert ("--model %s --listen \"$(listen 0)\" --host-mib 2048 --chunk-tokens 256 "
-                "--threads 0 --kv-transport auto --curve-keys %s" % (fake.model.resolve(), key)) \
+                "--threads 0 --weights-dtype native --kv-transport auto --curve-keys %s"
+                % (fake.model.resolve(), key)) \
             in worker, worker
     # The job's keys, private to this user; the router's for the router.
     assert key.stat().st_mode & 0o777 == 0o600

@@ -142,8 +142,11 @@ def reference(smollm2, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(smollm2, tmp_path_factory):
+    # Weights widened to f32: the arithmetic of the transformers reference
+    # (fp32 on the dequantized tensors). The native quantized arithmetic is
+    # checked against llama.cpp's (tests/parity/test_llama_cpp_logits.py).
     d = Deployment(tmp_path_factory.mktemp("run-smollm2"), smollm2, "--store",
-                   "--store-host-mib", 64)
+                   "--store-host-mib", 64, "--weights-dtype", "f32")
     client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=120.0)
     try:
         yield d, client

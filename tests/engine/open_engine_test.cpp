@@ -41,7 +41,9 @@ TEST(OpenEngine, LoadsAFolderOnTheCpu) {
   const Preset p = FindPreset("tiny").value();
   const model::ModelConfig& c = p.config;
   ASSERT_TRUE(WriteModelFolder(dir.path(), c, 3, p.dtype).ok());
-  auto e = OpenEngine(dir.path(), {.kv_tokens = 256, .threads = 1});
+  // Widened to f32 at load: the model MakeModel builds from the same values.
+  auto e =
+      OpenEngine(dir.path(), {.kv_tokens = 256, .threads = 1, .weights_dtype = WeightsDType::kF32});
   ASSERT_TRUE(e.ok()) << e.status().ToString();
   EXPECT_EQ((*e)->device(), "cpu");
   EXPECT_EQ((*e)->kv_dtype(), DType::kF32);
@@ -54,6 +56,13 @@ TEST(OpenEngine, LoadsAFolderOnTheCpu) {
   ASSERT_TRUE((*e)->Prefill(a, tokens, {}, &la).ok());
   ASSERT_TRUE(ref->Prefill(b, tokens, {}, &lb).ok());
   EXPECT_EQ(la, lb);
+  // Kept bf16 (the default): the same values, summed in another order.
+  auto native = OpenEngine(dir.path(), {.kv_tokens = 256, .threads = 1});
+  ASSERT_TRUE(native.ok()) << native.status().ToString();
+  KvSequence n = (*native)->kv_cache().NewSequence();
+  std::vector<float> ln;
+  ASSERT_TRUE((*native)->Prefill(n, tokens, {}, &ln).ok());
+  EXPECT_LT(testing::RelError(ln.data(), lb.data(), lb.size()), 1e-5);
 }
 
 TEST(OpenEngine, RefusesBadOptions) {

@@ -25,13 +25,26 @@ inline std::string CheckDeviceName(const std::string& s) {
   return d.ok() ? std::string() : d.status().message();
 }
 
-// --device, --gpu-mem-fraction, --kv-tokens and --threads. On a GPU the KV
-// pool fills the memory share unless --kv-tokens is given.
+// A CLI11 option for --weights-dtype (engine::WeightsDType), shared by every
+// program that loads a model.
+inline CLI::Option* AddWeightsDTypeOption(CLI::App& app, std::string* dtype) {
+  return app
+      .add_option("--weights-dtype", *dtype,
+                  "CPU engine: native keeps weight matrices in the file's format (GGUF's "
+                  "Q8_0/Q4_0/Q4_1/F16/BF16, safetensors' F16/BF16) and computes with quantized "
+                  "dot products; f32 widens them at load (docs/engine.md, \"Weight formats\")")
+      ->check(CLI::IsMember({"native", "f32"}))
+      ->capture_default_str();
+}
+
+// --device, --gpu-mem-fraction, --kv-tokens, --threads and --weights-dtype.
+// On a GPU the KV pool fills the memory share unless --kv-tokens is given.
 struct EngineFlags {
   std::string device = "cpu";
   double gpu_mem_fraction = 0.9;
   int64_t kv_tokens;
   int threads = 0;
+  std::string weights_dtype = "native";
   CLI::Option* kv_tokens_option = nullptr;
   CLI::Option* fraction_option = nullptr;
 
@@ -58,6 +71,7 @@ struct EngineFlags {
     app.add_option("--threads", threads, "CPU threads (0 = all cores)")
         ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
+    AddWeightsDTypeOption(app, &weights_dtype);
   }
   // After parsing: `o` with the flags' device, KV pool and threads, or why
   // the flags do not go together.
@@ -65,6 +79,7 @@ struct EngineFlags {
     KDN_ASSIGN_OR_RETURN(o.device, engine::ParseDevice(device));
     o.kv_tokens = kv_tokens;
     o.threads = threads;
+    KDN_ASSIGN_OR_RETURN(o.weights_dtype, engine::ParseWeightsDType(weights_dtype));
     if (o.device.cuda()) {
       if (kv_tokens_option->count() > 0 && fraction_option->count() > 0) {
         return InvalidArgument("give --kv-tokens or --gpu-mem-fraction, not both");

@@ -1,6 +1,8 @@
 #pragma once
-// CpuEngine: the Engine (engine.h) on the CPU: fp32, OpenBLAS for the matrix
-// products, OpenMP across cores, over a CpuKvCache in host memory.
+// CpuEngine: the Engine (engine.h) on the CPU: fp32 activations, weight
+// matrices in their stored format (WeightMatrix: quantized dot products for
+// decode, OpenBLAS for prefill), OpenMP across cores, over a CpuKvCache in
+// host memory.
 //
 // Thread-compatible, as Engine says: one thread at a time calls into it (a
 // worker owns one), but RotateCachedKeys and kv_cache().Write on one layer
@@ -18,6 +20,7 @@
 #include "kdn/engine/engine.h"
 #include "kdn/engine/kv_cache.h"
 #include "kdn/engine/rope.h"
+#include "kdn/engine/weight_matrix.h"
 #include "kdn/engine/weights.h"
 
 namespace kdn::engine {
@@ -36,12 +39,15 @@ struct EngineOptions {
   // pool's size in bytes; it returns memory that outlives the engine, or an
   // error that Create returns. Empty: the engine's own memory.
   std::function<Result<uint8_t*>(uint64_t bytes)> kv_pool_memory;
+  // What Load asks of the weights' loader (weights.h): matrices in the
+  // file's format, or widened to f32.
+  WeightsDType weights_dtype = WeightsDType::kNative;
 };
 
 class CpuEngine final : public Engine {
  public:
-  // Takes the weights (fp32, Hugging Face names) and builds the backend's
-  // layouts; the map is consumed.
+  // Takes the weights (Hugging Face names; matrices fp32 or in a format of
+  // quant.h's table) and builds the backend's layouts; the map is consumed.
   static Result<std::unique_ptr<CpuEngine>> Create(const model::ModelConfig& config,
                                                    ModelWeights weights,
                                                    const EngineOptions& options = {});
@@ -69,6 +75,10 @@ class CpuEngine final : public Engine {
   Status RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
                           int layer = -1) override;
 
+  // Bytes the weights hold in memory (matrices in their formats, vectors in
+  // f32): what one decode step reads.
+  int64_t weight_bytes() const;
+
  private:
   struct Layer;
   struct Segment;  // one sequence's run of new tokens inside a forward pass
@@ -90,10 +100,13 @@ class CpuEngine final : public Engine {
   void AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n, const float* q,
                   float* out);
 
+  // The output projection: lm_head_, or embed_ when tied.
+  const WeightMatrix& head() const { return lm_head_.empty() ? embed_ : lm_head_; }
+
   model::ModelConfig config_;
   EngineOptions options_;
-  std::vector<float> embed_;    // [vocab][hidden]
-  std::vector<float> lm_head_;  // [vocab][hidden]; empty when tied to embed_
+  WeightMatrix embed_;    // [vocab][hidden]
+  WeightMatrix lm_head_;  // [vocab][hidden]; empty when tied to embed_
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;

@@ -46,6 +46,17 @@ void Softmax(float* x, int64_t n);
 // One row of RmsNorm (what RmsNorm runs for each row).
 void RmsNormRow(const float* x, const float* weight, float eps, int dim, float* out);
 
+// One query row of `heads` heads that share a KV head (grouped-query
+// attention) attending over paged keys and values: key p (lo <= p < ctx) is
+// k_blocks[p / 16] + (p % 16) * stride (values alike); for head h,
+// out[h * head_dim ..] = sum_p softmax_p(scale * q_h.k_p) v_p, q_h being
+// q[h * head_dim ..]. `scores` holds heads * (ctx - lo) floats of scratch.
+// What decode attention runs per (sequence, KV head): one call, the key
+// loop inside, each key and value read once for the group.
+void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
+                      const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx,
+                      int head_dim, float scale, float* scores, float* out);
+
 // sum a[i] * b[i], and y += alpha * x, over n floats.
 float Dot(const float* a, const float* b, int n);
 void Axpy(float alpha, const float* x, int n, float* y);

@@ -49,6 +49,9 @@ struct OpenOptions {
   int threads = 0;
   // cpu only: where the KV pool lives (EngineOptions::kv_pool_memory).
   std::function<Result<uint8_t*>(uint64_t bytes)> kv_pool_memory;
+  // cpu only: weight matrices kept in the file's format (quantized dot
+  // products) or widened to f32 at load (weights.h).
+  WeightsDType weights_dtype = WeightsDType::kNative;
   // cuda only: the longest Prefill call or row pass, and the largest decode
   // batch (they size the activation buffers).
   int64_t max_prefill_tokens = 32768;
@@ -58,8 +61,9 @@ struct OpenOptions {
 // Whether this build has the CUDA backend.
 bool HasCuda();
 
-// Loads a Hugging Face model folder (config.json, safetensors weights) onto
-// options.device: fp32 on the CPU, uploaded as bf16 on a GPU.
+// Loads a Hugging Face model folder (config.json, safetensors weights) or a
+// GGUF file onto options.device: on the CPU as options.weights_dtype says,
+// uploaded as bf16 on a GPU.
 Result<std::unique_ptr<Engine>> OpenEngine(const std::filesystem::path& dir,
                                            const OpenOptions& options);
 // The same from weights in memory (fp32, Hugging Face names).

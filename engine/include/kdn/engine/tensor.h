@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kdn/common/half.h"
+#include "kdn/model/gguf.h"
 #include "kdn/model/tensors.h"
 
 namespace kdn::engine {
@@ -26,10 +27,14 @@ void ToFloat(DType t, const void* src, size_t n, float* dst);
 // Converts `n` floats to type `t` at `dst` (rounding to nearest even).
 void FromFloat(DType t, const float* src, size_t n, void* dst);
 
-// A named fp32 tensor owned by the host, row-major.
+// A named tensor owned by the host, row-major: fp32 values in `data`, or,
+// for a weight kept in the format it was stored in (quant.h), that format
+// (`type`) and its bytes (`bytes`), `data` empty.
 struct HostTensor {
   std::vector<int64_t> shape;
   std::vector<float> data;
+  model::GgmlType type = model::GgmlType::kF32;
+  std::vector<uint8_t> bytes;
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;

@@ -1,0 +1,81 @@
+#pragma once
+// WeightMatrix: a weight matrix [rows][cols] of a Linear layer kept in the
+// format it was stored in (quant.h: F32, F16, BF16, Q8_0, Q4_0, Q4_1), and its
+// product with a few rows of activations, apart from attention's own matrix
+// products.
+//
+// Product picks by the number of activation rows m:
+//   - up to kIntegerMaxRows (decode batches, short prompts), one pass over
+//     the weight: each activation row quantized once to 8 bits (quantized
+//     formats) and the format's dot product per (output row, activation row),
+//     threads splitting the output rows;
+//   - more rows (prefill), OpenBLAS's sgemm over tiles of kTileRows output
+//     rows dequantized to f32 (an f32 matrix goes to sgemm whole).
+// No allocation per call once the ProductScratch has grown.
+//
+// Thread-compatible: Product runs OpenMP threads inside; one caller at a time
+// per scratch.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/quant.h"
+#include "kdn/engine/tensor.h"
+
+namespace kdn::engine {
+
+// A caller's buffers for WeightMatrix::Product, kept across calls.
+struct ProductScratch {
+  std::vector<ActBlock> act;  // the activation rows, quantized
+  std::vector<float> tile;    // a tile of weight rows, dequantized
+};
+
+class WeightMatrix {
+ public:
+  // Activation rows up to which Product takes the one-pass dot products.
+  static constexpr int64_t kIntegerMaxRows = 32;
+  // Weight rows dequantized per sgemm above that.
+  static constexpr int64_t kTileRows = 4096;
+
+  WeightMatrix() = default;
+  // From a 2-D tensor (HostTensor: f32 values or a format's bytes), consumed.
+  // InvalidArgument for another rank, a format without traits, or columns
+  // that are not whole blocks of the format; `name` goes into the message.
+  static Result<WeightMatrix> FromTensor(HostTensor tensor, const std::string& name);
+  // The rows of `b` after those of `a` (a fused projection); both of one
+  // format and width, else InvalidArgument.
+  static Result<WeightMatrix> Stack(WeightMatrix a, WeightMatrix b);
+
+  bool empty() const { return rows_ == 0; }
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  const QuantTraits& traits() const { return *traits_; }
+  // Bytes the matrix holds.
+  size_t bytes() const { return traits_ == nullptr ? 0 : traits_->RowBytes(cols_) * rows_; }
+
+  // Row r as cols() floats.
+  void RowToFloat(int64_t r, float* out) const;
+  // y[i][j] = (accumulate ? y[i][j] : 0) + sum_k x[i][k] * W[j][k], for
+  // i < m, j < rows(); x has leading dimension ldx, y ldy.
+  void Product(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy, bool accumulate,
+               ProductScratch& scratch) const;
+  // The same through the scalar dot products alone (the tests' reference).
+  void ProductScalar(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy) const;
+
+ private:
+  const uint8_t* Row(int64_t r) const { return data() + r * traits_->RowBytes(cols_); }
+  const uint8_t* data() const {
+    return f32_.empty() ? bytes_.data() : reinterpret_cast<const uint8_t*>(f32_.data());
+  }
+  void DotRows(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy, bool accumulate,
+               ProductScratch& scratch, DotIsa isa) const;
+
+  const QuantTraits* traits_ = nullptr;
+  int64_t rows_ = 0, cols_ = 0;
+  std::vector<float> f32_;      // an F32 matrix
+  std::vector<uint8_t> bytes_;  // any other format's blocks
+};
+
+}  // namespace kdn::engine

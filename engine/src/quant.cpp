@@ -1,0 +1,239 @@
+// Built with -ffp-contract=off (engine/CMakeLists.txt): Q4_1's d * q + m must
+// round twice, as the gguf package's numpy does, not once in a fused
+// multiply-add. The scalar dot products here are the tests' reference.
+#include "kdn/engine/quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+
+#include "kdn/common/half.h"
+#include "quant_kernels.h"
+
+namespace kdn::engine {
+
+namespace {
+
+using model::GgmlType;
+
+constexpr int kQ8_0Bytes = 34;  // f16 d, 32 x int8
+constexpr int kQ4_0Bytes = 18;  // f16 d, 16 bytes of nibbles
+constexpr int kQ4_1Bytes = 20;  // f16 d, f16 m, 16 bytes of nibbles
+
+float HalfAt(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return F16ToF32(h);
+}
+
+void F32ToFloat(const uint8_t* w, int64_t n, float* out) {
+  std::memcpy(out, w, static_cast<size_t>(n) * 4);
+}
+
+void F16ToFloat(const uint8_t* w, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = HalfAt(w + 2 * i);
+}
+
+void Bf16ToFloat(const uint8_t* w, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, w + 2 * i, 2);
+    out[i] = Bf16ToF32(h);
+  }
+}
+
+void Q8_0ToFloat(const uint8_t* w, int64_t n, float* out) {
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ8_0Bytes, out += kQuantBlock) {
+    const float d = HalfAt(w);
+    for (int i = 0; i < kQuantBlock; ++i) {
+      out[i] = static_cast<float>(static_cast<int8_t>(w[2 + i])) * d;
+    }
+  }
+}
+
+// Q4_0 and Q4_1: byte j of a block holds value j in its low nibble and value
+// j + 16 in its high one.
+void Q4_0ToFloat(const uint8_t* w, int64_t n, float* out) {
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ4_0Bytes, out += kQuantBlock) {
+    const float d = HalfAt(w);
+    const uint8_t* qs = w + 2;
+    for (int j = 0; j < kQuantBlock / 2; ++j) {
+      out[j] = d * static_cast<float>((qs[j] & 0x0F) - 8);
+      out[j + kQuantBlock / 2] = d * static_cast<float>((qs[j] >> 4) - 8);
+    }
+  }
+}
+
+void Q4_1ToFloat(const uint8_t* w, int64_t n, float* out) {
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ4_1Bytes, out += kQuantBlock) {
+    const float d = HalfAt(w), m = HalfAt(w + 2);
+    const uint8_t* qs = w + 4;
+    for (int j = 0; j < kQuantBlock / 2; ++j) {
+      out[j] = d * static_cast<float>(qs[j] & 0x0F) + m;
+      out[j + kQuantBlock / 2] = d * static_cast<float>(qs[j] >> 4) + m;
+    }
+  }
+}
+
+// The scalar dot products: the float formats in float, the quantized ones
+// one integer sum per block.
+template <ToFloatFn kToFloat, int kStep>
+float FloatDotScalar(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const float*>(xv);
+  float row[64];
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; i += 64) {
+    const int64_t len = std::min<int64_t>(64, n - i);
+    kToFloat(w + i * kStep, len, row);
+    for (int64_t j = 0; j < len; ++j) s += row[j] * x[i + j];
+  }
+  return s;
+}
+
+float Q8_0DotScalar(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const ActBlock*>(xv);
+  float s = 0.0f;
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ8_0Bytes) {
+    int32_t sum = 0;
+    for (int i = 0; i < kQuantBlock; ++i) sum += static_cast<int8_t>(w[2 + i]) * x[b].q[i];
+    s += HalfAt(w) * x[b].d * static_cast<float>(sum);
+  }
+  return s;
+}
+
+// Q4_0's values are d * (q - 8): sum d * da * q * qa, less 8 * d * s.
+float Q4_0DotScalar(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const ActBlock*>(xv);
+  float s = 0.0f;
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ4_0Bytes) {
+    int32_t sum = 0;
+    for (int j = 0; j < kQuantBlock / 2; ++j) {
+      sum += (w[2 + j] & 0x0F) * x[b].q[j] + (w[2 + j] >> 4) * x[b].q[j + kQuantBlock / 2];
+    }
+    const float d = HalfAt(w);
+    s += d * x[b].d * static_cast<float>(sum) - 8.0f * d * x[b].s;
+  }
+  return s;
+}
+
+// Q4_1's values are d * q + m: sum d * da * q * qa, plus m * s.
+float Q4_1DotScalar(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const ActBlock*>(xv);
+  float s = 0.0f;
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ4_1Bytes) {
+    int32_t sum = 0;
+    for (int j = 0; j < kQuantBlock / 2; ++j) {
+      sum += (w[4 + j] & 0x0F) * x[b].q[j] + (w[4 + j] >> 4) * x[b].q[j + kQuantBlock / 2];
+    }
+    s += HalfAt(w) * x[b].d * static_cast<float>(sum) + HalfAt(w + 2) * x[b].s;
+  }
+  return s;
+}
+
+std::vector<QuantTraits> MakeTable() {
+  using internal::Avx2Dot;
+  using internal::Avx512Dot;
+  auto row = [](GgmlType t, const char* name, int values, int bytes, bool qx, ToFloatFn f,
+                DotFn scalar) {
+    return QuantTraits{t,
+                       name,
+                       values,
+                       bytes,
+                       qx,
+                       f,
+                       {scalar, Avx2Dot(t), Avx512Dot(t)},
+                       internal::Avx512DotRows(t)};
+  };
+  return {
+      row(GgmlType::kF32, "F32", 1, 4, false, F32ToFloat, FloatDotScalar<F32ToFloat, 4>),
+      row(GgmlType::kF16, "F16", 1, 2, false, F16ToFloat, FloatDotScalar<F16ToFloat, 2>),
+      row(GgmlType::kBF16, "BF16", 1, 2, false, Bf16ToFloat, FloatDotScalar<Bf16ToFloat, 2>),
+      row(GgmlType::kQ8_0, "Q8_0", kQuantBlock, kQ8_0Bytes, true, Q8_0ToFloat, Q8_0DotScalar),
+      row(GgmlType::kQ4_0, "Q4_0", kQuantBlock, kQ4_0Bytes, true, Q4_0ToFloat, Q4_0DotScalar),
+      row(GgmlType::kQ4_1, "Q4_1", kQuantBlock, kQ4_1Bytes, true, Q4_1ToFloat, Q4_1DotScalar),
+  };
+}
+
+DotIsa DetectIsa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  DotIsa isa = DotIsa::kScalar;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    isa = DotIsa::kAvx2;
+  }
+  if (isa == DotIsa::kAvx2 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni")) {
+    isa = DotIsa::kAvx512Vnni;
+  }
+#else
+  DotIsa isa = DotIsa::kScalar;
+#endif
+  if (const char* cap = std::getenv("KDN_CPU_ISA")) {
+    const std::string_view c(cap);
+    if (c == "scalar") isa = DotIsa::kScalar;
+    if (c == "avx2" && isa == DotIsa::kAvx512Vnni) isa = DotIsa::kAvx2;
+  }
+  return isa;
+}
+
+}  // namespace
+
+void QuantizeActivations(const float* x, int64_t n, ActBlock* out) {
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, x += kQuantBlock) {
+    float amax = 0.0f;
+    for (int i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < kQuantBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(x[i] * inv));
+      out[b].q[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+      sum += out[b].q[i];
+    }
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(sum);
+  }
+}
+
+const char* DotIsaName(DotIsa isa) {
+  switch (isa) {
+    case DotIsa::kScalar: return "scalar";
+    case DotIsa::kAvx2: return "avx2";
+    case DotIsa::kAvx512Vnni: return "avx512-vnni";
+  }
+  return "?";
+}
+
+DotIsa BestDotIsa() {
+  static const DotIsa isa = DetectIsa();
+  return isa;
+}
+
+const std::vector<QuantTraits>& AllQuantTraits() {
+  static const std::vector<QuantTraits> table = MakeTable();
+  return table;
+}
+
+DotRowsFn DotRowsFor(const QuantTraits& t, DotIsa isa) {
+  return isa == DotIsa::kAvx512Vnni ? t.dot_rows : nullptr;
+}
+
+const QuantTraits* FindQuantTraits(GgmlType type) {
+  for (const QuantTraits& t : AllQuantTraits()) {
+    if (t.type == type) return &t;
+  }
+  return nullptr;
+}
+
+DotFn DotFor(const QuantTraits& t, DotIsa isa) {
+  for (int i = static_cast<int>(isa); i > 0; --i) {
+    if (t.dot[i] != nullptr) return t.dot[i];
+  }
+  return t.dot[0];
+}
+
+}  // namespace kdn::engine

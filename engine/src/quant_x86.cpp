@@ -1,0 +1,414 @@
+// The traits table's vector dot products (quant_kernels.h). Each function
+// carries its instruction set as a target attribute, so that the file builds
+// for baseline x86-64 and the CPU's own is chosen at run time (BestDotIsa).
+//
+// Quantized formats: the weight's integer values against the activation's
+// int8 ones, 32 products summed exactly into int32 per block (AVX2:
+// maddubs + madd, unsigned by signed; VNNI: dpbusd, two blocks per 512-bit
+// register), then scaled by both blocks' scales in float. Q8_0 is signed by
+// signed: the weight's magnitude against the activation carrying the
+// weight's sign. Q4_0's -8 and Q4_1's minimum come from the activation
+// block's sum, outside the integer loop.
+#include "quant_kernels.h"
+
+#include "kdn/engine/cpu_ops.h"
+
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+// GCC 12's avx512fintrin.h widens 256-bit values through _mm512_undefined_*,
+// which -Wuninitialized flags wherever a cast is inlined (a known false
+// positive of the header, not of this file).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace kdn::engine::internal {
+
+#if defined(__x86_64__)
+
+namespace {
+
+using model::GgmlType;
+
+#define KDN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KDN_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+KDN_AVX2 inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+KDN_AVX2 inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A Q4 block's 16 bytes as 32 unsigned values in order: low nibbles are
+// values 0-15, high nibbles 16-31.
+KDN_AVX2 inline __m256i Nibbles(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+KDN_AVX2 inline __m256i Load32(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+// Eight int32 sums of four u8 * s8 products each, as floats.
+KDN_AVX2 inline __m256 DotU8S8(__m256i u, __m256i s) {
+  const __m256i p16 = _mm256_maddubs_epi16(u, s);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+// Block layouts: offset of the nibbles or int8 values, bytes per block.
+template <GgmlType T>
+struct Block;
+template <>
+struct Block<GgmlType::kQ8_0> {
+  static constexpr int kQs = 2, kBytes = 34;
+};
+template <>
+struct Block<GgmlType::kQ4_0> {
+  static constexpr int kQs = 2, kBytes = 18;
+};
+template <>
+struct Block<GgmlType::kQ4_1> {
+  static constexpr int kQs = 4, kBytes = 20;
+};
+
+// What the integer sums miss, per unit of the activation block's sum s:
+// Q4_0's -8 * d, Q4_1's m.
+template <GgmlType T>
+KDN_AVX2 inline float OffsetCoef(const uint8_t* w) {
+  if constexpr (T == GgmlType::kQ4_0) return -8.0f * Half(w);
+  if constexpr (T == GgmlType::kQ4_1) return Half(w + 2);
+  return 0.0f;
+}
+
+template <GgmlType T>
+KDN_AVX2 inline float Offset(const uint8_t* w, const ActBlock& x) {
+  return OffsetCoef<T>(w) * x.s;
+}
+
+template <GgmlType T>
+KDN_AVX2 float QuantDotAvx2(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const ActBlock*>(xv);
+  __m256 acc = _mm256_setzero_ps();
+  float offset = 0.0f;
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += Block<T>::kBytes) {
+    const __m256i qa = Load32(x[b].q);
+    __m256 p;
+    if constexpr (T == GgmlType::kQ8_0) {
+      const __m256i qw = Load32(w + Block<T>::kQs);
+      p = DotU8S8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qa, qw));
+    } else {
+      p = DotU8S8(Nibbles(w + Block<T>::kQs), qa);
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(w) * x[b].d), p, acc);
+    offset += Offset<T>(w, x[b]);
+  }
+  return HSum(acc) + offset;
+}
+
+// Eight floats of a F32, F16 or BF16 row from value i.
+template <GgmlType T>
+KDN_AVX2 inline __m256 Load8(const uint8_t* w, int64_t i) {
+  if constexpr (T == GgmlType::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + i);
+  } else if constexpr (T == GgmlType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * i)));
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <GgmlType T>
+KDN_AVX2 inline float Load1(const uint8_t* w, int64_t i) {
+  if constexpr (T == GgmlType::kF32) {
+    float f;
+    std::memcpy(&f, w + 4 * i, 4);
+    return f;
+  } else if constexpr (T == GgmlType::kF16) {
+    return Half(w + 2 * i);
+  } else {
+    uint16_t h;
+    std::memcpy(&h, w + 2 * i, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+}
+
+template <GgmlType T>
+KDN_AVX2 float FloatDotAvx2(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const float*>(xv);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(Load8<T>(w, i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(Load8<T>(w, i + 8), _mm256_loadu_ps(x + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(Load8<T>(w, i), _mm256_loadu_ps(x + i), a0);
+  float s = HSum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) s += Load1<T>(w, i) * x[i];
+  return s;
+}
+
+// AVX-512: two blocks per register, their scales in the two halves.
+KDN_AVX512 inline __m512 PairScale(float lo, float hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(lo)),
+                                             _mm256_castps_pd(_mm256_set1_ps(hi)), 1));
+}
+
+KDN_AVX512 inline __m512i Pair(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// One block's 32 weight values as unsigned bytes and the activation's with
+// the sign that makes their products right.
+template <GgmlType T>
+KDN_AVX512 inline void Operands(const uint8_t* w, const ActBlock& x, __m256i* u, __m256i* s) {
+  const __m256i qa = Load32(x.q);
+  if constexpr (T == GgmlType::kQ8_0) {
+    const __m256i qw = Load32(w + Block<T>::kQs);
+    *u = _mm256_abs_epi8(qw);
+    *s = _mm256_sign_epi8(qa, qw);
+  } else {
+    *u = Nibbles(w + Block<T>::kQs);
+    *s = qa;
+  }
+}
+
+template <GgmlType T>
+KDN_AVX512 float QuantDotAvx512(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const ActBlock*>(xv);
+  const int64_t blocks = n / kQuantBlock;
+  constexpr int kBytes = Block<T>::kBytes;
+  __m512 acc = _mm512_setzero_ps();
+  float offset = 0.0f;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2, w += 2 * kBytes) {
+    __m256i u0, s0, u1, s1;
+    Operands<T>(w, x[b], &u0, &s0);
+    Operands<T>(w + kBytes, x[b + 1], &u1, &s1);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), Pair(u0, u1), Pair(s0, s1));
+    acc = _mm512_fmadd_ps(PairScale(Half(w) * x[b].d, Half(w + kBytes) * x[b + 1].d),
+                          _mm512_cvtepi32_ps(dot), acc);
+    offset += Offset<T>(w, x[b]) + Offset<T>(w + kBytes, x[b + 1]);
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  if (b < blocks) {
+    __m256i u, sg;
+    Operands<T>(w, x[b], &u, &sg);
+    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sg);
+    s += Half(w) * x[b].d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, x[b]);
+  }
+  return s + offset;
+}
+
+// One weight row against kRows activation rows (x_stride bytes apart): the
+// weight's unpacking and scales once per block pair for all of them.
+template <GgmlType T, int kRows>
+KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const uint8_t* xv, int64_t x_stride, int64_t n,
+                                   float* out) {
+  const int64_t blocks = n / kQuantBlock;
+  constexpr int kBytes = Block<T>::kBytes;
+  const ActBlock* x[kRows];
+  __m512 acc[kRows];
+  float offset[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    x[r] = reinterpret_cast<const ActBlock*>(xv + r * x_stride);
+    acc[r] = _mm512_setzero_ps();
+    offset[r] = 0.0f;
+  }
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2, w += 2 * kBytes) {
+    __m256i u0, u1, qw0, qw1;
+    if constexpr (T == GgmlType::kQ8_0) {
+      qw0 = Load32(w + Block<T>::kQs);
+      qw1 = Load32(w + kBytes + Block<T>::kQs);
+      u0 = _mm256_abs_epi8(qw0);
+      u1 = _mm256_abs_epi8(qw1);
+    } else {
+      u0 = Nibbles(w + Block<T>::kQs);
+      u1 = Nibbles(w + kBytes + Block<T>::kQs);
+    }
+    const __m512i u = Pair(u0, u1);
+    const float d0 = Half(w), d1 = Half(w + kBytes);
+    const float c0 = OffsetCoef<T>(w), c1 = OffsetCoef<T>(w + kBytes);
+    for (int r = 0; r < kRows; ++r) {
+      __m256i s0 = Load32(x[r][b].q), s1 = Load32(x[r][b + 1].q);
+      if constexpr (T == GgmlType::kQ8_0) {
+        s0 = _mm256_sign_epi8(s0, qw0);
+        s1 = _mm256_sign_epi8(s1, qw1);
+      }
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, Pair(s0, s1));
+      acc[r] = _mm512_fmadd_ps(PairScale(d0 * x[r][b].d, d1 * x[r][b + 1].d),
+                               _mm512_cvtepi32_ps(dot), acc[r]);
+      offset[r] += c0 * x[r][b].s + c1 * x[r][b + 1].s;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float s = _mm512_reduce_add_ps(acc[r]) + offset[r];
+    if (b < blocks) {
+      __m256i u, sg;
+      Operands<T>(w, x[r][b], &u, &sg);
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sg);
+      s += Half(w) * x[r][b].d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, x[r][b]);
+    }
+    out[r] = s;
+  }
+}
+
+template <GgmlType T>
+KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const void* x, int64_t x_stride, int rows,
+                                   int64_t n, float* out) {
+  const auto* xb = static_cast<const uint8_t*>(x);
+  switch (rows) {
+    case 1: return QuantDotRowsAvx512<T, 1>(w, xb, x_stride, n, out);
+    case 2: return QuantDotRowsAvx512<T, 2>(w, xb, x_stride, n, out);
+    case 3: return QuantDotRowsAvx512<T, 3>(w, xb, x_stride, n, out);
+    default: return QuantDotRowsAvx512<T, 4>(w, xb, x_stride, n, out);
+  }
+}
+
+// Sixteen floats of a F32, F16 or BF16 row from value i.
+template <GgmlType T>
+KDN_AVX512 inline __m512 Load16(const uint8_t* w, int64_t i) {
+  if constexpr (T == GgmlType::kF32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(w) + i);
+  } else if constexpr (T == GgmlType::kF16) {
+    return _mm512_cvtph_ps(Load32(w + 2 * i));
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(Load32(w + 2 * i)), 16));
+  }
+}
+
+template <GgmlType T>
+KDN_AVX512 float FloatDotAvx512(const uint8_t* w, const void* xv, int64_t n) {
+  const auto* x = static_cast<const float*>(xv);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm512_fmadd_ps(Load16<T>(w, i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(Load16<T>(w, i + 16), _mm512_loadu_ps(x + i + 16), a1);
+  }
+  for (; i + 16 <= n; i += 16) a0 = _mm512_fmadd_ps(Load16<T>(w, i), _mm512_loadu_ps(x + i), a0);
+  float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  for (; i < n; ++i) s += Load1<T>(w, i) * x[i];
+  return s;
+}
+
+// Decode attention for the kHeads query heads that share one KV head: each
+// key and value vector is loaded once for all of them; the queries and the
+// output rows stay in registers (kNv vectors of 16 per head).
+template <int kNv, int kHeads>
+KDN_AVX512 void AttendGroupAvx512(const float* q, const float* const* k_blocks,
+                                  const float* const* v_blocks, int64_t stride, int64_t lo,
+                                  int64_t ctx, float scale, float* scores, float* out) {
+  constexpr int64_t kBlock = 16;  // kKvBlockTokens
+  constexpr int kHd = 16 * kNv;
+  const int64_t n = ctx - lo;
+  __m512 qv[kHeads][kNv], o[kHeads][kNv];
+  for (int h = 0; h < kHeads; ++h) {
+    for (int j = 0; j < kNv; ++j) {
+      qv[h][j] = _mm512_loadu_ps(q + h * kHd + 16 * j);
+      o[h][j] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t p = lo; p < ctx; ++p) {
+    const float* kp = k_blocks[p / kBlock] + (p % kBlock) * stride;
+    __m512 kv[kNv];
+    for (int j = 0; j < kNv; ++j) kv[j] = _mm512_loadu_ps(kp + 16 * j);
+    for (int h = 0; h < kHeads; ++h) {
+      __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
+      for (int j = 1; j < kNv; ++j) a = _mm512_fmadd_ps(qv[h][j], kv[j], a);
+      scores[h * n + p - lo] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+  for (int h = 0; h < kHeads; ++h) Softmax(scores + h * n, n);
+  for (int64_t p = lo; p < ctx; ++p) {
+    const float* vp = v_blocks[p / kBlock] + (p % kBlock) * stride;
+    __m512 vv[kNv];
+    for (int j = 0; j < kNv; ++j) vv[j] = _mm512_loadu_ps(vp + 16 * j);
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512 w = _mm512_set1_ps(scores[h * n + p - lo]);
+      for (int j = 0; j < kNv; ++j) o[h][j] = _mm512_fmadd_ps(w, vv[j], o[h][j]);
+    }
+  }
+  for (int h = 0; h < kHeads; ++h) {
+    for (int j = 0; j < kNv; ++j) _mm512_storeu_ps(out + h * kHd + 16 * j, o[h][j]);
+  }
+}
+
+}  // namespace
+
+DotRowsFn Avx512DotRows(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ8_0: return QuantDotRowsAvx512<GgmlType::kQ8_0>;
+    case GgmlType::kQ4_0: return QuantDotRowsAvx512<GgmlType::kQ4_0>;
+    case GgmlType::kQ4_1: return QuantDotRowsAvx512<GgmlType::kQ4_1>;
+    default: return nullptr;
+  }
+}
+
+AttendGroupFn FastAttendGroup(int head_dim, int heads) {
+  if (BestDotIsa() != DotIsa::kAvx512Vnni) return nullptr;
+  // Up to 16 vectors of queries (and 16 of outputs) in the 32 registers.
+  switch (head_dim * 100 + heads) {
+    case 3201: return AttendGroupAvx512<2, 1>;
+    case 3202: return AttendGroupAvx512<2, 2>;
+    case 3203: return AttendGroupAvx512<2, 3>;
+    case 3204: return AttendGroupAvx512<2, 4>;
+    case 6401: return AttendGroupAvx512<4, 1>;
+    case 6402: return AttendGroupAvx512<4, 2>;
+    case 6403: return AttendGroupAvx512<4, 3>;
+    case 6404: return AttendGroupAvx512<4, 4>;
+    case 12801: return AttendGroupAvx512<8, 1>;
+    case 12802: return AttendGroupAvx512<8, 2>;
+    default: return nullptr;
+  }
+}
+
+DotFn Avx2Dot(GgmlType type) {
+  switch (type) {
+    case GgmlType::kF32: return FloatDotAvx2<GgmlType::kF32>;
+    case GgmlType::kF16: return FloatDotAvx2<GgmlType::kF16>;
+    case GgmlType::kBF16: return FloatDotAvx2<GgmlType::kBF16>;
+    case GgmlType::kQ8_0: return QuantDotAvx2<GgmlType::kQ8_0>;
+    case GgmlType::kQ4_0: return QuantDotAvx2<GgmlType::kQ4_0>;
+    case GgmlType::kQ4_1: return QuantDotAvx2<GgmlType::kQ4_1>;
+    default: return nullptr;
+  }
+}
+
+DotFn Avx512Dot(GgmlType type) {
+  switch (type) {
+    case GgmlType::kF32: return FloatDotAvx512<GgmlType::kF32>;
+    case GgmlType::kF16: return FloatDotAvx512<GgmlType::kF16>;
+    case GgmlType::kBF16: return FloatDotAvx512<GgmlType::kBF16>;
+    case GgmlType::kQ8_0: return QuantDotAvx512<GgmlType::kQ8_0>;
+    case GgmlType::kQ4_0: return QuantDotAvx512<GgmlType::kQ4_0>;
+    case GgmlType::kQ4_1: return QuantDotAvx512<GgmlType::kQ4_1>;
+    default: return nullptr;
+  }
+}
+
+#else  // not x86-64: the scalar table alone
+
+DotFn Avx2Dot(model::GgmlType) { return nullptr; }
+DotFn Avx512Dot(model::GgmlType) { return nullptr; }
+DotRowsFn Avx512DotRows(model::GgmlType) { return nullptr; }
+AttendGroupFn FastAttendGroup(int, int) { return nullptr; }
+
+#endif
+
+}  // namespace kdn::engine::internal

@@ -1,0 +1,387 @@
+// The weight formats' kernels (quant.h) and WeightMatrix's product, each
+// format one row checked in the same loops: every instruction set this CPU
+// has against the scalar reference, and the product against the dequantized
+// matrix's f32 product with a bound derived from the activation's rounding.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kdn/engine/cpu_engine.h"
+#include "kdn/engine/cpu_ops.h"
+#include "kdn/engine/presets.h"
+#include "kdn/engine/quant.h"
+#include "kdn/engine/weight_matrix.h"
+#include "test_util.h"
+
+namespace kdn::engine {
+namespace {
+
+using model::GgmlType;
+
+void PutHalf(float v, uint8_t* p) {
+  const uint16_t h = F32ToF16(v);
+  std::memcpy(p, &h, 2);
+}
+
+// Encodes rows of floats in `type` the way llama.cpp's reference quantizers
+// do (enough to make valid blocks; the tests compare against to_float of
+// the same bytes, not against these floats).
+std::vector<uint8_t> Encode(GgmlType type, const std::vector<float>& x) {
+  const QuantTraits& t = *FindQuantTraits(type);
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<uint8_t> out(static_cast<size_t>(t.RowBytes(n)));
+  if (type == GgmlType::kF32) {
+    std::memcpy(out.data(), x.data(), x.size() * 4);
+    return out;
+  }
+  if (type == GgmlType::kF16 || type == GgmlType::kBF16) {
+    FromFloat(type == GgmlType::kF16 ? DType::kF16 : DType::kBF16, x.data(), x.size(), out.data());
+    return out;
+  }
+  for (int64_t b = 0; b < n / kQuantBlock; ++b) {
+    const float* v = &x[b * kQuantBlock];
+    uint8_t* blk = &out[b * t.block_bytes];
+    float amax = 0, signed_max = 0, lo = v[0], hi = v[0];
+    for (int i = 0; i < kQuantBlock; ++i) {
+      if (std::fabs(v[i]) > amax) {
+        amax = std::fabs(v[i]);
+        signed_max = v[i];
+      }
+      lo = std::min(lo, v[i]);
+      hi = std::max(hi, v[i]);
+    }
+    if (type == GgmlType::kQ8_0) {
+      const float d = amax / 127;
+      PutHalf(d, blk);
+      for (int i = 0; i < kQuantBlock; ++i) {
+        blk[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(d ? std::nearbyint(v[i] / d) : 0));
+      }
+    } else if (type == GgmlType::kQ4_0) {
+      const float d = signed_max / -8;
+      PutHalf(d, blk);
+      for (int j = 0; j < kQuantBlock / 2; ++j) {
+        auto q = [&](float f) { return std::clamp(d ? static_cast<int>(f / d + 8.5f) : 8, 0, 15); };
+        blk[2 + j] = static_cast<uint8_t>(q(v[j]) | q(v[j + 16]) << 4);
+      }
+    } else {  // Q4_1
+      const float d = (hi - lo) / 15;
+      PutHalf(d, blk);
+      PutHalf(lo, blk + 2);
+      for (int j = 0; j < kQuantBlock / 2; ++j) {
+        auto q = [&](float f) {
+          return std::clamp(d ? static_cast<int>((f - lo) / d + 0.5f) : 0, 0, 15);
+        };
+        blk[4 + j] = static_cast<uint8_t>(q(v[j]) | q(v[j + 16]) << 4);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<float> Random(int64_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& f : v) f = dist(rng);
+  return v;
+}
+
+WeightMatrix Matrix(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
+  HostTensor t;
+  t.shape = {rows, cols};
+  t.type = type;
+  const std::vector<float> v = Random(rows * cols, seed, 0.05f);
+  if (type == GgmlType::kF32) {
+    t.data = v;
+  } else {
+    t.bytes = Encode(type, v);
+  }
+  auto w = WeightMatrix::FromTensor(std::move(t), "w");
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  return std::move(w).value();
+}
+
+// Columns to try per format: block multiples for the quantized ones (an odd
+// number of blocks exercises the AVX-512 pair loop's tail), any width else.
+std::vector<int64_t> Widths(const QuantTraits& t) {
+  if (t.block_values > 1) return {32, 96, 160, 576};
+  return {1, 7, 37, 64, 100, 576};
+}
+
+std::vector<DotIsa> Isas() {
+  std::vector<DotIsa> out;
+  for (DotIsa i : {DotIsa::kScalar, DotIsa::kAvx2, DotIsa::kAvx512Vnni}) {
+    if (static_cast<int>(i) <= static_cast<int>(BestDotIsa())) out.push_back(i);
+  }
+  return out;
+}
+
+TEST(Quant, EveryFormatHasARow) {
+  for (GgmlType t : {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0,
+                     GgmlType::kQ4_0, GgmlType::kQ4_1}) {
+    ASSERT_NE(FindQuantTraits(t), nullptr) << static_cast<int>(t);
+  }
+  EXPECT_EQ(FindQuantTraits(GgmlType::kQ6_K), nullptr);
+}
+
+TEST(Quant, ActivationsRoundToHalfAStep) {
+  std::vector<float> x = Random(96, 3);
+  x[40] = 0.0f;
+  std::fill(x.begin() + 64, x.end(), 0.0f);  // an all-zero block
+  std::vector<ActBlock> q(3);
+  QuantizeActivations(x.data(), 96, q.data());
+  for (int b = 0; b < 3; ++b) {
+    int sum = 0;
+    for (int i = 0; i < kQuantBlock; ++i) {
+      EXPECT_LE(std::fabs(x[b * 32 + i] - q[b].d * q[b].q[i]), q[b].d / 2 + 1e-7f);
+      sum += q[b].q[i];
+    }
+    EXPECT_FLOAT_EQ(q[b].s, q[b].d * sum);
+  }
+  EXPECT_EQ(q[2].d, 0.0f);
+}
+
+// Each instruction set's dot product against the scalar one on the same
+// inputs: equal up to float summation order.
+TEST(Quant, VectorDotProductsMatchTheScalarReference) {
+  for (const QuantTraits& t : AllQuantTraits()) {
+    for (int64_t n : Widths(t)) {
+      const std::vector<float> wf = Random(n, 11, 0.05f), xf = Random(n, 12);
+      const std::vector<uint8_t> w = Encode(t.type, wf);
+      std::vector<ActBlock> xq(static_cast<size_t>(std::max<int64_t>(1, n / kQuantBlock)));
+      if (t.quantized_x) QuantizeActivations(xf.data(), n, xq.data());
+      const void* x = t.quantized_x ? static_cast<const void*>(xq.data()) : xf.data();
+      std::vector<float> wd(n);
+      t.to_float(w.data(), n, wd.data());
+      double mag = 0;
+      for (int64_t i = 0; i < n; ++i) mag += std::fabs(wd[i] * xf[i]);
+      const float ref = t.dot[0](w.data(), x, n);
+      for (DotIsa isa : Isas()) {
+        const float got = DotFor(t, isa)(w.data(), x, n);
+        EXPECT_NEAR(got, ref, 1e-5 * mag + 1e-7) << t.name << " n=" << n << " " << DotIsaName(isa);
+      }
+    }
+  }
+}
+
+// The multi-row dot products (where the CPU has them) against the scalar
+// one per row, for 1 to kDotRowsMax rows.
+TEST(Quant, MultiRowDotProductsMatchTheScalarReference) {
+  for (const QuantTraits& t : AllQuantTraits()) {
+    const DotRowsFn rows_fn = DotRowsFor(t, BestDotIsa());
+    if (rows_fn == nullptr) continue;
+    for (int64_t n : Widths(t)) {
+      const std::vector<uint8_t> w = Encode(t.type, Random(n, 41, 0.05f));
+      const int64_t blocks = n / kQuantBlock;
+      std::vector<ActBlock> x(kDotRowsMax * blocks);
+      for (int r = 0; r < kDotRowsMax; ++r) {
+        QuantizeActivations(Random(n, 50 + r).data(), n, &x[r * blocks]);
+      }
+      for (int rows = 1; rows <= kDotRowsMax; ++rows) {
+        float out[kDotRowsMax];
+        rows_fn(w.data(), x.data(), blocks * static_cast<int64_t>(sizeof(ActBlock)), rows, n, out);
+        for (int r = 0; r < rows; ++r) {
+          const float ref = t.dot[0](w.data(), &x[r * blocks], n);
+          EXPECT_NEAR(out[r], ref, 1e-5 * std::fabs(ref) + 1e-4)
+              << t.name << " n=" << n << " rows=" << rows << " r=" << r;
+        }
+      }
+    }
+  }
+}
+
+// WeightMatrix::Product against the f32 product of the dequantized matrix,
+// through every path (one pass at 1..32 rows, dequantized tiles beyond;
+// more rows than one tile), accumulating and with strides. The bound: the
+// activation's rounding (half a step per value) times |w|, plus float
+// rounding; exact formats get the float rounding alone.
+TEST(Quant, ProductMatchesTheDequantizedF32Product) {
+  for (const QuantTraits& t : AllQuantTraits()) {
+    for (int64_t cols : Widths(t)) {
+      const int64_t rows = cols == 576 ? WeightMatrix::kTileRows + 37 : 45;
+      const WeightMatrix w = Matrix(t.type, rows, cols, 21);
+      std::vector<float> wd(rows * cols);
+      for (int64_t r = 0; r < rows; ++r) w.RowToFloat(r, &wd[r * cols]);
+      for (int64_t m : {1, 3, 8, 9, 32, 33}) {
+        const int64_t ldx = cols + 3, ldy = rows + 5;
+        const std::vector<float> x = Random(m * ldx, 31 + m);
+        std::vector<float> y(m * ldy, 0.5f);
+        ProductScratch scratch;
+        w.Product(m, x.data(), ldx, y.data(), ldy, /*accumulate=*/m % 2 == 1, scratch);
+        for (int64_t i = 0; i < m; ++i) {
+          // Half an activation step per block, as QuantizeActivations rounds.
+          std::vector<float> step(cols, 0.0f);
+          if (t.quantized_x && m <= WeightMatrix::kIntegerMaxRows) {
+            for (int64_t b = 0; b < cols / kQuantBlock; ++b) {
+              float amax = 0;
+              for (int k = 0; k < kQuantBlock; ++k)
+                amax = std::max(amax, std::fabs(x[i * ldx + b * 32 + k]));
+              std::fill_n(&step[b * kQuantBlock], kQuantBlock, amax / 127 / 2);
+            }
+          }
+          for (int64_t j = 0; j < rows; ++j) {
+            double ref = m % 2 == 1 ? 0.5 : 0.0, mag = 0, bound = 0;
+            for (int64_t k = 0; k < cols; ++k) {
+              ref += static_cast<double>(wd[j * cols + k]) * x[i * ldx + k];
+              mag += std::fabs(wd[j * cols + k] * x[i * ldx + k]);
+              bound += std::fabs(wd[j * cols + k]) * step[k];
+            }
+            ASSERT_NEAR(y[i * ldy + j], ref, bound * 1.01 + 2e-6 * mag + 1e-6)
+                << t.name << " " << rows << "x" << cols << " m=" << m << " (" << i << "," << j
+                << ")";
+          }
+        }
+        // Columns past rows() in y are left alone.
+        for (int64_t i = 0; i < m; ++i) EXPECT_EQ(y[i * ldy + rows], 0.5f);
+      }
+    }
+  }
+}
+
+TEST(Quant, ScalarProductMatchesTheDispatchedOne) {
+  for (const QuantTraits& t : AllQuantTraits()) {
+    const WeightMatrix w = Matrix(t.type, 40, 160, 5);
+    const std::vector<float> x = Random(4 * 160, 6);
+    std::vector<float> a(4 * 40), b(4 * 40);
+    ProductScratch scratch;
+    w.Product(4, x.data(), 160, a.data(), 40, false, scratch);
+    w.ProductScalar(4, x.data(), 160, b.data(), 40);
+    EXPECT_LT(testing::RelError(a.data(), b.data(), a.size()), 1e-5) << t.name;
+  }
+}
+
+TEST(Quant, FromTensorRefusesWhatItCannotHold) {
+  HostTensor t;
+  t.shape = {2, 48};  // 48 is not whole Q8_0 blocks
+  t.type = GgmlType::kQ8_0;
+  t.bytes.resize(2 * 48 / 32 * 34);
+  auto r = WeightMatrix::FromTensor(t, "blk.0.attn_q.weight");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("blk.0.attn_q.weight"), std::string::npos);
+  EXPECT_NE(r.status().message().find("Q8_0"), std::string::npos);
+
+  t.shape = {2, 64};
+  t.bytes.resize(3);
+  EXPECT_FALSE(WeightMatrix::FromTensor(t, "w").ok());  // bytes for another shape
+  t.shape = {128};
+  EXPECT_FALSE(WeightMatrix::FromTensor(t, "w").ok());  // not a matrix
+  t.shape = {2, 64};
+  t.type = GgmlType::kQ6_K;
+  EXPECT_FALSE(WeightMatrix::FromTensor(t, "w").ok());  // no traits
+
+  auto stacked =
+      WeightMatrix::Stack(Matrix(GgmlType::kQ8_0, 4, 64, 1), Matrix(GgmlType::kQ4_1, 4, 64, 2));
+  EXPECT_FALSE(stacked.ok());
+}
+
+// The engine on quantized weights against the same engine on those weights
+// dequantized to f32: a prefill with every row's logits (dequantized tiles
+// throughout) agrees to float rounding, decode (8-bit activations) within
+// the activations' rounding.
+TEST(Quant, EngineOnQuantizedWeightsMatchesTheDequantizedEngine) {
+  for (GgmlType type : {GgmlType::kQ8_0, GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kBF16}) {
+    for (const char* preset : {"tiny-qwen2", "tiny-mistral"}) {
+      auto p = FindPreset(preset);
+      ASSERT_TRUE(p.ok());
+      ModelWeights native = GenerateWeights(p->config, 9, DType::kF32);
+      ModelWeights widened;
+      for (auto& [name, t] : native) {
+        if (t.shape.size() == 2) {
+          t.bytes = Encode(type, t.data);
+          t.type = type;
+          t.data.clear();
+        }
+        HostTensor copy = t;
+        ToF32(&copy);
+        widened.emplace(name, std::move(copy));
+      }
+      EngineOptions o;
+      o.threads = 1;
+      auto q = CpuEngine::Create(p->config, std::move(native), o);
+      auto f = CpuEngine::Create(p->config, std::move(widened), o);
+      ASSERT_TRUE(q.ok() && f.ok()) << q.status().ToString() << f.status().ToString();
+      const std::vector<int32_t> prompt = testing::RandomTokens(40, p->config.vocab_size, 3);
+      KvSequence sq = (*q)->kv_cache().NewSequence(), sf = (*f)->kv_cache().NewSequence();
+      std::vector<float> lq, lf;
+      PrefillOptions all;
+      all.all_logits = true;  // 40 rows of logits: the output projection in tiles too
+      ASSERT_TRUE((*q)->Prefill(sq, prompt, all, &lq).ok());
+      ASSERT_TRUE((*f)->Prefill(sf, prompt, all, &lf).ok());
+      EXPECT_LT(testing::RelError(lq.data(), lf.data(), lf.size()), 1e-4) << preset;
+      // One decode step, each engine on its own (equal to 1e-4) KV.
+      KvSequence* one[] = {&sq};
+      KvSequence* other[] = {&sf};
+      const int32_t next[] = {prompt[5]};
+      ASSERT_TRUE((*q)->DecodeStep(one, next, &lq).ok());
+      ASSERT_TRUE((*f)->DecodeStep(other, next, &lf).ok());
+      const double tol = type == GgmlType::kBF16 ? 1e-4 : 0.05;
+      EXPECT_LT(testing::RelError(lq.data(), lf.data(), lf.size()), tol)
+          << preset << " " << FindQuantTraits(type)->name;
+    }
+  }
+}
+
+// Decode attention over paged keys and values for a group of query heads
+// sharing a KV head (the AVX-512 kernels where the CPU has them and the
+// group fits, the portable loop otherwise) against a plain softmax in
+// double, with a window's first key.
+TEST(CpuOps, AttendPagedGroupMatchesAPlainSoftmax) {
+  for (auto [hd, heads] : {std::pair{8, 1},
+                           {32, 3},
+                           {48, 2},
+                           {64, 1},
+                           {64, 3},
+                           {64, 4},
+                           {64, 5},
+                           {128, 2},
+                           {128, 3}}) {
+    for (int64_t ctx : {1, 17, 100}) {
+      const int64_t stride = 3 * hd;  // three KV heads per token; this is the second
+      const int64_t nb = (ctx + 15) / 16;
+      std::vector<std::vector<float>> kpages, vpages;
+      std::vector<const float*> kb, vb;
+      for (int64_t b = 0; b < nb; ++b) {
+        kpages.push_back(Random(16 * stride, 100 + b));
+        vpages.push_back(Random(16 * stride, 200 + b));
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        kb.push_back(kpages[b].data() + hd);
+        vb.push_back(vpages[b].data() + hd);
+      }
+      const std::vector<float> q = Random(heads * hd, 7);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      for (int64_t lo : {int64_t{0}, ctx / 2}) {
+        std::vector<float> scores(heads * ctx), out(heads * hd);
+        AttendPagedGroup(q.data(), heads, kb.data(), vb.data(), stride, lo, ctx, hd, scale,
+                         scores.data(), out.data());
+        for (int h = 0; h < heads; ++h) {
+          std::vector<double> w;
+          double mx = -1e30, sum = 0;
+          for (int64_t p = lo; p < ctx; ++p) {
+            const float* kp = kb[p / 16] + (p % 16) * stride;
+            double s = 0;
+            for (int i = 0; i < hd; ++i) s += static_cast<double>(q[h * hd + i]) * kp[i];
+            w.push_back(s * scale);
+            mx = std::max(mx, w.back());
+          }
+          for (double& x : w) sum += (x = std::exp(x - mx));
+          for (int i = 0; i < hd; ++i) {
+            double ref = 0;
+            for (int64_t p = lo; p < ctx; ++p) {
+              ref += w[p - lo] / sum * (vb[p / 16] + (p % 16) * stride)[i];
+            }
+            ASSERT_NEAR(out[h * hd + i], ref, 1e-5)
+                << "hd " << hd << " heads " << heads << " ctx " << ctx << " lo " << lo;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kdn::engine
