@@ -55,13 +55,23 @@ double MemcpyGBps(size_t bytes, int reps) {
   return best;
 }
 
+double RssMib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
+  }
+  return 0;
+}
+
 Result<std::unique_ptr<engine::Engine>> MakeModel(const Common& c, int64_t kv_tokens,
                                                   std::string* what) {
   KDN_ASSIGN_OR_RETURN(const engine::Device device, engine::ParseDevice(c.device));
-  const engine::OpenOptions opts{.device = device, .kv_tokens = kv_tokens, .threads = c.threads};
+  engine::OpenOptions opts{.device = device, .kv_tokens = kv_tokens, .threads = c.threads};
+  KDN_ASSIGN_OR_RETURN(opts.weights_dtype, engine::ParseWeightsDType(c.weights_dtype));
   std::unique_ptr<engine::Engine> e;
   if (!c.model_dir.empty()) {
-    *what = c.model_dir + " on " + device.ToString();
+    *what = c.model_dir + " on " + device.ToString() +
+            (device.cuda() ? "" : " (weights " + c.weights_dtype + ")");
     KDN_ASSIGN_OR_RETURN(e, engine::OpenEngine(c.model_dir, opts));
   } else {
     KDN_ASSIGN_OR_RETURN(Preset p, FindPreset(c.preset));

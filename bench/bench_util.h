@@ -42,9 +42,11 @@ struct Common {
   uint64_t seed = 0;
   std::string model_dir;
   int threads = 0;
+  std::string weights_dtype = "native";  // engine::WeightsDType, on the CPU
   int reps = 3;
   std::string json_path;
-  std::string peer_path;  // bench/hf_peer.py's JSON, for kdn-vs-peer ratios (cuda)
+  std::string peer_path;    // bench/hf_peer.py's JSON, for kdn-vs-peer ratios (cuda)
+  std::string llama_bench;  // prefill/decode --llama-cpp: llama-bench to run as the CPU peer
 };
 
 // Greedy tokens continuing a sequence (kdn/engine/generate.h).
@@ -60,6 +62,9 @@ kvbus::KvDType ParseDType(const std::string& s);
 // Asks the kernel to drop every file under `dir` from the page cache, so the
 // next read comes from the device (clean pages only; no privileges needed).
 void DropFromPageCache(const std::filesystem::path& dir);
+
+// This process's resident memory (VmRSS), in MiB.
+double RssMib();
 
 // Backend, threads, BLAS build and core: what a run ran on.
 json Machine(const Common& c);

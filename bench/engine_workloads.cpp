@@ -5,7 +5,9 @@
 #include <cstdio>
 
 #include "bench_util.h"
+#include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/cpu_runtime.h"
+#include "llama_cpp_peer.h"
 
 namespace kdn::bench {
 
@@ -20,6 +22,43 @@ double ForwardFlops(const model::ModelConfig& m, int64_t n, int64_t past, int64_
   return m.num_layers * (n * per_token + attn) + 2.0 * logit_rows * d * m.vocab_size;
 }
 
+namespace {
+
+// The peer's tokens/s for each of `keys` (llama-bench's rows picked by
+// `key_of`), or an error; empty when no peer was asked for.
+Result<std::vector<double>> PeerRates(const Common& c, const std::vector<std::string>& args,
+                                      const std::vector<int>& keys,
+                                      int (*key_of)(const LlamaBenchRow&)) {
+  std::vector<double> rates(keys.size(), 0.0);
+  if (c.llama_bench.empty()) return rates;
+  if (c.model_dir.empty()) {
+    return InvalidArgument("--llama-cpp needs --model FILE.gguf: llama.cpp runs the same file");
+  }
+  KDN_ASSIGN_OR_RETURN(auto rows,
+                       RunLlamaBench(c.llama_bench, c.model_dir, c.threads, c.reps, args));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (const LlamaBenchRow& r : rows) {
+      if (key_of(r) == keys[i]) rates[i] = r.tokens_per_s;
+    }
+  }
+  return rates;
+}
+
+// The peer's fields of a JSON row: its rate and kdn's ratio to it (null
+// where the peer has no such test).
+void AddPeer(json* row, double tokens_per_s, double peer) {
+  (*row)["peer_tokens_per_s"] = peer > 0 ? json(peer) : json(nullptr);
+  (*row)["ratio_to_peer"] = peer > 0 ? json(tokens_per_s / peer) : json(nullptr);
+}
+
+// Weight bytes a decode step reads: the CPU engine's own count, else fp32.
+double WeightBytes(const Engine& e) {
+  if (const auto* cpu = dynamic_cast<const CpuEngine*>(&e)) return cpu->weight_bytes();
+  return 4.0 * e.config().ParameterCount();
+}
+
+}  // namespace
+
 int RunPrefill(const Common& c, const std::vector<int>& lengths) {
   std::string what;
   const int max_len = *std::max_element(lengths.begin(), lengths.end());
@@ -29,10 +68,12 @@ int RunPrefill(const Common& c, const std::vector<int>& lengths) {
     return 1;
   }
   const model::ModelConfig& cfg = (*model)->config();
+  const double rss = RssMib();
   const double peak = SgemmPeakGflops(2048, std::max(c.reps, 8));
-  std::printf("prefill on %s, %d threads, OpenBLAS %s; sgemm peak %.1f GFLOP/s\n", what.c_str(),
-              omp_get_max_threads(), BlasCoreName().c_str(), peak);
-  std::printf("%8s %10s %12s %10s %8s\n", "tokens", "seconds", "tokens/s", "GFLOP/s", "of peak");
+  std::printf("prefill on %s, %d threads, OpenBLAS %s; sgemm peak %.1f GFLOP/s; RSS %.0f MiB\n",
+              what.c_str(), omp_get_max_threads(), BlasCoreName().c_str(), peak, rss);
+  std::printf("%8s %10s %12s %10s %8s %12s %8s\n", "tokens", "seconds", "tokens/s", "GFLOP/s",
+              "of peak", "llama.cpp", "ratio");
   json rows = json::array();
   for (int n : lengths) {
     std::vector<int32_t> tokens(n);
@@ -51,18 +92,37 @@ int RunPrefill(const Common& c, const std::vector<int>& lengths) {
       if (r > 0 || c.reps == 0) best = std::min(best, s);
     }
     const double gflops = ForwardFlops(cfg, n, 0, 1) / best / 1e9;
-    std::printf("%8d %10.3f %12.1f %10.1f %7.1f%%\n", n, best, n / best, gflops,
-                100.0 * gflops / peak);
     rows.push_back({{"tokens", n},
                     {"seconds", best},
                     {"tokens_per_s", n / best},
                     {"gflops", gflops},
                     {"fraction_of_sgemm_peak", gflops / peak}});
   }
+  // llama-bench's pp<n>: one prompt of n tokens, after kdn's runs.
+  std::string pp;
+  for (int n : lengths) pp += (pp.empty() ? "" : ",") + std::to_string(n);
+  auto peer = PeerRates(c, {"-p", pp, "-n", "0"}, lengths,
+                        [](const LlamaBenchRow& r) { return r.n_gen == 0 ? r.n_prompt : -1; });
+  if (!peer.ok()) {
+    std::fprintf(stderr, "kdn-bench: %s\n", peer.status().ToString().c_str());
+    return 1;
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    json& r = rows[i];
+    const double tps = r["tokens_per_s"], p = (*peer)[i];
+    if (!c.llama_bench.empty()) AddPeer(&r, tps, p);
+    std::printf("%8d %10.3f %12.1f %10.1f %7.1f%% %12s %8s\n", lengths[i],
+                r["seconds"].get<double>(), tps, r["gflops"].get<double>(),
+                100.0 * r["gflops"].get<double>() / peak,
+                p > 0 ? std::to_string(static_cast<int>(p)).c_str() : "-",
+                p > 0 ? (std::to_string(tps / p).substr(0, 5) + "x").c_str() : "-");
+  }
   Emit(c, {{"workload", "prefill"},
            {"model", what},
            {"machine", Machine(c)},
            {"sgemm_peak_gflops", peak},
+           {"rss_mib", rss},
+           {"peer", c.llama_bench.empty() ? json(nullptr) : json("llama.cpp llama-bench")},
            {"results", rows}});
   return 0;
 }
@@ -76,14 +136,17 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
     return 1;
   }
   const model::ModelConfig& cfg = (*model)->config();
+  const double rss = RssMib();
   const double bw = MemcpyGBps(size_t{512} << 20, std::max(c.reps, 4));
   const double peak = SgemmPeakGflops(2048, std::max(c.reps, 8));
-  // Bytes one step must read whatever the batch: every weight once (fp32).
-  const double weight_bytes = 4.0 * cfg.ParameterCount();
+  // Bytes one step must read whatever the batch: every weight once, in the
+  // format the engine holds it.
+  const double weight_bytes = WeightBytes(**model);
   std::printf(
-      "decode on %s, %d threads, OpenBLAS %s, context %d, %d steps; memcpy %.1f GB/s, sgemm peak "
-      "%.1f GFLOP/s\n",
-      what.c_str(), omp_get_max_threads(), BlasCoreName().c_str(), context, steps, bw, peak);
+      "decode on %s, %d threads, OpenBLAS %s, context %d, %d steps; weights %.1f MiB, RSS %.0f "
+      "MiB; memcpy %.1f GB/s, sgemm peak %.1f GFLOP/s\n",
+      what.c_str(), omp_get_max_threads(), BlasCoreName().c_str(), context, steps,
+      weight_bytes / (1 << 20), rss, bw, peak);
   std::printf("%6s %12s %10s %10s %8s %10s %8s\n", "batch", "tokens/s", "ms/step", "GB/s",
               "of memcpy", "GFLOP/s", "of peak");
   json rows = json::array();
@@ -129,13 +192,35 @@ int RunDecode(const Common& c, const std::vector<int>& batches, int context, int
                     {"gflops", gflops},
                     {"fraction_of_sgemm_peak", gflops / peak}});
   }
+  // llama-bench's tg<steps> at depth <context>: one sequence, so batch 1's
+  // peer alone.
+  auto peer =
+      PeerRates(c, {"-p", "0", "-n", std::to_string(steps), "-d", std::to_string(context)}, {steps},
+                [](const LlamaBenchRow& r) { return r.n_prompt == 0 ? r.n_gen : -1; });
+  if (!peer.ok()) {
+    std::fprintf(stderr, "kdn-bench: %s\n", peer.status().ToString().c_str());
+    return 1;
+  }
+  if (!c.llama_bench.empty()) {
+    for (json& r : rows) {
+      const double tps = r["tokens_per_s"];
+      AddPeer(&r, tps, r["batch"] == 1 ? (*peer)[0] : 0.0);
+      if (r["batch"] == 1) {
+        std::printf("llama.cpp tg%d at depth %d, batch 1: %.1f tokens/s; kdn %.2fx\n", steps,
+                    context, (*peer)[0], (*peer)[0] > 0 ? tps / (*peer)[0] : 0.0);
+      }
+    }
+  }
   Emit(c, {{"workload", "decode"},
            {"model", what},
            {"machine", Machine(c)},
            {"context", context},
            {"steps", steps},
+           {"weight_bytes", weight_bytes},
+           {"rss_mib", rss},
            {"memcpy_gbytes_per_s", bw},
            {"sgemm_peak_gflops", peak},
+           {"peer", c.llama_bench.empty() ? json(nullptr) : json("llama.cpp llama-bench")},
            {"results", rows}});
   return 0;
 }

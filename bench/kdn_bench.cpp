@@ -57,6 +57,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_util.h"
+#include "llama_cpp_peer.h"
 #include "kdn/control/request_spec.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/model/gguf.h"
@@ -75,6 +76,7 @@ int main(int argc, char** argv) {
     sub->add_option("--seed", c.seed, "Seed of the generated weights")->capture_default_str();
     sub->add_option("--model", c.model_dir, "Model folder or .gguf file instead of a preset");
     sub->add_option("--threads", c.threads, "CPU threads (0 = all cores)")->capture_default_str();
+    kdn::control::AddWeightsDTypeOption(*sub, &c.weights_dtype);
     sub->add_option("--reps", c.reps, "Timed repetitions (best is reported)")
         ->capture_default_str();
     sub->add_option("--json", c.json_path, "Also write the results as one JSON object");
@@ -96,6 +98,16 @@ int main(int argc, char** argv) {
   common(prefill);
   device_option(prefill);
   prefill->add_option("--tokens", lengths, "Prompt lengths")->capture_default_str()->delimiter(',');
+  bool llama_cpp = false;
+  std::string llama_bench = DefaultLlamaBench();
+  auto peer_options = [&](CLI::App* sub) {
+    sub->add_flag("--llama-cpp", llama_cpp,
+                  "Also run llama.cpp's llama-bench on the same --model file and threads, after "
+                  "kdn's runs, and report kdn's ratio to it (bench/llama_cpp_peer.sh builds it)");
+    sub->add_option("--llama-bench", llama_bench, "The llama-bench binary --llama-cpp runs")
+        ->capture_default_str();
+  };
+  peer_options(prefill);
 
   std::vector<int> batches = {1, 8, 32};
   int context = 512, steps = 16;
@@ -107,6 +119,7 @@ int main(int argc, char** argv) {
   decode->add_option("--context", context, "Tokens of KV each sequence holds")
       ->capture_default_str();
   decode->add_option("--steps", steps, "Decode steps timed per batch size")->capture_default_str();
+  peer_options(decode);
   int store_tokens = 4096, chunk_tokens = 256;
   std::string store_dtype = "f32", disk_dir = std::filesystem::temp_directory_path().string();
   auto* store =
@@ -574,6 +587,13 @@ int main(int argc, char** argv) {
                  "nvcc is)\n");
     return 1;
 #endif
+  }
+  if (llama_cpp) {
+    if (c.device != "cpu") {
+      std::fprintf(stderr, "kdn-bench: --llama-cpp is the CPU peer: run it with --device cpu\n");
+      return 2;
+    }
+    c.llama_bench = llama_bench;
   }
   if (c.device == "cuda") {
 #if KDN_BENCH_CUDA

@@ -2,6 +2,7 @@
 # CPU peer for kdn's prefill and decode speed: llama.cpp's own llama-bench on
 # the same GGUF file.
 #   bench/llama_cpp_peer.sh MODEL.gguf [THREADS] [ARCHIVE_OR_TREE]
+#   bench/llama_cpp_peer.sh --build-only [ARCHIVE_OR_TREE]   (prints PREFIX)
 # THREADS (default 2) is llama-bench's -t. It runs
 #   llama-bench -m MODEL.gguf -t THREADS -p 512,2048 -n 128 -r REPS -o FORMAT
 # i.e. prefill (pp512, pp2048: one prompt of that many tokens, in llama-bench's
@@ -31,7 +32,10 @@
 #
 # Built once per machine into PREFIX = $KDN_LLAMA_CPP_BENCH or
 # ~/.cache/kdn/llama-cpp-bench-0.3.36 (bin/llama-bench, one static binary;
-# build-info.txt; LICENSE.llama.cpp). $PREFIX/.complete holds a digest of the
+# bin/llama_logits_ref, bench/llama_logits_ref.cpp linked against the same
+# static libllama and ggml: the logits reference of
+# tests/parity/test_llama_cpp_logits.py; build-info.txt; LICENSE.llama.cpp).
+# kdn-bench prefill/decode --llama-cpp run PREFIX's llama-bench themselves. $PREFIX/.complete holds a digest of the
 # archive's sha256, the CMake options below, RECIPE, the compiler and the
 # CPU's model and flags; the build is skipped while it matches (a folder
 # copied to another CPU is rebuilt, see NATIVE).
@@ -78,13 +82,21 @@ say() { echo "llama_cpp_peer: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 if [ $# -lt 1 ] || [ $# -gt 3 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
-model="$1"
-threads="${2:-2}"
-src="${3:-}"
-[ -f "$model" ] || die "no such model file: $model"
+build_only=0
+if [ "$1" = "--build-only" ]; then
+  build_only=1
+  model=""
+  threads=2
+  src="${2:-}"
+else
+  model="$1"
+  threads="${2:-2}"
+  src="${3:-}"
+  [ -f "$model" ] || die "no such model file: $model"
+fi
 [[ "$threads" =~ ^[1-9][0-9]*$ ]] || die "THREADS must be a positive integer, not '$threads'"
 [[ "$REPS" =~ ^[1-9][0-9]*$ ]] || die "KDN_LLAMA_BENCH_REPS must be a positive integer"
 case "$FORMAT" in md|json|jsonl|csv|sql) ;; *) die "KDN_LLAMA_BENCH_FORMAT must be md, json, jsonl, csv or sql";; esac
@@ -113,13 +125,15 @@ flags=(
 )
 # What the installed binary depends on: the source, the options, the compiler
 # and the CPU (-march=native). Bump RECIPE when build() changes otherwise.
-RECIPE=1
+RECIPE=2
+here="$(cd "$(dirname "$0")" && pwd)"
 stamp=$( { echo "recipe $RECIPE $VERSION $SHA256"; echo "${flags[*]}"; cpu_id
+           sha256sum "$here/llama_logits_ref.cpp"
            c++ --version 2>/dev/null | head -1; } | sha256sum | cut -d' ' -f1)
 
 built() {
   [ -f "$PREFIX/.complete" ] && [ "$(cat "$PREFIX/.complete")" = "$stamp" ] &&
-    [ -x "$PREFIX/bin/llama-bench" ]
+    [ -x "$PREFIX/bin/llama-bench" ] && [ -x "$PREFIX/bin/llama_logits_ref" ]
 }
 
 build() {
@@ -184,11 +198,22 @@ build() {
     { cat "$tmp/cmake.log" >&2; die "cmake configuration failed"; }
   nice cmake --build "$tmp/build" --target llama-bench -j "$JOBS" >"$tmp/build.log" 2>&1 ||
     { tail -50 "$tmp/build.log" >&2; die "build failed"; }
+  # The logits reference, against the static libraries llama-bench linked.
+  local libs=()
+  local lib
+  for lib in libllama.a libggml.a libggml-cpu.a libggml-base.a; do
+    libs+=("$(find "$tmp/build" -name "$lib" | head -1)")
+    [ -n "${libs[-1]}" ] || die "no $lib in the build"
+  done
+  nice c++ -O2 -std=c++17 -I "$lcpp/include" -I "$lcpp/ggml/include" \
+    "$here/llama_logits_ref.cpp" -o "$tmp/build/bin/llama_logits_ref" \
+    -Wl,--start-group "${libs[@]}" -Wl,--end-group -fopenmp -lpthread -ldl -lm ||
+    die "llama_logits_ref did not build"
   secs=$(( $(date +%s) - start ))
 
   rm -rf "$PREFIX.new"
   mkdir -p "$PREFIX.new/bin"
-  cp "$tmp/build/bin/llama-bench" "$PREFIX.new/bin/"
+  cp "$tmp/build/bin/llama-bench" "$tmp/build/bin/llama_logits_ref" "$PREFIX.new/bin/"
   cp "$lcpp/LICENSE" "$PREFIX.new/LICENSE.llama.cpp"
   {
     echo "llama-cpp-python ${VERSION} (sha256 ${SHA256})"
@@ -216,6 +241,10 @@ if ! built; then
   exec 9>&-
 fi
 
+if [ "$build_only" = 1 ]; then
+  echo "$PREFIX"
+  exit 0
+fi
 bench="$PREFIX/bin/llama-bench"
 "$bench" --version 2>&1 | sed 's/^/llama_cpp_peer: /' >&2
 say "$bench -m $model -t $threads -p 512,2048 -n 128 -r $REPS -o $FORMAT"

