@@ -7,8 +7,11 @@
 //             against the sgemm peak of this machine measured in the same run.
 //   decode    a batch of sequences generating: tokens/s; achieved GFLOP/s
 //             against the same sgemm peak; and the bytes a step must read
-//             (weights + KV) per second against memcpy bandwidth, the limit
-//             that matters at small batches, measured in the same run.
+//             (weights in the format the engine holds them + KV) per second
+//             against memcpy bandwidth, the limit that matters at small
+//             batches, measured in the same run. prefill and decode with
+//             --llama-cpp also run llama.cpp's llama-bench on the same GGUF
+//             and threads (llama_cpp_peer.h) and report kdn's ratio to it.
 //   store     one request's KV through the host tier (paged KV -> chunk ->
 //             tier -> paged KV) against one-thread memcpy, and through the
 //             disk tier against the disk's own sequential bandwidth, both
@@ -84,7 +87,8 @@ int main(int argc, char** argv) {
   std::vector<int> lengths = {512, 2048};
   auto device_option = [&](CLI::App* sub) {
     sub->add_option("--device", c.device,
-                    "cpu (fp32, vs sgemm peak and memcpy) or cuda (bf16 on GPU 0, vs the bf16 "
+                    "cpu (weights per --weights-dtype, vs sgemm peak and memcpy) or cuda (bf16 on "
+                    "GPU 0, vs the bf16 "
                     "GEMM peak and a device copy; presets are made in device memory)")
         ->check(CLI::IsMember({"cpu", "cuda"}))
         ->capture_default_str();

@@ -34,6 +34,20 @@ struct CpuEngine::Segment {
 struct CpuEngine::Scratch {
   std::vector<float> h, q, k, v, attn, gu, act;
   ProductScratch product;
+  // A forward pass's own: embeddings, positions, the logits' rows.
+  std::vector<float> x, hf;
+  std::vector<int32_t> pos;
+  std::vector<int64_t> out_rows;
+  // Decode attention: the short rows, and each OpenMP thread's buffers.
+  struct Thread {
+    std::vector<float> scores;
+    std::vector<const float*> kb, vb;
+  };
+  std::vector<std::pair<const Segment*, int64_t>> short_rows;
+  std::vector<Thread> threads;
+  // A decode step's segments and logits (DecodeStep, DecodeSample).
+  std::vector<Segment> segs;
+  std::vector<float> logits;
   // Sizes every buffer for `rows` rows; capacity is kept across layers.
   void Fit(const ModelConfig& c, int64_t rows) {
     const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
@@ -131,7 +145,7 @@ constexpr int64_t kQueryTile = 128;
 }  // namespace
 
 CpuEngine::CpuEngine(const ModelConfig& config, const EngineOptions& options)
-    : config_(config), options_(options) {}
+    : config_(config), options_(options), scratch_(std::make_unique<Scratch>()) {}
 
 CpuEngine::~CpuEngine() = default;
 
@@ -226,8 +240,8 @@ Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
 Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                              std::vector<float>* logits) {
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
-  std::vector<Segment> segs;
-  segs.reserve(seqs.size());
+  std::vector<Segment>& segs = scratch_->segs;
+  segs.clear();
   for (size_t b = 0; b < seqs.size(); ++b) {
     segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
   }
@@ -237,7 +251,7 @@ Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const 
 Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                                std::span<Sampler* const> samplers, std::vector<int32_t>* next) {
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
-  std::vector<float> logits;
+  std::vector<float>& logits = scratch_->logits;
   KDN_RETURN_IF_ERROR(DecodeStep(seqs, tokens, &logits));
   const size_t vocab = static_cast<size_t>(config_.vocab_size);
   next->resize(seqs.size());
@@ -282,18 +296,21 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
     }
   }
 
-  std::vector<int32_t> pos(rows);
+  // The engine's own buffers: grown once, no allocation per decode step.
+  Scratch& scratch = *scratch_;
+  std::vector<int32_t>& pos = scratch.pos;
+  pos.resize(rows);
   for (const Segment& s : segs) {
     for (int64_t i = 0; i < s.n; ++i) pos[s.row0 + i] = static_cast<int32_t>(s.start + i);
   }
-  std::vector<float> x(rows * d);
+  std::vector<float>& x = scratch.x;
+  x.resize(rows * d);
   for (const Segment& s : segs) {
     for (int64_t i = 0; i < s.n; ++i) {
       embed_.RowToFloat(s.tokens[i], &x[(s.row0 + i) * d]);
     }
   }
 
-  Scratch scratch;
   for (int l = 0; l < c.num_layers; ++l) {
     RunLayer(l, segs, pos.data(), rows, x.data(), scratch, nullptr);
     if (hook) {
@@ -308,7 +325,8 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
   }
 
   // Logits: every row, or the last row of each segment.
-  std::vector<int64_t> out_rows;
+  std::vector<int64_t>& out_rows = scratch.out_rows;
+  out_rows.clear();
   for (const Segment& s : segs) {
     if (all_logits) {
       for (int64_t i = 0; i < s.n; ++i) out_rows.push_back(s.row0 + i);
@@ -317,7 +335,8 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
     }
   }
   const int64_t nout = static_cast<int64_t>(out_rows.size());
-  std::vector<float> hf(nout * d);
+  std::vector<float>& hf = scratch.hf;
+  hf.resize(nout * d);
   for (int64_t i = 0; i < nout; ++i) {
     RmsNorm(&x[out_rows[i] * d], final_norm_.data(), static_cast<float>(c.rms_norm_eps), 1, d,
             &hf[i * d]);
@@ -364,7 +383,7 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int
       std::memcpy(vc, &v[r * kvd], kvd * sizeof(float));
     }
   }
-  AttendAll(l, segs, pos, q.data(), attn.data());
+  AttendAll(l, segs, pos, q.data(), attn.data(), scratch);
   L.wo.Product(rows, attn.data(), qd, x, d, true, ps);
   AddBias(x, rows, d, L.bo);
 
@@ -375,12 +394,13 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int
 }
 
 void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos,
-                          const float* q, float* out) {
+                          const float* q, float* out, Scratch& scratch) {
   // Long segments (prefill) go through blocked matrix products; single or
   // short rows (decode) are computed row by row, in parallel.
   const ModelConfig& c = config_;
   const int64_t qd = c.q_dim();
-  std::vector<std::pair<const Segment*, int64_t>> short_rows;
+  auto& short_rows = scratch.short_rows;
+  short_rows.clear();
   for (const Segment& s : segs) {
     if (s.n >= kGemmAttentionMinRows) {
       AttendRows(layer, *s.seq, pos + s.row0, s.n, q + s.row0 * qd, out + s.row0 * qd);
@@ -396,10 +416,14 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
   // One work item per (row, KV head): its group of query heads together.
   const int64_t work = static_cast<int64_t>(short_rows.size()) * c.num_kv_heads;
   const int64_t window = c.LayerWindow(layer);
+  if (scratch.threads.size() < static_cast<size_t>(omp_get_max_threads())) {
+    scratch.threads.resize(omp_get_max_threads());
+  }
 #pragma omp parallel
   {
-    std::vector<float> scores;
-    std::vector<const float*> kb, vb;
+    Scratch::Thread& t = scratch.threads[omp_get_thread_num()];
+    std::vector<float>& scores = t.scores;
+    std::vector<const float*>&kb = t.kb, &vb = t.vb;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
       const auto [s, i] = short_rows[w / c.num_kv_heads];

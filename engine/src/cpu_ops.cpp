@@ -135,7 +135,16 @@ void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* p
   const int half = head_dim / 2;
 #pragma omp parallel if (rows >= 16)
   {
-    std::vector<float> cs(half), sn(half);
+    // On the stack for heads up to 512 wide (no allocation per decode step).
+    constexpr int kStackHalf = 256;
+    float cs_stack[kStackHalf], sn_stack[kStackHalf];
+    std::vector<float> cs_heap, sn_heap;
+    if (half > kStackHalf) {
+      cs_heap.resize(half);
+      sn_heap.resize(half);
+    }
+    float* cs = half > kStackHalf ? cs_heap.data() : cs_stack;
+    float* sn = half > kStackHalf ? sn_heap.data() : sn_stack;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       for (int i = 0; i < half; ++i) {
@@ -144,7 +153,7 @@ void ApplyRope(float* x, int64_t rows, int heads, int head_dim, const int32_t* p
         cs[i] = static_cast<float>(std::cos(a)) * rope.attention_scaling;
         sn[i] = static_cast<float>(std::sin(a)) * rope.attention_scaling;
       }
-      RotateByAngles(x + r * heads * head_dim, heads, head_dim, cs.data(), sn.data());
+      RotateByAngles(x + r * heads * head_dim, heads, head_dim, cs, sn);
     }
   }
 }

@@ -15,72 +15,13 @@
 #include "kdn/engine/presets.h"
 #include "kdn/engine/quant.h"
 #include "kdn/engine/weight_matrix.h"
+#include "quant_encode.h"
 #include "test_util.h"
 
 namespace kdn::engine {
 namespace {
 
 using model::GgmlType;
-
-void PutHalf(float v, uint8_t* p) {
-  const uint16_t h = F32ToF16(v);
-  std::memcpy(p, &h, 2);
-}
-
-// Encodes rows of floats in `type` the way llama.cpp's reference quantizers
-// do (enough to make valid blocks; the tests compare against to_float of
-// the same bytes, not against these floats).
-std::vector<uint8_t> Encode(GgmlType type, const std::vector<float>& x) {
-  const QuantTraits& t = *FindQuantTraits(type);
-  const int64_t n = static_cast<int64_t>(x.size());
-  std::vector<uint8_t> out(static_cast<size_t>(t.RowBytes(n)));
-  if (type == GgmlType::kF32) {
-    std::memcpy(out.data(), x.data(), x.size() * 4);
-    return out;
-  }
-  if (type == GgmlType::kF16 || type == GgmlType::kBF16) {
-    FromFloat(type == GgmlType::kF16 ? DType::kF16 : DType::kBF16, x.data(), x.size(), out.data());
-    return out;
-  }
-  for (int64_t b = 0; b < n / kQuantBlock; ++b) {
-    const float* v = &x[b * kQuantBlock];
-    uint8_t* blk = &out[b * t.block_bytes];
-    float amax = 0, signed_max = 0, lo = v[0], hi = v[0];
-    for (int i = 0; i < kQuantBlock; ++i) {
-      if (std::fabs(v[i]) > amax) {
-        amax = std::fabs(v[i]);
-        signed_max = v[i];
-      }
-      lo = std::min(lo, v[i]);
-      hi = std::max(hi, v[i]);
-    }
-    if (type == GgmlType::kQ8_0) {
-      const float d = amax / 127;
-      PutHalf(d, blk);
-      for (int i = 0; i < kQuantBlock; ++i) {
-        blk[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(d ? std::nearbyint(v[i] / d) : 0));
-      }
-    } else if (type == GgmlType::kQ4_0) {
-      const float d = signed_max / -8;
-      PutHalf(d, blk);
-      for (int j = 0; j < kQuantBlock / 2; ++j) {
-        auto q = [&](float f) { return std::clamp(d ? static_cast<int>(f / d + 8.5f) : 8, 0, 15); };
-        blk[2 + j] = static_cast<uint8_t>(q(v[j]) | q(v[j + 16]) << 4);
-      }
-    } else {  // Q4_1
-      const float d = (hi - lo) / 15;
-      PutHalf(d, blk);
-      PutHalf(lo, blk + 2);
-      for (int j = 0; j < kQuantBlock / 2; ++j) {
-        auto q = [&](float f) {
-          return std::clamp(d ? static_cast<int>((f - lo) / d + 0.5f) : 0, 0, 15);
-        };
-        blk[4 + j] = static_cast<uint8_t>(q(v[j]) | q(v[j + 16]) << 4);
-      }
-    }
-  }
-  return out;
-}
 
 std::vector<float> Random(int64_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);

@@ -95,7 +95,7 @@ class CpuEngine final : public Engine {
                 Scratch& scratch, std::vector<float>* deviation);
   // Attention of every new row over its sequence's KV (already written).
   void AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos, const float* q,
-                 float* out);
+                 float* out, Scratch& scratch);
   // One sequence's rows at ascending positions `pos` (n of them), causal.
   void AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n, const float* q,
                   float* out);
@@ -112,6 +112,8 @@ class CpuEngine final : public Engine {
   std::vector<float> inv_freq_;
   RopeParams rope_;
   std::unique_ptr<CpuKvCache> kv_;
+  // Forward's buffers, kept across calls (one caller at a time).
+  std::unique_ptr<Scratch> scratch_;
 };
 
 }  // namespace kdn::engine
