@@ -104,30 +104,20 @@ float Q8_0DotScalar(const uint8_t* w, const void* xv, int64_t n) {
 }
 
 // Q4_0's values are d * (q - 8): sum d * da * q * qa, less 8 * d * s.
-float Q4_0DotScalar(const uint8_t* w, const void* xv, int64_t n) {
+// Q4_1's values are d * q + m: sum d * da * q * qa, plus m * s.
+template <bool kMin>
+float Q4DotScalar(const uint8_t* w, const void* xv, int64_t n) {
+  constexpr int kQs = kMin ? 4 : 2;
   const auto* x = static_cast<const ActBlock*>(xv);
   float s = 0.0f;
-  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ4_0Bytes) {
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kMin ? kQ4_1Bytes : kQ4_0Bytes) {
     int32_t sum = 0;
     for (int j = 0; j < kQuantBlock / 2; ++j) {
-      sum += (w[2 + j] & 0x0F) * x[b].q[j] + (w[2 + j] >> 4) * x[b].q[j + kQuantBlock / 2];
+      sum += (w[kQs + j] & 0x0F) * x[b].q[j] + (w[kQs + j] >> 4) * x[b].q[j + kQuantBlock / 2];
     }
     const float d = HalfAt(w);
-    s += d * x[b].d * static_cast<float>(sum) - 8.0f * d * x[b].s;
-  }
-  return s;
-}
-
-// Q4_1's values are d * q + m: sum d * da * q * qa, plus m * s.
-float Q4_1DotScalar(const uint8_t* w, const void* xv, int64_t n) {
-  const auto* x = static_cast<const ActBlock*>(xv);
-  float s = 0.0f;
-  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ4_1Bytes) {
-    int32_t sum = 0;
-    for (int j = 0; j < kQuantBlock / 2; ++j) {
-      sum += (w[4 + j] & 0x0F) * x[b].q[j] + (w[4 + j] >> 4) * x[b].q[j + kQuantBlock / 2];
-    }
-    s += HalfAt(w) * x[b].d * static_cast<float>(sum) + HalfAt(w + 2) * x[b].s;
+    const float offset = kMin ? HalfAt(w + 2) * x[b].s : -8.0f * d * x[b].s;
+    s += d * x[b].d * static_cast<float>(sum) + offset;
   }
   return s;
 }
@@ -151,8 +141,8 @@ std::vector<QuantTraits> MakeTable() {
       row(GgmlType::kF16, "F16", 1, 2, false, F16ToFloat, FloatDotScalar<F16ToFloat, 2>),
       row(GgmlType::kBF16, "BF16", 1, 2, false, Bf16ToFloat, FloatDotScalar<Bf16ToFloat, 2>),
       row(GgmlType::kQ8_0, "Q8_0", kQuantBlock, kQ8_0Bytes, true, Q8_0ToFloat, Q8_0DotScalar),
-      row(GgmlType::kQ4_0, "Q4_0", kQuantBlock, kQ4_0Bytes, true, Q4_0ToFloat, Q4_0DotScalar),
-      row(GgmlType::kQ4_1, "Q4_1", kQuantBlock, kQ4_1Bytes, true, Q4_1ToFloat, Q4_1DotScalar),
+      row(GgmlType::kQ4_0, "Q4_0", kQuantBlock, kQ4_0Bytes, true, Q4_0ToFloat, Q4DotScalar<false>),
+      row(GgmlType::kQ4_1, "Q4_1", kQuantBlock, kQ4_1Bytes, true, Q4_1ToFloat, Q4DotScalar<true>),
   };
 }
 
