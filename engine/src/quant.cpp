@@ -9,6 +9,10 @@
 #include <cstring>
 #include <string_view>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include "kdn/common/half.h"
 #include "quant_kernels.h"
 
@@ -150,8 +154,10 @@ DotIsa DetectIsa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   DotIsa isa = DotIsa::kScalar;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  // F16C through CPUID: clang's __builtin_cpu_supports does not know it.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
     isa = DotIsa::kAvx2;
   }
   if (isa == DotIsa::kAvx2 && __builtin_cpu_supports("avx512f") &&

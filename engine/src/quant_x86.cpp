@@ -20,8 +20,10 @@
 // GCC 12's avx512fintrin.h widens 256-bit values through _mm512_undefined_*,
 // which -Wuninitialized flags wherever a cast is inlined (a known false
 // positive of the header, not of this file).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace kdn::engine::internal {

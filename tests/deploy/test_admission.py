@@ -41,12 +41,24 @@ def test_requests_past_the_batch_wait_and_all_succeed(batch_of_two):
 
 
 def test_past_max_queued_a_request_gets_429(tiny_model, tmp_path):
+    """A long request decoding (1,900 tokens, seen streaming before the
+    others are sent, so that they arrive while it holds the only place in the
+    batch): of seven more, one waits and the rest are refused with 429."""
     d = Deployment(tmp_path / "run", tiny_model, "--max-batch", 1, "--max-queued", 1)
     try:
-        replies = post_all(d, 8, 400)
+        first = {"prompt": "request 0: tell me about caches", "max_tokens": 1900,
+                 "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=d.url, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json=first) as a:
+                assert a.status_code == 200, a.read()
+                lines = a.iter_lines()
+                next(line for line in lines if line.startswith("data: "))  # it is decoding
+                replies = post_all(d, 7, 8)
+                done = any(line == "data: [DONE]" for line in lines)
         codes = sorted(r.status_code for r in replies)
         assert set(codes) <= {200, 429}, [r.text[:200] for r in replies]
-        assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
+        assert done, "the long request's stream ended early"
+        assert codes.count(429) >= 1 and codes.count(200) >= 1, codes
         refused = next(r for r in replies if r.status_code == 429)
         assert "--max-queued" in refused.json()["error"]["message"]
     finally:
