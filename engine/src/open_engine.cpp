@@ -142,6 +142,8 @@ Result<std::unique_ptr<Engine>> OpenEngine(const ModelConfig& config, ModelWeigh
 #if KDN_CUDA
   if (options.device.cuda()) {
     KDN_ASSIGN_OR_RETURN(const cuda::CudaEngineOptions co, CudaOptions(config, options));
+    // The GPU uploads from f32: widen matrices a caller kept in their format.
+    for (auto& [name, t] : weights) ToF32(&t);
     KDN_ASSIGN_OR_RETURN(auto e, cuda::CudaEngine::Create(config, weights, co));
     return std::unique_ptr<Engine>(std::move(e));
   }
