@@ -7,6 +7,7 @@ and /metrics.
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import uuid
@@ -14,8 +15,8 @@ import uuid
 import openai
 import pytest
 
-from deploy_util import (CHUNK_TOKENS, TINY_CONTEXT, binary, metric, metric_types, parse_metrics,
-                         repeat_cached, sse_events, wait_until)
+from deploy_util import (CHUNK_TOKENS, REPO, TINY_CONTEXT, binary, metric, metric_types,
+                         parse_metrics, repeat_cached, sse_events, wait_until)
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
          "rho sigma tau upsilon phi chi psi omega").split()
@@ -433,6 +434,41 @@ def test_metrics_pass_promtool(deployment):
     r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, "promtool check metrics:\n%s%s" % (r.stdout, r.stderr)
+
+
+def test_grafana_dashboard_names_only_what_the_deployment_serves(deployment):
+    """launch/grafana/kdn.json: every metric a panel queries is a family on
+    the router's /metrics page (histograms through _bucket), and every label
+    it groups by, filters on or shows in a legend is one those metrics carry."""
+    dash = json.loads((REPO / "launch" / "grafana" / "kdn.json").read_text())
+    assert dash["panels"], "no panels"
+    text = deployment.metrics()
+    types = metric_types(text)
+    labels = {}  # family -> label names its samples carry
+    for (name, pairs) in parse_metrics(text):
+        family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        labels.setdefault(family, set()).update(k for k, _ in pairs)
+    for p in dash["panels"]:
+        assert p["title"] and p["targets"], p
+        for t in p["targets"]:
+            expr = t["expr"]
+            names = re.findall(r"\b(kdn_[a-z0-9_]+)", expr)
+            assert names, expr
+            carried = {"le"}
+            for n in names:
+                family = n
+                if n not in types:
+                    family = re.sub(r"_(bucket|sum|count)$", "", n)
+                    assert types.get(family) == "histogram", "%s (%s) is not on /metrics" % (
+                        n, p["title"])
+                carried |= labels.get(family, set())
+            used = set()
+            for group in re.findall(r"by \(([^)]*)\)", expr):
+                used |= {g.strip() for g in group.split(",")}
+            used |= set(re.findall(r"([a-z_]+)=~?\"", expr))
+            used |= set(re.findall(r"\{\{([a-z_]+)\}\}", t.get("legendFormat", "")))
+            assert used <= carried, "%s: labels %s not on %s" % (p["title"], used - carried,
+                                                                 names)
 
 
 def test_decode_worker_skips_chunks_it_holds(deployment):
