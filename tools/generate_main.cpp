@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "kdn/blend/blend.h"
+#include "kdn/control/worker_flags.h"
 #include "kdn/engine/generate.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/engine/cpu_runtime.h"
@@ -96,11 +97,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--threads", threads, "CPU threads (0 = all cores)")->capture_default_str();
   std::string weights_dtype = "native";
-  app.add_option("--weights-dtype", weights_dtype,
-                 "CPU: native computes with the file's quantized or 16-bit weight matrices, f32 "
-                 "widens them at load (docs/engine.md, \"Weight formats\")")
-      ->check(CLI::IsMember({"native", "f32"}))
-      ->capture_default_str();
+  kdn::control::AddWeightsDTypeOption(app, &weights_dtype);
   app.add_flag("--no-bos", no_bos, "Do not prepend the BOS token");
   app.add_flag("--ignore-eos", ignore_eos, "Keep generating past the EOS token");
   app.add_flag("--print-ids", print_ids, "Print generated token ids instead of text");

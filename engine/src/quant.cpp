@@ -14,6 +14,7 @@
 #endif
 
 #include "kdn/common/half.h"
+#include "kdn/engine/tensor.h"
 #include "quant_kernels.h"
 
 namespace kdn::engine {
@@ -32,20 +33,10 @@ float HalfAt(const uint8_t* p) {
   return F16ToF32(h);
 }
 
-void F32ToFloat(const uint8_t* w, int64_t n, float* out) {
-  std::memcpy(out, w, static_cast<size_t>(n) * 4);
-}
-
-void F16ToFloat(const uint8_t* w, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = HalfAt(w + 2 * i);
-}
-
-void Bf16ToFloat(const uint8_t* w, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, w + 2 * i, 2);
-    out[i] = Bf16ToF32(h);
-  }
+// F32, F16 and BF16 rows: the conversions of kdn/engine/tensor.h.
+template <DType kType>
+void FloatRowToFloat(const uint8_t* w, int64_t n, float* out) {
+  ToFloat(kType, w, static_cast<size_t>(n), out);
 }
 
 void Q8_0ToFloat(const uint8_t* w, int64_t n, float* out) {
@@ -141,9 +132,12 @@ std::vector<QuantTraits> MakeTable() {
                        internal::Avx512DotRows(t)};
   };
   return {
-      row(GgmlType::kF32, "F32", 1, 4, false, F32ToFloat, FloatDotScalar<F32ToFloat, 4>),
-      row(GgmlType::kF16, "F16", 1, 2, false, F16ToFloat, FloatDotScalar<F16ToFloat, 2>),
-      row(GgmlType::kBF16, "BF16", 1, 2, false, Bf16ToFloat, FloatDotScalar<Bf16ToFloat, 2>),
+      row(GgmlType::kF32, "F32", 1, 4, false, FloatRowToFloat<DType::kF32>,
+          FloatDotScalar<FloatRowToFloat<DType::kF32>, 4>),
+      row(GgmlType::kF16, "F16", 1, 2, false, FloatRowToFloat<DType::kF16>,
+          FloatDotScalar<FloatRowToFloat<DType::kF16>, 2>),
+      row(GgmlType::kBF16, "BF16", 1, 2, false, FloatRowToFloat<DType::kBF16>,
+          FloatDotScalar<FloatRowToFloat<DType::kBF16>, 2>),
       row(GgmlType::kQ8_0, "Q8_0", kQuantBlock, kQ8_0Bytes, true, Q8_0ToFloat, Q8_0DotScalar),
       row(GgmlType::kQ4_0, "Q4_0", kQuantBlock, kQ4_0Bytes, true, Q4_0ToFloat, Q4DotScalar<false>),
       row(GgmlType::kQ4_1, "Q4_1", kQuantBlock, kQ4_1Bytes, true, Q4_1ToFloat, Q4DotScalar<true>),

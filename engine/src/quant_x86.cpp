@@ -11,6 +11,7 @@
 // block's sum, outside the integer loop.
 #include "quant_kernels.h"
 
+#include "kdn/common/half.h"
 #include "kdn/engine/cpu_ops.h"
 
 #include <cstring>
@@ -142,10 +143,7 @@ KDN_AVX2 inline float Load1(const uint8_t* w, int64_t i) {
   } else {
     uint16_t h;
     std::memcpy(&h, w + 2 * i, 2);
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+    return Bf16ToF32(h);
   }
 }
 
