@@ -112,8 +112,17 @@ void SetResidentCounters(proto::WorkerInfo* info, const engine::ResidentStats& s
   r->set_kv_bytes_loaded(kv_bytes_loaded);
 }
 
-void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {
+void SetStoreCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {
   for (size_t i = 0; i < store.tier_count(); ++i) {
+    kvbus::ChunkStore& tier = store.tier(i);
+    const kvbus::TierStats ts = tier.LocalStats();
+    proto::StoreTier* t = info->add_store_tiers();
+    t->set_name(tier.name());
+    t->set_chunks(ts.chunks);
+    t->set_bytes(ts.bytes);
+    t->set_capacity_bytes(ts.capacity_bytes);
+    t->set_hits(ts.hits);
+    t->set_misses(ts.misses);
     if (auto* codec = dynamic_cast<kvbus::CodecTier*>(&store.tier(i))) {
       const kvbus::CodecStats s = codec->codec_stats();
       proto::KvCodecCounters* c = info->mutable_kv_codec();

@@ -132,6 +132,7 @@ struct DecodeService::Impl {
     info->set_model_fingerprint(control::KeyToBytes(wm.fingerprint));
     info->set_chunk_tokens(options.chunk_tokens);
     info->set_max_context(wm.model->config().max_context);
+    info->set_device(wm.model->device());
     info->set_kvbus_endpoint(kvbus_endpoint);
     info->set_queue_depth(depth.load());
     info->set_max_batch(options.max_batch);
@@ -145,7 +146,7 @@ struct DecodeService::Impl {
                                   rs.bytes_received - rs.shm_bytes, 0);
     control::AddTransportCounters(info, "shm", rs.shm_chunks, rs.shm_bytes, 0);
     info->set_kvbus_leased_bytes(rs.leased_bytes);
-    control::SetCodecCounters(info, *store);
+    control::SetStoreCounters(info, *store);
     {
       std::lock_guard<std::mutex> lock(mu);
       control::SetResidentCounters(info, stats.resident, stats.resident_hit_tokens,

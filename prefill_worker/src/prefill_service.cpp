@@ -61,6 +61,7 @@ struct PrefillService::Impl {
     info->set_model_fingerprint(control::KeyToBytes(wm.fingerprint));
     info->set_chunk_tokens(options.chunk_tokens);
     info->set_max_context(wm.model->config().max_context);
+    info->set_device(wm.model->device());
     info->set_queue_depth(depth.load());
     info->set_queue_tokens(queued_tokens.load());
     info->set_free_kv_blocks(free_blocks.load());
@@ -75,7 +76,7 @@ struct PrefillService::Impl {
     }
     control::AddTransportCounters(info, "tcp", sent.tcp_chunks, sent.tcp_bytes, sent.tcp_seconds);
     control::AddTransportCounters(info, "shm", sent.shm_chunks, sent.shm_bytes, sent.shm_seconds);
-    control::SetCodecCounters(info, *store);
+    control::SetStoreCounters(info, *store);
   }
 
   void Enqueue(QueuedJob q) {

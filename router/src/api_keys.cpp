@@ -1,5 +1,7 @@
 #include "kdn/router/api_keys.h"
 
+#include <boost/beast/core/detail/base64.hpp>
+
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -61,11 +63,30 @@ Result<ApiKeys> ApiKeys::Parse(std::string_view text, std::string_view source) {
 
 const std::string* ApiKeys::TenantOf(std::string_view authorization) const {
   constexpr std::string_view kBearer = "Bearer ";
-  if (authorization.size() <= kBearer.size() ||
-      !SameBytes(authorization.substr(0, kBearer.size()), kBearer)) {
+  constexpr std::string_view kBasic = "Basic ";
+  auto starts = [&](std::string_view scheme) {
+    return authorization.size() > scheme.size() &&
+           SameBytes(authorization.substr(0, scheme.size()), scheme);
+  };
+  std::string_view presented;
+  std::string decoded;
+  if (starts(kBearer)) {
+    presented = authorization.substr(kBearer.size());
+  } else if (starts(kBasic)) {
+    // A browser's credentials: base64 of "USER:PASSWORD", the key the
+    // password, any user name.
+    const std::string_view b64 = authorization.substr(kBasic.size());
+    decoded.resize(boost::beast::detail::base64::decoded_size(b64.size()));
+    const auto [written, read] =
+        boost::beast::detail::base64::decode(decoded.data(), b64.data(), b64.size());
+    if (read != b64.size()) return nullptr;
+    decoded.resize(written);
+    const size_t colon = decoded.find(':');
+    if (colon == std::string::npos) return nullptr;
+    presented = std::string_view(decoded).substr(colon + 1);
+  } else {
     return nullptr;
   }
-  const std::string_view presented = authorization.substr(kBearer.size());
   const std::string* tenant = nullptr;
   for (const auto& [key, owner] : keys_) {
     if (SameBytes(presented, key)) tenant = &owner;  // no early exit

@@ -100,9 +100,12 @@ class Session : public std::enable_shared_from_this<Session> {
       return false;
     };
     route_ = path;
-    // The API needs a key when keys are configured; /health and /metrics
-    // stay open (they name no tenant's data).
-    if (path.starts_with("/v1/") && router_.options.api_keys != nullptr) {
+    // The API and the status page need a key when keys are configured;
+    // /health and /metrics stay open (they name no tenant's data). A
+    // browser asked for the page gets a Basic challenge: the key is its
+    // password.
+    const bool status_page = path == "/" || path == "/status" || path == "/status.json";
+    if ((path.starts_with("/v1/") || status_page) && router_.options.api_keys != nullptr) {
       const auto auth = request_[http::field::authorization];
       tenant_ = router_.options.api_keys->TenantOf(std::string_view(auth.data(), auth.size()));
       if (tenant_ == nullptr) {
@@ -111,6 +114,7 @@ class Session : public std::enable_shared_from_this<Session> {
         e.message = auth.empty() ? "no API key: send it as 'Authorization: Bearer KEY'"
                                  : "the API key is not one this server accepts";
         e.code = "invalid_api_key";
+        basic_challenge_ = status_page;
         ReplyError(e);
         return;
       }
@@ -119,9 +123,18 @@ class Session : public std::enable_shared_from_this<Session> {
       if (only(http::verb::get)) Health();
     } else if (path == "/metrics") {
       if (only(http::verb::get)) {
-        Reply(http::status::ok, router_.metrics.Render(WorkerGauges(router_.backend->Workers())),
-              "text/plain; version=0.0.4");
+        Reply(http::status::ok, RenderMetrics(router_.Snapshot()), "text/plain; version=0.0.4");
       }
+    } else if (path == "/" || path == "/status") {
+      if (only(http::verb::get))
+        Reply(http::status::ok, StatusPageHtml(), "text/html; charset=utf-8");
+    } else if (path == "/status.json") {
+      if (only(http::verb::get)) {
+        Reply(http::status::ok, Dump(StatusJson(router_.Snapshot())), "application/json");
+      }
+    } else if (path == "/favicon.ico") {
+      // A browser asks for it with every page: no icon, and no 404 among the errors.
+      if (only(http::verb::get)) Reply(http::status::no_content, "", "image/x-icon");
     } else if (path == "/v1/models") {
       if (only(http::verb::get)) {
         json m = {{"object", "list"},
@@ -149,7 +162,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void Health() {
     json body;
-    const bool ok = HealthBody(router_.backend->Workers(), router_.served.name, &body);
+    const bool ok = HealthJson(router_.Snapshot(), &body);
     Reply(ok ? http::status::ok : http::status::service_unavailable, Dump(body),
           "application/json");
   }
@@ -318,6 +331,10 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       return;
     }
+    if (ev.kind == JobEvent::Kind::kError) {
+      const ApiError e = JobError(ev.error);
+      router_.metrics.Error(route_, e.http_status, e.message);  // mid-stream: sent as 200
+    }
     std::string out = ev.kind == JobEvent::Kind::kError
                           ? SseEvent(Dump(ErrorBody(JobError(ev.error))))
                           : SseEvent(Dump(ProgressJson(p, true)));
@@ -340,6 +357,7 @@ class Session : public std::enable_shared_from_this<Session> {
         ReplyError(e);
         return;
       }
+      router_.metrics.Error(route_, e.http_status, e.message);  // mid-stream: sent as 200
       Enqueue(Chunked(SseEvent(Dump(ErrorBody(e)))));
       FinishStream();
       return;
@@ -389,6 +407,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void ReplyError(const ApiError& e) {
+    router_.metrics.Error(route_, e.http_status, e.message);
     Reply(static_cast<http::status>(e.http_status), Dump(ErrorBody(e)), "application/json");
   }
 
@@ -399,6 +418,7 @@ class Session : public std::enable_shared_from_this<Session> {
     res->set(http::field::content_type, content_type);
     if (!request_id_.empty()) res->set("X-Request-Id", request_id_);
     if (retry_after_) res->set(http::field::retry_after, "1");
+    if (basic_challenge_) res->set(http::field::www_authenticate, "Basic realm=\"kdn-router\"");
     res->keep_alive(keep_alive_);
     res->body() = std::move(body);
     res->prepare_payload();
@@ -418,6 +438,7 @@ class Session : public std::enable_shared_from_this<Session> {
     header_sent_ = false;
     job_live_ = false;
     inject_ = false;
+    basic_challenge_ = false;
     request_id_.clear();
   }
 
@@ -458,8 +479,9 @@ class Session : public std::enable_shared_from_this<Session> {
   std::optional<http::request_parser<http::string_body>> parser_;
   http::request<http::string_body> request_;
   bool keep_alive_ = true;
-  bool retry_after_ = false;    // the reply asks the client to come back in 1 s
-  uint64_t body_reserved_ = 0;  // of router_.bodies, for the body being read or served
+  bool retry_after_ = false;      // the reply asks the client to come back in 1 s
+  bool basic_challenge_ = false;  // a 401 for the status page asks a browser for the key
+  uint64_t body_reserved_ = 0;    // of router_.bodies, for the body being read or served
   std::string route_ = "other";
 
   // The generation being served.

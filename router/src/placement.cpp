@@ -115,15 +115,15 @@ bool PrefillLocally(const WorkerViews& workers, const Ledger& ledger, const Plac
   if (mode == Disaggregation::kNever) return true;
   const int64_t local_tokens = TokensToCompute(in, d);
   if (local_tokens > max_local_tokens) return false;
-  const LocalPrefillView& lp = workers[d].local_prefill;
+  const proto::LocalPrefill& lp = workers[d].local_prefill;
   const double backlog =
-      static_cast<double>(lp.backlog_tokens + ledger.at(d).local_tokens + local_tokens);
+      static_cast<double>(lp.backlog_tokens() + ledger.at(d).local_tokens + local_tokens);
   double local = backlog;
-  if (lp.running > 0) {
+  if (lp.running() > 0) {
     // Pieces of step_tokens, each after a decode step of the running batch.
-    const double step_tokens = lp.step_tokens > 0 ? lp.step_tokens : 64;
-    const double step_cost = lp.step_ms > 0 && lp.prefill_ms_per_token > 0
-                                 ? lp.step_ms / lp.prefill_ms_per_token
+    const double step_tokens = lp.step_tokens() > 0 ? lp.step_tokens() : 64;
+    const double step_cost = lp.step_ms() > 0 && lp.prefill_ms_per_token() > 0
+                                 ? lp.step_ms() / lp.prefill_ms_per_token()
                                  : step_tokens;
     local += std::ceil(backlog / step_tokens) * step_cost;
   }

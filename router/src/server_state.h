@@ -23,6 +23,7 @@
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
 #include "kdn/router/router.h"
+#include "kdn/router/status.h"
 #include "kdn/text/tokenizer.h"
 
 namespace kdn::router {
@@ -44,12 +45,6 @@ std::string Dump(const json& j);
 std::string SseEvent(const std::string& data);
 std::string Chunked(const std::string& piece);
 json ProgressJson(const InjectProgress& p, bool final);
-
-// /health's body: what each worker reported, and apart, the router's
-// reservations on it; true when a prefill and a decode worker are live.
-bool HealthBody(const std::vector<WorkerView>& workers, const std::string& model, json* body);
-// /metrics's per-worker gauges, reported and reserved apart.
-std::vector<WorkerGauge> WorkerGauges(const std::vector<WorkerView>& workers);
 
 // The request-body bytes all sessions buffer, against --max-body-buffer-mib.
 // The I/O thread's alone.
@@ -96,6 +91,11 @@ struct ServerState {
   int sessions = 0;  // open connections (the I/O thread's alone)
   std::string url;
   std::thread thread;
+
+  // What /health, /metrics and the status page render.
+  StatusSnapshot Snapshot() const {
+    return {served.name, UnixNow(), started, backend->Workers(), metrics.Figures()};
+  }
 };
 
 // Serves one accepted connection until it closes.

@@ -138,26 +138,17 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   v.max_context = info.max_context();
   v.health = info.health().code() != 0 ? info.health().message() : "";
   v.host_id = info.host_id();
+  v.device = info.device();
   v.kv_transport = info.kv_transport();
-  v.kv_transports.clear();
-  for (const proto::TransportCounters& t : info.kv_transports()) {
-    v.kv_transports.push_back({t.transport(), t.chunks(), t.bytes(), t.seconds()});
-  }
-  const proto::KvCodecCounters& kc = info.kv_codec();
-  v.kv_codec = {kc.encoded_chunks(), kc.raw_bytes(), kc.encoded_bytes(), kc.decoded_chunks(),
-                kc.decode_errors()};
+  v.kv_transports.assign(info.kv_transports().begin(), info.kv_transports().end());
+  v.kv_codec = info.kv_codec();
   v.store_unreachable = info.store_unreachable();
   v.leased_kv_blocks = info.leased_kv_blocks();
   v.kvbus_leased_bytes = info.kvbus_leased_bytes();
-  const proto::ResidentCounters& r = info.resident();
-  v.resident = {r.cached_blocks(), r.evictable_blocks(), r.evictions(),
-                r.hit_tokens(),    r.copied_blocks(),    r.kv_bytes_loaded()};
-  const proto::LocalPrefill& lp = info.local_prefill();
-  v.local_prefill = {lp.running(),     lp.backlog_tokens(), lp.step_ms(), lp.prefill_ms_per_token(),
-                     lp.step_tokens(), lp.requests(),       lp.tokens()};
-  const proto::PushedKv& pk = info.pushed_kv();
-  v.pushed_kv = {pk.slices_landed(), pk.landed_bytes(), pk.start_copy_bytes(),
-                 pk.quarantined_blocks()};
+  v.resident = info.resident();
+  v.local_prefill = info.local_prefill();
+  v.pushed_kv = info.pushed_kv();
+  v.store_tiers.assign(info.store_tiers().begin(), info.store_tiers().end());
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {
       LogError("{} is a {} worker, not {}; not using it", v.endpoint, info.role(),

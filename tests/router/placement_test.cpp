@@ -54,7 +54,7 @@ TEST_F(PlacementTest, PathFollowsTheModeAndNeverTakesBlendedOrResumedRequestsLoc
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAlways, 512));
   prefix_[2] = 0;  // auto would not; never forces it
-  workers_[2].local_prefill.running = 4;
+  workers_[2].local_prefill.set_running(4);
   EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kNever, 512));
   BlendSpec blend;
@@ -90,24 +90,26 @@ TEST_F(PlacementTest, AutoCountsTheDecodeWorkersBacklogAndItsRunningBatchesSteps
   prefix_[0] = 800;  // p0 lacks 200
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   // Local prefills already queued there, reported or routed since.
-  workers_[2].local_prefill.backlog_tokens = 60;
+  workers_[2].local_prefill.set_backlog_tokens(60);
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   ledger_.ReserveLocal(2, 50, 1);
   EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   ledger_.Clear(2);
-  workers_[2].local_prefill.backlog_tokens = 0;
+  workers_[2].local_prefill.set_backlog_tokens(0);
   // Requests running there: pieces of 50 tokens, each after a step that
   // costs 20 ms, at 1 ms a token: 100 + 2 * 20 = 140 <= 200, local.
-  workers_[2].local_prefill = {
-      .running = 8, .step_ms = 20, .prefill_ms_per_token = 1, .step_tokens = 50};
+  workers_[2].local_prefill.set_running(8);
+  workers_[2].local_prefill.set_step_ms(20);
+  workers_[2].local_prefill.set_prefill_ms_per_token(1);
+  workers_[2].local_prefill.set_step_tokens(50);
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   // Steps of 60 ms: 100 + 2 * 60 = 220 > 200, the prefill worker.
-  workers_[2].local_prefill.step_ms = 60;
+  workers_[2].local_prefill.set_step_ms(60);
   EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   // Before any measure a step counts as a piece: 100 + 2 * 50 = 200, local.
-  workers_[2].local_prefill.step_ms = 0;
+  workers_[2].local_prefill.set_step_ms(0);
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
-  workers_[2].local_prefill.step_tokens = 25;  // 100 + 4 * 25 = 200
+  workers_[2].local_prefill.set_step_tokens(25);  // 100 + 4 * 25 = 200
   EXPECT_TRUE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));
   prefix_[0] = 801;  // p0 lacks 199
   EXPECT_FALSE(PrefillLocally(workers_, ledger_, in_, 0, 2, Disaggregation::kAuto, 512));

@@ -34,6 +34,24 @@ TEST(ApiKeys, NamesNoTenantForAnythingButABearerOfAKey) {
   EXPECT_NE(keys->TenantOf("Bearer alice-key-0123456789"), nullptr);
 }
 
+// A browser sends the key as the password of Basic credentials (the status
+// page asks for them); the user name is not looked at.
+TEST(ApiKeys, TakesTheKeyAsTheBasicPasswordOfABrowser) {
+  auto keys = ApiKeys::Parse("alice-key-0123456789 alice\n", "keys");
+  ASSERT_TRUE(keys.ok());
+  for (const char* good : {"Basic YW55b25lOmFsaWNlLWtleS0wMTIzNDU2Nzg5",  // anyone:KEY
+                           "Basic OmFsaWNlLWtleS0wMTIzNDU2Nzg5"}) {       // :KEY
+    const std::string* t = keys->TenantOf(good);
+    ASSERT_NE(t, nullptr) << good;
+    EXPECT_EQ(*t, "alice");
+  }
+  for (const char* bad : {"Basic YWxpY2Uta2V5LTAxMjM0NTY3ODk=",          // KEY, no colon
+                          "Basic YW55b25lOmFsaWNlLWtleS0wMTIzNDU2Nzg=",  // a byte short
+                          "Basic !!!!", "Basic ", "basic YW55b25lOmFsaWNlLWtleS0wMTIzNDU2Nzg5"}) {
+    EXPECT_EQ(keys->TenantOf(bad), nullptr) << bad;
+  }
+}
+
 TEST(ApiKeys, RefusesMalformedFilesNamingTheLine) {
   auto expect = [](std::string_view text, const char* words) {
     auto keys = ApiKeys::Parse(text, "f");

@@ -60,8 +60,10 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
 // pool: what it holds resident counts first (LookupReply.resident_tokens);
 // it is read only through KvCache::IsResident. False, with nothing sent, for
 // any other message.
-// Sets the info's KV codec counters from the CodecTier in `store`, if any.
-void SetCodecCounters(proto::WorkerInfo* info, kvbus::TieredStore& store);
+// Sets the info's store figures: each tier's name and local counters (no
+// round trip), the KV codec counters from the CodecTier in `store`, if any,
+// and the requests a remote tier left unanswered.
+void SetStoreCounters(proto::WorkerInfo* info, kvbus::TieredStore& store);
 // Appends one data plane's kvbus counters to a worker's info.
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
                           uint64_t bytes, double seconds);

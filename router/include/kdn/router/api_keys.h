@@ -28,8 +28,9 @@ class ApiKeys {
   static Result<ApiKeys> Load(const std::filesystem::path& file);
   static Result<ApiKeys> Parse(std::string_view text, std::string_view source);
 
-  // The tenant of the bearer credential in an Authorization header's value
-  // ("Bearer KEY"), or null when it names no key. Every configured key is
+  // The tenant of the credential in an Authorization header's value
+  // ("Bearer KEY", or a browser's "Basic" credentials with the key as the
+  // password and any user name), or null when it names no key. Every configured key is
   // compared in full, whatever matches, so the time taken tells nothing of
   // how much of a key was right.
   const std::string* TenantOf(std::string_view authorization) const;

@@ -18,6 +18,8 @@ class Histogram {
   void Observe(double v);
   // Appends NAME_bucket{le=...}, NAME_sum and NAME_count lines.
   void Render(const std::string& name, std::string* out) const;
+  uint64_t count() const { return count_; }
+  double sum() const { return sum_; }
 
  private:
   std::vector<double> bounds_;
@@ -26,67 +28,69 @@ class Histogram {
   uint64_t count_ = 0;
 };
 
-// Per-worker figures, taken from the backend when /metrics is read.
-// A worker's KV codec at its kdn-store tier (proto::KvCodecCounters).
-struct KvCodecCounters {
-  uint64_t encoded_chunks = 0, raw_bytes = 0, encoded_bytes = 0, decoded_chunks = 0,
-           decode_errors = 0;
+// One interval of the router's recent past, for the status page's charts.
+struct Interval {
+  int64_t start_unix = 0;  // a multiple of kIntervalSeconds
+  uint64_t requests = 0;   // finished, any status
+  uint64_t errors = 0;     // of those, status 400 or more but 499 (the client left)
+  uint64_t generated_tokens = 0;
+  uint64_t ttft_count = 0;
+  double ttft_sum = 0;
+  uint64_t token_gap_count = 0;
+  double token_gap_sum = 0;
 };
 
-// A worker's KV pool as the KDN's first tier (proto::ResidentCounters).
-struct ResidentCounters {
-  int cached_blocks = 0, evictable_blocks = 0;
-  uint64_t evictions = 0, hit_tokens = 0, copied_blocks = 0, kv_bytes_loaded = 0;
+// A request that ended in an error status (400 and up), for the status page.
+struct RecentError {
+  int64_t unix_time = 0;
+  std::string route;
+  int code = 0;
+  std::string message;
 };
 
-// A decode worker's local prefill (proto::LocalPrefill).
-struct LocalPrefillView {
-  int running = 0;                  // requests in its decode batch
-  int64_t backlog_tokens = 0;       // local prefill tokens still to compute
-  double step_ms = 0;               // its decode steps, recent average (0: none yet)
-  double prefill_ms_per_token = 0;  // its local prefill pieces (0: none yet)
-  int step_tokens = 0;              // its --local-prefill-step-tokens (0: not said)
-  uint64_t requests = 0;            // local prefills finished
-  uint64_t tokens = 0;              // prompt tokens they computed
-};
+// Everything Metrics counts, as one value: what /metrics, /health's
+// neighbours and the status page read (status.h's StatusSnapshot).
+struct RouterFigures {
+  static constexpr int kIntervalSeconds = 10;
+  static constexpr size_t kIntervals = 60;  // the last 10 minutes
+  static constexpr size_t kRecentErrors = 20;
 
-// A decode worker's pushed KV (proto PushedKv).
-struct PushedKvView {
-  uint64_t slices_landed = 0;
-  uint64_t landed_bytes = 0;
-  uint64_t start_copy_bytes = 0;
-  int quarantined_blocks = 0;
-};
-
-struct WorkerGauge {
-  std::string name;
-  std::string role;
-  bool up = false;
-  // As the worker reported them.
+  RouterFigures();
+  std::map<std::pair<std::string, int>, uint64_t> requests;  // by (route, status)
+  int64_t in_flight = 0;
+  Histogram ttft;
+  Histogram inter_token;
+  Histogram queue_wait;
+  Histogram blend_ratio;
+  uint64_t cached_tokens = 0, blended_tokens = 0, recomputed_tokens = 0, tail_tokens = 0,
+           computed_tokens = 0;
+  uint64_t generated = 0;
+  std::map<std::string, uint64_t> injected;  // by result
+  uint64_t injected_tokens = 0;
+  uint64_t kv_bytes = 0;
+  uint64_t slices_skipped = 0;
+  uint64_t accept_errors = 0;
   int queue_depth = 0;
-  int free_kv_blocks = 0;
-  // The router's reservations since that report (WorkerView::reserved).
-  int reserved_requests = 0;
-  int64_t reserved_kv_blocks = 0;
-  struct Transport {
-    std::string name;
-    uint64_t chunks = 0, bytes = 0;
-    double seconds = 0;
-  };
-  std::vector<Transport> kv_transports;
-  KvCodecCounters kv_codec;
-  uint64_t store_unreachable = 0;
-  int leased_kv_blocks = 0;
-  uint64_t kvbus_leased_bytes = 0;
-  ResidentCounters resident;
-  LocalPrefillView local_prefill;  // decode
-  PushedKvView pushed_kv;          // decode
+  uint64_t resumed = 0, resumed_tokens = 0;
+  uint64_t routed_disaggregated = 0, routed_local = 0;
+  std::vector<Interval> history;    // oldest first, no gaps, at most kIntervals
+  std::vector<RecentError> errors;  // oldest first, at most kRecentErrors
 };
+
+struct StatusSnapshot;
+struct WorkerView;
+
+// The Prometheus text exposition of a snapshot (docs/serving.md, "Metrics").
+std::string RenderMetrics(const StatusSnapshot& s);
 
 class Metrics {
  public:
-  Metrics();
+  // `now_unix` gives the wall clock in seconds (a test's own clock, say).
+  explicit Metrics(int64_t (*now_unix)() = nullptr);
   void RequestFinished(const std::string& route, int code);
+  // A request that ended in status `code` >= 400 with `message` (kept among
+  // the last RouterFigures::kRecentErrors; RequestFinished counts it).
+  void Error(const std::string& route, int code, const std::string& message);
   void InFlight(int delta);
   void Ttft(double seconds);
   void InterToken(double seconds);
@@ -117,32 +121,21 @@ class Metrics {
   // paths").
   void Routed(bool local);
 
-  std::string Render(const std::vector<WorkerGauge>& workers) const;
+  // Everything counted so far; the history runs up to now (intervals with
+  // nothing in them included).
+  RouterFigures Figures() const;
+  // RenderMetrics of these figures and `workers`.
+  std::string Render(const std::vector<WorkerView>& workers) const;
 
  private:
+  // The interval `now` falls in, appended (with any empty ones before it)
+  // if it is not the last one.
+  Interval& Current() KDN_REQUIRES(mu_);
+  static void Advance(std::vector<Interval>* history, int64_t now);
+
+  int64_t (*const now_unix_)();
   mutable Mutex mu_;
-  std::map<std::pair<std::string, int>, uint64_t> requests_ KDN_GUARDED_BY(mu_);
-  int64_t in_flight_ KDN_GUARDED_BY(mu_) = 0;
-  Histogram ttft_ KDN_GUARDED_BY(mu_);
-  Histogram inter_token_ KDN_GUARDED_BY(mu_);
-  uint64_t cached_tokens_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t blended_tokens_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t recomputed_tokens_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t tail_tokens_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t computed_tokens_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t generated_ KDN_GUARDED_BY(mu_) = 0;
-  std::map<std::string, uint64_t> injected_ KDN_GUARDED_BY(mu_);  // by result
-  uint64_t injected_tokens_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t kv_bytes_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t slices_skipped_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t accept_errors_ KDN_GUARDED_BY(mu_) = 0;
-  int queue_depth_ KDN_GUARDED_BY(mu_) = 0;
-  Histogram queue_wait_ KDN_GUARDED_BY(mu_);
-  Histogram blend_ratio_ KDN_GUARDED_BY(mu_);
-  uint64_t resumed_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t resumed_tokens_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t routed_disaggregated_ KDN_GUARDED_BY(mu_) = 0;
-  uint64_t routed_local_ KDN_GUARDED_BY(mu_) = 0;
+  RouterFigures f_ KDN_GUARDED_BY(mu_);
 };
 
 }  // namespace kdn::router

@@ -3,8 +3,10 @@
 // (router/src/worker_pool.h): its role, whether it is up, and what it last
 // reported (proto::WorkerInfo), apart from the router's own reservations
 // since that report (placement.h's Ledger), which `reserved` shows and no
-// reported field includes. /health and /metrics publish both, each under
-// its own name (docs/serving.md, "Health and metrics").
+// reported field includes. The figures placement reads are copied into
+// named fields; the counters only shown are kept as the proto messages the
+// worker sent (declared once, in proto/serving.proto). /health, /metrics
+// and the status page publish both from one StatusSnapshot (status.h).
 //
 // Thread-compatible values.
 
@@ -13,7 +15,7 @@
 #include <vector>
 
 #include "kdn/kvbus/key.h"
-#include "kdn/router/metrics.h"
+#include "serving.pb.h"
 
 namespace kdn::router {
 
@@ -53,25 +55,21 @@ struct WorkerView {
   int64_t max_context = 0;
   std::string health;          // a failure the worker reports; empty when none
   std::string host_id;         // workers on one host share it (kvbus::HostId)
+  std::string device;          // where its engine runs: "cpu", "cuda:0"
   std::string kv_transport;    // its --kv-transport
   std::string kvbus_endpoint;  // where it takes KV (decode); empty: not said
   // KV it moved over kvbus per data plane (sent by a prefill worker,
   // received by a decode worker).
-  struct TransportCounters {
-    std::string transport;
-    uint64_t chunks = 0, bytes = 0;
-    double seconds = 0;
-  };
-  std::vector<TransportCounters> kv_transports;
-  KvCodecCounters kv_codec;        // its KV codec at the kdn-store tier
-  uint64_t store_unreachable = 0;  // its kdn-store requests left unanswered
+  std::vector<proto::TransportCounters> kv_transports;
+  proto::KvCodecCounters kv_codec;  // its KV codec at the kdn-store tier
+  uint64_t store_unreachable = 0;   // its kdn-store requests left unanswered
   // decode: what it holds under leases now (proto::WorkerInfo fields 18, 19).
   int leased_kv_blocks = 0;
   uint64_t kvbus_leased_bytes = 0;
-  // Its KV pool as the KDN's first tier (proto::ResidentCounters).
-  ResidentCounters resident;
-  LocalPrefillView local_prefill;  // decode
-  PushedKvView pushed_kv;          // decode
+  proto::ResidentCounters resident;           // its KV pool as the KDN's first tier
+  proto::LocalPrefill local_prefill;          // decode
+  proto::PushedKv pushed_kv;                  // decode
+  std::vector<proto::StoreTier> store_tiers;  // its KDN store, fastest tier first
   // The router's own, not reported: what it routed here since the report.
   Reservation reserved;
 };
