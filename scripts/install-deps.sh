@@ -33,6 +33,16 @@ esac
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
+# timed WHAT COMMAND...: runs COMMAND between a line saying what it does and
+# one saying how long it took (progress for an install of many minutes).
+timed() {
+  local what=$1 t0=$SECONDS
+  shift
+  echo "install-deps: $what ..."
+  "$@"
+  echo "install-deps: $what: done in $((SECONDS - t0)) s"
+}
+
 pkgs=(build-essential cmake ninja-build ccache pkg-config
       libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libgtest-dev libxxhash-dev
       libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler libboost-dev libzstd-dev
@@ -50,9 +60,11 @@ if [ $want_ref = 1 ]; then
   # libomp-14-dev: clang's omp.h, which the CPU engine includes there.
   # clang-format-14: scripts/format.sh and scripts/check-format.sh.
   # patchelf: scripts/package.sh (the release's run paths), tested in tests/deploy.
+  # chromium (headless) and fonts-liberation: the router's status page in a
+  # real browser (tests/deploy/test_status_page.py).
   pkgs+=(python3 python3-venv python3-pip python3-torch python3-numpy prometheus curl
         munge slurmctld slurmd slurm-client clang-14 libclang-rt-14-dev libomp-14-dev
-        clang-format-14 patchelf)
+        clang-format-14 patchelf chromium fonts-liberation)
 fi
 
 missing=()
@@ -60,9 +72,9 @@ for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
-  echo "install-deps: apt-get install ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  timed "apt-get update" $SUDO apt-get update -qq
+  timed "apt-get install ${missing[*]}" $SUDO env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
 if [ $want_ref = 1 ] && [ $want_ref_python = 1 ]; then
@@ -73,8 +85,8 @@ if [ $want_ref = 1 ] && [ $want_ref_python = 1 ]; then
   fi
   if ! .venv-ref/bin/python -c "import transformers, tokenizers, pytest" 2>/dev/null ||
      ! cmp -s tests/parity/requirements.txt .venv-ref/requirements.installed; then
-    echo "install-deps: pip install -r tests/parity/requirements.txt (into .venv-ref)"
-    .venv-ref/bin/pip install -q --disable-pip-version-check -r tests/parity/requirements.txt
+    timed "pip install -r tests/parity/requirements.txt (into .venv-ref)" \
+      .venv-ref/bin/pip install -q --disable-pip-version-check -r tests/parity/requirements.txt
     cp tests/parity/requirements.txt .venv-ref/requirements.installed
   fi
   # Real tokenizer vocabularies (Llama 3, Llama 2/Mistral sentencepiece, Qwen2,
@@ -106,14 +118,15 @@ if [ $want_ref = 1 ] && [ $want_ref_python = 1 ]; then
   # and ggml-base only) into ~/.cache/kdn (KDN_LLAMA_CPP_TOKENIZE): the
   # reference for kdn's GGUF tokenizer. Built once; this returns at once
   # while the build is current, and downloads the archive again otherwise.
-  tests/parity/llama_tokenize_ref/build.sh
+  timed "llama.cpp's tokenizer (built once)" tests/parity/llama_tokenize_ref/build.sh
   # llama.cpp's llama-bench and llama_logits_ref, with its CPU backend, from
   # the same archive into ~/.cache/kdn (KDN_LLAMA_CPP_BENCH): the peer of
   # kdn-bench --llama-cpp and the logits reference of
   # tests/parity/test_llama_cpp_logits.py. Built once (about 5 minutes at -j2,
   # 11 at -j1); current builds return at once.
-  bench/llama_cpp_peer.sh --build-only >/dev/null
-  scripts/fetch-smollm2.sh .venv-ref/bin/python
+  timed "llama.cpp's llama-bench and logits reference (built once)" \
+    bench/llama_cpp_peer.sh --build-only >/dev/null
+  timed "SmolLM2-135M-Instruct" scripts/fetch-smollm2.sh .venv-ref/bin/python
 fi
 
 # FlashInfer's headers (with the CUTLASS and CCCL headers they need), for the

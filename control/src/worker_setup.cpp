@@ -1,5 +1,7 @@
 #include "kdn/control/worker_setup.h"
 
+#include <chrono>
+
 #include <algorithm>
 #include <vector>
 
@@ -17,6 +19,7 @@ namespace kdn::control {
 Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
                                     const engine::OpenOptions& options) {
   WorkerModel w;
+  const auto t0 = std::chrono::steady_clock::now();
   KDN_ASSIGN_OR_RETURN(w.model, engine::OpenEngine(dir, options));
   kvbridge::PinChunkBuffersFor(*w.model);
   KDN_ASSIGN_OR_RETURN(w.tokenizer, text::Tokenizer::Load(dir));
@@ -25,6 +28,10 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
   w.fingerprint = kvbridge::ModelFingerprint(
       c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
       kvbus::KvDTypeName(kvbridge::ChunkDType(w.model->kv_dtype())), digest);
+  // kdn-launch shows this time as each worker comes up.
+  LogInfo("model {} loaded in {:.2f} s ({})", dir.string(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+          EngineSummary(*w.model));
   return w;
 }
 

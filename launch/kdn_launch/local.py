@@ -8,6 +8,7 @@ deployment record) so that `down` and `status` find it."""
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -204,8 +205,9 @@ class Deployment:
         info("started %d prefill and %d decode workers; loading %s" % (a.prefill, a.decode, self.model))
         for p in workers:
             self.wait_endpoint(p, "tcp://", a.ready_timeout)
-            info("%s serves on %s (pid %d%s)" % (p.name, p.endpoint, p.pid,
-                                                 "" if a.device == "cpu" else ", " + p.device.name))
+            info("%s serves on %s (pid %d%s%s)" % (
+                p.name, p.endpoint, p.pid, "" if a.device == "cpu" else ", " + p.device.name,
+                model_load_note(p.log)))
         router = self.start("router", "router", router_command(
             a, b, self.model, [p.endpoint for p in workers if p.role == "prefill"],
             [p.endpoint for p in workers if p.role == "decode"]))
@@ -241,6 +243,16 @@ class Deployment:
                 info("%s (pid %d) %s unexpectedly; the end of its log (%s):\n%s"
                      % (p.name, p.pid, p.exit_text(), p.log, log_tail(p.log)))
 
+
+
+def model_load_note(log):
+    """"; model loaded in T s (ENGINE)" from a worker's log, or ""."""
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError:
+        return ""
+    m = re.search(r"model \S+ loaded in ([0-9.]+) s \(([^)]*)\)", text)
+    return "; model loaded in %s s: %s" % (m.group(1), m.group(2)) if m else ""
 
 
 # ------------------------------------------------------------------ commands
@@ -309,6 +321,7 @@ def start_deployment(args):
 def print_ready(url, detached):
     print("try: curl -sN %s/v1/completions -H 'Content-Type: application/json' "
           "-d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}'" % url)
+    print("status page: %s/ (workers, KV pools, the KDN, recent requests and errors)" % url)
     if detached:
         print("stop it with: kdn-launch down")
     else:

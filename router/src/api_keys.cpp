@@ -79,7 +79,10 @@ const std::string* ApiKeys::TenantOf(std::string_view authorization) const {
     decoded.resize(boost::beast::detail::base64::decoded_size(b64.size()));
     const auto [written, read] =
         boost::beast::detail::base64::decode(decoded.data(), b64.data(), b64.size());
-    if (read != b64.size()) return nullptr;
+    // It stops at the padding: all of the rest must be padding.
+    if (b64.find_first_not_of('=', read) != std::string_view::npos || b64.size() - read > 2) {
+      return nullptr;
+    }
     decoded.resize(written);
     const size_t colon = decoded.find(':');
     if (colon == std::string::npos) return nullptr;

@@ -153,6 +153,7 @@ void Metrics::Routed(bool local) {
 void Metrics::RequestFinished(const std::string& route, int code) {
   MutexLock lock(mu_);
   ++f_.requests[{route, code}];
+  if (!route.starts_with("/v1/")) return;  // /health, /metrics, the status page
   Interval& i = Current();
   ++i.requests;
   if (code >= 400 && code != 499) ++i.errors;

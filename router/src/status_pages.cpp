@@ -178,10 +178,11 @@ json StatusJson(const StatusSnapshot& s) {
   }
   const RouterFigures& f = s.router;
   json requests = json::array();
-  uint64_t total = 0;
+  uint64_t total = 0, api = 0;
   for (const auto& [k, n] : f.requests) {
     requests.push_back({{"route", k.first}, {"code", k.second}, {"count", n}});
     total += n;
+    if (k.first.starts_with("/v1/")) api += n;
   }
   json history = json::array();
   for (const Interval& i : f.history) {
@@ -203,6 +204,7 @@ json StatusJson(const StatusSnapshot& s) {
   body["started"] = s.started;
   body["router"] = {
       {"requests_total", total},
+      {"api_requests_total", api},
       {"requests", requests},
       {"in_flight", f.in_flight},
       {"queue_depth", f.queue_depth},

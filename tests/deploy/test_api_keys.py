@@ -1,7 +1,7 @@
 """API keys and tenants (docs/serving.md, "API keys"): a deployment started
 with `kdn-launch up --api-keys FILE` of the tiny model. Through the official
 openai client: no key and a wrong key get 401 with an OpenAI error body, a
-right key 200; /health and /metrics need none. A tenant's prefix is never
+right key 200; /health and /metrics need none, the status page does. A tenant's prefix is never
 reported as cached to another tenant, with or without cache_salt, while two
 keys of one tenant share its cache.
 """
@@ -62,6 +62,26 @@ def test_a_missing_or_wrong_key_is_401_and_a_right_one_200(keyed):
 def test_health_and_metrics_need_no_key(keyed):
     assert httpx.get(keyed.url + "/health").status_code == 200
     assert httpx.get(keyed.url + "/metrics").status_code == 200
+
+
+def test_the_status_page_asks_a_browser_for_a_key(keyed):
+    """/, /status and /status.json are behind the keys: without one, 401 and
+    a Basic challenge (a browser then asks for it); a key as the Basic
+    password or as a bearer gets them."""
+    for path in ("/", "/status", "/status.json"):
+        r = httpx.get(keyed.url + path)
+        assert r.status_code == 401, path
+        assert r.headers["www-authenticate"].startswith("Basic "), r.headers
+        r = httpx.get(keyed.url + path, auth=("anyone", "not-a-key-at-all-123"))
+        assert r.status_code == 401, path
+        r = httpx.get(keyed.url + path, auth=("anyone", "bob-key-9876543210abc"))
+        assert r.status_code == 200, path
+        r = httpx.get(keyed.url + path,
+                      headers={"Authorization": "Bearer alice-key-0123456789"})
+        assert r.status_code == 200, path
+    # The API's own 401 asks for a bearer, not a browser's credentials.
+    r = httpx.post(keyed.url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401 and "www-authenticate" not in r.headers
 
 
 def test_tenants_never_see_each_others_prefixes(keyed):

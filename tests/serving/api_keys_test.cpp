@@ -47,7 +47,8 @@ TEST(ApiKeys, TakesTheKeyAsTheBasicPasswordOfABrowser) {
   }
   for (const char* bad : {"Basic YWxpY2Uta2V5LTAxMjM0NTY3ODk=",          // KEY, no colon
                           "Basic YW55b25lOmFsaWNlLWtleS0wMTIzNDU2Nzg=",  // a byte short
-                          "Basic !!!!", "Basic ", "basic YW55b25lOmFsaWNlLWtleS0wMTIzNDU2Nzg5"}) {
+                          "Basic !!!!", "Basic ", "Basic Ym9iOmFsaWNlLWtleS0wMTIzNDU2Nzg5=x",
+                          "basic YW55b25lOmFsaWNlLWtleS0wMTIzNDU2Nzg5"}) {
     EXPECT_EQ(keys->TenantOf(bad), nullptr) << bad;
   }
 }

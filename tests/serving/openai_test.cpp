@@ -430,6 +430,7 @@ TEST(Metrics, KeepsTheLastTenMinutesInIntervalsWithoutGaps) {
   fake_now += 25;  // two intervals on: one empty between
   m.RequestFinished("/v1/completions", 400);
   m.RequestFinished("/v1/completions", 499);  // the client left: not an error
+  m.RequestFinished("/metrics", 200);         // not an API request
   RouterFigures f = m.Figures();
   ASSERT_EQ(f.history.size(), 3u);
   EXPECT_EQ(f.history[0].start_unix, 1'000'000);
@@ -513,6 +514,7 @@ TEST(StatusJson, ShowsWhatWorkersReportedByFieldNameAndTheRoutersFigures) {
   EXPECT_EQ(w["store_tiers"][0]["hits"], 3);
   const json& r = j["router"];
   EXPECT_EQ(r["requests_total"], 2);
+  EXPECT_EQ(r["api_requests_total"], 2);
   EXPECT_EQ(r["prompt_tokens"]["cached"], 256);
   EXPECT_EQ(r["history"].size(), 1u);
   EXPECT_EQ(r["history"][0]["errors"], 1);

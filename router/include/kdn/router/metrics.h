@@ -31,7 +31,7 @@ class Histogram {
 // One interval of the router's recent past, for the status page's charts.
 struct Interval {
   int64_t start_unix = 0;  // a multiple of kIntervalSeconds
-  uint64_t requests = 0;   // finished, any status
+  uint64_t requests = 0;   // API requests (/v1/...) finished, any status
   uint64_t errors = 0;     // of those, status 400 or more but 499 (the client left)
   uint64_t generated_tokens = 0;
   uint64_t ttft_count = 0;
