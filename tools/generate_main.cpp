@@ -1,14 +1,20 @@
 // kdn-generate: the engine alone, one process, no network. Loads a model
 // folder, runs a prompt, prints the continuation (stdout) and timings (stderr).
-// With --document, the prompt is a blend (docs/blend.md) as a deployment
-// runs it: BOS, the documents (each tokenized apart, its KV computed on its
-// own), then --prompt as the question; the fused prefill's answer, greedy.
+// With --chat, the prompt is a conversation rendered by the model's chat
+// template as kdn-router renders a chat request. With --document, the prompt
+// is a blend (docs/blend.md) as a deployment runs it: BOS (with --chat, the
+// conversation up to its last user message), the documents (each tokenized
+// apart, its KV computed on its own), then the question (--prompt, or that
+// message's content and the rest of the rendering); the fused prefill's
+// answer, greedy.
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "kdn/blend/blend.h"
 #include "kdn/control/worker_flags.h"
@@ -16,6 +22,8 @@
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
+#include "kdn/model/config.h"
+#include "kdn/text/chat_template.h"
 #include "kdn/text/output_text.h"
 #include "kdn/text/tokenizer.h"
 
@@ -25,6 +33,61 @@ std::string JoinIds(const std::vector<int32_t>& ids) {
   std::string s;
   for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
   return s;
+}
+
+// A rendered --chat file: the text before the documents' place (all of it
+// without documents) and after it, and whether a BOS goes first.
+struct ChatText {
+  std::string head, rest;
+  bool add_bos = true;
+};
+
+// The messages of `file` (an OpenAI messages array of {role, content}
+// strings) rendered by the model's chat template, as kdn-router renders a
+// chat request; `documents`: they open the last user message, as the
+// router's `documents` field puts them.
+kdn::Result<ChatText> RenderChatFile(const std::string& file, const std::string& model_dir,
+                                     bool documents) {
+  std::ifstream in(file);
+  if (!in) return kdn::NotFound("--chat: cannot read " + file);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_array() || j.empty()) {
+    return kdn::InvalidArgument("--chat: " + file + " is not a JSON array of messages");
+  }
+  kdn::text::ChatMessages messages;
+  for (const auto& m : j) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+        !m["content"].is_string()) {
+      return kdn::InvalidArgument("--chat: " + file +
+                                  ": each message is {\"role\": ..., \"content\": ...}");
+    }
+    messages.emplace_back(m["role"].get<std::string>(), m["content"].get<std::string>());
+  }
+  constexpr std::string_view kSlot = "\x1a\x1bkdn-generate-documents\x1b\x1a";
+  if (documents) {
+    auto last_user = std::find_if(messages.rbegin(), messages.rend(),
+                                  [](const auto& m) { return m.first == "user"; });
+    if (last_user == messages.rend()) {
+      return kdn::InvalidArgument("--chat: documents go with a user message; " + file +
+                                  " has none");
+    }
+    last_user->second.insert(0, kSlot);
+  }
+  KDN_ASSIGN_OR_RETURN(kdn::model::ModelConfig config, kdn::model::LoadModelConfig(model_dir));
+  KDN_ASSIGN_OR_RETURN(kdn::text::ChatTemplate tmpl,
+                       kdn::text::ChatTemplate::Load(model_dir, config.architecture));
+  KDN_ASSIGN_OR_RETURN(kdn::text::ChatPrompt chat, tmpl.Render(messages));
+  ChatText out{chat.text, "", chat.add_bos};
+  if (documents) {
+    const size_t at = chat.text.find(kSlot);
+    if (at == std::string::npos || chat.text.find(kSlot, at + 1) != std::string::npos) {
+      return kdn::InvalidArgument(
+          "--chat: the chat template does not place the last user message once");
+    }
+    out.head = chat.text.substr(0, at);
+    out.rest = chat.text.substr(at + kSlot.size());
+  }
+  return out;
 }
 
 struct BlendOutput {
@@ -86,6 +149,12 @@ int main(int argc, char** argv) {
   app.add_option("--prompt-ids", prompt_ids,
                  "Prompt as comma-separated token ids (instead of --prompt)")
       ->excludes(p);
+  std::string chat_file;
+  app.add_option("--chat", chat_file,
+                 "A conversation (a JSON file: an OpenAI messages array) rendered by the model's "
+                 "chat template as kdn-router renders it, instead of --prompt")
+      ->excludes(p)
+      ->excludes("--prompt-ids");
   app.add_option("--max-tokens", gen.max_tokens, "Tokens to generate")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -105,7 +174,8 @@ int main(int argc, char** argv) {
   kdn::control::BlendSpec blend;
   std::string selection = kdn::control::BlendSelectionName(kdn::control::DefaultBlendSelection());
   app.add_option("--document", documents,
-                 "A document of a blend prompt (repeat in order; --prompt is the question): "
+                 "A document of a blend prompt (repeat in order; --prompt is the question, or "
+                 "with --chat they open the last user message): "
                  "each document's KV is computed on its own and fused as kdn-prefill does")
       ->excludes("--prompt-ids");
   app.add_option("--recompute-ratio", blend.recompute_ratio, "Blend: the recompute ratio")
@@ -132,8 +202,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: a blend (--document) decodes greedily: --temperature 0\n");
     return 2;
   }
-  if (prompt.empty() && prompt_ids.empty()) {
-    std::fprintf(stderr, "kdn-generate: give --prompt or --prompt-ids\n");
+  if (prompt.empty() && prompt_ids.empty() && chat_file.empty()) {
+    std::fprintf(stderr, "kdn-generate: give --prompt, --prompt-ids or --chat\n");
     return 2;
   }
   if (auto st = kdn::model::ValidateSamplingParams(gen.sampling); !st.ok()) {
@@ -163,20 +233,31 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-  } else if (documents.empty()) {
-    ids = (*tok)->Encode(prompt, !no_bos);
   }
-  // A blend prompt, tokenized as kdn-router's BlendPrompt does: BOS, each
-  // document apart, then the question.
+  ChatText chat{"", prompt, !no_bos};
+  if (!chat_file.empty()) {
+    auto rendered = RenderChatFile(chat_file, model_dir, !documents.empty());
+    if (!rendered.ok()) {
+      std::fprintf(stderr, "kdn-generate: %s\n", rendered.status().ToString().c_str());
+      return rendered.status().code() == kdn::StatusCode::kNotFound ? 1 : 2;
+    }
+    chat = *rendered;
+  }
+  if (prompt_ids.empty() && documents.empty()) {
+    ids = (*tok)->Encode(chat_file.empty() ? prompt : chat.head, chat.add_bos);
+  }
+  // A blend prompt, tokenized as kdn-router's BlendPrompt does: BOS (or the
+  // chat up to the documents), each document apart, then the question.
   std::vector<std::vector<int32_t>> doc_ids;
-  std::vector<int32_t> question;
+  std::vector<int32_t> question, head;
   if (!documents.empty()) {
-    ids = (*tok)->Encode("", !no_bos);
+    ids = (*tok)->Encode(chat.head, chat.add_bos);
+    head = ids;
     for (const std::string& d : documents) {
       doc_ids.push_back((*tok)->Encode(d, false));
       ids.insert(ids.end(), doc_ids.back().begin(), doc_ids.back().end());
     }
-    question = (*tok)->Encode(prompt, false);
+    question = (*tok)->Encode(chat.rest, false);
     ids.insert(ids.end(), question.begin(), question.end());
   }
   // The KV pool holds the prompt and every token generated.
@@ -195,9 +276,7 @@ int main(int argc, char** argv) {
     const int layers = (*model)->config().num_layers;
     blend.check_layers =
         kdn::control::ResolveCheckLayers(blend.check_layer, blend.check_layers, false, layers);
-    auto out = BlendAnswer(
-        **model, ids.size() > 0 && !no_bos ? std::vector<int32_t>{ids[0]} : std::vector<int32_t>{},
-        doc_ids, question, blend, gen);
+    auto out = BlendAnswer(**model, head, doc_ids, question, blend, gen);
     if (!out.ok()) {
       std::fprintf(stderr, "kdn-generate: %s\n", out.status().ToString().c_str());
       return 1;

@@ -400,13 +400,21 @@ def build_parser():
 
     dm = sub.add_parser(
         "demo", help="start a deployment, send sample requests, stop it",
-        description="Like up, then send a streaming /v1/completions request (tokens printed "
-        "as they arrive) and two /v1/chat/completions turns about one document (the second "
-        "shows cached tokens), print their usage, and stop the deployment unless --keep.")
+        description="Like up, then send requests and print what comes back as it arrives: "
+        "a three-turn chat over a section of the Apache License 2.0 (later turns show their "
+        "tokens cached in the KDN and their time to first token beside the first turn's), "
+        "then a question over three of its sections sent as documents, asked again with the "
+        "documents reversed (blended from their stored KV instead of recomputed, and the "
+        "time saved); with a model folder holding demo.json (models/kdn-qa), its questions "
+        "instead. Stops the deployment unless --keep. scripts/demo.sh runs it on "
+        "SmolLM2-135M-Instruct.")
     add_up_flags(dm)
     add_local_flags(dm)
     dm.add_argument("--keep", action="store_true",
                     help="leave the deployment running afterwards (stop it with kdn-launch down)")
+    dm.add_argument("--transcript", metavar="PATH",
+                    help="also write every request sent and its answer, usage and time to "
+                    "first token to PATH (JSON)")
     dm.set_defaults(func=demo.cmd_demo)
 
     add_slurm_commands(sub)
