@@ -5,6 +5,7 @@
 
 #include <google/protobuf/message.h>
 
+#include "kdn/common/kv_block.h"
 #include "kdn/router/status.h"
 #include "server_state.h"
 
@@ -200,6 +201,7 @@ json StatusJson(const StatusSnapshot& s) {
     errors.push_back(
         {{"time", e.unix_time}, {"route", e.route}, {"code", e.code}, {"message", e.message}});
   }
+  body["kv_block_tokens"] = kKvBlockTokens;
   body["time"] = s.unix_time;
   body["started"] = s.started;
   body["router"] = {

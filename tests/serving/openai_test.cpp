@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "kdn/engine/presets.h"
+#include "kdn/common/kv_block.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/status.h"
 #include "kdn/router/worker_view.h"
@@ -520,6 +521,7 @@ TEST(StatusJson, ShowsWhatWorkersReportedByFieldNameAndTheRoutersFigures) {
   EXPECT_EQ(r["history"][0]["errors"], 1);
   EXPECT_EQ(r["errors"][0]["message"], "no decode worker");
   EXPECT_EQ(j["time"].get<int64_t>() - j["started"].get<int64_t>(), 60);
+  EXPECT_EQ(j["kv_block_tokens"], kKvBlockTokens);
   // /health's body is the same snapshot's.
   json health;
   EXPECT_FALSE(HealthJson(s, &health));
