@@ -1,13 +1,13 @@
 #include "kdn/control/worker_setup.h"
 
-#include <chrono>
-
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "kdn/common/log.h"
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbridge/fingerprint.h"
@@ -130,6 +130,8 @@ void SetStoreCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {
     t->set_capacity_bytes(ts.capacity_bytes);
     t->set_hits(ts.hits);
     t->set_misses(ts.misses);
+    t->set_held_here(dynamic_cast<kvbus::HostTier*>(&tier) != nullptr ||
+                     dynamic_cast<kvbus::DiskTier*>(&tier) != nullptr);
     if (auto* codec = dynamic_cast<kvbus::CodecTier*>(&store.tier(i))) {
       const kvbus::CodecStats s = codec->codec_stats();
       proto::KvCodecCounters* c = info->mutable_kv_codec();

@@ -233,6 +233,8 @@ struct RemoteStore::Impl {
   Lane bulk, index;
   std::atomic<uint64_t> corrupt{0};
   std::atomic<uint64_t> unreachable{0};
+  std::atomic<uint64_t> hits{0};    // this client's Gets answered with the chunk
+  std::atomic<uint64_t> misses{0};  // and those that were not (not held, damaged, no answer)
   // The store is held to be down until down_until, after `failures`
   // requests in a row went unanswered.
   Mutex down_mu;
@@ -371,19 +373,23 @@ Result<std::unique_ptr<RemoteStore>> RemoteStore::Connect(const std::string& end
 }
 
 Result<std::shared_ptr<const Chunk>> RemoteStore::Get(const ChunkKey& key) {
-  proto::StoreRequest req;
-  req.mutable_get()->set_key(KeyBytes(key));
-  proto::StoreReply reply;
-  std::vector<uint8_t> payload;
-  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, &payload, impl_->options.timeout));
-  KDN_RETURN_IF_ERROR(ReplyStatus(reply));
-  auto chunk = Chunk::Parse(std::move(payload));
-  if (!chunk.ok() || (*chunk)->key() != key) {
-    ++impl_->corrupt;
-    return NotFound("kdn-store " + endpoint_ + ": chunk " + key.ToHex() + " arrived damaged (" +
-                    (chunk.ok() ? std::string("wrong key") : chunk.status().message()) + ")");
-  }
-  return chunk;
+  auto got = [&]() -> Result<std::shared_ptr<const Chunk>> {
+    proto::StoreRequest req;
+    req.mutable_get()->set_key(KeyBytes(key));
+    proto::StoreReply reply;
+    std::vector<uint8_t> payload;
+    KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, &payload, impl_->options.timeout));
+    KDN_RETURN_IF_ERROR(ReplyStatus(reply));
+    auto chunk = Chunk::Parse(std::move(payload));
+    if (!chunk.ok() || (*chunk)->key() != key) {
+      ++impl_->corrupt;
+      return NotFound("kdn-store " + endpoint_ + ": chunk " + key.ToHex() + " arrived damaged (" +
+                      (chunk.ok() ? std::string("wrong key") : chunk.status().message()) + ")");
+    }
+    return chunk;
+  }();
+  ++(got.ok() ? impl_->hits : impl_->misses);
+  return got;
 }
 
 Result<std::vector<bool>> RemoteStore::Lookup(std::span<const ChunkKey> keys) {
@@ -440,6 +446,8 @@ uint64_t RemoteStore::unreachable() const { return impl_->unreachable.load(); }
 
 TierStats RemoteStore::LocalStats() {
   TierStats s;
+  s.hits = impl_->hits.load();
+  s.misses = impl_->misses.load();
   s.corrupt = impl_->corrupt.load();
   s.unreachable = impl_->unreachable.load();
   return s;

@@ -28,6 +28,7 @@ def test_status_json_names_the_workers_and_counts_requests(deployment):
         assert w["device"] == "cpu", w
         assert w["total_kv_blocks"] > 0, w
         assert w["store_tiers"] and w["store_tiers"][0]["name"] == "host", w
+        assert w["store_tiers"][0]["held_here"] is True, w
         assert "hit_tokens" in w["resident"], w
     before = s["router"]
     deployment.completion("The status page counts this", max_tokens=2)
@@ -85,3 +86,14 @@ def test_the_status_page_in_a_real_browser(deployment, tmp_path):
     assert after >= before + 3, (before, after)
     console = [line for line in (log + log2).splitlines() if "CONSOLE" in line]
     assert not console, "the page logged to the console:\n" + "\n".join(console)
+
+
+def test_status_json_shows_a_shared_store_as_each_worker_counts_it(store_deployment):
+    """With kdn-store, each worker's tiers are its host tier (held there) and
+    the store (shared: its contents not asked for, its reads this worker's)."""
+    s = store_deployment.http.get("/status.json").json()
+    for w in s["workers"]:
+        names = [t["name"] for t in w["store_tiers"]]
+        assert names[0] == "host" and names[1].startswith("remote tcp://"), w
+        shared = w["store_tiers"][1]
+        assert shared["held_here"] is False and shared["chunks"] == 0, shared

@@ -46,6 +46,12 @@ TEST(StoreService, PutThenGetReturnsTheSameBytes) {
   EXPECT_TRUE(std::equal((*got)->bytes().begin(), (*got)->bytes().end(), chunk->bytes().begin(),
                          chunk->bytes().end()));
   EXPECT_EQ((*client)->Get(ChunkKey{99, 99}).status().code(), StatusCode::kNotFound);
+  // The client counts its own Gets without asking the server (a worker's
+  // status page shows them as the tier's hit rate).
+  const TierStats local = (*client)->LocalStats();
+  EXPECT_EQ(local.hits, 1u);
+  EXPECT_EQ(local.misses, 1u);
+  EXPECT_EQ(local.chunks, 0u);  // not asked
 }
 
 // A message over the server's limit is never buffered: ZeroMQ drops the

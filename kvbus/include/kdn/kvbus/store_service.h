@@ -103,7 +103,9 @@ class RemoteStore final : public ChunkStore {
   // The server's whole-store figures, plus this client's corrupt and
   // unreachable counts; zeros but those if it cannot be reached.
   TierStats Stats() override;
-  // This client's corrupt and unreachable counts alone.
+  // This client's own counts alone: its Gets that got the chunk (hits) and
+  // those that did not (misses: not held, damaged or unanswered), corrupt
+  // and unreachable.
   TierStats LocalStats() override;
 
   // Presence of each key, in one round trip.
