@@ -4,6 +4,7 @@
 # when nvcc is present; warnings are errors), runs every test with ctest, then
 # C++ unit tests under ASan+UBSan (with the fuzz tests) and under TSan
 # (scripts/sanitize.sh), then checks the C++ layout (scripts/check-format.sh).
+# After ctest it also runs the README's first command, scripts/demo.sh.
 # Tests labelled `gpu` skip themselves where there is no GPU. This is what CI
 # runs (.ci/run). Each part runs whatever the one before gave; the exit code
 # is 1 if any failed. At the end, whatever failed, a table of how long each
@@ -53,6 +54,9 @@ phase "install (references), after build" wait_for $refs build-refs.log || exit 
 nice -n 19 scripts/sanitize.sh --build-only > build-sanitize.log 2>&1 &
 sanitize_build=$!
 phase ctest bash -c 'cd build && ctest --output-on-failure -j "$(nproc)" --timeout 1500' || true
+# The README's first command on this clone: the demo on SmolLM2 (the tree is
+# built and the model fetched by now, so it costs the demo's own minute).
+phase "demo (README's first command)" bash scripts/demo.sh --run-dir build/demo-run || true
 phase "sanitizer builds, after ctest" wait_for $sanitize_build build-sanitize.log || true
 phase sanitize-asan scripts/sanitize.sh asan || true
 phase sanitize-tsan scripts/sanitize.sh tsan || true
