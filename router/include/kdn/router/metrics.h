@@ -48,8 +48,8 @@ struct RecentError {
   std::string message;
 };
 
-// Everything Metrics counts, as one value: what /metrics, /health's
-// neighbours and the status page read (status.h's StatusSnapshot).
+// Everything Metrics counts, as one value: the router's part of a
+// StatusSnapshot (status.h), which /metrics and /status.json render.
 struct RouterFigures {
   static constexpr int kIntervalSeconds = 10;
   static constexpr size_t kIntervals = 60;  // the last 10 minutes
