@@ -156,13 +156,12 @@ void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
                                               p.request.transfer_id);
   const model::ModelConfig& c = model_.config();
   std::vector<ExpectedSlice> slices;
-  std::vector<engine::KvPoolRange> ranges;
   for (const kvbus::KvRegion& r : regions) {
     for (int l = 0; l < cache.num_layers(); ++l) {
+      ExpectedSlice s;
       // A slice whose place cannot be named (not expected: it does not
       // happen with a pool of one region) comes through staging.
-      if (!cache.LayerRanges(p.seq, l, r.first, r.count, &ranges).ok()) continue;
-      ExpectedSlice s;
+      if (!cache.LayerRanges(p.seq, l, r.first, r.count, &s.extents).ok()) continue;
       s.info = kvbus::ChunkInfo{.key = kvbus::LayerSliceKey(r.parent, l),
                                 .model_fingerprint = fingerprint_,
                                 .layers = 1,
@@ -171,8 +170,6 @@ void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
                                 .tokens = static_cast<uint32_t>(r.count),
                                 .dtype = kvbridge::ChunkDType(cache.Memory().dtype),
                                 .position = r.first};
-      s.extents.reserve(ranges.size());
-      for (const engine::KvPoolRange& x : ranges) s.extents.push_back({x.offset, x.bytes});
       slices.push_back(std::move(s));
     }
   }

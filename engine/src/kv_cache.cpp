@@ -254,18 +254,9 @@ Status KvCache::LayerRanges(const KvSequence& seq, int layer, int64_t first, int
   KDN_RETURN_IF_ERROR(CheckOwned(seq, first, count));
   const uint64_t row = static_cast<uint64_t>(token_stride()) * DTypeSize(mem.dtype);
   for (const bool value : {false, true}) {
-    for (int64_t t = first; t < first + count;) {
-      const int64_t slot = t % kKvBlockTokens;
-      const int64_t run = std::min<int64_t>(kKvBlockTokens - slot, first + count - t);
-      const uint64_t at = BlockOffset(layer, value, seq.blocks_[t / kKvBlockTokens]) + slot * row;
-      const uint64_t bytes = static_cast<uint64_t>(run) * row;
-      if (!out->empty() && out->back().offset + out->back().bytes == at) {
-        out->back().bytes += bytes;
-      } else {
-        out->push_back({at, bytes});
-      }
-      t += run;
-    }
+    AppendPagedRuns(
+        seq.blocks_, first, count, kKvBlockTokens, row,
+        [&](int32_t block) { return BlockOffset(layer, value, block); }, out);
   }
   return Status::Ok();
 }

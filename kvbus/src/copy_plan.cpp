@@ -80,20 +80,11 @@ std::vector<Extent> PagedSliceExtents(std::span<const int32_t> blocks, int64_t t
                                       uint64_t v_offset) {
   std::vector<Extent> out;
   const uint64_t block_bytes = static_cast<uint64_t>(block_tokens) * row_bytes;
+  tokens = std::min<int64_t>(tokens, static_cast<int64_t>(blocks.size()) * block_tokens);
   for (const uint64_t base : {k_offset, v_offset}) {
-    const size_t first = out.size();
-    int64_t left = tokens;
-    for (size_t i = 0; i < blocks.size() && left > 0; ++i) {
-      const int64_t rows = std::min<int64_t>(left, block_tokens);
-      left -= rows;
-      const Extent e{base + static_cast<uint64_t>(blocks[i]) * block_bytes,
-                     static_cast<uint64_t>(rows) * row_bytes};
-      if (out.size() > first && out.back().offset + out.back().bytes == e.offset) {
-        out.back().bytes += e.bytes;
-      } else {
-        out.push_back(e);
-      }
-    }
+    AppendPagedRuns(
+        blocks, 0, tokens, block_tokens, row_bytes,
+        [&](int32_t block) { return base + static_cast<uint64_t>(block) * block_bytes; }, &out);
   }
   return out;
 }

@@ -67,11 +67,7 @@ struct KvPoolMemory {
 };
 
 // A byte range of KvPoolMemory: [offset, offset + bytes) from its base.
-struct KvPoolRange {
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-  friend bool operator==(const KvPoolRange&, const KvPoolRange&) = default;
-};
+using KvPoolRange = ByteRange;
 
 // What the resident index holds, for metrics and tests.
 struct ResidentStats {

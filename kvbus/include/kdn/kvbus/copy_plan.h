@@ -44,8 +44,9 @@ Status SplitExtents(std::span<const Extent> src, std::span<const Extent> dst,
 // The extents of one layer slice of a paged KV pool whose K (and V) rows are
 // laid out [block][block_tokens slots][row_bytes]: the first `tokens` rows
 // of the blocks `blocks` in order (the last block may be partly used), K
-// rows from k_offset, then V rows from v_offset. Blocks that follow each
-// other in the pool give one extent. Offsets in bytes from the pool's base
+// rows from k_offset, then V rows from v_offset. Rows that follow each
+// other in the pool give one extent (common/kv_block.h's AppendPagedRuns,
+// the rule KvCache::LayerRanges follows too). Offsets in bytes from the pool's base
 // (engine/cuda/src/device_kv_cache.h: one layer's K or V pool is
 // [block][16][kv_heads][head_dim]). Needs tokens <= blocks.size() * block_tokens.
 std::vector<Extent> PagedSliceExtents(std::span<const int32_t> blocks, int64_t tokens,

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 
+#include "kdn/common/kv_block.h"
 #include "kdn/common/mutex.h"
 #include "kdn/common/status.h"
 
@@ -23,11 +24,7 @@ const char* MemoryKindName(MemoryKind kind);
 // A byte range of a region: [offset, offset + bytes). A chunk's payload
 // landed in place is a list of them, filled in order (a layer slice: its K
 // rows block by block, then its V rows).
-struct Extent {
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-  friend bool operator==(const Extent&, const Extent&) = default;
-};
+using Extent = ByteRange;
 
 struct Region {
   MemoryKind kind = MemoryKind::kHost;
