@@ -331,13 +331,14 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       return;
     }
+    std::string out;
     if (ev.kind == JobEvent::Kind::kError) {
       const ApiError e = JobError(ev.error);
       router_.metrics.Error(route_, e.http_status, e.message);  // mid-stream: sent as 200
+      out = SseEvent(Dump(ErrorBody(e)));
+    } else {
+      out = SseEvent(Dump(ProgressJson(p, true)));
     }
-    std::string out = ev.kind == JobEvent::Kind::kError
-                          ? SseEvent(Dump(ErrorBody(JobError(ev.error))))
-                          : SseEvent(Dump(ProgressJson(p, true)));
     out += SseEvent("[DONE]");
     Enqueue(Chunked(out));
     FinishStream();

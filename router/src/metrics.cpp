@@ -74,17 +74,13 @@ RouterFigures::RouterFigures()
       queue_wait({0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
       blend_ratio({0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1}) {}
 
-namespace {
-
-int64_t SystemUnixNow() {
+int64_t UnixNow() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
-}  // namespace
-
-Metrics::Metrics(int64_t (*now_unix)()) : now_unix_(now_unix ? now_unix : SystemUnixNow) {}
+Metrics::Metrics(int64_t (*now_unix)()) : now_unix_(now_unix ? now_unix : UnixNow) {}
 
 void Metrics::Advance(std::vector<Interval>* history, int64_t now) {
   constexpr int64_t kStep = RouterFigures::kIntervalSeconds;

@@ -36,7 +36,6 @@ using tcp = asio::ip::tcp;
 // The largest request body one request may send (413 past it).
 constexpr uint64_t kBodyLimit = 16u << 20;
 
-int64_t UnixNow();
 // The HTTP status a failed job maps to.
 ApiError JobError(const Status& st);
 // Model output may hold bytes that are not UTF-8 (a byte-level model can emit

@@ -11,12 +11,6 @@
 
 namespace kdn::router {
 
-int64_t UnixNow() {
-  return std::chrono::duration_cast<std::chrono::seconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 ApiError JobError(const Status& st) {
   ApiError e;
   e.message = st.message();

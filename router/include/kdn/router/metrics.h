@@ -80,6 +80,10 @@ struct RouterFigures {
 struct StatusSnapshot;
 struct WorkerView;
 
+// The wall clock in Unix seconds: the default clock of Metrics, and the
+// router's `created` and start times.
+int64_t UnixNow();
+
 // The Prometheus text exposition of a snapshot (docs/serving.md, "Metrics").
 std::string RenderMetrics(const StatusSnapshot& s);
 
