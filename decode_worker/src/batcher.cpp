@@ -109,6 +109,21 @@ Status Batcher::Step(std::vector<TokenEvent>* events) {
   return Status::Ok();
 }
 
+int Batcher::BlocksForStep() const {
+  int blocks = 0;
+  for (const auto& [id, r] : requests_) blocks += r->seq.length() + 1 > r->seq.reserved();
+  return blocks;
+}
+
+Result<Batcher::Taken> Batcher::Take(uint64_t id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return NotFound("request " + std::to_string(id) + " is not running");
+  Request& r = *it->second;
+  Taken t{r.spec, std::move(r.seq), r.output.tokens()};
+  requests_.erase(it);
+  return t;
+}
+
 Status Batcher::Cancel(uint64_t id, std::vector<TokenEvent>* events) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return NotFound("request " + std::to_string(id) + " is not running");

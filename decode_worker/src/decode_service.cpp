@@ -163,6 +163,12 @@ struct DecodeService::Impl {
       pk->set_slices_landed(stats.slices_landed);
       pk->set_start_copy_bytes(stats.start_copy_bytes);
       pk->set_quarantined_blocks(stats.quarantined_blocks);
+      proto::Preemption* pe = info->mutable_preemption();
+      pe->set_waiting(stats.preempted);
+      pe->set_preemptions(stats.preemptions);
+      pe->set_resumed_by_load(stats.resumed_by_load);
+      pe->set_resumed_by_recompute(stats.resumed_by_recompute);
+      pe->set_recomputed_tokens(stats.resume_recomputed_tokens);
     }
     if (landing) info->mutable_pushed_kv()->set_landed_bytes(landing->Stats().landed_bytes);
     if (Status h = receiver->Health(); !h.ok()) {
@@ -228,10 +234,8 @@ struct DecodeService::Impl {
   void DoPrepare(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const std::string okey = OriginKey(peer, msg.request_id());
     const proto::PrepareRequest& pr = msg.prepare();
-    const int64_t tokens = KvTokensReserved(pr.tokens_size() - pr.generated_tokens(),
-                                            pr.max_tokens(), wm.model->config().max_context);
-    const int64_t blocks = (tokens + engine::kKvBlockTokens - 1) / engine::kKvBlockTokens;
-    Status refused = CheckBudget(peer, blocks);
+    Status refused;
+    int64_t blocks = 0;
     if (ids.count(okey) != 0) {
       refused = InvalidArgument("request " + std::to_string(msg.request_id()) + " is already here");
     } else if (pr.generated_tokens() < 0 || pr.generated_tokens() > pr.tokens_size()) {
@@ -239,9 +243,14 @@ struct DecodeService::Impl {
                                 " is not within the " + std::to_string(pr.tokens_size()) +
                                 " tokens sent");
     }
-    Result<uint64_t> id = !refused.ok()
-                              ? Result<uint64_t>(refused)
-                              : decoder->Prepare(RequestFromProto(msg.request_id(), pr), out);
+    DecodeRequest request;
+    if (refused.ok()) {
+      request = RequestFromProto(msg.request_id(), pr);
+      blocks = KvBlocksFor(KvTokensAdmitted(request, wm.model->config().max_context));
+      refused = CheckBudget(peer, blocks);
+    }
+    Result<uint64_t> id =
+        !refused.ok() ? Result<uint64_t>(refused) : decoder->Prepare(std::move(request), out);
     if (!id.ok()) {
       LogError("{} prepare refused: {}", ReqId{msg.request_id()}, id.status().ToString());
       proto::WorkerMessage reply;
@@ -411,8 +420,9 @@ struct DecodeService::Impl {
       // The figures first, then the replies: a peer that asks for info after
       // a reply sees what the reply did (its blocks reserved or given back).
       const DecoderStats s = decoder->Stats();
-      depth = s.prepared + s.running;
-      free_blocks = s.free_kv_blocks;
+      // Preempted requests wait ahead of any new one, for blocks of their own.
+      depth = s.prepared + s.running + s.preempted;
+      free_blocks = static_cast<int>(std::max<int64_t>(s.free_kv_blocks - s.resume_kv_blocks, 0));
       {
         std::lock_guard<std::mutex> lock(mu);
         stats = s;

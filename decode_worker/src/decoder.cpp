@@ -83,16 +83,30 @@ Status Decoder::ValidateRequest(const DecodeRequest& r) const {
     return InvalidArgument(std::string("a ") + (r.blended ? "blended" : "resumed") +
                            " request is not prefilled on the decode worker");
   }
+  // Admitted by what it needs now, it must still fit the pool whole, alone.
+  const int64_t whole = std::min<int64_t>(r.PromptTokens() + r.spec.max_tokens, c.max_context);
+  const int64_t pool = int64_t{model_.kv_cache().num_blocks()} * engine::kKvBlockTokens;
+  if (whole > pool) {
+    return InvalidArgument(std::to_string(r.PromptTokens()) + " prompt tokens + max_tokens " +
+                           std::to_string(r.spec.max_tokens) + " pass the KV pool of " +
+                           std::to_string(pool) + " tokens");
+  }
   return model::ValidateSamplingParams(r.spec.sampling);
 }
 
-int64_t Decoder::HeldLimit(const DecodeRequest& r) {
-  const auto n = static_cast<int64_t>(r.tokens.size());
-  return r.local_prefill ? n - 1 : n;
+int64_t Decoder::HeldLimit(const Prepared& p) {
+  const auto n = static_cast<int64_t>(p.request.tokens.size());
+  return p.request.local_prefill && !p.resume ? n - 1 : n;
 }
 
-int64_t KvTokensReserved(int64_t prompt_tokens, int64_t max_tokens, int64_t max_context) {
-  return std::min(prompt_tokens + max_tokens, max_context);
+int64_t Decoder::MinTail(const Prepared& p) const {
+  return p.resume ? 1 : options_.min_tail_tokens;
+}
+
+int64_t KvTokensAdmitted(const DecodeRequest& r, int64_t max_context) {
+  const auto sent = static_cast<int64_t>(r.tokens.size());
+  return std::min(kdn::KvTokensAdmitted(sent, r.PromptTokens() + r.spec.max_tokens, r.blended),
+                  max_context);
 }
 
 Status Decoder::ReserveKv(Prepared& p) {
@@ -100,14 +114,12 @@ Status Decoder::ReserveKv(Prepared& p) {
   p.seq = cache.NewSequence();
   if (!p.request.blended && options_.resident) {
     const kvbus::KeyContext ctx{fingerprint_, p.request.ns, options_.chunk_tokens};
-    KDN_ASSIGN_OR_RETURN(p.resident_tokens, kvbridge::AttachResidentPrefix(
-                                                cache, p.seq, ctx, p.request.tokens, p.keys,
-                                                HeldLimit(p.request), options_.min_tail_tokens));
+    KDN_ASSIGN_OR_RETURN(p.resident_tokens,
+                         kvbridge::AttachResidentPrefix(cache, p.seq, ctx, p.request.tokens, p.keys,
+                                                        HeldLimit(p), MinTail(p)));
   }
-  // The whole request, so that a request admitted never runs out of KV
-  // mid-stream: its decode steps find their blocks reserved.
-  return cache.Reserve(p.seq, KvTokensReserved(p.request.PromptTokens(), p.request.spec.max_tokens,
-                                               model_.config().max_context));
+  // What it needs now; its later tokens take blocks as they come (step 3).
+  return cache.Reserve(p.seq, KvTokensAdmitted(p.request, model_.config().max_context));
 }
 
 int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded) {
@@ -252,6 +264,12 @@ DecoderStats Decoder::Stats() const {
   s.start_copy_bytes = start_copy_bytes_;
   for (const auto& [at, seq] : quarantine_)
     s.quarantined_blocks += static_cast<int>(seq.blocks().size());
+  s.preempted = static_cast<int>(preempted_.size());
+  for (const auto& [order, q] : preempted_) s.resume_kv_blocks += ResumeBlocks(q);
+  s.preemptions = preemptions_;
+  s.resumed_by_load = resumed_by_load_;
+  s.resumed_by_recompute = resumed_by_recompute_;
+  s.resume_recomputed_tokens = resume_recomputed_tokens_;
   return s;
 }
 
@@ -262,8 +280,8 @@ DecoderStats Decoder::Stats() const {
 void Decoder::PostLoad(uint64_t id, const Prepared& p) {
   store_io_.Post(
       kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys, tokens = p.request.tokens,
-                  limit = HeldLimit(p.request), min_tail = options_.min_tail_tokens,
-                  resident = p.resident_tokens, dtype = kvbridge::ChunkDType(model_.kv_dtype()),
+                  limit = HeldLimit(p), min_tail = MinTail(p), resident = p.resident_tokens,
+                  dtype = kvbridge::ChunkDType(model_.kv_dtype()),
                   ctx = kvbus::KeyContext{fingerprint_, p.request.ns, options_.chunk_tokens}] {
         // Full chunks, then the tail pieces past them. A miss, an unreachable
         // store or a chunk of another making ends it: the prefill worker sends
@@ -279,14 +297,14 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
 }
 
 void Decoder::PostStore(uint64_t request_id,
-                        std::vector<std::shared_ptr<const kvbus::Chunk>> chunks) {
+                        std::vector<std::shared_ptr<const kvbus::Chunk>> chunks, int lane) {
   uint64_t bytes = 0;
   for (const auto& c : chunks) bytes += c->size();
   mailbox_->bytes_pending += bytes;
   LogDebug("{} storing {} chunks ({} bytes) of its conversation", ReqId{request_id}, chunks.size(),
            bytes);
   store_io_.Post(
-      kStoreLane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes, request_id] {
+      lane, [mb = mailbox_, &store = store_, chunks = std::move(chunks), bytes, request_id] {
         const kvbus::PutOutcome put = kvbus::PutMissing(store, chunks);
         mb->stored += put.stored;
         mb->already_held += put.already_held;
@@ -316,10 +334,15 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   KDN_RETURN_IF_ERROR(ValidateRequest(request));
   // Refused here, before any prefill is spent on it, rather than at Start
   // when the batch turns out full (the router queues it and tries again).
-  const size_t taken = prepared_.size() + batcher_->running();
+  const size_t taken = prepared_.size() + batcher_->running() + preempted_.size();
   if (taken >= static_cast<size_t>(options_.max_batch)) {
     return ResourceExhausted("decode batch is full (" + std::to_string(taken) + " of " +
-                             std::to_string(options_.max_batch) + " requests running or prepared)");
+                             std::to_string(options_.max_batch) +
+                             " requests running, prepared or preempted)");
+  }
+  if (!preempted_.empty()) {
+    return ResourceExhausted(std::to_string(preempted_.size()) +
+                             " preempted requests wait for KV blocks to resume first");
   }
   ReleaseHeldBack();  // blocks whose hold ran out are free for this one
   Prepared p;
@@ -349,10 +372,9 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   // local prefill computes them itself: it loads only when its lookup
   // reached past the pool.
   const int64_t lacking = static_cast<int64_t>(p.request.tokens.size()) - p.resident_tokens;
-  const bool no_load =
-      p.request.local_prefill
-          ? p.resident_tokens >= std::min(p.request.lookup_tokens, HeldLimit(p.request))
-          : p.resident_tokens > 0 && lacking < options_.chunk_tokens;
+  const bool no_load = p.request.local_prefill
+                           ? p.resident_tokens >= std::min(p.request.lookup_tokens, HeldLimit(p))
+                           : p.resident_tokens > 0 && lacking < options_.chunk_tokens;
   if (p.request.blended || no_load) {
     p.held_tokens = p.resident_tokens;
     ExpectSlices(id, p);
@@ -415,8 +437,10 @@ Status Decoder::Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutpu
   // prompt and what the Batcher holds as generated (of a resumed request,
   // the tokens it generated before too).
   p.request.tokens.resize(static_cast<size_t>(p.request.PromptTokens()));
-  running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
-                         p.held_tokens, p.request.request_id};
+  const uint64_t order = p.resume ? p.resume->order : next_order_++;
+  running_[id] =
+      Running{std::move(p.request.tokens), p.request.ns, p.request.blended, p.held_tokens,
+              p.request.request_id,        order};
   std::vector<TokenEvent> events;
   Status st = batcher_->Admit(p.request.spec, std::move(p.seq), first_token, &events);
   if (!st.ok()) {
@@ -450,6 +474,11 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
     Prepared& p = it->second;
     const auto n = static_cast<int64_t>(p.request.tokens.size());
     const int64_t at = p.seq.length();
+    if (p.resume && at >= n) {  // nothing (left) to recompute
+      local_queue_.pop_front();
+      FinishResume(id, out);
+      continue;
+    }
     const int64_t take = std::min({budget, n - at, most});
     std::vector<float> logits;
     const auto t0 = std::chrono::steady_clock::now();
@@ -470,9 +499,14 @@ void Decoder::RunLocalPrefills(DecoderOutput* out) {
     prefill_ms_per_token_ = prefill_ms_per_token_ == 0
                                 ? per_token
                                 : (1 - kWeight) * prefill_ms_per_token_ + kWeight * per_token;
-    local_prefill_tokens_ += static_cast<uint64_t>(take);
+    (p.resume ? resume_recomputed_tokens_ : local_prefill_tokens_) += static_cast<uint64_t>(take);
     budget -= take;
     if (p.seq.length() < n) continue;  // the next piece after the next step
+    if (p.resume) {
+      local_queue_.pop_front();
+      FinishResume(id, out);
+      continue;
+    }
 
     local_queue_.pop_front();
     ++local_prefills_;
@@ -544,6 +578,15 @@ Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
     out->events.push_back(std::move(e));
     return Status::Ok();
   }
+  for (auto it = preempted_.begin(); it != preempted_.end(); ++it) {
+    if (it->second.id != id) continue;
+    // It holds no blocks: its KV is the pool's and the KDN's, as a finished
+    // conversation's.
+    LogInfo("{} cancel: preempted, waiting to resume", ReqId{it->second.request.request_id});
+    preempted_.erase(it);
+    out->events.push_back(TokenEvent{id, -1, {}, true, "cancelled"});
+    return Status::Ok();
+  }
   if (auto it = running_.find(id); it != running_.end()) {
     LogInfo("{} cancel: running", ReqId{it->second.request_id});
   }
@@ -565,7 +608,8 @@ void Decoder::Advance(DecoderOutput* out) {
             ReqId{p.request.request_id}, p.held_tokens, p.request.tokens.size(),
             load.chunks.size());
     ExpectSlices(load.id, p);
-    out->prepared.push_back({load.id, p.held_tokens, p.resident_tokens});
+    // A resume's router had its reply when the request was first prepared.
+    if (!p.resume) out->prepared.push_back({load.id, p.held_tokens, p.resident_tokens});
     if (p.request.local_prefill) {
       QueueLocal(load.id, p);
     } else if (p.start) {
@@ -603,12 +647,15 @@ void Decoder::Advance(DecoderOutput* out) {
     first_sent_.pop_front();
     AdmitLocal(id, first, out);
   }
+  ResumePreempted();
   if (!step_owed_) RunLocalPrefills(out);
   step_owed_ = false;
   if (!out->prefilled.empty()) {
     step_owed_ = batcher_->running() > 0;
     return;
   }
+  if (batcher_->running() == 0) return;
+  MakeRoomForStep();
   if (batcher_->running() == 0) return;
   std::vector<TokenEvent> events;
   const auto t0 = std::chrono::steady_clock::now();
@@ -640,6 +687,10 @@ void Decoder::Advance(DecoderOutput* out) {
 
 bool Decoder::Busy() const {
   if (batcher_->running() > 0 || !first_sent_.empty()) return true;
+  if (!preempted_.empty() &&
+      model_.kv_cache().free_blocks() >= ResumeBlocks(preempted_.begin()->second)) {
+    return true;
+  }
   for (uint64_t id : local_queue_) {
     if (prepared_.count(id) != 0) return true;
   }
@@ -665,7 +716,7 @@ void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
 
 void Decoder::PublishAndStore(uint64_t request_id, const engine::KvSequence& seq,
                               std::span<const int32_t> tokens, int64_t held_tokens,
-                              const std::string& ns) {
+                              const std::string& ns, int lane) {
   const kvbus::KeyContext ctx{fingerprint_, ns, options_.chunk_tokens};
   const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
   std::vector<kvbus::KeyedSpan> spans = kvbus::StoredSpans(ctx, tokens, keys);
@@ -686,7 +737,116 @@ void Decoder::PublishAndStore(uint64_t request_id, const engine::KvSequence& seq
     return;
   }
   auto chunks = CopyOutChunks(request_id, seq, spans);
-  if (!chunks.empty()) PostStore(request_id, std::move(chunks));
+  if (!chunks.empty()) PostStore(request_id, std::move(chunks), lane);
+}
+
+// ---------------------------------------------------------------------------
+// Preemption (step 3).
+
+void Decoder::MakeRoomForStep() {
+  const engine::KvCache& cache = model_.kv_cache();
+  while (batcher_->BlocksForStep() > cache.free_blocks()) {
+    const Running* newest = nullptr;
+    uint64_t victim = 0;
+    for (const auto& [id, r] : running_) {
+      if (!r.blended && (newest == nullptr || r.order > newest->order)) {
+        newest = &r;
+        victim = id;
+      }
+    }
+    if (newest == nullptr) return;  // only blended requests run: they hold their blocks
+    Preempt(victim);
+  }
+}
+
+void Decoder::Preempt(uint64_t id) {
+  auto taken = batcher_->Take(id);
+  auto it = running_.find(id);
+  if (!taken.ok() || it == running_.end()) return;  // not reached: running_ mirrors the batch
+  Running r = std::move(it->second);
+  running_.erase(it);
+  Batcher::Taken& t = *taken;
+  // Its KV: the prompt and every generated token but the last, whose KV
+  // the next step would have written. The request goes on from that token.
+  std::vector<int32_t> tokens = std::move(r.prompt);
+  tokens.insert(tokens.end(), t.generated.begin(), t.generated.end() - 1);
+  const int blocks = static_cast<int>(t.seq.blocks().size());
+  // Ahead of the loads posted after it, its own resume's among them.
+  PublishAndStore(r.request_id, t.seq, tokens, r.held_tokens, r.ns, kLoadLane);
+  Preempted q;
+  q.id = id;
+  q.resume = Resume{t.generated.back(), r.order, static_cast<int64_t>(tokens.size())};
+  q.request.tokens = std::move(tokens);
+  q.request.ns = r.ns;
+  q.request.request_id = r.request_id;
+  q.request.local_prefill = true;  // computed here, if at all; no Start
+  q.request.lookup_tokens = static_cast<int64_t>(q.request.tokens.size());
+  q.request.spec = std::move(t.spec);
+  q.request.spec.generated.assign(t.generated.begin(), t.generated.end() - 1);
+  q.request.spec.first_token_sent = true;  // `pending` went out before
+  ++preemptions_;
+  LogInfo(
+      "{} preempted after {} generated tokens: the KV pool is out of blocks; its KV ({} "
+      "tokens) is kept in the pool and the KDN, {} blocks freed; {} wait to resume",
+      ReqId{r.request_id}, t.generated.size(), q.request.tokens.size(), blocks,
+      preempted_.size() + 1);
+  preempted_.emplace(q.resume.order, std::move(q));
+}
+
+int64_t Decoder::ResumeBlocks(const Preempted& q) const {
+  return KvBlocksFor(KvTokensAdmitted(q.request, model_.config().max_context));
+}
+
+void Decoder::ResumePreempted() {
+  engine::KvCache& cache = model_.kv_cache();
+  while (!preempted_.empty()) {
+    auto it = preempted_.begin();
+    // Room for it and for the running requests' next step, so that it is
+    // not preempted again at once.
+    const int64_t need = ResumeBlocks(it->second) + static_cast<int64_t>(batcher_->running());
+    if (cache.free_blocks() < need) return;
+    Preempted q = std::move(it->second);
+    preempted_.erase(it);
+    Prepared p;
+    p.request = std::move(q.request);
+    p.resume = q.resume;
+    p.created = Now();
+    p.keys =
+        kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
+    if (Status st = ReserveKv(p); !st.ok()) {
+      // Not expected (the blocks were counted free): it waits on.
+      LogWarn("{} cannot resume yet: {}", ReqId{p.request.request_id}, st.ToString());
+      q.request = std::move(p.request);
+      preempted_.emplace(q.resume.order, std::move(q));
+      return;
+    }
+    const uint64_t id = q.id;
+    if (p.resident_tokens >= static_cast<int64_t>(p.request.tokens.size())) {
+      p.held_tokens = p.resident_tokens;
+      QueueLocal(id, p);
+    } else {
+      PostLoad(id, p);
+    }
+    prepared_.emplace(id, std::move(p));
+  }
+}
+
+void Decoder::FinishResume(uint64_t id, DecoderOutput* out) {
+  auto it = prepared_.find(id);
+  if (it == prepared_.end()) return;
+  Prepared p = std::move(it->second);
+  prepared_.erase(it);
+  const Resume r = *p.resume;
+  const auto n = static_cast<int64_t>(p.request.tokens.size());
+  const int64_t reused = std::max(p.held_tokens, p.resident_tokens);
+  ++(reused >= r.stored_tokens ? resumed_by_load_ : resumed_by_recompute_);
+  LogInfo("{} resumed: {} of its {} tokens' KV reused ({} resident), {} recomputed",
+          ReqId{p.request.request_id}, reused, n, p.resident_tokens, n - reused);
+  const uint64_t request_id = p.request.request_id;
+  if (Status st = Admit(id, std::move(p), r.pending, out); !st.ok()) {
+    LogError("{} cannot resume: {}", ReqId{request_id}, st.ToString());
+    out->events.push_back(Failure(id, std::move(st)));
+  }
 }
 
 }  // namespace kdn::decode_worker

@@ -405,6 +405,23 @@ std::string RenderMetrics(const StatusSnapshot& s) {
              "KV blocks a decode worker holds back after a request left while a push into them "
              "may still be under way.",
              [](const WorkerView& w) { return w.pushed_kv.quarantined_blocks(); });
+  // Preemption on decode workers (docs/serving.md, "Admission and preemption").
+  per_worker("kdn_worker_preempted_requests", "gauge",
+             "Requests a decode worker preempted for want of KV blocks, waiting to resume.",
+             [](const WorkerView& w) { return w.preemption.waiting(); });
+  per_worker("kdn_worker_preemptions_total", "counter",
+             "Requests a decode worker preempted: their KV to the pool and the KDN, their "
+             "blocks freed.",
+             [](const WorkerView& w) { return w.preemption.preemptions(); });
+  per_worker("kdn_worker_resumes_by_load_total", "counter",
+             "Preempted requests resumed with all their KV from the pool or the KDN.",
+             [](const WorkerView& w) { return w.preemption.resumed_by_load(); });
+  per_worker("kdn_worker_resumes_by_recompute_total", "counter",
+             "Preempted requests resumed by recomputing KV evicted meanwhile.",
+             [](const WorkerView& w) { return w.preemption.resumed_by_recompute(); });
+  per_worker("kdn_worker_resume_recomputed_tokens_total", "counter",
+             "Tokens whose KV resumed requests recomputed.",
+             [](const WorkerView& w) { return w.preemption.recomputed_tokens(); });
   // Local prefill on decode workers (docs/serving.md, "Two paths").
   per_worker("kdn_worker_local_prefills_total", "counter",
              "Prompts a decode worker computed itself (local prefill).",

@@ -29,8 +29,8 @@ Load LoadOf(const WorkerView& reported, const Reservation& reserved) {
 
 namespace {
 
-// Whether decode worker `w` has room for the request: KV for prompt +
-// max_tokens and a place in its batch.
+// Whether decode worker `w` has room for the request: KV for what it needs
+// now and a place in its batch.
 bool HasRoom(const WorkerView& v, const Load& load, int64_t kv_blocks) {
   return load.free_kv_blocks >= kv_blocks && (v.max_batch <= 0 || load.queue_depth < v.max_batch);
 }
@@ -83,7 +83,7 @@ DecodePlacement PlaceDecode(const WorkerViews& workers, const Ledger& ledger,
     const Load load = LoadOf(v, ledger.at(w));
     up = true;
     // A worker that could never hold it is no reason to wait.
-    could_hold |= v.total_kv_blocks <= 0 || v.total_kv_blocks >= in.kv_blocks;
+    could_hold |= v.total_kv_blocks <= 0 || v.total_kv_blocks >= in.kv_blocks_whole;
     if (!HasRoom(v, load, in.kv_blocks)) continue;
     if (in.blend != nullptr) held_tokens = 0;  // a blended prompt reuses nothing it holds
     const int64_t resident = ResidentAt(in, w);

@@ -186,7 +186,9 @@ Status RequestFlow::StartLookup(Request& r) {
 PlacementInput RequestFlow::InputOf(const Request& r) const {
   PlacementInput in;
   in.tokens = static_cast<int64_t>(r.job.tokens.size());
-  in.kv_blocks = KvBlocksFor(r.PromptTokens() + r.job.max_tokens);
+  const int64_t whole = r.PromptTokens() + r.job.max_tokens;
+  in.kv_blocks = KvBlocksFor(KvTokensAdmitted(in.tokens, whole, r.job.blend.has_value()));
+  in.kv_blocks_whole = KvBlocksFor(whole);
   in.blend = r.job.blend ? &*r.job.blend : nullptr;
   in.prefix = &r.prefix;
   in.segment_tokens_held = &r.segment_tokens_held;

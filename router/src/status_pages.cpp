@@ -169,6 +169,7 @@ json StatusJson(const StatusSnapshot& s) {
     j["resident"] = ProtoJson(w.resident);
     j["local_prefill"] = ProtoJson(w.local_prefill);
     j["pushed_kv"] = ProtoJson(w.pushed_kv);
+    j["preemption"] = ProtoJson(w.preemption);
     j["store_tiers"] = ProtoList(w.store_tiers);
   }
   const RouterFigures& f = s.router;

@@ -148,6 +148,7 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   v.resident = info.resident();
   v.local_prefill = info.local_prefill();
   v.pushed_kv = info.pushed_kv();
+  v.preemption = info.preemption();
   v.store_tiers.assign(info.store_tiers().begin(), info.store_tiers().end());
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {

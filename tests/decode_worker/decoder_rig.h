@@ -233,8 +233,16 @@ inline void Start(Rig& rig, uint64_t id, int32_t first, Transcript& t) {
   t.Add(out);
 }
 
-inline void RunToEnd(Rig& rig, Transcript& t) {
-  for (int i = 0; i < 2000 && rig.decoder->Busy(); ++i) {
+// Advances until the Decoder has no work. `drain`: when idle, waits for the
+// store I/O thread first (a preempted request's resume may have posted a
+// load), so not with a store whose gate is closed.
+inline void RunToEnd(Rig& rig, Transcript& t, bool drain = false) {
+  for (int i = 0; i < 2000; ++i) {
+    if (!rig.decoder->Busy()) {
+      if (!drain) break;
+      rig.io.Drain();
+      if (!rig.decoder->Busy()) break;
+    }
     DecoderOutput out;
     rig.decoder->Advance(&out);
     t.Add(out);

@@ -81,32 +81,6 @@ TEST(Decoder, PrepareRefusesAPromptTheFreeBlocksCannotHoldUntilBlocksAreFree) {
   EXPECT_TRUE(rig.decoder->Prepare(Request(RandomTokens(40, 256, 2), 8), &out).ok());
 }
 
-TEST(Decoder, ARequestAdmittedNeverRunsOutOfBlocksMidDecode) {
-  // Each request needs 32 + 32 tokens, 4 blocks, of a 4-block cache: the
-  // first is admitted with all of them and runs to its last token; the
-  // second is refused at Prepare (before any prefill), not cut mid-stream.
-  Rig rig(std::make_unique<GatedStore>(), {.kv_blocks = 4});
-  std::vector<DecodeRequest> reqs = {Request(RandomTokens(32, 256, 1), 32),
-                                     Request(RandomTokens(32, 256, 2), 32)};
-  // The stand-in prefill needs blocks of its own: it pushes first (the
-  // store is empty, so the decode worker will hold nothing).
-  const int32_t first = PushPrompt(rig, reqs[0], 0);
-  Transcript t;
-  const uint64_t id = PrepareAndLoad(rig, reqs[0], t);
-  EXPECT_EQ(rig.free_blocks(), 0);
-  DecoderOutput out;
-  auto refused = rig.decoder->Prepare(reqs[1], &out);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
-  Start(rig, id, first, t);
-  RunToEnd(rig, t);
-  EXPECT_EQ(t.tokens[id].size(), 32u);
-  EXPECT_EQ(t.finished_events[id], 1);
-  EXPECT_TRUE(t.error[id].ok()) << t.error[id].ToString();
-  EXPECT_EQ(rig.free_blocks(), 4);
-  EXPECT_EQ(rig.decoder->Stats().running, 0);
-}
-
 TEST(Decoder, CancelEndsPreparedLoadingAndRunningRequestsAndFreesTheirBlocks) {
   Rig rig;
   const int all = rig.num_blocks();

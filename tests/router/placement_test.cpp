@@ -31,7 +31,8 @@ class PlacementTest : public ::testing::Test {
         ledger_(4) {
     for (size_t w = 0; w < 4; ++w) prefix_[w] = 0;
     in_.tokens = 64;
-    in_.kv_blocks = KvBlocksFor(64 + 16);
+    in_.kv_blocks = KvBlocksFor(KvTokensAdmitted(64, 64 + 200, false));  // max_tokens 200
+    in_.kv_blocks_whole = KvBlocksFor(64 + 200);
     in_.prefix = &prefix_;
     in_.segment_tokens_held = &held_;
     in_.resident = &resident_;
@@ -239,14 +240,26 @@ TEST_F(PlacementTest, DecodeNeedsAPlaceInTheBatch) {
   EXPECT_EQ(Decode().verdict, Verdict::kRoute);
 }
 
+TEST_F(PlacementTest, DecodeAdmitsByWhatTheRequestNeedsNowNotItsWholeLength) {
+  EXPECT_EQ(in_.kv_blocks, 5);  // 64 tokens and a block to grow
+  for (size_t w : {2u, 3u}) workers_[w].free_kv_blocks = 5;
+  EXPECT_EQ(Decode().verdict, Verdict::kRoute);  // not the 17 blocks of 64 + 200
+  for (size_t w : {2u, 3u}) workers_[w].free_kv_blocks = 4;
+  EXPECT_EQ(Decode().verdict, Verdict::kWait);
+  // A blended prompt takes its whole length at once.
+  EXPECT_EQ(KvTokensAdmitted(64, 64 + 200, true), 264);
+  // A short max_tokens needs no margin past it.
+  EXPECT_EQ(KvTokensAdmitted(64, 64 + 4, false), 68);
+}
+
 TEST_F(PlacementTest, DecodeWaitsWhenOneCouldHoldItAndRefusesWhenNoneEver) {
   for (size_t w : {2u, 3u}) workers_[w].free_kv_blocks = 1;
   EXPECT_EQ(Decode().verdict, Verdict::kWait);
-  workers_[2].total_kv_blocks = static_cast<int>(in_.kv_blocks) - 1;
+  workers_[2].total_kv_blocks = static_cast<int>(in_.kv_blocks_whole) - 1;
   EXPECT_EQ(Decode().verdict, Verdict::kWait);  // worker 3 could
-  workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks) - 1;
+  workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks_whole) - 1;
   EXPECT_EQ(Decode().verdict, Verdict::kTooLarge);
-  workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks);  // just big enough, one day
+  workers_[3].total_kv_blocks = static_cast<int>(in_.kv_blocks_whole);  // just big enough, one day
   EXPECT_EQ(Decode().verdict, Verdict::kWait);
   workers_[3].total_kv_blocks = 0;  // not said: it might
   EXPECT_EQ(Decode().verdict, Verdict::kWait);

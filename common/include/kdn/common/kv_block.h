@@ -18,6 +18,20 @@ constexpr int64_t KvBlocksFor(int64_t tokens) {
   return (tokens + kKvBlockTokens - 1) / kKvBlockTokens;
 }
 
+// Admission by what a request needs now (docs/serving.md, "Admission and
+// preemption"): a decode worker takes KV for the tokens sent to it (a
+// resumed request's generated ones included) and a growth margin of one
+// block; its later tokens take blocks as they come, and a worker out of
+// blocks preempts. A blended request takes its whole length (`sent_tokens`
+// + `max_tokens` less those already generated) at once: its fused KV is
+// stored under no prefix key, so it could only resume by a recompute that
+// would change its tokens. The router's placement and the decode worker
+// count by this one rule; the decode worker caps it at the model's context.
+inline constexpr int64_t kKvGrowthTokens = kKvBlockTokens;
+constexpr int64_t KvTokensAdmitted(int64_t sent_tokens, int64_t whole_tokens, bool blended) {
+  return blended ? whole_tokens : std::min(sent_tokens + kKvGrowthTokens, whole_tokens);
+}
+
 // A range of bytes of a memory region: [offset, offset + bytes). A KV
 // pool's layer slice (engine::KvPoolRange) and a transport's extent
 // (kvbus::Extent) are lists of them.

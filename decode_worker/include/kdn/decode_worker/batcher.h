@@ -92,6 +92,22 @@ class Batcher {
 
   size_t running() const { return requests_.size(); }
 
+  // The KV blocks the next Step takes: one for each running request whose
+  // next token's KV passes the blocks its sequence holds.
+  int BlocksForStep() const;
+
+  // A request taken out of the batch unfinished (preempted): no event, no
+  // finish hook. `seq` holds the KV of its prompt and of every generated
+  // token but the last; `generated` holds them all (of a resumed request,
+  // those generated before it came here too).
+  struct Taken {
+    RequestSpec spec;
+    engine::KvSequence seq;
+    std::vector<int32_t> generated;
+  };
+  // NOT_FOUND if `id` is not running.
+  Result<Taken> Take(uint64_t id);
+
   void SetFinishHook(FinishHook hook) { on_finish_ = std::move(hook); }
 
   // Tokens generated so far by a running request (nullptr if not running).

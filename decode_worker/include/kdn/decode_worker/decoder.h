@@ -6,7 +6,8 @@
 //  1. Prepare: the request is checked, the longest prefix of its prompt
 //     that the KV pool holds resident (a conversation this worker finished,
 //     kvbridge/resident.h) is attached by reference, KV blocks are reserved
-//     for the rest of the request, and a load of the leading chunks past
+//     for the rest of the prompt and a growth margin (KvTokensAdmitted: what
+//     it needs now, not its whole max_tokens), and a load of the leading chunks past
 //     the resident ones that the KDN holds, then of the tail pieces past
 //     them (docs/kvbus.md, "Tail keys"), is queued on the store I/O thread
 //     (none when the pool holds all but less than a chunk of the prompt:
@@ -31,6 +32,18 @@
 //     request joins the continuous batch (Batcher). A Start that comes
 //     while the load is still out waits for it.
 //  3. Advance: one decode step for every running request; token events out.
+//     Running requests take KV blocks as they grow. When the next step
+//     needs more blocks than are free, the most recently admitted requests
+//     are preempted (never a blended one, which holds its whole length from
+//     Prepare): each one's KV, prompt and tokens generated so far, is
+//     published in the pool and stored in the KDN as a finished
+//     conversation's is, its blocks go back, and it waits. Preempted
+//     requests resume first, oldest admitted first, once the free blocks
+//     hold one and a block for each running request: its KV is attached
+//     from the pool or loaded from the KDN, what neither holds any more is
+//     recomputed (counted), and it goes on from its last token, with no
+//     event repeated or skipped and, seeded, the same tokens. While any
+//     waits, Prepare admits nothing new.
 //  4. Finish (length, stop, context, Cancel, or a failed step): the full
 //     chunks of prompt + output that the load did not bring, and the tail
 //     pieces past the last of them, are copied out of the cache and handed
@@ -126,12 +139,9 @@ struct DecodeRequest {
   }
 };
 
-// The KV a request's Prepare reserves, in tokens: its prompt and max_tokens
-// (its last token's KV is never written, so this is one spare), within the
-// model's context. A request admitted therefore never runs out of KV blocks
-// mid-stream; a request whose whole length the free blocks cannot hold is
-// refused at Prepare, before any prefill is spent on it.
-int64_t KvTokensReserved(int64_t prompt_tokens, int64_t max_tokens, int64_t max_context);
+// The KV a request's Prepare reserves, in tokens: kdn::KvTokensAdmitted
+// (common/kv_block.h) of the tokens it is sent, within the model's context.
+int64_t KvTokensAdmitted(const DecodeRequest& r, int64_t max_context);
 
 // A Prepare's load is in: the leading `held_tokens` tokens of the prompt
 // (full chunks, then tail pieces) are in the request's blocks and need not
@@ -219,6 +229,16 @@ struct DecoderStats {
   uint64_t slices_landed = 0;
   uint64_t start_copy_bytes = 0;
   int quarantined_blocks = 0;  // held back from reuse, now (landing_quarantine)
+  // Preemption (step 3): requests waiting to resume now, and the KV blocks
+  // their resumes need; preemptions so far; resumes that found all the KV
+  // stored at preemption (pool or KDN) and those that recomputed some, and
+  // the tokens recomputed.
+  int preempted = 0;
+  int64_t resume_kv_blocks = 0;
+  uint64_t preemptions = 0;
+  uint64_t resumed_by_load = 0;
+  uint64_t resumed_by_recompute = 0;
+  uint64_t resume_recomputed_tokens = 0;
 };
 
 class Decoder {
@@ -236,8 +256,9 @@ class Decoder {
   // Step 1. Returns the request's id. INVALID_ARGUMENT for an empty prompt,
   // one that leaves no room in the model's context, ids outside the
   // vocabulary, max_tokens < 1 or bad sampling parameters;
-  // RESOURCE_EXHAUSTED when too few KV blocks are free for the whole
-  // request (KvTokensReserved). On
+  // RESOURCE_EXHAUSTED when too few KV blocks are free for what it needs now
+  // (KvTokensAdmitted) or preempted requests wait to resume; INVALID_ARGUMENT
+  // too when its whole length (prompt + max_tokens) passes the pool. On
   // error nothing is held. A blended prompt (nothing to load) gets its
   // PrepareDone in `out` at once. INVALID_ARGUMENT too for a local prefill
   // of a blended or resumed request (those keep the prefill worker's path).
@@ -252,9 +273,10 @@ class Decoder {
   // (RequestSpec).
   Status Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out);
 
-  // Ends a prepared or running request: its "cancelled" event in `out`, its
-  // blocks free when this returns (a running request's conversation is
-  // stored as for any finish). NOT_FOUND when `id` is not here.
+  // Ends a prepared, running or preempted request: its "cancelled" event in
+  // `out`, its blocks free when this returns (a running request's
+  // conversation is stored as for any finish). NOT_FOUND when `id` is not
+  // here.
   Status Cancel(uint64_t id, DecoderOutput* out);
 
   // Takes in the loads that are in (PrepareDone, then any Start waiting for
@@ -263,19 +285,29 @@ class Decoder {
   // the last Advance reported, computes local prefills (bounded while
   // requests run; a failed one fails its request) and runs one decode step
   // for the batch, unless a local prefill finished: then it returns with
-  // that first token, and the step comes with the next Advance. A failed
-  // step fails every running request.
+  // that first token, and the step comes with the next Advance. Before the
+  // step it resumes preempted requests that fit, and preempts when the step
+  // needs more blocks than are free (step 3). A failed step fails every
+  // running request.
   void Advance(DecoderOutput* out);
 
   // Whether Advance has work now (running requests, loads that are in,
-  // local prefills ready to compute or whose first token went out), so that
-  // a driver knows when it may sleep.
+  // local prefills ready to compute or whose first token went out, a
+  // preempted request that fits), so that a driver knows when it may sleep.
   bool Busy() const;
 
   DecoderStats Stats() const;
 
  private:
   using TimePoint = std::chrono::steady_clock::time_point;
+  // A preempted request on its way back: prepared as a local prefill of
+  // its prompt and generated tokens but the last (which need no logits:
+  // `pending`, drawn before, is the token it goes on from).
+  struct Resume {
+    int32_t pending = -1;
+    uint64_t order = 0;         // its admission's (Running::order)
+    int64_t stored_tokens = 0;  // published and stored at preemption
+  };
   // From Prepare to Start.
   struct Prepared {
     DecodeRequest request;
@@ -286,6 +318,7 @@ class Decoder {
     std::optional<int32_t> start;       // a Start waiting for the load: its first token
     TimePoint created;
     uint64_t kv_bytes_loaded = 0;  // placed from the lower tiers
+    std::optional<Resume> resume;  // set: a preempted request resuming
   };
   // From Start to the finish: what storing the conversation needs.
   struct Running {
@@ -294,6 +327,13 @@ class Decoder {
     bool blended = false;
     int64_t held_tokens = 0;  // leading tokens the KDN gave: their full chunks not stored again
     uint64_t request_id = 0;  // the router's (DecodeRequest::request_id)
+    uint64_t order = 0;       // admissions before it: the newest is preempted first
+  };
+  // Preempted, waiting to resume: the Prepared it resumes as.
+  struct Preempted {
+    uint64_t id = 0;
+    DecodeRequest request;  // prompt + generated but the last; spec.generated those
+    Resume resume;
   };
   struct Mailbox;  // shared with the store I/O thread's jobs
   using LoadedSpan = kvbus::FetchedSpan;
@@ -331,7 +371,8 @@ class Decoder {
   uint64_t ChunkBytes(int64_t tokens) const;  // a chunk of `tokens` tokens, serialized
 
   void PostLoad(uint64_t id, const Prepared& p);
-  void PostStore(uint64_t request_id, std::vector<std::shared_ptr<const kvbus::Chunk>> chunks);
+  void PostStore(uint64_t request_id, std::vector<std::shared_ptr<const kvbus::Chunk>> chunks,
+                 int lane);
   // Assembles and admits a prepared request whose load is in.
   void Begin(uint64_t id, int32_t first_token, DecoderOutput* out);
   // Admits `p` (its prompt's KV all in its sequence) into the batch.
@@ -348,12 +389,27 @@ class Decoder {
   void AdmitLocal(uint64_t id, int32_t first_token, DecoderOutput* out);
   // The prompt tokens a prepared request may take from the pool and the
   // KDN: all of them, or all but the last when it is prefilled here (the
-  // last is computed for its logits).
-  static int64_t HeldLimit(const DecodeRequest& r);
+  // last is computed for its logits; a resume needs none).
+  static int64_t HeldLimit(const Prepared& p);
+  // The shortest tail match it takes: any for a resume (its tail was
+  // stored whole), else options.min_tail_tokens.
+  int64_t MinTail(const Prepared& p) const;
+  // Step 3: preempts the newest running requests until the next step's
+  // blocks are free (none left to preempt: the step fails as before).
+  void MakeRoomForStep();
+  void Preempt(uint64_t id);
+  // Prepares preempted requests, oldest admitted first, while they fit.
+  void ResumePreempted();
+  int64_t ResumeBlocks(const Preempted& q) const;
+  // A resume whose KV is all in its sequence rejoins the batch.
+  void FinishResume(uint64_t id, DecoderOutput* out);
   // Publishes the spans of `tokens` (the KV `seq` holds) in the pool, and
   // hands those past the first `held_tokens`' full chunks to the store.
+  // `lane`: the store I/O thread's lane (a preemption's go ahead of the
+  // loads that follow, its resume's among them).
   void PublishAndStore(uint64_t request_id, const engine::KvSequence& seq,
-                       std::span<const int32_t> tokens, int64_t held_tokens, const std::string& ns);
+                       std::span<const int32_t> tokens, int64_t held_tokens, const std::string& ns,
+                       int lane = kStoreLane);
   // The Batcher's finish hook: hands the conversation's chunks to the store.
   void StoreConversation(uint64_t id, const engine::KvSequence& seq,
                          const std::vector<int32_t>& generated);
@@ -389,6 +445,12 @@ class Decoder {
   double prefill_ms_per_token_ = 0;
   uint64_t local_prefills_ = 0;
   uint64_t local_prefill_tokens_ = 0;
+  uint64_t next_order_ = 0;
+  std::map<uint64_t, Preempted> preempted_;  // by Resume::order: oldest admitted first
+  uint64_t preemptions_ = 0;
+  uint64_t resumed_by_load_ = 0;
+  uint64_t resumed_by_recompute_ = 0;
+  uint64_t resume_recomputed_tokens_ = 0;
 };
 
 }  // namespace kdn::decode_worker

@@ -8,12 +8,14 @@
 //             token always; a blend request's held documents at their
 //             recompute share) plus the tokens queued at it; at equal work,
 //             the one whose KV pool holds more of the prefix resident;
-//   decode    among workers with room (KV blocks for prompt + max_tokens, a
-//             place in its batch), the one holding most of the prompt (none
-//             counts for a blend request), then the one holding more of it
-//             resident in its pool, then the least busy. None with
-//             room: the request waits if one could ever hold it, else it is
-//             refused;
+//   decode    among workers with room (KV blocks for what the request needs
+//             now, KvTokensAdmitted: its tokens and a block to grow; a
+//             blend request's whole length; and a place in its batch), the
+//             one holding most of the prompt (none counts for a blend
+//             request), then the one holding more of it resident in its
+//             pool, then the least busy. None with room: the request waits
+//             if one could ever hold it whole (prompt + max_tokens), else it
+//             is refused;
 //   retry     a prefill lost before its first token goes to the other
 //             prefill worker with the fewest queued tokens;
 //   document  an injection's document goes to the prefill worker with the
@@ -73,8 +75,12 @@ Load LoadOf(const WorkerView& reported, const Reservation& reserved);
 
 // What placement reads of one request.
 struct PlacementInput {
-  int64_t tokens = 0;     // the prompt as sent (a resumed one's generated tokens included)
-  int64_t kv_blocks = 0;  // what a decode worker reserves: KvBlocksFor(prompt + max_tokens)
+  int64_t tokens = 0;  // the prompt as sent (a resumed one's generated tokens included)
+  // What a decode worker takes now (KvBlocksFor(KvTokensAdmitted(...))), and
+  // what the request takes at its longest (prompt + max_tokens): a worker
+  // whose pool is smaller can never serve it.
+  int64_t kv_blocks = 0;
+  int64_t kv_blocks_whole = 0;
   const BlendSpec* blend = nullptr;  // null: no documents
   // The lookup's answers: worker -> leading prompt tokens whose KV it
   // reaches (-1: no answer), and for a blend request the document tokens

@@ -69,6 +69,7 @@ struct WorkerView {
   proto::ResidentCounters resident;           // its KV pool as the KDN's first tier
   proto::LocalPrefill local_prefill;          // decode
   proto::PushedKv pushed_kv;                  // decode
+  proto::Preemption preemption;               // decode
   std::vector<proto::StoreTier> store_tiers;  // its KDN store, fastest tier first
   // The router's own, not reported: what it routed here since the report.
   Reservation reserved;
