@@ -104,6 +104,7 @@ def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None
             cmd += ["--kdn-redis-password-file", redis_password_file]
     if role == "decode":
         cmd += ["--kvbus-listen", listen] + given("--max-batch", a.max_batch)
+        cmd += given("--kv-tokens", getattr(a, "decode_kv_tokens", None))
         cmd += given("--local-prefill-step-tokens", a.local_prefill_step_tokens)
     return cmd + ["--name", name] + device.flags()
 

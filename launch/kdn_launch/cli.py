@@ -185,10 +185,14 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
     p.add_argument("--kv-transport", choices=("auto", "tcp", "shm"), default="auto",
                    help="how prefill workers move KV to decode workers: auto picks shm "
                         "(shared memory) on one host and tcp otherwise (default: %(default)s)")
-    # These four are passed only when given: their default is the process's own.
+    # These are passed only when given: their default is the process's own.
     p.add_argument("--max-batch", type=positive_int, metavar="N",
-                   help="kdn-decode --max-batch, to every decode worker: requests each runs "
-                        "or holds prepared at once (default: kdn-decode's own)")
+                   help="kdn-decode --max-batch, to every decode worker: requests each runs, "
+                        "holds prepared or has preempted at once (default: kdn-decode's own)")
+    p.add_argument("--decode-kv-tokens", type=positive_int, metavar="N",
+                   help="kdn-decode --kv-tokens, to every decode worker: tokens of KV its "
+                        "pool holds; past them it preempts (docs/serving.md, \"Admission and "
+                        "preemption\"; default: kdn-decode's own)")
     p.add_argument("--max-queued", type=nonneg_int, metavar="N",
                    help="kdn-router --max-queued: requests that may wait at the router for a "
                         "decode worker with room, before any prefill is spent on them; past "

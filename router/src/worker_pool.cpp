@@ -114,7 +114,10 @@ std::vector<size_t> WorkerPool::Ping(Clock::time_point now) {
       Send(w, 0, m);
       l.last_ping = now;
     }
-    if (views_[w].up && (!l.heard || now - l.last_heard > options_.worker_timeout)) {
+    // Silent means nothing arrived, not nothing read yet: after a stall of
+    // the router's own loop its workers' replies may wait in the socket.
+    if (views_[w].up && (!l.heard || now - l.last_heard > options_.worker_timeout) &&
+        (l.sock->get(zmq::sockopt::events) & ZMQ_POLLIN) == 0) {
       silent.push_back(w);
     }
   }

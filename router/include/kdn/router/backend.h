@@ -84,12 +84,16 @@ struct BackendOptions {
   std::chrono::milliseconds worker_timeout{3000};
   std::chrono::milliseconds lookup_timeout{1000};
   std::chrono::milliseconds prepare_timeout{10000};
-  // Requests no decode worker has room for (KV for prompt + max_tokens, a
-  // place in its batch) wait, in arrival order and before any prefill is
-  // spent on them, for at most queue_timeout; past max_queued waiting, a
-  // request is refused at once (RESOURCE_EXHAUSTED: HTTP 429).
+  // Requests no decode worker has room for (KV for what they need now,
+  // KvTokensAdmitted, and a place in its batch) wait, in arrival order and
+  // before any prefill is spent on them, while their client stays and for at
+  // most queue_timeout; past max_queued waiting, a request is refused at
+  // once (RESOURCE_EXHAUSTED: HTTP 429). vLLM, SGLang and Triton's default
+  // queue policy let a request wait as long as its client does; ten minutes
+  // lets a burst of long generations drain while a deployment that cannot
+  // serve at all still answers.
   int max_queued = 1024;
-  std::chrono::milliseconds queue_timeout{60000};
+  std::chrono::milliseconds queue_timeout{600000};
   // A request whose decode worker is lost goes on at another (docs/serving.md,
   // "A decode worker lost"), up to max_resumes times; false: it fails.
   bool resume = true;
