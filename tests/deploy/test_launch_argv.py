@@ -132,7 +132,8 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
     keys.write_text("sk-test tenant-a\n")
     flags = ["--prefill", 2, "--decode", 2, "--store", "--store-host-mib", 100,
              "--store-codec", "q4", "--host-mib", 64, "--chunk-tokens", 128,
-             "--kv-transport", "tcp", "--max-batch", 7, "--max-queued", 5,
+             "--kv-transport", "tcp", "--max-batch", 7, "--decode-kv-tokens", 4096,
+             "--max-queued", 5,
              "--max-connections", 9, "--max-body-buffer-mib", 32, "--no-resume",
              "--disaggregation", "never", "--local-prefill-max-tokens", 300,
              "--local-prefill-step-tokens", 24,
@@ -144,6 +145,9 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
     for name in ("decode-0", "decode-1"):
         assert flag(argvs[name], "--max-batch") == "7", argvs[name]
         assert flag(argvs[name], "--local-prefill-step-tokens") == "24", argvs[name]
+        assert flag(argvs[name], "--kv-tokens") == "4096", argvs[name]
+    for name in ("prefill-0", "prefill-1"):
+        assert "--kv-tokens" not in argvs[name], argvs[name]
     for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
         argv = argvs[name]
         assert (flag(argv, "--host-mib"), flag(argv, "--chunk-tokens"), flag(argv, "--threads"),
@@ -170,7 +174,7 @@ def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slu
         for name in ("--max-batch", "--max-queued", "--max-connections",
                      "--max-body-buffer-mib", "--log-level", "--no-resume", "--separator",
                      "--disaggregation", "--local-prefill-max-tokens",
-                     "--local-prefill-step-tokens"):
+                     "--local-prefill-step-tokens", "--kv-tokens"):
             assert name not in argv, argv
 
 
