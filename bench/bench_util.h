@@ -149,6 +149,13 @@ struct ServeLoadOptions {
   std::optional<uint64_t> seed;
   int chat_turns = 1;              // > 1: each client's requests are chats of that many turns
   std::vector<std::string> paths;  // as MultiturnOptions::paths: one run each
+  // The overcommit case (docs/serving.md, "Admission and preemption"): every
+  // request a document of its own, all of them at once; the load's prompt +
+  // max_tokens against the decode pools (read from /status.json). With
+  // roomy_url, the same load runs on that deployment too (its pools large
+  // enough to need no preemption), and the two are compared.
+  bool overcommit = false;
+  std::string roomy_url;
 };
 int RunServeLoad(const Common& c, const ServeLoadOptions& o);
 // The same conversations through prefill_worker::Prefiller in this process,

@@ -517,12 +517,23 @@ int main(int argc, char** argv) {
                    "Run the load once per path, each request with that \"disaggregation\" "
                    "field (always, auto, never), text of its own each, and compare them")
       ->delimiter(',');
+  serve_load->add_flag(
+      "--overcommit", sl.overcommit,
+      "The overcommit case: each request a document of its own and all sent at once (--clients "
+      "defaults to --requests); reports the load's prompt + max_tokens against the decode "
+      "workers' KV pools (aim: at least 2x), the completed share, preemptions and resumes");
+  serve_load
+      ->add_option("--roomy-url", sl.roomy_url,
+                   "With --overcommit: a second deployment of the same model whose decode pools "
+                   "hold the whole load; the same load runs there too and the two are compared")
+      ->needs("--overcommit");
   serve_load->add_option("--json", c.json_path, "Also write the results as one JSON object");
   CLI11_PARSE(app, argc, argv);
 
   if (tokenize->parsed()) return RunTokenize(c, tk_dir, tk_text, tk_tokens);
   if (serve_load->parsed()) {
     if (serve_load->count("--seed") > 0) sl.seed = sl_seed;
+    if (sl.overcommit && serve_load->count("--clients") == 0) sl.clients = sl.requests;
     return RunServeLoad(c, sl);
   }
 

@@ -20,6 +20,7 @@
 #include <boost/beast/http.hpp>
 
 #include "bench_util.h"
+#include "kdn/common/kv_block.h"
 
 namespace kdn::bench {
 
@@ -557,16 +558,18 @@ struct LoadResult {
 };
 
 // One run of the load, its requests on `path` (their "disaggregation"
-// field; empty: none): its summary printed and returned.
+// field; empty: none): its summary printed and returned. `roomy`: the
+// overcommit case's deployment that needs no preemption (no 2x aim).
 Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::string& path,
-                          uint64_t seed) {
+                          uint64_t seed, bool roomy = false) {
   const int requests = o.soak > 0 ? o.soak : o.requests;
   if (!path.empty()) std::printf("serve-load, disaggregation %s:\n", path.c_str());
   // Documents, and a Zipf law over them: document k (from 0) is asked about
   // with weight 1 / (k + 1)^s.
   std::mt19937_64 doc_rng(seed);
   std::vector<std::string> docs;
-  for (int i = 0; i < o.documents; ++i) docs.push_back(RandomWords(doc_rng, o.doc_chars));
+  const int documents = o.overcommit ? requests : o.documents;  // overcommit: one each
+  for (int i = 0; i < documents; ++i) docs.push_back(RandomWords(doc_rng, o.doc_chars));
   std::vector<double> cdf;
   double sum = 0;
   for (int k = 0; k < o.documents; ++k) cdf.push_back(sum += 1.0 / std::pow(k + 1.0, o.zipf));
@@ -574,6 +577,15 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
   KDN_RETURN_IF_ERROR(Complete(url, RandomWords(doc_rng, 64), 2).status().WithContext("warm-up"));
   auto metrics_before = Exchange(url, http::verb::get, "/metrics", "");
   if (!metrics_before.ok()) return metrics_before.status().WithContext("GET /metrics");
+  int64_t pool_tokens = 0;  // the decode workers' KV pools, in tokens
+  if (o.overcommit) {
+    KDN_ASSIGN_OR_RETURN(const json status, GetJson(url, "/status.json"));
+    for (const json& w : status.value("workers", json::array())) {
+      if (w.value("role", "") == "decode") {
+        pool_tokens += w.value("total_kv_blocks", int64_t{0}) * kKvBlockTokens;
+      }
+    }
+  }
   const auto rss_start = ProcessRss(o.run_dir);
   std::map<std::string, double> rss_warm;
   const int warm_at = std::max(1, requests / 10);  // RSS after warm-up: the first 10%
@@ -590,7 +602,9 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
     std::string conversation;
     int turn = 0;
     for (int i; (i = next.fetch_add(1)) < requests;) {
-      if (turn == 0) {
+      if (o.overcommit) {
+        conversation = docs[static_cast<size_t>(i)];
+      } else if (turn == 0) {
         const int doc =
             static_cast<int>(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
         conversation = docs[std::min(doc, o.documents - 1)];
@@ -633,26 +647,38 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
   for (int tries = 0, idle = 0; tries < 100 && idle < 10; ++tries) {
     auto m = Exchange(url, http::verb::get, "/metrics", "");
     if (!m.ok()) return m.status().WithContext("GET /metrics");
-    after_lines =
-        MetricLines(m->body, {"kdn_requests_in_flight", "kdn_worker_free_kv_blocks",
-                              "kdn_prompt_tokens_total", "kdn_queue_depth",
-                              "kdn_worker_leased_kv_blocks", "kdn_worker_kvbus_leased_bytes"});
+    after_lines = MetricLines(
+        m->body, {"kdn_requests_in_flight", "kdn_worker_free_kv_blocks", "kdn_prompt_tokens_total",
+                  "kdn_queue_depth", "kdn_worker_leased_kv_blocks", "kdn_worker_kvbus_leased_bytes",
+                  "kdn_worker_preemptions_total", "kdn_worker_resumes_by_recompute_total"});
     idle = after_lines["kdn_requests_in_flight"] == 0 ? idle + 1 : 0;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   const auto before_lines =
-      MetricLines(metrics_before->body, {"kdn_worker_free_kv_blocks", "kdn_prompt_tokens_total"});
+      MetricLines(metrics_before->body,
+                  {"kdn_worker_free_kv_blocks", "kdn_prompt_tokens_total",
+                   "kdn_worker_preemptions_total", "kdn_worker_resumes_by_recompute_total"});
+  // Of counter family `name`, summed over its lines: after less before.
+  const auto grew = [&](const char* name) {
+    double d = 0;
+    for (const auto& [line, v] : after_lines) {
+      if (line.rfind(name, 0) == 0) d += v - (before_lines.count(line) ? before_lines.at(line) : 0);
+    }
+    return d;
+  };
   const auto rss_end = ProcessRss(o.run_dir);
 
   std::vector<double> ttft, itl, gaps, ttft_later;
   std::map<std::string, int> errors;
   int ok = 0, good = 0;
+  int64_t prompt_tokens = 0;
   for (const LoadResult& r : results) {
     if (!r.ok) {
       ++errors[r.error];
       continue;
     }
     ++ok;
+    prompt_tokens += r.prompt_tokens;
     ttft.push_back(r.ttft_s * 1e3);
     if (r.turn > 0) ttft_later.push_back(r.ttft_s * 1e3);
     if (o.max_tokens > 1) itl.push_back(r.itl_s * 1e3);
@@ -717,6 +743,25 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
   }
   std::printf("  KDN hit rate    %.1f%% of prompt tokens cached\n",
               total > 0 ? 100 * cached / total : 0);
+  // The overcommit case: what the load would hold at its longest, against
+  // the pools (the failed requests' prompts counted at the mean).
+  const double load_tokens =
+      ok > 0 ? (static_cast<double>(prompt_tokens) / ok + o.max_tokens) * requests : 0;
+  const double overcommit = pool_tokens > 0 ? load_tokens / static_cast<double>(pool_tokens) : 0;
+  if (o.overcommit) {
+    std::printf(
+        "  overcommit      prompt + max_tokens of all requests %.0f tokens, %.2fx the decode "
+        "pools' %lld%s\n",
+        load_tokens, overcommit, static_cast<long long>(pool_tokens),
+        roomy            ? " (the roomy deployment)"
+        : overcommit < 2 ? " (not an overcommit: aim 2x; raise --requests or --max-tokens)"
+                         : "");
+    std::printf(
+        "  completed       %d of %d (%.2f; aim 1.0), %.0f preemptions, %.0f resumes "
+        "by recompute\n",
+        ok, requests, static_cast<double>(ok) / requests, grew("kdn_worker_preemptions_total"),
+        grew("kdn_worker_resumes_by_recompute_total"));
+  }
   std::printf("  errors          %d\n", failed);
   for (const auto& [what, n] : errors) std::printf("    %d x %s\n", n, what.c_str());
   std::printf("  KV blocks not given back after the run: %lld\n",
@@ -767,7 +812,16 @@ Result<json> ServeLoadRun(const ServeLoadOptions& o, const Url& url, const std::
               {"leases_held_after", leases},
               {"leases_held", leases_held},
               {"rss", rss},
-              {"rss_growth_after_warmup_max", worst_growth}};
+              {"rss_growth_after_warmup_max", worst_growth},
+              {"completed_share", static_cast<double>(ok) / requests},
+              {"answer_tokens_per_s", ok * static_cast<double>(o.max_tokens) / wall}};
+  if (o.overcommit) {
+    out["overcommit"] = {{"pool_tokens", pool_tokens},
+                         {"load_tokens", load_tokens},
+                         {"load_over_pool", overcommit},
+                         {"preemptions", grew("kdn_worker_preemptions_total")},
+                         {"resumes_by_recompute", grew("kdn_worker_resumes_by_recompute_total")}};
+  }
   if (o.soak > 0) {
     const bool pass = failed == 0 && leaked_blocks == 0 && leases_held == 0 &&
                       (rss_end.empty() || worst_growth < 0.05);
@@ -788,6 +842,40 @@ Status ServeLoad(const Common& c, const ServeLoadOptions& o) {
   }
   KDN_ASSIGN_OR_RETURN(const Url url, ParseUrl(o.url));
   const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
+  if (o.overcommit && (o.chat_turns > 1 || !o.paths.empty())) {
+    return InvalidArgument("--overcommit takes neither --chat-turns nor --paths");
+  }
+  if (!o.roomy_url.empty()) {
+    // The same load (the same text) on the overcommitted deployment, then on
+    // the roomy one.
+    KDN_ASSIGN_OR_RETURN(const Url roomy, ParseUrl(o.roomy_url));
+    std::printf("serve-load on %s (overcommitted):\n", o.url.c_str());
+    KDN_ASSIGN_OR_RETURN(json tight, ServeLoadRun(o, url, "", seed));
+    std::printf("serve-load on %s (roomy):\n", o.roomy_url.c_str());
+    KDN_ASSIGN_OR_RETURN(json room, ServeLoadRun(o, roomy, "", seed, /*roomy=*/true));
+    const auto ratio = [&](const char* key) {
+      return tight[key].get<double>() / std::max(room[key].get<double>(), 1e-9);
+    };
+    const json ratios = {{"completed_share", ratio("completed_share")},
+                         {"answer_tokens_per_s", ratio("answer_tokens_per_s")},
+                         {"ttft_ms_p50", ratio("ttft_ms_p50")},
+                         {"ttft_ms_p99", ratio("ttft_ms_p99")}};
+    std::printf(
+        "overcommitted against roomy: completed %.2f against %.2f, answer tokens/s %.2fx, "
+        "TTFT p50 %.2fx, p99 %.2fx\n",
+        tight["completed_share"].get<double>(), room["completed_share"].get<double>(),
+        ratios["answer_tokens_per_s"].get<double>(), ratios["ttft_ms_p50"].get<double>(),
+        ratios["ttft_ms_p99"].get<double>());
+    Emit(c, {{"workload", "serve-load"},
+             {"overcommit", tight},
+             {"roomy", room},
+             {"overcommit_over_roomy", ratios},
+             {"seed", seed}});
+    if (tight["completed_share"].get<double>() < 1 || room["completed_share"].get<double>() < 1) {
+      return Status(StatusCode::kInternal, "requests failed: the completed share's aim is 1.0");
+    }
+    return Status::Ok();
+  }
   const std::vector<std::string> paths = o.paths.empty() ? std::vector<std::string>{""} : o.paths;
   json runs = json::array();
   for (size_t i = 0; i < paths.size(); ++i) {
