@@ -447,24 +447,23 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
           }
           if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
         }
-        const SenderStats st = (*sender)->Stats();
+        const SenderStats stats = (*sender)->Stats();
+        const PlaneStats shm = stats.plane("shm"), tcp = stats.plane("tcp");
         const std::string base = name + " " + landing;
         const std::string label = secure ? base + " +curve" : base;
         std::printf("%-24s %8.2f %12.2f %8.1f%%", label.c_str(), best, mem, 100.0 * best / mem);
         if (nixl > 0) std::printf(" %8.2fx", best / nixl);
         std::printf("  (%llu chunks by shm, %llu by tcp",
-                    static_cast<unsigned long long>(st.shm_chunks),
-                    static_cast<unsigned long long>(st.tcp_chunks));
+                    static_cast<unsigned long long>(shm.chunks),
+                    static_cast<unsigned long long>(tcp.chunks));
         // The sender's own copies into shared memory, apart from the rest.
-        const double copy_gbps = st.shm_copy_seconds > 0
-                                     ? static_cast<double>(st.shm_bytes) / st.shm_copy_seconds / 1e9
-                                     : 0;
+        const double copy_gbps =
+            shm.copy_seconds > 0 ? static_cast<double>(shm.bytes) / shm.copy_seconds / 1e9 : 0;
         if (copy_gbps > 0) std::printf("; its shm copies at %.2f GB/s", copy_gbps);
         std::printf(")");
-        json row = {
-            {"transport", name},           {"landing", landing},         {"curve", secure},
-            {"gbytes_per_s", best},        {"memcpy_gbytes_per_s", mem}, {"ratio", best / mem},
-            {"shm_chunks", st.shm_chunks}, {"tcp_chunks", st.tcp_chunks}};
+        json row = {{"transport", name},        {"landing", landing},         {"curve", secure},
+                    {"gbytes_per_s", best},     {"memcpy_gbytes_per_s", mem}, {"ratio", best / mem},
+                    {"shm_chunks", shm.chunks}, {"tcp_chunks", tcp.chunks}};
         if (nixl > 0) row["vs_nixl"] = best / nixl;
         if (secure && plain_gbps[base] > 0) {
           std::printf(" %.2fx of plaintext", best / plain_gbps[base]);

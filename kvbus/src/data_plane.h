@@ -2,8 +2,9 @@
 // Private to the kvbus transports: a sender's data plane for grants into a
 // region of the receiver's memory (docs/kvbus.md, "Transports"). TcpSender
 // runs the control protocol (offers, grants, acks, liveness) and sends a
-// granted chunk's bytes in a frame after its header (the tcp plane); a grant
-// that names a region goes to the plane that maps that kind of region, which
+// granted chunk's bytes in a frame after its header (the tcp plane); it
+// holds one RegionPlane per region kind (tcp_wire.h's RegionKind), and a
+// grant that names a region goes to the plane of that region's kind, which
 // writes the bytes there itself before the header goes out marked landed.
 // ShmPlane is the plane of host memory shared on one host (a landing
 // segment, or a decode worker's KV pool landed in place); a plane of device
@@ -36,8 +37,9 @@ struct RegionGrant {
 class RegionPlane {
  public:
   virtual ~RegionPlane() = default;
-  virtual const char* name() const = 0;
-  // Maps the regions a Decisions message names (those already mapped are
+  virtual const char* name() const = 0;  // its stats' key (SenderStats::planes)
+  virtual RegionKind kind() const = 0;
+  // Maps the regions of its kind a Decisions message names (those already mapped are
   // kept; one whose handle changed, a new receiver's, is mapped again). A
   // region that cannot be mapped from here is left out, and usable() turns
   // false with the reason in error().
@@ -56,6 +58,7 @@ class RegionPlane {
 class ShmPlane final : public RegionPlane {
  public:
   const char* name() const override { return "shm"; }
+  RegionKind kind() const override { return RegionKind::kShm; }
   void Map(const std::vector<WireRegion>& regions) override;
   bool Mapped(uint32_t region) const override { return table_ids_.count(region) != 0; }
   bool usable() const override { return error_.ok(); }

@@ -43,7 +43,17 @@ int PollTimeoutMs(TransportClock::time_point now, TransportClock::time_point nex
 }  // namespace
 
 TcpSender::TcpSender(std::string endpoint, const SenderOptions& options)
-    : endpoint_(std::move(endpoint)), options_(options), context_(1) {}
+    : endpoint_(std::move(endpoint)), options_(options), context_(1) {
+  planes_.emplace(RegionKind::kShm, std::make_unique<ShmPlane>());
+}
+
+RegionPlane* TcpSender::MappedPlane(uint32_t region) {
+  const auto kind = region_kinds_.find(region);
+  if (region == 0 || kind == region_kinds_.end()) return nullptr;
+  const auto plane = planes_.find(kind->second);
+  if (plane == planes_.end() || !plane->second->Mapped(region)) return nullptr;
+  return plane->second.get();
+}
 
 Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
                                                  const SenderOptions& options) {
@@ -179,7 +189,7 @@ void TcpSender::Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status
   for (uint32_t c : first.copies) apply(batch.slots[c]);
   if (batch.unfinished == 0) {
     const double s = std::chrono::duration<double>(TransportClock::now() - batch.submitted).count();
-    (batch.landed ? stats_.shm_seconds : stats_.tcp_seconds) += s;
+    stats_.planes[batch.plane != nullptr ? batch.plane : "tcp"].seconds += s;
   }
 }
 
@@ -302,7 +312,7 @@ Status TcpSender::ReceiveAll() {
 
 WireOffer TcpSender::NewOffer(uint64_t batch) const {
   WireOffer offer{batch, {}, false, {}};
-  if (options_.transport != TransportKind::kTcp && shm_.usable()) {
+  if (options_.transport != TransportKind::kTcp && shm().usable()) {
     offer.shm = true;
     offer.host_id = HostId();
   }
@@ -310,12 +320,22 @@ WireOffer TcpSender::NewOffer(uint64_t batch) const {
 }
 
 void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
-  const bool was_usable = shm_.usable();
-  shm_.Map(regions);
-  if (was_usable && !shm_.usable()) {
-    // auto sends by tcp from now on; a kShm sender fails these chunks.
-    LogWarn("kvbus sender to {}: no shm ({}){}", endpoint_, shm_.error().ToString(),
-            options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
+  std::map<RegionKind, std::vector<WireRegion>> by_kind;
+  for (const WireRegion& r : regions) {
+    region_kinds_[r.id] = r.kind;
+    by_kind[r.kind].push_back(r);
+  }
+  for (auto& [kind, named] : by_kind) {
+    auto it = planes_.find(kind);
+    if (it == planes_.end()) continue;  // no plane for it: its grants go by tcp
+    RegionPlane& plane = *it->second;
+    const bool was_usable = plane.usable();
+    plane.Map(named);
+    if (was_usable && !plane.usable()) {
+      // auto sends by tcp from now on; a kShm sender fails these chunks.
+      LogWarn("kvbus sender to {}: no {} ({}){}", endpoint_, plane.name(), plane.error().ToString(),
+              options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
+    }
   }
 }
 
@@ -343,16 +363,16 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
           // An in-place grant without a region, or into one this sender
           // could not map, takes the whole chunk by tcp (the receiver puts
           // it in place).
-          const bool mapped = d.region != 0 && shm_.Mapped(d.region);
+          const bool mapped = MappedPlane(d.region) != nullptr;
           if (options_.transport == TransportKind::kShm && !mapped) {
             // Cancelled below with the orphans: the receiver frees the grant.
             orphans.keys.push_back(d.key);
             Finish(*batch, slot->second, ChunkOutcome::kFailed,
                    FailedPrecondition(
                        "kvbus shm: receiver " + endpoint_ + " granted no shared-memory range" +
-                       (shm_.usable() ? std::string(" (another host, no landing segment, or "
-                                                    "the chunk does not fit in it)")
-                                      : " (" + shm_.error().ToString() + ")")));
+                       (shm().usable() ? std::string(" (another host, no landing segment, or "
+                                                     "the chunk does not fit in it)")
+                                       : " (" + shm().error().ToString() + ")")));
             break;
           }
           s.phase = Phase::kGranted;
@@ -389,8 +409,9 @@ void TcpSender::HandleAcks(const WireAcks& m) {
       Slot& s = it->second.slots[slot->second];
       if (s.phase != Phase::kGranted && s.phase != Phase::kInFlight) continue;
       if (a.status.ok() && !a.duplicate && s.chunk) {
-        (s.landed ? stats_.shm_chunks : stats_.tcp_chunks) += 1;
-        (s.landed ? stats_.shm_bytes : stats_.tcp_bytes) += s.chunk->size();
+        PlaneStats& p = stats_.planes[s.plane != nullptr ? s.plane : "tcp"];
+        p.chunks += 1;
+        p.bytes += s.chunk->size();
       }
       Finish(it->second, slot->second, a.status.ok() ? ChunkOutcome::kSent : ChunkOutcome::kFailed,
              a.status);
@@ -487,15 +508,20 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
   if (!out.header_sent) {
     // Every range is checked before a byte is written.
     const auto t0 = TransportClock::now();
+    RegionPlane* plane = MappedPlane(out.region);
     const Status written =
-        shm_.Write(chunk, RegionGrant{out.region, out.offset, out.extents},
-                   options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key()));
+        plane == nullptr
+            ? NotFound("region " + std::to_string(out.region) + " is mapped by no plane")
+            : plane->Write(
+                  chunk, RegionGrant{out.region, out.offset, out.extents},
+                  options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key()));
     if (!written.ok()) {
       MutexLock lock(mu_);
       auto it = batches_.find(out.batch);
       if (it != batches_.end()) {
         Finish(it->second, out.slot, ChunkOutcome::kFailed,
-               written.WithContext("kvbus shm grant from " + endpoint_));
+               written.WithContext(std::string("kvbus ") + (plane ? plane->name() : "region") +
+                                   " grant from " + endpoint_));
       }
       done_cv_.SignalAll();
       // Nothing was written; the receiver frees the grant.
@@ -506,11 +532,12 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
     }
     {
       MutexLock lock(mu_);
-      stats_.shm_copy_seconds += std::chrono::duration<double>(TransportClock::now() - t0).count();
+      stats_.planes[plane->name()].copy_seconds +=
+          std::chrono::duration<double>(TransportClock::now() - t0).count();
       auto it = batches_.find(out.batch);
       if (it != batches_.end()) {
-        it->second.slots[out.slot].landed = true;
-        it->second.landed = true;
+        it->second.slots[out.slot].plane = plane->name();
+        it->second.plane = plane->name();
       }
     }
     out.header_sent = true;  // the bytes are in place; only the header is left to go

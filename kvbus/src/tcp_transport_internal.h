@@ -89,12 +89,12 @@ class TcpSender final : public Sender {
     bool duplicate = false;            // a later copy of a key in its batch: not offered
     uint64_t offered_before_ping = 0;  // the first Ping sent after its latest offer
     uint64_t sent_before_ping = 0;     // the first Ping sent after its bytes (0: not sent)
-    bool landed = false;               // its bytes went by shm (for SenderStats)
+    const char* plane = nullptr;       // the region plane its bytes went by; null: tcp
     std::vector<uint32_t> copies;      // the indices of its duplicates
   };
   struct Batch {
     TransportClock::time_point submitted;
-    bool landed = false;  // a chunk of it went by shm
+    const char* plane = nullptr;  // the region plane a chunk of it went by; null: all tcp
     std::vector<Slot> slots;
     std::unordered_map<ChunkKey, uint32_t, ChunkKeyHash> index;  // first copy of each key
     size_t unfinished = 0;
@@ -106,7 +106,7 @@ class TcpSender final : public Sender {
     std::shared_ptr<const Chunk> chunk;
     bool claimed = false;      // phase set to kInFlight
     bool header_sent = false;  // its header frame is out: its bytes must follow
-    uint32_t region = 0;       // granted into the receiver's region (shm); 0: tcp
+    uint32_t region = 0;       // granted into the receiver's region (a region plane); 0: tcp
     uint64_t offset = 0;
     std::vector<Extent> extents;  // in place: where in `region` the payload goes
   };
@@ -170,9 +170,15 @@ class TcpSender final : public Sender {
   TransportClock::time_point last_heard_;
   TransportClock::time_point last_ping_;
   uint64_t ping_seq_ = 0;
-  // The shm data plane (data_plane.h): the receiver's regions it mapped.
-  // Not usable once one cannot be mapped (auto falls back to tcp).
-  ShmPlane shm_;
+  // The region planes (data_plane.h), by the kind of region each maps,
+  // and the kind of each region the receiver named. A plane is not usable
+  // once a region of its kind cannot be mapped (auto falls back to tcp).
+  std::map<RegionKind, std::unique_ptr<RegionPlane>> planes_;
+  std::map<uint32_t, RegionKind> region_kinds_;
+  RegionPlane& shm() { return *planes_.at(RegionKind::kShm); }
+  const RegionPlane& shm() const { return *planes_.at(RegionKind::kShm); }
+  // The plane of `region`'s kind, if it has mapped it; null: none (tcp).
+  RegionPlane* MappedPlane(uint32_t region);
 
   // Bytes sent per data plane, counted when acked.
   SenderStats stats_ KDN_GUARDED_BY(mu_);

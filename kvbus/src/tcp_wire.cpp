@@ -109,7 +109,7 @@ void Fill(const WireDecisions& m, pb::TransportFrame& f) {
   for (const WireRegion& r : m.regions) {
     pb::RegionInfo* pr = d->add_regions();
     pr->set_id(r.id);
-    pr->set_kind(pb::REGION_KIND_SHM);
+    pr->set_kind(static_cast<pb::RegionKind>(r.kind));
     pr->set_bytes(r.bytes);
     pr->set_handle(r.handle);
   }
@@ -193,11 +193,11 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
         m.decisions.push_back(std::move(w));
       }
       for (const pb::RegionInfo& r : f.decisions().regions()) {
-        if (r.kind() != pb::REGION_KIND_SHM) {
-          return InvalidArgument("kvbus wire: region " + std::to_string(r.id()) +
-                                 " of unknown kind " + std::to_string(r.kind()));
-        }
-        m.regions.push_back(WireRegion{r.id(), r.bytes(), r.handle()});
+        // A kind this version has no plane for is kept, as unknown: the
+        // sender maps no such region and sends its grants by tcp.
+        const RegionKind kind =
+            r.kind() == pb::REGION_KIND_SHM ? RegionKind::kShm : RegionKind::kUnknown;
+        m.regions.push_back(WireRegion{r.id(), r.bytes(), r.handle(), kind});
       }
       return WireMessage(std::move(m));
     }

@@ -45,11 +45,19 @@ struct WireDecision {
   std::vector<Extent> extents;
   bool in_place = false;
 };
-// A receiver's region that grants address (proto RegionInfo; kind shm).
+// A receiver's region that grants address (proto RegionInfo).
+// The kind of a receiver's region, which names the data plane that maps it
+// (the values of the wire's RegionKind). A sender keeps regions of a kind it
+// has no plane for unmapped: grants into them go by tcp.
+enum class RegionKind : uint8_t {
+  kUnknown = 0,  // a kind of a newer receiver
+  kShm = 1,      // host memory shared on one host (ShmPlane)
+};
 struct WireRegion {
   uint32_t id = 0;
   uint64_t bytes = 0;
   std::string handle;
+  RegionKind kind = RegionKind::kShm;
 };
 struct WireDecisions {
   uint64_t batch = 0;

@@ -74,8 +74,13 @@ struct PrefillService::Impl {
       sent = transport_stats;
       control::SetResidentCounters(info, resident, resident_hit_tokens, kv_bytes_loaded);
     }
-    control::AddTransportCounters(info, "tcp", sent.tcp_chunks, sent.tcp_bytes, sent.tcp_seconds);
-    control::AddTransportCounters(info, "shm", sent.shm_chunks, sent.shm_bytes, sent.shm_seconds);
+    // tcp and shm always (a deployment's pages show both from the start),
+    // then any other plane that moved KV.
+    sent.planes.try_emplace("tcp");
+    sent.planes.try_emplace("shm");
+    for (const auto& [plane, p] : sent.planes) {
+      control::AddTransportCounters(info, plane, p.chunks, p.bytes, p.seconds);
+    }
     control::SetStoreCounters(info, *store);
   }
 

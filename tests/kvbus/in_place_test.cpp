@@ -168,7 +168,7 @@ TEST(InPlace, TheSenderWritesEveryPayloadIntoItsExtentsOverShm) {
   EXPECT_EQ(r.in_place_shm_chunks, 6u);
   EXPECT_EQ(r.in_place_bytes, 6 * chunks[0]->payload().size());
   EXPECT_EQ(r.leased_bytes, 0u);
-  EXPECT_EQ(rig.sender->Stats().shm_chunks, 6u);
+  EXPECT_EQ(rig.sender->Stats().plane("shm").chunks, 6u);
 }
 
 TEST(InPlace, TheReceiverPutsATcpChunksPayloadInPlace) {
@@ -179,7 +179,7 @@ TEST(InPlace, TheReceiverPutsATcpChunksPayloadInPlace) {
   const ReceiverStats r = rig.receiver->Stats();
   EXPECT_EQ(r.in_place_chunks, 1u);
   EXPECT_EQ(r.in_place_shm_chunks, 0u);
-  EXPECT_EQ(rig.sender->Stats().tcp_chunks, 1u);
+  EXPECT_EQ(rig.sender->Stats().plane("tcp").chunks, 1u);
 }
 
 TEST(InPlace, AReceiverThatTakesNoShmLandsEveryClaimFromTcpFrames) {
@@ -201,7 +201,7 @@ TEST(InPlace, AReceiverThatTakesNoShmLandsEveryClaimFromTcpFrames) {
   EXPECT_EQ(site.Gather(1), PayloadOf(c));
   EXPECT_EQ(receiver->Stats().in_place_chunks, 1u);
   EXPECT_EQ(receiver->Stats().in_place_shm_chunks, 0u);
-  EXPECT_EQ(sender->Stats().tcp_chunks, 1u);
+  EXPECT_EQ(sender->Stats().plane("tcp").chunks, 1u);
 }
 
 TEST(InPlace, UnclaimedChunksGoToTheSinkAsBefore) {

@@ -100,9 +100,11 @@ TEST(ShmTransport, LandsEveryChunkInTheSegmentWhenBothEndsShareAHost) {
   EXPECT_EQ(r.shm_bytes, bytes);
   EXPECT_EQ(r.shm_landing_bytes, uint64_t{8} << 20);
   const SenderStats s = (*sender)->Stats();
-  EXPECT_EQ(s.shm_chunks, 20u);
-  EXPECT_EQ(s.shm_bytes, bytes);
-  EXPECT_EQ(s.tcp_chunks, 0u);
+  EXPECT_EQ(s.plane("shm").chunks, 20u);
+  EXPECT_EQ(s.plane("shm").bytes, bytes);
+  EXPECT_GT(s.plane("shm").copy_seconds, 0.0);
+  EXPECT_EQ(s.plane("tcp").chunks, 0u);
+  EXPECT_EQ(s.planes.count("tcp"), 0u);  // a plane shows up once used
   EXPECT_TRUE(Eventually([&] { return (*receiver)->Stats().shm_landed_bytes == 0; }))
       << "every landed range is given back once its chunk is stored";
 }
@@ -119,8 +121,8 @@ TEST(ShmTransport, SendsByTcpWhenTheReceiverHasNoSegmentOrTheSenderAsksForTcp) {
     ASSERT_TRUE(Move(**sender, chunks).ToStatus().ok());
     EXPECT_EQ(sink.size(), 5u);
     EXPECT_EQ((*receiver)->Stats().shm_chunks, 0u);
-    EXPECT_EQ((*sender)->Stats().tcp_chunks, 5u);
-    EXPECT_EQ((*sender)->Stats().shm_chunks, 0u);
+    EXPECT_EQ((*sender)->Stats().plane("tcp").chunks, 5u);
+    EXPECT_EQ((*sender)->Stats().plane("shm").chunks, 0u);
   }
 }
 
@@ -134,8 +136,8 @@ TEST(ShmTransport, SendsByTcpAChunkThatFindsNoRoomInTheSegment) {
   const std::vector<ChunkPtr> chunks = {MakeChunk(1, 256), MakeChunk(2, 4)};
   ASSERT_TRUE(Move(**sender, chunks).ToStatus().ok());
   EXPECT_EQ(sink.size(), 2u);
-  EXPECT_EQ((*sender)->Stats().tcp_chunks, 1u);
-  EXPECT_EQ((*sender)->Stats().shm_chunks, 1u);
+  EXPECT_EQ((*sender)->Stats().plane("tcp").chunks, 1u);
+  EXPECT_EQ((*sender)->Stats().plane("shm").chunks, 1u);
 }
 
 TEST(ShmTransport, FailsWhatAForcedShmSenderCannotLandAndFreesItsGrants) {

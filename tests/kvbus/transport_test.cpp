@@ -732,5 +732,63 @@ TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
   EXPECT_TRUE(st.done);
 }
 
+// A receiver of a newer version grants into a region of a kind this sender
+// has no plane for: the region is kept unmapped and the chunk goes by tcp,
+// counted under the tcp plane.
+TEST(TcpTransport, AGrantIntoARegionOfAnUnknownKindGoesByTcp) {
+  zmq::context_t ctx;
+  zmq::socket_t router(ctx, zmq::socket_type::router);
+  router.set(zmq::sockopt::linger, 0);
+  router.set(zmq::sockopt::rcvtimeo, 5000);
+  router.bind("tcp://127.0.0.1:*");
+  const std::string ep = router.get(zmq::sockopt::last_endpoint);
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(ep, TestSenderOptions()));
+  const ChunkPtr c = MakeChunk(1);
+  KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({c}));
+  bool acked = false;
+  for (int i = 0; i < 200 && !acked; ++i) {
+    zmq::message_t id, f;
+    ASSERT_TRUE(router.recv(id));
+    ASSERT_TRUE(router.recv(f));
+    auto m = DecodeWire(f.data(), f.size());
+    ASSERT_TRUE(m.ok());
+    auto reply = [&](const WireMessage& w) {
+      auto e = EncodeWire(w);
+      ASSERT_TRUE(e.ok());
+      router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
+      router.send(*e, zmq::send_flags::none);
+    };
+    if (auto* o = std::get_if<WireOffer>(&*m)) {
+      WireDecision grant{c->key(), WireDecisionKind::kGranted, Status::Ok()};
+      grant.region = 5;
+      WireDecisions d{o->batch, {grant}, {}};
+      d.regions.push_back(WireRegion{5, 1u << 20, "future:1", RegionKind::kUnknown});
+      // Encoded and decoded, the region keeps its id and reads as unknown.
+      auto frame = EncodeWire(d);
+      ASSERT_TRUE(frame.ok());
+      auto back = DecodeWire(frame->data(), frame->size());
+      ASSERT_TRUE(back.ok()) << back.status().ToString();
+      const auto& regions = std::get<WireDecisions>(*back).regions;
+      ASSERT_EQ(regions.size(), 1u);
+      EXPECT_EQ(regions[0].kind, RegionKind::kUnknown);
+      reply(d);
+    } else if (auto* h = std::get_if<WireChunkHeader>(&*m)) {
+      EXPECT_FALSE(h->landed);
+      zmq::message_t body;
+      ASSERT_TRUE(router.recv(body));
+      EXPECT_EQ(body.size(), c->size());
+      reply(WireAcks{{WireAck{h->batch, h->key, Status::Ok(), false}}});
+      acked = true;
+    } else if (auto* p = std::get_if<WirePing>(&*m)) {
+      reply(WirePong{p->seq, {}});
+    }
+  }
+  KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, sender->Wait(batch, 2s));
+  ASSERT_TRUE(st.done);
+  EXPECT_EQ(st.Count(ChunkOutcome::kSent), 1u);
+  EXPECT_EQ(sender->Stats().plane("tcp").chunks, 1u);
+  EXPECT_EQ(sender->Stats().planes.count("shm"), 0u);
+}
+
 }  // namespace
 }  // namespace kdn::kvbus

@@ -47,6 +47,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -142,23 +143,35 @@ struct SenderOptions {
   SenderFaults faults;
 };
 
-// Per data plane, what a sender moved (its chunks acked as stored), and
-// the seconds its batches were in flight, from Submit to the last outcome
-// (a batch counts as shm when any of its chunks landed).
-struct SenderStats {
-  uint64_t tcp_chunks = 0, tcp_bytes = 0;
-  uint64_t shm_chunks = 0, shm_bytes = 0;
-  double tcp_seconds = 0, shm_seconds = 0;
-  double shm_copy_seconds = 0;  // of shm_seconds, spent copying into receivers' segments
+// What a sender moved over one data plane (its chunks acked as stored), and
+// the seconds its batches were in flight there, from Submit to the last
+// outcome (a batch counts for the region plane any of its chunks landed by,
+// else for tcp); copy_seconds: of those, spent writing into the receivers'
+// regions (region planes only).
+struct PlaneStats {
+  uint64_t chunks = 0, bytes = 0;
+  double seconds = 0, copy_seconds = 0;
 
+  PlaneStats& operator+=(const PlaneStats& o) {
+    chunks += o.chunks;
+    bytes += o.bytes;
+    seconds += o.seconds;
+    copy_seconds += o.copy_seconds;
+    return *this;
+  }
+};
+
+// Per data plane, by its name ("tcp", "shm"): a plane shows up once used.
+struct SenderStats {
+  std::map<std::string, PlaneStats> planes;
+
+  // `name`'s figures; zeros when it moved nothing.
+  PlaneStats plane(const std::string& name) const {
+    const auto it = planes.find(name);
+    return it == planes.end() ? PlaneStats{} : it->second;
+  }
   SenderStats& operator+=(const SenderStats& o) {
-    tcp_chunks += o.tcp_chunks;
-    tcp_bytes += o.tcp_bytes;
-    shm_chunks += o.shm_chunks;
-    shm_bytes += o.shm_bytes;
-    tcp_seconds += o.tcp_seconds;
-    shm_seconds += o.shm_seconds;
-    shm_copy_seconds += o.shm_copy_seconds;
+    for (const auto& [name, p] : o.planes) planes[name] += p;
     return *this;
   }
 };
