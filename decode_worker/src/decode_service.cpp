@@ -252,7 +252,12 @@ struct DecodeService::Impl {
     Result<uint64_t> id =
         !refused.ok() ? Result<uint64_t>(refused) : decoder->Prepare(std::move(request), out);
     if (!id.ok()) {
-      LogError("{} prepare refused: {}", ReqId{msg.request_id()}, id.status().ToString());
+      if (id.status().code() == StatusCode::kResourceExhausted) {
+        // Back-pressure, not a fault: the router queues it until there is room.
+        LogInfo("{} prepare refused for now: {}", ReqId{msg.request_id()}, id.status().ToString());
+      } else {
+        LogError("{} prepare refused: {}", ReqId{msg.request_id()}, id.status().ToString());
+      }
       proto::WorkerMessage reply;
       reply.set_request_id(msg.request_id());
       control::StatusToProto(id.status(), reply.mutable_prepare_reply()->mutable_error());
