@@ -176,6 +176,21 @@ class RedisCluster {
         timeout);
   }
 
+  // Waits until every live node agrees on which primary serves each slot and
+  // no slot is half-way between two (redis-cli --cluster check, through
+  // node `via`): what a resharding leaves to gossip once redis-cli returns.
+  bool WaitSlotsAgree(size_t via, std::chrono::milliseconds timeout) const {
+    return WaitUntil(
+        [&] {
+          const std::string out = Shell("redis-cli --no-auth-warning -a " + o_.password +
+                                        " --cluster check " + addr(via) + " 2>&1");
+          return out.find("[OK] All nodes agree about slots configuration.") != std::string::npos &&
+                 out.find("[WARNING]") == std::string::npos &&
+                 out.find("[ERR]") == std::string::npos;
+        },
+        timeout);
+  }
+
   // Waits until every replica of a live primary has every write it took.
   bool WaitReplicated(std::chrono::milliseconds timeout) const {
     return WaitUntil(
