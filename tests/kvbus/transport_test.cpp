@@ -686,31 +686,48 @@ TEST(TcpTransport, RefusesOffersOfChunksSmallerThanAHeader) {
   std::this_thread::sleep_for(100ms);
   EXPECT_LT(receiver->Stats().chunks_granted, 100u) << "granted with 1000-byte capacity";
 }
+// A receiver played by the test: a ROUTER socket that reads a sender's
+// frames and answers the last sender heard from.
+struct StandInReceiver {
+  zmq::context_t ctx;
+  zmq::socket_t router{ctx, zmq::socket_type::router};
+  zmq::message_t peer;
+  std::string endpoint;
+
+  StandInReceiver() {
+    router.set(zmq::sockopt::linger, 0);
+    router.set(zmq::sockopt::rcvtimeo, 5000);
+    router.bind("tcp://127.0.0.1:*");
+    endpoint = router.get(zmq::sockopt::last_endpoint);
+  }
+  // The next message from a sender (UNAVAILABLE after 5 s of none); the
+  // bytes that follow a chunk's header are read from `router` itself.
+  Result<WireMessage> Next() {
+    zmq::message_t frame;
+    if (!router.recv(peer) || !router.recv(frame)) return Unavailable("no frame in 5 s");
+    return DecodeWire(frame.data(), frame.size());
+  }
+  void Reply(const WireMessage& w) {
+    auto e = EncodeWire(w);
+    ASSERT_TRUE(e.ok());
+    router.send(zmq::buffer(peer.to_string()), zmq::send_flags::sndmore);
+    router.send(*e, zmq::send_flags::none);
+  }
+};
+
 // A receiver stand-in that takes the chunk's bytes and never acks them: the
 // sender must offer the chunk again after the next pong, not wait forever.
 TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
-  zmq::context_t ctx;
-  zmq::socket_t router(ctx, zmq::socket_type::router);
-  router.set(zmq::sockopt::linger, 0);
-  router.set(zmq::sockopt::rcvtimeo, 5000);
-  router.bind("tcp://127.0.0.1:*");
-  const std::string ep = router.get(zmq::sockopt::last_endpoint);
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(ep, TestSenderOptions()));
+  StandInReceiver r;
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(r.endpoint, TestSenderOptions()));
   const ChunkPtr c = MakeChunk(1);
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({c}));
   int offers = 0;
   bool got_chunk = false;
   for (int i = 0; i < 200 && offers < 2; ++i) {
-    zmq::message_t id, f;
-    ASSERT_TRUE(router.recv(id));
-    ASSERT_TRUE(router.recv(f));
-    auto m = DecodeWire(f.data(), f.size());
-    ASSERT_TRUE(m.ok());
-    auto reply = [&](const WireMessage& w) {
-      auto e = EncodeWire(w);
-      router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
-      router.send(*e, zmq::send_flags::none);
-    };
+    auto m = r.Next();
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    auto reply = [&](const WireMessage& w) { r.Reply(w); };
     if (auto* o = std::get_if<WireOffer>(&*m)) {
       ++offers;
       reply(WireDecisions{
@@ -720,7 +737,7 @@ TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
                         Status::Ok()}}});
     } else if (std::holds_alternative<WireChunkHeader>(*m)) {
       zmq::message_t body;
-      ASSERT_TRUE(router.recv(body));
+      ASSERT_TRUE(r.router.recv(body));
       got_chunk = true;  // and the ack is "lost"
     } else if (auto* p = std::get_if<WirePing>(&*m)) {
       reply(WirePong{p->seq, {}});
@@ -736,28 +753,15 @@ TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
 // has no plane for: the region is kept unmapped and the chunk goes by tcp,
 // counted under the tcp plane.
 TEST(TcpTransport, AGrantIntoARegionOfAnUnknownKindGoesByTcp) {
-  zmq::context_t ctx;
-  zmq::socket_t router(ctx, zmq::socket_type::router);
-  router.set(zmq::sockopt::linger, 0);
-  router.set(zmq::sockopt::rcvtimeo, 5000);
-  router.bind("tcp://127.0.0.1:*");
-  const std::string ep = router.get(zmq::sockopt::last_endpoint);
-  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(ep, TestSenderOptions()));
+  StandInReceiver r;
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(r.endpoint, TestSenderOptions()));
   const ChunkPtr c = MakeChunk(1);
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({c}));
   bool acked = false;
   for (int i = 0; i < 200 && !acked; ++i) {
-    zmq::message_t id, f;
-    ASSERT_TRUE(router.recv(id));
-    ASSERT_TRUE(router.recv(f));
-    auto m = DecodeWire(f.data(), f.size());
-    ASSERT_TRUE(m.ok());
-    auto reply = [&](const WireMessage& w) {
-      auto e = EncodeWire(w);
-      ASSERT_TRUE(e.ok());
-      router.send(zmq::buffer(id.to_string()), zmq::send_flags::sndmore);
-      router.send(*e, zmq::send_flags::none);
-    };
+    auto m = r.Next();
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    auto reply = [&](const WireMessage& w) { r.Reply(w); };
     if (auto* o = std::get_if<WireOffer>(&*m)) {
       WireDecision grant{c->key(), WireDecisionKind::kGranted, Status::Ok()};
       grant.region = 5;
@@ -775,7 +779,7 @@ TEST(TcpTransport, AGrantIntoARegionOfAnUnknownKindGoesByTcp) {
     } else if (auto* h = std::get_if<WireChunkHeader>(&*m)) {
       EXPECT_FALSE(h->landed);
       zmq::message_t body;
-      ASSERT_TRUE(router.recv(body));
+      ASSERT_TRUE(r.router.recv(body));
       EXPECT_EQ(body.size(), c->size());
       reply(WireAcks{{WireAck{h->batch, h->key, Status::Ok(), false}}});
       acked = true;
