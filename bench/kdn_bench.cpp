@@ -167,9 +167,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   pd->add_option("--transport", pdo.transports,
-                 "Transports to measure in this run (tcp, shm; repeat or comma-separate)")
+                 "Transports to measure in this run (tcp, shm, cuda_ipc; repeat or "
+                 "comma-separate). cuda_ipc runs the device plane over the host backend (memory "
+                 "standing in for a device's), into an in-place pool of its own")
       ->delimiter(',')
-      ->check(CLI::IsMember({"tcp", "shm"}))
+      ->check(CLI::IsMember({"tcp", "shm", "cuda_ipc"}))
       ->capture_default_str();
   pd->add_option("--landing", pdo.landings,
                  "Where the receiving process puts the KV, each measured in this run: in-place "

@@ -21,7 +21,7 @@
 #include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
-#include "kdn/kvbus/shared_segment.h"
+#include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/transport_bench.h"
 #include "kdn/engine/presets.h"
@@ -208,12 +208,12 @@ namespace {
 // landed. A chunk that finds too few free blocks goes to the sink.
 class BenchLandingSite final : public LandingSite {
  public:
-  BenchLandingSite(std::unique_ptr<SharedSegment> pool, uint64_t block_bytes)
+  BenchLandingSite(std::unique_ptr<DeviceMemory> pool, uint64_t block_bytes)
       : pool_(std::move(pool)), block_bytes_(block_bytes) {
     for (uint64_t b = 0; b < pool_->bytes() / block_bytes_; ++b) free_.push_back(b);
     std::shuffle(free_.begin(), free_.end(), std::mt19937_64(7));
   }
-  const SharedSegment& pool() const { return *pool_; }
+  const DeviceMemory& pool() const { return *pool_; }
 
   std::optional<Landing> Claim(const ChunkKey&, uint64_t payload_bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -239,7 +239,7 @@ class BenchLandingSite final : public LandingSite {
   }
 
  private:
-  std::unique_ptr<SharedSegment> pool_;
+  std::unique_ptr<DeviceMemory> pool_;
   const uint64_t block_bytes_;
   std::mutex mu_;
   std::deque<uint64_t> free_;
@@ -315,7 +315,23 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
   // (and security): in-place lands payloads scattered over a pool's blocks;
   // staging receives into a store that keeps nothing (this measures the
   // transport, not a tier). Every receiver has a landing segment for shm
-  // senders; a tcp sender does not ask for it.
+  // senders; a tcp sender does not ask for it. For cuda_ipc, in-place has a
+  // receiver of its own whose pool is a device region: the host backend's
+  // memory standing in for a device (kdn/kvbus/device_ops.h), so that the
+  // row measures what the device plane's code adds to the same copy.
+  struct Target {
+    std::string landing;
+    bool secure = false;
+    bool device = false;
+  };
+  std::vector<Target> targets;
+  const bool want_device = std::count(o.transports.begin(), o.transports.end(), "cuda_ipc") > 0;
+  for (const std::string& landing : o.landings) {
+    for (const bool secure : securities) {
+      targets.push_back({landing, secure, false});
+      if (landing == "in-place" && want_device) targets.push_back({landing, secure, true});
+    }
+  }
   int ep_pipe[2], hold_pipe[2];
   if (::pipe(ep_pipe) != 0 || ::pipe(hold_pipe) != 0) {
     std::perror("kdn-bench: pipe");
@@ -329,15 +345,18 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
     std::vector<std::unique_ptr<BenchLandingSite>> sites;
     std::vector<std::unique_ptr<Receiver>> receivers;
     std::string eps;
-    for (const std::string& landing : o.landings) {
-      for (const bool secure : securities) {
+    for (const Target& t : targets) {
+      {
+        const std::string& landing = t.landing;
+        const bool secure = t.secure;
         ReceiverOptions ro;
         ro.socket_buffer_bytes = o.socket_buffer_kib * 1024;
         // Room for the batches in flight (RunSenderBench: 4 of n/4 chunks).
         ro.shm_landing_bytes = (static_cast<uint64_t>(n) + 4) * BufferPool::ClassBytes(chunk_bytes);
         if (secure) ro.curve = keys;
         if (landing == "in-place") {
-          auto pool = SharedSegment::Create((static_cast<uint64_t>(n) + 4) * shape.payload_bytes());
+          auto pool =
+              HostDeviceOps().Allocate((static_cast<uint64_t>(n) + 4) * shape.payload_bytes());
           if (!pool.ok()) {
             std::fprintf(stderr, "kdn-bench: %s\n", pool.status().ToString().c_str());
             ::_exit(1);
@@ -346,6 +365,7 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
           sites.push_back(std::make_unique<BenchLandingSite>(std::move(pool).value(), block_bytes));
           ro.landing = sites.back().get();
           ro.landing_region = &sites.back()->pool();
+          ro.landing_kind = t.device ? RegionKind::kDevice : RegionKind::kShm;
         }
         auto r = Listen("tcp://127.0.0.1:0", sink, ro);
         if (!r.ok()) {
@@ -379,7 +399,7 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
   for (size_t at = 0, nl; (nl = endpoints.find('\n', at)) != std::string::npos; at = nl + 1) {
     eps.push_back(endpoints.substr(at, nl - at));
   }
-  if (eps.size() != o.landings.size() * securities.size()) {
+  if (eps.size() != targets.size()) {
     std::fprintf(stderr, "kdn-bench: the receiving process did not start\n");
     return finish(1);
   }
@@ -417,14 +437,19 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
   }
   uint64_t seed = 1000;
   std::map<std::string, double> plain_gbps;  // by row, for the CURVE rows' cost
-  size_t ep = 0;
-  for (const std::string& landing : o.landings) {
-    for (const bool secure : securities) {
-      const std::string endpoint = eps[ep++];
+  std::map<std::string, double> row_gbps;    // by label, for cuda_ipc's ratio to shm
+  for (size_t ep = 0; ep < targets.size(); ++ep) {
+    {
+      const std::string& landing = targets[ep].landing;
+      const bool secure = targets[ep].secure;
+      const std::string endpoint = eps[ep];
       for (const std::string& name : o.transports) {
+        // cuda_ipc only into the device pool; the others only elsewhere.
+        if ((name == "cuda_ipc") != targets[ep].device) continue;
         SenderOptions so;
         so.socket_buffer_bytes = o.socket_buffer_kib * 1024;
         so.transport = ParseTransportKind(name).value();
+        if (targets[ep].device) so.device_ops = &HostDeviceOps();
         if (secure) so.curve = keys;
         auto sender = Connect(endpoint, so);
         if (!sender.ok()) {
@@ -448,22 +473,39 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
           if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
         }
         const SenderStats stats = (*sender)->Stats();
-        const PlaneStats shm = stats.plane("shm"), tcp = stats.plane("tcp");
+        // The region plane's figures: shm's, or cuda_ipc's (whose chunks
+        // are reported in the same columns).
+        const PlaneStats shm = stats.plane(name == "cuda_ipc" ? "cuda_ipc" : "shm"),
+                         tcp = stats.plane("tcp");
         const std::string base = name + " " + landing;
         const std::string label = secure ? base + " +curve" : base;
         std::printf("%-24s %8.2f %12.2f %8.1f%%", label.c_str(), best, mem, 100.0 * best / mem);
         if (nixl > 0) std::printf(" %8.2fx", best / nixl);
-        std::printf("  (%llu chunks by shm, %llu by tcp",
+        std::printf("  (%llu chunks by %s, %llu by tcp",
                     static_cast<unsigned long long>(shm.chunks),
+                    name == "cuda_ipc" ? "cuda_ipc (host backend)" : "shm",
                     static_cast<unsigned long long>(tcp.chunks));
         // The sender's own copies into shared memory, apart from the rest.
         const double copy_gbps =
             shm.copy_seconds > 0 ? static_cast<double>(shm.bytes) / shm.copy_seconds / 1e9 : 0;
-        if (copy_gbps > 0) std::printf("; its shm copies at %.2f GB/s", copy_gbps);
+        if (copy_gbps > 0) std::printf("; its region copies at %.2f GB/s", copy_gbps);
         std::printf(")");
-        json row = {{"transport", name},        {"landing", landing},         {"curve", secure},
-                    {"gbytes_per_s", best},     {"memcpy_gbytes_per_s", mem}, {"ratio", best / mem},
-                    {"shm_chunks", shm.chunks}, {"tcp_chunks", tcp.chunks}};
+        json row = {{"transport", name},
+                    {"landing", landing},
+                    {"curve", secure},
+                    {"gbytes_per_s", best},
+                    {"memcpy_gbytes_per_s", mem},
+                    {"ratio", best / mem},
+                    {name == "cuda_ipc" ? "cuda_ipc_chunks" : "shm_chunks", shm.chunks},
+                    {"tcp_chunks", tcp.chunks}};
+        // The device plane over the host backend is the same copy as shm:
+        // its ratio to shm's row shows what its own code costs.
+        const std::string shm_row = std::string("shm in-place") + (secure ? " +curve" : "");
+        if (name == "cuda_ipc" && row_gbps.count(shm_row) != 0) {
+          std::printf(" %.2fx of shm", best / row_gbps[shm_row]);
+          row["vs_shm"] = best / row_gbps[shm_row];
+        }
+        row_gbps[label] = best;
         if (nixl > 0) row["vs_nixl"] = best / nixl;
         if (secure && plain_gbps[base] > 0) {
           std::printf(" %.2fx of plaintext", best / plain_gbps[base]);

@@ -81,10 +81,13 @@ uint64_t StagingBytesFor(const model::ModelConfig& config, engine::DType kv_dtyp
 struct DecodeService::Impl {
   // Constant after Start (declared so that what borrows is destroyed first).
   DecodeServiceOptions options;
-  // The CPU engine's KV pool, in a shared segment that prefill workers on
-  // this host map to land pushed slices in place (docs/kvbus.md, "Landing
-  // in place"); null on a GPU. Outlives the engine.
-  std::unique_ptr<kvbus::SharedSegment> pool;
+  // The CPU engine's KV pool, in memory that prefill workers on this host
+  // open to land pushed slices in place (docs/kvbus.md, "Landing in
+  // place"): a shared segment of the host backend, written by their shm
+  // plane, or by their cuda_ipc plane where the host backend stands in for
+  // a device (pool_kind kDevice); null on a GPU. Outlives the engine.
+  std::unique_ptr<kvbus::DeviceMemory> pool;
+  kvbus::RegionKind pool_kind = kvbus::RegionKind::kShm;
   control::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<kvbus::HostTier> staging;
@@ -141,10 +144,14 @@ struct DecodeService::Impl {
     info->set_total_kv_blocks(total_blocks);
     info->set_host_id(kvbus::HostId());
     info->set_kv_transport(kvbus::TransportKindName(options.kv_transport));
-    const kvbus::ReceiverStats rs = receiver->Stats();
-    control::AddTransportCounters(info, "tcp", rs.chunks_received - rs.shm_chunks,
-                                  rs.bytes_received - rs.shm_bytes, 0);
-    control::AddTransportCounters(info, "shm", rs.shm_chunks, rs.shm_bytes, 0);
+    kvbus::ReceiverStats rs = receiver->Stats();
+    // tcp and shm always, as a prefill worker reports them, then any other
+    // plane that carried KV here.
+    rs.planes.try_emplace("tcp");
+    rs.planes.try_emplace("shm");
+    for (const auto& [plane, p] : rs.planes) {
+      control::AddTransportCounters(info, plane, p.chunks, p.bytes, 0);
+    }
     info->set_kvbus_leased_bytes(rs.leased_bytes);
     control::SetStoreCounters(info, *store);
     {
@@ -462,9 +469,18 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   eo.max_batch = options.max_batch;
   eo.max_prefill_tokens = options.local_prefill_call_tokens;
   Impl* raw = impl.get();
+  if (options.kv_transport == kvbus::TransportKind::kCudaIpc &&
+      (eo.device.cuda() || kvbus::StandInDeviceOps() == nullptr)) {
+    return FailedPrecondition(
+        "--kv-transport cuda_ipc: only the host backend's test mode (KDN_DEVICE_OPS=host, a CPU "
+        "worker) serves it so far; a GPU decode worker's pool is not exported yet");
+  }
   if (!eo.device.cuda()) {
+    if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
+      impl->pool_kind = kvbus::RegionKind::kDevice;
+    }
     eo.kv_pool_memory = [raw](uint64_t bytes) -> Result<uint8_t*> {
-      KDN_ASSIGN_OR_RETURN(raw->pool, kvbus::SharedSegment::Create(bytes));
+      KDN_ASSIGN_OR_RETURN(raw->pool, kvbus::HostDeviceOps().Allocate(bytes));
       return raw->pool->data();
     };
   }
@@ -502,12 +518,17 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     impl->landing = std::make_unique<SliceLanding>();
     ropt.landing = impl->landing.get();
     ropt.landing_region = impl->pool.get();
-    ropt.landing_by_shm = options.kv_transport != kvbus::TransportKind::kTcp;
+    ropt.landing_kind = impl->pool_kind;
+    ropt.landing_by_plane = options.kv_transport != kvbus::TransportKind::kTcp;
     dopt.landing = impl->landing.get();
     dopt.landing_quarantine = ropt.lease;
     LogInfo("pushed KV lands in place, in the KV pool's blocks (a shared segment of {:.1f} MiB{})",
             static_cast<double>(impl->pool->bytes()) / (1 << 20),
-            ropt.landing_by_shm ? " that prefill workers on this host write" : "; tcp only");
+            !ropt.landing_by_plane ? "; tcp only"
+            : impl->pool_kind == kvbus::RegionKind::kDevice
+                ? " that prefill workers on this host write by their cuda_ipc plane, the host "
+                  "backend standing in for a device (KDN_DEVICE_OPS=host)"
+                : " that prefill workers on this host write");
   }
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;

@@ -3,12 +3,13 @@
 // region of the receiver's memory (docs/kvbus.md, "Transports"). TcpSender
 // runs the control protocol (offers, grants, acks, liveness) and sends a
 // granted chunk's bytes in a frame after its header (the tcp plane); it
-// holds one RegionPlane per region kind (tcp_wire.h's RegionKind), and a
+// holds one RegionPlane per region kind (kdn/kvbus/device_ops.h), and a
 // grant that names a region goes to the plane of that region's kind, which
 // writes the bytes there itself before the header goes out marked landed.
-// ShmPlane is the plane of host memory shared on one host (a landing
-// segment, or a decode worker's KV pool landed in place); a plane of device
-// memory (cuda_ipc) takes the same calls.
+// Both region planes are MemoryPlanes over a DeviceOps backend
+// (kdn/kvbus/device_ops.h): shm over the host backend's segments (a landing
+// segment, or a decode worker's KV pool landed in place), cuda_ipc over a
+// device backend's exported memory.
 //
 // Not thread-safe: the sender's I/O thread owns its planes.
 
@@ -21,10 +22,21 @@
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/region.h"
-#include "kdn/kvbus/shared_segment.h"
+#include "kdn/kvbus/device_ops.h"
 #include "tcp_wire.h"
 
 namespace kdn::kvbus {
+
+// The name of the plane that writes regions of `kind` ("shm", "cuda_ipc"),
+// the key of its figures in SenderStats and ReceiverStats.
+inline const char* PlaneName(RegionKind kind) {
+  switch (kind) {
+    case RegionKind::kShm: return "shm";
+    case RegionKind::kDevice: return "cuda_ipc";
+    case RegionKind::kUnknown: break;
+  }
+  return "unknown";
+}
 
 // Where a grant puts a chunk: the whole chunk at `offset` of `region`, or (in
 // place) its payload over `extents` of it, in order.
@@ -55,10 +67,16 @@ class RegionPlane {
   virtual Status Write(const Chunk& chunk, const RegionGrant& grant, bool corrupt) = 0;
 };
 
-class ShmPlane final : public RegionPlane {
+// The plane of memory a DeviceOps backend opens by handle (every region
+// plane: shm is the host backend's memfd segments, cuda_ipc a device
+// backend's exported memory, or the host backend standing in for one).
+// Ranges are checked against the opened region's bounds in a RegionTable;
+// the bytes are written with the backend's Upload.
+class MemoryPlane final : public RegionPlane {
  public:
-  const char* name() const override { return "shm"; }
-  RegionKind kind() const override { return RegionKind::kShm; }
+  MemoryPlane(RegionKind kind, DeviceOps& ops) : name_(PlaneName(kind)), kind_(kind), ops_(ops) {}
+  const char* name() const override { return name_; }
+  RegionKind kind() const override { return kind_; }
   void Map(const std::vector<WireRegion>& regions) override;
   bool Mapped(uint32_t region) const override { return table_ids_.count(region) != 0; }
   bool usable() const override { return error_.ok(); }
@@ -68,11 +86,16 @@ class ShmPlane final : public RegionPlane {
  private:
   struct PeerRegion {
     std::string handle;
-    std::unique_ptr<SharedSegment> segment;
+    std::unique_ptr<DeviceMemory> memory;
   };
-  // Where each range of `grant` lies here, one address per range.
-  Result<std::vector<uint8_t*>> Resolve(const Chunk& chunk, const RegionGrant& grant) const;
+  // Where each range of `grant` lies here, one address per range, and the
+  // ranges as extents of the region's base.
+  Result<std::pair<uint8_t*, std::vector<Extent>>> Resolve(const Chunk& chunk,
+                                                           const RegionGrant& grant) const;
 
+  const char* const name_;
+  const RegionKind kind_;
+  DeviceOps& ops_;
   std::map<uint32_t, PeerRegion> regions_;  // by the receiver's region id
   RegionTable table_;                       // their bounds (kdn/kvbus/region.h)
   std::map<uint32_t, uint32_t> table_ids_;  // receiver's region id -> table_ id

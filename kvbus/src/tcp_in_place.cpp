@@ -1,11 +1,11 @@
 // The receiver's half of landing in place (kdn/kvbus/transport.h; docs/kvbus.md,
 // "Landing in place"): a chunk its LandingSite claims is granted the site's
 // extents, and its payload is verified where it lies (written there by the
-// sender over shm) or put there from a tcp frame, never into the sink.
+// sender through a region plane) or put there from a tcp frame, never into
+// the sink; both through the region's backend (kdn/kvbus/device_ops.h).
 
 #include <cstring>
 
-#include "stream_copy.h"
 #include "tcp_transport_internal.h"
 
 namespace kdn::kvbus {
@@ -73,8 +73,7 @@ void TcpReceiver::GrantInPlace(const std::string& peer, uint64_t batch, const Wi
   }
   const auto now = TransportClock::now();
   Lease lease{e.bytes, now + options_.lease};
-  auto shm = peer_shm_.find(peer);
-  lease.in_region = options_.landing_by_shm && shm != peer_shm_.end() && shm->second;
+  lease.in_region = options_.landing_by_plane && PeerWrites(peer, options_.landing_kind);
   lease.in_place = std::move(claim);
   const LeaseKey id{peer, batch, e.key};
   out.push_back(InPlaceDecision(e.key, lease));
@@ -88,6 +87,7 @@ void TcpReceiver::GrantInPlace(const std::string& peer, uint64_t batch, const Wi
 Result<ChunkInfo> TcpReceiver::LandInPlace(const WireChunkHeader& h, const zmq::message_t* data,
                                            const Landing& claim) {
   uint8_t* const base = options_.landing_region->data();
+  DeviceOps& ops = options_.landing_region->ops();
   if (h.landed) {
     // The sender wrote the payload into the extents; the header came here.
     KDN_ASSIGN_OR_RETURN(
@@ -99,12 +99,15 @@ Result<ChunkInfo> TcpReceiver::LandInPlace(const WireChunkHeader& h, const zmq::
                              " bytes, its header says " +
                              std::to_string(Chunk::kHeaderBytes + f.payload_bytes));
     }
-    if (PayloadChecksum(base, claim.extents) != f.payload_checksum) {
+    KDN_ASSIGN_OR_RETURN(const uint64_t sum, ops.Checksum(base, claim.extents));
+    if (sum != f.payload_checksum) {
       return Corruption("chunk " + h.key.ToHex() + ": payload checksum mismatch where it landed");
     }
-    ++stats_.in_place_shm_chunks;
-    stats_.shm_bytes += h.bytes;
-    ++stats_.shm_chunks;
+    ++stats_.in_place_plane_chunks;
+    if (options_.landing_kind == RegionKind::kShm) {
+      stats_.shm_bytes += h.bytes;
+      ++stats_.shm_chunks;
+    }
     return f.info;
   }
   // The whole chunk came in the frame: verified there, then its payload
@@ -123,17 +126,15 @@ Result<ChunkInfo> TcpReceiver::LandInPlace(const WireChunkHeader& h, const zmq::
                            std::to_string(chunk->payload().size()) +
                            " payload bytes for a landing of " + std::to_string(ClaimBytes(claim)));
   }
-  const uint8_t* from = chunk->payload().data();
-  for (const Extent& x : claim.extents) {
-    StreamCopy(base + x.offset, from, x.bytes);
-    from += x.bytes;
-  }
+  KDN_RETURN_IF_ERROR(ops.Upload(chunk->payload().data(), base, claim.extents));
   return chunk->info();
 }
 
 void TcpReceiver::HandleInPlace(const std::string& peer, const WireChunkHeader& h,
                                 const zmq::message_t* data, const Lease& lease) {
   stats_.bytes_received += h.landed ? h.bytes : data->size();
+  stats_.planes[h.landed ? PlaneName(options_.landing_kind) : "tcp"] +=
+      PlaneStats{1, h.landed ? h.bytes : data->size()};
   Result<ChunkInfo> arrived =
       h.landed && !lease.in_region
           ? Result<ChunkInfo>(FailedPrecondition(

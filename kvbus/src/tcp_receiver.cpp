@@ -93,6 +93,14 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
         "kvbus receiver: a landing site needs its region, and a region its site");
   }
   if (options.landing_region != nullptr) {
+    if (options.landing_kind == RegionKind::kUnknown ||
+        (options.landing_kind == RegionKind::kShm &&
+         &options.landing_region->ops() != &HostDeviceOps())) {
+      return InvalidArgument(std::string("kvbus receiver: a landing region of kind ") +
+                             RegionKindName(options.landing_kind) + " in " +
+                             options.landing_region->ops().name() +
+                             " memory (shm lands in host memory; device in a device backend's)");
+    }
     do {
       r->pool_region_ = static_cast<uint32_t>(std::random_device{}() | 1u);
     } while (r->pool_region_ == r->landing_region_);
@@ -250,9 +258,15 @@ void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
   }
 }
 
+bool TcpReceiver::PeerWrites(const std::string& peer, RegionKind kind) const {
+  const auto it = peer_planes_.find(peer);
+  return it != peer_planes_.end() &&
+         std::find(it->second.begin(), it->second.end(), kind) != it->second.end();
+}
+
 void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
   ++stats_.offers;
-  peer_shm_[peer] = m.shm && m.host_id == HostId();
+  peer_planes_[peer] = m.host_id == HostId() ? m.planes : std::vector<RegionKind>{};
   // A kvbus sender splits its offers; a larger one would make decisions
   // frames the receiver cannot encode (and stall its round).
   if (m.entries.size() > kMaxOfferEntries) {
@@ -326,7 +340,7 @@ void TcpReceiver::GrantWaiting(TransportClock::time_point now) {
     WireDecision grant{id.key, WireDecisionKind::kGranted, Status::Ok()};
     // A shm peer gets a range of the segment when one is free; else the
     // bytes come by tcp (a full segment never stalls a transfer).
-    if (auto p = peer_shm_.find(id.peer); landing_ && p != peer_shm_.end() && p->second) {
+    if (landing_ && PeerWrites(id.peer, RegionKind::kShm)) {
       if (std::optional<uint64_t> at = landing_ranges_->Allocate(it->bytes)) {
         lease.landing = true;
         lease.landing_offset = *at;
@@ -400,7 +414,7 @@ void TcpReceiver::ForgetSilentPeers(TransportClock::time_point now) {
   };
   waiting_.remove_if([&](const WaitingOffer& w) { return silent(w.id.peer); });
   std::erase_if(last_seen_, [&](const auto& p) { return now - p.second > options_.lease; });
-  std::erase_if(peer_shm_, [&](const auto& p) { return last_seen_.count(p.first) == 0; });
+  std::erase_if(peer_planes_, [&](const auto& p) { return last_seen_.count(p.first) == 0; });
 }
 
 void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
@@ -454,6 +468,7 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
   const uint8_t* bytes = nullptr;
   if (!h.landed) {
     stats_.bytes_received += data->size();
+    stats_.planes["tcp"] += PlaneStats{1, data->size()};
     if (data->size() != h.bytes) {
       return reject(Corruption("chunk " + h.key.ToHex() + ": " + std::to_string(data->size()) +
                                " bytes arrived, " + std::to_string(h.bytes) + " announced"));
@@ -475,6 +490,7 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
     ++stats_.shm_chunks;
     stats_.shm_bytes += h.bytes;
     stats_.bytes_received += h.bytes;
+    stats_.planes["shm"] += PlaneStats{1, h.bytes};
     bytes = landing_->data() + lease->landing_offset;
   }
   if (sink_.Contains(h.key)) {
@@ -543,8 +559,9 @@ Status TcpReceiver::Flush() {
         m.regions.push_back(WireRegion{landing_region_, landing_->bytes(), landing_->handle()});
       }
       if (names(pool_region_)) {
-        const SharedSegment& pool = *options_.landing_region;
-        m.regions.push_back(WireRegion{pool_region_, pool.bytes(), pool.handle()});
+        const DeviceMemory& pool = *options_.landing_region;
+        m.regions.push_back(
+            WireRegion{pool_region_, pool.bytes(), pool.handle(), options_.landing_kind});
       }
       KDN_RETURN_IF_ERROR(send_to(peer, m));
     }

@@ -44,7 +44,12 @@ int PollTimeoutMs(TransportClock::time_point now, TransportClock::time_point nex
 
 TcpSender::TcpSender(std::string endpoint, const SenderOptions& options)
     : endpoint_(std::move(endpoint)), options_(options), context_(1) {
-  planes_.emplace(RegionKind::kShm, std::make_unique<ShmPlane>());
+  planes_.emplace(RegionKind::kShm,
+                  std::make_unique<MemoryPlane>(RegionKind::kShm, HostDeviceOps()));
+  if (options.device_ops != nullptr) {
+    planes_.emplace(RegionKind::kDevice,
+                    std::make_unique<MemoryPlane>(RegionKind::kDevice, *options.device_ops));
+  }
 }
 
 RegionPlane* TcpSender::MappedPlane(uint32_t region) {
@@ -62,6 +67,9 @@ Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
     return InvalidArgument(
         "kvbus tcp sender: needs 0 < heartbeat_interval < peer_timeout and "
         "socket_buffer_bytes >= 0");
+  }
+  if (options.transport == TransportKind::kCudaIpc && options.device_ops == nullptr) {
+    return InvalidArgument("kvbus sender: transport cuda_ipc needs a device backend (device_ops)");
   }
   KDN_ASSIGN_OR_RETURN(const std::string zmq_endpoint, NormalizeTcpEndpoint(endpoint, false));
   KDN_ASSIGN_OR_RETURN(std::unique_ptr<WakeFd> wake, WakeFd::Make());
@@ -311,10 +319,13 @@ Status TcpSender::ReceiveAll() {
 }
 
 WireOffer TcpSender::NewOffer(uint64_t batch) const {
-  WireOffer offer{batch, {}, false, {}};
-  if (options_.transport != TransportKind::kTcp && shm().usable()) {
-    offer.shm = true;
-    offer.host_id = HostId();
+  WireOffer offer{batch, {}, {}, HostId()};
+  if (options_.transport == TransportKind::kTcp) return offer;
+  for (const auto& [kind, plane] : planes_) {
+    // Only shm writes the landing segment; kCudaIpc lands what is claimed
+    // on the device plane and sends the rest as auto would.
+    if (options_.transport == TransportKind::kShm && kind != RegionKind::kShm) continue;
+    if (plane->usable()) offer.planes.push_back(kind);
   }
   return offer;
 }
@@ -337,6 +348,29 @@ void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
               options_.transport == TransportKind::kAuto ? "; sending by tcp" : "");
     }
   }
+}
+
+Status TcpSender::PlaneRequired(const WireDecision& d, const RegionPlane* plane) const {
+  RegionKind required = RegionKind::kUnknown;
+  std::string what;
+  if (options_.transport == TransportKind::kShm) {
+    required = RegionKind::kShm;
+    what =
+        "granted no shared-memory range (another host, no landing segment, or the chunk "
+        "does not fit in it)";
+  } else if (options_.transport == TransportKind::kCudaIpc && d.in_place) {
+    required = RegionKind::kDevice;
+    what =
+        "landed a chunk in place outside a device region (its landing is host memory, or "
+        "another host)";
+  } else {
+    return Status::Ok();
+  }
+  if (plane != nullptr && plane->kind() == required) return Status::Ok();
+  const RegionPlane& wanted = *planes_.at(required);
+  return FailedPrecondition(
+      std::string("kvbus ") + wanted.name() + ": receiver " + endpoint_ + " " +
+      (wanted.usable() ? what : "could not be opened here (" + wanted.error().ToString() + ")"));
 }
 
 void TcpSender::HandleDecisions(const WireDecisions& m) {
@@ -363,16 +397,12 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
           // An in-place grant without a region, or into one this sender
           // could not map, takes the whole chunk by tcp (the receiver puts
           // it in place).
-          const bool mapped = MappedPlane(d.region) != nullptr;
-          if (options_.transport == TransportKind::kShm && !mapped) {
+          const RegionPlane* plane = MappedPlane(d.region);
+          const bool mapped = plane != nullptr;
+          if (Status refused = PlaneRequired(d, plane); !refused.ok()) {
             // Cancelled below with the orphans: the receiver frees the grant.
             orphans.keys.push_back(d.key);
-            Finish(*batch, slot->second, ChunkOutcome::kFailed,
-                   FailedPrecondition(
-                       "kvbus shm: receiver " + endpoint_ + " granted no shared-memory range" +
-                       (shm().usable() ? std::string(" (another host, no landing segment, or "
-                                                     "the chunk does not fit in it)")
-                                       : " (" + shm().error().ToString() + ")")));
+            Finish(*batch, slot->second, ChunkOutcome::kFailed, std::move(refused));
             break;
           }
           s.phase = Phase::kGranted;

@@ -90,15 +90,17 @@ const char* TransportKindName(TransportKind kind) {
     case TransportKind::kAuto: return "auto";
     case TransportKind::kTcp: return "tcp";
     case TransportKind::kShm: return "shm";
+    case TransportKind::kCudaIpc: return "cuda_ipc";
   }
   return "?";
 }
 
 Result<TransportKind> ParseTransportKind(const std::string& name) {
-  for (TransportKind k : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm}) {
+  for (TransportKind k :
+       {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm, TransportKind::kCudaIpc}) {
     if (name == TransportKindName(k)) return k;
   }
-  return InvalidArgument("kvbus transport '" + name + "': expected auto, tcp or shm");
+  return InvalidArgument("kvbus transport '" + name + "': expected auto, tcp, shm or cuda_ipc");
 }
 
 Result<std::unique_ptr<Sender>> Connect(const std::string& endpoint, const SenderOptions& options) {

@@ -119,6 +119,10 @@ class TcpSender final : public Sender {
   Status ReceiveAll();
   WireOffer NewOffer(uint64_t batch) const;  // with the shm fields as options_ allow
   void HandleDecisions(const WireDecisions& m);
+  // FAILED_PRECONDITION when the transport asked for says `d` must go by a
+  // region plane (kShm: every grant; kCudaIpc: in-place ones by the device
+  // plane) and `plane`, the one that mapped its region, is not that one.
+  Status PlaneRequired(const WireDecision& d, const RegionPlane* plane) const;
   void HandleAcks(const WireAcks& m);
   void HandlePong(const WirePong& m);
   Status FlushControl();
@@ -175,8 +179,6 @@ class TcpSender final : public Sender {
   // once a region of its kind cannot be mapped (auto falls back to tcp).
   std::map<RegionKind, std::unique_ptr<RegionPlane>> planes_;
   std::map<uint32_t, RegionKind> region_kinds_;
-  RegionPlane& shm() { return *planes_.at(RegionKind::kShm); }
-  const RegionPlane& shm() const { return *planes_.at(RegionKind::kShm); }
   // The plane of `region`'s kind, if it has mapped it; null: none (tcp).
   RegionPlane* MappedPlane(uint32_t region);
 
@@ -288,8 +290,11 @@ class TcpReceiver final : public Receiver {
   // The shm data plane (none when options_.shm_landing_bytes is 0).
   std::unique_ptr<SharedSegment> landing_;
   std::unique_ptr<RangeAllocator> landing_ranges_;
-  uint32_t landing_region_ = 0;                     // its id in grants
-  std::unordered_map<std::string, bool> peer_shm_;  // peers on this host that can write shm
+  uint32_t landing_region_ = 0;  // its id in grants
+  // The region kinds each peer on this host can write itself (its offers' planes).
+  std::unordered_map<std::string, std::vector<RegionKind>> peer_planes_;
+  // Whether `peer` on this host can write regions of `kind` itself.
+  bool PeerWrites(const std::string& peer, RegionKind kind) const;
   uint32_t pool_region_ = 0;  // the landing site's region's id in grants (0: none)
   std::multimap<TransportClock::time_point, std::pair<uint64_t, uint64_t>> quarantine_;
 };

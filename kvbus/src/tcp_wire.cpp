@@ -31,6 +31,16 @@ pb::TransportCode CodeToWire(StatusCode code) {
   return pb::TRANSPORT_CODE_INTERNAL;
 }
 
+// A region kind this build has no plane for is kept as unknown: the sender
+// leaves such regions unmapped and its grants into them go by tcp.
+RegionKind FromWire(int kind) {
+  switch (kind) {
+    case pb::REGION_KIND_SHM: return RegionKind::kShm;
+    case pb::REGION_KIND_DEVICE: return RegionKind::kDevice;
+    default: return RegionKind::kUnknown;
+  }
+}
+
 // Proto3 enums are open: a code this build does not know is INTERNAL.
 StatusCode CodeFromWire(int code) {
   switch (code) {
@@ -69,8 +79,8 @@ void SetKey(P* p, const ChunkKey& k) {
 void Fill(const WireOffer& m, pb::TransportFrame& f) {
   pb::Offer* o = f.mutable_offer();
   o->set_batch(m.batch);
-  o->set_shm(m.shm);
   o->set_host_id(m.host_id);
+  for (const RegionKind k : m.planes) o->add_planes(static_cast<pb::RegionKind>(k));
   o->mutable_entries()->Reserve(static_cast<int>(m.entries.size()));
   for (const WireOfferEntry& e : m.entries) {
     pb::OfferEntry* pe = o->add_entries();
@@ -155,8 +165,8 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
     case pb::TransportFrame::kOffer: {
       WireOffer m;
       m.batch = f.offer().batch();
-      m.shm = f.offer().shm();
       m.host_id = f.offer().host_id();
+      for (const int k : f.offer().planes()) m.planes.push_back(FromWire(k));
       m.entries.reserve(f.offer().entries_size());
       for (const pb::OfferEntry& e : f.offer().entries()) {
         m.entries.push_back(WireOfferEntry{KeyOf(e), e.bytes()});
@@ -195,9 +205,7 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
       for (const pb::RegionInfo& r : f.decisions().regions()) {
         // A kind this version has no plane for is kept, as unknown: the
         // sender maps no such region and sends its grants by tcp.
-        const RegionKind kind =
-            r.kind() == pb::REGION_KIND_SHM ? RegionKind::kShm : RegionKind::kUnknown;
-        m.regions.push_back(WireRegion{r.id(), r.bytes(), r.handle(), kind});
+        m.regions.push_back(WireRegion{r.id(), r.bytes(), r.handle(), FromWire(r.kind())});
       }
       return WireMessage(std::move(m));
     }

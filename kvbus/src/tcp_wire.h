@@ -14,6 +14,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/region.h"
 
 namespace kdn::kvbus {
@@ -29,7 +30,9 @@ struct WireOfferEntry {
 struct WireOffer {
   uint64_t batch = 0;
   std::vector<WireOfferEntry> entries;
-  bool shm = false;  // the sender can write into a shm landing on host_id
+  // The kinds of region the sender can write itself (its region planes),
+  // when the receiver runs on the host host_id names.
+  std::vector<RegionKind> planes;
   std::string host_id;
 };
 
@@ -46,13 +49,6 @@ struct WireDecision {
   bool in_place = false;
 };
 // A receiver's region that grants address (proto RegionInfo).
-// The kind of a receiver's region, which names the data plane that maps it
-// (the values of the wire's RegionKind). A sender keeps regions of a kind it
-// has no plane for unmapped: grants into them go by tcp.
-enum class RegionKind : uint8_t {
-  kUnknown = 0,  // a kind of a newer receiver
-  kShm = 1,      // host memory shared on one host (ShmPlane)
-};
 struct WireRegion {
   uint32_t id = 0;
   uint64_t bytes = 0;

@@ -3,13 +3,20 @@
 the decode worker's KV blocks (its pool, a shared segment) unless told to
 use tcp, where the decode worker's receiver puts it there; either way the
 decode worker copies nothing at Start, /metrics counts each plane per
-worker, and the answer does not depend on the plane."""
+worker, and the answer does not depend on the plane. The cuda_ipc device
+plane runs here too, the host backend standing in for a device (the
+workers' test mode, KDN_DEVICE_OPS=host; docs/kvbus.md, "Device planes")."""
+
+import subprocess
 
 import pytest
 
-from deploy_util import Deployment, metric, parse_metrics, wait_until
+from deploy_util import Deployment, binary, metric, parse_metrics, wait_until
 
 PROMPT = "The transport under test carries every layer of this prompt's KV " * 6
+
+
+PLANES = ("tcp", "shm", "cuda_ipc")
 
 
 def planes(d):
@@ -17,7 +24,34 @@ def planes(d):
     samples = parse_metrics(d.metrics())
     return {(role, t): metric(samples, "kdn_worker_kv_transport_bytes_total",
                               worker="%s-0" % role, role=role, transport=t)
-            for role in ("prefill", "decode") for t in ("tcp", "shm")}
+            for role in ("prefill", "decode") for t in PLANES}
+
+
+def wait_for_plane(d, used):
+    """Waits until both sides' figures of the request are in /metrics (a
+    worker's report reaches the router with its next answer to a ping, each
+    worker's on its own) and what the prefill worker sent by `used` the
+    decode worker received by it; asserts no other plane moved KV."""
+    def both_sides():
+        g = planes(d)
+        return g if g[("decode", used)] > 0 and g[("prefill", used)] == g[("decode", used)] \
+            else None
+    got = wait_until(both_sides, timeout=30)
+    assert got, planes(d)
+    assert all(v == 0 for (_, t), v in got.items() if t != used), got
+    return got
+
+
+def assert_landed_in_place(d):
+    """Every pushed slice landed in the request's own blocks: nothing was
+    copied into them at Start."""
+    wait_until(lambda: metric(parse_metrics(d.metrics()), "kdn_worker_kv_landed_slices_total",
+                              worker="decode-0", role="decode") > 0, timeout=10)
+    samples = parse_metrics(d.metrics())
+    assert metric(samples, "kdn_worker_kv_start_copy_bytes_total", worker="decode-0",
+                  role="decode") == 0
+    assert metric(samples, "kdn_worker_kv_landed_bytes_total", worker="decode-0",
+                  role="decode") > 0
 
 
 @pytest.mark.parametrize("transport", ["auto", "shm", "tcp"])
@@ -31,33 +65,13 @@ def test_kv_lands_in_place_by_the_plane_the_topology_or_the_flag_picks(tiny_mode
         assert {w["kv_transport"] for w in health["workers"]} == {transport}, health
         out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
         used = "tcp" if transport == "tcp" else "shm"
-        other = "tcp" if used == "shm" else "shm"
-        # Workers' figures reach the router with their next answer to its ping,
-        # each worker's on its own (a report may be older than the request's
-        # end): wait until both sides' figures of this request are there.
-        # What the prefill worker sent by a plane, the decode worker received
-        # by it.
-        def both_sides():
-            g = planes(d)
-            return g if g[("decode", used)] > 0 and g[("prefill", used)] == g[("decode", used)] \
-                else None
-        got = wait_until(both_sides, timeout=30)
-        assert got, planes(d)
-        assert got[("prefill", other)] == 0 and got[("decode", other)] == 0, got
+        wait_for_plane(d, used)
         samples = parse_metrics(d.metrics())
         assert metric(samples, "kdn_worker_kv_transport_chunks_total", worker="decode-0",
                       role="decode", transport=used) > 0
         assert metric(samples, "kdn_worker_kv_transport_seconds_total", worker="prefill-0",
                       role="prefill", transport=used) > 0
-        # Every pushed slice landed in the request's own blocks: nothing was
-        # copied into them at Start.
-        wait_until(lambda: metric(parse_metrics(d.metrics()), "kdn_worker_kv_landed_slices_total",
-                                  worker="decode-0", role="decode") > 0, timeout=10)
-        samples = parse_metrics(d.metrics())
-        assert metric(samples, "kdn_worker_kv_start_copy_bytes_total", worker="decode-0",
-                      role="decode") == 0
-        assert metric(samples, "kdn_worker_kv_landed_bytes_total", worker="decode-0",
-                      role="decode") > 0
+        assert_landed_in_place(d)
         text = out["choices"][0]["text"]
     finally:
         d.down()
@@ -69,3 +83,33 @@ def test_kv_lands_in_place_by_the_plane_the_topology_or_the_flag_picks(tiny_mode
                              disaggregation="always")["choices"][0]["text"] == text
     finally:
         d2.down()
+
+
+def test_the_cuda_ipc_plane_over_the_host_backend_serves_kdn_generates_text(tiny_model, tmp_path,
+                                                                          monkeypatch):
+    """--kv-transport cuda_ipc in the test mode: the decode worker exports
+    its KV pool as a device region, the prefill worker opens it and writes
+    each layer slice into the claimed blocks by its cuda_ipc plane, and the
+    decode worker verifies them there through the same backend."""
+    monkeypatch.setenv("KDN_DEVICE_OPS", "host")
+    d = Deployment(tmp_path / "run", tiny_model, "--kv-transport", "cuda_ipc")
+    try:
+        health = d.http.get("/health").json()
+        assert {w["kv_transport"] for w in health["workers"]} == {"cuda_ipc"}, health
+        out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
+        wait_for_plane(d, "cuda_ipc")
+        assert_landed_in_place(d)
+    finally:
+        d.down()
+    r = subprocess.run([binary("kdn-generate"), "--model", str(tiny_model), "--prompt", PROMPT,
+                        "--max-tokens", "8", "--threads", "1"], capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert out["choices"][0]["text"] == r.stdout.decode("utf-8")[:-1]
+
+
+def test_cuda_ipc_is_refused_outside_the_test_mode(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("KDN_DEVICE_OPS", raising=False)
+    r = subprocess.run([binary("kdn-prefill"), "--model", str(tiny_model), "--kv-transport",
+                        "cuda_ipc"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--kv-transport cuda_ipc: expected auto, tcp or shm" in r.stderr + r.stdout, r

@@ -17,7 +17,7 @@
 
 #include "../../kvbus/src/tcp_wire.h"
 #include "kdn/common/mutex.h"
-#include "kdn/kvbus/shared_segment.h"
+#include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
 #include "recording_store.h"
 
@@ -51,7 +51,7 @@ ChunkPtr MakeChunk(uint64_t id, uint32_t tokens = 16) {
 class Site final : public LandingSite {
  public:
   explicit Site(uint64_t bytes, int pieces = 4) : pieces_(pieces) {
-    segment_ = SharedSegment::Create(bytes).value();
+    segment_ = HostDeviceOps().Allocate(bytes).value();
   }
   std::optional<Landing> Claim(const ChunkKey& key, uint64_t payload) override {
     MutexLock lock(mu_);
@@ -89,7 +89,7 @@ class Site final : public LandingSite {
     MutexLock lock(mu_);
     return claimed_;
   }
-  SharedSegment& segment() { return *segment_; }
+  const DeviceMemory& segment() const { return *segment_; }
 
   std::function<bool(const ChunkKey&)> claim_if = [](const ChunkKey&) { return true; };
   std::function<Status(const ChunkInfo&)> accept;
@@ -97,7 +97,7 @@ class Site final : public LandingSite {
 
  private:
   const int pieces_;
-  std::unique_ptr<SharedSegment> segment_;
+  std::unique_ptr<DeviceMemory> segment_;
   Mutex mu_;
   uint64_t next_ = 1;
   uint64_t top_ = 0;
@@ -114,9 +114,11 @@ struct Rig {
   std::unique_ptr<Receiver> receiver;
   std::unique_ptr<Sender> sender;
 
-  // `setup` sets the site's policies before the receiver can call it.
+  // `setup` sets the site's policies before the receiver can call it. The
+  // site's region is of `landing` kind: shm, or a device region (the host
+  // backend standing in for a device), which a kCudaIpc sender writes.
   explicit Rig(TransportKind kind, std::function<void(SenderOptions&)> tweak = {},
-               std::function<void(Site&)> setup = {}) {
+               std::function<void(Site&)> setup = {}, RegionKind landing = RegionKind::kShm) {
     site.Reset();
     if (setup) setup(site);
     ReceiverOptions ro;
@@ -124,11 +126,13 @@ struct Rig {
     ro.heartbeat_interval = 100ms;
     ro.landing = &site;
     ro.landing_region = &site.segment();
+    ro.landing_kind = landing;
     receiver = Listen("tcp://127.0.0.1:0", sink, ro).value();
     SenderOptions so;
     so.peer_timeout = 5s;
     so.heartbeat_interval = 100ms;
     so.transport = kind;
+    if (kind == TransportKind::kCudaIpc) so.device_ops = &HostDeviceOps();
     if (tweak) tweak(so);
     sender = Connect(receiver->endpoint(), so).value();
   }
@@ -165,7 +169,8 @@ TEST(InPlace, TheSenderWritesEveryPayloadIntoItsExtentsOverShm) {
   const ReceiverStats r = rig.receiver->Stats();
   EXPECT_EQ(r.in_place_claims, 6u);
   EXPECT_EQ(r.in_place_chunks, 6u);
-  EXPECT_EQ(r.in_place_shm_chunks, 6u);
+  EXPECT_EQ(r.in_place_plane_chunks, 6u);
+  EXPECT_EQ(r.shm_chunks, 6u);
   EXPECT_EQ(r.in_place_bytes, 6 * chunks[0]->payload().size());
   EXPECT_EQ(r.leased_bytes, 0u);
   EXPECT_EQ(rig.sender->Stats().plane("shm").chunks, 6u);
@@ -178,7 +183,7 @@ TEST(InPlace, TheReceiverPutsATcpChunksPayloadInPlace) {
   EXPECT_EQ(rig.site.Gather(1), PayloadOf(c));
   const ReceiverStats r = rig.receiver->Stats();
   EXPECT_EQ(r.in_place_chunks, 1u);
-  EXPECT_EQ(r.in_place_shm_chunks, 0u);
+  EXPECT_EQ(r.in_place_plane_chunks, 0u);
   EXPECT_EQ(rig.sender->Stats().plane("tcp").chunks, 1u);
 }
 
@@ -189,7 +194,7 @@ TEST(InPlace, AReceiverThatTakesNoShmLandsEveryClaimFromTcpFrames) {
   ReceiverOptions ro;
   ro.landing = &site;
   ro.landing_region = &site.segment();
-  ro.landing_by_shm = false;
+  ro.landing_by_plane = false;
   auto receiver = Listen("tcp://127.0.0.1:0", sink, ro).value();
   SenderOptions so;
   so.transport = TransportKind::kAuto;  // would write shared memory if granted it
@@ -200,7 +205,7 @@ TEST(InPlace, AReceiverThatTakesNoShmLandsEveryClaimFromTcpFrames) {
   ASSERT_TRUE(sender->Wait(*batch, kNoHang)->ToStatus().ok());
   EXPECT_EQ(site.Gather(1), PayloadOf(c));
   EXPECT_EQ(receiver->Stats().in_place_chunks, 1u);
-  EXPECT_EQ(receiver->Stats().in_place_shm_chunks, 0u);
+  EXPECT_EQ(receiver->Stats().in_place_plane_chunks, 0u);
   EXPECT_EQ(sender->Stats().plane("tcp").chunks, 1u);
 }
 
@@ -306,7 +311,7 @@ TEST(InPlace, ALandedHeaderForATcpGrantIsRefusedAndNothingIsRead) {
   dealer.set(zmq::sockopt::linger, 0);
   dealer.connect(receiver->endpoint());
   const ChunkPtr c = MakeChunk(90);
-  WireOffer offer{5, {{c->key(), c->size()}}, true, "host:elsewhere"};
+  WireOffer offer{5, {{c->key(), c->size()}}, {RegionKind::kShm}, "host:elsewhere"};
   dealer.send(EncodeWire(offer).value(), zmq::send_flags::none);
   zmq::message_t reply;
   ASSERT_TRUE(dealer.recv(reply).has_value());

@@ -1,7 +1,7 @@
 #pragma once
 // A LandingSite for tests (kdn/kvbus/transport.h, "Landing in place"): it
 // claims every key its sink does not hold, lands each payload scattered in
-// a shared segment (a few pieces, in reverse order, as a decode worker's
+// a region of the host backend (a few pieces, in reverse order, as a decode worker's
 // blocks lie), and on a verified landing gathers the pieces into a chunk
 // and Puts it into the sink, so that the conformance suite, which checks
 // the sink, runs unchanged over landing in place. Claims take no slot
@@ -20,13 +20,14 @@
 #include "../../kvbus/src/shm_segment.h"
 #include "kdn/common/mutex.h"
 #include "kdn/kvbus/chunk_store.h"
+#include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
 
 namespace kdn::kvbus::testing {
 
 class SinkLandingSite final : public LandingSite {
  public:
-  SinkLandingSite(ChunkStore& sink, SharedSegment& segment, uint64_t budget)
+  SinkLandingSite(ChunkStore& sink, const DeviceMemory& segment, uint64_t budget)
       : sink_(sink), segment_(segment), budget_(budget), ranges_(segment.bytes()) {}
 
   std::optional<Landing> Claim(const ChunkKey& key, uint64_t payload_bytes) override {
@@ -99,7 +100,7 @@ class SinkLandingSite final : public LandingSite {
     std::vector<Extent> extents;
   };
   ChunkStore& sink_;
-  SharedSegment& segment_;
+  const DeviceMemory& segment_;
   const uint64_t budget_;
   mutable Mutex mu_;
   uint64_t claimed_bytes_ KDN_GUARDED_BY(mu_) = 0;
@@ -114,16 +115,20 @@ class SinkLandingSite final : public LandingSite {
 // A receiver whose chunks land in place through a SinkLandingSite.
 class InPlaceReceiver final : public Receiver {
  public:
+  // The site's region is host memory of `kind`: shm, or a device region
+  // that the host backend stands in for (written by kCudaIpc senders).
   static Result<std::unique_ptr<Receiver>> Listen(ChunkStore& sink, ReceiverOptions o,
-                                                  uint64_t segment_bytes) {
+                                                  uint64_t segment_bytes,
+                                                  RegionKind kind = RegionKind::kShm) {
     std::unique_ptr<InPlaceReceiver> r(new InPlaceReceiver());
-    KDN_ASSIGN_OR_RETURN(r->segment_, SharedSegment::Create(segment_bytes));
+    KDN_ASSIGN_OR_RETURN(r->segment_, HostDeviceOps().Allocate(segment_bytes));
     r->site_ = std::make_unique<SinkLandingSite>(sink, *r->segment_, o.slot_capacity_bytes);
     // What the site does not claim lands in a segment of its own for shm
     // senders, as in the shm instantiation.
     if (o.shm_landing_bytes == 0) o.shm_landing_bytes = segment_bytes;
     o.landing = r->site_.get();
     o.landing_region = r->segment_.get();
+    o.landing_kind = kind;
     KDN_ASSIGN_OR_RETURN(r->inner_, kvbus::Listen("tcp://127.0.0.1:0", sink, o));
     return std::unique_ptr<Receiver>(std::move(r));
   }
@@ -135,7 +140,7 @@ class InPlaceReceiver final : public Receiver {
 
  private:
   InPlaceReceiver() = default;
-  std::unique_ptr<SharedSegment> segment_;
+  std::unique_ptr<DeviceMemory> segment_;
   std::unique_ptr<SinkLandingSite> site_;
   std::unique_ptr<Receiver> inner_;
 };

@@ -686,34 +686,6 @@ TEST(TcpTransport, RefusesOffersOfChunksSmallerThanAHeader) {
   std::this_thread::sleep_for(100ms);
   EXPECT_LT(receiver->Stats().chunks_granted, 100u) << "granted with 1000-byte capacity";
 }
-// A receiver played by the test: a ROUTER socket that reads a sender's
-// frames and answers the last sender heard from.
-struct StandInReceiver {
-  zmq::context_t ctx;
-  zmq::socket_t router{ctx, zmq::socket_type::router};
-  zmq::message_t peer;
-  std::string endpoint;
-
-  StandInReceiver() {
-    router.set(zmq::sockopt::linger, 0);
-    router.set(zmq::sockopt::rcvtimeo, 5000);
-    router.bind("tcp://127.0.0.1:*");
-    endpoint = router.get(zmq::sockopt::last_endpoint);
-  }
-  // The next message from a sender (UNAVAILABLE after 5 s of none); the
-  // bytes that follow a chunk's header are read from `router` itself.
-  Result<WireMessage> Next() {
-    zmq::message_t frame;
-    if (!router.recv(peer) || !router.recv(frame)) return Unavailable("no frame in 5 s");
-    return DecodeWire(frame.data(), frame.size());
-  }
-  void Reply(const WireMessage& w) {
-    auto e = EncodeWire(w);
-    ASSERT_TRUE(e.ok());
-    router.send(zmq::buffer(peer.to_string()), zmq::send_flags::sndmore);
-    router.send(*e, zmq::send_flags::none);
-  }
-};
 
 // A receiver stand-in that takes the chunk's bytes and never acks them: the
 // sender must offer the chunk again after the next pong, not wait forever.

@@ -1,7 +1,8 @@
 #pragma once
 // What the kvbus transport tests share (transport_test.cpp,
 // transport_failfast_test.cpp): status assertions, chunks of a small shape,
-// waiting for a condition, and the receiver options with short leases.
+// waiting for a condition, the receiver options with short leases, and a
+// receiver played by hand on the wire.
 
 #include <gtest/gtest.h>
 
@@ -11,6 +12,10 @@
 #include <thread>
 #include <vector>
 
+#include <string>
+#include <zmq.hpp>
+
+#include "../../kvbus/src/tcp_wire.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
 
@@ -76,5 +81,34 @@ inline ReceiverOptions TestReceiverOptions() {
   o.heartbeat_interval = std::chrono::milliseconds(100);
   return o;
 }
+
+// A receiver played by the test: a ROUTER socket that reads a sender's
+// frames and answers the last sender heard from.
+struct StandInReceiver {
+  zmq::context_t ctx;
+  zmq::socket_t router{ctx, zmq::socket_type::router};
+  zmq::message_t peer;
+  std::string endpoint;
+
+  StandInReceiver() {
+    router.set(zmq::sockopt::linger, 0);
+    router.set(zmq::sockopt::rcvtimeo, 5000);
+    router.bind("tcp://127.0.0.1:*");
+    endpoint = router.get(zmq::sockopt::last_endpoint);
+  }
+  // The next message from a sender (UNAVAILABLE after 5 s of none); the
+  // bytes that follow a chunk's header are read from `router` itself.
+  Result<WireMessage> Next() {
+    zmq::message_t frame;
+    if (!router.recv(peer) || !router.recv(frame)) return Unavailable("no frame in 5 s");
+    return DecodeWire(frame.data(), frame.size());
+  }
+  void Reply(const WireMessage& w) {
+    auto e = EncodeWire(w);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    router.send(zmq::buffer(peer.to_string()), zmq::send_flags::sndmore);
+    router.send(*e, zmq::send_flags::none);
+  }
+};
 
 }  // namespace kdn::kvbus::transport_test

@@ -127,7 +127,13 @@ struct KvFlags {
         ->capture_default_str();
     app.add_option("--kv-transport", kv_transport,
                    "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, or shm")
-        ->check(CLI::IsMember({"auto", "tcp", "shm"}))
+        ->check([](const std::string& s) -> std::string {
+          if (s == "auto" || s == "tcp" || s == "shm") return {};
+          // The cuda_ipc plane served by the host backend: a test mode
+          // (KDN_DEVICE_OPS=host; docs/kvbus.md, "Device planes").
+          if (s == "cuda_ipc" && kvbus::StandInDeviceOps() != nullptr) return {};
+          return "--kv-transport " + s + ": expected auto, tcp or shm";
+        })
         ->capture_default_str();
     app.add_option("--store-codec", store_codec,
                    "KV codec level of chunks put into the --store or --kdn-redis: raw, lossless, "

@@ -8,14 +8,20 @@
 //   shm  the receiver grants a range of its shared-memory landing segment
 //        (a registered region, kdn/kvbus/region.h), the sender copies the
 //        bytes there and sends only the header. Same host only.
-// TransportKind::kAuto picks shm when the two ends share a host and the
-// receiver has a landing segment, tcp otherwise (docs/kvbus.md).
+//   cuda_ipc  a chunk claimed by a landing site whose region is a device
+//        backend's memory (kdn/kvbus/device_ops.h) is written there by the
+//        sender through the same backend, its header sent alone. Same host
+//        (and, for CUDA, GPUs that can reach each other) only.
+// TransportKind::kAuto picks the region plane of each grant's region when
+// the two ends share a host and the sender can open it, tcp otherwise
+// (docs/kvbus.md).
 //
 // Landing in place: a receiver given a LandingSite asks it, for each key
 // offered, where that chunk's payload goes (the decode worker: the KV
 // blocks a request reserved). A claimed chunk's payload is written straight
 // there, never into the sink: by the sender itself when it can map the
-// site's region (shm), else by the receiver from the tcp frame. Its header
+// site's region (shm, or cuda_ipc for a device region), else by the
+// receiver from the tcp frame. Its header
 // travels on the control connection, and the receiver verifies the payload
 // where it lies (checksum, key, shape) before it tells the site.
 //
@@ -57,9 +63,9 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/curve.h"
+#include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/region.h"
-#include "kdn/kvbus/shared_segment.h"
 
 namespace kdn::kvbus {
 
@@ -75,9 +81,12 @@ enum class TransportKind : uint8_t {
   kAuto = 0,  // by topology: shm on one host when the receiver offers it, else tcp
   kTcp,       // bytes on the ZeroMQ connection, any host
   kShm,       // only shm: a grant it cannot use fails its chunk
+  // Chunks claimed in place only by the device plane (a claim it cannot
+  // write fails its chunk); the rest as kAuto. Needs SenderOptions::device_ops.
+  kCudaIpc,
 };
 const char* TransportKindName(TransportKind kind);
-// "auto", "tcp" or "shm"; INVALID_ARGUMENT otherwise.
+// "auto", "tcp", "shm" or "cuda_ipc"; INVALID_ARGUMENT otherwise.
 Result<TransportKind> ParseTransportKind(const std::string& name);
 
 struct ChunkResult {
@@ -136,6 +145,10 @@ struct SenderOptions {
   // segment the sender cannot map (another pid namespace) makes it send the
   // bytes by tcp instead, for that chunk and every later one.
   TransportKind transport = TransportKind::kAuto;
+  // Set: the sender has a cuda_ipc plane, which opens receivers' device
+  // regions and writes them through this backend (borrowed: it must
+  // outlive the Sender). Required by kCudaIpc.
+  DeviceOps* device_ops = nullptr;
   // Set: the connection runs CURVE as a holder of this key, the receiver's
   // (kdn/kvbus/curve.h). Its control messages and tcp chunks are then
   // encrypted; shm chunks never leave the host's memory (docs/kvbus.md).
@@ -234,19 +247,28 @@ struct ReceiverOptions {
   // Set: the socket runs CURVE and admits only senders holding this key.
   std::optional<CurveKeys> curve;
   // Landing in place (see the top of this file): the site that claims
-  // chunks, and the host memory its extents address, which shm senders on
-  // this host map. Both or neither; borrowed, they must outlive the
-  // Receiver. Claimed chunks take no slot capacity (their memory is the
-  // site's), but no chunk larger than it is claimed.
+  // chunks, and the memory its extents address, which senders on this host
+  // with a plane of landing_kind open: kShm for the host backend's memory
+  // (the shm plane), kDevice for a device backend's (the cuda_ipc plane;
+  // or the host backend standing in for a device). Both or neither;
+  // borrowed, they must outlive the Receiver. Claimed chunks take no slot
+  // capacity (their memory is the site's), but no chunk larger than it is
+  // claimed. Payloads are verified, and tcp frames put in place, through
+  // the region's backend (DeviceMemory::ops).
   LandingSite* landing = nullptr;
-  const SharedSegment* landing_region = nullptr;
-  // Whether shm senders on this host may write the landing region
-  // themselves; false: claimed chunks all come by tcp and the receiver puts
-  // them in place (a decode worker started with --kv-transport tcp).
-  bool landing_by_shm = true;
+  const DeviceMemory* landing_region = nullptr;
+  RegionKind landing_kind = RegionKind::kShm;
+  // Whether senders on this host may write the landing region themselves;
+  // false: claimed chunks all come by tcp and the receiver puts them in
+  // place (a decode worker started with --kv-transport tcp).
+  bool landing_by_plane = true;
 };
 
 struct ReceiverStats {
+  // Chunks that arrived (valid or not) and their bytes, by the data plane
+  // that carried them ("tcp", "shm", "cuda_ipc"; seconds unused): a plane
+  // shows up once used.
+  std::map<std::string, PlaneStats> planes;
   uint64_t offers = 0;  // offer messages handled
   uint64_t chunks_offered = 0;
   uint64_t chunks_held = 0;  // offered keys the sink already held (skipped)
@@ -269,11 +291,12 @@ struct ReceiverStats {
   uint64_t shm_landing_bytes = 0;  // the segment's size (0: no shm)
   uint64_t shm_landed_bytes = 0;   // of it, granted or quarantined now
   // Landing in place: claims granted, and chunks verified in place (of
-  // them, written there by the sender over shm; the rest came by tcp and
-  // the receiver copied their payloads).
+  // them, written there by the sender through a region plane, shm or
+  // cuda_ipc as landing_kind says; the rest came by tcp and the receiver
+  // copied their payloads).
   uint64_t in_place_claims = 0;
   uint64_t in_place_chunks = 0, in_place_bytes = 0;
-  uint64_t in_place_shm_chunks = 0;
+  uint64_t in_place_plane_chunks = 0;
 };
 
 // The sending end of one connection to one receiver. Thread-safe: Submit,

@@ -1,0 +1,93 @@
+#pragma once
+// The operations a kvbus device plane needs from the memory it moves KV
+// between (docs/kvbus.md, "Device planes"), behind one small interface so
+// that the planes' code is one path with two backends:
+//   host  plain memory in memfd segments (kdn/kvbus/shared_segment.h),
+//         written with streaming stores and checksummed in place: the shm
+//         plane's memory, and the stand-in that lets the CPU suite run the
+//         cuda_ipc plane (sender, receiver, claims, bounds, expiry, cancel,
+//         dead peers) without a GPU;
+//   cuda  device memory exported with CUDA IPC (kvbus/cuda/).
+//
+// A receiver exports memory (Allocate, or a backend's own export of memory
+// it already holds) and names it by handle() in its grants; a sender on
+// the same host opens the handle and writes layer slices into extents of
+// it; the receiver verifies them where they landed with Checksum.
+//
+// Thread-safe: a backend's calls may come from any thread.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "kdn/common/status.h"
+#include "kdn/kvbus/region.h"
+
+namespace kdn::kvbus {
+
+class DeviceOps;
+
+// The kind of a receiver's region, which names the data plane that writes
+// it (the values of proto/kvbus_transport.proto's RegionKind). A sender
+// keeps regions of a kind it has no plane for unmapped: grants into them go
+// by tcp.
+enum class RegionKind : uint8_t {
+  kUnknown = 0,  // a kind of a newer receiver
+  kShm = 1,      // host memory shared on one host: the shm plane
+  kDevice = 2,   // memory of a device backend, opened by handle: the cuda_ipc plane
+};
+const char* RegionKindName(RegionKind kind);
+
+// Memory of one backend, allocated (and exported) by this process or opened
+// from a peer's handle. Freed or unmapped on destruction; an opened peer's
+// memory stays the peer's.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  // In this process's address space (device memory for cuda: not to be
+  // dereferenced on the host).
+  virtual uint8_t* data() const = 0;
+  virtual uint64_t bytes() const = 0;
+  // What a peer's DeviceOps::Open takes (ASCII, one line).
+  virtual const std::string& handle() const = 0;
+  virtual DeviceOps& ops() const = 0;
+};
+
+class DeviceOps {
+ public:
+  virtual ~DeviceOps() = default;
+  virtual const char* name() const = 0;  // "host", "cuda"
+  // How a region table holds this backend's memory (kdn/kvbus/region.h).
+  virtual MemoryKind memory_kind() const = 0;
+  virtual int device() const = 0;  // -1 for host memory
+
+  // `bytes` of fresh memory, zero-filled, that peers may open.
+  // INVALID_ARGUMENT for 0 bytes; IO_ERROR or UNAVAILABLE when the
+  // backend refuses.
+  virtual Result<std::unique_ptr<DeviceMemory>> Allocate(uint64_t bytes) = 0;
+  // Maps a peer's memory by its handle; `bytes` must be its size.
+  // INVALID_ARGUMENT for a malformed handle or a size that differs;
+  // UNAVAILABLE when it cannot be reached from here (another host, another
+  // pid namespace, another GPU).
+  virtual Result<std::unique_ptr<DeviceMemory>> Open(const std::string& handle, uint64_t bytes) = 0;
+
+  // Writes the bytes at `host` (host memory, as many as `extents` hold)
+  // onto `extents` of `base`, memory of this backend, in order. When it
+  // returns OK the bytes are visible to the memory's owner. The caller has
+  // checked the extents against the memory's bounds.
+  virtual Status Upload(const uint8_t* host, uint8_t* base, std::span<const Extent> extents) = 0;
+  // XXH3-64 of the bytes of `extents` of `base`, in order: equal to
+  // PayloadChecksum (kdn/kvbus/chunk.h) of the same bytes in host memory.
+  virtual Result<uint64_t> Checksum(const uint8_t* base, std::span<const Extent> extents) = 0;
+};
+
+// The host backend (one per process).
+DeviceOps& HostDeviceOps();
+
+// The host backend standing in for a device (the cuda_ipc plane with no
+// GPU), when the environment variable KDN_DEVICE_OPS is "host": workers'
+// test mode (docs/kvbus.md, "Device planes"); null otherwise.
+DeviceOps* StandInDeviceOps();
+
+}  // namespace kdn::kvbus

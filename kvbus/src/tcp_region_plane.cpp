@@ -1,0 +1,83 @@
+// A kvbus sender's region planes (data_plane.h): the receiver's regions
+// opened through a DeviceOps backend, and chunks written into them.
+
+#include <utility>
+
+#include "data_plane.h"
+
+namespace kdn::kvbus {
+
+void MemoryPlane::Map(const std::vector<WireRegion>& regions) {
+  for (const WireRegion& r : regions) {
+    auto it = regions_.find(r.id);
+    if (it != regions_.end() && it->second.handle == r.handle &&
+        it->second.memory->bytes() == r.bytes) {
+      continue;  // mapped already
+    }
+    if (it != regions_.end()) {  // the receiver was replaced: its old region is gone
+      (void)table_.Unregister(table_ids_[r.id]);
+      table_ids_.erase(r.id);
+      regions_.erase(it);
+    }
+    Result<std::unique_ptr<DeviceMemory>> memory = ops_.Open(r.handle, r.bytes);
+    if (!memory.ok()) {
+      // Not on this host (or GPU) after all: another pid namespace, another user.
+      error_ = memory.status();
+      continue;
+    }
+    Result<uint32_t> id = table_.Register(
+        Region{ops_.memory_kind(), ops_.device(), (*memory)->data(), (*memory)->bytes()});
+    if (!id.ok()) continue;
+    table_ids_[r.id] = *id;
+    regions_[r.id] = PeerRegion{r.handle, std::move(memory).value()};
+  }
+}
+
+Result<std::pair<uint8_t*, std::vector<Extent>>> MemoryPlane::Resolve(
+    const Chunk& chunk, const RegionGrant& grant) const {
+  // Region id 0 is never registered: an unmapped region is NOT_FOUND.
+  const auto table_id = table_ids_.find(grant.region);
+  const uint32_t id = table_id == table_ids_.end() ? 0 : table_id->second;
+  const MemoryKind kind = ops_.memory_kind();
+  const int device = ops_.device();
+  KDN_ASSIGN_OR_RETURN(uint8_t * base, table_.Resolve(id, 0, 1, kind, device));
+  if (grant.extents.empty()) {
+    KDN_RETURN_IF_ERROR(table_.Resolve(id, grant.offset, chunk.size(), kind, device).status());
+    return std::make_pair(base, std::vector<Extent>{{grant.offset, chunk.size()}});
+  }
+  uint64_t total = 0;
+  for (const Extent& x : grant.extents) {
+    KDN_RETURN_IF_ERROR(table_.Resolve(id, x.offset, x.bytes, kind, device).status());
+    total += x.bytes;
+  }
+  if (total != chunk.payload().size()) {
+    return InvalidArgument("an in-place grant of " + std::to_string(total) +
+                           " bytes for a payload of " + std::to_string(chunk.payload().size()));
+  }
+  return std::make_pair(base, grant.extents);
+}
+
+Status MemoryPlane::Write(const Chunk& chunk, const RegionGrant& grant, bool corrupt) {
+  KDN_ASSIGN_OR_RETURN(auto where, Resolve(chunk, grant));
+  auto& [base, extents] = where;
+  // In place: the payload alone, piece by piece, into the receiver's
+  // blocks; else the whole chunk at its offset.
+  const bool in_place = !grant.extents.empty();
+  const uint8_t* from = in_place ? chunk.payload().data() : chunk.bytes().data();
+  KDN_RETURN_IF_ERROR(ops_.Upload(from, base, extents));
+  if (corrupt && !chunk.payload().empty()) {
+    // One payload byte flipped where it landed (SenderFaults::corrupt_data).
+    uint64_t at = (in_place ? 0 : Chunk::kHeaderBytes) + chunk.payload().size() / 2;
+    const uint8_t flipped = from[at] ^ 0x5a;
+    for (const Extent& x : extents) {
+      if (at < x.bytes) {
+        const Extent one{x.offset + at, 1};
+        return ops_.Upload(&flipped, base, {&one, 1});
+      }
+      at -= x.bytes;
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kdn::kvbus
