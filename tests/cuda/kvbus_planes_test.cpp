@@ -27,7 +27,9 @@
 #include <vector>
 
 #include "kdn/kvbus/copy_plan.h"
+#include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/cuda/copy_extents.h"
+#include "kdn/kvbus/cuda/cuda_device_ops.h"
 #include "kdn/kvbus/cuda/cuda_ipc.h"
 #include "kdn/kvbus/cuda/kvbus_cuda_check.h"
 #include "kdn/kvbus/cuda/nccl_link.h"
@@ -177,6 +179,44 @@ int ChildIpcExport(FILE* in, FILE* out, uint64_t seed) {
   return verdict == "OK" ? 0 : 1;
 }
 
+// The slice's payload as a sender has it in host memory: the source
+// pattern's bytes at c.src, in order.
+std::vector<uint8_t> Gathered(const SliceCase& c, uint64_t seed) {
+  const std::vector<uint8_t> src = Pattern(c.src_pool_bytes, seed);
+  std::vector<uint8_t> out;
+  for (const Extent& x : c.src)
+    out.insert(out.end(), src.begin() + x.offset, src.begin() + x.offset + x.bytes);
+  return out;
+}
+
+// The CUDA DeviceOps backend: allocates and exports a pool, waits for
+// WRITTEN, checks it, and that the backend's checksum of the slice where it
+// landed is the host's of the payload.
+int ChildOpsExport(FILE* in, FILE* out, uint64_t seed) {
+  const SliceCase c = MakeSliceCase(seed);
+  Result<DeviceOps*> ops = CudaDeviceOps(0);
+  if (!ops.ok()) {
+    WriteLine(out, "ERROR " + ops.status().ToString());
+    return 1;
+  }
+  Result<std::unique_ptr<DeviceMemory>> pool = (*ops)->Allocate(c.dst_pool_bytes);
+  if (!pool.ok()) {
+    WriteLine(out, "ERROR " + pool.status().ToString());
+    return 1;
+  }
+  WriteLine(out, "HANDLE " + (*pool)->handle());
+  if (ReadLine(in) != "WRITTEN") return 1;
+  std::string verdict = CheckPool((*pool)->data(), c, seed);
+  const std::vector<uint8_t> payload = Gathered(c, seed);
+  const Extent whole{0, payload.size()};
+  Result<uint64_t> sum = (*ops)->Checksum((*pool)->data(), c.dst);
+  if (verdict == "OK" && (!sum.ok() || *sum != PayloadChecksum(payload.data(), {&whole, 1}))) {
+    verdict = "CHECKSUM " + (sum.ok() ? std::to_string(*sum) : sum.status().ToString());
+  }
+  WriteLine(out, verdict);
+  return verdict == "OK" ? 0 : 1;
+}
+
 // nccl rank 1 on `device`: reads the unique id, connects, receives the
 // slice into its pool, checks.
 int ChildNcclRecv(FILE* in, FILE* out, uint64_t seed, int device) {
@@ -212,6 +252,7 @@ int RunChild(const std::string& role) {
   const char* seed_env = std::getenv("KDN_KVBUS_CHILD_SEED");
   const uint64_t seed = seed_env ? std::strtoull(seed_env, nullptr, 10) : 1;
   if (role == "ipc-export") return ChildIpcExport(in, out, seed);
+  if (role == "ops-export") return ChildOpsExport(in, out, seed);
   if (role == "nccl-recv-0") return ChildNcclRecv(in, out, seed, 0);
   if (role == "nccl-recv-1") return ChildNcclRecv(in, out, seed, 1);
   WriteLine(out, "ERROR unknown role " + role);
@@ -422,6 +463,56 @@ TEST(CudaIpc, TwoProcessesOnOneGpuMoveASliceExactly) {
     const Status st = (*region)->WriteExtents(src.p, c.src, c.dst, nullptr);
     ASSERT_TRUE(st.ok()) << st.ToString();
   }  // closed before the owner is told, as the transport does
+  child.Write("WRITTEN");
+  EXPECT_EQ(child.Read(), "OK");
+  EXPECT_EQ(child.Exit(), 0);
+}
+
+// ---- The CUDA DeviceOps backend (kvbus's cuda_ipc plane) --------------------
+
+TEST(CudaDeviceOps, UploadsAndChecksumsExtentsAsTheHostBackendDoes) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = 7;
+  const SliceCase c = MakeSliceCase(seed);
+  Result<DeviceOps*> ops = CudaDeviceOps(0);
+  ASSERT_TRUE(ops.ok()) << ops.status().ToString();
+  EXPECT_EQ((*ops)->memory_kind(), MemoryKind::kDevice);
+  Result<std::unique_ptr<DeviceMemory>> pool = (*ops)->Allocate(c.dst_pool_bytes);
+  ASSERT_TRUE(pool.ok()) << pool.status().ToString();
+  const std::vector<uint8_t> payload = Gathered(c, seed);
+  const Status st = (*ops)->Upload(payload.data(), (*pool)->data(), c.dst);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(CheckPool((*pool)->data(), c, seed), "OK");
+  Result<uint64_t> sum = (*ops)->Checksum((*pool)->data(), c.dst);
+  ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+  const Extent whole{0, payload.size()};
+  EXPECT_EQ(*sum, PayloadChecksum(payload.data(), {&whole, 1}));
+  EXPECT_EQ((*ops)->Allocate(0).status().code(), StatusCode::kInvalidArgument);
+  // Its own handle is not opened (the runtime maps an allocation once).
+  EXPECT_EQ((*ops)->Open((*pool)->handle(), c.dst_pool_bytes).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(CudaDeviceOps(DeviceCount()).status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CudaDeviceOps, APeerProcessOpensTheHandleAndWritesASliceIntoIt) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t seed = 43;
+  const SliceCase c = MakeSliceCase(seed);
+  Child child("ops-export", seed);
+  ASSERT_TRUE(child.ok());
+  const std::string line = child.Read();
+  ASSERT_EQ(line.rfind("HANDLE ", 0), 0u) << line;
+  Result<DeviceOps*> ops = CudaDeviceOps(0);
+  ASSERT_TRUE(ops.ok()) << ops.status().ToString();
+  {
+    EXPECT_EQ((*ops)->Open(line.substr(7), c.dst_pool_bytes + 1).status().code(),
+              StatusCode::kInvalidArgument);
+    Result<std::unique_ptr<DeviceMemory>> peer = (*ops)->Open(line.substr(7), c.dst_pool_bytes);
+    ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+    const std::vector<uint8_t> payload = Gathered(c, seed);
+    const Status st = (*ops)->Upload(payload.data(), (*peer)->data(), c.dst);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
   child.Write("WRITTEN");
   EXPECT_EQ(child.Read(), "OK");
   EXPECT_EQ(child.Exit(), 0);

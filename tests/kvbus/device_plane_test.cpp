@@ -44,19 +44,19 @@ SenderOptions DeviceSender(TransportKind kind = TransportKind::kCudaIpc) {
 // The suite with every claimed payload written by the sender's cuda_ipc
 // plane into a device region (the host backend's memory); what the site
 // does not claim goes as auto sends it.
-INSTANTIATE_TEST_SUITE_P(
-    DevicePlane, TransportConformance,
-    ::testing::Values(TransportFactory{"cuda_ipc_host_in_place",
-                                       [](ChunkStore& sink, const ReceiverOptions& o) {
-                                         return InPlaceReceiver::Listen(
-                                             sink, o, SegmentBytes(o), RegionKind::kDevice);
-                                       },
-                                       [](const std::string& endpoint, SenderOptions o) {
-                                         o.transport = TransportKind::kCudaIpc;
-                                         o.device_ops = &HostDeviceOps();
-                                         return Connect(endpoint, o);
-                                       }}),
-    TransportFactoryName);
+INSTANTIATE_TEST_SUITE_P(DevicePlane, TransportConformance,
+                         ::testing::Values(TransportFactory{
+                             "cuda_ipc_host_in_place",
+                             [](ChunkStore& sink, const ReceiverOptions& o) {
+                               return InPlaceReceiver::Listen(sink, o, SegmentBytes(o),
+                                                              RegionKind::kDevice);
+                             },
+                             [](const std::string& endpoint, SenderOptions o) {
+                               o.transport = TransportKind::kCudaIpc;
+                               o.device_ops = &HostDeviceOps();
+                               return Connect(endpoint, o);
+                             }}),
+                         TransportFactoryName);
 
 TEST(DevicePlane, TheHostBackendOpensWritesAndChecksumsByHandle) {
   DeviceOps& ops = HostDeviceOps();

@@ -1,0 +1,163 @@
+// The CUDA backend of kvbus's device operations (cuda_device_ops.h).
+
+#include "kdn/kvbus/cuda/cuda_device_ops.h"
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/cuda/copy_extents.h"
+#include "kdn/kvbus/cuda/cuda_ipc.h"
+#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+
+namespace kdn::kvbus::cuda {
+
+namespace {
+
+uint64_t Total(std::span<const Extent> extents) {
+  uint64_t n = 0;
+  for (const Extent& x : extents) n += x.bytes;
+  return n;
+}
+
+// Memory this process allocated and exported.
+class OwnMemory final : public DeviceMemory {
+ public:
+  OwnMemory(uint8_t* p, uint64_t bytes, DeviceOps& ops) : p_(p), bytes_(bytes), ops_(ops) {}
+  void set_handle(std::string handle) { handle_ = std::move(handle); }
+  ~OwnMemory() override {
+    (void)cudaSetDevice(ops_.device());
+    (void)cudaFree(p_);
+  }
+  uint8_t* data() const override { return p_; }
+  uint64_t bytes() const override { return bytes_; }
+  const std::string& handle() const override { return handle_; }
+  DeviceOps& ops() const override { return ops_; }
+
+ private:
+  uint8_t* p_;
+  uint64_t bytes_;
+  std::string handle_;
+  DeviceOps& ops_;
+};
+
+// A peer's memory, opened by its handle.
+class PeerMemory final : public DeviceMemory {
+ public:
+  PeerMemory(std::unique_ptr<ImportedDeviceRegion> region, std::string handle, DeviceOps& ops)
+      : region_(std::move(region)), handle_(std::move(handle)), ops_(ops) {}
+  uint8_t* data() const override { return region_->data(); }
+  uint64_t bytes() const override { return region_->bytes(); }
+  const std::string& handle() const override { return handle_; }
+  DeviceOps& ops() const override { return ops_; }
+
+ private:
+  std::unique_ptr<ImportedDeviceRegion> region_;
+  std::string handle_;
+  DeviceOps& ops_;
+};
+
+class CudaOps final : public DeviceOps {
+ public:
+  explicit CudaOps(int device) : device_(device) {}
+  ~CudaOps() override {
+    if (stage_ != nullptr) (void)cudaFree(stage_);
+  }
+  const char* name() const override { return "cuda"; }
+  MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
+  int device() const override { return device_; }
+
+  Result<std::unique_ptr<DeviceMemory>> Allocate(uint64_t bytes) override {
+    if (bytes == 0) return InvalidArgument("kvbus cuda memory: cannot allocate 0 bytes");
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    void* p = nullptr;
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes));
+    // Owned (freed on the way out of an error) before anything can fail.
+    auto memory = std::make_unique<OwnMemory>(static_cast<uint8_t*>(p), bytes, *this);
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, bytes));
+    KDN_ASSIGN_OR_RETURN(std::string handle, ExportDeviceRegion(p, bytes, device_));
+    memory->set_handle(std::move(handle));
+    return std::unique_ptr<DeviceMemory>(std::move(memory));
+  }
+
+  Result<std::unique_ptr<DeviceMemory>> Open(const std::string& handle, uint64_t bytes) override {
+    KDN_ASSIGN_OR_RETURN(std::unique_ptr<ImportedDeviceRegion> region,
+                         ImportedDeviceRegion::Open(handle, device_));
+    if (region->bytes() != bytes) {
+      return InvalidArgument("kvbus cuda memory: region " + handle + " is " +
+                             std::to_string(region->bytes()) + " bytes, not " +
+                             std::to_string(bytes));
+    }
+    return std::unique_ptr<DeviceMemory>(
+        std::make_unique<PeerMemory>(std::move(region), handle, *this));
+  }
+
+  Status Upload(const uint8_t* host, uint8_t* base, std::span<const Extent> extents) override {
+    const uint64_t n = Total(extents);
+    if (n == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mu_);
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_RETURN_IF_ERROR(Reserve(n));
+    // One upload of the whole payload, then one scatter kernel.
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpy(stage_, host, n, cudaMemcpyHostToDevice));
+    const Extent whole{0, n};
+    KDN_RETURN_IF_ERROR(CopyExtents(stage_, {&whole, 1}, base, extents, nullptr));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
+    return Status::Ok();
+  }
+
+  Result<uint64_t> Checksum(const uint8_t* base, std::span<const Extent> extents) override {
+    const uint64_t n = Total(extents);
+    std::lock_guard<std::mutex> lock(mu_);
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (n == 0) return PayloadChecksum(nullptr, {});
+    KDN_RETURN_IF_ERROR(Reserve(n));
+    // Gathered on the device, read back, hashed here.
+    const Extent whole{0, n};
+    KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, nullptr));
+    host_.resize(n);
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpy(host_.data(), stage_, n, cudaMemcpyDeviceToHost));
+    return PayloadChecksum(host_.data(), {&whole, 1});
+  }
+
+ private:
+  Status Reserve(uint64_t bytes) {
+    if (bytes <= stage_bytes_) return Status::Ok();
+    if (stage_ != nullptr) KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaFree(stage_));
+    stage_ = nullptr;
+    stage_bytes_ = 0;
+    void* p = nullptr;
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes));
+    stage_ = static_cast<uint8_t*>(p);
+    stage_bytes_ = bytes;
+    return Status::Ok();
+  }
+
+  const int device_;
+  std::mutex mu_;
+  uint8_t* stage_ = nullptr;  // device staging, grown to the largest payload
+  uint64_t stage_bytes_ = 0;
+  std::vector<uint8_t> host_;  // Checksum's read-back
+};
+
+}  // namespace
+
+Result<DeviceOps*> CudaDeviceOps(int device) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<CudaOps>> backends;
+  const int count = DeviceCount();
+  if (device < 0 || device >= count) {
+    return FailedPrecondition("kvbus cuda backend: device " + std::to_string(device) + " of " +
+                              std::to_string(count));
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<CudaOps>& ops = backends[device];
+  if (!ops) ops = std::make_unique<CudaOps>(device);
+  return ops.get();
+}
+
+}  // namespace kdn::kvbus::cuda
