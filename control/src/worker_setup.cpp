@@ -7,6 +7,10 @@
 #include "kdn/common/log.h"
 #include "kdn/control/convert.h"
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/device_ops.h"
+#if KDN_CUDA
+#include "kdn/kvbus/cuda/cuda_device_ops.h"
+#endif
 #include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/prefix_io.h"
@@ -143,6 +147,20 @@ void SetStoreCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {
     }
   }
   info->set_store_unreachable(store.LocalStats().unreachable);
+}
+
+Result<kvbus::DeviceOps*> WorkerDeviceOps(const engine::Device& device) {
+  if (device.cuda()) {
+#if KDN_CUDA
+    return kvbus::cuda::CudaDeviceOps(device.index);
+#else
+    return FailedPrecondition("the cuda_ipc plane: this build has no CUDA");
+#endif
+  }
+  if (kvbus::DeviceOps* ops = kvbus::StandInDeviceOps()) return ops;
+  return FailedPrecondition(
+      "--kv-transport cuda_ipc needs a GPU worker (--device cuda or cuda:N): a CPU worker's KV "
+      "pool is host memory, which shm lands in");
 }
 
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,

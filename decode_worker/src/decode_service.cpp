@@ -469,18 +469,20 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   eo.max_batch = options.max_batch;
   eo.max_prefill_tokens = options.local_prefill_call_tokens;
   Impl* raw = impl.get();
-  if (options.kv_transport == kvbus::TransportKind::kCudaIpc &&
-      (eo.device.cuda() || kvbus::StandInDeviceOps() == nullptr)) {
-    return FailedPrecondition(
-        "--kv-transport cuda_ipc: only the host backend's test mode (KDN_DEVICE_OPS=host, a CPU "
-        "worker) serves it so far; a GPU decode worker's pool is not exported yet");
+  // The KV pool in memory prefill workers can write: a GPU's, exported for
+  // their cuda_ipc plane, only with --kv-transport cuda_ipc (auto keeps a
+  // GPU pool the engine's own, its slices through staging, until cuda_ipc
+  // has run on a GPU: docs/kvbus.md, "Device planes").
+  kvbus::DeviceOps* pool_ops = nullptr;
+  if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
+    KDN_ASSIGN_OR_RETURN(pool_ops, control::WorkerDeviceOps(eo.device));
+    impl->pool_kind = kvbus::RegionKind::kDevice;
+  } else if (!eo.device.cuda()) {
+    pool_ops = &kvbus::HostDeviceOps();
   }
-  if (!eo.device.cuda()) {
-    if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
-      impl->pool_kind = kvbus::RegionKind::kDevice;
-    }
-    eo.kv_pool_memory = [raw](uint64_t bytes) -> Result<uint8_t*> {
-      KDN_ASSIGN_OR_RETURN(raw->pool, kvbus::HostDeviceOps().Allocate(bytes));
+  if (pool_ops != nullptr) {
+    eo.kv_pool_memory = [raw, pool_ops](uint64_t bytes) -> Result<uint8_t*> {
+      KDN_ASSIGN_OR_RETURN(raw->pool, pool_ops->Allocate(bytes));
       return raw->pool->data();
     };
   }
@@ -522,13 +524,17 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     ropt.landing_by_plane = options.kv_transport != kvbus::TransportKind::kTcp;
     dopt.landing = impl->landing.get();
     dopt.landing_quarantine = ropt.lease;
-    LogInfo("pushed KV lands in place, in the KV pool's blocks (a shared segment of {:.1f} MiB{})",
+    const kvbus::DeviceOps& ops = impl->pool->ops();
+    LogInfo("pushed KV lands in place, in the KV pool's blocks ({:.1f} MiB of {} memory{})",
             static_cast<double>(impl->pool->bytes()) / (1 << 20),
+            ops.memory_kind() == kvbus::MemoryKind::kDevice ? "device" : "shared host",
             !ropt.landing_by_plane ? "; tcp only"
-            : impl->pool_kind == kvbus::RegionKind::kDevice
-                ? " that prefill workers on this host write by their cuda_ipc plane, the host "
-                  "backend standing in for a device (KDN_DEVICE_OPS=host)"
-                : " that prefill workers on this host write");
+            : impl->pool_kind == kvbus::RegionKind::kShm
+                ? " that prefill workers on this host write by shm"
+            : &ops == &kvbus::HostDeviceOps()
+                ? " that prefill workers on this host write by cuda_ipc, the host backend "
+                  "standing in for a device (KDN_DEVICE_OPS=host)"
+                : " that prefill workers on this GPU or its peers write by cuda_ipc");
   }
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;

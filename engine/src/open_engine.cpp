@@ -54,6 +54,7 @@ cuda::CudaEngineOptions CudaBaseOptions(const ModelConfig& config, const OpenOpt
   // No prefill is longer than the model's context.
   c.max_prefill_tokens = std::min<int64_t>(o.max_prefill_tokens, config.max_context);
   c.kv_tokens = o.kv_tokens;
+  c.kv_pool_memory = o.kv_pool_memory;
   return c;
 }
 

@@ -126,13 +126,13 @@ def check_flags(a):
                       "(redis-cli --cluster create refuses fewer primaries); the job has "
                       "--nodes %d" % (redis_cluster.MIN_PRIMARIES, a.nodes))
     plan = placement(a.prefill, a.decode, a.nodes)
-    if a.kv_transport == "shm" and a.nodes > 1:
+    if a.kv_transport in ("shm", "cuda_ipc") and a.nodes > 1:
         crossing = [(p, d) for p, rp, np_ in plan if rp == "prefill"
                     for d, rd, nd in plan if rd == "decode" and nd != np_]
         if crossing:
-            raise Failure("--kv-transport shm cannot reach across nodes, and %s and %s are "
+            raise Failure("--kv-transport %s cannot reach across nodes, and %s and %s are "
                             "placed on different nodes; use auto (shm within a node, tcp "
-                            "across) or tcp" % crossing[0])
+                            "across) or tcp" % ((a.kv_transport,) + crossing[0]))
     if a.gpus_per_worker == 0 and a.gpu_type:
         raise Failure("--gpu-type %s needs --gpus-per-worker" % a.gpu_type)
     if a.device == "cuda" and a.gpus_per_worker == 0:

@@ -276,17 +276,14 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   po.chunk_tokens = options.chunk_tokens;
   po.blend_kl_per_residual = options.blend_kl_per_residual;
   po.sender.transport = options.kv_transport;
+  // The cuda_ipc plane's backend (it writes the host chunks the prefiller
+  // pushes into a decode worker's exported pool); auto uses it where a
+  // decode worker offers a device region.
   if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
-    // So far only the host backend's test mode serves cuda_ipc (as on the
-    // decode worker); it writes from the host chunks the prefiller pushes.
-    po.sender.device_ops = kvbus::StandInDeviceOps();
-    if (po.sender.device_ops == nullptr || options.engine.device.cuda()) {
-      return FailedPrecondition(
-          "--kv-transport cuda_ipc: only the host backend's test mode (KDN_DEVICE_OPS=host, a "
-          "CPU worker) serves it so far");
-    }
+    KDN_ASSIGN_OR_RETURN(po.sender.device_ops, control::WorkerDeviceOps(options.engine.device));
   } else if (options.kv_transport == kvbus::TransportKind::kAuto) {
-    po.sender.device_ops = kvbus::StandInDeviceOps();
+    Result<kvbus::DeviceOps*> ops = control::WorkerDeviceOps(options.engine.device);
+    po.sender.device_ops = ops.ok() ? *ops : nullptr;
   }
   po.sender.curve = options.curve;
   po.store_in_background = true;

@@ -107,9 +107,10 @@ def test_the_cuda_ipc_plane_over_the_host_backend_serves_kdn_generates_text(tiny
     assert out["choices"][0]["text"] == r.stdout.decode("utf-8")[:-1]
 
 
-def test_cuda_ipc_is_refused_outside_the_test_mode(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("worker", ["kdn-prefill", "kdn-decode"])
+def test_a_cpu_worker_refuses_cuda_ipc_outside_the_test_mode(tiny_model, monkeypatch, worker):
     monkeypatch.delenv("KDN_DEVICE_OPS", raising=False)
-    r = subprocess.run([binary("kdn-prefill"), "--model", str(tiny_model), "--kv-transport",
-                        "cuda_ipc"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([binary(worker), "--model", str(tiny_model), "--kv-transport", "cuda_ipc"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert "--kv-transport cuda_ipc: expected auto, tcp or shm" in r.stderr + r.stdout, r
+    assert "--kv-transport cuda_ipc needs a GPU worker" in r.stderr + r.stdout, r

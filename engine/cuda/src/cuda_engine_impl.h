@@ -189,7 +189,7 @@ struct CudaEngine::Impl {
     const int num_blocks = static_cast<int>((options.kv_tokens + 15) / 16) + 1;
     kv = std::make_unique<DeviceKvCache>(options.device, c.num_layers, c.num_kv_heads, c.head_dim,
                                          num_blocks);
-    KDN_RETURN_IF_ERROR(kv->Allocate());
+    KDN_RETURN_IF_ERROR(kv->Allocate(options.kv_pool_memory));
     scratch = kv->NewSequence();
     KDN_RETURN_IF_ERROR(kv->Reserve(scratch, 1));
     scratch_block = scratch.blocks()[0];

@@ -79,16 +79,36 @@ DeviceKvCache::~DeviceKvCache() {
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
 }
 
-Status DeviceKvCache::Allocate() {
+Status DeviceKvCache::Allocate(const std::function<Result<uint8_t*>(uint64_t bytes)>& memory) {
   KDN_RETURN_IF_ERROR(UseDevice(device_));
   KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  const uint64_t bytes = StorageBytes(num_layers(), num_kv_heads(), head_dim(), num_blocks());
+  if (memory) {
+    KDN_ASSIGN_OR_RETURN(uint8_t * p, memory(bytes));
+    pool_ = reinterpret_cast<bf16*>(p);
+  } else {
+    KDN_RETURN_IF_ERROR(own_.Allocate(static_cast<int64_t>(bytes / sizeof(bf16))));
+    pool_ = own_.get();
+  }
+  const int64_t layer = int64_t{num_blocks()} * block_stride();
   k_.resize(num_layers());
   v_.resize(num_layers());
   for (int l = 0; l < num_layers(); ++l) {
-    KDN_RETURN_IF_ERROR(k_[l].Allocate(num_blocks() * block_stride()));
-    KDN_RETURN_IF_ERROR(v_[l].Allocate(num_blocks() * block_stride()));
+    k_[l] = pool_ + 2 * l * layer;
+    v_[l] = k_[l] + layer;
   }
   return Status::Ok();
+}
+
+KvPoolMemory DeviceKvCache::Memory() const {
+  return {reinterpret_cast<uint8_t*>(pool_),
+          StorageBytes(num_layers(), num_kv_heads(), head_dim(), num_blocks()), device_,
+          DType::kBF16};
+}
+
+uint64_t DeviceKvCache::BlockOffset(int layer, bool value, int32_t block) const {
+  const bf16* at = (value ? v_ : k_)[layer] + static_cast<int64_t>(block) * block_stride();
+  return static_cast<uint64_t>(at - pool_) * sizeof(bf16);
 }
 
 Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer0, int layers, int64_t first,
@@ -104,7 +124,7 @@ Status DeviceKvCache::Stage(std::span<const int32_t> blocks, int layer0, int lay
   const int64_t at = first - b0 * kKvBlockTokens;
   for (int i = 0; i < layers; ++i) {
     const int l = layer0 + i;
-    const PagedKvLayer<bf16> pool{k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+    const PagedKvLayer<bf16> pool{k_[l], v_[l], num_kv_heads(), head_dim()};
     bf16* rows = rows_.get() + i * layer_rows;
     KDN_RETURN_IF_ERROR(gather ? GatherKvCuda<bf16>(pool, table_.get(), at, count, rows, stream_)
                                : ScatterKvCuda<bf16>(rows, count, table_.get(), at, pool, stream_));
@@ -163,9 +183,9 @@ Status DeviceKvCache::CopyBlock(int32_t from, int32_t to) {
   KDN_RETURN_IF_ERROR(UseDevice(device_));
   const size_t bytes = static_cast<size_t>(block_stride()) * sizeof(bf16);
   for (int l = 0; l < num_layers(); ++l) {
-    for (const auto* pool : {&k_[l], &v_[l]}) {
-      KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool->get() + to * block_stride(),
-                                               pool->get() + from * block_stride(), bytes,
+    for (bf16* pool : {k_[l], v_[l]}) {
+      KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(pool + to * block_stride(),
+                                               pool + from * block_stride(), bytes,
                                                cudaMemcpyDeviceToDevice, stream_));
     }
   }

@@ -98,13 +98,19 @@ class DeviceKvCache final : public KvCache {
   DeviceKvCache(int device, int num_layers, int num_kv_heads, int head_dim, int num_blocks)
       : KvCache(num_layers, num_kv_heads, head_dim, num_blocks), device_(device) {}
   ~DeviceKvCache() override;
-  // The pools and the stream.
-  Status Allocate();
-  PagedKvLayer<__nv_bfloat16> Layer(int l) {
-    return {k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+  // The pools and the stream: one region, [layer][K, V][block][slot]
+  // [kv_head][head_dim] of bf16, in `memory`'s bytes when given (of
+  // StorageBytes, device memory of this device, the caller's), else
+  // allocated here.
+  Status Allocate(const std::function<Result<uint8_t*>(uint64_t bytes)>& memory = {});
+  static uint64_t StorageBytes(int num_layers, int num_kv_heads, int head_dim, int num_blocks) {
+    return uint64_t{2} * num_layers * num_blocks * kKvBlockTokens * num_kv_heads * head_dim *
+           sizeof(__nv_bfloat16);
   }
+  KvPoolMemory Memory() const override;
+  PagedKvLayer<__nv_bfloat16> Layer(int l) { return {k_[l], v_[l], num_kv_heads(), head_dim()}; }
   PagedKvLayer<const __nv_bfloat16> ConstLayer(int l) {
-    return {k_[l].get(), v_[l].get(), num_kv_heads(), head_dim()};
+    return {k_[l], v_[l], num_kv_heads(), head_dim()};
   }
   // Rotates the K of positions [first, first + count) at `layer` by `delta`
   // positions (RotateCachedKeys), on this cache's stream; waits for it.
@@ -121,6 +127,7 @@ class DeviceKvCache final : public KvCache {
                    int64_t count, DType dtype, const uint8_t* in) override;
   // Device to device, every layer's K and V, on this cache's stream; waits.
   Status CopyBlock(int32_t from, int32_t to) override;
+  uint64_t BlockOffset(int layer, bool value, int32_t block) const override;
 
  private:
   // Gathers (or scatters) layers [layer0, layer0 + layers) of the rows
@@ -130,7 +137,9 @@ class DeviceKvCache final : public KvCache {
                int64_t count, bool gather) const;
 
   const int device_;
-  std::vector<DeviceArray<__nv_bfloat16>> k_, v_;  // [layer] -> pool; constant after Allocate
+  DeviceArray<__nv_bfloat16> own_;     // the region, when allocated here
+  __nv_bfloat16* pool_ = nullptr;      // the region
+  std::vector<__nv_bfloat16*> k_, v_;  // [layer] -> its pool in the region; constant after Allocate
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;
   // Guarded by mu_: staging on the device and the host.

@@ -126,14 +126,10 @@ struct KvFlags {
         ->needs(redis_opt)
         ->capture_default_str();
     app.add_option("--kv-transport", kv_transport,
-                   "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, or shm")
-        ->check([](const std::string& s) -> std::string {
-          if (s == "auto" || s == "tcp" || s == "shm") return {};
-          // The cuda_ipc plane served by the host backend: a test mode
-          // (KDN_DEVICE_OPS=host; docs/kvbus.md, "Device planes").
-          if (s == "cuda_ipc" && kvbus::StandInDeviceOps() != nullptr) return {};
-          return "--kv-transport " + s + ": expected auto, tcp or shm";
-        })
+                   "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, shm, "
+                   "or cuda_ipc (GPU workers on one host: the decode worker exports its KV pool "
+                   "and prefill workers write each layer slice into it; not yet run on a GPU)")
+        ->check(CLI::IsMember({"auto", "tcp", "shm", "cuda_ipc"}))
         ->capture_default_str();
     app.add_option("--store-codec", store_codec,
                    "KV codec level of chunks put into the --store or --kdn-redis: raw, lossless, "

@@ -13,6 +13,7 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
 #include "kdn/engine/open_engine.h"
+#include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/codec.h"
@@ -39,6 +40,12 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
 // and how much KV it holds, for its start-up line. Reads only what does not
 // change after the engine is made, so any thread may call it.
 std::string EngineSummary(engine::Engine& engine);
+
+// The device backend of a worker's cuda_ipc plane (kdn/kvbus/device_ops.h):
+// the CUDA backend of its GPU, or, on a CPU worker, the host backend
+// standing in for a device in the workers' test mode (KDN_DEVICE_OPS=host).
+// FAILED_PRECONDITION, saying why, when there is none.
+Result<kvbus::DeviceOps*> WorkerDeviceOps(const engine::Device& device);
 
 // The worker's KDN view: its own host tier of `host_bytes` (raw KV), over the
 // shared tier `shared_tier` names if one is given (kdn/kvbus/shared_tier.h:

@@ -47,7 +47,8 @@ struct OpenOptions {
   double gpu_mem_fraction = 0;
   // cpu only: OpenMP/OpenBLAS threads, 0 = all cores.
   int threads = 0;
-  // cpu only: where the KV pool lives (EngineOptions::kv_pool_memory).
+  // Where the KV pool lives (EngineOptions::kv_pool_memory on the cpu,
+  // CudaEngineOptions::kv_pool_memory on cuda: device memory there).
   std::function<Result<uint8_t*>(uint64_t bytes)> kv_pool_memory;
   // cpu only: weight matrices kept in the file's format (quantized dot
   // products) or widened to f32 at load (weights.h).

@@ -45,6 +45,10 @@ struct CudaEngineOptions {
   int max_batch = 256;                 // the largest DecodeStep batch
   bool flash_attention = true;         // FlashInfer kernels where built for the shape
   bool cuda_graphs = true;             // decode from captured graphs (needs flash_attention)
+  // Where the KV pool lives: device memory of `device` of the bytes asked
+  // (a decode worker's pool exported for the cuda_ipc plane; it must
+  // outlive the engine). Unset: the engine allocates it.
+  std::function<Result<uint8_t*>(uint64_t bytes)> kv_pool_memory;
 };
 
 // The number of CUDA devices, 0 when there is none or no driver.
