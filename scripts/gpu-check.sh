@@ -16,9 +16,10 @@
 # unpacked release this script sits in (scripts/package.sh), else build/bin.
 # Steps: tests device_thread deploy peer prefill decode multiturn rag_blend
 # blend_fidelity hf kvbus smollm2 deploy_paths turn_phases deploy_bench
-# (serving = multiturn rag_blend blend_fidelity). deploy_paths and
+# planes (serving = multiturn rag_blend blend_fidelity). deploy_paths and
 # deploy_bench run on the SmolLM2 deployment of step smollm2, turn_phases on
-# one of its own at log level debug (KDN_SMOLLM2, default
+# one of its own at log level debug, planes on two of its own (the cuda_ipc
+# plane against the host path: scripts/planes-check.py) (KDN_SMOLLM2, default
 # ~/.cache/kdn/SmolLM2-135M-Instruct.Q4_1.gguf; these steps are skipped,
 # saying so, without the file). deploy and hf need the source tree's
 # tests/ and python3 with pytest, httpx, torch and transformers; the others
@@ -102,14 +103,14 @@ if [ -n "${STEPS:-}" ]; then
   steps=" $STEPS "
 elif [ "$profile" = quick ]; then
   owed=$(owed_steps) || exit 2
-  known=" tests device_thread deploy peer prefill decode multiturn rag_blend blend_fidelity hf kvbus smollm2 deploy_paths turn_phases deploy_bench serving "
+  known=" tests device_thread deploy peer prefill decode multiturn rag_blend blend_fidelity hf kvbus smollm2 deploy_paths turn_phases deploy_bench planes serving "
   for o in $owed; do
     [[ "$known" == *" $o "* ]] || echo "gpu-check: docs/engine.md owes '$o', which is no step of this script" >&2
   done
   steps=" tests smollm2 $(echo $owed) "
   echo "owed (docs/engine.md): ${owed:-nothing}" | tr '\n' ' '; echo
 else
-  steps=" tests deploy peer prefill decode serving hf kvbus smollm2 deploy_paths turn_phases deploy_bench "
+  steps=" tests deploy peer prefill decode serving hf kvbus smollm2 deploy_paths turn_phases deploy_bench planes "
 fi
 steps=${steps/ serving / multiturn rag_blend blend_fidelity }
 want() { [[ "$steps" == *" $1 "* ]]; }
@@ -284,23 +285,28 @@ deploy_bench() {
   "$BIN/kdn-bench" serve-load --url "$1" --clients 32 --requests 1000 --documents 64 \
     --doc-chars 4096 --max-tokens 32 --run-dir "$RUN" --seed 1 --json "$OUT/deploy_serve_load.json"
 }
-if want smollm2 || want deploy_paths || want turn_phases || want deploy_bench; then
+if want smollm2 || want deploy_paths || want turn_phases || want deploy_bench || want planes; then
   if [ ! -f "$SMOL" ]; then
     echo "== smollm2: skipped, no $SMOL (scripts/fetch-smollm2.sh, or KDN_SMOLLM2)"
   else
     step smollm2_generate smollm2_generate
-    echo "== smollm2: kdn-launch up --store --device cuda --model $SMOL"
-    if up_smollm2 "$RUN" "$OUT/deploy_up.out"; then
-      url=$(url_of "$OUT/deploy_up.out")
-      [ -s "$OUT/smollm2_want.json" ] && step smollm2 smollm2_compare "$url"
-      want deploy_paths && step deploy_paths deploy_paths "$url"
-      want deploy_bench && step deploy_bench deploy_bench "$url"
-      down_smollm2 "$RUN" "$OUT/deploy_logs.tgz" || { echo "   kdn-launch down FAILED"; status=1; }
-    else
-      echo "   FAILED: the deployment did not come up"; tail -n 30 "$OUT/deploy_up.out"
-      status=1; failed+=(smollm2)
+    if want smollm2 || want deploy_paths || want deploy_bench; then
+      echo "== smollm2: kdn-launch up --store --device cuda --model $SMOL"
+      if up_smollm2 "$RUN" "$OUT/deploy_up.out"; then
+        url=$(url_of "$OUT/deploy_up.out")
+        [ -s "$OUT/smollm2_want.json" ] && step smollm2 smollm2_compare "$url"
+        want deploy_paths && step deploy_paths deploy_paths "$url"
+        want deploy_bench && step deploy_bench deploy_bench "$url"
+        down_smollm2 "$RUN" "$OUT/deploy_logs.tgz" || { echo "   kdn-launch down FAILED"; status=1; }
+      else
+        echo "   FAILED: the deployment did not come up"; tail -n 30 "$OUT/deploy_up.out"
+        status=1; failed+=(smollm2)
+      fi
     fi
     want turn_phases && step turn_phases turn_phases
+    # The cuda_ipc plane against the host path, each on a deployment of its own.
+    want planes && [ -s "$OUT/smollm2_want.json" ] &&
+      step planes python3 "$HERE/scripts/planes-check.py" "$BIN" "$HERE" "$SMOL" "$OUT"
   fi
 fi
 

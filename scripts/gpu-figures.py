@@ -77,6 +77,21 @@ def main():
             add("cuda-ipc %s, 16K llama3-8b" % r["path"],
                 "%.2f of copy, %.1f GB/s, check %s" % (frac, r["gbytes_per_s"], r["check"]),
                 aim, (frac >= 0.8 and r["check"] == "OK") if aim else None)
+    d = load(out, "planes.json")
+    if d and "rows" in d:
+        for r in d["rows"]:
+            if "error" in r:
+                add("SmolLM2 --kv-transport %s" % r["transport"], "did not come up")
+                continue
+            dec = r.get("decode") or {}
+            add("SmolLM2 --kv-transport %s" % r["transport"],
+                "%d/%d turns equal, 4K TTFT %.0f ms, start copy %d B, decode KV by %s" % (
+                    r["equal"], r["turns"], r["ttft_ms_median"], dec.get("start_copy_bytes", -1),
+                    ",".join(k for k, v in sorted(dec.get("planes", {}).items()) if v > 0)),
+                "equal, cuda_ipc only, no start copy" if r["transport"] == "cuda_ipc" else "",
+                d.get("ok", False) if r["transport"] == "cuda_ipc" else None)
+        if "cuda_ipc_vs_host_ttft" in d:
+            add("4K TTFT cuda_ipc / host path", "%.2fx" % d["cuda_ipc_vs_host_ttft"])
     d = load(out, "multiturn.json")
     if d and "first_to_later_ttft_ratio" in d:
         aims = {"resident": 10, "local": 20}

@@ -3,6 +3,7 @@
 // Read/Write by layer, and its refusal of a device that cannot hold it.
 // Checked on the GPU against the GPU's own Prefill and against the CPU
 // engine on the same weights. Skipped without a GPU.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -190,6 +191,39 @@ TEST(CudaKvCache, RotationThereAndBackAndWriteReadRoundTrip) {
   KDN_ASSERT_OK(kv.Read(seq, last, 11, 21, DType::kBF16,
                         {reinterpret_cast<uint8_t*>(back.data()), back.size() * 2}));
   EXPECT_EQ(back, rows);
+}
+
+// The CUDA pool is one device region (a decode worker exports it for the
+// cuda_ipc plane): bytes put at a layer's LayerRanges are what Read gives
+// back, in bf16, as on the CPU (tests/engine/kv_cache_test.cpp).
+TEST(CudaKvCache, LayerRangesAreWhereAReadsBytesLie) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto g = Tiny();
+  ASSERT_TRUE(g);
+  KvCache& kv = g->kv_cache();
+  const KvPoolMemory mem = kv.Memory();
+  ASSERT_NE(mem.base, nullptr);
+  EXPECT_EQ(mem.dtype, DType::kBF16);
+  EXPECT_GE(mem.device, 0);
+  KvSequence hold = kv.NewSequence(), seq = kv.NewSequence();
+  KDN_ASSERT_OK(kv.Reserve(hold, 16));
+  KDN_ASSERT_OK(kv.Reserve(seq, 48));
+  const int layer = kv.num_layers() - 1;
+  std::vector<KvPoolRange> ranges;
+  KDN_ASSERT_OK(kv.LayerRanges(seq, layer, 10, 32, &ranges));
+  std::vector<uint8_t> bytes(kv.LayerBytes(32, DType::kBF16));
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 + 3);
+  uint64_t at = 0;
+  for (const KvPoolRange& r : ranges) {
+    ASSERT_LE(r.offset + r.bytes, mem.bytes);
+    ASSERT_EQ(cudaMemcpy(mem.base + r.offset, bytes.data() + at, r.bytes, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    at += r.bytes;
+  }
+  EXPECT_EQ(at, bytes.size());
+  std::vector<uint8_t> back(bytes.size());
+  KDN_ASSERT_OK(kv.Read(seq, layer, 10, 32, DType::kBF16, back));
+  EXPECT_EQ(back, bytes);
 }
 
 TEST(CudaEngine, RefusesADeviceItCannotFitWithAClearError) {
