@@ -78,14 +78,7 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
         r->socket_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(max_frame)));
   }
   if (options.shm_landing_bytes > 0) {
-    if (options.shm_landing_bytes < RangeAllocator::kAlign) {
-      return InvalidArgument("kvbus receiver: shm_landing_bytes must be 0 or at least 4096");
-    }
-    KDN_ASSIGN_OR_RETURN(r->landing_, SharedSegment::Create(options.shm_landing_bytes));
-    r->landing_ranges_ = std::make_unique<RangeAllocator>(options.shm_landing_bytes);
-    // An id of its own per receiver: a sender never mistakes a new
-    // receiver's segment at the same endpoint for an old one it mapped.
-    r->landing_region_ = static_cast<uint32_t>(std::random_device{}() | 1u);
+    KDN_ASSIGN_OR_RETURN(r->shm_, ShmLanding::Create(options.shm_landing_bytes));
     r->stats_.shm_landing_bytes = options.shm_landing_bytes;
   }
   if ((options.landing == nullptr) != (options.landing_region == nullptr)) {
@@ -101,9 +94,13 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
                              options.landing_region->ops().name() +
                              " memory (shm lands in host memory; device in a device backend's)");
     }
+    // An id of its own per receiver, as the shm segment's.
+    uint32_t id = 0;
     do {
-      r->pool_region_ = static_cast<uint32_t>(std::random_device{}() | 1u);
-    } while (r->pool_region_ == r->landing_region_);
+      id = static_cast<uint32_t>(std::random_device{}() | 1u);
+    } while (r->shm_ && id == r->shm_->region());
+    r->in_place_ =
+        std::make_unique<RegionLanding>(*options.landing_region, options.landing_kind, id);
   }
   KDN_ZMQ_RETURN_IF_ERROR(r->socket_.bind(zmq_endpoint));
   KDN_ZMQ_RETURN_IF_ERROR(r->endpoint_ = r->socket_.get(zmq::sockopt::last_endpoint));
@@ -133,7 +130,7 @@ ReceiverStats TcpReceiver::Stats() const {
 
 void TcpReceiver::Publish() {
   stats_.waiting_chunks = waiting_.size();
-  if (landing_ranges_) stats_.shm_landed_bytes = landing_ranges_->used_bytes();
+  if (shm_) stats_.shm_landed_bytes = shm_->used_bytes();
   MutexLock lock(mu_);
   published_ = stats_;
 }
@@ -156,8 +153,8 @@ Status TcpReceiver::RunOnce() {
   auto now = TransportClock::now();
   std::optional<TransportClock::time_point> next;
   if (!lease_deadlines_.empty()) next = lease_deadlines_.begin()->first;
-  if (!quarantine_.empty()) {
-    next = next ? std::min(*next, quarantine_.begin()->first) : quarantine_.begin()->first;
+  if (const auto release = shm_ ? shm_->next_release() : std::nullopt) {
+    next = next ? std::min(*next, *release) : *release;
   }
   if (!last_seen_.empty()) next = next ? std::min(*next, next_peer_check_) : next_peer_check_;
   int timeout_ms = -1;
@@ -191,7 +188,7 @@ Status TcpReceiver::RunOnce() {
   }
   now = TransportClock::now();
   ExpireLeases(now);
-  EndQuarantine(now);
+  if (shm_) shm_->EndQuarantine(now);
   if (now >= next_peer_check_) ForgetSilentPeers(now);
   GrantWaiting(now);
   // Before the acks go out, so that a sender that saw its batch done reads
@@ -340,11 +337,11 @@ void TcpReceiver::GrantWaiting(TransportClock::time_point now) {
     WireDecision grant{id.key, WireDecisionKind::kGranted, Status::Ok()};
     // A shm peer gets a range of the segment when one is free; else the
     // bytes come by tcp (a full segment never stalls a transfer).
-    if (landing_ && PeerWrites(id.peer, RegionKind::kShm)) {
-      if (std::optional<uint64_t> at = landing_ranges_->Allocate(it->bytes)) {
+    if (shm_ && PeerWrites(id.peer, RegionKind::kShm)) {
+      if (std::optional<uint64_t> at = shm_->Allocate(it->bytes)) {
         lease.landing = true;
         lease.landing_offset = *at;
-        grant.region = landing_region_;
+        grant.region = shm_->region();
         grant.offset = *at;
       }
     }
@@ -375,19 +372,8 @@ std::optional<TcpReceiver::Lease> TcpReceiver::TakeLease(const LeaseKey& id) {
 
 void TcpReceiver::FreeLanding(const Lease& lease, bool quarantine, TransportClock::time_point now) {
   if (!lease.landing) return;
-  if (quarantine) {
-    quarantine_.emplace(now + options_.lease, std::make_pair(lease.landing_offset, lease.bytes));
-  } else {
-    landing_ranges_->Free(lease.landing_offset, lease.bytes);
-  }
-}
-
-void TcpReceiver::EndQuarantine(TransportClock::time_point now) {
-  while (!quarantine_.empty() && quarantine_.begin()->first <= now) {
-    const auto [offset, bytes] = quarantine_.begin()->second;
-    landing_ranges_->Free(offset, bytes);
-    quarantine_.erase(quarantine_.begin());
-  }
+  shm_->Free(lease.landing_offset, lease.bytes,
+             quarantine ? std::optional(now + options_.lease) : std::nullopt);
 }
 
 void TcpReceiver::ExpireLeases(TransportClock::time_point now) {
@@ -491,7 +477,7 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
     stats_.shm_bytes += h.bytes;
     stats_.bytes_received += h.bytes;
     stats_.planes["shm"] += PlaneStats{1, h.bytes};
-    bytes = landing_->data() + lease->landing_offset;
+    bytes = shm_->data() + lease->landing_offset;
   }
   if (sink_.Contains(h.key)) {
     ++stats_.duplicates;
@@ -555,14 +541,8 @@ Status TcpReceiver::Flush() {
                std::any_of(m.decisions.begin(), m.decisions.end(),
                            [&](const WireDecision& d) { return d.region == region; });
       };
-      if (names(landing_region_)) {
-        m.regions.push_back(WireRegion{landing_region_, landing_->bytes(), landing_->handle()});
-      }
-      if (names(pool_region_)) {
-        const DeviceMemory& pool = *options_.landing_region;
-        m.regions.push_back(
-            WireRegion{pool_region_, pool.bytes(), pool.handle(), options_.landing_kind});
-      }
+      if (shm_ && names(shm_->region())) m.regions.push_back(shm_->Descriptor());
+      if (in_place_ && names(in_place_->region())) m.regions.push_back(in_place_->Descriptor());
       KDN_RETURN_IF_ERROR(send_to(peer, m));
     }
     if (!box.acks.empty()) KDN_RETURN_IF_ERROR(send_to(peer, WireAcks{std::move(box.acks)}));

@@ -28,6 +28,7 @@
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/zmq_curve.h"
 #include "peer_monitor.h"
+#include "receiver_planes.h"
 #include "data_plane.h"
 #include "shm_segment.h"
 #include "tcp_wire.h"
@@ -233,15 +234,14 @@ class TcpReceiver final : public Receiver {
   void Handle(const std::string& peer, const zmq::message_t& head, const zmq::message_t* data);
   void HandleOffer(const std::string& peer, const WireOffer& m);
   void HandleChunk(const std::string& peer, const WireChunkHeader& h, const zmq::message_t* data);
-  // Landing in place (tcp_in_place.cpp): grants a claim, and verifies
-  // (and, from a tcp frame, copies) a claimed chunk's payload where it lands.
+  // Landing in place (tcp_in_place.cpp): grants a claim, and has the
+  // region's plane (receiver_planes.h) verify, or fill from a tcp frame, a
+  // claimed chunk's payload where it lands.
   void GrantInPlace(const std::string& peer, uint64_t batch, const WireOfferEntry& e, Landing claim,
                     std::vector<WireDecision>& out);
   WireDecision InPlaceDecision(const ChunkKey& key, const Lease& lease) const;
   void HandleInPlace(const std::string& peer, const WireChunkHeader& h, const zmq::message_t* data,
                      const Lease& lease);
-  Result<ChunkInfo> LandInPlace(const WireChunkHeader& h, const zmq::message_t* data,
-                                const Landing& claim);
   // The site hears how an in-place lease ended, if it was one.
   void EndClaim(const Lease& lease, const Status& status);
   // Verifies `bytes` bytes at `data` as the chunk `h` announced and Puts them
@@ -258,7 +258,6 @@ class TcpReceiver final : public Receiver {
   // Frees a landing range now, or (`quarantine`) once a further lease has
   // passed: a sender whose grant expired may still be writing to it.
   void FreeLanding(const Lease& lease, bool quarantine, TransportClock::time_point now);
-  void EndQuarantine(TransportClock::time_point now);
   Status Flush();
   void Publish();
 
@@ -287,16 +286,15 @@ class TcpReceiver final : public Receiver {
   std::unordered_map<std::string, TransportClock::time_point> last_seen_;
   TransportClock::time_point next_peer_check_;
   std::map<std::string, Outbox> outbox_;
-  // The shm data plane (none when options_.shm_landing_bytes is 0).
-  std::unique_ptr<SharedSegment> landing_;
-  std::unique_ptr<RangeAllocator> landing_ranges_;
-  uint32_t landing_region_ = 0;  // its id in grants
+  // The receiving halves of the region planes (receiver_planes.h): the shm
+  // landing segment (none when options_.shm_landing_bytes is 0) and the
+  // landing site's region (none without a site).
+  std::unique_ptr<ShmLanding> shm_;
+  std::unique_ptr<RegionLanding> in_place_;
   // The region kinds each peer on this host can write itself (its offers' planes).
   std::unordered_map<std::string, std::vector<RegionKind>> peer_planes_;
   // Whether `peer` on this host can write regions of `kind` itself.
   bool PeerWrites(const std::string& peer, RegionKind kind) const;
-  uint32_t pool_region_ = 0;  // the landing site's region's id in grants (0: none)
-  std::multimap<TransportClock::time_point, std::pair<uint64_t, uint64_t>> quarantine_;
 };
 
 }  // namespace kdn::kvbus
