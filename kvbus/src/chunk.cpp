@@ -50,24 +50,39 @@ const char* KvDTypeName(KvDType t) {
 
 void Chunk::SealHeader(uint8_t* h) {
   const size_t payload = size_ - kHeaderBytes;
+  SealHeaderOf(info_, payload, XXH3_64bits(h + kHeaderBytes, payload), h);
+}
+
+Result<std::array<uint8_t, Chunk::kHeaderBytes>> Chunk::SealedHeader(const ChunkInfo& info,
+                                                                     uint64_t payload_checksum) {
+  if (info.codec != KvCodec::kRaw) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": a header sealed in place is raw");
+  }
+  std::array<uint8_t, kHeaderBytes> h;
+  SealHeaderOf(info, info.payload_bytes(), payload_checksum, h.data());
+  return h;
+}
+
+void Chunk::SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t payload_checksum,
+                         uint8_t* h) {
   std::memset(h, 0, kHeaderBytes);
   std::memcpy(h, kMagic, 8);
-  const bool encoded = info_.codec != KvCodec::kRaw;
+  const bool encoded = info.codec != KvCodec::kRaw;
   Put32(h + kOffVersion, encoded ? kEncodedChunkFormatVersion : kChunkFormatVersion);
-  Put32(h + kOffDType, static_cast<uint32_t>(info_.dtype));
-  info_.key.ToBytes(h + kOffKey);
-  info_.model_fingerprint.ToBytes(h + kOffModel);
-  Put32(h + kOffLayers, info_.layers);
-  Put32(h + kOffKvHeads, info_.kv_heads);
-  Put32(h + kOffHeadDim, info_.head_dim);
-  Put32(h + kOffTokens, info_.tokens);
-  Put64(h + kOffPosition, static_cast<uint64_t>(info_.position));
+  Put32(h + kOffDType, static_cast<uint32_t>(info.dtype));
+  info.key.ToBytes(h + kOffKey);
+  info.model_fingerprint.ToBytes(h + kOffModel);
+  Put32(h + kOffLayers, info.layers);
+  Put32(h + kOffKvHeads, info.kv_heads);
+  Put32(h + kOffHeadDim, info.head_dim);
+  Put32(h + kOffTokens, info.tokens);
+  Put64(h + kOffPosition, static_cast<uint64_t>(info.position));
   Put64(h + kOffPayloadBytes, payload);
-  Put64(h + kOffPayloadSum, XXH3_64bits(h + kHeaderBytes, payload));
+  Put64(h + kOffPayloadSum, payload_checksum);
   if (encoded) {
-    Put32(h + kOffCodec, static_cast<uint32_t>(info_.codec));
-    Put32(h + kOffCodecLevel, info_.codec_level);
-    Put64(h + kOffRawBytes, info_.payload_bytes());
+    Put32(h + kOffCodec, static_cast<uint32_t>(info.codec));
+    Put32(h + kOffCodecLevel, info.codec_level);
+    Put64(h + kOffRawBytes, info.payload_bytes());
   }
   Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
 }

@@ -23,6 +23,7 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/region.h"
 #include "kdn/kvbus/device_ops.h"
+#include "kdn/kvbus/transport.h"
 #include "tcp_wire.h"
 
 namespace kdn::kvbus {
@@ -37,6 +38,34 @@ inline const char* PlaneName(RegionKind kind) {
   }
   return "unknown";
 }
+
+// A chunk a sender delivers: one in host memory, or one it reads where it
+// lies (SourcedChunk, kdn/kvbus/transport.h). Copies share the bytes.
+class OutChunk {
+ public:
+  OutChunk() = default;
+  explicit OutChunk(std::shared_ptr<const Chunk> chunk) : chunk_(std::move(chunk)) {}
+  explicit OutChunk(std::shared_ptr<const SourcedChunk> sourced) : sourced_(std::move(sourced)) {}
+  explicit operator bool() const { return chunk_ || sourced_; }
+
+  const ChunkKey& key() const { return chunk_ ? chunk_->key() : sourced_->info.key; }
+  uint64_t size() const { return chunk_ ? chunk_->size() : sourced_->size(); }
+  uint64_t payload_bytes() const { return size() - Chunk::kHeaderBytes; }
+  std::span<const uint8_t> header() const {
+    return chunk_ ? chunk_->bytes().first(Chunk::kHeaderBytes)
+                  : std::span<const uint8_t>(sourced_->header);
+  }
+  const std::shared_ptr<const Chunk>& chunk() const { return chunk_; }  // null when sourced
+  const SourcedChunk* sourced() const { return sourced_.get(); }
+  // The chunk in host memory: itself, or its payload read through its
+  // backend into a new chunk, which must match its sealed header
+  // (CORRUPTION: the source changed since it was sealed).
+  Result<std::shared_ptr<const Chunk>> InHost() const;
+
+ private:
+  std::shared_ptr<const Chunk> chunk_;
+  std::shared_ptr<const SourcedChunk> sourced_;
+};
 
 // Where a grant puts a chunk: the whole chunk at `offset` of `region`, or (in
 // place) its payload over `extents` of it, in order.
@@ -62,9 +91,11 @@ class RegionPlane {
   // Writes `chunk` where `grant` says, every range checked against the
   // mapped region before a byte moves (nothing written on error: NOT_FOUND
   // for a region not mapped, INVALID_ARGUMENT for a range outside it or
-  // extents that do not add up to the payload). `corrupt` flips one payload
-  // byte where it lands (SenderFaults::corrupt_data).
-  virtual Status Write(const Chunk& chunk, const RegionGrant& grant, bool corrupt) = 0;
+  // extents that do not add up to the payload). A sourced chunk of this
+  // plane's backend is copied from where it lies; one of another backend
+  // is read into host memory first. `corrupt` flips one payload byte where
+  // it lands (SenderFaults::corrupt_data).
+  virtual Status Write(const OutChunk& chunk, const RegionGrant& grant, bool corrupt) = 0;
 };
 
 // The plane of memory a DeviceOps backend opens by handle (every region
@@ -81,7 +112,7 @@ class MemoryPlane final : public RegionPlane {
   bool Mapped(uint32_t region) const override { return table_ids_.count(region) != 0; }
   bool usable() const override { return error_.ok(); }
   const Status& error() const override { return error_; }
-  Status Write(const Chunk& chunk, const RegionGrant& grant, bool corrupt) override;
+  Status Write(const OutChunk& chunk, const RegionGrant& grant, bool corrupt) override;
 
  private:
   struct PeerRegion {
@@ -90,7 +121,7 @@ class MemoryPlane final : public RegionPlane {
   };
   // Where each range of `grant` lies here, one address per range, and the
   // ranges as extents of the region's base.
-  Result<std::pair<uint8_t*, std::vector<Extent>>> Resolve(const Chunk& chunk,
+  Result<std::pair<uint8_t*, std::vector<Extent>>> Resolve(const OutChunk& chunk,
                                                            const RegionGrant& grant) const;
 
   const char* const name_;

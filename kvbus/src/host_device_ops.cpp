@@ -3,8 +3,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/copy_plan.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/shared_segment.h"
 #include "stream_copy.h"
@@ -61,6 +63,24 @@ class HostOps final : public DeviceOps {
   Status Upload(const uint8_t* host, uint8_t* base, std::span<const Extent> extents) override {
     for (const Extent& x : extents) {
       StreamCopy(base + x.offset, host, x.bytes);
+      host += x.bytes;
+    }
+    return Status::Ok();
+  }
+
+  Status Copy(const uint8_t* src_base, std::span<const Extent> src, uint8_t* dst_base,
+              std::span<const Extent> dst) override {
+    std::vector<CopyPiece> pieces;
+    KDN_RETURN_IF_ERROR(SplitExtents(src, dst, ~uint64_t{0}, &pieces));
+    for (const CopyPiece& p : pieces) {
+      StreamCopy(dst_base + p.dst_offset, src_base + p.src_offset, p.bytes);
+    }
+    return Status::Ok();
+  }
+
+  Status Download(const uint8_t* base, std::span<const Extent> extents, uint8_t* host) override {
+    for (const Extent& x : extents) {
+      std::memcpy(host, base + x.offset, x.bytes);
       host += x.bytes;
     }
     return Status::Ok();

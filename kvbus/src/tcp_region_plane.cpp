@@ -1,6 +1,7 @@
 // A kvbus sender's region planes (data_plane.h): the receiver's regions
 // opened through a DeviceOps backend, and chunks written into them.
 
+#include <algorithm>
 #include <utility>
 
 #include "data_plane.h"
@@ -33,8 +34,23 @@ void MemoryPlane::Map(const std::vector<WireRegion>& regions) {
   }
 }
 
+Result<std::shared_ptr<const Chunk>> OutChunk::InHost() const {
+  if (chunk_) return chunk_;
+  const SourcedChunk& s = *sourced_;
+  Status read;
+  KDN_ASSIGN_OR_RETURN(std::shared_ptr<const Chunk> c, Chunk::Build(s.info, [&](uint8_t* p) {
+                         read = s.memory->ops().Download(s.memory->data(), s.extents, p);
+                       }));
+  KDN_RETURN_IF_ERROR(read);
+  if (!std::equal(s.header.begin(), s.header.end(), c->bytes().begin())) {
+    return Corruption("sourced chunk " + s.info.key.ToHex() +
+                      ": its payload changed since its header was sealed");
+  }
+  return c;
+}
+
 Result<std::pair<uint8_t*, std::vector<Extent>>> MemoryPlane::Resolve(
-    const Chunk& chunk, const RegionGrant& grant) const {
+    const OutChunk& chunk, const RegionGrant& grant) const {
   // Region id 0 is never registered: an unmapped region is NOT_FOUND.
   const auto table_id = table_ids_.find(grant.region);
   const uint32_t id = table_id == table_ids_.end() ? 0 : table_id->second;
@@ -50,29 +66,46 @@ Result<std::pair<uint8_t*, std::vector<Extent>>> MemoryPlane::Resolve(
     KDN_RETURN_IF_ERROR(table_.Resolve(id, x.offset, x.bytes, kind, device).status());
     total += x.bytes;
   }
-  if (total != chunk.payload().size()) {
+  if (total != chunk.payload_bytes()) {
     return InvalidArgument("an in-place grant of " + std::to_string(total) +
-                           " bytes for a payload of " + std::to_string(chunk.payload().size()));
+                           " bytes for a payload of " + std::to_string(chunk.payload_bytes()));
   }
   return std::make_pair(base, grant.extents);
 }
 
-Status MemoryPlane::Write(const Chunk& chunk, const RegionGrant& grant, bool corrupt) {
+Status MemoryPlane::Write(const OutChunk& chunk, const RegionGrant& grant, bool corrupt) {
   KDN_ASSIGN_OR_RETURN(auto where, Resolve(chunk, grant));
   auto& [base, extents] = where;
   // In place: the payload alone, piece by piece, into the receiver's
-  // blocks; else the whole chunk at its offset.
+  // blocks; else the whole chunk at its offset, its header first.
   const bool in_place = !grant.extents.empty();
-  const uint8_t* from = in_place ? chunk.payload().data() : chunk.bytes().data();
-  KDN_RETURN_IF_ERROR(ops_.Upload(from, base, extents));
-  if (corrupt && !chunk.payload().empty()) {
+  std::vector<Extent> payload_at = extents;
+  if (!in_place) {
+    const Extent header{grant.offset, Chunk::kHeaderBytes};
+    KDN_RETURN_IF_ERROR(ops_.Upload(chunk.header().data(), base, {&header, 1}));
+    payload_at = {{grant.offset + Chunk::kHeaderBytes, chunk.payload_bytes()}};
+  }
+  const SourcedChunk* s = chunk.sourced();
+  std::shared_ptr<const Chunk> host = chunk.chunk();
+  if (s != nullptr && &s->memory->ops() == &ops_) {
+    // From where it lies, by this backend alone: no host copy.
+    KDN_RETURN_IF_ERROR(ops_.Copy(s->memory->data(), s->extents, base, payload_at));
+  } else {
+    if (!host) {
+      KDN_ASSIGN_OR_RETURN(host, chunk.InHost());
+    }
+    KDN_RETURN_IF_ERROR(ops_.Upload(host->payload().data(), base, payload_at));
+  }
+  if (corrupt && chunk.payload_bytes() > 0) {
     // One payload byte flipped where it landed (SenderFaults::corrupt_data).
-    uint64_t at = (in_place ? 0 : Chunk::kHeaderBytes) + chunk.payload().size() / 2;
-    const uint8_t flipped = from[at] ^ 0x5a;
-    for (const Extent& x : extents) {
+    uint64_t at = chunk.payload_bytes() / 2;
+    for (const Extent& x : payload_at) {
       if (at < x.bytes) {
         const Extent one{x.offset + at, 1};
-        return ops_.Upload(&flipped, base, {&one, 1});
+        uint8_t b = 0;
+        KDN_RETURN_IF_ERROR(ops_.Download(base, {&one, 1}, &b));
+        b ^= 0x5a;
+        return ops_.Upload(&b, base, {&one, 1});
       }
       at -= x.bytes;
     }

@@ -112,13 +112,34 @@ TcpSender::~TcpSender() {
 }
 
 Result<uint64_t> TcpSender::Submit(std::vector<std::shared_ptr<const Chunk>> chunks) {
+  std::vector<OutChunk> out;
+  out.reserve(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (!chunks[i]) return InvalidArgument("kvbus Submit: chunk " + std::to_string(i) + " is null");
+    out.emplace_back(std::move(chunks[i]));
+  }
+  return Enqueue(std::move(out));
+}
+
+Result<uint64_t> TcpSender::SubmitSourced(std::vector<SourcedChunk> chunks) {
+  std::vector<OutChunk> out;
+  out.reserve(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (chunks[i].memory == nullptr) {
+      return InvalidArgument("kvbus SubmitSourced: chunk " + std::to_string(i) + " has no memory");
+    }
+    out.emplace_back(std::make_shared<const SourcedChunk>(std::move(chunks[i])));
+  }
+  return Enqueue(std::move(out));
+}
+
+Result<uint64_t> TcpSender::Enqueue(std::vector<OutChunk> chunks) {
   Batch batch;
   batch.submitted = TransportClock::now();
   batch.slots.resize(chunks.size());
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (!chunks[i]) return InvalidArgument("kvbus Submit: chunk " + std::to_string(i) + " is null");
     Slot& slot = batch.slots[i];
-    slot.result.key = chunks[i]->key();
+    slot.result.key = chunks[i].key();
     slot.chunk = std::move(chunks[i]);
     auto [first, inserted] = batch.index.emplace(slot.result.key, static_cast<uint32_t>(i));
     if (!inserted) {
@@ -189,7 +210,7 @@ void TcpSender::Finish(Batch& batch, uint32_t slot, ChunkOutcome outcome, Status
     s.phase = Phase::kDone;
     s.result.outcome = outcome;
     s.result.status = status;
-    s.chunk.reset();  // the batch no longer needs the bytes
+    s.chunk = OutChunk();  // the batch no longer needs the bytes
     --batch.unfinished;
     --unfinished_;
   };
@@ -280,7 +301,7 @@ Status TcpSender::OfferNewBatches() {
             offers.back().entries.size() >= kMaxOfferEntries) {
           offers.push_back(NewOffer(id));
         }
-        offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk->size()});
+        offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk.size()});
       }
     }
     to_offer_.clear();
@@ -441,7 +462,7 @@ void TcpSender::HandleAcks(const WireAcks& m) {
       if (a.status.ok() && !a.duplicate && s.chunk) {
         PlaneStats& p = stats_.planes[s.plane != nullptr ? s.plane : "tcp"];
         p.chunks += 1;
-        p.bytes += s.chunk->size();
+        p.bytes += s.chunk.size();
       }
       Finish(it->second, slot->second, a.status.ok() ? ChunkOutcome::kSent : ChunkOutcome::kFailed,
              a.status);
@@ -479,7 +500,7 @@ void TcpSender::HandlePong(const WirePong& m) {
             offers.back().entries.size() >= kMaxOfferEntries) {
           offers.push_back(NewOffer(id));
         }
-        offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk->size()});
+        offers.back().entries.push_back(WireOfferEntry{slot.result.key, slot.chunk.size()});
         slot.offered_before_ping = ping_seq_ + 1;
       }
     }
@@ -513,7 +534,7 @@ Status TcpSender::FlushData() {
       out.claimed = true;
     }
     if (!out.header_sent && options_.faults.withhold_data &&
-        options_.faults.withhold_data(out.chunk->key())) {
+        options_.faults.withhold_data(out.chunk.key())) {
       data_.pop_front();
       continue;
     }
@@ -531,9 +552,21 @@ Status TcpSender::FlushData() {
   return Status::Ok();
 }
 
+void TcpSender::FailOutgoing(const Outgoing& out, Status why) {
+  {
+    MutexLock lock(mu_);
+    auto it = batches_.find(out.batch);
+    if (it != batches_.end()) Finish(it->second, out.slot, ChunkOutcome::kFailed, std::move(why));
+  }
+  done_cv_.SignalAll();
+  // Nothing was sent; the receiver frees the grant.
+  Result<zmq::message_t> cancel = EncodeWire(WireCancel{out.batch, {out.chunk.key()}});
+  if (cancel.ok()) control_.push_back(std::move(cancel).value());
+}
+
 Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
   sent = false;
-  const Chunk& chunk = *out.chunk;
+  const OutChunk& chunk = out.chunk;
   const bool in_place = !out.extents.empty();
   if (!out.header_sent) {
     // Every range is checked before a byte is written.
@@ -546,17 +579,9 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
                   chunk, RegionGrant{out.region, out.offset, out.extents},
                   options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key()));
     if (!written.ok()) {
-      MutexLock lock(mu_);
-      auto it = batches_.find(out.batch);
-      if (it != batches_.end()) {
-        Finish(it->second, out.slot, ChunkOutcome::kFailed,
-               written.WithContext(std::string("kvbus ") + (plane ? plane->name() : "region") +
-                                   " grant from " + endpoint_));
-      }
-      done_cv_.SignalAll();
-      // Nothing was written; the receiver frees the grant.
-      Result<zmq::message_t> cancel = EncodeWire(WireCancel{out.batch, {chunk.key()}});
-      if (cancel.ok()) control_.push_back(std::move(cancel).value());
+      FailOutgoing(out,
+                   written.WithContext(std::string("kvbus ") + (plane ? plane->name() : "region") +
+                                       " grant from " + endpoint_));
       sent = true;  // done with it
       return Status::Ok();
     }
@@ -574,7 +599,7 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
   }
   WireChunkHeader h{out.batch, chunk.key(), chunk.size(), /*landed=*/true, {}};
   if (in_place) {
-    h.header.assign(reinterpret_cast<const char*>(chunk.bytes().data()), Chunk::kHeaderBytes);
+    h.header.assign(reinterpret_cast<const char*>(chunk.header().data()), Chunk::kHeaderBytes);
   }
   KDN_ASSIGN_OR_RETURN(zmq::message_t header, EncodeWire(h));
   KDN_ASSIGN_OR_RETURN(sent, TrySend(socket_, header, /*more=*/false));
@@ -584,7 +609,17 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
 Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
   if (out.region != 0) return LandChunk(out, sent);
   sent = false;
-  const Chunk& chunk = *out.chunk;
+  if (!out.chunk.chunk()) {
+    // A sourced chunk goes by tcp from host memory: read it there once.
+    Result<std::shared_ptr<const Chunk>> host = out.chunk.InHost();
+    if (!host.ok()) {
+      FailOutgoing(out, host.status().WithContext("kvbus tcp to " + endpoint_));
+      sent = true;  // done with it
+      return Status::Ok();
+    }
+    out.chunk = OutChunk(std::move(host).value());
+  }
+  const Chunk& chunk = *out.chunk.chunk();
   if (!out.header_sent) {
     KDN_ASSIGN_OR_RETURN(zmq::message_t header,
                          EncodeWire(WireChunkHeader{out.batch, chunk.key(), chunk.size()}));
@@ -601,7 +636,7 @@ Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
   } else {
     // No copy: ZeroMQ reads the chunk's own bytes and drops the reference
     // once they are on the wire or the frame is discarded.
-    KDN_ZMQ_RETURN_IF_ERROR(body = ChunkMessage(out.chunk));
+    KDN_ZMQ_RETURN_IF_ERROR(body = ChunkMessage(out.chunk.chunk()));
   }
   // The header went out with "more": ZeroMQ admits the rest of a message it
   // has started, so this does not report a full queue in practice; if it

@@ -75,6 +75,7 @@ class TcpSender final : public Sender {
   ~TcpSender() override;
 
   Result<uint64_t> Submit(std::vector<std::shared_ptr<const Chunk>> chunks) override;
+  Result<uint64_t> SubmitSourced(std::vector<SourcedChunk> chunks) override;
   Result<BatchStatus> Poll(uint64_t batch) override;
   Result<BatchStatus> Wait(uint64_t batch, std::chrono::milliseconds timeout) override;
   std::string endpoint() const override { return endpoint_; }
@@ -84,7 +85,7 @@ class TcpSender final : public Sender {
   // Where a chunk stands on the sender.
   enum class Phase : uint8_t { kOffered, kGranted, kInFlight, kDone };
   struct Slot {
-    std::shared_ptr<const Chunk> chunk;
+    OutChunk chunk;
     ChunkResult result;
     Phase phase = Phase::kOffered;
     bool duplicate = false;            // a later copy of a key in its batch: not offered
@@ -104,7 +105,7 @@ class TcpSender final : public Sender {
   struct Outgoing {
     uint64_t batch = 0;
     uint32_t slot = 0;
-    std::shared_ptr<const Chunk> chunk;
+    OutChunk chunk;
     bool claimed = false;      // phase set to kInFlight
     bool header_sent = false;  // its header frame is out: its bytes must follow
     uint32_t region = 0;       // granted into the receiver's region (a region plane); 0: tcp
@@ -113,6 +114,10 @@ class TcpSender final : public Sender {
   };
 
   TcpSender(std::string endpoint, const SenderOptions& options);
+  Result<uint64_t> Enqueue(std::vector<OutChunk> chunks);
+  // Fails the chunk `out` names with `why` (nothing of it was sent) and
+  // asks the receiver to free its grant.
+  void FailOutgoing(const Outgoing& out, Status why);
 
   void Run();  // the I/O thread
   Status RunOnce();

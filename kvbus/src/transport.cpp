@@ -2,6 +2,8 @@
 
 #include "kdn/kvbus/transport.h"
 
+#include "kdn/kvbus/copy_plan.h"
+
 namespace kdn::kvbus {
 
 const char* ChunkOutcomeName(ChunkOutcome outcome) {
@@ -33,6 +35,25 @@ Status BatchStatus::ToStatus() const {
                                                      " chunks still pending");
   }
   return Status::Ok();
+}
+
+Result<SourcedChunk> MakeSourcedChunk(const ChunkInfo& info, const DeviceMemory& memory,
+                                      std::vector<Extent> extents) {
+  KDN_RETURN_IF_ERROR(CheckExtentsWithin(extents, memory.bytes(), "sourced chunk"));
+  uint64_t total = 0;
+  for (const Extent& x : extents) total += x.bytes;
+  if (total != info.payload_bytes()) {
+    return InvalidArgument("sourced chunk " + info.key.ToHex() + ": extents of " +
+                           std::to_string(total) + " bytes for a payload of " +
+                           std::to_string(info.payload_bytes()));
+  }
+  KDN_ASSIGN_OR_RETURN(const uint64_t sum, memory.ops().Checksum(memory.data(), extents));
+  SourcedChunk c;
+  KDN_ASSIGN_OR_RETURN(c.header, Chunk::SealedHeader(info, sum));
+  c.info = info;
+  c.memory = &memory;
+  c.extents = std::move(extents);
+  return c;
 }
 
 }  // namespace kdn::kvbus

@@ -17,6 +17,7 @@
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
 #include "recording_store.h"
+#include "sourcing_sender.h"
 #include "transport_conformance.h"
 #include "transport_test_util.h"
 
@@ -27,6 +28,7 @@ using namespace std::chrono_literals;
 using namespace transport_test;  // NOLINT: transport_test_util.h
 using testing::InPlaceReceiver;
 using testing::RecordingStore;
+using testing::SourcingSender;
 
 uint64_t SegmentBytes(const ReceiverOptions& o) {
   return std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20, uint64_t{256} << 20);
@@ -57,6 +59,42 @@ INSTANTIATE_TEST_SUITE_P(DevicePlane, TransportConformance,
                                return Connect(endpoint, o);
                              }}),
                          TransportFactoryName);
+
+// Sourced chunks (read where they lie, SubmitSourced): the same suite with
+// every chunk's payload in a region of the host backend, carried by each
+// plane: copied by the device plane straight into the landing site's device
+// region, by shm into the landing segment, and read into host memory for
+// tcp.
+INSTANTIATE_TEST_SUITE_P(
+    DevicePlaneSourced, TransportConformance,
+    ::testing::Values(TransportFactory{"cuda_ipc_host_sourced_in_place",
+                                       [](ChunkStore& sink, const ReceiverOptions& o) {
+                                         return InPlaceReceiver::Listen(sink, o, SegmentBytes(o),
+                                                                        RegionKind::kDevice);
+                                       },
+                                       [](const std::string& endpoint, SenderOptions o) {
+                                         o.transport = TransportKind::kCudaIpc;
+                                         o.device_ops = &HostDeviceOps();
+                                         return SourcingSender::Connect(endpoint, o);
+                                       }},
+                      TransportFactory{"shm_sourced",
+                                       [](ChunkStore& sink, ReceiverOptions o) {
+                                         o.shm_landing_bytes = SegmentBytes(o);
+                                         return Listen("tcp://127.0.0.1:0", sink, o);
+                                       },
+                                       [](const std::string& endpoint, SenderOptions o) {
+                                         o.transport = TransportKind::kShm;
+                                         return SourcingSender::Connect(endpoint, o);
+                                       }},
+                      TransportFactory{"tcp_sourced",
+                                       [](ChunkStore& sink, const ReceiverOptions& o) {
+                                         return Listen("tcp://127.0.0.1:0", sink, o);
+                                       },
+                                       [](const std::string& endpoint, SenderOptions o) {
+                                         o.transport = TransportKind::kTcp;
+                                         return SourcingSender::Connect(endpoint, o);
+                                       }}),
+    TransportFactoryName);
 
 TEST(DevicePlane, TheHostBackendOpensWritesAndChecksumsByHandle) {
   DeviceOps& ops = HostDeviceOps();
@@ -226,6 +264,63 @@ TEST(DevicePlane, ARegionThatCannotBeOpenedFailsCudaIpcAndAutoFallsBackToTcp) {
       EXPECT_EQ(sender->Stats().plane("tcp").chunks, 1u);
     }
   }
+}
+
+// A sourced chunk: its header sealed over the payload where it lies; bad
+// extents refused; a source changed after sealing caught on every plane.
+TEST(DevicePlane, SourcedChunksAreSealedWhereTheyLieAndCaughtWhenTheyChange) {
+  const ChunkPtr c = MakeChunk(60, 16);
+  KDN_ASSERT_OK_AND_ASSIGN(auto pool, HostDeviceOps().Allocate(1 << 20));
+  const uint64_t n = c->payload().size();
+  const std::vector<Extent> extents = {{4096, n / 2}, {64, n - n / 2}};
+  std::copy_n(c->payload().data(), n / 2, pool->data() + 4096);
+  std::copy_n(c->payload().data() + n / 2, n - n / 2, pool->data() + 64);
+  KDN_ASSERT_OK_AND_ASSIGN(SourcedChunk s, MakeSourcedChunk(c->info(), *pool, extents));
+  EXPECT_TRUE(std::equal(s.header.begin(), s.header.end(), c->bytes().begin()))
+      << "the same header as the chunk's own";
+  EXPECT_EQ(s.size(), c->size());
+  const std::vector<Extent> short_by_one = {{64, n - 1}};
+  EXPECT_EQ(MakeSourcedChunk(c->info(), *pool, short_by_one).status().code(),
+            StatusCode::kInvalidArgument);
+  const std::vector<Extent> outside = {{(1 << 20) - 8, n}};
+  EXPECT_EQ(MakeSourcedChunk(c->info(), *pool, outside).status().code(),
+            StatusCode::kInvalidArgument);
+
+  // Changed after sealing: the receiver finds the checksum wrong where it
+  // landed (device plane), the sender when it reads it for tcp.
+  pool->data()[64] ^= 0xff;
+  for (TransportKind kind : {TransportKind::kCudaIpc, TransportKind::kTcp}) {
+    Rig rig(RegionKind::kDevice, DeviceSender(kind));
+    KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, rig.sender->SubmitSourced({s}));
+    KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, rig.sender->Wait(batch, kNoHang));
+    ASSERT_TRUE(st.done);
+    EXPECT_EQ(st.chunks[0].status.code(), StatusCode::kCorruption)
+        << TransportKindName(kind) << ": " << st.chunks[0].status.ToString();
+    EXPECT_FALSE(rig.sink.Contains(c->key()));
+  }
+  SourcedChunk none = s;
+  none.memory = nullptr;
+  Rig rig(RegionKind::kDevice, DeviceSender());
+  EXPECT_EQ(rig.sender->SubmitSourced({none}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// The device plane copies a sourced payload from its extents straight into
+// the landing site's blocks: what lands is the chunk's payload, and the
+// sender's figures count it under cuda_ipc.
+TEST(DevicePlane, ASourcedChunkIsCopiedFromWhereItLiesIntoTheClaimedBlocks) {
+  const ChunkPtr c = MakeChunk(70, 16);
+  KDN_ASSERT_OK_AND_ASSIGN(auto pool, HostDeviceOps().Allocate(1 << 16));
+  const uint64_t n = c->payload().size();
+  std::copy_n(c->payload().data(), n, pool->data() + 512);
+  KDN_ASSERT_OK_AND_ASSIGN(SourcedChunk s, MakeSourcedChunk(c->info(), *pool, {{512, n}}));
+  Rig rig(RegionKind::kDevice, DeviceSender());
+  KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, rig.sender->SubmitSourced({s}));
+  KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, rig.sender->Wait(batch, kNoHang));
+  KDN_ASSERT_OK(st.ToStatus());
+  KDN_ASSERT_OK_AND_ASSIGN(auto got, rig.sink.Get(c->key()));
+  EXPECT_TRUE(std::equal(got->bytes().begin(), got->bytes().end(), c->bytes().begin()));
+  EXPECT_EQ(rig.receiver->Stats().in_place_plane_chunks, 1u);
+  EXPECT_EQ(rig.sender->Stats().plane("cuda_ipc").chunks, 1u);
 }
 
 }  // namespace

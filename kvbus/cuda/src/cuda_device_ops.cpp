@@ -110,6 +110,28 @@ class CudaOps final : public DeviceOps {
     return Status::Ok();
   }
 
+  Status Copy(const uint8_t* src_base, std::span<const Extent> src, uint8_t* dst_base,
+              std::span<const Extent> dst) override {
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    // One kernel, however many extents (copy_extents.h); then the wait that
+    // makes the bytes the destination owner's.
+    KDN_RETURN_IF_ERROR(CopyExtents(src_base, src, dst_base, dst, nullptr));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
+    return Status::Ok();
+  }
+
+  Status Download(const uint8_t* base, std::span<const Extent> extents, uint8_t* host) override {
+    const uint64_t n = Total(extents);
+    if (n == 0) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mu_);
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_RETURN_IF_ERROR(Reserve(n));
+    const Extent whole{0, n};
+    KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, nullptr));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpy(host, stage_, n, cudaMemcpyDeviceToHost));
+    return Status::Ok();
+  }
+
   Result<uint64_t> Checksum(const uint8_t* base, std::span<const Extent> extents) override {
     const uint64_t n = Total(extents);
     std::lock_guard<std::mutex> lock(mu_);

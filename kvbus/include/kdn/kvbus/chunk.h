@@ -11,6 +11,7 @@
 // codec's stream of it: kdn/kvbus/codec.h). The key, shape and dtype are the
 // raw chunk's either way; the checksum covers the bytes stored.
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -94,6 +95,13 @@ class Chunk {
   // write to those bytes afterwards (chunks are immutable).
   static Result<std::shared_ptr<const Chunk>> Parse(std::shared_ptr<const uint8_t> data,
                                                     size_t size);
+  // The header of a raw chunk of `info` whose payload's XXH3-64 is
+  // `payload_checksum` (PayloadChecksum over it where it lies): what
+  // announces a chunk a sender reads in place rather than from a Chunk
+  // (kdn/kvbus/transport.h, SourcedChunk). INVALID_ARGUMENT for an encoded
+  // info.
+  static Result<std::array<uint8_t, kHeaderBytes>> SealedHeader(const ChunkInfo& info,
+                                                                uint64_t payload_checksum);
   // Parses and verifies a header of kHeaderBytes alone (magic, its own
   // checksum, version, codec, dtype, a possible shape, and a payload size
   // that agrees with the shape); its payload is the caller's to check
@@ -113,6 +121,9 @@ class Chunk {
   // Writes the header for info_ over the first kHeaderBytes of `bytes`
   // (size_ in all), checksums included.
   void SealHeader(uint8_t* bytes);
+  // The same for a payload of `payload` bytes whose checksum is given.
+  static void SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t payload_checksum,
+                           uint8_t* h);
   ChunkInfo info_;
   std::shared_ptr<const uint8_t> data_;  // size_ bytes: header, then payload
   size_t size_ = 0;

@@ -77,6 +77,16 @@ class DeviceOps {
   // returns OK the bytes are visible to the memory's owner. The caller has
   // checked the extents against the memory's bounds.
   virtual Status Upload(const uint8_t* host, uint8_t* base, std::span<const Extent> extents) = 0;
+  // Copies the bytes of `src` extents of `src_base` onto `dst` extents of
+  // `dst_base` (both memory of this backend: its own or a peer's opened
+  // here), in order, the two lists cut anywhere but holding the same total.
+  // Done (visible to the destination's owner) when it returns OK.
+  // INVALID_ARGUMENT, nothing copied, when the totals differ.
+  virtual Status Copy(const uint8_t* src_base, std::span<const Extent> src, uint8_t* dst_base,
+                      std::span<const Extent> dst) = 0;
+  // Reads the bytes of `extents` of `base` (memory of this backend), in
+  // order, into `host` (host memory, as many bytes as they hold).
+  virtual Status Download(const uint8_t* base, std::span<const Extent> extents, uint8_t* host) = 0;
   // XXH3-64 of the bytes of `extents` of `base`, in order: equal to
   // PayloadChecksum (kdn/kvbus/chunk.h) of the same bytes in host memory.
   virtual Result<uint64_t> Checksum(const uint8_t* base, std::span<const Extent> extents) = 0;

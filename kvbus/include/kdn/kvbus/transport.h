@@ -50,6 +50,7 @@
 // have been slow); chunks already stored stay (they are verified and
 // content-addressed).
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -299,6 +300,26 @@ struct ReceiverStats {
   uint64_t in_place_plane_chunks = 0;
 };
 
+// A chunk the sender reads where it lies rather than from a Chunk in host
+// memory: a layer slice of the sender's own KV pool, whose payload is
+// extents of memory of a DeviceOps backend, in payload order. Made by
+// MakeSourcedChunk; see Sender::SubmitSourced.
+struct SourcedChunk {
+  ChunkInfo info;  // raw; the payload is info.payload_bytes()
+  // Sealed over the payload where it lies (Chunk::SealedHeader).
+  std::array<uint8_t, Chunk::kHeaderBytes> header{};
+  const DeviceMemory* memory = nullptr;  // borrowed
+  std::vector<Extent> extents;
+  uint64_t size() const { return Chunk::kHeaderBytes + info.payload_bytes(); }
+};
+
+// The chunk `info` whose payload is `extents` of `memory`: checksummed
+// through the memory's backend, its header sealed. INVALID_ARGUMENT for an
+// encoded info, an extent outside the memory, or extents that do not hold
+// the payload exactly.
+Result<SourcedChunk> MakeSourcedChunk(const ChunkInfo& info, const DeviceMemory& memory,
+                                      std::vector<Extent> extents);
+
 // The sending end of one connection to one receiver. Thread-safe: Submit,
 // Poll and Wait may be called from any threads. One background I/O thread
 // per Sender; the destructor stops it (unfinished chunks are abandoned, and
@@ -321,6 +342,16 @@ class Sender {
   // Blocks until `batch` is done or `timeout` passes, then returns as Poll
   // does (done is false on a timeout). Never blocks longer than `timeout`.
   virtual Result<BatchStatus> Wait(uint64_t batch, std::chrono::milliseconds timeout) = 0;
+
+  // As Submit, for chunks read where they lie. A region plane of the
+  // source's backend copies each payload straight from its extents into
+  // the receiver's region (DeviceOps::Copy: no host copy); a plane of
+  // another backend, or tcp, reads it into host memory first (the bytes
+  // read must match the sealed header, else the chunk fails with
+  // CORRUPTION). The source's memory must outlive the batch, and its bytes
+  // stay unchanged until the batch is done. INVALID_ARGUMENT for a chunk
+  // without memory.
+  virtual Result<uint64_t> SubmitSourced(std::vector<SourcedChunk> chunks) = 0;
 
   // The receiver's endpoint this sender delivers to.
   virtual std::string endpoint() const = 0;
