@@ -532,6 +532,15 @@ Status TcpSender::FlushData() {
       }
       it->second.slots[out.slot].phase = Phase::kInFlight;
       out.claimed = true;
+    } else if (!out.header_sent) {
+      // Failed meanwhile (a silent receiver, a lost connection): nothing of
+      // it is read any more, its source (a SourcedChunk's blocks) included.
+      MutexLock lock(mu_);
+      auto it = batches_.find(out.batch);
+      if (it == batches_.end() || it->second.slots[out.slot].phase == Phase::kDone) {
+        data_.pop_front();
+        continue;
+      }
     }
     if (!out.header_sent && options_.faults.withhold_data &&
         options_.faults.withhold_data(out.chunk.key())) {

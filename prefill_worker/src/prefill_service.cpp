@@ -30,6 +30,11 @@ struct QueuedJob {
 struct PrefillService::Impl {
   // Constant after Start.
   PrefillServiceOptions options;
+  // The engine's KV pool, in memory of a DeviceOps backend, that pushed
+  // slices are read from (PrefillerOptions::kv_pool): the host backend's on
+  // a CPU, the CUDA backend's with --kv-transport cuda_ipc; null otherwise
+  // (the engine's own). Outlives the engine and the Prefiller's senders.
+  std::unique_ptr<kvbus::DeviceMemory> pool;
   control::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<Prefiller> prefiller;  // the compute thread's alone
@@ -266,7 +271,21 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   if (options.chunk_tokens <= 0) return InvalidArgument("--chunk-tokens must be positive");
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, options.engine));
+  engine::OpenOptions eo = options.engine;
+  kvbus::DeviceOps* pool_ops = nullptr;
+  if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
+    KDN_ASSIGN_OR_RETURN(pool_ops, control::WorkerDeviceOps(eo.device));
+  } else if (!eo.device.cuda()) {
+    pool_ops = &kvbus::HostDeviceOps();
+  }
+  Impl* raw = impl.get();
+  if (pool_ops != nullptr) {
+    eo.kv_pool_memory = [raw, pool_ops](uint64_t bytes) -> Result<uint8_t*> {
+      KDN_ASSIGN_OR_RETURN(raw->pool, pool_ops->Allocate(bytes));
+      return raw->pool->data();
+    };
+  }
+  KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(
       impl->store,
       control::MakeWorkerStore(
@@ -287,12 +306,12 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   }
   po.sender.curve = options.curve;
   po.store_in_background = true;
+  po.kv_pool = impl->pool.get();
   impl->prefiller =
       std::make_unique<Prefiller>(*impl->wm.model, *impl->store, impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();
   impl->total_blocks = impl->wm.model->kv_cache().num_blocks();
   impl->free_blocks = impl->wm.model->kv_cache().free_blocks();
-  Impl* raw = impl.get();
   KDN_ASSIGN_OR_RETURN(
       impl->server, control::ControlServer::Start(
                         options.listen,

@@ -55,10 +55,59 @@ struct Prefiller::Push {
   std::vector<kvbus::KvRegion> regions;
   kvbus::Sender* sender = nullptr;
   std::vector<uint64_t> batches;
+  size_t settled = 0;    // batches Finish has seen done
+  uint32_t sourced = 0;  // slices submitted as SourcedChunks
+
+  // Sourced slices are read from seq's blocks until their batch is done: a
+  // job that ends early (a failed prefill or push) waits for the rest here
+  // before the blocks can be reused (a dead or silent decode worker fails
+  // them within the sender's timeouts).
+  ~Push() {
+    if (sender == nullptr) return;
+    for (size_t i = settled; i < batches.size(); ++i) {
+      (void)sender->Wait(batches[i], self.options_.push_timeout);
+    }
+  }
+
+  // Layer `layer` of every region read where it lies in the pool, or an
+  // error when one of them cannot be (a block the sequence shares, a pool
+  // of another dtype than the slices').
+  Result<std::vector<kvbus::SourcedChunk>> Sourced(int layer) const {
+    const engine::KvCache& cache = self.model_.kv_cache();
+    if (kvbridge::ChunkDType(cache.Memory().dtype) != self.chunk_dtype_) {
+      return FailedPrecondition("the pool's dtype is not the slices'");
+    }
+    std::vector<kvbus::SourcedChunk> out;
+    std::vector<engine::KvPoolRange> ranges;
+    for (const kvbus::KvRegion& r : regions) {
+      KDN_RETURN_IF_ERROR(cache.LayerRanges(seq, layer, r.first, r.count, &ranges));
+      const kvbus::ChunkInfo info{kvbus::LayerSliceKey(r.parent, layer),
+                                  self.fingerprint_,
+                                  1,
+                                  static_cast<uint32_t>(cache.num_kv_heads()),
+                                  static_cast<uint32_t>(cache.head_dim()),
+                                  static_cast<uint32_t>(r.count),
+                                  self.chunk_dtype_,
+                                  r.first};
+      KDN_ASSIGN_OR_RETURN(kvbus::SourcedChunk s,
+                           kvbus::MakeSourcedChunk(info, *self.options_.kv_pool, ranges));
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
 
   // Layer `layer` of every region, once it is final in `seq`.
   Status Layer(int layer) {
     if (sender == nullptr) return Status::Ok();
+    if (self.options_.kv_pool != nullptr) {
+      if (Result<std::vector<kvbus::SourcedChunk>> sourced = Sourced(layer); sourced.ok()) {
+        const auto n = static_cast<uint32_t>(sourced->size());
+        KDN_ASSIGN_OR_RETURN(uint64_t batch, sender->SubmitSourced(std::move(sourced).value()));
+        batches.push_back(batch);
+        this->sourced += n;
+        return Status::Ok();
+      }
+    }
     std::vector<std::shared_ptr<const kvbus::Chunk>> slices;
     slices.reserve(regions.size());
     for (const kvbus::KvRegion& r : regions) {
@@ -75,12 +124,14 @@ struct Prefiller::Push {
 
   // Waits until the decode worker has every slice.
   Status Finish(PrefillOutcome* out) {
+    out->slices_sourced = sourced;
     const auto deadline = std::chrono::steady_clock::now() + self.options_.push_timeout;
     for (uint64_t batch : batches) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
       KDN_ASSIGN_OR_RETURN(kvbus::BatchStatus bs,
                            sender->Wait(batch, std::max(left, std::chrono::milliseconds(0))));
+      if (bs.done) ++settled;
       Status st = bs.ToStatus();
       if (!st.ok()) {
         return Status(

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "../engine/test_util.h"
+#include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transfer_plan.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -370,6 +371,62 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->kv_bytes_sent, 0u);
   EXPECT_EQ(again->slices_skipped, 5u * layers);
+}
+
+// With the pool in memory of the host backend (as a worker allocates it),
+// slices are sourced from the request's own blocks: shm copies them from
+// there into the receiver's landing segment, and what arrives is, byte for
+// byte, what the chunk-building path sends.
+TEST(Prefiller, SlicesSourcedFromThePoolArriveAsTheBuiltOnesDo) {
+  std::unique_ptr<kvbus::DeviceMemory> pool;
+  engine::EngineOptions eo;
+  eo.kv_pool_memory = [&](uint64_t bytes) -> Result<uint8_t*> {
+    KDN_ASSIGN_OR_RETURN(pool, kvbus::HostDeviceOps().Allocate(bytes));
+    return pool->data();
+  };
+  auto model = MakeModel("tiny", 7, eo);
+  ASSERT_NE(pool, nullptr);
+  auto built_model = MakeModel("tiny", 7);
+  PrefillJob job;
+  job.tokens = RandomTokens(75, 258, 6);
+  job.sampling.temperature = 0;
+  job.transfer_id = "request-1";
+  const kvbus::ChunkKey fp{1, 2};
+  std::vector<std::unique_ptr<kvbus::HostTier>> sinks;
+  std::vector<kvbus::ReceiverStats> stats;
+  std::vector<uint32_t> sourced;
+  for (engine::CpuEngine* m : {model.get(), built_model.get()}) {
+    auto store = HostStore();
+    PrefillerOptions o = Options();
+    if (m == model.get()) o.kv_pool = pool.get();
+    Prefiller p(*m, *store, fp, o);
+    sinks.push_back(std::make_unique<kvbus::HostTier>(64u << 20));
+    kvbus::ReceiverOptions ro;
+    ro.shm_landing_bytes = 16u << 20;
+    auto receiver = kvbus::Listen("tcp://127.0.0.1:0", *sinks.back(), ro);
+    ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+    job.decode_endpoint = (*receiver)->endpoint();
+    auto out = p.Run(job);
+    ASSERT_TRUE(out.ok()) << out.status().ToString();
+    stats.push_back((*receiver)->Stats());
+    sourced.push_back(out->slices_sourced);
+  }
+  const auto keys = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
+  const auto regions = kvbus::TransferRegions(keys, 75, kChunk, 0, job.transfer_id);
+  for (int l = 0; l < model->config().num_layers; ++l) {
+    for (const kvbus::KvRegion& r : regions) {
+      const kvbus::ChunkKey k = kvbus::LayerSliceKey(r.parent, l);
+      auto sourced = sinks[0]->Get(k);
+      auto built = sinks[1]->Get(k);
+      ASSERT_TRUE(sourced.ok() && built.ok()) << "layer " << l << " of region at " << r.first;
+      EXPECT_TRUE(std::equal((*sourced)->bytes().begin(), (*sourced)->bytes().end(),
+                             (*built)->bytes().begin(), (*built)->bytes().end()));
+    }
+  }
+  const auto slices = regions.size() * model->config().num_layers;
+  EXPECT_EQ(sourced[0], slices) << "every slice read where it lies";
+  EXPECT_EQ(sourced[1], 0u);
+  EXPECT_EQ(stats[0].shm_chunks, slices);
 }
 
 // BOS, three documents and a question, as a blend job.

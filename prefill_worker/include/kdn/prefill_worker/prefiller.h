@@ -88,6 +88,9 @@ struct PrefillOutcome {
   // Layer slices not sent because the decode worker held them: the chunks it
   // said it holds, and slices its receiver answered HELD for.
   uint32_t slices_skipped = 0;
+  // Of the slices pushed, those read where they lie in the pool
+  // (PrefillerOptions::kv_pool) rather than built as chunks first.
+  uint32_t slices_sourced = 0;
 };
 
 struct PrefillerOptions {
@@ -109,6 +112,14 @@ struct PrefillerOptions {
   bool store_in_background = false;
   // A blend's quality target's slope (blend::BlendOptions::kl_per_residual).
   double blend_kl_per_residual = blend::kDefaultKlPerResidual;
+  // The engine's KV pool as memory of a DeviceOps backend (the worker
+  // allocates it so, kdn/kvbus/device_ops.h); borrowed, it must outlive the
+  // Prefiller. Set: pushed layer slices are sourced from the request's own
+  // blocks (kvbus::SourcedChunk), which a region plane of the pool's
+  // backend copies straight into the decode worker's blocks; null, or a
+  // slice in a block the sequence shares: each slice is built as a chunk in
+  // host memory first.
+  const kvbus::DeviceMemory* kv_pool = nullptr;
 };
 
 class Prefiller {
