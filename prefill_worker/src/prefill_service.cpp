@@ -306,7 +306,8 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   }
   po.sender.curve = options.curve;
   po.store_in_background = true;
-  po.kv_pool = impl->pool.get();
+  // Over tcp a sourced slice is read into a chunk anyway: built at once.
+  po.kv_pool = options.kv_transport == kvbus::TransportKind::kTcp ? nullptr : impl->pool.get();
   impl->prefiller =
       std::make_unique<Prefiller>(*impl->wm.model, *impl->store, impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();
