@@ -85,10 +85,12 @@ def main():
                 continue
             dec = r.get("decode") or {}
             add("SmolLM2 --kv-transport %s" % r["transport"],
-                "%d/%d turns equal, 4K TTFT %.0f ms, start copy %d B, decode KV by %s" % (
+                "%d/%d equal, 4K TTFT %.0f ms, start copy %d B, by %s, %d sourced" % (
                     r["equal"], r["turns"], r["ttft_ms_median"], dec.get("start_copy_bytes", -1),
-                    ",".join(k for k, v in sorted(dec.get("planes", {}).items()) if v > 0)),
-                "equal, cuda_ipc only, no start copy" if r["transport"] == "cuda_ipc" else "",
+                    ",".join(k for k, v in sorted(dec.get("planes", {}).items()) if v > 0),
+                    dec.get("slices_sourced", 0)),
+                "equal, cuda_ipc only, sourced, no start copy"
+                if r["transport"] == "cuda_ipc" else "",
                 d.get("ok", False) if r["transport"] == "cuda_ipc" else None)
         if "cuda_ipc_vs_host_ttft" in d:
             add("4K TTFT cuda_ipc / host path", "%.2fx" % d["cuda_ipc_vs_host_ttft"])

@@ -14,8 +14,9 @@ environment (the host backend standing in for a device), runs the same
 check on a CPU machine: how the script itself is tested.
 
 Writes OUT_DIR/planes.json; exits 1 unless the cuda_ipc deployment answers as
-kdn-generate does, its KV came by cuda_ipc alone and nothing was copied at
-Start. Standard library only.
+kdn-generate does, its KV came by cuda_ipc alone, the prefill worker read
+the slices where they lie in its pool (kdn_kv_slices_sourced_total) and
+nothing was copied at Start. Standard library only.
 """
 
 import json
@@ -97,9 +98,13 @@ def ttft_ms(url, seed):
 
 
 def decode_metrics(url):
+    """The decode worker's KV figures, and the slices prefill workers read
+    where they lie in their pool."""
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     out = {"planes": {}}
     for line in text.splitlines():
+        if line.startswith("kdn_kv_slices_sourced_total "):
+            out["slices_sourced"] = float(line.split()[-1])
         if 'role="decode"' not in line:
             continue
         m = re.match(r'kdn_worker_kv_transport_bytes_total\{.*transport="([a-z_]+)".*\} (\S+)', line)
@@ -149,7 +154,8 @@ def main():
     planes = (ipc.get("decode") or {}).get("planes", {})
     ok = (ipc.get("equal") == len(turns) and planes.get("cuda_ipc", 0) > 0
           and all(v == 0 for k, v in planes.items() if k != "cuda_ipc")
-          and (ipc.get("decode") or {}).get("start_copy_bytes", 1) == 0)
+          and (ipc.get("decode") or {}).get("start_copy_bytes", 1) == 0
+          and (ipc.get("decode") or {}).get("slices_sourced", 0) > 0)
     result = {"rows": rows, "ok": ok}
     if ipc.get("ttft_ms_median") and auto.get("ttft_ms_median"):
         result["cuda_ipc_vs_host_ttft"] = ipc["ttft_ms_median"] / auto["ttft_ms_median"]

@@ -133,6 +133,7 @@ struct PrefillService::Impl {
       pr->set_computed_tokens(out->computed_tokens);
       pr->set_kv_bytes_sent(out->kv_bytes_sent);
       pr->set_slices_skipped(out->slices_skipped);
+      pr->set_slices_sourced(out->slices_sourced);
       pr->set_blended_tokens(out->blended_tokens);
       pr->set_recomputed_tokens(out->recomputed_tokens);
       pr->set_recompute_ratio(out->recompute_ratio);
@@ -152,9 +153,11 @@ struct PrefillService::Impl {
       LogInfo("{} computed: {} tokens in full, {} blended tokens recomputed; {:.1f} ms in all", req,
               out->computed_tokens, out->recomputed_tokens, secs * 1e3);
       if (!q.job.decode_endpoint.empty()) {
-        LogInfo("{} KV sent: {} bytes to {} (transfer {}), {} slices skipped", req,
-                out->kv_bytes_sent, q.job.decode_endpoint, HexBytes{q.job.transfer_id},
-                out->slices_skipped);
+        LogInfo(
+            "{} KV sent: {} bytes to {} (transfer {}), {} slices skipped, {} read where they "
+            "lie in the pool",
+            req, out->kv_bytes_sent, q.job.decode_endpoint, HexBytes{q.job.transfer_id},
+            out->slices_skipped, out->slices_sourced);
       }
     } else {
       control::StatusToProto(out.status(), pr->mutable_error());

@@ -202,10 +202,11 @@ void Metrics::GeneratedTokens(int n) {
   Current().generated_tokens += static_cast<uint64_t>(n);
 }
 
-void Metrics::KvMoved(uint64_t bytes, uint64_t slices_skipped) {
+void Metrics::KvMoved(uint64_t bytes, uint64_t slices_skipped, uint64_t slices_sourced) {
   MutexLock lock(mu_);
   f_.kv_bytes += bytes;
   f_.slices_skipped += slices_skipped;
+  f_.slices_sourced += slices_sourced;
 }
 
 void Metrics::AcceptFailed() {
@@ -284,6 +285,10 @@ std::string RenderMetrics(const StatusSnapshot& s) {
          "KV bytes sent from prefill to decode workers.", f.kv_bytes);
   Single(&out, "kdn_kv_chunks_skipped_total", "counter",
          "KV layer slices not sent because the decode worker held them.", f.slices_skipped);
+  Single(&out, "kdn_kv_slices_sourced_total", "counter",
+         "KV layer slices prefill workers pushed from where they lie in their KV pool, with no "
+         "chunk built in host memory.",
+         f.slices_sourced);
   Head(&out, "kdn_worker_up", "gauge", "1 while a worker answers.");
   auto labels = [](const WorkerView& w) {
     return "{worker=\"" + Label(w.name) + "\",role=\"" + RoleName(w.role) + "\"} ";

@@ -113,7 +113,7 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
                              pr.blended_tokens() - pr.recomputed_tokens(), pr.recomputed_tokens(),
                              pr.computed_tokens(), pr.tail_tokens());
     }
-    metrics_->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped());
+    metrics_->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped(), pr.slices_sourced());
     if (!resumed && r.job.blend.has_value()) metrics_->BlendRatio(pr.recompute_ratio());
   }
   // Step 5: the first token goes to the client now, shown by the decode

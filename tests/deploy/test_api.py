@@ -397,6 +397,7 @@ METRICS = {
     "kdn_generated_tokens_total": "counter",
     "kdn_kv_bytes_moved_total": "counter",
     "kdn_kv_chunks_skipped_total": "counter",
+    "kdn_kv_slices_sourced_total": "counter",
     "kdn_worker_up": "gauge",
     "kdn_worker_queue_depth": "gauge",
     "kdn_worker_free_kv_blocks": "gauge",

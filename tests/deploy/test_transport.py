@@ -67,6 +67,10 @@ def test_kv_lands_in_place_by_the_plane_the_topology_or_the_flag_picks(tiny_mode
         used = "tcp" if transport == "tcp" else "shm"
         wait_for_plane(d, used)
         samples = parse_metrics(d.metrics())
+        # A CPU prefill worker reads the slices it pushes where they lie in
+        # its pool, unless it sends by tcp (where they become chunks anyway).
+        sourced = metric(samples, "kdn_kv_slices_sourced_total")
+        assert (sourced > 0) == (transport != "tcp"), sourced
         assert metric(samples, "kdn_worker_kv_transport_chunks_total", worker="decode-0",
                       role="decode", transport=used) > 0
         assert metric(samples, "kdn_worker_kv_transport_seconds_total", worker="prefill-0",
@@ -98,6 +102,7 @@ def test_the_cuda_ipc_plane_over_the_host_backend_serves_kdn_generates_text(tiny
         assert {w["kv_transport"] for w in health["workers"]} == {"cuda_ipc"}, health
         out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
         wait_for_plane(d, "cuda_ipc")
+        assert metric(parse_metrics(d.metrics()), "kdn_kv_slices_sourced_total") > 0
         assert_landed_in_place(d)
     finally:
         d.down()

@@ -399,9 +399,10 @@ TEST(Metrics, RendersEveryDocumentedFamilyAndEscapesLabels) {
   for (const char* name :
        {"kdn_requests_total", "kdn_requests_in_flight", "kdn_ttft_seconds",
         "kdn_inter_token_seconds", "kdn_prompt_tokens_total", "kdn_generated_tokens_total",
-        "kdn_kv_bytes_moved_total", "kdn_kv_chunks_skipped_total", "kdn_worker_up",
-        "kdn_worker_queue_depth", "kdn_worker_free_kv_blocks", "kdn_injected_documents_total",
-        "kdn_injected_tokens_total", "kdn_prompt_tail_tokens_total"}) {
+        "kdn_kv_bytes_moved_total", "kdn_kv_chunks_skipped_total", "kdn_kv_slices_sourced_total",
+        "kdn_worker_up", "kdn_worker_queue_depth", "kdn_worker_free_kv_blocks",
+        "kdn_injected_documents_total", "kdn_injected_tokens_total",
+        "kdn_prompt_tail_tokens_total"}) {
     EXPECT_NE(out.find(std::string("# TYPE ") + name + " "), std::string::npos) << name;
   }
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"cached\"} 768\n"), std::string::npos);

@@ -69,6 +69,7 @@ struct RouterFigures {
   uint64_t injected_tokens = 0;
   uint64_t kv_bytes = 0;
   uint64_t slices_skipped = 0;
+  uint64_t slices_sourced = 0;
   uint64_t accept_errors = 0;
   int queue_depth = 0;
   uint64_t resumed = 0, resumed_tokens = 0;
@@ -109,7 +110,7 @@ class Metrics {
   // One injected document: result "stored", "already_held" or "failed".
   void Injected(const std::string& result, size_t tokens);
   void GeneratedTokens(int n);
-  void KvMoved(uint64_t bytes, uint64_t slices_skipped);
+  void KvMoved(uint64_t bytes, uint64_t slices_skipped, uint64_t slices_sourced);
   // A failed accept of an HTTP connection (out of file descriptors, say).
   void AcceptFailed();
   // The admission queue (BackendOptions::max_queued): requests waiting now,
