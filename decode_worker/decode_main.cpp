@@ -108,8 +108,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   kdn::control::CatchStopSignals();
-  kdn::LogInfo("serving on {}, KV in on {} (engine on {})", (*service)->endpoint(),
-               (*service)->kvbus_endpoint(), (*service)->engine_summary());
+  kdn::LogInfo("serving on {}, KV in on {} by --kv-transport {} (engine on {})",
+               (*service)->endpoint(), (*service)->kvbus_endpoint(), kv_flags.kv_transport,
+               (*service)->engine_summary());
   std::printf("%s\n", (*service)->endpoint().c_str());
   std::fflush(stdout);
   kdn::control::WaitForStopSignal();

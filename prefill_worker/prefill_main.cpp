@@ -75,8 +75,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   kdn::control::CatchStopSignals();
-  kdn::LogInfo("serving on {} (engine on {})", (*service)->endpoint(),
-               (*service)->engine_summary());
+  kdn::LogInfo("serving on {} (engine on {}; KV to decode workers by --kv-transport {})",
+               (*service)->endpoint(), (*service)->engine_summary(), kv_flags.kv_transport);
   std::printf("%s\n", (*service)->endpoint().c_str());
   std::fflush(stdout);
   kdn::control::WaitForStopSignal();

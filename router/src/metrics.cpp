@@ -331,6 +331,14 @@ std::string RenderMetrics(const StatusSnapshot& s) {
              "Bytes of a decode worker's kvbus receiver slots granted to senders and not yet "
              "filled, each under a lease.",
              [](const WorkerView& w) { return w.kvbus_leased_bytes; });
+  // Each worker's --kv-transport, as an info metric (its value is 1).
+  Head(&out, "kdn_worker_kv_transport_info", "gauge",
+       "A worker's --kv-transport (the label; the value is 1).");
+  for (const WorkerView& w : workers) {
+    if (w.kv_transport.empty()) continue;
+    out += "kdn_worker_kv_transport_info{worker=\"" + Label(w.name) + "\",role=\"" +
+           RoleName(w.role) + "\",transport=\"" + Label(w.kv_transport) + "\"} 1\n";
+  }
   // Per kvbus data plane: what each prefill worker sent and each decode
   // worker received (docs/kvbus.md, "Transports").
   const auto per_transport = [&](const char* name, const char* help, auto value) {

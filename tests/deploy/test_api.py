@@ -398,6 +398,7 @@ METRICS = {
     "kdn_kv_bytes_moved_total": "counter",
     "kdn_kv_chunks_skipped_total": "counter",
     "kdn_kv_slices_sourced_total": "counter",
+    "kdn_worker_kv_transport_info": "gauge",
     "kdn_worker_up": "gauge",
     "kdn_worker_queue_depth": "gauge",
     "kdn_worker_free_kv_blocks": "gauge",

@@ -63,6 +63,10 @@ def test_kv_lands_in_place_by_the_plane_the_topology_or_the_flag_picks(tiny_mode
         hosts = {w["host_id"] for w in health["workers"]}
         assert len(hosts) == 1 and "" not in hosts, health
         assert {w["kv_transport"] for w in health["workers"]} == {transport}, health
+        shown = parse_metrics(d.metrics())
+        for role in ("prefill", "decode"):
+            assert metric(shown, "kdn_worker_kv_transport_info", worker="%s-0" % role, role=role,
+                          transport=transport) == 1
         out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
         used = "tcp" if transport == "tcp" else "shm"
         wait_for_plane(d, used)
