@@ -65,7 +65,9 @@ class CudaOps final : public DeviceOps {
  public:
   explicit CudaOps(int device) : device_(device) {}
   ~CudaOps() override {
+    (void)cudaSetDevice(device_);
     if (stage_ != nullptr) (void)cudaFree(stage_);
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
   const char* name() const override { return "cuda"; }
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
@@ -100,23 +102,25 @@ class CudaOps final : public DeviceOps {
     const uint64_t n = Total(extents);
     if (n == 0) return Status::Ok();
     std::lock_guard<std::mutex> lock(mu_);
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_RETURN_IF_ERROR(Begin());
     KDN_RETURN_IF_ERROR(Reserve(n));
     // One upload of the whole payload, then one scatter kernel.
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpy(stage_, host, n, cudaMemcpyHostToDevice));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(stage_, host, n, cudaMemcpyHostToDevice, stream_));
     const Extent whole{0, n};
-    KDN_RETURN_IF_ERROR(CopyExtents(stage_, {&whole, 1}, base, extents, nullptr));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
+    KDN_RETURN_IF_ERROR(CopyExtents(stage_, {&whole, 1}, base, extents, stream_));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
 
   Status Copy(const uint8_t* src_base, std::span<const Extent> src, uint8_t* dst_base,
               std::span<const Extent> dst) override {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    std::lock_guard<std::mutex> lock(mu_);
+    KDN_RETURN_IF_ERROR(Begin());
     // One kernel, however many extents (copy_extents.h); then the wait that
     // makes the bytes the destination owner's.
-    KDN_RETURN_IF_ERROR(CopyExtents(src_base, src, dst_base, dst, nullptr));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
+    KDN_RETURN_IF_ERROR(CopyExtents(src_base, src, dst_base, dst, stream_));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
 
@@ -124,29 +128,43 @@ class CudaOps final : public DeviceOps {
     const uint64_t n = Total(extents);
     if (n == 0) return Status::Ok();
     std::lock_guard<std::mutex> lock(mu_);
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_RETURN_IF_ERROR(Begin());
     KDN_RETURN_IF_ERROR(Reserve(n));
     const Extent whole{0, n};
-    KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, nullptr));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpy(host, stage_, n, cudaMemcpyDeviceToHost));
+    KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, stream_));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(host, stage_, n, cudaMemcpyDeviceToHost, stream_));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
 
   Result<uint64_t> Checksum(const uint8_t* base, std::span<const Extent> extents) override {
     const uint64_t n = Total(extents);
     std::lock_guard<std::mutex> lock(mu_);
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_RETURN_IF_ERROR(Begin());
     if (n == 0) return PayloadChecksum(nullptr, {});
     KDN_RETURN_IF_ERROR(Reserve(n));
     // Gathered on the device, read back, hashed here.
     const Extent whole{0, n};
-    KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, nullptr));
+    KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, stream_));
     host_.resize(n);
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpy(host_.data(), stage_, n, cudaMemcpyDeviceToHost));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(host_.data(), stage_, n, cudaMemcpyDeviceToHost, stream_));
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return PayloadChecksum(host_.data(), {&whole, 1});
   }
 
  private:
+  // The device, current on this thread, and the backend's stream: one of
+  // its own, non-blocking, so that its copies neither wait for an engine's
+  // kernels on the legacy default stream nor hold them up (mu_ held).
+  Status Begin() {
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (stream_ == nullptr) {
+      KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    }
+    return Status::Ok();
+  }
   Status Reserve(uint64_t bytes) {
     if (bytes <= stage_bytes_) return Status::Ok();
     if (stage_ != nullptr) KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaFree(stage_));
@@ -160,7 +178,8 @@ class CudaOps final : public DeviceOps {
   }
 
   const int device_;
-  std::mutex mu_;
+  std::mutex mu_;  // every call: one stream, one staging buffer
+  cudaStream_t stream_ = nullptr;
   uint8_t* stage_ = nullptr;  // device staging, grown to the largest payload
   uint64_t stage_bytes_ = 0;
   std::vector<uint8_t> host_;  // Checksum's read-back

@@ -7,7 +7,9 @@
 // back (no device-side hash yet: docs/kvbus.md says what it costs).
 //
 // One backend per device per process; its calls set the device on the
-// calling thread first. Thread-safe (one staging buffer, under a mutex).
+// calling thread first and run on a non-blocking stream of the backend's
+// own, each waiting for its work before it returns. Thread-safe: one mutex
+// serializes the calls (one stream, one staging buffer).
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/device_ops.h"
