@@ -166,7 +166,6 @@ void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
   const auto n = static_cast<int64_t>(p.request.tokens.size());
   const auto regions = kvbus::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
                                               p.request.transfer_id);
-  const model::ModelConfig& c = model_.config();
   std::vector<ExpectedSlice> slices;
   for (const kvbus::KvRegion& r : regions) {
     for (int l = 0; l < cache.num_layers(); ++l) {
@@ -174,14 +173,8 @@ void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
       // A slice whose place cannot be named (not expected: it does not
       // happen with a pool of one region) comes through staging.
       if (!cache.LayerRanges(p.seq, l, r.first, r.count, &s.extents).ok()) continue;
-      s.info = kvbus::ChunkInfo{.key = kvbus::LayerSliceKey(r.parent, l),
-                                .model_fingerprint = fingerprint_,
-                                .layers = 1,
-                                .kv_heads = static_cast<uint32_t>(c.num_kv_heads),
-                                .head_dim = static_cast<uint32_t>(c.head_dim),
-                                .tokens = static_cast<uint32_t>(r.count),
-                                .dtype = kvbridge::ChunkDType(cache.Memory().dtype),
-                                .position = r.first};
+      s.info = kvbridge::LayerSliceInfo(cache, r.first, r.count, kvbus::LayerSliceKey(r.parent, l),
+                                        fingerprint_, kvbridge::ChunkDType(cache.Memory().dtype));
       slices.push_back(std::move(s));
     }
   }

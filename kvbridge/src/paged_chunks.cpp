@@ -31,14 +31,8 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
                            std::to_string(layer0 + layers) + ") are not all in a cache of " +
                            std::to_string(cache.num_layers()));
   }
-  ChunkInfo info{key,
-                 model_fingerprint,
-                 static_cast<uint32_t>(layers),
-                 static_cast<uint32_t>(cache.num_kv_heads()),
-                 static_cast<uint32_t>(cache.head_dim()),
-                 static_cast<uint32_t>(count),
-                 dtype,
-                 first};
+  ChunkInfo info = LayerSliceInfo(cache, first, count, key, model_fingerprint, dtype);
+  info.layers = static_cast<uint32_t>(layers);
   // The payload is the cache's layers, each K rows then V rows: one read.
   const size_t bytes = layers * cache.LayerBytes(count, EngineDType(dtype));
   Status read;
@@ -138,6 +132,34 @@ Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
     int layer, const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
   return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype);
+}
+
+ChunkInfo LayerSliceInfo(const engine::KvCache& cache, int64_t first, int64_t count,
+                         const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
+  return ChunkInfo{key,
+                   model_fingerprint,
+                   1,
+                   static_cast<uint32_t>(cache.num_kv_heads()),
+                   static_cast<uint32_t>(cache.head_dim()),
+                   static_cast<uint32_t>(count),
+                   dtype,
+                   first};
+}
+
+Result<kvbus::SourcedChunk> SourcedLayerSlice(const engine::KvCache& cache,
+                                              const engine::KvSequence& seq,
+                                              const kvbus::DeviceMemory& pool, int64_t first,
+                                              int64_t count, int layer, const ChunkKey& key,
+                                              const ChunkKey& model_fingerprint, KvDType dtype) {
+  if (ChunkDType(cache.Memory().dtype) != dtype) {
+    return FailedPrecondition("layer slice " + key.ToHex() + ": the pool holds " +
+                              engine::DTypeName(cache.Memory().dtype) + ", the slice is " +
+                              kvbus::KvDTypeName(dtype));
+  }
+  std::vector<engine::KvPoolRange> ranges;
+  KDN_RETURN_IF_ERROR(cache.LayerRanges(seq, layer, first, count, &ranges));
+  return kvbus::MakeSourcedChunk(LayerSliceInfo(cache, first, count, key, model_fingerprint, dtype),
+                                 pool, std::move(ranges));
 }
 
 Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::KvCache& cache,

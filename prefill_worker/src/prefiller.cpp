@@ -73,24 +73,13 @@ struct Prefiller::Push {
   // error when one of them cannot be (a block the sequence shares, a pool
   // of another dtype than the slices').
   Result<std::vector<kvbus::SourcedChunk>> Sourced(int layer) const {
-    const engine::KvCache& cache = self.model_.kv_cache();
-    if (kvbridge::ChunkDType(cache.Memory().dtype) != self.chunk_dtype_) {
-      return FailedPrecondition("the pool's dtype is not the slices'");
-    }
     std::vector<kvbus::SourcedChunk> out;
-    std::vector<engine::KvPoolRange> ranges;
     for (const kvbus::KvRegion& r : regions) {
-      KDN_RETURN_IF_ERROR(cache.LayerRanges(seq, layer, r.first, r.count, &ranges));
-      const kvbus::ChunkInfo info{kvbus::LayerSliceKey(r.parent, layer),
-                                  self.fingerprint_,
-                                  1,
-                                  static_cast<uint32_t>(cache.num_kv_heads()),
-                                  static_cast<uint32_t>(cache.head_dim()),
-                                  static_cast<uint32_t>(r.count),
-                                  self.chunk_dtype_,
-                                  r.first};
-      KDN_ASSIGN_OR_RETURN(kvbus::SourcedChunk s,
-                           kvbus::MakeSourcedChunk(info, *self.options_.kv_pool, ranges));
+      KDN_ASSIGN_OR_RETURN(
+          kvbus::SourcedChunk s,
+          kvbridge::SourcedLayerSlice(self.model_.kv_cache(), seq, *self.options_.kv_pool, r.first,
+                                      r.count, layer, kvbus::LayerSliceKey(r.parent, layer),
+                                      self.fingerprint_, self.chunk_dtype_));
       out.push_back(std::move(s));
     }
     return out;

@@ -14,6 +14,8 @@
 #include "kdn/engine/engine.h"
 #include "kdn/engine/kv_cache.h"
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/device_ops.h"
+#include "kdn/kvbus/transport.h"
 
 namespace kdn::kvbridge {
 
@@ -59,5 +61,24 @@ Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
     kvbus::KvDType dtype);
 Status LayerSliceToPagedKv(const kvbus::Chunk& slice, int layer, engine::KvCache& cache,
                            engine::KvSequence& seq, int64_t first);
+
+// What a layer slice of tokens [first, first + count) of `cache`'s shape
+// is (its header's fields): what LayerSliceFromPagedKv builds, and what a
+// decode worker expects to land.
+kvbus::ChunkInfo LayerSliceInfo(const engine::KvCache& cache, int64_t first, int64_t count,
+                                const kvbus::ChunkKey& key,
+                                const kvbus::ChunkKey& model_fingerprint, kvbus::KvDType dtype);
+
+// The same slice read where it lies (kvbus::SourcedChunk): extents of
+// `pool`, the memory of cache.Memory() as a DeviceOps backend holds it,
+// in the pool's own dtype. FAILED_PRECONDITION when it cannot be (a block
+// the sequence shares, a pool that is not one region, `dtype` not the
+// pool's); then build it with LayerSliceFromPagedKv.
+Result<kvbus::SourcedChunk> SourcedLayerSlice(const engine::KvCache& cache,
+                                              const engine::KvSequence& seq,
+                                              const kvbus::DeviceMemory& pool, int64_t first,
+                                              int64_t count, int layer, const kvbus::ChunkKey& key,
+                                              const kvbus::ChunkKey& model_fingerprint,
+                                              kvbus::KvDType dtype);
 
 }  // namespace kdn::kvbridge
