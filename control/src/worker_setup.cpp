@@ -163,6 +163,22 @@ Result<kvbus::DeviceOps*> WorkerDeviceOps(const engine::Device& device) {
       "pool is host memory, which shm lands in");
 }
 
+Status AllocateKvPoolThroughBackend(kvbus::TransportKind transport, engine::OpenOptions* options,
+                                    std::unique_ptr<kvbus::DeviceMemory>* pool) {
+  kvbus::DeviceOps* ops = nullptr;
+  if (transport == kvbus::TransportKind::kCudaIpc) {
+    KDN_ASSIGN_OR_RETURN(ops, WorkerDeviceOps(options->device));
+  } else if (!options->device.cuda()) {
+    ops = &kvbus::HostDeviceOps();
+  }
+  if (ops == nullptr) return Status::Ok();
+  options->kv_pool_memory = [pool, ops](uint64_t bytes) -> Result<uint8_t*> {
+    KDN_ASSIGN_OR_RETURN(*pool, ops->Allocate(bytes));
+    return (*pool)->data();
+  };
+  return Status::Ok();
+}
+
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
                           uint64_t bytes, double seconds) {
   proto::TransportCounters* t = info->add_kv_transports();

@@ -473,18 +473,9 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   // their cuda_ipc plane, only with --kv-transport cuda_ipc (auto keeps a
   // GPU pool the engine's own, its slices through staging, until cuda_ipc
   // has run on a GPU: docs/kvbus.md, "Device planes").
-  kvbus::DeviceOps* pool_ops = nullptr;
+  KDN_RETURN_IF_ERROR(control::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &raw->pool));
   if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
-    KDN_ASSIGN_OR_RETURN(pool_ops, control::WorkerDeviceOps(eo.device));
     impl->pool_kind = kvbus::RegionKind::kDevice;
-  } else if (!eo.device.cuda()) {
-    pool_ops = &kvbus::HostDeviceOps();
-  }
-  if (pool_ops != nullptr) {
-    eo.kv_pool_memory = [raw, pool_ops](uint64_t bytes) -> Result<uint8_t*> {
-      KDN_ASSIGN_OR_RETURN(raw->pool, pool_ops->Allocate(bytes));
-      return raw->pool->data();
-    };
   }
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(

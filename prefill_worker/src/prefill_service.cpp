@@ -275,19 +275,9 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   engine::OpenOptions eo = options.engine;
-  kvbus::DeviceOps* pool_ops = nullptr;
-  if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
-    KDN_ASSIGN_OR_RETURN(pool_ops, control::WorkerDeviceOps(eo.device));
-  } else if (!eo.device.cuda()) {
-    pool_ops = &kvbus::HostDeviceOps();
-  }
+  KDN_RETURN_IF_ERROR(
+      control::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &impl->pool));
   Impl* raw = impl.get();
-  if (pool_ops != nullptr) {
-    eo.kv_pool_memory = [raw, pool_ops](uint64_t bytes) -> Result<uint8_t*> {
-      KDN_ASSIGN_OR_RETURN(raw->pool, pool_ops->Allocate(bytes));
-      return raw->pool->data();
-    };
-  }
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(
       impl->store,

@@ -19,6 +19,7 @@
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/shared_tier.h"
 #include "kdn/kvbus/tiered_store.h"
+#include "kdn/kvbus/transport.h"
 #include "kdn/text/tokenizer.h"
 
 namespace kdn::control {
@@ -46,6 +47,15 @@ std::string EngineSummary(engine::Engine& engine);
 // standing in for a device in the workers' test mode (KDN_DEVICE_OPS=host).
 // FAILED_PRECONDITION, saying why, when there is none.
 Result<kvbus::DeviceOps*> WorkerDeviceOps(const engine::Device& device);
+
+// Has the engine of `options` allocate its KV pool through the backend its
+// worker's transport writes (docs/kvbus.md, "Device planes"), into `*pool`
+// (which must outlive the engine): WorkerDeviceOps with --kv-transport
+// cuda_ipc, the host backend on a CPU otherwise; a GPU pool under any
+// other transport stays the engine's own (`*pool` left null). The error
+// of WorkerDeviceOps when cuda_ipc has no backend here.
+Status AllocateKvPoolThroughBackend(kvbus::TransportKind transport, engine::OpenOptions* options,
+                                    std::unique_ptr<kvbus::DeviceMemory>* pool);
 
 // The worker's KDN view: its own host tier of `host_bytes` (raw KV), over the
 // shared tier `shared_tier` names if one is given (kdn/kvbus/shared_tier.h:
