@@ -34,12 +34,19 @@ uint64_t SegmentBytes(const ReceiverOptions& o) {
   return std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20, uint64_t{256} << 20);
 }
 
+// `o` over the cuda_ipc plane, the host backend standing in for a device.
+SenderOptions OverCudaIpc(SenderOptions o) {
+  o.transport = TransportKind::kCudaIpc;
+  o.device_ops = &HostDeviceOps();
+  return o;
+}
+
 SenderOptions DeviceSender(TransportKind kind = TransportKind::kCudaIpc) {
   SenderOptions o;
   o.peer_timeout = 5s;
   o.heartbeat_interval = 100ms;
+  o = OverCudaIpc(o);
   o.transport = kind;
-  o.device_ops = &HostDeviceOps();
   return o;
 }
 
@@ -54,9 +61,7 @@ INSTANTIATE_TEST_SUITE_P(DevicePlane, TransportConformance,
                                                               RegionKind::kDevice);
                              },
                              [](const std::string& endpoint, SenderOptions o) {
-                               o.transport = TransportKind::kCudaIpc;
-                               o.device_ops = &HostDeviceOps();
-                               return Connect(endpoint, o);
+                               return Connect(endpoint, OverCudaIpc(o));
                              }}),
                          TransportFactoryName);
 
@@ -73,9 +78,7 @@ INSTANTIATE_TEST_SUITE_P(
                                                                         RegionKind::kDevice);
                                        },
                                        [](const std::string& endpoint, SenderOptions o) {
-                                         o.transport = TransportKind::kCudaIpc;
-                                         o.device_ops = &HostDeviceOps();
-                                         return SourcingSender::Connect(endpoint, o);
+                                         return SourcingSender::Connect(endpoint, OverCudaIpc(o));
                                        }},
                       TransportFactory{"shm_sourced",
                                        [](ChunkStore& sink, ReceiverOptions o) {
