@@ -68,12 +68,22 @@ class RedisCluster {
     bool cluster = true;  // false: one standalone node (primaries, replicas ignored)
     std::string password = "kdn-test-secret";
     int maxmemory_mib = 0;  // 0: unbounded
-    int node_timeout_ms = 1000;
+    // How long a node may go unanswered before the others hold it to have
+    // failed and its replica takes over. Long (Redis's default) unless a
+    // test kills a node: on a loaded machine a node stalls for a second
+    // now and then, and a failover nobody asked for loses the writes its
+    // replica had not yet taken.
+    int node_timeout_ms = 15000;
   };
 
   // Starts the nodes under `dir` and waits until the cluster says
   // cluster_state:ok on every node and every replica is in sync. Fails the
   // test (and returns null) when it cannot.
+  //
+  // The nodes' files (cluster config, logs) go to a folder of their own in
+  // /dev/shm where there is one, else under `dir`: a node fsyncs its
+  // cluster config at every slot change, and on a busy disk one fsync can
+  // stall it past the node timeout.
   static std::unique_ptr<RedisCluster> Start(const std::filesystem::path& dir, Options o) {
     if (Shell("command -v redis-server").empty()) {
       ADD_FAILURE() << "redis-server is missing: run scripts/install-deps.sh";
@@ -112,6 +122,10 @@ class RedisCluster {
     }
     for (pid_t p : pids_) {
       if (p > 0) waitpid(p, nullptr, 0);
+    }
+    if (own_dir_) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir_, ec);
     }
   }
   RedisCluster(const RedisCluster&) = delete;
@@ -215,6 +229,18 @@ class RedisCluster {
         timeout);
   }
 
+  // What the nodes' logs say about failures and failovers (lines naming
+  // FAIL, failover or an epoch), for a failing test's message.
+  std::string Events() const {
+    std::string out;
+    for (int p : ports_) {
+      const auto log = dir_ / ("node-" + std::to_string(p) + ".log");
+      out += Shell("grep -iE 'FAIL|failover|epoch|slot' " + log.string() + " | sed 's/^/" +
+                   std::to_string(p) + " /'");
+    }
+    return out;
+  }
+
   static std::string Field(const std::string& info, const std::string& name) {
     const size_t at = info.find(name);
     if (at == std::string::npos) return "";
@@ -223,7 +249,13 @@ class RedisCluster {
   }
 
  private:
-  RedisCluster(std::filesystem::path dir, Options o) : dir_(std::move(dir)), o_(std::move(o)) {}
+  RedisCluster(std::filesystem::path dir, Options o) : dir_(std::move(dir)), o_(std::move(o)) {
+    std::string shm = "/dev/shm/kdn-redis-XXXXXX";
+    if (mkdtemp(shm.data()) != nullptr) {
+      dir_ = shm;
+      own_dir_ = true;
+    }
+  }
 
   bool PickPorts(int n) {
     std::mt19937 rng(std::random_device{}());
@@ -287,6 +319,7 @@ class RedisCluster {
   }
 
   std::filesystem::path dir_;
+  bool own_dir_ = false;  // dir_ is in /dev/shm, removed with the nodes
   Options o_;
   std::vector<int> ports_;
   std::vector<pid_t> pids_;

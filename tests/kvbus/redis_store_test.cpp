@@ -209,22 +209,29 @@ TEST_F(RedisTier, FollowsMovedAfterAReshardAndAskDuringOne) {
   }
   size_t other = 0;
   while (other == from || other == to || !c->IsPrimary(other)) ++other;
-  Shell("redis-cli --no-auth-warning -a kdn-test-secret --cluster reshard " + c->addr(from) +
-        " --cluster-from " + c->Id(from) + " --cluster-to " + c->Id(other) +
-        " --cluster-slots 1000 --cluster-yes");
-  ASSERT_TRUE(c->WaitHealthy(seconds(20)));
+  // redis-cli refuses to reshard until every node has heard of that slot.
+  ASSERT_TRUE(c->WaitSlotsAgree(from, seconds(30))) << c->Events();
+  const std::string resharded =
+      Shell("redis-cli --no-auth-warning -a kdn-test-secret --cluster reshard " + c->addr(from) +
+            " --cluster-from " + c->Id(from) + " --cluster-to " + c->Id(other) +
+            " --cluster-slots 1000 --cluster-yes 2>&1 | grep -v '^Moving slot'");
+  ASSERT_EQ(resharded.find("[ERR]"), std::string::npos) << resharded << c->Events();
+  ASSERT_NE(resharded.find("Ready to move 1000 slots"), std::string::npos) << resharded;
+  ASSERT_TRUE(c->WaitHealthy(seconds(20))) << resharded << c->Events();
   // Until gossip has told every node, a node may still send a key to its
   // old owner (under ASan, once, a key was missed that way).
-  ASSERT_TRUE(c->WaitSlotsAgree(to, seconds(30)));
+  ASSERT_TRUE(c->WaitSlotsAgree(to, seconds(30))) << resharded << c->Events();
   int found = 0;
   for (uint64_t id = 1; id <= 120; ++id) found += store->Get(Key(id)).ok() ? 1 : 0;
-  EXPECT_EQ(found, 120);
+  EXPECT_EQ(found, 120) << resharded << c->Events();
   EXPECT_EQ(store->NodeOf(old_key), c->addr(to)) << "MOVED updated the map";
   EXPECT_EQ(store->Stats().unreachable, 0u);
 }
 
 TEST_F(RedisTier, APrimaryKilledMidRunGivesMissesNeverErrorsThenItsReplicaServes) {
-  auto c = RedisCluster::Start(dir_.path(), {});
+  // A node timeout of a second: the killed primary's replica takes over
+  // within the test's waits.
+  auto c = RedisCluster::Start(dir_.path(), {.node_timeout_ms = 1000});
   ASSERT_NE(c, nullptr);
   auto store = ConnectTo(*c, {.model = kConformanceModel, .timeout = milliseconds(500)});
   ASSERT_NE(store, nullptr);
