@@ -167,11 +167,12 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   pd->add_option("--transport", pdo.transports,
-                 "Transports to measure in this run (tcp, shm, cuda_ipc; repeat or "
-                 "comma-separate). cuda_ipc runs the device plane over the host backend (memory "
-                 "standing in for a device's), into an in-place pool of its own")
+                 "Transports to measure in this run (tcp, shm, cuda_ipc, nccl; repeat or "
+                 "comma-separate). cuda_ipc and nccl run the device planes over the host "
+                 "backend (memory standing in for a device's, a loopback socket for NCCL), into "
+                 "an in-place pool of their own")
       ->delimiter(',')
-      ->check(CLI::IsMember({"tcp", "shm", "cuda_ipc"}))
+      ->check(CLI::IsMember({"tcp", "shm", "cuda_ipc", "nccl"}))
       ->capture_default_str();
   pd->add_option("--landing", pdo.landings,
                  "Where the receiving process puts the KV, each measured in this run: in-place "

@@ -315,17 +315,21 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
   // (and security): in-place lands payloads scattered over a pool's blocks;
   // staging receives into a store that keeps nothing (this measures the
   // transport, not a tier). Every receiver has a landing segment for shm
-  // senders; a tcp sender does not ask for it. For cuda_ipc, in-place has a
-  // receiver of its own whose pool is a device region: the host backend's
-  // memory standing in for a device (kdn/kvbus/device_ops.h), so that the
-  // row measures what the device plane's code adds to the same copy.
+  // senders; a tcp sender does not ask for it. For the device planes
+  // (cuda_ipc, nccl), in-place has a receiver of its own whose pool is a
+  // device region: the host backend's memory standing in for a device and
+  // its loopback link for NCCL (kdn/kvbus/device_ops.h), so that the rows
+  // measure what the device planes' code adds to the same copy.
   struct Target {
     std::string landing;
     bool secure = false;
     bool device = false;
   };
   std::vector<Target> targets;
-  const bool want_device = std::count(o.transports.begin(), o.transports.end(), "cuda_ipc") > 0;
+  const auto device_plane = [](const std::string& name) {
+    return name == "cuda_ipc" || name == "nccl";
+  };
+  const bool want_device = std::any_of(o.transports.begin(), o.transports.end(), device_plane);
   for (const std::string& landing : o.landings) {
     for (const bool secure : securities) {
       targets.push_back({landing, secure, false});
@@ -444,8 +448,9 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
       const bool secure = targets[ep].secure;
       const std::string endpoint = eps[ep];
       for (const std::string& name : o.transports) {
-        // cuda_ipc only into the device pool; the others only elsewhere.
-        if ((name == "cuda_ipc") != targets[ep].device) continue;
+        // The device planes only into the device pool; the others only elsewhere.
+        const bool device = device_plane(name);
+        if (device != targets[ep].device) continue;
         SenderOptions so;
         so.socket_buffer_bytes = o.socket_buffer_kib * 1024;
         so.transport = ParseTransportKind(name).value();
@@ -473,17 +478,18 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
           if (r > 0) best = std::max(best, res->GBps());  // the first run warms the connection
         }
         const SenderStats stats = (*sender)->Stats();
-        // The region plane's figures: shm's, or cuda_ipc's (whose chunks
-        // are reported in the same columns).
-        const PlaneStats shm = stats.plane(name == "cuda_ipc" ? "cuda_ipc" : "shm"),
-                         tcp = stats.plane("tcp");
+        // The region plane's figures: shm's, or the device plane's (whose
+        // chunks are reported in the same columns).
+        const PlaneStats shm = stats.plane(device ? name : "shm"), tcp = stats.plane("tcp");
         const std::string base = name + " " + landing;
         const std::string label = secure ? base + " +curve" : base;
         std::printf("%-24s %8.2f %12.2f %8.1f%%", label.c_str(), best, mem, 100.0 * best / mem);
         if (nixl > 0) std::printf(" %8.2fx", best / nixl);
         std::printf("  (%llu chunks by %s, %llu by tcp",
                     static_cast<unsigned long long>(shm.chunks),
-                    name == "cuda_ipc" ? "cuda_ipc (host backend)" : "shm",
+                    name == "cuda_ipc" ? "cuda_ipc (host backend)"
+                    : name == "nccl"   ? "nccl (host backend's link)"
+                                       : "shm",
                     static_cast<unsigned long long>(tcp.chunks));
         // The sender's own copies into shared memory, apart from the rest.
         const double copy_gbps =
@@ -496,12 +502,13 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
                     {"gbytes_per_s", best},
                     {"memcpy_gbytes_per_s", mem},
                     {"ratio", best / mem},
-                    {name == "cuda_ipc" ? "cuda_ipc_chunks" : "shm_chunks", shm.chunks},
+                    {device ? name + "_chunks" : "shm_chunks", shm.chunks},
                     {"tcp_chunks", tcp.chunks}};
-        // The device plane over the host backend is the same copy as shm:
-        // its ratio to shm's row shows what its own code costs.
+        // A device plane over the host backend moves the same bytes into
+        // the same pool as shm: its ratio to shm's row shows what its own
+        // code costs (cuda_ipc: the same copy; nccl: a loopback socket).
         const std::string shm_row = std::string("shm in-place") + (secure ? " +curve" : "");
-        if (name == "cuda_ipc" && row_gbps.count(shm_row) != 0) {
+        if (device && row_gbps.count(shm_row) != 0) {
           std::printf(" %.2fx of shm", best / row_gbps[shm_row]);
           row["vs_shm"] = best / row_gbps[shm_row];
         }

@@ -89,11 +89,13 @@ def main():
                     r["equal"], r["turns"], r["ttft_ms_median"], dec.get("start_copy_bytes", -1),
                     ",".join(k for k, v in sorted(dec.get("planes", {}).items()) if v > 0),
                     dec.get("slices_sourced", 0)),
-                "equal, cuda_ipc only, sourced, no start copy"
-                if r["transport"] == "cuda_ipc" else "",
-                d.get("ok", False) if r["transport"] == "cuda_ipc" else None)
-        if "cuda_ipc_vs_host_ttft" in d:
-            add("4K TTFT cuda_ipc / host path", "%.2fx" % d["cuda_ipc_vs_host_ttft"])
+                "equal, %s only, sourced, no start copy" % r["transport"]
+                if r["transport"] in ("cuda_ipc", "nccl") else "",
+                d.get("ok", False) if r["transport"] == "cuda_ipc"
+                else d.get("nccl_ok", False) if r["transport"] == "nccl" else None)
+        for plane in ("cuda_ipc", "nccl"):
+            if plane + "_vs_host_ttft" in d:
+                add("4K TTFT %s / host path" % plane, "%.2fx" % d[plane + "_vs_host_ttft"])
     d = load(out, "multiturn.json")
     if d and "first_to_later_ttft_ratio" in d:
         aims = {"resident": 10, "local": 20}

@@ -154,19 +154,19 @@ Result<kvbus::DeviceOps*> WorkerDeviceOps(const engine::Device& device) {
 #if KDN_CUDA
     return kvbus::cuda::CudaDeviceOps(device.index);
 #else
-    return FailedPrecondition("the cuda_ipc plane: this build has no CUDA");
+    return FailedPrecondition("the device planes (cuda_ipc, nccl): this build has no CUDA");
 #endif
   }
   if (kvbus::DeviceOps* ops = kvbus::StandInDeviceOps()) return ops;
   return FailedPrecondition(
-      "--kv-transport cuda_ipc needs a GPU worker (--device cuda or cuda:N): a CPU worker's KV "
-      "pool is host memory, which shm lands in");
+      "--kv-transport cuda_ipc or nccl needs a GPU worker (--device cuda or cuda:N): a CPU "
+      "worker's KV pool is host memory, which shm (one host) or tcp lands in");
 }
 
 Status AllocateKvPoolThroughBackend(kvbus::TransportKind transport, engine::OpenOptions* options,
                                     std::unique_ptr<kvbus::DeviceMemory>* pool) {
   kvbus::DeviceOps* ops = nullptr;
-  if (transport == kvbus::TransportKind::kCudaIpc) {
+  if (kvbus::OverDevicePlane(transport)) {
     KDN_ASSIGN_OR_RETURN(ops, WorkerDeviceOps(options->device));
   } else if (!options->device.cuda()) {
     ops = &kvbus::HostDeviceOps();

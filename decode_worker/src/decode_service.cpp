@@ -470,11 +470,12 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   eo.max_prefill_tokens = options.local_prefill_call_tokens;
   Impl* raw = impl.get();
   // The KV pool in memory prefill workers can write: a GPU's, exported for
-  // their cuda_ipc plane, only with --kv-transport cuda_ipc (auto keeps a
-  // GPU pool the engine's own, its slices through staging, until cuda_ipc
-  // has run on a GPU: docs/kvbus.md, "Device planes").
+  // their cuda_ipc plane or received into over their nccl link, only with
+  // --kv-transport cuda_ipc or nccl (auto keeps a GPU pool the engine's
+  // own, its slices through staging, until the device planes have run on a
+  // GPU: docs/kvbus.md, "Device planes").
   KDN_RETURN_IF_ERROR(control::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &raw->pool));
-  if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
+  if (kvbus::OverDevicePlane(options.kv_transport)) {
     impl->pool_kind = kvbus::RegionKind::kDevice;
   }
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
@@ -516,16 +517,18 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     dopt.landing = impl->landing.get();
     dopt.landing_quarantine = ropt.lease;
     const kvbus::DeviceOps& ops = impl->pool->ops();
-    LogInfo("pushed KV lands in place, in the KV pool's blocks ({:.1f} MiB of {} memory{})",
+    const bool nccl = options.kv_transport == kvbus::TransportKind::kNccl;
+    LogInfo("pushed KV lands in place, in the KV pool's blocks ({:.1f} MiB of {} memory{}{})",
             static_cast<double>(impl->pool->bytes()) / (1 << 20),
             ops.memory_kind() == kvbus::MemoryKind::kDevice ? "device" : "shared host",
             !ropt.landing_by_plane ? "; tcp only"
             : impl->pool_kind == kvbus::RegionKind::kShm
                 ? " that prefill workers on this host write by shm"
-            : &ops == &kvbus::HostDeviceOps()
-                ? " that prefill workers on this host write by cuda_ipc, the host backend "
-                  "standing in for a device (KDN_DEVICE_OPS=host)"
-                : " that prefill workers on this GPU or its peers write by cuda_ipc");
+            : nccl ? " that prefill workers send into over nccl links"
+                   : " that prefill workers on this GPU or its peers write by cuda_ipc",
+            &ops == &kvbus::HostDeviceOps() && impl->pool_kind == kvbus::RegionKind::kDevice
+                ? ", the host backend standing in for a device (KDN_DEVICE_OPS=host)"
+                : "");
   }
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;

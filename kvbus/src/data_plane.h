@@ -9,10 +9,13 @@
 // Both region planes are MemoryPlanes over a DeviceOps backend
 // (kdn/kvbus/device_ops.h): shm over the host backend's segments (a landing
 // segment, or a decode worker's KV pool landed in place), cuda_ipc over a
-// device backend's exported memory.
+// device backend's exported memory. The nccl plane (LinkPlane) writes no
+// region itself: it sends each payload over a link the receiver joined,
+// and the receiver receives it onto the claimed extents.
 //
 // Not thread-safe: the sender's I/O thread owns its planes.
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -38,6 +41,8 @@ inline const char* PlaneName(RegionKind kind) {
   }
   return "unknown";
 }
+// The nccl plane's name (a link, whatever its backend).
+inline constexpr const char* kLinkPlaneName = "nccl";
 
 // A chunk a sender delivers: one in host memory, or one it reads where it
 // lies (SourcedChunk, kdn/kvbus/transport.h). Copies share the bytes.
@@ -131,6 +136,39 @@ class MemoryPlane final : public RegionPlane {
   RegionTable table_;                       // their bounds (kdn/kvbus/region.h)
   std::map<uint32_t, uint32_t> table_ids_;  // receiver's region id -> table_ id
   Status error_;                            // why a region could not be mapped
+};
+
+// The nccl plane's sending half: a link of a DeviceOps backend this sender
+// made and joined as rank 0, its id named in the sender's offers. The
+// receiver joins it as rank 1; an in-place grant into its device region
+// then goes as the chunk's header, marked linked, and the payload as one
+// message over the link: from where a sourced chunk of this backend lies,
+// else from host memory (a device backend's through a staging buffer). A
+// sourced payload goes as it lies now: the receiver checks it against the
+// sealed header where it lands.
+class LinkPlane {
+ public:
+  // `timeout` bounds the peer's join and each message.
+  static Result<std::unique_ptr<LinkPlane>> Make(DeviceOps& ops, std::chrono::milliseconds timeout);
+
+  const std::string& id() const { return id_; }
+  bool usable() const { return error_.ok(); }
+  const Status& error() const { return error_; }  // why the link ended
+  // Sends `chunk`'s payload as the next message (`corrupt`: one byte
+  // flipped, SenderFaults::corrupt_data). Any failure ends the link (the
+  // receiver, waiting for the message, is out of step with it).
+  Status Send(const OutChunk& chunk, bool corrupt);
+
+ private:
+  Status SendPayload(const OutChunk& chunk, bool corrupt);
+  LinkPlane(DeviceOps& ops, std::string id, std::unique_ptr<DeviceLink> link)
+      : ops_(ops), id_(std::move(id)), link_(std::move(link)) {}
+
+  DeviceOps& ops_;
+  const std::string id_;
+  std::unique_ptr<DeviceLink> link_;
+  std::unique_ptr<DeviceMemory> stage_;  // a device backend's: host payloads go through it
+  Status error_;
 };
 
 }  // namespace kdn::kvbus

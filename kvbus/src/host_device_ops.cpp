@@ -9,6 +9,7 @@
 #include "kdn/kvbus/copy_plan.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/shared_segment.h"
+#include "host_link.h"
 #include "stream_copy.h"
 
 namespace kdn::kvbus {
@@ -88,6 +89,12 @@ class HostOps final : public DeviceOps {
 
   Result<uint64_t> Checksum(const uint8_t* base, std::span<const Extent> extents) override {
     return PayloadChecksum(base, extents);
+  }
+
+  Result<std::string> NewLinkId() override { return NewHostLinkId(); }
+  Result<std::unique_ptr<DeviceLink>> JoinLink(const std::string& id, int rank,
+                                               std::chrono::milliseconds timeout) override {
+    return JoinHostLink(id, rank, timeout);
   }
 };
 

@@ -8,9 +8,10 @@
 //                  and the ranges held back after an expired grant;
 //   RegionLanding  a landing site's region (shm or device kind): the
 //                  site's claims checked against it, a payload a sender's
-//                  plane wrote there verified where it lies, and a tcp
-//                  frame's payload written there, both through the
-//                  region's backend (kdn/kvbus/device_ops.h).
+//                  plane wrote there (or the nccl plane's link brought)
+//                  verified where it lies, and a tcp frame's payload
+//                  written there, through the region's backend
+//                  (kdn/kvbus/device_ops.h).
 //
 // Not thread-safe: the receiver's I/O thread owns them.
 
@@ -86,6 +87,11 @@ class RegionLanding {
   // parsed, the key the one offered, the chunk raw, its size the header's,
   // and the payload's checksum where it lies. The chunk's info, or why not.
   Result<ChunkInfo> VerifyLanded(const WireChunkHeader& h, const Landing& claim) const;
+  // The next message of `link` (the nccl plane) received onto `claim`'s
+  // extents, to be verified there as a landed one.
+  Status Receive(DeviceLink& link, const Landing& claim) const {
+    return link.Recv(memory_.data(), claim.extents);
+  }
   // The whole chunk `h` announced, in a tcp frame: verified there, then its
   // payload written into `claim`. The chunk's info, or why not (nothing is
   // written then).

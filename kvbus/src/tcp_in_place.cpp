@@ -4,9 +4,45 @@
 // sender through a region plane) or put there from a tcp frame, never into
 // the sink; both through the region's backend (kdn/kvbus/device_ops.h).
 
+#include "kdn/common/log.h"
 #include "tcp_transport_internal.h"
 
 namespace kdn::kvbus {
+
+void TcpReceiver::JoinLink(const std::string& peer, const std::string& id) {
+  // Links land in a device region, written by no one else.
+  if (!in_place_ || in_place_->kind() != RegionKind::kDevice || !options_.landing_by_plane) return;
+  const auto it = links_.find(peer);
+  if ((it != links_.end() && it->second.id == id) || failed_links_.count(id) != 0) return;
+  // Each message waits at most as long as a silent connection is given.
+  Result<std::unique_ptr<DeviceLink>> link =
+      options_.landing_region->ops().JoinLink(id, 1, 5 * options_.heartbeat_interval);
+  if (!link.ok()) {
+    LogWarn("kvbus receiver: a sender's nccl link could not be joined ({}); its chunks come by tcp",
+            link.status().ToString());
+    failed_links_.insert(id);
+    return;
+  }
+  if (links_.size() >= kMaxLinks && links_.count(peer) == 0) {
+    // The link of the peer heard from least recently goes (last_seen_
+    // forgets silent peers: theirs go first).
+    const auto heard = [&](const std::string& p) {
+      const auto it = last_seen_.find(p);
+      return it == last_seen_.end() ? TransportClock::time_point{} : it->second;
+    };
+    auto oldest = links_.begin();
+    for (auto it = links_.begin(); it != links_.end(); ++it) {
+      if (heard(it->first) < heard(oldest->first)) oldest = it;
+    }
+    links_.erase(oldest);
+  }
+  links_[peer] = PeerLink{id, std::move(link).value()};
+}
+
+DeviceLink* TcpReceiver::PeerLinkOf(const std::string& peer) {
+  const auto it = links_.find(peer);
+  return it == links_.end() || it->second.link->aborted() ? nullptr : it->second.link.get();
+}
 
 void TcpReceiver::EndClaim(const Lease& lease, const Status& status) {
   if (lease.in_place) (void)options_.landing->Landed(lease.in_place->ticket, status);
@@ -32,7 +68,8 @@ void TcpReceiver::GrantInPlace(const std::string& peer, uint64_t batch, const Wi
   }
   const auto now = TransportClock::now();
   Lease lease{e.bytes, now + options_.lease};
-  lease.in_region = options_.landing_by_plane && PeerWrites(peer, options_.landing_kind);
+  lease.in_region = options_.landing_by_plane &&
+                    (PeerWrites(peer, options_.landing_kind) || PeerLinkOf(peer) != nullptr);
   lease.in_place = std::move(claim);
   const LeaseKey id{peer, batch, e.key};
   out.push_back(InPlaceDecision(e.key, lease));
@@ -46,12 +83,16 @@ void TcpReceiver::GrantInPlace(const std::string& peer, uint64_t batch, const Wi
 void TcpReceiver::HandleInPlace(const std::string& peer, const WireChunkHeader& h,
                                 const zmq::message_t* data, const Lease& lease) {
   stats_.bytes_received += h.landed ? h.bytes : data->size();
-  stats_.planes[h.landed ? PlaneName(options_.landing_kind) : "tcp"] +=
+  stats_.planes[!h.landed  ? "tcp"
+                : h.linked ? kLinkPlaneName
+                           : PlaneName(options_.landing_kind)] +=
       PlaneStats{1, h.landed ? h.bytes : data->size()};
+  std::string dropped_link;
   Result<ChunkInfo> arrived =
       h.landed && !lease.in_region
           ? Result<ChunkInfo>(FailedPrecondition(
                 "chunk " + h.key.ToHex() + " said it landed in place, but was granted for tcp"))
+      : h.linked ? ReceiveLinked(peer, h, *lease.in_place, &dropped_link)
       : h.landed ? in_place_->VerifyLanded(h, *lease.in_place)
                  : in_place_->Fill(h, *data, *lease.in_place);
   Status st = options_.landing->Landed(lease.in_place->ticket, arrived);
@@ -69,7 +110,26 @@ void TcpReceiver::HandleInPlace(const std::string& peer, const WireChunkHeader& 
   } else {
     ++stats_.chunks_rejected;
   }
-  outbox_[peer].acks.push_back(WireAck{h.batch, h.key, std::move(st), false});
+  outbox_[peer].acks.push_back(WireAck{h.batch, h.key, std::move(st), false, dropped_link});
+}
+
+Result<ChunkInfo> TcpReceiver::ReceiveLinked(const std::string& peer, const WireChunkHeader& h,
+                                             const Landing& claim, std::string* dropped) {
+  DeviceLink* link = PeerLinkOf(peer);
+  if (link == nullptr) {
+    return FailedPrecondition("chunk " + h.key.ToHex() +
+                              " said its payload comes over the nccl link, but none is up");
+  }
+  if (Status got = in_place_->Receive(*link, claim); !got.ok()) {
+    // The link is done with (a half-read message leaves it unusable); the
+    // ack tells the sender, which makes a new one.
+    LogWarn("kvbus receiver: the nccl link with a sender ended ({})", got.ToString());
+    *dropped = links_[peer].id;
+    failed_links_.insert(*dropped);
+    links_.erase(peer);
+    return got;
+  }
+  return in_place_->VerifyLanded(h, claim);
 }
 
 }  // namespace kdn::kvbus

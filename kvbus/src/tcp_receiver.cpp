@@ -264,6 +264,7 @@ bool TcpReceiver::PeerWrites(const std::string& peer, RegionKind kind) const {
 void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
   ++stats_.offers;
   peer_planes_[peer] = m.host_id == HostId() ? m.planes : std::vector<RegionKind>{};
+  if (!m.link.empty()) JoinLink(peer, m.link);
   // A kvbus sender splits its offers; a larger one would make decisions
   // frames the receiver cannot encode (and stall its round).
   if (m.entries.size() > kMaxOfferEntries) {

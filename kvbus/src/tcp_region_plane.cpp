@@ -113,4 +113,57 @@ Status MemoryPlane::Write(const OutChunk& chunk, const RegionGrant& grant, bool 
   return Status::Ok();
 }
 
+// ---- LinkPlane ----------------------------------------------------------------
+
+Result<std::unique_ptr<LinkPlane>> LinkPlane::Make(DeviceOps& ops,
+                                                   std::chrono::milliseconds timeout) {
+  KDN_ASSIGN_OR_RETURN(std::string id, ops.NewLinkId());
+  KDN_ASSIGN_OR_RETURN(std::unique_ptr<DeviceLink> link, ops.JoinLink(id, 0, timeout));
+  return std::unique_ptr<LinkPlane>(new LinkPlane(ops, std::move(id), std::move(link)));
+}
+
+Status LinkPlane::Send(const OutChunk& chunk, bool corrupt) {
+  if (!error_.ok()) return error_;
+  Status sent = SendPayload(chunk, corrupt);
+  if (!sent.ok()) {
+    // The receiver is waiting for this message: a link that did not carry
+    // it whole is out of step for good.
+    link_->Abort();
+    error_ = sent;
+  }
+  return sent;
+}
+
+Status LinkPlane::SendPayload(const OutChunk& chunk, bool corrupt) {
+  const SourcedChunk* s = chunk.sourced();
+  if (s != nullptr && &s->memory->ops() == &ops_ && !corrupt) {
+    // From where it lies, by this backend alone: no host copy.
+    return link_->Send(s->memory->data(), s->extents);
+  }
+  // From host memory: the chunk's, or a sourced payload read as it lies
+  // now (the receiver checks it against the sealed header).
+  std::span<const uint8_t> payload;
+  std::vector<uint8_t> copy;
+  if (const std::shared_ptr<const Chunk>& host = chunk.chunk()) {
+    payload = host->payload();
+  } else {
+    copy.resize(chunk.payload_bytes());
+    KDN_RETURN_IF_ERROR(s->memory->ops().Download(s->memory->data(), s->extents, copy.data()));
+    payload = copy;
+  }
+  if (corrupt && !payload.empty()) {
+    if (copy.empty()) copy.assign(payload.begin(), payload.end());
+    copy[copy.size() / 2] ^= 0x5a;
+    payload = copy;
+  }
+  const Extent whole{0, payload.size()};
+  if (ops_.memory_kind() == MemoryKind::kHost) return link_->Send(payload.data(), {&whole, 1});
+  if (!stage_ || stage_->bytes() < payload.size()) {
+    stage_.reset();
+    KDN_ASSIGN_OR_RETURN(stage_, ops_.Allocate(std::max<uint64_t>(1, payload.size())));
+  }
+  KDN_RETURN_IF_ERROR(ops_.Upload(payload.data(), stage_->data(), {&whole, 1}));
+  return link_->Send(stage_->data(), {&whole, 1});
+}
+
 }  // namespace kdn::kvbus

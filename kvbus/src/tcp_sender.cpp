@@ -46,7 +46,8 @@ TcpSender::TcpSender(std::string endpoint, const SenderOptions& options)
     : endpoint_(std::move(endpoint)), options_(options), context_(1) {
   planes_.emplace(RegionKind::kShm,
                   std::make_unique<MemoryPlane>(RegionKind::kShm, HostDeviceOps()));
-  if (options.device_ops != nullptr) {
+  // A kNccl sender's device plane is its link: it maps no device region.
+  if (options.device_ops != nullptr && options.transport != TransportKind::kNccl) {
     planes_.emplace(RegionKind::kDevice,
                     std::make_unique<MemoryPlane>(RegionKind::kDevice, *options.device_ops));
   }
@@ -68,13 +69,19 @@ Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
         "kvbus tcp sender: needs 0 < heartbeat_interval < peer_timeout and "
         "socket_buffer_bytes >= 0");
   }
-  if (options.transport == TransportKind::kCudaIpc && options.device_ops == nullptr) {
-    return InvalidArgument("kvbus sender: transport cuda_ipc needs a device backend (device_ops)");
+  if ((options.transport == TransportKind::kCudaIpc || options.transport == TransportKind::kNccl) &&
+      options.device_ops == nullptr) {
+    return InvalidArgument(std::string("kvbus sender: transport ") +
+                           TransportKindName(options.transport) +
+                           " needs a device backend (device_ops)");
   }
   KDN_ASSIGN_OR_RETURN(const std::string zmq_endpoint, NormalizeTcpEndpoint(endpoint, false));
   KDN_ASSIGN_OR_RETURN(std::unique_ptr<WakeFd> wake, WakeFd::Make());
   std::unique_ptr<TcpSender> s;
   KDN_ZMQ_RETURN_IF_ERROR(s.reset(new TcpSender(endpoint, options)));
+  if (options.transport == TransportKind::kNccl) {
+    KDN_ASSIGN_OR_RETURN(s->link_, LinkPlane::Make(*options.device_ops, options.peer_timeout));
+  }
   s->wake_ = std::move(wake);
   KDN_ZMQ_RETURN_IF_ERROR(s->socket_ = zmq::socket_t(s->context_, zmq::socket_type::dealer));
   KDN_RETURN_IF_ERROR(SecureClient(s->socket_, options.curve));
@@ -348,7 +355,14 @@ WireOffer TcpSender::NewOffer(uint64_t batch) const {
     if (options_.transport == TransportKind::kShm && kind != RegionKind::kShm) continue;
     if (plane->usable()) offer.planes.push_back(kind);
   }
+  if (link_ && link_->usable()) offer.link = link_->id();
   return offer;
+}
+
+bool TcpSender::GoesByLink(const WireDecision& d) const {
+  if (!link_ || !link_->usable() || !d.in_place || d.region == 0) return false;
+  const auto kind = region_kinds_.find(d.region);
+  return kind != region_kinds_.end() && kind->second == RegionKind::kDevice;
 }
 
 void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
@@ -379,6 +393,13 @@ Status TcpSender::PlaneRequired(const WireDecision& d, const RegionPlane* plane)
     what =
         "granted no shared-memory range (another host, no landing segment, or the chunk "
         "does not fit in it)";
+  } else if (options_.transport == TransportKind::kNccl && d.in_place) {
+    if (GoesByLink(d)) return Status::Ok();
+    return FailedPrecondition(
+        "kvbus nccl: receiver " + endpoint_ + " " +
+        (link_->usable() ? std::string("landed a chunk in place outside a device region, or has "
+                                       "not joined the link (its landing is host memory)")
+                         : "lost the link (" + link_->error().ToString() + ")"));
   } else if (options_.transport == TransportKind::kCudaIpc && d.in_place) {
     required = RegionKind::kDevice;
     what =
@@ -428,7 +449,9 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
           }
           s.phase = Phase::kGranted;
           Outgoing out{m.batch, slot->second, s.chunk};
-          if (mapped) {
+          out.linked = !mapped && GoesByLink(d);
+          out.link_epoch = link_epoch_;
+          if (mapped || out.linked) {
             out.region = d.region;
             out.offset = d.offset;
             out.extents = d.extents;
@@ -450,6 +473,11 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
 }
 
 void TcpSender::HandleAcks(const WireAcks& m) {
+  for (const WireAck& a : m.acks) {
+    if (!a.dropped_link.empty() && link_ && link_->usable() && a.dropped_link == link_->id()) {
+      RenewLink(Unavailable("the receiver dropped it: " + a.status.ToString()));
+    }
+  }
   {
     MutexLock lock(mu_);
     for (const WireAck& a : m.acks) {
@@ -615,7 +643,59 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
   return Status::Ok();
 }
 
+void TcpSender::RenewLink(const Status& why) {
+  Result<std::unique_ptr<LinkPlane>> fresh =
+      LinkPlane::Make(*options_.device_ops, options_.peer_timeout);
+  LogWarn("kvbus sender to {}: the nccl link ended ({}); {}", endpoint_, why.ToString(),
+          fresh.ok() ? "offering a new one" : "no new one: " + fresh.status().ToString());
+  if (fresh.ok()) {
+    link_ = std::move(fresh).value();
+    ++link_epoch_;
+  }
+}
+
+Status TcpSender::LinkChunk(Outgoing& out, bool& sent) {
+  const OutChunk& chunk = out.chunk;
+  if (!out.header_sent && (out.link_epoch != link_epoch_ || !link_->usable())) {
+    // Granted over a link that has ended since: the receiver dropped it too.
+    FailOutgoing(out, Unavailable("kvbus nccl to " + endpoint_ +
+                                  ": the link it was granted over ended before it was sent"));
+    sent = true;  // done with it
+    return Status::Ok();
+  }
+  if (!out.header_sent) {
+    // The header first: the receiver takes the payload off the link when
+    // it reads it, onto the extents of the grant.
+    WireChunkHeader h{out.batch, chunk.key(), chunk.size(), /*landed=*/true, {}, /*linked=*/true};
+    h.header.assign(reinterpret_cast<const char*>(chunk.header().data()), Chunk::kHeaderBytes);
+    KDN_ASSIGN_OR_RETURN(zmq::message_t header, EncodeWire(h));
+    KDN_ASSIGN_OR_RETURN(sent, TrySend(socket_, header, /*more=*/false));
+    if (!sent) return Status::Ok();
+    out.header_sent = true;
+  }
+  sent = true;
+  const auto t0 = TransportClock::now();
+  const Status st =
+      link_->Send(chunk, options_.faults.corrupt_data && options_.faults.corrupt_data(chunk.key()));
+  if (!st.ok()) {
+    RenewLink(st);
+    // The receiver's receive fails too, and it acks the chunk failed.
+    FailOutgoing(out, st.WithContext(std::string("kvbus nccl to ") + endpoint_));
+    return Status::Ok();
+  }
+  MutexLock lock(mu_);
+  stats_.planes[kLinkPlaneName].copy_seconds +=
+      std::chrono::duration<double>(TransportClock::now() - t0).count();
+  auto it = batches_.find(out.batch);
+  if (it != batches_.end()) {
+    it->second.slots[out.slot].plane = kLinkPlaneName;
+    it->second.plane = kLinkPlaneName;
+  }
+  return Status::Ok();
+}
+
 Status TcpSender::SendChunk(Outgoing& out, bool& sent) {
+  if (out.linked) return LinkChunk(out, sent);
   if (out.region != 0) return LandChunk(out, sent);
   sent = false;
   if (!out.chunk.chunk()) {

@@ -91,16 +91,18 @@ const char* TransportKindName(TransportKind kind) {
     case TransportKind::kTcp: return "tcp";
     case TransportKind::kShm: return "shm";
     case TransportKind::kCudaIpc: return "cuda_ipc";
+    case TransportKind::kNccl: return "nccl";
   }
   return "?";
 }
 
 Result<TransportKind> ParseTransportKind(const std::string& name) {
-  for (TransportKind k :
-       {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm, TransportKind::kCudaIpc}) {
+  for (TransportKind k : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm,
+                          TransportKind::kCudaIpc, TransportKind::kNccl}) {
     if (name == TransportKindName(k)) return k;
   }
-  return InvalidArgument("kvbus transport '" + name + "': expected auto, tcp, shm or cuda_ipc");
+  return InvalidArgument("kvbus transport '" + name +
+                         "': expected auto, tcp, shm, cuda_ipc or nccl");
 }
 
 Result<std::unique_ptr<Sender>> Connect(const std::string& endpoint, const SenderOptions& options) {

@@ -111,6 +111,8 @@ class TcpSender final : public Sender {
     uint32_t region = 0;       // granted into the receiver's region (a region plane); 0: tcp
     uint64_t offset = 0;
     std::vector<Extent> extents;  // in place: where in `region` the payload goes
+    bool linked = false;          // in place over the link (the nccl plane), not mapped
+    uint64_t link_epoch = 0;      // linked: which of the sender's links it was granted over
   };
 
   TcpSender(std::string endpoint, const SenderOptions& options);
@@ -137,6 +139,14 @@ class TcpSender final : public Sender {
   // Has the region plane write the chunk into its granted range (its
   // payload into its extents, in place) and sends the landed header.
   Status LandChunk(Outgoing& out, bool& sent);
+  // Sends the chunk's header marked linked, then its payload over the link.
+  Status LinkChunk(Outgoing& out, bool& sent);
+  // A new link, of a new id, in place of one that ended (`why`), for the
+  // next offers: the receiver joins it (it never joins a failed one again).
+  void RenewLink(const Status& why);
+  // Whether an in-place grant `d` into a region no plane mapped goes over
+  // the link: a device region, the link up.
+  bool GoesByLink(const WireDecision& d) const;
   // Maps the regions a Decisions names (I/O thread). A region that cannot
   // be mapped is left out of regions_ (auto: its grants go by tcp).
   void MapRegions(const std::vector<WireRegion>& regions);
@@ -187,6 +197,9 @@ class TcpSender final : public Sender {
   std::map<uint32_t, RegionKind> region_kinds_;
   // The plane of `region`'s kind, if it has mapped it; null: none (tcp).
   RegionPlane* MappedPlane(uint32_t region);
+  // The nccl plane (kNccl only): a link named in every offer while up.
+  std::unique_ptr<LinkPlane> link_;
+  uint64_t link_epoch_ = 0;  // counts the links made after a failed one
 
   // Bytes sent per data plane, counted when acked.
   SenderStats stats_ KDN_GUARDED_BY(mu_);
@@ -247,6 +260,10 @@ class TcpReceiver final : public Receiver {
   WireDecision InPlaceDecision(const ChunkKey& key, const Lease& lease) const;
   void HandleInPlace(const std::string& peer, const WireChunkHeader& h, const zmq::message_t* data,
                      const Lease& lease);
+  // A linked chunk's payload taken off `peer`'s link onto `claim`, then
+  // verified there. A link that fails is dropped, its id in `*dropped`.
+  Result<ChunkInfo> ReceiveLinked(const std::string& peer, const WireChunkHeader& h,
+                                  const Landing& claim, std::string* dropped);
   // The site hears how an in-place lease ended, if it was one.
   void EndClaim(const Lease& lease, const Status& status);
   // Verifies `bytes` bytes at `data` as the chunk `h` announced and Puts them
@@ -298,6 +315,21 @@ class TcpReceiver final : public Receiver {
   std::unique_ptr<RegionLanding> in_place_;
   // The region kinds each peer on this host can write itself (its offers' planes).
   std::unordered_map<std::string, std::vector<RegionKind>> peer_planes_;
+  // The nccl plane's receiving halves: the link each peer's offers named,
+  // joined as rank 1 through the landing region's backend, and the ids of
+  // links that failed (never joined again: the sender names a new one).
+  // A link outlives its peer's silences (a sender idle for a while keeps
+  // its link); it ends when it fails, or when kMaxLinks are joined and its
+  // peer was heard from least recently.
+  static constexpr size_t kMaxLinks = 64;
+  struct PeerLink {
+    std::string id;
+    std::unique_ptr<DeviceLink> link;
+  };
+  std::unordered_map<std::string, PeerLink> links_;
+  std::set<std::string> failed_links_;
+  void JoinLink(const std::string& peer, const std::string& id);
+  DeviceLink* PeerLinkOf(const std::string& peer);
   // Whether `peer` on this host can write regions of `kind` itself.
   bool PeerWrites(const std::string& peer, RegionKind kind) const;
 };

@@ -81,6 +81,7 @@ void Fill(const WireOffer& m, pb::TransportFrame& f) {
   o->set_batch(m.batch);
   o->set_host_id(m.host_id);
   for (const RegionKind k : m.planes) o->add_planes(static_cast<pb::RegionKind>(k));
+  if (!m.link.empty()) o->set_link(m.link);
   o->mutable_entries()->Reserve(static_cast<int>(m.entries.size()));
   for (const WireOfferEntry& e : m.entries) {
     pb::OfferEntry* pe = o->add_entries();
@@ -131,6 +132,7 @@ void Fill(const WireChunkHeader& m, pb::TransportFrame& f) {
   SetKey(h, m.key);
   h->set_bytes(m.bytes);
   h->set_landed(m.landed);
+  h->set_linked(m.linked);
   if (!m.header.empty()) h->set_header(m.header);
 }
 
@@ -144,6 +146,7 @@ void Fill(const WireAcks& m, pb::TransportFrame& f) {
     pa->set_code(CodeToWire(e.status.code()));
     if (!e.status.ok()) pa->set_message(e.status.message());
     pa->set_duplicate(e.duplicate);
+    if (!e.dropped_link.empty()) pa->set_dropped_link(e.dropped_link);
   }
 }
 
@@ -166,6 +169,7 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
       WireOffer m;
       m.batch = f.offer().batch();
       m.host_id = f.offer().host_id();
+      m.link = f.offer().link();
       for (const int k : f.offer().planes()) m.planes.push_back(FromWire(k));
       m.entries.reserve(f.offer().entries_size());
       for (const pb::OfferEntry& e : f.offer().entries()) {
@@ -211,13 +215,14 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
     }
     case pb::TransportFrame::kChunk:
       return WireMessage(WireChunkHeader{f.chunk().batch(), KeyOf(f.chunk()), f.chunk().bytes(),
-                                         f.chunk().landed(), f.chunk().header()});
+                                         f.chunk().landed(), f.chunk().header(),
+                                         f.chunk().linked()});
     case pb::TransportFrame::kAcks: {
       WireAcks m;
       m.acks.reserve(f.acks().acks_size());
       for (const pb::AckEntry& a : f.acks().acks()) {
-        m.acks.push_back(
-            WireAck{a.batch(), KeyOf(a), StatusFromWire(a.code(), a.message()), a.duplicate()});
+        m.acks.push_back(WireAck{a.batch(), KeyOf(a), StatusFromWire(a.code(), a.message()),
+                                 a.duplicate(), a.dropped_link()});
       }
       return WireMessage(std::move(m));
     }

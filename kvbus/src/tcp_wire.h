@@ -34,6 +34,7 @@ struct WireOffer {
   // when the receiver runs on the host host_id names.
   std::vector<RegionKind> planes;
   std::string host_id;
+  std::string link;  // the id of a link the sender joined as rank 0 ("": none)
 };
 
 enum class WireDecisionKind : uint8_t { kHeld, kGranted, kRejected };
@@ -67,6 +68,7 @@ struct WireChunkHeader {
   uint64_t bytes = 0;
   bool landed = false;  // the bytes are in the granted region: no frame follows
   std::string header;   // landed in place: the chunk's header (its payload in the extents)
+  bool linked = false;  // landed: its payload comes next over the link, onto the extents
 };
 
 struct WireAck {
@@ -74,6 +76,7 @@ struct WireAck {
   ChunkKey key;
   Status status;
   bool duplicate = false;
+  std::string dropped_link;  // the sender's link the receiver dropped on this chunk
 };
 struct WireAcks {
   std::vector<WireAck> acks;

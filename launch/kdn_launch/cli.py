@@ -182,11 +182,13 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                    help="each worker's own host-memory KV tier in MiB (default: %(default)s)")
     p.add_argument("--chunk-tokens", type=positive_int, default=256, metavar="T",
                    help="tokens per KV chunk, the unit of caching (default: %(default)s)")
-    p.add_argument("--kv-transport", choices=("auto", "tcp", "shm", "cuda_ipc"), default="auto",
+    p.add_argument("--kv-transport", choices=("auto", "tcp", "shm", "cuda_ipc", "nccl"),
+                   default="auto",
                    help="how prefill workers move KV to decode workers: auto picks shm "
                         "(shared memory) on one host and tcp otherwise; cuda_ipc, for GPU "
                         "workers on one host, has them write KV into the decode workers' GPU "
-                        "memory (not yet run on a GPU) (default: %(default)s)")
+                        "memory; nccl, for GPU workers on any hosts, has them send it there "
+                        "over NCCL (both not yet run on a GPU) (default: %(default)s)")
     # These are passed only when given: their default is the process's own.
     p.add_argument("--max-batch", type=positive_int, metavar="N",
                    help="kdn-decode --max-batch, to every decode worker: requests each runs, "

@@ -288,10 +288,11 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   po.chunk_tokens = options.chunk_tokens;
   po.blend_kl_per_residual = options.blend_kl_per_residual;
   po.sender.transport = options.kv_transport;
-  // The cuda_ipc plane's backend (it writes the host chunks the prefiller
-  // pushes into a decode worker's exported pool); auto uses it where a
-  // decode worker offers a device region.
-  if (options.kv_transport == kvbus::TransportKind::kCudaIpc) {
+  // The device plane's backend: cuda_ipc writes the slices the prefiller
+  // pushes into a decode worker's exported pool, nccl sends them over a
+  // link of it; auto uses cuda_ipc where a decode worker offers a device
+  // region.
+  if (kvbus::OverDevicePlane(options.kv_transport)) {
     KDN_ASSIGN_OR_RETURN(po.sender.device_ops, control::WorkerDeviceOps(options.engine.device));
   } else if (options.kv_transport == kvbus::TransportKind::kAuto) {
     Result<kvbus::DeviceOps*> ops = control::WorkerDeviceOps(options.engine.device);

@@ -3,9 +3,10 @@
 the decode worker's KV blocks (its pool, a shared segment) unless told to
 use tcp, where the decode worker's receiver puts it there; either way the
 decode worker copies nothing at Start, /metrics counts each plane per
-worker, and the answer does not depend on the plane. The cuda_ipc device
-plane runs here too, the host backend standing in for a device (the
-workers' test mode, KDN_DEVICE_OPS=host; docs/kvbus.md, "Device planes")."""
+worker, and the answer does not depend on the plane. The device planes
+(cuda_ipc, nccl) run here too, the host backend standing in for a device
+and its loopback link for NCCL (the workers' test mode, KDN_DEVICE_OPS=host;
+docs/kvbus.md, "Device planes")."""
 
 import subprocess
 
@@ -16,7 +17,7 @@ from deploy_util import Deployment, binary, metric, parse_metrics, wait_until
 PROMPT = "The transport under test carries every layer of this prompt's KV " * 6
 
 
-PLANES = ("tcp", "shm", "cuda_ipc")
+PLANES = ("tcp", "shm", "cuda_ipc", "nccl")
 
 
 def planes(d):
@@ -93,19 +94,22 @@ def test_kv_lands_in_place_by_the_plane_the_topology_or_the_flag_picks(tiny_mode
         d2.down()
 
 
-def test_the_cuda_ipc_plane_over_the_host_backend_serves_kdn_generates_text(tiny_model, tmp_path,
-                                                                          monkeypatch):
-    """--kv-transport cuda_ipc in the test mode: the decode worker exports
-    its KV pool as a device region, the prefill worker opens it and writes
-    each layer slice into the claimed blocks by its cuda_ipc plane, and the
-    decode worker verifies them there through the same backend."""
+@pytest.mark.parametrize("plane", ["cuda_ipc", "nccl"])
+def test_a_device_plane_over_the_host_backend_serves_kdn_generates_text(tiny_model, tmp_path,
+                                                                       monkeypatch, plane):
+    """--kv-transport cuda_ipc or nccl in the test mode: the decode worker
+    allocates its KV pool as a device region; by cuda_ipc the prefill worker
+    opens it and writes each layer slice into the claimed blocks, by nccl it
+    sends each slice over the link the decode worker joined, which receives
+    it onto them; either way the decode worker verifies the slices there
+    through the same backend."""
     monkeypatch.setenv("KDN_DEVICE_OPS", "host")
-    d = Deployment(tmp_path / "run", tiny_model, "--kv-transport", "cuda_ipc")
+    d = Deployment(tmp_path / "run", tiny_model, "--kv-transport", plane)
     try:
         health = d.http.get("/health").json()
-        assert {w["kv_transport"] for w in health["workers"]} == {"cuda_ipc"}, health
+        assert {w["kv_transport"] for w in health["workers"]} == {plane}, health
         out = d.completion(PROMPT, max_tokens=8, temperature=0, disaggregation="always")
-        wait_for_plane(d, "cuda_ipc")
+        wait_for_plane(d, plane)
         assert metric(parse_metrics(d.metrics()), "kdn_kv_slices_sourced_total") > 0
         assert_landed_in_place(d)
     finally:
@@ -116,10 +120,12 @@ def test_the_cuda_ipc_plane_over_the_host_backend_serves_kdn_generates_text(tiny
     assert out["choices"][0]["text"] == r.stdout.decode("utf-8")[:-1]
 
 
+@pytest.mark.parametrize("plane", ["cuda_ipc", "nccl"])
 @pytest.mark.parametrize("worker", ["kdn-prefill", "kdn-decode"])
-def test_a_cpu_worker_refuses_cuda_ipc_outside_the_test_mode(tiny_model, monkeypatch, worker):
+def test_a_cpu_worker_refuses_a_device_plane_outside_the_test_mode(tiny_model, monkeypatch,
+                                                                   worker, plane):
     monkeypatch.delenv("KDN_DEVICE_OPS", raising=False)
-    r = subprocess.run([binary(worker), "--model", str(tiny_model), "--kv-transport", "cuda_ipc"],
+    r = subprocess.run([binary(worker), "--model", str(tiny_model), "--kv-transport", plane],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert "--kv-transport cuda_ipc needs a GPU worker" in r.stderr + r.stdout, r
+    assert "--kv-transport cuda_ipc or nccl needs a GPU worker" in r.stderr + r.stdout, r

@@ -216,7 +216,14 @@ TEST(TransportKind, ParsesItsNamesAndRefusesOthers) {
   EXPECT_EQ(*ParseTransportKind("auto"), TransportKind::kAuto);
   EXPECT_EQ(*ParseTransportKind("tcp"), TransportKind::kTcp);
   EXPECT_EQ(*ParseTransportKind("shm"), TransportKind::kShm);
-  EXPECT_EQ(ParseTransportKind("nccl").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ParseTransportKind("cuda_ipc"), TransportKind::kCudaIpc);
+  EXPECT_EQ(*ParseTransportKind("nccl"), TransportKind::kNccl);
+  for (TransportKind k : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm,
+                          TransportKind::kCudaIpc, TransportKind::kNccl}) {
+    EXPECT_EQ(*ParseTransportKind(TransportKindName(k)), k);
+  }
+  EXPECT_EQ(ParseTransportKind("rdma").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseTransportKind("NCCL").status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(RegionTable, ResolvesRangesInsideARegionOfTheRightKindOnly) {

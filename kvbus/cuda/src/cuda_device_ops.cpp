@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -13,6 +14,7 @@
 #include "kdn/kvbus/cuda/copy_extents.h"
 #include "kdn/kvbus/cuda/cuda_ipc.h"
 #include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/kvbus/cuda/nccl_link.h"
 
 namespace kdn::kvbus::cuda {
 
@@ -59,6 +61,81 @@ class PeerMemory final : public DeviceMemory {
   std::unique_ptr<ImportedDeviceRegion> region_;
   std::string handle_;
   DeviceOps& ops_;
+};
+
+// The nccl plane's link: a two-rank NcclLink, joined on a thread of its
+// own (ncclCommInitRank waits for both ranks: a transport's I/O thread
+// must not), each message on a non-blocking stream of the link's and
+// waited for with the link's deadline.
+class CudaLink final : public DeviceLink {
+ public:
+  CudaLink(const std::string& id, int rank, int device, std::chrono::milliseconds timeout)
+      : rank_(rank), device_(device), timeout_(timeout) {
+    joining_ = std::async(std::launch::async, [id, rank, device, timeout] {
+      return NcclLink::Connect(id, rank, device, timeout);
+    });
+  }
+  ~CudaLink() override {
+    Abort();
+    if (stream_ != nullptr) {
+      (void)cudaSetDevice(device_);
+      (void)cudaStreamDestroy(stream_);
+    }
+  }
+
+  Status Send(const uint8_t* base, std::span<const Extent> extents) override {
+    if (rank_ != 0) return FailedPrecondition("kvbus nccl link: rank 1 receives, it does not send");
+    KDN_RETURN_IF_ERROR(Joined());
+    return Settle(link_->Send(base, extents, stream_));
+  }
+  Status Recv(uint8_t* base, std::span<const Extent> extents) override {
+    if (rank_ != 1) return FailedPrecondition("kvbus nccl link: rank 0 sends, it does not receive");
+    KDN_RETURN_IF_ERROR(Joined());
+    return Settle(link_->Recv(base, extents, stream_));
+  }
+  void Abort() override {
+    if (joining_.valid()) {
+      Result<std::unique_ptr<NcclLink>> joined = joining_.get();  // bounded by its timeout
+      if (joined.ok()) link_ = std::move(joined).value();
+    }
+    if (link_) (void)link_->Abort();
+    aborted_ = true;
+  }
+  bool aborted() const override { return aborted_; }
+
+ private:
+  // The link joined (the first call waits for it), the device current and
+  // the stream made.
+  Status Joined() {
+    if (aborted_) return FailedPrecondition("kvbus nccl link: aborted");
+    if (joining_.valid()) {
+      Result<std::unique_ptr<NcclLink>> joined = joining_.get();
+      if (!joined.ok()) {
+        aborted_ = true;
+        return joined.status();
+      }
+      link_ = std::move(joined).value();
+    }
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (stream_ == nullptr) {
+      KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    }
+    return Status::Ok();
+  }
+  // The message enqueued, then waited for; any failure aborts the link.
+  Status Settle(Status enqueued) {
+    Status st = enqueued.ok() ? link_->Wait(stream_, timeout_) : std::move(enqueued);
+    if (!st.ok()) Abort();
+    return st;
+  }
+
+  const int rank_;
+  const int device_;
+  const std::chrono::milliseconds timeout_;
+  std::future<Result<std::unique_ptr<NcclLink>>> joining_;
+  std::unique_ptr<NcclLink> link_;
+  cudaStream_t stream_ = nullptr;
+  bool aborted_ = false;
 };
 
 class CudaOps final : public DeviceOps {
@@ -152,6 +229,19 @@ class CudaOps final : public DeviceOps {
         cudaMemcpyAsync(host_.data(), stage_, n, cudaMemcpyDeviceToHost, stream_));
     KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return PayloadChecksum(host_.data(), {&whole, 1});
+  }
+
+  Result<std::string> NewLinkId() override {
+    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return NcclLink::NewUniqueId();
+  }
+  Result<std::unique_ptr<DeviceLink>> JoinLink(const std::string& id, int rank,
+                                               std::chrono::milliseconds timeout) override {
+    if (rank != 0 && rank != 1) {
+      return InvalidArgument("kvbus nccl link: rank " + std::to_string(rank));
+    }
+    if (timeout.count() <= 0) return InvalidArgument("kvbus nccl link: the timeout must be > 0");
+    return std::unique_ptr<DeviceLink>(std::make_unique<CudaLink>(id, rank, device_, timeout));
   }
 
  private:

@@ -127,9 +127,11 @@ struct KvFlags {
         ->capture_default_str();
     app.add_option("--kv-transport", kv_transport,
                    "kvbus data plane: auto (shm with workers on this host, else tcp), tcp, shm, "
-                   "or cuda_ipc (GPU workers on one host: the decode worker exports its KV pool "
-                   "and prefill workers write each layer slice into it; not yet run on a GPU)")
-        ->check(CLI::IsMember({"auto", "tcp", "shm", "cuda_ipc"}))
+                   "cuda_ipc (GPU workers on one host: the decode worker exports its KV pool "
+                   "and prefill workers write each layer slice into it) or nccl (GPU workers "
+                   "on any hosts: prefill workers send each layer slice over an NCCL link into "
+                   "the decode worker's pool); the device planes are not yet run on a GPU")
+        ->check(CLI::IsMember({"auto", "tcp", "shm", "cuda_ipc", "nccl"}))
         ->capture_default_str();
     app.add_option("--store-codec", store_codec,
                    "KV codec level of chunks put into the --store or --kdn-redis: raw, lossless, "

@@ -42,7 +42,8 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
 // change after the engine is made, so any thread may call it.
 std::string EngineSummary(engine::Engine& engine);
 
-// The device backend of a worker's cuda_ipc plane (kdn/kvbus/device_ops.h):
+// The device backend of a worker's device plane, cuda_ipc or nccl
+// (kdn/kvbus/device_ops.h):
 // the CUDA backend of its GPU, or, on a CPU worker, the host backend
 // standing in for a device in the workers' test mode (KDN_DEVICE_OPS=host).
 // FAILED_PRECONDITION, saying why, when there is none.
@@ -51,9 +52,9 @@ Result<kvbus::DeviceOps*> WorkerDeviceOps(const engine::Device& device);
 // Has the engine of `options` allocate its KV pool through the backend its
 // worker's transport writes (docs/kvbus.md, "Device planes"), into `*pool`
 // (which must outlive the engine): WorkerDeviceOps with --kv-transport
-// cuda_ipc, the host backend on a CPU otherwise; a GPU pool under any
-// other transport stays the engine's own (`*pool` left null). The error
-// of WorkerDeviceOps when cuda_ipc has no backend here.
+// cuda_ipc or nccl, the host backend on a CPU otherwise; a GPU pool under
+// any other transport stays the engine's own (`*pool` left null). The
+// error of WorkerDeviceOps when the device plane has no backend here.
 Status AllocateKvPoolThroughBackend(kvbus::TransportKind transport, engine::OpenOptions* options,
                                     std::unique_ptr<kvbus::DeviceMemory>* pool);
 

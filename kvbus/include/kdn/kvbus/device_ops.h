@@ -12,10 +12,15 @@
 // A receiver exports memory (Allocate, or a backend's own export of memory
 // it already holds) and names it by handle() in its grants; a sender on
 // the same host opens the handle and writes layer slices into extents of
-// it; the receiver verifies them where they landed with Checksum.
+// it; the receiver verifies them where they landed with Checksum. Where
+// the sender cannot open the receiver's memory (another host), the two
+// join a link (the nccl plane: NCCL for cuda, a loopback socket for the
+// host backend), the sender sends each slice from extents of its memory
+// and the receiver receives it onto the claimed extents of its own.
 //
 // Thread-safe: a backend's calls may come from any thread.
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -54,6 +59,26 @@ class DeviceMemory {
   virtual DeviceOps& ops() const = 0;
 };
 
+// One direction of a link between two processes (the nccl plane's): rank 0
+// sends messages, rank 1 receives them, in order, each from and onto
+// extents of memory of the link's backend. Made by DeviceOps::JoinLink.
+// Any failed Send or Recv aborts the link (a message half-sent leaves the
+// stream unusable); after Abort every call answers FAILED_PRECONDITION.
+// Not thread-safe: one caller at a time.
+class DeviceLink {
+ public:
+  virtual ~DeviceLink() = default;
+  // Rank 0: sends the bytes of `extents` of `base` (memory of this
+  // backend: its own or host memory for the host backend) as one message.
+  virtual Status Send(const uint8_t* base, std::span<const Extent> extents) = 0;
+  // Rank 1: receives the next message onto `extents` of `base`, which must
+  // hold exactly its bytes (INVALID_ARGUMENT, the link aborted, when they
+  // do not; NCCL cannot tell, and its wait runs into the deadline).
+  virtual Status Recv(uint8_t* base, std::span<const Extent> extents) = 0;
+  virtual void Abort() = 0;
+  virtual bool aborted() const = 0;
+};
+
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;
@@ -90,6 +115,18 @@ class DeviceOps {
   // XXH3-64 of the bytes of `extents` of `base`, in order: equal to
   // PayloadChecksum (kdn/kvbus/chunk.h) of the same bytes in host memory.
   virtual Result<uint64_t> Checksum(const uint8_t* base, std::span<const Extent> extents) = 0;
+
+  // A fresh link id (ASCII, one line) whose rank 0 is this process, to be
+  // carried to the peer over kdn's authenticated control channel.
+  virtual Result<std::string> NewLinkId() = 0;
+  // Joins link `id` as `rank` (0: the process that made the id, which
+  // sends; 1: the peer, which receives). Returns at once: the first Send
+  // or Recv waits for the other side to have joined. `timeout` bounds
+  // that wait and each message (a dead or silent peer: DEADLINE_EXCEEDED,
+  // the link aborted). INVALID_ARGUMENT for a malformed id or rank, or a
+  // rank-0 id this process did not make (or joined already).
+  virtual Result<std::unique_ptr<DeviceLink>> JoinLink(const std::string& id, int rank,
+                                                       std::chrono::milliseconds timeout) = 0;
 };
 
 // The host backend (one per process).

@@ -12,6 +12,11 @@
 //        backend's memory (kdn/kvbus/device_ops.h) is written there by the
 //        sender through the same backend, its header sent alone. Same host
 //        (and, for CUDA, GPUs that can reach each other) only.
+//   nccl  a chunk claimed by a landing site whose region is a device
+//        backend's memory goes as its header, then its payload over a link
+//        of that backend (DeviceLink: NCCL between GPUs) that the receiver
+//        joined from the id in the sender's offers; the receiver receives
+//        it onto the claimed extents. Any hosts NCCL connects.
 // TransportKind::kAuto picks the region plane of each grant's region when
 // the two ends share a host and the sender can open it, tcp otherwise
 // (docs/kvbus.md).
@@ -85,10 +90,19 @@ enum class TransportKind : uint8_t {
   // Chunks claimed in place only by the device plane (a claim it cannot
   // write fails its chunk); the rest as kAuto. Needs SenderOptions::device_ops.
   kCudaIpc,
+  // Chunks claimed in place only over a link of SenderOptions::device_ops
+  // (a claim outside a device region, or a receiver that did not join the
+  // link, fails its chunk); the rest as kAuto.
+  kNccl,
 };
 const char* TransportKindName(TransportKind kind);
-// "auto", "tcp", "shm" or "cuda_ipc"; INVALID_ARGUMENT otherwise.
+// "auto", "tcp", "shm", "cuda_ipc" or "nccl"; INVALID_ARGUMENT otherwise.
 Result<TransportKind> ParseTransportKind(const std::string& name);
+// Whether `kind` lands claimed chunks by a device plane (cuda_ipc, nccl),
+// which needs a device backend at both ends.
+inline bool OverDevicePlane(TransportKind kind) {
+  return kind == TransportKind::kCudaIpc || kind == TransportKind::kNccl;
+}
 
 struct ChunkResult {
   ChunkKey key;
@@ -148,7 +162,8 @@ struct SenderOptions {
   TransportKind transport = TransportKind::kAuto;
   // Set: the sender has a cuda_ipc plane, which opens receivers' device
   // regions and writes them through this backend (borrowed: it must
-  // outlive the Sender). Required by kCudaIpc.
+  // outlive the Sender); with kNccl, the nccl plane instead, a link of
+  // this backend. Required by kCudaIpc and kNccl.
   DeviceOps* device_ops = nullptr;
   // Set: the connection runs CURVE as a holder of this key, the receiver's
   // (kdn/kvbus/curve.h). Its control messages and tcp chunks are then

@@ -1,0 +1,335 @@
+// The nccl plane on the CPU (docs/kvbus.md, "Device planes"): the host
+// backend's link (a loopback socket) stands in for NCCL, so the plane's
+// whole code path runs here: the sender joining a link and naming it in
+// its offers, the receiver joining it and granting claimed chunks into its
+// device region, each payload sent over the link and received onto the
+// claimed extents, verified there through the backend. The link alone,
+// the conformance suite over the plane, then its own cases. ctest label
+// device_plane (tests/CMakeLists.txt).
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <set>
+#include <thread>
+
+#include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/device_ops.h"
+#include "kdn/kvbus/transport.h"
+#include "landing_site.h"
+#include "recording_store.h"
+#include "sourcing_sender.h"
+#include "transport_conformance.h"
+#include "transport_test_util.h"
+
+namespace kdn::kvbus {
+namespace {
+
+using namespace std::chrono_literals;
+using namespace transport_test;  // NOLINT: transport_test_util.h
+using testing::InPlaceReceiver;
+using testing::RecordingStore;
+using testing::SourcingSender;
+
+uint64_t SegmentBytes(const ReceiverOptions& o) {
+  return std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20, uint64_t{256} << 20);
+}
+
+// `o` over the nccl plane, the host backend's link standing in for NCCL.
+SenderOptions OverLink(SenderOptions o) {
+  o.transport = TransportKind::kNccl;
+  o.device_ops = &HostDeviceOps();
+  return o;
+}
+
+Result<std::unique_ptr<Receiver>> DeviceLanding(ChunkStore& sink, const ReceiverOptions& o) {
+  return InPlaceReceiver::Listen(sink, o, SegmentBytes(o), RegionKind::kDevice);
+}
+
+// The suite with every claimed payload sent over the link onto the landing
+// site's device region; what the site does not claim goes as auto sends it.
+INSTANTIATE_TEST_SUITE_P(
+    DevicePlaneNccl, TransportConformance,
+    ::testing::Values(TransportFactory{"nccl_host_in_place", DeviceLanding,
+                                       [](const std::string& endpoint, SenderOptions o) {
+                                         return Connect(endpoint, OverLink(o));
+                                       }},
+                      TransportFactory{"nccl_host_sourced_in_place", DeviceLanding,
+                                       [](const std::string& endpoint, SenderOptions o) {
+                                         return SourcingSender::Connect(endpoint, OverLink(o));
+                                       }}),
+    TransportFactoryName);
+
+// ---- the host link alone ----------------------------------------------------
+
+struct LinkPair {
+  std::unique_ptr<DeviceLink> send, recv;
+  explicit LinkPair(std::chrono::milliseconds timeout = 5s) {
+    DeviceOps& ops = HostDeviceOps();
+    const std::string id = ops.NewLinkId().value();
+    send = ops.JoinLink(id, 0, timeout).value();
+    recv = ops.JoinLink(id, 1, timeout).value();
+  }
+};
+
+TEST(DevicePlaneLink, TheHostLinkCarriesMessagesInOrderOntoExtents) {
+  LinkPair link;
+  // Larger than any socket buffer, so both ends wait on each other.
+  std::vector<uint8_t> big(24 << 20);
+  std::iota(big.begin(), big.end(), uint8_t{3});
+  std::vector<uint8_t> small(1000, 0xab);
+  Status sent;
+  std::thread sender([&] {
+    const std::vector<Extent> from = {{4096, big.size() - 4096}, {0, 4096}};
+    sent = link.send->Send(big.data(), from);
+    const Extent whole{0, small.size()};
+    if (sent.ok()) sent = link.send->Send(small.data(), {&whole, 1});
+    const Extent none{0, 0};
+    if (sent.ok()) sent = link.send->Send(small.data(), {&none, 1});
+  });
+  std::vector<uint8_t> got(big.size() + 64, 0);
+  const std::vector<Extent> onto = {{64, big.size()}};
+  KDN_ASSERT_OK(link.recv->Recv(got.data(), onto));
+  EXPECT_EQ(std::memcmp(got.data() + 64, big.data() + 4096, big.size() - 4096), 0);
+  EXPECT_EQ(std::memcmp(got.data() + 64 + big.size() - 4096, big.data(), 4096), 0);
+  const std::vector<Extent> split = {{10, 400}, {2000, 600}};
+  KDN_ASSERT_OK(link.recv->Recv(got.data(), split));
+  EXPECT_EQ(got[10], 0xab);
+  EXPECT_EQ(got[2599], 0xab);
+  KDN_ASSERT_OK(link.recv->Recv(got.data(), {}));
+  sender.join();
+  KDN_ASSERT_OK(sent);
+  EXPECT_EQ(link.recv->Send(got.data(), {}).code(), StatusCode::kFailedPrecondition)
+      << "rank 1 only receives";
+}
+
+TEST(DevicePlaneLink, AMessageOfTheWrongSizeAbortsTheLink) {
+  LinkPair link;
+  std::vector<uint8_t> bytes(100, 1);
+  const Extent whole{0, 100};
+  KDN_ASSERT_OK(link.send->Send(bytes.data(), {&whole, 1}));  // fits the socket buffer
+  const Extent more{0, 101};
+  EXPECT_EQ(link.recv->Recv(bytes.data(), {&more, 1}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(link.recv->aborted());
+  EXPECT_EQ(link.recv->Recv(bytes.data(), {&whole, 1}).code(), StatusCode::kFailedPrecondition);
+  // The peer sees the link gone at its next message.
+  Status st;
+  for (int i = 0; i < 100 && st.ok(); ++i) st = link.send->Send(bytes.data(), {&whole, 1});
+  EXPECT_FALSE(st.ok());
+  EXPECT_TRUE(link.send->aborted());
+}
+
+TEST(DevicePlaneLink, ASilentOrMissingPeerIsADeadlineOrAClearError) {
+  DeviceOps& ops = HostDeviceOps();
+  {
+    LinkPair link(200ms);
+    uint8_t b = 0;
+    const Extent one{0, 1};
+    EXPECT_EQ(link.recv->Recv(&b, {&one, 1}).code(), StatusCode::kDeadlineExceeded);
+    EXPECT_TRUE(link.recv->aborted());
+  }
+  {
+    // Nobody joins: rank 0's first message waits for the join, then gives up.
+    const std::string id = ops.NewLinkId().value();
+    auto alone = ops.JoinLink(id, 0, 200ms).value();
+    uint8_t b = 0;
+    const Extent one{0, 1};
+    EXPECT_EQ(alone->Send(&b, {&one, 1}).code(), StatusCode::kDeadlineExceeded);
+  }
+  {
+    // A peer that goes away mid-link.
+    LinkPair link;
+    link.send.reset();
+    uint8_t b = 0;
+    const Extent one{0, 1};
+    EXPECT_FALSE(link.recv->Recv(&b, {&one, 1}).ok());
+  }
+  const std::string id = ops.NewLinkId().value();
+  EXPECT_EQ(ops.JoinLink(id, 2, 1s).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ops.JoinLink("host-link:x:y", 1, 1s).status().code(), StatusCode::kInvalidArgument);
+  KDN_ASSERT_OK(ops.JoinLink(id, 0, 1s).status());
+  EXPECT_EQ(ops.JoinLink(id, 0, 1s).status().code(), StatusCode::kInvalidArgument)
+      << "rank 0 of a link is joined once";
+}
+
+TEST(DevicePlaneLink, APeerWithoutTheTokenIsRefused) {
+  DeviceOps& ops = HostDeviceOps();
+  const std::string id = ops.NewLinkId().value();
+  auto send = ops.JoinLink(id, 0, 2s).value();
+  // The same port, another token.
+  std::string forged = id;
+  forged.back() = forged.back() == '0' ? '1' : '0';
+  auto intruder = ops.JoinLink(forged, 1, 2s).value();
+  uint8_t b = 7;
+  const Extent one{0, 1};
+  EXPECT_EQ(send->Send(&b, {&one, 1}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(send->aborted());
+}
+
+// ---- the plane in the transport ---------------------------------------------
+
+SenderOptions LinkSender() {
+  SenderOptions o;
+  o.peer_timeout = 5s;
+  o.heartbeat_interval = 100ms;
+  return OverLink(o);
+}
+
+struct Rig {
+  RecordingStore sink;
+  std::unique_ptr<Receiver> receiver;
+  std::unique_ptr<Sender> sender;
+
+  Rig(RegionKind landing, const SenderOptions& so,
+      ReceiverOptions ro = TestReceiverOptions()) {
+    receiver = InPlaceReceiver::Listen(sink, ro, uint64_t{8} << 20, landing).value();
+    sender = Connect(receiver->endpoint(), so).value();
+  }
+  BatchStatus Move(const std::vector<ChunkPtr>& chunks) {
+    auto batch = sender->Submit(chunks);
+    EXPECT_TRUE(batch.ok());
+    auto status = sender->Wait(*batch, kNoHang);
+    EXPECT_TRUE(status.ok());
+    return *status;
+  }
+};
+
+TEST(DevicePlaneNcclCases, ClaimedPayloadsGoOverTheLinkTheRestAsAuto) {
+  Rig rig(RegionKind::kDevice, LinkSender());
+  const std::vector<ChunkPtr> chunks = MakeChunks(10, 6, 16);
+  KDN_ASSERT_OK(rig.Move(chunks).ToStatus());
+  for (const ChunkPtr& c : chunks) EXPECT_TRUE(rig.sink.Contains(c->key()));
+  const ReceiverStats r = rig.receiver->Stats();
+  EXPECT_EQ(r.in_place_chunks, 6u);
+  EXPECT_EQ(r.in_place_plane_chunks, 6u);
+  ASSERT_EQ(r.planes.count("nccl"), 1u);
+  EXPECT_EQ(r.planes.at("nccl").chunks, 6u);
+  EXPECT_EQ(r.planes.count("cuda_ipc"), 0u) << "a nccl sender maps no device region";
+  const SenderStats s = rig.sender->Stats();
+  EXPECT_EQ(s.plane("nccl").chunks, 6u);
+  EXPECT_EQ(s.plane("nccl").bytes, 6 * chunks[0]->size());
+  EXPECT_EQ(s.planes.count("tcp"), 0u);
+}
+
+TEST(DevicePlaneNcclCases, AClaimOutsideADeviceRegionOrWithoutTheLinkFails) {
+  {
+    Rig rig(RegionKind::kShm, LinkSender());
+    const BatchStatus bs = rig.Move({MakeChunk(30, 16)});
+    ASSERT_EQ(bs.chunks[0].outcome, ChunkOutcome::kFailed);
+    EXPECT_EQ(bs.chunks[0].status.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(bs.chunks[0].status.message().find("outside a device region"), std::string::npos)
+        << bs.chunks[0].status.ToString();
+  }
+  {
+    // A receiver whose senders may not write its region (a decode worker
+    // with --kv-transport tcp) joins no link.
+    ReceiverOptions ro = TestReceiverOptions();
+    ro.landing_by_plane = false;
+    Rig rig(RegionKind::kDevice, LinkSender(), ro);
+    const BatchStatus bs = rig.Move({MakeChunk(31, 16)});
+    ASSERT_EQ(bs.chunks[0].outcome, ChunkOutcome::kFailed);
+    EXPECT_EQ(bs.chunks[0].status.code(), StatusCode::kFailedPrecondition)
+        << bs.chunks[0].status.ToString();
+  }
+  SenderOptions none = LinkSender();
+  none.device_ops = nullptr;
+  EXPECT_EQ(Connect("tcp://127.0.0.1:9", none).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseTransportKind("nccl").value(), TransportKind::kNccl);
+}
+
+TEST(DevicePlaneNcclCases, ADamagedPayloadIsCaughtWhereItLandedAndTheLinkServesOn) {
+  SenderOptions so = LinkSender();
+  so.faults.corrupt_data = [](const ChunkKey& k) { return k.lo == 41; };
+  Rig rig(RegionKind::kDevice, so);
+  const BatchStatus bs = rig.Move({MakeChunk(40, 16), MakeChunk(41, 16), MakeChunk(42, 16)});
+  EXPECT_EQ(bs.chunks[0].outcome, ChunkOutcome::kSent);
+  ASSERT_EQ(bs.chunks[1].outcome, ChunkOutcome::kFailed);
+  EXPECT_EQ(bs.chunks[1].status.code(), StatusCode::kCorruption) << bs.chunks[1].status.ToString();
+  EXPECT_EQ(bs.chunks[2].outcome, ChunkOutcome::kSent);
+  EXPECT_FALSE(rig.sink.Contains(MakeChunk(41, 16)->key()));
+  EXPECT_EQ(rig.sender->Stats().plane("nccl").chunks, 2u);
+}
+
+// A sourced chunk goes over the link from where it lies.
+TEST(DevicePlaneNcclCases, ASourcedChunkIsSentFromWhereItLies) {
+  const ChunkPtr c = MakeChunk(70, 16);
+  KDN_ASSERT_OK_AND_ASSIGN(auto pool, HostDeviceOps().Allocate(1 << 16));
+  const uint64_t n = c->payload().size();
+  std::copy_n(c->payload().data(), n / 2, pool->data() + 8192);
+  std::copy_n(c->payload().data() + n / 2, n - n / 2, pool->data() + 512);
+  KDN_ASSERT_OK_AND_ASSIGN(SourcedChunk s, MakeSourcedChunk(c->info(), *pool,
+                                                            {{8192, n / 2}, {512, n - n / 2}}));
+  Rig rig(RegionKind::kDevice, LinkSender());
+  KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, rig.sender->SubmitSourced({s}));
+  KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, rig.sender->Wait(batch, kNoHang));
+  KDN_ASSERT_OK(st.ToStatus());
+  KDN_ASSERT_OK_AND_ASSIGN(auto got, rig.sink.Get(c->key()));
+  EXPECT_TRUE(std::equal(got->bytes().begin(), got->bytes().end(), c->bytes().begin()));
+  EXPECT_EQ(rig.sender->Stats().plane("nccl").chunks, 1u);
+}
+
+// A link that fails (here: a receiver whose extents do not hold the
+// message) is dropped at both ends: the receiver says so in the chunk's
+// ack, and the sender's next offers name a new link, of a new id, over
+// which the next chunk goes.
+TEST(DevicePlaneNcclCases, AFailedLinkIsReplacedByANewOneOfANewId) {
+  StandInReceiver r;
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(r.endpoint, LinkSender()));
+  const ChunkPtr first = MakeChunk(80, 16), second = MakeChunk(81, 16);
+  const uint64_t n = first->payload().size();
+  std::vector<uint8_t> region(4 * n);
+  std::set<std::string> links;
+  std::string joined;  // the id of `link`
+  std::unique_ptr<DeviceLink> link;
+  // Offers of one chunk each: join the link named, grant the chunk in
+  // place, receive its payload over the link onto `extents`, ack.
+  const auto serve = [&](uint64_t batch, const ChunkPtr& c, std::vector<Extent> extents) {
+    for (int i = 0; i < 200; ++i) {
+      auto m = r.Next();
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      if (auto* o = std::get_if<WireOffer>(&*m)) {
+        if (o->batch != batch) continue;  // a repeated offer of a batch done with
+        ASSERT_FALSE(o->link.empty());
+        if (links.insert(o->link).second) {
+          KDN_ASSERT_OK_AND_ASSIGN(link, HostDeviceOps().JoinLink(o->link, 1, 2s));
+          joined = o->link;
+        }
+        WireDecision grant{c->key(), WireDecisionKind::kGranted, Status::Ok()};
+        grant.region = 7;
+        grant.in_place = true;
+        grant.extents = {{0, n}};
+        WireDecisions d{o->batch, {grant}, {}};
+        d.regions.push_back(WireRegion{7, region.size(), "memfd:1:999999", RegionKind::kDevice});
+        r.Reply(d);
+      } else if (auto* h = std::get_if<WireChunkHeader>(&*m)) {
+        EXPECT_TRUE(h->landed && h->linked);
+        const Status got = link->Recv(region.data(), extents);
+        WireAck ack{h->batch, h->key, got, false};
+        if (!got.ok()) ack.dropped_link = joined;  // as a kvbus receiver tells it
+        if (got.ok() && std::memcmp(region.data(), c->payload().data(), n) != 0) {
+          ack.status = Corruption("not the payload");
+        }
+        r.Reply(WireAcks{{ack}});
+        return;
+      } else if (auto* p = std::get_if<WirePing>(&*m)) {
+        r.Reply(WirePong{p->seq, {}});
+      }
+    }
+    FAIL() << "no header came";
+  };
+  KDN_ASSERT_OK_AND_ASSIGN(uint64_t b1, sender->Submit({first}));
+  serve(b1, first, {{0, n + 1}});  // one byte more than the message: the link aborts
+  KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st1, sender->Wait(b1, 5s));
+  ASSERT_TRUE(st1.done);
+  EXPECT_EQ(st1.chunks[0].outcome, ChunkOutcome::kFailed);
+  KDN_ASSERT_OK_AND_ASSIGN(uint64_t b2, sender->Submit({second}));
+  serve(b2, second, {{0, n}});
+  KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st2, sender->Wait(b2, 5s));
+  ASSERT_TRUE(st2.done);
+  KDN_ASSERT_OK(st2.ToStatus());
+  EXPECT_EQ(links.size(), 2u) << "the second chunk went over a new link";
+}
+
+}  // namespace
+}  // namespace kdn::kvbus
