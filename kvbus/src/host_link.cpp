@@ -224,8 +224,8 @@ Result<std::string> NewHostLinkId() {
   uint8_t token[kTokenBytes];
   std::random_device rd;
   for (uint8_t& b : token) b = static_cast<uint8_t>(rd());
-  std::string id = std::string(kPrefix) + std::to_string(ntohs(a.sin_port)) + ":" +
-                   Hex(token, kTokenBytes);
+  std::string id =
+      std::string(kPrefix) + std::to_string(ntohs(a.sin_port)) + ":" + Hex(token, kTokenBytes);
   Pending& p = PendingLinks();
   std::lock_guard<std::mutex> lock(p.mu);
   p.fds[id] = fd;

@@ -16,6 +16,7 @@
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
+#include "plane_rig.h"
 #include "recording_store.h"
 #include "sourcing_sender.h"
 #include "transport_conformance.h"
@@ -27,12 +28,10 @@ namespace {
 using namespace std::chrono_literals;
 using namespace transport_test;  // NOLINT: transport_test_util.h
 using testing::InPlaceReceiver;
+using testing::LandingSegmentBytes;
+using testing::PlaneRig;
 using testing::RecordingStore;
 using testing::SourcingSender;
-
-uint64_t SegmentBytes(const ReceiverOptions& o) {
-  return std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20, uint64_t{256} << 20);
-}
 
 // `o` over the cuda_ipc plane, the host backend standing in for a device.
 SenderOptions OverCudaIpc(SenderOptions o) {
@@ -57,7 +56,7 @@ INSTANTIATE_TEST_SUITE_P(DevicePlane, TransportConformance,
                          ::testing::Values(TransportFactory{
                              "cuda_ipc_host_in_place",
                              [](ChunkStore& sink, const ReceiverOptions& o) {
-                               return InPlaceReceiver::Listen(sink, o, SegmentBytes(o),
+                               return InPlaceReceiver::Listen(sink, o, LandingSegmentBytes(o),
                                                               RegionKind::kDevice);
                              },
                              [](const std::string& endpoint, SenderOptions o) {
@@ -74,15 +73,15 @@ INSTANTIATE_TEST_SUITE_P(
     DevicePlaneSourced, TransportConformance,
     ::testing::Values(TransportFactory{"cuda_ipc_host_sourced_in_place",
                                        [](ChunkStore& sink, const ReceiverOptions& o) {
-                                         return InPlaceReceiver::Listen(sink, o, SegmentBytes(o),
-                                                                        RegionKind::kDevice);
+                                         return InPlaceReceiver::Listen(
+                                             sink, o, LandingSegmentBytes(o), RegionKind::kDevice);
                                        },
                                        [](const std::string& endpoint, SenderOptions o) {
                                          return SourcingSender::Connect(endpoint, OverCudaIpc(o));
                                        }},
                       TransportFactory{"shm_sourced",
                                        [](ChunkStore& sink, ReceiverOptions o) {
-                                         o.shm_landing_bytes = SegmentBytes(o);
+                                         o.shm_landing_bytes = LandingSegmentBytes(o);
                                          return Listen("tcp://127.0.0.1:0", sink, o);
                                        },
                                        [](const std::string& endpoint, SenderOptions o) {
@@ -122,31 +121,9 @@ TEST(DevicePlane, TheHostBackendOpensWritesAndChecksumsByHandle) {
   EXPECT_EQ(ops.Open("kdn-cuda-ipc:1:2", 64).status().code(), StatusCode::kInvalidArgument);
 }
 
-struct Rig {
-  RecordingStore sink;
-  std::unique_ptr<Receiver> receiver;
-  std::unique_ptr<Sender> sender;
-
-  Rig(RegionKind landing, const SenderOptions& so) {
-    receiver =
-        InPlaceReceiver::Listen(sink, TestReceiverOptions(), uint64_t{8} << 20, landing).value();
-    sender = Connect(receiver->endpoint(), so).value();
-  }
-  const testing::SinkLandingSite& site() const {
-    return static_cast<const InPlaceReceiver&>(*receiver).site();
-  }
-  BatchStatus Move(const std::vector<ChunkPtr>& chunks) {
-    auto batch = sender->Submit(chunks);
-    EXPECT_TRUE(batch.ok());
-    auto status = sender->Wait(*batch, kNoHang);
-    EXPECT_TRUE(status.ok());
-    return *status;
-  }
-};
-
 TEST(DevicePlane, TheSenderWritesClaimedPayloadsThroughTheBackend) {
   for (TransportKind kind : {TransportKind::kCudaIpc, TransportKind::kAuto}) {
-    Rig rig(RegionKind::kDevice, DeviceSender(kind));
+    PlaneRig rig(RegionKind::kDevice, DeviceSender(kind));
     const std::vector<ChunkPtr> chunks = MakeChunks(10, 6, 16);
     KDN_ASSERT_OK(rig.Move(chunks).ToStatus());
     for (const ChunkPtr& c : chunks) EXPECT_TRUE(rig.sink.Contains(c->key()));
@@ -166,7 +143,7 @@ TEST(DevicePlane, TheSenderWritesClaimedPayloadsThroughTheBackend) {
 TEST(DevicePlane, ASenderWithoutABackendSendsByTcpAndTheReceiverLandsIt) {
   SenderOptions so = DeviceSender(TransportKind::kAuto);
   so.device_ops = nullptr;
-  Rig rig(RegionKind::kDevice, so);
+  PlaneRig rig(RegionKind::kDevice, so);
   KDN_ASSERT_OK(rig.Move(MakeChunks(20, 3, 16)).ToStatus());
   const ReceiverStats r = rig.receiver->Stats();
   EXPECT_EQ(r.in_place_chunks, 3u);
@@ -176,7 +153,7 @@ TEST(DevicePlane, ASenderWithoutABackendSendsByTcpAndTheReceiverLandsIt) {
 
 TEST(DevicePlane, CudaIpcRefusesToLandInHostMemoryAndShmInADeviceRegion) {
   {
-    Rig rig(RegionKind::kShm, DeviceSender(TransportKind::kCudaIpc));
+    PlaneRig rig(RegionKind::kShm, DeviceSender(TransportKind::kCudaIpc));
     const BatchStatus bs = rig.Move({MakeChunk(30, 16)});
     ASSERT_EQ(bs.chunks[0].outcome, ChunkOutcome::kFailed);
     EXPECT_EQ(bs.chunks[0].status.code(), StatusCode::kFailedPrecondition);
@@ -185,7 +162,7 @@ TEST(DevicePlane, CudaIpcRefusesToLandInHostMemoryAndShmInADeviceRegion) {
   }
   {
     SenderOptions so = DeviceSender(TransportKind::kShm);
-    Rig rig(RegionKind::kDevice, so);
+    PlaneRig rig(RegionKind::kDevice, so);
     const BatchStatus bs = rig.Move({MakeChunk(31, 16)});
     ASSERT_EQ(bs.chunks[0].outcome, ChunkOutcome::kFailed);
     EXPECT_EQ(bs.chunks[0].status.code(), StatusCode::kFailedPrecondition)
@@ -196,7 +173,7 @@ TEST(DevicePlane, CudaIpcRefusesToLandInHostMemoryAndShmInADeviceRegion) {
 TEST(DevicePlane, ADamagedPayloadIsCaughtWhereItLanded) {
   SenderOptions so = DeviceSender();
   so.faults.corrupt_data = [](const ChunkKey& k) { return k.lo == 41; };
-  Rig rig(RegionKind::kDevice, so);
+  PlaneRig rig(RegionKind::kDevice, so);
   const BatchStatus bs = rig.Move({MakeChunk(40, 16), MakeChunk(41, 16)});
   EXPECT_EQ(bs.chunks[0].outcome, ChunkOutcome::kSent);
   ASSERT_EQ(bs.chunks[1].outcome, ChunkOutcome::kFailed);
@@ -293,7 +270,7 @@ TEST(DevicePlane, SourcedChunksAreSealedWhereTheyLieAndCaughtWhenTheyChange) {
   // landed (device plane), the sender when it reads it for tcp.
   pool->data()[64] ^= 0xff;
   for (TransportKind kind : {TransportKind::kCudaIpc, TransportKind::kTcp}) {
-    Rig rig(RegionKind::kDevice, DeviceSender(kind));
+    PlaneRig rig(RegionKind::kDevice, DeviceSender(kind));
     KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, rig.sender->SubmitSourced({s}));
     KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, rig.sender->Wait(batch, kNoHang));
     ASSERT_TRUE(st.done);
@@ -303,7 +280,7 @@ TEST(DevicePlane, SourcedChunksAreSealedWhereTheyLieAndCaughtWhenTheyChange) {
   }
   SourcedChunk none = s;
   none.memory = nullptr;
-  Rig rig(RegionKind::kDevice, DeviceSender());
+  PlaneRig rig(RegionKind::kDevice, DeviceSender());
   EXPECT_EQ(rig.sender->SubmitSourced({none}).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -316,7 +293,7 @@ TEST(DevicePlane, ASourcedChunkIsCopiedFromWhereItLiesIntoTheClaimedBlocks) {
   const uint64_t n = c->payload().size();
   std::copy_n(c->payload().data(), n, pool->data() + 512);
   KDN_ASSERT_OK_AND_ASSIGN(SourcedChunk s, MakeSourcedChunk(c->info(), *pool, {{512, n}}));
-  Rig rig(RegionKind::kDevice, DeviceSender());
+  PlaneRig rig(RegionKind::kDevice, DeviceSender());
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, rig.sender->SubmitSourced({s}));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, rig.sender->Wait(batch, kNoHang));
   KDN_ASSERT_OK(st.ToStatus());

@@ -18,6 +18,7 @@
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
+#include "plane_rig.h"
 #include "recording_store.h"
 #include "sourcing_sender.h"
 #include "transport_conformance.h"
@@ -29,12 +30,10 @@ namespace {
 using namespace std::chrono_literals;
 using namespace transport_test;  // NOLINT: transport_test_util.h
 using testing::InPlaceReceiver;
+using testing::LandingSegmentBytes;
+using testing::PlaneRig;
 using testing::RecordingStore;
 using testing::SourcingSender;
-
-uint64_t SegmentBytes(const ReceiverOptions& o) {
-  return std::clamp<uint64_t>(4 * o.slot_capacity_bytes, uint64_t{1} << 20, uint64_t{256} << 20);
-}
 
 // `o` over the nccl plane, the host backend's link standing in for NCCL.
 SenderOptions OverLink(SenderOptions o) {
@@ -44,7 +43,7 @@ SenderOptions OverLink(SenderOptions o) {
 }
 
 Result<std::unique_ptr<Receiver>> DeviceLanding(ChunkStore& sink, const ReceiverOptions& o) {
-  return InPlaceReceiver::Listen(sink, o, SegmentBytes(o), RegionKind::kDevice);
+  return InPlaceReceiver::Listen(sink, o, LandingSegmentBytes(o), RegionKind::kDevice);
 }
 
 // The suite with every claimed payload sent over the link onto the landing
@@ -176,27 +175,8 @@ SenderOptions LinkSender() {
   return OverLink(o);
 }
 
-struct Rig {
-  RecordingStore sink;
-  std::unique_ptr<Receiver> receiver;
-  std::unique_ptr<Sender> sender;
-
-  Rig(RegionKind landing, const SenderOptions& so,
-      ReceiverOptions ro = TestReceiverOptions()) {
-    receiver = InPlaceReceiver::Listen(sink, ro, uint64_t{8} << 20, landing).value();
-    sender = Connect(receiver->endpoint(), so).value();
-  }
-  BatchStatus Move(const std::vector<ChunkPtr>& chunks) {
-    auto batch = sender->Submit(chunks);
-    EXPECT_TRUE(batch.ok());
-    auto status = sender->Wait(*batch, kNoHang);
-    EXPECT_TRUE(status.ok());
-    return *status;
-  }
-};
-
 TEST(DevicePlaneNcclCases, ClaimedPayloadsGoOverTheLinkTheRestAsAuto) {
-  Rig rig(RegionKind::kDevice, LinkSender());
+  PlaneRig rig(RegionKind::kDevice, LinkSender());
   const std::vector<ChunkPtr> chunks = MakeChunks(10, 6, 16);
   KDN_ASSERT_OK(rig.Move(chunks).ToStatus());
   for (const ChunkPtr& c : chunks) EXPECT_TRUE(rig.sink.Contains(c->key()));
@@ -214,7 +194,7 @@ TEST(DevicePlaneNcclCases, ClaimedPayloadsGoOverTheLinkTheRestAsAuto) {
 
 TEST(DevicePlaneNcclCases, AClaimOutsideADeviceRegionOrWithoutTheLinkFails) {
   {
-    Rig rig(RegionKind::kShm, LinkSender());
+    PlaneRig rig(RegionKind::kShm, LinkSender());
     const BatchStatus bs = rig.Move({MakeChunk(30, 16)});
     ASSERT_EQ(bs.chunks[0].outcome, ChunkOutcome::kFailed);
     EXPECT_EQ(bs.chunks[0].status.code(), StatusCode::kFailedPrecondition);
@@ -226,7 +206,7 @@ TEST(DevicePlaneNcclCases, AClaimOutsideADeviceRegionOrWithoutTheLinkFails) {
     // with --kv-transport tcp) joins no link.
     ReceiverOptions ro = TestReceiverOptions();
     ro.landing_by_plane = false;
-    Rig rig(RegionKind::kDevice, LinkSender(), ro);
+    PlaneRig rig(RegionKind::kDevice, LinkSender(), ro);
     const BatchStatus bs = rig.Move({MakeChunk(31, 16)});
     ASSERT_EQ(bs.chunks[0].outcome, ChunkOutcome::kFailed);
     EXPECT_EQ(bs.chunks[0].status.code(), StatusCode::kFailedPrecondition)
@@ -241,7 +221,7 @@ TEST(DevicePlaneNcclCases, AClaimOutsideADeviceRegionOrWithoutTheLinkFails) {
 TEST(DevicePlaneNcclCases, ADamagedPayloadIsCaughtWhereItLandedAndTheLinkServesOn) {
   SenderOptions so = LinkSender();
   so.faults.corrupt_data = [](const ChunkKey& k) { return k.lo == 41; };
-  Rig rig(RegionKind::kDevice, so);
+  PlaneRig rig(RegionKind::kDevice, so);
   const BatchStatus bs = rig.Move({MakeChunk(40, 16), MakeChunk(41, 16), MakeChunk(42, 16)});
   EXPECT_EQ(bs.chunks[0].outcome, ChunkOutcome::kSent);
   ASSERT_EQ(bs.chunks[1].outcome, ChunkOutcome::kFailed);
@@ -258,9 +238,9 @@ TEST(DevicePlaneNcclCases, ASourcedChunkIsSentFromWhereItLies) {
   const uint64_t n = c->payload().size();
   std::copy_n(c->payload().data(), n / 2, pool->data() + 8192);
   std::copy_n(c->payload().data() + n / 2, n - n / 2, pool->data() + 512);
-  KDN_ASSERT_OK_AND_ASSIGN(SourcedChunk s, MakeSourcedChunk(c->info(), *pool,
-                                                            {{8192, n / 2}, {512, n - n / 2}}));
-  Rig rig(RegionKind::kDevice, LinkSender());
+  KDN_ASSERT_OK_AND_ASSIGN(SourcedChunk s,
+                           MakeSourcedChunk(c->info(), *pool, {{8192, n / 2}, {512, n - n / 2}}));
+  PlaneRig rig(RegionKind::kDevice, LinkSender());
   KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, rig.sender->SubmitSourced({s}));
   KDN_ASSERT_OK_AND_ASSIGN(BatchStatus st, rig.sender->Wait(batch, kNoHang));
   KDN_ASSERT_OK(st.ToStatus());
