@@ -245,6 +245,30 @@ int ChildNcclRecv(FILE* in, FILE* out, uint64_t seed, int device) {
   return verdict == "OK" ? 0 : 1;
 }
 
+// The CUDA backend's link, rank 1: reads the link id, joins it, receives
+// the slice onto its pool's extents (the first Recv waits for the join),
+// checks.
+int ChildOpsLinkRecv(FILE* in, FILE* out, uint64_t seed) {
+  const std::string id = Word(ReadLine(in), 1);
+  const SliceCase c = MakeSliceCase(seed);
+  Result<DeviceOps*> ops = CudaDeviceOps(0);
+  if (!ops.ok()) {
+    WriteLine(out, "ERROR " + ops.status().ToString());
+    return 1;
+  }
+  Result<std::unique_ptr<DeviceMemory>> pool = (*ops)->Allocate(c.dst_pool_bytes);
+  Result<std::unique_ptr<DeviceLink>> link =
+      pool.ok() ? (*ops)->JoinLink(id, 1, std::chrono::seconds(60)) : pool.status();
+  Status st = link.ok() ? (*link)->Recv((*pool)->data(), c.dst) : link.status();
+  if (!st.ok()) {
+    WriteLine(out, "ERROR " + st.ToString());
+    return 1;
+  }
+  const std::string verdict = CheckPool((*pool)->data(), c, seed);
+  WriteLine(out, verdict);
+  return verdict == "OK" ? 0 : 1;
+}
+
 int RunChild(const std::string& role) {
   FILE* in = fdopen(3, "r");
   FILE* out = fdopen(4, "w");
@@ -255,6 +279,7 @@ int RunChild(const std::string& role) {
   if (role == "ops-export") return ChildOpsExport(in, out, seed);
   if (role == "nccl-recv-0") return ChildNcclRecv(in, out, seed, 0);
   if (role == "nccl-recv-1") return ChildNcclRecv(in, out, seed, 1);
+  if (role == "ops-link-recv") return ChildOpsLinkRecv(in, out, seed);
   WriteLine(out, "ERROR unknown role " + role);
   return 2;
 }
@@ -589,6 +614,60 @@ TEST(NcclLink, TwoProcessesOnOneGpuMoveASliceExactly) {
   }
   setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
   SendToChild(0, {"NCCL_MULTI_RANK_GPU_ENABLE=1"});
+}
+
+// The nccl plane's link through the CUDA backend (DeviceOps::JoinLink):
+// the slice sent from extents of a pool the backend allocated here,
+// received onto extents of one the child's backend allocated.
+TEST(CudaDeviceOps, ALinkBetweenTwoProcessesOnOneGpuMovesASliceExactly) {
+  SKIP_WITHOUT_DEVICE();
+  SKIP_WITHOUT_NCCL();
+  const int v = NcclLink::Version();
+  if (v < 23000) {
+    GTEST_SKIP() << "NCCL " << v << " (version code): two ranks on one GPU need NCCL >= 2.30 "
+                 << "with NCCL_MULTI_RANK_GPU_ENABLE=1";
+  }
+  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  const uint64_t seed = 78;
+  const SliceCase c = MakeSliceCase(seed);
+  Result<DeviceOps*> ops = CudaDeviceOps(0);
+  ASSERT_TRUE(ops.ok()) << ops.status().ToString();
+  Result<std::string> id = (*ops)->NewLinkId();
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  Child child("ops-link-recv", seed, {"NCCL_MULTI_RANK_GPU_ENABLE=1"});
+  ASSERT_TRUE(child.ok());
+  child.Write("ID " + *id);
+  Result<std::unique_ptr<DeviceLink>> link = (*ops)->JoinLink(*id, 0, std::chrono::seconds(60));
+  ASSERT_TRUE(link.ok()) << link.status().ToString();
+  Result<std::unique_ptr<DeviceMemory>> src = (*ops)->Allocate(c.src_pool_bytes);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  const std::vector<uint8_t> host_src = Pattern(c.src_pool_bytes, seed);
+  const Extent whole{0, host_src.size()};
+  ASSERT_TRUE((*ops)->Upload(host_src.data(), (*src)->data(), {&whole, 1}).ok());
+  const Status st = (*link)->Send((*src)->data(), c.src);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(child.Read(), "OK");
+  EXPECT_EQ(child.Exit(), 0);
+  // Rank 0 only sends.
+  EXPECT_EQ((*link)->Recv((*src)->data(), c.src).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CudaDeviceOps, ALinkWhosePeerNeverJoinsGivesUpAtItsDeadline) {
+  SKIP_WITHOUT_DEVICE();
+  SKIP_WITHOUT_NCCL();
+  Result<DeviceOps*> ops = CudaDeviceOps(0);
+  ASSERT_TRUE(ops.ok()) << ops.status().ToString();
+  Result<std::string> id = (*ops)->NewLinkId();
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  Result<std::unique_ptr<DeviceLink>> link = (*ops)->JoinLink(*id, 0, std::chrono::seconds(2));
+  ASSERT_TRUE(link.ok()) << link.status().ToString();
+  Result<std::unique_ptr<DeviceMemory>> src = (*ops)->Allocate(4096);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  const Extent one{0, 4096};
+  EXPECT_FALSE((*link)->Send((*src)->data(), {&one, 1}).ok());
+  EXPECT_TRUE((*link)->aborted());
+  EXPECT_EQ((*ops)->JoinLink(*id, 2, std::chrono::seconds(1)).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(NcclLinkMultiGpu, TwoProcessesOnTwoGpusMoveASliceExactly) {
