@@ -13,14 +13,18 @@ void TcpReceiver::JoinLink(const std::string& peer, const std::string& id) {
   // Links land in a device region, written by no one else.
   if (!in_place_ || in_place_->kind() != RegionKind::kDevice || !options_.landing_by_plane) return;
   const auto it = links_.find(peer);
-  if ((it != links_.end() && it->second.id == id) || failed_links_.count(id) != 0) return;
+  if (it != links_.end() && it->second.id == id) return;
+  if (const auto failed = failed_links_.find(peer);
+      failed != failed_links_.end() && failed->second == id) {
+    return;
+  }
   // Each message waits at most as long as a silent connection is given.
   Result<std::unique_ptr<DeviceLink>> link =
       options_.landing_region->ops().JoinLink(id, 1, 5 * options_.heartbeat_interval);
   if (!link.ok()) {
     LogWarn("kvbus receiver: a sender's nccl link could not be joined ({}); its chunks come by tcp",
             link.status().ToString());
-    failed_links_.insert(id);
+    failed_links_[peer] = id;
     return;
   }
   if (links_.size() >= kMaxLinks && links_.count(peer) == 0) {
@@ -37,6 +41,15 @@ void TcpReceiver::JoinLink(const std::string& peer, const std::string& id) {
     links_.erase(oldest);
   }
   links_[peer] = PeerLink{id, std::move(link).value()};
+}
+
+std::string TcpReceiver::DropLink(const std::string& peer) {
+  const auto it = links_.find(peer);
+  if (it == links_.end()) return "";
+  std::string id = std::move(it->second.id);
+  failed_links_[peer] = id;
+  links_.erase(it);
+  return id;
 }
 
 DeviceLink* TcpReceiver::PeerLinkOf(const std::string& peer) {
@@ -124,9 +137,7 @@ Result<ChunkInfo> TcpReceiver::ReceiveLinked(const std::string& peer, const Wire
     // The link is done with (a half-read message leaves it unusable); the
     // ack tells the sender, which makes a new one.
     LogWarn("kvbus receiver: the nccl link with a sender ended ({})", got.ToString());
-    *dropped = links_[peer].id;
-    failed_links_.insert(*dropped);
-    links_.erase(peer);
+    *dropped = DropLink(peer);
     return got;
   }
   return in_place_->VerifyLanded(h, claim);

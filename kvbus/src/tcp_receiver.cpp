@@ -402,6 +402,7 @@ void TcpReceiver::ForgetSilentPeers(TransportClock::time_point now) {
   waiting_.remove_if([&](const WaitingOffer& w) { return silent(w.id.peer); });
   std::erase_if(last_seen_, [&](const auto& p) { return now - p.second > options_.lease; });
   std::erase_if(peer_planes_, [&](const auto& p) { return last_seen_.count(p.first) == 0; });
+  std::erase_if(failed_links_, [&](const auto& p) { return last_seen_.count(p.first) == 0; });
 }
 
 void TcpReceiver::HandleCancel(const std::string& peer, const WireCancel& m) {
@@ -434,6 +435,21 @@ void TcpReceiver::HandleChunk(const std::string& peer, const WireChunkHeader& h,
   ++stats_.chunks_received;
   const std::optional<Lease> lease = TakeLease(LeaseKey{peer, h.batch, h.key});
   if (lease && lease->in_place) return HandleInPlace(peer, h, data, *lease);
+  if (h.linked) {
+    // Its payload is on the link, and without an in-place grant nothing
+    // here takes it off: the link is out of step, and goes (the sender
+    // makes a new one).
+    if (lease) FreeLanding(*lease, /*quarantine=*/false, TransportClock::now());
+    ++stats_.chunks_rejected;
+    outbox_[peer].acks.push_back(WireAck{
+        h.batch, h.key,
+        FailedPrecondition("chunk " + h.key.ToHex() +
+                           " came over the nccl link without an in-place grant (it expired "
+                           "after " +
+                           std::to_string(options_.lease.count()) + " ms, or was never made)"),
+        false, DropLink(peer)});
+    return;
+  }
   // A landing range is given back, once, as soon as the bytes are copied
   // out (or refused), before the verification and the sink's Put.
   bool landing_freed = false;

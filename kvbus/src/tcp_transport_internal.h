@@ -316,8 +316,9 @@ class TcpReceiver final : public Receiver {
   // The region kinds each peer on this host can write itself (its offers' planes).
   std::unordered_map<std::string, std::vector<RegionKind>> peer_planes_;
   // The nccl plane's receiving halves: the link each peer's offers named,
-  // joined as rank 1 through the landing region's backend, and the ids of
-  // links that failed (never joined again: the sender names a new one).
+  // joined as rank 1 through the landing region's backend, and the id of
+  // each peer's last link that failed (not joined again: the sender names
+  // a new one once it hears).
   // A link outlives its peer's silences (a sender idle for a while keeps
   // its link); it ends when it fails, or when kMaxLinks are joined and its
   // peer was heard from least recently.
@@ -327,9 +328,11 @@ class TcpReceiver final : public Receiver {
     std::unique_ptr<DeviceLink> link;
   };
   std::unordered_map<std::string, PeerLink> links_;
-  std::set<std::string> failed_links_;
+  std::unordered_map<std::string, std::string> failed_links_;  // by peer
   void JoinLink(const std::string& peer, const std::string& id);
   DeviceLink* PeerLinkOf(const std::string& peer);
+  // Ends `peer`'s link, never to be joined again; its id ("" if none).
+  std::string DropLink(const std::string& peer);
   // Whether `peer` on this host can write regions of `kind` itself.
   bool PeerWrites(const std::string& peer, RegionKind kind) const;
 };

@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -309,6 +310,70 @@ TEST(DevicePlaneNcclCases, AFailedLinkIsReplacedByANewOneOfANewId) {
   ASSERT_TRUE(st2.done);
   KDN_ASSERT_OK(st2.ToStatus());
   EXPECT_EQ(links.size(), 2u) << "the second chunk went over a new link";
+}
+
+// A linked chunk whose grant is gone (it expired) finds nothing to take
+// its payload off the link: the receiver drops the link and says so in
+// the chunk's ack, rather than read the next chunk's bytes out of step.
+// Played by hand against a real receiver: a DEALER speaking the wire, and
+// a link this test made.
+TEST(DevicePlaneNcclCases, ALinkedChunkWithoutItsGrantDropsTheLink) {
+  RecordingStore sink;
+  ReceiverOptions ro = TestReceiverOptions();
+  ro.lease = 100ms;
+  KDN_ASSERT_OK_AND_ASSIGN(
+      auto receiver, InPlaceReceiver::Listen(sink, ro, uint64_t{8} << 20, RegionKind::kDevice));
+  DeviceOps& ops = HostDeviceOps();
+  KDN_ASSERT_OK_AND_ASSIGN(std::string id, ops.NewLinkId());
+  KDN_ASSERT_OK_AND_ASSIGN(auto link, ops.JoinLink(id, 0, 2s));
+  zmq::context_t ctx;
+  zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.set(zmq::sockopt::rcvtimeo, 5000);
+  dealer.connect(receiver->endpoint());
+  const auto send = [&](const WireMessage& m) {
+    auto frame = EncodeWire(m);
+    ASSERT_TRUE(frame.ok());
+    dealer.send(*frame, zmq::send_flags::none);
+  };
+  // The next message of type T from the receiver.
+  const auto next = [&]<typename T>() -> std::optional<T> {
+    for (int i = 0; i < 50; ++i) {
+      zmq::message_t frame;
+      if (!dealer.recv(frame)) return std::nullopt;
+      auto m = DecodeWire(frame.data(), frame.size());
+      if (m.ok() && std::holds_alternative<T>(*m)) return std::get<T>(*m);
+    }
+    return std::nullopt;
+  };
+  const ChunkPtr c = MakeChunk(90, 16);
+  WireOffer offer{1, {{c->key(), c->size()}}, {}, HostId(), id};
+  send(offer);
+  const auto decisions = next.operator()<WireDecisions>();
+  ASSERT_TRUE(decisions.has_value());
+  ASSERT_EQ(decisions->decisions.size(), 1u);
+  EXPECT_TRUE(decisions->decisions[0].in_place);
+  EXPECT_NE(decisions->decisions[0].region, 0u) << "granted into the region: the link is joined";
+  std::this_thread::sleep_for(300ms);  // the grant expires (lease 100 ms)
+  WireChunkHeader h{1, c->key(), c->size(), /*landed=*/true, {}, /*linked=*/true};
+  h.header.assign(reinterpret_cast<const char*>(c->bytes().data()), Chunk::kHeaderBytes);
+  send(h);
+  const Extent whole{0, c->payload().size()};
+  (void)link->Send(c->payload().data(), {&whole, 1});  // taken by no one
+  const auto acks = next.operator()<WireAcks>();
+  ASSERT_TRUE(acks.has_value());
+  ASSERT_EQ(acks->acks.size(), 1u);
+  EXPECT_EQ(acks->acks[0].status.code(), StatusCode::kFailedPrecondition)
+      << acks->acks[0].status.ToString();
+  EXPECT_EQ(acks->acks[0].dropped_link, id);
+  EXPECT_FALSE(sink.Contains(c->key()));
+  // Named again, the dropped link is not joined: the chunk is granted for tcp.
+  offer.batch = 2;
+  send(offer);
+  const auto again = next.operator()<WireDecisions>();
+  ASSERT_TRUE(again.has_value());
+  ASSERT_EQ(again->decisions.size(), 1u);
+  EXPECT_EQ(again->decisions[0].region, 0u);
 }
 
 }  // namespace
