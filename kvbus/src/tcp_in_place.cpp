@@ -22,9 +22,10 @@ void TcpReceiver::JoinLink(const std::string& peer, const std::string& id) {
   Result<std::unique_ptr<DeviceLink>> link =
       options_.landing_region->ops().JoinLink(id, 1, 5 * options_.heartbeat_interval);
   if (!link.ok()) {
-    LogWarn("kvbus receiver: a sender's nccl link could not be joined ({}); its chunks come by tcp",
+    LogWarn("kvbus receiver: a sender's nccl link could not be joined ({})",
             link.status().ToString());
     failed_links_[peer] = id;
+    outbox_[peer].dropped_link = id;
     return;
   }
   if (links_.size() >= kMaxLinks && links_.count(peer) == 0) {
@@ -38,7 +39,8 @@ void TcpReceiver::JoinLink(const std::string& peer, const std::string& id) {
     for (auto it = links_.begin(); it != links_.end(); ++it) {
       if (heard(it->first) < heard(oldest->first)) oldest = it;
     }
-    links_.erase(oldest);
+    const std::string evicted = oldest->first;
+    outbox_[evicted].dropped_link = DropLink(evicted);
   }
   links_[peer] = PeerLink{id, std::move(link).value()};
 }
@@ -101,6 +103,9 @@ void TcpReceiver::HandleInPlace(const std::string& peer, const WireChunkHeader& 
                            : PlaneName(options_.landing_kind)] +=
       PlaneStats{1, h.landed ? h.bytes : data->size()};
   std::string dropped_link;
+  // A linked chunk granted for tcp leaves its payload on the link, which
+  // is out of step from then on.
+  if (h.linked && !lease.in_region) dropped_link = DropLink(peer);
   Result<ChunkInfo> arrived =
       h.landed && !lease.in_region
           ? Result<ChunkInfo>(FailedPrecondition(

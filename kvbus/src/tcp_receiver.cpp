@@ -231,7 +231,9 @@ void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
     return;
   }
   if (const auto* h = std::get_if<WireChunkHeader>(&*message)) {
-    if (!data != h->landed) {  // a landed chunk comes alone, any other with its bytes
+    // A landed chunk comes alone, any other with its bytes; a linked one
+    // is landed (its bytes come over the link).
+    if (!data != h->landed || (h->linked && !h->landed)) {
       ++stats_.bad_messages;
       return;
     }
@@ -550,6 +552,12 @@ Status TcpReceiver::Flush() {
     return Status::Ok();
   };
   for (auto& [peer, box] : outbox_) {
+    if (!box.dropped_link.empty()) {
+      // Said on its own, without decisions: a sender renews its link
+      // whatever else it hears.
+      WireDecisions m{0, {}, {}, std::move(box.dropped_link)};
+      KDN_RETURN_IF_ERROR(send_to(peer, m));
+    }
     for (auto& [batch, decisions] : box.decisions) {
       if (decisions.empty()) continue;
       WireDecisions m{batch, std::move(decisions), {}};

@@ -34,6 +34,12 @@ std::string MakeRoutingId() {
   return id;
 }
 
+// How long a link message may take (and the receiver to join first): half
+// the peer timeout, so that a link that runs into it leaves the sender time
+// to hear from its receiver before it holds it silent (nothing is read
+// while a message goes).
+std::chrono::milliseconds LinkTimeout(const SenderOptions& o) { return o.peer_timeout / 2; }
+
 int PollTimeoutMs(TransportClock::time_point now, TransportClock::time_point next) {
   if (next <= now) return 0;
   const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now).count();
@@ -80,7 +86,7 @@ Result<std::unique_ptr<Sender>> TcpSender::Start(const std::string& endpoint,
   std::unique_ptr<TcpSender> s;
   KDN_ZMQ_RETURN_IF_ERROR(s.reset(new TcpSender(endpoint, options)));
   if (options.transport == TransportKind::kNccl) {
-    KDN_ASSIGN_OR_RETURN(s->link_, LinkPlane::Make(*options.device_ops, options.peer_timeout));
+    KDN_ASSIGN_OR_RETURN(s->link_, LinkPlane::Make(*options.device_ops, LinkTimeout(options)));
   }
   s->wake_ = std::move(wake);
   KDN_ZMQ_RETURN_IF_ERROR(s->socket_ = zmq::socket_t(s->context_, zmq::socket_type::dealer));
@@ -416,6 +422,9 @@ Status TcpSender::PlaneRequired(const WireDecision& d, const RegionPlane* plane)
 }
 
 void TcpSender::HandleDecisions(const WireDecisions& m) {
+  if (!m.dropped_link.empty() && link_ && link_->usable() && m.dropped_link == link_->id()) {
+    RenewLink(Unavailable("the receiver could not join it, or dropped it"));
+  }
   WireCancel orphans{m.batch, {}};
   MapRegions(m.regions);
   {
@@ -450,7 +459,6 @@ void TcpSender::HandleDecisions(const WireDecisions& m) {
           s.phase = Phase::kGranted;
           Outgoing out{m.batch, slot->second, s.chunk};
           out.linked = !mapped && GoesByLink(d);
-          out.link_epoch = link_epoch_;
           if (mapped || out.linked) {
             out.region = d.region;
             out.offset = d.offset;
@@ -645,21 +653,22 @@ Status TcpSender::LandChunk(Outgoing& out, bool& sent) {
 
 void TcpSender::RenewLink(const Status& why) {
   Result<std::unique_ptr<LinkPlane>> fresh =
-      LinkPlane::Make(*options_.device_ops, options_.peer_timeout);
+      LinkPlane::Make(*options_.device_ops, LinkTimeout(options_));
   LogWarn("kvbus sender to {}: the nccl link ended ({}); {}", endpoint_, why.ToString(),
           fresh.ok() ? "offering a new one" : "no new one: " + fresh.status().ToString());
-  if (fresh.ok()) {
-    link_ = std::move(fresh).value();
-    ++link_epoch_;
-  }
+  if (!fresh.ok()) return;
+  link_ = std::move(fresh).value();
+  // Control goes out before data: the receiver reads this before any
+  // header sent over the new link (batch 0 is never a sender's).
+  Result<zmq::message_t> named = EncodeWire(NewOffer(0));
+  if (named.ok()) control_.push_back(std::move(named).value());
 }
 
 Status TcpSender::LinkChunk(Outgoing& out, bool& sent) {
   const OutChunk& chunk = out.chunk;
-  if (!out.header_sent && (out.link_epoch != link_epoch_ || !link_->usable())) {
-    // Granted over a link that has ended since: the receiver dropped it too.
-    FailOutgoing(out, Unavailable("kvbus nccl to " + endpoint_ +
-                                  ": the link it was granted over ended before it was sent"));
+  if (!out.header_sent && !link_->usable()) {
+    // The link ended, and no new one could be made.
+    FailOutgoing(out, link_->error().WithContext("kvbus nccl to " + endpoint_));
     sent = true;  // done with it
     return Status::Ok();
   }

@@ -112,7 +112,6 @@ class TcpSender final : public Sender {
     uint64_t offset = 0;
     std::vector<Extent> extents;  // in place: where in `region` the payload goes
     bool linked = false;          // in place over the link (the nccl plane), not mapped
-    uint64_t link_epoch = 0;      // linked: which of the sender's links it was granted over
   };
 
   TcpSender(std::string endpoint, const SenderOptions& options);
@@ -141,8 +140,9 @@ class TcpSender final : public Sender {
   Status LandChunk(Outgoing& out, bool& sent);
   // Sends the chunk's header marked linked, then its payload over the link.
   Status LinkChunk(Outgoing& out, bool& sent);
-  // A new link, of a new id, in place of one that ended (`why`), for the
-  // next offers: the receiver joins it (it never joins a failed one again).
+  // A new link, of a new id, in place of one that ended (`why`), named at
+  // once in an offer of no chunks ahead of any data: the receiver joins it
+  // before the next linked chunk comes (it never joins a failed one again).
   void RenewLink(const Status& why);
   // Whether an in-place grant `d` into a region no plane mapped goes over
   // the link: a device region, the link up.
@@ -199,7 +199,6 @@ class TcpSender final : public Sender {
   RegionPlane* MappedPlane(uint32_t region);
   // The nccl plane (kNccl only): a link named in every offer while up.
   std::unique_ptr<LinkPlane> link_;
-  uint64_t link_epoch_ = 0;  // counts the links made after a failed one
 
   // Bytes sent per data plane, counted when acked.
   SenderStats stats_ KDN_GUARDED_BY(mu_);
@@ -242,6 +241,7 @@ class TcpReceiver final : public Receiver {
     std::vector<WireAck> acks;
     bool pong = false;
     uint64_t pong_seq = 0;
+    std::string dropped_link;  // a link of the peer's it could not join, or dropped
   };
 
   TcpReceiver(ChunkStore& sink, const ReceiverOptions& options);

@@ -117,6 +117,7 @@ void Fill(const WireDecisions& m, pb::TransportFrame& f) {
         break;
     }
   }
+  if (!m.dropped_link.empty()) d->set_dropped_link(m.dropped_link);
   for (const WireRegion& r : m.regions) {
     pb::RegionInfo* pr = d->add_regions();
     pr->set_id(r.id);
@@ -180,6 +181,7 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
     case pb::TransportFrame::kDecisions: {
       WireDecisions m;
       m.batch = f.decisions().batch();
+      m.dropped_link = f.decisions().dropped_link();
       m.decisions.reserve(f.decisions().decisions_size());
       for (const pb::Decision& d : f.decisions().decisions()) {
         WireDecision w{KeyOf(d), WireDecisionKind::kRejected, Status::Ok()};

@@ -60,6 +60,7 @@ struct WireDecisions {
   uint64_t batch = 0;
   std::vector<WireDecision> decisions;
   std::vector<WireRegion> regions;  // those the decisions name
+  std::string dropped_link;         // the sender's link the receiver could not join, or dropped
 };
 
 struct WireChunkHeader {

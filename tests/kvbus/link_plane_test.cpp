@@ -312,6 +312,36 @@ TEST(DevicePlaneNcclCases, AFailedLinkIsReplacedByANewOneOfANewId) {
   EXPECT_EQ(links.size(), 2u) << "the second chunk went over a new link";
 }
 
+// A receiver that cannot join the link its sender names says so in its
+// decisions; the sender names a new link at once, in an offer of no chunks.
+TEST(DevicePlaneNcclCases, ALinkTheReceiverCouldNotJoinIsReplaced) {
+  StandInReceiver r;
+  KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(r.endpoint, LinkSender()));
+  KDN_ASSERT_OK_AND_ASSIGN(uint64_t batch, sender->Submit({MakeChunk(95, 16)}));
+  (void)batch;
+  std::string first;
+  for (int i = 0; i < 200; ++i) {
+    auto m = r.Next();
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    auto* o = std::get_if<WireOffer>(&*m);
+    if (o == nullptr) {
+      if (auto* p = std::get_if<WirePing>(&*m)) r.Reply(WirePong{p->seq, {}});
+      continue;
+    }
+    ASSERT_FALSE(o->link.empty());
+    if (first.empty()) {
+      first = o->link;
+      r.Reply(WireDecisions{0, {}, {}, first});  // as a receiver that failed to join it
+      continue;
+    }
+    if (o->link == first) continue;  // a repeat sent before the sender heard
+    EXPECT_EQ(o->batch, 0u) << "named at once, in an offer of no chunks";
+    EXPECT_TRUE(o->entries.empty());
+    return;
+  }
+  FAIL() << "no offer named a new link";
+}
+
 // A linked chunk whose grant is gone (it expired) finds nothing to take
 // its payload off the link: the receiver drops the link and says so in
 // the chunk's ack, rather than read the next chunk's bytes out of step.

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "kdn/kvbus/chunk.h"
@@ -66,14 +67,17 @@ class PeerMemory final : public DeviceMemory {
 // The nccl plane's link: a two-rank NcclLink, joined on a thread of its
 // own (ncclCommInitRank waits for both ranks: a transport's I/O thread
 // must not), each message on a non-blocking stream of the link's and
-// waited for with the link's deadline.
+// waited for with the link's deadline. Rank 1 starts joining at once (the
+// receiver joins when an offer names the link, and the first linked chunk
+// follows); rank 0 at its first message, so that the join's deadline runs
+// from there, as the host link's does (a sender may be idle long after
+// it made its link). A join still under way when the link goes is left to
+// finish, and aborted, on a thread of its own.
 class CudaLink final : public DeviceLink {
  public:
-  CudaLink(const std::string& id, int rank, int device, std::chrono::milliseconds timeout)
-      : rank_(rank), device_(device), timeout_(timeout) {
-    joining_ = std::async(std::launch::async, [id, rank, device, timeout] {
-      return NcclLink::Connect(id, rank, device, timeout);
-    });
+  CudaLink(std::string id, int rank, int device, std::chrono::milliseconds timeout)
+      : id_(std::move(id)), rank_(rank), device_(device), timeout_(timeout) {
+    if (rank_ == 1) StartJoin();
   }
   ~CudaLink() override {
     Abort();
@@ -95,8 +99,10 @@ class CudaLink final : public DeviceLink {
   }
   void Abort() override {
     if (joining_.valid()) {
-      Result<std::unique_ptr<NcclLink>> joined = joining_.get();  // bounded by its timeout
-      if (joined.ok()) link_ = std::move(joined).value();
+      std::thread([joining = std::move(joining_)]() mutable {
+        Result<std::unique_ptr<NcclLink>> joined = joining.get();  // bounded by its timeout
+        if (joined.ok()) (void)(*joined)->Abort();
+      }).detach();
     }
     if (link_) (void)link_->Abort();
     aborted_ = true;
@@ -106,8 +112,15 @@ class CudaLink final : public DeviceLink {
  private:
   // The link joined (the first call waits for it), the device current and
   // the stream made.
+  void StartJoin() {
+    joining_ = std::async(std::launch::async,
+                          [id = id_, rank = rank_, device = device_, timeout = timeout_] {
+                            return NcclLink::Connect(id, rank, device, timeout);
+                          });
+  }
   Status Joined() {
     if (aborted_) return FailedPrecondition("kvbus nccl link: aborted");
+    if (!link_ && !joining_.valid()) StartJoin();
     if (joining_.valid()) {
       Result<std::unique_ptr<NcclLink>> joined = joining_.get();
       if (!joined.ok()) {
@@ -129,6 +142,7 @@ class CudaLink final : public DeviceLink {
     return st;
   }
 
+  const std::string id_;
   const int rank_;
   const int device_;
   const std::chrono::milliseconds timeout_;
@@ -239,6 +253,11 @@ class CudaOps final : public DeviceOps {
                                                std::chrono::milliseconds timeout) override {
     if (rank != 0 && rank != 1) {
       return InvalidArgument("kvbus nccl link: rank " + std::to_string(rank));
+    }
+    // NewLinkId's form (NcclLink::NewUniqueId): checked here, before a
+    // receiver grants anything over it.
+    if (id.size() != 256 || id.find_first_not_of("0123456789abcdef") != std::string::npos) {
+      return InvalidArgument("kvbus nccl link: malformed link id");
     }
     if (timeout.count() <= 0) return InvalidArgument("kvbus nccl link: the timeout must be > 0");
     return std::unique_ptr<DeviceLink>(std::make_unique<CudaLink>(id, rank, device_, timeout));
