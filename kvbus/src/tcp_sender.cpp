@@ -299,6 +299,20 @@ Status TcpSender::RunOnce() {
 }
 
 Status TcpSender::OfferNewBatches() {
+  // A link that ended without a new one (none could be made then) is
+  // tried again before new batches are offered, at most once a heartbeat.
+  if (link_ && !link_->usable()) {
+    const auto now = TransportClock::now();
+    bool due = false;
+    {
+      MutexLock lock(mu_);
+      due = !to_offer_.empty() && now >= next_link_try_;
+    }
+    if (due) {
+      next_link_try_ = now + options_.heartbeat_interval;
+      RenewLink(link_->error());
+    }
+  }
   std::vector<WireOffer> offers;
   {
     MutexLock lock(mu_);

@@ -199,6 +199,7 @@ class TcpSender final : public Sender {
   RegionPlane* MappedPlane(uint32_t region);
   // The nccl plane (kNccl only): a link named in every offer while up.
   std::unique_ptr<LinkPlane> link_;
+  TransportClock::time_point next_link_try_;  // when a link that could not be renewed is retried
 
   // Bytes sent per data plane, counted when acked.
   SenderStats stats_ KDN_GUARDED_BY(mu_);
