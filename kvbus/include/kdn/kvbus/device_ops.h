@@ -12,11 +12,11 @@
 // A receiver exports memory (Allocate, or a backend's own export of memory
 // it already holds) and names it by handle() in its grants; a sender on
 // the same host opens the handle and writes layer slices into extents of
-// it; the receiver verifies them where they landed with Checksum. Where
-// the sender cannot open the receiver's memory (another host), the two
-// join a link (the nccl plane: NCCL for cuda, a loopback socket for the
-// host backend), the sender sends each slice from extents of its memory
-// and the receiver receives it onto the claimed extents of its own.
+// it; the receiver verifies them where they landed with Checksum. Over
+// the nccl plane (any hosts) the two join a link instead (NCCL for cuda,
+// a loopback socket for the host backend): the sender sends each slice
+// from extents of its memory, the receiver receives it onto the claimed
+// extents of its own and verifies it there.
 //
 // Thread-safe: a backend's calls may come from any thread.
 
@@ -123,8 +123,9 @@ class DeviceOps {
   // sends; 1: the peer, which receives). Returns at once: the first Send
   // or Recv waits for the other side to have joined. `timeout` bounds
   // that wait and each message (a dead or silent peer: DEADLINE_EXCEEDED,
-  // the link aborted). INVALID_ARGUMENT for a malformed id or rank, or a
-  // rank-0 id this process did not make (or joined already).
+  // the link aborted). INVALID_ARGUMENT for a malformed id or rank, or
+  // (host backend) a rank-0 id this process did not make or joined already;
+  // NCCL finds those at the join.
   virtual Result<std::unique_ptr<DeviceLink>> JoinLink(const std::string& id, int rank,
                                                        std::chrono::milliseconds timeout) = 0;
 };
