@@ -81,7 +81,11 @@ struct BackendOptions {
   std::vector<std::string> prefill_endpoints;
   std::vector<std::string> decode_endpoints;
   std::chrono::milliseconds ping_interval{250};
-  std::chrono::milliseconds worker_timeout{3000};
+  // Long enough for a loaded machine: a healthy worker on 2 busy cores once
+  // went 3 s without its answer reaching the router (deployment_preemption
+  // in CI), and was held down with 17 requests in flight. A worker that
+  // dies is down at once (its connection closes); this catches a hung one.
+  std::chrono::milliseconds worker_timeout{10000};
   std::chrono::milliseconds lookup_timeout{1000};
   std::chrono::milliseconds prepare_timeout{10000};
   // Requests no decode worker has room for (KV for what they need now,
