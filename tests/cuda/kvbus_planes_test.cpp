@@ -581,6 +581,19 @@ TEST(NcclLink, ConnectGivesUpWhenThePeerNeverComes) {
   EXPECT_EQ(NcclLink::Connect("zz", 0, 0).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Two NCCL ranks on one GPU (this process and a child): a device, and NCCL
+// 2.30 or newer with NCCL_MULTI_RANK_GPU_ENABLE=1 (set here, and passed to
+// the child by the test).
+#define SKIP_WITHOUT_TWO_RANKS_ON_ONE_GPU()                                         \
+  SKIP_WITHOUT_DEVICE();                                                            \
+  SKIP_WITHOUT_NCCL();                                                              \
+  if (NcclLink::Version() < 23000) {                                                \
+    GTEST_SKIP() << "NCCL " << NcclLink::Version()                                  \
+                 << " (version code): two ranks on one GPU need NCCL >= 2.30 with " \
+                 << "NCCL_MULTI_RANK_GPU_ENABLE=1";                                 \
+  }                                                                                 \
+  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1)
+
 // Rank 0 here on device 0, rank 1 in a child on `child_device`.
 void SendToChild(int child_device, const std::vector<std::string>& env) {
   const uint64_t seed = 77;
@@ -605,14 +618,7 @@ void SendToChild(int child_device, const std::vector<std::string>& env) {
 }
 
 TEST(NcclLink, TwoProcessesOnOneGpuMoveASliceExactly) {
-  SKIP_WITHOUT_DEVICE();
-  SKIP_WITHOUT_NCCL();
-  const int v = NcclLink::Version();
-  if (v < 23000) {
-    GTEST_SKIP() << "NCCL " << v << " (version code): two ranks on one GPU need NCCL >= 2.30 "
-                 << "with NCCL_MULTI_RANK_GPU_ENABLE=1";
-  }
-  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  SKIP_WITHOUT_TWO_RANKS_ON_ONE_GPU();
   SendToChild(0, {"NCCL_MULTI_RANK_GPU_ENABLE=1"});
 }
 
@@ -620,14 +626,7 @@ TEST(NcclLink, TwoProcessesOnOneGpuMoveASliceExactly) {
 // the slice sent from extents of a pool the backend allocated here,
 // received onto extents of one the child's backend allocated.
 TEST(CudaDeviceOps, ALinkBetweenTwoProcessesOnOneGpuMovesASliceExactly) {
-  SKIP_WITHOUT_DEVICE();
-  SKIP_WITHOUT_NCCL();
-  const int v = NcclLink::Version();
-  if (v < 23000) {
-    GTEST_SKIP() << "NCCL " << v << " (version code): two ranks on one GPU need NCCL >= 2.30 "
-                 << "with NCCL_MULTI_RANK_GPU_ENABLE=1";
-  }
-  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  SKIP_WITHOUT_TWO_RANKS_ON_ONE_GPU();
   const uint64_t seed = 78;
   const SliceCase c = MakeSliceCase(seed);
   Result<DeviceOps*> ops = CudaDeviceOps(0);
