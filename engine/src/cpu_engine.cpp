@@ -27,7 +27,7 @@ struct CpuEngine::Segment {
   KvSequence* seq;
   const int32_t* tokens;
   int64_t n;      // new tokens
-  int64_t start;  // position of the first new token (= KV already held)
+  int64_t start;  // slot of the first new token (= KV already held)
   int64_t row0;   // first row of this segment in the pass's activations
 };
 
@@ -36,7 +36,9 @@ struct CpuEngine::Scratch {
   ProductScratch product;
   // A forward pass's own: embeddings, positions, the logits' rows.
   std::vector<float> x, hf;
-  std::vector<int32_t> pos;
+  // Each row's slot in its sequence's KV, and its position (RoPE's): the
+  // same but past pruned KV (KvSequence::next_position).
+  std::vector<int32_t> pos, rope_pos;
   std::vector<int64_t> out_rows;
   // Decode attention: the short rows, and each OpenMP thread's buffers.
   struct Thread {
@@ -234,7 +236,8 @@ Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                            " (EngineOptions::max_prefill_tokens)");
   }
   Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
-  return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer, logits);
+  return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer,
+                 options.query_stats, logits);
 }
 
 Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
@@ -245,7 +248,7 @@ Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const 
   for (size_t b = 0; b < seqs.size(); ++b) {
     segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
   }
-  return Forward(segs, /*all_logits=*/false, LayerHook(), logits);
+  return Forward(segs, /*all_logits=*/false, LayerHook(), nullptr, logits);
 }
 
 Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
@@ -262,7 +265,7 @@ Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<cons
 }
 
 Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
-                          std::vector<float>* logits) {
+                          QueryStats* stats, std::vector<float>* logits) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
 
@@ -270,10 +273,10 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
   // they were (Truncate gives back the blocks taken here).
   int64_t rows = 0;
   for (Segment& s : segs) {
-    if (s.start + s.n > c.max_context) {
-      return InvalidArgument("sequence of " + std::to_string(s.start + s.n) +
-                             " tokens exceeds the model's context of " +
-                             std::to_string(c.max_context));
+    if (s.seq->position_shift() + s.start + s.n > c.max_context) {
+      return InvalidArgument(
+          "sequence of " + std::to_string(s.seq->position_shift() + s.start + s.n) +
+          " tokens exceeds the model's context of " + std::to_string(c.max_context));
     }
     for (int64_t i = 0; i < s.n; ++i) {
       if (s.tokens[i] < 0 || s.tokens[i] >= c.vocab_size) {
@@ -298,10 +301,14 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
 
   // The engine's own buffers: grown once, no allocation per decode step.
   Scratch& scratch = *scratch_;
-  std::vector<int32_t>& pos = scratch.pos;
+  std::vector<int32_t>&pos = scratch.pos, &rope_pos = scratch.rope_pos;
   pos.resize(rows);
+  rope_pos.resize(rows);
   for (const Segment& s : segs) {
-    for (int64_t i = 0; i < s.n; ++i) pos[s.row0 + i] = static_cast<int32_t>(s.start + i);
+    for (int64_t i = 0; i < s.n; ++i) {
+      pos[s.row0 + i] = static_cast<int32_t>(s.start + i);
+      rope_pos[s.row0 + i] = static_cast<int32_t>(s.seq->position_shift() + s.start + i);
+    }
   }
   std::vector<float>& x = scratch.x;
   x.resize(rows * d);
@@ -312,7 +319,7 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
   }
 
   for (int l = 0; l < c.num_layers; ++l) {
-    RunLayer(l, segs, pos.data(), rows, x.data(), scratch, nullptr);
+    RunLayer(l, segs, {pos.data(), rope_pos.data()}, rows, x.data(), scratch, nullptr, stats);
     if (hook) {
       // The hook sees this layer's KV for the new tokens: publish the lengths.
       for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
@@ -347,8 +354,9 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
   return Status::Ok();
 }
 
-void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
-                         Scratch& scratch, std::vector<float>* deviation) {
+void CpuEngine::RunLayer(int l, std::span<Segment> segs, RowPositions rp, int64_t rows, float* x,
+                         Scratch& scratch, std::vector<float>* deviation, QueryStats* stats) {
+  const int32_t* pos = rp.slot;
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
   const Layer& L = layers_[l];
@@ -363,8 +371,9 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int
   AddBias(q.data(), rows, qd, L.bq);
   AddBias(k.data(), rows, kvd, L.bk);
   AddBias(v.data(), rows, kvd, L.bv);
-  ApplyRope(q.data(), rows, c.num_heads, c.head_dim, pos, inv_freq_.data(), rope_);
-  ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, pos, inv_freq_.data(), rope_);
+  if (stats != nullptr) stats->Add(c, l, q.data(), rows, rp.rope);
+  ApplyRope(q.data(), rows, c.num_heads, c.head_dim, rp.rope, inv_freq_.data(), rope_);
+  ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, rp.rope, inv_freq_.data(), rope_);
   if (deviation != nullptr) deviation->assign(rows, 0.0f);
   for (const Segment& s : segs) {
     for (int64_t i = 0; i < s.n; ++i) {
@@ -521,8 +530,9 @@ class CpuEngine::CpuRowPass final : public RowPass {
     const auto rows = static_cast<int64_t>(positions_.size());
     std::vector<int32_t> pos(positions_.begin(), positions_.end());
     Segment seg{&seq_, nullptr, rows, 0, 0};
-    engine_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), pos.data(), rows, x_.data(),
-                     *scratch_, deviation);
+    // A row pass never runs over pruned KV (CheckRowPass): slots are positions.
+    engine_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), {pos.data(), pos.data()}, rows,
+                     x_.data(), *scratch_, deviation, nullptr);
     ++next_layer_;
     return Status::Ok();
   }

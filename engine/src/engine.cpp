@@ -12,6 +12,10 @@ Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
                            " tokens for a sequence of " + std::to_string(seq.length()));
   }
   if (positions.empty()) return InvalidArgument("row pass: no positions");
+  if (seq.position_shift() != 0) {
+    // Its slots are not its positions: a row's position is not known here.
+    return Unimplemented("row pass: over a sequence of pruned KV");
+  }
   for (size_t i = 0; i < positions.size(); ++i) {
     if (positions[i] < 0 || positions[i] >= seq.length() ||
         (i > 0 && positions[i] <= positions[i - 1])) {
@@ -25,6 +29,33 @@ Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
     }
   }
   return Status::Ok();
+}
+
+void QueryStats::Add(const model::ModelConfig& c, int layer, const float* q, int64_t rows,
+                     const int32_t* positions) {
+  const int64_t hd = c.head_dim, per_layer = int64_t{c.num_heads} * hd;
+  if (sum.empty()) {
+    sum.assign(static_cast<size_t>(c.num_layers * per_layer), 0.0);
+    outer.assign(static_cast<size_t>(c.num_layers * per_layer * hd), 0.0);
+  }
+  int64_t r0 = 0;
+  while (r0 < rows && positions[r0] < skip) ++r0;
+  if (r0 == rows) return;
+  if (layer == 0) count += rows - r0;
+  const int64_t qd = c.q_dim();
+#pragma omp parallel for schedule(static)
+  for (int h = 0; h < c.num_heads; ++h) {
+    double* s = &sum[static_cast<size_t>(layer * per_layer + h * hd)];
+    double* o = &outer[static_cast<size_t>((layer * per_layer + h * hd) * hd)];
+    for (int64_t r = r0; r < rows; ++r) {
+      const float* v = q + r * qd + h * hd;
+      for (int64_t i = 0; i < hd; ++i) {
+        s[i] += v[i];
+        const double vi = v[i];
+        for (int64_t j = 0; j < hd; ++j) o[i * hd + j] += vi * v[j];
+      }
+    }
+  }
 }
 
 Status CheckKeep(std::span<const int64_t> rows, size_t current) {

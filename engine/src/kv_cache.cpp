@@ -9,10 +9,14 @@ namespace kdn::engine {
 KvSequence::~KvSequence() { Reset(); }
 
 KvSequence::KvSequence(KvSequence&& o) noexcept
-    : cache_(o.cache_), blocks_(std::move(o.blocks_)), length_(o.length_) {
+    : cache_(o.cache_),
+      blocks_(std::move(o.blocks_)),
+      length_(o.length_),
+      position_shift_(o.position_shift_) {
   o.cache_ = nullptr;
   o.blocks_.clear();
   o.length_ = 0;
+  o.position_shift_ = 0;
 }
 
 KvSequence& KvSequence::operator=(KvSequence&& o) noexcept {
@@ -21,9 +25,11 @@ KvSequence& KvSequence::operator=(KvSequence&& o) noexcept {
     cache_ = o.cache_;
     blocks_ = std::move(o.blocks_);
     length_ = o.length_;
+    position_shift_ = o.position_shift_;
     o.cache_ = nullptr;
     o.blocks_.clear();
     o.length_ = 0;
+    o.position_shift_ = 0;
   }
   return *this;
 }
@@ -32,11 +38,22 @@ void KvSequence::Reset() {
   if (cache_ != nullptr) cache_->Release(blocks_, 0);
   blocks_.clear();
   length_ = 0;
+  position_shift_ = 0;
+}
+
+Status KvSequence::SetNextPosition(int64_t position) {
+  if (position < length_) {
+    return InvalidArgument("sequence: next position " + std::to_string(position) +
+                           " is below its " + std::to_string(length_) + " tokens of KV");
+  }
+  position_shift_ = position - length_;
+  return Status::Ok();
 }
 
 void KvSequence::Truncate(int64_t new_length) {
   assert(new_length >= 0 && new_length <= length_);
   length_ = new_length;
+  if (new_length == 0) position_shift_ = 0;
   const size_t keep = static_cast<size_t>((new_length + kKvBlockTokens - 1) / kKvBlockTokens);
   if (cache_ != nullptr) cache_->Release(blocks_, keep);
 }

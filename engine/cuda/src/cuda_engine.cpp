@@ -91,9 +91,12 @@ Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
     return InvalidArgument("prefill: " + std::to_string(n) + " tokens in one call; at most " +
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
   }
+  if (options.query_stats != nullptr) {
+    return Unimplemented("prefill: query statistics (KV pruning) on the CUDA engine");
+  }
   const int64_t start = seq.length();
-  if (start + n > c.max_context) {
-    return InvalidArgument("prefill: " + std::to_string(start + n) +
+  if (seq.next_position() + n > c.max_context) {
+    return InvalidArgument("prefill: " + std::to_string(seq.next_position() + n) +
                            " tokens exceed the model's context of " +
                            std::to_string(c.max_context));
   }
@@ -119,8 +122,8 @@ Status CudaEngine::Impl::PrefillBody(KvSequence& seq, std::span<const int32_t> t
   std::vector<int32_t> pos(n);
   std::vector<int64_t> slot(n);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t p = start + i;
-    pos[i] = static_cast<int32_t>(p);
+    const int64_t p = start + i;  // the slot; its position is past pruned KV
+    pos[i] = static_cast<int32_t>(seq.position_shift() + p);
     slot[i] = int64_t{blocks[p / 16]} * 16 + p % 16;
   }
   auto up = [&](void* dst, const void* src, size_t bytes) {
@@ -188,7 +191,9 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<con
   }
   KDN_RETURN_IF_ERROR(CheckTokens(tokens));
   for (KvSequence* s : seqs) {
-    if (s->length() + 1 > c.max_context) return InvalidArgument("decode: the context is full");
+    if (s->next_position() + 1 > c.max_context) {
+      return InvalidArgument("decode: the context is full");
+    }
   }
   // Blocks for the new tokens; on failure, give back what this step took
   // (Truncate to the unchanged length frees them).
@@ -211,7 +216,7 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<con
       const int64_t len = s.length();
       const std::vector<int32_t>& blocks = s.blocks();
       ids_host.get()[b] = tokens[b];
-      positions_host.get()[b] = static_cast<int32_t>(len);
+      positions_host.get()[b] = static_cast<int32_t>(s.next_position());
       slots_host.get()[b] = int64_t{blocks[len / 16]} * 16 + len % 16;
       attn_seqs[b] = {1, len + 1, blocks.data(), static_cast<int64_t>(blocks.size())};
       max_len = std::max(max_len, len + 1);

@@ -86,13 +86,20 @@ class CpuEngine final : public Engine {
   class CpuRowPass;
   CpuEngine(const model::ModelConfig& config, const EngineOptions& options);
   Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
-                 std::vector<float>* logits);
-  // Runs layer l over `rows` rows whose hidden states are in `x`, at the
-  // positions `pos`; segs name the sequences the rows belong to. When
-  // `deviation` is given (one sequence only), it receives per row the squared
-  // distance of its new K and V from those the cache held before.
-  void RunLayer(int l, std::span<Segment> segs, const int32_t* pos, int64_t rows, float* x,
-                Scratch& scratch, std::vector<float>* deviation);
+                 QueryStats* stats, std::vector<float>* logits);
+  // Each row's slot in its sequence's KV (where its KV goes, and what it
+  // attends to: slots up to its own) and its position (RoPE's).
+  struct RowPositions {
+    const int32_t* slot;
+    const int32_t* rope;
+  };
+  // Runs layer l over `rows` rows whose hidden states are in `x`, at `rp`;
+  // segs name the sequences the rows belong to. When `deviation` is given
+  // (one sequence only), it receives per row the squared distance of its
+  // new K and V from those the cache held before; `stats`, when given, sums
+  // the rows' queries.
+  void RunLayer(int l, std::span<Segment> segs, RowPositions rp, int64_t rows, float* x,
+                Scratch& scratch, std::vector<float>* deviation, QueryStats* stats);
   // Attention of every new row over its sequence's KV (already written).
   void AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos, const float* q,
                  float* out, Scratch& scratch);

@@ -45,9 +45,30 @@ namespace kdn::engine {
 // KV is then dropped from the sequence).
 using LayerHook = std::function<Status(int layer)>;
 
+// Running sums of the queries a prefill computes, before RoPE, per layer and
+// query head: what Expected Attention (kdn/prune/expected_attention.h)
+// estimates the queries still to come from. Rows at positions below `skip`
+// (sink tokens, whose queries are outliers) are left out. Sums add up across
+// Prefill calls, so a context prefilled in pieces gives what one call would.
+struct QueryStats {
+  int64_t skip = 0;
+  int64_t count = 0;  // rows summed (the same at every layer)
+  // Sized by the engine at first use: [layer][head][head_dim] sums of q and
+  // [layer][head][head_dim][head_dim] sums of q q^T, in double.
+  std::vector<double> sum, outer;
+  // Adds the rows of one layer's pre-RoPE queries `q` ([rows][heads *
+  // head_dim], positions `positions`, ascending) to the sums; the engines
+  // call it, `count` grows at layer 0.
+  void Add(const model::ModelConfig& config, int layer, const float* q, int64_t rows,
+           const int32_t* positions);
+};
+
 struct PrefillOptions {
   bool all_logits = false;  // logits of every new token, not only the last
   LayerHook on_layer;
+  // When set, the prefill also sums its queries into it (the CPU engine;
+  // the CUDA engine refuses it: UNIMPLEMENTED).
+  QueryStats* query_stats = nullptr;
 };
 
 class RowPass;
@@ -84,15 +105,15 @@ class Engine {
   // sequence. INT64_MAX when the backend has no such limit.
   virtual int64_t max_prefill_tokens() const { return INT64_MAX; }
 
-  // Computes `tokens` at positions seq.length() .. seq.length()+n-1 and
-  // appends their KV to `seq`. `logits` receives n x vocab floats if
-  // all_logits, else the last token's vocab floats (fp32 on the host: the
-  // first token of a request is drawn from one row, so it is drawn there).
+  // Computes `tokens` at positions seq.next_position() .. +n-1 (which is
+  // seq.length() .. unless seq holds pruned KV) and appends their KV to `seq`. `logits` receives n
+  // x vocab floats if all_logits, else the last token's vocab floats (fp32 on the host: the first
+  // token of a request is drawn from one row, so it is drawn there).
   virtual Status Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                          const PrefillOptions& options, std::vector<float>* logits) = 0;
 
   // One step for a batch: token tokens[b] is appended to *seqs[b] at
-  // position seqs[b]->length(). `logits` receives batch x vocab floats.
+  // position seqs[b]->next_position(). `logits` receives batch x vocab floats.
   // Sequences must be distinct. On error no sequence changes length.
   virtual Status DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                             std::vector<float>* logits) = 0;

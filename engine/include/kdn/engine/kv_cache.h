@@ -90,6 +90,18 @@ class KvSequence {
   KvSequence& operator=(const KvSequence&) = delete;
 
   int64_t length() const { return length_; }
+  // The position (RoPE's) of the next token appended: length(), unless the
+  // sequence holds pruned KV (kdn/prune/prune.h), whose kept tokens keep the
+  // positions they were computed at while the KV is shorter than the text it
+  // stands for; the next token then sits past the text, not past the KV.
+  // Attention is over the KV held (causal by slot), whatever the positions.
+  int64_t next_position() const { return length_ + position_shift_; }
+  // next_position() - length(): what every token appended from now on adds
+  // to its slot to get its position.
+  int64_t position_shift() const { return position_shift_; }
+  // Makes next_position() `position`; INVALID_ARGUMENT below length().
+  // Truncate keeps the shift (Truncate(0) and Reset clear it).
+  Status SetNextPosition(int64_t position);
   const std::vector<int32_t>& blocks() const { return blocks_; }
   // Tokens of room its blocks give.
   int64_t reserved() const { return static_cast<int64_t>(blocks_.size()) * kKvBlockTokens; }
@@ -104,6 +116,7 @@ class KvSequence {
   KvCache* cache_ = nullptr;
   std::vector<int32_t> blocks_;
   int64_t length_ = 0;
+  int64_t position_shift_ = 0;
 };
 
 class KvCache {

@@ -1,0 +1,80 @@
+#pragma once
+// Question-free KV pruning (docs/kvbus.md, "Pruned KV"): a context's KV is
+// scored once, from the context alone, per layer, KV head and token; the
+// best-scored tokens are kept, the rest dropped, and what is kept is an
+// ordinary shorter sequence: each kept K stays rotated (RoPE) for the
+// position it was computed at, and the sequence's next position is the
+// context's length, not its KV's (engine::KvSequence::next_position).
+//
+// Scores: Expected Attention (arXiv 2510.00636; expected_attention.h) and
+// the key norm (Knorm's, as a baseline). Granularity, coarsest first:
+//   kToken  the same tokens in every layer and head (the scores of a token,
+//           each layer's and head's normalized to sum 1, added up);
+//   kLayer  the same tokens in every head of a layer, chosen per layer;
+//   kHead   chosen per layer and KV head.
+// Every (layer, KV head) keeps the same number of tokens, so the KV keeps
+// its shape ([token][kv_head][head_dim] per layer) and attention reads it as
+// it reads any sequence: slot j of head h holds the j-th token head h kept.
+// The first `sinks` tokens are always kept. Thread-compatible (values).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kdn/common/status.h"
+#include "kdn/engine/kv_cache.h"
+#include "kdn/model/config.h"
+
+namespace kdn::prune {
+
+enum class Granularity { kToken, kLayer, kHead };
+const char* GranularityName(Granularity g);
+Result<Granularity> ParseGranularity(const std::string& name);
+
+// Scores [layer][kv_head][token] of a context of `tokens` tokens: higher is
+// kept first.
+struct Scores {
+  int layers = 0, kv_heads = 0;
+  int64_t tokens = 0;
+  std::vector<float> v;
+  float& at(int l, int h, int64_t t) { return v[(int64_t{l} * kv_heads + h) * tokens + t]; }
+  float at(int l, int h, int64_t t) const { return v[(int64_t{l} * kv_heads + h) * tokens + t]; }
+};
+
+// Which tokens each (layer, KV head) keeps: `kept` of them, ascending.
+struct KeptTokens {
+  int layers = 0, kv_heads = 0;
+  int64_t logical = 0;  // the context's tokens
+  int64_t kept = 0;     // tokens each (layer, KV head) keeps
+  Granularity granularity = Granularity::kToken;
+  std::vector<int32_t> index;  // [layer][kv_head][kept]
+  const int32_t* of(int l, int h) const { return &index[(int64_t{l} * kv_heads + h) * kept]; }
+};
+
+// How many of `tokens` a keep ratio keeps: floor(tokens * keep), at least
+// `sinks` + 1 and at most tokens (kvpress's rule, sinks included).
+int64_t KeptCount(int64_t tokens, double keep, int sinks);
+
+// Picks the kept tokens from `scores` at `granularity`: the KeptCount best
+// of each (layer, KV head) (kHead), of each layer's heads' normalized scores
+// summed (kLayer) or of every layer's and head's (kToken); the first `sinks`
+// always. INVALID_ARGUMENT for a keep ratio outside (0, 1] or fewer tokens
+// than sinks.
+Result<KeptTokens> SelectKept(const Scores& scores, double keep, int sinks,
+                              Granularity granularity);
+
+// The key-norm baseline: minus the L2 norm of each cached key (small keys
+// draw more attention: Devoto et al. 2024), over slots [0, tokens) of `seq`.
+Result<Scores> KeyNormScores(const engine::KvCache& kv, const engine::KvSequence& seq,
+                             int64_t tokens);
+
+// Writes the kept KV of slots [0, kept.logical) of `src` into `dst` (an
+// empty sequence of the same cache): slot j of head h at every layer holds
+// the KV of token kept.of(l, h)[j]; dst's next position becomes src's
+// position of slot kept.logical (the context's length when src starts at
+// 0). `src` is left as it was. RESOURCE_EXHAUSTED when the cache has too
+// few free blocks; dst is then empty.
+Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptTokens& kept,
+                 engine::KvSequence* dst);
+
+}  // namespace kdn::prune

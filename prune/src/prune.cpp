@@ -1,0 +1,167 @@
+#include "kdn/prune/prune.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace kdn::prune {
+
+const char* GranularityName(Granularity g) {
+  switch (g) {
+    case Granularity::kToken: return "token";
+    case Granularity::kLayer: return "layer";
+    case Granularity::kHead: return "head";
+  }
+  return "?";
+}
+
+Result<Granularity> ParseGranularity(const std::string& name) {
+  if (name == "token") return Granularity::kToken;
+  if (name == "layer") return Granularity::kLayer;
+  if (name == "head") return Granularity::kHead;
+  return InvalidArgument("prune granularity \"" + name + "\": token, layer or head");
+}
+
+int64_t KeptCount(int64_t tokens, double keep, int sinks) {
+  const auto n = static_cast<int64_t>(std::floor(static_cast<double>(tokens) * keep));
+  return std::min(tokens, std::max<int64_t>(n, sinks + 1));
+}
+
+namespace {
+
+// Adds one (layer, head)'s non-sink scores into `sum`, shifted to start at
+// 0 and scaled to sum 1, so that every layer and head weighs alike.
+void AddNormalized(const Scores& s, int l, int h, int sinks, std::vector<double>* sum) {
+  double lo = INFINITY, total = 0.0;
+  for (int64_t t = sinks; t < s.tokens; ++t) lo = std::min(lo, double{s.at(l, h, t)});
+  for (int64_t t = sinks; t < s.tokens; ++t) total += s.at(l, h, t) - lo;
+  for (int64_t t = sinks; t < s.tokens; ++t) {
+    (*sum)[t] += total > 0 ? (s.at(l, h, t) - lo) / total : 0.0;
+  }
+}
+
+// The sinks, then the best `kept - sinks` others by `score`, ascending.
+void Pick(const std::vector<double>& score, int64_t kept, int sinks, int32_t* out) {
+  const auto tokens = static_cast<int64_t>(score.size());
+  std::vector<int32_t> order(tokens - sinks);
+  std::iota(order.begin(), order.end(), sinks);
+  const int64_t rest = kept - sinks;
+  // Ties go to the earlier token, so a choice never depends on the sort.
+  std::partial_sort(order.begin(), order.begin() + rest, order.end(), [&](int32_t a, int32_t b) {
+    return score[a] != score[b] ? score[a] > score[b] : a < b;
+  });
+  std::vector<int32_t> pick(order.begin(), order.begin() + rest);
+  for (int32_t t = 0; t < sinks; ++t) pick.push_back(t);
+  std::sort(pick.begin(), pick.end());
+  std::copy(pick.begin(), pick.end(), out);
+}
+
+}  // namespace
+
+Result<KeptTokens> SelectKept(const Scores& s, double keep, int sinks, Granularity granularity) {
+  if (!(keep > 0.0 && keep <= 1.0)) {
+    return InvalidArgument("prune: keep ratio " + std::to_string(keep) + " outside (0, 1]");
+  }
+  if (sinks < 0 || s.tokens <= sinks) {
+    return InvalidArgument("prune: " + std::to_string(s.tokens) + " tokens, " +
+                           std::to_string(sinks) + " of them sinks: nothing to choose from");
+  }
+  KeptTokens k{s.layers, s.kv_heads, s.tokens, KeptCount(s.tokens, keep, sinks), granularity, {}};
+  k.index.resize(size_t(s.layers) * s.kv_heads * k.kept);
+  auto fill = [&](int l, int h, const int32_t* picked) {
+    std::copy(picked, picked + k.kept, &k.index[(int64_t{l} * s.kv_heads + h) * k.kept]);
+  };
+  std::vector<double> score(s.tokens);
+  std::vector<int32_t> picked(k.kept);
+  if (granularity == Granularity::kToken) {
+    for (int l = 0; l < s.layers; ++l) {
+      for (int h = 0; h < s.kv_heads; ++h) AddNormalized(s, l, h, sinks, &score);
+    }
+    Pick(score, k.kept, sinks, picked.data());
+  }
+  for (int l = 0; l < s.layers; ++l) {
+    if (granularity == Granularity::kLayer) {
+      std::fill(score.begin(), score.end(), 0.0);
+      for (int h = 0; h < s.kv_heads; ++h) AddNormalized(s, l, h, sinks, &score);
+      Pick(score, k.kept, sinks, picked.data());
+    }
+    for (int h = 0; h < s.kv_heads; ++h) {
+      if (granularity == Granularity::kHead) {
+        for (int64_t t = 0; t < s.tokens; ++t) score[t] = s.at(l, h, t);
+        Pick(score, k.kept, sinks, picked.data());
+      }
+      fill(l, h, picked.data());
+    }
+  }
+  return k;
+}
+
+Result<Scores> KeyNormScores(const engine::KvCache& kv, const engine::KvSequence& seq,
+                             int64_t tokens) {
+  if (tokens <= 0 || tokens > seq.length()) {
+    return InvalidArgument("key norm: " + std::to_string(tokens) + " tokens of a sequence of " +
+                           std::to_string(seq.length()));
+  }
+  const int G = kv.num_kv_heads(), hd = kv.head_dim();
+  const int64_t kvd = kv.token_stride();
+  Scores out{kv.num_layers(), G, tokens, std::vector<float>(size_t(kv.num_layers()) * G * tokens)};
+  std::vector<float> layer(2 * tokens * kvd);
+  for (int l = 0; l < kv.num_layers(); ++l) {
+    KDN_RETURN_IF_ERROR(
+        kv.Read(seq, l, 0, tokens, engine::DType::kF32,
+                {reinterpret_cast<uint8_t*>(layer.data()), layer.size() * sizeof(float)}));
+    for (int g = 0; g < G; ++g) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* k = &layer[t * kvd + int64_t{g} * hd];
+        double n = 0.0;
+        for (int i = 0; i < hd; ++i) n += double{k[i]} * k[i];
+        out.at(l, g, t) = -static_cast<float>(std::sqrt(n));
+      }
+    }
+  }
+  return out;
+}
+
+Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptTokens& k,
+                 engine::KvSequence* dst) {
+  if (dst->length() != 0 || !dst->blocks().empty()) {
+    return InvalidArgument("prune: compacting into a sequence that holds KV");
+  }
+  if (k.layers != kv.num_layers() || k.kv_heads != kv.num_kv_heads() || k.logical > src.length() ||
+      k.kept <= 0 || k.kept > k.logical ||
+      k.index.size() != size_t(k.layers) * k.kv_heads * k.kept) {
+    return InvalidArgument("prune: kept tokens of " + std::to_string(k.logical) +
+                           " do not fit a sequence of " + std::to_string(src.length()));
+  }
+  for (int32_t t : k.index) {
+    if (t < 0 || t >= k.logical) return InvalidArgument("prune: a kept token out of range");
+  }
+  KDN_RETURN_IF_ERROR(kv.Reserve(*dst, k.kept));
+  const int G = k.kv_heads, hd = kv.head_dim();
+  const int64_t kvd = kv.token_stride();
+  std::vector<float> in(2 * k.logical * kvd), out(2 * k.kept * kvd);
+  for (int l = 0; l < k.layers; ++l) {
+    Status st = kv.Read(src, l, 0, k.logical, engine::DType::kF32,
+                        {reinterpret_cast<uint8_t*>(in.data()), in.size() * sizeof(float)});
+    if (st.ok()) {
+      for (int g = 0; g < G; ++g) {
+        const int32_t* idx = k.of(l, g);
+        for (int64_t j = 0; j < k.kept; ++j) {
+          const int64_t from = int64_t{idx[j]} * kvd + int64_t{g} * hd, to = j * kvd + int64_t{g} * hd;
+          std::copy_n(&in[from], hd, &out[to]);
+          std::copy_n(&in[k.logical * kvd + from], hd, &out[k.kept * kvd + to]);
+        }
+      }
+      st = kv.Write(*dst, l, 0, k.kept, engine::DType::kF32,
+                    {reinterpret_cast<const uint8_t*>(out.data()), out.size() * sizeof(float)});
+    }
+    if (!st.ok()) {
+      dst->Reset();
+      return st;
+    }
+  }
+  kv.SetLength(*dst, k.kept);
+  return dst->SetNextPosition(src.position_shift() + k.logical);
+}
+
+}  // namespace kdn::prune
