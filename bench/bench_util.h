@@ -196,6 +196,29 @@ struct BlendFidelityOptions {
 };
 int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o);
 
+// prune-fidelity: question-free KV pruning (kdn/prune) against full KV and
+// against kvpress's presses on the same samples (bench/prune_fidelity.cpp;
+// docs/kvbus.md, "Pruned KV").
+struct PruneFidelityOptions {
+  std::string text_dir = "/usr/share/common-licenses";
+  int documents = 12;
+  int questions = 2;     // per document
+  int doc_tokens = 384;  // a document: whole paragraphs, at least this many tokens
+  int answer_tokens = 24;
+  std::vector<double> keeps = {0.5, 0.25, 0.125};
+  std::vector<std::string> methods = {"expected_attention", "knorm"};
+  std::vector<std::string> granularities = {"token", "layer", "head"};
+  int sinks = 4;
+  int bootstrap = 2000;  // resamples for the KL intervals
+  // Set: run this Python (scripts/kvpress-env.sh's) on kvpress_script.
+  std::string kvpress_python;
+  std::string kvpress_script = "bench/kvpress_peer.py";
+  std::vector<std::string> kvpress_presses = {"expected_attention", "knorm",  "keydiff",
+                                              "streaming_llm",      "snapkv", "kvzip"};
+  std::string work_dir = "/tmp/kdn-prune-fidelity";
+};
+int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o);
+
 // quality: exact match of a QA model on its eval set, by task family and mode
 // (bench/quality_workload.cpp). With `check_layers`, each of `ratios` also
 // runs with progressive filtering over them. `kv_codec` (a kvbus codec level) codes the

@@ -37,6 +37,7 @@
 #include <sstream>
 
 #include "bench_util.h"
+#include "prose.h"
 #include "kdn/blend/blend.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbus/key.h"
@@ -46,71 +47,6 @@
 namespace kdn::bench {
 
 namespace {
-
-struct Document {
-  std::string text;
-  std::vector<int32_t> tokens;
-  int source = 0;  // which file
-};
-
-// Paragraphs of one file: runs of non-blank lines, whitespace collapsed.
-std::vector<std::string> Paragraphs(const std::string& body) {
-  std::vector<std::string> out;
-  std::istringstream in(body);
-  std::string line, cur;
-  auto flush = [&] {
-    if (!cur.empty()) out.push_back(cur);
-    cur.clear();
-  };
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::string w;
-    bool any = false;
-    while (words >> w) {
-      if (!cur.empty()) cur += ' ';
-      cur += w;
-      any = true;
-    }
-    if (!any) flush();
-  }
-  flush();
-  return out;
-}
-
-// A distinctive word of `text` (the longest alphabetic one), for a cue.
-std::string KeyWord(const std::string& text) {
-  std::string best, w;
-  for (size_t i = 0; i <= text.size(); ++i) {
-    const char ch = i < text.size() ? text[i] : ' ';
-    if (std::isalpha(static_cast<unsigned char>(ch))) {
-      w += ch;
-    } else {
-      if (w.size() > best.size()) best = w;
-      w.clear();
-    }
-  }
-  return best;
-}
-
-// The next-token logits at each of tokens' positions: `logits` (the
-// prompt's, in `seq`) for the first, then one pass over tokens[0..n-2] on
-// top of `seq` (all logits) for the rest.
-Result<std::vector<std::vector<float>>> TeacherForced(engine::Engine& model,
-                                                      engine::KvSequence& seq,
-                                                      std::vector<float> logits,
-                                                      const std::vector<int32_t>& tokens) {
-  std::vector<std::vector<float>> out{std::move(logits)};
-  if (tokens.size() < 2) return out;
-  std::vector<float> all;
-  KDN_RETURN_IF_ERROR(
-      model.Prefill(seq, std::span(tokens).first(tokens.size() - 1), {.all_logits = true}, &all));
-  const size_t vocab = out[0].size();
-  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
-    out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(i * vocab),
-                     all.begin() + static_cast<std::ptrdiff_t>((i + 1) * vocab));
-  }
-  return out;
-}
 
 struct Mode {
   std::string name;
@@ -171,39 +107,13 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
   };
 
   // The pool of documents.
-  std::vector<std::filesystem::path> files;
-  std::set<std::filesystem::path> seen;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(o.text_dir, ec)) {
-    const auto real = std::filesystem::canonical(e.path(), ec);
-    if (ec || !std::filesystem::is_regular_file(real) || !seen.insert(real).second) continue;
-    files.push_back(e.path());
-  }
-  if (files.empty()) {
-    std::fprintf(stderr, "kdn-bench blend-fidelity: no text under %s (scripts/install-deps.sh)\n",
-                 o.text_dir.c_str());
+  size_t nfiles = 0;
+  auto pool_r = ProseDocuments(o.text_dir, o.doc_tokens, encode, &nfiles);
+  if (!pool_r.ok()) {
+    std::fprintf(stderr, "kdn-bench blend-fidelity: %s\n", pool_r.status().message().c_str());
     return 1;
   }
-  std::sort(files.begin(), files.end());
-  std::vector<Document> pool;
-  for (size_t f = 0; f < files.size(); ++f) {
-    std::ifstream in(files[f]);
-    std::stringstream body;
-    body << in.rdbuf();
-    Document cur{"", {}, static_cast<int>(f)};
-    for (const std::string& para : Paragraphs(body.str())) {
-      cur.text += (cur.text.empty() ? "" : "\n") + para;
-      cur.tokens = encode(cur.text + "\n\n");
-      if (static_cast<int>(cur.tokens.size()) >= o.doc_tokens) {
-        // A run past twice the size (one huge paragraph) is left out.
-        if (static_cast<int>(cur.tokens.size()) <= 2 * o.doc_tokens) {
-          cur.text += "\n\n";
-          pool.push_back(std::move(cur));
-        }
-        cur = Document{"", {}, static_cast<int>(f)};
-      }
-    }
-  }
+  const std::vector<ProseDocument>& pool = *pool_r;
   if (static_cast<int>(pool.size()) < o.docs) {
     std::fprintf(stderr, "kdn-bench blend-fidelity: %zu documents under %s, fewer than --docs\n",
                  pool.size(), o.text_dir.c_str());
@@ -270,8 +180,8 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
   std::printf(
       "blend-fidelity on %s: %d prompts of %d documents (pool of %zu from %zu files "
       "under %s), %d answer tokens teacher-forced on full prefill's, check layer %d%s\n",
-      what.c_str(), o.prompts, o.docs, pool.size(), files.size(), o.text_dir.c_str(),
-      o.answer_tokens, o.check_layer, chat ? ", chat format" : "");
+      what.c_str(), o.prompts, o.docs, pool.size(), nfiles, o.text_dir.c_str(), o.answer_tokens,
+      o.check_layer, chat ? ", chat format" : "");
 
   // Each document's KV computed alone, once.
   engine::KvCache& cache = model.kv_cache();
@@ -308,7 +218,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
     std::set<int> sources;
     for (int d : order) {
       if (static_cast<int>(picked.size()) == o.docs) break;
-      if (sources.insert(pool[d].source).second || sources.size() >= files.size()) {
+      if (sources.insert(pool[d].source).second || sources.size() >= nfiles) {
         picked.push_back(d);
       }
     }

@@ -47,6 +47,11 @@
 //             progressive filtering; several ratios) the KL and top-1
 //             agreement with full prefill over 32 teacher-forced answer
 //             positions, whole greedy answers equal, and TTFT vs full prefill.
+//   prune-fidelity  question-free KV pruning (kdn/prune) on documents of
+//             real prose: per method, granularity and keep ratio the KL and
+//             top-1 agreement with the whole KV over questions unseen at
+//             pruning time and their answers, KV stored, TTFT; kvpress's
+//             presses on the same samples with --kvpress-python.
 //   quality   exact-match accuracy of a question-answering model (models/kdn-qa)
 //             on its held-out eval set through kdn's engine, by hops: full
 //             prefill, full reuse of each document's KV, CacheBlend ratios.
@@ -447,6 +452,61 @@ int main(int argc, char** argv) {
   fidelity->add_option("--check-layers", bf_layers,
                        "A progressive schedule's check layers, comma-separated and ascending "
                        "(repeat the option for several schedules)");
+  PruneFidelityOptions pf;
+  auto* prune_fidelity = app.add_subcommand(
+      "prune-fidelity",
+      "Question-free KV pruning vs the whole KV on real prose, kdn's methods and kvpress's presses "
+      "in the same run: KL (bootstrap interval) and top-1 over question and answer, KV stored, "
+      "TTFT");
+  common(prune_fidelity);
+  prune_fidelity->add_option("--text-dir", pf.text_dir, "Folder of English text files")
+      ->capture_default_str();
+  prune_fidelity->add_option("--documents", pf.documents, "Documents (each pruned once)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  prune_fidelity->add_option("--questions", pf.questions, "Questions per document")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  prune_fidelity
+      ->add_option("--doc-tokens", pf.doc_tokens,
+                   "A document: consecutive paragraphs of one file, at least this many tokens")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  prune_fidelity->add_option("--answer-tokens", pf.answer_tokens, "Greedy answer tokens compared")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  prune_fidelity->add_option("--keep", pf.keeps, "Keep ratios, each in (0, 1]")
+      ->delimiter(',')
+      ->capture_default_str();
+  prune_fidelity->add_option("--methods", pf.methods, "kdn's scores: expected_attention, knorm")
+      ->delimiter(',')
+      ->capture_default_str();
+  prune_fidelity
+      ->add_option("--granularity", pf.granularities,
+                   "What kdn keeps alike: token (every layer and head), layer, head")
+      ->delimiter(',')
+      ->capture_default_str();
+  prune_fidelity->add_option("--sinks", pf.sinks, "First tokens always kept")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  prune_fidelity->add_option("--bootstrap", pf.bootstrap, "Resamples of the KL intervals")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  prune_fidelity
+      ->add_option("--kvpress-python", pf.kvpress_python,
+                   "Python with kvpress (scripts/kvpress-env.sh: .venv-kvpress/bin/python): also "
+                   "run kvpress's presses on the same samples (needs --model SmolLM2.gguf)")
+      ->check(CLI::ExistingFile);
+  prune_fidelity->add_option("--kvpress-script", pf.kvpress_script, "bench/kvpress_peer.py")
+      ->capture_default_str()
+      ->check(CLI::ExistingFile);
+  prune_fidelity->add_option("--kvpress-presses", pf.kvpress_presses, "kvpress presses to run")
+      ->delimiter(',')
+      ->capture_default_str();
+  prune_fidelity
+      ->add_option("--work-dir", pf.work_dir,
+                   "Where the peer's transformers model and exchange files go")
+      ->capture_default_str();
   std::string tk_dir, tk_text;
   int tk_tokens = 32768;
   auto* tokenize = app.add_subcommand(
@@ -578,6 +638,13 @@ int main(int argc, char** argv) {
       bf.check_layers.push_back(std::move(layers));
     }
     return RunBlendFidelity(c, bf);
+  }
+  if (prune_fidelity->parsed()) {
+    if (!pf.kvpress_python.empty() && !kdn::model::IsGgufPath(c.model_dir)) {
+      std::fprintf(stderr, "kdn-bench prune-fidelity: --kvpress-python needs --model FILE.gguf\n");
+      return 2;
+    }
+    return RunPruneFidelity(c, pf);
   }
   if (quality->parsed()) {
     if (quality_random == std::vector<double>{0.0}) quality_random.clear();
