@@ -20,7 +20,8 @@ using kvbus::KvDType;
 // Layers [layer0, layer0 + layers) of tokens [first, first + count) of `seq`.
 Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
-    int layer0, int layers, const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
+    int layer0, int layers, const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype,
+    uint32_t logical = 0, std::vector<uint32_t> kept = {}) {
   if (first < 0 || count <= 0 || first + count > seq.length()) {
     return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
                            std::to_string(first + count) + ") are not all in a sequence of " +
@@ -33,6 +34,8 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
   }
   ChunkInfo info = LayerSliceInfo(cache, first, count, key, model_fingerprint, dtype);
   info.layers = static_cast<uint32_t>(layers);
+  info.logical_tokens = logical;
+  info.kept = std::move(kept);
   // The payload is the cache's layers, each K rows then V rows: one read.
   const size_t bytes = layers * cache.LayerBytes(count, EngineDType(dtype));
   Status read;
@@ -104,6 +107,20 @@ Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
     const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
   return FromPaged(cache, seq, first, count, 0, cache.num_layers(), key, model_fingerprint, dtype);
+}
+
+Result<std::shared_ptr<const kvbus::Chunk>> PrunedChunkFromPagedKv(
+    const engine::KvCache& cache, const engine::KvSequence& seq, uint32_t logical,
+    std::vector<uint32_t> kept, const ChunkKey& key, const ChunkKey& model_fingerprint,
+    KvDType dtype) {
+  if (seq.next_position() != logical || seq.length() != static_cast<int64_t>(kept.size())) {
+    return InvalidArgument("chunk: a pruned sequence of " + std::to_string(seq.length()) +
+                           " tokens at next position " + std::to_string(seq.next_position()) +
+                           " for " + std::to_string(kept.size()) + " kept of " +
+                           std::to_string(logical));
+  }
+  return FromPaged(cache, seq, 0, seq.length(), 0, cache.num_layers(), key, model_fingerprint,
+                   dtype, logical, std::move(kept));
 }
 
 Status ChunkToPagedKv(const Chunk& chunk, engine::KvCache& cache, engine::KvSequence& seq,

@@ -16,7 +16,9 @@ constexpr char kMagic[8] = {'K', 'D', 'N', 'C', 'H', 'U', 'N', 'K'};
 constexpr size_t kOffVersion = 8, kOffDType = 12, kOffKey = 16, kOffModel = 32, kOffLayers = 48,
                  kOffKvHeads = 52, kOffHeadDim = 56, kOffTokens = 60, kOffPosition = 64,
                  kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88, kOffCodecLevel = 92,
-                 kOffRawBytes = 96, kOffHeaderSum = 120;
+                 kOffRawBytes = 96, kOffLogical = 104, kOffKeptKind = 108, kOffHeaderSum = 120;
+// How a pruned chunk's kept positions are stored: one u32 offset per token.
+constexpr uint32_t kKeptOffsets = 1;
 
 void Put32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -33,6 +35,30 @@ uint64_t Get64(const uint8_t* p) {
   uint64_t v = 0;
   for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
   return v;
+}
+
+// A pruned info's kept positions: one per token, ascending, inside the text.
+Status CheckKept(const ChunkInfo& info) {
+  if (!info.pruned()) {
+    return info.kept.empty() ? Status::Ok()
+                             : InvalidArgument("chunk " + info.key.ToHex() +
+                                               ": kept positions without a logical length");
+  }
+  if (info.codec != KvCodec::kRaw) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": a pruned chunk is raw");
+  }
+  if (info.kept.size() != info.tokens || info.logical_tokens < info.tokens) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": " + std::to_string(info.kept.size()) +
+                           " kept positions for " + std::to_string(info.tokens) + " tokens of " +
+                           std::to_string(info.logical_tokens));
+  }
+  for (size_t j = 0; j < info.kept.size(); ++j) {
+    if (info.kept[j] >= info.logical_tokens || (j > 0 && info.kept[j] <= info.kept[j - 1])) {
+      return InvalidArgument("chunk " + info.key.ToHex() +
+                             ": kept positions not ascending inside the text");
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -55,8 +81,9 @@ void Chunk::SealHeader(uint8_t* h) {
 
 Result<std::array<uint8_t, Chunk::kHeaderBytes>> Chunk::SealedHeader(const ChunkInfo& info,
                                                                      uint64_t payload_checksum) {
-  if (info.codec != KvCodec::kRaw) {
-    return InvalidArgument("chunk " + info.key.ToHex() + ": a header sealed in place is raw");
+  if (info.codec != KvCodec::kRaw || info.pruned()) {
+    return InvalidArgument("chunk " + info.key.ToHex() +
+                           ": a header sealed in place is raw and not pruned");
   }
   std::array<uint8_t, kHeaderBytes> h;
   SealHeaderOf(info, info.payload_bytes(), payload_checksum, h.data());
@@ -68,7 +95,9 @@ void Chunk::SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t paylo
   std::memset(h, 0, kHeaderBytes);
   std::memcpy(h, kMagic, 8);
   const bool encoded = info.codec != KvCodec::kRaw;
-  Put32(h + kOffVersion, encoded ? kEncodedChunkFormatVersion : kChunkFormatVersion);
+  Put32(h + kOffVersion, encoded         ? kEncodedChunkFormatVersion
+                         : info.pruned() ? kPrunedChunkFormatVersion
+                                         : kChunkFormatVersion);
   Put32(h + kOffDType, static_cast<uint32_t>(info.dtype));
   info.key.ToBytes(h + kOffKey);
   info.model_fingerprint.ToBytes(h + kOffModel);
@@ -84,6 +113,10 @@ void Chunk::SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t paylo
     Put32(h + kOffCodecLevel, info.codec_level);
     Put64(h + kOffRawBytes, info.payload_bytes());
   }
+  if (info.pruned()) {
+    Put32(h + kOffLogical, info.logical_tokens);
+    Put32(h + kOffKeptKind, kKeptOffsets);
+  }
   Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
 }
 
@@ -92,12 +125,15 @@ Result<std::shared_ptr<const Chunk>> Chunk::Build(const ChunkInfo& info,
   if (info.codec != KvCodec::kRaw) {
     return InvalidArgument("chunk " + info.key.ToHex() + ": Build makes raw chunks only");
   }
-  const size_t size = kHeaderBytes + info.payload_bytes();
+  KDN_RETURN_IF_ERROR(CheckKept(info));
+  const size_t size = kHeaderBytes + info.kept_bytes() + info.payload_bytes();
   KDN_ASSIGN_OR_RETURN(std::shared_ptr<uint8_t> data, BufferPool::Default().Acquire(size));
   std::shared_ptr<Chunk> c(new Chunk());
   c->info_ = info;
   c->size_ = size;
-  fill(data.get() + kHeaderBytes);
+  for (size_t j = 0; j < info.kept.size(); ++j)
+    Put32(data.get() + kHeaderBytes + 4 * j, info.kept[j]);
+  fill(data.get() + kHeaderBytes + info.kept_bytes());
   c->SealHeader(data.get());
   c->data_ = std::move(data);
   return std::shared_ptr<const Chunk>(std::move(c));
@@ -118,9 +154,9 @@ Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
 
 Result<std::shared_ptr<const Chunk>> Chunk::FromEncoded(const ChunkInfo& info,
                                                         std::vector<uint8_t> bytes) {
-  if (info.codec == KvCodec::kRaw || bytes.size() < kHeaderBytes) {
+  if (info.codec == KvCodec::kRaw || info.pruned() || bytes.size() < kHeaderBytes) {
     return InvalidArgument("chunk " + info.key.ToHex() +
-                           ": FromEncoded needs a codec and room for the header");
+                           ": FromEncoded needs a codec, room for the header and no pruning");
   }
   auto owner = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
   std::shared_ptr<Chunk> c(new Chunk());
@@ -155,13 +191,15 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
     return Corruption("chunk: header checksum mismatch");
   }
   const uint32_t version = Get32(h + kOffVersion);
-  if (version != kChunkFormatVersion && version != kEncodedChunkFormatVersion) {
-    return Corruption("chunk: format version " + std::to_string(version) + ", expected " +
-                      std::to_string(kChunkFormatVersion) + " or " +
-                      std::to_string(kEncodedChunkFormatVersion));
+  if (version != kChunkFormatVersion && version != kEncodedChunkFormatVersion &&
+      version != kPrunedChunkFormatVersion) {
+    return Corruption("chunk: format version " + std::to_string(version) + ", this kdn reads " +
+                      std::to_string(kChunkFormatVersion) + " to " +
+                      std::to_string(kPrunedChunkFormatVersion));
   }
   const uint32_t codec = Get32(h + kOffCodec);
-  if (version == kChunkFormatVersion ? codec != 0 : codec != static_cast<uint32_t>(KvCodec::kKvc)) {
+  if (version == kEncodedChunkFormatVersion ? codec != static_cast<uint32_t>(KvCodec::kKvc)
+                                            : codec != 0) {
     return Corruption("chunk: unknown codec " + std::to_string(codec) + " in a version " +
                       std::to_string(version) + " chunk");
   }
@@ -189,6 +227,15 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
       0x1p62) {
     return Corruption(what + ": impossible shape");
   }
+  if (version == kPrunedChunkFormatVersion) {
+    info.logical_tokens = Get32(h + kOffLogical);
+    if (Get32(h + kOffKeptKind) != kKeptOffsets || info.logical_tokens < info.tokens ||
+        info.logical_tokens == 0) {
+      return Corruption(what + ": a pruned chunk of " + std::to_string(info.tokens) +
+                        " tokens for " + std::to_string(info.logical_tokens) +
+                        ", kept positions of kind " + std::to_string(Get32(h + kOffKeptKind)));
+    }
+  }
   f.payload_bytes = Get64(h + kOffPayloadBytes);
   f.payload_checksum = Get64(h + kOffPayloadSum);
   // An encoded chunk names the raw size its stream decodes to (checked again
@@ -198,9 +245,10 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
                       std::to_string(Get64(h + kOffRawBytes)) + " bytes, shape implies " +
                       std::to_string(info.payload_bytes()));
   }
-  if (info.codec == KvCodec::kRaw && f.payload_bytes != info.payload_bytes()) {
+  if (info.codec == KvCodec::kRaw && f.payload_bytes != info.kept_bytes() + info.payload_bytes()) {
     return Corruption(what + ": header says " + std::to_string(f.payload_bytes) +
-                      " payload bytes, shape implies " + std::to_string(info.payload_bytes()));
+                      " payload bytes, shape implies " +
+                      std::to_string(info.kept_bytes() + info.payload_bytes()));
   }
   return f;
 }
@@ -218,8 +266,15 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
   if (f.payload_checksum != XXH3_64bits(h + kHeaderBytes, f.payload_bytes)) {
     return Corruption("chunk " + f.info.key.ToHex() + ": payload checksum mismatch");
   }
+  if (f.info.pruned()) {
+    f.info.kept.resize(f.info.tokens);
+    for (uint32_t j = 0; j < f.info.tokens; ++j) f.info.kept[j] = Get32(h + kHeaderBytes + 4 * j);
+    if (!CheckKept(f.info).ok()) {
+      return Corruption("chunk " + f.info.key.ToHex() + ": kept positions out of order");
+    }
+  }
   std::shared_ptr<Chunk> c(new Chunk());
-  c->info_ = f.info;
+  c->info_ = std::move(f.info);
   c->data_ = std::move(data);
   c->size_ = size;
   return std::shared_ptr<const Chunk>(std::move(c));

@@ -444,7 +444,8 @@ int LayerBits(uint32_t level, uint32_t layer, uint32_t layers) {
 
 Result<std::shared_ptr<const Chunk>> EncodeChunk(std::shared_ptr<const Chunk> chunk,
                                                  CodecLevel level) {
-  if (level.raw() || chunk->encoded()) return chunk;
+  // Pruned chunks stay raw (the codec's format has no kept positions).
+  if (level.raw() || chunk->encoded() || chunk->info().pruned()) return chunk;
   if (!ValidCodecLevel(level)) {
     return InvalidArgument("unknown KV codec level " + std::to_string(level.level));
   }

@@ -172,8 +172,68 @@ TEST(Chunk, ParseChecksFieldsEvenUnderAValidHeaderChecksum) {
   EXPECT_EQ(edited(12, 0).code(), StatusCode::kCorruption);   // f32: shape implies 32 bytes
   EXPECT_EQ(edited(60, 2).code(), StatusCode::kCorruption);   // 2 tokens
   EXPECT_EQ(edited(72, 17).code(), StatusCode::kCorruption);  // payload_bytes 17
+  EXPECT_EQ(edited(8, 3).code(), StatusCode::kCorruption);    // pruned, with no logical length
+  // A version this kdn does not know (a newer writer's) is a clear miss.
+  const Status newer = edited(8, 4);
+  EXPECT_EQ(newer.code(), StatusCode::kCorruption);
+  EXPECT_NE(newer.message().find("format version 4"), std::string::npos) << newer.ToString();
   // The reseal itself is right: an unchanged byte still parses.
   EXPECT_TRUE(edited(0, 'K').ok());
+}
+
+// Pruned KV: 3 tokens of KV standing for 10 tokens of text.
+ChunkInfo PrunedInfo() {
+  ChunkInfo info{kKey, kFingerprint, 2, 1, 2, 3, KvDType::kF32, 0};
+  info.logical_tokens = 10;
+  info.kept = {0, 4, 9};
+  return info;
+}
+
+TEST(Chunk, APrunedChunkIsVersion3AndKeepsItsPositionsAndLogicalLength) {
+  std::vector<uint8_t> kv(PrunedInfo().payload_bytes());
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<uint8_t>(3 * i);
+  auto c = MakeOrDie(PrunedInfo(), kv);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->bytes()[8], 3);  // format version
+  EXPECT_EQ(c->size(), Chunk::kHeaderBytes + 3 * 4 + kv.size());
+  EXPECT_TRUE(std::equal(c->payload().begin(), c->payload().end(), kv.begin(), kv.end()));
+  auto back = Chunk::Parse(std::vector<uint8_t>(c->bytes().begin(), c->bytes().end()));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  const ChunkInfo& info = (*back)->info();
+  EXPECT_TRUE(info.pruned());
+  EXPECT_EQ(info.tokens, 3u);
+  EXPECT_EQ(info.logical(), 10u);
+  EXPECT_EQ(info.kept, (std::vector<uint32_t>{0, 4, 9}));
+  EXPECT_TRUE(std::equal((*back)->payload().begin(), (*back)->payload().end(), kv.begin()));
+  // The kept positions are under the payload checksum.
+  std::vector<uint8_t> damaged(c->bytes().begin(), c->bytes().end());
+  damaged[Chunk::kHeaderBytes + 4] ^= 1;
+  EXPECT_EQ(Chunk::Parse(std::move(damaged)).status().code(), StatusCode::kCorruption);
+  // The header alone says what it is; it cannot land in place or be encoded.
+  auto header = Chunk::ParseHeader(c->bytes().first(Chunk::kHeaderBytes));
+  ASSERT_TRUE(header.ok());
+  EXPECT_EQ(header->info.logical(), 10u);
+  EXPECT_EQ(header->payload_bytes, 3 * 4 + kv.size());
+  EXPECT_EQ(Chunk::SealedHeader(PrunedInfo(), 0).status().code(), StatusCode::kInvalidArgument);
+  ChunkInfo encoded = PrunedInfo();
+  encoded.codec = KvCodec::kKvc;
+  EXPECT_FALSE(Chunk::FromEncoded(encoded, std::vector<uint8_t>(200)).ok());
+}
+
+TEST(Chunk, MakeRefusesKeptPositionsThatDoNotFit) {
+  const std::vector<uint8_t> kv(PrunedInfo().payload_bytes());
+  for (std::vector<uint32_t> kept :
+       {std::vector<uint32_t>{0, 4}, {0, 9, 4}, {0, 4, 10}, {1, 1, 2}}) {
+    ChunkInfo info = PrunedInfo();
+    info.kept = kept;
+    EXPECT_EQ(Chunk::Make(info, kv).status().code(), StatusCode::kInvalidArgument);
+  }
+  ChunkInfo info = PrunedInfo();
+  info.logical_tokens = 2;  // fewer than the tokens it holds
+  EXPECT_EQ(Chunk::Make(info, kv).status().code(), StatusCode::kInvalidArgument);
+  info = GoldenInfo();
+  info.kept = {0};  // positions without a logical length
+  EXPECT_EQ(Chunk::Make(info, GoldenPayload()).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -95,6 +95,19 @@ TEST(CodecTest, LevelsParseAndName) {
   EXPECT_EQ(LayerBits(0, 0, 12), 0);
 }
 
+TEST(CodecTest, APrunedChunkStaysRaw) {
+  const auto raw = MakeKv(KvDType::kF32, 3, 256);
+  ChunkInfo info = raw->info();
+  info.logical_tokens = 1000;
+  for (uint32_t j = 0; j < info.tokens; ++j) info.kept.push_back(3 * j);
+  auto pruned =
+      Chunk::Make(info, std::vector<uint8_t>(raw->payload().begin(), raw->payload().end()));
+  ASSERT_TRUE(pruned.ok()) << pruned.status().ToString();
+  auto enc = EncodeChunk(*pruned, Level("q4"));
+  ASSERT_TRUE(enc.ok());
+  EXPECT_EQ(*enc, *pruned);  // the codec has no kept positions: stored as it is
+}
+
 TEST(CodecTest, LosslessIsExactForEveryDType) {
   for (KvDType dt : {KvDType::kF32, KvDType::kBF16, KvDType::kF16}) {
     const auto raw = MakeKv(dt, 3, 256);

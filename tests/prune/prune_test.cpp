@@ -9,6 +9,7 @@
 
 #include "../engine/test_util.h"
 #include "kdn/engine/cpu_ops.h"
+#include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/prune/expected_attention.h"
 
 namespace kdn::prune {
@@ -27,11 +28,12 @@ TEST(QueryStats, APrefillInPiecesSumsWhatOneCallSums) {
   std::vector<float> logits;
   ASSERT_TRUE(model->Prefill(a, tokens, {.query_stats = &one}, &logits).ok());
   // The first piece ends inside the sinks, so its rows are partly skipped.
-  ASSERT_TRUE(model->Prefill(b, std::span(tokens).first(3), {.query_stats = &pieces}, &logits).ok());
+  ASSERT_TRUE(
+      model->Prefill(b, std::span(tokens).first(3), {.query_stats = &pieces}, &logits).ok());
   ASSERT_TRUE(
       model->Prefill(b, std::span(tokens).subspan(3, 30), {.query_stats = &pieces}, &logits).ok());
-  ASSERT_TRUE(model->Prefill(b, std::span(tokens).subspan(33), {.query_stats = &pieces}, &logits)
-                  .ok());
+  ASSERT_TRUE(
+      model->Prefill(b, std::span(tokens).subspan(33), {.query_stats = &pieces}, &logits).ok());
   EXPECT_EQ(one.count, 46);
   EXPECT_EQ(pieces.count, 46);
   ASSERT_EQ(one.sum.size(), size_t(c.num_layers) * c.num_heads * c.head_dim);
@@ -99,8 +101,8 @@ TEST(ExpectedAttention, ScoresAreTheExpectedAttentionOfGaussianQueries) {
       chols.push_back(L);
     }
   }
-  auto scores = ExpectedAttentionScores(c, cache, seq, T, stats,
-                                        {.sinks = sinks, .future_positions = 1});
+  auto scores =
+      ExpectedAttentionScores(c, cache, seq, T, stats, {.sinks = sinks, .future_positions = 1});
   ASSERT_TRUE(scores.ok()) << scores.status().ToString();
 
   // Monte Carlo: draw q, rotate it as the engine does for position T, and
@@ -223,7 +225,8 @@ TEST(CompactKv, EachHeadsSlotsHoldItsKeptTokensAndTheNextPositionIsTheContexts) 
   auto model = MakeModel("tiny-mistral");
   const auto& c = model->config();
   engine::CpuKvCache& cache = model->kv_cache();
-  const auto context = RandomTokens(45, c.vocab_size, 8), question = RandomTokens(9, c.vocab_size, 9);
+  const auto context = RandomTokens(45, c.vocab_size, 8),
+             question = RandomTokens(9, c.vocab_size, 9);
   engine::KvSequence full = cache.NewSequence();
   std::vector<float> logits;
   ASSERT_TRUE(model->Prefill(full, context, {}, &logits).ok());
@@ -258,6 +261,53 @@ TEST(CompactKv, EachHeadsSlotsHoldItsKeptTokensAndTheNextPositionIsTheContexts) 
   EXPECT_EQ(a, b);
   // A sequence that holds KV is refused.
   EXPECT_EQ(CompactKv(cache, full, *kept, &same).code(), StatusCode::kInvalidArgument);
+}
+
+// A pruned chunk, through its bytes as another process reads them, gives
+// the question the logits the compacted KV in memory gives it.
+TEST(PrunedChunk, ReadBackItAnswersAsTheCompactedKvInMemory) {
+  auto model = MakeModel("tiny");
+  const auto& c = model->config();
+  engine::CpuKvCache& cache = model->kv_cache();
+  const auto context = RandomTokens(70, c.vocab_size, 10),
+             question = RandomTokens(8, c.vocab_size, 11);
+  engine::KvSequence whole = cache.NewSequence();
+  engine::QueryStats stats{.skip = 4};
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Prefill(whole, context, {.query_stats = &stats}, &logits).ok());
+  auto scores = ExpectedAttentionScores(c, cache, whole, 70, stats);
+  ASSERT_TRUE(scores.ok());
+  auto kept = SelectKept(*scores, 0.3, 4, Granularity::kToken);
+  ASSERT_TRUE(kept.ok());
+  engine::KvSequence pruned = cache.NewSequence();
+  ASSERT_TRUE(CompactKv(cache, whole, *kept, &pruned).ok());
+  const std::vector<uint32_t> offsets(kept->of(0, 0), kept->of(0, 0) + kept->kept);
+  auto chunk = kvbridge::PrunedChunkFromPagedKv(cache, pruned, 70, offsets, {1, 2}, {3, 4},
+                                                kvbus::KvDType::kF32);
+  ASSERT_TRUE(chunk.ok()) << chunk.status().ToString();
+  auto read =
+      kvbus::Chunk::Parse(std::vector<uint8_t>((*chunk)->bytes().begin(), (*chunk)->bytes().end()));
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ((*read)->info().logical(), 70u);
+  EXPECT_EQ((*read)->info().kept, offsets);
+  engine::KvSequence loaded = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(loaded, (*read)->info().tokens).ok());
+  ASSERT_TRUE(kvbridge::ChunkToPagedKv(**read, cache, loaded, 0).ok());
+  cache.SetLength(loaded, (*read)->info().tokens);
+  ASSERT_TRUE(loaded.SetNextPosition((*read)->info().logical()).ok());
+  std::vector<float> a, b;
+  ASSERT_TRUE(model->Prefill(pruned, question, {.all_logits = true}, &a).ok());
+  ASSERT_TRUE(model->Prefill(loaded, question, {.all_logits = true}, &b).ok());
+  EXPECT_EQ(a, b);
+  // Pruning did change the answer's distribution (the test would pass
+  // trivially otherwise): the whole KV gives other logits.
+  std::vector<float> full;
+  ASSERT_TRUE(model->Prefill(whole, question, {.all_logits = true}, &full).ok());
+  EXPECT_GT(RelError(full.data(), a.data(), a.size()), 1e-4);
+  // A sequence whose next position is not the logical length is refused.
+  EXPECT_FALSE(kvbridge::PrunedChunkFromPagedKv(cache, whole, 70, offsets, {1, 2}, {3, 4},
+                                                kvbus::KvDType::kF32)
+                   .ok());
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
@@ -37,6 +38,16 @@ engine::DType EngineDType(kvbus::KvDType t);
 Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
     const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint, kvbus::KvDType dtype);
+
+// The chunk of a pruned sequence (kdn/prune/prune.h's CompactKv of a text
+// computed from position 0, every layer and head keeping the same tokens):
+// its KV, standing for `logical` tokens of text, the token at offset kept[j]
+// in slot j (chunk format version 3). INVALID_ARGUMENT when `seq` is not
+// that: its length not kept.size(), its next position not `logical`.
+Result<std::shared_ptr<const kvbus::Chunk>> PrunedChunkFromPagedKv(
+    const engine::KvCache& cache, const engine::KvSequence& seq, uint32_t logical,
+    std::vector<uint32_t> kept, const kvbus::ChunkKey& key,
+    const kvbus::ChunkKey& model_fingerprint, kvbus::KvDType dtype);
 
 // Writes a chunk's KV into positions [first, first + tokens) of `seq`, which
 // must have reserved room for them (KvCache::Reserve); does not change

@@ -25,9 +25,13 @@
 namespace kdn::kvbus {
 
 // Raw chunks are written as version 1 (readable by every kdn since the
-// format began); encoded ones as version 2, which older readers refuse.
+// format began); encoded ones as version 2 and pruned ones (raw, with the
+// positions of the tokens they kept) as version 3, which older readers
+// refuse. A reader refuses every version it does not know (CORRUPTION: a
+// miss).
 inline constexpr uint32_t kChunkFormatVersion = 1;
 inline constexpr uint32_t kEncodedChunkFormatVersion = 2;
+inline constexpr uint32_t kPrunedChunkFormatVersion = 3;
 
 enum class KvDType : uint32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 int KvDTypeSize(KvDType t);
@@ -49,6 +53,19 @@ struct ChunkInfo {
   int64_t position = 0;
   KvCodec codec = KvCodec::kRaw;
   uint32_t codec_level = 0;  // the codec's own parameter (0 for kRaw)
+  // Pruned KV (kdn/prune/prune.h; docs/kvbus.md, "Pruned KV"): the chunk's
+  // `tokens` tokens of KV stand for `logical_tokens` tokens of text (0: not
+  // pruned); KV slot j holds, in every layer and KV head, the token at
+  // offset kept[j] of the text, its K rotated for position + kept[j].
+  // `kept` is ascending, below logical_tokens, one per token; a header read
+  // on its own (ParseHeader) leaves it empty. Pruned chunks are raw.
+  uint32_t logical_tokens = 0;
+  std::vector<uint32_t> kept;
+  bool pruned() const { return logical_tokens != 0; }
+  // The tokens of text the chunk stands for.
+  uint32_t logical() const { return pruned() ? logical_tokens : tokens; }
+  // The bytes of the kept positions, stored between the header and the KV.
+  uint64_t kept_bytes() const { return pruned() ? uint64_t{tokens} * 4 : 0; }
 
   // The raw KV's size, which the shape implies (an encoded chunk's stored
   // payload is smaller: Chunk::payload().size()).
@@ -61,7 +78,7 @@ struct ChunkInfo {
 // landed in place: docs/kvbus.md, "Landing in place").
 struct ChunkHeaderFields {
   ChunkInfo info;
-  uint64_t payload_bytes = 0;     // stored
+  uint64_t payload_bytes = 0;     // stored after the header (a pruned chunk's kept positions too)
   uint64_t payload_checksum = 0;  // XXH3-64 of them
 };
 
@@ -74,12 +91,14 @@ class Chunk {
   static constexpr size_t kHeaderBytes = 128;
 
   // Builds a chunk from `info` and a payload of exactly info.payload_bytes().
+  // A pruned info (logical_tokens set) needs its kept positions, which the
+  // chunk stores too; INVALID_ARGUMENT for kept positions that do not fit.
   static Result<std::shared_ptr<const Chunk>> Make(const ChunkInfo& info,
                                                    std::vector<uint8_t> payload);
   // Builds a chunk whose payload `fill` writes in place (exactly
   // info.payload_bytes() bytes at the pointer it gets): one pre-faulted
   // buffer from BufferPool::Default(), no copy. RESOURCE_EXHAUSTED when no
-  // memory can be had.
+  // memory can be had; pruned infos as Make.
   static Result<std::shared_ptr<const Chunk>> Build(const ChunkInfo& info,
                                                     const std::function<void(uint8_t*)>& fill);
   // An encoded chunk (info.codec not kRaw): `bytes` holds kHeaderBytes of
@@ -99,7 +118,7 @@ class Chunk {
   // `payload_checksum` (PayloadChecksum over it where it lies): what
   // announces a chunk a sender reads in place rather than from a Chunk
   // (kdn/kvbus/transport.h, SourcedChunk). INVALID_ARGUMENT for an encoded
-  // info.
+  // or pruned info.
   static Result<std::array<uint8_t, kHeaderBytes>> SealedHeader(const ChunkInfo& info,
                                                                 uint64_t payload_checksum);
   // Parses and verifies a header of kHeaderBytes alone (magic, its own
@@ -112,7 +131,10 @@ class Chunk {
   const ChunkKey& key() const { return info_.key; }
   // Header followed by payload: what is stored and sent.
   std::span<const uint8_t> bytes() const { return {data_.get(), size_}; }
-  std::span<const uint8_t> payload() const { return bytes().subspan(kHeaderBytes); }
+  // The KV (or its codec's stream), past a pruned chunk's kept positions.
+  std::span<const uint8_t> payload() const {
+    return bytes().subspan(kHeaderBytes + info_.kept_bytes());
+  }
   size_t size() const { return size_; }
   bool encoded() const { return info_.codec != KvCodec::kRaw; }
 
