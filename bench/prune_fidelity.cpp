@@ -126,16 +126,15 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   }
   for (const std::string& m : o.methods) {
     if (m != "expected_attention" && m != "knorm") {
-      std::fprintf(stderr,
-                   "kdn-bench prune-fidelity: --methods %s: expected_attention or knorm\n",
+      std::fprintf(stderr, "kdn-bench prune-fidelity: --methods %s: expected_attention or knorm\n",
                    m.c_str());
       return 2;
     }
   }
   std::string what;
   // The whole document, the question and answer, and a compacted copy.
-  const int64_t kv_tokens = std::max<int64_t>(8192, 3 * (2 * int64_t{o.doc_tokens} + 256 +
-                                                         2 * int64_t{o.answer_tokens}));
+  const int64_t kv_tokens =
+      std::max<int64_t>(8192, 3 * (2 * int64_t{o.doc_tokens} + 256 + 2 * int64_t{o.answer_tokens}));
   auto model_r = MakeModel(c, kv_tokens, &what);
   if (!model_r.ok()) return Fail(model_r.status());
   engine::Engine& model = **model_r;
@@ -174,8 +173,8 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   std::vector<std::vector<int32_t>> contexts;
   for (int d = 0; d < o.documents; ++d) {
     docs.push_back(static_cast<int>(static_cast<size_t>(d) * pool.size() / o.documents));
-    std::vector<int32_t> ctx = tok ? tok->Encode(chat ? "<|im_start|>user\n" : "", true)
-                                   : std::vector<int32_t>{};
+    std::vector<int32_t> ctx =
+        tok ? tok->Encode(chat ? "<|im_start|>user\n" : "", true) : std::vector<int32_t>{};
     const auto& body = pool[docs.back()].tokens;
     ctx.insert(ctx.end(), body.begin(), body.end());
     if (static_cast<int>(ctx.size()) <= o.sinks) {
@@ -187,8 +186,8 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   std::printf(
       "prune-fidelity on %s: %d documents of %d+ tokens (pool of %zu from %zu files under %s), "
       "%d questions each, %d answer tokens, %d sinks%s\n",
-      what.c_str(), o.documents, o.doc_tokens, pool.size(), nfiles, o.text_dir.c_str(),
-      o.questions, o.answer_tokens, o.sinks, chat ? ", chat format" : "");
+      what.c_str(), o.documents, o.doc_tokens, pool.size(), nfiles, o.text_dir.c_str(), o.questions,
+      o.answer_tokens, o.sinks, chat ? ", chat format" : "");
   std::fflush(stdout);
 
   // Rows: kdn's, then kvpress's.
@@ -252,10 +251,9 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     // Each method's scores once per document, then each granularity and keep.
     for (const std::string& m : o.methods) {
       auto t0 = Clock::now();
-      auto scores =
-          m == "expected_attention"
-              ? prune::ExpectedAttentionScores(cfg, cache, whole, L, stats, {.sinks = o.sinks})
-              : prune::KeyNormScores(cache, whole, L);
+      auto scores = m == "expected_attention" ? prune::ExpectedAttentionScores(
+                                                    cfg, cache, whole, L, stats, {.sinks = o.sinks})
+                                              : prune::KeyNormScores(cache, whole, L);
       if (!scores.ok()) return Fail(scores.status());
       const double score_s = Seconds(t0, Clock::now());
       if (d == 0 && m == "expected_attention") first_scores = *scores;
@@ -349,9 +347,13 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     const json peer = json::parse(pin);
     peer_name = peer.value("peer", "kvpress");
     for (const json& r : peer["rows"]) {
-      Row row{r["method"], r["keep"], r["kl"].get<std::vector<double>>(),
-              r["top1"].get<std::vector<double>>(), r["stored_tokens"].get<std::vector<double>>(),
-              0, 0};
+      Row row{r["method"],
+              r["keep"],
+              r["kl"].get<std::vector<double>>(),
+              r["top1"].get<std::vector<double>>(),
+              r["stored_tokens"].get<std::vector<double>>(),
+              0,
+              0};
       rows.push_back(std::move(row));
     }
     if (peer.contains("scores") && first_scores.tokens > 0) {
@@ -415,16 +417,17 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
                 r.keep, iv.mean, iv.lo, iv.hi, Mean(r.top1), stored / 1024,
                 timed ? std::to_string(ttft_ms).substr(0, 7).c_str() : "-",
                 timed && r.method != "full" ? std::to_string(prune_ms).substr(0, 7).c_str() : "-");
-    out_rows.push_back({{"method", r.method},
-                        {"keep", r.keep},
-                        {"kl", iv.mean},
-                        {"kl_lo", iv.lo},
-                        {"kl_hi", iv.hi},
-                        {"top1_agreement", Mean(r.top1)},
-                        {"stored_tokens", Mean(r.stored)},
-                        {"stored_bytes", stored},
-                        {"ttft_ms", timed ? json(ttft_ms) : json(nullptr)},
-                        {"prune_ms", timed && r.method != "full" ? json(prune_ms) : json(nullptr)}});
+    out_rows.push_back(
+        {{"method", r.method},
+         {"keep", r.keep},
+         {"kl", iv.mean},
+         {"kl_lo", iv.lo},
+         {"kl_hi", iv.hi},
+         {"top1_agreement", Mean(r.top1)},
+         {"stored_tokens", Mean(r.stored)},
+         {"stored_bytes", stored},
+         {"ttft_ms", timed ? json(ttft_ms) : json(nullptr)},
+         {"prune_ms", timed && r.method != "full" ? json(prune_ms) : json(nullptr)}});
     return iv;
   };
   emit(full_row, c.seed + 1);

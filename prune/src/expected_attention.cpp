@@ -76,9 +76,9 @@ Result<Scores> ExpectedAttentionScores(const model::ModelConfig& c, const engine
   Scores out{c.num_layers, G, tokens, std::vector<float>(size_t(c.num_layers) * G * tokens)};
   std::vector<float> layer_kv(2 * tokens * kvd);
   for (int l = 0; l < c.num_layers; ++l) {
-    KDN_RETURN_IF_ERROR(kv.Read(seq, l, 0, tokens, engine::DType::kF32,
-                                {reinterpret_cast<uint8_t*>(layer_kv.data()),
-                                 layer_kv.size() * sizeof(float)}));
+    KDN_RETURN_IF_ERROR(
+        kv.Read(seq, l, 0, tokens, engine::DType::kF32,
+                {reinterpret_cast<uint8_t*>(layer_kv.data()), layer_kv.size() * sizeof(float)}));
     const float* K = layer_kv.data();
     const float* V = K + tokens * kvd;
     // Per query head: its softmaxed expected attention over the non-sink tokens.
@@ -92,7 +92,8 @@ Result<Scores> ExpectedAttentionScores(const model::ModelConfig& c, const engine
       for (int i = 0; i < hd; ++i) mu0[i] = stats.sum[at + i] / rows;
       for (int i = 0; i < hd; ++i) {
         for (int j = 0; j < hd; ++j) {
-          S0[size_t(i) * hd + j] = stats.outer[at * hd + size_t(i) * hd + j] / rows - mu0[i] * mu0[j];
+          S0[size_t(i) * hd + j] =
+              stats.outer[at * hd + size_t(i) * hd + j] / rows - mu0[i] * mu0[j];
         }
       }
       Rotate(cs, sn, mu0.data(), 1, mu.data(), 1);

@@ -147,7 +147,8 @@ Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptT
       for (int g = 0; g < G; ++g) {
         const int32_t* idx = k.of(l, g);
         for (int64_t j = 0; j < k.kept; ++j) {
-          const int64_t from = int64_t{idx[j]} * kvd + int64_t{g} * hd, to = j * kvd + int64_t{g} * hd;
+          const int64_t from = int64_t{idx[j]} * kvd + int64_t{g} * hd,
+                        to = j * kvd + int64_t{g} * hd;
           std::copy_n(&in[from], hd, &out[to]);
           std::copy_n(&in[k.logical * kvd + from], hd, &out[k.kept * kvd + to]);
         }

@@ -22,20 +22,20 @@
 namespace kdn::prune {
 
 struct ExpectedAttentionOptions {
-  int sinks = 4;                // tokens left out of the statistics, always kept
-  int future_positions = 512;   // RoPE averaged over this many positions
-  bool use_covariance = true;   // the k^T S k term
-  bool use_value_norm = true;   // times |v|
-  double epsilon = 0.0;         // added to the attention before |v|
+  int sinks = 4;               // tokens left out of the statistics, always kept
+  int future_positions = 512;  // RoPE averaged over this many positions
+  bool use_covariance = true;  // the k^T S k term
+  bool use_value_norm = true;  // times |v|
+  double epsilon = 0.0;        // added to the attention before |v|
 };
 
 // Scores of the context held in slots [0, tokens) of `seq` (computed at
 // positions 0 .. tokens-1), from `stats`, the query sums of that context's
 // prefill with stats.skip == options.sinks. INVALID_ARGUMENT when they do
 // not fit (another skip, no rows, a context of no more tokens than sinks).
-Result<Scores> ExpectedAttentionScores(const model::ModelConfig& config,
-                                       const engine::KvCache& kv, const engine::KvSequence& seq,
-                                       int64_t tokens, const engine::QueryStats& stats,
+Result<Scores> ExpectedAttentionScores(const model::ModelConfig& config, const engine::KvCache& kv,
+                                       const engine::KvSequence& seq, int64_t tokens,
+                                       const engine::QueryStats& stats,
                                        const ExpectedAttentionOptions& options = {});
 
 }  // namespace kdn::prune
