@@ -96,49 +96,68 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
   const SelectionPolicy policy = options.policy ? options.policy : PolicyFor(spec.selection);
 
-  // The prompt, which of its positions come from a cache, and where each
-  // cached segment goes.
+  // The prompt's KV slots: each one's token, its position, whether its KV
+  // comes from a cache, and where each cached segment goes. A pruned
+  // segment fills a slot for each token it kept; slots and positions agree
+  // up to the first one.
   engine::KvCache& cache = model.kv_cache();
   std::vector<int32_t> tokens;
+  std::vector<int64_t> slot_at;
   std::vector<bool> cached;
   std::vector<Placer::Item> items;
   std::vector<DocumentSpan> documents;
+  int64_t logical = 0, dropped = 0;
   for (const Segment& s : segments) {
-    const auto at = static_cast<int64_t>(tokens.size());
+    const auto slot = static_cast<int64_t>(tokens.size());
     const auto len = static_cast<int64_t>(s.tokens.size());
-    if (s.kv != nullptr) {
-      const kvbus::ChunkInfo& info = s.kv->info();
-      if (info.tokens != static_cast<uint32_t>(len)) {
+    const kvbus::ChunkInfo* info = s.kv != nullptr ? &s.kv->info() : nullptr;
+    if (info != nullptr) {
+      if (info->logical() != static_cast<uint32_t>(len)) {
         return InvalidArgument("blend: a segment of " + std::to_string(len) +
-                               " tokens came with KV of " + std::to_string(info.tokens));
+                               " tokens came with KV of " + std::to_string(info->logical()));
       }
-      if (static_cast<int>(info.layers) != cache.num_layers() ||
-          static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
-          static_cast<int>(info.head_dim) != cache.head_dim()) {
-        return InvalidArgument("blend: segment KV " + info.key.ToHex() +
+      if (static_cast<int>(info->layers) != cache.num_layers() ||
+          static_cast<int>(info->kv_heads) != cache.num_kv_heads() ||
+          static_cast<int>(info->head_dim) != cache.head_dim()) {
+        return InvalidArgument("blend: segment KV " + info->key.ToHex() +
                                " does not fit the model's cache");
       }
       if (len > 0) {
-        items.push_back({s.kv.get(), at, len, at - info.position});
-        documents.push_back({at, len});
+        // Kept or not, each K turns by the same angle: to where the segment sits.
+        items.push_back({s.kv.get(), slot, info->tokens, logical - info->position});
+        documents.push_back({slot, info->tokens});
       }
     }
-    tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
-    cached.insert(cached.end(), s.tokens.size(), s.kv != nullptr);
+    if (info != nullptr && info->pruned()) {
+      for (uint32_t offset : info->kept) {
+        tokens.push_back(s.tokens[offset]);
+        slot_at.push_back(logical + offset);
+      }
+      dropped += len - info->tokens;
+    } else {
+      tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+      for (int64_t i = 0; i < len; ++i) slot_at.push_back(logical + i);
+    }
+    cached.insert(cached.end(), tokens.size() - static_cast<size_t>(slot), info != nullptr);
+    logical += len;
   }
   tokens.insert(tokens.end(), suffix.begin(), suffix.end());
+  for (size_t i = 0; i < suffix.size(); ++i) slot_at.push_back(logical + static_cast<int64_t>(i));
   cached.insert(cached.end(), suffix.size(), false);
+  logical += static_cast<int64_t>(suffix.size());
   const auto n = static_cast<int64_t>(tokens.size());
-  if (n > cfg.max_context) {
-    return InvalidArgument("blend: a prompt of " + std::to_string(n) +
+  if (logical > cfg.max_context) {
+    return InvalidArgument("blend: a prompt of " + std::to_string(logical) +
                            " tokens exceeds the model's context of " +
                            std::to_string(cfg.max_context));
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, n));
   cache.SetLength(seq, n);
+  if (dropped > 0) KDN_RETURN_IF_ERROR(seq.SetNextPosition(logical));
 
   BlendResult out;
   out.recompute_ratio = spec.recompute_ratio;
+  out.dropped_tokens = static_cast<int>(dropped);
   std::vector<int64_t> cached_rows, fresh_rows, all_rows(static_cast<size_t>(n));
   std::iota(all_rows.begin(), all_rows.end(), 0);
   for (int64_t p = 0; p < n; ++p) (cached[p] ? cached_rows : fresh_rows).push_back(p);
@@ -169,7 +188,10 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   // with a check, every token is recomputed below the first check layer.
   const int first_placed = checked ? checks.front().layer : 0;
   auto run = [&]() -> Status {
-    KDN_ASSIGN_OR_RETURN(auto pass, model.BeginRowPass(seq, tokens, rows));
+    KDN_ASSIGN_OR_RETURN(auto pass,
+                         model.BeginRowPass(seq, tokens, rows,
+                                            dropped > 0 ? std::span<const int64_t>(slot_at)
+                                                        : std::span<const int64_t>()));
     engine::RowPass& rp = *pass;
     // Declared after the pass, so stopped (joined) before it goes.
     Placer placer(model, seq, std::move(items), first_placed, options.overlap_load);

@@ -511,11 +511,12 @@ void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos,
 class CpuEngine::CpuRowPass final : public RowPass {
  public:
   CpuRowPass(CpuEngine& engine, KvSequence& seq, std::span<const int32_t> tokens,
-             std::span<const int64_t> positions)
+             std::span<const int64_t> positions, std::span<const int64_t> slot_positions)
       : engine_(engine),
         seq_(seq),
         positions_(positions.begin(), positions.end()),
         scratch_(std::make_unique<Scratch>()) {
+    for (int64_t p : positions) rope_.push_back(slot_positions.empty() ? p : slot_positions[p]);
     const int64_t d = engine_.config_.hidden_size;
     x_.resize(positions.size() * d);
     for (size_t i = 0; i < positions.size(); ++i) {
@@ -528,10 +529,10 @@ class CpuEngine::CpuRowPass final : public RowPass {
       return FailedPrecondition("row pass: every layer has run");
     }
     const auto rows = static_cast<int64_t>(positions_.size());
-    std::vector<int32_t> pos(positions_.begin(), positions_.end());
+    std::vector<int32_t> pos(positions_.begin(), positions_.end()),
+        rope(rope_.begin(), rope_.end());
     Segment seg{&seq_, nullptr, rows, 0, 0};
-    // A row pass never runs over pruned KV (CheckRowPass): slots are positions.
-    engine_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), {pos.data(), pos.data()}, rows,
+    engine_.RunLayer(next_layer_, std::span<Segment>(&seg, 1), {pos.data(), rope.data()}, rows,
                      x_.data(), *scratch_, deviation, nullptr);
     ++next_layer_;
     return Status::Ok();
@@ -540,13 +541,15 @@ class CpuEngine::CpuRowPass final : public RowPass {
   Status Keep(std::span<const int64_t> rows) override {
     KDN_RETURN_IF_ERROR(CheckKeep(rows, positions_.size()));
     const int64_t d = engine_.config_.hidden_size;
-    std::vector<int64_t> pos;
+    std::vector<int64_t> pos, rope;
     std::vector<float> x;
     for (int64_t r : rows) {
       pos.push_back(positions_[r]);
+      rope.push_back(rope_[r]);
       x.insert(x.end(), x_.begin() + r * d, x_.begin() + (r + 1) * d);
     }
     positions_ = std::move(pos);
+    rope_ = std::move(rope);
     x_ = std::move(x);
     return Status::Ok();
   }
@@ -569,22 +572,24 @@ class CpuEngine::CpuRowPass final : public RowPass {
  private:
   CpuEngine& engine_;
   KvSequence& seq_;
-  std::vector<int64_t> positions_;
-  std::vector<float> x_;  // [row][hidden]
+  std::vector<int64_t> positions_;  // the rows' slots
+  std::vector<int64_t> rope_;       // and their positions
+  std::vector<float> x_;            // [row][hidden]
   std::unique_ptr<Scratch> scratch_;
   int next_layer_ = 0;
 };
 
 Result<std::unique_ptr<RowPass>> CpuEngine::BeginRowPass(KvSequence& seq,
                                                          std::span<const int32_t> tokens,
-                                                         std::span<const int64_t> positions) {
-  KDN_RETURN_IF_ERROR(CheckRowPass(config_, seq, tokens, positions));
+                                                         std::span<const int64_t> positions,
+                                                         std::span<const int64_t> slot_positions) {
+  KDN_RETURN_IF_ERROR(CheckRowPass(config_, seq, tokens, positions, slot_positions));
   if (static_cast<int64_t>(positions.size()) > max_prefill_tokens()) {
     return InvalidArgument("row pass: " + std::to_string(positions.size()) + " rows; at most " +
                            std::to_string(max_prefill_tokens()) +
                            " (EngineOptions::max_prefill_tokens)");
   }
-  return std::unique_ptr<RowPass>(new CpuRowPass(*this, seq, tokens, positions));
+  return std::unique_ptr<RowPass>(new CpuRowPass(*this, seq, tokens, positions, slot_positions));
 }
 
 Status CpuEngine::RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,

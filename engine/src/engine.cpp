@@ -6,15 +6,27 @@
 namespace kdn::engine {
 
 Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
-                    std::span<const int32_t> tokens, std::span<const int64_t> positions) {
+                    std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                    std::span<const int64_t> slot_positions) {
   if (static_cast<int64_t>(tokens.size()) != seq.length()) {
     return InvalidArgument("row pass: " + std::to_string(tokens.size()) +
                            " tokens for a sequence of " + std::to_string(seq.length()));
   }
   if (positions.empty()) return InvalidArgument("row pass: no positions");
-  if (seq.position_shift() != 0) {
+  if (!slot_positions.empty()) {
+    if (slot_positions.size() != tokens.size()) {
+      return InvalidArgument("row pass: " + std::to_string(slot_positions.size()) +
+                             " slot positions for " + std::to_string(tokens.size()) + " slots");
+    }
+    for (size_t i = 0; i < slot_positions.size(); ++i) {
+      if (slot_positions[i] < 0 || slot_positions[i] >= config.max_context ||
+          (i > 0 && slot_positions[i] <= slot_positions[i - 1])) {
+        return InvalidArgument("row pass: slot positions must ascend inside the context");
+      }
+    }
+  } else if (seq.position_shift() != 0) {
     // Its slots are not its positions: a row's position is not known here.
-    return Unimplemented("row pass: over a sequence of pruned KV");
+    return InvalidArgument("row pass: a sequence of pruned KV needs its slots' positions");
   }
   for (size_t i = 0; i < positions.size(); ++i) {
     if (positions[i] < 0 || positions[i] >= seq.length() ||

@@ -76,6 +76,70 @@ TEST(Blend, RatioOneIsAFullPrefill) {
 // Boundary selection recomputes each document's first K tokens at every
 // layer and nothing else: K covering every document is a full prefill; a
 // smaller K recomputes K per document and lands between full reuse and it.
+// A segment's chunk pruned to the tokens at `kept` (as kdn/prune stores a
+// document): the same KV, those tokens only.
+std::shared_ptr<const kvbus::Chunk> Pruned(const kvbus::Chunk& whole, std::vector<uint32_t> kept) {
+  kvbus::ChunkInfo info = whole.info();
+  const size_t row = size_t{info.kv_heads} * info.head_dim * sizeof(float);
+  const size_t plane = row * info.tokens;
+  info.tokens = static_cast<uint32_t>(kept.size());
+  info.logical_tokens = whole.info().tokens;
+  info.kept = kept;
+  std::vector<uint8_t> payload;
+  for (uint32_t l = 0; l < info.layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const uint8_t* from = whole.payload().data() + (2 * l + kv) * plane;
+      for (uint32_t t : kept) payload.insert(payload.end(), from + t * row, from + (t + 1) * row);
+    }
+  }
+  auto c = kvbus::Chunk::Make(info, std::move(payload));
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? *c : nullptr;
+}
+
+// Over a pruned segment every token keeps its position: recomputing all
+// of them is a prefill of the tokens kept, each at its own position (built
+// here token by token with SetNextPosition), and reusing them is not.
+TEST(Blend, APrunedSegmentsTokensKeepTheirPositions) {
+  auto model = MakeModel("tiny");
+  Prompt p = MakePrompt(*model, 2, 40, 3);
+  std::vector<uint32_t> kept;
+  for (uint32_t t = 0; t < 40; ++t) {
+    if (t < 4 || t % 3 == 0) kept.push_back(t);
+  }
+  p.segments[1].kv = Pruned(*p.segments[1].kv, kept);
+  ASSERT_NE(p.segments[1].kv, nullptr);
+  engine::CpuKvCache& cache = model->kv_cache();
+  engine::KvSequence want_seq = cache.NewSequence();
+  std::vector<float> want;
+  ASSERT_TRUE(model->Prefill(want_seq, p.segments[0].tokens, {}, &want).ok());
+  for (uint32_t t : kept) {
+    ASSERT_TRUE(want_seq.SetNextPosition(1 + t).ok());
+    ASSERT_TRUE(model->Prefill(want_seq, std::span(&p.segments[1].tokens[t], 1), {}, &want).ok());
+  }
+  ASSERT_TRUE(want_seq.SetNextPosition(41).ok());
+  ASSERT_TRUE(model->Prefill(want_seq, p.segments[2].tokens, {}, &want).ok());
+  ASSERT_TRUE(model->Prefill(want_seq, p.suffix, {}, &want).ok());
+
+  const size_t n = kept.size();
+  for (double ratio : {1.0, 0.0}) {
+    engine::KvSequence seq = cache.NewSequence();
+    auto r = BlendPrefill(*model, seq, p.segments, p.suffix,
+                          {.spec = {.recompute_ratio = ratio, .check_layer = 0}});
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->cached_tokens, static_cast<int>(n + 40));
+    EXPECT_EQ(r->dropped_tokens, static_cast<int>(40 - n));
+    EXPECT_EQ(seq.length(), static_cast<int64_t>(1 + n + 40 + p.suffix.size()));
+    EXPECT_EQ(seq.next_position(), static_cast<int64_t>(81 + p.suffix.size()));
+    const double err = RelError(r->logits.data(), want.data(), want.size());
+    if (ratio == 1.0) {
+      EXPECT_LT(err, 1e-5);
+    } else {
+      EXPECT_GT(err, 1e-3);
+    }
+  }
+}
+
 TEST(Blend, BoundarySelectionRecomputesEachDocumentsFirstTokens) {
   auto model = MakeModel("tiny");
   const Prompt p = MakePrompt(*model, 3, 40, 5);

@@ -91,7 +91,7 @@ INSTANTIATE_TEST_SUITE_P(Presets, PositionShiftTest,
                            return s;
                          });
 
-TEST(PositionShift, ARowPassOverPrunedKvIsRefused) {
+TEST(PositionShift, ARowPassOverPrunedKvNeedsItsSlotsPositions) {
   auto model = MakeModel("tiny");
   KvSequence seq = model->kv_cache().NewSequence();
   std::vector<float> logits;
@@ -99,7 +99,48 @@ TEST(PositionShift, ARowPassOverPrunedKvIsRefused) {
   ASSERT_TRUE(model->Prefill(seq, tokens, {}, &logits).ok());
   ASSERT_TRUE(seq.SetNextPosition(30).ok());
   const int64_t rows[] = {3, 4};
-  EXPECT_EQ(model->BeginRowPass(seq, tokens, rows).status().code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(model->BeginRowPass(seq, tokens, rows).status().code(), StatusCode::kInvalidArgument);
+  std::vector<int64_t> at(20);
+  for (int i = 0; i < 20; ++i) at[i] = 2 * i;
+  EXPECT_TRUE(model->BeginRowPass(seq, tokens, rows, at).ok());
+  at[5] = at[4];  // not ascending
+  EXPECT_EQ(model->BeginRowPass(seq, tokens, rows, at).status().code(),
+            StatusCode::kInvalidArgument);
+  at.pop_back();  // one short
+  EXPECT_EQ(model->BeginRowPass(seq, tokens, rows, at).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Every slot recomputed at its given position is a prefill at those
+// positions: the row pass writes the KV, and gives the logits, that the
+// prefill of a shifted sequence does.
+TEST(PositionShift, ARowPassRotatesEachRowForItsSlotsPosition) {
+  auto model = MakeModel("tiny-qwen2");
+  CpuKvCache& cache = model->kv_cache();
+  const int V = model->config().vocab_size;
+  const auto tokens = RandomTokens(30, V, 6);
+  const int64_t shift = 21;
+  KvSequence shifted = cache.NewSequence();
+  ASSERT_TRUE(shifted.SetNextPosition(shift).ok());
+  std::vector<float> want;
+  ASSERT_TRUE(model->Prefill(shifted, tokens, {}, &want).ok());
+  KvSequence seq = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(seq, 30).ok());
+  cache.SetLength(seq, 30);
+  ASSERT_TRUE(seq.SetNextPosition(30 + shift).ok());
+  std::vector<int64_t> rows(30), at(30);
+  for (int i = 0; i < 30; ++i) rows[i] = i, at[i] = shift + i;
+  auto pass = model->BeginRowPass(seq, tokens, rows, at);
+  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+  for (int l = 0; l < model->config().num_layers; ++l) ASSERT_TRUE((*pass)->RunLayer().ok());
+  std::vector<float> got;
+  ASSERT_TRUE((*pass)->Logits(&got).ok());
+  EXPECT_LT(RelError(got.data(), want.data(), want.size()), 1e-4);
+  const int64_t stride = cache.token_stride();
+  for (int64_t t = 0; t < 30; ++t) {
+    EXPECT_LT(RelError(cache.KeyAt(seq, 1, t), cache.KeyAt(shifted, 1, t), stride), 1e-4)
+        << "token " << t;
+  }
 }
 
 TEST(PositionShift, TheContextLimitCountsPositionsNotKv) {

@@ -35,8 +35,11 @@ std::vector<Run> Runs(const std::vector<int64_t>& positions) {
 
 class CudaRowPass final : public RowPass {
  public:
-  CudaRowPass(CudaEngine::Impl& m, KvSequence& seq, std::vector<int64_t> positions)
-      : m_(m), seq_(seq), positions_(std::move(positions)) {}
+  CudaRowPass(CudaEngine::Impl& m, KvSequence& seq, std::vector<int64_t> positions,
+              std::span<const int64_t> slot_positions)
+      : m_(m), seq_(seq), positions_(std::move(positions)) {
+    for (int64_t p : positions_) rope_.push_back(slot_positions.empty() ? p : slot_positions[p]);
+  }
   // Its buffers go on the engine's device, whatever thread ends the pass.
   ~CudaRowPass() override { (void)UseDevice(m_.options.device); }
 
@@ -108,8 +111,13 @@ class CudaRowPass final : public RowPass {
       }
       i = j;
     }
-    for (int64_t r : rows) kept.push_back(positions_[r]);
+    std::vector<int64_t> rope;
+    for (int64_t r : rows) {
+      kept.push_back(positions_[r]);
+      rope.push_back(rope_[r]);
+    }
     positions_ = std::move(kept);
+    rope_ = std::move(rope);
     KDN_RETURN_IF_ERROR(UploadRows());
     KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m_.stream));
     return Status::Ok();
@@ -135,7 +143,7 @@ class CudaRowPass final : public RowPass {
     slot_host_.resize(positions_.size());
     for (size_t i = 0; i < positions_.size(); ++i) {
       const int64_t p = positions_[i];
-      pos_host_[i] = static_cast<int32_t>(p);
+      pos_host_[i] = static_cast<int32_t>(rope_[i]);  // RoPE's; p is the slot
       slot_host_[i] = int64_t{blocks[p / kKvBlockTokens]} * kKvBlockTokens + p % kKvBlockTokens;
     }
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m_.positions.get(), pos_host_.data(),
@@ -300,6 +308,7 @@ class CudaRowPass final : public RowPass {
   DeviceArray<int32_t> rel_pos_;
   DeviceArray<float> lse_, shared_lse_;
   DeviceArray<bf16> shared_out_;
+  std::vector<int64_t> rope_;  // the rows' positions (positions_ are their slots)
   std::vector<int32_t> pos_host_;
   std::vector<int64_t> slot_host_;
   DeviceArray<bf16> old_, new_;
@@ -309,16 +318,17 @@ class CudaRowPass final : public RowPass {
 
 Result<std::unique_ptr<RowPass>> CudaEngine::BeginRowPass(KvSequence& seq,
                                                           std::span<const int32_t> tokens,
-                                                          std::span<const int64_t> positions) {
+                                                          std::span<const int64_t> positions,
+                                                          std::span<const int64_t> slot_positions) {
   Impl& m = *impl_;
-  KDN_RETURN_IF_ERROR(CheckRowPass(m.config, seq, tokens, positions));
+  KDN_RETURN_IF_ERROR(CheckRowPass(m.config, seq, tokens, positions, slot_positions));
   if (static_cast<int64_t>(positions.size()) > m.max_rows) {
     return InvalidArgument("row pass: " + std::to_string(positions.size()) + " rows; at most " +
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
   }
   KDN_RETURN_IF_ERROR(UseDevice(m.options.device));
   auto pass = std::make_unique<CudaRowPass>(
-      m, seq, std::vector<int64_t>(positions.begin(), positions.end()));
+      m, seq, std::vector<int64_t>(positions.begin(), positions.end()), slot_positions);
   KDN_RETURN_IF_ERROR(pass->Start(tokens));
   return std::unique_ptr<RowPass>(std::move(pass));
 }

@@ -42,11 +42,14 @@ namespace kdn::blend {
 struct Segment {
   std::vector<int32_t> tokens;
   // Its KV computed alone (all layers, from position chunk->info().position),
-  // or null: computed in full like the suffix.
+  // or null: computed in full like the suffix. A pruned chunk (kdn/prune)
+  // holds the KV of some of the tokens only; the rest have none in the
+  // fused prompt, which keeps every token's position.
   std::shared_ptr<const kvbus::Chunk> kv;
 };
 
-// A cached document's place in the prompt.
+// A cached document's place in the prompt, in KV slots (a pruned segment
+// has fewer slots than tokens; positions and slots agree otherwise).
 struct DocumentSpan {
   int64_t first = 0;
   int64_t count = 0;
@@ -126,6 +129,8 @@ struct BlendOptions {
 struct BlendResult {
   std::vector<float> logits;  // of the prompt's last token
   int cached_tokens = 0;      // tokens whose KV came from a segment's cache
+  // Tokens of cached segments with no KV at all: pruned away when stored.
+  int dropped_tokens = 0;
   // Of those, recomputed past the last check layer (with boundary
   // selection, the boundary tokens, recomputed at every layer).
   int recomputed_tokens = 0;

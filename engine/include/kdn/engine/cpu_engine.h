@@ -70,8 +70,9 @@ class CpuEngine final : public Engine {
                     std::vector<float>* logits) override;
   Status DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                       std::span<Sampler* const> samplers, std::vector<int32_t>* next) override;
-  Result<std::unique_ptr<RowPass>> BeginRowPass(KvSequence& seq, std::span<const int32_t> tokens,
-                                                std::span<const int64_t> positions) override;
+  Result<std::unique_ptr<RowPass>> BeginRowPass(
+      KvSequence& seq, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+      std::span<const int64_t> slot_positions = {}) override;
   Status RotateCachedKeys(KvSequence& seq, int64_t first, int64_t count, int64_t delta,
                           int layer = -1) override;
 

@@ -133,11 +133,15 @@ class Engine {
   // for the layers that follow. Recomputing every position at every layer
   // is a full prefill. The pass borrows the engine and the sequence; one
   // pass at a time, on the engine's thread.
-  // `tokens` has one token per position of `seq` (seq.length() of them);
-  // `positions` (ascending, distinct, each < seq.length()) are the rows.
-  virtual Result<std::unique_ptr<RowPass>> BeginRowPass(KvSequence& seq,
-                                                        std::span<const int32_t> tokens,
-                                                        std::span<const int64_t> positions) = 0;
+  // `tokens` has one token per slot of `seq` (seq.length() of them);
+  // `positions` (ascending, distinct, each < seq.length()) are the rows, as
+  // slots. `slot_positions`, when given (one per slot, ascending), is the
+  // position each slot's token sits at, which RoPE rotates its row for: a
+  // sequence holding pruned KV (KvSequence::next_position) needs it, and
+  // rows still attend by slot.
+  virtual Result<std::unique_ptr<RowPass>> BeginRowPass(
+      KvSequence& seq, std::span<const int32_t> tokens, std::span<const int64_t> positions,
+      std::span<const int64_t> slot_positions = {}) = 0;
 
   // Rotates the cached K of positions [first, first + count) of `seq`, at
   // `layer` (-1: every layer), as if RoPE had been applied at position +
@@ -167,7 +171,8 @@ class RowPass {
 
 // Checks a row pass's arguments against `seq` (shared by the backends).
 Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
-                    std::span<const int32_t> tokens, std::span<const int64_t> positions);
+                    std::span<const int32_t> tokens, std::span<const int64_t> positions,
+                    std::span<const int64_t> slot_positions);
 // Checks RowPass::Keep's rows against a pass of `current` rows.
 Status CheckKeep(std::span<const int64_t> rows, size_t current);
 // Checks RotateCachedKeys' arguments against `seq` (and that the model's
