@@ -500,7 +500,10 @@ int main(int argc, char** argv) {
   prune_fidelity->add_option("--kvpress-script", pf.kvpress_script, "bench/kvpress_peer.py")
       ->capture_default_str()
       ->check(CLI::ExistingFile);
-  prune_fidelity->add_option("--kvpress-presses", pf.kvpress_presses, "kvpress presses to run")
+  prune_fidelity
+      ->add_option("--kvpress-presses", pf.kvpress_presses,
+                   "kvpress presses to run (none: only the transformers replays, which need no "
+                   "kvpress)")
       ->delimiter(',')
       ->capture_default_str();
   prune_fidelity
@@ -640,6 +643,7 @@ int main(int argc, char** argv) {
     return RunBlendFidelity(c, bf);
   }
   if (prune_fidelity->parsed()) {
+    if (pf.kvpress_presses == std::vector<std::string>{"none"}) pf.kvpress_presses.clear();
     if (!pf.kvpress_python.empty() && !kdn::model::IsGgufPath(c.model_dir)) {
       std::fprintf(stderr, "kdn-bench prune-fidelity: --kvpress-python needs --model FILE.gguf\n");
       return 2;

@@ -4,7 +4,9 @@ same model (SmolLM2's GGUF, dequantized to f32 for transformers), the same
 documents and the same question-and-answer tokens as kdn's rows.
 
 kdn-bench writes the input (--in) and reads the output (--out); it is not
-meant to be run by hand, but can be:
+meant to be run by hand, but can be (the replays alone need no kvpress:
+any transformers from 4.44 on; tests/parity/test_prune_parity.py runs them
+with the test references'):
 
   .venv-kvpress/bin/python bench/kvpress_peer.py --in samples.json --out peer.json
 
@@ -27,6 +29,8 @@ is the document's own last tokens: no question), kvzip.
 """
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import sys
 import time
@@ -37,14 +41,12 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaForCausalLM
 
-import kvpress
-from kvpress import (ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress, SnapKVPress,
-                     StreamingLLMPress)
-
 REPO = Path(__file__).resolve().parent.parent
 
 
 def make_press(name, keep, sinks):
+    from kvpress import (ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress,
+                         SnapKVPress, StreamingLLMPress)
     ratio = 1.0 - keep
     if name == "expected_attention":
         return ExpectedAttentionPress(compression_ratio=ratio, n_sink=sinks)
@@ -61,7 +63,7 @@ def make_press(name, keep, sinks):
     raise SystemExit("kvpress_peer: unknown press %r" % name)
 
 
-def load_model(gguf_path, work):
+def load_model(gguf_path, work, job_needs_tokenizer):
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     sys.path.insert(0, str(REPO / "tests" / "parity"))
@@ -72,16 +74,22 @@ def load_model(gguf_path, work):
     folder = Path(work) / "smollm2-hf"
     if not (folder / "model.safetensors").exists():
         hf_folder(gguf.GGUFReader(str(gguf_path)), folder)
-    if not (folder / "tokenizer.json").exists():
+    if job_needs_tokenizer and not (folder / "tokenizer.json").exists():
         # KVzip tokenizes its own "repeat the context" prompt; SmolLM2's
         # vocabulary is GPT-2's byte-level BPE.
         write_tokenizer("gpt-2", gguf_path, folder)
         cfg = json.loads((folder / "tokenizer_config.json").read_text())
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # not the llama config's default
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                             attn_implementation="sdpa").eval()
-    return model
+    # transformers 5 names the argument dtype, 4.x torch_dtype; sdpa where
+    # torch has it.
+    dtype = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    try:
+        return LlamaForCausalLM.from_pretrained(folder, **{dtype: torch.float32},
+                                                attn_implementation="sdpa").eval()
+    except ImportError:
+        return LlamaForCausalLM.from_pretrained(folder, **{dtype: torch.float32},
+                                                attn_implementation="eager").eval()
 
 
 def qa_logits(model, cache, doc_len, qa):
@@ -97,17 +105,37 @@ def compare(full, pruned):
     return float(kl.mean()), float(top1.mean())
 
 
-class ScoreRecorder(ExpectedAttentionPress):
-    """ExpectedAttentionPress that keeps the scores it computes, by layer."""
+def score_recorder(sinks):
+    """An ExpectedAttentionPress that keeps the scores it computes, by layer."""
+    from kvpress import ExpectedAttentionPress
 
-    def __init__(self, sinks):
-        super().__init__(compression_ratio=0.5, n_sink=sinks)
-        self.scores = {}
+    class ScoreRecorder(ExpectedAttentionPress):
+        def __init__(self):
+            super().__init__(compression_ratio=0.5, n_sink=sinks)
+            self.scores = {}
 
-    def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        s = super().score(module, hidden_states, keys, values, attentions, kwargs)
-        self.scores[module.layer_idx] = s[0].float().numpy().copy()
-        return s
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            s = super().score(module, hidden_states, keys, values, attentions, kwargs)
+            self.scores[module.layer_idx] = s[0].float().numpy().copy()
+            return s
+
+    return ScoreRecorder()
+
+
+def gather_kept(cache, kept):
+    """Prunes each layer's cached KV to kept[layer][kv_head] (lists of
+    token indices): transformers 5's cache layers, or 4.x's key and value
+    lists (the test references' transformers 4.44)."""
+    def gather(t, l):
+        idx = torch.tensor(kept[l]).unsqueeze(0).unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])
+        return t.gather(2, idx).contiguous()
+    if hasattr(cache, "layers"):
+        for l, layer in enumerate(cache.layers):
+            layer.keys, layer.values = gather(layer.keys, l), gather(layer.values, l)
+    else:
+        for l in range(len(cache.key_cache)):
+            cache.key_cache[l] = gather(cache.key_cache[l], l)
+            cache.value_cache[l] = gather(cache.value_cache[l], l)
 
 
 def main():
@@ -120,12 +148,20 @@ def main():
     torch.set_num_threads(job.get("threads") or torch.get_num_threads())
     work = Path(job["work"])
     work.mkdir(parents=True, exist_ok=True)
-    model = load_model(job["gguf"], work)
+    # KVzip tokenizes a prompt of its own.
+    model = load_model(job["gguf"], work, "kvzip" in job["presses"])
     samples, sinks = job["samples"], job["sinks"]
-    out = {"peer": "kvpress %s, transformers %s, torch %s, f32, sdpa, %d threads" % (
-        kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
-        transformers.__version__, torch.__version__, torch.get_num_threads()),
-        "rows": [], "replays": []}
+    peer = "transformers %s, torch %s, f32, %s, %d threads" % (
+        transformers.__version__, torch.__version__, model.config._attn_implementation,
+        torch.get_num_threads())
+    # Without kvpress (the test references' venv) only the replays run.
+    have_kvpress = importlib.util.find_spec("kvpress") is not None
+    if have_kvpress:
+        peer = "kvpress %s, %s" % (importlib.metadata.version("kvpress"), peer)
+    elif job["presses"]:
+        raise SystemExit("kvpress_peer: presses asked for, and this Python has no kvpress "
+                         "(scripts/kvpress-env.sh)")
+    out = {"peer": peer, "rows": [], "replays": []}
 
     with torch.no_grad():
         full = []
@@ -135,9 +171,9 @@ def main():
             full.append(qa_logits(model, cache, len(s["doc"]), s["qa"]))
         print("kvpress_peer: full KV for %d samples" % len(samples), file=sys.stderr, flush=True)
 
-        if job.get("scores_sample", -1) >= 0:
+        if have_kvpress and job.get("scores_sample", -1) >= 0:
             s = samples[job["scores_sample"]]
-            rec = ScoreRecorder(sinks)
+            rec = score_recorder(sinks)
             with rec(model):
                 model(input_ids=torch.tensor([s["doc"]]), past_key_values=DynamicCache())
             scores = np.stack([rec.scores[l] for l in sorted(rec.scores)]).astype(np.float32)
@@ -149,11 +185,7 @@ def main():
             s = samples[r["sample"]]
             cache = DynamicCache()
             model(input_ids=torch.tensor([s["doc"]]), past_key_values=cache)
-            for l, layer in enumerate(cache.layers):
-                idx = torch.tensor(r["kept"][l]).unsqueeze(0).unsqueeze(-1)
-                idx = idx.expand(-1, -1, -1, layer.keys.shape[-1])
-                layer.keys = layer.keys.gather(2, idx).contiguous()
-                layer.values = layer.values.gather(2, idx).contiguous()
+            gather_kept(cache, r["kept"])
             logits = qa_logits(model, cache, len(s["doc"]), s["qa"]).float().numpy()
             path = work / ("kvpress_replay_%d.f32" % len(out["replays"]))
             logits.tofile(path)

@@ -438,7 +438,9 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   }
   // The aim at the keep nearest 0.25: kdn's best row against each press.
   json aim = nullptr;
-  if (!peer_name.empty()) {
+  const bool pressed = std::any_of(rows.begin(), rows.end(),
+                                   [](const Row& r) { return r.method.rfind("kvpress:", 0) == 0; });
+  if (pressed) {
     std::string best;
     for (const auto& [m, iv] : at_quarter) {
       if (m.rfind("kdn:", 0) == 0 && (best.empty() || iv.mean < at_quarter[best].mean)) best = m;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -62,6 +63,56 @@ TEST(CudaRowPass, EveryPositionAtEveryLayerIsAFullPrefill) {
     KDN_ASSERT_OK(ReadKv(*g, ref, l, 0, 70, &b));
     EXPECT_TRUE(AllClose(a, b, {1.0 / 64, 1e-2})) << "layer " << l;
   }
+}
+
+// Past pruned KV (KvSequence::SetNextPosition) a token is rotated for its
+// position, not its slot: prefill, decode and a row pass at given positions
+// all follow the rule the CPU engine tests (position_shift_test.cpp).
+TEST(CudaPositionShift, PrefillDecodeAndRowPassRotateEachTokenForItsPosition) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto g = Tiny();
+  ASSERT_TRUE(g);
+  const auto tokens = Tokens(40, 21);
+  const int64_t shift = 45;
+  KvSequence plain = g->kv_cache().NewSequence(), shifted = g->kv_cache().NewSequence();
+  KDN_ASSERT_OK(shifted.SetNextPosition(shift));
+  std::vector<float> a, b;
+  KDN_ASSERT_OK(g->Prefill(plain, tokens, {}, &a));
+  KDN_ASSERT_OK(g->Prefill(shifted, tokens, {}, &b));
+  EXPECT_TRUE(AllClose(b, a, {2e-2, 2e-2}));  // RoPE is relative
+  KDN_ASSERT_OK(g->RotateCachedKeys(plain, 0, 40, shift));
+  std::vector<float> ka, kb;
+  KDN_ASSERT_OK(ReadKv(*g, plain, 0, 0, 40, &ka));
+  KDN_ASSERT_OK(ReadKv(*g, shifted, 0, 0, 40, &kb));
+  EXPECT_TRUE(AllClose(kb, ka, {1.0 / 64, 1e-2}));
+  KDN_ASSERT_OK(g->RotateCachedKeys(plain, 0, 40, -shift));
+  KvSequence* p = &plain;
+  KvSequence* s = &shifted;
+  const int32_t next = tokens[3];
+  KDN_ASSERT_OK(g->DecodeStep(std::span(&p, 1), std::span(&next, 1), &a));
+  KDN_ASSERT_OK(g->DecodeStep(std::span(&s, 1), std::span(&next, 1), &b));
+  EXPECT_TRUE(AllClose(b, a, {2e-2, 2e-2}));
+  EXPECT_EQ(shifted.next_position(), 41 + shift);
+  // Every slot recomputed at its position is the shifted prefill.
+  KvSequence rows_seq = g->kv_cache().NewSequence();
+  KDN_ASSERT_OK(g->kv_cache().Reserve(rows_seq, 40));
+  g->kv_cache().SetLength(rows_seq, 40);
+  KDN_ASSERT_OK(rows_seq.SetNextPosition(40 + shift));
+  std::vector<int64_t> all(40), at(40);
+  for (int i = 0; i < 40; ++i) all[i] = i, at[i] = shift + i;
+  auto pass = g->BeginRowPass(rows_seq, tokens, all, at);
+  ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+  for (int l = 0; l < g->config().num_layers; ++l) KDN_ASSERT_OK((*pass)->RunLayer());
+  std::vector<float> got, want;
+  KDN_ASSERT_OK((*pass)->Logits(&got));
+  KvSequence ref = g->kv_cache().NewSequence();
+  KDN_ASSERT_OK(ref.SetNextPosition(shift));
+  KDN_ASSERT_OK(g->Prefill(ref, tokens, {}, &want));
+  EXPECT_TRUE(AllClose(got, want, {2e-2, 2e-2}));
+  // Query statistics (KV pruning's scores) are the CPU engine's alone.
+  QueryStats stats{.skip = 4};
+  KvSequence q = g->kv_cache().NewSequence();
+  EXPECT_EQ(g->Prefill(q, tokens, {.query_stats = &stats}, &a).code(), StatusCode::kUnimplemented);
 }
 
 // Over a cache that holds the prompt's own KV, recomputing any rows changes

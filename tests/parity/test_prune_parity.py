@@ -1,0 +1,51 @@
+"""kdn's pruned KV against transformers over the same tokens' KV.
+
+kdn-bench prune-fidelity prunes a document of real prose (a Debian licence
+text) on SmolLM2 with Expected Attention, per KV head, at keep 0.25, and
+runs a question and its answer over the pruned KV: each kept key stays
+rotated for the position it was computed at, the question sits past the
+whole document (the engine's next position, not its KV length), attention
+runs over the KV held. bench/kvpress_peer.py, here on the test references'
+transformers (no kvpress), computes the document's KV, keeps exactly the
+tokens kdn kept in each layer and head, and runs the same tokens with
+transformers' own rule (position_ids past the document, the causal mask
+over the cache it holds). Both must give the same next-token distributions;
+and pruning must have changed them (else the comparison proves nothing).
+The question and answer are long enough (24 answer tokens) that kdn runs
+them through its f32 matrix products, as transformers does: a pass of up
+to 32 rows takes the quantized dot products of decode (weights in Q4_1
+against 8-bit activations), which agree with transformers' f32 less
+closely.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gguf_micro import smollm2_path
+
+BIN = Path(os.environ.get("KDN_BIN_DIR", "build/bin"))
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_pruned_kv_answers_as_transformers_over_the_same_kept_tokens(tmp_path):
+    out = tmp_path / "prune.json"
+    cmd = [BIN / "kdn-bench", "prune-fidelity", "--model", smollm2_path(), "--documents", "1",
+           "--questions", "1", "--doc-tokens", "192", "--answer-tokens", "24", "--keep", "0.25",
+           "--methods", "expected_attention", "--granularity", "head", "--threads", "1",
+           "--kvpress-python", sys.executable, "--kvpress-script",
+           REPO / "bench" / "kvpress_peer.py", "--kvpress-presses", "none",
+           "--work-dir", tmp_path / "work", "--json", out]
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = json.loads(out.read_text())
+    replay = r["checks"]["transformers_replay"]
+    assert replay["keep"] == 0.25
+    assert replay["kl_whole_kv"] < 1e-6, replay
+    assert replay["kl_pruned_kv"] < 1e-6, replay
+    assert replay["top1_pruned_kv"] == 1.0, replay
+    row = next(x for x in r["rows"] if x["method"] == "kdn:expected_attention/head")
+    assert row["stored_tokens"] < 0.26 * next(x for x in r["rows"]
+                                              if x["method"] == "full")["stored_tokens"]
+    assert row["kl"] > 1e-4, row
