@@ -91,20 +91,12 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
   engine::Engine& model = **model_r;
   const model::ModelConfig& cfg = model.config();
   std::unique_ptr<text::Tokenizer> tok;
-  if (!c.model_dir.empty()) {
-    auto tok_r = text::Tokenizer::Load(c.model_dir);
-    if (!tok_r.ok()) {
-      std::fprintf(stderr, "kdn-bench: %s\n", tok_r.status().ToString().c_str());
-      return 1;
-    }
-    tok = std::move(tok_r).value();
+  auto encode_r = ProseEncoder(c.model_dir, cfg.vocab_size, &tok);
+  if (!encode_r.ok()) {
+    std::fprintf(stderr, "kdn-bench: %s\n", encode_r.status().ToString().c_str());
+    return 1;
   }
-  auto encode = [&](const std::string& s) {
-    if (tok) return tok->Encode(s, false);
-    std::vector<int32_t> t;
-    for (unsigned char ch : s) t.push_back(static_cast<int32_t>(ch) % cfg.vocab_size);
-    return t;
-  };
+  const Encoder encode = *std::move(encode_r);
 
   // The pool of documents.
   size_t nfiles = 0;

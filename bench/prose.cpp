@@ -37,6 +37,20 @@ std::vector<std::string> Paragraphs(const std::string& body) {
 
 }  // namespace
 
+Result<Encoder> ProseEncoder(const std::string& model_dir, int vocab,
+                             std::unique_ptr<text::Tokenizer>* tok) {
+  if (!model_dir.empty()) {
+    KDN_ASSIGN_OR_RETURN(*tok, text::Tokenizer::Load(model_dir));
+  }
+  const text::Tokenizer* t = tok->get();
+  return Encoder([t, vocab](const std::string& s) {
+    if (t != nullptr) return t->Encode(s, false);
+    std::vector<int32_t> ids;
+    for (unsigned char ch : s) ids.push_back(static_cast<int32_t>(ch) % vocab);
+    return ids;
+  });
+}
+
 Result<std::vector<ProseDocument>> ProseDocuments(
     const std::string& dir, int min_tokens,
     const std::function<std::vector<int32_t>(const std::string&)>& encode, size_t* nfiles) {

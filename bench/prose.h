@@ -7,11 +7,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
+#include "kdn/text/tokenizer.h"
 
 namespace kdn::bench {
 
@@ -20,6 +22,12 @@ struct ProseDocument {
   std::vector<int32_t> tokens;
   int source = 0;  // which file
 };
+
+// Text to tokens: `model_dir`'s tokenizer into *tok (with no model folder, a
+// preset, the text's bytes modulo `vocab` are the tokens and *tok stays null).
+using Encoder = std::function<std::vector<int32_t>(const std::string&)>;
+Result<Encoder> ProseEncoder(const std::string& model_dir, int vocab,
+                             std::unique_ptr<text::Tokenizer>* tok);
 
 // The documents of `dir`'s files (sorted by name): runs of whole paragraphs
 // of one file of at least `min_tokens` tokens, at most twice that (a run

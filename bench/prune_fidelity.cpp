@@ -141,17 +141,9 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   const model::ModelConfig& cfg = model.config();
   const size_t vocab = static_cast<size_t>(cfg.vocab_size);
   std::unique_ptr<text::Tokenizer> tok;
-  if (!c.model_dir.empty()) {
-    auto tok_r = text::Tokenizer::Load(c.model_dir);
-    if (!tok_r.ok()) return Fail(tok_r.status());
-    tok = std::move(tok_r).value();
-  }
-  auto encode = [&](const std::string& s) {
-    if (tok) return tok->Encode(s, false);
-    std::vector<int32_t> t;
-    for (unsigned char ch : s) t.push_back(static_cast<int32_t>(ch) % cfg.vocab_size);
-    return t;
-  };
+  auto encode_r = ProseEncoder(c.model_dir, cfg.vocab_size, &tok);
+  if (!encode_r.ok()) return Fail(encode_r.status());
+  const Encoder encode = *std::move(encode_r);
   size_t nfiles = 0;
   auto pool_r = ProseDocuments(o.text_dir, o.doc_tokens, encode, &nfiles);
   if (!pool_r.ok()) return Fail(pool_r.status());

@@ -83,13 +83,7 @@ TEST_P(PositionShiftTest, TokensAreRotatedForTheirPositionsAndAttendByRelativePo
 
 INSTANTIATE_TEST_SUITE_P(Presets, PositionShiftTest,
                          ::testing::Values("tiny", "tiny-qwen2", "tiny-mistral"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& ch : s) {
-                             if (ch == '-') ch = '_';
-                           }
-                           return s;
-                         });
+                         testing::PresetTestName());
 
 TEST(PositionShift, ARowPassOverPrunedKvNeedsItsSlotsPositions) {
   auto model = MakeModel("tiny");

@@ -113,13 +113,7 @@ TEST_P(RowPassTest, CachedKeyRotatedToANewPositionEqualsTheKeyComputedThere) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, RowPassTest,
                          ::testing::Values("tiny", "tiny-qwen2", "tiny-mistral"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& ch : s) {
-                             if (ch == '-') ch = '_';
-                           }
-                           return s;
-                         });
+                         testing::PresetTestName());
 
 TEST(RowPass, RefusesBadPositionsAndRunsNoLayerTwice) {
   auto model = MakeModel("tiny");

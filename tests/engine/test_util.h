@@ -35,6 +35,18 @@ inline std::vector<int32_t> RandomTokens(int n, int vocab, uint32_t seed) {
   return t;
 }
 
+// A test name for a preset parameter ("tiny-qwen2" -> "tiny_qwen2").
+struct PresetTestName {
+  template <typename Param>
+  std::string operator()(const ::testing::TestParamInfo<Param>& info) const {
+    std::string s = info.param;
+    for (char& ch : s) {
+      if (ch == '-') ch = '_';
+    }
+    return s;
+  }
+};
+
 // max |a - b| / max |b|: the error relative to the scale of the reference.
 inline double RelError(const float* a, const float* b, size_t n) {
   double num = 0.0, den = 0.0;
