@@ -36,7 +36,7 @@ cd "$(dirname "$0")/.."
 # blend) compute on the calling thread or in OpenMP loops.
 ASAN_TESTS=(kdn_common_tests kdn_model_tests kdn_text_tests kdn_engine_tests kdn_kvbus_tests
             kdn_kvbridge_tests kdn_decode_worker_tests kdn_blend_tests kdn_serving_tests
-            kdn_router_tests kdn_redis_tests kdn_client_tests)
+            kdn_router_tests kdn_redis_tests kdn_client_tests kdn_prune_tests)
 TSAN_TESTS=(kdn_common_tests kdn_kvbus_tests kdn_redis_tests kdn_serving_tests kdn_router_tests
             kdn_decode_worker_tests)
 SUPP="$PWD/scripts/sanitize"
