@@ -206,10 +206,11 @@ struct PruneFidelityOptions {
   int doc_tokens = 384;  // a document: whole paragraphs, at least this many tokens
   int answer_tokens = 24;
   std::vector<double> keeps = {0.5, 0.25, 0.125};
-  std::vector<std::string> methods = {"expected_attention", "knorm"};
-  std::vector<std::string> granularities = {"token", "layer", "head"};
+  std::vector<std::string> methods = {"expected_attention", "knorm", "kvzip"};
+  std::vector<std::string> granularities = {"token", "layer", "head", "global"};
   int sinks = 4;
-  int bootstrap = 2000;  // resamples for the KL intervals
+  int kvzip_chunk = 2048;  // context tokens per KVzip repeat pass
+  int bootstrap = 2000;    // resamples for the KL intervals
   // Set: run this Python (scripts/kvpress-env.sh's) on kvpress_script.
   std::string kvpress_python;
   std::string kvpress_script = "bench/kvpress_peer.py";

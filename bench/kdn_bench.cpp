@@ -478,17 +478,24 @@ int main(int argc, char** argv) {
   prune_fidelity->add_option("--keep", pf.keeps, "Keep ratios, each in (0, 1]")
       ->delimiter(',')
       ->capture_default_str();
-  prune_fidelity->add_option("--methods", pf.methods, "kdn's scores: expected_attention, knorm")
+  prune_fidelity
+      ->add_option("--methods", pf.methods, "kdn's scores: expected_attention, knorm, kvzip")
       ->delimiter(',')
       ->capture_default_str();
   prune_fidelity
       ->add_option("--granularity", pf.granularities,
-                   "What kdn keeps alike: token (every layer and head), layer, head")
+                   "What kdn keeps alike: token (every layer and head), layer, head; or global "
+                   "(each layer and head as many as its scores earn)")
       ->delimiter(',')
       ->capture_default_str();
   prune_fidelity->add_option("--sinks", pf.sinks, "First tokens always kept")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  prune_fidelity
+      ->add_option("--kvzip-chunk", pf.kvzip_chunk,
+                   "Context tokens KVzip repeats per pass (longer contexts: in parts)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   prune_fidelity->add_option("--bootstrap", pf.bootstrap, "Resamples of the KL intervals")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);

@@ -12,8 +12,10 @@ with the test references'):
 
 Input: {"gguf", "work" (a folder for the transformers model), "threads",
 "keeps", "sinks", "presses", "samples": [{"doc": ids, "qa": ids}],
-"scores_sample" (a sample whose ExpectedAttentionPress scores are written,
--1 for none), "replays": [{"sample", "kept": [layer][kv_head][kept]}]}.
+"scores_sample" and "kvzip_scores_sample" (a sample whose
+ExpectedAttentionPress, KVzipPress scores are written, -1 for none; without
+kvpress, KVzip's are computed from transformers' attention weights),
+"kvzip_chunk", "kvzip_prompts" ({"first", "next", "suffix"}: token ids), "replays": [{"sample", "kept": [layer][kv_head][kept]}]}.
 
 For each sample, the document is prefilled under a press (which prunes the
 KV as each layer finishes, as kvpress does), then the question and answer
@@ -122,6 +124,48 @@ def score_recorder(sinks):
     return ScoreRecorder()
 
 
+def kvzip_recorder(sinks, chunk):
+    """A KVzipPress that keeps its scores (before it raises the sinks' to
+    the top) and prunes nothing."""
+    from kvpress import KVzipPress
+
+    class KvzipRecorder(KVzipPress):
+        def compress_post(self, model):
+            self.saved = self.score_val.clone()
+
+    return KvzipRecorder(compression_ratio=0.5, n_sink=sinks, chunk_size=chunk)
+
+
+def kvzip_reference(model, doc, prompts, chunk, sinks, overlap=8):
+    """KVzip's scores from transformers' own attention weights, without
+    kvpress: for each part of the document, the repeat pass (prompt, the
+    previous part's last `overlap` tokens after the first, the request's
+    end, the part) runs over the document's KV with output_attentions;
+    each row's weights, restricted to the sinks, the part and the pass's
+    own keys and normalized again (the softmax over those keys alone), are
+    maxed over rows and each KV head's query heads."""
+    cfg = model.config
+    n, kv_heads = len(doc), cfg.num_key_value_heads
+    group = cfg.num_attention_heads // kv_heads
+    scores = np.zeros((cfg.num_hidden_layers, kv_heads, n))
+    for first in range(0, n, chunk):
+        last = min(n, first + chunk)
+        ids = list(prompts["first"]) if first == 0 else (
+            list(prompts["next"]) + list(doc[max(0, first - overlap):first]))
+        ids += list(prompts["suffix"]) + list(doc[first:last])
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([doc]), past_key_values=cache)
+        out = model(input_ids=torch.tensor([ids]), past_key_values=cache, output_attentions=True)
+        sink = min(sinks, first)
+        cols = list(range(sink)) + list(range(first, last)) + list(range(n, n + len(ids)))
+        for layer, a in enumerate(out.attentions):  # [1][heads][rows][n + rows]
+            w = a[0][:, :, cols].double()
+            w = w / w.sum(-1, keepdim=True)
+            part = w[:, :, sink:sink + last - first].reshape(kv_heads, group * len(ids), -1)
+            scores[layer, :, first:last] = part.amax(dim=1).numpy()
+    return scores
+
+
 def gather_kept(cache, kept):
     """Prunes each layer's cached KV to kept[layer][kv_head] (lists of
     token indices): transformers 5's cache layers, or 4.x's key and value
@@ -179,7 +223,25 @@ def main():
             scores = np.stack([rec.scores[l] for l in sorted(rec.scores)]).astype(np.float32)
             path = work / "kvpress_ea_scores.f32"
             scores.tofile(path)
-            out["scores"] = {"file": str(path), "shape": list(scores.shape)}
+            out["expected_attention_scores"] = {"file": str(path), "shape": list(scores.shape),
+                                                "by": "ExpectedAttentionPress"}
+
+        if job.get("kvzip_scores_sample", -1) >= 0:
+            s = samples[job["kvzip_scores_sample"]]
+            if have_kvpress:
+                rec = kvzip_recorder(sinks, job["kvzip_chunk"])
+                with rec(model):
+                    model(input_ids=torch.tensor([s["doc"]]), past_key_values=DynamicCache())
+                scores = rec.saved[:, 0].float().numpy()  # [layer][kv_head][token]
+            else:
+                scores = kvzip_reference(model, s["doc"], job["kvzip_prompts"],
+                                         job["kvzip_chunk"], sinks)
+            scores = scores.astype(np.float32)
+            path = work / "kvpress_kvzip_scores.f32"
+            scores.tofile(path)
+            out["kvzip_scores"] = {"file": str(path), "shape": list(scores.shape),
+                                   "by": "KVzipPress" if have_kvpress
+                                   else "transformers' attention weights"}
 
         for r in job.get("replays", []):
             s = samples[r["sample"]]

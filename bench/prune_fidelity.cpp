@@ -33,6 +33,7 @@
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
 #include "kdn/prune/expected_attention.h"
+#include "kdn/prune/kvzip.h"
 #include "kdn/prune/prune.h"
 #include "kdn/text/tokenizer.h"
 #include "prose.h"
@@ -125,8 +126,9 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     grans.push_back(*p);
   }
   for (const std::string& m : o.methods) {
-    if (m != "expected_attention" && m != "knorm") {
-      std::fprintf(stderr, "kdn-bench prune-fidelity: --methods %s: expected_attention or knorm\n",
+    if (m != "expected_attention" && m != "knorm" && m != "kvzip") {
+      std::fprintf(stderr,
+                   "kdn-bench prune-fidelity: --methods %s: expected_attention, knorm or kvzip\n",
                    m.c_str());
       return 2;
     }
@@ -154,6 +156,12 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     return 1;
   }
   const bool chat = tok && encode("<|im_start|>").size() == 1;
+  // KVzip's repeat prompts, as kvpress words them; the request ends with
+  // "\n", as kvpress ends it for a tokenizer without a chat template (the
+  // peer's).
+  const prune::KvzipPrompts kvzip_prompts{
+      encode("\n\nRepeat the previous context exactly."),
+      encode("\n\nRepeat the part of the previous context exactly, starting with"), encode("\n")};
   const std::vector<std::string> cues = {
       "What does the text above say about \"%s\"?",
       "Summarize the text above in one sentence.",
@@ -197,7 +205,7 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   std::vector<Sample> samples;
   // For the peer's checks: kdn's scores of the first document, and what it
   // kept of it (Expected Attention per head, at the keep nearest 0.25).
-  prune::Scores first_scores;
+  prune::Scores first_scores, first_kvzip_scores;
   prune::KeptTokens first_kept;
   std::vector<float> first_pruned_logits;
   double check_keep = o.keeps[0];
@@ -213,7 +221,7 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     const auto L = static_cast<int64_t>(ctx.size());
     engine::KvSequence whole = cache.NewSequence();
     engine::QueryStats stats{.skip = o.sinks};
-    Status st = model.Prefill(whole, ctx, {.query_stats = &stats}, &logits);
+    Status st = model.Prefill(whole, ctx, {.on_queries = stats.Hook(cfg)}, &logits);
     if (!st.ok()) return Fail(st);
     full_row.stored.push_back(static_cast<double>(L));
     // This document's questions: the whole KV's answers and logits.
@@ -243,12 +251,16 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     // Each method's scores once per document, then each granularity and keep.
     for (const std::string& m : o.methods) {
       auto t0 = Clock::now();
-      auto scores = m == "expected_attention" ? prune::ExpectedAttentionScores(
-                                                    cfg, cache, whole, L, stats, {.sinks = o.sinks})
-                                              : prune::KeyNormScores(cache, whole, L);
+      auto scores =
+          m == "expected_attention"
+              ? prune::ExpectedAttentionScores(cfg, cache, whole, L, stats, {.sinks = o.sinks})
+          : m == "kvzip" ? prune::KvzipScores(model, whole, ctx, kvzip_prompts,
+                                              {.sinks = o.sinks, .chunk_tokens = o.kvzip_chunk})
+                         : prune::KeyNormScores(cache, whole, L);
       if (!scores.ok()) return Fail(scores.status());
       const double score_s = Seconds(t0, Clock::now());
       if (d == 0 && m == "expected_attention") first_scores = *scores;
+      if (d == 0 && m == "kvzip") first_kvzip_scores = *scores;
       for (prune::Granularity g : grans) {
         for (double k : o.keeps) {
           Row& row = rows[row_of[{m, static_cast<int>(g), k}]];
@@ -258,7 +270,7 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
           engine::KvSequence pruned = cache.NewSequence();
           if (!(st = prune::CompactKv(cache, whole, *kept, &pruned)).ok()) return Fail(st);
           row.prune_s += score_s + Seconds(t0, Clock::now());
-          row.stored.push_back(static_cast<double>(kept->kept));
+          row.stored.push_back(kept->stored_tokens());
           const bool check = d == 0 && m == "expected_attention" &&
                              g == prune::Granularity::kHead && k == check_keep;
           if (check) first_kept = *kept;
@@ -296,7 +308,13 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
                 {"keeps", o.keeps},
                 {"sinks", o.sinks},
                 {"presses", o.kvpress_presses},
-                {"scores_sample", first_scores.tokens > 0 ? 0 : -1}};
+                {"scores_sample", first_scores.tokens > 0 ? 0 : -1},
+                {"kvzip_scores_sample", first_kvzip_scores.tokens > 0 ? 0 : -1},
+                {"kvzip_chunk", o.kvzip_chunk},
+                {"kvzip_prompts",
+                 {{"first", kvzip_prompts.first},
+                  {"next", kvzip_prompts.next},
+                  {"suffix", kvzip_prompts.suffix}}}};
     json js = json::array();
     for (const Sample& s : samples) js.push_back({{"doc", contexts[s.doc]}, {"qa", s.qa}});
     job["samples"] = std::move(js);
@@ -348,29 +366,39 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
               0};
       rows.push_back(std::move(row));
     }
-    if (peer.contains("scores") && first_scores.tokens > 0) {
-      const std::vector<float> theirs = ReadFloats(peer["scores"]["file"]);
-      std::ofstream(o.work_dir + "/kdn_ea_scores.f32", std::ios::binary)
-          .write(reinterpret_cast<const char*>(first_scores.v.data()),
-                 static_cast<std::streamsize>(first_scores.v.size() * sizeof(float)));
+    // kdn's scores of document 0 against the press's.
+    auto check_scores = [&](const char* key, const char* name, const prune::Scores& ours) {
+      if (!peer.contains(key) || ours.tokens == 0) return true;
+      const std::vector<float> theirs = ReadFloats(peer[key]["file"]);
+      std::ofstream(o.work_dir + "/kdn_" + key + ".f32", std::ios::binary)
+          .write(reinterpret_cast<const char*>(ours.v.data()),
+                 static_cast<std::streamsize>(ours.v.size() * sizeof(float)));
       double max_abs = 0, scale = 0;
-      if (theirs.size() != first_scores.v.size()) {
+      if (theirs.size() != ours.v.size()) {
         std::fprintf(stderr, "kdn-bench prune-fidelity: kvpress scored %zu values, kdn %zu\n",
-                     theirs.size(), first_scores.v.size());
-        return 1;
+                     theirs.size(), ours.v.size());
+        return false;
       }
       for (size_t i = 0; i < theirs.size(); ++i) {
-        max_abs = std::max(max_abs, std::fabs(double{theirs[i]} - first_scores.v[i]));
+        max_abs = std::max(max_abs, std::fabs(double{theirs[i]} - ours.v[i]));
         scale = std::max(scale, std::fabs(double{theirs[i]}));
       }
-      checks["expected_attention_scores"] = {{"values", theirs.size()},
-                                             {"max_abs_diff", max_abs},
-                                             {"max_abs_score", scale},
-                                             {"within_1e-4", max_abs <= 1e-4}};
+      const std::string by = peer[key].value("by", "kvpress");
+      checks[std::string(key)] = {{"against", by},
+                                  {"values", theirs.size()},
+                                  {"max_abs_diff", max_abs},
+                                  {"max_abs_score", scale},
+                                  {"within_1e-4", max_abs <= 1e-4}};
       std::printf(
-          "Expected Attention scores of document 0 (%zu values, largest %.4g): max |kdn - "
-          "kvpress| = %.3g (%s 1e-4)\n",
-          theirs.size(), scale, max_abs, max_abs <= 1e-4 ? "within" : "NOT within");
+          "%s scores of document 0 (%zu values, largest %.4g): max |kdn - %s| = %.3g (%s "
+          "1e-4)\n",
+          name, theirs.size(), scale, by.c_str(), max_abs,
+          max_abs <= 1e-4 ? "within" : "NOT within");
+      return true;
+    };
+    if (!check_scores("expected_attention_scores", "Expected Attention", first_scores) ||
+        !check_scores("kvzip_scores", "KVzip", first_kvzip_scores)) {
+      return 1;
     }
     if (peer["replays"].size() == 2) {
       const std::vector<float> hf_full = ReadFloats(peer["replays"][0]["file"]);

@@ -237,7 +237,7 @@ Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
   }
   Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
   return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer,
-                 options.query_stats, logits);
+                 options.on_queries, logits);
 }
 
 Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
@@ -248,7 +248,7 @@ Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const 
   for (size_t b = 0; b < seqs.size(); ++b) {
     segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
   }
-  return Forward(segs, /*all_logits=*/false, LayerHook(), nullptr, logits);
+  return Forward(segs, /*all_logits=*/false, LayerHook(), QueryHook(), logits);
 }
 
 Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
@@ -265,7 +265,7 @@ Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<cons
 }
 
 Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
-                          QueryStats* stats, std::vector<float>* logits) {
+                          const QueryHook& on_queries, std::vector<float>* logits) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
 
@@ -319,7 +319,7 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
   }
 
   for (int l = 0; l < c.num_layers; ++l) {
-    RunLayer(l, segs, {pos.data(), rope_pos.data()}, rows, x.data(), scratch, nullptr, stats);
+    RunLayer(l, segs, {pos.data(), rope_pos.data()}, rows, x.data(), scratch, nullptr, &on_queries);
     if (hook) {
       // The hook sees this layer's KV for the new tokens: publish the lengths.
       for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
@@ -355,7 +355,8 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
 }
 
 void CpuEngine::RunLayer(int l, std::span<Segment> segs, RowPositions rp, int64_t rows, float* x,
-                         Scratch& scratch, std::vector<float>* deviation, QueryStats* stats) {
+                         Scratch& scratch, std::vector<float>* deviation,
+                         const QueryHook* on_queries) {
   const int32_t* pos = rp.slot;
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size, qd = c.q_dim(), kvd = c.kv_dim(), ff = c.intermediate_size;
@@ -371,7 +372,7 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, RowPositions rp, int64_
   AddBias(q.data(), rows, qd, L.bq);
   AddBias(k.data(), rows, kvd, L.bk);
   AddBias(v.data(), rows, kvd, L.bv);
-  if (stats != nullptr) stats->Add(c, l, q.data(), rows, rp.rope);
+  if (on_queries != nullptr && *on_queries) (*on_queries)(l, q.data(), rows, rp.rope);
   ApplyRope(q.data(), rows, c.num_heads, c.head_dim, rp.rope, inv_freq_.data(), rope_);
   ApplyRope(k.data(), rows, c.num_kv_heads, c.head_dim, rp.rope, inv_freq_.data(), rope_);
   if (deviation != nullptr) deviation->assign(rows, 0.0f);
@@ -451,8 +452,9 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
       }
       scores.resize(group * (ctx - lo));
       const int64_t at = row * qd + static_cast<int64_t>(g) * group * hd;
+      const KvSequence::Hole hole = s->seq->HoleOf(layer, g);
       AttendPagedGroup(q + at, group, kb.data(), vb.data(), kvs, lo, ctx, hd, scale, scores.data(),
-                       out + at);
+                       out + at, hole.begin, hole.end);
     }
   }
 }
@@ -474,6 +476,7 @@ void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos,
   std::vector<float> kc((ctx - base) * hd), vc((ctx - base) * hd);
   std::vector<float> sc(std::min(kQueryTile, n) * (ctx - base));
   for (int g = 0; g < c.num_kv_heads; ++g) {
+    const KvSequence::Hole hole = seq.HoleOf(layer, g);
     // Gather this KV head's keys and values from the pages.
 #pragma omp parallel for schedule(static)
     for (int64_t p = base; p < ctx; ++p) {
@@ -497,6 +500,11 @@ void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos,
           float* row = &sc[r * keys];
           const int64_t visible = static_cast<int64_t>(pos[i0 + r]) + 1 - k0;
           const int64_t lo = FirstVisibleKey(pos[i0 + r], window) - k0;
+          // Pruned KV's holes (KvSequence::SetHeadTokens): no weight.
+          for (int64_t p = std::max(hole.begin - k0, lo); p < std::min(hole.end - k0, visible);
+               ++p) {
+            row[p] = -INFINITY;
+          }
           Softmax(row + lo, visible - lo);
           std::fill(row, row + lo, 0.0f);
           std::fill(row + visible, row + keys, 0.0f);

@@ -194,7 +194,8 @@ void Softmax(float* x, int64_t n) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = FastExp(x[i] - mx);
+    // -inf (a masked key) weighs exactly nothing; FastExp alone clamps.
+    x[i] = x[i] == -INFINITY ? 0.0f : FastExp(x[i] - mx);
     sum += x[i];
   }
   const float inv = 1.0f / sum;
@@ -205,9 +206,12 @@ void Softmax(float* x, int64_t n) {
 KDN_CPU_CLONES
 void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx, int hd,
-                      float scale, float* scores, float* out) {
+                      float scale, float* scores, float* out, int64_t hole_begin,
+                      int64_t hole_end) {
   // AVX-512 where the CPU has it and the group fits its registers.
-  if (internal::AttendGroupFn fast = internal::FastAttendGroup(hd, heads)) {
+  internal::AttendGroupFn fast =
+      hole_begin < hole_end ? nullptr : internal::FastAttendGroup(hd, heads);
+  if (fast != nullptr) {
     return fast(q, k_blocks, v_blocks, stride, lo, ctx, scale, scores, out);
   }
   constexpr int64_t kBlock = 16;  // kKvBlockTokens
@@ -221,6 +225,9 @@ void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
 #pragma omp simd reduction(+ : s)
       for (int i = 0; i < hd; ++i) s += qh[i] * kp[i];
       sh[p - lo] = s * scale;
+    }
+    for (int64_t p = std::max(hole_begin, lo); p < std::min(hole_end, ctx); ++p) {
+      sh[p - lo] = -INFINITY;
     }
     Softmax(sh, n);
     float* oh = out + h * hd;

@@ -70,6 +70,12 @@ void QueryStats::Add(const model::ModelConfig& c, int layer, const float* q, int
   }
 }
 
+QueryHook QueryStats::Hook(const model::ModelConfig& config) {
+  return [this, config](int layer, const float* q, int64_t rows, const int32_t* positions) {
+    Add(config, layer, q, rows, positions);
+  };
+}
+
 Status CheckKeep(std::span<const int64_t> rows, size_t current) {
   if (rows.empty()) return InvalidArgument("row pass: keeps no row");
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -117,6 +123,13 @@ Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32
     }
   }
   return Status::Ok();
+}
+
+Status RefuseHoles(const KvSequence& seq, const char* what) {
+  if (!seq.has_holes()) return Status::Ok();
+  return Unimplemented(std::string(what) +
+                       ": pruned KV with holes (heads that kept different numbers of tokens) "
+                       "on this engine");
 }
 
 }  // namespace kdn::engine

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <string>
+#include <utility>
 
 namespace kdn::engine {
 
@@ -12,11 +13,13 @@ KvSequence::KvSequence(KvSequence&& o) noexcept
     : cache_(o.cache_),
       blocks_(std::move(o.blocks_)),
       length_(o.length_),
-      position_shift_(o.position_shift_) {
+      position_shift_(std::exchange(o.position_shift_, 0)),
+      hole_end_(std::exchange(o.hole_end_, 0)),
+      head_tokens_(std::move(o.head_tokens_)) {
   o.cache_ = nullptr;
   o.blocks_.clear();
   o.length_ = 0;
-  o.position_shift_ = 0;
+  o.head_tokens_.clear();
 }
 
 KvSequence& KvSequence::operator=(KvSequence&& o) noexcept {
@@ -25,11 +28,13 @@ KvSequence& KvSequence::operator=(KvSequence&& o) noexcept {
     cache_ = o.cache_;
     blocks_ = std::move(o.blocks_);
     length_ = o.length_;
-    position_shift_ = o.position_shift_;
+    position_shift_ = std::exchange(o.position_shift_, 0);
+    hole_end_ = std::exchange(o.hole_end_, 0);
+    head_tokens_ = std::move(o.head_tokens_);
     o.cache_ = nullptr;
     o.blocks_.clear();
     o.length_ = 0;
-    o.position_shift_ = 0;
+    o.head_tokens_.clear();
   }
   return *this;
 }
@@ -39,6 +44,8 @@ void KvSequence::Reset() {
   blocks_.clear();
   length_ = 0;
   position_shift_ = 0;
+  hole_end_ = 0;
+  head_tokens_.clear();
 }
 
 Status KvSequence::SetNextPosition(int64_t position) {
@@ -50,10 +57,43 @@ Status KvSequence::SetNextPosition(int64_t position) {
   return Status::Ok();
 }
 
+Status KvSequence::SetHeadTokens(int64_t slots, std::vector<int32_t> head_tokens) {
+  const size_t heads =
+      cache_ == nullptr ? 0 : size_t(cache_->num_layers()) * cache_->num_kv_heads();
+  bool fits = slots > 0 && slots <= length_ && head_tokens.size() == heads;
+  for (int32_t n : head_tokens) fits = fits && n >= 0 && n <= slots;
+  if (!fits) {
+    return InvalidArgument("sequence: " + std::to_string(head_tokens.size()) +
+                           " head token counts over " + std::to_string(slots) + " slots, for " +
+                           std::to_string(heads) + " layers' KV heads and " +
+                           std::to_string(length_) + " tokens of KV");
+  }
+  if (std::none_of(head_tokens.begin(), head_tokens.end(), [&](int32_t n) { return n < slots; })) {
+    hole_end_ = 0;  // every head kept every slot: no holes
+    head_tokens_.clear();
+    return Status::Ok();
+  }
+  hole_end_ = slots;
+  head_tokens_ = std::move(head_tokens);
+  return Status::Ok();
+}
+
+KvSequence::Hole KvSequence::HoleOf(int layer, int kv_head) const {
+  if (hole_end_ == 0) return {};
+  const int32_t n = head_tokens_[size_t(layer) * cache_->num_kv_heads() + kv_head];
+  return {std::min<int64_t>(n, hole_end_), hole_end_};
+}
+
 void KvSequence::Truncate(int64_t new_length) {
   assert(new_length >= 0 && new_length <= length_);
   length_ = new_length;
   if (new_length == 0) position_shift_ = 0;
+  hole_end_ = std::min(hole_end_, new_length);
+  if (std::none_of(head_tokens_.begin(), head_tokens_.end(),
+                   [&](int32_t n) { return n < hole_end_; })) {
+    hole_end_ = 0;  // no head has a hole left
+    head_tokens_.clear();
+  }
   const size_t keep = static_cast<size_t>((new_length + kKvBlockTokens - 1) / kKvBlockTokens);
   if (cache_ != nullptr) cache_->Release(blocks_, keep);
 }

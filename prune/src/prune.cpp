@@ -11,6 +11,7 @@ const char* GranularityName(Granularity g) {
     case Granularity::kToken: return "token";
     case Granularity::kLayer: return "layer";
     case Granularity::kHead: return "head";
+    case Granularity::kGlobal: return "global";
   }
   return "?";
 }
@@ -19,7 +20,15 @@ Result<Granularity> ParseGranularity(const std::string& name) {
   if (name == "token") return Granularity::kToken;
   if (name == "layer") return Granularity::kLayer;
   if (name == "head") return Granularity::kHead;
-  return InvalidArgument("prune granularity \"" + name + "\": token, layer or head");
+  if (name == "global") return Granularity::kGlobal;
+  return InvalidArgument("prune granularity \"" + name + "\": token, layer, head or global");
+}
+
+double KeptTokens::stored_tokens() const {
+  if (counts.empty()) return static_cast<double>(kept);
+  double sum = 0.0;
+  for (int32_t n : counts) sum += n;
+  return sum / static_cast<double>(counts.size());
 }
 
 int64_t KeptCount(int64_t tokens, double keep, int sinks) {
@@ -56,6 +65,35 @@ void Pick(const std::vector<double>& score, int64_t kept, int sinks, int32_t* ou
   std::copy(pick.begin(), pick.end(), out);
 }
 
+// kGlobal: each head's sinks, then the best of every (layer, head, token)
+// past them until `per_head` tokens a head on average are kept.
+KeptTokens SelectGlobal(const Scores& s, int64_t per_head, int sinks) {
+  const int64_t heads = int64_t{s.layers} * s.kv_heads, rest = s.tokens - sinks;
+  std::vector<int64_t> order(heads * rest);  // (head, token - sinks) flattened
+  std::iota(order.begin(), order.end(), 0);
+  auto score = [&](int64_t i) { return s.v[(i / rest) * s.tokens + sinks + i % rest]; };
+  const int64_t take = heads * (per_head - sinks);
+  std::partial_sort(order.begin(), order.begin() + take, order.end(), [&](int64_t a, int64_t b) {
+    const float x = score(a), y = score(b);
+    return x != y ? x > y : a < b;
+  });
+  std::vector<std::vector<int32_t>> picked(heads);
+  for (int64_t i = 0; i < take; ++i) {
+    picked[order[i] / rest].push_back(static_cast<int32_t>(sinks + order[i] % rest));
+  }
+  KeptTokens k{s.layers, s.kv_heads, s.tokens, 0, Granularity::kGlobal, {}, {}};
+  for (auto& p : picked) {
+    for (int32_t t = 0; t < sinks; ++t) p.push_back(t);
+    std::sort(p.begin(), p.end());
+    k.kept = std::max<int64_t>(k.kept, static_cast<int64_t>(p.size()));
+    k.counts.push_back(static_cast<int32_t>(p.size()));
+  }
+  k.index.assign(heads * k.kept, -1);
+  for (int64_t i = 0; i < heads; ++i)
+    std::copy(picked[i].begin(), picked[i].end(), &k.index[i * k.kept]);
+  return k;
+}
+
 }  // namespace
 
 Result<KeptTokens> SelectKept(const Scores& s, double keep, int sinks, Granularity granularity) {
@@ -66,7 +104,11 @@ Result<KeptTokens> SelectKept(const Scores& s, double keep, int sinks, Granulari
     return InvalidArgument("prune: " + std::to_string(s.tokens) + " tokens, " +
                            std::to_string(sinks) + " of them sinks: nothing to choose from");
   }
-  KeptTokens k{s.layers, s.kv_heads, s.tokens, KeptCount(s.tokens, keep, sinks), granularity, {}};
+  if (granularity == Granularity::kGlobal) {
+    return SelectGlobal(s, KeptCount(s.tokens, keep, sinks), sinks);
+  }
+  KeptTokens k{s.layers,    s.kv_heads, s.tokens, KeptCount(s.tokens, keep, sinks),
+               granularity, {},         {}};
   k.index.resize(size_t(s.layers) * s.kv_heads * k.kept);
   auto fill = [&](int l, int h, const int32_t* picked) {
     std::copy(picked, picked + k.kept, &k.index[(int64_t{l} * s.kv_heads + h) * k.kept]);
@@ -129,12 +171,20 @@ Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptT
   }
   if (k.layers != kv.num_layers() || k.kv_heads != kv.num_kv_heads() || k.logical > src.length() ||
       k.kept <= 0 || k.kept > k.logical ||
-      k.index.size() != size_t(k.layers) * k.kv_heads * k.kept) {
+      k.index.size() != size_t(k.layers) * k.kv_heads * k.kept ||
+      !(k.counts.empty() || k.counts.size() == size_t(k.layers) * k.kv_heads)) {
     return InvalidArgument("prune: kept tokens of " + std::to_string(k.logical) +
                            " do not fit a sequence of " + std::to_string(src.length()));
   }
-  for (int32_t t : k.index) {
-    if (t < 0 || t >= k.logical) return InvalidArgument("prune: a kept token out of range");
+  for (int l = 0; l < k.layers; ++l) {
+    for (int g = 0; g < k.kv_heads; ++g) {
+      const int64_t n = k.count(l, g);
+      if (n < 0 || n > k.kept) return InvalidArgument("prune: a head's count out of range");
+      for (int64_t j = 0; j < n; ++j) {
+        const int32_t t = k.of(l, g)[j];
+        if (t < 0 || t >= k.logical) return InvalidArgument("prune: a kept token out of range");
+      }
+    }
   }
   KDN_RETURN_IF_ERROR(kv.Reserve(*dst, k.kept));
   const int G = k.kv_heads, hd = kv.head_dim();
@@ -146,7 +196,12 @@ Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptT
     if (st.ok()) {
       for (int g = 0; g < G; ++g) {
         const int32_t* idx = k.of(l, g);
-        for (int64_t j = 0; j < k.kept; ++j) {
+        const int64_t n = k.count(l, g);
+        for (int64_t j = n; j < k.kept; ++j) {  // holes: zeros, never read
+          std::fill_n(&out[j * kvd + int64_t{g} * hd], hd, 0.0f);
+          std::fill_n(&out[k.kept * kvd + j * kvd + int64_t{g} * hd], hd, 0.0f);
+        }
+        for (int64_t j = 0; j < n; ++j) {
           const int64_t from = int64_t{idx[j]} * kvd + int64_t{g} * hd,
                         to = j * kvd + int64_t{g} * hd;
           std::copy_n(&in[from], hd, &out[to]);
@@ -162,7 +217,12 @@ Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptT
     }
   }
   kv.SetLength(*dst, k.kept);
-  return dst->SetNextPosition(src.position_shift() + k.logical);
+  bool uniform = true;
+  for (int32_t n : k.counts) uniform = uniform && n == k.kept;
+  Status st = uniform ? Status::Ok() : dst->SetHeadTokens(k.kept, k.counts);
+  if (st.ok()) st = dst->SetNextPosition(src.position_shift() + k.logical);
+  if (!st.ok()) dst->Reset();
+  return st;
 }
 
 }  // namespace kdn::prune

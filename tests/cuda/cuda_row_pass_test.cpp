@@ -112,7 +112,19 @@ TEST(CudaPositionShift, PrefillDecodeAndRowPassRotateEachTokenForItsPosition) {
   // Query statistics (KV pruning's scores) are the CPU engine's alone.
   QueryStats stats{.skip = 4};
   KvSequence q = g->kv_cache().NewSequence();
-  EXPECT_EQ(g->Prefill(q, tokens, {.query_stats = &stats}, &a).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(g->Prefill(q, tokens, {.on_queries = stats.Hook(g->config())}, &a).code(),
+            StatusCode::kUnimplemented);
+  // So are pruned KV's holes (heads that kept different numbers of tokens):
+  // refused, not attended over.
+  KDN_ASSERT_OK(g->Prefill(q, tokens, {}, &a));
+  std::vector<int32_t> counts(size_t(g->config().num_layers) * g->config().num_kv_heads, 40);
+  counts[0] = 30;
+  KDN_ASSERT_OK(q.SetHeadTokens(40, counts));
+  EXPECT_EQ(g->Prefill(q, std::span(tokens).first(4), {}, &a).code(), StatusCode::kUnimplemented);
+  KvSequence* batch[] = {&q};
+  const int32_t one[] = {tokens[0]};
+  EXPECT_EQ(g->DecodeStep(batch, one, &a).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(g->BeginRowPass(q, tokens, all).status().code(), StatusCode::kUnimplemented);
 }
 
 // Over a cache that holds the prompt's own KV, recomputing any rows changes

@@ -49,3 +49,29 @@ def test_pruned_kv_answers_as_transformers_over_the_same_kept_tokens(tmp_path):
     assert row["stored_tokens"] < 0.26 * next(x for x in r["rows"]
                                               if x["method"] == "full")["stored_tokens"]
     assert row["kl"] > 1e-4, row
+
+
+def test_kvzip_scores_are_transformers_attention_weights_of_the_repeat_pass(tmp_path):
+    """KVzip's scores (kdn/prune/kvzip.h) of a document repeated in parts of
+    64 tokens, against the same quantities taken from transformers' own
+    attention weights (bench/kvpress_peer.py's kvzip_reference: eager
+    attention, output_attentions); then kdn keeps the best of all layers and
+    heads together (granularity global), each head as many tokens as its
+    scores earn, which leaves holes in the shorter heads' slots."""
+    out = tmp_path / "kvzip.json"
+    cmd = [BIN / "kdn-bench", "prune-fidelity", "--model", smollm2_path(), "--documents", "1",
+           "--questions", "1", "--doc-tokens", "192", "--answer-tokens", "8", "--keep", "0.25",
+           "--methods", "kvzip", "--granularity", "global", "--kvzip-chunk", "64",
+           "--threads", "1", "--kvpress-python", sys.executable, "--kvpress-script",
+           REPO / "bench" / "kvpress_peer.py", "--kvpress-presses", "none",
+           "--work-dir", tmp_path / "work", "--json", out]
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = json.loads(out.read_text())
+    check = r["checks"]["kvzip_scores"]
+    assert check["values"] > 30 * 3 * 192, check
+    assert check["max_abs_diff"] < 1e-4, check
+    row = next(x for x in r["rows"] if x["method"] == "kdn:kvzip/global")
+    full = next(x for x in r["rows"] if x["method"] == "full")["stored_tokens"]
+    assert abs(row["stored_tokens"] - 0.25 * full) < 1.0, row
+    assert row["kl"] > 1e-4, row

@@ -26,14 +26,20 @@ TEST(QueryStats, APrefillInPiecesSumsWhatOneCallSums) {
   engine::QueryStats one{.skip = 4}, pieces{.skip = 4};
   engine::KvSequence a = model->kv_cache().NewSequence(), b = model->kv_cache().NewSequence();
   std::vector<float> logits;
-  ASSERT_TRUE(model->Prefill(a, tokens, {.query_stats = &one}, &logits).ok());
+  ASSERT_TRUE(model->Prefill(a, tokens, {.on_queries = one.Hook(model->config())}, &logits).ok());
   // The first piece ends inside the sinks, so its rows are partly skipped.
-  ASSERT_TRUE(
-      model->Prefill(b, std::span(tokens).first(3), {.query_stats = &pieces}, &logits).ok());
-  ASSERT_TRUE(
-      model->Prefill(b, std::span(tokens).subspan(3, 30), {.query_stats = &pieces}, &logits).ok());
-  ASSERT_TRUE(
-      model->Prefill(b, std::span(tokens).subspan(33), {.query_stats = &pieces}, &logits).ok());
+  ASSERT_TRUE(model
+                  ->Prefill(b, std::span(tokens).first(3),
+                            {.on_queries = pieces.Hook(model->config())}, &logits)
+                  .ok());
+  ASSERT_TRUE(model
+                  ->Prefill(b, std::span(tokens).subspan(3, 30),
+                            {.on_queries = pieces.Hook(model->config())}, &logits)
+                  .ok());
+  ASSERT_TRUE(model
+                  ->Prefill(b, std::span(tokens).subspan(33),
+                            {.on_queries = pieces.Hook(model->config())}, &logits)
+                  .ok());
   EXPECT_EQ(one.count, 46);
   EXPECT_EQ(pieces.count, 46);
   ASSERT_EQ(one.sum.size(), size_t(c.num_layers) * c.num_heads * c.head_dim);
@@ -164,7 +170,8 @@ TEST(ExpectedAttention, RefusesStatisticsThatDoNotFitTheContext) {
   const auto tokens = RandomTokens(20, 256, 2);
   engine::QueryStats stats{.skip = 4};
   std::vector<float> logits;
-  ASSERT_TRUE(model->Prefill(seq, tokens, {.query_stats = &stats}, &logits).ok());
+  ASSERT_TRUE(
+      model->Prefill(seq, tokens, {.on_queries = stats.Hook(model->config())}, &logits).ok());
   const auto& c = model->config();
   auto& kv = model->kv_cache();
   EXPECT_TRUE(ExpectedAttentionScores(c, kv, seq, 20, stats).ok());
@@ -274,7 +281,8 @@ TEST(PrunedChunk, ReadBackItAnswersAsTheCompactedKvInMemory) {
   engine::KvSequence whole = cache.NewSequence();
   engine::QueryStats stats{.skip = 4};
   std::vector<float> logits;
-  ASSERT_TRUE(model->Prefill(whole, context, {.query_stats = &stats}, &logits).ok());
+  ASSERT_TRUE(
+      model->Prefill(whole, context, {.on_queries = stats.Hook(model->config())}, &logits).ok());
   auto scores = ExpectedAttentionScores(c, cache, whole, 70, stats);
   ASSERT_TRUE(scores.ok());
   auto kept = SelectKept(*scores, 0.3, 4, Granularity::kToken);

@@ -87,7 +87,7 @@ class CpuEngine final : public Engine {
   class CpuRowPass;
   CpuEngine(const model::ModelConfig& config, const EngineOptions& options);
   Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
-                 QueryStats* stats, std::vector<float>* logits);
+                 const QueryHook& on_queries, std::vector<float>* logits);
   // Each row's slot in its sequence's KV (where its KV goes, and what it
   // attends to: slots up to its own) and its position (RoPE's).
   struct RowPositions {
@@ -97,10 +97,10 @@ class CpuEngine final : public Engine {
   // Runs layer l over `rows` rows whose hidden states are in `x`, at `rp`;
   // segs name the sequences the rows belong to. When `deviation` is given
   // (one sequence only), it receives per row the squared distance of its
-  // new K and V from those the cache held before; `stats`, when given, sums
-  // the rows' queries.
+  // new K and V from those the cache held before; `on_queries`, when given
+  // and set, sees the rows' queries.
   void RunLayer(int l, std::span<Segment> segs, RowPositions rp, int64_t rows, float* x,
-                Scratch& scratch, std::vector<float>* deviation, QueryStats* stats);
+                Scratch& scratch, std::vector<float>* deviation, const QueryHook* on_queries);
   // Attention of every new row over its sequence's KV (already written).
   void AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos, const float* q,
                  float* out, Scratch& scratch);

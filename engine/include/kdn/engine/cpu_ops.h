@@ -52,10 +52,12 @@ void RmsNormRow(const float* x, const float* weight, float eps, int dim, float* 
 // out[h * head_dim ..] = sum_p softmax_p(scale * q_h.k_p) v_p, q_h being
 // q[h * head_dim ..]. `scores` holds heads * (ctx - lo) floats of scratch.
 // What decode attention runs per (sequence, KV head): one call, the key
-// loop inside, each key and value read once for the group.
+// loop inside, each key and value read once for the group. Keys in [hole_begin,
+// hole_end) get no weight (pruned KV's holes: KvSequence::SetHeadTokens).
 void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx,
-                      int head_dim, float scale, float* scores, float* out);
+                      int head_dim, float scale, float* scores, float* out, int64_t hole_begin = 0,
+                      int64_t hole_end = 0);
 
 // sum a[i] * b[i], and y += alpha * x, over n floats.
 float Dot(const float* a, const float* b, int n);

@@ -45,6 +45,14 @@ namespace kdn::engine {
 // KV is then dropped from the sequence).
 using LayerHook = std::function<Status(int layer)>;
 
+// Sees the queries a prefill computes, layer by layer, before RoPE: `q` is
+// [rows][num_heads * head_dim] and `positions` the rows' RoPE positions,
+// ascending. Called on the engine's thread, once per layer and call; `q` is
+// valid only during the call. What KV pruning scores tokens from
+// (kdn/prune/): QueryStats sums them, prune::KvzipScores keeps them.
+using QueryHook =
+    std::function<void(int layer, const float* q, int64_t rows, const int32_t* positions)>;
+
 // Running sums of the queries a prefill computes, before RoPE, per layer and
 // query head: what Expected Attention (kdn/prune/expected_attention.h)
 // estimates the queries still to come from. Rows at positions below `skip`
@@ -61,14 +69,17 @@ struct QueryStats {
   // call it, `count` grows at layer 0.
   void Add(const model::ModelConfig& config, int layer, const float* q, int64_t rows,
            const int32_t* positions);
+  // A hook that adds what a prefill of `config`'s model computes (to this
+  // object, which must outlive the prefill).
+  QueryHook Hook(const model::ModelConfig& config);
 };
 
 struct PrefillOptions {
   bool all_logits = false;  // logits of every new token, not only the last
   LayerHook on_layer;
-  // When set, the prefill also sums its queries into it (the CPU engine;
-  // the CUDA engine refuses it: UNIMPLEMENTED).
-  QueryStats* query_stats = nullptr;
+  // When set, the prefill shows it its queries (the CPU engine; the CUDA
+  // engine refuses it: UNIMPLEMENTED).
+  QueryHook on_queries;
 };
 
 class RowPass;
@@ -182,5 +193,8 @@ Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, in
 // Checks a decode batch: as many tokens as sequences, none twice, not empty.
 Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                         size_t samplers);
+// UNIMPLEMENTED for a sequence with holes (KvSequence::SetHeadTokens): what
+// a backend whose attention cannot skip them answers (the CUDA engine).
+Status RefuseHoles(const KvSequence& seq, const char* what);
 
 }  // namespace kdn::engine

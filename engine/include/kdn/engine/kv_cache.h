@@ -102,6 +102,20 @@ class KvSequence {
   // Makes next_position() `position`; INVALID_ARGUMENT below length().
   // Truncate keeps the shift (Truncate(0) and Reset clear it).
   Status SetNextPosition(int64_t position);
+  // Pruned KV whose layers and KV heads kept different numbers of tokens
+  // (prune::Granularity::kGlobal): of slots [0, slots), layer l's KV head h
+  // holds its tokens in the first head_tokens[l * kv_heads + h], and the
+  // rest are holes, which attention skips as if they were not there. Slots
+  // from `slots` on are every head's. INVALID_ARGUMENT unless slots <=
+  // length() and there is one count in [0, slots] per layer and KV head.
+  // Truncate shortens the holes with the slots; once no head has one left
+  // (and after Reset) has_holes() is false.
+  Status SetHeadTokens(int64_t slots, std::vector<int32_t> head_tokens);
+  struct Hole {
+    int64_t begin = 0, end = 0;  // slots [begin, end); begin == end: none
+  };
+  Hole HoleOf(int layer, int kv_head) const;
+  bool has_holes() const { return hole_end_ > 0; }
   const std::vector<int32_t>& blocks() const { return blocks_; }
   // Tokens of room its blocks give.
   int64_t reserved() const { return static_cast<int64_t>(blocks_.size()) * kKvBlockTokens; }
@@ -117,6 +131,8 @@ class KvSequence {
   std::vector<int32_t> blocks_;
   int64_t length_ = 0;
   int64_t position_shift_ = 0;
+  int64_t hole_end_ = 0;              // SetHeadTokens' slots, at most length_
+  std::vector<int32_t> head_tokens_;  // [layer][kv_head], when hole_end_ > 0
 };
 
 class KvCache {
