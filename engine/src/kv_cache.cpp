@@ -177,6 +177,7 @@ Status KvCache::Reserve(KvSequence& seq, int64_t new_length) {
 
 void KvCache::Publish(const KvSequence& seq, const KvKey& key, int64_t end) {
   assert(seq.cache_ == this && end > 0 && end <= seq.length_);
+  assert(seq.position_shift_ == 0 && seq.hole_end_ == 0);  // a prefix's own KV only
   MutexLock lock(index_mu_);
   if (auto it = index_.find(key); it != index_.end()) {
     Touch(it->second);

@@ -27,6 +27,12 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
                            std::to_string(first + count) + ") are not all in a sequence of " +
                            std::to_string(seq.length()));
   }
+  if (seq.has_holes()) {
+    // A chunk's KV is every head's for each token it holds.
+    return InvalidArgument(
+        "chunk: pruned KV whose heads kept different tokens has no chunk "
+        "format");
+  }
   if (layer0 < 0 || layers <= 0 || layer0 + layers > cache.num_layers()) {
     return InvalidArgument("chunk: layers [" + std::to_string(layer0) + ", " +
                            std::to_string(layer0 + layers) + ") are not all in a cache of " +

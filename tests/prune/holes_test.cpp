@@ -10,6 +10,7 @@
 #include <random>
 
 #include "../engine/test_util.h"
+#include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/prune/kvzip.h"
 #include "kdn/prune/prune.h"
 
@@ -103,6 +104,11 @@ TEST(Holes, AHoleInEveryHeadIsAsIfItsSlotsWereNotThere) {
   const std::vector<float> want = Answer(*model, shorter, question);
   const std::vector<float> got = Answer(*model, holed, question);
   EXPECT_LT(MaxDiff(want, got), 1e-4f);
+  // A chunk holds every head's KV of each token: none is made of holes.
+  EXPECT_EQ(kvbridge::ChunkFromPagedKv(cache, holed, 0, 20, {1, 2}, {3, 4}, kvbus::KvDType::kF32)
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Holes, AHeadsHoleHidesItsSlotsFromThatHeadOnly) {

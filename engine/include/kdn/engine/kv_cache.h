@@ -189,8 +189,9 @@ class KvCache {
   Status WriteLayers(KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
                      DType dtype, std::span<const uint8_t> in);
   // Resident KV. Publish indexes the KV of `seq`'s positions [0, end) under
-  // `key` (end <= seq.length(), > 0), taking a reference on the blocks under
-  // them; from then on those blocks never change. A key already indexed is
+  // `key` (end <= seq.length(), > 0; not pruned KV: no position shift, no
+  // holes), taking a reference on the blocks under them; from then on those
+  // blocks never change. A key already indexed is
   // only touched. Attach makes an empty sequence hold a resident key's KV by
   // reference (length = that entry's end) and touches it: no KV moves.
   // NOT_FOUND when the key is not resident, FAILED_PRECONDITION when `seq`
