@@ -198,7 +198,7 @@ void Softmax(float* x, int64_t n) {
     x[i] = x[i] == -INFINITY ? 0.0f : FastExp(x[i] - mx);
     sum += x[i];
   }
-  const float inv = 1.0f / sum;
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // every key masked: no weight
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }

@@ -94,7 +94,10 @@ Status MemoryPlane::Write(const OutChunk& chunk, const RegionGrant& grant, bool 
     if (!host) {
       KDN_ASSIGN_OR_RETURN(host, chunk.InHost());
     }
-    KDN_RETURN_IF_ERROR(ops_.Upload(host->payload().data(), base, payload_at));
+    // Everything past the header (a pruned chunk's kept offsets too): what
+    // payload_bytes() counts.
+    KDN_RETURN_IF_ERROR(
+        ops_.Upload(host->bytes().subspan(Chunk::kHeaderBytes).data(), base, payload_at));
   }
   if (corrupt && chunk.payload_bytes() > 0) {
     // One payload byte flipped where it landed (SenderFaults::corrupt_data).
@@ -145,7 +148,7 @@ Status LinkPlane::SendPayload(const OutChunk& chunk, bool corrupt) {
   std::span<const uint8_t> payload;
   std::vector<uint8_t> copy;
   if (const std::shared_ptr<const Chunk>& host = chunk.chunk()) {
-    payload = host->payload();
+    payload = host->bytes().subspan(Chunk::kHeaderBytes);  // kept offsets too
   } else {
     copy.resize(chunk.payload_bytes());
     KDN_RETURN_IF_ERROR(s->memory->ops().Download(s->memory->data(), s->extents, copy.data()));

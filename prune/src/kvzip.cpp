@@ -70,7 +70,7 @@ Result<Scores> KvzipScores(engine::Engine& model, engine::KvSequence& seq,
                            const KvzipOptions& o) {
   const model::ModelConfig& c = model.config();
   const auto n = static_cast<int64_t>(context.size());
-  if (n == 0 || seq.length() != n || seq.next_position() != n) {
+  if (n == 0 || seq.length() != n || seq.next_position() != n || seq.has_holes()) {
     return InvalidArgument("kvzip: the sequence holds " + std::to_string(seq.length()) +
                            " tokens at next position " + std::to_string(seq.next_position()) +
                            ", not the context's " + std::to_string(n));

@@ -169,6 +169,7 @@ Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptT
   if (dst->length() != 0 || !dst->blocks().empty()) {
     return InvalidArgument("prune: compacting into a sequence that holds KV");
   }
+  if (src.has_holes()) return InvalidArgument("prune: compacting KV that is already pruned");
   if (k.layers != kv.num_layers() || k.kv_heads != kv.num_kv_heads() || k.logical > src.length() ||
       k.kept <= 0 || k.kept > k.logical ||
       k.index.size() != size_t(k.layers) * k.kv_heads * k.kept ||

@@ -104,6 +104,15 @@ TEST(Holes, AHoleInEveryHeadIsAsIfItsSlotsWereNotThere) {
   const std::vector<float> want = Answer(*model, shorter, question);
   const std::vector<float> got = Answer(*model, holed, question);
   EXPECT_LT(MaxDiff(want, got), 1e-4f);
+  // A row pass (blend's) is refused: a row inside a head's hole would see
+  // none of that head's keys; so is pruning it again.
+  std::vector<int64_t> rows = {0, 1};
+  EXPECT_EQ(
+      model->BeginRowPass(holed, std::vector<int32_t>(holed.length(), 1), rows).status().code(),
+      StatusCode::kUnimplemented);
+  engine::KvSequence again = cache.NewSequence();
+  EXPECT_EQ(CompactKv(cache, holed, Kept(*model, 20, kept, {}), &again).code(),
+            StatusCode::kInvalidArgument);
   // A chunk holds every head's KV of each token: none is made of holes.
   EXPECT_EQ(kvbridge::ChunkFromPagedKv(cache, holed, 0, 20, {1, 2}, {3, 4}, kvbus::KvDType::kF32)
                 .status()
