@@ -107,8 +107,8 @@ Result<Scores> KvzipScores(engine::Engine& model, engine::KvSequence& seq,
       if (layer == 0) queries.positions.insert(queries.positions.end(), positions, positions + r);
     };
     Status st = Status::Ok();
-    const int64_t piece =
-        std::max<int64_t>(1, std::min<int64_t>(model.max_prefill_tokens(), int64_t{1} << 20));
+    // In pieces the engine takes (INT64_MAX on the CPU: one).
+    const auto piece = static_cast<size_t>(model.max_prefill_tokens());
     for (size_t at = 0; at < rows.size() && st.ok(); at += piece) {
       const size_t len = std::min<size_t>(piece, rows.size() - at);
       st = model.Prefill(seq, std::span(rows).subspan(at, len), po, &logits);

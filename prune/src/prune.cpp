@@ -218,9 +218,8 @@ Status CompactKv(engine::KvCache& kv, const engine::KvSequence& src, const KeptT
     }
   }
   kv.SetLength(*dst, k.kept);
-  bool uniform = true;
-  for (int32_t n : k.counts) uniform = uniform && n == k.kept;
-  Status st = uniform ? Status::Ok() : dst->SetHeadTokens(k.kept, k.counts);
+  // SetHeadTokens leaves no holes where every head kept every slot.
+  Status st = k.counts.empty() ? Status::Ok() : dst->SetHeadTokens(k.kept, k.counts);
   if (st.ok()) st = dst->SetNextPosition(src.position_shift() + k.logical);
   if (!st.ok()) dst->Reset();
   return st;
