@@ -32,6 +32,7 @@
 
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
+#include "kdn/control/request_spec.h"
 #include "kdn/prune/expected_attention.h"
 #include "kdn/prune/kvzip.h"
 #include "kdn/prune/prune.h"
@@ -156,12 +157,12 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     return 1;
   }
   const bool chat = tok && encode("<|im_start|>").size() == 1;
-  // KVzip's repeat prompts, as kvpress words them; the request ends with
-  // "\n", as kvpress ends it for a tokenizer without a chat template (the
-  // peer's).
-  const prune::KvzipPrompts kvzip_prompts{
-      encode("\n\nRepeat the previous context exactly."),
-      encode("\n\nRepeat the part of the previous context exactly, starting with"), encode("\n")};
+  // KVzip's repeat prompts (control::kKvzipFirstPrompt: as kvpress words
+  // them, ending as kvpress ends them for a tokenizer without a chat
+  // template, the peer's), as kdn-router sends them.
+  const prune::KvzipPrompts kvzip_prompts{encode(std::string(control::kKvzipFirstPrompt)),
+                                          encode(std::string(control::kKvzipNextPrompt)),
+                                          encode(std::string(control::kKvzipSuffix))};
   const std::vector<std::string> cues = {
       "What does the text above say about \"%s\"?",
       "Summarize the text above in one sentence.",

@@ -6,7 +6,9 @@
 // conversation up to its last user message), the documents (each tokenized
 // apart, its KV computed on its own), then the question (--prompt, or that
 // message's content and the rest of the rendering); the fused prefill's
-// answer, greedy.
+// answer, greedy. With --prune-method, each document's KV is pruned as
+// kdn-prefill stores a document injected with `prune` (docs/kvbus.md,
+// "Pruned KV") before the blend.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -23,6 +25,7 @@
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
 #include "kdn/model/config.h"
+#include "kdn/prune/prune_text.h"
 #include "kdn/text/chat_template.h"
 #include "kdn/text/output_text.h"
 #include "kdn/text/tokenizer.h"
@@ -95,6 +98,7 @@ struct BlendOutput {
   int cached_tokens = 0;
   int recomputed_tokens = 0;
   double recompute_ratio = 0;
+  int pruned_tokens = 0;  // of cached_tokens, with no KV (--prune-method)
 };
 
 // Each document's KV computed on its own (from position 0, as kdn-prefill
@@ -104,6 +108,7 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
                                      const std::vector<std::vector<int32_t>>& docs,
                                      const std::vector<int32_t>& question,
                                      const kdn::control::BlendSpec& spec,
+                                     const kdn::control::PruneSpec* prune,
                                      const kdn::engine::GenerateOptions& gen) {
   kdn::engine::KvCache& cache = model.kv_cache();
   const auto dtype = kdn::kvbridge::ChunkDType(model.kv_dtype());
@@ -111,6 +116,15 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
   if (!head.empty()) segments.push_back({head, nullptr});
   for (const auto& d : docs) {
     kdn::engine::KvSequence seq = cache.NewSequence();
+    if (prune != nullptr) {
+      KDN_ASSIGN_OR_RETURN(kdn::prune::KeptTokens kept,
+                           kdn::prune::PruneText(model, d, *prune, &seq));
+      KDN_ASSIGN_OR_RETURN(auto kv, kdn::kvbridge::PrunedChunkFromPagedKv(
+                                        cache, seq, static_cast<uint32_t>(d.size()),
+                                        kdn::prune::KeptOffsets(kept), {}, {}, dtype));
+      segments.push_back({d, std::move(kv)});
+      continue;
+    }
     KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(d.size())));
     std::vector<float> logits;
     KDN_RETURN_IF_ERROR(model.Prefill(seq, d, {}, &logits));
@@ -121,7 +135,7 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
   kdn::engine::KvSequence seq = cache.NewSequence();
   KDN_ASSIGN_OR_RETURN(kdn::blend::BlendResult r,
                        kdn::blend::BlendPrefill(model, seq, segments, question, {.spec = spec}));
-  BlendOutput out{{}, r.cached_tokens, r.recomputed_tokens, r.recompute_ratio};
+  BlendOutput out{{}, r.cached_tokens, r.recomputed_tokens, r.recompute_ratio, r.dropped_tokens};
   KDN_ASSIGN_OR_RETURN(
       out.tokens,
       kdn::engine::GreedyTokens(model, seq, std::move(r.logits), gen.max_tokens, [&](int32_t t) {
@@ -190,6 +204,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--blend-max-kl", blend.max_kl, "Blend: a quality target (0: none)")
       ->check(CLI::NonNegativeNumber);
+  kdn::control::PruneSpec prune;
+  auto* prune_method =
+      app.add_option("--prune-method", prune.method,
+                     "Blend: prune each document's KV first, as kdn-prefill stores a document "
+                     "injected with `prune` (expected_attention, knorm or kvzip)")
+          ->needs("--document");
+  app.add_option("--prune-keep", prune.keep, "Blend: the share of each document's tokens kept")
+      ->needs(prune_method)
+      ->capture_default_str();
+  app.add_option("--prune-sinks", prune.sinks, "Blend: leading tokens always kept")
+      ->needs(prune_method)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   if (auto s = kdn::control::ParseBlendSelection(selection); s.ok()) {
@@ -201,6 +227,12 @@ int main(int argc, char** argv) {
   if (!documents.empty() && gen.sampling.temperature != 0.0f) {
     std::fprintf(stderr, "kdn-generate: a blend (--document) decodes greedily: --temperature 0\n");
     return 2;
+  }
+  if (!prune.method.empty() && prune.method != "kvzip") {
+    if (auto st = kdn::control::ValidatePruneSpec(prune); !st.ok()) {
+      std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
+      return 2;
+    }
   }
   if (prompt.empty() && prompt_ids.empty() && chat_file.empty()) {
     std::fprintf(stderr, "kdn-generate: give --prompt, --prompt-ids or --chat\n");
@@ -260,10 +292,28 @@ int main(int argc, char** argv) {
     question = (*tok)->Encode(chat.rest, false);
     ids.insert(ids.end(), question.begin(), question.end());
   }
+  if (prune.method == "kvzip") {  // its repeat prompts, tokenized as kdn-router does
+    prune.kvzip_first = (*tok)->Encode(std::string(kdn::control::kKvzipFirstPrompt), false);
+    prune.kvzip_next = (*tok)->Encode(std::string(kdn::control::kKvzipNextPrompt), false);
+    prune.kvzip_suffix = (*tok)->Encode(std::string(kdn::control::kKvzipSuffix), false);
+    if (auto st = kdn::control::ValidatePruneSpec(prune); !st.ok()) {
+      std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
+      return 2;
+    }
+  }
+  // Pruning holds a document's whole KV and its copy at once, KVzip a repeat
+  // pass of it too.
+  int64_t prune_room = 0;
+  for (const auto& d : doc_ids) {
+    if (!prune.method.empty()) {
+      prune_room = std::max<int64_t>(prune_room, 3 * static_cast<int64_t>(d.size()) + 256);
+    }
+  }
   // The KV pool holds the prompt and every token generated.
-  OpenOptions opts{.device = *dev,
-                   .kv_tokens = static_cast<int64_t>(ids.size()) + gen.max_tokens + kKvBlockTokens,
-                   .threads = threads};
+  OpenOptions opts{
+      .device = *dev,
+      .kv_tokens = static_cast<int64_t>(ids.size()) + gen.max_tokens + kKvBlockTokens + prune_room,
+      .threads = threads};
   opts.max_batch = 1;
   opts.weights_dtype = *kdn::engine::ParseWeightsDType(weights_dtype);  // checked by the flag
   auto model = OpenEngine(model_dir, opts);
@@ -276,7 +326,8 @@ int main(int argc, char** argv) {
     const int layers = (*model)->config().num_layers;
     blend.check_layers =
         kdn::control::ResolveCheckLayers(blend.check_layer, blend.check_layers, false, layers);
-    auto out = BlendAnswer(**model, head, doc_ids, question, blend, gen);
+    auto out = BlendAnswer(**model, head, doc_ids, question, blend,
+                           prune.method.empty() ? nullptr : &prune, gen);
     if (!out.ok()) {
       std::fprintf(stderr, "kdn-generate: %s\n", out.status().ToString().c_str());
       return 1;
@@ -285,9 +336,9 @@ int main(int argc, char** argv) {
                 print_ids ? JoinIds(out->tokens).c_str() : (*tok)->Decode(out->tokens).c_str());
     std::fprintf(stderr,
                  "kdn-generate: blend of %zu documents: %d cached tokens, %d recomputed "
-                 "(ratio %.2f), %zu tokens generated\n",
+                 "(ratio %.2f), %d pruned, %zu tokens generated\n",
                  documents.size(), out->cached_tokens, out->recomputed_tokens, out->recompute_ratio,
-                 out->tokens.size());
+                 out->pruned_tokens, out->tokens.size());
     return 0;
   }
   auto res = Generate(**model, ids, gen);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <string>
 
 #include "serving.pb.h"
@@ -33,6 +34,47 @@ BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   if (!p.selection().empty()) {
     if (auto sel = ParseBlendSelection(p.selection()); sel.ok()) spec.selection = *sel;
   }
+  return spec;
+}
+
+Status ValidatePruneSpec(const PruneSpec& spec) {
+  if (std::find(std::begin(kPruneMethods), std::end(kPruneMethods), spec.method) ==
+      std::end(kPruneMethods)) {
+    std::string names;
+    for (std::string_view m : kPruneMethods) names += (names.empty() ? "" : ", ") + std::string(m);
+    return InvalidArgument("prune: unknown method '" + spec.method + "' (one of " + names + ")");
+  }
+  if (!(spec.keep > 0 && spec.keep <= 1)) {
+    return InvalidArgument("prune: keep must be in (0, 1], got " + std::to_string(spec.keep));
+  }
+  if (spec.sinks < 0 || spec.sinks > kMaxPruneSinks) {
+    return InvalidArgument("prune: sinks must be in [0, " + std::to_string(kMaxPruneSinks) +
+                           "], got " + std::to_string(spec.sinks));
+  }
+  if (spec.method == "kvzip" &&
+      (spec.kvzip_first.empty() || spec.kvzip_next.empty() || spec.kvzip_suffix.empty())) {
+    return InvalidArgument("prune: kvzip needs its repeat prompts");
+  }
+  return Status::Ok();
+}
+
+void PruneToProto(const PruneSpec& spec, proto::PruneSpec* out) {
+  out->set_method(spec.method);
+  out->set_keep(spec.keep);
+  out->set_sinks(spec.sinks);
+  out->mutable_kvzip_first()->Assign(spec.kvzip_first.begin(), spec.kvzip_first.end());
+  out->mutable_kvzip_next()->Assign(spec.kvzip_next.begin(), spec.kvzip_next.end());
+  out->mutable_kvzip_suffix()->Assign(spec.kvzip_suffix.begin(), spec.kvzip_suffix.end());
+}
+
+PruneSpec PruneFromProto(const proto::PruneSpec& p) {
+  PruneSpec spec;
+  spec.method = p.method();
+  spec.keep = p.keep();
+  spec.sinks = p.sinks();
+  spec.kvzip_first.assign(p.kvzip_first().begin(), p.kvzip_first().end());
+  spec.kvzip_next.assign(p.kvzip_next().begin(), p.kvzip_next().end());
+  spec.kvzip_suffix.assign(p.kvzip_suffix().begin(), p.kvzip_suffix().end());
   return spec;
 }
 

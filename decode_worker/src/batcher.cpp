@@ -31,7 +31,8 @@ const std::vector<int32_t>* Batcher::Generated(uint64_t id) const {
 }
 
 bool Batcher::Accept(Request& r, int32_t token, std::vector<TokenEvent>* events) {
-  text::TextDelta d = r.output.Add(token, r.seq.length(), model_.config().max_context);
+  // Positions, not KV slots: a prompt over pruned documents holds fewer.
+  text::TextDelta d = r.output.Add(token, r.seq.next_position(), model_.config().max_context);
   r.pending = token;
   events->push_back(
       TokenEvent{r.spec.id, token, std::move(d.text), d.finished, std::move(d.finish_reason)});
@@ -59,7 +60,7 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   }
   auto r = std::make_unique<Request>(spec, std::move(seq), tokenizer_);
   // The tokens a resumed request generated before; their text was shown.
-  if (!r->output.Replay(spec.generated, r->seq.length() - g, model_.config().max_context)) {
+  if (!r->output.Replay(spec.generated, r->seq.next_position() - g, model_.config().max_context)) {
     return InvalidArgument("request " + std::to_string(spec.id) +
                            " resumes past its end: the tokens it generated before end it");
   }

@@ -133,7 +133,8 @@ int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded)
 
 Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& landed) {
   engine::KvCache& cache = model_.kv_cache();
-  const auto n = static_cast<int64_t>(p.request.tokens.size());
+  const auto prompt = static_cast<int64_t>(p.request.tokens.size());
+  const int64_t n = p.kv_tokens > 0 ? p.kv_tokens : prompt;
   const auto regions = kvbus::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
                                               p.request.transfer_id);
   for (const kvbus::KvRegion& r : regions) {
@@ -157,7 +158,9 @@ Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& 
     }
   }
   cache.SetLength(p.seq, n);
-  return Status::Ok();
+  // Fewer slots than tokens (pruned documents): the next token still sits
+  // where it would after the whole prompt.
+  return n < prompt ? p.seq.SetNextPosition(prompt) : Status::Ok();
 }
 
 void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
@@ -380,7 +383,8 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   return id;
 }
 
-Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out) {
+Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out,
+                      int64_t kv_tokens) {
   auto it = prepared_.find(id);
   if (it == prepared_.end()) {
     return NotFound("request " + std::to_string(id) + " was not prepared here (or expired)");
@@ -391,6 +395,16 @@ Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent, D
     return InvalidArgument("request " + std::to_string(id) +
                            " is prefilled on this worker and needs no Start");
   }
+  if (kv_tokens != 0) {
+    const auto n = static_cast<int64_t>(p.request.tokens.size());
+    if (!p.request.blended || kv_tokens < 0 || kv_tokens > n) {
+      return InvalidArgument(
+          "request " + std::to_string(id) + ": kv_tokens " + std::to_string(kv_tokens) +
+          (p.request.blended ? " is outside its prompt of " + std::to_string(n)
+                             : std::string(" on a request that is not blended")));
+    }
+  }
+  p.kv_tokens = kv_tokens;
   p.request.spec.first_token_sent = first_token_sent;
   if (p.held_tokens < 0) {
     p.start = first_token;  // Advance begins it once its load is in
@@ -410,11 +424,14 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   Status st = PlacePushedSlices(p, settled.landed);
   if (st.ok()) {
     LogInfo(
-        "{} start: first token {}, {} prompt tokens held, {} pushed by the prefill worker "
-        "(transfer {})",
-        ReqId{request_id}, first_token, p.held_tokens,
-        static_cast<int64_t>(p.request.tokens.size()) - p.held_tokens,
-        HexBytes{p.request.transfer_id});
+        "{} start: first token {}, {} prompt tokens held, KV of {} pushed by the prefill worker "
+        "(transfer {}){}",
+        ReqId{request_id}, first_token, p.held_tokens, p.seq.length() - p.held_tokens,
+        HexBytes{p.request.transfer_id},
+        p.seq.length() < p.seq.next_position()
+            ? fmt::format("; {} prompt tokens, pruned from their documents, have none",
+                          p.seq.next_position() - p.seq.length())
+            : std::string());
     st = Admit(id, std::move(p), first_token, out);
   }
   if (!st.ok()) {

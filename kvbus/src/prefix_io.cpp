@@ -4,10 +4,15 @@
 
 namespace kdn::kvbus {
 
-bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, KvDType dtype) {
+bool SegmentChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens,
+                      KvDType dtype) {
   const ChunkInfo& info = chunk.info();
-  return info.tokens == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
+  return info.logical() == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
          info.dtype == dtype && !chunk.encoded();
+}
+
+bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, KvDType dtype) {
+  return !chunk.info().pruned() && SegmentChunkFits(chunk, fingerprint, tokens, dtype);
 }
 
 std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,

@@ -23,6 +23,7 @@ struct QueuedJob {
   uint64_t request_id = 0;
   bool inject = false;  // job.tokens is a document to store, not a prompt
   PrefillJob job;
+  std::optional<control::PruneSpec> prune;  // an injected document's pruning
 };
 
 }  // namespace
@@ -100,14 +101,18 @@ struct PrefillService::Impl {
   }
 
   void RunInject(const QueuedJob& q) {
-    auto held = prefiller->Inject(q.job.tokens, q.job.ns);
+    auto held = prefiller->Inject(q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr);
     proto::WorkerMessage reply;
     reply.set_request_id(q.request_id);
     auto* ir = reply.mutable_inject_reply();
     if (held.ok()) {
-      ir->set_already_held(*held);
+      ir->set_already_held(held->already_held);
+      ir->set_stored_tokens(held->stored_tokens);
       LogInfo("{} injected a document of {} tokens: {}", ReqId{q.request_id}, q.job.tokens.size(),
-              *held ? "already held" : "computed and stored");
+              held->already_held ? std::string("already held")
+              : q.prune          ? fmt::format("computed, pruned by {} to {} tokens and stored",
+                                               q.prune->method, held->stored_tokens)
+                                 : std::string("computed and stored"));
     } else {
       control::StatusToProto(held.status(), ir->mutable_error());
       LogError("{} injecting a document of {} tokens failed: {}", ReqId{q.request_id},
@@ -139,6 +144,8 @@ struct PrefillService::Impl {
       pr->set_recompute_ratio(out->recompute_ratio);
       pr->set_resident_tokens(out->resident_tokens);
       pr->set_kv_bytes_loaded(out->kv_bytes_loaded);
+      pr->set_kv_tokens(out->kv_tokens);
+      pr->set_pruned_tokens(out->pruned_tokens);
       {
         std::lock_guard<std::mutex> lock(mu);
         resident_hit_tokens += static_cast<uint64_t>(out->resident_tokens);
@@ -147,9 +154,10 @@ struct PrefillService::Impl {
       const ReqId req{q.request_id};
       LogInfo(
           "{} KDN: {} of {} prompt tokens cached ({} resident in the pool, {} from tail "
-          "pieces, {} blended), {} KV bytes loaded in {:.1f} ms",
+          "pieces, {} blended, {} of them pruned away when stored), {} KV bytes loaded in {:.1f} "
+          "ms",
           req, out->cached_tokens, q.job.tokens.size(), out->resident_tokens, out->tail_tokens,
-          out->blended_tokens, out->kv_bytes_loaded, out->load_seconds * 1e3);
+          out->blended_tokens, out->pruned_tokens, out->kv_bytes_loaded, out->load_seconds * 1e3);
       LogInfo("{} computed: {} tokens in full, {} blended tokens recomputed; {:.1f} ms in all", req,
               out->computed_tokens, out->recomputed_tokens, secs * 1e3);
       if (!q.job.decode_endpoint.empty()) {
@@ -215,6 +223,7 @@ struct PrefillService::Impl {
         q.inject = true;
         q.job.tokens.assign(msg.inject().tokens().begin(), msg.inject().tokens().end());
         q.job.ns = msg.inject().ns();
+        if (msg.inject().has_prune()) q.prune = control::PruneFromProto(msg.inject().prune());
         LogDebug("{} received: inject a document of {} tokens", ReqId{q.request_id},
                  q.job.tokens.size());
         Enqueue(std::move(q));

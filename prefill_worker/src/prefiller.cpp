@@ -8,6 +8,7 @@
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
+#include "kdn/prune/prune_text.h"
 
 namespace kdn::prefill_worker {
 
@@ -229,6 +230,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   out.tail_tokens = static_cast<int>(hit - first_new_chunk_ * int64_t{C});
   out.load_seconds = load_seconds;
   out.computed_tokens = static_cast<int>(n - hit);
+  out.kv_tokens = static_cast<int>(n);
   return out;
 }
 
@@ -246,6 +248,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   }
   const kvbus::KeyContext ctx{fingerprint_, job.ns, options_.chunk_tokens};
   std::vector<blend::Segment> segments;
+  int64_t dropped = 0;  // tokens of pruned documents with no KV
   const int32_t* p = job.tokens.data();
   if (b.head_tokens > 0) {
     segments.push_back({{p, p + b.head_tokens}, nullptr});
@@ -256,8 +259,9 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
     p += len;
     const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, s.tokens);
     auto chunk = store_.Get(key);
-    if (chunk.ok() && kvbus::ChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
+    if (chunk.ok() && kvbus::SegmentChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
       s.kv = *std::move(chunk);
+      dropped += len - static_cast<int64_t>(s.kv->info().tokens);
     } else if (std::none_of(missing_segments_.begin(), missing_segments_.end(),
                             [&](const auto& m) { return m.first == key; })) {
       missing_segments_.emplace_back(key, s.tokens);
@@ -266,11 +270,13 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   }
   const std::span<const int32_t> suffix(p, job.tokens.data() + n);
 
-  // The fused KV is this request's alone: one region under the transfer key.
+  // The fused KV is this request's alone: one region under the transfer key,
+  // a slot per token but the pruned documents' dropped ones.
+  const int64_t kv_slots = n - dropped;
   engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
   Push push{*this, job, seq_,
-            kvbus::TransferRegions({}, n, options_.chunk_tokens, 0, job.transfer_id)};
+            kvbus::TransferRegions({}, kv_slots, options_.chunk_tokens, 0, job.transfer_id)};
   if (!job.decode_endpoint.empty()) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
@@ -280,32 +286,54 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
   bo.on_layer = [&](int layer) { return push.Layer(layer); };
   KDN_ASSIGN_OR_RETURN(blend::BlendResult r,
                        blend::BlendPrefill(model_, seq_, segments, suffix, bo));
+  if (seq_.length() != kv_slots) {
+    return Internal("blend: the fused KV fills " + std::to_string(seq_.length()) +
+                    " slots, not the " + std::to_string(kv_slots) + " planned");
+  }
   PrefillOutcome out;
   KDN_RETURN_IF_ERROR(push.Finish(&out));
   engine::Sampler sampler(job.sampling);
   sampler.Advance(static_cast<int>(job.generated_tokens));
   out.first_token = sampler.Sample(r.logits);
-  out.cached_tokens = r.cached_tokens;
-  out.blended_tokens = r.cached_tokens;
+  // A pruned document's dropped tokens count as its others do: the KDN
+  // gave the document (they are pruned_tokens too).
+  out.cached_tokens = r.cached_tokens + r.dropped_tokens;
+  out.blended_tokens = out.cached_tokens;
   out.recomputed_tokens = r.recomputed_tokens;
   out.recompute_ratio = r.recompute_ratio;
   out.computed_tokens = r.computed_tokens;
+  out.pruned_tokens = r.dropped_tokens;
+  out.kv_tokens = static_cast<int>(kv_slots);
   return out;
 }
 
-Status Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens) {
+Result<int64_t> Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
+                                        const control::PruneSpec* prune) {
   engine::KvCache& cache = model_.kv_cache();
   engine::KvSequence seq = cache.NewSequence();
-  KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
-  std::vector<float> logits;
-  KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
-  KDN_ASSIGN_OR_RETURN(auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
-                                                              fingerprint_, chunk_dtype_));
-  return store_.Put(std::move(chunk));
+  std::shared_ptr<const kvbus::Chunk> chunk;
+  if (prune != nullptr) {
+    KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept, prune::PruneText(model_, tokens, *prune, &seq));
+    KDN_ASSIGN_OR_RETURN(chunk, kvbridge::PrunedChunkFromPagedKv(
+                                    cache, seq, static_cast<uint32_t>(tokens.size()),
+                                    prune::KeptOffsets(kept), key, fingerprint_, chunk_dtype_));
+  } else {
+    KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
+    std::vector<float> logits;
+    KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
+    KDN_ASSIGN_OR_RETURN(chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
+                                                           fingerprint_, chunk_dtype_));
+  }
+  const int64_t stored = chunk->info().tokens;
+  KDN_RETURN_IF_ERROR(store_.Put(std::move(chunk)));
+  return stored;
 }
 
-Result<bool> Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns) {
+Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> tokens,
+                                                   const std::string& ns,
+                                                   const control::PruneSpec* prune) {
   if (tokens.empty()) return InvalidArgument("inject: an empty document");
+  if (prune != nullptr) KDN_RETURN_IF_ERROR(control::ValidatePruneSpec(*prune));
   const auto n = static_cast<int64_t>(tokens.size());
   if (n > model_.config().max_context) {
     return InvalidArgument("inject: a document of " + std::to_string(n) +
@@ -313,9 +341,9 @@ Result<bool> Prefiller::Inject(std::span<const int32_t> tokens, const std::strin
                            std::to_string(model_.config().max_context));
   }
   const kvbus::ChunkKey key = kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, tokens);
-  if (store_.Contains(key)) return true;
-  KDN_RETURN_IF_ERROR(StoreSegment(key, tokens));
-  return false;
+  if (store_.Contains(key)) return InjectOutcome{true, 0};
+  KDN_ASSIGN_OR_RETURN(int64_t stored, StoreSegment(key, tokens, prune));
+  return InjectOutcome{false, stored};
 }
 
 Status Prefiller::StoreNewChunks() {
@@ -361,8 +389,8 @@ Status Prefiller::StoreNewChunks() {
   spans_.clear();
   for (const auto& [key, tokens] : missing_segments_) {
     if (store_.Contains(key)) continue;
-    Status st = StoreSegment(key, tokens);
-    if (!st.ok() && first_error.ok()) first_error = st;
+    Result<int64_t> st = StoreSegment(key, tokens);
+    if (!st.ok() && first_error.ok()) first_error = st.status();
   }
   missing_segments_.clear();
   return first_error;

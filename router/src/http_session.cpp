@@ -264,6 +264,7 @@ class Session : public std::enable_shared_from_this<Session> {
     InjectJob job;
     job.documents = std::move(req.documents);
     job.ns = RequestNamespace(tenant_, req.cache_salt);
+    job.prune = std::move(req.prune);
     stream_.expires_never();
     BeginJob();
     job_ = router_.backend->Inject(std::move(job), JobEvents());

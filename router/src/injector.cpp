@@ -38,7 +38,8 @@ void Injector::Pump(uint64_t id) {
     if (!best) break;
     const size_t doc = inj.todo.front();
     inj.todo.pop_front();
-    proto::WorkerMessage m = InjectMessage(inj.job.documents[doc], inj.job.ns);
+    proto::WorkerMessage m = InjectMessage(inj.job.documents[doc], inj.job.ns,
+                                           inj.job.prune ? &*inj.job.prune : nullptr);
     const uint64_t part_id = next_part_id_++;
     parts_[part_id] = {id, doc, *best};
     ++busy[*best];
@@ -70,9 +71,11 @@ void Injector::Pump(uint64_t id) {
 }
 
 // Counts one document; `error` empty: it is in the KDN.
-void Injector::DocumentDone(Injection& inj, size_t doc, const std::string& error, bool held) {
+void Injector::DocumentDone(Injection& inj, size_t doc, const std::string& error, bool held,
+                            int64_t stored_tokens) {
   ++inj.progress.done;
   inj.progress.tokens += static_cast<int64_t>(inj.job.documents[doc].size());
+  inj.progress.stored_tokens += stored_tokens;
   if (!error.empty()) {
     ++inj.progress.failed;
     inj.progress.errors.emplace_back(static_cast<int>(doc), error);
@@ -83,7 +86,7 @@ void Injector::DocumentDone(Injection& inj, size_t doc, const std::string& error
   }
   if (metrics_) {
     metrics_->Injected(error.empty() ? (held ? "already_held" : "stored") : "failed",
-                       inj.job.documents[doc].size());
+                       inj.job.documents[doc].size(), stored_tokens);
   }
 }
 
@@ -102,7 +105,7 @@ void Injector::OnReply(size_t w, const proto::WorkerMessage& m) {
             workers_[w].name, ReqId{m.request_id()}, st.ToString());
   }
   DocumentDone(inj, part.document, st.ok() ? "" : st.WithContext(workers_[w].name).ToString(),
-               m.inject_reply().already_held());
+               m.inject_reply().already_held(), st.ok() ? m.inject_reply().stored_tokens() : 0);
   if (inj.cb) {
     JobEvent ev;
     ev.kind = JobEvent::Kind::kProgress;

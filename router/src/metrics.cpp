@@ -176,8 +176,10 @@ void Metrics::InterToken(double seconds) {
   i.token_gap_sum += seconds;
 }
 
-void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed, int tail) {
+void Metrics::PromptTokens(int cached, int blended, int recomputed, int computed, int tail,
+                           int pruned) {
   MutexLock lock(mu_);
+  f_.pruned_tokens += static_cast<uint64_t>(pruned);
   f_.cached_tokens += static_cast<uint64_t>(cached);
   f_.tail_tokens += static_cast<uint64_t>(tail);
   f_.blended_tokens += static_cast<uint64_t>(blended);
@@ -190,10 +192,11 @@ void Metrics::BlendRatio(double ratio) {
   f_.blend_ratio.Observe(ratio);
 }
 
-void Metrics::Injected(const std::string& result, size_t tokens) {
+void Metrics::Injected(const std::string& result, size_t tokens, int64_t stored_tokens) {
   MutexLock lock(mu_);
   ++f_.injected[result];
   f_.injected_tokens += tokens;
+  f_.injected_stored_tokens += static_cast<uint64_t>(stored_tokens);
 }
 
 void Metrics::GeneratedTokens(int n) {
@@ -267,6 +270,10 @@ std::string RenderMetrics(const StatusSnapshot& s) {
   out += "kdn_prompt_tokens_total{source=\"recomputed\"} " + std::to_string(f.recomputed_tokens) +
          "\n";
   out += "kdn_prompt_tokens_total{source=\"computed\"} " + std::to_string(f.computed_tokens) + "\n";
+  Single(&out, "kdn_prompt_pruned_tokens_total", "counter",
+         "Of the blended prompt tokens, those with no KV: pruned away when their document was "
+         "stored.",
+         f.pruned_tokens);
   Single(&out, "kdn_prompt_tail_tokens_total", "counter",
          "Of the cached prompt tokens, those loaded from tail pieces: the tokens past a "
          "conversation's last full chunk.",
@@ -280,6 +287,10 @@ std::string RenderMetrics(const StatusSnapshot& s) {
   }
   Single(&out, "kdn_injected_tokens_total", "counter", "Tokens of the documents injected.",
          f.injected_tokens);
+  Single(&out, "kdn_injected_stored_tokens_total", "counter",
+         "Tokens whose KV the injected documents stored: their tokens, or the kept ones when "
+         "pruned.",
+         f.injected_stored_tokens);
   Single(&out, "kdn_generated_tokens_total", "counter", "Tokens generated.", f.generated);
   Single(&out, "kdn_kv_bytes_moved_total", "counter",
          "KV bytes sent from prefill to decode workers.", f.kv_bytes);

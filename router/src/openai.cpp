@@ -452,6 +452,55 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   return std::nullopt;
 }
 
+// `prune` of /v1/kdn/inject: {"method": ..., "keep": ..., "sinks": ...}.
+std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& model,
+                                        std::optional<control::PruneSpec>* out) {
+  if (!IsSet(body, "prune")) return std::nullopt;
+  const json& p = body["prune"];
+  std::string methods;
+  for (std::string_view m : control::kPruneMethods) {
+    methods += (methods.empty() ? "'" : ", '") + std::string(m) + "'";
+  }
+  if (!p.is_object()) {
+    return Bad("'prune' must be an object: {\"method\": " + methods + ", \"keep\": a ratio}",
+               "prune");
+  }
+  for (const auto& [k, v] : p.items()) {
+    if (k != "method" && k != "keep" && k != "sinks") {
+      return Bad("prune: unknown field '" + k + "' (method, keep, sinks)", "prune");
+    }
+  }
+  control::PruneSpec spec;
+  if (!p.contains("method") || !p["method"].is_string()) {
+    return Bad("prune.method must be one of " + methods, "prune.method");
+  }
+  spec.method = p["method"].get<std::string>();
+  if (!p.contains("keep") || !p["keep"].is_number()) {
+    return Bad("prune.keep must be a number in (0, 1]", "prune.keep");
+  }
+  spec.keep = p["keep"].get<double>();
+  if (p.contains("sinks")) {
+    if (!p["sinks"].is_number_integer())
+      return Bad("prune.sinks must be an integer", "prune.sinks");
+    const auto sinks = p["sinks"].get<int64_t>();
+    spec.sinks = static_cast<int>(std::clamp<int64_t>(sinks, -1, control::kMaxPruneSinks + 1));
+  }
+  if (spec.method == "kvzip") {
+    spec.kvzip_first = model.tokenizer->Encode(std::string(control::kKvzipFirstPrompt), false);
+    spec.kvzip_next = model.tokenizer->Encode(std::string(control::kKvzipNextPrompt), false);
+    spec.kvzip_suffix = model.tokenizer->Encode(std::string(control::kKvzipSuffix), false);
+  }
+  if (Status st = control::ValidatePruneSpec(spec); !st.ok()) {
+    const std::string& m = st.message();
+    return Bad(m, m.find("keep") != std::string::npos     ? "prune.keep"
+                  : m.find("sinks") != std::string::npos  ? "prune.sinks"
+                  : m.find("method") != std::string::npos ? "prune.method"
+                                                          : "prune");
+  }
+  *out = std::move(spec);
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text,
                                                     const ServedModel& model,
                                                     InjectApiRequest* out) {
@@ -475,6 +524,18 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
   }
   KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
   KDN_API_CHECK(GetBool(body, "stream", &out->stream));
+  KDN_API_CHECK(ParsePruneField(body, model, &out->prune));
+  if (out->prune) {
+    for (size_t i = 0; i < out->documents.size(); ++i) {
+      if (static_cast<int64_t>(out->documents[i].size()) <= out->prune->sinks) {
+        return Bad("document " + std::to_string(i) + " has " +
+                       std::to_string(out->documents[i].size()) +
+                       " tokens, no more than prune.sinks (" + std::to_string(out->prune->sinks) +
+                       "): nothing to prune",
+                   "documents");
+      }
+    }
+  }
   return std::nullopt;
 }
 

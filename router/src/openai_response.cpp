@@ -17,6 +17,7 @@ json UsageJson(const Usage& u) {
   if (u.blended) {
     details["blended_tokens"] = u.blended_tokens;
     details["recomputed_tokens"] = u.recomputed_tokens;
+    details["pruned_tokens"] = u.pruned_tokens;
     details["recompute_ratio"] = u.recompute_ratio;
   }
   return {{"prompt_tokens", u.prompt_tokens},

@@ -105,13 +105,14 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
     r.usage.blended = r.job.blend.has_value();
     r.usage.blended_tokens = pr.blended_tokens();
     r.usage.recomputed_tokens = pr.recomputed_tokens();
+    r.usage.pruned_tokens = pr.pruned_tokens();
     r.usage.recompute_ratio = pr.recompute_ratio();
   }
   if (metrics_) {
     if (!resumed) {
       metrics_->PromptTokens(pr.cached_tokens() - pr.blended_tokens(),
                              pr.blended_tokens() - pr.recomputed_tokens(), pr.recomputed_tokens(),
-                             pr.computed_tokens(), pr.tail_tokens());
+                             pr.computed_tokens(), pr.tail_tokens(), pr.pruned_tokens());
     }
     metrics_->KvMoved(pr.kv_bytes_sent(), pr.slices_skipped(), pr.slices_sourced());
     if (!resumed && r.job.blend.has_value()) metrics_->BlendRatio(pr.recompute_ratio());
@@ -144,7 +145,12 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
   }
   r.cb(std::move(ev));
   if (r.local) return;  // it runs already, its events from the second token on
-  proto::WorkerMessage start = StartMessage(pr.first_token());
+  // Over pruned documents the prompt's KV fills fewer slots than its tokens.
+  const int32_t kv_tokens =
+      pr.kv_tokens() > 0 && pr.kv_tokens() < static_cast<int64_t>(r.job.tokens.size())
+          ? pr.kv_tokens()
+          : 0;
+  proto::WorkerMessage start = StartMessage(pr.first_token(), kv_tokens);
   link_.Send(r.d, r.id, start);
 }
 

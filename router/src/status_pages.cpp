@@ -46,7 +46,8 @@ json ProgressJson(const InjectProgress& p, bool final) {
             {"stored", p.stored},
             {"already_held", p.already_held},
             {"failed", p.failed},
-            {"tokens", p.tokens}};
+            {"tokens", p.tokens},
+            {"stored_tokens", p.stored_tokens}};
   if (final) {
     json errors = json::array();
     for (const auto& [doc, message] : p.errors) {
@@ -210,8 +211,10 @@ json StatusJson(const StatusSnapshot& s) {
        {{"cached", f.cached_tokens},
         {"blended", f.blended_tokens},
         {"recomputed", f.recomputed_tokens},
-        {"computed", f.computed_tokens}}},
+        {"computed", f.computed_tokens},
+        {"pruned", f.pruned_tokens}}},
       {"injected_tokens", f.injected_tokens},
+      {"injected_stored_tokens", f.injected_stored_tokens},
       {"kv_bytes_moved", f.kv_bytes},
       {"resumed", f.resumed},
       {"routed", {{"disaggregated", f.routed_disaggregated}, {"local", f.routed_local}}},

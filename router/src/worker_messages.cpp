@@ -61,10 +61,11 @@ proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_en
   return m;
 }
 
-proto::WorkerMessage StartMessage(int32_t first_token) {
+proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens) {
   proto::WorkerMessage m;
   m.mutable_start()->set_first_token(first_token);
   m.mutable_start()->set_first_token_sent(true);
+  m.mutable_start()->set_kv_tokens(kv_tokens);
   return m;
 }
 
@@ -74,11 +75,13 @@ proto::WorkerMessage CancelMessage() {
   return m;
 }
 
-proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns) {
+proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns,
+                                   const control::PruneSpec* prune) {
   proto::WorkerMessage m;
   auto* ir = m.mutable_inject();
   ir->mutable_tokens()->Add(document.begin(), document.end());
   ir->set_ns(ns);
+  if (prune != nullptr) control::PruneToProto(*prune, ir->mutable_prune());
   return m;
 }
 

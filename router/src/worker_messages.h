@@ -30,11 +30,13 @@ proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_en
                                     int64_t decode_held_tokens, const std::string& transfer_id,
                                     int64_t generated_tokens);
 // Start: the decode worker goes on after `first_token`, which the client has.
-proto::WorkerMessage StartMessage(int32_t first_token);
+// kv_tokens: the KV slots pushed when fewer than the prompt's tokens (0: as many).
+proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens = 0);
 // Cancel: the worker lets the request go.
 proto::WorkerMessage CancelMessage();
 // Inject: the prefill worker computes and stores a document's KV.
-proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns);
+proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns,
+                                   const control::PruneSpec* prune = nullptr);
 // Info request: a ping, answered by a report.
 proto::WorkerMessage PingMessage();
 

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "decoder_rig.h"
+#include "kdn/prune/prune.h"
 
 namespace kdn::decode_worker {
 namespace {
@@ -403,6 +404,66 @@ TEST(Decoder, ABlendedRequestLoadsAndStoresNothingByPrefixKey) {
   EXPECT_EQ(rig.gated().inner().size(), held);
   EXPECT_EQ(rig.decoder->Stats().chunks_loaded, 0u);
   EXPECT_EQ(rig.staging.Stats().chunks, 2u * 2) << "the blended KV's slices are erased";
+}
+
+TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
+  Rig rig;
+  Transcript t;
+  DecodeRequest r = Request(RandomTokens(40, 256, 3), 6);
+  r.blended = true;
+  engine::KvCache& cache = rig.model->kv_cache();
+  // The prefill worker's side: the prompt's KV pruned to half its tokens
+  // (a blend over one pruned document that is the whole prompt, say),
+  // pushed as layer slices of its 20 slots under the transfer key.
+  engine::KvSequence whole = cache.NewSequence();
+  std::vector<float> logits;
+  ASSERT_TRUE(rig.model->Prefill(whole, r.tokens, {}, &logits).ok());
+  auto scores = prune::KeyNormScores(cache, whole, 40);
+  ASSERT_TRUE(scores.ok());
+  auto kept = prune::SelectKept(*scores, 0.5, 4, prune::Granularity::kToken);
+  ASSERT_TRUE(kept.ok());
+  engine::KvSequence pruned = cache.NewSequence();
+  ASSERT_TRUE(prune::CompactKv(cache, whole, *kept, &pruned).ok());
+  whole.Reset();
+  ASSERT_EQ(pruned.length(), 20);
+  const kvbus::ChunkKey xfer = kvbus::TransferKey(
+      {reinterpret_cast<const uint8_t*>(r.transfer_id.data()), r.transfer_id.size()});
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    auto slice = kvbridge::LayerSliceFromPagedKv(
+        cache, pruned, 0, 20, l, kvbus::LayerSliceKey(xfer, l), kFingerprint, kvbus::KvDType::kF32);
+    ASSERT_TRUE(slice.ok());
+    ASSERT_TRUE(rig.staging.Put(*std::move(slice)).ok());
+  }
+  const int32_t first = engine::Sampler(r.spec.sampling).Sample(logits);
+  // What the pruned KV gives in one process: greedy from the first token on.
+  std::vector<float> pick(logits.size(), 0.0f);
+  pick[first] = 1;
+  auto want = engine::GreedyTokens(*rig.model, pruned, pick, r.spec.max_tokens);
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  pruned.Reset();
+
+  DecoderOutput out;
+  auto id = rig.decoder->Prepare(r, &out);
+  ASSERT_TRUE(id.ok());
+  t.Add(out);
+  DecoderOutput refused;
+  EXPECT_EQ(rig.decoder->Start(*id, first, false, &refused, 41).code(),
+            StatusCode::kInvalidArgument)
+      << "more slots than prompt tokens";
+  EXPECT_TRUE(refused.empty());
+  DecoderOutput started;
+  ASSERT_TRUE(rig.decoder->Start(*id, first, false, &started, 20).ok());
+  t.Add(started);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.tokens[*id], *want);
+  EXPECT_TRUE(t.error[*id].ok()) << t.error[*id].ToString();
+  EXPECT_EQ(t.finish[*id], "length");
+
+  // kv_tokens belongs to blended requests only.
+  DecodeRequest plain = Request(RandomTokens(30, 256, 4), 4);
+  const uint64_t plain_id = PrepareAndLoad(rig, plain, t);
+  EXPECT_EQ(rig.decoder->Start(plain_id, 1, false, &refused, 10).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Decoder, StartFailsCleanlyWhenTheSlicesNeverArrived) {

@@ -13,8 +13,10 @@ import openai
 import pytest
 
 import subprocess
+from pathlib import Path
 
-from deploy_util import binary, metric, parse_metrics, repeat_cached, sse_events, wait_until
+from deploy_util import (Deployment, binary, metric, parse_metrics, repeat_cached, sse_events,
+                         wait_until)
 from test_api import engine_text, words_text
 
 
@@ -114,11 +116,14 @@ def test_a_request_chooses_its_selection_policy(deployment):
     assert details(r["usage"])["recomputed_tokens"] == 60, r["usage"]
 
 
-def blend_text(model, docs, question, max_tokens, selection):
+def blend_text(model, docs, question, max_tokens, selection, prune=None):
     """kdn-generate's blend of the same prompt (documents computed on their
-    own, fused as kdn-prefill does, greedy)."""
+    own, pruned first when `prune` is {"method", "keep"}, fused as
+    kdn-prefill does, greedy)."""
     cmd = [binary("kdn-generate"), "--model", str(model), "--prompt", question, "--max-tokens",
            str(max_tokens), "--threads", "1", "--blend-selection", selection]
+    if prune:
+        cmd += ["--prune-method", prune["method"], "--prune-keep", str(prune["keep"])]
     for d in docs:
         cmd += ["--document", d]
     r = subprocess.run(cmd, capture_output=True, timeout=120)
@@ -138,6 +143,60 @@ def test_a_blend_answers_as_kdn_generates_blend_of_the_same_selection(deployment
         assert "%d recomputed" % d["recomputed_tokens"] in log, (selection, d, log)
         assert d["blended_tokens"] == 360, r["usage"]
         assert r["choices"][0]["text"] == want, selection
+
+
+QA_MODEL = Path(__file__).resolve().parents[2] / "models" / "kdn-qa"
+
+
+@pytest.fixture(scope="module")
+def qa_deployment(tmp_path_factory):
+    """1 prefill and 1 decode worker serving the shipped kdn-qa, a trained
+    model whose answers depend on where each token sits."""
+    d = Deployment(tmp_path_factory.mktemp("run-qa"), QA_MODEL)
+    try:
+        yield d
+    finally:
+        d.down()
+
+
+@pytest.mark.parametrize("method,row", [("expected_attention", 0), ("kvzip", 1)])
+def test_documents_injected_pruned_blend_as_kdn_generate_prunes_and_blends_them(qa_deployment,
+                                                                                 method, row):
+    # The decode worker gets fewer KV slots than prompt tokens and must go on
+    # at the prompt's length: its answer is kdn-generate's, in one process.
+    d = qa_deployment
+    example = [json.loads(line) for line in (QA_MODEL / "eval.jsonl").open()][row]
+    docs = [doc + " " for doc in example["documents"]]
+    question = "Question: %s\nAnswer:" % example["question"]
+    tokens = [len(doc.encode()) for doc in docs]  # kdn-qa is byte-level
+    kept = [n // 2 for n in tokens]
+    prune = {"method": method, "keep": 0.5}
+    before = parse_metrics(d.metrics())
+    final, progress = inject(d, docs, stream=True, prune=prune)
+    assert (final["stored"], final["failed"]) == (len(docs), 0), final
+    assert final["tokens"] == sum(tokens)
+    assert final["stored_tokens"] == sum(kept), final
+    assert [p["stored_tokens"] for p in progress] == [sum(kept[:i + 1]) for i in range(len(docs))]
+    r = d.completion(question, documents=docs, max_tokens=24, temperature=0,
+                     blend_selection="boundary+deviation:8")
+    u = details(r["usage"])
+    pruned = sum(tokens) - sum(kept)
+    assert u["blended_tokens"] == sum(tokens) and u["pruned_tokens"] == pruned, r["usage"]
+    want, log = blend_text(d.model, docs, question, 24, "boundary+deviation:8", prune)
+    assert "%d pruned" % pruned in log, log
+    assert "%d recomputed" % u["recomputed_tokens"] in log, (u, log)
+    assert r["choices"][0]["text"] == want
+    s = parse_metrics(d.metrics())
+
+    def grew(name):
+        return metric(s, name) - metric(before, name)
+
+    assert grew("kdn_injected_tokens_total") == sum(tokens)
+    assert grew("kdn_injected_stored_tokens_total") == sum(kept)
+    assert grew("kdn_prompt_pruned_tokens_total") == pruned
+    # Injected again whole: the KDN holds the documents already (pruned).
+    again, _ = inject(d, docs)
+    assert (again["already_held"], again["stored_tokens"]) == (len(docs), 0), again
 
 
 def test_a_quality_target_chooses_the_ratio_and_reports_it(deployment):
@@ -229,6 +288,19 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
      "blend_selection"),
     ("/v1/kdn/inject", {"documents": []}, "documents"),
     ("/v1/kdn/inject", {"documents": ["x" * 5000]}, "documents"),
+    ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": 0.5}, "prune"),
+    ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "h2o", "keep": 0.5}},
+     "prune.method"),
+    ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "knorm"}}, "prune.keep"),
+    ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0}},
+     "prune.keep"),
+    ("/v1/kdn/inject",
+     {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0.5, "sinks": -2}},
+     "prune.sinks"),
+    ("/v1/kdn/inject",
+     {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0.5, "window": 4}}, "prune"),
+    ("/v1/kdn/inject", {"documents": ["abc"], "prune": {"method": "knorm", "keep": 0.5}},
+     "documents"),
 ])
 def test_bad_blend_requests_get_a_400_naming_the_field(deployment, path, body, param):
     r = deployment.http.post(path, json=body)

@@ -8,6 +8,7 @@
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transfer_plan.h"
 #include "kdn/kvbus/host_tier.h"
+#include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::prefill_worker {
@@ -507,7 +508,7 @@ TEST(Prefiller, BlendPushesTheFusedKvUnderTheTransferKeyOnly) {
   ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
   const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 21),
                                                   RandomTokens(30, 256, 22)};
-  for (const auto& d : docs) ASSERT_FALSE(*p.Inject(d, ""));
+  for (const auto& d : docs) ASSERT_FALSE(p.Inject(d, "")->already_held);
   PrefillJob job = BlendJobOf(docs, RandomTokens(7, 256, 23), 0.15);
   job.decode_endpoint = (*receiver)->endpoint();
   job.transfer_id = "blend-1";
@@ -537,10 +538,12 @@ TEST(Prefiller, InjectStoresADocumentOnceAndRefusesBadOnes) {
   const auto doc = RandomTokens(60, 256, 31);
   auto first = p.Inject(doc, "tenant");
   ASSERT_TRUE(first.ok()) << first.status().ToString();
-  EXPECT_FALSE(*first);
+  EXPECT_FALSE(first->already_held);
+  EXPECT_EQ(first->stored_tokens, 60);
   auto again = p.Inject(doc, "tenant");
   ASSERT_TRUE(again.ok());
-  EXPECT_TRUE(*again);
+  EXPECT_TRUE(again->already_held);
+  EXPECT_EQ(again->stored_tokens, 0);
   EXPECT_TRUE(store->Contains(kvbus::SegmentKey({fp, "tenant", kChunk}, doc)));
   EXPECT_FALSE(store->Contains(kvbus::SegmentKey({fp, "", kChunk}, doc)));
   EXPECT_EQ(p.Inject(std::vector<int32_t>{}, "").status().code(), StatusCode::kInvalidArgument);
@@ -549,6 +552,81 @@ TEST(Prefiller, InjectStoresADocumentOnceAndRefusesBadOnes) {
   // A blend job whose documents leave no question is refused.
   PrefillJob job = BlendJobOf({doc}, {}, 0.15);
   EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDroppedTokens) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  kvbus::HostTier sink(64u << 20);
+  auto receiver = kvbus::Listen("tcp://127.0.0.1:0", sink);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 41),
+                                                  RandomTokens(30, 256, 42)};
+  const control::PruneSpec half{.method = "expected_attention", .keep = 0.5};
+  auto pruned = p.Inject(docs[0], "", &half);
+  ASSERT_TRUE(pruned.ok()) << pruned.status().ToString();
+  EXPECT_FALSE(pruned->already_held);
+  EXPECT_EQ(pruned->stored_tokens, 20);  // floor(40 * 0.5), its 4 sinks among them
+  auto whole = p.Inject(docs[1], "");
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(whole->stored_tokens, 30);
+  auto chunk = store->Get(kvbus::SegmentKey({fp, "", kChunk}, docs[0]));
+  ASSERT_TRUE(chunk.ok());
+  const kvbus::ChunkInfo& info = (*chunk)->info();
+  EXPECT_TRUE(info.pruned());
+  EXPECT_EQ(info.tokens, 20u);
+  EXPECT_EQ(info.logical(), 40u);
+  for (uint32_t j = 0; j < 4; ++j) EXPECT_EQ(info.kept[j], j) << "the sinks are kept";
+  // A blend reads it as a document, a prefix lookup never.
+  EXPECT_TRUE(kvbus::SegmentChunkFits(**chunk, fp, 40, kvbus::KvDType::kF32));
+  EXPECT_FALSE(kvbus::ChunkFits(**chunk, fp, 20, kvbus::KvDType::kF32));
+  // Injected again with or without pruning: held, nothing computed.
+  EXPECT_TRUE(p.Inject(docs[0], "")->already_held);
+
+  PrefillJob job = BlendJobOf(docs, RandomTokens(7, 256, 43), 0.15);
+  job.decode_endpoint = (*receiver)->endpoint();
+  job.transfer_id = "pruned-blend";
+  auto out = p.Run(job);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->blended_tokens, 70);
+  EXPECT_EQ(out->pruned_tokens, 20);
+  EXPECT_EQ(out->kv_tokens, 78 - 20);
+  const int layers = model->config().num_layers;
+  const uint64_t token_bytes = model->kv_cache().token_stride() * 2 * sizeof(float);
+  EXPECT_EQ(out->kv_bytes_sent, 58u * token_bytes * layers);
+  const kvbus::ChunkKey xfer = kvbus::TransferKey(
+      {reinterpret_cast<const uint8_t*>(job.transfer_id.data()), job.transfer_id.size()});
+  for (int l = 0; l < layers; ++l) {
+    auto slice = sink.Get(kvbus::LayerSliceKey(xfer, l));
+    ASSERT_TRUE(slice.ok()) << "layer " << l;
+    EXPECT_EQ((*slice)->info().tokens, 58u);
+  }
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, InjectRefusesABadPruneSpec) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  const auto doc = RandomTokens(30, 256, 51);
+  for (const control::PruneSpec& bad :
+       {control::PruneSpec{.method = "snapkv", .keep = 0.5},
+        control::PruneSpec{.method = "knorm", .keep = 0},
+        control::PruneSpec{.method = "knorm", .keep = 1.5},
+        control::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = -1},
+        control::PruneSpec{.method = "kvzip", .keep = 0.5},  // without its prompts
+        control::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = 30}}) {
+    EXPECT_EQ(p.Inject(doc, "", &bad).status().code(), StatusCode::kInvalidArgument)
+        << bad.method << " " << bad.keep << " " << bad.sinks;
+  }
+  EXPECT_EQ(store->Stats().chunks, 0u);
+  // The key-norm method needs no query hooks: it prunes the same way.
+  const control::PruneSpec knorm{.method = "knorm", .keep = 0.25};
+  auto ok = p.Inject(doc, "", &knorm);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->stored_tokens, 7);  // floor(30 * 0.25)
 }
 
 TEST(Prefiller, ADecodeWorkerThatNeverAnswersIsUnavailable) {

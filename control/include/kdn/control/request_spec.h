@@ -6,6 +6,7 @@
 //
 // Thread-compatible values.
 
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,6 +17,7 @@
 
 namespace kdn::proto {
 class BlendSpec;
+class PruneSpec;
 }  // namespace kdn::proto
 
 namespace kdn::control {
@@ -119,5 +121,32 @@ struct BlendSpec {
 
 void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out);
 BlendSpec BlendFromProto(const proto::BlendSpec& p);
+
+// Question-free pruning of a document's KV when it is stored
+// (/v1/kdn/inject's `prune`; docs/kvbus.md, "Pruned KV"): the method that
+// scores each token, the share kept, at token granularity (the same tokens
+// in every layer and head: what a pruned chunk holds).
+inline constexpr std::string_view kPruneMethods[] = {"expected_attention", "knorm", "kvzip"};
+inline constexpr int kDefaultPruneSinks = 4;
+inline constexpr int kMaxPruneSinks = 1024;
+// KVzip's repeat prompts as kvpress words them, and "\n" to end the request
+// (kvpress's ending for a tokenizer without a chat template).
+inline constexpr std::string_view kKvzipFirstPrompt = "\n\nRepeat the previous context exactly.";
+inline constexpr std::string_view kKvzipNextPrompt =
+    "\n\nRepeat the part of the previous context exactly, starting with";
+inline constexpr std::string_view kKvzipSuffix = "\n";
+struct PruneSpec {
+  std::string method;
+  double keep = 1;
+  int sinks = kDefaultPruneSinks;  // the leading tokens always kept
+  // KVzip's repeat prompts in the model's vocabulary (prune::KvzipPrompts;
+  // the router tokenizes them); for "kvzip" only.
+  std::vector<int32_t> kvzip_first, kvzip_next, kvzip_suffix;
+};
+// INVALID_ARGUMENT naming what is wrong: an unknown method, a keep ratio
+// outside (0, 1], negative sinks, kvzip without its prompts.
+Status ValidatePruneSpec(const PruneSpec& spec);
+void PruneToProto(const PruneSpec& spec, proto::PruneSpec* out);
+PruneSpec PruneFromProto(const proto::PruneSpec& p);
 
 }  // namespace kdn::control

@@ -270,8 +270,13 @@ class Decoder {
   // request either runs (its first event in `out`), fails (its finished event with `error` in
   // `out`), or waits for its load (a later Advance does the rest). `first_token_sent`: the router
   // has sent the first token to the client itself, so the request's events begin at the second
-  // (RequestSpec).
-  Status Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out);
+  // (RequestSpec). `kv_tokens`: the KV slots the prefill worker pushed, when
+  // fewer than the prompt's tokens (a blend over pruned documents; 0: one
+  // per token); the request goes on at the prompt's length all the same.
+  // INVALID_ARGUMENT for kv_tokens on a request that is not blended, or
+  // past its prompt.
+  Status Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out,
+               int64_t kv_tokens = 0);
 
   // Ends a prepared, running or preempted request: its "cancelled" event in
   // `out`, its blocks free when this returns (a running request's
@@ -315,7 +320,10 @@ class Decoder {
     engine::KvSequence seq;             // blocks for the whole prompt
     int64_t resident_tokens = 0;        // leading tokens attached from the pool
     int64_t held_tokens = -1;           // -1 while the load is out
-    std::optional<int32_t> start;       // a Start waiting for the load: its first token
+    // The KV slots pushed (StartRequest.kv_tokens): fewer than the prompt's
+    // tokens over pruned documents; 0 until the Start, or one per token.
+    int64_t kv_tokens = 0;
+    std::optional<int32_t> start;  // a Start waiting for the load: its first token
     TimePoint created;
     uint64_t kv_bytes_loaded = 0;  // placed from the lower tiers
     std::optional<Resume> resume;  // set: a preempted request resuming

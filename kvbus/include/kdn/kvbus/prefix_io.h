@@ -21,8 +21,13 @@ namespace kdn::kvbus {
 // Whether a chunk from the KDN can be written into a caller's KV as
 // `tokens` tokens: that many, computed by this model (`fingerprint`, which
 // covers the engine's KV element type) and decoded to `dtype`. Another
-// chunking, model or precision is recomputed rather than guessed at.
+// chunking, model or precision is recomputed rather than guessed at. A
+// pruned chunk never fits: a prefix's KV is every token's.
 bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, KvDType dtype);
+// The same for a document's chunk under its segment key, which a blend
+// takes pruned too: KV standing for `tokens` tokens of text.
+bool SegmentChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens,
+                      KvDType dtype);
 
 // Whether a lower tier's span `s` is worth fetching past a prefix of
 // `resident` tokens the caller holds already: one wholly past it is; one

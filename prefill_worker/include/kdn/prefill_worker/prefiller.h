@@ -23,7 +23,10 @@
 // so it travels under the request's transfer key only and is never stored
 // under prefix keys; documents the KDN lacked are computed on their own and
 // stored under their segment keys after the reply. Inject stores a document
-// that way ahead of any question.
+// that way ahead of any question, pruned if asked (kdn/prune): a pruned
+// document's dropped tokens have no KV in the fused prompt, which then
+// fills fewer KV slots than it has tokens (PrefillOutcome::kv_tokens), and
+// the decode worker places that many and goes on at the prompt's length.
 //
 // Not thread-safe: the worker's compute loop owns it, with the Engine. The
 // store is shared (thread-safe).
@@ -82,8 +85,12 @@ struct PrefillOutcome {
   double load_seconds = 0;       // looking up and placing the cached prefix
   int computed_tokens = 0;       // run through the model in full
   int blended_tokens = 0;        // of cached_tokens: fused from documents' KV
-  int recomputed_tokens = 0;     // of blended_tokens: recomputed past the check layer
-  double recompute_ratio = 0;    // a blend's: the request's, or its quality target's
+  // Of blended_tokens: tokens of pruned documents with no KV (pruned away
+  // when stored), so the prompt's KV fills kv_tokens slots, not one per token.
+  int pruned_tokens = 0;
+  int kv_tokens = 0;
+  int recomputed_tokens = 0;   // of blended_tokens: recomputed past the check layer
+  double recompute_ratio = 0;  // a blend's: the request's, or its quality target's
   uint64_t kv_bytes_sent = 0;
   // Layer slices not sent because the decode worker held them: the chunks it
   // said it holds, and slices its receiver answered HELD for.
@@ -147,10 +154,18 @@ class Prefiller {
   uint64_t StoreFailures() const;
 
   // Knowledge injection: computes `tokens` (one document) on its own and
-  // stores its KV under its segment key. Returns true when the store already
-  // held it (nothing computed). INVALID_ARGUMENT for an empty document, ids
-  // outside the vocabulary or one beyond the context.
-  Result<bool> Inject(std::span<const int32_t> tokens, const std::string& ns);
+  // stores its KV under its segment key; with `prune`, only the tokens its
+  // method keeps (a pruned chunk; docs/kvbus.md, "Pruned KV"), which blend
+  // jobs reuse as they reuse whole documents. Nothing is computed when the
+  // store already holds KV under the key, pruned or not. INVALID_ARGUMENT
+  // for an empty document, ids outside the vocabulary, one beyond the
+  // context or a bad prune spec.
+  struct InjectOutcome {
+    bool already_held = false;
+    int64_t stored_tokens = 0;  // tokens whose KV was stored (0 when already held)
+  };
+  Result<InjectOutcome> Inject(std::span<const int32_t> tokens, const std::string& ns,
+                               const control::PruneSpec* prune = nullptr);
 
   // What its kvbus senders moved, summed over every decode worker.
   kvbus::SenderStats TransportStats() const;
@@ -161,8 +176,10 @@ class Prefiller {
   // The layer-slice push of one job: Push(layer) submits that layer of every
   // region, Finish waits for them all and fills the outcome's figures.
   struct Push;
-  // Computes a document alone and stores it (seq_ must be free).
-  Status StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens);
+  // Computes a document alone and stores it (seq_ must be free), pruned
+  // with `prune`; returns the tokens whose KV it stored.
+  Result<int64_t> StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
+                               const control::PruneSpec* prune = nullptr);
 
   engine::Engine& model_;
   kvbus::TieredStore& store_;

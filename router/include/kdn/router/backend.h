@@ -58,7 +58,10 @@ struct InjectProgress {
   int stored = 0;        // computed and stored
   int already_held = 0;  // the KDN had them
   int failed = 0;
-  int64_t tokens = 0;                               // of the documents done
+  int64_t tokens = 0;  // of the documents done
+  // Tokens whose KV was stored: the stored documents' tokens, fewer when
+  // pruned.
+  int64_t stored_tokens = 0;
   std::vector<std::pair<int, std::string>> errors;  // (document index, message)
 };
 

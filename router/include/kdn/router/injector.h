@@ -58,7 +58,8 @@ class Injector {
   };
 
   void Pump(uint64_t id);
-  void DocumentDone(Injection& inj, size_t doc, const std::string& error, bool held = false);
+  void DocumentDone(Injection& inj, size_t doc, const std::string& error, bool held = false,
+                    int64_t stored_tokens = 0);
   void End(std::map<uint64_t, Injection>::iterator it, JobEvent ev);
 
   const WorkerViews& workers_;

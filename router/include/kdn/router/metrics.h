@@ -63,10 +63,11 @@ struct RouterFigures {
   Histogram queue_wait;
   Histogram blend_ratio;
   uint64_t cached_tokens = 0, blended_tokens = 0, recomputed_tokens = 0, tail_tokens = 0,
-           computed_tokens = 0;
+           computed_tokens = 0, pruned_tokens = 0;
   uint64_t generated = 0;
   std::map<std::string, uint64_t> injected;  // by result
   uint64_t injected_tokens = 0;
+  uint64_t injected_stored_tokens = 0;
   uint64_t kv_bytes = 0;
   uint64_t slices_skipped = 0;
   uint64_t slices_sourced = 0;
@@ -103,12 +104,14 @@ class Metrics {
   // loaded, documents' KV fused in unchanged, documents' tokens recomputed by
   // blend, and computed in full. They add up to the prompt.
   // `tail` is the part of `cached` that came from tail pieces.
-  void PromptTokens(int cached, int blended, int recomputed, int computed, int tail = 0);
+  // `pruned`: of the blended, tokens with no KV (their document pruned).
+  void PromptTokens(int cached, int blended, int recomputed, int computed, int tail = 0,
+                    int pruned = 0);
   // The recompute ratio a blend request used (its own, or its quality
   // target's).
   void BlendRatio(double ratio);
   // One injected document: result "stored", "already_held" or "failed".
-  void Injected(const std::string& result, size_t tokens);
+  void Injected(const std::string& result, size_t tokens, int64_t stored_tokens = 0);
   void GeneratedTokens(int n);
   void KvMoved(uint64_t bytes, uint64_t slices_skipped, uint64_t slices_sourced);
   // A failed accept of an HTTP connection (out of file descriptors, say).

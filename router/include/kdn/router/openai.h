@@ -82,6 +82,9 @@ struct InjectApiRequest {
   std::vector<std::vector<int32_t>> documents;
   std::string cache_salt;
   bool stream = false;
+  // `prune`: {"method", "keep", "sinks"}; KVzip's repeat prompts tokenized
+  // here (docs/serving.md, "Documents").
+  std::optional<control::PruneSpec> prune;
 };
 std::optional<ApiError> ParseInjectRequest(const std::string& body, const ServedModel& model,
                                            InjectApiRequest* out);
@@ -93,6 +96,7 @@ struct Usage {
   bool blended = false;        // a blend request: the two below are reported
   int blended_tokens = 0;      // of cached_tokens, fused from documents' KV
   int recomputed_tokens = 0;   // of blended_tokens, recomputed by blend
+  int pruned_tokens = 0;       // of blended_tokens, with no KV: pruned when stored
   double recompute_ratio = 0;  // the ratio the blend used
 };
 json UsageJson(const Usage& u);

@@ -48,6 +48,7 @@ struct Job {
 struct InjectJob {
   std::vector<std::vector<int32_t>> documents;
   std::string ns;
+  std::optional<control::PruneSpec> prune;  // each document's KV pruned when stored
 };
 
 }  // namespace kdn::router

@@ -1,0 +1,47 @@
+#include "kdn/prune/prune_text.h"
+
+#include "kdn/prune/expected_attention.h"
+#include "kdn/prune/kvzip.h"
+
+namespace kdn::prune {
+
+Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
+                             const control::PruneSpec& spec, engine::KvSequence* pruned) {
+  KDN_RETURN_IF_ERROR(control::ValidatePruneSpec(spec));
+  const auto n = static_cast<int64_t>(text.size());
+  if (n <= spec.sinks) {
+    return InvalidArgument("prune: a text of " + std::to_string(n) +
+                           " tokens has no more than its " + std::to_string(spec.sinks) +
+                           " sink tokens");
+  }
+  const model::ModelConfig& cfg = model.config();
+  engine::KvCache& cache = model.kv_cache();
+  engine::KvSequence whole = cache.NewSequence();
+  KDN_RETURN_IF_ERROR(cache.Reserve(whole, n));
+  engine::QueryStats stats{.skip = spec.sinks};
+  engine::PrefillOptions popts;
+  if (spec.method == "expected_attention") popts.on_queries = stats.Hook(cfg);
+  std::vector<float> logits;
+  KDN_RETURN_IF_ERROR(model.Prefill(whole, text, popts, &logits));
+  Result<Scores> scores =
+      spec.method == "expected_attention"
+          ? ExpectedAttentionScores(cfg, cache, whole, n, stats, {.sinks = spec.sinks})
+      : spec.method == "kvzip"
+          ? KvzipScores(model, whole, text,
+                        {spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix},
+                        {.sinks = spec.sinks})
+          : KeyNormScores(cache, whole, n);
+  KDN_RETURN_IF_ERROR(scores.status());
+  KDN_ASSIGN_OR_RETURN(KeptTokens kept,
+                       SelectKept(*scores, spec.keep, spec.sinks, Granularity::kToken));
+  // `whole` is freed on return, after the copy.
+  KDN_RETURN_IF_ERROR(CompactKv(cache, whole, kept, pruned));
+  return kept;
+}
+
+std::vector<uint32_t> KeptOffsets(const KeptTokens& kept) {
+  const int32_t* of = kept.of(0, 0);
+  return {of, of + kept.kept};
+}
+
+}  // namespace kdn::prune
