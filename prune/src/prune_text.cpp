@@ -27,8 +27,7 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
       spec.method == "expected_attention"
           ? ExpectedAttentionScores(cfg, cache, whole, n, stats, {.sinks = spec.sinks})
       : spec.method == "kvzip"
-          ? KvzipScores(model, whole, text,
-                        {spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix},
+          ? KvzipScores(model, whole, text, {spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix},
                         {.sinks = spec.sinks})
           : KeyNormScores(cache, whole, n);
   KDN_RETURN_IF_ERROR(scores.status());

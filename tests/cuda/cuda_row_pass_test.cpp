@@ -109,13 +109,9 @@ TEST(CudaPositionShift, PrefillDecodeAndRowPassRotateEachTokenForItsPosition) {
   KDN_ASSERT_OK(ref.SetNextPosition(shift));
   KDN_ASSERT_OK(g->Prefill(ref, tokens, {}, &want));
   EXPECT_TRUE(AllClose(got, want, {2e-2, 2e-2}));
-  // Query statistics (KV pruning's scores) are the CPU engine's alone.
-  QueryStats stats{.skip = 4};
+  // Pruned KV's holes (heads that kept different numbers of tokens) are the
+  // CPU engine's alone: refused, not attended over.
   KvSequence q = g->kv_cache().NewSequence();
-  EXPECT_EQ(g->Prefill(q, tokens, {.on_queries = stats.Hook(g->config())}, &a).code(),
-            StatusCode::kUnimplemented);
-  // So are pruned KV's holes (heads that kept different numbers of tokens):
-  // refused, not attended over.
   KDN_ASSERT_OK(g->Prefill(q, tokens, {}, &a));
   std::vector<int32_t> counts(size_t(g->config().num_layers) * g->config().num_kv_heads, 40);
   counts[0] = 30;
@@ -185,6 +181,67 @@ TEST_P(CudaRowPassOn, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, CudaRowPassOn, ::testing::Values("tiny", "small"),
                          [](const auto& info) { return info.param; });
+
+// A prefill's query hook (KV pruning's scores: Expected Attention's
+// statistics, KVzip's repeat rows) sees each layer's queries before RoPE,
+// with their positions (past pruned KV too), as the CPU engine shows its
+// own; the GPU's are bf16, so within bf16's error of the CPU's f32.
+TEST(CudaQueryHook, ShowsEachLayersQueriesBeforeRopeAsTheCpuEngineDoes) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto p = FindPreset("tiny");
+  ASSERT_TRUE(p.ok());
+  ModelWeights w = GenerateWeights(p->config, 6, DType::kBF16);
+  CudaEngineOptions go;
+  go.kv_tokens = 4096;
+  go.max_prefill_tokens = 512;
+  auto gpu = CudaEngine::Create(p->config, w, go);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+  auto cpu = CpuEngine::Create(p->config, std::move(w), {});
+  ASSERT_TRUE(cpu.ok());
+  const auto tokens = Tokens(40, 31);
+  const int64_t shift = 7;
+  struct Seen {
+    std::vector<std::vector<float>> q;  // per layer
+    std::vector<std::vector<int32_t>> positions;
+  } seen[2];
+  Engine* engines[2] = {cpu->get(), gpu->get()};
+  for (int e = 0; e < 2; ++e) {
+    Seen& s = seen[e];
+    const model::ModelConfig& c = engines[e]->config();
+    s.q.resize(c.num_layers);
+    s.positions.resize(c.num_layers);
+    KvSequence seq = engines[e]->kv_cache().NewSequence();
+    KDN_ASSERT_OK(seq.SetNextPosition(shift));
+    std::vector<float> logits;
+    PrefillOptions o;
+    o.on_queries = [&](int layer, const float* q, int64_t rows, const int32_t* positions) {
+      s.q[layer].insert(s.q[layer].end(), q, q + rows * c.q_dim());
+      s.positions[layer].insert(s.positions[layer].end(), positions, positions + rows);
+    };
+    KDN_ASSERT_OK(engines[e]->Prefill(seq, tokens, o, &logits));
+  }
+  std::vector<int32_t> want_positions(40);
+  std::iota(want_positions.begin(), want_positions.end(), static_cast<int32_t>(shift));
+  for (int l = 0; l < p->config.num_layers; ++l) {
+    EXPECT_EQ(seen[1].positions[l], want_positions) << "layer " << l;
+    ASSERT_EQ(seen[1].q[l].size(), seen[0].q[l].size()) << "layer " << l;
+    // Within 3% of the layer's largest query element (LogitsClose's rule).
+    EXPECT_TRUE(LogitsClose(seen[1].q[l], seen[0].q[l])) << "layer " << l;
+  }
+  // Expected Attention's statistics from either engine's hook agree too.
+  QueryStats stats[2] = {{.skip = 4}, {.skip = 4}};
+  for (int e = 0; e < 2; ++e) {
+    KvSequence seq = engines[e]->kv_cache().NewSequence();
+    std::vector<float> logits;
+    KDN_ASSERT_OK(engines[e]->Prefill(
+        seq, tokens, {.on_queries = stats[e].Hook(engines[e]->config())}, &logits));
+  }
+  EXPECT_EQ(stats[1].count, 36);
+  EXPECT_EQ(stats[1].count, stats[0].count);
+  const std::vector<float> sum0(stats[0].sum.begin(), stats[0].sum.end()),
+      sum1(stats[1].sum.begin(), stats[1].sum.end());
+  EXPECT_TRUE(LogitsClose(sum1, sum0));
+}
 
 TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();

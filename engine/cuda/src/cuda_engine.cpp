@@ -91,9 +91,6 @@ Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
     return InvalidArgument("prefill: " + std::to_string(n) + " tokens in one call; at most " +
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
   }
-  if (options.on_queries) {
-    return Unimplemented("prefill: a query hook (KV pruning's scores) on the CUDA engine");
-  }
   KDN_RETURN_IF_ERROR(RefuseHoles(seq, "prefill"));
   const int64_t start = seq.length();
   if (seq.next_position() + n > c.max_context) {
@@ -141,6 +138,18 @@ Status CudaEngine::Impl::PrefillBody(KvSequence& seq, std::span<const int32_t> t
     KDN_CUDA_RETURN_IF_ERROR(up(m.tables.get(), blocks.data(), blocks.size() * sizeof(int32_t)));
   }
   KDN_RETURN_IF_ERROR(m.Embed(n));
+  // The hook, if any, sees each layer's queries (KV pruning's scores).
+  struct HookScope {
+    Impl& m;
+    ~HookScope() {
+      m.query_hook = nullptr;
+      m.query_positions = nullptr;
+    }
+  } hook_scope{m};
+  if (options.on_queries) {
+    m.query_hook = &options.on_queries;
+    m.query_positions = pos.data();
+  }
   for (int l = 0; l < c.num_layers; ++l) {
     KDN_RETURN_IF_ERROR(m.Attend(l, n, /*decode=*/false, start, 0, 0));
     KDN_RETURN_IF_ERROR(m.Finish(l, n));

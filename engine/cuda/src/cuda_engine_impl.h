@@ -102,6 +102,12 @@ struct CudaEngine::Impl {
 
   // Activations, sized for max(max_prefill_tokens, max_batch) rows.
   int64_t max_rows = 0;
+  // A prefill's query hook (PrefillOptions::on_queries) and its rows' host
+  // positions, while that prefill runs; null otherwise.
+  const QueryHook* query_hook = nullptr;
+  const int32_t* query_positions = nullptr;
+  std::vector<__nv_bfloat16> query_host;  // staging for the hook's queries
+  std::vector<float> query_f32;
   DeviceArray<bf16> x, h, qkv, q, attn, gate_up, act;  // q: reference attention only
   DeviceArray<float> logits;
   DeviceArray<int32_t> ids, positions, tables, lengths, bad_id, sampled;
@@ -353,6 +359,7 @@ struct CudaEngine::Impl {
     if (c.qkv_bias) {
       KDN_RETURN_IF_ERROR(AddBiasCuda<bf16>(qkv.get(), L.qkv_bias.get(), rows, qkv_out, stream));
     }
+    if (query_hook != nullptr && !decode) KDN_RETURN_IF_ERROR(ShowQueries(l, rows));
     KDN_RETURN_IF_ERROR(RopeQkvToCacheCuda<bf16>(qkv.get(), rows, c.num_heads, c.num_kv_heads,
                                                  c.head_dim, positions.get(), inv_freq.get(),
                                                  slots.get(), Layer(l), stream, rope));
@@ -371,6 +378,22 @@ struct CudaEngine::Impl {
     }
     return PrefillAttentionCuda<bf16>(q.get(), rows, start, ConstLayer(l), tables.get(), shape,
                                       attn.get(), stream);
+  }
+
+  // Shows the query hook layer l's queries before RoPE (the first q_dim
+  // columns of qkv, one row per token), in f32 on the host, as the CPU
+  // engine shows its own: the same hook serves both.
+  Status ShowQueries(int l, int64_t rows) {
+    const int64_t qd = config.q_dim();
+    query_host.resize(static_cast<size_t>(rows * qd));
+    query_f32.resize(query_host.size());
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(query_host.data(), qd * sizeof(bf16), qkv.get(),
+                                               qkv_dim() * sizeof(bf16), qd * sizeof(bf16), rows,
+                                               cudaMemcpyDeviceToHost, stream));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    ToFloat(DType::kBF16, query_host.data(), query_host.size(), query_f32.data());
+    (*query_hook)(l, query_f32.data(), rows, query_positions);
+    return Status::Ok();
   }
 
   // After attention (in attn): output projection into the residual, then the MLP.

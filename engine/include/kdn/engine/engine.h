@@ -77,8 +77,8 @@ struct QueryStats {
 struct PrefillOptions {
   bool all_logits = false;  // logits of every new token, not only the last
   LayerHook on_layer;
-  // When set, the prefill shows it its queries (the CPU engine; the CUDA
-  // engine refuses it: UNIMPLEMENTED).
+  // When set, the prefill shows it its queries, in f32 on the host (the
+  // CUDA engine copies its bf16 queries there, layer by layer).
   QueryHook on_queries;
 };
 
