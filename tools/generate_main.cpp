@@ -98,7 +98,7 @@ struct BlendOutput {
   int cached_tokens = 0;
   int recomputed_tokens = 0;
   double recompute_ratio = 0;
-  int pruned_tokens = 0;  // of cached_tokens, with no KV (--prune-method)
+  int pruned_tokens = 0;  // documents' tokens with no KV (--prune-method)
 };
 
 // Each document's KV computed on its own (from position 0, as kdn-prefill

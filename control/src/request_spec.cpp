@@ -58,6 +58,15 @@ Status ValidatePruneSpec(const PruneSpec& spec) {
   return Status::Ok();
 }
 
+int64_t PrunePeakTokens(const PruneSpec& spec, int64_t tokens) {
+  if (spec.method != "kvzip") return tokens;
+  const auto first = static_cast<int64_t>(spec.kvzip_first.size());
+  const int64_t next =
+      tokens > kKvzipChunkTokens ? static_cast<int64_t>(spec.kvzip_next.size()) + kKvzipOverlap : 0;
+  return tokens + std::max(first, next) + static_cast<int64_t>(spec.kvzip_suffix.size()) +
+         std::min(tokens, kKvzipChunkTokens);
+}
+
 void PruneToProto(const PruneSpec& spec, proto::PruneSpec* out) {
   out->set_method(spec.method);
   out->set_keep(spec.keep);

@@ -15,6 +15,12 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
                            " sink tokens");
   }
   const model::ModelConfig& cfg = model.config();
+  if (const int64_t peak = control::PrunePeakTokens(spec, n); peak > cfg.max_context) {
+    return InvalidArgument("prune: " + spec.method + " over a text of " + std::to_string(n) +
+                           " tokens holds " + std::to_string(peak) +
+                           " tokens at once, past the model's context of " +
+                           std::to_string(cfg.max_context));
+  }
   engine::KvCache& cache = model.kv_cache();
   engine::KvSequence whole = cache.NewSequence();
   KDN_RETURN_IF_ERROR(cache.Reserve(whole, n));
@@ -28,7 +34,9 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
           ? ExpectedAttentionScores(cfg, cache, whole, n, stats, {.sinks = spec.sinks})
       : spec.method == "kvzip"
           ? KvzipScores(model, whole, text, {spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix},
-                        {.sinks = spec.sinks})
+                        {.sinks = spec.sinks,
+                         .chunk_tokens = control::kKvzipChunkTokens,
+                         .overlap = control::kKvzipOverlap})
           : KeyNormScores(cache, whole, n);
   KDN_RETURN_IF_ERROR(scores.status());
   KDN_ASSIGN_OR_RETURN(KeptTokens kept,

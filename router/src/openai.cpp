@@ -1,6 +1,7 @@
 #include "kdn/router/openai.h"
 
 #include <algorithm>
+#include <iterator>
 #include <cmath>
 
 #include "kdn/text/chat_template.h"
@@ -478,25 +479,31 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
   if (!p.contains("keep") || !p["keep"].is_number()) {
     return Bad("prune.keep must be a number in (0, 1]", "prune.keep");
   }
+  if (std::find(std::begin(control::kPruneMethods), std::end(control::kPruneMethods),
+                spec.method) == std::end(control::kPruneMethods)) {
+    return Bad("prune.method '" + spec.method + "' is not one of " + methods, "prune.method");
+  }
   spec.keep = p["keep"].get<double>();
+  if (!(spec.keep > 0 && spec.keep <= 1)) {
+    return Bad("prune.keep must be in (0, 1]", "prune.keep");
+  }
   if (p.contains("sinks")) {
-    if (!p["sinks"].is_number_integer())
-      return Bad("prune.sinks must be an integer", "prune.sinks");
-    const auto sinks = p["sinks"].get<int64_t>();
-    spec.sinks = static_cast<int>(std::clamp<int64_t>(sinks, -1, control::kMaxPruneSinks + 1));
+    const json& sinks = p["sinks"];
+    if (!sinks.is_number_integer() || sinks.get<int64_t>() < 0 ||
+        sinks.get<int64_t>() > control::kMaxPruneSinks) {
+      return Bad(
+          "prune.sinks must be an integer in [0, " + std::to_string(control::kMaxPruneSinks) + "]",
+          "prune.sinks");
+    }
+    spec.sinks = static_cast<int>(sinks.get<int64_t>());
   }
   if (spec.method == "kvzip") {
     spec.kvzip_first = model.tokenizer->Encode(std::string(control::kKvzipFirstPrompt), false);
     spec.kvzip_next = model.tokenizer->Encode(std::string(control::kKvzipNextPrompt), false);
     spec.kvzip_suffix = model.tokenizer->Encode(std::string(control::kKvzipSuffix), false);
   }
-  if (Status st = control::ValidatePruneSpec(spec); !st.ok()) {
-    const std::string& m = st.message();
-    return Bad(m, m.find("keep") != std::string::npos     ? "prune.keep"
-                  : m.find("sinks") != std::string::npos  ? "prune.sinks"
-                  : m.find("method") != std::string::npos ? "prune.method"
-                                                          : "prune");
-  }
+  // What the prefill worker checks again (the repeat prompts, above all).
+  if (Status st = control::ValidatePruneSpec(spec); !st.ok()) return Bad(st.message(), "prune");
   *out = std::move(spec);
   return std::nullopt;
 }
@@ -527,7 +534,19 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
   KDN_API_CHECK(ParsePruneField(body, model, &out->prune));
   if (out->prune) {
     for (size_t i = 0; i < out->documents.size(); ++i) {
-      if (static_cast<int64_t>(out->documents[i].size()) <= out->prune->sinks) {
+      const auto n = static_cast<int64_t>(out->documents[i].size());
+      if (const int64_t peak = control::PrunePeakTokens(*out->prune, n);
+          peak > model.config->max_context) {
+        ApiError e =
+            Bad("document " + std::to_string(i) + " has " + std::to_string(n) +
+                    " tokens; pruning it by " + out->prune->method + " holds " +
+                    std::to_string(peak) + " tokens at once, past this model's context of " +
+                    std::to_string(model.config->max_context),
+                "documents");
+        e.code = "context_length_exceeded";
+        return e;
+      }
+      if (n <= out->prune->sinks) {
         return Bad("document " + std::to_string(i) + " has " +
                        std::to_string(out->documents[i].size()) +
                        " tokens, no more than prune.sinks (" + std::to_string(out->prune->sinks) +

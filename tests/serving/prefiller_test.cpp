@@ -621,6 +621,14 @@ TEST(Prefiller, InjectRefusesABadPruneSpec) {
     EXPECT_EQ(p.Inject(doc, "", &bad).status().code(), StatusCode::kInvalidArgument)
         << bad.method << " " << bad.keep << " " << bad.sinks;
   }
+  // KVzip's repeat pass must fit the context (tiny's 2,048) beside the text.
+  const control::PruneSpec kvzip{.method = "kvzip",
+                                 .keep = 0.5,
+                                 .kvzip_first = {1, 2, 3},
+                                 .kvzip_next = {4, 5},
+                                 .kvzip_suffix = {6}};
+  EXPECT_EQ(p.Inject(RandomTokens(1100, 256, 52), "", &kvzip).status().code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(store->Stats().chunks, 0u);
   // The key-norm method needs no query hooks: it prunes the same way.
   const control::PruneSpec knorm{.method = "knorm", .keep = 0.25};

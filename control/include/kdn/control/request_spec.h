@@ -135,6 +135,11 @@ inline constexpr std::string_view kKvzipFirstPrompt = "\n\nRepeat the previous c
 inline constexpr std::string_view kKvzipNextPrompt =
     "\n\nRepeat the part of the previous context exactly, starting with";
 inline constexpr std::string_view kKvzipSuffix = "\n";
+// KVzip's parts (prune::KvzipOptions' defaults): a text repeated this many
+// tokens a pass, each later pass starting from the previous part's last
+// kKvzipOverlap tokens.
+inline constexpr int64_t kKvzipChunkTokens = 2048;
+inline constexpr int kKvzipOverlap = 8;
 struct PruneSpec {
   std::string method;
   double keep = 1;
@@ -146,6 +151,11 @@ struct PruneSpec {
 // INVALID_ARGUMENT naming what is wrong: an unknown method, a keep ratio
 // outside (0, 1], negative sinks, kvzip without its prompts.
 Status ValidatePruneSpec(const PruneSpec& spec);
+// The most tokens pruning a text of `tokens` tokens holds in one sequence:
+// the text, and under kvzip a repeat pass appended to it (its prompt, the
+// previous part's tail, the request's end and a part). It must be within
+// the model's context.
+int64_t PrunePeakTokens(const PruneSpec& spec, int64_t tokens);
 void PruneToProto(const PruneSpec& spec, proto::PruneSpec* out);
 PruneSpec PruneFromProto(const proto::PruneSpec& p);
 
