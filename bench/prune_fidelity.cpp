@@ -160,9 +160,9 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   // KVzip's repeat prompts (control::kKvzipFirstPrompt: as kvpress words
   // them, ending as kvpress ends them for a tokenizer without a chat
   // template, the peer's), as kdn-router sends them.
-  const prune::KvzipPrompts kvzip_prompts{encode(std::string(control::kKvzipFirstPrompt)),
-                                          encode(std::string(control::kKvzipNextPrompt)),
-                                          encode(std::string(control::kKvzipSuffix))};
+  control::PruneSpec kvzip{.method = "kvzip"};
+  control::TokenizeKvzipPrompts(encode, &kvzip);
+  const prune::KvzipPrompts kvzip_prompts{kvzip.kvzip_first, kvzip.kvzip_next, kvzip.kvzip_suffix};
   const std::vector<std::string> cues = {
       "What does the text above say about \"%s\"?",
       "Summarize the text above in one sentence.",

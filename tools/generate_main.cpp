@@ -228,12 +228,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: a blend (--document) decodes greedily: --temperature 0\n");
     return 2;
   }
-  if (!prune.method.empty() && prune.method != "kvzip") {
-    if (auto st = kdn::control::ValidatePruneSpec(prune); !st.ok()) {
-      std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
-      return 2;
-    }
-  }
   if (prompt.empty() && prompt_ids.empty() && chat_file.empty()) {
     std::fprintf(stderr, "kdn-generate: give --prompt, --prompt-ids or --chat\n");
     return 2;
@@ -292,21 +286,20 @@ int main(int argc, char** argv) {
     question = (*tok)->Encode(chat.rest, false);
     ids.insert(ids.end(), question.begin(), question.end());
   }
-  if (prune.method == "kvzip") {  // its repeat prompts, tokenized as kdn-router does
-    prune.kvzip_first = (*tok)->Encode(std::string(kdn::control::kKvzipFirstPrompt), false);
-    prune.kvzip_next = (*tok)->Encode(std::string(kdn::control::kKvzipNextPrompt), false);
-    prune.kvzip_suffix = (*tok)->Encode(std::string(kdn::control::kKvzipSuffix), false);
+  // Pruning holds a document's KV at its peak (a KVzip repeat pass
+  // included) and its kept copy at once, each in whole blocks.
+  int64_t prune_room = 0;
+  if (!prune.method.empty()) {
+    kdn::control::TokenizeKvzipPrompts(  // as kdn-router does
+        [&](const std::string& text) { return (*tok)->Encode(text, /*add_bos=*/false); }, &prune);
     if (auto st = kdn::control::ValidatePruneSpec(prune); !st.ok()) {
       std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
       return 2;
     }
-  }
-  // Pruning holds a document's whole KV and its copy at once, KVzip a repeat
-  // pass of it too.
-  int64_t prune_room = 0;
-  for (const auto& d : doc_ids) {
-    if (!prune.method.empty()) {
-      prune_room = std::max<int64_t>(prune_room, 3 * static_cast<int64_t>(d.size()) + 256);
+    for (const auto& d : doc_ids) {
+      const auto n = static_cast<int64_t>(d.size());
+      prune_room =
+          std::max(prune_room, kdn::control::PrunePeakTokens(prune, n) + n + 2 * kKvBlockTokens);
     }
   }
   // The KV pool holds the prompt and every token generated.

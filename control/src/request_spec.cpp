@@ -37,12 +37,31 @@ BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   return spec;
 }
 
+bool IsPruneMethod(std::string_view method) {
+  return std::find(std::begin(kPruneMethods), std::end(kPruneMethods), method) !=
+         std::end(kPruneMethods);
+}
+
+std::string PruneMethodNames() {
+  std::string names;
+  for (std::string_view m : kPruneMethods) {
+    names += (names.empty() ? "'" : ", '") + std::string(m) + "'";
+  }
+  return names;
+}
+
+void TokenizeKvzipPrompts(const std::function<std::vector<int32_t>(const std::string&)>& encode,
+                          PruneSpec* spec) {
+  if (spec->method != "kvzip") return;
+  spec->kvzip_first = encode(std::string(kKvzipFirstPrompt));
+  spec->kvzip_next = encode(std::string(kKvzipNextPrompt));
+  spec->kvzip_suffix = encode(std::string(kKvzipSuffix));
+}
+
 Status ValidatePruneSpec(const PruneSpec& spec) {
-  if (std::find(std::begin(kPruneMethods), std::end(kPruneMethods), spec.method) ==
-      std::end(kPruneMethods)) {
-    std::string names;
-    for (std::string_view m : kPruneMethods) names += (names.empty() ? "" : ", ") + std::string(m);
-    return InvalidArgument("prune: unknown method '" + spec.method + "' (one of " + names + ")");
+  if (!IsPruneMethod(spec.method)) {
+    return InvalidArgument("prune: unknown method '" + spec.method + "' (one of " +
+                           PruneMethodNames() + ")");
   }
   if (!(spec.keep > 0 && spec.keep <= 1)) {
     return InvalidArgument("prune: keep must be in (0, 1], got " + std::to_string(spec.keep));

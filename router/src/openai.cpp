@@ -1,7 +1,6 @@
 #include "kdn/router/openai.h"
 
 #include <algorithm>
-#include <iterator>
 #include <cmath>
 
 #include "kdn/text/chat_template.h"
@@ -458,10 +457,7 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
                                         std::optional<control::PruneSpec>* out) {
   if (!IsSet(body, "prune")) return std::nullopt;
   const json& p = body["prune"];
-  std::string methods;
-  for (std::string_view m : control::kPruneMethods) {
-    methods += (methods.empty() ? "'" : ", '") + std::string(m) + "'";
-  }
+  const std::string methods = control::PruneMethodNames();
   if (!p.is_object()) {
     return Bad("'prune' must be an object: {\"method\": " + methods + ", \"keep\": a ratio}",
                "prune");
@@ -479,8 +475,7 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
   if (!p.contains("keep") || !p["keep"].is_number()) {
     return Bad("prune.keep must be a number in (0, 1]", "prune.keep");
   }
-  if (std::find(std::begin(control::kPruneMethods), std::end(control::kPruneMethods),
-                spec.method) == std::end(control::kPruneMethods)) {
+  if (!control::IsPruneMethod(spec.method)) {
     return Bad("prune.method '" + spec.method + "' is not one of " + methods, "prune.method");
   }
   spec.keep = p["keep"].get<double>();
@@ -497,11 +492,9 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
     }
     spec.sinks = static_cast<int>(sinks.get<int64_t>());
   }
-  if (spec.method == "kvzip") {
-    spec.kvzip_first = model.tokenizer->Encode(std::string(control::kKvzipFirstPrompt), false);
-    spec.kvzip_next = model.tokenizer->Encode(std::string(control::kKvzipNextPrompt), false);
-    spec.kvzip_suffix = model.tokenizer->Encode(std::string(control::kKvzipSuffix), false);
-  }
+  control::TokenizeKvzipPrompts(
+      [&](const std::string& text) { return model.tokenizer->Encode(text, /*add_bos=*/false); },
+      &spec);
   // What the prefill worker checks again (the repeat prompts, above all).
   if (Status st = control::ValidatePruneSpec(spec); !st.ok()) return Bad(st.message(), "prune");
   *out = std::move(spec);

@@ -182,29 +182,48 @@ TEST_P(CudaRowPassOn, ScatteredRowsSeeExactlyTheKeysUpToTheirPosition) {
 INSTANTIATE_TEST_SUITE_P(Presets, CudaRowPassOn, ::testing::Values("tiny", "small"),
                          [](const auto& info) { return info.param; });
 
+// The tiny preset's generated weights (bf16-rounded, from `seed`) on the
+// GPU and in the CPU engine, for tests that hold one against the other.
+struct TinyTwins {
+  std::unique_ptr<CudaEngine> gpu;
+  std::unique_ptr<CpuEngine> cpu;
+};
+TinyTwins TinyOnBoth(uint64_t seed) {
+  TinyTwins t;
+  auto p = FindPreset("tiny");
+  EXPECT_TRUE(p.ok());
+  if (!p.ok()) return t;
+  ModelWeights w = GenerateWeights(p->config, seed, DType::kBF16);
+  CudaEngineOptions go;
+  go.kv_tokens = 4096;
+  go.max_prefill_tokens = 512;
+  go.max_batch = 4;
+  auto gpu = CudaEngine::Create(p->config, w, go);
+  EXPECT_TRUE(gpu.ok()) << gpu.status().ToString();
+  EngineOptions co;
+  co.threads = 2;
+  auto cpu = CpuEngine::Create(p->config, std::move(w), co);
+  EXPECT_TRUE(cpu.ok()) << cpu.status().ToString();
+  if (gpu.ok()) t.gpu = std::move(gpu).value();
+  if (cpu.ok()) t.cpu = std::move(cpu).value();
+  return t;
+}
+
 // A prefill's query hook (KV pruning's scores: Expected Attention's
 // statistics, KVzip's repeat rows) sees each layer's queries before RoPE,
 // with their positions (past pruned KV too), as the CPU engine shows its
 // own; the GPU's are bf16, so within bf16's error of the CPU's f32.
 TEST(CudaQueryHook, ShowsEachLayersQueriesBeforeRopeAsTheCpuEngineDoes) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  auto p = FindPreset("tiny");
-  ASSERT_TRUE(p.ok());
-  ModelWeights w = GenerateWeights(p->config, 6, DType::kBF16);
-  CudaEngineOptions go;
-  go.kv_tokens = 4096;
-  go.max_prefill_tokens = 512;
-  auto gpu = CudaEngine::Create(p->config, w, go);
-  ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
-  auto cpu = CpuEngine::Create(p->config, std::move(w), {});
-  ASSERT_TRUE(cpu.ok());
+  const TinyTwins twins = TinyOnBoth(6);
+  ASSERT_TRUE(twins.gpu && twins.cpu);
   const auto tokens = Tokens(40, 31);
   const int64_t shift = 7;
   struct Seen {
     std::vector<std::vector<float>> q;  // per layer
     std::vector<std::vector<int32_t>> positions;
   } seen[2];
-  Engine* engines[2] = {cpu->get(), gpu->get()};
+  Engine* engines[2] = {twins.cpu.get(), twins.gpu.get()};
   for (int e = 0; e < 2; ++e) {
     Seen& s = seen[e];
     const model::ModelConfig& c = engines[e]->config();
@@ -222,7 +241,7 @@ TEST(CudaQueryHook, ShowsEachLayersQueriesBeforeRopeAsTheCpuEngineDoes) {
   }
   std::vector<int32_t> want_positions(40);
   std::iota(want_positions.begin(), want_positions.end(), static_cast<int32_t>(shift));
-  for (int l = 0; l < p->config.num_layers; ++l) {
+  for (int l = 0; l < twins.cpu->config().num_layers; ++l) {
     EXPECT_EQ(seen[1].positions[l], want_positions) << "layer " << l;
     ASSERT_EQ(seen[1].q[l].size(), seen[0].q[l].size()) << "layer " << l;
     // Within 3% of the layer's largest query element (LogitsClose's rule).
@@ -245,19 +264,8 @@ TEST(CudaQueryHook, ShowsEachLayersQueriesBeforeRopeAsTheCpuEngineDoes) {
 
 TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();
-  auto p = FindPreset("tiny");
-  ASSERT_TRUE(p.ok());
-  ModelWeights w = GenerateWeights(p->config, 5, DType::kBF16);
-  CudaEngineOptions go;
-  go.kv_tokens = 4096;
-  go.max_prefill_tokens = 512;
-  go.max_batch = 4;
-  auto gpu = CudaEngine::Create(p->config, w, go);
-  ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
-  EngineOptions co;
-  co.threads = 2;
-  auto cpu = CpuEngine::Create(p->config, std::move(w), co);
-  ASSERT_TRUE(cpu.ok());
+  const TinyTwins twins = TinyOnBoth(5);
+  ASSERT_TRUE(twins.gpu && twins.cpu);
   // Both caches hold one prompt's KV; the pass recomputes the rows of
   // another at the check layer, keeps a scattered subset, and finishes.
   const auto held = Tokens(120, 21), tokens = Tokens(120, 22);
@@ -265,7 +273,7 @@ TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
   std::iota(all.begin(), all.end(), 0);
   const std::vector<int64_t> keep = {0, 1, 2, 40, 41, 77, 100, 101, 102, 103, 119};
   std::vector<std::vector<float>> deviation(2), logits(2);
-  Engine* engines[2] = {cpu->get(), gpu->get()};
+  Engine* engines[2] = {twins.cpu.get(), twins.gpu.get()};
   std::vector<KvSequence> seqs;
   for (int e = 0; e < 2; ++e) {
     seqs.push_back(engines[e]->kv_cache().NewSequence());

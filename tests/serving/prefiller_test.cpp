@@ -498,6 +498,23 @@ TEST(Prefiller, BlendStoresDocumentsAloneUnderSegmentKeysThenReusesThemInAnyOrde
   ASSERT_TRUE(p.StoreNewChunks().ok());
 }
 
+// A blend job's fused KV as its decode worker's receiver got it: one slice
+// of `kv_tokens` tokens per layer under the job's transfer key, and the
+// bytes the outcome says it sent.
+void ExpectFusedKvArrived(engine::CpuEngine& model, kvbus::HostTier& sink, const PrefillJob& job,
+                          const PrefillOutcome& out, uint32_t kv_tokens) {
+  const int layers = model.config().num_layers;
+  const uint64_t token_bytes = model.kv_cache().token_stride() * 2 * sizeof(float);
+  EXPECT_EQ(out.kv_bytes_sent, kv_tokens * token_bytes * layers);
+  const kvbus::ChunkKey xfer = kvbus::TransferKey(
+      {reinterpret_cast<const uint8_t*>(job.transfer_id.data()), job.transfer_id.size()});
+  for (int l = 0; l < layers; ++l) {
+    auto slice = sink.Get(kvbus::LayerSliceKey(xfer, l));
+    ASSERT_TRUE(slice.ok()) << "layer " << l;
+    EXPECT_EQ((*slice)->info().tokens, kv_tokens);
+  }
+}
+
 TEST(Prefiller, BlendPushesTheFusedKvUnderTheTransferKeyOnly) {
   auto model = MakeModel("tiny");
   auto store = HostStore();
@@ -515,16 +532,9 @@ TEST(Prefiller, BlendPushesTheFusedKvUnderTheTransferKeyOnly) {
   auto out = p.Run(job);
   ASSERT_TRUE(out.ok()) << out.status().ToString();
   EXPECT_EQ(out->blended_tokens, 70);
-  const int layers = model->config().num_layers;
-  const uint64_t token_bytes = model->kv_cache().token_stride() * 2 * sizeof(float);
-  EXPECT_EQ(out->kv_bytes_sent, 78u * token_bytes * layers);
-  const kvbus::ChunkKey xfer = kvbus::TransferKey(
-      {reinterpret_cast<const uint8_t*>(job.transfer_id.data()), job.transfer_id.size()});
+  ExpectFusedKvArrived(*model, sink, job, *out, 78);
   const auto prefix = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
-  for (int l = 0; l < layers; ++l) {
-    auto slice = sink.Get(kvbus::LayerSliceKey(xfer, l));
-    ASSERT_TRUE(slice.ok()) << "layer " << l;
-    EXPECT_EQ((*slice)->info().tokens, 78u);
+  for (int l = 0; l < model->config().num_layers; ++l) {
     for (const auto& k : prefix) EXPECT_FALSE(sink.Contains(kvbus::LayerSliceKey(k, l)));
   }
   ASSERT_TRUE(p.StoreNewChunks().ok());
@@ -593,16 +603,7 @@ TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDropp
   EXPECT_EQ(out->blended_tokens, 70);
   EXPECT_EQ(out->pruned_tokens, 20);
   EXPECT_EQ(out->kv_tokens, 78 - 20);
-  const int layers = model->config().num_layers;
-  const uint64_t token_bytes = model->kv_cache().token_stride() * 2 * sizeof(float);
-  EXPECT_EQ(out->kv_bytes_sent, 58u * token_bytes * layers);
-  const kvbus::ChunkKey xfer = kvbus::TransferKey(
-      {reinterpret_cast<const uint8_t*>(job.transfer_id.data()), job.transfer_id.size()});
-  for (int l = 0; l < layers; ++l) {
-    auto slice = sink.Get(kvbus::LayerSliceKey(xfer, l));
-    ASSERT_TRUE(slice.ok()) << "layer " << l;
-    EXPECT_EQ((*slice)->info().tokens, 58u);
-  }
+  ExpectFusedKvArrived(*model, sink, job, *out, 58);
   ASSERT_TRUE(p.StoreNewChunks().ok());
 }
 

@@ -7,6 +7,7 @@
 // Thread-compatible values.
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -148,6 +149,13 @@ struct PruneSpec {
   // the router tokenizes them); for "kvzip" only.
   std::vector<int32_t> kvzip_first, kvzip_next, kvzip_suffix;
 };
+bool IsPruneMethod(std::string_view method);
+std::string PruneMethodNames();  // "'expected_attention', 'knorm', 'kvzip'"
+// Under kvzip, sets spec's repeat prompts to `encode`'s ids of
+// kKvzipFirstPrompt, kKvzipNextPrompt and kKvzipSuffix (the model's
+// tokenizer, no BOS); other methods need none.
+void TokenizeKvzipPrompts(const std::function<std::vector<int32_t>(const std::string&)>& encode,
+                          PruneSpec* spec);
 // INVALID_ARGUMENT naming what is wrong: an unknown method, a keep ratio
 // outside (0, 1], negative sinks, kvzip without its prompts.
 Status ValidatePruneSpec(const PruneSpec& spec);
