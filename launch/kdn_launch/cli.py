@@ -102,6 +102,33 @@ def redis_url(text):
     return text
 
 
+def password_file(text):
+    """--kdn-redis-password-file: a readable file, as an absolute path (the
+    workers may start elsewhere: on other nodes of a Slurm job it must lie
+    on a file system they share)."""
+    path = os.path.abspath(text)
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError("%r is not a file" % text)
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError("%r cannot be read" % text)
+    return path
+
+
+def check_redis_password(parser, args):
+    """--kdn-redis-password-file goes with a --kdn-redis URL that has no
+    password of its own (the workers refuse both)."""
+    file = getattr(args, "kdn_redis_password_file", None)
+    if file is None:
+        return
+    url = getattr(args, "kdn_redis", None)
+    if url is None:
+        parser.error("--kdn-redis-password-file goes with --kdn-redis")
+    cred = url[len("redis://"):].rpartition("@")[0]
+    if ":" in cred:
+        parser.error("--kdn-redis %s has a password already: give it in the URL or in "
+                     "--kdn-redis-password-file, not both" % argv.redact_url(url))
+
+
 def gpu_list(text):
     """--gpus: CUDA device ids, comma-separated, each listed once."""
     ids = []
@@ -163,6 +190,11 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                         help="an existing Redis Cluster every worker reads and fills, passed "
                         "to the workers as it is: redis://[USER:PASS@]HOST:PORT[,HOST:PORT...] "
                         "(the seed nodes)")
+    p.add_argument("--kdn-redis-password-file", type=password_file, metavar="FILE",
+                   help="with --kdn-redis: a file whose first line is the cluster's password, "
+                   "which the URL then leaves out; the workers read it there, so no command "
+                   "line shows it (a --redis-cluster deployment's is RUN_DIR/%s)"
+                   % redis_cluster.PASSWORD_NAME)
     p.add_argument("--redis-maxmemory-mib", type=positive_int,
                    default=redis_cluster.DEFAULT_MAXMEMORY_MIB, metavar="MIB",
                    help="with --redis-cluster: each primary's maxmemory in MiB, past which it "
@@ -434,6 +466,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.error("a command is required: up, down, status, demo or slurm")
+    check_redis_password(parser, args)
     try:
         return args.func(args)
     except Failure as e:

@@ -53,7 +53,7 @@ def print_plan(a, bin_dir, model, devices):
     store_ep = "store-ENDPOINT" if a.store else None
     if a.store:
         print("store: " + shlex.join(store_command(a, bin_dir)))
-    redis_url, password_file = a.kdn_redis, None
+    redis_url, password_file = a.kdn_redis, getattr(a, "kdn_redis_password_file", None)
     if a.redis_cluster:
         # Its nodes read everything from their redis.conf; the password is
         # made when the cluster starts.
@@ -181,7 +181,8 @@ class Deployment:
 
     def up(self):
         a, b = self.args, self.bin_dir
-        store_ep, redis_url, password_file = None, a.kdn_redis, None
+        store_ep, redis_url = None, a.kdn_redis
+        password_file = getattr(a, "kdn_redis_password_file", None)
         if a.store:
             p = self.start("store", "store", store_command(a, b))
             info("started kdn-store (pid %d)" % p.pid)

@@ -207,7 +207,7 @@ def steps(a, bin_dir, model, plan):
                     argv.store_argv(a, bin_dir, Shell('"$(listen 0)"'))),
                 "STORE=$(endpoint store tcp://) || abort", ""]
         store = Shell('"$STORE"')
-    redis, password_file = a.kdn_redis, None
+    redis, password_file = a.kdn_redis, getattr(a, "kdn_redis_password_file", None)
     if a.redis_cluster:
         out.append("# The Redis Cluster: a primary on every node, its replica on the next node.")
         nodes = redis_placement(a.nodes)

@@ -1,7 +1,8 @@
 """Deployments whose KDN is a Redis Cluster (docs/kvbus.md, "Redis tier"):
 `kdn-launch up --redis-cluster 3` serves chats and documents as a kdn-store
 deployment does, a second deployment pointed at the same cluster
-(`--kdn-redis URL`) finds the first one's prefixes, and a primary killed in
+(`--kdn-redis URL --kdn-redis-password-file FILE`) finds the first one's
+prefixes, no command line holding the password,, and a primary killed in
 the middle of a chat costs cache hits, never a request.
 
 Waits are exact: a test that needs chunks in the cluster polls Redis for
@@ -43,8 +44,9 @@ class Cluster:
         self.nodes = [p for p in d.info["processes"] if p["role"] == "redis"]
         self.endpoints = [p["endpoint"][len("redis://"):] for p in self.nodes]
 
-    def url(self):
-        return "redis://:%s@%s" % (self.password, ",".join(self.endpoints))
+    def url(self, with_password=True):
+        cred = ":%s@" % self.password if with_password else ""
+        return "redis://%s%s" % (cred, ",".join(self.endpoints))
 
     def cli(self, endpoint, *args):
         host, port = endpoint.rsplit(":", 1)
@@ -164,9 +166,15 @@ def test_a_second_deployment_finds_the_first_ones_prefixes(redis_deployment, tin
     ids = [rng.randrange(3, 256) for _ in range(FIRST_TOKENS)]
     first = d.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
     wait_stored(cluster, [ids])
+    # The password in a file, as the first deployment's workers take it.
     other = Deployment(tmp_path_factory.mktemp("run-redis-2"), tiny_model,
-                       "--kdn-redis", cluster.url())
+                       "--kdn-redis", cluster.url(with_password=False),
+                       "--kdn-redis-password-file", d.run_dir / "redis.password")
     try:
+        for name in ("prefill-0", "decode-0"):
+            cmdline = Path("/proc/%d/cmdline" % other.pid(name)).read_bytes().decode(
+                errors="replace")
+            assert cluster.password not in cmdline, name
         r = other.completion(ids, max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True,
                              disaggregation="always")
         assert r["choices"][0]["text"] == first["choices"][0]["text"]

@@ -133,7 +133,29 @@ def test_an_existing_cluster_reaches_the_workers_the_same_way_under_slurm(tmp_pa
         assert flag(argvs[name], "--kdn-redis") == url and "--store" not in argvs[name]
 
 
+def test_an_existing_clusters_password_reaches_the_workers_in_a_file(tmp_path, model_dir,
+                                                                    fake_slurm):
+    secret = tmp_path / "redis.password"
+    secret.write_text("s3cret\n")
+    url = "redis://10.0.0.1:7000,10.0.0.2:7000"
+    # Relative on the command line, absolute to the workers (which may start
+    # elsewhere); under Slurm the same.
+    argvs = argvs_of_both(tmp_path, model_dir, ["--host", "127.0.0.1", "--port", 0,
+                                                "--kdn-redis", url, "--kdn-redis-password-file",
+                                                os.path.relpath(secret)], fake_slurm)
+    for name in WORKERS:
+        assert flag(argvs[name], "--kdn-redis") == url, argvs[name]
+        assert flag(argvs[name], "--kdn-redis-password-file") == str(secret), argvs[name]
+        assert not any("s3cret" in str(w) for w in argvs[name]), argvs[name]
+    assert "--kdn-redis-password-file" not in argvs["router"]
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--kdn-redis-password-file", "/etc/hostname"], "goes with --kdn-redis"),
+    (["--kdn-redis", "redis://:secret@h:1", "--kdn-redis-password-file", "/etc/hostname"],
+     "has a password already"),
+    (["--kdn-redis", "redis://h:1", "--kdn-redis-password-file", "/no/such/file"],
+     "is not a file"),
     (["--kdn-redis", "redis://h:1", "--store"], "not allowed with argument"),
     (["--kdn-redis", "redis://h:1", "--redis-cluster", "3"], "not allowed with argument"),
     (["--store", "--redis-cluster", "3"], "not allowed with argument"),
