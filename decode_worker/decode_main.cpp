@@ -64,6 +64,13 @@ int main(int argc, char** argv) {
                  "has been silent this long (routers ping every 250 ms)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  int64_t prepare_timeout_ms = o.prepare_timeout.count();
+  app.add_option("--prepare-timeout-ms", prepare_timeout_ms,
+                 "A prepared request is dropped when its router has neither started nor "
+                 "renewed it this long (routers renew the requests they still want with every "
+                 "ping, 250 ms, while their prefill is queued or running)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--peer-prepare-share", o.peer_prepare_share,
                  "The share of the KV pool one router's prepared, not yet started requests may "
                  "hold together; a Prepare past it is refused")
@@ -89,6 +96,7 @@ int main(int argc, char** argv) {
   if (!curve.ok()) return 2;
   o.curve = *std::move(curve);
   o.peer_lease = std::chrono::milliseconds(peer_lease_ms);
+  o.prepare_timeout = std::chrono::milliseconds(prepare_timeout_ms);
   auto engine = engine_flags.Options(o.engine);
   if (!engine.ok()) {
     kdn::LogError("{}", engine.status().message());

@@ -209,6 +209,19 @@ struct DecodeService::Impl {
         return;
       }
       default:
+        if (msg.body_case() == proto::WorkerMessage::kInfoRequest &&
+            msg.info_request().held_requests_size() > 0) {
+          // The ping renews its router's reservations here (on the compute
+          // thread, which owns them), and is answered as any ping.
+          proto::WorkerMessage renew;
+          *renew.mutable_info_request()->mutable_held_requests() =
+              msg.info_request().held_requests();
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            commands.push_back({peer, std::move(renew)});
+          }
+          cv.notify_one();
+        }
         if (control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
         unserved.Warn("{} ignoring a message it does not serve ({})", ReqId{msg.request_id()},
                       static_cast<int>(msg.body_case()));
@@ -314,6 +327,14 @@ struct DecodeService::Impl {
               ReqId{o.request_id}, options.peer_lease.count(), o.blocks);
       Unreserve(o);
       (void)decoder->Cancel(id, out);
+    }
+  }
+
+  // Its router still wants these prepared requests (proto::InfoRequest).
+  void DoRenew(const std::string& peer, const proto::WorkerMessage& msg) {
+    for (uint64_t request_id : msg.info_request().held_requests()) {
+      auto it = ids.find(OriginKey(peer, request_id));
+      if (it != ids.end()) (void)decoder->Renew(it->second);
     }
   }
 
@@ -426,6 +447,7 @@ struct DecodeService::Impl {
           case proto::WorkerMessage::kPrepare: DoPrepare(c.peer, c.msg, &out); break;
           case proto::WorkerMessage::kStart: DoStart(c.peer, c.msg, &out); break;
           case proto::WorkerMessage::kCancel: DoCancel(c.peer, c.msg, &out); break;
+          case proto::WorkerMessage::kInfoRequest: DoRenew(c.peer, c.msg); break;
           default: break;
         }
       }
@@ -464,6 +486,9 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
     return InvalidArgument("--peer-prepare-share must be in (0, 1]");
   }
   if (options.peer_lease.count() <= 0) return InvalidArgument("--peer-lease-ms must be positive");
+  if (options.prepare_timeout.count() <= 0) {
+    return InvalidArgument("--prepare-timeout-ms must be positive");
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   engine::OpenOptions eo = options.engine;
@@ -533,6 +558,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   }
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;
+  dopt.prepare_timeout = options.prepare_timeout;
   dopt.local_prefill_step_tokens = options.local_prefill_step_tokens;
   dopt.on_load_done = [raw] {
     {

@@ -343,7 +343,7 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   ReleaseHeldBack();  // blocks whose hold ran out are free for this one
   Prepared p;
   p.request = std::move(request);
-  p.created = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
+  p.renewed = Now();
   if (!p.request.blended) {
     p.keys =
         kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
@@ -563,6 +563,13 @@ void Decoder::DropOwnSlices(const Prepared& p) {
   }
 }
 
+bool Decoder::Renew(uint64_t id) {
+  auto it = prepared_.find(id);
+  if (it == prepared_.end()) return false;
+  it->second.renewed = Now();
+  return true;
+}
+
 Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
   // A local prefill whose first token went out is as good as started: its
   // prompt is published and stored, and it is cancelled as a running one.
@@ -630,16 +637,16 @@ void Decoder::Advance(DecoderOutput* out) {
   const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
   ReleaseHeldBack();
   for (auto it = prepared_.begin(); it != prepared_.end();) {
-    if (it->second.request.local_prefill || now - it->second.created <= options_.prepare_timeout) {
+    if (it->second.request.local_prefill || now - it->second.renewed <= options_.prepare_timeout) {
       ++it;
       continue;
     }
-    LogWarn("{} was prepared but never started within {} ms; dropped",
+    LogWarn("{} was prepared, and neither started nor renewed by its router for {} ms; dropped",
             ReqId{it->second.request.request_id}, options_.prepare_timeout.count());
-    out->events.push_back(
-        Failure(it->first, Status(StatusCode::kDeadlineExceeded,
-                                  "prepared but not started within " +
-                                      std::to_string(options_.prepare_timeout.count()) + " ms")));
+    out->events.push_back(Failure(
+        it->first, Status(StatusCode::kDeadlineExceeded,
+                          "its reservation was neither started nor renewed by its router for " +
+                              std::to_string(options_.prepare_timeout.count()) + " ms")));
     Prepared p = std::move(it->second);
     const uint64_t id = it->first;
     it = prepared_.erase(it);

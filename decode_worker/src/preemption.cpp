@@ -77,7 +77,7 @@ void Decoder::ResumePreempted() {
     Prepared p;
     p.request = std::move(q.request);
     p.resume = q.resume;
-    p.created = Now();
+    p.renewed = Now();
     p.keys =
         kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
     if (Status st = ReserveKv(p); !st.ok()) {

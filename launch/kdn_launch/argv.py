@@ -12,7 +12,8 @@ are Shell words, written into the script as they are.
 
 The flags whose default is the process's own (--max-batch, --max-queued,
 --max-connections, --max-body-buffer-mib, --disaggregation,
---local-prefill-max-tokens, --local-prefill-step-tokens) are passed when
+--local-prefill-max-tokens, --local-prefill-step-tokens,
+--decode-prepare-timeout-ms) are passed when
 given, whatever their value, and left out otherwise; every other flag is
 always passed.
 """
@@ -106,6 +107,7 @@ def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None
         cmd += ["--kvbus-listen", listen] + given("--max-batch", a.max_batch)
         cmd += given("--kv-tokens", getattr(a, "decode_kv_tokens", None))
         cmd += given("--local-prefill-step-tokens", a.local_prefill_step_tokens)
+        cmd += given("--prepare-timeout-ms", getattr(a, "decode_prepare_timeout_ms", None))
     return cmd + ["--name", name] + device.flags()
 
 

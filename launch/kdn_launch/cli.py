@@ -255,6 +255,11 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                    help="kdn-decode --local-prefill-step-tokens, to every decode worker: "
                         "prompt tokens a local prefill computes between two decode steps while "
                         "requests run (default: kdn-decode's own)")
+    p.add_argument("--decode-prepare-timeout-ms", type=positive_int, metavar="MS",
+                   help="kdn-decode --prepare-timeout-ms, to every decode worker: a prepared "
+                        "request its router neither started nor renewed (it renews the ones it "
+                        "still wants with every ping) this long is dropped (docs/serving.md, "
+                        "\"Reservations\"; default: kdn-decode's own)")
     p.add_argument("--no-resume", action="store_true",
                    help="a request whose decode worker is lost mid-stream fails instead of "
                         "going on at another decode worker (docs/serving.md, \"A decode worker "

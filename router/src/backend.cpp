@@ -103,7 +103,7 @@ struct Backend::Impl {
   }
 
   void Tick() {
-    const auto silent = pool->Ping(Clock::now());
+    const auto silent = pool->Ping(Clock::now(), [this](size_t w) { return flow->HeldOn(w); });
     for (size_t w : silent) MarkDown(w, "stopped answering");
     flow->Tick(Clock::now());
     if (!silent.empty()) UpdateSnapshot();

@@ -111,6 +111,16 @@ int RequestFlow::Waiting() const {
   return waiting;
 }
 
+std::vector<uint64_t> RequestFlow::HeldOn(size_t worker) const {
+  std::vector<uint64_t> held;
+  for (const auto& [id, r] : requests_) {
+    if (r.d == worker && !r.local && (r.phase == Phase::kPrepare || r.phase == Phase::kPrefill)) {
+      held.push_back(id);
+    }
+  }
+  return held;
+}
+
 bool RequestFlow::PhaseOf(uint64_t id, Phase* phase) const {
   auto it = requests_.find(id);
   if (it == requests_.end()) return false;

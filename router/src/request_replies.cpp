@@ -156,17 +156,18 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
 
 void RequestFlow::OnTokens(size_t w, Iter it, const proto::WorkerMessage& m) {
   Request& r = it->second;
-  // Before the decode phase only a failure comes (of its prepare, or of its
-  // local prefill).
-  if (w != r.d || (r.phase != Phase::kDecode && r.phase != Phase::kPrepare &&
-                   !(r.phase == Phase::kPrefill && r.local))) {
-    return;
-  }
+  // Before the decode phase only a failure comes: of its prepare, of its
+  // local prefill, or of its reservation while a prefill worker computes
+  // it (the decode worker dropped it: the prefill is let go at once rather
+  // than computed for a Start that would be refused).
+  if (w != r.d || r.phase == Phase::kLookup || r.phase == Phase::kQueued) return;
+  const bool awaiting_prefill = r.phase == Phase::kPrefill && !r.local;
   JobEvent ev;
   bool finished = false;
   for (const proto::TokenEvent& e : m.tokens().events()) {
     Status st = control::StatusFromProto(e.error());
     if (!st.ok()) return Fail(r.id, st.WithContext(workers_[w].name));
+    if (awaiting_prefill) continue;
     if (e.token() >= 0) {
       TokenOut(r);
       r.streamed.push_back(e.token());

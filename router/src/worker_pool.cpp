@@ -105,12 +105,14 @@ bool WorkerPool::ConnectionClosed(size_t w) {
   }
 }
 
-std::vector<size_t> WorkerPool::Ping(Clock::time_point now) {
+std::vector<size_t> WorkerPool::Ping(Clock::time_point now,
+                                     const std::function<std::vector<uint64_t>(size_t)>& held) {
   std::vector<size_t> silent;
   for (size_t w = 0; w < links_.size(); ++w) {
     Link& l = links_[w];
     if (now - l.last_ping >= options_.ping_interval) {
       proto::WorkerMessage m = PingMessage();
+      for (uint64_t id : held(w)) m.mutable_info_request()->add_held_requests(id);
       Send(w, 0, m);
       l.last_ping = now;
     }

@@ -50,9 +50,12 @@ class WorkerPool : public WorkerLink {
   void Receive(size_t w, const std::function<void(const proto::WorkerMessage&)>& on_message);
   // Whether worker `w`'s monitor saw its connection close while it was up.
   bool ConnectionClosed(size_t w);
-  // Pings the workers due one; returns those silent past worker_timeout that
-  // were up (the caller marks them down).
-  std::vector<size_t> Ping(Clock::time_point now);
+  // Pings the workers due one, each ping naming `held(w)`: the requests
+  // whose reservations on worker `w` the router still wants
+  // (proto::InfoRequest); returns those silent past worker_timeout that were
+  // up (the caller marks them down).
+  std::vector<size_t> Ping(Clock::time_point now,
+                           const std::function<std::vector<uint64_t>(size_t)>& held);
   // Worker `w`'s report.
   void TakeInfo(size_t w, const proto::WorkerInfo& info);
   // Worker `w` is down (`why`) until heard from again.

@@ -532,5 +532,35 @@ TEST(Decoder, APreparedRequestNeverStartedIsDroppedAfterTheTimeout) {
   EXPECT_EQ(rig.decoder->Start(id, 65, false, &out).code(), StatusCode::kNotFound);
 }
 
+TEST(Decoder, ARenewedReservationOutlastsTheTimeoutAndStartsAsAnyOther) {
+  auto now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  DecoderOptions o;
+  o.prepare_timeout = std::chrono::seconds(60);
+  o.clock = [&] { return now; };
+  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  Transcript t;
+  const DecodeRequest r = Request(RandomTokens(20, 256, 1), 4);
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  // Its prefill waits three timeouts in a queue; the router's pings renew
+  // it meanwhile.
+  for (int i = 0; i < 6; ++i) {
+    now += std::chrono::seconds(30);
+    ASSERT_TRUE(rig.decoder->Renew(id));
+    DecoderOutput out;
+    rig.decoder->Advance(&out);
+    ASSERT_TRUE(out.empty()) << "renewed at " << (i + 1) * 30 << " s";
+  }
+  Start(rig, id, PushPrompt(rig, r, t.held[id]), t);
+  EXPECT_FALSE(t.error.count(id)) << t.error[id].ToString();
+  DecoderOutput out;
+  // Unrenewed, the same wait drops it; a renewal then finds nothing.
+  const uint64_t late = PrepareAndLoad(rig, Request(RandomTokens(20, 256, 2), 4), t);
+  now += std::chrono::seconds(61);
+  rig.decoder->Advance(&out);
+  t.Add(out);
+  EXPECT_EQ(t.error[late].code(), StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(rig.decoder->Renew(late));
+}
+
 }  // namespace
 }  // namespace kdn::decode_worker

@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
+#include <tuple>
 
 #include "kdn/control/convert.h"
 #include "serving.pb.h"
@@ -348,6 +350,64 @@ TEST_F(RequestFlowTest, CancellingReleasesTheWorkersThatHoldTheRequest) {
   EXPECT_EQ(cancels[1].worker, p);
   EXPECT_TRUE(events_[id].empty());
   EXPECT_FALSE(flow_->Cancel(id));
+}
+
+TEST_F(RequestFlowTest, PingsRenewTheReservationsOfRequestsWaitingForTheirPrefill) {
+  // Each request to its prefill: prepared at its decode worker, its prefill
+  // sent (and waiting in that worker's queue).
+  const auto to_prefill = [&](uint64_t id, const std::string& prompt) {
+    Submit(prompt, 8, id);
+    for (size_t d : {kD0, kD1}) {
+      const std::vector<uint64_t> held = flow_->HeldOn(d);
+      EXPECT_EQ(std::count(held.begin(), held.end(), id), 0) << "nothing is prepared in a lookup";
+    }
+    AnswerLookups(id);
+    const size_t d = link_.Take(Body::kPrepare).at(0).worker;
+    EXPECT_EQ(flow_->HeldOn(d), std::vector<uint64_t>{id}) << "being prepared";
+    AnswerPrepare(d, id);
+    const Sent pf = link_.Take(Body::kPrefill).at(0);
+    return std::make_tuple(d, pf.worker, pf.m.prefill().transfer_id());
+  };
+  const auto [da, pa, ta] = to_prefill(1, "Hello");
+  EXPECT_EQ(flow_->HeldOn(da), std::vector<uint64_t>{1});
+  const auto [db, pb, tb] = to_prefill(2, "Hello world");
+  std::vector<uint64_t> both = flow_->HeldOn(da);
+  if (db != da) both.push_back(flow_->HeldOn(db).at(0));
+  std::sort(both.begin(), both.end());
+  EXPECT_EQ(both, (std::vector<uint64_t>{1, 2}));
+  // 1's prefill answers: started, its reservation is no longer waiting.
+  AnswerPrefill(pa, 1, 'x', ta);
+  EXPECT_EQ(PhaseOf(1), Phase::kDecode);
+  EXPECT_EQ(flow_->HeldOn(db), std::vector<uint64_t>{2});
+  if (da != db) {
+    EXPECT_TRUE(flow_->HeldOn(da).empty());
+  }
+  (void)pb;
+  (void)tb;
+}
+
+TEST_F(RequestFlowTest, AReservationDroppedWhileThePrefillWaitsFailsTheRequestAndLetsThePrefillGo) {
+  const uint64_t id = Submit("Hello", 8);
+  AnswerLookups(id);
+  const size_t d = link_.Take(Body::kPrepare).at(0).worker;
+  AnswerPrepare(d, id);
+  const size_t p = link_.Take(Body::kPrefill).at(0).worker;
+  ASSERT_EQ(PhaseOf(id), Phase::kPrefill);
+  proto::WorkerMessage m;
+  auto* e = m.mutable_tokens()->add_events();
+  e->set_token(-1);
+  e->set_finished(true);
+  control::StatusToProto(Status(StatusCode::kDeadlineExceeded, "its reservation lapsed"),
+                         e->mutable_error());
+  Reply(d, id, m);
+  ASSERT_EQ(events_[id].size(), 1u);
+  EXPECT_EQ(events_[id][0].kind, JobEvent::Kind::kError);
+  EXPECT_NE(events_[id][0].error.message().find(workers_[d].name), std::string::npos)
+      << events_[id][0].error.ToString();
+  EXPECT_EQ(flow_->size(), 0u);
+  auto cancels = link_.Take(Body::kCancel);
+  ASSERT_EQ(cancels.size(), 2u);
+  EXPECT_EQ(cancels[1].worker, p) << "the prefill worker drops it if it is still queued";
 }
 
 TEST_F(RequestFlowTest, ALookupPastItsDeadlineGoesOnWithTheAnswersItHas) {

@@ -75,6 +75,9 @@ struct DecodeServiceOptions {
   // router) not heard from for this long are let go. Routers ping every
   // 250 ms, so only a dead one (or a peer that is no router) lapses.
   std::chrono::milliseconds peer_lease{5000};
+  // DecoderOptions::prepare_timeout: a prepared request its router neither
+  // started nor renewed for this long is dropped.
+  std::chrono::milliseconds prepare_timeout{60000};
   // A peer's budget: the share of the KV pool its prepared, unstarted
   // requests may hold together; a Prepare past it is RESOURCE_EXHAUSTED.
   // Below 1, no one router can reserve the whole pool for requests that

@@ -60,7 +60,8 @@
 // Events: every id that Prepare returns ends with exactly one TokenEvent
 // whose `finished` is set ("cancelled" after Cancel; `error` set when it
 // failed: the slices never arrived, the batch was full, a decode step
-// failed, or it was prepared and never started within prepare_timeout).
+// failed, or it was prepared and neither started nor renewed within
+// prepare_timeout).
 // After that event the id is unknown to the Decoder.
 //
 // KDN store I/O: every Get, Contains and Put on `store` runs on the store
@@ -174,7 +175,11 @@ struct DecoderOutput {
 struct DecoderOptions {
   int chunk_tokens = kvbus::kDefaultChunkTokens;
   int max_batch = 32;
-  // A prepared request not started this long after Prepare is dropped.
+  // A prepared request neither started nor renewed (Renew) this long after
+  // Prepare or its last renewal is dropped. Its router renews it with every
+  // ping (250 ms) while its prefill is queued or running, so this lapses
+  // only for a request its router no longer has (docs/serving.md,
+  // "Reservations").
   std::chrono::milliseconds prepare_timeout{60000};
   // Bytes of finished conversations' chunks waiting for the store I/O
   // thread above which a finished conversation is not stored.
@@ -278,6 +283,11 @@ class Decoder {
   Status Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out,
                int64_t kv_tokens = 0);
 
+  // Its router still wants prepared request `id` (its prefill is queued or
+  // running): prepare_timeout counts from now. False, with nothing changed,
+  // when `id` is not a prepared request.
+  bool Renew(uint64_t id);
+
   // Ends a prepared, running or preempted request: its "cancelled" event in
   // `out`, its blocks free when this returns (a running request's
   // conversation is stored as for any finish). NOT_FOUND when `id` is not
@@ -324,7 +334,7 @@ class Decoder {
     // tokens over pruned documents; 0 until the Start, or one per token.
     int64_t kv_tokens = 0;
     std::optional<int32_t> start;  // a Start waiting for the load: its first token
-    TimePoint created;
+    TimePoint renewed;             // prepared, or last renewed by its router (Renew)
     uint64_t kv_bytes_loaded = 0;  // placed from the lower tiers
     std::optional<Resume> resume;  // set: a preempted request resuming
   };

@@ -83,6 +83,11 @@ class RequestFlow {
   // wait in the queue past its time fails.
   void Tick(Clock::time_point now);
 
+  // The requests whose decode worker `worker` holds a reservation for them
+  // that they still need: prepared there (or being prepared), not started,
+  // not prefilled there. The pings renew them (proto::InfoRequest).
+  std::vector<uint64_t> HeldOn(size_t worker) const;
+
   // Requests waiting in the admission queue; requests in all.
   int Waiting() const;
   size_t size() const { return requests_.size(); }
