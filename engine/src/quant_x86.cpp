@@ -14,6 +14,7 @@
 #include "kdn/common/half.h"
 #include "kdn/engine/cpu_ops.h"
 
+#include <cmath>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -187,35 +188,11 @@ KDN_AVX512 inline void Operands(const uint8_t* w, const ActBlock& x, __m256i* u,
   }
 }
 
-template <GgmlType T>
-KDN_AVX512 float QuantDotAvx512(const uint8_t* w, const void* xv, int64_t n) {
-  const auto* x = static_cast<const ActBlock*>(xv);
-  const int64_t blocks = n / kQuantBlock;
-  constexpr int kBytes = Block<T>::kBytes;
-  __m512 acc = _mm512_setzero_ps();
-  float offset = 0.0f;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2, w += 2 * kBytes) {
-    __m256i u0, s0, u1, s1;
-    Operands<T>(w, x[b], &u0, &s0);
-    Operands<T>(w + kBytes, x[b + 1], &u1, &s1);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), Pair(u0, u1), Pair(s0, s1));
-    acc = _mm512_fmadd_ps(PairScale(Half(w) * x[b].d, Half(w + kBytes) * x[b + 1].d),
-                          _mm512_cvtepi32_ps(dot), acc);
-    offset += Offset<T>(w, x[b]) + Offset<T>(w + kBytes, x[b + 1]);
-  }
-  float s = _mm512_reduce_add_ps(acc);
-  if (b < blocks) {
-    __m256i u, sg;
-    Operands<T>(w, x[b], &u, &sg);
-    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sg);
-    s += Half(w) * x[b].d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, x[b]);
-  }
-  return s + offset;
-}
-
 // One weight row against kRows activation rows (x_stride bytes apart): the
-// weight's unpacking and scales once per block pair for all of them.
+// weight's unpacking and scales once per block pair for all of them. Each
+// row's sum is taken in the same order whatever kRows is, and the one-row
+// dot product is this with kRows 1, so a row's product does not depend on
+// how many rows are computed beside it (weight_matrix.h).
 template <GgmlType T, int kRows>
 KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const uint8_t* xv, int64_t x_stride, int64_t n,
                                    float* out) {
@@ -280,6 +257,13 @@ KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const void* x, int64_t x_st
   }
 }
 
+template <GgmlType T>
+KDN_AVX512 float QuantDotAvx512(const uint8_t* w, const void* x, int64_t n) {
+  float out;
+  QuantDotRowsAvx512<T, 1>(w, static_cast<const uint8_t*>(x), 0, n, &out);
+  return out;
+}
+
 // Sixteen floats of a F32, F16 or BF16 row from value i.
 template <GgmlType T>
 KDN_AVX512 inline __m512 Load16(const uint8_t* w, int64_t i) {
@@ -292,19 +276,56 @@ KDN_AVX512 inline __m512 Load16(const uint8_t* w, int64_t i) {
   }
 }
 
-template <GgmlType T>
-KDN_AVX512 float FloatDotAvx512(const uint8_t* w, const void* xv, int64_t n) {
-  const auto* x = static_cast<const float*>(xv);
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+// One F32, F16 or BF16 weight row against kRows float rows (x_stride bytes
+// apart): each 16 weights loaded once for all of them. As for the quantized
+// formats, a row's sum is taken in the same order whatever kRows is, and the
+// one-row dot product is kRows 1.
+template <GgmlType T, int kRows>
+KDN_AVX512 void FloatDotRowsAvx512(const uint8_t* w, const uint8_t* xv, int64_t x_stride, int64_t n,
+                                   float* out) {
+  const float* x[kRows];
+  __m512 a0[kRows], a1[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    x[r] = reinterpret_cast<const float*>(xv + r * x_stride);
+    a0[r] = _mm512_setzero_ps();
+    a1[r] = _mm512_setzero_ps();
+  }
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    a0 = _mm512_fmadd_ps(Load16<T>(w, i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(Load16<T>(w, i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    const __m512 w0 = Load16<T>(w, i), w1 = Load16<T>(w, i + 16);
+    for (int r = 0; r < kRows; ++r) {
+      a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[r] + i), a0[r]);
+      a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[r] + i + 16), a1[r]);
+    }
   }
-  for (; i + 16 <= n; i += 16) a0 = _mm512_fmadd_ps(Load16<T>(w, i), _mm512_loadu_ps(x + i), a0);
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-  for (; i < n; ++i) s += Load1<T>(w, i) * x[i];
-  return s;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 w0 = Load16<T>(w, i);
+    for (int r = 0; r < kRows; ++r) a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[r] + i), a0[r]);
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+    for (int64_t j = i; j < n; ++j) s = std::fma(Load1<T>(w, j), x[r][j], s);
+    out[r] = s;
+  }
+}
+
+template <GgmlType T>
+KDN_AVX512 void FloatDotRowsAvx512(const uint8_t* w, const void* x, int64_t x_stride, int rows,
+                                   int64_t n, float* out) {
+  const auto* xb = static_cast<const uint8_t*>(x);
+  switch (rows) {
+    case 1: return FloatDotRowsAvx512<T, 1>(w, xb, x_stride, n, out);
+    case 2: return FloatDotRowsAvx512<T, 2>(w, xb, x_stride, n, out);
+    case 3: return FloatDotRowsAvx512<T, 3>(w, xb, x_stride, n, out);
+    default: return FloatDotRowsAvx512<T, 4>(w, xb, x_stride, n, out);
+  }
+}
+
+template <GgmlType T>
+KDN_AVX512 float FloatDotAvx512(const uint8_t* w, const void* x, int64_t n) {
+  float out;
+  FloatDotRowsAvx512<T, 1>(w, static_cast<const uint8_t*>(x), 0, n, &out);
+  return out;
 }
 
 // Decode attention for the kHeads query heads that share one KV head: each
@@ -353,6 +374,9 @@ KDN_AVX512 void AttendGroupAvx512(const float* q, const float* const* k_blocks,
 
 DotRowsFn Avx512DotRows(GgmlType type) {
   switch (type) {
+    case GgmlType::kF32: return FloatDotRowsAvx512<GgmlType::kF32>;
+    case GgmlType::kF16: return FloatDotRowsAvx512<GgmlType::kF16>;
+    case GgmlType::kBF16: return FloatDotRowsAvx512<GgmlType::kBF16>;
     case GgmlType::kQ8_0: return QuantDotRowsAvx512<GgmlType::kQ8_0>;
     case GgmlType::kQ4_0: return QuantDotRowsAvx512<GgmlType::kQ4_0>;
     case GgmlType::kQ4_1: return QuantDotRowsAvx512<GgmlType::kQ4_1>;

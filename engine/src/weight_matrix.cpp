@@ -1,6 +1,5 @@
 #include "kdn/engine/weight_matrix.h"
 
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -66,6 +65,7 @@ void WeightMatrix::RowToFloat(int64_t r, float* out) const {
 void WeightMatrix::DotRows(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy,
                            bool accumulate, ProductScratch& scratch, DotIsa isa) const {
   const DotFn dot = DotFor(*traits_, isa);
+  const DotRowsFn dot_rows = DotRowsFor(*traits_, isa);
   const void* xs = x;
   int64_t x_stride = ldx * static_cast<int64_t>(sizeof(float));  // bytes between rows
   if (traits_->quantized_x) {
@@ -80,31 +80,29 @@ void WeightMatrix::DotRows(int64_t m, const float* x, int64_t ldx, float* y, int
   const int64_t row_bytes = traits_->RowBytes(cols_);
   const uint8_t* base = data();
   const int64_t n = rows_, k = cols_;
-  if (const DotRowsFn dot_rows = m > 1 ? DotRowsFor(*traits_, isa) : nullptr) {
-    // Activation rows kDotRowsMax at a time against each weight row.
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && n * m * k > 16384)
+  // kRowBlock activation rows at a time, so that they stay in cache while
+  // every weight row passes; threads split the weight rows. Which rows are
+  // computed together changes nothing in any one row's result: every
+  // (weight row, activation row) is the same dot product in the same order.
+  for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+    const int64_t i1 = std::min(m, i0 + kRowBlock);
+    // Serial under a parallel region (a caller's threads) and for tiny work.
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && n * (i1 - i0) * k > 16384)
     for (int64_t j = 0; j < n; ++j) {
       const uint8_t* wj = base + j * row_bytes;
       float v[kDotRowsMax];
-      for (int64_t i = 0; i < m; i += kDotRowsMax) {
-        const int rows = static_cast<int>(std::min<int64_t>(kDotRowsMax, m - i));
-        dot_rows(wj, xb + i * x_stride, x_stride, rows, k, v);
+      for (int64_t i = i0; i < i1; i += kDotRowsMax) {
+        const int rows = static_cast<int>(std::min<int64_t>(kDotRowsMax, i1 - i));
+        if (dot_rows != nullptr) {
+          dot_rows(wj, xb + i * x_stride, x_stride, rows, k, v);
+        } else {
+          for (int r = 0; r < rows; ++r) v[r] = dot(wj, xb + (i + r) * x_stride, k);
+        }
         for (int r = 0; r < rows; ++r) {
           float& out = y[(i + r) * ldy + j];
           out = accumulate ? out + v[r] : v[r];
         }
       }
-    }
-    return;
-  }
-  // Serial under a parallel region (a caller's threads) and for tiny work.
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && n * m * k > 16384)
-  for (int64_t j = 0; j < n; ++j) {
-    const uint8_t* wj = base + j * row_bytes;
-    for (int64_t i = 0; i < m; ++i) {
-      const float v = dot(wj, xb + i * x_stride, k);
-      float& out = y[i * ldy + j];
-      out = accumulate ? out + v : v;
     }
   }
 }
@@ -112,31 +110,7 @@ void WeightMatrix::DotRows(int64_t m, const float* x, int64_t ldx, float* y, int
 void WeightMatrix::Product(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy,
                            bool accumulate, ProductScratch& scratch) const {
   if (m <= 0 || rows_ == 0) return;
-  const float beta = accumulate ? 1.0f : 0.0f;
-  if (traits_->type == GgmlType::kF32) {
-    // f32: sgemm repacks the whole weight per call, which only pays for
-    // itself past a few rows.
-    if (m > 8) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, rows_, cols_, 1.0f, x, ldx,
-                  f32_.data(), cols_, beta, y, ldy);
-      return;
-    }
-    DotRows(m, x, ldx, y, ldy, accumulate, scratch, BestDotIsa());
-    return;
-  }
-  if (m <= kIntegerMaxRows) {
-    DotRows(m, x, ldx, y, ldy, accumulate, scratch, BestDotIsa());
-    return;
-  }
-  const int64_t tile = std::min(kTileRows, rows_);
-  scratch.tile.resize(static_cast<size_t>(tile * cols_));
-  for (int64_t j0 = 0; j0 < rows_; j0 += tile) {
-    const int64_t t = std::min(tile, rows_ - j0);
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < t; ++j) RowToFloat(j0 + j, &scratch.tile[j * cols_]);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t, cols_, 1.0f, x, ldx,
-                scratch.tile.data(), cols_, beta, y + j0, ldy);
-  }
+  DotRows(m, x, ldx, y, ldy, accumulate, scratch, BestDotIsa());
 }
 
 void WeightMatrix::ProductScalar(int64_t m, const float* x, int64_t ldx, float* y,

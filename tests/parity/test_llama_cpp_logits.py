@@ -2,12 +2,12 @@
 
 SmolLM2-135M-Instruct (Q4_1, token embedding Q8_0) kept in its formats
 (`--weights-dtype native`: 8-bit activations, integer dot products) and
-llama.cpp's CPU backend on the same file (bench/llama_cpp_peer.sh builds its
-llama_logits_ref beside llama-bench; scripts/install-deps.sh --ref runs
-that) both give the next-token logits of 20 prompts of real prose (Debian's
+llama.cpp's CPU backend on the same file (llama_logits_ref, built by
+tests/parity/llama_cpp_refs/build.sh, which scripts/install-deps.sh --ref
+runs) both give the next-token logits of 20 prompts of real prose (Debian's
 Apache-2.0 licence text, 6 to 200 tokens, llama.cpp's own token ids, so that
-prompts on both sides of the engine's 32-row switch between one-pass dot
-products and dequantized tiles are covered). The two quantize activations
+prompts of one and of several 64-row passes are covered). The two
+quantize activations
 differently (llama.cpp: Q8_1 blocks with f16 scales for Q4_1, its own
 summation order, an f16 KV cache), so the logits are close, not equal:
 
@@ -35,7 +35,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gguf_micro import smollm2_path  # noqa: E402
-from llama_cpp_tokenize import llama_cpp_ids  # noqa: E402
+from llama_cpp_tokenize import llama_cpp_ids, refs_dir  # noqa: E402
 
 BIN = Path(os.environ.get("KDN_BIN_DIR", HERE.parents[1] / "build" / "bin"))
 LICENSE = Path("/usr/share/common-licenses/Apache-2.0")
@@ -49,16 +49,11 @@ KL_MAX = 2.2e-2
 KL_MEAN = 7.5e-3
 
 
-def peer_dir() -> Path:
-    return Path(os.environ.get("KDN_LLAMA_CPP_BENCH",
-                               Path.home() / ".cache" / "kdn" / "llama-cpp-bench-0.3.36"))
-
-
 def llama_logits_ref() -> Path:
-    exe = peer_dir() / "bin" / "llama_logits_ref"
+    exe = refs_dir() / "bin" / "llama_logits_ref"
     if not exe.exists():
         pytest.fail(f"{exe} is missing: run scripts/install-deps.sh --ref or "
-                    "bench/llama_cpp_peer.sh --build-only")
+                    "tests/parity/llama_cpp_refs/build.sh")
     return exe
 
 

@@ -11,11 +11,10 @@ tokens kdn kept in each layer and head, and runs the same tokens with
 transformers' own rule (position_ids past the document, the causal mask
 over the cache it holds). Both must give the same next-token distributions;
 and pruning must have changed them (else the comparison proves nothing).
-The question and answer are long enough (24 answer tokens) that kdn runs
-them through its f32 matrix products, as transformers does: a pass of up
-to 32 rows takes the quantized dot products of decode (weights in Q4_1
-against 8-bit activations), which agree with transformers' f32 less
-closely.
+kdn runs the GGUF's weights widened to f32 (--weights-dtype f32), as
+transformers holds them: on the weights as stored, its products take
+8-bit activations at every batch size (batch invariance,
+docs/engine.md), which agree with transformers' f32 less closely.
 """
 import json
 import os
@@ -34,7 +33,7 @@ def test_pruned_kv_answers_as_transformers_over_the_same_kept_tokens(tmp_path):
     cmd = [BIN / "kdn-bench", "prune-fidelity", "--model", smollm2_path(), "--documents", "1",
            "--questions", "1", "--doc-tokens", "192", "--answer-tokens", "24", "--keep", "0.25",
            "--methods", "expected_attention", "--granularity", "head", "--threads", "1",
-           "--kvpress-python", sys.executable, "--kvpress-script",
+           "--weights-dtype", "f32", "--kvpress-python", sys.executable, "--kvpress-script",
            REPO / "bench" / "kvpress_peer.py", "--kvpress-presses", "none",
            "--work-dir", tmp_path / "work", "--json", out]
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
@@ -62,7 +61,8 @@ def test_kvzip_scores_are_transformers_attention_weights_of_the_repeat_pass(tmp_
     cmd = [BIN / "kdn-bench", "prune-fidelity", "--model", smollm2_path(), "--documents", "1",
            "--questions", "1", "--doc-tokens", "192", "--answer-tokens", "8", "--keep", "0.25",
            "--methods", "kvzip", "--granularity", "global", "--kvzip-chunk", "64",
-           "--threads", "1", "--kvpress-python", sys.executable, "--kvpress-script",
+           "--threads", "1", "--weights-dtype", "f32", "--kvpress-python", sys.executable,
+           "--kvpress-script",
            REPO / "bench" / "kvpress_peer.py", "--kvpress-presses", "none",
            "--work-dir", tmp_path / "work", "--json", out]
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)

@@ -48,8 +48,10 @@ DotIsa BestDotIsa();
 // and float[n] for F32, F16 and BF16.
 using DotFn = float (*)(const uint8_t* w, const void* x, int64_t n);
 // The dot products of one row in the format with `rows` (1 to
-// kDotRowsMax) activation rows of ActBlocks, x_stride bytes apart: out[r].
-// What a batch's product runs, the weight's blocks unpacked once for all.
+// kDotRowsMax) activation rows (ActBlocks for the quantized formats, floats
+// for the others), x_stride bytes apart: out[r]. What a batch's product
+// runs, the weight's blocks unpacked once for all. Each out[r] is, bit for
+// bit, what the same ISA's DotFn gives for that row alone, whatever `rows`.
 constexpr int kDotRowsMax = 4;
 using DotRowsFn = void (*)(const uint8_t* w, const void* x, int64_t x_stride, int rows, int64_t n,
                            float* out);
@@ -64,7 +66,7 @@ struct QuantTraits {
   bool quantized_x;    // the dot product takes ActBlocks (else floats)
   ToFloatFn to_float;  // bit for bit the gguf package's dequantize
   DotFn dot[3];        // by DotIsa; a null entry falls back to scalar
-  DotRowsFn dot_rows;  // AVX-512 VNNI, quantized formats; else null
+  DotRowsFn dot_rows;  // AVX-512 VNNI, every format; else null
   int64_t RowBytes(int64_t n) const { return n / block_values * block_bytes; }
 };
 

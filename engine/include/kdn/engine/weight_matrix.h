@@ -4,13 +4,19 @@
 // product with a few rows of activations, apart from attention's own matrix
 // products.
 //
-// Product picks by the number of activation rows m:
-//   - up to kIntegerMaxRows (decode batches, short prompts), one pass over
-//     the weight: each activation row quantized once to 8 bits (quantized
-//     formats) and the format's dot product per (output row, activation row),
-//     threads splitting the output rows;
-//   - more rows (prefill), OpenBLAS's sgemm over tiles of kTileRows output
-//     rows dequantized to f32 (an f32 matrix goes to sgemm whole).
+// Product: each activation row quantized once to 8 bits (quantized formats;
+// F32, F16 and BF16 rows are dotted with the floats as they are), then the
+// format's dot product per (output row, activation row): up to kDotRowsMax
+// activation rows against one weight row at a time, kRowBlock activation
+// rows per pass over the weight, threads splitting the output rows.
+//
+// Batch invariance: a row's result does not depend on how many rows are
+// computed beside it, nor on which: one row alone, a decode batch of 32 and
+// a prefill of thousands give each row the same bits (the dot products sum
+// each row in one order whatever the rows beside it, quant.h). So a prompt
+// computed whole, in pieces after a cached prefix, or beside other requests
+// gives the same logits, and greedy answers do not depend on the path a
+// request took (docs/engine.md, "Batch invariance").
 // No allocation per call once the ProductScratch has grown.
 //
 // Thread-compatible: Product runs OpenMP threads inside; one caller at a time
@@ -29,15 +35,12 @@ namespace kdn::engine {
 // A caller's buffers for WeightMatrix::Product, kept across calls.
 struct ProductScratch {
   std::vector<ActBlock> act;  // the activation rows, quantized
-  std::vector<float> tile;    // a tile of weight rows, dequantized
 };
 
 class WeightMatrix {
  public:
-  // Activation rows up to which Product takes the one-pass dot products.
-  static constexpr int64_t kIntegerMaxRows = 32;
-  // Weight rows dequantized per sgemm above that.
-  static constexpr int64_t kTileRows = 4096;
+  // Activation rows per pass over the weight.
+  static constexpr int64_t kRowBlock = 64;
 
   WeightMatrix() = default;
   // From a 2-D tensor (HostTensor: f32 values or a format's bytes), consumed.
