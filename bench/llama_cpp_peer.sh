@@ -17,7 +17,7 @@
 #
 # The llama.cpp is the one vendored in the pinned PyPI source archive
 # llama-cpp-python 0.3.36 (the same archive, address and digest as
-# tests/parity/llama_tokenize_ref/build.sh and scripts/install-deps.sh), whose
+# tests/parity/llama_cpp_refs/build.sh and scripts/install-deps.sh), whose
 # CHANGELOG names it ggml-org/llama.cpp@0c1e57098 (version 0.5.0-dev). That
 # tree has no .git, so the commit is passed in from the CHANGELOG and the
 # build number is 0 (llama-bench prints "build: 0c1e57098 (0)"); without the
@@ -32,9 +32,8 @@
 #
 # Built once per machine into PREFIX = $KDN_LLAMA_CPP_BENCH or
 # ~/.cache/kdn/llama-cpp-bench-0.3.36 (bin/llama-bench, one static binary;
-# bin/llama_logits_ref, bench/llama_logits_ref.cpp linked against the same
-# static libllama and ggml: the logits reference of
-# tests/parity/test_llama_cpp_logits.py; build-info.txt; LICENSE.llama.cpp).
+# build-info.txt; LICENSE.llama.cpp). The tests' llama.cpp references are
+# built apart (tests/parity/llama_cpp_refs/build.sh): no test needs this.
 # kdn-bench prefill/decode --llama-cpp run PREFIX's llama-bench themselves. $PREFIX/.complete holds a digest of the
 # archive's sha256, the CMake options below, RECIPE, the compiler and the
 # CPU's model and flags; the build is skipped while it matches (a folder
@@ -54,7 +53,11 @@
 # NATIVE: GGML_NATIVE=ON (llama.cpp's default for a non-cross build), i.e.
 # -march=native: this is a peer measured where it is built, and that is how
 # llama.cpp is built from source by its users, so it is the strong baseline
-# (on an AVX2 machine: its AVX2/FMA/F16C kernels).
+# (on an AVX2 machine: its AVX2/FMA/F16C kernels). But AMX: this llama.cpp's
+# AMX kernels, which -march=native compiles in where the CPU has amx-int8,
+# crash in ggml_backend_amx_mul_mat on the Q4_1 SmolLM2 (SIGSEGV; a Xeon
+# with amx_int8 under a hypervisor, 2026-12-06), so they are left out
+# (-mno-amx-*) and such a CPU runs ggml's AVX-512 kernels.
 # Note that kdn itself is compiled for baseline x86-64 and reaches AVX2 only
 # through OpenBLAS's run-time dispatch: a fair comparison names that. The
 # digest includes the CPU flags, so the native binary never runs on another CPU.
@@ -62,7 +65,8 @@
 # Build time, measured once: 967 s (16 min) for configure + build, -j2 under
 # nice, on this project's 2-core development machine (AMD EPYC, AVX2) while
 # kdn's own test suite ran beside it, plus about half a minute for the PyPI
-# download (76 MB) and unpacking. The benchmark then takes about 90 s for
+# download (76 MB) and unpacking; 202 s alone on a 2-core Xeon (AVX-512,
+# 2026-12-06). The benchmark then takes about 90 s for
 # SmolLM2-135M at 2 threads (minutes for multi-billion-parameter models).
 # llama-bench names SmolLM2-135M "llama 256M" (its size class by layer
 # count); the params column (134.52 M) is the real count.
@@ -122,18 +126,18 @@ flags=(
   -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_SERVER=OFF
   -DLLAMA_BUILD_APP=OFF
+  "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 )
 # What the installed binary depends on: the source, the options, the compiler
 # and the CPU (-march=native). Bump RECIPE when build() changes otherwise.
-RECIPE=2
-here="$(cd "$(dirname "$0")" && pwd)"
+RECIPE=3
 stamp=$( { echo "recipe $RECIPE $VERSION $SHA256"; echo "${flags[*]}"; cpu_id
-           sha256sum "$here/llama_logits_ref.cpp"
            c++ --version 2>/dev/null | head -1; } | sha256sum | cut -d' ' -f1)
 
 built() {
   [ -f "$PREFIX/.complete" ] && [ "$(cat "$PREFIX/.complete")" = "$stamp" ] &&
-    [ -x "$PREFIX/bin/llama-bench" ] && [ -x "$PREFIX/bin/llama_logits_ref" ]
+    [ -x "$PREFIX/bin/llama-bench" ]
 }
 
 build() {
@@ -198,22 +202,11 @@ build() {
     { cat "$tmp/cmake.log" >&2; die "cmake configuration failed"; }
   nice cmake --build "$tmp/build" --target llama-bench -j "$JOBS" >"$tmp/build.log" 2>&1 ||
     { tail -50 "$tmp/build.log" >&2; die "build failed"; }
-  # The logits reference, against the static libraries llama-bench linked.
-  local libs=()
-  local lib
-  for lib in libllama.a libggml.a libggml-cpu.a libggml-base.a; do
-    libs+=("$(find "$tmp/build" -name "$lib" | head -1)")
-    [ -n "${libs[-1]}" ] || die "no $lib in the build"
-  done
-  nice c++ -O2 -std=c++17 -I "$lcpp/include" -I "$lcpp/ggml/include" \
-    "$here/llama_logits_ref.cpp" -o "$tmp/build/bin/llama_logits_ref" \
-    -Wl,--start-group "${libs[@]}" -Wl,--end-group -fopenmp -lpthread -ldl -lm ||
-    die "llama_logits_ref did not build"
   secs=$(( $(date +%s) - start ))
 
   rm -rf "$PREFIX.new"
   mkdir -p "$PREFIX.new/bin"
-  cp "$tmp/build/bin/llama-bench" "$tmp/build/bin/llama_logits_ref" "$PREFIX.new/bin/"
+  cp "$tmp/build/bin/llama-bench" "$PREFIX.new/bin/"
   cp "$lcpp/LICENSE" "$PREFIX.new/LICENSE.llama.cpp"
   {
     echo "llama-cpp-python ${VERSION} (sha256 ${SHA256})"

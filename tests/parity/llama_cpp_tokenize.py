@@ -1,9 +1,9 @@
 """llama.cpp's own tokenizer on a GGUF file, as a reference for kdn's.
 
-llama_tokenize_ref (tests/parity/llama_tokenize_ref/) is built from the
+llama_tokenize_ref (tests/parity/llama_cpp_refs/) is built from the
 vendored llama.cpp of the pinned llama-cpp-python source archive by
-scripts/install-deps.sh --ref, into ~/.cache/kdn/llama-cpp-tokenize-VERSION;
-KDN_LLAMA_CPP_TOKENIZE names another place. One process serves a whole list
+scripts/install-deps.sh --ref, into ~/.cache/kdn/llama-cpp-refs-VERSION
+beside llama_logits_ref; KDN_LLAMA_CPP_REFS names another place. One process serves a whole list
 of texts (or id lists) for one GGUF file.
 """
 
@@ -17,13 +17,18 @@ import pytest
 VERSION = "0.3.36"
 
 
+def refs_dir() -> Path:
+    """Where tests/parity/llama_cpp_refs/build.sh put llama.cpp's programs."""
+    return Path(os.environ.get("KDN_LLAMA_CPP_REFS",
+                               Path.home() / ".cache" / "kdn" / f"llama-cpp-refs-{VERSION}"))
+
+
 def driver() -> Path:
-    d = Path(os.environ.get("KDN_LLAMA_CPP_TOKENIZE",
-                            Path.home() / ".cache" / "kdn" / f"llama-cpp-tokenize-{VERSION}"))
+    d = refs_dir()
     exe = d / "bin" / "llama_tokenize_ref"
     if not (d / ".complete").exists() or not exe.exists():
         pytest.fail(f"{d}: llama.cpp's tokenizer (llama_tokenize_ref) is missing; run "
-                    "scripts/install-deps.sh --ref or tests/parity/llama_tokenize_ref/build.sh")
+                    "scripts/install-deps.sh --ref or tests/parity/llama_cpp_refs/build.sh")
     return exe
 
 

@@ -60,10 +60,6 @@ BpeModel::~BpeModel() = default;
 
 namespace {
 
-bool IsTokenId(const json& v) {
-  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTokenId;
-}
-
 // A nullable string field: "" when null or absent.
 Result<std::string> OptString(const json& j, const char* key, const std::string& where) {
   if (!j.contains(key) || j.at(key).is_null()) return std::string();

@@ -28,6 +28,11 @@ namespace kdn::text {
 // a few hundred thousand).
 constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
 
+// Whether a tokenizer.json value is a token id: an integer in [0, kMaxTokenId].
+inline bool IsTokenId(const nlohmann::json& v) {
+  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTokenId;
+}
+
 // Hashing that lets a map keyed by std::string be searched by string_view.
 struct StringHash {
   using is_transparent = void;

@@ -12,10 +12,6 @@ using nlohmann::json;
 
 namespace {
 
-bool IsTokenId(const json& v) {
-  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTokenId;
-}
-
 // Rust regex's \w, which `tokenizers` uses for single_word: alphabetic,
 // marks, decimal digits, connector punctuation, joiners.
 bool IsWordChar(char32_t c) {

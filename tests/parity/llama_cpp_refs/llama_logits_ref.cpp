@@ -1,7 +1,8 @@
 // llama_logits_ref: llama.cpp's next-token logits on a GGUF file, the peer
 // reference for kdn's CPU engine on the same file (tests/parity/
-// test_llama_cpp_logits.py). Built by bench/llama_cpp_peer.sh against the
-// llama.cpp it builds (never part of kdn's build).
+// test_llama_cpp_logits.py). Built by tests/parity/llama_cpp_refs/build.sh
+// beside llama_tokenize_ref, against one static libllama and ggml CPU
+// backend (never part of kdn's build).
 //
 //   llama_logits_ref MODEL.gguf THREADS PROMPTS OUT
 //
