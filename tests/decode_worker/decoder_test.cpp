@@ -512,12 +512,18 @@ TEST(Decoder, CancelBeforeStartErasesTheRequestsOwnSlices) {
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
 }
 
-TEST(Decoder, APreparedRequestNeverStartedIsDroppedAfterTheTimeout) {
-  auto now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+// Options with a 60 s prepare timeout on a clock the test moves (`*now`).
+DecoderOptions ClockedOptions(std::chrono::steady_clock::time_point* now) {
+  *now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
   DecoderOptions o;
   o.prepare_timeout = std::chrono::seconds(60);
-  o.clock = [&] { return now; };
-  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  o.clock = [now] { return *now; };
+  return o;
+}
+
+TEST(Decoder, APreparedRequestNeverStartedIsDroppedAfterTheTimeout) {
+  std::chrono::steady_clock::time_point now;
+  Rig rig(std::make_unique<GatedStore>(), {}, ClockedOptions(&now));
   Transcript t;
   const uint64_t id = PrepareAndLoad(rig, Request(RandomTokens(20, 256, 1), 4), t);
   now += std::chrono::seconds(60);
@@ -533,11 +539,8 @@ TEST(Decoder, APreparedRequestNeverStartedIsDroppedAfterTheTimeout) {
 }
 
 TEST(Decoder, ARenewedReservationOutlastsTheTimeoutAndStartsAsAnyOther) {
-  auto now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
-  DecoderOptions o;
-  o.prepare_timeout = std::chrono::seconds(60);
-  o.clock = [&] { return now; };
-  Rig rig(std::make_unique<GatedStore>(), {}, o);
+  std::chrono::steady_clock::time_point now;
+  Rig rig(std::make_unique<GatedStore>(), {}, ClockedOptions(&now));
   Transcript t;
   const DecodeRequest r = Request(RandomTokens(20, 256, 1), 4);
   const uint64_t id = PrepareAndLoad(rig, r, t);

@@ -153,6 +153,15 @@ class RequestFlowTest : public ::testing::Test {
     AnswerPrefill(p, id, first, pf.transfer_id());
     return pf;
   }
+  // Steps request `id` from its lookup to its prefill sent (and not
+  // answered): {its decode worker, the prefill sent, to which worker}.
+  std::tuple<size_t, proto::PrefillRequest, size_t> ToPrefill(uint64_t id) {
+    AnswerLookups(id);
+    const size_t d = link_.Take(Body::kPrepare).at(0).worker;
+    AnswerPrepare(d, id);
+    const Sent pf = link_.Take(Body::kPrefill).at(0);
+    return {d, pf.m.prefill(), pf.worker};
+  }
   // Worker `w` goes down, as the pool would tell the flow.
   void Down(size_t w) {
     workers_[w].up = false;
@@ -361,37 +370,29 @@ TEST_F(RequestFlowTest, PingsRenewTheReservationsOfRequestsWaitingForTheirPrefil
       const std::vector<uint64_t> held = flow_->HeldOn(d);
       EXPECT_EQ(std::count(held.begin(), held.end(), id), 0) << "nothing is prepared in a lookup";
     }
-    AnswerLookups(id);
-    const size_t d = link_.Take(Body::kPrepare).at(0).worker;
-    EXPECT_EQ(flow_->HeldOn(d), std::vector<uint64_t>{id}) << "being prepared";
-    AnswerPrepare(d, id);
-    const Sent pf = link_.Take(Body::kPrefill).at(0);
-    return std::make_tuple(d, pf.worker, pf.m.prefill().transfer_id());
+    return ToPrefill(id);
   };
-  const auto [da, pa, ta] = to_prefill(1, "Hello");
+  const auto [da, pfa, pa] = to_prefill(1, "Hello");
   EXPECT_EQ(flow_->HeldOn(da), std::vector<uint64_t>{1});
-  const auto [db, pb, tb] = to_prefill(2, "Hello world");
+  const auto [db, pfb, pb] = to_prefill(2, "Hello world");
   std::vector<uint64_t> both = flow_->HeldOn(da);
   if (db != da) both.push_back(flow_->HeldOn(db).at(0));
   std::sort(both.begin(), both.end());
   EXPECT_EQ(both, (std::vector<uint64_t>{1, 2}));
   // 1's prefill answers: started, its reservation is no longer waiting.
-  AnswerPrefill(pa, 1, 'x', ta);
+  AnswerPrefill(pa, 1, 'x', pfa.transfer_id());
   EXPECT_EQ(PhaseOf(1), Phase::kDecode);
   EXPECT_EQ(flow_->HeldOn(db), std::vector<uint64_t>{2});
   if (da != db) {
     EXPECT_TRUE(flow_->HeldOn(da).empty());
   }
+  (void)pfb;
   (void)pb;
-  (void)tb;
 }
 
 TEST_F(RequestFlowTest, AReservationDroppedWhileThePrefillWaitsFailsTheRequestAndLetsThePrefillGo) {
   const uint64_t id = Submit("Hello", 8);
-  AnswerLookups(id);
-  const size_t d = link_.Take(Body::kPrepare).at(0).worker;
-  AnswerPrepare(d, id);
-  const size_t p = link_.Take(Body::kPrefill).at(0).worker;
+  const auto [d, pf, p] = ToPrefill(id);
   ASSERT_EQ(PhaseOf(id), Phase::kPrefill);
   proto::WorkerMessage m;
   auto* e = m.mutable_tokens()->add_events();
