@@ -1,6 +1,7 @@
 #include "kdn/engine/cpu_engine.h"
 
 #include <cblas.h>
+
 #include <omp.h>
 
 #include <algorithm>
@@ -65,30 +66,6 @@ struct CpuEngine::Scratch {
 
 namespace {
 
-// Up to this many rows, attention's products stream B once and take dot
-// products: sgemm would first repack it on every call.
-constexpr int64_t kStreamingMaxRows = 8;
-
-// Attention's C[m][n] = alpha * A[m][k] * B[n][k]^T + beta * C, row-major
-// with leading dims (the weights' products are WeightMatrix::Product).
-// beta is 0 or 1.
-void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (m > kStreamingMaxRows) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, alpha, a, lda, b, ldb, beta, c,
-                ldc);
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (int64_t j = 0; j < n; ++j) {
-    const float* bj = b + j * ldb;
-    for (int64_t i = 0; i < m; ++i) {
-      const float v = alpha * Dot(a + i * lda, bj, static_cast<int>(k));
-      c[i * ldc + j] = beta == 0.0f ? v : c[i * ldc + j] + v;
-    }
-  }
-}
-
 void AddBias(float* x, int64_t rows, int64_t cols, const std::vector<float>& bias) {
   if (bias.empty()) return;
   for (int64_t r = 0; r < rows; ++r) {
@@ -133,16 +110,12 @@ Result<WeightMatrix> StackOrWiden(WeightMatrix gate, WeightMatrix up) {
   return WeightMatrix::Stack(std::move(g), std::move(u));
 }
 
-// Query rows at least this long go through the blocked matrix-product path.
-constexpr int64_t kGemmAttentionMinRows = 16;
-
 // The first key a query at `position` sees: 0, or under a sliding window
 // (transformers' mask: key j is seen when j > position - window) the oldest
 // key inside it.
 int64_t FirstVisibleKey(int64_t position, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
 }
-constexpr int64_t kQueryTile = 128;
 
 }  // namespace
 
@@ -405,18 +378,16 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, RowPositions rp, int64_
 
 void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos,
                           const float* q, float* out, Scratch& scratch) {
-  // Long segments (prefill) go through blocked matrix products; single or
-  // short rows (decode) are computed row by row, in parallel.
+  // Row by row, in parallel, a prefill's rows as a decode step's: each
+  // (row, KV head) is one AttendPagedGroup over the paged KV, so a row's
+  // attention does not depend on the rows computed beside it (batch
+  // invariance, weight_matrix.h; docs/engine.md).
   const ModelConfig& c = config_;
   const int64_t qd = c.q_dim();
   auto& short_rows = scratch.short_rows;
   short_rows.clear();
   for (const Segment& s : segs) {
-    if (s.n >= kGemmAttentionMinRows) {
-      AttendRows(layer, *s.seq, pos + s.row0, s.n, q + s.row0 * qd, out + s.row0 * qd);
-    } else {
-      for (int64_t i = 0; i < s.n; ++i) short_rows.emplace_back(&s, i);
-    }
+    for (int64_t i = 0; i < s.n; ++i) short_rows.emplace_back(&s, i);
   }
   if (short_rows.empty()) return;
   const int group = c.num_heads / c.num_kv_heads;
@@ -455,63 +426,6 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
       const KvSequence::Hole hole = s->seq->HoleOf(layer, g);
       AttendPagedGroup(q + at, group, kb.data(), vb.data(), kvs, lo, ctx, hd, scale, scores.data(),
                        out + at, hole.begin, hole.end);
-    }
-  }
-}
-
-void CpuEngine::AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n,
-                           const float* q, float* out) {
-  const ModelConfig& c = config_;
-  const int group = c.num_heads / c.num_kv_heads;
-  const int hd = c.head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t qd = c.q_dim(), kvs = kv_->token_stride();
-  const int64_t ctx = static_cast<int64_t>(pos[n - 1]) + 1;
-  // Rows are in ascending positions; under a sliding window no row sees a
-  // key before the first row's window, so only keys base..ctx are gathered,
-  // and each tile multiplies only the keys its rows see.
-  const int64_t window = c.LayerWindow(layer);
-  const int64_t base = FirstVisibleKey(pos[0], window);
-  const std::vector<int32_t>& blocks = seq.blocks();
-  std::vector<float> kc((ctx - base) * hd), vc((ctx - base) * hd);
-  std::vector<float> sc(std::min(kQueryTile, n) * (ctx - base));
-  for (int g = 0; g < c.num_kv_heads; ++g) {
-    const KvSequence::Hole hole = seq.HoleOf(layer, g);
-    // Gather this KV head's keys and values from the pages.
-#pragma omp parallel for schedule(static)
-    for (int64_t p = base; p < ctx; ++p) {
-      const int64_t off = (p % kKvBlockTokens) * kvs + g * hd;
-      std::memcpy(&kc[(p - base) * hd], kv_->Key(layer, blocks[p / kKvBlockTokens]) + off,
-                  hd * sizeof(float));
-      std::memcpy(&vc[(p - base) * hd], kv_->Value(layer, blocks[p / kKvBlockTokens]) + off,
-                  hd * sizeof(float));
-    }
-    for (int head = g * group; head < (g + 1) * group; ++head) {
-      for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
-        const int64_t i1 = std::min(n, i0 + kQueryTile);
-        const int64_t tr = i1 - i0;
-        // The tile's rows see keys k0 .. its last row's position.
-        const int64_t k0 = FirstVisibleKey(pos[i0], window);
-        const int64_t keys = static_cast<int64_t>(pos[i1 - 1]) + 1 - k0;
-        const float* qt = q + i0 * qd + head * hd;
-        GemmNT(tr, keys, hd, scale, qt, qd, &kc[(k0 - base) * hd], hd, 0.0f, sc.data(), keys);
-#pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < tr; ++r) {
-          float* row = &sc[r * keys];
-          const int64_t visible = static_cast<int64_t>(pos[i0 + r]) + 1 - k0;
-          const int64_t lo = FirstVisibleKey(pos[i0 + r], window) - k0;
-          // Pruned KV's holes (KvSequence::SetHeadTokens): no weight.
-          for (int64_t p = std::max(hole.begin - k0, lo); p < std::min(hole.end - k0, visible);
-               ++p) {
-            row[p] = -INFINITY;
-          }
-          Softmax(row + lo, visible - lo);
-          std::fill(row, row + lo, 0.0f);
-          std::fill(row + visible, row + keys, 0.0f);
-        }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, tr, hd, keys, 1.0f, sc.data(), keys,
-                    &vc[(k0 - base) * hd], hd, 0.0f, out + i0 * qd + head * hd, qd);
-      }
     }
   }
 }

@@ -17,10 +17,15 @@ worker and kdn-store, and checked against transformers through the official
   - documents (docs/blend.md): unseen, they are computed in full and the
     answer is transformers'; held, they are blended (usage counts them as
     cached and blended, with the default share recomputed), and at ratio 1
-    the answer is transformers' again.
+    the answer is transformers' again;
+  - on the weights as stored (Q4_1, a deployment of its own): each chat
+    turn's answer is the same computed whole, served again from the KDN, and
+    by kdn-generate alone (batch invariance, docs/engine.md).
 """
 
+import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +38,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from deploy_util import CHUNK_TOKENS, MIN_TAIL_TOKENS, Deployment, _tail_pieces
+from deploy_util import BIN_DIR, CHUNK_TOKENS, MIN_TAIL_TOKENS, Deployment, _tail_pieces
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "parity"))
 from gguf_micro import smollm2_path  # noqa: E402
@@ -254,3 +259,47 @@ def test_documents_are_computed_then_blended(served, reference):
     text, _, usage = chat(d, client, messages, False, documents=DOCUMENTS, recompute_ratio=1.0)
     assert details(usage) == (doc_tokens, doc_tokens, doc_tokens), usage
     assert text == want
+
+
+@pytest.fixture(scope="module")
+def served_native(smollm2, tmp_path_factory):
+    # The weights as the GGUF stores them (Q4_1; the default): 8-bit
+    # activations, batch-invariant products (docs/engine.md, "Batch
+    # invariance").
+    d = Deployment(tmp_path_factory.mktemp("run-smollm2-native"), smollm2, "--store",
+                   "--store-host-mib", 64)
+    client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=120.0)
+    try:
+        yield d, client
+    finally:
+        client.close()
+        d.down()
+
+
+def test_native_weights_answer_a_chat_alike_from_the_kdn_and_as_kdn_generate(served_native, smollm2,
+                                                                            tmp_path):
+    """On native weights each turn's greedy answer is the same computed whole
+    (its first request), from the KDN (the same chat again: its prompt's
+    KV loaded, the rest computed in another batch shape) and by kdn-generate
+    alone on the same conversation."""
+    d, client = served_native
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn, question in enumerate(QUESTIONS, 1):
+        messages.append({"role": "user", "content": question})
+        first, _, u1 = chat(d, client, messages, stream=False)
+        # The prefill worker stores the prompt's KV after its reply; give
+        # that round trip time, as the f32 test does.
+        time.sleep(1.0)
+        again, _, u2 = chat(d, client, messages, stream=True)
+        assert u2.prompt_tokens_details.cached_tokens > u1.prompt_tokens_details.cached_tokens, \
+            (turn, u1, u2)
+        assert again == first, "turn %d: the repeat, served from the KDN, differs" % turn
+        conversation = tmp_path / ("turn%d.json" % turn)
+        conversation.write_text(json.dumps(messages))
+        r = subprocess.run([str(BIN_DIR / "kdn-generate"), "--model", str(smollm2), "--chat",
+                            str(conversation), "--max-tokens", str(NEW_TOKENS), "--threads", "1"],
+                           capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        assert first == r.stdout.decode("utf-8", errors="replace")[:-1], \
+            "turn %d: the deployment differs from kdn-generate" % turn
+        messages.append({"role": "assistant", "content": first})

@@ -309,6 +309,61 @@ TEST(Quant, EngineOnQuantizedWeightsMatchesTheDequantizedEngine) {
   }
 }
 
+// Batch invariance through the whole CPU engine (docs/engine.md): a prompt
+// computed whole, in two prefills (a cached prefix, then the rest), and
+// token by token in decode steps beside another sequence gives each
+// position the same logits, bit for bit, in every weight format.
+TEST(Quant, APromptsLogitsAreTheSameWholeInPiecesAndTokenByToken) {
+  for (GgmlType type : {GgmlType::kF32, GgmlType::kBF16, GgmlType::kQ8_0, GgmlType::kQ4_1}) {
+    auto p = FindPreset("tiny-qwen2");
+    ASSERT_TRUE(p.ok());
+    ModelWeights w = GenerateWeights(p->config, 13, DType::kF32);
+    for (auto& [name, t] : w) {
+      if (t.shape.size() == 2 && type != GgmlType::kF32) {
+        t.bytes = Encode(type, t.data);
+        t.type = type;
+        t.data.clear();
+      }
+    }
+    EngineOptions o;
+    o.threads = 1;  // threads split output rows: they change no row's sums
+    auto e = CpuEngine::Create(p->config, std::move(w), o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    const int64_t vocab = p->config.vocab_size;
+    const std::vector<int32_t> prompt = testing::RandomTokens(70, vocab, 14);
+    const std::span<const int32_t> all(prompt);
+    PrefillOptions rows;
+    rows.all_logits = true;
+    // Whole: every position's logits.
+    KvSequence whole = (*e)->kv_cache().NewSequence();
+    std::vector<float> want;
+    ASSERT_TRUE((*e)->Prefill(whole, all, rows, &want).ok());
+    // A prefix of 37, then the other 33.
+    KvSequence pieces = (*e)->kv_cache().NewSequence();
+    std::vector<float> head, tail;
+    ASSERT_TRUE((*e)->Prefill(pieces, all.first(37), rows, &head).ok());
+    ASSERT_TRUE((*e)->Prefill(pieces, all.subspan(37), rows, &tail).ok());
+    head.insert(head.end(), tail.begin(), tail.end());
+    ASSERT_EQ(head.size(), want.size());
+    EXPECT_TRUE(head == want) << FindQuantTraits(type)->name << ": in two prefills";
+    // Token by token, each step in a batch of two (the other sequence's
+    // tokens differ).
+    KvSequence steps = (*e)->kv_cache().NewSequence(), other = (*e)->kv_cache().NewSequence();
+    std::vector<float> first, step;
+    ASSERT_TRUE((*e)->Prefill(steps, all.first(1), rows, &first).ok());
+    ASSERT_TRUE((*e)->Prefill(other, all.first(1), rows, &step).ok());
+    int64_t differ = first == std::vector<float>(want.begin(), want.begin() + vocab) ? 0 : 1;
+    for (size_t i = 1; i < prompt.size(); ++i) {
+      KvSequence* batch[] = {&steps, &other};
+      const int32_t next[] = {prompt[i], prompt[prompt.size() - i]};
+      ASSERT_TRUE((*e)->DecodeStep(batch, next, &step).ok());
+      differ += !std::equal(step.begin(), step.begin() + vocab, want.begin() + i * vocab);
+    }
+    EXPECT_EQ(differ, 0) << FindQuantTraits(type)->name << ": positions whose decode-step logits "
+                         << "differ from the whole prefill's";
+  }
+}
+
 // Decode attention over paged keys and values for a group of query heads
 // sharing a KV head (the AVX-512 kernels where the CPU has them and the
 // group fits, the portable loop otherwise) against a plain softmax in

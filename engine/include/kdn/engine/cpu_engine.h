@@ -104,9 +104,6 @@ class CpuEngine final : public Engine {
   // Attention of every new row over its sequence's KV (already written).
   void AttendAll(int layer, std::span<const Segment> segs, const int32_t* pos, const float* q,
                  float* out, Scratch& scratch);
-  // One sequence's rows at ascending positions `pos` (n of them), causal.
-  void AttendRows(int layer, const KvSequence& seq, const int32_t* pos, int64_t n, const float* q,
-                  float* out);
 
   // The output projection: lm_head_, or embed_ when tied.
   const WeightMatrix& head() const { return lm_head_.empty() ? embed_ : lm_head_; }
