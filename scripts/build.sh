@@ -4,6 +4,9 @@
 #   scripts/build.sh --configure-only [cmake args]   configures, builds nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# ccache's hashes hold paths relative to the clone, so that a clone in another
+# folder (CI's) finds what an earlier one compiled.
+export CCACHE_BASEDIR="$PWD"
 configure_only=0
 if [ "${1:-}" = "--configure-only" ]; then configure_only=1; shift; fi
 jobs=$(nproc)

@@ -25,6 +25,9 @@
 # TSan, so its barriers would be reported as races that are not there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# ccache's hashes hold paths relative to the clone, so that a clone in another
+# folder (CI's) finds what an earlier one compiled.
+export CCACHE_BASEDIR="$PWD"
 
 # The binaries each sanitizer runs. ASan+UBSan runs every unit-test binary;
 # TSan those whose code runs threads: the kvbus transports and kdn-store's
