@@ -400,6 +400,23 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
   if (scratch.threads.size() < static_cast<size_t>(omp_get_max_threads())) {
     scratch.threads.resize(omp_get_max_threads());
   }
+  // Every thread's buffers hold the longest row before the work is dealt
+  // (any thread may take any row), with room to grow: a decode step's
+  // context grows a token a step, and a step allocates nothing once warm.
+  int64_t span = 0, blocks = 0;
+  for (const auto& [s, i] : short_rows) {
+    const int64_t p = pos[s->row0 + i];
+    span = std::max(span, p + 1 - FirstVisibleKey(p, window));
+    blocks = std::max(blocks, (p + kKvBlockTokens) / kKvBlockTokens);
+  }
+  const auto room = [](auto& v, int64_t n) {
+    if (v.capacity() < static_cast<size_t>(n)) v.reserve(static_cast<size_t>(2 * n));
+  };
+  for (Scratch::Thread& t : scratch.threads) {
+    room(t.scores, group * span);
+    room(t.kb, blocks);
+    room(t.vb, blocks);
+  }
 #pragma omp parallel
   {
     Scratch::Thread& t = scratch.threads[omp_get_thread_num()];
