@@ -150,8 +150,13 @@ def served(smollm2, tmp_path_factory):
     # Weights widened to f32: the arithmetic of the transformers reference
     # (fp32 on the dequantized tensors). The native quantized arithmetic is
     # checked against llama.cpp's (tests/parity/test_llama_cpp_logits.py).
-    d = Deployment(tmp_path_factory.mktemp("run-smollm2"), smollm2, "--store",
-                   "--store-host-mib", 64, "--weights-dtype", "f32")
+    yield from serve(tmp_path_factory.mktemp("run-smollm2"), smollm2, "--weights-dtype", "f32")
+
+
+def serve(run_dir, smollm2, *flags):
+    """A SmolLM2 deployment with kdn-store (its `flags` added) and an openai
+    client of it, for a fixture to yield; both closed after."""
+    d = Deployment(run_dir, smollm2, "--store", "--store-host-mib", 64, *flags)
     client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=120.0)
     try:
         yield d, client
@@ -266,14 +271,7 @@ def served_native(smollm2, tmp_path_factory):
     # The weights as the GGUF stores them (Q4_1; the default): 8-bit
     # activations, batch-invariant products (docs/engine.md, "Batch
     # invariance").
-    d = Deployment(tmp_path_factory.mktemp("run-smollm2-native"), smollm2, "--store",
-                   "--store-host-mib", 64)
-    client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=120.0)
-    try:
-        yield d, client
-    finally:
-        client.close()
-        d.down()
+    yield from serve(tmp_path_factory.mktemp("run-smollm2-native"), smollm2)
 
 
 def test_native_weights_answer_a_chat_alike_from_the_kdn_and_as_kdn_generate(served_native, smollm2,
