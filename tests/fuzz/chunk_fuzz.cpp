@@ -6,9 +6,10 @@
 // mutated headers get past the checksums to the field checks (as a forged
 // chunk would); the rest is the chunk. Parse must not crash or hit undefined
 // behaviour, refuse with CORRUPTION, and a chunk it accepts must be what it
-// says: the header's size plus a payload of the size its shape implies (raw)
-// or its stream (encoded), and built again from its info and payload it must
-// give the same fields and payload.
+// says: the header, a pruned chunk's kept positions (one per token, ascending,
+// inside its logical length), then a payload of the size its shape implies
+// (raw) or its stream (encoded); built again from its info and payload it
+// must give the same fields, kept positions and payload.
 //
 // Built with clang's -fsanitize=fuzzer,address,undefined (tests/fuzz); the
 // test `chunk_fuzz` (label fuzz) runs it over tests/fuzz/corpus/chunk.
@@ -44,7 +45,8 @@ bool SameChunk(const Chunk& c, const std::vector<uint8_t>& bytes, size_t fields)
                      bytes.size() - Chunk::kHeaderBytes) == 0;
 }
 
-// Seeds: a raw chunk per dtype and an encoded one, as the tiers store them.
+// Seeds: a raw chunk per dtype, a pruned one and an encoded one, as the tiers
+// store them.
 std::vector<std::string> Seeds() {
   std::vector<std::string> seeds;
   const KvDType dtypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16};
@@ -54,6 +56,18 @@ std::vector<std::string> Seeds() {
     for (size_t b = 0; b < payload.size(); ++b) payload[b] = static_cast<uint8_t>(b * 7 + i);
     auto c = Chunk::Make(info, payload);
     Check(c.ok(), "seed chunk");
+    std::string s(1, '\0');
+    s.append(reinterpret_cast<const char*>((*c)->bytes().data()), (*c)->size());
+    seeds.push_back(s);
+  }
+  {
+    ChunkInfo info{{0x5566, 0x7788}, {5, 6}, 2, 1, 4, 3, KvDType::kF16, 16};
+    info.logical_tokens = 7;
+    info.kept = {0, 3, 6};
+    std::vector<uint8_t> payload(info.payload_bytes());
+    for (size_t b = 0; b < payload.size(); ++b) payload[b] = static_cast<uint8_t>(b * 5);
+    auto c = Chunk::Make(info, payload);
+    Check(c.ok(), "seed pruned chunk");
     std::string s(1, '\0');
     s.append(reinterpret_cast<const char*>((*c)->bytes().data()), (*c)->size());
     seeds.push_back(s);
@@ -96,17 +110,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const Chunk& c = **chunk;
   Check(c.size() == copy.size(), "the chunk is the bytes given");
-  Check(c.payload().size() == c.size() - Chunk::kHeaderBytes, "header, then payload");
+  const ChunkInfo& info = c.info();
+  Check(c.payload().size() == c.size() - Chunk::kHeaderBytes - info.kept_bytes(),
+        "header, kept positions, then payload");
+  if (info.pruned()) {
+    Check(!c.encoded(), "a pruned chunk is raw");
+    Check(info.kept.size() == info.tokens && info.logical_tokens >= info.tokens,
+          "a kept position per token, within the text");
+    for (size_t j = 0; j < info.kept.size(); ++j) {
+      Check(info.kept[j] < info.logical_tokens && (j == 0 || info.kept[j] > info.kept[j - 1]),
+            "kept positions ascend inside the text");
+    }
+  } else {
+    Check(info.kept.empty(), "no kept positions unpruned");
+  }
   if (!c.encoded()) {
-    Check(c.payload().size() == c.info().payload_bytes(), "a raw payload of its shape's size");
-    auto again =
-        Chunk::Make(c.info(), std::vector<uint8_t>(c.payload().begin(), c.payload().end()));
+    Check(c.payload().size() == info.payload_bytes(), "a raw payload of its shape's size");
+    auto again = Chunk::Make(info, std::vector<uint8_t>(c.payload().begin(), c.payload().end()));
     Check(again.ok(), "a parsed raw chunk builds again");
     Check(SameChunk(**again, copy, kOffCodec), "and gives the same chunk");
   } else {
     std::vector<uint8_t> room(Chunk::kHeaderBytes);
     room.insert(room.end(), c.payload().begin(), c.payload().end());
-    auto again = Chunk::FromEncoded(c.info(), std::move(room));
+    auto again = Chunk::FromEncoded(info, std::move(room));
     Check(again.ok(), "a parsed encoded chunk builds again");
     Check(SameChunk(**again, copy, kOffReserved), "and gives the same chunk");
   }
