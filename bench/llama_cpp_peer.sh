@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CPU peer for kdn's prefill and decode speed: llama.cpp's own llama-bench on
-# the same GGUF file.
+# the same GGUF file; and, built beside it, llama.cpp's llama-server, the
+# serving peer of bench/serving_peers.py.
 #   bench/llama_cpp_peer.sh MODEL.gguf [THREADS] [ARCHIVE_OR_TREE]
 #   bench/llama_cpp_peer.sh --build-only [ARCHIVE_OR_TREE]   (prints PREFIX)
 # THREADS (default 2) is llama-bench's -t. It runs
@@ -29,6 +30,8 @@
 # PyPI is contacted, and only when a build is needed. The build itself fetches
 # nothing: CUDA, Vulkan, KleidiAI (ARM), BoringSSL, the server's web UI and
 # Windows' OpenMP download are all off or not built here.
+# llama-server: PREFIX/bin/llama-server (see bench/serving_peers.py for how it
+# is run).
 #
 # Built once per machine into PREFIX = $KDN_LLAMA_CPP_BENCH or
 # ~/.cache/kdn/llama-cpp-bench-0.3.36 (bin/llama-bench, one static binary;
@@ -41,13 +44,16 @@
 # Concurrent calls wait for one another on $PREFIX.lock.
 #
 # What is built (llama.cpp's CMake, Release, nice, -j KDN_BUILD_JOBS, default 2,
-# Ninja when it is installed): the llama-bench target alone, and so only
-# ggml-base, the ggml CPU backend, libllama, llama-common (with cpp-httplib,
-# plain HTTP, which llama-bench links for -hf but never uses with -m) and
-# llama-bench. Off: CUDA and every other GPU backend, BLAS (GGML_BLAS=OFF, the
+# Ninja when it is installed): the llama-bench and llama-server targets, and
+# so only ggml-base, the ggml CPU backend, libllama, llama-common (with
+# cpp-httplib, plain HTTP, which llama-bench links for -hf but never uses
+# with -m), mtmd and the server's libraries, llama-bench and llama-server.
+# The server's web UI is neither built (npm) nor downloaded
+# (LLAMA_BUILD_UI=OFF, LLAMA_USE_PREBUILT_UI=OFF): it serves the API alone.
+# Off: CUDA and every other GPU backend, BLAS (GGML_BLAS=OFF, the
 # ggml CPU kernels alone do the matrix products), OpenSSL (LLAMA_OPENSSL=OFF;
 # curl is no longer an option of this llama.cpp), tests, examples, server,
-# unified app, shared libraries (BUILD_SHARED_LIBS=OFF, so the binary can be
+# unified app, shared libraries (BUILD_SHARED_LIBS=OFF, so the binaries can be
 # copied into PREFIX), ccache (the installed binary is the cache). OpenMP: on,
 # llama.cpp's default (GGML_OPENMP, libgomp from GCC), as llama.cpp ships it.
 # NATIVE: GGML_NATIVE=ON (llama.cpp's default for a non-cross build), i.e.
@@ -124,20 +130,22 @@ flags=(
   -DLLAMA_BUILD_TOOLS=ON
   -DLLAMA_BUILD_TESTS=OFF
   -DLLAMA_BUILD_EXAMPLES=OFF
-  -DLLAMA_BUILD_SERVER=OFF
+  -DLLAMA_BUILD_SERVER=ON
+  -DLLAMA_BUILD_UI=OFF
+  -DLLAMA_USE_PREBUILT_UI=OFF
   -DLLAMA_BUILD_APP=OFF
   "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 )
 # What the installed binary depends on: the source, the options, the compiler
 # and the CPU (-march=native). Bump RECIPE when build() changes otherwise.
-RECIPE=3
+RECIPE=4
 stamp=$( { echo "recipe $RECIPE $VERSION $SHA256"; echo "${flags[*]}"; cpu_id
            c++ --version 2>/dev/null | head -1; } | sha256sum | cut -d' ' -f1)
 
 built() {
   [ -f "$PREFIX/.complete" ] && [ "$(cat "$PREFIX/.complete")" = "$stamp" ] &&
-    [ -x "$PREFIX/bin/llama-bench" ]
+    [ -x "$PREFIX/bin/llama-bench" ] && [ -x "$PREFIX/bin/llama-server" ]
 }
 
 build() {
@@ -161,7 +169,8 @@ build() {
       '*/vendor/llama.cpp/cmake/*' '*/vendor/llama.cpp/licenses/*' \
       '*/vendor/llama.cpp/include/*' '*/vendor/llama.cpp/src/*' \
       '*/vendor/llama.cpp/ggml/*' '*/vendor/llama.cpp/vendor/*' \
-      '*/vendor/llama.cpp/common/*' '*/vendor/llama.cpp/tools/*'
+      '*/vendor/llama.cpp/common/*' '*/vendor/llama.cpp/tools/*' \
+      '*/vendor/llama.cpp/scripts/ui-assets.cmake'
     root=$(echo "$tmp"/llama_cpp_python-"${VERSION}")
     lcpp="$root/vendor/llama.cpp"
   elif [ -d "$src/vendor/llama.cpp" ]; then
@@ -196,17 +205,18 @@ build() {
   gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
   flags+=(-DLLAMA_BUILD_COMMIT="$commit" -DLLAMA_BUILD_NUMBER=0)
-  say "building llama.cpp ${commit} (llama-cpp-python ${VERSION}) llama-bench into $PREFIX (-j${JOBS})"
+  say "building llama.cpp ${commit} (llama-cpp-python ${VERSION}) llama-bench and llama-server into $PREFIX (-j${JOBS})"
   start=$(date +%s)
   nice cmake -S "$lcpp" -B "$tmp/build" "${gen[@]}" "${flags[@]}" >"$tmp/cmake.log" 2>&1 ||
     { cat "$tmp/cmake.log" >&2; die "cmake configuration failed"; }
-  nice cmake --build "$tmp/build" --target llama-bench -j "$JOBS" >"$tmp/build.log" 2>&1 ||
+  nice cmake --build "$tmp/build" --target llama-bench llama-server -j "$JOBS" \
+    >"$tmp/build.log" 2>&1 ||
     { tail -50 "$tmp/build.log" >&2; die "build failed"; }
   secs=$(( $(date +%s) - start ))
 
   rm -rf "$PREFIX.new"
   mkdir -p "$PREFIX.new/bin"
-  cp "$tmp/build/bin/llama-bench" "$PREFIX.new/bin/"
+  cp "$tmp/build/bin/llama-bench" "$tmp/build/bin/llama-server" "$PREFIX.new/bin/"
   cp "$lcpp/LICENSE" "$PREFIX.new/LICENSE.llama.cpp"
   {
     echo "llama-cpp-python ${VERSION} (sha256 ${SHA256})"
