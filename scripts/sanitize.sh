@@ -68,23 +68,30 @@ run_one() {
   esac
   local t0=$SECONDS
   mkdir -p "$dir"
-  # shellcheck disable=SC2086
   # Unity builds (each target's sources compiled in batches of up to 8, one
   # translation unit each): most of these builds' time is the same heavy
   # headers parsed again per source, and nothing here is rebuilt file by file.
-  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize -DKDN_CUDA=OFF \
+  # With CMake 4 the batches include their sources by paths relative to the
+  # clone (CMAKE_UNITY_BUILD_RELOCATABLE), so that a clone in another folder
+  # finds these compiles in ccache too; CMake 3 writes absolute paths.
+  local unity=(-DCMAKE_UNITY_BUILD=ON)
+  [ "$CMAKE_MAJOR" -ge 4 ] && unity+=(-DCMAKE_UNITY_BUILD_RELOCATABLE=ON)
+  # shellcheck disable=SC2086
+  "$CMAKE" -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize -DKDN_CUDA=OFF \
     -DKDN_BUILD_TESTS=ON -DKDN_BUILD_BENCH=OFF -DKDN_REF_PYTHON= -DKDN_WERROR=OFF \
-    -DCMAKE_UNITY_BUILD=ON \
+    "${unity[@]}" \
     "${compilers[@]}" \
     -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_C_FLAGS="$flags" \
     -DCMAKE_EXE_LINKER_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags" \
     ${KDN_SANITIZE_CMAKE_ARGS:-} >"$dir/configure.log" 2>&1 || {
     cat "$dir/configure.log"; return 1; }
-  cmake --build "$dir" -j "$(nproc)" --target "${targets[@]}" || return 1
+  "$CMAKE" --build "$dir" -j "$(nproc)" --target "${targets[@]}" || return 1
   [ "$build_only" = 1 ] && { echo "sanitize: $kind: built in $((SECONDS - t0)) s"; return 0; }
   local built=$SECONDS failed=()
+  local t1
   for t in "${tests[@]}"; do
     echo "sanitize: $kind $t"
+    t1=$SECONDS
     if ! ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:strict_init_order=1:detect_stack_use_after_return=1" \
          UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
          TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$SUPP/tsan.supp" \
@@ -93,6 +100,7 @@ run_one() {
          "$dir/bin/$t" --gtest_brief=1; then
       failed+=("$t")
     fi
+    echo "sanitize: $kind $t: $((SECONDS - t1)) s"
   done
   if [ "$kind" = asan ]; then
     echo "sanitize: asan: the fuzz tests (ctest -L fuzz)"
@@ -105,6 +113,15 @@ run_one() {
     return 1
   fi
 }
+
+# The CMake: $KDN_CMAKE, else the CMake 4 that scripts/install-deps.sh --ref
+# puts in .venv-ref (PyPI's), else Debian's.
+CMAKE=cmake
+for c in "${KDN_CMAKE:-}" .venv-ref/bin/cmake; do
+  if [ -n "$c" ] && [ -x "$c" ]; then CMAKE=$c; break; fi
+done
+CMAKE_MAJOR=$("$CMAKE" --version | sed -n '1s/^cmake version \([0-9]*\).*/\1/p')
+[ -n "$CMAKE_MAJOR" ] || { echo "sanitize: cannot tell $CMAKE's version" >&2; exit 1; }
 
 build_only=0
 if [ "${1:-}" = "--build-only" ]; then build_only=1; shift; fi
