@@ -59,7 +59,10 @@ run_one() {
     *) echo "sanitize: unknown sanitizer '$kind' (asan or tsan)" >&2; return 2 ;;
   esac
   # Line tables are all a report's stacks need, and cost a fraction of -g.
-  flags="-O1 -fno-omit-frame-pointer $flags"
+  # Their paths are relative to the clone (-fdebug-prefix-map): ccache then
+  # leaves the build folder out of its hashes, and serves these compiles to
+  # a clone in another folder.
+  flags="-O1 -fno-omit-frame-pointer -fdebug-prefix-map=$PWD=. $flags"
   case "$kind" in
     asan) flags="$flags -gline-tables-only" ;;
     # -Wno-tsan: GCC says, for Boost.Asio's fenced blocks, that TSan does not
