@@ -73,8 +73,11 @@ struct DecodeServiceOptions {
   uint64_t kv_landing_bytes = uint64_t{256} << 20;
   // Leases on reservations: the prepared, unstarted requests of a peer (a
   // router) not heard from for this long are let go. Routers ping every
-  // 250 ms, so only a dead one (or a peer that is no router) lapses.
-  std::chrono::milliseconds peer_lease{5000};
+  // 250 ms, so only a dead or hung one (or a peer that is no router) lapses.
+  // Not less than seconds: a router's loop on a loaded 2-core machine went
+  // 5 to 7 s without a ping (2026-12-06; docs/serving.md, "Leases"), and
+  // with a 5 s lease its prepared requests were let go and lost.
+  std::chrono::milliseconds peer_lease{30000};
   // DecoderOptions::prepare_timeout: a prepared request its router neither
   // started nor renewed for this long is dropped.
   std::chrono::milliseconds prepare_timeout{60000};
