@@ -136,13 +136,21 @@ class Server:
     def start(self):
         raise NotImplementedError
 
+    def spawn(self, cmd, env=None):
+        """Starts `cmd` in a session of its own (a server may start processes
+        of its own), its output in self.logfile."""
+        with open(self.logfile, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
     def stop(self):
+        # SIGTERM to the server's whole session, SIGKILL after a minute.
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
 
@@ -213,7 +221,7 @@ class LlamaServer(Server):
                "--no-webui", "--metrics"]
         self.settings = {"command": " ".join(cmd[1:])}
         log("llama-server: " + " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, stdout=open(self.logfile, "w"), stderr=subprocess.STDOUT)
+        self.spawn(cmd)
         self.wait_ready(300)
         v = subprocess.run([str(LLAMA_PREFIX / "bin/llama-server"), "--version"],
                            capture_output=True, text=True)
@@ -266,8 +274,7 @@ tok.save_pretrained(str(out))
         self.settings = {"command": " ".join(cmd[1:]),
                          "VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}
         log("vllm: " + " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.logfile, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.spawn(cmd, env)
         self.wait_ready(900)
         v = subprocess.run([str(VLLM_VENV / "bin/python"), "-c",
                             "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'),"
@@ -279,17 +286,6 @@ tok.save_pretrained(str(out))
             if word.startswith("dtype=torch."):
                 self.settings["dtype"] = word[len("dtype=torch."):].rstrip(",")
                 break
-
-    def stop(self):
-        # The API server's engine runs in processes of their own session.
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
 
 
 SERVERS = {"kdn": Kdn, "llama-server": LlamaServer, "vllm": Vllm}
