@@ -117,12 +117,15 @@ struct Rig {
   // `setup` sets the site's policies before the receiver can call it. The
   // site's region is of `landing` kind: shm, or a device region (the host
   // backend standing in for a device), which a kCudaIpc sender writes.
+  // `lease` is long enough that no grant runs out on a loaded machine, but
+  // for the test of expiry.
   explicit Rig(TransportKind kind, std::function<void(SenderOptions&)> tweak = {},
-               std::function<void(Site&)> setup = {}, RegionKind landing = RegionKind::kShm) {
+               std::function<void(Site&)> setup = {}, RegionKind landing = RegionKind::kShm,
+               std::chrono::milliseconds lease = 10s) {
     site.Reset();
     if (setup) setup(site);
     ReceiverOptions ro;
-    ro.lease = 300ms;
+    ro.lease = lease;
     ro.heartbeat_interval = 100ms;
     ro.landing = &site;
     ro.landing_region = &site.segment();
@@ -270,10 +273,13 @@ TEST(InPlace, TheSitesVerdictOnWhatArrivedReachesTheSender) {
 }
 
 TEST(InPlace, AGrantThatRunsOutEndsItsClaimWithAnError) {
-  Rig rig(TransportKind::kShm, [](SenderOptions& o) {
-    o.faults.withhold_data = [](const ChunkKey&) { return true; };
-    o.peer_timeout = 30s;
-  });
+  Rig rig(
+      TransportKind::kShm,
+      [](SenderOptions& o) {
+        o.faults.withhold_data = [](const ChunkKey&) { return true; };
+        o.peer_timeout = 30s;
+      },
+      {}, RegionKind::kShm, 300ms);
   auto batch = rig.sender->Submit({MakeChunk(70)});
   ASSERT_TRUE(batch.ok());
   const auto deadline = std::chrono::steady_clock::now() + kNoHang;

@@ -47,9 +47,11 @@ std::vector<ChunkPtr> MakeChunks(int count, uint32_t tokens = 16) {
   return out;
 }
 
-ReceiverOptions Landing(uint64_t bytes) {
+// `lease` is long enough that no grant runs out on a loaded machine, but for
+// the tests of expiry.
+ReceiverOptions Landing(uint64_t bytes, std::chrono::milliseconds lease = 10s) {
   ReceiverOptions o;
-  o.lease = 300ms;
+  o.lease = lease;
   o.heartbeat_interval = 100ms;
   o.shm_landing_bytes = bytes;
   return o;
@@ -160,7 +162,7 @@ TEST(ShmTransport, FailsWhatAForcedShmSenderCannotLandAndFreesItsGrants) {
 
 TEST(ShmTransport, GivesTheSegmentBackAfterASenderDiesBetweenGrantAndData) {
   RecordingStore sink;
-  auto receiver = Listen("tcp://127.0.0.1:0", sink, Landing(4 << 20));
+  auto receiver = Listen("tcp://127.0.0.1:0", sink, Landing(4 << 20, 300ms));
   ASSERT_TRUE(receiver.ok());
   {
     SenderOptions so = Sending(TransportKind::kShm);

@@ -10,8 +10,10 @@
 //
 // The suite drives a transport only through transport.h: the factory's two
 // functions, Sender/Receiver, ReceiverStats and SenderFaults (which every
-// transport must honour). Timeouts are short (peer timeout 500 ms, lease
-// 300 ms); time is asserted only as generous upper bounds on hangs.
+// transport must honour). Peer timeouts are short (500 ms) where a test is
+// about a dead peer; leases are short (300 ms, ShortLease) only where a test
+// is about expiry, since a grant that runs out under load fails its chunk;
+// time is asserted only as generous upper bounds on hangs.
 
 #include <gtest/gtest.h>
 

@@ -92,7 +92,6 @@ TEST_P(TransportConformance, KeepsSubmissionOrderWhenTheReceiverHasRoomForOnlyAF
   RecordingStore sink;
   const auto chunks = MakeChunks(1000, 60);
   ReceiverOptions ro = TestReceiverOptions();
-  ro.lease = 10s;  // this test is about capacity, not expiry
   ro.slot_capacity_bytes = 3 * chunks[0]->size();
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, ro));
   KDN_ASSERT_OK_AND_ASSIGN(auto sender,
@@ -338,7 +337,7 @@ TEST_P(TransportConformance, FailsABatchWithinThePeerTimeoutWhenNoReceiverListen
 TEST_P(TransportConformance, FreesLeasedSlotsWhenTheSenderDiesAfterTheGrant) {
   RecordingStore sink;
   const auto chunks = MakeChunks(1, 6);
-  ReceiverOptions ro = TestReceiverOptions();
+  ReceiverOptions ro = ShortLease();
   ro.slot_capacity_bytes = 3 * chunks[0]->size();  // 3 granted, 3 waiting
   SenderOptions so = TestSenderOptions();
   so.faults.withhold_data = [](const ChunkKey&) { return true; };
@@ -361,7 +360,7 @@ TEST_P(TransportConformance, FreesLeasedSlotsWhenTheSenderDiesAfterTheGrant) {
 
 TEST_P(TransportConformance, ServesASenderWhoseQueuedOffersWereDroppedWhileItWasSilent) {
   RecordingStore sink;
-  ReceiverOptions ro = TestReceiverOptions();
+  ReceiverOptions ro = ShortLease();
   ro.lease = 200ms;
   ro.slot_capacity_bytes = MakeChunk(0)->size();  // one chunk at a time
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, GetParam().listen(sink, ro));
@@ -674,7 +673,6 @@ TEST(TransportBench, MovesEveryChunkOfALoopbackRun) {
 TEST(TcpTransport, RefusesOffersOfChunksSmallerThanAHeader) {
   RecordingStore sink;
   ReceiverOptions ro = TestReceiverOptions();
-  ro.lease = 10s;
   ro.slot_capacity_bytes = 1000;
   KDN_ASSERT_OK_AND_ASSIGN(auto receiver, Listen("tcp://127.0.0.1:0", sink, ro));
   RawPeer peer(receiver->endpoint());

@@ -1,7 +1,7 @@
 #pragma once
 // What the kvbus transport tests share (transport_test.cpp,
 // transport_failfast_test.cpp): status assertions, chunks of a small shape,
-// waiting for a condition, the receiver options with short leases, and a
+// waiting for a condition, the receiver options (ShortLease for expiry), and a
 // receiver played by hand on the wire.
 
 #include <gtest/gtest.h>
@@ -75,10 +75,23 @@ inline bool Eventually(const std::function<bool()>& done,
   return true;
 }
 
+// A lease no grant runs out of on a loaded machine: a grant that expires
+// between the receiver's answer and the sender's bytes fails the chunk, and
+// CI's two cores, shared with a sanitizer build, have stalled a sender past
+// 300 ms. A test about expiry sets its lease with ShortLease.
+inline constexpr auto kTestLease = std::chrono::seconds(10);
+inline constexpr auto kShortLease = std::chrono::milliseconds(300);
+
 inline ReceiverOptions TestReceiverOptions() {
   ReceiverOptions o;
-  o.lease = std::chrono::milliseconds(300);
+  o.lease = kTestLease;
   o.heartbeat_interval = std::chrono::milliseconds(100);
+  return o;
+}
+
+// `o` with a lease that runs out within the test (for the tests of expiry).
+inline ReceiverOptions ShortLease(ReceiverOptions o = TestReceiverOptions()) {
+  o.lease = kShortLease;
   return o;
 }
 
