@@ -52,6 +52,11 @@ int main(int argc, char** argv) {
                  "between two decode steps while requests run; with none running it runs whole")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--admission-reserve", o.admission_reserve,
+                 "The share of the KV pool a new request must leave free while other requests "
+                 "hold blocks, for the running ones to grow into (0: none)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 0.99));
   app.add_option("--local-prefill-call-tokens", o.local_prefill_call_tokens,
                  "The most prompt tokens one local prefill call computes; on a GPU the engine's "
                  "activation buffers hold this many rows, and a longer prompt runs in several "

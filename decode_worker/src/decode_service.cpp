@@ -455,9 +455,11 @@ struct DecodeService::Impl {
       // The figures first, then the replies: a peer that asks for info after
       // a reply sees what the reply did (its blocks reserved or given back).
       const DecoderStats s = decoder->Stats();
-      // Preempted requests wait ahead of any new one, for blocks of their own.
+      // Preempted requests wait ahead of any new one, for blocks of their
+      // own; a new one must leave the admission reserve free.
       depth = s.prepared + s.running + s.preempted;
-      free_blocks = static_cast<int>(std::max<int64_t>(s.free_kv_blocks - s.resume_kv_blocks, 0));
+      free_blocks = static_cast<int>(
+          std::max<int64_t>(s.free_kv_blocks - s.resume_kv_blocks - s.admission_reserve_blocks, 0));
       {
         std::lock_guard<std::mutex> lock(mu);
         stats = s;
@@ -478,6 +480,9 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   if (options.max_batch <= 0) return InvalidArgument("--max-batch must be positive");
   if (options.local_prefill_step_tokens <= 0) {
     return InvalidArgument("--local-prefill-step-tokens must be positive");
+  }
+  if (!(options.admission_reserve >= 0 && options.admission_reserve < 1)) {
+    return InvalidArgument("--admission-reserve must be in [0, 1)");
   }
   if (options.local_prefill_call_tokens <= 0) {
     return InvalidArgument("--local-prefill-call-tokens must be positive");
@@ -560,6 +565,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   dopt.max_batch = options.max_batch;
   dopt.prepare_timeout = options.prepare_timeout;
   dopt.local_prefill_step_tokens = options.local_prefill_step_tokens;
+  dopt.admission_reserve = options.admission_reserve;
   dopt.on_load_done = [raw] {
     {
       std::lock_guard<std::mutex> lock(raw->mu);

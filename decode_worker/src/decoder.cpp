@@ -1,7 +1,6 @@
 #include "kdn/decode_worker/decoder.h"
 
 #include <algorithm>
-#include <climits>
 #include <mutex>
 
 #include "kdn/common/log.h"
@@ -44,6 +43,13 @@ Decoder::Decoder(engine::Engine& model, const text::Tokenizer& tokenizer,
       store_io_(store_io),
       options_(std::move(options)),
       mailbox_(std::make_shared<Mailbox>()),
+      scheduler_(SchedulerOptions{
+          .max_batch = options_.max_batch,
+          .prepare_timeout = options_.prepare_timeout,
+          .local_prefill_step_tokens = options_.local_prefill_step_tokens,
+          .max_prefill_tokens = model.max_prefill_tokens(),
+          .admission_reserve = options_.admission_reserve,
+      }),
       batcher_(std::make_unique<Batcher>(model, tokenizer, options_.max_batch)) {
   mailbox_->on_load_done = options_.on_load_done;
   batcher_->SetFinishHook(
@@ -234,7 +240,8 @@ uint64_t Decoder::ChunkBytes(int64_t tokens) const {
 
 DecoderStats Decoder::Stats() const {
   DecoderStats s;
-  s.prepared = static_cast<int>(prepared_.size());
+  const DecodeScheduler::Counts c = scheduler_.counts();
+  s.prepared = c.prepared;
   s.running = static_cast<int>(batcher_->running());
   s.free_kv_blocks = model_.kv_cache().free_blocks();
   s.total_kv_blocks = model_.kv_cache().num_blocks();
@@ -247,11 +254,7 @@ DecoderStats Decoder::Stats() const {
   s.chunks_store_failed = mailbox_->failed.load();
   s.chunks_store_dropped = chunks_store_dropped_;
   s.store_bytes_pending = mailbox_->bytes_pending.load();
-  for (const auto& [id, p] : prepared_) {
-    if (!p.request.local_prefill) continue;
-    const int64_t have = std::max({p.seq.length(), p.held_tokens, p.resident_tokens});
-    s.local_backlog_tokens += static_cast<int64_t>(p.request.tokens.size()) - have;
-  }
+  s.local_backlog_tokens = c.local_backlog_tokens;
   s.step_ms = step_ms_;
   s.prefill_ms_per_token = prefill_ms_per_token_;
   s.local_prefills = local_prefills_;
@@ -260,8 +263,9 @@ DecoderStats Decoder::Stats() const {
   s.start_copy_bytes = start_copy_bytes_;
   for (const auto& [at, seq] : quarantine_)
     s.quarantined_blocks += static_cast<int>(seq.blocks().size());
-  s.preempted = static_cast<int>(preempted_.size());
-  for (const auto& [order, q] : preempted_) s.resume_kv_blocks += ResumeBlocks(q);
+  s.preempted = c.preempted;
+  s.resume_kv_blocks = c.resume_blocks;
+  s.admission_reserve_blocks = scheduler_.ReserveBlocks(s.total_kv_blocks);
   s.preemptions = preemptions_;
   s.resumed_by_load = resumed_by_load_;
   s.resumed_by_recompute = resumed_by_recompute_;
@@ -330,25 +334,18 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   KDN_RETURN_IF_ERROR(ValidateRequest(request));
   // Refused here, before any prefill is spent on it, rather than at Start
   // when the batch turns out full (the router queues it and tries again).
-  const size_t taken = prepared_.size() + batcher_->running() + preempted_.size();
-  if (taken >= static_cast<size_t>(options_.max_batch)) {
-    return ResourceExhausted("decode batch is full (" + std::to_string(taken) + " of " +
-                             std::to_string(options_.max_batch) +
-                             " requests running, prepared or preempted)");
-  }
-  if (!preempted_.empty()) {
-    return ResourceExhausted(std::to_string(preempted_.size()) +
-                             " preempted requests wait for KV blocks to resume first");
-  }
+  KDN_RETURN_IF_ERROR(scheduler_.CanPrepare());
   ReleaseHeldBack();  // blocks whose hold ran out are free for this one
   Prepared p;
   p.request = std::move(request);
-  p.renewed = Now();
   if (!p.request.blended) {
     p.keys =
         kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
   }
   KDN_RETURN_IF_ERROR(ReserveKv(p));
+  // Its blocks go back with `p` if the reserve refuses it.
+  KDN_RETURN_IF_ERROR(
+      scheduler_.LeavesReserve(model_.kv_cache().free_blocks(), model_.kv_cache().num_blocks()));
   resident_hit_tokens_ += static_cast<uint64_t>(p.resident_tokens);
   const uint64_t id = next_id_++;
   p.request.spec.id = id;
@@ -371,14 +368,22 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   const bool no_load = p.request.local_prefill
                            ? p.resident_tokens >= std::min(p.request.lookup_tokens, HeldLimit(p))
                            : p.resident_tokens > 0 && lacking < options_.chunk_tokens;
-  if (p.request.blended || no_load) {
+  const bool loading = !(p.request.blended || no_load);
+  if (!loading) {
     p.held_tokens = p.resident_tokens;
     ExpectSlices(id, p);
     out->prepared.push_back({id, p.held_tokens, p.resident_tokens});
-    if (p.request.local_prefill) QueueLocal(id, p);
+    if (p.request.local_prefill) QueueLocal(p);
   } else {
     PostLoad(id, p);
   }
+  scheduler_.Prepared(id,
+                      {.local = p.request.local_prefill,
+                       .blended = p.request.blended,
+                       .tokens = static_cast<int64_t>(p.request.tokens.size()),
+                       .have = p.resident_tokens,
+                       .loading = loading},
+                      Now());
   prepared_.emplace(id, std::move(p));
   return id;
 }
@@ -406,11 +411,9 @@ Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent, D
   }
   p.kv_tokens = kv_tokens;
   p.request.spec.first_token_sent = first_token_sent;
-  if (p.held_tokens < 0) {
-    p.start = first_token;  // Advance begins it once its load is in
-    return Status::Ok();
-  }
-  Begin(id, first_token, out);
+  p.start = first_token;
+  // Else Advance begins it once its load is in.
+  if (scheduler_.StartCame(id)) Begin(id, first_token, out);
   return Status::Ok();
 }
 
@@ -436,9 +439,12 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   }
   if (!st.ok()) {
     LogError("{} cannot start: {}", ReqId{request_id}, st.ToString());
+    scheduler_.Forget(id);
     out->events.push_back(Failure(id, std::move(st)));
     if (settled.unsafe) HoldBack(request_id, std::move(p.seq));
+    return;
   }
+  scheduler_.Started(id);
 }
 
 Status Decoder::Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutput* out) {
@@ -447,10 +453,8 @@ Status Decoder::Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutpu
   // prompt and what the Batcher holds as generated (of a resumed request,
   // the tokens it generated before too).
   p.request.tokens.resize(static_cast<size_t>(p.request.PromptTokens()));
-  const uint64_t order = p.resume ? p.resume->order : next_order_++;
-  running_[id] =
-      Running{std::move(p.request.tokens), p.request.ns, p.request.blended, p.held_tokens,
-              p.request.request_id,        order};
+  running_[id] = Running{std::move(p.request.tokens), p.request.ns, p.request.blended,
+                         p.held_tokens, p.request.request_id};
   std::vector<TokenEvent> events;
   Status st = batcher_->Admit(p.request.spec, std::move(p.seq), first_token, &events);
   if (!st.ok()) {
@@ -461,78 +465,60 @@ Status Decoder::Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutpu
   return Status::Ok();
 }
 
-void Decoder::QueueLocal(uint64_t id, Prepared& p) {
+void Decoder::QueueLocal(Prepared& p) {
   // What the pool and the KDN gave is the sequence's KV; the rest is
   // computed on top of it.
   model_.kv_cache().SetLength(p.seq, p.held_tokens);
-  local_queue_.push_back(id);
 }
 
-void Decoder::RunLocalPrefills(DecoderOutput* out) {
-  // None running: nobody waits on a step, so a prefill runs whole (one
-  // large batch computes faster than pieces), in as few calls as the
-  // engine's activation buffers allow.
-  int64_t budget = batcher_->running() > 0 ? options_.local_prefill_step_tokens : INT64_MAX;
-  const int64_t most = model_.max_prefill_tokens();
-  while (budget > 0 && !local_queue_.empty()) {
-    const uint64_t id = local_queue_.front();
-    auto it = prepared_.find(id);
-    if (it == prepared_.end()) {  // cancelled meanwhile
-      local_queue_.pop_front();
-      continue;
-    }
-    Prepared& p = it->second;
-    const auto n = static_cast<int64_t>(p.request.tokens.size());
-    const int64_t at = p.seq.length();
-    if (p.resume && at >= n) {  // nothing (left) to recompute
-      local_queue_.pop_front();
-      FinishResume(id, out);
-      continue;
-    }
-    const int64_t take = std::min({budget, n - at, most});
-    std::vector<float> logits;
+void Decoder::RunPiece(const PrefillPiece& piece, DecoderOutput* out) {
+  auto it = prepared_.find(piece.id);
+  // A piece past one that failed (its request is gone), or not where the
+  // plan put it (not expected).
+  if (it == prepared_.end() || it->second.seq.length() != piece.first) return;
+  Prepared& p = it->second;
+  std::vector<float> logits;
+  if (piece.count > 0) {
     const auto t0 = std::chrono::steady_clock::now();
-    Status st = model_.Prefill(p.seq, {p.request.tokens.data() + at, static_cast<size_t>(take)}, {},
-                               &logits);
+    Status st = model_.Prefill(
+        p.seq, {p.request.tokens.data() + piece.first, static_cast<size_t>(piece.count)}, {},
+        &logits);
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!st.ok()) {
-      local_queue_.pop_front();
-      LogError("{} local prefill of tokens [{}, {}) failed: {}", ReqId{p.request.request_id}, at,
-               at + take, st.ToString());
-      out->events.push_back(Failure(id, std::move(st)));
+      LogError("{} local prefill of tokens [{}, {}) failed: {}", ReqId{p.request.request_id},
+               piece.first, piece.first + piece.count, st.ToString());
+      out->events.push_back(Failure(piece.id, std::move(st)));
+      scheduler_.Forget(piece.id);
       prepared_.erase(it);
-      continue;
+      return;
     }
     constexpr double kWeight = 0.2;  // of the newest piece in the average
-    const double per_token = ms / static_cast<double>(take);
+    const double per_token = ms / static_cast<double>(piece.count);
     prefill_ms_per_token_ = prefill_ms_per_token_ == 0
                                 ? per_token
                                 : (1 - kWeight) * prefill_ms_per_token_ + kWeight * per_token;
-    (p.resume ? resume_recomputed_tokens_ : local_prefill_tokens_) += static_cast<uint64_t>(take);
-    budget -= take;
-    if (p.seq.length() < n) continue;  // the next piece after the next step
-    if (p.resume) {
-      local_queue_.pop_front();
-      FinishResume(id, out);
-      continue;
-    }
-
-    local_queue_.pop_front();
-    ++local_prefills_;
-    engine::Sampler sampler(p.request.spec.sampling);
-    const int32_t first = sampler.Sample(logits);
-    LocalPrefillDone done{
-        id, first, p.held_tokens, p.resident_tokens, n - p.held_tokens, p.kv_bytes_loaded};
-    LogInfo("{} local prefill: {} prompt tokens held ({} resident), {} computed, first token {}",
-            ReqId{p.request.request_id}, p.held_tokens, p.resident_tokens, n - p.held_tokens,
-            first);
-    out->prefilled.push_back(done);
-    first_sent_.emplace_back(id, first);
+    (p.resume ? resume_recomputed_tokens_ : local_prefill_tokens_) +=
+        static_cast<uint64_t>(piece.count);
   }
+  if (!piece.last) return;  // the next piece after the next step
+  if (piece.resume) {
+    FinishResume(piece.id, out);
+    return;
+  }
+  const auto n = static_cast<int64_t>(p.request.tokens.size());
+  ++local_prefills_;
+  engine::Sampler sampler(p.request.spec.sampling);
+  p.local_first = sampler.Sample(logits);
+  LocalPrefillDone done{piece.id,          p.local_first,     p.held_tokens,
+                        p.resident_tokens, n - p.held_tokens, p.kv_bytes_loaded};
+  LogInfo("{} local prefill: {} prompt tokens held ({} resident), {} computed, first token {}",
+          ReqId{p.request.request_id}, p.held_tokens, p.resident_tokens, n - p.held_tokens,
+          p.local_first);
+  out->prefilled.push_back(done);
 }
 
-void Decoder::AdmitLocal(uint64_t id, int32_t first_token, DecoderOutput* out) {
+void Decoder::AdmitLocal(uint64_t id, DecoderOutput* out) {
   auto it = prepared_.find(id);
   if (it == prepared_.end()) return;
   Prepared& p = it->second;
@@ -545,8 +531,10 @@ void Decoder::AdmitLocal(uint64_t id, int32_t first_token, DecoderOutput* out) {
   // The router sends the first token itself, as from a prefill worker.
   taken.request.spec.first_token_sent = true;
   const uint64_t request_id = taken.request.request_id;
+  const int32_t first_token = taken.local_first;
   if (Status a = Admit(id, std::move(taken), first_token, out); !a.ok()) {
     LogError("{} cannot start: {}", ReqId{request_id}, a.ToString());
+    scheduler_.Forget(id);
     out->events.push_back(Failure(id, std::move(a)));
   }
 }
@@ -563,22 +551,15 @@ void Decoder::DropOwnSlices(const Prepared& p) {
   }
 }
 
-bool Decoder::Renew(uint64_t id) {
-  auto it = prepared_.find(id);
-  if (it == prepared_.end()) return false;
-  it->second.renewed = Now();
-  return true;
-}
+bool Decoder::Renew(uint64_t id) { return scheduler_.Renew(id, Now()); }
 
 Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
-  // A local prefill whose first token went out is as good as started: its
-  // prompt is published and stored, and it is cancelled as a running one.
-  for (auto f = first_sent_.begin(); f != first_sent_.end(); ++f) {
-    if (f->first != id) continue;
-    const int32_t first = f->second;
-    first_sent_.erase(f);
-    AdmitLocal(id, first, out);
-    break;
+  const std::optional<RequestPhase> phase = scheduler_.Phase(id);
+  if (phase == RequestPhase::kFirstSent) {
+    // A local prefill whose first token went out is as good as started: its
+    // prompt is published and stored, and it is cancelled as a running one.
+    scheduler_.Started(id);
+    AdmitLocal(id, out);
   }
   if (auto it = prepared_.find(id); it != prepared_.end()) {
     // Never started (the first token ended it, or its client went away):
@@ -587,6 +568,7 @@ Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
             ReqId{it->second.request.request_id}, it->second.seq.blocks().size());
     Prepared p = std::move(it->second);
     prepared_.erase(it);
+    scheduler_.Forget(id);
     Drop(id, std::move(p));
     TokenEvent e;
     e.id = id;
@@ -595,19 +577,19 @@ Status Decoder::Cancel(uint64_t id, DecoderOutput* out) {
     out->events.push_back(std::move(e));
     return Status::Ok();
   }
-  for (auto it = preempted_.begin(); it != preempted_.end(); ++it) {
-    if (it->second.id != id) continue;
+  if (auto it = preempted_.find(id); it != preempted_.end()) {
     // It holds no blocks: its KV is the pool's and the KDN's, as a finished
     // conversation's.
     LogInfo("{} cancel: preempted, waiting to resume", ReqId{it->second.request.request_id});
     preempted_.erase(it);
+    scheduler_.Forget(id);
     out->events.push_back(TokenEvent{id, -1, {}, true, "cancelled"});
     return Status::Ok();
   }
   if (auto it = running_.find(id); it != running_.end()) {
     LogInfo("{} cancel: running", ReqId{it->second.request_id});
   }
-  return batcher_->Cancel(id, &out->events);
+  return batcher_->Cancel(id, &out->events);  // the finish hook forgets it
 }
 
 void Decoder::Advance(DecoderOutput* out) {
@@ -627,52 +609,37 @@ void Decoder::Advance(DecoderOutput* out) {
     ExpectSlices(load.id, p);
     // A resume's router had its reply when the request was first prepared.
     if (!p.resume) out->prepared.push_back({load.id, p.held_tokens, p.resident_tokens});
-    if (p.request.local_prefill) {
-      QueueLocal(load.id, p);
-    } else if (p.start) {
-      Begin(load.id, *p.start, out);
+    switch (scheduler_.LoadIn(load.id, p.held_tokens)) {
+      case DecodeScheduler::Next::kCompute: QueueLocal(p); break;
+      case DecodeScheduler::Next::kBegin: Begin(load.id, *p.start, out); break;
+      case DecodeScheduler::Next::kWaitForStart: break;
     }
   }
 
-  const auto now = options_.clock ? options_.clock() : std::chrono::steady_clock::now();
   ReleaseHeldBack();
-  for (auto it = prepared_.begin(); it != prepared_.end();) {
-    if (it->second.request.local_prefill || now - it->second.renewed <= options_.prepare_timeout) {
-      ++it;
-      continue;
-    }
+  const StepPlan plan = scheduler_.Schedule(Now(), model_.kv_cache().free_blocks());
+  for (uint64_t id : plan.expire) {
+    auto it = prepared_.find(id);
+    if (it == prepared_.end()) continue;
     LogWarn("{} was prepared, and neither started nor renewed by its router for {} ms; dropped",
             ReqId{it->second.request.request_id}, options_.prepare_timeout.count());
-    out->events.push_back(Failure(
-        it->first, Status(StatusCode::kDeadlineExceeded,
-                          "its reservation was neither started nor renewed by its router for " +
-                              std::to_string(options_.prepare_timeout.count()) + " ms")));
+    out->events.push_back(
+        Failure(id, Status(StatusCode::kDeadlineExceeded,
+                           "its reservation was neither started nor renewed by its router for " +
+                               std::to_string(options_.prepare_timeout.count()) + " ms")));
     Prepared p = std::move(it->second);
-    const uint64_t id = it->first;
-    it = prepared_.erase(it);
+    prepared_.erase(it);
     Drop(id, std::move(p));
   }
-
-  // Last Advance's local prefills, whose first tokens are out, join the
-  // batch; then the next ones run. A first token goes out before anything
-  // else is done for its request, and before the step (which would hold it
-  // back by a step's time). The running requests' step that this put off
-  // comes first in the next Advance, before any more local prefill: between
-  // two of their steps there is still at most one piece.
-  while (!first_sent_.empty()) {
-    const auto [id, first] = first_sent_.front();
-    first_sent_.pop_front();
-    AdmitLocal(id, first, out);
+  for (uint64_t id : plan.admit) AdmitLocal(id, out);
+  for (size_t i = 0; i < plan.resume.size(); ++i) {
+    if (StartResume(plan.resume[i])) continue;
+    for (size_t j = i; j < plan.resume.size(); ++j) scheduler_.ResumeDeferred(plan.resume[j]);
+    break;
   }
-  ResumePreempted();
-  if (!step_owed_) RunLocalPrefills(out);
-  step_owed_ = false;
-  if (!out->prefilled.empty()) {
-    step_owed_ = batcher_->running() > 0;
-    return;
-  }
-  if (batcher_->running() == 0) return;
-  MakeRoomForStep();
+  for (const PrefillPiece& piece : plan.prefill) RunPiece(piece, out);
+  if (!plan.step || batcher_->running() == 0) return;
+  MakeRoomForStep(plan.preempt);
   if (batcher_->running() == 0) return;
   std::vector<TokenEvent> events;
   const auto t0 = std::chrono::steady_clock::now();
@@ -703,20 +670,14 @@ void Decoder::Advance(DecoderOutput* out) {
 }
 
 bool Decoder::Busy() const {
-  if (batcher_->running() > 0 || !first_sent_.empty()) return true;
-  if (!preempted_.empty() &&
-      model_.kv_cache().free_blocks() >= ResumeBlocks(preempted_.begin()->second)) {
-    return true;
-  }
-  for (uint64_t id : local_queue_) {
-    if (prepared_.count(id) != 0) return true;
-  }
+  if (scheduler_.HasWork(model_.kv_cache().free_blocks())) return true;
   MutexLock lock(mailbox_->mu);
   return !mailbox_->loads.empty();
 }
 
 void Decoder::StoreConversation(uint64_t id, const engine::KvSequence& seq,
                                 const std::vector<int32_t>& generated) {
+  scheduler_.Forget(id);
   auto it = running_.find(id);
   if (it == running_.end()) return;
   Running r = std::move(it->second);

@@ -1,6 +1,7 @@
-// The Decoder's preemption (decoder.h, step 3): requests taken out of the
-// batch when a decode step finds no free KV block, their KV kept in the
-// pool and the KDN, and their resumes.
+// The Decoder's preemption (docs/serving.md, "Admission and preemption"):
+// the requests the scheduler names taken out of the batch when a decode step
+// finds no free KV block, their KV kept in the pool and the KDN, and their
+// resumes.
 
 #include <algorithm>
 
@@ -10,19 +11,11 @@
 
 namespace kdn::decode_worker {
 
-void Decoder::MakeRoomForStep() {
+void Decoder::MakeRoomForStep(const std::vector<uint64_t>& candidates) {
   const engine::KvCache& cache = model_.kv_cache();
-  while (batcher_->BlocksForStep() > cache.free_blocks()) {
-    const Running* newest = nullptr;
-    uint64_t victim = 0;
-    for (const auto& [id, r] : running_) {
-      if (!r.blended && (newest == nullptr || r.order > newest->order)) {
-        newest = &r;
-        victim = id;
-      }
-    }
-    if (newest == nullptr) return;  // only blended requests run: they hold their blocks
-    Preempt(victim);
+  for (uint64_t id : candidates) {
+    if (batcher_->BlocksForStep() <= cache.free_blocks()) return;
+    Preempt(id);
   }
 }
 
@@ -41,8 +34,7 @@ void Decoder::Preempt(uint64_t id) {
   // Ahead of the loads posted after it, its own resume's among them.
   PublishAndStore(r.request_id, t.seq, tokens, r.held_tokens, r.ns, kLoadLane);
   Preempted q;
-  q.id = id;
-  q.resume = Resume{t.generated.back(), r.order, static_cast<int64_t>(tokens.size())};
+  q.resume = Resume{t.generated.back(), static_cast<int64_t>(tokens.size())};
   q.request.tokens = std::move(tokens);
   q.request.ns = r.ns;
   q.request.request_id = r.request_id;
@@ -57,45 +49,38 @@ void Decoder::Preempt(uint64_t id) {
       "tokens) is kept in the pool and the KDN, {} blocks freed; {} wait to resume",
       ReqId{r.request_id}, t.generated.size(), q.request.tokens.size(), blocks,
       preempted_.size() + 1);
-  preempted_.emplace(q.resume.order, std::move(q));
+  scheduler_.Preempted(id, static_cast<int64_t>(q.request.tokens.size()), ResumeBlocks(q));
+  preempted_.emplace(id, std::move(q));
 }
 
 int64_t Decoder::ResumeBlocks(const Preempted& q) const {
   return KvBlocksFor(KvTokensAdmitted(q.request, model_.config().max_context));
 }
 
-void Decoder::ResumePreempted() {
-  engine::KvCache& cache = model_.kv_cache();
-  while (!preempted_.empty()) {
-    auto it = preempted_.begin();
-    // Room for it and for the running requests' next step, so that it is
-    // not preempted again at once.
-    const int64_t need = ResumeBlocks(it->second) + static_cast<int64_t>(batcher_->running());
-    if (cache.free_blocks() < need) return;
-    Preempted q = std::move(it->second);
-    preempted_.erase(it);
-    Prepared p;
-    p.request = std::move(q.request);
-    p.resume = q.resume;
-    p.renewed = Now();
-    p.keys =
-        kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
-    if (Status st = ReserveKv(p); !st.ok()) {
-      // Not expected (the blocks were counted free): it waits on.
-      LogWarn("{} cannot resume yet: {}", ReqId{p.request.request_id}, st.ToString());
-      q.request = std::move(p.request);
-      preempted_.emplace(q.resume.order, std::move(q));
-      return;
-    }
-    const uint64_t id = q.id;
-    if (p.resident_tokens >= static_cast<int64_t>(p.request.tokens.size())) {
-      p.held_tokens = p.resident_tokens;
-      QueueLocal(id, p);
-    } else {
-      PostLoad(id, p);
-    }
-    prepared_.emplace(id, std::move(p));
+bool Decoder::StartResume(uint64_t id) {
+  auto it = preempted_.find(id);
+  if (it == preempted_.end()) return true;  // not expected: the scheduler plans what is here
+  Prepared p;
+  p.request = std::move(it->second.request);
+  p.resume = it->second.resume;
+  p.keys = kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
+  if (Status st = ReserveKv(p); !st.ok()) {
+    // Not expected (the blocks were counted free): it waits on.
+    LogWarn("{} cannot resume yet: {}", ReqId{p.request.request_id}, st.ToString());
+    it->second.request = std::move(p.request);
+    return false;
   }
+  preempted_.erase(it);
+  const bool loading = p.resident_tokens < static_cast<int64_t>(p.request.tokens.size());
+  if (loading) {
+    PostLoad(id, p);
+  } else {
+    p.held_tokens = p.resident_tokens;
+    QueueLocal(p);
+  }
+  scheduler_.Resumed(id, p.resident_tokens, loading, Now());
+  prepared_.emplace(id, std::move(p));
+  return true;
 }
 
 void Decoder::FinishResume(uint64_t id, DecoderOutput* out) {
@@ -112,6 +97,7 @@ void Decoder::FinishResume(uint64_t id, DecoderOutput* out) {
   const uint64_t request_id = p.request.request_id;
   if (Status st = Admit(id, std::move(p), r.pending, out); !st.ok()) {
     LogError("{} cannot resume: {}", ReqId{request_id}, st.ToString());
+    scheduler_.Forget(id);
     out->events.push_back(Failure(id, std::move(st)));
   }
 }

@@ -13,7 +13,7 @@ are Shell words, written into the script as they are.
 The flags whose default is the process's own (--max-batch, --max-queued,
 --max-connections, --max-body-buffer-mib, --disaggregation,
 --local-prefill-max-tokens, --local-prefill-step-tokens,
---decode-prepare-timeout-ms) are passed when
+--decode-prepare-timeout-ms, --decode-admission-reserve) are passed when
 given, whatever their value, and left out otherwise; every other flag is
 always passed.
 """
@@ -108,6 +108,7 @@ def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None
         cmd += given("--kv-tokens", getattr(a, "decode_kv_tokens", None))
         cmd += given("--local-prefill-step-tokens", a.local_prefill_step_tokens)
         cmd += given("--prepare-timeout-ms", getattr(a, "decode_prepare_timeout_ms", None))
+        cmd += given("--admission-reserve", getattr(a, "decode_admission_reserve", None))
     return cmd + ["--name", name] + device.flags()
 
 

@@ -260,6 +260,11 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                         "request its router neither started nor renewed (it renews the ones it "
                         "still wants with every ping) this long is dropped (docs/serving.md, "
                         "\"Reservations\"; default: kdn-decode's own)")
+    p.add_argument("--decode-admission-reserve", type=ratio_value, metavar="F",
+                   help="kdn-decode --admission-reserve, to every decode worker: the share of "
+                        "its KV pool a new request must leave free while others hold blocks "
+                        "(docs/serving.md, \"Admission and preemption\"; default: kdn-decode's "
+                        "own)")
     p.add_argument("--no-resume", action="store_true",
                    help="a request whose decode worker is lost mid-stream fails instead of "
                         "going on at another decode worker (docs/serving.md, \"A decode worker "

@@ -136,7 +136,7 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
              "--max-queued", 5,
              "--max-connections", 9, "--max-body-buffer-mib", 32, "--no-resume",
              "--disaggregation", "never", "--local-prefill-max-tokens", 300,
-             "--local-prefill-step-tokens", 24,
+             "--local-prefill-step-tokens", 24, "--decode-admission-reserve", 0.05,
              "--host", "127.0.0.1", "--port", 0, "--separator", "<doc> x",
              "--recompute-ratio", 0.25, "--api-keys", keys, "--threads", 1,
              "--log-level", "debug", "--ready-timeout", 30]
@@ -145,6 +145,7 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
     for name in ("decode-0", "decode-1"):
         assert flag(argvs[name], "--max-batch") == "7", argvs[name]
         assert flag(argvs[name], "--local-prefill-step-tokens") == "24", argvs[name]
+        assert flag(argvs[name], "--admission-reserve") == "0.05", argvs[name]
         assert flag(argvs[name], "--kv-tokens") == "4096", argvs[name]
     for name in ("prefill-0", "prefill-1"):
         assert "--kv-tokens" not in argvs[name], argvs[name]
@@ -174,7 +175,7 @@ def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slu
         for name in ("--max-batch", "--max-queued", "--max-connections",
                      "--max-body-buffer-mib", "--log-level", "--no-resume", "--separator",
                      "--disaggregation", "--local-prefill-max-tokens",
-                     "--local-prefill-step-tokens", "--kv-tokens"):
+                     "--local-prefill-step-tokens", "--admission-reserve", "--kv-tokens"):
             assert name not in argv, argv
 
 

@@ -61,6 +61,9 @@ struct DecodeServiceOptions {
   // Local prefill (docs/serving.md, "Two paths"): the most prompt tokens
   // computed between two decode steps while requests run.
   int local_prefill_step_tokens = 64;
+  // DecoderOptions::admission_reserve (docs/serving.md, "Admission and
+  // preemption"): the share of the pool a new request leaves free.
+  double admission_reserve = 0.01;
   // The most prompt tokens one local prefill call computes: a GPU engine's
   // activation buffers are sized for this many rows rather than a prefill
   // worker's 32768 (a decode worker prefills only its conversations' next

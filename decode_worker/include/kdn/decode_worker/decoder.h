@@ -1,78 +1,26 @@
 #pragma once
-// Decoder: the decode worker's request logic (docs/serving.md, "One request,
-// on the wire", steps 2 and 4), driven by DecodeService as Prefiller is by
-// PrefillService. A request's life:
-//
-//  1. Prepare: the request is checked, the longest prefix of its prompt
-//     that the KV pool holds resident (a conversation this worker finished,
-//     kvbridge/resident.h) is attached by reference, KV blocks are reserved
-//     for the rest of the prompt and a growth margin (KvTokensAdmitted: what
-//     it needs now, not its whole max_tokens), and a load of the leading chunks past
-//     the resident ones that the KDN holds, then of the tail pieces past
-//     them (docs/kvbus.md, "Tail keys"), is queued on the store I/O thread
-//     (none when the pool holds all but less than a chunk of the prompt:
-//     the next turn of a conversation it kept is prepared at once). When the load is in, Advance
-//     copies them into the reserved blocks and reports a PrepareDone with how many leading tokens
-//     it placed; the prefill worker sends none of those. A request prepared for local prefill
-//     (docs/serving.md, "Two paths") instead computes the prompt tokens it lacks here, in Advance,
-//     between decode steps: all at once when no request runs, else at most
-//     local_prefill_step_tokens per step, so that running streams keep
-//     their pace (and never more per Prefill call than the engine's
-//     max_prefill_tokens: a longer piece goes in several calls). Its first token is drawn here and
-//     reported as a LocalPrefillDone by an Advance that then returns, before any decode step; the
-//     next Advance (or a Cancel before it) publishes its prompt's spans in the pool and stores
-//     them, as a prefill worker does, and it joins the batch with no Start (events from its
-//     second token: the router sends the first).
-//  2. Start: the prefill worker has pushed the rest of the prompt's KV as
-//     layer slices and sampled the first token. With a SliceLanding (the
-//     CPU pool, docs/kvbus.md "Landing in place"), the slices were
-//     registered when the load came in and landed straight in the reserved
-//     blocks: nothing is copied. Otherwise they wait in the staging tier and
-//     are copied into the blocks now (counted in start_copy_bytes). The
-//     request joins the continuous batch (Batcher). A Start that comes
-//     while the load is still out waits for it.
-//  3. Advance: one decode step for every running request; token events out.
-//     Running requests take KV blocks as they grow. When the next step
-//     needs more blocks than are free, the most recently admitted requests
-//     are preempted (never a blended one, which holds its whole length from
-//     Prepare): each one's KV, prompt and tokens generated so far, is
-//     published in the pool and stored in the KDN as a finished
-//     conversation's is, its blocks go back, and it waits. Preempted
-//     requests resume first, oldest admitted first, once the free blocks
-//     hold one and a block for each running request: its KV is attached
-//     from the pool or loaded from the KDN, what neither holds any more is
-//     recomputed (counted), and it goes on from its last token, with no
-//     event repeated or skipped and, seeded, the same tokens. While any
-//     waits, Prepare admits nothing new.
-//  4. Finish (length, stop, context, Cancel, or a failed step): the full
-//     chunks of prompt + output that the load did not bring, and the tail
-//     pieces past the last of them, are copied out of the cache and handed
-//     to the store I/O thread, which stores those the KDN lacks; the
-//     request's blocks go back at once, staying resident in the pool under
-//     the conversation's keys until it needs them. The next turn of the
-//     chat, routed here, attaches the conversation down to its last token;
-//     anywhere else it loads it from the KDN. (Chunks another
-//     worker stored meanwhile are copied out too, and skipped there: asking
-//     the store first would hold the blocks across a round trip.) A blended
-//     request's KV is not what a full prefill computes: it is neither loaded
-//     nor stored by prefix key.
+// Decoder: the decode worker's executor (docs/serving.md, "The decode
+// worker: scheduler and executor"), driven by DecodeService as Prefiller is
+// by PrefillService. DecodeScheduler decides; the Decoder carries its plans
+// out: it reserves, loads and places KV, runs the engine (local prefill
+// pieces, the Batcher's decode steps), preempts and resumes, stores
+// finished conversations, and reports events. A request's life (Prepare,
+// Start, Advance, Finish) is told in the docs.
 //
 // Events: every id that Prepare returns ends with exactly one TokenEvent
 // whose `finished` is set ("cancelled" after Cancel; `error` set when it
 // failed: the slices never arrived, the batch was full, a decode step
 // failed, or it was prepared and neither started nor renewed within
-// prepare_timeout).
-// After that event the id is unknown to the Decoder.
+// prepare_timeout). After that event the id is unknown to the Decoder.
 //
 // KDN store I/O: every Get, Contains and Put on `store` runs on the store
-// I/O thread (`store_io`, a JobThread; the worker's lookups have their own), never
-// on the caller's thread: the compute loop never waits on the network. Jobs
-// hold the store and a mailbox shared with the Decoder, never the Decoder or
-// the KV cache, so the Decoder may be destroyed with jobs still queued. A
-// failed load leaves the rest of the prompt to the prefill worker; a failed
-// Put is logged and counted (DecoderStats) and costs only reuse; when more
-// than max_pending_store_bytes wait to be stored, a finished conversation is
-// not stored (counted too) rather than let memory grow without bound.
+// I/O thread (`store_io`, a JobThread; the worker's lookups have their own),
+// never on the caller's thread. Jobs hold the store and a mailbox shared
+// with the Decoder, never the Decoder or the KV cache, so the Decoder may be
+// destroyed with jobs still queued. A failed load leaves the rest of the
+// prompt to the prefill worker; a failed Put is logged and counted and costs
+// only reuse; when more than max_pending_store_bytes wait to be stored, a
+// finished conversation is not stored (counted too).
 //
 // Threads: not thread-safe. One thread (the worker's compute thread) makes
 // every call, and is the only one to use the Model while the Decoder lives.
@@ -96,6 +44,8 @@
 #include "kdn/common/status.h"
 #include "kdn/control/prefix_kv.h"
 #include "kdn/decode_worker/batcher.h"
+#include "kdn/decode_worker/decode_request.h"
+#include "kdn/decode_worker/decode_scheduler.h"
 #include "kdn/decode_worker/slice_landing.h"
 #include "kdn/engine/engine.h"
 #include "kdn/text/tokenizer.h"
@@ -104,73 +54,6 @@
 #include "kdn/kvbus/key.h"
 
 namespace kdn::decode_worker {
-
-// Lanes of the store I/O thread (JobThread lanes, most urgent first):
-// lookups a router waits on (about a second; DecodeService runs them on a
-// thread of their own), then loads a Prepare reply waits on, then stores
-// nobody waits on.
-inline constexpr int kLookupLane = 0;
-inline constexpr int kLoadLane = 1;
-inline constexpr int kStoreLane = 2;
-inline constexpr int kStoreLanes = 3;
-
-// A request as the decode worker takes it (from a router's prepare).
-struct DecodeRequest {
-  std::vector<int32_t> tokens;  // the prompt
-  std::string ns;               // the tenant's cache namespace
-  // Unique per request; names the slices of the prompt's partial tail (of
-  // the whole prompt when blended).
-  std::string transfer_id;
-  // The prompt's KV was fused by blend: nothing loaded or stored by prefix key.
-  bool blended = false;
-  // Prefill it here (step 1); neither blended nor resumed.
-  bool local_prefill = false;
-  // The leading tokens its lookup reached (pool and lower tiers): a local
-  // prefill loads nothing when the pool holds as many.
-  int64_t lookup_tokens = 0;
-  // The router's request id, shown in the Decoder's log lines (ReqId) only.
-  uint64_t request_id = 0;
-  // Sampling, max_tokens, stops; spec.id is set by Prepare. A resumed
-  // request's spec.generated are the last tokens of `tokens`.
-  RequestSpec spec;
-
-  // The prompt's tokens, less those a resumed request generated before.
-  int64_t PromptTokens() const {
-    return static_cast<int64_t>(tokens.size() - spec.generated.size());
-  }
-};
-
-// The KV a request's Prepare reserves, in tokens: kdn::KvTokensAdmitted
-// (common/kv_block.h) of the tokens it is sent, within the model's context.
-int64_t KvTokensAdmitted(const DecodeRequest& r, int64_t max_context);
-
-// A Prepare's load is in: the leading `held_tokens` tokens of the prompt
-// (full chunks, then tail pieces) are in the request's blocks and need not
-// travel.
-struct PrepareDone {
-  uint64_t id = 0;
-  int64_t held_tokens = 0;
-  int64_t resident_tokens = 0;  // of held_tokens, attached from the pool
-};
-
-// A local prefill is done: its first token is drawn and it runs. Its
-// events start at the second token (the router sends the first).
-struct LocalPrefillDone {
-  uint64_t id = 0;
-  int32_t first_token = -1;
-  int64_t held_tokens = 0;      // leading prompt tokens it did not compute (pool and KDN)
-  int64_t resident_tokens = 0;  // of held_tokens, attached from the pool
-  int64_t computed_tokens = 0;
-  uint64_t kv_bytes_loaded = 0;  // KV copied into the pool from its lower tiers
-};
-
-// What Decoder calls produce, appended in order.
-struct DecoderOutput {
-  std::vector<PrepareDone> prepared;
-  std::vector<LocalPrefillDone> prefilled;  // before `events`, which may follow them
-  std::vector<TokenEvent> events;
-  bool empty() const { return prepared.empty() && prefilled.empty() && events.empty(); }
-};
 
 struct DecoderOptions {
   int chunk_tokens = kvbus::kDefaultChunkTokens;
@@ -196,6 +79,9 @@ struct DecoderOptions {
   // steps while requests run (none run: all at once). Bounds what a local
   // prefill adds to the running streams' inter-token latency.
   int local_prefill_step_tokens = 64;
+  // SchedulerOptions::admission_reserve: the share of the pool a new
+  // request leaves free while others hold blocks.
+  double admission_reserve = 0.01;
   // Where pushed slices land in place (borrowed; outlives the Decoder);
   // null: in the staging tier. Needs a pool addressable as one region
   // (engine::KvCache::Memory).
@@ -234,7 +120,10 @@ struct DecoderStats {
   uint64_t slices_landed = 0;
   uint64_t start_copy_bytes = 0;
   int quarantined_blocks = 0;  // held back from reuse, now (landing_quarantine)
-  // Preemption (step 3): requests waiting to resume now, and the KV blocks
+  // Free blocks a new request must leave while others hold blocks
+  // (admission_reserve of the pool; 0 while none do).
+  int64_t admission_reserve_blocks = 0;
+  // Preemption: requests waiting to resume now, and the KV blocks
   // their resumes need; preemptions so far; resumes that found all the KV
   // stored at preemption (pool or KDN) and those that recomputed some, and
   // the tokens recomputed.
@@ -295,15 +184,13 @@ class Decoder {
   Status Cancel(uint64_t id, DecoderOutput* out);
 
   // Takes in the loads that are in (PrepareDone, then any Start waiting for
-  // them), drops prepared requests past prepare_timeout (local prefills
-  // never: they need no Start), admits the local prefills whose first token
-  // the last Advance reported, computes local prefills (bounded while
-  // requests run; a failed one fails its request) and runs one decode step
-  // for the batch, unless a local prefill finished: then it returns with
-  // that first token, and the step comes with the next Advance. Before the
-  // step it resumes preempted requests that fit, and preempts when the step
-  // needs more blocks than are free (step 3). A failed step fails every
-  // running request.
+  // them), then carries out the scheduler's plan: drops prepared requests
+  // past prepare_timeout, admits the local prefills whose first token the
+  // last Advance reported, reserves blocks for the resumes that fit,
+  // computes the planned local prefill pieces (a failed one fails its
+  // request; a finished one's first token goes out now, and the decode step
+  // with the next Advance), preempts as the step needs and runs one decode
+  // step for the batch. A failed step fails every running request.
   void Advance(DecoderOutput* out);
 
   // Whether Advance has work now (running requests, loads that are in,
@@ -320,7 +207,6 @@ class Decoder {
   // `pending`, drawn before, is the token it goes on from).
   struct Resume {
     int32_t pending = -1;
-    uint64_t order = 0;         // its admission's (Running::order)
     int64_t stored_tokens = 0;  // published and stored at preemption
   };
   // From Prepare to Start.
@@ -333,8 +219,8 @@ class Decoder {
     // The KV slots pushed (StartRequest.kv_tokens): fewer than the prompt's
     // tokens over pruned documents; 0 until the Start, or one per token.
     int64_t kv_tokens = 0;
-    std::optional<int32_t> start;  // a Start waiting for the load: its first token
-    TimePoint renewed;             // prepared, or last renewed by its router (Renew)
+    std::optional<int32_t> start;  // its Start's first token (it may wait for the load)
+    int32_t local_first = -1;      // a local prefill's first token, once drawn
     uint64_t kv_bytes_loaded = 0;  // placed from the lower tiers
     std::optional<Resume> resume;  // set: a preempted request resuming
   };
@@ -345,11 +231,9 @@ class Decoder {
     bool blended = false;
     int64_t held_tokens = 0;  // leading tokens the KDN gave: their full chunks not stored again
     uint64_t request_id = 0;  // the router's (DecodeRequest::request_id)
-    uint64_t order = 0;       // admissions before it: the newest is preempted first
   };
   // Preempted, waiting to resume: the Prepared it resumes as.
   struct Preempted {
-    uint64_t id = 0;
     DecodeRequest request;  // prompt + generated but the last; spec.generated those
     Resume resume;
   };
@@ -395,16 +279,17 @@ class Decoder {
   void Begin(uint64_t id, int32_t first_token, DecoderOutput* out);
   // Admits `p` (its prompt's KV all in its sequence) into the batch.
   Status Admit(uint64_t id, Prepared p, int32_t first_token, DecoderOutput* out);
-  // The load of local prefill `id` is in: it waits for its compute.
-  void QueueLocal(uint64_t id, Prepared& p);
-  // Computes local prefills, oldest first, up to the step's budget. A
-  // finished one's first token goes out with this Advance; what is not on
-  // its way (publishing and storing its prompt's KV, admitting it, the next
-  // decode step) waits for the next (AdmitLocal).
-  void RunLocalPrefills(DecoderOutput* out);
+  // The KV of local prefill `id` past what the pool and the KDN gave is
+  // computed on top of it.
+  void QueueLocal(Prepared& p);
+  // Carries out one planned piece of a local prefill or resume. A local
+  // prefill's last piece draws its first token, which goes out with this
+  // Advance; publishing and storing its prompt's KV and admitting it wait
+  // for the next plan (AdmitLocal).
+  void RunPiece(const PrefillPiece& piece, DecoderOutput* out);
   // Local prefill `id`, whose first token went out: its prompt's KV
   // published and stored, then admitted into the batch.
-  void AdmitLocal(uint64_t id, int32_t first_token, DecoderOutput* out);
+  void AdmitLocal(uint64_t id, DecoderOutput* out);
   // The prompt tokens a prepared request may take from the pool and the
   // KDN: all of them, or all but the last when it is prefilled here (the
   // last is computed for its logits; a resume needs none).
@@ -412,12 +297,13 @@ class Decoder {
   // The shortest tail match it takes: any for a resume (its tail was
   // stored whole), else options.min_tail_tokens.
   int64_t MinTail(const Prepared& p) const;
-  // Step 3: preempts the newest running requests until the next step's
-  // blocks are free (none left to preempt: the step fails as before).
-  void MakeRoomForStep();
+  // Preempts `candidates`, in order, until the next step's blocks are free
+  // (none left: the step fails as before).
+  void MakeRoomForStep(const std::vector<uint64_t>& candidates);
   void Preempt(uint64_t id);
-  // Prepares preempted requests, oldest admitted first, while they fit.
-  void ResumePreempted();
+  // Reserves blocks for preempted request `id` and loads or queues its KV;
+  // false, with it preempted still, when the blocks are not there.
+  bool StartResume(uint64_t id);
   int64_t ResumeBlocks(const Preempted& q) const;
   // A resume whose KV is all in its sequence rejoins the batch.
   void FinishResume(uint64_t id, DecoderOutput* out);
@@ -443,6 +329,7 @@ class Decoder {
   std::shared_ptr<Mailbox> mailbox_;
 
   // The calling thread's alone.
+  DecodeScheduler scheduler_;
   std::unique_ptr<Batcher> batcher_;
   std::map<uint64_t, Prepared> prepared_;
   std::map<uint64_t, Running> running_;
@@ -451,20 +338,13 @@ class Decoder {
   uint64_t kv_bytes_loaded_ = 0;
   uint64_t resident_hit_tokens_ = 0;
   uint64_t chunks_store_dropped_ = 0;
-  std::deque<uint64_t> local_queue_;  // local prefills whose load is in, oldest first
-  // Local prefills whose first token went out, not admitted yet: id, token.
-  std::deque<std::pair<uint64_t, int32_t>> first_sent_;
-  // The last Advance sent first tokens and put off the running requests'
-  // step: the next one steps before it computes any local prefill.
-  bool step_owed_ = false;
   std::deque<std::pair<TimePoint, engine::KvSequence>> quarantine_;  // by release time
   uint64_t start_copy_bytes_ = 0;
   double step_ms_ = 0;  // recent averages (exponential)
   double prefill_ms_per_token_ = 0;
   uint64_t local_prefills_ = 0;
   uint64_t local_prefill_tokens_ = 0;
-  uint64_t next_order_ = 0;
-  std::map<uint64_t, Preempted> preempted_;  // by Resume::order: oldest admitted first
+  std::map<uint64_t, Preempted> preempted_;  // by id
   uint64_t preemptions_ = 0;
   uint64_t resumed_by_load_ = 0;
   uint64_t resumed_by_recompute_ = 0;
