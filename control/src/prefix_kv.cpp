@@ -13,7 +13,9 @@ PlacedPrefix PlacePrefix(engine::KvCache& cache, engine::KvSequence& seq,
   PlacedPrefix out;
   for (const auto& [span, chunk] : fetched) {
     if (span.first != out.tokens) break;
-    if (chunk == nullptr) {
+    // A chunk read for tokens the pool holds resident by now (a prefetch
+    // that read before it did) is not placed either.
+    if (chunk == nullptr || span.first + span.count <= resident) {
       if (span.first + span.count > resident) break;
     } else {
       // Across the end of the resident prefix: only the part past it (the

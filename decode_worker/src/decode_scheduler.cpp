@@ -28,9 +28,7 @@ DecodeScheduler::Counts DecodeScheduler::counts() const {
   Counts c;
   for (const auto& [id, e] : entries_) {
     switch (e.phase) {
-      case RequestPhase::kRunning:
-        ++c.running;
-        break;
+      case RequestPhase::kRunning: ++c.running; break;
       case RequestPhase::kPreempted:
         ++c.preempted;
         c.resume_blocks += e.resume_blocks;
@@ -164,8 +162,7 @@ void DecodeScheduler::Forget(uint64_t id) {
   if (it == entries_.end()) return;
   if (it->second.phase == RequestPhase::kPreempted) preempted_.erase(it->second.order);
   entries_.erase(it);
-  local_queue_.erase(std::remove(local_queue_.begin(), local_queue_.end(), id),
-                     local_queue_.end());
+  local_queue_.erase(std::remove(local_queue_.begin(), local_queue_.end(), id), local_queue_.end());
   first_sent_.erase(std::remove(first_sent_.begin(), first_sent_.end(), id), first_sent_.end());
 }
 
@@ -234,8 +231,9 @@ StepPlan DecodeScheduler::Schedule(TimePoint now, int64_t free_blocks) {
   // pieces: a step this plan owes goes first.
   if (!step_owed_) PlanPrefill(plan);
   step_owed_ = false;
-  const bool first_token_out = std::any_of(plan.prefill.begin(), plan.prefill.end(),
-                                           [](const PrefillPiece& p) { return p.last && !p.resume; });
+  const bool first_token_out =
+      std::any_of(plan.prefill.begin(), plan.prefill.end(),
+                  [](const PrefillPiece& p) { return p.last && !p.resume; });
   const int running_now = Running();
   if (first_token_out) {
     step_owed_ = running_now > 0;

@@ -124,7 +124,7 @@ Status Decoder::ReserveKv(Prepared& p) {
                          kvbridge::AttachResidentPrefix(cache, p.seq, ctx, p.request.tokens, p.keys,
                                                         HeldLimit(p), MinTail(p)));
   }
-  // What it needs now; its later tokens take blocks as they come (step 3).
+  // What it needs now; its later tokens take blocks as they come.
   return cache.Reserve(p.seq, KvTokensAdmitted(p.request, model_.config().max_context));
 }
 

@@ -1,5 +1,6 @@
 #include "kdn/prefill_worker/prefill_service.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -24,6 +25,37 @@ struct QueuedJob {
   bool inject = false;  // job.tokens is a document to store, not a prompt
   PrefillJob job;
   std::optional<control::PruneSpec> prune;  // an injected document's pruning
+  // What a KV I/O thread read for it (Prefiller::Prefetch): set once read.
+  // Guarded by Impl::mu.
+  std::shared_ptr<std::optional<PrefetchedKv>> kv;
+};
+
+// KV I/O threads: each job's KDN reads run on one of them, in turn, while the
+// compute thread computes jobs whose reads are done. Two, so that a job
+// whose reads are slow (a remote tier late to answer) holds up only the jobs
+// behind it on the same thread.
+constexpr int kKvIoThreads = 2;
+
+// PrefillServiceOptions::shared_store as a tier of the worker's store.
+class SharedStoreTier final : public kvbus::ChunkStore {
+ public:
+  explicit SharedStoreTier(std::shared_ptr<kvbus::ChunkStore> store) : store_(std::move(store)) {}
+  std::string name() const override { return store_->name(); }
+  Result<std::shared_ptr<const kvbus::Chunk>> Get(const kvbus::ChunkKey& key) override {
+    return store_->Get(key);
+  }
+  bool Contains(const kvbus::ChunkKey& key) override { return store_->Contains(key); }
+  std::vector<bool> ContainsMany(std::span<const kvbus::ChunkKey> keys) override {
+    return store_->ContainsMany(keys);
+  }
+  Status Put(std::shared_ptr<const kvbus::Chunk> chunk) override {
+    return store_->Put(std::move(chunk));
+  }
+  kvbus::TierStats Stats() override { return store_->Stats(); }
+  kvbus::TierStats LocalStats() override { return store_->LocalStats(); }
+
+ private:
+  std::shared_ptr<kvbus::ChunkStore> store_;
 };
 
 }  // namespace
@@ -41,6 +73,9 @@ struct PrefillService::Impl {
   std::unique_ptr<Prefiller> prefiller;  // the compute thread's alone
   // Lookups: kdn-store round trips, kept off the control I/O thread.
   std::unique_ptr<JobThread> lookups;
+  // The jobs' KDN reads, kept off the compute thread.
+  std::vector<std::unique_ptr<JobThread>> kv_io;
+  int next_kv_io = 0;  // the control I/O thread's alone
   std::unique_ptr<control::ControlServer> server;
   int total_blocks = 0;
 
@@ -90,18 +125,35 @@ struct PrefillService::Impl {
     control::SetStoreCounters(info, *store);
   }
 
+  // Queues `q` for the compute thread, which takes it once a KV I/O thread
+  // has read what it needs from the KDN.
   void Enqueue(QueuedJob q) {
     queued_tokens += static_cast<int64_t>(q.job.tokens.size());
     ++depth;
+    q.kv = std::make_shared<std::optional<PrefetchedKv>>();
+    auto read = [this, slot = q.kv, job = q.job, inject = q.inject] {
+      PrefetchedKv kv = prefiller->Prefetch(job, inject);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        *slot = std::move(kv);
+      }
+      cv.notify_one();
+    };
     {
       std::lock_guard<std::mutex> lock(mu);
       queue.push_back(std::move(q));
     }
-    cv.notify_one();
+    kv_io[static_cast<size_t>(next_kv_io++ % kKvIoThreads)]->Post(0, std::move(read));
+  }
+
+  // The oldest queued job whose KDN reads are done; end() if none is.
+  std::deque<QueuedJob>::iterator FirstReady() {
+    return std::find_if(queue.begin(), queue.end(),
+                        [](const QueuedJob& j) { return j.kv->has_value(); });
   }
 
   void RunInject(const QueuedJob& q) {
-    auto held = prefiller->Inject(q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr);
+    auto held = prefiller->Inject(q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr, &**q.kv);
     proto::WorkerMessage reply;
     reply.set_request_id(q.request_id);
     auto* ir = reply.mutable_inject_reply();
@@ -124,7 +176,7 @@ struct PrefillService::Impl {
   // One prompt: prefill, reply, then store its new chunks.
   void RunPrefill(const QueuedJob& q) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto out = prefiller->Run(q.job);
+    auto out = prefiller->Run(q.job, &**q.kv);
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     proto::WorkerMessage reply;
@@ -254,10 +306,11 @@ struct PrefillService::Impl {
       QueuedJob q;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop || !queue.empty(); });
+        cv.wait(lock, [&] { return stop || FirstReady() != queue.end(); });
         if (stop) return;
-        q = std::move(queue.front());
-        queue.pop_front();
+        auto ready = FirstReady();
+        q = std::move(*ready);
+        queue.erase(ready);
       }
       if (q.inject) {
         RunInject(q);
@@ -288,11 +341,24 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
       control::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &impl->pool));
   Impl* raw = impl.get();
   KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
-  KDN_ASSIGN_OR_RETURN(
-      impl->store,
-      control::MakeWorkerStore(
-          options.host_bytes, options.shared_tier, options.store_codec,
-          {.curve = options.curve, .model = impl->wm.fingerprint, .ttl = options.shared_tier_ttl}));
+  if (options.shared_store != nullptr) {
+    if (!options.shared_tier.empty()) {
+      return InvalidArgument("a shared tier is named (" + options.shared_tier +
+                             ") and given as an object: one of them");
+    }
+    std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
+    tiers.push_back(std::make_unique<kvbus::HostTier>(options.host_bytes));
+    tiers.push_back(std::make_unique<SharedStoreTier>(options.shared_store));
+    impl->store = std::make_unique<kvbus::TieredStore>(
+        std::move(tiers), kvbus::TieredStoreOptions{.write_through = true});
+  } else {
+    KDN_ASSIGN_OR_RETURN(
+        impl->store,
+        control::MakeWorkerStore(options.host_bytes, options.shared_tier, options.store_codec,
+                                 {.curve = options.curve,
+                                  .model = impl->wm.fingerprint,
+                                  .ttl = options.shared_tier_ttl}));
+  }
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
   po.blend_kl_per_residual = options.blend_kl_per_residual;
@@ -314,6 +380,7 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   impl->prefiller =
       std::make_unique<Prefiller>(*impl->wm.model, *impl->store, impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();
+  for (int i = 0; i < kKvIoThreads; ++i) impl->kv_io.push_back(std::make_unique<JobThread>());
   impl->total_blocks = impl->wm.model->kv_cache().num_blocks();
   impl->free_blocks = impl->wm.model->kv_cache().free_blocks();
   KDN_ASSIGN_OR_RETURN(
@@ -333,8 +400,9 @@ PrefillService::~PrefillService() {
   }
   impl_->cv.notify_all();
   if (impl_->compute.joinable()) impl_->compute.join();
-  (void)impl_->lookups->Stop();  // before the server it answers through
-  impl_->server.reset();         // before the state its handler reads
+  for (auto& io : impl_->kv_io) (void)io->Stop();  // before the Prefiller and store they read
+  (void)impl_->lookups->Stop();                    // before the server it answers through
+  impl_->server.reset();                           // before the state its handler reads
 }
 
 const std::string& PrefillService::endpoint() const { return impl_->server->endpoint(); }

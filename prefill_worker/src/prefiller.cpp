@@ -144,7 +144,39 @@ struct Prefiller::Push {
   }
 };
 
-Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
+PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, bool inject) const {
+  PrefetchedKv kv;
+  const auto n = static_cast<int64_t>(job.tokens.size());
+  if (n == 0 || n > model_.config().max_context) return kv;  // Run refuses it
+  const kvbus::KeyContext ctx{fingerprint_, job.ns, options_.chunk_tokens};
+  if (inject) {
+    kv.inject_held = store_.Contains(kvbus::SegmentKey(ctx, job.tokens));
+    return kv;
+  }
+  if (job.blend) {
+    int64_t at = std::max(job.blend->head_tokens, 0);
+    for (int len : job.blend->segment_tokens) {
+      if (len <= 0 || at + len > n) return kv;
+      const std::span<const int32_t> doc(job.tokens.data() + at, static_cast<size_t>(len));
+      at += len;
+      const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, doc);
+      if (kv.segments.count(key) != 0) continue;
+      auto chunk = store_.Get(key);
+      if (chunk.ok()) kv.segments.emplace(key, *std::move(chunk));
+    }
+    return kv;
+  }
+  const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, job.tokens);
+  if (options_.resident) {
+    kv.resident = kvbridge::ResidentPrefixTokens(model_.kv_cache(), ctx, job.tokens, keys, n - 1,
+                                                 options_.min_tail_tokens);
+  }
+  kv.prefix = kvbus::FetchPrefix(store_, ctx, job.tokens, keys, n - 1, options_.min_tail_tokens,
+                                 kv.resident, chunk_dtype_);
+  return kv;
+}
+
+Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job, const PrefetchedKv* kv) {
   seq_.Reset();
   keys_.clear();
   spans_.clear();
@@ -163,7 +195,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
     return InvalidArgument("prefill: generated_tokens " + std::to_string(job.generated_tokens) +
                            " is not within the " + std::to_string(n) + " tokens sent");
   }
-  if (job.blend) return RunBlend(job);
+  if (job.blend) return RunBlend(job, kv);
   const int C = options_.chunk_tokens;
   const kvbus::KeyContext ctx{fingerprint_, job.ns, C};
   keys_ = kvbus::PrefixKeys(ctx, job.tokens);
@@ -184,11 +216,18 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq_, n));
   // The lower tiers past the resident prefix, fetched while matching and
-  // placed after it, so that a tail match too short to use costs no copy.
-  const std::vector<kvbus::FetchedSpan> fetched = kvbus::FetchPrefix(
-      store_, ctx, job.tokens, keys_, n - 1, options_.min_tail_tokens, resident, chunk_dtype_);
-  const control::PlacedPrefix placed = control::PlacePrefix(cache, seq_, fetched, resident);
-  const int64_t hit = placed.tokens;
+  // placed after it, so that a tail match too short to use costs no copy;
+  // read before, off this thread, when prefetched.
+  std::vector<kvbus::FetchedSpan> fetched_here;
+  if (kv == nullptr) {
+    fetched_here = kvbus::FetchPrefix(store_, ctx, job.tokens, keys_, n - 1,
+                                      options_.min_tail_tokens, resident, chunk_dtype_);
+  }
+  const control::PlacedPrefix placed =
+      control::PlacePrefix(cache, seq_, kv != nullptr ? kv->prefix : fetched_here, resident);
+  // A prefetch that read before more of the prompt was resident may reach
+  // less far than the pool does now.
+  const int64_t hit = kv != nullptr ? std::max(placed.tokens, resident) : placed.tokens;
   if (hit < resident) {
     // The lower tiers' match retraces the resident one; short of it, the
     // compute would write into shared blocks.
@@ -234,7 +273,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job) {
   return out;
 }
 
-Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
+Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const PrefetchedKv* kv) {
   const BlendJob& b = *job.blend;
   const auto n = static_cast<int64_t>(job.tokens.size());
   int64_t at = b.head_tokens;
@@ -258,7 +297,16 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job) {
     blend::Segment s{{p, p + len}, nullptr};
     p += len;
     const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, s.tokens);
-    auto chunk = store_.Get(key);
+    Result<std::shared_ptr<const kvbus::Chunk>> chunk = NotFound("not prefetched");
+    if (kv == nullptr) {
+      chunk = store_.Get(key);
+    } else if (auto it = kv->segments.find(key); it != kv->segments.end()) {
+      chunk = it->second;
+    } else if (store_.host() != nullptr) {
+      // Stored here since the read (a job before this one computed it):
+      // host memory, no round trip.
+      chunk = store_.host()->Get(key);
+    }
     if (chunk.ok() && kvbus::SegmentChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
       s.kv = *std::move(chunk);
       dropped += len - static_cast<int64_t>(s.kv->info().tokens);
@@ -331,7 +379,8 @@ Result<int64_t> Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<co
 
 Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> tokens,
                                                    const std::string& ns,
-                                                   const control::PruneSpec* prune) {
+                                                   const control::PruneSpec* prune,
+                                                   const PrefetchedKv* kv) {
   if (tokens.empty()) return InvalidArgument("inject: an empty document");
   if (prune != nullptr) KDN_RETURN_IF_ERROR(control::ValidatePruneSpec(*prune));
   const auto n = static_cast<int64_t>(tokens.size());
@@ -341,7 +390,11 @@ Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> toke
                            std::to_string(model_.config().max_context));
   }
   const kvbus::ChunkKey key = kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, tokens);
-  if (store_.Contains(key)) return InjectOutcome{true, 0};
+  // Read before, off this thread; or stored here since (host memory).
+  const bool held =
+      kv == nullptr ? store_.Contains(key)
+                    : kv->inject_held || (store_.host() != nullptr && store_.host()->Contains(key));
+  if (held) return InjectOutcome{true, 0};
   KDN_ASSIGN_OR_RETURN(int64_t stored, StoreSegment(key, tokens, prune));
   return InjectOutcome{false, stored};
 }

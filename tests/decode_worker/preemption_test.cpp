@@ -1,5 +1,6 @@
 // The decode worker's admission by what a request needs now, and preemption
-// into the KDN when its KV pool runs short (decoder.h, step 3).
+// into the KDN when its KV pool runs short (docs/serving.md, "Admission and
+// preemption").
 
 #include <gtest/gtest.h>
 

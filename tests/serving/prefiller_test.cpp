@@ -295,6 +295,94 @@ TEST(Prefiller, StoresInTheBackgroundWhatItWouldStoreItself) {
   EXPECT_EQ(store->Stats().chunks, 6u + 3u);
 }
 
+// Prefetch, as a worker's KV I/O thread runs it, then Run with what it
+// read: the outcome a Run that reads the tiers itself has, whatever the pool
+// did in between.
+TEST(Prefiller, ARunServedByAPrefetchGivesWhatItsOwnReadsGive) {
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  PrefillJob job;
+  job.tokens = RandomTokens(100, 258, 3);
+  job.sampling.temperature = 0;
+  // The prompt and 20 more tokens, new each time (the last one's own chunks
+  // are stored after each run).
+  const auto longer = [&](uint32_t seed) {
+    PrefillJob l = job;
+    const auto more = RandomTokens(20, 258, seed);
+    l.tokens.insert(l.tokens.end(), more.begin(), more.end());
+    return l;
+  };
+  {  // Another worker stored the prompt's chunks.
+    auto other = MakeModel("tiny");
+    Prefiller writer(*other, *store, fp, Options());
+    ASSERT_TRUE(writer.Run(job).ok());
+    ASSERT_TRUE(writer.StoreNewChunks().ok());
+  }
+  auto model = MakeModel("tiny");
+  Prefiller p(*model, *store, fp, Options());
+
+  // Read from the host tier: its 100 tokens placed, 20 computed.
+  const PrefillJob first = longer(4);
+  const PrefetchedKv cold = p.Prefetch(first);
+  EXPECT_EQ(cold.resident, 0);
+  auto out = p.Run(first, &cold);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->cached_tokens, 100);
+  EXPECT_EQ(out->resident_tokens, 0);
+  EXPECT_GT(out->kv_bytes_loaded, 0u);
+  EXPECT_EQ(out->computed_tokens, 20);
+  EXPECT_EQ(out->first_token, GreedyFirstToken(*model, first.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+
+  // Read before the pool held the prompt, run after: the pool's blocks are
+  // attached, and the chunks read for those tokens are not placed.
+  model->kv_cache().DropResident();
+  const PrefillJob second = longer(5);
+  const PrefetchedKv stale = p.Prefetch(second);
+  EXPECT_EQ(stale.resident, 0);
+  ASSERT_TRUE(p.Run(job).ok());
+  ASSERT_TRUE(p.StoreNewChunks().ok());  // the 100 tokens resident again
+  out = p.Run(second, &stale);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->cached_tokens, 100);
+  EXPECT_EQ(out->resident_tokens, 100);
+  EXPECT_EQ(out->kv_bytes_loaded, 0u);
+  EXPECT_EQ(out->computed_tokens, 20);
+  EXPECT_EQ(out->first_token, GreedyFirstToken(*model, second.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+
+  // Read before the pool held part of the prompt, run after: that part is
+  // attached, the chunks read past it placed.
+  model->kv_cache().DropResident();
+  const PrefillJob fourth = longer(7);
+  const PrefetchedKv part = p.Prefetch(fourth);
+  PrefillJob half = job;
+  half.tokens.resize(50);
+  ASSERT_TRUE(p.Run(half).ok());
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  out = p.Run(fourth, &part);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->cached_tokens, 100);
+  EXPECT_GE(out->resident_tokens, 48);
+  EXPECT_GT(out->kv_bytes_loaded, 0u);
+  EXPECT_EQ(out->computed_tokens, 20);
+  EXPECT_EQ(out->first_token, GreedyFirstToken(*model, fourth.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+
+  // Read while the pool held the prompt, run after it was evicted: nothing
+  // is read now, so the prompt is computed whole.
+  const PrefillJob third = longer(6);
+  const PrefetchedKv resident = p.Prefetch(third);
+  EXPECT_GE(resident.resident, 96);  // its full chunks at least
+  model->kv_cache().DropResident();
+  out = p.Run(third, &resident);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->cached_tokens, 0);
+  EXPECT_EQ(out->computed_tokens, 120);
+  EXPECT_EQ(out->first_token, GreedyFirstToken(*model, third.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
 TEST(Prefiller, APromptOfWholeChunksStillComputesItsLastChunk) {
   auto model = MakeModel("tiny");
   auto store = HostStore();
@@ -495,6 +583,58 @@ TEST(Prefiller, BlendStoresDocumentsAloneUnderSegmentKeysThenReusesThemInAnyOrde
   shuffled_plain.tokens = BlendJobOf(shuffled, question, 0).tokens;
   EXPECT_EQ(full->recomputed_tokens, 123);
   EXPECT_EQ(full->first_token, GreedyFirstToken(*model, shuffled_plain.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, ABlendOrInjectServedByAPrefetchGivesWhatItsOwnReadsGive) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 11),
+                                                  RandomTokens(33, 256, 12)};
+  const auto question = RandomTokens(9, 256, 14);
+  PrefillJob inject;
+  inject.tokens = docs[0];
+  inject.ns = "";
+  PrefetchedKv read = p.Prefetch(inject, /*inject=*/true);
+  EXPECT_FALSE(read.inject_held);
+  auto injected = p.Inject(docs[0], "", nullptr, &read);
+  ASSERT_TRUE(injected.ok()) << injected.status().ToString();
+  EXPECT_FALSE(injected->already_held);
+  read = p.Prefetch(inject, /*inject=*/true);
+  EXPECT_TRUE(read.inject_held);
+  injected = p.Inject(docs[0], "", nullptr, &read);
+  ASSERT_TRUE(injected.ok());
+  EXPECT_TRUE(injected->already_held);
+
+  // One document held, one not: read ahead, the blend fuses the one and
+  // computes the other, as when it asks the store itself.
+  const PrefillJob blend = BlendJobOf(docs, question, 0.15);
+  read = p.Prefetch(blend);
+  EXPECT_EQ(read.segments.size(), 1u);
+  auto ahead = p.Run(blend, &read);
+  ASSERT_TRUE(ahead.ok()) << ahead.status().ToString();
+  p.WaitForStores();
+  ASSERT_TRUE(p.StoreNewChunks().ok());  // stores the second document
+  auto own = p.Run(blend);               // now both are held
+  ASSERT_TRUE(own.ok());
+  EXPECT_EQ(ahead->blended_tokens, 40);
+  EXPECT_EQ(own->blended_tokens, 73);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  // A read taken before this worker stored the second document still finds
+  // it, in the host tier.
+  auto late = p.Run(blend, &read);
+  ASSERT_TRUE(late.ok());
+  EXPECT_EQ(late->blended_tokens, 73);
+  EXPECT_EQ(late->first_token, own->first_token);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  read = p.Prefetch(blend);
+  EXPECT_EQ(read.segments.size(), 2u);
+  auto again = p.Run(blend, &read);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->blended_tokens, own->blended_tokens);
+  EXPECT_EQ(again->first_token, own->first_token);
   ASSERT_TRUE(p.StoreNewChunks().ok());
 }
 

@@ -99,7 +99,7 @@ struct StepPlan {
   std::vector<uint64_t> admit;   // local prefills whose first token went out
   std::vector<uint64_t> resume;  // preempted requests to reserve blocks for, in order
   std::vector<PrefillPiece> prefill;
-  bool step = false;             // run one decode step for the batch
+  bool step = false;              // run one decode step for the batch
   std::vector<uint64_t> preempt;  // with step: who may be preempted for it, in order
 };
 

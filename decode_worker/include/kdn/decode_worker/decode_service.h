@@ -1,8 +1,9 @@
 #pragma once
 // DecodeService: the kdn-decode process without its flags (docs/serving.md).
 // Loads the model, opens its KDN tiers, receives prompt KV on a kvbus
-// endpoint, serves the control socket, and drives a Decoder (decoder.h: the
-// request logic) with the protocol's messages converted to its structs:
+// endpoint, serves the control socket, and drives a Decoder (decoder.h: it
+// carries out DecodeScheduler's plans) with the protocol's messages
+// converted to its structs:
 //   Prepare  reserve KV for a prompt and load the chunks its tiers hold;
 //   Start    assemble the layer slices a prefill worker pushed, admit the
 //            request with its first token and stream tokens back (from the

@@ -29,6 +29,11 @@ struct PrefillServiceOptions {
   // kdn-store endpoint or a redis:// URL); empty: none.
   std::string shared_tier;
   std::chrono::milliseconds shared_tier_ttl{0};  // Redis: expiry of what is put (0: none)
+  // The shared tier as an object, in place of shared_tier: a program that
+  // embeds the worker, or a test, gives its own store (thread-safe), which
+  // sits below the host tier as a shared tier does. Set, shared_tier must be
+  // empty.
+  std::shared_ptr<kvbus::ChunkStore> shared_store;
   kvbus::CodecLevel store_codec;  // what chunks are coded at for the store (raw: none)
   std::string name = "prefill-0";
   uint64_t host_bytes = uint64_t{2} << 30;

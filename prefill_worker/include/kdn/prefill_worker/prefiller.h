@@ -7,7 +7,8 @@
 //     keys"): at most all but the prompt's last token, whose logits are
 //     needed. The engine's pool is the first tier: what it holds resident is
 //     attached by reference (kvbridge/resident.h), and only the rest is
-//     loaded from the host tier, the disk tier or kdn-store.
+//     loaded from the host tier, the disk tier or kdn-store (by Prefetch,
+//     off the compute thread, in a worker).
 //  2. Compute the rest with the engine, and as each layer finishes push that
 //     layer of the KV the decode worker lacks (every chunk past the ones it
 //     said it holds, plus the partial tail) over kvbus as layer slices.
@@ -28,8 +29,16 @@
 // fills fewer KV slots than it has tokens (PrefillOutcome::kv_tokens), and
 // the decode worker places that many and goes on at the prompt's length.
 //
-// Not thread-safe: the worker's compute loop owns it, with the Engine. The
-// store is shared (thread-safe).
+// KDN reads off the compute thread: Prefetch reads what a job needs from
+// the KDN's tiers (its cached prefix past what the pool holds, a blend
+// job's documents, whether an injected document is held) and touches only
+// the store and the pool's resident index, so a worker runs it on an I/O
+// thread while the compute thread serves other jobs; Run and Inject then
+// take what it read and wait on no tier. Without it they read the tiers
+// themselves.
+//
+// Not thread-safe but for Prefetch: the worker's compute loop owns it, with
+// the Engine. The store is shared (thread-safe).
 
 #include <atomic>
 #include <chrono>
@@ -49,6 +58,7 @@
 #include "kdn/engine/sampler.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbus/tiered_store.h"
 #include "kdn/kvbus/transport.h"
 
@@ -74,6 +84,19 @@ struct PrefillJob {
   // generated_tokens of `tokens` it generated before; its first token is the
   // draw of its sampler's stream that follows theirs.
   int64_t generated_tokens = 0;
+};
+
+// What Prefetch read for a job. The compute thread may find more of the
+// prompt resident than `resident` (it is attached, and the chunks read for
+// those tokens are not placed) or less (evicted meanwhile: the tokens past
+// what is resident now are computed). A document the read missed that this
+// worker stored since (a job before computed it) is found in the host tier.
+struct PrefetchedKv {
+  int64_t resident = 0;                    // leading prompt tokens the pool held when read
+  std::vector<kvbus::FetchedSpan> prefix;  // kvbus::FetchPrefix past them
+  // A blend job's documents the KDN held, by segment key.
+  std::map<kvbus::ChunkKey, std::shared_ptr<const kvbus::Chunk>> segments;
+  bool inject_held = false;  // an injected document's KV is held already
 };
 
 struct PrefillOutcome {
@@ -141,7 +164,14 @@ class Prefiller {
   // RESOURCE_EXHAUSTED without free KV blocks; UNAVAILABLE when the decode
   // worker does not take the KV. The job's KV stays held until
   // StoreNewChunks or the next Run.
-  Result<PrefillOutcome> Run(const PrefillJob& job);
+  // `kv`: what Prefetch read for this job; null: Run reads the tiers.
+  Result<PrefillOutcome> Run(const PrefillJob& job, const PrefetchedKv* kv = nullptr);
+
+  // Reads from the KDN's tiers what Run (or, with `inject`, Inject) of `job`
+  // needs. Thread-safe, on any thread while the compute thread works: it
+  // uses only the store and KvCache's thread-safe resident lookups. A job
+  // Run would refuse gets an empty result.
+  PrefetchedKv Prefetch(const PrefillJob& job, bool inject = false) const;
 
   // Stores the last job's computed full chunks that the store lacks (for a
   // blend job: the documents the KDN lacked, each computed on its own), then
@@ -164,15 +194,17 @@ class Prefiller {
     bool already_held = false;
     int64_t stored_tokens = 0;  // tokens whose KV was stored (0 when already held)
   };
+  // `kv`: what Prefetch read for it; null: Inject asks the store itself.
   Result<InjectOutcome> Inject(std::span<const int32_t> tokens, const std::string& ns,
-                               const control::PruneSpec* prune = nullptr);
+                               const control::PruneSpec* prune = nullptr,
+                               const PrefetchedKv* kv = nullptr);
 
   // What its kvbus senders moved, summed over every decode worker.
   kvbus::SenderStats TransportStats() const;
 
  private:
   Result<kvbus::Sender*> SenderFor(const std::string& endpoint);
-  Result<PrefillOutcome> RunBlend(const PrefillJob& job);
+  Result<PrefillOutcome> RunBlend(const PrefillJob& job, const PrefetchedKv* kv);
   // The layer-slice push of one job: Push(layer) submits that layer of every
   // region, Finish waits for them all and fills the outcome's figures.
   struct Push;

@@ -1,0 +1,165 @@
+// PrefillService's KV I/O lane (docs/serving.md, "Inside a worker"): a job's
+// KDN reads run off the compute thread, so a job whose read is still out does
+// not hold up the jobs whose reads are done. A raw ZeroMQ peer stands in for
+// the router; the test waits for what the worker answers, never for a length
+// of time.
+
+#include "kdn/prefill_worker/prefill_service.h"
+
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <set>
+#include <zmq.hpp>
+
+#include "../engine/test_util.h"
+#include "kdn/engine/presets.h"
+#include "kdn/kvbus/host_tier.h"
+#include "serving.pb.h"
+
+namespace kdn::prefill_worker {
+namespace {
+
+using engine::testing::TempDir;
+using namespace std::chrono_literals;
+
+constexpr auto kNoHang = 30s;  // only ever reached by a failing test
+
+// A shared tier whose first call, of any kind, waits until Open; the rest
+// go straight to a host tier.
+class FirstCallGate final : public kvbus::ChunkStore {
+ public:
+  std::string name() const override { return "gate"; }
+  Result<std::shared_ptr<const kvbus::Chunk>> Get(const kvbus::ChunkKey& key) override {
+    Pass();
+    return tier_.Get(key);
+  }
+  bool Contains(const kvbus::ChunkKey& key) override {
+    Pass();
+    return tier_.Contains(key);
+  }
+  std::vector<bool> ContainsMany(std::span<const kvbus::ChunkKey> keys) override {
+    Pass();
+    return tier_.ContainsMany(keys);
+  }
+  Status Put(std::shared_ptr<const kvbus::Chunk> chunk) override {
+    Pass();
+    return tier_.Put(std::move(chunk));
+  }
+  kvbus::TierStats Stats() override { return tier_.Stats(); }
+
+  // Whether the first call is held now (waiting up to kNoHang for it).
+  bool Held() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kNoHang, [&] { return held_; });
+  }
+  bool HeldNow() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return held_;
+  }
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Pass() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (taken_) return;
+    taken_ = held_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return open_; });
+    held_ = false;
+  }
+
+  kvbus::HostTier tier_{16u << 20};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool taken_ = false, held_ = false, open_ = false;
+};
+
+// A router stand-in: one DEALER to the worker's control socket.
+class Peer {
+ public:
+  Peer(zmq::context_t& ctx, const std::string& endpoint) : sock_(ctx, zmq::socket_type::dealer) {
+    sock_.set(zmq::sockopt::linger, 0);
+    sock_.set(zmq::sockopt::rcvtimeo, static_cast<int>(kNoHang / 1ms));
+    sock_.connect(endpoint);
+  }
+
+  // Prefill request `id`: a prompt of its own, its KV pushed nowhere.
+  void Prefill(uint64_t id) {
+    proto::WorkerMessage m;
+    m.set_request_id(id);
+    auto* p = m.mutable_prefill();
+    for (int i = 0; i < 40; ++i) p->add_tokens(1 + (i * 7 + static_cast<int>(id) * 13) % 250);
+    p->mutable_sampling()->set_top_p(1.0f);
+    p->set_transfer_id(std::string(16, static_cast<char>('a' + id % 26)));
+    const std::string bytes = m.SerializeAsString();
+    sock_.send(zmq::buffer(bytes), zmq::send_flags::none);
+  }
+
+  // The next message for this peer (an empty one after the timeout).
+  proto::WorkerMessage Receive() {
+    zmq::message_t msg;
+    proto::WorkerMessage m;
+    if (sock_.recv(msg, zmq::recv_flags::none)) {
+      EXPECT_TRUE(m.ParseFromArray(msg.data(), static_cast<int>(msg.size())));
+    }
+    return m;
+  }
+
+ private:
+  zmq::socket_t sock_;
+};
+
+TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
+  TempDir dir;
+  auto preset = engine::FindPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  ASSERT_TRUE(engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok());
+  auto gate = std::make_shared<FirstCallGate>();
+  auto service = PrefillService::Start({.model_dir = dir.path(),
+                                        .shared_store = gate,
+                                        .host_bytes = 16u << 20,
+                                        .chunk_tokens = 16,
+                                        .engine = {.kv_tokens = 1024, .threads = 1}});
+  ASSERT_TRUE(service.ok()) << service.status().ToString();
+  zmq::context_t ctx;
+  Peer peer(ctx, (*service)->endpoint());
+  peer.Prefill(1);
+  peer.Prefill(2);
+  // One job's read of the shared tier is held; the other's is not, and that
+  // job is computed and answered while the first read is still out.
+  ASSERT_TRUE(gate->Held());
+  const proto::WorkerMessage first = peer.Receive();
+  ASSERT_EQ(first.body_case(), proto::WorkerMessage::kPrefillReply) << "no reply while held";
+  EXPECT_FALSE(first.prefill_reply().has_error()) << first.prefill_reply().error().message();
+  EXPECT_TRUE(gate->HeldNow()) << "answered only once the held read was let go";
+  gate->Open();
+  const proto::WorkerMessage second = peer.Receive();
+  ASSERT_EQ(second.body_case(), proto::WorkerMessage::kPrefillReply);
+  EXPECT_FALSE(second.prefill_reply().has_error()) << second.prefill_reply().error().message();
+  EXPECT_EQ(std::set<uint64_t>({first.request_id(), second.request_id()}),
+            std::set<uint64_t>({1, 2}));
+}
+
+TEST(PrefillService, RefusesASharedTierNamedAndGivenAsAnObject) {
+  TempDir dir;
+  auto preset = engine::FindPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  ASSERT_TRUE(engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok());
+  auto service = PrefillService::Start({.model_dir = dir.path(),
+                                        .shared_tier = "tcp://127.0.0.1:1",
+                                        .shared_store = std::make_shared<FirstCallGate>(),
+                                        .host_bytes = 16u << 20,
+                                        .engine = {.kv_tokens = 1024, .threads = 1}});
+  EXPECT_EQ(service.status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kdn::prefill_worker
