@@ -97,6 +97,10 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
 int RunSharedTiers(const Common& c, const std::vector<std::string>& backends,
                    const std::string& store_url, const std::string& redis_url, int chunk_mib,
                    int clients, int per_client);
+// slow-tier: a burst of `prompts` cold prompts of `tokens` tokens at one
+// prefill worker, with no shared tier and with one `delay_ms` late on every
+// call (bench/slow_tier_workload.cpp).
+int RunSlowTier(const Common& c, int prompts, int tokens, int delay_ms);
 // pd-transfer: one request's KV between two processes (docs/kvbus.md, "Measured").
 struct PdTransferOptions {
   int tokens = 4096, chunk_tokens = 256;

@@ -536,6 +536,21 @@ int main(int argc, char** argv) {
   tokenize->add_option("--json", c.json_path, "Also write the results as one JSON object");
   ServeLoadOptions sl;
   uint64_t sl_seed = 0;
+  int slow_prompts = 16, slow_tokens = 512, slow_delay_ms = 50;
+  auto* slow_tier = app.add_subcommand(
+      "slow-tier",
+      "A burst of cold prompts at one prefill worker, with no shared tier and with one that "
+      "answers every call late: both prompt tokens/s and their ratio (aim: at least 0.9x)");
+  common(slow_tier);
+  slow_tier->add_option("--prompts", slow_prompts, "Prompts in the burst")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  slow_tier->add_option("--tokens", slow_tokens, "Tokens of each prompt")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  slow_tier->add_option("--delay-ms", slow_delay_ms, "How late the shared tier answers each call")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   auto* serve_load = app.add_subcommand(
       "serve-load",
       "Many clients against a running deployment, their documents reused under a Zipf law: "
@@ -703,6 +718,7 @@ int main(int argc, char** argv) {
 #endif
   }
   if (prefill->parsed()) return RunPrefill(c, lengths);
+  if (slow_tier->parsed()) return RunSlowTier(c, slow_prompts, slow_tokens, slow_delay_ms);
   if (pd->parsed()) {
     return RunPdTransfer(c, pdo);
   }

@@ -28,6 +28,7 @@ struct QueuedJob {
   // What a KV I/O thread read for it (Prefiller::Prefetch): set once read.
   // Guarded by Impl::mu.
   std::shared_ptr<std::optional<PrefetchedKv>> kv;
+  bool read_posted = false;  // its read is queued, running or done
 };
 
 // KV I/O threads: each job's KDN reads run on one of them, in turn, while the
@@ -35,6 +36,9 @@ struct QueuedJob {
 // whose reads are slow (a remote tier late to answer) holds up only the jobs
 // behind it on the same thread.
 constexpr int kKvIoThreads = 2;
+// Jobs read ahead of the compute thread at most: what they read (a cached
+// prefix can be hundreds of MB) waits in memory until it is computed.
+constexpr int kReadAhead = 4;
 
 // PrefillServiceOptions::shared_store as a tier of the worker's store.
 class SharedStoreTier final : public kvbus::ChunkStore {
@@ -75,7 +79,7 @@ struct PrefillService::Impl {
   std::unique_ptr<JobThread> lookups;
   // The jobs' KDN reads, kept off the compute thread.
   std::vector<std::unique_ptr<JobThread>> kv_io;
-  int next_kv_io = 0;  // the control I/O thread's alone
+  int next_kv_io = 0;  // guarded by mu
   std::unique_ptr<control::ControlServer> server;
   int total_blocks = 0;
 
@@ -131,19 +135,32 @@ struct PrefillService::Impl {
     queued_tokens += static_cast<int64_t>(q.job.tokens.size());
     ++depth;
     q.kv = std::make_shared<std::optional<PrefetchedKv>>();
-    auto read = [this, slot = q.kv, job = q.job, inject = q.inject] {
-      PrefetchedKv kv = prefiller->Prefetch(job, inject);
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        *slot = std::move(kv);
+    std::lock_guard<std::mutex> lock(mu);
+    queue.push_back(std::move(q));
+    PostReads();
+  }
+
+  // Starts the reads of the oldest queued jobs whose reads have not
+  // started, while fewer than kReadAhead queued jobs have theirs out or
+  // done. Called with mu held.
+  void PostReads() {
+    int ahead = 0;
+    for (QueuedJob& j : queue) {
+      if (ahead >= kReadAhead) return;
+      if (!j.read_posted) {
+        j.read_posted = true;
+        kv_io[static_cast<size_t>(next_kv_io++ % kKvIoThreads)]->Post(
+            0, [this, slot = j.kv, job = j.job, inject = j.inject] {
+              PrefetchedKv kv = prefiller->Prefetch(job, inject);
+              {
+                std::lock_guard<std::mutex> lock(mu);
+                *slot = std::move(kv);
+              }
+              cv.notify_one();
+            });
       }
-      cv.notify_one();
-    };
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      queue.push_back(std::move(q));
+      ++ahead;
     }
-    kv_io[static_cast<size_t>(next_kv_io++ % kKvIoThreads)]->Post(0, std::move(read));
   }
 
   // The oldest queued job whose KDN reads are done; end() if none is.
@@ -288,6 +305,7 @@ struct PrefillService::Impl {
             queued_tokens -= static_cast<int64_t>(it->job.tokens.size());
             --depth;
             queue.erase(it);
+            PostReads();
             LogInfo("{} cancelled while queued", ReqId{msg.request_id()});
             break;
           }
@@ -311,6 +329,7 @@ struct PrefillService::Impl {
         auto ready = FirstReady();
         q = std::move(*ready);
         queue.erase(ready);
+        PostReads();
       }
       if (q.inject) {
         RunInject(q);

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "../engine/test_util.h"
+#include "control_peer.h"
 #include "kdn/engine/generate.h"
 #include "kdn/engine/presets.h"
 #include "kdn/kvbus/chunk.h"
@@ -27,29 +28,10 @@ using namespace std::chrono_literals;
 // With max_tokens 4, a request reserves 64 tokens: 4 KV blocks of 16.
 constexpr int kPromptTokens = 60;
 
-// A router stand-in: one DEALER to the worker's control socket.
-class Peer {
+// A router stand-in that prepares requests and asks for info.
+class Peer : public testing::ControlPeer {
  public:
-  Peer(zmq::context_t& ctx, const std::string& endpoint) : sock_(ctx, zmq::socket_type::dealer) {
-    sock_.set(zmq::sockopt::linger, 0);
-    sock_.set(zmq::sockopt::rcvtimeo, 30000);  // only ever reached by a failing test
-    sock_.connect(endpoint);
-  }
-
-  void Send(const proto::WorkerMessage& m) {
-    const std::string bytes = m.SerializeAsString();
-    sock_.send(zmq::buffer(bytes), zmq::send_flags::none);
-  }
-
-  // The next message for this peer (an empty one after the timeout).
-  proto::WorkerMessage Receive() {
-    zmq::message_t msg;
-    proto::WorkerMessage m;
-    if (sock_.recv(msg, zmq::recv_flags::none)) {
-      EXPECT_TRUE(m.ParseFromArray(msg.data(), static_cast<int>(msg.size())));
-    }
-    return m;
-  }
+  using ControlPeer::ControlPeer;
 
   // Prepares request `id` and returns the worker's reply.
   proto::WorkerMessage Prepare(uint64_t id) {
@@ -83,9 +65,6 @@ class Peer {
       }
     }
   }
-
- private:
-  zmq::socket_t sock_;
 };
 
 class DecodeServiceTest : public ::testing::Test {

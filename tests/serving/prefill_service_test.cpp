@@ -14,6 +14,7 @@
 #include <zmq.hpp>
 
 #include "../engine/test_util.h"
+#include "control_peer.h"
 #include "kdn/engine/presets.h"
 #include "kdn/kvbus/host_tier.h"
 #include "serving.pb.h"
@@ -82,14 +83,10 @@ class FirstCallGate final : public kvbus::ChunkStore {
   bool taken_ = false, held_ = false, open_ = false;
 };
 
-// A router stand-in: one DEALER to the worker's control socket.
-class Peer {
+// A router stand-in that sends prefill requests.
+class Peer : public testing::ControlPeer {
  public:
-  Peer(zmq::context_t& ctx, const std::string& endpoint) : sock_(ctx, zmq::socket_type::dealer) {
-    sock_.set(zmq::sockopt::linger, 0);
-    sock_.set(zmq::sockopt::rcvtimeo, static_cast<int>(kNoHang / 1ms));
-    sock_.connect(endpoint);
-  }
+  using ControlPeer::ControlPeer;
 
   // Prefill request `id`: a prompt of its own, its KV pushed nowhere.
   void Prefill(uint64_t id) {
@@ -99,22 +96,8 @@ class Peer {
     for (int i = 0; i < 40; ++i) p->add_tokens(1 + (i * 7 + static_cast<int>(id) * 13) % 250);
     p->mutable_sampling()->set_top_p(1.0f);
     p->set_transfer_id(std::string(16, static_cast<char>('a' + id % 26)));
-    const std::string bytes = m.SerializeAsString();
-    sock_.send(zmq::buffer(bytes), zmq::send_flags::none);
+    Send(m);
   }
-
-  // The next message for this peer (an empty one after the timeout).
-  proto::WorkerMessage Receive() {
-    zmq::message_t msg;
-    proto::WorkerMessage m;
-    if (sock_.recv(msg, zmq::recv_flags::none)) {
-      EXPECT_TRUE(m.ParseFromArray(msg.data(), static_cast<int>(msg.size())));
-    }
-    return m;
-  }
-
- private:
-  zmq::socket_t sock_;
 };
 
 TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
@@ -130,7 +113,7 @@ TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
                                         .engine = {.kv_tokens = 1024, .threads = 1}});
   ASSERT_TRUE(service.ok()) << service.status().ToString();
   zmq::context_t ctx;
-  Peer peer(ctx, (*service)->endpoint());
+  Peer peer(ctx, (*service)->endpoint(), kNoHang);
   peer.Prefill(1);
   peer.Prefill(2);
   // One job's read of the shared tier is held; the other's is not, and that
