@@ -5,8 +5,9 @@
 // delay. The prompts need nothing from it, but each job still asks it; the
 // worker's KV I/O threads ask while the compute thread computes the jobs
 // already asked (docs/serving.md, "Inside a worker"), so the slow tier should
-// cost little throughput. Reports both burst throughputs and their ratio
-// (issue's aim: at least 0.9x).
+// cost little throughput. A third burst reads on the compute thread, as the
+// worker did before. Reports the three throughputs and their ratios to the
+// first (aim: at least 0.9x read ahead).
 
 #include <chrono>
 #include <cstdio>
@@ -128,58 +129,74 @@ int RunSlowTier(const Common& c, int prompts, int tokens, int delay_ms) {
   std::unique_ptr<kvbus::ChunkStore> remote = std::move(client).value();
   auto late = std::make_shared<LateStore>(std::move(remote), std::chrono::milliseconds(delay_ms));
   json rows = json::array();
-  double tps[2] = {0, 0};
+  // The burst with no shared tier, with the late one read ahead by the KV
+  // I/O threads, and with the late one read on the compute thread.
+  struct Setup {
+    const char* name;
+    bool late;
+    int io_threads;
+  };
+  const Setup setups[] = {{"no shared tier", false, 2},
+                          {"late tier, read ahead", true, 2},
+                          {"late tier, read on the compute thread", true, 0}};
+  double tps[3] = {0, 0, 0};
   int errors = 0;
-  for (int slow = 0; slow < 2; ++slow) {
+  for (int k = 0; k < 3; ++k) {
+    const Setup& setup = setups[k];
     prefill_worker::PrefillServiceOptions o;
     o.model_dir = c.model_dir;
-    o.name = slow ? "prefill-slow-tier" : "prefill-no-tier";
+    o.name = "prefill-slow-tier-" + std::to_string(k);
     o.host_bytes = uint64_t{1} << 30;
     o.engine.kv_tokens = std::max<int64_t>(int64_t{prompts} * tokens, 32768);
     o.engine.threads = c.threads;
-    if (slow) o.shared_store = late;
+    o.kv_io_threads = setup.io_threads;
+    if (setup.late) o.shared_store = late;
     auto service = prefill_worker::PrefillService::Start(o);
     if (!service.ok()) {
       std::fprintf(stderr, "slow-tier: %s\n", service.status().ToString().c_str());
       return 1;
     }
-    // A warm-up prompt, so that neither burst pays for first-touch costs.
-    if (auto warm = RunBurst((*service)->endpoint(), 1, tokens, 1000 + slow); !warm.ok()) {
+    // A warm-up prompt, so that no burst pays for first-touch costs.
+    if (auto warm = RunBurst((*service)->endpoint(), 1, tokens, 1000 + k); !warm.ok()) {
       std::fprintf(stderr, "slow-tier: %s\n", warm.status().ToString().c_str());
       return 1;
     }
     const uint64_t calls_before = late->calls();
-    auto burst = RunBurst((*service)->endpoint(), prompts, tokens, 2000 + slow);
+    auto burst = RunBurst((*service)->endpoint(), prompts, tokens, 2000 + k);
     if (!burst.ok()) {
       std::fprintf(stderr, "slow-tier: %s\n", burst.status().ToString().c_str());
       return 1;
     }
     errors += burst->errors;
-    tps[slow] = static_cast<double>(prompts) * tokens / burst->seconds;
+    tps[k] = static_cast<double>(prompts) * tokens / burst->seconds;
     const uint64_t calls = late->calls() - calls_before;
-    std::printf("slow-tier: %-34s %d prompts of %d tokens in %6.2f s: %8.1f prompt tokens/s%s\n",
-                slow ? ("shared tier " + std::to_string(delay_ms) + " ms late:").c_str()
-                     : "no shared tier:",
-                prompts, tokens, burst->seconds, tps[slow],
-                slow ? (", " + std::to_string(calls) + " tier calls").c_str() : "");
-    rows.push_back({{"shared_tier", slow ? "late" : "none"},
-                    {"delay_ms", slow ? delay_ms : 0},
+    std::printf(
+        "slow-tier: %-40s %d prompts of %d tokens in %6.2f s: %7.1f prompt tokens/s, %llu "
+        "tier calls\n",
+        setup.name, prompts, tokens, burst->seconds, tps[k],
+        static_cast<unsigned long long>(calls));
+    rows.push_back({{"setup", setup.name},
+                    {"delay_ms", setup.late ? delay_ms : 0},
+                    {"kv_io_threads", setup.io_threads},
                     {"prompts", prompts},
                     {"tokens", tokens},
                     {"seconds", burst->seconds},
-                    {"prompt_tokens_per_s", tps[slow]},
-                    {"tier_calls", slow ? calls : 0},
+                    {"prompt_tokens_per_s", tps[k]},
+                    {"tier_calls", calls},
                     {"errors", burst->errors}});
   }
   const double ratio = tps[1] / tps[0];
-  std::printf("slow-tier: with the late tier against none: %.2fx the prompt tokens/s (aim: at "
-              "least 0.9x)\n",
-              ratio);
+  const double before = tps[2] / tps[0];
+  std::printf(
+      "slow-tier: a tier %d ms late against none: %.2fx the prompt tokens/s read ahead "
+      "(aim: at least 0.9x), %.2fx read on the compute thread\n",
+      delay_ms, ratio, before);
   Emit(c, {{"workload", "slow-tier"},
            {"machine", Machine(c)},
            {"model", c.model_dir},
            {"rows", rows},
-           {"ratio_late_to_none", ratio}});
+           {"ratio_late_to_none", ratio},
+           {"ratio_late_read_on_compute_to_none", before}});
   return errors == 0 ? 0 : 1;
 }
 

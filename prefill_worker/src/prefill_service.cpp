@@ -31,11 +31,6 @@ struct QueuedJob {
   bool read_posted = false;  // its read is queued, running or done
 };
 
-// KV I/O threads: each job's KDN reads run on one of them, in turn, while the
-// compute thread computes jobs whose reads are done. Two, so that a job
-// whose reads are slow (a remote tier late to answer) holds up only the jobs
-// behind it on the same thread.
-constexpr int kKvIoThreads = 2;
 // Jobs read ahead of the compute thread at most: what they read (a cached
 // prefix can be hundreds of MB) waits in memory until it is computed.
 constexpr int kReadAhead = 4;
@@ -135,21 +130,25 @@ struct PrefillService::Impl {
     queued_tokens += static_cast<int64_t>(q.job.tokens.size());
     ++depth;
     q.kv = std::make_shared<std::optional<PrefetchedKv>>();
-    std::lock_guard<std::mutex> lock(mu);
-    queue.push_back(std::move(q));
-    PostReads();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      queue.push_back(std::move(q));
+      PostReads();
+    }
+    cv.notify_one();  // ready now when the compute thread reads
   }
 
   // Starts the reads of the oldest queued jobs whose reads have not
   // started, while fewer than kReadAhead queued jobs have theirs out or
   // done. Called with mu held.
   void PostReads() {
+    if (kv_io.empty()) return;  // the compute thread reads
     int ahead = 0;
     for (QueuedJob& j : queue) {
       if (ahead >= kReadAhead) return;
       if (!j.read_posted) {
         j.read_posted = true;
-        kv_io[static_cast<size_t>(next_kv_io++ % kKvIoThreads)]->Post(
+        kv_io[static_cast<size_t>(next_kv_io++) % kv_io.size()]->Post(
             0, [this, slot = j.kv, job = j.job, inject = j.inject] {
               PrefetchedKv kv = prefiller->Prefetch(job, inject);
               {
@@ -163,14 +162,20 @@ struct PrefillService::Impl {
     }
   }
 
-  // The oldest queued job whose KDN reads are done; end() if none is.
+  // The oldest queued job whose KDN reads are done (any, when the compute
+  // thread reads); end() if none is.
   std::deque<QueuedJob>::iterator FirstReady() {
     return std::find_if(queue.begin(), queue.end(),
-                        [](const QueuedJob& j) { return j.kv->has_value(); });
+                        [this](const QueuedJob& j) { return kv_io.empty() || j.kv->has_value(); });
+  }
+  // What was read for `q` ahead of the compute thread; null when it reads.
+  const PrefetchedKv* ReadFor(const QueuedJob& q) const {
+    return q.kv->has_value() ? &**q.kv : nullptr;
   }
 
   void RunInject(const QueuedJob& q) {
-    auto held = prefiller->Inject(q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr, &**q.kv);
+    auto held =
+        prefiller->Inject(q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr, ReadFor(q));
     proto::WorkerMessage reply;
     reply.set_request_id(q.request_id);
     auto* ir = reply.mutable_inject_reply();
@@ -193,7 +198,7 @@ struct PrefillService::Impl {
   // One prompt: prefill, reply, then store its new chunks.
   void RunPrefill(const QueuedJob& q) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto out = prefiller->Run(q.job, &**q.kv);
+    auto out = prefiller->Run(q.job, ReadFor(q));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     proto::WorkerMessage reply;
@@ -353,6 +358,7 @@ PrefillService::PrefillService(std::unique_ptr<Impl> impl) : impl_(std::move(imp
 Result<std::unique_ptr<PrefillService>> PrefillService::Start(
     const PrefillServiceOptions& options) {
   if (options.chunk_tokens <= 0) return InvalidArgument("--chunk-tokens must be positive");
+  if (options.kv_io_threads < 0) return InvalidArgument("kv_io_threads must not be negative");
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   engine::OpenOptions eo = options.engine;
@@ -399,7 +405,9 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   impl->prefiller =
       std::make_unique<Prefiller>(*impl->wm.model, *impl->store, impl->wm.fingerprint, po);
   impl->lookups = std::make_unique<JobThread>();
-  for (int i = 0; i < kKvIoThreads; ++i) impl->kv_io.push_back(std::make_unique<JobThread>());
+  for (int i = 0; i < options.kv_io_threads; ++i) {
+    impl->kv_io.push_back(std::make_unique<JobThread>());
+  }
   impl->total_blocks = impl->wm.model->kv_cache().num_blocks();
   impl->free_blocks = impl->wm.model->kv_cache().free_blocks();
   KDN_ASSIGN_OR_RETURN(

@@ -131,6 +131,29 @@ TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
             std::set<uint64_t>({1, 2}));
 }
 
+TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {
+  TempDir dir;
+  auto preset = engine::FindPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  ASSERT_TRUE(engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok());
+  auto service = PrefillService::Start({.model_dir = dir.path(),
+                                        .host_bytes = 16u << 20,
+                                        .chunk_tokens = 16,
+                                        .kv_io_threads = 0,
+                                        .engine = {.kv_tokens = 1024, .threads = 1}});
+  ASSERT_TRUE(service.ok()) << service.status().ToString();
+  zmq::context_t ctx;
+  Peer peer(ctx, (*service)->endpoint(), kNoHang);
+  peer.Prefill(1);
+  peer.Prefill(2);
+  for (uint64_t id : {1, 2}) {
+    const proto::WorkerMessage r = peer.Receive();
+    ASSERT_EQ(r.body_case(), proto::WorkerMessage::kPrefillReply) << "request " << id;
+    EXPECT_EQ(r.request_id(), id) << "in the order queued";
+    EXPECT_FALSE(r.prefill_reply().has_error()) << r.prefill_reply().error().message();
+  }
+}
+
 TEST(PrefillService, RefusesASharedTierNamedAndGivenAsAnObject) {
   TempDir dir;
   auto preset = engine::FindPreset("tiny");

@@ -40,6 +40,12 @@ struct PrefillServiceOptions {
   int chunk_tokens = 256;
   // A blend's quality target's slope (docs/blend.md, "A quality target").
   double blend_kl_per_residual = blend::kDefaultKlPerResidual;
+  // KV I/O threads that read each job's KDN tiers ahead of the compute
+  // thread (docs/serving.md, "Inside a worker"), each job on the next in
+  // turn: with two, a job whose reads are slow holds up only the jobs behind
+  // it on its thread. 0: the compute thread reads them itself before it
+  // computes each job (for comparison).
+  int kv_io_threads = 2;
   // Where the engine runs and the KV its paged cache holds.
   engine::OpenOptions engine{.kv_tokens = 32768, .max_batch = 8};
   // kvbus data plane to decode workers (kvbus::TransportKind).
