@@ -83,6 +83,12 @@ class FirstCallGate final : public kvbus::ChunkStore {
   bool taken_ = false, held_ = false, open_ = false;
 };
 
+// The tiny preset's model folder in `dir`.
+bool WriteTinyModel(const TempDir& dir) {
+  auto preset = engine::FindPreset("tiny");
+  return preset.ok() && engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok();
+}
+
 // A router stand-in that sends prefill requests.
 class Peer : public testing::ControlPeer {
  public:
@@ -102,9 +108,7 @@ class Peer : public testing::ControlPeer {
 
 TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
   TempDir dir;
-  auto preset = engine::FindPreset("tiny");
-  ASSERT_TRUE(preset.ok());
-  ASSERT_TRUE(engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok());
+  ASSERT_TRUE(WriteTinyModel(dir));
   auto gate = std::make_shared<FirstCallGate>();
   auto service = PrefillService::Start({.model_dir = dir.path(),
                                         .shared_store = gate,
@@ -133,9 +137,7 @@ TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
 
 TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {
   TempDir dir;
-  auto preset = engine::FindPreset("tiny");
-  ASSERT_TRUE(preset.ok());
-  ASSERT_TRUE(engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok());
+  ASSERT_TRUE(WriteTinyModel(dir));
   auto service = PrefillService::Start({.model_dir = dir.path(),
                                         .host_bytes = 16u << 20,
                                         .chunk_tokens = 16,
@@ -156,9 +158,7 @@ TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {
 
 TEST(PrefillService, RefusesASharedTierNamedAndGivenAsAnObject) {
   TempDir dir;
-  auto preset = engine::FindPreset("tiny");
-  ASSERT_TRUE(preset.ok());
-  ASSERT_TRUE(engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok());
+  ASSERT_TRUE(WriteTinyModel(dir));
   auto service = PrefillService::Start({.model_dir = dir.path(),
                                         .shared_tier = "tcp://127.0.0.1:1",
                                         .shared_store = std::make_shared<FirstCallGate>(),
