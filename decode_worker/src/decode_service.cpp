@@ -481,8 +481,8 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   if (options.local_prefill_step_tokens <= 0) {
     return InvalidArgument("--local-prefill-step-tokens must be positive");
   }
-  if (!(options.admission_reserve >= 0 && options.admission_reserve < 1)) {
-    return InvalidArgument("--admission-reserve must be in [0, 1)");
+  if (!(options.admission_reserve >= 0 && options.admission_reserve <= 0.99)) {
+    return InvalidArgument("--admission-reserve must be between 0 and 0.99");
   }
   if (options.local_prefill_call_tokens <= 0) {
     return InvalidArgument("--local-prefill-call-tokens must be positive");

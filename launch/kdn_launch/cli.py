@@ -35,6 +35,13 @@ def ratio_value(text):
     return v
 
 
+def reserve_share(text):
+    v = ratio_value(text)
+    if v > 0.99:
+        raise argparse.ArgumentTypeError("%r must be at most 0.99" % text)
+    return v
+
+
 def positive_int(text):
     try:
         v = int(text)
@@ -260,7 +267,7 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                         "request its router neither started nor renewed (it renews the ones it "
                         "still wants with every ping) this long is dropped (docs/serving.md, "
                         "\"Reservations\"; default: kdn-decode's own)")
-    p.add_argument("--decode-admission-reserve", type=ratio_value, metavar="F",
+    p.add_argument("--decode-admission-reserve", type=reserve_share, metavar="F",
                    help="kdn-decode --admission-reserve, to every decode worker: the share of "
                         "its KV pool a new request must leave free while others hold blocks "
                         "(docs/serving.md, \"Admission and preemption\"; default: kdn-decode's "
