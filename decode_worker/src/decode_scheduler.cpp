@@ -107,8 +107,7 @@ bool DecodeScheduler::StartCame(uint64_t id) {
   return e->phase == RequestPhase::kReady;
 }
 
-void DecodeScheduler::Run(uint64_t id, Entry& e) {
-  (void)id;
+void DecodeScheduler::Run(Entry& e) {
   if (!e.resume) e.order = next_order_++;
   e.resume = false;
   e.phase = RequestPhase::kRunning;
@@ -118,7 +117,7 @@ void DecodeScheduler::Started(uint64_t id) {
   Entry* e = Find(id);
   if (e == nullptr) return;
   first_sent_.erase(std::remove(first_sent_.begin(), first_sent_.end(), id), first_sent_.end());
-  Run(id, *e);
+  Run(*e);
 }
 
 bool DecodeScheduler::Renew(uint64_t id, TimePoint now) {
@@ -186,7 +185,7 @@ void DecodeScheduler::PlanPrefill(StepPlan& plan) {
     if (e.have < e.tokens) break;  // its next piece after the next step
     local_queue_.pop_front();
     if (e.resume) {
-      Run(id, e);
+      Run(e);
     } else {
       e.phase = RequestPhase::kFirstSent;
       first_sent_.push_back(id);
@@ -213,7 +212,7 @@ StepPlan DecodeScheduler::Schedule(TimePoint now, int64_t free_blocks) {
     const uint64_t id = first_sent_.front();
     first_sent_.pop_front();
     plan.admit.push_back(id);
-    Run(id, entries_.at(id));
+    Run(entries_.at(id));
   }
   // Resumes, oldest admitted first, while each fits with a block for every
   // running request's next step (so that it is not preempted again at once).

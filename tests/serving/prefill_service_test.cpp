@@ -89,6 +89,15 @@ bool WriteTinyModel(const TempDir& dir) {
   return preset.ok() && engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok();
 }
 
+// A worker on the tiny model in `dir`, its KV I/O threads as given.
+PrefillServiceOptions Options(const TempDir& dir, int kv_io_threads = 2) {
+  return {.model_dir = dir.path(),
+          .host_bytes = 16u << 20,
+          .chunk_tokens = 16,
+          .kv_io_threads = kv_io_threads,
+          .engine = {.kv_tokens = 1024, .threads = 1}};
+}
+
 // A router stand-in that sends prefill requests.
 class Peer : public testing::ControlPeer {
  public:
@@ -110,11 +119,9 @@ TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
   TempDir dir;
   ASSERT_TRUE(WriteTinyModel(dir));
   auto gate = std::make_shared<FirstCallGate>();
-  auto service = PrefillService::Start({.model_dir = dir.path(),
-                                        .shared_store = gate,
-                                        .host_bytes = 16u << 20,
-                                        .chunk_tokens = 16,
-                                        .engine = {.kv_tokens = 1024, .threads = 1}});
+  PrefillServiceOptions options = Options(dir);
+  options.shared_store = gate;
+  auto service = PrefillService::Start(options);
   ASSERT_TRUE(service.ok()) << service.status().ToString();
   zmq::context_t ctx;
   Peer peer(ctx, (*service)->endpoint(), kNoHang);
@@ -138,11 +145,7 @@ TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
 TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {
   TempDir dir;
   ASSERT_TRUE(WriteTinyModel(dir));
-  auto service = PrefillService::Start({.model_dir = dir.path(),
-                                        .host_bytes = 16u << 20,
-                                        .chunk_tokens = 16,
-                                        .kv_io_threads = 0,
-                                        .engine = {.kv_tokens = 1024, .threads = 1}});
+  auto service = PrefillService::Start(Options(dir, /*kv_io_threads=*/0));
   ASSERT_TRUE(service.ok()) << service.status().ToString();
   zmq::context_t ctx;
   Peer peer(ctx, (*service)->endpoint(), kNoHang);
@@ -159,11 +162,10 @@ TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {
 TEST(PrefillService, RefusesASharedTierNamedAndGivenAsAnObject) {
   TempDir dir;
   ASSERT_TRUE(WriteTinyModel(dir));
-  auto service = PrefillService::Start({.model_dir = dir.path(),
-                                        .shared_tier = "tcp://127.0.0.1:1",
-                                        .shared_store = std::make_shared<FirstCallGate>(),
-                                        .host_bytes = 16u << 20,
-                                        .engine = {.kv_tokens = 1024, .threads = 1}});
+  PrefillServiceOptions options = Options(dir);
+  options.shared_tier = "tcp://127.0.0.1:1";
+  options.shared_store = std::make_shared<FirstCallGate>();
+  auto service = PrefillService::Start(options);
   EXPECT_EQ(service.status().code(), StatusCode::kInvalidArgument);
 }
 

@@ -173,7 +173,7 @@ class DecodeScheduler {
     int64_t resume_blocks = 0;
   };
   Entry* Find(uint64_t id);
-  void Run(uint64_t id, Entry& e);  // into the batch; a new admission gets the next order
+  void Run(Entry& e);  // into the batch; a new admission gets the next order
   void PlanPrefill(StepPlan& plan);
   int Running() const;
 
