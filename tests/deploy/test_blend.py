@@ -176,7 +176,11 @@ def test_documents_injected_pruned_blend_as_kdn_generate_prunes_and_blends_them(
     assert (final["stored"], final["failed"]) == (len(docs), 0), final
     assert final["tokens"] == sum(tokens)
     assert final["stored_tokens"] == sum(kept), final
-    assert [p["stored_tokens"] for p in progress] == [sum(kept[:i + 1]) for i in range(len(docs))]
+    # One event per document done, each adding that document's kept tokens.
+    # Documents finish in any order: a prefill worker computes first the
+    # queued job whose KDN reads are done (docs/serving.md, "Inside a worker").
+    done = [p["stored_tokens"] for p in progress]
+    assert sorted(b - a for a, b in zip([0] + done, done)) == sorted(kept), (done, kept)
     r = d.completion(question, documents=docs, max_tokens=24, temperature=0,
                      blend_selection="boundary+deviation:8")
     u = details(r["usage"])
