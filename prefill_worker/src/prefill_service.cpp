@@ -173,26 +173,33 @@ struct PrefillService::Impl {
     return q.kv->has_value() ? &**q.kv : nullptr;
   }
 
+  // One document: computed here; stored, then answered, on the
+  // Prefiller's store thread, while this thread goes on to the next job.
   void RunInject(const QueuedJob& q) {
-    auto held =
-        prefiller->Inject(q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr, ReadFor(q));
-    proto::WorkerMessage reply;
-    reply.set_request_id(q.request_id);
-    auto* ir = reply.mutable_inject_reply();
-    if (held.ok()) {
-      ir->set_already_held(held->already_held);
-      ir->set_stored_tokens(held->stored_tokens);
-      LogInfo("{} injected a document of {} tokens: {}", ReqId{q.request_id}, q.job.tokens.size(),
-              held->already_held ? std::string("already held")
-              : q.prune          ? fmt::format("computed, pruned by {} to {} tokens and stored",
-                                               q.prune->method, held->stored_tokens)
-                                 : std::string("computed and stored"));
-    } else {
-      control::StatusToProto(held.status(), ir->mutable_error());
-      LogError("{} injecting a document of {} tokens failed: {}", ReqId{q.request_id},
-               q.job.tokens.size(), held.status().ToString());
-    }
-    server->Send(q.peer, reply);
+    prefiller->Inject(
+        q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr, ReadFor(q),
+        [this, request_id = q.request_id, peer = q.peer, tokens = q.job.tokens.size(),
+         method =
+             q.prune ? q.prune->method : std::string()](Result<Prefiller::InjectOutcome> held) {
+          proto::WorkerMessage reply;
+          reply.set_request_id(request_id);
+          auto* ir = reply.mutable_inject_reply();
+          if (held.ok()) {
+            ir->set_already_held(held->already_held);
+            ir->set_stored_tokens(held->stored_tokens);
+            LogInfo("{} injected a document of {} tokens: {}", ReqId{request_id}, tokens,
+                    held->already_held ? std::string("already held")
+                    : !method.empty()
+                        ? fmt::format("computed, pruned by {} to {} tokens and stored", method,
+                                      held->stored_tokens)
+                        : std::string("computed and stored"));
+          } else {
+            control::StatusToProto(held.status(), ir->mutable_error());
+            LogError("{} injecting a document of {} tokens failed: {}", ReqId{request_id}, tokens,
+                     held.status().ToString());
+          }
+          server->Send(peer, reply);
+        });
   }
 
   // One prompt: prefill, reply, then store its new chunks.
@@ -427,6 +434,8 @@ PrefillService::~PrefillService() {
   }
   impl_->cv.notify_all();
   if (impl_->compute.joinable()) impl_->compute.join();
+  // The store thread answers injections through the server.
+  if (impl_->prefiller) impl_->prefiller->WaitForStores();
   for (auto& io : impl_->kv_io) (void)io->Stop();  // before the Prefiller and store they read
   (void)impl_->lookups->Stop();                    // before the server it answers through
   impl_->server.reset();                           // before the state its handler reads

@@ -1,6 +1,7 @@
 #include "kdn/prefill_worker/prefiller.h"
 
 #include <algorithm>
+#include <future>
 
 #include "kdn/common/log.h"
 #include "kdn/control/prefix_kv.h"
@@ -181,6 +182,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job, const PrefetchedKv*
   keys_.clear();
   spans_.clear();
   missing_segments_.clear();
+  prefetched_ = kv != nullptr;
   first_new_chunk_ = 0;
   const auto n = static_cast<int64_t>(job.tokens.size());
   const model::ModelConfig& cfg = model_.config();
@@ -355,48 +357,72 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
   return out;
 }
 
-Result<int64_t> Prefiller::StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
-                                        const control::PruneSpec* prune) {
+Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
+    const kvbus::ChunkKey& key, std::span<const int32_t> tokens, const control::PruneSpec* prune) {
   engine::KvCache& cache = model_.kv_cache();
   engine::KvSequence seq = cache.NewSequence();
-  std::shared_ptr<const kvbus::Chunk> chunk;
   if (prune != nullptr) {
     KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept, prune::PruneText(model_, tokens, *prune, &seq));
-    KDN_ASSIGN_OR_RETURN(chunk, kvbridge::PrunedChunkFromPagedKv(
-                                    cache, seq, static_cast<uint32_t>(tokens.size()),
-                                    prune::KeptOffsets(kept), key, fingerprint_, chunk_dtype_));
-  } else {
-    KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
-    std::vector<float> logits;
-    KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
-    KDN_ASSIGN_OR_RETURN(chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key,
-                                                           fingerprint_, chunk_dtype_));
+    return kvbridge::PrunedChunkFromPagedKv(cache, seq, static_cast<uint32_t>(tokens.size()),
+                                            prune::KeptOffsets(kept), key, fingerprint_,
+                                            chunk_dtype_);
   }
-  const int64_t stored = chunk->info().tokens;
-  KDN_RETURN_IF_ERROR(store_.Put(std::move(chunk)));
-  return stored;
+  KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
+  std::vector<float> logits;
+  KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
+  return kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key, fingerprint_, chunk_dtype_);
 }
 
-Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> tokens,
-                                                   const std::string& ns,
-                                                   const control::PruneSpec* prune,
-                                                   const PrefetchedKv* kv) {
-  if (tokens.empty()) return InvalidArgument("inject: an empty document");
-  if (prune != nullptr) KDN_RETURN_IF_ERROR(control::ValidatePruneSpec(*prune));
+void Prefiller::PutChunk(std::shared_ptr<const kvbus::Chunk> chunk,
+                         std::function<void(Status)> then) {
+  if (!store_io_) {
+    then(store_.Put(std::move(chunk)));
+    return;
+  }
+  store_io_->Post(0, [&store = store_, chunk = std::move(chunk), then = std::move(then)]() mutable {
+    then(store.Put(std::move(chunk)));
+  });
+}
+
+void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
+                       const control::PruneSpec* prune, const PrefetchedKv* kv, InjectDone done) {
+  if (tokens.empty()) return done(InvalidArgument("inject: an empty document"));
+  if (prune != nullptr) {
+    if (Status st = control::ValidatePruneSpec(*prune); !st.ok()) return done(st);
+  }
   const auto n = static_cast<int64_t>(tokens.size());
   if (n > model_.config().max_context) {
-    return InvalidArgument("inject: a document of " + std::to_string(n) +
-                           " tokens exceeds the model's context of " +
-                           std::to_string(model_.config().max_context));
+    return done(InvalidArgument("inject: a document of " + std::to_string(n) +
+                                " tokens exceeds the model's context of " +
+                                std::to_string(model_.config().max_context)));
   }
   const kvbus::ChunkKey key = kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, tokens);
   // Read before, off this thread; or stored here since (host memory).
   const bool held =
       kv == nullptr ? store_.Contains(key)
                     : kv->inject_held || (store_.host() != nullptr && store_.host()->Contains(key));
-  if (held) return InjectOutcome{true, 0};
-  KDN_ASSIGN_OR_RETURN(int64_t stored, StoreSegment(key, tokens, prune));
-  return InjectOutcome{false, stored};
+  if (held) return done(InjectOutcome{true, 0});
+  Result<std::shared_ptr<const kvbus::Chunk>> chunk = ComputeSegment(key, tokens, prune);
+  if (!chunk.ok()) return done(chunk.status());
+  const int64_t stored = (*chunk)->info().tokens;
+  PutChunk(*std::move(chunk), [done = std::move(done), stored](Status st) {
+    if (st.ok()) {
+      done(InjectOutcome{false, stored});
+    } else {
+      done(st);
+    }
+  });
+}
+
+Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> tokens,
+                                                   const std::string& ns,
+                                                   const control::PruneSpec* prune,
+                                                   const PrefetchedKv* kv) {
+  std::promise<Result<InjectOutcome>> outcome;
+  std::future<Result<InjectOutcome>> ready = outcome.get_future();
+  Inject(tokens, ns, prune, kv,
+         [&outcome](Result<InjectOutcome> r) { outcome.set_value(std::move(r)); });
+  return ready.get();
 }
 
 Status Prefiller::StoreNewChunks() {
@@ -440,10 +466,28 @@ Status Prefiller::StoreNewChunks() {
   seq_.Reset();
   keys_.clear();
   spans_.clear();
+  // A blend's missing documents: computed here, put like the chunks above.
+  // What Prefetch found missing is asked again of host memory only (stored
+  // here since), so this thread waits on no lower tier.
   for (const auto& [key, tokens] : missing_segments_) {
-    if (store_.Contains(key)) continue;
-    Result<int64_t> st = StoreSegment(key, tokens);
-    if (!st.ok() && first_error.ok()) first_error = st.status();
+    if (prefetched_ ? store_.host() != nullptr && store_.host()->Contains(key)
+                    : store_.Contains(key)) {
+      continue;
+    }
+    Result<std::shared_ptr<const kvbus::Chunk>> chunk = ComputeSegment(key, tokens);
+    if (!chunk.ok()) {
+      if (first_error.ok()) first_error = chunk.status();
+      continue;
+    }
+    if (!store_io_) {
+      if (Status st = store_.Put(*std::move(chunk)); !st.ok() && first_error.ok()) first_error = st;
+      continue;
+    }
+    PutChunk(*std::move(chunk), [failures = store_failures_](Status st) {
+      if (st.ok()) return;
+      const uint64_t n = ++*failures;
+      LogError("storing a blended document failed ({} failures so far): {}", n, st.ToString());
+    });
   }
   missing_segments_.clear();
   return first_error;

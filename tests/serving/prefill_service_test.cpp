@@ -27,21 +27,22 @@ using namespace std::chrono_literals;
 
 constexpr auto kNoHang = 30s;  // only ever reached by a failing test
 
-// A shared tier whose first call, of any kind, waits until Open; the rest
-// go straight to a host tier.
+// A shared tier whose first call (of any kind, or with `puts_only` its first
+// Put) waits until Open; the rest go straight to a host tier.
 class FirstCallGate final : public kvbus::ChunkStore {
  public:
+  explicit FirstCallGate(bool puts_only = false) : puts_only_(puts_only) {}
   std::string name() const override { return "gate"; }
   Result<std::shared_ptr<const kvbus::Chunk>> Get(const kvbus::ChunkKey& key) override {
-    Pass();
+    if (!puts_only_) Pass();
     return tier_.Get(key);
   }
   bool Contains(const kvbus::ChunkKey& key) override {
-    Pass();
+    if (!puts_only_) Pass();
     return tier_.Contains(key);
   }
   std::vector<bool> ContainsMany(std::span<const kvbus::ChunkKey> keys) override {
-    Pass();
+    if (!puts_only_) Pass();
     return tier_.ContainsMany(keys);
   }
   Status Put(std::shared_ptr<const kvbus::Chunk> chunk) override {
@@ -77,6 +78,7 @@ class FirstCallGate final : public kvbus::ChunkStore {
     held_ = false;
   }
 
+  const bool puts_only_;
   kvbus::HostTier tier_{16u << 20};
   std::mutex mu_;
   std::condition_variable cv_;
@@ -113,6 +115,14 @@ class Peer : public testing::ControlPeer {
     p->set_transfer_id(std::string(16, static_cast<char>('a' + id % 26)));
     Send(m);
   }
+  // Inject request `id`: a document of its own.
+  void Inject(uint64_t id) {
+    proto::WorkerMessage m;
+    m.set_request_id(id);
+    auto* d = m.mutable_inject();
+    for (int i = 0; i < 40; ++i) d->add_tokens(1 + (i * 11 + static_cast<int>(id) * 17) % 250);
+    Send(m);
+  }
 };
 
 TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
@@ -140,6 +150,34 @@ TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
   EXPECT_FALSE(second.prefill_reply().has_error()) << second.prefill_reply().error().message();
   EXPECT_EQ(std::set<uint64_t>({first.request_id(), second.request_id()}),
             std::set<uint64_t>({1, 2}));
+}
+
+TEST(PrefillService, AnswersAnInjectionOnceStoredAndComputesOnWhileItsStoreIsOut) {
+  TempDir dir;
+  ASSERT_TRUE(WriteTinyModel(dir));
+  auto gate = std::make_shared<FirstCallGate>(/*puts_only=*/true);
+  PrefillServiceOptions options = Options(dir);
+  options.shared_store = gate;
+  auto service = PrefillService::Start(options);
+  ASSERT_TRUE(service.ok()) << service.status().ToString();
+  zmq::context_t ctx;
+  Peer peer(ctx, (*service)->endpoint(), kNoHang);
+  peer.Inject(1);
+  // The document is computed; its put into the shared tier is held.
+  ASSERT_TRUE(gate->Held());
+  peer.Prefill(2);
+  const proto::WorkerMessage first = peer.Receive();
+  ASSERT_EQ(first.body_case(), proto::WorkerMessage::kPrefillReply) << "no reply while held";
+  EXPECT_EQ(first.request_id(), 2u);
+  EXPECT_FALSE(first.prefill_reply().has_error()) << first.prefill_reply().error().message();
+  EXPECT_TRUE(gate->HeldNow()) << "answered only once the held put was let go";
+  gate->Open();
+  const proto::WorkerMessage second = peer.Receive();
+  ASSERT_EQ(second.body_case(), proto::WorkerMessage::kInjectReply);
+  EXPECT_EQ(second.request_id(), 1u);
+  EXPECT_FALSE(second.inject_reply().has_error()) << second.inject_reply().error().message();
+  EXPECT_FALSE(second.inject_reply().already_held());
+  EXPECT_EQ(second.inject_reply().stored_tokens(), 40);
 }
 
 TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {

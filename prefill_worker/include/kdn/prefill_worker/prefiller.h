@@ -43,6 +43,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -194,7 +195,14 @@ class Prefiller {
     bool already_held = false;
     int64_t stored_tokens = 0;  // tokens whose KV was stored (0 when already held)
   };
+  using InjectDone = std::function<void(Result<InjectOutcome>)>;
   // `kv`: what Prefetch read for it; null: Inject asks the store itself.
+  // `done` is called once the KV is stored (or nothing was to be): with
+  // store_in_background on the store thread, after the compute thread has
+  // gone on; else before Inject returns.
+  void Inject(std::span<const int32_t> tokens, const std::string& ns,
+              const control::PruneSpec* prune, const PrefetchedKv* kv, InjectDone done);
+  // The same, returning once the KV is stored.
   Result<InjectOutcome> Inject(std::span<const int32_t> tokens, const std::string& ns,
                                const control::PruneSpec* prune = nullptr,
                                const PrefetchedKv* kv = nullptr);
@@ -208,10 +216,14 @@ class Prefiller {
   // The layer-slice push of one job: Push(layer) submits that layer of every
   // region, Finish waits for them all and fills the outcome's figures.
   struct Push;
-  // Computes a document alone and stores it (seq_ must be free), pruned
-  // with `prune`; returns the tokens whose KV it stored.
-  Result<int64_t> StoreSegment(const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
-                               const control::PruneSpec* prune = nullptr);
+  // Computes a document alone into a chunk (seq_ must be free), pruned
+  // with `prune`.
+  Result<std::shared_ptr<const kvbus::Chunk>> ComputeSegment(
+      const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
+      const control::PruneSpec* prune = nullptr);
+  // Puts `chunk` in the store, then calls `then` with how it went: on the
+  // store thread with store_in_background, else here.
+  void PutChunk(std::shared_ptr<const kvbus::Chunk> chunk, std::function<void(Status)> then);
 
   engine::Engine& model_;
   kvbus::TieredStore& store_;
@@ -228,6 +240,7 @@ class Prefiller {
 
   // The last job, until StoreNewChunks.
   engine::KvSequence seq_;
+  bool prefetched_ = false;  // the last job's KDN reads were done by Prefetch
   std::vector<kvbus::ChunkKey> keys_;
   // The prompt's full chunks then its tail pieces (kvbus::StoredSpans); those
   // from first_new_chunk_ on are stored by StoreNewChunks.
