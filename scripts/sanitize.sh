@@ -32,16 +32,19 @@ export CCACHE_BASEDIR="$PWD"
 # The binaries each sanitizer runs. ASan+UBSan runs every unit-test binary;
 # TSan those whose code runs threads: the kvbus transports and kdn-store's
 # server and client (kdn_kvbus_tests), the Redis tier's connection pool and
-# slot map (kdn_redis_tests), the router's backend and the workers'
-# services (kdn_serving_tests), the router's request flow, and the decode
-# worker's decoder and batcher with their store I/O thread
-# (kdn_decode_worker_tests). The others (model, text, engine, kvbridge,
-# blend) compute on the calling thread or in OpenMP loops.
+# slot map (kdn_redis_tests), the control socket (kdn_control_tests), the
+# prefill worker's service with its KV I/O and store threads
+# (kdn_prefill_worker_tests), the router's backend and request flow
+# (kdn_router_tests), and the decode worker's service, decoder and batcher
+# with their store I/O thread (kdn_decode_worker_tests). The others (model,
+# text, engine, kvbridge, blend) compute on the calling thread or in OpenMP
+# loops.
 ASAN_TESTS=(kdn_common_tests kdn_model_tests kdn_text_tests kdn_engine_tests kdn_kvbus_tests
-            kdn_kvbridge_tests kdn_decode_worker_tests kdn_blend_tests kdn_serving_tests
-            kdn_router_tests kdn_redis_tests kdn_client_tests kdn_prune_tests)
-TSAN_TESTS=(kdn_common_tests kdn_kvbus_tests kdn_redis_tests kdn_serving_tests kdn_router_tests
-            kdn_decode_worker_tests)
+            kdn_kvbridge_tests kdn_decode_worker_tests kdn_blend_tests kdn_control_tests
+            kdn_prefill_worker_tests kdn_router_tests kdn_redis_tests kdn_client_tests
+            kdn_prune_tests)
+TSAN_TESTS=(kdn_common_tests kdn_kvbus_tests kdn_redis_tests kdn_control_tests
+            kdn_prefill_worker_tests kdn_router_tests kdn_decode_worker_tests)
 SUPP="$PWD/scripts/sanitize"
 
 run_one() {

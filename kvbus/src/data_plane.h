@@ -27,7 +27,7 @@
 #include "kdn/kvbus/region.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
-#include "tcp_wire.h"
+#include "kdn/kvbus/wire.h"
 
 namespace kdn::kvbus {
 

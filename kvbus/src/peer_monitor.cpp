@@ -1,4 +1,4 @@
-#include "peer_monitor.h"
+#include "kdn/kvbus/peer_monitor.h"
 
 #include <atomic>
 #include <cstring>

@@ -26,8 +26,8 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
-#include "shm_segment.h"
-#include "tcp_wire.h"
+#include "kdn/kvbus/shared_segment.h"
+#include "kdn/kvbus/wire.h"
 
 namespace kdn::kvbus {
 

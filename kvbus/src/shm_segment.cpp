@@ -1,4 +1,4 @@
-#include "shm_segment.h"
+#include "kdn/kvbus/shared_segment.h"
 
 #include "kdn/kvbus/transport.h"
 

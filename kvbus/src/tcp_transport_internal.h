@@ -27,11 +27,11 @@
 #include "kdn/kvbus/region.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/zmq_curve.h"
-#include "peer_monitor.h"
+#include "kdn/kvbus/peer_monitor.h"
 #include "receiver_planes.h"
 #include "data_plane.h"
-#include "shm_segment.h"
-#include "tcp_wire.h"
+#include "kdn/kvbus/shared_segment.h"
+#include "kdn/kvbus/wire.h"
 
 namespace kdn::kvbus {
 

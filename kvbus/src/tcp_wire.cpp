@@ -1,4 +1,4 @@
-#include "tcp_wire.h"
+#include "kdn/kvbus/wire.h"
 
 #include <algorithm>
 #include <limits>

@@ -8,14 +8,14 @@
 #include <algorithm>
 #include <numeric>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/tiny_model.h"
 
 namespace kdn::blend {
 namespace {
 
-using engine::testing::MakeModel;
-using engine::testing::RandomTokens;
-using engine::testing::RelError;
+using kdn::testing::MakeModel;
+using kdn::testing::RandomTokens;
+using kdn::testing::RelError;
 
 // A segment's KV as a blend finds it in the KDN: computed alone, from 0.
 std::shared_ptr<const kvbus::Chunk> KvAlone(engine::CpuEngine& model,

@@ -4,15 +4,15 @@
 
 #include <numeric>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/tiny_model.h"
 #include "kdn/engine/generate.h"
 #include "kdn/text/output_text.h"
 
 namespace kdn::decode_worker {
 namespace {
 
-using engine::testing::MakeModel;
-using engine::testing::RandomTokens;
+using kdn::testing::MakeModel;
+using kdn::testing::RandomTokens;
 
 text::ByteTokenizer Bytes() {
   std::vector<int32_t> ids(256);
@@ -323,8 +323,8 @@ TEST(Batcher, AResumedRequestGoesOnAsIfItNeverMoved) {
       }
       const size_t end = whole.tokens[1].size();
       for (size_t k = 1; k < end; ++k) {
-        SCOPED_TRACE(testing::Message() << "seed " << sampling.seed << ", stop " << with_stop
-                                        << ", resumed after " << k);
+        SCOPED_TRACE(::testing::Message() << "seed " << sampling.seed << ", stop " << with_stop
+                                          << ", resumed after " << k);
         // What the client was shown of the first k tokens.
         text::OutputText shown(tok, {spec.max_tokens, spec.stop_ids, spec.stop_strings});
         std::string before;

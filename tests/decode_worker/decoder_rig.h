@@ -12,8 +12,8 @@
 #include <numeric>
 #include <random>
 
-#include "../engine/test_util.h"
-#include "../kvbus/recording_store.h"
+#include "kdn/testing/tiny_model.h"
+#include "kdn/testing/recording_store.h"
 #include "kdn/kvbus/transfer_plan.h"
 #include "kdn/decode_worker/decoder.h"
 #include "kdn/engine/generate.h"
@@ -22,8 +22,8 @@
 
 namespace kdn::decode_worker::testing {
 
-using engine::testing::MakeModel;
-using engine::testing::RandomTokens;
+using kdn::testing::MakeModel;
+using kdn::testing::RandomTokens;
 
 inline constexpr int kChunk = 16;
 inline const kvbus::ChunkKey kFingerprint{1, 2};
@@ -57,7 +57,7 @@ class GatedStore final : public kvbus::ChunkStore {
     Set(gets_closed_, false);
     Set(puts_closed_, false);
   }
-  kvbus::testing::RecordingStore& inner() { return inner_; }
+  kdn::testing::RecordingStore& inner() { return inner_; }
 
  private:
   void Wait(const bool& closed) {
@@ -71,7 +71,7 @@ class GatedStore final : public kvbus::ChunkStore {
     }
     cv_.notify_all();
   }
-  kvbus::testing::RecordingStore inner_;
+  kdn::testing::RecordingStore inner_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool gets_closed_ = false;  // guarded by mu_

@@ -161,9 +161,9 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
       const auto got = (*stored)->payload();
       const auto want = (*expect)->payload();
       ASSERT_EQ(got.size(), want.size());
-      EXPECT_LT(engine::testing::RelError(reinterpret_cast<const float*>(got.data()),
-                                          reinterpret_cast<const float*>(want.data()),
-                                          got.size() / sizeof(float)),
+      EXPECT_LT(kdn::testing::RelError(reinterpret_cast<const float*>(got.data()),
+                                       reinterpret_cast<const float*>(want.data()),
+                                       got.size() / sizeof(float)),
                 1e-4)
           << "chunk " << i;
     }

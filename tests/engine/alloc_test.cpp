@@ -11,7 +11,7 @@
 #include "kdn/engine/presets.h"
 #include "kdn/engine/sampler.h"
 #include "quant_encode.h"
-#include "test_util.h"
+#include "kdn/testing/tiny_model.h"
 
 namespace {
 std::atomic<bool> counting{false};

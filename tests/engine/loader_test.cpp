@@ -7,12 +7,13 @@
 #include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/safetensors.h"
 #include "kdn/engine/weights.h"
-#include "test_util.h"
+#include "kdn/engine/presets.h"
+#include "kdn/testing/temp_dir.h"
 
 namespace kdn::engine {
 namespace {
 
-using testing::TempDir;
+using kdn::testing::TempDir;
 
 model::ModelConfig TinyConfig() { return FindPreset("tiny").value().config; }
 

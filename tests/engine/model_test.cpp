@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "test_util.h"
+#include "kdn/testing/tiny_model.h"
 
 namespace kdn::engine {
 namespace {

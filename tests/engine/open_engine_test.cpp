@@ -5,14 +5,15 @@
 
 #include "kdn/engine/open_engine.h"
 #include "kdn/engine/presets.h"
-#include "test_util.h"
+#include "kdn/testing/temp_dir.h"
+#include "kdn/testing/tiny_model.h"
 
 namespace kdn::engine {
 namespace {
 
+using kdn::testing::TempDir;
 using testing::MakeModel;
 using testing::RandomTokens;
-using testing::TempDir;
 
 TEST(ParseDevice, NamesTheBackendAndOrdinal) {
   auto cpu = ParseDevice("cpu");

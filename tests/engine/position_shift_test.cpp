@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#include "test_util.h"
+#include "kdn/testing/tiny_model.h"
 
 namespace kdn::engine {
 namespace {

@@ -16,7 +16,7 @@
 #include "kdn/engine/quant.h"
 #include "kdn/engine/weight_matrix.h"
 #include "quant_encode.h"
-#include "test_util.h"
+#include "kdn/testing/tiny_model.h"
 
 namespace kdn::engine {
 namespace {

@@ -5,7 +5,7 @@
 #include <numeric>
 
 #include "kdn/engine/cpu_engine.h"
-#include "test_util.h"
+#include "kdn/testing/tiny_model.h"
 
 namespace kdn::engine {
 namespace {

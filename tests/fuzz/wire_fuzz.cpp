@@ -1,5 +1,5 @@
 // libFuzzer harness for the kvbus tcp transport's control frames
-// (DecodeWire, kvbus/src/tcp_wire.h): what a sender or receiver reads from
+// (DecodeWire, kdn/kvbus/wire.h): what a sender or receiver reads from
 // its peer before any chunk.
 //
 // The input is one frame. DecodeWire must not crash or hit undefined
@@ -23,7 +23,7 @@
 #include <google/protobuf/stubs/logging.h>
 
 #include "fuzz_util.h"
-#include "tcp_wire.h"
+#include "kdn/kvbus/wire.h"
 
 using namespace kdn::kvbus;
 using kdn::fuzz::Check;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -13,13 +14,13 @@
 #include <utility>
 #include <vector>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/temp_dir.h"
 #include "kdn/engine/presets.h"
 
 namespace kdn::kvbridge {
 namespace {
 
-using engine::testing::TempDir;
+using kdn::testing::TempDir;
 using kvbus::ChunkKey;
 
 std::string ReadFile(const std::filesystem::path& p) {

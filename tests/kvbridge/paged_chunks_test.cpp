@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/tiny_model.h"
 #include "kdn/engine/cpu_engine.h"
 #include "kdn/engine/tensor.h"
 #include "kdn/kvbus/codec.h"
@@ -174,10 +174,10 @@ class ChunkModelKv : public ::testing::TestWithParam<KvDType> {};
 
 TEST_P(ChunkModelKv, RealKvRoundTripsAndContinuesThePrompt) {
   const KvDType dtype = GetParam();
-  auto model = engine::testing::MakeModel("tiny");
+  auto model = kdn::testing::MakeModel("tiny");
   ASSERT_NE(model, nullptr);
   engine::CpuKvCache& cache = model->kv_cache();
-  const auto tokens = engine::testing::RandomTokens(48, model->config().vocab_size, 5);
+  const auto tokens = kdn::testing::RandomTokens(48, model->config().vocab_size, 5);
 
   engine::KvSequence a = cache.NewSequence();
   std::vector<float> logits_a;
@@ -203,7 +203,7 @@ TEST_P(ChunkModelKv, RealKvRoundTripsAndContinuesThePrompt) {
   std::vector<float> logits_b;
   ASSERT_TRUE(model->Prefill(b, std::span(tokens).subspan(32), {}, &logits_b).ok());
   ASSERT_EQ(logits_b.size(), logits_a.size());
-  const double err = engine::testing::RelError(logits_b.data(), logits_a.data(), logits_a.size());
+  const double err = kdn::testing::RelError(logits_b.data(), logits_a.data(), logits_a.size());
   // Measured: 0 for f32, ~3e-5 for f16, ~2e-4 for bf16.
   EXPECT_LT(err, dtype == KvDType::kF32 ? 1e-6 : 5e-3) << KvDTypeName(dtype);
 }

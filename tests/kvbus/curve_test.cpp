@@ -21,21 +21,19 @@
 #include "kdn/kvbus/store_service.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/zmq_curve.h"
-#include "recording_store.h"
-#include "temp_dir.h"
+#include "kdn/testing/recording_store.h"
+#include "kdn/testing/temp_dir.h"
+#include "kdn/testing/chunks.h"
 
 namespace kdn::kvbus {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::RecordingStore;
-using testing::TempDir;
+using kdn::testing::RecordingStore;
+using kdn::testing::TempDir;
 
 std::shared_ptr<const Chunk> MakeChunk(uint64_t id) {
-  ChunkInfo info{ChunkKey{id, ~id}, ChunkKey{1, 2}, 2, 2, 8, 16, KvDType::kBF16, 0};
-  std::vector<uint8_t> payload(info.payload_bytes());
-  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 7 + id);
-  return Chunk::Make(info, std::move(payload)).value();
+  return kdn::testing::MakeChunk(ChunkKey{id, ~id}, id, {.dtype = KvDType::kBF16});
 }
 
 CurveKeys Keys() {

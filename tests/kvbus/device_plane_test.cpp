@@ -17,7 +17,7 @@
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
 #include "plane_rig.h"
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
 #include "sourcing_sender.h"
 #include "transport_conformance.h"
 #include "transport_test_util.h"
@@ -27,10 +27,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using namespace transport_test;  // NOLINT: transport_test_util.h
+using kdn::testing::RecordingStore;
 using testing::InPlaceReceiver;
 using testing::LandingSegmentBytes;
 using testing::PlaneRig;
-using testing::RecordingStore;
 using testing::SourcingSender;
 
 // `o` over the cuda_ipc plane, the host backend standing in for a device.

@@ -15,35 +15,26 @@
 #include <thread>
 #include <zmq.hpp>
 
-#include "../../kvbus/src/tcp_wire.h"
+#include "kdn/kvbus/wire.h"
 #include "kdn/common/mutex.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
+#include "kdn/testing/chunks.h"
 
 namespace kdn::kvbus {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::RecordingStore;
+using kdn::testing::RecordingStore;
 using ChunkPtr = std::shared_ptr<const Chunk>;
 
 constexpr auto kNoHang = std::chrono::milliseconds(20000);
 
 ChunkPtr MakeChunk(uint64_t id, uint32_t tokens = 16) {
-  ChunkInfo info{.key = ChunkKey{0x1a, id},
-                 .model_fingerprint = ChunkKey{1, 2},
-                 .layers = 1,
-                 .kv_heads = 2,
-                 .head_dim = 32,
-                 .tokens = tokens,
-                 .dtype = KvDType::kF32,
-                 .position = 64};
-  auto chunk = Chunk::Build(info, [&](uint8_t* p) {
-    for (uint64_t i = 0; i < info.payload_bytes(); ++i) p[i] = static_cast<uint8_t>(id * 3 + i * 7);
-  });
-  EXPECT_TRUE(chunk.ok());
-  return *chunk;
+  return kdn::testing::MakeChunk(
+      ChunkKey{0x1a, id}, id,
+      {.layers = 1, .kv_heads = 2, .head_dim = 32, .tokens = tokens, .position = 64});
 }
 
 // A site that lands every claimed payload in `pieces` equal extents taken

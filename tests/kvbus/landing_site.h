@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "../../kvbus/src/shm_segment.h"
+#include "kdn/kvbus/shared_segment.h"
 #include "kdn/common/mutex.h"
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/device_ops.h"

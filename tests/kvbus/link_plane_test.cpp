@@ -20,7 +20,7 @@
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
 #include "plane_rig.h"
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
 #include "sourcing_sender.h"
 #include "transport_conformance.h"
 #include "transport_test_util.h"
@@ -30,10 +30,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using namespace transport_test;  // NOLINT: transport_test_util.h
+using kdn::testing::RecordingStore;
 using testing::InPlaceReceiver;
 using testing::LandingSegmentBytes;
 using testing::PlaneRig;
-using testing::RecordingStore;
 using testing::SourcingSender;
 
 // `o` over the nccl plane, the host backend's link standing in for NCCL.

@@ -13,7 +13,7 @@
 
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
 #include "transport_test_util.h"
 
 namespace kdn::kvbus::testing {
@@ -25,7 +25,7 @@ inline uint64_t LandingSegmentBytes(const ReceiverOptions& o) {
 }
 
 struct PlaneRig {
-  RecordingStore sink;
+  kdn::testing::RecordingStore sink;
   std::unique_ptr<Receiver> receiver;
   std::unique_ptr<Sender> sender;
 

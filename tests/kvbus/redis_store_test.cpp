@@ -85,7 +85,7 @@ class RedisTier : public ::testing::Test, protected ConformanceChunks {
     }
   }
 
-  TempDir dir_;
+  kdn::testing::TempDir dir_;
 };
 
 TEST(RedisUrl, ParsesSeedsAndCredentials) {

@@ -11,40 +11,32 @@
 #include <thread>
 #include <zmq.hpp>
 
-#include "../../kvbus/src/shm_segment.h"
-#include "../../kvbus/src/tcp_wire.h"
+#include "kdn/kvbus/shared_segment.h"
+#include "kdn/kvbus/wire.h"
 #include "kdn/kvbus/region.h"
 #include "kdn/kvbus/transport.h"
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
+#include "kdn/testing/chunks.h"
 
 namespace kdn::kvbus {
 namespace {
 
 using namespace std::chrono_literals;
-using testing::RecordingStore;
+using kdn::testing::RecordingStore;
 using ChunkPtr = std::shared_ptr<const Chunk>;
 
 constexpr auto kNoHang = std::chrono::milliseconds(20000);
 
+kdn::testing::ChunkShape Shape(uint32_t tokens) {
+  return {.layers = 2, .kv_heads = 2, .head_dim = 64, .tokens = tokens};
+}
+
 ChunkPtr MakeChunk(uint64_t id, uint32_t tokens = 16) {
-  ChunkInfo info{.key = ChunkKey{0x5a, id},
-                 .model_fingerprint = ChunkKey{1, 2},
-                 .layers = 2,
-                 .kv_heads = 2,
-                 .head_dim = 64,
-                 .tokens = tokens,
-                 .dtype = KvDType::kF32};
-  auto chunk = Chunk::Build(info, [&](uint8_t* p) {
-    for (uint64_t i = 0; i < info.payload_bytes(); ++i) p[i] = static_cast<uint8_t>(id + i * 13);
-  });
-  EXPECT_TRUE(chunk.ok());
-  return *chunk;
+  return kdn::testing::MakeChunk(ChunkKey{0x5a, id}, id, Shape(tokens));
 }
 
 std::vector<ChunkPtr> MakeChunks(int count, uint32_t tokens = 16) {
-  std::vector<ChunkPtr> out;
-  for (int i = 0; i < count; ++i) out.push_back(MakeChunk(100 + i, tokens));
-  return out;
+  return kdn::testing::MakeChunks(0x5a, 100, count, Shape(tokens));
 }
 
 // `lease` is long enough that no grant runs out on a loaded machine, but for

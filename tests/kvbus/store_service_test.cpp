@@ -4,7 +4,8 @@
 #include "kdn/common/half.h"
 #include "kdn/kvbus/codec.h"
 
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
+#include "kdn/testing/chunks.h"
 #include "kvbus_store.pb.h"
 
 #include <gtest/gtest.h>
@@ -24,13 +25,11 @@
 namespace kdn::kvbus {
 namespace {
 
-using testing::RecordingStore;
+using kdn::testing::RecordingStore;
 
 std::shared_ptr<const Chunk> MakeChunk(uint64_t id, uint32_t tokens = 16) {
-  ChunkInfo info{ChunkKey{id, ~id}, ChunkKey{1, 2}, 2, 2, 8, tokens, KvDType::kBF16, 0};
-  std::vector<uint8_t> payload(info.payload_bytes());
-  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 7 + id);
-  return Chunk::Make(info, std::move(payload)).value();
+  return kdn::testing::MakeChunk(ChunkKey{id, ~id}, id,
+                                 {.tokens = tokens, .dtype = KvDType::kBF16});
 }
 
 TEST(StoreService, PutThenGetReturnsTheSameBytes) {

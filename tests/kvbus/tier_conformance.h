@@ -20,7 +20,8 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/key.h"
-#include "temp_dir.h"
+#include "kdn/testing/temp_dir.h"
+#include "kdn/testing/chunks.h"
 
 namespace kdn::kvbus::testing {
 
@@ -72,21 +73,12 @@ class ConformanceChunks {
   }
   std::shared_ptr<const Chunk> MakeWithKey(const ChunkKey& key, uint64_t id,
                                            bool big = false) const {
-    ChunkInfo info;
-    info.key = key;
-    info.model_fingerprint = kConformanceModel;
-    info.layers = big ? 4 : 1;
-    info.kv_heads = big ? 8 : 1;
-    info.head_dim = big ? 64 : 4;
-    info.tokens = big ? 64 : 4;
-    info.dtype = KvDType::kF32;
-    std::vector<uint8_t> payload(info.payload_bytes());
-    for (size_t i = 0; i < payload.size(); ++i) {
-      payload[i] = static_cast<uint8_t>(id * 31 + i * 7 + (i >> 8));
-    }
-    auto chunk = Chunk::Make(info, std::move(payload));
-    EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
-    return *chunk;
+    return kdn::testing::MakeChunk(key, id,
+                                   {.layers = big ? 4u : 1u,
+                                    .kv_heads = big ? 8u : 1u,
+                                    .head_dim = big ? 64u : 4u,
+                                    .tokens = big ? 64u : 4u,
+                                    .model = kConformanceModel});
   }
 
   // The same chunk (key, header fields, payload) as `want`.
@@ -109,7 +101,7 @@ class TierConformance : public ::testing::TestWithParam<TierMaker>, protected Co
   }
   ChunkStore& store() { return harness_->store(); }
 
-  TempDir dir_;
+  kdn::testing::TempDir dir_;
   std::unique_ptr<TierHarness> harness_;
 };
 

@@ -18,14 +18,15 @@
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/tiered_store.h"
-#include "temp_dir.h"
+#include "kdn/testing/temp_dir.h"
+#include "kdn/testing/chunks.h"
 
 namespace kdn::kvbus {
 namespace {
 
 namespace fs = std::filesystem;
+using kdn::testing::TempDir;
 using std::chrono::milliseconds;
-using testing::TempDir;
 
 constexpr uint32_t kTokens = 4;
 // 128-byte header + 1 layer * (K,V) * 4 tokens * 1 head * 4 dims * 4 bytes.
@@ -39,19 +40,9 @@ ChunkKey KeyOf(uint64_t id) {
 // A small f32 chunk (1 layer, 1 kv head, head_dim 4) whose payload depends
 // on `id`.
 std::shared_ptr<const Chunk> MakeChunk(uint64_t id, uint32_t tokens = kTokens) {
-  ChunkInfo info;
-  info.key = KeyOf(id);
-  info.model_fingerprint = ChunkKey{7, 7};
-  info.layers = 1;
-  info.kv_heads = 1;
-  info.head_dim = 4;
-  info.tokens = tokens;
-  info.dtype = KvDType::kF32;
-  std::vector<uint8_t> payload(info.payload_bytes());
-  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(id * 31 + i);
-  auto chunk = Chunk::Make(info, std::move(payload));
-  EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
-  return *chunk;
+  return kdn::testing::MakeChunk(
+      KeyOf(id), id,
+      {.layers = 1, .kv_heads = 1, .head_dim = 4, .tokens = tokens, .model = ChunkKey{7, 7}});
 }
 
 std::vector<uint8_t> BytesOf(const Chunk& c) { return {c.bytes().begin(), c.bytes().end()}; }

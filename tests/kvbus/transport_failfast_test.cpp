@@ -16,10 +16,10 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "../../kvbus/src/peer_monitor.h"
+#include "kdn/kvbus/peer_monitor.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
 #include "transport_conformance.h"
 #include "transport_test_util.h"
 
@@ -29,7 +29,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using namespace transport_test;  // NOLINT: transport_test_util.h
-using testing::RecordingStore;
+using kdn::testing::RecordingStore;
 
 constexpr auto kFast = 5s;  // "at once": well below the peer timeout
 constexpr auto kPeerTimeout = 30s;

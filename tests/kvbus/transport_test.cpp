@@ -18,12 +18,12 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "../../kvbus/src/tcp_wire.h"
+#include "kdn/kvbus/wire.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/transport_bench.h"
 #include "landing_site.h"
-#include "recording_store.h"
+#include "kdn/testing/recording_store.h"
 #include "transport_conformance.h"
 #include "transport_test_util.h"
 
@@ -33,7 +33,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using namespace transport_test;  // NOLINT: transport_test_util.h
-using testing::RecordingStore;
+using kdn::testing::RecordingStore;
 
 uint64_t TotalBytes(const std::vector<ChunkPtr>& chunks) {
   uint64_t n = 0;

@@ -15,9 +15,10 @@
 #include <string>
 #include <zmq.hpp>
 
-#include "../../kvbus/src/tcp_wire.h"
+#include "kdn/kvbus/wire.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
+#include "kdn/testing/chunks.h"
 
 #define KDN_ASSERT_OK(expr)                        \
   do {                                             \
@@ -42,18 +43,9 @@ inline constexpr auto kNoHang = std::chrono::seconds(20);
 // (256 payload bytes per token), whose key and payload depend on `id`.
 inline ChunkPtr MakeChunk(uint64_t id, uint32_t tokens = 4, uint32_t layers = 2,
                           uint32_t kv_heads = 2, uint32_t head_dim = 8) {
-  ChunkInfo info{.key = ChunkKey{0x7e57 + (id >> 32), id},
-                 .model_fingerprint = ChunkKey{1, 2},
-                 .layers = layers,
-                 .kv_heads = kv_heads,
-                 .head_dim = head_dim,
-                 .tokens = tokens,
-                 .dtype = KvDType::kF32};
-  std::vector<uint8_t> payload(info.payload_bytes());
-  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(id * 31 + i * 7);
-  auto chunk = Chunk::Make(info, std::move(payload));
-  EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
-  return chunk.ok() ? *chunk : nullptr;
+  return kdn::testing::MakeChunk(
+      ChunkKey{0x7e57 + (id >> 32), id}, id,
+      {.layers = layers, .kv_heads = kv_heads, .head_dim = head_dim, .tokens = tokens});
 }
 
 // 16 MiB of payload: 16 layers x 8 KV heads x head_dim 64 x 256 tokens, f32.

@@ -9,7 +9,7 @@
 #include <numeric>
 #include <random>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/tiny_model.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/prune/kvzip.h"
 #include "kdn/prune/prune.h"
@@ -17,8 +17,8 @@
 namespace kdn::prune {
 namespace {
 
-using engine::testing::MakeModel;
-using engine::testing::RandomTokens;
+using kdn::testing::MakeModel;
+using kdn::testing::RandomTokens;
 
 // Every (layer, KV head) keeps `index` (ascending), `slots` slots; the
 // first `count` of them are kept, the rest are other tokens.

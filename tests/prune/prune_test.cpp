@@ -7,7 +7,7 @@
 #include <random>
 #include <set>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/tiny_model.h"
 #include "kdn/engine/cpu_ops.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/prune/expected_attention.h"
@@ -15,9 +15,9 @@
 namespace kdn::prune {
 namespace {
 
-using engine::testing::MakeModel;
-using engine::testing::RandomTokens;
-using engine::testing::RelError;
+using kdn::testing::MakeModel;
+using kdn::testing::RandomTokens;
+using kdn::testing::RelError;
 
 TEST(QueryStats, APrefillInPiecesSumsWhatOneCallSums) {
   auto model = MakeModel("tiny");

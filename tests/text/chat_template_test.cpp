@@ -4,12 +4,12 @@
 
 #include <fstream>
 
-#include "../kvbus/temp_dir.h"
+#include "kdn/testing/temp_dir.h"
 
 namespace kdn::text {
 namespace {
 
-using kvbus::testing::TempDir;
+using kdn::testing::TempDir;
 
 void Write(const std::filesystem::path& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;

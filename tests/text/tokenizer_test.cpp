@@ -9,25 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "kdn/testing/temp_dir.h"
+
 namespace kdn::text {
 namespace {
 
-// A fresh temporary folder, removed with the object.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::temp_directory_path() /
-            ("kdn_text_test_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
+using kdn::testing::TempDir;
 
 TEST(ByteTokenizer, LoadsWhatKdnMkmodelWritesAndRoundTripsUtf8) {
   TempDir dir;

@@ -13,7 +13,9 @@
 // Thread-safe (immutable once made; the bytes are the users' to order).
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "kdn/common/status.h"
@@ -45,6 +47,26 @@ class SharedSegment {
   uint8_t* data_;
   uint64_t bytes_;
   std::string handle_;
+};
+
+// A landing segment's ranges, given out first-fit, page-aligned, coalesced on free. Not
+// thread-safe (the receiver's I/O thread owns it).
+class RangeAllocator {
+ public:
+  static constexpr uint64_t kAlign = 4096;
+  explicit RangeAllocator(uint64_t bytes);
+  // The offset of a free range of `bytes` (rounded up to kAlign), or none.
+  std::optional<uint64_t> Allocate(uint64_t bytes);
+  // Gives back a range Allocate returned, with the size it was asked for.
+  void Free(uint64_t offset, uint64_t bytes);
+  uint64_t free_bytes() const { return free_bytes_; }
+  uint64_t used_bytes() const { return usable_bytes_ - free_bytes_; }
+
+ private:
+  static uint64_t Round(uint64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+  std::map<uint64_t, uint64_t> free_;  // offset -> size
+  uint64_t usable_bytes_ = 0;          // whole pages of the segment
+  uint64_t free_bytes_ = 0;
 };
 
 }  // namespace kdn::kvbus

@@ -2,7 +2,7 @@
 // Placement: which worker takes what, as pure functions of what workers
 // reported (WorkerView, read-only) and of the router's own reservations since
 // (Ledger). No I/O, no clock: tests drive it without sockets
-// (tests/serving/placement_test.cpp). The rules (docs/serving.md, "Routing"):
+// (tests/router/placement_test.cpp). The rules (docs/serving.md, "Routing"):
 //   prefill   the worker with the least work for the request: the prompt
 //             tokens it must compute (all but the prefix it reaches, the last
 //             token always; a blend request's held documents at their

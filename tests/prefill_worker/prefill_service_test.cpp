@@ -13,16 +13,16 @@
 #include <set>
 #include <zmq.hpp>
 
-#include "../engine/test_util.h"
-#include "control_peer.h"
-#include "kdn/engine/presets.h"
+#include "kdn/testing/temp_dir.h"
+#include "kdn/testing/tiny_model.h"
+#include "kdn/testing/control_peer.h"
 #include "kdn/kvbus/host_tier.h"
 #include "serving.pb.h"
 
 namespace kdn::prefill_worker {
 namespace {
 
-using engine::testing::TempDir;
+using kdn::testing::TempDir;
 using namespace std::chrono_literals;
 
 constexpr auto kNoHang = 30s;  // only ever reached by a failing test
@@ -85,12 +85,6 @@ class FirstCallGate final : public kvbus::ChunkStore {
   bool taken_ = false, held_ = false, open_ = false;
 };
 
-// The tiny preset's model folder in `dir`.
-bool WriteTinyModel(const TempDir& dir) {
-  auto preset = engine::FindPreset("tiny");
-  return preset.ok() && engine::WriteModelFolder(dir.path(), preset->config, 1, preset->dtype).ok();
-}
-
 // A worker on the tiny model in `dir`, its KV I/O threads as given.
 PrefillServiceOptions Options(const TempDir& dir, int kv_io_threads = 2) {
   return {.model_dir = dir.path(),
@@ -127,7 +121,7 @@ class Peer : public testing::ControlPeer {
 
 TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
   TempDir dir;
-  ASSERT_TRUE(WriteTinyModel(dir));
+  ASSERT_TRUE(kdn::testing::WriteTinyModel(dir.path()).ok());
   auto gate = std::make_shared<FirstCallGate>();
   PrefillServiceOptions options = Options(dir);
   options.shared_store = gate;
@@ -154,7 +148,7 @@ TEST(PrefillService, ComputesAJobWhoseKdnReadIsDoneWhileAnotherJobsReadIsOut) {
 
 TEST(PrefillService, AnswersAnInjectionOnceStoredAndComputesOnWhileItsStoreIsOut) {
   TempDir dir;
-  ASSERT_TRUE(WriteTinyModel(dir));
+  ASSERT_TRUE(kdn::testing::WriteTinyModel(dir.path()).ok());
   auto gate = std::make_shared<FirstCallGate>(/*puts_only=*/true);
   PrefillServiceOptions options = Options(dir);
   options.shared_store = gate;
@@ -182,7 +176,7 @@ TEST(PrefillService, AnswersAnInjectionOnceStoredAndComputesOnWhileItsStoreIsOut
 
 TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {
   TempDir dir;
-  ASSERT_TRUE(WriteTinyModel(dir));
+  ASSERT_TRUE(kdn::testing::WriteTinyModel(dir.path()).ok());
   auto service = PrefillService::Start(Options(dir, /*kv_io_threads=*/0));
   ASSERT_TRUE(service.ok()) << service.status().ToString();
   zmq::context_t ctx;
@@ -199,7 +193,7 @@ TEST(PrefillService, WithNoKvIoThreadsTheComputeThreadReadsAndServesEveryJob) {
 
 TEST(PrefillService, RefusesASharedTierNamedAndGivenAsAnObject) {
   TempDir dir;
-  ASSERT_TRUE(WriteTinyModel(dir));
+  ASSERT_TRUE(kdn::testing::WriteTinyModel(dir.path()).ok());
   PrefillServiceOptions options = Options(dir);
   options.shared_tier = "tcp://127.0.0.1:1";
   options.shared_store = std::make_shared<FirstCallGate>();

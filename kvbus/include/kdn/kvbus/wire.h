@@ -3,7 +3,9 @@
 // to and from proto/kvbus_transport.proto (the only place the generated
 // types are seen). One WireMessage is one ZeroMQ frame; a WireChunkHeader
 // frame is followed by the chunk's bytes in a frame of their own.
-// Thread-safe (pure functions over values).
+// Public so that tests and the fuzzer can play a peer on the wire; the
+// transports are its only other users. Thread-safe (pure functions over
+// values).
 
 #include <cstddef>
 #include <cstdint>

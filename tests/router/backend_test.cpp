@@ -15,13 +15,13 @@
 #include <deque>
 #include <mutex>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/temp_dir.h"
+#include "kdn/testing/tiny_model.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/decode_worker/decode_service.h"
 #include "kdn/engine/generate.h"
-#include "kdn/engine/presets.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/prefill_worker/prefill_service.h"
@@ -29,7 +29,7 @@
 namespace kdn::router {
 namespace {
 
-using engine::testing::TempDir;
+using kdn::testing::TempDir;
 
 constexpr auto kWait = std::chrono::seconds(30);  // only ever reached by a failing test
 constexpr int kChunk = 16;
@@ -181,9 +181,7 @@ double Sample(const std::string& page, const std::string& name) {
 class BackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto preset = engine::FindPreset("tiny");
-    ASSERT_TRUE(preset.ok());
-    ASSERT_TRUE(engine::WriteModelFolder(dir_.path(), preset->config, 1, preset->dtype).ok());
+    ASSERT_TRUE(kdn::testing::WriteTinyModel(dir_.path()).ok());
     auto tok = text::Tokenizer::Load(dir_.path());
     ASSERT_TRUE(tok.ok());
     tokenizer_ = std::move(tok).value();
@@ -424,7 +422,7 @@ TEST_F(BackendTest, ADecodeWorkerLostMidStreamIsResumedElsewhere) {
   // The tiny model's logits are steep: only a high temperature makes its
   // seeded draws differ from token to token.
   for (const float temperature : {0.0f, 100.0f}) {
-    SCOPED_TRACE(testing::Message() << "temperature " << temperature);
+    SCOPED_TRACE(::testing::Message() << "temperature " << temperature);
     // Prompts apart, so that the decode worker that holds the first one's
     // conversation is not chosen for the second by its prefix.
     Job job = GreedyJob(temperature == 0 ? "Hello world, resumed" : "Seeded, and resumed", kMax);

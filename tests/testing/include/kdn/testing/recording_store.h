@@ -7,36 +7,36 @@
 
 #include "kdn/kvbus/chunk_store.h"
 
-namespace kdn::kvbus::testing {
+namespace kdn::testing {
 
 // A thread-safe in-memory sink that records the order of its Puts.
-class RecordingStore final : public ChunkStore {
+class RecordingStore final : public kvbus::ChunkStore {
  public:
   std::string name() const override { return "recording"; }
-  Result<std::shared_ptr<const Chunk>> Get(const ChunkKey& key) override {
+  Result<std::shared_ptr<const kvbus::Chunk>> Get(const kvbus::ChunkKey& key) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = chunks_.find(key);
     if (it == chunks_.end()) return NotFound(key.ToHex());
     return it->second;
   }
-  bool Contains(const ChunkKey& key) override {
+  bool Contains(const kvbus::ChunkKey& key) override {
     std::lock_guard<std::mutex> lock(mu_);
     return chunks_.count(key) != 0;
   }
-  Status Put(std::shared_ptr<const Chunk> chunk) override {
+  Status Put(std::shared_ptr<const kvbus::Chunk> chunk) override {
     std::lock_guard<std::mutex> lock(mu_);
     ++puts_;
     if (chunks_.emplace(chunk->key(), chunk).second) order_.push_back(chunk->key());
     return Status::Ok();
   }
-  TierStats Stats() override {
+  kvbus::TierStats Stats() override {
     std::lock_guard<std::mutex> lock(mu_);
-    TierStats s;
+    kvbus::TierStats s;
     s.chunks = chunks_.size();
     s.puts = puts_;
     return s;
   }
-  std::vector<ChunkKey> PutOrder() const {
+  std::vector<kvbus::ChunkKey> PutOrder() const {
     std::lock_guard<std::mutex> lock(mu_);
     return order_;
   }
@@ -47,9 +47,10 @@ class RecordingStore final : public ChunkStore {
 
  private:
   mutable std::mutex mu_;
-  std::unordered_map<ChunkKey, std::shared_ptr<const Chunk>, ChunkKeyHash> chunks_;
-  std::vector<ChunkKey> order_;
+  std::unordered_map<kvbus::ChunkKey, std::shared_ptr<const kvbus::Chunk>, kvbus::ChunkKeyHash>
+      chunks_;
+  std::vector<kvbus::ChunkKey> order_;
   uint64_t puts_ = 0;
 };
 
-}  // namespace kdn::kvbus::testing
+}  // namespace kdn::testing

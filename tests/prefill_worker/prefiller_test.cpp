@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "../engine/test_util.h"
+#include "kdn/testing/tiny_model.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transfer_plan.h"
 #include "kdn/kvbus/host_tier.h"
@@ -14,8 +14,8 @@
 namespace kdn::prefill_worker {
 namespace {
 
-using engine::testing::MakeModel;
-using engine::testing::RandomTokens;
+using kdn::testing::MakeModel;
+using kdn::testing::RandomTokens;
 
 constexpr int kChunk = 16;
 
@@ -147,9 +147,8 @@ TEST(PrefillerResident, ARepeatedPromptAttachesItsKvFromThePoolAndMovesNoBytes) 
       const size_t row0 = (static_cast<size_t>(l) * 2 + kv_half) * 100 * stride;
       EXPECT_EQ(std::memcmp(&got[row0], &want[row0], 99 * stride * sizeof(float)), 0)
           << "layer " << l;
-      EXPECT_LT(
-          engine::testing::RelError(&got[row0 + 99 * stride], &want[row0 + 99 * stride], stride),
-          1e-5);
+      EXPECT_LT(kdn::testing::RelError(&got[row0 + 99 * stride], &want[row0 + 99 * stride], stride),
+                1e-5);
     }
   }
   rebuilt.Reset();
@@ -445,11 +444,11 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   const int64_t stride = cache.token_stride();
   for (int l = 0; l < layers; ++l) {
     for (int64_t t = 16; t < 75; ++t) {
-      EXPECT_LT(engine::testing::RelError(cache.KeyAt(rebuilt, l, t),
-                                          ref_model->kv_cache().KeyAt(ref, l, t), stride),
+      EXPECT_LT(kdn::testing::RelError(cache.KeyAt(rebuilt, l, t),
+                                       ref_model->kv_cache().KeyAt(ref, l, t), stride),
                 1e-5);
-      EXPECT_LT(engine::testing::RelError(cache.ValueAt(rebuilt, l, t),
-                                          ref_model->kv_cache().ValueAt(ref, l, t), stride),
+      EXPECT_LT(kdn::testing::RelError(cache.ValueAt(rebuilt, l, t),
+                                       ref_model->kv_cache().ValueAt(ref, l, t), stride),
                 1e-5);
     }
   }

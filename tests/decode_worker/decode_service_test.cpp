@@ -12,8 +12,9 @@
 #include <string>
 #include <thread>
 
-#include "../engine/test_util.h"
-#include "control_peer.h"
+#include "kdn/testing/temp_dir.h"
+#include "kdn/testing/tiny_model.h"
+#include "kdn/testing/control_peer.h"
 #include "kdn/engine/generate.h"
 #include "kdn/engine/presets.h"
 #include "kdn/kvbus/chunk.h"
@@ -22,7 +23,7 @@
 namespace kdn::decode_worker {
 namespace {
 
-using engine::testing::TempDir;
+using kdn::testing::TempDir;
 using namespace std::chrono_literals;
 
 // With max_tokens 4, a request reserves 64 tokens: 4 KV blocks of 16.
@@ -69,11 +70,7 @@ class Peer : public testing::ControlPeer {
 
 class DecodeServiceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    auto preset = engine::FindPreset("tiny");
-    ASSERT_TRUE(preset.ok());
-    ASSERT_TRUE(engine::WriteModelFolder(dir_.path(), preset->config, 1, preset->dtype).ok());
-  }
+  void SetUp() override { ASSERT_TRUE(kdn::testing::WriteTinyModel(dir_.path()).ok()); }
 
   std::unique_ptr<DecodeService> Start(std::chrono::milliseconds lease, double share) {
     auto d = DecodeService::Start({.model_dir = dir_.path(),

@@ -5,7 +5,7 @@
 // silence. The tcp sender polls it beside its socket (tcp_sender_liveness.cpp).
 //
 // The libzmq 4.3 events it relies on (checked on loopback, see
-// tests/kvbus/peer_monitor_test.cpp):
+// tests/kvbus/transport_failfast_test.cpp):
 //   HANDSHAKE_SUCCEEDED   the ZMTP session is up: up();
 //   DISCONNECTED          a session went down; after HANDSHAKE_SUCCEEDED that
 //                         is a lost connection (PeerNews::lost);

@@ -1,0 +1,44 @@
+#include "kdn/testing/tiny_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "kdn/engine/presets.h"
+
+namespace kdn::testing {
+
+std::unique_ptr<engine::CpuEngine> MakeModel(const std::string& preset, uint64_t seed,
+                                             engine::EngineOptions options) {
+  auto p = engine::FindPreset(preset);
+  EXPECT_TRUE(p.ok()) << p.status().ToString();
+  if (!p.ok()) return nullptr;
+  if (options.threads == 0) options.threads = 1;
+  auto m = engine::CpuEngine::Create(p->config, engine::GenerateWeights(p->config, seed, p->dtype),
+                                     options);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+Status WriteTinyModel(const std::filesystem::path& dir, const std::string& preset) {
+  KDN_ASSIGN_OR_RETURN(engine::Preset p, engine::FindPreset(preset));
+  return engine::WriteModelFolder(dir, p.config, 1, p.dtype);
+}
+
+std::vector<int32_t> RandomTokens(int n, int vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+  return t;
+}
+
+double RelError(const float* a, const float* b, size_t n) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    num = std::max(num, std::fabs(static_cast<double>(a[i]) - b[i]));
+    den = std::max(den, std::fabs(static_cast<double>(b[i])));
+  }
+  return den == 0.0 ? num : num / den;
+}
+
+}  // namespace kdn::testing
