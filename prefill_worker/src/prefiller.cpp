@@ -379,6 +379,9 @@ void Prefiller::PutChunk(std::shared_ptr<const kvbus::Chunk> chunk,
     then(store_.Put(std::move(chunk)));
     return;
   }
+  // Host memory at once, so that the jobs after this one find the chunk
+  // whether or not the store thread has got to it; every tier there.
+  if (store_.host() != nullptr) (void)store_.host()->Put(chunk);
   store_io_->Post(0, [&store = store_, chunk = std::move(chunk), then = std::move(then)]() mutable {
     then(store.Put(std::move(chunk)));
   });

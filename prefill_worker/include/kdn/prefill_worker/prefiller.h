@@ -222,7 +222,8 @@ class Prefiller {
       const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
       const control::PruneSpec* prune = nullptr);
   // Puts `chunk` in the store, then calls `then` with how it went: on the
-  // store thread with store_in_background, else here.
+  // store thread with store_in_background (after a put into host memory
+  // here, so that the next job finds it), else here.
   void PutChunk(std::shared_ptr<const kvbus::Chunk> chunk, std::function<void(Status)> then);
 
   engine::Engine& model_;
