@@ -191,16 +191,22 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
     return Corruption("chunk: header checksum mismatch");
   }
   const uint32_t version = Get32(h + kOffVersion);
+  // A whole header of a version or codec this build does not know is
+  // another kdn's chunk (UNIMPLEMENTED), not damage.
   if (version != kChunkFormatVersion && version != kEncodedChunkFormatVersion &&
       version != kPrunedChunkFormatVersion) {
-    return Corruption("chunk: format version " + std::to_string(version) + ", this kdn reads " +
-                      std::to_string(kChunkFormatVersion) + " to " +
-                      std::to_string(kPrunedChunkFormatVersion));
+    return Unimplemented("chunk: format version " + std::to_string(version) +
+                         ", this kdn reads " + std::to_string(kChunkFormatVersion) + " to " +
+                         std::to_string(kPrunedChunkFormatVersion));
   }
   const uint32_t codec = Get32(h + kOffCodec);
-  if (version == kEncodedChunkFormatVersion ? codec != static_cast<uint32_t>(KvCodec::kKvc)
-                                            : codec != 0) {
-    return Corruption("chunk: unknown codec " + std::to_string(codec) + " in a version " +
+  const auto kvc = static_cast<uint32_t>(KvCodec::kKvc);
+  if (codec != 0 && codec != kvc) {
+    return Unimplemented("chunk: unknown codec " + std::to_string(codec) + " in a version " +
+                         std::to_string(version) + " chunk");
+  }
+  if ((version == kEncodedChunkFormatVersion) != (codec == kvc)) {
+    return Corruption("chunk: codec " + std::to_string(codec) + " in a version " +
                       std::to_string(version) + " chunk");
   }
   const uint32_t dtype = Get32(h + kOffDType);

@@ -712,10 +712,9 @@ Result<std::shared_ptr<const Chunk>> RedisStore::Get(const ChunkKey& key) {
   auto chunk = Chunk::Parse(std::move(bytes), size);
   std::string why;
   if (!chunk.ok()) {
-    // A whole header of a format or codec this build does not know is
-    // another kdn version's chunk, sharing the cluster: a miss, kept.
+    // Another kdn version's chunk, sharing the cluster: a miss, kept.
     const std::string& m = chunk.status().message();
-    if (m.starts_with("chunk: format version") || m.starts_with("chunk: unknown codec")) {
+    if (chunk.status().code() == StatusCode::kUnimplemented) {
       ++impl_->misses;
       return NotFound("redis: chunk " + key.ToHex() + " is of another kdn version (" + m + ")");
     }

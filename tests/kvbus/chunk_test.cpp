@@ -167,16 +167,18 @@ TEST(Chunk, ParseChecksFieldsEvenUnderAValidHeaderChecksum) {
     Reseal(b);
     return Chunk::Parse(std::move(b)).status();
   };
-  EXPECT_EQ(edited(8, 2).code(), StatusCode::kCorruption);    // format version 2
+  EXPECT_EQ(edited(8, 2).code(), StatusCode::kCorruption);    // encoded, with no codec
   EXPECT_EQ(edited(12, 3).code(), StatusCode::kCorruption);   // unknown dtype
   EXPECT_EQ(edited(12, 0).code(), StatusCode::kCorruption);   // f32: shape implies 32 bytes
   EXPECT_EQ(edited(60, 2).code(), StatusCode::kCorruption);   // 2 tokens
   EXPECT_EQ(edited(72, 17).code(), StatusCode::kCorruption);  // payload_bytes 17
   EXPECT_EQ(edited(8, 3).code(), StatusCode::kCorruption);    // pruned, with no logical length
-  // A version this kdn does not know (a newer writer's) is a clear miss.
+  // A version or codec this kdn does not know (a newer writer's) is
+  // UNIMPLEMENTED, told from damage by its code.
   const Status newer = edited(8, 4);
-  EXPECT_EQ(newer.code(), StatusCode::kCorruption);
+  EXPECT_EQ(newer.code(), StatusCode::kUnimplemented);
   EXPECT_NE(newer.message().find("format version 4"), std::string::npos) << newer.ToString();
+  EXPECT_EQ(edited(88, 9).code(), StatusCode::kUnimplemented) << "codec 9";
   // The reseal itself is right: an unchanged byte still parses.
   EXPECT_TRUE(edited(0, 'K').ok());
 }

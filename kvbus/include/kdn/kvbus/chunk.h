@@ -107,7 +107,9 @@ class Chunk {
   static Result<std::shared_ptr<const Chunk>> FromEncoded(const ChunkInfo& info,
                                                           std::vector<uint8_t> bytes);
   // Parses and verifies serialized bytes (header fields, sizes, checksum).
-  // CORRUPTION naming what is wrong otherwise.
+  // UNIMPLEMENTED for a sound header of a format version or codec this
+  // build does not know (another kdn version's chunk); CORRUPTION naming
+  // what is wrong otherwise.
   static Result<std::shared_ptr<const Chunk>> Parse(std::vector<uint8_t> bytes);
   // The same over `size` bytes at `data`, which the chunk then shares (a
   // buffer from BufferPool, filled by a transport): no copy. Nobody may
