@@ -12,11 +12,11 @@ namespace kdn::testing {
 TempDir::TempDir() {
   static std::atomic<int> counter{0};
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string test = info == nullptr ? std::string("no_test")
-                                           : std::string(info->test_suite_name()) + "_" +
-                                                 info->name();
-  std::string name = "kdn_test_" + test + "_" + std::to_string(::getpid()) + "_" +
-                     std::to_string(counter++);
+  const std::string test = info == nullptr
+                               ? std::string("no_test")
+                               : std::string(info->test_suite_name()) + "_" + info->name();
+  std::string name =
+      "kdn_test_" + test + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
   // Parameterized tests' names carry '/'.
   for (char& c : name) {
     if (c == '/') c = '_';

@@ -18,8 +18,8 @@ struct ChunkShape {
   uint32_t head_dim = 8;
   uint32_t tokens = 16;
   kvbus::KvDType dtype = kvbus::KvDType::kF32;
-  int64_t position = 0;                 // where the chunk's first token sits
-  kvbus::ChunkKey model = {1, 2};       // the model fingerprint
+  int64_t position = 0;            // where the chunk's first token sits
+  kvbus::ChunkKey model = {1, 2};  // the model fingerprint
 };
 
 // A chunk of `shape` under `key`, payload byte i = seed * 31 + i * 7 + i / 256
