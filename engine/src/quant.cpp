@@ -189,6 +189,21 @@ void QuantizeActivations(const float* x, int64_t n, ActBlock* out) {
   }
 }
 
+void PairActivations(const ActBlock* blocks, int64_t n, ActPair* out) {
+  const int64_t count = n / kQuantBlock;
+  for (int64_t p = 0; p < ActPairCount(n); ++p) {
+    ActPair& pair = out[p];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t b = 2 * p + h;
+      const bool there = b < count;
+      for (int i = 0; i < kQuantBlock; ++i)
+        pair.q[h * kQuantBlock + i] = there ? blocks[b].q[i] : 0;
+      for (int i = 0; i < 8; ++i) pair.d[h * 8 + i] = there ? blocks[b].d : 0.0f;
+      pair.s[h] = there ? blocks[b].s : 0.0f;
+    }
+  }
+}
+
 const char* DotIsaName(DotIsa isa) {
   switch (isa) {
     case DotIsa::kScalar: return "scalar";

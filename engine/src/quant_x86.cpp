@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -188,58 +189,70 @@ KDN_AVX512 inline void Operands(const uint8_t* w, const ActBlock& x, __m256i* u,
   }
 }
 
-// One weight row against kRows activation rows (x_stride bytes apart): the
-// weight's unpacking and scales once per block pair for all of them. Each
-// row's sum is taken in the same order whatever kRows is, and the one-row
-// dot product is this with kRows 1, so a row's product does not depend on
-// how many rows are computed beside it (weight_matrix.h).
+// One weight row against kRows activation rows (ActPair rows, x_stride
+// bytes apart): the weight's unpacking and scales once per block pair for
+// all of them; each row's pair is one load of its 64 values and one of its
+// scales. Each row's sum is taken in the same order whatever kRows is, and
+// the one-row dot product (QuantDotAvx512) takes the same steps, so a row's
+// product does not depend on how many rows are computed beside it
+// (weight_matrix.h).
 template <GgmlType T, int kRows>
 KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const uint8_t* xv, int64_t x_stride, int64_t n,
                                    float* out) {
   const int64_t blocks = n / kQuantBlock;
   constexpr int kBytes = Block<T>::kBytes;
-  const ActBlock* x[kRows];
+  const ActPair* x[kRows];
   __m512 acc[kRows];
   float offset[kRows];
   for (int r = 0; r < kRows; ++r) {
-    x[r] = reinterpret_cast<const ActBlock*>(xv + r * x_stride);
+    x[r] = reinterpret_cast<const ActPair*>(xv + r * x_stride);
     acc[r] = _mm512_setzero_ps();
     offset[r] = 0.0f;
   }
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2, w += 2 * kBytes) {
-    __m256i u0, u1, qw0, qw1;
+    __m256i u0, u1;
+    [[maybe_unused]] __mmask64 negative = 0;
     if constexpr (T == GgmlType::kQ8_0) {
-      qw0 = Load32(w + Block<T>::kQs);
-      qw1 = Load32(w + kBytes + Block<T>::kQs);
+      const __m256i qw0 = Load32(w + Block<T>::kQs), qw1 = Load32(w + kBytes + Block<T>::kQs);
       u0 = _mm256_abs_epi8(qw0);
       u1 = _mm256_abs_epi8(qw1);
+      negative = _mm512_movepi8_mask(Pair(qw0, qw1));
     } else {
       u0 = Nibbles(w + Block<T>::kQs);
       u1 = Nibbles(w + kBytes + Block<T>::kQs);
     }
     const __m512i u = Pair(u0, u1);
-    const float d0 = Half(w), d1 = Half(w + kBytes);
+    // The weight's scales spread once, times each row's in one multiply.
+    const __m512 wd = PairScale(Half(w), Half(w + kBytes));
     const float c0 = OffsetCoef<T>(w), c1 = OffsetCoef<T>(w + kBytes);
     for (int r = 0; r < kRows; ++r) {
-      __m256i s0 = Load32(x[r][b].q), s1 = Load32(x[r][b + 1].q);
+      const ActPair& p = x[r][b / 2];
+      __m512i s = _mm512_loadu_si512(p.q);
+      // Q8_0: the activation carries the weight's sign (a zero weight's
+      // product is zero either way).
       if constexpr (T == GgmlType::kQ8_0) {
-        s0 = _mm256_sign_epi8(s0, qw0);
-        s1 = _mm256_sign_epi8(s1, qw1);
+        s = _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s);
       }
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, Pair(s0, s1));
-      acc[r] = _mm512_fmadd_ps(PairScale(d0 * x[r][b].d, d1 * x[r][b + 1].d),
-                               _mm512_cvtepi32_ps(dot), acc[r]);
-      offset[r] += c0 * x[r][b].s + c1 * x[r][b + 1].s;
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+      acc[r] =
+          _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_loadu_ps(p.d)), _mm512_cvtepi32_ps(dot), acc[r]);
+      offset[r] += c0 * p.s[0] + c1 * p.s[1];
     }
   }
   for (int r = 0; r < kRows; ++r) {
     float s = _mm512_reduce_add_ps(acc[r]) + offset[r];
     if (b < blocks) {
+      // The odd last block: the first half of the last pair.
+      const ActPair& p = x[r][b / 2];
+      ActBlock last;
+      last.d = p.d[0];
+      last.s = p.s[0];
+      std::memcpy(last.q, p.q, kQuantBlock);
       __m256i u, sg;
-      Operands<T>(w, x[r][b], &u, &sg);
+      Operands<T>(w, last, &u, &sg);
       const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sg);
-      s += Half(w) * x[r][b].d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, x[r][b]);
+      s += Half(w) * last.d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, last);
     }
     out[r] = s;
   }
@@ -253,15 +266,50 @@ KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const void* x, int64_t x_st
     case 1: return QuantDotRowsAvx512<T, 1>(w, xb, x_stride, n, out);
     case 2: return QuantDotRowsAvx512<T, 2>(w, xb, x_stride, n, out);
     case 3: return QuantDotRowsAvx512<T, 3>(w, xb, x_stride, n, out);
-    default: return QuantDotRowsAvx512<T, 4>(w, xb, x_stride, n, out);
+    case 4: return QuantDotRowsAvx512<T, 4>(w, xb, x_stride, n, out);
+    case 5: return QuantDotRowsAvx512<T, 5>(w, xb, x_stride, n, out);
+    case 6: return QuantDotRowsAvx512<T, 6>(w, xb, x_stride, n, out);
+    case 7: return QuantDotRowsAvx512<T, 7>(w, xb, x_stride, n, out);
+    default: return QuantDotRowsAvx512<T, 8>(w, xb, x_stride, n, out);
   }
 }
 
+// The one-row dot product on ActBlocks (a product of one activation row
+// runs it, unpaired): the same products as QuantDotRowsAvx512's, summed in
+// the same lanes in the same order, so the two agree bit for bit.
 template <GgmlType T>
-KDN_AVX512 float QuantDotAvx512(const uint8_t* w, const void* x, int64_t n) {
-  float out;
-  QuantDotRowsAvx512<T, 1>(w, static_cast<const uint8_t*>(x), 0, n, &out);
-  return out;
+KDN_AVX512 float QuantDotAvx512(const uint8_t* w, const void* xv, int64_t n) {
+  const int64_t blocks = n / kQuantBlock;
+  constexpr int kBytes = Block<T>::kBytes;
+  const auto* x = static_cast<const ActBlock*>(xv);
+  __m512 acc = _mm512_setzero_ps();
+  float offset = 0.0f;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2, w += 2 * kBytes) {
+    __m256i u0, u1, s0 = Load32(x[b].q), s1 = Load32(x[b + 1].q);
+    if constexpr (T == GgmlType::kQ8_0) {
+      const __m256i qw0 = Load32(w + Block<T>::kQs), qw1 = Load32(w + kBytes + Block<T>::kQs);
+      u0 = _mm256_abs_epi8(qw0);
+      u1 = _mm256_abs_epi8(qw1);
+      s0 = _mm256_sign_epi8(s0, qw0);
+      s1 = _mm256_sign_epi8(s1, qw1);
+    } else {
+      u0 = Nibbles(w + Block<T>::kQs);
+      u1 = Nibbles(w + kBytes + Block<T>::kQs);
+    }
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), Pair(u0, u1), Pair(s0, s1));
+    acc = _mm512_fmadd_ps(PairScale(Half(w) * x[b].d, Half(w + kBytes) * x[b + 1].d),
+                          _mm512_cvtepi32_ps(dot), acc);
+    offset += OffsetCoef<T>(w) * x[b].s + OffsetCoef<T>(w + kBytes) * x[b + 1].s;
+  }
+  float s = _mm512_reduce_add_ps(acc) + offset;
+  if (b < blocks) {
+    __m256i u, sg;
+    Operands<T>(w, x[b], &u, &sg);
+    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sg);
+    s += Half(w) * x[b].d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, x[b]);
+  }
+  return s;
 }
 
 // Sixteen floats of a F32, F16 or BF16 row from value i.
@@ -317,7 +365,11 @@ KDN_AVX512 void FloatDotRowsAvx512(const uint8_t* w, const void* x, int64_t x_st
     case 1: return FloatDotRowsAvx512<T, 1>(w, xb, x_stride, n, out);
     case 2: return FloatDotRowsAvx512<T, 2>(w, xb, x_stride, n, out);
     case 3: return FloatDotRowsAvx512<T, 3>(w, xb, x_stride, n, out);
-    default: return FloatDotRowsAvx512<T, 4>(w, xb, x_stride, n, out);
+    case 4: return FloatDotRowsAvx512<T, 4>(w, xb, x_stride, n, out);
+    case 5: return FloatDotRowsAvx512<T, 5>(w, xb, x_stride, n, out);
+    case 6: return FloatDotRowsAvx512<T, 6>(w, xb, x_stride, n, out);
+    case 7: return FloatDotRowsAvx512<T, 7>(w, xb, x_stride, n, out);
+    default: return FloatDotRowsAvx512<T, 8>(w, xb, x_stride, n, out);
   }
 }
 
@@ -326,6 +378,55 @@ KDN_AVX512 float FloatDotAvx512(const uint8_t* w, const void* x, int64_t n) {
   float out;
   FloatDotRowsAvx512<T, 1>(w, static_cast<const uint8_t*>(x), 0, n, &out);
   return out;
+}
+
+// The sums of 16 vectors' lanes, a[t] -> lane t, each added in the tree
+// _mm512_reduce_add_ps takes (lane i with i + 8, then with i + 4, then
+// i + 2, then i + 1), so that each is bit for bit that function's result.
+KDN_AVX512 inline __m512 Reduce16(const __m512* a) {
+  // Two keys per vector: halves added (i + 8).
+  __m512 b[8];
+  for (int k = 0; k < 8; ++k) {
+    const __m512 x = _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    b[k] = _mm512_add_ps(x, y);  // 128-bit lanes: 2k lo, 2k hi, 2k+1 lo, 2k+1 hi
+  }
+  // Four keys per vector, one per 128-bit lane (i + 4).
+  __m512 c[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512 x = _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 y = _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    c[k] = _mm512_add_ps(x, y);  // lanes: keys 4k, 4k+1, 4k+2, 4k+3
+  }
+  // Eight keys per vector, two per 128-bit lane (i + 2).
+  __m512 d[2];
+  for (int k = 0; k < 2; ++k) {
+    const __m512 x = _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    d[k] = _mm512_add_ps(x, y);  // lane l: keys (4(2k)+l) x2, (4(2k+1)+l) x2
+  }
+  // Sixteen keys (i + 1).
+  const __m512 x = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 y = _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1));
+  const __m512 e = _mm512_add_ps(x, y);
+  // 128-bit lane l of e holds keys l, 4 + l, 8 + l, 12 + l.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// One key's scores for the kHeads heads.
+template <int kNv, int kHeads>
+KDN_AVX512 inline void ScoreOne(const __m512 (&qv)[kHeads][kNv], const float* const* k_blocks,
+                                int64_t stride, int64_t p, int64_t lo, int64_t n, float scale,
+                                float* scores) {
+  const float* kp = k_blocks[p / 16] + (p % 16) * stride;
+  __m512 kv[kNv];
+  for (int j = 0; j < kNv; ++j) kv[j] = _mm512_loadu_ps(kp + 16 * j);
+  for (int h = 0; h < kHeads; ++h) {
+    __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
+    for (int j = 1; j < kNv; ++j) a = _mm512_fmadd_ps(qv[h][j], kv[j], a);
+    scores[h * n + p - lo] = _mm512_reduce_add_ps(a) * scale;
+  }
 }
 
 // Decode attention for the kHeads query heads that share one KV head: each
@@ -345,16 +446,26 @@ KDN_AVX512 void AttendGroupAvx512(const float* q, const float* const* k_blocks,
       o[h][j] = _mm512_setzero_ps();
     }
   }
-  for (int64_t p = lo; p < ctx; ++p) {
-    const float* kp = k_blocks[p / kBlock] + (p % kBlock) * stride;
-    __m512 kv[kNv];
-    for (int j = 0; j < kNv; ++j) kv[j] = _mm512_loadu_ps(kp + 16 * j);
+  // The scores of a whole block of 16 keys at a time: each key's 16 lane
+  // products reduced together with the others' (Reduce16), the sums the
+  // same as _mm512_reduce_add_ps's one key at a time.
+  int64_t p = lo;
+  for (; p < ctx && p % kBlock != 0; ++p)
+    ScoreOne<kNv, kHeads>(qv, k_blocks, stride, p, lo, n, scale, scores);
+  for (; p + kBlock <= ctx; p += kBlock) {
+    const float* kb = k_blocks[p / kBlock];
     for (int h = 0; h < kHeads; ++h) {
-      __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
-      for (int j = 1; j < kNv; ++j) a = _mm512_fmadd_ps(qv[h][j], kv[j], a);
-      scores[h * n + p - lo] = _mm512_reduce_add_ps(a) * scale;
+      __m512 a[kBlock];
+      for (int t = 0; t < kBlock; ++t) {
+        const float* kp = kb + t * stride;
+        a[t] = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(kp));
+        for (int j = 1; j < kNv; ++j)
+          a[t] = _mm512_fmadd_ps(qv[h][j], _mm512_loadu_ps(kp + 16 * j), a[t]);
+      }
+      _mm512_storeu_ps(scores + h * n + p - lo, _mm512_mul_ps(Reduce16(a), _mm512_set1_ps(scale)));
     }
   }
+  for (; p < ctx; ++p) ScoreOne<kNv, kHeads>(qv, k_blocks, stride, p, lo, n, scale, scores);
   for (int h = 0; h < kHeads; ++h) Softmax(scores + h * n, n);
   for (int64_t p = lo; p < ctx; ++p) {
     const float* vp = v_blocks[p / kBlock] + (p % kBlock) * stride;

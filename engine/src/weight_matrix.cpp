@@ -65,7 +65,10 @@ void WeightMatrix::RowToFloat(int64_t r, float* out) const {
 void WeightMatrix::DotRows(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy,
                            bool accumulate, ProductScratch& scratch, DotIsa isa) const {
   const DotFn dot = DotFor(*traits_, isa);
-  const DotRowsFn dot_rows = DotRowsFor(*traits_, isa);
+  // One quantized row goes through the one-row dot product unpaired (the
+  // same sums, bit for bit: quant.h); more through the multi-row one.
+  const DotRowsFn dot_rows =
+      m == 1 && traits_->quantized_x ? nullptr : DotRowsFor(*traits_, isa);
   const void* xs = x;
   int64_t x_stride = ldx * static_cast<int64_t>(sizeof(float));  // bytes between rows
   if (traits_->quantized_x) {
@@ -75,6 +78,15 @@ void WeightMatrix::DotRows(int64_t m, const float* x, int64_t ldx, float* y, int
       QuantizeActivations(x + i * ldx, cols_, &scratch.act[i * blocks]);
     xs = scratch.act.data();
     x_stride = blocks * static_cast<int64_t>(sizeof(ActBlock));
+    if (dot_rows != nullptr) {
+      const int64_t pairs = ActPairCount(cols_);
+      scratch.pairs.resize(static_cast<size_t>(m * pairs));
+      for (int64_t i = 0; i < m; ++i) {
+        PairActivations(&scratch.act[i * blocks], cols_, &scratch.pairs[i * pairs]);
+      }
+      xs = scratch.pairs.data();
+      x_stride = pairs * static_cast<int64_t>(sizeof(ActPair));
+    }
   }
   const auto* xb = static_cast<const uint8_t*>(xs);
   const int64_t row_bytes = traits_->RowBytes(cols_);

@@ -117,26 +117,34 @@ TEST(Quant, MultiRowDotProductsMatchTheScalarReference) {
     if (rows_fn == nullptr) continue;
     for (int64_t n : Widths(t)) {
       const std::vector<uint8_t> w = Encode(t.type, Random(n, 41, 0.05f));
-      // The activation rows: ActBlocks for the quantized formats, floats else.
-      const int64_t blocks = n / kQuantBlock;
+      // The activation rows: ActBlocks for the quantized formats, floats else
+      // (the multi-row kernels take them paired).
+      const int64_t blocks = n / kQuantBlock, pairs = ActPairCount(n);
       std::vector<ActBlock> xq(kDotRowsMax * std::max<int64_t>(blocks, 1));
+      std::vector<ActPair> xp(kDotRowsMax * std::max<int64_t>(pairs, 1));
       std::vector<float> xf(kDotRowsMax * n);
       for (int r = 0; r < kDotRowsMax; ++r) {
         const std::vector<float> v = Random(n, 50 + r);
         std::copy(v.begin(), v.end(), &xf[r * n]);
-        if (t.quantized_x) QuantizeActivations(v.data(), n, &xq[r * blocks]);
+        if (t.quantized_x) {
+          QuantizeActivations(v.data(), n, &xq[r * blocks]);
+          PairActivations(&xq[r * blocks], n, &xp[r * pairs]);
+        }
       }
       const auto row_x = [&](int r) -> const void* {
         return t.quantized_x ? static_cast<const void*>(&xq[r * blocks]) : &xf[r * n];
       };
-      const int64_t stride =
-          t.quantized_x ? blocks * static_cast<int64_t>(sizeof(ActBlock)) : n * 4;
+      const void* rows_x = t.quantized_x ? static_cast<const void*>(xp.data()) : xf.data();
+      const int64_t stride = t.quantized_x ? pairs * static_cast<int64_t>(sizeof(ActPair)) : n * 4;
       for (int rows = 1; rows <= kDotRowsMax; ++rows) {
         float out[kDotRowsMax];
-        rows_fn(w.data(), row_x(0), stride, rows, n, out);
+        rows_fn(w.data(), rows_x, stride, rows, n, out);
         for (int r = 0; r < rows; ++r) {
           const float ref = t.dot[0](w.data(), row_x(r), n);
           EXPECT_NEAR(out[r], ref, 1e-5 * std::fabs(ref) + 1e-4)
+              << t.name << " n=" << n << " rows=" << rows << " r=" << r;
+          // The same ISA's one-row dot product, bit for bit.
+          EXPECT_EQ(out[r], DotFor(t, DotIsa::kAvx512Vnni)(w.data(), row_x(r), n))
               << t.name << " n=" << n << " rows=" << rows << " r=" << r;
         }
       }

@@ -37,6 +37,22 @@ struct ActBlock {
 // d = max|x| / 127, q = round(x / d).
 void QuantizeActivations(const float* x, int64_t n, ActBlock* out);
 
+// An activation row as the AVX-512 VNNI multi-row dot products read it: its
+// blocks in pairs, each pair's 64 values side by side and each block's d
+// spread over the 8 lanes it scales, so that a pair is two loads and no
+// shuffle. An odd last block fills the first half of the last pair (the
+// rest zero).
+struct alignas(64) ActPair {
+  int8_t q[2 * kQuantBlock];
+  float d[16];  // the first block's d in lanes 0-7, the second's in 8-15
+  float s[2];
+};
+// The pairs of a row of n values (whole blocks).
+inline int64_t ActPairCount(int64_t n) { return (n / kQuantBlock + 1) / 2; }
+// Rearranges a quantized row of n values (n / kQuantBlock blocks) into
+// ActPairCount(n) pairs; the values are the blocks' own, unchanged.
+void PairActivations(const ActBlock* blocks, int64_t n, ActPair* out);
+
 // Which instructions the dot products use.
 enum class DotIsa { kScalar, kAvx2, kAvx512Vnni };
 const char* DotIsaName(DotIsa isa);
@@ -48,11 +64,12 @@ DotIsa BestDotIsa();
 // and float[n] for F32, F16 and BF16.
 using DotFn = float (*)(const uint8_t* w, const void* x, int64_t n);
 // The dot products of one row in the format with `rows` (1 to
-// kDotRowsMax) activation rows (ActBlocks for the quantized formats, floats
-// for the others), x_stride bytes apart: out[r]. What a batch's product
-// runs, the weight's blocks unpacked once for all. Each out[r] is, bit for
-// bit, what the same ISA's DotFn gives for that row alone, whatever `rows`.
-constexpr int kDotRowsMax = 4;
+// kDotRowsMax) activation rows (ActPair rows from PairActivations for the
+// quantized formats, floats for the others), x_stride bytes apart: out[r].
+// What a batch's product runs, the weight's blocks unpacked once for all.
+// Each out[r] is, bit for bit, what the same ISA's DotFn gives for that row
+// alone, whatever `rows`.
+constexpr int kDotRowsMax = 8;
 using DotRowsFn = void (*)(const uint8_t* w, const void* x, int64_t x_stride, int rows, int64_t n,
                            float* out);
 // Writes n values of a row in the format (whole blocks) to `out` as floats.
@@ -63,7 +80,7 @@ struct QuantTraits {
   const char* name;
   int block_values;    // values per block (1 for F32, F16, BF16)
   int block_bytes;     // bytes per block
-  bool quantized_x;    // the dot product takes ActBlocks (else floats)
+  bool quantized_x;    // the dot products take quantized rows (else floats)
   ToFloatFn to_float;  // bit for bit the gguf package's dequantize
   DotFn dot[3];        // by DotIsa; a null entry falls back to scalar
   DotRowsFn dot_rows;  // AVX-512 VNNI, every format; else null

@@ -34,7 +34,8 @@ namespace kdn::engine {
 
 // A caller's buffers for WeightMatrix::Product, kept across calls.
 struct ProductScratch {
-  std::vector<ActBlock> act;  // the activation rows, quantized
+  std::vector<ActBlock> act;   // the activation rows, quantized
+  std::vector<ActPair> pairs;  // the same, paired for the multi-row kernels
 };
 
 class WeightMatrix {
