@@ -185,12 +185,9 @@ kdn_status kdn_model_open(const char* path, int32_t kv_dtype, kdn_model** out) {
     KDN_RETURN_IF_ERROR(CheckDType(kv_dtype, "kv_dtype"));
     auto m = std::make_unique<kdn_model>();
     KDN_ASSIGN_OR_RETURN(m->config, kdn::model::LoadModelConfig(path));
-    KDN_ASSIGN_OR_RETURN(uint64_t digest, kdn::kvbridge::WeightsDigest(path));
     m->kv_dtype = static_cast<kvbus::KvDType>(kv_dtype);
-    // As kdn's workers do (control::LoadWorkerModel).
-    const std::string& wd = m->config.torch_dtype;
-    m->fingerprint = kdn::kvbridge::ModelFingerprint(m->config, wd.empty() ? "unknown" : wd,
-                                                     kvbus::KvDTypeName(m->kv_dtype), digest);
+    KDN_ASSIGN_OR_RETURN(m->fingerprint,
+                         kdn::kvbridge::FolderFingerprint(path, m->config, m->kv_dtype));
     *out = m.release();
     return Status::Ok();
   });

@@ -27,11 +27,9 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
   KDN_ASSIGN_OR_RETURN(w.model, engine::OpenEngine(dir, options));
   kvbridge::PinChunkBuffersFor(*w.model);
   KDN_ASSIGN_OR_RETURN(w.tokenizer, text::Tokenizer::Load(dir));
-  KDN_ASSIGN_OR_RETURN(uint64_t digest, kvbridge::WeightsDigest(dir));
-  const model::ModelConfig& c = w.model->config();
-  w.fingerprint = kvbridge::ModelFingerprint(
-      c, c.torch_dtype.empty() ? "unknown" : c.torch_dtype,
-      kvbus::KvDTypeName(kvbridge::ChunkDType(w.model->kv_dtype())), digest);
+  KDN_ASSIGN_OR_RETURN(w.fingerprint,
+                       kvbridge::FolderFingerprint(dir, w.model->config(),
+                                                   kvbridge::ChunkDType(w.model->kv_dtype())));
   // kdn-launch shows this time as each worker comes up.
   LogInfo("model {} loaded in {:.2f} s ({})", dir.string(),
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),

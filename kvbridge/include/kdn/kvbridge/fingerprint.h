@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "kdn/common/status.h"
+#include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/model/config.h"
 
@@ -27,5 +28,13 @@ kvbus::ChunkKey ModelFingerprint(const model::ModelConfig& config, std::string_v
 // (so a Q4_1 file's chunks never mix with another quantization's); streamed,
 // ~10 GB/s, so ~2 s for 16 GB.
 Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir);
+
+// The fingerprint of the model at `model_dir` (a folder or a GGUF file),
+// whose config is `config`, with its KV kept as `kv_dtype`: ModelFingerprint
+// over its WeightsDigest and its config's torch_dtype ("unknown" where the
+// config names none). What kdn's workers and the C client key chunks under.
+Result<kvbus::ChunkKey> FolderFingerprint(const std::filesystem::path& model_dir,
+                                          const model::ModelConfig& config,
+                                          kvbus::KvDType kv_dtype);
 
 }  // namespace kdn::kvbridge

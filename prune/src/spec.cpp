@@ -1,0 +1,58 @@
+#include "kdn/prune/spec.h"
+
+#include <algorithm>
+#include <iterator>
+#include <string>
+
+namespace kdn::prune {
+
+bool IsPruneMethod(std::string_view method) {
+  return std::find(std::begin(kPruneMethods), std::end(kPruneMethods), method) !=
+         std::end(kPruneMethods);
+}
+
+std::string PruneMethodNames() {
+  std::string names;
+  for (std::string_view m : kPruneMethods) {
+    names += (names.empty() ? "'" : ", '") + std::string(m) + "'";
+  }
+  return names;
+}
+
+void TokenizeKvzipPrompts(const std::function<std::vector<int32_t>(const std::string&)>& encode,
+                          PruneSpec* spec) {
+  if (spec->method != "kvzip") return;
+  spec->kvzip_first = encode(std::string(kKvzipFirstPrompt));
+  spec->kvzip_next = encode(std::string(kKvzipNextPrompt));
+  spec->kvzip_suffix = encode(std::string(kKvzipSuffix));
+}
+
+Status ValidatePruneSpec(const PruneSpec& spec) {
+  if (!IsPruneMethod(spec.method)) {
+    return InvalidArgument("prune: unknown method '" + spec.method + "' (one of " +
+                           PruneMethodNames() + ")");
+  }
+  if (!(spec.keep > 0 && spec.keep <= 1)) {
+    return InvalidArgument("prune: keep must be in (0, 1], got " + std::to_string(spec.keep));
+  }
+  if (spec.sinks < 0 || spec.sinks > kMaxPruneSinks) {
+    return InvalidArgument("prune: sinks must be in [0, " + std::to_string(kMaxPruneSinks) +
+                           "], got " + std::to_string(spec.sinks));
+  }
+  if (spec.method == "kvzip" &&
+      (spec.kvzip_first.empty() || spec.kvzip_next.empty() || spec.kvzip_suffix.empty())) {
+    return InvalidArgument("prune: kvzip needs its repeat prompts");
+  }
+  return Status::Ok();
+}
+
+int64_t PrunePeakTokens(const PruneSpec& spec, int64_t tokens) {
+  if (spec.method != "kvzip") return tokens;
+  const auto first = static_cast<int64_t>(spec.kvzip_first.size());
+  const int64_t next =
+      tokens > kKvzipChunkTokens ? static_cast<int64_t>(spec.kvzip_next.size()) + kKvzipOverlap : 0;
+  return tokens + std::max(first, next) + static_cast<int64_t>(spec.kvzip_suffix.size()) +
+         std::min(tokens, kKvzipChunkTokens);
+}
+
+}  // namespace kdn::prune
