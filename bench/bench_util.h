@@ -168,8 +168,8 @@ int RunMultiturnEngine(const Common& c, const MultiturnOptions& o);
 
 // rag-blend: CacheBlend vs full prefill vs prefix caching (bench/blend_workloads.cpp).
 // With check_layers, each ratio also runs with progressive filtering over
-// those layers (control::CheckSchedule's default ratios). `selections`
-// (control::ParseBlendSelection's names) are the policies each blend row
+// those layers (blend::CheckSchedule's default ratios). `selections`
+// (blend::ParseBlendSelection's names) are the policies each blend row
 // runs with; a boundary:K one runs once (it uses no ratio).
 int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
                 const std::vector<double>& ratios, int check_layer,

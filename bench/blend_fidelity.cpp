@@ -16,7 +16,7 @@
 // recomputed at every layer, no check), blend by KV deviation at one check
 // layer (kdn's choice) at each ratio, the same number of tokens chosen at
 // random, progressive filtering over each --check-layers list (CacheBlend's;
-// control::CheckSchedule's default ratios), and boundary+deviation (the
+// blend::CheckSchedule's default ratios), and boundary+deviation (the
 // first --boundary-deviation tokens of each document always, the rest of the
 // ratio by deviation) with one check and each schedule. Per mode, over the first --answer-tokens
 // positions of the answer, teacher-forced on full prefill's greedy tokens (one pass over them on
@@ -53,7 +53,7 @@ struct Mode {
   std::string kind;  // full_reuse, deviation, random, progressive, boundary:K, boundary+deviation
   double ratio = 0;
   std::vector<int> check_layers;  // progressive schedules only
-  control::BlendSelection selection;
+  blend::BlendSelection selection;
   double max_kl = 0;
 };
 
@@ -123,7 +123,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
       "List the main points of each passage above.",
   };
 
-  using Kind = control::BlendSelection::Kind;
+  using Kind = blend::BlendSelection::Kind;
   std::vector<Mode> modes{{"full reuse", "full_reuse", 0, {}, {}}};
   for (int k : o.boundary) {
     if (k <= 0) continue;  // --boundary 0: no boundary rows
@@ -150,7 +150,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
       }
     }
     if (o.boundary_deviation > 0) {
-      const control::BlendSelection bd{Kind::kBoundaryDeviation, o.boundary_deviation};
+      const blend::BlendSelection bd{Kind::kBoundaryDeviation, o.boundary_deviation};
       std::snprintf(name, sizeof(name), "bound:%d+dev %.2f", o.boundary_deviation, r);
       modes.push_back({name, "boundary+deviation", r, {}, bd});
       for (const auto& layers : o.check_layers) {

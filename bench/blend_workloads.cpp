@@ -157,11 +157,11 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     double ratio;
     bool overlap;
     bool progressive = false;
-    control::BlendSelection selection;
+    blend::BlendSelection selection;
   };
   std::vector<Mode> modes;
   for (const std::string& name : selections) {
-    auto sel = control::ParseBlendSelection(name);
+    auto sel = blend::ParseBlendSelection(name);
     if (!sel.ok()) {
       std::fprintf(stderr, "kdn-bench rag-blend: %s\n", sel.status().message().c_str());
       return 2;
@@ -223,8 +223,8 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
       agree += greedy[i] == full_greedy[i];
     }
     const double kl = blend::KlDivergence(full_logits, res.logits);
-    const std::string sel = control::BlendSelectionName(mode.selection);
-    const bool deviation = mode.selection == control::BlendSelection{};
+    const std::string sel = blend::BlendSelectionName(mode.selection);
+    const bool deviation = mode.selection == blend::BlendSelection{};
     char name[64];
     if (!mode.selection.checks()) {
       std::snprintf(name, sizeof(name), "%s", sel.c_str());

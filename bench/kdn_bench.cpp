@@ -385,7 +385,7 @@ int main(int argc, char** argv) {
                   "deviation, random, boundary:K, boundary+deviation:K); boundary:K runs once")
       ->delimiter(',')
       ->check([](const std::string& v) {
-        auto s = kdn::control::ParseBlendSelection(v);
+        auto s = kdn::blend::ParseBlendSelection(v);
         return s.ok() ? std::string() : s.status().message();
       })
       ->capture_default_str();
@@ -439,7 +439,7 @@ int main(int argc, char** argv) {
                    "boundary+deviation:K rows at each ratio, with one check and each schedule "
                    "(0: none)")
       ->capture_default_str()
-      ->check(CLI::Range(0, kdn::control::kMaxBoundaryTokens));
+      ->check(CLI::Range(0, kdn::blend::kMaxBoundaryTokens));
   fidelity
       ->add_option("--max-kl", bf.max_kl,
                    "Quality-target rows: blend_max_kl values (comma-separated), the ratio "

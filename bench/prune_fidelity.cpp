@@ -157,11 +157,11 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     return 1;
   }
   const bool chat = tok && encode("<|im_start|>").size() == 1;
-  // KVzip's repeat prompts (control::kKvzipFirstPrompt: as kvpress words
+  // KVzip's repeat prompts (prune::kKvzipFirstPrompt: as kvpress words
   // them, ending as kvpress ends them for a tokenizer without a chat
   // template, the peer's), as kdn-router sends them.
-  control::PruneSpec kvzip{.method = "kvzip"};
-  control::TokenizeKvzipPrompts(encode, &kvzip);
+  prune::PruneSpec kvzip{.method = "kvzip"};
+  prune::TokenizeKvzipPrompts(encode, &kvzip);
   const prune::KvzipPrompts kvzip_prompts{kvzip.kvzip_first, kvzip.kvzip_next, kvzip.kvzip_suffix};
   const std::vector<std::string> cues = {
       "What does the text above say about \"%s\"?",

@@ -223,8 +223,8 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
                         .check_layer = check_layer,
                         .check_layers = mode.progressive ? check_layers : std::vector<int>{},
                         .selection = {.kind = mode.random
-                                                  ? control::BlendSelection::Kind::kRandom
-                                                  : control::BlendSelection::Kind::kDeviation}},
+                                                  ? blend::BlendSelection::Kind::kRandom
+                                                  : blend::BlendSelection::Kind::kDeviation}},
                .seed = seed}));
       *recomputed += res.recomputed_tokens;
       logits = std::move(res.logits);

@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
                  "non-increasing, the last equal to --recompute-ratio (default: from twice "
                  "the ratio down to it); a request's 'check_ratios' overrides it")
       ->delimiter(',');
-  std::string blend_selection = kdn::control::BlendSelectionName(o.selection);
+  std::string blend_selection = kdn::blend::BlendSelectionName(o.selection);
   app.add_option("--blend-selection", blend_selection,
                  "Blend: how the recomputed document tokens are chosen (docs/blend.md, "
                  "\"Selection policies\"): deviation (CacheBlend's, at the check layers), "
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
                  "boundary+deviation:K (those, and the rest of the ratio by deviation) or random; "
                  "a request's 'blend_selection' overrides it")
       ->check([](const std::string& v) {
-        auto s = kdn::control::ParseBlendSelection(v);
+        auto s = kdn::blend::ParseBlendSelection(v);
         return s.ok() ? std::string() : s.status().message();
       })
       ->capture_default_str();
@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   o.backend.disaggregation = *kdn::router::ParseDisaggregation(disaggregation);
-  o.selection = *kdn::control::ParseBlendSelection(blend_selection);
+  o.selection = *kdn::blend::ParseBlendSelection(blend_selection);
   o.backend.queue_timeout = std::chrono::milliseconds(queue_timeout_ms);
   o.max_body_buffer_bytes = max_body_buffer_mib << 20;
   o.backend.resume = !no_resume;

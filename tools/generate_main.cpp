@@ -107,8 +107,8 @@ struct BlendOutput {
 kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vector<int32_t>& head,
                                      const std::vector<std::vector<int32_t>>& docs,
                                      const std::vector<int32_t>& question,
-                                     const kdn::control::BlendSpec& spec,
-                                     const kdn::control::PruneSpec* prune,
+                                     const kdn::blend::BlendSpec& spec,
+                                     const kdn::prune::PruneSpec* prune,
                                      const kdn::engine::GenerateOptions& gen) {
   kdn::engine::KvCache& cache = model.kv_cache();
   const auto dtype = kdn::kvbridge::ChunkDType(model.kv_dtype());
@@ -185,8 +185,8 @@ int main(int argc, char** argv) {
   app.add_flag("--ignore-eos", ignore_eos, "Keep generating past the EOS token");
   app.add_flag("--print-ids", print_ids, "Print generated token ids instead of text");
   std::vector<std::string> documents;
-  kdn::control::BlendSpec blend;
-  std::string selection = kdn::control::BlendSelectionName(kdn::control::DefaultBlendSelection());
+  kdn::blend::BlendSpec blend;
+  std::string selection = kdn::blend::BlendSelectionName(kdn::blend::DefaultBlendSelection());
   app.add_option("--document", documents,
                  "A document of a blend prompt (repeat in order; --prompt is the question, or "
                  "with --chat they open the last user message): "
@@ -204,7 +204,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--blend-max-kl", blend.max_kl, "Blend: a quality target (0: none)")
       ->check(CLI::NonNegativeNumber);
-  kdn::control::PruneSpec prune;
+  kdn::prune::PruneSpec prune;
   auto* prune_method =
       app.add_option("--prune-method", prune.method,
                      "Blend: prune each document's KV first, as kdn-prefill stores a document "
@@ -218,7 +218,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  if (auto s = kdn::control::ParseBlendSelection(selection); s.ok()) {
+  if (auto s = kdn::blend::ParseBlendSelection(selection); s.ok()) {
     blend.selection = *s;
   } else {
     std::fprintf(stderr, "kdn-generate: --blend-selection: %s\n", s.status().message().c_str());
@@ -290,16 +290,16 @@ int main(int argc, char** argv) {
   // included) and its kept copy at once, each in whole blocks.
   int64_t prune_room = 0;
   if (!prune.method.empty()) {
-    kdn::control::TokenizeKvzipPrompts(  // as kdn-router does
+    kdn::prune::TokenizeKvzipPrompts(  // as kdn-router does
         [&](const std::string& text) { return (*tok)->Encode(text, /*add_bos=*/false); }, &prune);
-    if (auto st = kdn::control::ValidatePruneSpec(prune); !st.ok()) {
+    if (auto st = kdn::prune::ValidatePruneSpec(prune); !st.ok()) {
       std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
       return 2;
     }
     for (const auto& d : doc_ids) {
       const auto n = static_cast<int64_t>(d.size());
       prune_room =
-          std::max(prune_room, kdn::control::PrunePeakTokens(prune, n) + n + 2 * kKvBlockTokens);
+          std::max(prune_room, kdn::prune::PrunePeakTokens(prune, n) + n + 2 * kKvBlockTokens);
     }
   }
   // The KV pool holds the prompt and every token generated.
@@ -318,7 +318,7 @@ int main(int argc, char** argv) {
   if (!documents.empty()) {
     const int layers = (*model)->config().num_layers;
     blend.check_layers =
-        kdn::control::ResolveCheckLayers(blend.check_layer, blend.check_layers, false, layers);
+        kdn::blend::ResolveCheckLayers(blend.check_layer, blend.check_layers, false, layers);
     auto out = BlendAnswer(**model, head, doc_ids, question, blend,
                            prune.method.empty() ? nullptr : &prune, gen);
     if (!out.ok()) {

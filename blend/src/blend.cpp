@@ -86,11 +86,10 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments, std::span<const int32_t> suffix,
                                  const BlendOptions& options) {
   const model::ModelConfig& cfg = model.config();
-  const control::BlendSpec& spec = options.spec;
-  KDN_ASSIGN_OR_RETURN(
-      std::vector<control::CheckStep> checks,
-      control::CheckSchedule(spec.recompute_ratio, spec.check_layer, spec.check_layers,
-                             spec.check_ratios, cfg.num_layers));
+  const blend::BlendSpec& spec = options.spec;
+  KDN_ASSIGN_OR_RETURN(std::vector<blend::CheckStep> checks,
+                       blend::CheckSchedule(spec.recompute_ratio, spec.check_layer,
+                                            spec.check_layers, spec.check_ratios, cfg.num_layers));
   if (!(spec.max_kl >= 0)) return InvalidArgument("blend: max_kl may not be negative");
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
@@ -225,8 +224,8 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                 TargetRatio(dev, spec.recompute_ratio, spec.max_kl, options.kl_per_residual);
             if (ratio != spec.recompute_ratio) {
               KDN_ASSIGN_OR_RETURN(
-                  checks, control::CheckSchedule(ratio, spec.check_layer, spec.check_layers, {},
-                                                 cfg.num_layers));
+                  checks, blend::CheckSchedule(ratio, spec.check_layer, spec.check_layers, {},
+                                               cfg.num_layers));
               out.recompute_ratio = ratio;
             }
           }
@@ -361,8 +360,8 @@ double TargetRatio(std::span<const float> cached_deviation, double start, double
   return 1.0;
 }
 
-SelectionPolicy PolicyFor(const control::BlendSelection& s) {
-  using Kind = control::BlendSelection::Kind;
+SelectionPolicy PolicyFor(const blend::BlendSelection& s) {
+  using Kind = blend::BlendSelection::Kind;
   const int k = s.boundary_tokens;
   switch (s.kind) {
     case Kind::kRandom: return RandomRows;

@@ -1,27 +1,24 @@
 #include "kdn/control/request_spec.h"
 
-#include <algorithm>
-#include <cmath>
-#include <iterator>
-#include <string>
-
 #include "serving.pb.h"
 
 namespace kdn::control {
 
-void BlendToProto(const BlendSpec& spec, proto::BlendSpec* out) {
+void BlendToProto(const blend::BlendSpec& spec, proto::BlendSpec* out) {
   out->set_head_tokens(spec.head_tokens);
   for (int len : spec.segment_tokens) out->add_segment_tokens(len);
   out->set_recompute_ratio(spec.recompute_ratio);
   out->set_check_layer(spec.check_layer);
   for (int l : spec.check_layers) out->add_check_layers(l);
   for (double r : spec.check_ratios) out->add_check_ratios(r);
-  if (spec.selection != BlendSelection{}) out->set_selection(BlendSelectionName(spec.selection));
+  if (spec.selection != blend::BlendSelection{}) {
+    out->set_selection(blend::BlendSelectionName(spec.selection));
+  }
   out->set_max_kl(spec.max_kl);
 }
 
-BlendSpec BlendFromProto(const proto::BlendSpec& p) {
-  BlendSpec spec;
+blend::BlendSpec BlendFromProto(const proto::BlendSpec& p) {
+  blend::BlendSpec spec;
   spec.head_tokens = p.head_tokens();
   spec.segment_tokens.assign(p.segment_tokens().begin(), p.segment_tokens().end());
   spec.recompute_ratio = p.recompute_ratio();
@@ -32,61 +29,12 @@ BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   // The router sends only what it parsed; an unknown name (a newer router)
   // falls back to the default rather than failing the request.
   if (!p.selection().empty()) {
-    if (auto sel = ParseBlendSelection(p.selection()); sel.ok()) spec.selection = *sel;
+    if (auto sel = blend::ParseBlendSelection(p.selection()); sel.ok()) spec.selection = *sel;
   }
   return spec;
 }
 
-bool IsPruneMethod(std::string_view method) {
-  return std::find(std::begin(kPruneMethods), std::end(kPruneMethods), method) !=
-         std::end(kPruneMethods);
-}
-
-std::string PruneMethodNames() {
-  std::string names;
-  for (std::string_view m : kPruneMethods) {
-    names += (names.empty() ? "'" : ", '") + std::string(m) + "'";
-  }
-  return names;
-}
-
-void TokenizeKvzipPrompts(const std::function<std::vector<int32_t>(const std::string&)>& encode,
-                          PruneSpec* spec) {
-  if (spec->method != "kvzip") return;
-  spec->kvzip_first = encode(std::string(kKvzipFirstPrompt));
-  spec->kvzip_next = encode(std::string(kKvzipNextPrompt));
-  spec->kvzip_suffix = encode(std::string(kKvzipSuffix));
-}
-
-Status ValidatePruneSpec(const PruneSpec& spec) {
-  if (!IsPruneMethod(spec.method)) {
-    return InvalidArgument("prune: unknown method '" + spec.method + "' (one of " +
-                           PruneMethodNames() + ")");
-  }
-  if (!(spec.keep > 0 && spec.keep <= 1)) {
-    return InvalidArgument("prune: keep must be in (0, 1], got " + std::to_string(spec.keep));
-  }
-  if (spec.sinks < 0 || spec.sinks > kMaxPruneSinks) {
-    return InvalidArgument("prune: sinks must be in [0, " + std::to_string(kMaxPruneSinks) +
-                           "], got " + std::to_string(spec.sinks));
-  }
-  if (spec.method == "kvzip" &&
-      (spec.kvzip_first.empty() || spec.kvzip_next.empty() || spec.kvzip_suffix.empty())) {
-    return InvalidArgument("prune: kvzip needs its repeat prompts");
-  }
-  return Status::Ok();
-}
-
-int64_t PrunePeakTokens(const PruneSpec& spec, int64_t tokens) {
-  if (spec.method != "kvzip") return tokens;
-  const auto first = static_cast<int64_t>(spec.kvzip_first.size());
-  const int64_t next =
-      tokens > kKvzipChunkTokens ? static_cast<int64_t>(spec.kvzip_next.size()) + kKvzipOverlap : 0;
-  return tokens + std::max(first, next) + static_cast<int64_t>(spec.kvzip_suffix.size()) +
-         std::min(tokens, kKvzipChunkTokens);
-}
-
-void PruneToProto(const PruneSpec& spec, proto::PruneSpec* out) {
+void PruneToProto(const prune::PruneSpec& spec, proto::PruneSpec* out) {
   out->set_method(spec.method);
   out->set_keep(spec.keep);
   out->set_sinks(spec.sinks);
@@ -95,8 +43,8 @@ void PruneToProto(const PruneSpec& spec, proto::PruneSpec* out) {
   out->mutable_kvzip_suffix()->Assign(spec.kvzip_suffix.begin(), spec.kvzip_suffix.end());
 }
 
-PruneSpec PruneFromProto(const proto::PruneSpec& p) {
-  PruneSpec spec;
+prune::PruneSpec PruneFromProto(const proto::PruneSpec& p) {
+  prune::PruneSpec spec;
   spec.method = p.method();
   spec.keep = p.keep();
   spec.sinks = p.sinks();
@@ -104,121 +52,6 @@ PruneSpec PruneFromProto(const proto::PruneSpec& p) {
   spec.kvzip_next.assign(p.kvzip_next().begin(), p.kvzip_next().end());
   spec.kvzip_suffix.assign(p.kvzip_suffix().begin(), p.kvzip_suffix().end());
   return spec;
-}
-
-Result<BlendSelection> ParseBlendSelection(std::string_view text) {
-  BlendSelection s;
-  std::string_view name = text, k;
-  if (const size_t colon = text.find(':'); colon != std::string_view::npos) {
-    name = text.substr(0, colon);
-    k = text.substr(colon + 1);
-  }
-  if (name == "deviation") {
-    s.kind = BlendSelection::Kind::kDeviation;
-  } else if (name == "random") {
-    s.kind = BlendSelection::Kind::kRandom;
-  } else if (name == "boundary") {
-    s.kind = BlendSelection::Kind::kBoundary;
-  } else if (name == "boundary+deviation") {
-    s.kind = BlendSelection::Kind::kBoundaryDeviation;
-  } else {
-    return InvalidArgument("blend selection '" + std::string(text) +
-                           "' is none of deviation, random, boundary:K, boundary+deviation[:K]");
-  }
-  const bool boundary = s.kind == BlendSelection::Kind::kBoundary ||
-                        s.kind == BlendSelection::Kind::kBoundaryDeviation;
-  if (!boundary) {
-    if (!k.empty() || text.find(':') != std::string_view::npos) {
-      return InvalidArgument("blend selection '" + std::string(text) + "' takes no :K");
-    }
-    return s;
-  }
-  s.boundary_tokens = kDefaultBoundaryTokens;
-  if (text.find(':') != std::string_view::npos) {
-    int v = 0;
-    size_t i = 0;
-    for (; i < k.size() && k[i] >= '0' && k[i] <= '9' && v <= kMaxBoundaryTokens; ++i) {
-      v = v * 10 + (k[i] - '0');
-    }
-    if (k.empty() || i != k.size() || v < 1 || v > kMaxBoundaryTokens) {
-      return InvalidArgument("blend selection '" + std::string(text) + "': K must be 1 to " +
-                             std::to_string(kMaxBoundaryTokens));
-    }
-    s.boundary_tokens = v;
-  }
-  return s;
-}
-
-std::string BlendSelectionName(const BlendSelection& s) {
-  switch (s.kind) {
-    case BlendSelection::Kind::kDeviation: return "deviation";
-    case BlendSelection::Kind::kRandom: return "random";
-    case BlendSelection::Kind::kBoundary: return "boundary:" + std::to_string(s.boundary_tokens);
-    case BlendSelection::Kind::kBoundaryDeviation:
-      return "boundary+deviation:" + std::to_string(s.boundary_tokens);
-  }
-  return "deviation";
-}
-
-std::vector<int> ResolveCheckLayers(int check_layer, std::span<const int> check_layers,
-                                    bool ratios_named, int num_layers) {
-  std::vector<int> out(check_layers.begin(), check_layers.end());
-  if (!out.empty()) return out;
-  for (int l = check_layer; l < check_layer + 3 && l < num_layers; ++l) out.push_back(l);
-  if (out.size() < 2 || ratios_named) out.clear();
-  return out;
-}
-
-std::vector<double> DefaultCheckRatios(double ratio, size_t checks) {
-  std::vector<double> out(checks, ratio);
-  if (checks < 2) return out;
-  const double first = std::min(1.0, 2 * ratio);
-  for (size_t i = 0; i + 1 < checks; ++i) {
-    const double f = static_cast<double>(checks - 1 - i) / static_cast<double>(checks - 1);
-    out[i] = ratio + (first - ratio) * f;
-  }
-  return out;
-}
-
-Result<std::vector<CheckStep>> CheckSchedule(double recompute_ratio, int check_layer,
-                                             std::span<const int> check_layers,
-                                             std::span<const double> check_ratios, int num_layers) {
-  const std::string layers_range = "[0, " + std::to_string(num_layers) + ")";
-  if (!(recompute_ratio >= 0 && recompute_ratio <= 1)) {
-    return InvalidArgument("recompute_ratio must be in [0, 1]");
-  }
-  if (check_layers.empty()) {
-    if (!check_ratios.empty()) return InvalidArgument("check_ratios need check_layers");
-    if (check_layer < 0 || check_layer >= num_layers) {
-      return InvalidArgument("check_layer must be in " + layers_range);
-    }
-    return std::vector<CheckStep>{{check_layer, recompute_ratio}};
-  }
-  std::vector<double> ratios(check_ratios.begin(), check_ratios.end());
-  if (ratios.empty()) ratios = DefaultCheckRatios(recompute_ratio, check_layers.size());
-  if (ratios.size() != check_layers.size()) {
-    return InvalidArgument("check_ratios must give one ratio per check layer");
-  }
-  std::vector<CheckStep> out;
-  for (size_t i = 0; i < check_layers.size(); ++i) {
-    if (check_layers[i] < 0 || check_layers[i] >= num_layers) {
-      return InvalidArgument("check_layers must be in " + layers_range);
-    }
-    if (i > 0 && check_layers[i] <= check_layers[i - 1]) {
-      return InvalidArgument("check_layers must be ascending");
-    }
-    if (!(ratios[i] >= 0 && ratios[i] <= 1)) {
-      return InvalidArgument("check_ratios must be in [0, 1]");
-    }
-    if (i > 0 && ratios[i] > ratios[i - 1]) {
-      return InvalidArgument("check_ratios must not increase");
-    }
-    out.push_back({check_layers[i], ratios[i]});
-  }
-  if (std::abs(ratios.back() - recompute_ratio) > 1e-9) {
-    return InvalidArgument("the last of check_ratios must equal recompute_ratio");
-  }
-  return out;
 }
 
 }  // namespace kdn::control

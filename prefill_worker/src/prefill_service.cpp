@@ -24,7 +24,7 @@ struct QueuedJob {
   uint64_t request_id = 0;
   bool inject = false;  // job.tokens is a document to store, not a prompt
   PrefillJob job;
-  std::optional<control::PruneSpec> prune;  // an injected document's pruning
+  std::optional<prune::PruneSpec> prune;  // an injected document's pruning
   // What a KV I/O thread read for it (Prefiller::Prefetch): set once read.
   // Guarded by Impl::mu.
   std::shared_ptr<std::optional<PrefetchedKv>> kv;

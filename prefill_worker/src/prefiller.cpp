@@ -358,7 +358,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
 }
 
 Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
-    const kvbus::ChunkKey& key, std::span<const int32_t> tokens, const control::PruneSpec* prune) {
+    const kvbus::ChunkKey& key, std::span<const int32_t> tokens, const prune::PruneSpec* prune) {
   engine::KvCache& cache = model_.kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   if (prune != nullptr) {
@@ -388,10 +388,10 @@ void Prefiller::PutChunk(std::shared_ptr<const kvbus::Chunk> chunk,
 }
 
 void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
-                       const control::PruneSpec* prune, const PrefetchedKv* kv, InjectDone done) {
+                       const prune::PruneSpec* prune, const PrefetchedKv* kv, InjectDone done) {
   if (tokens.empty()) return done(InvalidArgument("inject: an empty document"));
   if (prune != nullptr) {
-    if (Status st = control::ValidatePruneSpec(*prune); !st.ok()) return done(st);
+    if (Status st = prune::ValidatePruneSpec(*prune); !st.ok()) return done(st);
   }
   const auto n = static_cast<int64_t>(tokens.size());
   if (n > model_.config().max_context) {
@@ -419,7 +419,7 @@ void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
 
 Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> tokens,
                                                    const std::string& ns,
-                                                   const control::PruneSpec* prune,
+                                                   const prune::PruneSpec* prune,
                                                    const PrefetchedKv* kv) {
   std::promise<Result<InjectOutcome>> outcome;
   std::future<Result<InjectOutcome>> ready = outcome.get_future();

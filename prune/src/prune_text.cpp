@@ -6,8 +6,8 @@
 namespace kdn::prune {
 
 Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const control::PruneSpec& spec, engine::KvSequence* pruned) {
-  KDN_RETURN_IF_ERROR(control::ValidatePruneSpec(spec));
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned) {
+  KDN_RETURN_IF_ERROR(prune::ValidatePruneSpec(spec));
   const auto n = static_cast<int64_t>(text.size());
   if (n <= spec.sinks) {
     return InvalidArgument("prune: a text of " + std::to_string(n) +
@@ -15,7 +15,7 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
                            " sink tokens");
   }
   const model::ModelConfig& cfg = model.config();
-  if (const int64_t peak = control::PrunePeakTokens(spec, n); peak > cfg.max_context) {
+  if (const int64_t peak = prune::PrunePeakTokens(spec, n); peak > cfg.max_context) {
     return InvalidArgument("prune: " + spec.method + " over a text of " + std::to_string(n) +
                            " tokens holds " + std::to_string(peak) +
                            " tokens at once, past the model's context of " +
@@ -34,9 +34,7 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
           ? ExpectedAttentionScores(cfg, cache, whole, n, stats, {.sinks = spec.sinks})
       : spec.method == "kvzip"
           ? KvzipScores(model, whole, text, {spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix},
-                        {.sinks = spec.sinks,
-                         .chunk_tokens = control::kKvzipChunkTokens,
-                         .overlap = control::kKvzipOverlap})
+                        {.sinks = spec.sinks})
           : KeyNormScores(cache, whole, n);
   KDN_RETURN_IF_ERROR(scores.status());
   KDN_ASSIGN_OR_RETURN(KeptTokens kept,

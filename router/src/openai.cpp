@@ -318,11 +318,11 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   int64_t check_layer = model.check_layer;
   std::vector<int> check_layers = model.check_layers;
   std::vector<double> check_ratios = model.check_ratios;
-  control::BlendSelection selection = model.selection;
+  blend::BlendSelection selection = model.selection;
   std::string selection_text;
   KDN_API_CHECK(GetString(body, "blend_selection", &selection_text));
   if (IsSet(body, "blend_selection")) {
-    auto s = control::ParseBlendSelection(selection_text);
+    auto s = blend::ParseBlendSelection(selection_text);
     if (!s.ok()) return Bad("'blend_selection': " + s.status().message(), "blend_selection");
     selection = *s;
   }
@@ -333,7 +333,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   }
   // A quality target raises the ratio from the ladder's first unless the
   // request says where to start.
-  if (max_kl > 0 && !IsSet(body, "recompute_ratio")) ratio = control::kMinTargetRatio;
+  if (max_kl > 0 && !IsSet(body, "recompute_ratio")) ratio = blend::kMinTargetRatio;
   KDN_API_CHECK(GetNumber(body, "recompute_ratio", &ratio));
   KDN_API_CHECK(GetInt(body, "check_layer", &check_layer));
   KDN_API_CHECK(GetIntArray(body, "check_layers", &check_layers));
@@ -357,8 +357,8 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   if (IsSet(body, "check_ratios") && !IsSet(body, "recompute_ratio") && !check_ratios.empty()) {
     ratio = check_ratios.back();  // the last check's ratio is the target
   }
-  if (auto st = control::CheckSchedule(ratio, static_cast<int>(check_layer), check_layers,
-                                       check_ratios, model.config->num_layers);
+  if (auto st = blend::CheckSchedule(ratio, static_cast<int>(check_layer), check_layers,
+                                     check_ratios, model.config->num_layers);
       !st.ok()) {
     return Bad("'check_layers' and 'check_ratios': " + st.status().message(),
                IsSet(body, "check_ratios") ? "check_ratios" : "check_layers");
@@ -454,10 +454,10 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
 
 // `prune` of /v1/kdn/inject: {"method": ..., "keep": ..., "sinks": ...}.
 std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& model,
-                                        std::optional<control::PruneSpec>* out) {
+                                        std::optional<prune::PruneSpec>* out) {
   if (!IsSet(body, "prune")) return std::nullopt;
   const json& p = body["prune"];
-  const std::string methods = control::PruneMethodNames();
+  const std::string methods = prune::PruneMethodNames();
   if (!p.is_object()) {
     return Bad("'prune' must be an object: {\"method\": " + methods + ", \"keep\": a ratio}",
                "prune");
@@ -467,7 +467,7 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
       return Bad("prune: unknown field '" + k + "' (method, keep, sinks)", "prune");
     }
   }
-  control::PruneSpec spec;
+  prune::PruneSpec spec;
   if (!p.contains("method") || !p["method"].is_string()) {
     return Bad("prune.method must be one of " + methods, "prune.method");
   }
@@ -475,7 +475,7 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
   if (!p.contains("keep") || !p["keep"].is_number()) {
     return Bad("prune.keep must be a number in (0, 1]", "prune.keep");
   }
-  if (!control::IsPruneMethod(spec.method)) {
+  if (!prune::IsPruneMethod(spec.method)) {
     return Bad("prune.method '" + spec.method + "' is not one of " + methods, "prune.method");
   }
   spec.keep = p["keep"].get<double>();
@@ -485,18 +485,18 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
   if (p.contains("sinks")) {
     const json& sinks = p["sinks"];
     if (!sinks.is_number_integer() || sinks.get<int64_t>() < 0 ||
-        sinks.get<int64_t>() > control::kMaxPruneSinks) {
+        sinks.get<int64_t>() > prune::kMaxPruneSinks) {
       return Bad(
-          "prune.sinks must be an integer in [0, " + std::to_string(control::kMaxPruneSinks) + "]",
+          "prune.sinks must be an integer in [0, " + std::to_string(prune::kMaxPruneSinks) + "]",
           "prune.sinks");
     }
     spec.sinks = static_cast<int>(sinks.get<int64_t>());
   }
-  control::TokenizeKvzipPrompts(
+  prune::TokenizeKvzipPrompts(
       [&](const std::string& text) { return model.tokenizer->Encode(text, /*add_bos=*/false); },
       &spec);
   // What the prefill worker checks again (the repeat prompts, above all).
-  if (Status st = control::ValidatePruneSpec(spec); !st.ok()) return Bad(st.message(), "prune");
+  if (Status st = prune::ValidatePruneSpec(spec); !st.ok()) return Bad(st.message(), "prune");
   *out = std::move(spec);
   return std::nullopt;
 }
@@ -528,7 +528,7 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
   if (out->prune) {
     for (size_t i = 0; i < out->documents.size(); ++i) {
       const auto n = static_cast<int64_t>(out->documents[i].size());
-      if (const int64_t peak = control::PrunePeakTokens(*out->prune, n);
+      if (const int64_t peak = prune::PrunePeakTokens(*out->prune, n);
           peak > model.config->max_context) {
         ApiError e =
             Bad("document " + std::to_string(i) + " has " + std::to_string(n) +

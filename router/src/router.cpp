@@ -91,10 +91,10 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
   // No --check-layers: progressive filtering at --check-layer and the two
   // layers after it (docs/blend.md, "Choosing the tokens").
   const std::vector<int> check_layers =
-      control::ResolveCheckLayers(options.check_layer, options.check_layers,
-                                  !options.check_ratios.empty(), impl->config.num_layers);
-  if (auto st = control::CheckSchedule(options.recompute_ratio, options.check_layer, check_layers,
-                                       options.check_ratios, impl->config.num_layers);
+      blend::ResolveCheckLayers(options.check_layer, options.check_layers,
+                                !options.check_ratios.empty(), impl->config.num_layers);
+  if (auto st = blend::CheckSchedule(options.recompute_ratio, options.check_layer, check_layers,
+                                     options.check_ratios, impl->config.num_layers);
       !st.ok()) {
     return InvalidArgument("--check-layers/--check-ratios: " + st.status().message());
   }

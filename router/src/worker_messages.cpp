@@ -76,7 +76,7 @@ proto::WorkerMessage CancelMessage() {
 }
 
 proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns,
-                                   const control::PruneSpec* prune) {
+                                   const prune::PruneSpec* prune) {
   proto::WorkerMessage m;
   auto* ir = m.mutable_inject();
   ir->mutable_tokens()->Add(document.begin(), document.end());

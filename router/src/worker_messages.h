@@ -36,7 +36,7 @@ proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens = 0);
 proto::WorkerMessage CancelMessage();
 // Inject: the prefill worker computes and stores a document's KV.
 proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns,
-                                   const control::PruneSpec* prune = nullptr);
+                                   const prune::PruneSpec* prune = nullptr);
 // Info request: a ping, answered by a report.
 proto::WorkerMessage PingMessage();
 

@@ -146,9 +146,9 @@ TEST(Blend, BoundarySelectionRecomputesEachDocumentsFirstTokens) {
   const auto full = FullPrefill(*model, p.all);
   auto blend = [&](std::string_view selection, double ratio = 0.15) {
     engine::KvSequence seq = model->kv_cache().NewSequence();
-    auto r = BlendPrefill(*model, seq, p.segments, p.suffix,
-                          {.spec = {.recompute_ratio = ratio,
-                                    .selection = *control::ParseBlendSelection(selection)}});
+    auto r = BlendPrefill(
+        *model, seq, p.segments, p.suffix,
+        {.spec = {.recompute_ratio = ratio, .selection = *blend::ParseBlendSelection(selection)}});
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return *r;
   };
@@ -321,7 +321,7 @@ TEST(Blend, DeviationChosenTokensBeatRandomOnesAtFifteenPercent) {
       auto rnd =
           BlendPrefill(*model, b, p.segments, p.suffix,
                        {.spec = {.recompute_ratio = 0.15,
-                                 .selection = {.kind = control::BlendSelection::Kind::kRandom}},
+                                 .selection = {.kind = blend::BlendSelection::Kind::kRandom}},
                         .seed = prompt_seed});
       ASSERT_TRUE(dev.ok() && rnd.ok());
       ASSERT_EQ(dev->recomputed_tokens, rnd->recomputed_tokens);
@@ -420,7 +420,7 @@ TEST(Blend, DeviationRowsKeepUncachedRowsAndTheLargestDeviations) {
   EXPECT_EQ(rnd, RandomRows(in(3, 7)));
   // PolicyFor gives the same functions by name.
   EXPECT_EQ(PolicyFor({})(in(2)), DeviationRows(in(2)));
-  EXPECT_EQ(PolicyFor(*control::ParseBlendSelection("random"))(in(3, 7)), rnd);
+  EXPECT_EQ(PolicyFor(*blend::ParseBlendSelection("random"))(in(3, 7)), rnd);
 }
 
 // EPIC's choice: the first K tokens of each document, whatever the
@@ -452,38 +452,37 @@ TEST(Blend, BoundaryRowsAreEachDocumentsFirstTokens) {
   // Boundary positions 3 and 8 (rows 1, 3), then the largest of the rest: row 4.
   EXPECT_EQ(BoundaryDeviationRows(after, 2), (std::vector<int64_t>{0, 1, 3, 4, 5, 6}));
   auto name = [](std::string_view t) {
-    return control::BlendSelectionName(*control::ParseBlendSelection(t));
+    return blend::BlendSelectionName(*blend::ParseBlendSelection(t));
   };
-  EXPECT_EQ(PolicyFor(*control::ParseBlendSelection("boundary:2"))(in), BoundaryRows(in, 2));
+  EXPECT_EQ(PolicyFor(*blend::ParseBlendSelection("boundary:2"))(in), BoundaryRows(in, 2));
   EXPECT_EQ(name("boundary+deviation"), "boundary+deviation:8");
   EXPECT_EQ(name("boundary:4"), "boundary:4");
   for (const char* bad :
        {"boundary:0", "boundary:x", "boundary:", "deviation:3", "epic", "boundary:100000"}) {
-    EXPECT_EQ(control::ParseBlendSelection(bad).status().code(), StatusCode::kInvalidArgument)
-        << bad;
+    EXPECT_EQ(blend::ParseBlendSelection(bad).status().code(), StatusCode::kInvalidArgument) << bad;
   }
 }
 
 TEST(CheckSchedule, OneCheckWithoutLayersAndDefaultRatiosWithThem) {
-  auto one = control::CheckSchedule(0.15, 2, {}, {}, 30);
+  auto one = blend::CheckSchedule(0.15, 2, {}, {}, 30);
   ASSERT_TRUE(one.ok());
   ASSERT_EQ(one->size(), 1u);
   EXPECT_EQ((*one)[0].layer, 2);
   EXPECT_EQ((*one)[0].ratio, 0.15);
   const std::vector<int> layers{1, 4, 8};
-  auto prog = control::CheckSchedule(0.15, 1, layers, {}, 30);
+  auto prog = blend::CheckSchedule(0.15, 1, layers, {}, 30);
   ASSERT_TRUE(prog.ok());
   ASSERT_EQ(prog->size(), 3u);
   EXPECT_EQ((*prog)[2].layer, 8);
   EXPECT_NEAR((*prog)[0].ratio, 0.3, 1e-12);
   EXPECT_NEAR((*prog)[1].ratio, 0.225, 1e-12);
   EXPECT_NEAR((*prog)[2].ratio, 0.15, 1e-12);
-  EXPECT_EQ(control::DefaultCheckRatios(0.7, 2), (std::vector<double>{1.0, 0.7}));
+  EXPECT_EQ(blend::DefaultCheckRatios(0.7, 2), (std::vector<double>{1.0, 0.7}));
 }
 
 TEST(CheckSchedule, RefusesBadLayersAndRatios) {
   auto bad = [](double ratio, std::vector<int> layers, std::vector<double> ratios) {
-    auto r = control::CheckSchedule(ratio, 1, layers, ratios, 10);
+    auto r = blend::CheckSchedule(ratio, 1, layers, ratios, 10);
     return !r.ok() && r.status().code() == StatusCode::kInvalidArgument;
   };
   EXPECT_TRUE(bad(0.15, {2, 2}, {}));   // not ascending

@@ -101,7 +101,7 @@ TEST(CudaBlend, BoundarySelectionRecomputesEachDocumentsFirstTokens) {
   auto blend = [&](const char* selection) {
     KvSequence seq = e->kv_cache().NewSequence();
     auto r = blend::BlendPrefill(*e, seq, p.segments, p.suffix,
-                                 {.spec = {.selection = *control::ParseBlendSelection(selection)}});
+                                 {.spec = {.selection = *blend::ParseBlendSelection(selection)}});
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return *r;
   };

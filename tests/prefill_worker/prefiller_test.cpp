@@ -713,7 +713,7 @@ TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDropp
   ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
   const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 41),
                                                   RandomTokens(30, 256, 42)};
-  const control::PruneSpec half{.method = "expected_attention", .keep = 0.5};
+  const prune::PruneSpec half{.method = "expected_attention", .keep = 0.5};
   auto pruned = p.Inject(docs[0], "", &half);
   ASSERT_TRUE(pruned.ok()) << pruned.status().ToString();
   EXPECT_FALSE(pruned->already_held);
@@ -751,27 +751,27 @@ TEST(Prefiller, InjectRefusesABadPruneSpec) {
   auto store = HostStore();
   Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
   const auto doc = RandomTokens(30, 256, 51);
-  for (const control::PruneSpec& bad :
-       {control::PruneSpec{.method = "snapkv", .keep = 0.5},
-        control::PruneSpec{.method = "knorm", .keep = 0},
-        control::PruneSpec{.method = "knorm", .keep = 1.5},
-        control::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = -1},
-        control::PruneSpec{.method = "kvzip", .keep = 0.5},  // without its prompts
-        control::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = 30}}) {
+  for (const prune::PruneSpec& bad :
+       {prune::PruneSpec{.method = "snapkv", .keep = 0.5},
+        prune::PruneSpec{.method = "knorm", .keep = 0},
+        prune::PruneSpec{.method = "knorm", .keep = 1.5},
+        prune::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = -1},
+        prune::PruneSpec{.method = "kvzip", .keep = 0.5},  // without its prompts
+        prune::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = 30}}) {
     EXPECT_EQ(p.Inject(doc, "", &bad).status().code(), StatusCode::kInvalidArgument)
         << bad.method << " " << bad.keep << " " << bad.sinks;
   }
   // KVzip's repeat pass must fit the context (tiny's 2,048) beside the text.
-  const control::PruneSpec kvzip{.method = "kvzip",
-                                 .keep = 0.5,
-                                 .kvzip_first = {1, 2, 3},
-                                 .kvzip_next = {4, 5},
-                                 .kvzip_suffix = {6}};
+  const prune::PruneSpec kvzip{.method = "kvzip",
+                               .keep = 0.5,
+                               .kvzip_first = {1, 2, 3},
+                               .kvzip_next = {4, 5},
+                               .kvzip_suffix = {6}};
   EXPECT_EQ(p.Inject(RandomTokens(1100, 256, 52), "", &kvzip).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(store->Stats().chunks, 0u);
   // The key-norm method needs no query hooks: it prunes the same way.
-  const control::PruneSpec knorm{.method = "knorm", .keep = 0.25};
+  const prune::PruneSpec knorm{.method = "knorm", .keep = 0.25};
   auto ok = p.Inject(doc, "", &knorm);
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
   EXPECT_EQ(ok->stored_tokens, 7);  // floor(30 * 0.25)

@@ -12,7 +12,7 @@
 //   4. recomputes only those at the later layers, over the fused cache.
 // With check_layers (the paper's progressive filtering), steps 2-3 repeat at
 // each check layer: the rows still recomputed are scored again there and
-// narrowed to that check's ratio (control::CheckSchedule).
+// narrowed to that check's ratio (blend::CheckSchedule).
 // Which cached tokens go on is the selection policy's (SelectionPolicy:
 // CacheBlend's deviation by default); a policy that needs no deviation
 // (boundary, EPIC's first tokens of each document) chooses before layer 0,
@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/control/request_spec.h"
+#include "kdn/blend/spec.h"
 #include "kdn/engine/engine.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -75,7 +75,7 @@ struct SelectionInput {
 // cached rows than the budget (boundary tokens are kept whatever it is).
 using SelectionPolicy = std::function<std::vector<int64_t>(const SelectionInput&)>;
 
-// The policies of control::BlendSelection, each a pure function:
+// The policies of blend::BlendSelection, each a pure function:
 // deviation (the `keep` cached rows of largest deviation, ties to the
 // earlier row), random (`keep` drawn with the seed), boundary (the first K
 // positions of each document, the budget not used) and boundary+deviation
@@ -84,7 +84,7 @@ std::vector<int64_t> DeviationRows(const SelectionInput& in);
 std::vector<int64_t> RandomRows(const SelectionInput& in);
 std::vector<int64_t> BoundaryRows(const SelectionInput& in, int boundary_tokens);
 std::vector<int64_t> BoundaryDeviationRows(const SelectionInput& in, int boundary_tokens);
-SelectionPolicy PolicyFor(const control::BlendSelection& selection);
+SelectionPolicy PolicyFor(const blend::BlendSelection& selection);
 
 // A quality target (BlendSpec::max_kl; docs/blend.md, "A quality target"):
 // at the first check every cached token's deviation is known; the residual
@@ -111,10 +111,10 @@ double TargetRatio(std::span<const float> cached_deviation, double start, double
                    double kl_per_residual);
 
 struct BlendOptions {
-  // The request's ratio, checks and selection (control::CheckSchedule and
-  // control::BlendSelection); its head and segment lengths are the
+  // The request's ratio, checks and selection (blend::CheckSchedule and
+  // blend::BlendSelection); its head and segment lengths are the
   // segments' own here.
-  control::BlendSpec spec;
+  blend::BlendSpec spec;
   // A policy in place of spec.selection's (tests, benches); with checks
   // unless spec.selection says none.
   SelectionPolicy policy;

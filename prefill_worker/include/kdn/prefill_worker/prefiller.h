@@ -66,7 +66,7 @@
 namespace kdn::prefill_worker {
 
 // The router's blend spec as it crossed the edge (control/request_spec.h).
-using BlendJob = control::BlendSpec;
+using BlendJob = blend::BlendSpec;
 
 struct PrefillJob {
   std::vector<int32_t> tokens;
@@ -200,11 +200,11 @@ class Prefiller {
   // `done` is called once the KV is stored (or nothing was to be): with
   // store_in_background on the store thread, after the compute thread has
   // gone on; else before Inject returns.
-  void Inject(std::span<const int32_t> tokens, const std::string& ns,
-              const control::PruneSpec* prune, const PrefetchedKv* kv, InjectDone done);
+  void Inject(std::span<const int32_t> tokens, const std::string& ns, const prune::PruneSpec* prune,
+              const PrefetchedKv* kv, InjectDone done);
   // The same, returning once the KV is stored.
   Result<InjectOutcome> Inject(std::span<const int32_t> tokens, const std::string& ns,
-                               const control::PruneSpec* prune = nullptr,
+                               const prune::PruneSpec* prune = nullptr,
                                const PrefetchedKv* kv = nullptr);
 
   // What its kvbus senders moved, summed over every decode worker.
@@ -220,7 +220,7 @@ class Prefiller {
   // with `prune`.
   Result<std::shared_ptr<const kvbus::Chunk>> ComputeSegment(
       const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
-      const control::PruneSpec* prune = nullptr);
+      const prune::PruneSpec* prune = nullptr);
   // Puts `chunk` in the store, then calls `then` with how it went: on the
   // store thread with store_in_background (after a put into host memory
   // here, so that the next job finds it), else here.

@@ -22,6 +22,7 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/engine.h"
 #include "kdn/prune/prune.h"
+#include "kdn/prune/spec.h"
 
 namespace kdn::prune {
 
@@ -36,9 +37,9 @@ struct KvzipPrompts {
 };
 
 struct KvzipOptions {
-  int sinks = 4;                // keys every part's softmax includes
-  int64_t chunk_tokens = 2048;  // context tokens repeated per pass
-  int overlap = 8;              // the previous part's tokens a later part starts from
+  int sinks = kDefaultPruneSinks;            // keys every part's softmax includes
+  int64_t chunk_tokens = kKvzipChunkTokens;  // context tokens repeated per pass
+  int overlap = kKvzipOverlap;               // the previous part's tokens a later part starts from
 };
 
 // Scores of `context`, whose KV `seq` holds in slots [0, context.size()) at

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/control/request_spec.h"
+#include "kdn/prune/spec.h"
 #include "kdn/engine/engine.h"
 #include "kdn/prune/prune.h"
 
@@ -21,12 +21,12 @@ namespace kdn::prune {
 // scores it by spec.method and writes the kept tokens' KV into `pruned` (an
 // empty sequence of the model's cache), whose next position is the text's
 // length. Returns what was kept. INVALID_ARGUMENT for a spec that
-// control::ValidatePruneSpec refuses or a text of no more tokens than its
+// prune::ValidatePruneSpec refuses or a text of no more tokens than its
 // sinks; the engine's errors as they are (RESOURCE_EXHAUSTED without room
 // for the text and its copy, UNIMPLEMENTED for a method whose scores need
 // query hooks on an engine without them). `pruned` is empty on error.
 Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const control::PruneSpec& spec, engine::KvSequence* pruned);
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned);
 
 // The kept offsets of token-granularity KeptTokens (every layer's and
 // head's), as a pruned chunk stores them.

@@ -55,13 +55,13 @@ struct ServedModel {
   const text::Tokenizer* tokenizer = nullptr;
   // Blend defaults, which a request may override.
   std::string separator;  // empty: prompts are not split
-  double recompute_ratio = control::kDefaultRecomputeRatio;
-  int check_layer = control::kDefaultCheckLayer;
-  // Progressive filtering (control::CheckSchedule); empty: one check.
-  std::vector<int> check_layers = control::DefaultCheckLayers();
+  double recompute_ratio = blend::kDefaultRecomputeRatio;
+  int check_layer = blend::kDefaultCheckLayer;
+  // Progressive filtering (blend::CheckSchedule); empty: one check.
+  std::vector<int> check_layers = blend::DefaultCheckLayers();
   std::vector<double> check_ratios;
   // A request's 'blend_selection' overrides it.
-  control::BlendSelection selection = control::DefaultBlendSelection();
+  blend::BlendSelection selection = blend::DefaultBlendSelection();
   // The model folder's chat template; null: the built-in format of
   // config->architecture.
   const text::ChatTemplate* chat_template = nullptr;
@@ -84,7 +84,7 @@ struct InjectApiRequest {
   bool stream = false;
   // `prune`: {"method", "keep", "sinks"}; KVzip's repeat prompts tokenized
   // here (docs/serving.md, "Documents").
-  std::optional<control::PruneSpec> prune;
+  std::optional<prune::PruneSpec> prune;
 };
 std::optional<ApiError> ParseInjectRequest(const std::string& body, const ServedModel& model,
                                            InjectApiRequest* out);

@@ -20,7 +20,7 @@
 
 namespace kdn::router {
 
-using control::BlendSpec;
+using blend::BlendSpec;
 
 // Where a request's prompt is computed (docs/serving.md, "Two paths"):
 //   always  on a prefill worker, its KV moved to the decode worker;
@@ -48,7 +48,7 @@ struct Job {
 struct InjectJob {
   std::vector<std::vector<int32_t>> documents;
   std::string ns;
-  std::optional<control::PruneSpec> prune;  // each document's KV pruned when stored
+  std::optional<prune::PruneSpec> prune;  // each document's KV pruned when stored
 };
 
 }  // namespace kdn::router

@@ -24,13 +24,13 @@ struct RouterOptions {
   uint16_t port = 0;  // 0 picks a free port
   // Blend defaults (docs/serving.md, "Documents").
   std::string separator;
-  double recompute_ratio = control::kDefaultRecomputeRatio;
-  int check_layer = control::kDefaultCheckLayer;
-  // Progressive filtering (control::CheckSchedule); empty: one check.
-  std::vector<int> check_layers = control::DefaultCheckLayers();
+  double recompute_ratio = blend::kDefaultRecomputeRatio;
+  int check_layer = blend::kDefaultCheckLayer;
+  // Progressive filtering (blend::CheckSchedule); empty: one check.
+  std::vector<int> check_layers = blend::DefaultCheckLayers();
   std::vector<double> check_ratios;
-  // The policy (control::ParseBlendSelection).
-  control::BlendSelection selection = control::DefaultBlendSelection();
+  // The policy (blend::ParseBlendSelection).
+  blend::BlendSelection selection = blend::DefaultBlendSelection();
   BackendOptions backend;
   // API keys (docs/serving.md, "API keys"); null: every request is served,
   // in the namespace of its cache_salt.
