@@ -67,8 +67,7 @@ void WeightMatrix::DotRows(int64_t m, const float* x, int64_t ldx, float* y, int
   const DotFn dot = DotFor(*traits_, isa);
   // One quantized row goes through the one-row dot product unpaired (the
   // same sums, bit for bit: quant.h); more through the multi-row one.
-  const DotRowsFn dot_rows =
-      m == 1 && traits_->quantized_x ? nullptr : DotRowsFor(*traits_, isa);
+  const DotRowsFn dot_rows = m == 1 && traits_->quantized_x ? nullptr : DotRowsFor(*traits_, isa);
   const void* xs = x;
   int64_t x_stride = ldx * static_cast<int64_t>(sizeof(float));  // bytes between rows
   if (traits_->quantized_x) {

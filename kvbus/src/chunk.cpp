@@ -195,8 +195,8 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
   // another kdn's chunk (UNIMPLEMENTED), not damage.
   if (version != kChunkFormatVersion && version != kEncodedChunkFormatVersion &&
       version != kPrunedChunkFormatVersion) {
-    return Unimplemented("chunk: format version " + std::to_string(version) +
-                         ", this kdn reads " + std::to_string(kChunkFormatVersion) + " to " +
+    return Unimplemented("chunk: format version " + std::to_string(version) + ", this kdn reads " +
+                         std::to_string(kChunkFormatVersion) + " to " +
                          std::to_string(kPrunedChunkFormatVersion));
   }
   const uint32_t codec = Get32(h + kOffCodec);
