@@ -5,7 +5,9 @@
 // rest before parsing (bit 0: the payload's, bit 1: the header's), so that
 // mutated headers get past the checksums to the field checks (as a forged
 // chunk would); the rest is the chunk. Parse must not crash or hit undefined
-// behaviour, refuse with CORRUPTION, and a chunk it accepts must be what it
+// behaviour, refuse with CORRUPTION (or UNIMPLEMENTED, only for a header whose
+// format version or codec this build does not know), and a chunk it accepts
+// must be what it
 // says: the header, a pruned chunk's kept positions (one per token, ascending,
 // inside its logical length), then a payload of the size its shape implies
 // (raw) or its stream (encoded); built again from its info and payload it
@@ -28,8 +30,14 @@ using kdn::fuzz::Check;
 namespace {
 
 // Header offsets (docs/kvbus.md, "KV chunk object").
-constexpr size_t kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88, kOffReserved = 104,
-                 kOffHeaderSum = 120;
+constexpr size_t kOffVersion = 8, kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88,
+                 kOffReserved = 104, kOffHeaderSum = 120;
+
+uint32_t Get32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
 void Put64(uint8_t* p, uint64_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -105,6 +113,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<uint8_t> copy = bytes;
   auto chunk = Chunk::Parse(std::move(bytes));
   if (!chunk.ok()) {
+    if (chunk.status().code() == kdn::StatusCode::kUnimplemented) {
+      const uint32_t version = Get32(copy.data() + kOffVersion);
+      const uint32_t codec = Get32(copy.data() + kOffCodec);
+      Check(copy.size() >= Chunk::kHeaderBytes &&
+                (version < 1 || version > 3 ||
+                 (codec != 0 && codec != static_cast<uint32_t>(KvCodec::kKvc))),
+            "UNIMPLEMENTED is only for an unknown format version or codec");
+      return 0;
+    }
     Check(chunk.status().code() == kdn::StatusCode::kCorruption, "a refusal is CORRUPTION");
     return 0;
   }
