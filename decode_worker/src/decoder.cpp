@@ -5,7 +5,6 @@
 
 #include "kdn/common/log.h"
 #include "kdn/control/prefix_kv.h"
-#include "kdn/kvbus/transfer_plan.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
@@ -141,9 +140,7 @@ Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& 
   engine::KvCache& cache = model_.kv_cache();
   const auto prompt = static_cast<int64_t>(p.request.tokens.size());
   const int64_t n = p.kv_tokens > 0 ? p.kv_tokens : prompt;
-  const auto regions = kvbus::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
-                                              p.request.transfer_id);
-  for (const kvbus::KvRegion& r : regions) {
+  for (const kvbus::KvRegion& r : PushedRegions(p, n)) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       const kvbus::ChunkKey key = kvbus::LayerSliceKey(r.parent, l);
       if (landed.count(key) != 0) continue;  // in its blocks already
@@ -160,7 +157,7 @@ Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& 
       }
       KDN_RETURN_IF_ERROR(kvbridge::LayerSliceToPagedKv(**slice, l, cache, p.seq, r.first));
       start_copy_bytes_ += (*slice)->payload().size();
-      if (r.tail) staging_.Erase(key);  // named for this request alone
+      staging_.Erase(key);  // named for this request alone
     }
   }
   cache.SetLength(p.seq, n);
@@ -172,11 +169,8 @@ Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& 
 void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
   if (options_.landing == nullptr || p.request.local_prefill) return;
   engine::KvCache& cache = model_.kv_cache();
-  const auto n = static_cast<int64_t>(p.request.tokens.size());
-  const auto regions = kvbus::TransferRegions(p.keys, n, options_.chunk_tokens, p.held_tokens,
-                                              p.request.transfer_id);
   std::vector<ExpectedSlice> slices;
-  for (const kvbus::KvRegion& r : regions) {
+  for (const kvbus::KvRegion& r : PushedRegions(p, static_cast<int64_t>(p.request.tokens.size()))) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       ExpectedSlice s;
       // A slice whose place cannot be named (not expected: it does not
@@ -539,12 +533,14 @@ void Decoder::AdmitLocal(uint64_t id, DecoderOutput* out) {
   }
 }
 
+std::vector<kvbus::KvRegion> Decoder::PushedRegions(const Prepared& p, int64_t kv_tokens) const {
+  return kvbus::TransferRegions(static_cast<int64_t>(p.keys.size()), kv_tokens,
+                                options_.chunk_tokens, std::max<int64_t>(p.held_tokens, 0),
+                                p.request.transfer_id);
+}
+
 void Decoder::DropOwnSlices(const Prepared& p) {
-  const auto regions = kvbus::TransferRegions(
-      p.keys, static_cast<int64_t>(p.request.tokens.size()), options_.chunk_tokens,
-      std::max<int64_t>(p.held_tokens, 0), p.request.transfer_id);
-  for (const kvbus::KvRegion& r : regions) {
-    if (!r.tail) continue;
+  for (const kvbus::KvRegion& r : PushedRegions(p, static_cast<int64_t>(p.request.tokens.size()))) {
     for (int l = 0; l < model_.kv_cache().num_layers(); ++l) {
       staging_.Erase(kvbus::LayerSliceKey(r.parent, l));
     }

@@ -5,35 +5,29 @@
 
 namespace kdn::kvbus {
 
-namespace {
-
-ChunkKey TransferKeyOf(std::string_view id) {
+ChunkKey TransferRegionKey(std::string_view transfer_id, int64_t first) {
+  std::string id(transfer_id);
+  for (int i = 0; i < 8; ++i) id += static_cast<char>(static_cast<uint64_t>(first) >> (8 * i));
   return TransferKey({reinterpret_cast<const uint8_t*>(id.data()), id.size()});
 }
 
-}  // namespace
-
-std::vector<KvRegion> TransferRegions(std::span<const ChunkKey> prefix_keys, int64_t prompt_tokens,
-                                      int chunk_tokens, int64_t held_tokens,
-                                      std::string_view transfer_id) {
+std::vector<KvRegion> TransferRegions(int64_t full_chunks, int64_t prompt_tokens, int chunk_tokens,
+                                      int64_t held_tokens, std::string_view transfer_id) {
   std::vector<KvRegion> regions;
   const int64_t C = chunk_tokens;
-  const auto full = static_cast<int64_t>(prefix_keys.size());
+  const int64_t full = std::max<int64_t>(full_chunks, 0);
+  const auto add = [&](int64_t first, int64_t count) {
+    regions.push_back({TransferRegionKey(transfer_id, first), first, count});
+  };
   int64_t pos = std::clamp<int64_t>(held_tokens, 0, prompt_tokens);
-  if (pos < full * C && pos % C != 0) {
-    std::string gap(transfer_id);
-    for (int i = 0; i < 8; ++i) gap += static_cast<char>(static_cast<uint64_t>(pos) >> (8 * i));
+  if (pos < full * C && pos % C != 0) {  // the gap to the next chunk boundary
     const int64_t end = (pos / C + 1) * C;
-    regions.push_back({TransferKeyOf(gap), pos, end - pos, true});
+    add(pos, end - pos);
     pos = end;
   }
-  for (int64_t i = pos / C; i < full; ++i) {
-    regions.push_back({prefix_keys[i], i * C, C, false});
-  }
+  for (int64_t i = pos / C; i < full; ++i) add(i * C, C);
   pos = std::max(pos, full * C);
-  if (prompt_tokens > pos) {
-    regions.push_back({TransferKeyOf(transfer_id), pos, prompt_tokens - pos, true});
-  }
+  if (prompt_tokens > pos) add(pos, prompt_tokens - pos);
   return regions;
 }
 

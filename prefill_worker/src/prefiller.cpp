@@ -244,7 +244,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job, const PrefetchedKv*
 
   // 2. What the decode worker lacks, by region, pushed layer by layer.
   Push push{*this, job, seq_,
-            kvbus::TransferRegions(keys_, n, C, job.decode_held_tokens, job.transfer_id)};
+            kvbus::TransferRegions(full, n, C, job.decode_held_tokens, job.transfer_id)};
   if (!job.decode_endpoint.empty() && !push.regions.empty()) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }
@@ -326,7 +326,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
   engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
   Push push{*this, job, seq_,
-            kvbus::TransferRegions({}, kv_slots, options_.chunk_tokens, 0, job.transfer_id)};
+            kvbus::TransferRegions(0, kv_slots, options_.chunk_tokens, 0, job.transfer_id)};
   if (!job.decode_endpoint.empty()) {
     KDN_ASSIGN_OR_RETURN(push.sender, SenderFor(job.decode_endpoint));
   }

@@ -139,7 +139,7 @@ inline int32_t PushSlices(Rig& rig, const DecodeRequest& r, int64_t held_tokens,
   if (!r.blended) keys = kvbus::PrefixKeys({kFingerprint, r.ns, kChunk}, r.tokens);
   const auto n = static_cast<int64_t>(r.tokens.size());
   for (const kvbus::KvRegion& region :
-       kvbus::TransferRegions(keys, n, kChunk, held_tokens, r.transfer_id)) {
+       kvbus::TransferRegions(std::ssize(keys), n, kChunk, held_tokens, r.transfer_id)) {
     for (int l = 0; l < cache.num_layers(); ++l) {
       auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
                                                    kvbus::LayerSliceKey(region.parent, l),

@@ -39,7 +39,7 @@ TEST(Decoder, DecodesTheTokensTheEngineGeneratesAloneWhateverJoinsTheBatch) {
     EXPECT_TRUE(t.error[ids[i]].ok());
   }
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
-  EXPECT_EQ(rig.staging.Stats().chunks, 2u * 2 + 4u * 2) << "full chunks' slices stay staged";
+  EXPECT_EQ(rig.staging.Stats().chunks, 0u) << "each slice is erased once taken";
 }
 
 TEST(Decoder, PrepareReservesTheRequestsBlocksAndRefusesBadRequests) {
@@ -403,7 +403,7 @@ TEST(Decoder, ABlendedRequestLoadsAndStoresNothingByPrefixKey) {
   EXPECT_EQ(t.tokens[*id], Alone(*rig.model, blended));
   EXPECT_EQ(rig.gated().inner().size(), held);
   EXPECT_EQ(rig.decoder->Stats().chunks_loaded, 0u);
-  EXPECT_EQ(rig.staging.Stats().chunks, 2u * 2) << "the blended KV's slices are erased";
+  EXPECT_EQ(rig.staging.Stats().chunks, 0u) << "the blended KV's slices are erased";
 }
 
 TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
@@ -414,7 +414,7 @@ TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
   engine::KvCache& cache = rig.model->kv_cache();
   // The prefill worker's side: the prompt's KV pruned to half its tokens
   // (a blend over one pruned document that is the whole prompt, say),
-  // pushed as layer slices of its 20 slots under the transfer key.
+  // pushed as layer slices of its 20 slots, one region from position 0.
   engine::KvSequence whole = cache.NewSequence();
   std::vector<float> logits;
   ASSERT_TRUE(rig.model->Prefill(whole, r.tokens, {}, &logits).ok());
@@ -426,8 +426,7 @@ TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
   ASSERT_TRUE(prune::CompactKv(cache, whole, *kept, &pruned).ok());
   whole.Reset();
   ASSERT_EQ(pruned.length(), 20);
-  const kvbus::ChunkKey xfer = kvbus::TransferKey(
-      {reinterpret_cast<const uint8_t*>(r.transfer_id.data()), r.transfer_id.size()});
+  const kvbus::ChunkKey xfer = kvbus::TransferRegionKey(r.transfer_id, 0);
   for (int l = 0; l < cache.num_layers(); ++l) {
     auto slice = kvbridge::LayerSliceFromPagedKv(
         cache, pruned, 0, 20, l, kvbus::LayerSliceKey(xfer, l), kFingerprint, kvbus::KvDType::kF32);
@@ -497,8 +496,7 @@ TEST(Decoder, AFirstTokenTheRouterSentIsNotSentAgain) {
 TEST(Decoder, CancelBeforeStartErasesTheRequestsOwnSlices) {
   Rig rig;
   Transcript t;
-  // One full chunk (its slices are named by content: another request may
-  // want them) and a tail of 4 tokens (named for this request alone).
+  // One full chunk and a tail of 4 tokens, each named for this request.
   const DecodeRequest r = Request(RandomTokens(kChunk + 4, 256, 4), 4);
   const uint64_t id = PrepareAndLoad(rig, r, t);
   (void)PushPrompt(rig, r, 0);
@@ -508,7 +506,7 @@ TEST(Decoder, CancelBeforeStartErasesTheRequestsOwnSlices) {
   ASSERT_TRUE(rig.decoder->Cancel(id, &out).ok());
   t.Add(out);
   EXPECT_EQ(t.finish[id], "cancelled");
-  EXPECT_EQ(rig.staging.Stats().chunks, 1u * layers) << "only the tail's slices are erased";
+  EXPECT_EQ(rig.staging.Stats().chunks, 0u) << "all its slices are erased";
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
 }
 

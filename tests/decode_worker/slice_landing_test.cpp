@@ -117,6 +117,36 @@ TEST(DecoderLanding, PushedSlicesLandInTheBlocksAndStartCopiesNothing) {
   EXPECT_EQ(lr.site.Stats().expected_now, 0u);
 }
 
+// Two requests with one prefix prepared at once, their pushes coming in the
+// other order (the prefill worker took the second first): each slice lands
+// in the blocks of the request it was pushed for, and each starts on its own
+// slices. (Named by content, the second request's push was claimed by the
+// first registration, and the second request found its prefix missing.)
+TEST(DecoderLanding, RequestsWithOnePrefixStartOnTheirOwnSlicesWhateverTheOrderOfTheirPushes) {
+  LandingRig lr;
+  Rig& rig = lr.rig;
+  Transcript t;
+  std::vector<int32_t> prefix = RandomTokens(2 * kChunk, 256, 24);
+  std::vector<DecodeRequest> reqs;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<int32_t> prompt = prefix;
+    for (int32_t x : RandomTokens(5, 256, 25 + i)) prompt.push_back(x);
+    reqs.push_back(Request(std::move(prompt), 6));
+  }
+  const uint64_t first = PrepareAndLoad(rig, reqs[0], t);
+  const uint64_t second = PrepareAndLoad(rig, reqs[1], t);
+  ASSERT_EQ(t.held[second], 0) << "nothing of the prefix is held: both are pushed it";
+  Start(rig, second, PushInPlace(rig, lr.site, reqs[1], t.held[second]), t);
+  Start(rig, first, PushInPlace(rig, lr.site, reqs[0], t.held[first]), t);
+  RunToEnd(rig, t);
+  EXPECT_TRUE(t.error[first].ok()) << t.error[first].ToString();
+  EXPECT_TRUE(t.error[second].ok()) << t.error[second].ToString();
+  EXPECT_EQ(t.tokens[first], Alone(*rig.model, reqs[0]));
+  EXPECT_EQ(t.tokens[second], Alone(*rig.model, reqs[1]));
+  EXPECT_EQ(rig.decoder->Stats().start_copy_bytes, 0u);
+  EXPECT_EQ(lr.site.Stats().expected_now, 0u);
+}
+
 TEST(DecoderLanding, ASliceThatDidNotLandInPlaceIsCopiedFromStaging) {
   LandingRig lr;
   Rig& rig = lr.rig;
@@ -140,8 +170,7 @@ TEST(DecoderLanding, BlocksAPushMayStillWriteAreHeldBackForALease) {
   const uint64_t id = PrepareAndLoad(rig, r, t);
   const int all = rig.num_blocks();
   // A sender was granted one slice, then the router cancelled the request.
-  const kvbus::ChunkKey key =
-      kvbus::LayerSliceKey(kvbus::PrefixKeys({kFingerprint, r.ns, kChunk}, r.tokens)[0], 0);
+  const kvbus::ChunkKey key = kvbus::LayerSliceKey(kvbus::TransferRegionKey(r.transfer_id, 0), 0);
   auto claim = lr.site.Claim(key, uint64_t{16} * rig.model->kv_cache().token_stride() * 2 * 4);
   ASSERT_TRUE(claim);
   DecoderOutput out;

@@ -118,7 +118,7 @@ TEST(PrefillerResident, ARepeatedPromptAttachesItsKvFromThePoolAndMovesNoBytes) 
   EXPECT_EQ(again->computed_tokens, 1);
   EXPECT_EQ(again->first_token, GreedyFirstToken(*model, job.tokens));
   const auto keys = kvbus::PrefixKeys({kvbus::ChunkKey{1, 2}, "", kChunk}, job.tokens);
-  const auto regions = kvbus::TransferRegions(keys, 100, kChunk, 0, job.transfer_id);
+  const auto regions = kvbus::TransferRegions(std::ssize(keys), 100, kChunk, 0, job.transfer_id);
   engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence rebuilt = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(rebuilt, 100).ok());
@@ -428,13 +428,14 @@ TEST(Prefiller, PushesLayerSlicesThatRebuildThePromptKvAtTheReceiver) {
   ASSERT_TRUE(ref_model->Prefill(ref, job.tokens, {}, &logits).ok());
 
   const auto keys = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
-  const auto regions = kvbus::TransferRegions(keys, 75, kChunk, 16, job.transfer_id);
+  const auto regions = kvbus::TransferRegions(std::ssize(keys), 75, kChunk, 16, job.transfer_id);
   ASSERT_EQ(regions.size(), 4u);  // chunks 1..3 and the tail
   engine::CpuKvCache& cache = model->kv_cache();
   engine::KvSequence rebuilt = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(rebuilt, 75).ok());
   for (int l = 0; l < layers; ++l) {
-    EXPECT_FALSE(sink.Contains(kvbus::LayerSliceKey(keys[0], l)));  // held: never sent
+    EXPECT_FALSE(sink.Contains(  // held: never sent
+        kvbus::LayerSliceKey(kvbus::TransferRegionKey(job.transfer_id, 0), l)));
     for (const kvbus::KvRegion& r : regions) {
       auto slice = sink.Get(kvbus::LayerSliceKey(r.parent, l));
       ASSERT_TRUE(slice.ok()) << "layer " << l << " of region at " << r.first;
@@ -500,7 +501,7 @@ TEST(Prefiller, SlicesSourcedFromThePoolArriveAsTheBuiltOnesDo) {
     sourced.push_back(out->slices_sourced);
   }
   const auto keys = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
-  const auto regions = kvbus::TransferRegions(keys, 75, kChunk, 0, job.transfer_id);
+  const auto regions = kvbus::TransferRegions(std::ssize(keys), 75, kChunk, 0, job.transfer_id);
   for (int l = 0; l < model->config().num_layers; ++l) {
     for (const kvbus::KvRegion& r : regions) {
       const kvbus::ChunkKey k = kvbus::LayerSliceKey(r.parent, l);
@@ -638,15 +639,14 @@ TEST(Prefiller, ABlendOrInjectServedByAPrefetchGivesWhatItsOwnReadsGive) {
 }
 
 // A blend job's fused KV as its decode worker's receiver got it: one slice
-// of `kv_tokens` tokens per layer under the job's transfer key, and the
-// bytes the outcome says it sent.
+// of `kv_tokens` tokens per layer, named for the job's transfer from
+// position 0, and the bytes the outcome says it sent.
 void ExpectFusedKvArrived(engine::CpuEngine& model, kvbus::HostTier& sink, const PrefillJob& job,
                           const PrefillOutcome& out, uint32_t kv_tokens) {
   const int layers = model.config().num_layers;
   const uint64_t token_bytes = model.kv_cache().token_stride() * 2 * sizeof(float);
   EXPECT_EQ(out.kv_bytes_sent, kv_tokens * token_bytes * layers);
-  const kvbus::ChunkKey xfer = kvbus::TransferKey(
-      {reinterpret_cast<const uint8_t*>(job.transfer_id.data()), job.transfer_id.size()});
+  const kvbus::ChunkKey xfer = kvbus::TransferRegionKey(job.transfer_id, 0);
   for (int l = 0; l < layers; ++l) {
     auto slice = sink.Get(kvbus::LayerSliceKey(xfer, l));
     ASSERT_TRUE(slice.ok()) << "layer " << l;
@@ -804,52 +804,59 @@ TEST(Prefiller, RefusesAnEmptyPromptAndOneBeyondTheContext) {
   EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(TransferRegions, FullChunksPastTheHeldOnesThenTheTail) {
-  const std::vector<kvbus::ChunkKey> keys = {{0, 1}, {0, 2}, {0, 3}};
-  auto r = kvbus::TransferRegions(keys, 50, 16, 16, "t");
+TEST(TransferRegions, FullChunksPastTheHeldOnesThenTheTailEachNamedForTheRequest) {
+  auto r = kvbus::TransferRegions(3, 50, 16, 16, "t");
   ASSERT_EQ(r.size(), 3u);
-  EXPECT_EQ(r[0].parent, keys[1]);
   EXPECT_EQ(r[0].first, 16);
-  EXPECT_EQ(r[1].parent, keys[2]);
-  EXPECT_TRUE(r[2].tail);
+  EXPECT_EQ(r[0].count, 16);
+  EXPECT_EQ(r[1].first, 32);
   EXPECT_EQ(r[2].first, 48);
   EXPECT_EQ(r[2].count, 2);
-  EXPECT_EQ(r[2].parent, kvbus::TransferKey({reinterpret_cast<const uint8_t*>("t"), 1}));
+  // Each named by the transfer key of the request's id and its first
+  // position, u64 little-endian.
+  for (const kvbus::KvRegion& region : r) {
+    std::string id = "t";
+    for (int i = 0; i < 8; ++i)
+      id += static_cast<char>(static_cast<uint64_t>(region.first) >> (8 * i));
+    EXPECT_EQ(region.parent,
+              kvbus::TransferKey({reinterpret_cast<const uint8_t*>(id.data()), id.size()}));
+    EXPECT_EQ(region.parent, kvbus::TransferRegionKey("t", region.first));
+  }
   // Whole chunks: no tail. All held, or more: nothing.
-  EXPECT_EQ(kvbus::TransferRegions(keys, 48, 16, 0, "t").size(), 3u);
-  EXPECT_TRUE(kvbus::TransferRegions(keys, 48, 16, 48, "t").empty());
-  EXPECT_TRUE(kvbus::TransferRegions(keys, 48, 16, 700, "t").empty());
-  // Tails of different requests have different names.
-  EXPECT_NE(kvbus::TransferRegions(keys, 50, 16, 48, "a")[0].parent,
-            kvbus::TransferRegions(keys, 50, 16, 48, "b")[0].parent);
+  EXPECT_EQ(kvbus::TransferRegions(3, 48, 16, 0, "t").size(), 3u);
+  EXPECT_TRUE(kvbus::TransferRegions(3, 48, 16, 48, "t").empty());
+  EXPECT_TRUE(kvbus::TransferRegions(3, 48, 16, 700, "t").empty());
+  // One prompt pushed to two requests: no name in common, full chunks
+  // included, so that neither can take the other's slices.
+  const auto a = kvbus::TransferRegions(3, 50, 16, 0, "a");
+  const auto b = kvbus::TransferRegions(3, 50, 16, 0, "b");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NE(a[i].parent, b[i].parent) << i;
+  // No full chunks (a blended prompt's fused KV): one region.
+  r = kvbus::TransferRegions(0, 50, 16, 0, "t");
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0].count, 50);
 }
 
 TEST(TransferRegions, HeldTailPiecesLeaveAGapToTheNextChunkBoundary) {
-  const std::vector<kvbus::ChunkKey> keys = {{0, 1}, {0, 2}, {0, 3}};
-  // Held up to 21 (a chunk and 5 tokens of tail pieces): the gap [21, 32)
-  // under a name of this request's, then chunk 2, then the tail.
-  auto r = kvbus::TransferRegions(keys, 50, 16, 21, "t");
+  // Held up to 21 (a chunk and 5 tokens of tail pieces): the gap [21, 32),
+  // then chunk 2, then the tail.
+  auto r = kvbus::TransferRegions(3, 50, 16, 21, "t");
   ASSERT_EQ(r.size(), 3u);
-  EXPECT_TRUE(r[0].tail);
   EXPECT_EQ(r[0].first, 21);
   EXPECT_EQ(r[0].count, 11);
-  std::string gap = "t";
-  for (int i = 0; i < 8; ++i) gap += static_cast<char>(i == 0 ? 21 : 0);
-  EXPECT_EQ(r[0].parent,
-            kvbus::TransferKey({reinterpret_cast<const uint8_t*>(gap.data()), gap.size()}));
-  EXPECT_EQ(r[1].parent, keys[2]);
+  EXPECT_EQ(r[0].parent, kvbus::TransferRegionKey("t", 21));
   EXPECT_EQ(r[1].first, 32);
-  EXPECT_TRUE(r[2].tail);
+  EXPECT_EQ(r[1].count, 16);
   EXPECT_EQ(r[2].first, 48);
   EXPECT_NE(r[0].parent, r[2].parent);
-  // Held inside the prompt's own tail: the rest of it, under the tail's name.
-  r = kvbus::TransferRegions(keys, 50, 16, 49, "t");
+  // Held inside the prompt's own tail: the rest of it.
+  r = kvbus::TransferRegions(3, 50, 16, 49, "t");
   ASSERT_EQ(r.size(), 1u);
   EXPECT_EQ(r[0].first, 49);
   EXPECT_EQ(r[0].count, 1);
-  EXPECT_EQ(r[0].parent, kvbus::TransferKey({reinterpret_cast<const uint8_t*>("t"), 1}));
   // A gap in the last full chunk of a prompt with no tail.
-  r = kvbus::TransferRegions(keys, 48, 16, 40, "t");
+  r = kvbus::TransferRegions(3, 48, 16, 40, "t");
   ASSERT_EQ(r.size(), 1u);
   EXPECT_EQ(r[0].first, 40);
   EXPECT_EQ(r[0].count, 8);

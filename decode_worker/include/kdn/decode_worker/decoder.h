@@ -52,6 +52,7 @@
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/transfer_plan.h"
 
 namespace kdn::decode_worker {
 
@@ -251,8 +252,10 @@ class Decoder {
   // Takes the slices that landed in place (`landed`) and copies the others
   // from the staging tier.
   Status PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& landed);
-  // Erases from staging the slices named for this request alone (its
-  // partial tail; a blended prompt's whole KV), which only
+  // The regions of its first `kv_tokens` the prefill worker pushes to
+  // request `p`: past the tokens it holds, each named for it alone.
+  std::vector<kvbus::KvRegion> PushedRegions(const Prepared& p, int64_t kv_tokens) const;
+  // Erases from staging the slices pushed for this request, which only
   // PlacePushedSlices would otherwise have taken.
   void DropOwnSlices(const Prepared& p);
   // Registers with the SliceLanding the slices prepared request `id` will

@@ -3,17 +3,18 @@
 // and under which names (docs/serving.md, "KV path"): everything past the
 // tokens the decode worker holds. That is, in order:
 //   - when what it holds ends inside a full chunk (it loaded tail pieces,
-//     docs/kvbus.md "Tail keys"), the rest of that chunk, a "gap" named by
-//     the transfer key of the request's transfer id followed by the gap's
-//     first position (u64, little-endian);
-//   - every full chunk after that, named by its prefix key;
-//   - the prompt's partial tail past its last full chunk, named by the
-//     request's transfer key.
+//     docs/kvbus.md "Tail keys"), the rest of that chunk, the "gap";
+//   - every full chunk after that;
+//   - the prompt's partial tail past its last full chunk.
+// Each region is named for this request alone: the transfer key of the
+// request's transfer id followed by the region's first position (u64,
+// little-endian). Not by content: two requests prepared on one decode
+// worker with one prefix each get their own slices, whatever order their
+// pushes come in (docs/kvbus.md, "Transfer and layer-slice keys").
 // Each region travels as one layer slice per layer (kvbus::LayerSliceKey).
 // Both ends compute the same plan from the same request. Thread-safe (pure).
 
 #include <cstdint>
-#include <span>
 #include <string_view>
 #include <vector>
 
@@ -22,17 +23,19 @@
 namespace kdn::kvbus {
 
 struct KvRegion {
-  ChunkKey parent;    // the prefix key, or a transfer key (gap, tail)
+  ChunkKey parent;    // TransferRegionKey(transfer id, first)
   int64_t first = 0;  // first token position
   int64_t count = 0;
-  bool tail = false;  // named by a transfer key: of this request alone
 };
 
-// `prefix_keys` are the prompt's full-chunk keys (kvbus::PrefixKeys);
-// `held_tokens` (the decode worker's leading tokens) is clamped to
-// [0, prompt_tokens].
-std::vector<KvRegion> TransferRegions(std::span<const ChunkKey> prefix_keys, int64_t prompt_tokens,
-                                      int chunk_tokens, int64_t held_tokens,
-                                      std::string_view transfer_id);
+// `full_chunks` is the number of the prompt's full chunks (its prefix keys;
+// 0 lays the whole prompt out as one region); `held_tokens` (the decode
+// worker's leading tokens) is clamped to [0, prompt_tokens].
+std::vector<KvRegion> TransferRegions(int64_t full_chunks, int64_t prompt_tokens, int chunk_tokens,
+                                      int64_t held_tokens, std::string_view transfer_id);
+
+// The name of a request's region that starts at `first`:
+// TransferKey(transfer_id || u64le(first)).
+ChunkKey TransferRegionKey(std::string_view transfer_id, int64_t first);
 
 }  // namespace kdn::kvbus
