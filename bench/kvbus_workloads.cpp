@@ -17,13 +17,13 @@
 #include "bench_util.h"
 #include "kdn/kvbus/buffer_pool.h"
 #include "kdn/kvbus/chunk.h"
-#include "kdn/kvbus/curve.h"
+#include "kdn/net/curve.h"
 #include "kdn/kvbus/disk_tier.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
-#include "kdn/kvbus/transport_bench.h"
+#include "kdn/bench/transport_bench.h"
 #include "kdn/engine/presets.h"
 #include "kdn/kvbridge/paged_chunks.h"
 
@@ -299,9 +299,9 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
 
   // With --curve, each row is measured plaintext and with CURVE, the
   // receiver holding the key the child inherits.
-  std::optional<CurveKeys> keys;
+  std::optional<net::CurveKeys> keys;
   if (o.curve) {
-    auto k = GenerateCurveKeys();
+    auto k = net::GenerateCurveKeys();
     if (!k.ok()) {
       std::fprintf(stderr, "kdn-bench: %s\n", k.status().ToString().c_str());
       return 1;

@@ -12,7 +12,7 @@
 #include "kdn/control/stop_signal.h"
 #include "kdn/decode_worker/decode_service.h"
 #include "kdn/engine/cpu_runtime.h"
-#include "kdn/kvbus/curve_flag.h"
+#include "kdn/net/curve_flag.h"
 #include "proto_log.h"
 
 int main(int argc, char** argv) {
@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
   kdn::control::KvFlags kv_flags;
   kv_flags.Add(app);
-  kdn::kvbus::CurveFlag curve_flag;
+  kdn::net::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   if (kdn::Status st = log_flags.Init("decode", o.name); !st.ok()) {

@@ -11,7 +11,7 @@
 #include "kdn/control/worker_flags.h"
 #include "kdn/control/stop_signal.h"
 #include "kdn/engine/cpu_runtime.h"
-#include "kdn/kvbus/curve_flag.h"
+#include "kdn/net/curve_flag.h"
 #include "kdn/prefill_worker/prefill_service.h"
 #include "proto_log.h"
 
@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
   kdn::control::KvFlags kv_flags;
   kv_flags.Add(app);
-  kdn::kvbus::CurveFlag curve_flag;
+  kdn::net::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   if (kdn::Status st = log_flags.Init("prefill", o.name); !st.ok()) {

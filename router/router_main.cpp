@@ -12,7 +12,7 @@
 
 #include "kdn/common/log_flags.h"
 #include "kdn/control/stop_signal.h"
-#include "kdn/kvbus/curve_flag.h"
+#include "kdn/net/curve_flag.h"
 #include "kdn/router/router.h"
 #include "proto_log.h"
 
@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
                  "for it to compute the prompt itself")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
       ->capture_default_str();
-  kdn::kvbus::CurveFlag curve_flag;
+  kdn::net::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   o.backend.disaggregation = *kdn::router::ParseDisaggregation(disaggregation);

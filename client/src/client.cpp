@@ -16,7 +16,7 @@
 #include "kdn/kvbridge/fingerprint.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/codec.h"
-#include "kdn/kvbus/curve.h"
+#include "kdn/net/curve.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/kv_layout.h"
 #include "kdn/kvbus/prefix_io.h"
@@ -231,7 +231,7 @@ kdn_status kdn_client_open(const char* uri, const kdn_model* model,
     if (!u.starts_with("redis://")) {
       KDN_ASSIGN_OR_RETURN(
           shared.curve,
-          kvbus::CurveKeysFromFlagOrEnv(o.curve_keys_path != nullptr ? o.curve_keys_path : ""));
+          kdn::net::CurveKeysFromFlagOrEnv(o.curve_keys_path != nullptr ? o.curve_keys_path : ""));
     }
     KDN_ASSIGN_OR_RETURN(auto tier, kvbus::OpenSharedTier(u, shared));
     // What kdn's workers stored coded is decoded on the way out; what this

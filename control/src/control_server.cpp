@@ -8,8 +8,8 @@
 #include <zmq.hpp>
 
 #include "kdn/common/log.h"
-#include "kdn/kvbus/zmq_check.h"
-#include "kdn/kvbus/zmq_curve.h"
+#include "kdn/net/zmq_check.h"
+#include "kdn/net/zmq_curve.h"
 
 namespace kdn::control {
 
@@ -19,7 +19,7 @@ struct ControlServer::Impl {
   zmq::context_t ctx{1};
   zmq::socket_t sock{ctx, zmq::socket_type::router};  // the I/O thread's alone
   zmq::socket_t inbox{ctx, zmq::socket_type::pull};   // the I/O thread's alone
-  std::unique_ptr<kvbus::CurveAuthenticator> auth;    // with CURVE
+  std::unique_ptr<net::CurveAuthenticator> auth;      // with CURVE
   std::string endpoint;
   std::string inbox_endpoint;
   std::atomic<bool> stop{false};
@@ -76,11 +76,11 @@ struct ControlServer::Impl {
 ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<ControlServer>> ControlServer::Start(
-    const std::string& endpoint, Handler handler, const std::optional<kvbus::CurveKeys>& curve) {
+    const std::string& endpoint, Handler handler, const std::optional<net::CurveKeys>& curve) {
   auto impl = std::make_unique<Impl>();
   impl->handler = std::move(handler);
   KDN_RETURN_IF_ERROR(
-      kvbus::SecureServer(impl->ctx, impl->sock, curve, kvbus::CurveRole::kControl, &impl->auth));
+      net::SecureServer(impl->ctx, impl->sock, curve, net::CurveRole::kControl, &impl->auth));
   try {
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 0);  // unknown peers: drop, never block
@@ -94,7 +94,7 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Start(
     impl->outbox.set(zmq::sockopt::linger, 0);
     impl->outbox.connect(impl->inbox_endpoint);
   } catch (const zmq::error_t& e) {
-    return kvbus::ZmqErrorStatus(e.num(), "control socket " + endpoint);
+    return net::ZmqErrorStatus(e.num(), "control socket " + endpoint);
   }
   Impl* raw = impl.get();
   std::unique_ptr<ControlServer> server(new ControlServer(std::move(impl)));

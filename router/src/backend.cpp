@@ -9,7 +9,7 @@
 
 #include "kdn/common/log.h"
 #include "kdn/common/mutex.h"
-#include "kdn/kvbus/zmq_check.h"
+#include "kdn/net/zmq_check.h"
 #include "kdn/router/injector.h"
 #include "kdn/router/placement.h"
 #include "kdn/router/request_flow.h"
@@ -172,7 +172,7 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
       impl->wake.set(zmq::sockopt::linger, 0);
       impl->wake.connect(name);
     } catch (const zmq::error_t& e) {
-      return kvbus::ZmqErrorStatus(e.num(), "connecting to the workers");
+      return net::ZmqErrorStatus(e.num(), "connecting to the workers");
     }
   }
   KDN_ASSIGN_OR_RETURN(impl->pool, WorkerPool::Connect(impl->ctx, options, impl.get()));

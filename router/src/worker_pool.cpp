@@ -5,8 +5,8 @@
 
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
-#include "kdn/kvbus/zmq_check.h"
-#include "kdn/kvbus/zmq_curve.h"
+#include "kdn/net/zmq_check.h"
+#include "kdn/net/zmq_curve.h"
 #include "worker_messages.h"
 
 namespace kdn::router {
@@ -24,7 +24,7 @@ Result<std::unique_ptr<WorkerPool>> WorkerPool::Connect(zmq::context_t& ctx,
     v.endpoint = ep;
     Link l;
     l.sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
-    KDN_RETURN_IF_ERROR(kvbus::SecureClient(*l.sock, options.curve));
+    KDN_RETURN_IF_ERROR(net::SecureClient(*l.sock, options.curve));
     l.sock->set(zmq::sockopt::linger, 0);
     l.sock->set(zmq::sockopt::sndhwm, 100000);
     l.sock->set(zmq::sockopt::maxmsgsize, control::kMaxControlFrameBytes);
@@ -32,7 +32,7 @@ Result<std::unique_ptr<WorkerPool>> WorkerPool::Connect(zmq::context_t& ctx,
     std::snprintf(mon, sizeof(mon), "inproc://router-backend-%p-monitor-%zu", tag,
                   pool->links_.size());
     if (zmq_socket_monitor(l.sock->handle(), mon, ZMQ_EVENT_DISCONNECTED) != 0) {
-      return kvbus::ZmqErrorStatus(zmq_errno(), "monitoring the connection to " + ep);
+      return net::ZmqErrorStatus(zmq_errno(), "monitoring the connection to " + ep);
     }
     l.monitor = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pair);
     l.monitor->set(zmq::sockopt::linger, 0);
@@ -50,7 +50,7 @@ Result<std::unique_ptr<WorkerPool>> WorkerPool::Connect(zmq::context_t& ctx,
       KDN_RETURN_IF_ERROR(add(ep, Role::kDecode));
     }
   } catch (const zmq::error_t& e) {
-    return kvbus::ZmqErrorStatus(e.num(), "connecting to the workers");
+    return net::ZmqErrorStatus(e.num(), "connecting to the workers");
   }
   return pool;
 }

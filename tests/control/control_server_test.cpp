@@ -4,7 +4,7 @@
 // a rate-limited log line, however many peers send them.
 #include "kdn/control/control_server.h"
 
-#include "kdn/kvbus/zmq_curve.h"
+#include "kdn/net/zmq_curve.h"
 #include "proto_log.h"
 
 #include <gtest/gtest.h>
@@ -153,7 +153,7 @@ TEST(ControlServer, ProtobufsComplaintsAreRateLimited) {
 // key, a keypair of its own, or the members' key (a worker's) are refused at
 // the handshake, and the router is answered.
 TEST(ControlServer, WithCurveOnlyTheRouterIsHeard) {
-  const auto [keys, router] = kvbus::GenerateDeploymentKeys().value();
+  const auto [keys, router] = net::GenerateDeploymentKeys().value();
   std::atomic<int> handled{0};
   auto server = ControlServer::Start("tcp://127.0.0.1:0", AnswerEach(&handled), keys);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
@@ -163,9 +163,9 @@ TEST(ControlServer, WithCurveOnlyTheRouterIsHeard) {
   prepare.mutable_prepare()->set_max_tokens(100000);
   const std::string bytes = prepare.SerializeAsString();
   zmq::context_t ctx;
-  const kvbus::CurveKeys other = kvbus::GenerateCurveKeys().value();
-  for (const kvbus::CurveKeys* client :
-       {static_cast<const kvbus::CurveKeys*>(nullptr), &other, &keys}) {
+  const net::CurveKeys other = net::GenerateCurveKeys().value();
+  for (const net::CurveKeys* client :
+       {static_cast<const net::CurveKeys*>(nullptr), &other, &keys}) {
     zmq::socket_t s(ctx, zmq::socket_type::dealer);
     s.set(zmq::sockopt::linger, 0);
     if (client != nullptr) {
@@ -183,7 +183,7 @@ TEST(ControlServer, WithCurveOnlyTheRouterIsHeard) {
   zmq::socket_t router_peer(ctx, zmq::socket_type::dealer);
   router_peer.set(zmq::sockopt::linger, 0);
   router_peer.set(zmq::sockopt::rcvtimeo, 5000);
-  ASSERT_TRUE(kvbus::SecureClient(router_peer, router).ok());
+  ASSERT_TRUE(net::SecureClient(router_peer, router).ok());
   router_peer.connect((*server)->endpoint());
   router_peer.send(zmq::buffer(bytes), zmq::send_flags::none);
   zmq::message_t reply;

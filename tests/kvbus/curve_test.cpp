@@ -1,7 +1,7 @@
-// CURVE on kdn's internal sockets (kdn/kvbus/curve.h, zmq_curve.h): the key
+// CURVE on kdn's internal sockets (kdn/net/curve.h, zmq_curve.h): the key
 // file's rules, and that kdn-store and the kvbus receiver admit a peer that
 // holds the deployment's key and nobody else, whatever the others send.
-#include "kdn/kvbus/curve.h"
+#include "kdn/net/curve.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -20,7 +20,7 @@
 
 #include "kdn/kvbus/store_service.h"
 #include "kdn/kvbus/transport.h"
-#include "kdn/kvbus/zmq_curve.h"
+#include "kdn/net/zmq_curve.h"
 #include "kdn/testing/recording_store.h"
 #include "kdn/testing/temp_dir.h"
 #include "kdn/testing/chunks.h"
@@ -36,8 +36,8 @@ std::shared_ptr<const Chunk> MakeChunk(uint64_t id) {
   return kdn::testing::MakeChunk(ChunkKey{id, ~id}, id, {.dtype = KvDType::kBF16});
 }
 
-CurveKeys Keys() {
-  auto k = GenerateCurveKeys();
+net::CurveKeys Keys() {
+  auto k = net::GenerateCurveKeys();
   EXPECT_TRUE(k.ok()) << k.status().ToString();
   return *k;
 }
@@ -73,26 +73,26 @@ void Bombard(const std::string& endpoint, const std::function<void(zmq::socket_t
 
 TEST(CurveKeys, AWrittenKeyReadsBackAndIsPrivate) {
   TempDir dir;
-  const CurveKeys keys = Keys();
+  const net::CurveKeys keys = Keys();
   const std::string path = (dir.path() / "kdn.key").string();
-  ASSERT_TRUE(WriteCurveKeys(path, keys).ok());
+  ASSERT_TRUE(net::WriteCurveKeys(path, keys).ok());
   struct stat st {};
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  auto back = ReadCurveKeys(path);
+  auto back = net::ReadCurveKeys(path);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->public_key, keys.public_key);
   EXPECT_EQ(back->secret_key, keys.secret_key);
   // Never replaced.
-  EXPECT_EQ(WriteCurveKeys(path, Keys()).code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(ReadCurveKeys(path)->secret_key, keys.secret_key);
+  EXPECT_EQ(net::WriteCurveKeys(path, Keys()).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(net::ReadCurveKeys(path)->secret_key, keys.secret_key);
 }
 
 // The members' and the router's files name each other's public keys, and
 // read back as written.
 TEST(CurveKeys, ADeploymentsTwoFilesNameEachOther) {
   TempDir dir;
-  auto pair = GenerateDeploymentKeys();
+  auto pair = net::GenerateDeploymentKeys();
   ASSERT_TRUE(pair.ok()) << pair.status().ToString();
   const auto& [members, router] = *pair;
   EXPECT_EQ(members.router_key, router.public_key);
@@ -100,10 +100,10 @@ TEST(CurveKeys, ADeploymentsTwoFilesNameEachOther) {
   EXPECT_EQ(members.ServerKey(), members.public_key);
   EXPECT_EQ(router.ServerKey(), members.public_key);
   EXPECT_EQ(members.ControlClientKey(), router.public_key);
-  ASSERT_TRUE(WriteCurveKeys((dir.path() / "curve.key").string(), members).ok());
-  ASSERT_TRUE(WriteCurveKeys((dir.path() / "router.key").string(), router).ok());
-  auto m = ReadCurveKeys((dir.path() / "curve.key").string());
-  auto r = ReadCurveKeys((dir.path() / "router.key").string());
+  ASSERT_TRUE(net::WriteCurveKeys((dir.path() / "curve.key").string(), members).ok());
+  ASSERT_TRUE(net::WriteCurveKeys((dir.path() / "router.key").string(), router).ok());
+  auto m = net::ReadCurveKeys((dir.path() / "curve.key").string());
+  auto r = net::ReadCurveKeys((dir.path() / "router.key").string());
   ASSERT_TRUE(m.ok() && r.ok());
   EXPECT_EQ(m->router_key, router.public_key);
   EXPECT_TRUE(m->server_key.empty());
@@ -112,8 +112,8 @@ TEST(CurveKeys, ADeploymentsTwoFilesNameEachOther) {
   // The router's file cannot serve: it names another server key.
   zmq::context_t ctx;
   zmq::socket_t s(ctx, zmq::socket_type::router);
-  std::unique_ptr<CurveAuthenticator> auth;
-  EXPECT_EQ(SecureServer(ctx, s, *r, CurveRole::kControl, &auth).code(),
+  std::unique_ptr<net::CurveAuthenticator> auth;
+  EXPECT_EQ(net::SecureServer(ctx, s, *r, net::CurveRole::kControl, &auth).code(),
             StatusCode::kInvalidArgument);
   s.close();
 }
@@ -121,9 +121,9 @@ TEST(CurveKeys, ADeploymentsTwoFilesNameEachOther) {
 TEST(CurveKeys, AKeyOthersMayReadIsRefused) {
   TempDir dir;
   const std::string path = (dir.path() / "kdn.key").string();
-  ASSERT_TRUE(WriteCurveKeys(path, Keys()).ok());
+  ASSERT_TRUE(net::WriteCurveKeys(path, Keys()).ok());
   ASSERT_EQ(::chmod(path.c_str(), 0640), 0);
-  auto r = ReadCurveKeys(path);
+  auto r = net::ReadCurveKeys(path);
   EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(r.status().message().find("chmod 600"), std::string::npos) << r.status().message();
 }
@@ -136,44 +136,46 @@ TEST(CurveKeys, MalformedAndMismatchedFilesAreRefused) {
     ::chmod(p.c_str(), 0600);
     return p;
   };
-  const CurveKeys a = Keys(), b = Keys();
-  EXPECT_EQ(ReadCurveKeys(write("half", "public-key = " + a.public_key + "\n")).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadCurveKeys(write("short", "public-key = abc\nsecret-key = def\n")).status().code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadCurveKeys(write("other", "public-key = " + a.public_key +
-                                             "\nsecret-key = " + b.secret_key + "\n"))
+  const net::CurveKeys a = Keys(), b = Keys();
+  EXPECT_EQ(
+      net::ReadCurveKeys(write("half", "public-key = " + a.public_key + "\n")).status().code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      net::ReadCurveKeys(write("short", "public-key = abc\nsecret-key = def\n")).status().code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(net::ReadCurveKeys(write("other", "public-key = " + a.public_key +
+                                                  "\nsecret-key = " + b.secret_key + "\n"))
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(ReadCurveKeys((dir.path() / "missing").string()).status().code(),
+  EXPECT_EQ(net::ReadCurveKeys((dir.path() / "missing").string()).status().code(),
             StatusCode::kNotFound);
-  EXPECT_TRUE(ReadCurveKeys(write("ok", "# comment\n\npublic-key = " + a.public_key +
-                                            "\nsecret-key = " + a.secret_key + "\n"))
+  EXPECT_TRUE(net::ReadCurveKeys(write("ok", "# comment\n\npublic-key = " + a.public_key +
+                                                 "\nsecret-key = " + a.secret_key + "\n"))
                   .ok());
 }
 
 TEST(CurveKeys, TheEnvironmentNamesTheFileWhenTheFlagDoesNot) {
   TempDir dir;
   const std::string path = (dir.path() / "kdn.key").string();
-  const CurveKeys keys = Keys();
-  ASSERT_TRUE(WriteCurveKeys(path, keys).ok());
+  const net::CurveKeys keys = Keys();
+  ASSERT_TRUE(net::WriteCurveKeys(path, keys).ok());
   ::unsetenv("KDN_CURVE_KEYS");
-  EXPECT_FALSE(CurveKeysFromFlagOrEnv("")->has_value());
+  EXPECT_FALSE(net::CurveKeysFromFlagOrEnv("")->has_value());
   ::setenv("KDN_CURVE_KEYS", path.c_str(), 1);
-  auto from_env = CurveKeysFromFlagOrEnv("");
+  auto from_env = net::CurveKeysFromFlagOrEnv("");
   ::unsetenv("KDN_CURVE_KEYS");
   ASSERT_TRUE(from_env.ok());
   ASSERT_TRUE(from_env->has_value());
   EXPECT_EQ((*from_env)->public_key, keys.public_key);
-  EXPECT_EQ(CurveKeysFromFlagOrEnv((dir.path() / "missing").string()).status().code(),
+  EXPECT_EQ(net::CurveKeysFromFlagOrEnv((dir.path() / "missing").string()).status().code(),
             StatusCode::kNotFound);
 }
 
 // kdn-store with CURVE: its clients put and get; a client without the key, or
 // with a key of its own, puts nothing and crashes nothing.
 TEST(CurveStore, OnlyAHolderOfTheKeyCanPut) {
-  const CurveKeys keys = Keys();
+  const net::CurveKeys keys = Keys();
   RecordingStore store;
   auto server = StoreServer::Start(store, "tcp://127.0.0.1:0", {}, {.curve = keys});
   ASSERT_TRUE(server.ok()) << server.status().ToString();
@@ -182,7 +184,7 @@ TEST(CurveStore, OnlyAHolderOfTheKeyCanPut) {
   auto plain = RemoteStore::Connect(ep, {.timeout = 500ms});
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ((*plain)->Put(MakeChunk(1)).code(), StatusCode::kUnavailable);
-  const CurveKeys forged = Keys();
+  const net::CurveKeys forged = Keys();
   // Another deployment's key: it cannot even check the server's.
   auto foreign = RemoteStore::Connect(ep, {.timeout = 500ms, .curve = forged});
   ASSERT_TRUE(foreign.ok());
@@ -200,7 +202,7 @@ TEST(CurveStore, OnlyAHolderOfTheKeyCanPut) {
 
   // The router's key is for control sockets: the store refuses it.
   {
-    CurveKeys router = Keys();
+    net::CurveKeys router = Keys();
     router.server_key = keys.public_key;
     auto r = RemoteStore::Connect(ep, {.timeout = 500ms, .curve = router});
     ASSERT_TRUE(r.ok());
@@ -220,7 +222,7 @@ TEST(CurveStore, OnlyAHolderOfTheKeyCanPut) {
 // a key, or with another deployment's, delivers nothing, and its batch fails
 // rather than hangs.
 TEST(CurveTransport, OnlyAHolderOfTheKeyCanSendKv) {
-  const CurveKeys keys = Keys();
+  const net::CurveKeys keys = Keys();
   RecordingStore sink;
   ReceiverOptions ropt;
   ropt.curve = keys;
@@ -265,16 +267,16 @@ TEST(CurveTransport, OnlyAHolderOfTheKeyCanSendKv) {
 // The authenticator refuses what is not CURVE with the deployment's key, and
 // counts both outcomes.
 TEST(CurveAuthenticator, CountsAdmittedAndRefusedClients) {
-  const CurveKeys keys = Keys();
+  const net::CurveKeys keys = Keys();
   zmq::context_t ctx;
   zmq::socket_t server(ctx, zmq::socket_type::router);
-  std::unique_ptr<CurveAuthenticator> auth;
-  ASSERT_TRUE(SecureServer(ctx, server, keys, CurveRole::kData, &auth).ok());
+  std::unique_ptr<net::CurveAuthenticator> auth;
+  ASSERT_TRUE(net::SecureServer(ctx, server, keys, net::CurveRole::kData, &auth).ok());
   server.set(zmq::sockopt::linger, 0);
   server.bind("tcp://127.0.0.1:0");
   const std::string ep = server.get(zmq::sockopt::last_endpoint);
-  const CurveKeys other = Keys();
-  for (const CurveKeys* client : {&keys, &other}) {
+  const net::CurveKeys other = Keys();
+  for (const net::CurveKeys* client : {&keys, &other}) {
     zmq::socket_t s(ctx, zmq::socket_type::dealer);
     s.set(zmq::sockopt::linger, 0);
     s.set(zmq::sockopt::curve_serverkey, keys.public_key);

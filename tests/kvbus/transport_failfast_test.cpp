@@ -16,7 +16,7 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "kdn/kvbus/peer_monitor.h"
+#include "kdn/net/peer_monitor.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/testing/recording_store.h"
@@ -196,7 +196,7 @@ TEST(PeerMonitor, SeesARefusedEndpointThenAnUpConnectionThenItsLoss) {
   zmq::context_t context;
   zmq::socket_t dealer(context, zmq::socket_type::dealer);
   dealer.set(zmq::sockopt::linger, 0);
-  KDN_ASSERT_OK_AND_ASSIGN(auto monitor, PeerMonitor::Watch(context, dealer));
+  KDN_ASSERT_OK_AND_ASSIGN(auto monitor, net::PeerMonitor::Watch(context, dealer));
   std::string endpoint;
   {
     // A context of its own: closing it waits until the port is closed (a

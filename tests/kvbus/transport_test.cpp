@@ -21,7 +21,7 @@
 #include "kdn/kvbus/wire.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/transport.h"
-#include "kdn/kvbus/transport_bench.h"
+#include "kdn/bench/transport_bench.h"
 #include "landing_site.h"
 #include "kdn/testing/recording_store.h"
 #include "transport_conformance.h"

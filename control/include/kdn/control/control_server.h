@@ -16,7 +16,7 @@
 #include <string>
 
 #include "kdn/common/status.h"
-#include "kdn/kvbus/curve.h"
+#include "kdn/net/curve.h"
 #include "serving.pb.h"
 
 namespace kdn::control {
@@ -38,10 +38,10 @@ class ControlServer {
   // Binds `endpoint` ("tcp://127.0.0.1:0" picks a port). UNAVAILABLE if it
   // cannot be bound, INVALID_ARGUMENT if malformed. With `curve` (the
   // members' keys) set the socket runs CURVE and admits only the router's
-  // key (kvbus::CurveRole::kControl).
+  // key (net::CurveRole::kControl).
   static Result<std::unique_ptr<ControlServer>> Start(
       const std::string& endpoint, Handler handler,
-      const std::optional<kvbus::CurveKeys>& curve = std::nullopt);
+      const std::optional<net::CurveKeys>& curve = std::nullopt);
   ~ControlServer();
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;

@@ -91,8 +91,8 @@ struct DecodeServiceOptions {
   // never start. In (0, 1].
   double peer_prepare_share = 0.9;
   // Set: every ZeroMQ socket it opens (control, kvbus, kdn-store) runs CURVE
-  // with this deployment key (kdn/kvbus/curve.h); unset: plaintext.
-  std::optional<kvbus::CurveKeys> curve;
+  // with this deployment key (kdn/net/curve.h); unset: plaintext.
+  std::optional<net::CurveKeys> curve;
 };
 
 // The staging memory a decode worker gives the KV slices prefill workers

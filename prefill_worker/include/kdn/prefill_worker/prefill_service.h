@@ -51,8 +51,8 @@ struct PrefillServiceOptions {
   // kvbus data plane to decode workers (kvbus::TransportKind).
   kvbus::TransportKind kv_transport = kvbus::TransportKind::kAuto;
   // Set: every ZeroMQ socket it opens (control, kvbus, kdn-store) runs CURVE
-  // with this deployment key (kdn/kvbus/curve.h); unset: plaintext.
-  std::optional<kvbus::CurveKeys> curve;
+  // with this deployment key (kdn/net/curve.h); unset: plaintext.
+  std::optional<net::CurveKeys> curve;
 };
 
 class PrefillService {

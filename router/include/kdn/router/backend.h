@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/kvbus/curve.h"
+#include "kdn/net/curve.h"
 #include "kdn/model/sampling.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
@@ -112,8 +112,8 @@ struct BackendOptions {
   Disaggregation disaggregation = Disaggregation::kAuto;
   int64_t local_prefill_max_tokens = 512;
   // Set: the control connections run CURVE as holders of this key, the
-  // workers' (kdn/kvbus/curve.h); unset: plaintext.
-  std::optional<kvbus::CurveKeys> curve;
+  // workers' (kdn/net/curve.h); unset: plaintext.
+  std::optional<net::CurveKeys> curve;
 };
 
 class Backend {
