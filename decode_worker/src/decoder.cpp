@@ -4,11 +4,12 @@
 #include <mutex>
 
 #include "kdn/common/log.h"
-#include "kdn/control/prefix_kv.h"
+#include "kdn/kvbridge/prefix_kv.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/prefix_io.h"
 
 namespace kdn::decode_worker {
 
@@ -128,8 +129,8 @@ Status Decoder::ReserveKv(Prepared& p) {
 }
 
 int64_t Decoder::PlaceLoaded(Prepared& p, const std::vector<LoadedSpan>& loaded) {
-  const control::PlacedPrefix placed =
-      control::PlacePrefix(model_.kv_cache(), p.seq, loaded, p.resident_tokens);
+  const kvbridge::PlacedPrefix placed =
+      kvbridge::PlacePrefix(model_.kv_cache(), p.seq, loaded, p.resident_tokens);
   chunks_loaded_ += placed.chunks;
   kv_bytes_loaded_ += placed.kv_bytes;
   p.kv_bytes_loaded += placed.kv_bytes;

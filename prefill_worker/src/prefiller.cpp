@@ -4,8 +4,9 @@
 #include <future>
 
 #include "kdn/common/log.h"
-#include "kdn/control/prefix_kv.h"
+#include "kdn/kvbridge/prefix_kv.h"
 #include "kdn/kvbus/transfer_plan.h"
+#include "kdn/kvbus/prefix_io.h"
 #include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
@@ -225,8 +226,8 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job, const PrefetchedKv*
     fetched_here = kvbus::FetchPrefix(store_, ctx, job.tokens, keys_, n - 1,
                                       options_.min_tail_tokens, resident, chunk_dtype_);
   }
-  const control::PlacedPrefix placed =
-      control::PlacePrefix(cache, seq_, kv != nullptr ? kv->prefix : fetched_here, resident);
+  const kvbridge::PlacedPrefix placed =
+      kvbridge::PlacePrefix(cache, seq_, kv != nullptr ? kv->prefix : fetched_here, resident);
   // A prefetch that read before more of the prompt was resident may reach
   // less far than the pool does now.
   const int64_t hit = kv != nullptr ? std::max(placed.tokens, resident) : placed.tokens;

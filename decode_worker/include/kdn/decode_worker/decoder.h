@@ -42,7 +42,7 @@
 
 #include "kdn/common/job_thread.h"
 #include "kdn/common/status.h"
-#include "kdn/control/prefix_kv.h"
+#include "kdn/kvbridge/prefix_kv.h"
 #include "kdn/decode_worker/batcher.h"
 #include "kdn/decode_worker/decode_request.h"
 #include "kdn/decode_worker/decode_scheduler.h"

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <span>
 #include <vector>
 
@@ -152,5 +153,9 @@ class Chunk {
   std::shared_ptr<const uint8_t> data_;  // size_ bytes: header, then payload
   size_t size_ = 0;
 };
+
+// A span of a prompt and its chunk, as FetchPrefix (kdn/kvbus/prefix_io.h)
+// reads them; no chunk for a span the caller holds.
+using FetchedSpan = std::pair<KeyedSpan, std::shared_ptr<const Chunk>>;
 
 }  // namespace kdn::kvbus

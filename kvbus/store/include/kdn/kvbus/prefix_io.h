@@ -42,9 +42,6 @@ inline bool WorthFetchingPast(const KeyedSpan& s, int64_t resident, int chunk_to
   return s.count < chunk_tokens || s.first + s.count - resident >= min_tail_tokens;
 }
 
-// A span of the prompt and its chunk; no chunk for a span the caller holds.
-using FetchedSpan = std::pair<KeyedSpan, std::shared_ptr<const Chunk>>;
-
 // The prompt's leading spans (MatchPrefix, at most `limit` tokens): those
 // within the first `resident` tokens without a chunk (the caller holds
 // them), then those `store` gives that fit the model (`ctx`'s fingerprint,

@@ -2,7 +2,7 @@
 // A prompt's KV from a worker's lower KDN tiers into its KV pool, as both
 // workers place it: the spans kvbus::FetchPrefix fetched past what the pool
 // holds resident (kvbridge/resident.h) go into the request's sequence.
-// Fetching and putting (kvbus/prefix_io.h) touch only the store, so that
+// Fetching and putting (kdn/kvbus/prefix_io.h) touch only the store, so that
 // the decode worker runs them on its store I/O thread; placing touches the
 // cache, on the engine's thread.
 
@@ -15,11 +15,9 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/kv_cache.h"
 #include "kdn/kvbus/chunk.h"
-#include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/key.h"
-#include "kdn/kvbus/prefix_io.h"
 
-namespace kdn::control {
+namespace kdn::kvbridge {
 
 struct PlacedPrefix {
   int64_t tokens = 0;     // leading tokens the sequence holds, the resident ones counted
@@ -34,4 +32,4 @@ struct PlacedPrefix {
 PlacedPrefix PlacePrefix(engine::KvCache& cache, engine::KvSequence& seq,
                          std::span<const kvbus::FetchedSpan> fetched, int64_t resident);
 
-}  // namespace kdn::control
+}  // namespace kdn::kvbridge

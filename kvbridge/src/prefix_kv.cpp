@@ -1,12 +1,11 @@
-#include "kdn/control/prefix_kv.h"
+#include "kdn/kvbridge/prefix_kv.h"
 
 #include <algorithm>
 
-#include "kdn/control/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
 
-namespace kdn::control {
+namespace kdn::kvbridge {
 
 PlacedPrefix PlacePrefix(engine::KvCache& cache, engine::KvSequence& seq,
                          std::span<const kvbus::FetchedSpan> fetched, int64_t resident) {
@@ -32,4 +31,4 @@ PlacedPrefix PlacePrefix(engine::KvCache& cache, engine::KvSequence& seq,
   return out;
 }
 
-}  // namespace kdn::control
+}  // namespace kdn::kvbridge
