@@ -109,10 +109,10 @@ double MemcpyOneThreadGBps(size_t bytes, int reps) {
   return best;
 }
 
-kvbus::KvDType ParseDType(const std::string& s) {
-  if (s == "bf16") return kvbus::KvDType::kBF16;
-  if (s == "f16") return kvbus::KvDType::kF16;
-  return kvbus::KvDType::kF32;
+kdn::DType ParseDType(const std::string& s) {
+  if (s == "bf16") return kdn::DType::kBF16;
+  if (s == "f16") return kdn::DType::kF16;
+  return kdn::DType::kF32;
 }
 
 void DropFromPageCache(const std::filesystem::path& dir) {

@@ -58,7 +58,7 @@ using engine::GreedyTokens;
 Result<std::unique_ptr<engine::Engine>> MakeModel(const Common& c, int64_t kv_tokens,
                                                   std::string* what);
 // "f32", "f16" or "bf16" (anything else is f32: the flags check the choice).
-kvbus::KvDType ParseDType(const std::string& s);
+kdn::DType ParseDType(const std::string& s);
 // Asks the kernel to drop every file under `dir` from the page cache, so the
 // next read comes from the device (clean pages only; no privileges needed).
 void DropFromPageCache(const std::filesystem::path& dir);

@@ -188,7 +188,7 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
     KDN_ASSIGN_OR_RETURN(
         auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(t.size()),
                                                kvbus::SegmentKey(ctx, t), ctx.model_fingerprint,
-                                               kvbridge::ChunkDType(model.kv_dtype())));
+                                               model.kv_dtype()));
     std::shared_ptr<const kvbus::Chunk> shared = std::move(chunk);
     doc_kv.emplace(d, shared);
     return shared;

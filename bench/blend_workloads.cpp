@@ -69,7 +69,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
   kvbus::TieredStore store(std::move(tiers));
   const kvbus::KeyContext ctx{{0, 42}, "", kChunkTokens};
   engine::KvCache& cache = model.kv_cache();
-  const kvbus::KvDType chunk_dtype = kvbridge::ChunkDType(model.kv_dtype());  // the engine's own
+  const kdn::DType chunk_dtype = model.kv_dtype();  // the engine's own
   for (const auto& d : documents) {
     engine::KvSequence seq = cache.NewSequence();
     std::vector<float> logits;

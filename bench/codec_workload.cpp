@@ -89,10 +89,9 @@ double Sq(double x) { return x * x; }
 std::vector<float> Elements(const Chunks& chunks) {
   std::vector<float> out;
   for (const auto& c : chunks) {
-    const size_t n = c->payload().size() / KvDTypeSize(c->info().dtype);
+    const size_t n = c->payload().size() / DTypeSize(c->info().dtype);
     out.resize(out.size() + n);
-    engine::ToFloat(kvbridge::EngineDType(c->info().dtype), c->payload().data(), n,
-                    out.data() + out.size() - n);
+    engine::ToFloat(c->info().dtype, c->payload().data(), n, out.data() + out.size() - n);
   }
   return out;
 }
@@ -171,7 +170,7 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
       return 2;
     }
   }
-  const KvDType dtype = ParseDType(o.dtype);
+  const DType dtype = ParseDType(o.dtype);
   const std::span<const int32_t> prompt(text->data(), static_cast<size_t>(prefix));
   const std::span<const int32_t> suffix(text->data() + prefix,
                                         static_cast<size_t>(o.suffix_tokens));
@@ -207,7 +206,7 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
   }
   const ChunkInfo& shape = raw[0]->info();
   const double raw_payload = static_cast<double>(raw[0]->payload().size()) * n_chunks;
-  const double elements = raw_payload / KvDTypeSize(dtype);
+  const double elements = raw_payload / DTypeSize(dtype);
   const double channels_planes = 2.0 * shape.layers * shape.kv_heads * shape.head_dim;
   auto ref_logits = SuffixLogits(model, raw, suffix);
   if (!ref_logits.ok()) {
@@ -222,9 +221,8 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
   std::printf(
       "kv-codec: %s, %lld tokens of %s KV (%u layers x %u KV heads x %u), %d chunks of %d; "
       "text %s; suffix %d tokens; best of %d\n",
-      what.c_str(), static_cast<long long>(prefix), KvDTypeName(dtype), shape.layers,
-      shape.kv_heads, shape.head_dim, n_chunks, o.chunk_tokens, text_dir.c_str(), o.suffix_tokens,
-      reps);
+      what.c_str(), static_cast<long long>(prefix), DTypeName(dtype), shape.layers, shape.kv_heads,
+      shape.head_dim, n_chunks, o.chunk_tokens, text_dir.c_str(), o.suffix_tokens, reps);
   std::printf("%-10s %10s %9s %9s %10s %10s %10s %10s %8s\n", "codec", "B/token", "vs raw",
               "vs int8", "enc GB/s", "dec GB/s", "KV rel err", "KL", "top-1");
   json rows = json::array();
@@ -260,7 +258,7 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
     if (agree >= 0) r["top1_agreement"] = agree;
     rows.push_back(std::move(r));
   };
-  row(std::string("raw ") + KvDTypeName(dtype), raw_payload, -1, -1, 0, 0, 1);
+  row(std::string("raw ") + DTypeName(dtype), raw_payload, -1, -1, 0, 0, 1);
   row("int8", int8_bytes, -1, -1, -1, -1, -1);
 
   // zstd on the raw payloads, level 3 (its default).
@@ -438,7 +436,7 @@ int RunKvCodec(const Common& c, const KvCodecOptions& o) {
            {"text", text_dir},
            {"tokens", prefix},
            {"chunk_tokens", o.chunk_tokens},
-           {"dtype", KvDTypeName(dtype)},
+           {"dtype", DTypeName(dtype)},
            {"suffix_tokens", o.suffix_tokens},
            {"rows", rows},
            {"ttft", ttft_rows},

@@ -101,7 +101,7 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
     return 2;
   }
   const model::ModelConfig& cfg = preset->config;
-  const KvDType dtype = ParseDType(dtype_name);
+  const DType dtype = ParseDType(dtype_name);
   const ChunkKey fingerprint{1, 1};
   json rows = json::array();
   double host_put = 0, host_get = 0, disk_put = 0, disk_get = 0;
@@ -172,7 +172,7 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
       std::filesystem::path(disk_dir) / ("kdn-bench-seq-" + std::to_string(::getpid())),
       static_cast<size_t>(chunk_bytes), reps);
   std::printf("store: %d tokens of %s KV (%s), %zu chunks of %d tokens, %.1f MiB; best of %d\n",
-              tokens, c.preset.c_str(), KvDTypeName(dtype),
+              tokens, c.preset.c_str(), DTypeName(dtype),
               static_cast<size_t>(tokens / chunk_tokens), chunk_tokens, chunk_bytes / 1048576.0,
               reps);
   std::printf("%-10s %10s %12s %8s\n", "operation", "GB/s", "limit GB/s", "ratio");
@@ -192,7 +192,7 @@ int RunStore(const Common& c, int tokens, int chunk_tokens, const std::string& d
            {"preset", c.preset},
            {"tokens", tokens},
            {"chunk_tokens", chunk_tokens},
-           {"dtype", KvDTypeName(dtype)},
+           {"dtype", DTypeName(dtype)},
            {"bytes", chunk_bytes},
            {"machine", Machine(c)},
            {"results", rows}});
@@ -290,7 +290,7 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
   const int n = o.tokens / o.chunk_tokens;
   const size_t chunk_bytes = Chunk::kHeaderBytes + shape.payload_bytes();
   const uint64_t block_bytes =
-      uint64_t{engine::kKvBlockTokens} * shape.kv_heads * shape.head_dim * KvDTypeSize(shape.dtype);
+      uint64_t{engine::kKvBlockTokens} * shape.kv_heads * shape.head_dim * DTypeSize(shape.dtype);
   if (n < 1 || o.chunk_tokens % engine::kKvBlockTokens != 0) {
     std::fprintf(stderr, "kdn-bench: --tokens must be at least --chunk-tokens, a multiple of %d\n",
                  engine::kKvBlockTokens);
@@ -417,7 +417,7 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
       "pd-transfer (two processes, control over loopback tcp, socket buffers %s): %d "
       "tokens of %s KV (%s), %d chunks, %.1f MiB per request; best of %d\n",
       o.socket_buffer_kib > 0 ? (std::to_string(o.socket_buffer_kib) + " KiB").c_str() : "OS",
-      o.tokens, c.preset.c_str(), KvDTypeName(shape.dtype), n,
+      o.tokens, c.preset.c_str(), DTypeName(shape.dtype), n,
       static_cast<double>(request_bytes) / 1048576.0, reps);
   std::printf(
       "(memcpy: one thread copying the request's bytes; one %.1f MiB chunk copied again "
@@ -528,7 +528,7 @@ int RunPdTransfer(const Common& c, const PdTransferOptions& o) {
            {"preset", c.preset},
            {"tokens", o.tokens},
            {"chunk_tokens", o.chunk_tokens},
-           {"dtype", KvDTypeName(shape.dtype)},
+           {"dtype", DTypeName(shape.dtype)},
            {"socket_buffer_kib", o.socket_buffer_kib},
            {"bytes_per_request", static_cast<double>(request_bytes)},
            {"memcpy_one_chunk_cached_gbytes_per_s", mem_cached},

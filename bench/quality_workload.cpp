@@ -189,7 +189,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
     KDN_ASSIGN_OR_RETURN(
         auto chunk, kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
                                                kvbus::SegmentKey(ctx, tokens),
-                                               ctx.model_fingerprint, kvbus::KvDType::kF32));
+                                               ctx.model_fingerprint, kdn::DType::kF32));
     std::shared_ptr<const kvbus::Chunk> shared = std::move(chunk);
     if (!codec->raw()) {
       KDN_ASSIGN_OR_RETURN(auto encoded, kvbus::EncodeChunk(shared, *codec));

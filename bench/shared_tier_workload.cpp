@@ -55,7 +55,7 @@ std::shared_ptr<const Chunk> BenchChunk(uint64_t id, uint64_t payload_bytes) {
   info.kv_heads = 8;
   info.head_dim = 64;
   info.tokens = 64;
-  info.dtype = kvbus::KvDType::kF32;
+  info.dtype = kdn::DType::kF32;
   const uint64_t per_layer = 2ull * 64 * 8 * 64 * 4;
   info.layers = static_cast<uint32_t>(std::max<uint64_t>(1, payload_bytes / per_layer));
   std::vector<uint8_t> payload(info.payload_bytes());

@@ -111,7 +111,7 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
                                      const kdn::prune::PruneSpec* prune,
                                      const kdn::engine::GenerateOptions& gen) {
   kdn::engine::KvCache& cache = model.kv_cache();
-  const auto dtype = kdn::kvbridge::ChunkDType(model.kv_dtype());
+  const auto dtype = model.kv_dtype();
   std::vector<kdn::blend::Segment> segments;
   if (!head.empty()) segments.push_back({head, nullptr});
   for (const auto& d : docs) {

@@ -25,7 +25,7 @@
 
 struct kdn_model {
   kdn::model::ModelConfig config;
-  kdn::kvbus::KvDType kv_dtype = kdn::kvbus::KvDType::kF32;
+  kdn::DType kv_dtype = kdn::DType::kF32;
   kdn::kvbus::ChunkKey fingerprint;
 };
 
@@ -84,8 +84,13 @@ kdn_status Guard(F&& f) noexcept {
   }
 }
 
+// kdn_dtype mirrors kdn::DType (kdn/common/dtype.h) value for value.
+static_assert(KDN_F32 == static_cast<int>(kdn::DType::kF32));
+static_assert(KDN_F16 == static_cast<int>(kdn::DType::kF16));
+static_assert(KDN_BF16 == static_cast<int>(kdn::DType::kBF16));
+
 Status CheckDType(int d, const char* what) {
-  if (d < KDN_F32 || d > KDN_BF16) {
+  if (!kdn::DTypeFromValue(d)) {
     return kdn::InvalidArgument(std::string(what) + " is " + std::to_string(d) +
                                 "; kdn_dtype is KDN_F32, KDN_F16 or KDN_BF16");
   }
@@ -129,7 +134,7 @@ kdn::Result<kvbus::KvLayout> ToLayout(const kdn_client* c, const kdn_kv_layout* 
     return kdn::InvalidArgument("a paged KV layout needs a block table");
   }
   kvbus::KvLayout l;
-  l.dtype = static_cast<kvbus::KvDType>(in->dtype);
+  l.dtype = static_cast<kdn::DType>(in->dtype);
   l.layers = in->layers;
   l.kv_heads = in->kv_heads;
   l.head_dim = in->head_dim;
@@ -185,7 +190,7 @@ kdn_status kdn_model_open(const char* path, int32_t kv_dtype, kdn_model** out) {
     KDN_RETURN_IF_ERROR(CheckDType(kv_dtype, "kv_dtype"));
     auto m = std::make_unique<kdn_model>();
     KDN_ASSIGN_OR_RETURN(m->config, kdn::model::LoadModelConfig(path));
-    m->kv_dtype = static_cast<kvbus::KvDType>(kv_dtype);
+    m->kv_dtype = static_cast<kdn::DType>(kv_dtype);
     KDN_ASSIGN_OR_RETURN(m->fingerprint,
                          kdn::kvbridge::FolderFingerprint(path, m->config, m->kv_dtype));
     *out = m.release();
@@ -281,7 +286,7 @@ kdn_status kdn_layout_contiguous(kdn_kv_layout* layout, int32_t major, int64_t c
     layout->stride_head = major == KDN_HEAD_MAJOR ? capacity * D : D;
     layout->buffer_bytes =
         static_cast<uint64_t>(capacity * H * D) *
-        static_cast<uint64_t>(kvbus::KvDTypeSize(static_cast<kvbus::KvDType>(layout->dtype)));
+        static_cast<uint64_t>(kdn::DTypeSize(static_cast<kdn::DType>(layout->dtype)));
     return Status::Ok();
   });
 }
@@ -304,7 +309,7 @@ kdn_status kdn_layout_paged(kdn_kv_layout* layout, int32_t major, int32_t block_
     layout->stride_head = major == KDN_HEAD_MAJOR ? int64_t{block_tokens} * D : D;
     layout->buffer_bytes =
         static_cast<uint64_t>(num_blocks * layout->stride_block) *
-        static_cast<uint64_t>(kvbus::KvDTypeSize(static_cast<kvbus::KvDType>(layout->dtype)));
+        static_cast<uint64_t>(kdn::DTypeSize(static_cast<kdn::DType>(layout->dtype)));
     return Status::Ok();
   });
 }

@@ -28,8 +28,7 @@ Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
   kvbridge::PinChunkBuffersFor(*w.model);
   KDN_ASSIGN_OR_RETURN(w.tokenizer, text::Tokenizer::Load(dir));
   KDN_ASSIGN_OR_RETURN(w.fingerprint,
-                       kvbridge::FolderFingerprint(dir, w.model->config(),
-                                                   kvbridge::ChunkDType(w.model->kv_dtype())));
+                       kvbridge::FolderFingerprint(dir, w.model->config(), w.model->kv_dtype()));
   // kdn-launch shows this time as each worker comes up.
   LogInfo("model {} loaded in {:.2f} s ({})", dir.string(),
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),

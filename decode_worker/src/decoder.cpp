@@ -178,7 +178,7 @@ void Decoder::ExpectSlices(uint64_t id, const Prepared& p) {
       // happen with a pool of one region) comes through staging.
       if (!cache.LayerRanges(p.seq, l, r.first, r.count, &s.extents).ok()) continue;
       s.info = kvbridge::LayerSliceInfo(cache, r.first, r.count, kvbus::LayerSliceKey(r.parent, l),
-                                        fingerprint_, kvbridge::ChunkDType(cache.Memory().dtype));
+                                        fingerprint_, cache.Memory().dtype);
       slices.push_back(std::move(s));
     }
   }
@@ -215,7 +215,7 @@ std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
   std::vector<std::shared_ptr<const kvbus::Chunk>> chunks;
   for (const kvbus::KeyedSpan& s : spans) {
     auto chunk = kvbridge::ChunkFromPagedKv(model_.kv_cache(), seq, s.first, s.count, s.key,
-                                            fingerprint_, kvbridge::ChunkDType(model_.kv_dtype()));
+                                            fingerprint_, model_.kv_dtype());
     if (!chunk.ok()) {
       LogError("{} copying a chunk out of the KV cache: {}", ReqId{request_id},
                chunk.status().ToString());
@@ -228,9 +228,8 @@ std::vector<std::shared_ptr<const kvbus::Chunk>> Decoder::CopyOutChunks(
 
 uint64_t Decoder::ChunkBytes(int64_t tokens) const {
   const engine::KvCache& cache = model_.kv_cache();
-  return kvbus::Chunk::kHeaderBytes +
-         static_cast<uint64_t>(tokens) * cache.token_stride() * 2 * cache.num_layers() *
-             kvbus::KvDTypeSize(kvbridge::ChunkDType(model_.kv_dtype()));
+  return kvbus::Chunk::kHeaderBytes + static_cast<uint64_t>(tokens) * cache.token_stride() * 2 *
+                                          cache.num_layers() * kdn::DTypeSize(model_.kv_dtype());
 }
 
 DecoderStats Decoder::Stats() const {
@@ -276,7 +275,7 @@ void Decoder::PostLoad(uint64_t id, const Prepared& p) {
   store_io_.Post(
       kLoadLane, [mb = mailbox_, &store = store_, id, keys = p.keys, tokens = p.request.tokens,
                   limit = HeldLimit(p), min_tail = MinTail(p), resident = p.resident_tokens,
-                  dtype = kvbridge::ChunkDType(model_.kv_dtype()),
+                  dtype = model_.kv_dtype(),
                   ctx = kvbus::KeyContext{fingerprint_, p.request.ns, options_.chunk_tokens}] {
         // Full chunks, then the tail pieces past them. A miss, an unreachable
         // store or a chunk of another making ends it: the prefill worker sends

@@ -130,7 +130,7 @@ Status SafetensorsWriter::Begin() {
   json header = json::object();
   size_t offset = 0;
   for (const Decl& d : decls_) {
-    header[d.name] = {{"dtype", DTypeName(d.dtype)},
+    header[d.name] = {{"dtype", SafetensorsDTypeName(d.dtype)},
                       {"shape", d.shape},
                       {"data_offsets", {offset, offset + d.bytes}}};
     offset += d.bytes;

@@ -4,17 +4,6 @@
 
 namespace kdn::engine {
 
-const char* DTypeName(DType t) {
-  switch (t) {
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-  }
-  return "?";
-}
-
-int DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-
 void ToFloat(DType t, const void* src, size_t n, float* dst) {
   switch (t) {
     case DType::kF32: std::memcpy(dst, src, n * 4); return;

@@ -98,12 +98,11 @@ Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir) {
 }
 
 Result<kvbus::ChunkKey> FolderFingerprint(const std::filesystem::path& model_dir,
-                                          const model::ModelConfig& config,
-                                          kvbus::KvDType kv_dtype) {
+                                          const model::ModelConfig& config, kdn::DType kv_dtype) {
   KDN_ASSIGN_OR_RETURN(uint64_t digest, WeightsDigest(model_dir));
   const std::string& weight_dtype = config.torch_dtype;
   return ModelFingerprint(config, weight_dtype.empty() ? "unknown" : weight_dtype,
-                          kvbus::KvDTypeName(kv_dtype), digest);
+                          kdn::DTypeName(kv_dtype), digest);
 }
 
 }  // namespace kdn::kvbridge

@@ -12,15 +12,15 @@ namespace kdn::kvbridge {
 
 namespace {
 
+using kdn::DType;
 using kvbus::Chunk;
 using kvbus::ChunkInfo;
 using kvbus::ChunkKey;
-using kvbus::KvDType;
 
 // Layers [layer0, layer0 + layers) of tokens [first, first + count) of `seq`.
 Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
-    int layer0, int layers, const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype,
+    int layer0, int layers, const ChunkKey& key, const ChunkKey& model_fingerprint, DType dtype,
     uint32_t logical = 0, std::vector<uint32_t> kept = {}) {
   if (first < 0 || count <= 0 || first + count > seq.length()) {
     return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
@@ -43,11 +43,11 @@ Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
   info.logical_tokens = logical;
   info.kept = std::move(kept);
   // The payload is the cache's layers, each K rows then V rows: one read.
-  const size_t bytes = layers * cache.LayerBytes(count, EngineDType(dtype));
+  const size_t bytes = layers * cache.LayerBytes(count, dtype);
   Status read;
   auto chunk = Chunk::Build(info, [&](uint8_t* out) {
-    read = cache.ReadLayers(seq, layer0, layers, first, count, EngineDType(dtype),
-                            std::span<uint8_t>(out, bytes));
+    read =
+        cache.ReadLayers(seq, layer0, layers, first, count, dtype, std::span<uint8_t>(out, bytes));
   });
   KDN_RETURN_IF_ERROR(read);
   return chunk;
@@ -78,7 +78,7 @@ Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0, engi
                            std::to_string(first + skip) + ", " + std::to_string(end) +
                            ") are not reserved in the sequence");
   }
-  const engine::DType dtype = EngineDType(info.dtype);
+  const engine::DType dtype = info.dtype;
   const size_t layer_bytes = cache.LayerBytes(info.tokens, dtype);
   const uint8_t* in = chunk.payload().data() + static_cast<size_t>(src_layer) * layer_bytes;
   if (skip == 0) {
@@ -111,14 +111,14 @@ void PinChunkBuffersFor(const engine::Engine& engine) {
 
 Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
-    const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
+    const ChunkKey& key, const ChunkKey& model_fingerprint, DType dtype) {
   return FromPaged(cache, seq, first, count, 0, cache.num_layers(), key, model_fingerprint, dtype);
 }
 
 Result<std::shared_ptr<const kvbus::Chunk>> PrunedChunkFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, uint32_t logical,
     std::vector<uint32_t> kept, const ChunkKey& key, const ChunkKey& model_fingerprint,
-    KvDType dtype) {
+    DType dtype) {
   if (seq.next_position() != logical || seq.length() != static_cast<int64_t>(kept.size())) {
     return InvalidArgument("chunk: a pruned sequence of " + std::to_string(seq.length()) +
                            " tokens at next position " + std::to_string(seq.next_position()) +
@@ -153,12 +153,12 @@ Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::KvCache& cache
 
 Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
-    int layer, const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
+    int layer, const ChunkKey& key, const ChunkKey& model_fingerprint, DType dtype) {
   return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype);
 }
 
 ChunkInfo LayerSliceInfo(const engine::KvCache& cache, int64_t first, int64_t count,
-                         const ChunkKey& key, const ChunkKey& model_fingerprint, KvDType dtype) {
+                         const ChunkKey& key, const ChunkKey& model_fingerprint, DType dtype) {
   return ChunkInfo{key,
                    model_fingerprint,
                    1,
@@ -173,11 +173,11 @@ Result<kvbus::SourcedChunk> SourcedLayerSlice(const engine::KvCache& cache,
                                               const engine::KvSequence& seq,
                                               const kvbus::DeviceMemory& pool, int64_t first,
                                               int64_t count, int layer, const ChunkKey& key,
-                                              const ChunkKey& model_fingerprint, KvDType dtype) {
-  if (ChunkDType(cache.Memory().dtype) != dtype) {
+                                              const ChunkKey& model_fingerprint, DType dtype) {
+  if (cache.Memory().dtype != dtype) {
     return FailedPrecondition("layer slice " + key.ToHex() + ": the pool holds " +
                               engine::DTypeName(cache.Memory().dtype) + ", the slice is " +
-                              kvbus::KvDTypeName(dtype));
+                              kdn::DTypeName(dtype));
   }
   std::vector<engine::KvPoolRange> ranges;
   KDN_RETURN_IF_ERROR(cache.LayerRanges(seq, layer, first, count, &ranges));
@@ -192,24 +192,6 @@ Status LayerSliceToPagedKv(const Chunk& slice, int layer, engine::KvCache& cache
                            std::to_string(slice.info().layers) + " layers; a layer slice has 1");
   }
   return ToPaged(slice, 0, 1, layer, cache, seq, first);
-}
-
-engine::DType EngineDType(KvDType t) {
-  switch (t) {
-    case KvDType::kF32: return engine::DType::kF32;
-    case KvDType::kF16: return engine::DType::kF16;
-    case KvDType::kBF16: return engine::DType::kBF16;
-  }
-  return engine::DType::kF32;
-}
-
-kvbus::KvDType ChunkDType(engine::DType t) {
-  switch (t) {
-    case engine::DType::kF32: return KvDType::kF32;
-    case engine::DType::kF16: return KvDType::kF16;
-    case engine::DType::kBF16: return KvDType::kBF16;
-  }
-  return KvDType::kF32;
 }
 
 }  // namespace kdn::kvbridge

@@ -22,9 +22,7 @@ PlacedPrefix PlacePrefix(engine::KvCache& cache, engine::KvSequence& seq,
       const int64_t skip = std::max<int64_t>(resident - span.first, 0);
       if (!kvbridge::ChunkToPagedKv(*chunk, cache, seq, span.first, skip).ok()) break;
       ++out.chunks;
-      out.kv_bytes +=
-          cache.LayerBytes(span.count - skip, kvbridge::EngineDType(chunk->info().dtype)) *
-          cache.num_layers();
+      out.kv_bytes += cache.LayerBytes(span.count - skip, chunk->info().dtype) * cache.num_layers();
     }
     out.tokens += span.count;
   }

@@ -19,7 +19,7 @@ Prefiller::Prefiller(engine::Engine& model, kvbus::TieredStore& store,
     : model_(model),
       store_(store),
       fingerprint_(model_fingerprint),
-      chunk_dtype_(kvbridge::ChunkDType(model.kv_dtype())),
+      chunk_dtype_(model.kv_dtype()),
       options_(options) {
   if (options_.store_in_background) store_io_ = std::make_unique<JobThread>();
 }
@@ -138,7 +138,7 @@ struct Prefiller::Push {
           // In the chunks' dtype, the engine's own (bf16 on a GPU).
           out->kv_bytes_sent += static_cast<uint64_t>(regions[j].count) *
                                 self.model_.kv_cache().token_stride() * 2 *
-                                kvbus::KvDTypeSize(self.chunk_dtype_);
+                                kdn::DTypeSize(self.chunk_dtype_);
         }
       }
     }

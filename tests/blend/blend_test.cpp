@@ -25,7 +25,7 @@ std::shared_ptr<const kvbus::Chunk> KvAlone(engine::CpuEngine& model,
   EXPECT_TRUE(model.Prefill(seq, tokens, {}, &logits).ok());
   auto chunk =
       kvbridge::ChunkFromPagedKv(model.kv_cache(), seq, 0, static_cast<int64_t>(tokens.size()),
-                                 {0, 1}, {0, 2}, kvbus::KvDType::kF32);
+                                 {0, 1}, {0, 2}, kdn::DType::kF32);
   EXPECT_TRUE(chunk.ok());
   return chunk.ok() ? *chunk : nullptr;
 }

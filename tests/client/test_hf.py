@@ -18,6 +18,7 @@ environment (the current one; scripts/test-vllm.sh runs it there too).
 """
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -101,6 +102,19 @@ def full_cache(model, ids):
 def kdn_serve(d, ids, max_tokens):
     r = d.completion(ids, max_tokens=max_tokens, temperature=0)
     return r, r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def test_the_packages_dtype_table_is_the_c_headers():
+    """kdn.DTYPES mirrors kdn_dtype (kdn/client.h), which client.cpp checks
+    against kdn::DType value for value."""
+    header = (HERE.parents[1] / "client" / "include" / "kdn" / "client.h").read_text()
+    body = re.search(r"typedef enum kdn_dtype \{([^}]*)\}", header).group(1)
+    values = {}
+    for entry in body.split(","):
+        name, value = (s.strip() for s in entry.split("="))
+        values[name.removeprefix("KDN_").lower()] = int(value)
+    assert kdn.DTYPES == values
+    assert {v: s for v, s in kdn._ITEMSIZE.items()} == {0: 4, 1: 2, 2: 2}
 
 
 def test_transformers_reads_what_kdn_stored(smollm2, reference, deployment, client):

@@ -15,7 +15,7 @@ namespace kdn::control {
 namespace {
 
 std::shared_ptr<const kvbus::Chunk> MakeChunk() {
-  const kvbus::ChunkInfo info{{5, 6}, {7, 8}, 4, 2, 16, 64, kvbus::KvDType::kF32, 0};
+  const kvbus::ChunkInfo info{{5, 6}, {7, 8}, 4, 2, 16, 64, kdn::DType::kF32, 0};
   return kvbus::Chunk::Build(info,
                              [&](uint8_t* out) {
                                for (size_t i = 0; i < info.payload_bytes() / 4; ++i) {
@@ -45,11 +45,11 @@ TEST(WorkerStore, ChunksGoToTheStoreCodedAndComeBackDecoded) {
   EXPECT_FALSE((*got)->encoded());
   ASSERT_EQ((*got)->size(), raw->size());
   const kvbus::ChunkKey fp = raw->info().model_fingerprint;
-  EXPECT_TRUE(kvbus::ChunkFits(**got, fp, 64, kvbus::KvDType::kF32));
-  EXPECT_FALSE(kvbus::ChunkFits(**held, fp, 64, kvbus::KvDType::kF32));  // coded: not usable as is
+  EXPECT_TRUE(kvbus::ChunkFits(**got, fp, 64, kdn::DType::kF32));
+  EXPECT_FALSE(kvbus::ChunkFits(**held, fp, 64, kdn::DType::kF32));  // coded: not usable as is
   // Another engine's element type (a GPU's bf16) is recomputed, not converted.
-  EXPECT_FALSE(kvbus::ChunkFits(**got, fp, 64, kvbus::KvDType::kBF16));
-  EXPECT_FALSE(kvbus::ChunkFits(**got, fp, 63, kvbus::KvDType::kF32));
+  EXPECT_FALSE(kvbus::ChunkFits(**got, fp, 64, kdn::DType::kBF16));
+  EXPECT_FALSE(kvbus::ChunkFits(**got, fp, 63, kdn::DType::kF32));
   for (size_t i = 0; i < raw->payload().size() / 4; ++i) {
     float a, b;
     std::memcpy(&a, raw->payload().data() + 4 * i, 4);

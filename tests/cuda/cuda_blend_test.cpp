@@ -53,7 +53,7 @@ Prompt MakePrompt(Engine& e) {
     EXPECT_TRUE(e.Prefill(seq, doc, {}, &logits).ok());
     auto chunk = kvbridge::ChunkFromPagedKv(e.kv_cache(), seq, 0, seq.length(),
                                             kvbus::ChunkKey{1, static_cast<uint64_t>(d)},
-                                            fingerprint, kvbridge::ChunkDType(e.kv_dtype()));
+                                            fingerprint, e.kv_dtype());
     EXPECT_TRUE(chunk.ok()) << chunk.status().ToString();
     p.segments.push_back({doc, chunk.ok() ? *chunk : nullptr});
     p.all.insert(p.all.end(), doc.begin(), doc.end());

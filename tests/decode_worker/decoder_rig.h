@@ -143,7 +143,7 @@ inline int32_t PushSlices(Rig& rig, const DecodeRequest& r, int64_t held_tokens,
     for (int l = 0; l < cache.num_layers(); ++l) {
       auto slice = kvbridge::LayerSliceFromPagedKv(cache, seq, region.first, region.count, l,
                                                    kvbus::LayerSliceKey(region.parent, l),
-                                                   kFingerprint, kvbus::KvDType::kF32);
+                                                   kFingerprint, kdn::DType::kF32);
       EXPECT_TRUE(slice.ok());
       if (slice.ok()) deliver(*std::move(slice));
     }

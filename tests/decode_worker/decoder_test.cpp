@@ -156,7 +156,7 @@ TEST(Decoder, AFinishedConversationsChunksReachTheStoreAndServeTheNextTurn) {
       ASSERT_TRUE(stored.ok());
       auto expect =
           kvbridge::ChunkFromPagedKv(rig.model->kv_cache(), seq, spans[i].first, spans[i].count,
-                                     spans[i].key, kFingerprint, kvbus::KvDType::kF32);
+                                     spans[i].key, kFingerprint, kdn::DType::kF32);
       ASSERT_TRUE(expect.ok());
       const auto got = (*stored)->payload();
       const auto want = (*expect)->payload();
@@ -429,7 +429,7 @@ TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
   const kvbus::ChunkKey xfer = kvbus::TransferRegionKey(r.transfer_id, 0);
   for (int l = 0; l < cache.num_layers(); ++l) {
     auto slice = kvbridge::LayerSliceFromPagedKv(
-        cache, pruned, 0, 20, l, kvbus::LayerSliceKey(xfer, l), kFingerprint, kvbus::KvDType::kF32);
+        cache, pruned, 0, 20, l, kvbus::LayerSliceKey(xfer, l), kFingerprint, kdn::DType::kF32);
     ASSERT_TRUE(slice.ok());
     ASSERT_TRUE(rig.staging.Put(*std::move(slice)).ok());
   }

@@ -22,7 +22,7 @@ kvbus::ChunkInfo SliceInfo(uint64_t key, uint32_t tokens, int64_t position) {
           .kv_heads = 2,
           .head_dim = 4,
           .tokens = tokens,
-          .dtype = kvbus::KvDType::kF32,
+          .dtype = kdn::DType::kF32,
           .position = position};
 }
 

@@ -57,7 +57,7 @@ bool SameChunk(const Chunk& c, const std::vector<uint8_t>& bytes, size_t fields)
 // store them.
 std::vector<std::string> Seeds() {
   std::vector<std::string> seeds;
-  const KvDType dtypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16};
+  const DType dtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
   for (int i = 0; i < 3; ++i) {
     ChunkInfo info{{0x1122, 0x3344}, {5, 6}, 2, 1, 4, 3, dtypes[i], 32};
     std::vector<uint8_t> payload(info.payload_bytes());
@@ -69,7 +69,7 @@ std::vector<std::string> Seeds() {
     seeds.push_back(s);
   }
   {
-    ChunkInfo info{{0x5566, 0x7788}, {5, 6}, 2, 1, 4, 3, KvDType::kF16, 16};
+    ChunkInfo info{{0x5566, 0x7788}, {5, 6}, 2, 1, 4, 3, DType::kF16, 16};
     info.logical_tokens = 7;
     info.kept = {0, 3, 6};
     std::vector<uint8_t> payload(info.payload_bytes());
@@ -80,7 +80,7 @@ std::vector<std::string> Seeds() {
     s.append(reinterpret_cast<const char*>((*c)->bytes().data()), (*c)->size());
     seeds.push_back(s);
   }
-  ChunkInfo info{{7, 8}, {5, 6}, 1, 1, 2, 2, KvDType::kF16, 0, KvCodec::kKvc, 8};
+  ChunkInfo info{{7, 8}, {5, 6}, 1, 1, 2, 2, DType::kF16, 0, KvCodec::kKvc, 8};
   std::vector<uint8_t> bytes(Chunk::kHeaderBytes, 0);
   for (int b = 0; b < 12; ++b) bytes.push_back(static_cast<uint8_t>(b));
   auto c = Chunk::FromEncoded(info, bytes);

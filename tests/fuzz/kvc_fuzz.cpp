@@ -37,7 +37,7 @@ bool ReadShape(const uint8_t*& p, size_t& n, Shape* s) {
   s->info.kv_heads = 1 + p[1] % 2;
   s->info.head_dim = 1 + p[2] % 16;
   s->info.tokens = 1 + p[3] % 64;
-  s->info.dtype = static_cast<KvDType>(p[4] % 3);
+  s->info.dtype = static_cast<DType>(p[4] % 3);
   const uint32_t l = p[5] % 8;  // 0 lossless, 1..7: q2..q8
   s->level = {KvCodec::kKvc, l == 0 ? 0u : l + 1};
   p += 6;

@@ -99,7 +99,7 @@ std::string Input(uint8_t flags, const proto::StoreRequest& req, const std::stri
 }
 
 std::vector<std::string> Seeds() {
-  const kvbus::ChunkInfo info{{0x1234, 0x5678}, {5, 6}, 2, 1, 4, 2, kvbus::KvDType::kF16, 0};
+  const kvbus::ChunkInfo info{{0x1234, 0x5678}, {5, 6}, 2, 1, 4, 2, kdn::DType::kF16, 0};
   std::vector<uint8_t> payload(info.payload_bytes());
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 13);
   auto chunk = kvbus::Chunk::Make(info, payload);

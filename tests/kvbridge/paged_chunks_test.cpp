@@ -17,10 +17,10 @@
 namespace kdn::kvbridge {
 namespace {
 
+using kdn::DType;
 using kvbus::Chunk;
 using kvbus::ChunkInfo;
 using kvbus::ChunkKey;
-using kvbus::KvDType;
 
 constexpr ChunkKey kKey{0x0011223344556677ull, 0x8899aabbccddeeffull};
 constexpr ChunkKey kFingerprint{0x0123456789abcdefull, 0xfedcba9876543210ull};
@@ -47,10 +47,10 @@ void FillCache(engine::CpuKvCache& cache) {
   }
 }
 
-float RoundTrip(KvDType t, float x) {
-  const engine::DType e = t == KvDType::kF16    ? engine::DType::kF16
-                          : t == KvDType::kBF16 ? engine::DType::kBF16
-                                                : engine::DType::kF32;
+float RoundTrip(DType t, float x) {
+  const engine::DType e = t == DType::kF16    ? engine::DType::kF16
+                          : t == DType::kBF16 ? engine::DType::kBF16
+                                              : engine::DType::kF32;
   uint8_t buf[4];
   float y;
   engine::FromFloat(e, &x, 1, buf);
@@ -60,7 +60,7 @@ float RoundTrip(KvDType t, float x) {
 
 // The relative error bound of one rounding to nearest, 2^-p for p significant
 // bits: bf16 has 8, f16 11 (for normal numbers), f32 is not rounded at all.
-double Unit(KvDType t) { return t == KvDType::kBF16 ? 0x1p-8 : t == KvDType::kF16 ? 0x1p-11 : 0.0; }
+double Unit(DType t) { return t == DType::kBF16 ? 0x1p-8 : t == DType::kF16 ? 0x1p-11 : 0.0; }
 
 TEST(ChunkFromPagedKv, PayloadIsLayerMajorKThenVTokenHeadDim) {
   engine::CpuKvCache cache(2, 2, 3, 4);
@@ -68,7 +68,7 @@ TEST(ChunkFromPagedKv, PayloadIsLayerMajorKThenVTokenHeadDim) {
   engine::KvSequence seq = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(seq, 40).ok());
   cache.SetLength(seq, 40);
-  auto c = ChunkFromPagedKv(cache, seq, 13, 5, kKey, kFingerprint, KvDType::kF32);
+  auto c = ChunkFromPagedKv(cache, seq, 13, 5, kKey, kFingerprint, DType::kF32);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   const ChunkInfo& info = (*c)->info();
   EXPECT_EQ(info.layers, 2u);
@@ -104,7 +104,7 @@ TEST(ChunkFromPagedKv, RefusesTokensOutsideTheSequence) {
   ASSERT_TRUE(cache.Reserve(seq, 32).ok());
   cache.SetLength(seq, 20);  // reserved 32, holds 20
   const auto code = [&](int64_t first, int64_t count) {
-    return ChunkFromPagedKv(cache, seq, first, count, kKey, kFingerprint, KvDType::kF32)
+    return ChunkFromPagedKv(cache, seq, first, count, kKey, kFingerprint, DType::kF32)
         .status()
         .code();
   };
@@ -115,10 +115,10 @@ TEST(ChunkFromPagedKv, RefusesTokensOutsideTheSequence) {
   EXPECT_EQ(code(4, 0), StatusCode::kInvalidArgument);
 }
 
-class ChunkPagedKvRoundTrip : public ::testing::TestWithParam<KvDType> {};
+class ChunkPagedKvRoundTrip : public ::testing::TestWithParam<DType> {};
 
 TEST_P(ChunkPagedKvRoundTrip, GivesBackTheKvAtTheSamePositionsInAnotherSequence) {
-  const KvDType dtype = GetParam();
+  const DType dtype = GetParam();
   engine::CpuKvCache cache(3, 2, 8, 16);
   FillCache(cache);
   engine::KvSequence src = cache.NewSequence();
@@ -136,7 +136,7 @@ TEST_P(ChunkPagedKvRoundTrip, GivesBackTheKvAtTheSamePositionsInAnotherSequence)
   const int64_t first = 9, count = 35;
   auto c = ChunkFromPagedKv(cache, src, first, count, kKey, kFingerprint, dtype);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
-  EXPECT_EQ((*c)->size(), Chunk::kHeaderBytes + 3u * 2 * 35 * 16 * KvDTypeSize(dtype));
+  EXPECT_EQ((*c)->size(), Chunk::kHeaderBytes + 3u * 2 * 35 * 16 * DTypeSize(dtype));
   // Through the bytes, as a reader elsewhere would get them.
   auto parsed = Chunk::Parse(std::vector<uint8_t>((*c)->bytes().begin(), (*c)->bytes().end()));
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
@@ -167,13 +167,13 @@ TEST_P(ChunkPagedKvRoundTrip, GivesBackTheKvAtTheSamePositionsInAnotherSequence)
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ChunkPagedKvRoundTrip,
-                         ::testing::Values(KvDType::kF32, KvDType::kF16, KvDType::kBF16),
-                         [](const auto& info) { return std::string(KvDTypeName(info.param)); });
+                         ::testing::Values(DType::kF32, DType::kF16, DType::kBF16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
 
-class ChunkModelKv : public ::testing::TestWithParam<KvDType> {};
+class ChunkModelKv : public ::testing::TestWithParam<DType> {};
 
 TEST_P(ChunkModelKv, RealKvRoundTripsAndContinuesThePrompt) {
-  const KvDType dtype = GetParam();
+  const DType dtype = GetParam();
   auto model = kdn::testing::MakeModel("tiny");
   ASSERT_NE(model, nullptr);
   engine::CpuKvCache& cache = model->kv_cache();
@@ -205,12 +205,12 @@ TEST_P(ChunkModelKv, RealKvRoundTripsAndContinuesThePrompt) {
   ASSERT_EQ(logits_b.size(), logits_a.size());
   const double err = kdn::testing::RelError(logits_b.data(), logits_a.data(), logits_a.size());
   // Measured: 0 for f32, ~3e-5 for f16, ~2e-4 for bf16.
-  EXPECT_LT(err, dtype == KvDType::kF32 ? 1e-6 : 5e-3) << KvDTypeName(dtype);
+  EXPECT_LT(err, dtype == DType::kF32 ? 1e-6 : 5e-3) << DTypeName(dtype);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ChunkModelKv,
-                         ::testing::Values(KvDType::kF32, KvDType::kF16, KvDType::kBF16),
-                         [](const auto& info) { return std::string(KvDTypeName(info.param)); });
+                         ::testing::Values(DType::kF32, DType::kF16, DType::kBF16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 TEST(ChunkToPagedKv, RefusesAnEncodedChunkAndTakesItDecoded) {
   engine::CpuKvCache cache(2, 2, 3, 4);
@@ -218,7 +218,7 @@ TEST(ChunkToPagedKv, RefusesAnEncodedChunkAndTakesItDecoded) {
   engine::KvSequence seq = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(seq, 32).ok());
   cache.SetLength(seq, 32);
-  auto made = ChunkFromPagedKv(cache, seq, 0, 16, kKey, kFingerprint, KvDType::kF32);
+  auto made = ChunkFromPagedKv(cache, seq, 0, 16, kKey, kFingerprint, DType::kF32);
   ASSERT_TRUE(made.ok()) << made.status().ToString();
   auto enc_r = kvbus::EncodeChunk(*made, *kvbus::ParseCodecLevel("lossless"));
   ASSERT_TRUE(enc_r.ok()) << enc_r.status().ToString();
@@ -238,7 +238,7 @@ TEST(ChunkToPagedKv, RefusesAChunkOfAnotherShape) {
   engine::KvSequence seq = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(seq, 16).ok());
   const auto code = [&](uint32_t layers, uint32_t kv_heads, uint32_t head_dim) {
-    ChunkInfo info{kKey, kFingerprint, layers, kv_heads, head_dim, 1, KvDType::kF32, 0};
+    ChunkInfo info{kKey, kFingerprint, layers, kv_heads, head_dim, 1, DType::kF32, 0};
     auto c = Chunk::Make(info, std::vector<uint8_t>(info.payload_bytes()));
     EXPECT_TRUE(c.ok());
     return ChunkToPagedKv(**c, cache, seq, 0).code();
@@ -252,7 +252,7 @@ TEST(ChunkToPagedKv, RefusesAChunkOfAnotherShape) {
 
 TEST(ChunkToPagedKv, RefusesPositionsTheSequenceHasNotReserved) {
   engine::CpuKvCache cache(1, 1, 2, 8);
-  ChunkInfo info{kKey, kFingerprint, 1, 1, 2, 10, KvDType::kF32, 0};
+  ChunkInfo info{kKey, kFingerprint, 1, 1, 2, 10, DType::kF32, 0};
   auto c = Chunk::Make(info, std::vector<uint8_t>(info.payload_bytes()));
   ASSERT_TRUE(c.ok());
   engine::KvSequence seq = cache.NewSequence();

@@ -80,7 +80,7 @@ TEST(BufferPool, ServesChunksBuiltAndParsedFromPooledBytes) {
                  .kv_heads = 2,
                  .head_dim = 64,
                  .tokens = 256,
-                 .dtype = KvDType::kF32};
+                 .dtype = DType::kF32};
   auto built = Chunk::Build(info, [&](uint8_t* p) { std::memset(p, 3, info.payload_bytes()); });
   ASSERT_TRUE(built.ok());
   auto copy = BufferPool::Default().Acquire((*built)->size()).value();

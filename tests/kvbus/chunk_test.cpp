@@ -39,7 +39,7 @@ std::string ToHex(std::span<const uint8_t> bytes) {
 
 // The golden chunk of docs/kvbus.md: 2 layers x 1 KV head x head_dim 2,
 // 1 token, bf16, rotated for position 256, payload bytes 00 01 .. 0f.
-ChunkInfo GoldenInfo() { return ChunkInfo{kKey, kFingerprint, 2, 1, 2, 1, KvDType::kBF16, 256}; }
+ChunkInfo GoldenInfo() { return ChunkInfo{kKey, kFingerprint, 2, 1, 2, 1, DType::kBF16, 256}; }
 std::vector<uint8_t> GoldenPayload() {
   std::vector<uint8_t> p(16);
   for (size_t i = 0; i < p.size(); ++i) p[i] = static_cast<uint8_t>(i);
@@ -88,12 +88,12 @@ TEST(Chunk, HeaderBytesMatchTheSpecsGoldenChunk) {
   EXPECT_EQ(info.kv_heads, 1u);
   EXPECT_EQ(info.head_dim, 2u);
   EXPECT_EQ(info.tokens, 1u);
-  EXPECT_EQ(info.dtype, KvDType::kBF16);
+  EXPECT_EQ(info.dtype, DType::kBF16);
   EXPECT_EQ(info.position, 256);
 }
 
 TEST(Chunk, MakeThenParseRoundTrips) {
-  ChunkInfo info{kKey, kFingerprint, 3, 2, 4, 5, KvDType::kF32, -7};
+  ChunkInfo info{kKey, kFingerprint, 3, 2, 4, 5, DType::kF32, -7};
   std::vector<uint8_t> payload(info.payload_bytes());
   ASSERT_EQ(payload.size(), 3u * 2 * 5 * 2 * 4 * 4);
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 31 + 1);
@@ -126,7 +126,7 @@ TEST(Chunk, MakeRefusesAPayloadOfTheWrongSize) {
 }
 
 TEST(Chunk, EverySingleByteFlipIsCorruption) {
-  ChunkInfo info{kKey, kFingerprint, 2, 1, 2, 3, KvDType::kF16, 32};
+  ChunkInfo info{kKey, kFingerprint, 2, 1, 2, 3, DType::kF16, 32};
   std::vector<uint8_t> payload(info.payload_bytes());
   for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(i * 7);
   auto c = MakeOrDie(info, payload);
@@ -185,7 +185,7 @@ TEST(Chunk, ParseChecksFieldsEvenUnderAValidHeaderChecksum) {
 
 // Pruned KV: 3 tokens of KV standing for 10 tokens of text.
 ChunkInfo PrunedInfo() {
-  ChunkInfo info{kKey, kFingerprint, 2, 1, 2, 3, KvDType::kF32, 0};
+  ChunkInfo info{kKey, kFingerprint, 2, 1, 2, 3, DType::kF32, 0};
   info.logical_tokens = 10;
   info.kept = {0, 4, 9};
   return info;

@@ -21,23 +21,23 @@ constexpr ChunkKey kKey{0x1111, 0x2222};
 constexpr ChunkKey kModel{0x3333, 0x4444};
 
 float Element(const Chunk& c, size_t i) {
-  const uint8_t* p = c.payload().data() + i * KvDTypeSize(c.info().dtype);
+  const uint8_t* p = c.payload().data() + i * DTypeSize(c.info().dtype);
   uint16_t h = static_cast<uint16_t>(p[0] | p[1] << 8);
   switch (c.info().dtype) {
-    case KvDType::kF32: {
+    case DType::kF32: {
       float f;
       std::memcpy(&f, p, 4);
       return f;
     }
-    case KvDType::kBF16: return Bf16ToF32(h);
-    case KvDType::kF16: return F16ToF32(h);
+    case DType::kBF16: return Bf16ToF32(h);
+    case DType::kF16: return F16ToF32(h);
   }
   return 0;
 }
 
 // KV-like values: per-channel offsets of different sizes (K's outlier
 // channels), a slow drift along tokens, and noise.
-std::shared_ptr<const Chunk> MakeKv(KvDType dtype, uint32_t layers = 3, uint32_t tokens = 40,
+std::shared_ptr<const Chunk> MakeKv(DType dtype, uint32_t layers = 3, uint32_t tokens = 40,
                                     uint32_t heads = 2, uint32_t dim = 8, uint64_t seed = 1,
                                     float noise_sd = 0.05f) {
   const ChunkInfo info{kKey, kModel, layers, heads, dim, tokens, dtype, 512};
@@ -45,16 +45,16 @@ std::shared_ptr<const Chunk> MakeKv(KvDType dtype, uint32_t layers = 3, uint32_t
   std::normal_distribution<float> noise(0, noise_sd);
   const uint32_t C = heads * dim;
   auto c = Chunk::Build(info, [&](uint8_t* out) {
-    const int es = KvDTypeSize(dtype);
+    const int es = DTypeSize(dtype);
     for (size_t i = 0; i < size_t{layers} * 2 * tokens * C; ++i) {
       const size_t ch = i % C, t = (i / C) % tokens;
       const float v = (ch % 5 == 0 ? 6.0f : 0.5f) * std::sin(0.7f * static_cast<float>(ch)) +
                       0.3f * std::sin(0.05f * static_cast<float>(t) + static_cast<float>(ch)) +
                       noise(rng);
-      if (dtype == KvDType::kF32) {
+      if (dtype == DType::kF32) {
         std::memcpy(out + i * es, &v, 4);
       } else {
-        const uint16_t h = dtype == KvDType::kBF16 ? F32ToBf16(v) : F32ToF16(v);
+        const uint16_t h = dtype == DType::kBF16 ? F32ToBf16(v) : F32ToF16(v);
         out[i * es] = static_cast<uint8_t>(h);
         out[i * es + 1] = static_cast<uint8_t>(h >> 8);
       }
@@ -96,7 +96,7 @@ TEST(CodecTest, LevelsParseAndName) {
 }
 
 TEST(CodecTest, APrunedChunkStaysRaw) {
-  const auto raw = MakeKv(KvDType::kF32, 3, 256);
+  const auto raw = MakeKv(DType::kF32, 3, 256);
   ChunkInfo info = raw->info();
   info.logical_tokens = 1000;
   for (uint32_t j = 0; j < info.tokens; ++j) info.kept.push_back(3 * j);
@@ -109,12 +109,12 @@ TEST(CodecTest, APrunedChunkStaysRaw) {
 }
 
 TEST(CodecTest, LosslessIsExactForEveryDType) {
-  for (KvDType dt : {KvDType::kF32, KvDType::kBF16, KvDType::kF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     const auto raw = MakeKv(dt, 3, 256);
     auto enc = EncodeChunk(raw, Level("lossless"));
     ASSERT_TRUE(enc.ok()) << enc.status().ToString();
     EXPECT_TRUE((*enc)->encoded());
-    EXPECT_LT((*enc)->payload().size(), raw->payload().size()) << KvDTypeName(dt);
+    EXPECT_LT((*enc)->payload().size(), raw->payload().size()) << DTypeName(dt);
     // Through the bytes, as a reader in another process would get it.
     auto parsed =
         Chunk::Parse(std::vector<uint8_t>((*enc)->bytes().begin(), (*enc)->bytes().end()));
@@ -128,12 +128,12 @@ TEST(CodecTest, LosslessIsExactForEveryDType) {
     EXPECT_EQ((*dec)->info().position, raw->info().position);
     ASSERT_EQ((*dec)->size(), raw->size());
     EXPECT_EQ(std::memcmp((*dec)->bytes().data(), raw->bytes().data(), raw->size()), 0)
-        << KvDTypeName(dt);
+        << DTypeName(dt);
   }
 }
 
 TEST(CodecTest, QuantizedLevelsStayWithinHalfAStep) {
-  for (KvDType dt : {KvDType::kF32, KvDType::kBF16}) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
     const auto raw = MakeKv(dt, 6, 37);
     const ChunkInfo& info = raw->info();
     const uint32_t C = info.kv_heads * info.head_dim;
@@ -155,11 +155,11 @@ TEST(CodecTest, QuantizedLevelsStayWithinHalfAStep) {
           const float step = (hi - lo) / static_cast<float>((1 << bits) - 1);
           // Half a step, plus the rounding of a 16-bit result.
           const float mag = std::max(std::fabs(lo), std::fabs(hi));
-          const float bound = step / 2 + (dt == KvDType::kF32 ? 1e-5f * mag : mag / 128);
+          const float bound = step / 2 + (dt == DType::kF32 ? 1e-5f * mag : mag / 128);
           for (uint32_t t = 0; t < info.tokens; ++t) {
             const size_t i = (size_t{plane} * info.tokens + t) * C + c;
             ASSERT_LE(std::fabs(Element(**dec, i) - Element(*raw, i)), bound)
-                << name << " " << KvDTypeName(dt) << " plane " << plane << " channel " << c;
+                << name << " " << DTypeName(dt) << " plane " << plane << " channel " << c;
           }
         }
       }
@@ -168,7 +168,7 @@ TEST(CodecTest, QuantizedLevelsStayWithinHalfAStep) {
 }
 
 TEST(CodecTest, FewerBitsGiveSmallerChunks) {
-  const auto raw = MakeKv(KvDType::kF32, 6, 256, 2, 16, 1, 0.002f);
+  const auto raw = MakeKv(DType::kF32, 6, 256, 2, 16, 1, 0.002f);
   size_t last = raw->payload().size();
   for (const char* name : {"lossless", "q8", "q6", "q4", "q2"}) {
     auto enc = EncodeChunk(raw, Level(name));
@@ -184,7 +184,7 @@ TEST(CodecTest, FewerBitsGiveSmallerChunks) {
 TEST(CodecTest, NoiseIsPackedAtItsWidth) {
   // White noise: entropy coding cannot save 10%, so each plane is packed at
   // its bits (q8: one byte an element) plus 8 bytes of scale per channel.
-  const ChunkInfo info{kKey, kModel, 3, 2, 16, 128, KvDType::kF32, 0};
+  const ChunkInfo info{kKey, kModel, 3, 2, 16, 128, DType::kF32, 0};
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> u(-1, 1);
   auto raw = *Chunk::Build(info, [&](uint8_t* out) {
@@ -217,7 +217,7 @@ TEST(CodecTest, ConstantValuesRoundTripAtEveryLevel) {
   // One symbol with all the probability (a byte plane or a channel that
   // never changes) is the coder's edge case.
   for (float v : {0.0f, 1.5f, -3.0f}) {
-    const ChunkInfo info{kKey, kModel, 2, 1, 4, 33, KvDType::kF32, 0};
+    const ChunkInfo info{kKey, kModel, 2, 1, 4, 33, DType::kF32, 0};
     auto raw = *Chunk::Build(info, [&](uint8_t* out) {
       for (size_t i = 0; i < info.payload_bytes() / 4; ++i) std::memcpy(out + 4 * i, &v, 4);
     });
@@ -230,7 +230,7 @@ TEST(CodecTest, ConstantValuesRoundTripAtEveryLevel) {
 }
 
 TEST(CodecTest, NonFinitePlanesAreKeptExactly) {
-  const auto clean = MakeKv(KvDType::kF32, 2, 20);
+  const auto clean = MakeKv(DType::kF32, 2, 20);
   std::vector<float> values(clean->payload().size() / 4);
   std::memcpy(values.data(), clean->payload().data(), clean->payload().size());
   values[7] = NAN;
@@ -254,7 +254,7 @@ TEST(CodecTest, NonFinitePlanesAreKeptExactly) {
 TEST(CodecTest, PlanesWhoseRangeOverflowsAreKeptExactly) {
   // hi - lo past the largest float (found by the fuzzer): no step exists, so
   // the plane is coded losslessly; planes of tiny range still quantize.
-  const ChunkInfo info{kKey, kModel, 1, 1, 4, 8, KvDType::kF32, 0};
+  const ChunkInfo info{kKey, kModel, 1, 1, 4, 8, DType::kF32, 0};
   auto raw = *Chunk::Build(info, [&](uint8_t* out) {
     for (size_t i = 0; i < info.payload_bytes() / 4; ++i) {
       const float v = i < 32 ? (i % 2 ? 3e38f : -3e38f) : 1e-38f * static_cast<float>(i % 3);
@@ -268,7 +268,7 @@ TEST(CodecTest, PlanesWhoseRangeOverflowsAreKeptExactly) {
 }
 
 TEST(CodecTest, RawLevelAndRawChunksPassThrough) {
-  const auto raw = MakeKv(KvDType::kBF16);
+  const auto raw = MakeKv(DType::kBF16);
   EXPECT_EQ(*EncodeChunk(raw, Level("raw")), raw);
   EXPECT_EQ(*DecodeChunk(raw), raw);
   auto enc = *EncodeChunk(raw, Level("q4"));
@@ -280,7 +280,7 @@ TEST(CodecTest, RawLevelAndRawChunksPassThrough) {
 TEST(CodecTest, DamagedStreamsFailOrDecodeToTheRightSizeNeverCrash) {
   // Smooth values (entropy-coded planes) and noise (packed planes).
   for (const char* name : {"lossless", "q4", "q8"}) {
-    const auto raw = MakeKv(KvDType::kBF16, 2, 24, 1, 8, 7, name[1] == '8' ? 1.0f : 0.002f);
+    const auto raw = MakeKv(DType::kBF16, 2, 24, 1, 8, 7, name[1] == '8' ? 1.0f : 0.002f);
     const auto enc = *EncodeChunk(raw, Level(name));
     const std::vector<uint8_t> stream(enc->payload().begin(), enc->payload().end());
     std::mt19937 rng(42);
@@ -319,7 +319,7 @@ TEST(CodecTest, DamagedStreamsFailOrDecodeToTheRightSizeNeverCrash) {
     }
   }
   // Random bytes, of many sizes, never pass.
-  const auto raw = MakeKv(KvDType::kF32, 1, 16, 1, 4);
+  const auto raw = MakeKv(DType::kF32, 1, 16, 1, 4);
   const auto enc = *EncodeChunk(raw, Level("q8"));
   std::mt19937 rng(3);
   for (int n = 0; n < 500; ++n) {
@@ -330,7 +330,7 @@ TEST(CodecTest, DamagedStreamsFailOrDecodeToTheRightSizeNeverCrash) {
 }
 
 TEST(CodecTest, HeaderCodecFieldsAreChecked) {
-  const auto enc = *EncodeChunk(MakeKv(KvDType::kF32), Level("q4"));
+  const auto enc = *EncodeChunk(MakeKv(DType::kF32), Level("q4"));
   std::vector<uint8_t> bytes(enc->bytes().begin(), enc->bytes().end());
   EXPECT_EQ(bytes[88], 1);  // codec kvc
   EXPECT_EQ(bytes[92], 4);  // level
@@ -363,7 +363,7 @@ TEST(CodecTest, CodecTierEncodesOnPutAndDecodesOnGet) {
   auto inner = std::make_unique<HostTier>(64 << 20);
   HostTier* host = inner.get();
   CodecTier tier(std::move(inner), {.level = Level("lossless")});
-  const auto raw = MakeKv(KvDType::kF32, 4, 64);
+  const auto raw = MakeKv(DType::kF32, 4, 64);
   ASSERT_TRUE(tier.Put(raw).ok());
   auto held = host->Get(kKey);
   ASSERT_TRUE(held.ok());
@@ -381,7 +381,7 @@ TEST(CodecTest, CodecTierEncodesOnPutAndDecodesOnGet) {
 
   // A one-token tail piece: the per-channel scales would outweigh its values,
   // so it is stored raw and not counted as encoded.
-  const auto tiny = MakeKv(KvDType::kF32, 2, 1);
+  const auto tiny = MakeKv(DType::kF32, 2, 1);
   ASSERT_LT((*EncodeChunk(tiny, Level("q8")))->size(), size_t{1} << 20);
   ASSERT_GE((*EncodeChunk(tiny, Level("q8")))->size(), tiny->size());
   CodecTier small(std::make_unique<HostTier>(64 << 20), {.level = Level("q8")});
@@ -400,7 +400,7 @@ TEST(CodecTest, CodecTierTurnsAnUndecodableChunkIntoACountedMiss) {
   auto inner = std::make_unique<HostTier>(64 << 20);
   HostTier* host = inner.get();
   CodecTier tier(std::move(inner), {.level = Level("q4")});
-  const auto enc = *EncodeChunk(MakeKv(KvDType::kF32), Level("q4"));
+  const auto enc = *EncodeChunk(MakeKv(DType::kF32), Level("q4"));
   std::vector<uint8_t> stream(enc->payload().begin(), enc->payload().end());
   stream.resize(stream.size() / 2);
   ASSERT_TRUE(host->Put(Forge(enc->info(), stream)).ok());

@@ -33,7 +33,7 @@ using kdn::testing::RecordingStore;
 using kdn::testing::TempDir;
 
 std::shared_ptr<const Chunk> MakeChunk(uint64_t id) {
-  return kdn::testing::MakeChunk(ChunkKey{id, ~id}, id, {.dtype = KvDType::kBF16});
+  return kdn::testing::MakeChunk(ChunkKey{id, ~id}, id, {.dtype = DType::kBF16});
 }
 
 net::CurveKeys Keys() {

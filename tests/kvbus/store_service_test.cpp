@@ -28,8 +28,7 @@ namespace {
 using kdn::testing::RecordingStore;
 
 std::shared_ptr<const Chunk> MakeChunk(uint64_t id, uint32_t tokens = 16) {
-  return kdn::testing::MakeChunk(ChunkKey{id, ~id}, id,
-                                 {.tokens = tokens, .dtype = KvDType::kBF16});
+  return kdn::testing::MakeChunk(ChunkKey{id, ~id}, id, {.tokens = tokens, .dtype = DType::kBF16});
 }
 
 TEST(StoreService, PutThenGetReturnsTheSameBytes) {
@@ -297,7 +296,7 @@ TEST(StoreProcess, DiskCodecWritesChunksCodedAndServesThemCoded) {
   // bf16 KV-like values: the exponent bytes repeat, so lossless coding pays.
   std::vector<std::shared_ptr<const Chunk>> chunks;
   for (uint64_t id = 2000; id < 2008; ++id) {
-    const ChunkInfo info{ChunkKey{id, ~id}, ChunkKey{1, 2}, 2, 2, 8, 256, KvDType::kBF16, 0};
+    const ChunkInfo info{ChunkKey{id, ~id}, ChunkKey{1, 2}, 2, 2, 8, 256, DType::kBF16, 0};
     chunks.push_back(Chunk::Build(info, [&](uint8_t* out) {
                        for (size_t i = 0; i < info.payload_bytes() / 2; ++i) {
                          const uint16_t h = F32ToBf16(std::sin(0.01f * static_cast<float>(i + id)));

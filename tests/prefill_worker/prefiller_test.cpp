@@ -729,8 +729,8 @@ TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDropp
   EXPECT_EQ(info.logical(), 40u);
   for (uint32_t j = 0; j < 4; ++j) EXPECT_EQ(info.kept[j], j) << "the sinks are kept";
   // A blend reads it as a document, a prefix lookup never.
-  EXPECT_TRUE(kvbus::SegmentChunkFits(**chunk, fp, 40, kvbus::KvDType::kF32));
-  EXPECT_FALSE(kvbus::ChunkFits(**chunk, fp, 20, kvbus::KvDType::kF32));
+  EXPECT_TRUE(kvbus::SegmentChunkFits(**chunk, fp, 40, kdn::DType::kF32));
+  EXPECT_FALSE(kvbus::ChunkFits(**chunk, fp, 20, kdn::DType::kF32));
   // Injected again with or without pruning: held, nothing computed.
   EXPECT_TRUE(p.Inject(docs[0], "")->already_held);
 
@@ -875,12 +875,12 @@ TEST(LayerSlice, AWholeChunkIsNotASlice) {
   engine::KvSequence seq = cache.NewSequence();
   std::vector<float> logits;
   ASSERT_TRUE(model->Prefill(seq, RandomTokens(16, 258, 9), {}, &logits).ok());
-  auto chunk = kvbridge::ChunkFromPagedKv(cache, seq, 0, 16, {0, 1}, {0, 2}, kvbus::KvDType::kF32);
+  auto chunk = kvbridge::ChunkFromPagedKv(cache, seq, 0, 16, {0, 1}, {0, 2}, kdn::DType::kF32);
   ASSERT_TRUE(chunk.ok());
   EXPECT_EQ(kvbridge::LayerSliceToPagedKv(**chunk, 0, cache, seq, 0).code(),
             StatusCode::kInvalidArgument);
   auto slice =
-      kvbridge::LayerSliceFromPagedKv(cache, seq, 0, 16, 1, {0, 3}, {0, 2}, kvbus::KvDType::kF32);
+      kvbridge::LayerSliceFromPagedKv(cache, seq, 0, 16, 1, {0, 3}, {0, 2}, kdn::DType::kF32);
   ASSERT_TRUE(slice.ok());
   EXPECT_EQ((*slice)->info().layers, 1u);
   EXPECT_EQ(kvbridge::LayerSliceToPagedKv(**slice, 2, cache, seq, 0).code(),
@@ -890,7 +890,7 @@ TEST(LayerSlice, AWholeChunkIsNotASlice) {
 TEST(HostTier, EraseDropsAnUnpinnedChunkAndKeepsAPinnedOne) {
   kvbus::HostTier tier(1u << 20);
   auto make = [](uint64_t lo) {
-    kvbus::ChunkInfo info{{0, lo}, {0, 9}, 1, 1, 4, 2, kvbus::KvDType::kF32, 0};
+    kvbus::ChunkInfo info{{0, lo}, {0, 9}, 1, 1, 4, 2, kdn::DType::kF32, 0};
     return kvbus::Chunk::Make(info, std::vector<uint8_t>(info.payload_bytes(), 1)).value();
   };
   ASSERT_TRUE(tier.Put(make(1)).ok());

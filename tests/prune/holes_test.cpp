@@ -114,7 +114,7 @@ TEST(Holes, AHoleInEveryHeadIsAsIfItsSlotsWereNotThere) {
   EXPECT_EQ(CompactKv(cache, holed, Kept(*model, 20, kept, {}), &again).code(),
             StatusCode::kInvalidArgument);
   // A chunk holds every head's KV of each token: none is made of holes.
-  EXPECT_EQ(kvbridge::ChunkFromPagedKv(cache, holed, 0, 20, {1, 2}, {3, 4}, kvbus::KvDType::kF32)
+  EXPECT_EQ(kvbridge::ChunkFromPagedKv(cache, holed, 0, 20, {1, 2}, {3, 4}, kdn::DType::kF32)
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);

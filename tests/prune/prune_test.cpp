@@ -291,7 +291,7 @@ TEST(PrunedChunk, ReadBackItAnswersAsTheCompactedKvInMemory) {
   ASSERT_TRUE(CompactKv(cache, whole, *kept, &pruned).ok());
   const std::vector<uint32_t> offsets(kept->of(0, 0), kept->of(0, 0) + kept->kept);
   auto chunk = kvbridge::PrunedChunkFromPagedKv(cache, pruned, 70, offsets, {1, 2}, {3, 4},
-                                                kvbus::KvDType::kF32);
+                                                kdn::DType::kF32);
   ASSERT_TRUE(chunk.ok()) << chunk.status().ToString();
   auto read =
       kvbus::Chunk::Parse(std::vector<uint8_t>((*chunk)->bytes().begin(), (*chunk)->bytes().end()));
@@ -313,9 +313,9 @@ TEST(PrunedChunk, ReadBackItAnswersAsTheCompactedKvInMemory) {
   ASSERT_TRUE(model->Prefill(whole, question, {.all_logits = true}, &full).ok());
   EXPECT_GT(RelError(full.data(), a.data(), a.size()), 1e-4);
   // A sequence whose next position is not the logical length is refused.
-  EXPECT_FALSE(kvbridge::PrunedChunkFromPagedKv(cache, whole, 70, offsets, {1, 2}, {3, 4},
-                                                kvbus::KvDType::kF32)
-                   .ok());
+  EXPECT_FALSE(
+      kvbridge::PrunedChunkFromPagedKv(cache, whole, 70, offsets, {1, 2}, {3, 4}, kdn::DType::kF32)
+          .ok());
 }
 
 }  // namespace

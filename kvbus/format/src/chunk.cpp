@@ -63,17 +63,6 @@ Status CheckKept(const ChunkInfo& info) {
 
 }  // namespace
 
-int KvDTypeSize(KvDType t) { return t == KvDType::kF32 ? 4 : 2; }
-
-const char* KvDTypeName(KvDType t) {
-  switch (t) {
-    case KvDType::kF32: return "f32";
-    case KvDType::kF16: return "f16";
-    case KvDType::kBF16: return "bf16";
-  }
-  return "?";
-}
-
 void Chunk::SealHeader(uint8_t* h) {
   const size_t payload = size_ - kHeaderBytes;
   SealHeaderOf(info_, payload, XXH3_64bits(h + kHeaderBytes, payload), h);
@@ -209,15 +198,13 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
     return Corruption("chunk: codec " + std::to_string(codec) + " in a version " +
                       std::to_string(version) + " chunk");
   }
-  const uint32_t dtype = Get32(h + kOffDType);
-  if (dtype > static_cast<uint32_t>(KvDType::kBF16)) {
-    return Corruption("chunk: unknown dtype " + std::to_string(dtype));
-  }
+  const std::optional<DType> dtype = DTypeFromValue(Get32(h + kOffDType));
+  if (!dtype) return Corruption("chunk: unknown dtype " + std::to_string(Get32(h + kOffDType)));
   ChunkHeaderFields f;
   ChunkInfo& info = f.info;
   info.key = ChunkKey::FromBytes(h + kOffKey);
   info.model_fingerprint = ChunkKey::FromBytes(h + kOffModel);
-  info.dtype = static_cast<KvDType>(dtype);
+  info.dtype = *dtype;
   info.layers = Get32(h + kOffLayers);
   info.kv_heads = Get32(h + kOffKvHeads);
   info.head_dim = Get32(h + kOffHeadDim);

@@ -29,24 +29,24 @@ constexpr double kEntropyMinSaving = 0.10;
 
 // ---- elements -------------------------------------------------------------------
 
-float LoadF(KvDType dtype, const uint8_t* p) {
+float LoadF(DType dtype, const uint8_t* p) {
   uint32_t u = 0;
   switch (dtype) {
-    case KvDType::kF32: std::memcpy(&u, p, 4); return std::bit_cast<float>(u);
-    case KvDType::kBF16: return Bf16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
-    case KvDType::kF16: return F16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
+    case DType::kF32: std::memcpy(&u, p, 4); return std::bit_cast<float>(u);
+    case DType::kBF16: return Bf16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
+    case DType::kF16: return F16ToF32(static_cast<uint16_t>(p[0] | p[1] << 8));
   }
   return 0;
 }
 
 // `n` floats to `out` in `dtype` (little-endian).
-void StoreRow(KvDType dtype, const float* row, size_t n, uint8_t* out) {
-  if (dtype == KvDType::kF32) {
+void StoreRow(DType dtype, const float* row, size_t n, uint8_t* out) {
+  if (dtype == DType::kF32) {
     std::memcpy(out, row, n * 4);
     return;
   }
   for (size_t i = 0; i < n; ++i) {
-    const uint16_t h = dtype == KvDType::kBF16 ? F32ToBf16(row[i]) : F32ToF16(row[i]);
+    const uint16_t h = dtype == DType::kBF16 ? F32ToBf16(row[i]) : F32ToF16(row[i]);
     out[2 * i] = static_cast<uint8_t>(h);
     out[2 * i + 1] = static_cast<uint8_t>(h >> 8);
   }
@@ -105,7 +105,7 @@ double CostBits(const std::vector<uint64_t>& counts) {
 struct Plane {
   const uint8_t* data;
   uint32_t tokens, channels;
-  KvDType dtype;
+  DType dtype;
 };
 
 // ---- lossless planes ---------------------------------------------------------------
@@ -116,7 +116,7 @@ struct Plane {
 // noise) is stored verbatim after the stream, and costs nothing to decode.
 
 void EncodeBytesPlane(const Plane& p, std::vector<uint8_t>& out) {
-  const int esize = KvDTypeSize(p.dtype);
+  const int esize = DTypeSize(p.dtype);
   const size_t n = size_t{p.tokens} * p.channels;
   std::vector<std::vector<uint64_t>> counts(esize, std::vector<uint64_t>(256, 0));
   for (size_t i = 0; i < n; ++i) {
@@ -147,7 +147,7 @@ void EncodeBytesPlane(const Plane& p, std::vector<uint8_t>& out) {
 }
 
 Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
-  const int esize = KvDTypeSize(p.dtype);
+  const int esize = DTypeSize(p.dtype);
   const size_t n = size_t{p.tokens} * p.channels;
   std::vector<DecTable> tables(esize);
   std::vector<int> coded;  // byte planes in the stream
@@ -186,12 +186,12 @@ Status DecodeBytesPlane(Reader& in, const Plane& p, uint8_t* out) {
 // False (and nothing written) when the plane holds a NaN or an infinity, or
 // a channel whose range overflows a float.
 bool EncodeQuantizedPlane(const Plane& p, int bits, std::vector<uint8_t>& out) {
-  const int esize = KvDTypeSize(p.dtype);
+  const int esize = DTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
   const uint32_t levels = (1u << bits) - 1;
   // Loops run over rows, then channels, so that they vectorize.
   std::vector<float> x(size_t{T} * C);
-  if (p.dtype == KvDType::kF32) {
+  if (p.dtype == DType::kF32) {
     std::memcpy(x.data(), p.data, x.size() * 4);
   } else {
     for (size_t i = 0; i < x.size(); ++i) x[i] = LoadF(p.dtype, p.data + i * esize);
@@ -313,7 +313,7 @@ bool ScalesValid(const std::vector<float>& lo, const std::vector<float>& step) {
 }
 
 Status DecodePackedPlane(Reader& in, const Plane& p, uint8_t* out) {
-  const int esize = KvDTypeSize(p.dtype);
+  const int esize = DTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
   const int bits = in.U8();
   if (!in.ok() || bits < 1 || bits > 8)
@@ -351,7 +351,7 @@ Status DecodePackedPlane(Reader& in, const Plane& p, uint8_t* out) {
 }
 
 Status DecodeQuantizedPlane(Reader& in, const Plane& p, bool delta, uint8_t* out) {
-  const int esize = KvDTypeSize(p.dtype);
+  const int esize = DTypeSize(p.dtype);
   const uint32_t T = p.tokens, C = p.channels;
   const int bits = in.U8();
   if (!in.ok() || bits < 1 || bits > 8)
@@ -451,7 +451,7 @@ Result<std::shared_ptr<const Chunk>> EncodeChunk(std::shared_ptr<const Chunk> ch
   }
   const ChunkInfo& info = chunk->info();
   const uint32_t C = info.kv_heads * info.head_dim;
-  const size_t plane_bytes = size_t{info.tokens} * C * KvDTypeSize(info.dtype);
+  const size_t plane_bytes = size_t{info.tokens} * C * DTypeSize(info.dtype);
   std::vector<uint8_t> out(Chunk::kHeaderBytes);
   out.reserve(Chunk::kHeaderBytes + chunk->payload().size() / 2);
   for (uint32_t l = 0; l < info.layers; ++l) {
@@ -487,7 +487,7 @@ Result<std::shared_ptr<const Chunk>> DecodeChunk(std::shared_ptr<const Chunk> ch
   raw.codec = KvCodec::kRaw;
   raw.codec_level = 0;
   const uint32_t C = info.kv_heads * info.head_dim;
-  const size_t plane_bytes = size_t{info.tokens} * C * KvDTypeSize(info.dtype);
+  const size_t plane_bytes = size_t{info.tokens} * C * DTypeSize(info.dtype);
   Status status = Status::Ok();
   auto made = Chunk::Build(raw, [&](uint8_t* out) {
     Reader in(chunk->payload().data(), chunk->payload().data() + chunk->payload().size());

@@ -8,23 +8,23 @@
 namespace kdn::kvbus {
 namespace {
 
-float LoadF(const uint8_t* p, KvDType t) {
-  if (t == KvDType::kF32) {
+float LoadF(const uint8_t* p, DType t) {
+  if (t == DType::kF32) {
     float f;
     std::memcpy(&f, p, 4);
     return f;
   }
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return t == KvDType::kF16 ? F16ToF32(h) : Bf16ToF32(h);
+  return t == DType::kF16 ? F16ToF32(h) : Bf16ToF32(h);
 }
 
-void StoreF(uint8_t* p, KvDType t, float f) {
-  if (t == KvDType::kF32) {
+void StoreF(uint8_t* p, DType t, float f) {
+  if (t == DType::kF32) {
     std::memcpy(p, &f, 4);
     return;
   }
-  const uint16_t h = t == KvDType::kF16 ? F32ToF16(f) : F32ToBf16(f);
+  const uint16_t h = t == DType::kF16 ? F32ToF16(f) : F32ToBf16(f);
   std::memcpy(p, &h, 2);
 }
 
@@ -32,12 +32,12 @@ std::string Str(int64_t v) { return std::to_string(v); }
 
 }  // namespace
 
-void ConvertKv(const uint8_t* src, KvDType from, uint8_t* dst, KvDType to, size_t n) {
+void ConvertKv(const uint8_t* src, DType from, uint8_t* dst, DType to, size_t n) {
   if (from == to) {
-    std::memcpy(dst, src, n * static_cast<size_t>(KvDTypeSize(from)));
+    std::memcpy(dst, src, n * static_cast<size_t>(DTypeSize(from)));
     return;
   }
-  const size_t a = static_cast<size_t>(KvDTypeSize(from)), b = static_cast<size_t>(KvDTypeSize(to));
+  const size_t a = static_cast<size_t>(DTypeSize(from)), b = static_cast<size_t>(DTypeSize(to));
   for (size_t i = 0; i < n; ++i) StoreF(dst + i * b, to, LoadF(src + i * a, from));
 }
 
@@ -91,7 +91,7 @@ Status CheckLayout(const KvLayout& l, int layers, int kv_heads, int head_dim) {
 }
 
 Status CheckTokens(const KvLayout& l, int64_t first, int64_t count) {
-  const uint64_t elems = l.buffer_bytes / static_cast<uint64_t>(KvDTypeSize(l.dtype));
+  const uint64_t elems = l.buffer_bytes / static_cast<uint64_t>(DTypeSize(l.dtype));
   const int64_t span = int64_t{l.kv_heads - 1} * l.stride_head + l.head_dim;
   for (int64_t t = first; t < first + count; ++t) {
     const int64_t off = l.TokenOffset(t);
@@ -114,7 +114,7 @@ namespace {
 // (layer, K|V, token, head) row of head_dim elements.
 template <typename F>
 void ForEachRow(const KvLayout& l, int64_t first, int64_t count, F&& f) {
-  const size_t es = static_cast<size_t>(KvDTypeSize(l.dtype));
+  const size_t es = static_cast<size_t>(DTypeSize(l.dtype));
   const int64_t row = l.head_dim;
   for (int layer = 0; layer < l.layers; ++layer) {
     for (int kv = 0; kv < 2; ++kv) {
@@ -144,7 +144,7 @@ Status ChunkToLayout(const Chunk& chunk, int64_t first, const KvLayout& l, int64
                                   static_cast<int>(info.head_dim)));
   KDN_RETURN_IF_ERROR(CheckTokens(l, first, count));
   const uint8_t* src = chunk.payload().data();
-  const size_t ss = static_cast<size_t>(KvDTypeSize(info.dtype));
+  const size_t ss = static_cast<size_t>(DTypeSize(info.dtype));
   const size_t n = static_cast<size_t>(l.head_dim);
   // The chunk's rows are [layer][K|V][token][head] over all its tokens: a
   // row of this copy's plane p, token i, head h is the chunk's row of
@@ -158,9 +158,9 @@ Status ChunkToLayout(const Chunk& chunk, int64_t first, const KvLayout& l, int64
   return Status::Ok();
 }
 
-void LayoutToPayload(const KvLayout& l, int64_t first, int64_t count, KvDType dtype,
+void LayoutToPayload(const KvLayout& l, int64_t first, int64_t count, DType dtype,
                      uint8_t* payload) {
-  const size_t ds = static_cast<size_t>(KvDTypeSize(dtype));
+  const size_t ds = static_cast<size_t>(DTypeSize(dtype));
   const size_t n = static_cast<size_t>(l.head_dim);
   ForEachRow(l, first, count, [&](uint8_t* src, int64_t elem) {
     ConvertKv(src, l.dtype, payload + static_cast<size_t>(elem) * ds, dtype, n);

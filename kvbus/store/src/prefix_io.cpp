@@ -5,20 +5,20 @@
 namespace kdn::kvbus {
 
 bool SegmentChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens,
-                      KvDType dtype) {
+                      DType dtype) {
   const ChunkInfo& info = chunk.info();
   return info.logical() == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
          info.dtype == dtype && !chunk.encoded();
 }
 
-bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, KvDType dtype) {
+bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, DType dtype) {
   return !chunk.info().pruned() && SegmentChunkFits(chunk, fingerprint, tokens, dtype);
 }
 
 std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,
                                      std::span<const int32_t> tokens,
                                      std::span<const ChunkKey> prefix_keys, int64_t limit,
-                                     int64_t min_tail_tokens, int64_t resident, KvDType dtype) {
+                                     int64_t min_tail_tokens, int64_t resident, DType dtype) {
   std::vector<FetchedSpan> fetched;
   const auto spans =
       MatchPrefix(ctx, tokens, prefix_keys, limit, min_tail_tokens, [&](const KeyedSpan& s) {

@@ -33,7 +33,7 @@ struct TransportBenchConfig {
   int chunks_per_batch = 8;
   int batches_in_flight = 4;  // submitted ahead of the oldest one's Wait
   ChunkInfo shape{
-      .layers = 32, .kv_heads = 8, .head_dim = 128, .tokens = 64, .dtype = KvDType::kBF16};
+      .layers = 32, .kv_heads = 8, .head_dim = 128, .tokens = 64, .dtype = DType::kBF16};
   uint64_t seed = 1;                          // distinct seeds give distinct keys
   std::chrono::milliseconds timeout{120000};  // per Wait
   ReceiverOptions receiver;                   // tcp-loopback only

@@ -6,15 +6,19 @@
 #include <string>
 #include <vector>
 
+#include "kdn/common/dtype.h"
 #include "kdn/common/half.h"
 #include "kdn/model/gguf.h"
 #include "kdn/model/tensors.h"
 
 namespace kdn::engine {
 
-enum class DType { kF32, kF16, kBF16 };
-const char* DTypeName(DType t);  // safetensors spelling: F32, F16, BF16
-int DTypeSize(DType t);
+// The element types (kdn/common/dtype.h: one enum with the chunk format and
+// the C ABI).
+using ::kdn::DType;
+using ::kdn::DTypeName;
+using ::kdn::DTypeSize;
+using ::kdn::SafetensorsDTypeName;
 
 // The scalar conversions live in kdn/common/half.h (kvbus uses them too).
 using kdn::Bf16ToF32;

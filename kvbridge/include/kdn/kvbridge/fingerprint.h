@@ -34,7 +34,6 @@ Result<uint64_t> WeightsDigest(const std::filesystem::path& model_dir);
 // over its WeightsDigest and its config's torch_dtype ("unknown" where the
 // config names none). What kdn's workers and the C client key chunks under.
 Result<kvbus::ChunkKey> FolderFingerprint(const std::filesystem::path& model_dir,
-                                          const model::ModelConfig& config,
-                                          kvbus::KvDType kv_dtype);
+                                          const model::ModelConfig& config, kdn::DType kv_dtype);
 
 }  // namespace kdn::kvbridge

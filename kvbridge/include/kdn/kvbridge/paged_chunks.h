@@ -27,17 +27,12 @@ namespace kdn::kvbridge {
 // it once the engine exists, before the traffic starts.
 void PinChunkBuffersFor(const engine::Engine& engine);
 
-// The chunk dtype of an engine element type (Engine::kv_dtype()).
-kvbus::KvDType ChunkDType(engine::DType t);
-// The engine element type of a chunk dtype.
-engine::DType EngineDType(kvbus::KvDType t);
-
 // Copies the KV of tokens [first, first + count) of `seq` (fp32 in the cache)
 // into a new chunk of `dtype`, rounding to nearest even. The tokens must be
 // within seq.length().
 Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
-    const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint, kvbus::KvDType dtype);
+    const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint, kdn::DType dtype);
 
 // The chunk of a pruned sequence (kdn/prune/prune.h's CompactKv of a text
 // computed from position 0, every layer and head keeping the same tokens):
@@ -47,7 +42,7 @@ Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
 Result<std::shared_ptr<const kvbus::Chunk>> PrunedChunkFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, uint32_t logical,
     std::vector<uint32_t> kept, const kvbus::ChunkKey& key,
-    const kvbus::ChunkKey& model_fingerprint, kvbus::KvDType dtype);
+    const kvbus::ChunkKey& model_fingerprint, kdn::DType dtype);
 
 // Writes a chunk's KV into positions [first, first + tokens) of `seq`, which
 // must have reserved room for them (KvCache::Reserve); does not change
@@ -69,7 +64,7 @@ Status ChunkLayerToPagedKv(const kvbus::Chunk& chunk, int layer, engine::KvCache
 Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
     int layer, const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint,
-    kvbus::KvDType dtype);
+    kdn::DType dtype);
 Status LayerSliceToPagedKv(const kvbus::Chunk& slice, int layer, engine::KvCache& cache,
                            engine::KvSequence& seq, int64_t first);
 
@@ -78,7 +73,7 @@ Status LayerSliceToPagedKv(const kvbus::Chunk& slice, int layer, engine::KvCache
 // decode worker expects to land.
 kvbus::ChunkInfo LayerSliceInfo(const engine::KvCache& cache, int64_t first, int64_t count,
                                 const kvbus::ChunkKey& key,
-                                const kvbus::ChunkKey& model_fingerprint, kvbus::KvDType dtype);
+                                const kvbus::ChunkKey& model_fingerprint, kdn::DType dtype);
 
 // The same slice read where it lies (kvbus::SourcedChunk): extents of
 // `pool`, the memory of cache.Memory() as a DeviceOps backend holds it,
@@ -90,6 +85,6 @@ Result<kvbus::SourcedChunk> SourcedLayerSlice(const engine::KvCache& cache,
                                               const kvbus::DeviceMemory& pool, int64_t first,
                                               int64_t count, int layer, const kvbus::ChunkKey& key,
                                               const kvbus::ChunkKey& model_fingerprint,
-                                              kvbus::KvDType dtype);
+                                              kdn::DType dtype);
 
 }  // namespace kdn::kvbridge

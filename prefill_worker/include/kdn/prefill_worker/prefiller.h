@@ -229,7 +229,7 @@ class Prefiller {
   engine::Engine& model_;
   kvbus::TieredStore& store_;
   const kvbus::ChunkKey fingerprint_;
-  const kvbus::KvDType chunk_dtype_;  // the engine's KV element type
+  const kdn::DType chunk_dtype_;  // the engine's KV element type
   const PrefillerOptions options_;
   std::map<std::string, std::unique_ptr<kvbus::Sender>> senders_;  // by endpoint
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
+#include "kdn/common/dtype.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/region.h"
 
@@ -34,10 +35,6 @@ inline constexpr uint32_t kChunkFormatVersion = 1;
 inline constexpr uint32_t kEncodedChunkFormatVersion = 2;
 inline constexpr uint32_t kPrunedChunkFormatVersion = 3;
 
-enum class KvDType : uint32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
-int KvDTypeSize(KvDType t);
-const char* KvDTypeName(KvDType t);
-
 // How a chunk's payload holds its KV: kRaw, the layout above; kKvc, kdn's KV
 // codec (kdn/kvbus/codec.h), at the level in ChunkInfo::codec_level.
 enum class KvCodec : uint32_t { kRaw = 0, kKvc = 1 };
@@ -49,7 +46,7 @@ struct ChunkInfo {
   uint32_t kv_heads = 0;
   uint32_t head_dim = 0;
   uint32_t tokens = 0;
-  KvDType dtype = KvDType::kF32;
+  DType dtype = DType::kF32;
   // The position of the chunk's first token that its K was rotated (RoPE) for.
   int64_t position = 0;
   KvCodec codec = KvCodec::kRaw;
@@ -71,7 +68,7 @@ struct ChunkInfo {
   // The raw KV's size, which the shape implies (an encoded chunk's stored
   // payload is smaller: Chunk::payload().size()).
   uint64_t payload_bytes() const {
-    return uint64_t{layers} * 2 * tokens * kv_heads * head_dim * KvDTypeSize(dtype);
+    return uint64_t{layers} * 2 * tokens * kv_heads * head_dim * DTypeSize(dtype);
   }
 };
 

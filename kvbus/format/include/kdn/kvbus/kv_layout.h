@@ -25,7 +25,7 @@ namespace kdn::kvbus {
 // is the offset's token index). Strides are in elements, never negative;
 // head_dim elements are contiguous.
 struct KvLayout {
-  KvDType dtype = KvDType::kF32;
+  DType dtype = DType::kF32;
   int layers = 0;
   int kv_heads = 0;
   int head_dim = 0;
@@ -68,10 +68,10 @@ Status ChunkToLayout(const Chunk& chunk, int64_t first, const KvLayout& layout, 
 // Reads tokens [first, first + count) of `layout` into `payload` (a raw
 // chunk's payload of that many tokens, as `dtype`: ChunkInfo::
 // payload_bytes() bytes). CheckLayout and CheckTokens first.
-void LayoutToPayload(const KvLayout& layout, int64_t first, int64_t count, KvDType dtype,
+void LayoutToPayload(const KvLayout& layout, int64_t first, int64_t count, DType dtype,
                      uint8_t* payload);
 
 // Converts `n` elements between KV dtypes (the same dtype: a copy).
-void ConvertKv(const uint8_t* src, KvDType from, uint8_t* dst, KvDType to, size_t n);
+void ConvertKv(const uint8_t* src, DType from, uint8_t* dst, DType to, size_t n);
 
 }  // namespace kdn::kvbus

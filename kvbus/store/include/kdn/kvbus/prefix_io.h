@@ -23,11 +23,10 @@ namespace kdn::kvbus {
 // covers the engine's KV element type) and decoded to `dtype`. Another
 // chunking, model or precision is recomputed rather than guessed at. A
 // pruned chunk never fits: a prefix's KV is every token's.
-bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, KvDType dtype);
+bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, DType dtype);
 // The same for a document's chunk under its segment key, which a blend
 // takes pruned too: KV standing for `tokens` tokens of text.
-bool SegmentChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens,
-                      KvDType dtype);
+bool SegmentChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, DType dtype);
 
 // Whether a lower tier's span `s` is worth fetching past a prefix of
 // `resident` tokens the caller holds already: one wholly past it is; one
@@ -50,7 +49,7 @@ inline bool WorthFetchingPast(const KeyedSpan& s, int64_t resident, int chunk_to
 std::vector<FetchedSpan> FetchPrefix(ChunkStore& store, const KeyContext& ctx,
                                      std::span<const int32_t> tokens,
                                      std::span<const ChunkKey> prefix_keys, int64_t limit,
-                                     int64_t min_tail_tokens, int64_t resident, KvDType dtype);
+                                     int64_t min_tail_tokens, int64_t resident, DType dtype);
 
 // How many leading tokens of the prompt the caller (its first `resident`
 // tokens) and `store` hold together: MatchPrefix's reach, at most `limit`

@@ -17,7 +17,7 @@ struct ChunkShape {
   uint32_t kv_heads = 2;
   uint32_t head_dim = 8;
   uint32_t tokens = 16;
-  kvbus::KvDType dtype = kvbus::KvDType::kF32;
+  kdn::DType dtype = kdn::DType::kF32;
   int64_t position = 0;            // where the chunk's first token sits
   kvbus::ChunkKey model = {1, 2};  // the model fingerprint
 };
