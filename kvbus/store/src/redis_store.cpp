@@ -1,707 +1,71 @@
 #include "kdn/kvbus/redis_store.h"
 
-#include <hiredis/hiredis.h>
-#include <sys/socket.h>
-#include <sys/uio.h>
+#include <string>
 
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <charconv>
-#include <climits>
-#include <cstring>
-#include <map>
-#include <unordered_map>
-
-#include "kdn/common/log.h"
-#include "kdn/common/mutex.h"
+#include "redis_cluster_client.h"
 
 namespace kdn::kvbus {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-constexpr size_t kSlots = 16384;
-constexpr uint16_t kNoNode = 0xFFFF;
-// Redirections (MOVED, ASK) one command follows before it is a miss.
-constexpr int kMaxRedirects = 4;
-// Idle connections kept per node: about one per thread that calls at once.
-constexpr size_t kMaxIdlePerNode = 8;
-// The slot map is reread at most this often while nodes fail, and a reread
-// gives up after this many nodes fail to answer it.
-constexpr auto kMinRefreshInterval = std::chrono::milliseconds(100);
-constexpr int kMaxRefreshFailures = 2;
-
-struct ReplyFree {
-  void operator()(redisReply* r) const {
-    if (r != nullptr) freeReplyObject(r);
-  }
-};
-using ReplyPtr = std::unique_ptr<redisReply, ReplyFree>;
-struct ContextFree {
-  void operator()(redisContext* c) const {
-    if (c != nullptr) redisFree(c);
-  }
-};
-using ContextPtr = std::unique_ptr<redisContext, ContextFree>;
-
-timeval TimeVal(std::chrono::milliseconds ms) {
-  timeval tv{};
-  tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
-  tv.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
-  return tv;
-}
-
-std::string Addr(const std::string& host, int port) { return host + ":" + std::to_string(port); }
-
-// One command in RESP, ready for writev: the arguments before the large
-// one and its length prefix (`head`), the large argument where it lies
-// (`big`: a chunk's bytes, never copied), and what follows it (`tail`).
-struct Command {
-  std::string key;  // routes the command
-  std::string head;
-  std::span<const uint8_t> big;
-  std::string tail;
-  bool asking = false;  // send ASKING first (an ASK redirection)
-};
-
-void AppendBulk(std::string& out, std::string_view arg) {
-  out += '$';
-  out += std::to_string(arg.size());
-  out += "\r\n";
-  out += arg;
-  out += "\r\n";
-}
-
-Command Simple(std::initializer_list<std::string_view> args, std::string key) {
-  Command c;
-  c.key = std::move(key);
-  c.head = "*" + std::to_string(args.size()) + "\r\n";
-  for (std::string_view a : args) AppendBulk(c.head, a);
-  return c;
-}
-
-// SET key <value> NX [PX ms], the value sent from `value` as it lies.
-Command SetNx(const std::string& key, std::span<const uint8_t> value,
-              std::chrono::milliseconds ttl) {
-  Command c;
-  c.key = key;
-  c.head = ttl.count() > 0 ? "*6\r\n" : "*4\r\n";
-  AppendBulk(c.head, "SET");
-  AppendBulk(c.head, key);
-  c.head += "$" + std::to_string(value.size()) + "\r\n";
-  c.big = value;
-  c.tail = "\r\n";
-  AppendBulk(c.tail, "NX");
-  if (ttl.count() > 0) {
-    AppendBulk(c.tail, "PX");
-    AppendBulk(c.tail, std::to_string(ttl.count()));
-  }
-  return c;
-}
-
-constexpr std::string_view kAsking = "*1\r\n$6\r\nASKING\r\n";
-
-// Writes every command to the connection's socket, in order, gathered
-// (SO_SNDTIMEO, set with the context's timeout, bounds each wait). A failed
-// write marks the context failed, so that it is never pooled again.
-Status WriteAll(redisContext* c, const std::vector<const Command*>& cmds) {
-  std::vector<iovec> iov;
-  for (const Command* cmd : cmds) {
-    if (cmd->asking) iov.push_back({const_cast<char*>(kAsking.data()), kAsking.size()});
-    iov.push_back({const_cast<char*>(cmd->head.data()), cmd->head.size()});
-    if (!cmd->big.empty()) {
-      iov.push_back({const_cast<uint8_t*>(cmd->big.data()), cmd->big.size()});
-    }
-    if (!cmd->tail.empty()) iov.push_back({const_cast<char*>(cmd->tail.data()), cmd->tail.size()});
-  }
-  size_t at = 0;
-  while (at < iov.size()) {
-    const int n = static_cast<int>(std::min<size_t>(iov.size() - at, IOV_MAX));
-    // sendmsg, not writev: MSG_NOSIGNAL, so that a connection the node has
-    // closed is an EPIPE here (a miss), not a SIGPIPE that ends the process.
-    msghdr msg{};
-    msg.msg_iov = iov.data() + at;
-    msg.msg_iovlen = static_cast<size_t>(n);
-    const ssize_t w = ::sendmsg(c->fd, &msg, MSG_NOSIGNAL);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      c->err = REDIS_ERR_IO;
-      return Unavailable(errno == EAGAIN || errno == EWOULDBLOCK ? "write timed out"
-                                                                 : std::strerror(errno));
-    }
-    size_t left = static_cast<size_t>(w);
-    while (at < iov.size() && left >= iov[at].iov_len) left -= iov[at++].iov_len;
-    if (left > 0) {
-      iov[at].iov_base = static_cast<char*>(iov[at].iov_base) + left;
-      iov[at].iov_len -= left;
+// Counts one call that met an unreachable node (once per call).
+void CountUnreachable(const std::vector<RedisClusterClient::Outcome>& outs,
+                      std::atomic<uint64_t>& unreachable, LogLimiter& limiter) {
+  for (const auto& o : outs) {
+    if (!o.ok() && o.status().code() == StatusCode::kUnavailable) {
+      ++unreachable;
+      limiter.Warn("redis: {} (a miss; the KDN serves on)", o.status().message());
+      return;
     }
   }
-  return Status::Ok();
-}
-
-Result<ReplyPtr> ReadReply(redisContext* c) {
-  void* r = nullptr;
-  if (redisGetReply(c, &r) != REDIS_OK || r == nullptr) {
-    return Unavailable(c->err != 0 ? std::string(c->errstr) : "no reply");
-  }
-  return ReplyPtr(static_cast<redisReply*>(r));
-}
-
-std::string_view ErrorText(const redisReply& r) { return {r.str, r.len}; }
-
-bool StartsWith(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
-
-// A whole decimal number in [1, 65535].
-bool ParsePort(std::string_view p, int* port) {
-  const auto [end, ec] = std::from_chars(p.data(), p.data() + p.size(), *port);
-  return ec == std::errc{} && end == p.data() + p.size() && *port > 0 && *port <= 65535;
-}
-
-// "MOVED 3999 127.0.0.1:6381" / "ASK ...": the node named, as host, port
-// (an empty host, ":6381", is the one the command went to: `asked`).
-bool ParseRedirect(std::string_view err, const std::string& asked, std::string* host, int* port) {
-  const size_t sp = err.rfind(' ');
-  const size_t colon = err.rfind(':');
-  if (sp == std::string_view::npos || colon == std::string_view::npos || colon < sp) return false;
-  *host = std::string(err.substr(sp + 1, colon - sp - 1));
-  if (host->empty() || *host == "?") *host = asked;
-  return ParsePort(err.substr(colon + 1), port);
-}
-
-// Errors that mean "not now" (a failover, a resharding, a node loading its
-// data): the command is a miss and the slot map is reread.
-bool TransientError(std::string_view err) {
-  return StartsWith(err, "TRYAGAIN") || StartsWith(err, "CLUSTERDOWN") ||
-         StartsWith(err, "LOADING") || StartsWith(err, "MASTERDOWN") || StartsWith(err, "READONLY");
-}
-
-bool IsAuthError(std::string_view err) {
-  return StartsWith(err, "WRONGPASS") || StartsWith(err, "NOAUTH") ||
-         StartsWith(err, "ERR invalid password") || StartsWith(err, "NOPERM") ||
-         err.find("AUTH") != std::string_view::npos;
 }
 
 }  // namespace
-
-std::string RedisUrl::Redacted() const {
-  std::string out = "redis://";
-  if (!user.empty() || !password.empty()) out += user + (password.empty() ? "@" : ":***@");
-  for (size_t i = 0; i < seeds.size(); ++i) {
-    if (i > 0) out += ',';
-    out += Addr(seeds[i].first, seeds[i].second);
-  }
-  return out;
-}
-
-Result<RedisUrl> ParseRedisUrl(std::string_view url) {
-  auto bad = [&](const std::string& why) {
-    // The URL as given, but never its credentials.
-    std::string shown(url);
-    const size_t scheme = shown.find("://"), at = shown.rfind('@');
-    if (at != std::string::npos) {
-      const size_t from = scheme == std::string::npos ? 0 : scheme + 3;
-      if (at >= from) shown.replace(from, at - from, "***");
-    }
-    return InvalidArgument("redis URL '" + shown + "' " + why +
-                           " (expected redis://[user:password@]host:port[,host:port...])");
-  };
-  constexpr std::string_view kScheme = "redis://";
-  if (!StartsWith(url, kScheme)) return bad("does not start with redis://");
-  std::string_view rest = url.substr(kScheme.size());
-  RedisUrl out;
-  if (const size_t at = rest.rfind('@'); at != std::string_view::npos) {
-    const std::string_view cred = rest.substr(0, at);
-    rest = rest.substr(at + 1);
-    const size_t colon = cred.find(':');
-    if (colon == std::string_view::npos) {
-      out.user = std::string(cred);
-    } else {
-      out.user = std::string(cred.substr(0, colon));
-      out.password = std::string(cred.substr(colon + 1));
-    }
-  }
-  if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
-    if (rest.substr(slash) != "/" && rest.substr(slash) != "/0") {
-      return bad("names a database; Redis Cluster has only database 0");
-    }
-    rest = rest.substr(0, slash);
-  }
-  if (rest.empty()) return bad("names no host");
-  size_t start = 0;
-  while (start <= rest.size()) {
-    const size_t comma = std::min(rest.find(',', start), rest.size());
-    const std::string_view node = rest.substr(start, comma - start);
-    if (node.empty()) return bad("has an empty host in its list");
-    std::string host(node);
-    int port = 6379;
-    if (const size_t colon = node.rfind(':'); colon != std::string_view::npos) {
-      host = std::string(node.substr(0, colon));
-      if (!ParsePort(node.substr(colon + 1), &port)) {
-        return bad("has a port that is not a number from 1 to 65535");
-      }
-    }
-    if (host.empty() || host.find_first_of("{}@ ") != std::string::npos) {
-      return bad("has a host that is not a name or address");
-    }
-    out.seeds.emplace_back(std::move(host), port);
-    start = comma + 1;
-  }
-  return out;
-}
-
-Result<std::string> RedisUrlWithPassword(std::string_view url, std::string_view password) {
-  KDN_ASSIGN_OR_RETURN(RedisUrl u, ParseRedisUrl(url));
-  if (!u.password.empty()) {
-    return InvalidArgument("redis URL " + u.Redacted() +
-                           " has a password already: give it in the URL or in the file, not both");
-  }
-  if (password.empty()) return InvalidArgument("redis: the password given is empty");
-  std::string out = "redis://" + u.user + ":" + std::string(password) + "@";
-  for (size_t i = 0; i < u.seeds.size(); ++i) {
-    out += (i > 0 ? "," : "") + Addr(u.seeds[i].first, u.seeds[i].second);
-  }
-  return out;
-}
 
 std::string RedisKey(const ChunkKey& model, const ChunkKey& key) {
   return "kdn:" + model.ToHex() + ":" + key.ToHex();
 }
 
-uint16_t RedisSlot(std::string_view key) {
-  // A {hash tag}: only what is between the first { and the next } counts,
-  // if that is not empty.
-  if (const size_t open = key.find('{'); open != std::string_view::npos) {
-    const size_t close = key.find('}', open + 1);
-    if (close != std::string_view::npos && close > open + 1) {
-      key = key.substr(open + 1, close - open - 1);
-    }
-  }
-  uint16_t crc = 0;  // CRC16/XMODEM: polynomial 0x1021, initial 0
-  for (unsigned char ch : key) {
-    crc ^= static_cast<uint16_t>(ch) << 8;
-    for (int b = 0; b < 8; ++b) {
-      crc = (crc & 0x8000) != 0 ? static_cast<uint16_t>((crc << 1) ^ 0x1021)
-                                : static_cast<uint16_t>(crc << 1);
-    }
-  }
-  return static_cast<uint16_t>(crc % kSlots);
-}
-
-struct RedisStore::Impl {
-  struct Node {
-    std::string host;
-    int port = 0;
-    std::vector<ContextPtr> idle;
-    Clock::time_point down_until{};
-  };
-  // One command's outcome: its reply, or why it has none.
-  using Outcome = Result<ReplyPtr>;
-
-  RedisUrl url;
-  RedisStoreOptions options;
-  std::string name;
-  bool cluster = true;
-
-  Mutex mu;
-  std::vector<std::unique_ptr<Node>> nodes KDN_GUARDED_BY(mu);  // never shrinks
-  std::unordered_map<std::string, uint16_t> node_index KDN_GUARDED_BY(mu);
-  std::vector<uint16_t> slots KDN_GUARDED_BY(mu) = std::vector<uint16_t>(kSlots, kNoNode);
-  Clock::time_point last_refresh KDN_GUARDED_BY(mu){};
-  bool refreshing KDN_GUARDED_BY(mu) = false;
-
-  std::atomic<uint64_t> hits{0}, misses{0}, puts{0}, corrupt{0}, unreachable{0};
-  LogLimiter limiter;
-
-  uint16_t NodeFor(const std::string& host, int port) KDN_REQUIRES(mu) {
-    const std::string addr = Addr(host, port);
-    auto it = node_index.find(addr);
-    if (it != node_index.end()) return it->second;
-    auto n = std::make_unique<Node>();
-    n->host = host;
-    n->port = port;
-    nodes.push_back(std::move(n));
-    const auto idx = static_cast<uint16_t>(nodes.size() - 1);
-    node_index.emplace(addr, idx);
-    return idx;
-  }
-
-  // A new connection to host:port (given `connect` to connect),
-  // authenticated when the URL has a password.
-  Result<ContextPtr> Dial(const std::string& host, int port, std::chrono::milliseconds connect) {
-    ContextPtr c(redisConnectWithTimeout(host.c_str(), port, TimeVal(connect)));
-    if (c == nullptr) return ResourceExhausted("redis: out of memory connecting");
-    if (c->err != 0) return Unavailable("redis " + Addr(host, port) + ": " + c->errstr);
-    if (redisSetTimeout(c.get(), TimeVal(options.timeout)) != REDIS_OK) {
-      return Unavailable("redis " + Addr(host, port) + ": cannot set a timeout");
-    }
-    if (!url.password.empty()) {
-      Command auth = url.user.empty() ? Simple({"AUTH", url.password}, "")
-                                      : Simple({"AUTH", url.user, url.password}, "");
-      KDN_RETURN_IF_ERROR(WriteAll(c.get(), {&auth}));
-      KDN_ASSIGN_OR_RETURN(ReplyPtr r, ReadReply(c.get()));
-      if (r->type == REDIS_REPLY_ERROR) {
-        return InvalidArgument("redis " + Addr(host, port) +
-                               " refuses the URL's credentials: " + std::string(ErrorText(*r)));
-      }
-    }
-    return c;
-  }
-
-  // A connection to node `n` for one call: an idle one, or a new one (which
-  // may take `timeout` to connect). A node held to be down is UNAVAILABLE at
-  // once.
-  Result<ContextPtr> Take(uint16_t n, std::chrono::milliseconds timeout) {
-    std::string host;
-    int port = 0;
-    {
-      MutexLock lock(mu);
-      Node& node = *nodes[n];
-      if (Clock::now() < node.down_until) {
-        return Unavailable("redis " + Addr(node.host, node.port) + " is held to be down");
-      }
-      if (!node.idle.empty()) {
-        ContextPtr c = std::move(node.idle.back());
-        node.idle.pop_back();
-        return c;
-      }
-      host = node.host;
-      port = node.port;
-    }
-    auto c = Dial(host, port, std::min(options.connect_timeout, timeout));
-    if (!c.ok()) MarkDown(n);
-    return c;
-  }
-
-  void Give(uint16_t n, ContextPtr c) {
-    if (c == nullptr || c->err != 0) return;
-    MutexLock lock(mu);
-    Node& node = *nodes[n];
-    if (node.idle.size() < kMaxIdlePerNode) node.idle.push_back(std::move(c));
-  }
-
-  void MarkDown(uint16_t n) {
-    MutexLock lock(mu);
-    Node& node = *nodes[n];
-    node.down_until = Clock::now() + options.backoff;
-    node.idle.clear();  // they went to the same dead process
-  }
-
-  // Reads CLUSTER SLOTS through `c` (from host). True with the map replaced;
-  // false, with `standalone` set when the node is not in cluster mode.
-  Result<bool> LoadSlots(redisContext* c, const std::string& host, bool* standalone) {
-    Command cmd = Simple({"CLUSTER", "SLOTS"}, "");
-    KDN_RETURN_IF_ERROR(WriteAll(c, {&cmd}));
-    KDN_ASSIGN_OR_RETURN(ReplyPtr r, ReadReply(c));
-    if (r->type == REDIS_REPLY_ERROR) {
-      const std::string_view err = ErrorText(*r);
-      if (err.find("cluster support disabled") != std::string_view::npos) {
-        *standalone = true;
-        return false;
-      }
-      if (IsAuthError(err)) {
-        return InvalidArgument("redis " + host +
-                               " asks for a password the URL does not give: " + std::string(err));
-      }
-      return Unavailable("redis CLUSTER SLOTS: " + std::string(err));
-    }
-    if (r->type != REDIS_REPLY_ARRAY) return Unavailable("redis CLUSTER SLOTS: not an array");
-    std::vector<std::tuple<long long, long long, std::string, int>> ranges;
-    for (size_t i = 0; i < r->elements; ++i) {
-      const redisReply* e = r->element[i];
-      if (e->type != REDIS_REPLY_ARRAY || e->elements < 3) continue;
-      const redisReply* primary = e->element[2];
-      if (e->element[0]->type != REDIS_REPLY_INTEGER ||
-          e->element[1]->type != REDIS_REPLY_INTEGER || primary->type != REDIS_REPLY_ARRAY ||
-          primary->elements < 2 || primary->element[0]->type != REDIS_REPLY_STRING ||
-          primary->element[1]->type != REDIS_REPLY_INTEGER) {
-        continue;
-      }
-      std::string ip(primary->element[0]->str, primary->element[0]->len);
-      // An empty or "?" endpoint means "the address you reached me at".
-      if (ip.empty() || ip == "?") ip = host;
-      ranges.emplace_back(e->element[0]->integer, e->element[1]->integer, std::move(ip),
-                          static_cast<int>(primary->element[1]->integer));
-    }
-    MutexLock lock(mu);
-    std::vector<uint16_t> map(kSlots, kNoNode);
-    for (const auto& [lo, hi, ip, port] : ranges) {
-      const uint16_t n = NodeFor(ip, port);
-      for (long long s = std::max(0LL, lo); s <= std::min<long long>(hi, kSlots - 1); ++s) {
-        map[static_cast<size_t>(s)] = n;
-      }
-    }
-    slots = std::move(map);
-    last_refresh = Clock::now();
-    return true;
-  }
-
-  // Rereads the slot map from the first node that answers (rate-limited;
-  // one thread at a time), after a MOVED or a failing node: through an idle
-  // connection of a node not held to be down if there is one, else a new
-  // one, else a seed not in the map. It runs on a caller's thread (a
-  // worker's control thread, for lookups), so each try gets the lookup
-  // timeout and at most kMaxRefreshFailures tries fail.
-  void Refresh() {
-    if (!cluster) return;
-    std::vector<uint16_t> live;
-    std::vector<std::pair<std::string, int>> seeds;
-    {
-      MutexLock lock(mu);
-      const Clock::time_point now = Clock::now();
-      if (refreshing || now - last_refresh < kMinRefreshInterval) return;
-      refreshing = true;
-      last_refresh = now;
-      // The nodes the map names first (a node that left the cluster long
-      // ago is in `nodes` still, and never answers), then the others.
-      std::vector<bool> mapped(nodes.size(), false);
-      for (uint16_t n : slots) {
-        if (n != kNoNode) mapped[n] = true;
-      }
-      for (int pass = 0; pass < 2; ++pass) {
-        for (size_t i = 0; i < nodes.size(); ++i) {
-          if (mapped[i] == (pass == 0) && now >= nodes[i]->down_until) {
-            live.push_back(static_cast<uint16_t>(i));
-          }
-        }
-      }
-      for (const auto& seed : url.seeds) {
-        if (!node_index.contains(Addr(seed.first, seed.second))) seeds.push_back(seed);
-      }
-    }
-    int failures = 0;
-    bool done = false;
-    // Rereads the map through `c`; false when it could not (the connection
-    // is then not fit to pool).
-    auto load = [&](redisContext* c, const std::string& host) {
-      redisSetTimeout(c, TimeVal(options.lookup_timeout));
-      bool standalone = false;
-      auto loaded = LoadSlots(c, host, &standalone);
-      done = loaded.ok() && *loaded;
-      if (!done) ++failures;
-      return loaded.ok();
-    };
-    for (uint16_t n : live) {
-      if (done || failures >= kMaxRefreshFailures) break;
-      auto c = Take(n, options.lookup_timeout);
-      if (!c.ok()) {
-        ++failures;
-        continue;
-      }
-      std::string host;
-      {
-        MutexLock lock(mu);
-        host = nodes[n]->host;
-      }
-      if (load(c->get(), host)) Give(n, std::move(c).value());
-    }
-    for (const auto& [host, port] : seeds) {
-      if (done || failures >= kMaxRefreshFailures) break;
-      auto c = Dial(host, port, std::min(options.connect_timeout, options.lookup_timeout));
-      if (!c.ok()) {
-        ++failures;
-        continue;
-      }
-      load(c->get(), host);
-    }
-    MutexLock lock(mu);
-    refreshing = false;
-  }
-
-  // Runs `cmds`, each on the node its key's slot maps to: every node's
-  // commands are written before any reply is read. Follows MOVED (and
-  // rereads the map) and ASK. A command whose node cannot be reached, that
-  // times out, or that meets a cluster in transition is UNAVAILABLE.
-  std::vector<Outcome> Run(std::vector<Command>& cmds, std::chrono::milliseconds timeout) {
-    std::vector<Outcome> out;
-    out.reserve(cmds.size());
-    for (size_t i = 0; i < cmds.size(); ++i) out.emplace_back(Unavailable("redis: not run"));
-    std::vector<uint16_t> ask_node(cmds.size(), kNoNode);
-    std::vector<size_t> pending(cmds.size());
-    for (size_t i = 0; i < cmds.size(); ++i) pending[i] = i;
-    bool refresh = false;
-    for (int round = 0; round <= kMaxRedirects && !pending.empty(); ++round) {
-      std::map<uint16_t, std::vector<size_t>> groups;
-      {
-        MutexLock lock(mu);
-        for (size_t i : pending) {
-          const uint16_t n = cmds[i].asking ? ask_node[i] : slots[RedisSlot(cmds[i].key)];
-          if (n == kNoNode) {
-            out[i] = Unavailable("redis: no node serves the slot of " + cmds[i].key);
-            refresh = true;
-            continue;
-          }
-          groups[n].push_back(i);
-        }
-      }
-      pending.clear();
-      struct Open {
-        uint16_t node;
-        ContextPtr c;
-        const std::vector<size_t>* idx;
-        std::string host;  // the node's
-        int port = 0;
-      };
-      std::vector<Open> open;
-      for (auto& [n, idx] : groups) {
-        auto c = Take(n, timeout);
-        if (c.ok()) {
-          redisSetTimeout(c->get(), TimeVal(timeout));
-          std::vector<const Command*> batch;
-          for (size_t i : idx) batch.push_back(&cmds[i]);
-          Status st = WriteAll(c->get(), batch);
-          if (st.ok()) {
-            MutexLock lock(mu);
-            open.push_back({n, std::move(c).value(), &idx, nodes[n]->host, nodes[n]->port});
-            continue;
-          }
-          MarkDown(n);
-          c = st;
-        }
-        for (size_t i : idx) out[i] = c.status();
-        refresh = true;
-      }
-      for (Open& o : open) {
-        for (size_t k = 0; k < o.idx->size(); ++k) {
-          const size_t i = (*o.idx)[k];
-          Outcome r = Unavailable("redis: no reply");
-          if (cmds[i].asking) r = ReadReply(o.c.get());  // ASKING's +OK
-          if (!cmds[i].asking || r.ok()) r = ReadReply(o.c.get());
-          if (!r.ok()) {
-            // The connection is gone: so is every reply still owed on it.
-            for (size_t j = k; j < o.idx->size(); ++j) out[(*o.idx)[j]] = r.status();
-            MarkDown(o.node);
-            refresh = true;
-            break;
-          }
-          cmds[i].asking = false;
-          const redisReply& reply = **r;
-          if (reply.type == REDIS_REPLY_ERROR) {
-            const std::string_view err = ErrorText(reply);
-            std::string host;
-            int port = 0;
-            if ((StartsWith(err, "MOVED ") || StartsWith(err, "ASK ")) &&
-                ParseRedirect(err, o.host, &host, &port)) {
-              MutexLock lock(mu);
-              const uint16_t to = NodeFor(host, port);
-              if (StartsWith(err, "MOVED ")) {
-                slots[RedisSlot(cmds[i].key)] = to;
-                refresh = true;
-              } else {
-                ask_node[i] = to;
-                cmds[i].asking = true;
-              }
-              pending.push_back(i);
-              out[i] = Unavailable("redis: redirected too often: " + std::string(err));
-              continue;
-            }
-            if (TransientError(err)) {
-              refresh = true;
-              out[i] = Unavailable("redis: " + std::string(err));
-              continue;
-            }
-            // Not a cluster in transition: a refusal (OOM under noeviction,
-            // NOPERM for the ACL user, MISCONF, ...) that will not pass by
-            // itself. A miss too, but said in the log.
-            limiter.Warn("redis: {} refused {}: {}", Addr(o.host, o.port), cmds[i].key, err);
-            out[i] = Internal("redis: " + std::string(err));
-            continue;
-          }
-          out[i] = std::move(r);
-        }
-        Give(o.node, std::move(o.c));
-      }
-    }
-    if (refresh) Refresh();
-    return out;
-  }
-
-  // Counts one call that met an unreachable node (once per call).
-  void CountUnreachable(const std::vector<Outcome>& outs) {
-    for (const Outcome& o : outs) {
-      if (!o.ok() && o.status().code() == StatusCode::kUnavailable) {
-        ++unreachable;
-        limiter.Warn("redis: {} (a miss; the KDN serves on)", o.status().message());
-        return;
-      }
-    }
-  }
-};
-
-RedisStore::RedisStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RedisStore::RedisStore(std::unique_ptr<RedisClusterClient> client, std::string name,
+                       RedisStoreOptions options)
+    : client_(std::move(client)), name_(std::move(name)), options_(options) {}
 RedisStore::~RedisStore() = default;
 
 Result<std::unique_ptr<RedisStore>> RedisStore::Connect(std::string_view url,
                                                         RedisStoreOptions options) {
-  auto impl = std::make_unique<Impl>();
-  KDN_ASSIGN_OR_RETURN(impl->url, ParseRedisUrl(url));
-  impl->options = options;
-  impl->name = "redis " + impl->url.Redacted();
-  std::string tried;
-  for (const auto& [host, port] : impl->url.seeds) {
-    auto c = impl->Dial(host, port, impl->options.connect_timeout);
-    if (!c.ok()) {
-      if (c.status().code() == StatusCode::kInvalidArgument) return c.status();
-      tried += (tried.empty() ? "" : "; ") + c.status().message();
-      continue;
-    }
-    bool standalone = false;
-    auto loaded = impl->LoadSlots(c->get(), host, &standalone);
-    if (!loaded.ok()) {
-      if (loaded.status().code() == StatusCode::kInvalidArgument) return loaded.status();
-      tried += (tried.empty() ? "" : "; ") + loaded.status().message();
-      continue;
-    }
-    if (standalone) {
-      impl->cluster = false;
-      MutexLock lock(impl->mu);
-      const uint16_t n = impl->NodeFor(host, port);
-      std::fill(impl->slots.begin(), impl->slots.end(), n);
-    }
-    auto store = std::unique_ptr<RedisStore>(new RedisStore(std::move(impl)));
-    if (store->clustered()) {
-      LogInfo("redis: a cluster of {} primaries, reached through {}", store->primaries(),
-              Addr(host, port));
-    } else {
-      LogInfo("redis: {} is not in cluster mode: it is the KDN's one shard", Addr(host, port));
-    }
-    return store;
-  }
-  return Unavailable("redis: no seed of " + impl->url.Redacted() + " answers: " + tried);
+  KDN_ASSIGN_OR_RETURN(RedisUrl u, ParseRedisUrl(url));
+  RedisClusterOptions co;
+  co.timeout = options.timeout;
+  co.refresh_timeout = options.lookup_timeout;
+  co.connect_timeout = options.connect_timeout;
+  co.backoff = options.backoff;
+  KDN_ASSIGN_OR_RETURN(auto client, RedisClusterClient::Connect(u, co));
+  return std::unique_ptr<RedisStore>(
+      new RedisStore(std::move(client), "redis " + u.Redacted(), options));
 }
 
-std::string RedisStore::name() const { return impl_->name; }
+std::string RedisStore::name() const { return name_; }
 
-bool RedisStore::clustered() const { return impl_->cluster; }
+bool RedisStore::clustered() const { return client_->clustered(); }
 
 std::string RedisStore::NodeOf(const ChunkKey& key) {
-  MutexLock lock(impl_->mu);
-  const uint16_t n = impl_->slots[RedisSlot(RedisKey(impl_->options.model, key))];
-  if (n == kNoNode) return "";
-  return Addr(impl_->nodes[n]->host, impl_->nodes[n]->port);
+  return client_->NodeOf(RedisKey(options_.model, key));
 }
 
-size_t RedisStore::primaries() {
-  MutexLock lock(impl_->mu);
-  std::vector<uint16_t> seen(impl_->slots);
-  std::sort(seen.begin(), seen.end());
-  seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
-  return static_cast<size_t>(
-      std::count_if(seen.begin(), seen.end(), [](uint16_t n) { return n != kNoNode; }));
-}
+size_t RedisStore::primaries() { return client_->primaries(); }
 
 Result<std::shared_ptr<const Chunk>> RedisStore::Get(const ChunkKey& key) {
-  const std::string rkey = RedisKey(impl_->options.model, key);
-  std::vector<Command> cmds{Simple({"GET", rkey}, rkey)};
-  auto outs = impl_->Run(cmds, impl_->options.timeout);
-  impl_->CountUnreachable(outs);
+  const std::string rkey = RedisKey(options_.model, key);
+  std::vector<RedisCommand> cmds{RedisSimple({"GET", rkey}, rkey)};
+  auto outs = client_->Run(cmds, options_.timeout);
+  CountUnreachable(outs, unreachable_, limiter_);
   if (!outs[0].ok()) {
-    ++impl_->misses;
+    ++misses_;
     return outs[0].status();
   }
-  ReplyPtr reply = std::move(outs[0]).value();
+  RedisReply reply = std::move(outs[0]).value();
   if (reply->type != REDIS_REPLY_STRING) {
-    ++impl_->misses;
+    ++misses_;
     return NotFound("redis: no chunk " + key.ToHex());
   }
   // The chunk shares the reply's buffer: no copy past hiredis' own.
@@ -715,36 +79,36 @@ Result<std::shared_ptr<const Chunk>> RedisStore::Get(const ChunkKey& key) {
     // Another kdn version's chunk, sharing the cluster: a miss, kept.
     const std::string& m = chunk.status().message();
     if (chunk.status().code() == StatusCode::kUnimplemented) {
-      ++impl_->misses;
+      ++misses_;
       return NotFound("redis: chunk " + key.ToHex() + " is of another kdn version (" + m + ")");
     }
     why = m;
   } else if ((*chunk)->key() != key) {
     why = "it holds chunk " + (*chunk)->key().ToHex();
-  } else if ((*chunk)->info().model_fingerprint != impl_->options.model) {
+  } else if ((*chunk)->info().model_fingerprint != options_.model) {
     why = "it holds another model's KV";
   }
   if (!why.empty()) {
-    ++impl_->corrupt;
-    ++impl_->misses;
-    std::vector<Command> del{Simple({"DEL", rkey}, rkey)};
-    (void)impl_->Run(del, impl_->options.lookup_timeout);
-    impl_->limiter.Warn("redis: {} was damaged ({}): deleted, a miss", rkey, why);
+    ++corrupt_;
+    ++misses_;
+    std::vector<RedisCommand> del{RedisSimple({"DEL", rkey}, rkey)};
+    (void)client_->Run(del, options_.lookup_timeout);
+    limiter_.Warn("redis: {} was damaged ({}): deleted, a miss", rkey, why);
     return NotFound("redis: chunk " + key.ToHex() + " was damaged (" + why + ")");
   }
-  ++impl_->hits;
+  ++hits_;
   return chunk;
 }
 
 std::vector<bool> RedisStore::ContainsMany(std::span<const ChunkKey> keys) {
-  std::vector<Command> cmds;
+  std::vector<RedisCommand> cmds;
   cmds.reserve(keys.size());
   for (const ChunkKey& k : keys) {
-    std::string rkey = RedisKey(impl_->options.model, k);
-    cmds.push_back(Simple({"EXISTS", rkey}, rkey));
+    std::string rkey = RedisKey(options_.model, k);
+    cmds.push_back(RedisSimple({"EXISTS", rkey}, rkey));
   }
-  auto outs = impl_->Run(cmds, impl_->options.lookup_timeout);
-  impl_->CountUnreachable(outs);
+  auto outs = client_->Run(cmds, options_.lookup_timeout);
+  CountUnreachable(outs, unreachable_, limiter_);
   std::vector<bool> held(keys.size(), false);
   for (size_t i = 0; i < outs.size(); ++i) {
     held[i] = outs[i].ok() && (*outs[i])->type == REDIS_REPLY_INTEGER && (*outs[i])->integer > 0;
@@ -758,27 +122,27 @@ bool RedisStore::Contains(const ChunkKey& key) {
 
 Status RedisStore::Put(std::shared_ptr<const Chunk> chunk) {
   if (chunk == nullptr) return InvalidArgument("redis: Put of a null chunk");
-  if (chunk->info().model_fingerprint != impl_->options.model) {
+  if (chunk->info().model_fingerprint != options_.model) {
     return InvalidArgument("redis: chunk " + chunk->key().ToHex() +
                            " is another model's KV than this store's");
   }
-  const std::string rkey = RedisKey(impl_->options.model, chunk->key());
-  std::vector<Command> cmds{SetNx(rkey, chunk->bytes(), impl_->options.ttl)};
-  auto outs = impl_->Run(cmds, impl_->options.timeout);
-  impl_->CountUnreachable(outs);
+  const std::string rkey = RedisKey(options_.model, chunk->key());
+  std::vector<RedisCommand> cmds{RedisSetNx(rkey, chunk->bytes(), options_.ttl)};
+  auto outs = client_->Run(cmds, options_.timeout);
+  CountUnreachable(outs, unreachable_, limiter_);
   if (!outs[0].ok()) return outs[0].status();
   // "+OK": stored; nil: already held (content-addressed: the same bytes).
-  if ((*outs[0])->type == REDIS_REPLY_STATUS) ++impl_->puts;
+  if ((*outs[0])->type == REDIS_REPLY_STATUS) ++puts_;
   return Status::Ok();
 }
 
 TierStats RedisStore::Stats() {
   TierStats s;
-  s.hits = impl_->hits.load();
-  s.misses = impl_->misses.load();
-  s.puts = impl_->puts.load();
-  s.corrupt = impl_->corrupt.load();
-  s.unreachable = impl_->unreachable.load();
+  s.hits = hits_.load();
+  s.misses = misses_.load();
+  s.puts = puts_.load();
+  s.corrupt = corrupt_.load();
+  s.unreachable = unreachable_.load();
   return s;
 }
 

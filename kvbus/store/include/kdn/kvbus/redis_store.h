@@ -24,6 +24,7 @@
 // Thread-safe: each node has a pool of connections; a thread takes one per
 // node for the length of a call, so calls from several threads run at once.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -32,11 +33,14 @@
 #include <utility>
 #include <vector>
 
+#include "kdn/common/log.h"
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/key.h"
 
 namespace kdn::kvbus {
+
+class RedisClusterClient;  // the cluster client it runs on (private to kdn_kvbus_store)
 
 // redis://[user:password@]host[:port][,host[:port]...] (port 6379 when
 // left out; `:password@` alone is the default user's password).
@@ -108,9 +112,13 @@ class RedisStore final : public ChunkStore {
   size_t primaries();
 
  private:
-  struct Impl;
-  explicit RedisStore(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  RedisStore(std::unique_ptr<RedisClusterClient> client, std::string name,
+             RedisStoreOptions options);
+  const std::unique_ptr<RedisClusterClient> client_;
+  const std::string name_;
+  const RedisStoreOptions options_;
+  std::atomic<uint64_t> hits_{0}, misses_{0}, puts_{0}, corrupt_{0}, unreachable_{0};
+  LogLimiter limiter_;
 };
 
 }  // namespace kdn::kvbus
