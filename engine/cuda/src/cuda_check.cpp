@@ -1,36 +1,16 @@
 #include "kdn/engine/cuda/cuda_check.h"
 
-#include <string>
+#include "kdn/common/cuda_status.h"
 
 namespace kdn::engine::cuda {
 
+// The project's one mapping (kdn/common/cuda_status.h), under the engine's
+// names.
 Status CudaErrorToStatus(cudaError_t err, const char* expr, const char* file, int line) {
-  std::string msg = std::string(expr) + " failed at " + file + ":" + std::to_string(line) + ": " +
-                    cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")";
-  switch (err) {
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-    case cudaErrorDevicesUnavailable:
-    case cudaErrorSystemDriverMismatch:
-    case cudaErrorCompatNotSupportedOnDevice:
-    case cudaErrorNoKernelImageForDevice: return Unavailable(std::move(msg));
-    case cudaErrorMemoryAllocation: return ResourceExhausted(std::move(msg));
-    case cudaErrorInvalidValue:
-    case cudaErrorInvalidConfiguration:
-    case cudaErrorInvalidDevicePointer: return InvalidArgument(std::move(msg));
-    default: return Internal(std::move(msg));
-  }
+  return ::kdn::CudaStatus(err, expr, file, line);
 }
 
-Result<int> CudaDeviceCount() {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err == cudaErrorNoDevice) return 0;
-  if (err != cudaSuccess) {
-    return CudaErrorToStatus(err, "cudaGetDeviceCount(&count)", __FILE__, __LINE__);
-  }
-  return count;
-}
+Result<int> CudaDeviceCount() { return ::kdn::CudaDeviceCount(); }
 
 bool CudaDeviceAvailable() {
   const Result<int> count = CudaDeviceCount();

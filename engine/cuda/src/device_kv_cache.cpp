@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "cuda_engine_impl.h"
+#include "kdn/common/cuda_status.h"
 
 namespace kdn::engine::cuda {
 
@@ -16,10 +17,7 @@ constexpr int64_t kFixedWorkspaceBytes = int64_t{1024} << 20;
 
 }  // namespace
 
-int DeviceCount() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
+int DeviceCount() { return ::kdn::CudaDevices(); }
 
 int64_t KvBytesPerToken(const ModelConfig& c) {
   return int64_t{c.num_layers} * 2 * c.kv_dim() * static_cast<int64_t>(sizeof(bf16));

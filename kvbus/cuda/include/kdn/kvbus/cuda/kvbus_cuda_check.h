@@ -2,9 +2,9 @@
 // CUDA runtime and NCCL return codes as kdn::Status for the kvbus device
 // planes, and the device probe their callers use.
 //
-// kdn_kvbus_cuda does not link the engine (kdn_engine_cuda's cuda_check.h
-// has the same mapping for the engine's calls): the transport links this
-// library alone. Every CUDA call here goes through KDN_KVBUS_CUDA_RETURN_IF_ERROR
+// kdn_kvbus_cuda does not link the engine: the transport links this library
+// alone. Both report CUDA errors through the project's one mapping,
+// kdn/common/cuda_status.h. Every CUDA call here goes through KDN_KVBUS_CUDA_RETURN_IF_ERROR
 // and every NCCL call through KDN_NCCL_RETURN_IF_ERROR (nccl_link.cpp).
 // Thread-safe: nothing here keeps state.
 
