@@ -46,7 +46,7 @@ std::string Fields(const WireMessage& m) {
         using T = std::decay_t<decltype(x)>;
         if constexpr (std::is_same_v<T, WireOffer>) {
           add(x.batch);
-          for (const RegionKind k : x.planes) add(static_cast<uint64_t>(k));
+          for (const std::string& p : x.planes) s += " " + p;
           s += " " + x.host_id;
           for (const auto& e : x.entries) key(e.key), add(e.bytes);
         } else if constexpr (std::is_same_v<T, WireDecisions>) {
@@ -57,7 +57,7 @@ std::string Fields(const WireMessage& m) {
             add(d.region), add(d.offset);
           }
           for (const auto& r : x.regions) {
-            add(r.id), add(r.bytes), add(static_cast<uint64_t>(r.kind)), s += " " + r.handle;
+            add(r.id), add(r.bytes), s += " " + r.plane, s += " " + r.handle;
           }
         } else if constexpr (std::is_same_v<T, WireChunkHeader>) {
           add(x.batch), key(x.key), add(x.bytes), add(x.landed);
@@ -88,8 +88,7 @@ std::vector<std::string> Seeds() {
   WireAcks a;
   a.acks.push_back({7, k1, kdn::Status::Ok(), false});
   a.acks.push_back({7, k2, kdn::Corruption("bad checksum"), true});
-  return {Bytes(WireOffer{
-              7, {{k1, 100}, {k2, 200}}, {RegionKind::kShm, RegionKind::kDevice}, "host-a"}),
+  return {Bytes(WireOffer{7, {{k1, 100}, {k2, 200}}, {"shm", "cuda_ipc"}, "host-a"}),
           Bytes(d),
           Bytes(WireChunkHeader{7, k2, 200, true}),
           Bytes(a),

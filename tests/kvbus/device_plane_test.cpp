@@ -13,6 +13,7 @@
 #include <numeric>
 
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/region_plane.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
@@ -211,14 +212,14 @@ TEST(DevicePlane, ARegionThatCannotBeOpenedFailsCudaIpcAndAutoFallsBackToTcp) {
       auto m = r.Next();
       ASSERT_TRUE(m.ok()) << m.status().ToString();
       if (auto* o = std::get_if<WireOffer>(&*m)) {
-        EXPECT_NE(std::find(o->planes.begin(), o->planes.end(), RegionKind::kDevice),
+        EXPECT_NE(std::find(o->planes.begin(), o->planes.end(), kCudaIpcPlaneName),
                   o->planes.end());
         WireDecision grant{c->key(), WireDecisionKind::kGranted, Status::Ok()};
         grant.region = 7;
         grant.in_place = true;
         grant.extents = {{0, c->payload().size()}};
         WireDecisions d{o->batch, {grant}, {}};
-        d.regions.push_back(WireRegion{7, 1 << 20, "memfd:1:999999", RegionKind::kDevice});
+        d.regions.push_back(WireRegion{7, 1 << 20, "memfd:1:999999", kCudaIpcPlaneName});
         r.Reply(d);
       } else if (auto* h = std::get_if<WireChunkHeader>(&*m)) {
         EXPECT_FALSE(h->landed);

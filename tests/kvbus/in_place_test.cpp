@@ -16,6 +16,7 @@
 #include <zmq.hpp>
 
 #include "kdn/kvbus/wire.h"
+#include "kdn/kvbus/region_plane.h"
 #include "kdn/common/mutex.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
@@ -170,6 +171,83 @@ TEST(InPlace, TheSenderWritesEveryPayloadIntoItsExtentsOverShm) {
   EXPECT_EQ(rig.sender->Stats().plane("shm").chunks, 6u);
 }
 
+// The plane registry (kdn/kvbus/region_plane.h): a plane registered under a
+// name of its own (here a second plane over the host backend) is made by
+// every sender, offered, and writes the regions a receiver names for it.
+Status RegisterTestPlane() {
+  static const Status registered =
+      RegisterRegionPlane("test_host", [](const SenderOptions&) -> std::unique_ptr<RegionPlane> {
+        return std::make_unique<MemoryPlane>("test_host", RegionKind::kShm, HostDeviceOps());
+      });
+  return registered;
+}
+
+TEST(PlaneRegistry, APlaneRegisteredUnderANewNameIsOfferedAndWritesTheRegionsNamedForIt) {
+  ASSERT_TRUE(RegisterTestPlane().ok()) << RegisterTestPlane().ToString();
+  const std::vector<std::string> names = RegionPlaneNames();
+  EXPECT_NE(std::find(names.begin(), names.end(), "test_host"), names.end());
+  RecordingStore sink;
+  Site site{uint64_t{8} << 20};
+  site.Reset();
+  ReceiverOptions ro;
+  ro.lease = 10s;
+  ro.heartbeat_interval = 100ms;
+  ro.landing = &site;
+  ro.landing_region = &site.segment();
+  ro.landing_plane = "test_host";
+  auto listening = Listen("tcp://127.0.0.1:0", sink, ro);
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<Receiver> receiver = std::move(listening).value();
+  SenderOptions so;
+  so.peer_timeout = 5s;
+  so.heartbeat_interval = 100ms;
+  auto connected = Connect(receiver->endpoint(), so);
+  ASSERT_TRUE(connected.ok()) << connected.status().ToString();
+  std::unique_ptr<Sender> sender = std::move(connected).value();
+  std::vector<ChunkPtr> chunks;
+  for (int i = 0; i < 4; ++i) chunks.push_back(MakeChunk(40 + i));
+  auto batch = sender->Submit(chunks);
+  ASSERT_TRUE(batch.ok()) << batch.status().ToString();
+  auto st = sender->Wait(*batch, kNoHang);
+  ASSERT_TRUE(st.ok() && st->ToStatus().ok())
+      << (st.ok() ? st->ToStatus().ToString() : st.status().ToString());
+  const auto claimed = site.claimed();
+  ASSERT_EQ(claimed.size(), 4u);
+  for (const auto& [ticket, claim] : claimed) {
+    const auto& key = claim.first;
+    const auto c = std::find_if(chunks.begin(), chunks.end(),
+                                [&](const ChunkPtr& x) { return x->key() == key; });
+    ASSERT_NE(c, chunks.end());
+    EXPECT_EQ(site.Gather(ticket), PayloadOf(*c));
+  }
+  EXPECT_EQ(sender->Stats().plane("test_host").chunks, 4u) << "written by the new plane";
+  EXPECT_EQ(sender->Stats().plane("shm").chunks, 0u);
+  EXPECT_EQ(sender->Stats().plane("tcp").chunks, 0u);
+  const ReceiverStats r = receiver->Stats();
+  EXPECT_EQ(r.in_place_plane_chunks, 4u);
+  ASSERT_EQ(r.planes.count("test_host"), 1u);
+  EXPECT_EQ(r.planes.at("test_host").chunks, 4u);
+}
+
+TEST(PlaneRegistry, AnUnknownNameIsRefusedByNameAndATakenOneCannotBeRegistered) {
+  RecordingStore sink;
+  Site site{uint64_t{1} << 20};
+  ReceiverOptions ro;
+  ro.landing = &site;
+  ro.landing_region = &site.segment();
+  ro.landing_plane = "rdma";
+  auto refused = Listen("tcp://127.0.0.1:0", sink, ro);
+  ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("'rdma'"), std::string::npos)
+      << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("shm"), std::string::npos)
+      << "names the registered planes: " << refused.status().ToString();
+  const RegionPlaneFactory none = [](const SenderOptions&) { return nullptr; };
+  EXPECT_EQ(RegisterRegionPlane("shm", none).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(RegisterRegionPlane("tcp", none).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(RegisterRegionPlane("", none).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(InPlace, TheReceiverPutsATcpChunksPayloadInPlace) {
   Rig rig(TransportKind::kTcp);
   const ChunkPtr c = MakeChunk(20);
@@ -308,7 +386,7 @@ TEST(InPlace, ALandedHeaderForATcpGrantIsRefusedAndNothingIsRead) {
   dealer.set(zmq::sockopt::linger, 0);
   dealer.connect(receiver->endpoint());
   const ChunkPtr c = MakeChunk(90);
-  WireOffer offer{5, {{c->key(), c->size()}}, {RegionKind::kShm}, "host:elsewhere"};
+  WireOffer offer{5, {{c->key(), c->size()}}, {kShmPlaneName}, "host:elsewhere"};
   dealer.send(EncodeWire(offer).value(), zmq::send_flags::none);
   zmq::message_t reply;
   ASSERT_TRUE(dealer.recv(reply).has_value());

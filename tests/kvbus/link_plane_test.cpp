@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbus/region_plane.h"
 #include "kdn/kvbus/device_ops.h"
 #include "kdn/kvbus/transport.h"
 #include "landing_site.h"
@@ -281,7 +282,7 @@ TEST(DevicePlaneNcclCases, AFailedLinkIsReplacedByANewOneOfANewId) {
         grant.in_place = true;
         grant.extents = {{0, n}};
         WireDecisions d{o->batch, {grant}, {}};
-        d.regions.push_back(WireRegion{7, region.size(), "memfd:1:999999", RegionKind::kDevice});
+        d.regions.push_back(WireRegion{7, region.size(), "memfd:1:999999", kCudaIpcPlaneName});
         r.Reply(d);
       } else if (auto* h = std::get_if<WireChunkHeader>(&*m)) {
         EXPECT_TRUE(h->landed && h->linked);

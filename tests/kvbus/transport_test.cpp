@@ -722,7 +722,7 @@ TEST(TcpTransport, OffersAgainAChunkWhoseAckWasLost) {
 // A receiver of a newer version grants into a region of a kind this sender
 // has no plane for: the region is kept unmapped and the chunk goes by tcp,
 // counted under the tcp plane.
-TEST(TcpTransport, AGrantIntoARegionOfAnUnknownKindGoesByTcp) {
+TEST(TcpTransport, AGrantIntoARegionOfAPlaneItHasNotGoesByTcp) {
   StandInReceiver r;
   KDN_ASSERT_OK_AND_ASSIGN(auto sender, Connect(r.endpoint, TestSenderOptions()));
   const ChunkPtr c = MakeChunk(1);
@@ -736,15 +736,15 @@ TEST(TcpTransport, AGrantIntoARegionOfAnUnknownKindGoesByTcp) {
       WireDecision grant{c->key(), WireDecisionKind::kGranted, Status::Ok()};
       grant.region = 5;
       WireDecisions d{o->batch, {grant}, {}};
-      d.regions.push_back(WireRegion{5, 1u << 20, "future:1", RegionKind::kUnknown});
-      // Encoded and decoded, the region keeps its id and reads as unknown.
+      d.regions.push_back(WireRegion{5, 1u << 20, "future:1", "rdma"});
+      // Encoded and decoded, the region keeps its id and its plane's name.
       auto frame = EncodeWire(d);
       ASSERT_TRUE(frame.ok());
       auto back = DecodeWire(frame->data(), frame->size());
       ASSERT_TRUE(back.ok()) << back.status().ToString();
       const auto& regions = std::get<WireDecisions>(*back).regions;
       ASSERT_EQ(regions.size(), 1u);
-      EXPECT_EQ(regions[0].kind, RegionKind::kUnknown);
+      EXPECT_EQ(regions[0].plane, "rdma");
       reply(d);
     } else if (auto* h = std::get_if<WireChunkHeader>(&*m)) {
       EXPECT_FALSE(h->landed);

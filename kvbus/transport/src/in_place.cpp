@@ -84,7 +84,7 @@ void TcpReceiver::GrantInPlace(const std::string& peer, uint64_t batch, const Wi
   const auto now = TransportClock::now();
   Lease lease{e.bytes, now + options_.lease};
   lease.in_region = options_.landing_by_plane &&
-                    (PeerWrites(peer, options_.landing_kind) || PeerLinkOf(peer) != nullptr);
+                    (PeerWrites(peer, in_place_->plane()) || PeerLinkOf(peer) != nullptr);
   lease.in_place = std::move(claim);
   const LeaseKey id{peer, batch, e.key};
   out.push_back(InPlaceDecision(e.key, lease));
@@ -100,7 +100,7 @@ void TcpReceiver::HandleInPlace(const std::string& peer, const WireChunkHeader& 
   stats_.bytes_received += h.landed ? h.bytes : data->size();
   stats_.planes[!h.landed  ? "tcp"
                 : h.linked ? kLinkPlaneName
-                           : PlaneName(options_.landing_kind)] +=
+                           : in_place_->plane()] +=
       PlaneStats{1, h.landed ? h.bytes : data->size()};
   std::string dropped_link;
   // A linked chunk granted for tcp leaves its payload on the link, which

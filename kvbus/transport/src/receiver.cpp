@@ -99,8 +99,12 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
     do {
       id = static_cast<uint32_t>(std::random_device{}() | 1u);
     } while (r->shm_ && id == r->shm_->region());
+    const std::string plane = options.landing_plane.empty()
+                                  ? std::string(DefaultPlaneOf(options.landing_kind))
+                                  : options.landing_plane;
+    KDN_RETURN_IF_ERROR(CheckRegionPlane(plane));
     r->in_place_ =
-        std::make_unique<RegionLanding>(*options.landing_region, options.landing_kind, id);
+        std::make_unique<RegionLanding>(*options.landing_region, options.landing_kind, plane, id);
   }
   KDN_ZMQ_RETURN_IF_ERROR(r->socket_.bind(zmq_endpoint));
   KDN_ZMQ_RETURN_IF_ERROR(r->endpoint_ = r->socket_.get(zmq::sockopt::last_endpoint));
@@ -257,15 +261,15 @@ void TcpReceiver::Handle(const std::string& peer, const zmq::message_t& head,
   }
 }
 
-bool TcpReceiver::PeerWrites(const std::string& peer, RegionKind kind) const {
+bool TcpReceiver::PeerWrites(const std::string& peer, const std::string& plane) const {
   const auto it = peer_planes_.find(peer);
   return it != peer_planes_.end() &&
-         std::find(it->second.begin(), it->second.end(), kind) != it->second.end();
+         std::find(it->second.begin(), it->second.end(), plane) != it->second.end();
 }
 
 void TcpReceiver::HandleOffer(const std::string& peer, const WireOffer& m) {
   ++stats_.offers;
-  peer_planes_[peer] = m.host_id == HostId() ? m.planes : std::vector<RegionKind>{};
+  peer_planes_[peer] = m.host_id == HostId() ? m.planes : std::vector<std::string>{};
   if (!m.link.empty()) JoinLink(peer, m.link);
   // A kvbus sender splits its offers; a larger one would make decisions
   // frames the receiver cannot encode (and stall its round).
@@ -340,7 +344,7 @@ void TcpReceiver::GrantWaiting(TransportClock::time_point now) {
     WireDecision grant{id.key, WireDecisionKind::kGranted, Status::Ok()};
     // A shm peer gets a range of the segment when one is free; else the
     // bytes come by tcp (a full segment never stalls a transfer).
-    if (shm_ && PeerWrites(id.peer, RegionKind::kShm)) {
+    if (shm_ && PeerWrites(id.peer, kShmPlaneName)) {
       if (std::optional<uint64_t> at = shm_->Allocate(it->bytes)) {
         lease.landing = true;
         lease.landing_offset = *at;

@@ -49,20 +49,15 @@ int PollTimeoutMs(TransportClock::time_point now, TransportClock::time_point nex
 }  // namespace
 
 TcpSender::TcpSender(std::string endpoint, const SenderOptions& options)
-    : endpoint_(std::move(endpoint)), options_(options), context_(1) {
-  planes_.emplace(RegionKind::kShm,
-                  std::make_unique<MemoryPlane>(RegionKind::kShm, HostDeviceOps()));
-  // A kNccl sender's device plane is its link: it maps no device region.
-  if (options.device_ops != nullptr && options.transport != TransportKind::kNccl) {
-    planes_.emplace(RegionKind::kDevice,
-                    std::make_unique<MemoryPlane>(RegionKind::kDevice, *options.device_ops));
-  }
-}
+    : endpoint_(std::move(endpoint)),
+      options_(options),
+      context_(1),
+      planes_(MakeRegionPlanes(options)) {}
 
 RegionPlane* TcpSender::MappedPlane(uint32_t region) {
-  const auto kind = region_kinds_.find(region);
-  if (region == 0 || kind == region_kinds_.end()) return nullptr;
-  const auto plane = planes_.find(kind->second);
+  const auto named = region_planes_.find(region);
+  if (region == 0 || named == region_planes_.end()) return nullptr;
+  const auto plane = planes_.find(named->second);
   if (plane == planes_.end() || !plane->second->Mapped(region)) return nullptr;
   return plane->second.get();
 }
@@ -369,11 +364,11 @@ Status TcpSender::ReceiveAll() {
 WireOffer TcpSender::NewOffer(uint64_t batch) const {
   WireOffer offer{batch, {}, {}, HostId()};
   if (options_.transport == TransportKind::kTcp) return offer;
-  for (const auto& [kind, plane] : planes_) {
+  for (const auto& [name, plane] : planes_) {
     // Only shm writes the landing segment; kCudaIpc lands what is claimed
     // on the device plane and sends the rest as auto would.
-    if (options_.transport == TransportKind::kShm && kind != RegionKind::kShm) continue;
-    if (plane->usable()) offer.planes.push_back(kind);
+    if (options_.transport == TransportKind::kShm && name != kShmPlaneName) continue;
+    if (plane->usable()) offer.planes.push_back(name);
   }
   if (link_ && link_->usable()) offer.link = link_->id();
   return offer;
@@ -381,18 +376,18 @@ WireOffer TcpSender::NewOffer(uint64_t batch) const {
 
 bool TcpSender::GoesByLink(const WireDecision& d) const {
   if (!link_ || !link_->usable() || !d.in_place || d.region == 0) return false;
-  const auto kind = region_kinds_.find(d.region);
-  return kind != region_kinds_.end() && kind->second == RegionKind::kDevice;
+  const auto named = region_planes_.find(d.region);
+  return named != region_planes_.end() && named->second == kCudaIpcPlaneName;
 }
 
 void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
-  std::map<RegionKind, std::vector<WireRegion>> by_kind;
+  std::map<std::string, std::vector<WireRegion>> by_plane;
   for (const WireRegion& r : regions) {
-    region_kinds_[r.id] = r.kind;
-    by_kind[r.kind].push_back(r);
+    region_planes_[r.id] = r.plane;
+    by_plane[r.plane].push_back(r);
   }
-  for (auto& [kind, named] : by_kind) {
-    auto it = planes_.find(kind);
+  for (auto& [name, named] : by_plane) {
+    auto it = planes_.find(name);
     if (it == planes_.end()) continue;  // no plane for it: its grants go by tcp
     RegionPlane& plane = *it->second;
     const bool was_usable = plane.usable();
@@ -406,10 +401,10 @@ void TcpSender::MapRegions(const std::vector<WireRegion>& regions) {
 }
 
 Status TcpSender::PlaneRequired(const WireDecision& d, const RegionPlane* plane) const {
-  RegionKind required = RegionKind::kUnknown;
+  std::string required;
   std::string what;
   if (options_.transport == TransportKind::kShm) {
-    required = RegionKind::kShm;
+    required = kShmPlaneName;
     what =
         "granted no shared-memory range (another host, no landing segment, or the chunk "
         "does not fit in it)";
@@ -421,14 +416,14 @@ Status TcpSender::PlaneRequired(const WireDecision& d, const RegionPlane* plane)
                                        "not joined the link (its landing is host memory)")
                          : "lost the link (" + link_->error().ToString() + ")"));
   } else if (options_.transport == TransportKind::kCudaIpc && d.in_place) {
-    required = RegionKind::kDevice;
+    required = kCudaIpcPlaneName;
     what =
         "landed a chunk in place outside a device region (its landing is host memory, or "
         "another host)";
   } else {
     return Status::Ok();
   }
-  if (plane != nullptr && plane->kind() == required) return Status::Ok();
+  if (plane != nullptr && plane->name() == required) return Status::Ok();
   const RegionPlane& wanted = *planes_.at(required);
   return FailedPrecondition(
       std::string("kvbus ") + wanted.name() + ": receiver " + endpoint_ + " " +

@@ -190,12 +190,12 @@ class TcpSender final : public Sender {
   TransportClock::time_point last_heard_;
   TransportClock::time_point last_ping_;
   uint64_t ping_seq_ = 0;
-  // The region planes (data_plane.h), by the kind of region each maps,
-  // and the kind of each region the receiver named. A plane is not usable
-  // once a region of its kind cannot be mapped (auto falls back to tcp).
-  std::map<RegionKind, std::unique_ptr<RegionPlane>> planes_;
-  std::map<uint32_t, RegionKind> region_kinds_;
-  // The plane of `region`'s kind, if it has mapped it; null: none (tcp).
+  // The region planes (kdn/kvbus/region_plane.h), by name, and the plane
+  // each region the receiver named is written by. A plane is not usable
+  // once a region of its cannot be mapped (auto falls back to tcp).
+  std::map<std::string, std::unique_ptr<RegionPlane>> planes_;
+  std::map<uint32_t, std::string> region_planes_;
+  // The plane of `region`, if it has mapped it; null: none (tcp).
   RegionPlane* MappedPlane(uint32_t region);
   // The nccl plane (kNccl only): a link named in every offer while up.
   std::unique_ptr<LinkPlane> link_;
@@ -314,8 +314,8 @@ class TcpReceiver final : public Receiver {
   // landing site's region (none without a site).
   std::unique_ptr<ShmLanding> shm_;
   std::unique_ptr<RegionLanding> in_place_;
-  // The region kinds each peer on this host can write itself (its offers' planes).
-  std::unordered_map<std::string, std::vector<RegionKind>> peer_planes_;
+  // The region planes each peer on this host can write with (its offers').
+  std::unordered_map<std::string, std::vector<std::string>> peer_planes_;
   // The nccl plane's receiving halves: the link each peer's offers named,
   // joined as rank 1 through the landing region's backend, and the id of
   // each peer's last link that failed (not joined again: the sender names
@@ -334,8 +334,8 @@ class TcpReceiver final : public Receiver {
   DeviceLink* PeerLinkOf(const std::string& peer);
   // Ends `peer`'s link, never to be joined again; its id ("" if none).
   std::string DropLink(const std::string& peer);
-  // Whether `peer` on this host can write regions of `kind` itself.
-  bool PeerWrites(const std::string& peer, RegionKind kind) const;
+  // Whether `peer` on this host can write regions of plane `plane` itself.
+  bool PeerWrites(const std::string& peer, const std::string& plane) const;
 };
 
 }  // namespace kdn::kvbus

@@ -31,16 +31,6 @@ pb::TransportCode CodeToWire(StatusCode code) {
   return pb::TRANSPORT_CODE_INTERNAL;
 }
 
-// A region kind this build has no plane for is kept as unknown: the sender
-// leaves such regions unmapped and its grants into them go by tcp.
-RegionKind FromWire(int kind) {
-  switch (kind) {
-    case pb::REGION_KIND_SHM: return RegionKind::kShm;
-    case pb::REGION_KIND_DEVICE: return RegionKind::kDevice;
-    default: return RegionKind::kUnknown;
-  }
-}
-
 // Proto3 enums are open: a code this build does not know is INTERNAL.
 StatusCode CodeFromWire(int code) {
   switch (code) {
@@ -80,7 +70,7 @@ void Fill(const WireOffer& m, pb::TransportFrame& f) {
   pb::Offer* o = f.mutable_offer();
   o->set_batch(m.batch);
   o->set_host_id(m.host_id);
-  for (const RegionKind k : m.planes) o->add_planes(static_cast<pb::RegionKind>(k));
+  for (const std::string& p : m.planes) o->add_planes(p);
   if (!m.link.empty()) o->set_link(m.link);
   o->mutable_entries()->Reserve(static_cast<int>(m.entries.size()));
   for (const WireOfferEntry& e : m.entries) {
@@ -121,7 +111,7 @@ void Fill(const WireDecisions& m, pb::TransportFrame& f) {
   for (const WireRegion& r : m.regions) {
     pb::RegionInfo* pr = d->add_regions();
     pr->set_id(r.id);
-    pr->set_kind(static_cast<pb::RegionKind>(r.kind));
+    pr->set_plane(r.plane);
     pr->set_bytes(r.bytes);
     pr->set_handle(r.handle);
   }
@@ -171,7 +161,7 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
       m.batch = f.offer().batch();
       m.host_id = f.offer().host_id();
       m.link = f.offer().link();
-      for (const int k : f.offer().planes()) m.planes.push_back(FromWire(k));
+      for (const std::string& p : f.offer().planes()) m.planes.push_back(p);
       m.entries.reserve(f.offer().entries_size());
       for (const pb::OfferEntry& e : f.offer().entries()) {
         m.entries.push_back(WireOfferEntry{KeyOf(e), e.bytes()});
@@ -209,9 +199,10 @@ Result<WireMessage> FromProto(const pb::TransportFrame& f) {
         m.decisions.push_back(std::move(w));
       }
       for (const pb::RegionInfo& r : f.decisions().regions()) {
-        // A kind this version has no plane for is kept, as unknown: the
-        // sender maps no such region and sends its grants by tcp.
-        m.regions.push_back(WireRegion{r.id(), r.bytes(), r.handle(), FromWire(r.kind())});
+        // A plane this sender has none of (a newer build's, or one not
+        // registered here) is kept by name: the sender maps no such region
+        // and sends its grants by tcp.
+        m.regions.push_back(WireRegion{r.id(), r.bytes(), r.handle(), r.plane()});
       }
       return WireMessage(std::move(m));
     }

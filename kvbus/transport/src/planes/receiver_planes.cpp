@@ -19,7 +19,7 @@ Result<std::unique_ptr<ShmLanding>> ShmLanding::Create(uint64_t bytes) {
 }
 
 WireRegion ShmLanding::Descriptor() const {
-  return WireRegion{region_, segment_->bytes(), segment_->handle(), RegionKind::kShm};
+  return WireRegion{region_, segment_->bytes(), segment_->handle(), kShmPlaneName};
 }
 
 void ShmLanding::Free(uint64_t offset, uint64_t bytes,

@@ -20,11 +20,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <zmq.hpp>
 
 #include "kdn/common/status.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/device_ops.h"
+#include "kdn/kvbus/region_plane.h"
 #include "kdn/kvbus/transport.h"
 #include "kdn/kvbus/shared_segment.h"
 #include "kdn/kvbus/wire.h"
@@ -67,15 +69,17 @@ class ShmLanding {
 
 class RegionLanding {
  public:
-  // `memory` is the site's region, written by senders' plane of `kind`;
-  // `region` its id in grants. Both borrowed (ReceiverOptions).
-  RegionLanding(const DeviceMemory& memory, RegionKind kind, uint32_t region)
-      : memory_(memory), kind_(kind), region_(region) {}
+  // `memory` is the site's region, of memory of `kind`, written by
+  // senders' plane named `plane`; `region` its id in grants. `memory` is
+  // borrowed (ReceiverOptions).
+  RegionLanding(const DeviceMemory& memory, RegionKind kind, std::string plane, uint32_t region)
+      : memory_(memory), kind_(kind), plane_(std::move(plane)), region_(region) {}
 
   uint32_t region() const { return region_; }
   RegionKind kind() const { return kind_; }
+  const std::string& plane() const { return plane_; }
   WireRegion Descriptor() const {
-    return WireRegion{region_, memory_.bytes(), memory_.handle(), kind_};
+    return WireRegion{region_, memory_.bytes(), memory_.handle(), plane_};
   }
 
   // OK when `claim`'s extents lie inside the region and hold exactly
@@ -101,6 +105,7 @@ class RegionLanding {
  private:
   const DeviceMemory& memory_;
   const RegionKind kind_;
+  const std::string plane_;
   const uint32_t region_;
 };
 

@@ -1,12 +1,95 @@
-// A kvbus sender's region planes (data_plane.h): the receiver's regions
-// opened through a DeviceOps backend, and chunks written into them.
+// A kvbus sender's region planes (kdn/kvbus/region_plane.h): the receiver's
+// regions opened through a DeviceOps backend, chunks written into them, and
+// the registry of planes by name.
 
 #include <algorithm>
 #include <utility>
 
-#include "data_plane.h"
+#include "kdn/common/mutex.h"
+#include "planes/data_plane.h"
 
 namespace kdn::kvbus {
+
+namespace {
+
+struct Registry {
+  Mutex mu;
+  std::map<std::string, RegionPlaneFactory> factories KDN_GUARDED_BY(mu);
+};
+
+// The registry, with the built-in planes.
+Registry& Planes() {
+  static Registry* r = [] {
+    auto* reg = new Registry;
+    MutexLock lock(reg->mu);
+    reg->factories[kShmPlaneName] = [](const SenderOptions&) -> std::unique_ptr<RegionPlane> {
+      return std::make_unique<MemoryPlane>(kShmPlaneName, RegionKind::kShm, HostDeviceOps());
+    };
+    // A kNccl sender's device plane is its link: it maps no device region.
+    reg->factories[kCudaIpcPlaneName] = [](const SenderOptions& o) -> std::unique_ptr<RegionPlane> {
+      if (o.device_ops == nullptr || o.transport == TransportKind::kNccl) return nullptr;
+      return std::make_unique<MemoryPlane>(kCudaIpcPlaneName, RegionKind::kDevice, *o.device_ops);
+    };
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+const char* DefaultPlaneOf(RegionKind kind) {
+  switch (kind) {
+    case RegionKind::kShm: return kShmPlaneName;
+    case RegionKind::kDevice: return kCudaIpcPlaneName;
+    case RegionKind::kUnknown: break;
+  }
+  return "";
+}
+
+Status RegisterRegionPlane(const std::string& name, RegionPlaneFactory factory) {
+  if (name.empty() || name == "tcp" || name == kLinkPlaneName || !factory) {
+    return InvalidArgument(
+        "kvbus: a region plane needs a name other than tcp and nccl, and a "
+        "factory ('" +
+        name + "')");
+  }
+  Registry& r = Planes();
+  MutexLock lock(r.mu);
+  if (!r.factories.emplace(name, std::move(factory)).second) {
+    return FailedPrecondition("kvbus: a region plane named '" + name + "' is registered already");
+  }
+  return Status::Ok();
+}
+
+std::vector<std::string> RegionPlaneNames() {
+  Registry& r = Planes();
+  MutexLock lock(r.mu);
+  std::vector<std::string> names;
+  for (const auto& [name, factory] : r.factories) names.push_back(name);
+  return names;
+}
+
+Status CheckRegionPlane(const std::string& name) {
+  const std::vector<std::string> names = RegionPlaneNames();
+  if (std::find(names.begin(), names.end(), name) != names.end()) return Status::Ok();
+  std::string known;
+  for (const std::string& n : names) known += (known.empty() ? "" : ", ") + n;
+  return InvalidArgument("kvbus: no region plane named '" + name + "' (registered: " + known + ")");
+}
+
+std::map<std::string, std::unique_ptr<RegionPlane>> MakeRegionPlanes(const SenderOptions& options) {
+  std::vector<std::pair<std::string, RegionPlaneFactory>> factories;
+  {
+    Registry& r = Planes();
+    MutexLock lock(r.mu);
+    factories.assign(r.factories.begin(), r.factories.end());
+  }
+  std::map<std::string, std::unique_ptr<RegionPlane>> planes;
+  for (const auto& [name, make] : factories) {
+    if (std::unique_ptr<RegionPlane> p = make(options)) planes.emplace(name, std::move(p));
+  }
+  return planes;
+}
 
 void MemoryPlane::Map(const std::vector<WireRegion>& regions) {
   for (const WireRegion& r : regions) {

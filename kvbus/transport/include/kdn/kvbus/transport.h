@@ -274,6 +274,10 @@ struct ReceiverOptions {
   LandingSite* landing = nullptr;
   const DeviceMemory* landing_region = nullptr;
   RegionKind landing_kind = RegionKind::kShm;
+  // The region plane senders write the landing region with, by name
+  // (kdn/kvbus/region_plane.h); empty: landing_kind's ("shm" or
+  // "cuda_ipc"). One not registered is refused (INVALID_ARGUMENT, naming it).
+  std::string landing_plane;
   // Whether senders on this host may write the landing region themselves;
   // false: claimed chunks all come by tcp and the receiver puts them in
   // place (a decode worker started with --kv-transport tcp).

@@ -32,9 +32,10 @@ struct WireOfferEntry {
 struct WireOffer {
   uint64_t batch = 0;
   std::vector<WireOfferEntry> entries;
-  // The kinds of region the sender can write itself (its region planes),
-  // when the receiver runs on the host host_id names.
-  std::vector<RegionKind> planes;
+  // The region planes the sender can write with (their names,
+  // kdn/kvbus/region_plane.h), when the receiver runs on the host host_id
+  // names.
+  std::vector<std::string> planes;
   std::string host_id;
   std::string link;  // the id of a link the sender joined as rank 0 ("": none)
 };
@@ -56,7 +57,7 @@ struct WireRegion {
   uint32_t id = 0;
   uint64_t bytes = 0;
   std::string handle;
-  RegionKind kind = RegionKind::kShm;
+  std::string plane = "shm";  // the region plane that writes it (kdn/kvbus/region_plane.h)
 };
 struct WireDecisions {
   uint64_t batch = 0;
