@@ -419,6 +419,8 @@ void Decoder::Begin(uint64_t id, int32_t first_token, DecoderOutput* out) {
   SliceLanding::Settled settled;
   if (options_.landing != nullptr) settled = options_.landing->Forget(id);
   Status st = PlacePushedSlices(p, settled.landed);
+  // Failed partway: the slices it did not take are named for it alone.
+  if (!st.ok()) DropOwnSlices(p);
   if (st.ok()) {
     LogInfo(
         "{} start: first token {}, {} prompt tokens held, KV of {} pushed by the prefill worker "

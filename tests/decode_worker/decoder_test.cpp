@@ -476,6 +476,25 @@ TEST(Decoder, StartFailsCleanlyWhenTheSlicesNeverArrived) {
   EXPECT_FALSE(rig.decoder->Busy());
 }
 
+TEST(Decoder, AStartThatFailsPartwayLeavesNoneOfItsSlicesStaged) {
+  Rig rig;
+  Transcript t;
+  const DecodeRequest r = Request(RandomTokens(kChunk + 4, 256, 5), 4);
+  const uint64_t id = PrepareAndLoad(rig, r, t);
+  // Every slice but the first arrives: a chunk and a tail, two layers.
+  int pushed = 0;
+  const int32_t first = PushSlices(rig, r, 0, [&](std::shared_ptr<const kvbus::Chunk> slice) {
+    if (++pushed > 1) {
+      EXPECT_TRUE(rig.staging.Put(std::move(slice)).ok());
+    }
+  });
+  ASSERT_EQ(rig.staging.Stats().chunks, 3u);
+  Start(rig, id, first, t);
+  EXPECT_EQ(t.error[id].code(), StatusCode::kUnavailable) << t.error[id].ToString();
+  EXPECT_EQ(rig.staging.Stats().chunks, 0u) << "named for it alone: nobody else takes them";
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+}
+
 TEST(Decoder, AFirstTokenTheRouterSentIsNotSentAgain) {
   Rig rig;
   Transcript t;

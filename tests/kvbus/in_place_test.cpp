@@ -242,6 +242,8 @@ TEST(PlaneRegistry, AnUnknownNameIsRefusedByNameAndATakenOneCannotBeRegistered) 
       << refused.status().ToString();
   EXPECT_NE(refused.status().message().find("shm"), std::string::npos)
       << "names the registered planes: " << refused.status().ToString();
+  ro.landing_plane = kCudaIpcPlaneName;  // host memory, which cuda_ipc does not write
+  EXPECT_EQ(Listen("tcp://127.0.0.1:0", sink, ro).status().code(), StatusCode::kInvalidArgument);
   const RegionPlaneFactory none = [](const SenderOptions&) { return nullptr; };
   EXPECT_EQ(RegisterRegionPlane("shm", none).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(RegisterRegionPlane("tcp", none).code(), StatusCode::kInvalidArgument);

@@ -103,6 +103,14 @@ Result<std::unique_ptr<Receiver>> TcpReceiver::Start(const std::string& endpoint
                                   ? std::string(DefaultPlaneOf(options.landing_kind))
                                   : options.landing_plane;
     KDN_RETURN_IF_ERROR(CheckRegionPlane(plane));
+    // A device region is written by cuda_ipc (or received over an nccl
+    // link), which senders know it by; host memory by any other plane.
+    if ((options.landing_kind == RegionKind::kDevice) != (plane == kCudaIpcPlaneName)) {
+      return InvalidArgument("kvbus receiver: a landing region of " +
+                             std::string(RegionKindName(options.landing_kind)) +
+                             " memory cannot be written by plane '" + plane +
+                             "' (device memory: cuda_ipc; host memory: any other)");
+    }
     r->in_place_ =
         std::make_unique<RegionLanding>(*options.landing_region, options.landing_kind, plane, id);
   }

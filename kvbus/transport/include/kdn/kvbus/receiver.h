@@ -71,7 +71,8 @@ struct ReceiverOptions {
   RegionKind landing_kind = RegionKind::kShm;
   // The region plane senders write the landing region with, by name
   // (kdn/kvbus/region_plane.h); empty: landing_kind's ("shm" or
-  // "cuda_ipc"). One not registered is refused (INVALID_ARGUMENT, naming it).
+  // "cuda_ipc"). One not registered is refused (INVALID_ARGUMENT, naming it),
+  // as are cuda_ipc for host memory and any other for device memory.
   std::string landing_plane;
   // Whether senders on this host may write the landing region themselves;
   // false: claimed chunks all come by tcp and the receiver puts them in

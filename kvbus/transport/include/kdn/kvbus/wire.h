@@ -21,7 +21,9 @@
 
 namespace kdn::kvbus {
 
-inline constexpr uint32_t kTransportWireVersion = 1;
+// 2: regions and offers name their planes (RegionInfo.plane, Offer.planes
+// as strings), where version 1 carried a RegionKind enum.
+inline constexpr uint32_t kTransportWireVersion = 2;
 // A sender splits its offers at this many entries; a receiver drops larger ones.
 inline constexpr size_t kMaxOfferEntries = 16384;
 
