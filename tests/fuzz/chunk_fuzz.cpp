@@ -25,6 +25,7 @@
 #include "kdn/kvbus/chunk.h"
 
 using namespace kdn::kvbus;
+using kdn::DType;
 using kdn::fuzz::Check;
 
 namespace {

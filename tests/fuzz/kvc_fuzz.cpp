@@ -19,6 +19,7 @@
 #include "kdn/kvbus/codec.h"
 
 using namespace kdn::kvbus;
+using kdn::DType;
 
 namespace {
 
