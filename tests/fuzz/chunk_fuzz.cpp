@@ -6,12 +6,12 @@
 // mutated headers get past the checksums to the field checks (as a forged
 // chunk would); the rest is the chunk. Parse must not crash or hit undefined
 // behaviour, refuse with CORRUPTION (or UNIMPLEMENTED, only for a header whose
-// format version or codec this build does not know), and a chunk it accepts
-// must be what it
-// says: the header, a pruned chunk's kept positions (one per token, ascending,
-// inside its logical length), then a payload of the size its shape implies
-// (raw) or its stream (encoded); built again from its info and payload it
-// must give the same fields, kept positions and payload.
+// format version, codec, flags or version 4 dtype this build does not know),
+// and a chunk it accepts must be what it says: the header, a pruned chunk's
+// kept positions (one per token, ascending, inside its logical length), then
+// a payload of the size its shape implies (raw) or its stream (encoded);
+// built again from its info and payload it must give the same fields, kept
+// positions and payload.
 //
 // Built with clang's -fsanitize=fuzzer,address,undefined (tests/fuzz); the
 // test `chunk_fuzz` (label fuzz) runs it over tests/fuzz/corpus/chunk.
@@ -31,8 +31,8 @@ using kdn::fuzz::Check;
 namespace {
 
 // Header offsets (docs/kvbus.md, "KV chunk object").
-constexpr size_t kOffVersion = 8, kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88,
-                 kOffReserved = 104, kOffHeaderSum = 120;
+constexpr size_t kOffVersion = 8, kOffDType = 12, kOffPayloadBytes = 72, kOffPayloadSum = 80,
+                 kOffCodec = 88, kOffLogical = 104, kOffFlags = 112, kOffHeaderSum = 120;
 
 uint32_t Get32(const uint8_t* p) {
   uint32_t v;
@@ -46,10 +46,13 @@ void Put64(uint8_t* p, uint64_t v) {
 
 // Whether `c` has the bytes of `bytes` up to header offset `fields` (the
 // fields its kind of chunk has: a raw chunk's codec fields and the reserved
-// bytes are zero when written and ignored when read) and from the payload on.
+// bytes are zero when written and ignored when read), but for the version
+// (a chunk of versions 1-3 is written again as version 4), and from the
+// payload on.
 bool SameChunk(const Chunk& c, const std::vector<uint8_t>& bytes, size_t fields) {
   const uint8_t* b = c.bytes().data();
-  return c.size() == bytes.size() && std::memcmp(b, bytes.data(), fields) == 0 &&
+  return c.size() == bytes.size() && std::memcmp(b, bytes.data(), kOffVersion) == 0 &&
+         std::memcmp(b + kOffDType, bytes.data() + kOffDType, fields - kOffDType) == 0 &&
          std::memcmp(b + Chunk::kHeaderBytes, bytes.data() + Chunk::kHeaderBytes,
                      bytes.size() - Chunk::kHeaderBytes) == 0;
 }
@@ -115,12 +118,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto chunk = Chunk::Parse(std::move(bytes));
   if (!chunk.ok()) {
     if (chunk.status().code() == kdn::StatusCode::kUnimplemented) {
+      Check(copy.size() >= Chunk::kHeaderBytes, "UNIMPLEMENTED only for a whole header");
       const uint32_t version = Get32(copy.data() + kOffVersion);
       const uint32_t codec = Get32(copy.data() + kOffCodec);
-      Check(copy.size() >= Chunk::kHeaderBytes &&
-                (version < 1 || version > 3 ||
-                 (codec != 0 && codec != static_cast<uint32_t>(KvCodec::kKvc))),
-            "UNIMPLEMENTED is only for an unknown format version or codec");
+      const uint32_t flags = Get32(copy.data() + kOffFlags);
+      const bool v4_unknown =
+          version == 4 && ((flags & ~3u) != 0 || flags == 3 ||
+                           !kdn::DTypeFromValue(Get32(copy.data() + kOffDType)));
+      Check(version < 1 || version > 4 || v4_unknown ||
+                (codec != 0 && codec != static_cast<uint32_t>(KvCodec::kKvc)),
+            "UNIMPLEMENTED is only for an unknown format version, codec, flags or dtype");
       return 0;
     }
     Check(chunk.status().code() == kdn::StatusCode::kCorruption, "a refusal is CORRUPTION");
@@ -152,7 +159,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     room.insert(room.end(), c.payload().begin(), c.payload().end());
     auto again = Chunk::FromEncoded(info, std::move(room));
     Check(again.ok(), "a parsed encoded chunk builds again");
-    Check(SameChunk(**again, copy, kOffReserved), "and gives the same chunk");
+    Check(SameChunk(**again, copy, kOffLogical), "and gives the same chunk");
   }
   return 0;
 }

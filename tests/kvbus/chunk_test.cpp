@@ -9,9 +9,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <span>
 #include <string>
 #include <vector>
+
+#include "kdn/kvbus/codec.h"
 
 namespace kdn::kvbus {
 namespace {
@@ -47,6 +51,16 @@ std::vector<uint8_t> GoldenPayload() {
 }
 // Computed from the spec with Python's struct and xxhash, not from chunk.cpp.
 const char* const kGoldenHeaderHex =
+    "4b444e4348554e4b0400000002000000"   //   0: "KDNCHUNK", version 4, dtype 2 (bf16)
+    "00112233445566778899aabbccddeeff"   //  16: key
+    "0123456789abcdeffedcba9876543210"   //  32: model fingerprint
+    "02000000010000000200000001000000"   //  48: layers, kv_heads, head_dim, tokens
+    "00010000000000001000000000000000"   //  64: position 256, payload_bytes 16
+    "db7017f6a6e355830000000000000000"   //  80: payload XXH3-64, codec, codec_level
+    "00000000000000000000000000000000"   //  96: raw_bytes, logical_tokens, kept_kind
+    "0000000000000000bcd9c6a5319e5f68";  // 112: flags, reserved, header XXH3-64 of [0, 120)
+// The same chunk as version 1, as kdn wrote it before version 4.
+const char* const kGoldenVersion1HeaderHex =
     "4b444e4348554e4b0100000002000000"   //   0: "KDNCHUNK", version 1, dtype 2 (bf16)
     "00112233445566778899aabbccddeeff"   //  16: key
     "0123456789abcdeffedcba9876543210"   //  32: model fingerprint
@@ -76,20 +90,27 @@ TEST(Chunk, HeaderBytesMatchTheSpecsGoldenChunk) {
   EXPECT_EQ(ToHex(c->bytes().first(Chunk::kHeaderBytes)), kGoldenHeaderHex);
   EXPECT_EQ(ToHex(c->payload()), "000102030405060708090a0b0c0d0e0f");
 
-  std::vector<uint8_t> golden = FromHex(kGoldenHeaderHex);
-  const auto payload = GoldenPayload();
-  golden.insert(golden.end(), payload.begin(), payload.end());
-  auto parsed = Chunk::Parse(golden);
-  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
-  const ChunkInfo& info = (*parsed)->info();
-  EXPECT_EQ(info.key, kKey);
-  EXPECT_EQ(info.model_fingerprint, kFingerprint);
-  EXPECT_EQ(info.layers, 2u);
-  EXPECT_EQ(info.kv_heads, 1u);
-  EXPECT_EQ(info.head_dim, 2u);
-  EXPECT_EQ(info.tokens, 1u);
-  EXPECT_EQ(info.dtype, DType::kBF16);
-  EXPECT_EQ(info.position, 256);
+  // Both the version 4 header and the version 1 one kdn wrote before parse
+  // to the golden chunk.
+  for (const char* header : {kGoldenHeaderHex, kGoldenVersion1HeaderHex}) {
+    std::vector<uint8_t> golden = FromHex(header);
+    const auto payload = GoldenPayload();
+    golden.insert(golden.end(), payload.begin(), payload.end());
+    auto parsed = Chunk::Parse(golden);
+    ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+    const ChunkInfo& info = (*parsed)->info();
+    EXPECT_EQ(info.key, kKey);
+    EXPECT_EQ(info.model_fingerprint, kFingerprint);
+    EXPECT_EQ(info.layers, 2u);
+    EXPECT_EQ(info.kv_heads, 1u);
+    EXPECT_EQ(info.head_dim, 2u);
+    EXPECT_EQ(info.tokens, 1u);
+    EXPECT_EQ(info.dtype, DType::kBF16);
+    EXPECT_EQ(info.position, 256);
+    EXPECT_FALSE(info.pruned());
+    EXPECT_EQ(info.codec, KvCodec::kRaw);
+    EXPECT_EQ(ToHex((*parsed)->payload()), "000102030405060708090a0b0c0d0e0f");
+  }
 }
 
 TEST(Chunk, MakeThenParseRoundTrips) {
@@ -167,18 +188,37 @@ TEST(Chunk, ParseChecksFieldsEvenUnderAValidHeaderChecksum) {
     Reseal(b);
     return Chunk::Parse(std::move(b)).status();
   };
-  EXPECT_EQ(edited(8, 2).code(), StatusCode::kCorruption);    // encoded, with no codec
-  EXPECT_EQ(edited(12, 3).code(), StatusCode::kCorruption);   // unknown dtype
+  EXPECT_EQ(edited(8, 2).code(), StatusCode::kCorruption);    // version 2: encoded, no codec
   EXPECT_EQ(edited(12, 0).code(), StatusCode::kCorruption);   // f32: shape implies 32 bytes
   EXPECT_EQ(edited(60, 2).code(), StatusCode::kCorruption);   // 2 tokens
   EXPECT_EQ(edited(72, 17).code(), StatusCode::kCorruption);  // payload_bytes 17
-  EXPECT_EQ(edited(8, 3).code(), StatusCode::kCorruption);    // pruned, with no logical length
-  // A version or codec this kdn does not know (a newer writer's) is
-  // UNIMPLEMENTED, told from damage by its code.
-  const Status newer = edited(8, 4);
+  EXPECT_EQ(edited(8, 3).code(), StatusCode::kCorruption);    // version 3: no logical length
+  EXPECT_EQ(edited(112, 1).code(), StatusCode::kCorruption);  // flagged encoded, no codec
+  EXPECT_EQ(edited(112, 2).code(), StatusCode::kCorruption);  // flagged pruned, no logical length
+  EXPECT_EQ(edited(96, 1).code(), StatusCode::kCorruption);   // raw_bytes of a raw chunk
+  EXPECT_EQ(edited(108, 1).code(), StatusCode::kCorruption);  // kept_kind of an unpruned one
+  // A version, flag, codec or dtype this kdn does not know (a newer
+  // writer's) is UNIMPLEMENTED, told from damage by its code.
+  const Status newer = edited(8, 5);
   EXPECT_EQ(newer.code(), StatusCode::kUnimplemented);
-  EXPECT_NE(newer.message().find("format version 4"), std::string::npos) << newer.ToString();
+  EXPECT_NE(newer.message().find("format version 5"), std::string::npos) << newer.ToString();
   EXPECT_EQ(edited(88, 9).code(), StatusCode::kUnimplemented) << "codec 9";
+  EXPECT_EQ(edited(112, 4).code(), StatusCode::kUnimplemented) << "flag 4";
+  EXPECT_EQ(edited(112, 3).code(), StatusCode::kUnimplemented) << "encoded and pruned";
+  EXPECT_EQ(edited(12, 3).code(), StatusCode::kUnimplemented) << "dtype 3 in version 4";
+  // Versions 1-3 had three dtypes and no flags: anything else there is damage.
+  {
+    std::vector<uint8_t> v1 = FromHex(kGoldenVersion1HeaderHex);
+    const auto payload = GoldenPayload();
+    v1.insert(v1.end(), payload.begin(), payload.end());
+    for (auto [offset, value] : {std::pair<size_t, uint8_t>{12, 3}, {112, 1}, {112, 4}}) {
+      std::vector<uint8_t> b = v1;
+      b[offset] = value;
+      Reseal(b);
+      EXPECT_EQ(Chunk::Parse(std::move(b)).status().code(), StatusCode::kCorruption)
+          << "version 1, byte " << offset << " = " << int{value};
+    }
+  }
   // The reseal itself is right: an unchanged byte still parses.
   EXPECT_TRUE(edited(0, 'K').ok());
 }
@@ -191,12 +231,13 @@ ChunkInfo PrunedInfo() {
   return info;
 }
 
-TEST(Chunk, APrunedChunkIsVersion3AndKeepsItsPositionsAndLogicalLength) {
+TEST(Chunk, APrunedChunkIsFlaggedPrunedAndKeepsItsPositionsAndLogicalLength) {
   std::vector<uint8_t> kv(PrunedInfo().payload_bytes());
   for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<uint8_t>(3 * i);
   auto c = MakeOrDie(PrunedInfo(), kv);
   ASSERT_NE(c, nullptr);
-  EXPECT_EQ(c->bytes()[8], 3);  // format version
+  EXPECT_EQ(c->bytes()[8], 4);    // format version
+  EXPECT_EQ(c->bytes()[112], 2);  // flags: pruned
   EXPECT_EQ(c->size(), Chunk::kHeaderBytes + 3 * 4 + kv.size());
   EXPECT_TRUE(std::equal(c->payload().begin(), c->payload().end(), kv.begin(), kv.end()));
   auto back = Chunk::Parse(std::vector<uint8_t>(c->bytes().begin(), c->bytes().end()));
@@ -236,6 +277,82 @@ TEST(Chunk, MakeRefusesKeptPositionsThatDoNotFit) {
   info = GoldenInfo();
   info.kept = {0};  // positions without a logical length
   EXPECT_EQ(Chunk::Make(info, GoldenPayload()).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Chunks of versions 1-3 as kdn wrote them before version 4 (written once,
+// by kdn at 19e6924; tests/kvbus/golden/README.md): each reads back to the
+// info and KV it was written from.
+std::vector<uint8_t> ReadGolden(const std::string& name) {
+  std::ifstream in(std::string(KDN_GOLDEN_DIR) + "/" + name, std::ios::binary);
+  EXPECT_TRUE(in.good()) << name;
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+// The bytes the writer filled the KV with.
+std::vector<uint8_t> CountingBytes(size_t n) {
+  std::vector<uint8_t> b(n);
+  for (size_t i = 0; i < n; ++i) b[i] = static_cast<uint8_t>(i * 29 + 7);
+  return b;
+}
+
+void ExpectInfo(const ChunkInfo& got, const ChunkInfo& want) {
+  EXPECT_EQ(got.key, want.key);
+  EXPECT_EQ(got.model_fingerprint, want.model_fingerprint);
+  EXPECT_EQ(got.layers, want.layers);
+  EXPECT_EQ(got.kv_heads, want.kv_heads);
+  EXPECT_EQ(got.head_dim, want.head_dim);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.dtype, want.dtype);
+  EXPECT_EQ(got.position, want.position);
+  EXPECT_EQ(got.codec, want.codec);
+  EXPECT_EQ(got.codec_level, want.codec_level);
+  EXPECT_EQ(got.logical_tokens, want.logical_tokens);
+  EXPECT_EQ(got.kept, want.kept);
+}
+
+TEST(ChunkGolden, Version1RawF16ReadsBack) {
+  const std::vector<uint8_t> bytes = ReadGolden("chunk-v1-raw-f16.bin");
+  ASSERT_EQ(bytes.size(), 320u);
+  ASSERT_EQ(bytes[8], 1);
+  auto c = Chunk::Parse(bytes);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const ChunkInfo want{kKey, kFingerprint, 2, 2, 4, 3, DType::kF16, 32};
+  ExpectInfo((*c)->info(), want);
+  const auto kv = CountingBytes(want.payload_bytes());
+  EXPECT_TRUE(std::ranges::equal((*c)->payload(), kv));
+  // Written again today it differs only in its version, flags and checksum.
+  auto again = MakeOrDie(want, kv);
+  ASSERT_NE(again, nullptr);
+  EXPECT_TRUE(std::ranges::equal(again->payload(), (*c)->payload()));
+}
+
+TEST(ChunkGolden, Version2LosslessKvcF32DecodesBack) {
+  const std::vector<uint8_t> bytes = ReadGolden("chunk-v2-kvc-lossless-f32.bin");
+  ASSERT_EQ(bytes.size(), 2060u);
+  ASSERT_EQ(bytes[8], 2);
+  auto c = Chunk::Parse(bytes);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ChunkInfo want{kKey, kFingerprint, 3, 2, 8, 5, DType::kF32, 256};
+  want.codec = KvCodec::kKvc;
+  ExpectInfo((*c)->info(), want);
+  auto raw = DecodeChunk(*c);
+  ASSERT_TRUE(raw.ok()) << raw.status().ToString();
+  std::vector<float> kv(want.payload_bytes() / 4);
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<float>(int((i * 37) % 101) - 50) / 16;
+  ASSERT_EQ((*raw)->payload().size(), kv.size() * 4);
+  EXPECT_EQ(std::memcmp((*raw)->payload().data(), kv.data(), kv.size() * 4), 0);
+}
+
+TEST(ChunkGolden, Version3PrunedBf16ReadsBack) {
+  const std::vector<uint8_t> bytes = ReadGolden("chunk-v3-pruned-bf16.bin");
+  ASSERT_EQ(bytes.size(), 236u);
+  ASSERT_EQ(bytes[8], 3);
+  auto c = Chunk::Parse(bytes);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ChunkInfo want{kKey, kFingerprint, 2, 1, 4, 3, DType::kBF16, 64};
+  want.logical_tokens = 10;
+  want.kept = {0, 4, 9};
+  ExpectInfo((*c)->info(), want);
+  EXPECT_TRUE(std::ranges::equal((*c)->payload(), CountingBytes(want.payload_bytes())));
 }
 
 }  // namespace

@@ -273,8 +273,8 @@ TEST(CodecTest, RawLevelAndRawChunksPassThrough) {
   EXPECT_EQ(*DecodeChunk(raw), raw);
   auto enc = *EncodeChunk(raw, Level("q4"));
   EXPECT_EQ(*EncodeChunk(enc, Level("lossless")), enc);  // already encoded
-  EXPECT_EQ(raw->bytes()[8], 1);                         // a raw chunk is still version 1
-  EXPECT_EQ(enc->bytes()[8], 2);
+  EXPECT_EQ(raw->bytes()[112], 0);                       // flags: a raw chunk is not marked encoded
+  EXPECT_EQ(enc->bytes()[112], 1);                       // flags: encoded
 }
 
 TEST(CodecTest, DamagedStreamsFailOrDecodeToTheRightSizeNeverCrash) {

@@ -16,9 +16,13 @@ constexpr char kMagic[8] = {'K', 'D', 'N', 'C', 'H', 'U', 'N', 'K'};
 constexpr size_t kOffVersion = 8, kOffDType = 12, kOffKey = 16, kOffModel = 32, kOffLayers = 48,
                  kOffKvHeads = 52, kOffHeadDim = 56, kOffTokens = 60, kOffPosition = 64,
                  kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88, kOffCodecLevel = 92,
-                 kOffRawBytes = 96, kOffLogical = 104, kOffKeptKind = 108, kOffHeaderSum = 120;
+                 kOffRawBytes = 96, kOffLogical = 104, kOffKeptKind = 108, kOffFlags = 112,
+                 kOffHeaderSum = 120;
 // How a pruned chunk's kept positions are stored: one u32 offset per token.
 constexpr uint32_t kKeptOffsets = 1;
+// Version 4's flags: which optional parts the chunk has.
+constexpr uint32_t kFlagEncoded = 1u << 0, kFlagPruned = 1u << 1;
+constexpr uint32_t kKnownFlags = kFlagEncoded | kFlagPruned;
 
 void Put32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -84,9 +88,8 @@ void Chunk::SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t paylo
   std::memset(h, 0, kHeaderBytes);
   std::memcpy(h, kMagic, 8);
   const bool encoded = info.codec != KvCodec::kRaw;
-  Put32(h + kOffVersion, encoded         ? kEncodedChunkFormatVersion
-                         : info.pruned() ? kPrunedChunkFormatVersion
-                                         : kChunkFormatVersion);
+  Put32(h + kOffVersion, kChunkFormatVersion);
+  Put32(h + kOffFlags, (encoded ? kFlagEncoded : 0) | (info.pruned() ? kFlagPruned : 0));
   Put32(h + kOffDType, static_cast<uint32_t>(info.dtype));
   info.key.ToBytes(h + kOffKey);
   info.model_fingerprint.ToBytes(h + kOffModel);
@@ -180,13 +183,27 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
     return Corruption("chunk: header checksum mismatch");
   }
   const uint32_t version = Get32(h + kOffVersion);
-  // A whole header of a version or codec this build does not know is
-  // another kdn's chunk (UNIMPLEMENTED), not damage.
-  if (version != kChunkFormatVersion && version != kEncodedChunkFormatVersion &&
-      version != kPrunedChunkFormatVersion) {
+  // A whole header of a version, flag, codec or (from version 4) dtype this
+  // build does not know is another kdn's chunk (UNIMPLEMENTED), not damage.
+  if (version < kRawChunkFormatVersion || version > kChunkFormatVersion) {
     return Unimplemented("chunk: format version " + std::to_string(version) + ", this kdn reads " +
-                         std::to_string(kChunkFormatVersion) + " to " +
-                         std::to_string(kPrunedChunkFormatVersion));
+                         std::to_string(kRawChunkFormatVersion) + " to " +
+                         std::to_string(kChunkFormatVersion));
+  }
+  // Versions 1-3 name one variant each; version 4 carries flags instead.
+  const uint32_t flags = version == kChunkFormatVersion          ? Get32(h + kOffFlags)
+                         : version == kEncodedChunkFormatVersion ? kFlagEncoded
+                         : version == kPrunedChunkFormatVersion  ? kFlagPruned
+                                                                 : 0;
+  if ((flags & ~kKnownFlags) != 0) {
+    return Unimplemented("chunk: unknown flags " + std::to_string(flags & ~kKnownFlags) +
+                         " in a version " + std::to_string(version) + " chunk");
+  }
+  if (flags == (kFlagEncoded | kFlagPruned)) {
+    return Unimplemented("chunk: this kdn does not read chunks both encoded and pruned");
+  }
+  if (version != kChunkFormatVersion && Get32(h + kOffFlags) != 0) {
+    return Corruption("chunk: flags in a version " + std::to_string(version) + " chunk");
   }
   const uint32_t codec = Get32(h + kOffCodec);
   const auto kvc = static_cast<uint32_t>(KvCodec::kKvc);
@@ -194,12 +211,25 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
     return Unimplemented("chunk: unknown codec " + std::to_string(codec) + " in a version " +
                          std::to_string(version) + " chunk");
   }
-  if ((version == kEncodedChunkFormatVersion) != (codec == kvc)) {
-    return Corruption("chunk: codec " + std::to_string(codec) + " in a version " +
-                      std::to_string(version) + " chunk");
+  const bool encoded = (flags & kFlagEncoded) != 0, pruned = (flags & kFlagPruned) != 0;
+  // The fields of a part the chunk does not have are zero.
+  if ((!encoded && (Get32(h + kOffCodecLevel) != 0 || Get64(h + kOffRawBytes) != 0)) ||
+      (!pruned && (Get32(h + kOffLogical) != 0 || Get32(h + kOffKeptKind) != 0))) {
+    return Corruption("chunk: fields set for a part the version " + std::to_string(version) +
+                      " chunk does not have");
   }
-  const std::optional<DType> dtype = DTypeFromValue(Get32(h + kOffDType));
-  if (!dtype) return Corruption("chunk: unknown dtype " + std::to_string(Get32(h + kOffDType)));
+  if (encoded != (codec == kvc)) {
+    return Corruption("chunk: codec " + std::to_string(codec) + " in a version " +
+                      std::to_string(version) + " chunk " +
+                      (encoded ? "marked encoded" : "not marked encoded"));
+  }
+  const uint32_t dtype_value = Get32(h + kOffDType);
+  const std::optional<DType> dtype = DTypeFromValue(dtype_value);
+  if (!dtype) {
+    const std::string what = "chunk: unknown dtype " + std::to_string(dtype_value);
+    // Version 4 names any dtype; versions 1-3 were written with these three.
+    return version == kChunkFormatVersion ? Unimplemented(what) : Corruption(what);
+  }
   ChunkHeaderFields f;
   ChunkInfo& info = f.info;
   info.key = ChunkKey::FromBytes(h + kOffKey);
@@ -220,7 +250,7 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
       0x1p62) {
     return Corruption(what + ": impossible shape");
   }
-  if (version == kPrunedChunkFormatVersion) {
+  if (pruned) {
     info.logical_tokens = Get32(h + kOffLogical);
     if (Get32(h + kOffKeptKind) != kKeptOffsets || info.logical_tokens < info.tokens ||
         info.logical_tokens == 0) {

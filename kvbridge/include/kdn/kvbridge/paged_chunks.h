@@ -37,7 +37,7 @@ Result<std::shared_ptr<const kvbus::Chunk>> ChunkFromPagedKv(
 // The chunk of a pruned sequence (kdn/prune/prune.h's CompactKv of a text
 // computed from position 0, every layer and head keeping the same tokens):
 // its KV, standing for `logical` tokens of text, the token at offset kept[j]
-// in slot j (chunk format version 3). INVALID_ARGUMENT when `seq` is not
+// in slot j (a chunk flagged pruned). INVALID_ARGUMENT when `seq` is not
 // that: its length not kept.size(), its next position not `logical`.
 Result<std::shared_ptr<const kvbus::Chunk>> PrunedChunkFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, uint32_t logical,

@@ -26,14 +26,16 @@
 
 namespace kdn::kvbus {
 
-// Raw chunks are written as version 1 (readable by every kdn since the
-// format began); encoded ones as version 2 and pruned ones (raw, with the
-// positions of the tokens they kept) as version 3, which older readers
-// refuse. A reader refuses every version it does not know (CORRUPTION: a
-// miss).
-inline constexpr uint32_t kChunkFormatVersion = 1;
+// Chunks are written as version 4, whose header carries flags for the
+// optional parts (encoded, pruned) beside its dtype, so a new combination or
+// dtype needs no new version. Versions 1 (raw), 2 (encoded) and 3 (pruned),
+// one variant each, are what kdn wrote before; they are still read. A reader
+// refuses a version, flag, codec or version 4 dtype it does not know
+// (UNIMPLEMENTED: another kdn's chunk, a miss) and damage (CORRUPTION).
+inline constexpr uint32_t kRawChunkFormatVersion = 1;
 inline constexpr uint32_t kEncodedChunkFormatVersion = 2;
 inline constexpr uint32_t kPrunedChunkFormatVersion = 3;
+inline constexpr uint32_t kChunkFormatVersion = 4;
 
 // How a chunk's payload holds its KV: kRaw, the layout above; kKvc, kdn's KV
 // codec (kdn/kvbus/codec.h), at the level in ChunkInfo::codec_level.
