@@ -69,7 +69,7 @@
 #include "kdn/control/request_spec.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/model/gguf.h"
-#include "kdn/control/worker_flags.h"
+#include "kdn/worker/worker_flags.h"
 #include "kdn/engine/open_engine.h"
 
 int main(int argc, char** argv) {
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     sub->add_option("--seed", c.seed, "Seed of the generated weights")->capture_default_str();
     sub->add_option("--model", c.model_dir, "Model folder or .gguf file instead of a preset");
     sub->add_option("--threads", c.threads, "CPU threads (0 = all cores)")->capture_default_str();
-    kdn::control::AddWeightsDTypeOption(*sub, &c.weights_dtype);
+    kdn::worker::AddWeightsDTypeOption(*sub, &c.weights_dtype);
     sub->add_option("--reps", c.reps, "Timed repetitions (best is reported)")
         ->capture_default_str();
     sub->add_option("--json", c.json_path, "Also write the results as one JSON object");
@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
           ->add_option("--device", c.device,
                        "Instead of --url: the engine in this process, on cpu, cuda or cuda:N, "
                        "over a host-memory KDN tier (a preset is materialised on the GPU)")
-          ->check(kdn::control::CheckDeviceName)
+          ->check(kdn::worker::CheckDeviceName)
           ->excludes(mt_url);
   multiturn->add_option("--preset", c.preset, "With --device: generated model preset")
       ->capture_default_str()
@@ -362,7 +362,7 @@ int main(int argc, char** argv) {
   rag->add_option("--device", c.device,
                   "Where the engine runs: cpu, cuda or cuda:N (a preset is materialised on the "
                   "GPU, bf16)")
-      ->check(kdn::control::CheckDeviceName)
+      ->check(kdn::worker::CheckDeviceName)
       ->capture_default_str();
   rag->add_option("--docs", rb_docs, "Documents per prompt")
       ->capture_default_str()
@@ -402,7 +402,7 @@ int main(int argc, char** argv) {
       "the answer, TTFT, per selection and ratio");
   common(fidelity);
   fidelity->add_option("--device", c.device, "Where the engine runs: cpu, cuda or cuda:N")
-      ->check(kdn::control::CheckDeviceName)
+      ->check(kdn::worker::CheckDeviceName)
       ->capture_default_str();
   fidelity->add_option("--text-dir", bf.text_dir, "Folder of English text files (the documents)")
       ->capture_default_str();

@@ -2,48 +2,30 @@
 // paged KV cache; receives prompt KV from prefill workers over kvbus, streams
 // tokens to the router, and stores finished conversations' chunks in the KDN.
 // Prints its control endpoint on stdout once it serves.
-#include <cstdio>
+#include <chrono>
 #include <string>
 
-#include <CLI/CLI.hpp>
-
-#include "kdn/common/log_flags.h"
-#include "kdn/control/worker_flags.h"
-#include "kdn/control/stop_signal.h"
 #include "kdn/decode_worker/decode_service.h"
 #include "kdn/engine/cpu_runtime.h"
-#include "kdn/net/curve_flag.h"
-#include "proto_log.h"
+#include "kdn/worker/worker_main.h"
 
 int main(int argc, char** argv) {
   kdn::engine::PrepareCpuRuntime(argv);
+  using kdn::decode_worker::DecodeService;
   kdn::decode_worker::DecodeServiceOptions o;
-  double host_mib = 2048, staging_mib = 0;
-  CLI::App app{
-      "kdn-decode: a decode worker. Prints its control endpoint on stdout once it serves."};
-  kdn::LogFlags log_flags;
-  log_flags.Add(app);
-  app.add_option("--model", o.model_dir,
-                 "Model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
-      ->required();
-  app.add_option("--listen", o.listen, "Control endpoint to bind (port 0 picks a free one)")
-      ->capture_default_str();
+  kdn::worker::WorkerMain<kdn::decode_worker::DecodeServiceOptions> main_loop(
+      "decode", "kdn-decode: a decode worker.", o);
+  CLI::App& app = main_loop.app();
+  double staging_mib = 0;
   app.add_option("--kvbus-listen", o.kvbus_listen,
                  "kvbus endpoint prefill workers push KV to (port 0 picks a free one)")
       ->capture_default_str();
-  app.add_option("--host-mib", host_mib, "Own host-memory KDN tier in MiB")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
   app.add_option("--staging-mib", staging_mib,
                  "Host memory for KV that prefill workers pushed and no request has used yet, in "
                  "MiB; 0 sizes it from the model: the KV of --max-batch prompts as long as the KV "
                  "pool holds, at most the pool's KV (printed at start)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--chunk-tokens", o.chunk_tokens,
-                 "Tokens per KV chunk (the same in every process)")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
   app.add_option("--max-batch", o.max_batch, "Requests decoded together at most")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -84,50 +66,12 @@ int main(int argc, char** argv) {
       ->check([](const std::string& s) {
         return std::stod(s) > 0 ? std::string() : std::string("must be more than 0");
       });
-  kdn::control::EngineFlags engine_flags(o.engine.kv_tokens);
-  engine_flags.Add(app);
-  app.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
-  kdn::control::KvFlags kv_flags;
-  kv_flags.Add(app);
-  kdn::net::CurveFlag curve_flag;
-  curve_flag.Add(app);
-  CLI11_PARSE(app, argc, argv);
-  if (kdn::Status st = log_flags.Init("decode", o.name); !st.ok()) {
-    kdn::LogError("{}", st.ToString());
-    return 2;
-  }
-  kdn::proto::RouteProtobufLogs();
-  auto curve = curve_flag.Load();
-  if (!curve.ok()) return 2;
-  o.curve = *std::move(curve);
+  if (std::optional<int> exit = main_loop.Parse(argc, argv)) return *exit;
   o.peer_lease = std::chrono::milliseconds(peer_lease_ms);
   o.prepare_timeout = std::chrono::milliseconds(prepare_timeout_ms);
-  auto engine = engine_flags.Options(o.engine);
-  if (!engine.ok()) {
-    kdn::LogError("{}", engine.status().message());
-    return 2;
-  }
-  o.engine = *engine;
-  if (kdn::Status st = kv_flags.ApplyTo(o); !st.ok()) {
-    kdn::LogError("{}", st.ToString());
-    return 2;
-  }
-  o.host_bytes = static_cast<uint64_t>(host_mib * 1048576.0);
   o.staging_bytes = static_cast<uint64_t>(staging_mib * 1048576.0);
-
-  auto service = kdn::decode_worker::DecodeService::Start(o);
-  if (!service.ok()) {
-    kdn::LogError("{}", service.status().ToString());
-    return 1;
-  }
-  kdn::control::CatchStopSignals();
-  kdn::LogInfo("serving on {}, KV in on {} by --kv-transport {} (engine on {})",
-               (*service)->endpoint(), (*service)->kvbus_endpoint(), kv_flags.kv_transport,
-               (*service)->engine_summary());
-  std::printf("%s\n", (*service)->endpoint().c_str());
-  std::fflush(stdout);
-  kdn::control::WaitForStopSignal();
-  service->reset();
-  kdn::LogInfo("stopped");
-  return 0;
+  return main_loop.Serve<DecodeService>([&](const DecodeService& s) {
+    return ", KV in on " + s.kvbus_endpoint() + " by --kv-transport " +
+           main_loop.kv_flags().kv_transport + " (engine on " + s.engine_summary() + ")";
+  });
 }

@@ -42,7 +42,7 @@ export CCACHE_BASEDIR="$PWD"
 ASAN_TESTS=(kdn_common_tests kdn_model_tests kdn_text_tests kdn_engine_tests kdn_kvbus_tests
             kdn_kvbridge_tests kdn_decode_worker_tests kdn_blend_tests kdn_control_tests
             kdn_prefill_worker_tests kdn_router_tests kdn_redis_tests kdn_client_tests
-            kdn_prune_tests)
+            kdn_prune_tests kdn_worker_tests)
 TSAN_TESTS=(kdn_common_tests kdn_kvbus_tests kdn_redis_tests kdn_control_tests
             kdn_prefill_worker_tests kdn_router_tests kdn_decode_worker_tests)
 SUPP="$PWD/scripts/sanitize"

@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kdn/blend/blend.h"
-#include "kdn/control/worker_flags.h"
+#include "kdn/worker/worker_flags.h"
 #include "kdn/engine/generate.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/engine/cpu_runtime.h"
@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--threads", threads, "CPU threads (0 = all cores)")->capture_default_str();
   std::string weights_dtype = "native";
-  kdn::control::AddWeightsDTypeOption(app, &weights_dtype);
+  kdn::worker::AddWeightsDTypeOption(app, &weights_dtype);
   app.add_flag("--no-bos", no_bos, "Do not prepend the BOS token");
   app.add_flag("--ignore-eos", ignore_eos, "Keep generating past the EOS token");
   app.add_flag("--print-ids", print_ids, "Print generated token ids instead of text");

@@ -14,7 +14,7 @@
 #include "kdn/common/log.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
-#include "kdn/control/worker_setup.h"
+#include "kdn/worker/worker_setup.h"
 #include "kdn/decode_worker/decoder.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/host_tier.h"
@@ -88,7 +88,7 @@ struct DecodeService::Impl {
   // a device (pool_kind kDevice); null on a GPU. Outlives the engine.
   std::unique_ptr<kvbus::DeviceMemory> pool;
   kvbus::RegionKind pool_kind = kvbus::RegionKind::kShm;
-  control::WorkerModel wm;
+  worker::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<kvbus::HostTier> staging;
   std::unique_ptr<SliceLanding> landing;  // with `pool`
@@ -130,34 +130,28 @@ struct DecodeService::Impl {
   std::chrono::steady_clock::time_point next_lease_check{};
 
   void FillInfo(proto::WorkerInfo* info) {
-    info->set_name(options.name);
-    info->set_role("decode");
-    info->set_model_fingerprint(control::KeyToBytes(wm.fingerprint));
-    info->set_chunk_tokens(options.chunk_tokens);
-    info->set_max_context(wm.model->config().max_context);
-    info->set_device(wm.model->device());
+    worker::SetWorkerIdentity(info, options.name, "decode", wm, options.chunk_tokens,
+                              options.kv_transport);
     info->set_kvbus_endpoint(kvbus_endpoint);
     info->set_queue_depth(depth.load());
     info->set_max_batch(options.max_batch);
     info->set_leased_kv_blocks(static_cast<int32_t>(leased_blocks.load()));
     info->set_free_kv_blocks(free_blocks.load());
     info->set_total_kv_blocks(total_blocks);
-    info->set_host_id(kvbus::HostId());
-    info->set_kv_transport(kvbus::TransportKindName(options.kv_transport));
     kvbus::ReceiverStats rs = receiver->Stats();
     // tcp and shm always, as a prefill worker reports them, then any other
     // plane that carried KV here.
     rs.planes.try_emplace("tcp");
     rs.planes.try_emplace("shm");
     for (const auto& [plane, p] : rs.planes) {
-      control::AddTransportCounters(info, plane, p.chunks, p.bytes, 0);
+      worker::AddTransportCounters(info, plane, p.chunks, p.bytes, 0);
     }
     info->set_kvbus_leased_bytes(rs.leased_bytes);
-    control::SetStoreCounters(info, *store);
+    worker::SetStoreCounters(info, *store);
     {
       std::lock_guard<std::mutex> lock(mu);
-      control::SetResidentCounters(info, stats.resident, stats.resident_hit_tokens,
-                                   stats.kv_bytes_loaded);
+      worker::SetResidentCounters(info, stats.resident, stats.resident_hit_tokens,
+                                  stats.kv_bytes_loaded);
       proto::LocalPrefill* lp = info->mutable_local_prefill();
       lp->set_running(stats.running);
       lp->set_backlog_tokens(stats.local_backlog_tokens);
@@ -194,8 +188,8 @@ struct DecodeService::Impl {
     switch (msg.body_case()) {
       case proto::WorkerMessage::kLookup:
         lookup_io->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
-          (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
-                                     &wm.model->kv_cache());
+          (void)worker::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
+                                    &wm.model->kv_cache());
         });
         return;
       case proto::WorkerMessage::kPrepare:
@@ -222,7 +216,7 @@ struct DecodeService::Impl {
           }
           cv.notify_one();
         }
-        if (control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
+        if (worker::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
         unserved.Warn("{} ignoring a message it does not serve ({})", ReqId{msg.request_id()},
                       static_cast<int>(msg.body_case()));
     }
@@ -505,14 +499,14 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   // --kv-transport cuda_ipc or nccl (auto keeps a GPU pool the engine's
   // own, its slices through staging, until the device planes have run on a
   // GPU: docs/kvbus.md, "Device planes").
-  KDN_RETURN_IF_ERROR(control::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &raw->pool));
+  KDN_RETURN_IF_ERROR(worker::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &raw->pool));
   if (kvbus::OverDevicePlane(options.kv_transport)) {
     impl->pool_kind = kvbus::RegionKind::kDevice;
   }
-  KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
+  KDN_ASSIGN_OR_RETURN(impl->wm, worker::LoadWorkerModel(options.model_dir, eo));
   KDN_ASSIGN_OR_RETURN(
       impl->store,
-      control::MakeWorkerStore(
+      worker::MakeWorkerStore(
           options.host_bytes, options.shared_tier, options.store_codec,
           {.curve = options.curve, .model = impl->wm.fingerprint, .ttl = options.shared_tier_ttl}));
   engine::Engine& model = *impl->wm.model;
@@ -611,7 +605,7 @@ DecodeService::~DecodeService() {
 const std::string& DecodeService::endpoint() const { return impl_->server->endpoint(); }
 const std::string& DecodeService::kvbus_endpoint() const { return impl_->kvbus_endpoint; }
 std::string DecodeService::engine_summary() const {
-  return control::EngineSummary(*impl_->wm.model);
+  return worker::EngineSummary(*impl_->wm.model);
 }
 uint64_t DecodeService::staging_bytes() const { return impl_->options.staging_bytes; }
 

@@ -5,7 +5,7 @@
 
 #include "kdn/common/log.h"
 #include "kdn/kvbridge/prefix_kv.h"
-#include "kdn/control/worker_setup.h"
+#include "kdn/worker/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
 #include "kdn/kvbus/chunk.h"

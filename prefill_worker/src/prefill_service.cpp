@@ -12,7 +12,7 @@
 #include "kdn/common/log.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
-#include "kdn/control/worker_setup.h"
+#include "kdn/worker/worker_setup.h"
 #include "kdn/prefill_worker/prefiller.h"
 
 namespace kdn::prefill_worker {
@@ -67,7 +67,7 @@ struct PrefillService::Impl {
   // a CPU, the CUDA backend's with --kv-transport cuda_ipc; null otherwise
   // (the engine's own). Outlives the engine and the Prefiller's senders.
   std::unique_ptr<kvbus::DeviceMemory> pool;
-  control::WorkerModel wm;
+  worker::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
   std::unique_ptr<Prefiller> prefiller;  // the compute thread's alone
   // Lookups: kdn-store round trips, kept off the control I/O thread.
@@ -96,32 +96,26 @@ struct PrefillService::Impl {
   LogLimiter unserved;  // messages it does not serve, from any peer
 
   void FillInfo(proto::WorkerInfo* info) {
-    info->set_name(options.name);
-    info->set_role("prefill");
-    info->set_model_fingerprint(control::KeyToBytes(wm.fingerprint));
-    info->set_chunk_tokens(options.chunk_tokens);
-    info->set_max_context(wm.model->config().max_context);
-    info->set_device(wm.model->device());
+    worker::SetWorkerIdentity(info, options.name, "prefill", wm, options.chunk_tokens,
+                              options.kv_transport);
     info->set_queue_depth(depth.load());
     info->set_queue_tokens(queued_tokens.load());
     info->set_free_kv_blocks(free_blocks.load());
     info->set_total_kv_blocks(total_blocks);
-    info->set_host_id(kvbus::HostId());
-    info->set_kv_transport(kvbus::TransportKindName(options.kv_transport));
     kvbus::SenderStats sent;
     {
       std::lock_guard<std::mutex> lock(mu);
       sent = transport_stats;
-      control::SetResidentCounters(info, resident, resident_hit_tokens, kv_bytes_loaded);
+      worker::SetResidentCounters(info, resident, resident_hit_tokens, kv_bytes_loaded);
     }
     // tcp and shm always (a deployment's pages show both from the start),
     // then any other plane that moved KV.
     sent.planes.try_emplace("tcp");
     sent.planes.try_emplace("shm");
     for (const auto& [plane, p] : sent.planes) {
-      control::AddTransportCounters(info, plane, p.chunks, p.bytes, p.seconds);
+      worker::AddTransportCounters(info, plane, p.chunks, p.bytes, p.seconds);
     }
-    control::SetStoreCounters(info, *store);
+    worker::SetStoreCounters(info, *store);
   }
 
   // Queues `q` for the compute thread, which takes it once a KV I/O thread
@@ -263,12 +257,12 @@ struct PrefillService::Impl {
     const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
     if (msg.body_case() == proto::WorkerMessage::kLookup) {
       lookups->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
-        (void)control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
-                                   &wm.model->kv_cache());
+        (void)worker::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
+                                  &wm.model->kv_cache());
       });
       return;
     }
-    if (control::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
+    if (worker::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill)) return;
     switch (msg.body_case()) {
       case proto::WorkerMessage::kPrefill: {
         QueuedJob q;
@@ -369,10 +363,9 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   engine::OpenOptions eo = options.engine;
-  KDN_RETURN_IF_ERROR(
-      control::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &impl->pool));
+  KDN_RETURN_IF_ERROR(worker::AllocateKvPoolThroughBackend(options.kv_transport, &eo, &impl->pool));
   Impl* raw = impl.get();
-  KDN_ASSIGN_OR_RETURN(impl->wm, control::LoadWorkerModel(options.model_dir, eo));
+  KDN_ASSIGN_OR_RETURN(impl->wm, worker::LoadWorkerModel(options.model_dir, eo));
   if (options.shared_store != nullptr) {
     if (!options.shared_tier.empty()) {
       return InvalidArgument("a shared tier is named (" + options.shared_tier +
@@ -386,10 +379,10 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   } else {
     KDN_ASSIGN_OR_RETURN(
         impl->store,
-        control::MakeWorkerStore(options.host_bytes, options.shared_tier, options.store_codec,
-                                 {.curve = options.curve,
-                                  .model = impl->wm.fingerprint,
-                                  .ttl = options.shared_tier_ttl}));
+        worker::MakeWorkerStore(options.host_bytes, options.shared_tier, options.store_codec,
+                                {.curve = options.curve,
+                                 .model = impl->wm.fingerprint,
+                                 .ttl = options.shared_tier_ttl}));
   }
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
@@ -400,9 +393,9 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   // link of it; auto uses cuda_ipc where a decode worker offers a device
   // region.
   if (kvbus::OverDevicePlane(options.kv_transport)) {
-    KDN_ASSIGN_OR_RETURN(po.sender.device_ops, control::WorkerDeviceOps(options.engine.device));
+    KDN_ASSIGN_OR_RETURN(po.sender.device_ops, worker::WorkerDeviceOps(options.engine.device));
   } else if (options.kv_transport == kvbus::TransportKind::kAuto) {
-    Result<kvbus::DeviceOps*> ops = control::WorkerDeviceOps(options.engine.device);
+    Result<kvbus::DeviceOps*> ops = worker::WorkerDeviceOps(options.engine.device);
     po.sender.device_ops = ops.ok() ? *ops : nullptr;
   }
   po.sender.curve = options.curve;
@@ -443,7 +436,7 @@ PrefillService::~PrefillService() {
 
 const std::string& PrefillService::endpoint() const { return impl_->server->endpoint(); }
 std::string PrefillService::engine_summary() const {
-  return control::EngineSummary(*impl_->wm.model);
+  return worker::EngineSummary(*impl_->wm.model);
 }
 
 }  // namespace kdn::prefill_worker

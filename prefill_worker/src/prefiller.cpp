@@ -7,7 +7,7 @@
 #include "kdn/kvbridge/prefix_kv.h"
 #include "kdn/kvbus/transfer_plan.h"
 #include "kdn/kvbus/prefix_io.h"
-#include "kdn/control/worker_setup.h"
+#include "kdn/worker/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
 #include "kdn/prune/prune_text.h"

@@ -10,7 +10,7 @@ set(problems "")
 # Declared: the engine, what links it (kvbridge, blend, the workers' setup and
 # the workers), and what only it needs.
 set(forbidden kdn_engine kdn_engine_open kdn_engine_cuda kdn_flash_sm90 kdn_kvbridge kdn_blend
-              kdn_worker_setup kdn_prefill_worker kdn_decode_worker kdn_openblas OpenMP::OpenMP_CXX
+              kdn_worker kdn_prefill_worker kdn_decode_worker kdn_openblas OpenMP::OpenMP_CXX
               CUDA::cudart CUDA::cublas)
 file(STRINGS ${LIBS_FILE} libs)
 foreach(lib IN LISTS libs)

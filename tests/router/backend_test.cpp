@@ -19,7 +19,7 @@
 #include "kdn/testing/tiny_model.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
-#include "kdn/control/worker_setup.h"
+#include "kdn/worker/worker_setup.h"
 #include "kdn/decode_worker/decode_service.h"
 #include "kdn/engine/generate.h"
 #include "kdn/kvbus/host_tier.h"
@@ -47,7 +47,7 @@ class HeldDecodeWorker {
   // records the prefill requests it gets and answers none.
   explicit HeldDecodeWorker(const std::filesystem::path& model_dir, std::string role = "decode")
       : role_(std::move(role)) {
-    auto wm = control::LoadWorkerModel(model_dir, {.kv_tokens = 256, .threads = 1});
+    auto wm = worker::LoadWorkerModel(model_dir, {.kv_tokens = 256, .threads = 1});
     EXPECT_TRUE(wm.ok()) << wm.status().ToString();
     wm_ = std::move(wm).value();
     std::vector<std::unique_ptr<kvbus::ChunkStore>> tiers;
@@ -64,7 +64,7 @@ class HeldDecodeWorker {
   }
 
   const std::string& endpoint() const { return server_->endpoint(); }
-  const control::WorkerModel& model() const { return wm_; }
+  const worker::WorkerModel& model() const { return wm_; }
 
   // The next Start or Cancel the router sends for request `id`.
   Told WaitForWord(uint64_t id) {
@@ -106,7 +106,7 @@ class HeldDecodeWorker {
       i->set_free_kv_blocks(1000);
       i->set_total_kv_blocks(1000);
     };
-    if (control::AnswerQuery(srv, peer, m, *store_, {wm_.fingerprint, "", kChunk}, info)) return;
+    if (worker::AnswerQuery(srv, peer, m, *store_, {wm_.fingerprint, "", kChunk}, info)) return;
     std::lock_guard<std::mutex> lock(mu_);
     peer_ = peer;
     if (m.has_prepare()) {
@@ -126,7 +126,7 @@ class HeldDecodeWorker {
   }
 
   const std::string role_;
-  control::WorkerModel wm_;
+  worker::WorkerModel wm_;
   std::unique_ptr<kvbus::TieredStore> store_;
   kvbus::HostTier staging_{64u << 20};
   std::unique_ptr<kvbus::Receiver> receiver_;
@@ -261,7 +261,7 @@ class BackendTest : public ::testing::Test {
 };
 
 // Greedy continuation of `job` by the engine alone.
-std::vector<int32_t> EngineTokens(const control::WorkerModel& wm, const Job& job, int n) {
+std::vector<int32_t> EngineTokens(const worker::WorkerModel& wm, const Job& job, int n) {
   auto g = engine::Generate(*wm.model, job.tokens, {.max_tokens = n, .sampling = job.sampling});
   EXPECT_TRUE(g.ok());
   return g.ok() ? g->tokens : std::vector<int32_t>{};
@@ -390,7 +390,7 @@ TEST_F(BackendTest, APrefillWorkerLostBeforeTheFirstTokenIsReplaced) {
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   auto lost = std::make_unique<HeldDecodeWorker>(dir_.path(), "prefill");
   StartBackend((*d)->endpoint(), std::chrono::hours(1), {lost->endpoint()});
-  auto wm = control::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
+  auto wm = worker::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
   ASSERT_TRUE(wm.ok());
   const Job job = GreedyJob("Hello world", 6);
   const std::vector<int32_t> want = EngineTokens(*wm, job, 6);
@@ -416,7 +416,7 @@ TEST_F(BackendTest, ADecodeWorkerLostMidStreamIsResumedElsewhere) {
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   auto lost = std::make_unique<HeldDecodeWorker>(dir_.path());
   StartBackend(lost->endpoint(), std::chrono::hours(1), {}, {(*d)->endpoint()});
-  auto wm = control::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
+  auto wm = worker::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
   ASSERT_TRUE(wm.ok());
   constexpr int kMax = 10;
   // The tiny model's logits are steep: only a high temperature makes its
@@ -484,7 +484,7 @@ TEST_F(BackendTest, TheRouterAndARealDecodeWorkerShowEachTokenOnce) {
   auto d = StartDecodeService();
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   StartBackend((*d)->endpoint());
-  auto wm = control::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
+  auto wm = worker::LoadWorkerModel(dir_.path(), {.kv_tokens = 256, .threads = 1});
   ASSERT_TRUE(wm.ok());
   const int total_blocks = DecodeView().total_kv_blocks;
 

@@ -114,7 +114,7 @@ class DecodeService {
 
   const std::string& endpoint() const;        // control
   const std::string& kvbus_endpoint() const;  // where prefill workers push KV
-  // Where its engine runs and the KV it holds (control::EngineSummary).
+  // Where its engine runs and the KV it holds (worker::EngineSummary).
   std::string engine_summary() const;
   // The staging memory it was given (options.staging_bytes, or
   // StagingBytesFor its model and pool).

@@ -63,7 +63,7 @@ class PrefillService {
   PrefillService& operator=(const PrefillService&) = delete;
 
   const std::string& endpoint() const;
-  // Where its engine runs and the KV it holds (control::EngineSummary).
+  // Where its engine runs and the KV it holds (worker::EngineSummary).
   std::string engine_summary() const;
 
  private:

@@ -22,7 +22,7 @@
 #include "kdn/kvbus/transport.h"
 #include "kdn/text/tokenizer.h"
 
-namespace kdn::control {
+namespace kdn::worker {
 
 struct WorkerModel {
   std::unique_ptr<engine::Engine> model;
@@ -82,11 +82,16 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
 // round trip), the KV codec counters from the CodecTier in `store`, if any,
 // and the requests a remote tier left unanswered.
 void SetStoreCounters(proto::WorkerInfo* info, kvbus::TieredStore& store);
+// Sets what names a worker in its info, alike for both kinds: `name`, `role`
+// ("prefill", "decode"), the model's fingerprint and context, the chunk
+// size, the engine's device, this host's id and the worker's transport.
+void SetWorkerIdentity(proto::WorkerInfo* info, const std::string& name, const std::string& role,
+                       const WorkerModel& wm, int chunk_tokens, kvbus::TransportKind transport);
 // Appends one data plane's kvbus counters to a worker's info.
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
                           uint64_t bytes, double seconds);
 
-bool AnswerQuery(ControlServer& server, const std::string& peer,
+bool AnswerQuery(control::ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,
                  const std::function<void(proto::WorkerInfo*)>& fill_info,
@@ -96,4 +101,4 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
 void SetResidentCounters(proto::WorkerInfo* info, const engine::ResidentStats& pool,
                          uint64_t hit_tokens, uint64_t kv_bytes_loaded);
 
-}  // namespace kdn::control
+}  // namespace kdn::worker

@@ -16,7 +16,7 @@
 #include "kdn/kvbus/redis_store.h"
 #include "kdn/kvbus/transport.h"
 
-namespace kdn::control {
+namespace kdn::worker {
 
 // A CLI11 check of a device name (engine::ParseDevice's refusal as the
 // message), for every program's --device.
@@ -179,4 +179,4 @@ struct KvFlags {
   }
 };
 
-}  // namespace kdn::control
+}  // namespace kdn::worker

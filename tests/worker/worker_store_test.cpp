@@ -1,17 +1,17 @@
-// A worker's KDN view (control::MakeWorkerStore) over a kdn-store with the
+// A worker's KDN view (worker::MakeWorkerStore) over a kdn-store with the
 // KV codec: what one worker puts coded, another reads back decoded.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 
-#include "kdn/control/worker_setup.h"
+#include "kdn/worker/worker_setup.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbus/store_service.h"
 
-namespace kdn::control {
+namespace kdn::worker {
 namespace {
 
 std::shared_ptr<const kvbus::Chunk> MakeChunk() {
@@ -78,4 +78,4 @@ TEST(WorkerStore, AStreamThatDoesNotDecodeIsAMissNotAnError) {
 }
 
 }  // namespace
-}  // namespace kdn::control
+}  // namespace kdn::worker

@@ -1,4 +1,4 @@
-#include "kdn/control/worker_setup.h"
+#include "kdn/worker/worker_setup.h"
 
 #include <algorithm>
 #include <chrono>
@@ -18,7 +18,7 @@
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
 
-namespace kdn::control {
+namespace kdn::worker {
 
 Result<WorkerModel> LoadWorkerModel(const std::filesystem::path& dir,
                                     const engine::OpenOptions& options) {
@@ -58,7 +58,7 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
   return std::make_unique<kvbus::TieredStore>(std::move(tiers), options);
 }
 
-bool AnswerQuery(ControlServer& server, const std::string& peer,
+bool AnswerQuery(control::ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,
                  const std::function<void(proto::WorkerInfo*)>& fill_info,
@@ -71,7 +71,7 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
     const proto::LookupRequest& lookup = message.lookup();
     std::vector<kvbus::ChunkKey> prefix;
     for (const std::string& b : lookup.keys()) {
-      auto k = KeyFromBytes(b);
+      auto k = control::KeyFromBytes(b);
       if (!k.ok()) break;
       prefix.push_back(*k);
     }
@@ -91,7 +91,7 @@ bool AnswerQuery(ControlServer& server, const std::string& peer,
     lr->set_resident_tokens(static_cast<int32_t>(resident));
     std::vector<kvbus::ChunkKey> segments;
     for (const std::string& b : message.lookup().segment_keys()) {
-      auto k = KeyFromBytes(b);
+      auto k = control::KeyFromBytes(b);
       segments.push_back(k.ok() ? *k : kvbus::ChunkKey{});
     }
     if (!segments.empty()) {
@@ -176,6 +176,18 @@ Status AllocateKvPoolThroughBackend(kvbus::TransportKind transport, engine::Open
   return Status::Ok();
 }
 
+void SetWorkerIdentity(proto::WorkerInfo* info, const std::string& name, const std::string& role,
+                       const WorkerModel& wm, int chunk_tokens, kvbus::TransportKind transport) {
+  info->set_name(name);
+  info->set_role(role);
+  info->set_model_fingerprint(control::KeyToBytes(wm.fingerprint));
+  info->set_chunk_tokens(chunk_tokens);
+  info->set_max_context(wm.model->config().max_context);
+  info->set_device(wm.model->device());
+  info->set_host_id(kvbus::HostId());
+  info->set_kv_transport(kvbus::TransportKindName(transport));
+}
+
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
                           uint64_t bytes, double seconds) {
   proto::TransportCounters* t = info->add_kv_transports();
@@ -185,4 +197,4 @@ void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport,
   t->set_seconds(seconds);
 }
 
-}  // namespace kdn::control
+}  // namespace kdn::worker
