@@ -44,7 +44,7 @@
 #include "kdn/kvbus/copy_plan.h"
 #include "kdn/kvbus/cuda/copy_extents.h"
 #include "kdn/kvbus/cuda/cuda_ipc.h"
-#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/kvbus/cuda/nccl_link.h"
 
 namespace kdn::bench {
@@ -107,7 +107,7 @@ std::vector<uint8_t> Pattern() {
 // Fills the source pool with the pattern, repeated.
 Status FillSource(uint8_t* pool, uint64_t bytes, const std::vector<uint8_t>& pattern) {
   for (uint64_t at = 0; at < bytes; at += kPatternBytes) {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpy(
         pool + at, pattern.data(), std::min(kPatternBytes, bytes - at), cudaMemcpyHostToDevice));
   }
   return Status::Ok();
@@ -160,9 +160,9 @@ int DecodeProcess(FILE* in, FILE* out, const Plan& p) {
   auto need_pool = [&](int device) -> Status {
     if (pool.device == device) return Status::Ok();
     if (pool.p != nullptr) (void)cudaFree(pool.p), pool.p = nullptr;
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&pool.p), p.pool_bytes));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemset(pool.p, 0, p.pool_bytes));
+    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&pool.p), p.pool_bytes));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemset(pool.p, 0, p.pool_bytes));
     pool.device = device;
     return Status::Ok();
   };
@@ -216,8 +216,8 @@ int Fail(const Status& st) {
 template <typename Work>
 Result<double> BestSeconds(cudaStream_t stream, int reps, Work&& work) {
   cudaEvent_t a = nullptr, b = nullptr;
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b));
   double best = 1e30;
   Status st;
   for (int r = 0; r <= reps && st.ok(); ++r) {  // the first is a warm-up
@@ -278,7 +278,7 @@ int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& path
     return ReadLine(from_child);
   };
 
-  const int devices = DeviceCount();
+  const int devices = CudaDevices();
   if (devices == 0) {
     std::fprintf(stderr, "kdn-bench cuda-ipc: no CUDA device\n");
     return finish(1);
@@ -286,7 +286,7 @@ int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& path
   if (cudaSetDevice(0) != cudaSuccess) return finish(Fail(Internal("cudaSetDevice(0) failed")));
   uint8_t* src = nullptr;
   if (Status st = [&]() -> Status {
-        KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&src), plan.pool_bytes));
+        KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&src), plan.pool_bytes));
         return Status::Ok();
       }();
       !st.ok()) {
@@ -297,7 +297,7 @@ int RunCudaIpc(const Common& c, int tokens, const std::vector<std::string>& path
   // The ceiling: one cudaMemcpy of the request's bytes, from the pool's first
   // half to its second (before the pool holds the pattern).
   auto base = BestSeconds(stream, reps, [&]() -> Status {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+    KDN_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(src + plan.pool_bytes / 2, src, total, cudaMemcpyDeviceToDevice, stream));
     return Status::Ok();
   });

@@ -12,7 +12,7 @@
 #include <fstream>
 
 #include "bench_util.h"
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/init.cuh"
 #include "kdn/engine/presets.h"

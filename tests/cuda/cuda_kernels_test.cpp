@@ -4,7 +4,7 @@
 //
 // Every test that needs a device skips (GTEST_SKIP) when there is none, so
 // the binary passes on a machine without a GPU or a driver; the tests of
-// argument checking and of cuda_check.h touch no device and always run.
+// argument checking and of kdn/common/cuda_status.h touch no device and always run.
 //
 // Tolerances: fp32 outputs within 1e-5 relative (+1e-6 absolute, for values
 // that cancel to near zero). The kernels differ from the reference only by
@@ -31,7 +31,7 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/cpu_ops.h"
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/engine/cuda/rmsnorm.cuh"
 #include "kdn/engine/cuda/rope.cuh"
 #include "kdn/model/config.h"
@@ -287,7 +287,7 @@ TEST(ApplyRopeCuda, ReportsItsBandwidthOnAPrefillBatch) {
   RecordProperty("microseconds", std::to_string(*us));
 }
 
-// ---------------------------------------------------------------- cuda_check.h
+// ---------------------------------------------------------------- cuda_status.h
 
 cudaError_t Fail(cudaError_t err) { return err; }
 

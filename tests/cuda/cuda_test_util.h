@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "kdn/common/status.h"
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/engine/engine.h"
 
 namespace kdn::engine::cuda::cudatest {

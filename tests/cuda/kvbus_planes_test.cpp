@@ -31,7 +31,7 @@
 #include "kdn/kvbus/cuda/copy_extents.h"
 #include "kdn/kvbus/cuda/cuda_device_ops.h"
 #include "kdn/kvbus/cuda/cuda_ipc.h"
-#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/kvbus/cuda/nccl_link.h"
 
 extern char** environ;
@@ -40,7 +40,7 @@ namespace kdn::kvbus::cuda {
 namespace {
 
 #define SKIP_WITHOUT_DEVICE() \
-  if (DeviceCount() == 0) GTEST_SKIP() << "no CUDA device"
+  if (CudaDevices() == 0) GTEST_SKIP() << "no CUDA device"
 
 // ---- Layouts and bytes, shared by the parent and its child -----------------
 
@@ -516,7 +516,7 @@ TEST(CudaDeviceOps, UploadsAndChecksumsExtentsAsTheHostBackendDoes) {
   // Its own handle is not opened (the runtime maps an allocation once).
   EXPECT_EQ((*ops)->Open((*pool)->handle(), c.dst_pool_bytes).status().code(),
             StatusCode::kFailedPrecondition);
-  EXPECT_EQ(CudaDeviceOps(DeviceCount()).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(CudaDeviceOps(CudaDevices()).status().code(), StatusCode::kFailedPrecondition);
 }
 
 TEST(CudaDeviceOps, APeerProcessOpensTheHandleAndWritesASliceIntoIt) {
@@ -672,7 +672,7 @@ TEST(CudaDeviceOps, ALinkWhosePeerNeverJoinsGivesUpAtItsDeadline) {
 TEST(NcclLinkMultiGpu, TwoProcessesOnTwoGpusMoveASliceExactly) {
   SKIP_WITHOUT_DEVICE();
   SKIP_WITHOUT_NCCL();
-  if (DeviceCount() < 2) GTEST_SKIP() << "needs two GPUs, this machine has " << DeviceCount();
+  if (CudaDevices() < 2) GTEST_SKIP() << "needs two GPUs, this machine has " << CudaDevices();
   SendToChild(1, {});
 }
 

@@ -43,4 +43,9 @@ int CudaDevices() {
   return count;
 }
 
+bool CudaDeviceAvailable() {
+  const Result<int> count = CudaDeviceCount();
+  return count.ok() && *count > 0;
+}
+
 }  // namespace kdn

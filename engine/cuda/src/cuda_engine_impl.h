@@ -18,7 +18,7 @@
 #include "kdn/engine/cpu_ops.h"
 #include "kdn/engine/cuda/activation.cuh"
 #include "kdn/engine/cuda/attention.cuh"
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/device_sampler.h"
 #include "kdn/engine/cuda/embedding.cuh"

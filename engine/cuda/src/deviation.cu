@@ -1,7 +1,7 @@
 #include "kdn/engine/cuda/deviation.cuh"
 
 #include "element.cuh"
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 
 namespace kdn::engine::cuda {
 namespace {

@@ -12,7 +12,7 @@
 #include <span>
 #include <vector>
 
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/engine/cuda/cuda_engine.h"
 #include "kdn/engine/cuda/paged_kv.cuh"
 #include "kdn/engine/kv_cache.h"

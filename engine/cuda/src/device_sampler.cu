@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <string>
 
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/engine/cuda/sampling.cuh"
 
 namespace kdn::engine::cuda {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "element.cuh"
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 
 namespace kdn::engine::cuda {
 namespace {

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "flash_attention_sm90.h"
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 
 #ifdef KDN_FLASHINFER
 #include <flashinfer/attention/cascade.cuh>

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "kdn/engine/cuda/cuda_check.h"
+#include "kdn/common/cuda_status.h"
 
 #ifdef KDN_FLASHINFER_SM90
 #include <flashinfer/attention/hopper/prefill_sm90.cuh>

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "kdn/kvbus/cuda/copy_pieces.cuh"
-#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/common/cuda_status.h"
 
 namespace kdn::kvbus::cuda {
 
@@ -17,10 +17,10 @@ static_assert(sizeof(PieceRecord) == sizeof(CopyPiece) &&
               offsetof(PieceRecord, bytes) == offsetof(CopyPiece, bytes));
 
 Result<std::unique_ptr<ExtentCopier>> ExtentCopier::Create(int device) {
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   std::unique_ptr<ExtentCopier> c(new ExtentCopier(device));
   for (Slot& slot : c->slots_) {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+    KDN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
   }
   return c;
 }
@@ -43,9 +43,9 @@ Status ExtentCopier::Reserve(Slot& slot, size_t pieces) {
   if (slot.host != nullptr) (void)cudaFreeHost(slot.host), slot.host = nullptr;
   if (slot.dev != nullptr) (void)cudaFree(slot.dev), slot.dev = nullptr;
   slot.capacity = 0;
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+  KDN_CUDA_RETURN_IF_ERROR(
       cudaMallocHost(reinterpret_cast<void**>(&slot.host), cap * sizeof(CopyPiece)));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+  KDN_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&slot.dev), cap * sizeof(CopyPiece)));
   slot.capacity = cap;
   return Status::Ok();
@@ -61,19 +61,19 @@ Status ExtentCopier::Copy(const uint8_t* src_base, std::span<const Extent> src, 
   if (plan_.size() > (size_t{1} << 31)) {
     return InvalidArgument("CopyExtents: " + std::to_string(plan_.size()) + " pieces in one call");
   }
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   Slot& slot = slots_[next_slot_];
   next_slot_ = (next_slot_ + 1) % kSlots;
   // The slot's previous kernel (and the upload before it) must be done
   // reading its tables before they are rewritten.
-  if (slot.used) KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.done));
+  if (slot.used) KDN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot.done));
   KDN_RETURN_IF_ERROR(Reserve(slot, plan_.size()));
   std::memcpy(slot.host, plan_.data(), plan_.size() * sizeof(CopyPiece));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-      slot.dev, slot.host, plan_.size() * sizeof(CopyPiece), cudaMemcpyHostToDevice, stream));
+  KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.dev, slot.host, plan_.size() * sizeof(CopyPiece),
+                                           cudaMemcpyHostToDevice, stream));
   KDN_RETURN_IF_ERROR(
       LaunchCopyPieces(src_base, dst_base, slot.dev, static_cast<uint32_t>(plan_.size()), stream));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.done, stream));
   slot.used = true;
   return Status::Ok();
 }
@@ -82,9 +82,9 @@ Status CopyExtents(const uint8_t* src_base, std::span<const Extent> src, uint8_t
                    std::span<const Extent> dst, cudaStream_t stream) {
   int device = 0;
   if (stream != nullptr) {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &device));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamGetDevice(stream, &device));
   } else {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    KDN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   }
   thread_local std::vector<std::unique_ptr<ExtentCopier>> copiers;
   if (device < 0) return InvalidArgument("CopyExtents: device " + std::to_string(device));

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/common/cuda_status.h"
 
 namespace kdn::kvbus::cuda {
 
@@ -52,7 +52,7 @@ Status LaunchCopyPieces(const uint8_t* src_base, uint8_t* dst_base, const PieceR
                         uint32_t n, cudaStream_t stream) {
   const uint32_t blocks = std::min<uint32_t>(n, kMaxBlocks);
   CopyPiecesKernel<<<blocks, kThreads, 0, stream>>>(src_base, dst_base, pieces, n);
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
 

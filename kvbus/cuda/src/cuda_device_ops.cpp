@@ -14,7 +14,7 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/cuda/copy_extents.h"
 #include "kdn/kvbus/cuda/cuda_ipc.h"
-#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "kdn/kvbus/cuda/nccl_link.h"
 
 namespace kdn::kvbus::cuda {
@@ -129,9 +129,9 @@ class CudaLink final : public DeviceLink {
       }
       link_ = std::move(joined).value();
     }
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (stream_ == nullptr) {
-      KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     }
     return Status::Ok();
   }
@@ -166,12 +166,12 @@ class CudaOps final : public DeviceOps {
 
   Result<std::unique_ptr<DeviceMemory>> Allocate(uint64_t bytes) override {
     if (bytes == 0) return InvalidArgument("kvbus cuda memory: cannot allocate 0 bytes");
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* p = nullptr;
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes));
     // Owned (freed on the way out of an error) before anything can fail.
     auto memory = std::make_unique<OwnMemory>(static_cast<uint8_t*>(p), bytes, *this);
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, bytes));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemset(p, 0, bytes));
     KDN_ASSIGN_OR_RETURN(std::string handle, ExportDeviceRegion(p, bytes, device_));
     memory->set_handle(std::move(handle));
     return std::unique_ptr<DeviceMemory>(std::move(memory));
@@ -196,11 +196,10 @@ class CudaOps final : public DeviceOps {
     KDN_RETURN_IF_ERROR(Begin());
     KDN_RETURN_IF_ERROR(Reserve(n));
     // One upload of the whole payload, then one scatter kernel.
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(stage_, host, n, cudaMemcpyHostToDevice, stream_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stage_, host, n, cudaMemcpyHostToDevice, stream_));
     const Extent whole{0, n};
     KDN_RETURN_IF_ERROR(CopyExtents(stage_, {&whole, 1}, base, extents, stream_));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
 
@@ -211,7 +210,7 @@ class CudaOps final : public DeviceOps {
     // One kernel, however many extents (copy_extents.h); then the wait that
     // makes the bytes the destination owner's.
     KDN_RETURN_IF_ERROR(CopyExtents(src_base, src, dst_base, dst, stream_));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
 
@@ -223,9 +222,8 @@ class CudaOps final : public DeviceOps {
     KDN_RETURN_IF_ERROR(Reserve(n));
     const Extent whole{0, n};
     KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, stream_));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(host, stage_, n, cudaMemcpyDeviceToHost, stream_));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, stage_, n, cudaMemcpyDeviceToHost, stream_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return Status::Ok();
   }
 
@@ -239,14 +237,14 @@ class CudaOps final : public DeviceOps {
     const Extent whole{0, n};
     KDN_RETURN_IF_ERROR(CopyExtents(base, extents, stage_, {&whole, 1}, stream_));
     host_.resize(n);
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+    KDN_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(host_.data(), stage_, n, cudaMemcpyDeviceToHost, stream_));
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     return PayloadChecksum(host_.data(), {&whole, 1});
   }
 
   Result<std::string> NewLinkId() override {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return NcclLink::NewUniqueId();
   }
   Result<std::unique_ptr<DeviceLink>> JoinLink(const std::string& id, int rank,
@@ -268,19 +266,19 @@ class CudaOps final : public DeviceOps {
   // its own, non-blocking, so that its copies neither wait for an engine's
   // kernels on the legacy default stream nor hold them up (mu_ held).
   Status Begin() {
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (stream_ == nullptr) {
-      KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     }
     return Status::Ok();
   }
   Status Reserve(uint64_t bytes) {
     if (bytes <= stage_bytes_) return Status::Ok();
-    if (stage_ != nullptr) KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaFree(stage_));
+    if (stage_ != nullptr) KDN_CUDA_RETURN_IF_ERROR(cudaFree(stage_));
     stage_ = nullptr;
     stage_bytes_ = 0;
     void* p = nullptr;
-    KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes));
+    KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes));
     stage_ = static_cast<uint8_t*>(p);
     stage_bytes_ = bytes;
     return Status::Ok();
@@ -299,7 +297,7 @@ class CudaOps final : public DeviceOps {
 Result<DeviceOps*> CudaDeviceOps(int device) {
   static std::mutex mu;
   static std::map<int, std::unique_ptr<CudaOps>> backends;
-  const int count = DeviceCount();
+  const int count = CudaDevices();
   if (device < 0 || device >= count) {
     return FailedPrecondition("kvbus cuda backend: device " + std::to_string(device) + " of " +
                               std::to_string(count));

@@ -9,7 +9,7 @@
 
 #include "kdn/kvbus/copy_plan.h"
 #include "kdn/kvbus/cuda/copy_extents.h"
-#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/common/cuda_status.h"
 #include "src/hex.h"
 
 namespace kdn::kvbus::cuda {
@@ -48,7 +48,7 @@ std::vector<std::string> Split(const std::string& s, char sep) {
 }
 
 Status NeedDevice(int device) {
-  const int count = DeviceCount();
+  const int count = CudaDevices();
   if (count == 0) return FailedPrecondition("cuda_ipc: no CUDA device in this process");
   if (device < 0 || device >= count) {
     return FailedPrecondition("cuda_ipc: device " + std::to_string(device) + " of " +
@@ -59,7 +59,7 @@ Status NeedDevice(int device) {
 
 Result<std::string> DeviceUuid(int device) {
   cudaDeviceProp prop{};
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   return Hex(prop.uuid.bytes, sizeof(prop.uuid.bytes));
 }
 
@@ -68,8 +68,8 @@ Result<std::string> DeviceUuid(int device) {
 Status AllocationRange(const void* p, uintptr_t* alloc_base, size_t* alloc_bytes) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
-      "cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found));
+  KDN_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                            cudaEnableDefault, &found));
   if (fn == nullptr || found != cudaDriverEntryPointSuccess) {
     return Internal("cuda_ipc: the driver has no cuMemGetAddressRange");
   }
@@ -94,9 +94,9 @@ Result<std::string> ExportDeviceRegion(const void* base, uint64_t bytes, int dev
     return InvalidArgument("ExportDeviceRegion: a null base or zero bytes");
   }
   KDN_RETURN_IF_ERROR(NeedDevice(device));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   cudaPointerAttributes attr{};
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, base));
+  KDN_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, base));
   if (attr.type != cudaMemoryTypeDevice) {
     return FailedPrecondition("ExportDeviceRegion: not device memory (cudaMemoryType " +
                               std::to_string(static_cast<int>(attr.type)) + ")");
@@ -115,7 +115,7 @@ Result<std::string> ExportDeviceRegion(const void* base, uint64_t bytes, int dev
                               std::to_string(alloc_bytes) + " bytes");
   }
   cudaIpcMemHandle_t handle{};
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(alloc_base)));
+  KDN_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(alloc_base)));
   KDN_ASSIGN_OR_RETURN(const std::string uuid, DeviceUuid(device));
   return std::string(kPrefix) + ":" + kVersion + ":" + std::to_string(::getpid()) + ":" +
          std::to_string(device) + ":" + uuid + ":" + std::to_string(offset) + ":" +
@@ -151,7 +151,7 @@ Result<std::unique_ptr<ImportedDeviceRegion>> ImportedDeviceRegion::Open(const s
                                                                          int device) {
   KDN_ASSIGN_OR_RETURN(const DeviceRegionHandle h, ParseDeviceRegionHandle(handle));
   KDN_RETURN_IF_ERROR(NeedDevice(device));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   if (h.pid == static_cast<int64_t>(::getpid())) {
     return FailedPrecondition(
         "cuda_ipc: the handle was exported by this process (use its pointer, not IPC)");
@@ -165,10 +165,10 @@ Result<std::unique_ptr<ImportedDeviceRegion>> ImportedDeviceRegion::Open(const s
   r->device_ = device;
   r->pid_ = h.pid;
   r->bytes_ = h.bytes;
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(
+  KDN_CUDA_RETURN_IF_ERROR(
       cudaIpcOpenMemHandle(&r->mapping_, h.handle, cudaIpcMemLazyEnablePeerAccess));
   r->data_ = static_cast<uint8_t*>(r->mapping_) + h.offset;
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&r->done_, cudaEventDisableTiming));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&r->done_, cudaEventDisableTiming));
   return r;
 }
 
@@ -184,10 +184,10 @@ ImportedDeviceRegion::~ImportedDeviceRegion() {
 Status ImportedDeviceRegion::WriteExtents(const uint8_t* src_base, std::span<const Extent> src,
                                           std::span<const Extent> dst, cudaStream_t stream) {
   KDN_RETURN_IF_ERROR(CheckExtentsWithin(dst, bytes_, "cuda_ipc destination"));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   KDN_RETURN_IF_ERROR(CopyExtents(src_base, src, data_, dst, stream));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_, stream));
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_, stream));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done_));
   return Status::Ok();
 }
 

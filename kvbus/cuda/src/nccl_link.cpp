@@ -6,7 +6,7 @@
 
 #include "kdn/kvbus/copy_plan.h"
 #include "kdn/kvbus/cuda/copy_extents.h"
-#include "kdn/kvbus/cuda/kvbus_cuda_check.h"
+#include "kdn/common/cuda_status.h"
 
 #if KDN_HAVE_NCCL
 #include <nccl.h>
@@ -69,12 +69,12 @@ Status PollComm(ncclComm_t comm, Clock::time_point deadline, const char* what) {
 // Makes `device` current on this thread, once it is known to exist, and
 // the extent copier a link on it uses (Connect and OpenSelf).
 Result<std::unique_ptr<ExtentCopier>> OpenDevice(int device) {
-  const int count = DeviceCount();
+  const int count = CudaDevices();
   if (device < 0 || device >= count) {
     return FailedPrecondition("nccl: device " + std::to_string(device) + " of " +
                               std::to_string(count));
   }
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   return ExtentCopier::Create(device);
 }
 
@@ -118,7 +118,7 @@ Result<std::unique_ptr<NcclLink>> NcclLink::Connect(const std::string& unique_id
   std::unique_ptr<NcclLink> link(new NcclLink(comm, rank, 1 - rank, device));
   link->settle_timeout_ = timeout;
   link->copier_ = std::move(copier);
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&link->last_, cudaEventDisableTiming));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&link->last_, cudaEventDisableTiming));
   return link;
 }
 
@@ -128,7 +128,7 @@ Result<std::unique_ptr<NcclLink>> NcclLink::OpenSelf(int device) {
   KDN_NCCL_RETURN_IF_ERROR(ncclCommInitAll(&comm, 1, &device), nullptr);
   std::unique_ptr<NcclLink> link(new NcclLink(comm, 0, 0, device));
   link->copier_ = std::move(copier);
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&link->last_, cudaEventDisableTiming));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&link->last_, cudaEventDisableTiming));
   return link;
 }
 
@@ -164,24 +164,24 @@ Status NcclLink::Usable() const {
 
 Status NcclLink::Begin(cudaStream_t stream) {
   KDN_RETURN_IF_ERROR(Usable());
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   // The previous operation (maybe on another stream) may still read or
   // write the staging buffers this one reuses.
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, last_, 0));
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, last_, 0));
   return Status::Ok();
 }
 
 Status NcclLink::End(cudaStream_t stream) {
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventRecord(last_, stream));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventRecord(last_, stream));
   return Status::Ok();
 }
 
 Status NcclLink::Reserve(uint8_t** buf, uint64_t* cap, uint64_t bytes) {
   if (*cap >= bytes) return Status::Ok();
   // Nothing in flight may still use the old buffer.
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(last_));
   if (*buf != nullptr) (void)cudaFree(*buf), *buf = nullptr, *cap = 0;
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(buf), bytes));
+  KDN_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(buf), bytes));
   *cap = bytes;
   return Status::Ok();
 }
@@ -273,7 +273,7 @@ Status NcclLink::SendRecvSelf(const uint8_t* src_base, std::span<const Extent> s
 
 Status NcclLink::Wait(cudaStream_t stream, std::chrono::milliseconds timeout) {
   KDN_RETURN_IF_ERROR(Usable());
-  KDN_KVBUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  KDN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const Clock::time_point deadline = Clock::now() + timeout;
   for (int spins = 0;; ++spins) {
     const cudaError_t q = cudaStreamQuery(stream);

@@ -1,9 +1,11 @@
 #pragma once
 // CUDA runtime return codes as kdn::Status, and the device probe: the one
-// mapping of the project. The engine's kernels (kdn/engine/cuda/cuda_check.h,
-// KDN_CUDA_RETURN_IF_ERROR) and kvbus's device planes
-// (kdn/kvbus/cuda/kvbus_cuda_check.h, KDN_KVBUS_CUDA_RETURN_IF_ERROR) report
-// through it. Thread-safe: nothing here keeps state.
+// mapping of the project. Every CUDA runtime call of the engine's kernels
+// and of kvbus's device planes goes through KDN_CUDA_RETURN_IF_ERROR (or
+// CudaStatus where the caller wants the Status itself), so that a missing
+// driver, an out-of-memory or a bad launch reaches the caller as a Status
+// that names the call, the file:line and the runtime's own words.
+// Thread-safe: nothing here keeps state.
 
 #include <cuda_runtime_api.h>
 
@@ -31,4 +33,20 @@ Result<int> CudaDeviceCount();
 // see it.
 int CudaDevices();
 
+// True when at least one CUDA device can be used. False on a machine without
+// a driver or a device (what tests check before they run a kernel).
+bool CudaDeviceAvailable();
+
 }  // namespace kdn
+
+// Evaluates `expr`, a cudaError_t; if it is not cudaSuccess, returns from the
+// enclosing function (which returns kdn::Status or kdn::Result<T>) the Status
+// of CudaStatus for it, e.g.
+//   KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, n, kind, stream));
+#define KDN_CUDA_RETURN_IF_ERROR(expr)                                    \
+  do {                                                                    \
+    const cudaError_t _kdn_cuda_err = (expr);                             \
+    if (_kdn_cuda_err != cudaSuccess) {                                   \
+      return ::kdn::CudaStatus(_kdn_cuda_err, #expr, __FILE__, __LINE__); \
+    }                                                                     \
+  } while (0)

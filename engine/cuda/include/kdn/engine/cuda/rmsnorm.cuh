@@ -27,7 +27,7 @@ namespace kdn::engine::cuda {
 //
 // Returns INVALID_ARGUMENT for dim <= 0, rows < 0, rows beyond the grid limit
 // (2^31 - 1) or a null pointer with rows > 0, and the launch's error (see
-// cuda_check.h) if the kernel could not be launched. Errors of the kernel's
+// kdn/common/cuda_status.h) if the kernel could not be launched. Errors of the kernel's
 // execution show up at the stream's next synchronization, as for any kernel.
 // rows == 0 enqueues nothing and returns OK. Thread-safe.
 template <typename T>

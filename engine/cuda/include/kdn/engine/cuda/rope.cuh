@@ -39,7 +39,7 @@ namespace kdn::engine::cuda {
 //
 // Returns INVALID_ARGUMENT for rows < 0, heads <= 0, a head_dim that is odd,
 // not positive or above 8192, rows beyond the grid limit (2^31 - 1) or a null
-// pointer with rows > 0, and the launch's error (see cuda_check.h) if the
+// pointer with rows > 0, and the launch's error (see kdn/common/cuda_status.h) if the
 // kernel could not be launched. rows == 0 enqueues nothing and returns OK.
 // Thread-safe.
 //
