@@ -1,6 +1,9 @@
 """A Redis Cluster for the workers' shared KV cache (`up --redis-cluster N`,
 `slurm submit --redis-cluster`): its redis.conf, its password, and, on this
-machine, its N primaries and N replicas on loopback (start_cluster).
+machine, its N primaries and their replicas on loopback (start_cluster).
+The one way kdn starts Redis: the launcher, kdn-bench's shared-tier
+workload and the tests (tests/kvbus/redis_cluster.h runs `python3 -m
+kdn_launch.redis_cluster`) all start it here, one standalone node included.
 
 Each node runs in a folder of its own, RUN_DIR/redis/NAME/, holding its
 redis.conf (mode 0600: it holds the password), nodes.conf, redis.log (its
@@ -85,11 +88,11 @@ def url(password, endpoints):
     return "redis://:%s@%s" % (password, ",".join(endpoints))
 
 
-def common_conf(password, maxmemory_mib, node_timeout_ms):
+def common_conf(password, maxmemory_mib, node_timeout_ms, cluster=True):
     """The settings every node of a cluster shares, each with its reason
-    (docs/launch.md lists them too)."""
-    return "\n".join([
-        "# Written by kdn-launch (docs/launch.md, \"Redis Cluster\").",
+    (docs/launch.md lists them too); `cluster` False: those of one
+    standalone node."""
+    cluster_lines = [
         "# A cluster node: slots, failover, the cluster bus.",
         "cluster-enabled yes",
         "# The node's own record of the cluster, in its folder (its dir).",
@@ -103,14 +106,18 @@ def common_conf(password, maxmemory_mib, node_timeout_ms):
         "# A key whose shard is failing over is a miss; the other slots keep serving.",
         "cluster-require-full-coverage no",
         "# Reads keep working on a node that sees the cluster down.",
-        "cluster-allow-reads-when-down yes",
-        "# A cache: a bounded size per primary, evicting the least recently used",
-        "# key rather than refusing writes.",
+        "cluster-allow-reads-when-down yes"]
+    return "\n".join([
+        "# Written by kdn-launch (docs/launch.md, \"Redis Cluster\").",
+    ] + (cluster_lines if cluster else []) + [
+        "# A cache: a bounded size per primary (0: unbounded), evicting the least",
+        "# recently used key rather than refusing writes.",
         "maxmemory %dmb" % maxmemory_mib,
         "maxmemory-policy allkeys-lru",
-        "# MB-sized values make few keys per node: sampling 10 of them (not 5)",
-        "# keeps the approximated LRU close to the real one at no real cost.",
-        "maxmemory-samples 10",
+        "# MB-sized values make few keys per node: sampling 64 of them (Redis's",
+        "# most, not 5) makes the approximated LRU the real one at no real cost",
+        "# (with 10, a hot key was now and then evicted before older ones).",
+        "maxmemory-samples 64",
         "# A cache: no persistence; a restarted node starts empty.",
         "save \"\"",
         "appendonly no",
@@ -129,13 +136,15 @@ def common_conf(password, maxmemory_mib, node_timeout_ms):
 
 
 def node_conf(bind, port, cluster_port, folder):
-    """The settings of one node: where it listens and where its files are."""
+    """The settings of one node: where it listens and where its files are
+    (`cluster_port` None: a standalone node)."""
     lines = ["# Only this address: loopback, or the node's own address under Slurm.",
              "bind %s" % bind,
-             "port %d" % port,
-             "# The cluster bus, a port of its own (the default, port + 10000, may be",
-             "# taken or past 65535).",
-             "cluster-port %d" % cluster_port]
+             "port %d" % port]
+    if cluster_port is not None:
+        lines += ["# The cluster bus, a port of its own (the default, port + 10000, may be",
+                  "# taken or past 65535).",
+                  "cluster-port %d" % cluster_port]
     if bind == LOOPBACK:
         lines += ["# Bound to loopback only, and with a password: nothing to protect",
                   "# against.",
@@ -238,23 +247,30 @@ class Node:
 
 
 class RedisCluster:
-    """N primaries with one replica each, every node a redis-server on
-    loopback under RUN_DIR/redis/. Not thread-safe: one launcher drives it."""
+    """N primaries with `replicas` replicas each (or, `standalone`, one node
+    and no cluster), every node a redis-server on loopback under
+    RUN_DIR/redis/. Not thread-safe: one launcher drives it."""
 
     def __init__(self, run_dir, primaries, maxmemory_mib=DEFAULT_MAXMEMORY_MIB,
-                 node_timeout_ms=DEFAULT_NODE_TIMEOUT_MS):
-        if primaries < MIN_PRIMARIES:
+                 node_timeout_ms=DEFAULT_NODE_TIMEOUT_MS, replicas=1, standalone=False):
+        if standalone:
+            primaries, replicas = 1, 0
+        elif primaries < MIN_PRIMARIES:
             raise Failure("a Redis Cluster needs at least %d primaries (redis-cli --cluster "
                           "create refuses fewer), not %d" % (MIN_PRIMARIES, primaries))
+        if replicas < 0:
+            raise Failure("replicas per primary must not be negative, not %d" % replicas)
         self.run_dir = Path(run_dir)
         self.primaries = primaries
+        self.replicas = replicas
+        self.standalone = standalone
         self.maxmemory_mib = maxmemory_mib
         self.node_timeout_ms = node_timeout_ms
         self.folder = self.run_dir / FOLDER_NAME
         # The first N are created as primaries; redis-cli makes the rest
         # their replicas.
         self.nodes = [Node("redis-%d" % i, self.folder / ("redis-%d" % i))
-                      for i in range(2 * primaries)]
+                      for i in range(primaries * (1 + replicas))]
         self.password = None
         self.server, self.cli = None, None
 
@@ -311,8 +327,10 @@ class RedisCluster:
             else:
                 raise Failure("%s (redis-server) found its port taken %d times; %s"
                               % (node.name, PORT_TRIES, node.failure_text()))
+        if self.standalone:
+            return
         rc, out = self.run_cli(["--cluster", "create"] + [n.endpoint() for n in self.nodes] +
-                               ["--cluster-replicas", "1", "--cluster-yes"],
+                               ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
                                max(1.0, deadline - time.monotonic()))
         if rc != 0:
             raise Failure("redis-cli --cluster create failed (exit code %d):\n%s\nthe first "
@@ -327,8 +345,9 @@ class RedisCluster:
         except FileNotFoundError:
             pass
         write_private(node.conf, common_conf(self.password, self.maxmemory_mib,
-                                             self.node_timeout_ms) +
-                      node_conf(LOOPBACK, port, cluster_port, node.folder))
+                                             self.node_timeout_ms, not self.standalone) +
+                      node_conf(LOOPBACK, port, None if self.standalone else cluster_port,
+                                node.folder))
         with open(node.out, "wb") as out:
             popen = subprocess.Popen([self.server, str(node.conf)], stdin=subprocess.DEVNULL,
                                      stdout=out, stderr=subprocess.STDOUT,
@@ -387,7 +406,7 @@ class RedisCluster:
             if rc == 0 and all(fields.get(k) == v for k, v in want.items()):
                 rc, out = self.node_cli(node, "cluster", "nodes", timeout=2.0)
                 pairs = len(replica_pairs(out)) if rc == 0 else 0
-                if pairs == self.primaries:
+                if pairs == (self.primaries if self.replicas else 0):
                     rc, out = self.node_cli(node, "info", "replication", timeout=2.0)
                     rep = info_fields(out) if rc == 0 else {}
                     if rep.get("role") == "master" or rep.get("master_link_status") == "up":
@@ -398,7 +417,7 @@ class RedisCluster:
                               "%d primaries with a replica; want %s, %d); its log: %s"
                               % (node.name, node.port, got, pairs,
                                  ", ".join("%s:%s" % kv for kv in want.items()),
-                                 self.primaries, node.log))
+                                 self.primaries if self.replicas else 0, node.log))
             time.sleep(0.05)
 
     def stop(self, quiet=False):
@@ -422,19 +441,22 @@ def log_lines(text, lines=20):
 
 def start_cluster(run_dir, primaries, maxmemory_mib=DEFAULT_MAXMEMORY_MIB,
                   node_timeout_ms=DEFAULT_NODE_TIMEOUT_MS, timeout=60.0,
-                  on_start=lambda proc: None):
-    """A started RedisCluster of `primaries` primaries and as many replicas
-    under RUN_DIR/redis/, whole on every node; Failure (with what was
-    started stopped) otherwise."""
-    return RedisCluster(run_dir, primaries, maxmemory_mib, node_timeout_ms).start(
-        timeout, on_start)
+                  on_start=lambda proc: None, replicas=1, standalone=False):
+    """A started RedisCluster of `primaries` primaries and `replicas`
+    replicas of each (`standalone`: one node, no cluster) under
+    RUN_DIR/redis/, whole on every node; Failure (with what was started
+    stopped) otherwise."""
+    return RedisCluster(run_dir, primaries, maxmemory_mib, node_timeout_ms, replicas,
+                        standalone).start(timeout, on_start)
 
 
 def main(argv=None):
-    """python3 -m kdn_launch.redis_cluster RUN_DIR [--primaries N]: starts a
-    cluster, prints its --kdn-redis URL on stdout, and serves until stdin
-    closes or SIGTERM comes; then stops it. For programs that need a
-    cluster for a while (kdn-bench store --backends redis)."""
+    """python3 -m kdn_launch.redis_cluster RUN_DIR [--primaries N] ...: starts
+    a cluster (or one standalone node), prints its --kdn-redis URL on stdout,
+    then one line per node, "host:port pid", primaries first, then serves
+    until stdin closes or SIGTERM comes; then stops it. For programs that
+    need Redis for a while: kdn-bench store --backends redis, and the tests
+    (tests/kvbus/redis_cluster.h)."""
     import argparse
     import signal
     import sys
@@ -442,10 +464,18 @@ def main(argv=None):
                                 description=main.__doc__)
     p.add_argument("run_dir")
     p.add_argument("--primaries", type=int, default=MIN_PRIMARIES)
-    p.add_argument("--maxmemory-mib", type=int, default=DEFAULT_MAXMEMORY_MIB)
+    p.add_argument("--replicas", type=int, default=1, help="replicas of each primary")
+    p.add_argument("--standalone", action="store_true",
+                   help="one node, no cluster (--primaries and --replicas ignored)")
+    p.add_argument("--maxmemory-mib", type=int, default=DEFAULT_MAXMEMORY_MIB,
+                   help="per node; 0: unbounded")
+    p.add_argument("--node-timeout-ms", type=int, default=DEFAULT_NODE_TIMEOUT_MS)
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the cluster to come up whole")
     a = p.parse_args(argv)
     try:
-        cluster = start_cluster(a.run_dir, a.primaries, a.maxmemory_mib)
+        cluster = start_cluster(a.run_dir, a.primaries, a.maxmemory_mib, a.node_timeout_ms,
+                                a.timeout, replicas=a.replicas, standalone=a.standalone)
     except Failure as e:
         print("redis_cluster: %s" % e, file=sys.stderr)
         return 1
@@ -454,6 +484,8 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_term)
     try:
         print(cluster.url(), flush=True)
+        for node in cluster.nodes:
+            print("%s %d" % (node.endpoint(), node.proc.pid), flush=True)
         sys.stdin.read()
     finally:
         cluster.stop(quiet=True)

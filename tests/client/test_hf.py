@@ -19,11 +19,8 @@ environment (the current one; scripts/test-vllm.sh runs it there too).
 
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import gguf
@@ -35,7 +32,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "deploy"))
 sys.path.insert(0, str(HERE.parent / "parity"))
 sys.path.insert(0, str(HERE.parents[1] / "python"))
+sys.path.insert(0, str(HERE.parents[1] / "launch"))
 sys.path.insert(0, str(HERE))
+from kdn_launch import redis_cluster  # noqa: E402
 from deploy_util import BIN_DIR, Deployment, generate_ids, repeat_cached, wait_until  # noqa: E402
 from gguf_micro import smollm2_path  # noqa: E402
 from llama_cpp_tokenize import llama_cpp_ids  # noqa: E402
@@ -179,34 +178,19 @@ def test_another_model_misses_and_a_wrong_layout_is_refused(smollm2, deployment,
 # --- a Redis the test starts: the store whose values can be edited
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is missing: scripts/install-deps.sh installs it")
-    port = free_port()
-    d = tmp_path_factory.mktemp("redis")
-    p = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                          "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    """One standalone Redis, started as kdn-launch starts its nodes."""
+    c = redis_cluster.start_cluster(tmp_path_factory.mktemp("redis"), 1, standalone=True)
     try:
-        assert wait_until(lambda: subprocess.run(
-            ["redis-cli", "-p", str(port), "ping"], capture_output=True,
-            text=True).stdout.strip() == "PONG", 20)
-        yield port
+        yield c
     finally:
-        p.terminate()
-        p.wait(timeout=20)
+        c.stop(quiet=True)
 
 
 def test_a_changed_chunk_is_a_miss(smollm2, reference, redis):
     model = kdn.Model(smollm2, kv_dtype="f32")
-    with kdn.Client("redis://127.0.0.1:%d" % redis, model, chunk_tokens=CHUNK) as c:
+    with kdn.Client(redis.url(), model, chunk_tokens=CHUNK) as c:
         ids = llama_cpp_ids(smollm2, [text(3, 9)])[0]
         kdn.hf.store_cache(reference, ids, full_cache(reference, ids), c)
         _, cached = kdn.hf.fetch_cache(reference, ids, c)
@@ -214,7 +198,8 @@ def test_a_changed_chunk_is_a_miss(smollm2, reference, redis):
         # One byte of the second chunk's payload, changed in place.
         second = c.spans(ids)[1]
         key = "kdn:%s:%s" % (model.fingerprint, second.key)
-        cli = ["redis-cli", "-p", str(redis)]
+        cli = ["redis-cli", "--no-auth-warning", "-a", redis.password, "-p",
+               str(redis.nodes[0].port)]
         size = int(subprocess.run(cli + ["strlen", key], capture_output=True, text=True,
                                   check=True).stdout)
         assert size > 128 * 1024, size  # the 128-byte header and 256 tokens of KV

@@ -1,24 +1,27 @@
 #pragma once
 // A real Redis for the Redis tier's tests: Debian's redis-server processes
 // on loopback in a test's folder, either a cluster (primaries, each with
-// replicas, made by `redis-cli --cluster create`) or one standalone node.
-// Every wait polls for what it names, with a deadline; nothing sleeps for a
-// guessed time.
+// replicas, made by `redis-cli --cluster create`) or one standalone node,
+// started as kdn-launch starts them (`python3 -m kdn_launch.redis_cluster`,
+// launch/kdn_launch/redis_cluster.py: the same redis.conf), which this
+// harness then drives (kills a node, reads its state). Every wait polls for
+// what it names, with a deadline; nothing sleeps for a guessed time.
 
-#include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
-#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -48,25 +51,12 @@ inline std::string Shell(const std::string& cmd) {
   return out;
 }
 
-inline bool PortFree(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return false;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  close(fd);
-  return ok;
-}
-
 class RedisCluster {
  public:
   struct Options {
     int primaries = 3;
-    int replicas = 1;     // per primary
-    bool cluster = true;  // false: one standalone node (primaries, replicas ignored)
-    std::string password = "kdn-test-secret";
+    int replicas = 1;       // per primary
+    bool cluster = true;    // false: one standalone node (primaries, replicas ignored)
     int maxmemory_mib = 0;  // 0: unbounded
     // How long a node may go unanswered before the others hold it to have
     // failed and its replica takes over. Long (Redis's default) unless a
@@ -76,9 +66,9 @@ class RedisCluster {
     int node_timeout_ms = 15000;
   };
 
-  // Starts the nodes under `dir` and waits until the cluster says
-  // cluster_state:ok on every node and every replica is in sync. Fails the
-  // test (and returns null) when it cannot.
+  // Starts the nodes under `dir` (python3 -m kdn_launch.redis_cluster) and
+  // waits until the cluster says cluster_state:ok on every node and every
+  // replica is in sync. Fails the test (and returns null) when it cannot.
   //
   // The nodes' files (cluster config, logs) go to a folder of their own in
   // /dev/shm where there is one, else under `dir`: a node fsyncs its
@@ -90,39 +80,56 @@ class RedisCluster {
       return nullptr;
     }
     auto c = std::unique_ptr<RedisCluster>(new RedisCluster(dir, o));
-    const int n = o.cluster ? o.primaries * (1 + o.replicas) : 1;
-    if (!c->PickPorts(n)) {
-      ADD_FAILURE() << "no free loopback ports for " << n << " redis nodes";
+    std::vector<std::string> args = {"python3",
+                                     "-m",
+                                     "kdn_launch.redis_cluster",
+                                     c->dir_.string(),
+                                     "--maxmemory-mib",
+                                     std::to_string(o.maxmemory_mib),
+                                     "--node-timeout-ms",
+                                     std::to_string(o.node_timeout_ms)};
+    if (o.cluster) {
+      args.insert(args.end(), {"--primaries", std::to_string(o.primaries), "--replicas",
+                               std::to_string(o.replicas)});
+    } else {
+      args.push_back("--standalone");
+    }
+    if (!c->Launch(args)) return nullptr;
+    const size_t n = o.cluster ? static_cast<size_t>(o.primaries * (1 + o.replicas)) : 1;
+    // Its URL, then "host:port pid" per node.
+    const std::string url = c->ReadLine();
+    const size_t at = url.find('@');
+    if (url.rfind("redis://:", 0) != 0 || at == std::string::npos) {
+      ADD_FAILURE() << "kdn_launch.redis_cluster did not start Redis (its stderr is above): "
+                    << url;
       return nullptr;
     }
-    for (int i = 0; i < n; ++i) c->Launch(i);
-    for (int i = 0; i < n; ++i) {
-      if (!WaitUntil([&] { return c->Cli(i, "ping").find("PONG") == 0; },
-                     std::chrono::seconds(10))) {
-        ADD_FAILURE() << "redis node on port " << c->ports_[i] << " did not start; see "
-                      << (c->dir_ / ("node-" + std::to_string(c->ports_[i]) + ".log"));
+    c->password_ = url.substr(9, at - 9);
+    for (size_t i = 0; i < n; ++i) {
+      std::istringstream line(c->ReadLine());
+      std::string address;
+      pid_t pid = -1;
+      line >> address >> pid;
+      const size_t colon = address.rfind(':');
+      if (colon == std::string::npos || pid <= 0) {
+        ADD_FAILURE() << "kdn_launch.redis_cluster: no line for node " << i;
         return nullptr;
       }
+      c->ports_.push_back(std::atoi(address.c_str() + colon + 1));
+      c->pids_.push_back(pid);
     }
-    if (!o.cluster) return c;
-    std::string create = "redis-cli --no-auth-warning -a " + o.password + " --cluster create";
-    for (int p : c->ports_) create += " 127.0.0.1:" + std::to_string(p);
-    create += " --cluster-replicas " + std::to_string(o.replicas) + " --cluster-yes";
-    const std::string made = Shell(create);
-    if (!c->WaitHealthy(std::chrono::seconds(30))) {
-      ADD_FAILURE() << "the cluster did not come up: " << made;
+    if (o.cluster && !c->WaitHealthy(std::chrono::seconds(30))) {
+      ADD_FAILURE() << "the cluster did not come up:\n" << c->Events();
       return nullptr;
     }
     return c;
   }
 
+  // Closing its stdin stops kdn_launch.redis_cluster, which stops the nodes.
   ~RedisCluster() {
-    for (pid_t p : pids_) {
-      if (p > 0) kill(p, SIGKILL);
-    }
-    for (pid_t p : pids_) {
-      if (p > 0) waitpid(p, nullptr, 0);
-    }
+    if (launcher_out_ != nullptr) fclose(launcher_out_);
+    if (launcher_in_ >= 0) close(launcher_in_);
+    if (launcher_ > 0) waitpid(launcher_, nullptr, 0);
     if (own_dir_) {
       std::error_code ec;
       std::filesystem::remove_all(dir_, ec);
@@ -133,12 +140,14 @@ class RedisCluster {
 
   // redis://:password@127.0.0.1:p1,... with every node as a seed.
   std::string url() const {
-    std::string u = "redis://:" + o_.password + "@";
+    std::string u = "redis://:" + password_ + "@";
     for (size_t i = 0; i < ports_.size(); ++i) {
       u += (i > 0 ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(ports_[i]);
     }
     return u;
   }
+  // The password kdn_launch.redis_cluster made (in url() too).
+  const std::string& password() const { return password_; }
   size_t size() const { return ports_.size(); }
   int port(size_t i) const { return ports_[i]; }
   std::string addr(size_t i) const { return "127.0.0.1:" + std::to_string(ports_[i]); }
@@ -151,7 +160,7 @@ class RedisCluster {
 
   // redis-cli against node i (its stdout).
   std::string Cli(size_t i, const std::string& args) const {
-    return Shell("redis-cli --no-auth-warning -a " + o_.password + " -p " +
+    return Shell("redis-cli --no-auth-warning -a " + password_ + " -p " +
                  std::to_string(ports_[i]) + " " + args);
   }
   // The node's id in the cluster.
@@ -162,12 +171,33 @@ class RedisCluster {
   }
   bool IsPrimary(size_t i) const { return Cli(i, "role").find("master") == 0; }
 
-  void Kill(size_t i) {
-    if (pids_[i] > 0) {
-      kill(pids_[i], SIGKILL);
-      waitpid(pids_[i], nullptr, 0);
-      pids_[i] = -1;
+  // SET `key` to `bytes` on node i, any bytes (redis-cli -x); its answer.
+  std::string SetBytes(size_t i, const std::string& key, const std::vector<uint8_t>& bytes) const {
+    std::string format;
+    char octal[8];
+    for (uint8_t b : bytes) {
+      std::snprintf(octal, sizeof(octal), "\\%03o", b);
+      format += octal;
     }
+    return Shell("printf '" + format + "' | redis-cli --no-auth-warning -a " + password_ + " -p " +
+                 std::to_string(ports_[i]) + " -x set " + key);
+  }
+
+  // Kills node i (SIGKILL) and waits until it is gone: a zombie of the
+  // launcher, which reaps it when it stops.
+  void Kill(size_t i) {
+    if (pids_[i] <= 0) return;
+    kill(pids_[i], SIGKILL);
+    const std::string stat = "/proc/" + std::to_string(pids_[i]) + "/stat";
+    const bool gone = WaitUntil(
+        [&] {
+          std::ifstream in(stat);
+          std::string pid, comm, state;
+          return !(in >> pid >> comm >> state) || state == "Z" || state == "X";
+        },
+        std::chrono::seconds(10));
+    EXPECT_TRUE(gone) << "redis node " << pids_[i] << " still runs after SIGKILL";
+    pids_[i] = -1;
   }
   bool alive(size_t i) const { return pids_[i] > 0; }
 
@@ -196,7 +226,7 @@ class RedisCluster {
   bool WaitSlotsAgree(size_t via, std::chrono::milliseconds timeout) const {
     return WaitUntil(
         [&] {
-          const std::string out = Shell("redis-cli --no-auth-warning -a " + o_.password +
+          const std::string out = Shell("redis-cli --no-auth-warning -a " + password_ +
                                         " --cluster check " + addr(via) + " 2>&1");
           return out.find("[OK] All nodes agree about slots configuration.") != std::string::npos &&
                  out.find("[WARNING]") == std::string::npos &&
@@ -233,10 +263,10 @@ class RedisCluster {
   // FAIL, failover or an epoch), for a failing test's message.
   std::string Events() const {
     std::string out;
-    for (int p : ports_) {
-      const auto log = dir_ / ("node-" + std::to_string(p) + ".log");
+    for (size_t i = 0; i < ports_.size(); ++i) {
+      const auto log = dir_ / "redis" / ("redis-" + std::to_string(i)) / "redis.log";
       out += Shell("grep -iE 'FAIL|failover|epoch|slot' " + log.string() + " | sed 's/^/" +
-                   std::to_string(p) + " /'");
+                   std::to_string(ports_[i]) + " /'");
     }
     return out;
   }
@@ -257,72 +287,57 @@ class RedisCluster {
     }
   }
 
-  bool PickPorts(int n) {
-    std::mt19937 rng(std::random_device{}());
-    for (int attempt = 0; attempt < 50; ++attempt) {
-      // Ports and cluster-bus ports (+10000) below Linux's ephemeral range
-      // (32768 on), which the kernel hands to outgoing connections.
-      const int base = 10000 + static_cast<int>(rng() % 12000);
-      bool ok = true;
-      for (int i = 0; i < n && ok; ++i) ok = PortFree(base + i) && PortFree(base + i + 10000);
-      if (!ok) continue;
-      ports_.clear();
-      for (int i = 0; i < n; ++i) ports_.push_back(base + i);
-      return true;
-    }
-    return false;
-  }
-
-  void Launch(int i) {
-    const std::string port = std::to_string(ports_[i]);
-    std::vector<std::string> args = {"redis-server",
-                                     "--port",
-                                     port,
-                                     "--bind",
-                                     "127.0.0.1",
-                                     "--dir",
-                                     dir_.string(),
-                                     "--logfile",
-                                     (dir_ / ("node-" + port + ".log")).string(),
-                                     "--save",
-                                     "",
-                                     "--appendonly",
-                                     "no",
-                                     "--requirepass",
-                                     o_.password,
-                                     "--masterauth",
-                                     o_.password};
-    if (o_.cluster) {
-      args.insert(args.end(),
-                  {"--cluster-enabled", "yes", "--cluster-config-file", "nodes-" + port + ".conf",
-                   "--cluster-node-timeout", std::to_string(o_.node_timeout_ms),
-                   "--cluster-require-full-coverage", "no"});
-    }
-    if (o_.maxmemory_mib > 0) {
-      args.insert(args.end(), {"--maxmemory", std::to_string(o_.maxmemory_mib) + "mb",
-                               "--maxmemory-policy", "allkeys-lru",
-                               // Redis's most: more than the keys a test holds, so that
-                               // every eviction samples them all and evicts the least
-                               // recently used, exactly (with 10 samples a hot key was
-                               // sometimes evicted when few older keys were left).
-                               "--maxmemory-samples", "64"});
+  // Starts `args` (kdn_launch.redis_cluster) with pipes to its stdin and
+  // stdout; its stderr is the test's.
+  bool Launch(const std::vector<std::string>& args) {
+    int in[2], out[2];
+    if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+      ADD_FAILURE() << "pipe: " << std::strerror(errno);
+      return false;
     }
     const pid_t pid = fork();
     if (pid == 0) {
+      dup2(in[0], 0);
+      dup2(out[1], 1);
+      setenv("PYTHONPATH", KDN_LAUNCH_DIR, 1);
       std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
-      execvp("redis-server", argv.data());
+      execvp(argv[0], argv.data());
       _exit(127);
     }
-    pids_.push_back(pid);
+    close(in[0]);
+    close(out[1]);
+    if (pid < 0) {
+      close(in[1]);
+      close(out[0]);
+      ADD_FAILURE() << "fork: " << std::strerror(errno);
+      return false;
+    }
+    launcher_ = pid;
+    launcher_in_ = in[1];
+    launcher_out_ = fdopen(out[0], "r");
+    return launcher_out_ != nullptr;
+  }
+
+  // The launcher's next stdout line, "" once it has exited.
+  std::string ReadLine() {
+    char buf[4096];
+    if (launcher_out_ == nullptr || fgets(buf, sizeof(buf), launcher_out_) == nullptr) return "";
+    std::string line(buf);
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+    return line;
   }
 
   std::filesystem::path dir_;
   bool own_dir_ = false;  // dir_ is in /dev/shm, removed with the nodes
   Options o_;
+  std::string password_;  // the launcher's, from its URL
   std::vector<int> ports_;
   std::vector<pid_t> pids_;
+  pid_t launcher_ = -1;
+  int launcher_in_ = -1;
+  FILE* launcher_out_ = nullptr;
 };
 
 }  // namespace kdn::kvbus::testing

@@ -5,6 +5,7 @@
 // primary killed mid-run, a damaged value, eviction, credentials.
 
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <set>
@@ -191,7 +192,7 @@ TEST_F(RedisTier, FollowsMovedAfterAReshardAndAskDuringOne) {
   ASSERT_TRUE(store->Put(MakeWithKey(fresh, 1)).ok());
   // (The target answers for an importing slot only after ASKING.)
   EXPECT_EQ(Shell("printf 'ASKING\\nEXISTS " + RedisKey(kConformanceModel, fresh) +
-                  "\\n' | redis-cli --no-auth-warning -a kdn-test-secret -p " +
+                  "\\n' | redis-cli --no-auth-warning -a " + c->password() + " -p " +
                   std::to_string(c->port(to))),
             "OK\n1\n")
       << "the new key went where ASK sent it";
@@ -210,8 +211,8 @@ TEST_F(RedisTier, FollowsMovedAfterAReshardAndAskDuringOne) {
     in_slot += ch == '\n' ? ' ' : ch;
   }
   ASSERT_NE(in_slot.find(RedisKey(kConformanceModel, old_key)), std::string::npos) << in_slot;
-  ASSERT_EQ(c->Cli(from, "migrate 127.0.0.1 " + std::to_string(c->port(to)) +
-                             " \"\" 0 5000 auth kdn-test-secret keys " + in_slot),
+  ASSERT_EQ(c->Cli(from, "migrate 127.0.0.1 " + std::to_string(c->port(to)) + " \"\" 0 5000 auth " +
+                             c->password() + " keys " + in_slot),
             "OK\n");
   for (size_t i = 0; i < c->size(); ++i) {
     if (c->IsPrimary(i)) {
@@ -223,8 +224,8 @@ TEST_F(RedisTier, FollowsMovedAfterAReshardAndAskDuringOne) {
   // redis-cli refuses to reshard until every node has heard of that slot.
   ASSERT_TRUE(c->WaitSlotsAgree(from, seconds(30))) << c->Events();
   const std::string resharded =
-      Shell("redis-cli --no-auth-warning -a kdn-test-secret --cluster reshard " + c->addr(from) +
-            " --cluster-from " + c->Id(from) + " --cluster-to " + c->Id(other) +
+      Shell("redis-cli --no-auth-warning -a " + c->password() + " --cluster reshard " +
+            c->addr(from) + " --cluster-from " + c->Id(from) + " --cluster-to " + c->Id(other) +
             " --cluster-slots 1000 --cluster-yes 2>&1 | grep -v '^Moving slot'");
   ASSERT_EQ(resharded.find("[ERR]"), std::string::npos) << resharded << c->Events();
   ASSERT_NE(resharded.find("Ready to move 1000 slots"), std::string::npos) << resharded;
@@ -330,6 +331,29 @@ TEST_F(RedisTier, ADamagedValueIsAMissAndIsDeleted) {
   // Put again, it serves again.
   ASSERT_TRUE(store->Put(Make(1)).ok());
   EXPECT_TRUE(store->Get(Key(1)).ok());
+}
+
+TEST_F(RedisTier, AnotherKdnsChunkIsAMissAndIsKept) {
+  RedisCluster* c = SharedStandalone();
+  ASSERT_NE(c, nullptr);
+  auto store = ConnectTo(*c);
+  ASSERT_NE(store, nullptr);
+  // A chunk of a newer kdn: a header flag this one does not know, sealed.
+  const auto chunk = Make(1);
+  std::vector<uint8_t> b(chunk->bytes().begin(), chunk->bytes().end());
+  b[112] = 4;
+  const uint64_t sum = XXH3_64bits(b.data(), 120);
+  for (int i = 0; i < 8; ++i) b[120 + i] = static_cast<uint8_t>(sum >> (8 * i));
+  const std::string rkey = RedisKey(kConformanceModel, Key(1));
+  ASSERT_EQ(c->SetBytes(0, rkey, b), "OK\n");
+  ASSERT_EQ(c->Cli(0, "strlen " + rkey), std::to_string(b.size()) + "\n");
+  auto got = store->Get(Key(1));
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(got.status().message().find("another kdn version"), std::string::npos)
+      << got.status().ToString();
+  EXPECT_EQ(store->Stats().corrupt, 0u);
+  EXPECT_EQ(c->Cli(0, "exists " + rkey), "1\n") << "another kdn's chunk is kept";
 }
 
 TEST_F(RedisTier, AnotherModelsChunkIsRefusedAndNeverServed) {
