@@ -85,16 +85,16 @@ for l in "$root"/lib/*; do patchelf --set-rpath '$ORIGIN' "$l" 2>/dev/null || tr
 
 # The client library inside the Python package `kdn` (docs/clients.md),
 # which finds it there; what it links is in lib/ with the programs'.
-if [ -f "$build/lib/libkdn_client.so.1" ]; then
+if [ -f "$build/lib/libkdn_client.so.2" ]; then
   mkdir -p "$root/python/kdn/_lib"
   cp python/pyproject.toml "$root/python/"
   cp python/kdn/*.py "$root/python/kdn/"
-  cp -L "$build/lib/libkdn_client.so.1" "$root/python/kdn/_lib/"
+  cp -L "$build/lib/libkdn_client.so.2" "$root/python/kdn/_lib/"
   while read -r name path; do
     [[ $name =~ $skip ]] && continue
     [ -f "$root/lib/$name" ] || cp -L "$path" "$root/lib/$name"
-  done < <(ldd "$build/lib/libkdn_client.so.1" | awk '/=>/ {print $1, $3}')
-  patchelf --set-rpath '$ORIGIN/../../../lib' "$root/python/kdn/_lib/libkdn_client.so.1"
+  done < <(ldd "$build/lib/libkdn_client.so.2" | awk '/=>/ {print $1, $3}')
+  patchelf --set-rpath '$ORIGIN/../../../lib' "$root/python/kdn/_lib/libkdn_client.so.2"
 fi
 
 cp -r launch "$root/"

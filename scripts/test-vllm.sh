@@ -19,7 +19,7 @@ VENV=${KDN_VLLM_VENV:-.venv-vllm}
 export VLLM_TARGET_DEVICE=cpu
 export KDN_BIN_DIR=${KDN_BIN_DIR:-$PWD/build/bin}
 export KDN_LIB_DIR=${KDN_LIB_DIR:-$(dirname "$KDN_BIN_DIR")/lib}
-[[ -x "$KDN_BIN_DIR/kdn-store" && -e "$KDN_LIB_DIR/libkdn_client.so.1" ]] || {
+[[ -x "$KDN_BIN_DIR/kdn-store" && -e "$KDN_LIB_DIR/libkdn_client.so.2" ]] || {
   echo "test-vllm: kdn is not built at $KDN_BIN_DIR and $KDN_LIB_DIR (scripts/build.sh)" >&2
   exit 1
 }

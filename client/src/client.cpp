@@ -6,6 +6,7 @@
 #include "kdn/client.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -20,6 +21,7 @@
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/kv_layout.h"
 #include "kdn/kvbus/prefix_io.h"
+#include "kdn/kvbus/redis_store.h"
 #include "kdn/kvbus/shared_tier.h"
 #include "kdn/model/config.h"
 
@@ -67,6 +69,26 @@ kdn_status Report(const Status& st) {
 
 // Runs `f` (returning a Status) with the thread's error cleared first and
 // no exception let through.
+// `url` with the password from `password_file`, else from the file
+// KDN_REDIS_PASSWORD_FILE names, else KDN_REDIS_PASSWORD; the environment
+// only for a URL without one.
+kdn::Result<std::string> WithRedisPassword(const std::string& url, const char* password_file) {
+  if (password_file != nullptr && *password_file != '\0') {
+    KDN_ASSIGN_OR_RETURN(std::string password, kvbus::ReadPasswordFile(password_file));
+    return kvbus::RedisUrlWithPassword(url, password);
+  }
+  KDN_ASSIGN_OR_RETURN(kvbus::RedisUrl parsed, kvbus::ParseRedisUrl(url));
+  if (!parsed.password.empty()) return url;
+  if (const char* file = std::getenv("KDN_REDIS_PASSWORD_FILE"); file != nullptr && *file) {
+    KDN_ASSIGN_OR_RETURN(std::string password, kvbus::ReadPasswordFile(file));
+    return kvbus::RedisUrlWithPassword(url, password);
+  }
+  if (const char* password = std::getenv("KDN_REDIS_PASSWORD"); password != nullptr && *password) {
+    return kvbus::RedisUrlWithPassword(url, password);
+  }
+  return url;
+}
+
 template <typename F>
 kdn_status Guard(F&& f) noexcept {
   try {
@@ -183,6 +205,22 @@ const char* kdn_status_name(kdn_status status) {
   return "UNKNOWN";
 }
 
+int kdn_status_is_miss(kdn_status status) {
+  switch (status) {
+    case KDN_UNAVAILABLE:
+    case KDN_RESOURCE_EXHAUSTED:
+    case KDN_CORRUPTION:
+    case KDN_UNIMPLEMENTED:
+    case KDN_NOT_FOUND:
+    case KDN_IO_ERROR:
+    case KDN_INTERNAL: return 1;
+    case KDN_OK:
+    case KDN_INVALID_ARGUMENT:
+    case KDN_FAILED_PRECONDITION: break;
+  }
+  return 0;
+}
+
 kdn_status kdn_model_open(const char* path, int32_t kv_dtype, kdn_model** out) {
   return Guard([&]() -> Status {
     if (path == nullptr || out == nullptr) return kdn::InvalidArgument("path or out is null");
@@ -232,8 +270,10 @@ kdn_status kdn_client_open(const char* uri, const kdn_model* model,
     kvbus::SharedTierOptions shared;
     shared.model = model->fingerprint;
     shared.ttl = std::chrono::milliseconds(o.redis_ttl_ms);
-    const std::string u = uri;
-    if (!u.starts_with("redis://")) {
+    std::string u = uri;
+    if (u.starts_with("redis://")) {
+      KDN_ASSIGN_OR_RETURN(u, WithRedisPassword(u, o.redis_password_file));
+    } else {
       KDN_ASSIGN_OR_RETURN(
           shared.curve,
           kdn::net::CurveKeysFromFlagOrEnv(o.curve_keys_path != nullptr ? o.curve_keys_path : ""));

@@ -10,17 +10,27 @@ dependency, and torch tensors are taken as they are.
     n, k, v = client.fetch(token_ids)   # numpy, [layers, kv_heads, n, head_dim]
 
 The adapters: kdn.hf (transformers' DynamicCache), kdn.vllm (a vLLM KV
-connector).
+connector). No KDN failure fails them: with failure="miss" (what they pass)
+a lookup or fetch the KDN fails is a miss and a store it fails stores
+nothing, each logged once per cause and counted in Client.failures; only
+the caller's own errors (a buffer that does not fit) raise.
 """
 
+import atexit
 import ctypes
+import logging
+import threading
+import weakref
 
 import numpy as np
 
 from kdn._native import KdnError, check, lib
 from kdn import _native
 
-__all__ = ["Client", "KdnError", "Model", "Span", "StoreResult", "layout_of"]
+__all__ = ["BackgroundStore", "Client", "KdnError", "Model", "Span", "StoreResult", "layout_of",
+           "redact_uri"]
+
+logger = logging.getLogger("kdn")
 
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 _ITEMSIZE = {0: 4, 1: 2, 2: 2}
@@ -58,6 +68,19 @@ class Model:
             self.path, self.kv_dtype, self.layers, self.kv_heads, self.head_dim, self.fingerprint)
 
 
+def redact_uri(uri):
+    """`uri` without its password ("redis://user:***@host:port"): what kdn
+    prints of a KDN's address."""
+    scheme = "redis://"
+    if not uri.startswith(scheme):
+        return uri
+    rest = uri[len(scheme):]
+    at = rest.rfind("@")
+    if at < 0 or ":" not in rest[:at]:
+        return uri
+    return scheme + rest[:at].split(":", 1)[0] + ":***@" + rest[at + 1:]
+
+
 class Span:
     __slots__ = ("key", "first", "count")
 
@@ -71,8 +94,10 @@ class Span:
 class StoreResult:
     __slots__ = ("stored", "already_held", "not_stored")
 
-    def __init__(self, r):
-        self.stored, self.already_held, self.not_stored = r.stored, r.already_held, r.not_stored
+    def __init__(self, r=None, stored=0, already_held=0, not_stored=0):
+        if r is not None:
+            stored, already_held, not_stored = r.stored, r.already_held, r.not_stored
+        self.stored, self.already_held, self.not_stored = stored, already_held, not_stored
 
     def __repr__(self):
         return "StoreResult(stored=%d, already_held=%d, not_stored=%d)" % (
@@ -159,20 +184,49 @@ def layout_of(k, v, dims, block_table=None):
 class Client:
     """A connection to a KDN for one model's KV: "kdn-store://host:port"
     (`curve_keys`: the deployment's members' key file, or $KDN_CURVE_KEYS) or
-    "redis://[user:password@]host:port[,...]". `ns` is the tenant's cache
-    salt and `chunk_tokens` the deployment's --chunk-tokens; both must match
-    the deployment's for keys to meet. Thread-safe."""
+    "redis://[user@]host:port[,...]" (the password from
+    `redis_password_file`, else the file $KDN_REDIS_PASSWORD_FILE names, else
+    $KDN_REDIS_PASSWORD; one in the URL works too, but shows wherever the
+    URL does). `ns` is the tenant's cache salt and `chunk_tokens` the
+    deployment's --chunk-tokens; both must match the deployment's for keys
+    to meet. `uri` keeps the address without its password. Thread-safe.
 
-    def __init__(self, uri, model, curve_keys=None, ns=None, chunk_tokens=0, redis_ttl_ms=0):
+    lookup, fetch, fetch_into and store raise KdnError when they fail; with
+    failure="miss", a failure that is the KDN's (KdnError.miss: unreachable,
+    slow, full, unreadable) is a miss instead (0 tokens; a StoreResult with
+    nothing stored), logged once per (call, status) and counted in
+    `failures`, {(call, status name): count}."""
+
+    def __init__(self, uri, model, curve_keys=None, ns=None, chunk_tokens=0, redis_ttl_ms=0,
+                 redis_password_file=None):
         self._handle = None
         self.model = model
+        self.uri = redact_uri(uri)
+        self.failures = {}
+        self._lock = threading.Lock()
         o = _native.ClientOptions(curve_keys.encode() if curve_keys else None,
-                                  ns.encode() if ns else None, chunk_tokens, redis_ttl_ms)
+                                  ns.encode() if ns else None, chunk_tokens, redis_ttl_ms,
+                                  str(redis_password_file).encode() if redis_password_file
+                                  else None)
         handle = ctypes.c_void_p()
         check(lib.kdn_client_open(uri.encode(), model._handle, ctypes.byref(o),
                                   ctypes.byref(handle)))
         self._handle = handle
-        self.uri = uri
+
+    def _failed(self, call, error, failure):
+        """`error` raised, or counted and logged when failure="miss" and
+        it is the KDN's."""
+        if failure not in ("raise", "miss"):
+            raise ValueError("failure must be 'raise' or 'miss', not %r" % failure)
+        if failure == "raise" or not error.miss:
+            raise error
+        with self._lock:
+            n = self.failures[(call, error.code)] = self.failures.get((call, error.code), 0) + 1
+        if n == 1:
+            logger.warning("kdn: a %s at %s failed (%s), taken as %s; later %s failures of "
+                           "this kind are counted in Client.failures, not logged",
+                           call, self.uri, error, "nothing stored" if call == "store" else
+                           "a miss", call)
 
     def close(self):
         if getattr(self, "_handle", None):
@@ -197,27 +251,36 @@ class Client:
         check(lib.kdn_spans(self._handle, p, n, arr, count.value, ctypes.byref(count)))
         return [Span(bytes(s.key).hex(), s.first, s.count) for s in arr]
 
-    def lookup(self, tokens, limit=None):
+    def lookup(self, tokens, limit=None, failure="raise"):
         """How many leading tokens of `tokens` the KDN holds (at most `limit`)."""
         _, p, n = _tokens(tokens)
         hit = ctypes.c_int64()
-        check(lib.kdn_lookup(self._handle, p, n, -1 if limit is None else limit,
-                             ctypes.byref(hit)))
+        try:
+            check(lib.kdn_lookup(self._handle, p, n, -1 if limit is None else limit,
+                                 ctypes.byref(hit)))
+        except KdnError as e:
+            self._failed("lookup", e, failure)
+            return 0
         return hit.value
 
-    def fetch_into(self, tokens, k, v, dims, limit=None, block_table=None):
+    def fetch_into(self, tokens, k, v, dims, limit=None, block_table=None, failure="raise"):
         """Writes the KV of the longest stored prefix of `tokens` (at most
         `limit` tokens) into the per-layer buffers `k` and `v` (layout_of
         describes `dims`); returns how many tokens it wrote, from token 0."""
         layout, keep = layout_of(k, v, dims, block_table)
         _, p, n = _tokens(tokens)
         fetched = ctypes.c_int64()
-        check(lib.kdn_fetch(self._handle, p, n, -1 if limit is None else limit,
-                            ctypes.byref(layout), ctypes.byref(fetched)))
-        del keep
+        try:
+            check(lib.kdn_fetch(self._handle, p, n, -1 if limit is None else limit,
+                                ctypes.byref(layout), ctypes.byref(fetched)))
+        except KdnError as e:
+            self._failed("fetch", e, failure)
+            return 0
+        finally:
+            del keep
         return fetched.value
 
-    def fetch(self, tokens, limit=None, dtype=np.float32, major="head"):
+    def fetch(self, tokens, limit=None, dtype=np.float32, major="head", failure="raise"):
         """(n, k, v): the KV of the longest stored prefix of `tokens` as numpy
         arrays of shape [layers, kv_heads, n, head_dim] (major="head") or
         [layers, n, kv_heads, head_dim] (major="token"): views of one
@@ -234,19 +297,124 @@ class Client:
         k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
         if cap == 0:
             return 0, k, v
-        got = self.fetch_into(tokens, list(k), list(v), dims, limit=cap)
+        got = self.fetch_into(tokens, list(k), list(v), dims, limit=cap, failure=failure)
         cut = (slice(None), slice(None), slice(0, got)) if major == "head" else (
             slice(None), slice(0, got))
         return got, k[cut], v[cut]
 
-    def store(self, tokens, k, v, dims, block_table=None):
+    def store(self, tokens, k, v, dims, block_table=None, failure="raise"):
         """Stores the KV of all of `tokens` (tokens [0, len) of the per-layer
         buffers `k` and `v`, described as for layout_of), each chunk and tail
         piece the KDN lacks. Returns a StoreResult; raises KdnError (with the
-        result's counts in its message) if a put fails."""
+        result's counts in its message) if a put fails, or, with
+        failure="miss", returns the counts (not_stored: the span that failed
+        and those after it)."""
         layout, keep = layout_of(k, v, dims, block_table)
         _, p, n = _tokens(tokens)
         r = _native.StoreResult()
-        check(lib.kdn_store(self._handle, p, n, ctypes.byref(layout), ctypes.byref(r)))
-        del keep
+        try:
+            check(lib.kdn_store(self._handle, p, n, ctypes.byref(layout), ctypes.byref(r)))
+        except KdnError as e:
+            self._failed("store", e, failure)
+        finally:
+            del keep
         return StoreResult(r)
+
+
+def _nbytes(x):
+    if hasattr(x, "element_size"):  # torch
+        return x.element_size() * x.numel()
+    return np.asarray(x).nbytes
+
+
+class BackgroundStore:
+    """Stores off the caller's thread: put() hands a store to one thread of
+    its own and returns at once, so a KDN that is slow or down never holds
+    the caller (an engine's step). While more than `max_bytes` of KV waits,
+    a put is dropped and counted. The thread stores with failure="miss"
+    (Client.failures counts what the KDN failed). close() stores what waits,
+    for at most `timeout` seconds, then stops the thread; a process that
+    exits without it closes it then. Thread-safe.
+
+    The buffers given to put() must be the caller's copies: the thread reads
+    them later."""
+
+    def __init__(self, client, max_bytes=1 << 30, name="kdn-store"):
+        self.client = client
+        self.max_bytes = max_bytes
+        self.stored = 0  # stores done (whatever the KDN held or took)
+        self.dropped = 0  # puts dropped while max_bytes waited
+        self._waiting = []
+        self._bytes = 0
+        self._busy = False
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        # A process that ends without close() still stores what waits.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+
+    def put(self, tokens, k, v, dims, label=""):
+        """Queues a store of `tokens`' KV (as Client.store takes it); False,
+        counted in `dropped`, when max_bytes already waits or it is closed."""
+        size = sum(_nbytes(x) for x in list(k) + list(v))
+        with self._cv:
+            if self._closed or (self._bytes > 0 and self._bytes + size > self.max_bytes):
+                self.dropped += 1
+                first = self.dropped == 1
+                waiting = self._bytes
+            else:
+                self._waiting.append((tokens, k, v, dims, label, size))
+                self._bytes += size
+                self._cv.notify_all()
+                return True
+        if first:
+            logger.warning("kdn: a store of %s was dropped: %d bytes of KV already wait for "
+                           "the KDN (at most %d); later drops are counted in "
+                           "BackgroundStore.dropped, not logged", label or "KV", waiting,
+                           self.max_bytes)
+        return False
+
+    def pending(self):
+        """Bytes of KV waiting or being stored."""
+        with self._cv:
+            return self._bytes
+
+    def flush(self, timeout=None):
+        """Waits until nothing waits or is being stored (at most `timeout`
+        seconds); True when so."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._waiting and not self._busy, timeout)
+
+    def close(self, timeout=30.0):
+        """Stores what waits (at most `timeout` seconds), then stops; what is
+        left then is dropped and counted."""
+        done = self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            if not done:
+                self.dropped += len(self._waiting)
+                self._waiting.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout=1.0 if not done else None)
+
+    def _run(self):
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._waiting or self._closed)
+                if not self._waiting:
+                    return
+                tokens, k, v, dims, label, size = self._waiting.pop(0)
+                self._busy = True
+            try:
+                r = self.client.store(tokens, k, v, dims, failure="miss")
+                logger.info("kdn: %s: stored %d tokens' KV (%s)", label or "KV", len(tokens), r)
+            except Exception:  # a caller's error in what it queued: logged, not fatal
+                logger.exception("kdn: a store of %s failed", label or "KV")
+            finally:
+                with self._cv:
+                    self.stored += 1
+                    self._bytes -= size
+                    self._busy = False
+                    self._cv.notify_all()

@@ -10,17 +10,21 @@ import ctypes
 import os
 from pathlib import Path
 
-API_VERSION = 1
+API_VERSION = 2
 
 
 class KdnError(RuntimeError):
     """A failed libkdn_client call: `code` is the status name
-    ("INVALID_ARGUMENT", "UNAVAILABLE", ...), the message says the rest."""
+    ("INVALID_ARGUMENT", "UNAVAILABLE", ...), the message says the rest.
+    `miss` is true when the failure is the KDN's, not the caller's
+    (kdn_status_is_miss): a lookup or fetch that failed so is a miss, a
+    store that failed so stored nothing, and an engine goes on."""
 
-    def __init__(self, code, message):
+    def __init__(self, code, message, miss=False):
         super().__init__("%s: %s" % (code, message))
         self.code = code
         self.message = message
+        self.miss = miss
 
 
 class ModelInfo(ctypes.Structure):
@@ -31,7 +35,8 @@ class ModelInfo(ctypes.Structure):
 
 class ClientOptions(ctypes.Structure):
     _fields_ = [("curve_keys_path", ctypes.c_char_p), ("ns", ctypes.c_char_p),
-                ("chunk_tokens", ctypes.c_int32), ("redis_ttl_ms", ctypes.c_int64)]
+                ("chunk_tokens", ctypes.c_int32), ("redis_ttl_ms", ctypes.c_int64),
+                ("redis_password_file", ctypes.c_char_p)]
 
 
 class Span(ctypes.Structure):
@@ -60,11 +65,11 @@ def _candidates():
         yield Path(env)
         return
     here = Path(__file__).resolve().parent
-    yield here / "_lib" / "libkdn_client.so.1"
+    yield here / "_lib" / "libkdn_client.so.2"
     if os.environ.get("KDN_LIB_DIR"):
-        yield Path(os.environ["KDN_LIB_DIR"]) / "libkdn_client.so.1"
-    yield here.parents[1] / "build" / "lib" / "libkdn_client.so.1"
-    yield Path("libkdn_client.so.1")  # the system's loader
+        yield Path(os.environ["KDN_LIB_DIR"]) / "libkdn_client.so.2"
+    yield here.parents[1] / "build" / "lib" / "libkdn_client.so.2"
+    yield Path("libkdn_client.so.2")  # the system's loader
 
 
 def _load():
@@ -87,6 +92,7 @@ _decls = {
     "kdn_api_version": (ctypes.c_int, []),
     "kdn_last_error": (ctypes.c_char_p, []),
     "kdn_status_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "kdn_status_is_miss": (ctypes.c_int, [ctypes.c_int]),
     "kdn_model_open": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]),
     "kdn_model_close": (None, [ctypes.c_void_p]),
     "kdn_model_get_info": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ModelInfo)]),
@@ -114,4 +120,5 @@ if lib.kdn_api_version() != API_VERSION:
 def check(status):
     """Raises KdnError for a status other than KDN_OK (0)."""
     if status != 0:
-        raise KdnError(lib.kdn_status_name(status).decode(), lib.kdn_last_error().decode())
+        raise KdnError(lib.kdn_status_name(status).decode(), lib.kdn_last_error().decode(),
+                       bool(lib.kdn_status_is_miss(status)))

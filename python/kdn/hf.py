@@ -6,7 +6,9 @@
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)
     kdn.hf.store_cache(model, input_ids, out_cache, client)
 
-One sequence at a time (a batch of one). The KV is head-major in
+No KDN failure fails them: a fetch the KDN fails is a miss and a store it
+fails stores nothing, logged once per cause and counted in the client's
+`failures` (kdn.Client, failure="miss"). One sequence at a time (a batch of one). The KV is head-major in
 transformers ([batch, kv_heads, tokens, head_dim]) and token-major in kdn's
 chunks; libkdn_client converts in one pass, straight into the tensors.
 Works with DynamicCache as transformers 4.4x and 5.x build it.
@@ -86,7 +88,7 @@ def fetch_cache(model, input_ids, client=None):
     k = torch.empty((layers, 1, kv_heads, limit, head_dim), dtype=dtype)
     v = torch.empty_like(k)
     got = c.fetch_into(ids, [k[i, 0] for i in range(layers)], [v[i, 0] for i in range(layers)],
-                       "htd", limit=limit)
+                       "htd", limit=limit, failure="miss")
     if got == 0:
         return cache, 0
     device = next(model.parameters()).device
@@ -107,7 +109,8 @@ def _layer_kv(cache):
 def store_cache(model, input_ids, cache, client=None):
     """Stores the KV of `input_ids` (the first len(input_ids) tokens of
     `cache`: a DynamicCache or the legacy tuple, as a forward pass or
-    generate returned it) in the KDN. Returns a kdn.StoreResult."""
+    generate returned it) in the KDN. Returns a kdn.StoreResult (a store the
+    KDN failed: what it stored before, and not_stored from there)."""
     c = _client(model, client)
     ids = _ids(input_ids)
     kv = _layer_kv(cache)
@@ -121,4 +124,4 @@ def store_cache(model, input_ids, cache, client=None):
             raise ValueError("the cache holds %d tokens; %d given" % (key.shape[2], len(ids)))
         ks.append(key[0].detach().cpu())
         vs.append(value[0].detach().cpu())
-    return c.store(ids, ks, vs, "htd")
+    return c.store(ids, ks, vs, "htd", failure="miss")

@@ -8,11 +8,20 @@ out of tree (docs/clients.md):
             "kdn_uri": "kdn-store://127.0.0.1:5560", "kdn_model": "/path/model.gguf",
             "kdn_curve_keys": "/run/curve.key"}})
 
-Extra config: kdn_uri (required), kdn_model (the files the fingerprint is
-computed from; default: vLLM's model), kdn_kv_dtype (default: vLLM's KV
-dtype: f32 for float32, bf16, f16), kdn_curve_keys, kdn_ns, kdn_chunk_tokens
-(default 256). A request's extra_args {"kv_transfer_params": {"kdn_store":
-false}} keeps its KV out of the KDN.
+Extra config: kdn_uri (required; a Redis URL without its password, which
+vLLM prints), kdn_redis_password_file (default: $KDN_REDIS_PASSWORD_FILE,
+else $KDN_REDIS_PASSWORD), kdn_model (the files the fingerprint is computed
+from; default: vLLM's model), kdn_kv_dtype (default: vLLM's KV dtype: f32
+for float32, bf16, f16), kdn_curve_keys, kdn_ns, kdn_chunk_tokens (default
+256), kdn_store_queue_mib (KV waiting to be stored at most, default 1024).
+A request's extra_args {"kv_transfer_params": {"kdn_store": false}} keeps
+its KV out of the KDN.
+
+No KDN failure is vLLM's: a lookup the KDN fails is a miss, a load it fails
+after a lookup promised KV reports those blocks as load errors (vLLM's
+kv_load_failure_policy recomputes them), and stores run on a thread of the
+connector, off vLLM's step, each failure dropped; all logged once per cause
+and counted (kdn.Client.failures, kdn.BackgroundStore.dropped).
 
 Scheduler side: the KDN's reach for a prompt (at most its length less one),
 rounded down to vLLM's block size, past what vLLM's own prefix cache has.
@@ -78,7 +87,10 @@ class KdnConnector(KVConnectorBase_V1):
         self.model = kdn.Model(model_path, kv_dtype=kv_dtype)
         self.client = kdn.Client(extra["kdn_uri"], self.model,
                                  curve_keys=extra.get("kdn_curve_keys"), ns=extra.get("kdn_ns"),
-                                 chunk_tokens=int(extra.get("kdn_chunk_tokens", 0)))
+                                 chunk_tokens=int(extra.get("kdn_chunk_tokens", 0)),
+                                 redis_password_file=extra.get("kdn_redis_password_file"))
+        self._store_queue_bytes = int(float(extra.get("kdn_store_queue_mib", 1024)) * (1 << 20))
+        self._stores = None  # the worker side's BackgroundStore, made at its first store
         self.role_can_save = self._kv_transfer_config.kv_role in ("kv_producer", "kv_both")
         self.role_can_load = self._kv_transfer_config.kv_role in ("kv_consumer", "kv_both")
         # Scheduler side.
@@ -89,7 +101,7 @@ class KdnConnector(KVConnectorBase_V1):
         self._layers = {}
         self._page_map = None
         self._load_errors = set()
-        logger.info("kdn.vllm: %s role, KDN %s, %r", role.name, extra["kdn_uri"], self.model)
+        logger.info("kdn.vllm: %s role, KDN %s, %r", role.name, self.client.uri, self.model)
 
     # ---- scheduler side
 
@@ -97,7 +109,7 @@ class KdnConnector(KVConnectorBase_V1):
         if not self.role_can_load:
             return 0, False
         ids = list(request.prompt_token_ids or [])
-        hit = self.client.lookup(ids, limit=len(ids) - 1) if len(ids) > 1 else 0
+        hit = self.client.lookup(ids, limit=len(ids) - 1, failure="miss") if len(ids) > 1 else 0
         hit = hit // self.block_size * self.block_size
         return max(hit - num_computed_tokens, 0), False
 
@@ -165,7 +177,8 @@ class KdnConnector(KVConnectorBase_V1):
         for req in meta.reqs:
             if req.load_to <= req.load_from:
                 continue
-            n, k, v = self.client.fetch(req.token_ids, limit=req.load_to, major="token")
+            n, k, v = self.client.fetch(req.token_ids, limit=req.load_to, major="token",
+                                        failure="miss")
             if n < req.load_to:
                 # The KDN lost chunks since the lookup: those blocks are
                 # recomputed (kv_load_failure_policy) or the request fails.
@@ -194,6 +207,13 @@ class KdnConnector(KVConnectorBase_V1):
         for req in meta.reqs:
             if req.store:
                 self._store(req)
+
+    def shutdown(self):
+        """Stores what waits (at most 30 s), then stops the store thread."""
+        if self._stores is not None:
+            self._stores.close(timeout=30.0)
+            if self._stores.dropped:
+                logger.warning("kdn.vllm: %d stores were dropped", self._stores.dropped)
 
     def get_block_ids_with_load_errors(self):
         bad, self._load_errors = self._load_errors, set()
@@ -234,10 +254,10 @@ class KdnConnector(KVConnectorBase_V1):
         self._page_map = (where[1:n * d + 1].view(n, d), where[n * d + 1:].view(n, d))
 
     def _store(self, req):
-        # A prompt the KDN reaches to its end (it was loaded from there, or
-        # another engine stored it) is not read out of the blocks again.
-        if self.client.lookup(req.token_ids) >= len(req.token_ids):
-            return
+        # The prompt's KV is copied out of its blocks here, on vLLM's step
+        # (the blocks are vLLM's to reuse once the step ends); the store
+        # itself, which asks the KDN what it holds and puts what it lacks,
+        # runs on the store thread.
         if self._page_map is None:
             self._draw_page_map()
         kpos, vpos = self._page_map
@@ -253,7 +273,11 @@ class KdnConnector(KVConnectorBase_V1):
                                                                self.model.head_dim)
             v = pages[:, :, vpos].permute(0, 2, 1, 3).reshape(-1, self.model.kv_heads,
                                                                self.model.head_dim)
+            # Copies (the indexing above gathers): the cache may change
+            # before the store thread reads them.
             ks.append(k[:tokens].contiguous())
             vs.append(v[:tokens].contiguous())
-        r = self.client.store(req.token_ids, ks, vs, "thd")
-        logger.info("kdn.vllm: %s: stored %d tokens' KV (%s)", req.req_id, tokens, r)
+        if self._stores is None:
+            self._stores = kdn.BackgroundStore(self.client, max_bytes=self._store_queue_bytes,
+                                               name="kdn.vllm-store")
+        self._stores.put(list(req.token_ids), ks, vs, "thd", label=req.req_id)

@@ -425,6 +425,51 @@ TEST_F(ClientApiTest, AnUnreachableStoreIsAMissNotAnError) {
   kdn_client_close(c);
 }
 
+TEST(ClientStatus, TheKdnsFailuresAreMissesTheCallersAreNot) {
+  for (kdn_status st : {KDN_UNAVAILABLE, KDN_RESOURCE_EXHAUSTED, KDN_CORRUPTION, KDN_UNIMPLEMENTED,
+                        KDN_NOT_FOUND, KDN_IO_ERROR, KDN_INTERNAL}) {
+    EXPECT_EQ(kdn_status_is_miss(st), 1) << kdn_status_name(st);
+  }
+  for (kdn_status st : {KDN_OK, KDN_INVALID_ARGUMENT, KDN_FAILED_PRECONDITION}) {
+    EXPECT_EQ(kdn_status_is_miss(st), 0) << kdn_status_name(st);
+  }
+}
+
+TEST_F(ClientApiTest, ARedisPasswordComesFromAFileOrTheEnvironmentAndIsNeverShown) {
+  const std::string secret = "s3cret-not-to-show";
+  const fs::path file = dir_ / "redis.password";
+  std::ofstream(file) << secret << "\n";
+  kdn_client_options o{};
+  o.chunk_tokens = kChunk;
+  kdn_client* c = nullptr;
+  // A file and a password in the URL both: refused, neither shown.
+  o.redis_password_file = file.c_str();
+  EXPECT_EQ(kdn_client_open(("redis://:" + secret + "@127.0.0.1:1").c_str(), model_, &o, &c),
+            KDN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kdn_last_error()).find("not both"), std::string::npos) << kdn_last_error();
+  EXPECT_EQ(std::string(kdn_last_error()).find(secret), std::string::npos) << kdn_last_error();
+  // A file that is not there: named.
+  const fs::path missing = dir_ / "no-such-file";
+  o.redis_password_file = missing.c_str();
+  EXPECT_EQ(kdn_client_open("redis://127.0.0.1:1", model_, &o, &c), KDN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kdn_last_error()).find(missing.string()), std::string::npos);
+  // From the file, the environment's file or the environment itself, to a
+  // Redis that is not there: UNAVAILABLE, the password in no message.
+  o.redis_password_file = file.c_str();
+  EXPECT_EQ(kdn_client_open("redis://127.0.0.1:1", model_, &o, &c), KDN_UNAVAILABLE);
+  EXPECT_EQ(std::string(kdn_last_error()).find(secret), std::string::npos) << kdn_last_error();
+  o.redis_password_file = nullptr;
+  setenv("KDN_REDIS_PASSWORD_FILE", missing.c_str(), 1);
+  EXPECT_EQ(kdn_client_open("redis://127.0.0.1:1", model_, &o, &c), KDN_INVALID_ARGUMENT)
+      << "the environment's file is read";
+  unsetenv("KDN_REDIS_PASSWORD_FILE");
+  setenv("KDN_REDIS_PASSWORD", secret.c_str(), 1);
+  EXPECT_EQ(kdn_client_open("redis://127.0.0.1:1", model_, &o, &c), KDN_UNAVAILABLE);
+  EXPECT_EQ(std::string(kdn_last_error()).find(secret), std::string::npos) << kdn_last_error();
+  unsetenv("KDN_REDIS_PASSWORD");
+  EXPECT_EQ(c, nullptr);
+}
+
 }  // namespace
 
 extern "C" int kdn_client_header_is_c(void);

@@ -17,13 +17,17 @@ Runs with the transformers of .venv-ref (CI's) and of scripts/vllm-env.sh's
 environment (the current one; scripts/test-vllm.sh runs it there too).
 """
 
+import logging
 import os
 import re
+import signal
+import threading
 import subprocess
 import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -35,6 +39,7 @@ sys.path.insert(0, str(HERE.parents[1] / "python"))
 sys.path.insert(0, str(HERE.parents[1] / "launch"))
 sys.path.insert(0, str(HERE))
 from kdn_launch import redis_cluster  # noqa: E402
+from redis_shards import no_process_shows, prompts_on  # noqa: E402
 from deploy_util import BIN_DIR, Deployment, generate_ids, repeat_cached, wait_until  # noqa: E402
 from gguf_micro import smollm2_path  # noqa: E402
 from llama_cpp_tokenize import llama_cpp_ids  # noqa: E402
@@ -211,3 +216,107 @@ def test_a_changed_chunk_is_a_miss(smollm2, reference, redis):
         assert cached == CHUNK  # the first chunk only: a miss from the changed one on
         # What it brought is right: the answer is the full prefill's.
         assert greedy(reference, ids, cache) == greedy(reference, ids)
+
+
+# ---- The KDN failing under an engine: no failure of it is the engine's.
+
+@pytest.fixture
+def shards(tmp_path_factory):
+    """A Redis Cluster of 3 primaries and no replicas, started as kdn-launch
+    starts one, whose node timeout no test outlasts: a primary killed or
+    stopped stays so, and its slots with it."""
+    c = redis_cluster.start_cluster(tmp_path_factory.mktemp("redis-shards"), 3,
+                                    node_timeout_ms=600000, replicas=0)
+    try:
+        yield c
+    finally:
+        c.stop(quiet=True)
+
+
+def test_a_dead_shard_is_a_miss_and_a_store_on_it_is_dropped_never_an_error(smollm2, reference,
+                                                                             shards, caplog):
+    caplog.set_level(logging.INFO)
+    password_file = redis_cluster.password_path(shards.run_dir)
+    password = password_file.read_text().strip()
+    model = kdn.Model(smollm2, kv_dtype="f32")
+    # The URL has no password: the client reads the file.
+    with kdn.Client(shards.worker_url(), model, chunk_tokens=CHUNK,
+                    redis_password_file=password_file) as c:
+        victim = shards.nodes[0]
+        stored, fresh = prompts_on(smollm2, model, c, shards, victim, 2, range(40, 64))
+        kdn.hf.store_cache(reference, stored, full_cache(reference, stored), c)
+        assert kdn.hf.fetch_cache(reference, stored, c)[1] == len(stored) - 1
+
+        victim.proc.popen.send_signal(signal.SIGKILL)
+        victim.proc.popen.wait(timeout=30)
+        # A load from the dead shard is a miss; the answer is the model's own.
+        cache, cached = kdn.hf.fetch_cache(reference, stored, c)
+        assert cached == 0
+        assert greedy(reference, stored, cache) == greedy(reference, stored)
+        # A store on it stores nothing and says so, twice; no exception.
+        cache = full_cache(reference, fresh)
+        for _ in range(2):
+            r = kdn.hf.store_cache(reference, fresh, cache, c)
+            assert r.stored == 0 and r.not_stored > 0, r
+        assert sum(n for (call, _), n in c.failures.items() if call == "store") == 2, c.failures
+        warned = [r for r in caplog.records if r.name == "kdn" and r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "store" in warned[0].getMessage(), [
+            r.getMessage() for r in warned]
+    assert all(password not in r.getMessage() for r in caplog.records)
+    assert no_process_shows(password)
+
+
+class BlockedClient:
+    """A client whose store waits until the test releases it."""
+
+    def __init__(self):
+        self.started, self.release = threading.Event(), threading.Event()
+        self.stored = []
+
+    def store(self, tokens, k, v, dims, failure="raise"):
+        self.started.set()
+        assert self.release.wait(60)
+        self.stored.append(list(tokens))
+        return kdn.StoreResult(stored=1)
+
+
+def test_a_background_store_never_holds_its_caller_and_drops_past_its_bound():
+    c = BlockedClient()
+    kv = [np.zeros((4, 256), np.float32)]  # 4 KiB: 8 KiB of K and V a put
+    stores = kdn.BackgroundStore(c, max_bytes=16 << 10)
+    assert stores.put([1], kv, kv, "thd")
+    assert c.started.wait(30)
+    # The first store is under way and blocked: the puts return all the
+    # same, the one past the bound dropped.
+    assert stores.put([2], kv, kv, "thd")
+    assert not stores.put([3], kv, kv, "thd")
+    assert stores.dropped == 1 and c.stored == [] and stores.pending() == 16 << 10
+    c.release.set()
+    assert stores.flush(timeout=30)
+    assert c.stored == [[1], [2]] and stores.pending() == 0
+    stores.close()
+    assert not stores.put([4], kv, kv, "thd") and stores.dropped == 2
+
+
+def test_a_stopped_shard_fails_a_background_store_that_then_succeeds_once_it_answers(
+        smollm2, reference, shards):
+    model = kdn.Model(smollm2, kv_dtype="f32")
+    with kdn.Client(shards.worker_url(), model, chunk_tokens=CHUNK,
+                    redis_password_file=redis_cluster.password_path(shards.run_dir)) as c:
+        slow = shards.nodes[1]
+        ids = prompts_on(smollm2, model, c, shards, slow, 1, range(64, 88))[0]
+        cache = full_cache(reference, ids)
+        ks = [key[0].contiguous() for key, _ in kdn.hf._layer_kv(cache)]
+        vs = [value[0].contiguous() for _, value in kdn.hf._layer_kv(cache)]
+        stores = kdn.BackgroundStore(c)
+        slow.proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            assert stores.put(ids, ks, vs, "htd")
+            # The store thread waits out the client's timeout and gives up.
+            assert stores.flush(timeout=120)
+            assert c.failures.get(("store", "UNAVAILABLE")) == 1, c.failures
+        finally:
+            slow.proc.popen.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: c.store(ids, ks, vs, "htd", failure="miss").stored > 0, 60)
+        assert c.lookup(ids) == sum(s.count for s in c.spans(ids))
+        stores.close()

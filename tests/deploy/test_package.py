@@ -53,7 +53,7 @@ def test_the_release_holds_its_programs_and_libraries(release):
 
 def test_the_release_python_package_loads_its_client_library(release):
     # From the release alone (no KDN_* variables, no build tree): the
-    # package finds kdn/_lib/libkdn_client.so.1, whose libraries resolve in
+    # package finds kdn/_lib/libkdn_client.so.2, whose libraries resolve in
     # lib/, and fingerprints the shipped model.
     code = ("import kdn; m = kdn.Model(%r); print(m.layers, len(m.fingerprint)); "
             "import kdn._native as n; print(n.lib._name)" % str(release / "models" / "kdn-qa"))
@@ -62,8 +62,8 @@ def test_the_release_python_package_loads_its_client_library(release):
     assert r.returncode == 0, r.stdout + r.stderr
     layers, digits = r.stdout.split("\n")[0].split()
     assert int(layers) > 0 and digits == "32", r.stdout
-    assert r.stdout.split("\n")[1] == str(release / "python" / "kdn" / "_lib" / "libkdn_client.so.1")
-    r = subprocess.run(["ldd", str(release / "python" / "kdn" / "_lib" / "libkdn_client.so.1")],
+    assert r.stdout.split("\n")[1] == str(release / "python" / "kdn" / "_lib" / "libkdn_client.so.2")
+    r = subprocess.run(["ldd", str(release / "python" / "kdn" / "_lib" / "libkdn_client.so.2")],
                        capture_output=True, text=True, env=clean_env())
     assert "not found" not in r.stdout and str(BIN_DIR.parent) not in r.stdout, r.stdout
 

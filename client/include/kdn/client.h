@@ -26,8 +26,9 @@
 extern "C" {
 #endif
 
-/* Bumped when a struct or a function's meaning changes. */
-#define KDN_CLIENT_API_VERSION 1
+/* Bumped when a struct or a function's meaning changes (2: the Redis
+ * password file and kdn_status_is_miss). */
+#define KDN_CLIENT_API_VERSION 2
 KDN_API int kdn_api_version(void);
 
 typedef enum kdn_status {
@@ -48,6 +49,15 @@ typedef enum kdn_status {
 KDN_API const char* kdn_last_error(void);
 /* "INVALID_ARGUMENT" for KDN_INVALID_ARGUMENT, and so on. */
 KDN_API const char* kdn_status_name(kdn_status status);
+/* Nonzero when a failed kdn_lookup, kdn_fetch or kdn_store with this status
+ * is the KDN's failure, not the caller's: the KDN unreachable or too slow
+ * (UNAVAILABLE), full (RESOURCE_EXHAUSTED), or answering with what cannot
+ * be read (CORRUPTION, UNIMPLEMENTED, NOT_FOUND, IO_ERROR, INTERNAL). An
+ * engine takes such a lookup or fetch as a miss (0 tokens) and such a store
+ * as nothing stored, and goes on: no KDN failure needs to fail a request.
+ * Zero for KDN_OK and for the caller's errors (INVALID_ARGUMENT: a null or
+ * short buffer, a layout that does not fit the model; FAILED_PRECONDITION). */
+KDN_API int kdn_status_is_miss(kdn_status status);
 
 /* Enums cross the ABI as int32_t (their size is the compiler's in C); a
  * value outside an enum is refused with KDN_INVALID_ARGUMENT. */
@@ -91,12 +101,21 @@ typedef struct kdn_client_options {
   int32_t chunk_tokens;
   /* Redis: expiry of what is stored, in milliseconds (0: none). */
   int64_t redis_ttl_ms;
+  /* Redis: a file whose first line is the password, for a URL that has
+   * none (so that no command line, config or log shows it). NULL: the
+   * file KDN_REDIS_PASSWORD_FILE names, else the password in
+   * KDN_REDIS_PASSWORD, else none. A password in the URL and this file
+   * both is INVALID_ARGUMENT; the environment is read only for a URL
+   * without one. */
+  const char* redis_password_file;
 } kdn_client_options;
 
 /* Connects to the KDN at `uri` for `model`'s KV:
  *   kdn-store://host:port          a kdn-store
  *   redis://[user:pass@]host:port  a Redis Cluster or standalone Redis
- * `options` may be NULL. The model must outlive the client. */
+ * `options` may be NULL. The model must outlive the client. A KDN that
+ * cannot be reached at open is KDN_UNAVAILABLE (a configuration to fix, not
+ * a miss). No message of the library holds a URL's password. */
 KDN_API kdn_status kdn_client_open(const char* uri, const kdn_model* model,
                                    const kdn_client_options* options, kdn_client** out);
 KDN_API void kdn_client_close(kdn_client* client);
@@ -158,6 +177,9 @@ KDN_API kdn_status kdn_layout_paged(kdn_kv_layout* layout, int32_t major, int32_
                                     int64_t num_blocks);
 
 /* ---- Lookup, fetch, store. ---- */
+
+/* Failures of the three calls below for which kdn_status_is_miss is true
+ * are the KDN's; take them as a miss or as nothing stored. */
 
 /* The length of the longest prefix of `tokens` whose KV the KDN holds for
  * this model, at most `limit` tokens (negative: n): full chunks, then tail

@@ -10,6 +10,7 @@
 #include <charconv>
 #include <climits>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <tuple>
 
@@ -237,6 +238,20 @@ Result<std::string> RedisUrlWithPassword(std::string_view url, std::string_view 
     out += (i > 0 ? "," : "") + Addr(u.seeds[i].first, u.seeds[i].second);
   }
   return out;
+}
+
+Result<std::string> ReadPasswordFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string password;
+  if (!in || !std::getline(in, password)) {
+    return InvalidArgument("redis password file " + path + ": cannot read a line from it");
+  }
+  while (!password.empty() && (password.back() == '\r' || password.back() == ' ')) {
+    password.pop_back();
+  }
+  if (password.empty())
+    return InvalidArgument("redis password file " + path + ": its line is empty");
+  return password;
 }
 
 uint16_t RedisSlot(std::string_view key) {

@@ -7,7 +7,6 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
-#include <fstream>
 #include <string>
 
 #include "kdn/common/status.h"
@@ -152,15 +151,7 @@ struct KvFlags {
   Result<std::string> shared_tier() const {
     if (kdn_redis.empty()) return store;
     if (redis_password_file.empty()) return kdn_redis;
-    std::ifstream in(redis_password_file);
-    std::string password;
-    if (!in || !std::getline(in, password)) {
-      return InvalidArgument("--kdn-redis-password-file " + redis_password_file +
-                             ": cannot read a password from it");
-    }
-    while (!password.empty() && (password.back() == '\r' || password.back() == ' ')) {
-      password.pop_back();
-    }
+    KDN_ASSIGN_OR_RETURN(std::string password, kvbus::ReadPasswordFile(redis_password_file));
     return kvbus::RedisUrlWithPassword(kdn_redis, password);
   }
   std::chrono::milliseconds redis_ttl() const {

@@ -57,6 +57,10 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url);
 // `url` with `password` put in (for a password kept out of command lines,
 // in a file); INVALID_ARGUMENT if `url` does not parse or has one already.
 Result<std::string> RedisUrlWithPassword(std::string_view url, std::string_view password);
+// The first line of `path`, a password kept out of command lines (trailing
+// CR and spaces dropped); INVALID_ARGUMENT naming the file, never its
+// contents, when it cannot be read or the line is empty.
+Result<std::string> ReadPasswordFile(const std::string& path);
 
 // The Redis key of chunk `key` of model `model`.
 std::string RedisKey(const ChunkKey& model, const ChunkKey& key);
