@@ -4,7 +4,8 @@
 # 30 s to start). Sets up scripts/vllm-env.sh's environment, then:
 #   1. tests/client/test_hf.py with that environment's (current) transformers;
 #   2. tests/client/vllm_e2e.py: vLLM with kdn.vllm as its KV connector and a
-#      kdn deployment on SmolLM2, both ways;
+#      kdn deployment on SmolLM2, both ways, then on a Redis Cluster one of
+#      whose primaries is killed;
 #   3. with --bench FILE, bench/foreign_engines.py --engines transformers,vllm
 #      into FILE.
 # Needs kdn built (scripts/build.sh: build/bin, build/lib) and SmolLM2
