@@ -192,6 +192,9 @@ struct BlendFidelityOptions {
   // (0: none).
   std::vector<int> boundary = {4, 16, 32};
   int boundary_deviation = 16;
+  // query and query+boundary:K (K: boundary_deviation, 8 when that is 0)
+  // rows at each ratio.
+  bool query = true;
   // Quality-target rows (blend_max_kl), each starting at the first ratio.
   std::vector<double> max_kl;
   // Fit KL against the residual deviation (blend::BlendOptions::

@@ -18,7 +18,9 @@
 // random, progressive filtering over each --check-layers list (CacheBlend's;
 // blend::CheckSchedule's default ratios), and boundary+deviation (the
 // first --boundary-deviation tokens of each document always, the rest of the
-// ratio by deviation) with one check and each schedule. Per mode, over the first --answer-tokens
+// ratio by deviation) with one check and each schedule, and the question's
+// selections (query, query+boundary: the budget by the question's attention,
+// its pass counted in the recomputed share). Per mode, over the first --answer-tokens
 // positions of the answer, teacher-forced on full prefill's greedy tokens (one pass over them on
 // top of the prompt's KV, for the reference and every mode alike): the mean KL(full || mode) of the
 // next-token distribution, top-1 agreement with full prefill, the share of prompts whose greedy
@@ -50,7 +52,9 @@ namespace {
 
 struct Mode {
   std::string name;
-  std::string kind;  // full_reuse, deviation, random, progressive, boundary:K, boundary+deviation
+  // full_reuse, deviation, random, progressive, boundary:K, boundary+deviation, query,
+  // query+boundary
+  std::string kind;
   double ratio = 0;
   std::vector<int> check_layers;  // progressive schedules only
   blend::BlendSelection selection;
@@ -148,6 +152,13 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
         m.max_kl = kl;
         modes.push_back(std::move(m));
       }
+    }
+    if (o.query) {
+      const int k = o.boundary_deviation > 0 ? o.boundary_deviation : blend::kDefaultBoundaryTokens;
+      std::snprintf(name, sizeof(name), "query %.2f", r);
+      modes.push_back({name, "query", r, {}, {Kind::kQuery, 0}});
+      std::snprintf(name, sizeof(name), "query+bound:%d %.2f", k, r);
+      modes.push_back({name, "query+boundary", r, {}, {Kind::kQueryBoundary, k}});
     }
     if (o.boundary_deviation > 0) {
       const blend::BlendSelection bd{Kind::kBoundaryDeviation, o.boundary_deviation};
@@ -286,7 +297,8 @@ int RunBlendFidelity(const Common& c, const BlendFidelityOptions& o) {
       }
       Tally& t = tallies[m];
       t.seconds += Seconds(t0, Clock::now());
-      t.recomputed += res->recomputed_tokens;
+      // The query selections' pass over the question counts as recomputed.
+      t.recomputed += res->recomputed_tokens + res->question_pass_tokens;
       const double residual = res->residual;
       t.cached += cached_tokens;
       auto forced = TeacherForced(model, seq, std::move(res->logits), ref_tokens);

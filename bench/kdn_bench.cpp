@@ -441,6 +441,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0, kdn::blend::kMaxBoundaryTokens));
   fidelity
+      ->add_option("--query", bf.query,
+                   "query and query+boundary:K rows at each ratio (K of --boundary-deviation; "
+                   "the question's pass counted in the recomputed share)")
+      ->capture_default_str();
+  fidelity
       ->add_option("--max-kl", bf.max_kl,
                    "Quality-target rows: blend_max_kl values (comma-separated), the ratio "
                    "raised from the first of --ratios")

@@ -69,8 +69,10 @@ int main(int argc, char** argv) {
                  "Blend: how the recomputed document tokens are chosen (docs/blend.md, "
                  "\"Selection policies\"): deviation (CacheBlend's, at the check layers), "
                  "boundary:K (the first K tokens of each document, no check), "
-                 "boundary+deviation:K (those, and the rest of the ratio by deviation) or random; "
-                 "a request's 'blend_selection' overrides it")
+                 "boundary+deviation:K (those, and the rest of the ratio by deviation), query "
+                 "(the tokens the question attends to most, from a pass of the question over "
+                 "the documents' KV), query+boundary:K or random; a request's 'blend_selection' "
+                 "overrides it")
       ->check([](const std::string& v) {
         auto s = kdn::blend::ParseBlendSelection(v);
         return s.ok() ? std::string() : s.status().message();

@@ -98,7 +98,8 @@ struct BlendOutput {
   int cached_tokens = 0;
   int recomputed_tokens = 0;
   double recompute_ratio = 0;
-  int pruned_tokens = 0;  // documents' tokens with no KV (--prune-method)
+  int pruned_tokens = 0;         // documents' tokens with no KV (--prune-method)
+  int question_pass_tokens = 0;  // a query selection's pass over the question
 };
 
 // Each document's KV computed on its own (from position 0, as kdn-prefill
@@ -135,7 +136,12 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
   kdn::engine::KvSequence seq = cache.NewSequence();
   KDN_ASSIGN_OR_RETURN(kdn::blend::BlendResult r,
                        kdn::blend::BlendPrefill(model, seq, segments, question, {.spec = spec}));
-  BlendOutput out{{}, r.cached_tokens, r.recomputed_tokens, r.recompute_ratio, r.dropped_tokens};
+  BlendOutput out{{},
+                  r.cached_tokens,
+                  r.recomputed_tokens,
+                  r.recompute_ratio,
+                  r.dropped_tokens,
+                  r.question_pass_tokens};
   KDN_ASSIGN_OR_RETURN(
       out.tokens,
       kdn::engine::GreedyTokens(model, seq, std::move(r.logits), gen.max_tokens, [&](int32_t t) {
@@ -329,9 +335,9 @@ int main(int argc, char** argv) {
                 print_ids ? JoinIds(out->tokens).c_str() : (*tok)->Decode(out->tokens).c_str());
     std::fprintf(stderr,
                  "kdn-generate: blend of %zu documents: %d cached tokens, %d recomputed "
-                 "(ratio %.2f), %d pruned, %zu tokens generated\n",
+                 "(ratio %.2f), %d pruned, %d in a question pass, %zu tokens generated\n",
                  documents.size(), out->cached_tokens, out->recomputed_tokens, out->recompute_ratio,
-                 out->pruned_tokens, out->tokens.size());
+                 out->pruned_tokens, out->question_pass_tokens, out->tokens.size());
     return 0;
   }
   auto res = Generate(**model, ids, gen);

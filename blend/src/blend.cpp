@@ -19,12 +19,7 @@ namespace {
 // that need placing are in the cache.
 class Placer {
  public:
-  struct Item {
-    const kvbus::Chunk* kv;
-    int64_t at;  // where the segment starts in the prompt
-    int64_t len;
-    int64_t delta;  // at - the position its K was rotated for
-  };
+  using Item = PlacedSegment;
 
   Placer(engine::Engine& model, engine::KvSequence& seq, std::vector<Item> items, int first_layer,
          bool threaded)
@@ -150,6 +145,15 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                            " tokens exceeds the model's context of " +
                            std::to_string(cfg.max_context));
   }
+  // The query policies' pass, before the prompt takes its blocks.
+  std::vector<float> attention;
+  int question_pass = 0;
+  if (spec.selection.query()) {
+    KDN_ASSIGN_OR_RETURN(
+        attention,
+        QuestionAttention(model, items, n, suffix, logical - static_cast<int64_t>(suffix.size())));
+    question_pass = static_cast<int>(suffix.size());
+  }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, n));
   cache.SetLength(seq, n);
   if (dropped > 0) KDN_RETURN_IF_ERROR(seq.SetNextPosition(logical));
@@ -157,6 +161,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   BlendResult out;
   out.recompute_ratio = spec.recompute_ratio;
   out.dropped_tokens = static_cast<int>(dropped);
+  out.question_pass_tokens = question_pass;
   std::vector<int64_t> cached_rows, fresh_rows, all_rows(static_cast<size_t>(n));
   std::iota(all_rows.begin(), all_rows.end(), 0);
   for (int64_t p = 0; p < n; ++p) (cached[p] ? cached_rows : fresh_rows).push_back(p);
@@ -173,12 +178,14 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   if (checked) {
     rows = all_rows;
   } else if (!spec.selection.checks()) {
-    // Indices into all_rows are positions.
+    // Indices into all_rows are positions. Boundary keeps its K a document
+    // whatever the budget; the query policies spend the request's.
     rows = policy(SelectionInput{.positions = all_rows,
                                  .cached = cached,
                                  .documents = documents,
-                                 .keep = 0,
-                                 .seed = options.seed});
+                                 .keep = spec.selection.query() ? kept_of(spec.recompute_ratio) : 0,
+                                 .seed = options.seed,
+                                 .attention = attention});
     out.recomputed_tokens = static_cast<int>(rows.size() - fresh_rows.size());
     out.kept_at_check.push_back(out.recomputed_tokens);
   }
@@ -285,11 +292,40 @@ void ByDeviation(const SelectionInput& in, std::vector<int64_t>* rows) {
                    [&](int64_t a, int64_t b) { return in.deviation[a] > in.deviation[b]; });
 }
 
+// Most attended first (rows indexed as positions' slots), ties to the
+// earlier row.
+void ByAttention(const SelectionInput& in, std::vector<int64_t>* rows) {
+  auto of = [&](int64_t r) {
+    const auto p = static_cast<size_t>(in.positions[static_cast<size_t>(r)]);
+    return p < in.attention.size() ? in.attention[p] : 0.0f;
+  };
+  std::stable_sort(rows->begin(), rows->end(), [&](int64_t a, int64_t b) { return of(a) > of(b); });
+}
+
 bool IsBoundary(const SelectionInput& in, int64_t position, int k) {
   for (const DocumentSpan& d : in.documents) {
     if (position >= d.first && position < d.first + std::min<int64_t>(k, d.count)) return true;
   }
   return false;
+}
+
+// The first K of each document always, and the rest of the budget in the
+// order `order` sorts the other cached rows into.
+std::vector<int64_t> BoundaryThen(const SelectionInput& in, int boundary_tokens,
+                                  void (*order)(const SelectionInput&, std::vector<int64_t>*)) {
+  std::vector<int64_t> kept, candidates, rest;
+  SplitRows(in, &kept, &candidates);
+  int64_t boundary = 0;
+  for (int64_t r : candidates) {
+    if (IsBoundary(in, in.positions[static_cast<size_t>(r)], boundary_tokens)) {
+      kept.push_back(r);
+      ++boundary;
+    } else {
+      rest.push_back(r);
+    }
+  }
+  order(in, &rest);
+  return Take(std::move(kept), std::move(rest), in.keep - boundary);
 }
 
 }  // namespace
@@ -320,19 +356,18 @@ std::vector<int64_t> BoundaryRows(const SelectionInput& in, int boundary_tokens)
 }
 
 std::vector<int64_t> BoundaryDeviationRows(const SelectionInput& in, int boundary_tokens) {
-  std::vector<int64_t> kept, candidates, rest;
+  return BoundaryThen(in, boundary_tokens, ByDeviation);
+}
+
+std::vector<int64_t> QueryRows(const SelectionInput& in) {
+  std::vector<int64_t> kept, candidates;
   SplitRows(in, &kept, &candidates);
-  int64_t boundary = 0;
-  for (int64_t r : candidates) {
-    if (IsBoundary(in, in.positions[static_cast<size_t>(r)], boundary_tokens)) {
-      kept.push_back(r);
-      ++boundary;
-    } else {
-      rest.push_back(r);
-    }
-  }
-  ByDeviation(in, &rest);
-  return Take(std::move(kept), std::move(rest), in.keep - boundary);
+  ByAttention(in, &candidates);
+  return Take(std::move(kept), std::move(candidates), in.keep);
+}
+
+std::vector<int64_t> QueryBoundaryRows(const SelectionInput& in, int boundary_tokens) {
+  return BoundaryThen(in, boundary_tokens, ByAttention);
 }
 
 double ResidualShare(std::span<const float> cached_deviation, int64_t keep) {
@@ -368,6 +403,9 @@ SelectionPolicy PolicyFor(const blend::BlendSelection& s) {
     case Kind::kBoundary: return [k](const SelectionInput& in) { return BoundaryRows(in, k); };
     case Kind::kBoundaryDeviation:
       return [k](const SelectionInput& in) { return BoundaryDeviationRows(in, k); };
+    case Kind::kQuery: return QueryRows;
+    case Kind::kQueryBoundary:
+      return [k](const SelectionInput& in) { return QueryBoundaryRows(in, k); };
     case Kind::kDeviation: break;
   }
   return DeviationRows;

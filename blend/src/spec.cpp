@@ -22,12 +22,18 @@ Result<BlendSelection> ParseBlendSelection(std::string_view text) {
     s.kind = BlendSelection::Kind::kBoundary;
   } else if (name == "boundary+deviation") {
     s.kind = BlendSelection::Kind::kBoundaryDeviation;
+  } else if (name == "query") {
+    s.kind = BlendSelection::Kind::kQuery;
+  } else if (name == "query+boundary") {
+    s.kind = BlendSelection::Kind::kQueryBoundary;
   } else {
     return InvalidArgument("blend selection '" + std::string(text) +
-                           "' is none of deviation, random, boundary:K, boundary+deviation[:K]");
+                           "' is none of deviation, random, boundary:K, boundary+deviation[:K], "
+                           "query, query+boundary[:K]");
   }
   const bool boundary = s.kind == BlendSelection::Kind::kBoundary ||
-                        s.kind == BlendSelection::Kind::kBoundaryDeviation;
+                        s.kind == BlendSelection::Kind::kBoundaryDeviation ||
+                        s.kind == BlendSelection::Kind::kQueryBoundary;
   if (!boundary) {
     if (!k.empty() || text.find(':') != std::string_view::npos) {
       return InvalidArgument("blend selection '" + std::string(text) + "' takes no :K");
@@ -57,6 +63,9 @@ std::string BlendSelectionName(const BlendSelection& s) {
     case BlendSelection::Kind::kBoundary: return "boundary:" + std::to_string(s.boundary_tokens);
     case BlendSelection::Kind::kBoundaryDeviation:
       return "boundary+deviation:" + std::to_string(s.boundary_tokens);
+    case BlendSelection::Kind::kQuery: return "query";
+    case BlendSelection::Kind::kQueryBoundary:
+      return "query+boundary:" + std::to_string(s.boundary_tokens);
   }
   return "deviation";
 }

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <numbers>
 
+#include <cblas.h>
+
 #include "quant_kernels.h"
 
 namespace kdn::engine {
@@ -187,6 +189,21 @@ void SiluMul(const float* gate_up, int64_t rows, int inter, float* out) {
 }
 
 KDN_CPU_CLONES
+void AttentionWeights(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t keys,
+                      int head_dim, int64_t visible, float* w) {
+  if (rows <= 0 || keys <= 0) return;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
+              static_cast<int>(keys), head_dim, scale, q, static_cast<int>(ldq), k, head_dim, 0.0f,
+              w, static_cast<int>(keys));
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t seen = std::min(keys, visible + r + 1);
+    Softmax(&w[r * keys], seen);
+    std::fill(&w[r * keys + seen], &w[(r + 1) * keys], 0.0f);
+  }
+}
+
 void Softmax(float* x, int64_t n) {
   float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)

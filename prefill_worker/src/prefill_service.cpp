@@ -216,6 +216,7 @@ struct PrefillService::Impl {
       pr->set_slices_sourced(out->slices_sourced);
       pr->set_blended_tokens(out->blended_tokens);
       pr->set_recomputed_tokens(out->recomputed_tokens);
+      pr->set_question_pass_tokens(out->question_pass_tokens);
       pr->set_recompute_ratio(out->recompute_ratio);
       pr->set_resident_tokens(out->resident_tokens);
       pr->set_kv_bytes_loaded(out->kv_bytes_loaded);

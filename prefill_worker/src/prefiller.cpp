@@ -351,6 +351,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
   out.cached_tokens = r.cached_tokens + r.dropped_tokens;
   out.blended_tokens = out.cached_tokens;
   out.recomputed_tokens = r.recomputed_tokens;
+  out.question_pass_tokens = r.question_pass_tokens;
   out.recompute_ratio = r.recompute_ratio;
   out.computed_tokens = r.computed_tokens;
   out.pruned_tokens = r.dropped_tokens;

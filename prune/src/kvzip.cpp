@@ -5,8 +5,6 @@
 #include <string>
 #include <vector>
 
-#include <cblas.h>
-
 #include "kdn/engine/cpu_ops.h"
 
 namespace kdn::prune {
@@ -33,7 +31,6 @@ void ScorePart(const model::ModelConfig& c, int l, const float* kv_layer, int64_
   std::vector<float> q = queries.by_layer[l];
   engine::ApplyRope(q.data(), rows, H, hd, queries.positions.data(), inv_freq.data(), rope);
   const int64_t part = last - first, keys = sink + part + rows;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   std::vector<float> k(keys * hd), w(rows * keys);
   for (int g = 0; g < G; ++g) {
     // This KV head's keys, in a row: the sinks, the part, the pass's rows.
@@ -44,14 +41,9 @@ void ScorePart(const model::ModelConfig& c, int l, const float* kv_layer, int64_
     for (int64_t j = 0; j < part; ++j) put(sink + j, first + j);
     for (int64_t j = 0; j < rows; ++j) put(sink + part + j, context + j);
     for (int h = g * group; h < (g + 1) * group; ++h) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
-                  static_cast<int>(keys), hd, scale, &q[int64_t{h} * hd], static_cast<int>(qd),
-                  k.data(), hd, 0.0f, w.data(), static_cast<int>(keys));
-#pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) {
-        // Causal over the pass's rows: row r sees its own key, not later ones.
-        engine::Softmax(&w[r * keys], sink + part + r + 1);
-      }
+      // Causal over the pass's rows: row r sees its own key, not later ones.
+      engine::AttentionWeights(&q[int64_t{h} * hd], qd, rows, k.data(), keys, hd, sink + part,
+                               w.data());
       for (int64_t r = 0; r < rows; ++r) {
         const float* wr = &w[r * keys + sink];
         for (int64_t j = 0; j < part; ++j) {

@@ -19,6 +19,7 @@ json UsageJson(const Usage& u) {
     details["recomputed_tokens"] = u.recomputed_tokens;
     details["pruned_tokens"] = u.pruned_tokens;
     details["recompute_ratio"] = u.recompute_ratio;
+    if (u.question_pass_tokens > 0) details["question_pass_tokens"] = u.question_pass_tokens;
   }
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.completion_tokens},

@@ -105,6 +105,7 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
     r.usage.blended = r.job.blend.has_value();
     r.usage.blended_tokens = pr.blended_tokens();
     r.usage.recomputed_tokens = pr.recomputed_tokens();
+    r.usage.question_pass_tokens = pr.question_pass_tokens();
     r.usage.pruned_tokens = pr.pruned_tokens();
     r.usage.recompute_ratio = pr.recompute_ratio();
   }

@@ -135,12 +135,17 @@ def test_a_blend_answers_as_kdn_generates_blend_of_the_same_selection(deployment
     docs = fresh_docs(3, 120)
     question = "Question: which word comes first?\nAnswer:"
     inject(deployment, docs)
-    for selection in ("boundary+deviation:8", "boundary:4", "deviation"):
+    for selection in ("boundary+deviation:8", "boundary:4", "deviation", "query",
+                      "query+boundary:4"):
         r = deployment.completion(question, documents=docs, max_tokens=8, temperature=0,
                                   blend_selection=selection)
         d = details(r["usage"])
         want, log = blend_text(deployment.model, docs, question, 8, selection)
         assert "%d recomputed" % d["recomputed_tokens"] in log, (selection, d, log)
+        # The query selections' pass over the question is reported beside it.
+        passed = d.get("question_pass_tokens", 0)
+        assert "%d in a question pass" % passed in log, (selection, d, log)
+        assert (passed > 0) == selection.startswith("query"), (selection, d)
         assert d["blended_tokens"] == 360, r["usage"]
         assert r["choices"][0]["text"] == want, selection
 

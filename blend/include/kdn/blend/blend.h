@@ -15,8 +15,12 @@
 // narrowed to that check's ratio (blend::CheckSchedule).
 // Which cached tokens go on is the selection policy's (SelectionPolicy:
 // CacheBlend's deviation by default); a policy that needs no deviation
-// (boundary, EPIC's first tokens of each document) chooses before layer 0,
-// and its tokens alone are recomputed, at every layer, with no check.
+// (boundary, EPIC's first tokens of each document; query, the tokens the
+// question attends to) chooses before layer 0, and its tokens alone are
+// recomputed, at every layer, with no check. For the query policies the
+// question is first prefilled over the cached documents' KV as it is (full
+// reuse), apart from the prompt, and its attention to each cached token
+// (QuestionAttention) is what the policy chooses by; that pass's KV goes.
 // recompute_ratio 1 is a full prefill; recompute_ratio 0 is full reuse (no
 // cached token is recomputed at any layer). With overlap_load, a loader
 // thread places (copies and rotates) layer l+1 of the cached KV while layer l
@@ -68,6 +72,9 @@ struct SelectionInput {
   std::span<const DocumentSpan> documents;
   int64_t keep = 0;
   uint64_t seed = 0;
+  // The query policies': the question's attention to each KV slot of the
+  // prompt (QuestionAttention; 0 for uncached slots), indexed by position.
+  std::span<const float> attention;
 };
 
 // A selection policy returns the rows to go on with: indices into the
@@ -84,7 +91,36 @@ std::vector<int64_t> DeviationRows(const SelectionInput& in);
 std::vector<int64_t> RandomRows(const SelectionInput& in);
 std::vector<int64_t> BoundaryRows(const SelectionInput& in, int boundary_tokens);
 std::vector<int64_t> BoundaryDeviationRows(const SelectionInput& in, int boundary_tokens);
+// query (the `keep` cached rows the question attends to most, ties to the
+// earlier row) and query+boundary (the first K of each document, and the
+// rest of the budget by attention).
+std::vector<int64_t> QueryRows(const SelectionInput& in);
+std::vector<int64_t> QueryBoundaryRows(const SelectionInput& in, int boundary_tokens);
 SelectionPolicy PolicyFor(const blend::BlendSelection& selection);
+
+// A cached segment's KV as the blend places it: the chunk, the KV slot it
+// starts at, its slots, and the rotation from the position its K was
+// computed at to its place in the prompt.
+struct PlacedSegment {
+  const kvbus::Chunk* kv = nullptr;
+  int64_t at = 0;
+  int64_t len = 0;
+  int64_t delta = 0;
+};
+
+// The question's attention to the cached segments' tokens: `question`
+// (positions `question_position` on) prefilled in a sequence of its own over
+// the segments' KV as cached, placed at every layer and rotated to their
+// places (full reuse; the prompt's uncached tokens absent), its queries
+// kept; for each cached slot, the softmax weight the question's tokens pay
+// it, summed over the tokens, query heads and layers. Indexed by the slot in
+// the prompt (`slots` of them; 0 for uncached slots). The pass's KV is
+// dropped. An engine's error (RESOURCE_EXHAUSTED when the pool has no room
+// for the pass) as it is.
+Result<std::vector<float>> QuestionAttention(engine::Engine& model,
+                                             std::span<const PlacedSegment> segments, int64_t slots,
+                                             std::span<const int32_t> question,
+                                             int64_t question_position);
 
 // A quality target (BlendSpec::max_kl; docs/blend.md, "A quality target"):
 // at the first check every cached token's deviation is known; the residual
@@ -141,6 +177,10 @@ struct BlendResult {
   double residual = 0;
   // Cached tokens kept at each check, in order (the last is recomputed_tokens).
   std::vector<int> kept_at_check;
+  // The query policies' question pass: its tokens, computed at every layer
+  // once more (count them with the recomputed tokens for the compute a
+  // blend costs).
+  int question_pass_tokens = 0;
   int computed_tokens = 0;  // uncached segments and the suffix
   // Where the time went: the layers up to the check and the choice of rows,
   // and of all the layers' time, how long the compute waited for the

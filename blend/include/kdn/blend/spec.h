@@ -70,23 +70,33 @@ std::vector<double> DefaultCheckRatios(double ratio, size_t checks);
 //                        every layer; no check (the ratio is not used)
 //   boundary+deviation:K the first K of each document always, and the rest
 //                        of each check's budget by deviation
+//   query                the question's: before the recompute, the question
+//                        runs over the documents' reused KV, and the budget
+//                        goes to the cached tokens it attends to most
+//                        (summed over its tokens, heads and layers); no
+//                        check, the tokens recomputed at every layer
+//   query+boundary:K     the first K of each document always, and the rest
+//                        of the budget by the question's attention
 // K defaults to kDefaultBoundaryTokens and is at most kMaxBoundaryTokens.
 // kdn-router's default is DefaultBlendSelection(): the best measured on
 // SmolLM2 (docs/blend.md, "Selection policies").
 struct BlendSelection {
-  enum class Kind { kDeviation, kRandom, kBoundary, kBoundaryDeviation };
+  enum class Kind { kDeviation, kRandom, kBoundary, kBoundaryDeviation, kQuery, kQueryBoundary };
   Kind kind = Kind::kDeviation;
   int boundary_tokens = 0;  // K, for the boundary kinds
 
   // Whether the blend scores deviation at check layers (every kind but
-  // boundary, which knows its tokens from the start).
-  bool checks() const { return kind != Kind::kBoundary; }
+  // boundary and the query kinds, which know their tokens from the start).
+  bool checks() const { return kind != Kind::kBoundary && !query(); }
+  // Whether it needs the question's attention to the cached tokens.
+  bool query() const { return kind == Kind::kQuery || kind == Kind::kQueryBoundary; }
   friend bool operator==(const BlendSelection&, const BlendSelection&) = default;
 };
 inline constexpr int kDefaultBoundaryTokens = 8;
 inline constexpr int kMaxBoundaryTokens = 256;
-// "deviation", "random", "boundary:16", "boundary+deviation" (K 8) or
-// "boundary+deviation:4"; INVALID_ARGUMENT naming the choices otherwise.
+// "deviation", "random", "boundary:16", "boundary+deviation" (K 8),
+// "boundary+deviation:4", "query", "query+boundary" (K 8) or
+// "query+boundary:4"; INVALID_ARGUMENT naming the choices otherwise.
 Result<BlendSelection> ParseBlendSelection(std::string_view text);
 inline BlendSelection DefaultBlendSelection() {
   return {BlendSelection::Kind::kBoundaryDeviation, kDefaultBoundaryTokens};

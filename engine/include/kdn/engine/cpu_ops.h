@@ -43,6 +43,16 @@ void SiluMul(const float* gate_up, int64_t rows, int inter, float* out);
 // In-place softmax of `n` floats (max-subtracted; exp to ~2e-7 relative).
 void Softmax(float* x, int64_t n);
 
+// The attention weights of `rows` rotated query rows of one head (row r at
+// q + r * ldq, head_dim floats) over `keys` keys ([keys][head_dim]
+// contiguous), scaled by 1/sqrt(head_dim), into w ([rows][keys]): row r's
+// softmax is over keys [0, visible + r + 1) (the keys before `visible`, then
+// the rows' own keys causally, the rows' keys being the last); its later
+// weights are 0. What KV pruning (prune::KvzipScores) and blend's question
+// selection score cached tokens by. Rows in parallel (OpenMP).
+void AttentionWeights(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t keys,
+                      int head_dim, int64_t visible, float* w);
+
 // One row of RmsNorm (what RmsNorm runs for each row).
 void RmsNormRow(const float* x, const float* weight, float eps, int dim, float* out);
 

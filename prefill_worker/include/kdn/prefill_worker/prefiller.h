@@ -113,8 +113,9 @@ struct PrefillOutcome {
   // when stored), so the prompt's KV fills kv_tokens slots, not one per token.
   int pruned_tokens = 0;
   int kv_tokens = 0;
-  int recomputed_tokens = 0;   // of blended_tokens: recomputed past the check layer
-  double recompute_ratio = 0;  // a blend's: the request's, or its quality target's
+  int recomputed_tokens = 0;     // of blended_tokens: recomputed past the check layer
+  int question_pass_tokens = 0;  // a query selection's pass (blend::BlendResult)
+  double recompute_ratio = 0;    // a blend's: the request's, or its quality target's
   uint64_t kv_bytes_sent = 0;
   // Layer slices not sent because the decode worker held them: the chunks it
   // said it holds, and slices its receiver answered HELD for.

@@ -92,12 +92,13 @@ std::optional<ApiError> ParseInjectRequest(const std::string& body, const Served
 struct Usage {
   int prompt_tokens = 0;
   int completion_tokens = 0;
-  int cached_tokens = 0;       // prompt tokens whose KV came from the KDN
-  bool blended = false;        // a blend request: the two below are reported
-  int blended_tokens = 0;      // of cached_tokens, fused from documents' KV
-  int recomputed_tokens = 0;   // of blended_tokens, recomputed by blend
-  int pruned_tokens = 0;       // of blended_tokens, with no KV: pruned when stored
-  double recompute_ratio = 0;  // the ratio the blend used
+  int cached_tokens = 0;         // prompt tokens whose KV came from the KDN
+  bool blended = false;          // a blend request: the two below are reported
+  int blended_tokens = 0;        // of cached_tokens, fused from documents' KV
+  int recomputed_tokens = 0;     // of blended_tokens, recomputed by blend
+  int question_pass_tokens = 0;  // a query selection's pass over the question
+  int pruned_tokens = 0;         // of blended_tokens, with no KV: pruned when stored
+  double recompute_ratio = 0;    // the ratio the blend used
 };
 json UsageJson(const Usage& u);
 
