@@ -140,10 +140,13 @@ class ClusterProcess {
     close(in[0]);
     close(out[1]);
     c->stdin_ = in[1];
-    FILE* f = fdopen(out[0], "r");
+    // Its stdout stays open while the cluster serves: it prints a line per
+    // node after the URL, which a closed pipe would make it fail on.
+    c->stdout_ = fdopen(out[0], "r");
     char line[4096] = {};
-    if (fgets(line, sizeof(line), f) != nullptr) c->url_ = std::string(line, strcspn(line, "\n"));
-    fclose(f);
+    if (c->stdout_ != nullptr && fgets(line, sizeof(line), c->stdout_) != nullptr) {
+      c->url_ = std::string(line, strcspn(line, "\n"));
+    }
     if (c->url_.rfind("redis://", 0) != 0) {
       std::fprintf(stderr, "kdn-bench: the Redis Cluster did not start (see above)\n");
       return nullptr;
@@ -153,6 +156,7 @@ class ClusterProcess {
   ~ClusterProcess() {
     if (stdin_ >= 0) close(stdin_);  // the module stops the cluster and exits
     if (pid_ > 0) waitpid(pid_, nullptr, 0);
+    if (stdout_ != nullptr) fclose(stdout_);
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
@@ -162,6 +166,7 @@ class ClusterProcess {
   ClusterProcess() = default;
   pid_t pid_ = -1;
   int stdin_ = -1;
+  FILE* stdout_ = nullptr;
   fs::path dir_;
   std::string url_;
 };

@@ -484,8 +484,11 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_term)
     try:
         print(cluster.url(), flush=True)
-        for node in cluster.nodes:
-            print("%s %d" % (node.endpoint(), node.proc.pid), flush=True)
+        try:
+            for node in cluster.nodes:
+                print("%s %d" % (node.endpoint(), node.proc.pid), flush=True)
+        except BrokenPipeError:
+            pass  # a reader that took the URL alone: the cluster serves on
         sys.stdin.read()
     finally:
         cluster.stop(quiet=True)
