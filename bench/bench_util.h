@@ -231,11 +231,14 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o);
 // (bench/quality_workload.cpp). With `check_layers`, each of `ratios` also
 // runs with progressive filtering over them. `kv_codec` (a kvbus codec level) codes the
 // documents' KV before reuse. `ratios` are CacheBlend's (deviation-chosen
-// tokens), `random_ratios` the same numbers of tokens chosen at random.
+// tokens), `random_ratios` the same numbers of tokens chosen at random;
+// each of `selections` (blend::ParseBlendSelection's names) also runs at
+// each of `ratios`.
 std::string QaPrompt(const std::vector<std::string>& documents, const std::string& question);
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer, const std::string& kv_codec, const std::vector<int>& check_layers);
+               int check_layer, const std::string& kv_codec, const std::vector<int>& check_layers,
+               const std::vector<std::string>& selections = {});
 
 // kv-codec: the KV codec's size, error and speed against raw, plain 8-bit
 // quantization and zstd, and TTFT with the prefix loaded from the disk tier

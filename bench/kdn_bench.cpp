@@ -314,6 +314,13 @@ int main(int argc, char** argv) {
                    "Also run each --ratios value with progressive filtering over these check "
                    "layers (ascending, comma-separated)")
       ->delimiter(',');
+  std::vector<std::string> quality_selections;
+  quality
+      ->add_option("--selections", quality_selections,
+                   "Also run each --ratios value with these selection policies (comma-separated "
+                   "names of --blend-selection: query, query+boundary:8, boundary+deviation:8, "
+                   "...); a query selection's pass counts as recomputed")
+      ->delimiter(',');
   std::string quality_codec = "raw";
   quality
       ->add_option("--kv-codec", quality_codec,
@@ -681,7 +688,8 @@ int main(int argc, char** argv) {
     if (quality_random == std::vector<double>{0.0}) quality_random.clear();
     if (quality_full_only) quality_ratios.clear(), quality_random.clear();
     return RunQuality(c, eval_path, quality_limit, quality_max_tokens, quality_ratios,
-                      quality_random, quality_check, quality_codec, quality_layers);
+                      quality_random, quality_check, quality_codec, quality_layers,
+                      quality_selections);
   }
   if (kv_codec->parsed()) {
     if (kc.ttft_levels == std::vector<std::string>{"none"}) kc.ttft_levels.clear();

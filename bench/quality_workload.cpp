@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <memory>
 
 #include "bench_util.h"
@@ -105,6 +106,8 @@ struct Mode {
   double ratio = -1;         // < 0: full prefill; 0: full reuse; else CacheBlend
   bool random = false;       // recompute tokens chosen at random, not by deviation
   bool progressive = false;  // progressive filtering over the check layers
+  // Another selection policy (--selections), in place of deviation.
+  std::optional<blend::BlendSelection> selection;
 };
 
 }  // namespace
@@ -117,7 +120,8 @@ std::string QaPrompt(const std::vector<std::string>& documents, const std::strin
 
 int RunQuality(const Common& c, const std::string& eval_path, int limit, int max_tokens,
                const std::vector<double>& ratios, const std::vector<double>& random_ratios,
-               int check_layer, const std::string& kv_codec, const std::vector<int>& check_layers) {
+               int check_layer, const std::string& kv_codec, const std::vector<int>& check_layers,
+               const std::vector<std::string>& selections) {
   auto codec = kvbus::ParseCodecLevel(kv_codec);
   if (!codec.ok()) {
     std::fprintf(stderr, "kdn-bench quality: --kv-codec: %s\n", codec.status().message().c_str());
@@ -171,6 +175,18 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
       modes.push_back({name, r, false, true});
     }
   }
+  for (const std::string& text : selections) {
+    auto s = blend::ParseBlendSelection(text);
+    if (!s.ok()) {
+      std::fprintf(stderr, "kdn-bench quality: --selections: %s\n", s.status().message().c_str());
+      return 2;
+    }
+    for (double r : ratios) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "%s %.2f", text.c_str(), r);
+      modes.push_back({name, r, false, false, *s});
+    }
+  }
   std::printf("quality of %s on %s (%zu examples), greedy, check layer %d, documents' KV %s\n",
               what.c_str(), path.c_str(), examples->size(), check_layer,
               kvbus::CodecLevelName(*codec).c_str());
@@ -219,14 +235,21 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
           blend::BlendResult res,
           blend::BlendPrefill(
               model, seq, segments, suffix,
-              {.spec = {.recompute_ratio = mode.ratio,
-                        .check_layer = check_layer,
-                        .check_layers = mode.progressive ? check_layers : std::vector<int>{},
-                        .selection = {.kind = mode.random
-                                                  ? blend::BlendSelection::Kind::kRandom
-                                                  : blend::BlendSelection::Kind::kDeviation}},
+              {.spec =
+                   {.recompute_ratio = mode.ratio,
+                    .check_layer = check_layer,
+                    .check_layers = mode.progressive ? check_layers : std::vector<int>{},
+                    .selection =
+                        mode.selection
+                            ? *mode.selection
+                            : blend::BlendSelection{.kind =
+                                                        mode.random
+                                                            ? blend::BlendSelection::Kind::kRandom
+                                                            : blend::BlendSelection::Kind::
+                                                                  kDeviation}},
                .seed = seed}));
-      *recomputed += res.recomputed_tokens;
+      // A query selection's pass over the question counts as recomputed.
+      *recomputed += res.recomputed_tokens + res.question_pass_tokens;
       logits = std::move(res.logits);
     }
     return DecodeLine(model, seq, tok, std::move(logits), max_tokens);
@@ -284,6 +307,7 @@ int RunQuality(const Common& c, const std::string& eval_path, int limit, int max
                            : modes[m].ratio == 0  ? "full_reuse"
                            : modes[m].random      ? "random"
                            : modes[m].progressive ? "progressive"
+                           : modes[m].selection   ? blend::BlendSelectionName(*modes[m].selection)
                                                   : "blend"},
                   {"family", family},
                   {"examples", t.n},
