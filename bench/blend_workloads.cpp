@@ -166,7 +166,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
       std::fprintf(stderr, "kdn-bench rag-blend: %s\n", sel.status().message().c_str());
       return 2;
     }
-    if (!sel->checks()) {
+    if (!sel->checks() && !sel->query()) {  // boundary: no ratio
       modes.push_back({0, true, false, *sel});
       continue;
     }
@@ -176,7 +176,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
       if (!first && (ratio <= 0 || ratio >= 1)) continue;
       if (first && std::abs(ratio - 0.15) < 1e-9) modes.push_back({ratio, false, false, *sel});
       modes.push_back({ratio, true, false, *sel});
-      if (!check_layers.empty() && ratio > 0 && ratio < 1) {
+      if (!check_layers.empty() && ratio > 0 && ratio < 1 && sel->checks()) {
         modes.push_back({ratio, true, true, *sel});
       }
     }
@@ -226,7 +226,8 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     const std::string sel = blend::BlendSelectionName(mode.selection);
     const bool deviation = mode.selection == blend::BlendSelection{};
     char name[64];
-    if (!mode.selection.checks()) {
+    const bool ratioed = mode.selection.checks() || mode.selection.query();
+    if (!ratioed) {
       std::snprintf(name, sizeof(name), "%s", sel.c_str());
     } else {
       std::snprintf(name, sizeof(name), "%s %.2f%s", deviation ? "blend" : sel.c_str(), ratio,
@@ -235,7 +236,8 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
                                      : " serial load");
     }
     std::printf("%-30s %10.1f %8.2fx %12d %10.3g %9d/32 %9.1f %9.1f\n", name, best * 1e3,
-                full_s / best, res.recomputed_tokens + res.computed_tokens, kl, agree,
+                full_s / best,
+                res.recomputed_tokens + res.computed_tokens + res.question_pass_tokens, kl, agree,
                 res.check_seconds * 1e3, res.load_wait_seconds * 1e3);
     if (deviation && std::abs(ratio - 0.15) < 1e-9 && !mode.progressive) {
       (mode.overlap ? speedup_015 : serial_015) = full_s / best;
@@ -244,10 +246,11 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
                              : mode.overlap   ? "blend"
                                               : "blend-serial-load"},
                     {"selection", sel},
-                    {"ratio", mode.selection.checks() ? json(ratio) : json(nullptr)},
+                    {"ratio", ratioed ? json(ratio) : json(nullptr)},
                     {"ttft_s", best},
                     {"speedup", full_s / best},
                     {"recomputed_tokens", res.recomputed_tokens},
+                    {"question_pass_tokens", res.question_pass_tokens},
                     {"kl", kl},
                     {"greedy_agreement", agree / 32.0},
                     {"check_s", res.check_seconds},
