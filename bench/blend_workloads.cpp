@@ -166,7 +166,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
       std::fprintf(stderr, "kdn-bench rag-blend: %s\n", sel.status().message().c_str());
       return 2;
     }
-    if (!sel->checks() && !sel->query()) {  // boundary: no ratio
+    if (!sel->uses_ratio()) {
       modes.push_back({0, true, false, *sel});
       continue;
     }
@@ -226,8 +226,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
     const std::string sel = blend::BlendSelectionName(mode.selection);
     const bool deviation = mode.selection == blend::BlendSelection{};
     char name[64];
-    const bool ratioed = mode.selection.checks() || mode.selection.query();
-    if (!ratioed) {
+    if (!mode.selection.uses_ratio()) {
       std::snprintf(name, sizeof(name), "%s", sel.c_str());
     } else {
       std::snprintf(name, sizeof(name), "%s %.2f%s", deviation ? "blend" : sel.c_str(), ratio,
@@ -246,7 +245,7 @@ int RunRagBlend(const Common& c, int docs, int doc_tokens, int question_tokens,
                              : mode.overlap   ? "blend"
                                               : "blend-serial-load"},
                     {"selection", sel},
-                    {"ratio", ratioed ? json(ratio) : json(nullptr)},
+                    {"ratio", mode.selection.uses_ratio() ? json(ratio) : json(nullptr)},
                     {"ttft_s", best},
                     {"speedup", full_s / best},
                     {"recomputed_tokens", res.recomputed_tokens},

@@ -180,12 +180,13 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   } else if (!spec.selection.checks()) {
     // Indices into all_rows are positions. Boundary keeps its K a document
     // whatever the budget; the query policies spend the request's.
-    rows = policy(SelectionInput{.positions = all_rows,
-                                 .cached = cached,
-                                 .documents = documents,
-                                 .keep = spec.selection.query() ? kept_of(spec.recompute_ratio) : 0,
-                                 .seed = options.seed,
-                                 .attention = attention});
+    rows = policy(
+        SelectionInput{.positions = all_rows,
+                       .cached = cached,
+                       .documents = documents,
+                       .keep = spec.selection.uses_ratio() ? kept_of(spec.recompute_ratio) : 0,
+                       .seed = options.seed,
+                       .attention = attention});
     out.recomputed_tokens = static_cast<int>(rows.size() - fresh_rows.size());
     out.kept_at_check.push_back(out.recomputed_tokens);
   }

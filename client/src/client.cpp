@@ -74,14 +74,12 @@ kdn_status Report(const Status& st) {
 // only for a URL without one.
 kdn::Result<std::string> WithRedisPassword(const std::string& url, const char* password_file) {
   if (password_file != nullptr && *password_file != '\0') {
-    KDN_ASSIGN_OR_RETURN(std::string password, kvbus::ReadPasswordFile(password_file));
-    return kvbus::RedisUrlWithPassword(url, password);
+    return kvbus::RedisUrlWithPasswordFile(url, password_file);
   }
   KDN_ASSIGN_OR_RETURN(kvbus::RedisUrl parsed, kvbus::ParseRedisUrl(url));
   if (!parsed.password.empty()) return url;
   if (const char* file = std::getenv("KDN_REDIS_PASSWORD_FILE"); file != nullptr && *file) {
-    KDN_ASSIGN_OR_RETURN(std::string password, kvbus::ReadPasswordFile(file));
-    return kvbus::RedisUrlWithPassword(url, password);
+    return kvbus::RedisUrlWithPasswordFile(url, file);
   }
   if (const char* password = std::getenv("KDN_REDIS_PASSWORD"); password != nullptr && *password) {
     return kvbus::RedisUrlWithPassword(url, password);

@@ -254,6 +254,11 @@ Result<std::string> ReadPasswordFile(const std::string& path) {
   return password;
 }
 
+Result<std::string> RedisUrlWithPasswordFile(std::string_view url, const std::string& path) {
+  KDN_ASSIGN_OR_RETURN(std::string password, ReadPasswordFile(path));
+  return RedisUrlWithPassword(url, password);
+}
+
 uint16_t RedisSlot(std::string_view key) {
   // A {hash tag}: only what is between the first { and the next } counts,
   // if that is not empty.

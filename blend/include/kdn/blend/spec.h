@@ -90,6 +90,9 @@ struct BlendSelection {
   bool checks() const { return kind != Kind::kBoundary && !query(); }
   // Whether it needs the question's attention to the cached tokens.
   bool query() const { return kind == Kind::kQuery || kind == Kind::kQueryBoundary; }
+  // Whether it spends the ratio's budget (every kind but boundary, whose K
+  // tokens a document are all it recomputes).
+  bool uses_ratio() const { return kind != Kind::kBoundary; }
   friend bool operator==(const BlendSelection&, const BlendSelection&) = default;
 };
 inline constexpr int kDefaultBoundaryTokens = 8;

@@ -151,8 +151,7 @@ struct KvFlags {
   Result<std::string> shared_tier() const {
     if (kdn_redis.empty()) return store;
     if (redis_password_file.empty()) return kdn_redis;
-    KDN_ASSIGN_OR_RETURN(std::string password, kvbus::ReadPasswordFile(redis_password_file));
-    return kvbus::RedisUrlWithPassword(kdn_redis, password);
+    return kvbus::RedisUrlWithPasswordFile(kdn_redis, redis_password_file);
   }
   std::chrono::milliseconds redis_ttl() const {
     return std::chrono::milliseconds(static_cast<int64_t>(redis_ttl_s * 1000));

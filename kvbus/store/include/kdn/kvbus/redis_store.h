@@ -61,6 +61,8 @@ Result<std::string> RedisUrlWithPassword(std::string_view url, std::string_view 
 // CR and spaces dropped); INVALID_ARGUMENT naming the file, never its
 // contents, when it cannot be read or the line is empty.
 Result<std::string> ReadPasswordFile(const std::string& path);
+// `url` with the password ReadPasswordFile reads from `path` put in.
+Result<std::string> RedisUrlWithPasswordFile(std::string_view url, const std::string& path);
 
 // The Redis key of chunk `key` of model `model`.
 std::string RedisKey(const ChunkKey& model, const ChunkKey& key);
