@@ -87,34 +87,36 @@ float FloatDotScalar(const uint8_t* w, const void* xv, int64_t n) {
   return s;
 }
 
+// The quantized formats' sum (quant_panels.h): per block in order, the
+// exact integer sum of the stored integers' products, then two fused steps.
+// Q8_0's values are d * q; Q4_0's d * (q - 8), whose -8 d multiplies the
+// activation block's scaled sum s; Q4_1's d * q + m, whose m does.
 float Q8_0DotScalar(const uint8_t* w, const void* xv, int64_t n) {
   const auto* x = static_cast<const ActBlock*>(xv);
-  float s = 0.0f;
+  float acc = 0.0f;
   for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kQ8_0Bytes) {
     int32_t sum = 0;
     for (int i = 0; i < kQuantBlock; ++i) sum += static_cast<int8_t>(w[2 + i]) * x[b].q[i];
-    s += HalfAt(w) * x[b].d * static_cast<float>(sum);
+    acc = std::fma(static_cast<float>(sum), HalfAt(w) * x[b].d, acc);
   }
-  return s;
+  return acc;
 }
 
-// Q4_0's values are d * (q - 8): sum d * da * q * qa, less 8 * d * s.
-// Q4_1's values are d * q + m: sum d * da * q * qa, plus m * s.
 template <bool kMin>
 float Q4DotScalar(const uint8_t* w, const void* xv, int64_t n) {
   constexpr int kQs = kMin ? 4 : 2;
   const auto* x = static_cast<const ActBlock*>(xv);
-  float s = 0.0f;
+  float acc = 0.0f;
   for (int64_t b = 0; b < n / kQuantBlock; ++b, w += kMin ? kQ4_1Bytes : kQ4_0Bytes) {
     int32_t sum = 0;
     for (int j = 0; j < kQuantBlock / 2; ++j) {
       sum += (w[kQs + j] & 0x0F) * x[b].q[j] + (w[kQs + j] >> 4) * x[b].q[j + kQuantBlock / 2];
     }
     const float d = HalfAt(w);
-    const float offset = kMin ? HalfAt(w + 2) * x[b].s : -8.0f * d * x[b].s;
-    s += d * x[b].d * static_cast<float>(sum) + offset;
+    acc = std::fma(static_cast<float>(sum), d * x[b].d, acc);
+    acc = std::fma(kMin ? HalfAt(w + 2) : -8.0f * d, x[b].s, acc);
   }
-  return s;
+  return acc;
 }
 
 std::vector<QuantTraits> MakeTable() {
@@ -128,8 +130,8 @@ std::vector<QuantTraits> MakeTable() {
                        bytes,
                        qx,
                        f,
-                       {scalar, Avx2Dot(t), Avx512Dot(t)},
-                       internal::Avx512DotRows(t)};
+                       {scalar, qx ? nullptr : Avx2Dot(t), qx ? nullptr : Avx512Dot(t)},
+                       qx ? nullptr : internal::Avx512DotRows(t)};
   };
   return {
       row(GgmlType::kF32, "F32", 1, 4, false, FloatRowToFloat<DType::kF32>,
@@ -185,22 +187,8 @@ void QuantizeActivations(const float* x, int64_t n, ActBlock* out) {
       sum += out[b].q[i];
     }
     out[b].d = d;
+    out[b].sum = sum;
     out[b].s = d * static_cast<float>(sum);
-  }
-}
-
-void PairActivations(const ActBlock* blocks, int64_t n, ActPair* out) {
-  const int64_t count = n / kQuantBlock;
-  for (int64_t p = 0; p < ActPairCount(n); ++p) {
-    ActPair& pair = out[p];
-    for (int h = 0; h < 2; ++h) {
-      const int64_t b = 2 * p + h;
-      const bool there = b < count;
-      for (int i = 0; i < kQuantBlock; ++i)
-        pair.q[h * kQuantBlock + i] = there ? blocks[b].q[i] : 0;
-      for (int i = 0; i < 8; ++i) pair.d[h * 8 + i] = there ? blocks[b].d : 0.0f;
-      pair.s[h] = there ? blocks[b].s : 0.0f;
-    }
   }
 }
 

@@ -1,20 +1,40 @@
 #pragma once
-// The engine's x86 kernels written with intrinsics, in quant_x86.cpp: the
-// traits table's dot products (quant.h) and decode attention's row, compiled
-// for AVX2 (with FMA and F16C) and AVX-512 VNNI by function target
-// attributes, run only where BestDotIsa says the CPU has them.
+// The engine's x86 kernels written with intrinsics: the traits table's float
+// dot products (quant.h) and decode attention's row in quant_x86.cpp, the
+// quantized panel products (quant_panels.h) in quant_panels_x86.cpp. Each is
+// compiled for its instruction set by function target attributes and runs
+// only where BestDotIsa (BestPanelIsa) says the CPU has it.
 
 #include "kdn/engine/quant.h"
+#include "kdn/engine/quant_panels.h"
 
 namespace kdn::engine::internal {
 
-// The dot product of `type` for that instruction set; null where there is
-// none (or off x86).
+// The dot product of a float format (F32, F16, BF16) for that instruction
+// set; null for the others or off x86.
 DotFn Avx2Dot(model::GgmlType type);
 DotFn Avx512Dot(model::GgmlType type);
-// The AVX-512 VNNI multi-row dot product of a quantized format (null for
-// the others): quant.h's DotRowsFn.
+// The AVX-512 multi-row dot product of a float format (null for the
+// others): quant.h's DotRowsFn.
 DotRowsFn Avx512DotRows(model::GgmlType type);
+
+// One panel of a QuantPanels matrix (quant_panels.h), as its kernels read it.
+struct PanelView {
+  model::GgmlType type;
+  int64_t blocks;
+  const uint8_t* q;   // blocks * QuantPanels::BlockBytes(type)
+  const uint16_t* d;  // blocks * kPanelRows
+  const uint16_t* m;  // Q4_1: as d; else null
+};
+// QuantPanels::Product's kernel for one instruction set (quant_panels_x86.cpp):
+// out[i * kPanelRows + j], i < rows. The AMX one takes rows in whole tiles
+// of 16 only.
+using PanelFn = void (*)(const PanelView& w, const ActBlock* x, int64_t x_stride, int64_t rows,
+                         float* out);
+// Null where that instruction set has none (or off x86).
+PanelFn PanelKernel(model::GgmlType type, PanelIsa isa);
+// Whether the CPU has AMX-INT8 and Linux granted this process the tile state.
+bool AmxUsable();
 
 // AttendPagedGroup (cpu_ops.h) for `heads` heads of `head_dim`, less those.
 using AttendGroupFn = void (*)(const float* q, const float* const* k_blocks,

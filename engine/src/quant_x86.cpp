@@ -1,14 +1,8 @@
-// The traits table's vector dot products (quant_kernels.h). Each function
-// carries its instruction set as a target attribute, so that the file builds
-// for baseline x86-64 and the CPU's own is chosen at run time (BestDotIsa).
-//
-// Quantized formats: the weight's integer values against the activation's
-// int8 ones, 32 products summed exactly into int32 per block (AVX2:
-// maddubs + madd, unsigned by signed; VNNI: dpbusd, two blocks per 512-bit
-// register), then scaled by both blocks' scales in float. Q8_0 is signed by
-// signed: the weight's magnitude against the activation carrying the
-// weight's sign. Q4_0's -8 and Q4_1's minimum come from the activation
-// block's sum, outside the integer loop.
+// The traits table's vector dot products of the float formats and decode
+// attention's row (quant_kernels.h); the quantized formats' are in
+// quant_panels_x86.cpp. Each function carries its instruction set as a
+// target attribute, so that the file builds for baseline x86-64 and the
+// CPU's own is chosen at run time (BestDotIsa).
 #include "quant_kernels.h"
 
 #include "kdn/common/half.h"
@@ -53,72 +47,8 @@ KDN_AVX2 inline float HSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// A Q4 block's 16 bytes as 32 unsigned values in order: low nibbles are
-// values 0-15, high nibbles 16-31.
-KDN_AVX2 inline __m256i Nibbles(const uint8_t* qs) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
 KDN_AVX2 inline __m256i Load32(const void* p) {
   return _mm256_loadu_si256(static_cast<const __m256i*>(p));
-}
-
-// Eight int32 sums of four u8 * s8 products each, as floats.
-KDN_AVX2 inline __m256 DotU8S8(__m256i u, __m256i s) {
-  const __m256i p16 = _mm256_maddubs_epi16(u, s);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-// Block layouts: offset of the nibbles or int8 values, bytes per block.
-template <GgmlType T>
-struct Block;
-template <>
-struct Block<GgmlType::kQ8_0> {
-  static constexpr int kQs = 2, kBytes = 34;
-};
-template <>
-struct Block<GgmlType::kQ4_0> {
-  static constexpr int kQs = 2, kBytes = 18;
-};
-template <>
-struct Block<GgmlType::kQ4_1> {
-  static constexpr int kQs = 4, kBytes = 20;
-};
-
-// What the integer sums miss, per unit of the activation block's sum s:
-// Q4_0's -8 * d, Q4_1's m.
-template <GgmlType T>
-KDN_AVX2 inline float OffsetCoef(const uint8_t* w) {
-  if constexpr (T == GgmlType::kQ4_0) return -8.0f * Half(w);
-  if constexpr (T == GgmlType::kQ4_1) return Half(w + 2);
-  return 0.0f;
-}
-
-template <GgmlType T>
-KDN_AVX2 inline float Offset(const uint8_t* w, const ActBlock& x) {
-  return OffsetCoef<T>(w) * x.s;
-}
-
-template <GgmlType T>
-KDN_AVX2 float QuantDotAvx2(const uint8_t* w, const void* xv, int64_t n) {
-  const auto* x = static_cast<const ActBlock*>(xv);
-  __m256 acc = _mm256_setzero_ps();
-  float offset = 0.0f;
-  for (int64_t b = 0; b < n / kQuantBlock; ++b, w += Block<T>::kBytes) {
-    const __m256i qa = Load32(x[b].q);
-    __m256 p;
-    if constexpr (T == GgmlType::kQ8_0) {
-      const __m256i qw = Load32(w + Block<T>::kQs);
-      p = DotU8S8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qa, qw));
-    } else {
-      p = DotU8S8(Nibbles(w + Block<T>::kQs), qa);
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(Half(w) * x[b].d), p, acc);
-    offset += Offset<T>(w, x[b]);
-  }
-  return HSum(acc) + offset;
 }
 
 // Eight floats of a F32, F16 or BF16 row from value i.
@@ -161,154 +91,6 @@ KDN_AVX2 float FloatDotAvx2(const uint8_t* w, const void* xv, int64_t n) {
   for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(Load8<T>(w, i), _mm256_loadu_ps(x + i), a0);
   float s = HSum(_mm256_add_ps(a0, a1));
   for (; i < n; ++i) s += Load1<T>(w, i) * x[i];
-  return s;
-}
-
-// AVX-512: two blocks per register, their scales in the two halves.
-KDN_AVX512 inline __m512 PairScale(float lo, float hi) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(lo)),
-                                             _mm256_castps_pd(_mm256_set1_ps(hi)), 1));
-}
-
-KDN_AVX512 inline __m512i Pair(__m256i lo, __m256i hi) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-// One block's 32 weight values as unsigned bytes and the activation's with
-// the sign that makes their products right.
-template <GgmlType T>
-KDN_AVX512 inline void Operands(const uint8_t* w, const ActBlock& x, __m256i* u, __m256i* s) {
-  const __m256i qa = Load32(x.q);
-  if constexpr (T == GgmlType::kQ8_0) {
-    const __m256i qw = Load32(w + Block<T>::kQs);
-    *u = _mm256_abs_epi8(qw);
-    *s = _mm256_sign_epi8(qa, qw);
-  } else {
-    *u = Nibbles(w + Block<T>::kQs);
-    *s = qa;
-  }
-}
-
-// One weight row against kRows activation rows (ActPair rows, x_stride
-// bytes apart): the weight's unpacking and scales once per block pair for
-// all of them; each row's pair is one load of its 64 values and one of its
-// scales. Each row's sum is taken in the same order whatever kRows is, and
-// the one-row dot product (QuantDotAvx512) takes the same steps, so a row's
-// product does not depend on how many rows are computed beside it
-// (weight_matrix.h).
-template <GgmlType T, int kRows>
-KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const uint8_t* xv, int64_t x_stride, int64_t n,
-                                   float* out) {
-  const int64_t blocks = n / kQuantBlock;
-  constexpr int kBytes = Block<T>::kBytes;
-  const ActPair* x[kRows];
-  __m512 acc[kRows];
-  float offset[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    x[r] = reinterpret_cast<const ActPair*>(xv + r * x_stride);
-    acc[r] = _mm512_setzero_ps();
-    offset[r] = 0.0f;
-  }
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2, w += 2 * kBytes) {
-    __m256i u0, u1;
-    [[maybe_unused]] __mmask64 negative = 0;
-    if constexpr (T == GgmlType::kQ8_0) {
-      const __m256i qw0 = Load32(w + Block<T>::kQs), qw1 = Load32(w + kBytes + Block<T>::kQs);
-      u0 = _mm256_abs_epi8(qw0);
-      u1 = _mm256_abs_epi8(qw1);
-      negative = _mm512_movepi8_mask(Pair(qw0, qw1));
-    } else {
-      u0 = Nibbles(w + Block<T>::kQs);
-      u1 = Nibbles(w + kBytes + Block<T>::kQs);
-    }
-    const __m512i u = Pair(u0, u1);
-    // The weight's scales spread once, times each row's in one multiply.
-    const __m512 wd = PairScale(Half(w), Half(w + kBytes));
-    const float c0 = OffsetCoef<T>(w), c1 = OffsetCoef<T>(w + kBytes);
-    for (int r = 0; r < kRows; ++r) {
-      const ActPair& p = x[r][b / 2];
-      __m512i s = _mm512_loadu_si512(p.q);
-      // Q8_0: the activation carries the weight's sign (a zero weight's
-      // product is zero either way).
-      if constexpr (T == GgmlType::kQ8_0) {
-        s = _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s);
-      }
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
-      acc[r] =
-          _mm512_fmadd_ps(_mm512_mul_ps(wd, _mm512_loadu_ps(p.d)), _mm512_cvtepi32_ps(dot), acc[r]);
-      offset[r] += c0 * p.s[0] + c1 * p.s[1];
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    float s = _mm512_reduce_add_ps(acc[r]) + offset[r];
-    if (b < blocks) {
-      // The odd last block: the first half of the last pair.
-      const ActPair& p = x[r][b / 2];
-      ActBlock last;
-      last.d = p.d[0];
-      last.s = p.s[0];
-      std::memcpy(last.q, p.q, kQuantBlock);
-      __m256i u, sg;
-      Operands<T>(w, last, &u, &sg);
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sg);
-      s += Half(w) * last.d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, last);
-    }
-    out[r] = s;
-  }
-}
-
-template <GgmlType T>
-KDN_AVX512 void QuantDotRowsAvx512(const uint8_t* w, const void* x, int64_t x_stride, int rows,
-                                   int64_t n, float* out) {
-  const auto* xb = static_cast<const uint8_t*>(x);
-  switch (rows) {
-    case 1: return QuantDotRowsAvx512<T, 1>(w, xb, x_stride, n, out);
-    case 2: return QuantDotRowsAvx512<T, 2>(w, xb, x_stride, n, out);
-    case 3: return QuantDotRowsAvx512<T, 3>(w, xb, x_stride, n, out);
-    case 4: return QuantDotRowsAvx512<T, 4>(w, xb, x_stride, n, out);
-    case 5: return QuantDotRowsAvx512<T, 5>(w, xb, x_stride, n, out);
-    case 6: return QuantDotRowsAvx512<T, 6>(w, xb, x_stride, n, out);
-    case 7: return QuantDotRowsAvx512<T, 7>(w, xb, x_stride, n, out);
-    default: return QuantDotRowsAvx512<T, 8>(w, xb, x_stride, n, out);
-  }
-}
-
-// The one-row dot product on ActBlocks (a product of one activation row
-// runs it, unpaired): the same products as QuantDotRowsAvx512's, summed in
-// the same lanes in the same order, so the two agree bit for bit.
-template <GgmlType T>
-KDN_AVX512 float QuantDotAvx512(const uint8_t* w, const void* xv, int64_t n) {
-  const int64_t blocks = n / kQuantBlock;
-  constexpr int kBytes = Block<T>::kBytes;
-  const auto* x = static_cast<const ActBlock*>(xv);
-  __m512 acc = _mm512_setzero_ps();
-  float offset = 0.0f;
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2, w += 2 * kBytes) {
-    __m256i u0, u1, s0 = Load32(x[b].q), s1 = Load32(x[b + 1].q);
-    if constexpr (T == GgmlType::kQ8_0) {
-      const __m256i qw0 = Load32(w + Block<T>::kQs), qw1 = Load32(w + kBytes + Block<T>::kQs);
-      u0 = _mm256_abs_epi8(qw0);
-      u1 = _mm256_abs_epi8(qw1);
-      s0 = _mm256_sign_epi8(s0, qw0);
-      s1 = _mm256_sign_epi8(s1, qw1);
-    } else {
-      u0 = Nibbles(w + Block<T>::kQs);
-      u1 = Nibbles(w + kBytes + Block<T>::kQs);
-    }
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), Pair(u0, u1), Pair(s0, s1));
-    acc = _mm512_fmadd_ps(PairScale(Half(w) * x[b].d, Half(w + kBytes) * x[b + 1].d),
-                          _mm512_cvtepi32_ps(dot), acc);
-    offset += OffsetCoef<T>(w) * x[b].s + OffsetCoef<T>(w + kBytes) * x[b + 1].s;
-  }
-  float s = _mm512_reduce_add_ps(acc) + offset;
-  if (b < blocks) {
-    __m256i u, sg;
-    Operands<T>(w, x[b], &u, &sg);
-    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, sg);
-    s += Half(w) * x[b].d * HSum(_mm256_cvtepi32_ps(dot)) + Offset<T>(w, x[b]);
-  }
   return s;
 }
 
@@ -488,9 +270,6 @@ DotRowsFn Avx512DotRows(GgmlType type) {
     case GgmlType::kF32: return FloatDotRowsAvx512<GgmlType::kF32>;
     case GgmlType::kF16: return FloatDotRowsAvx512<GgmlType::kF16>;
     case GgmlType::kBF16: return FloatDotRowsAvx512<GgmlType::kBF16>;
-    case GgmlType::kQ8_0: return QuantDotRowsAvx512<GgmlType::kQ8_0>;
-    case GgmlType::kQ4_0: return QuantDotRowsAvx512<GgmlType::kQ4_0>;
-    case GgmlType::kQ4_1: return QuantDotRowsAvx512<GgmlType::kQ4_1>;
     default: return nullptr;
   }
 }
@@ -518,9 +297,6 @@ DotFn Avx2Dot(GgmlType type) {
     case GgmlType::kF32: return FloatDotAvx2<GgmlType::kF32>;
     case GgmlType::kF16: return FloatDotAvx2<GgmlType::kF16>;
     case GgmlType::kBF16: return FloatDotAvx2<GgmlType::kBF16>;
-    case GgmlType::kQ8_0: return QuantDotAvx2<GgmlType::kQ8_0>;
-    case GgmlType::kQ4_0: return QuantDotAvx2<GgmlType::kQ4_0>;
-    case GgmlType::kQ4_1: return QuantDotAvx2<GgmlType::kQ4_1>;
     default: return nullptr;
   }
 }
@@ -530,9 +306,6 @@ DotFn Avx512Dot(GgmlType type) {
     case GgmlType::kF32: return FloatDotAvx512<GgmlType::kF32>;
     case GgmlType::kF16: return FloatDotAvx512<GgmlType::kF16>;
     case GgmlType::kBF16: return FloatDotAvx512<GgmlType::kBF16>;
-    case GgmlType::kQ8_0: return QuantDotAvx512<GgmlType::kQ8_0>;
-    case GgmlType::kQ4_0: return QuantDotAvx512<GgmlType::kQ4_0>;
-    case GgmlType::kQ4_1: return QuantDotAvx512<GgmlType::kQ4_1>;
     default: return nullptr;
   }
 }

@@ -14,6 +14,7 @@
 #include "kdn/engine/cpu_ops.h"
 #include "kdn/engine/presets.h"
 #include "kdn/engine/quant.h"
+#include "kdn/engine/quant_panels.h"
 #include "kdn/engine/weight_matrix.h"
 #include "quant_encode.h"
 #include "kdn/testing/tiny_model.h"
@@ -87,7 +88,8 @@ TEST(Quant, ActivationsRoundToHalfAStep) {
 }
 
 // Each instruction set's dot product against the scalar one on the same
-// inputs: equal up to float summation order.
+// inputs: equal up to float summation order (the quantized formats' is the
+// scalar one at every level; their vector sums are QuantPanels').
 TEST(Quant, VectorDotProductsMatchTheScalarReference) {
   for (const QuantTraits& t : AllQuantTraits()) {
     for (int64_t n : Widths(t)) {
@@ -109,43 +111,98 @@ TEST(Quant, VectorDotProductsMatchTheScalarReference) {
   }
 }
 
-// The multi-row dot products (where the CPU has them) against the scalar
-// one per row, for 1 to kDotRowsMax rows.
+// The float formats' multi-row dot products (where the CPU has them)
+// against the scalar one per row, for 1 to kDotRowsMax rows.
 TEST(Quant, MultiRowDotProductsMatchTheScalarReference) {
   for (const QuantTraits& t : AllQuantTraits()) {
     const DotRowsFn rows_fn = DotRowsFor(t, BestDotIsa());
     if (rows_fn == nullptr) continue;
     for (int64_t n : Widths(t)) {
       const std::vector<uint8_t> w = Encode(t.type, Random(n, 41, 0.05f));
-      // The activation rows: ActBlocks for the quantized formats, floats else
-      // (the multi-row kernels take them paired).
-      const int64_t blocks = n / kQuantBlock, pairs = ActPairCount(n);
-      std::vector<ActBlock> xq(kDotRowsMax * std::max<int64_t>(blocks, 1));
-      std::vector<ActPair> xp(kDotRowsMax * std::max<int64_t>(pairs, 1));
       std::vector<float> xf(kDotRowsMax * n);
       for (int r = 0; r < kDotRowsMax; ++r) {
         const std::vector<float> v = Random(n, 50 + r);
         std::copy(v.begin(), v.end(), &xf[r * n]);
-        if (t.quantized_x) {
-          QuantizeActivations(v.data(), n, &xq[r * blocks]);
-          PairActivations(&xq[r * blocks], n, &xp[r * pairs]);
-        }
       }
-      const auto row_x = [&](int r) -> const void* {
-        return t.quantized_x ? static_cast<const void*>(&xq[r * blocks]) : &xf[r * n];
-      };
-      const void* rows_x = t.quantized_x ? static_cast<const void*>(xp.data()) : xf.data();
-      const int64_t stride = t.quantized_x ? pairs * static_cast<int64_t>(sizeof(ActPair)) : n * 4;
       for (int rows = 1; rows <= kDotRowsMax; ++rows) {
         float out[kDotRowsMax];
-        rows_fn(w.data(), rows_x, stride, rows, n, out);
+        rows_fn(w.data(), xf.data(), n * 4, rows, n, out);
         for (int r = 0; r < rows; ++r) {
-          const float ref = t.dot[0](w.data(), row_x(r), n);
+          const float ref = t.dot[0](w.data(), &xf[r * n], n);
           EXPECT_NEAR(out[r], ref, 1e-5 * std::fabs(ref) + 1e-4)
               << t.name << " n=" << n << " rows=" << rows << " r=" << r;
           // The same ISA's one-row dot product, bit for bit.
-          EXPECT_EQ(out[r], DotFor(t, DotIsa::kAvx512Vnni)(w.data(), row_x(r), n))
+          EXPECT_EQ(out[r], DotFor(t, DotIsa::kAvx512Vnni)(w.data(), &xf[r * n], n))
               << t.name << " n=" << n << " rows=" << rows << " r=" << r;
+        }
+      }
+    }
+  }
+}
+
+// Rows of random blocks in a quantized format: any stored byte, scales
+// (and Q4_1's minimums) of either sign over several binades, so that Q8_0's
+// -128 and every nibble occur.
+std::vector<uint8_t> RandomBlocks(const QuantTraits& t, int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> mag(-12.0f, -2.0f), sign(-1.0f, 1.0f);
+  std::vector<uint8_t> out(static_cast<size_t>(rows * t.RowBytes(cols)));
+  const int halves = t.type == GgmlType::kQ4_1 ? 2 : 1;
+  for (size_t b = 0; b < out.size(); b += static_cast<size_t>(t.block_bytes)) {
+    for (int h = 0; h < halves; ++h) {
+      PutHalf(std::copysign(std::exp2(mag(rng)), sign(rng)), &out[b + 2 * h]);
+    }
+    for (int i = 2 * halves; i < t.block_bytes; ++i) out[b + i] = static_cast<uint8_t>(byte(rng));
+  }
+  return out;
+}
+
+// QuantPanels: every row read back as stored, and every kernel this CPU has
+// (scalar, AVX2, AVX-512 VNNI, AMX) giving, bit for bit, the scalar dot
+// product of the row as the file stores it (quant.cpp, written apart from
+// the panels), at row counts that fill AMX tiles, leave tails of each
+// kernel's row groups and cross kRowBlock, on a matrix whose last panel is
+// padded.
+TEST(QuantPanels, EveryKernelGivesTheStoredRowsScalarSumBitForBit) {
+  std::vector<PanelIsa> isas;
+  for (PanelIsa i : {PanelIsa::kScalar, PanelIsa::kAvx2, PanelIsa::kAvx512Vnni, PanelIsa::kAmx}) {
+    if (static_cast<int>(i) <= static_cast<int>(BestPanelIsa())) isas.push_back(i);
+  }
+  for (const QuantTraits& t : AllQuantTraits()) {
+    if (!QuantPanels::Holds(t.type)) continue;
+    for (int64_t cols : {32, 96, 576}) {
+      const int64_t rows = 37, row_bytes = t.RowBytes(cols), blocks = cols / kQuantBlock;
+      const std::vector<uint8_t> raw = RandomBlocks(t, rows, cols, 90 + static_cast<int>(cols));
+      HostTensor tensor;
+      tensor.shape = {rows, cols};
+      tensor.type = t.type;
+      tensor.bytes = raw;
+      auto w = WeightMatrix::FromTensor(std::move(tensor), "w");
+      ASSERT_TRUE(w.ok()) << w.status().ToString();
+      const QuantPanels panels = QuantPanels::FromRows(t.type, raw.data(), rows, cols);
+      std::vector<uint8_t> back(static_cast<size_t>(row_bytes));
+      for (int64_t r = 0; r < rows; ++r) {
+        panels.RowBlocks(r, 0, blocks, back.data());
+        ASSERT_TRUE(std::equal(back.begin(), back.end(), raw.begin() + r * row_bytes))
+            << t.name << " row " << r;
+      }
+      const int64_t most = 2 * WeightMatrix::kRowBlock + 5;
+      const std::vector<float> x = Random(most * cols, 91);
+      std::vector<ActBlock> xq(static_cast<size_t>(most * blocks));
+      for (int64_t i = 0; i < most; ++i) QuantizeActivations(&x[i * cols], cols, &xq[i * blocks]);
+      for (PanelIsa isa : isas) {
+        for (int64_t m : std::initializer_list<int64_t>{1, 2, 3, 5, 8, 9, 16, 17, 20, 31, 33, 48,
+                                                        64, 70, most}) {
+          std::vector<float> y(m * rows);
+          w->ProductWith(isa, m, x.data(), cols, y.data(), rows);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < rows; ++j) {
+              const float ref = t.dot[0](&raw[j * row_bytes], &xq[i * blocks], cols);
+              ASSERT_EQ(y[i * rows + j], ref) << t.name << " cols=" << cols << " m=" << m << " ("
+                                              << i << "," << j << ") " << PanelIsaName(isa);
+            }
+          }
         }
       }
     }
@@ -225,7 +282,7 @@ TEST(Quant, ARowsProductDoesNotDependOnTheRowsBesideIt) {
           for (int64_t j = 0; j < rows; ++j) {
             ASSERT_EQ(y[i * rows + j], alone[(first + i) * rows + j])
                 << t.name << " " << rows << "x" << cols << " m=" << m << " row " << i << " output "
-                << j << " (" << DotIsaName(BestDotIsa()) << ")";
+                << j << " (" << PanelIsaName(BestPanelIsa()) << ")";
           }
         }
       }

@@ -8,8 +8,10 @@
 // and 32 int8 values, as llama.cpp quantizes activations for its integer dot
 // products), so the inner loop is integer multiply-adds; F16, BF16 and F32
 // rows are dotted with the float activations. Each dot product has a
-// portable scalar version (the reference the tests compare against) and,
-// chosen at run time from what the CPU has, an AVX2 and an AVX-512 VNNI one.
+// portable scalar version (the reference the tests compare against); the
+// float formats' have AVX2 and AVX-512 ones chosen at run time, and the
+// quantized formats' vector products are QuantPanels' (quant_panels.h),
+// which sum as the scalar one here does, bit for bit.
 //
 // Thread-safe (functions over values; the table is constant).
 
@@ -26,32 +28,18 @@ namespace kdn::engine {
 constexpr int kQuantBlock = 32;
 
 // One block of an activation row quantized to 8 bits: x[i] ~ d * q[i];
-// s = d * sum(q) (what Q4_0's offset and Q4_1's minimum multiply).
+// sum = sum(q) (exact), s = d * sum (what Q4_0's offset and Q4_1's minimum
+// multiply).
 struct ActBlock {
   float d;
   float s;
+  int32_t sum;
   int8_t q[kQuantBlock];
 };
 
 // Quantizes n floats (a whole number of blocks) to n / kQuantBlock blocks:
 // d = max|x| / 127, q = round(x / d).
 void QuantizeActivations(const float* x, int64_t n, ActBlock* out);
-
-// An activation row as the AVX-512 VNNI multi-row dot products read it: its
-// blocks in pairs, each pair's 64 values side by side and each block's d
-// spread over the 8 lanes it scales, so that a pair is two loads and no
-// shuffle. An odd last block fills the first half of the last pair (the
-// rest zero).
-struct alignas(64) ActPair {
-  int8_t q[2 * kQuantBlock];
-  float d[16];  // the first block's d in lanes 0-7, the second's in 8-15
-  float s[2];
-};
-// The pairs of a row of n values (whole blocks).
-inline int64_t ActPairCount(int64_t n) { return (n / kQuantBlock + 1) / 2; }
-// Rearranges a quantized row of n values (n / kQuantBlock blocks) into
-// ActPairCount(n) pairs; the values are the blocks' own, unchanged.
-void PairActivations(const ActBlock* blocks, int64_t n, ActPair* out);
 
 // Which instructions the dot products use.
 enum class DotIsa { kScalar, kAvx2, kAvx512Vnni };
@@ -63,9 +51,9 @@ DotIsa BestDotIsa();
 // row in the format, `x` is ActBlock[n / kQuantBlock] for quantized formats
 // and float[n] for F32, F16 and BF16.
 using DotFn = float (*)(const uint8_t* w, const void* x, int64_t n);
-// The dot products of one row in the format with `rows` (1 to
-// kDotRowsMax) activation rows (ActPair rows from PairActivations for the
-// quantized formats, floats for the others), x_stride bytes apart: out[r].
+// The dot products of one row of a float format (F32, F16, BF16) with
+// `rows` (1 to kDotRowsMax) float activation rows, x_stride bytes apart:
+// out[r]. (The quantized formats' products are QuantPanels'.)
 // What a batch's product runs, the weight's blocks unpacked once for all.
 // Each out[r] is, bit for bit, what the same ISA's DotFn gives for that row
 // alone, whatever `rows`.
@@ -83,7 +71,7 @@ struct QuantTraits {
   bool quantized_x;    // the dot products take quantized rows (else floats)
   ToFloatFn to_float;  // bit for bit the gguf package's dequantize
   DotFn dot[3];        // by DotIsa; a null entry falls back to scalar
-  DotRowsFn dot_rows;  // AVX-512 VNNI, every format; else null
+  DotRowsFn dot_rows;  // AVX-512, the float formats; else null
   int64_t RowBytes(int64_t n) const { return n / block_values * block_bytes; }
 };
 

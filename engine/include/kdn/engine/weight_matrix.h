@@ -4,16 +4,18 @@
 // product with a few rows of activations, apart from attention's own matrix
 // products.
 //
-// Product: each activation row quantized once to 8 bits (quantized formats;
-// F32, F16 and BF16 rows are dotted with the floats as they are), then the
-// format's dot product per (output row, activation row): up to kDotRowsMax
-// activation rows against one weight row at a time, kRowBlock activation
-// rows per pass over the weight, threads splitting the output rows.
+// Product: the quantized formats (Q8_0, Q4_0, Q4_1) are held as panels of 16
+// rows (quant_panels.h) and each activation row is quantized once to 8 bits;
+// a panel's product takes AMX tiles of 16 activation rows where the CPU has
+// them, else AVX-512 VNNI (or AVX2) a few rows at a time. F32, F16 and BF16
+// rows are dotted with the floats as they are, up to kDotRowsMax activation
+// rows against one weight row at a time. kRowBlock activation rows per pass
+// over the weight, threads splitting the output rows.
 //
 // Batch invariance: a row's result does not depend on how many rows are
 // computed beside it, nor on which: one row alone, a decode batch of 32 and
-// a prefill of thousands give each row the same bits (the dot products sum
-// each row in one order whatever the rows beside it, quant.h). So a prompt
+// a prefill of thousands give each row the same bits (every kernel sums each
+// row in one order whatever the rows beside it, quant_panels.h). So a prompt
 // computed whole, in pieces after a cached prefix, or beside other requests
 // gives the same logits, and greedy answers do not depend on the path a
 // request took (docs/engine.md, "Batch invariance").
@@ -28,14 +30,14 @@
 
 #include "kdn/common/status.h"
 #include "kdn/engine/quant.h"
+#include "kdn/engine/quant_panels.h"
 #include "kdn/engine/tensor.h"
 
 namespace kdn::engine {
 
 // A caller's buffers for WeightMatrix::Product, kept across calls.
 struct ProductScratch {
-  std::vector<ActBlock> act;   // the activation rows, quantized
-  std::vector<ActPair> pairs;  // the same, paired for the multi-row kernels
+  std::vector<ActBlock> act;  // the activation rows, quantized
 };
 
 class WeightMatrix {
@@ -57,7 +59,10 @@ class WeightMatrix {
   int64_t cols() const { return cols_; }
   const QuantTraits& traits() const { return *traits_; }
   // Bytes the matrix holds.
-  size_t bytes() const { return traits_ == nullptr ? 0 : traits_->RowBytes(cols_) * rows_; }
+  size_t bytes() const {
+    if (traits_ == nullptr) return 0;
+    return quantized() ? panels_.bytes() : traits_->RowBytes(cols_) * rows_;
+  }
 
   // Row r as cols() floats.
   void RowToFloat(int64_t r, float* out) const;
@@ -67,19 +72,27 @@ class WeightMatrix {
                ProductScratch& scratch) const;
   // The same through the scalar dot products alone (the tests' reference).
   void ProductScalar(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy) const;
+  // The same with a quantized format's panel kernels for `isa` (up to
+  // BestPanelIsa()); the tests hold every level to the same bits.
+  void ProductWith(PanelIsa isa, int64_t m, const float* x, int64_t ldx, float* y,
+                   int64_t ldy) const;
 
  private:
+  bool quantized() const { return QuantPanels::Holds(traits_->type); }
   const uint8_t* Row(int64_t r) const { return data() + r * traits_->RowBytes(cols_); }
   const uint8_t* data() const {
     return f32_.empty() ? bytes_.data() : reinterpret_cast<const uint8_t*>(f32_.data());
   }
   void DotRows(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy, bool accumulate,
-               ProductScratch& scratch, DotIsa isa) const;
+               DotIsa isa) const;
+  void PanelRows(int64_t m, const float* x, int64_t ldx, float* y, int64_t ldy, bool accumulate,
+                 ProductScratch& scratch, PanelIsa isa) const;
 
   const QuantTraits* traits_ = nullptr;
   int64_t rows_ = 0, cols_ = 0;
   std::vector<float> f32_;      // an F32 matrix
-  std::vector<uint8_t> bytes_;  // any other format's blocks
+  std::vector<uint8_t> bytes_;  // an F16 or BF16 matrix
+  QuantPanels panels_;          // a Q8_0, Q4_0 or Q4_1 matrix
 };
 
 }  // namespace kdn::engine
