@@ -84,6 +84,12 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Start(
   try {
     impl->sock.set(zmq::sockopt::linger, 0);
     impl->sock.set(zmq::sockopt::router_mandatory, 0);  // unknown peers: drop, never block
+    // No high-water mark: a ROUTER drops what it sends to a peer whose queue
+    // is full, and a decode worker's token events must all reach a router
+    // that falls behind under load (a default of 1,000 messages lost events
+    // of 64 streams mid-answer). What the router has not read yet waits
+    // here; a peer that goes away takes its queue with it.
+    impl->sock.set(zmq::sockopt::sndhwm, 0);
     impl->sock.set(zmq::sockopt::maxmsgsize, kMaxControlFrameBytes);
     impl->sock.bind(endpoint);
     impl->endpoint = impl->sock.get(zmq::sockopt::last_endpoint);

@@ -27,6 +27,9 @@ Result<std::unique_ptr<WorkerPool>> WorkerPool::Connect(zmq::context_t& ctx,
     KDN_RETURN_IF_ERROR(net::SecureClient(*l.sock, options.curve));
     l.sock->set(zmq::sockopt::linger, 0);
     l.sock->set(zmq::sockopt::sndhwm, 100000);
+    // Read whatever the worker sent (its token events), however far behind:
+    // the worker's side holds no limit either (ControlServer).
+    l.sock->set(zmq::sockopt::rcvhwm, 0);
     l.sock->set(zmq::sockopt::maxmsgsize, control::kMaxControlFrameBytes);
     char mon[96];
     std::snprintf(mon, sizeof(mon), "inproc://router-backend-%p-monitor-%zu", tag,

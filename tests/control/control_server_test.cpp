@@ -1,7 +1,8 @@
 // ControlServer: a frame over kMaxControlFrameBytes is never buffered nor
 // handed to the handler (ZeroMQ drops the connection that sends it), and the
 // server goes on answering its other peers. Malformed frames are dropped with
-// a rate-limited log line, however many peers send them.
+// a rate-limited log line, however many peers send them. A peer that reads
+// late loses no reply.
 #include "kdn/control/control_server.h"
 
 #include "kdn/net/zmq_curve.h"
@@ -71,6 +72,57 @@ TEST(ControlServer, AFrameOverTheLimitIsDroppedAndOthersAreServed) {
   ASSERT_TRUE(parsed.ParseFromArray(reply.data(), static_cast<int>(reply.size())));
   EXPECT_EQ(parsed.request_id(), 2u);
   EXPECT_EQ(handled.load(), 1);
+}
+
+// A peer that reads nothing for a while gets every reply sent meanwhile,
+// in order: far more than ZeroMQ's default high-water mark of 1,000
+// messages (at which a ROUTER drops what it sends: token events lost under
+// load), each large enough that the connection's buffers hold few of them.
+TEST(ControlServer, APeerThatFallsBehindGetsEveryReplyInOrder) {
+  constexpr int kReplies = 3000;
+  std::atomic<bool> sent{false};
+  // The replies come from another thread, as a worker's do (the I/O
+  // thread that runs the handler is the one that forwards them).
+  std::thread sender;
+  auto server = ControlServer::Start(
+      "tcp://127.0.0.1:0", [&](ControlServer& srv, const std::string& peer, proto::WorkerMessage) {
+        sender = std::thread([&srv, &sent, peer] {
+          for (int i = 0; i < kReplies; ++i) {
+            proto::WorkerMessage reply;
+            reply.set_request_id(static_cast<uint64_t>(i));
+            reply.mutable_lookup()->set_ns(std::string(10000, 'x'));
+            srv.Send(peer, reply);
+          }
+          sent = true;
+        });
+      });
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  zmq::context_t ctx;
+  zmq::socket_t sock(ctx, zmq::socket_type::dealer);
+  sock.set(zmq::sockopt::linger, 0);
+  sock.set(zmq::sockopt::rcvhwm, 10);
+  sock.set(zmq::sockopt::rcvtimeo, 10000);
+  sock.connect((*server)->endpoint());
+  proto::WorkerMessage go;
+  go.set_request_id(1);
+  go.mutable_info_request();
+  const std::string bytes = go.SerializeAsString();
+  sock.send(zmq::buffer(bytes), zmq::send_flags::none);
+  while (!sent) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  // The server's I/O thread forwards the queued replies meanwhile (a
+  // limited queue would drop most of them now).
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::vector<uint64_t> got;
+  for (int i = 0; i < kReplies; ++i) {
+    zmq::message_t reply;
+    if (!sock.recv(reply, zmq::recv_flags::none).has_value()) break;  // 10 s: lost
+    proto::WorkerMessage parsed;
+    if (!parsed.ParseFromArray(reply.data(), static_cast<int>(reply.size()))) break;
+    got.push_back(parsed.request_id());
+  }
+  sender.join();
+  ASSERT_EQ(got.size(), static_cast<size_t>(kReplies)) << "replies lost";
+  for (int i = 0; i < kReplies; ++i) ASSERT_EQ(got[i], static_cast<uint64_t>(i)) << "out of order";
 }
 
 // Sends an info request on `sock` and waits for its answer: every frame
