@@ -41,12 +41,18 @@ struct CpuEngine::Scratch {
   // same but past pruned KV (KvSequence::next_position).
   std::vector<int32_t> pos, rope_pos;
   std::vector<int64_t> out_rows;
-  // Decode attention: the short rows, and each OpenMP thread's buffers.
+  // Attention: the work's rows (a segment's row i, and i + 1 with it where
+  // `pair`), and each OpenMP thread's buffers.
   struct Thread {
     std::vector<float> scores;
     std::vector<const float*> kb, vb;
   };
-  std::vector<std::pair<const Segment*, int64_t>> short_rows;
+  struct AttendRows {
+    const Segment* s;
+    int64_t i;
+    bool pair;
+  };
+  std::vector<AttendRows> short_rows;
   std::vector<Thread> threads;
   // A decode step's segments and logits (DecodeStep, DecodeSample).
   std::vector<Segment> segs;
@@ -381,39 +387,49 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
   // Row by row, in parallel, a prefill's rows as a decode step's: each
   // (row, KV head) is one AttendPagedGroup over the paged KV, so a row's
   // attention does not depend on the rows computed beside it (batch
-  // invariance, weight_matrix.h; docs/engine.md).
+  // invariance, weight_matrix.h; docs/engine.md). Two rows of a segment
+  // with the same first visible key go to AttendPagedPair together where
+  // the CPU has it: the keys and values read once for both, each row's
+  // result the same bits as alone.
   const ModelConfig& c = config_;
   const int64_t qd = c.q_dim();
-  auto& short_rows = scratch.short_rows;
-  short_rows.clear();
+  const int64_t window = c.LayerWindow(layer);
+  auto& items = scratch.short_rows;
+  items.clear();
   for (const Segment& s : segs) {
-    for (int64_t i = 0; i < s.n; ++i) short_rows.emplace_back(&s, i);
+    for (int64_t i = 0; i < s.n; ++i) {
+      const bool pair = i + 1 < s.n && FirstVisibleKey(pos[s.row0 + i], window) ==
+                                           FirstVisibleKey(pos[s.row0 + i + 1], window);
+      items.push_back({&s, i, pair});
+      if (pair) ++i;
+    }
   }
-  if (short_rows.empty()) return;
+  if (items.empty()) return;
   const int group = c.num_heads / c.num_kv_heads;
   const int hd = c.head_dim;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t kvs = kv_->token_stride();
-  // One work item per (row, KV head): its group of query heads together.
-  const int64_t work = static_cast<int64_t>(short_rows.size()) * c.num_kv_heads;
-  const int64_t window = c.LayerWindow(layer);
+  // One work item per (rows, KV head): its group of query heads together.
+  const int64_t work = static_cast<int64_t>(items.size()) * c.num_kv_heads;
   if (scratch.threads.size() < static_cast<size_t>(omp_get_max_threads())) {
     scratch.threads.resize(omp_get_max_threads());
   }
-  // Every thread's buffers hold the longest row before the work is dealt
+  // Every thread's buffers hold the longest rows before the work is dealt
   // (any thread may take any row), with room to grow: a decode step's
   // context grows a token a step, and a step allocates nothing once warm.
   int64_t span = 0, blocks = 0;
-  for (const auto& [s, i] : short_rows) {
-    const int64_t p = pos[s->row0 + i];
-    span = std::max(span, p + 1 - FirstVisibleKey(p, window));
-    blocks = std::max(blocks, (p + kKvBlockTokens) / kKvBlockTokens);
+  for (const Segment& s : segs) {
+    for (int64_t i = 0; i < s.n; ++i) {
+      const int64_t p = pos[s.row0 + i];
+      span = std::max(span, p + 1 - FirstVisibleKey(p, window));
+      blocks = std::max(blocks, (p + kKvBlockTokens) / kKvBlockTokens);
+    }
   }
   const auto room = [](auto& v, int64_t n) {
     if (v.capacity() < static_cast<size_t>(n)) v.reserve(static_cast<size_t>(2 * n));
   };
   for (Scratch::Thread& t : scratch.threads) {
-    room(t.scores, group * span);
+    room(t.scores, 2 * group * span);
     room(t.kb, blocks);
     room(t.vb, blocks);
   }
@@ -424,25 +440,34 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
     std::vector<const float*>&kb = t.kb, &vb = t.vb;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
-      const auto [s, i] = short_rows[w / c.num_kv_heads];
+      const Scratch::AttendRows& item = items[w / c.num_kv_heads];
+      const Segment* s = item.s;
       const int g = static_cast<int>(w % c.num_kv_heads);
-      const int64_t row = s->row0 + i;
-      const int64_t ctx = pos[row] + 1;  // causal: positions 0..pos
+      const int64_t row = s->row0 + item.i, rows = item.pair ? 2 : 1;
+      // Causal: positions 0..pos; the last row's context is the widest.
+      int64_t ctx[2] = {pos[row] + 1, pos[row + rows - 1] + 1};
       const int64_t lo = FirstVisibleKey(pos[row], window);
       // This KV head's keys and values, block by block.
       const std::vector<int32_t>& blocks = s->seq->blocks();
-      const int64_t nb = (ctx + kKvBlockTokens - 1) / kKvBlockTokens;
+      const int64_t nb = (std::max(ctx[0], ctx[1]) + kKvBlockTokens - 1) / kKvBlockTokens;
       kb.resize(nb);
       vb.resize(nb);
       for (int64_t b = lo / kKvBlockTokens; b < nb; ++b) {
         kb[b] = kv_->Key(layer, blocks[b]) + g * hd;
         vb[b] = kv_->Value(layer, blocks[b]) + g * hd;
       }
-      scores.resize(group * (ctx - lo));
+      scores.resize(group * (ctx[0] + ctx[1] - 2 * lo));
       const int64_t at = row * qd + static_cast<int64_t>(g) * group * hd;
       const KvSequence::Hole hole = s->seq->HoleOf(layer, g);
-      AttendPagedGroup(q + at, group, kb.data(), vb.data(), kvs, lo, ctx, hd, scale, scores.data(),
-                       out + at, hole.begin, hole.end);
+      if (rows == 2 && hole.begin >= hole.end &&
+          AttendPagedPair(q + at, q + at + qd, group, kb.data(), vb.data(), kvs, lo, ctx[0], ctx[1],
+                          hd, scale, scores.data(), out + at, out + at + qd)) {
+        continue;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        AttendPagedGroup(q + at + r * qd, group, kb.data(), vb.data(), kvs, lo, ctx[r], hd, scale,
+                         scores.data(), out + at + r * qd, hole.begin, hole.end);
+      }
     }
   }
 }

@@ -204,10 +204,21 @@ void AttentionWeights(const float* q, int64_t ldq, int64_t rows, const float* k,
   }
 }
 
+KDN_CPU_CLONES
 void Softmax(float* x, int64_t n) {
+  // The maximum in 16 lanes (a > b ? a : b is one vector max; std::max
+  // under a reduction clause stays a scalar chain). Any order gives the same
+  // maximum, up to the sign of a zero, which changes no weight below.
+  float lanes[16];
+  for (float& m : lanes) m = -INFINITY;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) lanes[j] = lanes[j] > x[i + j] ? lanes[j] : x[i + j];
+  }
   float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+  for (float m : lanes) mx = std::max(mx, m);
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
@@ -226,10 +237,18 @@ void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       float scale, float* scores, float* out, int64_t hole_begin,
                       int64_t hole_end) {
   // AVX-512 where the CPU has it and the group fits its registers.
-  internal::AttendGroupFn fast =
-      hole_begin < hole_end ? nullptr : internal::FastAttendGroup(hd, heads);
+  const internal::AttendRowsFn fast =
+      hole_begin < hole_end ? nullptr : internal::FastAttendRows(hd, heads, 1);
   if (fast != nullptr) {
-    return fast(q, k_blocks, v_blocks, stride, lo, ctx, scale, scores, out);
+    return fast({{q, nullptr},
+                 {out, nullptr},
+                 {scores, nullptr},
+                 {ctx, 0},
+                 k_blocks,
+                 v_blocks,
+                 stride,
+                 lo,
+                 scale});
   }
   constexpr int64_t kBlock = 16;  // kKvBlockTokens
   const int64_t n = ctx - lo;
@@ -256,6 +275,23 @@ void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
       for (int i = 0; i < hd; ++i) oh[i] += w * vp[i];
     }
   }
+}
+
+bool AttendPagedPair(const float* q0, const float* q1, int heads, const float* const* k_blocks,
+                     const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx0,
+                     int64_t ctx1, int hd, float scale, float* scores, float* out0, float* out1) {
+  const internal::AttendRowsFn fast = internal::FastAttendRows(hd, heads, 2);
+  if (fast == nullptr) return false;
+  fast({{q0, q1},
+        {out0, out1},
+        {scores, scores + heads * (ctx0 - lo)},
+        {ctx0, ctx1},
+        k_blocks,
+        v_blocks,
+        stride,
+        lo,
+        scale});
+  return true;
 }
 
 KDN_CPU_CLONES

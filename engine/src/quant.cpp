@@ -175,6 +175,12 @@ DotIsa DetectIsa() {
 }  // namespace
 
 void QuantizeActivations(const float* x, int64_t n, ActBlock* out) {
+  static const internal::QuantizeFn fast = internal::FastQuantize();
+  if (fast != nullptr) return fast(x, n, out);
+  QuantizeActivationsScalar(x, n, out);
+}
+
+void QuantizeActivationsScalar(const float* x, int64_t n, ActBlock* out) {
   for (int64_t b = 0; b < n / kQuantBlock; ++b, x += kQuantBlock) {
     float amax = 0.0f;
     for (int i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(x[i]));

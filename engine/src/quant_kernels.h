@@ -33,16 +33,31 @@ using PanelFn = void (*)(const PanelView& w, const ActBlock* x, int64_t x_stride
                          float* out);
 // Null where that instruction set has none (or off x86).
 PanelFn PanelKernel(model::GgmlType type, PanelIsa isa);
+// QuantizeActivations in AVX-512 where the CPU has it (bit for bit the
+// scalar loop), else null.
+using QuantizeFn = void (*)(const float* x, int64_t n, ActBlock* out);
+QuantizeFn FastQuantize();
 // Whether the CPU has AMX-INT8 and Linux granted this process the tile state.
 bool AmxUsable();
 
-// AttendPagedGroup (cpu_ops.h) for `heads` heads of `head_dim`, less those.
-using AttendGroupFn = void (*)(const float* q, const float* const* k_blocks,
-                               const float* const* v_blocks, int64_t stride, int64_t lo,
-                               int64_t ctx, float scale, float* scores, float* out);
-// The AVX-512 one for head_dim 32 or 64 with up to 4 heads, or 128 with up
-// to 2, where BestDotIsa is kAvx512Vnni; null otherwise (the portable loop
-// runs).
-AttendGroupFn FastAttendGroup(int head_dim, int heads);
+// AttendPagedRows (cpu_ops.h) for up to two rows of `heads` heads of
+// `head_dim`: row r's query q[r], output out[r], scratch scores[r] and
+// context ctx[r], the key range's start lo shared.
+struct AttendRowsArgs {
+  const float* q[2];
+  float* out[2];
+  float* scores[2];
+  int64_t ctx[2];
+  const float* const* k_blocks;
+  const float* const* v_blocks;
+  int64_t stride, lo;
+  float scale;
+};
+using AttendRowsFn = void (*)(const AttendRowsArgs& args);
+// The AVX-512 one for `rows` (1 or 2) rows of head_dim 32 or 64 with up to
+// 4 heads, or 128 with up to 2 (two rows: as long as their outputs fit the
+// registers), where BestDotIsa is kAvx512Vnni; null otherwise (the
+// portable loop runs, a row at a time).
+AttendRowsFn FastAttendRows(int head_dim, int heads, int rows);
 
 }  // namespace kdn::engine::internal

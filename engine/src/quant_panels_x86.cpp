@@ -34,6 +34,7 @@ using model::GgmlType;
 #define KDN_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define KDN_AMX \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#define KDN_AMX_LAMBDA KDN_AMX
 
 constexpr int kQ4Bytes = 256, kQ8Bytes = 512;
 
@@ -213,6 +214,32 @@ KDN_AVX512 void Panel512(const PanelView& w, const ActBlock* x, int64_t x_stride
   }
 }
 
+// ---- Activations: QuantizeActivations's blocks, 32 values in two
+// registers. Bit for bit the scalar loop: the maximum is exact in any
+// order, the scale and its inverse are the same divisions, the conversion
+// rounds to nearest even as nearbyint does, and the sum is exact.
+KDN_AVX512 void QuantizeAvx512(const float* x, int64_t n, ActBlock* out) {
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < n / kQuantBlock; ++b, x += kQuantBlock) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+    const float amax = _mm512_reduce_max_ps(a);
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512 s = _mm512_set1_ps(inv);
+    const __m512i q0 =
+        _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v0, s))));
+    const __m512i q1 =
+        _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v1, s))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].q), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].q + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    out[b].d = d;
+    out[b].sum = sum;
+    out[b].s = d * static_cast<float>(sum);
+  }
+}
+
 // ---- AMX: a block of 16 activation rows by the panel's 16 weight rows per
 // tile product (tdpbsud: signed activations, unsigned weights).
 
@@ -289,6 +316,12 @@ PanelFn KernelFor(PanelIsa isa) {
   return nullptr;
 }
 
+}  // namespace
+
+QuantizeFn FastQuantize() { return BestDotIsa() == DotIsa::kAvx512Vnni ? QuantizeAvx512 : nullptr; }
+
+namespace {
+
 bool DetectAmx() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
@@ -320,6 +353,7 @@ bool AmxUsable() {
 
 PanelFn PanelKernel(model::GgmlType, PanelIsa) { return nullptr; }
 bool AmxUsable() { return false; }
+QuantizeFn FastQuantize() { return nullptr; }
 
 #endif
 

@@ -33,6 +33,8 @@ using model::GgmlType;
 
 #define KDN_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KDN_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+// A lambda's own target attribute (its call operator is a function too).
+#define KDN_AVX512_LAMBDA KDN_AVX512
 
 KDN_AVX2 inline float Half(const uint8_t* p) {
   uint16_t h;
@@ -196,70 +198,136 @@ KDN_AVX512 inline __m512 Reduce16(const __m512* a) {
   return _mm512_permutexvar_ps(order, e);
 }
 
-// One key's scores for the kHeads heads.
+// One key's scores for the kHeads heads of query q (kNv vectors per head).
 template <int kNv, int kHeads>
-KDN_AVX512 inline void ScoreOne(const __m512 (&qv)[kHeads][kNv], const float* const* k_blocks,
-                                int64_t stride, int64_t p, int64_t lo, int64_t n, float scale,
-                                float* scores) {
+KDN_AVX512 inline void ScoreOne(const float* q, const float* const* k_blocks, int64_t stride,
+                                int64_t p, int64_t lo, int64_t n, float scale, float* scores) {
   const float* kp = k_blocks[p / 16] + (p % 16) * stride;
   __m512 kv[kNv];
   for (int j = 0; j < kNv; ++j) kv[j] = _mm512_loadu_ps(kp + 16 * j);
   for (int h = 0; h < kHeads; ++h) {
-    __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
-    for (int j = 1; j < kNv; ++j) a = _mm512_fmadd_ps(qv[h][j], kv[j], a);
+    const float* qh = q + h * 16 * kNv;
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+    for (int j = 1; j < kNv; ++j) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), kv[j], a);
     scores[h * n + p - lo] = _mm512_reduce_add_ps(a) * scale;
   }
 }
 
-// Decode attention for the kHeads query heads that share one KV head: each
-// key and value vector is loaded once for all of them; the queries and the
-// output rows stay in registers (kNv vectors of 16 per head).
+// The scores of a whole block of 16 keys (from p, a multiple of 16) for the
+// kHeads heads of query q: each key's 16 lane products reduced together
+// with the others' (Reduce16), the sums the same as ScoreOne's one key at a
+// time.
 template <int kNv, int kHeads>
-KDN_AVX512 void AttendGroupAvx512(const float* q, const float* const* k_blocks,
-                                  const float* const* v_blocks, int64_t stride, int64_t lo,
-                                  int64_t ctx, float scale, float* scores, float* out) {
+KDN_AVX512 inline void ScorePage(const float* q, const float* kb, int64_t stride, int64_t p,
+                                 int64_t lo, int64_t n, float scale, float* scores) {
+  constexpr int64_t kBlock = 16;  // kKvBlockTokens
+  for (int h = 0; h < kHeads; ++h) {
+    const float* qh = q + h * 16 * kNv;
+    __m512 qv[kNv];
+    for (int j = 0; j < kNv; ++j) qv[j] = _mm512_loadu_ps(qh + 16 * j);
+    __m512 a[kBlock];
+    for (int t = 0; t < kBlock; ++t) {
+      const float* kp = kb + t * stride;
+      a[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp));
+      for (int j = 1; j < kNv; ++j)
+        a[t] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kp + 16 * j), a[t]);
+    }
+    _mm512_storeu_ps(scores + h * n + p - lo, _mm512_mul_ps(Reduce16(a), _mm512_set1_ps(scale)));
+  }
+}
+
+// Decode (and prefill) attention for the kHeads query heads that share one
+// KV head, for kRows rows of one sequence at once (lo shared, ctx[r] each):
+// each block of keys and each value vector is read once for all of them.
+// Each row's result is bit for bit what the same function gives it alone
+// (kRows 1): its scores are the same sums, its softmax the same call, its
+// output the same fused steps over its keys in order; only the loads are
+// shared. The outputs stay in registers (kRows * kHeads * kNv vectors).
+template <int kNv, int kHeads, int kRows>
+KDN_AVX512 void AttendRowsAvx512(const AttendRowsArgs& a) {
   constexpr int64_t kBlock = 16;  // kKvBlockTokens
   constexpr int kHd = 16 * kNv;
-  const int64_t n = ctx - lo;
-  __m512 qv[kHeads][kNv], o[kHeads][kNv];
-  for (int h = 0; h < kHeads; ++h) {
-    for (int j = 0; j < kNv; ++j) {
-      qv[h][j] = _mm512_loadu_ps(q + h * kHd + 16 * j);
-      o[h][j] = _mm512_setzero_ps();
-    }
+  const int64_t lo = a.lo;
+  int64_t n[kRows], ctx_min = a.ctx[0], ctx_max = a.ctx[0];
+  for (int r = 0; r < kRows; ++r) {
+    n[r] = a.ctx[r] - lo;
+    ctx_min = std::min(ctx_min, a.ctx[r]);
+    ctx_max = std::max(ctx_max, a.ctx[r]);
   }
-  // The scores of a whole block of 16 keys at a time: each key's 16 lane
-  // products reduced together with the others' (Reduce16), the sums the
-  // same as _mm512_reduce_add_ps's one key at a time.
   int64_t p = lo;
-  for (; p < ctx && p % kBlock != 0; ++p)
-    ScoreOne<kNv, kHeads>(qv, k_blocks, stride, p, lo, n, scale, scores);
-  for (; p + kBlock <= ctx; p += kBlock) {
-    const float* kb = k_blocks[p / kBlock];
-    for (int h = 0; h < kHeads; ++h) {
-      __m512 a[kBlock];
-      for (int t = 0; t < kBlock; ++t) {
-        const float* kp = kb + t * stride;
-        a[t] = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(kp));
-        for (int j = 1; j < kNv; ++j)
-          a[t] = _mm512_fmadd_ps(qv[h][j], _mm512_loadu_ps(kp + 16 * j), a[t]);
+  for (; p < ctx_max && p % kBlock != 0; ++p) {
+    for (int r = 0; r < kRows; ++r) {
+      if (p < a.ctx[r]) {
+        ScoreOne<kNv, kHeads>(a.q[r], a.k_blocks, a.stride, p, lo, n[r], a.scale, a.scores[r]);
       }
-      _mm512_storeu_ps(scores + h * n + p - lo, _mm512_mul_ps(Reduce16(a), _mm512_set1_ps(scale)));
     }
   }
-  for (; p < ctx; ++p) ScoreOne<kNv, kHeads>(qv, k_blocks, stride, p, lo, n, scale, scores);
-  for (int h = 0; h < kHeads; ++h) Softmax(scores + h * n, n);
-  for (int64_t p = lo; p < ctx; ++p) {
-    const float* vp = v_blocks[p / kBlock] + (p % kBlock) * stride;
+  for (; p + kBlock <= ctx_max; p += kBlock) {
+    const float* kb = a.k_blocks[p / kBlock];
+    if (p + 2 * kBlock <= ctx_max) {
+      // The next block's keys, while this one's are scored.
+      const char* next = reinterpret_cast<const char*>(a.k_blocks[p / kBlock + 1]);
+      for (int t = 0; t < kBlock; ++t) {
+        for (int j = 0; j < kNv; ++j) _mm_prefetch(next + 4 * t * a.stride + 64 * j, _MM_HINT_T0);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      if (p + kBlock <= a.ctx[r]) {
+        ScorePage<kNv, kHeads>(a.q[r], kb, a.stride, p, lo, n[r], a.scale, a.scores[r]);
+      } else {
+        for (int64_t t = p; t < a.ctx[r]; ++t) {
+          ScoreOne<kNv, kHeads>(a.q[r], a.k_blocks, a.stride, t, lo, n[r], a.scale, a.scores[r]);
+        }
+      }
+    }
+  }
+  for (; p < ctx_max; ++p) {
+    for (int r = 0; r < kRows; ++r) {
+      if (p < a.ctx[r]) {
+        ScoreOne<kNv, kHeads>(a.q[r], a.k_blocks, a.stride, p, lo, n[r], a.scale, a.scores[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int h = 0; h < kHeads; ++h) Softmax(a.scores[r] + h * n[r], n[r]);
+  }
+  __m512 o[kRows][kHeads][kNv];
+  for (int r = 0; r < kRows; ++r) {
+    for (int h = 0; h < kHeads; ++h) {
+      for (int j = 0; j < kNv; ++j) o[r][h][j] = _mm512_setzero_ps();
+    }
+  }
+  const auto add = [&](int64_t p, int r, const __m512(&vv)[kNv]) KDN_AVX512_LAMBDA {
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512 w = _mm512_set1_ps(a.scores[r][h * n[r] + p - lo]);
+      for (int j = 0; j < kNv; ++j) o[r][h][j] = _mm512_fmadd_ps(w, vv[j], o[r][h][j]);
+    }
+  };
+  // The values a few keys ahead are fetched while these are added: a
+  // value row sits a token stride from the next, past what the hardware
+  // prefetcher follows from the paged cache's blocks.
+  constexpr int64_t kAhead = 8;
+  for (int64_t p = lo; p < ctx_max; ++p) {
+    const float* vp = a.v_blocks[p / kBlock] + (p % kBlock) * a.stride;
+    if (p + kAhead < ctx_max) {
+      const char* ahead = reinterpret_cast<const char*>(a.v_blocks[(p + kAhead) / kBlock] +
+                                                        ((p + kAhead) % kBlock) * a.stride);
+      for (int j = 0; j < kNv; ++j) _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
+    }
     __m512 vv[kNv];
     for (int j = 0; j < kNv; ++j) vv[j] = _mm512_loadu_ps(vp + 16 * j);
-    for (int h = 0; h < kHeads; ++h) {
-      const __m512 w = _mm512_set1_ps(scores[h * n + p - lo]);
-      for (int j = 0; j < kNv; ++j) o[h][j] = _mm512_fmadd_ps(w, vv[j], o[h][j]);
+    if (p < ctx_min) {
+      for (int r = 0; r < kRows; ++r) add(p, r, vv);
+    } else {
+      for (int r = 0; r < kRows; ++r) {
+        if (p < a.ctx[r]) add(p, r, vv);
+      }
     }
   }
-  for (int h = 0; h < kHeads; ++h) {
-    for (int j = 0; j < kNv; ++j) _mm512_storeu_ps(out + h * kHd + 16 * j, o[h][j]);
+  for (int r = 0; r < kRows; ++r) {
+    for (int h = 0; h < kHeads; ++h) {
+      for (int j = 0; j < kNv; ++j) _mm512_storeu_ps(a.out[r] + h * kHd + 16 * j, o[r][h][j]);
+    }
   }
 }
 
@@ -270,24 +338,6 @@ DotRowsFn Avx512DotRows(GgmlType type) {
     case GgmlType::kF32: return FloatDotRowsAvx512<GgmlType::kF32>;
     case GgmlType::kF16: return FloatDotRowsAvx512<GgmlType::kF16>;
     case GgmlType::kBF16: return FloatDotRowsAvx512<GgmlType::kBF16>;
-    default: return nullptr;
-  }
-}
-
-AttendGroupFn FastAttendGroup(int head_dim, int heads) {
-  if (BestDotIsa() != DotIsa::kAvx512Vnni) return nullptr;
-  // Up to 16 vectors of queries (and 16 of outputs) in the 32 registers.
-  switch (head_dim * 100 + heads) {
-    case 3201: return AttendGroupAvx512<2, 1>;
-    case 3202: return AttendGroupAvx512<2, 2>;
-    case 3203: return AttendGroupAvx512<2, 3>;
-    case 3204: return AttendGroupAvx512<2, 4>;
-    case 6401: return AttendGroupAvx512<4, 1>;
-    case 6402: return AttendGroupAvx512<4, 2>;
-    case 6403: return AttendGroupAvx512<4, 3>;
-    case 6404: return AttendGroupAvx512<4, 4>;
-    case 12801: return AttendGroupAvx512<8, 1>;
-    case 12802: return AttendGroupAvx512<8, 2>;
     default: return nullptr;
   }
 }
@@ -310,12 +360,40 @@ DotFn Avx512Dot(GgmlType type) {
   }
 }
 
+AttendRowsFn FastAttendRows(int head_dim, int heads, int rows) {
+  if (BestDotIsa() != DotIsa::kAvx512Vnni || rows < 1 || rows > 2) return nullptr;
+  // The outputs of every row and head in registers, with the value
+  // vectors and a weight beside them: rows * heads * head_dim / 16 of at
+  // most 24.
+  switch (rows * 100000 + head_dim * 100 + heads) {
+    case 103201: return AttendRowsAvx512<2, 1, 1>;
+    case 103202: return AttendRowsAvx512<2, 2, 1>;
+    case 103203: return AttendRowsAvx512<2, 3, 1>;
+    case 103204: return AttendRowsAvx512<2, 4, 1>;
+    case 106401: return AttendRowsAvx512<4, 1, 1>;
+    case 106402: return AttendRowsAvx512<4, 2, 1>;
+    case 106403: return AttendRowsAvx512<4, 3, 1>;
+    case 106404: return AttendRowsAvx512<4, 4, 1>;
+    case 112801: return AttendRowsAvx512<8, 1, 1>;
+    case 112802: return AttendRowsAvx512<8, 2, 1>;
+    case 203201: return AttendRowsAvx512<2, 1, 2>;
+    case 203202: return AttendRowsAvx512<2, 2, 2>;
+    case 203203: return AttendRowsAvx512<2, 3, 2>;
+    case 203204: return AttendRowsAvx512<2, 4, 2>;
+    case 206401: return AttendRowsAvx512<4, 1, 2>;
+    case 206402: return AttendRowsAvx512<4, 2, 2>;
+    case 206403: return AttendRowsAvx512<4, 3, 2>;
+    case 212801: return AttendRowsAvx512<8, 1, 2>;
+    default: return nullptr;
+  }
+}
+
 #else  // not x86-64: the scalar table alone
 
 DotFn Avx2Dot(model::GgmlType) { return nullptr; }
 DotFn Avx512Dot(model::GgmlType) { return nullptr; }
 DotRowsFn Avx512DotRows(model::GgmlType) { return nullptr; }
-AttendGroupFn FastAttendGroup(int, int) { return nullptr; }
+AttendRowsFn FastAttendRows(int, int, int) { return nullptr; }
 
 #endif
 

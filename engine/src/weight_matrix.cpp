@@ -129,6 +129,7 @@ void WeightMatrix::PanelRows(int64_t m, const float* x, int64_t ldx, float* y, i
                              bool accumulate, ProductScratch& scratch, PanelIsa isa) const {
   const int64_t blocks = cols_ / kQuantBlock;
   scratch.act.resize(static_cast<size_t>(m * blocks));
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && m * cols_ > 16384)
   for (int64_t i = 0; i < m; ++i) QuantizeActivations(x + i * ldx, cols_, &scratch.act[i * blocks]);
   const ActBlock* act = scratch.act.data();
   const int64_t panels = panels_.panels(), k = cols_;

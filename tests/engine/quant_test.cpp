@@ -87,6 +87,28 @@ TEST(Quant, ActivationsRoundToHalfAStep) {
   EXPECT_EQ(q[2].d, 0.0f);
 }
 
+// QuantizeActivations (AVX-512 where the CPU has it) against the scalar
+// loop, bit for bit: scales of several binades, an all-zero block, a block
+// whose maximum is tiny, values exactly halfway between steps.
+TEST(Quant, ActivationsAreTheScalarLoopsBitForBit) {
+  std::vector<float> x = Random(32 * 40, 8);
+  for (int b = 0; b < 40; ++b) {
+    for (int i = 0; i < 32; ++i) x[b * 32 + i] *= std::exp2(static_cast<float>(b % 20 - 10));
+  }
+  std::fill_n(&x[32 * 3], 32, 0.0f);
+  std::fill_n(&x[32 * 4], 32, 1e-40f);
+  for (int i = 0; i < 32; ++i) x[32 * 5 + i] = (i - 16) * 0.5f + (i == 0 ? 127 : 0);  // halves
+  std::vector<ActBlock> a(40), b(40);
+  QuantizeActivations(x.data(), 32 * 40, a.data());
+  QuantizeActivationsScalar(x.data(), 32 * 40, b.data());
+  for (int k = 0; k < 40; ++k) {
+    EXPECT_EQ(std::memcmp(a[k].q, b[k].q, 32), 0) << "block " << k;
+    EXPECT_EQ(a[k].d, b[k].d) << k;
+    EXPECT_EQ(a[k].s, b[k].s) << k;
+    EXPECT_EQ(a[k].sum, b[k].sum) << k;
+  }
+}
+
 // Each instruction set's dot product against the scalar one on the same
 // inputs: equal up to float summation order (the quantized formats' is the
 // scalar one at every level; their vector sums are QuantPanels').
@@ -484,6 +506,59 @@ TEST(CpuOps, AttendPagedGroupMatchesAPlainSoftmax) {
         }
       }
     }
+  }
+}
+
+// Two rows at once (AttendPagedPair, where this CPU has it) against each
+// row alone, bit for bit: contexts equal, one past the other, across page
+// boundaries and inside one page, the second shorter than the first, from
+// key 0 and from inside the range.
+TEST(CpuOps, AttendPagedPairIsEachRowAloneBitForBit) {
+  int paired = 0;
+  for (auto [hd, heads] : {std::pair{32, 3}, {64, 1}, {64, 3}, {128, 1}, {64, 4}}) {
+    const int64_t stride = 3 * hd, nb = 10;
+    std::vector<std::vector<float>> kpages, vpages;
+    std::vector<const float*> kb, vb;
+    for (int64_t b = 0; b < nb; ++b) {
+      kpages.push_back(Random(16 * stride, 300 + b));
+      vpages.push_back(Random(16 * stride, 400 + b));
+      kb.push_back(kpages[b].data() + hd);
+      vb.push_back(vpages[b].data() + hd);
+    }
+    const std::vector<float> q = Random(2 * heads * hd, 9);
+    const float* q1 = q.data() + heads * hd;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    for (auto [c0, c1] : {std::pair<int64_t, int64_t>{1, 2},
+                          {16, 17},
+                          {15, 16},
+                          {40, 40},
+                          {33, 35},
+                          {100, 3},
+                          {64, 150},
+                          {159, 160}}) {
+      for (int64_t lo : {int64_t{0}, std::min(c0, c1) / 2}) {
+        std::vector<float> scores(heads * (c0 + c1)), o0(heads * hd), o1(heads * hd);
+        if (!AttendPagedPair(q.data(), q1, heads, kb.data(), vb.data(), stride, lo, c0, c1, hd,
+                             scale, scores.data(), o0.data(), o1.data())) {
+          continue;
+        }
+        ++paired;
+        std::vector<float> a0(heads * hd), a1(heads * hd);
+        AttendPagedGroup(q.data(), heads, kb.data(), vb.data(), stride, lo, c0, hd, scale,
+                         scores.data(), a0.data());
+        AttendPagedGroup(q1, heads, kb.data(), vb.data(), stride, lo, c1, hd, scale, scores.data(),
+                         a1.data());
+        for (int64_t i = 0; i < heads * hd; ++i) {
+          ASSERT_EQ(o0[i], a0[i]) << "hd " << hd << " heads " << heads << " ctx " << c0 << "," << c1
+                                  << " lo " << lo << " row 0 value " << i;
+          ASSERT_EQ(o1[i], a1[i]) << "hd " << hd << " heads " << heads << " ctx " << c0 << "," << c1
+                                  << " lo " << lo << " row 1 value " << i;
+        }
+      }
+    }
+  }
+  if (BestDotIsa() == DotIsa::kAvx512Vnni) {
+    EXPECT_GT(paired, 0);
   }
 }
 

@@ -68,6 +68,16 @@ void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx,
                       int head_dim, float scale, float* scores, float* out, int64_t hole_begin = 0,
                       int64_t hole_end = 0);
+// AttendPagedGroup for two rows of one sequence at once (query q0 and q1,
+// contexts ctx0 and ctx1, lo shared, no hole), each row's output bit for
+// bit what AttendPagedGroup gives it alone; the keys and values are read
+// once for both. `scores` holds heads * (ctx0 + ctx1 - 2 lo) floats. False
+// (nothing computed) where this CPU has no two-row kernel for the shape:
+// then the caller makes two one-row calls.
+bool AttendPagedPair(const float* q0, const float* q1, int heads, const float* const* k_blocks,
+                     const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx0,
+                     int64_t ctx1, int head_dim, float scale, float* scores, float* out0,
+                     float* out1);
 
 // sum a[i] * b[i], and y += alpha * x, over n floats.
 float Dot(const float* a, const float* b, int n);

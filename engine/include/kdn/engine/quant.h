@@ -39,7 +39,10 @@ struct ActBlock {
 
 // Quantizes n floats (a whole number of blocks) to n / kQuantBlock blocks:
 // d = max|x| / 127, q = round(x / d).
+// (AVX-512 where the CPU has it, bit for bit the scalar loop.)
 void QuantizeActivations(const float* x, int64_t n, ActBlock* out);
+// The scalar loop alone (the tests' reference).
+void QuantizeActivationsScalar(const float* x, int64_t n, ActBlock* out);
 
 // Which instructions the dot products use.
 enum class DotIsa { kScalar, kAvx2, kAvx512Vnni };
