@@ -5,10 +5,43 @@
 // compiled for its instruction set by function target attributes and runs
 // only where BestDotIsa (BestPanelIsa) says the CPU has it.
 
+#include <type_traits>
+
 #include "kdn/engine/quant.h"
 #include "kdn/engine/quant_panels.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+// GCC 12's avx512fintrin.h widens 256-bit values through _mm512_undefined_*,
+// which -Wuninitialized flags wherever a cast is inlined (a known false
+// positive of the header, not of the kernels).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// Each kernel's instruction set, as a function (or lambda: its call
+// operator is a function too) attribute.
+#define KDN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KDN_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KDN_AMX \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#endif
+
 namespace kdn::engine::internal {
+
+// Runs f(std::integral_constant<int, k>{}, first) over `rows` rows in
+// groups of kMax from row 0 and one last group of the rest: a kernel
+// templated on its row count, called for any count.
+template <int kMax, typename F>
+inline void InRowGroups(int64_t rows, F&& f) {
+  int64_t first = 0;
+  for (; rows - first >= kMax; first += kMax) f(std::integral_constant<int, kMax>{}, first);
+  if constexpr (kMax > 1) {
+    if (rows > first) {
+      InRowGroups<kMax - 1>(rows - first, [&](auto k, int64_t at) { f(k, first + at); });
+    }
+  }
+}
 
 // The dot product of a float format (F32, F16, BF16) for that instruction
 // set; null for the others or off x86.

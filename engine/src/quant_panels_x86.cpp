@@ -13,13 +13,8 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 #endif
 
 namespace kdn::engine::internal {
@@ -29,12 +24,6 @@ namespace kdn::engine::internal {
 namespace {
 
 using model::GgmlType;
-
-#define KDN_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define KDN_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-#define KDN_AMX \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
-#define KDN_AMX_LAMBDA KDN_AMX
 
 constexpr int kQ4Bytes = 256, kQ8Bytes = 512;
 
@@ -122,15 +111,10 @@ KDN_AVX2 void PanelRowsAvx2(const PanelView& w, const ActBlock* x, int64_t x_str
 template <GgmlType T>
 KDN_AVX2 void PanelAvx2(const PanelView& w, const ActBlock* x, int64_t x_stride, int64_t rows,
                         float* out) {
-  for (; rows >= 4; rows -= 4, x += 4 * x_stride, out += 4 * kPanelRows) {
-    PanelRowsAvx2<T, 4>(w, x, x_stride, out);
-  }
-  switch (rows) {
-    case 3: return PanelRowsAvx2<T, 3>(w, x, x_stride, out);
-    case 2: return PanelRowsAvx2<T, 2>(w, x, x_stride, out);
-    case 1: return PanelRowsAvx2<T, 1>(w, x, x_stride, out);
-    default: return;
-  }
+  InRowGroups<4>(rows, [&](auto k, int64_t first) {
+    PanelRowsAvx2<T, decltype(k)::value>(w, x + first * x_stride, x_stride,
+                                         out + first * kPanelRows);
+  });
 }
 
 // ---- AVX-512 VNNI: the panel's sixteen rows in one register.
@@ -199,19 +183,10 @@ KDN_AVX512 void PanelRows512(const PanelView& w, const ActBlock* x, int64_t x_st
 template <GgmlType T>
 KDN_AVX512 void Panel512(const PanelView& w, const ActBlock* x, int64_t x_stride, int64_t rows,
                          float* out) {
-  for (; rows >= 8; rows -= 8, x += 8 * x_stride, out += 8 * kPanelRows) {
-    PanelRows512<T, 8>(w, x, x_stride, out);
-  }
-  switch (rows) {
-    case 7: return PanelRows512<T, 7>(w, x, x_stride, out);
-    case 6: return PanelRows512<T, 6>(w, x, x_stride, out);
-    case 5: return PanelRows512<T, 5>(w, x, x_stride, out);
-    case 4: return PanelRows512<T, 4>(w, x, x_stride, out);
-    case 3: return PanelRows512<T, 3>(w, x, x_stride, out);
-    case 2: return PanelRows512<T, 2>(w, x, x_stride, out);
-    case 1: return PanelRows512<T, 1>(w, x, x_stride, out);
-    default: return;
-  }
+  InRowGroups<8>(rows, [&](auto k, int64_t first) {
+    PanelRows512<T, decltype(k)::value>(w, x + first * x_stride, x_stride,
+                                        out + first * kPanelRows);
+  });
 }
 
 // ---- Activations: QuantizeActivations's blocks, 32 values in two

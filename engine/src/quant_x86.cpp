@@ -12,17 +12,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-// GCC 12's avx512fintrin.h widens 256-bit values through _mm512_undefined_*,
-// which -Wuninitialized flags wherever a cast is inlined (a known false
-// positive of the header, not of this file).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#endif
-
 namespace kdn::engine::internal {
 
 #if defined(__x86_64__)
@@ -30,11 +19,6 @@ namespace kdn::engine::internal {
 namespace {
 
 using model::GgmlType;
-
-#define KDN_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define KDN_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-// A lambda's own target attribute (its call operator is a function too).
-#define KDN_AVX512_LAMBDA KDN_AVX512
 
 KDN_AVX2 inline float Half(const uint8_t* p) {
   uint16_t h;
@@ -297,7 +281,7 @@ KDN_AVX512 void AttendRowsAvx512(const AttendRowsArgs& a) {
       for (int j = 0; j < kNv; ++j) o[r][h][j] = _mm512_setzero_ps();
     }
   }
-  const auto add = [&](int64_t p, int r, const __m512(&vv)[kNv]) KDN_AVX512_LAMBDA {
+  const auto add = [&](int64_t p, int r, const __m512(&vv)[kNv]) KDN_AVX512 {
     for (int h = 0; h < kHeads; ++h) {
       const __m512 w = _mm512_set1_ps(a.scores[r][h * n[r] + p - lo]);
       for (int j = 0; j < kNv; ++j) o[r][h][j] = _mm512_fmadd_ps(w, vv[j], o[r][h][j]);
