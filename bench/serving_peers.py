@@ -42,7 +42,7 @@ per-request phases of each workload (scripts/request-phases.py over the
 deployment's logs) are written beside --out as <out>.phases-<workload>.json.
 
     bench/serving_peers.py [--servers kdn,llama-server,vllm] [--workloads chat,rag,burst,sweep]
-                           [--quick] [--out FILE] [--work DIR]
+                           [--quick] [--out FILE] [--work DIR] [--kdn-args "FLAGS"]
 
 Run it with the tests' virtual environment (httpx): .venv-ref/bin/python.
 Needs: kdn built (build/bin), the GGUF (scripts/fetch-smollm2.sh),
@@ -58,6 +58,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -185,6 +186,7 @@ class Kdn(Server):
         self.run_dir = Path(self.args.work) / "kdn-run"
         cmd = [str(REPO / "launch/kdn-launch"), "up", "--model", str(self.args.model), "--store",
                "--run-dir", str(self.run_dir), "--port", str(self.port), "--detach"]
+        cmd += shlex.split(self.args.kdn_args)
         self.settings = {"command": " ".join(cmd[1:])}
         log("kdn: " + " ".join(cmd))
         subprocess.run(cmd, check=True, stdout=sys.stderr)
@@ -502,6 +504,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--servers", default="kdn,llama-server,vllm")
     ap.add_argument("--workloads", default="chat,rag,burst,sweep")
+    ap.add_argument("--kdn-args", default="", metavar="ARGS",
+                    help="more kdn-launch up flags for kdn (one string, split as a shell "
+                    "would), e.g. \"--threads 1\"; recorded in kdn's settings")
     ap.add_argument("--model", default=str(GGUF))
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="llama-server's -t (default: every core, as kdn and vLLM take)")

@@ -444,8 +444,8 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
       const Segment* s = item.s;
       const int g = static_cast<int>(w % c.num_kv_heads);
       const int64_t row = s->row0 + item.i, rows = item.pair ? 2 : 1;
-      // Causal: positions 0..pos; the last row's context is the widest.
-      int64_t ctx[2] = {pos[row] + 1, pos[row + rows - 1] + 1};
+      // Causal: row r sees positions 0..pos (one row: both entries its own).
+      const int64_t ctx[2] = {pos[row] + 1, pos[row + rows - 1] + 1};
       const int64_t lo = FirstVisibleKey(pos[row], window);
       // This KV head's keys and values, block by block.
       const std::vector<int32_t>& blocks = s->seq->blocks();

@@ -184,8 +184,11 @@ void QuantizeActivationsScalar(const float* x, int64_t n, ActBlock* out) {
   for (int64_t b = 0; b < n / kQuantBlock; ++b, x += kQuantBlock) {
     float amax = 0.0f;
     for (int i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float d = amax / 127.0f;
-    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    float d = amax / 127.0f;
+    float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    // A block so small that its scale has no finite inverse (|x| under
+    // about 4e-37) quantizes to zero, as an all-zero block does.
+    if (!(inv < INFINITY)) d = inv = 0.0f;
     int32_t sum = 0;
     for (int i = 0; i < kQuantBlock; ++i) {
       const int v = static_cast<int>(std::nearbyint(x[i] * inv));

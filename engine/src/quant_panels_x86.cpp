@@ -8,6 +8,7 @@
 // attribute; PanelKernel hands out only what BestPanelIsa allows.
 #include "quant_kernels.h"
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -199,8 +200,9 @@ KDN_AVX512 void QuantizeAvx512(const float* x, int64_t n, ActBlock* out) {
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
     const __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
     const float amax = _mm512_reduce_max_ps(a);
-    const float d = amax / 127.0f;
-    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    float d = amax / 127.0f;
+    float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    if (!(inv < INFINITY)) d = inv = 0.0f;  // as the scalar loop: too small, zero
     const __m512 s = _mm512_set1_ps(inv);
     const __m512i q0 =
         _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v0, s))));
