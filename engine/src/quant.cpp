@@ -130,8 +130,8 @@ std::vector<QuantTraits> MakeTable() {
                        bytes,
                        qx,
                        f,
-                       {scalar, qx ? nullptr : Avx2Dot(t), qx ? nullptr : Avx512Dot(t)},
-                       qx ? nullptr : internal::Avx512DotRows(t)};
+                       {scalar, Avx2Dot(t), Avx512Dot(t)},
+                       internal::Avx512DotRows(t)};
   };
   return {
       row(GgmlType::kF32, "F32", 1, 4, false, FloatRowToFloat<DType::kF32>,

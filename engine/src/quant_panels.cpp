@@ -101,7 +101,9 @@ PanelIsa BestPanelIsa() {
 }
 
 bool QuantPanels::Holds(GgmlType type) {
-  return type == GgmlType::kQ8_0 || type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1;
+  // The formats whose dot products take quantized activations.
+  const QuantTraits* t = FindQuantTraits(type);
+  return t != nullptr && t->quantized_x;
 }
 
 int QuantPanels::BlockBytes(GgmlType type) { return type == GgmlType::kQ8_0 ? 512 : 256; }

@@ -454,6 +454,24 @@ TEST(Quant, APromptsLogitsAreTheSameWholeInPiecesAndTokenByToken) {
   }
 }
 
+// `pages` pages of 16 tokens of random keys and values (seeds seed + page
+// and seed + 100 + page), three KV heads of head_dim per token; kb and vb
+// point at the second head's, as the engine hands attention one KV head.
+struct PagedKv {
+  std::vector<std::vector<float>> k, v;
+  std::vector<const float*> kb, vb;
+  PagedKv(int head_dim, int64_t pages, uint32_t seed) {
+    for (int64_t b = 0; b < pages; ++b) {
+      k.push_back(Random(16 * 3 * head_dim, seed + static_cast<uint32_t>(b)));
+      v.push_back(Random(16 * 3 * head_dim, seed + 100 + static_cast<uint32_t>(b)));
+    }
+    for (int64_t b = 0; b < pages; ++b) {
+      kb.push_back(k[b].data() + head_dim);
+      vb.push_back(v[b].data() + head_dim);
+    }
+  }
+};
+
 // Decode attention over paged keys and values for a group of query heads
 // sharing a KV head (the AVX-512 kernels where the CPU has them and the
 // group fits, the portable loop otherwise) against a plain softmax in
@@ -469,18 +487,9 @@ TEST(CpuOps, AttendPagedGroupMatchesAPlainSoftmax) {
                            {128, 2},
                            {128, 3}}) {
     for (int64_t ctx : {1, 17, 100}) {
-      const int64_t stride = 3 * hd;  // three KV heads per token; this is the second
-      const int64_t nb = (ctx + 15) / 16;
-      std::vector<std::vector<float>> kpages, vpages;
-      std::vector<const float*> kb, vb;
-      for (int64_t b = 0; b < nb; ++b) {
-        kpages.push_back(Random(16 * stride, 100 + b));
-        vpages.push_back(Random(16 * stride, 200 + b));
-      }
-      for (int64_t b = 0; b < nb; ++b) {
-        kb.push_back(kpages[b].data() + hd);
-        vb.push_back(vpages[b].data() + hd);
-      }
+      const int64_t stride = 3 * hd;
+      const PagedKv kv(hd, (ctx + 15) / 16, 100);
+      const std::vector<const float*>&kb = kv.kb, &vb = kv.vb;
       const std::vector<float> q = Random(heads * hd, 7);
       const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
       for (int64_t lo : {int64_t{0}, ctx / 2}) {
@@ -519,15 +528,9 @@ TEST(CpuOps, AttendPagedGroupMatchesAPlainSoftmax) {
 TEST(CpuOps, AttendPagedPairIsEachRowAloneBitForBit) {
   int paired = 0;
   for (auto [hd, heads] : {std::pair{32, 3}, {64, 1}, {64, 3}, {128, 1}, {64, 4}}) {
-    const int64_t stride = 3 * hd, nb = 10;
-    std::vector<std::vector<float>> kpages, vpages;
-    std::vector<const float*> kb, vb;
-    for (int64_t b = 0; b < nb; ++b) {
-      kpages.push_back(Random(16 * stride, 300 + b));
-      vpages.push_back(Random(16 * stride, 400 + b));
-      kb.push_back(kpages[b].data() + hd);
-      vb.push_back(vpages[b].data() + hd);
-    }
+    const int64_t stride = 3 * hd;
+    const PagedKv kv(hd, 10, 300);
+    const std::vector<const float*>&kb = kv.kb, &vb = kv.vb;
     const std::vector<float> q = Random(2 * heads * hd, 9);
     const float* q1 = q.data() + heads * hd;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));

@@ -78,7 +78,8 @@ class WeightMatrix {
                    int64_t ldy) const;
 
  private:
-  bool quantized() const { return QuantPanels::Holds(traits_->type); }
+  // Held as QuantPanels (QuantPanels::Holds).
+  bool quantized() const { return traits_->quantized_x; }
   const uint8_t* Row(int64_t r) const { return data() + r * traits_->RowBytes(cols_); }
   const uint8_t* data() const {
     return f32_.empty() ? bytes_.data() : reinterpret_cast<const uint8_t*>(f32_.data());
