@@ -129,6 +129,10 @@ struct DecodeService::Impl {
   std::map<std::string, int64_t> unstarted_blocks;
   std::chrono::steady_clock::time_point next_lease_check{};
 
+  std::chrono::steady_clock::time_point Now() const {
+    return options.clock ? options.clock() : std::chrono::steady_clock::now();
+  }
+
   void FillInfo(proto::WorkerInfo* info) {
     worker::SetWorkerIdentity(info, options.name, "decode", wm, options.chunk_tokens,
                               options.kv_transport);
@@ -183,7 +187,7 @@ struct DecodeService::Impl {
     const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
     {
       std::lock_guard<std::mutex> lock(mu);
-      heard[peer] = std::chrono::steady_clock::now();
+      heard[peer] = Now();
     }
     switch (msg.body_case()) {
       case proto::WorkerMessage::kLookup:
@@ -298,7 +302,7 @@ struct DecodeService::Impl {
   void ExpireLeases(DecoderOutput* out) {
     // Leases last seconds: a look every 100 ms is enough, rather than one
     // per decode step.
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = Now();
     if (now < next_lease_check) return;
     next_lease_check = now + std::chrono::milliseconds(100);
     std::set<std::string> silent;
@@ -359,6 +363,19 @@ struct DecodeService::Impl {
   // Sends what the Decoder produced to the routers that asked: Prepare
   // replies, then one message of token events per request. Finished
   // requests are forgotten.
+  // Requests that started (a local prefill's first token) or ended leave
+  // their peer's budget: before the figures are published, so that an info
+  // reply never shows their blocks free and still leased.
+  void Settle(const DecoderOutput& out) {
+    for (const LocalPrefillDone& d : out.prefilled) {
+      if (auto it = origins.find(d.id); it != origins.end()) Unreserve(it->second);
+    }
+    for (const TokenEvent& e : out.events) {
+      if (!e.finished) continue;
+      if (auto it = origins.find(e.id); it != origins.end()) Unreserve(it->second);
+    }
+  }
+
   void Deliver(const DecoderOutput& out) {
     for (const PrepareDone& d : out.prepared) {
       auto it = origins.find(d.id);
@@ -374,7 +391,6 @@ struct DecodeService::Impl {
     for (const LocalPrefillDone& d : out.prefilled) {
       auto it = origins.find(d.id);
       if (it == origins.end()) continue;
-      Unreserve(it->second);  // started
       proto::WorkerMessage reply;
       reply.set_request_id(it->second.request_id);
       proto::PrefillReply* pr = reply.mutable_prefill_reply();
@@ -405,7 +421,6 @@ struct DecodeService::Impl {
       }
       server->Send(it->second.peer, m);
       if (evs.back()->finished) {
-        Unreserve(it->second);
         const TokenEvent& last = *evs.back();
         if (!last.error.ok()) {
           LogError("{} failed after {} tokens: {}", ReqId{it->second.request_id}, it->second.tokens,
@@ -446,9 +461,15 @@ struct DecodeService::Impl {
         }
       }
       decoder->Advance(&out);
+      Settle(out);
       // The figures first, then the replies: a peer that asks for info after
       // a reply sees what the reply did (its blocks reserved or given back).
       const DecoderStats s = decoder->Stats();
+      // Leased before free: a reader that sees the blocks free sees them no
+      // longer leased.
+      int64_t leased = 0;
+      for (const auto& [peer, blocks] : unstarted_blocks) leased += blocks;
+      leased_blocks = leased;
       // Preempted requests wait ahead of any new one, for blocks of their
       // own; a new one must leave the admission reserve free.
       depth = s.prepared + s.running + s.preempted;
@@ -459,10 +480,6 @@ struct DecodeService::Impl {
         stats = s;
       }
       Deliver(out);
-      // After Deliver, which lets go of the requests that ended unstarted.
-      int64_t leased = 0;
-      for (const auto& [peer, blocks] : unstarted_blocks) leased += blocks;
-      leased_blocks = leased;
     }
   }
 };
@@ -558,6 +575,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   dopt.chunk_tokens = options.chunk_tokens;
   dopt.max_batch = options.max_batch;
   dopt.prepare_timeout = options.prepare_timeout;
+  dopt.clock = options.clock;
   dopt.local_prefill_step_tokens = options.local_prefill_step_tokens;
   dopt.admission_reserve = options.admission_reserve;
   dopt.on_load_done = [raw] {

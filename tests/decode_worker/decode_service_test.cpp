@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 #include <zmq.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -72,13 +74,17 @@ class DecodeServiceTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(kdn::testing::WriteTinyModel(dir_.path()).ok()); }
 
-  std::unique_ptr<DecodeService> Start(std::chrono::milliseconds lease, double share) {
+  // A worker whose leases and timeouts run on `clock` when one is given.
+  std::unique_ptr<DecodeService> Start(
+      std::chrono::milliseconds lease, double share,
+      std::function<std::chrono::steady_clock::time_point()> clock = {}) {
     auto d = DecodeService::Start({.model_dir = dir_.path(),
                                    .host_bytes = 16u << 20,
                                    .staging_bytes = 16u << 20,
                                    .chunk_tokens = 16,
                                    .engine = {.kv_tokens = 256, .threads = 1},
                                    .peer_lease = lease,
+                                   .clock = std::move(clock),
                                    .peer_prepare_share = share});
     EXPECT_TRUE(d.ok()) << d.status().ToString();
     return d.ok() ? std::move(d).value() : nullptr;
@@ -127,9 +133,12 @@ TEST_F(DecodeServiceTest, APeersUnstartedRequestsStayWithinItsBudget) {
 
 // A peer that goes silent loses its unstarted requests after the lease
 // (they end "cancelled", their blocks free); a peer that keeps talking keeps
-// its own.
+// its own. The leases run on a clock the test moves, so that a slow machine
+// cannot make the live peer look silent.
 TEST_F(DecodeServiceTest, ASilentPeersUnstartedRequestsAreLetGo) {
-  auto d = Start(300ms, 1.0);
+  std::atomic<std::chrono::steady_clock::time_point> now{std::chrono::steady_clock::time_point{} +
+                                                         1h};
+  auto d = Start(300ms, 1.0, [&now] { return now.load(); });
   ASSERT_NE(d, nullptr);
   Peer silent(ctx_, d->endpoint()), live(ctx_, d->endpoint());
   for (uint64_t id : {1, 2}) EXPECT_FALSE(silent.Prepare(id).prepare_reply().has_error());
@@ -138,8 +147,13 @@ TEST_F(DecodeServiceTest, ASilentPeersUnstartedRequestsAreLetGo) {
   // Reported for /metrics (kdn_worker_leased_kv_blocks), with the figures
   // of the step that prepared them.
   EXPECT_EQ(live.Info().leased_kv_blocks(), 3 * 4);
-  // The live peer pings (as a router does every 250 ms) until the silent
-  // peer's two requests are gone.
+  // 200 ms on, the live peer pings (as a router does every 250 ms); 200 ms
+  // later the silent peer has been quiet past the lease, the live one not.
+  now = now.load() + 200ms;
+  EXPECT_EQ(live.FreeBlocks(), 16 - 3 * 4) << "nobody is past the lease yet";
+  now = now.load() + 200ms;
+  // The live peer asks until the silent peer's two requests are gone (the
+  // worker looks at its leases at least once a second).
   const auto deadline = std::chrono::steady_clock::now() + 30s;
   int free = 0;
   while ((free = live.FreeBlocks()) != 16 - 4 && std::chrono::steady_clock::now() < deadline) {

@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -82,6 +83,10 @@ struct DecodeServiceOptions {
   // 5 to 7 s without a ping (2026-12-06; docs/serving.md, "Leases"), and
   // with a 5 s lease its prepared requests were let go and lost.
   std::chrono::milliseconds peer_lease{30000};
+  // Time for the leases and the Decoder's prepare_timeout;
+  // steady_clock::now when empty (tests inject one). Called from the control
+  // I/O and compute threads.
+  std::function<std::chrono::steady_clock::time_point()> clock;
   // DecoderOptions::prepare_timeout: a prepared request its router neither
   // started nor renewed for this long is dropped.
   std::chrono::milliseconds prepare_timeout{60000};
