@@ -6,7 +6,9 @@
 #   2. tests/client/vllm_e2e.py: vLLM with kdn.vllm as its KV connector and a
 #      kdn deployment on SmolLM2, both ways, then on a Redis Cluster one of
 #      whose primaries is killed;
-#   3. with --bench FILE, bench/foreign_engines.py --engines transformers,vllm
+#   3. tests/deploy/test_kv_events.py with vLLM's own KV-event classes
+#      decoding kdn's event streams (KDN_KV_EVENTS_VLLM=1);
+#   4. with --bench FILE, bench/foreign_engines.py --engines transformers,vllm
 #      into FILE.
 # Needs kdn built (scripts/build.sh: build/bin, build/lib) and SmolLM2
 # (scripts/fetch-smollm2.sh). Usage: scripts/test-vllm.sh [--bench FILE]
@@ -30,6 +32,9 @@ phase "transformers $("$VENV/bin/python" -c 'import transformers; print(transfor
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/client/test_hf.py
 phase "vLLM with kdn.vllm: tests/client/vllm_e2e.py"
 "$VENV/bin/python" tests/client/vllm_e2e.py
+phase "kdn's KV events read by vLLM's own event classes: tests/deploy/test_kv_events.py"
+KDN_KV_EVENTS_VLLM=1 KDN_REPO=$PWD "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+  tests/deploy/test_kv_events.py
 if [[ -n "$BENCH" ]]; then
   phase "bench/foreign_engines.py --engines transformers,vllm --json $BENCH"
   "$VENV/bin/python" bench/foreign_engines.py --engines transformers,vllm --json "$BENCH"

@@ -90,6 +90,7 @@ struct DecodeService::Impl {
   kvbus::RegionKind pool_kind = kvbus::RegionKind::kShm;
   worker::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
+  worker::WorkerKvEvents events;  // follows store's host tier
   std::unique_ptr<kvbus::HostTier> staging;
   std::unique_ptr<SliceLanding> landing;  // with `pool`
   // The Decoder's kdn-store round trips: loads and stores.
@@ -526,6 +527,8 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
       worker::MakeWorkerStore(
           options.host_bytes, options.shared_tier, options.store_codec,
           {.curve = options.curve, .model = impl->wm.fingerprint, .ttl = options.shared_tier_ttl}));
+  KDN_ASSIGN_OR_RETURN(
+      impl->events, worker::StartKvEvents(options.kv_events, *impl->store, options.chunk_tokens));
   engine::Engine& model = *impl->wm.model;
   const int64_t pool_tokens = int64_t{model.kv_cache().num_blocks()} * engine::kKvBlockTokens;
   if (impl->options.staging_bytes == 0) {
@@ -576,6 +579,7 @@ Result<std::unique_ptr<DecodeService>> DecodeService::Start(const DecodeServiceO
   dopt.max_batch = options.max_batch;
   dopt.prepare_timeout = options.prepare_timeout;
   dopt.clock = options.clock;
+  dopt.events = impl->events.host.get();
   dopt.local_prefill_step_tokens = options.local_prefill_step_tokens;
   dopt.admission_reserve = options.admission_reserve;
   dopt.on_load_done = [raw] {

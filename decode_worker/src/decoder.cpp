@@ -335,6 +335,7 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   if (!p.request.blended) {
     p.keys =
         kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
+    if (options_.events != nullptr) options_.events->Describe(p.request.tokens, p.keys);
   }
   KDN_RETURN_IF_ERROR(ReserveKv(p));
   // Its blocks go back with `p` if the reserve refuses it.
@@ -695,6 +696,7 @@ void Decoder::PublishAndStore(uint64_t request_id, const engine::KvSequence& seq
                               const std::string& ns, int lane) {
   const kvbus::KeyContext ctx{fingerprint_, ns, options_.chunk_tokens};
   const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, tokens);
+  if (options_.events != nullptr) options_.events->Describe(tokens, keys);
   std::vector<kvbus::KeyedSpan> spans = kvbus::StoredSpans(ctx, tokens, keys);
   if (options_.resident) kvbridge::PublishSpans(model_.kv_cache(), seq, spans);
   // The full chunks the load brought (or the pool held) are in the KDN

@@ -64,6 +64,7 @@ bool Decoder::StartResume(uint64_t id) {
   p.request = std::move(it->second.request);
   p.resume = it->second.resume;
   p.keys = kvbus::PrefixKeys({fingerprint_, p.request.ns, options_.chunk_tokens}, p.request.tokens);
+  if (options_.events != nullptr) options_.events->Describe(p.request.tokens, p.keys);
   if (Status st = ReserveKv(p); !st.ok()) {
     // Not expected (the blocks were counted free): it waits on.
     LogWarn("{} cannot resume yet: {}", ReqId{p.request.request_id}, st.ToString());

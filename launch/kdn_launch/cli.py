@@ -324,6 +324,11 @@ def add_local_flags(p):
                    "(kdn-prefill/kdn-decode --gpu-mem-fraction); the workers on one GPU must "
                    "not sum over 1 (default: %g/k for each of the k workers on a GPU, rounded "
                    "down to 4 decimals)" % GPU_SHARE)
+    p.add_argument("--kv-events-port", type=port_number, metavar="PORT",
+                   help="publish each worker's KV events (what its host tier gains and drops, "
+                   "as vLLM's KV events; docs/serving.md, \"KV events\") on loopback: the "
+                   "k-th worker in start order (prefill-0, ..., decode-0, ...) on port "
+                   "PORT+2k, its replay socket on PORT+2k+1")
     p.add_argument("--no-curve", action="store_true",
                    help="run the internal sockets (control, kvbus, kdn-store) in plaintext. By "
                    "default the launcher writes new CURVE keys to RUN_DIR/curve.key and "

@@ -33,12 +33,27 @@ def store_command(a, bin_dir):
     return argv.store_argv(a, bin_dir, LOCAL_LISTEN)
 
 
+def kv_events_flags(a, k):
+    """The k-th worker's (in start order) --kv-events flags with
+    --kv-events-port; none without it."""
+    port = getattr(a, "kv_events_port", None)
+    if port is None:
+        return []
+    last = port + 2 * (a.prefill + a.decode) - 1
+    if port == 0 or last > 65535:
+        raise Failure("--kv-events-port %d: the workers' event ports would run from %d to %d, "
+                      "outside 1-65535" % (port, port, last))
+    return ["--kv-events", "tcp://127.0.0.1:%d" % (port + 2 * k),
+            "--kv-events-replay", "tcp://127.0.0.1:%d" % (port + 2 * k + 1)]
+
+
 def worker_commands(a, bin_dir, model, store_ep, devices, redis_url=None,
                     redis_password_file=None):
     """[(name, role, cmd)] of the workers, in start order."""
     return [(name, role, argv.worker_argv(a, bin_dir, model, name, role, LOCAL_LISTEN, store_ep,
-                                          devices[name], redis_url, redis_password_file))
-            for name, role in worker_names(a.prefill, a.decode)]
+                                          devices[name], redis_url, redis_password_file) +
+             kv_events_flags(a, k))
+            for k, (name, role) in enumerate(worker_names(a.prefill, a.decode))]
 
 
 def router_command(a, bin_dir, model, prefill_eps, decode_eps):

@@ -69,6 +69,7 @@ struct PrefillService::Impl {
   std::unique_ptr<kvbus::DeviceMemory> pool;
   worker::WorkerModel wm;
   std::unique_ptr<kvbus::TieredStore> store;
+  worker::WorkerKvEvents events;         // follows store's host tier
   std::unique_ptr<Prefiller> prefiller;  // the compute thread's alone
   // Lookups: kdn-store round trips, kept off the control I/O thread.
   std::unique_ptr<JobThread> lookups;
@@ -385,8 +386,11 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
                                  .model = impl->wm.fingerprint,
                                  .ttl = options.shared_tier_ttl}));
   }
+  KDN_ASSIGN_OR_RETURN(
+      impl->events, worker::StartKvEvents(options.kv_events, *impl->store, options.chunk_tokens));
   PrefillerOptions po;
   po.chunk_tokens = options.chunk_tokens;
+  po.events = impl->events.host.get();
   po.blend_kl_per_residual = options.blend_kl_per_residual;
   po.sender.transport = options.kv_transport;
   // The device plane's backend: cuda_ipc writes the slices the prefiller

@@ -169,6 +169,7 @@ PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, bool inject) const {
     return kv;
   }
   const std::vector<kvbus::ChunkKey> keys = kvbus::PrefixKeys(ctx, job.tokens);
+  if (options_.events != nullptr) options_.events->Describe(job.tokens, keys);
   if (options_.resident) {
     kv.resident = kvbridge::ResidentPrefixTokens(model_.kv_cache(), ctx, job.tokens, keys, n - 1,
                                                  options_.min_tail_tokens);
@@ -202,6 +203,7 @@ Result<PrefillOutcome> Prefiller::Run(const PrefillJob& job, const PrefetchedKv*
   const int C = options_.chunk_tokens;
   const kvbus::KeyContext ctx{fingerprint_, job.ns, C};
   keys_ = kvbus::PrefixKeys(ctx, job.tokens);
+  if (options_.events != nullptr) options_.events->Describe(job.tokens, keys_);
   const auto full = static_cast<int64_t>(keys_.size());
 
   engine::KvCache& cache = model_.kv_cache();

@@ -197,4 +197,22 @@ void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport,
   t->set_seconds(seconds);
 }
 
+Result<WorkerKvEvents> StartKvEvents(const kvbus::KvEventsOptions& options,
+                                     kvbus::TieredStore& store, int chunk_tokens) {
+  WorkerKvEvents events;
+  if (options.endpoint.empty()) return events;
+  if (store.host() == nullptr) {
+    return FailedPrecondition("KV events follow the host tier, and this store has none");
+  }
+  KDN_ASSIGN_OR_RETURN(events.publisher, kvbus::KvEventPublisher::Start(options));
+  kvbus::KvEventPublisher* publisher = events.publisher.get();
+  events.host = std::make_unique<kvbus::HostTierEvents>(
+      *store.host(), chunk_tokens,
+      [publisher](kvbus::KvEvent e) { publisher->Publish(std::move(e)); });
+  LogInfo("KV events of the host tier on {}{}", publisher->endpoint(),
+          publisher->replay_endpoint().empty() ? std::string()
+                                               : ", replayed on " + publisher->replay_endpoint());
+  return events;
+}
+
 }  // namespace kdn::worker

@@ -96,6 +96,7 @@ Status HostTier::Put(std::shared_ptr<const Chunk> chunk) {
         d.chunk = node->second.chunk;
         ++d.count;
       }
+      if (listener_) listener_(node->first, false);
       evicted.push_back(std::move(node->second.chunk));
       index_.erase(node);
     }
@@ -103,6 +104,7 @@ Status HostTier::Put(std::shared_ptr<const Chunk> chunk) {
     index_.emplace(key, Entry{std::move(chunk), lru_.begin(), 0});
     bytes_ += size;
     ++puts_;
+    if (listener_) listener_(key, true);
     if (!evicted.empty()) handler = handler_;
   }
   // Outside the lock: demoting may write to disk, and the handler may call
@@ -130,6 +132,7 @@ bool HostTier::Erase(const ChunkKey& key) {
   bytes_ -= it->second.chunk->size();
   lru_.erase(it->second.lru);
   index_.erase(it);
+  if (listener_) listener_(key, false);
   return true;
 }
 
@@ -206,6 +209,11 @@ size_t HostTier::PinCount() {
 void HostTier::SetEvictionHandler(EvictionHandler handler) {
   MutexLock lock(mu_);
   handler_ = std::move(handler);
+}
+
+void HostTier::SetChangeListener(ChangeListener listener) {
+  MutexLock lock(mu_);
+  listener_ = std::move(listener);
 }
 
 }  // namespace kdn::kvbus

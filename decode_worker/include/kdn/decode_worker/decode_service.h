@@ -35,6 +35,7 @@
 #include "kdn/engine/open_engine.h"
 #include "kdn/engine/tensor.h"
 #include "kdn/model/config.h"
+#include "kdn/kvbus/kv_events.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/transport.h"
 
@@ -98,6 +99,9 @@ struct DecodeServiceOptions {
   // Set: every ZeroMQ socket it opens (control, kvbus, kdn-store) runs CURVE
   // with this deployment key (kdn/net/curve.h); unset: plaintext.
   std::optional<net::CurveKeys> curve;
+  // Its host tier's KV events (kdn/kvbus/kv_events.h), published where
+  // kv_events.endpoint says; none when it is empty.
+  kvbus::KvEventsOptions kv_events;
 };
 
 // The staging memory a decode worker gives the KV slices prefill workers

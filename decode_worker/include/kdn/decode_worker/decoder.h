@@ -52,6 +52,7 @@
 #include "kdn/kvbus/chunk_store.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/kv_events.h"
 #include "kdn/kvbus/transfer_plan.h"
 
 namespace kdn::decode_worker {
@@ -93,6 +94,10 @@ struct DecoderOptions {
   std::chrono::milliseconds landing_quarantine{30000};
   // Time for prepare_timeout; steady_clock::now when empty (tests inject one).
   std::function<std::chrono::steady_clock::time_point()> clock;
+  // The worker's KV event stream (kdn/kvbus/kv_events.h), borrowed: the
+  // full chunks of each prompt and finished conversation are described to
+  // it. Null: no stream.
+  kvbus::HostTierEvents* events = nullptr;
 };
 
 struct DecoderStats {

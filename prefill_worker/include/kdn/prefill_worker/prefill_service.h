@@ -17,6 +17,7 @@
 #include "kdn/blend/blend.h"
 #include "kdn/common/status.h"
 #include "kdn/engine/open_engine.h"
+#include "kdn/kvbus/kv_events.h"
 #include "kdn/kvbus/codec.h"
 #include "kdn/kvbus/transport.h"
 
@@ -53,6 +54,9 @@ struct PrefillServiceOptions {
   // Set: every ZeroMQ socket it opens (control, kvbus, kdn-store) runs CURVE
   // with this deployment key (kdn/net/curve.h); unset: plaintext.
   std::optional<net::CurveKeys> curve;
+  // Its host tier's KV events (kdn/kvbus/kv_events.h), published where
+  // kv_events.endpoint says; none when it is empty.
+  kvbus::KvEventsOptions kv_events;
 };
 
 class PrefillService {

@@ -59,6 +59,7 @@
 #include "kdn/engine/sampler.h"
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/kv_events.h"
 #include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbus/tiered_store.h"
 #include "kdn/kvbus/transport.h"
@@ -152,6 +153,10 @@ struct PrefillerOptions {
   // slice in a block the sequence shares: each slice is built as a chunk in
   // host memory first.
   const kvbus::DeviceMemory* kv_pool = nullptr;
+  // The worker's KV event stream (kdn/kvbus/kv_events.h), borrowed: each
+  // prompt's full chunks are described to it, so that the host tier's
+  // events carry their tokens. Null: no stream.
+  kvbus::HostTierEvents* events = nullptr;
 };
 
 class Prefiller {

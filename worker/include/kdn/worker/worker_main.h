@@ -58,6 +58,19 @@ class WorkerMain {
     app_.add_option("--name", o.name, "Name in logs and metrics")->capture_default_str();
     kv_flags_.Add(app_);
     curve_flag_.Add(app_);
+    auto* events =
+        app_.add_option("--kv-events", o.kv_events.endpoint,
+                        "Publish what this worker's host tier gains and drops, as vLLM's KV "
+                        "events (ZeroMQ PUB, msgpack; docs/serving.md, \"KV events\"), on this "
+                        "endpoint (tcp://host:port, bound; plaintext)");
+    app_.add_option("--kv-events-replay", o.kv_events.replay_endpoint,
+                    "With --kv-events: answer replay requests for missed batches on this "
+                    "endpoint (ZeroMQ ROUTER, bound)")
+        ->needs(events);
+    app_.add_option("--kv-events-topic", o.kv_events.topic,
+                    "With --kv-events: the topic frame of every message (vLLM's default: "
+                    "empty)")
+        ->needs(events);
   }
 
   CLI::App& app() { return app_; }

@@ -17,6 +17,7 @@
 #include "kdn/kvbus/chunk.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/kvbus/codec.h"
+#include "kdn/kvbus/kv_events.h"
 #include "kdn/kvbus/shared_tier.h"
 #include "kdn/kvbus/tiered_store.h"
 #include "kdn/kvbus/transport.h"
@@ -69,6 +70,18 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
     uint64_t host_bytes, const std::string& shared_tier, kvbus::CodecLevel store_codec = {},
     const kvbus::SharedTierOptions& shared = {});
 
+// A worker's KV event stream (kdn/kvbus/kv_events.h; docs/serving.md, "KV
+// events"): the publisher, and what follows the host tier of `store` for
+// it. Both null when options.endpoint is empty. The members' order is
+// their teardown's in reverse: `host` stops following the tier first.
+struct WorkerKvEvents {
+  std::unique_ptr<kvbus::KvEventPublisher> publisher;
+  std::unique_ptr<kvbus::HostTierEvents> host;
+};
+// The publisher's errors (kvbus::KvEventPublisher::Start);
+// FAILED_PRECONDITION for a store without a host tier.
+Result<WorkerKvEvents> StartKvEvents(const kvbus::KvEventsOptions& options,
+                                     kvbus::TieredStore& store, int chunk_tokens);
 // Answers, on the control I/O thread, the queries both kinds of worker answer
 // alike: an info request (the router's liveness ping) and a lookup (how many
 // leading prompt tokens its tiers hold, full chunks then tail pieces, and

@@ -93,6 +93,13 @@ class HostTier : public ChunkStore {
   // dropped). Takes effect for evictions that start after it returns.
   void SetEvictionHandler(EvictionHandler handler);
 
+  // Receives each key the tier gains (held: a chunk newly put, or promoted
+  // into it) and loses (not held: evicted or erased), in the order the
+  // tier's state changed. It runs under the tier's lock: it must be quick
+  // and must not call this tier. nullptr: none.
+  using ChangeListener = std::function<void(const ChunkKey& key, bool held)>;
+  void SetChangeListener(ChangeListener listener);
+
  private:
   struct Entry {
     std::shared_ptr<const Chunk> chunk;
@@ -131,6 +138,7 @@ class HostTier : public ChunkStore {
   std::set<std::pair<TimePoint, uint64_t>> deadlines_ KDN_GUARDED_BY(mu_);  // (deadline, pin id)
   std::unordered_map<ChunkKey, Demoting, ChunkKeyHash> demoting_ KDN_GUARDED_BY(mu_);
   EvictionHandler handler_ KDN_GUARDED_BY(mu_);
+  ChangeListener listener_ KDN_GUARDED_BY(mu_);
   uint64_t next_pin_ KDN_GUARDED_BY(mu_) = 1;
   uint64_t bytes_ KDN_GUARDED_BY(mu_) = 0;
   uint64_t pinned_bytes_ KDN_GUARDED_BY(mu_) = 0;  // bytes of entries with pins > 0
