@@ -112,11 +112,12 @@ def worker_argv(a, bin_dir, model, name, role, listen, store, device, redis=None
     return cmd + ["--name", name] + device.flags()
 
 
-def router_argv(a, bin_dir, model, prefill, decode, host):
+def router_argv(a, bin_dir, model, prefill, decode, host, port=None):
     """kdn-router over the prefill and decode workers at `prefill` and
-    `decode` (comma-separated endpoints), serving HTTP on `host`."""
+    `decode` (comma-separated endpoints), serving HTTP on `host`, on `port`
+    (None: --port)."""
     cmd = [str(Path(bin_dir) / "kdn-router"), "--model", str(model), "--prefill", prefill,
-           "--decode", decode, "--host", host, "--port", str(a.port),
+           "--decode", decode, "--host", host, "--port", str(a.port if port is None else port),
            "--recompute-ratio", repr(a.recompute_ratio)] + log_flags(a)
     cmd += given("--max-queued", a.max_queued) + given("--max-connections", a.max_connections)
     cmd += given("--max-body-buffer-mib", a.max_body_buffer_mib)

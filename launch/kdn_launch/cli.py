@@ -437,6 +437,12 @@ def build_parser():
         "--gpu-mem-fraction).")
     add_up_flags(up)
     add_local_flags(up)
+    up.add_argument("--routers", type=positive_int, default=1, metavar="N",
+                    help="start N routers over the same workers (docs/serving.md, \"More than "
+                    "one router\"): \"router\" on --port, \"router-1\" ... on the ports after "
+                    "it (with --port 0 each on a free port); each serves any request, and one "
+                    "that dies leaves the others serving. The last stdout line names the first "
+                    "(default: %(default)s)")
     up.add_argument("--detach", action="store_true",
                     help="return once the deployment is ready and leave it running "
                     "(stop it with kdn-launch down)")

@@ -56,9 +56,19 @@ def worker_commands(a, bin_dir, model, store_ep, devices, redis_url=None,
             for k, (name, role) in enumerate(worker_names(a.prefill, a.decode))]
 
 
-def router_command(a, bin_dir, model, prefill_eps, decode_eps):
-    return argv.router_argv(a, bin_dir, model, ",".join(prefill_eps), ",".join(decode_eps),
-                            a.host)
+def router_names(a):
+    """[(name, port)] of the routers: "router" on --port, then "router-1",
+    ... on the ports after it (each on a free port of its own with --port 0)."""
+    n = getattr(a, "routers", 1)
+    return [("router" if i == 0 else "router-%d" % i, a.port + i if a.port else 0)
+            for i in range(n)]
+
+
+def router_commands(a, bin_dir, model, prefill_eps, decode_eps):
+    """[(name, cmd)] of the routers, each over every worker."""
+    return [(name, argv.router_argv(a, bin_dir, model, ",".join(prefill_eps),
+                                    ",".join(decode_eps), a.host, port))
+            for name, port in router_names(a)]
 
 
 def print_plan(a, bin_dir, model, devices):
@@ -84,8 +94,8 @@ def print_plan(a, bin_dir, model, devices):
         print("%s: %s" % (name, shlex.join(cmd)))
     eps = {role: [name + "-ENDPOINT" for name, r, _ in workers if r == role]
            for role in ("prefill", "decode")}
-    print("router: " + shlex.join(router_command(a, bin_dir, model, eps["prefill"],
-                                                 eps["decode"])))
+    for name, cmd in router_commands(a, bin_dir, model, eps["prefill"], eps["decode"]):
+        print("%s: %s" % (name, shlex.join(cmd)))
 
 
 # ------------------------------------------------------- deployment record
@@ -136,7 +146,8 @@ class Deployment:
         self.devices = devices  # {worker name: WorkerDevice}, from plan_devices
         self.run_dir = Path(args.run_dir)
         self.procs = []
-        self.url = None
+        self.url = None   # the first router's
+        self.urls = []    # every router's, the first first
         self.started = time.time()
         self.env = dict(os.environ)
         # Idle OpenMP threads spin briefly, then sleep: long enough to bridge
@@ -149,7 +160,7 @@ class Deployment:
 
     def save(self, launcher_pid):
         write_deployment(self.run_dir, {
-            "url": self.url, "model": str(self.model),
+            "url": self.url, "urls": self.urls, "model": str(self.model),
             "processes": [p.to_json() for p in self.procs],
             "started": int(self.started), "launcher_pid": launcher_pid,
         })
@@ -228,17 +239,21 @@ class Deployment:
             info("%s serves on %s (pid %d%s%s)" % (
                 p.name, p.endpoint, p.pid, "" if a.device == "cpu" else ", " + p.device.name,
                 model_load_note(p.log)))
-        router = self.start("router", "router", router_command(
+        routers = [self.start(name, "router", cmd) for name, cmd in router_commands(
             a, b, self.model, [p.endpoint for p in workers if p.role == "prefill"],
-            [p.endpoint for p in workers if p.role == "decode"]))
-        self.url = self.wait_endpoint(router, "http://", a.ready_timeout).rstrip("/")
-        self.wait_healthy(a.ready_timeout)
+            [p.endpoint for p in workers if p.role == "decode"])]
+        for router in routers:
+            self.urls.append(self.wait_endpoint(router, "http://", a.ready_timeout).rstrip("/"))
+            self.url = self.urls[0]
+            self.save(os.getpid())
+        for url in self.urls:
+            self.wait_healthy(url, a.ready_timeout)
 
-    def wait_healthy(self, timeout):
+    def wait_healthy(self, url, timeout):
         deadline = time.monotonic() + timeout
         next_note = 0.0
         while True:
-            status, body = http_get(self.url + "/health", timeout=2.0)
+            status, body = http_get(url + "/health", timeout=2.0)
             if status == 200:
                 return
             for p in self.procs:
@@ -248,10 +263,10 @@ class Deployment:
             now = time.monotonic()
             if now > deadline:
                 raise Failure("%s/health did not answer 200 within %.0f s (last: %s %s)"
-                              % (self.url, timeout, status or "no answer", body.strip()[:300]))
+                              % (url, timeout, status or "no answer", body.strip()[:300]))
             if now >= next_note:
                 info("waiting for workers... (%s/health: %s %s)"
-                     % (self.url, status or "no answer", body.strip()[:200]))
+                     % (url, status or "no answer", body.strip()[:200]))
                 next_note = now + 3.0
             time.sleep(0.2)
 
@@ -338,7 +353,9 @@ def start_deployment(args):
     return d, guard
 
 
-def print_ready(url, detached):
+def print_ready(url, detached, others=()):
+    for other in others:
+        print("another router: %s" % other)
     print("try: curl -sN %s/v1/completions -H 'Content-Type: application/json' "
           "-d '{\"prompt\": \"Hello\", \"max_tokens\": 16, \"stream\": true}'" % url)
     print("status page: %s/ (workers, KV pools, the KDN, recent requests and errors)" % url)
@@ -355,9 +372,9 @@ def cmd_up(args):
     d, guard = start_deployment(args)
     d.save(None if args.detach else os.getpid())
     if args.detach:
-        print_ready(d.url, detached=True)
+        print_ready(d.url, detached=True, others=d.urls[1:])
         return 0
-    print_ready(d.url, detached=False)
+    print_ready(d.url, detached=False, others=d.urls[1:])
     try:
         while True:
             d.check_children()
@@ -417,11 +434,13 @@ def cmd_status(args):
     if not url:
         print("no router URL yet (the deployment is starting or failed to start)")
         return 1
-    status, body = http_get(url + "/health")
-    print("GET %s/health: %s" % (url, status or "no answer (%s)" % body))
-    if status:
-        try:
-            print(json.dumps(json.loads(body), indent=2))
-        except ValueError:
-            print(body)
-    return 0 if ok and status == 200 else 1
+    for i, u in enumerate(dep.get("urls") or [url]):
+        status, body = http_get(u + "/health")
+        print("GET %s/health: %s" % (u, status or "no answer (%s)" % body))
+        ok = ok and status == 200
+        if status and i == 0:
+            try:
+                print(json.dumps(json.loads(body), indent=2))
+            except ValueError:
+                print(body)
+    return 0 if ok else 1
