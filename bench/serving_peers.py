@@ -302,6 +302,7 @@ class Result:
         self.gaps = []  # s, between later token events
         self.completion_tokens = 0
         self.prompt_tokens = None
+        self.cached_tokens = None  # usage.prompt_tokens_details.cached_tokens, where given
         self.error = None
         self.text = ""
 
@@ -334,6 +335,8 @@ async def chat(client, server, model, messages, documents=(), max_tokens=MAX_TOK
                     return r
                 if msg.get("usage"):
                     r.prompt_tokens = msg["usage"].get("prompt_tokens")
+                    details = msg["usage"].get("prompt_tokens_details") or {}
+                    r.cached_tokens = details.get("cached_tokens")
                     r.completion_tokens = msg["usage"].get("completion_tokens", 0)
                 for ch in msg.get("choices") or []:
                     piece = (ch.get("delta") or {}).get("content")
