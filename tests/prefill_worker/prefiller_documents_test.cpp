@@ -1,0 +1,282 @@
+// The Prefiller with documents: blend (CacheBlend over documents stored
+// alone under segment keys, in any order) and inject (a document stored
+// once, pruned or not), each also served by a prefetch.
+#include <gtest/gtest.h>
+
+#include "kdn/kvbus/host_tier.h"
+#include "kdn/kvbus/transfer_plan.h"
+#include "kdn/prefill_worker/prefiller.h"
+#include "kdn/testing/tiny_model.h"
+#include "prefiller_rig.h"
+
+namespace kdn::prefill_worker {
+namespace {
+
+using kdn::testing::MakeModel;
+using kdn::testing::RandomTokens;
+using testing::GreedyFirstToken;
+using testing::HostStore;
+using testing::kChunk;
+using testing::Options;
+
+// BOS, three documents and a question, as a blend job.
+PrefillJob BlendJobOf(const std::vector<std::vector<int32_t>>& docs,
+                      const std::vector<int32_t>& question, double ratio) {
+  PrefillJob job;
+  job.tokens = {256};
+  BlendJob b;
+  b.head_tokens = 1;
+  for (const auto& d : docs) {
+    job.tokens.insert(job.tokens.end(), d.begin(), d.end());
+    b.segment_tokens.push_back(static_cast<int>(d.size()));
+  }
+  job.tokens.insert(job.tokens.end(), question.begin(), question.end());
+  b.recompute_ratio = ratio;
+  job.blend = b;
+  job.sampling.temperature = 0;
+  return job;
+}
+
+TEST(Prefiller, BlendStoresDocumentsAloneUnderSegmentKeysThenReusesThemInAnyOrder) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  const std::vector<std::vector<int32_t>> docs = {
+      RandomTokens(40, 256, 11), RandomTokens(33, 256, 12), RandomTokens(50, 256, 13)};
+  const auto question = RandomTokens(9, 256, 14);
+
+  // First sight: no document is held, so everything is computed in full.
+  auto first = p.Run(BlendJobOf(docs, question, 0.15));
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(first->cached_tokens, 0);
+  EXPECT_EQ(first->blended_tokens, 0);
+  EXPECT_EQ(first->computed_tokens, 1 + 123 + 9);
+  PrefillJob plain;
+  plain.tokens = BlendJobOf(docs, question, 0).tokens;
+  EXPECT_EQ(first->first_token, GreedyFirstToken(*model, plain.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  // Each document is stored on its own; nothing under prefix keys.
+  const kvbus::KeyContext ctx{fp, "", kChunk};
+  for (const auto& d : docs) {
+    auto chunk = store->Get(kvbus::SegmentKey(ctx, d));
+    ASSERT_TRUE(chunk.ok());
+    EXPECT_EQ((*chunk)->info().tokens, d.size());
+    EXPECT_EQ((*chunk)->info().position, 0);
+  }
+  EXPECT_EQ(store->Stats().chunks, 3u);
+
+  // The documents in another order: all blended, 15% of them recomputed.
+  const std::vector<std::vector<int32_t>> shuffled = {docs[2], docs[0], docs[1]};
+  auto second = p.Run(BlendJobOf(shuffled, question, 0.15));
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ(second->cached_tokens, 123);
+  EXPECT_EQ(second->blended_tokens, 123);
+  EXPECT_EQ(second->recomputed_tokens, 19);  // ceil(0.15 * 123)
+  EXPECT_EQ(second->computed_tokens, 10);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  EXPECT_EQ(store->Stats().chunks, 3u);  // the blended prompt is not stored
+
+  // Ratio 1 recomputes everything: the first token of a full prefill.
+  auto full = p.Run(BlendJobOf(shuffled, question, 1.0));
+  ASSERT_TRUE(full.ok());
+  PrefillJob shuffled_plain;
+  shuffled_plain.tokens = BlendJobOf(shuffled, question, 0).tokens;
+  EXPECT_EQ(full->recomputed_tokens, 123);
+  EXPECT_EQ(full->first_token, GreedyFirstToken(*model, shuffled_plain.tokens));
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, ABlendOrInjectServedByAPrefetchGivesWhatItsOwnReadsGive) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 11),
+                                                  RandomTokens(33, 256, 12)};
+  const auto question = RandomTokens(9, 256, 14);
+  PrefillJob inject;
+  inject.tokens = docs[0];
+  inject.ns = "";
+  PrefetchedKv read = p.Prefetch(inject, /*inject=*/true);
+  EXPECT_FALSE(read.inject_held);
+  auto injected = p.Inject(docs[0], "", nullptr, &read);
+  ASSERT_TRUE(injected.ok()) << injected.status().ToString();
+  EXPECT_FALSE(injected->already_held);
+  read = p.Prefetch(inject, /*inject=*/true);
+  EXPECT_TRUE(read.inject_held);
+  injected = p.Inject(docs[0], "", nullptr, &read);
+  ASSERT_TRUE(injected.ok());
+  EXPECT_TRUE(injected->already_held);
+
+  // One document held, one not: read ahead, the blend fuses the one and
+  // computes the other, as when it asks the store itself.
+  const PrefillJob blend = BlendJobOf(docs, question, 0.15);
+  read = p.Prefetch(blend);
+  EXPECT_EQ(read.segments.size(), 1u);
+  auto ahead = p.Run(blend, &read);
+  ASSERT_TRUE(ahead.ok()) << ahead.status().ToString();
+  p.WaitForStores();
+  ASSERT_TRUE(p.StoreNewChunks().ok());  // stores the second document
+  auto own = p.Run(blend);               // now both are held
+  ASSERT_TRUE(own.ok());
+  EXPECT_EQ(ahead->blended_tokens, 40);
+  EXPECT_EQ(own->blended_tokens, 73);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  // A read taken before this worker stored the second document still finds
+  // it, in the host tier.
+  auto late = p.Run(blend, &read);
+  ASSERT_TRUE(late.ok());
+  EXPECT_EQ(late->blended_tokens, 73);
+  EXPECT_EQ(late->first_token, own->first_token);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  read = p.Prefetch(blend);
+  EXPECT_EQ(read.segments.size(), 2u);
+  auto again = p.Run(blend, &read);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->blended_tokens, own->blended_tokens);
+  EXPECT_EQ(again->first_token, own->first_token);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+// A blend job's fused KV as its decode worker's receiver got it: one slice
+// of `kv_tokens` tokens per layer, named for the job's transfer from
+// position 0, and the bytes the outcome says it sent.
+void ExpectFusedKvArrived(engine::CpuEngine& model, kvbus::HostTier& sink, const PrefillJob& job,
+                          const PrefillOutcome& out, uint32_t kv_tokens) {
+  const int layers = model.config().num_layers;
+  const uint64_t token_bytes = model.kv_cache().token_stride() * 2 * sizeof(float);
+  EXPECT_EQ(out.kv_bytes_sent, kv_tokens * token_bytes * layers);
+  const kvbus::ChunkKey xfer = kvbus::TransferRegionKey(job.transfer_id, 0);
+  for (int l = 0; l < layers; ++l) {
+    auto slice = sink.Get(kvbus::LayerSliceKey(xfer, l));
+    ASSERT_TRUE(slice.ok()) << "layer " << l;
+    EXPECT_EQ((*slice)->info().tokens, kv_tokens);
+  }
+}
+
+TEST(Prefiller, BlendPushesTheFusedKvUnderTheTransferKeyOnly) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  kvbus::HostTier sink(64u << 20);
+  auto receiver = kvbus::Listen("tcp://127.0.0.1:0", sink);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 21),
+                                                  RandomTokens(30, 256, 22)};
+  for (const auto& d : docs) ASSERT_FALSE(p.Inject(d, "")->already_held);
+  PrefillJob job = BlendJobOf(docs, RandomTokens(7, 256, 23), 0.15);
+  job.decode_endpoint = (*receiver)->endpoint();
+  job.transfer_id = "blend-1";
+  auto out = p.Run(job);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->blended_tokens, 70);
+  ExpectFusedKvArrived(*model, sink, job, *out, 78);
+  const auto prefix = kvbus::PrefixKeys({fp, "", kChunk}, job.tokens);
+  for (int l = 0; l < model->config().num_layers; ++l) {
+    for (const auto& k : prefix) EXPECT_FALSE(sink.Contains(kvbus::LayerSliceKey(k, l)));
+  }
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, InjectStoresADocumentOnceAndRefusesBadOnes) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  const auto doc = RandomTokens(60, 256, 31);
+  auto first = p.Inject(doc, "tenant");
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_FALSE(first->already_held);
+  EXPECT_EQ(first->stored_tokens, 60);
+  auto again = p.Inject(doc, "tenant");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->already_held);
+  EXPECT_EQ(again->stored_tokens, 0);
+  EXPECT_TRUE(store->Contains(kvbus::SegmentKey({fp, "tenant", kChunk}, doc)));
+  EXPECT_FALSE(store->Contains(kvbus::SegmentKey({fp, "", kChunk}, doc)));
+  EXPECT_EQ(p.Inject(std::vector<int32_t>{}, "").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.Inject(std::vector<int32_t>{1, 2, 999}, "").status().code(),
+            StatusCode::kInvalidArgument);
+  // A blend job whose documents leave no question is refused.
+  PrefillJob job = BlendJobOf({doc}, {}, 0.15);
+  EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDroppedTokens) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  kvbus::HostTier sink(64u << 20);
+  auto receiver = kvbus::Listen("tcp://127.0.0.1:0", sink);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 41),
+                                                  RandomTokens(30, 256, 42)};
+  const prune::PruneSpec half{.method = "expected_attention", .keep = 0.5};
+  auto pruned = p.Inject(docs[0], "", &half);
+  ASSERT_TRUE(pruned.ok()) << pruned.status().ToString();
+  EXPECT_FALSE(pruned->already_held);
+  EXPECT_EQ(pruned->stored_tokens, 20);  // floor(40 * 0.5), its 4 sinks among them
+  auto whole = p.Inject(docs[1], "");
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(whole->stored_tokens, 30);
+  auto chunk = store->Get(kvbus::SegmentKey({fp, "", kChunk}, docs[0]));
+  ASSERT_TRUE(chunk.ok());
+  const kvbus::ChunkInfo& info = (*chunk)->info();
+  EXPECT_TRUE(info.pruned());
+  EXPECT_EQ(info.tokens, 20u);
+  EXPECT_EQ(info.logical(), 40u);
+  for (uint32_t j = 0; j < 4; ++j) EXPECT_EQ(info.kept[j], j) << "the sinks are kept";
+  // A blend reads it as a document, a prefix lookup never.
+  EXPECT_TRUE(kvbus::SegmentChunkFits(**chunk, fp, 40, kdn::DType::kF32));
+  EXPECT_FALSE(kvbus::ChunkFits(**chunk, fp, 20, kdn::DType::kF32));
+  // Injected again with or without pruning: held, nothing computed.
+  EXPECT_TRUE(p.Inject(docs[0], "")->already_held);
+
+  PrefillJob job = BlendJobOf(docs, RandomTokens(7, 256, 43), 0.15);
+  job.decode_endpoint = (*receiver)->endpoint();
+  job.transfer_id = "pruned-blend";
+  auto out = p.Run(job);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->blended_tokens, 70);
+  EXPECT_EQ(out->pruned_tokens, 20);
+  EXPECT_EQ(out->kv_tokens, 78 - 20);
+  ExpectFusedKvArrived(*model, sink, job, *out, 58);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+TEST(Prefiller, InjectRefusesABadPruneSpec) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  Prefiller p(*model, *store, kvbus::ChunkKey{1, 2}, Options());
+  const auto doc = RandomTokens(30, 256, 51);
+  for (const prune::PruneSpec& bad :
+       {prune::PruneSpec{.method = "snapkv", .keep = 0.5},
+        prune::PruneSpec{.method = "knorm", .keep = 0},
+        prune::PruneSpec{.method = "knorm", .keep = 1.5},
+        prune::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = -1},
+        prune::PruneSpec{.method = "kvzip", .keep = 0.5},  // without its prompts
+        prune::PruneSpec{.method = "knorm", .keep = 0.5, .sinks = 30}}) {
+    EXPECT_EQ(p.Inject(doc, "", &bad).status().code(), StatusCode::kInvalidArgument)
+        << bad.method << " " << bad.keep << " " << bad.sinks;
+  }
+  // KVzip's repeat pass must fit the context (tiny's 2,048) beside the text.
+  const prune::PruneSpec kvzip{.method = "kvzip",
+                               .keep = 0.5,
+                               .kvzip_first = {1, 2, 3},
+                               .kvzip_next = {4, 5},
+                               .kvzip_suffix = {6}};
+  EXPECT_EQ(p.Inject(RandomTokens(1100, 256, 52), "", &kvzip).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Stats().chunks, 0u);
+  // The key-norm method needs no query hooks: it prunes the same way.
+  const prune::PruneSpec knorm{.method = "knorm", .keep = 0.25};
+  auto ok = p.Inject(doc, "", &knorm);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->stored_tokens, 7);  // floor(30 * 0.25)
+}
+
+}  // namespace
+}  // namespace kdn::prefill_worker
