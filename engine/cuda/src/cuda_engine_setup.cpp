@@ -1,9 +1,80 @@
-// CudaEngine's weights on the device: a model's tensors uploaded as bf16
-// (fused projections stacked row-wise), or weights generated on the device
-// for a preset (cuda_engine_impl.h).
+// CudaEngine's setup: its stream, cuBLAS, device KV cache and activation
+// buffers, and its weights on the device: a model's tensors uploaded as
+// bf16 (fused projections stacked row-wise), or weights generated on the
+// device for a preset (cuda_engine_impl.h).
 #include "cuda_engine_impl.h"
 
 namespace kdn::engine::cuda {
+
+Status CudaEngine::Impl::Setup() {
+  KDN_RETURN_IF_ERROR(UseDevice(options.device));
+  KDN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  KDN_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas));
+  KDN_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas, stream));
+  // A workspace of our own, so that cuBLAS allocates nothing while a decode
+  // graph is captured.
+  KDN_RETURN_IF_ERROR(blas_workspace.Allocate(kCublasWorkspaceBytes));
+  KDN_CUBLAS_RETURN_IF_ERROR(cublasSetWorkspace(blas, blas_workspace.get(), kCublasWorkspaceBytes));
+  const ModelConfig& c = config;
+  const std::vector<float> freq = RopeInvFreq(c);
+  rope = RopeParamsFor(c);
+  KDN_RETURN_IF_ERROR(inv_freq.Allocate(static_cast<int64_t>(freq.size())));
+  KDN_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(inv_freq.get(), freq.data(), freq.size() * sizeof(float), cudaMemcpyHostToDevice));
+  // One block more than asked for: the scratch block of graph padding.
+  const int num_blocks = static_cast<int>((options.kv_tokens + 15) / 16) + 1;
+  kv = std::make_unique<DeviceKvCache>(options.device, c.num_layers, c.num_kv_heads, c.head_dim,
+                                       num_blocks);
+  KDN_RETURN_IF_ERROR(kv->Allocate(options.kv_pool_memory));
+  scratch = kv->NewSequence();
+  KDN_RETURN_IF_ERROR(kv->Reserve(scratch, 1));
+  scratch_block = scratch.blocks()[0];
+  max_rows = std::max<int64_t>(options.max_prefill_tokens, options.max_batch);
+  const int64_t R = max_rows;
+  const AttentionShape shape = Shape();
+  if (options.flash_attention && FlashAttention::Supports(shape)) {
+    // Every block once, and the scratch block once more per padding row.
+    KDN_ASSIGN_OR_RETURN(
+        flash, FlashAttention::Create(shape, options.max_batch, R, num_blocks + options.max_batch));
+    if (flash->hopper()) {
+      const int64_t context_blocks = (c.max_context + kKvBlockTokens - 1) / kKvBlockTokens;
+      KDN_ASSIGN_OR_RETURN(
+          flash_shared,
+          FlashAttention::Create(shape, kRowBands, R,
+                                 kRowBands * std::min<int64_t>(context_blocks, num_blocks)));
+    }
+  } else {
+    KDN_RETURN_IF_ERROR(q.Allocate(R * c.q_dim()));
+  }
+  KDN_RETURN_IF_ERROR(x.Allocate(R * c.hidden_size));
+  KDN_RETURN_IF_ERROR(h.Allocate(R * c.hidden_size));
+  KDN_RETURN_IF_ERROR(qkv.Allocate(R * qkv_dim()));
+  KDN_RETURN_IF_ERROR(attn.Allocate(R * c.q_dim()));
+  KDN_RETURN_IF_ERROR(gate_up.Allocate(R * 2 * int64_t{c.intermediate_size}));
+  KDN_RETURN_IF_ERROR(act.Allocate(R * c.intermediate_size));
+  KDN_RETURN_IF_ERROR(
+      logits.Allocate(std::max<int64_t>(kLogitRows, options.max_batch) * c.vocab_size));
+  KDN_RETURN_IF_ERROR(ids.Allocate(R));
+  KDN_RETURN_IF_ERROR(positions.Allocate(R));
+  KDN_RETURN_IF_ERROR(lengths.Allocate(options.max_batch));
+  KDN_RETURN_IF_ERROR(slots.Allocate(R));
+  KDN_RETURN_IF_ERROR(bad_id.Allocate(1));
+  KDN_RETURN_IF_ERROR(sampled.Allocate(options.max_batch));
+  KDN_RETURN_IF_ERROR(
+      argmax_workspace.Allocate(static_cast<int64_t>(ArgmaxWorkspaceBytes(options.max_batch))));
+  KDN_RETURN_IF_ERROR(ids_host.Allocate(options.max_batch));
+  KDN_RETURN_IF_ERROR(positions_host.Allocate(options.max_batch));
+  KDN_RETURN_IF_ERROR(slots_host.Allocate(options.max_batch));
+  KDN_RETURN_IF_ERROR(sampled_host.Allocate(options.max_batch));
+  const int64_t max_table = (c.max_context + 15) / 16;
+  KDN_RETURN_IF_ERROR(tables.Allocate(std::max<int64_t>(max_table, 1) * options.max_batch));
+  if (flash == nullptr) {
+    KDN_RETURN_IF_ERROR(workspace.Allocate(static_cast<int64_t>(
+        DecodeAttentionWorkspaceBytes(options.max_batch, shape, kMaxDecodeSplits) /
+        sizeof(float))));
+  }
+  return Status::Ok();
+}
 
 // Uploads `n` floats as bf16 into `dst` (allocated here).
 Status CudaEngine::Impl::Upload(const float* src, int64_t n, DeviceArray<bf16>* dst) {
