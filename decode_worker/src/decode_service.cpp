@@ -140,8 +140,11 @@ struct DecodeService::Impl {
     info->set_kvbus_endpoint(kvbus_endpoint);
     info->set_queue_depth(depth.load());
     info->set_max_batch(options.max_batch);
+    // Free before leased (the compute thread stores them the other way
+    // round): blocks seen free are seen no longer leased.
+    const int free = free_blocks.load();
     info->set_leased_kv_blocks(static_cast<int32_t>(leased_blocks.load()));
-    info->set_free_kv_blocks(free_blocks.load());
+    info->set_free_kv_blocks(free);
     info->set_total_kv_blocks(total_blocks);
     kvbus::ReceiverStats rs = receiver->Stats();
     // tcp and shm always, as a prefill worker reports them, then any other
@@ -361,9 +364,6 @@ struct DecodeService::Impl {
     }
   }
 
-  // Sends what the Decoder produced to the routers that asked: Prepare
-  // replies, then one message of token events per request. Finished
-  // requests are forgotten.
   // Requests that started (a local prefill's first token) or ended leave
   // their peer's budget: before the figures are published, so that an info
   // reply never shows their blocks free and still leased.
@@ -377,6 +377,9 @@ struct DecodeService::Impl {
     }
   }
 
+  // Sends what the Decoder produced to the routers that asked: Prepare
+  // replies, then one message of token events per request. Finished
+  // requests are forgotten.
   void Deliver(const DecoderOutput& out) {
     for (const PrepareDone& d : out.prepared) {
       auto it = origins.find(d.id);

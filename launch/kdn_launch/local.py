@@ -60,6 +60,9 @@ def router_names(a):
     """[(name, port)] of the routers: "router" on --port, then "router-1",
     ... on the ports after it (each on a free port of its own with --port 0)."""
     n = getattr(a, "routers", 1)
+    if a.port and a.port + n - 1 > 65535:
+        raise Failure("--port %d --routers %d: the routers' ports would run past 65535"
+                      % (a.port, n))
     return [("router" if i == 0 else "router-%d" % i, a.port + i if a.port else 0)
             for i in range(n)]
 

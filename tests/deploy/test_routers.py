@@ -72,7 +72,8 @@ def test_two_routers_share_the_workers_and_one_outlives_the_other(tiny_model, tm
         assert finish[-1] == "length", finish[-3:]
         assert text, "no text streamed"
         # New requests go on through the survivor.
-        again = via_other(b, max_tokens=2, temperature=0, disaggregation="always")
+        again = via_other(b, max_tokens=2, temperature=0, ignore_eos=True,
+                          disaggregation="always")
         assert again["usage"]["completion_tokens"] == 2
         # `status` names the dead router and fails.
         st = launch("status", "--run-dir", d.run_dir)

@@ -130,13 +130,14 @@ TEST(HostTierEvents, KeepsTheTokensOfTheChunksDescribedMostRecently) {
 }
 
 TEST(KvEvents, EncodesTheClearedEventAsMsgpackSpellsIt) {
-  // msgpack: fixarray of 2, float64 ts, fixarray of 1, fixmap of 1,
-  // fixstr "type", fixstr "AllBlocksCleared".
+  // msgpack: fixarray of 3, float64 ts, fixarray of 1, fixmap of 1,
+  // fixstr "type", fixstr "AllBlocksCleared", positive fixint 0 (the rank).
   const KvEvent cleared{.kind = KvEvent::Kind::kCleared};
   const std::string b = EncodeKvEventBatch(1.5, std::span(&cleared, 1));
-  const std::string want = std::string("\x92\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00\x91\x81", 12) +
-                           "\xa4type" + "\xb0" + "AllBlocksCleared";
+  const std::string want = std::string("\x93\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00\x91\x81", 12) +
+                           "\xa4type" + "\xb0" + "AllBlocksCleared" + std::string(1, '\0');
   EXPECT_EQ(b, want);
+  EXPECT_EQ(BlockHash(ChunkKey{0x0102030405060708ull, 9}), 0x0102030405060708ull);
 }
 
 // The sequence number of a message's second frame (8 bytes, big-endian).

@@ -2,7 +2,9 @@
 
 #include <zmq.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <bit>
 #include <condition_variable>
 #include <cstring>
@@ -10,6 +12,8 @@
 #include <mutex>
 #include <thread>
 #include <utility>
+
+#include "kdn/common/log.h"
 
 namespace kdn::kvbus {
 
@@ -72,11 +76,9 @@ class Msgpack {
   void Array(size_t n) { Container(0x90, 0xdc, n); }
   void Map(size_t n) { Container(0x80, 0xde, n); }
 
-  void Key(const ChunkKey& k) {
-    uint8_t b[16];
-    k.ToBytes(b);
-    Bin(b, sizeof(b));
-  }
+  // A block hash as vLLM sends it by default (an int,
+  // VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES): the chunk key's first 64 bits.
+  void Key(const ChunkKey& k) { Uint(BlockHash(k)); }
 
  private:
   void Byte(uint8_t b) { out_.push_back(static_cast<char>(b)); }
@@ -151,14 +153,17 @@ std::string SequenceBytes(int64_t seq) {
 
 }  // namespace
 
+uint64_t BlockHash(const ChunkKey& key) { return key.hi; }
+
 std::string EncodeKvEventBatch(double ts, std::span<const KvEvent> events) {
-  // An array-like struct: [ts, events]; its data_parallel_rank, None, is
-  // left off as msgspec leaves trailing defaults.
+  // An array-like struct: [ts, events, data_parallel_rank], the rank 0 as
+  // vLLM's ZmqEventPublisher fills it in.
   Msgpack m;
-  m.Array(2);
+  m.Array(3);
   m.Float64(ts);
   m.Array(events.size());
   for (const KvEvent& e : events) EncodeEvent(m, e);
+  m.Uint(0);
   return std::move(m.out());
 }
 
@@ -173,6 +178,8 @@ struct KvEventPublisher::Impl {
   std::condition_variable cv;
   std::vector<KvEvent> queued;  // guarded by mu
   bool stop = false;            // guarded by mu
+  bool failed = false;          // guarded by mu: the thread stopped on an error
+  uint64_t dropped = 0;         // guarded by mu
 
   // The publishing thread's alone.
   std::deque<std::pair<int64_t, std::string>> kept;  // (sequence, payload), oldest first
@@ -181,14 +188,27 @@ struct KvEventPublisher::Impl {
   std::atomic<uint64_t> batches{0}, events{0}, replays{0};
   std::thread thread;
 
+  // One frame, sent again when a signal interrupted it (nothing of it was
+  // queued then).
+  static void SendFrame(zmq::socket_t& s, zmq::const_buffer b, zmq::send_flags flags) {
+    for (;;) {
+      try {
+        s.send(b, flags);
+        return;
+      } catch (const zmq::error_t& e) {
+        if (e.num() != EINTR) throw;
+      }
+    }
+  }
+
   void Send(std::vector<KvEvent> batch) {
     const double ts =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     std::string payload = EncodeKvEventBatch(ts, batch);
     const int64_t seq = next_seq++;
-    pub.send(zmq::buffer(options.topic), zmq::send_flags::sndmore);
-    pub.send(zmq::buffer(SequenceBytes(seq)), zmq::send_flags::sndmore);
-    pub.send(zmq::buffer(payload), zmq::send_flags::none);
+    SendFrame(pub, zmq::buffer(options.topic), zmq::send_flags::sndmore);
+    SendFrame(pub, zmq::buffer(SequenceBytes(seq)), zmq::send_flags::sndmore);
+    SendFrame(pub, zmq::buffer(payload), zmq::send_flags::none);
     if (options.replay_batches > 0) {
       kept.emplace_back(seq, std::move(payload));
       if (kept.size() > options.replay_batches) kept.pop_front();
@@ -204,28 +224,33 @@ struct KvEventPublisher::Impl {
     std::vector<zmq::message_t> frames;
     for (;;) {
       zmq::message_t f;
-      if (!replay->recv(f, zmq::recv_flags::dontwait)) return;
+      try {
+        if (!replay->recv(f, zmq::recv_flags::dontwait)) return;
+      } catch (const zmq::error_t& e) {
+        if (e.num() == EINTR) continue;
+        throw;
+      }
       const bool more = f.more();
       frames.push_back(std::move(f));
       if (!more) break;
     }
     if (frames.size() < 2) return;
     const std::string client = frames[0].to_string();
-    int64_t start = INT64_MAX;
+    // Unsigned, as vLLM reads it.
+    uint64_t start = UINT64_MAX;
     if (frames.size() == 3 && frames[2].size() == 8) {
-      uint64_t v = 0;
-      for (size_t i = 0; i < 8; ++i) v = (v << 8) | frames[2].data<uint8_t>()[i];
-      start = static_cast<int64_t>(v);
+      start = 0;
+      for (size_t i = 0; i < 8; ++i) start = (start << 8) | frames[2].data<uint8_t>()[i];
     }
     const auto send = [&](std::string_view topic, int64_t seq, std::string_view payload) {
-      replay->send(zmq::buffer(client), zmq::send_flags::sndmore);
-      replay->send(zmq::buffer(std::string_view()), zmq::send_flags::sndmore);
-      replay->send(zmq::buffer(topic), zmq::send_flags::sndmore);
-      replay->send(zmq::buffer(SequenceBytes(seq)), zmq::send_flags::sndmore);
-      replay->send(zmq::buffer(payload), zmq::send_flags::none);
+      SendFrame(*replay, zmq::buffer(client), zmq::send_flags::sndmore);
+      SendFrame(*replay, zmq::buffer(std::string_view()), zmq::send_flags::sndmore);
+      SendFrame(*replay, zmq::buffer(topic), zmq::send_flags::sndmore);
+      SendFrame(*replay, zmq::buffer(SequenceBytes(seq)), zmq::send_flags::sndmore);
+      SendFrame(*replay, zmq::buffer(payload), zmq::send_flags::none);
     };
     for (const auto& [seq, payload] : kept) {
-      if (seq >= start) send(options.topic, seq, payload);
+      if (static_cast<uint64_t>(seq) >= start) send(options.topic, seq, payload);
     }
     ++replays;  // counted before the end goes out, for whoever it tells
     send("", -1, "");
@@ -238,10 +263,13 @@ struct KvEventPublisher::Impl {
       {
         std::unique_lock<std::mutex> lock(mu);
         // Without replay the thread sleeps until events come; with it, it
-        // also looks for requests every batch window.
+        // also looks for requests every 50 ms at most.
         const auto wake = [&] { return stop || !queued.empty(); };
         if (replay) {
-          cv.wait_for(lock, options.batch_window, wake);
+          cv.wait_for(lock,
+                      std::max<std::chrono::milliseconds>(options.batch_window,
+                                                          std::chrono::milliseconds(50)),
+                      wake);
         } else {
           cv.wait(lock, wake);
         }
@@ -257,8 +285,13 @@ struct KvEventPublisher::Impl {
       try {
         if (!batch.empty()) Send(std::move(batch));
         if (replay) AnswerReplay();
-      } catch (const zmq::error_t&) {
-        // The context is going away: nothing more can be sent.
+      } catch (const std::exception& e) {
+        // Not expected (a socket bound and working fails): the stream ends
+        // here, said once, and Publish drops what comes after.
+        LogError("KV events on {}: the stream stops: {}", endpoint, e.what());
+        std::lock_guard<std::mutex> lock(mu);
+        failed = true;
+        queued.clear();
         return;
       }
       if (stopping) return;
@@ -288,6 +321,9 @@ Result<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(const KvEvents
       impl->replay.emplace(impl->ctx, zmq::socket_type::router);
       impl->replay->set(zmq::sockopt::linger, 0);
       impl->replay->set(zmq::sockopt::router_mandatory, 0);
+      // A replay of every kept batch goes out at once: none of it, the end
+      // marker included, may be dropped at a high-water mark.
+      impl->replay->set(zmq::sockopt::sndhwm, 0);
       impl->replay->bind(options.replay_endpoint);
       impl->replay_endpoint = impl->replay->get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
@@ -313,6 +349,12 @@ KvEventPublisher::~KvEventPublisher() {
 void KvEventPublisher::Publish(KvEvent event) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
+    // A stream that stopped, or a thread that cannot keep up: dropped, and
+    // counted, rather than held without bound.
+    if (impl_->failed || impl_->queued.size() >= kMaxQueuedEvents) {
+      ++impl_->dropped;
+      return;
+    }
     impl_->queued.push_back(std::move(event));
   }
   impl_->cv.notify_one();
@@ -322,7 +364,8 @@ const std::string& KvEventPublisher::endpoint() const { return impl_->endpoint; 
 const std::string& KvEventPublisher::replay_endpoint() const { return impl_->replay_endpoint; }
 
 KvEventsStats KvEventPublisher::Stats() const {
-  return {impl_->batches.load(), impl_->events.load(), impl_->replays.load()};
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return {impl_->batches.load(), impl_->events.load(), impl_->replays.load(), impl_->dropped};
 }
 
 HostTierEvents::HostTierEvents(HostTier& host, int chunk_tokens, Publish publish,

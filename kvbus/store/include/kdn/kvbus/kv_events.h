@@ -3,13 +3,14 @@
 // follow, in vLLM's KV-events wire format (docs/serving.md, "KV events").
 //
 // - KvEvent and EncodeKvEventBatch: one batch of events as vLLM's
-//   KVEventBatch encodes it in msgpack (vllm/distributed/kv_events.py, vLLM
-//   0.32): the batch an array [ts, events]; each event a map tagged by
-//   "type" (BlockStored, BlockRemoved, AllBlocksCleared) with vLLM's field
-//   names. A block is one of kdn's full prefix chunks: its hash is the
-//   chunk key's 16 bytes (kdn's own key, content-addressed and chained over
-//   its parent), its token ids those of the chunk, its block size the
-//   chunk's tokens.
+//   ZmqEventPublisher sends its KVEventBatch in msgpack
+//   (vllm/distributed/kv_events.py, vLLM 0.32): the batch an array [ts,
+//   events, data_parallel_rank 0]; each event a map tagged by "type"
+//   (BlockStored, BlockRemoved, AllBlocksCleared) with vLLM's field names.
+//   A block is one of kdn's full prefix chunks: its hash an int, as vLLM's
+//   default (BlockHash: the first 64 bits of kdn's chunk key, which is
+//   content-addressed and chained over its parent), its token ids those of
+//   the chunk, its block size the chunk's tokens.
 // - KvEventPublisher: sends batches on a ZeroMQ PUB socket as vLLM does
 //   (frames: topic, 8-byte big-endian sequence number, payload) and keeps
 //   the last ones for a replay ROUTER socket (a request's 8-byte start
@@ -57,9 +58,16 @@ struct KvEvent {
   KvMedium medium = KvMedium::kCpu;
 };
 
+// The block hash an event gives `key`: its first 64 bits (ChunkKey::hi).
+uint64_t BlockHash(const ChunkKey& key);
+
 // The msgpack bytes of vLLM's KVEventBatch(ts, events): `ts` in seconds
 // since the Unix epoch.
 std::string EncodeKvEventBatch(double ts, std::span<const KvEvent> events);
+
+// Events a publisher holds for its thread at most; past them, and after
+// its thread stopped on an error, Publish drops events (counted).
+inline constexpr size_t kMaxQueuedEvents = 100000;
 
 struct KvEventsOptions {
   // The PUB socket's endpoint, bound (e.g. tcp://127.0.0.1:5557;
@@ -80,6 +88,7 @@ struct KvEventsStats {
   uint64_t batches = 0;  // sent; the next batch's sequence number
   uint64_t events = 0;
   uint64_t replays = 0;  // replay requests answered
+  uint64_t dropped = 0;  // events Publish dropped (kMaxQueuedEvents, or a stopped stream)
 };
 
 class KvEventPublisher {
@@ -94,6 +103,8 @@ class KvEventPublisher {
   KvEventPublisher& operator=(const KvEventPublisher&) = delete;
 
   // Queues `event` for the next batch. Quick: it never waits on a socket.
+  // Dropped (KvEventsStats::dropped) when kMaxQueuedEvents wait already or
+  // the stream stopped on a socket error (logged).
   void Publish(KvEvent event);
   // The bound endpoints (a port of 0 resolved).
   const std::string& endpoint() const;
