@@ -21,10 +21,12 @@ if os.environ.get("KDN_KV_EVENTS_VLLM") == "1":
     from vllm.distributed import kv_events as vllm_events
 
     VLLM_BATCH = msgspec.msgpack.Decoder(vllm_events.KVEventBatch)
+    VLLM_SKIPS = {"kdn_chunk_keys"}  # a field vLLM's classes do not have
 else:
     import msgpack
 
     VLLM_BATCH = None
+    VLLM_SKIPS = set()
 
 from deploy_util import CHUNK_TOKENS, Deployment, wait_until
 
@@ -104,7 +106,8 @@ def decode(payload):
         assert e["type"] in ("BlockStored", "BlockRemoved", "AllBlocksCleared"), e
         if e["type"] == "BlockStored":
             assert set(e) == {"type", "block_hashes", "parent_block_hash", "token_ids",
-                              "block_size", "lora_id", "medium", "lora_name"}, e
+                              "block_size", "lora_id", "medium", "lora_name",
+                              "kdn_chunk_keys"} - VLLM_SKIPS, e
             assert e["block_size"] == CHUNK_TOKENS, e
             assert len(e["token_ids"]) == CHUNK_TOKENS * len(e["block_hashes"]), e
             assert e["medium"] == "CPU" and e["lora_id"] is None and e["lora_name"] is None, e
@@ -112,6 +115,10 @@ def decode(payload):
             assert parent is None or (isinstance(parent, int) and 0 <= parent < 2**64), e
         if e["type"] in ("BlockStored", "BlockRemoved"):
             assert all(isinstance(h, int) and 0 <= h < 2**64 for h in e["block_hashes"]), e
+            if not VLLM_BATCH:
+                # kdn's whole keys, each block's hash their first 8 bytes.
+                keys = e["kdn_chunk_keys"]
+                assert [int.from_bytes(k[:8], "big") for k in keys] == e["block_hashes"], e
     return ts, events
 
 

@@ -79,6 +79,12 @@ class Msgpack {
   // A block hash as vLLM sends it by default (an int,
   // VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES): the chunk key's first 64 bits.
   void Key(const ChunkKey& k) { Uint(BlockHash(k)); }
+  // kdn's own key, whole: its 16 bytes.
+  void FullKey(const ChunkKey& k) {
+    uint8_t b[16];
+    k.ToBytes(b);
+    Bin(b, sizeof(b));
+  }
 
  private:
   void Byte(uint8_t b) { out_.push_back(static_cast<char>(b)); }
@@ -97,13 +103,21 @@ class Msgpack {
   std::string out_;
 };
 
+// The blocks' whole chunk keys, a field of kdn's own (vLLM's decoders skip
+// fields their classes do not have).
+void ChunkKeys(Msgpack& m, const KvEvent& e) {
+  m.Str("kdn_chunk_keys");
+  m.Array(e.keys.size());
+  for (const ChunkKey& k : e.keys) m.FullKey(k);
+}
+
 // One event as a map tagged by its class name, with the fields of vLLM's
 // classes that have no default (those with defaults, left at them, are
-// omitted there too: omit_defaults).
+// omitted there too: omit_defaults), then kdn_chunk_keys.
 void EncodeEvent(Msgpack& m, const KvEvent& e) {
   switch (e.kind) {
     case KvEvent::Kind::kStored:
-      m.Map(8);
+      m.Map(9);
       m.Str("type");
       m.Str("BlockStored");
       m.Str("block_hashes");
@@ -126,9 +140,10 @@ void EncodeEvent(Msgpack& m, const KvEvent& e) {
       m.Str(MediumName(e.medium));
       m.Str("lora_name");
       m.Nil();
+      ChunkKeys(m, e);
       return;
     case KvEvent::Kind::kRemoved:
-      m.Map(3);
+      m.Map(4);
       m.Str("type");
       m.Str("BlockRemoved");
       m.Str("block_hashes");
@@ -136,6 +151,7 @@ void EncodeEvent(Msgpack& m, const KvEvent& e) {
       for (const ChunkKey& k : e.keys) m.Key(k);
       m.Str("medium");
       m.Str(MediumName(e.medium));
+      ChunkKeys(m, e);
       return;
     case KvEvent::Kind::kCleared:
       m.Map(1);

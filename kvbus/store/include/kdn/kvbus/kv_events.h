@@ -10,7 +10,8 @@
 //   A block is one of kdn's full prefix chunks: its hash an int, as vLLM's
 //   default (BlockHash: the first 64 bits of kdn's chunk key, which is
 //   content-addressed and chained over its parent), its token ids those of
-//   the chunk, its block size the chunk's tokens.
+//   the chunk, its block size the chunk's tokens; a field of kdn's own,
+//   kdn_chunk_keys, carries the whole 16-byte keys.
 // - KvEventPublisher: sends batches on a ZeroMQ PUB socket as vLLM does
 //   (frames: topic, 8-byte big-endian sequence number, payload) and keeps
 //   the last ones for a replay ROUTER socket (a request's 8-byte start
