@@ -83,7 +83,8 @@ Status Batcher::Admit(const RequestSpec& spec, engine::KvSequence seq, int32_t f
   return Status::Ok();
 }
 
-Status Batcher::Step(std::vector<TokenEvent>* events) {
+Status Batcher::Step(std::vector<TokenEvent>* events,
+                     std::span<const engine::Engine::Piece> pieces) {
   if (requests_.empty()) return Status::Ok();
   std::vector<engine::KvSequence*> seqs;
   std::vector<int32_t> tokens;
@@ -95,7 +96,7 @@ Status Batcher::Step(std::vector<TokenEvent>* events) {
   }
   // Drawn where the logits live: on a GPU only the ids come back.
   std::vector<int32_t> next_tokens;
-  KDN_RETURN_IF_ERROR(model_.DecodeSample(seqs, tokens, samplers, &next_tokens));
+  KDN_RETURN_IF_ERROR(model_.DecodeSampleWith(seqs, tokens, samplers, &next_tokens, pieces));
   size_t row = 0;
   for (auto it = requests_.begin(); it != requests_.end(); ++row) {
     Request& r = *it->second;

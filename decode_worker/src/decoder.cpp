@@ -468,33 +468,92 @@ void Decoder::QueueLocal(Prepared& p) {
   model_.kv_cache().SetLength(p.seq, p.held_tokens);
 }
 
-void Decoder::RunPiece(const PrefillPiece& piece, DecoderOutput* out) {
+Decoder::Prepared* Decoder::PieceTarget(const PrefillPiece& piece) {
   auto it = prepared_.find(piece.id);
   // A piece past one that failed (its request is gone), or not where the
   // plan put it (not expected).
-  if (it == prepared_.end() || it->second.seq.length() != piece.first) return;
-  Prepared& p = it->second;
+  if (it == prepared_.end() || it->second.seq.length() != piece.first) return nullptr;
+  return &it->second;
+}
+
+void Decoder::RunPiece(const PrefillPiece& piece, DecoderOutput* out) {
+  Prepared* target = PieceTarget(piece);
+  if (target == nullptr) return;
+  Prepared& p = *target;
   std::vector<float> logits;
+  double ms = 0;
   if (piece.count > 0) {
     const auto t0 = std::chrono::steady_clock::now();
     Status st = model_.Prefill(
         p.seq, {p.request.tokens.data() + piece.first, static_cast<size_t>(piece.count)}, {},
         &logits);
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!st.ok()) {
       LogError("{} local prefill of tokens [{}, {}) failed: {}", ReqId{p.request.request_id},
                piece.first, piece.first + piece.count, st.ToString());
       out->events.push_back(Failure(piece.id, std::move(st)));
       scheduler_.Forget(piece.id);
-      prepared_.erase(it);
+      prepared_.erase(piece.id);
       return;
     }
-    constexpr double kWeight = 0.2;  // of the newest piece in the average
-    const double per_token = ms / static_cast<double>(piece.count);
-    prefill_ms_per_token_ = prefill_ms_per_token_ == 0
-                                ? per_token
-                                : (1 - kWeight) * prefill_ms_per_token_ + kWeight * per_token;
+  }
+  PieceDone(piece, p, logits, ms, out);
+}
+
+bool Decoder::StepWithPieces(const std::vector<PrefillPiece>& pieces, DecoderOutput* out) {
+  // The pieces with tokens to compute whose request is here, as RunPiece
+  // finds it (by plan order; the rest go through RunPiece after the pass).
+  std::vector<Prepared*> riding(pieces.size(), nullptr);
+  std::vector<engine::Engine::Piece> inputs;
+  std::vector<std::vector<float>> logits(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const PrefillPiece& piece = pieces[i];
+    Prepared* p = PieceTarget(piece);
+    if (p == nullptr || piece.count <= 0) continue;
+    for (const engine::Engine::Piece& in : inputs) {
+      if (in.seq == &p->seq) p = nullptr;  // a second piece of one request: after the pass
+    }
+    if (p == nullptr) continue;
+    // Logits for a last piece only, whose first token they give.
+    inputs.push_back({&p->seq,
+                      {p->request.tokens.data() + piece.first, static_cast<size_t>(piece.count)},
+                      piece.last ? &logits[i] : nullptr});
+    riding[i] = p;
+  }
+  if (inputs.empty()) return false;
+  std::vector<TokenEvent> events;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!batcher_->Step(&events, inputs).ok()) return false;
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // The pass is the step's and the pieces': a piece's share is what the
+  // pass took past a step's recent average (none before there is one).
+  int64_t piece_tokens = 0;
+  for (const engine::Engine::Piece& in : inputs) piece_tokens += std::ssize(in.tokens);
+  const double pieces_ms = step_ms_ == 0 ? 0 : std::max(ms - step_ms_, 0.0);
+  step_ms_ = step_ms_ == 0 ? ms : 0.8 * step_ms_ + 0.2 * (ms - pieces_ms);
+  out->events.insert(out->events.end(), events.begin(), events.end());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (riding[i] == nullptr) {
+      RunPiece(pieces[i], out);
+      continue;
+    }
+    const double share = pieces_ms * static_cast<double>(pieces[i].count) / piece_tokens;
+    PieceDone(pieces[i], *riding[i], logits[i], share, out);
+  }
+  return true;
+}
+
+void Decoder::PieceDone(const PrefillPiece& piece, Prepared& p, const std::vector<float>& logits,
+                        double ms, DecoderOutput* out) {
+  if (piece.count > 0) {
+    if (ms > 0) {
+      constexpr double kWeight = 0.2;  // of the newest piece in the average
+      const double per_token = ms / static_cast<double>(piece.count);
+      prefill_ms_per_token_ = prefill_ms_per_token_ == 0
+                                  ? per_token
+                                  : (1 - kWeight) * prefill_ms_per_token_ + kWeight * per_token;
+    }
     (p.resume ? resume_recomputed_tokens_ : local_prefill_tokens_) +=
         static_cast<uint64_t>(piece.count);
   }
@@ -635,6 +694,11 @@ void Decoder::Advance(DecoderOutput* out) {
     if (StartResume(plan.resume[i])) continue;
     for (size_t j = i; j < plan.resume.size(); ++j) scheduler_.ResumeDeferred(plan.resume[j]);
     break;
+  }
+  if (plan.step && batcher_->running() > 0 && !plan.prefill.empty()) {
+    // The pieces ride in the step's pass: each weight read once for both.
+    MakeRoomForStep(plan.preempt);
+    if (batcher_->running() > 0 && StepWithPieces(plan.prefill, out)) return;
   }
   for (const PrefillPiece& piece : plan.prefill) RunPiece(piece, out);
   if (!plan.step || batcher_->running() == 0) return;

@@ -243,6 +243,46 @@ Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<cons
   return Status::Ok();
 }
 
+Status CpuEngine::DecodeSampleWith(std::span<KvSequence* const> seqs,
+                                   std::span<const int32_t> tokens,
+                                   std::span<Sampler* const> samplers, std::vector<int32_t>* next,
+                                   std::span<const Piece> pieces) {
+  if (pieces.empty()) return DecodeSample(seqs, tokens, samplers, next);
+  KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
+  std::vector<Segment>& segs = scratch_->segs;
+  segs.clear();
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
+  }
+  for (const Piece& p : pieces) {
+    if (p.tokens.empty()) return InvalidArgument("prefill: no tokens");
+    if (static_cast<int64_t>(p.tokens.size()) > max_prefill_tokens()) {
+      return InvalidArgument(
+          "prefill: " + std::to_string(p.tokens.size()) + " tokens in one call; at most " +
+          std::to_string(max_prefill_tokens()) + " (EngineOptions::max_prefill_tokens)");
+    }
+    for (const Segment& s : segs) {
+      if (s.seq == p.seq) return InvalidArgument("decode: a sequence appears twice in a step");
+    }
+    segs.push_back({p.seq, p.tokens.data(), static_cast<int64_t>(p.tokens.size()), p.seq->length(),
+                    static_cast<int64_t>(segs.size())});
+  }
+  // The last row of each segment: the decode rows, then each piece's last.
+  std::vector<float>& logits = scratch_->logits;
+  KDN_RETURN_IF_ERROR(Forward(segs, /*all_logits=*/false, LayerHook(), QueryHook(), &logits));
+  const size_t vocab = static_cast<size_t>(config_.vocab_size);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (pieces[i].logits == nullptr) continue;
+    const float* row = logits.data() + (seqs.size() + i) * vocab;
+    pieces[i].logits->assign(row, row + vocab);
+  }
+  next->resize(seqs.size());
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    (*next)[b] = samplers[b]->Sample(std::span<const float>(logits).subspan(b * vocab, vocab));
+  }
+  return Status::Ok();
+}
+
 Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
                           const QueryHook& on_queries, std::vector<float>* logits) {
   const ModelConfig& c = config_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 namespace kdn::engine {
 
@@ -123,6 +124,38 @@ Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32
     for (size_t c = 0; c < b; ++c) {
       if (seqs[c] == seqs[b]) return InvalidArgument("decode: a sequence appears twice in a batch");
     }
+  }
+  return Status::Ok();
+}
+
+Status Engine::DecodeSampleWith(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                                std::span<Sampler* const> samplers, std::vector<int32_t>* next,
+                                std::span<const Piece> pieces) {
+  KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto twice = [&](const KvSequence* s) { return s == pieces[i].seq; };
+    if (std::any_of(seqs.begin(), seqs.end(), twice) ||
+        std::any_of(pieces.begin(), pieces.begin() + i,
+                    [&](const Piece& p) { return twice(p.seq); })) {
+      return InvalidArgument("decode: a sequence appears twice in a step");
+    }
+  }
+  std::vector<int64_t> lengths;
+  const auto undo = [&] {
+    for (size_t i = 0; i < lengths.size(); ++i) pieces[i].seq->Truncate(lengths[i]);
+  };
+  std::vector<float> unused;
+  for (const Piece& p : pieces) {
+    const int64_t length = p.seq->length();
+    if (Status st = Prefill(*p.seq, p.tokens, {}, p.logits ? p.logits : &unused); !st.ok()) {
+      undo();
+      return st;
+    }
+    lengths.push_back(length);
+  }
+  if (Status st = DecodeSample(seqs, tokens, samplers, next); !st.ok()) {
+    undo();
+    return st;
   }
   return Status::Ok();
 }

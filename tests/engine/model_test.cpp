@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include "kdn/engine/sampler.h"
 #include "kdn/testing/tiny_model.h"
 
 namespace kdn::engine {
@@ -83,6 +84,90 @@ TEST_P(ModelTest, BatchedDecodeStepEqualsSequencesDecodedAlone) {
       ASSERT_TRUE(model->DecodeStep(one, std::span(&next[b], 1), &logits).ok());
       EXPECT_LT(RelError(&batched[b * V], logits.data(), V), 1e-5)
           << "seq " << b << " step " << step;
+    }
+  }
+}
+
+// Prefill pieces riding in a decode step (DecodeSampleWith, one pass) give
+// every row what Prefill and DecodeSample give it alone, bit for bit; so
+// does the engine's default (the calls one after another).
+TEST_P(ModelTest, PiecesRidingInADecodeStepGiveWhatPrefillAndDecodeGiveAlone) {
+  auto model = MakeModel(GetParam());
+  const int V = model->config().vocab_size;
+  KvCache& cache = model->kv_cache();
+  std::vector<float> logits;
+  // Two decoding sequences, and two prompts computed in pieces of 24 and
+  // 7 tokens (a whole page and a part of one).
+  const std::vector<int32_t> a = RandomTokens(30, V, 1), b = RandomTokens(5, V, 2);
+  const std::vector<int32_t> p0 = RandomTokens(48, V, 3), p1 = RandomTokens(14, V, 4);
+  for (bool fused_default : {false, true}) {
+    KvSequence da = cache.NewSequence(), db = cache.NewSequence();
+    KvSequence sa = cache.NewSequence(), sb = cache.NewSequence();
+    for (auto [seq, prompt] : {std::pair{&da, &a}, {&sa, &a}, {&db, &b}, {&sb, &b}}) {
+      ASSERT_TRUE(model->Prefill(*seq, *prompt, {}, &logits).ok());
+    }
+    KvSequence q0 = cache.NewSequence(), q1 = cache.NewSequence();
+    KvSequence r0 = cache.NewSequence(), r1 = cache.NewSequence();
+    int32_t tokens[] = {7, 9};
+    for (int step = 0; step < 3; ++step) {
+      const auto piece0 = std::span(p0).subspan(step * 16, 16);
+      const auto piece1 = std::span(p1).subspan(step * 4, step < 2 ? 4 : 6);
+      std::vector<float> l0, l1;
+      const Engine::Piece pieces[] = {{&q0, piece0, &l0}, {&q1, piece1, &l1}};
+      KvSequence* seqs[] = {&da, &db};
+      Sampler s1({.temperature = 0.0f}), s2({.temperature = 0.0f});
+      Sampler* samplers[] = {&s1, &s2};
+      std::vector<int32_t> next;
+      const Status st = fused_default
+                            ? model->Engine::DecodeSampleWith(seqs, tokens, samplers, &next, pieces)
+                            : model->DecodeSampleWith(seqs, tokens, samplers, &next, pieces);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      // Alone: the pieces' prefills and the two sequences' steps.
+      std::vector<float> want0, want1;
+      ASSERT_TRUE(model->Prefill(r0, piece0, {}, &want0).ok());
+      ASSERT_TRUE(model->Prefill(r1, piece1, {}, &want1).ok());
+      EXPECT_EQ(l0, want0) << "piece 0, step " << step;
+      EXPECT_EQ(l1, want1) << "piece 1, step " << step;
+      KvSequence* solo[] = {&sa, &sb};
+      Sampler t1({.temperature = 0.0f}), t2({.temperature = 0.0f});
+      Sampler* solo_samplers[] = {&t1, &t2};
+      std::vector<int32_t> solo_next;
+      ASSERT_TRUE(model->DecodeSample(solo, tokens, solo_samplers, &solo_next).ok());
+      ASSERT_EQ(next, solo_next) << "step " << step;
+      EXPECT_EQ(q0.length(), r0.length());
+      EXPECT_EQ(q1.length(), r1.length());
+      EXPECT_EQ(da.length(), sa.length());
+      tokens[0] = next[0];
+      tokens[1] = next[1];
+    }
+  }
+}
+
+TEST(CpuEngine, APieceThatCannotRunLeavesEverySequenceAsItWas) {
+  auto model = MakeModel("tiny");
+  const int V = model->config().vocab_size;
+  KvSequence d = model->kv_cache().NewSequence(), q = model->kv_cache().NewSequence();
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Prefill(d, RandomTokens(10, V, 1), {}, &logits).ok());
+  ASSERT_TRUE(model->Prefill(q, RandomTokens(3, V, 2), {}, &logits).ok());
+  KvSequence* seqs[] = {&d};
+  const int32_t tokens[] = {5};
+  Sampler s({.temperature = 0.0f});
+  Sampler* samplers[] = {&s};
+  std::vector<int32_t> next;
+  const std::vector<int32_t> bad = {1, V + 3};
+  std::vector<float> l;
+  for (bool fused_default : {false, true}) {
+    // A token outside the vocabulary; the decoding sequence as a piece too.
+    for (const Engine::Piece& piece :
+         {Engine::Piece{&q, bad, &l}, Engine::Piece{&d, std::span(bad).first(1), &l}}) {
+      const Engine::Piece pieces[] = {piece};
+      const Status st = fused_default
+                            ? model->Engine::DecodeSampleWith(seqs, tokens, samplers, &next, pieces)
+                            : model->DecodeSampleWith(seqs, tokens, samplers, &next, pieces);
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+      EXPECT_EQ(d.length(), 10);
+      EXPECT_EQ(q.length(), 3);
     }
   }
 }

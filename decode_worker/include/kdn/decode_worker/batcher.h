@@ -84,8 +84,9 @@ class Batcher {
 
   // One decode step for every running request; finished requests leave and
   // give their KV blocks back. A model error fails the step and leaves every
-  // request as it was.
-  Status Step(std::vector<TokenEvent>* events);
+  // request as it was. `pieces`: prefill pieces of requests not in the
+  // batch, computed in the same pass (Engine::DecodeSampleWith).
+  Status Step(std::vector<TokenEvent>* events, std::span<const engine::Engine::Piece> pieces = {});
 
   // Finishes a request now ("cancelled"); NOT_FOUND if it is not running.
   Status Cancel(uint64_t id, std::vector<TokenEvent>* events);

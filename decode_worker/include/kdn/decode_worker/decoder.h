@@ -295,6 +295,19 @@ class Decoder {
   // Advance; publishing and storing its prompt's KV and admitting it wait
   // for the next plan (AdmitLocal).
   void RunPiece(const PrefillPiece& piece, DecoderOutput* out);
+  // The prepared request a piece computes, or null when it is gone or the
+  // piece is not where the plan put it.
+  Prepared* PieceTarget(const PrefillPiece& piece);
+  // After a piece's tokens were computed in `ms` (its last token's logits
+  // in `logits`): the counters, and for a last piece its first token or
+  // its resume.
+  void PieceDone(const PrefillPiece& piece, Prepared& p, const std::vector<float>& logits,
+                 double ms, DecoderOutput* out);
+  // The plan's pieces computed in the decode step's pass (docs/serving.md,
+  // "The decode worker: scheduler and executor"); false, with nothing
+  // done, when that pass fails (then the pieces and the step run apart, so
+  // that a failure falls on whom it concerns).
+  bool StepWithPieces(const std::vector<PrefillPiece>& pieces, DecoderOutput* out);
   // Local prefill `id`, whose first token went out: its prompt's KV
   // published and stored, then admitted into the batch.
   void AdmitLocal(uint64_t id, DecoderOutput* out);

@@ -70,6 +70,10 @@ class CpuEngine final : public Engine {
                     std::vector<float>* logits) override;
   Status DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                       std::span<Sampler* const> samplers, std::vector<int32_t>* next) override;
+  // One forward pass over the decode rows and the pieces' rows together.
+  Status DecodeSampleWith(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                          std::span<Sampler* const> samplers, std::vector<int32_t>* next,
+                          std::span<const Piece> pieces) override;
   Result<std::unique_ptr<RowPass>> BeginRowPass(
       KvSequence& seq, std::span<const int32_t> tokens, std::span<const int64_t> positions,
       std::span<const int64_t> slot_positions = {}) override;

@@ -135,6 +135,25 @@ class Engine {
   virtual Status DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                               std::span<Sampler* const> samplers, std::vector<int32_t>* next) = 0;
 
+  // A prefill piece that rides in a decode step (DecodeSampleWith): `tokens`
+  // appended to `*seq` as Prefill appends them, the last one's logits
+  // (vocab floats) into `*logits` unless it is null.
+  struct Piece {
+    KvSequence* seq = nullptr;
+    std::span<const int32_t> tokens;
+    std::vector<float>* logits = nullptr;
+  };
+  // DecodeSample with prefill pieces of other sequences in the same pass
+  // (docs/engine.md, "Mixed steps"), so that a backend may read each weight
+  // once for the decode rows and the pieces' rows together. Every row gets
+  // the bits DecodeSample and Prefill give it on their own; on failure no
+  // sequence changes length and the samplers' streams are as they were.
+  // This one runs the pieces' Prefills, then DecodeSample.
+  virtual Status DecodeSampleWith(std::span<KvSequence* const> seqs,
+                                  std::span<const int32_t> tokens,
+                                  std::span<Sampler* const> samplers, std::vector<int32_t>* next,
+                                  std::span<const Piece> pieces);
+
   // The per-layer calls blend needs (docs/design.md, "Blend"). A RowPass
   // recomputes chosen positions of a sequence whose cache already holds KV
   // for every position below seq.length() (for blend: KV fused from cached
