@@ -206,61 +206,54 @@ Result<std::unique_ptr<CpuEngine>> CpuEngine::Load(const std::filesystem::path& 
   return Create(config, std::move(weights), options);
 }
 
-Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
-                          const PrefillOptions& options, std::vector<float>* logits) {
-  if (tokens.empty()) return InvalidArgument("prefill: no tokens");
-  if (static_cast<int64_t>(tokens.size()) > max_prefill_tokens()) {
-    return InvalidArgument("prefill: " + std::to_string(tokens.size()) +
-                           " tokens in one call; at most " + std::to_string(max_prefill_tokens()) +
+Status CpuEngine::CheckPrefillTokens(size_t n) const {
+  if (n == 0) return InvalidArgument("prefill: no tokens");
+  if (static_cast<int64_t>(n) > max_prefill_tokens()) {
+    return InvalidArgument("prefill: " + std::to_string(n) + " tokens in one call; at most " +
+                           std::to_string(max_prefill_tokens()) +
                            " (EngineOptions::max_prefill_tokens)");
   }
+  return Status::Ok();
+}
+
+Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
+                          const PrefillOptions& options, std::vector<float>* logits) {
+  KDN_RETURN_IF_ERROR(CheckPrefillTokens(tokens.size()));
   Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
   return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer,
                  options.on_queries, logits);
 }
 
-Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
-                             std::vector<float>* logits) {
-  KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
+std::vector<CpuEngine::Segment>& CpuEngine::DecodeSegments(std::span<KvSequence* const> seqs,
+                                                           std::span<const int32_t> tokens) {
   std::vector<Segment>& segs = scratch_->segs;
   segs.clear();
   for (size_t b = 0; b < seqs.size(); ++b) {
     segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
   }
-  return Forward(segs, /*all_logits=*/false, LayerHook(), QueryHook(), logits);
+  return segs;
+}
+
+Status CpuEngine::DecodeStep(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
+                             std::vector<float>* logits) {
+  KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
+  return Forward(DecodeSegments(seqs, tokens), /*all_logits=*/false, LayerHook(), QueryHook(),
+                 logits);
 }
 
 Status CpuEngine::DecodeSample(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                                std::span<Sampler* const> samplers, std::vector<int32_t>* next) {
-  KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
-  std::vector<float>& logits = scratch_->logits;
-  KDN_RETURN_IF_ERROR(DecodeStep(seqs, tokens, &logits));
-  const size_t vocab = static_cast<size_t>(config_.vocab_size);
-  next->resize(seqs.size());
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    (*next)[b] = samplers[b]->Sample(std::span<const float>(logits).subspan(b * vocab, vocab));
-  }
-  return Status::Ok();
+  return DecodeSampleWith(seqs, tokens, samplers, next, {});
 }
 
 Status CpuEngine::DecodeSampleWith(std::span<KvSequence* const> seqs,
                                    std::span<const int32_t> tokens,
                                    std::span<Sampler* const> samplers, std::vector<int32_t>* next,
                                    std::span<const Piece> pieces) {
-  if (pieces.empty()) return DecodeSample(seqs, tokens, samplers, next);
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, samplers.size()));
-  std::vector<Segment>& segs = scratch_->segs;
-  segs.clear();
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    segs.push_back({seqs[b], &tokens[b], 1, seqs[b]->length(), static_cast<int64_t>(b)});
-  }
+  std::vector<Segment>& segs = DecodeSegments(seqs, tokens);
   for (const Piece& p : pieces) {
-    if (p.tokens.empty()) return InvalidArgument("prefill: no tokens");
-    if (static_cast<int64_t>(p.tokens.size()) > max_prefill_tokens()) {
-      return InvalidArgument(
-          "prefill: " + std::to_string(p.tokens.size()) + " tokens in one call; at most " +
-          std::to_string(max_prefill_tokens()) + " (EngineOptions::max_prefill_tokens)");
-    }
+    KDN_RETURN_IF_ERROR(CheckPrefillTokens(p.tokens.size()));
     for (const Segment& s : segs) {
       if (s.seq == p.seq) return InvalidArgument("decode: a sequence appears twice in a step");
     }

@@ -103,6 +103,13 @@ class Msgpack {
   std::string out_;
 };
 
+// The blocks' hashes (vLLM's block_hashes).
+void BlockHashes(Msgpack& m, const KvEvent& e) {
+  m.Str("block_hashes");
+  m.Array(e.keys.size());
+  for (const ChunkKey& k : e.keys) m.Key(k);
+}
+
 // The blocks' whole chunk keys, a field of kdn's own (vLLM's decoders skip
 // fields their classes do not have).
 void ChunkKeys(Msgpack& m, const KvEvent& e) {
@@ -120,9 +127,7 @@ void EncodeEvent(Msgpack& m, const KvEvent& e) {
       m.Map(9);
       m.Str("type");
       m.Str("BlockStored");
-      m.Str("block_hashes");
-      m.Array(e.keys.size());
-      for (const ChunkKey& k : e.keys) m.Key(k);
+      BlockHashes(m, e);
       m.Str("parent_block_hash");
       if (e.parent) {
         m.Key(*e.parent);
@@ -146,9 +151,7 @@ void EncodeEvent(Msgpack& m, const KvEvent& e) {
       m.Map(4);
       m.Str("type");
       m.Str("BlockRemoved");
-      m.Str("block_hashes");
-      m.Array(e.keys.size());
-      for (const ChunkKey& k : e.keys) m.Key(k);
+      BlockHashes(m, e);
       m.Str("medium");
       m.Str(MediumName(e.medium));
       ChunkKeys(m, e);

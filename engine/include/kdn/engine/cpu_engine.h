@@ -92,6 +92,12 @@ class CpuEngine final : public Engine {
   CpuEngine(const model::ModelConfig& config, const EngineOptions& options);
   Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
                  const QueryHook& on_queries, std::vector<float>* logits);
+  // INVALID_ARGUMENT for a prefill of no tokens or past max_prefill_tokens.
+  Status CheckPrefillTokens(size_t n) const;
+  // A decode step's segments (token b appended to *seqs[b]), in the
+  // scratch's vector.
+  std::vector<Segment>& DecodeSegments(std::span<KvSequence* const> seqs,
+                                       std::span<const int32_t> tokens);
   // Each row's slot in its sequence's KV (where its KV goes, and what it
   // attends to: slots up to its own) and its position (RoPE's).
   struct RowPositions {
