@@ -129,10 +129,18 @@ int main(int argc, char** argv) {
                  "for it to compute the prompt itself")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
       ->capture_default_str();
+  uint64_t max_pinned_mib = o.backend.max_pinned_bytes_per_tenant >> 20;
+  app.add_option("--max-pinned-mib", max_pinned_mib,
+                 "KV MiB (counted as f32) the live pins of one tenant may hold: a request's "
+                 "cache_control past it is refused with 429; 0 refuses every pin "
+                 "(docs/serving.md, \"Pinning a prefix\")")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
   kdn::net::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);
   o.backend.disaggregation = *kdn::router::ParseDisaggregation(disaggregation);
+  o.backend.max_pinned_bytes_per_tenant = max_pinned_mib << 20;
   o.selection = *kdn::blend::ParseBlendSelection(blend_selection);
   o.backend.queue_timeout = std::chrono::milliseconds(queue_timeout_ms);
   o.max_body_buffer_bytes = max_body_buffer_mib << 20;

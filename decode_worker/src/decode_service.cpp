@@ -195,6 +195,7 @@ struct DecodeService::Impl {
     }
     switch (msg.body_case()) {
       case proto::WorkerMessage::kLookup:
+      case proto::WorkerMessage::kKeep:  // a shared tier's keep is a round trip too
         lookup_io->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
           (void)worker::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
                                     &wm.model->kv_cache());

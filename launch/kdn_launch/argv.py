@@ -122,6 +122,7 @@ def router_argv(a, bin_dir, model, prefill, decode, host, port=None):
     cmd += given("--max-queued", a.max_queued) + given("--max-connections", a.max_connections)
     cmd += given("--max-body-buffer-mib", a.max_body_buffer_mib)
     cmd += given("--disaggregation", a.disaggregation)
+    cmd += given("--max-pinned-mib", getattr(a, "max_pinned_mib", None))
     cmd += given("--local-prefill-max-tokens", a.local_prefill_max_tokens)
     if a.no_resume:
         cmd += ["--no-resume"]

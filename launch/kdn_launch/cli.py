@@ -249,6 +249,11 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
                         "at most over all connections; a body past it is answered 503 with "
                         "Retry-After before it is read (at least 16; default: kdn-router's "
                         "own)")
+    p.add_argument("--max-pinned-mib", type=nonneg_int, metavar="MIB",
+                   help="kdn-router --max-pinned-mib: KV MiB (counted as f32) the live pins "
+                        "of one tenant may hold; a request's cache_control past it is refused "
+                        "with 429, and 0 refuses every pin (docs/serving.md, \"Pinning a "
+                        "prefix\"; default: kdn-router's own)")
     p.add_argument("--disaggregation", choices=("always", "auto", "never"),
                    help="kdn-router --disaggregation: where prompts are computed, always on a "
                         "prefill worker, never (on the decode worker, but blended and resumed "

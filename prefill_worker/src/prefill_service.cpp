@@ -257,7 +257,8 @@ struct PrefillService::Impl {
 
   void OnMessage(control::ControlServer& srv, const std::string& peer, proto::WorkerMessage msg) {
     const auto fill = [this](proto::WorkerInfo* info) { FillInfo(info); };
-    if (msg.body_case() == proto::WorkerMessage::kLookup) {
+    if (msg.body_case() == proto::WorkerMessage::kLookup ||
+        msg.body_case() == proto::WorkerMessage::kKeep) {  // a shared tier's keep: a round trip
       lookups->Post(0, [this, &srv, peer, msg = std::move(msg), fill] {
         (void)worker::AnswerQuery(srv, peer, msg, *store, KeyContext(), fill,
                                   &wm.model->kv_cache());

@@ -22,8 +22,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Command {
-  enum class Kind { kSubmit, kInject, kCancel } kind;
+  enum class Kind { kSubmit, kInject, kCancel, kKeep } kind;
   uint64_t id = 0;
+  KeepOrder keep;
   Job job;
   InjectJob inject;
   JobCallback cb;
@@ -45,6 +46,7 @@ struct Backend::Impl {
 
   std::atomic<bool> stop{false};
   std::thread thread;
+  std::unique_ptr<PinBook> pins;  // thread-safe itself
 
   // The backend thread's alone.
   zmq::socket_t inbox{ctx, zmq::socket_type::pull};
@@ -92,7 +94,9 @@ struct Backend::Impl {
       todo.swap(commands);
     }
     for (Command& c : todo) {
-      if (c.kind == Command::Kind::kSubmit) {
+      if (c.kind == Command::Kind::kKeep) {
+        flow->SendKeep(c.keep);
+      } else if (c.kind == Command::Kind::kSubmit) {
         flow->Submit(c.id, std::move(c.job), std::move(c.cb), c.arrival);
       } else if (c.kind == Command::Kind::kInject) {
         injector->Start(c.id, std::move(c.inject), std::move(c.cb));
@@ -106,6 +110,7 @@ struct Backend::Impl {
     const auto silent = pool->Ping(Clock::now(), [this](size_t w) { return flow->HeldOn(w); });
     for (size_t w : silent) MarkDown(w, "stopped answering");
     flow->Tick(Clock::now());
+    pins->Expire(Clock::now());
     if (!silent.empty()) UpdateSnapshot();
   }
 
@@ -179,6 +184,8 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
   impl->ledger = Ledger(impl->pool->size());
   impl->flow = std::make_unique<RequestFlow>(options, impl->pool->views(), impl->pool->identity(),
                                              impl->ledger, *impl->pool, tokenizer, metrics, nonce);
+  impl->pins = std::make_unique<PinBook>(options.max_pinned_bytes_per_tenant);
+  impl->flow->SetPins(impl->pins.get(), options.kv_bytes_per_token);
   impl->injector =
       std::make_unique<Injector>(impl->pool->views(), impl->ledger, *impl->pool, metrics);
   impl->UpdateSnapshot();
@@ -196,7 +203,7 @@ uint64_t Backend::Submit(Job job, JobCallback callback) {
   MutexLock lock(impl_->mu);
   const uint64_t id = impl_->next_id++;
   impl_->commands.push_back(
-      {Command::Kind::kSubmit, id, std::move(job), {}, std::move(callback), Clock::now()});
+      {Command::Kind::kSubmit, id, {}, std::move(job), {}, std::move(callback), Clock::now()});
   (void)impl_->wake.send(zmq::str_buffer("s"), zmq::send_flags::dontwait);
   return id;
 }
@@ -204,7 +211,7 @@ uint64_t Backend::Submit(Job job, JobCallback callback) {
 uint64_t Backend::Inject(InjectJob job, JobCallback callback) {
   MutexLock lock(impl_->mu);
   const uint64_t id = impl_->next_id++;
-  Command c{Command::Kind::kInject, id, {}, std::move(job), std::move(callback), Clock::now()};
+  Command c{Command::Kind::kInject, id, {}, {}, std::move(job), std::move(callback), Clock::now()};
   impl_->commands.push_back(std::move(c));
   (void)impl_->wake.send(zmq::str_buffer("i"), zmq::send_flags::dontwait);
   return id;
@@ -212,9 +219,24 @@ uint64_t Backend::Inject(InjectJob job, JobCallback callback) {
 
 void Backend::Cancel(uint64_t id) {
   MutexLock lock(impl_->mu);
-  impl_->commands.push_back({Command::Kind::kCancel, id, {}, {}, {}, Clock::now()});
+  impl_->commands.push_back({Command::Kind::kCancel, id, {}, {}, {}, {}, Clock::now()});
   (void)impl_->wake.send(zmq::str_buffer("c"), zmq::send_flags::dontwait);
 }
+
+std::vector<PinInfo> Backend::Pins(const std::string& tenant) const {
+  return impl_->pins->List(tenant, Clock::now());
+}
+
+Status Backend::Unpin(const std::string& tenant, const std::string& id) {
+  KDN_ASSIGN_OR_RETURN(KeepOrder order, impl_->pins->Drop(tenant, id, Clock::now()));
+  if (order.keys.empty()) return Status::Ok();
+  MutexLock lock(impl_->mu);
+  impl_->commands.push_back({Command::Kind::kKeep, 0, std::move(order), {}, {}, {}, Clock::now()});
+  (void)impl_->wake.send(zmq::str_buffer("k"), zmq::send_flags::dontwait);
+  return Status::Ok();
+}
+
+PinBook::Totals Backend::PinTotals() const { return impl_->pins->totals(); }
 
 std::vector<WorkerView> Backend::Workers() const {
   MutexLock lock(impl_->mu);

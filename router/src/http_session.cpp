@@ -145,6 +145,8 @@ class Session : public std::enable_shared_from_this<Session> {
                                          {"max_model_len", router_.config.max_context}}})}};
         Reply(http::status::ok, Dump(m), "application/json");
       }
+    } else if (path == "/v1/kdn/pins" || path.starts_with("/v1/kdn/pins/")) {
+      Pins(path == "/v1/kdn/pins", path.size() > 12 ? path.substr(13) : std::string());
     } else if (path == "/v1/kdn/inject") {
       if (only(http::verb::post)) Inject();
     } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
@@ -158,6 +160,58 @@ class Session : public std::enable_shared_from_this<Session> {
       e.message = "no route " + path + " (see docs/serving.md)";
       ReplyError(e);
     }
+  }
+
+  // The tenant whose pins a request sees: its API key's, "" without keys.
+  std::string TenantName() const { return tenant_ != nullptr ? *tenant_ : std::string(); }
+
+  // /v1/kdn/pins: GET lists the tenant's live pins; DELETE drops them all,
+  // DELETE /v1/kdn/pins/ID drops one (docs/serving.md, "Pinning a prefix").
+  // `all`: the path names no pin.
+  void Pins(bool all, const std::string& id) {
+    const auto method = request_.method();
+    if (!all && id.empty()) {
+      ApiError e;
+      e.http_status = 404;
+      e.message = "no pin named in " + route_;
+      e.code = "pin_not_found";
+      return ReplyError(e);
+    }
+    if (method == http::verb::get && all) {
+      json data = json::array();
+      for (const PinInfo& p : router_.backend->Pins(TenantName())) {
+        data.push_back({{"id", p.id},
+                        {"object", "kdn.pin"},
+                        {"tokens", p.tokens},
+                        {"bytes", p.bytes},
+                        {"ttl_seconds", p.ttl.count()},
+                        {"created_at", p.created_at},
+                        {"expires_at", p.expires_at},
+                        {"hits", p.hits}});
+      }
+      return Reply(http::status::ok, Dump({{"object", "list"}, {"data", data}}),
+                   "application/json");
+    }
+    if (method == http::verb::delete_) {
+      const Status st = router_.backend->Unpin(TenantName(), id);
+      if (st.ok()) {
+        return Reply(http::status::ok,
+                     Dump({{"id", id.empty() ? json(nullptr) : json(id)},
+                           {"object", "kdn.pin.deleted"},
+                           {"deleted", true}}),
+                     "application/json");
+      }
+      ApiError e;
+      e.http_status = 404;
+      e.message = st.message();
+      e.code = "pin_not_found";
+      return ReplyError(e);
+    }
+    ApiError e;
+    e.http_status = 405;
+    e.message = std::string("method ") + std::string(request_.method_string()) +
+                " is not allowed on " + route_ + " (GET /v1/kdn/pins, DELETE /v1/kdn/pins[/ID])";
+    ReplyError(e);
   }
 
   void Health() {
@@ -186,7 +240,10 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_mode_ = req.stream;
     include_usage_ = req.include_usage;
     created_ = UnixNow();
-    Job job = ToJob(std::move(req), RequestNamespace(tenant_, req.cache_salt), route_);
+    // The namespace before the move: arguments are evaluated in no set order.
+    std::string ns = RequestNamespace(tenant_, req.cache_salt);
+    Job job = ToJob(std::move(req), std::move(ns), route_);
+    job.tenant = TenantName();
     if (stream_mode_) stream_.expires_never();
     BeginJob();
     job_ = router_.backend->Submit(std::move(job), JobEvents());

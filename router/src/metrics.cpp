@@ -291,6 +291,16 @@ std::string RenderMetrics(const StatusSnapshot& s) {
          "Tokens whose KV the injected documents stored: their tokens, or the kept ones when "
          "pruned.",
          f.injected_stored_tokens);
+  Single(&out, "kdn_pins", "gauge",
+         "Prompt prefixes pinned with cache_control and not yet expired (docs/serving.md, "
+         "\"Pinning a prefix\").",
+         f.pins);
+  Single(&out, "kdn_pinned_bytes", "gauge",
+         "KV bytes the live pins count against their tenants' bounds.", f.pinned_bytes);
+  Single(&out, "kdn_pin_hits_total", "counter",
+         "Requests whose prompt reached a live pin (each refreshed it).", f.pin_hits);
+  Single(&out, "kdn_pins_refused_total", "counter",
+         "Pins refused (429) because they would take their tenant past its bound.", f.pins_refused);
   Single(&out, "kdn_generated_tokens_total", "counter", "Tokens generated.", f.generated);
   Single(&out, "kdn_kv_bytes_moved_total", "counter",
          "KV bytes sent from prefill to decode workers.", f.kv_bytes);

@@ -1,8 +1,10 @@
 #include "kdn/router/openai.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
+#include "kdn/router/pins.h"
 #include "kdn/text/chat_template.h"
 #include "kdn/text/output_text.h"
 #include "json_fields.h"
@@ -39,6 +41,43 @@ std::optional<ApiError> ParseBody(const std::string& text, const ServedModel& mo
 bool IsSet(const json& body, const char* name) {
   auto it = body.find(name);
   return it != body.end() && !it->is_null();
+}
+
+// A `cache_control` object at `where` (set): Anthropic's {"type":
+// "ephemeral", "ttl": "5m"}, the TTL optional (5 minutes) and any of
+// ParsePinTtl's. Each wrong field is refused by its path.
+std::optional<ApiError> ParseCacheControl(const json& cc, const std::string& where,
+                                          std::chrono::seconds* ttl) {
+  if (!cc.is_object()) {
+    return Bad(where + " must be an object: {\"type\": \"ephemeral\", \"ttl\": \"5m\"}", where);
+  }
+  for (const auto& [k, v] : cc.items()) {
+    if (k != "type" && k != "ttl") {
+      return Bad(where + ": unknown field '" + k + "' (type, ttl)", where + "." + k);
+    }
+  }
+  auto type = cc.find("type");
+  if (type == cc.end() || !type->is_string() || *type != "ephemeral") {
+    return Bad(where + ".type must be \"ephemeral\"", where + ".type");
+  }
+  *ttl = kDefaultPinTtl;
+  auto t = cc.find("ttl");
+  if (t != cc.end() && !t->is_null()) {
+    const auto parsed = t->is_string() ? ParsePinTtl(t->get<std::string>()) : std::nullopt;
+    if (!parsed) {
+      return Bad(where + ".ttl must be \"5m\", \"1h\" or a whole number of seconds, minutes or " +
+                     "hours (\"90s\", \"10m\", \"2h\") from 1 s to 24 h",
+                 where + ".ttl");
+    }
+    *ttl = *parsed;
+  }
+  return std::nullopt;
+}
+
+// The leading tokens `a` and `b` share.
+int64_t CommonPrefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  const auto end = std::mismatch(a.begin(), a.begin() + std::min(a.size(), b.size()), b.begin());
+  return end.first - a.begin();
 }
 
 // Fields of OpenAI's API that kdn does not implement: refused, not ignored,
@@ -189,10 +228,26 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
   }
   if (it->empty()) return Bad("'messages' is empty", "messages");
   std::vector<std::pair<std::string, std::string>> msgs;
+  // The last message marked with cache_control, and its TTL.
+  std::optional<size_t> pinned_through;
+  std::chrono::seconds pin_ttl{0};
   for (size_t i = 0; i < it->size(); ++i) {
     const json& m = (*it)[i];
     const std::string where = "messages[" + std::to_string(i) + "]";
     if (!m.is_object()) return Bad(where + " must be an object", "messages");
+    // On the message, or (Anthropic's place) on one of its parts: the
+    // prefix through this message either way.
+    auto mark = [&](const json& holder, const std::string& at) -> std::optional<ApiError> {
+      auto cc = holder.find("cache_control");
+      if (cc == holder.end() || cc->is_null()) return std::nullopt;
+      std::chrono::seconds ttl{0};
+      KDN_API_CHECK(ParseCacheControl(*cc, at + ".cache_control", &ttl));
+      if (pinned_through != i) pin_ttl = ttl;
+      pin_ttl = std::max(pin_ttl, ttl);
+      pinned_through = i;
+      return std::nullopt;
+    };
+    KDN_API_CHECK(mark(m, where));
     auto role = m.find("role");
     if (role == m.end() || !role->is_string())
       return Bad(where + ".role must be a string", "messages");
@@ -208,7 +263,8 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
     } else if (content->is_string()) {
       text = content->get<std::string>();
     } else if (content->is_array()) {
-      for (const json& part : *content) {
+      for (size_t j = 0; j < content->size(); ++j) {
+        const json& part = (*content)[j];
         // Compared, not read with value(), which throws when "type" is not a string.
         const auto type = part.is_object() ? part.find("type") : part.end();
         if (!part.is_object() || type == part.end() || *type != "text" || !part.contains("text") ||
@@ -216,6 +272,7 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
           return Bad(where + ".content: only text parts are supported", "messages");
         }
         text += part["text"].get<std::string>();
+        KDN_API_CHECK(mark(part, where + ".content[" + std::to_string(j) + "]"));
       }
     } else {
       return Bad(where + ".content must be a string or a list of text parts", "messages");
@@ -232,6 +289,10 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
       std::find_if(msgs.rbegin(), msgs.rend(), [](const auto& m) { return m.first == "user"; });
   if (last_user != msgs.rend()) {
     KDN_API_CHECK(TakeDocuments(body, separator, &last_user->second, &docs, &has_documents));
+    if (has_documents && pinned_through) {
+      return Bad("cache_control does not go with documents: store them with /v1/kdn/inject",
+                 "messages[" + std::to_string(*pinned_through) + "].cache_control");
+    }
     if (has_documents) last_user->second.insert(0, kDocumentsMarker);
   } else if (IsSet(body, "documents")) {
     return Bad("'documents' go with the last user message, and there is none", "documents");
@@ -256,6 +317,23 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
   *end_of_turn = chat.end_of_turn;
   if (!has_documents) {
     out->prompt = model.tokenizer->Encode(chat.text, chat.add_bos);
+    if (pinned_through) {
+      // The conversation through the marked message, without the
+      // assistant's turn opened: its tokens that the prompt starts with.
+      const text::ChatMessages upto(msgs.begin(), msgs.begin() + *pinned_through + 1);
+      Result<text::ChatPrompt> head =
+          model.chat_template ? model.chat_template->Render(upto, /*add_generation_prompt=*/false)
+                              : text::RenderChat(model.config->architecture, upto, false);
+      if (!head.ok()) {
+        return Bad(
+            "the model's chat template cannot render the messages up to the one marked "
+            "with cache_control: " +
+                head.status().message(),
+            "messages[" + std::to_string(*pinned_through) + "].cache_control");
+      }
+      out->pin = PinSpec{
+          CommonPrefix(model.tokenizer->Encode(head->text, head->add_bos), out->prompt), pin_ttl};
+    }
     return std::nullopt;
   }
   // A template could drop the last user message, or repeat it: the documents
@@ -311,7 +389,20 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
         KDN_API_CHECK(BlendPrompt(model, "", docs, *text, /*add_bos=*/true, "prompt", out));
       }
     }
+    if (IsSet(body, "cache_control")) {
+      if (out->blend) {
+        return Bad("cache_control does not go with documents: store them with /v1/kdn/inject",
+                   "cache_control");
+      }
+      std::chrono::seconds ttl{0};
+      KDN_API_CHECK(ParseCacheControl(body["cache_control"], "cache_control", &ttl));
+      out->pin = PinSpec{static_cast<int64_t>(out->prompt.size()), ttl};
+    }
   } else {
+    if (IsSet(body, "cache_control")) {
+      return Bad("on a chat request, cache_control goes on a message (or one of its parts)",
+                 "cache_control");
+    }
     KDN_API_CHECK(ParseMessages(body, model, separator, out, &end_of_turn));
   }
   double ratio = model.recompute_ratio;
@@ -574,6 +665,7 @@ Job ToJob(ApiRequest req, std::string ns, std::string route) {
   job.blend = std::move(req.blend);
   job.disaggregation = req.disaggregation;
   job.route = std::move(route);
+  job.pin = req.pin;
   return job;
 }
 

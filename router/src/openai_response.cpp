@@ -21,6 +21,10 @@ json UsageJson(const Usage& u) {
     details["recompute_ratio"] = u.recompute_ratio;
     if (u.question_pass_tokens > 0) details["question_pass_tokens"] = u.question_pass_tokens;
   }
+  if (u.pinned_tokens > 0) {
+    details["pinned_tokens"] = u.pinned_tokens;
+    details["pin_expires_at"] = u.pin_expires_at;
+  }
   return {{"prompt_tokens", u.prompt_tokens},
           {"completion_tokens", u.completion_tokens},
           {"total_tokens", u.prompt_tokens + u.completion_tokens},

@@ -159,6 +159,7 @@ Status RequestFlow::StartLookup(Request& r) {
   }
   const kvbus::KeyContext kctx{identity_.fingerprint, r.job.ns, identity_.chunk_tokens};
   r.keys = kvbus::PrefixKeys(kctx, r.job.tokens);
+  if (r.Resumes() == 0) KDN_RETURN_IF_ERROR(PinPrefix(r));
   r.segment_keys.clear();
   if (r.job.blend) {
     const int32_t* t = r.job.tokens.data() + r.job.blend->head_tokens;
@@ -191,6 +192,46 @@ Status RequestFlow::StartLookup(Request& r) {
   }
   Enter(r, Phase::kLookup);
   return Status::Ok();
+}
+
+Status RequestFlow::PinPrefix(Request& r) {
+  if (r.job.pin && pins_ == nullptr) {
+    return FailedPrecondition("this router does not pin prefixes (cache_control)");
+  }
+  if (pins_ == nullptr) return Status::Ok();
+  const auto now = Clock::now();
+  auto note = [&](const PinInfo& info) {
+    if (info.tokens < r.usage.pinned_tokens) return;
+    r.usage.pinned_tokens = static_cast<int>(info.tokens);
+    r.usage.pin_expires_at = info.expires_at;
+  };
+  if (auto hit = pins_->Touch(r.job.tenant, r.keys, now)) {
+    for (const KeepOrder& order : hit->renew) SendKeep(order);
+    note(hit->info);
+  }
+  if (!r.job.pin) return Status::Ok();
+  // Whole chunks only: the keys of a prompt's tail are not stored apart.
+  const size_t chunks = std::min<size_t>(
+      r.keys.size(), static_cast<size_t>(r.job.pin->tokens / identity_.chunk_tokens));
+  if (chunks == 0) return Status::Ok();  // shorter than a chunk: nothing to keep
+  const int64_t tokens = static_cast<int64_t>(chunks) * identity_.chunk_tokens;
+  auto grant = pins_->Pin(r.job.tenant, {r.keys.begin(), r.keys.begin() + chunks}, tokens,
+                          static_cast<uint64_t>(tokens) * kv_bytes_per_token_, r.job.pin->ttl, now);
+  if (!grant.ok()) return grant.status();
+  if (!grant->order.keys.empty()) SendKeep(grant->order);
+  note(grant->info);
+  LogInfo("{} {} {} ({} tokens) for {} s", ReqId{r.id}, grant->created ? "pinned" : "refreshed",
+          grant->info.id, tokens, grant->info.ttl.count());
+  return Status::Ok();
+}
+
+void RequestFlow::SendKeep(const KeepOrder& order) {
+  proto::WorkerMessage m = KeepMessage(order.keys, order.lease);
+  for (size_t w = 0; w < workers_.size(); ++w) {
+    if (Usable(workers_[w], Role::kPrefill) || Usable(workers_[w], Role::kDecode)) {
+      link_.Send(w, 0, m);
+    }
+  }
 }
 
 PlacementInput RequestFlow::InputOf(const Request& r) const {

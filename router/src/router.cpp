@@ -108,8 +108,11 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                   options.check_ratios,
                   options.selection,
                   &impl->chat_template};
-  KDN_ASSIGN_OR_RETURN(impl->backend,
-                       Backend::Start(options.backend, *impl->tokenizer, &impl->metrics));
+  BackendOptions backend = options.backend;
+  // A pinned token's KV at its largest (f32 keys and values of every layer).
+  backend.kv_bytes_per_token = uint64_t{2} * sizeof(float) * impl->config.num_layers *
+                               static_cast<uint64_t>(impl->config.kv_dim());
+  KDN_ASSIGN_OR_RETURN(impl->backend, Backend::Start(backend, *impl->tokenizer, &impl->metrics));
   try {
     const auto address = asio::ip::make_address(options.host);
     impl->acceptor.emplace(impl->io);

@@ -93,7 +93,13 @@ struct ServerState {
 
   // What /health, /metrics and the status page render.
   StatusSnapshot Snapshot() const {
-    return {served.name, UnixNow(), started, backend->Workers(), metrics.Figures()};
+    RouterFigures figures = metrics.Figures();
+    const PinBook::Totals pins = backend->PinTotals();
+    figures.pins = pins.pins;
+    figures.pinned_bytes = pins.bytes;
+    figures.pin_hits = pins.hits;
+    figures.pins_refused = pins.refused;
+    return {served.name, UnixNow(), started, backend->Workers(), std::move(figures)};
   }
 };
 

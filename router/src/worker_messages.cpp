@@ -1,5 +1,7 @@
 #include "worker_messages.h"
 
+#include <algorithm>
+
 #include "kdn/control/convert.h"
 
 namespace kdn::router {
@@ -27,6 +29,15 @@ proto::WorkerMessage LookupMessage(const Job& job, const std::vector<kvbus::Chun
     lk->mutable_tokens()->Add(job.tokens.begin(), job.tokens.end());
   }
   for (const kvbus::ChunkKey& k : segment_keys) lk->add_segment_keys(control::KeyToBytes(k));
+  return m;
+}
+
+proto::WorkerMessage KeepMessage(const std::vector<kvbus::ChunkKey>& keys,
+                                 std::chrono::milliseconds lease) {
+  proto::WorkerMessage m;
+  auto* k = m.mutable_keep();
+  for (const kvbus::ChunkKey& key : keys) k->add_keys(control::KeyToBytes(key));
+  k->set_lease_ms(static_cast<uint64_t>(std::max<int64_t>(lease.count(), 0)));
   return m;
 }
 

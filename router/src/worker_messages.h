@@ -3,6 +3,7 @@
 // proto messages workers take (proto/serving.proto), built here and nowhere
 // else. Thread-compatible (functions over values).
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -37,6 +38,9 @@ proto::WorkerMessage CancelMessage();
 // Inject: the prefill worker computes and stores a document's KV.
 proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns,
                                    const prune::PruneSpec* prune = nullptr);
+// Keep: the worker keeps `keys`' chunks for `lease` (0: lets them go).
+proto::WorkerMessage KeepMessage(const std::vector<kvbus::ChunkKey>& keys,
+                                 std::chrono::milliseconds lease);
 // Info request: a ping, answered by a report.
 proto::WorkerMessage PingMessage();
 

@@ -136,7 +136,8 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
              "--max-queued", 5,
              "--max-connections", 9, "--max-body-buffer-mib", 32, "--no-resume",
              "--disaggregation", "never", "--local-prefill-max-tokens", 300,
-             "--local-prefill-step-tokens", 24, "--decode-admission-reserve", 0.05,
+             "--max-pinned-mib", 64, "--local-prefill-step-tokens", 24,
+             "--decode-admission-reserve", 0.05,
              "--host", "127.0.0.1", "--port", 0, "--separator", "<doc> x",
              "--recompute-ratio", 0.25, "--api-keys", keys, "--threads", 1,
              "--log-level", "debug", "--ready-timeout", 30]
@@ -164,8 +165,8 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
         ("5", "9", "32", "<doc> x", "0.25", str(keys.resolve()),
          "decode-0-ENDPOINT,decode-1-ENDPOINT")
     assert "--no-resume" in router
-    assert (flag(router, "--disaggregation"), flag(router, "--local-prefill-max-tokens")) == \
-        ("never", "300"), router
+    assert (flag(router, "--disaggregation"), flag(router, "--local-prefill-max-tokens"),
+            flag(router, "--max-pinned-mib")) == ("never", "300", "64"), router
 
 
 def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slurm):
@@ -174,7 +175,7 @@ def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slu
     for argv in argvs.values():
         for name in ("--max-batch", "--max-queued", "--max-connections",
                      "--max-body-buffer-mib", "--log-level", "--no-resume", "--separator",
-                     "--disaggregation", "--local-prefill-max-tokens",
+                     "--disaggregation", "--local-prefill-max-tokens", "--max-pinned-mib",
                      "--local-prefill-step-tokens", "--admission-reserve", "--kv-tokens"):
             assert name not in argv, argv
 

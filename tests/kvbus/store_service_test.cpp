@@ -3,6 +3,7 @@
 
 #include "kdn/common/half.h"
 #include "kdn/kvbus/codec.h"
+#include "kdn/kvbus/host_tier.h"
 
 #include "kdn/testing/recording_store.h"
 #include "kdn/testing/chunks.h"
@@ -96,6 +97,23 @@ TEST(StoreService, LookupAnswersEveryKeyInOrder) {
   EXPECT_EQ(*present, (std::vector<bool>{true, false, true}));
   EXPECT_TRUE(client->Contains(keys[0]));
   EXPECT_FALSE(client->Contains(keys[1]));
+}
+
+// A worker's keep reaches the store's own host tier: the kept chunk
+// outlives eviction pressure there.
+TEST(StoreService, AKeepReachesTheServedStoresHostTier) {
+  HostTier host(2 * MakeChunk(1)->size());
+  auto server = StoreServer::Start(host, "tcp://127.0.0.1:0").value();
+  auto client = RemoteStore::Connect(server->endpoint()).value();
+  const std::vector<ChunkKey> kept = {MakeChunk(1)->key()};
+  auto n = client->Keep(kept, std::chrono::milliseconds(60'000));
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 1u);
+  for (uint64_t id = 1; id <= 5; ++id) ASSERT_TRUE(client->Put(MakeChunk(id)).ok());
+  EXPECT_TRUE(client->Contains(kept[0]));
+  EXPECT_FALSE(client->Contains(MakeChunk(4)->key()));
+  ASSERT_TRUE(client->Keep(kept, std::chrono::milliseconds(0)).ok());
+  EXPECT_EQ(host.KeptCount(), 0u);
 }
 
 TEST(StoreService, StatsReportTheServedStore) {

@@ -251,6 +251,67 @@ TEST(HostTier, PutThatPinsLeaveNoRoomForEvictsNothing) {
   EXPECT_EQ(host.Stats().evictions, 0u);
 }
 
+// A pinned prompt prefix (ChunkStore::Keep): kept before its chunk arrives,
+// through eviction pressure, until its deadline.
+TEST(HostTier, AKeyKeptBeforeItsChunkArrivesIsKeptUntilItsDeadline) {
+  FakeClock clock;
+  HostTier host(3 * kChunkBytes, clock.AsClock());
+  const std::vector<ChunkKey> kept = {KeyOf(1)};
+  auto n = host.Keep(kept, milliseconds(1000));
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 1u);
+  EXPECT_EQ(host.KeptCount(), 1u);
+  ASSERT_TRUE(host.Put(MakeChunk(1)).ok());
+  for (uint64_t id = 2; id <= 8; ++id) ASSERT_TRUE(host.Put(MakeChunk(id)).ok());
+  EXPECT_TRUE(host.Contains(KeyOf(1)));
+  EXPECT_EQ(host.Stats().chunks, 3u);
+  clock.Advance(milliseconds(999));
+  ASSERT_TRUE(host.Put(MakeChunk(9)).ok());
+  EXPECT_TRUE(host.Contains(KeyOf(1)));
+  clock.Advance(milliseconds(1));  // the deadline: evictable again, least recent
+  EXPECT_EQ(host.KeptCount(), 0u);
+  ASSERT_TRUE(host.Put(MakeChunk(10)).ok());
+  EXPECT_FALSE(host.Contains(KeyOf(1)));
+}
+
+TEST(HostTier, KeepingAgainKeepsTheLaterDeadlineAndAZeroLeaseLetsGo) {
+  FakeClock clock;
+  HostTier host(2 * kChunkBytes, clock.AsClock());
+  ASSERT_TRUE(host.Put(MakeChunk(1)).ok());
+  const std::vector<ChunkKey> kept = {KeyOf(1)};
+  ASSERT_TRUE(host.Keep(kept, milliseconds(1000)).ok());
+  ASSERT_TRUE(host.Keep(kept, milliseconds(10)).ok());  // the 1000 ms stands
+  clock.Advance(milliseconds(500));
+  ASSERT_TRUE(host.Put(MakeChunk(2)).ok());
+  ASSERT_TRUE(host.Put(MakeChunk(3)).ok());
+  EXPECT_TRUE(host.Contains(KeyOf(1)));
+  // A pin on a kept chunk outlives the keep; letting the key go leaves it.
+  auto pin = host.Pin(KeyOf(1), milliseconds(60'000));
+  ASSERT_TRUE(pin.ok());
+  auto none = host.Keep(kept, milliseconds(0));
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(host.KeptCount(), 0u);
+  ASSERT_TRUE(host.Put(MakeChunk(4)).ok());
+  EXPECT_TRUE(host.Contains(KeyOf(1)));
+  ASSERT_TRUE(host.Unpin(*pin).ok());
+  ASSERT_TRUE(host.Put(MakeChunk(5)).ok());
+  ASSERT_TRUE(host.Put(MakeChunk(6)).ok());
+  EXPECT_FALSE(host.Contains(KeyOf(1)));
+  EXPECT_EQ(host.Keep(kept, milliseconds(-1)).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(HostTier, KeptChunksLeaveNoRoomAsPinnedOnesDo) {
+  HostTier host(2 * kChunkBytes);
+  const std::vector<ChunkKey> kept = {KeyOf(1), KeyOf(2)};
+  ASSERT_TRUE(host.Keep(kept, milliseconds(60'000)).ok());
+  ASSERT_TRUE(host.Put(MakeChunk(1)).ok());
+  ASSERT_TRUE(host.Put(MakeChunk(2)).ok());
+  EXPECT_EQ(host.Put(MakeChunk(3)).code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(host.Contains(KeyOf(1)));
+  EXPECT_TRUE(host.Contains(KeyOf(2)));
+  EXPECT_FALSE(host.Erase(KeyOf(1)));  // kept: it stays
+}
+
 TEST(HostTier, ChunkLargerThanTheWholeCapacityIsRejected) {
   HostTier host(kChunkBytes);
   EXPECT_EQ(host.Put(MakeChunk(1, 2 * kTokens)).code(), StatusCode::kResourceExhausted);

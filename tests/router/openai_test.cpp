@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <numeric>
 
 #include "kdn/engine/presets.h"
@@ -137,6 +138,77 @@ TEST_F(OpenAiTest, ChatUsesTheFamilysTemplateAndStopsAtItsEndOfTurn) {
             "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n");
   EXPECT_EQ(r.stop, std::vector<std::string>{"<|eot_id|>"});
+}
+
+// cache_control (docs/serving.md, "Pinning a prefix"): on a chat message or
+// one of its parts, the prompt through the last message so marked; on a
+// completion, the whole prompt.
+TEST_F(OpenAiTest, CacheControlPinsTheConversationThroughTheMarkedMessage) {
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kChat,
+                     R"({"messages":[{"role":"system","content":"SYS",
+                                      "cache_control":{"type":"ephemeral"}},
+                                     {"role":"user","content":[{"type":"text","text":"U",
+                                      "cache_control":{"type":"ephemeral","ttl":"1h"}}]},
+                                     {"role":"assistant","content":"A"},
+                                     {"role":"user","content":"V"}]})",
+                     &r));
+  ASSERT_TRUE(r.pin.has_value());
+  EXPECT_EQ(r.pin->ttl, std::chrono::hours(1));
+  const std::string head =
+      "<|start_header_id|>system<|end_header_id|>\n\nSYS<|eot_id|>"
+      "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>";
+  // BOS, then the two marked messages' text, byte for byte.
+  EXPECT_EQ(r.pin->tokens, 1 + static_cast<int64_t>(head.size()));
+  EXPECT_EQ(tokenizer_.Decode({r.prompt.begin() + 1, r.prompt.begin() + r.pin->tokens}), head);
+
+  ApiRequest c;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"abc","cache_control":{"type":"ephemeral","ttl":"90s"}})", &c));
+  ASSERT_TRUE(c.pin.has_value());
+  EXPECT_EQ(c.pin->tokens, 4);
+  EXPECT_EQ(c.pin->ttl, std::chrono::seconds(90));
+  ApiRequest d;
+  ASSERT_FALSE(
+      Parse(ApiKind::kCompletion, R"({"prompt":"abc","cache_control":{"type":"ephemeral"}})", &d));
+  EXPECT_EQ(d.pin->ttl, std::chrono::minutes(5));
+  ApiRequest none;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"abc"})", &none));
+  EXPECT_FALSE(none.pin.has_value());
+  EXPECT_FALSE(ToJob(std::move(none), "", "").pin.has_value());
+  EXPECT_EQ(ToJob(std::move(c), "", "").pin->tokens, 4);
+}
+
+TEST_F(OpenAiTest, ABadCacheControlIsRefusedNamingTheField) {
+  const std::string user = R"({"role":"user","content":"U"})";
+  auto chat = [&](const std::string& cc) {
+    return Refused(
+        R"({"messages":[{"role":"system","content":"S","cache_control":)" + cc + "}," + user + "]}",
+        ApiKind::kChat);
+  };
+  EXPECT_EQ(chat(R"("yes")").param, "messages[0].cache_control");
+  EXPECT_EQ(chat(R"({"type":"persistent"})").param, "messages[0].cache_control.type");
+  EXPECT_EQ(chat(R"({})").param, "messages[0].cache_control.type");
+  EXPECT_EQ(chat(R"({"type":"ephemeral","ttl":"5d"})").param, "messages[0].cache_control.ttl");
+  EXPECT_EQ(chat(R"({"type":"ephemeral","ttl":"0s"})").param, "messages[0].cache_control.ttl");
+  EXPECT_EQ(chat(R"({"type":"ephemeral","ttl":"25h"})").param, "messages[0].cache_control.ttl");
+  EXPECT_EQ(chat(R"({"type":"ephemeral","ttl":300})").param, "messages[0].cache_control.ttl");
+  EXPECT_EQ(chat(R"({"type":"ephemeral","scope":"x"})").param, "messages[0].cache_control.scope");
+  const ApiError part = Refused(
+      R"({"messages":[{"role":"user","content":[{"type":"text","text":"U",
+                                                 "cache_control":{"type":"e"}}]}]})",
+      ApiKind::kChat);
+  EXPECT_EQ(part.param, "messages[0].content[0].cache_control.type");
+  EXPECT_NE(part.message.find("ephemeral"), std::string::npos);
+  EXPECT_EQ(Refused(R"({"prompt":"a","cache_control":{"type":"ephemeral","ttl":"1x"}})").param,
+            "cache_control.ttl");
+  EXPECT_EQ(Refused(R"({"messages":[)" + user + R"(],"cache_control":{"type":"ephemeral"}})",
+                    ApiKind::kChat)
+                .param,
+            "cache_control");
+  EXPECT_EQ(
+      Refused(R"({"prompt":"q","documents":["d"],"cache_control":{"type":"ephemeral"}})").param,
+      "cache_control");
 }
 
 TEST_F(OpenAiTest, ResponsesHaveOpenAisShapeAndCachedTokens) {
@@ -401,8 +473,8 @@ TEST(Metrics, RendersEveryDocumentedFamilyAndEscapesLabels) {
         "kdn_inter_token_seconds", "kdn_prompt_tokens_total", "kdn_generated_tokens_total",
         "kdn_kv_bytes_moved_total", "kdn_kv_chunks_skipped_total", "kdn_kv_slices_sourced_total",
         "kdn_worker_up", "kdn_worker_queue_depth", "kdn_worker_free_kv_blocks",
-        "kdn_injected_documents_total", "kdn_injected_tokens_total",
-        "kdn_prompt_tail_tokens_total"}) {
+        "kdn_injected_documents_total", "kdn_injected_tokens_total", "kdn_prompt_tail_tokens_total",
+        "kdn_pins", "kdn_pinned_bytes", "kdn_pin_hits_total", "kdn_pins_refused_total"}) {
     EXPECT_NE(out.find(std::string("# TYPE ") + name + " "), std::string::npos) << name;
   }
   EXPECT_NE(out.find("kdn_prompt_tokens_total{source=\"cached\"} 768\n"), std::string::npos);

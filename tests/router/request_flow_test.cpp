@@ -540,5 +540,59 @@ TEST_F(LocalPathTest, ACancelledLocalPrefillIsCancelledOnceAtItsDecodeWorker) {
   EXPECT_EQ(cancels[0].worker, kD1);
 }
 
+// Pins (docs/serving.md, "Pinning a prefix"): a request's cache_control
+// pins the whole chunks of its prefix at every worker; a later request that
+// reaches the pin shows it in its usage; past the tenant's bound, 429.
+TEST_F(RequestFlowTest, APinnedPrefixIsKeptAtEveryWorkerAndShownInUsage) {
+  PinBook pins(100 * 40);  // 100 tokens at 40 bytes each
+  Start();
+  flow_->SetPins(&pins, 40);
+  auto submit = [&](uint64_t id, const std::string& prompt, std::optional<PinSpec> pin) {
+    Job job;
+    job.tokens.assign(prompt.begin(), prompt.end());
+    job.max_tokens = 2;
+    job.pin = pin;
+    job.tenant = "t";
+    flow_->Submit(
+        id, std::move(job), [this, id](JobEvent ev) { events_[id].push_back(ev); },
+        RequestFlow::Clock::now());
+  };
+  const std::string context(40, 'c');  // two whole chunks of 16, and 8 more
+  submit(1, context + "question one", PinSpec{40, std::chrono::seconds(60)});
+  std::vector<Sent> keeps;
+  for (Sent& s : link_.sent) {
+    if (s.m.body_case() == Body::kKeep) keeps.push_back(s);
+  }
+  ASSERT_EQ(keeps.size(), 4u);  // every worker
+  EXPECT_EQ(keeps[0].m.keep().keys_size(), 2);
+  EXPECT_EQ(keeps[0].m.keep().lease_ms(), 60000u);
+  ToFirstToken(1, kP0, kD0);
+  SendTokens(kD0, 1, "y", true);
+  ASSERT_EQ(events_[1].back().kind, JobEvent::Kind::kDone);
+  EXPECT_EQ(events_[1].back().usage.pinned_tokens, 32);
+  EXPECT_GT(events_[1].back().usage.pin_expires_at, 0);
+  ASSERT_EQ(pins.List("t", RequestFlow::Clock::now()).size(), 1u);
+
+  // Another question over the same context reaches the pin.
+  submit(2, context + "question two", std::nullopt);
+  ToFirstToken(2, kP1, kD1);  // the first one's reservations are on p0 and d0
+  SendTokens(kD1, 2, "z", true);
+  EXPECT_EQ(events_[2].back().usage.pinned_tokens, 32);
+  EXPECT_EQ(pins.List("t", RequestFlow::Clock::now()).at(0).hits, 1u);
+
+  // A pin of 96 tokens more would take the tenant past 100: refused before
+  // any worker is asked.
+  link_.sent.clear();
+  submit(3, std::string(100, 'd'), PinSpec{100, std::chrono::seconds(60)});
+  ASSERT_EQ(events_[3].size(), 1u);
+  EXPECT_EQ(events_[3][0].kind, JobEvent::Kind::kError);
+  EXPECT_EQ(events_[3][0].error.code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(link_.sent.empty());
+  // Shorter than a chunk: nothing to pin, served as any request.
+  submit(4, "short", PinSpec{5, std::chrono::seconds(60)});
+  EXPECT_EQ(PhaseOf(4), Phase::kLookup);
+  EXPECT_TRUE(link_.Take(Body::kKeep).empty());
+}
+
 }  // namespace
 }  // namespace kdn::router

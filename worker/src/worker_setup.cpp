@@ -102,6 +102,25 @@ bool AnswerQuery(control::ControlServer& server, const std::string& peer,
              ReqId{message.request_id()}, lr->prefix_tokens(), tokens.size(),
              std::count(lr->segments_held().begin(), lr->segments_held().end(), true),
              segments.size());
+  } else if (message.body_case() == proto::WorkerMessage::kKeep) {
+    std::vector<kvbus::ChunkKey> keys;
+    for (const std::string& b : message.keep().keys()) {
+      auto k = control::KeyFromBytes(b);
+      if (!k.ok()) {
+        LogWarn("a keep request with a malformed key ignored: {}", k.status().ToString());
+        return true;
+      }
+      keys.push_back(*k);
+    }
+    // Past a year is "until dropped": no lease overflows the cast.
+    const uint64_t ms = std::min<uint64_t>(message.keep().lease_ms(), uint64_t{365} * 86400000);
+    auto kept = store.Keep(keys, std::chrono::milliseconds(static_cast<int64_t>(ms)));
+    if (!kept.ok()) {
+      LogWarn("keeping {} pinned chunks: {}", keys.size(), kept.status().ToString());
+    } else {
+      LogDebug("{} {} chunks for {} ms", ms == 0 ? "let go of" : "keeping", keys.size(), ms);
+    }
+    return true;  // no reply
   } else {
     return false;
   }

@@ -16,6 +16,9 @@ HostTier::TimePoint HostTier::DeadlineAfter(TimePoint now, std::chrono::millisec
 }
 
 size_t HostTier::ExpireLocked(TimePoint now) {
+  while (!keep_deadlines_.empty() && keep_deadlines_.begin()->first <= now) {
+    UnkeepLocked(keep_deadlines_.begin()->second);
+  }
   size_t dropped = 0;
   while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
     const uint64_t id = deadlines_.begin()->second;
@@ -32,6 +35,62 @@ void HostTier::ReleaseLocked(const PinRecord& pin) {
   // Entries are never removed while pinned, so the entry is there.
   Entry& e = index_.at(pin.key);
   if (--e.pins == 0) pinned_bytes_ -= e.chunk->size();
+}
+
+void HostTier::SetKeptLocked(Entry& e, bool kept) {
+  if (e.kept == kept) return;
+  e.kept = kept;
+  if (kept) {
+    if (e.pins++ == 0) pinned_bytes_ += e.chunk->size();
+  } else if (--e.pins == 0) {
+    pinned_bytes_ -= e.chunk->size();
+  }
+}
+
+void HostTier::UnkeepLocked(const ChunkKey& key) {
+  auto it = keeps_.find(key);
+  if (it == keeps_.end()) return;
+  keep_deadlines_.erase({it->second, key});
+  keeps_.erase(it);
+  if (auto e = index_.find(key); e != index_.end()) SetKeptLocked(e->second, false);
+}
+
+Result<size_t> HostTier::Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) {
+  if (lease.count() < 0) {
+    return InvalidArgument("host tier: keep lease of " + std::to_string(lease.count()) + " ms");
+  }
+  MutexLock lock(mu_);
+  const TimePoint now = Now();
+  ExpireLocked(now);
+  if (lease.count() == 0) {
+    for (const ChunkKey& k : keys) UnkeepLocked(k);
+    return size_t{0};
+  }
+  size_t fresh = 0;
+  for (const ChunkKey& k : keys) fresh += keeps_.count(k) == 0 ? 1 : 0;
+  if (keeps_.size() + fresh > kMaxKeptKeys) {
+    return ResourceExhausted("host tier: keeping " + std::to_string(fresh) +
+                             " more keys would pass the bound of " + std::to_string(kMaxKeptKeys) +
+                             " kept keys");
+  }
+  const TimePoint deadline = DeadlineAfter(now, lease);
+  for (const ChunkKey& k : keys) {
+    auto [it, added] = keeps_.try_emplace(k, deadline);
+    if (!added) {
+      if (it->second >= deadline) continue;
+      keep_deadlines_.erase({it->second, k});
+      it->second = deadline;
+    }
+    keep_deadlines_.emplace(deadline, k);
+    if (auto e = index_.find(k); e != index_.end()) SetKeptLocked(e->second, true);
+  }
+  return keys.size();
+}
+
+size_t HostTier::KeptCount() {
+  MutexLock lock(mu_);
+  ExpireLocked(Now());
+  return keeps_.size();
 }
 
 void HostTier::TouchLocked(Entry& e) { lru_.splice(lru_.begin(), lru_, e.lru); }
@@ -76,6 +135,8 @@ Status HostTier::Put(std::shared_ptr<const Chunk> chunk) {
                                " bytes exceeds the capacity of " + std::to_string(capacity_));
     }
     // Check before evicting anything, so that a failed Put changes nothing.
+    // A kept key's chunk is pinned as it arrives: the room it takes is
+    // pinned too.
     if (capacity_ != 0 && pinned_bytes_ + size > capacity_) {
       return ResourceExhausted("host tier: no room for chunk " + key.ToHex() + " of " +
                                std::to_string(size) + " bytes: " + std::to_string(pinned_bytes_) +
@@ -101,7 +162,8 @@ Status HostTier::Put(std::shared_ptr<const Chunk> chunk) {
       index_.erase(node);
     }
     lru_.push_front(key);
-    index_.emplace(key, Entry{std::move(chunk), lru_.begin(), 0});
+    Entry& added = index_.emplace(key, Entry{std::move(chunk), lru_.begin(), 0}).first->second;
+    if (keeps_.count(key) != 0) SetKeptLocked(added, true);
     bytes_ += size;
     ++puts_;
     if (listener_) listener_(key, true);

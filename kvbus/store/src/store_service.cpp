@@ -102,6 +102,20 @@ struct StoreServer::Impl {
           for (const auto& [name, s] : tier_stats()) FillStats(reply->add_stats(), name, s);
         }
         return;
+      case proto::StoreRequest::kKeep: {
+        std::vector<ChunkKey> keys;
+        for (const std::string& k : req.keep().keys()) {
+          auto key = ParseKey(k);
+          if (!key.ok()) return SetStatus(reply, key.status());
+          keys.push_back(*key);
+        }
+        // Past a year is "until dropped": no lease overflows the cast.
+        const uint64_t ms = std::min<uint64_t>(req.keep().lease_ms(), uint64_t{365} * 86400000);
+        auto kept = store.Keep(keys, std::chrono::milliseconds(static_cast<int64_t>(ms)));
+        if (!kept.ok()) return SetStatus(reply, kept.status());
+        reply->set_kept(*kept);
+        return;
+      }
       case proto::StoreRequest::OP_NOT_SET:
         return SetStatus(reply, InvalidArgument("request without an operation"));
     }
@@ -429,6 +443,20 @@ Status RemoteStore::Put(std::shared_ptr<const Chunk> chunk) {
   proto::StoreReply reply;
   KDN_RETURN_IF_ERROR(impl_->Call(req, chunk, &reply, nullptr, impl_->options.timeout));
   return ReplyStatus(reply);
+}
+
+Result<size_t> RemoteStore::Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) {
+  if (lease.count() < 0) {
+    return InvalidArgument("kdn-store " + endpoint_ + ": keep lease of " +
+                           std::to_string(lease.count()) + " ms");
+  }
+  proto::StoreRequest req;
+  for (const ChunkKey& k : keys) req.mutable_keep()->add_keys(KeyBytes(k));
+  req.mutable_keep()->set_lease_ms(static_cast<uint64_t>(lease.count()));
+  proto::StoreReply reply;
+  KDN_RETURN_IF_ERROR(impl_->Call(req, nullptr, &reply, nullptr, impl_->options.lookup_timeout));
+  KDN_RETURN_IF_ERROR(ReplyStatus(reply));
+  return static_cast<size_t>(reply.kept());
 }
 
 Result<std::vector<std::pair<std::string, TierStats>>> RemoteStore::RemoteStats() {

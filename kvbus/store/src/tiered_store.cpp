@@ -119,6 +119,21 @@ TierStats TieredStore::Stats() { return Sum(&ChunkStore::Stats); }
 
 TierStats TieredStore::LocalStats() { return Sum(&ChunkStore::LocalStats); }
 
+Result<size_t> TieredStore::Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) {
+  size_t most = 0;
+  Status first_error;
+  for (auto& t : tiers_) {
+    auto kept = t->Keep(keys, lease);
+    if (kept.ok()) {
+      most = std::max(most, *kept);
+    } else if (first_error.ok()) {
+      first_error = kept.status();
+    }
+  }
+  if (most == 0 && !first_error.ok()) return first_error;
+  return most;
+}
+
 TierStats TieredStore::Sum(TierStats (ChunkStore::*stats)()) {
   TierStats sum;
   bool unbounded = false;

@@ -45,6 +45,7 @@
 #include "kdn/model/sampling.h"
 #include "kdn/router/metrics.h"
 #include "kdn/router/openai.h"
+#include "kdn/router/pins.h"
 #include "kdn/router/request_spec.h"
 #include "kdn/router/worker_view.h"
 #include "kdn/text/tokenizer.h"
@@ -114,6 +115,11 @@ struct BackendOptions {
   // Set: the control connections run CURVE as holders of this key, the
   // workers' (kdn/net/curve.h); unset: plaintext.
   std::optional<net::CurveKeys> curve;
+  // Pins (docs/serving.md, "Pinning a prefix"): the KV bytes a tenant's
+  // live pins may hold (0: no request may pin), each pinned token counted
+  // as kv_bytes_per_token (f32 KV: the host tier's most per token).
+  uint64_t max_pinned_bytes_per_tenant = uint64_t{512} << 20;
+  uint64_t kv_bytes_per_token = 0;
 };
 
 class Backend {
@@ -139,6 +145,14 @@ class Backend {
   // Abandons a job or an injection (its client went away): no further events, and its
   // workers are told to stop.
   void Cancel(uint64_t id);
+  // `tenant`'s live pins, longest first.
+  std::vector<PinInfo> Pins(const std::string& tenant) const;
+  // Drops `tenant`'s pin `id` (every one of its pins when `id` is empty)
+  // and has the workers let go of what no other pin holds. NOT_FOUND when
+  // it has no such pin.
+  Status Unpin(const std::string& tenant, const std::string& id);
+  // Pins held and bytes, hits and refusals, for the metrics.
+  PinBook::Totals PinTotals() const;
   // The workers as last heard from (at most ~100 ms old), each with the
   // router's reservations on it since its report (WorkerView::reserved).
   std::vector<WorkerView> Workers() const;

@@ -75,6 +75,9 @@ struct RouterFigures {
   int queue_depth = 0;
   uint64_t resumed = 0, resumed_tokens = 0;
   uint64_t routed_disaggregated = 0, routed_local = 0;
+  // Pins (PinBook::Totals, filled in by the snapshot): held now, their
+  // bytes, requests that reached one, pins refused past a tenant's bound.
+  uint64_t pins = 0, pinned_bytes = 0, pin_hits = 0, pins_refused = 0;
   std::vector<Interval> history;    // oldest first, no gaps, at most kIntervals
   std::vector<RecentError> errors;  // oldest first, at most kRecentErrors
 };

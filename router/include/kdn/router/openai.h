@@ -46,6 +46,10 @@ struct ApiRequest {
   bool include_usage = false;
   std::string cache_salt;                        // the tenant's namespace
   std::optional<Disaggregation> disaggregation;  // "disaggregation": where the prompt is computed
+  // `cache_control`: on a chat message or one of its parts, the prompt up
+  // to the end of the last message so marked; on a completion, the whole
+  // prompt.
+  std::optional<PinSpec> pin;
 };
 
 // What the router serves, for validation.
@@ -99,6 +103,10 @@ struct Usage {
   int question_pass_tokens = 0;  // a query selection's pass over the question
   int pruned_tokens = 0;         // of blended_tokens, with no KV: pruned when stored
   double recompute_ratio = 0;    // the ratio the blend used
+  // The longest pinned prefix the request made or reached (0: none), and
+  // when that pin now expires (Unix seconds).
+  int pinned_tokens = 0;
+  int64_t pin_expires_at = 0;
 };
 json UsageJson(const Usage& u);
 

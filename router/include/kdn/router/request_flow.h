@@ -36,6 +36,7 @@
 
 #include "kdn/kvbus/key.h"
 #include "kdn/router/backend.h"
+#include "kdn/router/pins.h"
 #include "kdn/router/placement.h"
 
 namespace kdn::proto {
@@ -65,6 +66,17 @@ class RequestFlow {
   RequestFlow(const BackendOptions& options, const WorkerViews& workers,
               const ModelIdentity& identity, Ledger& ledger, WorkerLink& link,
               const text::Tokenizer& tokenizer, Metrics* metrics, uint64_t nonce);
+
+  // Pins (docs/serving.md, "Pinning a prefix"): requests' cache_control
+  // pins into `pins` (borrowed, outliving the flow; null: refused), each
+  // pinned token counted as `kv_bytes_per_token`, and every request
+  // refreshes the pins it reaches. Call before the first Submit.
+  void SetPins(PinBook* pins, uint64_t kv_bytes_per_token) {
+    pins_ = pins;
+    kv_bytes_per_token_ = kv_bytes_per_token;
+  }
+  // Tells every worker that is up to keep (or let go of) `order`'s keys.
+  void SendKeep(const KeepOrder& order);
 
   // A new request, arrived at `arrival`; `callback` gets its events.
   void Submit(uint64_t id, Job job, JobCallback callback, Clock::time_point arrival);
@@ -145,6 +157,9 @@ class RequestFlow {
   void TokenOut(Request& r);
 
   Status StartLookup(Request& r);
+  // Its pin (cache_control) made, the pins it reaches refreshed, both in
+  // its usage. RESOURCE_EXHAUSTED past its tenant's bound.
+  Status PinPrefix(Request& r);
   PlacementInput InputOf(const Request& r) const;
   void Place(Request& r);
   void Park(Request& r, bool front);
@@ -167,6 +182,9 @@ class RequestFlow {
   const text::Tokenizer& tokenizer_;
   Metrics* const metrics_;
   const uint64_t nonce_;
+
+  PinBook* pins_ = nullptr;
+  uint64_t kv_bytes_per_token_ = 0;
 
   std::map<uint64_t, Request> requests_;
   // Requests in kQueued, oldest first (ids of requests gone meanwhile are

@@ -10,6 +10,7 @@
 //
 // Thread-compatible values.
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -32,6 +33,13 @@ const char* DisaggregationName(Disaggregation d);
 // "always", "auto" or "never"; nullopt for anything else.
 std::optional<Disaggregation> ParseDisaggregation(const std::string& s);
 
+// A prompt prefix to pin (docs/serving.md, "Pinning a prefix"): the
+// prompt's first `tokens` tokens (its whole chunks are kept), for `ttl`.
+struct PinSpec {
+  int64_t tokens = 0;
+  std::chrono::seconds ttl{0};
+};
+
 struct Job {
   std::vector<int32_t> tokens;  // the prompt, documents in place
   std::string ns;               // the tenant's cache namespace
@@ -42,7 +50,9 @@ struct Job {
   std::optional<BlendSpec> blend;  // set when the prompt has documents
   // The request's own choice of path; unset: the router's --disaggregation.
   std::optional<Disaggregation> disaggregation;
-  std::string route;  // the HTTP path it came by, for log lines
+  std::string route;           // the HTTP path it came by, for log lines
+  std::optional<PinSpec> pin;  // cache_control: a prefix to pin
+  std::string tenant;          // its API key's tenant ("" without keys): whose pins
 };
 
 struct InjectJob {

@@ -104,6 +104,9 @@ void SetWorkerIdentity(proto::WorkerInfo* info, const std::string& name, const s
 void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport, uint64_t chunks,
                           uint64_t bytes, double seconds);
 
+// Answers what any worker answers alike: an info request, a lookup (what of
+// a prompt its KDN reaches, and with `pool` what of it is resident), a keep
+// (ChunkStore::Keep on `store`, unanswered). False for any other message.
 bool AnswerQuery(control::ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,

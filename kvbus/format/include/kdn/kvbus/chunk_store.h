@@ -5,6 +5,7 @@
 // Implementations are thread-safe: workers' threads and a kdn-store's server
 // loop call into one store concurrently.
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -57,6 +58,21 @@ class ChunkStore {
   // client-side figures (its `unreachable` and `corrupt` above all); a local
   // tier's Stats(). Cheap enough for every worker status reply.
   virtual TierStats LocalStats() { return Stats(); }
+
+  // Keeps the chunks under `keys` from eviction for `lease` from now,
+  // whether held yet or not: a chunk put later under a kept key is kept from
+  // its arrival (a prompt prefix pinned before its KV is computed;
+  // docs/serving.md, "Pinning a prefix"). A key kept again keeps the later
+  // of its two deadlines; a zero lease lets the keys go now. Returns how
+  // many keys this store keeps: 0 for a tier that cannot keep (the
+  // default: a disk tier, Redis, whose own eviction policy rules).
+  // INVALID_ARGUMENT for a negative lease; RESOURCE_EXHAUSTED when a tier's
+  // bound on kept keys would be passed (nothing is kept then).
+  virtual Result<size_t> Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) {
+    (void)keys;
+    (void)lease;
+    return size_t{0};
+  }
 };
 
 }  // namespace kdn::kvbus

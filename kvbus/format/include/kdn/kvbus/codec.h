@@ -117,6 +117,9 @@ class CodecTier final : public ChunkStore {
   Status Put(std::shared_ptr<const Chunk> chunk) override;
   TierStats Stats() override;
   TierStats LocalStats() override { return inner_->LocalStats(); }
+  Result<size_t> Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) override {
+    return inner_->Keep(keys, lease);
+  }
 
   CodecStats codec_stats() const;
   const CodecTierOptions& options() const { return options_; }

@@ -6,6 +6,8 @@
 // holder that crashes or forgets to unpin leaks nothing (docs/design.md,
 // "Tiers"). Leases are checked lazily at the start of every call and by
 // ExpirePins(); time comes from an injectable clock so tests need no sleeps.
+// A key may also be kept (Keep: a pinned prompt prefix), held yet or not: its
+// chunk is pinned while the keep lasts, from whenever it arrives.
 //
 // Evicted chunks are handed to an optional eviction handler (a TieredStore
 // uses it to demote them to the next tier). Until the handler returns, a
@@ -21,6 +23,7 @@
 #include <list>
 #include <memory>
 #include <set>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -84,6 +87,14 @@ class HostTier : public ChunkStore {
   // Live pins now (after expiring lapsed ones).
   size_t PinCount();
 
+  // ChunkStore::Keep. A kept chunk counts as pinned (it is never evicted
+  // and its bytes leave less room for others) until its deadline passes.
+  // At most kMaxKeptKeys keys are kept at once.
+  static constexpr size_t kMaxKeptKeys = size_t{1} << 20;
+  Result<size_t> Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) override;
+  // Keys kept now (held or not), after expiring lapsed ones.
+  size_t KeptCount();
+
   // Drops the chunk under `key` now, without handing it to the eviction
   // handler (its holder knows it is needed no more, e.g. a request's staged
   // KV once assembled). False if it is not held or is pinned (it stays).
@@ -104,7 +115,8 @@ class HostTier : public ChunkStore {
   struct Entry {
     std::shared_ptr<const Chunk> chunk;
     std::list<ChunkKey>::iterator lru;  // position in lru_
-    int pins = 0;
+    int pins = 0;                       // pin records, and one more while its key is kept
+    bool kept = false;                  // its key is in keeps_
   };
   struct PinRecord {
     ChunkKey key;
@@ -117,8 +129,11 @@ class HostTier : public ChunkStore {
 
   TimePoint Now() const { return clock_(); }
   static TimePoint DeadlineAfter(TimePoint now, std::chrono::milliseconds lease);
-  // Drops lapsed pins; returns how many.
+  // Drops lapsed pins and keeps; returns how many pins.
   size_t ExpireLocked(TimePoint now) KDN_REQUIRES(mu_);
+  // Holds (kept) or lets go (!kept) an entry for its key's keep.
+  void SetKeptLocked(Entry& e, bool kept) KDN_REQUIRES(mu_);
+  void UnkeepLocked(const ChunkKey& key) KDN_REQUIRES(mu_);
   // Removes one pin's hold on its entry.
   void ReleaseLocked(const PinRecord& pin) KDN_REQUIRES(mu_);
   void TouchLocked(Entry& e) KDN_REQUIRES(mu_);
@@ -137,6 +152,8 @@ class HostTier : public ChunkStore {
   std::unordered_map<uint64_t, PinRecord> pins_ KDN_GUARDED_BY(mu_);
   std::set<std::pair<TimePoint, uint64_t>> deadlines_ KDN_GUARDED_BY(mu_);  // (deadline, pin id)
   std::unordered_map<ChunkKey, Demoting, ChunkKeyHash> demoting_ KDN_GUARDED_BY(mu_);
+  std::unordered_map<ChunkKey, TimePoint, ChunkKeyHash> keeps_ KDN_GUARDED_BY(mu_);
+  std::set<std::pair<TimePoint, ChunkKey>> keep_deadlines_ KDN_GUARDED_BY(mu_);
   EvictionHandler handler_ KDN_GUARDED_BY(mu_);
   ChangeListener listener_ KDN_GUARDED_BY(mu_);
   uint64_t next_pin_ KDN_GUARDED_BY(mu_) = 1;

@@ -100,6 +100,8 @@ class RemoteStore final : public ChunkStore {
   // Lookup; all false when the store cannot be reached.
   std::vector<bool> ContainsMany(std::span<const ChunkKey> keys) override;
   Status Put(std::shared_ptr<const Chunk> chunk) override;
+  // The server's store keeps them (its host tier, when it has one).
+  Result<size_t> Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) override;
   // The server's whole-store figures, plus this client's corrupt and
   // unreachable counts; zeros but those if it cannot be reached.
   TierStats Stats() override;

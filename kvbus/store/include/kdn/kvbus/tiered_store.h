@@ -80,6 +80,10 @@ class TieredStore : public ChunkStore {
   TierStats Stats() override;
   // The tiers' LocalStats summed as Stats() sums theirs (no round trip).
   TierStats LocalStats() override;
+  // Every tier that can keeps them; returns the most any tier keeps. A tier
+  // that fails (a remote store down) is passed over; the first failure is
+  // returned only when no tier kept any.
+  Result<size_t> Keep(std::span<const ChunkKey> keys, std::chrono::milliseconds lease) override;
 
   // How many leading keys some tier holds, stopping at the first key no
   // tier holds: the prefix-cache lookup over PrefixKeys() (ContainsMany).
