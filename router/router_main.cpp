@@ -136,6 +136,11 @@ int main(int argc, char** argv) {
                  "(docs/serving.md, \"Pinning a prefix\")")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
       ->capture_default_str();
+  app.add_flag("--lookups-from-events", o.backend.lookups_from_events,
+               "Follow the KV events of the workers that publish them (their --kv-events) and "
+               "take a prompt's cached prefix at such a worker from them instead of asking it, "
+               "where the worker has no shared tier (docs/serving.md, \"Lookups from the event "
+               "stream\")");
   kdn::net::CurveFlag curve_flag;
   curve_flag.Add(app);
   CLI11_PARSE(app, argc, argv);

@@ -137,6 +137,7 @@ struct DecodeService::Impl {
   void FillInfo(proto::WorkerInfo* info) {
     worker::SetWorkerIdentity(info, options.name, "decode", wm, options.chunk_tokens,
                               options.kv_transport);
+    worker::SetKvEventsInfo(info, events, options.kv_events.topic);
     info->set_kvbus_endpoint(kvbus_endpoint);
     info->set_queue_depth(depth.load());
     info->set_max_batch(options.max_batch);

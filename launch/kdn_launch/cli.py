@@ -334,6 +334,11 @@ def add_local_flags(p):
                    "as vLLM's KV events; docs/serving.md, \"KV events\") on loopback: the "
                    "k-th worker in start order (prefill-0, ..., decode-0, ...) on port "
                    "PORT+2k, its replay socket on PORT+2k+1")
+    p.add_argument("--lookups-from-events", action="store_true",
+                   help="with --kv-events-port: the routers follow the workers' KV events and "
+                   "take a prompt's cached prefix at a worker from them instead of asking it "
+                   "(kdn-router --lookups-from-events; docs/serving.md, \"Lookups from the "
+                   "event stream\")")
     p.add_argument("--no-curve", action="store_true",
                    help="run the internal sockets (control, kvbus, kdn-store) in plaintext. By "
                    "default the launcher writes new CURVE keys to RUN_DIR/curve.key and "

@@ -69,8 +69,14 @@ def router_names(a):
 
 def router_commands(a, bin_dir, model, prefill_eps, decode_eps):
     """[(name, cmd)] of the routers, each over every worker."""
+    more = []
+    if getattr(a, "lookups_from_events", False):
+        if getattr(a, "kv_events_port", None) is None:
+            raise Failure("--lookups-from-events needs --kv-events-port: the routers follow "
+                          "the workers' KV events, which only --kv-events-port publishes")
+        more = ["--lookups-from-events"]
     return [(name, argv.router_argv(a, bin_dir, model, ",".join(prefill_eps),
-                                    ",".join(decode_eps), a.host, port))
+                                    ",".join(decode_eps), a.host, port) + more)
             for name, port in router_names(a)]
 
 

@@ -99,6 +99,7 @@ struct PrefillService::Impl {
   void FillInfo(proto::WorkerInfo* info) {
     worker::SetWorkerIdentity(info, options.name, "prefill", wm, options.chunk_tokens,
                               options.kv_transport);
+    worker::SetKvEventsInfo(info, events, options.kv_events.topic);
     info->set_queue_depth(depth.load());
     info->set_queue_tokens(queued_tokens.load());
     info->set_free_kv_blocks(free_blocks.load());

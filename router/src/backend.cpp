@@ -11,6 +11,7 @@
 #include "kdn/common/mutex.h"
 #include "kdn/net/zmq_check.h"
 #include "kdn/router/injector.h"
+#include "kdn/router/kv_follower.h"
 #include "kdn/router/placement.h"
 #include "kdn/router/request_flow.h"
 #include "worker_pool.h"
@@ -46,7 +47,8 @@ struct Backend::Impl {
 
   std::atomic<bool> stop{false};
   std::thread thread;
-  std::unique_ptr<PinBook> pins;  // thread-safe itself
+  std::unique_ptr<PinBook> pins;         // thread-safe itself
+  std::unique_ptr<KvFollower> follower;  // with lookups_from_events; thread-safe itself
 
   // The backend thread's alone.
   zmq::socket_t inbox{ctx, zmq::socket_type::pull};
@@ -59,7 +61,16 @@ struct Backend::Impl {
   // Publishes what workers reported, with the router's reservations beside.
   void UpdateSnapshot() {
     std::vector<WorkerView> v = pool->views();
-    for (size_t w = 0; w < v.size(); ++w) v[w].reserved = ledger.at(w);
+    for (size_t w = 0; w < v.size(); ++w) {
+      v[w].reserved = ledger.at(w);
+      if (!follower) continue;
+      if (auto f = follower->Status(w)) {
+        v[w].kv_events_followed = true;
+        v[w].kv_events_synced = f->synced;
+        v[w].kv_events_blocks = f->blocks;
+        v[w].kv_events_next = f->next;
+      }
+    }
     MutexLock lock(mu);
     snapshot = std::move(v);
   }
@@ -72,10 +83,23 @@ struct Backend::Impl {
     if (info != nullptr) {
       pool->TakeInfo(w, *info);
       ledger.Clear(w);  // the report shows what was reserved
+      if (follower) Follow(w);
     }
     if (m.body_case() == proto::WorkerMessage::kInfo) return flow->OnReport();
     if (m.body_case() == proto::WorkerMessage::kInjectReply) return injector->OnReply(w, m);
     flow->OnMessage(w, m);
+  }
+
+  // Follows worker `w`'s KV events where it says it publishes them (the
+  // same again changes nothing).
+  void Follow(size_t w) {
+    const WorkerView& v = pool->views()[w];
+    if (v.kv_events_endpoint.empty() || !v.compatible) return follower->Forget(w);
+    follower->Follow(w, ReachableEndpoint(v.kv_events_endpoint, v.endpoint),
+                     v.kv_events_replay_endpoint.empty()
+                         ? std::string()
+                         : ReachableEndpoint(v.kv_events_replay_endpoint, v.endpoint),
+                     v.kv_events_topic);
   }
 
   // Worker `w` is down (`why`): published before its requests fail, so that
@@ -186,6 +210,10 @@ Result<std::unique_ptr<Backend>> Backend::Start(const BackendOptions& options,
                                              impl->ledger, *impl->pool, tokenizer, metrics, nonce);
   impl->pins = std::make_unique<PinBook>(options.max_pinned_bytes_per_tenant);
   impl->flow->SetPins(impl->pins.get(), options.kv_bytes_per_token);
+  if (options.lookups_from_events) {
+    impl->follower = std::make_unique<KvFollower>();
+    impl->flow->SetFollower(impl->follower.get());
+  }
   impl->injector =
       std::make_unique<Injector>(impl->pool->views(), impl->ledger, *impl->pool, metrics);
   impl->UpdateSnapshot();

@@ -146,6 +146,12 @@ void Metrics::Routed(bool local) {
   ++(local ? f_.routed_local : f_.routed_disaggregated);
 }
 
+void Metrics::Lookups(int asked, int from_events) {
+  MutexLock lock(mu_);
+  f_.lookups_asked += static_cast<uint64_t>(asked);
+  f_.lookups_from_events += static_cast<uint64_t>(from_events);
+}
+
 void Metrics::RequestFinished(const std::string& route, int code) {
   MutexLock lock(mu_);
   ++f_.requests[{route, code}];
@@ -291,6 +297,12 @@ std::string RenderMetrics(const StatusSnapshot& s) {
          "Tokens whose KV the injected documents stored: their tokens, or the kept ones when "
          "pruned.",
          f.injected_stored_tokens);
+  Head(&out, "kdn_lookups_total", "counter",
+       "Workers consulted about a prompt's cached prefix, by who answered: the worker asked, "
+       "or its KV events followed by the router (docs/serving.md, \"Lookups from the event "
+       "stream\").");
+  out += "kdn_lookups_total{answered=\"worker\"} " + std::to_string(f.lookups_asked) + "\n";
+  out += "kdn_lookups_total{answered=\"events\"} " + std::to_string(f.lookups_from_events) + "\n";
   Single(&out, "kdn_pins", "gauge",
          "Prompt prefixes pinned with cache_control and not yet expired (docs/serving.md, "
          "\"Pinning a prefix\").",

@@ -77,8 +77,8 @@ Result<PinBook::Grant> PinBook::Pin(const std::string& tenant, std::vector<kvbus
       }
       return ResourceExhausted(
           "pinning this prefix (" + std::to_string(tokens) + " tokens, " + MiB(bytes) +
-          ") would take the tenant's pinned KV to " + MiB(t.bytes + bytes) + ", past its bound of " +
-          MiB(max_bytes_) +
+          ") would take the tenant's pinned KV to " + MiB(t.bytes + bytes) +
+          ", past its bound of " + MiB(max_bytes_) +
           "; drop pins with DELETE /v1/kdn/pins/ID or send the request without cache_control");
     }
     Entry e;

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "kdn/common/log.h"
+#include "serving.pb.h"
 #include "worker_messages.h"
 
 namespace kdn::router {
@@ -141,12 +142,14 @@ void RequestFlow::Submit(uint64_t id, Job job, JobCallback callback, Clock::time
             r.job.route.empty() ? "a job" : r.job.route, r.job.tokens.size(), r.job.max_tokens,
             blend);
   }
-  if (Status st = StartLookup(r); !st.ok()) Fail(id, st);
+  if (Status st = StartLookup(r); !st.ok()) return Fail(id, st);
+  if (r.lookups_pending == 0) Place(r);  // the KV events answered for every worker
 }
 
 // Asks every usable worker how much of `r`'s prompt it reaches (phase
-// kLookup); Place takes it on once they have answered. UNAVAILABLE, with
-// nothing sent, when no worker of a role is up.
+// kLookup), but those whose KV events answer for them; Place takes it on
+// once they have answered (the caller, when none was asked). UNAVAILABLE,
+// with nothing sent, when no worker of a role is up.
 Status RequestFlow::StartLookup(Request& r) {
   if (!identity_.known) return Unavailable("no worker has answered yet");
   bool any_p = false, any_d = false;
@@ -183,15 +186,35 @@ Status RequestFlow::StartLookup(Request& r) {
   r.resident.clear();
   r.local = false;
   r.lookups_pending = 0;
+  int from_events = 0;
   for (size_t w = 0; w < workers_.size(); ++w) {
     if (!Usable(workers_[w], Role::kPrefill) && !Usable(workers_[w], Role::kDecode)) continue;
     if (r.lost_decode.count(w) != 0) continue;
+    if (auto held = PrefixFromEvents(r, w)) {
+      r.prefix[w] = *held;
+      ++from_events;
+      continue;
+    }
     r.prefix[w] = -1;
     ++r.lookups_pending;
     link_.Send(w, r.id, m);
   }
+  if (metrics_ != nullptr) metrics_->Lookups(r.lookups_pending, from_events);
   Enter(r, Phase::kLookup);
   return Status::Ok();
+}
+
+std::optional<int64_t> RequestFlow::PrefixFromEvents(const Request& r, size_t w) const {
+  // A blend request asks about its documents too, which no event names.
+  if (follower_ == nullptr || r.job.blend) return std::nullopt;
+  // A shared tier reaches more than the worker's own host tier says.
+  for (const proto::StoreTier& t : workers_[w].store_tiers) {
+    if (!t.held_here()) return std::nullopt;
+  }
+  const auto chunks = follower_->Prefix(w, r.keys);
+  if (!chunks) return std::nullopt;
+  return std::min<int64_t>(static_cast<int64_t>(*chunks) * identity_.chunk_tokens,
+                           static_cast<int64_t>(r.job.tokens.size()));
 }
 
 Status RequestFlow::PinPrefix(Request& r) {
@@ -381,7 +404,11 @@ bool RequestFlow::Resume(Request& r, const std::string& why) {
   LogWarn("{} decode worker {} {} after {} tokens: resuming elsewhere ({} of {})", ReqId{r.id},
           workers_[r.d].name, why, r.streamed.size(), r.Resumes(), options_.max_resumes);
   if (metrics_) metrics_->Resumed(static_cast<int>(r.streamed.size()));
-  if (Status st = StartLookup(r); !st.ok()) Fail(r.id, st);  // not reached: a decode worker is up
+  if (Status st = StartLookup(r); !st.ok()) {
+    Fail(r.id, st);  // not reached: a decode worker is up
+  } else if (r.lookups_pending == 0) {
+    Place(r);  // the KV events answered for every worker
+  }
   return true;
 }
 

@@ -142,6 +142,12 @@ bool HealthJson(const StatusSnapshot& s, json* body) {
                      {{"requests", w.reserved.requests},
                       {"kv_blocks", w.reserved.kv_blocks},
                       {"prefill_tokens", w.reserved.prefill_tokens}}}});
+    if (w.kv_events_followed) {
+      // Not reported: its KV events as this router follows them.
+      list.back()["kv_events"] = {{"synced", w.kv_events_synced},
+                                  {"blocks", w.kv_events_blocks},
+                                  {"next_batch", w.kv_events_next}};
+    }
   }
   const bool ok = live_p > 0 && live_d > 0;
   *body = {{"status", ok ? "ok" : "unavailable"}, {"model", s.model}, {"workers", list}};
@@ -218,6 +224,7 @@ json StatusJson(const StatusSnapshot& s) {
       {"kv_bytes_moved", f.kv_bytes},
       {"resumed", f.resumed},
       {"routed", {{"disaggregated", f.routed_disaggregated}, {"local", f.routed_local}}},
+      {"lookups", {{"asked", f.lookups_asked}, {"from_events", f.lookups_from_events}}},
       {"pins",
        {{"held", f.pins},
         {"bytes", f.pinned_bytes},

@@ -158,6 +158,9 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   v.pushed_kv = info.pushed_kv();
   v.preemption = info.preemption();
   v.store_tiers.assign(info.store_tiers().begin(), info.store_tiers().end());
+  v.kv_events_endpoint = info.kv_events_endpoint();
+  v.kv_events_replay_endpoint = info.kv_events_replay_endpoint();
+  v.kv_events_topic = info.kv_events_topic();
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {
       LogError("{} is a {} worker, not {}; not using it", v.endpoint, info.role(),

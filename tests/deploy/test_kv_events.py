@@ -13,6 +13,7 @@ import os
 import random
 import socket
 
+import httpx
 import pytest
 import zmq
 
@@ -28,7 +29,7 @@ else:
     VLLM_BATCH = None
     VLLM_SKIPS = set()
 
-from deploy_util import CHUNK_TOKENS, Deployment, wait_until
+from deploy_util import CHUNK_TOKENS, Deployment, metric, parse_metrics, wait_until
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -292,4 +293,49 @@ def test_a_full_host_tier_announces_what_it_drops(tiny_model, tmp_path_factory):
         assert len(removed()) >= 2, "the host tier's evictions were never announced"
     finally:
         ctx.destroy(linger=0)
+        d.down()
+
+
+def test_routers_take_prefixes_from_the_workers_event_streams(tiny_model, tmp_path_factory):
+    """`--lookups-from-events` (docs/serving.md, "Lookups from the event
+    stream"): two routers follow the three workers' streams; a prefix one
+    router's request left at one of two prefill workers is found by the
+    other router from its own index, no worker asked, and served there."""
+    base = free_ports(6)
+    d = Deployment(tmp_path_factory.mktemp("run-events-lookups"), tiny_model, "--prefill", 2,
+                   "--kv-events-port", base, "--lookups-from-events", "--routers", 2,
+                   "--disaggregation", "always")
+    other = httpx.Client(base_url=d.info["urls"][1], timeout=httpx.Timeout(60.0))
+    try:
+        def workers(client):
+            return client.get("/health").json()["workers"]
+
+        def synced(client):
+            return all(w.get("kv_events", {}).get("synced") for w in workers(client))
+
+        assert wait_until(lambda: synced(d.http) and synced(other), timeout=60), \
+            workers(other)
+        rng = random.Random(20261208)
+        a = [rng.randrange(3, 256) for _ in range(2 * CHUNK_TOKENS + 40)]
+        first = d.completion(a, max_tokens=2, temperature=0, ignore_eos=True)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first["usage"]
+        # The chunks are stored off the request's path: the second router
+        # learns of them from the prefill worker's stream.
+        assert wait_until(lambda: any(w["role"] == "prefill" and w["kv_events"]["blocks"] >= 2
+                                      for w in workers(other)), timeout=60), workers(other)
+        before = parse_metrics(other.get("/metrics").text)
+        b = a[:2 * CHUNK_TOKENS] + [rng.randrange(3, 256) for _ in range(30)]
+        r = other.post("/v1/completions", json=dict(prompt=b, max_tokens=2, temperature=0,
+                                                     ignore_eos=True))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * CHUNK_TOKENS, \
+            r.json()["usage"]
+        after = parse_metrics(other.get("/metrics").text)
+        asked = (metric(after, "kdn_lookups_total", answered="worker") -
+                 metric(before, "kdn_lookups_total", answered="worker"))
+        from_events = (metric(after, "kdn_lookups_total", answered="events") -
+                       metric(before, "kdn_lookups_total", answered="events"))
+        assert (asked, from_events) == (0, 3), (asked, from_events)
+    finally:
+        other.close()
         d.down()

@@ -187,3 +187,14 @@ def test_a_flag_equal_to_the_default_is_passed_in_both_modes(tmp_path, model_dir
                            "--max-body-buffer-mib", 256], fake_slurm)
     assert flag(argvs["decode-0"], "--max-batch") == "32"
     assert flag(argvs["router"], "--max-queued") == "1024"
+
+
+def test_lookups_from_events_reach_every_router_and_need_the_event_ports(tmp_path, model_dir):
+    argvs = dry_run_argvs(tmp_path / "run", model_dir,
+                          ["--routers", 2, "--kv-events-port", 30000, "--lookups-from-events"])
+    assert "--lookups-from-events" in argvs["router"] and "--lookups-from-events" in \
+        argvs["router-1"], argvs
+    r = launch("up", "--dry-run", "--run-dir", tmp_path / "run2", "--model", model_dir,
+               "--lookups-from-events")
+    assert r.returncode != 0
+    assert "--lookups-from-events needs --kv-events-port" in r.stderr, r.stderr

@@ -80,7 +80,8 @@ TEST(PinBook, APinPastTheTenantsBoundIsRefusedSayingByHowMuch) {
   EXPECT_EQ(book.totals().refused, 1u);
   EXPECT_EQ(book.totals().pins, 2u);
   // Once the first has expired there is room.
-  EXPECT_TRUE(book.Pin("a", Keys(2, 2), 128, uint64_t{2} << 20, seconds(60), kT0 + seconds(60)).ok());
+  EXPECT_TRUE(
+      book.Pin("a", Keys(2, 2), 128, uint64_t{2} << 20, seconds(60), kT0 + seconds(60)).ok());
   EXPECT_EQ(PinBook(0).Pin("a", Keys(1, 1), 64, 1, seconds(60), kT0).status().code(),
             StatusCode::kResourceExhausted);
 }

@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <numeric>
+#include <thread>
 #include <tuple>
 
 #include "kdn/control/convert.h"
+#include "kdn/kvbus/kv_events.h"
 #include "serving.pb.h"
 
 namespace kdn::router {
@@ -592,6 +594,63 @@ TEST_F(RequestFlowTest, APinnedPrefixIsKeptAtEveryWorkerAndShownInUsage) {
   submit(4, "short", PinSpec{5, std::chrono::seconds(60)});
   EXPECT_EQ(PhaseOf(4), Phase::kLookup);
   EXPECT_TRUE(link_.Take(Body::kKeep).empty());
+}
+
+// Lookups from the event stream (docs/serving.md): a worker whose KV events
+// the router follows in sync is not asked about a request without
+// documents; its prefix is what its events say it holds. Asked as ever: for
+// a blend request, and at a worker with a shared tier.
+TEST_F(RequestFlowTest, AWorkerWhoseEventsAreFollowedIsNotAskedAndPlacedByThem) {
+  const std::string prompt(40, 'e');  // two chunks of 16, and 8 more
+  const std::vector<int32_t> tokens(prompt.begin(), prompt.end());
+  const std::vector<kvbus::ChunkKey> keys =
+      kvbus::PrefixKeys({identity_.fingerprint, "", identity_.chunk_tokens}, tokens);
+  ASSERT_EQ(keys.size(), 2u);
+  auto pub = kvbus::KvEventPublisher::Start({.endpoint = "tcp://127.0.0.1:0",
+                                             .replay_endpoint = "tcp://127.0.0.1:0",
+                                             .batch_window = std::chrono::milliseconds(1)});
+  ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+  (*pub)->Publish({.kind = kvbus::KvEvent::Kind::kStored,
+                   .keys = keys,
+                   .tokens = std::vector<int32_t>(32, 'e'),
+                   .block_size = 16});
+  KvFollower follower;
+  follower.Follow(kP1, (*pub)->endpoint(), (*pub)->replay_endpoint(), "");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (follower.Prefix(kP1, keys) != 2u && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(follower.Prefix(kP1, keys), 2u) << "the follower never caught up";
+  Start();
+  flow_->SetFollower(&follower);
+
+  const uint64_t id = Submit(prompt);
+  std::vector<size_t> asked;
+  for (const Sent& s : link_.sent) asked.push_back(s.worker);
+  EXPECT_EQ(asked, (std::vector<size_t>{kP0, kD0, kD1}));
+  // The others hold nothing: the prefill goes to p1, which holds two chunks
+  // (ToFirstToken checks where it went).
+  ToFirstToken(id, kP1, kD0);
+
+  // A blend request asks every worker (about its documents too).
+  link_.sent.clear();
+  Job blend;
+  blend.tokens = tokens;
+  blend.max_tokens = 2;
+  blend.blend = BlendSpec{};
+  blend.blend->head_tokens = 1;
+  blend.blend->segment_tokens = {30};
+  flow_->Submit(
+      2, std::move(blend), [](JobEvent) {}, RequestFlow::Clock::now());
+  EXPECT_EQ(link_.Take(Body::kLookup).size(), 4u);
+
+  // So does a worker with a shared tier, whose lookups reach more than its
+  // host tier announces.
+  proto::StoreTier shared;
+  shared.set_held_here(false);
+  workers_[kP1].store_tiers = {shared};
+  Submit(prompt, 8, 3);
+  EXPECT_EQ(link_.Take(Body::kLookup).size(), 4u);
 }
 
 }  // namespace

@@ -216,6 +216,14 @@ void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport,
   t->set_seconds(seconds);
 }
 
+void SetKvEventsInfo(proto::WorkerInfo* info, const WorkerKvEvents& events,
+                     const std::string& topic) {
+  if (events.publisher == nullptr) return;
+  info->set_kv_events_endpoint(events.publisher->endpoint());
+  info->set_kv_events_replay_endpoint(events.publisher->replay_endpoint());
+  info->set_kv_events_topic(topic);
+}
+
 Result<WorkerKvEvents> StartKvEvents(const kvbus::KvEventsOptions& options,
                                      kvbus::TieredStore& store, int chunk_tokens) {
   WorkerKvEvents events;

@@ -120,6 +120,10 @@ struct BackendOptions {
   // as kv_bytes_per_token (f32 KV: the host tier's most per token).
   uint64_t max_pinned_bytes_per_tenant = uint64_t{512} << 20;
   uint64_t kv_bytes_per_token = 0;
+  // Follow the KV events of the workers that publish them and take a
+  // prompt's prefix at such a worker from them instead of asking it
+  // (docs/serving.md, "Lookups from the event stream").
+  bool lookups_from_events = false;
 };
 
 class Backend {

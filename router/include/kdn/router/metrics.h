@@ -75,6 +75,9 @@ struct RouterFigures {
   int queue_depth = 0;
   uint64_t resumed = 0, resumed_tokens = 0;
   uint64_t routed_disaggregated = 0, routed_local = 0;
+  // Lookups: workers asked about a prompt, and workers whose KV events
+  // answered instead (docs/serving.md, "Lookups from the event stream").
+  uint64_t lookups_asked = 0, lookups_from_events = 0;
   // Pins (PinBook::Totals, filled in by the snapshot): held now, their
   // bytes, requests that reached one, pins refused past a tenant's bound.
   uint64_t pins = 0, pinned_bytes = 0, pin_hits = 0, pins_refused = 0;
@@ -131,6 +134,9 @@ class Metrics {
   // (disaggregated) or by its decode worker (local; docs/serving.md, "Two
   // paths").
   void Routed(bool local);
+  // A request's lookup: `asked` workers asked, `from_events` answered by
+  // their KV events.
+  void Lookups(int asked, int from_events);
 
   // Everything counted so far; the history runs up to now (intervals with
   // nothing in them included).

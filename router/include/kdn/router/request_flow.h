@@ -1,7 +1,8 @@
 #pragma once
 // RequestFlow: each request from its arrival to its end (docs/serving.md,
 // docs/design.md "One request, step by step"), phase by phase:
-//   lookup   every usable worker is asked how much of the prompt it reaches;
+//   lookup   every usable worker is asked how much of the prompt it reaches
+//            (where the router follows its KV events, they answer instead);
 //   queued   no decode worker has room: it waits, in arrival order, for at
 //            most queue_timeout (the admission queue; past max_queued a new
 //            request is refused, RESOURCE_EXHAUSTED);
@@ -36,6 +37,7 @@
 
 #include "kdn/kvbus/key.h"
 #include "kdn/router/backend.h"
+#include "kdn/router/kv_follower.h"
 #include "kdn/router/pins.h"
 #include "kdn/router/placement.h"
 
@@ -75,6 +77,11 @@ class RequestFlow {
     pins_ = pins;
     kv_bytes_per_token_ = kv_bytes_per_token;
   }
+  // Lookups from the event stream (docs/serving.md, "Lookups from the event
+  // stream"): a worker whose KV events `follower` (borrowed; null: none)
+  // follows in sync, and that has no shared tier, is not asked about a
+  // request without documents; its prefix is what its host tier holds.
+  void SetFollower(const KvFollower* follower) { follower_ = follower; }
   // Tells every worker that is up to keep (or let go of) `order`'s keys.
   void SendKeep(const KeepOrder& order);
 
@@ -156,7 +163,13 @@ class RequestFlow {
   void Finish(Iter it, JobEvent ev);
   void TokenOut(Request& r);
 
+  // Asks every usable worker how much of `r`'s prompt it reaches, but those
+  // its KV events answer for (PrefixFromEvents); Place once none is left to
+  // answer (the caller's, when none was asked).
   Status StartLookup(Request& r);
+  // The prompt tokens worker `w` holds by its KV events; nullopt when they
+  // do not answer for it.
+  std::optional<int64_t> PrefixFromEvents(const Request& r, size_t w) const;
   // Its pin (cache_control) made, the pins it reaches refreshed, both in
   // its usage. RESOURCE_EXHAUSTED past its tenant's bound.
   Status PinPrefix(Request& r);
@@ -183,6 +196,7 @@ class RequestFlow {
   Metrics* const metrics_;
   const uint64_t nonce_;
 
+  const KvFollower* follower_ = nullptr;
   PinBook* pins_ = nullptr;
   uint64_t kv_bytes_per_token_ = 0;
 

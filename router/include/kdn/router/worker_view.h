@@ -71,8 +71,16 @@ struct WorkerView {
   proto::PushedKv pushed_kv;                  // decode
   proto::Preemption preemption;               // decode
   std::vector<proto::StoreTier> store_tiers;  // its KDN store, fastest tier first
+  // Its KV events (proto::WorkerInfo fields 26-28); empty: none.
+  std::string kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic;
   // The router's own, not reported: what it routed here since the report.
   Reservation reserved;
+  // The router's own: its KV events as the router follows them
+  // (--lookups-from-events); kv_events_followed false: not followed.
+  bool kv_events_followed = false;
+  bool kv_events_synced = false;
+  uint64_t kv_events_blocks = 0;
+  uint64_t kv_events_next = 0;
 };
 
 // Up, compatible and of `role`: a worker placement may choose.

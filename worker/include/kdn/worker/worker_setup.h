@@ -78,6 +78,10 @@ struct WorkerKvEvents {
   std::unique_ptr<kvbus::KvEventPublisher> publisher;
   std::unique_ptr<kvbus::HostTierEvents> host;
 };
+// Where the worker's KV events can be followed, into its info (nothing
+// when it publishes none).
+void SetKvEventsInfo(proto::WorkerInfo* info, const WorkerKvEvents& events,
+                     const std::string& topic);
 // The publisher's errors (kvbus::KvEventPublisher::Start);
 // FAILED_PRECONDITION for a store without a host tier.
 Result<WorkerKvEvents> StartKvEvents(const kvbus::KvEventsOptions& options,
