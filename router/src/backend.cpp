@@ -99,7 +99,7 @@ struct Backend::Impl {
                      v.kv_events_replay_endpoint.empty()
                          ? std::string()
                          : ReachableEndpoint(v.kv_events_replay_endpoint, v.endpoint),
-                     v.kv_events_topic);
+                     v.kv_events_topic, v.kv_events_stream);
   }
 
   // Worker `w` is down (`why`): published before its requests fail, so that

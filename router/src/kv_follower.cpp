@@ -118,6 +118,12 @@ WorkerKvIndex::Take WorkerKvIndex::Offer(uint64_t seq, std::string_view payload)
   return Take::kApplied;
 }
 
+void WorkerKvIndex::Reset() {
+  held_.clear();
+  synced_ = false;
+  next_ = 0;
+}
+
 std::optional<size_t> WorkerKvIndex::Prefix(std::span<const kvbus::ChunkKey> keys) const {
   if (!synced_) return std::nullopt;
   size_t n = 0;
@@ -130,7 +136,7 @@ std::optional<size_t> WorkerKvIndex::Prefix(std::span<const kvbus::ChunkKey> key
 struct KvFollower::Impl {
   // What the callers asked for, and each worker's index: under `mu`.
   struct Wanted {
-    std::string endpoint, replay, topic;
+    std::string endpoint, replay, topic, stream;
     bool operator==(const Wanted&) const = default;
   };
   // The follower thread's alone: one worker's sockets.
@@ -145,9 +151,9 @@ struct KvFollower::Impl {
 
   zmq::context_t ctx{1};
   mutable std::mutex mu;
-  std::map<size_t, Wanted> wanted;  // guarded by mu
+  std::map<size_t, Wanted> wanted;          // guarded by mu
   std::map<size_t, WorkerKvIndex> indexes;  // guarded by mu
-  KvFollowerStats stats;  // guarded by mu
+  KvFollowerStats stats;                    // guarded by mu
   std::atomic<bool> stop{false};
   std::map<size_t, Link> links;  // the thread's
   std::thread thread;
@@ -324,9 +330,15 @@ KvFollower::~KvFollower() {
 }
 
 void KvFollower::Follow(size_t w, const std::string& endpoint, const std::string& replay,
-                        const std::string& topic) {
+                        const std::string& topic, const std::string& stream) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->wanted[w] = {endpoint, replay, topic};
+  const Impl::Wanted want{endpoint, replay, topic, stream};
+  auto it = impl_->wanted.find(w);
+  if (it != impl_->wanted.end() && it->second == want) return;
+  impl_->wanted[w] = want;
+  // Another stream: what the index says is of the old one, from now on
+  // (the follower thread starts the new one over).
+  if (auto index = impl_->indexes.find(w); index != impl_->indexes.end()) index->second.Reset();
 }
 
 void KvFollower::Forget(size_t w) {

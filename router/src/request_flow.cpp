@@ -460,13 +460,31 @@ void RequestFlow::Tick(Clock::time_point now) {
   }
   DrainQueue();
   if (metrics_) metrics_->QueueDepth(Waiting());
-  // Lookups go ahead with the answers they have.
+  // Lookups go ahead with the answers they have. A worker that has not
+  // answered yet is live by its pings (on two busy cores an answer once
+  // took 3 s to arrive): it counts as holding none of the prompt, and may
+  // still take the request. One that is down by then is left out.
   for (uint64_t id : late_lookup) {
     auto it = requests_.find(id);
-    if (it != requests_.end()) {
-      it->second.lookups_pending = 0;
-      Place(it->second);
+    if (it == requests_.end()) continue;
+    Request& r = it->second;
+    int silent = 0;
+    for (auto& [w, held] : r.prefix) {
+      if (held >= 0 ||
+          !(Usable(workers_[w], Role::kPrefill) || Usable(workers_[w], Role::kDecode))) {
+        continue;
+      }
+      held = 0;
+      ++silent;
     }
+    if (silent > 0) {
+      LogWarn(
+          "{} lookup: {} worker(s) did not answer within {} ms; counted as holding none of "
+          "the prompt",
+          ReqId{r.id}, silent, options_.lookup_timeout.count());
+    }
+    r.lookups_pending = 0;
+    Place(r);
   }
   for (uint64_t id : late_prepare)
     Fail(id, Unavailable("the decode worker did not answer in time"));

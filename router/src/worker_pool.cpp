@@ -161,6 +161,7 @@ void WorkerPool::TakeInfo(size_t w, const proto::WorkerInfo& info) {
   v.kv_events_endpoint = info.kv_events_endpoint();
   v.kv_events_replay_endpoint = info.kv_events_replay_endpoint();
   v.kv_events_topic = info.kv_events_topic();
+  v.kv_events_stream = info.kv_events_stream();
   if (info.role() != RoleName(v.role)) {
     if (v.compatible) {
       LogError("{} is a {} worker, not {}; not using it", v.endpoint, info.role(),

@@ -19,9 +19,7 @@ using kvbus::ChunkKey;
 using kvbus::KvEvent;
 using Take = WorkerKvIndex::Take;
 
-std::string Batch(std::vector<KvEvent> events) {
-  return kvbus::EncodeKvEventBatch(1.0, events);
-}
+std::string Batch(std::vector<KvEvent> events) { return kvbus::EncodeKvEventBatch(1.0, events); }
 KvEvent Stored(std::vector<ChunkKey> keys) {
   return {.kind = KvEvent::Kind::kStored,
           .keys = keys,
@@ -79,9 +77,9 @@ TEST(WorkerKvIndex, ReadsVllmsArrayFormAndByteHashes) {
     const std::vector<uint8_t> v = json::to_msgpack(batch);
     return std::string(v.begin(), v.end());
   };
-  ASSERT_EQ(index.Offer(0, pack(json::array({1.5, json::array({json::array({"AllBlocksCleared"})}),
-                                             0}))),
-            Take::kApplied);
+  ASSERT_EQ(
+      index.Offer(0, pack(json::array({1.5, json::array({json::array({"AllBlocksCleared"})}), 0}))),
+      Take::kApplied);
   const json stored = json::array({"BlockStored", json::array({11, bytes_of(12)}), nullptr,
                                    json::array({1, 2}), 1, nullptr, "GPU"});
   const json other = json::array({"SomethingNew", json::array({13})});
@@ -124,7 +122,7 @@ TEST(KvFollower, JoinsAStreamLateAndCatchesUpByReplay) {
   KvFollower follower;
   const std::vector<ChunkKey> prompt = {kA, kB, kC};
   EXPECT_FALSE(follower.Prefix(0, prompt).has_value());
-  follower.Follow(0, (*pub)->endpoint(), (*pub)->replay_endpoint(), "kv");
+  follower.Follow(0, (*pub)->endpoint(), (*pub)->replay_endpoint(), "kv", "s1");
   ASSERT_TRUE(WaitFor([&] { return follower.Prefix(0, prompt) == 2u; }))
       << "the replay never brought the blocks stored before the router followed";
   EXPECT_GE(follower.Stats().replays, 1u);
@@ -138,6 +136,51 @@ TEST(KvFollower, JoinsAStreamLateAndCatchesUpByReplay) {
   ASSERT_TRUE(WaitFor([&] { return !follower.Prefix(0, prompt).has_value(); }));
 }
 
+// A worker that restarts on the same endpoints: its new stream's batch 0
+// goes out before the router's sockets reconnect, and its numbers may run
+// past the old stream's; the new stream's name (the worker's next report)
+// starts the index over, and until the new stream is followed the index
+// answers nothing.
+TEST(KvFollower, FollowsAWorkerThatRestartedFromItsNewStart) {
+  kvbus::KvEventsOptions options{.endpoint = "tcp://127.0.0.1:0",
+                                 .replay_endpoint = "tcp://127.0.0.1:0",
+                                 .topic = "kv",
+                                 .batch_window = std::chrono::milliseconds(1)};
+  auto pub = kvbus::KvEventPublisher::Start(options);
+  ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+  KvFollower follower;
+  follower.Follow(0, (*pub)->endpoint(), (*pub)->replay_endpoint(), "kv", "s1");
+  const std::vector<ChunkKey> old_prompt = {kA, kB}, new_prompt = {kC};
+  for (int i = 0; i < 5; ++i) (*pub)->Publish(Stored({kA, kB}));
+  ASSERT_TRUE(WaitFor([&] { return follower.Prefix(0, old_prompt) == 2u; }));
+  // Batches past the new stream's first few, so that they number below.
+  ASSERT_TRUE(WaitFor([&] {
+    (*pub)->Publish(Stored({kA, kB}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    return follower.Status(0).has_value() && follower.Status(0)->next >= 5;
+  }));
+  options.endpoint = (*pub)->endpoint();
+  options.replay_endpoint = (*pub)->replay_endpoint();
+  pub->reset();
+  auto restarted = kvbus::KvEventPublisher::Start(options);
+  ASSERT_TRUE(restarted.ok()) << restarted.status().ToString();
+  // The new stream runs past the old one's numbers before the router hears
+  // of it.
+  ASSERT_TRUE(WaitFor([&] {
+    (*restarted)->Publish(Stored({kC}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    return (*restarted)->Stats().batches > follower.Status(0)->next + 5;
+  }));
+  follower.Follow(0, options.endpoint, options.replay_endpoint, "kv", "s2");
+  EXPECT_FALSE(follower.Prefix(0, old_prompt).has_value());
+  ASSERT_TRUE(WaitFor([&] {
+    (*restarted)->Publish(Stored({kC}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    return follower.Prefix(0, new_prompt) == 1u;
+  })) << "the follower kept the old stream's index";
+  EXPECT_EQ(follower.Prefix(0, old_prompt), 0u);
+}
+
 // Without a replay socket, a stream joined after its first batch never
 // answers: what came before is not known.
 TEST(KvFollower, AStreamMissedFromItsStartWithoutReplayNeverAnswers) {
@@ -147,7 +190,7 @@ TEST(KvFollower, AStreamMissedFromItsStartWithoutReplayNeverAnswers) {
   ASSERT_TRUE(pub.ok()) << pub.status().ToString();
   ASSERT_TRUE(WaitFor([&] { return (*pub)->Stats().batches >= 1; }));
   KvFollower follower;
-  follower.Follow(0, (*pub)->endpoint(), "", "kv");
+  follower.Follow(0, (*pub)->endpoint(), "", "kv", "s1");
   // Batches flow (the follower applies none of them: each is past a gap).
   for (int i = 0; i < 50; ++i) {
     (*pub)->Publish(Stored({kA}));

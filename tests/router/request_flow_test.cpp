@@ -427,6 +427,33 @@ TEST_F(RequestFlowTest, ALookupPastItsDeadlineGoesOnWithTheAnswersItHas) {
   EXPECT_EQ(link_.Take(Body::kPrepare).at(0).worker, kD0);
 }
 
+// Under load a live worker's answer can come late: past the lookup's
+// deadline it counts as holding nothing, and the request is still served
+// (by it, when no worker of its role answered at all); a worker down by
+// then is left out.
+TEST_F(RequestFlowTest, AWorkerSilentPastTheLookupsDeadlineCountsAsHoldingNothing) {
+  const uint64_t id = Submit("Hello", 8);
+  for (const Sent& s : link_.Take(Body::kLookup)) {
+    if (s.worker == kP0 || s.worker == kP1) continue;  // no prefill worker answers in time
+    proto::WorkerMessage m;
+    m.mutable_lookup_reply()->set_prefix_tokens(0);
+    Reply(s.worker, id, m);
+  }
+  workers_[kP1].up = false;  // and p1 is down by the deadline
+  flow_->Tick(RequestFlow::Clock::now() + options_.lookup_timeout + std::chrono::seconds(1));
+  ASSERT_EQ(PhaseOf(id), Phase::kPrepare);
+  const size_t d = link_.Take(Body::kPrepare).at(0).worker;
+  AnswerPrepare(d, id);
+  const auto prefills = link_.Take(Body::kPrefill);
+  ASSERT_EQ(prefills.size(), 1u);
+  EXPECT_EQ(prefills[0].worker, kP0);
+  // Its answer, arriving now, changes nothing.
+  proto::WorkerMessage late;
+  late.mutable_lookup_reply()->set_prefix_tokens(5);
+  Reply(kP0, id, late);
+  EXPECT_EQ(PhaseOf(id), Phase::kPrefill);
+}
+
 TEST_F(RequestFlowTest, NoWorkerOfARoleUpFailsAtOnce) {
   workers_[kP0].up = workers_[kP1].up = false;
   const uint64_t id = Submit("Hello");
@@ -615,7 +642,7 @@ TEST_F(RequestFlowTest, AWorkerWhoseEventsAreFollowedIsNotAskedAndPlacedByThem) 
                    .tokens = std::vector<int32_t>(32, 'e'),
                    .block_size = 16});
   KvFollower follower;
-  follower.Follow(kP1, (*pub)->endpoint(), (*pub)->replay_endpoint(), "");
+  follower.Follow(kP1, (*pub)->endpoint(), (*pub)->replay_endpoint(), "", "s1");
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (follower.Prefix(kP1, keys) != 2u && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <random>
 #include <vector>
 
 #include "kdn/common/log.h"
@@ -222,6 +223,7 @@ void SetKvEventsInfo(proto::WorkerInfo* info, const WorkerKvEvents& events,
   info->set_kv_events_endpoint(events.publisher->endpoint());
   info->set_kv_events_replay_endpoint(events.publisher->replay_endpoint());
   info->set_kv_events_topic(topic);
+  info->set_kv_events_stream(events.stream);
 }
 
 Result<WorkerKvEvents> StartKvEvents(const kvbus::KvEventsOptions& options,
@@ -232,6 +234,8 @@ Result<WorkerKvEvents> StartKvEvents(const kvbus::KvEventsOptions& options,
     return FailedPrecondition("KV events follow the host tier, and this store has none");
   }
   KDN_ASSIGN_OR_RETURN(events.publisher, kvbus::KvEventPublisher::Start(options));
+  std::random_device rd;
+  events.stream = fmt::format("{:08x}{:08x}", rd(), rd());
   kvbus::KvEventPublisher* publisher = events.publisher.get();
   events.host = std::make_unique<kvbus::HostTierEvents>(
       *store.host(), chunk_tokens,

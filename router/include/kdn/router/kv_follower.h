@@ -10,7 +10,10 @@
 //
 // - WorkerKvIndex: one worker's index, fed batches in sequence order (pure,
 //   no sockets: tests/router/kv_follower_test.cpp).
-// - KvFollower: one thread that owns the sockets and feeds the indexes.
+// - KvFollower: one thread that owns the sockets and feeds the indexes. A
+//   worker names each stream it starts (WorkerInfo's kv_events_stream): a
+//   restarted worker's new name starts its index over, from the new
+//   stream's batch 0, whatever the sequence numbers say.
 //
 // The stream is vLLM's wire format (kdn/kvbus/kv_events.h): frames (topic,
 // 8-byte big-endian sequence number, msgpack KVEventBatch); a block hash an
@@ -47,6 +50,8 @@ class WorkerKvIndex {
   // starting, or restarting: what was held is forgotten) and is always
   // applied; after it, each batch in turn.
   Take Offer(uint64_t seq, std::string_view payload);
+  // Forgets everything: unsynced until batch 0 comes again.
+  void Reset();
 
   // Every batch from 0 up to next() - 1 applied, none refused: the index
   // says what the worker holds, as of its last batch.
@@ -78,12 +83,13 @@ class KvFollower {
   KvFollower(const KvFollower&) = delete;
   KvFollower& operator=(const KvFollower&) = delete;
 
-  // Follows worker `w`'s stream at `endpoint` (its batches missed, at
-  // `replay`; empty: none, so the stream is followed only if its first
-  // batch arrives live) with `topic`. The same again changes nothing; other
-  // endpoints start over. Thread-safe.
+  // Follows worker `w`'s stream named `stream` at `endpoint` (its batches
+  // missed, at `replay`; empty: none, so the stream is followed only if its
+  // first batch arrives live) with `topic`. The same again changes nothing;
+  // anything else (another stream: the worker restarted) starts its index
+  // over at once. Thread-safe.
   void Follow(size_t w, const std::string& endpoint, const std::string& replay,
-              const std::string& topic);
+              const std::string& topic, const std::string& stream);
   // Stops following worker `w` (its index is dropped).
   void Forget(size_t w);
   // WorkerKvIndex::Prefix of worker `w`; nullopt when it is not followed or

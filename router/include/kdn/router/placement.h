@@ -24,8 +24,10 @@
 //   path      with both workers chosen, whether the decode worker computes
 //             the prompt itself (local prefill) instead of the prefill
 //             worker: PrefillLocally's cost model.
-// Only workers that answered the lookup (a prefix >= 0) are candidates for a
-// request; only usable ones (up, compatible, of the role) for anything.
+// Only workers with a lookup answer (a prefix >= 0: their own, their KV
+// events', or 0 for a live worker silent past the lookup's deadline) are
+// candidates for a request; only usable ones (up, compatible, of the role)
+// for anything.
 //
 // Thread-compatible: values, and const references the caller keeps alive.
 

@@ -71,8 +71,8 @@ struct WorkerView {
   proto::PushedKv pushed_kv;                  // decode
   proto::Preemption preemption;               // decode
   std::vector<proto::StoreTier> store_tiers;  // its KDN store, fastest tier first
-  // Its KV events (proto::WorkerInfo fields 26-28); empty: none.
-  std::string kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic;
+  // Its KV events (proto::WorkerInfo fields 26-29); empty: none.
+  std::string kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic, kv_events_stream;
   // The router's own, not reported: what it routed here since the report.
   Reservation reserved;
   // The router's own: its KV events as the router follows them

@@ -77,6 +77,7 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
 struct WorkerKvEvents {
   std::unique_ptr<kvbus::KvEventPublisher> publisher;
   std::unique_ptr<kvbus::HostTierEvents> host;
+  std::string stream;  // this stream's name (WorkerInfo kv_events_stream): random
 };
 // Where the worker's KV events can be followed, into its info (nothing
 // when it publishes none).
