@@ -292,7 +292,9 @@ struct KvFollower::Impl {
         }
         for (size_t i = 0; i < items.size(); ++i) {
           if (!(items[i].revents & ZMQ_POLLIN)) continue;
-          const auto [w, is_replay] = owners[i];
+          // Named, not bound: clang 14 captures no structured binding.
+          const size_t w = owners[i].first;
+          const bool is_replay = owners[i].second;
           Link& link = links.at(w);
           if (!is_replay) {
             Drain(*link.sub, [&](std::vector<zmq::message_t>& f) {

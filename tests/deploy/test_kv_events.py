@@ -111,7 +111,9 @@ def decode(payload):
                               "kdn_chunk_keys"} - VLLM_SKIPS, e
             assert e["block_size"] == CHUNK_TOKENS, e
             assert len(e["token_ids"]) == CHUNK_TOKENS * len(e["block_hashes"]), e
-            assert e["medium"] == "CPU" and e["lora_id"] is None and e["lora_name"] is None, e
+            # CPU: the worker's host tier; STORAGE: written to its shared tier.
+            assert e["medium"] in ("CPU", "STORAGE") and e["lora_id"] is None and \
+                e["lora_name"] is None, e
             parent = e["parent_block_hash"]
             assert parent is None or (isinstance(parent, int) and 0 <= parent < 2**64), e
         if e["type"] in ("BlockStored", "BlockRemoved"):
@@ -201,6 +203,14 @@ def test_a_router_following_the_events_predicts_the_cached_tokens(events_deploym
         index = wait_until(lambda: (lambda i: i if i.cached(a) == 2 * CHUNK_TOKENS else None)(
             index_of(ctx, d.replays)), timeout=60)
         assert index is not None, "the prompt's two full chunks were never announced"
+        # Written through to the deployment's kdn-store too: announced as
+        # stored there (medium STORAGE) by the worker that wrote them.
+        def storage_blocks():
+            return [e["token_ids"] for ep in d.replays.values() for _, p in replay(ctx, ep)
+                    for e in decode(p)[1]
+                    if e["type"] == "BlockStored" and e["medium"] == "STORAGE"]
+        assert wait_until(lambda: a[:CHUNK_TOKENS] in storage_blocks(), timeout=60), \
+            "the chunks written to the shared tier were never announced"
         # Each stream starts with AllBlocksCleared (batch 0).
         for ep in d.replays.values():
             seq, payload = replay(ctx, ep)[0]

@@ -16,6 +16,7 @@
 
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/key.h"
+#include "kdn/kvbus/tiered_store.h"
 #include "kdn/testing/chunks.h"
 
 namespace kdn::kvbus {
@@ -91,6 +92,44 @@ TEST(HostTierEvents, AnnouncesDescribedPrefixChunksAsTheyComeAndGo) {
   ASSERT_EQ(rig.seen.size(), 5u);
   EXPECT_EQ(rig.seen[4].kind, KvEvent::Kind::kRemoved);
   EXPECT_EQ(rig.seen[4].keys, std::vector<ChunkKey>{keys[2]});
+}
+
+// What a worker writes through to its shared tier is announced once as
+// stored there (medium STORAGE), by a TieredStore's put listener as a
+// worker wires it (worker::StartKvEvents).
+TEST(HostTierEvents, AnnouncesWhatTheWorkerWroteToItsSharedTier) {
+  const uint64_t chunk = ChunkUnder({1, 1}, 1)->size();
+  std::vector<std::unique_ptr<ChunkStore>> tiers;
+  tiers.push_back(std::make_unique<HostTier>(8 * chunk));
+  tiers.push_back(std::make_unique<HostTier>(0));  // stands for kdn-store
+  TieredStore store(std::move(tiers), {.write_through = true});
+  std::vector<KvEvent> seen;
+  auto events = std::make_shared<HostTierEvents>(*store.host(), kChunkTokens,
+                                                 [&](KvEvent e) { seen.push_back(std::move(e)); });
+  store.SetPutListener([&](size_t tier, const ChunkKey& key) {
+    EXPECT_EQ(tier, 1u);
+    events->WroteShared(key);
+  });
+  const std::vector<int32_t> tokens = Tokens(2 * kChunkTokens, 300);
+  const std::vector<ChunkKey> keys = PrefixKeys({ChunkKey{7, 7}, "", kChunkTokens}, tokens);
+  events->Describe(tokens, keys);
+  ASSERT_TRUE(store.Put(ChunkUnder(keys[0], 1)).ok());
+  ASSERT_TRUE(store.Put(ChunkUnder(keys[1], 2)).ok());
+  ASSERT_TRUE(store.Put(ChunkUnder(keys[1], 2)).ok());         // again: nothing new
+  ASSERT_TRUE(store.Put(ChunkUnder(ChunkKey{9, 9}, 3)).ok());  // never described
+  std::vector<std::pair<ChunkKey, KvMedium>> stored;
+  for (const KvEvent& e : seen) {
+    ASSERT_EQ(e.kind, KvEvent::Kind::kStored);
+    stored.emplace_back(e.keys.at(0), e.medium);
+  }
+  EXPECT_EQ(stored, (std::vector<std::pair<ChunkKey, KvMedium>>{{keys[0], KvMedium::kCpu},
+                                                                {keys[0], KvMedium::kStorage},
+                                                                {keys[1], KvMedium::kCpu},
+                                                                {keys[1], KvMedium::kStorage}}));
+  EXPECT_EQ(seen[3].tokens, std::vector<int32_t>(tokens.begin() + kChunkTokens, tokens.end()));
+  ASSERT_TRUE(seen[3].parent.has_value());
+  EXPECT_EQ(*seen[3].parent, keys[0]);
+  store.SetPutListener(nullptr);
 }
 
 TEST(HostTierEvents, ChunksNeverDescribedAreNeitherAnnouncedNorRemoved) {

@@ -237,9 +237,16 @@ Result<WorkerKvEvents> StartKvEvents(const kvbus::KvEventsOptions& options,
   std::random_device rd;
   events.stream = fmt::format("{:08x}{:08x}", rd(), rd());
   kvbus::KvEventPublisher* publisher = events.publisher.get();
-  events.host = std::make_unique<kvbus::HostTierEvents>(
+  events.host = std::make_shared<kvbus::HostTierEvents>(
       *store.host(), chunk_tokens,
       [publisher](kvbus::KvEvent e) { publisher->Publish(std::move(e)); });
+  if (store.tier_count() > 1) {
+    // What it writes to its shared tier (kdn-store, Redis): medium STORAGE.
+    store.SetPutListener([host = std::weak_ptr<kvbus::HostTierEvents>(events.host)](
+                             size_t, const kvbus::ChunkKey& key) {
+      if (auto h = host.lock()) h->WroteShared(key);
+    });
+  }
   LogInfo("KV events of the host tier on {}{}", publisher->endpoint(),
           publisher->replay_endpoint().empty() ? std::string()
                                                : ", replayed on " + publisher->replay_endpoint());

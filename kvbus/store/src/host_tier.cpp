@@ -17,7 +17,9 @@ HostTier::TimePoint HostTier::DeadlineAfter(TimePoint now, std::chrono::millisec
 
 size_t HostTier::ExpireLocked(TimePoint now) {
   while (!keep_deadlines_.empty() && keep_deadlines_.begin()->first <= now) {
-    UnkeepLocked(keep_deadlines_.begin()->second);
+    // A copy: UnkeepLocked erases the node the key lies in.
+    const ChunkKey key = keep_deadlines_.begin()->second;
+    UnkeepLocked(key);
   }
   size_t dropped = 0;
   while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
@@ -47,7 +49,7 @@ void HostTier::SetKeptLocked(Entry& e, bool kept) {
   }
 }
 
-void HostTier::UnkeepLocked(const ChunkKey& key) {
+void HostTier::UnkeepLocked(ChunkKey key) {
   auto it = keeps_.find(key);
   if (it == keeps_.end()) return;
   keep_deadlines_.erase({it->second, key});

@@ -421,6 +421,23 @@ void HostTierEvents::Describe(std::span<const int32_t> tokens, std::span<const C
   }
 }
 
+void HostTierEvents::WroteShared(const ChunkKey& key) {
+  MutexLock lock(mu_);
+  auto it = described_.find(key);
+  if (it == described_.end() || !shared_.insert(key).second) return;
+  shared_ages_.push_front(key);
+  while (shared_ages_.size() > kMaxSharedAnnounced) {
+    shared_.erase(shared_ages_.back());
+    shared_ages_.pop_back();
+  }
+  publish_({.kind = KvEvent::Kind::kStored,
+            .keys = {key},
+            .parent = it->second.parent,
+            .tokens = it->second.tokens,
+            .block_size = chunk_tokens_,
+            .medium = KvMedium::kStorage});
+}
+
 size_t HostTierEvents::announced() const {
   MutexLock lock(mu_);
   return announced_.size();

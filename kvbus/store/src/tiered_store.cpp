@@ -43,7 +43,18 @@ void TieredStore::Demote(std::shared_ptr<const Chunk> chunk) {
   if (next.Contains(chunk->key())) return;
   // Best effort: a chunk the next tier cannot take is simply gone from the
   // cache, which costs a recompute, not correctness.
-  (void)next.Put(std::move(chunk));
+  const ChunkKey key = chunk->key();
+  if (next.Put(std::move(chunk)).ok()) Stored(1, key);
+}
+
+void TieredStore::SetPutListener(PutListener listener) {
+  put_listener_.store(listener ? std::make_shared<const PutListener>(std::move(listener))
+                               : nullptr);
+}
+
+void TieredStore::Stored(size_t tier, const ChunkKey& key) {
+  if (tier == 0) return;
+  if (auto listener = put_listener_.load()) (*listener)(tier, key);
 }
 
 Result<std::shared_ptr<const Chunk>> TieredStore::Get(const ChunkKey& key) {
@@ -104,6 +115,7 @@ Status TieredStore::Put(std::shared_ptr<const Chunk> chunk) {
     Status st = tiers_[i]->Put(chunk);
     if (st.ok()) {
       stored = true;
+      Stored(i, chunk->key());
       if (!options_.write_through) break;
       continue;
     }

@@ -76,7 +76,9 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
 // their teardown's in reverse: `host` stops following the tier first.
 struct WorkerKvEvents {
   std::unique_ptr<kvbus::KvEventPublisher> publisher;
-  std::unique_ptr<kvbus::HostTierEvents> host;
+  // Shared: the store's put listener holds it weakly (what the worker
+  // writes to its shared tier).
+  std::shared_ptr<kvbus::HostTierEvents> host;
   std::string stream;  // this stream's name (WorkerInfo kv_events_stream): random
 };
 // Where the worker's KV events can be followed, into its info (nothing

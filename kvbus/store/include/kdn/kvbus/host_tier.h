@@ -133,7 +133,7 @@ class HostTier : public ChunkStore {
   size_t ExpireLocked(TimePoint now) KDN_REQUIRES(mu_);
   // Holds (kept) or lets go (!kept) an entry for its key's keep.
   void SetKeptLocked(Entry& e, bool kept) KDN_REQUIRES(mu_);
-  void UnkeepLocked(const ChunkKey& key) KDN_REQUIRES(mu_);
+  void UnkeepLocked(ChunkKey key) KDN_REQUIRES(mu_);  // by value: callers pass keys it erases
   // Removes one pin's hold on its entry.
   void ReleaseLocked(const PinRecord& pin) KDN_REQUIRES(mu_);
   void TouchLocked(Entry& e) KDN_REQUIRES(mu_);

@@ -19,8 +19,10 @@
 //   end marker of sequence -1).
 // - HostTierEvents: follows a HostTier and publishes the full prefix chunks
 //   it gains (BlockStored, with their tokens and parent) and loses
-//   (BlockRemoved), medium "CPU". Tail pieces and documents' segment keys
-//   are not prefix blocks and are not announced.
+//   (BlockRemoved), medium "CPU"; and, told of them (WroteShared), those
+//   the worker wrote to its shared tier, medium "STORAGE" (stored only: the
+//   shared tier's evictions are not its writers' to see). Tail pieces and
+//   documents' segment keys are not prefix blocks and are not announced.
 //
 // Thread-safe: Publish and Describe may be called from any thread.
 
@@ -136,6 +138,12 @@ class HostTierEvents {
   // the tier may gain: when it does, its event carries the chunk's tokens
   // and parent. A chunk stored that was never described is not announced.
   void Describe(std::span<const int32_t> tokens, std::span<const ChunkKey> keys);
+  // The chunk under `key` was written to the worker's shared tier: a
+  // described full prefix chunk is announced as stored there (medium
+  // STORAGE), once per key among the last kMaxSharedAnnounced. The shared
+  // tier evicts on its own, unseen by its writers: no BlockRemoved follows.
+  static constexpr size_t kMaxSharedAnnounced = 65536;
+  void WroteShared(const ChunkKey& key);
   // Chunks announced and not yet removed.
   size_t announced() const;
 
@@ -155,6 +163,8 @@ class HostTierEvents {
   std::unordered_map<ChunkKey, Described, ChunkKeyHash> described_ KDN_GUARDED_BY(mu_);
   std::list<ChunkKey> ages_ KDN_GUARDED_BY(mu_);  // described_, newest first
   std::unordered_set<ChunkKey, ChunkKeyHash> announced_ KDN_GUARDED_BY(mu_);
+  std::unordered_set<ChunkKey, ChunkKeyHash> shared_ KDN_GUARDED_BY(mu_);  // WroteShared's
+  std::list<ChunkKey> shared_ages_ KDN_GUARDED_BY(mu_);                    // shared_, newest first
 };
 
 }  // namespace kdn::kvbus

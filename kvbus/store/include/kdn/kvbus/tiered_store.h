@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -97,6 +98,13 @@ class TieredStore : public ChunkStore {
   // The first tier if it is a HostTier (for pinning), else nullptr.
   HostTier* host() { return host_; }
 
+  // Receives, after each chunk Put or a demotion stored into a tier past
+  // the first, that tier's index and the chunk's key (a worker's KV events
+  // announce what it wrote to its shared tier). It runs on the thread that
+  // stored, outside any lock of this store. nullptr: none. Thread-safe.
+  using PutListener = std::function<void(size_t tier, const ChunkKey& key)>;
+  void SetPutListener(PutListener listener);
+
  private:
   void WireDemotion();
   TierStats Sum(TierStats (ChunkStore::*stats)());
@@ -107,6 +115,9 @@ class TieredStore : public ChunkStore {
   const TieredStoreOptions options_;
   HostTier* host_ = nullptr;  // tiers_[0] when it is a HostTier
 
+  void Stored(size_t tier, const ChunkKey& key);
+
+  std::atomic<std::shared_ptr<const PutListener>> put_listener_;
   std::atomic<uint64_t> hits_{0};
   std::atomic<uint64_t> misses_{0};
 };
