@@ -15,6 +15,7 @@ wall_s; then a row of two routers' figures over one router's
 do better). Texts are generated from a fixed seed (bench/serving_peers.py).
 
     bench/routers_bench.py [--out FILE] [--work DIR] [--kdn-args "FLAGS"] [--quick] [--no-pins]
+                           [--lookups] [--only-lookups]
 
 Then the pins (docs/serving.md, "Pinning a prefix"), unless --no-pins: two
 more deployments of one router, no kdn-store, with caches smaller than the
@@ -26,6 +27,12 @@ system prompts marked `cache_control` (ttl 1h). Rows: pins (0 or PINNED),
 and hit_rate, ttft_p50_ms, ttft_p95_ms over the shared-prefix chats alone;
 then the ratio row (pinned to unpinned: hit_rate_ratio, ttft_p50_ratio, one
 without pins over one with).
+
+With --lookups, two more deployments of one router and no kdn-store, with
+their workers' KV events on (--kv-events-port): the shared-prefix workload
+with the router asking the workers, then following their events
+(--lookups-from-events). Rows: lookups ("worker" or "events"), then the
+ratio row (ttft_p50_ratio: asking over following).
 
 Run it with the tests' virtual environment (httpx): .venv-ref/bin/python.
 """
@@ -150,6 +157,11 @@ def main():
                     help="scratch: the deployments' run folders")
     ap.add_argument("--no-pins", action="store_true",
                     help="leave out the two deployments that measure pinned prefixes")
+    ap.add_argument("--lookups", action="store_true",
+                    help="add two deployments: lookups asked of the workers, then answered by "
+                         "their KV events")
+    ap.add_argument("--only-lookups", action="store_true",
+                    help="run the --lookups deployments alone")
     args = ap.parse_args()
     if not Path(args.model).exists():
         ap.error("no model at %s (scripts/fetch-smollm2.sh fetches it)" % args.model)
@@ -159,10 +171,32 @@ def main():
               "cores": os.cpu_count(), "model": str(args.model), "params": p,
               "quick": args.quick, "commands": {}}
     rows = []
-    for n in (1, 2):
+    if args.only_lookups:
+        args.lookups = True
+        args.no_pins = True
+    for n in (() if args.only_lookups else (1, 2)):
         row, header["commands"][str(n)] = measure(args, p, n)
         rows.append(row)
-    one, two = rows
+    if args.lookups:
+        pair = []
+        for how in ("worker", "events"):
+            more = "--kv-events-port %d" % (args.port + 100)
+            if how == "events":
+                more += " --lookups-from-events"
+            row, header["commands"]["lookups-" + how] = measure(
+                args, p, 1, "kdn-run-lookups-" + how, store=False, more=more)
+            row["lookups"] = how
+            pair.append(row)
+        ratio = {"workload": "shared-prefix", "ratio": "lookups from events to asked",
+                 "hit_rate_ratio": round(pair[1]["hit_rate"] / pair[0]["hit_rate"], 3)
+                 if pair[0]["hit_rate"] else None,
+                 "ttft_p50_ratio": round(pair[0]["ttft_p50_ms"] / pair[1]["ttft_p50_ms"], 3)
+                 if pair[0]["ttft_p50_ms"] and pair[1]["ttft_p50_ms"] else None}
+        print(json.dumps(ratio), flush=True)
+        rows += pair + [ratio]
+    if args.only_lookups:
+        return finish(args, header, rows)
+    one, two = rows[:2]
     ratio = {"workload": "shared-prefix", "ratio": "two routers to one",
              "hit_rate_ratio": round(two["hit_rate"] / one["hit_rate"], 3) if one["hit_rate"] else None,
              "ttft_p50_ratio": round(one["ttft_p50_ms"] / two["ttft_p50_ms"], 3)
@@ -187,6 +221,10 @@ def main():
                  if plain["ttft_p50_ms"] and pinned["ttft_p50_ms"] else None}
         print(json.dumps(ratio), flush=True)
         rows.append(ratio)
+    finish(args, header, rows)
+
+
+def finish(args, header, rows):
     if args.out:
         with open(args.out, "w") as f:
             f.write(json.dumps(header) + "\n")
