@@ -146,6 +146,7 @@ class Session : public std::enable_shared_from_this<Session> {
         Reply(http::status::ok, Dump(m), "application/json");
       }
     } else if (path == "/v1/kdn/pins" || path.starts_with("/v1/kdn/pins/")) {
+      route_ = "/v1/kdn/pins";  // one metrics label, whatever the pin
       Pins(path == "/v1/kdn/pins", path.size() > 12 ? path.substr(13) : std::string());
     } else if (path == "/v1/kdn/inject") {
       if (only(http::verb::post)) Inject();
@@ -173,7 +174,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!all && id.empty()) {
       ApiError e;
       e.http_status = 404;
-      e.message = "no pin named in " + route_;
+      e.message = "no pin named in " + route_ + "/";
       e.code = "pin_not_found";
       return ReplyError(e);
     }
@@ -210,7 +211,7 @@ class Session : public std::enable_shared_from_this<Session> {
     ApiError e;
     e.http_status = 405;
     e.message = std::string("method ") + std::string(request_.method_string()) +
-                " is not allowed on " + route_ + " (GET /v1/kdn/pins, DELETE /v1/kdn/pins[/ID])";
+                " is not allowed on /v1/kdn/pins (GET /v1/kdn/pins, DELETE /v1/kdn/pins[/ID])";
     ReplyError(e);
   }
 

@@ -130,6 +130,10 @@ def test_pins_outlive_eviction_for_their_ttl_per_tenant(tiny_model, tmp_path_fac
         assert metric(samples, "kdn_pins_refused_total") == 1
         assert metric(samples, "kdn_pin_hits_total") >= 1
         assert metric(samples, "kdn_pins") == 3  # Alice's two, Bob's one
+        # One route label for every pin's path (Bob's DELETE of Alice's pin: a 404).
+        assert metric(samples, "kdn_requests_total", route="/v1/kdn/pins", code="404") == 1
+        assert not [labels for _, labels in samples
+                    if dict(labels).get("route", "").startswith("/v1/kdn/pins/")], samples
         # DELETE without an id drops every pin of the tenant.
         assert d.http.delete("/v1/kdn/pins").status_code == 200
         assert d.http.get("/v1/kdn/pins").json()["data"] == []
