@@ -171,13 +171,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // `all`: the path names no pin.
   void Pins(bool all, const std::string& id) {
     const auto method = request_.method();
-    if (!all && id.empty()) {
+    const auto not_found = [this](std::string message) {
       ApiError e;
       e.http_status = 404;
-      e.message = "no pin named in " + route_ + "/";
+      e.message = std::move(message);
       e.code = "pin_not_found";
-      return ReplyError(e);
-    }
+      ReplyError(e);
+    };
+    if (!all && id.empty()) return not_found("no pin named in " + route_ + "/");
     if (method == http::verb::get && all) {
       json data = json::array();
       for (const PinInfo& p : router_.backend->Pins(TenantName())) {
@@ -202,11 +203,7 @@ class Session : public std::enable_shared_from_this<Session> {
                            {"deleted", true}}),
                      "application/json");
       }
-      ApiError e;
-      e.http_status = 404;
-      e.message = st.message();
-      e.code = "pin_not_found";
-      return ReplyError(e);
+      return not_found(st.message());
     }
     ApiError e;
     e.http_status = 405;

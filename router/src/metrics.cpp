@@ -45,6 +45,12 @@ void Single(std::string* out, const char* name, const char* type, const char* he
   *out += std::string(name) + " " + std::to_string(value) + "\n";
 }
 
+// One sample of a family with one label: name{label="value"} count.
+void Labelled(std::string* out, const char* name, const char* label, const char* value,
+              uint64_t count) {
+  *out += std::string(name) + "{" + label + "=\"" + value + "\"} " + std::to_string(count) + "\n";
+}
+
 }  // namespace
 
 Histogram::Histogram(std::vector<double> bounds)
@@ -255,9 +261,8 @@ std::string RenderMetrics(const StatusSnapshot& s) {
        "Requests routed (one sent back to the queue, or resumed, counts again), by where "
        "their prompt was computed: "
        "path=disaggregated on a prefill worker, its KV moved; path=local on the decode worker.");
-  out += "kdn_requests_routed_total{path=\"disaggregated\"} " +
-         std::to_string(f.routed_disaggregated) + "\n";
-  out += "kdn_requests_routed_total{path=\"local\"} " + std::to_string(f.routed_local) + "\n";
+  Labelled(&out, "kdn_requests_routed_total", "path", "disaggregated", f.routed_disaggregated);
+  Labelled(&out, "kdn_requests_routed_total", "path", "local", f.routed_local);
   Head(&out, "kdn_ttft_seconds", "histogram", "Time to first token from the request's arrival.");
   f.ttft.Render("kdn_ttft_seconds", &out);
   Head(&out, "kdn_inter_token_seconds", "histogram", "Time between tokens of a request.");
@@ -271,11 +276,10 @@ std::string RenderMetrics(const StatusSnapshot& s) {
        "KDN (cached), "
        "documents' KV fused in unchanged (blended), documents' tokens recomputed by blend "
        "(recomputed), or computed in full.");
-  out += "kdn_prompt_tokens_total{source=\"cached\"} " + std::to_string(f.cached_tokens) + "\n";
-  out += "kdn_prompt_tokens_total{source=\"blended\"} " + std::to_string(f.blended_tokens) + "\n";
-  out += "kdn_prompt_tokens_total{source=\"recomputed\"} " + std::to_string(f.recomputed_tokens) +
-         "\n";
-  out += "kdn_prompt_tokens_total{source=\"computed\"} " + std::to_string(f.computed_tokens) + "\n";
+  Labelled(&out, "kdn_prompt_tokens_total", "source", "cached", f.cached_tokens);
+  Labelled(&out, "kdn_prompt_tokens_total", "source", "blended", f.blended_tokens);
+  Labelled(&out, "kdn_prompt_tokens_total", "source", "recomputed", f.recomputed_tokens);
+  Labelled(&out, "kdn_prompt_tokens_total", "source", "computed", f.computed_tokens);
   Single(&out, "kdn_prompt_pruned_tokens_total", "counter",
          "Of the blended prompt tokens, those with no KV: pruned away when their document was "
          "stored.",
@@ -288,8 +292,8 @@ std::string RenderMetrics(const StatusSnapshot& s) {
        "Documents sent to /v1/kdn/inject, by result.");
   for (const char* result : {"stored", "already_held", "failed"}) {
     auto it = f.injected.find(result);
-    out += std::string("kdn_injected_documents_total{result=\"") + result + "\"} " +
-           std::to_string(it == f.injected.end() ? 0 : it->second) + "\n";
+    Labelled(&out, "kdn_injected_documents_total", "result", result,
+             it == f.injected.end() ? 0 : it->second);
   }
   Single(&out, "kdn_injected_tokens_total", "counter", "Tokens of the documents injected.",
          f.injected_tokens);
@@ -301,8 +305,8 @@ std::string RenderMetrics(const StatusSnapshot& s) {
        "Workers consulted about a prompt's cached prefix, by who answered: the worker asked, "
        "or its KV events followed by the router (docs/serving.md, \"Lookups from the event "
        "stream\").");
-  out += "kdn_lookups_total{answered=\"worker\"} " + std::to_string(f.lookups_asked) + "\n";
-  out += "kdn_lookups_total{answered=\"events\"} " + std::to_string(f.lookups_from_events) + "\n";
+  Labelled(&out, "kdn_lookups_total", "answered", "worker", f.lookups_asked);
+  Labelled(&out, "kdn_lookups_total", "answered", "events", f.lookups_from_events);
   Single(&out, "kdn_pins", "gauge",
          "Prompt prefixes pinned with cache_control and not yet expired (docs/serving.md, "
          "\"Pinning a prefix\").",

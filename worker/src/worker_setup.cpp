@@ -113,13 +113,13 @@ bool AnswerQuery(control::ControlServer& server, const std::string& peer,
       }
       keys.push_back(*k);
     }
-    // Past a year is "until dropped": no lease overflows the cast.
-    const uint64_t ms = std::min<uint64_t>(message.keep().lease_ms(), uint64_t{365} * 86400000);
-    auto kept = store.Keep(keys, std::chrono::milliseconds(static_cast<int64_t>(ms)));
+    const auto lease = kvbus::KeepLeaseFromWire(message.keep().lease_ms());
+    auto kept = store.Keep(keys, lease);
     if (!kept.ok()) {
       LogWarn("keeping {} pinned chunks: {}", keys.size(), kept.status().ToString());
     } else {
-      LogDebug("{} {} chunks for {} ms", ms == 0 ? "let go of" : "keeping", keys.size(), ms);
+      LogDebug("{} {} chunks for {} ms", lease.count() == 0 ? "let go of" : "keeping", keys.size(),
+               lease.count());
     }
     return true;  // no reply
   } else {

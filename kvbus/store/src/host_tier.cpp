@@ -33,20 +33,23 @@ size_t HostTier::ExpireLocked(TimePoint now) {
   return dropped;
 }
 
+void HostTier::HoldLocked(Entry& e) {
+  if (e.pins++ == 0) pinned_bytes_ += e.chunk->size();
+}
+
+void HostTier::UnholdLocked(Entry& e) {
+  if (--e.pins == 0) pinned_bytes_ -= e.chunk->size();
+}
+
 void HostTier::ReleaseLocked(const PinRecord& pin) {
   // Entries are never removed while pinned, so the entry is there.
-  Entry& e = index_.at(pin.key);
-  if (--e.pins == 0) pinned_bytes_ -= e.chunk->size();
+  UnholdLocked(index_.at(pin.key));
 }
 
 void HostTier::SetKeptLocked(Entry& e, bool kept) {
   if (e.kept == kept) return;
   e.kept = kept;
-  if (kept) {
-    if (e.pins++ == 0) pinned_bytes_ += e.chunk->size();
-  } else if (--e.pins == 0) {
-    pinned_bytes_ -= e.chunk->size();
-  }
+  kept ? HoldLocked(e) : UnholdLocked(e);
 }
 
 void HostTier::UnkeepLocked(ChunkKey key) {
@@ -224,7 +227,7 @@ Result<uint64_t> HostTier::Pin(const ChunkKey& key, std::chrono::milliseconds le
   auto it = index_.find(key);
   if (it == index_.end()) return NotFound("host tier: cannot pin absent chunk " + key.ToHex());
   Entry& e = it->second;
-  if (e.pins++ == 0) pinned_bytes_ += e.chunk->size();
+  HoldLocked(e);
   TouchLocked(e);
   const uint64_t id = next_pin_++;
   const TimePoint deadline = DeadlineAfter(now, lease);

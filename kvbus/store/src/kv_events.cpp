@@ -421,6 +421,16 @@ void HostTierEvents::Describe(std::span<const int32_t> tokens, std::span<const C
   }
 }
 
+KvEvent HostTierEvents::StoredEvent(const ChunkKey& key, const Described& d,
+                                    KvMedium medium) const {
+  return {.kind = KvEvent::Kind::kStored,
+          .keys = {key},
+          .parent = d.parent,
+          .tokens = d.tokens,
+          .block_size = chunk_tokens_,
+          .medium = medium};
+}
+
 void HostTierEvents::WroteShared(const ChunkKey& key) {
   MutexLock lock(mu_);
   auto it = described_.find(key);
@@ -430,12 +440,7 @@ void HostTierEvents::WroteShared(const ChunkKey& key) {
     shared_.erase(shared_ages_.back());
     shared_ages_.pop_back();
   }
-  publish_({.kind = KvEvent::Kind::kStored,
-            .keys = {key},
-            .parent = it->second.parent,
-            .tokens = it->second.tokens,
-            .block_size = chunk_tokens_,
-            .medium = KvMedium::kStorage});
+  publish_(StoredEvent(key, it->second, KvMedium::kStorage));
 }
 
 size_t HostTierEvents::announced() const {
@@ -453,12 +458,7 @@ void HostTierEvents::OnChange(const ChunkKey& key, bool held) {
   }
   auto it = described_.find(key);
   if (it == described_.end() || !announced_.insert(key).second) return;
-  publish_({.kind = KvEvent::Kind::kStored,
-            .keys = {key},
-            .parent = it->second.parent,
-            .tokens = it->second.tokens,
-            .block_size = chunk_tokens_,
-            .medium = KvMedium::kCpu});
+  publish_(StoredEvent(key, it->second, KvMedium::kCpu));
 }
 
 }  // namespace kdn::kvbus

@@ -109,9 +109,7 @@ struct StoreServer::Impl {
           if (!key.ok()) return SetStatus(reply, key.status());
           keys.push_back(*key);
         }
-        // Past a year is "until dropped": no lease overflows the cast.
-        const uint64_t ms = std::min<uint64_t>(req.keep().lease_ms(), uint64_t{365} * 86400000);
-        auto kept = store.Keep(keys, std::chrono::milliseconds(static_cast<int64_t>(ms)));
+        auto kept = store.Keep(keys, KeepLeaseFromWire(req.keep().lease_ms()));
         if (!kept.ok()) return SetStatus(reply, kept.status());
         reply->set_kept(*kept);
         return;

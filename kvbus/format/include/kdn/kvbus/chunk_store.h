@@ -33,6 +33,14 @@ struct TierStats {
   uint64_t unreachable = 0;
 };
 
+// A keep's lease as the wire carries it (KeepRequest, StoreKeep: unsigned
+// milliseconds), capped at a year: past that it means "until let go", and
+// no lease overflows the conversion.
+inline std::chrono::milliseconds KeepLeaseFromWire(uint64_t lease_ms) {
+  constexpr uint64_t kYearMs = uint64_t{365} * 86400000;
+  return std::chrono::milliseconds(static_cast<int64_t>(lease_ms < kYearMs ? lease_ms : kYearMs));
+}
+
 class ChunkStore {
  public:
   virtual ~ChunkStore() = default;

@@ -134,6 +134,10 @@ class HostTier : public ChunkStore {
   // Holds (kept) or lets go (!kept) an entry for its key's keep.
   void SetKeptLocked(Entry& e, bool kept) KDN_REQUIRES(mu_);
   void UnkeepLocked(ChunkKey key) KDN_REQUIRES(mu_);  // by value: callers pass keys it erases
+  // One hold more (a pin, or its key kept) or less on an entry: an entry
+  // with any is pinned, its bytes in pinned_bytes_.
+  void HoldLocked(Entry& e) KDN_REQUIRES(mu_);
+  void UnholdLocked(Entry& e) KDN_REQUIRES(mu_);
   // Removes one pin's hold on its entry.
   void ReleaseLocked(const PinRecord& pin) KDN_REQUIRES(mu_);
   void TouchLocked(Entry& e) KDN_REQUIRES(mu_);

@@ -154,6 +154,8 @@ class HostTierEvents {
     std::list<ChunkKey>::iterator age;
   };
   void OnChange(const ChunkKey& key, bool held);
+  // BlockStored of a described chunk, kept in `medium`.
+  KvEvent StoredEvent(const ChunkKey& key, const Described& d, KvMedium medium) const;
 
   HostTier& host_;
   const int chunk_tokens_;
