@@ -1,6 +1,7 @@
 #include "kdn/decode_worker/decoder.h"
 
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 
 #include "kdn/common/log.h"
@@ -675,6 +676,8 @@ void Decoder::Advance(DecoderOutput* out) {
   }
 
   ReleaseHeldBack();
+  // Pins' keeps and their expiry, before free_blocks() decides what fits.
+  model_.kv_cache().ApplyKeeps(std::chrono::steady_clock::now());
   const StepPlan plan = scheduler_.Schedule(Now(), model_.kv_cache().free_blocks());
   for (uint64_t id : plan.expire) {
     auto it = prepared_.find(id);

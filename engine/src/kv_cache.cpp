@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <iterator>
 #include <string>
 #include <utility>
 
@@ -104,7 +105,8 @@ KvCache::KvCache(int num_layers, int num_kv_heads, int head_dim, int num_blocks)
       head_dim_(head_dim),
       num_blocks_(num_blocks),
       refs_(num_blocks, 0),
-      index_refs_(num_blocks, 0) {
+      index_refs_(num_blocks, 0),
+      keep_refs_(num_blocks, 0) {
   free_.reserve(num_blocks);
   for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
 }
@@ -190,7 +192,11 @@ void KvCache::Publish(const KvSequence& seq, const KvKey& key, int64_t end) {
   for (int32_t b : e.blocks) AddRef(b, true);
   lru_.push_front(key);
   e.lru = lru_.begin();
-  index_.emplace(key, std::move(e));
+  Entry& added = index_.emplace(key, std::move(e)).first->second;
+  // A keep that came before its KV: held from now on (its blocks are the
+  // sequence's too, so nothing counted free changes here).
+  // Past the bound it waits for an entry to be let go (Unhold).
+  if (keeps_.contains(key)) (void)Hold(added);
 }
 
 Status KvCache::Attach(KvSequence& seq, std::span<const KvKey> chain) {
@@ -232,16 +238,96 @@ void KvCache::DropResident() {
 
 ResidentStats KvCache::resident_stats() const {
   MutexLock lock(index_mu_);
-  return {static_cast<int>(index_.size()), cached_, evictable_, evictions_, copied_blocks_};
+  return {static_cast<int>(index_.size()),
+          cached_,
+          evictable_,
+          evictions_,
+          copied_blocks_,
+          kept_entries_,
+          kept_blocks_};
+}
+
+size_t KvCache::Keep(std::span<const KvKey> keys, std::chrono::milliseconds lease, TimePoint now) {
+  MutexLock lock(index_mu_);
+  if (lease.count() <= 0) {
+    for (const KvKey& k : keys) {
+      if (auto it = keeps_.find(k); it != keeps_.end()) it->second = TimePoint::min();
+    }
+    keeps_changed_ = true;
+    return 0;
+  }
+  size_t fresh = 0;
+  for (const KvKey& k : keys) fresh += keeps_.contains(k) ? 0 : 1;
+  if (keeps_.size() + fresh > kMaxKeptKeys) return 0;
+  // Saturating: a lease of a year from a clock near its end stays in range.
+  const TimePoint deadline = now < TimePoint::max() - lease ? now + lease : TimePoint::max();
+  for (const KvKey& k : keys) {
+    auto [it, added] = keeps_.try_emplace(k, deadline);
+    if (!added) it->second = std::max(it->second, deadline);
+  }
+  keeps_changed_ = true;
+  return keys.size();
+}
+
+void KvCache::ApplyKeeps(TimePoint now) {
+  MutexLock lock(index_mu_);
+  if (!keeps_changed_ && now < next_keep_deadline_) return;
+  keeps_changed_ = false;
+  next_keep_deadline_ = TimePoint::max();
+  for (auto k = keeps_.begin(); k != keeps_.end();) {
+    auto e = index_.find(k->first);
+    if (k->second <= now) {
+      if (e != index_.end() && e->second.held) Unhold(e->second);
+      k = keeps_.erase(k);
+      continue;
+    }
+    next_keep_deadline_ = std::min(next_keep_deadline_, k->second);
+    if (e != index_.end() && !e->second.held) (void)Hold(e->second);
+    ++k;
+  }
+}
+
+bool KvCache::Hold(Entry& e) {
+  int more = 0;
+  for (int32_t b : e.blocks) more += keep_refs_[b] == 0 ? 1 : 0;
+  if (kept_blocks_ + more > keep_limit_blocks()) return false;
+  for (int32_t b : e.blocks) {
+    AddRef(b, false);
+    if (keep_refs_[b]++ == 0) ++kept_blocks_;
+  }
+  e.held = true;
+  ++kept_entries_;
+  return true;
+}
+
+void KvCache::Unhold(Entry& e) {
+  for (int32_t b : e.blocks) {
+    if (--keep_refs_[b] == 0) --kept_blocks_;
+    DropRef(b, false);
+  }
+  e.held = false;
+  --kept_entries_;
+  keeps_changed_ = true;  // room: the next ApplyKeeps holds what waited for it
 }
 
 bool KvCache::EvictFor(size_t need) {
   MutexLock lock(index_mu_);
-  while (free_.size() < need && !lru_.empty()) Evict(index_.find(lru_.back()));
+  // Least recently used first, past the held entries.
+  auto k = lru_.end();
+  while (free_.size() < need && k != lru_.begin()) {
+    const auto victim = std::prev(k);
+    auto it = index_.find(*victim);
+    if (it->second.held) {
+      k = victim;
+      continue;
+    }
+    Evict(it);  // erases victim's node only: k stays valid
+  }
   return free_.size() >= need;
 }
 
 void KvCache::Evict(std::map<KvKey, Entry>::iterator it) {
+  if (it->second.held) Unhold(it->second);
   for (int32_t b : it->second.blocks) DropRef(b, true);
   lru_.erase(it->second.lru);
   index_.erase(it);

@@ -341,6 +341,8 @@ struct PrefillService::Impl {
         queue.erase(ready);
         PostReads();
       }
+      // Pins' keeps and their expiry, before the job takes blocks.
+      wm.model->kv_cache().ApplyKeeps(std::chrono::steady_clock::now());
       if (q.inject) {
         RunInject(q);
       } else {

@@ -428,6 +428,9 @@ std::string RenderMetrics(const StatusSnapshot& s) {
   per_worker("kdn_worker_resident_evictable_kv_blocks", "gauge",
              "Of the resident KV blocks, those no request holds: counted as free.",
              [](const WorkerView& w) { return w.resident.evictable_blocks(); });
+  per_worker("kdn_worker_resident_pinned_kv_blocks", "gauge",
+             "Of the resident KV blocks, those pins keep: never evicted, not counted free.",
+             [](const WorkerView& w) { return w.resident.kept_blocks(); });
   per_worker("kdn_worker_resident_evictions_total", "counter",
              "Resident KV entries a worker's pool dropped to make room.",
              [](const WorkerView& w) { return w.resident.evictions(); });

@@ -1,7 +1,8 @@
 """Pinning a prompt prefix with a TTL (docs/serving.md, "Pinning a prefix"): a
 deployment of the tiny model whose workers' host tiers hold 8 chunks, with
 two tenants. A prefix pinned with `cache_control` outlives a flood of other
-prompts that evicts everything else, for its TTL; one whose TTL has run out
+prompts that evicts everything else, for its TTL, in the host tiers and in
+the prefill worker's KV pool; one whose TTL has run out
 or that was dropped with DELETE /v1/kdn/pins/ID goes with the flood. A
 tenant sees and drops only its own pins; a pin past the tenant's bound is
 a 429, a bad `cache_control` a 400 naming the field. The prompts are token
@@ -14,7 +15,7 @@ import time
 import httpx
 import openai
 
-from deploy_util import CHUNK_TOKENS, Deployment, metric, parse_metrics
+from deploy_util import CHUNK_TOKENS, Deployment, metric, parse_metrics, settled_metrics
 
 KEYS = {"alice-key-0123456789": "alice", "bob-key-9876543210abc": "bob"}
 ALICE, BOB = list(KEYS)
@@ -80,8 +81,19 @@ def test_pins_outlive_eviction_for_their_ttl_per_tenant(tiny_model, tmp_path_fac
         time.sleep(max(0.0, 2.5 - (time.monotonic() - short_pinned_at)))
         assert [p["ttl_seconds"] for p in d.http.get("/v1/kdn/pins").json()["data"]] == [600]
         flood()
+        before = settled_metrics(d)
         u = ask(pinned)
+        after = settled_metrics(d)
         assert cached(u) >= 3 * CHUNK_TOKENS, u
+        # The prefill worker's pool kept it too: attached where it lies,
+        # with no KV copied in from the host tier.
+        def prefill_delta(name):
+            return (metric(after, name, worker="prefill-0", role="prefill")
+                    - metric(before, name, worker="prefill-0", role="prefill"))
+        assert metric(before, "kdn_worker_resident_pinned_kv_blocks", worker="prefill-0",
+                      role="prefill") == 3 * CHUNK_TOKENS // 16
+        assert prefill_delta("kdn_worker_resident_hit_tokens_total") >= 3 * CHUNK_TOKENS
+        assert prefill_delta("kdn_worker_kv_loaded_bytes_total") == 0
         assert u["prompt_tokens_details"]["pinned_tokens"] == 3 * CHUNK_TOKENS, u
         assert cached(ask(short)) == 0
         assert cached(ask(plain)) == 0

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -345,6 +346,141 @@ TEST(KvCacheResident, PublishingAKeyAgainOnlyTouchesIt) {
   b.Reset();
   EXPECT_EQ(cache.resident_stats().cached_blocks, 1);
   EXPECT_EQ(cache.unused_blocks(), 3);
+}
+
+// Keeps (pins): held entries are neither evicted nor counted free.
+
+// Publishes `key` over `blocks` new blocks' worth of tokens, then lets the
+// sequence go, so that only the index (and a keep) holds them.
+void PublishAlone(CpuKvCache& cache, KvKey key, int blocks) {
+  KvSequence s = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(s, blocks * kKvBlockTokens).ok());
+  Fill(cache, s, 0, blocks * kKvBlockTokens, 0);
+  cache.Publish(s, key, blocks * kKvBlockTokens);
+}
+
+using std::chrono::milliseconds;
+const KvCache::TimePoint kT0 = KvCache::TimePoint() + std::chrono::hours(1);
+
+TEST(KvCacheKeep, AKeepBeforeTheKvHoldsItFromItsPublishingUntilTheDeadline) {
+  CpuKvCache cache(2, 1, 4, 8);
+  const KvKey key{3, 1};
+  EXPECT_EQ(cache.Keep({&key, 1}, milliseconds(60000), kT0), 1u);
+  PublishAlone(cache, key, 2);
+  ResidentStats st = cache.resident_stats();
+  EXPECT_EQ(st.kept_entries, 1);
+  EXPECT_EQ(st.kept_blocks, 2);
+  EXPECT_EQ(st.evictable_blocks, 0);
+  EXPECT_EQ(cache.free_blocks(), 6);  // not counted free
+  // The pool's every other block is taken, and the held entry stays.
+  KvSequence big = cache.NewSequence();
+  EXPECT_EQ(cache.Reserve(big, 7 * kKvBlockTokens).code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(cache.Reserve(big, 6 * kKvBlockTokens).ok());
+  EXPECT_TRUE(cache.IsResident(key));
+  big.Reset();
+  cache.ApplyKeeps(kT0 + milliseconds(59999));
+  EXPECT_EQ(cache.resident_stats().kept_blocks, 2);
+  cache.ApplyKeeps(kT0 + milliseconds(60000));  // the deadline: let go
+  st = cache.resident_stats();
+  EXPECT_EQ(st.kept_entries, 0);
+  EXPECT_EQ(st.kept_blocks, 0);
+  EXPECT_EQ(st.evictable_blocks, 2);
+  EXPECT_EQ(cache.free_blocks(), 8);
+  ASSERT_TRUE(cache.Reserve(big, 8 * kKvBlockTokens).ok());  // evicts it now
+  EXPECT_FALSE(cache.IsResident(key));
+}
+
+TEST(KvCacheKeep, AKeepOfResidentKvTakesEffectAtApplyKeepsAndAZeroLeaseLetsGo) {
+  CpuKvCache cache(2, 1, 4, 8);
+  const KvKey key{3, 2};
+  PublishAlone(cache, key, 3);
+  EXPECT_EQ(cache.Keep({&key, 1}, milliseconds(1000), kT0), 1u);
+  EXPECT_EQ(cache.free_blocks(), 8);  // the engine's thread has not applied it
+  cache.ApplyKeeps(kT0);
+  EXPECT_EQ(cache.free_blocks(), 5);
+  // Kept again with a shorter lease: the later deadline stays.
+  EXPECT_EQ(cache.Keep({&key, 1}, milliseconds(10), kT0), 1u);
+  cache.ApplyKeeps(kT0 + milliseconds(500));
+  EXPECT_EQ(cache.resident_stats().kept_blocks, 3);
+  EXPECT_EQ(cache.Keep({&key, 1}, milliseconds(0), kT0), 0u);
+  cache.ApplyKeeps(kT0 + milliseconds(500));
+  EXPECT_EQ(cache.resident_stats().kept_blocks, 0);
+  EXPECT_EQ(cache.free_blocks(), 8);
+  // Let go, the key is not held again when published anew.
+  cache.DropResident();
+  PublishAlone(cache, key, 1);
+  EXPECT_EQ(cache.resident_stats().kept_entries, 0);
+}
+
+TEST(KvCacheKeep, EvictionPassesOverHeldEntriesEvenWhenLeastRecentlyUsed) {
+  CpuKvCache cache(2, 1, 4, 8);
+  const KvKey kept{5, 1}, other{5, 2};
+  EXPECT_EQ(cache.Keep({&kept, 1}, milliseconds(60000), kT0), 1u);
+  PublishAlone(cache, kept, 2);   // least recently used
+  PublishAlone(cache, other, 2);  // more recent
+  KvSequence s = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(s, 6 * kKvBlockTokens).ok());
+  EXPECT_TRUE(cache.IsResident(kept));
+  EXPECT_FALSE(cache.IsResident(other));
+  EXPECT_EQ(cache.resident_stats().evictions, 1u);
+}
+
+TEST(KvCacheKeep, HeldBlocksStayWithinHalfThePoolAndAWaitingKeepIsHeldOnceThereIsRoom) {
+  CpuKvCache cache(2, 1, 4, 8);
+  ASSERT_EQ(cache.keep_limit_blocks(), 4);
+  const KvKey a{6, 1}, b{6, 2};
+  PublishAlone(cache, a, 3);
+  PublishAlone(cache, b, 3);
+  const KvKey both[] = {a, b};
+  EXPECT_EQ(cache.Keep(both, milliseconds(60000), kT0), 2u);
+  cache.ApplyKeeps(kT0);
+  ResidentStats st = cache.resident_stats();
+  EXPECT_EQ(st.kept_entries, 1);  // 6 blocks would pass the bound of 4
+  EXPECT_EQ(st.kept_blocks, 3);
+  EXPECT_EQ(cache.free_blocks(), 5);
+  // Letting the first go makes room for the second.
+  EXPECT_EQ(cache.Keep({&a, 1}, milliseconds(0), kT0), 0u);
+  cache.ApplyKeeps(kT0);
+  st = cache.resident_stats();
+  EXPECT_EQ(st.kept_entries, 1);
+  EXPECT_EQ(st.kept_blocks, 3);
+  KvSequence s = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(s, 5 * kKvBlockTokens).ok());
+  EXPECT_FALSE(cache.IsResident(a));
+  EXPECT_TRUE(cache.IsResident(b));
+}
+
+TEST(KvCacheKeep, AChainsEntriesShareTheirBlocksInTheCount) {
+  CpuKvCache cache(2, 1, 4, 8);
+  KvSequence s = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(s, 40).ok());
+  Fill(cache, s, 0, 40, 0);
+  const KvKey chain[] = {{7, 1}, {7, 2}};
+  EXPECT_EQ(cache.Keep(chain, milliseconds(60000), kT0), 2u);
+  cache.Publish(s, chain[1], 40);
+  cache.Publish(s, chain[0], 32);
+  s.Reset();
+  const ResidentStats st = cache.resident_stats();
+  EXPECT_EQ(st.kept_entries, 2);
+  EXPECT_EQ(st.kept_blocks, 3);
+  EXPECT_EQ(cache.free_blocks(), 5);
+  // An attach of a held entry copies its shared last block before writing.
+  KvSequence t = cache.NewSequence();
+  ASSERT_TRUE(cache.Attach(t, chain).ok());
+  ASSERT_TRUE(cache.Reserve(t, 41).ok());
+  EXPECT_EQ(cache.resident_stats().copied_blocks, 1u);
+}
+
+TEST(KvCacheKeep, KeysPastTheBoundAreRefusedWhole) {
+  CpuKvCache cache(1, 1, 4, 2);
+  std::vector<KvKey> keys(KvCache::kMaxKeptKeys);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = {8, i};
+  EXPECT_EQ(cache.Keep(keys, milliseconds(1000), kT0), keys.size());
+  const KvKey one_more{9, 0};
+  EXPECT_EQ(cache.Keep({&one_more, 1}, milliseconds(1000), kT0), 0u);
+  EXPECT_EQ(cache.Keep({&keys[0], 1}, milliseconds(5000), kT0), 1u);  // not a new key
+  cache.ApplyKeeps(kT0 + milliseconds(1000));                         // all but one lapse
+  EXPECT_EQ(cache.Keep({&one_more, 1}, milliseconds(1000), kT0), 1u);
 }
 
 }  // namespace

@@ -62,8 +62,7 @@ Result<std::unique_ptr<kvbus::TieredStore>> MakeWorkerStore(
 bool AnswerQuery(control::ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,
-                 const std::function<void(proto::WorkerInfo*)>& fill_info,
-                 const engine::KvCache* pool) {
+                 const std::function<void(proto::WorkerInfo*)>& fill_info, engine::KvCache* pool) {
   proto::WorkerMessage reply;
   reply.set_request_id(message.request_id());
   if (message.body_case() == proto::WorkerMessage::kInfoRequest) {
@@ -114,6 +113,15 @@ bool AnswerQuery(control::ControlServer& server, const std::string& peer,
       keys.push_back(*k);
     }
     const auto lease = kvbus::KeepLeaseFromWire(message.keep().lease_ms());
+    if (pool != nullptr) {
+      std::vector<engine::KvKey> resident;
+      resident.reserve(keys.size());
+      for (const kvbus::ChunkKey& k : keys) resident.push_back(kvbridge::ResidentKey(k));
+      if (pool->Keep(resident, lease, std::chrono::steady_clock::now()) == 0 && lease.count() > 0) {
+        LogWarn("keeping {} pinned chunks in the KV pool: its bound of {} kept keys is reached",
+                keys.size(), engine::KvCache::kMaxKeptKeys);
+      }
+    }
     auto kept = store.Keep(keys, lease);
     if (!kept.ok()) {
       LogWarn("keeping {} pinned chunks: {}", keys.size(), kept.status().ToString());
@@ -138,6 +146,7 @@ void SetResidentCounters(proto::WorkerInfo* info, const engine::ResidentStats& s
   r->set_hit_tokens(hit_tokens);
   r->set_copied_blocks(st.copied_blocks);
   r->set_kv_bytes_loaded(kv_bytes_loaded);
+  r->set_kept_blocks(st.kept_blocks);
 }
 
 void SetStoreCounters(proto::WorkerInfo* info, kvbus::TieredStore& store) {

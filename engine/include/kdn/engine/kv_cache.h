@@ -24,9 +24,14 @@
 // entries least recently used first until enough are free, so free_blocks()
 // counts those blocks as available.
 //
+// Pins (docs/serving.md, "Pinning a prefix") keep entries from eviction: a
+// kept entry holds a reference of its own on its blocks, so they are
+// neither evicted nor counted free, up to a bound on the pool's share.
+//
 // Not thread-safe: the engine that owns a cache serialises access to it,
 // except where a method says otherwise.
 
+#include <chrono>
 #include <compare>
 #include <cstdint>
 #include <list>
@@ -76,6 +81,8 @@ struct ResidentStats {
   int evictable_blocks = 0;    // of those, held by no sequence
   uint64_t evictions = 0;      // entries dropped to make room
   uint64_t copied_blocks = 0;  // shared blocks copied before a sequence wrote into them
+  int kept_entries = 0;        // entries a keep holds (never evicted)
+  int kept_blocks = 0;         // blocks under them (not counted free)
 };
 
 // A sequence's view of the cache: its block table and how many tokens of KV
@@ -211,6 +218,28 @@ class KvCache {
   // On the engine's thread, as free_blocks().
   ResidentStats resident_stats() const KDN_EXCLUDES(index_mu_);
 
+  // Keeps. Keep asks that the entries under `keys` stay resident for
+  // `lease` from `now`, whether they are resident yet or not (a prefix is
+  // pinned before its KV is computed); a key kept again keeps the later of
+  // its deadlines, and a zero lease lets the keys go. Thread-safe: a
+  // control thread calls it. Returns the keys taken, 0 when the bound of
+  // kMaxKeptKeys would be passed (nothing is taken then).
+  // A keep takes effect on the engine's thread: when its key is published,
+  // and at ApplyKeeps, which also lets go of keeps whose deadline is past
+  // `now` (on the clock Keep was given). The engine calls it before it
+  // decides what fits in the pool, since holding an entry takes its blocks
+  // out of free_blocks(). An entry is held only while the blocks held stay
+  // within keep_limit_blocks() (half the pool, so that pins never starve
+  // the requests that use it); a keep past that waits, unheld, for room
+  // (the host tier keeps its chunks meanwhile). DropResident lets go of the
+  // held entries but not of the keeps.
+  using TimePoint = std::chrono::steady_clock::time_point;
+  static constexpr size_t kMaxKeptKeys = size_t{1} << 16;
+  size_t Keep(std::span<const KvKey> keys, std::chrono::milliseconds lease, TimePoint now)
+      KDN_EXCLUDES(index_mu_);
+  void ApplyKeeps(TimePoint now) KDN_EXCLUDES(index_mu_);
+  int keep_limit_blocks() const { return num_blocks_ / 2; }
+
   // The pool's memory (base null when it is not one addressable region).
   virtual KvPoolMemory Memory() const { return {}; }
   // Where one layer's KV of positions [first, first + count) of `seq` lies
@@ -251,6 +280,7 @@ class KvCache {
     std::vector<int32_t> blocks;  // under [0, end)
     int64_t end = 0;
     std::list<KvKey>::iterator lru;  // in lru_
+    bool held = false;               // a keep holds its blocks
   };
   Status CheckRows(const KvSequence& seq, int layer0, int layers, int64_t first, int64_t count,
                    DType dtype, size_t bytes) const;
@@ -269,6 +299,10 @@ class KvCache {
   bool EvictFor(size_t need) KDN_EXCLUDES(index_mu_);
   void Evict(std::map<KvKey, Entry>::iterator it) KDN_REQUIRES(index_mu_);
   void Touch(Entry& e) KDN_REQUIRES(index_mu_);
+  // A keep's reference on an entry's blocks; Hold is false (and takes
+  // nothing) when keep_limit_blocks() would be passed.
+  bool Hold(Entry& e) KDN_REQUIRES(index_mu_);
+  void Unhold(Entry& e) KDN_REQUIRES(index_mu_);
   int32_t Take();  // an unused block, referenced once
 
   const int num_layers_, num_kv_heads_, head_dim_, num_blocks_;
@@ -283,6 +317,14 @@ class KvCache {
   mutable Mutex index_mu_;
   std::map<KvKey, Entry> index_ KDN_GUARDED_BY(index_mu_);
   std::list<KvKey> lru_ KDN_GUARDED_BY(index_mu_);  // most recently used first
+  // Keeps: deadlines by key (Keep writes them from any thread), and what
+  // the held ones hold (the engine's thread, under index_mu_ as the index).
+  std::map<KvKey, TimePoint> keeps_ KDN_GUARDED_BY(index_mu_);
+  bool keeps_changed_ KDN_GUARDED_BY(index_mu_) = false;
+  TimePoint next_keep_deadline_ KDN_GUARDED_BY(index_mu_) = TimePoint::max();
+  std::vector<int32_t> keep_refs_ KDN_GUARDED_BY(index_mu_);  // [block] -> held keeps over it
+  int kept_entries_ KDN_GUARDED_BY(index_mu_) = 0;
+  int kept_blocks_ KDN_GUARDED_BY(index_mu_) = 0;
 };
 
 // The CPU backend's cache: fp32 pools in host memory, which the CPU engine

@@ -113,12 +113,13 @@ void AddTransportCounters(proto::WorkerInfo* info, const std::string& transport,
 
 // Answers what any worker answers alike: an info request, a lookup (what of
 // a prompt its KDN reaches, and with `pool` what of it is resident), a keep
-// (ChunkStore::Keep on `store`, unanswered). False for any other message.
+// (ChunkStore::Keep on `store`, and with `pool` KvCache::Keep, which its
+// engine's thread applies; unanswered). False for any other message.
 bool AnswerQuery(control::ControlServer& server, const std::string& peer,
                  const proto::WorkerMessage& message, kvbus::TieredStore& store,
                  const kvbus::KeyContext& keys,
                  const std::function<void(proto::WorkerInfo*)>& fill_info,
-                 const engine::KvCache* pool = nullptr);
+                 engine::KvCache* pool = nullptr);
 // Sets the info's resident counters from the pool's (a snapshot the
 // engine's thread took) and the worker's own two.
 void SetResidentCounters(proto::WorkerInfo* info, const engine::ResidentStats& pool,
