@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <numeric>
+#include <random>
 #include <thread>
 
 #include "kdn/engine/cpu_runtime.h"
@@ -123,6 +125,27 @@ void DropFromPageCache(const std::filesystem::path& dir) {
     ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     ::close(fd);
   }
+}
+
+double Mean(const std::vector<double>& x) {
+  return x.empty() ? 0 : std::accumulate(x.begin(), x.end(), 0.0) / static_cast<double>(x.size());
+}
+
+Interval Bootstrap(const std::vector<double>& x, int resamples, uint64_t seed) {
+  Interval iv{Mean(x), Mean(x), Mean(x)};
+  if (x.size() < 2 || resamples <= 0) return iv;
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<size_t> pick(0, x.size() - 1);
+  std::vector<double> means(resamples);
+  for (double& m : means) {
+    double s = 0;
+    for (size_t i = 0; i < x.size(); ++i) s += x[pick(rng)];
+    m = s / static_cast<double>(x.size());
+  }
+  std::sort(means.begin(), means.end());
+  iv.lo = means[static_cast<size_t>(0.025 * (resamples - 1))];
+  iv.hi = means[static_cast<size_t>(0.975 * (resamples - 1))];
+  return iv;
 }
 
 }  // namespace kdn::bench

@@ -25,6 +25,15 @@ using nlohmann::json;
 
 double Seconds(Clock::time_point a, Clock::time_point b);
 
+// The mean of samples (0 for none), and with it the percentile
+// bootstrap's 95% interval: `resamples` resamples drawn with `seed`; with
+// fewer than 2 samples or no resamples the interval is the mean alone.
+double Mean(const std::vector<double>& x);
+struct Interval {
+  double mean = 0, lo = 0, hi = 0;
+};
+Interval Bootstrap(const std::vector<double>& x, int resamples, uint64_t seed);
+
 // Best-of-N GFLOP/s of a square single-precision product: the ceiling the
 // engine's matrix products can reach on this machine with these threads.
 double SgemmPeakGflops(int n, int reps);
@@ -226,6 +235,22 @@ struct PruneFidelityOptions {
   std::string work_dir = "/tmp/kdn-prune-fidelity";
 };
 int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o);
+
+// kv-edit: edits of a stored document's KV on a knowledge-conflict set
+// (bench/kv_edit.cpp; docs/kvbus.md, "Editing stored KV").
+struct KvEditOptions {
+  std::string facts_path = "bench/data/kv_edit_facts.txt";
+  int items = 0;        // at most; 0: every fact the model knows
+  int other_facts = 4;  // true facts in each document beside the counterfactual
+  int fluency_items = 48;
+  int fluency_tokens = 64;
+  double recompute_ratio = 0.15;
+  int bootstrap = 2000;
+  std::string instruction =
+      "Answer from the text below. Where it differs from what you know, the text is right.";
+  std::string erratum = "Note: the text above is right.";
+};
+int RunKvEdit(const Common& c, const KvEditOptions& o);
 
 // quality: exact match of a QA model on its eval set, by task family and mode
 // (bench/quality_workload.cpp). With `check_layers`, each of `ratios` also

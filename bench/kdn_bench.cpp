@@ -529,6 +529,38 @@ int main(int argc, char** argv) {
       ->add_option("--work-dir", pf.work_dir,
                    "Where the peer's transformers model and exchange files go")
       ->capture_default_str();
+  KvEditOptions ke;
+  auto* kv_edit = app.add_subcommand(
+      "kv-edit",
+      "Edits of a stored document's KV on a knowledge-conflict set: efficacy, paraphrases, "
+      "specificity, fluency and cost per arm (no edit, re-prefill with an instruction, the "
+      "instruction as text, an erratum), with bootstrap intervals");
+  common(kv_edit);
+  kv_edit->add_option("--facts", ke.facts_path, "The facts and templates the set is built from")
+      ->capture_default_str()
+      ->check(CLI::ExistingFile);
+  kv_edit->add_option("--items", ke.items, "Items at most (0: every fact the model knows)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  kv_edit
+      ->add_option("--other-facts", ke.other_facts,
+                   "True facts of other relations in each document (its specificity questions)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 8));
+  kv_edit->add_option("--fluency-items", ke.fluency_items, "Items whose answer is generated")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  kv_edit->add_option("--fluency-tokens", ke.fluency_tokens, "Greedy tokens generated for fluency")
+      ->capture_default_str()
+      ->check(CLI::Range(3, 4096));
+  kv_edit
+      ->add_option("--recompute-ratio", ke.recompute_ratio,
+                   "The stored arms' blend (boundary+deviation:8, the deployment's default)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  kv_edit->add_option("--bootstrap", ke.bootstrap, "Resamples of the intervals")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   std::string tk_dir, tk_text;
   int tk_tokens = 32768;
   auto* tokenize = app.add_subcommand(
@@ -684,6 +716,7 @@ int main(int argc, char** argv) {
     }
     return RunPruneFidelity(c, pf);
   }
+  if (kv_edit->parsed()) return RunKvEdit(c, ke);
   if (quality->parsed()) {
     if (quality_random == std::vector<double>{0.0}) quality_random.clear();
     if (quality_full_only) quality_ratios.clear(), quality_random.clear();

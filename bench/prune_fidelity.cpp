@@ -59,32 +59,6 @@ struct Row {
   double prune_s = 0;            // summed over documents
 };
 
-struct Interval {
-  double mean = 0, lo = 0, hi = 0;
-};
-
-double Mean(const std::vector<double>& x) {
-  return x.empty() ? 0 : std::accumulate(x.begin(), x.end(), 0.0) / static_cast<double>(x.size());
-}
-
-// The mean and the percentile bootstrap's 95% interval of it.
-Interval Bootstrap(const std::vector<double>& x, int resamples, uint64_t seed) {
-  Interval iv{Mean(x), Mean(x), Mean(x)};
-  if (x.size() < 2 || resamples <= 0) return iv;
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<size_t> pick(0, x.size() - 1);
-  std::vector<double> means(resamples);
-  for (double& m : means) {
-    double s = 0;
-    for (size_t i = 0; i < x.size(); ++i) s += x[pick(rng)];
-    m = s / static_cast<double>(x.size());
-  }
-  std::sort(means.begin(), means.end());
-  iv.lo = means[static_cast<size_t>(0.025 * (resamples - 1))];
-  iv.hi = means[static_cast<size_t>(0.975 * (resamples - 1))];
-  return iv;
-}
-
 // Mean KL(p || q) and argmax agreement over the rows of two [rows][vocab] sets.
 std::pair<double, double> Compare(const std::vector<float>& p, const std::vector<float>& q,
                                   size_t vocab) {

@@ -262,10 +262,6 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-double Mean(const std::vector<double>& v) {
-  return std::accumulate(v.begin(), v.end(), 0.0) / v.size();
-}
-
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());

@@ -67,7 +67,6 @@ Result<TurnResult> Complete(const Url& url, const std::string& prompt, int max_t
 std::string RandomWords(std::mt19937_64& rng, int n);
 
 double Median(std::vector<double> v);
-double Mean(const std::vector<double>& v);
 // The value at quantile `q` (0 to 1) of `v`, nearest rank; 0 for none.
 double Percentile(std::vector<double> v, double q);
 

@@ -1,0 +1,524 @@
+// kdn-bench kv-edit: whether an edit of a stored document's KV makes the
+// model follow the document where it contradicts what the model knows
+// (docs/kvbus.md, "Editing stored KV").
+//
+// The knowledge-conflict set is built here from bench/data/kv_edit_facts.txt
+// (--facts): every fact whose object the model names, greedily, after the
+// question alone becomes an item; its counterfactual object is another
+// fact's of the same relation (a different first token), and its document
+// states the counterfactual among --other-facts true facts of other
+// relations, in an order drawn per item. The document's KV is computed alone, at
+// positions 0.., as the KDN stores a document; a request is BOS (the head),
+// the document, then a line break and a question, and the stored arms run
+// through blend::BlendPrefill with the deployment's default selection
+// (boundary+deviation:8 at --recompute-ratio), as a deployment serves them.
+//
+// Arms, on the same items in one run:
+//   no_edit            the stored document as it is;
+//   reprefill          the instruction, the document and the question
+//                      computed in one prefill (the gold, and the cost
+//                      baseline);
+//   instruction_text   the same instruction as prompt text ahead of the
+//                      stored document (the head: BOS and the instruction);
+//   erratum            the stored document with a note after it, whose KV
+//                      is computed once, on top of the document's (the
+//                      edit), and stored with it.
+//
+// Per arm, over the items (each with a bootstrap 95% interval): efficacy
+// (the share where the counterfactual's first token is likelier than the
+// true object's after the question), logodds_shift (log P(new) - log P(old)
+// against the same with no document at all), paraphrase_efficacy (the three
+// paraphrases of the question), specificity_top1 and specificity_kl (the
+// questions of the document's other facts: greedy agreement with, and KL
+// from, no_edit's answer), fluency (the mean of the bigram and trigram
+// entropies, in bits, of --fluency-tokens greedy tokens after the question,
+// on the first --fluency-items items), edit_ms (the note's KV, erratum),
+// ttft_ms (the request's prefill or blend) and reprefill_ms (reprefill's,
+// on the same item).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "bench_util.h"
+#include "prose.h"
+#include "kdn/blend/blend.h"
+#include "kdn/kvbridge/paged_chunks.h"
+#include "kdn/kvbus/key.h"
+#include "kdn/text/tokenizer.h"
+
+namespace kdn::bench {
+
+namespace {
+
+struct Relation {
+  std::string name, statement, question;
+  std::vector<std::string> paraphrases;
+  std::vector<std::pair<std::string, std::string>> facts;  // subject, object
+};
+
+std::string Trim(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t") - b + 1);
+}
+
+// A template with its subject and object in place and "\n" a line break.
+std::string Fill(const std::string& t, const std::string& s, const std::string& o) {
+  std::string out;
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (t.compare(i, 3, "{s}") == 0) {
+      out += s;
+      i += 2;
+    } else if (t.compare(i, 3, "{o}") == 0) {
+      out += o;
+      i += 2;
+    } else if (t.compare(i, 2, "\\n") == 0) {
+      out += '\n';
+      i += 1;
+    } else {
+      out += t[i];
+    }
+  }
+  return out;
+}
+
+Result<std::vector<Relation>> ReadFacts(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return NotFound("cannot read the facts file " + path + " (--facts)");
+  std::vector<Relation> rels;
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (Trim(line).empty() || line[0] == '#') continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) {
+      return InvalidArgument(path + ":" + std::to_string(n) + ": no \"field:\"");
+    }
+    const std::string field = line.substr(0, colon), value = Trim(line.substr(colon + 1));
+    if (field == "relation") {
+      rels.push_back({value, "", "", {}, {}});
+      continue;
+    }
+    if (rels.empty()) {
+      return InvalidArgument(path + ":" + std::to_string(n) + ": " + field + " before a relation");
+    }
+    Relation& r = rels.back();
+    if (field == "statement") {
+      r.statement = value;
+    } else if (field == "question") {
+      r.question = value;
+    } else if (field == "paraphrase") {
+      r.paraphrases.push_back(value);
+    } else if (field == "fact") {
+      const size_t bar = value.find('|');
+      if (bar == std::string::npos) {
+        return InvalidArgument(path + ":" + std::to_string(n) + ": a fact is \"subject | object\"");
+      }
+      r.facts.emplace_back(Trim(value.substr(0, bar)), Trim(value.substr(bar + 1)));
+    } else {
+      return InvalidArgument(path + ":" + std::to_string(n) + ": unknown field " + field);
+    }
+  }
+  for (const Relation& r : rels) {
+    if (r.statement.empty() || r.question.empty() || r.paraphrases.size() != 3 ||
+        r.facts.size() < 2) {
+      return InvalidArgument(path + ": relation " + r.name +
+                             " needs a statement, a question, 3 paraphrases and 2 facts");
+    }
+  }
+  return rels;
+}
+
+struct Fact {
+  int rel = 0;
+  std::string subject, object;
+  int32_t answer = 0;  // the object's first token, after a space
+};
+
+struct Item {
+  const Fact* fact = nullptr;
+  std::string new_object;
+  int32_t new_token = 0;
+  double own_logodds = 0;  // log P(new) - log P(old), no document
+  std::vector<int32_t> document;
+  std::vector<const Fact*> others;  // the document's true facts
+};
+
+enum class Arm { kNoEdit, kReprefill, kInstructionText, kErratum };
+constexpr Arm kArms[] = {Arm::kNoEdit, Arm::kReprefill, Arm::kInstructionText, Arm::kErratum};
+const char* ArmName(Arm a) {
+  switch (a) {
+    case Arm::kNoEdit: return "no_edit";
+    case Arm::kReprefill: return "reprefill";
+    case Arm::kInstructionText: return "instruction_text";
+    case Arm::kErratum: return "erratum";
+  }
+  return "?";
+}
+
+struct ArmRows {
+  std::vector<double> efficacy, logodds_shift, paraphrase, spec_top1, spec_kl, fluency, edit_ms,
+      ttft_ms, reprefill_ms;
+};
+
+std::vector<double> LogSoftmax(std::span<const float> logits) {
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x - mx));
+  const double lse = mx + std::log(sum);
+  std::vector<double> out(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) out[i] = logits[i] - lse;
+  return out;
+}
+
+double LogOdds(std::span<const float> logits, int32_t new_token, int32_t old_token) {
+  const std::vector<double> lp = LogSoftmax(logits);
+  return lp[new_token] - lp[old_token];
+}
+
+// The mean of the bigram and trigram entropies (bits) of `tokens`.
+double NgramEntropy(const std::vector<int32_t>& tokens) {
+  double total = 0;
+  for (size_t n : {size_t{2}, size_t{3}}) {
+    if (tokens.size() < n) continue;
+    std::map<std::vector<int32_t>, int> counts;
+    for (size_t i = 0; i + n <= tokens.size(); ++i) {
+      ++counts[std::vector<int32_t>(tokens.begin() + i, tokens.begin() + i + n)];
+    }
+    const double all = static_cast<double>(tokens.size() - n + 1);
+    double h = 0;
+    for (const auto& [gram, k] : counts) h -= k / all * std::log2(k / all);
+    total += h;
+  }
+  return total / 2;
+}
+
+}  // namespace
+
+int RunKvEdit(const Common& c, const KvEditOptions& o) {
+  std::string what;
+  auto model_r = MakeModel(c, 8192, &what);
+  if (!model_r.ok()) {
+    std::fprintf(stderr, "kdn-bench: %s\n", model_r.status().ToString().c_str());
+    return 1;
+  }
+  engine::Engine& model = **model_r;
+  const model::ModelConfig& cfg = model.config();
+  if (c.model_dir.empty()) {
+    std::fprintf(stderr, "kdn-bench kv-edit: needs --model (a model with a tokenizer)\n");
+    return 2;
+  }
+  auto tok_r = text::Tokenizer::Load(c.model_dir);
+  if (!tok_r.ok()) {
+    std::fprintf(stderr, "kdn-bench kv-edit: %s\n", tok_r.status().ToString().c_str());
+    return 1;
+  }
+  const text::Tokenizer& tok = **tok_r;
+  auto rels_r = ReadFacts(o.facts_path);
+  if (!rels_r.ok()) {
+    std::fprintf(stderr, "kdn-bench kv-edit: %s\n", rels_r.status().ToString().c_str());
+    return 2;
+  }
+  const std::vector<Relation>& rels = *rels_r;
+  auto encode = [&](const std::string& s) { return tok.Encode(s, false); };
+  std::vector<int32_t> bos = tok.Encode("", true);
+  if (bos.empty()) bos.push_back(cfg.bos_token_id >= 0 ? cfg.bos_token_id : 0);
+  engine::KvCache& cache = model.kv_cache();
+  const auto first_token = [&](const std::string& object) { return encode(" " + object).front(); };
+  // The logits after `prompt`, prefilled alone.
+  const auto prefill = [&](const std::vector<int32_t>& prompt) -> Result<std::vector<float>> {
+    engine::KvSequence seq = cache.NewSequence();
+    std::vector<float> logits;
+    KDN_RETURN_IF_ERROR(model.Prefill(seq, prompt, {}, &logits));
+    return logits;
+  };
+
+  // The facts the model knows: its greedy next token after the question
+  // alone is the object's first.
+  std::vector<Fact> facts;
+  size_t candidates = 0;
+  std::vector<std::vector<float>> own_logits;  // the question's, with no document
+  for (size_t r = 0; r < rels.size(); ++r) {
+    for (const auto& [s, obj] : rels[r].facts) {
+      ++candidates;
+      std::vector<int32_t> prompt = bos;
+      const std::vector<int32_t> q = encode(Fill(rels[r].question, s, obj));
+      prompt.insert(prompt.end(), q.begin(), q.end());
+      auto logits = prefill(prompt);
+      if (!logits.ok()) {
+        std::fprintf(stderr, "kdn-bench kv-edit: %s\n", logits.status().ToString().c_str());
+        return 1;
+      }
+      const int32_t answer = first_token(obj);
+      if (engine::Argmax(*logits) != answer) continue;
+      facts.push_back({static_cast<int>(r), s, obj, answer});
+      own_logits.push_back(*std::move(logits));
+    }
+  }
+  std::printf("kv-edit on %s: %zu of %zu facts known (%s):", what.c_str(), facts.size(), candidates,
+              o.facts_path.c_str());
+  json known = json::object();
+  for (size_t r = 0; r < rels.size(); ++r) {
+    const auto k = std::count_if(facts.begin(), facts.end(),
+                                 [&](const Fact& f) { return f.rel == static_cast<int>(r); });
+    known[rels[r].name] = {{"known", k}, {"facts", rels[r].facts.size()}};
+    std::printf(" %s %td/%zu", rels[r].name.c_str(), k, rels[r].facts.size());
+  }
+  std::printf("\n");
+
+  // Items: a counterfactual each, and a document.
+  std::mt19937_64 rng(c.seed + 75);
+  std::vector<size_t> order(facts.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<Item> items;
+  for (size_t i : order) {
+    if (o.items > 0 && static_cast<int>(items.size()) == o.items) break;
+    const Fact& f = facts[i];
+    const Relation& rel = rels[f.rel];
+    std::vector<std::string> alts;
+    for (const auto& [s, obj] : rel.facts) {
+      if (obj != f.object && first_token(obj) != f.answer &&
+          std::find(alts.begin(), alts.end(), obj) == alts.end()) {
+        alts.push_back(obj);
+      }
+    }
+    std::vector<size_t> pick = order;
+    std::shuffle(pick.begin(), pick.end(), rng);
+    std::vector<const Fact*> others;
+    for (size_t j : pick) {
+      if (static_cast<int>(others.size()) == o.other_facts) break;
+      const Fact& g = facts[j];
+      // Of other relations, and not about this fact's subject.
+      if (g.rel == f.rel || g.subject == f.subject ||
+          std::any_of(others.begin(), others.end(),
+                      [&](const Fact* h) { return h->rel == g.rel; })) {
+        continue;
+      }
+      others.push_back(&g);
+    }
+    if (alts.empty() || static_cast<int>(others.size()) < o.other_facts) continue;
+    Item it;
+    it.fact = &f;
+    it.new_object = alts[rng() % alts.size()];
+    it.new_token = first_token(it.new_object);
+    it.own_logodds = LogOdds(own_logits[i], it.new_token, f.answer);
+    it.others = others;
+    std::vector<std::string> sentences = {Fill(rel.statement, f.subject, it.new_object)};
+    for (const Fact* g : others) {
+      sentences.push_back(Fill(rels[g->rel].statement, g->subject, g->object));
+    }
+    std::shuffle(sentences.begin(), sentences.end(), rng);
+    std::string doc;
+    for (const std::string& s : sentences) doc += (doc.empty() ? "" : " ") + s;
+    it.document = encode(doc);
+    items.push_back(std::move(it));
+  }
+  if (items.empty()) {
+    std::fprintf(stderr, "kdn-bench kv-edit: no item could be built\n");
+    return 1;
+  }
+  double doc_tokens = 0;
+  for (const Item& it : items) doc_tokens += static_cast<double>(it.document.size());
+  doc_tokens /= static_cast<double>(items.size());
+
+  const std::vector<int32_t> instruction = encode(o.instruction + "\n");
+  const std::vector<int32_t> note = encode("\n" + o.erratum);
+  std::printf(
+      "%zu items, each a document of the counterfactual and %d true facts (%.1f tokens on "
+      "average); the instruction %zu tokens, the erratum %zu\n",
+      items.size(), o.other_facts, doc_tokens, instruction.size(), note.size());
+  std::vector<int32_t> instructed_head = bos;
+  instructed_head.insert(instructed_head.end(), instruction.begin(), instruction.end());
+  const kvbus::KeyContext ctx{{0, 75}, "", 256};
+  const blend::BlendSpec spec{.recompute_ratio = o.recompute_ratio,
+                              .selection = {blend::BlendSelection::Kind::kBoundaryDeviation,
+                                            blend::kDefaultBoundaryTokens}};
+
+  std::map<Arm, ArmRows> rows;
+  const auto t_start = Clock::now();
+  for (size_t n = 0; n < items.size(); ++n) {
+    const Item& it = items[n];
+    const Relation& rel = rels[it.fact->rel];
+    // The document's KV alone, and with the note after it (the edit).
+    auto stored = [&](bool with_note,
+                      double* edit_ms) -> Result<std::shared_ptr<const kvbus::Chunk>> {
+      engine::KvSequence seq = cache.NewSequence();
+      std::vector<float> logits;
+      KDN_RETURN_IF_ERROR(model.Prefill(seq, it.document, {}, &logits));
+      std::vector<int32_t> tokens = it.document;
+      if (with_note) {
+        const auto t0 = Clock::now();
+        KDN_RETURN_IF_ERROR(model.Prefill(seq, note, {}, &logits));
+        *edit_ms = 1e3 * Seconds(t0, Clock::now());
+        tokens.insert(tokens.end(), note.begin(), note.end());
+      }
+      KDN_ASSIGN_OR_RETURN(
+          auto chunk,
+          kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), kvbus::SegmentKey(ctx, tokens),
+                                     ctx.model_fingerprint, model.kv_dtype()));
+      return std::shared_ptr<const kvbus::Chunk>(std::move(chunk));
+    };
+    double edit_ms = 0;
+    auto plain_kv = stored(false, nullptr);
+    auto noted_kv = plain_kv.ok() ? stored(true, &edit_ms) : plain_kv;
+    if (!noted_kv.ok()) {
+      std::fprintf(stderr, "kdn-bench kv-edit: %s\n", noted_kv.status().ToString().c_str());
+      return 1;
+    }
+    std::vector<int32_t> noted_tokens = it.document;
+    noted_tokens.insert(noted_tokens.end(), note.begin(), note.end());
+
+    // The questions: the item's, its paraphrases, the other facts'.
+    const auto suffix = [&](const std::string& q) { return encode("\n" + q); };
+    std::vector<std::vector<int32_t>> questions = {
+        suffix(Fill(rel.question, it.fact->subject, it.fact->object))};
+    for (const std::string& p : rel.paraphrases) {
+      questions.push_back(suffix(Fill(p, it.fact->subject, it.fact->object)));
+    }
+    for (const Fact* g : it.others) {
+      questions.push_back(suffix(Fill(rels[g->rel].question, g->subject, g->object)));
+    }
+    const bool fluency = static_cast<int>(n) < o.fluency_items;
+
+    std::map<Arm, std::vector<std::vector<float>>> answers;  // [question] logits
+    double reprefill_ms = 0;
+    for (Arm arm : kArms) {
+      std::vector<std::vector<float>>& out = answers[arm];
+      double ttft_ms = 0, entropy = 0;
+      for (size_t q = 0; q < questions.size(); ++q) {
+        engine::KvSequence seq = cache.NewSequence();
+        std::vector<float> logits;
+        const auto t0 = Clock::now();
+        Status st;
+        if (arm == Arm::kReprefill) {
+          std::vector<int32_t> prompt = instructed_head;
+          prompt.insert(prompt.end(), it.document.begin(), it.document.end());
+          prompt.insert(prompt.end(), questions[q].begin(), questions[q].end());
+          st = model.Prefill(seq, prompt, {}, &logits);
+        } else {
+          const bool noted = arm == Arm::kErratum;
+          const std::vector<blend::Segment> segments = {
+              {arm == Arm::kInstructionText ? instructed_head : bos, nullptr},
+              {noted ? noted_tokens : it.document, noted ? *noted_kv : *plain_kv}};
+          auto res = blend::BlendPrefill(model, seq, segments, questions[q],
+                                         {.spec = spec, .seed = n + 1});
+          if (res.ok()) logits = std::move(res->logits);
+          st = res.status();
+        }
+        if (!st.ok()) {
+          std::fprintf(stderr, "kdn-bench kv-edit: %s: %s\n", ArmName(arm), st.ToString().c_str());
+          return 1;
+        }
+        if (q == 0) {
+          ttft_ms = 1e3 * Seconds(t0, Clock::now());
+          if (fluency) {
+            auto gen = GreedyTokens(model, seq, logits, o.fluency_tokens);
+            if (!gen.ok()) {
+              std::fprintf(stderr, "kdn-bench kv-edit: %s\n", gen.status().ToString().c_str());
+              return 1;
+            }
+            entropy = NgramEntropy(*gen);
+          }
+        }
+        out.push_back(std::move(logits));
+      }
+      if (arm == Arm::kReprefill) reprefill_ms = ttft_ms;
+      ArmRows& r = rows[arm];
+      const double lo = LogOdds(out[0], it.new_token, it.fact->answer);
+      r.efficacy.push_back(lo > 0 ? 1 : 0);
+      r.logodds_shift.push_back(lo - it.own_logodds);
+      double para = 0;
+      for (size_t q = 1; q <= 3; ++q) para += LogOdds(out[q], it.new_token, it.fact->answer) > 0;
+      r.paraphrase.push_back(para / 3);
+      r.ttft_ms.push_back(ttft_ms);
+      r.edit_ms.push_back(arm == Arm::kErratum ? edit_ms : 0);
+      if (fluency) r.fluency.push_back(entropy);
+    }
+    const std::vector<std::vector<float>>& base = answers[Arm::kNoEdit];
+    for (Arm arm : kArms) {
+      ArmRows& r = rows[arm];
+      double top1 = 0, kl = 0;
+      for (size_t q = 4; q < base.size(); ++q) {
+        top1 += engine::Argmax(answers[arm][q]) == engine::Argmax(base[q]);
+        kl += blend::KlDivergence(base[q], answers[arm][q]);
+      }
+      const double k = static_cast<double>(base.size() - 4);
+      r.spec_top1.push_back(top1 / k);
+      r.spec_kl.push_back(kl / k);
+      r.reprefill_ms.push_back(reprefill_ms);
+    }
+    if ((n + 1) % 20 == 0 || n + 1 == items.size()) {
+      std::fprintf(stderr, "kv-edit: %zu of %zu items, %.0f s\n", n + 1, items.size(),
+                   Seconds(t_start, Clock::now()));
+    }
+  }
+
+  std::printf("%-17s %22s %9s %22s %20s %9s %8s %8s %8s %9s\n", "arm", "efficacy [95%]", "logodds",
+              "paraphrase [95%]", "spec top1 / KL", "fluency", "edit ms", "ttft ms", "reprefill",
+              "edit/rep");
+  json out_rows = json::array();
+  uint64_t seed = c.seed + 7500;
+  for (Arm arm : kArms) {
+    const ArmRows& r = rows[arm];
+    const auto iv = [&](const std::vector<double>& x) {
+      const Interval v = Bootstrap(x, o.bootstrap, ++seed);
+      return json{{"mean", v.mean}, {"lo", v.lo}, {"hi", v.hi}};
+    };
+    json row = {{"arm", ArmName(arm)},
+                {"strength", nullptr},
+                {"items", r.efficacy.size()},
+                {"efficacy", iv(r.efficacy)},
+                {"logodds_shift", iv(r.logodds_shift)},
+                {"paraphrase_efficacy", iv(r.paraphrase)},
+                {"specificity_top1", iv(r.spec_top1)},
+                {"specificity_kl", iv(r.spec_kl)},
+                {"fluency", iv(r.fluency)},
+                {"fluency_items", r.fluency.size()},
+                {"edit_ms", iv(r.edit_ms)},
+                {"ttft_ms", iv(r.ttft_ms)},
+                {"reprefill_ms", iv(r.reprefill_ms)}};
+    const double rep = Mean(r.reprefill_ms);
+    std::printf(
+        "%-17s %6.3f [%5.3f, %5.3f] %9.3f %6.3f [%5.3f, %5.3f] %9.3f / %8.4f %9.3f %8.2f %8.2f "
+        "%8.2f %9.3f\n",
+        ArmName(arm), row["efficacy"]["mean"].get<double>(), row["efficacy"]["lo"].get<double>(),
+        row["efficacy"]["hi"].get<double>(), Mean(r.logodds_shift), Mean(r.paraphrase),
+        row["paraphrase_efficacy"]["lo"].get<double>(),
+        row["paraphrase_efficacy"]["hi"].get<double>(), Mean(r.spec_top1), Mean(r.spec_kl),
+        Mean(r.fluency), Mean(r.edit_ms), Mean(r.ttft_ms), rep,
+        rep > 0 ? Mean(r.edit_ms) / rep : 0.0);
+    out_rows.push_back(std::move(row));
+  }
+  json j = {{"workload", "kv-edit"},
+            {"model", what},
+            {"facts", o.facts_path},
+            {"facts_known", facts.size()},
+            {"facts_candidates", candidates},
+            {"known_by_relation", known},
+            {"items", items.size()},
+            {"instruction", o.instruction},
+            {"erratum", o.erratum},
+            {"recompute_ratio", o.recompute_ratio},
+            {"selection", "boundary+deviation:" + std::to_string(blend::kDefaultBoundaryTokens)},
+            {"other_facts", o.other_facts},
+            {"document_tokens", doc_tokens},
+            {"instruction_tokens", instruction.size()},
+            {"erratum_tokens", note.size()},
+            {"fluency_tokens", o.fluency_tokens},
+            {"bootstrap", o.bootstrap},
+            {"seed", c.seed},
+            {"machine", Machine(c)},
+            {"rows", out_rows}};
+  Emit(c, j);
+  return 0;
+}
+
+}  // namespace kdn::bench

@@ -1,0 +1,54 @@
+"""kdn-bench kv-edit (docs/kvbus.md, "Editing stored KV") on SmolLM2, a few
+items: the rows it reports hold together (the unedited arm is its own
+specificity reference, the re-prefill is its own cost baseline, only the
+erratum costs an edit), the set is built from every fact of the file, and a
+malformed facts file is refused naming its line.
+"""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from gguf_micro import smollm2_path
+
+BIN = Path(os.environ.get("KDN_BIN_DIR", "build/bin"))
+REPO = Path(__file__).resolve().parents[2]
+FACTS = REPO / "bench" / "data" / "kv_edit_facts.txt"
+
+
+def run(tmp_path, *args):
+    cmd = [BIN / "kdn-bench", "kv-edit", "--model", smollm2_path(), "--threads", "1"] + list(args)
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600)
+
+
+def test_kv_edit_rows_hold_together(tmp_path):
+    out = tmp_path / "kv-edit.json"
+    done = run(tmp_path, "--items", "4", "--fluency-items", "1", "--fluency-tokens", "8",
+               "--bootstrap", "50", "--json", out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = json.loads(out.read_text())
+    facts = sum(1 for line in FACTS.read_text().splitlines() if line.startswith("fact:"))
+    assert r["facts_candidates"] == facts
+    assert 4 <= r["facts_known"] <= facts
+    assert r["items"] == 4
+    assert r["erratum_tokens"] > 0 and r["document_tokens"] > 0
+    rows = {x["arm"]: x for x in r["rows"]}
+    assert list(rows) == ["no_edit", "reprefill", "instruction_text", "erratum"]
+    for arm, x in rows.items():
+        assert x["items"] == 4, x
+        assert x["fluency_items"] == 1, x
+        for key in ("efficacy", "paraphrase_efficacy", "specificity_top1"):
+            assert 0 <= x[key]["lo"] <= x[key]["mean"] <= x[key]["hi"] <= 1, (arm, key, x[key])
+        assert x["ttft_ms"]["mean"] > 0, x
+        assert (x["edit_ms"]["mean"] > 0) == (arm == "erratum"), x
+    assert rows["no_edit"]["specificity_top1"]["mean"] == 1
+    assert rows["no_edit"]["specificity_kl"]["mean"] == 0
+    assert rows["reprefill"]["ttft_ms"]["mean"] == rows["reprefill"]["reprefill_ms"]["mean"]
+
+
+def test_a_malformed_facts_file_is_refused_naming_its_line(tmp_path):
+    bad = tmp_path / "facts.txt"
+    bad.write_text("relation: r\nstatement: {s} is {o}.\nquestion: {s} is\nfact: no bar here\n")
+    done = run(tmp_path, "--facts", bad)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "facts.txt:4" in done.stderr and "subject | object" in done.stderr, done.stderr
