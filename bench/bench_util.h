@@ -245,6 +245,7 @@ struct KvEditOptions {
   int fluency_items = 48;
   int fluency_tokens = 64;
   double recompute_ratio = 0.15;
+  std::vector<double> emphasize_strengths = {1, 2, 4};
   int bootstrap = 2000;
   std::string instruction =
       "Answer from the text below. Where it differs from what you know, the text is right.";

@@ -58,6 +58,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
@@ -558,6 +559,12 @@ int main(int argc, char** argv) {
                    "The stored arms' blend (boundary+deviation:8, the deployment's default)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
+  kv_edit
+      ->add_option("--emphasize", ke.emphasize_strengths,
+                   "Attention bias strengths on the counterfactual's tokens, a row each "
+                   "(comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
   kv_edit->add_option("--bootstrap", ke.bootstrap, "Resamples of the intervals")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -716,7 +723,16 @@ int main(int argc, char** argv) {
     }
     return RunPruneFidelity(c, pf);
   }
-  if (kv_edit->parsed()) return RunKvEdit(c, ke);
+  if (kv_edit->parsed()) {
+    for (double b : ke.emphasize_strengths) {
+      if (!std::isfinite(b) || std::fabs(b) > 100) {
+        std::fprintf(stderr, "kdn-bench kv-edit: --emphasize %g: a strength is in [-100, 100]\n",
+                     b);
+        return 2;
+      }
+    }
+    return RunKvEdit(c, ke);
+  }
   if (quality->parsed()) {
     if (quality_random == std::vector<double>{0.0}) quality_random.clear();
     if (quality_full_only) quality_ratios.clear(), quality_random.clear();

@@ -13,7 +13,7 @@
 // through blend::BlendPrefill with the deployment's default selection
 // (boundary+deviation:8 at --recompute-ratio), as a deployment serves them.
 //
-// Arms, on the same items in one run:
+// Arms, on the same items in one run (a row per emphasize strength):
 //   no_edit            the stored document as it is;
 //   reprefill          the instruction, the document and the question
 //                      computed in one prefill (the gold, and the cost
@@ -22,7 +22,13 @@
 //                      stored document (the head: BOS and the instruction);
 //   erratum            the stored document with a note after it, whose KV
 //                      is computed once, on top of the document's (the
-//                      edit), and stored with it.
+//                      edit), and stored with it;
+//   emphasize          the stored document as it is, the counterfactual's
+//                      tokens emphasized as PASTA does: an attention bias
+//                      (KvSequence::SetAttentionBias) of --emphasize
+//                      strength added to their scores in every query head
+//                      of the middle third of the layers, for the question
+//                      and the tokens generated after it.
 //
 // Per arm, over the items (each with a bootstrap 95% interval): efficacy
 // (the share where the counterfactual's first token is likelier than the
@@ -148,20 +154,25 @@ struct Item {
   int32_t new_token = 0;
   double own_logodds = 0;  // log P(new) - log P(old), no document
   std::vector<int32_t> document;
-  std::vector<const Fact*> others;  // the document's true facts
+  int64_t statement_begin = 0, statement_end = 0;  // the counterfactual's tokens in it
+  std::vector<const Fact*> others;                 // the document's true facts
 };
 
-enum class Arm { kNoEdit, kReprefill, kInstructionText, kErratum };
-constexpr Arm kArms[] = {Arm::kNoEdit, Arm::kReprefill, Arm::kInstructionText, Arm::kErratum};
+enum class Arm { kNoEdit, kReprefill, kInstructionText, kErratum, kEmphasize };
 const char* ArmName(Arm a) {
   switch (a) {
     case Arm::kNoEdit: return "no_edit";
     case Arm::kReprefill: return "reprefill";
     case Arm::kInstructionText: return "instruction_text";
     case Arm::kErratum: return "erratum";
+    case Arm::kEmphasize: return "emphasize";
   }
   return "?";
 }
+struct ArmSpec {
+  Arm arm;
+  double strength = 0;  // emphasize's bias
+};
 
 struct ArmRows {
   std::vector<double> efficacy, logodds_shift, paraphrase, spec_top1, spec_kl, fluency, edit_ms,
@@ -311,14 +322,22 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
     it.new_token = first_token(it.new_object);
     it.own_logodds = LogOdds(own_logits[i], it.new_token, f.answer);
     it.others = others;
+    // Sentence by sentence (each after a space but the first), so that the
+    // counterfactual's tokens are known.
     std::vector<std::string> sentences = {Fill(rel.statement, f.subject, it.new_object)};
     for (const Fact* g : others) {
       sentences.push_back(Fill(rels[g->rel].statement, g->subject, g->object));
     }
+    const std::string statement = sentences[0];
     std::shuffle(sentences.begin(), sentences.end(), rng);
-    std::string doc;
-    for (const std::string& s : sentences) doc += (doc.empty() ? "" : " ") + s;
-    it.document = encode(doc);
+    for (const std::string& sentence : sentences) {
+      const std::vector<int32_t> t = encode((it.document.empty() ? "" : " ") + sentence);
+      if (sentence == statement) {
+        it.statement_begin = static_cast<int64_t>(it.document.size());
+        it.statement_end = it.statement_begin + static_cast<int64_t>(t.size());
+      }
+      it.document.insert(it.document.end(), t.begin(), t.end());
+    }
     items.push_back(std::move(it));
   }
   if (items.empty()) {
@@ -342,7 +361,12 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
                               .selection = {blend::BlendSelection::Kind::kBoundaryDeviation,
                                             blend::kDefaultBoundaryTokens}};
 
-  std::map<Arm, ArmRows> rows;
+  std::vector<ArmSpec> arms = {
+      {Arm::kNoEdit}, {Arm::kReprefill}, {Arm::kInstructionText}, {Arm::kErratum}};
+  for (double b : o.emphasize_strengths) arms.push_back({Arm::kEmphasize, b});
+  // Emphasis: every query head of the middle third of the layers.
+  const int layer0 = cfg.num_layers / 3, layer1 = 2 * cfg.num_layers / 3;
+  std::vector<ArmRows> rows(arms.size());
   const auto t_start = Clock::now();
   for (size_t n = 0; n < items.size(); ++n) {
     const Item& it = items[n];
@@ -388,13 +412,30 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
     }
     const bool fluency = static_cast<int>(n) < o.fluency_items;
 
-    std::map<Arm, std::vector<std::vector<float>>> answers;  // [question] logits
+    std::vector<std::vector<std::vector<float>>> answers(arms.size());  // [arm][question] logits
     double reprefill_ms = 0;
-    for (Arm arm : kArms) {
-      std::vector<std::vector<float>>& out = answers[arm];
+    for (size_t a = 0; a < arms.size(); ++a) {
+      const Arm arm = arms[a].arm;
+      std::vector<std::vector<float>>& out = answers[a];
       double ttft_ms = 0, entropy = 0;
       for (size_t q = 0; q < questions.size(); ++q) {
         engine::KvSequence seq = cache.NewSequence();
+        if (arm == Arm::kEmphasize) {
+          // The counterfactual's slots in the prompt: after the head (BOS).
+          const auto at = static_cast<int64_t>(bos.size());
+          engine::KvSequence::AttentionBias bias{
+              {{at + it.statement_begin, at + it.statement_end}},
+              cfg.num_heads,
+              std::vector<float>(static_cast<size_t>(cfg.num_layers) * cfg.num_heads, 0.0f)};
+          for (int l = layer0; l < layer1; ++l) {
+            std::fill_n(bias.bias.begin() + static_cast<std::ptrdiff_t>(l) * cfg.num_heads,
+                        cfg.num_heads, static_cast<float>(arms[a].strength));
+          }
+          if (Status st = seq.SetAttentionBias(std::move(bias)); !st.ok()) {
+            std::fprintf(stderr, "kdn-bench kv-edit: %s\n", st.ToString().c_str());
+            return 1;
+          }
+        }
         std::vector<float> logits;
         const auto t0 = Clock::now();
         Status st;
@@ -431,7 +472,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
         out.push_back(std::move(logits));
       }
       if (arm == Arm::kReprefill) reprefill_ms = ttft_ms;
-      ArmRows& r = rows[arm];
+      ArmRows& r = rows[a];
       const double lo = LogOdds(out[0], it.new_token, it.fact->answer);
       r.efficacy.push_back(lo > 0 ? 1 : 0);
       r.logodds_shift.push_back(lo - it.own_logodds);
@@ -442,13 +483,13 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
       r.edit_ms.push_back(arm == Arm::kErratum ? edit_ms : 0);
       if (fluency) r.fluency.push_back(entropy);
     }
-    const std::vector<std::vector<float>>& base = answers[Arm::kNoEdit];
-    for (Arm arm : kArms) {
-      ArmRows& r = rows[arm];
+    const std::vector<std::vector<float>>& base = answers[0];  // no_edit
+    for (size_t a = 0; a < arms.size(); ++a) {
+      ArmRows& r = rows[a];
       double top1 = 0, kl = 0;
       for (size_t q = 4; q < base.size(); ++q) {
-        top1 += engine::Argmax(answers[arm][q]) == engine::Argmax(base[q]);
-        kl += blend::KlDivergence(base[q], answers[arm][q]);
+        top1 += engine::Argmax(answers[a][q]) == engine::Argmax(base[q]);
+        kl += blend::KlDivergence(base[q], answers[a][q]);
       }
       const double k = static_cast<double>(base.size() - 4);
       r.spec_top1.push_back(top1 / k);
@@ -466,14 +507,19 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
               "edit/rep");
   json out_rows = json::array();
   uint64_t seed = c.seed + 7500;
-  for (Arm arm : kArms) {
-    const ArmRows& r = rows[arm];
+  for (size_t a = 0; a < arms.size(); ++a) {
+    const Arm arm = arms[a].arm;
+    const ArmRows& r = rows[a];
     const auto iv = [&](const std::vector<double>& x) {
       const Interval v = Bootstrap(x, o.bootstrap, ++seed);
       return json{{"mean", v.mean}, {"lo", v.lo}, {"hi", v.hi}};
     };
+    char label_buf[48];
+    std::snprintf(label_buf, sizeof(label_buf), arm == Arm::kEmphasize ? "%s %g" : "%s",
+                  ArmName(arm), arms[a].strength);
+    const std::string label = label_buf;
     json row = {{"arm", ArmName(arm)},
-                {"strength", nullptr},
+                {"strength", arm == Arm::kEmphasize ? json(arms[a].strength) : json(nullptr)},
                 {"items", r.efficacy.size()},
                 {"efficacy", iv(r.efficacy)},
                 {"logodds_shift", iv(r.logodds_shift)},
@@ -489,7 +535,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
     std::printf(
         "%-17s %6.3f [%5.3f, %5.3f] %9.3f %6.3f [%5.3f, %5.3f] %9.3f / %8.4f %9.3f %8.2f %8.2f "
         "%8.2f %9.3f\n",
-        ArmName(arm), row["efficacy"]["mean"].get<double>(), row["efficacy"]["lo"].get<double>(),
+        label.c_str(), row["efficacy"]["mean"].get<double>(), row["efficacy"]["lo"].get<double>(),
         row["efficacy"]["hi"].get<double>(), Mean(r.logodds_shift), Mean(r.paraphrase),
         row["paraphrase_efficacy"]["lo"].get<double>(),
         row["paraphrase_efficacy"]["hi"].get<double>(), Mean(r.spec_top1), Mean(r.spec_kl),
@@ -509,6 +555,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
             {"recompute_ratio", o.recompute_ratio},
             {"selection", "boundary+deviation:" + std::to_string(blend::kDefaultBoundaryTokens)},
             {"other_facts", o.other_facts},
+            {"emphasize_layers", {layer0, layer1}},
             {"document_tokens", doc_tokens},
             {"instruction_tokens", instruction.size()},
             {"erratum_tokens", note.size()},

@@ -331,6 +331,9 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
   // when the batch turns out full (the router queues it and tries again).
   KDN_RETURN_IF_ERROR(scheduler_.CanPrepare());
   ReleaseHeldBack();  // blocks whose hold ran out are free for this one
+  // Pins' keeps first: a pinned entry is held before this reserve could
+  // evict it, and what it holds is not counted free below.
+  model_.kv_cache().ApplyKeeps(std::chrono::steady_clock::now());
   Prepared p;
   p.request = std::move(request);
   if (!p.request.blended) {

@@ -285,6 +285,7 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
   // they were (Truncate gives back the blocks taken here).
   int64_t rows = 0;
   for (Segment& s : segs) {
+    KDN_RETURN_IF_ERROR(CheckAttentionBias(c, *s.seq));
     if (s.seq->position_shift() + s.start + s.n > c.max_context) {
       return InvalidArgument(
           "sequence of " + std::to_string(s.seq->position_shift() + s.start + s.n) +
@@ -492,14 +493,25 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
       scores.resize(group * (ctx[0] + ctx[1] - 2 * lo));
       const int64_t at = row * qd + static_cast<int64_t>(g) * group * hd;
       const KvSequence::Hole hole = s->seq->HoleOf(layer, g);
-      if (rows == 2 && hole.begin >= hole.end &&
+      ScoreBias bias;
+      if (const KvSequence::AttentionBias* ab = s->seq->attention_bias()) {
+        // A group whose heads have no bias at this layer keeps the fast
+        // kernels (and their bits).
+        const float* per_head =
+            ab->bias.data() + static_cast<int64_t>(layer) * ab->heads + g * group;
+        if (std::any_of(per_head, per_head + group, [](float b) { return b != 0.0f; })) {
+          bias.per_head = per_head;
+          bias.spans = ab->spans;
+        }
+      }
+      if (rows == 2 && hole.begin >= hole.end && bias.per_head == nullptr &&
           AttendPagedPair(q + at, q + at + qd, group, kb.data(), vb.data(), kvs, lo, ctx[0], ctx[1],
                           hd, scale, scores.data(), out + at, out + at + qd)) {
         continue;
       }
       for (int64_t r = 0; r < rows; ++r) {
         AttendPagedGroup(q + at + r * qd, group, kb.data(), vb.data(), kvs, lo, ctx[r], hd, scale,
-                         scores.data(), out + at + r * qd, hole.begin, hole.end);
+                         scores.data(), out + at + r * qd, hole.begin, hole.end, bias);
       }
     }
   }

@@ -234,11 +234,12 @@ void Softmax(float* x, int64_t n) {
 KDN_CPU_CLONES
 void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx, int hd,
-                      float scale, float* scores, float* out, int64_t hole_begin,
-                      int64_t hole_end) {
+                      float scale, float* scores, float* out, int64_t hole_begin, int64_t hole_end,
+                      const ScoreBias& bias) {
   // AVX-512 where the CPU has it and the group fits its registers.
-  const internal::AttendRowsFn fast =
-      hole_begin < hole_end ? nullptr : internal::FastAttendRows(hd, heads, 1);
+  const internal::AttendRowsFn fast = hole_begin < hole_end || bias.per_head != nullptr
+                                          ? nullptr
+                                          : internal::FastAttendRows(hd, heads, 1);
   if (fast != nullptr) {
     return fast({{q, nullptr},
                  {out, nullptr},
@@ -261,6 +262,13 @@ void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
 #pragma omp simd reduction(+ : s)
       for (int i = 0; i < hd; ++i) s += qh[i] * kp[i];
       sh[p - lo] = s * scale;
+    }
+    if (bias.per_head != nullptr) {
+      for (const auto& [begin, end] : bias.spans) {
+        for (int64_t p = std::max(begin, lo); p < std::min(end, ctx); ++p) {
+          sh[p - lo] += bias.per_head[h];
+        }
+      }
     }
     for (int64_t p = std::max(hole_begin, lo); p < std::min(hole_end, ctx); ++p) {
       sh[p - lo] = -INFINITY;

@@ -11,6 +11,7 @@ Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
                     std::span<const int64_t> slot_positions) {
   // A row inside a head's hole would see no key of that head.
   KDN_RETURN_IF_ERROR(RefuseHoles(seq, "row pass"));
+  KDN_RETURN_IF_ERROR(CheckAttentionBias(config, seq));
   if (static_cast<int64_t>(tokens.size()) != seq.length()) {
     return InvalidArgument("row pass: " + std::to_string(tokens.size()) +
                            " tokens for a sequence of " + std::to_string(seq.length()));
@@ -164,6 +165,19 @@ Status RefuseHoles(const KvSequence& seq, const char* what) {
   if (!seq.has_holes()) return Status::Ok();
   return Unimplemented(std::string(what) +
                        ": pruned KV with holes (heads that kept different numbers of tokens) "
+                       "on this engine");
+}
+
+Status CheckAttentionBias(const model::ModelConfig& config, const KvSequence& seq) {
+  const KvSequence::AttentionBias* b = seq.attention_bias();
+  if (b == nullptr || b->heads == config.num_heads) return Status::Ok();
+  return InvalidArgument("an attention bias for " + std::to_string(b->heads) +
+                         " query heads, on a model of " + std::to_string(config.num_heads));
+}
+
+Status RefuseAttentionBias(const KvSequence& seq, const char* what) {
+  if (seq.attention_bias() == nullptr) return Status::Ok();
+  return Unimplemented(std::string(what) + ": an attention bias (KvSequence::SetAttentionBias) " +
                        "on this engine");
 }
 

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cmath>
 #include <iterator>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -16,7 +18,8 @@ KvSequence::KvSequence(KvSequence&& o) noexcept
       length_(o.length_),
       position_shift_(std::exchange(o.position_shift_, 0)),
       hole_end_(std::exchange(o.hole_end_, 0)),
-      head_tokens_(std::move(o.head_tokens_)) {
+      head_tokens_(std::move(o.head_tokens_)),
+      bias_(std::exchange(o.bias_, {})) {
   o.cache_ = nullptr;
   o.blocks_.clear();
   o.length_ = 0;
@@ -32,6 +35,7 @@ KvSequence& KvSequence::operator=(KvSequence&& o) noexcept {
     position_shift_ = std::exchange(o.position_shift_, 0);
     hole_end_ = std::exchange(o.hole_end_, 0);
     head_tokens_ = std::move(o.head_tokens_);
+    bias_ = std::exchange(o.bias_, {});
     o.cache_ = nullptr;
     o.blocks_.clear();
     o.length_ = 0;
@@ -47,6 +51,35 @@ void KvSequence::Reset() {
   position_shift_ = 0;
   hole_end_ = 0;
   head_tokens_.clear();
+  bias_ = {};
+}
+
+Status KvSequence::SetAttentionBias(AttentionBias bias) {
+  if (bias.spans.empty()) {
+    bias_ = {};
+    return Status::Ok();
+  }
+  int64_t last_end = 0;
+  for (const auto& [begin, end] : bias.spans) {
+    if (begin < last_end || end <= begin) {
+      return InvalidArgument(
+          "sequence: attention bias spans must be non-empty [begin, end) slot "
+          "ranges, ascending and disjoint");
+    }
+    last_end = end;
+  }
+  const size_t want = cache_ == nullptr || bias.heads <= 0
+                          ? 0
+                          : static_cast<size_t>(cache_->num_layers()) * bias.heads;
+  if (want == 0 || bias.bias.size() != want ||
+      !std::all_of(bias.bias.begin(), bias.bias.end(), [](float b) { return std::isfinite(b); })) {
+    return InvalidArgument(
+        "sequence: an attention bias needs one finite value per layer and "
+        "query head (" +
+        std::to_string(bias.bias.size()) + " for " + std::to_string(bias.heads) + " heads)");
+  }
+  bias_ = std::move(bias);
+  return Status::Ok();
 }
 
 Status KvSequence::SetNextPosition(int64_t position) {
@@ -256,11 +289,17 @@ size_t KvCache::Keep(std::span<const KvKey> keys, std::chrono::milliseconds leas
     keeps_changed_ = true;
     return 0;
   }
-  size_t fresh = 0;
-  for (const KvKey& k : keys) fresh += keeps_.contains(k) ? 0 : 1;
-  if (keeps_.size() + fresh > kMaxKeptKeys) return 0;
-  // Saturating: a lease of a year from a clock near its end stays in range.
-  const TimePoint deadline = now < TimePoint::max() - lease ? now + lease : TimePoint::max();
+  std::set<KvKey> fresh;
+  for (const KvKey& k : keys) {
+    if (!keeps_.contains(k)) fresh.insert(k);
+  }
+  if (keeps_.size() + fresh.size() > kMaxKeptKeys) return 0;
+  // Saturating, in milliseconds (a nanosecond count of a long lease would
+  // overflow): a lease past the clock's end keeps until let go.
+  const TimePoint deadline =
+      lease >= std::chrono::duration_cast<std::chrono::milliseconds>(TimePoint::max() - now)
+          ? TimePoint::max()
+          : now + lease;
   for (const KvKey& k : keys) {
     auto [it, added] = keeps_.try_emplace(k, deadline);
     if (!added) it->second = std::max(it->second, deadline);
@@ -271,19 +310,22 @@ size_t KvCache::Keep(std::span<const KvKey> keys, std::chrono::milliseconds leas
 
 void KvCache::ApplyKeeps(TimePoint now) {
   MutexLock lock(index_mu_);
-  if (!keeps_changed_ && now < next_keep_deadline_) return;
-  keeps_changed_ = false;
-  next_keep_deadline_ = TimePoint::max();
-  for (auto k = keeps_.begin(); k != keeps_.end();) {
-    auto e = index_.find(k->first);
-    if (k->second <= now) {
-      if (e != index_.end() && e->second.held) Unhold(e->second);
-      k = keeps_.erase(k);
-      continue;
+  // A second pass when the first let entries go: what waited for room, and
+  // came before them in key order, is held now rather than at the next call.
+  for (int pass = 0; pass < 2 && (keeps_changed_ || now >= next_keep_deadline_); ++pass) {
+    keeps_changed_ = false;
+    next_keep_deadline_ = TimePoint::max();
+    for (auto k = keeps_.begin(); k != keeps_.end();) {
+      auto e = index_.find(k->first);
+      if (k->second <= now) {
+        if (e != index_.end() && e->second.held) Unhold(e->second);  // sets keeps_changed_
+        k = keeps_.erase(k);
+        continue;
+      }
+      next_keep_deadline_ = std::min(next_keep_deadline_, k->second);
+      if (e != index_.end() && !e->second.held) (void)Hold(e->second);
+      ++k;
     }
-    next_keep_deadline_ = std::min(next_keep_deadline_, k->second);
-    if (e != index_.end() && !e->second.held) (void)Hold(e->second);
-    ++k;
   }
 }
 

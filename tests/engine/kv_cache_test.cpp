@@ -428,17 +428,20 @@ TEST(KvCacheKeep, EvictionPassesOverHeldEntriesEvenWhenLeastRecentlyUsed) {
 TEST(KvCacheKeep, HeldBlocksStayWithinHalfThePoolAndAWaitingKeepIsHeldOnceThereIsRoom) {
   CpuKvCache cache(2, 1, 4, 8);
   ASSERT_EQ(cache.keep_limit_blocks(), 4);
-  const KvKey a{6, 1}, b{6, 2};
+  // b comes before a in key order, so that one ApplyKeeps must go past a's
+  // release to hold b.
+  const KvKey a{6, 2}, b{6, 1};
   PublishAlone(cache, a, 3);
   PublishAlone(cache, b, 3);
-  const KvKey both[] = {a, b};
-  EXPECT_EQ(cache.Keep(both, milliseconds(60000), kT0), 2u);
+  EXPECT_EQ(cache.Keep({&a, 1}, milliseconds(60000), kT0), 1u);
+  cache.ApplyKeeps(kT0);
+  EXPECT_EQ(cache.Keep({&b, 1}, milliseconds(60000), kT0), 1u);
   cache.ApplyKeeps(kT0);
   ResidentStats st = cache.resident_stats();
   EXPECT_EQ(st.kept_entries, 1);  // 6 blocks would pass the bound of 4
   EXPECT_EQ(st.kept_blocks, 3);
   EXPECT_EQ(cache.free_blocks(), 5);
-  // Letting the first go makes room for the second.
+  // Letting the first go makes room for the second, in the same call.
   EXPECT_EQ(cache.Keep({&a, 1}, milliseconds(0), kT0), 0u);
   cache.ApplyKeeps(kT0);
   st = cache.resident_stats();
@@ -469,6 +472,20 @@ TEST(KvCacheKeep, AChainsEntriesShareTheirBlocksInTheCount) {
   ASSERT_TRUE(cache.Attach(t, chain).ok());
   ASSERT_TRUE(cache.Reserve(t, 41).ok());
   EXPECT_EQ(cache.resident_stats().copied_blocks, 1u);
+  EXPECT_EQ(cache.resident_stats().kept_blocks, 3);
+  EXPECT_EQ(cache.free_blocks(), 4);  // the copy is t's; the kept three are not free
+}
+
+TEST(KvCacheKeep, ALeaseBeyondTheClockKeepsUntilLetGo) {
+  CpuKvCache cache(2, 1, 4, 8);
+  const KvKey key{9, 9};
+  EXPECT_EQ(cache.Keep({&key, 1}, milliseconds::max(), kT0), 1u);
+  PublishAlone(cache, key, 1);
+  cache.ApplyKeeps(kT0 + std::chrono::hours(24 * 365 * 100));
+  EXPECT_EQ(cache.resident_stats().kept_blocks, 1);
+  EXPECT_EQ(cache.Keep({&key, 1}, milliseconds(0), kT0), 0u);
+  cache.ApplyKeeps(kT0);
+  EXPECT_EQ(cache.resident_stats().kept_blocks, 0);
 }
 
 TEST(KvCacheKeep, KeysPastTheBoundAreRefusedWhole) {
@@ -479,7 +496,9 @@ TEST(KvCacheKeep, KeysPastTheBoundAreRefusedWhole) {
   const KvKey one_more{9, 0};
   EXPECT_EQ(cache.Keep({&one_more, 1}, milliseconds(1000), kT0), 0u);
   EXPECT_EQ(cache.Keep({&keys[0], 1}, milliseconds(5000), kT0), 1u);  // not a new key
-  cache.ApplyKeeps(kT0 + milliseconds(1000));                         // all but one lapse
+  const KvKey twice[] = {one_more, one_more};
+  EXPECT_EQ(cache.Keep(twice, milliseconds(1000), kT0), 0u);  // one new key: still past it
+  cache.ApplyKeeps(kT0 + milliseconds(1000));                 // all but one lapse
   EXPECT_EQ(cache.Keep({&one_more, 1}, milliseconds(1000), kT0), 1u);
 }
 

@@ -521,6 +521,47 @@ TEST(CpuOps, AttendPagedGroupMatchesAPlainSoftmax) {
   }
 }
 
+// A bias on two spans, one value per query head, against a plain softmax in
+// double with the bias added (the portable loop: a bias skips the AVX-512
+// kernels).
+TEST(CpuOps, AttendPagedGroupAddsItsBiasToTheScoresOfItsSpans) {
+  const int hd = 64, heads = 3;
+  const int64_t ctx = 70, lo = 3, stride = 3 * hd;
+  const PagedKv kv(hd, (ctx + 15) / 16, 200);
+  const std::vector<float> q = Random(heads * hd, 9);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float per_head[] = {2.0f, -1.5f, 0.5f};
+  const std::pair<int64_t, int64_t> spans[] = {{0, 10}, {40, 90}};
+  std::vector<float> scores(heads * ctx), out(heads * hd), plain(heads * hd);
+  AttendPagedGroup(q.data(), heads, kv.kb.data(), kv.vb.data(), stride, lo, ctx, hd, scale,
+                   scores.data(), out.data(), 0, 0, {per_head, spans});
+  AttendPagedGroup(q.data(), heads, kv.kb.data(), kv.vb.data(), stride, lo, ctx, hd, scale,
+                   scores.data(), plain.data());
+  double moved = 0;
+  for (int h = 0; h < heads; ++h) {
+    std::vector<double> w;
+    double mx = -1e30, sum = 0;
+    for (int64_t p = lo; p < ctx; ++p) {
+      const float* kp = kv.kb[p / 16] + (p % 16) * stride;
+      double s = 0;
+      for (int i = 0; i < hd; ++i) s += static_cast<double>(q[h * hd + i]) * kp[i];
+      s *= scale;
+      if (p < 10 || p >= 40) s += per_head[h];
+      w.push_back(s);
+      mx = std::max(mx, s);
+    }
+    for (double& x : w) sum += (x = std::exp(x - mx));
+    for (int i = 0; i < hd; ++i) {
+      double ref = 0;
+      for (int64_t p = lo; p < ctx; ++p)
+        ref += w[p - lo] / sum * (kv.vb[p / 16] + (p % 16) * stride)[i];
+      ASSERT_NEAR(out[h * hd + i], ref, 1e-5) << "head " << h << " dim " << i;
+      moved = std::max(moved, std::fabs(static_cast<double>(out[h * hd + i]) - plain[h * hd + i]));
+    }
+  }
+  EXPECT_GT(moved, 1e-3);  // the bias changed the result
+}
+
 // Two rows at once (AttendPagedPair, where this CPU has it) against each
 // row alone, bit for bit: contexts equal, one past the other, across page
 // boundaries and inside one page, the second shorter than the first, from

@@ -1,7 +1,7 @@
 """kdn-bench kv-edit (docs/kvbus.md, "Editing stored KV") on SmolLM2, a few
 items: the rows it reports hold together (the unedited arm is its own
 specificity reference, the re-prefill is its own cost baseline, only the
-erratum costs an edit), the set is built from every fact of the file, and a
+erratum costs an edit, an emphasis of strength 0 is no edit), the set is built from every fact of the file, and a
 malformed facts file is refused naming its line.
 """
 import json
@@ -16,15 +16,16 @@ REPO = Path(__file__).resolve().parents[2]
 FACTS = REPO / "bench" / "data" / "kv_edit_facts.txt"
 
 
-def run(tmp_path, *args):
-    cmd = [BIN / "kdn-bench", "kv-edit", "--model", smollm2_path(), "--threads", "1"] + list(args)
+def run(*args, facts=FACTS):
+    cmd = [BIN / "kdn-bench", "kv-edit", "--model", smollm2_path(), "--threads", "1",
+           "--facts", facts] + list(args)
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600)
 
 
 def test_kv_edit_rows_hold_together(tmp_path):
     out = tmp_path / "kv-edit.json"
-    done = run(tmp_path, "--items", "4", "--fluency-items", "1", "--fluency-tokens", "8",
-               "--bootstrap", "50", "--json", out)
+    done = run("--items", "4", "--fluency-items", "1", "--fluency-tokens", "8",
+               "--bootstrap", "50", "--emphasize", "0,3", "--json", out)
     assert done.returncode == 0, done.stdout + done.stderr
     r = json.loads(out.read_text())
     facts = sum(1 for line in FACTS.read_text().splitlines() if line.startswith("fact:"))
@@ -32,8 +33,10 @@ def test_kv_edit_rows_hold_together(tmp_path):
     assert 4 <= r["facts_known"] <= facts
     assert r["items"] == 4
     assert r["erratum_tokens"] > 0 and r["document_tokens"] > 0
-    rows = {x["arm"]: x for x in r["rows"]}
-    assert list(rows) == ["no_edit", "reprefill", "instruction_text", "erratum"]
+    assert [(x["arm"], x["strength"]) for x in r["rows"]] == [
+        ("no_edit", None), ("reprefill", None), ("instruction_text", None), ("erratum", None),
+        ("emphasize", 0), ("emphasize", 3)]
+    rows = {x["arm"] + str(x["strength"] or ""): x for x in r["rows"]}
     for arm, x in rows.items():
         assert x["items"] == 4, x
         assert x["fluency_items"] == 1, x
@@ -44,11 +47,15 @@ def test_kv_edit_rows_hold_together(tmp_path):
     assert rows["no_edit"]["specificity_top1"]["mean"] == 1
     assert rows["no_edit"]["specificity_kl"]["mean"] == 0
     assert rows["reprefill"]["ttft_ms"]["mean"] == rows["reprefill"]["reprefill_ms"]["mean"]
+    # Emphasis of strength 0 is no emphasis: the unedited answers.
+    for key in ("efficacy", "paraphrase_efficacy", "logodds_shift"):
+        assert abs(rows["emphasize"][key]["mean"] - rows["no_edit"][key]["mean"]) < 1e-3, key
+    assert rows["emphasize"]["specificity_top1"]["mean"] == 1
 
 
 def test_a_malformed_facts_file_is_refused_naming_its_line(tmp_path):
     bad = tmp_path / "facts.txt"
     bad.write_text("relation: r\nstatement: {s} is {o}.\nquestion: {s} is\nfact: no bar here\n")
-    done = run(tmp_path, "--facts", bad)
+    done = run(facts=bad)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "facts.txt:4" in done.stderr and "subject | object" in done.stderr, done.stderr

@@ -117,7 +117,8 @@ bool AnswerQuery(control::ControlServer& server, const std::string& peer,
       std::vector<engine::KvKey> resident;
       resident.reserve(keys.size());
       for (const kvbus::ChunkKey& k : keys) resident.push_back(kvbridge::ResidentKey(k));
-      if (pool->Keep(resident, lease, std::chrono::steady_clock::now()) == 0 && lease.count() > 0) {
+      if (pool->Keep(resident, lease, std::chrono::steady_clock::now()) == 0 && lease.count() > 0 &&
+          !keys.empty()) {
         LogWarn("keeping {} pinned chunks in the KV pool: its bound of {} kept keys is reached",
                 keys.size(), engine::KvCache::kMaxKeptKeys);
       }

@@ -92,6 +92,7 @@ Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
   }
   KDN_RETURN_IF_ERROR(RefuseHoles(seq, "prefill"));
+  KDN_RETURN_IF_ERROR(RefuseAttentionBias(seq, "prefill"));
   const int64_t start = seq.length();
   if (seq.next_position() + n > c.max_context) {
     return InvalidArgument("prefill: " + std::to_string(seq.next_position() + n) +
@@ -194,7 +195,10 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<con
   const ModelConfig& c = config;
   const auto batch = static_cast<int64_t>(seqs.size());
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
-  for (const KvSequence* s : seqs) KDN_RETURN_IF_ERROR(RefuseHoles(*s, "decode"));
+  for (const KvSequence* s : seqs) {
+    KDN_RETURN_IF_ERROR(RefuseHoles(*s, "decode"));
+    KDN_RETURN_IF_ERROR(RefuseAttentionBias(*s, "decode"));
+  }
   KDN_RETURN_IF_ERROR(UseDevice(options.device));
   if (batch > options.max_batch) {
     return InvalidArgument("decode: batch of " + std::to_string(batch) + " beyond max_batch " +

@@ -3,6 +3,8 @@
 // runs them, and every CUDA kernel is tested against them.
 
 #include <cstdint>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "kdn/engine/rope.h"
@@ -56,6 +58,14 @@ void AttentionWeights(const float* q, int64_t ldq, int64_t rows, const float* k,
 // One row of RmsNorm (what RmsNorm runs for each row).
 void RmsNormRow(const float* x, const float* weight, float eps, int dim, float* out);
 
+// An additive bias on attention scores (KvSequence::AttentionBias): per_head
+// holds one value for each query head of a group, added to the scores of
+// the keys in `spans` ([begin, end), ascending). per_head null: none.
+struct ScoreBias {
+  const float* per_head = nullptr;
+  std::span<const std::pair<int64_t, int64_t>> spans;
+};
+
 // One query row of `heads` heads that share a KV head (grouped-query
 // attention) attending over paged keys and values: key p (lo <= p < ctx) is
 // k_blocks[p / 16] + (p % 16) * stride (values alike); for head h,
@@ -63,11 +73,12 @@ void RmsNormRow(const float* x, const float* weight, float eps, int dim, float* 
 // q[h * head_dim ..]. `scores` holds heads * (ctx - lo) floats of scratch.
 // What decode attention runs per (sequence, KV head): one call, the key
 // loop inside, each key and value read once for the group. Keys in [hole_begin,
-// hole_end) get no weight (pruned KV's holes: KvSequence::SetHeadTokens).
+// hole_end) get no weight (pruned KV's holes: KvSequence::SetHeadTokens);
+// `bias` is added to the scaled scores of its keys before the softmax.
 void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx,
                       int head_dim, float scale, float* scores, float* out, int64_t hole_begin = 0,
-                      int64_t hole_end = 0);
+                      int64_t hole_end = 0, const ScoreBias& bias = {});
 // AttendPagedGroup for two rows of one sequence at once (query q0 and q1,
 // contexts ctx0 and ctx1, lo shared, no hole), each row's output bit for
 // bit what AttendPagedGroup gives it alone; the keys and values are read

@@ -215,5 +215,11 @@ Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32
 // UNIMPLEMENTED for a sequence with holes (KvSequence::SetHeadTokens): what
 // a backend whose attention cannot skip them answers (the CUDA engine).
 Status RefuseHoles(const KvSequence& seq, const char* what);
+// INVALID_ARGUMENT for a sequence whose attention bias is for another
+// number of query heads than the model's (what a backend checks at use).
+Status CheckAttentionBias(const model::ModelConfig& config, const KvSequence& seq);
+// UNIMPLEMENTED for a sequence with an attention bias: what a backend whose
+// attention does not apply one answers (the CUDA engine).
+Status RefuseAttentionBias(const KvSequence& seq, const char* what);
 
 }  // namespace kdn::engine

@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "kdn/common/kv_block.h"
@@ -123,6 +124,24 @@ class KvSequence {
   };
   Hole HoleOf(int layer, int kv_head) const;
   bool has_holes() const { return hole_end_ > 0; }
+  // An additive bias on attention scores, as PASTA steers attention (docs/
+  // kvbus.md, "Editing stored KV"): for every query row computed over this
+  // sequence (prefill, decode, row passes), at layer l and query head h,
+  // each key whose slot lies in one of `spans` ([begin, end) slots,
+  // ascending, disjoint, not empty) has bias[l * heads + h] added to its
+  // score before the softmax. `heads` is the model's query heads, which the
+  // engine checks at use. INVALID_ARGUMENT for bad spans or a bias that is
+  // not one finite value per layer and head; no spans clears it. Reset
+  // clears it; Truncate keeps it. The CPU engine applies it; the CUDA
+  // engine refuses such a sequence (RefuseAttentionBias).
+  struct AttentionBias {
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    int heads = 0;
+    std::vector<float> bias;  // [layer][head]
+  };
+  Status SetAttentionBias(AttentionBias bias);
+  // Null when none is set.
+  const AttentionBias* attention_bias() const { return bias_.spans.empty() ? nullptr : &bias_; }
   const std::vector<int32_t>& blocks() const { return blocks_; }
   // Tokens of room its blocks give.
   int64_t reserved() const { return static_cast<int64_t>(blocks_.size()) * kKvBlockTokens; }
@@ -140,6 +159,7 @@ class KvSequence {
   int64_t position_shift_ = 0;
   int64_t hole_end_ = 0;              // SetHeadTokens' slots, at most length_
   std::vector<int32_t> head_tokens_;  // [layer][kv_head], when hole_end_ > 0
+  AttentionBias bias_;                // no spans: none
 };
 
 class KvCache {
