@@ -17,29 +17,10 @@ namespace kdn::engine {
 namespace {
 
 using model::ModelConfig;
+using testing::AnswerOver;
 using testing::MakeModel;
+using testing::MaxDiff;
 using testing::RandomTokens;
-
-// The question's logits over `seq` (one prefill of its rows), then three
-// decode steps'.
-std::vector<float> Answer(CpuEngine& model, KvSequence& seq, const std::vector<int32_t>& question) {
-  std::vector<float> all, step;
-  EXPECT_TRUE(model.Prefill(seq, question, {.all_logits = true}, &all).ok());
-  KvSequence* batch[] = {&seq};
-  for (int32_t t : {5, 6, 7}) {
-    const int32_t tok[] = {t};
-    EXPECT_TRUE(model.DecodeStep(batch, tok, &step).ok());
-    all.insert(all.end(), step.begin(), step.end());
-  }
-  return all;
-}
-
-float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float d = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
-  return d;
-}
 
 KvSequence::AttentionBias Uniform(const ModelConfig& c,
                                   std::vector<std::pair<int64_t, int64_t>> spans, float value) {
@@ -63,11 +44,11 @@ TEST(AttentionBias, AVeryNegativeBiasOnASpanIsAHoleThereInEveryHead) {
       holed.SetHeadTokens(40, std::vector<int32_t>(size_t(c.num_layers) * c.num_kv_heads, 30))
           .ok());
   ASSERT_TRUE(biased.SetAttentionBias(Uniform(c, {{30, 40}}, -1e4f)).ok());
-  const std::vector<float> want = Answer(*model, holed, question);
-  const std::vector<float> got = Answer(*model, biased, question);
+  const std::vector<float> want = AnswerOver(*model, holed, question);
+  const std::vector<float> got = AnswerOver(*model, biased, question);
   EXPECT_LT(MaxDiff(want, got), 1e-5f);
   // And it is not the plain answer: the span mattered.
-  EXPECT_GT(MaxDiff(want, Answer(*model, plain, question)), 1e-3f);
+  EXPECT_GT(MaxDiff(want, AnswerOver(*model, plain, question)), 1e-3f);
 }
 
 TEST(AttentionBias, ZeroIsNoBiasAndOneHeadsBiasMovesTheAnswer) {
@@ -83,7 +64,7 @@ TEST(AttentionBias, ZeroIsNoBiasAndOneHeadsBiasMovesTheAnswer) {
     if (bias != nullptr) {
       EXPECT_TRUE(s.SetAttentionBias(*bias).ok());
     }
-    return Answer(*model, s, question);
+    return AnswerOver(*model, s, question);
   };
   const std::vector<float> base = answer(nullptr);
   const KvSequence::AttentionBias zero = Uniform(c, {{4, 20}, {25, 30}}, 0.0f);

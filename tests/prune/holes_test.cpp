@@ -17,7 +17,9 @@
 namespace kdn::prune {
 namespace {
 
+using kdn::testing::AnswerOver;
 using kdn::testing::MakeModel;
+using kdn::testing::MaxDiff;
 using kdn::testing::RandomTokens;
 
 // Every (layer, KV head) keeps `index` (ascending), `slots` slots; the
@@ -52,28 +54,6 @@ void Scribble(engine::CpuKvCache& cache, engine::KvSequence& seq, int l, int g, 
   }
 }
 
-// A question's logits over `seq` (a pass of 20 rows: matrix products), then
-// three decode steps' (row by row).
-std::vector<float> Answer(engine::CpuEngine& model, engine::KvSequence& seq,
-                          const std::vector<int32_t>& question) {
-  std::vector<float> all, step;
-  EXPECT_TRUE(model.Prefill(seq, question, {.all_logits = true}, &all).ok());
-  engine::KvSequence* batch[] = {&seq};
-  for (int32_t t : {5, 6, 7}) {
-    const int32_t tok[] = {t};
-    EXPECT_TRUE(model.DecodeStep(batch, tok, &step).ok());
-    all.insert(all.end(), step.begin(), step.end());
-  }
-  return all;
-}
-
-float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float d = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
-  return d;
-}
-
 TEST(Holes, AHoleInEveryHeadIsAsIfItsSlotsWereNotThere) {
   auto model = MakeModel("tiny");
   const auto& c = model->config();
@@ -101,8 +81,8 @@ TEST(Holes, AHoleInEveryHeadIsAsIfItsSlotsWereNotThere) {
   for (int l = 0; l < c.num_layers; ++l) {
     for (int g = 0; g < c.num_kv_heads; ++g) Scribble(cache, holed, l, g, 16, 20, 10 * l + g);
   }
-  const std::vector<float> want = Answer(*model, shorter, question);
-  const std::vector<float> got = Answer(*model, holed, question);
+  const std::vector<float> want = AnswerOver(*model, shorter, question);
+  const std::vector<float> got = AnswerOver(*model, holed, question);
   EXPECT_LT(MaxDiff(want, got), 1e-4f);
   // A row pass (blend's) is refused: a row inside a head's hole would see
   // none of that head's keys; so is pruning it again.
@@ -140,7 +120,7 @@ TEST(Holes, AHeadsHoleHidesItsSlotsFromThatHeadOnly) {
     engine::KvSequence s = cache.NewSequence();
     EXPECT_TRUE(CompactKv(cache, full, k, &s).ok());
     if (scribble_head >= 0) Scribble(cache, s, 0, scribble_head, 18, 24, 99);
-    return Answer(*model, s, question);
+    return AnswerOver(*model, s, question);
   };
   const std::vector<float> base = answer(-1);
   // What head 0 does not see may hold anything.
@@ -152,7 +132,7 @@ TEST(Holes, AHeadsHoleHidesItsSlotsFromThatHeadOnly) {
   counts[0] = 24;
   ASSERT_TRUE(CompactKv(cache, full, Kept(*model, 40, index, counts), &whole24).ok());
   EXPECT_FALSE(whole24.has_holes());
-  EXPECT_GT(MaxDiff(base, Answer(*model, whole24, question)), 1e-3f);
+  EXPECT_GT(MaxDiff(base, AnswerOver(*model, whole24, question)), 1e-3f);
 }
 
 TEST(Holes, TruncateShortensThemAndSetHeadTokensChecksItsArguments) {

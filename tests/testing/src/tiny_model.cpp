@@ -41,4 +41,24 @@ double RelError(const float* a, const float* b, size_t n) {
   return den == 0.0 ? num : num / den;
 }
 
+float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float d = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
+  return d;
+}
+
+std::vector<float> AnswerOver(engine::CpuEngine& model, engine::KvSequence& seq,
+                              const std::vector<int32_t>& question) {
+  std::vector<float> all, step;
+  EXPECT_TRUE(model.Prefill(seq, question, {.all_logits = true}, &all).ok());
+  engine::KvSequence* batch[] = {&seq};
+  for (int32_t t : {5, 6, 7}) {
+    const int32_t tok[] = {t};
+    EXPECT_TRUE(model.DecodeStep(batch, tok, &step).ok());
+    all.insert(all.end(), step.begin(), step.end());
+  }
+  return all;
+}
+
 }  // namespace kdn::testing

@@ -31,6 +31,14 @@ std::vector<int32_t> RandomTokens(int n, int vocab, uint32_t seed);
 
 // max |a - b| / max |b|: the error relative to the scale of the reference.
 double RelError(const float* a, const float* b, size_t n);
+// max |a - b| (a size mismatch is a test failure).
+float MaxDiff(const std::vector<float>& a, const std::vector<float>& b);
+
+// A question's logits over `seq`, one row per token (one prefill of its
+// rows), then three decode steps' (tokens 5, 6, 7): what a model answers
+// over KV, by both of the CPU engine's kinds of row.
+std::vector<float> AnswerOver(engine::CpuEngine& model, engine::KvSequence& seq,
+                              const std::vector<int32_t>& question);
 
 // A test name for a preset parameter ("tiny-qwen2" -> "tiny_qwen2").
 struct PresetTestName {
