@@ -1,7 +1,7 @@
 // Pruned KV whose heads kept different numbers of tokens (prune's
 // Granularity::kGlobal): the sequence's holes (KvSequence::SetHeadTokens),
-// attention over them on both CPU paths (matrix products for long passes,
-// row by row for decode), the global selection and KVzip's scores.
+// attention over them (a prefill's rows and decode steps), the global
+// selection and KVzip's scores.
 #include <gtest/gtest.h>
 
 #include <algorithm>
