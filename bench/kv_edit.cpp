@@ -371,34 +371,32 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
   for (size_t n = 0; n < items.size(); ++n) {
     const Item& it = items[n];
     const Relation& rel = rels[it.fact->rel];
-    // The document's KV alone, and with the note after it (the edit).
-    auto stored = [&](bool with_note,
-                      double* edit_ms) -> Result<std::shared_ptr<const kvbus::Chunk>> {
-      engine::KvSequence seq = cache.NewSequence();
-      std::vector<float> logits;
-      KDN_RETURN_IF_ERROR(model.Prefill(seq, it.document, {}, &logits));
-      std::vector<int32_t> tokens = it.document;
-      if (with_note) {
-        const auto t0 = Clock::now();
-        KDN_RETURN_IF_ERROR(model.Prefill(seq, note, {}, &logits));
-        *edit_ms = 1e3 * Seconds(t0, Clock::now());
-        tokens.insert(tokens.end(), note.begin(), note.end());
-      }
-      KDN_ASSIGN_OR_RETURN(
-          auto chunk,
-          kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), kvbus::SegmentKey(ctx, tokens),
-                                     ctx.model_fingerprint, model.kv_dtype()));
-      return std::shared_ptr<const kvbus::Chunk>(std::move(chunk));
-    };
-    double edit_ms = 0;
-    auto plain_kv = stored(false, nullptr);
-    auto noted_kv = plain_kv.ok() ? stored(true, &edit_ms) : plain_kv;
-    if (!noted_kv.ok()) {
-      std::fprintf(stderr, "kdn-bench kv-edit: %s\n", noted_kv.status().ToString().c_str());
-      return 1;
-    }
+    // The document's KV alone, then with the note after it (the edit: only
+    // the note's tokens computed, on top of the document's).
     std::vector<int32_t> noted_tokens = it.document;
     noted_tokens.insert(noted_tokens.end(), note.begin(), note.end());
+    std::shared_ptr<const kvbus::Chunk> plain_kv, noted_kv;
+    double edit_ms = 0;
+    const auto store_document = [&]() -> Status {
+      engine::KvSequence seq = cache.NewSequence();
+      const auto chunk_of = [&](const std::vector<int32_t>& tokens) {
+        return kvbridge::ChunkFromPagedKv(cache, seq, 0, static_cast<int64_t>(tokens.size()),
+                                          kvbus::SegmentKey(ctx, tokens), ctx.model_fingerprint,
+                                          model.kv_dtype());
+      };
+      std::vector<float> logits;
+      KDN_RETURN_IF_ERROR(model.Prefill(seq, it.document, {}, &logits));
+      KDN_ASSIGN_OR_RETURN(plain_kv, chunk_of(it.document));
+      const auto t0 = Clock::now();
+      KDN_RETURN_IF_ERROR(model.Prefill(seq, note, {}, &logits));
+      edit_ms = 1e3 * Seconds(t0, Clock::now());
+      KDN_ASSIGN_OR_RETURN(noted_kv, chunk_of(noted_tokens));
+      return Status::Ok();
+    };
+    if (Status st = store_document(); !st.ok()) {
+      std::fprintf(stderr, "kdn-bench kv-edit: %s\n", st.ToString().c_str());
+      return 1;
+    }
 
     // The questions: the item's, its paraphrases, the other facts'.
     const auto suffix = [&](const std::string& q) { return encode("\n" + q); };
@@ -448,7 +446,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
           const bool noted = arm == Arm::kErratum;
           const std::vector<blend::Segment> segments = {
               {arm == Arm::kInstructionText ? instructed_head : bos, nullptr},
-              {noted ? noted_tokens : it.document, noted ? *noted_kv : *plain_kv}};
+              {noted ? noted_tokens : it.document, noted ? noted_kv : plain_kv}};
           auto res = blend::BlendPrefill(model, seq, segments, questions[q],
                                          {.spec = spec, .seed = n + 1});
           if (res.ok()) logits = std::move(res->logits);

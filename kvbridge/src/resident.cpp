@@ -56,4 +56,12 @@ int64_t ResidentPrefixTokens(const engine::KvCache& cache, const kvbus::KeyConte
       MatchResident(cache, ctx, tokens, prefix_keys, limit, min_tail_tokens));
 }
 
+size_t KeepResident(engine::KvCache& cache, std::span<const kvbus::ChunkKey> keys,
+                    std::chrono::milliseconds lease) {
+  std::vector<engine::KvKey> resident;
+  resident.reserve(keys.size());
+  for (const kvbus::ChunkKey& k : keys) resident.push_back(ResidentKey(k));
+  return cache.Keep(resident, lease, std::chrono::steady_clock::now());
+}
+
 }  // namespace kdn::kvbridge

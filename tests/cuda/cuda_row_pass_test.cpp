@@ -121,6 +121,17 @@ TEST(CudaPositionShift, PrefillDecodeAndRowPassRotateEachTokenForItsPosition) {
   const int32_t one[] = {tokens[0]};
   EXPECT_EQ(g->DecodeStep(batch, one, &a).code(), StatusCode::kUnimplemented);
   EXPECT_EQ(g->BeginRowPass(q, tokens, all).status().code(), StatusCode::kUnimplemented);
+  // So is an attention bias (KvSequence::SetAttentionBias), in each pass.
+  KvSequence biased = g->kv_cache().NewSequence();
+  KDN_ASSERT_OK(g->Prefill(biased, tokens, {}, &a));
+  const auto& gc = g->config();
+  KDN_ASSERT_OK(biased.SetAttentionBias(
+      {{{0, 8}}, gc.num_heads, std::vector<float>(size_t(gc.num_layers) * gc.num_heads, 1.0f)}));
+  EXPECT_EQ(g->Prefill(biased, std::span(tokens).first(4), {}, &a).code(),
+            StatusCode::kUnimplemented);
+  KvSequence* biased_batch[] = {&biased};
+  EXPECT_EQ(g->DecodeStep(biased_batch, one, &a).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(g->BeginRowPass(biased, tokens, all).status().code(), StatusCode::kUnimplemented);
 }
 
 // Over a cache that holds the prompt's own KV, recomputing any rows changes

@@ -113,15 +113,10 @@ bool AnswerQuery(control::ControlServer& server, const std::string& peer,
       keys.push_back(*k);
     }
     const auto lease = kvbus::KeepLeaseFromWire(message.keep().lease_ms());
-    if (pool != nullptr) {
-      std::vector<engine::KvKey> resident;
-      resident.reserve(keys.size());
-      for (const kvbus::ChunkKey& k : keys) resident.push_back(kvbridge::ResidentKey(k));
-      if (pool->Keep(resident, lease, std::chrono::steady_clock::now()) == 0 && lease.count() > 0 &&
-          !keys.empty()) {
-        LogWarn("keeping {} pinned chunks in the KV pool: its bound of {} kept keys is reached",
-                keys.size(), engine::KvCache::kMaxKeptKeys);
-      }
+    if (pool != nullptr && kvbridge::KeepResident(*pool, keys, lease) == 0 && lease.count() > 0 &&
+        !keys.empty()) {
+      LogWarn("keeping {} pinned chunks in the KV pool: its bound of {} kept keys is reached",
+              keys.size(), engine::KvCache::kMaxKeptKeys);
     }
     auto kept = store.Keep(keys, lease);
     if (!kept.ok()) {

@@ -6,8 +6,10 @@
 // later request whose prefix they cover attaches those blocks by reference
 // instead of loading its KV from the host tier, the disk tier or kdn-store.
 // Called on the engine's thread (the cache's owner), except
-// ResidentPrefixTokens, which reads only what KvCache::IsResident reads.
+// ResidentPrefixTokens, which reads only what KvCache::IsResident reads, and
+// KeepResident, which KvCache::Keep makes safe on any thread.
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 
@@ -40,5 +42,11 @@ int64_t ResidentPrefixTokens(const engine::KvCache& cache, const kvbus::KeyConte
                              std::span<const int32_t> tokens,
                              std::span<const kvbus::ChunkKey> prefix_keys, int64_t limit,
                              int64_t min_tail_tokens);
+
+// Keeps the resident entries under `keys` (a pinned prefix's chunk keys)
+// for `lease` from now, or lets them go with a zero lease: KvCache::Keep,
+// which the engine's thread applies. Returns the keys taken.
+size_t KeepResident(engine::KvCache& cache, std::span<const kvbus::ChunkKey> keys,
+                    std::chrono::milliseconds lease);
 
 }  // namespace kdn::kvbridge
