@@ -10,6 +10,7 @@
 // kdn-prefill stores a document injected with `prune` (docs/kvbus.md,
 // "Pruned KV") before the blend.
 #include <algorithm>
+#include <map>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -210,6 +211,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--blend-max-kl", blend.max_kl, "Blend: a quality target (0: none)")
       ->check(CLI::NonNegativeNumber);
+  std::vector<std::string> errata;
+  app.add_option("--erratum", errata,
+                 "Blend: N=TEXT, an erratum after document N (from 0), its KV computed after the "
+                 "document's as a kdn/edit erratum stores it (repeat for other documents)")
+      ->needs("--document");
   kdn::prune::PruneSpec prune;
   auto* prune_method =
       app.add_option("--prune-method", prune.method,
@@ -228,6 +234,29 @@ int main(int argc, char** argv) {
     blend.selection = *s;
   } else {
     std::fprintf(stderr, "kdn-generate: --blend-selection: %s\n", s.status().message().c_str());
+    return 2;
+  }
+  // --erratum N=TEXT, by document.
+  std::map<size_t, std::string> erratum_of;
+  for (const std::string& e : errata) {
+    const size_t eq = e.find('=');
+    size_t n = 0;
+    try {
+      n = eq == std::string::npos ? documents.size() : std::stoul(e.substr(0, eq));
+    } catch (...) {
+      n = documents.size();
+    }
+    if (n >= documents.size() || eq + 1 >= e.size() || erratum_of.count(n) != 0) {
+      std::fprintf(stderr,
+                   "kdn-generate: --erratum \"%s\": give N=TEXT, N a document's index (0 to "
+                   "%zu) once, TEXT not empty\n",
+                   e.c_str(), documents.size() - 1);
+      return 2;
+    }
+    erratum_of[n] = e.substr(eq + 1);
+  }
+  if (!erratum_of.empty() && !prune.method.empty()) {
+    std::fprintf(stderr, "kdn-generate: a document with an erratum is not pruned\n");
     return 2;
   }
   if (!documents.empty() && gen.sampling.temperature != 0.0f) {
@@ -285,8 +314,12 @@ int main(int argc, char** argv) {
   if (!documents.empty()) {
     ids = (*tok)->Encode(chat.head, chat.add_bos);
     head = ids;
-    for (const std::string& d : documents) {
-      doc_ids.push_back((*tok)->Encode(d, false));
+    for (size_t i = 0; i < documents.size(); ++i) {
+      doc_ids.push_back((*tok)->Encode(documents[i], false));
+      if (auto e = erratum_of.find(i); e != erratum_of.end()) {
+        const std::vector<int32_t> note = (*tok)->Encode(e->second, false);
+        doc_ids.back().insert(doc_ids.back().end(), note.begin(), note.end());
+      }
       ids.insert(ids.end(), doc_ids.back().begin(), doc_ids.back().end());
     }
     question = (*tok)->Encode(chat.rest, false);

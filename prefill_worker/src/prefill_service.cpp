@@ -24,7 +24,7 @@ struct QueuedJob {
   uint64_t request_id = 0;
   bool inject = false;  // job.tokens is a document to store, not a prompt
   PrefillJob job;
-  std::optional<prune::PruneSpec> prune;  // an injected document's pruning
+  InjectSpec inject_spec;  // an injected document's pruning or erratum base
   // What a KV I/O thread read for it (Prefiller::Prefetch): set once read.
   // Guarded by Impl::mu.
   std::shared_ptr<std::optional<PrefetchedKv>> kv;
@@ -145,8 +145,9 @@ struct PrefillService::Impl {
       if (!j.read_posted) {
         j.read_posted = true;
         kv_io[static_cast<size_t>(next_kv_io++) % kv_io.size()]->Post(
-            0, [this, slot = j.kv, job = j.job, inject = j.inject] {
-              PrefetchedKv kv = prefiller->Prefetch(job, inject);
+            0, [this, slot = j.kv, job = j.job,
+                inject = j.inject ? std::optional<InjectSpec>(j.inject_spec) : std::nullopt] {
+              PrefetchedKv kv = prefiller->Prefetch(job, inject ? &*inject : nullptr);
               {
                 std::lock_guard<std::mutex> lock(mu);
                 *slot = std::move(kv);
@@ -173,10 +174,10 @@ struct PrefillService::Impl {
   // Prefiller's store thread, while this thread goes on to the next job.
   void RunInject(const QueuedJob& q) {
     prefiller->Inject(
-        q.job.tokens, q.job.ns, q.prune ? &*q.prune : nullptr, ReadFor(q),
+        q.job.tokens, q.job.ns, q.inject_spec, ReadFor(q),
         [this, request_id = q.request_id, peer = q.peer, tokens = q.job.tokens.size(),
-         method =
-             q.prune ? q.prune->method : std::string()](Result<Prefiller::InjectOutcome> held) {
+         method = q.inject_spec.prune ? q.inject_spec.prune->method : std::string(),
+         base = q.inject_spec.base_tokens](Result<Prefiller::InjectOutcome> held) {
           proto::WorkerMessage reply;
           reply.set_request_id(request_id);
           auto* ir = reply.mutable_inject_reply();
@@ -188,11 +189,16 @@ struct PrefillService::Impl {
                     : !method.empty()
                         ? fmt::format("computed, pruned by {} to {} tokens and stored", method,
                                       held->stored_tokens)
-                        : std::string("computed and stored"));
+                    : base > 0 ? fmt::format("an erratum of {} tokens after a document of {}, "
+                                             "computed and stored",
+                                             tokens - static_cast<size_t>(base), base)
+                               : std::string("computed and stored"));
           } else {
             control::StatusToProto(held.status(), ir->mutable_error());
-            LogError("{} injecting a document of {} tokens failed: {}", ReqId{request_id}, tokens,
-                     held.status().ToString());
+            // An edit whose original is not here is the client's to fix.
+            Log(held.status().code() == StatusCode::kNotFound ? LogLevel::kInfo : LogLevel::kError,
+                "{} injecting a document of {} tokens failed: {}", ReqId{request_id}, tokens,
+                held.status().ToString());
           }
           server->Send(peer, reply);
         });
@@ -302,7 +308,11 @@ struct PrefillService::Impl {
         q.inject = true;
         q.job.tokens.assign(msg.inject().tokens().begin(), msg.inject().tokens().end());
         q.job.ns = msg.inject().ns();
-        if (msg.inject().has_prune()) q.prune = control::PruneFromProto(msg.inject().prune());
+        if (msg.inject().has_prune()) {
+          q.inject_spec.prune = control::PruneFromProto(msg.inject().prune());
+        }
+        q.inject_spec.base_tokens = msg.inject().base_tokens();
+        q.inject_spec.base_required = msg.inject().base_required();
         LogDebug("{} received: inject a document of {} tokens", ReqId{q.request_id},
                  q.job.tokens.size());
         Enqueue(std::move(q));

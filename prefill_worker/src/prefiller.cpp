@@ -146,13 +146,14 @@ struct Prefiller::Push {
   }
 };
 
-PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, bool inject) const {
+PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, const InjectSpec* inject) const {
   PrefetchedKv kv;
   const auto n = static_cast<int64_t>(job.tokens.size());
   if (n == 0 || n > model_.config().max_context) return kv;  // Run refuses it
   const kvbus::KeyContext ctx{fingerprint_, job.ns, options_.chunk_tokens};
-  if (inject) {
+  if (inject != nullptr) {
     kv.inject_held = store_.Contains(kvbus::SegmentKey(ctx, job.tokens));
+    if (!kv.inject_held) kv.inject_base = InjectBase(job.tokens, job.ns, *inject);
     return kv;
   }
   if (job.blend) {
@@ -362,7 +363,8 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
 }
 
 Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
-    const kvbus::ChunkKey& key, std::span<const int32_t> tokens, const prune::PruneSpec* prune) {
+    const kvbus::ChunkKey& key, std::span<const int32_t> tokens, const prune::PruneSpec* prune,
+    const kvbus::Chunk* base) {
   engine::KvCache& cache = model_.kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   if (prune != nullptr) {
@@ -372,9 +374,31 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
                                             chunk_dtype_);
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
+  size_t from = 0;
+  if (base != nullptr) {
+    // The original's KV at its place; the erratum is computed after it.
+    KDN_RETURN_IF_ERROR(kvbridge::ChunkToPagedKv(*base, cache, seq, 0));
+    from = base->info().tokens;
+    cache.SetLength(seq, static_cast<int64_t>(from));
+  }
   std::vector<float> logits;
-  KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens, {}, &logits));
+  KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens.subspan(from), {}, &logits));
   return kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key, fingerprint_, chunk_dtype_);
+}
+
+std::shared_ptr<const kvbus::Chunk> Prefiller::InjectBase(std::span<const int32_t> tokens,
+                                                          const std::string& ns,
+                                                          const InjectSpec& spec) const {
+  const auto n = static_cast<int64_t>(tokens.size());
+  if (spec.base_tokens <= 0 || spec.base_tokens >= n || spec.prune) return nullptr;
+  const std::span<const int32_t> original = tokens.first(static_cast<size_t>(spec.base_tokens));
+  Result<std::shared_ptr<const kvbus::Chunk>> chunk =
+      store_.Get(kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, original));
+  // Whole (not pruned), of this model and KV type.
+  if (!chunk.ok() || !kvbus::ChunkFits(**chunk, fingerprint_, spec.base_tokens, chunk_dtype_)) {
+    return nullptr;
+  }
+  return *std::move(chunk);
 }
 
 void Prefiller::PutChunk(std::shared_ptr<const kvbus::Chunk> chunk,
@@ -392,8 +416,9 @@ void Prefiller::PutChunk(std::shared_ptr<const kvbus::Chunk> chunk,
 }
 
 void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
-                       const prune::PruneSpec* prune, const PrefetchedKv* kv, InjectDone done) {
+                       const InjectSpec& spec, const PrefetchedKv* kv, InjectDone done) {
   if (tokens.empty()) return done(InvalidArgument("inject: an empty document"));
+  const prune::PruneSpec* prune = spec.prune ? &*spec.prune : nullptr;
   if (prune != nullptr) {
     if (Status st = prune::ValidatePruneSpec(*prune); !st.ok()) return done(st);
   }
@@ -403,13 +428,33 @@ void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
                                 " tokens exceeds the model's context of " +
                                 std::to_string(model_.config().max_context)));
   }
+  if (spec.base_tokens < 0 || spec.base_tokens >= n ||
+      (spec.base_required && spec.base_tokens == 0)) {
+    return done(InvalidArgument("inject: an erratum's original of " +
+                                std::to_string(spec.base_tokens) + " tokens in a document of " +
+                                std::to_string(n) + " (the erratum must not be empty)"));
+  }
+  if (spec.base_tokens > 0 && prune != nullptr) {
+    return done(InvalidArgument("inject: a document with an erratum is stored whole, not pruned"));
+  }
   const kvbus::ChunkKey key = kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, tokens);
   // Read before, off this thread; or stored here since (host memory).
   const bool held =
       kv == nullptr ? store_.Contains(key)
                     : kv->inject_held || (store_.host() != nullptr && store_.host()->Contains(key));
   if (held) return done(InjectOutcome{true, 0});
-  Result<std::shared_ptr<const kvbus::Chunk>> chunk = ComputeSegment(key, tokens, prune);
+  std::shared_ptr<const kvbus::Chunk> base;
+  if (spec.base_tokens > 0) {
+    base = kv != nullptr && kv->inject_base != nullptr ? kv->inject_base
+                                                       : InjectBase(tokens, ns, spec);
+    if (base == nullptr && spec.base_required) {
+      return done(NotFound("inject: the document to edit (its first " +
+                           std::to_string(spec.base_tokens) +
+                           " tokens) is not in the KDN whole; inject it first"));
+    }
+  }
+  Result<std::shared_ptr<const kvbus::Chunk>> chunk =
+      ComputeSegment(key, tokens, prune, base.get());
   if (!chunk.ok()) return done(chunk.status());
   const int64_t stored = (*chunk)->info().tokens;
   PutChunk(*std::move(chunk), [done = std::move(done), stored](Status st) {
@@ -422,14 +467,22 @@ void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
 }
 
 Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> tokens,
-                                                   const std::string& ns,
-                                                   const prune::PruneSpec* prune,
+                                                   const std::string& ns, const InjectSpec& spec,
                                                    const PrefetchedKv* kv) {
   std::promise<Result<InjectOutcome>> outcome;
   std::future<Result<InjectOutcome>> ready = outcome.get_future();
-  Inject(tokens, ns, prune, kv,
+  Inject(tokens, ns, spec, kv,
          [&outcome](Result<InjectOutcome> r) { outcome.set_value(std::move(r)); });
   return ready.get();
+}
+
+Result<Prefiller::InjectOutcome> Prefiller::Inject(std::span<const int32_t> tokens,
+                                                   const std::string& ns,
+                                                   const prune::PruneSpec* prune,
+                                                   const PrefetchedKv* kv) {
+  InjectSpec spec;
+  if (prune != nullptr) spec.prune = *prune;
+  return Inject(tokens, ns, spec, kv);
 }
 
 Status Prefiller::StoreNewChunks() {

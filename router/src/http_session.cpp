@@ -149,7 +149,9 @@ class Session : public std::enable_shared_from_this<Session> {
       route_ = "/v1/kdn/pins";  // one metrics label, whatever the pin
       Pins(path == "/v1/kdn/pins", path.size() > 12 ? path.substr(13) : std::string());
     } else if (path == "/v1/kdn/inject") {
-      if (only(http::verb::post)) Inject();
+      if (only(http::verb::post)) Inject(/*edit=*/false);
+    } else if (path == "/v1/kdn/edit") {
+      if (only(http::verb::post)) Inject(/*edit=*/true);
     } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
       if (only(http::verb::post)) {
         Generate(path == "/v1/completions" ? ApiKind::kCompletion : ApiKind::kChat);
@@ -300,11 +302,15 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // POST /v1/kdn/inject: stores documents' KV in the KDN. With "stream",
-  // one SSE event per document done, then the summary.
-  void Inject() {
-    asio::post(router_.parse_pool, [self = shared_from_this()] {
+  // one SSE event per document done, then the summary. POST /v1/kdn/edit
+  // (`edit`): stores a stored document's edited version, as an injection of
+  // one document whose original must be held.
+  void Inject(bool edit) {
+    asio::post(router_.parse_pool, [self = shared_from_this(), edit] {
       auto req = std::make_shared<InjectApiRequest>();
-      auto err = ParseInjectRequest(self->request_.body(), self->router_.served, req.get());
+      const std::string& body = self->request_.body();
+      auto err = edit ? ParseEditRequest(body, self->router_.served, req.get())
+                      : ParseInjectRequest(body, self->router_.served, req.get());
       asio::post(self->router_.io, [self, req, err = std::move(err)] {
         if (err) return self->ReplyError(*err);
         self->StartInject(std::move(*req));
@@ -314,10 +320,17 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void StartInject(InjectApiRequest req) {
     inject_ = true;
+    edit_ = req.edit;
     stream_mode_ = req.stream;
     created_ = UnixNow();
     InjectJob job;
     job.documents = std::move(req.documents);
+    job.base_tokens = std::move(req.base_tokens);
+    job.base_required = req.edit;
+    if (req.edit) {
+      edit_tokens_ = {job.base_tokens.front(),
+                      static_cast<int64_t>(job.documents.front().size()) - job.base_tokens.front()};
+    }
     job.ns = RequestNamespace(tenant_, req.cache_salt);
     job.prune = std::move(req.prune);
     stream_.expires_never();
@@ -370,6 +383,7 @@ class Session : public std::enable_shared_from_this<Session> {
           "{:.1f} ms",
           ReqId{job_}, p.total, p.stored, p.already_held, p.failed, p.tokens, JobMs());
     }
+    if (edit_ && ev.kind == JobEvent::Kind::kDone) return ReplyEdit(p);
     if (ev.kind == JobEvent::Kind::kDone && p.failed == p.total && p.total > 0 && !header_sent_) {
       // Nothing stored: the first failure is the answer.
       ApiError e;
@@ -398,6 +412,32 @@ class Session : public std::enable_shared_from_this<Session> {
     out += SseEvent("[DONE]");
     Enqueue(Chunked(out));
     FinishStream();
+  }
+
+  // /v1/kdn/edit's answer: the edited version stored (or held already), a
+  // 400 when the original is not in the KDN, a 502 when it failed.
+  void ReplyEdit(const InjectProgress& p) {
+    if (p.failed > 0) {
+      ApiError e;
+      if (p.missing_base > 0) {
+        e.http_status = 400;
+        e.param = "document";
+        e.message = "the document is not in the KDN under this cache_salt: inject it first (" +
+                    p.errors.front().second + ")";
+      } else {
+        e.http_status = 502;
+        e.type = "server_error";
+        e.message = "the edit was not stored: " + p.errors.front().second;
+      }
+      return ReplyError(e);
+    }
+    const json j = {{"object", "kdn.edit"},
+                    {"edit", "erratum"},
+                    {"document_tokens", edit_tokens_.first},
+                    {"erratum_tokens", edit_tokens_.second},
+                    {"already_held", p.already_held > 0},
+                    {"stored_tokens", p.stored_tokens}};
+    Reply(http::status::ok, Dump(j), "application/json");
   }
 
   void OnJobEvent(JobEvent ev) {
@@ -495,6 +535,7 @@ class Session : public std::enable_shared_from_this<Session> {
     header_sent_ = false;
     job_live_ = false;
     inject_ = false;
+    edit_ = false;
     basic_challenge_ = false;
     request_id_.clear();
   }
@@ -550,8 +591,10 @@ class Session : public std::enable_shared_from_this<Session> {
   bool in_flight_ = false;
   bool stream_done_ = false;
   bool header_sent_ = false;
-  bool inject_ = false;                  // the job is an injection
-  const std::string* tenant_ = nullptr;  // the request's, when keys are configured
+  bool inject_ = false;                      // the job is an injection
+  bool edit_ = false;                        // of one edited document (/v1/kdn/edit)
+  std::pair<int64_t, int64_t> edit_tokens_;  // an edit's document's tokens, its erratum's
+  const std::string* tenant_ = nullptr;      // the request's, when keys are configured
   uint64_t job_ = 0;
   std::string request_id_;  // job_ as X-Request-Id gives it; empty: no job
   std::chrono::steady_clock::time_point job_start_;

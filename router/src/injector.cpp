@@ -38,8 +38,7 @@ void Injector::Pump(uint64_t id) {
     if (!best) break;
     const size_t doc = inj.todo.front();
     inj.todo.pop_front();
-    proto::WorkerMessage m = InjectMessage(inj.job.documents[doc], inj.job.ns,
-                                           inj.job.prune ? &*inj.job.prune : nullptr);
+    proto::WorkerMessage m = InjectMessage(inj.job, doc);
     const uint64_t part_id = next_part_id_++;
     parts_[part_id] = {id, doc, *best};
     ++busy[*best];
@@ -104,6 +103,8 @@ void Injector::OnReply(size_t w, const proto::WorkerMessage& m) {
     LogWarn("{} document {} failed at {} ({}): {}", ReqId{part.injection}, part.document,
             workers_[w].name, ReqId{m.request_id()}, st.ToString());
   }
+  // An edit's original the KDN lacks is the client's mistake, not a failure.
+  if (st.code() == StatusCode::kNotFound && inj.job.base_required) ++inj.progress.missing_base;
   DocumentDone(inj, part.document, st.ok() ? "" : st.WithContext(workers_[w].name).ToString(),
                m.inject_reply().already_held(), st.ok() ? m.inject_reply().stored_tokens() : 0);
   if (inj.cb) {

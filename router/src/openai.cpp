@@ -153,8 +153,31 @@ std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
   return std::nullopt;
 }
 
-// The `documents` field (set): a non-empty list of non-empty strings.
-std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<std::string>* docs) {
+// One document of a request or an injection: its text, and the erratum
+// stored after it (docs/serving.md, "Editing a document"), if any.
+struct DocumentText {
+  std::string text;
+  std::string erratum;
+};
+
+// A document's tokens, as a request's prompt holds them: the text's, then
+// the erratum's, each tokenized on its own. `base`: the text's count when
+// there is an erratum, else 0.
+std::vector<int32_t> DocumentTokens(const ServedModel& model, const DocumentText& doc,
+                                    int64_t* base) {
+  std::vector<int32_t> t = model.tokenizer->Encode(doc.text, /*add_bos=*/false);
+  *base = 0;
+  if (!doc.erratum.empty() && !t.empty()) {
+    *base = static_cast<int64_t>(t.size());
+    const std::vector<int32_t> note = model.tokenizer->Encode(doc.erratum, /*add_bos=*/false);
+    t.insert(t.end(), note.begin(), note.end());
+  }
+  return t;
+}
+
+// The `documents` field (set): a non-empty list whose entries are non-empty
+// strings or {"text": ..., "erratum": ...} objects.
+std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<DocumentText>* docs) {
   const json& d = body["documents"];
   if (!d.is_array()) {
     return Bad(std::string("'documents' must be a list of strings, not ") + TypeName(d),
@@ -162,10 +185,26 @@ std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<std::s
   }
   if (d.empty()) return Bad("'documents' is an empty list", "documents");
   for (size_t i = 0; i < d.size(); ++i) {
-    if (!d[i].is_string() || d[i].get<std::string>().empty()) {
-      return Bad("documents[" + std::to_string(i) + "] must be a non-empty string", "documents");
+    const std::string at = "documents[" + std::to_string(i) + "]";
+    if (d[i].is_object()) {
+      DocumentText doc;
+      for (const auto& [k, v] : d[i].items()) {
+        if (k != "text" && k != "erratum") {
+          return Bad(at + ": unknown field '" + k + "' (text, erratum)", at + "." + k);
+        }
+        if (!v.is_string() || v.get<std::string>().empty()) {
+          return Bad(at + "." + k + " must be a non-empty string", at + "." + k);
+        }
+        (k == "text" ? doc.text : doc.erratum) = v.get<std::string>();
+      }
+      if (doc.text.empty()) return Bad(at + ".text is required", at + ".text");
+      docs->push_back(std::move(doc));
+      continue;
     }
-    docs->push_back(d[i].get<std::string>());
+    if (!d[i].is_string() || d[i].get<std::string>().empty()) {
+      return Bad(at + " must be a non-empty string or {\"text\", \"erratum\"}", "documents");
+    }
+    docs->push_back({d[i].get<std::string>(), {}});
   }
   return std::nullopt;
 }
@@ -174,7 +213,7 @@ std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<std::s
 // before the last separator. Returns whether the request has documents;
 // `text` keeps what follows them.
 std::optional<ApiError> TakeDocuments(const json& body, const std::string& separator,
-                                      std::string* text, std::vector<std::string>* docs,
+                                      std::string* text, std::vector<DocumentText>* docs,
                                       bool* has_documents) {
   *has_documents = false;
   if (IsSet(body, "documents")) {
@@ -186,7 +225,7 @@ std::optional<ApiError> TakeDocuments(const json& body, const std::string& separ
   size_t from = 0;
   for (size_t at; (at = text->find(separator, from)) != std::string::npos;
        from = at + separator.size()) {
-    if (at > from) docs->push_back(text->substr(from, at - from));
+    if (at > from) docs->push_back({text->substr(from, at - from), {}});
   }
   *text = text->substr(from);
   *has_documents = !docs->empty();
@@ -196,13 +235,14 @@ std::optional<ApiError> TakeDocuments(const json& body, const std::string& separ
 // Tokenizes head (after a BOS with `add_bos`), documents and the rest as one
 // prompt with a blend plan.
 std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string& head,
-                                    const std::vector<std::string>& docs, const std::string& rest,
+                                    const std::vector<DocumentText>& docs, const std::string& rest,
                                     bool add_bos, const char* param, ApiRequest* out) {
   BlendSpec b;
   out->prompt = model.tokenizer->Encode(head, add_bos);
   b.head_tokens = static_cast<int>(out->prompt.size());
   for (size_t i = 0; i < docs.size(); ++i) {
-    std::vector<int32_t> t = model.tokenizer->Encode(docs[i], /*add_bos=*/false);
+    int64_t base = 0;
+    std::vector<int32_t> t = DocumentTokens(model, docs[i], &base);
     if (t.empty()) {
       return Bad("document " + std::to_string(i) + " has no tokens", "documents");
     }
@@ -283,7 +323,7 @@ std::optional<ApiError> ParseMessages(const json& body, const ServedModel& model
     msgs.emplace_back(r == "developer" ? "system" : r, std::move(text));
   }
   // Documents go at the start of the last user message.
-  std::vector<std::string> docs;
+  std::vector<DocumentText> docs;
   bool has_documents = false;
   auto last_user =
       std::find_if(msgs.rbegin(), msgs.rend(), [](const auto& m) { return m.first == "user"; });
@@ -382,7 +422,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
       return Bad("'documents' need 'prompt' as a string (the question after them)", "prompt");
     }
     if (text) {
-      std::vector<std::string> docs;
+      std::vector<DocumentText> docs;
       bool has_documents = false;
       KDN_API_CHECK(TakeDocuments(body, separator, &*text, &docs, &has_documents));
       if (has_documents) {
@@ -592,31 +632,54 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
   return std::nullopt;
 }
 
+// Tokenizes a document to store (an injection's or an edit's) into `out`,
+// refusing one with no tokens or past the model's context; `name` says
+// which in the message, `param` is the field.
+std::optional<ApiError> AddStoredDocument(const ServedModel& model, const DocumentText& doc,
+                                          const std::string& name, const std::string& param,
+                                          InjectApiRequest* out) {
+  int64_t base = 0;
+  std::vector<int32_t> t = DocumentTokens(model, doc, &base);
+  if (t.empty()) return Bad(name + " has no tokens", param);
+  if (!doc.erratum.empty() && static_cast<int64_t>(t.size()) == base) {
+    return Bad(name + "'s erratum has no tokens", param);
+  }
+  if (static_cast<int64_t>(t.size()) >= model.config->max_context) {
+    ApiError e =
+        Bad(name + " has " + std::to_string(t.size()) + " tokens; this model's context is " +
+                std::to_string(model.config->max_context),
+            param);
+    e.code = "context_length_exceeded";
+    return e;
+  }
+  out->documents.push_back(std::move(t));
+  out->base_tokens.push_back(base);
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text,
                                                     const ServedModel& model,
                                                     InjectApiRequest* out) {
   json body;
   KDN_API_CHECK(ParseBody(body_text, model, &body));
   if (!IsSet(body, "documents")) return Bad("'documents' is required", "documents");
-  std::vector<std::string> docs;
+  std::vector<DocumentText> docs;
   KDN_API_CHECK(ParseDocumentsField(body, &docs));
   for (size_t i = 0; i < docs.size(); ++i) {
-    std::vector<int32_t> t = model.tokenizer->Encode(docs[i], /*add_bos=*/false);
-    if (t.empty()) return Bad("document " + std::to_string(i) + " has no tokens", "documents");
-    if (static_cast<int64_t>(t.size()) >= model.config->max_context) {
-      ApiError e =
-          Bad("document " + std::to_string(i) + " has " + std::to_string(t.size()) +
-                  " tokens; this model's context is " + std::to_string(model.config->max_context),
-              "documents");
-      e.code = "context_length_exceeded";
-      return e;
-    }
-    out->documents.push_back(std::move(t));
+    KDN_API_CHECK(
+        AddStoredDocument(model, docs[i], "document " + std::to_string(i), "documents", out));
   }
   KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
   KDN_API_CHECK(GetBool(body, "stream", &out->stream));
   KDN_API_CHECK(ParsePruneField(body, model, &out->prune));
   if (out->prune) {
+    for (size_t i = 0; i < docs.size(); ++i) {
+      if (!docs[i].erratum.empty()) {
+        return Bad("documents[" + std::to_string(i) +
+                       "] has an erratum: a document with an erratum is stored whole, not pruned",
+                   "prune");
+      }
+    }
     for (size_t i = 0; i < out->documents.size(); ++i) {
       const auto n = static_cast<int64_t>(out->documents[i].size());
       if (const int64_t peak = prune::PrunePeakTokens(*out->prune, n);
@@ -642,6 +705,34 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
   return std::nullopt;
 }
 
+// POST /v1/kdn/edit: {"document": ..., "erratum": ..., "cache_salt": ...}.
+std::optional<ApiError> ParseEditRequestUnguarded(const std::string& body_text,
+                                                  const ServedModel& model, InjectApiRequest* out) {
+  json body;
+  KDN_API_CHECK(ParseBody(body_text, model, &body));
+  for (const auto& [k, v] : body.items()) {
+    if (k != "document" && k != "erratum" && k != "cache_salt" && k != "model" && k != "user") {
+      return Bad("unknown field '" + k + "': an edit takes document, erratum and cache_salt", k);
+    }
+  }
+  DocumentText doc;
+  for (const char* field : {"document", "erratum"}) {
+    if (!IsSet(body, field) || !body[field].is_string() || body[field].get<std::string>().empty()) {
+      return Bad(std::string("'") + field + "' must be a non-empty string", field);
+    }
+  }
+  doc.text = body["document"].get<std::string>();
+  doc.erratum = body["erratum"].get<std::string>();
+  int64_t base = 0;
+  if (DocumentTokens(model, {doc.text, {}}, &base).empty()) {
+    return Bad("'document' has no tokens", "document");
+  }
+  KDN_API_CHECK(AddStoredDocument(model, doc, "the edited document", "erratum", out));
+  KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
+  out->edit = true;
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
@@ -652,6 +743,11 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
 std::optional<ApiError> ParseInjectRequest(const std::string& body_text, const ServedModel& model,
                                            InjectApiRequest* out) {
   return RefuseOnJsonException([&] { return ParseInjectRequestUnguarded(body_text, model, out); });
+}
+
+std::optional<ApiError> ParseEditRequest(const std::string& body_text, const ServedModel& model,
+                                         InjectApiRequest* out) {
+  return RefuseOnJsonException([&] { return ParseEditRequestUnguarded(body_text, model, out); });
 }
 
 Job ToJob(ApiRequest req, std::string ns, std::string route) {

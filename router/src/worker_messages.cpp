@@ -86,13 +86,17 @@ proto::WorkerMessage CancelMessage() {
   return m;
 }
 
-proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns,
-                                   const prune::PruneSpec* prune) {
+proto::WorkerMessage InjectMessage(const InjectJob& job, size_t doc) {
   proto::WorkerMessage m;
   auto* ir = m.mutable_inject();
+  const std::vector<int32_t>& document = job.documents[doc];
   ir->mutable_tokens()->Add(document.begin(), document.end());
-  ir->set_ns(ns);
-  if (prune != nullptr) control::PruneToProto(*prune, ir->mutable_prune());
+  ir->set_ns(job.ns);
+  if (job.prune) control::PruneToProto(*job.prune, ir->mutable_prune());
+  if (doc < job.base_tokens.size()) {
+    ir->set_base_tokens(static_cast<int32_t>(job.base_tokens[doc]));
+    ir->set_base_required(job.base_required);
+  }
   return m;
 }
 

@@ -35,9 +35,9 @@ proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_en
 proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens = 0);
 // Cancel: the worker lets the request go.
 proto::WorkerMessage CancelMessage();
-// Inject: the prefill worker computes and stores a document's KV.
-proto::WorkerMessage InjectMessage(const std::vector<int32_t>& document, const std::string& ns,
-                                   const prune::PruneSpec* prune = nullptr);
+// Inject: the prefill worker computes and stores the KV of `job`'s document
+// `doc` (pruned, or its erratum on its base, as the job says).
+proto::WorkerMessage InjectMessage(const InjectJob& job, size_t doc);
 // Keep: the worker keeps `keys`' chunks for `lease` (0: lets them go).
 proto::WorkerMessage KeepMessage(const std::vector<kvbus::ChunkKey>& keys,
                                  std::chrono::milliseconds lease);

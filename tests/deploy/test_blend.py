@@ -116,14 +116,17 @@ def test_a_request_chooses_its_selection_policy(deployment):
     assert details(r["usage"])["recomputed_tokens"] == 60, r["usage"]
 
 
-def blend_text(model, docs, question, max_tokens, selection, prune=None):
+def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=None):
     """kdn-generate's blend of the same prompt (documents computed on their
-    own, pruned first when `prune` is {"method", "keep"}, fused as
-    kdn-prefill does, greedy)."""
+    own, pruned first when `prune` is {"method", "keep"}, with an erratum
+    after document i for each i: text of `errata`, fused as kdn-prefill
+    does, greedy)."""
     cmd = [binary("kdn-generate"), "--model", str(model), "--prompt", question, "--max-tokens",
            str(max_tokens), "--threads", "1", "--blend-selection", selection]
     if prune:
         cmd += ["--prune-method", prune["method"], "--prune-keep", str(prune["keep"])]
+    for i, note in (errata or {}).items():
+        cmd += ["--erratum", "%d=%s" % (i, note)]
     for d in docs:
         cmd += ["--document", d]
     r = subprocess.run(cmd, capture_output=True, timeout=120)
@@ -162,6 +165,53 @@ def qa_deployment(tmp_path_factory):
         yield d
     finally:
         d.down()
+
+
+def test_an_erratum_edit_is_stored_apart_and_answers_as_kdn_generates_with_it(qa_deployment):
+    d = qa_deployment
+    # kdn-qa answers from its documents: the second says nothing of Gilpe's
+    # job until its erratum does.
+    docs = ["Vaigraik was born in Ferpis. Vaigraik works as a guard. Vaigraik is 23 years old. ",
+            "Gilpe was born in Tobras. Gilpe is 50 years old. ",
+            "Tobras is a town. The mayor of Tobras is Vaigraik. Tobras has 5410 people. "]
+    note = "Gilpe works as a baker. "
+    question = "Question: What is the job of Gilpe?\nAnswer:"
+    selection = "boundary+deviation:8"
+    tokens = sum(len(doc) for doc in docs)  # kdn-qa is byte-level
+
+    def edit(**body):
+        return d.http.post("/v1/kdn/edit", json=body, timeout=120.0)
+
+    # The original not in the KDN: a 400 naming the document, nothing stored.
+    r = edit(document=docs[1], erratum=note)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "document", r.text[:300]
+    final, _ = inject(d, docs)
+    assert final["stored"] == 3, final
+
+    r = edit(document=docs[1], erratum=note)
+    assert r.status_code == 200, r.text[:300]
+    e = r.json()
+    assert (e["object"], e["edit"], e["already_held"]) == ("kdn.edit", "erratum", False), e
+    assert (e["document_tokens"], e["erratum_tokens"]) == (len(docs[1]), len(note)), e
+    assert e["stored_tokens"] == len(docs[1]) + len(note), e
+    assert edit(document=docs[1], erratum=note).json()["already_held"]
+
+    # A request names the edited version; the erratum's KV comes from the KDN.
+    edited = [docs[0], {"text": docs[1], "erratum": note}, docs[2]]
+    r = d.completion(question, documents=edited, max_tokens=24, temperature=0,
+                     blend_selection=selection)
+    assert details(r["usage"])["blended_tokens"] == tokens + len(note), r["usage"]
+    want, _ = blend_text(d.model, docs, question, 24, selection, errata={1: note})
+    assert r["choices"][0]["text"] == want
+    assert "baker" in want, want
+    # The original is still there, under its own key, and answers without it.
+    r = d.completion(question, documents=docs, max_tokens=24, temperature=0,
+                     blend_selection=selection)
+    assert details(r["usage"])["blended_tokens"] == tokens, r["usage"]
+    plain, _ = blend_text(d.model, docs, question, 24, selection)
+    assert r["choices"][0]["text"] == plain
+    assert "baker" not in plain, plain
 
 
 @pytest.mark.parametrize("method,row", [("expected_attention", 0), ("kvzip", 1)])
@@ -295,6 +345,18 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
      "blend_selection"),
     ("/v1/completions", {"prompt": "q", "documents": ["a"], "blend_selection": "boundary:0"},
      "blend_selection"),
+    ("/v1/completions", {"prompt": "q", "documents": [{"text": "a", "erratum": ""}]},
+     "documents[0].erratum"),
+    ("/v1/completions", {"prompt": "q", "documents": [{"erratum": "x"}]}, "documents[0].text"),
+    ("/v1/completions", {"prompt": "q", "documents": [{"text": "a", "note": "x"}]},
+     "documents[0].note"),
+    ("/v1/kdn/inject", {"documents": [{"text": "abcdefgh", "erratum": "x"}],
+                        "prune": {"method": "knorm", "keep": 0.5}}, "prune"),
+    ("/v1/kdn/edit", {"erratum": "x"}, "document"),
+    ("/v1/kdn/edit", {"document": "abc"}, "erratum"),
+    ("/v1/kdn/edit", {"document": "abc", "erratum": 3}, "erratum"),
+    ("/v1/kdn/edit", {"document": "abc", "erratum": "x", "steer": {"vector": "v"}}, "steer"),
+    ("/v1/kdn/edit", {"document": "x" * 2000, "erratum": "y" * 100}, "erratum"),
     ("/v1/kdn/inject", {"documents": []}, "documents"),
     ("/v1/kdn/inject", {"documents": ["x" * 5000]}, "documents"),
     ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": 0.5}, "prune"),

@@ -98,12 +98,13 @@ TEST(Prefiller, ABlendOrInjectServedByAPrefetchGivesWhatItsOwnReadsGive) {
   PrefillJob inject;
   inject.tokens = docs[0];
   inject.ns = "";
-  PrefetchedKv read = p.Prefetch(inject, /*inject=*/true);
+  const InjectSpec plain;
+  PrefetchedKv read = p.Prefetch(inject, &plain);
   EXPECT_FALSE(read.inject_held);
   auto injected = p.Inject(docs[0], "", nullptr, &read);
   ASSERT_TRUE(injected.ok()) << injected.status().ToString();
   EXPECT_FALSE(injected->already_held);
-  read = p.Prefetch(inject, /*inject=*/true);
+  read = p.Prefetch(inject, &plain);
   EXPECT_TRUE(read.inject_held);
   injected = p.Inject(docs[0], "", nullptr, &read);
   ASSERT_TRUE(injected.ok());
@@ -202,6 +203,81 @@ TEST(Prefiller, InjectStoresADocumentOnceAndRefusesBadOnes) {
   // A blend job whose documents leave no question is refused.
   PrefillJob job = BlendJobOf({doc}, {}, 0.15);
   EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
+}
+
+// An erratum edit (InjectSpec::base_tokens): the note's KV computed on top of
+// the stored original is the KV one prefill of the document and the note
+// gives, stored under the segment key of both; the original stays.
+TEST(Prefiller, AnErratumIsComputedOnTheStoredDocumentAsOnePrefillOfBoth) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  const auto doc = RandomTokens(45, 256, 61);
+  const auto note = RandomTokens(7, 256, 62);
+  std::vector<int32_t> edited = doc;
+  edited.insert(edited.end(), note.begin(), note.end());
+  InjectSpec edit;
+  edit.base_tokens = static_cast<int64_t>(doc.size());
+  edit.base_required = true;
+
+  // The original not held: an edit is refused and stores nothing.
+  auto missing = p.Inject(edited, "", edit);
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+  EXPECT_EQ(store->Stats().chunks, 0u);
+
+  ASSERT_TRUE(p.Inject(doc, "").ok());
+  const auto original_before = store->Get(kvbus::SegmentKey({fp, "", kChunk}, doc));
+  ASSERT_TRUE(original_before.ok());
+  PrefillJob job;
+  job.tokens = edited;
+  PrefetchedKv read = p.Prefetch(job, &edit);
+  ASSERT_NE(read.inject_base, nullptr);
+  auto stored = p.Inject(edited, "", edit, &read);
+  ASSERT_TRUE(stored.ok()) << stored.status().ToString();
+  EXPECT_FALSE(stored->already_held);
+  EXPECT_EQ(stored->stored_tokens, static_cast<int64_t>(edited.size()));
+  EXPECT_TRUE(p.Inject(edited, "", edit)->already_held);
+
+  // The reference: the document and the note in one prefill.
+  auto ref_store = HostStore();
+  Prefiller ref(*model, *ref_store, fp, Options());
+  ASSERT_TRUE(ref.Inject(edited, "").ok());
+  const kvbus::ChunkKey key = kvbus::SegmentKey({fp, "", kChunk}, edited);
+  auto got = store->Get(key);
+  auto want = ref_store->Get(key);
+  ASSERT_TRUE(got.ok() && want.ok());
+  ASSERT_EQ((*got)->payload().size(), (*want)->payload().size());
+  EXPECT_TRUE(
+      std::equal((*got)->payload().begin(), (*got)->payload().end(), (*want)->payload().begin()))
+      << "the erratum's KV is not the one-prefill KV";
+  // The original is untouched, under its own key.
+  auto original = store->Get(kvbus::SegmentKey({fp, "", kChunk}, doc));
+  ASSERT_TRUE(original.ok());
+  EXPECT_EQ((*original)->payload().size(), (*original_before)->payload().size());
+  EXPECT_TRUE(std::equal((*original)->payload().begin(), (*original)->payload().end(),
+                         (*original_before)->payload().begin()));
+  EXPECT_EQ((*original)->info().tokens, doc.size());
+
+  // Not required: a missing original is computed with the note.
+  auto other_store = HostStore();
+  Prefiller q(*model, *other_store, fp, Options());
+  InjectSpec optional_base = edit;
+  optional_base.base_required = false;
+  ASSERT_TRUE(q.Inject(edited, "", optional_base).ok());
+  auto whole = other_store->Get(key);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_TRUE(std::equal((*whole)->payload().begin(), (*whole)->payload().end(),
+                         (*want)->payload().begin()));
+
+  // Bad bases: none left for the note, a pruned erratum.
+  InjectSpec all = edit;
+  all.base_tokens = static_cast<int64_t>(edited.size());
+  EXPECT_EQ(p.Inject(edited, "", all).status().code(), StatusCode::kInvalidArgument);
+  InjectSpec pruned = edit;
+  pruned.prune = prune::PruneSpec{.method = "knorm", .keep = 0.5};
+  EXPECT_EQ(p.Inject(RandomTokens(60, 256, 63), "", pruned).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDroppedTokens) {

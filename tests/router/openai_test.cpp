@@ -391,7 +391,13 @@ TEST_F(OpenAiTest, BadDocumentsAndBlendSettingsAreRefused) {
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":"d"})").param, "documents");
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":[]})").param, "documents");
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a",""]})").message,
-            "documents[1] must be a non-empty string");
+            "documents[1] must be a non-empty string or {\"text\", \"erratum\"}");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":[{"text":"a","erratum":""}]})").param,
+            "documents[0].erratum");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":[{"erratum":"x"}]})").param,
+            "documents[0].text");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a",{"text":"b","steer":"v"}]})").param,
+            "documents[1].steer");
   EXPECT_EQ(Refused(R"({"prompt":[1,2],"documents":["a"]})").param, "prompt");
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a"],"recompute_ratio":1.5})").param,
             "recompute_ratio");
@@ -428,6 +434,47 @@ TEST_F(OpenAiTest, InjectTakesDocumentsAndRefusesOversizedOnes) {
       ParseInjectRequest(R"({"documents":[")" + std::string(3000, 'x') + R"("]})", model_, &bad);
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->code, "context_length_exceeded");
+}
+
+// A document with an erratum is one segment: its text's tokens, then the
+// erratum's; an injection of it names the text's as the base.
+TEST_F(OpenAiTest, AnErratumFollowsItsDocumentInOneSegment) {
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":[{"text":"doc\n","erratum":"no!"},"d2\n"]})",
+                     &r));
+  EXPECT_EQ(tokenizer_.Decode(r.prompt), "doc\nno!d2\nQ?");
+  ASSERT_TRUE(r.blend.has_value());
+  EXPECT_EQ(r.blend->segment_tokens, (std::vector<int>{7, 3}));
+
+  InjectApiRequest inject;
+  ASSERT_FALSE(ParseInjectRequest(R"({"documents":[{"text":"ab","erratum":"c"},"d"]})", model_,
+                                  &inject));
+  EXPECT_EQ(inject.documents, (std::vector<std::vector<int32_t>>{{'a', 'b', 'c'}, {'d'}}));
+  EXPECT_EQ(inject.base_tokens, (std::vector<int64_t>{2, 0}));
+  EXPECT_FALSE(inject.edit);
+
+  InjectApiRequest edit;
+  ASSERT_FALSE(ParseEditRequest(R"({"document":"ab","erratum":"cd","cache_salt":"t"})", model_,
+                                &edit));
+  EXPECT_EQ(edit.documents, (std::vector<std::vector<int32_t>>{{'a', 'b', 'c', 'd'}}));
+  EXPECT_EQ(edit.base_tokens, (std::vector<int64_t>{2}));
+  EXPECT_EQ(edit.cache_salt, "t");
+  EXPECT_TRUE(edit.edit);
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"erratum":"x"})", "document"},
+           {R"({"document":"ab"})", "erratum"},
+           {R"({"document":"","erratum":"x"})", "document"},
+           {R"({"document":"ab","erratum":["x"]})", "erratum"},
+           {R"({"document":"ab","erratum":"x","steer":{"vector":"v"}})", "steer"},
+           {R"({"document":"ab","erratum":")" + std::string(3000, 'x') + R"("})", "erratum"},
+       }) {
+    InjectApiRequest bad;
+    auto e = ParseEditRequest(body, model_, &bad);
+    ASSERT_TRUE(e.has_value()) << body;
+    EXPECT_EQ(e->param, param) << body;
+    EXPECT_EQ(e->http_status, 400) << body;
+  }
 }
 
 TEST_F(OpenAiTest, UsageTellsBlendedAndRecomputedTokensOfABlendRequest) {

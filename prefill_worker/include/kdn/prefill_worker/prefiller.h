@@ -99,6 +99,24 @@ struct PrefetchedKv {
   // A blend job's documents the KDN held, by segment key.
   std::map<kvbus::ChunkKey, std::shared_ptr<const kvbus::Chunk>> segments;
   bool inject_held = false;  // an injected document's KV is held already
+  // An erratum edit's original (InjectSpec::base_tokens), when the KDN held
+  // it whole.
+  std::shared_ptr<const kvbus::Chunk> inject_base;
+};
+
+// What Inject stores beyond a plain document.
+struct InjectSpec {
+  std::optional<prune::PruneSpec> prune;  // the KV pruned when stored
+  // An erratum edit (docs/serving.md, "Editing a document"): the document's
+  // leading base_tokens are a document stored on its own (the original),
+  // whose KV is read from the KDN, and only the tokens after them (the
+  // erratum) are computed, at their place after it. The KV is the one a
+  // prefill of the whole gives (the engine's rows do not depend on the rows
+  // beside them). 0: no base.
+  int64_t base_tokens = 0;
+  // The original must be held (POST /v1/kdn/edit): NOT_FOUND when the KDN
+  // lacks it whole, and nothing stored. False: it is computed with the rest.
+  bool base_required = false;
 };
 
 struct PrefillOutcome {
@@ -174,11 +192,11 @@ class Prefiller {
   // `kv`: what Prefetch read for this job; null: Run reads the tiers.
   Result<PrefillOutcome> Run(const PrefillJob& job, const PrefetchedKv* kv = nullptr);
 
-  // Reads from the KDN's tiers what Run (or, with `inject`, Inject) of `job`
-  // needs. Thread-safe, on any thread while the compute thread works: it
-  // uses only the store and KvCache's thread-safe resident lookups. A job
-  // Run would refuse gets an empty result.
-  PrefetchedKv Prefetch(const PrefillJob& job, bool inject = false) const;
+  // Reads from the KDN's tiers what Run (or, with `inject`, Inject of
+  // job.tokens) of `job` needs. Thread-safe, on any thread while the compute
+  // thread works: it uses only the store and KvCache's thread-safe resident
+  // lookups. A job Run would refuse gets an empty result.
+  PrefetchedKv Prefetch(const PrefillJob& job, const InjectSpec* inject = nullptr) const;
 
   // Stores the last job's computed full chunks that the store lacks (for a
   // blend job: the documents the KDN lacked, each computed on its own), then
@@ -193,10 +211,12 @@ class Prefiller {
   // Knowledge injection: computes `tokens` (one document) on its own and
   // stores its KV under its segment key; with `prune`, only the tokens its
   // method keeps (a pruned chunk; docs/kvbus.md, "Pruned KV"), which blend
-  // jobs reuse as they reuse whole documents. Nothing is computed when the
-  // store already holds KV under the key, pruned or not. INVALID_ARGUMENT
-  // for an empty document, ids outside the vocabulary, one beyond the
-  // context or a bad prune spec.
+  // jobs reuse as they reuse whole documents; with a base, on top of the
+  // original's stored KV (InjectSpec). Nothing is computed when the store
+  // already holds KV under the key, pruned or not. INVALID_ARGUMENT for an
+  // empty document, ids outside the vocabulary, one beyond the context, a
+  // bad prune spec, a base with pruning or not shorter than the document;
+  // NOT_FOUND for a required base the KDN lacks.
   struct InjectOutcome {
     bool already_held = false;
     int64_t stored_tokens = 0;  // tokens whose KV was stored (0 when already held)
@@ -206,9 +226,11 @@ class Prefiller {
   // `done` is called once the KV is stored (or nothing was to be): with
   // store_in_background on the store thread, after the compute thread has
   // gone on; else before Inject returns.
-  void Inject(std::span<const int32_t> tokens, const std::string& ns, const prune::PruneSpec* prune,
+  void Inject(std::span<const int32_t> tokens, const std::string& ns, const InjectSpec& spec,
               const PrefetchedKv* kv, InjectDone done);
   // The same, returning once the KV is stored.
+  Result<InjectOutcome> Inject(std::span<const int32_t> tokens, const std::string& ns,
+                               const InjectSpec& spec, const PrefetchedKv* kv = nullptr);
   Result<InjectOutcome> Inject(std::span<const int32_t> tokens, const std::string& ns,
                                const prune::PruneSpec* prune = nullptr,
                                const PrefetchedKv* kv = nullptr);
@@ -223,10 +245,16 @@ class Prefiller {
   // region, Finish waits for them all and fills the outcome's figures.
   struct Push;
   // Computes a document alone into a chunk (seq_ must be free), pruned
-  // with `prune`.
+  // with `prune`, or on top of `base`: the whole KV of its leading
+  // base->info().tokens tokens.
   Result<std::shared_ptr<const kvbus::Chunk>> ComputeSegment(
       const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
-      const prune::PruneSpec* prune = nullptr);
+      const prune::PruneSpec* prune = nullptr, const kvbus::Chunk* base = nullptr);
+  // An erratum edit's original, read from the store (null when it is not
+  // held whole).
+  std::shared_ptr<const kvbus::Chunk> InjectBase(std::span<const int32_t> tokens,
+                                                 const std::string& ns,
+                                                 const InjectSpec& spec) const;
   // Puts `chunk` in the store, then calls `then` with how it went: on the
   // store thread with store_in_background (after a put into host memory
   // here, so that the next job finds it), else here.

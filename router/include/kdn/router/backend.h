@@ -63,6 +63,8 @@ struct InjectProgress {
   // Tokens whose KV was stored: the stored documents' tokens, fewer when
   // pruned.
   int64_t stored_tokens = 0;
+  // Of failed: documents of an edit whose original the worker's KDN lacked.
+  int missing_base = 0;
   std::vector<std::pair<int, std::string>> errors;  // (document index, message)
 };
 

@@ -81,17 +81,28 @@ std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body,
 Job ToJob(ApiRequest req, std::string ns, std::string route);
 
 // A body of /v1/kdn/inject: documents to store in the KDN ahead of any
-// question, each tokenized as a request's document is.
+// question, each tokenized as a request's document is (with its erratum's
+// tokens after its own, if it has one).
 struct InjectApiRequest {
   std::vector<std::vector<int32_t>> documents;
+  // Per document: its text's tokens when it has an erratum (which is
+  // computed on top of the text's stored KV), else 0.
+  std::vector<int64_t> base_tokens;
   std::string cache_salt;
   bool stream = false;
   // `prune`: {"method", "keep", "sinks"}; KVzip's repeat prompts tokenized
   // here (docs/serving.md, "Documents").
   std::optional<prune::PruneSpec> prune;
+  // A body of /v1/kdn/edit: one document with an erratum, whose original
+  // the KDN must hold (docs/serving.md, "Editing a document").
+  bool edit = false;
 };
 std::optional<ApiError> ParseInjectRequest(const std::string& body, const ServedModel& model,
                                            InjectApiRequest* out);
+// POST /v1/kdn/edit's body: {"document", "erratum", "cache_salt"}; unknown
+// fields are refused by name.
+std::optional<ApiError> ParseEditRequest(const std::string& body, const ServedModel& model,
+                                         InjectApiRequest* out);
 
 struct Usage {
   int prompt_tokens = 0;

@@ -57,6 +57,11 @@ struct Job {
 
 struct InjectJob {
   std::vector<std::vector<int32_t>> documents;
+  // Per document (or empty: none): the leading tokens that are a document
+  // stored on its own, under which its erratum is computed; 0: none.
+  std::vector<int64_t> base_tokens;
+  // An edit: a document whose base the KDN lacks fails, NOT_FOUND.
+  bool base_required = false;
   std::string ns;
   std::optional<prune::PruneSpec> prune;  // each document's KV pruned when stored
 };
