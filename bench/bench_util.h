@@ -246,6 +246,10 @@ struct KvEditOptions {
   int fluency_tokens = 64;
   double recompute_ratio = 0.15;
   std::vector<double> emphasize_strengths = {1, 2, 4};
+  // Value steering: strengths (a row each) of the vector from --steer-pairs
+  // contrastive pairs, added to the document's last token's values.
+  std::vector<double> steer_strengths = {1, 2, 4, 8};
+  int steer_pairs = 32;
   int bootstrap = 2000;
   std::string instruction =
       "Answer from the text below. Where it differs from what you know, the text is right.";

@@ -565,6 +565,17 @@ int main(int argc, char** argv) {
                    "(comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
+  kv_edit
+      ->add_option("--steer", ke.steer_strengths,
+                   "Value steering strengths, a row each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  kv_edit
+      ->add_option("--steer-pairs", ke.steer_pairs,
+                   "Contrastive pairs the steering vector is the mean of (from facts the model "
+                   "does not know)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   kv_edit->add_option("--bootstrap", ke.bootstrap, "Resamples of the intervals")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -724,11 +735,13 @@ int main(int argc, char** argv) {
     return RunPruneFidelity(c, pf);
   }
   if (kv_edit->parsed()) {
-    for (double b : ke.emphasize_strengths) {
-      if (!std::isfinite(b) || std::fabs(b) > 100) {
-        std::fprintf(stderr, "kdn-bench kv-edit: --emphasize %g: a strength is in [-100, 100]\n",
-                     b);
-        return 2;
+    for (const auto* s : {&ke.emphasize_strengths, &ke.steer_strengths}) {
+      for (double b : *s) {
+        if (!std::isfinite(b) || std::fabs(b) > 100) {
+          std::fprintf(stderr, "kdn-bench kv-edit: --%s %g: a strength is in [-100, 100]\n",
+                       s == &ke.steer_strengths ? "steer" : "emphasize", b);
+          return 2;
+        }
       }
     }
     return RunKvEdit(c, ke);

@@ -28,7 +28,17 @@
 //                      (KvSequence::SetAttentionBias) of --emphasize
 //                      strength added to their scores in every query head
 //                      of the middle third of the layers, for the question
-//                      and the tokens generated after it.
+//                      and the tokens generated after it;
+//   steer              the stored document with a value steering vector
+//                      (kvbridge::SteerChunkValues) of --steer strength
+//                      added to its last token's values in the middle third
+//                      of the layers; the vector is the mean value
+//                      difference at the last token of --steer-pairs
+//                      contrastive pairs, a document of a fact the model
+//                      does not know (none of the items') followed by the
+//                      erratum's note and by the same note with "right"
+//                      made "wrong" (KV cache steering, arXiv 2507.08799;
+//                      values, not keys, as arXiv 2604.03270 found).
 //
 // Per arm, over the items (each with a bootstrap 95% interval): efficacy
 // (the share where the counterfactual's first token is likelier than the
@@ -38,7 +48,8 @@
 // questions of the document's other facts: greedy agreement with, and KL
 // from, no_edit's answer), fluency (the mean of the bigram and trigram
 // entropies, in bits, of --fluency-tokens greedy tokens after the question,
-// on the first --fluency-items items), edit_ms (the note's KV, erratum),
+// on the first --fluency-items items), edit_ms (the note's KV, erratum; the
+// steered copy of the stored chunk, steer),
 // ttft_ms (the request's prefill or blend) and reprefill_ms (reprefill's,
 // on the same item).
 #include <algorithm>
@@ -55,6 +66,7 @@
 #include "prose.h"
 #include "kdn/blend/blend.h"
 #include "kdn/kvbridge/paged_chunks.h"
+#include "kdn/kvbridge/steer.h"
 #include "kdn/kvbus/key.h"
 #include "kdn/text/tokenizer.h"
 
@@ -158,7 +170,7 @@ struct Item {
   std::vector<const Fact*> others;                 // the document's true facts
 };
 
-enum class Arm { kNoEdit, kReprefill, kInstructionText, kErratum, kEmphasize };
+enum class Arm { kNoEdit, kReprefill, kInstructionText, kErratum, kEmphasize, kSteer };
 const char* ArmName(Arm a) {
   switch (a) {
     case Arm::kNoEdit: return "no_edit";
@@ -166,12 +178,13 @@ const char* ArmName(Arm a) {
     case Arm::kInstructionText: return "instruction_text";
     case Arm::kErratum: return "erratum";
     case Arm::kEmphasize: return "emphasize";
+    case Arm::kSteer: return "steer";
   }
   return "?";
 }
 struct ArmSpec {
   Arm arm;
-  double strength = 0;  // emphasize's bias
+  double strength = 0;  // emphasize's bias, steer's multiple of the vector
 };
 
 struct ArmRows {
@@ -273,6 +286,17 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
       own_logits.push_back(*std::move(logits));
     }
   }
+  // Facts the model does not know make the steering vector's pairs.
+  std::vector<std::pair<int, const std::pair<std::string, std::string>*>> unknown;
+  for (size_t r = 0; r < rels.size(); ++r) {
+    for (const auto& f : rels[r].facts) {
+      if (std::none_of(facts.begin(), facts.end(), [&](const Fact& k) {
+            return k.rel == static_cast<int>(r) && k.subject == f.first;
+          })) {
+        unknown.emplace_back(static_cast<int>(r), &f);
+      }
+    }
+  }
   std::printf("kv-edit on %s: %zu of %zu facts known (%s):", what.c_str(), facts.size(), candidates,
               o.facts_path.c_str());
   json known = json::object();
@@ -364,8 +388,49 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
   std::vector<ArmSpec> arms = {
       {Arm::kNoEdit}, {Arm::kReprefill}, {Arm::kInstructionText}, {Arm::kErratum}};
   for (double b : o.emphasize_strengths) arms.push_back({Arm::kEmphasize, b});
-  // Emphasis: every query head of the middle third of the layers.
+  for (double b : o.steer_strengths) arms.push_back({Arm::kSteer, b});
+  // Emphasis and steering: the middle third of the layers.
   const int layer0 = cfg.num_layers / 3, layer1 = 2 * cfg.num_layers / 3;
+
+  // The steering vector: "right" against "wrong" in the note after a
+  // document of an unknown fact stated with another fact's object.
+  std::string wrong = o.erratum;
+  if (const size_t at = wrong.rfind("right"); at != std::string::npos) {
+    wrong.replace(at, 5, "wrong");
+  }
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> steer_pairs;
+  for (size_t i = 0; i < unknown.size() && static_cast<int>(steer_pairs.size()) < o.steer_pairs;
+       ++i) {
+    const auto& [r, f] = unknown[(i * 7919) % unknown.size()];
+    const Relation& rel = rels[r];
+    const std::string& other = rel.facts[(i * 31 + 1) % rel.facts.size()].second;
+    std::vector<int32_t> doc = bos;
+    const std::vector<int32_t> t = encode(Fill(rel.statement, f->first, other));
+    doc.insert(doc.end(), t.begin(), t.end());
+    std::vector<int32_t> pos = doc, neg = doc;
+    const std::vector<int32_t> a = encode("\n" + o.erratum), b = encode("\n" + wrong);
+    pos.insert(pos.end(), a.begin(), a.end());
+    neg.insert(neg.end(), b.begin(), b.end());
+    steer_pairs.emplace_back(std::move(pos), std::move(neg));
+  }
+  std::vector<int> steer_layers(static_cast<size_t>(layer1 - layer0));
+  std::iota(steer_layers.begin(), steer_layers.end(), layer0);
+  kvbridge::SteeringVector steer;
+  if (!o.steer_strengths.empty()) {
+    auto v = kvbridge::ValueSteeringVector(model, "trust-the-text", std::move(steer_pairs),
+                                           steer_layers);
+    if (!v.ok()) {
+      std::fprintf(stderr, "kdn-bench kv-edit: the steering vector: %s\n",
+                   v.status().ToString().c_str());
+      return 1;
+    }
+    steer = *std::move(v);
+    double norm = 0;
+    for (float x : steer.values) norm += double{x} * x;
+    std::printf("steering vector: %zu pairs, layers %d to %d, norm %.3f per layer\n",
+                steer.pairs.size(), layer0, layer1 - 1,
+                std::sqrt(norm / static_cast<double>(steer.layers.size())));
+  }
   std::vector<ArmRows> rows(arms.size());
   const auto t_start = Clock::now();
   for (size_t n = 0; n < items.size(); ++n) {
@@ -396,6 +461,22 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
     if (Status st = store_document(); !st.ok()) {
       std::fprintf(stderr, "kdn-bench kv-edit: %s\n", st.ToString().c_str());
       return 1;
+    }
+    // Each steer arm's copy of the stored chunk, its last token steered.
+    std::vector<std::shared_ptr<const kvbus::Chunk>> steered_kv(arms.size());
+    std::vector<double> steer_ms(arms.size(), 0);
+    for (size_t a = 0; a < arms.size(); ++a) {
+      if (arms[a].arm != Arm::kSteer) continue;
+      const auto t0 = Clock::now();
+      auto s = kvbridge::SteerChunkValues(*plain_kv, steer, static_cast<float>(arms[a].strength),
+                                          static_cast<int64_t>(it.document.size()) - 1, 1,
+                                          kvbus::ChunkKey{n + 1, a});
+      steer_ms[a] = 1e3 * Seconds(t0, Clock::now());
+      if (!s.ok()) {
+        std::fprintf(stderr, "kdn-bench kv-edit: steer: %s\n", s.status().ToString().c_str());
+        return 1;
+      }
+      steered_kv[a] = *std::move(s);
     }
 
     // The questions: the item's, its paraphrases, the other facts'.
@@ -446,7 +527,9 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
           const bool noted = arm == Arm::kErratum;
           const std::vector<blend::Segment> segments = {
               {arm == Arm::kInstructionText ? instructed_head : bos, nullptr},
-              {noted ? noted_tokens : it.document, noted ? noted_kv : plain_kv}};
+              {noted ? noted_tokens : it.document, noted                ? noted_kv
+                                                   : arm == Arm::kSteer ? steered_kv[a]
+                                                                        : plain_kv}};
           auto res = blend::BlendPrefill(model, seq, segments, questions[q],
                                          {.spec = spec, .seed = n + 1});
           if (res.ok()) logits = std::move(res->logits);
@@ -478,7 +561,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
       for (size_t q = 1; q <= 3; ++q) para += LogOdds(out[q], it.new_token, it.fact->answer) > 0;
       r.paraphrase.push_back(para / 3);
       r.ttft_ms.push_back(ttft_ms);
-      r.edit_ms.push_back(arm == Arm::kErratum ? edit_ms : 0);
+      r.edit_ms.push_back(arm == Arm::kErratum ? edit_ms : steer_ms[a]);
       if (fluency) r.fluency.push_back(entropy);
     }
     const std::vector<std::vector<float>>& base = answers[0];  // no_edit
@@ -513,11 +596,12 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
       return json{{"mean", v.mean}, {"lo", v.lo}, {"hi", v.hi}};
     };
     char label_buf[48];
-    std::snprintf(label_buf, sizeof(label_buf), arm == Arm::kEmphasize ? "%s %g" : "%s",
-                  ArmName(arm), arms[a].strength);
+    const bool graded = arm == Arm::kEmphasize || arm == Arm::kSteer;
+    std::snprintf(label_buf, sizeof(label_buf), graded ? "%s %g" : "%s", ArmName(arm),
+                  arms[a].strength);
     const std::string label = label_buf;
     json row = {{"arm", ArmName(arm)},
-                {"strength", arm == Arm::kEmphasize ? json(arms[a].strength) : json(nullptr)},
+                {"strength", graded ? json(arms[a].strength) : json(nullptr)},
                 {"items", r.efficacy.size()},
                 {"efficacy", iv(r.efficacy)},
                 {"logodds_shift", iv(r.logodds_shift)},
@@ -554,6 +638,9 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
             {"selection", "boundary+deviation:" + std::to_string(blend::kDefaultBoundaryTokens)},
             {"other_facts", o.other_facts},
             {"emphasize_layers", {layer0, layer1}},
+            {"steer_layers", {layer0, layer1}},
+            {"steer_pairs", steer.pairs.size()},
+            {"steer_negative_note", wrong},
             {"document_tokens", doc_tokens},
             {"instruction_tokens", instruction.size()},
             {"erratum_tokens", note.size()},

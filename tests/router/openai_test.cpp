@@ -394,8 +394,7 @@ TEST_F(OpenAiTest, BadDocumentsAndBlendSettingsAreRefused) {
             "documents[1] must be a non-empty string or {\"text\", \"erratum\"}");
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":[{"text":"a","erratum":""}]})").param,
             "documents[0].erratum");
-  EXPECT_EQ(Refused(R"({"prompt":"q","documents":[{"erratum":"x"}]})").param,
-            "documents[0].text");
+  EXPECT_EQ(Refused(R"({"prompt":"q","documents":[{"erratum":"x"}]})").param, "documents[0].text");
   EXPECT_EQ(Refused(R"({"prompt":"q","documents":["a",{"text":"b","steer":"v"}]})").param,
             "documents[1].steer");
   EXPECT_EQ(Refused(R"({"prompt":[1,2],"documents":["a"]})").param, "prompt");
@@ -448,15 +447,15 @@ TEST_F(OpenAiTest, AnErratumFollowsItsDocumentInOneSegment) {
   EXPECT_EQ(r.blend->segment_tokens, (std::vector<int>{7, 3}));
 
   InjectApiRequest inject;
-  ASSERT_FALSE(ParseInjectRequest(R"({"documents":[{"text":"ab","erratum":"c"},"d"]})", model_,
-                                  &inject));
+  ASSERT_FALSE(
+      ParseInjectRequest(R"({"documents":[{"text":"ab","erratum":"c"},"d"]})", model_, &inject));
   EXPECT_EQ(inject.documents, (std::vector<std::vector<int32_t>>{{'a', 'b', 'c'}, {'d'}}));
   EXPECT_EQ(inject.base_tokens, (std::vector<int64_t>{2, 0}));
   EXPECT_FALSE(inject.edit);
 
   InjectApiRequest edit;
-  ASSERT_FALSE(ParseEditRequest(R"({"document":"ab","erratum":"cd","cache_salt":"t"})", model_,
-                                &edit));
+  ASSERT_FALSE(
+      ParseEditRequest(R"({"document":"ab","erratum":"cd","cache_salt":"t"})", model_, &edit));
   EXPECT_EQ(edit.documents, (std::vector<std::vector<int32_t>>{{'a', 'b', 'c', 'd'}}));
   EXPECT_EQ(edit.base_tokens, (std::vector<int64_t>{2}));
   EXPECT_EQ(edit.cache_salt, "t");
