@@ -250,6 +250,14 @@ struct KvEditOptions {
   // contrastive pairs, added to the document's last token's values.
   std::vector<double> steer_strengths = {1, 2, 4, 8};
   int steer_pairs = 32;
+  // Emphasis on profiled heads (PASTA's profiling): the --profile-heads
+  // heads whose bias of --profile-strength alone most raises the stated
+  // object's log-probability over --profile-items documents of facts the
+  // model does not know; a row per strength.
+  std::vector<double> profiled_strengths = {2, 4, 8};
+  int profile_heads = 16;
+  int profile_items = 16;
+  double profile_strength = 4;
   int bootstrap = 2000;
   std::string instruction =
       "Answer from the text below. Where it differs from what you know, the text is right.";

@@ -576,6 +576,27 @@ int main(int argc, char** argv) {
                    "does not know)")
       ->capture_default_str()
       ->check(CLI::Range(1, 4096));
+  kv_edit
+      ->add_option("--emphasize-profiled", ke.profiled_strengths,
+                   "Attention bias strengths on the counterfactual's tokens in the profiled "
+                   "heads only, a row each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  kv_edit
+      ->add_option("--profile-heads", ke.profile_heads,
+                   "Heads the profiling chooses (those whose bias alone most raises the stated "
+                   "object's log-probability)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  kv_edit
+      ->add_option("--profile-items", ke.profile_items,
+                   "Documents of facts the model does not know that the heads are profiled on")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  kv_edit
+      ->add_option("--profile-strength", ke.profile_strength, "The bias each head is profiled at")
+      ->capture_default_str()
+      ->check(CLI::Range(-100.0, 100.0));
   kv_edit->add_option("--bootstrap", ke.bootstrap, "Resamples of the intervals")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -735,11 +756,14 @@ int main(int argc, char** argv) {
     return RunPruneFidelity(c, pf);
   }
   if (kv_edit->parsed()) {
-    for (const auto* s : {&ke.emphasize_strengths, &ke.steer_strengths}) {
+    for (const auto* s : {&ke.emphasize_strengths, &ke.steer_strengths, &ke.profiled_strengths}) {
       for (double b : *s) {
         if (!std::isfinite(b) || std::fabs(b) > 100) {
           std::fprintf(stderr, "kdn-bench kv-edit: --%s %g: a strength is in [-100, 100]\n",
-                       s == &ke.steer_strengths ? "steer" : "emphasize", b);
+                       s == &ke.steer_strengths      ? "steer"
+                       : s == &ke.profiled_strengths ? "emphasize-profiled"
+                                                     : "emphasize",
+                       b);
           return 2;
         }
       }

@@ -29,6 +29,13 @@
 //                      strength added to their scores in every query head
 //                      of the middle third of the layers, for the question
 //                      and the tokens generated after it;
+//   emphasize_profiled the same bias of --emphasize-profiled strength in
+//                      the --profile-heads heads (any layer) that a
+//                      profiling pass chose, as PASTA does: each head
+//                      biased alone at --profile-strength on --profile-items
+//                      documents stating facts the model does not know (none
+//                      of the items'), ranked by the mean rise of the stated
+//                      object's log-probability after the question;
 //   steer              the stored document with a value steering vector
 //                      (kvbridge::SteerChunkValues) of --steer strength
 //                      added to its last token's values in the middle third
@@ -170,7 +177,15 @@ struct Item {
   std::vector<const Fact*> others;                 // the document's true facts
 };
 
-enum class Arm { kNoEdit, kReprefill, kInstructionText, kErratum, kEmphasize, kSteer };
+enum class Arm {
+  kNoEdit,
+  kReprefill,
+  kInstructionText,
+  kErratum,
+  kEmphasize,
+  kEmphasizeProfiled,
+  kSteer
+};
 const char* ArmName(Arm a) {
   switch (a) {
     case Arm::kNoEdit: return "no_edit";
@@ -178,6 +193,7 @@ const char* ArmName(Arm a) {
     case Arm::kInstructionText: return "instruction_text";
     case Arm::kErratum: return "erratum";
     case Arm::kEmphasize: return "emphasize";
+    case Arm::kEmphasizeProfiled: return "emphasize_profiled";
     case Arm::kSteer: return "steer";
   }
   return "?";
@@ -388,6 +404,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
   std::vector<ArmSpec> arms = {
       {Arm::kNoEdit}, {Arm::kReprefill}, {Arm::kInstructionText}, {Arm::kErratum}};
   for (double b : o.emphasize_strengths) arms.push_back({Arm::kEmphasize, b});
+  for (double b : o.profiled_strengths) arms.push_back({Arm::kEmphasizeProfiled, b});
   for (double b : o.steer_strengths) arms.push_back({Arm::kSteer, b});
   // Emphasis and steering: the middle third of the layers.
   const int layer0 = cfg.num_layers / 3, layer1 = 2 * cfg.num_layers / 3;
@@ -431,6 +448,95 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
                 steer.pairs.size(), layer0, layer1 - 1,
                 std::sqrt(norm / static_cast<double>(steer.layers.size())));
   }
+  // Head profiling: each (layer, query head) biased alone on the stated
+  // object's statement, ranked by the mean rise of its log-probability.
+  // `bias_of` builds a request's bias: `strength` on the heads `on` says.
+  const size_t all_heads = static_cast<size_t>(cfg.num_layers) * cfg.num_heads;
+  const auto bias_of = [&](int64_t begin, int64_t end, const std::vector<bool>& on,
+                           double strength) {
+    const auto at = static_cast<int64_t>(bos.size());
+    engine::KvSequence::AttentionBias bias{
+        {{at + begin, at + end}}, cfg.num_heads, std::vector<float>(all_heads, 0.0f)};
+    for (size_t h = 0; h < all_heads; ++h) {
+      if (on[h]) bias.bias[h] = static_cast<float>(strength);
+    }
+    return bias;
+  };
+  std::vector<bool> profiled(all_heads, false);
+  std::vector<std::pair<double, size_t>> head_gain;
+  if (!o.profiled_strengths.empty()) {
+    const auto t0 = Clock::now();
+    std::vector<double> gain(all_heads, 0.0);
+    int used = 0;
+    for (size_t i = 0; i < unknown.size() && used < o.profile_items; ++i) {
+      const auto& [r, f] = unknown[(i * 104729 + 17) % unknown.size()];
+      const Relation& rel = rels[r];
+      const std::string& other = rel.facts[(i * 37 + 3) % rel.facts.size()].second;
+      if (other == f->second) continue;
+      const std::vector<int32_t> doc = encode(Fill(rel.statement, f->first, other));
+      const std::vector<int32_t> question = encode("\n" + Fill(rel.question, f->first, other));
+      const int32_t stated = first_token(other);
+      engine::KvSequence dseq = cache.NewSequence();
+      std::vector<float> logits;
+      Status st = model.Prefill(dseq, doc, {}, &logits);
+      auto kv = st.ok()
+                    ? kvbridge::ChunkFromPagedKv(cache, dseq, 0, static_cast<int64_t>(doc.size()),
+                                                 {}, {}, model.kv_dtype())
+                    : Result<std::shared_ptr<const kvbus::Chunk>>(st);
+      if (!kv.ok()) {
+        std::fprintf(stderr, "kdn-bench kv-edit: profiling: %s\n", kv.status().ToString().c_str());
+        return 1;
+      }
+      const std::vector<blend::Segment> segments = {{bos, nullptr}, {doc, *kv}};
+      // log P(stated) with the bias on the heads `on` (none: the baseline).
+      const auto logp = [&](const std::vector<bool>& on) -> Result<double> {
+        engine::KvSequence seq = cache.NewSequence();
+        KDN_RETURN_IF_ERROR(seq.SetAttentionBias(
+            bias_of(0, static_cast<int64_t>(doc.size()), on, o.profile_strength)));
+        KDN_ASSIGN_OR_RETURN(
+            blend::BlendResult res,
+            blend::BlendPrefill(model, seq, segments, question, {.spec = spec, .seed = i + 1}));
+        return LogSoftmax(res.logits)[static_cast<size_t>(stated)];
+      };
+      auto base = logp(std::vector<bool>(all_heads, false));
+      if (!base.ok()) {
+        std::fprintf(stderr, "kdn-bench kv-edit: profiling: %s\n",
+                     base.status().ToString().c_str());
+        return 1;
+      }
+      std::vector<bool> one(all_heads, false);
+      for (size_t h = 0; h < all_heads; ++h) {
+        one[h] = true;
+        auto lp = logp(one);
+        one[h] = false;
+        if (!lp.ok()) {
+          std::fprintf(stderr, "kdn-bench kv-edit: profiling: %s\n",
+                       lp.status().ToString().c_str());
+          return 1;
+        }
+        gain[h] += *lp - *base;
+      }
+      ++used;
+    }
+    for (size_t h = 0; h < all_heads; ++h) {
+      head_gain.emplace_back(gain[h] / std::max(used, 1), h);
+    }
+    std::sort(head_gain.begin(), head_gain.end(), std::greater<>());
+    head_gain.resize(std::min(head_gain.size(), static_cast<size_t>(o.profile_heads)));
+    for (const auto& [g, h] : head_gain) profiled[h] = true;
+    std::printf("profiled %zu heads on %d documents in %.1f s:", head_gain.size(), used,
+                Seconds(t0, Clock::now()));
+    for (const auto& [g, h] : head_gain) {
+      std::printf(" %zu.%zu (%+.3f)", h / cfg.num_heads, h % cfg.num_heads, g);
+    }
+    std::printf("\n");
+  }
+  std::vector<bool> middle(all_heads, false);
+  for (int l = layer0; l < layer1; ++l) {
+    std::fill_n(middle.begin() + static_cast<std::ptrdiff_t>(l) * cfg.num_heads, cfg.num_heads,
+                true);
+  }
+
   std::vector<ArmRows> rows(arms.size());
   const auto t_start = Clock::now();
   for (size_t n = 0; n < items.size(); ++n) {
@@ -499,18 +605,12 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
       double ttft_ms = 0, entropy = 0;
       for (size_t q = 0; q < questions.size(); ++q) {
         engine::KvSequence seq = cache.NewSequence();
-        if (arm == Arm::kEmphasize) {
-          // The counterfactual's slots in the prompt: after the head (BOS).
-          const auto at = static_cast<int64_t>(bos.size());
-          engine::KvSequence::AttentionBias bias{
-              {{at + it.statement_begin, at + it.statement_end}},
-              cfg.num_heads,
-              std::vector<float>(static_cast<size_t>(cfg.num_layers) * cfg.num_heads, 0.0f)};
-          for (int l = layer0; l < layer1; ++l) {
-            std::fill_n(bias.bias.begin() + static_cast<std::ptrdiff_t>(l) * cfg.num_heads,
-                        cfg.num_heads, static_cast<float>(arms[a].strength));
-          }
-          if (Status st = seq.SetAttentionBias(std::move(bias)); !st.ok()) {
+        if (arm == Arm::kEmphasize || arm == Arm::kEmphasizeProfiled) {
+          // The counterfactual's slots in the prompt, after the head (BOS).
+          if (Status st = seq.SetAttentionBias(bias_of(it.statement_begin, it.statement_end,
+                                                       arm == Arm::kEmphasize ? middle : profiled,
+                                                       arms[a].strength));
+              !st.ok()) {
             std::fprintf(stderr, "kdn-bench kv-edit: %s\n", st.ToString().c_str());
             return 1;
           }
@@ -583,7 +683,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
     }
   }
 
-  std::printf("%-17s %22s %9s %22s %20s %9s %8s %8s %8s %9s\n", "arm", "efficacy [95%]", "logodds",
+  std::printf("%-21s %22s %9s %22s %20s %9s %8s %8s %8s %9s\n", "arm", "efficacy [95%]", "logodds",
               "paraphrase [95%]", "spec top1 / KL", "fluency", "edit ms", "ttft ms", "reprefill",
               "edit/rep");
   json out_rows = json::array();
@@ -596,7 +696,8 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
       return json{{"mean", v.mean}, {"lo", v.lo}, {"hi", v.hi}};
     };
     char label_buf[48];
-    const bool graded = arm == Arm::kEmphasize || arm == Arm::kSteer;
+    const bool graded =
+        arm == Arm::kEmphasize || arm == Arm::kEmphasizeProfiled || arm == Arm::kSteer;
     std::snprintf(label_buf, sizeof(label_buf), graded ? "%s %g" : "%s", ArmName(arm),
                   arms[a].strength);
     const std::string label = label_buf;
@@ -615,7 +716,7 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
                 {"reprefill_ms", iv(r.reprefill_ms)}};
     const double rep = Mean(r.reprefill_ms);
     std::printf(
-        "%-17s %6.3f [%5.3f, %5.3f] %9.3f %6.3f [%5.3f, %5.3f] %9.3f / %8.4f %9.3f %8.2f %8.2f "
+        "%-21s %6.3f [%5.3f, %5.3f] %9.3f %6.3f [%5.3f, %5.3f] %9.3f / %8.4f %9.3f %8.2f %8.2f "
         "%8.2f %9.3f\n",
         label.c_str(), row["efficacy"]["mean"].get<double>(), row["efficacy"]["lo"].get<double>(),
         row["efficacy"]["hi"].get<double>(), Mean(r.logodds_shift), Mean(r.paraphrase),
@@ -624,6 +725,12 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
         Mean(r.fluency), Mean(r.edit_ms), Mean(r.ttft_ms), rep,
         rep > 0 ? Mean(r.edit_ms) / rep : 0.0);
     out_rows.push_back(std::move(row));
+  }
+  // The profiled heads: layer, query head and their mean gain.
+  json profiled_json = json::array();
+  for (const auto& [g, h] : head_gain) {
+    profiled_json.push_back(
+        {{"layer", h / cfg.num_heads}, {"head", h % cfg.num_heads}, {"gain", g}});
   }
   json j = {{"workload", "kv-edit"},
             {"model", what},
@@ -639,6 +746,8 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
             {"other_facts", o.other_facts},
             {"emphasize_layers", {layer0, layer1}},
             {"steer_layers", {layer0, layer1}},
+            {"profiled_heads", profiled_json},
+            {"profile_strength", o.profile_strength},
             {"steer_pairs", steer.pairs.size()},
             {"steer_negative_note", wrong},
             {"document_tokens", doc_tokens},

@@ -17,26 +17,17 @@ float Load(const uint8_t* p, DType t) {
       std::memcpy(&f, p, 4);
       return f;
     }
-    case DType::kBF16:
-      std::memcpy(&h, p, 2);
-      return Bf16ToF32(h);
-    default:
-      std::memcpy(&h, p, 2);
-      return F16ToF32(h);
+    case DType::kBF16: std::memcpy(&h, p, 2); return Bf16ToF32(h);
+    default: std::memcpy(&h, p, 2); return F16ToF32(h);
   }
 }
 
 void Store(float f, uint8_t* p, DType t) {
   uint16_t h;
   switch (t) {
-    case DType::kF32:
-      std::memcpy(p, &f, 4);
-      return;
-    case DType::kBF16:
-      h = F32ToBf16(f);
-      break;
-    default:
-      h = F32ToF16(f);
+    case DType::kF32: std::memcpy(p, &f, 4); return;
+    case DType::kBF16: h = F32ToBf16(f); break;
+    default: h = F32ToF16(f);
   }
   std::memcpy(p, &h, 2);
 }
@@ -75,8 +66,8 @@ Result<SteeringVector> ValueSteeringVector(
     KDN_RETURN_IF_ERROR(model.Prefill(seq, prompt, {}, &logits));
     for (size_t l = 0; l < v.layers.size(); ++l) {
       // One token's layer: its K row, then its V row.
-      KDN_RETURN_IF_ERROR(cache.ReadLayers(seq, v.layers[l], 1, seq.length() - 1, 1,
-                                           DType::kF32, layer_kv));
+      KDN_RETURN_IF_ERROR(
+          cache.ReadLayers(seq, v.layers[l], 1, seq.length() - 1, 1, DType::kF32, layer_kv));
       const auto* vrow = reinterpret_cast<const float*>(layer_kv.data()) + row;
       for (size_t j = 0; j < row; ++j) sum[l * row + j] += sign * vrow[j];
     }

@@ -27,6 +27,7 @@ def test_kv_edit_rows_hold_together(tmp_path):
     out = tmp_path / "kv-edit.json"
     done = run("--items", "4", "--fluency-items", "1", "--fluency-tokens", "8",
                "--bootstrap", "50", "--emphasize", "0,3", "--steer", "0,6", "--steer-pairs", "4",
+               "--emphasize-profiled", "0,3", "--profile-items", "1", "--profile-heads", "4",
                "--json", out)
     assert done.returncode == 0, done.stdout + done.stderr
     r = json.loads(out.read_text())
@@ -37,8 +38,13 @@ def test_kv_edit_rows_hold_together(tmp_path):
     assert r["erratum_tokens"] > 0 and r["document_tokens"] > 0
     assert [(x["arm"], x["strength"]) for x in r["rows"]] == [
         ("no_edit", None), ("reprefill", None), ("instruction_text", None), ("erratum", None),
-        ("emphasize", 0), ("emphasize", 3), ("steer", 0), ("steer", 6)]
+        ("emphasize", 0), ("emphasize", 3), ("emphasize_profiled", 0), ("emphasize_profiled", 3),
+        ("steer", 0), ("steer", 6)]
     assert r["steer_pairs"] == 4
+    # The profiled heads: as many as asked, distinct, ranked by their gain.
+    heads = r["profiled_heads"]
+    assert len(heads) == 4 and len({(h["layer"], h["head"]) for h in heads}) == 4, heads
+    assert [h["gain"] for h in heads] == sorted((h["gain"] for h in heads), reverse=True), heads
     rows = {x["arm"] + str(x["strength"] or ""): x for x in r["rows"]}
     for arm, x in rows.items():
         assert x["items"] == 4, x
@@ -51,7 +57,7 @@ def test_kv_edit_rows_hold_together(tmp_path):
     assert rows["no_edit"]["specificity_kl"]["mean"] == 0
     assert rows["reprefill"]["ttft_ms"]["mean"] == rows["reprefill"]["reprefill_ms"]["mean"]
     # Emphasis or steering of strength 0 is no edit: the unedited answers.
-    for arm in ("emphasize", "steer"):
+    for arm in ("emphasize", "emphasize_profiled", "steer"):
         for key in ("efficacy", "paraphrase_efficacy", "logodds_shift"):
             assert abs(rows[arm][key]["mean"] - rows["no_edit"][key]["mean"]) < 1e-3, (arm, key)
         assert rows[arm]["specificity_top1"]["mean"] == 1, arm
