@@ -205,6 +205,12 @@ TEST(Prefiller, InjectStoresADocumentOnceAndRefusesBadOnes) {
   EXPECT_EQ(p.Run(job).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Whether two chunks hold the same KV bytes.
+bool SamePayload(const kvbus::Chunk& a, const kvbus::Chunk& b) {
+  return a.payload().size() == b.payload().size() &&
+         std::equal(a.payload().begin(), a.payload().end(), b.payload().begin());
+}
+
 // An erratum edit (InjectSpec::base_tokens): the note's KV computed on top of
 // the stored original is the KV one prefill of the document and the note
 // gives, stored under the segment key of both; the original stays.
@@ -247,16 +253,11 @@ TEST(Prefiller, AnErratumIsComputedOnTheStoredDocumentAsOnePrefillOfBoth) {
   auto got = store->Get(key);
   auto want = ref_store->Get(key);
   ASSERT_TRUE(got.ok() && want.ok());
-  ASSERT_EQ((*got)->payload().size(), (*want)->payload().size());
-  EXPECT_TRUE(
-      std::equal((*got)->payload().begin(), (*got)->payload().end(), (*want)->payload().begin()))
-      << "the erratum's KV is not the one-prefill KV";
+  EXPECT_TRUE(SamePayload(**got, **want)) << "the erratum's KV is not the one-prefill KV";
   // The original is untouched, under its own key.
   auto original = store->Get(kvbus::SegmentKey({fp, "", kChunk}, doc));
   ASSERT_TRUE(original.ok());
-  EXPECT_EQ((*original)->payload().size(), (*original_before)->payload().size());
-  EXPECT_TRUE(std::equal((*original)->payload().begin(), (*original)->payload().end(),
-                         (*original_before)->payload().begin()));
+  EXPECT_TRUE(SamePayload(**original, **original_before));
   EXPECT_EQ((*original)->info().tokens, doc.size());
 
   // Not required: a missing original is computed with the note.
@@ -267,8 +268,7 @@ TEST(Prefiller, AnErratumIsComputedOnTheStoredDocumentAsOnePrefillOfBoth) {
   ASSERT_TRUE(q.Inject(edited, "", optional_base).ok());
   auto whole = other_store->Get(key);
   ASSERT_TRUE(whole.ok());
-  EXPECT_TRUE(std::equal((*whole)->payload().begin(), (*whole)->payload().end(),
-                         (*want)->payload().begin()));
+  EXPECT_TRUE(SamePayload(**whole, **want));
 
   // Bad bases: none left for the note, a pruned erratum.
   InjectSpec all = edit;
