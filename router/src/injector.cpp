@@ -12,7 +12,8 @@ void Injector::Start(uint64_t id, InjectJob job, JobCallback callback) {
   inj.cb = std::move(callback);
   inj.progress.total = static_cast<int>(inj.job.documents.size());
   for (size_t i = 0; i < inj.job.documents.size(); ++i) inj.todo.push_back(i);
-  LogInfo("{} accepted /v1/kdn/inject: {} documents", ReqId{id}, inj.job.documents.size());
+  LogInfo("{} accepted {}: {} documents", ReqId{id},
+          inj.job.base_required ? "/v1/kdn/edit" : "/v1/kdn/inject", inj.job.documents.size());
   injections_.emplace(id, std::move(inj));
   Pump(id);
 }
