@@ -153,7 +153,7 @@ PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, const InjectSpec* inject
   const kvbus::KeyContext ctx{fingerprint_, job.ns, options_.chunk_tokens};
   if (inject != nullptr) {
     kv.inject_held = store_.Contains(kvbus::SegmentKey(ctx, job.tokens));
-    if (!kv.inject_held) kv.inject_base = InjectBase(job.tokens, job.ns, *inject);
+    if (!kv.inject_held) kv.inject_base = InjectBase(store_, job.tokens, job.ns, *inject);
     return kv;
   }
   if (job.blend) {
@@ -386,14 +386,15 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
   return kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key, fingerprint_, chunk_dtype_);
 }
 
-std::shared_ptr<const kvbus::Chunk> Prefiller::InjectBase(std::span<const int32_t> tokens,
+std::shared_ptr<const kvbus::Chunk> Prefiller::InjectBase(kvbus::ChunkStore& from,
+                                                          std::span<const int32_t> tokens,
                                                           const std::string& ns,
                                                           const InjectSpec& spec) const {
   const auto n = static_cast<int64_t>(tokens.size());
   if (spec.base_tokens <= 0 || spec.base_tokens >= n || spec.prune) return nullptr;
   const std::span<const int32_t> original = tokens.first(static_cast<size_t>(spec.base_tokens));
   Result<std::shared_ptr<const kvbus::Chunk>> chunk =
-      store_.Get(kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, original));
+      from.Get(kvbus::SegmentKey({fingerprint_, ns, options_.chunk_tokens}, original));
   // Whole (not pruned), of this model and KV type.
   if (!chunk.ok() || !kvbus::ChunkFits(**chunk, fingerprint_, spec.base_tokens, chunk_dtype_)) {
     return nullptr;
@@ -445,8 +446,15 @@ void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
   if (held) return done(InjectOutcome{true, 0});
   std::shared_ptr<const kvbus::Chunk> base;
   if (spec.base_tokens > 0) {
-    base = kv != nullptr && kv->inject_base != nullptr ? kv->inject_base
-                                                       : InjectBase(tokens, ns, spec);
+    // Read before, off this thread; or stored here since (host memory), as
+    // for `held` above: the compute thread does not wait on a remote tier.
+    if (kv == nullptr) {
+      base = InjectBase(store_, tokens, ns, spec);
+    } else if (kv->inject_base != nullptr) {
+      base = kv->inject_base;
+    } else if (store_.host() != nullptr) {
+      base = InjectBase(*store_.host(), tokens, ns, spec);
+    }
     if (base == nullptr && spec.base_required) {
       return done(NotFound("inject: the document to edit (its first " +
                            std::to_string(spec.base_tokens) +

@@ -250,9 +250,10 @@ class Prefiller {
   Result<std::shared_ptr<const kvbus::Chunk>> ComputeSegment(
       const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
       const prune::PruneSpec* prune = nullptr, const kvbus::Chunk* base = nullptr);
-  // An erratum edit's original, read from the store (null when it is not
-  // held whole).
-  std::shared_ptr<const kvbus::Chunk> InjectBase(std::span<const int32_t> tokens,
+  // An erratum edit's original, read from `from` (the store, or its host
+  // tier; null when it is not held there whole).
+  std::shared_ptr<const kvbus::Chunk> InjectBase(kvbus::ChunkStore& from,
+                                                 std::span<const int32_t> tokens,
                                                  const std::string& ns,
                                                  const InjectSpec& spec) const;
   // Puts `chunk` in the store, then calls `then` with how it went: on the
