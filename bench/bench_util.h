@@ -18,6 +18,10 @@
 #include "kdn/engine/engine.h"
 #include "kdn/kvbus/chunk.h"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace kdn::bench {
 
 using Clock = std::chrono::steady_clock;
@@ -263,6 +267,8 @@ struct KvEditOptions {
       "Answer from the text below. Where it differs from what you know, the text is right.";
   std::string erratum = "Note: the text above is right.";
 };
+// kv-edit's flags on its subcommand (bench/kv_edit.cpp).
+void AddKvEditOptions(CLI::App* sub, KvEditOptions* o);
 int RunKvEdit(const Common& c, const KvEditOptions& o);
 
 // quality: exact match of a QA model on its eval set, by task family and mode

@@ -537,69 +537,7 @@ int main(int argc, char** argv) {
       "specificity, fluency and cost per arm (no edit, re-prefill with an instruction, the "
       "instruction as text, an erratum), with bootstrap intervals");
   common(kv_edit);
-  kv_edit->add_option("--facts", ke.facts_path, "The facts and templates the set is built from")
-      ->capture_default_str()
-      ->check(CLI::ExistingFile);
-  kv_edit->add_option("--items", ke.items, "Items at most (0: every fact the model knows)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  kv_edit
-      ->add_option("--other-facts", ke.other_facts,
-                   "True facts of other relations in each document (its specificity questions)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 8));
-  kv_edit->add_option("--fluency-items", ke.fluency_items, "Items whose answer is generated")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  kv_edit->add_option("--fluency-tokens", ke.fluency_tokens, "Greedy tokens generated for fluency")
-      ->capture_default_str()
-      ->check(CLI::Range(3, 4096));
-  kv_edit
-      ->add_option("--recompute-ratio", ke.recompute_ratio,
-                   "The stored arms' blend (boundary+deviation:8, the deployment's default)")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 1.0));
-  kv_edit
-      ->add_option("--emphasize", ke.emphasize_strengths,
-                   "Attention bias strengths on the counterfactual's tokens, a row each "
-                   "(comma-separated)")
-      ->delimiter(',')
-      ->capture_default_str();
-  kv_edit
-      ->add_option("--steer", ke.steer_strengths,
-                   "Value steering strengths, a row each (comma-separated)")
-      ->delimiter(',')
-      ->capture_default_str();
-  kv_edit
-      ->add_option("--steer-pairs", ke.steer_pairs,
-                   "Contrastive pairs the steering vector is the mean of (from facts the model "
-                   "does not know)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  kv_edit
-      ->add_option("--emphasize-profiled", ke.profiled_strengths,
-                   "Attention bias strengths on the counterfactual's tokens in the profiled "
-                   "heads only, a row each (comma-separated)")
-      ->delimiter(',')
-      ->capture_default_str();
-  kv_edit
-      ->add_option("--profile-heads", ke.profile_heads,
-                   "Heads the profiling chooses (those whose bias alone most raises the stated "
-                   "object's log-probability)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 65536));
-  kv_edit
-      ->add_option("--profile-items", ke.profile_items,
-                   "Documents of facts the model does not know that the heads are profiled on")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  kv_edit
-      ->add_option("--profile-strength", ke.profile_strength, "The bias each head is profiled at")
-      ->capture_default_str()
-      ->check(CLI::Range(-100.0, 100.0));
-  kv_edit->add_option("--bootstrap", ke.bootstrap, "Resamples of the intervals")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  AddKvEditOptions(kv_edit, &ke);
   std::string tk_dir, tk_text;
   int tk_tokens = 32768;
   auto* tokenize = app.add_subcommand(
@@ -756,18 +694,6 @@ int main(int argc, char** argv) {
     return RunPruneFidelity(c, pf);
   }
   if (kv_edit->parsed()) {
-    for (const auto* s : {&ke.emphasize_strengths, &ke.steer_strengths, &ke.profiled_strengths}) {
-      for (double b : *s) {
-        if (!std::isfinite(b) || std::fabs(b) > 100) {
-          std::fprintf(stderr, "kdn-bench kv-edit: --%s %g: a strength is in [-100, 100]\n",
-                       s == &ke.steer_strengths      ? "steer"
-                       : s == &ke.profiled_strengths ? "emphasize-profiled"
-                                                     : "emphasize",
-                       b);
-          return 2;
-        }
-      }
-    }
     return RunKvEdit(c, ke);
   }
   if (quality->parsed()) {

@@ -62,14 +62,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <numeric>
 #include <random>
-#include <set>
-#include <sstream>
+
+#include <CLI/CLI.hpp>
 
 #include "bench_util.h"
+#include "kv_edit_facts.h"
 #include "prose.h"
 #include "kdn/blend/blend.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -80,86 +80,6 @@
 namespace kdn::bench {
 
 namespace {
-
-struct Relation {
-  std::string name, statement, question;
-  std::vector<std::string> paraphrases;
-  std::vector<std::pair<std::string, std::string>> facts;  // subject, object
-};
-
-std::string Trim(const std::string& s) {
-  const size_t b = s.find_first_not_of(" \t");
-  if (b == std::string::npos) return "";
-  return s.substr(b, s.find_last_not_of(" \t") - b + 1);
-}
-
-// A template with its subject and object in place and "\n" a line break.
-std::string Fill(const std::string& t, const std::string& s, const std::string& o) {
-  std::string out;
-  for (size_t i = 0; i < t.size(); ++i) {
-    if (t.compare(i, 3, "{s}") == 0) {
-      out += s;
-      i += 2;
-    } else if (t.compare(i, 3, "{o}") == 0) {
-      out += o;
-      i += 2;
-    } else if (t.compare(i, 2, "\\n") == 0) {
-      out += '\n';
-      i += 1;
-    } else {
-      out += t[i];
-    }
-  }
-  return out;
-}
-
-Result<std::vector<Relation>> ReadFacts(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return NotFound("cannot read the facts file " + path + " (--facts)");
-  std::vector<Relation> rels;
-  std::string line;
-  int n = 0;
-  while (std::getline(in, line)) {
-    ++n;
-    if (Trim(line).empty() || line[0] == '#') continue;
-    const size_t colon = line.find(':');
-    if (colon == std::string::npos) {
-      return InvalidArgument(path + ":" + std::to_string(n) + ": no \"field:\"");
-    }
-    const std::string field = line.substr(0, colon), value = Trim(line.substr(colon + 1));
-    if (field == "relation") {
-      rels.push_back({value, "", "", {}, {}});
-      continue;
-    }
-    if (rels.empty()) {
-      return InvalidArgument(path + ":" + std::to_string(n) + ": " + field + " before a relation");
-    }
-    Relation& r = rels.back();
-    if (field == "statement") {
-      r.statement = value;
-    } else if (field == "question") {
-      r.question = value;
-    } else if (field == "paraphrase") {
-      r.paraphrases.push_back(value);
-    } else if (field == "fact") {
-      const size_t bar = value.find('|');
-      if (bar == std::string::npos) {
-        return InvalidArgument(path + ":" + std::to_string(n) + ": a fact is \"subject | object\"");
-      }
-      r.facts.emplace_back(Trim(value.substr(0, bar)), Trim(value.substr(bar + 1)));
-    } else {
-      return InvalidArgument(path + ":" + std::to_string(n) + ": unknown field " + field);
-    }
-  }
-  for (const Relation& r : rels) {
-    if (r.statement.empty() || r.question.empty() || r.paraphrases.size() != 3 ||
-        r.facts.size() < 2) {
-      return InvalidArgument(path + ": relation " + r.name +
-                             " needs a statement, a question, 3 paraphrases and 2 facts");
-    }
-  }
-  return rels;
-}
 
 struct Fact {
   int rel = 0;
@@ -242,7 +162,76 @@ double NgramEntropy(const std::vector<int32_t>& tokens) {
 
 }  // namespace
 
+void AddKvEditOptions(CLI::App* sub, KvEditOptions* o) {
+  sub->add_option("--facts", o->facts_path, "The facts and templates the set is built from")
+      ->capture_default_str()
+      ->check(CLI::ExistingFile);
+  sub->add_option("--items", o->items, "Items at most (0: every fact the model knows)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--other-facts", o->other_facts,
+                  "True facts of other relations in each document (its specificity questions)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 8));
+  sub->add_option("--fluency-items", o->fluency_items, "Items whose answer is generated")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--fluency-tokens", o->fluency_tokens, "Greedy tokens generated for fluency")
+      ->capture_default_str()
+      ->check(CLI::Range(3, 4096));
+  sub->add_option("--recompute-ratio", o->recompute_ratio,
+                  "The stored arms' blend (boundary+deviation:8, the deployment's default)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  sub->add_option("--emphasize", o->emphasize_strengths,
+                  "Attention bias strengths on the counterfactual's tokens, a row each "
+                  "(comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("--steer", o->steer_strengths,
+                  "Value steering strengths, a row each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("--steer-pairs", o->steer_pairs,
+                  "Contrastive pairs the steering vector is the mean of (from facts the model "
+                  "does not know)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  sub->add_option("--emphasize-profiled", o->profiled_strengths,
+                  "Attention bias strengths on the counterfactual's tokens in the profiled "
+                  "heads only, a row each (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("--profile-heads", o->profile_heads,
+                  "Heads the profiling chooses (those whose bias alone most raises the stated "
+                  "object's log-probability)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  sub->add_option("--profile-items", o->profile_items,
+                  "Documents of facts the model does not know that the heads are profiled on")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  sub->add_option("--profile-strength", o->profile_strength, "The bias each head is profiled at")
+      ->capture_default_str()
+      ->check(CLI::Range(-100.0, 100.0));
+  sub->add_option("--bootstrap", o->bootstrap, "Resamples of the intervals")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+}
+
 int RunKvEdit(const Common& c, const KvEditOptions& o) {
+  for (const auto* s : {&o.emphasize_strengths, &o.steer_strengths, &o.profiled_strengths}) {
+    for (double b : *s) {
+      if (!std::isfinite(b) || std::fabs(b) > 100) {
+        std::fprintf(stderr, "kdn-bench kv-edit: --%s %g: a strength is in [-100, 100]\n",
+                     s == &o.steer_strengths      ? "steer"
+                     : s == &o.profiled_strengths ? "emphasize-profiled"
+                                                  : "emphasize",
+                     b);
+        return 2;
+      }
+    }
+  }
   std::string what;
   auto model_r = MakeModel(c, 8192, &what);
   if (!model_r.ok()) {
