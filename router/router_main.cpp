@@ -64,6 +64,18 @@ int main(int argc, char** argv) {
                  "non-increasing, the last equal to --recompute-ratio (default: from twice "
                  "the ratio down to it); a request's 'check_ratios' overrides it")
       ->delimiter(',');
+  app.add_option("--emphasis-heads", o.emphasis_heads,
+                 "Emphasis: a head profile (a JSON file whose 'profiled_heads' lists "
+                 "{\"layer\", \"head\"}, as `kdn-bench kv-edit --json` writes it) naming the "
+                 "heads a request's emphasized spans are biased in (docs/serving.md, "
+                 "\"Emphasis\"); a request's 'emphasis.heads' overrides it. Default: every "
+                 "head of the middle third of the layers")
+      ->check(CLI::ExistingFile);
+  app.add_option("--emphasis-strength", o.emphasis_strength,
+                 "Emphasis: the bias added to the emphasized spans' attention scores in those "
+                 "heads; a request's 'emphasis.strength' overrides it")
+      ->check(CLI::Range(0.0, kdn::blend::kMaxEmphasisStrength))
+      ->capture_default_str();
   std::string blend_selection = kdn::blend::BlendSelectionName(o.selection);
   app.add_option("--blend-selection", blend_selection,
                  "Blend: how the recomputed document tokens are chosen (docs/blend.md, "

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kdn/blend/blend.h"
+#include "kdn/blend/emphasis.h"
 #include "kdn/worker/worker_flags.h"
 #include "kdn/engine/generate.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -94,6 +95,31 @@ kdn::Result<ChatText> RenderChatFile(const std::string& file, const std::string&
   return out;
 }
 
+// --erratum and --emphasize: N=TEXT, N a document's index and TEXT not
+// empty; with `once`, each N at most once. False (and a message) otherwise.
+bool ParseIndexedTexts(const std::vector<std::string>& args, size_t documents, const char* flag,
+                       bool once, std::vector<std::pair<size_t, std::string>>* out) {
+  for (const std::string& e : args) {
+    const size_t eq = e.find('=');
+    size_t n = documents;
+    try {
+      if (eq != std::string::npos) n = std::stoul(e.substr(0, eq));
+    } catch (...) {
+    }
+    const bool repeated =
+        once && std::any_of(out->begin(), out->end(), [&](const auto& p) { return p.first == n; });
+    if (n >= documents || eq + 1 >= e.size() || repeated) {
+      std::fprintf(stderr,
+                   "kdn-generate: %s \"%s\": give N=TEXT, N a document's index (0 to %zu)%s, "
+                   "TEXT not empty\n",
+                   flag, e.c_str(), documents - 1, once ? " once" : "");
+      return false;
+    }
+    out->emplace_back(n, e.substr(eq + 1));
+  }
+  return true;
+}
+
 struct BlendOutput {
   std::vector<int32_t> tokens;
   int cached_tokens = 0;
@@ -135,6 +161,10 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
     segments.push_back({d, std::move(kv)});
   }
   kdn::engine::KvSequence seq = cache.NewSequence();
+  if (spec.emphasis) {
+    KDN_RETURN_IF_ERROR(
+        seq.SetAttentionBias({spec.emphasis->spans, spec.emphasis->heads, spec.emphasis->bias}));
+  }
   KDN_ASSIGN_OR_RETURN(kdn::blend::BlendResult r,
                        kdn::blend::BlendPrefill(model, seq, segments, question, {.spec = spec}));
   BlendOutput out{{},
@@ -216,6 +246,23 @@ int main(int argc, char** argv) {
                  "Blend: N=TEXT, an erratum after document N (from 0), its KV computed after the "
                  "document's as a kdn/edit erratum stores it (repeat for other documents)")
       ->needs("--document");
+  std::vector<std::string> emphasize;
+  app.add_option("--emphasize", emphasize,
+                 "Blend: N=PHRASE, a phrase of document N (its text or erratum) emphasized as "
+                 "kdn-router emphasizes a request's 'documents[N].emphasize' (repeat for more)")
+      ->needs("--document");
+  std::string emphasis_heads;
+  double emphasis_strength = kdn::blend::kDefaultEmphasisStrength;
+  app.add_option("--emphasis-heads", emphasis_heads,
+                 "Blend: the head profile emphasis biases (kdn-router's --emphasis-heads; "
+                 "default: every head of the middle third of the layers)")
+      ->check(CLI::ExistingFile)
+      ->needs("--emphasize");
+  app.add_option("--emphasis-strength", emphasis_strength,
+                 "Blend: the emphasis bias (kdn-router's --emphasis-strength)")
+      ->check(CLI::Range(0.0, kdn::blend::kMaxEmphasisStrength))
+      ->needs("--emphasize")
+      ->capture_default_str();
   kdn::prune::PruneSpec prune;
   auto* prune_method =
       app.add_option("--prune-method", prune.method,
@@ -236,24 +283,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: --blend-selection: %s\n", s.status().message().c_str());
     return 2;
   }
-  // --erratum N=TEXT, by document.
-  std::map<size_t, std::string> erratum_of;
-  for (const std::string& e : errata) {
-    const size_t eq = e.find('=');
-    size_t n = 0;
-    try {
-      n = eq == std::string::npos ? documents.size() : std::stoul(e.substr(0, eq));
-    } catch (...) {
-      n = documents.size();
-    }
-    if (n >= documents.size() || eq + 1 >= e.size() || erratum_of.count(n) != 0) {
-      std::fprintf(stderr,
-                   "kdn-generate: --erratum \"%s\": give N=TEXT, N a document's index (0 to "
-                   "%zu) once, TEXT not empty\n",
-                   e.c_str(), documents.size() - 1);
-      return 2;
-    }
-    erratum_of[n] = e.substr(eq + 1);
+  // --erratum N=TEXT, by document; --emphasize N=PHRASE.
+  std::vector<std::pair<size_t, std::string>> errata_list, emphasized;
+  if (!ParseIndexedTexts(errata, documents.size(), "--erratum", true, &errata_list) ||
+      !ParseIndexedTexts(emphasize, documents.size(), "--emphasize", false, &emphasized)) {
+    return 2;
+  }
+  const std::map<size_t, std::string> erratum_of(errata_list.begin(), errata_list.end());
+  if (!emphasized.empty() && !prune.method.empty()) {
+    std::fprintf(stderr, "kdn-generate: emphasis does not go with pruned documents\n");
+    return 2;
   }
   if (!erratum_of.empty() && !prune.method.empty()) {
     std::fprintf(stderr, "kdn-generate: a document with an erratum is not pruned\n");
@@ -320,6 +359,19 @@ int main(int argc, char** argv) {
         const std::vector<int32_t> note = (*tok)->Encode(e->second, false);
         doc_ids.back().insert(doc_ids.back().end(), note.begin(), note.end());
       }
+      // Its emphasized phrases, where kdn-router puts them.
+      for (const auto& [n, phrase] : emphasized) {
+        if (n != i) continue;
+        const auto held = kdn::text::TokensHolding(**tok, doc_ids.back(), phrase);
+        if (!held) {
+          std::fprintf(stderr, "kdn-generate: --emphasize %zu=%s: not in document %zu\n", n,
+                       phrase.c_str(), n);
+          return 2;
+        }
+        if (!blend.emphasis) blend.emphasis.emplace();
+        const auto at = static_cast<int64_t>(ids.size());
+        blend.emphasis->spans.emplace_back(at + held->first, at + held->second);
+      }
       ids.insert(ids.end(), doc_ids.back().begin(), doc_ids.back().end());
     }
     question = (*tok)->Encode(chat.rest, false);
@@ -358,6 +410,26 @@ int main(int argc, char** argv) {
     const int layers = (*model)->config().num_layers;
     blend.check_layers =
         kdn::blend::ResolveCheckLayers(blend.check_layer, blend.check_layers, false, layers);
+    if (blend.emphasis) {
+      const int heads = (*model)->config().num_heads;
+      std::vector<kdn::blend::EmphasisHead> on = kdn::blend::MiddleThirdHeads(layers, heads);
+      if (!emphasis_heads.empty()) {
+        auto profile = kdn::blend::LoadEmphasisProfile(emphasis_heads);
+        kdn::Status st = profile.ok() ? kdn::blend::CheckEmphasisHeads(*profile, layers, heads)
+                                      : profile.status();
+        if (!st.ok()) {
+          std::fprintf(stderr, "kdn-generate: --emphasis-heads: %s\n", st.message().c_str());
+          return 2;
+        }
+        on = *std::move(profile);
+      }
+      if (auto st = kdn::blend::CheckEmphasisStrength(emphasis_strength); !st.ok()) {
+        std::fprintf(stderr, "kdn-generate: --emphasis-strength: %s\n", st.message().c_str());
+        return 2;
+      }
+      blend.emphasis = kdn::blend::MakeEmphasis(std::move(blend.emphasis->spans), on,
+                                                emphasis_strength, layers, heads);
+    }
     auto out = BlendAnswer(**model, head, doc_ids, question, blend,
                            prune.method.empty() ? nullptr : &prune, gen);
     if (!out.ok()) {

@@ -15,6 +15,30 @@ void BlendToProto(const blend::BlendSpec& spec, proto::BlendSpec* out) {
     out->set_selection(blend::BlendSelectionName(spec.selection));
   }
   out->set_max_kl(spec.max_kl);
+  if (spec.emphasis) EmphasisToProto(*spec.emphasis, out->mutable_emphasis());
+}
+
+void EmphasisToProto(const blend::Emphasis& e, proto::Emphasis* out) {
+  for (const auto& [begin, end] : e.spans) {
+    out->add_span_begin(begin);
+    out->add_span_end(end);
+  }
+  out->set_heads(e.heads);
+  out->mutable_bias()->Assign(e.bias.begin(), e.bias.end());
+}
+
+// Ends that do not pair up, or no spans, give an empty span, which the
+// engine refuses (KvSequence::SetAttentionBias) as it does a bias of the
+// wrong size: a malformed emphasis fails the request, never goes unseen.
+blend::Emphasis EmphasisFromProto(const proto::Emphasis& p) {
+  blend::Emphasis e;
+  for (int i = 0; i < p.span_begin_size() && i < p.span_end_size(); ++i) {
+    e.spans.emplace_back(p.span_begin(i), p.span_end(i));
+  }
+  if (e.spans.empty() || p.span_begin_size() != p.span_end_size()) e.spans.emplace_back(0, 0);
+  e.heads = p.heads();
+  e.bias.assign(p.bias().begin(), p.bias().end());
+  return e;
 }
 
 blend::BlendSpec BlendFromProto(const proto::BlendSpec& p) {
@@ -26,6 +50,7 @@ blend::BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   spec.check_layers.assign(p.check_layers().begin(), p.check_layers().end());
   spec.check_ratios.assign(p.check_ratios().begin(), p.check_ratios().end());
   spec.max_kl = p.max_kl();
+  if (p.has_emphasis()) spec.emphasis = EmphasisFromProto(p.emphasis());
   // The router sends only what it parsed; an unknown name (a newer router)
   // falls back to the default rather than failing the request.
   if (!p.selection().empty()) {

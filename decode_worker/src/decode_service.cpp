@@ -14,6 +14,7 @@
 #include "kdn/common/log.h"
 #include "kdn/control/control_server.h"
 #include "kdn/control/convert.h"
+#include "kdn/control/request_spec.h"
 #include "kdn/worker/worker_setup.h"
 #include "kdn/decode_worker/decoder.h"
 #include "kdn/kvbus/chunk.h"
@@ -53,6 +54,10 @@ DecodeRequest RequestFromProto(uint64_t request_id, const proto::PrepareRequest&
   d.blended = r.blended();
   d.local_prefill = r.local_prefill();
   d.lookup_tokens = r.lookup_tokens();
+  if (r.has_emphasis()) {
+    blend::Emphasis e = control::EmphasisFromProto(r.emphasis());
+    d.emphasis = engine::KvSequence::AttentionBias{std::move(e.spans), e.heads, std::move(e.bias)};
+  }
   d.spec.sampling = control::SamplingFromProto(r.sampling());
   d.spec.max_tokens = r.max_tokens();
   d.spec.stop_ids.assign(r.stop_ids().begin(), r.stop_ids().end());

@@ -90,6 +90,12 @@ Status Decoder::ValidateRequest(const DecodeRequest& r) const {
     return InvalidArgument(std::string("a ") + (r.blended ? "blended" : "resumed") +
                            " request is not prefilled on the decode worker");
   }
+  if (r.emphasis && (!r.blended || r.emphasis->heads != c.num_heads)) {
+    return InvalidArgument(!r.blended
+                               ? "emphasis goes with a blended request only"
+                               : "an emphasis for " + std::to_string(r.emphasis->heads) +
+                                     " query heads, on a model of " + std::to_string(c.num_heads));
+  }
   // Admitted by what it needs now, it must still fit the pool whole, alone.
   const int64_t whole = std::min<int64_t>(r.PromptTokens() + r.spec.max_tokens, c.max_context);
   const int64_t pool = int64_t{model_.kv_cache().num_blocks()} * engine::kKvBlockTokens;
@@ -119,6 +125,7 @@ int64_t KvTokensAdmitted(const DecodeRequest& r, int64_t max_context) {
 Status Decoder::ReserveKv(Prepared& p) {
   engine::KvCache& cache = model_.kv_cache();
   p.seq = cache.NewSequence();
+  if (p.request.emphasis) KDN_RETURN_IF_ERROR(p.seq.SetAttentionBias(*p.request.emphasis));
   if (!p.request.blended && options_.resident) {
     const kvbus::KeyContext ctx{fingerprint_, p.request.ns, options_.chunk_tokens};
     KDN_ASSIGN_OR_RETURN(p.resident_tokens,

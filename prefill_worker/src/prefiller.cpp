@@ -329,6 +329,17 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
   const int64_t kv_slots = n - dropped;
   engine::KvCache& cache = model_.kv_cache();
   seq_ = cache.NewSequence();
+  if (b.emphasis) {
+    // Its spans are prompt positions, which are KV slots unless a pruned
+    // document dropped some.
+    if (dropped > 0) {
+      return InvalidArgument(
+          "emphasis: a document of this prompt is stored pruned, and emphasis does not go "
+          "with pruned KV");
+    }
+    KDN_RETURN_IF_ERROR(
+        seq_.SetAttentionBias({b.emphasis->spans, b.emphasis->heads, b.emphasis->bias}));
+  }
   Push push{*this, job, seq_,
             kvbus::TransferRegions(0, kv_slots, options_.chunk_tokens, 0, job.transfer_id)};
   if (!job.decode_endpoint.empty()) {

@@ -158,6 +158,9 @@ std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
 struct DocumentText {
   std::string text;
   std::string erratum;
+  // Phrases of the text or its erratum to emphasize (docs/serving.md,
+  // "Emphasis").
+  std::vector<std::string> emphasize;
 };
 
 // A document's tokens, as a request's prompt holds them: the text's, then
@@ -175,8 +178,27 @@ std::vector<int32_t> DocumentTokens(const ServedModel& model, const DocumentText
   return t;
 }
 
+// A document's `emphasize`: a non-empty string, or a non-empty list of them.
+std::optional<ApiError> ParseEmphasize(const json& v, const std::string& at,
+                                       std::vector<std::string>* out) {
+  const std::string field = at + ".emphasize";
+  if (v.is_string() && !v.get<std::string>().empty()) {
+    out->push_back(v.get<std::string>());
+    return std::nullopt;
+  }
+  if (v.is_array() && !v.empty()) {
+    for (const json& p : v) {
+      if (!p.is_string() || p.get<std::string>().empty()) break;
+      out->push_back(p.get<std::string>());
+    }
+    if (out->size() == v.size()) return std::nullopt;
+  }
+  return Bad(field + " must be a phrase of the document, or a list of them (non-empty strings)",
+             field);
+}
+
 // The `documents` field (set): a non-empty list whose entries are non-empty
-// strings or {"text": ..., "erratum": ...} objects.
+// strings or {"text", "erratum", "emphasize"} objects.
 std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<DocumentText>* docs) {
   const json& d = body["documents"];
   if (!d.is_array()) {
@@ -189,8 +211,12 @@ std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<Docume
     if (d[i].is_object()) {
       DocumentText doc;
       for (const auto& [k, v] : d[i].items()) {
+        if (k == "emphasize") {
+          KDN_API_CHECK(ParseEmphasize(v, at, &doc.emphasize));
+          continue;
+        }
         if (k != "text" && k != "erratum") {
-          return Bad(at + ": unknown field '" + k + "' (text, erratum)", at + "." + k);
+          return Bad(at + ": unknown field '" + k + "' (text, erratum, emphasize)", at + "." + k);
         }
         if (!v.is_string() || v.get<std::string>().empty()) {
           return Bad(at + "." + k + " must be a non-empty string", at + "." + k);
@@ -247,6 +273,18 @@ std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string&
       return Bad("document " + std::to_string(i) + " has no tokens", "documents");
     }
     b.segment_tokens.push_back(static_cast<int>(t.size()));
+    // Its emphasized phrases, as prompt positions: the request's
+    // 'emphasis' gives the heads and the strength (ParseEmphasis).
+    for (const std::string& phrase : docs[i].emphasize) {
+      const auto held = text::TokensHolding(*model.tokenizer, t, phrase);
+      if (!held) {
+        const std::string field = "documents[" + std::to_string(i) + "].emphasize";
+        return Bad(field + ": '" + phrase + "' is not in the document", field);
+      }
+      if (!b.emphasis) b.emphasis.emplace();
+      const auto at = static_cast<int64_t>(out->prompt.size());
+      b.emphasis->spans.emplace_back(at + held->first, at + held->second);
+    }
     out->prompt.insert(out->prompt.end(), t.begin(), t.end());
   }
   std::vector<int32_t> t = model.tokenizer->Encode(rest, /*add_bos=*/false);
@@ -255,6 +293,60 @@ std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string&
   }
   out->prompt.insert(out->prompt.end(), t.begin(), t.end());
   out->blend = std::move(b);
+  return std::nullopt;
+}
+
+// The request's `emphasis`, {"strength": S, "heads": [[layer, head], ...]}
+// with both optional (the router's defaults: ServedModel), and its
+// documents' phrases (BlendPrompt's spans) made one blend::Emphasis. Set
+// with no phrase to emphasize: refused.
+std::optional<ApiError> ParseEmphasis(const json& body, const ServedModel& model, ApiRequest* out) {
+  const bool phrases = out->blend && out->blend->emphasis;
+  if (IsSet(body, "emphasis") && !phrases) {
+    return Bad("'emphasis' needs a document with phrases to emphasize (documents[i].emphasize)",
+               "emphasis");
+  }
+  if (!phrases) return std::nullopt;
+  double strength = model.emphasis_strength;
+  std::vector<blend::EmphasisHead> heads = model.emphasis_heads;
+  if (heads.empty())
+    heads = blend::MiddleThirdHeads(model.config->num_layers, model.config->num_heads);
+  if (IsSet(body, "emphasis")) {
+    const json& e = body["emphasis"];
+    if (!e.is_object()) {
+      return Bad("'emphasis' must be an object: {\"strength\", \"heads\"}", "emphasis");
+    }
+    for (const auto& [k, v] : e.items()) {
+      const std::string field = "emphasis." + k;
+      if (k == "strength") {
+        if (!v.is_number()) return Bad("'" + field + "' must be a number", field);
+        strength = v.get<double>();
+        if (Status st = blend::CheckEmphasisStrength(strength); !st.ok()) {
+          return Bad("'" + field + "': " + st.message(), field);
+        }
+      } else if (k == "heads") {
+        heads.clear();
+        const bool pairs = v.is_array() && std::all_of(v.begin(), v.end(), [](const json& h) {
+                             return h.is_array() && h.size() == 2 && h[0].is_number_integer() &&
+                                    h[1].is_number_integer();
+                           });
+        if (!pairs) {
+          return Bad("'" + field + "' must be a list of [layer, head] pairs of integers", field);
+        }
+        for (const json& h : v) heads.push_back({h[0].get<int>(), h[1].get<int>()});
+        if (Status st =
+                blend::CheckEmphasisHeads(heads, model.config->num_layers, model.config->num_heads);
+            !st.ok()) {
+          return Bad("'" + field + "': " + st.message(), field);
+        }
+      } else {
+        return Bad("'emphasis': unknown field '" + k + "' (strength, heads)", field);
+      }
+    }
+  }
+  out->blend->emphasis =
+      blend::MakeEmphasis(std::move(out->blend->emphasis->spans), heads, strength,
+                          model.config->num_layers, model.config->num_heads);
   return std::nullopt;
 }
 
@@ -502,6 +594,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
     out->blend->selection = selection;
     out->blend->max_kl = max_kl;
   }
+  KDN_API_CHECK(ParseEmphasis(body, model, out));
 
   int64_t max_tokens = control::kDefaultMaxTokens;
   KDN_API_CHECK(GetInt(body, "max_tokens", &max_tokens));

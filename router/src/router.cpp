@@ -98,6 +98,19 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
       !st.ok()) {
     return InvalidArgument("--check-layers/--check-ratios: " + st.status().message());
   }
+  std::vector<blend::EmphasisHead> emphasis_heads =
+      blend::MiddleThirdHeads(impl->config.num_layers, impl->config.num_heads);
+  if (!options.emphasis_heads.empty()) {
+    KDN_ASSIGN_OR_RETURN(emphasis_heads, blend::LoadEmphasisProfile(options.emphasis_heads));
+    if (Status st = blend::CheckEmphasisHeads(emphasis_heads, impl->config.num_layers,
+                                              impl->config.num_heads);
+        !st.ok()) {
+      return InvalidArgument("--emphasis-heads " + options.emphasis_heads + ": " + st.message());
+    }
+  }
+  if (Status st = blend::CheckEmphasisStrength(options.emphasis_strength); !st.ok()) {
+    return InvalidArgument("--emphasis-strength: " + st.message());
+  }
   impl->served = {name,
                   &impl->config,
                   impl->tokenizer.get(),
@@ -107,6 +120,8 @@ Result<std::unique_ptr<Router>> Router::Start(const RouterOptions& options) {
                   check_layers,
                   options.check_ratios,
                   options.selection,
+                  std::move(emphasis_heads),
+                  options.emphasis_strength,
                   &impl->chat_template};
   BackendOptions backend = options.backend;
   // A pinned token's KV at its largest (f32 keys and values of every layer).

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kdn/control/convert.h"
+#include "kdn/control/request_spec.h"
 
 namespace kdn::router {
 
@@ -55,6 +56,9 @@ proto::WorkerMessage PrepareMessage(const Job& job, const std::string& transfer_
   pr->set_generated_tokens(static_cast<int32_t>(generated_tokens));
   pr->set_local_prefill(local_prefill);
   pr->set_lookup_tokens(static_cast<int32_t>(lookup_tokens));
+  if (job.blend && job.blend->emphasis) {
+    control::EmphasisToProto(*job.blend->emphasis, pr->mutable_emphasis());
+  }
   return m;
 }
 

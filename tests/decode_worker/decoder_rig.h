@@ -133,6 +133,9 @@ inline int32_t PushSlices(Rig& rig, const DecodeRequest& r, int64_t held_tokens,
                           const std::function<void(std::shared_ptr<const kvbus::Chunk>)>& deliver) {
   engine::KvCache& cache = rig.model->kv_cache();
   engine::KvSequence seq = cache.NewSequence();
+  if (r.emphasis) {
+    EXPECT_TRUE(seq.SetAttentionBias(*r.emphasis).ok());
+  }
   std::vector<float> logits;
   EXPECT_TRUE(rig.model->Prefill(seq, r.tokens, {}, &logits).ok());
   std::vector<kvbus::ChunkKey> keys;
@@ -251,6 +254,18 @@ inline void RunToEnd(Rig& rig, Transcript& t, bool drain = false) {
 }
 
 inline std::vector<int32_t> Alone(engine::CpuEngine& model, const DecodeRequest& r) {
+  if (r.emphasis) {
+    // Greedy, with the request's emphasis on its sequence.
+    EXPECT_EQ(r.spec.sampling.temperature, 0.0f);
+    engine::KvSequence seq = model.kv_cache().NewSequence();
+    EXPECT_TRUE(seq.SetAttentionBias(*r.emphasis).ok());
+    EXPECT_TRUE(model.kv_cache().Reserve(seq, std::ssize(r.tokens) + r.spec.max_tokens).ok());
+    std::vector<float> logits;
+    EXPECT_TRUE(model.Prefill(seq, r.tokens, {}, &logits).ok());
+    auto g = engine::GreedyTokens(model, seq, std::move(logits), r.spec.max_tokens);
+    EXPECT_TRUE(g.ok()) << g.status().ToString();
+    return g.ok() ? *g : std::vector<int32_t>{};
+  }
   auto g = engine::Generate(model, r.tokens,
                             {.max_tokens = r.spec.max_tokens, .sampling = r.spec.sampling});
   EXPECT_TRUE(g.ok()) << g.status().ToString();

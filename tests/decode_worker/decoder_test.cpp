@@ -406,6 +406,48 @@ TEST(Decoder, ABlendedRequestLoadsAndStoresNothingByPrefixKey) {
   EXPECT_EQ(rig.staging.Stats().chunks, 0u) << "the blended KV's slices are erased";
 }
 
+// A blended request's emphasis (docs/serving.md, "Emphasis"): every decode
+// step attends with its bias, as one sequence carrying it from the prefill
+// on does; a request that is not blended, or an emphasis for other heads,
+// is refused at Prepare.
+TEST(Decoder, ABlendedRequestsEmphasisBiasesEveryStep) {
+  Rig rig;
+  Transcript t;
+  const model::ModelConfig& c = rig.model->config();
+  DecodeRequest r = Request(RandomTokens(40, 256, 1), 12);
+  r.blended = true;
+  r.emphasis = engine::KvSequence::AttentionBias{
+      {{4, 12}, {20, 24}},
+      c.num_heads,
+      std::vector<float>(static_cast<size_t>(c.num_layers) * c.num_heads, 4.0f)};
+  const uint64_t id = PrepareAndStart(rig, r, t);
+  RunToEnd(rig, t);
+  EXPECT_EQ(t.finish[id], "length");
+  EXPECT_EQ(t.tokens[id], Alone(*rig.model, r));
+  DecodeRequest plain = r;
+  plain.emphasis.reset();
+  EXPECT_NE(Alone(*rig.model, r), Alone(*rig.model, plain)) << "the bias changes nothing here";
+
+  DecoderOutput out;
+  DecodeRequest unblended = r;
+  unblended.blended = false;
+  auto refused = rig.decoder->Prepare(unblended, &out);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("blended"), std::string::npos);
+  DecodeRequest other_heads = r;
+  other_heads.emphasis->heads = c.num_heads + 1;
+  refused = rig.decoder->Prepare(other_heads, &out);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("query heads"), std::string::npos);
+  DecodeRequest empty_span = r;
+  empty_span.emphasis->spans = {{0, 0}};  // what a malformed one becomes
+  refused = rig.decoder->Prepare(empty_span, &out);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
+}
+
 TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
   Rig rig;
   Transcript t;

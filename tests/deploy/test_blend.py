@@ -116,17 +116,24 @@ def test_a_request_chooses_its_selection_policy(deployment):
     assert details(r["usage"])["recomputed_tokens"] == 60, r["usage"]
 
 
-def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=None):
+def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=None,
+               emphasis=None):
     """kdn-generate's blend of the same prompt (documents computed on their
     own, pruned first when `prune` is {"method", "keep"}, with an erratum
     after document i for each i: text of `errata`, fused as kdn-prefill
-    does, greedy)."""
+    does, greedy). `emphasis`: (phrases by document, strength, head profile
+    file)."""
     cmd = [binary("kdn-generate"), "--model", str(model), "--prompt", question, "--max-tokens",
            str(max_tokens), "--threads", "1", "--blend-selection", selection]
     if prune:
         cmd += ["--prune-method", prune["method"], "--prune-keep", str(prune["keep"])]
     for i, note in (errata or {}).items():
         cmd += ["--erratum", "%d=%s" % (i, note)]
+    if emphasis:
+        phrases, strength, profile = emphasis
+        for i, phrase in phrases.items():
+            cmd += ["--emphasize", "%d=%s" % (i, phrase)]
+        cmd += ["--emphasis-strength", str(strength), "--emphasis-heads", str(profile)]
     for d in docs:
         cmd += ["--document", d]
     r = subprocess.run(cmd, capture_output=True, timeout=120)
@@ -212,6 +219,44 @@ def test_an_erratum_edit_is_stored_apart_and_answers_as_kdn_generates_with_it(qa
     plain, _ = blend_text(d.model, docs, question, 24, selection)
     assert r["choices"][0]["text"] == plain
     assert "baker" not in plain, plain
+
+
+def test_an_emphasized_phrase_answers_as_kdn_generate_emphasizes_it(qa_deployment, tmp_path):
+    d = qa_deployment
+    # Two documents disagree on Gilpe's job; kdn-qa answers with the later
+    # one's unless the first one's is emphasized.
+    docs = ["Gilpe was born in Tobras. Gilpe works as a guard. Gilpe is 50 years old. ",
+            "Vaigraik was born in Ferpis. Gilpe works as a baker. Vaigraik is 23 years old. "]
+    question = "Question: What is the job of Gilpe?\nAnswer:"
+    selection = "boundary+deviation:8"
+    config = json.loads((QA_MODEL / "config.json").read_text())
+    heads = [[layer, head] for layer in range(config["num_hidden_layers"])
+             for head in range(config["num_attention_heads"])]
+    profile = tmp_path / "heads.json"
+    profile.write_text(json.dumps({"profiled_heads": [{"layer": l, "head": h} for l, h in heads]}))
+    inject(d, docs)
+
+    r = d.completion(question, documents=docs, max_tokens=24, temperature=0,
+                     blend_selection=selection)
+    plain, _ = blend_text(d.model, docs, question, 24, selection)
+    assert r["choices"][0]["text"] == plain
+    assert "baker" in plain, plain
+
+    emphasized = [{"text": docs[0], "emphasize": "guard"}, docs[1]]
+    r = d.completion(question, documents=emphasized, max_tokens=24, temperature=0,
+                     blend_selection=selection, emphasis={"strength": 1, "heads": heads})
+    # The same stored documents: emphasis changes no KV in the KDN.
+    assert details(r["usage"])["blended_tokens"] == sum(len(doc) for doc in docs), r["usage"]
+    want, _ = blend_text(d.model, docs, question, 24, selection,
+                         emphasis=({0: "guard"}, 1, profile))
+    assert r["choices"][0]["text"] == want
+    assert "guard" in want, want
+
+    # A phrase the document does not hold: a 400 naming it.
+    r = d.http.post("/v1/completions", json={
+        "prompt": question, "documents": [{"text": docs[0], "emphasize": "baker"}, docs[1]]})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "documents[0].emphasize", r.text[:300]
 
 
 @pytest.mark.parametrize("method,row", [("expected_attention", 0), ("kvzip", 1)])
@@ -350,6 +395,14 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
     ("/v1/completions", {"prompt": "q", "documents": [{"erratum": "x"}]}, "documents[0].text"),
     ("/v1/completions", {"prompt": "q", "documents": [{"text": "a", "note": "x"}]},
      "documents[0].note"),
+    ("/v1/completions", {"prompt": "q", "documents": [{"text": "a", "emphasize": 3}]},
+     "documents[0].emphasize"),
+    ("/v1/completions", {"prompt": "q", "documents": ["a"], "emphasis": {"strength": 1}},
+     "emphasis"),
+    ("/v1/completions", {"prompt": "q", "documents": [{"text": "ab", "emphasize": "a"}],
+                         "emphasis": {"strength": 100}}, "emphasis.strength"),
+    ("/v1/completions", {"prompt": "q", "documents": [{"text": "ab", "emphasize": "a"}],
+                         "emphasis": {"heads": [[99, 0]]}}, "emphasis.heads"),
     ("/v1/kdn/inject", {"documents": [{"text": "abcdefgh", "erratum": "x"}],
                         "prune": {"method": "knorm", "keep": 0.5}}, "prune"),
     ("/v1/kdn/edit", {"erratum": "x"}, "document"),

@@ -3,6 +3,10 @@
 // once, pruned or not), each also served by a prefetch.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+
+#include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbus/host_tier.h"
 #include "kdn/kvbus/transfer_plan.h"
 #include "kdn/prefill_worker/prefiller.h"
@@ -321,6 +325,84 @@ TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDropp
   EXPECT_EQ(out->kv_tokens, 78 - 20);
   ExpectFusedKvArrived(*model, sink, job, *out, 58);
   ASSERT_TRUE(p.StoreNewChunks().ok());
+}
+
+// A blend's emphasis (docs/serving.md, "Emphasis") is on the sequence of
+// its fused KV: recomputing every document token (ratio 1) gives the first
+// token of one prefill with the same bias. Over a document stored pruned,
+// whose spans would not be its KV slots, it is refused.
+// The largest difference between the last layer's KV a blend pushed and
+// that of one prefill of its prompt, with `bias` on it or none.
+float LastLayerDistance(engine::CpuEngine& model, kvbus::HostTier& sink, const PrefillJob& job,
+                        const engine::KvSequence::AttentionBias* bias) {
+  const int last = model.config().num_layers - 1;
+  auto pushed = sink.Get(kvbus::LayerSliceKey(kvbus::TransferRegionKey(job.transfer_id, 0), last));
+  EXPECT_TRUE(pushed.ok());
+  engine::KvSequence seq = model.kv_cache().NewSequence();
+  if (bias != nullptr) {
+    EXPECT_TRUE(seq.SetAttentionBias(*bias).ok());
+  }
+  std::vector<float> logits;
+  EXPECT_TRUE(model.Prefill(seq, job.tokens, {}, &logits).ok());
+  auto want = kvbridge::LayerSliceFromPagedKv(model.kv_cache(), seq, 0, seq.length(), last, {},
+                                              {1, 2}, kdn::DType::kF32);
+  EXPECT_TRUE(want.ok());
+  if (!pushed.ok() || !want.ok()) return INFINITY;
+  const std::span<const uint8_t> a = (*pushed)->payload(), b = (*want)->payload();
+  EXPECT_EQ(a.size(), b.size());
+  float worst = 0;
+  for (size_t i = 0; i + sizeof(float) <= std::min(a.size(), b.size()); i += sizeof(float)) {
+    float x, y;
+    std::memcpy(&x, a.data() + i, sizeof x);
+    std::memcpy(&y, b.data() + i, sizeof y);
+    worst = std::max(worst, std::fabs(x - y));
+  }
+  return worst;
+}
+
+// A blend's emphasis (docs/serving.md, "Emphasis") is on the sequence of
+// its fused KV: recomputing every document token (ratio 1) gives the KV and
+// the first token of one prefill with the same bias. Over a document
+// stored pruned, whose spans would not be its KV slots, it is refused.
+TEST(Prefiller, ABlendsEmphasisBiasesItsPrefillAndIsRefusedOverPrunedKv) {
+  auto model = MakeModel("tiny");
+  auto store = HostStore();
+  const kvbus::ChunkKey fp{1, 2};
+  Prefiller p(*model, *store, fp, Options());
+  kvbus::HostTier sink(64u << 20);
+  auto receiver = kvbus::Listen("tcp://127.0.0.1:0", sink);
+  ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
+  const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 51),
+                                                  RandomTokens(30, 256, 52)};
+  for (const auto& d : docs) ASSERT_TRUE(p.Inject(d, "").ok());
+  const model::ModelConfig& c = model->config();
+  const blend::Emphasis emphasis{
+      {{5, 15}, {45, 60}},
+      c.num_heads,
+      std::vector<float>(static_cast<size_t>(c.num_layers) * c.num_heads, 4.0f)};
+  const engine::KvSequence::AttentionBias bias{emphasis.spans, emphasis.heads, emphasis.bias};
+  const std::vector<int32_t> question = RandomTokens(7, 256, 53);
+  PrefillJob job = BlendJobOf(docs, question, 1.0);
+  job.blend->emphasis = emphasis;
+  job.decode_endpoint = (*receiver)->endpoint();
+  job.transfer_id = "emphasized";
+  auto out = p.Run(job);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->blended_tokens, 70);
+  EXPECT_EQ(out->first_token, GreedyFirstToken(*model, job.tokens, &bias));
+  EXPECT_LT(LastLayerDistance(*model, sink, job, &bias), 1e-4f);
+  EXPECT_GT(LastLayerDistance(*model, sink, job, nullptr), 1e-2f) << "the bias changes nothing";
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+
+  const prune::PruneSpec half{.method = "expected_attention", .keep = 0.5};
+  const std::vector<int32_t> third = RandomTokens(40, 256, 54);
+  ASSERT_TRUE(p.Inject(third, "", &half).ok());
+  PrefillJob over_pruned = BlendJobOf({third}, question, 0.15);
+  over_pruned.blend->emphasis = blend::Emphasis{{{5, 15}}, emphasis.heads, emphasis.bias};
+  auto refused = p.Run(over_pruned);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("pruned"), std::string::npos);
 }
 
 TEST(Prefiller, InjectRefusesABadPruneSpec) {

@@ -34,8 +34,13 @@ inline PrefillerOptions Options() {
   return o;
 }
 
-inline int32_t GreedyFirstToken(engine::CpuEngine& model, const std::vector<int32_t>& prompt) {
+// `bias`: an attention bias on the sequence (KvSequence::SetAttentionBias).
+inline int32_t GreedyFirstToken(engine::CpuEngine& model, const std::vector<int32_t>& prompt,
+                                const engine::KvSequence::AttentionBias* bias = nullptr) {
   engine::KvSequence seq = model.kv_cache().NewSequence();
+  if (bias != nullptr) {
+    EXPECT_TRUE(seq.SetAttentionBias(*bias).ok());
+  }
   std::vector<float> logits;
   EXPECT_TRUE(model.Prefill(seq, prompt, {}, &logits).ok());
   return engine::Argmax(logits);

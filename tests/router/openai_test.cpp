@@ -476,6 +476,91 @@ TEST_F(OpenAiTest, AnErratumFollowsItsDocumentInOneSegment) {
   }
 }
 
+// A document's emphasized phrases become prompt positions; the request's
+// 'emphasis' (or the router's defaults) the heads and the strength
+// (docs/serving.md, "Emphasis").
+TEST_F(OpenAiTest, EmphasizedPhrasesBecomeSpansOfThePromptWithTheirHeadsAndStrength) {
+  const int layers = config_.num_layers, heads = config_.num_heads;
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":["zero\n",
+                         {"text":"one two\n","erratum":"three","emphasize":["two","three"]},
+                         {"text":"four four","emphasize":"four"}]})",
+                     &r));
+  ASSERT_TRUE(r.blend.has_value() && r.blend->emphasis.has_value());
+  // BOS and "zero\n" (5), then "one two\n" and its erratum at 6: "two" at
+  // 10, "three" at 14 to 19; the third document at 19, whose first "four"
+  // touches "three" and is merged with it.
+  EXPECT_EQ(r.blend->emphasis->spans,
+            (std::vector<std::pair<int64_t, int64_t>>{{10, 13}, {14, 23}}));
+  EXPECT_EQ(r.blend->emphasis->heads, heads);
+  // The default: the middle third's heads at the default strength.
+  std::vector<float> want(static_cast<size_t>(layers) * heads, 0.0f);
+  for (const blend::EmphasisHead& h : blend::MiddleThirdHeads(layers, heads)) {
+    want[static_cast<size_t>(h.layer) * heads + h.head] =
+        static_cast<float>(blend::kDefaultEmphasisStrength);
+  }
+  EXPECT_EQ(r.blend->emphasis->bias, want);
+
+  ApiRequest named;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"b"}],
+                         "emphasis":{"strength":2,"heads":[[0,1]]}})",
+                     &named));
+  std::vector<float> one(static_cast<size_t>(layers) * heads, 0.0f);
+  one[1] = 2.0f;
+  EXPECT_EQ(named.blend->emphasis->bias, one);
+  EXPECT_EQ(named.blend->emphasis->spans, (std::vector<std::pair<int64_t, int64_t>>{{2, 3}}));
+
+  ApiRequest plain;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"Q?","documents":["ab"]})", &plain));
+  EXPECT_FALSE(plain.blend->emphasis.has_value());
+
+  const std::string too_many_layers = "[[" + std::to_string(layers) + ",0]]";
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"x"}]})",
+            "documents[0].emphasize"},
+           {R"({"prompt":"Q?","documents":["c",{"text":"ab","emphasize":""}]})",
+            "documents[1].emphasize"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":["a",3]}]})",
+            "documents[0].emphasize"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":[]}]})",
+            "documents[0].emphasize"},
+           {R"({"prompt":"Q?","documents":["ab"],"emphasis":{"strength":1}})", "emphasis"},
+           {R"({"prompt":"Q?","emphasis":{}})", "emphasis"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],"emphasis":2})",
+            "emphasis"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
+                "emphasis":{"strength":0}})",
+            "emphasis.strength"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
+                "emphasis":{"strength":"big"}})",
+            "emphasis.strength"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
+                "emphasis":{"heads":)" +
+                too_many_layers + "}}",
+            "emphasis.heads"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
+                "emphasis":{"heads":[[0,0],[0,0]]}})",
+            "emphasis.heads"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
+                "emphasis":{"heads":[0]}})",
+            "emphasis.heads"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
+                "emphasis":{"layers":[0]}})",
+            "emphasis.layers"},
+       }) {
+    const ApiError e = Refused(body);
+    EXPECT_EQ(e.param, param) << body;
+    EXPECT_EQ(e.http_status, 400) << body;
+  }
+  // Inject stores the document as it is: emphasis changes no stored KV.
+  InjectApiRequest inject;
+  ASSERT_FALSE(
+      ParseInjectRequest(R"({"documents":[{"text":"ab","emphasize":"a"}]})", model_, &inject));
+  EXPECT_EQ(inject.documents, (std::vector<std::vector<int32_t>>{{'a', 'b'}}));
+}
+
 TEST_F(OpenAiTest, UsageTellsBlendedAndRecomputedTokensOfABlendRequest) {
   Usage plain{10, 3, 8};
   EXPECT_FALSE(UsageJson(plain)["prompt_tokens_details"].contains("blended_tokens"));

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,28 @@ TEST(ByteTokenizer, LoadsWhatKdnMkmodelWritesAndRoundTripsUtf8) {
   EXPECT_EQ(ids[0], 256);
   EXPECT_EQ(ids[1], 'G');
   EXPECT_EQ((*tok)->Decode(ids), text);  // the BOS is left out
+}
+
+// The tokens that hold a phrase (what a document's `emphasize` names): a
+// character split across byte tokens is held whole, from its first byte.
+TEST(ByteTokenizer, TokensHoldingAPhraseCoverItsBytesFromTheFirstOfASplitCharacter) {
+  std::vector<int32_t> byte_ids(256);
+  for (int b = 0; b < 256; ++b) byte_ids[b] = b;
+  const ByteTokenizer tok(byte_ids, 258, 256, 257);
+  const std::string text =
+      "Gr\xc3\xbc\xc3\x9f"
+      "e, Gilpe is a baker.";  // "Grüße, ..."
+  const std::vector<int32_t> ids = tok.Encode(text, false);
+  ASSERT_EQ(ids.size(), text.size());
+  using Span = std::optional<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(TokensHolding(tok, ids, "Gilpe"), Span({9, 14}));
+  EXPECT_EQ(TokensHolding(tok, ids, "baker."), Span({20, 26}));  // to the last token
+  EXPECT_EQ(TokensHolding(tok, ids, "\xc3\xbc"), Span({2, 4}));  // ü: both of its bytes
+  EXPECT_EQ(TokensHolding(tok, ids, "\xc3\xbc\xc3\x9f"), Span({2, 6}));
+  EXPECT_EQ(TokensHolding(tok, ids, "a"), Span({18, 19}));  // the first occurrence
+  EXPECT_EQ(TokensHolding(tok, ids, "cook"), std::nullopt);
+  EXPECT_EQ(TokensHolding(tok, ids, ""), std::nullopt);
+  EXPECT_EQ(TokensHolding(tok, {}, "G"), std::nullopt);
 }
 
 TEST(ByteTokenizer, ByteToUnicodeIsTheGpt2Table) {

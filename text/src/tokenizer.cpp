@@ -106,6 +106,34 @@ std::string Tokenizer::Decode(std::span<const int32_t> ids) const {
   return s;
 }
 
+std::optional<std::pair<int64_t, int64_t>> TokensHolding(const Tokenizer& tokenizer,
+                                                         std::span<const int32_t> ids,
+                                                         std::string_view needle) {
+  if (needle.empty()) return std::nullopt;
+  // ends[i]: the length of the text once token i's piece is out.
+  auto stream = tokenizer.NewDecodeStream();
+  std::string text;
+  std::vector<size_t> ends;
+  ends.reserve(ids.size());
+  for (int32_t id : ids) {
+    text += stream->Next(id);
+    ends.push_back(text.size());
+  }
+  text += stream->Finish();
+  if (!ends.empty()) ends.back() = text.size();
+  const size_t at = text.find(needle);
+  if (at == std::string::npos) return std::nullopt;
+  const size_t last = at + needle.size();  // one past the needle's last byte
+  const auto n = static_cast<int64_t>(ids.size());
+  int64_t first = 0;
+  while (first < n && ends[first] <= at) ++first;
+  // Tokens before it whose piece came out with it (held back).
+  while (first > 0 && (first == 1 ? 0 : ends[first - 2]) == ends[first - 1]) --first;
+  int64_t end = first;
+  while (end < n && ends[end] < last) ++end;
+  return std::make_pair(first, std::min(end + 1, n));
+}
+
 Result<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::filesystem::path& dir) {
   if (model::IsGgufPath(dir)) {
     KDN_ASSIGN_OR_RETURN(auto file, model::GgufFile::Open(dir));

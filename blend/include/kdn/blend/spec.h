@@ -9,9 +9,12 @@
 // Thread-compatible values; pure functions.
 
 #include <cstddef>
+#include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kdn/common/status.h"
@@ -107,6 +110,20 @@ inline BlendSelection DefaultBlendSelection() {
 // The text ParseBlendSelection reads back ("boundary+deviation:8").
 std::string BlendSelectionName(const BlendSelection& s);
 
+// Emphasis on spans of a blend prompt's documents, as PASTA steers
+// attention (docs/serving.md, "Emphasis"): every query row computed over the
+// prompt's KV (the blend's recomputed rows, the question, each generated
+// token) at layer l and query head h adds bias[l * heads + h] to its score
+// of each key in `spans` (prompt positions [begin, end), ascending,
+// disjoint, not empty) before the softmax. The engine's form of it is
+// engine::KvSequence::AttentionBias; kdn/blend/emphasis.h builds one.
+struct Emphasis {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  int heads = 0;            // the model's query heads per layer
+  std::vector<float> bias;  // [layer][head]
+  friend bool operator==(const Emphasis&, const Emphasis&) = default;
+};
+
 // A prompt made of documents (CacheBlend; docs/serving.md, "Documents"): the
 // prompt's first head_tokens tokens are computed in full, then come the
 // documents (segment_tokens each), whose KV is reused from the KDN when held,
@@ -124,6 +141,9 @@ struct BlendSpec {
   // quality target"): recompute_ratio is where the ratio starts, raised at
   // the first check until the KL the deviation predicts is at most this.
   double max_kl = 0;
+  // Set: the request's emphasis (Emphasis), for the prefill worker's blend
+  // and, in PrepareRequest, the decode worker's steps.
+  std::optional<Emphasis> emphasis;
 };
 
 }  // namespace kdn::blend

@@ -15,6 +15,7 @@
 
 namespace kdn::proto {
 class BlendSpec;
+class Emphasis;
 class PruneSpec;
 }  // namespace kdn::proto
 
@@ -25,6 +26,10 @@ inline constexpr int kDefaultMaxTokens = 16;
 // The blend and prune specs (kdn/blend/spec.h, kdn/prune/spec.h) on the wire.
 void BlendToProto(const blend::BlendSpec& spec, proto::BlendSpec* out);
 blend::BlendSpec BlendFromProto(const proto::BlendSpec& p);
+
+// Emphasis (blend::Emphasis) on the wire: in BlendSpec and PrepareRequest.
+void EmphasisToProto(const blend::Emphasis& e, proto::Emphasis* out);
+blend::Emphasis EmphasisFromProto(const proto::Emphasis& p);
 
 void PruneToProto(const prune::PruneSpec& spec, proto::PruneSpec* out);
 prune::PruneSpec PruneFromProto(const proto::PruneSpec& p);

@@ -4,6 +4,7 @@
 // "The decode worker: scheduler and executor").
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,10 @@ struct DecodeRequest {
   // The leading tokens its lookup reached (pool and lower tiers): a local
   // prefill loads nothing when the pool holds as many.
   int64_t lookup_tokens = 0;
+  // A blended request's emphasis (blend::Emphasis, docs/serving.md,
+  // "Emphasis"): the attention bias its sequence carries from its Prepare
+  // on, in every decode step (a blended request is never preempted).
+  std::optional<engine::KvSequence::AttentionBias> emphasis;
   // The router's request id, shown in the Decoder's log lines (ReqId) only.
   uint64_t request_id = 0;
   // Sampling, max_tokens, stops; spec.id is set by Prepare. A resumed

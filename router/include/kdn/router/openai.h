@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kdn/blend/emphasis.h"
 #include "kdn/model/config.h"
 #include "kdn/model/sampling.h"
 #include "kdn/router/request_spec.h"
@@ -66,6 +67,11 @@ struct ServedModel {
   std::vector<double> check_ratios;
   // A request's 'blend_selection' overrides it.
   blend::BlendSelection selection = blend::DefaultBlendSelection();
+  // Emphasis defaults (docs/serving.md, "Emphasis"), which a request's
+  // 'emphasis' overrides: the heads biased (empty: blend::MiddleThirdHeads),
+  // and the strength.
+  std::vector<blend::EmphasisHead> emphasis_heads;
+  double emphasis_strength = blend::kDefaultEmphasisStrength;
   // The model folder's chat template; null: the built-in format of
   // config->architecture.
   const text::ChatTemplate* chat_template = nullptr;

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "kdn/common/status.h"
+#include "kdn/blend/emphasis.h"
 #include "kdn/router/api_keys.h"
 #include "kdn/router/backend.h"
 
@@ -31,6 +32,11 @@ struct RouterOptions {
   std::vector<double> check_ratios;
   // The policy (blend::ParseBlendSelection).
   blend::BlendSelection selection = blend::DefaultBlendSelection();
+  // Emphasis defaults (docs/serving.md, "Emphasis"): a head profile's file
+  // (blend::LoadEmphasisProfile; empty: the middle third's heads) and the
+  // strength a request gets when it names none.
+  std::string emphasis_heads;
+  double emphasis_strength = blend::kDefaultEmphasisStrength;
   BackendOptions backend;
   // API keys (docs/serving.md, "API keys"); null: every request is served,
   // in the namespace of its cache_salt.

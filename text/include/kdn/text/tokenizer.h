@@ -18,9 +18,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kdn/common/status.h"
@@ -73,6 +75,17 @@ class Tokenizer {
   // Unimplemented names a component type not supported.
   static Result<std::unique_ptr<Tokenizer>> Load(const std::filesystem::path& dir);
 };
+
+// The tokens of `ids` that hold the first occurrence of `needle` in their
+// text (Tokenizer::Decode of them): [first, end), first the token whose text
+// holds the needle's first byte, or an earlier one whose text the decoder
+// held back with it (a character split across tokens), end one past the
+// token whose text holds its last byte. nullopt for an empty needle or one
+// the text does not hold. What an emphasized phrase of a document names
+// (docs/serving.md, "Emphasis").
+std::optional<std::pair<int64_t, int64_t>> TokensHolding(const Tokenizer& tokenizer,
+                                                         std::span<const int32_t> ids,
+                                                         std::string_view needle);
 
 // The GPT-2 byte-to-unicode table: the printable code point the ByteLevel
 // pre-tokenizer uses for each byte value.
