@@ -175,10 +175,25 @@ Status CheckAttentionBias(const model::ModelConfig& config, const KvSequence& se
                          " query heads, on a model of " + std::to_string(config.num_heads));
 }
 
-Status RefuseAttentionBias(const KvSequence& seq, const char* what) {
-  if (seq.attention_bias() == nullptr) return Status::Ok();
-  return Unimplemented(std::string(what) + ": an attention bias (KvSequence::SetAttentionBias) " +
-                       "on this engine");
+BatchBias LayOutBias(std::span<const KvSequence* const> seqs, int layers, int heads) {
+  BatchBias out;
+  const size_t per_row = static_cast<size_t>(layers) * heads;
+  out.head_bias.assign(seqs.size() * per_row, 0.0f);
+  out.span_first.push_back(0);
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const KvSequence::AttentionBias* a = seqs[b]->attention_bias();
+    // CheckAttentionBias has held its heads to the model's.
+    if (a != nullptr && a->bias.size() == per_row) {
+      out.any = true;
+      std::copy(a->bias.begin(), a->bias.end(), out.head_bias.begin() + b * per_row);
+      for (const auto& [begin, end] : a->spans) {
+        out.spans.push_back(begin);
+        out.spans.push_back(end);
+      }
+    }
+    out.span_first.push_back(static_cast<int32_t>(out.spans.size() / 2));
+  }
+  return out;
 }
 
 }  // namespace kdn::engine

@@ -238,14 +238,22 @@ TEST(PagedKvCuda, WriteGatherScatterAndCopyKeepEveryRowInItsSlot) {
 
 // -------------------------------------------------------------- attention
 
+// An attention bias as PASTA's emphasis adds it (ScoreBiasCuda): query head
+// h adds per_head[h] to its scaled score of each key in `spans`.
+struct RefBias {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  std::vector<float> per_head;
+};
+
 // Causal grouped-query attention of queries at positions q_pos over keys
-// 0..q_pos (q_pos - window + 1 .. q_pos with a window), in double.
+// 0..q_pos (q_pos - window + 1 .. q_pos with a window), in double, with
+// `bias` added to the scores if given.
 // q: [n][heads][dim]; keys, values: [len][kv_heads][dim].
 std::vector<float> ReferenceAttention(const std::vector<float>& q,
                                       const std::vector<int64_t>& q_pos,
                                       const std::vector<float>& keys,
                                       const std::vector<float>& values, int heads, int kv_heads,
-                                      int dim, int64_t window = 0) {
+                                      int dim, int64_t window = 0, const RefBias* bias = nullptr) {
   const int group = heads / kv_heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   std::vector<float> out(q.size());
@@ -261,6 +269,11 @@ std::vector<float> ReferenceAttention(const std::vector<float>& q,
         double dot = 0;
         for (int d = 0; d < dim; ++d) dot += static_cast<double>(qh[d]) * kt[d];
         s[t] = dot * scale;
+        if (bias != nullptr) {
+          for (const auto& [b, e] : bias->spans) {
+            if (t >= b && t < e) s[t] += bias->per_head[h];
+          }
+        }
         mx = std::max(mx, s[t]);
       }
       double z = 0;
@@ -285,9 +298,42 @@ Tolerance AttentionTolerance() {
   }
 }
 
+// A bias's device arrays, one row per entry of `rows` (an empty per_head:
+// that row has none), as the engine lays them out (engine::LayOutBias).
+struct DeviceRefBias {
+  Result<DevicePtr<float>> head_bias = NotFound("");
+  Result<DevicePtr<int64_t>> spans = NotFound("");
+  Result<DevicePtr<int32_t>> span_first = NotFound("");
+  ScoreBiasCuda view;
+};
+DeviceRefBias ToDeviceBias(const std::vector<RefBias>& rows, int heads) {
+  std::vector<float> head_bias(rows.size() * heads, 0.0f);
+  std::vector<int64_t> spans;
+  std::vector<int32_t> first{0};
+  for (size_t b = 0; b < rows.size(); ++b) {
+    if (!rows[b].per_head.empty()) {
+      std::copy(rows[b].per_head.begin(), rows[b].per_head.end(), head_bias.begin() + b * heads);
+      for (const auto& [begin, end] : rows[b].spans) {
+        spans.push_back(begin);
+        spans.push_back(end);
+      }
+    }
+    first.push_back(static_cast<int32_t>(spans.size() / 2));
+  }
+  if (spans.empty()) spans.push_back(0);  // never read: every count is 0
+  DeviceRefBias d;
+  d.head_bias = ToDevice(head_bias);
+  d.spans = ToDevice(spans);
+  d.span_first = ToDevice(first);
+  if (d.head_bias.ok() && d.spans.ok() && d.span_first.ok()) {
+    d.view = {d.head_bias->get(), heads, d.spans->get(), d.span_first->get()};
+  }
+  return d;
+}
+
 template <typename T>
-void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n,
-                  int64_t window = 0) {
+void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n, int64_t window = 0,
+                  const RefBias* bias = nullptr) {
   SCOPED_TRACE(::testing::Message()
                << "heads " << heads << "/" << kv_heads << " dim " << dim << " q_start " << q_start
                << " n " << n << " window " << window);
@@ -301,17 +347,25 @@ void CheckPrefill(int heads, int kv_heads, int dim, int64_t q_start, int64_t n,
   ASSERT_TRUE(d_q.ok() && d_out.ok());
   const AttentionShape shape{heads, kv_heads, dim, 1.0f / std::sqrt(static_cast<float>(dim)),
                              window};
+  const DeviceRefBias d_bias = ToDeviceBias({bias != nullptr ? *bias : RefBias{}}, heads);
+  ASSERT_TRUE(d_bias.head_bias.ok() && d_bias.spans.ok() && d_bias.span_first.ok());
   KDN_ASSERT_OK(PrefillAttentionCuda<T>(d_q->get(), n, q_start, f.const_layer(), f.d_table.get(),
-                                        shape, d_out->get(), nullptr));
+                                        shape, d_out->get(), nullptr,
+                                        bias != nullptr ? d_bias.view : ScoreBiasCuda{}));
   std::vector<T> got;
   KDN_ASSERT_OK(ToHost(d_out->get(), q.size(), &got));
   std::vector<int64_t> pos(n);
   std::iota(pos.begin(), pos.end(), q_start);
   const std::vector<float> keys(kv.begin(), kv.begin() + len * f.row());
   const std::vector<float> values(kv.begin() + len * f.row(), kv.end());
-  EXPECT_TRUE(AllClose(ToFloats(got),
-                       ReferenceAttention(q, pos, keys, values, heads, kv_heads, dim, window),
-                       AttentionTolerance<T>()));
+  const std::vector<float> want =
+      ReferenceAttention(q, pos, keys, values, heads, kv_heads, dim, window, bias);
+  EXPECT_TRUE(AllClose(ToFloats(got), want, AttentionTolerance<T>()));
+  if (bias != nullptr) {  // and the bias is seen: without it the output differs
+    EXPECT_FALSE(AllClose(ToFloats(got),
+                          ReferenceAttention(q, pos, keys, values, heads, kv_heads, dim, window),
+                          AttentionTolerance<T>()));
+  }
 }
 
 TEST(PrefillAttentionCuda, MatchesTheReferenceAcrossShapesAndStarts) {
@@ -333,7 +387,7 @@ TEST(PrefillAttentionCuda, SeesOnlyTheSlidingWindow) {
 
 template <typename T>
 void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths, int max_splits,
-                 int64_t window = 0) {
+                 int64_t window = 0, const std::vector<RefBias>* biases = nullptr) {
   SCOPED_TRACE(::testing::Message() << "heads " << heads << "/" << kv_heads << " dim " << dim
                                     << " splits " << max_splits << " window " << window);
   const int64_t batch = static_cast<int64_t>(lengths.size());
@@ -358,9 +412,12 @@ void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths,
                                  d_tab->get(), 0, f.layer(), nullptr));
     KDN_CUDA_ASSERT_OK(cudaDeviceSynchronize());  // the copy is done before d_kv goes
     const std::vector<float> qb(q.begin() + b * heads * dim, q.begin() + (b + 1) * heads * dim);
-    const auto out = ReferenceAttention(
-        qb, {len - 1}, std::vector<float>(kv.begin(), kv.begin() + len * f.row()),
-        std::vector<float>(kv.begin() + len * f.row(), kv.end()), heads, kv_heads, dim, window);
+    const RefBias* bias =
+        biases != nullptr && !(*biases)[b].per_head.empty() ? &(*biases)[b] : nullptr;
+    const auto out = ReferenceAttention(qb, {len - 1},
+                                        std::vector<float>(kv.begin(), kv.begin() + len * f.row()),
+                                        std::vector<float>(kv.begin() + len * f.row(), kv.end()),
+                                        heads, kv_heads, dim, window, bias);
     want.insert(want.end(), out.begin(), out.end());
   }
   std::vector<int32_t> lens32(lengths.begin(), lengths.end());
@@ -373,9 +430,13 @@ void CheckDecode(int heads, int kv_heads, int dim, std::vector<int64_t> lengths,
   auto d_ws = ToDevice(std::vector<float>(std::max<size_t>(
       1, DecodeAttentionWorkspaceBytes(batch, shape, max_splits) / sizeof(float))));
   ASSERT_TRUE(d_q.ok() && d_tables.ok() && d_lens.ok() && d_out.ok() && d_ws.ok());
+  const DeviceRefBias d_bias =
+      ToDeviceBias(biases != nullptr ? *biases : std::vector<RefBias>(batch), heads);
+  ASSERT_TRUE(d_bias.head_bias.ok() && d_bias.spans.ok() && d_bias.span_first.ok());
   KDN_ASSERT_OK(DecodeAttentionCuda<T>(d_q->get(), f.const_layer(), d_tables->get(), stride,
                                        d_lens->get(), batch, max_len, shape, max_splits,
-                                       d_ws->get(), d_out->get(), nullptr));
+                                       d_ws->get(), d_out->get(), nullptr,
+                                       biases != nullptr ? d_bias.view : ScoreBiasCuda{}));
   std::vector<T> got;
   KDN_ASSERT_OK(ToHost(d_out->get(), q.size(), &got));
   EXPECT_TRUE(AllClose(ToFloats(got), want, AttentionTolerance<T>()));
@@ -394,6 +455,31 @@ TEST(DecodeAttentionCuda, SeesOnlyTheSlidingWindowWholeAndSplit) {
   CheckDecode<float>(4, 2, 16, {1, 17, 64, 200}, 1, 50);     // one split
   CheckDecode<float>(4, 2, 16, {1, 17, 64, 3000}, 16, 100);  // splits wholly before the window
   CheckDecode<bf16>(32, 8, 128, {4096}, 64, 4095);
+}
+
+// PASTA's emphasis (KvSequence::AttentionBias): each head's bias on its
+// spans' scores, against the reference with the bias added.
+TEST(PrefillAttentionCuda, AddsEachHeadsScoreBiasOnItsSpans) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  const RefBias tiny{{{3, 9}, {20, 31}}, {2.0f, -1.5f, 0.0f, 4.0f}};
+  CheckPrefill<float>(4, 2, 16, 0, 37, 0, &tiny);
+  CheckPrefill<float>(4, 2, 16, 100, 50, 64, &tiny);  // after a prefix, in a window
+  RefBias wide{{{0, 1}, {40, 300}, {400, 401}}, std::vector<float>(32, 0.0f)};
+  for (int h = 0; h < 32; h += 3) wide.per_head[h] = 1.0f + h / 8.0f;
+  CheckPrefill<bf16>(32, 8, 128, 100, 300, 0, &wide);
+}
+
+TEST(DecodeAttentionCuda, AddsEachRowsScoreBiasWholeAndSplit) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  // Rows with their own biases and spans, one with none.
+  const std::vector<RefBias> rows{{{{0, 1}}, {3.0f, 3.0f, 3.0f, 3.0f}},
+                                  {},
+                                  {{{5, 40}}, {0.0f, 2.0f, -2.0f, 1.0f}},
+                                  {{{10, 20}, {150, 180}}, {1.0f, 1.0f, 0.5f, 2.5f}}};
+  CheckDecode<float>(4, 2, 16, {1, 17, 64, 200}, 1, 0, &rows);
+  CheckDecode<float>(4, 2, 16, {1, 17, 64, 3000}, 16, 0, &rows);
+  const std::vector<RefBias> long_row{{{{100, 900}, {4000, 4096}}, std::vector<float>(32, 1.5f)}};
+  CheckDecode<bf16>(32, 8, 128, {4096}, 64, 0, &long_row);
 }
 
 // ---------------------------------------------------- argument checking

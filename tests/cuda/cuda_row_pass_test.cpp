@@ -121,17 +121,6 @@ TEST(CudaPositionShift, PrefillDecodeAndRowPassRotateEachTokenForItsPosition) {
   const int32_t one[] = {tokens[0]};
   EXPECT_EQ(g->DecodeStep(batch, one, &a).code(), StatusCode::kUnimplemented);
   EXPECT_EQ(g->BeginRowPass(q, tokens, all).status().code(), StatusCode::kUnimplemented);
-  // So is an attention bias (KvSequence::SetAttentionBias), in each pass.
-  KvSequence biased = g->kv_cache().NewSequence();
-  KDN_ASSERT_OK(g->Prefill(biased, tokens, {}, &a));
-  const auto& gc = g->config();
-  KDN_ASSERT_OK(biased.SetAttentionBias(
-      {{{0, 8}}, gc.num_heads, std::vector<float>(size_t(gc.num_layers) * gc.num_heads, 1.0f)}));
-  EXPECT_EQ(g->Prefill(biased, std::span(tokens).first(4), {}, &a).code(),
-            StatusCode::kUnimplemented);
-  KvSequence* biased_batch[] = {&biased};
-  EXPECT_EQ(g->DecodeStep(biased_batch, one, &a).code(), StatusCode::kUnimplemented);
-  EXPECT_EQ(g->BeginRowPass(biased, tokens, all).status().code(), StatusCode::kUnimplemented);
 }
 
 // Over a cache that holds the prompt's own KV, recomputing any rows changes
@@ -199,9 +188,9 @@ struct TinyTwins {
   std::unique_ptr<CudaEngine> gpu;
   std::unique_ptr<CpuEngine> cpu;
 };
-TinyTwins TinyOnBoth(uint64_t seed) {
+TinyTwins TinyOnBoth(uint64_t seed, const std::string& preset = "tiny") {
   TinyTwins t;
-  auto p = FindPreset("tiny");
+  auto p = FindPreset(preset);
   EXPECT_TRUE(p.ok());
   if (!p.ok()) return t;
   ModelWeights w = GenerateWeights(p->config, seed, DType::kBF16);
@@ -272,6 +261,57 @@ TEST(CudaQueryHook, ShowsEachLayersQueriesBeforeRopeAsTheCpuEngineDoes) {
       sum1(stats[1].sum.begin(), stats[1].sum.end());
   EXPECT_TRUE(LogitsClose(sum1, sum0));
 }
+
+// An attention bias (KvSequence::SetAttentionBias, PASTA's emphasis) in a
+// prefill, a decode step beside an unbiased sequence, and a row pass, as the
+// CPU engine applies it: the GPU takes its reference kernels for a call with
+// a bias (FlashAttention has none), and the bias moves the logits. On tiny
+// (the reference kernels always) and small (FlashInfer's otherwise).
+class CudaAttentionBiasOn : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaAttentionBiasOn, PrefillDecodeAndRowPassBiasAsTheCpuEngineDoes) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  const TinyTwins twins = TinyOnBoth(7, GetParam());
+  ASSERT_TRUE(twins.gpu && twins.cpu);
+  const auto tokens = Tokens(60, 41), other = Tokens(30, 42);
+  const model::ModelConfig& c = twins.cpu->config();
+  const KvSequence::AttentionBias bias{
+      {{4, 12}, {30, 44}},
+      c.num_heads,
+      std::vector<float>(static_cast<size_t>(c.num_layers) * c.num_heads, 6.0f)};
+  std::vector<int64_t> all(60);
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<float> prefill[2], decode[2], rows[2];
+  Engine* engines[2] = {twins.cpu.get(), twins.gpu.get()};
+  for (int e = 0; e < 2; ++e) {
+    KvCache& cache = engines[e]->kv_cache();
+    KvSequence seq = cache.NewSequence(), plain = cache.NewSequence();
+    KDN_ASSERT_OK(seq.SetAttentionBias(bias));
+    KDN_ASSERT_OK(engines[e]->Prefill(seq, tokens, {}, &prefill[e]));
+    std::vector<float> unused;
+    KDN_ASSERT_OK(engines[e]->Prefill(plain, other, {}, &unused));
+    KvSequence* batch[] = {&plain, &seq};
+    const int32_t next[] = {other[0], tokens[0]};
+    KDN_ASSERT_OK(engines[e]->DecodeStep(batch, next, &decode[e]));
+    KvSequence pass_seq = cache.NewSequence();
+    KDN_ASSERT_OK(pass_seq.SetAttentionBias(bias));
+    KDN_ASSERT_OK(engines[e]->Prefill(pass_seq, tokens, {}, &unused));
+    auto pass = engines[e]->BeginRowPass(pass_seq, tokens, all);
+    ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+    while ((*pass)->next_layer() < c.num_layers) KDN_ASSERT_OK((*pass)->RunLayer());
+    KDN_ASSERT_OK((*pass)->Logits(&rows[e]));
+  }
+  EXPECT_TRUE(LogitsClose(prefill[1], prefill[0]));
+  EXPECT_TRUE(LogitsClose(decode[1], decode[0]));  // both rows: biased and not
+  EXPECT_TRUE(LogitsClose(rows[1], rows[0]));
+  KvSequence unbiased = twins.gpu->kv_cache().NewSequence();
+  std::vector<float> without;
+  KDN_ASSERT_OK(twins.gpu->Prefill(unbiased, tokens, {}, &without));
+  EXPECT_FALSE(LogitsClose(without, prefill[1])) << "the bias changes nothing here";
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, CudaAttentionBiasOn, ::testing::Values("tiny", "small"),
+                         [](const auto& info) { return info.param; });
 
 TEST(CudaRowPass, ScatteredRowsAndDeviationMatchTheCpuEngine) {
   KDN_SKIP_WITHOUT_CUDA_DEVICE();

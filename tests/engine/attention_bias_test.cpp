@@ -142,5 +142,34 @@ TEST(AttentionBias, BadArgumentsAreRefusedAndResetClearsIt) {
   EXPECT_EQ(moved.attention_bias(), nullptr);
 }
 
+// A batch's biases laid out for one launch (the CUDA engine's kernels read
+// this layout): each row its values, or zeros, and its spans.
+TEST(AttentionBias, ABatchsBiasesAreLaidOutRowByRow) {
+  auto model = MakeModel("tiny");
+  const ModelConfig& c = model->config();
+  const size_t per_row = static_cast<size_t>(c.num_layers) * c.num_heads;
+  KvCache& cache = model->kv_cache();
+  KvSequence a = cache.NewSequence(), none = cache.NewSequence(), b = cache.NewSequence();
+  std::vector<float> va(per_row), vb(per_row, 0.0f);
+  std::iota(va.begin(), va.end(), 1.0f);
+  vb[3] = -2.0f;
+  ASSERT_TRUE(a.SetAttentionBias({{{0, 4}, {9, 12}}, c.num_heads, va}).ok());
+  ASSERT_TRUE(b.SetAttentionBias({{{5, 6}}, c.num_heads, vb}).ok());
+  const KvSequence* seqs[] = {&a, &none, &b};
+  const BatchBias laid = LayOutBias(seqs, c.num_layers, c.num_heads);
+  EXPECT_TRUE(laid.any);
+  std::vector<float> want = va;
+  want.resize(2 * per_row, 0.0f);
+  want.insert(want.end(), vb.begin(), vb.end());
+  EXPECT_EQ(laid.head_bias, want);
+  EXPECT_EQ(laid.spans, (std::vector<int64_t>{0, 4, 9, 12, 5, 6}));
+  EXPECT_EQ(laid.span_first, (std::vector<int32_t>{0, 2, 2, 3}));
+  const KvSequence* plain[] = {&none};
+  const BatchBias nothing = LayOutBias(plain, c.num_layers, c.num_heads);
+  EXPECT_FALSE(nothing.any);
+  EXPECT_TRUE(nothing.spans.empty());
+  EXPECT_EQ(nothing.span_first, (std::vector<int32_t>{0, 0}));
+}
+
 }  // namespace
 }  // namespace kdn::engine

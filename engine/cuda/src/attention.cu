@@ -39,6 +39,18 @@ __device__ __forceinline__ const T* RowAt(const T* base, const int32_t* table, i
   return base + slot * row + offset;
 }
 
+// The bias query head h of batch row b adds to its score of the key in
+// `slot` (ScoreBiasCuda); 0 without one.
+__device__ __forceinline__ float BiasAt(const ScoreBiasCuda& bias, int64_t b, int h, int64_t slot) {
+  if (bias.head_bias == nullptr) return 0.0f;
+  const float v = bias.head_bias[b * bias.head_stride + h];
+  if (v == 0.0f) return 0.0f;
+  for (int i = bias.span_first[b]; i < bias.span_first[b + 1]; ++i) {
+    if (slot >= bias.spans[2 * i] && slot < bias.spans[2 * i + 1]) return v;
+  }
+  return 0.0f;
+}
+
 // ------------------------------------------------------------------ decode
 // grid (splits, kv_heads, batch). A block takes the `group` query heads of
 // one KV head over one split of the keys, so each K and V row is read once
@@ -48,7 +60,7 @@ __global__ void DecodeKernel(const T* __restrict__ q, PagedKvLayer<const T> cach
                              const int32_t* __restrict__ tables, int64_t table_stride,
                              const int32_t* __restrict__ lengths, int heads, int head_dim,
                              float scale, int64_t window, int splits, int64_t split_len,
-                             float* __restrict__ partial, T* __restrict__ out) {
+                             float* __restrict__ partial, T* __restrict__ out, ScoreBiasCuda bias) {
   const int split = blockIdx.x, g = blockIdx.y;
   const int64_t b = blockIdx.z;
   const int group = heads / cache.kv_heads;
@@ -100,7 +112,7 @@ __global__ void DecodeKernel(const T* __restrict__ q, PagedKvLayer<const T> cach
       for (int r = 0; r < kMaxGroup; ++r) {
         if (r < group) {
           const float v = WarpSum(s[r]);
-          if (lane == 0) p[r][j] = v * scale;
+          if (lane == 0) p[r][j] = v * scale + BiasAt(bias, b, g * group + r, t0 + j);
         }
       }
     }
@@ -213,7 +225,7 @@ template <typename T>
 __global__ void PrefillKernel(const T* __restrict__ q, int64_t n, int64_t q_start,
                               PagedKvLayer<const T> cache, const int32_t* __restrict__ table,
                               int heads, int head_dim, float scale, int64_t window, int tk,
-                              T* __restrict__ out) {
+                              T* __restrict__ out, ScoreBiasCuda bias) {
   extern __shared__ float smem[];
   const int ld = head_dim + 1;
   float* ks = smem;
@@ -263,7 +275,7 @@ __global__ void PrefillKernel(const T* __restrict__ q, int64_t n, int64_t q_star
         const float* qr = qs + r * head_dim;
         float dot = 0.0f;
         for (int d = 0; d < head_dim; ++d) dot = fmaf(qr[d], kr[d], dot);
-        s = dot;
+        s = dot + BiasAt(bias, 0, h, t0 + lane);
       }
       const float m_new = fmaxf(m[i], WarpMax(s));
       if (m_new == -INFINITY) continue;  // every key of the tile is in the future
@@ -340,10 +352,14 @@ template <typename T>
 Status DecodeAttentionCuda(const T* q, PagedKvLayer<const T> cache, const int32_t* tables,
                            int64_t table_stride, const int32_t* lengths, int64_t batch,
                            int64_t max_length, const AttentionShape& shape, int max_splits,
-                           float* workspace, T* out, cudaStream_t stream) {
+                           float* workspace, T* out, cudaStream_t stream,
+                           const ScoreBiasCuda& bias) {
   KDN_RETURN_IF_ERROR(CheckShape("DecodeAttentionCuda", shape, cache.kv_heads, cache.head_dim));
   if (batch < 0 || batch > 65535 || max_length < 0 || max_splits < 1 || table_stride < 0) {
     return InvalidArgument("DecodeAttentionCuda: bad batch, length, splits or table stride");
+  }
+  if (bias.head_bias != nullptr && (bias.spans == nullptr || bias.span_first == nullptr)) {
+    return InvalidArgument("DecodeAttentionCuda: a bias without its spans");
   }
   if (batch == 0 || max_length == 0) return Status::Ok();
   if (q == nullptr || out == nullptr || tables == nullptr || lengths == nullptr ||
@@ -355,7 +371,7 @@ Status DecodeAttentionCuda(const T* q, PagedKvLayer<const T> cache, const int32_
   DecodeKernel<T>
       <<<dim3(splits, shape.kv_heads, static_cast<unsigned>(batch)), kThreads, 0, stream>>>(
           q, cache, tables, table_stride, lengths, shape.heads, shape.head_dim, shape.scale,
-          shape.window, splits, split_len, workspace, out);
+          shape.window, splits, split_len, workspace, out, bias);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (splits > 1) {
     CombineKernel<T>
@@ -369,10 +385,13 @@ Status DecodeAttentionCuda(const T* q, PagedKvLayer<const T> cache, const int32_
 template <typename T>
 Status PrefillAttentionCuda(const T* q, int64_t n, int64_t q_start, PagedKvLayer<const T> cache,
                             const int32_t* table, const AttentionShape& shape, T* out,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const ScoreBiasCuda& bias) {
   KDN_RETURN_IF_ERROR(CheckShape("PrefillAttentionCuda", shape, cache.kv_heads, cache.head_dim));
   if (n < 0 || q_start < 0 || (n + kPrefillQ - 1) / kPrefillQ > kMaxGridX || shape.heads > 65535) {
     return InvalidArgument("PrefillAttentionCuda: bad query count or start");
+  }
+  if (bias.head_bias != nullptr && (bias.spans == nullptr || bias.span_first == nullptr)) {
+    return InvalidArgument("PrefillAttentionCuda: a bias without its spans");
   }
   if (n == 0) return Status::Ok();
   if (q == nullptr || out == nullptr || table == nullptr || cache.k == nullptr ||
@@ -386,26 +405,29 @@ Status PrefillAttentionCuda(const T* q, int64_t n, int64_t q_start, PagedKvLayer
                   static_cast<unsigned>(shape.heads));
   PrefillKernel<T><<<grid, kThreads, smem, stream>>>(q, n, q_start, cache, table, shape.heads,
                                                      shape.head_dim, shape.scale, shape.window,
-                                                     PrefillKeyTile(shape.head_dim), out);
+                                                     PrefillKeyTile(shape.head_dim), out, bias);
   KDN_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status::Ok();
 }
 
 template Status DecodeAttentionCuda<float>(const float*, PagedKvLayer<const float>, const int32_t*,
                                            int64_t, const int32_t*, int64_t, int64_t,
-                                           const AttentionShape&, int, float*, float*,
-                                           cudaStream_t);
+                                           const AttentionShape&, int, float*, float*, cudaStream_t,
+                                           const ScoreBiasCuda&);
 template Status DecodeAttentionCuda<__nv_bfloat16>(const __nv_bfloat16*,
                                                    PagedKvLayer<const __nv_bfloat16>,
                                                    const int32_t*, int64_t, const int32_t*, int64_t,
                                                    int64_t, const AttentionShape&, int, float*,
-                                                   __nv_bfloat16*, cudaStream_t);
+                                                   __nv_bfloat16*, cudaStream_t,
+                                                   const ScoreBiasCuda&);
 template Status PrefillAttentionCuda<float>(const float*, int64_t, int64_t,
                                             PagedKvLayer<const float>, const int32_t*,
-                                            const AttentionShape&, float*, cudaStream_t);
+                                            const AttentionShape&, float*, cudaStream_t,
+                                            const ScoreBiasCuda&);
 template Status PrefillAttentionCuda<__nv_bfloat16>(const __nv_bfloat16*, int64_t, int64_t,
                                                     PagedKvLayer<const __nv_bfloat16>,
                                                     const int32_t*, const AttentionShape&,
-                                                    __nv_bfloat16*, cudaStream_t);
+                                                    __nv_bfloat16*, cudaStream_t,
+                                                    const ScoreBiasCuda&);
 
 }  // namespace kdn::engine::cuda

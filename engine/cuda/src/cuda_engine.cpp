@@ -92,7 +92,7 @@ Status CudaEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");
   }
   KDN_RETURN_IF_ERROR(RefuseHoles(seq, "prefill"));
-  KDN_RETURN_IF_ERROR(RefuseAttentionBias(seq, "prefill"));
+  KDN_RETURN_IF_ERROR(CheckAttentionBias(c, seq));
   const int64_t start = seq.length();
   if (seq.next_position() + n > c.max_context) {
     return InvalidArgument("prefill: " + std::to_string(seq.next_position() + n) +
@@ -131,7 +131,15 @@ Status CudaEngine::Impl::PrefillBody(KvSequence& seq, std::span<const int32_t> t
   KDN_CUDA_RETURN_IF_ERROR(up(m.ids.get(), tokens.data(), n * sizeof(int32_t)));
   KDN_CUDA_RETURN_IF_ERROR(up(m.positions.get(), pos.data(), n * sizeof(int32_t)));
   KDN_CUDA_RETURN_IF_ERROR(up(m.slots.get(), slot.data(), n * sizeof(int64_t)));
-  if (m.flash != nullptr) {
+  // Its attention bias, if any, for this call alone.
+  struct BiasScope {
+    DeviceBias& b;
+    ~BiasScope() { b.any = false; }
+  } bias_scope{m.call_bias};
+  const KvSequence* const one_seq[] = {&seq};
+  KDN_RETURN_IF_ERROR(m.call_bias.Stage(one_seq, c.num_layers, c.num_heads, m.stream));
+  KDN_ASSIGN_OR_RETURN(const bool reference, m.UsesReference(m.call_bias));
+  if (!reference) {
     const AttentionSequence one{static_cast<int32_t>(n), start + n, blocks.data(),
                                 static_cast<int64_t>(blocks.size())};
     KDN_RETURN_IF_ERROR(m.flash->Plan(&one, 1, /*graph=*/false, m.stream));
@@ -197,7 +205,7 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<con
   KDN_RETURN_IF_ERROR(CheckDecodeBatch(seqs, tokens, seqs.size()));
   for (const KvSequence* s : seqs) {
     KDN_RETURN_IF_ERROR(RefuseHoles(*s, "decode"));
-    KDN_RETURN_IF_ERROR(RefuseAttentionBias(*s, "decode"));
+    KDN_RETURN_IF_ERROR(CheckAttentionBias(c, *s));
   }
   KDN_RETURN_IF_ERROR(UseDevice(options.device));
   if (batch > options.max_batch) {
@@ -221,7 +229,24 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<con
       return st;
     }
   }
-  const bool use_graph = graphs();
+  // The step's attention biases, if any: the reference kernels apply them,
+  // without a graph.
+  struct BiasScope {
+    DeviceBias& b;
+    ~BiasScope() { b.any = false; }
+  } bias_scope{call_bias};
+  if (Status st = call_bias.Stage(std::vector<const KvSequence*>(seqs.begin(), seqs.end()),
+                                  c.num_layers, c.num_heads, stream);
+      !st.ok()) {
+    give_back(batch);
+    return st;
+  }
+  auto reference = UsesReference(call_bias);
+  if (!reference.ok()) {
+    give_back(batch);
+    return reference.status();
+  }
+  const bool use_graph = graphs() && !call_bias.any;
   const int64_t rows = use_graph ? DecodeBucket(static_cast<int>(batch), options.max_batch) : batch;
   int64_t max_len = 0, stride = 0;
   std::vector<AttentionSequence> attn_seqs(rows);
@@ -251,7 +276,7 @@ Status CudaEngine::Impl::Decode(std::span<KvSequence* const> seqs, std::span<con
     KDN_CUDA_RETURN_IF_ERROR(up(ids.get(), ids_host.get(), rows * sizeof(int32_t)));
     KDN_CUDA_RETURN_IF_ERROR(up(positions.get(), positions_host.get(), rows * sizeof(int32_t)));
     KDN_CUDA_RETURN_IF_ERROR(up(slots.get(), slots_host.get(), rows * sizeof(int64_t)));
-    if (flash != nullptr)
+    if (!*reference)
       return flash->Plan(attn_seqs.data(), static_cast<int>(rows), use_graph, stream);
     std::vector<int32_t> lens(batch), table(batch * stride, 0);
     for (int64_t b = 0; b < batch; ++b) {

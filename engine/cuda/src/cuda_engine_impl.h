@@ -77,6 +77,47 @@ struct LayerWeights {
 // consecutive rows; cuda_row_pass.cpp).
 inline constexpr int kRowBands = 8;
 
+// The attention biases of one call's sequences (engine::LayOutBias) on the
+// device, for the reference kernels: a call with a bias runs them instead
+// of FlashAttention, without a graph.
+struct DeviceBias {
+  DeviceArray<float> head_bias;
+  DeviceArray<int64_t> spans;
+  DeviceArray<int32_t> span_first;
+  int64_t head_stride = 0;  // layers * heads
+  bool any = false;
+
+  // Lays out and uploads the biases of `seqs`; `any` says whether one has
+  // a bias (nothing is uploaded otherwise).
+  Status Stage(std::span<const KvSequence* const> seqs, int layers, int heads,
+               cudaStream_t stream) {
+    const BatchBias b = LayOutBias(seqs, layers, heads);
+    any = b.any;
+    if (!any) return Status::Ok();
+    head_stride = int64_t{layers} * heads;
+    KDN_RETURN_IF_ERROR(Upload(b.head_bias, &head_bias, stream));
+    KDN_RETURN_IF_ERROR(Upload(b.spans, &spans, stream));
+    return Upload(b.span_first, &span_first, stream);
+  }
+  // Layer l's view (ScoreBiasCuda); none when nothing is staged.
+  ScoreBiasCuda Layer(int l, int heads) const {
+    if (!any) return {};
+    return {head_bias.get() + int64_t{l} * heads, head_stride, spans.get(), span_first.get()};
+  }
+
+ private:
+  template <typename T>
+  static Status Upload(const std::vector<T>& host, DeviceArray<T>* dst, cudaStream_t stream) {
+    const auto n = static_cast<int64_t>(host.size());
+    if (dst->size() < n) KDN_RETURN_IF_ERROR(dst->Allocate(n));
+    if (n == 0) return Status::Ok();
+    // From pageable memory: the copy has read the vector when it returns.
+    KDN_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst->get(), host.data(), n * sizeof(T), cudaMemcpyHostToDevice, stream));
+    return Status::Ok();
+  }
+};
+
 }  // namespace internal
 
 using namespace internal;  // NOLINT: the engine's own private names
@@ -121,6 +162,9 @@ struct CudaEngine::Impl {
   PinnedArray<int64_t> slots_host;
 
   std::unique_ptr<FlashAttention> flash;  // null: reference attention
+  // The biases of the prefill or decode step under way (DeviceBias); `any`
+  // false outside one, or when none of its sequences has one.
+  DeviceBias call_bias;
   // A row pass's keys that all rows of a band share, without a mask, on the
   // Hopper kernels (a plan of its own beside flash's); null off Hopper.
   std::unique_ptr<FlashAttention> flash_shared;
@@ -200,11 +244,22 @@ struct CudaEngine::Impl {
   Status UploadWeights(const ModelWeights& w);
   Status MaterializeWeights(uint64_t seed);
 
+  // Whether a call takes the reference kernels: no FlashAttention, or a
+  // bias (call_bias) to apply. Their queries are contiguous in `q`, which
+  // is allocated here the first time a bias needs it.
+  Result<bool> UsesReference(const DeviceBias& bias) {
+    if (flash != nullptr && !bias.any) return false;
+    if (q.size() < max_rows * config.q_dim())
+      KDN_RETURN_IF_ERROR(q.Allocate(max_rows * config.q_dim()));
+    return true;
+  }
+
   // The layer's attention for `rows` rows of x: norm, the fused QKV product,
   // RoPE with the new K and V written to their slots (on the device), then
   // attention over the cache into attn. `decode`: one row per sequence of a
   // decode batch (lengths/tables on the device for the reference kernel);
-  // otherwise the rows are one sequence's, from position `start`.
+  // otherwise the rows are one sequence's, from position `start`. With a
+  // bias staged (call_bias), the reference kernels apply it.
   Status Attend(int l, int64_t rows, bool decode, int64_t start, int64_t table_stride,
                 int64_t max_len) {
     const ModelConfig& c = config;
@@ -219,7 +274,7 @@ struct CudaEngine::Impl {
     KDN_RETURN_IF_ERROR(RopeQkvToCacheCuda<bf16>(qkv.get(), rows, c.num_heads, c.num_kv_heads,
                                                  c.head_dim, positions.get(), inv_freq.get(),
                                                  slots.get(), Layer(l), stream, rope));
-    if (flash != nullptr) {
+    if (flash != nullptr && !call_bias.any) {
       return flash->Run(qkv.get(), qkv_out, ConstLayer(l), attn.get(), stream);
     }
     // The reference kernels take contiguous queries.
@@ -227,13 +282,17 @@ struct CudaEngine::Impl {
                                                qkv_out * sizeof(bf16), c.q_dim() * sizeof(bf16),
                                                rows, cudaMemcpyDeviceToDevice, stream));
     const AttentionShape shape = Shape(l);
+    const ScoreBiasCuda bias = call_bias.Layer(l, c.num_heads);
     if (decode) {
+      // Split keys need the workspace, which only an engine without
+      // FlashAttention has.
+      const int splits = workspace.get() != nullptr ? kMaxDecodeSplits : 1;
       return DecodeAttentionCuda<bf16>(q.get(), ConstLayer(l), tables.get(), table_stride,
-                                       lengths.get(), rows, max_len, shape, kMaxDecodeSplits,
-                                       workspace.get(), attn.get(), stream);
+                                       lengths.get(), rows, max_len, shape, splits, workspace.get(),
+                                       attn.get(), stream, bias);
     }
     return PrefillAttentionCuda<bf16>(q.get(), rows, start, ConstLayer(l), tables.get(), shape,
-                                      attn.get(), stream);
+                                      attn.get(), stream, bias);
   }
 
   // Shows the query hook layer l's queries before RoPE (the first q_dim

@@ -1,8 +1,9 @@
 // CudaEngine's per-layer calls for blend (engine.h: RowPass,
 // RotateCachedKeys). A row pass runs its rows through the engine's
 // activation buffers; attention is one FlashInfer launch per layer over every
-// row with a per-row causal mask (the reference kernels: once per run of
-// consecutive positions, a prefill of that run on top of the cache), and the
+// row with a per-row causal mask (the reference kernels, and any pass over a
+// sequence with an attention bias: once per run of consecutive positions, a
+// prefill of that run on top of the cache), and the
 // deviation of the rows'
 // new K and V from the cached ones is taken on the host from two gathers.
 #include "cuda_engine_impl.h"
@@ -53,6 +54,12 @@ class CudaRowPass final : public RowPass {
     KDN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m_.tables.get(), blocks.data(),
                                              blocks.size() * sizeof(int32_t),
                                              cudaMemcpyHostToDevice, m_.stream));
+    // The sequence's attention bias, if any, held for the pass (a prefill
+    // or decode between its layers stages its own).
+    const ModelConfig& c = m_.config;
+    const KvSequence* const one[] = {&seq_};
+    KDN_RETURN_IF_ERROR(bias_.Stage(one, c.num_layers, c.num_heads, m_.stream));
+    KDN_ASSIGN_OR_RETURN(reference_, m_.UsesReference(bias_));
     KDN_RETURN_IF_ERROR(m_.Embed(static_cast<int64_t>(ids.size())));
     KDN_RETURN_IF_ERROR(UploadRows());
     KDN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m_.stream));  // ids is a host vector
@@ -259,7 +266,7 @@ class CudaRowPass final : public RowPass {
     const ModelConfig& c = m_.config;
     const int64_t qd = c.q_dim();
     const std::vector<int32_t>& blocks = seq_.blocks();
-    if (m_.flash != nullptr) {
+    if (!reference_) {
       if (!planned_) {
         if (runs_.size() == 1) {
           const int64_t kv_len = runs_[0].pos + runs_[0].len;
@@ -288,10 +295,11 @@ class CudaRowPass final : public RowPass {
                                                qkv_out * sizeof(bf16), qd * sizeof(bf16), rows,
                                                cudaMemcpyDeviceToDevice, m_.stream));
     const AttentionShape shape = m_.Shape(l);
+    const ScoreBiasCuda bias = bias_.Layer(l, c.num_heads);
     for (const Run& r : runs_) {
       KDN_RETURN_IF_ERROR(PrefillAttentionCuda<bf16>(m_.q.get() + r.row * qd, r.len, r.pos,
                                                      m_.ConstLayer(l), m_.tables.get(), shape,
-                                                     m_.attn.get() + r.row * qd, m_.stream));
+                                                     m_.attn.get() + r.row * qd, m_.stream, bias));
     }
     return Status::Ok();
   }
@@ -301,6 +309,9 @@ class CudaRowPass final : public RowPass {
   std::vector<int64_t> positions_;
   std::vector<Run> runs_;
   bool planned_ = false;  // the attention plan is for the current rows
+  // The reference kernels (no FlashAttention, or a bias: bias_), run by run.
+  bool reference_ = true;
+  DeviceBias bias_;
   // PlanScattered's: rows from shared_row0_ on (shared_rows_ of them) have
   // shared keys; each row's position from its band's first masked key.
   int64_t shared_row0_ = 0, shared_rows_ = 0;
@@ -322,7 +333,6 @@ Result<std::unique_ptr<RowPass>> CudaEngine::BeginRowPass(KvSequence& seq,
                                                           std::span<const int64_t> slot_positions) {
   Impl& m = *impl_;
   KDN_RETURN_IF_ERROR(CheckRowPass(m.config, seq, tokens, positions, slot_positions));
-  KDN_RETURN_IF_ERROR(RefuseAttentionBias(seq, "row pass"));
   if (static_cast<int64_t>(positions.size()) > m.max_rows) {
     return InvalidArgument("row pass: " + std::to_string(positions.size()) + " rows; at most " +
                            std::to_string(m.max_rows) + " (CudaEngineOptions::max_prefill_tokens)");

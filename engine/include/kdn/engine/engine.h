@@ -218,8 +218,17 @@ Status RefuseHoles(const KvSequence& seq, const char* what);
 // INVALID_ARGUMENT for a sequence whose attention bias is for another
 // number of query heads than the model's (what a backend checks at use).
 Status CheckAttentionBias(const model::ModelConfig& config, const KvSequence& seq);
-// UNIMPLEMENTED for a sequence with an attention bias: what a backend whose
-// attention does not apply one answers (the CUDA engine).
-Status RefuseAttentionBias(const KvSequence& seq, const char* what);
+// The attention biases of a batch's sequences (KvSequence::AttentionBias)
+// laid out for one kernel launch (the CUDA engine's ScoreBiasCuda): row b's
+// values are head_bias[b * layers * heads ..] (zeros for a sequence with
+// none), its spans the [begin, end) pairs spans[2i], spans[2i + 1] for i in
+// [span_first[b], span_first[b + 1]). `any`: some sequence has one.
+struct BatchBias {
+  std::vector<float> head_bias;
+  std::vector<int64_t> spans;
+  std::vector<int32_t> span_first;
+  bool any = false;
+};
+BatchBias LayOutBias(std::span<const KvSequence* const> seqs, int layers, int heads);
 
 }  // namespace kdn::engine

@@ -132,8 +132,8 @@ class KvSequence {
   // score before the softmax. `heads` is the model's query heads, which the
   // engine checks at use. INVALID_ARGUMENT for bad spans or a bias that is
   // not one finite value per layer and head; no spans clears it. Reset
-  // clears it; Truncate keeps it. The CPU engine applies it; the CUDA
-  // engine refuses such a sequence (RefuseAttentionBias).
+  // clears it; Truncate keeps it. Both engines apply it (the CUDA engine
+  // through its reference attention kernels, ScoreBiasCuda).
   struct AttentionBias {
     std::vector<std::pair<int64_t, int64_t>> spans;
     int heads = 0;

@@ -43,6 +43,20 @@ struct AttentionShape {
   int64_t window = 0;
 };
 
+// An additive bias on attention scores (KvSequence::AttentionBias, PASTA's
+// emphasis) for the kernels below, in device memory: query head h of batch
+// row b (decode; a prefill's one sequence is row 0) adds
+// head_bias[b * head_stride + h] to its scaled score of each key whose
+// slot lies in one of row b's spans, [spans[2i], spans[2i + 1]) for i in
+// [span_first[b], span_first[b + 1]), before the softmax. head_bias null:
+// none (the kernels' fast path).
+struct ScoreBiasCuda {
+  const float* head_bias = nullptr;
+  int64_t head_stride = 0;
+  const int64_t* spans = nullptr;
+  const int32_t* span_first = nullptr;
+};
+
 // Bytes of `workspace` DecodeAttentionCuda needs for `batch` sequences split
 // at most `max_splits` ways.
 size_t DecodeAttentionWorkspaceBytes(int64_t batch, const AttentionShape& shape, int max_splits);
@@ -56,13 +70,14 @@ template <typename T>
 Status DecodeAttentionCuda(const T* q, PagedKvLayer<const T> cache, const int32_t* tables,
                            int64_t table_stride, const int32_t* lengths, int64_t batch,
                            int64_t max_length, const AttentionShape& shape, int max_splits,
-                           float* workspace, T* out, cudaStream_t stream);
+                           float* workspace, T* out, cudaStream_t stream,
+                           const ScoreBiasCuda& bias = {});
 
 // q and out: [n][heads][head_dim], the queries of positions q_start ..
 // q_start + n - 1 of the sequence whose block table is `table`.
 template <typename T>
 Status PrefillAttentionCuda(const T* q, int64_t n, int64_t q_start, PagedKvLayer<const T> cache,
                             const int32_t* table, const AttentionShape& shape, T* out,
-                            cudaStream_t stream);
+                            cudaStream_t stream, const ScoreBiasCuda& bias = {});
 
 }  // namespace kdn::engine::cuda
