@@ -130,4 +130,7 @@ def router_argv(a, bin_dir, model, prefill, decode, host, port=None):
         cmd += ["--separator", a.separator]
     if a.api_keys:
         cmd += ["--api-keys", str(Path(a.api_keys).resolve())]
+    if getattr(a, "emphasis_heads", None):
+        cmd += ["--emphasis-heads", str(Path(a.emphasis_heads).resolve())]
+    cmd += given("--emphasis-strength", getattr(a, "emphasis_strength", None))
     return cmd + curve_flags(a, "router")

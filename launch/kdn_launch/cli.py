@@ -290,6 +290,14 @@ def add_up_flags(p, run_dir_default=str(local.RUN_DIR), port_default=8000, host_
     p.add_argument("--recompute-ratio", type=ratio_value, default=0.15, metavar="R",
                    help="kdn-router --recompute-ratio: the share of a prompt's cached document "
                         "tokens that blend recomputes (default: 0.15)")
+    p.add_argument("--emphasis-heads", metavar="FILE",
+                   help="kdn-router --emphasis-heads: a head profile (the JSON `kdn-bench "
+                        "kv-edit --json` writes) naming the heads a request's emphasized "
+                        "phrases are biased in (docs/serving.md, \"Emphasis\"; default: "
+                        "kdn-router's own, the middle third of the layers)")
+    p.add_argument("--emphasis-strength", type=positive_float, metavar="S",
+                   help="kdn-router --emphasis-strength: the bias a request's emphasis gets "
+                        "when it names none (default: kdn-router's own)")
     p.add_argument("--api-keys", metavar="FILE",
                    help="kdn-router --api-keys: a file of \"KEY TENANT\" lines; the API then "
                         "needs a key and each tenant's cache is its own (default: none)")

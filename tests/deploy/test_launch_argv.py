@@ -130,6 +130,8 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
                                                                      fake_slurm):
     keys = tmp_path / "keys"
     keys.write_text("sk-test tenant-a\n")
+    heads = tmp_path / "heads.json"
+    heads.write_text('{"profiled_heads": [{"layer": 0, "head": 0}]}')
     flags = ["--prefill", 2, "--decode", 2, "--store", "--store-host-mib", 100,
              "--store-codec", "q4", "--host-mib", 64, "--chunk-tokens", 128,
              "--kv-transport", "tcp", "--max-batch", 7, "--decode-kv-tokens", 4096,
@@ -140,6 +142,7 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
              "--decode-admission-reserve", 0.05,
              "--host", "127.0.0.1", "--port", 0, "--separator", "<doc> x",
              "--recompute-ratio", 0.25, "--api-keys", keys, "--threads", 1,
+             "--emphasis-heads", heads, "--emphasis-strength", 1.5,
              "--log-level", "debug", "--ready-timeout", 30]
     argvs = argvs_of_both(tmp_path, model_dir, flags, fake_slurm)
     assert sorted(argvs) == ["decode-0", "decode-1", "prefill-0", "prefill-1", "router", "store"]
@@ -167,6 +170,8 @@ def test_every_flag_reaches_each_process_the_same_way_in_both_modes(tmp_path, mo
     assert "--no-resume" in router
     assert (flag(router, "--disaggregation"), flag(router, "--local-prefill-max-tokens"),
             flag(router, "--max-pinned-mib")) == ("never", "300", "64"), router
+    assert (flag(router, "--emphasis-heads"), flag(router, "--emphasis-strength")) == \
+        (str(heads.resolve()), "1.5"), router
 
 
 def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slurm):
@@ -176,7 +181,8 @@ def test_flags_left_out_are_left_out_in_both_modes(tmp_path, model_dir, fake_slu
         for name in ("--max-batch", "--max-queued", "--max-connections",
                      "--max-body-buffer-mib", "--log-level", "--no-resume", "--separator",
                      "--disaggregation", "--local-prefill-max-tokens", "--max-pinned-mib",
-                     "--local-prefill-step-tokens", "--admission-reserve", "--kv-tokens"):
+                     "--local-prefill-step-tokens", "--admission-reserve", "--kv-tokens",
+                     "--emphasis-heads", "--emphasis-strength"):
             assert name not in argv, argv
 
 
