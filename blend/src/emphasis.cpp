@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -12,7 +13,8 @@ namespace kdn::blend {
 
 std::vector<EmphasisHead> MiddleThirdHeads(int num_layers, int num_heads) {
   std::vector<EmphasisHead> heads;
-  for (int l = num_layers / 3; l < 2 * num_layers / 3; ++l) {
+  const int first = num_layers / 3, end = std::max(2 * num_layers / 3, first + 1);
+  for (int l = first; l < std::min(end, num_layers); ++l) {
     for (int h = 0; h < num_heads; ++h) heads.push_back({l, h});
   }
   return heads;
@@ -58,8 +60,11 @@ Result<std::vector<EmphasisHead>> ParseEmphasisProfile(std::string_view json_tex
     const nlohmann::json& h = (*it)[i];
     const auto layer = h.is_object() ? h.find("layer") : h.end();
     const auto head = h.is_object() ? h.find("head") : h.end();
-    if (layer == h.end() || head == h.end() || !layer->is_number_integer() ||
-        !head->is_number_integer()) {
+    const auto small = [](const nlohmann::json& n) {
+      return n.is_number_integer() && n.get<int64_t>() >= INT32_MIN &&
+             n.get<int64_t>() <= INT32_MAX;
+    };
+    if (layer == h.end() || head == h.end() || !small(*layer) || !small(*head)) {
       return InvalidArgument("an emphasis profile's profiled_heads[" + std::to_string(i) +
                              "] must be {\"layer\": L, \"head\": H} with integers");
     }

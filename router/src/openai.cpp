@@ -326,9 +326,12 @@ std::optional<ApiError> ParseEmphasis(const json& body, const ServedModel& model
         }
       } else if (k == "heads") {
         heads.clear();
-        const bool pairs = v.is_array() && std::all_of(v.begin(), v.end(), [](const json& h) {
-                             return h.is_array() && h.size() == 2 && h[0].is_number_integer() &&
-                                    h[1].is_number_integer();
+        const auto small = [](const json& n) {
+          return n.is_number_integer() && n.get<int64_t>() >= INT32_MIN &&
+                 n.get<int64_t>() <= INT32_MAX;
+        };
+        const bool pairs = v.is_array() && std::all_of(v.begin(), v.end(), [&](const json& h) {
+                             return h.is_array() && h.size() == 2 && small(h[0]) && small(h[1]);
                            });
         if (!pairs) {
           return Bad("'" + field + "' must be a list of [layer, head] pairs of integers", field);

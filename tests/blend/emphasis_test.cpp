@@ -19,6 +19,9 @@ TEST(Emphasis, MiddleThirdHeadsAreEveryHeadOfTheMiddleLayers) {
   EXPECT_EQ(heads.front(), (EmphasisHead{10, 0}));
   EXPECT_EQ(heads.back(), (EmphasisHead{19, 8}));
   EXPECT_TRUE(CheckEmphasisHeads(heads, 30, 9).ok());
+  // A model too shallow for a third still gets a layer.
+  EXPECT_EQ(MiddleThirdHeads(1, 2), (std::vector<EmphasisHead>{{0, 0}, {0, 1}}));
+  EXPECT_EQ(MiddleThirdHeads(2, 1), (std::vector<EmphasisHead>{{0, 0}}));
 }
 
 TEST(Emphasis, HeadsAndStrengthsOutsideTheModelOrRangeAreRefusedByName) {
@@ -47,7 +50,8 @@ TEST(Emphasis, AProfileIsReadFromTheBenchsJsonAndMalformedOnesAreRefused) {
   EXPECT_EQ(*heads, (std::vector<EmphasisHead>{{23, 4}, {12, 7}}));
   for (const char* bad : {"", "[]", R"({"heads": []})", R"({"profiled_heads": []})",
                           R"({"profiled_heads": [{"layer": 1}]})",
-                          R"({"profiled_heads": [{"layer": 1, "head": "2"}]})"}) {
+                          R"({"profiled_heads": [{"layer": 1, "head": "2"}]})",
+                          R"({"profiled_heads": [{"layer": 4294967297, "head": 0}]})"}) {
     auto r = ParseEmphasisProfile(bad);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << bad;
   }

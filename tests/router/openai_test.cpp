@@ -512,6 +512,17 @@ TEST_F(OpenAiTest, EmphasizedPhrasesBecomeSpansOfThePromptWithTheirHeadsAndStren
   EXPECT_EQ(named.blend->emphasis->bias, one);
   EXPECT_EQ(named.blend->emphasis->spans, (std::vector<std::pair<int64_t, int64_t>>{{2, 3}}));
 
+  // In a chat request, after the template's head: the span holds the phrase.
+  ApiRequest chat;
+  ASSERT_FALSE(Parse(ApiKind::kChat,
+                     R"({"messages":[{"role":"user","content":"Q? "}],
+                         "documents":["D1 ",{"text":"one two ","emphasize":"two"}]})",
+                     &chat));
+  ASSERT_TRUE(chat.blend.has_value() && chat.blend->emphasis.has_value());
+  ASSERT_EQ(chat.blend->emphasis->spans.size(), 1u);
+  const auto [begin, end] = chat.blend->emphasis->spans[0];
+  EXPECT_EQ(tokenizer_.Decode(std::span(chat.prompt).subspan(begin, end - begin)), "two");
+
   ApiRequest plain;
   ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"Q?","documents":["ab"]})", &plain));
   EXPECT_FALSE(plain.blend->emphasis.has_value());
@@ -545,6 +556,9 @@ TEST_F(OpenAiTest, EmphasizedPhrasesBecomeSpansOfThePromptWithTheirHeadsAndStren
             "emphasis.heads"},
            {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
                 "emphasis":{"heads":[0]}})",
+            "emphasis.heads"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
+                "emphasis":{"heads":[[4294967296,0]]}})",
             "emphasis.heads"},
            {R"({"prompt":"Q?","documents":[{"text":"ab","emphasize":"a"}],
                 "emphasis":{"layers":[0]}})",

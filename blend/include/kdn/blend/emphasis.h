@@ -33,8 +33,8 @@ struct EmphasisHead {
   friend bool operator==(const EmphasisHead&, const EmphasisHead&) = default;
 };
 
-// Every query head of the layers [num_layers / 3, 2 * num_layers / 3): what
-// emphasis biases when no profile names its heads.
+// Every query head of the layers [num_layers / 3, 2 * num_layers / 3) (at
+// least one layer): what emphasis biases when no profile names its heads.
 std::vector<EmphasisHead> MiddleThirdHeads(int num_layers, int num_heads);
 
 // OK for a non-empty list of distinct heads inside the model; otherwise
