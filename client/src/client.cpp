@@ -131,6 +131,14 @@ Status CheckTokensArg(const int32_t* tokens, int64_t n) {
   return Status::Ok();
 }
 
+// A document: at least one token, and at most a chunk's token count.
+Status CheckDocumentArg(const int32_t* tokens, int64_t n) {
+  KDN_RETURN_IF_ERROR(CheckTokensArg(tokens, n));
+  if (n == 0) return kdn::InvalidArgument("a document has at least one token");
+  if (n > INT32_MAX) return kdn::InvalidArgument("a document of more than 2^31 tokens");
+  return Status::Ok();
+}
+
 int64_t Limit(int64_t limit, int64_t n) { return limit < 0 || limit > n ? n : limit; }
 
 // How far a fetch of at most `limit` tokens looks: to the end of the chunk
@@ -438,6 +446,77 @@ kdn_status kdn_store(kdn_client* client, const int32_t* tokens, int64_t n, const
       out->already_held = already + static_cast<int64_t>(put.already_held);
       out->not_stored = static_cast<int64_t>(put.not_stored);
     }
+    return put.error;
+  });
+}
+
+kdn_status kdn_document_held(kdn_client* client, const int32_t* tokens, int64_t n, int* held) {
+  return Guard([&]() -> Status {
+    if (client == nullptr || held == nullptr) return kdn::InvalidArgument("client or held is null");
+    *held = 0;
+    KDN_RETURN_IF_ERROR(CheckDocumentArg(tokens, n));
+    const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
+    *held = client->store->Contains(kvbus::SegmentKey(client->keys, t)) ? 1 : 0;
+    return Status::Ok();
+  });
+}
+
+kdn_status kdn_document_fetch(kdn_client* client, const int32_t* tokens, int64_t n,
+                              const kdn_kv_layout* dst) {
+  return Guard([&]() -> Status {
+    if (client == nullptr) return kdn::InvalidArgument("client is null");
+    KDN_RETURN_IF_ERROR(CheckDocumentArg(tokens, n));
+    KDN_ASSIGN_OR_RETURN(kvbus::KvLayout layout, ToLayout(client, dst));
+    KDN_RETURN_IF_ERROR(kvbus::CheckTokens(layout, 0, n));
+    const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
+    const kvbus::ChunkKey key = kvbus::SegmentKey(client->keys, t);
+    auto chunk = client->store->Get(key);
+    if (!chunk.ok()) {
+      return chunk.status().code() == StatusCode::kNotFound
+                 ? kdn::NotFound("the KDN does not hold document " + key.ToHex())
+                 : chunk.status();
+    }
+    const kdn_model& m = *client->model;
+    if (!kvbus::ChunkFits(**chunk, m.fingerprint, n, m.kv_dtype) ||
+        (*chunk)->info().position != 0) {
+      return kdn::NotFound("document " + key.ToHex() + ": " +
+                           ((*chunk)->info().pruned()
+                                ? std::string("the KDN holds it pruned, with no whole KV")
+                                : std::string("the stored chunk is not this model's KV of ") +
+                                      std::to_string(n) + " tokens"));
+    }
+    return kvbus::ChunkToLayout(**chunk, 0, layout, n);
+  });
+}
+
+kdn_status kdn_document_store(kdn_client* client, const int32_t* tokens, int64_t n,
+                              const kdn_kv_layout* src, int* already_held) {
+  return Guard([&]() -> Status {
+    if (client == nullptr) return kdn::InvalidArgument("client is null");
+    if (already_held != nullptr) *already_held = 0;
+    KDN_RETURN_IF_ERROR(CheckDocumentArg(tokens, n));
+    KDN_ASSIGN_OR_RETURN(kvbus::KvLayout layout, ToLayout(client, src));
+    KDN_RETURN_IF_ERROR(kvbus::CheckTokens(layout, 0, n));
+    const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
+    kvbus::ChunkInfo info;
+    info.key = kvbus::SegmentKey(client->keys, t);
+    if (client->store->Contains(info.key)) {
+      if (already_held != nullptr) *already_held = 1;
+      return Status::Ok();
+    }
+    info.model_fingerprint = client->model->fingerprint;
+    info.layers = static_cast<uint32_t>(layout.layers);
+    info.kv_heads = static_cast<uint32_t>(layout.kv_heads);
+    info.head_dim = static_cast<uint32_t>(layout.head_dim);
+    info.tokens = static_cast<uint32_t>(n);
+    info.dtype = client->model->kv_dtype;
+    info.position = 0;
+    KDN_ASSIGN_OR_RETURN(auto chunk, kvbus::Chunk::Build(info, [&](uint8_t* payload) {
+                           kvbus::LayoutToPayload(layout, 0, n, info.dtype, payload);
+                         }));
+    const std::vector<std::shared_ptr<const kvbus::Chunk>> one{std::move(chunk)};
+    const kvbus::PutOutcome put = kvbus::PutMissing(*client->store, one);
+    if (already_held != nullptr && put.already_held > 0) *already_held = 1;
     return put.error;
   });
 }

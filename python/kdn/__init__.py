@@ -195,7 +195,10 @@ class Client:
     failure="miss", a failure that is the KDN's (KdnError.miss: unreachable,
     slow, full, unreadable) is a miss instead (0 tokens; a StoreResult with
     nothing stored), logged once per (call, status) and counted in
-    `failures`, {(call, status name): count}."""
+    `failures`, {(call, status name): count}. The document calls
+    (has_document, fetch_document, fetch_document_into, store_document) do
+    the same for a document's KV, stored whole under its segment key as
+    kdn's blend reads it (docs/clients.md, "Documents")."""
 
     def __init__(self, uri, model, curve_keys=None, ns=None, chunk_tokens=0, redis_ttl_ms=0,
                  redis_password_file=None):
@@ -319,6 +322,69 @@ class Client:
         finally:
             del keep
         return StoreResult(r)
+
+
+    def has_document(self, tokens, failure="raise"):
+        """Whether the KDN holds KV under the document `tokens`' key (whole,
+        or pruned by kdn, which fetch_document cannot give)."""
+        _, p, n = _tokens(tokens)
+        held = ctypes.c_int()
+        try:
+            check(lib.kdn_document_held(self._handle, p, n, ctypes.byref(held)))
+        except KdnError as e:
+            self._failed("has_document", e, failure)
+            return False
+        return bool(held.value)
+
+    def fetch_document_into(self, tokens, k, v, dims, block_table=None, failure="raise"):
+        """Writes the document's KV (computed on its own, from position 0)
+        into tokens [0, len(tokens)) of the per-layer buffers `k` and `v`
+        (layout_of describes `dims`). True when it did; a document the KDN
+        lacks is KdnError NOT_FOUND (a miss: False with failure="miss")."""
+        layout, keep = layout_of(k, v, dims, block_table)
+        _, p, n = _tokens(tokens)
+        try:
+            check(lib.kdn_document_fetch(self._handle, p, n, ctypes.byref(layout)))
+        except KdnError as e:
+            self._failed("fetch_document", e, failure)
+            return False
+        finally:
+            del keep
+        return True
+
+    def fetch_document(self, tokens, dtype=np.float32, major="head", failure="raise"):
+        """(k, v): the document's KV as numpy arrays, shaped as fetch's, or
+        None for a miss with failure="miss"."""
+        m = self.model
+        n = len(np.asarray(tokens).reshape(-1))
+        if major not in ("head", "token"):
+            raise ValueError("major must be 'head' or 'token', not %r" % major)
+        shape = (m.layers, m.kv_heads, n, m.head_dim) if major == "head" else (
+            m.layers, n, m.kv_heads, m.head_dim)
+        k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        dims = "htd" if major == "head" else "thd"
+        if not self.fetch_document_into(tokens, list(k), list(v), dims, failure=failure):
+            return None
+        return k, v
+
+    def store_document(self, tokens, k, v, dims, block_table=None, failure="raise"):
+        """Stores the KV of the document `tokens` (tokens [0, len) of the
+        per-layer buffers, computed from position 0 with nothing before it)
+        under its key, unless the KDN holds it. Returns whether it was held
+        already; with failure="miss", a store the KDN failed returns False,
+        nothing stored."""
+        layout, keep = layout_of(k, v, dims, block_table)
+        _, p, n = _tokens(tokens)
+        held = ctypes.c_int()
+        try:
+            check(lib.kdn_document_store(self._handle, p, n, ctypes.byref(layout),
+                                         ctypes.byref(held)))
+        except KdnError as e:
+            self._failed("store_document", e, failure)
+            return False
+        finally:
+            del keep
+        return bool(held.value)
 
 
 def _nbytes(x):

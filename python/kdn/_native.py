@@ -10,7 +10,7 @@ import ctypes
 import os
 from pathlib import Path
 
-API_VERSION = 2
+API_VERSION = 3
 
 
 class KdnError(RuntimeError):
@@ -107,6 +107,12 @@ _decls = {
                                  ctypes.POINTER(KvLayout), _i64p]),
     "kdn_store": (ctypes.c_int, [ctypes.c_void_p, _i32p, ctypes.c_int64, ctypes.POINTER(KvLayout),
                                  ctypes.POINTER(StoreResult)]),
+    "kdn_document_held": (ctypes.c_int, [ctypes.c_void_p, _i32p, ctypes.c_int64,
+                                         ctypes.POINTER(ctypes.c_int)]),
+    "kdn_document_fetch": (ctypes.c_int, [ctypes.c_void_p, _i32p, ctypes.c_int64,
+                                          ctypes.POINTER(KvLayout)]),
+    "kdn_document_store": (ctypes.c_int, [ctypes.c_void_p, _i32p, ctypes.c_int64,
+                                          ctypes.POINTER(KvLayout), ctypes.POINTER(ctypes.c_int)]),
 }
 for _name, (_res, _args) in _decls.items():
     _f = getattr(lib, _name)

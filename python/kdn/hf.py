@@ -5,6 +5,7 @@
     cache, cached = kdn.hf.fetch_cache(model, input_ids, client)
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)
     kdn.hf.store_cache(model, input_ids, out_cache, client)
+    kdn.hf.store_erratum(model, doc_ids, note_ids, client)   # a document's edit
 
 No KDN failure fails them: a fetch the KDN fails is a miss and a store it
 fails stores nothing, logged once per cause and counted in the client's
@@ -18,7 +19,8 @@ import torch
 
 from kdn import Client
 
-__all__ = ["attach", "fetch_cache", "store_cache"]
+__all__ = ["attach", "fetch_cache", "store_cache", "fetch_document", "store_document",
+           "store_erratum"]
 
 
 def attach(model, client):
@@ -97,6 +99,73 @@ def fetch_cache(model, input_ids, client=None):
     return cache, got
 
 
+def fetch_document(model, doc_ids, client=None):
+    """A DynamicCache holding the KV of the document `doc_ids` as the KDN
+    holds it (computed on its own, from position 0: kdn's blend reads it so),
+    or None when the KDN lacks it whole."""
+    c = _client(model, client)
+    ids = _ids(doc_ids)
+    layers, kv_heads, head_dim = _shape(model)
+    dtype = next(model.parameters()).dtype
+    k = torch.empty((layers, 1, kv_heads, len(ids), head_dim), dtype=dtype)
+    v = torch.empty_like(k)
+    if not c.fetch_document_into(ids, [k[i, 0] for i in range(layers)],
+                                 [v[i, 0] for i in range(layers)], "htd", failure="miss"):
+        return None
+    cache = _new_cache(model)
+    device = next(model.parameters()).device
+    for i in range(layers):
+        cache.update(k[i].to(device), v[i].to(device), i)
+    return cache
+
+
+def store_document(model, doc_ids, cache, client=None):
+    """Stores the KV of the document `doc_ids` (the first len(doc_ids) tokens
+    of `cache`, computed from position 0 with nothing before them) under its
+    key, where a kdn request naming the document blends it. Returns whether
+    the KDN held it already (False too when the KDN failed the store)."""
+    c = _client(model, client)
+    ids = _ids(doc_ids)
+    ks, vs = _one_sequence(cache, len(ids), c.model.layers)
+    return c.store_document(ids, ks, vs, "htd", failure="miss")
+
+
+def store_erratum(model, doc_ids, note_ids, client=None):
+    """The erratum edit (docs/serving.md, "Editing a document") with
+    transformers: the document's KV from the KDN, the note's computed on top
+    of it, the whole stored as the edited document (`doc_ids + note_ids`),
+    which a kdn request names as {"text": ..., "erratum": ...}. Returns
+    whether the KDN held the edited version already; ValueError when it
+    lacks the original."""
+    doc, note = _ids(doc_ids), _ids(note_ids)
+    if not note:
+        raise ValueError("an erratum has at least one token")
+    cache = fetch_document(model, doc, client)
+    if cache is None:
+        raise ValueError("the KDN does not hold the document (%d tokens) whole" % len(doc))
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model(torch.tensor([note], device=device), past_key_values=cache, use_cache=True)
+    return store_document(model, doc + note, out.past_key_values, client)
+
+
+def _one_sequence(cache, tokens, layers):
+    """Per-layer K and V ([kv_heads, tokens, head_dim], on the CPU) of a
+    batch-of-one cache holding at least `tokens` tokens."""
+    kv = _layer_kv(cache)
+    if len(kv) != layers:
+        raise ValueError("the cache has %d layers; the model %d" % (len(kv), layers))
+    ks, vs = [], []
+    for key, value in kv:
+        if key.shape[0] != 1:
+            raise ValueError("one sequence at a time (a cache of batch %d)" % key.shape[0])
+        if key.shape[2] < tokens:
+            raise ValueError("the cache holds %d tokens; %d given" % (key.shape[2], tokens))
+        ks.append(key[0].detach().cpu())
+        vs.append(value[0].detach().cpu())
+    return ks, vs
+
+
 def _layer_kv(cache):
     """[(K, V)] per layer, each [batch, kv_heads, tokens, head_dim]."""
     if isinstance(cache, (tuple, list)):  # the legacy tuple of (K, V)
@@ -113,15 +182,5 @@ def store_cache(model, input_ids, cache, client=None):
     KDN failed: what it stored before, and not_stored from there)."""
     c = _client(model, client)
     ids = _ids(input_ids)
-    kv = _layer_kv(cache)
-    if len(kv) != c.model.layers:
-        raise ValueError("the cache has %d layers; the model %d" % (len(kv), c.model.layers))
-    ks, vs = [], []
-    for key, value in kv:
-        if key.shape[0] != 1:
-            raise ValueError("one sequence at a time (a cache of batch %d)" % key.shape[0])
-        if key.shape[2] < len(ids):
-            raise ValueError("the cache holds %d tokens; %d given" % (key.shape[2], len(ids)))
-        ks.append(key[0].detach().cpu())
-        vs.append(value[0].detach().cpu())
+    ks, vs = _one_sequence(cache, len(ids), c.model.layers)
     return c.store(ids, ks, vs, "htd", failure="miss")

@@ -316,6 +316,57 @@ TEST_F(ClientApiTest, StoreThenFetchThroughEveryLayout) {
   EXPECT_EQ(fetched, 3 * kChunk);
 }
 
+// A document is one chunk under its segment key, position 0, whatever its
+// length: stored once, fetched whole in any layout, apart from prompts'
+// prefix chunks of the same tokens; a miss for another model or namespace.
+TEST_F(ClientApiTest, DocumentsAreStoredWholeUnderTheirSegmentKey) {
+  const int64_t n = kChunk + 37;
+  const auto t = Tokens(n, 5);
+  int held = -1;
+  ASSERT_EQ(kdn_document_held(client_, t.data(), n, &held), KDN_OK) << kdn_last_error();
+  EXPECT_EQ(held, 0);
+  Buffers src(KDN_F32, KDN_TOKEN_MAJOR, n);
+  Fill(src, n);
+  int already = -1;
+  ASSERT_EQ(kdn_document_store(client_, t.data(), n, &src.layout, &already), KDN_OK)
+      << kdn_last_error();
+  EXPECT_EQ(already, 0);
+  ASSERT_EQ(kdn_document_store(client_, t.data(), n, &src.layout, &already), KDN_OK);
+  EXPECT_EQ(already, 1);
+  ASSERT_EQ(kdn_document_held(client_, t.data(), n, &held), KDN_OK);
+  EXPECT_EQ(held, 1);
+  for (kdn_dtype dtype : {KDN_F32, KDN_BF16}) {
+    for (kdn_major major : {KDN_TOKEN_MAJOR, KDN_HEAD_MAJOR}) {
+      Buffers dst(dtype, major, n);
+      ASSERT_EQ(kdn_document_fetch(client_, t.data(), n, &dst.layout), KDN_OK) << kdn_last_error();
+      EXPECT_EQ(Mismatches(dst.layout, n), 0) << dtype << " " << major;
+    }
+  }
+  // Not a prompt's prefix: no prefix chunk was stored.
+  int64_t hit = -1;
+  ASSERT_EQ(kdn_lookup(client_, t.data(), n, -1, &hit), KDN_OK);
+  EXPECT_EQ(hit, 0);
+  // Its first tokens are another document: a miss, as is another namespace.
+  Buffers dst(KDN_F32, KDN_TOKEN_MAJOR, n);
+  EXPECT_EQ(kdn_document_fetch(client_, t.data(), n - 1, &dst.layout), KDN_NOT_FOUND);
+  EXPECT_TRUE(kdn_status_is_miss(KDN_NOT_FOUND));
+  kdn_client_options o{};
+  o.chunk_tokens = kChunk;
+  o.ns = "tenant-2";
+  kdn_client* client_ns = nullptr;
+  ASSERT_EQ(kdn_client_open(store_->uri().c_str(), model_, &o, &client_ns), KDN_OK);
+  ASSERT_EQ(kdn_document_held(client_ns, t.data(), n, &held), KDN_OK);
+  EXPECT_EQ(held, 0);
+  EXPECT_EQ(kdn_document_fetch(client_ns, t.data(), n, &dst.layout), KDN_NOT_FOUND);
+  kdn_client_close(client_ns);
+  // Bad arguments: no tokens, buffers shorter than the document.
+  EXPECT_EQ(kdn_document_store(client_, t.data(), 0, &src.layout, nullptr), KDN_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kdn_last_error()).find("at least one token"), std::string::npos);
+  Buffers short_dst(KDN_F32, KDN_TOKEN_MAJOR, n - 1);
+  EXPECT_EQ(kdn_document_fetch(client_, t.data(), n, &short_dst.layout), KDN_INVALID_ARGUMENT);
+  EXPECT_EQ(kdn_document_held(client_, t.data(), n, nullptr), KDN_INVALID_ARGUMENT);
+}
+
 TEST_F(ClientApiTest, MissesForOtherPromptsModelsAndNamespaces) {
   const int64_t n = 2 * kChunk;
   const auto t = Tokens(n, 3);

@@ -45,6 +45,7 @@ from gguf_micro import smollm2_path  # noqa: E402
 from llama_cpp_tokenize import llama_cpp_ids  # noqa: E402
 from test_gguf import hf_folder  # noqa: E402
 from prompts import text  # noqa: E402
+from test_blend import blend_text, details, inject  # noqa: E402
 
 os.environ.setdefault("KDN_LIB_DIR", str(BIN_DIR.parent / "lib"))
 import kdn  # noqa: E402
@@ -157,6 +158,47 @@ def test_kdn_reads_what_transformers_stored(smollm2, reference, deployment, clie
     assert cached > 2 * CHUNK
     ref = generate_ids(smollm2, ids, NEW_TOKENS, "--weights-dtype", "f32")
     assert out["choices"][0]["text"].encode() == ref
+
+
+def test_documents_and_an_erratum_edit_cross_between_kdn_and_transformers(smollm2, reference,
+                                                                          deployment, client):
+    """A document kdn injected is fetched whole as transformers' own KV; one
+    transformers stored, and its erratum edit made with transformers
+    (kdn.hf.store_erratum), are blended by a kdn request from the KDN, which
+    then answers as kdn-generate computing them itself does."""
+    texts = ["The lighthouse keeper of Orlem island is named Tavi. " + text(3, 2),
+             "Tavi keeps bees on the north cliff. " + text(4, 2)]
+    note = "Note: Tavi keeps goats, not bees."
+    question = "\nQuestion: Who keeps the lighthouse of Orlem?\nAnswer:"
+    docs = llama_cpp_ids(smollm2, texts)
+    note_ids = llama_cpp_ids(smollm2, [note])[0]
+    inject(deployment, [texts[0]])
+    assert wait_until(lambda: client.has_document(docs[0]), 30)
+    fetched = kdn.hf.fetch_document(reference, docs[0], client)
+    own = kdn.hf._layer_kv(full_cache(reference, docs[0]))
+    for layer, (k, v) in enumerate(kdn.hf._layer_kv(fetched)):
+        torch.testing.assert_close(k, own[layer][0], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(v, own[layer][1], atol=2e-3, rtol=1e-3)
+    assert kdn.hf.fetch_document(reference, docs[1], client) is None
+    assert client.lookup(docs[0]) == 0  # a document is not a prompt's prefix
+
+    assert not kdn.hf.store_document(reference, docs[1], full_cache(reference, docs[1]), client)
+    assert kdn.hf.store_document(reference, docs[1], full_cache(reference, docs[1]), client)
+    assert not kdn.hf.store_erratum(reference, docs[1], note_ids, client)
+    with pytest.raises(ValueError):
+        kdn.hf.store_erratum(reference, note_ids, docs[1], client)  # no such original
+
+    f32 = ("--weights-dtype", "f32")
+    selection = "boundary+deviation:8"
+    for documents, errata in (([texts[0], texts[1]], None),
+                              ([texts[0], {"text": texts[1], "erratum": note}], {1: note})):
+        r = deployment.completion(question, documents=documents, max_tokens=NEW_TOKENS,
+                                  temperature=0, blend_selection=selection)
+        blended = len(docs[0]) + len(docs[1]) + (len(note_ids) if errata else 0)
+        assert details(r["usage"])["blended_tokens"] == blended, r["usage"]
+        want, _ = blend_text(smollm2, texts, question, NEW_TOKENS, selection, errata=errata,
+                             extra=f32)
+        assert r["choices"][0]["text"] == want, errata
 
 
 def test_another_model_misses_and_a_wrong_layout_is_refused(smollm2, deployment, client):

@@ -117,14 +117,15 @@ def test_a_request_chooses_its_selection_policy(deployment):
 
 
 def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=None,
-               emphasis=None):
+               emphasis=None, extra=()):
     """kdn-generate's blend of the same prompt (documents computed on their
     own, pruned first when `prune` is {"method", "keep"}, with an erratum
     after document i for each i: text of `errata`, fused as kdn-prefill
     does, greedy). `emphasis`: (phrases by document, strength, head profile
     file)."""
     cmd = [binary("kdn-generate"), "--model", str(model), "--prompt", question, "--max-tokens",
-           str(max_tokens), "--threads", "1", "--blend-selection", selection]
+           str(max_tokens), "--threads", "1", "--blend-selection", selection] + [
+               str(a) for a in extra]
     if prune:
         cmd += ["--prune-method", prune["method"], "--prune-keep", str(prune["keep"])]
     for i, note in (errata or {}).items():

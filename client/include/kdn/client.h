@@ -26,9 +26,11 @@
 extern "C" {
 #endif
 
-/* Bumped when a struct or a function's meaning changes (2: the Redis
- * password file and kdn_status_is_miss). */
-#define KDN_CLIENT_API_VERSION 2
+/* Bumped when a struct or a function's meaning changes, or functions are
+ * added (2: the Redis password file and kdn_status_is_miss; 3: documents).
+ * The library's soname changes only when an earlier version's calls would
+ * break: libkdn_client.so.2 serves versions 2 and 3. */
+#define KDN_CLIENT_API_VERSION 3
 KDN_API int kdn_api_version(void);
 
 typedef enum kdn_status {
@@ -211,6 +213,33 @@ typedef struct kdn_store_result {
  * failed put ends it, with its error. */
 KDN_API kdn_status kdn_store(kdn_client* client, const int32_t* tokens, int64_t n,
                              const kdn_kv_layout* src, kdn_store_result* out);
+
+/* ---- Documents (docs/clients.md, "Documents"). ---- */
+
+/* A document's KV is computed on its own, from position 0, and stored
+ * whole under its segment key: what kdn's prefill workers store for an
+ * injected document and fuse when a request's prompt holds it (CacheBlend).
+ * A document with an erratum (docs/serving.md, "Editing a document") is the
+ * tokens of both: an engine edits a document by fetching its KV, computing
+ * the erratum's tokens on top of it, and storing the whole as a document. */
+
+/* *held: 1 when the KDN holds KV under the document's key (whole, or pruned
+ * by kdn: such KV cannot be fetched), else 0. Nothing is read. */
+KDN_API kdn_status kdn_document_held(kdn_client* client, const int32_t* tokens, int64_t n,
+                                     int* held);
+
+/* Writes the document's KV into tokens [0, n) of `dst`. NOT_FOUND (a miss)
+ * when the KDN lacks it, holds it pruned, or holds a chunk that is damaged
+ * or of another model; a layout that does not fit the model, or buffers
+ * shorter than n tokens, is refused before anything is read. */
+KDN_API kdn_status kdn_document_fetch(kdn_client* client, const int32_t* tokens, int64_t n,
+                                      const kdn_kv_layout* dst);
+
+/* Stores the document's KV (tokens [0, n) of `src`, computed from position
+ * 0) under its key, unless the KDN holds it already (*already_held: 1;
+ * `already_held` may be NULL). */
+KDN_API kdn_status kdn_document_store(kdn_client* client, const int32_t* tokens, int64_t n,
+                                      const kdn_kv_layout* src, int* already_held);
 
 #ifdef __cplusplus
 }
