@@ -166,9 +166,12 @@ void DecodeScheduler::Forget(uint64_t id) {
 }
 
 void DecodeScheduler::PlanPrefill(StepPlan& plan) {
-  // None running: nobody waits on a step, so local prefills run whole (one
-  // large batch computes faster than pieces).
-  int64_t budget = Running() > 0 ? options_.local_prefill_step_tokens : INT64_MAX;
+  // None running: nobody waits on a step, so local prefills take large
+  // pieces (a large batch computes faster), a bounded number of them: the
+  // worker's routers wait on the plans' ends for their replies.
+  int64_t budget = Running() > 0
+                       ? options_.local_prefill_step_tokens
+                       : std::max(options_.idle_prefill_tokens, options_.local_prefill_step_tokens);
   const int64_t most = std::max<int64_t>(options_.max_prefill_tokens, 1);
   while (budget > 0 && !local_queue_.empty()) {
     const uint64_t id = local_queue_.front();

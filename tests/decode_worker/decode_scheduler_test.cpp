@@ -25,6 +25,7 @@ SchedulerOptions Options() {
   o.prepare_timeout = 1000ms;
   o.local_prefill_step_tokens = 64;
   o.max_prefill_tokens = 100;
+  o.idle_prefill_tokens = 300;
   o.admission_reserve = 0.01;
   return o;
 }
@@ -132,6 +133,25 @@ TEST(DecodeScheduler, ALocalPrefillRunsWholeWhenNothingRunsInPiecesTheEngineTake
   EXPECT_EQ(next.admit, (Ids{1, 2}));
   EXPECT_TRUE(next.step);
   EXPECT_EQ(s.counts().running, 2);
+}
+
+// With none running, a plan takes at most idle_prefill_tokens of the queue
+// (the worker answers prepares between plans: a burst of queued prompts
+// computed in one plan once held them past the router's wait, a 503 each).
+TEST(DecodeScheduler, AnIdlePlanTakesABoundedShareOfAQueueOfLocalPrefills) {
+  DecodeScheduler s(Options());
+  for (uint64_t id = 1; id <= 4; ++id) Local(s, id, 150);
+  StepPlan plan = s.Schedule(kT0, 100);
+  EXPECT_EQ(Counts(plan.prefill, 1), (Tokens{100, 50}));
+  EXPECT_EQ(Counts(plan.prefill, 2), (Tokens{100, 50}));
+  EXPECT_TRUE(Counts(plan.prefill, 3).empty()) << "past the plan's 300 tokens";
+  EXPECT_EQ(s.counts().local_backlog_tokens, 300);
+  EXPECT_EQ(s.Phase(3), RequestPhase::kLocal);
+  // Then the two run, and the rest goes in pieces between their steps.
+  plan = s.Schedule(kT0, 100);
+  EXPECT_EQ(plan.admit, (Ids{1, 2}));
+  EXPECT_EQ(Counts(plan.prefill, 3), (Tokens{64}));
+  EXPECT_TRUE(plan.step);
 }
 
 TEST(DecodeScheduler, ALocalPrefillTakesABoundedBudgetBetweenTheRunningRequestsSteps) {

@@ -29,7 +29,7 @@
 // - Resumes: preempted requests, oldest admitted first, while the free
 //   blocks hold each one's resume blocks and a block per running request.
 // - Local prefill: pieces, oldest request first, of at most
-//   local_prefill_step_tokens a plan while requests run (all that is left
+//   local_prefill_step_tokens a plan while requests run (idle_prefill_tokens
 //   when none run), each at most max_prefill_tokens. A plan that completes a
 //   local prefill runs no decode step (its first token goes out first), and
 //   the next plan steps before it computes anything.
@@ -65,6 +65,12 @@ struct SchedulerOptions {
   // The most prompt tokens of local prefills computed between two decode
   // steps while requests run.
   int64_t local_prefill_step_tokens = 64;
+  // The most prompt tokens of local prefills one plan computes while none
+  // run (at least local_prefill_step_tokens): whole prompts and large
+  // pieces compute faster than small ones, and the worker answers its
+  // routers between plans, so a plan of every queued prompt at once could
+  // outlast a router's wait for a prepare's reply.
+  int64_t idle_prefill_tokens = 2048;
   // The most prompt tokens one engine prefill call takes.
   int64_t max_prefill_tokens = INT64_MAX;
   // The share of the pool's blocks a new request must leave free, while
