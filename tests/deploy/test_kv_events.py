@@ -330,9 +330,15 @@ def test_routers_take_prefixes_from_the_workers_event_streams(tiny_model, tmp_pa
         first = d.completion(a, max_tokens=2, temperature=0, ignore_eos=True)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first["usage"]
         # The chunks are stored off the request's path: the second router
-        # learns of them from the prefill worker's stream.
-        assert wait_until(lambda: any(w["role"] == "prefill" and w["kv_events"]["blocks"] >= 2
-                                      for w in workers(other)), timeout=60), workers(other)
+        # learns of them from the prefill worker's stream. It must also have
+        # a report of that worker from after the request: one taken while it
+        # computed the prompt still counts it queued there, and placement
+        # would send the next request to the other prefill worker.
+        def learned(ws):
+            prefill = [w for w in ws if w["role"] == "prefill"]
+            return (any(w["kv_events"]["blocks"] >= 2 for w in prefill) and
+                    all(w["queue_depth"] == 0 for w in prefill))
+        assert wait_until(lambda: learned(workers(other)), timeout=60), workers(other)
         before = parse_metrics(other.get("/metrics").text)
         b = a[:2 * CHUNK_TOKENS] + [rng.randrange(3, 256) for _ in range(30)]
         r = other.post("/v1/completions", json=dict(prompt=b, max_tokens=2, temperature=0,
