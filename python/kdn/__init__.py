@@ -228,8 +228,8 @@ class Client:
         if n == 1:
             logger.warning("kdn: a %s at %s failed (%s), taken as %s; later %s failures of "
                            "this kind are counted in Client.failures, not logged",
-                           call, self.uri, error, "nothing stored" if call == "store" else
-                           "a miss", call)
+                           call, self.uri, error,
+                           "nothing stored" if call.startswith("store") else "a miss", call)
 
     def close(self):
         if getattr(self, "_handle", None):
