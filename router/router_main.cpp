@@ -71,10 +71,20 @@ int main(int argc, char** argv) {
                  "\"Emphasis\"); a request's 'emphasis.heads' overrides it. Default: every "
                  "head of the middle third of the layers")
       ->check(CLI::ExistingFile);
-  app.add_option("--emphasis-strength", o.emphasis_strength,
-                 "Emphasis: the bias added to the emphasized spans' attention scores in those "
-                 "heads; a request's 'emphasis.strength' overrides it")
-      ->check(CLI::Range(0.0, kdn::blend::kMaxEmphasisStrength))
+  app.add_option(
+         "--emphasis-strength", o.emphasis_strength,
+         "Emphasis: the bias, in (0, 16], added to the emphasized spans' attention scores in those "
+         "heads; a request's 'emphasis.strength' overrides it")
+      ->check([](const std::string& v) {
+        double x = 0;
+        try {
+          x = std::stod(v);
+        } catch (...) {
+          return std::string("not a number: ") + v;
+        }
+        const kdn::Status st = kdn::blend::CheckEmphasisStrength(x);
+        return st.ok() ? std::string() : st.message();
+      })
       ->capture_default_str();
   std::string blend_selection = kdn::blend::BlendSelectionName(o.selection);
   app.add_option("--blend-selection", blend_selection,

@@ -259,8 +259,17 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile)
       ->needs("--emphasize");
   app.add_option("--emphasis-strength", emphasis_strength,
-                 "Blend: the emphasis bias (kdn-router's --emphasis-strength)")
-      ->check(CLI::Range(0.0, kdn::blend::kMaxEmphasisStrength))
+                 "Blend: the emphasis bias, in (0, 16] (kdn-router's --emphasis-strength)")
+      ->check([](const std::string& v) {
+        double x = 0;
+        try {
+          x = std::stod(v);
+        } catch (...) {
+          return std::string("not a number: ") + v;
+        }
+        const kdn::Status st = kdn::blend::CheckEmphasisStrength(x);
+        return st.ok() ? std::string() : st.message();
+      })
       ->needs("--emphasize")
       ->capture_default_str();
   kdn::prune::PruneSpec prune;
