@@ -76,14 +76,8 @@ int main(int argc, char** argv) {
          "Emphasis: the bias, in (0, 16], added to the emphasized spans' attention scores in those "
          "heads; a request's 'emphasis.strength' overrides it")
       ->check([](const std::string& v) {
-        double x = 0;
-        try {
-          x = std::stod(v);
-        } catch (...) {
-          return std::string("not a number: ") + v;
-        }
-        const kdn::Status st = kdn::blend::CheckEmphasisStrength(x);
-        return st.ok() ? std::string() : st.message();
+        auto s = kdn::blend::ParseEmphasisStrength(v);
+        return s.ok() ? std::string() : s.status().message();
       })
       ->capture_default_str();
   std::string blend_selection = kdn::blend::BlendSelectionName(o.selection);

@@ -261,14 +261,8 @@ int main(int argc, char** argv) {
   app.add_option("--emphasis-strength", emphasis_strength,
                  "Blend: the emphasis bias, in (0, 16] (kdn-router's --emphasis-strength)")
       ->check([](const std::string& v) {
-        double x = 0;
-        try {
-          x = std::stod(v);
-        } catch (...) {
-          return std::string("not a number: ") + v;
-        }
-        const kdn::Status st = kdn::blend::CheckEmphasisStrength(x);
-        return st.ok() ? std::string() : st.message();
+        auto s = kdn::blend::ParseEmphasisStrength(v);
+        return s.ok() ? std::string() : s.status().message();
       })
       ->needs("--emphasize")
       ->capture_default_str();

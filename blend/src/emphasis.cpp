@@ -46,6 +46,19 @@ Status CheckEmphasisStrength(double strength) {
   return InvalidArgument(s.str());
 }
 
+Result<double> ParseEmphasisStrength(const std::string& text) {
+  double strength = 0;
+  size_t used = 0;
+  try {
+    strength = std::stod(text, &used);
+  } catch (...) {
+    used = 0;
+  }
+  if (used == 0) return InvalidArgument("not a number: " + text);
+  KDN_RETURN_IF_ERROR(CheckEmphasisStrength(strength));
+  return strength;
+}
+
 Result<std::vector<EmphasisHead>> ParseEmphasisProfile(std::string_view json_text) {
   const nlohmann::json j = nlohmann::json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {

@@ -4,6 +4,11 @@
 
 namespace kdn::router {
 
+bool IsSet(const json& body, const char* name) {
+  auto it = body.find(name);
+  return it != body.end() && !it->is_null();
+}
+
 ApiError Bad(std::string message, std::string param) {
   ApiError e;
   e.message = std::move(message);

@@ -1,7 +1,7 @@
 #pragma once
 // Reading a request body's fields, each refused by name (ApiError::param)
 // when it has the wrong type; null counts as absent and leaves *out as it
-// was (its default). Private to router/src (openai.cpp). Thread-safe.
+// was (its default). Private to router/src (openai.cpp, openai_documents.cpp). Thread-safe.
 
 #include <cstdint>
 #include <optional>
@@ -11,6 +11,16 @@
 #include "kdn/router/openai.h"
 
 namespace kdn::router {
+
+// Returns the ApiError `expr` gives, if any.
+#define KDN_API_CHECK(expr)          \
+  do {                               \
+    if (auto _e = (expr)) return _e; \
+  } while (0)
+
+// Whether `name` is in the body with a value other than null (null counts
+// as absent, as for every optional field).
+bool IsSet(const json& body, const char* name);
 
 // A 400 invalid_request_error about `param`.
 ApiError Bad(std::string message, std::string param = {});

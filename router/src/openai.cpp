@@ -8,15 +8,11 @@
 #include "kdn/text/chat_template.h"
 #include "kdn/text/output_text.h"
 #include "json_fields.h"
+#include "openai_documents.h"
 
 namespace kdn::router {
 
 namespace {
-
-#define KDN_API_CHECK(expr)          \
-  do {                               \
-    if (auto _e = (expr)) return _e; \
-  } while (0)
 
 // The body as a JSON object whose optional `model` names the served model.
 std::optional<ApiError> ParseBody(const std::string& text, const ServedModel& model, json* body) {
@@ -34,13 +30,6 @@ std::optional<ApiError> ParseBody(const std::string& text, const ServedModel& mo
     return e;
   }
   return std::nullopt;
-}
-
-// Whether `name` is in the body with a value other than null (null counts
-// as absent, as for every optional field).
-bool IsSet(const json& body, const char* name) {
-  auto it = body.find(name);
-  return it != body.end() && !it->is_null();
 }
 
 // A `cache_control` object at `where` (set): Anthropic's {"type":
@@ -150,206 +139,6 @@ std::optional<ApiError> ParsePrompt(const json& body, const ServedModel& model,
                "prompt");
   }
   if (out->empty()) return Bad("'prompt' is empty", "prompt");
-  return std::nullopt;
-}
-
-// One document of a request or an injection: its text, and the erratum
-// stored after it (docs/serving.md, "Editing a document"), if any.
-struct DocumentText {
-  std::string text;
-  std::string erratum;
-  // Phrases of the text or its erratum to emphasize (docs/serving.md,
-  // "Emphasis").
-  std::vector<std::string> emphasize;
-};
-
-// A document's tokens, as a request's prompt holds them: the text's, then
-// the erratum's, each tokenized on its own. `base`: the text's count when
-// there is an erratum, else 0.
-std::vector<int32_t> DocumentTokens(const ServedModel& model, const DocumentText& doc,
-                                    int64_t* base) {
-  std::vector<int32_t> t = model.tokenizer->Encode(doc.text, /*add_bos=*/false);
-  *base = 0;
-  if (!doc.erratum.empty() && !t.empty()) {
-    *base = static_cast<int64_t>(t.size());
-    const std::vector<int32_t> note = model.tokenizer->Encode(doc.erratum, /*add_bos=*/false);
-    t.insert(t.end(), note.begin(), note.end());
-  }
-  return t;
-}
-
-// A document's `emphasize`: a non-empty string, or a non-empty list of them.
-std::optional<ApiError> ParseEmphasize(const json& v, const std::string& at,
-                                       std::vector<std::string>* out) {
-  const std::string field = at + ".emphasize";
-  if (v.is_string() && !v.get<std::string>().empty()) {
-    out->push_back(v.get<std::string>());
-    return std::nullopt;
-  }
-  if (v.is_array() && !v.empty()) {
-    for (const json& p : v) {
-      if (!p.is_string() || p.get<std::string>().empty()) break;
-      out->push_back(p.get<std::string>());
-    }
-    if (out->size() == v.size()) return std::nullopt;
-  }
-  return Bad(field + " must be a phrase of the document, or a list of them (non-empty strings)",
-             field);
-}
-
-// The `documents` field (set): a non-empty list whose entries are non-empty
-// strings or {"text", "erratum", "emphasize"} objects.
-std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<DocumentText>* docs) {
-  const json& d = body["documents"];
-  if (!d.is_array()) {
-    return Bad(std::string("'documents' must be a list of strings, not ") + TypeName(d),
-               "documents");
-  }
-  if (d.empty()) return Bad("'documents' is an empty list", "documents");
-  for (size_t i = 0; i < d.size(); ++i) {
-    const std::string at = "documents[" + std::to_string(i) + "]";
-    if (d[i].is_object()) {
-      DocumentText doc;
-      for (const auto& [k, v] : d[i].items()) {
-        if (k == "emphasize") {
-          KDN_API_CHECK(ParseEmphasize(v, at, &doc.emphasize));
-          continue;
-        }
-        if (k != "text" && k != "erratum") {
-          return Bad(at + ": unknown field '" + k + "' (text, erratum, emphasize)", at + "." + k);
-        }
-        if (!v.is_string() || v.get<std::string>().empty()) {
-          return Bad(at + "." + k + " must be a non-empty string", at + "." + k);
-        }
-        (k == "text" ? doc.text : doc.erratum) = v.get<std::string>();
-      }
-      if (doc.text.empty()) return Bad(at + ".text is required", at + ".text");
-      docs->push_back(std::move(doc));
-      continue;
-    }
-    if (!d[i].is_string() || d[i].get<std::string>().empty()) {
-      return Bad(at + " must be a non-empty string or {\"text\", \"erratum\"}", "documents");
-    }
-    docs->push_back({d[i].get<std::string>(), {}});
-  }
-  return std::nullopt;
-}
-
-// The documents of a request: the `documents` field, or the pieces of `text`
-// before the last separator. Returns whether the request has documents;
-// `text` keeps what follows them.
-std::optional<ApiError> TakeDocuments(const json& body, const std::string& separator,
-                                      std::string* text, std::vector<DocumentText>* docs,
-                                      bool* has_documents) {
-  *has_documents = false;
-  if (IsSet(body, "documents")) {
-    KDN_API_CHECK(ParseDocumentsField(body, docs));
-    *has_documents = true;
-    return std::nullopt;
-  }
-  if (separator.empty() || text->find(separator) == std::string::npos) return std::nullopt;
-  size_t from = 0;
-  for (size_t at; (at = text->find(separator, from)) != std::string::npos;
-       from = at + separator.size()) {
-    if (at > from) docs->push_back({text->substr(from, at - from), {}});
-  }
-  *text = text->substr(from);
-  *has_documents = !docs->empty();
-  return std::nullopt;
-}
-
-// Tokenizes head (after a BOS with `add_bos`), documents and the rest as one
-// prompt with a blend plan.
-std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string& head,
-                                    const std::vector<DocumentText>& docs, const std::string& rest,
-                                    bool add_bos, const char* param, ApiRequest* out) {
-  BlendSpec b;
-  out->prompt = model.tokenizer->Encode(head, add_bos);
-  b.head_tokens = static_cast<int>(out->prompt.size());
-  for (size_t i = 0; i < docs.size(); ++i) {
-    int64_t base = 0;
-    std::vector<int32_t> t = DocumentTokens(model, docs[i], &base);
-    if (t.empty()) {
-      return Bad("document " + std::to_string(i) + " has no tokens", "documents");
-    }
-    b.segment_tokens.push_back(static_cast<int>(t.size()));
-    // Its emphasized phrases, as prompt positions: the request's
-    // 'emphasis' gives the heads and the strength (ParseEmphasis).
-    for (const std::string& phrase : docs[i].emphasize) {
-      const auto held = text::TokensHolding(*model.tokenizer, t, phrase);
-      if (!held) {
-        const std::string field = "documents[" + std::to_string(i) + "].emphasize";
-        return Bad(field + ": '" + phrase + "' is not in the document", field);
-      }
-      if (!b.emphasis) b.emphasis.emplace();
-      const auto at = static_cast<int64_t>(out->prompt.size());
-      b.emphasis->spans.emplace_back(at + held->first, at + held->second);
-    }
-    out->prompt.insert(out->prompt.end(), t.begin(), t.end());
-  }
-  std::vector<int32_t> t = model.tokenizer->Encode(rest, /*add_bos=*/false);
-  if (t.empty()) {
-    return Bad(std::string("the text after the documents (the question) is empty"), param);
-  }
-  out->prompt.insert(out->prompt.end(), t.begin(), t.end());
-  out->blend = std::move(b);
-  return std::nullopt;
-}
-
-// The request's `emphasis`, {"strength": S, "heads": [[layer, head], ...]}
-// with both optional (the router's defaults: ServedModel), and its
-// documents' phrases (BlendPrompt's spans) made one blend::Emphasis. Set
-// with no phrase to emphasize: refused.
-std::optional<ApiError> ParseEmphasis(const json& body, const ServedModel& model, ApiRequest* out) {
-  const bool phrases = out->blend && out->blend->emphasis;
-  if (IsSet(body, "emphasis") && !phrases) {
-    return Bad("'emphasis' needs a document with phrases to emphasize (documents[i].emphasize)",
-               "emphasis");
-  }
-  if (!phrases) return std::nullopt;
-  double strength = model.emphasis_strength;
-  std::vector<blend::EmphasisHead> heads = model.emphasis_heads;
-  if (heads.empty())
-    heads = blend::MiddleThirdHeads(model.config->num_layers, model.config->num_heads);
-  if (IsSet(body, "emphasis")) {
-    const json& e = body["emphasis"];
-    if (!e.is_object()) {
-      return Bad("'emphasis' must be an object: {\"strength\", \"heads\"}", "emphasis");
-    }
-    for (const auto& [k, v] : e.items()) {
-      const std::string field = "emphasis." + k;
-      if (k == "strength") {
-        if (!v.is_number()) return Bad("'" + field + "' must be a number", field);
-        strength = v.get<double>();
-        if (Status st = blend::CheckEmphasisStrength(strength); !st.ok()) {
-          return Bad("'" + field + "': " + st.message(), field);
-        }
-      } else if (k == "heads") {
-        heads.clear();
-        const auto small = [](const json& n) {
-          return n.is_number_integer() && n.get<int64_t>() >= INT32_MIN &&
-                 n.get<int64_t>() <= INT32_MAX;
-        };
-        const bool pairs = v.is_array() && std::all_of(v.begin(), v.end(), [&](const json& h) {
-                             return h.is_array() && h.size() == 2 && small(h[0]) && small(h[1]);
-                           });
-        if (!pairs) {
-          return Bad("'" + field + "' must be a list of [layer, head] pairs of integers", field);
-        }
-        for (const json& h : v) heads.push_back({h[0].get<int>(), h[1].get<int>()});
-        if (Status st =
-                blend::CheckEmphasisHeads(heads, model.config->num_layers, model.config->num_heads);
-            !st.ok()) {
-          return Bad("'" + field + "': " + st.message(), field);
-        }
-      } else {
-        return Bad("'emphasis': unknown field '" + k + "' (strength, heads)", field);
-      }
-    }
-  }
-  out->blend->emphasis =
-      blend::MakeEmphasis(std::move(out->blend->emphasis->spans), heads, strength,
-                          model.config->num_layers, model.config->num_heads);
   return std::nullopt;
 }
 

@@ -40,6 +40,9 @@ TEST(Emphasis, HeadsAndStrengthsOutsideTheModelOrRangeAreRefusedByName) {
   for (double bad : {0.0, -1.0, kMaxEmphasisStrength * 2, std::nan("")}) {
     EXPECT_FALSE(CheckEmphasisStrength(bad).ok()) << bad;
   }
+  EXPECT_EQ(ParseEmphasisStrength("1.5").value(), 1.5);
+  EXPECT_NE(ParseEmphasisStrength("0").status().message().find("(0, 16]"), std::string::npos);
+  EXPECT_EQ(ParseEmphasisStrength("big").status().message(), "not a number: big");
 }
 
 TEST(Emphasis, AProfileIsReadFromTheBenchsJsonAndMalformedOnesAreRefused) {

@@ -43,6 +43,9 @@ Status CheckEmphasisHeads(std::span<const EmphasisHead> heads, int num_layers, i
 
 // OK for a finite strength in (0, kMaxEmphasisStrength].
 Status CheckEmphasisStrength(double strength);
+// A strength written as text (a flag's value), checked as above;
+// INVALID_ARGUMENT for text that is not a number.
+Result<double> ParseEmphasisStrength(const std::string& text);
 
 // The heads a profile names: a JSON object whose "profiled_heads" lists
 // {"layer": L, "head": H} objects (what `kdn-bench kv-edit --json` writes
