@@ -136,7 +136,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Chunk& c = **chunk;
   Check(c.size() == copy.size(), "the chunk is the bytes given");
   const ChunkInfo& info = c.info();
-  Check(c.payload().size() == c.size() - Chunk::kHeaderBytes - info.kept_bytes(),
+  Check(c.payload().size() == c.size() - Chunk::kHeaderBytes - info.annex_bytes(),
         "header, kept positions, then payload");
   if (info.pruned()) {
     Check(!c.encoded(), "a pruned chunk is raw");

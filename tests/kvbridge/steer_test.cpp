@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbus/host_tier.h"
+#include "kdn/kvbus/prefix_io.h"
 #include "kdn/testing/tiny_model.h"
 
 namespace kdn::kvbridge {
@@ -125,6 +127,65 @@ TEST(Steer, ASteeredChunkChangesOnlyTheSteeredValuesAndTheOriginalStays) {
   SteeringVector deep = v;
   deep.layers = {model->config().num_layers};
   EXPECT_FALSE(SteerChunkValues(**original, deep, 1.0f, 0, 1, steered_key).ok());
+}
+
+TEST(Steer, AVectorStoredAsAChunkReadsBackWholeAndIsNeverKv) {
+  auto model = MakeModel("tiny");
+  const int layers = model->config().num_layers;
+  const std::vector<int32_t> p1 = RandomTokens(6, 256, 7), n1 = RandomTokens(5, 256, 8);
+  auto v = ValueSteeringVector(*model, "trust-the-text", {{p1, n1}, {n1, p1}}, {1});
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  const kvbus::ChunkKey fp{1, 2}, key{7, 8};
+  auto chunk = SteeringChunk(*v, layers, key, fp);
+  ASSERT_TRUE(chunk.ok()) << chunk.status().ToString();
+  EXPECT_TRUE((*chunk)->info().is_steering());
+  EXPECT_EQ((*chunk)->info().layers, static_cast<uint32_t>(layers));
+
+  // Through the bytes a tier stores, back to the same vector.
+  auto parsed =
+      kvbus::Chunk::Parse(std::vector<uint8_t>((*chunk)->bytes().begin(), (*chunk)->bytes().end()));
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  auto back = SteeringFromChunk(**parsed);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->name, "trust-the-text");
+  EXPECT_EQ(back->layers, v->layers);
+  EXPECT_EQ(back->kv_heads, v->kv_heads);
+  EXPECT_EQ(back->head_dim, v->head_dim);
+  EXPECT_EQ(back->values, v->values);
+  EXPECT_EQ(back->pairs, v->pairs);
+
+  // Not KV: no cache takes it, no document fits it.
+  engine::KvCache& cache = model->kv_cache();
+  engine::KvSequence seq = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(seq, 1).ok());
+  EXPECT_EQ(ChunkToPagedKv(**parsed, cache, seq, 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(kvbus::SegmentChunkFits(**parsed, fp, 1, DType::kF32));
+
+  // A KV chunk is not a vector; a vector that does not fit the model is not stored.
+  kvbus::ChunkInfo kv_info = (*chunk)->info();
+  kv_info.steering.clear();
+  kv_info.steering_bytes = 0;
+  auto kv = kvbus::Chunk::Make(kv_info, std::vector<uint8_t>(kv_info.payload_bytes()));
+  ASSERT_TRUE(kv.ok());
+  EXPECT_EQ(SteeringFromChunk(**kv).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(SteeringChunk(*v, 1, key, fp).ok());
+  SteeringVector cut = *v;
+  cut.values.pop_back();
+  EXPECT_FALSE(SteeringChunk(cut, layers, key, fp).ok());
+
+  // A description cut short, or with bytes past its pairs, is damage.
+  for (const auto& edit : std::vector<std::function<void(std::vector<uint8_t>&)>>{
+           [](std::vector<uint8_t>& d) { d.resize(d.size() - 4); },
+           [](std::vector<uint8_t>& d) { d.insert(d.end(), {0, 0, 0, 0}); },
+           [](std::vector<uint8_t>& d) { d[0] = 9; }}) {
+    kvbus::ChunkInfo info = (*chunk)->info();
+    edit(info.steering);
+    info.steering_bytes = static_cast<uint32_t>(info.steering.size());
+    const std::span<const uint8_t> payload = (*chunk)->payload();
+    auto forged = kvbus::Chunk::Make(info, {payload.begin(), payload.end()});
+    ASSERT_TRUE(forged.ok()) << forged.status().ToString();
+    EXPECT_EQ(SteeringFromChunk(**forged).status().code(), StatusCode::kCorruption);
+  }
 }
 
 }  // namespace

@@ -197,14 +197,18 @@ TEST(Chunk, ParseChecksFieldsEvenUnderAValidHeaderChecksum) {
   EXPECT_EQ(edited(112, 2).code(), StatusCode::kCorruption);  // flagged pruned, no logical length
   EXPECT_EQ(edited(96, 1).code(), StatusCode::kCorruption);   // raw_bytes of a raw chunk
   EXPECT_EQ(edited(108, 1).code(), StatusCode::kCorruption);  // kept_kind of an unpruned one
+  EXPECT_EQ(edited(116, 4).code(), StatusCode::kCorruption);  // a description, not flagged
+  EXPECT_EQ(edited(112, 4).code(), StatusCode::kCorruption);  // flagged steering, no description
   // A version, flag, codec or dtype this kdn does not know (a newer
   // writer's) is UNIMPLEMENTED, told from damage by its code.
   const Status newer = edited(8, 5);
   EXPECT_EQ(newer.code(), StatusCode::kUnimplemented);
   EXPECT_NE(newer.message().find("format version 5"), std::string::npos) << newer.ToString();
   EXPECT_EQ(edited(88, 9).code(), StatusCode::kUnimplemented) << "codec 9";
-  EXPECT_EQ(edited(112, 4).code(), StatusCode::kUnimplemented) << "flag 4";
+  EXPECT_EQ(edited(112, 8).code(), StatusCode::kUnimplemented) << "flag 8";
   EXPECT_EQ(edited(112, 3).code(), StatusCode::kUnimplemented) << "encoded and pruned";
+  EXPECT_EQ(edited(112, 5).code(), StatusCode::kUnimplemented) << "steering and encoded";
+  EXPECT_EQ(edited(112, 6).code(), StatusCode::kUnimplemented) << "steering and pruned";
   EXPECT_EQ(edited(12, 3).code(), StatusCode::kUnimplemented) << "dtype 3 in version 4";
   // Versions 1-3 had three dtypes and no flags: anything else there is damage.
   {
@@ -261,6 +265,44 @@ TEST(Chunk, APrunedChunkIsFlaggedPrunedAndKeepsItsPositionsAndLogicalLength) {
   ChunkInfo encoded = PrunedInfo();
   encoded.codec = KvCodec::kKvc;
   EXPECT_FALSE(Chunk::FromEncoded(encoded, std::vector<uint8_t>(200)).ok());
+}
+
+TEST(Chunk, ASteeringChunkIsFlaggedAndKeepsItsDescriptionUnderThePayloadChecksum) {
+  ChunkInfo info = GoldenInfo();
+  info.steering = {1, 2, 3, 4, 5, 6};
+  info.steering_bytes = 6;
+  auto c = MakeOrDie(info, GoldenPayload());
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->bytes()[112], 4);  // flags: steering
+  EXPECT_EQ(c->bytes()[116], 6);  // the description's length
+  EXPECT_EQ(c->size(), Chunk::kHeaderBytes + 6 + 16);
+  EXPECT_EQ(ToHex(c->payload()), ToHex(GoldenPayload()));
+  auto back = Chunk::Parse(std::vector<uint8_t>(c->bytes().begin(), c->bytes().end()));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_TRUE((*back)->info().is_steering());
+  EXPECT_EQ((*back)->info().steering, info.steering);
+  EXPECT_EQ(ToHex((*back)->payload()), ToHex(GoldenPayload()));
+  std::vector<uint8_t> damaged(c->bytes().begin(), c->bytes().end());
+  damaged[Chunk::kHeaderBytes + 2] ^= 1;
+  EXPECT_EQ(Chunk::Parse(std::move(damaged)).status().code(), StatusCode::kCorruption);
+  // The header alone says how long the description is; it cannot land in
+  // place, be encoded or pruned, or claim a length it does not have.
+  auto header = Chunk::ParseHeader(c->bytes().first(Chunk::kHeaderBytes));
+  ASSERT_TRUE(header.ok());
+  EXPECT_EQ(header->info.steering_bytes, 6u);
+  EXPECT_EQ(header->payload_bytes, 6u + 16u);
+  EXPECT_EQ(Chunk::SealedHeader(info, 0).status().code(), StatusCode::kInvalidArgument);
+  ChunkInfo encoded = info;
+  encoded.codec = KvCodec::kKvc;
+  EXPECT_FALSE(Chunk::FromEncoded(encoded, std::vector<uint8_t>(200)).ok());
+  ChunkInfo pruned = info;
+  pruned.logical_tokens = 2;
+  pruned.kept = {1};
+  EXPECT_EQ(Chunk::Make(pruned, GoldenPayload()).status().code(), StatusCode::kInvalidArgument);
+  ChunkInfo short_of = info;
+  short_of.steering_bytes = 7;
+  EXPECT_EQ(Chunk::Make(short_of, GoldenPayload()).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Chunk, MakeRefusesKeptPositionsThatDoNotFit) {

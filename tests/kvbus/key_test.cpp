@@ -63,6 +63,16 @@ TEST(ChunkKey, SegmentKeysMatchTheSpecsGoldenVectors) {
   EXPECT_EQ(SegmentKey(Ctx(), {}).ToHex(), "d7b1dbf6593abdcf4a235926e2629dd7");
 }
 
+TEST(ChunkKey, SteeringKeysMatchTheSpecsGoldenVectors) {
+  const ChunkKey vector = SteeringVectorKey(Ctx(), "trust-the-text");
+  EXPECT_EQ(vector.ToHex(), "3448a35906e5a311d3acce1f1cdbfafd");
+  EXPECT_EQ(SteeringVectorKey(Ctx("tenant-a"), "trust-the-text").ToHex(),
+            "0b8c85c25ea4144fc35e1983f8a62e83");
+  const ChunkKey doc = SegmentKey(Ctx(), Iota(600));
+  EXPECT_EQ(SteeredKey(doc, vector, 1.0f).ToHex(), "51a5aaa541d0074e4396bfc1cf167016");
+  EXPECT_EQ(SteeredKey(doc, vector, 2.0f).ToHex(), "88814e55dec7558b2f85455c74c46ba6");
+}
+
 TEST(ChunkKey, NamespacesNeverShareKeys) {
   const auto tokens = Iota(600);
   const auto a = PrefixKeys(Ctx(), tokens);

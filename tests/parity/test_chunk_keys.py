@@ -117,6 +117,16 @@ def random_ids(rng: random.Random, n: int) -> list[int]:
     return ids
 
 
+def steering_vector_key(fingerprint_hex: str, ns: str, name: str) -> str:
+    fp = bytes.fromhex(fingerprint_hex)
+    return _h128(b"steer-vec" + fp + _namespace(ns) + _namespace(name)).hex()
+
+
+def steered_key(document_hex: str, vector_hex: str, strength: float) -> str:
+    return _h128(b"steered" + bytes.fromhex(document_hex) + bytes.fromhex(vector_hex) +
+                 struct.pack("<f", strength)).hex()
+
+
 # ---- tests -------------------------------------------------------------------
 
 def test_spec_matches_the_golden_vectors_of_the_cpp_tests():
@@ -128,6 +138,11 @@ def test_spec_matches_the_golden_vectors_of_the_cpp_tests():
     assert prefix_keys(fp, "tenant-a", 256, ids) == [
         "7118da890b978f88f9252b53ff9b2694", "66ac7c17a0a6d4e65aca03cf305a9140"]
     assert segment_key(fp, "", ids) == "34aeb3cfd5d5e2484c43ed91b04cf25f"
+    vector = steering_vector_key(fp, "", "trust-the-text")
+    assert vector == "3448a35906e5a311d3acce1f1cdbfafd"
+    assert steering_vector_key(fp, "tenant-a", "trust-the-text") == "0b8c85c25ea4144fc35e1983f8a62e83"
+    assert steered_key(segment_key(fp, "", ids), vector, 1.0) == "51a5aaa541d0074e4396bfc1cf167016"
+    assert steered_key(segment_key(fp, "", ids), vector, 2.0) == "88814e55dec7558b2f85455c74c46ba6"
     assert kdn_keys("prefix", fp, "", 256, ids=ids) == prefix_keys(fp, "", 256, ids)
 
 

@@ -17,12 +17,12 @@ constexpr size_t kOffVersion = 8, kOffDType = 12, kOffKey = 16, kOffModel = 32, 
                  kOffKvHeads = 52, kOffHeadDim = 56, kOffTokens = 60, kOffPosition = 64,
                  kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88, kOffCodecLevel = 92,
                  kOffRawBytes = 96, kOffLogical = 104, kOffKeptKind = 108, kOffFlags = 112,
-                 kOffHeaderSum = 120;
+                 kOffSteeringBytes = 116, kOffHeaderSum = 120;
 // How a pruned chunk's kept positions are stored: one u32 offset per token.
 constexpr uint32_t kKeptOffsets = 1;
 // Version 4's flags: which optional parts the chunk has.
-constexpr uint32_t kFlagEncoded = 1u << 0, kFlagPruned = 1u << 1;
-constexpr uint32_t kKnownFlags = kFlagEncoded | kFlagPruned;
+constexpr uint32_t kFlagEncoded = 1u << 0, kFlagPruned = 1u << 1, kFlagSteering = 1u << 2;
+constexpr uint32_t kKnownFlags = kFlagEncoded | kFlagPruned | kFlagSteering;
 
 void Put32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -65,6 +65,20 @@ Status CheckKept(const ChunkInfo& info) {
   return Status::Ok();
 }
 
+// A steering chunk's description: all of it, and a raw chunk not pruned.
+Status CheckSteering(const ChunkInfo& info) {
+  if (info.steering.size() != info.steering_bytes) {
+    return InvalidArgument("chunk " + info.key.ToHex() + ": a steering description of " +
+                           std::to_string(info.steering.size()) + " bytes, the info says " +
+                           std::to_string(info.steering_bytes));
+  }
+  if (info.is_steering() && (info.codec != KvCodec::kRaw || info.pruned())) {
+    return InvalidArgument("chunk " + info.key.ToHex() +
+                           ": a steering chunk is raw and not pruned");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 void Chunk::SealHeader(uint8_t* h) {
@@ -74,9 +88,9 @@ void Chunk::SealHeader(uint8_t* h) {
 
 Result<std::array<uint8_t, Chunk::kHeaderBytes>> Chunk::SealedHeader(const ChunkInfo& info,
                                                                      uint64_t payload_checksum) {
-  if (info.codec != KvCodec::kRaw || info.pruned()) {
+  if (info.codec != KvCodec::kRaw || info.pruned() || info.is_steering()) {
     return InvalidArgument("chunk " + info.key.ToHex() +
-                           ": a header sealed in place is raw and not pruned");
+                           ": a header sealed in place is raw KV, not pruned");
   }
   std::array<uint8_t, kHeaderBytes> h;
   SealHeaderOf(info, info.payload_bytes(), payload_checksum, h.data());
@@ -89,7 +103,9 @@ void Chunk::SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t paylo
   std::memcpy(h, kMagic, 8);
   const bool encoded = info.codec != KvCodec::kRaw;
   Put32(h + kOffVersion, kChunkFormatVersion);
-  Put32(h + kOffFlags, (encoded ? kFlagEncoded : 0) | (info.pruned() ? kFlagPruned : 0));
+  Put32(h + kOffFlags, (encoded ? kFlagEncoded : 0) | (info.pruned() ? kFlagPruned : 0) |
+                           (info.is_steering() ? kFlagSteering : 0));
+  Put32(h + kOffSteeringBytes, info.steering_bytes);
   Put32(h + kOffDType, static_cast<uint32_t>(info.dtype));
   info.key.ToBytes(h + kOffKey);
   info.model_fingerprint.ToBytes(h + kOffModel);
@@ -118,14 +134,19 @@ Result<std::shared_ptr<const Chunk>> Chunk::Build(const ChunkInfo& info,
     return InvalidArgument("chunk " + info.key.ToHex() + ": Build makes raw chunks only");
   }
   KDN_RETURN_IF_ERROR(CheckKept(info));
-  const size_t size = kHeaderBytes + info.kept_bytes() + info.payload_bytes();
+  KDN_RETURN_IF_ERROR(CheckSteering(info));
+  const size_t size = kHeaderBytes + info.annex_bytes() + info.payload_bytes();
   KDN_ASSIGN_OR_RETURN(std::shared_ptr<uint8_t> data, BufferPool::Default().Acquire(size));
   std::shared_ptr<Chunk> c(new Chunk());
   c->info_ = info;
   c->size_ = size;
   for (size_t j = 0; j < info.kept.size(); ++j)
     Put32(data.get() + kHeaderBytes + 4 * j, info.kept[j]);
-  fill(data.get() + kHeaderBytes + info.kept_bytes());
+  if (!info.steering.empty()) {
+    std::memcpy(data.get() + kHeaderBytes + info.kept_bytes(), info.steering.data(),
+                info.steering.size());
+  }
+  fill(data.get() + kHeaderBytes + info.annex_bytes());
   c->SealHeader(data.get());
   c->data_ = std::move(data);
   return std::shared_ptr<const Chunk>(std::move(c));
@@ -146,9 +167,11 @@ Result<std::shared_ptr<const Chunk>> Chunk::Make(const ChunkInfo& info,
 
 Result<std::shared_ptr<const Chunk>> Chunk::FromEncoded(const ChunkInfo& info,
                                                         std::vector<uint8_t> bytes) {
-  if (info.codec == KvCodec::kRaw || info.pruned() || bytes.size() < kHeaderBytes) {
+  if (info.codec == KvCodec::kRaw || info.pruned() || info.is_steering() ||
+      bytes.size() < kHeaderBytes) {
     return InvalidArgument("chunk " + info.key.ToHex() +
-                           ": FromEncoded needs a codec, room for the header and no pruning");
+                           ": FromEncoded needs a codec, room for the header, no pruning and "
+                           "no steering");
   }
   auto owner = std::make_shared<std::vector<uint8_t>>(std::move(bytes));
   std::shared_ptr<Chunk> c(new Chunk());
@@ -202,6 +225,9 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
   if (flags == (kFlagEncoded | kFlagPruned)) {
     return Unimplemented("chunk: this kdn does not read chunks both encoded and pruned");
   }
+  if ((flags & kFlagSteering) != 0 && flags != kFlagSteering) {
+    return Unimplemented("chunk: this kdn reads steering chunks raw and not pruned");
+  }
   if (version != kChunkFormatVersion && Get32(h + kOffFlags) != 0) {
     return Corruption("chunk: flags in a version " + std::to_string(version) + " chunk");
   }
@@ -211,10 +237,12 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
     return Unimplemented("chunk: unknown codec " + std::to_string(codec) + " in a version " +
                          std::to_string(version) + " chunk");
   }
-  const bool encoded = (flags & kFlagEncoded) != 0, pruned = (flags & kFlagPruned) != 0;
+  const bool encoded = (flags & kFlagEncoded) != 0, pruned = (flags & kFlagPruned) != 0,
+             steering = (flags & kFlagSteering) != 0;
   // The fields of a part the chunk does not have are zero.
   if ((!encoded && (Get32(h + kOffCodecLevel) != 0 || Get64(h + kOffRawBytes) != 0)) ||
-      (!pruned && (Get32(h + kOffLogical) != 0 || Get32(h + kOffKeptKind) != 0))) {
+      (!pruned && (Get32(h + kOffLogical) != 0 || Get32(h + kOffKeptKind) != 0)) ||
+      (!steering && Get32(h + kOffSteeringBytes) != 0)) {
     return Corruption("chunk: fields set for a part the version " + std::to_string(version) +
                       " chunk does not have");
   }
@@ -259,6 +287,10 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
                         ", kept positions of kind " + std::to_string(Get32(h + kOffKeptKind)));
     }
   }
+  if (steering) {
+    info.steering_bytes = Get32(h + kOffSteeringBytes);
+    if (info.steering_bytes == 0) return Corruption(what + ": a steering chunk with no description");
+  }
   f.payload_bytes = Get64(h + kOffPayloadBytes);
   f.payload_checksum = Get64(h + kOffPayloadSum);
   // An encoded chunk names the raw size its stream decodes to (checked again
@@ -268,10 +300,11 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
                       std::to_string(Get64(h + kOffRawBytes)) + " bytes, shape implies " +
                       std::to_string(info.payload_bytes()));
   }
-  if (info.codec == KvCodec::kRaw && f.payload_bytes != info.kept_bytes() + info.payload_bytes()) {
+  if (info.codec == KvCodec::kRaw &&
+      f.payload_bytes != info.annex_bytes() + info.payload_bytes()) {
     return Corruption(what + ": header says " + std::to_string(f.payload_bytes) +
                       " payload bytes, shape implies " +
-                      std::to_string(info.kept_bytes() + info.payload_bytes()));
+                      std::to_string(info.annex_bytes() + info.payload_bytes()));
   }
   return f;
 }
@@ -295,6 +328,10 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
     if (!CheckKept(f.info).ok()) {
       return Corruption("chunk " + f.info.key.ToHex() + ": kept positions out of order");
     }
+  }
+  if (f.info.is_steering()) {
+    const uint8_t* d = h + kHeaderBytes + f.info.kept_bytes();
+    f.info.steering.assign(d, d + f.info.steering_bytes);
   }
   std::shared_ptr<Chunk> c(new Chunk());
   c->info_ = std::move(f.info);

@@ -231,6 +231,24 @@ ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens) {
   return FromXxh(XXH3_128bits_digest(st.get()));
 }
 
+ChunkKey SteeringVectorKey(const KeyContext& ctx, const std::string& name) {
+  State st = NewState();
+  XXH3_128bits_update(st.get(), "steer-vec", 9);
+  PutKey(st.get(), ctx.model_fingerprint);
+  PutNamespace(st.get(), ctx.ns);
+  PutNamespace(st.get(), name);  // length-prefixed as the namespace is
+  return FromXxh(XXH3_128bits_digest(st.get()));
+}
+
+ChunkKey SteeredKey(const ChunkKey& document, const ChunkKey& vector, float strength) {
+  State st = NewState();
+  XXH3_128bits_update(st.get(), "steered", 7);
+  PutKey(st.get(), document);
+  PutKey(st.get(), vector);
+  PutU32(st.get(), std::bit_cast<uint32_t>(strength));
+  return FromXxh(XXH3_128bits_digest(st.get()));
+}
+
 }  // namespace kdn::kvbus
 
 namespace kdn::kvbus {

@@ -53,4 +53,19 @@ Result<std::shared_ptr<const kvbus::Chunk>> SteerChunkValues(const kvbus::Chunk&
                                                              int64_t count,
                                                              const kvbus::ChunkKey& key);
 
+// A vector as the KDN stores it under `key` (kvbus::SteeringVectorKey;
+// docs/kvbus.md, "Steering vector chunks"): a chunk of one f32 token, of the
+// model's `model_layers` layers, whose values at the vector's layers are the
+// vector (keys and the other layers zero), with the name, the layers and the
+// pairs as its description. INVALID_ARGUMENT for a vector of no layers, of
+// layers past the model's, or of values not of its shape.
+Result<std::shared_ptr<const kvbus::Chunk>> SteeringChunk(const SteeringVector& vector,
+                                                          int model_layers,
+                                                          const kvbus::ChunkKey& key,
+                                                          const kvbus::ChunkKey& model_fingerprint);
+// The vector a steering chunk holds. INVALID_ARGUMENT for a chunk that is not
+// a steering vector's; CORRUPTION for a description that does not parse or
+// does not fit the chunk (a writer's bug: the checksums passed).
+Result<SteeringVector> SteeringFromChunk(const kvbus::Chunk& chunk);
+
 }  // namespace kdn::kvbridge

@@ -27,7 +27,7 @@
 namespace kdn::kvbus {
 
 // Chunks are written as version 4, whose header carries flags for the
-// optional parts (encoded, pruned) beside its dtype, so a new combination or
+// optional parts (encoded, pruned, steering) beside its dtype, so a new combination or
 // dtype needs no new version. Versions 1 (raw), 2 (encoded) and 3 (pruned),
 // one variant each, are what kdn wrote before; they are still read. A reader
 // refuses a version, flag, codec or version 4 dtype it does not know
@@ -66,6 +66,18 @@ struct ChunkInfo {
   uint32_t logical() const { return pruned() ? logical_tokens : tokens; }
   // The bytes of the kept positions, stored between the header and the KV.
   uint64_t kept_bytes() const { return pruned() ? uint64_t{tokens} * 4 : 0; }
+  // A steering vector's chunk (docs/kvbus.md, "Steering vector chunks"), not
+  // a document's KV: its one token's values at the vector's layers are the
+  // vector, and `steering` (steering_bytes long, kvbridge/steer.h's
+  // description of it: name, layers, the prompt pairs) lies between the
+  // header and the KV. A header read on its own leaves `steering` empty.
+  // Steering chunks are raw and not pruned; nothing loads them as KV.
+  uint32_t steering_bytes = 0;
+  std::vector<uint8_t> steering;
+  bool is_steering() const { return steering_bytes != 0; }
+  // What lies between the header and the KV: kept positions, or a steering
+  // vector's description.
+  uint64_t annex_bytes() const { return kept_bytes() + steering_bytes; }
 
   // The raw KV's size, which the shape implies (an encoded chunk's stored
   // payload is smaller: Chunk::payload().size()).
@@ -133,9 +145,10 @@ class Chunk {
   const ChunkKey& key() const { return info_.key; }
   // Header followed by payload: what is stored and sent.
   std::span<const uint8_t> bytes() const { return {data_.get(), size_}; }
-  // The KV (or its codec's stream), past a pruned chunk's kept positions.
+  // The KV (or its codec's stream), past a pruned chunk's kept positions or
+  // a steering chunk's description.
   std::span<const uint8_t> payload() const {
-    return bytes().subspan(kHeaderBytes + info_.kept_bytes());
+    return bytes().subspan(kHeaderBytes + info_.annex_bytes());
   }
   size_t size() const { return size_; }
   bool encoded() const { return info_.codec != KvCodec::kRaw; }

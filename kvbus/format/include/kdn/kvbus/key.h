@@ -122,6 +122,13 @@ inline int64_t SpannedTokens(std::span<const KeyedSpan> spans) {
 // The position-independent key of one segment (a document) of any length.
 ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens);
 
+// The key of the steering vector named `name` (docs/kvbus.md, "Steering
+// vector chunks"): one vector per name, model and namespace.
+ChunkKey SteeringVectorKey(const KeyContext& ctx, const std::string& name);
+// The key of a document's steered version: its segment key (`document`)
+// with the vector under `vector` added at `strength` (its binary32 bits).
+ChunkKey SteeredKey(const ChunkKey& document, const ChunkKey& vector, float strength);
+
 // Keys of the KV that moves between a prefill and a decode worker one layer
 // at a time (docs/kvbus.md, "Layer slices"). A transfer key names the part of
 // one request's KV that has no content key (the tokens past its last full

@@ -22,7 +22,8 @@ namespace kdn::kvbus {
 // `tokens` tokens: that many, computed by this model (`fingerprint`, which
 // covers the engine's KV element type) and decoded to `dtype`. Another
 // chunking, model or precision is recomputed rather than guessed at. A
-// pruned chunk never fits: a prefix's KV is every token's.
+// pruned chunk never fits: a prefix's KV is every token's; nor does a
+// steering vector's chunk, which is not KV.
 bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, DType dtype);
 // The same for a document's chunk under its segment key, which a blend
 // takes pruned too: KV standing for `tokens` tokens of text.
