@@ -614,11 +614,16 @@ int RunKvEdit(const Common& c, const KvEditOptions& o) {
           st = model.Prefill(seq, prompt, {}, &logits);
         } else {
           const bool noted = arm == Arm::kErratum;
-          const std::vector<blend::Segment> segments = {
+          std::vector<blend::Segment> segments = {
               {arm == Arm::kInstructionText ? instructed_head : bos, nullptr},
               {noted ? noted_tokens : it.document, noted                ? noted_kv
                                                    : arm == Arm::kSteer ? steered_kv[a]
                                                                         : plain_kv}};
+          // As a deployment blends a steered version: its steered token keeps
+          // its values (blend::Segment::pinned).
+          if (arm == Arm::kSteer) {
+            segments[1].pinned = {static_cast<int64_t>(it.document.size()) - 1};
+          }
           auto res = blend::BlendPrefill(model, seq, segments, questions[q],
                                          {.spec = spec, .seed = n + 1});
           if (res.ok()) logits = std::move(res->logits);

@@ -8,9 +8,12 @@
 // message's content and the rest of the rendering); the fused prefill's
 // answer, greedy. With --prune-method, each document's KV is pruned as
 // kdn-prefill stores a document injected with `prune` (docs/kvbus.md,
-// "Pruned KV") before the blend.
+// "Pruned KV") before the blend. With --steer, a document's KV is steered as
+// a steer edit stores it (docs/serving.md, "Steering a document"), by the
+// vector --steering-pairs makes as POST /v1/kdn/steering does.
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -21,6 +24,8 @@
 
 #include "kdn/blend/blend.h"
 #include "kdn/blend/emphasis.h"
+#include "kdn/blend/steering.h"
+#include "kdn/kvbridge/steer.h"
 #include "kdn/worker/worker_flags.h"
 #include "kdn/engine/generate.h"
 #include "kdn/kvbridge/paged_chunks.h"
@@ -120,6 +125,51 @@ bool ParseIndexedTexts(const std::vector<std::string>& args, size_t documents, c
   return true;
 }
 
+// --steering-pairs FILE: a body of POST /v1/kdn/steering ({"pairs":
+// [{"positive", "negative"}], "layers"}; its name and cache_salt unused),
+// each prompt tokenized as kdn-router tokenizes it (after a BOS), the layers
+// the middle third when it names none.
+kdn::Result<kdn::blend::SteeringVectorSpec> LoadSteeringPairs(const std::string& file,
+                                                              const kdn::text::Tokenizer& tok,
+                                                              const kdn::model::ModelConfig& cfg) {
+  std::ifstream in(file);
+  if (!in) return kdn::NotFound("--steering-pairs: cannot read " + file);
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  const auto bad = [&] {
+    return kdn::InvalidArgument("--steering-pairs: " + file +
+                                " is not {\"pairs\": [{\"positive\": TEXT, \"negative\": "
+                                "TEXT}, ...], \"layers\": [...]}");
+  };
+  if (!j.is_object() || !j.contains("pairs") || !j["pairs"].is_array()) return bad();
+  kdn::blend::SteeringVectorSpec spec{"kdn-generate", {}, {}};
+  for (const auto& p : j["pairs"]) {
+    if (!p.is_object() || !p.contains("positive") || !p.contains("negative") ||
+        !p["positive"].is_string() || !p["negative"].is_string()) {
+      return bad();
+    }
+    spec.pairs.emplace_back(tok.Encode(p["positive"].get<std::string>(), true),
+                            tok.Encode(p["negative"].get<std::string>(), true));
+  }
+  if (j.contains("layers")) {
+    if (!j["layers"].is_array()) return bad();
+    for (const auto& l : j["layers"]) {
+      if (!l.is_number_integer()) return bad();
+      spec.layers.push_back(l.get<int>());
+    }
+  } else {
+    spec.layers = kdn::blend::MiddleThirdLayers(cfg.num_layers);
+  }
+  KDN_RETURN_IF_ERROR(kdn::blend::CheckSteeringVectorSpec(spec, cfg.num_layers, cfg.max_context));
+  return spec;
+}
+
+// The KV a steering vector's pairs take while it is made, one prompt at a time.
+int64_t SteeringRoom(const kdn::blend::SteeringVectorSpec& spec) {
+  size_t longest = 0;
+  for (const auto& [pos, neg] : spec.pairs) longest = std::max({longest, pos.size(), neg.size()});
+  return longest == 0 ? 0 : static_cast<int64_t>(longest) + kdn::kKvBlockTokens;
+}
+
 struct BlendOutput {
   std::vector<int32_t> tokens;
   int cached_tokens = 0;
@@ -130,13 +180,17 @@ struct BlendOutput {
 };
 
 // Each document's KV computed on its own (from position 0, as kdn-prefill
-// stores it under its segment key), then fused with `head` and `question`
-// by blend::BlendPrefill, then greedy decoding on the fused KV.
+// stores it under its segment key), those of `steer_of` steered by `vector`
+// at their strength as a steer edit stores them, then fused with `head` and
+// `question` by blend::BlendPrefill as kdn-prefill fuses them, then greedy
+// decoding on the fused KV.
 kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vector<int32_t>& head,
                                      const std::vector<std::vector<int32_t>>& docs,
                                      const std::vector<int32_t>& question,
                                      const kdn::blend::BlendSpec& spec,
                                      const kdn::prune::PruneSpec* prune,
+                                     const std::map<size_t, float>& steer_of,
+                                     const kdn::kvbridge::SteeringVector* vector,
                                      const kdn::engine::GenerateOptions& gen) {
   kdn::engine::KvCache& cache = model.kv_cache();
   const auto dtype = model.kv_dtype();
@@ -158,6 +212,15 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
     KDN_RETURN_IF_ERROR(model.Prefill(seq, d, {}, &logits));
     KDN_ASSIGN_OR_RETURN(
         auto kv, kdn::kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), {}, {}, dtype));
+    const auto steer = steer_of.find(segments.size() - (head.empty() ? 0 : 1));
+    if (steer != steer_of.end() && vector != nullptr) {
+      // The document's last token, kept by the blend (Segment::pinned).
+      const auto last = static_cast<int64_t>(d.size()) - 1;
+      KDN_ASSIGN_OR_RETURN(
+          kv, kdn::kvbridge::SteerChunkValues(*kv, *vector, steer->second, last, 1, {}));
+      segments.push_back({d, std::move(kv), {last}});
+      continue;
+    }
     segments.push_back({d, std::move(kv)});
   }
   kdn::engine::KvSequence seq = cache.NewSequence();
@@ -266,6 +329,16 @@ int main(int argc, char** argv) {
       })
       ->needs("--emphasize")
       ->capture_default_str();
+  std::vector<std::string> steer;
+  app.add_option("--steer", steer,
+                 "Blend: N=STRENGTH, document N steered by the --steering-pairs vector at that "
+                 "strength, as a request naming its steered version gets it (repeat for others)")
+      ->needs("--document");
+  std::string steering_pairs;
+  app.add_option("--steering-pairs", steering_pairs,
+                 "Blend: a POST /v1/kdn/steering body (pairs, layers) the --steer vector is made "
+                 "from, as kdn-prefill makes it")
+      ->check(CLI::ExistingFile);
   kdn::prune::PruneSpec prune;
   auto* prune_method =
       app.add_option("--prune-method", prune.method,
@@ -293,6 +366,33 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::map<size_t, std::string> erratum_of(errata_list.begin(), errata_list.end());
+  // --steer N=STRENGTH, with the vector of --steering-pairs.
+  std::vector<std::pair<size_t, std::string>> steer_list;
+  if (!ParseIndexedTexts(steer, documents.size(), "--steer", true, &steer_list)) return 2;
+  std::map<size_t, float> steer_of;
+  for (const auto& [n, text] : steer_list) {
+    double strength = 0;
+    try {
+      strength = std::stod(text);
+    } catch (...) {
+      strength = 0;
+    }
+    if (auto st = kdn::blend::CheckSteerStrength(strength); !st.ok()) {
+      std::fprintf(stderr, "kdn-generate: --steer %zu=%s: %s\n", n, text.c_str(),
+                   st.message().c_str());
+      return 2;
+    }
+    if (erratum_of.count(n) != 0) {
+      std::fprintf(stderr, "kdn-generate: --steer %zu: a steered document has no erratum\n", n);
+      return 2;
+    }
+    steer_of[n] = static_cast<float>(strength);
+  }
+  if (!steer_of.empty() && (steering_pairs.empty() || !prune.method.empty())) {
+    std::fprintf(stderr,
+                 "kdn-generate: --steer needs --steering-pairs, and does not go with pruning\n");
+    return 2;
+  }
   if (!emphasized.empty() && !prune.method.empty()) {
     std::fprintf(stderr, "kdn-generate: emphasis does not go with pruned documents\n");
     return 2;
@@ -380,6 +480,17 @@ int main(int argc, char** argv) {
     question = (*tok)->Encode(chat.rest, false);
     ids.insert(ids.end(), question.begin(), question.end());
   }
+  kdn::blend::SteeringVectorSpec steering;
+  if (!steer_of.empty()) {
+    auto cfg = kdn::model::LoadModelConfig(model_dir);
+    auto spec = cfg.ok() ? LoadSteeringPairs(steering_pairs, **tok, *cfg)
+                         : kdn::Result<kdn::blend::SteeringVectorSpec>(cfg.status());
+    if (!spec.ok()) {
+      std::fprintf(stderr, "kdn-generate: %s\n", spec.status().ToString().c_str());
+      return spec.status().code() == kdn::StatusCode::kNotFound ? 1 : 2;
+    }
+    steering = *std::move(spec);
+  }
   // Pruning holds a document's KV at its peak (a KVzip repeat pass
   // included) and its kept copy at once, each in whole blocks.
   int64_t prune_room = 0;
@@ -397,10 +508,10 @@ int main(int argc, char** argv) {
     }
   }
   // The KV pool holds the prompt and every token generated.
-  OpenOptions opts{
-      .device = *dev,
-      .kv_tokens = static_cast<int64_t>(ids.size()) + gen.max_tokens + kKvBlockTokens + prune_room,
-      .threads = threads};
+  OpenOptions opts{.device = *dev,
+                   .kv_tokens = static_cast<int64_t>(ids.size()) + gen.max_tokens + kKvBlockTokens +
+                                prune_room + SteeringRoom(steering),
+                   .threads = threads};
   opts.max_batch = 1;
   opts.weights_dtype = *kdn::engine::ParseWeightsDType(weights_dtype);  // checked by the flag
   auto model = OpenEngine(model_dir, opts);
@@ -433,8 +544,20 @@ int main(int argc, char** argv) {
       blend.emphasis = kdn::blend::MakeEmphasis(std::move(blend.emphasis->spans), on,
                                                 emphasis_strength, layers, heads);
     }
+    std::optional<kdn::kvbridge::SteeringVector> vector;
+    if (!steer_of.empty()) {
+      auto v = kdn::kvbridge::ValueSteeringVector(**model, steering.name, steering.pairs,
+                                                  steering.layers);
+      if (!v.ok()) {
+        std::fprintf(stderr, "kdn-generate: the steering vector: %s\n",
+                     v.status().ToString().c_str());
+        return 1;
+      }
+      vector = *std::move(v);
+    }
     auto out = BlendAnswer(**model, head, doc_ids, question, blend,
-                           prune.method.empty() ? nullptr : &prune, gen);
+                           prune.method.empty() ? nullptr : &prune, steer_of,
+                           vector ? &*vector : nullptr, gen);
     if (!out.ok()) {
       std::fprintf(stderr, "kdn-generate: %s\n", out.status().ToString().c_str());
       return 1;

@@ -88,7 +88,16 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   if (!(spec.max_kl >= 0)) return InvalidArgument("blend: max_kl may not be negative");
   if (suffix.empty()) return InvalidArgument("blend: the suffix (the question) is empty");
   if (seq.length() != 0) return InvalidArgument("blend: the sequence must start empty");
-  const SelectionPolicy policy = options.policy ? options.policy : PolicyFor(spec.selection);
+  const SelectionPolicy chooser = options.policy ? options.policy : PolicyFor(spec.selection);
+  std::vector<bool> pinned;  // by slot: Segment::pinned, filled below
+  // The policy's choice less the pinned rows.
+  const auto policy = [&](const SelectionInput& in) {
+    std::vector<int64_t> chosen = chooser(in);
+    std::erase_if(chosen, [&](int64_t r) {
+      return pinned[static_cast<size_t>(in.positions[static_cast<size_t>(r)])];
+    });
+    return chosen;
+  };
 
   // The prompt's KV slots: each one's token, its position, whether its KV
   // comes from a cache, and where each cached segment goes. A pruned
@@ -133,11 +142,20 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
       for (int64_t i = 0; i < len; ++i) slot_at.push_back(logical + i);
     }
     cached.insert(cached.end(), tokens.size() - static_cast<size_t>(slot), info != nullptr);
+    pinned.resize(tokens.size(), false);
+    for (int64_t j : s.pinned) {
+      if (info == nullptr || j < 0 || j >= static_cast<int64_t>(info->tokens)) {
+        return InvalidArgument("blend: a pinned slot " + std::to_string(j) +
+                               " outside the segment's cached KV");
+      }
+      pinned[static_cast<size_t>(slot + j)] = true;
+    }
     logical += len;
   }
   tokens.insert(tokens.end(), suffix.begin(), suffix.end());
   for (size_t i = 0; i < suffix.size(); ++i) slot_at.push_back(logical + static_cast<int64_t>(i));
   cached.insert(cached.end(), suffix.size(), false);
+  pinned.resize(cached.size(), false);
   logical += static_cast<int64_t>(suffix.size());
   const auto n = static_cast<int64_t>(tokens.size());
   if (logical > cfg.max_context) {

@@ -9,12 +9,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kdn/blend/steering.h"
+
 namespace kdn::blend {
 
 std::vector<EmphasisHead> MiddleThirdHeads(int num_layers, int num_heads) {
   std::vector<EmphasisHead> heads;
-  const int first = num_layers / 3, end = std::max(2 * num_layers / 3, first + 1);
-  for (int l = first; l < std::min(end, num_layers); ++l) {
+  for (int l : MiddleThirdLayers(num_layers)) {
     for (int h = 0; h < num_heads; ++h) heads.push_back({l, h});
   }
   return heads;

@@ -23,6 +23,7 @@
 #include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbus/redis_store.h"
 #include "kdn/kvbus/shared_tier.h"
+#include "kdn/kvbus/steering.h"
 #include "kdn/model/config.h"
 
 struct kdn_model {
@@ -185,6 +186,29 @@ kdn::Result<kvbus::KvLayout> ToLayout(const kdn_client* c, const kdn_kv_layout* 
   }
   KDN_RETURN_IF_ERROR(kvbus::CheckLayout(l, m.num_layers, m.num_kv_heads, m.head_dim));
   return l;
+}
+
+// Writes the whole document KV under `key` (n tokens) into `dst`; a miss
+// when it is absent, pruned, damaged or of another model.
+Status FetchDocumentUnder(kdn_client* client, const kvbus::ChunkKey& key, int64_t n,
+                          const kdn_kv_layout* dst) {
+  KDN_ASSIGN_OR_RETURN(kvbus::KvLayout layout, ToLayout(client, dst));
+  KDN_RETURN_IF_ERROR(kvbus::CheckTokens(layout, 0, n));
+  auto chunk = client->store->Get(key);
+  if (!chunk.ok()) {
+    return chunk.status().code() == StatusCode::kNotFound
+               ? kdn::NotFound("the KDN does not hold document " + key.ToHex())
+               : chunk.status();
+  }
+  const kdn_model& m = *client->model;
+  if (!kvbus::ChunkFits(**chunk, m.fingerprint, n, m.kv_dtype) || (*chunk)->info().position != 0) {
+    return kdn::NotFound("document " + key.ToHex() + ": " +
+                         ((*chunk)->info().pruned()
+                              ? std::string("the KDN holds it pruned, with no whole KV")
+                              : std::string("the stored chunk is not this model's KV of ") +
+                                    std::to_string(n) + " tokens"));
+  }
+  return kvbus::ChunkToLayout(**chunk, 0, layout, n);
 }
 
 }  // namespace
@@ -466,26 +490,58 @@ kdn_status kdn_document_fetch(kdn_client* client, const int32_t* tokens, int64_t
   return Guard([&]() -> Status {
     if (client == nullptr) return kdn::InvalidArgument("client is null");
     KDN_RETURN_IF_ERROR(CheckDocumentArg(tokens, n));
-    KDN_ASSIGN_OR_RETURN(kvbus::KvLayout layout, ToLayout(client, dst));
-    KDN_RETURN_IF_ERROR(kvbus::CheckTokens(layout, 0, n));
     const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
-    const kvbus::ChunkKey key = kvbus::SegmentKey(client->keys, t);
+    return FetchDocumentUnder(client, kvbus::SegmentKey(client->keys, t), n, dst);
+  });
+}
+
+kdn_status kdn_steered_document_fetch(kdn_client* client, const int32_t* tokens, int64_t n,
+                                      const char* vector, float strength,
+                                      const kdn_kv_layout* dst) {
+  return Guard([&]() -> Status {
+    if (client == nullptr || vector == nullptr) {
+      return kdn::InvalidArgument("client or vector is null");
+    }
+    KDN_RETURN_IF_ERROR(CheckDocumentArg(tokens, n));
+    const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
+    const kvbus::ChunkKey key =
+        kvbus::SteeredKey(kvbus::SegmentKey(client->keys, t),
+                          kvbus::SteeringVectorKey(client->keys, vector), strength);
+    return FetchDocumentUnder(client, key, n, dst);
+  });
+}
+
+kdn_status kdn_steering_vector_fetch(kdn_client* client, const char* name, int64_t capacity,
+                                     int32_t* layers, float* values, int64_t* n_layers) {
+  return Guard([&]() -> Status {
+    if (client == nullptr || name == nullptr || n_layers == nullptr) {
+      return kdn::InvalidArgument("client, name or n_layers is null");
+    }
+    *n_layers = 0;
+    if (capacity < 0 || (capacity > 0 && (layers == nullptr || values == nullptr))) {
+      return kdn::InvalidArgument("a capacity of layers needs its layers and values buffers");
+    }
+    const kvbus::ChunkKey key = kvbus::SteeringVectorKey(client->keys, name);
     auto chunk = client->store->Get(key);
     if (!chunk.ok()) {
       return chunk.status().code() == StatusCode::kNotFound
-                 ? kdn::NotFound("the KDN does not hold document " + key.ToHex())
+                 ? kdn::NotFound(std::string("the KDN holds no steering vector '") + name + "'")
                  : chunk.status();
     }
-    const kdn_model& m = *client->model;
-    if (!kvbus::ChunkFits(**chunk, m.fingerprint, n, m.kv_dtype) ||
-        (*chunk)->info().position != 0) {
-      return kdn::NotFound("document " + key.ToHex() + ": " +
-                           ((*chunk)->info().pruned()
-                                ? std::string("the KDN holds it pruned, with no whole KV")
-                                : std::string("the stored chunk is not this model's KV of ") +
-                                      std::to_string(n) + " tokens"));
+    const kdn::model::ModelConfig& m = client->model->config;
+    const kvbus::ChunkInfo& info = (*chunk)->info();
+    if (info.model_fingerprint != client->model->fingerprint ||
+        static_cast<int>(info.layers) != m.num_layers ||
+        static_cast<int>(info.kv_heads) != m.num_kv_heads ||
+        static_cast<int>(info.head_dim) != m.head_dim) {
+      return kdn::NotFound(std::string("steering vector '") + name + "' is not this model's");
     }
-    return kvbus::ChunkToLayout(**chunk, 0, layout, n);
+    KDN_ASSIGN_OR_RETURN(kvbus::SteeringVector v, kvbus::SteeringFromChunk(**chunk));
+    *n_layers = static_cast<int64_t>(v.layers.size());
+    if (capacity < *n_layers) return Status::Ok();
+    std::copy(v.layers.begin(), v.layers.end(), layers);
+    std::copy(v.values.begin(), v.values.end(), values);
+    return Status::Ok();
   });
 }
 

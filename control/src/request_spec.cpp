@@ -16,6 +16,41 @@ void BlendToProto(const blend::BlendSpec& spec, proto::BlendSpec* out) {
   }
   out->set_max_kl(spec.max_kl);
   if (spec.emphasis) EmphasisToProto(*spec.emphasis, out->mutable_emphasis());
+  for (const auto& steer : spec.steer) {
+    proto::SteerSpec* p = out->add_steer();
+    if (steer) SteerToProto(*steer, p);
+  }
+}
+
+void SteerToProto(const blend::SteerSpec& s, proto::SteerSpec* out) {
+  out->set_vector(s.vector);
+  out->set_strength(s.strength);
+}
+
+std::optional<blend::SteerSpec> SteerFromProto(const proto::SteerSpec& p) {
+  if (p.vector().empty()) return std::nullopt;
+  return blend::SteerSpec{p.vector(), p.strength()};
+}
+
+void SteeringVectorToProto(const blend::SteeringVectorSpec& s, proto::SteeringVectorSpec* out) {
+  out->set_name(s.name);
+  out->mutable_layers()->Assign(s.layers.begin(), s.layers.end());
+  for (const auto& [pos, neg] : s.pairs) {
+    proto::PromptPair* p = out->add_pairs();
+    p->mutable_positive()->Assign(pos.begin(), pos.end());
+    p->mutable_negative()->Assign(neg.begin(), neg.end());
+  }
+}
+
+blend::SteeringVectorSpec SteeringVectorFromProto(const proto::SteeringVectorSpec& p) {
+  blend::SteeringVectorSpec s;
+  s.name = p.name();
+  s.layers.assign(p.layers().begin(), p.layers().end());
+  for (const proto::PromptPair& pair : p.pairs()) {
+    s.pairs.emplace_back(std::vector<int32_t>(pair.positive().begin(), pair.positive().end()),
+                         std::vector<int32_t>(pair.negative().begin(), pair.negative().end()));
+  }
+  return s;
 }
 
 void EmphasisToProto(const blend::Emphasis& e, proto::Emphasis* out) {
@@ -51,6 +86,7 @@ blend::BlendSpec BlendFromProto(const proto::BlendSpec& p) {
   spec.check_ratios.assign(p.check_ratios().begin(), p.check_ratios().end());
   spec.max_kl = p.max_kl();
   if (p.has_emphasis()) spec.emphasis = EmphasisFromProto(p.emphasis());
+  for (const proto::SteerSpec& steer : p.steer()) spec.steer.push_back(SteerFromProto(steer));
   // The router sends only what it parsed; an unknown name (a newer router)
   // falls back to the default rather than failing the request.
   if (!p.selection().empty()) {

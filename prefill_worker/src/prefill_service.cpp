@@ -177,26 +177,41 @@ struct PrefillService::Impl {
         q.job.tokens, q.job.ns, q.inject_spec, ReadFor(q),
         [this, request_id = q.request_id, peer = q.peer, tokens = q.job.tokens.size(),
          method = q.inject_spec.prune ? q.inject_spec.prune->method : std::string(),
-         base = q.inject_spec.base_tokens](Result<Prefiller::InjectOutcome> held) {
+         base = q.inject_spec.base_tokens,
+         steer = q.inject_spec.steer ? q.inject_spec.steer->vector : std::string(),
+         vector = q.inject_spec.steering_vector
+                      ? q.inject_spec.steering_vector->name
+                      : std::string()](Result<Prefiller::InjectOutcome> held) {
           proto::WorkerMessage reply;
           reply.set_request_id(request_id);
           auto* ir = reply.mutable_inject_reply();
           if (held.ok()) {
             ir->set_already_held(held->already_held);
             ir->set_stored_tokens(held->stored_tokens);
-            LogInfo("{} injected a document of {} tokens: {}", ReqId{request_id}, tokens,
-                    held->already_held ? std::string("already held")
-                    : !method.empty()
-                        ? fmt::format("computed, pruned by {} to {} tokens and stored", method,
-                                      held->stored_tokens)
-                    : base > 0 ? fmt::format("an erratum of {} tokens after a document of {}, "
-                                             "computed and stored",
-                                             tokens - static_cast<size_t>(base), base)
-                               : std::string("computed and stored"));
+            if (!vector.empty()) {
+              LogInfo("{} steering vector '{}': {}", ReqId{request_id}, vector,
+                      held->already_held ? "already held" : "made and stored");
+            } else {
+              LogInfo("{} injected a document of {} tokens: {}", ReqId{request_id}, tokens,
+                      held->already_held ? std::string("already held")
+                      : !steer.empty()   ? fmt::format("steered by '{}' and stored", steer)
+                      : !method.empty()
+                          ? fmt::format("computed, pruned by {} to {} tokens and stored", method,
+                                        held->stored_tokens)
+                      : base > 0 ? fmt::format("an erratum of {} tokens after a document of {}, "
+                                               "computed and stored",
+                                               tokens - static_cast<size_t>(base), base)
+                                 : std::string("computed and stored"));
+            }
           } else {
             control::StatusToProto(held.status(), ir->mutable_error());
-            // An edit whose original is not here is the client's to fix.
-            Log(held.status().code() == StatusCode::kNotFound ? LogLevel::kInfo : LogLevel::kError,
+            // An edit whose original or vector is not here, or a vector's
+            // name taken, is the client's to fix.
+            const StatusCode code = held.status().code();
+            Log(code == StatusCode::kNotFound || code == StatusCode::kFailedPrecondition ||
+                        code == StatusCode::kInvalidArgument
+                    ? LogLevel::kInfo
+                    : LogLevel::kError,
                 "{} injecting a document of {} tokens failed: {}", ReqId{request_id}, tokens,
                 held.status().ToString());
           }
@@ -313,6 +328,12 @@ struct PrefillService::Impl {
         }
         q.inject_spec.base_tokens = msg.inject().base_tokens();
         q.inject_spec.base_required = msg.inject().base_required();
+        if (msg.inject().has_steer())
+          q.inject_spec.steer = control::SteerFromProto(msg.inject().steer());
+        if (msg.inject().has_steering_vector()) {
+          q.inject_spec.steering_vector =
+              control::SteeringVectorFromProto(msg.inject().steering_vector());
+        }
         LogDebug("{} received: inject a document of {} tokens", ReqId{q.request_id},
                  q.job.tokens.size());
         Enqueue(std::move(q));

@@ -149,8 +149,16 @@ struct Prefiller::Push {
 PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, const InjectSpec* inject) const {
   PrefetchedKv kv;
   const auto n = static_cast<int64_t>(job.tokens.size());
+  if (inject != nullptr && inject->steering_vector) {  // no document
+    PrefetchSteering(job, *inject, &kv);
+    return kv;
+  }
   if (n == 0 || n > model_.config().max_context) return kv;  // Run refuses it
   const kvbus::KeyContext ctx{fingerprint_, job.ns, options_.chunk_tokens};
+  if (inject != nullptr && inject->steer) {
+    PrefetchSteering(job, *inject, &kv);
+    return kv;
+  }
   if (inject != nullptr) {
     kv.inject_held = store_.Contains(kvbus::SegmentKey(ctx, job.tokens));
     if (!kv.inject_held) kv.inject_base = InjectBase(store_, job.tokens, job.ns, *inject);
@@ -158,11 +166,12 @@ PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, const InjectSpec* inject
   }
   if (job.blend) {
     int64_t at = std::max(job.blend->head_tokens, 0);
-    for (int len : job.blend->segment_tokens) {
+    for (size_t i = 0; i < job.blend->segment_tokens.size(); ++i) {
+      const int len = job.blend->segment_tokens[i];
       if (len <= 0 || at + len > n) return kv;
       const std::span<const int32_t> doc(job.tokens.data() + at, static_cast<size_t>(len));
       at += len;
-      const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, doc);
+      const kvbus::ChunkKey key = BlendDocumentKey(ctx, doc, *job.blend, i);
       if (kv.segments.count(key) != 0) continue;
       auto chunk = store_.Get(key);
       if (chunk.ok()) kv.segments.emplace(key, *std::move(chunk));
@@ -299,10 +308,16 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
     segments.push_back({{p, p + b.head_tokens}, nullptr});
     p += b.head_tokens;
   }
-  for (int len : b.segment_tokens) {
+  if (!b.steer.empty() && b.steer.size() != b.segment_tokens.size()) {
+    return InvalidArgument("blend: " + std::to_string(b.steer.size()) +
+                           " steered versions named for " +
+                           std::to_string(b.segment_tokens.size()) + " documents");
+  }
+  for (size_t i = 0; i < b.segment_tokens.size(); ++i) {
+    const int len = b.segment_tokens[i];
     blend::Segment s{{p, p + len}, nullptr};
     p += len;
-    const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, s.tokens);
+    const kvbus::ChunkKey key = BlendDocumentKey(ctx, s.tokens, b, i);
     Result<std::shared_ptr<const kvbus::Chunk>> chunk = NotFound("not prefetched");
     if (kv == nullptr) {
       chunk = store_.Get(key);
@@ -316,6 +331,15 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
     if (chunk.ok() && kvbus::SegmentChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
       s.kv = *std::move(chunk);
       dropped += len - static_cast<int64_t>(s.kv->info().tokens);
+      // The steered token keeps its steered KV (Steer: the document's last).
+      if (i < b.steer.size() && b.steer[i]) s.pinned = {len - 1};
+    } else if (i < b.steer.size() && b.steer[i]) {
+      // A steered version is made by an edit, never computed here: the
+      // document's own KV under its key would be the unsteered one.
+      return InvalidArgument("document " + std::to_string(i) + "'s version steered by '" +
+                             b.steer[i]->vector + "' at strength " +
+                             std::to_string(b.steer[i]->strength) +
+                             " is not in the KDN; POST /v1/kdn/edit with steer stores it");
     } else if (std::none_of(missing_segments_.begin(), missing_segments_.end(),
                             [&](const auto& m) { return m.first == key; })) {
       missing_segments_.emplace_back(key, s.tokens);
@@ -429,6 +453,8 @@ void Prefiller::PutChunk(std::shared_ptr<const kvbus::Chunk> chunk,
 
 void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
                        const InjectSpec& spec, const PrefetchedKv* kv, InjectDone done) {
+  if (spec.steering_vector)
+    return MakeSteeringVector(ns, *spec.steering_vector, kv, std::move(done));
   if (tokens.empty()) return done(InvalidArgument("inject: an empty document"));
   const prune::PruneSpec* prune = spec.prune ? &*spec.prune : nullptr;
   if (prune != nullptr) {
@@ -439,6 +465,12 @@ void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
     return done(InvalidArgument("inject: a document of " + std::to_string(n) +
                                 " tokens exceeds the model's context of " +
                                 std::to_string(model_.config().max_context)));
+  }
+  if (spec.steer) {
+    if (prune != nullptr || spec.base_tokens != 0) {
+      return done(InvalidArgument("inject: a steer edit neither prunes nor adds an erratum"));
+    }
+    return Steer(tokens, ns, *spec.steer, kv, std::move(done));
   }
   if (spec.base_tokens < 0 || spec.base_tokens >= n ||
       (spec.base_required && spec.base_tokens == 0)) {

@@ -336,15 +336,23 @@ class Client:
             return False
         return bool(held.value)
 
-    def fetch_document_into(self, tokens, k, v, dims, block_table=None, failure="raise"):
+    def fetch_document_into(self, tokens, k, v, dims, block_table=None, failure="raise",
+                            steer=None):
         """Writes the document's KV (computed on its own, from position 0)
         into tokens [0, len(tokens)) of the per-layer buffers `k` and `v`
         (layout_of describes `dims`). True when it did; a document the KDN
-        lacks is KdnError NOT_FOUND (a miss: False with failure="miss")."""
+        lacks is KdnError NOT_FOUND (a miss: False with failure="miss").
+        `steer`: (vector name, strength), its steered version's KV
+        (docs/serving.md, "Steering a document")."""
         layout, keep = layout_of(k, v, dims, block_table)
         _, p, n = _tokens(tokens)
         try:
-            check(lib.kdn_document_fetch(self._handle, p, n, ctypes.byref(layout)))
+            if steer is None:
+                check(lib.kdn_document_fetch(self._handle, p, n, ctypes.byref(layout)))
+            else:
+                name, strength = steer
+                check(lib.kdn_steered_document_fetch(self._handle, p, n, name.encode("utf-8"),
+                                                     float(strength), ctypes.byref(layout)))
         except KdnError as e:
             self._failed("fetch_document", e, failure)
             return False
@@ -352,9 +360,34 @@ class Client:
             del keep
         return True
 
-    def fetch_document(self, tokens, dtype=np.float32, major="head", failure="raise"):
+    def steering_vector(self, name, failure="raise"):
+        """(layers, values): the steering vector `name` kdn made
+        (POST /v1/kdn/steering), its layers and a float32 array
+        [len(layers), kv_heads, head_dim] of its values; None for a miss
+        with failure="miss"."""
+        count = ctypes.c_int64()
+        raw = name.encode("utf-8")
+        try:
+            check(lib.kdn_steering_vector_fetch(self._handle, raw, 0, None, None,
+                                                ctypes.byref(count)))
+            m = self.model
+            layers = np.zeros(count.value, np.int32)
+            values = np.zeros((count.value, m.kv_heads, m.head_dim), np.float32)
+            check(lib.kdn_steering_vector_fetch(
+                self._handle, raw, count.value, layers.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                values.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.byref(count)))
+        except KdnError as e:
+            self._failed("steering_vector", e, failure)
+            return None
+        if count.value != len(layers):  # remade between the two reads
+            raise KdnError("UNAVAILABLE", "steering vector %r changed while read" % name,
+                           miss=True)
+        return [int(l) for l in layers], values
+
+    def fetch_document(self, tokens, dtype=np.float32, major="head", failure="raise",
+                       steer=None):
         """(k, v): the document's KV as numpy arrays, shaped as fetch's, or
-        None for a miss with failure="miss"."""
+        None for a miss with failure="miss". `steer`: as fetch_document_into's."""
         m = self.model
         n = len(np.asarray(tokens).reshape(-1))
         if major not in ("head", "token"):
@@ -363,7 +396,8 @@ class Client:
             m.layers, n, m.kv_heads, m.head_dim)
         k, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
         dims = "htd" if major == "head" else "thd"
-        if not self.fetch_document_into(tokens, list(k), list(v), dims, failure=failure):
+        if not self.fetch_document_into(tokens, list(k), list(v), dims, failure=failure,
+                                        steer=steer):
             return None
         return k, v
 

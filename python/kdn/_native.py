@@ -10,7 +10,7 @@ import ctypes
 import os
 from pathlib import Path
 
-API_VERSION = 3
+API_VERSION = 4
 
 
 class KdnError(RuntimeError):
@@ -113,6 +113,11 @@ _decls = {
                                           ctypes.POINTER(KvLayout)]),
     "kdn_document_store": (ctypes.c_int, [ctypes.c_void_p, _i32p, ctypes.c_int64,
                                           ctypes.POINTER(KvLayout), ctypes.POINTER(ctypes.c_int)]),
+    "kdn_steering_vector_fetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64,
+                                                 _i32p, ctypes.POINTER(ctypes.c_float), _i64p]),
+    "kdn_steered_document_fetch": (ctypes.c_int, [ctypes.c_void_p, _i32p, ctypes.c_int64,
+                                                  ctypes.c_char_p, ctypes.c_float,
+                                                  ctypes.POINTER(KvLayout)]),
 }
 for _name, (_res, _args) in _decls.items():
     _f = getattr(lib, _name)

@@ -152,6 +152,8 @@ class Session : public std::enable_shared_from_this<Session> {
       if (only(http::verb::post)) Inject(/*edit=*/false);
     } else if (path == "/v1/kdn/edit") {
       if (only(http::verb::post)) Inject(/*edit=*/true);
+    } else if (path == "/v1/kdn/steering") {
+      if (only(http::verb::post)) Inject(/*edit=*/false, /*steering=*/true);
     } else if (path == "/v1/completions" || path == "/v1/chat/completions") {
       if (only(http::verb::post)) {
         Generate(path == "/v1/completions" ? ApiKind::kCompletion : ApiKind::kChat);
@@ -304,13 +306,16 @@ class Session : public std::enable_shared_from_this<Session> {
   // POST /v1/kdn/inject: stores documents' KV in the KDN. With "stream",
   // one SSE event per document done, then the summary. POST /v1/kdn/edit
   // (`edit`): stores a stored document's edited version, as an injection of
-  // one document whose original must be held.
-  void Inject(bool edit) {
-    asio::post(router_.parse_pool, [self = shared_from_this(), edit] {
+  // one document whose original must be held. POST /v1/kdn/steering
+  // (`steering`): makes and stores a steering vector, as an injection of
+  // one empty document.
+  void Inject(bool edit, bool steering = false) {
+    asio::post(router_.parse_pool, [self = shared_from_this(), edit, steering] {
       auto req = std::make_shared<InjectApiRequest>();
       const std::string& body = self->request_.body();
-      auto err = edit ? ParseEditRequest(body, self->router_.served, req.get())
-                      : ParseInjectRequest(body, self->router_.served, req.get());
+      auto err = steering ? ParseSteeringRequest(body, self->router_.served, req.get())
+                 : edit   ? ParseEditRequest(body, self->router_.served, req.get())
+                          : ParseInjectRequest(body, self->router_.served, req.get());
       asio::post(self->router_.io, [self, req, err = std::move(err)] {
         if (err) return self->ReplyError(*err);
         self->StartInject(std::move(*req));
@@ -330,7 +335,13 @@ class Session : public std::enable_shared_from_this<Session> {
     if (req.edit) {
       edit_tokens_ = {job.base_tokens.front(),
                       static_cast<int64_t>(job.documents.front().size()) - job.base_tokens.front()};
+      if (req.steer) edit_tokens_ = {static_cast<int64_t>(job.documents.front().size()), 0};
     }
+    steer_ = req.steer;
+    steering_vector_ = req.steering_vector;
+    if (req.steering_vector) job.documents = {{}};  // one part, no document
+    job.steer = std::move(req.steer);
+    job.steering_vector = std::move(req.steering_vector);
     job.ns = RequestNamespace(tenant_, req.cache_salt);
     job.prune = std::move(req.prune);
     stream_.expires_never();
@@ -384,6 +395,7 @@ class Session : public std::enable_shared_from_this<Session> {
           ReqId{job_}, p.total, p.stored, p.already_held, p.failed, p.tokens, JobMs());
     }
     if (edit_ && ev.kind == JobEvent::Kind::kDone) return ReplyEdit(p);
+    if (steering_vector_ && ev.kind == JobEvent::Kind::kDone) return ReplySteering(p);
     if (ev.kind == JobEvent::Kind::kDone && p.failed == p.total && p.total > 0 && !header_sent_) {
       // Nothing stored: the first failure is the answer.
       ApiError e;
@@ -424,6 +436,10 @@ class Session : public std::enable_shared_from_this<Session> {
         e.param = "document";
         e.message = "the document is not in the KDN under this cache_salt: inject it first (" +
                     p.errors.front().second + ")";
+      } else if (steer_ && p.first_error_code == StatusCode::kFailedPrecondition) {
+        e.http_status = 400;
+        e.param = "steer.vector";
+        e.message = p.errors.front().second;
       } else {
         e.http_status = 502;
         e.type = "server_error";
@@ -431,12 +447,44 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       return ReplyError(e);
     }
-    const json j = {{"object", "kdn.edit"},
-                    {"edit", "erratum"},
-                    {"document_tokens", edit_tokens_.first},
-                    {"erratum_tokens", edit_tokens_.second},
-                    {"already_held", p.already_held > 0},
-                    {"stored_tokens", p.stored_tokens}};
+    json j = {{"object", "kdn.edit"},
+              {"edit", steer_ ? "steer" : "erratum"},
+              {"document_tokens", edit_tokens_.first},
+              {"already_held", p.already_held > 0},
+              {"stored_tokens", p.stored_tokens}};
+    if (steer_) {
+      j["steer"] = {{"vector", steer_->vector}, {"strength", steer_->strength}};
+    } else {
+      j["erratum_tokens"] = edit_tokens_.second;
+    }
+    Reply(http::status::ok, Dump(j), "application/json");
+  }
+
+  // /v1/kdn/steering's answer: the vector made and stored (or held already),
+  // a 409 when its name holds another vector, a 502 when it failed.
+  void ReplySteering(const InjectProgress& p) {
+    if (p.failed > 0) {
+      ApiError e;
+      e.message = p.errors.front().second;
+      if (p.first_error_code == StatusCode::kFailedPrecondition) {
+        e.http_status = 409;
+        e.type = "conflict_error";
+        e.param = "name";
+      } else if (p.first_error_code == StatusCode::kInvalidArgument) {
+        e.http_status = 400;
+      } else {
+        e.http_status = 502;
+        e.type = "server_error";
+        e.message = "the steering vector was not stored: " + e.message;
+      }
+      return ReplyError(e);
+    }
+    const blend::SteeringVectorSpec& v = *steering_vector_;
+    const json j = {{"object", "kdn.steering_vector"},
+                    {"name", v.name},
+                    {"layers", v.layers},
+                    {"pairs", v.pairs.size()},
+                    {"already_held", p.already_held > 0}};
     Reply(http::status::ok, Dump(j), "application/json");
   }
 
@@ -594,7 +642,9 @@ class Session : public std::enable_shared_from_this<Session> {
   bool inject_ = false;                      // the job is an injection
   bool edit_ = false;                        // of one edited document (/v1/kdn/edit)
   std::pair<int64_t, int64_t> edit_tokens_;  // an edit's document's tokens, its erratum's
-  const std::string* tenant_ = nullptr;      // the request's, when keys are configured
+  std::optional<blend::SteerSpec> steer_;    // a steer edit's
+  std::optional<blend::SteeringVectorSpec> steering_vector_;  // /v1/kdn/steering's
+  const std::string* tenant_ = nullptr;  // the request's, when keys are configured
   uint64_t job_ = 0;
   std::string request_id_;  // job_ as X-Request-Id gives it; empty: no job
   std::chrono::steady_clock::time_point job_start_;

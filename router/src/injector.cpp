@@ -13,7 +13,10 @@ void Injector::Start(uint64_t id, InjectJob job, JobCallback callback) {
   inj.progress.total = static_cast<int>(inj.job.documents.size());
   for (size_t i = 0; i < inj.job.documents.size(); ++i) inj.todo.push_back(i);
   LogInfo("{} accepted {}: {} documents", ReqId{id},
-          inj.job.base_required ? "/v1/kdn/edit" : "/v1/kdn/inject", inj.job.documents.size());
+          inj.job.steering_vector ? "/v1/kdn/steering"
+          : inj.job.base_required ? "/v1/kdn/edit"
+                                  : "/v1/kdn/inject",
+          inj.job.documents.size());
   injections_.emplace(id, std::move(inj));
   Pump(id);
 }
@@ -72,12 +75,13 @@ void Injector::Pump(uint64_t id) {
 
 // Counts one document; `error` empty: it is in the KDN.
 void Injector::DocumentDone(Injection& inj, size_t doc, const std::string& error, bool held,
-                            int64_t stored_tokens) {
+                            int64_t stored_tokens, StatusCode code) {
   ++inj.progress.done;
   inj.progress.tokens += static_cast<int64_t>(inj.job.documents[doc].size());
   inj.progress.stored_tokens += stored_tokens;
   if (!error.empty()) {
     ++inj.progress.failed;
+    if (inj.progress.first_error_code == StatusCode::kOk) inj.progress.first_error_code = code;
     inj.progress.errors.emplace_back(static_cast<int>(doc), error);
   } else if (held) {
     ++inj.progress.already_held;
@@ -107,7 +111,8 @@ void Injector::OnReply(size_t w, const proto::WorkerMessage& m) {
   // An edit's original the KDN lacks is the client's mistake, not a failure.
   if (st.code() == StatusCode::kNotFound && inj.job.base_required) ++inj.progress.missing_base;
   DocumentDone(inj, part.document, st.ok() ? "" : st.WithContext(workers_[w].name).ToString(),
-               m.inject_reply().already_held(), st.ok() ? m.inject_reply().stored_tokens() : 0);
+               m.inject_reply().already_held(), st.ok() ? m.inject_reply().stored_tokens() : 0,
+               st.code());
   if (inj.cb) {
     JobEvent ev;
     ev.kind = JobEvent::Kind::kProgress;

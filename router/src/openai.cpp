@@ -551,6 +551,10 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
   std::vector<DocumentText> docs;
   KDN_API_CHECK(ParseDocumentsField(body, &docs));
   for (size_t i = 0; i < docs.size(); ++i) {
+    if (docs[i].steer) {
+      const std::string field = "documents[" + std::to_string(i) + "].steer";
+      return Bad(field + ": a steered version is stored by POST /v1/kdn/edit", field);
+    }
     KDN_API_CHECK(
         AddStoredDocument(model, docs[i], "document " + std::to_string(i), "documents", out));
   }
@@ -590,35 +594,127 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
   return std::nullopt;
 }
 
-// POST /v1/kdn/edit: {"document": ..., "erratum": ..., "cache_salt": ...}.
+// POST /v1/kdn/edit: {"document": ..., "erratum" or "steer": ..., "cache_salt": ...}.
 std::optional<ApiError> ParseEditRequestUnguarded(const std::string& body_text,
                                                   const ServedModel& model, InjectApiRequest* out) {
   json body;
   KDN_API_CHECK(ParseBody(body_text, model, &body));
   for (const auto& [k, v] : body.items()) {
-    if (k != "document" && k != "erratum" && k != "cache_salt" && k != "model" && k != "user") {
-      return Bad("unknown field '" + k + "': an edit takes document, erratum and cache_salt", k);
+    if (k != "document" && k != "erratum" && k != "steer" && k != "cache_salt" && k != "model" &&
+        k != "user") {
+      return Bad(
+          "unknown field '" + k + "': an edit takes document, erratum or steer, and cache_salt", k);
     }
   }
+  if (IsSet(body, "erratum") == IsSet(body, "steer")) {
+    return Bad(
+        "an edit is one of 'erratum' (a note stored after the document) and 'steer' (a "
+        "steering vector added to its values)",
+        IsSet(body, "steer") ? "steer" : "erratum");
+  }
   DocumentText doc;
-  for (const char* field : {"document", "erratum"}) {
+  const bool steer = IsSet(body, "steer");
+  for (const char* field : {"document", steer ? "document" : "erratum"}) {
     if (!IsSet(body, field) || !body[field].is_string() || body[field].get<std::string>().empty()) {
       return Bad(std::string("'") + field + "' must be a non-empty string", field);
     }
   }
   doc.text = body["document"].get<std::string>();
-  doc.erratum = body["erratum"].get<std::string>();
   int64_t base = 0;
   if (DocumentTokens(model, {doc.text, {}}, &base).empty()) {
     return Bad("'document' has no tokens", "document");
   }
+  if (steer) {
+    KDN_API_CHECK(ParseSteer(body["steer"], "steer", &out->steer.emplace()));
+    KDN_API_CHECK(AddStoredDocument(model, doc, "the document", "document", out));
+    KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
+    out->edit = true;
+    return std::nullopt;
+  }
+  doc.erratum = body["erratum"].get<std::string>();
   KDN_API_CHECK(AddStoredDocument(model, doc, "the edited document", "erratum", out));
   KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
   out->edit = true;
   return std::nullopt;
 }
 
+// POST /v1/kdn/steering: {"name", "pairs", "layers", "cache_salt"}.
+std::optional<ApiError> ParseSteeringRequestUnguarded(const std::string& body_text,
+                                                      const ServedModel& model,
+                                                      InjectApiRequest* out) {
+  json body;
+  KDN_API_CHECK(ParseBody(body_text, model, &body));
+  for (const auto& [k, v] : body.items()) {
+    if (k != "name" && k != "pairs" && k != "layers" && k != "cache_salt" && k != "model" &&
+        k != "user") {
+      return Bad(
+          "unknown field '" + k + "': a steering vector takes name, pairs, layers and cache_salt",
+          k);
+    }
+  }
+  blend::SteeringVectorSpec spec;
+  if (!IsSet(body, "name") || !body["name"].is_string()) {
+    return Bad("'name' must be the steering vector's name", "name");
+  }
+  spec.name = body["name"].get<std::string>();
+  if (Status st = blend::CheckSteeringName(spec.name); !st.ok()) return Bad(st.message(), "name");
+  const json& pairs = IsSet(body, "pairs") ? body["pairs"] : json();
+  if (!pairs.is_array() || pairs.empty() || pairs.size() > blend::kMaxSteeringPairs) {
+    return Bad("'pairs' must be a list of 1 to " + std::to_string(blend::kMaxSteeringPairs) +
+                   " {\"positive\", \"negative\"} prompt pairs",
+               "pairs");
+  }
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const std::string at = "pairs[" + std::to_string(i) + "]";
+    const json& p = pairs[i];
+    if (!p.is_object() || p.size() != 2 || !p.contains("positive") || !p.contains("negative") ||
+        !p["positive"].is_string() || !p["negative"].is_string()) {
+      return Bad(at + " must be {\"positive\": TEXT, \"negative\": TEXT}", at);
+    }
+    std::vector<int32_t> pos = model.tokenizer->Encode(p["positive"].get<std::string>(), true);
+    std::vector<int32_t> neg = model.tokenizer->Encode(p["negative"].get<std::string>(), true);
+    for (const auto& [prompt, side] : {std::pair{&pos, "positive"}, {&neg, "negative"}}) {
+      if (p[side].get<std::string>().empty()) {
+        return Bad(at + "." + side + " is empty", at + "." + side);
+      }
+      if (static_cast<int64_t>(prompt->size()) > model.config->max_context) {
+        return Bad(at + "." + side + " has " + std::to_string(prompt->size()) +
+                       " tokens; a prompt has 1 to the model's context of " +
+                       std::to_string(model.config->max_context),
+                   at + "." + side);
+      }
+    }
+    spec.pairs.emplace_back(std::move(pos), std::move(neg));
+  }
+  if (IsSet(body, "layers")) {
+    const json& layers = body["layers"];
+    if (!layers.is_array() || layers.empty()) {
+      return Bad("'layers' must be a list of layers", "layers");
+    }
+    for (const json& l : layers) {
+      if (!l.is_number_integer()) return Bad("'layers' must be a list of layers", "layers");
+      spec.layers.push_back(l.get<int>());
+    }
+  } else {
+    spec.layers = blend::MiddleThirdLayers(model.config->num_layers);
+  }
+  if (Status st =
+          blend::CheckSteeringVectorSpec(spec, model.config->num_layers, model.config->max_context);
+      !st.ok()) {
+    return Bad(st.message(), "layers");
+  }
+  KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
+  out->steering_vector = std::move(spec);
+  return std::nullopt;
+}
+
 }  // namespace
+
+std::optional<ApiError> ParseSteeringRequest(const std::string& body_text, const ServedModel& model,
+                                             InjectApiRequest* out) {
+  return RefuseOnJsonException(
+      [&] { return ParseSteeringRequestUnguarded(body_text, model, out); });
+}
 
 std::optional<ApiError> ParseRequest(ApiKind kind, const std::string& body_text,
                                      const ServedModel& model, ApiRequest* out) {

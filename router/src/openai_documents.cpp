@@ -42,6 +42,31 @@ std::optional<ApiError> ParseEmphasize(const json& v, const std::string& at,
 
 }  // namespace
 
+std::optional<ApiError> ParseSteer(const json& v, const std::string& field, blend::SteerSpec* out) {
+  if (!v.is_object()) {
+    return Bad(field + " must be {\"vector\": NAME, \"strength\": NUMBER}", field);
+  }
+  for (const auto& [k, member] : v.items()) {
+    if (k != "vector" && k != "strength") {
+      return Bad(field + ": unknown field '" + k + "' (vector, strength)", field + "." + k);
+    }
+  }
+  if (!IsSet(v, "vector") || !v["vector"].is_string()) {
+    return Bad(field + ".vector must be a steering vector's name", field + ".vector");
+  }
+  out->vector = v["vector"].get<std::string>();
+  if (Status st = blend::CheckSteeringName(out->vector); !st.ok()) {
+    return Bad(field + ".vector: " + st.message(), field + ".vector");
+  }
+  const double strength =
+      IsSet(v, "strength") && v["strength"].is_number() ? v["strength"].get<double>() : 0;
+  if (Status st = blend::CheckSteerStrength(strength); !st.ok()) {
+    return Bad(field + ".strength: " + st.message(), field + ".strength");
+  }
+  out->strength = static_cast<float>(strength);
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<DocumentText>* docs) {
   const json& d = body["documents"];
   if (!d.is_array()) {
@@ -58,8 +83,13 @@ std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<Docume
           KDN_API_CHECK(ParseEmphasize(v, at, &doc.emphasize));
           continue;
         }
+        if (k == "steer") {
+          KDN_API_CHECK(ParseSteer(v, at + ".steer", &doc.steer.emplace()));
+          continue;
+        }
         if (k != "text" && k != "erratum") {
-          return Bad(at + ": unknown field '" + k + "' (text, erratum, emphasize)", at + "." + k);
+          return Bad(at + ": unknown field '" + k + "' (text, erratum, emphasize, steer)",
+                     at + "." + k);
         }
         if (!v.is_string() || v.get<std::string>().empty()) {
           return Bad(at + "." + k + " must be a non-empty string", at + "." + k);
@@ -67,6 +97,9 @@ std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<Docume
         (k == "text" ? doc.text : doc.erratum) = v.get<std::string>();
       }
       if (doc.text.empty()) return Bad(at + ".text is required", at + ".text");
+      if (doc.steer && !doc.erratum.empty()) {
+        return Bad(at + ": a steered version is of a document without an erratum", at + ".steer");
+      }
       docs->push_back(std::move(doc));
       continue;
     }
@@ -111,6 +144,11 @@ std::optional<ApiError> BlendPrompt(const ServedModel& model, const std::string&
       return Bad("document " + std::to_string(i) + " has no tokens", "documents");
     }
     b.segment_tokens.push_back(static_cast<int>(t.size()));
+    if (docs[i].steer) {
+      // One per document once any names a steered version.
+      b.steer.resize(docs.size());
+      b.steer[i] = docs[i].steer;
+    }
     // Its emphasized phrases, as prompt positions: the request's
     // 'emphasis' gives the heads and the strength (ParseEmphasis).
     for (const std::string& phrase : docs[i].emphasize) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kdn/blend/steering.h"
 #include "kdn/router/openai.h"
 
 namespace kdn::router {
@@ -21,7 +22,13 @@ struct DocumentText {
   std::string text;
   std::string erratum;
   std::vector<std::string> emphasize;
+  // The steered version it names (docs/serving.md, "Steering a document").
+  std::optional<blend::SteerSpec> steer;
 };
+
+// A `steer` object, {"vector": NAME, "strength": S}: a request's document's
+// or an edit's. 400s name `field`'s members.
+std::optional<ApiError> ParseSteer(const json& v, const std::string& field, blend::SteerSpec* out);
 
 // A document's tokens, as a request's prompt holds them: the text's, then
 // the erratum's, each tokenized on its own. `base`: the text's count when
@@ -30,7 +37,7 @@ std::vector<int32_t> DocumentTokens(const ServedModel& model, const DocumentText
                                     int64_t* base);
 
 // The `documents` field (set): a non-empty list whose entries are non-empty
-// strings or {"text", "erratum", "emphasize"} objects.
+// strings or {"text", "erratum", "emphasize", "steer"} objects.
 std::optional<ApiError> ParseDocumentsField(const json& body, std::vector<DocumentText>* docs);
 
 // The documents of a request: the `documents` field, or the pieces of `text`

@@ -101,6 +101,10 @@ proto::WorkerMessage InjectMessage(const InjectJob& job, size_t doc) {
     ir->set_base_tokens(static_cast<int32_t>(job.base_tokens[doc]));
     ir->set_base_required(job.base_required);
   }
+  if (job.steer) control::SteerToProto(*job.steer, ir->mutable_steer());
+  if (job.steering_vector) {
+    control::SteeringVectorToProto(*job.steering_vector, ir->mutable_steering_vector());
+  }
   return m;
 }
 

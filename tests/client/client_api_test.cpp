@@ -367,6 +367,38 @@ TEST_F(ClientApiTest, DocumentsAreStoredWholeUnderTheirSegmentKey) {
   EXPECT_EQ(kdn_document_held(client_, t.data(), n, nullptr), KDN_INVALID_ARGUMENT);
 }
 
+// Steering vectors and steered versions are kdn's to make (POST
+// /v1/kdn/steering, /v1/kdn/edit; their hits are tests/client/test_hf.py's):
+// here, the misses and the bad arguments.
+TEST_F(ClientApiTest, SteeringVectorsAndSteeredVersionsTheKdnLacksAreMisses) {
+  int64_t layers = -1;
+  EXPECT_EQ(kdn_steering_vector_fetch(client_, "trust", 0, nullptr, nullptr, &layers),
+            KDN_NOT_FOUND);
+  EXPECT_EQ(layers, 0);
+  EXPECT_NE(std::string(kdn_last_error()).find("trust"), std::string::npos) << kdn_last_error();
+  int32_t layer_buf[2];
+  EXPECT_EQ(kdn_steering_vector_fetch(client_, "trust", 2, layer_buf, nullptr, &layers),
+            KDN_INVALID_ARGUMENT);
+  EXPECT_EQ(kdn_steering_vector_fetch(client_, nullptr, 0, nullptr, nullptr, &layers),
+            KDN_INVALID_ARGUMENT);
+  EXPECT_EQ(kdn_steering_vector_fetch(client_, "trust", 0, nullptr, nullptr, nullptr),
+            KDN_INVALID_ARGUMENT);
+
+  // A document held whole is not its steered version.
+  const int64_t n = 20;
+  const auto t = Tokens(n, 6);
+  Buffers src(KDN_F32, KDN_TOKEN_MAJOR, n);
+  Fill(src, n);
+  ASSERT_EQ(kdn_document_store(client_, t.data(), n, &src.layout, nullptr), KDN_OK);
+  Buffers dst(KDN_F32, KDN_TOKEN_MAJOR, n);
+  EXPECT_EQ(kdn_steered_document_fetch(client_, t.data(), n, "trust", 1.0f, &dst.layout),
+            KDN_NOT_FOUND);
+  EXPECT_EQ(kdn_steered_document_fetch(client_, t.data(), n, nullptr, 1.0f, &dst.layout),
+            KDN_INVALID_ARGUMENT);
+  EXPECT_EQ(kdn_steered_document_fetch(client_, t.data(), 0, "trust", 1.0f, &dst.layout),
+            KDN_INVALID_ARGUMENT);
+}
+
 TEST_F(ClientApiTest, MissesForOtherPromptsModelsAndNamespaces) {
   const int64_t n = 2 * kChunk;
   const auto t = Tokens(n, 3);

@@ -17,6 +17,7 @@ Runs with the transformers of .venv-ref (CI's) and of scripts/vllm-env.sh's
 environment (the current one; scripts/test-vllm.sh runs it there too).
 """
 
+import json
 import logging
 import os
 import re
@@ -199,6 +200,97 @@ def test_documents_and_an_erratum_edit_cross_between_kdn_and_transformers(smollm
         want, _ = blend_text(smollm2, texts, question, NEW_TOKENS, selection, errata=errata,
                              extra=f32)
         assert r["choices"][0]["text"] == want, errata
+
+
+STEERING_PAIRS = [
+    ("The capital of Brivia is Tolmen. Note: this text is right.",
+     "The capital of Brivia is Tolmen. Note: this text is wrong."),
+    ("The river Aldo flows into the Kesh sea. Note: this text is right.",
+     "The river Aldo flows into the Kesh sea. Note: this text is wrong."),
+    ("Marta Ilves wrote the novel Grey Harbour. Note: this text is right.",
+     "Marta Ilves wrote the novel Grey Harbour. Note: this text is wrong."),
+    ("The Ostrel bird eats only seeds. Note: this text is right.",
+     "The Ostrel bird eats only seeds. Note: this text is wrong."),
+]
+
+
+def test_a_steering_vector_and_a_steered_document_cross_between_kdn_and_transformers(
+        smollm2, reference, deployment, client, tmp_path):
+    """A steering vector kdn makes (POST /v1/kdn/steering) is the mean value
+    difference transformers computes at its pairs' last tokens; a steer edit
+    stores the document's steered version beside the original, which the
+    client library fetches as the original plus strength x vector at the
+    document's last token; a request naming that version answers as
+    kdn-generate --steer does, and not as the plain document does."""
+    name, strength = "trust-the-text", 4
+    body = {"name": name, "pairs": [{"positive": p, "negative": n} for p, n in STEERING_PAIRS]}
+    r = deployment.http.post("/v1/kdn/steering", json=body, timeout=120.0)
+    assert r.status_code == 200, r.text[:300]
+    made = r.json()
+    assert (made["object"], made["name"], made["pairs"]) == ("kdn.steering_vector", name, 4), made
+    assert made["layers"] == list(range(10, 20)) and not made["already_held"], made
+    assert deployment.http.post("/v1/kdn/steering", json=body).json()["already_held"]
+    other = dict(body, pairs=body["pairs"][:2])
+    r = deployment.http.post("/v1/kdn/steering", json=other)
+    assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text[:300]
+
+    layers, values = client.steering_vector(name)
+    assert layers == list(range(10, 20))
+    assert client.steering_vector("no-such-vector", failure="miss") is None
+    diffs = []
+    for positive, negative in STEERING_PAIRS:
+        rows = []
+        for prompt in (positive, negative):
+            ids = llama_cpp_ids(smollm2, [prompt], add_special=True)[0]
+            own = kdn.hf._layer_kv(full_cache(reference, ids))
+            rows.append(torch.stack([own[layer][1][0, :, -1, :] for layer in layers]))
+        diffs.append(rows[0] - rows[1])
+    want = torch.stack(diffs).mean(0).numpy()
+    np.testing.assert_allclose(values, want, atol=2e-3, rtol=1e-3)
+
+    doc = ("The lighthouse keeper of Orlem island is named Tavi. "
+           "She rows to the mainland every Sunday.")
+    question = "\nQuestion: Who keeps the lighthouse of Orlem?\nAnswer:"
+    doc_ids = llama_cpp_ids(smollm2, [doc])[0]
+    steer = {"vector": name, "strength": strength}
+    r = deployment.http.post("/v1/kdn/edit", json={"document": doc, "steer": steer})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "document", r.text[:300]
+    inject(deployment, [doc])
+    r = deployment.http.post("/v1/kdn/edit", json={"document": doc, "steer": dict(steer,
+                                                                               vector="nope")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "steer.vector", r.text[:300]
+    r = deployment.http.post("/v1/completions", json={
+        "prompt": question, "documents": [{"text": doc, "steer": steer}], "max_tokens": 8})
+    assert r.status_code == 400 and "/v1/kdn/edit" in r.json()["error"]["message"], r.text[:300]
+    r = deployment.http.post("/v1/kdn/edit", json={"document": doc, "steer": steer},
+                             timeout=120.0)
+    assert r.status_code == 200, r.text[:300]
+    e = r.json()
+    assert (e["edit"], e["steer"], e["document_tokens"]) == ("steer", steer, len(doc_ids)), e
+
+    original = client.fetch_document(doc_ids)
+    steered = client.fetch_document(doc_ids, steer=(name, strength))
+    np.testing.assert_array_equal(steered[0], original[0])  # keys untouched
+    delta = steered[1] - original[1]
+    delta_want = np.zeros_like(delta)
+    for i, layer in enumerate(layers):
+        delta_want[layer, :, -1, :] = strength * values[i]
+    np.testing.assert_allclose(delta, delta_want, atol=1e-5)
+
+    pairs_file = tmp_path / "pairs.json"
+    pairs_file.write_text(json.dumps(body))
+    selection = "boundary+deviation:8"
+    f32 = ("--weights-dtype", "f32")
+    r = deployment.completion(question, documents=[{"text": doc, "steer": steer}],
+                              max_tokens=NEW_TOKENS, temperature=0, blend_selection=selection)
+    assert details(r["usage"])["blended_tokens"] == len(doc_ids), r["usage"]
+    want, _ = blend_text(smollm2, [doc], question, NEW_TOKENS, selection,
+                         extra=f32 + ("--steer", "0=%s" % strength, "--steering-pairs",
+                                      pairs_file))
+    assert r["choices"][0]["text"] == want
+    plain = deployment.completion(question, documents=[doc], max_tokens=NEW_TOKENS,
+                                  temperature=0, blend_selection=selection)
+    assert plain["choices"][0]["text"] != want, want
 
 
 def test_another_model_misses_and_a_wrong_layout_is_refused(smollm2, deployment, client):

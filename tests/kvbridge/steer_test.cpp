@@ -136,7 +136,7 @@ TEST(Steer, AVectorStoredAsAChunkReadsBackWholeAndIsNeverKv) {
   auto v = ValueSteeringVector(*model, "trust-the-text", {{p1, n1}, {n1, p1}}, {1});
   ASSERT_TRUE(v.ok()) << v.status().ToString();
   const kvbus::ChunkKey fp{1, 2}, key{7, 8};
-  auto chunk = SteeringChunk(*v, layers, key, fp);
+  auto chunk = kvbus::SteeringChunk(*v, layers, key, fp);
   ASSERT_TRUE(chunk.ok()) << chunk.status().ToString();
   EXPECT_TRUE((*chunk)->info().is_steering());
   EXPECT_EQ((*chunk)->info().layers, static_cast<uint32_t>(layers));
@@ -145,7 +145,7 @@ TEST(Steer, AVectorStoredAsAChunkReadsBackWholeAndIsNeverKv) {
   auto parsed =
       kvbus::Chunk::Parse(std::vector<uint8_t>((*chunk)->bytes().begin(), (*chunk)->bytes().end()));
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
-  auto back = SteeringFromChunk(**parsed);
+  auto back = kvbus::SteeringFromChunk(**parsed);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->name, "trust-the-text");
   EXPECT_EQ(back->layers, v->layers);
@@ -167,16 +167,18 @@ TEST(Steer, AVectorStoredAsAChunkReadsBackWholeAndIsNeverKv) {
   kv_info.steering_bytes = 0;
   auto kv = kvbus::Chunk::Make(kv_info, std::vector<uint8_t>(kv_info.payload_bytes()));
   ASSERT_TRUE(kv.ok());
-  EXPECT_EQ(SteeringFromChunk(**kv).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_FALSE(SteeringChunk(*v, 1, key, fp).ok());
+  EXPECT_EQ(kvbus::SteeringFromChunk(**kv).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(kvbus::SteeringChunk(*v, 1, key, fp).ok());
   SteeringVector cut = *v;
   cut.values.pop_back();
-  EXPECT_FALSE(SteeringChunk(cut, layers, key, fp).ok());
+  EXPECT_FALSE(kvbus::SteeringChunk(cut, layers, key, fp).ok());
 
   // A description cut short, or with bytes past its pairs, is damage.
   for (const auto& edit : std::vector<std::function<void(std::vector<uint8_t>&)>>{
            [](std::vector<uint8_t>& d) { d.resize(d.size() - 4); },
-           [](std::vector<uint8_t>& d) { d.insert(d.end(), {0, 0, 0, 0}); },
+           [](std::vector<uint8_t>& d) {
+             d.insert(d.end(), {0, 0, 0, 0});
+           },
            [](std::vector<uint8_t>& d) { d[0] = 9; }}) {
     kvbus::ChunkInfo info = (*chunk)->info();
     edit(info.steering);
@@ -184,7 +186,7 @@ TEST(Steer, AVectorStoredAsAChunkReadsBackWholeAndIsNeverKv) {
     const std::span<const uint8_t> payload = (*chunk)->payload();
     auto forged = kvbus::Chunk::Make(info, {payload.begin(), payload.end()});
     ASSERT_TRUE(forged.ok()) << forged.status().ToString();
-    EXPECT_EQ(SteeringFromChunk(**forged).status().code(), StatusCode::kCorruption);
+    EXPECT_EQ(kvbus::SteeringFromChunk(**forged).status().code(), StatusCode::kCorruption);
   }
 }
 

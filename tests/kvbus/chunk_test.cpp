@@ -301,8 +301,7 @@ TEST(Chunk, ASteeringChunkIsFlaggedAndKeepsItsDescriptionUnderThePayloadChecksum
   EXPECT_EQ(Chunk::Make(pruned, GoldenPayload()).status().code(), StatusCode::kInvalidArgument);
   ChunkInfo short_of = info;
   short_of.steering_bytes = 7;
-  EXPECT_EQ(Chunk::Make(short_of, GoldenPayload()).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Chunk::Make(short_of, GoldenPayload()).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(Chunk, MakeRefusesKeptPositionsThatDoNotFit) {

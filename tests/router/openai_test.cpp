@@ -476,6 +476,106 @@ TEST_F(OpenAiTest, AnErratumFollowsItsDocumentInOneSegment) {
   }
 }
 
+// Steering (docs/serving.md, "Steering a document"): a vector made from
+// prompt pairs, a steer edit of a stored document, and a request's document
+// naming its steered version.
+TEST_F(OpenAiTest, SteeringVectorsSteerEditsAndSteeredDocumentsParseAndBadOnesNameTheirField) {
+  ApiRequest r;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion,
+                     R"({"prompt":"Q?","documents":[{"text":"ab","steer":{"vector":"trust",
+                         "strength":2}},"cd"]})",
+                     &r));
+  ASSERT_TRUE(r.blend.has_value());
+  EXPECT_EQ(r.blend->steer, (std::vector<std::optional<blend::SteerSpec>>{
+                                blend::SteerSpec{"trust", 2.0f}, std::nullopt}));
+  ApiRequest plain;
+  ASSERT_FALSE(Parse(ApiKind::kCompletion, R"({"prompt":"Q?","documents":["ab","cd"]})", &plain));
+  EXPECT_TRUE(plain.blend->steer.empty());
+
+  InjectApiRequest edit;
+  ASSERT_FALSE(ParseEditRequest(
+      R"({"document":"ab","steer":{"vector":"trust","strength":-1.5},"cache_salt":"t"})", model_,
+      &edit));
+  EXPECT_EQ(edit.documents, (std::vector<std::vector<int32_t>>{{'a', 'b'}}));
+  EXPECT_EQ(edit.base_tokens, (std::vector<int64_t>{0}));
+  EXPECT_EQ(edit.steer, (blend::SteerSpec{"trust", -1.5f}));
+  EXPECT_EQ(edit.cache_salt, "t");
+  EXPECT_TRUE(edit.edit);
+
+  InjectApiRequest vector;
+  ASSERT_FALSE(ParseSteeringRequest(
+      R"({"name":"trust","pairs":[{"positive":"yes","negative":"no"}],"cache_salt":"t"})", model_,
+      &vector));
+  ASSERT_TRUE(vector.steering_vector.has_value());
+  EXPECT_EQ(vector.steering_vector->name, "trust");
+  EXPECT_EQ(vector.steering_vector->layers, blend::MiddleThirdLayers(config_.num_layers));
+  ASSERT_EQ(vector.steering_vector->pairs.size(), 1u);
+  EXPECT_EQ(vector.steering_vector->pairs[0].first, tokenizer_.Encode("yes", true));
+  EXPECT_EQ(vector.steering_vector->pairs[0].second, tokenizer_.Encode("no", true));
+  EXPECT_TRUE(vector.documents.empty());
+  EXPECT_EQ(vector.cache_salt, "t");
+  InjectApiRequest layered;
+  ASSERT_FALSE(ParseSteeringRequest(
+      R"({"name":"v.2","pairs":[{"positive":"a","negative":"b"}],"layers":[0,1]})", model_,
+      &layered));
+  EXPECT_EQ(layered.steering_vector->layers, (std::vector<int>{0, 1}));
+
+  const std::string doc = R"({"prompt":"Q?","documents":[{"text":"ab","steer":)";
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {doc + R"({"strength":1}}]})", "documents[0].steer.vector"},
+           {doc + R"({"vector":"a b","strength":1}}]})", "documents[0].steer.vector"},
+           {doc + R"({"vector":"v"}}]})", "documents[0].steer.strength"},
+           {doc + R"({"vector":"v","strength":0}}]})", "documents[0].steer.strength"},
+           {doc + R"({"vector":"v","strength":17}}]})", "documents[0].steer.strength"},
+           {doc + R"({"vector":"v","strength":1,"layers":[1]}}]})", "documents[0].steer.layers"},
+           {doc + R"("v"}]})", "documents[0].steer"},
+           {R"({"prompt":"Q?","documents":[{"text":"ab","erratum":"c",
+                "steer":{"vector":"v","strength":1}}]})",
+            "documents[0].steer"},
+       }) {
+    ApiRequest bad;
+    auto e = Parse(ApiKind::kCompletion, body, &bad);
+    ASSERT_TRUE(e.has_value()) << body;
+    EXPECT_EQ(e->param, param) << body;
+    EXPECT_EQ(e->http_status, 400) << body;
+  }
+  InjectApiRequest inject;
+  auto refused = ParseInjectRequest(
+      R"({"documents":[{"text":"ab","steer":{"vector":"v","strength":1}}]})", model_, &inject);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->param, "documents[0].steer");
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"document":"ab","steer":{"vector":"v","strength":99}})", "steer.strength"},
+           {R"({"document":"ab","steer":"v"})", "steer"},
+           {R"({"steer":{"vector":"v","strength":1}})", "document"},
+       }) {
+    InjectApiRequest bad;
+    auto e = ParseEditRequest(body, model_, &bad);
+    ASSERT_TRUE(e.has_value()) << body;
+    EXPECT_EQ(e->param, param) << body;
+  }
+  const std::string pair = R"([{"positive":"a","negative":"b"}])";
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"pairs":)" + pair + "}", "name"},
+           {R"({"name":"","pairs":)" + pair + "}", "name"},
+           {R"({"name":"a/b","pairs":)" + pair + "}", "name"},
+           {R"({"name":"v"})", "pairs"},
+           {R"({"name":"v","pairs":[]})", "pairs"},
+           {R"({"name":"v","pairs":[{"positive":"a"}]})", "pairs[0]"},
+           {R"({"name":"v","pairs":[{"positive":"a","negative":""}]})", "pairs[0].negative"},
+           {R"({"name":"v","pairs":)" + pair + R"(,"layers":[1,0]})", "layers"},
+           {R"({"name":"v","pairs":)" + pair + R"(,"layers":[9]})", "layers"},
+           {R"({"name":"v","pairs":)" + pair + R"(,"layers":"1"})", "layers"},
+           {R"({"name":"v","pairs":)" + pair + R"(,"strength":1})", "strength"},
+       }) {
+    InjectApiRequest bad;
+    auto e = ParseSteeringRequest(body, model_, &bad);
+    ASSERT_TRUE(e.has_value()) << body;
+    EXPECT_EQ(e->param, param) << body;
+    EXPECT_EQ(e->http_status, 400) << body;
+  }
+}
+
 // A document's emphasized phrases become prompt positions; the request's
 // 'emphasis' (or the router's defaults) the heads and the strength
 // (docs/serving.md, "Emphasis").

@@ -27,10 +27,10 @@ extern "C" {
 #endif
 
 /* Bumped when a struct or a function's meaning changes, or functions are
- * added (2: the Redis password file and kdn_status_is_miss; 3: documents).
- * The library's soname changes only when an earlier version's calls would
- * break: libkdn_client.so.2 serves versions 2 and 3. */
-#define KDN_CLIENT_API_VERSION 3
+ * added (2: the Redis password file and kdn_status_is_miss; 3: documents;
+ * 4: steering). The library's soname changes only when an earlier
+ * version's calls would break: libkdn_client.so.2 serves versions 2 to 4. */
+#define KDN_CLIENT_API_VERSION 4
 KDN_API int kdn_api_version(void);
 
 typedef enum kdn_status {
@@ -240,6 +240,30 @@ KDN_API kdn_status kdn_document_fetch(kdn_client* client, const int32_t* tokens,
  * `already_held` may be NULL). */
 KDN_API kdn_status kdn_document_store(kdn_client* client, const int32_t* tokens, int64_t n,
                                       const kdn_kv_layout* src, int* already_held);
+
+/* ---- Steering (docs/serving.md, "Steering a document"). ---- */
+
+/* A steering vector is made by kdn (POST /v1/kdn/steering) and stored in
+ * the KDN under its name; a document's steered version (POST /v1/kdn/edit
+ * with `steer`) is its KV with strength times the vector added to its last
+ * token's values at the vector's layers, stored beside the original. */
+
+/* Reads the steering vector named `name`: *n_layers is its layer count; when
+ * it is at most `capacity` (layers), its layers go to `layers` and its
+ * values to `values`, kv_heads * head_dim floats a layer, in the order of
+ * its layers ([layer][kv_head][head_dim]); with a smaller capacity (0
+ * included, with NULL buffers) nothing is written but *n_layers. NOT_FOUND
+ * (a miss) when the KDN holds no vector of that name for this model. */
+KDN_API kdn_status kdn_steering_vector_fetch(kdn_client* client, const char* name, int64_t capacity,
+                                             int32_t* layers, float* values, int64_t* n_layers);
+
+/* Writes the KV of the document's version steered by the vector `vector` at
+ * `strength` into tokens [0, n) of `dst`, as kdn_document_fetch writes the
+ * document's own. NOT_FOUND (a miss) when the KDN does not hold that
+ * version. */
+KDN_API kdn_status kdn_steered_document_fetch(kdn_client* client, const int32_t* tokens, int64_t n,
+                                              const char* vector, float strength,
+                                              const kdn_kv_layout* dst);
 
 #ifdef __cplusplus
 }

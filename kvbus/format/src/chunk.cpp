@@ -289,7 +289,8 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
   }
   if (steering) {
     info.steering_bytes = Get32(h + kOffSteeringBytes);
-    if (info.steering_bytes == 0) return Corruption(what + ": a steering chunk with no description");
+    if (info.steering_bytes == 0)
+      return Corruption(what + ": a steering chunk with no description");
   }
   f.payload_bytes = Get64(h + kOffPayloadBytes);
   f.payload_checksum = Get64(h + kOffPayloadSum);
@@ -300,8 +301,7 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
                       std::to_string(Get64(h + kOffRawBytes)) + " bytes, shape implies " +
                       std::to_string(info.payload_bytes()));
   }
-  if (info.codec == KvCodec::kRaw &&
-      f.payload_bytes != info.annex_bytes() + info.payload_bytes()) {
+  if (info.codec == KvCodec::kRaw && f.payload_bytes != info.annex_bytes() + info.payload_bytes()) {
     return Corruption(what + ": header says " + std::to_string(f.payload_bytes) +
                       " payload bytes, shape implies " +
                       std::to_string(info.annex_bytes() + info.payload_bytes()));

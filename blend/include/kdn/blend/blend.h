@@ -50,6 +50,12 @@ struct Segment {
   // holds the KV of some of the tokens only; the rest have none in the
   // fused prompt, which keeps every token's position.
   std::shared_ptr<const kvbus::Chunk> kv;
+  // Slots of `kv` (ascending offsets into its tokens) whose stored KV the
+  // blend keeps wherever it places cached KV: never chosen for recompute (a
+  // steered document's steered token, docs/serving.md, "Steering a
+  // document"). Below the first check layer every row is computed anew,
+  // these too.
+  std::vector<int64_t> pinned;
 };
 
 // A cached document's place in the prompt, in KV slots (a pruned segment

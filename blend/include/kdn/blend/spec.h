@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "kdn/blend/steering.h"
 #include "kdn/common/status.h"
 
 namespace kdn::blend {
@@ -144,6 +145,9 @@ struct BlendSpec {
   // Set: the request's emphasis (Emphasis), for the prefill worker's blend
   // and, in PrepareRequest, the decode worker's steps.
   std::optional<Emphasis> emphasis;
+  // Empty, or one per document: the steered version a document names
+  // (kdn/blend/steering.h), which the KDN must hold; unset: the document.
+  std::vector<std::optional<SteerSpec>> steer;
 };
 
 }  // namespace kdn::blend

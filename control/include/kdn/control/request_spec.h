@@ -8,7 +8,10 @@
 //
 // Thread-compatible values.
 
+#include <optional>
+
 #include "kdn/blend/spec.h"
+#include "kdn/blend/steering.h"
 #include "kdn/common/kv_block.h"
 #include "kdn/common/status.h"
 #include "kdn/prune/spec.h"
@@ -17,6 +20,8 @@ namespace kdn::proto {
 class BlendSpec;
 class Emphasis;
 class PruneSpec;
+class SteerSpec;
+class SteeringVectorSpec;
 }  // namespace kdn::proto
 
 namespace kdn::control {
@@ -30,6 +35,13 @@ blend::BlendSpec BlendFromProto(const proto::BlendSpec& p);
 // Emphasis (blend::Emphasis) on the wire: in BlendSpec and PrepareRequest.
 void EmphasisToProto(const blend::Emphasis& e, proto::Emphasis* out);
 blend::Emphasis EmphasisFromProto(const proto::Emphasis& p);
+
+// Steering (kdn/blend/steering.h) on the wire: a document's steered version
+// (an empty vector name: none) and a vector to make.
+void SteerToProto(const blend::SteerSpec& s, proto::SteerSpec* out);
+std::optional<blend::SteerSpec> SteerFromProto(const proto::SteerSpec& p);
+void SteeringVectorToProto(const blend::SteeringVectorSpec& s, proto::SteeringVectorSpec* out);
+blend::SteeringVectorSpec SteeringVectorFromProto(const proto::SteeringVectorSpec& p);
 
 void PruneToProto(const prune::PruneSpec& spec, proto::PruneSpec* out);
 prune::PruneSpec PruneFromProto(const proto::PruneSpec& p);

@@ -99,9 +99,12 @@ struct PrefetchedKv {
   // A blend job's documents the KDN held, by segment key.
   std::map<kvbus::ChunkKey, std::shared_ptr<const kvbus::Chunk>> segments;
   bool inject_held = false;  // an injected document's KV is held already
-  // An erratum edit's original (InjectSpec::base_tokens), when the KDN held
-  // it whole.
+  // An erratum edit's original (InjectSpec::base_tokens), or the document a
+  // steer edit steers, when the KDN held it whole.
   std::shared_ptr<const kvbus::Chunk> inject_base;
+  // The steering vector a steer edit, or a vector to make, names, when the
+  // KDN held one under its name.
+  std::shared_ptr<const kvbus::Chunk> steering;
 };
 
 // What Inject stores beyond a plain document.
@@ -117,6 +120,15 @@ struct InjectSpec {
   // The original must be held (POST /v1/kdn/edit): NOT_FOUND when the KDN
   // lacks it whole, and nothing stored. False: it is computed with the rest.
   bool base_required = false;
+  // A steer edit (docs/serving.md, "Steering a document"): the document,
+  // which the KDN must hold whole (else NOT_FOUND), is stored again under
+  // its steered key (kvbus::SteeredKey) with the named vector, which the KDN
+  // must hold (else FAILED_PRECONDITION), added to its last token's values.
+  std::optional<blend::SteerSpec> steer;
+  // A steering vector to make and store under its name (the document is
+  // empty): already held when the name holds the same vector (layers and
+  // pairs), FAILED_PRECONDITION when it holds another.
+  std::optional<blend::SteeringVectorSpec> steering_vector;
 };
 
 struct PrefillOutcome {
@@ -250,6 +262,18 @@ class Prefiller {
   Result<std::shared_ptr<const kvbus::Chunk>> ComputeSegment(
       const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
       const prune::PruneSpec* prune = nullptr, const kvbus::Chunk* base = nullptr);
+  // The key a blend job's document `i` is read under: its segment key, or
+  // that of the steered version it names.
+  kvbus::ChunkKey BlendDocumentKey(const kvbus::KeyContext& ctx, std::span<const int32_t> doc,
+                                   const BlendJob& blend, size_t i) const;
+  // Inject's steering: a steer edit of `tokens`, or a vector to make
+  // (prefill_worker/src/steering.cpp).
+  void Steer(std::span<const int32_t> tokens, const std::string& ns, const blend::SteerSpec& steer,
+             const PrefetchedKv* kv, InjectDone done);
+  void MakeSteeringVector(const std::string& ns, const blend::SteeringVectorSpec& spec,
+                          const PrefetchedKv* kv, InjectDone done);
+  // Prefetch's reads for them.
+  void PrefetchSteering(const PrefillJob& job, const InjectSpec& spec, PrefetchedKv* kv) const;
   // An erratum edit's original, read from `from` (the store, or its host
   // tier; null when it is not held there whole).
   std::shared_ptr<const kvbus::Chunk> InjectBase(kvbus::ChunkStore& from,

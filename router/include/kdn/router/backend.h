@@ -65,6 +65,9 @@ struct InjectProgress {
   int64_t stored_tokens = 0;
   // Of failed: documents of an edit whose original the worker's KDN lacked.
   int missing_base = 0;
+  // The first failure's code (kOk: none failed): what an edit or a steering
+  // vector answers with.
+  StatusCode first_error_code = StatusCode::kOk;
   std::vector<std::pair<int, std::string>> errors;  // (document index, message)
 };
 

@@ -58,8 +58,9 @@ class Injector {
   };
 
   void Pump(uint64_t id);
+  // `error` empty: stored (or `held`); else it failed, with `code`.
   void DocumentDone(Injection& inj, size_t doc, const std::string& error, bool held = false,
-                    int64_t stored_tokens = 0);
+                    int64_t stored_tokens = 0, StatusCode code = StatusCode::kUnavailable);
   void End(std::map<uint64_t, Injection>::iterator it, JobEvent ev);
 
   const WorkerViews& workers_;

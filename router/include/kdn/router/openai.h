@@ -99,16 +99,24 @@ struct InjectApiRequest {
   // `prune`: {"method", "keep", "sinks"}; KVzip's repeat prompts tokenized
   // here (docs/serving.md, "Documents").
   std::optional<prune::PruneSpec> prune;
-  // A body of /v1/kdn/edit: one document with an erratum, whose original
-  // the KDN must hold (docs/serving.md, "Editing a document").
+  // A body of /v1/kdn/edit: one document with an erratum, or steered, whose
+  // original the KDN must hold (docs/serving.md, "Editing a document").
   bool edit = false;
+  std::optional<blend::SteerSpec> steer;  // a steer edit
+  // A body of /v1/kdn/steering: a vector to make (no documents).
+  std::optional<blend::SteeringVectorSpec> steering_vector;
 };
 std::optional<ApiError> ParseInjectRequest(const std::string& body, const ServedModel& model,
                                            InjectApiRequest* out);
-// POST /v1/kdn/edit's body: {"document", "erratum", "cache_salt"}; unknown
-// fields are refused by name.
+// POST /v1/kdn/edit's body: {"document", "erratum" or "steer", "cache_salt"};
+// unknown fields are refused by name.
 std::optional<ApiError> ParseEditRequest(const std::string& body, const ServedModel& model,
                                          InjectApiRequest* out);
+// POST /v1/kdn/steering's body: {"name", "pairs": [{"positive", "negative"}],
+// "layers", "cache_salt"} (docs/serving.md, "Steering a document"); each
+// prompt tokenized as a request's prompt is (after a BOS).
+std::optional<ApiError> ParseSteeringRequest(const std::string& body, const ServedModel& model,
+                                             InjectApiRequest* out);
 
 struct Usage {
   int prompt_tokens = 0;

@@ -64,6 +64,11 @@ struct InjectJob {
   bool base_required = false;
   std::string ns;
   std::optional<prune::PruneSpec> prune;  // each document's KV pruned when stored
+  // A steer edit of the one document (docs/serving.md, "Steering a
+  // document"); its base is required.
+  std::optional<blend::SteerSpec> steer;
+  // A steering vector to make: `documents` is one empty document.
+  std::optional<blend::SteeringVectorSpec> steering_vector;
 };
 
 }  // namespace kdn::router
