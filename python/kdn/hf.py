@@ -99,10 +99,11 @@ def fetch_cache(model, input_ids, client=None):
     return cache, got
 
 
-def fetch_document(model, doc_ids, client=None):
+def fetch_document(model, doc_ids, client=None, steer=None):
     """A DynamicCache holding the KV of the document `doc_ids` as the KDN
     holds it (computed on its own, from position 0: kdn's blend reads it so),
-    or None when the KDN lacks it whole."""
+    or None when the KDN lacks it whole. `steer`: (vector name, strength),
+    its steered version (docs/serving.md, "Steering a document")."""
     c = _client(model, client)
     ids = _ids(doc_ids)
     layers, kv_heads, head_dim = _shape(model)
@@ -110,7 +111,8 @@ def fetch_document(model, doc_ids, client=None):
     k = torch.empty((layers, 1, kv_heads, len(ids), head_dim), dtype=dtype)
     v = torch.empty_like(k)
     if not c.fetch_document_into(ids, [k[i, 0] for i in range(layers)],
-                                 [v[i, 0] for i in range(layers)], "htd", failure="miss"):
+                                 [v[i, 0] for i in range(layers)], "htd", failure="miss",
+                                 steer=steer):
         return None
     cache = _new_cache(model)
     device = next(model.parameters()).device

@@ -270,6 +270,11 @@ def test_a_steering_vector_and_a_steered_document_cross_between_kdn_and_transfor
 
     original = client.fetch_document(doc_ids)
     steered = client.fetch_document(doc_ids, steer=(name, strength))
+    # The same version as transformers' cache: the last token's values differ.
+    cache = kdn.hf._layer_kv(kdn.hf.fetch_document(reference, doc_ids, client,
+                                                   steer=(name, strength)))
+    np.testing.assert_array_equal(cache[layers[0]][1][0].numpy(), steered[1][layers[0]])
+    assert kdn.hf.fetch_document(reference, doc_ids, client, steer=(name, 3)) is None
     np.testing.assert_array_equal(steered[0], original[0])  # keys untouched
     delta = steered[1] - original[1]
     delta_want = np.zeros_like(delta)
