@@ -153,8 +153,12 @@ kdn::Result<kdn::blend::SteeringVectorSpec> LoadSteeringPairs(const std::string&
   if (j.contains("layers")) {
     if (!j["layers"].is_array()) return bad();
     for (const auto& l : j["layers"]) {
-      if (!l.is_number_integer()) return bad();
-      spec.layers.push_back(l.get<int>());
+      // Read wide: a huge number must not wrap into a layer.
+      if (!l.is_number_integer() || l.get<int64_t>() < 0 || l.get<int64_t>() >= cfg.num_layers) {
+        return kdn::InvalidArgument("--steering-pairs: " + file + ": layers are 0 to " +
+                                    std::to_string(cfg.num_layers - 1));
+      }
+      spec.layers.push_back(static_cast<int>(l.get<int64_t>()));
     }
   } else {
     spec.layers = kdn::blend::MiddleThirdLayers(cfg.num_layers);
@@ -338,7 +342,8 @@ int main(int argc, char** argv) {
   app.add_option("--steering-pairs", steering_pairs,
                  "Blend: a POST /v1/kdn/steering body (pairs, layers) the --steer vector is made "
                  "from, as kdn-prefill makes it")
-      ->check(CLI::ExistingFile);
+      ->check(CLI::ExistingFile)
+      ->needs("--steer");
   kdn::prune::PruneSpec prune;
   auto* prune_method =
       app.add_option("--prune-method", prune.method,
@@ -371,9 +376,11 @@ int main(int argc, char** argv) {
   if (!ParseIndexedTexts(steer, documents.size(), "--steer", true, &steer_list)) return 2;
   std::map<size_t, float> steer_of;
   for (const auto& [n, text] : steer_list) {
-    double strength = 0;
+    float strength = 0;  // as a request's strength travels; all of TEXT a number
     try {
-      strength = std::stod(text);
+      size_t used = 0;
+      strength = std::stof(text, &used);
+      if (used != text.size()) strength = 0;
     } catch (...) {
       strength = 0;
     }
@@ -386,7 +393,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kdn-generate: --steer %zu: a steered document has no erratum\n", n);
       return 2;
     }
-    steer_of[n] = static_cast<float>(strength);
+    steer_of[n] = strength;
   }
   if (!steer_of.empty() && (steering_pairs.empty() || !prune.method.empty())) {
     std::fprintf(stderr,

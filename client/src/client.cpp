@@ -504,9 +504,15 @@ kdn_status kdn_steered_document_fetch(kdn_client* client, const int32_t* tokens,
     }
     KDN_RETURN_IF_ERROR(CheckDocumentArg(tokens, n));
     const std::span<const int32_t> t(tokens, static_cast<size_t>(n));
-    const kvbus::ChunkKey key =
-        kvbus::SteeredKey(kvbus::SegmentKey(client->keys, t),
-                          kvbus::SteeringVectorKey(client->keys, vector), strength);
+    // The version's key is made of the vector's id: the vector first.
+    auto chunk = client->store->Get(kvbus::SteeringVectorKey(client->keys, vector));
+    if (!chunk.ok() || !(*chunk)->info().is_steering()) {
+      return !chunk.ok() && chunk.status().code() != StatusCode::kNotFound
+                 ? chunk.status()
+                 : kdn::NotFound(std::string("the KDN holds no steering vector '") + vector + "'");
+    }
+    const kvbus::ChunkKey key = kvbus::SteeredKey(kvbus::SegmentKey(client->keys, t),
+                                                  kvbus::SteeringVectorId(**chunk), strength);
     return FetchDocumentUnder(client, key, n, dst);
   });
 }

@@ -7,6 +7,7 @@
 #include "kdn/kvbridge/prefix_kv.h"
 #include "kdn/kvbus/transfer_plan.h"
 #include "kdn/kvbus/prefix_io.h"
+#include "kdn/kvbus/steering.h"
 #include "kdn/worker/worker_setup.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
@@ -171,7 +172,19 @@ PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, const InjectSpec* inject
       if (len <= 0 || at + len > n) return kv;
       const std::span<const int32_t> doc(job.tokens.data() + at, static_cast<size_t>(len));
       at += len;
-      const kvbus::ChunkKey key = BlendDocumentKey(ctx, doc, *job.blend, i);
+      if (i < job.blend->steer.size() && job.blend->steer[i]) {
+        // The vector's id first: the steered version's key is made of it.
+        const kvbus::ChunkKey name = kvbus::SteeringVectorKey(ctx, job.blend->steer[i]->vector);
+        if (kv.vector_ids.count(name) == 0) {
+          auto vector = store_.Get(name);
+          if (vector.ok() && (*vector)->info().is_steering()) {
+            kv.vector_ids.emplace(name, kvbus::SteeringVectorId(**vector));
+          }
+        }
+      }
+      const Result<kvbus::ChunkKey> found = BlendDocumentKey(ctx, doc, *job.blend, i, &kv);
+      if (!found.ok()) continue;  // RunBlend refuses it
+      const kvbus::ChunkKey key = *found;
       if (kv.segments.count(key) != 0) continue;
       auto chunk = store_.Get(key);
       if (chunk.ok()) kv.segments.emplace(key, *std::move(chunk));
@@ -317,7 +330,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
     const int len = b.segment_tokens[i];
     blend::Segment s{{p, p + len}, nullptr};
     p += len;
-    const kvbus::ChunkKey key = BlendDocumentKey(ctx, s.tokens, b, i);
+    KDN_ASSIGN_OR_RETURN(const kvbus::ChunkKey key, BlendDocumentKey(ctx, s.tokens, b, i, kv));
     Result<std::shared_ptr<const kvbus::Chunk>> chunk = NotFound("not prefetched");
     if (kv == nullptr) {
       chunk = store_.Get(key);

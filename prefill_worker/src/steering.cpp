@@ -18,13 +18,36 @@ std::shared_ptr<const kvbus::Chunk> Read(kvbus::ChunkStore& from, const kvbus::C
 
 }  // namespace
 
-kvbus::ChunkKey Prefiller::BlendDocumentKey(const kvbus::KeyContext& ctx,
-                                            std::span<const int32_t> doc, const BlendJob& blend,
-                                            size_t i) const {
+std::optional<kvbus::ChunkKey> Prefiller::VectorId(const kvbus::KeyContext& ctx,
+                                                   const std::string& name,
+                                                   const PrefetchedKv* kv) const {
+  const kvbus::ChunkKey key = kvbus::SteeringVectorKey(ctx, name);
+  if (kv != nullptr) {
+    if (auto it = kv->vector_ids.find(key); it != kv->vector_ids.end()) return it->second;
+  }
+  // Read here when nothing was read ahead; else stored here since (host
+  // memory): the compute thread waits on no remote tier.
+  kvbus::ChunkStore* from =
+      kv == nullptr ? static_cast<kvbus::ChunkStore*>(&store_) : store_.host();
+  std::shared_ptr<const kvbus::Chunk> chunk = from != nullptr ? Read(*from, key) : nullptr;
+  if (chunk == nullptr || !chunk->info().is_steering()) return std::nullopt;
+  return kvbus::SteeringVectorId(*chunk);
+}
+
+Result<kvbus::ChunkKey> Prefiller::BlendDocumentKey(const kvbus::KeyContext& ctx,
+                                                    std::span<const int32_t> doc,
+                                                    const BlendJob& blend, size_t i,
+                                                    const PrefetchedKv* kv) const {
   const kvbus::ChunkKey key = kvbus::SegmentKey(ctx, doc);
   if (i >= blend.steer.size() || !blend.steer[i]) return key;
   const blend::SteerSpec& s = *blend.steer[i];
-  return kvbus::SteeredKey(key, kvbus::SteeringVectorKey(ctx, s.vector), s.strength);
+  const std::optional<kvbus::ChunkKey> id = VectorId(ctx, s.vector, kv);
+  if (!id) {
+    return InvalidArgument("document " + std::to_string(i) + " names a version steered by '" +
+                           s.vector + "', and the KDN holds no steering vector of that name; " +
+                           "POST /v1/kdn/steering makes one");
+  }
+  return kvbus::SteeredKey(key, *id, s.strength);
 }
 
 void Prefiller::PrefetchSteering(const PrefillJob& job, const InjectSpec& spec,
@@ -35,11 +58,13 @@ void Prefiller::PrefetchSteering(const PrefillJob& job, const InjectSpec& spec,
     return;
   }
   const kvbus::ChunkKey doc = kvbus::SegmentKey(ctx, job.tokens);
-  const kvbus::ChunkKey vector = kvbus::SteeringVectorKey(ctx, spec.steer->vector);
-  kv->inject_held = store_.Contains(kvbus::SteeredKey(doc, vector, spec.steer->strength));
-  if (kv->inject_held) return;
+  kv->steering = Read(store_, kvbus::SteeringVectorKey(ctx, spec.steer->vector));
+  if (kv->steering != nullptr && kv->steering->info().is_steering()) {
+    kv->inject_held = store_.Contains(
+        kvbus::SteeredKey(doc, kvbus::SteeringVectorId(*kv->steering), spec.steer->strength));
+    if (kv->inject_held) return;
+  }
   kv->inject_base = Read(store_, doc);
-  kv->steering = Read(store_, vector);
 }
 
 void Prefiller::Steer(std::span<const int32_t> tokens, const std::string& ns,
@@ -49,23 +74,15 @@ void Prefiller::Steer(std::span<const int32_t> tokens, const std::string& ns,
   const auto n = static_cast<int64_t>(tokens.size());
   const kvbus::KeyContext ctx{fingerprint_, ns, options_.chunk_tokens};
   const kvbus::ChunkKey doc_key = kvbus::SegmentKey(ctx, tokens);
-  const kvbus::ChunkKey vector_key = kvbus::SteeringVectorKey(ctx, steer.vector);
-  const kvbus::ChunkKey key = kvbus::SteeredKey(doc_key, vector_key, steer.strength);
   // What Prefetch read before, off this thread, or what was stored here
   // since (host memory): the compute thread waits on no remote tier.
+  if (kv != nullptr && kv->inject_held) return done(InjectOutcome{true, 0});
   kvbus::ChunkStore* here =
       kv == nullptr ? static_cast<kvbus::ChunkStore*>(&store_) : store_.host();
-  if ((kv != nullptr && kv->inject_held) || (here != nullptr && here->Contains(key))) {
-    return done(InjectOutcome{true, 0});
-  }
-  std::shared_ptr<const kvbus::Chunk> doc = kv != nullptr ? kv->inject_base : nullptr;
-  if (doc == nullptr && here != nullptr) doc = Read(*here, doc_key);
-  if (doc == nullptr || !kvbus::ChunkFits(*doc, fingerprint_, n, chunk_dtype_)) {
-    return done(NotFound("steer: the document to steer (" + std::to_string(n) +
-                         " tokens) is not in the KDN whole; inject it first"));
-  }
   std::shared_ptr<const kvbus::Chunk> vector_chunk = kv != nullptr ? kv->steering : nullptr;
-  if (vector_chunk == nullptr && here != nullptr) vector_chunk = Read(*here, vector_key);
+  if (vector_chunk == nullptr && here != nullptr) {
+    vector_chunk = Read(*here, kvbus::SteeringVectorKey(ctx, steer.vector));
+  }
   if (vector_chunk == nullptr) {
     return done(FailedPrecondition("steer: no steering vector named '" + steer.vector +
                                    "' in the KDN under this cache_salt; POST /v1/kdn/steering "
@@ -73,6 +90,15 @@ void Prefiller::Steer(std::span<const int32_t> tokens, const std::string& ns,
   }
   Result<kvbridge::SteeringVector> vector = kvbus::SteeringFromChunk(*vector_chunk);
   if (!vector.ok()) return done(vector.status());
+  const kvbus::ChunkKey key =
+      kvbus::SteeredKey(doc_key, kvbus::SteeringVectorId(*vector_chunk), steer.strength);
+  if (here != nullptr && here->Contains(key)) return done(InjectOutcome{true, 0});
+  std::shared_ptr<const kvbus::Chunk> doc = kv != nullptr ? kv->inject_base : nullptr;
+  if (doc == nullptr && here != nullptr) doc = Read(*here, doc_key);
+  if (doc == nullptr || !kvbus::ChunkFits(*doc, fingerprint_, n, chunk_dtype_)) {
+    return done(NotFound("steer: the document to steer (" + std::to_string(n) +
+                         " tokens) is not in the KDN whole; inject it first"));
+  }
   // The document's last token, as KV cache steering adds its vector to the
   // last token of the prompt's cache (docs/kvbus.md, "Editing stored KV").
   Result<std::shared_ptr<const kvbus::Chunk>> steered =

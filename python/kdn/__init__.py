@@ -376,12 +376,12 @@ class Client:
             check(lib.kdn_steering_vector_fetch(
                 self._handle, raw, count.value, layers.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
                 values.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.byref(count)))
+            if count.value != len(layers):  # gone, or made again, between the two reads
+                raise KdnError("UNAVAILABLE", "steering vector %r changed while read" % name,
+                               miss=True)
         except KdnError as e:
             self._failed("steering_vector", e, failure)
             return None
-        if count.value != len(layers):  # remade between the two reads
-            raise KdnError("UNAVAILABLE", "steering vector %r changed while read" % name,
-                           miss=True)
         return [int(l) for l in layers], values
 
     def fetch_document(self, tokens, dtype=np.float32, major="head", failure="raise",

@@ -441,9 +441,8 @@ class Session : public std::enable_shared_from_this<Session> {
         e.param = "steer.vector";
         e.message = p.errors.front().second;
       } else {
-        e.http_status = 502;
-        e.type = "server_error";
-        e.message = "the edit was not stored: " + p.errors.front().second;
+        e = JobError(Status(p.first_error_code, p.errors.front().second));
+        if (e.http_status >= 500) e.message = "the edit was not stored: " + e.message;
       }
       return ReplyError(e);
     }
@@ -464,17 +463,12 @@ class Session : public std::enable_shared_from_this<Session> {
   // a 409 when its name holds another vector, a 502 when it failed.
   void ReplySteering(const InjectProgress& p) {
     if (p.failed > 0) {
-      ApiError e;
-      e.message = p.errors.front().second;
+      ApiError e = JobError(Status(p.first_error_code, p.errors.front().second));
       if (p.first_error_code == StatusCode::kFailedPrecondition) {
         e.http_status = 409;
         e.type = "conflict_error";
         e.param = "name";
-      } else if (p.first_error_code == StatusCode::kInvalidArgument) {
-        e.http_status = 400;
-      } else {
-        e.http_status = 502;
-        e.type = "server_error";
+      } else if (e.http_status >= 500) {
         e.message = "the steering vector was not stored: " + e.message;
       }
       return ReplyError(e);

@@ -692,8 +692,14 @@ std::optional<ApiError> ParseSteeringRequestUnguarded(const std::string& body_te
       return Bad("'layers' must be a list of layers", "layers");
     }
     for (const json& l : layers) {
-      if (!l.is_number_integer()) return Bad("'layers' must be a list of layers", "layers");
-      spec.layers.push_back(l.get<int>());
+      // Read wide: a huge number must not wrap into a layer.
+      if (!l.is_number_integer() || l.get<int64_t>() < 0 ||
+          l.get<int64_t>() >= model.config->num_layers) {
+        return Bad("'layers' must be a list of the model's layers, 0 to " +
+                       std::to_string(model.config->num_layers - 1),
+                   "layers");
+      }
+      spec.layers.push_back(static_cast<int>(l.get<int64_t>()));
     }
   } else {
     spec.layers = blend::MiddleThirdLayers(model.config->num_layers);

@@ -58,12 +58,13 @@ std::optional<ApiError> ParseSteer(const json& v, const std::string& field, blen
   if (Status st = blend::CheckSteeringName(out->vector); !st.ok()) {
     return Bad(field + ".vector: " + st.message(), field + ".vector");
   }
-  const double strength =
-      IsSet(v, "strength") && v["strength"].is_number() ? v["strength"].get<double>() : 0;
+  // Checked as the float it travels as: 1e-50 is 0 there.
+  const float strength =
+      IsSet(v, "strength") && v["strength"].is_number() ? v["strength"].get<float>() : 0.0f;
   if (Status st = blend::CheckSteerStrength(strength); !st.ok()) {
     return Bad(field + ".strength: " + st.message(), field + ".strength");
   }
-  out->strength = static_cast<float>(strength);
+  out->strength = strength;
   return std::nullopt;
 }
 

@@ -98,13 +98,13 @@ TEST(PrefillerSteering, ASteerEditStoresTheSteeredVersionBesideTheOriginal) {
   const std::vector<int32_t> doc = RandomTokens(37, 256, 75);
   const kvbus::KeyContext ctx{kFp, "", kChunk};
 
-  // Neither the document nor the vector held: refused, nothing stored.
-  EXPECT_EQ(p.Inject(doc, "", SteerEdit("trust", 2)).status().code(), StatusCode::kNotFound);
-  ASSERT_TRUE(p.Inject(doc, "").ok());
+  // The vector not held, then the document not held: refused, nothing stored.
   EXPECT_EQ(p.Inject(doc, "", SteerEdit("trust", 2)).status().code(),
             StatusCode::kFailedPrecondition);
-  EXPECT_EQ(store->Stats().chunks, 1u);
   ASSERT_TRUE(p.Inject({}, "", MakeVector(VectorSpec("trust"))).ok());
+  EXPECT_EQ(p.Inject(doc, "", SteerEdit("trust", 2)).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(store->Stats().chunks, 1u);
+  ASSERT_TRUE(p.Inject(doc, "").ok());
   EXPECT_EQ(p.Inject(doc, "", SteerEdit("trust", 0)).status().code(), StatusCode::kInvalidArgument);
 
   const kvbus::ChunkKey doc_key = kvbus::SegmentKey(ctx, doc);
@@ -126,10 +126,13 @@ TEST(PrefillerSteering, ASteerEditStoresTheSteeredVersionBesideTheOriginal) {
   // The steered version is the original with the vector added at its last
   // token (kvbridge::SteerChunkValues), under the steered key; the original stays.
   const kvbus::ChunkKey vector_key = kvbus::SteeringVectorKey(ctx, "trust");
-  const kvbus::ChunkKey key = kvbus::SteeredKey(doc_key, vector_key, 2.0f);
+  auto vector_chunk = store->Get(vector_key);
+  ASSERT_TRUE(vector_chunk.ok());
+  const kvbus::ChunkKey key =
+      kvbus::SteeredKey(doc_key, kvbus::SteeringVectorId(**vector_chunk), 2.0f);
   auto got = store->Get(key);
   ASSERT_TRUE(got.ok());
-  auto vector = kvbus::SteeringFromChunk(**store->Get(vector_key));
+  auto vector = kvbus::SteeringFromChunk(**vector_chunk);
   ASSERT_TRUE(vector.ok());
   auto want = kvbridge::SteerChunkValues(**original, *vector, 2.0f, 36, 1, key);
   ASSERT_TRUE(want.ok());
@@ -207,8 +210,9 @@ TEST(PrefillerSteering, ABlendNamingASteeredVersionFusesItsKv) {
   EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(missing.status().message().find("/v1/kdn/edit"), std::string::npos);
   ASSERT_TRUE(p.StoreNewChunks().ok());
-  const kvbus::ChunkKey key =
-      kvbus::SteeredKey(kvbus::SegmentKey(ctx, doc), kvbus::SteeringVectorKey(ctx, "trust"), 8.0f);
+  const kvbus::ChunkKey vector_key = kvbus::SteeringVectorKey(ctx, "trust");
+  const kvbus::ChunkKey key = kvbus::SteeredKey(
+      kvbus::SegmentKey(ctx, doc), kvbus::SteeringVectorId(**store->Get(vector_key)), 8.0f);
   EXPECT_FALSE(store->Contains(key)) << "a refused blend stored the plain KV as the steered";
 
   ASSERT_TRUE(p.Inject(doc, "", SteerEdit("trust", 8)).ok());
@@ -236,6 +240,24 @@ TEST(PrefillerSteering, ABlendNamingASteeredVersionFusesItsKv) {
   ASSERT_TRUE(plain_out.ok());
   EXPECT_EQ(plain_out->recomputed_tokens, 70);
   EXPECT_NE(PushedValueRow(sink, plain, 1, 40), pushed);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+
+  // The vector gone from the KDN, its name made again from other pairs: the
+  // versions of the old vector are not the new one's (a 400, not the old
+  // steering under the new name).
+  ASSERT_TRUE(store->host()->Erase(vector_key));
+  steered.transfer_id = "no-vector";
+  EXPECT_EQ(p.Run(steered).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  blend::SteeringVectorSpec remade = VectorSpec("trust");
+  remade.pairs.pop_back();
+  ASSERT_TRUE(p.Inject({}, "", MakeVector(remade)).ok());
+  steered.transfer_id = "remade";
+  auto stale = p.Run(steered);
+  ASSERT_FALSE(stale.ok());
+  EXPECT_NE(stale.status().message().find("/v1/kdn/edit"), std::string::npos);
+  ASSERT_TRUE(p.StoreNewChunks().ok());
+  EXPECT_TRUE(store->Contains(key)) << "the old version stays, under its own key";
 }
 
 }  // namespace

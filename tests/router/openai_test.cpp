@@ -527,6 +527,7 @@ TEST_F(OpenAiTest, SteeringVectorsSteerEditsAndSteeredDocumentsParseAndBadOnesNa
            {doc + R"({"vector":"v"}}]})", "documents[0].steer.strength"},
            {doc + R"({"vector":"v","strength":0}}]})", "documents[0].steer.strength"},
            {doc + R"({"vector":"v","strength":17}}]})", "documents[0].steer.strength"},
+           {doc + R"({"vector":"v","strength":1e-50}}]})", "documents[0].steer.strength"},
            {doc + R"({"vector":"v","strength":1,"layers":[1]}}]})", "documents[0].steer.layers"},
            {doc + R"("v"}]})", "documents[0].steer"},
            {R"({"prompt":"Q?","documents":[{"text":"ab","erratum":"c",
@@ -565,6 +566,7 @@ TEST_F(OpenAiTest, SteeringVectorsSteerEditsAndSteeredDocumentsParseAndBadOnesNa
            {R"({"name":"v","pairs":[{"positive":"a","negative":""}]})", "pairs[0].negative"},
            {R"({"name":"v","pairs":)" + pair + R"(,"layers":[1,0]})", "layers"},
            {R"({"name":"v","pairs":)" + pair + R"(,"layers":[9]})", "layers"},
+           {R"({"name":"v","pairs":)" + pair + R"(,"layers":[4294967296]})", "layers"},
            {R"({"name":"v","pairs":)" + pair + R"(,"layers":"1"})", "layers"},
            {R"({"name":"v","pairs":)" + pair + R"(,"strength":1})", "strength"},
        }) {

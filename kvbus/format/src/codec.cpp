@@ -444,8 +444,11 @@ int LayerBits(uint32_t level, uint32_t layer, uint32_t layers) {
 
 Result<std::shared_ptr<const Chunk>> EncodeChunk(std::shared_ptr<const Chunk> chunk,
                                                  CodecLevel level) {
-  // Pruned chunks stay raw (the codec's format has no kept positions).
-  if (level.raw() || chunk->encoded() || chunk->info().pruned()) return chunk;
+  // Pruned and steering chunks stay raw (the codec's format has no kept
+  // positions and no description).
+  if (level.raw() || chunk->encoded() || chunk->info().pruned() || chunk->info().is_steering()) {
+    return chunk;
+  }
   if (!ValidCodecLevel(level)) {
     return InvalidArgument("unknown KV codec level " + std::to_string(level.level));
   }

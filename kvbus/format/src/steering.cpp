@@ -1,5 +1,8 @@
 #include "kdn/kvbus/steering.h"
 
+#include <xxhash.h>
+
+#include <climits>
 #include <cstring>
 #include <span>
 
@@ -43,11 +46,11 @@ class WordReader {
     }
     return true;
   }
-  bool Bytes(size_t n, std::string* out) {
-    const size_t padded = (n + 3) / 4 * 4;
+  bool Bytes(uint32_t n, std::string* out) {
+    const uint64_t padded = (uint64_t{n} + 3) / 4 * 4;
     if (bytes_.size() - at_ < padded) return false;
     out->assign(reinterpret_cast<const char*>(bytes_.data() + at_), n);
-    at_ += padded;
+    at_ += static_cast<size_t>(padded);
     return true;
   }
   bool done() const { return at_ == bytes_.size(); }
@@ -118,6 +121,7 @@ Result<SteeringVector> SteeringFromChunk(const Chunk& chunk) {
   if (info.tokens != 1 || info.dtype != DType::kF32 || chunk.encoded()) {
     return bad("not one f32 token");
   }
+  if (info.kv_heads > INT_MAX || info.head_dim > INT_MAX) return bad("an impossible shape");
   WordReader r(info.steering);
   SteeringVector v;
   uint32_t version = 0, name_bytes = 0, n_layers = 0, n_pairs = 0;
@@ -151,6 +155,17 @@ Result<SteeringVector> SteeringFromChunk(const Chunk& chunk) {
                 row * sizeof(float));
   }
   return v;
+}
+
+ChunkKey SteeringVectorId(const Chunk& chunk) {
+  const std::span<const uint8_t> b = chunk.bytes().subspan(Chunk::kHeaderBytes);
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_128bits_reset_withSeed(st, kChunkKeyVersion);
+  XXH3_128bits_update(st, "steer-id", 8);
+  XXH3_128bits_update(st, b.data(), b.size());
+  const XXH128_hash_t h = XXH3_128bits_digest(st);
+  XXH3_freeState(st);
+  return ChunkKey{h.high64, h.low64};
 }
 
 }  // namespace kdn::kvbus

@@ -54,13 +54,15 @@ uint64_t ClaimBytes(const Landing& claim) {
   return n;
 }
 
-// What every landed chunk must be, whoever claimed it: the key offered, raw.
+// What every landed chunk must be, whoever claimed it: the key offered, raw
+// KV with nothing between its header and its KV.
 Status CheckArrived(const ChunkInfo& got, const ChunkKey& key) {
   if (got.key != key) {
     return Corruption("chunk announced as " + key.ToHex() + " carries key " + got.key.ToHex());
   }
-  if (got.codec != KvCodec::kRaw) {
-    return Corruption("chunk " + key.ToHex() + ": an encoded chunk cannot land in place");
+  if (got.codec != KvCodec::kRaw || got.pruned() || got.is_steering()) {
+    return Corruption("chunk " + key.ToHex() +
+                      ": an encoded, pruned or steering chunk cannot land in place");
   }
   return Status::Ok();
 }

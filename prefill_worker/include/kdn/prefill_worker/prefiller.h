@@ -105,6 +105,8 @@ struct PrefetchedKv {
   // The steering vector a steer edit, or a vector to make, names, when the
   // KDN held one under its name.
   std::shared_ptr<const kvbus::Chunk> steering;
+  // A blend job's steering vectors the KDN held: their ids, by name key.
+  std::map<kvbus::ChunkKey, kvbus::ChunkKey> vector_ids;
 };
 
 // What Inject stores beyond a plain document.
@@ -262,10 +264,17 @@ class Prefiller {
   Result<std::shared_ptr<const kvbus::Chunk>> ComputeSegment(
       const kvbus::ChunkKey& key, std::span<const int32_t> tokens,
       const prune::PruneSpec* prune = nullptr, const kvbus::Chunk* base = nullptr);
+  // The id (kvbus::SteeringVectorId) of the steering vector `name`: what
+  // `kv` read ahead, else read here (the store without `kv`, else host
+  // memory); nullopt when it is not held.
+  std::optional<kvbus::ChunkKey> VectorId(const kvbus::KeyContext& ctx, const std::string& name,
+                                          const PrefetchedKv* kv) const;
   // The key a blend job's document `i` is read under: its segment key, or
-  // that of the steered version it names.
-  kvbus::ChunkKey BlendDocumentKey(const kvbus::KeyContext& ctx, std::span<const int32_t> doc,
-                                   const BlendJob& blend, size_t i) const;
+  // that of the steered version it names (INVALID_ARGUMENT when its vector
+  // is not held).
+  Result<kvbus::ChunkKey> BlendDocumentKey(const kvbus::KeyContext& ctx,
+                                           std::span<const int32_t> doc, const BlendJob& blend,
+                                           size_t i, const PrefetchedKv* kv) const;
   // Inject's steering: a steer edit of `tokens`, or a vector to make
   // (prefill_worker/src/steering.cpp).
   void Steer(std::span<const int32_t> tokens, const std::string& ns, const blend::SteerSpec& steer,

@@ -126,7 +126,8 @@ ChunkKey SegmentKey(const KeyContext& ctx, std::span<const int32_t> tokens);
 // vector chunks"): one vector per name, model and namespace.
 ChunkKey SteeringVectorKey(const KeyContext& ctx, const std::string& name);
 // The key of a document's steered version: its segment key (`document`)
-// with the vector under `vector` added at `strength` (its binary32 bits).
+// with the vector whose id is `vector` (kvbus::SteeringVectorId, a hash of
+// the vector's content) added at `strength` (its binary32 bits).
 ChunkKey SteeredKey(const ChunkKey& document, const ChunkKey& vector, float strength);
 
 // Keys of the KV that moves between a prefill and a decode worker one layer

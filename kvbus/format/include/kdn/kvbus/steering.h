@@ -42,5 +42,9 @@ Result<std::shared_ptr<const Chunk>> SteeringChunk(const SteeringVector& vector,
 // a steering vector's; CORRUPTION for a description that does not parse or
 // does not fit the chunk (a writer's bug: the checksums passed).
 Result<SteeringVector> SteeringFromChunk(const Chunk& chunk);
+// What a steered version's key names the vector by (SteeredKey): a hash of
+// the chunk's description and values, so that a name made again from other
+// pairs (after its vector left the KDN) never finds versions of the old one.
+ChunkKey SteeringVectorId(const Chunk& chunk);
 
 }  // namespace kdn::kvbus
