@@ -125,45 +125,24 @@ bool ParseIndexedTexts(const std::vector<std::string>& args, size_t documents, c
   return true;
 }
 
-// --steering-pairs FILE: a body of POST /v1/kdn/steering ({"pairs":
-// [{"positive", "negative"}], "layers"}; its name and cache_salt unused),
-// each prompt tokenized as kdn-router tokenizes it (after a BOS), the layers
-// the middle third when it names none.
+// --steering-pairs FILE: a body of POST /v1/kdn/steering, read as kdn-router
+// reads one (blend::ParseSteeringBody; its cache_salt unused).
 kdn::Result<kdn::blend::SteeringVectorSpec> LoadSteeringPairs(const std::string& file,
                                                               const kdn::text::Tokenizer& tok,
                                                               const kdn::model::ModelConfig& cfg) {
   std::ifstream in(file);
   if (!in) return kdn::NotFound("--steering-pairs: cannot read " + file);
   const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  const auto bad = [&] {
-    return kdn::InvalidArgument("--steering-pairs: " + file +
-                                " is not {\"pairs\": [{\"positive\": TEXT, \"negative\": "
-                                "TEXT}, ...], \"layers\": [...]}");
-  };
-  if (!j.is_object() || !j.contains("pairs") || !j["pairs"].is_array()) return bad();
-  kdn::blend::SteeringVectorSpec spec{"kdn-generate", {}, {}};
-  for (const auto& p : j["pairs"]) {
-    if (!p.is_object() || !p.contains("positive") || !p.contains("negative") ||
-        !p["positive"].is_string() || !p["negative"].is_string()) {
-      return bad();
-    }
-    spec.pairs.emplace_back(tok.Encode(p["positive"].get<std::string>(), true),
-                            tok.Encode(p["negative"].get<std::string>(), true));
+  if (!j.is_object())
+    return kdn::InvalidArgument("--steering-pairs: " + file + " is not a JSON object");
+  std::string field;
+  auto spec = kdn::blend::ParseSteeringBody(
+      j, [&](const std::string& text) { return tok.Encode(text, true); }, cfg.num_layers,
+      cfg.max_context, &field);
+  if (!spec.ok()) {
+    return kdn::InvalidArgument("--steering-pairs: " + file + ": " + field + ": " +
+                                spec.status().message());
   }
-  if (j.contains("layers")) {
-    if (!j["layers"].is_array()) return bad();
-    for (const auto& l : j["layers"]) {
-      // Read wide: a huge number must not wrap into a layer.
-      if (!l.is_number_integer() || l.get<int64_t>() < 0 || l.get<int64_t>() >= cfg.num_layers) {
-        return kdn::InvalidArgument("--steering-pairs: " + file + ": layers are 0 to " +
-                                    std::to_string(cfg.num_layers - 1));
-      }
-      spec.layers.push_back(static_cast<int>(l.get<int64_t>()));
-    }
-  } else {
-    spec.layers = kdn::blend::MiddleThirdLayers(cfg.num_layers);
-  }
-  KDN_RETURN_IF_ERROR(kdn::blend::CheckSteeringVectorSpec(spec, cfg.num_layers, cfg.max_context));
   return spec;
 }
 
@@ -340,8 +319,8 @@ int main(int argc, char** argv) {
       ->needs("--document");
   std::string steering_pairs;
   app.add_option("--steering-pairs", steering_pairs,
-                 "Blend: a POST /v1/kdn/steering body (pairs, layers) the --steer vector is made "
-                 "from, as kdn-prefill makes it")
+                 "Blend: a POST /v1/kdn/steering body (name, pairs, layers) the --steer vector is "
+                 "made from, as kdn-prefill makes it")
       ->check(CLI::ExistingFile)
       ->needs("--steer");
   kdn::prune::PruneSpec prune;

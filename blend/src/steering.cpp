@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <nlohmann/json.hpp>
+
 namespace kdn::blend {
 
 Status CheckSteerStrength(double strength) {
@@ -52,6 +54,76 @@ Status CheckSteeringVectorSpec(const SteeringVectorSpec& spec, int num_layers,
     }
   }
   return Status::Ok();
+}
+
+Result<SteeringVectorSpec> ParseSteeringBody(
+    const nlohmann::json& body,
+    const std::function<std::vector<int32_t>(const std::string&)>& encode, int num_layers,
+    int64_t max_context, std::string* param) {
+  using nlohmann::json;
+  const auto bad = [&](std::string message, std::string field) {
+    *param = std::move(field);
+    return InvalidArgument(std::move(message));
+  };
+  // A field that is absent or null is not set.
+  const auto set = [&](const char* name) {
+    return body.is_object() && body.contains(name) && !body[name].is_null();
+  };
+  SteeringVectorSpec spec;
+  if (!set("name") || !body["name"].is_string()) {
+    return bad("'name' must be the steering vector's name", "name");
+  }
+  spec.name = body["name"].get<std::string>();
+  if (Status st = CheckSteeringName(spec.name); !st.ok()) return bad(st.message(), "name");
+  const json& pairs = set("pairs") ? body["pairs"] : json();
+  if (!pairs.is_array() || pairs.empty() || pairs.size() > kMaxSteeringPairs) {
+    return bad("'pairs' must be a list of 1 to " + std::to_string(kMaxSteeringPairs) +
+                   " {\"positive\", \"negative\"} prompt pairs",
+               "pairs");
+  }
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const std::string at = "pairs[" + std::to_string(i) + "]";
+    const json& p = pairs[i];
+    if (!p.is_object() || p.size() != 2 || !p.contains("positive") || !p.contains("negative") ||
+        !p["positive"].is_string() || !p["negative"].is_string()) {
+      return bad(at + " must be {\"positive\": TEXT, \"negative\": TEXT}", at);
+    }
+    std::vector<int32_t> pos = encode(p["positive"].get<std::string>());
+    std::vector<int32_t> neg = encode(p["negative"].get<std::string>());
+    for (const auto& [prompt, side] : {std::pair{&pos, "positive"}, {&neg, "negative"}}) {
+      if (p[side].get<std::string>().empty()) {
+        return bad(at + "." + side + " is empty", at + "." + side);
+      }
+      if (static_cast<int64_t>(prompt->size()) > max_context) {
+        return bad(at + "." + side + " has " + std::to_string(prompt->size()) +
+                       " tokens; a prompt has 1 to the model's context of " +
+                       std::to_string(max_context),
+                   at + "." + side);
+      }
+    }
+    spec.pairs.emplace_back(std::move(pos), std::move(neg));
+  }
+  if (set("layers")) {
+    const json& layers = body["layers"];
+    if (!layers.is_array() || layers.empty()) {
+      return bad("'layers' must be a list of layers", "layers");
+    }
+    for (const json& l : layers) {
+      // Read wide: a huge number must not wrap into a layer.
+      if (!l.is_number_integer() || l.get<int64_t>() < 0 || l.get<int64_t>() >= num_layers) {
+        return bad(
+            "'layers' must be a list of the model's layers, 0 to " + std::to_string(num_layers - 1),
+            "layers");
+      }
+      spec.layers.push_back(static_cast<int>(l.get<int64_t>()));
+    }
+  } else {
+    spec.layers = MiddleThirdLayers(num_layers);
+  }
+  if (Status st = CheckSteeringVectorSpec(spec, num_layers, max_context); !st.ok()) {
+    return bad(st.message(), "layers");
+  }
+  return spec;
 }
 
 std::vector<int> MiddleThirdLayers(int num_layers) {

@@ -173,13 +173,12 @@ PrefetchedKv Prefiller::Prefetch(const PrefillJob& job, const InjectSpec* inject
       const std::span<const int32_t> doc(job.tokens.data() + at, static_cast<size_t>(len));
       at += len;
       if (i < job.blend->steer.size() && job.blend->steer[i]) {
-        // The vector's id first: the steered version's key is made of it.
-        const kvbus::ChunkKey name = kvbus::SteeringVectorKey(ctx, job.blend->steer[i]->vector);
+        // The vector's id first, read from every tier: the steered version's
+        // key is made of it.
+        const std::string& vector = job.blend->steer[i]->vector;
+        const kvbus::ChunkKey name = kvbus::SteeringVectorKey(ctx, vector);
         if (kv.vector_ids.count(name) == 0) {
-          auto vector = store_.Get(name);
-          if (vector.ok() && (*vector)->info().is_steering()) {
-            kv.vector_ids.emplace(name, kvbus::SteeringVectorId(**vector));
-          }
+          if (auto id = VectorId(ctx, vector, nullptr)) kv.vector_ids.emplace(name, *id);
         }
       }
       const Result<kvbus::ChunkKey> found = BlendDocumentKey(ctx, doc, *job.blend, i, &kv);

@@ -1,6 +1,8 @@
 #include "kdn/router/openai.h"
 
 #include <algorithm>
+#include <initializer_list>
+#include <string_view>
 #include <chrono>
 #include <cmath>
 
@@ -594,18 +596,26 @@ std::optional<ApiError> ParseInjectRequestUnguarded(const std::string& body_text
   return std::nullopt;
 }
 
+// A 400 naming a field of a kdn endpoint's body that is not one of `known`
+// (`model` and `user`, every body's, aside); `takes` says what it takes.
+std::optional<ApiError> RefuseUnknownFields(const json& body,
+                                            std::initializer_list<std::string_view> known,
+                                            const std::string& takes) {
+  for (const auto& [k, v] : body.items()) {
+    if (k != "model" && k != "user" && std::find(known.begin(), known.end(), k) == known.end()) {
+      return Bad("unknown field '" + k + "': " + takes, k);
+    }
+  }
+  return std::nullopt;
+}
+
 // POST /v1/kdn/edit: {"document": ..., "erratum" or "steer": ..., "cache_salt": ...}.
 std::optional<ApiError> ParseEditRequestUnguarded(const std::string& body_text,
                                                   const ServedModel& model, InjectApiRequest* out) {
   json body;
   KDN_API_CHECK(ParseBody(body_text, model, &body));
-  for (const auto& [k, v] : body.items()) {
-    if (k != "document" && k != "erratum" && k != "steer" && k != "cache_salt" && k != "model" &&
-        k != "user") {
-      return Bad(
-          "unknown field '" + k + "': an edit takes document, erratum or steer, and cache_salt", k);
-    }
-  }
+  KDN_API_CHECK(RefuseUnknownFields(body, {"document", "erratum", "steer", "cache_salt"},
+                                    "an edit takes document, erratum or steer, and cache_salt"));
   if (IsSet(body, "erratum") == IsSet(body, "steer")) {
     return Bad(
         "an edit is one of 'erratum' (a note stored after the document) and 'steer' (a "
@@ -644,73 +654,15 @@ std::optional<ApiError> ParseSteeringRequestUnguarded(const std::string& body_te
                                                       InjectApiRequest* out) {
   json body;
   KDN_API_CHECK(ParseBody(body_text, model, &body));
-  for (const auto& [k, v] : body.items()) {
-    if (k != "name" && k != "pairs" && k != "layers" && k != "cache_salt" && k != "model" &&
-        k != "user") {
-      return Bad(
-          "unknown field '" + k + "': a steering vector takes name, pairs, layers and cache_salt",
-          k);
-    }
-  }
-  blend::SteeringVectorSpec spec;
-  if (!IsSet(body, "name") || !body["name"].is_string()) {
-    return Bad("'name' must be the steering vector's name", "name");
-  }
-  spec.name = body["name"].get<std::string>();
-  if (Status st = blend::CheckSteeringName(spec.name); !st.ok()) return Bad(st.message(), "name");
-  const json& pairs = IsSet(body, "pairs") ? body["pairs"] : json();
-  if (!pairs.is_array() || pairs.empty() || pairs.size() > blend::kMaxSteeringPairs) {
-    return Bad("'pairs' must be a list of 1 to " + std::to_string(blend::kMaxSteeringPairs) +
-                   " {\"positive\", \"negative\"} prompt pairs",
-               "pairs");
-  }
-  for (size_t i = 0; i < pairs.size(); ++i) {
-    const std::string at = "pairs[" + std::to_string(i) + "]";
-    const json& p = pairs[i];
-    if (!p.is_object() || p.size() != 2 || !p.contains("positive") || !p.contains("negative") ||
-        !p["positive"].is_string() || !p["negative"].is_string()) {
-      return Bad(at + " must be {\"positive\": TEXT, \"negative\": TEXT}", at);
-    }
-    std::vector<int32_t> pos = model.tokenizer->Encode(p["positive"].get<std::string>(), true);
-    std::vector<int32_t> neg = model.tokenizer->Encode(p["negative"].get<std::string>(), true);
-    for (const auto& [prompt, side] : {std::pair{&pos, "positive"}, {&neg, "negative"}}) {
-      if (p[side].get<std::string>().empty()) {
-        return Bad(at + "." + side + " is empty", at + "." + side);
-      }
-      if (static_cast<int64_t>(prompt->size()) > model.config->max_context) {
-        return Bad(at + "." + side + " has " + std::to_string(prompt->size()) +
-                       " tokens; a prompt has 1 to the model's context of " +
-                       std::to_string(model.config->max_context),
-                   at + "." + side);
-      }
-    }
-    spec.pairs.emplace_back(std::move(pos), std::move(neg));
-  }
-  if (IsSet(body, "layers")) {
-    const json& layers = body["layers"];
-    if (!layers.is_array() || layers.empty()) {
-      return Bad("'layers' must be a list of layers", "layers");
-    }
-    for (const json& l : layers) {
-      // Read wide: a huge number must not wrap into a layer.
-      if (!l.is_number_integer() || l.get<int64_t>() < 0 ||
-          l.get<int64_t>() >= model.config->num_layers) {
-        return Bad("'layers' must be a list of the model's layers, 0 to " +
-                       std::to_string(model.config->num_layers - 1),
-                   "layers");
-      }
-      spec.layers.push_back(static_cast<int>(l.get<int64_t>()));
-    }
-  } else {
-    spec.layers = blend::MiddleThirdLayers(model.config->num_layers);
-  }
-  if (Status st =
-          blend::CheckSteeringVectorSpec(spec, model.config->num_layers, model.config->max_context);
-      !st.ok()) {
-    return Bad(st.message(), "layers");
-  }
+  KDN_API_CHECK(RefuseUnknownFields(body, {"name", "pairs", "layers", "cache_salt"},
+                                    "a steering vector takes name, pairs, layers and cache_salt"));
+  std::string param;
+  Result<blend::SteeringVectorSpec> spec = blend::ParseSteeringBody(
+      body, [&](const std::string& text) { return model.tokenizer->Encode(text, true); },
+      model.config->num_layers, model.config->max_context, &param);
+  if (!spec.ok()) return Bad(spec.status().message(), param);
   KDN_API_CHECK(GetString(body, "cache_salt", &out->cache_salt));
-  out->steering_vector = std::move(spec);
+  out->steering_vector = *std::move(spec);
   return std::nullopt;
 }
 

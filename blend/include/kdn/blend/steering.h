@@ -8,10 +8,13 @@
 // Pure functions and values.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include <nlohmann/json_fwd.hpp>
 
 #include "kdn/common/status.h"
 
@@ -53,6 +56,16 @@ Status CheckSteeringName(std::string_view name);
 // kMaxSteeringPairs pairs of non-empty prompts of at most `max_context`
 // tokens, and of ascending distinct layers in [0, num_layers), at least one.
 Status CheckSteeringVectorSpec(const SteeringVectorSpec& spec, int num_layers, int64_t max_context);
+// The name, pairs and layers of a POST /v1/kdn/steering body (its other
+// fields are the caller's: kdn-router refuses unknown ones, and takes
+// cache_salt), each prompt made tokens by `encode` (as a request's prompt,
+// after a BOS), the layers the middle third when it names none; checked as
+// CheckSteeringVectorSpec does. INVALID_ARGUMENT otherwise, with *param the
+// field at fault ("name", "pairs", "pairs[2].negative", "layers").
+Result<SteeringVectorSpec> ParseSteeringBody(
+    const nlohmann::json& body,
+    const std::function<std::vector<int32_t>(const std::string&)>& encode, int num_layers,
+    int64_t max_context, std::string* param);
 // The layers a vector is made at when the request names none: the middle
 // third, [num_layers / 3, 2 * num_layers / 3), at least one (as the measured
 // vector of docs/kvbus.md, "Editing stored KV").
