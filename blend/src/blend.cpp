@@ -48,7 +48,10 @@ class Placer {
     for (int l = first_layer_; l < layers && !stop_; ++l) {
       Status st;
       for (const Item& it : items_) {
-        st = kvbridge::ChunkLayerToPagedKv(*it.kv, l, model_.kv_cache(), seq_, it.at);
+        st = it.head_slots.empty()
+                 ? kvbridge::ChunkLayerToPagedKv(*it.kv, l, model_.kv_cache(), seq_, it.at)
+                 : kvbridge::HeadPrunedLayerToSlots(*it.kv, l, it.head_slots, model_.kv_cache(),
+                                                    seq_, it.at);
         if (st.ok()) st = model_.RotateCachedKeys(seq_, it.at, it.len, it.delta, l);
         if (!st.ok()) break;
       }
@@ -109,11 +112,14 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   std::vector<bool> cached;
   std::vector<Placer::Item> items;
   std::vector<DocumentSpan> documents;
+  // Per-head segments' first slots and holes (kvbridge::HeadPrunedHoles).
+  std::vector<std::pair<int64_t, std::vector<uint8_t>>> head_holes;
   int64_t logical = 0, dropped = 0;
   for (const Segment& s : segments) {
     const auto slot = static_cast<int64_t>(tokens.size());
     const auto len = static_cast<int64_t>(s.tokens.size());
     const kvbus::ChunkInfo* info = s.kv != nullptr ? &s.kv->info() : nullptr;
+    std::vector<uint32_t> head_slots;  // a per-head segment's
     if (info != nullptr) {
       if (info->logical() != static_cast<uint32_t>(len)) {
         return InvalidArgument("blend: a segment of " + std::to_string(len) +
@@ -125,13 +131,29 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
         return InvalidArgument("blend: segment KV " + info->key.ToHex() +
                                " does not fit the model's cache");
       }
+      if (info->per_head()) {
+        if (spec.selection.query()) {
+          return Unimplemented("blend: segment KV " + info->key.ToHex() +
+                               " is pruned per head, which the query selections do not take");
+        }
+        head_slots = kvbridge::HeadPrunedSlots(*info);
+        head_holes.push_back({slot, kvbridge::HeadPrunedHoles(*info, head_slots)});
+      }
+      const auto count = info->per_head() ? static_cast<int64_t>(head_slots.size())
+                                          : static_cast<int64_t>(info->tokens);
       if (len > 0) {
         // Kept or not, each K turns by the same angle: to where the segment sits.
-        items.push_back({s.kv.get(), slot, info->tokens, logical - info->position});
-        documents.push_back({slot, info->tokens});
+        documents.push_back({slot, count});
+        items.push_back({s.kv.get(), slot, count, logical - info->position, head_slots});
       }
     }
-    if (info != nullptr && info->pruned()) {
+    if (info != nullptr && info->per_head()) {
+      for (uint32_t offset : head_slots) {
+        tokens.push_back(s.tokens[offset]);
+        slot_at.push_back(logical + offset);
+      }
+      dropped += len - static_cast<int64_t>(head_slots.size());
+    } else if (info != nullptr && info->pruned()) {
       for (uint32_t offset : info->kept) {
         tokens.push_back(s.tokens[offset]);
         slot_at.push_back(logical + offset);
@@ -144,7 +166,7 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
     cached.insert(cached.end(), tokens.size() - static_cast<size_t>(slot), info != nullptr);
     pinned.resize(tokens.size(), false);
     for (int64_t j : s.pinned) {
-      if (info == nullptr || j < 0 || j >= static_cast<int64_t>(info->tokens)) {
+      if (info == nullptr || j < 0 || j >= static_cast<int64_t>(tokens.size()) - slot) {
         return InvalidArgument("blend: a pinned slot " + std::to_string(j) +
                                " outside the segment's cached KV");
       }
@@ -175,6 +197,24 @@ Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, n));
   cache.SetLength(seq, n);
   if (dropped > 0) KDN_RETURN_IF_ERROR(seq.SetNextPosition(logical));
+  if (!head_holes.empty()) {
+    // Up to the last per-head segment's end: [layer][kv_head][slot].
+    const size_t heads = size_t(cfg.num_layers) * cfg.num_kv_heads;
+    const auto& [last_at, last] = head_holes.back();
+    const int64_t end = last_at + static_cast<int64_t>(last.size() / heads);
+    std::vector<uint8_t> holes(heads * static_cast<size_t>(end), 0);
+    for (const auto& [at, seg] : head_holes) {
+      const size_t len = seg.size() / heads;
+      for (size_t i = 0; i < heads; ++i) {
+        std::copy_n(seg.begin() + static_cast<int64_t>(i * len), len,
+                    holes.begin() + static_cast<int64_t>(i * end + at));
+      }
+    }
+    if (Status st = seq.SetHoles(end, std::move(holes)); !st.ok()) {
+      seq.Reset();
+      return st;
+    }
+  }
 
   BlendResult out;
   out.recompute_ratio = spec.recompute_ratio;

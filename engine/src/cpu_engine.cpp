@@ -404,6 +404,9 @@ void CpuEngine::RunLayer(int l, std::span<Segment> segs, RowPositions rp, int64_
       }
       std::memcpy(kc, &k[r * kvd], kvd * sizeof(float));
       std::memcpy(vc, &v[r * kvd], kvd * sizeof(float));
+      // Computed here, the slot holds KV in every head (a row pass's row
+      // over a blend's per-head segment).
+      s.seq->FillHoles(l, pos[r]);
     }
   }
   AttendAll(l, segs, pos, q.data(), attn.data(), scratch);
@@ -492,7 +495,7 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
       }
       scores.resize(group * (ctx[0] + ctx[1] - 2 * lo));
       const int64_t at = row * qd + static_cast<int64_t>(g) * group * hd;
-      const KvSequence::Hole hole = s->seq->HoleOf(layer, g);
+      const std::span<const uint8_t> holes = s->seq->Holes(layer, g);
       ScoreBias bias;
       if (const KvSequence::AttentionBias* ab = s->seq->attention_bias()) {
         // A group whose heads have no bias at this layer keeps the fast
@@ -504,14 +507,15 @@ void CpuEngine::AttendAll(int layer, std::span<const Segment> segs, const int32_
           bias.spans = ab->spans;
         }
       }
-      if (rows == 2 && hole.begin >= hole.end && bias.per_head == nullptr &&
+      if (rows == 2 && holes.empty() && bias.per_head == nullptr &&
           AttendPagedPair(q + at, q + at + qd, group, kb.data(), vb.data(), kvs, lo, ctx[0], ctx[1],
                           hd, scale, scores.data(), out + at, out + at + qd)) {
         continue;
       }
       for (int64_t r = 0; r < rows; ++r) {
         AttendPagedGroup(q + at + r * qd, group, kb.data(), vb.data(), kvs, lo, ctx[r], hd, scale,
-                         scores.data(), out + at + r * qd, hole.begin, hole.end, bias);
+                         scores.data(), out + at + r * qd, holes.data(),
+                         static_cast<int64_t>(holes.size()), bias);
       }
     }
   }

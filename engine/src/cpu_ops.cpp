@@ -234,12 +234,11 @@ void Softmax(float* x, int64_t n) {
 KDN_CPU_CLONES
 void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx, int hd,
-                      float scale, float* scores, float* out, int64_t hole_begin, int64_t hole_end,
-                      const ScoreBias& bias) {
+                      float scale, float* scores, float* out, const uint8_t* holes,
+                      int64_t hole_end, const ScoreBias& bias) {
   // AVX-512 where the CPU has it and the group fits its registers.
-  const internal::AttendRowsFn fast = hole_begin < hole_end || bias.per_head != nullptr
-                                          ? nullptr
-                                          : internal::FastAttendRows(hd, heads, 1);
+  const internal::AttendRowsFn fast =
+      hole_end > 0 || bias.per_head != nullptr ? nullptr : internal::FastAttendRows(hd, heads, 1);
   if (fast != nullptr) {
     return fast({{q, nullptr},
                  {out, nullptr},
@@ -270,8 +269,8 @@ void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
         }
       }
     }
-    for (int64_t p = std::max(hole_begin, lo); p < std::min(hole_end, ctx); ++p) {
-      sh[p - lo] = -INFINITY;
+    for (int64_t p = lo; p < std::min(hole_end, ctx); ++p) {
+      if (holes[p] != 0) sh[p - lo] = -INFINITY;
     }
     Softmax(sh, n);
     float* oh = out + h * hd;

@@ -9,8 +9,6 @@ namespace kdn::engine {
 Status CheckRowPass(const model::ModelConfig& config, const KvSequence& seq,
                     std::span<const int32_t> tokens, std::span<const int64_t> positions,
                     std::span<const int64_t> slot_positions) {
-  // A row inside a head's hole would see no key of that head.
-  KDN_RETURN_IF_ERROR(RefuseHoles(seq, "row pass"));
   KDN_RETURN_IF_ERROR(CheckAttentionBias(config, seq));
   if (static_cast<int64_t>(tokens.size()) != seq.length()) {
     return InvalidArgument("row pass: " + std::to_string(tokens.size()) +

@@ -18,12 +18,13 @@ KvSequence::KvSequence(KvSequence&& o) noexcept
       length_(o.length_),
       position_shift_(std::exchange(o.position_shift_, 0)),
       hole_end_(std::exchange(o.hole_end_, 0)),
-      head_tokens_(std::move(o.head_tokens_)),
+      hole_count_(std::exchange(o.hole_count_, 0)),
+      holes_(std::move(o.holes_)),
       bias_(std::exchange(o.bias_, {})) {
   o.cache_ = nullptr;
   o.blocks_.clear();
   o.length_ = 0;
-  o.head_tokens_.clear();
+  o.holes_.clear();
 }
 
 KvSequence& KvSequence::operator=(KvSequence&& o) noexcept {
@@ -34,12 +35,13 @@ KvSequence& KvSequence::operator=(KvSequence&& o) noexcept {
     length_ = o.length_;
     position_shift_ = std::exchange(o.position_shift_, 0);
     hole_end_ = std::exchange(o.hole_end_, 0);
-    head_tokens_ = std::move(o.head_tokens_);
+    hole_count_ = std::exchange(o.hole_count_, 0);
+    holes_ = std::move(o.holes_);
     bias_ = std::exchange(o.bias_, {});
     o.cache_ = nullptr;
     o.blocks_.clear();
     o.length_ = 0;
-    o.head_tokens_.clear();
+    o.holes_.clear();
   }
   return *this;
 }
@@ -50,7 +52,8 @@ void KvSequence::Reset() {
   length_ = 0;
   position_shift_ = 0;
   hole_end_ = 0;
-  head_tokens_.clear();
+  hole_count_ = 0;
+  holes_.clear();
   bias_ = {};
 }
 
@@ -102,31 +105,70 @@ Status KvSequence::SetHeadTokens(int64_t slots, std::vector<int32_t> head_tokens
                            std::to_string(heads) + " layers' KV heads and " +
                            std::to_string(length_) + " tokens of KV");
   }
-  if (std::none_of(head_tokens.begin(), head_tokens.end(), [&](int32_t n) { return n < slots; })) {
-    hole_end_ = 0;  // every head kept every slot: no holes
-    head_tokens_.clear();
-    return Status::Ok();
+  std::vector<uint8_t> holes(heads * static_cast<size_t>(slots), 0);
+  for (size_t i = 0; i < heads; ++i) {
+    std::fill(holes.begin() + static_cast<int64_t>(i) * slots + head_tokens[i],
+              holes.begin() + static_cast<int64_t>(i + 1) * slots, uint8_t{1});
+  }
+  return SetHoles(slots, std::move(holes));
+}
+
+Status KvSequence::SetHoles(int64_t slots, std::vector<uint8_t> holes) {
+  const size_t heads =
+      cache_ == nullptr ? 0 : size_t(cache_->num_layers()) * cache_->num_kv_heads();
+  if (slots <= 0 || slots > length_ || holes.size() != heads * static_cast<size_t>(slots)) {
+    return InvalidArgument("sequence: " + std::to_string(holes.size()) + " hole marks over " +
+                           std::to_string(slots) + " slots, for " + std::to_string(heads) +
+                           " layers' KV heads and " + std::to_string(length_) + " tokens of KV");
   }
   hole_end_ = slots;
-  head_tokens_ = std::move(head_tokens);
+  holes_ = std::move(holes);
+  hole_count_ = std::count_if(holes_.begin(), holes_.end(), [](uint8_t b) { return b != 0; });
+  DropHolesIfNone();
   return Status::Ok();
 }
 
-KvSequence::Hole KvSequence::HoleOf(int layer, int kv_head) const {
-  if (hole_end_ == 0) return {};
-  const int32_t n = head_tokens_[size_t(layer) * cache_->num_kv_heads() + kv_head];
-  return {std::min<int64_t>(n, hole_end_), hole_end_};
+void KvSequence::DropHolesIfNone() {
+  if (hole_count_ > 0) return;
+  hole_end_ = 0;
+  hole_count_ = 0;
+  holes_.clear();
+}
+
+void KvSequence::FillHoles(int layer, int64_t slot) {
+  if (hole_count_ == 0 || slot >= hole_end_) return;
+  const int heads = cache_->num_kv_heads();
+  for (int h = 0; h < heads; ++h) {
+    uint8_t& b = holes_[(static_cast<size_t>(layer) * heads + h) * hole_end_ + slot];
+    hole_count_ -= b != 0;
+    b = 0;
+  }
+  DropHolesIfNone();
+}
+
+std::span<const uint8_t> KvSequence::Holes(int layer, int kv_head) const {
+  if (hole_count_ == 0) return {};
+  return std::span<const uint8_t>(holes_).subspan(
+      (static_cast<size_t>(layer) * cache_->num_kv_heads() + kv_head) * hole_end_,
+      static_cast<size_t>(hole_end_));
 }
 
 void KvSequence::Truncate(int64_t new_length) {
   assert(new_length >= 0 && new_length <= length_);
   length_ = new_length;
   if (new_length == 0) position_shift_ = 0;
-  hole_end_ = std::min(hole_end_, new_length);
-  if (std::none_of(head_tokens_.begin(), head_tokens_.end(),
-                   [&](int32_t n) { return n < hole_end_; })) {
-    hole_end_ = 0;  // no head has a hole left
-    head_tokens_.clear();
+  if (new_length < hole_end_) {
+    // Each head's row of marks, cut to the slots left.
+    const size_t rows = holes_.size() / static_cast<size_t>(hole_end_);
+    std::vector<uint8_t> cut(rows * static_cast<size_t>(new_length));
+    for (size_t i = 0; i < rows; ++i) {
+      std::copy_n(holes_.begin() + static_cast<int64_t>(i) * hole_end_, new_length,
+                  cut.begin() + static_cast<int64_t>(i) * new_length);
+    }
+    hole_end_ = new_length;
+    holes_ = std::move(cut);
+    hole_count_ = std::count_if(holes_.begin(), holes_.end(), [](uint8_t b) { return b != 0; });
+    DropHolesIfNone();
   }
   const size_t keep = static_cast<size_t>((new_length + kKvBlockTokens - 1) / kKvBlockTokens);
   if (cache_ != nullptr) cache_->Release(blocks_, keep);

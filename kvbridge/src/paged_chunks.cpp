@@ -65,6 +65,10 @@ Status ToPaged(const Chunk& chunk, int src_layer, int n_layers, int layer0, engi
   if (info.is_steering()) {
     return InvalidArgument("chunk " + info.key.ToHex() + " is a steering vector, not KV");
   }
+  if (info.per_head()) {
+    return InvalidArgument("chunk " + info.key.ToHex() +
+                           " is pruned per head (kvbridge::HeadPrunedChunkToPagedKv loads it)");
+  }
   if (layer0 < 0 || layer0 + static_cast<int64_t>(n_layers) > cache.num_layers() ||
       static_cast<int>(info.kv_heads) != cache.num_kv_heads() ||
       static_cast<int>(info.head_dim) != cache.head_dim()) {

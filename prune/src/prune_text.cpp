@@ -6,7 +6,8 @@
 namespace kdn::prune {
 
 Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const prune::PruneSpec& spec, engine::KvSequence* pruned) {
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned,
+                             Granularity granularity) {
   KDN_RETURN_IF_ERROR(prune::ValidatePruneSpec(spec));
   const auto n = static_cast<int64_t>(text.size());
   if (n <= spec.sinks) {
@@ -37,8 +38,7 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
                         {.sinks = spec.sinks})
           : KeyNormScores(cache, whole, n);
   KDN_RETURN_IF_ERROR(scores.status());
-  KDN_ASSIGN_OR_RETURN(KeptTokens kept,
-                       SelectKept(*scores, spec.keep, spec.sinks, Granularity::kToken));
+  KDN_ASSIGN_OR_RETURN(KeptTokens kept, SelectKept(*scores, spec.keep, spec.sinks, granularity));
   // `whole` is freed on return, after the copy.
   KDN_RETURN_IF_ERROR(CompactKv(cache, whole, kept, pruned));
   return kept;
@@ -47,6 +47,18 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
 std::vector<uint32_t> KeptOffsets(const KeptTokens& kept) {
   const int32_t* of = kept.of(0, 0);
   return {of, of + kept.kept};
+}
+
+HeadKept HeadKeptOf(const KeptTokens& kept) {
+  HeadKept out;
+  for (int l = 0; l < kept.layers; ++l) {
+    for (int h = 0; h < kept.kv_heads; ++h) {
+      const int64_t n = kept.count(l, h);
+      out.counts.push_back(static_cast<uint32_t>(n));
+      out.positions.insert(out.positions.end(), kept.of(l, h), kept.of(l, h) + n);
+    }
+  }
+  return out;
 }
 
 }  // namespace kdn::prune

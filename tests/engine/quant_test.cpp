@@ -534,7 +534,7 @@ TEST(CpuOps, AttendPagedGroupAddsItsBiasToTheScoresOfItsSpans) {
   const std::pair<int64_t, int64_t> spans[] = {{0, 10}, {40, 90}};
   std::vector<float> scores(heads * ctx), out(heads * hd), plain(heads * hd);
   AttendPagedGroup(q.data(), heads, kv.kb.data(), kv.vb.data(), stride, lo, ctx, hd, scale,
-                   scores.data(), out.data(), 0, 0, {per_head, spans});
+                   scores.data(), out.data(), nullptr, 0, {per_head, spans});
   AttendPagedGroup(q.data(), heads, kv.kb.data(), kv.vb.data(), stride, lo, ctx, hd, scale,
                    scores.data(), plain.data());
   double moved = 0;

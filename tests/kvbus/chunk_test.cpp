@@ -205,7 +205,8 @@ TEST(Chunk, ParseChecksFieldsEvenUnderAValidHeaderChecksum) {
   EXPECT_EQ(newer.code(), StatusCode::kUnimplemented);
   EXPECT_NE(newer.message().find("format version 5"), std::string::npos) << newer.ToString();
   EXPECT_EQ(edited(88, 9).code(), StatusCode::kUnimplemented) << "codec 9";
-  EXPECT_EQ(edited(112, 8).code(), StatusCode::kUnimplemented) << "flag 8";
+  EXPECT_EQ(edited(112, 16).code(), StatusCode::kUnimplemented) << "flag 16";
+  EXPECT_EQ(edited(112, 8).code(), StatusCode::kUnimplemented) << "per-head, not pruned";
   EXPECT_EQ(edited(112, 3).code(), StatusCode::kUnimplemented) << "encoded and pruned";
   EXPECT_EQ(edited(112, 5).code(), StatusCode::kUnimplemented) << "steering and encoded";
   EXPECT_EQ(edited(112, 6).code(), StatusCode::kUnimplemented) << "steering and pruned";

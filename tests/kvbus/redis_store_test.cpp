@@ -341,7 +341,7 @@ TEST_F(RedisTier, AnotherKdnsChunkIsAMissAndIsKept) {
   // A chunk of a newer kdn: a header flag this one does not know, sealed.
   const auto chunk = Make(1);
   std::vector<uint8_t> b(chunk->bytes().begin(), chunk->bytes().end());
-  b[112] = 8;
+  b[112] = 16;
   const uint64_t sum = XXH3_64bits(b.data(), 120);
   for (int i = 0; i < 8; ++i) b[120 + i] = static_cast<uint8_t>(sum >> (8 * i));
   const std::string rkey = RedisKey(kConformanceModel, Key(1));

@@ -40,6 +40,16 @@ KeptTokens Kept(const engine::CpuEngine& model, int64_t logical, const std::vect
   return k;
 }
 
+// Layer l's KV head g's holes as one run of slots [begin, end) ({0, 0}:
+// none); a test failure unless they are one run ending at the holes' end.
+std::pair<int64_t, int64_t> HoleRun(const engine::KvSequence& s, int l, int g) {
+  const std::span<const uint8_t> holes = s.Holes(l, g);
+  const auto first = std::find(holes.begin(), holes.end(), uint8_t{1});
+  EXPECT_TRUE(std::all_of(first, holes.end(), [](uint8_t b) { return b != 0; }));
+  if (first == holes.end()) return {0, 0};
+  return {first - holes.begin(), static_cast<int64_t>(holes.size())};
+}
+
 // Fills layer l's KV head g, slots [from, to), with large random K and V.
 void Scribble(engine::CpuKvCache& cache, engine::KvSequence& seq, int l, int g, int64_t from,
               int64_t to, uint32_t seed) {
@@ -76,20 +86,14 @@ TEST(Holes, AHoleInEveryHeadIsAsIfItsSlotsWereNotThere) {
   ASSERT_TRUE(holed.has_holes());
   EXPECT_EQ(holed.length(), 20);
   EXPECT_EQ(holed.next_position(), 40);
-  EXPECT_EQ(holed.HoleOf(0, 0).begin, 16);
-  EXPECT_EQ(holed.HoleOf(0, 0).end, 20);
+  EXPECT_EQ(HoleRun(holed, 0, 0), std::make_pair(int64_t{16}, int64_t{20}));
   for (int l = 0; l < c.num_layers; ++l) {
     for (int g = 0; g < c.num_kv_heads; ++g) Scribble(cache, holed, l, g, 16, 20, 10 * l + g);
   }
   const std::vector<float> want = AnswerOver(*model, shorter, question);
   const std::vector<float> got = AnswerOver(*model, holed, question);
   EXPECT_LT(MaxDiff(want, got), 1e-4f);
-  // A row pass (blend's) is refused: a row inside a head's hole would see
-  // none of that head's keys; so is pruning it again.
-  std::vector<int64_t> rows = {0, 1};
-  EXPECT_EQ(
-      model->BeginRowPass(holed, std::vector<int32_t>(holed.length(), 1), rows).status().code(),
-      StatusCode::kUnimplemented);
+  // Pruning it again is refused.
   engine::KvSequence again = cache.NewSequence();
   EXPECT_EQ(CompactKv(cache, holed, Kept(*model, 20, kept, {}), &again).code(),
             StatusCode::kInvalidArgument);
@@ -98,6 +102,49 @@ TEST(Holes, AHoleInEveryHeadIsAsIfItsSlotsWereNotThere) {
                 .status()
                 .code(),
             StatusCode::kInvalidArgument);
+}
+
+// A row pass (blend's) computes its rows' K and V in every head: at each
+// layer it runs, their slots' holes are filled before attention reads them.
+TEST(Holes, ARowPassFillsTheHolesOfTheRowsItComputes) {
+  auto model = MakeModel("tiny");
+  const auto& c = model->config();
+  engine::CpuKvCache& cache = model->kv_cache();
+  const auto tokens = RandomTokens(20, c.vocab_size, 5);
+  engine::KvSequence seq = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(seq, 20).ok());
+  cache.SetLength(seq, 20);
+  // Every head of every layer holds slots 0..15 only; all 20 hold garbage.
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (int g = 0; g < c.num_kv_heads; ++g) Scribble(cache, seq, l, g, 0, 20, 7 * l + g);
+  }
+  ASSERT_TRUE(
+      seq.SetHeadTokens(20, std::vector<int32_t>(size_t(c.num_layers) * c.num_kv_heads, 16)).ok());
+  {
+    const std::vector<int64_t> rows = {16, 17};
+    auto pass = model->BeginRowPass(seq, tokens, rows);
+    ASSERT_TRUE(pass.ok()) << pass.status().ToString();
+    ASSERT_TRUE((*pass)->RunLayer().ok());
+    for (int g = 0; g < c.num_kv_heads; ++g) {
+      EXPECT_EQ(seq.Holes(0, g)[16], 0);
+      EXPECT_EQ(seq.Holes(0, g)[17], 0);
+      EXPECT_NE(seq.Holes(0, g)[18], 0);
+      EXPECT_NE(seq.Holes(1, g)[16], 0) << "layer 1 has not run";
+    }
+  }
+  // Every row at every layer: a prefill of the 20 tokens, whatever the
+  // holes and the garbage held before.
+  std::vector<int64_t> all(20);
+  std::iota(all.begin(), all.end(), 0);
+  auto pass = model->BeginRowPass(seq, tokens, all);
+  ASSERT_TRUE(pass.ok());
+  for (int l = 0; l < c.num_layers; ++l) ASSERT_TRUE((*pass)->RunLayer().ok());
+  EXPECT_FALSE(seq.has_holes());
+  std::vector<float> got, want;
+  ASSERT_TRUE((*pass)->Logits(&got).ok());
+  engine::KvSequence plain = cache.NewSequence();
+  ASSERT_TRUE(model->Prefill(plain, tokens, {}, &want).ok());
+  EXPECT_LT(MaxDiff(got, want), 1e-4f);
 }
 
 TEST(Holes, AHeadsHoleHidesItsSlotsFromThatHeadOnly) {
@@ -150,11 +197,10 @@ TEST(Holes, TruncateShortensThemAndSetHeadTokensChecksItsArguments) {
   std::vector<int32_t> counts(heads, 12);
   counts[1] = 20;
   ASSERT_TRUE(s.SetHeadTokens(20, counts).ok());
-  EXPECT_EQ(s.HoleOf(0, 0).begin, 12);
-  EXPECT_EQ(s.HoleOf(0, 1).begin, s.HoleOf(0, 1).end);  // kept all 20: none
+  EXPECT_EQ(HoleRun(s, 0, 0), std::make_pair(int64_t{12}, int64_t{20}));
+  EXPECT_EQ(HoleRun(s, 0, 1), std::make_pair(int64_t{0}, int64_t{0}));  // kept all 20: none
   s.Truncate(15);
-  EXPECT_EQ(s.HoleOf(0, 0).begin, 12);
-  EXPECT_EQ(s.HoleOf(0, 0).end, 15);
+  EXPECT_EQ(HoleRun(s, 0, 0), std::make_pair(int64_t{12}, int64_t{15}));
   s.Truncate(10);
   EXPECT_FALSE(s.has_holes());
   ASSERT_TRUE(s.SetHeadTokens(10, std::vector<int32_t>(heads, 4)).ok());

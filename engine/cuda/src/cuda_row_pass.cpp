@@ -332,6 +332,7 @@ Result<std::unique_ptr<RowPass>> CudaEngine::BeginRowPass(KvSequence& seq,
                                                           std::span<const int64_t> positions,
                                                           std::span<const int64_t> slot_positions) {
   Impl& m = *impl_;
+  KDN_RETURN_IF_ERROR(RefuseHoles(seq, "row pass"));
   KDN_RETURN_IF_ERROR(CheckRowPass(m.config, seq, tokens, positions, slot_positions));
   if (static_cast<int64_t>(positions.size()) > m.max_rows) {
     return InvalidArgument("row pass: " + std::to_string(positions.size()) + " rows; at most " +

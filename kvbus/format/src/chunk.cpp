@@ -3,7 +3,9 @@
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "kdn/kvbus/buffer_pool.h"
 
@@ -18,11 +20,13 @@ constexpr size_t kOffVersion = 8, kOffDType = 12, kOffKey = 16, kOffModel = 32, 
                  kOffPayloadBytes = 72, kOffPayloadSum = 80, kOffCodec = 88, kOffCodecLevel = 92,
                  kOffRawBytes = 96, kOffLogical = 104, kOffKeptKind = 108, kOffFlags = 112,
                  kOffSteeringBytes = 116, kOffHeaderSum = 120;
-// How a pruned chunk's kept positions are stored: one u32 offset per token.
-constexpr uint32_t kKeptOffsets = 1;
+// How a pruned chunk's kept positions are stored: one u32 offset per token,
+// or per head (a count per layer and KV head, then each head's offsets).
+constexpr uint32_t kKeptOffsets = 1, kKeptPerHead = 2;
 // Version 4's flags: which optional parts the chunk has.
-constexpr uint32_t kFlagEncoded = 1u << 0, kFlagPruned = 1u << 1, kFlagSteering = 1u << 2;
-constexpr uint32_t kKnownFlags = kFlagEncoded | kFlagPruned | kFlagSteering;
+constexpr uint32_t kFlagEncoded = 1u << 0, kFlagPruned = 1u << 1, kFlagSteering = 1u << 2,
+                   kFlagPerHead = 1u << 3;
+constexpr uint32_t kKnownFlags = kFlagEncoded | kFlagPruned | kFlagSteering | kFlagPerHead;
 
 void Put32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -41,16 +45,55 @@ uint64_t Get64(const uint8_t* p) {
   return v;
 }
 
-// A pruned info's kept positions: one per token, ascending, inside the text.
+// A per-head info's counts and positions: one count per layer and KV head,
+// the largest `tokens`, their sum head_slots, each head's positions
+// ascending inside the text.
+Status CheckHeadKept(const ChunkInfo& info) {
+  const std::string what = "chunk " + info.key.ToHex();
+  if (!info.pruned()) return InvalidArgument(what + ": per-head kept tokens without pruning");
+  if (info.head_counts.size() != size_t{info.layers} * info.kv_heads) {
+    return InvalidArgument(what + ": " + std::to_string(info.head_counts.size()) +
+                           " head counts for " + std::to_string(info.layers) + " layers x " +
+                           std::to_string(info.kv_heads) + " KV heads");
+  }
+  uint64_t sum = 0;
+  uint32_t most = 0;
+  for (uint32_t n : info.head_counts) {
+    sum += n;
+    most = std::max(most, n);
+  }
+  if (sum != info.head_slots || sum != info.kept.size() || most != info.tokens ||
+      info.logical_tokens < info.tokens) {
+    return InvalidArgument(what + ": head counts of " + std::to_string(sum) + " kept (the most " +
+                           std::to_string(most) + ") for " + std::to_string(info.kept.size()) +
+                           " positions, " + std::to_string(info.tokens) + " slots and " +
+                           std::to_string(info.logical_tokens) + " tokens of text");
+  }
+  const uint32_t* p = info.kept.data();
+  for (uint32_t n : info.head_counts) {
+    for (uint32_t j = 0; j < n; ++j) {
+      if (p[j] >= info.logical_tokens || (j > 0 && p[j] <= p[j - 1])) {
+        return InvalidArgument(what + ": a head's kept positions not ascending inside the text");
+      }
+    }
+    p += n;
+  }
+  return Status::Ok();
+}
+
+// A pruned info's kept positions: one per token, ascending, inside the text
+// (per head: CheckHeadKept).
 Status CheckKept(const ChunkInfo& info) {
   if (!info.pruned()) {
-    return info.kept.empty() ? Status::Ok()
-                             : InvalidArgument("chunk " + info.key.ToHex() +
-                                               ": kept positions without a logical length");
+    return info.kept.empty() && !info.per_head() && info.head_counts.empty()
+               ? Status::Ok()
+               : InvalidArgument("chunk " + info.key.ToHex() +
+                                 ": kept positions without a logical length");
   }
   if (info.codec != KvCodec::kRaw) {
     return InvalidArgument("chunk " + info.key.ToHex() + ": a pruned chunk is raw");
   }
+  if (info.per_head() || !info.head_counts.empty()) return CheckHeadKept(info);
   if (info.kept.size() != info.tokens || info.logical_tokens < info.tokens) {
     return InvalidArgument("chunk " + info.key.ToHex() + ": " + std::to_string(info.kept.size()) +
                            " kept positions for " + std::to_string(info.tokens) + " tokens of " +
@@ -81,6 +124,17 @@ Status CheckSteering(const ChunkInfo& info) {
 
 }  // namespace
 
+void ChunkInfo::SetHeadKept(std::vector<uint32_t> counts, std::vector<uint32_t> positions) {
+  head_slots = 0;
+  tokens = 0;
+  for (uint32_t n : counts) {
+    head_slots += n;
+    tokens = std::max(tokens, n);
+  }
+  head_counts = std::move(counts);
+  kept = std::move(positions);
+}
+
 void Chunk::SealHeader(uint8_t* h) {
   const size_t payload = size_ - kHeaderBytes;
   SealHeaderOf(info_, payload, XXH3_64bits(h + kHeaderBytes, payload), h);
@@ -104,7 +158,8 @@ void Chunk::SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t paylo
   const bool encoded = info.codec != KvCodec::kRaw;
   Put32(h + kOffVersion, kChunkFormatVersion);
   Put32(h + kOffFlags, (encoded ? kFlagEncoded : 0) | (info.pruned() ? kFlagPruned : 0) |
-                           (info.is_steering() ? kFlagSteering : 0));
+                           (info.is_steering() ? kFlagSteering : 0) |
+                           (info.per_head() ? kFlagPerHead : 0));
   Put32(h + kOffSteeringBytes, info.steering_bytes);
   Put32(h + kOffDType, static_cast<uint32_t>(info.dtype));
   info.key.ToBytes(h + kOffKey);
@@ -123,8 +178,10 @@ void Chunk::SealHeaderOf(const ChunkInfo& info, uint64_t payload, uint64_t paylo
   }
   if (info.pruned()) {
     Put32(h + kOffLogical, info.logical_tokens);
-    Put32(h + kOffKeptKind, kKeptOffsets);
+    Put32(h + kOffKeptKind, info.per_head() ? kKeptPerHead : kKeptOffsets);
   }
+  // The KV's raw size, which a per-head chunk's shape does not imply.
+  if (info.per_head()) Put64(h + kOffRawBytes, info.payload_bytes());
   Put64(h + kOffHeaderSum, XXH3_64bits(h, kOffHeaderSum));
 }
 
@@ -140,8 +197,9 @@ Result<std::shared_ptr<const Chunk>> Chunk::Build(const ChunkInfo& info,
   std::shared_ptr<Chunk> c(new Chunk());
   c->info_ = info;
   c->size_ = size;
-  for (size_t j = 0; j < info.kept.size(); ++j)
-    Put32(data.get() + kHeaderBytes + 4 * j, info.kept[j]);
+  uint8_t* annex = data.get() + kHeaderBytes;
+  for (uint32_t n : info.head_counts) annex = (Put32(annex, n), annex + 4);
+  for (uint32_t k : info.kept) annex = (Put32(annex, k), annex + 4);
   if (!info.steering.empty()) {
     std::memcpy(data.get() + kHeaderBytes + info.kept_bytes(), info.steering.data(),
                 info.steering.size());
@@ -222,11 +280,14 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
     return Unimplemented("chunk: unknown flags " + std::to_string(flags & ~kKnownFlags) +
                          " in a version " + std::to_string(version) + " chunk");
   }
-  if (flags == (kFlagEncoded | kFlagPruned)) {
+  if ((flags & kFlagEncoded) != 0 && (flags & kFlagPruned) != 0) {
     return Unimplemented("chunk: this kdn does not read chunks both encoded and pruned");
   }
   if ((flags & kFlagSteering) != 0 && flags != kFlagSteering) {
     return Unimplemented("chunk: this kdn reads steering chunks raw and not pruned");
+  }
+  if ((flags & kFlagPerHead) != 0 && (flags & kFlagPruned) == 0) {
+    return Unimplemented("chunk: per-head kept tokens on a chunk not pruned");
   }
   if (version != kChunkFormatVersion && Get32(h + kOffFlags) != 0) {
     return Corruption("chunk: flags in a version " + std::to_string(version) + " chunk");
@@ -238,9 +299,11 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
                          std::to_string(version) + " chunk");
   }
   const bool encoded = (flags & kFlagEncoded) != 0, pruned = (flags & kFlagPruned) != 0,
-             steering = (flags & kFlagSteering) != 0;
-  // The fields of a part the chunk does not have are zero.
-  if ((!encoded && (Get32(h + kOffCodecLevel) != 0 || Get64(h + kOffRawBytes) != 0)) ||
+             steering = (flags & kFlagSteering) != 0, per_head = (flags & kFlagPerHead) != 0;
+  // The fields of a part the chunk does not have are zero (raw_bytes is a
+  // per-head chunk's too).
+  if ((!encoded && Get32(h + kOffCodecLevel) != 0) ||
+      (!encoded && !per_head && Get64(h + kOffRawBytes) != 0) ||
       (!pruned && (Get32(h + kOffLogical) != 0 || Get32(h + kOffKeptKind) != 0)) ||
       (!steering && Get32(h + kOffSteeringBytes) != 0)) {
     return Corruption("chunk: fields set for a part the version " + std::to_string(version) +
@@ -280,12 +343,24 @@ Result<ChunkHeaderFields> Chunk::ParseHeader(std::span<const uint8_t> header) {
   }
   if (pruned) {
     info.logical_tokens = Get32(h + kOffLogical);
-    if (Get32(h + kOffKeptKind) != kKeptOffsets || info.logical_tokens < info.tokens ||
-        info.logical_tokens == 0) {
+    if (Get32(h + kOffKeptKind) != (per_head ? kKeptPerHead : kKeptOffsets) ||
+        info.logical_tokens < info.tokens || info.logical_tokens == 0) {
       return Corruption(what + ": a pruned chunk of " + std::to_string(info.tokens) +
                         " tokens for " + std::to_string(info.logical_tokens) +
                         ", kept positions of kind " + std::to_string(Get32(h + kOffKeptKind)));
     }
+  }
+  if (per_head) {
+    // raw_bytes holds the kept (head, token) pairs' K and V: at least one
+    // slot of the fullest head, at most every slot of every head.
+    const uint64_t raw = Get64(h + kOffRawBytes),
+                   pair = uint64_t{2} * info.head_dim * DTypeSize(info.dtype);
+    if (pair == 0 || raw % pair != 0 || info.tokens == 0 || raw / pair < info.tokens ||
+        raw / pair > uint64_t{info.layers} * info.kv_heads * info.tokens) {
+      return Corruption(what + ": a per-head chunk's KV of " + std::to_string(raw) + " bytes for " +
+                        std::to_string(info.tokens) + " slots");
+    }
+    info.head_slots = raw / pair;
   }
   if (steering) {
     info.steering_bytes = Get32(h + kOffSteeringBytes);
@@ -323,11 +398,14 @@ Result<std::shared_ptr<const Chunk>> Chunk::Parse(std::shared_ptr<const uint8_t>
     return Corruption("chunk " + f.info.key.ToHex() + ": payload checksum mismatch");
   }
   if (f.info.pruned()) {
-    f.info.kept.resize(f.info.tokens);
-    for (uint32_t j = 0; j < f.info.tokens; ++j) f.info.kept[j] = Get32(h + kHeaderBytes + 4 * j);
-    if (!CheckKept(f.info).ok()) {
-      return Corruption("chunk " + f.info.key.ToHex() + ": kept positions out of order");
+    const uint8_t* annex = h + kHeaderBytes;
+    if (f.info.per_head()) {
+      f.info.head_counts.resize(size_t{f.info.layers} * f.info.kv_heads);
+      for (uint32_t& n : f.info.head_counts) n = Get32(annex), annex += 4;
     }
+    f.info.kept.resize(f.info.per_head() ? f.info.head_slots : f.info.tokens);
+    for (uint32_t& k : f.info.kept) k = Get32(annex), annex += 4;
+    if (Status st = CheckKept(f.info); !st.ok()) return Corruption(st.message());
   }
   if (f.info.is_steering()) {
     const uint8_t* d = h + kHeaderBytes + f.info.kept_bytes();

@@ -39,6 +39,7 @@
 #include "kdn/blend/spec.h"
 #include "kdn/engine/engine.h"
 #include "kdn/kvbus/chunk.h"
+#include "kdn/kvbridge/head_pruned.h"
 #include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::blend {
@@ -48,7 +49,10 @@ struct Segment {
   // Its KV computed alone (all layers, from position chunk->info().position),
   // or null: computed in full like the suffix. A pruned chunk (kdn/prune)
   // holds the KV of some of the tokens only; the rest have none in the
-  // fused prompt, which keeps every token's position.
+  // fused prompt, which keeps every token's position. Pruned per head, a
+  // token any head kept has a slot, and the heads that did not keep it a
+  // hole there (KvSequence::SetHoles) until its row is recomputed, which
+  // fills it in every head; the query selections do not take such a chunk.
   std::shared_ptr<const kvbus::Chunk> kv;
   // Slots of `kv` (ascending offsets into its tokens) whose stored KV the
   // blend keeps wherever it places cached KV: never chosen for recompute (a
@@ -106,12 +110,16 @@ SelectionPolicy PolicyFor(const blend::BlendSelection& selection);
 
 // A cached segment's KV as the blend places it: the chunk, the KV slot it
 // starts at, its slots, and the rotation from the position its K was
-// computed at to its place in the prompt.
+// computed at to its place in the prompt. A chunk pruned per head
+// (docs/kvbus.md, "Per-head kept tokens") takes a slot per offset any head
+// kept (`head_slots`, kvbridge::HeadPrunedSlots; empty for other chunks),
+// each head's others being holes.
 struct PlacedSegment {
   const kvbus::Chunk* kv = nullptr;
   int64_t at = 0;
   int64_t len = 0;
   int64_t delta = 0;
+  std::vector<uint32_t> head_slots;
 };
 
 // The question's attention to the cached segments' tokens: `question`

@@ -72,13 +72,15 @@ struct ScoreBias {
 // out[h * head_dim ..] = sum_p softmax_p(scale * q_h.k_p) v_p, q_h being
 // q[h * head_dim ..]. `scores` holds heads * (ctx - lo) floats of scratch.
 // What decode attention runs per (sequence, KV head): one call, the key
-// loop inside, each key and value read once for the group. Keys in [hole_begin,
-// hole_end) get no weight (pruned KV's holes: KvSequence::SetHeadTokens);
-// `bias` is added to the scaled scores of its keys before the softmax.
+// loop inside, each key and value read once for the group. A key p below
+// hole_end whose holes[p] is not 0 gets no weight (pruned KV's holes:
+// KvSequence::Holes); `bias` is added to the scaled scores of its keys
+// before the softmax.
 void AttendPagedGroup(const float* q, int heads, const float* const* k_blocks,
                       const float* const* v_blocks, int64_t stride, int64_t lo, int64_t ctx,
-                      int head_dim, float scale, float* scores, float* out, int64_t hole_begin = 0,
-                      int64_t hole_end = 0, const ScoreBias& bias = {});
+                      int head_dim, float scale, float* scores, float* out,
+                      const uint8_t* holes = nullptr, int64_t hole_end = 0,
+                      const ScoreBias& bias = {});
 // AttendPagedGroup for two rows of one sequence at once (query q0 and q1,
 // contexts ctx0 and ctx1, lo shared, no hole), each row's output bit for
 // bit what AttendPagedGroup gives it alone; the keys and values are read

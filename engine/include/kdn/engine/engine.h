@@ -168,7 +168,10 @@ class Engine {
   // slots. `slot_positions`, when given (one per slot, ascending), is the
   // position each slot's token sits at, which RoPE rotates its row for: a
   // sequence holding pruned KV (KvSequence::next_position) needs it, and
-  // rows still attend by slot.
+  // rows still attend by slot. Over a sequence with holes (KvSequence::
+  // SetHoles) a row's K and V, written in every head, fill its slot's
+  // holes at each layer it is computed at (the CPU engine; the CUDA
+  // engine refuses holes).
   virtual Result<std::unique_ptr<RowPass>> BeginRowPass(
       KvSequence& seq, std::span<const int32_t> tokens, std::span<const int64_t> positions,
       std::span<const int64_t> slot_positions = {}) = 0;
@@ -188,7 +191,8 @@ class RowPass {
   virtual ~RowPass() = default;
   // Runs the next layer (layers run in order, from 0). With `deviation`,
   // fills one value per current row: the squared L2 distance between its
-  // recomputed K and V and the K and V the cache held for it before.
+  // recomputed K and V and the K and V the cache held for it before (zeros
+  // in a hole: a head that held none counts all of its recomputed KV).
   virtual Status RunLayer(std::vector<float>* deviation = nullptr) = 0;
   // Keeps the current rows at these indices (ascending) for later layers.
   virtual Status Keep(std::span<const int64_t> rows) = 0;
@@ -212,7 +216,7 @@ Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, in
 // Checks a decode batch: as many tokens as sequences, none twice, not empty.
 Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                         size_t samplers);
-// UNIMPLEMENTED for a sequence with holes (KvSequence::SetHeadTokens): what
+// UNIMPLEMENTED for a sequence with holes (KvSequence::Holes): what
 // a backend whose attention cannot skip them answers (the CUDA engine).
 Status RefuseHoles(const KvSequence& seq, const char* what);
 // INVALID_ARGUMENT for a sequence whose attention bias is for another

@@ -110,20 +110,28 @@ class KvSequence {
   // Makes next_position() `position`; INVALID_ARGUMENT below length().
   // Truncate keeps the shift (Truncate(0) and Reset clear it).
   Status SetNextPosition(int64_t position);
-  // Pruned KV whose layers and KV heads kept different numbers of tokens
-  // (prune::Granularity::kGlobal): of slots [0, slots), layer l's KV head h
-  // holds its tokens in the first head_tokens[l * kv_heads + h], and the
-  // rest are holes, which attention skips as if they were not there. Slots
-  // from `slots` on are every head's. INVALID_ARGUMENT unless slots <=
+  // Pruned KV whose layers and KV heads kept different tokens (prune's
+  // kLayer, kHead and kGlobal granularities): some slots hold no KV in some
+  // heads. Those are holes, which attention skips as if they were not
+  // there. SetHeadTokens: of slots [0, slots), layer l's KV head h holds its
+  // tokens in the first head_tokens[l * kv_heads + h], and the rest are
+  // holes (what prune::CompactKv makes); INVALID_ARGUMENT unless slots <=
   // length() and there is one count in [0, slots] per layer and KV head.
-  // Truncate shortens the holes with the slots; once no head has one left
-  // (and after Reset) has_holes() is false.
+  // SetHoles: any holes, `holes[(l * kv_heads + h) * slots + s]` not 0 for
+  // a hole (a blend's fused per-head segments: kdn/blend/blend.h);
+  // INVALID_ARGUMENT unless slots <= length() and there is one per layer,
+  // KV head and slot. Slots from `slots` on are every head's. FillHoles
+  // marks slot `slot` of layer `layer` held in every head (a row pass's
+  // row, computed there). Truncate shortens the holes with the slots; once
+  // no hole is left (and after Reset) has_holes() is false.
   Status SetHeadTokens(int64_t slots, std::vector<int32_t> head_tokens);
-  struct Hole {
-    int64_t begin = 0, end = 0;  // slots [begin, end); begin == end: none
-  };
-  Hole HoleOf(int layer, int kv_head) const;
-  bool has_holes() const { return hole_end_ > 0; }
+  Status SetHoles(int64_t slots, std::vector<uint8_t> holes);
+  void FillHoles(int layer, int64_t slot);
+  // Layer `layer`'s KV head `kv_head`: one byte per slot below hole_end(),
+  // not 0 for a hole; empty where the sequence has none.
+  std::span<const uint8_t> Holes(int layer, int kv_head) const;
+  bool has_holes() const { return hole_count_ > 0; }
+  int64_t hole_end() const { return hole_end_; }
   // An additive bias on attention scores, as PASTA steers attention (docs/
   // kvbus.md, "Editing stored KV"): for every query row computed over this
   // sequence (prefill, decode, row passes), at layer l and query head h,
@@ -157,9 +165,12 @@ class KvSequence {
   std::vector<int32_t> blocks_;
   int64_t length_ = 0;
   int64_t position_shift_ = 0;
-  int64_t hole_end_ = 0;              // SetHeadTokens' slots, at most length_
-  std::vector<int32_t> head_tokens_;  // [layer][kv_head], when hole_end_ > 0
-  AttentionBias bias_;                // no spans: none
+  // Clears the holes when none is left.
+  void DropHolesIfNone();
+  int64_t hole_end_ = 0;        // the holes' slots, at most length_
+  int64_t hole_count_ = 0;      // holes (bytes not 0) in holes_
+  std::vector<uint8_t> holes_;  // [layer][kv_head][hole_end_], when hole_count_ > 0
+  AttentionBias bias_;          // no spans: none
 };
 
 class KvCache {

@@ -2,8 +2,8 @@
 // A text's pruned KV, as the prefill worker stores an injected document and
 // kdn-generate reproduces it (docs/kvbus.md, "Pruned KV"): the text computed
 // on its own from position 0, scored by the spec's method, and the kept
-// tokens' KV (token granularity: the same tokens in every layer and head,
-// what a pruned chunk holds) written into a sequence of its own.
+// tokens' KV written into a sequence of its own (token granularity, what a
+// deployment stores, by default: the same tokens in every layer and head).
 // Thread-compatible: the caller owns the engine.
 
 #include <cstdint>
@@ -18,18 +18,28 @@
 namespace kdn::prune {
 
 // Computes `text` (non-empty, within the context) in a sequence of its own,
-// scores it by spec.method and writes the kept tokens' KV into `pruned` (an
-// empty sequence of the model's cache), whose next position is the text's
-// length. Returns what was kept. INVALID_ARGUMENT for a spec that
+// scores it by spec.method, keeps tokens at `granularity` and writes the
+// kept tokens' KV into `pruned` (an empty sequence of the model's cache;
+// CompactKv), whose next position is the text's length. Returns what was
+// kept. INVALID_ARGUMENT for a spec that
 // prune::ValidatePruneSpec refuses or a text of no more tokens than its
 // sinks; the engine's errors as they are (RESOURCE_EXHAUSTED without room
 // for the text and its copy, UNIMPLEMENTED for a method whose scores need
 // query hooks on an engine without them). `pruned` is empty on error.
 Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const prune::PruneSpec& spec, engine::KvSequence* pruned);
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned,
+                             Granularity granularity = Granularity::kToken);
 
 // The kept offsets of token-granularity KeptTokens (every layer's and
 // head's), as a pruned chunk stores them.
 std::vector<uint32_t> KeptOffsets(const KeptTokens& kept);
+
+// The kept tokens of each layer and KV head, as a per-head pruned chunk
+// stores them (kvbus::ChunkInfo::SetHeadKept): a count per (layer, KV
+// head), and each head's kept offsets, head after head.
+struct HeadKept {
+  std::vector<uint32_t> counts, positions;
+};
+HeadKept HeadKeptOf(const KeptTokens& kept);
 
 }  // namespace kdn::prune

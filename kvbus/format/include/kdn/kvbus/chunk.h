@@ -62,10 +62,24 @@ struct ChunkInfo {
   uint32_t logical_tokens = 0;
   std::vector<uint32_t> kept;
   bool pruned() const { return logical_tokens != 0; }
+  // Pruned per head (docs/kvbus.md, "Per-head kept tokens"): each layer's
+  // KV head kept tokens of its own, head_counts[l * kv_heads + h] of them
+  // (`tokens` is the most any head keeps), so `kept` holds head_slots
+  // positions, head after head ([layer][kv_head]), each head's ascending,
+  // and the KV is [layer][K|V][kv_head][j < count][head_dim]: only what
+  // each head kept. head_slots, the counts' sum, is what a header read on
+  // its own knows (head_counts then empty). 0: not pruned per head.
+  std::vector<uint32_t> head_counts;
+  uint64_t head_slots = 0;
+  bool per_head() const { return head_slots != 0; }
   // The tokens of text the chunk stands for.
   uint32_t logical() const { return pruned() ? logical_tokens : tokens; }
-  // The bytes of the kept positions, stored between the header and the KV.
-  uint64_t kept_bytes() const { return pruned() ? uint64_t{tokens} * 4 : 0; }
+  // The bytes of the kept positions (and a per-head chunk's counts), stored
+  // between the header and the KV.
+  uint64_t kept_bytes() const {
+    if (per_head()) return 4 * (uint64_t{layers} * kv_heads + head_slots);
+    return pruned() ? uint64_t{tokens} * 4 : 0;
+  }
   // A steering vector's chunk (docs/kvbus.md, "Steering vector chunks"), not
   // a document's KV: its one token's values at the vector's layers are the
   // vector, and `steering` (steering_bytes long, kvbridge/steer.h's
@@ -80,10 +94,15 @@ struct ChunkInfo {
   uint64_t annex_bytes() const { return kept_bytes() + steering_bytes; }
 
   // The raw KV's size, which the shape implies (an encoded chunk's stored
-  // payload is smaller: Chunk::payload().size()).
+  // payload is smaller: Chunk::payload().size()); a per-head chunk's holds
+  // head_slots (head, token) pairs' K and V.
   uint64_t payload_bytes() const {
+    if (per_head()) return head_slots * 2 * head_dim * DTypeSize(dtype);
     return uint64_t{layers} * 2 * tokens * kv_heads * head_dim * DTypeSize(dtype);
   }
+  // A per-head info from the kept tokens of each (layer, KV head): counts
+  // and positions as above; `tokens` becomes the largest count.
+  void SetHeadKept(std::vector<uint32_t> counts, std::vector<uint32_t> positions);
 };
 
 // A chunk's header read on its own, its payload elsewhere (a layer slice
