@@ -28,7 +28,6 @@
 #include "kdn/kvbridge/steer.h"
 #include "kdn/worker/worker_flags.h"
 #include "kdn/engine/generate.h"
-#include "kdn/kvbridge/head_pruned.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
@@ -168,12 +167,14 @@ struct BlendOutput {
 // at their strength as a steer edit stores them, then fused with `head` and
 // `question` by blend::BlendPrefill as kdn-prefill fuses them, then greedy
 // decoding on the fused KV.
-kdn::Result<BlendOutput> BlendAnswer(
-    kdn::engine::Engine& model, const std::vector<int32_t>& head,
-    const std::vector<std::vector<int32_t>>& docs, const std::vector<int32_t>& question,
-    const kdn::blend::BlendSpec& spec, const kdn::prune::PruneSpec* prune,
-    kdn::prune::Granularity granularity, const std::map<size_t, float>& steer_of,
-    const kdn::kvbridge::SteeringVector* vector, const kdn::engine::GenerateOptions& gen) {
+kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vector<int32_t>& head,
+                                     const std::vector<std::vector<int32_t>>& docs,
+                                     const std::vector<int32_t>& question,
+                                     const kdn::blend::BlendSpec& spec,
+                                     const kdn::prune::PruneSpec* prune,
+                                     const std::map<size_t, float>& steer_of,
+                                     const kdn::kvbridge::SteeringVector* vector,
+                                     const kdn::engine::GenerateOptions& gen) {
   kdn::engine::KvCache& cache = model.kv_cache();
   const auto dtype = model.kv_dtype();
   std::vector<kdn::blend::Segment> segments;
@@ -182,17 +183,8 @@ kdn::Result<BlendOutput> BlendAnswer(
     kdn::engine::KvSequence seq = cache.NewSequence();
     if (prune != nullptr) {
       KDN_ASSIGN_OR_RETURN(kdn::prune::KeptTokens kept,
-                           kdn::prune::PruneText(model, d, *prune, &seq, granularity));
-      const auto n = static_cast<uint32_t>(d.size());
-      kdn::prune::HeadKept hk;
-      if (granularity != kdn::prune::Granularity::kToken) hk = kdn::prune::HeadKeptOf(kept);
-      KDN_ASSIGN_OR_RETURN(
-          auto kv,
-          granularity == kdn::prune::Granularity::kToken
-              ? kdn::kvbridge::PrunedChunkFromPagedKv(cache, seq, n, kdn::prune::KeptOffsets(kept),
-                                                      {}, {}, dtype)
-              : kdn::kvbridge::HeadPrunedChunkFromPagedKv(cache, seq, n, std::move(hk.counts),
-                                                          std::move(hk.positions), {}, {}, dtype));
+                           kdn::prune::PruneText(model, d, *prune, &seq));
+      KDN_ASSIGN_OR_RETURN(auto kv, kdn::prune::PrunedChunkOf(cache, seq, kept, {}, {}, dtype));
       segments.push_back({d, std::move(kv)});
       continue;
     }
@@ -341,14 +333,14 @@ int main(int argc, char** argv) {
   app.add_option("--prune-sinks", prune.sinks, "Blend: leading tokens always kept")
       ->needs(prune_method)
       ->capture_default_str();
-  std::string granularity_name = "token";
+  std::string granularity_name;
   app.add_option("--prune-granularity", granularity_name,
-                 "Blend: the same kept tokens in every layer and head (token, what a deployment "
-                 "stores), per layer (layer), per layer and KV head (head), or each head as many "
-                 "as its scores earn among all (global); the last three are stored per head "
-                 "(docs/kvbus.md, \"Per-head kept tokens\")")
-      ->needs(prune_method)
-      ->capture_default_str();
+                 "Blend: the same kept tokens in every layer and head (token), per layer "
+                 "(layer), per layer and KV head (head), or each head as many as its scores earn "
+                 "among all (global); the last three are stored per head (docs/kvbus.md, "
+                 "\"Per-head kept tokens\"). Default: the method's, as kdn-prefill's (kvzip "
+                 "global, expected_attention layer, knorm token)")
+      ->needs(prune_method);
   CLI11_PARSE(app, argc, argv);
 
   if (auto s = kdn::blend::ParseBlendSelection(selection); s.ok()) {
@@ -357,10 +349,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kdn-generate: --blend-selection: %s\n", s.status().message().c_str());
     return 2;
   }
-  const auto granularity = kdn::prune::ParseGranularity(granularity_name);
-  if (!granularity.ok()) {
-    std::fprintf(stderr, "kdn-generate: --prune-granularity: %s\n",
-                 granularity.status().message().c_str());
+  if (granularity_name.empty()) {
+    // The method's default, as kdn-prefill's.
+  } else if (auto g = kdn::prune::ParseGranularity(granularity_name); g.ok()) {
+    prune.granularity = *g;
+  } else {
+    std::fprintf(stderr, "kdn-generate: --prune-granularity: %s\n", g.status().message().c_str());
     return 2;
   }
   // --erratum N=TEXT, by document; --emphasize N=PHRASE.
@@ -562,7 +556,7 @@ int main(int argc, char** argv) {
       vector = *std::move(v);
     }
     auto out = BlendAnswer(**model, head, doc_ids, question, blend,
-                           prune.method.empty() ? nullptr : &prune, *granularity, steer_of,
+                           prune.method.empty() ? nullptr : &prune, steer_of,
                            vector ? &*vector : nullptr, gen);
     if (!out.ok()) {
       std::fprintf(stderr, "kdn-generate: %s\n", out.status().ToString().c_str());

@@ -80,6 +80,11 @@ class Placer {
 
 }  // namespace
 
+int64_t SegmentSlots(const kvbus::ChunkInfo& info) {
+  return info.per_head() ? static_cast<int64_t>(kvbridge::HeadPrunedSlots(info).size())
+                         : static_cast<int64_t>(info.tokens);
+}
+
 Result<BlendResult> BlendPrefill(engine::Engine& model, engine::KvSequence& seq,
                                  std::span<const Segment> segments, std::span<const int32_t> suffix,
                                  const BlendOptions& options) {

@@ -99,16 +99,20 @@ void PruneToProto(const prune::PruneSpec& spec, proto::PruneSpec* out) {
   out->set_method(spec.method);
   out->set_keep(spec.keep);
   out->set_sinks(spec.sinks);
+  if (spec.granularity) out->set_granularity(prune::GranularityName(*spec.granularity));
   out->mutable_kvzip_first()->Assign(spec.kvzip_first.begin(), spec.kvzip_first.end());
   out->mutable_kvzip_next()->Assign(spec.kvzip_next.begin(), spec.kvzip_next.end());
   out->mutable_kvzip_suffix()->Assign(spec.kvzip_suffix.begin(), spec.kvzip_suffix.end());
 }
 
-prune::PruneSpec PruneFromProto(const proto::PruneSpec& p) {
+Result<prune::PruneSpec> PruneFromProto(const proto::PruneSpec& p) {
   prune::PruneSpec spec;
   spec.method = p.method();
   spec.keep = p.keep();
   spec.sinks = p.sinks();
+  if (!p.granularity().empty()) {
+    KDN_ASSIGN_OR_RETURN(spec.granularity, prune::ParseGranularity(p.granularity()));
+  }
   spec.kvzip_first.assign(p.kvzip_first().begin(), p.kvzip_first().end());
   spec.kvzip_next.assign(p.kvzip_next().begin(), p.kvzip_next().end());
   spec.kvzip_suffix.assign(p.kvzip_suffix().begin(), p.kvzip_suffix().end());

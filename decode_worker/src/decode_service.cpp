@@ -350,11 +350,11 @@ struct DecodeService::Impl {
   void DoStart(const std::string& peer, const proto::WorkerMessage& msg, DecoderOutput* out) {
     const Origin origin{peer, msg.request_id()};
     auto it = ids.find(OriginKey(peer, msg.request_id()));
-    Status st = it == ids.end()
-                    ? NotFound("request " + std::to_string(msg.request_id()) +
-                               " was not prepared here (or expired)")
-                    : decoder->Start(it->second, msg.start().first_token(),
-                                     msg.start().first_token_sent(), out, msg.start().kv_tokens());
+    Status st = it == ids.end() ? NotFound("request " + std::to_string(msg.request_id()) +
+                                           " was not prepared here (or expired)")
+                                : decoder->Start(it->second, msg.start().first_token(),
+                                                 msg.start().first_token_sent(), out,
+                                                 msg.start().kv_tokens(), msg.start().kv_holes());
     if (st.ok()) Unreserve(origins[it->second]);
     if (!st.ok()) {
       LogError("{} start refused: {}", ReqId{msg.request_id()}, st.ToString());

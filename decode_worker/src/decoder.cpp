@@ -7,6 +7,7 @@
 #include "kdn/common/log.h"
 #include "kdn/kvbridge/prefix_kv.h"
 #include "kdn/worker/worker_setup.h"
+#include "kdn/kvbridge/head_pruned.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
 #include "kdn/kvbus/chunk.h"
@@ -170,6 +171,8 @@ Status Decoder::PlacePushedSlices(Prepared& p, const std::set<kvbus::ChunkKey>& 
     }
   }
   cache.SetLength(p.seq, n);
+  // A document pruned per head: its heads' holes.
+  if (!p.kv_holes.empty()) KDN_RETURN_IF_ERROR(kvbridge::UnpackHoles(p.kv_holes, n, cache, p.seq));
   // Fewer slots than tokens (pruned documents): the next token still sits
   // where it would after the whole prompt.
   return n < prompt ? p.seq.SetNextPosition(prompt) : Status::Ok();
@@ -395,7 +398,7 @@ Result<uint64_t> Decoder::Prepare(DecodeRequest request, DecoderOutput* out) {
 }
 
 Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out,
-                      int64_t kv_tokens) {
+                      int64_t kv_tokens, std::string kv_holes) {
   auto it = prepared_.find(id);
   if (it == prepared_.end()) {
     return NotFound("request " + std::to_string(id) + " was not prepared here (or expired)");
@@ -415,7 +418,19 @@ Status Decoder::Start(uint64_t id, int32_t first_token, bool first_token_sent, D
                              : std::string(" on a request that is not blended")));
     }
   }
+  if (!kv_holes.empty()) {
+    const auto n = kv_tokens > 0 ? kv_tokens : static_cast<int64_t>(p.request.tokens.size());
+    const engine::KvCache& cache = model_.kv_cache();
+    const int64_t bits = int64_t{cache.num_layers()} * cache.num_kv_heads() * n;
+    if (!p.request.blended || static_cast<int64_t>(kv_holes.size()) != (bits + 7) / 8) {
+      return InvalidArgument("request " + std::to_string(id) + ": " +
+                             std::to_string(kv_holes.size()) + " bytes of KV holes for " +
+                             std::to_string(n) + " slots" +
+                             (p.request.blended ? "" : " on a request that is not blended"));
+    }
+  }
   p.kv_tokens = kv_tokens;
+  p.kv_holes = std::move(kv_holes);
   p.request.spec.first_token_sent = first_token_sent;
   p.start = first_token;
   // Else Advance begins it once its load is in.

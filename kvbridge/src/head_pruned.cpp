@@ -206,4 +206,32 @@ Status HeadPrunedLayerToSlots(const kvbus::Chunk& chunk, int layer, std::span<co
   return cache.Write(seq, layer, first, static_cast<int64_t>(n), info.dtype, dense);
 }
 
+std::string PackHoles(const engine::KvCache& cache, const engine::KvSequence& seq, int64_t slots) {
+  if (!seq.has_holes()) return {};
+  const int heads = cache.num_kv_heads();
+  std::string bits(static_cast<size_t>((int64_t{cache.num_layers()} * heads * slots + 7) / 8), 0);
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    for (int h = 0; h < heads; ++h) {
+      const std::span<const uint8_t> holes = seq.Holes(l, h);
+      const int64_t row = (int64_t{l} * heads + h) * slots;
+      for (int64_t s = 0; s < std::min<int64_t>(slots, static_cast<int64_t>(holes.size())); ++s) {
+        if (holes[s] != 0) bits[(row + s) / 8] |= static_cast<char>(1 << ((row + s) % 8));
+      }
+    }
+  }
+  return bits;
+}
+
+Status UnpackHoles(std::string_view bits, int64_t slots, const engine::KvCache& cache,
+                   engine::KvSequence& seq) {
+  const int64_t n = int64_t{cache.num_layers()} * cache.num_kv_heads() * slots;
+  if (slots <= 0 || static_cast<int64_t>(bits.size()) != (n + 7) / 8) {
+    return InvalidArgument(std::to_string(bits.size()) + " bytes of KV holes for " +
+                           std::to_string(slots) + " slots");
+  }
+  std::vector<uint8_t> holes(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) holes[i] = (static_cast<uint8_t>(bits[i / 8]) >> (i % 8)) & 1;
+  return seq.SetHoles(slots, std::move(holes));
+}
+
 }  // namespace kdn::kvbridge

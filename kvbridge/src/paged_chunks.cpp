@@ -21,13 +21,13 @@ using kvbus::ChunkKey;
 Result<std::shared_ptr<const kvbus::Chunk>> FromPaged(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
     int layer0, int layers, const ChunkKey& key, const ChunkKey& model_fingerprint, DType dtype,
-    uint32_t logical = 0, std::vector<uint32_t> kept = {}) {
+    uint32_t logical = 0, std::vector<uint32_t> kept = {}, bool holes_sent_apart = false) {
   if (first < 0 || count <= 0 || first + count > seq.length()) {
     return InvalidArgument("chunk: tokens [" + std::to_string(first) + ", " +
                            std::to_string(first + count) + ") are not all in a sequence of " +
                            std::to_string(seq.length()));
   }
-  if (seq.has_holes()) {
+  if (seq.has_holes() && !holes_sent_apart) {
     // A chunk's KV is every head's for each token it holds.
     return InvalidArgument(
         "chunk: pruned KV whose heads kept different tokens has no chunk "
@@ -161,7 +161,8 @@ Status ChunkLayerToPagedKv(const Chunk& chunk, int layer, engine::KvCache& cache
 Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
     int layer, const ChunkKey& key, const ChunkKey& model_fingerprint, DType dtype) {
-  return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype);
+  // A transfer's slice: the holes go with the request (PackHoles).
+  return FromPaged(cache, seq, first, count, layer, 1, key, model_fingerprint, dtype, 0, {}, true);
 }
 
 ChunkInfo LayerSliceInfo(const engine::KvCache& cache, int64_t first, int64_t count,

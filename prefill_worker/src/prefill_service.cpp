@@ -244,6 +244,7 @@ struct PrefillService::Impl {
       pr->set_resident_tokens(out->resident_tokens);
       pr->set_kv_bytes_loaded(out->kv_bytes_loaded);
       pr->set_kv_tokens(out->kv_tokens);
+      pr->set_kv_holes(out->kv_holes);
       pr->set_pruned_tokens(out->pruned_tokens);
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -324,7 +325,16 @@ struct PrefillService::Impl {
         q.job.tokens.assign(msg.inject().tokens().begin(), msg.inject().tokens().end());
         q.job.ns = msg.inject().ns();
         if (msg.inject().has_prune()) {
-          q.inject_spec.prune = control::PruneFromProto(msg.inject().prune());
+          Result<prune::PruneSpec> spec = control::PruneFromProto(msg.inject().prune());
+          if (!spec.ok()) {
+            // Another kdn's granularity: refused before it is queued.
+            proto::WorkerMessage reply;
+            reply.set_request_id(q.request_id);
+            control::StatusToProto(spec.status(), reply.mutable_inject_reply()->mutable_error());
+            server->Send(peer, reply);
+            return;
+          }
+          q.inject_spec.prune = *std::move(spec);
         }
         q.inject_spec.base_tokens = msg.inject().base_tokens();
         q.inject_spec.base_required = msg.inject().base_required();

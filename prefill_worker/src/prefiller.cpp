@@ -9,6 +9,7 @@
 #include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbus/steering.h"
 #include "kdn/worker/worker_setup.h"
+#include "kdn/kvbridge/head_pruned.h"
 #include "kdn/kvbridge/paged_chunks.h"
 #include "kdn/kvbridge/resident.h"
 #include "kdn/prune/prune_text.h"
@@ -342,7 +343,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
     }
     if (chunk.ok() && kvbus::SegmentChunkFits(**chunk, fingerprint_, len, chunk_dtype_)) {
       s.kv = *std::move(chunk);
-      dropped += len - static_cast<int64_t>(s.kv->info().tokens);
+      dropped += len - blend::SegmentSlots(s.kv->info());
       // The steered token keeps its steered KV (Steer: the document's last).
       if (i < b.steer.size() && b.steer[i]) s.pinned = {len - 1};
     } else if (i < b.steer.size() && b.steer[i]) {
@@ -406,6 +407,7 @@ Result<PrefillOutcome> Prefiller::RunBlend(const PrefillJob& job, const Prefetch
   out.computed_tokens = r.computed_tokens;
   out.pruned_tokens = r.dropped_tokens;
   out.kv_tokens = static_cast<int>(kv_slots);
+  out.kv_holes = kvbridge::PackHoles(cache, seq_, kv_slots);
   return out;
 }
 
@@ -416,9 +418,7 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
   engine::KvSequence seq = cache.NewSequence();
   if (prune != nullptr) {
     KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept, prune::PruneText(model_, tokens, *prune, &seq));
-    return kvbridge::PrunedChunkFromPagedKv(cache, seq, static_cast<uint32_t>(tokens.size()),
-                                            prune::KeptOffsets(kept), key, fingerprint_,
-                                            chunk_dtype_);
+    return prune::PrunedChunkOf(cache, seq, kept, key, fingerprint_, chunk_dtype_);
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
   size_t from = 0;
@@ -519,7 +519,7 @@ void Prefiller::Inject(std::span<const int32_t> tokens, const std::string& ns,
   Result<std::shared_ptr<const kvbus::Chunk>> chunk =
       ComputeSegment(key, tokens, prune, base.get());
   if (!chunk.ok()) return done(chunk.status());
-  const int64_t stored = (*chunk)->info().tokens;
+  const int64_t stored = (*chunk)->info().stored_tokens();
   PutChunk(*std::move(chunk), [done = std::move(done), stored](Status st) {
     if (st.ok()) {
       done(InjectOutcome{false, stored});

@@ -6,24 +6,6 @@
 
 namespace kdn::prune {
 
-const char* GranularityName(Granularity g) {
-  switch (g) {
-    case Granularity::kToken: return "token";
-    case Granularity::kLayer: return "layer";
-    case Granularity::kHead: return "head";
-    case Granularity::kGlobal: return "global";
-  }
-  return "?";
-}
-
-Result<Granularity> ParseGranularity(const std::string& name) {
-  if (name == "token") return Granularity::kToken;
-  if (name == "layer") return Granularity::kLayer;
-  if (name == "head") return Granularity::kHead;
-  if (name == "global") return Granularity::kGlobal;
-  return InvalidArgument("prune granularity \"" + name + "\": token, layer, head or global");
-}
-
 double KeptTokens::stored_tokens() const {
   if (counts.empty()) return static_cast<double>(kept);
   double sum = 0.0;

@@ -2,12 +2,13 @@
 
 #include "kdn/prune/expected_attention.h"
 #include "kdn/prune/kvzip.h"
+#include "kdn/kvbridge/head_pruned.h"
+#include "kdn/kvbridge/paged_chunks.h"
 
 namespace kdn::prune {
 
 Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const prune::PruneSpec& spec, engine::KvSequence* pruned,
-                             Granularity granularity) {
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned) {
   KDN_RETURN_IF_ERROR(prune::ValidatePruneSpec(spec));
   const auto n = static_cast<int64_t>(text.size());
   if (n <= spec.sinks) {
@@ -38,10 +39,25 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
                         {.sinks = spec.sinks})
           : KeyNormScores(cache, whole, n);
   KDN_RETURN_IF_ERROR(scores.status());
-  KDN_ASSIGN_OR_RETURN(KeptTokens kept, SelectKept(*scores, spec.keep, spec.sinks, granularity));
+  KDN_ASSIGN_OR_RETURN(KeptTokens kept,
+                       SelectKept(*scores, spec.keep, spec.sinks, GranularityOf(spec)));
   // `whole` is freed on return, after the copy.
   KDN_RETURN_IF_ERROR(CompactKv(cache, whole, kept, pruned));
   return kept;
+}
+
+Result<std::shared_ptr<const kvbus::Chunk>> PrunedChunkOf(
+    const engine::KvCache& cache, const engine::KvSequence& pruned, const KeptTokens& kept,
+    const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint, DType dtype) {
+  const auto logical = static_cast<uint32_t>(kept.logical);
+  if (kept.granularity == Granularity::kToken) {
+    return kvbridge::PrunedChunkFromPagedKv(cache, pruned, logical, KeptOffsets(kept), key,
+                                            model_fingerprint, dtype);
+  }
+  HeadKept hk = HeadKeptOf(kept);
+  return kvbridge::HeadPrunedChunkFromPagedKv(cache, pruned, logical, std::move(hk.counts),
+                                              std::move(hk.positions), key, model_fingerprint,
+                                              dtype);
 }
 
 std::vector<uint32_t> KeptOffsets(const KeptTokens& kept) {

@@ -6,6 +6,34 @@
 
 namespace kdn::prune {
 
+const char* GranularityName(Granularity g) {
+  switch (g) {
+    case Granularity::kToken: return "token";
+    case Granularity::kLayer: return "layer";
+    case Granularity::kHead: return "head";
+    case Granularity::kGlobal: return "global";
+  }
+  return "?";
+}
+
+Result<Granularity> ParseGranularity(const std::string& name) {
+  if (name == "token") return Granularity::kToken;
+  if (name == "layer") return Granularity::kLayer;
+  if (name == "head") return Granularity::kHead;
+  if (name == "global") return Granularity::kGlobal;
+  return InvalidArgument("prune granularity \"" + name + "\": token, layer, head or global");
+}
+
+Granularity DefaultGranularity(std::string_view method) {
+  if (method == "kvzip") return Granularity::kGlobal;
+  if (method == "expected_attention") return Granularity::kLayer;
+  return Granularity::kToken;
+}
+
+Granularity GranularityOf(const PruneSpec& spec) {
+  return spec.granularity ? *spec.granularity : DefaultGranularity(spec.method);
+}
+
 bool IsPruneMethod(std::string_view method) {
   return std::find(std::begin(kPruneMethods), std::end(kPruneMethods), method) !=
          std::end(kPruneMethods);

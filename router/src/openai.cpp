@@ -470,7 +470,8 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
   return std::nullopt;
 }
 
-// `prune` of /v1/kdn/inject: {"method": ..., "keep": ..., "sinks": ...}.
+// `prune` of /v1/kdn/inject: {"method": ..., "keep": ..., "sinks": ...,
+// "granularity": ...}.
 std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& model,
                                         std::optional<prune::PruneSpec>* out) {
   if (!IsSet(body, "prune")) return std::nullopt;
@@ -481,8 +482,8 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
                "prune");
   }
   for (const auto& [k, v] : p.items()) {
-    if (k != "method" && k != "keep" && k != "sinks") {
-      return Bad("prune: unknown field '" + k + "' (method, keep, sinks)", "prune");
+    if (k != "method" && k != "keep" && k != "sinks" && k != "granularity") {
+      return Bad("prune: unknown field '" + k + "' (method, keep, sinks, granularity)", "prune");
     }
   }
   prune::PruneSpec spec;
@@ -509,6 +510,15 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
           "prune.sinks");
     }
     spec.sinks = static_cast<int>(sinks.get<int64_t>());
+  }
+  if (p.contains("granularity")) {
+    const json& g = p["granularity"];
+    auto parsed =
+        g.is_string() ? prune::ParseGranularity(g.get<std::string>()) : prune::ParseGranularity("");
+    if (!parsed.ok()) {
+      return Bad("prune.granularity must be token, layer, head or global", "prune.granularity");
+    }
+    spec.granularity = *parsed;
   }
   prune::TokenizeKvzipPrompts(
       [&](const std::string& text) { return model.tokenizer->Encode(text, /*add_bos=*/false); },

@@ -151,7 +151,7 @@ void RequestFlow::OnPrefillReply(size_t w, Iter it, const proto::WorkerMessage& 
       pr.kv_tokens() > 0 && pr.kv_tokens() < static_cast<int64_t>(r.job.tokens.size())
           ? pr.kv_tokens()
           : 0;
-  proto::WorkerMessage start = StartMessage(pr.first_token(), kv_tokens);
+  proto::WorkerMessage start = StartMessage(pr.first_token(), kv_tokens, pr.kv_holes());
   link_.Send(r.d, r.id, start);
 }
 

@@ -76,11 +76,13 @@ proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_en
   return m;
 }
 
-proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens) {
+proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens,
+                                  const std::string& kv_holes) {
   proto::WorkerMessage m;
   m.mutable_start()->set_first_token(first_token);
   m.mutable_start()->set_first_token_sent(true);
   m.mutable_start()->set_kv_tokens(kv_tokens);
+  m.mutable_start()->set_kv_holes(kv_holes);
   return m;
 }
 

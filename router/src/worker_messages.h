@@ -31,8 +31,10 @@ proto::WorkerMessage PrefillMessage(const Job& job, const std::string& decode_en
                                     int64_t decode_held_tokens, const std::string& transfer_id,
                                     int64_t generated_tokens);
 // Start: the decode worker goes on after `first_token`, which the client has.
-// kv_tokens: the KV slots pushed when fewer than the prompt's tokens (0: as many).
-proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens = 0);
+// kv_tokens: the KV slots pushed when fewer than the prompt's tokens (0: as
+// many); kv_holes: their holes (PrefillReply.kv_holes), relayed.
+proto::WorkerMessage StartMessage(int32_t first_token, int32_t kv_tokens = 0,
+                                  const std::string& kv_holes = {});
 // Cancel: the worker lets the request go.
 proto::WorkerMessage CancelMessage();
 // Inject: the prefill worker computes and stores the KV of `job`'s document

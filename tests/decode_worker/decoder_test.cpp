@@ -5,6 +5,7 @@
 #include <random>
 
 #include "decoder_rig.h"
+#include "kdn/kvbridge/head_pruned.h"
 #include "kdn/prune/prune.h"
 
 namespace kdn::decode_worker {
@@ -448,40 +449,76 @@ TEST(Decoder, ABlendedRequestsEmphasisBiasesEveryStep) {
   EXPECT_EQ(rig.free_blocks(), rig.num_blocks());
 }
 
+// The prefill worker's side of a blend over one pruned document that is
+// the whole prompt: its KV pruned to half its tokens at `g`, pushed as
+// layer slices of its slots, one region from position 0 (under kGlobal,
+// garbage in the holes' slots: a slice holds them as they are). What
+// that KV gives in one process (greedy from the first token on), and what
+// the Start carries.
+struct PushedPruned {
+  int32_t first = 0;
+  std::vector<int32_t> want;
+  int64_t slots = 0;
+  std::string holes;
+};
+PushedPruned PushPruned(Rig& rig, const DecodeRequest& r, prune::Granularity g) {
+  PushedPruned out;
+  engine::CpuKvCache& cache = rig.model->kv_cache();
+  engine::KvSequence whole = cache.NewSequence();
+  std::vector<float> logits;
+  EXPECT_TRUE(rig.model->Prefill(whole, r.tokens, {}, &logits).ok());
+  auto scores = prune::KeyNormScores(cache, whole, static_cast<int64_t>(r.tokens.size()));
+  EXPECT_TRUE(scores.ok());
+  auto kept = prune::SelectKept(*scores, 0.5, 4, g);
+  EXPECT_TRUE(kept.ok());
+  engine::KvSequence pruned = cache.NewSequence();
+  EXPECT_TRUE(prune::CompactKv(cache, whole, *kept, &pruned).ok());
+  whole.Reset();
+  out.slots = pruned.length();
+  const int hd = rig.model->config().head_dim;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> big(-30.0f, 30.0f);
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    for (int h = 0; h < cache.num_kv_heads(); ++h) {
+      const auto holes = pruned.Holes(l, h);
+      for (int64_t s = 0; s < static_cast<int64_t>(holes.size()); ++s) {
+        for (int i = 0; holes[s] != 0 && i < hd; ++i) {
+          cache.KeyAt(pruned, l, s)[h * hd + i] = big(rng);
+          cache.ValueAt(pruned, l, s)[h * hd + i] = big(rng);
+        }
+      }
+    }
+  }
+  const kvbus::ChunkKey xfer = kvbus::TransferRegionKey(r.transfer_id, 0);
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    auto slice = kvbridge::LayerSliceFromPagedKv(cache, pruned, 0, out.slots, l,
+                                                 kvbus::LayerSliceKey(xfer, l), kFingerprint,
+                                                 kdn::DType::kF32);
+    EXPECT_TRUE(slice.ok()) << slice.status().ToString();
+    if (slice.ok()) {
+      EXPECT_TRUE(rig.staging.Put(*std::move(slice)).ok());
+    }
+  }
+  out.holes = kvbridge::PackHoles(cache, pruned, out.slots);
+  out.first = engine::Sampler(r.spec.sampling).Sample(logits);
+  std::vector<float> pick(logits.size(), 0.0f);
+  pick[out.first] = 1;
+  auto want = engine::GreedyTokens(*rig.model, pruned, pick, r.spec.max_tokens);
+  EXPECT_TRUE(want.ok()) << want.status().ToString();
+  if (want.ok()) out.want = *want;
+  return out;
+}
+
 TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
   Rig rig;
   Transcript t;
   DecodeRequest r = Request(RandomTokens(40, 256, 3), 6);
   r.blended = true;
-  engine::KvCache& cache = rig.model->kv_cache();
-  // The prefill worker's side: the prompt's KV pruned to half its tokens
-  // (a blend over one pruned document that is the whole prompt, say),
-  // pushed as layer slices of its 20 slots, one region from position 0.
-  engine::KvSequence whole = cache.NewSequence();
-  std::vector<float> logits;
-  ASSERT_TRUE(rig.model->Prefill(whole, r.tokens, {}, &logits).ok());
-  auto scores = prune::KeyNormScores(cache, whole, 40);
-  ASSERT_TRUE(scores.ok());
-  auto kept = prune::SelectKept(*scores, 0.5, 4, prune::Granularity::kToken);
-  ASSERT_TRUE(kept.ok());
-  engine::KvSequence pruned = cache.NewSequence();
-  ASSERT_TRUE(prune::CompactKv(cache, whole, *kept, &pruned).ok());
-  whole.Reset();
-  ASSERT_EQ(pruned.length(), 20);
-  const kvbus::ChunkKey xfer = kvbus::TransferRegionKey(r.transfer_id, 0);
-  for (int l = 0; l < cache.num_layers(); ++l) {
-    auto slice = kvbridge::LayerSliceFromPagedKv(
-        cache, pruned, 0, 20, l, kvbus::LayerSliceKey(xfer, l), kFingerprint, kdn::DType::kF32);
-    ASSERT_TRUE(slice.ok());
-    ASSERT_TRUE(rig.staging.Put(*std::move(slice)).ok());
-  }
-  const int32_t first = engine::Sampler(r.spec.sampling).Sample(logits);
-  // What the pruned KV gives in one process: greedy from the first token on.
-  std::vector<float> pick(logits.size(), 0.0f);
-  pick[first] = 1;
-  auto want = engine::GreedyTokens(*rig.model, pruned, pick, r.spec.max_tokens);
-  ASSERT_TRUE(want.ok()) << want.status().ToString();
-  pruned.Reset();
+  const PushedPruned pushed = PushPruned(rig, r, prune::Granularity::kToken);
+  ASSERT_EQ(pushed.slots, 20);
+  ASSERT_TRUE(pushed.holes.empty());
+  const int32_t first = pushed.first;
+  const std::vector<int32_t>* want = &pushed.want;
 
   DecoderOutput out;
   auto id = rig.decoder->Prepare(r, &out);
@@ -504,6 +541,42 @@ TEST(Decoder, ABlendOverPrunedDocumentsGoesOnAtThePromptsLengthFromFewerSlots) {
   DecodeRequest plain = Request(RandomTokens(30, 256, 4), 4);
   const uint64_t plain_id = PrepareAndLoad(rig, plain, t);
   EXPECT_EQ(rig.decoder->Start(plain_id, 1, false, &refused, 10).code(),
+            StatusCode::kInvalidArgument);
+}
+
+// A blend over a document pruned per head: the slices hold the holes'
+// slots as they are (garbage here), and the Start's holes hide them.
+TEST(Decoder, ABlendOverADocumentPrunedPerHeadTakesItsHolesWithItsStart) {
+  Rig rig;
+  Transcript t;
+  DecodeRequest r = Request(RandomTokens(40, 256, 13), 6);
+  r.blended = true;
+  const PushedPruned pushed = PushPruned(rig, r, prune::Granularity::kGlobal);
+  ASSERT_FALSE(pushed.holes.empty());
+  const int32_t first = pushed.first;
+  const int64_t slots = pushed.slots;
+  const std::string& holes = pushed.holes;
+  const std::vector<int32_t>* want = &pushed.want;
+
+  DecoderOutput out;
+  auto id = rig.decoder->Prepare(r, &out);
+  ASSERT_TRUE(id.ok());
+  t.Add(out);
+  DecoderOutput refused;
+  EXPECT_EQ(rig.decoder->Start(*id, first, false, &refused, slots, holes.substr(1)).code(),
+            StatusCode::kInvalidArgument)
+      << "holes for fewer slots";
+  DecoderOutput started;
+  ASSERT_TRUE(rig.decoder->Start(*id, first, false, &started, slots, holes).ok());
+  t.Add(started);
+  RunToEnd(rig, t);
+  EXPECT_TRUE(t.error[*id].ok()) << t.error[*id].ToString();
+  EXPECT_EQ(t.tokens[*id], *want);
+
+  // Holes belong to blended requests only.
+  DecodeRequest plain = Request(RandomTokens(30, 256, 14), 4);
+  const uint64_t plain_id = PrepareAndLoad(rig, plain, t);
+  EXPECT_EQ(rig.decoder->Start(plain_id, 1, false, &refused, 0, holes).code(),
             StatusCode::kInvalidArgument);
 }
 

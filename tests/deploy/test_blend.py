@@ -119,7 +119,7 @@ def test_a_request_chooses_its_selection_policy(deployment):
 def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=None,
                emphasis=None, extra=()):
     """kdn-generate's blend of the same prompt (documents computed on their
-    own, pruned first when `prune` is {"method", "keep"}, with an erratum
+    own, pruned first when `prune` is {"method", "keep", "granularity"?}, with an erratum
     after document i for each i: text of `errata`, fused as kdn-prefill
     does, greedy). `emphasis`: (phrases by document, strength, head profile
     file)."""
@@ -128,6 +128,8 @@ def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=
                str(a) for a in extra]
     if prune:
         cmd += ["--prune-method", prune["method"], "--prune-keep", str(prune["keep"])]
+        if "granularity" in prune:
+            cmd += ["--prune-granularity", prune["granularity"]]
     for i, note in (errata or {}).items():
         cmd += ["--erratum", "%d=%s" % (i, note)]
     if emphasis:
@@ -260,18 +262,24 @@ def test_an_emphasized_phrase_answers_as_kdn_generate_emphasizes_it(qa_deploymen
     assert r.json()["error"]["param"] == "documents[0].emphasize", r.text[:300]
 
 
+def qa_example(row):
+    """kdn-qa's evaluation example `row`: its documents, its question as
+    the model is asked it, and each document's tokens (kdn-qa is
+    byte-level)."""
+    example = [json.loads(line) for line in (QA_MODEL / "eval.jsonl").open()][row]
+    docs = [doc + " " for doc in example["documents"]]
+    return docs, "Question: %s\nAnswer:" % example["question"], [len(d.encode()) for d in docs]
+
+
 @pytest.mark.parametrize("method,row", [("expected_attention", 0), ("kvzip", 1)])
 def test_documents_injected_pruned_blend_as_kdn_generate_prunes_and_blends_them(qa_deployment,
                                                                                  method, row):
     # The decode worker gets fewer KV slots than prompt tokens and must go on
     # at the prompt's length: its answer is kdn-generate's, in one process.
     d = qa_deployment
-    example = [json.loads(line) for line in (QA_MODEL / "eval.jsonl").open()][row]
-    docs = [doc + " " for doc in example["documents"]]
-    question = "Question: %s\nAnswer:" % example["question"]
-    tokens = [len(doc.encode()) for doc in docs]  # kdn-qa is byte-level
+    docs, question, tokens = qa_example(row)
     kept = [n // 2 for n in tokens]
-    prune = {"method": method, "keep": 0.5}
+    prune = {"method": method, "keep": 0.5, "granularity": "token"}
     before = parse_metrics(d.metrics())
     final, progress = inject(d, docs, stream=True, prune=prune)
     assert (final["stored"], final["failed"]) == (len(docs), 0), final
@@ -302,6 +310,40 @@ def test_documents_injected_pruned_blend_as_kdn_generate_prunes_and_blends_them(
     # Injected again whole: the KDN holds the documents already (pruned).
     again, _ = inject(d, docs)
     assert (again["already_held"], again["stored_tokens"]) == (len(docs), 0), again
+
+
+@pytest.mark.parametrize("method,granularity,row", [("expected_attention", "head", 2),
+                                                    ("kvzip", None, 3)])
+def test_documents_injected_pruned_per_head_blend_as_kdn_generate_does(qa_deployment, method,
+                                                                       granularity, row):
+    # Each layer's KV head kept tokens of its own: the chunk holds only
+    # those, the blend gives a slot to each token some head kept, and the
+    # decode worker gets the heads' holes with the KV. Its answer is
+    # kdn-generate's, in one process. KVzip keeps globally unless told.
+    d = qa_deployment
+    docs, question, tokens = qa_example(row)
+    prune = {"method": method, "keep": 0.5}
+    if granularity:
+        prune["granularity"] = granularity
+    before = parse_metrics(d.metrics())
+    final, _ = inject(d, docs, prune=prune)
+    assert (final["stored"], final["failed"]) == (len(docs), 0), final
+    # Every head keeps half (head), or half on average (global): half of
+    # each document's KV, in whole tokens.
+    assert final["stored_tokens"] == sum(n // 2 for n in tokens), final
+    r = d.completion(question, documents=docs, max_tokens=24, temperature=0,
+                     blend_selection="boundary+deviation:8")
+    u = details(r["usage"])
+    # Some tokens no head kept; far fewer than half.
+    assert u["blended_tokens"] == sum(tokens), r["usage"]
+    assert u["pruned_tokens"] < sum(tokens) - sum(n // 2 for n in tokens), r["usage"]
+    want, log = blend_text(d.model, docs, question, 24, "boundary+deviation:8", prune)
+    assert "%d pruned" % u["pruned_tokens"] in log, (u, log)
+    assert "%d recomputed" % u["recomputed_tokens"] in log, (u, log)
+    assert r["choices"][0]["text"] == want
+    s = parse_metrics(d.metrics())
+    assert metric(s, "kdn_injected_stored_tokens_total") - metric(
+        before, "kdn_injected_stored_tokens_total") == sum(n // 2 for n in tokens)
 
 
 def test_a_quality_target_chooses_the_ratio_and_reports_it(deployment):
@@ -429,6 +471,9 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
     ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "h2o", "keep": 0.5}},
      "prune.method"),
     ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "knorm"}}, "prune.keep"),
+    ("/v1/kdn/inject",
+     {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0.5, "granularity": "row"}},
+     "prune.granularity"),
     ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0}},
      "prune.keep"),
     ("/v1/kdn/inject",

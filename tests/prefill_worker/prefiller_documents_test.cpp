@@ -294,7 +294,8 @@ TEST(Prefiller, InjectWithPruneStoresAPrunedChunkThatABlendPushesWithoutItsDropp
   ASSERT_TRUE(receiver.ok()) << receiver.status().ToString();
   const std::vector<std::vector<int32_t>> docs = {RandomTokens(40, 256, 41),
                                                   RandomTokens(30, 256, 42)};
-  const prune::PruneSpec half{.method = "expected_attention", .keep = 0.5};
+  const prune::PruneSpec half{
+      .method = "expected_attention", .keep = 0.5, .granularity = prune::Granularity::kToken};
   auto pruned = p.Inject(docs[0], "", &half);
   ASSERT_TRUE(pruned.ok()) << pruned.status().ToString();
   EXPECT_FALSE(pruned->already_held);
@@ -394,7 +395,8 @@ TEST(Prefiller, ABlendsEmphasisBiasesItsPrefillAndIsRefusedOverPrunedKv) {
   EXPECT_GT(LastLayerDistance(*model, sink, job, nullptr), 1e-2f) << "the bias changes nothing";
   ASSERT_TRUE(p.StoreNewChunks().ok());
 
-  const prune::PruneSpec half{.method = "expected_attention", .keep = 0.5};
+  const prune::PruneSpec half{
+      .method = "expected_attention", .keep = 0.5, .granularity = prune::Granularity::kToken};
   const std::vector<int32_t> third = RandomTokens(40, 256, 54);
   ASSERT_TRUE(p.Inject(third, "", &half).ok());
   PrefillJob over_pruned = BlendJobOf({third}, question, 0.15);

@@ -144,10 +144,10 @@ TEST(HeadPrunedChunkTest, NothingTakesItForEveryHeadsKvOfItsTokens) {
   Pruned p = PruneRandom(*model, 40, Granularity::kHead, 31);
   auto chunk = ChunkOf(*model, p);
   ASSERT_NE(chunk, nullptr);
-  // Not the prefix path's, nor a deployment's blend segment (whose fused KV
-  // goes to a decode worker as every head's), nor the whole-chunk copy's.
+  // Not the prefix path's, nor the whole-chunk copy's; a blend's segment
+  // it is (below).
   EXPECT_FALSE(kvbus::ChunkFits(*chunk, kFingerprint, 40, kdn::DType::kF32));
-  EXPECT_FALSE(kvbus::SegmentChunkFits(*chunk, kFingerprint, 40, kdn::DType::kF32));
+  EXPECT_TRUE(kvbus::SegmentChunkFits(*chunk, kFingerprint, 40, kdn::DType::kF32));
   engine::KvSequence seq = cache.NewSequence();
   ASSERT_TRUE(cache.Reserve(seq, 40).ok());
   EXPECT_EQ(kvbridge::ChunkToPagedKv(*chunk, cache, seq, 0).code(), StatusCode::kInvalidArgument);
@@ -255,6 +255,28 @@ TEST(HeadPrunedBlend, FullReuseAnswersAsTheLoadedSequenceDoes) {
   std::vector<float> want;
   ASSERT_TRUE(model->Prefill(loaded, b.question, {}, &want).ok());
   EXPECT_LT(kdn::testing::RelError(r->logits.data(), want.data(), want.size()), 1e-5);
+
+  // The holes as a prefill worker sends them and a decode worker sets them.
+  const int64_t slots = fused.length();
+  const std::string bits = kvbridge::PackHoles(cache, fused, slots);
+  const auto& c = model->config();
+  EXPECT_EQ(static_cast<int64_t>(bits.size()), (c.num_layers * c.num_kv_heads * slots + 7) / 8);
+  engine::KvSequence placed = cache.NewSequence();
+  ASSERT_TRUE(cache.Reserve(placed, slots).ok());
+  cache.SetLength(placed, slots);
+  ASSERT_TRUE(kvbridge::UnpackHoles(bits, slots, cache, placed).ok());
+  for (int l = 0; l < c.num_layers; ++l) {
+    for (int g = 0; g < c.num_kv_heads; ++g) {
+      const auto want_holes = fused.Holes(l, g), got_holes = placed.Holes(l, g);
+      for (int64_t s = 0; s < slots; ++s) {
+        const bool want_hole = s < static_cast<int64_t>(want_holes.size()) && want_holes[s] != 0;
+        EXPECT_EQ(s < static_cast<int64_t>(got_holes.size()) && got_holes[s] != 0, want_hole);
+      }
+    }
+  }
+  EXPECT_EQ(kvbridge::UnpackHoles(bits.substr(1), slots, cache, placed).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_TRUE(kvbridge::PackHoles(cache, loaded, loaded.length()).empty() == !loaded.has_holes());
 }
 
 // Recomputing every slot is a prefill of the tokens some head kept, each

@@ -8,7 +8,7 @@ bool SegmentChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t t
                       DType dtype) {
   const ChunkInfo& info = chunk.info();
   return info.logical() == static_cast<uint32_t>(tokens) && info.model_fingerprint == fingerprint &&
-         info.dtype == dtype && !chunk.encoded() && !info.is_steering() && !info.per_head();
+         info.dtype == dtype && !chunk.encoded() && !info.is_steering();
 }
 
 bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, DType dtype) {

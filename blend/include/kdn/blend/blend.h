@@ -62,6 +62,10 @@ struct Segment {
   std::vector<int64_t> pinned;
 };
 
+// The KV slots a cached segment's chunk fills in a fused prompt: its tokens,
+// or pruned per head a slot per token any head kept.
+int64_t SegmentSlots(const kvbus::ChunkInfo& info);
+
 // A cached document's place in the prompt, in KV slots (a pruned segment
 // has fewer slots than tokens; positions and slots agree otherwise).
 struct DocumentSpan {

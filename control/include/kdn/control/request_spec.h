@@ -44,6 +44,7 @@ void SteeringVectorToProto(const blend::SteeringVectorSpec& s, proto::SteeringVe
 blend::SteeringVectorSpec SteeringVectorFromProto(const proto::SteeringVectorSpec& p);
 
 void PruneToProto(const prune::PruneSpec& spec, proto::PruneSpec* out);
-prune::PruneSpec PruneFromProto(const proto::PruneSpec& p);
+// INVALID_ARGUMENT for a granularity this kdn does not know.
+Result<prune::PruneSpec> PruneFromProto(const proto::PruneSpec& p);
 
 }  // namespace kdn::control

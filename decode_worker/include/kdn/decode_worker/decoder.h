@@ -173,10 +173,12 @@ class Decoder {
   // (RequestSpec). `kv_tokens`: the KV slots the prefill worker pushed, when
   // fewer than the prompt's tokens (a blend over pruned documents; 0: one
   // per token); the request goes on at the prompt's length all the same.
-  // INVALID_ARGUMENT for kv_tokens on a request that is not blended, or
-  // past its prompt.
+  // `kv_holes`: those slots' holes (StartRequest.kv_holes, a blend over a
+  // document pruned per head), set once the KV is placed.
+  // INVALID_ARGUMENT for kv_tokens or holes on a request that is not
+  // blended, kv_tokens past its prompt, or holes of another size.
   Status Start(uint64_t id, int32_t first_token, bool first_token_sent, DecoderOutput* out,
-               int64_t kv_tokens = 0);
+               int64_t kv_tokens = 0, std::string kv_holes = {});
 
   // Its router still wants prepared request `id` (its prefill is queued or
   // running): prepare_timeout counts from now. False, with nothing changed,
@@ -225,6 +227,7 @@ class Decoder {
     // The KV slots pushed (StartRequest.kv_tokens): fewer than the prompt's
     // tokens over pruned documents; 0 until the Start, or one per token.
     int64_t kv_tokens = 0;
+    std::string kv_holes;          // their holes (StartRequest.kv_holes); empty: none
     std::optional<int32_t> start;  // its Start's first token (it may wait for the load)
     int32_t local_first = -1;      // a local prefill's first token, once drawn
     uint64_t kv_bytes_loaded = 0;  // placed from the lower tiers

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kdn/common/dtype.h"
@@ -53,5 +55,15 @@ std::vector<uint32_t> HeadPrunedSlots(const kvbus::ChunkInfo& info);
 std::vector<uint8_t> HeadPrunedHoles(const kvbus::ChunkInfo& info, std::span<const uint32_t> slots);
 Status HeadPrunedLayerToSlots(const kvbus::Chunk& chunk, int layer, std::span<const uint32_t> slots,
                               engine::KvCache& cache, engine::KvSequence& seq, int64_t first);
+
+// A sequence's holes over its first `slots` slots as bits, bit
+// (layer * kv_heads + kv_head) * slots + slot set for a hole, little-endian
+// within each byte: what a prefill worker sends with the KV of a blend over
+// a document pruned per head (PrefillReply.kv_holes); empty when it has
+// none there. UnpackHoles sets them on `seq` (at least `slots` long):
+// INVALID_ARGUMENT for bits of another size.
+std::string PackHoles(const engine::KvCache& cache, const engine::KvSequence& seq, int64_t slots);
+Status UnpackHoles(std::string_view bits, int64_t slots, const engine::KvCache& cache,
+                   engine::KvSequence& seq);
 
 }  // namespace kdn::kvbridge

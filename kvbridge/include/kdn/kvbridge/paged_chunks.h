@@ -60,7 +60,10 @@ Status ChunkLayerToPagedKv(const kvbus::Chunk& chunk, int layer, engine::KvCache
 // Layer slices: chunks of one layer (info.layers == 1), the unit in which a
 // prefill worker pushes KV to a decode worker as each layer finishes
 // (LayerSliceKey names them). Same contracts as the whole-chunk functions;
-// `layer` is the cache layer read or written.
+// `layer` is the cache layer read or written. A slice of a sequence with
+// holes (a blend over a document pruned per head) holds what its holes
+// hold; the holes go to the decode worker beside it (kdn/kvbridge/
+// head_pruned.h, PackHoles), as no chunk a tier stores does.
 Result<std::shared_ptr<const kvbus::Chunk>> LayerSliceFromPagedKv(
     const engine::KvCache& cache, const engine::KvSequence& seq, int64_t first, int64_t count,
     int layer, const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint,

@@ -146,6 +146,9 @@ struct PrefillOutcome {
   // when stored), so the prompt's KV fills kv_tokens slots, not one per token.
   int pruned_tokens = 0;
   int kv_tokens = 0;
+  // Their holes, where a document pruned per head was blended
+  // (kvbridge::PackHoles over kv_tokens slots; PrefillReply.kv_holes).
+  std::string kv_holes;
   int recomputed_tokens = 0;     // of blended_tokens: recomputed past the check layer
   int question_pass_tokens = 0;  // a query selection's pass (blend::BlendResult)
   double recompute_ratio = 0;    // a blend's: the request's, or its quality target's

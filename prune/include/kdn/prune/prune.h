@@ -31,12 +31,9 @@
 #include "kdn/common/status.h"
 #include "kdn/engine/kv_cache.h"
 #include "kdn/model/config.h"
+#include "kdn/prune/spec.h"
 
 namespace kdn::prune {
-
-enum class Granularity { kToken, kLayer, kHead, kGlobal };
-const char* GranularityName(Granularity g);
-Result<Granularity> ParseGranularity(const std::string& name);
 
 // Scores [layer][kv_head][token] of a context of `tokens` tokens: higher is
 // kept first.

@@ -7,18 +7,21 @@
 // Thread-compatible: the caller owns the engine.
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "kdn/common/status.h"
 #include "kdn/prune/spec.h"
 #include "kdn/engine/engine.h"
+#include "kdn/kvbus/chunk.h"
 #include "kdn/prune/prune.h"
 
 namespace kdn::prune {
 
 // Computes `text` (non-empty, within the context) in a sequence of its own,
-// scores it by spec.method, keeps tokens at `granularity` and writes the
+// scores it by spec.method, keeps tokens at its granularity (GranularityOf)
+// and writes the
 // kept tokens' KV into `pruned` (an empty sequence of the model's cache;
 // CompactKv), whose next position is the text's length. Returns what was
 // kept. INVALID_ARGUMENT for a spec that
@@ -27,8 +30,14 @@ namespace kdn::prune {
 // for the text and its copy, UNIMPLEMENTED for a method whose scores need
 // query hooks on an engine without them). `pruned` is empty on error.
 Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const prune::PruneSpec& spec, engine::KvSequence* pruned,
-                             Granularity granularity = Granularity::kToken);
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned);
+
+// The chunk of `pruned`, as PruneText made it with `kept`: a pruned chunk
+// at token granularity, else one pruned per head (docs/kvbus.md, "Per-head
+// kept tokens"), standing for the text of kept.logical tokens.
+Result<std::shared_ptr<const kvbus::Chunk>> PrunedChunkOf(
+    const engine::KvCache& cache, const engine::KvSequence& pruned, const KeptTokens& kept,
+    const kvbus::ChunkKey& key, const kvbus::ChunkKey& model_fingerprint, DType dtype);
 
 // The kept offsets of token-granularity KeptTokens (every layer's and
 // head's), as a pruned chunk stores them.

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,10 +19,21 @@
 
 namespace kdn::prune {
 
+// What a pruned text keeps the same in every layer and KV head, coarsest
+// first (kdn/prune/prune.h, SelectKept): the tokens (kToken), the tokens of
+// each layer (kLayer), nothing (kHead: each layer's KV head its own), or
+// not even the count (kGlobal: each head as many as its scores earn among
+// all). A chunk holds kToken as a pruned chunk, the others per head
+// (docs/kvbus.md, "Per-head kept tokens").
+enum class Granularity { kToken, kLayer, kHead, kGlobal };
+const char* GranularityName(Granularity g);
+// "token", "layer", "head", "global"; INVALID_ARGUMENT naming them.
+Result<Granularity> ParseGranularity(const std::string& name);
+
 // Question-free pruning of a document's KV when it is stored
 // (/v1/kdn/inject's `prune`; docs/kvbus.md, "Pruned KV"): the method that
-// scores each token, the share kept, at token granularity (the same tokens
-// in every layer and head: what a pruned chunk holds).
+// scores each token, the share kept (of every layer's and head's tokens,
+// or of them all on average under kGlobal), and the granularity.
 inline constexpr std::string_view kPruneMethods[] = {"expected_attention", "knorm", "kvzip"};
 inline constexpr int kDefaultPruneSinks = 4;
 inline constexpr int kMaxPruneSinks = 1024;
@@ -40,10 +52,19 @@ struct PruneSpec {
   std::string method;
   double keep = 1;
   int sinks = kDefaultPruneSinks;  // the leading tokens always kept
+  // Unset: the method's (DefaultGranularity).
+  std::optional<Granularity> granularity;
   // KVzip's repeat prompts in the model's vocabulary (prune::KvzipPrompts;
   // the router tokenizes them); for "kvzip" only.
   std::vector<int32_t> kvzip_first, kvzip_next, kvzip_suffix;
 };
+// The granularity a method keeps by when none is asked for: its best KL
+// measured on SmolLM2 (docs/kvbus.md, "Measured against kvpress"): kvzip
+// global (its scores are attention weights, comparable across heads),
+// expected_attention layer; knorm token (the only one measured for it).
+Granularity DefaultGranularity(std::string_view method);
+// spec.granularity, or the method's default.
+Granularity GranularityOf(const PruneSpec& spec);
 bool IsPruneMethod(std::string_view method);
 std::string PruneMethodNames();  // "'expected_attention', 'knorm', 'kvzip'"
 // Under kvzip, sets spec's repeat prompts to `encode`'s ids of

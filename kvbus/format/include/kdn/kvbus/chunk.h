@@ -74,6 +74,13 @@ struct ChunkInfo {
   bool per_head() const { return head_slots != 0; }
   // The tokens of text the chunk stands for.
   uint32_t logical() const { return pruned() ? logical_tokens : tokens; }
+  // Whole tokens' worth of KV it holds (every layer and head): `tokens`,
+  // or per head the kept (head, token) pairs over layers x KV heads,
+  // rounded to nearest.
+  uint64_t stored_tokens() const {
+    const uint64_t heads = uint64_t{layers} * kv_heads;
+    return per_head() && heads > 0 ? (head_slots + heads / 2) / heads : tokens;
+  }
   // The bytes of the kept positions (and a per-head chunk's counts), stored
   // between the header and the KV.
   uint64_t kept_bytes() const {

@@ -26,8 +26,8 @@ namespace kdn::kvbus {
 // steering vector's chunk, which is not KV.
 bool ChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, DType dtype);
 // The same for a document's chunk under its segment key, which a blend
-// takes pruned too: KV standing for `tokens` tokens of text, the same
-// tokens in every head (a chunk pruned per head never fits).
+// takes pruned too (per head as well): KV standing for `tokens` tokens of
+// text.
 bool SegmentChunkFits(const Chunk& chunk, const ChunkKey& fingerprint, int64_t tokens, DType dtype);
 
 // Whether a lower tier's span `s` is worth fetching past a prefix of
