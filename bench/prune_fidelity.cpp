@@ -13,6 +13,12 @@
 // keep ratio: the mean KL with a bootstrap 95% interval over samples, top-1
 // agreement, the KV stored per document (f32), the first-token time of the
 // question over the (pruned) document's KV, and the time pruning took.
+// Beside the engine's rows (`stored_by: engine`), one per method and keep
+// for what a deployment stores (`stored_by: deployment`, "<method>/<its
+// default granularity> stored"): the chunk the prefill worker writes
+// (prune::PrunedChunkOf, in the engine's KV dtype), its bytes parsed and
+// placed as a worker places them; its stored size is the whole chunk's,
+// and its prune time includes writing it.
 //
 // With --kvpress-python (scripts/kvpress-env.sh), bench/kvpress_peer.py runs
 // kvpress's question-free presses on the same token ids in the same run, and
@@ -33,6 +39,9 @@
 #include "bench_util.h"
 #include "kdn/blend/blend.h"
 #include "kdn/control/request_spec.h"
+#include "kdn/kvbridge/head_pruned.h"
+#include "kdn/kvbridge/paged_chunks.h"
+#include "kdn/prune/prune_text.h"
 #include "kdn/prune/expected_attention.h"
 #include "kdn/prune/kvzip.h"
 #include "kdn/prune/prune.h"
@@ -57,6 +66,10 @@ struct Row {
   std::vector<double> stored;    // tokens per KV head, per document
   double ttft_s = 0;             // summed over samples
   double prune_s = 0;            // summed over documents
+  // What a deployment stores (the chunk the prefill worker writes, at the
+  // method's default granularity, read back as a decode worker places it),
+  // or what the engine holds.
+  bool deployment = false;
 };
 
 // Mean KL(p || q) and argmax agreement over the rows of two [rows][vocab] sets.
@@ -175,6 +188,12 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
         rows.push_back({"kdn:" + m + "/" + prune::GranularityName(g), k, {}, {}, {}, 0, 0});
       }
     }
+    for (double k : o.keeps) {
+      row_of[{m, -1, k}] = rows.size();
+      rows.push_back({"kdn:" + m + "/" + prune::GranularityName(prune::DefaultGranularity(m)) +
+                          " stored",
+                      k, {}, {}, {}, 0, 0, true});
+    }
   }
   Row full_row{"full", 1.0, {}, {}, {}, 0, 0};
   std::vector<Sample> samples;
@@ -236,6 +255,25 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
       const double score_s = Seconds(t0, Clock::now());
       if (d == 0 && m == "expected_attention") first_scores = *scores;
       if (d == 0 && m == "kvzip") first_kvzip_scores = *scores;
+      // The samples of this document over `pruned` (`slots` slots).
+      auto measure = [&](Row& row, engine::KvSequence& pruned, int64_t slots,
+                         std::vector<float>* first_logits) -> Status {
+        for (size_t i = first_sample; i < samples.size(); ++i) {
+          const Sample& s = samples[i];
+          const auto t1 = Clock::now();
+          KDN_RETURN_IF_ERROR(model.Prefill(pruned, s.question, {}, &logits));
+          row.ttft_s += Seconds(t1, Clock::now());
+          pruned.Truncate(slots);
+          std::vector<float> got;
+          KDN_RETURN_IF_ERROR(model.Prefill(pruned, s.qa, {.all_logits = true}, &got));
+          pruned.Truncate(slots);
+          const auto [kl, top1] = Compare(s.full, got, vocab);
+          row.kl.push_back(kl);
+          row.top1.push_back(top1);
+          if (first_logits != nullptr && i == 0) *first_logits = std::move(got);
+        }
+        return Status::Ok();
+      };
       for (prune::Granularity g : grans) {
         for (double k : o.keeps) {
           Row& row = rows[row_of[{m, static_cast<int>(g), k}]];
@@ -249,23 +287,40 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
           const bool check = d == 0 && m == "expected_attention" &&
                              g == prune::Granularity::kHead && k == check_keep;
           if (check) first_kept = *kept;
-          for (size_t i = first_sample; i < samples.size(); ++i) {
-            const Sample& s = samples[i];
-            t0 = Clock::now();
-            if (!(st = model.Prefill(pruned, s.question, {}, &logits)).ok()) return Fail(st);
-            row.ttft_s += Seconds(t0, Clock::now());
-            pruned.Truncate(kept->kept);
-            std::vector<float> got;
-            if (!(st = model.Prefill(pruned, s.qa, {.all_logits = true}, &got)).ok()) {
-              return Fail(st);
-            }
-            pruned.Truncate(kept->kept);
-            const auto [kl, top1] = Compare(s.full, got, vocab);
-            row.kl.push_back(kl);
-            row.top1.push_back(top1);
-            if (check && i == 0) first_pruned_logits = std::move(got);
-          }
+          st = measure(row, pruned, kept->kept, check ? &first_pruned_logits : nullptr);
+          if (!st.ok()) return Fail(st);
         }
+      }
+      // What a deployment stores: the chunk at the method's granularity,
+      // its bytes parsed and placed as a worker places them.
+      for (double k : o.keeps) {
+        Row& row = rows[row_of[{m, -1, k}]];
+        t0 = Clock::now();
+        auto kept = prune::SelectKept(*scores, k, o.sinks, prune::DefaultGranularity(m));
+        if (!kept.ok()) return Fail(kept.status());
+        engine::KvSequence pruned = cache.NewSequence();
+        if (!(st = prune::CompactKv(cache, whole, *kept, &pruned)).ok()) return Fail(st);
+        auto chunk = prune::PrunedChunkOf(cache, pruned, *kept, {}, {}, model.kv_dtype());
+        if (!chunk.ok()) return Fail(chunk.status());
+        row.prune_s += score_s + Seconds(t0, Clock::now());
+        pruned.Reset();
+        auto read = kvbus::Chunk::Parse(
+            std::vector<uint8_t>((*chunk)->bytes().begin(), (*chunk)->bytes().end()));
+        if (!read.ok()) return Fail(read.status());
+        const kvbus::Chunk& stored = **read;
+        // Every byte of the chunk, in whole tokens' f32 KV.
+        row.stored.push_back(static_cast<double>(stored.size()) /
+                             (2.0 * cfg.num_layers * cfg.kv_dim() * 4));
+        engine::KvSequence placed = cache.NewSequence();
+        if (stored.info().per_head()) {
+          st = kvbridge::HeadPrunedChunkToPagedKv(stored, cache, placed);
+        } else if ((st = cache.Reserve(placed, stored.info().tokens)).ok() &&
+                   (st = kvbridge::ChunkToPagedKv(stored, cache, placed, 0)).ok()) {
+          cache.SetLength(placed, stored.info().tokens);
+          st = placed.SetNextPosition(L);
+        }
+        if (!st.ok()) return Fail(st);
+        if (!(st = measure(row, placed, stored.info().tokens, nullptr)).ok()) return Fail(st);
       }
     }
     std::fprintf(stderr, "prune-fidelity: %zu/%zu documents (%.0f s)\n", d + 1, docs.size(),
@@ -419,6 +474,9 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
          {"kl_lo", iv.lo},
          {"kl_hi", iv.hi},
          {"top1_agreement", Mean(r.top1)},
+         {"stored_by", r.method.rfind("kvpress:", 0) == 0 ? "kvpress"
+                       : r.deployment                     ? "deployment"
+                                                          : "engine"},
          {"stored_tokens", Mean(r.stored)},
          {"stored_bytes", stored},
          {"ttft_ms", timed ? json(ttft_ms) : json(nullptr)},
