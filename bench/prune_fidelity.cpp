@@ -190,9 +190,15 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
     }
     for (double k : o.keeps) {
       row_of[{m, -1, k}] = rows.size();
-      rows.push_back({"kdn:" + m + "/" + prune::GranularityName(prune::DefaultGranularity(m)) +
-                          " stored",
-                      k, {}, {}, {}, 0, 0, true});
+      rows.push_back(
+          {"kdn:" + m + "/" + prune::GranularityName(prune::DefaultGranularity(m)) + " stored",
+           k,
+           {},
+           {},
+           {},
+           0,
+           0,
+           true});
     }
   }
   Row full_row{"full", 1.0, {}, {}, {}, 0, 0};

@@ -417,7 +417,10 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
   engine::KvCache& cache = model_.kv_cache();
   engine::KvSequence seq = cache.NewSequence();
   if (prune != nullptr) {
-    KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept, prune::PruneText(model_, tokens, *prune, &seq));
+    prune::PruneSpec spec = *prune;
+    // A method's default per head is KV this engine could not attend.
+    if (!spec.granularity && !model_.attends_holes()) spec.granularity = prune::Granularity::kToken;
+    KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept, prune::PruneText(model_, tokens, spec, &seq));
     return prune::PrunedChunkOf(cache, seq, kept, key, fingerprint_, chunk_dtype_);
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));

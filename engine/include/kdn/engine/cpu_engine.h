@@ -63,6 +63,7 @@ class CpuEngine final : public Engine {
   int64_t max_prefill_tokens() const override {
     return options_.max_prefill_tokens > 0 ? options_.max_prefill_tokens : INT64_MAX;
   }
+  bool attends_holes() const override { return true; }
 
   Status Prefill(KvSequence& seq, std::span<const int32_t> tokens, const PrefillOptions& options,
                  std::vector<float>* logits) override;

@@ -115,6 +115,9 @@ class Engine {
   // prompt is prefilled in pieces no longer than this, each appended to the
   // sequence. INT64_MAX when the backend has no such limit.
   virtual int64_t max_prefill_tokens() const { return INT64_MAX; }
+  // Whether its attention skips holes (KvSequence::Holes: KV pruned per
+  // head); a backend that cannot refuses such sequences (RefuseHoles).
+  virtual bool attends_holes() const { return false; }
 
   // Computes `tokens` at positions seq.next_position() .. +n-1 (which is
   // seq.length() .. unless seq holds pruned KV) and appends their KV to `seq`. `logits` receives n
