@@ -32,6 +32,7 @@
 #include "kdn/engine/cpu_runtime.h"
 #include "kdn/engine/open_engine.h"
 #include "kdn/model/config.h"
+#include "kdn/prune/head_budgets.h"
 #include "kdn/prune/prune_text.h"
 #include "kdn/text/chat_template.h"
 #include "kdn/text/output_text.h"
@@ -167,14 +168,12 @@ struct BlendOutput {
 // at their strength as a steer edit stores them, then fused with `head` and
 // `question` by blend::BlendPrefill as kdn-prefill fuses them, then greedy
 // decoding on the fused KV.
-kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vector<int32_t>& head,
-                                     const std::vector<std::vector<int32_t>>& docs,
-                                     const std::vector<int32_t>& question,
-                                     const kdn::blend::BlendSpec& spec,
-                                     const kdn::prune::PruneSpec* prune,
-                                     const std::map<size_t, float>& steer_of,
-                                     const kdn::kvbridge::SteeringVector* vector,
-                                     const kdn::engine::GenerateOptions& gen) {
+kdn::Result<BlendOutput> BlendAnswer(
+    kdn::engine::Engine& model, const std::vector<int32_t>& head,
+    const std::vector<std::vector<int32_t>>& docs, const std::vector<int32_t>& question,
+    const kdn::blend::BlendSpec& spec, const kdn::prune::PruneSpec* prune,
+    const kdn::prune::HeadBudgets* budgets, const std::map<size_t, float>& steer_of,
+    const kdn::kvbridge::SteeringVector* vector, const kdn::engine::GenerateOptions& gen) {
   kdn::engine::KvCache& cache = model.kv_cache();
   const auto dtype = model.kv_dtype();
   std::vector<kdn::blend::Segment> segments;
@@ -183,7 +182,7 @@ kdn::Result<BlendOutput> BlendAnswer(kdn::engine::Engine& model, const std::vect
     kdn::engine::KvSequence seq = cache.NewSequence();
     if (prune != nullptr) {
       KDN_ASSIGN_OR_RETURN(kdn::prune::KeptTokens kept,
-                           kdn::prune::PruneText(model, d, *prune, &seq));
+                           kdn::prune::PruneText(model, d, *prune, &seq, budgets));
       KDN_ASSIGN_OR_RETURN(auto kv, kdn::prune::PrunedChunkOf(cache, seq, kept, {}, {}, dtype));
       segments.push_back({d, std::move(kv)});
       continue;
@@ -341,6 +340,13 @@ int main(int argc, char** argv) {
                  "\"Per-head kept tokens\"). Default: the method's, as kdn-prefill's (kvzip "
                  "global, expected_attention layer, knorm token)")
       ->needs(prune_method);
+  std::string scoring_name;
+  app.add_option("--prune-scoring", scoring_name,
+                 "Blend, kvzip: full (KVzip's repeat pass over every layer, about two prefills "
+                 "of a document) or profiled (the model's head budgets, measured once on kdn's "
+                 "calibration texts, and cheaper scores within each head: under one prefill). "
+                 "Default: profiled when choosing globally, as kdn-prefill's")
+      ->needs(prune_method);
   CLI11_PARSE(app, argc, argv);
 
   if (auto s = kdn::blend::ParseBlendSelection(selection); s.ok()) {
@@ -355,6 +361,14 @@ int main(int argc, char** argv) {
     prune.granularity = *g;
   } else {
     std::fprintf(stderr, "kdn-generate: --prune-granularity: %s\n", g.status().message().c_str());
+    return 2;
+  }
+  if (scoring_name.empty()) {
+    // kvzip's default at the granularity, as kdn-prefill's.
+  } else if (auto sc = kdn::prune::ParseKvzipScoring(scoring_name); sc.ok()) {
+    prune.scoring = *sc;
+  } else {
+    std::fprintf(stderr, "kdn-generate: --prune-scoring: %s\n", sc.status().message().c_str());
     return 2;
   }
   // --erratum N=TEXT, by document; --emphasize N=PHRASE.
@@ -494,6 +508,7 @@ int main(int argc, char** argv) {
   // Pruning holds a document's KV at its peak (a KVzip repeat pass
   // included) and its kept copy at once, each in whole blocks.
   int64_t prune_room = 0;
+  std::vector<std::vector<int32_t>> budget_texts;  // kvzip's profiled scoring's
   if (!prune.method.empty()) {
     kdn::prune::TokenizeKvzipPrompts(  // as kdn-router does
         [&](const std::string& text) { return (*tok)->Encode(text, /*add_bos=*/false); }, &prune);
@@ -501,10 +516,18 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
       return 2;
     }
-    for (const auto& d : doc_ids) {
-      const auto n = static_cast<int64_t>(d.size());
-      prune_room =
-          std::max(prune_room, kdn::prune::PrunePeakTokens(prune, n) + n + 2 * kKvBlockTokens);
+    if (prune.method == "kvzip" &&
+        kdn::prune::ScoringOf(prune) == kdn::prune::KvzipScoring::kProfiled) {
+      for (const std::string& text : kdn::prune::CalibrationTexts()) {
+        budget_texts.push_back((*tok)->Encode(text, /*add_bos=*/false));
+      }
+    }
+    for (const auto* texts : {&doc_ids, &budget_texts}) {
+      for (const auto& d : *texts) {
+        const auto n = static_cast<int64_t>(d.size());
+        prune_room =
+            std::max(prune_room, kdn::prune::PrunePeakTokens(prune, n) + n + 2 * kKvBlockTokens);
+      }
     }
   }
   // The KV pool holds the prompt and every token generated.
@@ -555,9 +578,22 @@ int main(int argc, char** argv) {
       }
       vector = *std::move(v);
     }
+    // kvzip's profiled scoring: the model's head budgets, as kdn-prefill
+    // measures them.
+    std::optional<kdn::prune::HeadBudgets> budgets;
+    if (!budget_texts.empty()) {
+      auto b = kdn::prune::MeasureHeadBudgets(
+          **model, budget_texts, {prune.kvzip_first, prune.kvzip_next, prune.kvzip_suffix});
+      if (!b.ok()) {
+        std::fprintf(stderr, "kdn-generate: kvzip's head budgets: %s\n",
+                     b.status().ToString().c_str());
+        return 1;
+      }
+      budgets = *std::move(b);
+    }
     auto out = BlendAnswer(**model, head, doc_ids, question, blend,
-                           prune.method.empty() ? nullptr : &prune, steer_of,
-                           vector ? &*vector : nullptr, gen);
+                           prune.method.empty() ? nullptr : &prune, budgets ? &*budgets : nullptr,
+                           steer_of, vector ? &*vector : nullptr, gen);
     if (!out.ok()) {
       std::fprintf(stderr, "kdn-generate: %s\n", out.status().ToString().c_str());
       return 1;

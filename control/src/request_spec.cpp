@@ -100,6 +100,7 @@ void PruneToProto(const prune::PruneSpec& spec, proto::PruneSpec* out) {
   out->set_keep(spec.keep);
   out->set_sinks(spec.sinks);
   if (spec.granularity) out->set_granularity(prune::GranularityName(*spec.granularity));
+  if (spec.scoring) out->set_scoring(prune::KvzipScoringName(*spec.scoring));
   out->mutable_kvzip_first()->Assign(spec.kvzip_first.begin(), spec.kvzip_first.end());
   out->mutable_kvzip_next()->Assign(spec.kvzip_next.begin(), spec.kvzip_next.end());
   out->mutable_kvzip_suffix()->Assign(spec.kvzip_suffix.begin(), spec.kvzip_suffix.end());
@@ -112,6 +113,9 @@ Result<prune::PruneSpec> PruneFromProto(const proto::PruneSpec& p) {
   spec.sinks = p.sinks();
   if (!p.granularity().empty()) {
     KDN_ASSIGN_OR_RETURN(spec.granularity, prune::ParseGranularity(p.granularity()));
+  }
+  if (!p.scoring().empty()) {
+    KDN_ASSIGN_OR_RETURN(spec.scoring, prune::ParseKvzipScoring(p.scoring()));
   }
   spec.kvzip_first.assign(p.kvzip_first().begin(), p.kvzip_first().end());
   spec.kvzip_next.assign(p.kvzip_next().begin(), p.kvzip_next().end());

@@ -221,7 +221,7 @@ Status CpuEngine::Prefill(KvSequence& seq, std::span<const int32_t> tokens,
   KDN_RETURN_IF_ERROR(CheckPrefillTokens(tokens.size()));
   Segment seg{&seq, tokens.data(), static_cast<int64_t>(tokens.size()), seq.length(), 0};
   return Forward(std::span<Segment>(&seg, 1), options.all_logits, options.on_layer,
-                 options.on_queries, logits);
+                 options.on_queries, logits, options.layers);
 }
 
 std::vector<CpuEngine::Segment>& CpuEngine::DecodeSegments(std::span<KvSequence* const> seqs,
@@ -277,7 +277,7 @@ Status CpuEngine::DecodeSampleWith(std::span<KvSequence* const> seqs,
 }
 
 Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerHook& hook,
-                          const QueryHook& on_queries, std::vector<float>* logits) {
+                          const QueryHook& on_queries, std::vector<float>* logits, int layers) {
   const ModelConfig& c = config_;
   const int64_t d = c.hidden_size;
 
@@ -331,7 +331,8 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
     }
   }
 
-  for (int l = 0; l < c.num_layers; ++l) {
+  const int run = layers > 0 ? std::min(layers, c.num_layers) : c.num_layers;
+  for (int l = 0; l < run; ++l) {
     RunLayer(l, segs, {pos.data(), rope_pos.data()}, rows, x.data(), scratch, nullptr, &on_queries);
     if (hook) {
       // The hook sees this layer's KV for the new tokens: publish the lengths.
@@ -344,6 +345,11 @@ Status CpuEngine::Forward(std::span<Segment> segs, bool all_logits, const LayerH
     }
   }
 
+  if (run < c.num_layers) {
+    logits->clear();
+    for (Segment& s : segs) kv_->SetLength(*s.seq, s.start + s.n);
+    return Status::Ok();
+  }
   // Logits: every row, or the last row of each segment.
   std::vector<int64_t>& out_rows = scratch.out_rows;
   out_rows.clear();

@@ -437,6 +437,9 @@ Result<std::unique_ptr<PrefillService>> PrefillService::Start(
   po.chunk_tokens = options.chunk_tokens;
   po.events = impl->events.host.get();
   po.blend_kl_per_residual = options.blend_kl_per_residual;
+  for (const std::string& text : prune::CalibrationTexts()) {
+    po.budget_texts.push_back(impl->wm.tokenizer->Encode(text, /*add_bos=*/false));
+  }
   po.sender.transport = options.kv_transport;
   // The device plane's backend: cuda_ipc writes the slices the prefiller
   // pushes into a decode worker's exported pool, nccl sends them over a

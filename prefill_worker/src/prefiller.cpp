@@ -420,7 +420,13 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
     prune::PruneSpec spec = *prune;
     // A method's default per head is KV this engine could not attend.
     if (!spec.granularity && !model_.attends_holes()) spec.granularity = prune::Granularity::kToken;
-    KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept, prune::PruneText(model_, tokens, spec, &seq));
+    const prune::HeadBudgets* budgets = nullptr;
+    KDN_RETURN_IF_ERROR(prune::CheckPruneText(model_.config(), std::ssize(tokens), spec));
+    if (spec.method == "kvzip" && prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled) {
+      KDN_ASSIGN_OR_RETURN(budgets, HeadBudgets(spec));
+    }
+    KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept,
+                         prune::PruneText(model_, tokens, spec, &seq, budgets));
     return prune::PrunedChunkOf(cache, seq, kept, key, fingerprint_, chunk_dtype_);
   }
   KDN_RETURN_IF_ERROR(cache.Reserve(seq, static_cast<int64_t>(tokens.size())));
@@ -434,6 +440,22 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
   std::vector<float> logits;
   KDN_RETURN_IF_ERROR(model_.Prefill(seq, tokens.subspan(from), {}, &logits));
   return kvbridge::ChunkFromPagedKv(cache, seq, 0, seq.length(), key, fingerprint_, chunk_dtype_);
+}
+
+Result<const prune::HeadBudgets*> Prefiller::HeadBudgets(const prune::PruneSpec& spec) {
+  if (head_budgets_) return &*head_budgets_;
+  if (options_.budget_texts.empty()) {
+    return FailedPrecondition(
+        "prune: kvzip's profiled scoring needs texts to measure the model's head budgets on");
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  KDN_ASSIGN_OR_RETURN(head_budgets_, prune::MeasureHeadBudgets(
+                                          model_, options_.budget_texts,
+                                          {spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix}));
+  LogInfo("kvzip head budgets measured on {} texts in {:.1f} s (once per worker)",
+          options_.budget_texts.size(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return &*head_budgets_;
 }
 
 std::shared_ptr<const kvbus::Chunk> Prefiller::InjectBase(kvbus::ChunkStore& from,

@@ -68,10 +68,11 @@ Result<Scores> KvzipScores(engine::Engine& model, engine::KvSequence& seq,
                            ", not the context's " + std::to_string(n));
   }
   if (prompts.first.empty() || prompts.next.empty() || o.chunk_tokens <= 0 || o.sinks < 0 ||
-      o.overlap < 0) {
+      o.overlap < 0 || o.layers < 0) {
     return InvalidArgument(
-        "kvzip: empty repeat prompts, or a chunk, sink or overlap count out of range");
+        "kvzip: empty repeat prompts, or a chunk, sink, overlap or layer count out of range");
   }
+  const int scored = o.layers > 0 ? std::min(o.layers, c.num_layers) : c.num_layers;
   const std::vector<float> inv_freq = engine::RopeInvFreq(c);
   const engine::RopeParams rope = engine::RopeParamsFor(c);
   engine::KvCache& kv = model.kv_cache();
@@ -90,9 +91,10 @@ Result<Scores> KvzipScores(engine::Engine& model, engine::KvSequence& seq,
     rows.insert(rows.end(), prompts.suffix.begin(), prompts.suffix.end());
     rows.insert(rows.end(), context.begin() + first, context.begin() + last);
     CapturedQueries queries;
-    queries.by_layer.resize(c.num_layers);
+    queries.by_layer.resize(scored);
     const int64_t qd = c.q_dim();
     engine::PrefillOptions po;
+    po.layers = scored;
     po.on_queries = [&](int layer, const float* q, int64_t r, const int32_t* positions) {
       auto& dst = queries.by_layer[layer];
       dst.insert(dst.end(), q, q + r * qd);
@@ -105,9 +107,10 @@ Result<Scores> KvzipScores(engine::Engine& model, engine::KvSequence& seq,
       const size_t len = std::min<size_t>(piece, rows.size() - at);
       st = model.Prefill(seq, std::span(rows).subspan(at, len), po, &logits);
     }
-    // Every layer's KV, the context's and the pass's, before the pass goes.
+    // Each scored layer's KV, the context's and the pass's, before the pass
+    // goes.
     const int64_t held = seq.length();
-    for (int l = 0; l < c.num_layers && st.ok(); ++l) {
+    for (int l = 0; l < scored && st.ok(); ++l) {
       layer_kv.resize(2 * held * c.kv_dim());
       st = kv.Read(seq, l, 0, held, engine::DType::kF32,
                    {reinterpret_cast<uint8_t*>(layer_kv.data()), layer_kv.size() * sizeof(float)});

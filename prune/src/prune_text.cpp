@@ -7,40 +7,51 @@
 
 namespace kdn::prune {
 
-Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const prune::PruneSpec& spec, engine::KvSequence* pruned) {
-  KDN_RETURN_IF_ERROR(prune::ValidatePruneSpec(spec));
-  const auto n = static_cast<int64_t>(text.size());
+Status CheckPruneText(const model::ModelConfig& cfg, int64_t n, const PruneSpec& spec) {
+  KDN_RETURN_IF_ERROR(ValidatePruneSpec(spec));
   if (n <= spec.sinks) {
     return InvalidArgument("prune: a text of " + std::to_string(n) +
                            " tokens has no more than its " + std::to_string(spec.sinks) +
                            " sink tokens");
   }
-  const model::ModelConfig& cfg = model.config();
-  if (const int64_t peak = prune::PrunePeakTokens(spec, n); peak > cfg.max_context) {
+  if (const int64_t peak = PrunePeakTokens(spec, n); peak > cfg.max_context) {
     return InvalidArgument("prune: " + spec.method + " over a text of " + std::to_string(n) +
                            " tokens holds " + std::to_string(peak) +
                            " tokens at once, past the model's context of " +
                            std::to_string(cfg.max_context));
+  }
+  return Status::Ok();
+}
+
+Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned,
+                             const HeadBudgets* budgets) {
+  const auto n = static_cast<int64_t>(text.size());
+  const model::ModelConfig& cfg = model.config();
+  KDN_RETURN_IF_ERROR(CheckPruneText(cfg, n, spec));
+  const bool profiled = spec.method == "kvzip" && ScoringOf(spec) == KvzipScoring::kProfiled;
+  if (profiled && budgets == nullptr) {
+    return FailedPrecondition("prune: kvzip's profiled scoring needs the model's head budgets");
   }
   engine::KvCache& cache = model.kv_cache();
   engine::KvSequence whole = cache.NewSequence();
   KDN_RETURN_IF_ERROR(cache.Reserve(whole, n));
   engine::QueryStats stats{.skip = spec.sinks};
   engine::PrefillOptions popts;
-  if (spec.method == "expected_attention") popts.on_queries = stats.Hook(cfg);
+  if (spec.method == "expected_attention" || profiled) popts.on_queries = stats.Hook(cfg);
   std::vector<float> logits;
   KDN_RETURN_IF_ERROR(model.Prefill(whole, text, popts, &logits));
+  const KvzipPrompts prompts{spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix};
   Result<Scores> scores =
       spec.method == "expected_attention"
           ? ExpectedAttentionScores(cfg, cache, whole, n, stats, {.sinks = spec.sinks})
-      : spec.method == "kvzip"
-          ? KvzipScores(model, whole, text, {spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix},
-                        {.sinks = spec.sinks})
-          : KeyNormScores(cache, whole, n);
+      : profiled               ? ProfiledKvzipScores(model, whole, text, stats, prompts, spec.sinks)
+      : spec.method == "kvzip" ? KvzipScores(model, whole, text, prompts, {.sinks = spec.sinks})
+                               : KeyNormScores(cache, whole, n);
   KDN_RETURN_IF_ERROR(scores.status());
   KDN_ASSIGN_OR_RETURN(KeptTokens kept,
-                       SelectKept(*scores, spec.keep, spec.sinks, GranularityOf(spec)));
+                       profiled ? SelectBudgeted(*scores, spec.keep, spec.sinks, *budgets)
+                                : SelectKept(*scores, spec.keep, spec.sinks, GranularityOf(spec)));
   // `whole` is freed on return, after the copy.
   KDN_RETURN_IF_ERROR(CompactKv(cache, whole, kept, pruned));
   return kept;

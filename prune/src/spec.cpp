@@ -34,6 +34,23 @@ Granularity GranularityOf(const PruneSpec& spec) {
   return spec.granularity ? *spec.granularity : DefaultGranularity(spec.method);
 }
 
+KvzipScoring ScoringOf(const PruneSpec& spec) {
+  if (spec.scoring) return *spec.scoring;
+  return spec.method == "kvzip" && GranularityOf(spec) == Granularity::kGlobal
+             ? KvzipScoring::kProfiled
+             : KvzipScoring::kFull;
+}
+
+const char* KvzipScoringName(KvzipScoring s) {
+  return s == KvzipScoring::kProfiled ? "profiled" : "full";
+}
+
+Result<KvzipScoring> ParseKvzipScoring(const std::string& name) {
+  if (name == "full") return KvzipScoring::kFull;
+  if (name == "profiled") return KvzipScoring::kProfiled;
+  return InvalidArgument("prune scoring \"" + name + "\": full or profiled");
+}
+
 bool IsPruneMethod(std::string_view method) {
   return std::find(std::begin(kPruneMethods), std::end(kPruneMethods), method) !=
          std::end(kPruneMethods);
@@ -70,6 +87,14 @@ Status ValidatePruneSpec(const PruneSpec& spec) {
   if (spec.method == "kvzip" &&
       (spec.kvzip_first.empty() || spec.kvzip_next.empty() || spec.kvzip_suffix.empty())) {
     return InvalidArgument("prune: kvzip needs its repeat prompts");
+  }
+  if (spec.scoring && spec.method != "kvzip") {
+    return InvalidArgument("prune: a scoring is kvzip's, not " + spec.method + "'s");
+  }
+  if (spec.scoring == KvzipScoring::kProfiled && GranularityOf(spec) != Granularity::kGlobal) {
+    return InvalidArgument(
+        std::string("prune: kvzip's profiled scoring chooses globally, not by ") +
+        GranularityName(GranularityOf(spec)));
   }
   return Status::Ok();
 }

@@ -471,7 +471,7 @@ std::optional<ApiError> ParseRequestUnguarded(ApiKind kind, const std::string& b
 }
 
 // `prune` of /v1/kdn/inject: {"method": ..., "keep": ..., "sinks": ...,
-// "granularity": ...}.
+// "granularity": ..., "scoring": ...}.
 std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& model,
                                         std::optional<prune::PruneSpec>* out) {
   if (!IsSet(body, "prune")) return std::nullopt;
@@ -482,8 +482,9 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
                "prune");
   }
   for (const auto& [k, v] : p.items()) {
-    if (k != "method" && k != "keep" && k != "sinks" && k != "granularity") {
-      return Bad("prune: unknown field '" + k + "' (method, keep, sinks, granularity)", "prune");
+    if (k != "method" && k != "keep" && k != "sinks" && k != "granularity" && k != "scoring") {
+      return Bad("prune: unknown field '" + k + "' (method, keep, sinks, granularity, scoring)",
+                 "prune");
     }
   }
   prune::PruneSpec spec;
@@ -520,11 +521,21 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
     }
     spec.granularity = *parsed;
   }
+  if (p.contains("scoring")) {
+    const json& sc = p["scoring"];
+    auto parsed = sc.is_string() ? prune::ParseKvzipScoring(sc.get<std::string>())
+                                 : prune::ParseKvzipScoring("");
+    if (!parsed.ok()) return Bad("prune.scoring must be full or profiled", "prune.scoring");
+    spec.scoring = *parsed;
+  }
   prune::TokenizeKvzipPrompts(
       [&](const std::string& text) { return model.tokenizer->Encode(text, /*add_bos=*/false); },
       &spec);
   // What the prefill worker checks again (the repeat prompts, above all).
-  if (Status st = prune::ValidatePruneSpec(spec); !st.ok()) return Bad(st.message(), "prune");
+  if (Status st = prune::ValidatePruneSpec(spec); !st.ok()) {
+    const bool scoring = st.message().find("scoring") != std::string::npos;
+    return Bad(st.message(), scoring ? "prune.scoring" : "prune");
+  }
   *out = std::move(spec);
   return std::nullopt;
 }

@@ -119,7 +119,7 @@ def test_a_request_chooses_its_selection_policy(deployment):
 def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=None,
                emphasis=None, extra=()):
     """kdn-generate's blend of the same prompt (documents computed on their
-    own, pruned first when `prune` is {"method", "keep", "granularity"?}, with an erratum
+    own, pruned first when `prune` is {"method", "keep", "granularity"?, "scoring"?}, with an erratum
     after document i for each i: text of `errata`, fused as kdn-prefill
     does, greedy). `emphasis`: (phrases by document, strength, head profile
     file)."""
@@ -130,6 +130,8 @@ def blend_text(model, docs, question, max_tokens, selection, prune=None, errata=
         cmd += ["--prune-method", prune["method"], "--prune-keep", str(prune["keep"])]
         if "granularity" in prune:
             cmd += ["--prune-granularity", prune["granularity"]]
+        if "scoring" in prune:
+            cmd += ["--prune-scoring", prune["scoring"]]
     for i, note in (errata or {}).items():
         cmd += ["--erratum", "%d=%s" % (i, note)]
     if emphasis:
@@ -312,19 +314,24 @@ def test_documents_injected_pruned_blend_as_kdn_generate_prunes_and_blends_them(
     assert (again["already_held"], again["stored_tokens"]) == (len(docs), 0), again
 
 
-@pytest.mark.parametrize("method,granularity,row", [("expected_attention", "head", 2),
-                                                    ("kvzip", None, 3)])
+@pytest.mark.parametrize("method,granularity,scoring,row", [("expected_attention", "head", None, 2),
+                                                            ("kvzip", None, None, 3),
+                                                            ("kvzip", "global", "full", 4)])
 def test_documents_injected_pruned_per_head_blend_as_kdn_generate_does(qa_deployment, method,
-                                                                       granularity, row):
+                                                                       granularity, scoring, row):
     # Each layer's KV head kept tokens of its own: the chunk holds only
     # those, the blend gives a slot to each token some head kept, and the
     # decode worker gets the heads' holes with the KV. Its answer is
-    # kdn-generate's, in one process. KVzip keeps globally unless told.
+    # kdn-generate's, in one process. KVzip keeps globally unless told, by
+    # its profiled scoring (the head budgets each measures on kdn's
+    # calibration texts) unless told.
     d = qa_deployment
     docs, question, tokens = qa_example(row)
     prune = {"method": method, "keep": 0.5}
     if granularity:
         prune["granularity"] = granularity
+    if scoring:
+        prune["scoring"] = scoring
     before = parse_metrics(d.metrics())
     final, _ = inject(d, docs, prune=prune)
     assert (final["stored"], final["failed"]) == (len(docs), 0), final
@@ -474,6 +481,17 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
     ("/v1/kdn/inject",
      {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0.5, "granularity": "row"}},
      "prune.granularity"),
+    ("/v1/kdn/inject",
+     {"documents": ["abcdefgh"], "prune": {"method": "kvzip", "keep": 0.5, "scoring": "fast"}},
+     "prune.scoring"),
+    # Profiled scoring chooses globally; a scoring is kvzip's alone.
+    ("/v1/kdn/inject",
+     {"documents": ["abcdefgh"],
+      "prune": {"method": "kvzip", "keep": 0.5, "granularity": "token", "scoring": "profiled"}},
+     "prune.scoring"),
+    ("/v1/kdn/inject",
+     {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0.5, "scoring": "full"}},
+     "prune.scoring"),
     ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0}},
      "prune.keep"),
     ("/v1/kdn/inject",

@@ -159,7 +159,8 @@ Status CudaEngine::Impl::PrefillBody(KvSequence& seq, std::span<const int32_t> t
     m.query_hook = &options.on_queries;
     m.query_positions = pos.data();
   }
-  for (int l = 0; l < c.num_layers; ++l) {
+  const int run = options.layers > 0 ? std::min(options.layers, c.num_layers) : c.num_layers;
+  for (int l = 0; l < run; ++l) {
     KDN_RETURN_IF_ERROR(m.Attend(l, n, /*decode=*/false, start, 0, 0));
     KDN_RETURN_IF_ERROR(m.Finish(l, n));
     if (options.on_layer) {
@@ -171,6 +172,7 @@ Status CudaEngine::Impl::PrefillBody(KvSequence& seq, std::span<const int32_t> t
     }
   }
   logits->clear();
+  if (run < c.num_layers) return Status::Ok();  // a scoring pass: no logits
   return options.all_logits ? m.Logits(0, n, logits) : m.Logits(n - 1, 1, logits);
 }
 

@@ -92,7 +92,7 @@ class CpuEngine final : public Engine {
   class CpuRowPass;
   CpuEngine(const model::ModelConfig& config, const EngineOptions& options);
   Status Forward(std::span<Segment> segments, bool all_logits, const LayerHook& hook,
-                 const QueryHook& on_queries, std::vector<float>* logits);
+                 const QueryHook& on_queries, std::vector<float>* logits, int layers = 0);
   // INVALID_ARGUMENT for a prefill of no tokens or past max_prefill_tokens.
   Status CheckPrefillTokens(size_t n) const;
   // A decode step's segments (token b appended to *seqs[b]), in the

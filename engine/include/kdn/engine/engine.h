@@ -80,6 +80,12 @@ struct PrefillOptions {
   // When set, the prefill shows it its queries, in f32 on the host (the
   // CUDA engine copies its bf16 queries there, layer by layer).
   QueryHook on_queries;
+  // Computes only the first `layers` layers (0: every layer): a scoring
+  // pass that wants a few layers' queries (prune::KvzipScores). The rows'
+  // KV of the later layers is not written and no logits are returned
+  // (`logits` is left empty), so the caller truncates the sequence back
+  // before anything else reads it. Past the model's layers: every layer.
+  int layers = 0;
 };
 
 class RowPass;

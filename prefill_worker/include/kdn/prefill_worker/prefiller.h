@@ -63,6 +63,7 @@
 #include "kdn/kvbus/prefix_io.h"
 #include "kdn/kvbus/tiered_store.h"
 #include "kdn/kvbus/transport.h"
+#include "kdn/prune/head_budgets.h"
 
 namespace kdn::prefill_worker {
 
@@ -192,6 +193,11 @@ struct PrefillerOptions {
   // prompt's full chunks are described to it, so that the host tier's
   // events carry their tokens. Null: no stream.
   kvbus::HostTierEvents* events = nullptr;
+  // The texts kvzip's head budgets are measured on (prune::CalibrationTexts
+  // in the model's vocabulary: the worker tokenizes them), once, at the
+  // first document pruned by kvzip's profiled scoring. Empty: such a
+  // document is refused (FAILED_PRECONDITION).
+  std::vector<std::vector<int32_t>> budget_texts;
 };
 
 class Prefiller {
@@ -296,6 +302,9 @@ class Prefiller {
   // store thread with store_in_background (after a put into host memory
   // here, so that the next job finds it), else here.
   void PutChunk(std::shared_ptr<const kvbus::Chunk> chunk, std::function<void(Status)> then);
+  // The model's head budgets for kvzip's profiled scoring: measured on
+  // options_.budget_texts with `spec`'s repeat prompts the first time.
+  Result<const prune::HeadBudgets*> HeadBudgets(const prune::PruneSpec& spec);
 
   engine::Engine& model_;
   kvbus::TieredStore& store_;
@@ -303,6 +312,7 @@ class Prefiller {
   const kdn::DType chunk_dtype_;  // the engine's KV element type
   const PrefillerOptions options_;
   std::map<std::string, std::unique_ptr<kvbus::Sender>> senders_;  // by endpoint
+  std::optional<prune::HeadBudgets> head_budgets_;                 // measured at first use
 
   // With store_in_background: the thread that puts chunks, and the puts
   // that failed there.

@@ -40,6 +40,10 @@ struct KvzipOptions {
   int sinks = kDefaultPruneSinks;            // keys every part's softmax includes
   int64_t chunk_tokens = kKvzipChunkTokens;  // context tokens repeated per pass
   int overlap = kKvzipOverlap;               // the previous part's tokens a later part starts from
+  // Scores only layers [0, layers) (0: every layer), each repeat pass
+  // stopping there (engine::PrefillOptions::layers); the later layers'
+  // scores are 0. What kvzip's profiled scoring takes (head_budgets.h).
+  int layers = 0;
 };
 
 // Scores of `context`, whose KV `seq` holds in slots [0, context.size()) at

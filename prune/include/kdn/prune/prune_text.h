@@ -2,8 +2,7 @@
 // A text's pruned KV, as the prefill worker stores an injected document and
 // kdn-generate reproduces it (docs/kvbus.md, "Pruned KV"): the text computed
 // on its own from position 0, scored by the spec's method, and the kept
-// tokens' KV written into a sequence of its own (token granularity, what a
-// deployment stores, by default: the same tokens in every layer and head).
+// tokens' KV written into a sequence of its own.
 // Thread-compatible: the caller owns the engine.
 
 #include <cstdint>
@@ -15,22 +14,29 @@
 #include "kdn/prune/spec.h"
 #include "kdn/engine/engine.h"
 #include "kdn/kvbus/chunk.h"
+#include "kdn/prune/head_budgets.h"
 #include "kdn/prune/prune.h"
 
 namespace kdn::prune {
 
+// PruneText's checks of its input, before it computes anything:
+// INVALID_ARGUMENT for a spec ValidatePruneSpec refuses, a text of no more
+// tokens than its sinks, or one whose scoring would not fit the context.
+Status CheckPruneText(const model::ModelConfig& config, int64_t tokens, const PruneSpec& spec);
+
 // Computes `text` (non-empty, within the context) in a sequence of its own,
-// scores it by spec.method, keeps tokens at its granularity (GranularityOf)
-// and writes the
-// kept tokens' KV into `pruned` (an empty sequence of the model's cache;
-// CompactKv), whose next position is the text's length. Returns what was
-// kept. INVALID_ARGUMENT for a spec that
-// prune::ValidatePruneSpec refuses or a text of no more tokens than its
-// sinks; the engine's errors as they are (RESOURCE_EXHAUSTED without room
-// for the text and its copy, UNIMPLEMENTED for a method whose scores need
-// query hooks on an engine without them). `pruned` is empty on error.
+// scores it by spec.method, keeps tokens at its granularity (GranularityOf;
+// under kvzip's profiled scoring, ScoringOf, as `budgets` say:
+// SelectBudgeted) and writes the kept tokens' KV into `pruned` (an empty
+// sequence of the model's cache; CompactKv), whose next position is the
+// text's length. Returns what was kept. INVALID_ARGUMENT as CheckPruneText;
+// FAILED_PRECONDITION for profiled scoring without `budgets`; the
+// engine's errors as they are (RESOURCE_EXHAUSTED without room for the
+// text and its copy, UNIMPLEMENTED for a method whose scores need query
+// hooks on an engine without them). `pruned` is empty on error.
 Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> text,
-                             const prune::PruneSpec& spec, engine::KvSequence* pruned);
+                             const prune::PruneSpec& spec, engine::KvSequence* pruned,
+                             const HeadBudgets* budgets = nullptr);
 
 // The chunk of `pruned`, as PruneText made it with `kept`: a pruned chunk
 // at token granularity, else one pruned per head (docs/kvbus.md, "Per-head

@@ -48,12 +48,26 @@ inline constexpr std::string_view kKvzipSuffix = "\n";
 // kKvzipOverlap tokens.
 inline constexpr int64_t kKvzipChunkTokens = 2048;
 inline constexpr int kKvzipOverlap = 8;
+// How kvzip scores a text: kFull, KVzip as published (repeat passes over
+// every layer, about two prefills of the text: kvzip.h); kProfiled, each
+// (layer, KV head) keeps as many tokens as the model's head budgets give it
+// (head_budgets.h), ranked within the head by a repeat pass over the first
+// kKvzipProfiledLayers layers and by Expected Attention in the others, for
+// less than one prefill of the text. kProfiled chooses globally only.
+enum class KvzipScoring { kFull, kProfiled };
+inline constexpr int kKvzipProfiledLayers = 2;
+const char* KvzipScoringName(KvzipScoring s);
+// "full", "profiled"; INVALID_ARGUMENT naming them.
+Result<KvzipScoring> ParseKvzipScoring(const std::string& name);
+
 struct PruneSpec {
   std::string method;
   double keep = 1;
   int sinks = kDefaultPruneSinks;  // the leading tokens always kept
   // Unset: the method's (DefaultGranularity).
   std::optional<Granularity> granularity;
+  // kvzip only. Unset: kProfiled under kGlobal, kFull otherwise (ScoringOf).
+  std::optional<KvzipScoring> scoring;
   // KVzip's repeat prompts in the model's vocabulary (prune::KvzipPrompts;
   // the router tokenizes them); for "kvzip" only.
   std::vector<int32_t> kvzip_first, kvzip_next, kvzip_suffix;
@@ -65,6 +79,9 @@ struct PruneSpec {
 Granularity DefaultGranularity(std::string_view method);
 // spec.granularity, or the method's default.
 Granularity GranularityOf(const PruneSpec& spec);
+// spec.scoring, or kvzip's default at spec's granularity (kFull for
+// another method, which has no choice).
+KvzipScoring ScoringOf(const PruneSpec& spec);
 bool IsPruneMethod(std::string_view method);
 std::string PruneMethodNames();  // "'expected_attention', 'knorm', 'kvzip'"
 // Under kvzip, sets spec's repeat prompts to `encode`'s ids of
@@ -73,7 +90,9 @@ std::string PruneMethodNames();  // "'expected_attention', 'knorm', 'kvzip'"
 void TokenizeKvzipPrompts(const std::function<std::vector<int32_t>(const std::string&)>& encode,
                           PruneSpec* spec);
 // INVALID_ARGUMENT naming what is wrong: an unknown method, a keep ratio
-// outside (0, 1], negative sinks, kvzip without its prompts.
+// outside (0, 1], negative sinks, kvzip without its prompts, a scoring for
+// another method than kvzip, kvzip's profiled scoring at a granularity
+// other than global.
 Status ValidatePruneSpec(const PruneSpec& spec);
 // The most tokens pruning a text of `tokens` tokens holds in one sequence:
 // the text, and under kvzip a repeat pass appended to it (its prompt, the
