@@ -262,6 +262,36 @@ TEST(CudaQueryHook, ShowsEachLayersQueriesBeforeRopeAsTheCpuEngineDoes) {
   EXPECT_TRUE(LogitsClose(sum1, sum0));
 }
 
+// A prefill that stops after its first layers (PrefillOptions::layers, the
+// repeat pass of kvzip's profiled scoring): those layers' queries and KV as
+// a whole prefill's, no logits.
+TEST(CudaPrefillLayers, AScoringPassComputesTheFirstLayersAsAWholePrefillDoes) {
+  KDN_SKIP_WITHOUT_CUDA_DEVICE();
+  auto gpu = Tiny();
+  ASSERT_TRUE(gpu);
+  const auto tokens = Tokens(40, 33);
+  KvSequence whole = gpu->kv_cache().NewSequence(), first = gpu->kv_cache().NewSequence();
+  std::vector<float> logits;
+  KDN_ASSERT_OK(gpu->Prefill(whole, tokens, {}, &logits));
+  std::vector<int> seen;
+  PrefillOptions o;
+  o.layers = 1;
+  o.on_queries = [&](int layer, const float*, int64_t, const int32_t*) { seen.push_back(layer); };
+  KDN_ASSERT_OK(gpu->Prefill(first, tokens, o, &logits));
+  EXPECT_TRUE(logits.empty());
+  EXPECT_EQ(seen, std::vector<int>{0});
+  EXPECT_EQ(first.length(), 40);
+  auto layer0 = [&](const KvSequence& seq) {
+    std::vector<float> kv(2 * 40 * gpu->kv_cache().token_stride());
+    EXPECT_TRUE(gpu->kv_cache()
+                    .Read(seq, 0, 0, 40, DType::kF32,
+                          {reinterpret_cast<uint8_t*>(kv.data()), kv.size() * sizeof(float)})
+                    .ok());
+    return kv;
+  };
+  EXPECT_EQ(layer0(first), layer0(whole));
+}
+
 // An attention bias (KvSequence::SetAttentionBias, PASTA's emphasis) in a
 // prefill, a decode step beside an unbiased sequence, and a row pass, as the
 // CPU engine applies it: the GPU takes its reference kernels for a call with
