@@ -230,7 +230,9 @@ struct PruneFidelityOptions {
   std::vector<std::string> granularities = {"token", "layer", "head", "global"};
   int sinks = 4;
   int kvzip_chunk = 2048;  // context tokens per KVzip repeat pass
-  int bootstrap = 2000;    // resamples for the KL intervals
+  // kvzip's profiled scoring too (the model's head budgets measured first).
+  bool kvzip_profiled = true;
+  int bootstrap = 2000;  // resamples for the KL intervals
   // Set: run this Python (scripts/kvpress-env.sh's) on kvpress_script.
   std::string kvpress_python;
   std::string kvpress_script = "bench/kvpress_peer.py";

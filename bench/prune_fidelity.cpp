@@ -188,9 +188,12 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
 
   // What a deployment stores by default (prefill worker: the spec's
   // defaults).
-  auto deployed = [](const std::string& m) {
+  // Without kvzip's profiled scoring measured: kvzip's full scoring (a
+  // deployment's with `scoring: full`).
+  auto deployed = [&](const std::string& m) {
     const prune::PruneSpec spec{.method = m};
-    return m == "kvzip" && prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled
+    return m == "kvzip" && o.kvzip_profiled &&
+                   prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled
                ? std::string("kvzip/profiled")
                : m + "/" + prune::GranularityName(prune::GranularityOf(spec));
   };
@@ -204,7 +207,7 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
         rows.push_back({"kdn:" + m + "/" + prune::GranularityName(g), k, {}, {}, {}, 0, 0});
       }
     }
-    if (m == "kvzip") {
+    if (m == "kvzip" && o.kvzip_profiled) {
       for (double k : o.keeps) {
         row_of[{m, -2, k}] = rows.size();
         rows.push_back({"kdn:kvzip/profiled", k, {}, {}, {}, 0, 0});
@@ -231,7 +234,8 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   // kvzip's head budgets, as a prefill worker measures them (once).
   std::optional<prune::HeadBudgets> budgets;
   double budgets_s = 0;
-  if (std::find(o.methods.begin(), o.methods.end(), "kvzip") != o.methods.end()) {
+  if (o.kvzip_profiled &&
+      std::find(o.methods.begin(), o.methods.end(), "kvzip") != o.methods.end()) {
     std::vector<std::vector<int32_t>> texts;
     for (const std::string& t : prune::CalibrationTexts()) texts.push_back(encode(t));
     const auto t0 = Clock::now();
@@ -305,7 +309,7 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
       // kvzip's profiled ranking, the hook's time counted.
       Result<prune::Scores> ranked = prune::Scores{};
       double ranked_s = 0;
-      if (m == "kvzip") {
+      if (m == "kvzip" && budgets) {
         t0 = Clock::now();
         ranked = prune::ProfiledKvzipScores(model, whole, ctx, stats, kvzip_prompts, o.sinks);
         if (!ranked.ok()) return Fail(ranked.status());
@@ -350,7 +354,7 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
         }
       }
       for (double k : o.keeps) {
-        if (m != "kvzip") break;
+        if (!(m == "kvzip" && budgets)) break;
         Row& row = rows[row_of[{m, -2, k}]];
         t0 = Clock::now();
         auto kept = prune::SelectBudgeted(*ranked, k, o.sinks, *budgets);

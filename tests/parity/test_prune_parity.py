@@ -61,6 +61,7 @@ def test_kvzip_scores_are_transformers_attention_weights_of_the_repeat_pass(tmp_
     cmd = [BIN / "kdn-bench", "prune-fidelity", "--model", smollm2_path(), "--documents", "1",
            "--questions", "1", "--doc-tokens", "192", "--answer-tokens", "8", "--keep", "0.25",
            "--methods", "kvzip", "--granularity", "global", "--kvzip-chunk", "64",
+           "--no-kvzip-profiled",
            "--threads", "1", "--weights-dtype", "f32", "--kvpress-python", sys.executable,
            "--kvpress-script",
            REPO / "bench" / "kvpress_peer.py", "--kvpress-presses", "none",
