@@ -16,7 +16,9 @@
 // Under kvzip, beside its full scoring at each granularity, its profiled
 // scoring (`kvzip/profiled`: the model's head budgets, measured once on
 // kdn's calibration texts before the documents, and the ranking of
-// prune::ProfiledKvzipScores). Beside the engine's rows (`stored_by:
+// prune::ProfiledKvzipScores) and its combined scoring (`kvzip/combined`:
+// its global counts, ranked by prune::MeanRanks of KVzip's and Expected
+// Attention's scores). Beside the engine's rows (`stored_by:
 // engine`), one per method and keep for what a deployment stores
 // (`stored_by: deployment`, "<method>/<its default> stored": kvzip
 // profiled, the others at their default granularity): the chunk the
@@ -207,6 +209,12 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
         rows.push_back({"kdn:" + m + "/" + prune::GranularityName(g), k, {}, {}, {}, 0, 0});
       }
     }
+    if (m == "kvzip") {
+      for (double k : o.keeps) {
+        row_of[{m, -3, k}] = rows.size();
+        rows.push_back({"kdn:kvzip/combined", k, {}, {}, {}, 0, 0});
+      }
+    }
     if (m == "kvzip" && o.kvzip_profiled) {
       for (double k : o.keeps) {
         row_of[{m, -2, k}] = rows.size();
@@ -351,6 +359,30 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
           if (check) first_kept = *kept;
           st = measure(row, pruned, kept->kept, check ? &first_pruned_logits : nullptr);
           if (!st.ok()) return Fail(st);
+        }
+      }
+      // kvzip's combined scoring: its global counts, ranked by KVzip's and
+      // Expected Attention's ranks (the hook's time and Expected
+      // Attention's counted).
+      if (m == "kvzip") {
+        t0 = Clock::now();
+        auto ea = prune::ExpectedAttentionScores(cfg, cache, whole, L, stats, {.sinks = o.sinks});
+        if (!ea.ok()) return Fail(ea.status());
+        auto ranking = prune::MeanRanks(*scores, *ea);
+        if (!ranking.ok()) return Fail(ranking.status());
+        const double combined_s = score_s + hook_s + Seconds(t0, Clock::now());
+        for (double k : o.keeps) {
+          Row& row = rows[row_of[{m, -3, k}]];
+          t0 = Clock::now();
+          auto kept = prune::SelectKept(*scores, k, o.sinks, prune::Granularity::kGlobal);
+          if (!kept.ok()) return Fail(kept.status());
+          auto reranked = prune::Rerank(*kept, *ranking, o.sinks);
+          if (!reranked.ok()) return Fail(reranked.status());
+          engine::KvSequence pruned = cache.NewSequence();
+          if (!(st = prune::CompactKv(cache, whole, *reranked, &pruned)).ok()) return Fail(st);
+          row.prune_s += combined_s + Seconds(t0, Clock::now());
+          row.stored.push_back(reranked->stored_tokens());
+          if (!(st = measure(row, pruned, reranked->kept, nullptr)).ok()) return Fail(st);
         }
       }
       for (double k : o.keeps) {

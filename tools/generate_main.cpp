@@ -343,9 +343,11 @@ int main(int argc, char** argv) {
   std::string scoring_name;
   app.add_option("--prune-scoring", scoring_name,
                  "Blend, kvzip: full (KVzip's repeat pass over every layer, about two prefills "
-                 "of a document) or profiled (the model's head budgets, measured once on kdn's "
-                 "calibration texts, and cheaper scores within each head: under one prefill). "
-                 "Default: profiled when choosing globally, as kdn-prefill's")
+                 "of a document), profiled (the model's head budgets, measured once on kdn's "
+                 "calibration texts, and cheaper scores within each head: under one prefill) or "
+                 "combined (KVzip's counts per head, ranked within each head by KVzip's and "
+                 "Expected Attention's ranks together). Default: profiled when choosing "
+                 "globally, as kdn-prefill's")
       ->needs(prune_method);
   CLI11_PARSE(app, argc, argv);
 

@@ -418,8 +418,12 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
   engine::KvSequence seq = cache.NewSequence();
   if (prune != nullptr) {
     prune::PruneSpec spec = *prune;
-    // A method's default per head is KV this engine could not attend.
-    if (!spec.granularity && !model_.attends_holes()) spec.granularity = prune::Granularity::kToken;
+    // A method's default per head is KV this engine could not attend (kvzip
+    // scored profiled or combined, asked for, chooses globally all the same).
+    if (!spec.granularity && !model_.attends_holes() &&
+        (!spec.scoring || *spec.scoring == prune::KvzipScoring::kFull)) {
+      spec.granularity = prune::Granularity::kToken;
+    }
     const prune::HeadBudgets* budgets = nullptr;
     KDN_RETURN_IF_ERROR(prune::CheckPruneText(model_.config(), std::ssize(tokens), spec));
     if (spec.method == "kvzip" && prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled) {

@@ -120,6 +120,44 @@ Result<KeptTokens> SelectKept(const Scores& s, double keep, int sinks, Granulari
   return k;
 }
 
+Result<KeptTokens> Rerank(const KeptTokens& kept, const Scores& ranking, int sinks) {
+  const int heads = kept.layers * kept.kv_heads;
+  if (ranking.layers != kept.layers || ranking.kv_heads != kept.kv_heads ||
+      ranking.tokens != kept.logical || sinks < 0 || sinks >= ranking.tokens) {
+    return InvalidArgument("prune: a ranking of " + std::to_string(ranking.tokens) +
+                           " tokens for kept tokens of a text of " + std::to_string(kept.logical));
+  }
+  KeptTokens out = kept;
+  std::vector<double> score(ranking.tokens);
+  for (int h = 0; h < heads; ++h) {
+    const int64_t count = kept.count(h / kept.kv_heads, h % kept.kv_heads);
+    if (count < sinks) return InvalidArgument("prune: a head keeps fewer tokens than its sinks");
+    std::copy_n(&ranking.v[size_t(h) * ranking.tokens], ranking.tokens, score.begin());
+    Pick(score, count, sinks, &out.index[size_t(h) * kept.kept]);
+  }
+  return out;
+}
+
+Result<Scores> MeanRanks(const Scores& a, const Scores& b) {
+  if (a.layers != b.layers || a.kv_heads != b.kv_heads || a.tokens != b.tokens) {
+    return InvalidArgument("prune: the mean ranks of scores of different shapes");
+  }
+  Scores out{a.layers, a.kv_heads, a.tokens, std::vector<float>(a.v.size(), 0.0f)};
+  std::vector<int32_t> order(a.tokens);
+  for (int h = 0; h < a.layers * a.kv_heads; ++h) {
+    float* sum = &out.v[size_t(h) * a.tokens];
+    for (const Scores* s : {&a, &b}) {
+      const float* v = &s->v[size_t(h) * a.tokens];
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t x, int32_t y) { return v[x] > v[y]; });
+      // Minus the rank, so that higher is kept first; halved, the mean.
+      for (int64_t r = 0; r < a.tokens; ++r) sum[order[r]] -= 0.5f * static_cast<float>(r);
+    }
+  }
+  return out;
+}
+
 Result<Scores> KeyNormScores(const engine::KvCache& kv, const engine::KvSequence& seq,
                              int64_t tokens) {
   if (tokens <= 0 || tokens > seq.length()) {

@@ -29,7 +29,9 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
   const auto n = static_cast<int64_t>(text.size());
   const model::ModelConfig& cfg = model.config();
   KDN_RETURN_IF_ERROR(CheckPruneText(cfg, n, spec));
-  const bool profiled = spec.method == "kvzip" && ScoringOf(spec) == KvzipScoring::kProfiled;
+  const KvzipScoring scoring = ScoringOf(spec);
+  const bool profiled = spec.method == "kvzip" && scoring == KvzipScoring::kProfiled;
+  const bool combined = spec.method == "kvzip" && scoring == KvzipScoring::kCombined;
   if (profiled && budgets == nullptr) {
     return FailedPrecondition("prune: kvzip's profiled scoring needs the model's head budgets");
   }
@@ -38,7 +40,9 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
   KDN_RETURN_IF_ERROR(cache.Reserve(whole, n));
   engine::QueryStats stats{.skip = spec.sinks};
   engine::PrefillOptions popts;
-  if (spec.method == "expected_attention" || profiled) popts.on_queries = stats.Hook(cfg);
+  if (spec.method == "expected_attention" || profiled || combined) {
+    popts.on_queries = stats.Hook(cfg);
+  }
   std::vector<float> logits;
   KDN_RETURN_IF_ERROR(model.Prefill(whole, text, popts, &logits));
   const KvzipPrompts prompts{spec.kvzip_first, spec.kvzip_next, spec.kvzip_suffix};
@@ -52,6 +56,14 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
   KDN_ASSIGN_OR_RETURN(KeptTokens kept,
                        profiled ? SelectBudgeted(*scores, spec.keep, spec.sinks, *budgets)
                                 : SelectKept(*scores, spec.keep, spec.sinks, GranularityOf(spec)));
+  if (combined) {
+    // KVzip's counts, ranked within each head by KVzip's and Expected
+    // Attention's ranks together.
+    KDN_ASSIGN_OR_RETURN(
+        Scores ea, ExpectedAttentionScores(cfg, cache, whole, n, stats, {.sinks = spec.sinks}));
+    KDN_ASSIGN_OR_RETURN(Scores ranking, MeanRanks(*scores, ea));
+    KDN_ASSIGN_OR_RETURN(kept, Rerank(kept, ranking, spec.sinks));
+  }
   // `whole` is freed on return, after the copy.
   KDN_RETURN_IF_ERROR(CompactKv(cache, whole, kept, pruned));
   return kept;

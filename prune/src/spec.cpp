@@ -42,13 +42,19 @@ KvzipScoring ScoringOf(const PruneSpec& spec) {
 }
 
 const char* KvzipScoringName(KvzipScoring s) {
-  return s == KvzipScoring::kProfiled ? "profiled" : "full";
+  switch (s) {
+    case KvzipScoring::kFull: return "full";
+    case KvzipScoring::kProfiled: return "profiled";
+    case KvzipScoring::kCombined: return "combined";
+  }
+  return "?";
 }
 
 Result<KvzipScoring> ParseKvzipScoring(const std::string& name) {
   if (name == "full") return KvzipScoring::kFull;
   if (name == "profiled") return KvzipScoring::kProfiled;
-  return InvalidArgument("prune scoring \"" + name + "\": full or profiled");
+  if (name == "combined") return KvzipScoring::kCombined;
+  return InvalidArgument("prune scoring \"" + name + "\": full, profiled or combined");
 }
 
 bool IsPruneMethod(std::string_view method) {
@@ -91,10 +97,11 @@ Status ValidatePruneSpec(const PruneSpec& spec) {
   if (spec.scoring && spec.method != "kvzip") {
     return InvalidArgument("prune: a scoring is kvzip's, not " + spec.method + "'s");
   }
-  if (spec.scoring == KvzipScoring::kProfiled && GranularityOf(spec) != Granularity::kGlobal) {
-    return InvalidArgument(
-        std::string("prune: kvzip's profiled scoring chooses globally, not by ") +
-        GranularityName(GranularityOf(spec)));
+  if (spec.scoring && *spec.scoring != KvzipScoring::kFull &&
+      GranularityOf(spec) != Granularity::kGlobal) {
+    return InvalidArgument(std::string("prune: kvzip's ") + KvzipScoringName(*spec.scoring) +
+                           " scoring chooses globally, not by " +
+                           GranularityName(GranularityOf(spec)));
   }
   return Status::Ok();
 }

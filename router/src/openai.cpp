@@ -525,7 +525,8 @@ std::optional<ApiError> ParsePruneField(const json& body, const ServedModel& mod
     const json& sc = p["scoring"];
     auto parsed = sc.is_string() ? prune::ParseKvzipScoring(sc.get<std::string>())
                                  : prune::ParseKvzipScoring("");
-    if (!parsed.ok()) return Bad("prune.scoring must be full or profiled", "prune.scoring");
+    if (!parsed.ok())
+      return Bad("prune.scoring must be full, profiled or combined", "prune.scoring");
     spec.scoring = *parsed;
   }
   prune::TokenizeKvzipPrompts(

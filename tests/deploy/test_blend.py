@@ -316,7 +316,8 @@ def test_documents_injected_pruned_blend_as_kdn_generate_prunes_and_blends_them(
 
 @pytest.mark.parametrize("method,granularity,scoring,row", [("expected_attention", "head", None, 2),
                                                             ("kvzip", None, None, 3),
-                                                            ("kvzip", "global", "full", 4)])
+                                                            ("kvzip", "global", "full", 4),
+                                                            ("kvzip", None, "combined", 5)])
 def test_documents_injected_pruned_per_head_blend_as_kdn_generate_does(qa_deployment, method,
                                                                        granularity, scoring, row):
     # Each layer's KV head kept tokens of its own: the chunk holds only
@@ -491,6 +492,10 @@ def test_separator_and_chat_documents_through_the_openai_client(deployment):
      "prune.scoring"),
     ("/v1/kdn/inject",
      {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0.5, "scoring": "full"}},
+     "prune.scoring"),
+    ("/v1/kdn/inject",
+     {"documents": ["abcdefgh"],
+      "prune": {"method": "kvzip", "keep": 0.5, "granularity": "head", "scoring": "combined"}},
      "prune.scoring"),
     ("/v1/kdn/inject", {"documents": ["abcdefgh"], "prune": {"method": "knorm", "keep": 0}},
      "prune.keep"),

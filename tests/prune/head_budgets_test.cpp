@@ -1,6 +1,7 @@
 // kvzip's profiled scoring (kdn/prune/head_budgets.h): a prefill that stops
 // after a few layers, KVzip's scores of those layers, the model's head
-// budgets and the choice they make, and PruneText with them.
+// budgets and the choice they make, and PruneText with them; and its
+// combined scoring (prune.h's Rerank and MeanRanks).
 #include "kdn/prune/head_budgets.h"
 
 #include <gtest/gtest.h>
@@ -266,6 +267,73 @@ TEST(PruneText, ProfiledKvzipKeepsWhatTheModelsBudgetsSay) {
   EXPECT_EQ(by_full->index, SelectKept(*all, 0.5, spec.sinks, Granularity::kGlobal)->index);
 }
 
+TEST(MeanRanks, OrdersEachHeadByTheMeanOfItsTwoRankings) {
+  // One head of 5 tokens: a ranks them 0 1 2 3 4 (best first), b 4 3 0 1
+  // 2; means 1, 1.5, 1.5, 2.5, 3 (token 0 ranked 0 and 2...).
+  Scores a{1, 1, 5, {5, 4, 3, 2, 1}}, b{1, 1, 5, {3, 2, 1, 4, 5}};
+  auto m = MeanRanks(a, b);
+  ASSERT_TRUE(m.ok());
+  // Ranks under a: 0 1 2 3 4; under b: 2 3 4 1 0. Means: 1 2 3 2 2.
+  EXPECT_EQ(m->v, (std::vector<float>{-1, -2, -3, -2, -2}));
+  // Ties in a ranking go to the earlier token.
+  Scores flat{1, 1, 3, {1, 1, 1}};
+  EXPECT_EQ(MeanRanks(flat, flat)->v, (std::vector<float>{0, -1, -2}));
+  EXPECT_EQ(MeanRanks(a, flat).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Rerank, KeepsEachHeadsCountAndTakesTheBestByTheNewRanking) {
+  const Scores s = Random(3, 22, 10), other = Random(3, 22, 11);
+  auto kept = SelectKept(s, 0.25, 2, Granularity::kGlobal);
+  ASSERT_TRUE(kept.ok());
+  auto re = Rerank(*kept, other, 2);
+  ASSERT_TRUE(re.ok()) << re.status().ToString();
+  EXPECT_EQ(re->counts, kept->counts);
+  EXPECT_EQ(re->kept, kept->kept);
+  // Each head's picks are what SelectKept by head would take from `other`
+  // at that count: the sinks and the best of the rest.
+  for (int h = 0; h < 3; ++h) {
+    const int64_t n = re->count(0, h);
+    std::vector<int32_t> order(20);
+    std::iota(order.begin(), order.end(), 2);
+    std::sort(order.begin(), order.end(),
+              [&](int32_t x, int32_t y) { return other.at(0, h, x) > other.at(0, h, y); });
+    std::vector<int32_t> want(order.begin(), order.begin() + (n - 2));
+    want.push_back(0);
+    want.push_back(1);
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(std::vector<int32_t>(re->of(0, h), re->of(0, h) + n), want) << "head " << h;
+    for (int64_t j = n; j < re->kept; ++j) EXPECT_EQ(re->of(0, h)[j], -1);
+  }
+  EXPECT_EQ(Rerank(*kept, Random(3, 21, 12), 2).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PruneText, CombinedKvzipRanksKvzipsCountsByBothScores) {
+  auto model = MakeModel("small");
+  const auto& c = model->config();
+  engine::KvCache& cache = model->kv_cache();
+  const auto text = RandomTokens(40, c.vocab_size, 13);
+  PruneSpec spec{.method = "kvzip", .keep = 0.5, .scoring = KvzipScoring::kCombined};
+  spec.kvzip_first = kPrompts.first;
+  spec.kvzip_next = kPrompts.next;
+  spec.kvzip_suffix = kPrompts.suffix;
+  engine::KvSequence pruned = cache.NewSequence();
+  auto kept = PruneText(*model, text, spec, &pruned);  // no budgets needed
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  engine::KvSequence whole = cache.NewSequence();
+  engine::QueryStats stats{.skip = spec.sinks};
+  std::vector<float> logits;
+  ASSERT_TRUE(model->Prefill(whole, text, {.on_queries = stats.Hook(c)}, &logits).ok());
+  auto kvzip = KvzipScores(*model, whole, text, kPrompts, {.sinks = spec.sinks});
+  auto ea = ExpectedAttentionScores(c, cache, whole, 40, stats, {.sinks = spec.sinks});
+  ASSERT_TRUE(kvzip.ok() && ea.ok());
+  auto global = SelectKept(*kvzip, 0.5, spec.sinks, Granularity::kGlobal);
+  auto want = Rerank(*global, *MeanRanks(*kvzip, *ea), spec.sinks);
+  ASSERT_TRUE(want.ok());
+  EXPECT_EQ(kept->counts, global->counts);
+  EXPECT_EQ(kept->index, want->index);
+  EXPECT_NE(kept->index, global->index);  // the ranking moved some tokens
+}
+
 TEST(MeasureHeadBudgets, CutsEachTextToWhatFitsTheContextWithItsRepeatPass) {
   auto model = MakeModel("tiny");
   const auto& c = model->config();
@@ -297,6 +365,10 @@ TEST(PruneSpec, KvzipScoresProfiledWhenItChoosesGloballyUnlessTold) {
   EXPECT_EQ(ScoringOf({.method = "expected_attention"}), KvzipScoring::kFull);
   EXPECT_EQ(*ParseKvzipScoring("profiled"), KvzipScoring::kProfiled);
   EXPECT_EQ(*ParseKvzipScoring("full"), KvzipScoring::kFull);
+  EXPECT_EQ(*ParseKvzipScoring("combined"), KvzipScoring::kCombined);
+  spec.scoring = KvzipScoring::kCombined;  // globally only, as profiled
+  spec.granularity = Granularity::kLayer;
+  EXPECT_EQ(ValidatePruneSpec(spec).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseKvzipScoring("fast").status().code(), StatusCode::kInvalidArgument);
   EXPECT_STREQ(KvzipScoringName(KvzipScoring::kProfiled), "profiled");
 }

@@ -77,6 +77,17 @@ int64_t KeptCount(int64_t tokens, double keep, int sinks);
 Result<KeptTokens> SelectKept(const Scores& scores, double keep, int sinks,
                               Granularity granularity);
 
+// Each (layer, KV head) keeps as many tokens as in `kept` (its sinks among
+// them), the best of the others by `ranking` within the head, ties to the
+// earlier token: another ranking of the same counts (kvzip's combined
+// scoring). INVALID_ARGUMENT when the shapes differ.
+Result<KeptTokens> Rerank(const KeptTokens& kept, const Scores& ranking, int sinks);
+
+// Scores whose order within each (layer, KV head) is that of the mean of a
+// token's ranks under `a` and under `b` (ties in either to the earlier
+// token). INVALID_ARGUMENT when the shapes differ.
+Result<Scores> MeanRanks(const Scores& a, const Scores& b);
+
 // The key-norm baseline: minus the L2 norm of each cached key (small keys
 // draw more attention: Devoto et al. 2024), over slots [0, tokens) of `seq`.
 Result<Scores> KeyNormScores(const engine::KvCache& kv, const engine::KvSequence& seq,

@@ -27,7 +27,8 @@ Status CheckPruneText(const model::ModelConfig& config, int64_t tokens, const Pr
 // Computes `text` (non-empty, within the context) in a sequence of its own,
 // scores it by spec.method, keeps tokens at its granularity (GranularityOf;
 // under kvzip's profiled scoring, ScoringOf, as `budgets` say:
-// SelectBudgeted) and writes the kept tokens' KV into `pruned` (an empty
+// SelectBudgeted; under its combined scoring, KVzip's global counts
+// reranked: Rerank, MeanRanks) and writes the kept tokens' KV into `pruned` (an empty
 // sequence of the model's cache; CompactKv), whose next position is the
 // text's length. Returns what was kept. INVALID_ARGUMENT as CheckPruneText;
 // FAILED_PRECONDITION for profiled scoring without `budgets`; the

@@ -53,11 +53,15 @@ inline constexpr int kKvzipOverlap = 8;
 // (layer, KV head) keeps as many tokens as the model's head budgets give it
 // (head_budgets.h), ranked within the head by a repeat pass over the first
 // kKvzipProfiledLayers layers and by Expected Attention in the others, for
-// less than one prefill of the text. kProfiled chooses globally only.
-enum class KvzipScoring { kFull, kProfiled };
+// less than one prefill of the text; kCombined, each (layer, KV head) keeps
+// as many tokens as KVzip's global choice gives it, ranked within the head
+// by the mean of their ranks under KVzip and Expected Attention (kFull's
+// cost and Expected Attention's). kProfiled and kCombined choose globally
+// only.
+enum class KvzipScoring { kFull, kProfiled, kCombined };
 inline constexpr int kKvzipProfiledLayers = 2;
 const char* KvzipScoringName(KvzipScoring s);
-// "full", "profiled"; INVALID_ARGUMENT naming them.
+// "full", "profiled", "combined"; INVALID_ARGUMENT naming them.
 Result<KvzipScoring> ParseKvzipScoring(const std::string& name);
 
 struct PruneSpec {
@@ -91,8 +95,8 @@ void TokenizeKvzipPrompts(const std::function<std::vector<int32_t>(const std::st
                           PruneSpec* spec);
 // INVALID_ARGUMENT naming what is wrong: an unknown method, a keep ratio
 // outside (0, 1], negative sinks, kvzip without its prompts, a scoring for
-// another method than kvzip, kvzip's profiled scoring at a granularity
-// other than global.
+// another method than kvzip, kvzip's profiled or combined scoring at a
+// granularity other than global.
 Status ValidatePruneSpec(const PruneSpec& spec);
 // The most tokens pruning a text of `tokens` tokens holds in one sequence:
 // the text, and under kvzip a repeat pass appended to it (its prompt, the
