@@ -50,7 +50,12 @@ Result<HeadBudgets> MeasureHeadBudgets(engine::Engine& model,
     const std::span<const int32_t> doc =
         std::span(text).first(std::min<size_t>(text.size(), static_cast<size_t>(fit)));
     engine::KvSequence seq = model.kv_cache().NewSequence();
-    KDN_RETURN_IF_ERROR(model.Prefill(seq, doc, {}, &logits));
+    // In pieces the engine takes (INT64_MAX on the CPU: one).
+    const auto piece = static_cast<size_t>(model.max_prefill_tokens());
+    for (size_t at = 0; at < doc.size(); at += piece) {
+      KDN_RETURN_IF_ERROR(
+          model.Prefill(seq, doc.subspan(at, std::min(piece, doc.size() - at)), {}, &logits));
+    }
     KDN_ASSIGN_OR_RETURN(Scores s, KvzipScores(model, seq, doc, prompts));
     scores.push_back(std::move(s));
   }
