@@ -194,8 +194,7 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
   // deployment's with `scoring: full`).
   auto deployed = [&](const std::string& m) {
     const prune::PruneSpec spec{.method = m};
-    return m == "kvzip" && o.kvzip_profiled &&
-                   prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled
+    return o.kvzip_profiled && prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled
                ? std::string("kvzip/profiled")
                : m + "/" + prune::GranularityName(prune::GranularityOf(spec));
   };
@@ -344,20 +343,27 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
         }
         return Status::Ok();
       };
+      // `kept` of the whole KV, the row's samples over it; pruning took
+      // `scored_s` and the choice since `t0`.
+      auto measure_kept = [&](Row& row, const Result<prune::KeptTokens>& kept, double scored_s,
+                              Clock::time_point t0,
+                              std::vector<float>* first_logits = nullptr) -> Status {
+        KDN_RETURN_IF_ERROR(kept.status());
+        engine::KvSequence pruned = cache.NewSequence();
+        KDN_RETURN_IF_ERROR(prune::CompactKv(cache, whole, *kept, &pruned));
+        row.prune_s += scored_s + Seconds(t0, Clock::now());
+        row.stored.push_back(kept->stored_tokens());
+        return measure(row, pruned, kept->kept, first_logits);
+      };
       for (prune::Granularity g : grans) {
         for (double k : o.keeps) {
-          Row& row = rows[row_of[{m, static_cast<int>(g), k}]];
           t0 = Clock::now();
           auto kept = prune::SelectKept(*scores, k, o.sinks, g);
-          if (!kept.ok()) return Fail(kept.status());
-          engine::KvSequence pruned = cache.NewSequence();
-          if (!(st = prune::CompactKv(cache, whole, *kept, &pruned)).ok()) return Fail(st);
-          row.prune_s += score_s + Seconds(t0, Clock::now());
-          row.stored.push_back(kept->stored_tokens());
           const bool check = d == 0 && m == "expected_attention" &&
                              g == prune::Granularity::kHead && k == check_keep;
-          if (check) first_kept = *kept;
-          st = measure(row, pruned, kept->kept, check ? &first_pruned_logits : nullptr);
+          if (check && kept.ok()) first_kept = *kept;
+          st = measure_kept(rows[row_of[{m, static_cast<int>(g), k}]], kept, score_s, t0,
+                            check ? &first_pruned_logits : nullptr);
           if (!st.ok()) return Fail(st);
         }
       }
@@ -372,30 +378,20 @@ int RunPruneFidelity(const Common& c, const PruneFidelityOptions& o) {
         if (!ranking.ok()) return Fail(ranking.status());
         const double combined_s = score_s + hook_s + Seconds(t0, Clock::now());
         for (double k : o.keeps) {
-          Row& row = rows[row_of[{m, -3, k}]];
           t0 = Clock::now();
           auto kept = prune::SelectKept(*scores, k, o.sinks, prune::Granularity::kGlobal);
           if (!kept.ok()) return Fail(kept.status());
-          auto reranked = prune::Rerank(*kept, *ranking, o.sinks);
-          if (!reranked.ok()) return Fail(reranked.status());
-          engine::KvSequence pruned = cache.NewSequence();
-          if (!(st = prune::CompactKv(cache, whole, *reranked, &pruned)).ok()) return Fail(st);
-          row.prune_s += combined_s + Seconds(t0, Clock::now());
-          row.stored.push_back(reranked->stored_tokens());
-          if (!(st = measure(row, pruned, reranked->kept, nullptr)).ok()) return Fail(st);
+          st = measure_kept(rows[row_of[{m, -3, k}]], prune::Rerank(*kept, *ranking, o.sinks),
+                            combined_s, t0);
+          if (!st.ok()) return Fail(st);
         }
       }
       for (double k : o.keeps) {
         if (!(m == "kvzip" && budgets)) break;
-        Row& row = rows[row_of[{m, -2, k}]];
         t0 = Clock::now();
-        auto kept = prune::SelectBudgeted(*ranked, k, o.sinks, *budgets);
-        if (!kept.ok()) return Fail(kept.status());
-        engine::KvSequence pruned = cache.NewSequence();
-        if (!(st = prune::CompactKv(cache, whole, *kept, &pruned)).ok()) return Fail(st);
-        row.prune_s += ranked_s + Seconds(t0, Clock::now());
-        row.stored.push_back(kept->stored_tokens());
-        if (!(st = measure(row, pruned, kept->kept, nullptr)).ok()) return Fail(st);
+        st = measure_kept(rows[row_of[{m, -2, k}]],
+                          prune::SelectBudgeted(*ranked, k, o.sinks, *budgets), ranked_s, t0);
+        if (!st.ok()) return Fail(st);
       }
       // What a deployment stores: the chunk the method's defaults give,
       // its bytes parsed and placed as a worker places them.

@@ -518,8 +518,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kdn-generate: %s\n", st.message().c_str());
       return 2;
     }
-    if (prune.method == "kvzip" &&
-        kdn::prune::ScoringOf(prune) == kdn::prune::KvzipScoring::kProfiled) {
+    if (kdn::prune::ScoringOf(prune) == kdn::prune::KvzipScoring::kProfiled) {
       for (const std::string& text : kdn::prune::CalibrationTexts()) {
         budget_texts.push_back((*tok)->Encode(text, /*add_bos=*/false));
       }

@@ -53,11 +53,7 @@ Result<std::vector<float>> QuestionAttention(engine::Engine& model,
     if (layer == 0) positions.insert(positions.end(), pos, pos + rows);
   };
   std::vector<float> logits;
-  const auto piece = static_cast<size_t>(model.max_prefill_tokens());
-  for (size_t at = 0; at < question.size(); at += piece) {
-    const size_t len = std::min(piece, question.size() - at);
-    KDN_RETURN_IF_ERROR(model.Prefill(seq, question.subspan(at, len), po, &logits));
-  }
+  KDN_RETURN_IF_ERROR(engine::PrefillInPieces(model, seq, question, po, &logits));
 
   const int hd = c.head_dim, H = c.num_heads, G = c.num_kv_heads, group = H / G;
   const auto rows = static_cast<int64_t>(question.size()), keys = held + rows;

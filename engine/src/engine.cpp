@@ -111,6 +111,16 @@ Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, in
   return Status::Ok();
 }
 
+Status PrefillInPieces(Engine& model, KvSequence& seq, std::span<const int32_t> tokens,
+                       const PrefillOptions& options, std::vector<float>* logits) {
+  const auto piece = static_cast<size_t>(model.max_prefill_tokens());
+  for (size_t at = 0; at < tokens.size(); at += piece) {
+    KDN_RETURN_IF_ERROR(model.Prefill(seq, tokens.subspan(at, std::min(piece, tokens.size() - at)),
+                                      options, logits));
+  }
+  return Status::Ok();
+}
+
 Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                         size_t samplers) {
   if (seqs.size() != tokens.size() || seqs.size() != samplers) {

@@ -426,7 +426,7 @@ Result<std::shared_ptr<const kvbus::Chunk>> Prefiller::ComputeSegment(
     }
     const prune::HeadBudgets* budgets = nullptr;
     KDN_RETURN_IF_ERROR(prune::CheckPruneText(model_.config(), std::ssize(tokens), spec));
-    if (spec.method == "kvzip" && prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled) {
+    if (prune::ScoringOf(spec) == prune::KvzipScoring::kProfiled) {
       KDN_ASSIGN_OR_RETURN(budgets, HeadBudgets(spec));
     }
     KDN_ASSIGN_OR_RETURN(prune::KeptTokens kept,

@@ -50,12 +50,7 @@ Result<HeadBudgets> MeasureHeadBudgets(engine::Engine& model,
     const std::span<const int32_t> doc =
         std::span(text).first(std::min<size_t>(text.size(), static_cast<size_t>(fit)));
     engine::KvSequence seq = model.kv_cache().NewSequence();
-    // In pieces the engine takes (INT64_MAX on the CPU: one).
-    const auto piece = static_cast<size_t>(model.max_prefill_tokens());
-    for (size_t at = 0; at < doc.size(); at += piece) {
-      KDN_RETURN_IF_ERROR(
-          model.Prefill(seq, doc.subspan(at, std::min(piece, doc.size() - at)), {}, &logits));
-    }
+    KDN_RETURN_IF_ERROR(engine::PrefillInPieces(model, seq, doc, {}, &logits));
     KDN_ASSIGN_OR_RETURN(Scores s, KvzipScores(model, seq, doc, prompts));
     scores.push_back(std::move(s));
   }
@@ -110,14 +105,7 @@ std::vector<int64_t> Apportion(std::vector<double> want, int64_t total, int64_t 
 
 Result<KeptTokens> SelectBudgeted(const Scores& s, double keep, int sinks,
                                   const HeadBudgets& budgets) {
-  // SelectKept's checks, and the kept count per head it gives.
-  if (!(keep > 0.0 && keep <= 1.0)) {
-    return InvalidArgument("prune: keep ratio " + std::to_string(keep) + " outside (0, 1]");
-  }
-  if (sinks < 0 || s.tokens <= sinks) {
-    return InvalidArgument("prune: " + std::to_string(s.tokens) + " tokens, " +
-                           std::to_string(sinks) + " of them sinks: nothing to choose from");
-  }
+  KDN_RETURN_IF_ERROR(CheckSelection(s, keep, sinks));
   if (budgets.layers != s.layers || budgets.kv_heads != s.kv_heads ||
       budgets.share.size() != size_t{HeadBudgets::kKeeps} * s.layers * s.kv_heads) {
     return InvalidArgument("prune: head budgets of " + std::to_string(budgets.layers) + "x" +
@@ -140,27 +128,14 @@ Result<KeptTokens> SelectBudgeted(const Scores& s, double keep, int sinks,
   const std::vector<int64_t> count =
       Apportion(std::move(want), int64_t{heads} * (KeptCount(s.tokens, keep, sinks) - sinks), rest);
 
+  // Those counts, sinks included; each head's best by `s` (Rerank).
   KeptTokens k{s.layers, s.kv_heads, s.tokens, 0, Granularity::kGlobal, {}, {}};
-  std::vector<std::vector<int32_t>> picked(heads);
-  std::vector<int32_t> order(rest);
-  for (int h = 0; h < heads; ++h) {
-    const float* score = &s.v[size_t(h) * s.tokens];
-    std::iota(order.begin(), order.end(), sinks);
-    // Ties go to the earlier token, as SelectKept's.
-    std::partial_sort(
-        order.begin(), order.begin() + count[h], order.end(),
-        [&](int32_t a, int32_t b) { return score[a] != score[b] ? score[a] > score[b] : a < b; });
-    std::vector<int32_t>& p = picked[h];
-    p.assign(order.begin(), order.begin() + count[h]);
-    for (int32_t t = 0; t < sinks; ++t) p.push_back(t);
-    std::sort(p.begin(), p.end());
-    k.kept = std::max<int64_t>(k.kept, static_cast<int64_t>(p.size()));
-    k.counts.push_back(static_cast<int32_t>(p.size()));
+  for (const int64_t c : count) {
+    k.counts.push_back(static_cast<int32_t>(c + sinks));
+    k.kept = std::max(k.kept, c + sinks);
   }
   k.index.assign(size_t(heads) * k.kept, -1);
-  for (int h = 0; h < heads; ++h)
-    std::copy(picked[h].begin(), picked[h].end(), &k.index[h * k.kept]);
-  return k;
+  return Rerank(k, s, sinks);
 }
 
 Result<Scores> ProfiledKvzipScores(engine::Engine& model, engine::KvSequence& seq,

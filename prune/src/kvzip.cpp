@@ -100,13 +100,7 @@ Result<Scores> KvzipScores(engine::Engine& model, engine::KvSequence& seq,
       dst.insert(dst.end(), q, q + r * qd);
       if (layer == 0) queries.positions.insert(queries.positions.end(), positions, positions + r);
     };
-    Status st = Status::Ok();
-    // In pieces the engine takes (INT64_MAX on the CPU: one).
-    const auto piece = static_cast<size_t>(model.max_prefill_tokens());
-    for (size_t at = 0; at < rows.size() && st.ok(); at += piece) {
-      const size_t len = std::min<size_t>(piece, rows.size() - at);
-      st = model.Prefill(seq, std::span(rows).subspan(at, len), po, &logits);
-    }
+    Status st = engine::PrefillInPieces(model, seq, rows, po, &logits);
     // Each scored layer's KV, the context's and the pass's, before the pass
     // goes.
     const int64_t held = seq.length();

@@ -78,7 +78,7 @@ KeptTokens SelectGlobal(const Scores& s, int64_t per_head, int sinks) {
 
 }  // namespace
 
-Result<KeptTokens> SelectKept(const Scores& s, double keep, int sinks, Granularity granularity) {
+Status CheckSelection(const Scores& s, double keep, int sinks) {
   if (!(keep > 0.0 && keep <= 1.0)) {
     return InvalidArgument("prune: keep ratio " + std::to_string(keep) + " outside (0, 1]");
   }
@@ -86,6 +86,11 @@ Result<KeptTokens> SelectKept(const Scores& s, double keep, int sinks, Granulari
     return InvalidArgument("prune: " + std::to_string(s.tokens) + " tokens, " +
                            std::to_string(sinks) + " of them sinks: nothing to choose from");
   }
+  return Status::Ok();
+}
+
+Result<KeptTokens> SelectKept(const Scores& s, double keep, int sinks, Granularity granularity) {
+  KDN_RETURN_IF_ERROR(CheckSelection(s, keep, sinks));
   if (granularity == Granularity::kGlobal) {
     return SelectGlobal(s, KeptCount(s.tokens, keep, sinks), sinks);
   }

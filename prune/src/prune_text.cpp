@@ -30,8 +30,8 @@ Result<KeptTokens> PruneText(engine::Engine& model, std::span<const int32_t> tex
   const model::ModelConfig& cfg = model.config();
   KDN_RETURN_IF_ERROR(CheckPruneText(cfg, n, spec));
   const KvzipScoring scoring = ScoringOf(spec);
-  const bool profiled = spec.method == "kvzip" && scoring == KvzipScoring::kProfiled;
-  const bool combined = spec.method == "kvzip" && scoring == KvzipScoring::kCombined;
+  const bool profiled = scoring == KvzipScoring::kProfiled;
+  const bool combined = scoring == KvzipScoring::kCombined;
   if (profiled && budgets == nullptr) {
     return FailedPrecondition("prune: kvzip's profiled scoring needs the model's head budgets");
   }

@@ -35,10 +35,10 @@ Granularity GranularityOf(const PruneSpec& spec) {
 }
 
 KvzipScoring ScoringOf(const PruneSpec& spec) {
+  if (spec.method != "kvzip") return KvzipScoring::kFull;
   if (spec.scoring) return *spec.scoring;
-  return spec.method == "kvzip" && GranularityOf(spec) == Granularity::kGlobal
-             ? KvzipScoring::kProfiled
-             : KvzipScoring::kFull;
+  return GranularityOf(spec) == Granularity::kGlobal ? KvzipScoring::kProfiled
+                                                     : KvzipScoring::kFull;
 }
 
 const char* KvzipScoringName(KvzipScoring s) {

@@ -222,6 +222,12 @@ Status CheckKeep(std::span<const int64_t> rows, size_t current);
 // RoPE allows the move: not past dynamic scaling's threshold).
 Status CheckRotation(const model::ModelConfig& config, const KvSequence& seq, int64_t first,
                      int64_t count, int64_t delta, int layer);
+// Prefills `tokens` into `seq` in calls of at most model.max_prefill_tokens()
+// tokens (one call on the CPU), each appended to the last, as a long
+// prompt is; `logits` holds the last call's. The first error is returned as
+// it is, the pieces before it left appended.
+Status PrefillInPieces(Engine& model, KvSequence& seq, std::span<const int32_t> tokens,
+                       const PrefillOptions& options, std::vector<float>* logits);
 // Checks a decode batch: as many tokens as sequences, none twice, not empty.
 Status CheckDecodeBatch(std::span<KvSequence* const> seqs, std::span<const int32_t> tokens,
                         size_t samplers);

@@ -67,6 +67,11 @@ struct KeptTokens {
 // `sinks` + 1 and at most tokens (kvpress's rule, sinks included).
 int64_t KeptCount(int64_t tokens, double keep, int sinks);
 
+// What a choice of kept tokens checks first (SelectKept, SelectBudgeted):
+// INVALID_ARGUMENT for a keep ratio outside (0, 1] or a text of no more
+// tokens than sinks.
+Status CheckSelection(const Scores& scores, double keep, int sinks);
+
 // Picks the kept tokens from `scores` at `granularity`: the KeptCount best
 // of each (layer, KV head) (kHead), of each layer's heads' normalized scores
 // summed (kLayer) or of every layer's and head's (kToken); under kGlobal,

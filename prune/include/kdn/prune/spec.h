@@ -83,8 +83,9 @@ struct PruneSpec {
 Granularity DefaultGranularity(std::string_view method);
 // spec.granularity, or the method's default.
 Granularity GranularityOf(const PruneSpec& spec);
-// spec.scoring, or kvzip's default at spec's granularity (kFull for
-// another method, which has no choice).
+// spec.scoring, or kvzip's default at spec's granularity; kFull for
+// another method, which has no choice (whatever spec.scoring says: a spec
+// ValidatePruneSpec refuses).
 KvzipScoring ScoringOf(const PruneSpec& spec);
 bool IsPruneMethod(std::string_view method);
 std::string PruneMethodNames();  // "'expected_attention', 'knorm', 'kvzip'"
